@@ -1,0 +1,16 @@
+"""autotp: automatic Megatron-style tensor parallelism for unmodified PyTorch transformers.
+
+    plan = autotp.plan(model, tp=8)          # no process group needed; a meta model works
+    pm = autotp.parallelize(model, tp=8)     # inside an initialized torch.distributed world
+"""
+from .api import parallelize, plan
+from .errors import (AutotpError, CaptureError, CheckpointError, CommError, ConfigError, InputError,
+                     NoRuleError, PlanError)
+from .placements import Partial, Replicate, Shard
+from .plan import Plan
+
+__all__ = [
+    "parallelize", "plan", "Plan", "Replicate", "Shard", "Partial", "AutotpError", "CaptureError",
+    "CheckpointError", "CommError", "ConfigError", "InputError", "NoRuleError", "PlanError",
+]
+__version__ = "0.1.0"

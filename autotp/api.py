@@ -1,0 +1,192 @@
+"""The pipeline, nothing else: capture -> propagate/solve -> plan -> rewrite -> ParallelModule."""
+from __future__ import annotations
+
+import copy
+import fnmatch
+import logging
+import operator
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from .capture import Capture, capture as capture_model
+from .cost_model import get_profile
+from .errors import ConfigError, PlanError
+from .passes.propagate import GraphIndex, Propagation, propagate
+from .passes.rewrite import rewrite
+from .passes.solve import solve
+from .placements import REPLICATE, Placement, Replicate, Shard
+from .plan import CommOp, Plan, role_of
+
+log = logging.getLogger("autotp")
+
+ROLES = ("column", "row", "vocab", "replicate")
+
+
+def check_tp(tp: Any) -> int:
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"tp must be a positive integer, got {tp!r}")
+    return tp
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_heads(model: nn.Module, tp: int, uneven: bool) -> None:
+    """Heads are the dimension Megatron splits attention by: name it when it does not divide."""
+    config = getattr(model, "config", None)
+    heads = None
+    for name in ("n_head", "num_attention_heads"):
+        if isinstance(getattr(config, name, None), int):
+            heads, attr = getattr(config, name), name
+            break
+    if heads is None:
+        return
+    if tp > heads:
+        raise PlanError(
+            f"tp={tp} exceeds the model's {heads} attention heads (config.{attr}={heads}): a rank would "
+            f"hold no head; choose tp <= {heads}"
+        )
+    if heads % tp and not uneven:
+        raise PlanError(
+            f"{heads} attention heads (config.{attr}) cannot be split {tp} ways evenly; "
+            f"choose tp in {_divisors(heads)}"
+        )
+
+
+def _default_seq(model: nn.Module) -> int:
+    config = getattr(model, "config", None)
+    for name in ("n_positions", "max_position_embeddings"):
+        if isinstance(getattr(config, name, None), int):
+            return min(getattr(config, name), 1024)
+    return 1024
+
+
+def _first_uses(cap: Capture) -> dict[str, tuple[Any, int]]:
+    out: dict[str, tuple[Any, int]] = {}
+    for node in cap.graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        for pos, a in enumerate(node.args):
+            if getattr(a, "op", None) == "placeholder" and a.name in cap.param_names and a.name not in out:
+                out[a.name] = (node.target, pos)
+    return out
+
+
+def _role_to_placement(role: str | Placement, fqn: str, ndim: int, use: tuple[Any, int] | None) -> Placement:
+    if not isinstance(role, str):
+        return role
+    if role == "replicate":
+        return REPLICATE
+    if role not in ROLES:
+        raise ConfigError(f"layout for {fqn}: unknown role {role!r}; use one of {ROLES} or a Placement")
+    for d in range(ndim):
+        if role_of(Shard(d), use[0] if use else None, use[1] if use else -1) == role:
+            return Shard(d)
+    raise ConfigError(f"layout for {fqn}: role {role!r} does not apply to how the model uses it")
+
+
+def _pinned(cap: Capture, layout: Mapping[str, Any] | None, plan: Plan | None) -> dict[str, Placement]:
+    pinned: dict[str, Placement] = {}
+    uses = _first_uses(cap)
+    for placeholder, fqn in cap.param_names.items():
+        node = next(n for n in cap.graph.nodes if n.name == placeholder)
+        if fqn in cap.aliases:
+            continue
+        if plan is not None:
+            if fqn not in plan.params:
+                raise ConfigError(f"the plan has no entry for parameter {fqn}; it was made for another model")
+            pinned[placeholder] = plan.params[fqn]
+            continue
+        for pattern, role in (layout or {}).items():
+            if fnmatch.fnmatchcase(fqn, pattern):
+                if node.meta["val"].dim() >= 2:
+                    pinned[placeholder] = _role_to_placement(role, fqn, node.meta["val"].dim(), uses.get(placeholder))
+                break
+    return pinned
+
+
+def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = None,
+               layout: Mapping[str, Any] | None = None, plan: Plan | None = None,
+               uneven: bool = False) -> tuple[Plan, GraphIndex, Propagation]:
+    prof = get_profile(profile)
+    index = GraphIndex.build(cap, tp, batch, seq, uneven=uneven)
+    pinned = _pinned(cap, layout, plan)
+    if plan is not None:
+        prop = propagate(index, pinned, prof)
+        if prop.infeasible:
+            raise PlanError(f"the given plan does not fit this model: {prop.infeasible}")
+    else:
+        prop = solve(index, prof, pinned).propagation
+        if prop.infeasible:
+            raise PlanError(f"no feasible plan: {prop.infeasible}")
+    uses = _first_uses(cap)
+    params, shapes, roles = {}, {}, {}
+    for placeholder, fqn in cap.param_names.items():
+        if fqn in cap.aliases:
+            continue
+        node = next(n for n in cap.graph.nodes if n.name == placeholder)
+        p = prop.params.get(placeholder, REPLICATE)
+        params[fqn] = p
+        shapes[fqn] = tuple(int(s) for s in node.meta["val"].shape)
+        use = uses.get(placeholder)
+        roles[fqn] = role_of(p, use[0] if use else None, use[1] if use else -1)
+    comms = [CommOp(c.kind, c.tensor, c.consumer, repr(c.src), repr(c.dst), c.fwd_bytes, c.bwd_bytes, c.seconds)
+             for c in prop.comms]
+    dtype_bytes = next(iter(n.meta["val"].element_size() for n in cap.graph.nodes
+                            if n.op == "placeholder" and n.name in cap.param_names), 4)
+    result = Plan(tp=tp, profile=prof.name, batch=batch, seq=seq, params=params, shapes=shapes, roles=roles,
+                  comms=comms, compute_s=prop.compute_s, comm_s=prop.comm_s, dtype_bytes=dtype_bytes,
+                  aliases=dict(cap.aliases))
+    return result, index, prop
+
+
+def plan(model: nn.Module, tp: int, *, batch: int = 8, seq: int | None = None, profile: Any = None,
+         layout: Mapping[str, Any] | None = None, uneven: bool = False,
+         example_kwargs: dict | None = None) -> Plan:
+    """Choose a plan for ``model`` at ``tp`` without any process group (a meta model works)."""
+    tp = check_tp(tp)
+    check_heads(model, tp, uneven)
+    cap = capture_model(model, example_kwargs=example_kwargs)
+    result, _, _ = build_plan(cap, tp, batch=batch, seq=seq or _default_seq(model), profile=profile,
+                              layout=layout, uneven=uneven)
+    return result
+
+
+def _default_profile(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "cpu-gloo"
+    name = torch.cuda.get_device_name(device)
+    for key, prof in (("H100", "h100-dgx"), ("H200", "h100-dgx"), ("A100", "a100-dgx"), ("V100", "v100-dgx2h")):
+        if key in name:
+            return prof
+    return "h100-dgx"
+
+
+def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: Mapping[str, Any] | None = None,
+                profile: Any = None, batch: int = 8, seq: int | None = None, uneven: bool = False,
+                example_kwargs: dict | None = None, device: torch.device | str | None = None,
+                backend: str | None = None) -> "ParallelModule":
+    """Split ``model`` over this rank's TP group; see the module docs and docs/architecture.md."""
+    from .runtime.mesh import get_mesh
+    from .runtime.module import ParallelModule
+
+    tp = check_tp(tp)
+    mesh = get_mesh(tp, backend=backend)
+    check_heads(model, tp, uneven)
+    if plan is not None and plan.tp != tp:
+        raise ConfigError(f"the plan was made for tp={plan.tp}, not tp={tp}")
+    if device is None:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = torch.device(device)
+    if device.type == "meta":
+        raise ConfigError("parallelize needs real weights: the model is on the meta device "
+                          "(use autotp.plan for planning only)")
+    cap = capture_model(model, example_kwargs=example_kwargs)
+    result, index, prop = build_plan(cap, tp, batch=batch, seq=seq or _default_seq(model),
+                                     profile=profile or _default_profile(device), layout=layout,
+                                     plan=plan, uneven=uneven)
+    gm = rewrite(index, prop, mesh.tp_rank, mesh.tp_group, device)
+    return ParallelModule(cap, result, gm, mesh, model, device)

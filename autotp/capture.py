@@ -1,0 +1,297 @@
+"""Capture: an unmodified model -> an ATen fx graph with dynamic batch and sequence dims.
+
+Input: an ``nn.Module`` (real or meta device) and, optionally, example inputs.
+Output: a :class:`Capture` holding the exported program's graph (parameters lifted to
+placeholders), which placeholder is which parameter, the user inputs' names and the
+output structure. ``torch.export.export(strict=False)`` is used because
+``torch.fx.symbolic_trace`` fails on transformers 5 models.
+
+The graph is normalized for the later stages: ``addmm``/``linear`` with a bias become a
+product followed by an ``add`` (so that a row-parallel bias can be added once, after the
+all-reduce), and ``_assert_tensor_metadata`` checks are dropped (they pin the capture's
+device and dtype, which the rewritten per-rank graph must not).
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+import torch.utils._pytree as pytree
+from torch import fx
+
+from .errors import CaptureError, ConfigError
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+#: Example sizes used for tracing; 0 and 1 are avoided since export specializes them.
+EXAMPLE_BATCH = 2
+EXAMPLE_SEQ = 8
+
+
+@dataclass
+class Capture:
+    graph_module: fx.GraphModule
+    param_names: dict[str, str]          # placeholder name -> parameter FQN
+    buffer_names: dict[str, str]         # placeholder name -> buffer FQN
+    constant_names: dict[str, str]       # placeholder name -> lifted constant name
+    constants: dict[str, torch.Tensor]
+    user_inputs: list[str]               # placeholder names of user inputs, in call order
+    input_keys: list[str]                # the kwargs keys, same order as user_inputs
+    constant_inputs: dict[str, Any]      # non-tensor kwargs traced as constants (use_cache=False)
+    out_spec: Any
+    range_constraints: dict[str, tuple[int, int]]   # "input_ids.1" -> (min, max)
+    dim_symbols: dict[str, str] = field(default_factory=dict)  # sympy symbol name -> "batch"/"seq"
+    aliases: dict[str, str] = field(default_factory=dict)  # unused tied param FQN -> the FQN used
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.graph_module.graph
+
+
+def hf_example_kwargs(model: torch.nn.Module, batch: int = EXAMPLE_BATCH, seq: int = EXAMPLE_SEQ,
+                      device: torch.device | str | None = None) -> dict[str, Any]:
+    """Example inputs for a HuggingFace causal LM, synthesized from its config."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "vocab_size"):
+        raise CaptureError(
+            f"cannot synthesize example inputs for {type(model).__name__}: it has no HuggingFace "
+            "config with vocab_size; pass example_kwargs={...} (or example_inputs=(...)) to autotp"
+        )
+    n_pos = _max_positions(model)
+    if n_pos is not None:
+        seq = min(seq, n_pos)
+    if seq < 2:
+        raise CaptureError(f"{type(model).__name__} accepts at most {n_pos} positions; cannot trace")
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
+    labels = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
+    if device is not None and str(device) != "meta":
+        ids, labels = ids.to(device), labels.to(device)
+    kwargs: dict[str, Any] = {"input_ids": ids, "labels": labels}
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        kwargs["use_cache"] = False
+    return kwargs
+
+
+def _max_positions(model: torch.nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    for name in ("n_positions", "max_position_embeddings", "n_ctx"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _dynamic_shapes(kwargs: dict[str, Any], max_seq: int | None) -> dict[str, Any]:
+    """Batch (dim 0) and sequence (dim 1) of every 2-D integer input are dynamic."""
+    batch = torch.export.Dim("batch", min=1, max=1 << 20)
+    seq = torch.export.Dim("seq", min=2, max=max_seq if max_seq else 1 << 20)
+    shapes: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and not value.is_floating_point():
+            shapes[key] = {0: batch, 1: seq}
+        elif isinstance(value, torch.Tensor) and value.dim() >= 1:
+            shapes[key] = {0: batch}
+        else:
+            shapes[key] = None
+    return shapes
+
+
+def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None,
+            dynamic: bool = True) -> Capture:
+    """Export ``model`` and normalize its graph. See the module docstring."""
+    if example_inputs:
+        raise ConfigError(
+            "positional example_inputs are not supported yet: pass example_kwargs={'input_ids': ...} "
+            "with the names of the model's forward arguments"
+        )
+    kwargs = dict(example_kwargs) if example_kwargs is not None else hf_example_kwargs(model, device=_device_of(model))
+    dynamic_shapes = _dynamic_shapes(kwargs, _max_positions(model)) if dynamic else None
+    was_training = model.training
+    try:
+        ep = torch.export.export(model, (), kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+    except Exception as exc:  # torch raises many types here; all mean "not capturable"
+        raise CaptureError(_explain_export_failure(model, exc)) from exc
+    finally:
+        model.train(was_training)
+    cap = _from_exported(ep, kwargs)
+    cap.aliases = _tied_aliases(model, cap)
+    return cap
+
+
+def _tied_aliases(model: torch.nn.Module, cap: Capture) -> dict[str, str]:
+    """Tied parameters (GPT-2's wte and lm_head) are one tensor: the graph uses one name and
+    leaves the other placeholder unused. Map the unused name to the used one."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    used = {cap.param_names[n.name] for n in cap.graph.nodes if n.op == "placeholder"
+            and n.name in cap.param_names and n.users}
+    aliases = {}
+    for names in by_id.values():
+        live = [n for n in names if n in used]
+        for n in names:
+            if n not in used and live:
+                aliases[n] = live[0]
+    return aliases
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _explain_export_failure(model: torch.nn.Module, exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else type(exc).__name__
+    where = ""
+    for line in text:
+        m = re.search(r'File "([^"]+)", line (\d+)', line)
+        if m and "site-packages/torch" not in m.group(1):
+            where = f" (at {m.group(1)}:{m.group(2)})"
+    hint = "data-dependent control flow" if "data-dependent" in str(exc) or "GuardOnDataDependent" in type(exc).__name__ else type(exc).__name__
+    return (
+        f"autotp could not capture {type(model).__name__} with torch.export(strict=False): "
+        f"{hint}{where}: {first}. Make the forward traceable (no Python branches on tensor values, "
+        "use torch.where/torch.cond), or pass example_kwargs that avoid that path."
+    )
+
+
+def _from_exported(ep: torch.export.ExportedProgram, kwargs: dict[str, Any]) -> Capture:
+    sig = ep.graph_signature
+    params, buffers, consts = {}, {}, {}
+    from torch.export.graph_signature import InputKind
+
+    for spec in sig.input_specs:
+        name = spec.arg.name
+        if spec.kind == InputKind.PARAMETER:
+            params[name] = spec.target
+        elif spec.kind == InputKind.BUFFER:
+            buffers[name] = spec.target
+        elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
+            consts[name] = spec.target
+    gm = ep.graph_module
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    n_lifted = len(params) + len(buffers) + len(consts)
+    user_nodes = placeholders[n_lifted:]
+    keys = list(kwargs.keys())
+    if len(user_nodes) != len(keys):
+        raise CaptureError(f"captured {len(user_nodes)} user inputs for {len(keys)} kwargs {keys}")
+    constant_inputs = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+    ranges: dict[str, tuple[int, int]] = {}
+    dim_symbols: dict[str, str] = {}
+    constraints = {str(sym): vr for sym, vr in ep.range_constraints.items()}
+    for node, key in zip(user_nodes, keys):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        for d, size in enumerate(val.shape):
+            if isinstance(size, torch.SymInt):
+                sym = str(size.node.expr)
+                vr = constraints.get(sym)
+                if vr is not None:
+                    ranges[f"{key}.{d}"] = (int(vr.lower), int(vr.upper))
+                dim_symbols.setdefault(sym, "batch" if d == 0 else "seq")
+    graph = gm.graph
+    _normalize(graph)
+    gm.recompile()
+    return Capture(
+        graph_module=gm,
+        param_names=params,
+        buffer_names=buffers,
+        constant_names=consts,
+        constants={k: v for k, v in ep.constants.items()},
+        user_inputs=[n.name for n in user_nodes],
+        input_keys=keys,
+        constant_inputs=constant_inputs,
+        out_spec=ep.call_spec.out_spec,
+        range_constraints=ranges,
+        dim_symbols=dim_symbols,
+    )
+
+
+def _normalize(graph: fx.Graph) -> None:
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten._assert_tensor_metadata.default and not node.users:
+            graph.erase_node(node)
+        elif node.target is aten.addmm.default and not node.kwargs:
+            bias, x, w = node.args[:3]
+            with graph.inserting_before(node):
+                mm = graph.call_function(aten.mm.default, (x, w))
+                mm.meta["val"] = _fake_mm(node, x, w)
+                add = graph.call_function(aten.add.Tensor, (mm, bias))
+                add.meta = dict(node.meta)
+            node.replace_all_uses_with(add)
+            graph.erase_node(node)
+        elif node.target is aten.linear.default and len(node.args) == 3 and node.args[2] is not None:
+            x, w, bias = node.args
+            with graph.inserting_before(node):
+                lin = graph.call_function(aten.linear.default, (x, w))
+                lin.meta["val"] = node.meta["val"]
+                add = graph.call_function(aten.add.Tensor, (lin, bias))
+                add.meta = dict(node.meta)
+            node.replace_all_uses_with(add)
+            graph.erase_node(node)
+    graph.lint()
+
+
+def _fake_mm(node: fx.Node, x: fx.Node, w: fx.Node):
+    return node.meta["val"]  # same shape and dtype as the addmm it replaces
+
+
+def shape_of(node: Any) -> tuple[sympy.Expr, ...] | None:
+    """A node's tensor shape as sympy expressions (cached in node.meta)."""
+    if not isinstance(node, fx.Node):
+        return None
+    cached = node.meta.get("autotp_shape")
+    if cached is not None:
+        return cached
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    shape = tuple(to_sympy(d) for d in val.shape)
+    node.meta["autotp_shape"] = shape
+    return shape
+
+
+def to_sympy(d: Any) -> sympy.Expr:
+    if isinstance(d, torch.SymInt):
+        return sympy.sympify(d.node.expr)
+    return sympy.Integer(int(d))
+
+
+def flat_inputs(capture: Capture, kwargs: dict[str, Any]) -> list[Any]:
+    """The user's call kwargs in the captured order; traced constants filled in and checked."""
+    unknown = set(kwargs) - set(capture.input_keys)
+    if unknown:
+        raise ConfigError(
+            f"inputs {sorted(unknown)} were not part of the captured call {capture.input_keys}; "
+            "pass the same keyword arguments as at capture"
+        )
+    flat = []
+    for key in capture.input_keys:
+        if key in capture.constant_inputs:
+            value = kwargs.get(key, capture.constant_inputs[key])
+            if value != capture.constant_inputs[key]:
+                raise ConfigError(
+                    f"{key}={value!r} differs from the captured {key}={capture.constant_inputs[key]!r}"
+                )
+            flat.append(value)
+        elif key not in kwargs:
+            raise ConfigError(f"missing input {key!r}: the graph was captured with {capture.input_keys}")
+        else:
+            flat.append(kwargs[key])
+    return flat
+
+
+def unflatten_outputs(capture: Capture, outputs: Any) -> Any:
+    return pytree.tree_unflatten(list(outputs), capture.out_spec)

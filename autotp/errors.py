@@ -1,0 +1,33 @@
+"""One error family: every failure autotp can foresee names the thing and the fix."""
+
+
+class AutotpError(Exception):
+    """Base class of every error autotp raises on purpose."""
+
+
+class ConfigError(AutotpError, ValueError):
+    """A bad argument: a tp that cannot work, a world that does not divide, ..."""
+
+
+class CaptureError(AutotpError):
+    """The model could not be captured as a graph."""
+
+
+class NoRuleError(AutotpError):
+    """An op has no sharding rule (autotp replicates it and warns instead of raising)."""
+
+
+class PlanError(AutotpError):
+    """No valid plan: a dimension does not divide, a memory limit cannot be met, ..."""
+
+
+class InputError(AutotpError, ValueError):
+    """A call's inputs do not fit the captured graph (too long, wrong keys, ...)."""
+
+
+class CommError(AutotpError, RuntimeError):
+    """A collective failed: a lost rank, a timeout, ranks that disagree."""
+
+
+class CheckpointError(AutotpError):
+    """A checkpoint does not match the model: a missing key, a wrong shape."""

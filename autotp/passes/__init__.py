@@ -1,0 +1,1 @@
+"""Graph passes: per-op sharding rules, propagation/planning, and the per-rank rewrite."""

@@ -1,0 +1,364 @@
+"""Propagation: given a choice of placement for each weight matrix, find every tensor's
+placement, the strategy of every op, the collectives that join them, and their cost.
+
+Input: a :class:`~autotp.capture.Capture`'s graph, tp, and ``decisions``: for each parameter
+placeholder of 2+ dims, ``Replicate()`` or ``Shard(d)`` (its chunks/unit are settled by the
+op that first uses it). Parameters not decided (biases, norm weights) are free: they take the
+placement the op using them asks for, since they are sharded once, at load.
+
+Output: a :class:`Propagation`. Ops are visited in graph order; each takes the strategy with
+the least cost: redistributing its inputs plus its own compute. The invariants that make the
+rewritten program compute the serial one are the conjugate pair:
+
+* **f** (identity forward, all-reduce backward) wherever a replicated float tensor feeds
+  sharded compute (an op whose output is Shard or Partial): its gradient there is a summand;
+* **g** (all-reduce forward, identity backward) wherever a Partial must become whole.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import sympy
+import torch
+import torch.utils._pytree as pytree
+from torch import fx
+
+from ..capture import Capture, shape_of
+from ..cost_model.devices import DeviceProfile
+from ..cost_model.symbolic import collective_bytes, collective_time, compute_time, nbytes
+from ..placements import REPLICATE, Partial, Placement, Replicate, Shard, same_placement
+from .rules import OpInfo, Strategy, TensorMeta, strategies
+from .rules.view import map_view_shard, view_groups
+
+aten = torch.ops.aten
+INF = math.inf
+
+
+@dataclass(frozen=True)
+class Comm:
+    """One collective the plan inserts: ``kind`` applied to ``tensor`` (a node name)."""
+
+    kind: str            # f, g, all_gather, scatter, reduce_scatter, reshard
+    tensor: str
+    src: Placement
+    dst: Placement
+    consumer: str        # the first op that needed it
+    full_bytes: int      # size of the whole tensor at the planning workload
+    fwd_bytes: float     # bytes each rank sends, forward
+    bwd_bytes: float     # ... and backward
+    seconds: float       # forward + backward
+
+
+@dataclass
+class Propagation:
+    tp: int
+    placements: dict[fx.Node, Any]
+    chosen: dict[fx.Node, Strategy]
+    params: dict[str, Placement]                 # placeholder name -> resolved placement
+    conversions: dict[tuple, str]                # (node, dst, needs_f) -> kind
+    comms: list[Comm]
+    compute_s: float
+    comm_s: float
+    infeasible: str | None = None
+
+    @property
+    def total_s(self) -> float:
+        return INF if self.infeasible else self.compute_s + self.comm_s
+
+
+@dataclass
+class GraphIndex:
+    """What propagation needs of a graph, computed once per (capture, tp)."""
+
+    capture: Capture
+    tp: int
+    env: Mapping[sympy.Symbol, int]
+    infos: dict[fx.Node, OpInfo] = field(default_factory=dict)
+    tensor_inputs: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
+    uneven: bool = False
+    _strategies: dict = field(default_factory=dict)
+    _compute: dict = field(default_factory=dict)
+
+    def strategies(self, node: fx.Node, actual: tuple) -> list[Strategy]:
+        key = (node, actual)
+        found = self._strategies.get(key)
+        if found is None:
+            found = self._strategies[key] = strategies(self.infos[node], actual)
+        return found
+
+    def compute_time(self, node: fx.Node, strat: Strategy, profile: DeviceProfile) -> float:
+        key = (node, strat, profile)
+        found = self._compute.get(key)
+        if found is None:
+            found = self._compute[key] = compute_time(self.infos[node], strat, self.env, profile, self.tp)
+        return found
+
+    @classmethod
+    def build(cls, capture: Capture, tp: int, batch: int, seq: int, uneven: bool = False) -> "GraphIndex":
+        env = {}
+        for sym, role in capture.dim_symbols.items():
+            env[sympy.Symbol(sym, integer=True, positive=True)] = batch if role == "batch" else seq
+        index = cls(capture, tp, env, uneven=uneven)
+        for node in capture.graph.nodes:
+            if node.op == "call_function" and node.target is not operator.getitem:
+                index.infos[node], index.tensor_inputs[node] = _op_info(node, tp, uneven)
+        return index
+
+    def numel_env(self) -> Mapping:
+        return self.env
+
+
+def _meta(node: fx.Node) -> TensorMeta | None:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return TensorMeta(shape_of(node), val.dtype)
+    return None
+
+
+def _out_meta(node: fx.Node) -> Any:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return _meta(node)
+    if isinstance(val, (list, tuple)) and val and all(isinstance(v, torch.Tensor) for v in val):
+        from ..capture import to_sympy
+
+        return tuple(TensorMeta(tuple(to_sympy(d) for d in v.shape), v.dtype) for v in val)
+    return None
+
+
+def _op_info(node: fx.Node, tp: int, uneven: bool) -> tuple[OpInfo, list[fx.Node]]:
+    inputs: list[fx.Node] = []
+    metas: list[TensorMeta] = []
+
+    def swap(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            m = _meta(a)
+            if m is not None:
+                inputs.append(a)
+                metas.append(m)
+                return m
+        return a
+
+    args, kwargs = pytree.tree_map(swap, (node.args, dict(node.kwargs)))
+    info = OpInfo(node.target, tuple(args), kwargs, tuple(metas), _out_meta(node), tp, uneven=uneven)
+    if node.target in (aten.mm.default, aten.linear.default, aten.embedding.default, aten.bmm.default):
+        out = info.output
+        if isinstance(out, TensorMeta):
+            info.hints[out.ndim - 1] = column_hint(node, out.ndim - 1)
+    return info, inputs
+
+
+_FOLLOW_SAME = {
+    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.to.dtype,
+    aten.to.dtype_layout, aten._to_copy.default, aten.dropout.default, aten.contiguous.default,
+    aten.alias.default, aten.clone.default,
+}
+
+
+def column_hint(node: fx.Node, dim: int) -> tuple[int, int]:
+    """(chunks, unit) for a fresh shard of ``node``'s ``dim``, read off how it is used next:
+    a later equal ``split`` of that dim gives the blocks (fused q, k, v), a later view that
+    factors it gives the atom (a head of ``head_dim`` elements)."""
+    chunks, unit = 1, 1
+    cur, d = node, dim
+    for _ in range(32):
+        users = [u for u in cur.users if u.op == "call_function"]
+        if not users:
+            break
+        u = users[0]
+        if u.target is operator.getitem:
+            cur = u
+            continue
+        if len(users) > 1 and cur.target not in (aten.split.Tensor, aten.split_with_sizes.default):
+            break
+        t = u.target
+        if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+            src, dst = shape_of(cur), shape_of(u)
+            mapped = map_view_shard(src, dst, Shard(d))
+            if mapped is not None:
+                d, cur = mapped.dim, u
+                continue
+            for gi, go in view_groups(src, dst) or []:
+                if gi == [d] and len(go) > 1:
+                    rest = sympy.Integer(1)
+                    for j in go[1:]:
+                        rest = rest * dst[j]
+                    if rest.is_Integer:
+                        unit *= int(rest)
+                        return chunks, unit
+            break
+        if t in (aten.split.Tensor, aten.split_with_sizes.default):
+            sdim = (u.args[2] if len(u.args) > 2 else 0) % len(shape_of(cur))
+            pieces = [v.shape[sdim] for v in u.meta["val"]]
+            if sdim == d:
+                if len(set(pieces)) != 1:
+                    break
+                chunks *= len(pieces)
+            cur = u
+            continue
+        if t in _FOLLOW_SAME and shape_of(u) == shape_of(cur):
+            cur = u
+            continue
+        if t is aten.transpose.int:
+            nd = len(shape_of(cur))
+            a, b = u.args[1] % nd, u.args[2] % nd
+            d = b if d == a else a if d == b else d
+            cur = u
+            continue
+        break
+    return chunks, unit
+
+
+def _conversion(src: Any, dst: Placement, size: int | None, tp: int) -> str | None:
+    """The collective that turns ``src`` into ``dst`` (None: nothing to do; 'inf': impossible)."""
+    if same_placement(src, dst, size, tp):
+        return None
+    if isinstance(dst, Partial):
+        return "inf"
+    if isinstance(src, Partial):
+        return "g" if isinstance(dst, Replicate) else "reduce_scatter"
+    if isinstance(src, Shard):
+        return "all_gather" if isinstance(dst, Replicate) else "reshard"
+    return "scatter"
+
+
+def _sharded_compute(strategy: Strategy) -> bool:
+    outs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
+    return any(isinstance(p, (Shard, Partial)) for p in outs)
+
+
+def _dim_size(meta: TensorMeta, p: Any) -> int | None:
+    return meta.static(p.dim) if isinstance(p, Shard) else None
+
+
+def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: DeviceProfile) -> Propagation:
+    """See the module docstring. ``decisions`` maps parameter placeholder names to placements."""
+    tp = index.tp
+    cap = index.capture
+    place: dict[fx.Node, Any] = {}
+    chosen: dict[fx.Node, Strategy] = {}
+    unresolved: dict[fx.Node, Any] = {}   # param node -> None (free) or Shard(d) (dim decided)
+    params: dict[str, Placement] = {}
+    conversions: dict[tuple, str] = {}
+    comms: list[Comm] = []
+    compute = comm = 0.0
+    env = index.env
+
+    def conversion_cost(node: fx.Node, meta: TensorMeta, dst: Placement, f: bool) -> float:
+        kind = _conversion(place[node], dst, _dim_size(meta, dst) or _dim_size(meta, place[node]), tp)
+        if kind == "inf":
+            return INF
+        cost = 0.0
+        full = None
+        for k in ([kind] if kind else []) + (["f"] if f else []):
+            full = nbytes(meta, env) if full is None else full
+            fw, bw = collective_time(k, full, profile, tp)
+            cost += fw + bw
+        return cost
+
+    def record(node: fx.Node, meta: TensorMeta, dst: Placement, f: bool, consumer: fx.Node) -> None:
+        nonlocal comm
+        key = (node, dst, f)
+        if key in conversions:
+            return
+        kind = _conversion(place[node], dst, _dim_size(meta, dst) or _dim_size(meta, place[node]), tp)
+        conversions[key] = kind or ""
+        full = nbytes(meta, env)
+        for k in ([kind] if kind else []) + (["f"] if f else []):
+            fw_s, bw_s = collective_time(k, full, profile, tp)
+            fw_b, bw_b = collective_bytes(k, full, tp)
+            comm += fw_s + bw_s
+            comms.append(Comm(k, node.name, place[node], dst, consumer.name, full, fw_b, bw_b, fw_s + bw_s))
+
+    for node in cap.graph.nodes:
+        if node.op == "placeholder":
+            if node.name in cap.param_names:
+                val = node.meta["val"]
+                decided = decisions.get(node.name)
+                if val.dim() >= 2 and decided is not None:
+                    if isinstance(decided, Shard) and (decided.chunks, decided.unit) != (1, 1):
+                        place[node] = decided          # fully given (a loaded plan)
+                        params[node.name] = decided
+                    else:
+                        place[node] = decided
+                        if isinstance(decided, Shard):
+                            unresolved[node] = decided
+                        else:
+                            params[node.name] = decided
+                else:
+                    place[node] = None
+                    unresolved[node] = None
+            else:
+                place[node] = REPLICATE
+            continue
+        if node.op == "output":
+            for out in pytree.tree_leaves(node.args):
+                if isinstance(out, fx.Node) and isinstance(place.get(out), (Shard, Partial)):
+                    meta = _meta(out)
+                    c = conversion_cost(out, meta, REPLICATE, False)
+                    record(out, meta, REPLICATE, False, node)
+            continue
+        if node.op != "call_function":
+            place[node] = REPLICATE
+            continue
+        if node.target is operator.getitem:
+            src = place.get(node.args[0])
+            place[node] = src[node.args[1]] if isinstance(src, tuple) else REPLICATE
+            continue
+
+        info = index.infos[node]
+        inputs = index.tensor_inputs[node]
+        actual = tuple(place[i] for i in inputs)
+        best, best_cost = None, INF
+        for strat in index.strategies(node, actual):
+            sharded = _sharded_compute(strat)
+            cost = index.compute_time(node, strat, profile)
+            for inp, meta, want in zip(inputs, info.inputs, strat.inputs):
+                if isinstance(want, Shard) and not index.uneven and not _even(meta, want, tp):
+                    cost = INF
+                elif inp in unresolved:
+                    have = unresolved[inp]
+                    if isinstance(want, Partial) or (
+                        have is not None and not (isinstance(want, Shard) and want.dim == have.dim)
+                    ):
+                        cost = INF
+                    elif isinstance(want, Replicate) and sharded and meta.is_float:
+                        cost += collective_time("f", nbytes(meta, env), profile, tp)[1]
+                elif inp.name in cap.param_names and not same_placement(place[inp], want, _dim_size(meta, want), tp):
+                    cost = INF  # a parameter is never moved at run time: it is sharded at load
+                else:
+                    f = isinstance(want, Replicate) and sharded and meta.is_float
+                    cost += conversion_cost(inp, meta, want, f)
+                if cost == INF:
+                    break
+            if cost < best_cost:
+                best, best_cost = strat, cost
+        if best is None:
+            return Propagation(tp, place, chosen, params, conversions, comms, compute, comm,
+                               infeasible=f"no strategy fits {node.name} ({node.target}) with inputs {list(actual)}")
+        chosen[node] = best
+        compute += index.compute_time(node, best, profile)
+        sharded = _sharded_compute(best)
+        for inp, meta, want in zip(inputs, info.inputs, best.inputs):
+            f = isinstance(want, Replicate) and sharded and meta.is_float
+            if inp in unresolved:
+                del unresolved[inp]
+                place[inp] = want
+                params[inp.name] = want
+            if f or place[inp] != want:
+                record(inp, meta, want, f, node)
+        place[node] = best.output
+    for node, have in unresolved.items():   # parameters no op used
+        place[node] = REPLICATE
+        params[node.name] = REPLICATE
+    return Propagation(tp, place, chosen, params, conversions, comms, compute, comm)
+
+
+def _even(meta: TensorMeta, shard: Shard, tp: int) -> bool:
+    size = meta.static(shard.dim)
+    if size is None or size % (shard.chunks * shard.unit):
+        return False
+    return (size // (shard.chunks * shard.unit)) % tp == 0

@@ -1,0 +1,137 @@
+"""Rewrite: a plan's propagation -> one rank's GraphModule.
+
+Input: the captured graph, its :class:`~autotp.passes.propagate.Propagation`, tp, this rank,
+the TP process group and the device the program runs on.
+Output: a ``GraphModule`` whose placeholders are the captured ones (parameters now take this
+rank's shards) and in which
+
+* every redistribution is a named ``call_module`` node (``f_3``, ``g_7``, ``all_gather_1``,
+  ``scatter_2``, ...) wrapping the autograd Functions of :mod:`autotp.runtime.collectives`;
+* every op's arguments are localized (view/split sizes, vocab ranges) by its rule's localizer;
+* device arguments captured on the meta device point at the run device.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import sympy
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+
+from ..errors import PlanError
+from ..placements import Partial, Placement, Replicate, Shard, local_size
+from ..runtime import collectives as C
+from .propagate import GraphIndex, Propagation, _conversion, _dim_size, _meta, _sharded_compute
+from .rules import LocalContext, localizer
+
+
+class GraphLocalContext(LocalContext):
+    """Localizes size arguments inside a graph: a symbolic size gets a node computing it."""
+
+    def __init__(self, tp: int, rank: int, graph: fx.Graph):
+        super().__init__(tp, rank)
+        self.graph = graph
+
+    def local(self, arg: Any, size: Any, shard: Shard) -> Any:
+        if isinstance(arg, fx.Node):
+            if isinstance(size, sympy.Expr) and size.is_Integer:
+                return local_size(int(size), shard, self.tp, self.rank)
+            raise PlanError(
+                f"cannot shard a dimension of symbolic size {size} (argument {arg.name}); "
+                "only dimensions of fixed size (heads, hidden, vocabulary) are sharded"
+            )
+        return super().local(arg, size, shard)
+
+
+def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
+            device: torch.device | None) -> fx.GraphModule:
+    cap = index.capture
+    tp = index.tp
+    root = nn.Module()
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    converted: dict[tuple, fx.Node] = {}
+    counts: dict[str, int] = {}
+    ctx = GraphLocalContext(tp, rank, graph)
+
+    def comm_node(kind: str, x: fx.Node, module: nn.Module) -> fx.Node:
+        n = counts.get(kind, 0)
+        counts[kind] = n + 1
+        name = f"{kind}_{n}"
+        root.add_module(name, module)
+        return graph.call_module(name, (x,))
+
+    def convert(src: fx.Node, dst: Placement, f: bool) -> fx.Node:
+        key = (src, dst, f)
+        if key in converted:
+            return converted[key]
+        meta = _meta(src)
+        have = prop.placements[src]
+        kind = _conversion(have, dst, _dim_size(meta, dst) or _dim_size(meta, have), tp)
+        out = env[src]
+        if kind == "g":
+            out = comm_node("g", out, C.ReduceFromTP(group))
+        elif kind == "all_gather":
+            out = comm_node("all_gather", out, C.GatherFromTP(group, have, int(meta.shape[have.dim])))
+        elif kind == "scatter":
+            out = comm_node("scatter", out, C.ScatterToTP(group, dst, int(meta.shape[dst.dim])))
+        elif kind == "reduce_scatter":
+            out = comm_node("reduce_scatter", out, C.ReduceScatterToTP(group, dst, int(meta.shape[dst.dim])))
+        elif kind == "reshard":
+            out = comm_node("all_gather", out, C.GatherFromTP(group, have, int(meta.shape[have.dim])))
+            out = comm_node("scatter", out, C.ScatterToTP(group, dst, int(meta.shape[dst.dim])))
+        elif kind == "inf":
+            raise PlanError(f"cannot turn {have} into {dst} for {src.name}")
+        if f:
+            out = comm_node("f", out, C.CopyToTP(group))
+        converted[key] = out
+        return out
+
+    for node in cap.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = graph.placeholder(node.name)
+            env[node].meta = dict(node.meta)
+            continue
+        if node.op == "output":
+            def out_map(a: Any) -> Any:
+                if isinstance(a, fx.Node):
+                    if isinstance(prop.placements.get(a), (Shard, Partial)):
+                        return convert(a, Replicate(), False)
+                    return env[a]
+                return a
+
+            graph.output(pytree.tree_map(out_map, node.args[0]))
+            continue
+        if node.op != "call_function" or node.target is operator.getitem:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+            continue
+        strategy = prop.chosen[node]
+        info = index.infos[node]
+        tensor_inputs = index.tensor_inputs[node]
+        sharded = _sharded_compute(strategy)
+        replacements = []
+        for inp, meta, want in zip(tensor_inputs, info.inputs, strategy.inputs):
+            f = isinstance(want, Replicate) and sharded and meta.is_float
+            replacements.append(convert(inp, want, f) if (f or prop.placements[inp] != want) else env[inp])
+        it = iter(replacements)
+
+        def swap(a: Any) -> Any:
+            if isinstance(a, fx.Node):
+                return next(it) if _meta(a) is not None else env[a]
+            return a
+
+        args, kwargs = pytree.tree_map(swap, (node.args, dict(node.kwargs)))
+        target = node.target
+        loc = localizer(target)
+        if loc is not None:
+            target, args, kwargs = loc(info, strategy, tuple(args), kwargs, ctx)
+        if device is not None and isinstance(kwargs.get("device"), torch.device):
+            kwargs["device"] = device
+        new = graph.call_function(target, tuple(args), kwargs)
+        new.meta = {k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")}
+        new.meta["autotp_placement"] = strategy.output
+        env[node] = new
+    graph.lint()
+    return fx.GraphModule(root, graph, class_name="ParallelGraph")

@@ -1,0 +1,202 @@
+"""One registry of per-op sharding rules, keyed by ATen op overload.
+
+A rule answers, for one op and the placements its tensor inputs currently have, which
+*strategies* are sound: each :class:`Strategy` names the placement every tensor input must
+have and the placement the output then has. The planner picks the cheapest (inputs are
+redistributed where they differ). A rule may also register a *localizer* that rewrites the
+op's arguments for a rank's local shards (view sizes, split sizes, ...).
+
+Adding an op is adding one decorated function to the family file it belongs to
+(``matrix.py``, ``view.py``, ``pointwise.py``, ``nn.py``, ``misc.py``). An op with no rule
+falls back to "replicate everything" with a warning naming it: slower, never wrong.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import sympy
+import torch
+
+from ...placements import PARTIAL, REPLICATE, Partial, Placement, Replicate, Shard
+
+log = logging.getLogger("autotp.rules")
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[sympy.Expr, ...]
+    dtype: torch.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def static(self, dim: int) -> int | None:
+        size = self.shape[dim]
+        return int(size) if size.is_Integer else None
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.is_floating_point or self.dtype.is_complex
+
+
+OutputPlacement = Any  # Placement, a tuple of them (multi-output ops), or None (non-tensor)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    inputs: tuple[Placement, ...]
+    output: OutputPlacement
+
+    def __repr__(self) -> str:
+        return f"{list(self.inputs)} -> {self.output}"
+
+
+@dataclass
+class OpInfo:
+    """What a rule sees of one op: its target, arguments (tensors replaced by
+    :class:`TensorMeta`), its tensor inputs in argument order, and its output's meta."""
+
+    target: Any
+    args: tuple
+    kwargs: dict
+    inputs: tuple[TensorMeta, ...]
+    output: Any  # TensorMeta, a tuple of them, or None
+    tp: int
+    hints: dict[int, tuple[int, int]] = field(default_factory=dict)
+    uneven: bool = False   # may a fresh shard leave some ranks one atom more?
+
+    def hint(self, dim: int) -> tuple[int, int]:
+        """(chunks, unit) a fresh shard of output ``dim`` should use (fused q/k/v: 3 blocks of heads)."""
+        return self.hints.get(dim, (1, 1))
+
+    def fresh_shard(self, dim: int) -> Shard | None:
+        """A shard of output ``dim`` following the hint, or None if the dim cannot be split tp ways."""
+        out = self.output
+        size = out.static(dim)
+        chunks, unit = self.hint(dim)
+        if size is None or size % (chunks * unit):
+            chunks, unit = 1, 1
+        if size is None or size // (chunks * unit) < self.tp:
+            return None
+        if not self.uneven and (size // (chunks * unit)) % self.tp:
+            return None
+        return Shard(dim, chunks, unit)
+
+
+Rule = Callable[[OpInfo, tuple], list[Strategy]]
+Localizer = Callable[[OpInfo, Strategy, tuple, dict, "LocalContext"], tuple[Any, tuple, dict]]
+
+_RULES: dict[Any, Rule] = {}
+_LOCALIZERS: dict[Any, Localizer] = {}
+_warned: set[str] = set()
+
+
+def register(*targets: Any) -> Callable[[Rule], Rule]:
+    def deco(fn: Rule) -> Rule:
+        for t in targets:
+            _RULES[t] = fn
+        return fn
+
+    return deco
+
+
+def register_localizer(*targets: Any) -> Callable[[Localizer], Localizer]:
+    def deco(fn: Localizer) -> Localizer:
+        for t in targets:
+            _LOCALIZERS[t] = fn
+        return fn
+
+    return deco
+
+
+def replicate_all(info: OpInfo, placements: tuple) -> list[Strategy]:
+    return [Strategy(tuple(REPLICATE for _ in info.inputs), replicated_output(info.output))]
+
+
+def replicated_output(out: Any) -> Any:
+    if out is None:
+        return None
+    if isinstance(out, tuple):
+        return tuple(REPLICATE if o is not None else None for o in out)
+    return REPLICATE
+
+
+def has_rule(target: Any) -> bool:
+    return target in _RULES
+
+
+def strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """The sound strategies for ``info`` given its inputs' current placements (None: a free
+    parameter, which takes whatever placement the chosen strategy asks for)."""
+    rule = _RULES.get(info.target)
+    if rule is None:
+        name = op_name(info.target)
+        if name not in _warned:
+            _warned.add(name)
+            log.warning(
+                "autotp: no sharding rule for %s; it runs replicated (correct, maybe slower). "
+                "Register one in autotp/passes/rules/ to shard it.", name,
+            )
+        return replicate_all(info, placements)
+    return rule(info, placements)
+
+
+def localizer(target: Any) -> Localizer | None:
+    return _LOCALIZERS.get(target)
+
+
+def op_name(target: Any) -> str:
+    name = getattr(target, "__name__", None) or str(target)
+    if hasattr(target, "_schema"):
+        name = str(target).replace("aten::", "aten.")
+    return name
+
+
+def registered_ops() -> list[Any]:
+    return list(_RULES)
+
+
+class LocalContext:
+    """How a localizer turns a global size argument into this rank's local size.
+
+    ``local(arg, size, shard)``: ``arg`` is the op's argument for a dimension of global
+    ``size`` that is now sharded by ``shard``; returns the argument to pass locally (an int,
+    -1 kept as is, or — in a graph — a node computing it)."""
+
+    def __init__(self, tp: int, rank: int):
+        self.tp = tp
+        self.rank = rank
+
+    def local(self, arg: Any, size: Any, shard: Shard) -> Any:
+        from ...placements import local_size
+
+        if isinstance(arg, int) and arg == -1:
+            return -1
+        if isinstance(arg, int):
+            return local_size(arg, shard, self.tp, self.rank)
+        if isinstance(size, sympy.Expr) and size.is_Integer:
+            return local_size(int(size), shard, self.tp, self.rank)
+        raise NotImplementedError(f"cannot localize symbolic size argument {arg!r} sharded by {shard}")
+
+
+def norm_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def is_shard(p: Any) -> bool:
+    return isinstance(p, Shard)
+
+
+def is_partial(p: Any) -> bool:
+    return isinstance(p, Partial)
+
+
+def is_replicate(p: Any) -> bool:
+    return isinstance(p, Replicate)
+
+
+# The families register themselves on import.
+from . import matrix, misc, nn, pointwise, view  # noqa: E402,F401

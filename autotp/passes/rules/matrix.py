@@ -1,0 +1,89 @@
+"""Matrix products: where column- and row-parallel come from.
+
+For ``y = x @ W`` (GPT-2's Conv1D, ``mm``) or ``y = x @ W.T`` (``linear``):
+
+* column-parallel: x replicated, W split on its output features -> y sharded on its last dim;
+* row-parallel: x sharded on the contracted dim, W split the same way -> y Partial (the sum
+  over ranks is the product; a g all-reduce makes it whole);
+* batch-parallel: x sharded on a row dim, W replicated -> y sharded on that dim.
+
+A fresh column shard follows the hint for the output dim, so a fused q/k/v projection is
+cut into each rank's own heads of q, k and v.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...placements import REPLICATE, Shard
+from . import OpInfo, Strategy, is_shard, register
+
+aten = torch.ops.aten
+
+
+def _matmul_strategies(info: OpInfo, placements: tuple, w_out: int, w_in: int) -> list[Strategy]:
+    """x [..., K] times W, where W's dims ``w_out``/``w_in`` hold output/contracted features."""
+    x_meta = info.inputs[0]
+    px, pw = placements[0], placements[1]
+    k = x_meta.ndim - 1
+    out_last = info.output.ndim - 1
+    out = [Strategy((REPLICATE, REPLICATE), REPLICATE)]
+    col = info.fresh_shard(out_last)
+    if col is not None:
+        out.append(Strategy((REPLICATE, col.with_dim(w_out)), col))
+    # Row-parallel: contracted features split alike in x and W.
+    if is_shard(px) and px.dim == k:
+        out.append(Strategy((px, px.with_dim(w_in)), _partial()))
+    elif is_shard(pw) and pw.dim == w_in:
+        size = x_meta.static(k)
+        if size is not None and size // (pw.chunks * pw.unit) >= info.tp and size % (pw.chunks * pw.unit) == 0:
+            out.append(Strategy((Shard(k, pw.chunks, pw.unit), pw), _partial()))
+        elif size is not None and size >= info.tp:
+            out.append(Strategy((Shard(k), Shard(w_in)), _partial()))
+    # Batch-parallel: a row dim of x split, W whole.
+    if is_shard(px) and px.dim < k:
+        out.append(Strategy((px, REPLICATE), px))
+    return out
+
+
+def _partial():
+    from ...placements import PARTIAL
+
+    return PARTIAL
+
+
+@register(aten.mm.default)
+def mm_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    # W is [K, N] (GPT-2's Conv1D stores it transposed against nn.Linear).
+    return _matmul_strategies(info, placements, w_out=1, w_in=0)
+
+
+@register(aten.linear.default)
+def linear_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    if len(info.inputs) != 2:
+        from . import replicate_all
+
+        return replicate_all(info, placements)  # capture splits the bias off; keep any other form whole
+    return _matmul_strategies(info, placements, w_out=0, w_in=1)
+
+
+@register(aten.bmm.default, aten.matmul.default)
+def bmm_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    a, b = info.inputs
+    pa, pb = placements
+    if a.ndim < 2 or b.ndim < 2 or a.ndim != b.ndim:
+        from . import replicate_all
+
+        return replicate_all(info, placements)
+    nd = a.ndim
+    out = [Strategy((REPLICATE, REPLICATE), REPLICATE)]
+    for p in (pa, pb):
+        # A batch dim split alike on both operands.
+        if is_shard(p) and p.dim < nd - 2 and a.shape[p.dim] == b.shape[p.dim]:
+            out.append(Strategy((p, p), p))
+    if is_shard(pa) and pa.dim == nd - 2:
+        out.append(Strategy((pa, REPLICATE), pa))
+    if is_shard(pb) and pb.dim == nd - 1:
+        out.append(Strategy((REPLICATE, pb), pb))
+    if is_shard(pa) and pa.dim == nd - 1:
+        out.append(Strategy((pa, pa.with_dim(nd - 2)), _partial()))
+    return out

@@ -1,0 +1,56 @@
+"""Ops with no tensor data to split: size queries, factories, metadata; and the ops of the
+attention-mask prelude, which run replicated on small integer tensors."""
+from __future__ import annotations
+
+import torch
+
+from ...placements import REPLICATE
+from . import OpInfo, Strategy, is_shard, register, replicate_all
+
+aten = torch.ops.aten
+
+
+@register(aten.sym_size.int)
+def sym_size_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    # The graph wants the global size: a split dim would report the local one.
+    p = placements[0]
+    dim = info.args[1] % info.inputs[0].ndim
+    if p is None or (is_shard(p) and p.dim == dim):
+        return [Strategy((REPLICATE,), None)]
+    return [Strategy((p,), None)]
+
+
+@register(aten.sym_numel.default, aten.sym_stride.int)
+def sym_other_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    return [Strategy((REPLICATE,), None)]
+
+
+FACTORIES = [
+    aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default,
+    aten.ones.default, aten.full.default, aten.empty.memory_format, aten.scalar_tensor.default,
+    aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default,
+    aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default,
+]
+
+
+@register(*FACTORIES)
+def factory_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    # A tensor argument only lends its dtype/device (new_ones, zeros_like ...): leave it as it is.
+    if info.target in (aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+                       aten.empty_like.default):
+        return replicate_all(info, placements)
+    return [Strategy(tuple(p if p is not None else REPLICATE for p in placements), REPLICATE)]
+
+
+REPLICATED = [
+    aten.diff.default, aten.cumsum.default, aten.index.Tensor, aten.pad.default,
+    aten.constant_pad_nd.default, aten.gather.default, aten.scatter.src, aten.index_select.default,
+    aten.topk.default, aten.sort.default, aten.argmax.default, aten.any.default, aten.all.default,
+    aten.cat.default, aten.stack.default, aten.flip.default, aten.roll.default,
+]
+
+
+@register(*REPLICATED)
+def replicated_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    # Correct whole; a sharded form would need index arithmetic these ops do not expose.
+    return replicate_all(info, placements)

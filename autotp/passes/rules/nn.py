@@ -1,0 +1,127 @@
+"""Neural-network ops: embedding, normalization, attention, softmax, reductions, losses."""
+from __future__ import annotations
+
+import torch
+
+from ...placements import PARTIAL, REPLICATE, Shard
+from . import LocalContext, OpInfo, Strategy, is_shard, norm_dim, register, register_localizer
+
+aten = torch.ops.aten
+
+
+@register(aten.embedding.default)
+def embedding_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """weight [V, h], indices [...]: hidden-split weight -> output split on its last dim;
+    vocab-split weight -> each rank looks up its own rows (others masked to 0) -> Partial;
+    indices split on a dim -> output split on that dim."""
+    pw, pi = placements[0], placements[1]
+    last = info.output.ndim - 1
+    out = [Strategy((REPLICATE, REPLICATE), REPLICATE)]
+    hidden = info.fresh_shard(last)
+    if hidden is not None:
+        out.append(Strategy((hidden.with_dim(1), REPLICATE), hidden))
+    vocab = info.inputs[0].static(0)
+    if vocab is not None and vocab >= info.tp:
+        w = pw if is_shard(pw) and pw.dim == 0 else Shard(0)
+        out.append(Strategy((w, REPLICATE), PARTIAL))
+    if is_shard(pi):
+        out.append(Strategy((REPLICATE, pi), pi))
+    return out
+
+
+@register_localizer(aten.embedding.default)
+def embedding_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
+    pw = strategy.inputs[0]
+    if not (is_shard(pw) and pw.dim == 0):
+        return info.target, args, kwargs
+    from ...placements import local_ranges
+    from ...runtime.functional import vocab_parallel_embedding
+
+    ranges = local_ranges(info.inputs[0].static(0), pw, ctx.tp, ctx.rank)
+    return vocab_parallel_embedding, (args[0], args[1], tuple(ranges)), {}
+
+
+def _norm_rule(n_normalized: int):
+    def rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+        x = info.inputs[0]
+        px = placements[0]
+        n_params = len(info.inputs) - 1
+        out = [Strategy(tuple(REPLICATE for _ in info.inputs), REPLICATE)]
+        if is_shard(px) and px.dim < x.ndim - n_normalized(info):
+            out.append(Strategy((px,) + tuple(REPLICATE for _ in range(n_params)), px))
+        return out
+
+    return rule
+
+
+register(aten.layer_norm.default)(_norm_rule(lambda info: len(info.args[1])))
+register(aten.rms_norm.default)(_norm_rule(lambda info: len(info.args[1])))
+
+
+@register(aten.scaled_dot_product_attention.default)
+def sdpa_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """q, k, v [b, heads, s, d] split alike on batch or heads; the mask broadcasts or follows."""
+    q, k, v = info.inputs[:3]
+    out = [Strategy(tuple(REPLICATE for _ in info.inputs), REPLICATE)]
+    dims = {p.dim: p for p in placements[:3] if is_shard(p) and p.dim in (0, 1)}
+    for dim, p in sorted(dims.items()):
+        if not (q.shape[dim] == k.shape[dim] == v.shape[dim]):
+            continue  # grouped-query attention: heads differ, keep whole
+        req = [p, p, p]
+        for m in info.inputs[3:]:  # the attention mask, if any
+            kdim = dim - (4 - m.ndim)
+            req.append(REPLICATE if kdim < 0 or m.shape[kdim] == 1 else p.with_dim(kdim))
+        out.append(Strategy(tuple(req), p))
+    return out
+
+
+@register(aten._softmax.default, aten._log_softmax.default, aten.softmax.int, aten.log_softmax.int)
+def softmax_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    x = info.inputs[0]
+    dim = norm_dim(info.args[1], x.ndim)
+    px = placements[0]
+    out = [Strategy((REPLICATE,), REPLICATE)]
+    if is_shard(px) and px.dim != dim:
+        out.append(Strategy((px,), px))
+    return out
+
+
+def _reduced_dims(info: OpInfo) -> tuple[list[int], bool]:
+    x = info.inputs[0]
+    dims = info.args[1] if len(info.args) > 1 else info.kwargs.get("dim")
+    keep = info.args[2] if len(info.args) > 2 else info.kwargs.get("keepdim", False)
+    if dims is None:
+        return list(range(x.ndim)), bool(keep)
+    if isinstance(dims, int):
+        dims = [dims]
+    return [norm_dim(d, x.ndim) for d in dims], bool(keep)
+
+
+def _reduction_rule(linear: bool):
+    def rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+        px = placements[0]
+        out = [Strategy((REPLICATE,), REPLICATE)]
+        if not is_shard(px):
+            if px == PARTIAL and linear:
+                out.append(Strategy((PARTIAL,), PARTIAL))
+            return out
+        dims, keep = _reduced_dims(info)
+        if px.dim in dims:
+            if linear:  # a sum over a split dim is the sum of the ranks' sums
+                out.append(Strategy((px,), PARTIAL))
+        else:
+            shift = 0 if keep else sum(1 for d in dims if d < px.dim)
+            out.append(Strategy((px,), px.with_dim(px.dim - shift)))
+        return out
+
+    return rule
+
+
+register(aten.sum.dim_IntList)(_reduction_rule(linear=True))
+register(aten.mean.dim, aten.amax.default, aten.amin.default, aten.var.correction)(_reduction_rule(linear=False))
+
+
+@register(aten.cross_entropy_loss.default, aten.nll_loss_forward.default, aten.nll_loss.default)
+def loss_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    # Mean over non-ignored targets needs the whole batch; vocab-parallel loss is its own rule.
+    return [Strategy(tuple(REPLICATE for _ in info.inputs), REPLICATE)]

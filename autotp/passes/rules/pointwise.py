@@ -1,0 +1,105 @@
+"""Elementwise ops, with broadcasting: a shard passes through when every input either holds
+the same shard of that dim or broadcasts along it (and then stays replicated).
+
+Partial values pass through the ops that are linear in them: a sum of partials is partial,
+a partial times a replicated factor is partial. ``add(Partial, Replicate)`` is *not* sound
+(the replicated term would be added tp times): that is why a row-parallel bias is added
+after the all-reduce.
+"""
+from __future__ import annotations
+
+
+import torch
+
+from ...placements import PARTIAL, REPLICATE, Shard
+from . import OpInfo, Strategy, is_partial, is_shard, register
+
+aten = torch.ops.aten
+
+# Linear in all tensor operands together (sum of partials is partial).
+ADDITIVE = [aten.add.Tensor, aten.sub.Tensor]
+# Linear in exactly one operand, the others replicated factors.
+MULTIPLICATIVE = [aten.mul.Tensor, aten.div.Tensor]
+# Unary and linear.
+LINEAR_UNARY = [aten.neg.default, aten.mul.Scalar, aten.div.Scalar]
+
+UNARY = [
+    aten.tanh.default, aten.exp.default, aten.log.default, aten.sqrt.default, aten.rsqrt.default,
+    aten.relu.default, aten.gelu.default, aten.silu.default, aten.sigmoid.default, aten.abs.default,
+    aten.pow.Tensor_Scalar, aten.sin.default, aten.cos.default, aten.erf.default,
+    aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.type_as.default,
+    aten.dropout.default, aten.add.Scalar, aten.sub.Scalar, aten.reciprocal.default,
+    aten.ne.Scalar, aten.eq.Scalar, aten.lt.Scalar, aten.le.Scalar, aten.gt.Scalar, aten.ge.Scalar,
+    aten.logical_not.default, aten.bitwise_not.default, aten.clamp.default, aten.square.default,
+    aten.softplus.default, aten.tril.default, aten.triu.default,
+]
+BINARY = [
+    aten.pow.Tensor_Tensor, aten.eq.Tensor, aten.ne.Tensor, aten.lt.Tensor, aten.le.Tensor,
+    aten.gt.Tensor, aten.ge.Tensor, aten.__and__.Tensor, aten.__or__.Tensor,
+    aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.logical_and.default,
+    aten.logical_or.default, aten.maximum.default, aten.minimum.default, aten.where.self,
+    aten.masked_fill.Scalar, aten.masked_fill.Tensor,
+]
+
+
+def _shard_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """For each output dim some input is sharded on: the strategy that shards it everywhere."""
+    out_shape = info.output.shape
+    nd = len(out_shape)
+    seen, out = set(), []
+    for meta, p in zip(info.inputs, placements):
+        if not is_shard(p):
+            continue
+        od = p.dim + nd - meta.ndim
+        if meta.shape[p.dim] != out_shape[od] or (od, p.chunks, p.unit) in seen:
+            continue
+        seen.add((od, p.chunks, p.unit))
+        shard_out = p.with_dim(od)
+        req = []
+        for m in info.inputs:
+            k = od - (nd - m.ndim)
+            if k < 0 or (m.shape[k] == 1 and out_shape[od] != 1):
+                req.append(REPLICATE)  # broadcast along the sharded dim
+            else:
+                req.append(shard_out.with_dim(k))
+        out.append(Strategy(tuple(req), shard_out))
+    return out
+
+
+def _all_replicate(info: OpInfo) -> Strategy:
+    return Strategy(tuple(REPLICATE for _ in info.inputs), REPLICATE)
+
+
+@register(*UNARY, *BINARY)
+def pointwise_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    return [_all_replicate(info), *_shard_strategies(info, placements)]
+
+
+@register(*ADDITIVE)
+def additive_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    out = pointwise_rule(info, placements)
+    if not any(is_partial(p) for p in placements):
+        return out
+    # P + P -> P; a scalar operand other than 0 would be added tp times.
+    scalars = [a for a in info.args[:2] if isinstance(a, (int, float, bool))]
+    if all(a == 0 for a in scalars):
+        out.append(Strategy(tuple(PARTIAL for _ in info.inputs), PARTIAL))
+    return out
+
+
+@register(*MULTIPLICATIVE)
+def multiplicative_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    out = pointwise_rule(info, placements)
+    n = len(info.inputs)
+    for i, p in enumerate(placements):
+        if is_partial(p) and not (info.target is aten.div.Tensor and i == 1):
+            out.append(Strategy(tuple(PARTIAL if j == i else REPLICATE for j in range(n)), PARTIAL))
+    return out
+
+
+@register(*LINEAR_UNARY)
+def linear_unary_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    out = pointwise_rule(info, placements)
+    if is_partial(placements[0]):
+        out.append(Strategy((PARTIAL,), PARTIAL))
+    return out

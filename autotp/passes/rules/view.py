@@ -1,0 +1,237 @@
+"""View-like ops: a shard follows its data through reshapes, transposes, splits and slices.
+
+The central piece is :func:`map_view_shard`: a reshape groups input and output dims into
+blocks of equal element count; a shard on one input dim is a (chunks, unit) pattern over
+its block's flat index, which lands on the one output dim of the block that can express it
+(GPT-2's ``view(b, s, 32) -> (b, s, 4, 8)`` moves a head-unit shard onto the heads dim).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import sympy
+import torch
+
+from ...placements import PARTIAL, REPLICATE, Shard
+from . import (
+    LocalContext,
+    OpInfo,
+    Strategy,
+    TensorMeta,
+    is_partial,
+    is_shard,
+    norm_dim,
+    register,
+    register_localizer,
+)
+
+aten = torch.ops.aten
+
+
+def _divides(a: sympy.Expr, b: sympy.Expr) -> bool:
+    q = sympy.cancel(b / a)
+    _, den = sympy.fraction(q)
+    return den == 1
+
+
+@lru_cache(maxsize=8192)
+def view_groups(src: tuple, dst: tuple) -> list[tuple[list[int], list[int]]] | None:
+    """Blocks of (input dims, output dims) with equal products; size-1 dims belong to none."""
+    ins = [i for i, s in enumerate(src) if s != 1]
+    outs = [j for j, s in enumerate(dst) if s != 1]
+    groups, i, j = [], 0, 0
+    while i < len(ins) and j < len(outs):
+        gi, go = [ins[i]], [outs[j]]
+        pi, po = src[ins[i]], dst[outs[j]]
+        i, j = i + 1, j + 1
+        while sympy.expand(pi - po) != 0:
+            if _divides(pi, po) and i < len(ins):
+                pi = pi * src[ins[i]]
+                gi.append(ins[i])
+                i += 1
+            elif _divides(po, pi) and j < len(outs):
+                po = po * dst[outs[j]]
+                go.append(outs[j])
+                j += 1
+            else:
+                return None
+        groups.append((gi, go))
+    if i != len(ins) or j != len(outs):
+        return None
+    return groups
+
+
+def _prod(sizes) -> sympy.Expr:
+    out = sympy.Integer(1)
+    for s in sizes:
+        out = out * s
+    return out
+
+
+@lru_cache(maxsize=8192)
+def map_view_shard(src: tuple, dst: tuple, shard: Shard) -> Shard | None:
+    """Where a shard of ``src`` lands in ``dst`` after a reshape, or None if it cannot."""
+    groups = view_groups(src, dst)
+    if groups is None:
+        return None
+    for gi, go in groups:
+        if shard.dim not in gi:
+            continue
+        k = gi.index(shard.dim)
+        before, after = _prod(src[d] for d in gi[:k]), _prod(src[d] for d in gi[k + 1:])
+        if not (before.is_Integer and after.is_Integer):
+            return None
+        flat_chunks, flat_unit = shard.chunks * int(before), shard.unit * int(after)
+        for n, j in enumerate(go):
+            qb, qa = _prod(dst[d] for d in go[:n]), _prod(dst[d] for d in go[n + 1:])
+            if not (qb.is_Integer and qa.is_Integer and dst[j].is_Integer):
+                continue
+            qb, qa = int(qb), int(qa)
+            if flat_chunks % qb == 0 and flat_unit % qa == 0:
+                c, u = flat_chunks // qb, flat_unit // qa
+                if int(dst[j]) % (c * u) == 0:
+                    return Shard(j, c, u)
+        return None
+    return None
+
+
+def _follow(info: OpInfo, placements: tuple, mapped) -> list[Strategy]:
+    """R -> R, P -> P, and S -> mapped(S) where the shard survives the op."""
+    p = placements[0]
+    out = [Strategy((REPLICATE,), REPLICATE)]
+    if is_partial(p):
+        out.append(Strategy((PARTIAL,), PARTIAL))
+    elif is_shard(p):
+        target = mapped(p)
+        if target is not None:
+            out.append(Strategy((p,), target))
+    return out
+
+
+@register(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+def view_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    src, dst = info.inputs[0].shape, info.output.shape
+    return _follow(info, placements, lambda s: map_view_shard(src, dst, s))
+
+
+def _size_list_localizer(list_pos: int):
+    def localize(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
+        out = strategy.output
+        if not is_shard(out):
+            return info.target, args, kwargs
+        sizes = list(args[list_pos])
+        sizes[out.dim] = ctx.local(sizes[out.dim], info.output.shape[out.dim], out)
+        args = args[:list_pos] + (sizes,) + args[list_pos + 1:]
+        return info.target, args, kwargs
+
+    return localize
+
+
+register_localizer(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default)(
+    _size_list_localizer(1)
+)
+
+
+@register(aten.alias.default, aten.contiguous.default, aten.clone.default, aten.detach.default,
+          aten.lift_fresh_copy.default)
+def identity_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    return _follow(info, placements, lambda s: s)
+
+
+@register(aten.transpose.int)
+def transpose_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    nd = info.inputs[0].ndim
+    a, b = norm_dim(info.args[1], nd), norm_dim(info.args[2], nd)
+    swap = {a: b, b: a}
+    return _follow(info, placements, lambda s: s.with_dim(swap.get(s.dim, s.dim)))
+
+
+@register(aten.t.default)
+def t_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    nd = info.inputs[0].ndim
+    return _follow(info, placements, lambda s: s.with_dim(nd - 1 - s.dim) if nd == 2 else s)
+
+
+@register(aten.permute.default)
+def permute_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    nd = info.inputs[0].ndim
+    perm = [norm_dim(d, nd) for d in info.args[1]]
+    return _follow(info, placements, lambda s: s.with_dim(perm.index(s.dim)))
+
+
+@register(aten.unsqueeze.default)
+def unsqueeze_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    d = norm_dim(info.args[1], info.output.ndim)
+    return _follow(info, placements, lambda s: s.with_dim(s.dim + 1 if s.dim >= d else s.dim))
+
+
+@register(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def squeeze_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    src, dst = info.inputs[0].shape, info.output.shape
+    return _follow(info, placements, lambda s: map_view_shard(src, dst, s))
+
+
+@register(aten.expand.default)
+def expand_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    src, dst = info.inputs[0].shape, info.output.shape
+    lead = len(dst) - len(src)
+
+    def mapped(s: Shard):
+        return s.with_dim(s.dim + lead) if src[s.dim] == dst[s.dim + lead] else None
+
+    return _follow(info, placements, mapped)
+
+
+@register(aten.slice.Tensor)
+def slice_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    nd = info.inputs[0].ndim
+    dim = norm_dim(info.args[1] if len(info.args) > 1 else 0, nd)
+    src, dst = info.inputs[0].shape, info.output.shape
+    # Slicing a sharded dim would need global indices; slicing others keeps the shard.
+    return _follow(info, placements, lambda s: s if s.dim != dim or src[dim] == dst[dim] else None)
+
+
+@register(aten.select.int)
+def select_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    nd = info.inputs[0].ndim
+    dim = norm_dim(info.args[1], nd)
+    return _follow(info, placements,
+                   lambda s: None if s.dim == dim else s.with_dim(s.dim - 1 if s.dim > dim else s.dim))
+
+
+def _split_pieces(info: OpInfo) -> tuple[int, list]:
+    nd = info.inputs[0].ndim
+    dim = norm_dim(info.args[2] if len(info.args) > 2 else info.kwargs.get("dim", 0), nd)
+    return dim, [o.shape[dim] for o in info.output]
+
+
+@register(aten.split.Tensor, aten.split_with_sizes.default)
+def split_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    p = placements[0]
+    dim, pieces = _split_pieces(info)
+    n = len(pieces)
+    out = [Strategy((REPLICATE,), tuple(REPLICATE for _ in range(n)))]
+    if is_partial(p):
+        out.append(Strategy((PARTIAL,), tuple(PARTIAL for _ in range(n))))
+    elif is_shard(p):
+        if p.dim != dim:
+            out.append(Strategy((p,), tuple(p for _ in range(n))))
+        elif len(set(pieces)) == 1 and p.chunks % n == 0:
+            # Equal pieces aligned with the shard's blocks: piece i is blocks [i*c/n, (i+1)*c/n).
+            piece = Shard(dim, p.chunks // n, p.unit)
+            out.append(Strategy((p,), tuple(piece for _ in range(n))))
+    return out
+
+
+@register_localizer(aten.split.Tensor, aten.split_with_sizes.default)
+def split_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
+    piece = strategy.output[0]
+    dim, pieces = _split_pieces(info)
+    if not is_shard(piece) or piece.dim != dim:
+        return info.target, args, kwargs
+    if info.target is aten.split.Tensor:
+        size = ctx.local(args[1], pieces[0], piece)
+        return info.target, (args[0], size) + tuple(args[2:]), kwargs
+    sizes = [ctx.local(a, s, piece) for a, s in zip(args[1], pieces)]
+    return info.target, (args[0], sizes) + tuple(args[2:]), kwargs

@@ -1,0 +1,157 @@
+"""Placements of a tensor on the tensor-parallel group.
+
+A tensor is ``Replicate()`` (every rank holds all of it), ``Partial()`` (every rank holds a
+summand; the value is the sum over ranks) or ``Shard(dim, chunks, unit)``.
+
+``Shard`` covers GPT-2's traps in one description. The sharded dimension is viewed as ``chunks``
+equal blocks laid side by side (q, k and v in a fused ``c_attn``: chunks=3); each block is cut
+into atoms of ``unit`` elements (one attention head: unit=head_dim) and the atoms are dealt to
+the ranks in contiguous runs, the first ``n_atoms % tp`` ranks taking one atom more. With
+chunks=1 and unit=1 this is the plain contiguous shard; when tp divides the atoms every rank
+holds the same amount (an even shard).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Union
+
+
+@dataclass(frozen=True)
+class Replicate:
+    def __repr__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True)
+class Partial:
+    """Each rank holds a summand; the value is the sum over the TP group."""
+
+    def __repr__(self) -> str:
+        return "P"
+
+
+@dataclass(frozen=True)
+class Shard:
+    dim: int
+    chunks: int = 1
+    unit: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dim < 0:
+            raise ValueError(f"Shard.dim must be normalized to >= 0, got {self.dim}")
+        if self.chunks < 1 or self.unit < 1:
+            raise ValueError(f"Shard chunks and unit must be >= 1, got {self.chunks}, {self.unit}")
+
+    def __repr__(self) -> str:
+        extra = ""
+        if self.chunks != 1:
+            extra += f"x{self.chunks}"
+        if self.unit != 1:
+            extra += f"/{self.unit}"
+        return f"S({self.dim}{extra})"
+
+    def with_dim(self, dim: int) -> "Shard":
+        return Shard(dim, self.chunks, self.unit)
+
+
+Placement = Union[Replicate, Shard, Partial]
+REPLICATE = Replicate()
+PARTIAL = Partial()
+
+
+def atoms_per_chunk(size: int, shard: Shard) -> int:
+    """How many atoms one block holds; raises if the dimension does not factor."""
+    if size % (shard.chunks * shard.unit):
+        raise ValueError(
+            f"dimension of size {size} does not split into {shard.chunks} blocks of "
+            f"{shard.unit}-element atoms"
+        )
+    return size // (shard.chunks * shard.unit)
+
+
+def divides(size: int, shard: Shard) -> bool:
+    return size % (shard.chunks * shard.unit) == 0
+
+
+@lru_cache(maxsize=None)
+def _atom_runs(n_atoms: int, tp: int) -> tuple[tuple[int, int], ...]:
+    base, extra = divmod(n_atoms, tp)
+    runs, start = [], 0
+    for rank in range(tp):
+        count = base + (1 if rank < extra else 0)
+        runs.append((start, count))
+        start += count
+    return tuple(runs)
+
+
+def is_even(size: int, shard: Shard, tp: int) -> bool:
+    return atoms_per_chunk(size, shard) % tp == 0
+
+
+def local_size(size: int, shard: Shard, tp: int, rank: int) -> int:
+    """Elements of the sharded dimension held by ``rank``."""
+    _, count = _atom_runs(atoms_per_chunk(size, shard), tp)[rank]
+    return shard.chunks * count * shard.unit
+
+
+def max_local_size(size: int, shard: Shard, tp: int) -> int:
+    return max(local_size(size, shard, tp, r) for r in range(tp))
+
+
+def local_ranges(size: int, shard: Shard, tp: int, rank: int) -> tuple[tuple[int, int], ...]:
+    """The [start, stop) index ranges of the full dimension that ``rank`` holds, in local order."""
+    n_atoms = atoms_per_chunk(size, shard)
+    start, count = _atom_runs(n_atoms, tp)[rank]
+    block = size // shard.chunks
+    return tuple(
+        (c * block + start * shard.unit, c * block + (start + count) * shard.unit)
+        for c in range(shard.chunks)
+        if count
+    )
+
+
+@lru_cache(maxsize=4096)
+def layout(size: int, shard: Shard, tp: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Canonical per-rank ranges (adjacent ranges merged): two shards with equal layouts
+    hold the same elements on every rank, whatever their chunks and unit say."""
+    out = []
+    for rank in range(tp):
+        merged: list[list[int]] = []
+        for a, b in local_ranges(size, shard, tp, rank):
+            if merged and merged[-1][1] == a:
+                merged[-1][1] = b
+            else:
+                merged.append([a, b])
+        out.append(tuple((a, b) for a, b in merged))
+    return tuple(out)
+
+
+def same_placement(a: Placement | None, b: Placement | None, size: int | None, tp: int) -> bool:
+    """Whether two placements hold the same data on every rank (sizes compared by layout)."""
+    if a == b:
+        return True
+    if isinstance(a, Shard) and isinstance(b, Shard) and a.dim == b.dim and isinstance(size, int):
+        if not (divides(size, a) and divides(size, b)):
+            return False
+        return layout(size, a, tp) == layout(size, b, tp)
+    return False
+
+
+def to_json(p: Placement) -> dict:
+    if isinstance(p, Shard):
+        return {"kind": "shard", "dim": p.dim, "chunks": p.chunks, "unit": p.unit}
+    if isinstance(p, Partial):
+        return {"kind": "partial"}
+    return {"kind": "replicate"}
+
+
+def from_json(d: dict) -> Placement:
+    kind = d.get("kind")
+    if kind == "shard":
+        return Shard(int(d["dim"]), int(d.get("chunks", 1)), int(d.get("unit", 1)))
+    if kind == "partial":
+        return PARTIAL
+    if kind == "replicate":
+        return REPLICATE
+    raise ValueError(f"unknown placement kind {kind!r}")

@@ -1,0 +1,204 @@
+"""Plan: what autotp decided, in a form a person can read and a program can reload.
+
+A plan holds every parameter's placement and role (column, row, vocab, replicate), every
+collective with its bytes per step, and the predicted cost per rank. ``print(plan)`` shows it
+as tables; ``to_json``/``from_json`` round-trip it (versioned JSON, no pickle).
+"""
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigError
+from .placements import Partial, Placement, Replicate, Shard, from_json, local_size, to_json
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CommOp:
+    kind: str            # f, g, all_gather, scatter, reduce_scatter
+    tensor: str          # the graph node it applies to
+    consumer: str        # the op that needed it
+    src: str
+    dst: str
+    fwd_bytes: float     # per rank per step, at the planning workload
+    bwd_bytes: float
+    seconds: float
+
+
+@dataclass
+class Plan:
+    tp: int
+    profile: str
+    batch: int
+    seq: int
+    params: dict[str, Placement]                    # FQN -> placement (full: dim, chunks, unit)
+    shapes: dict[str, tuple[int, ...]]              # FQN -> full shape
+    roles: dict[str, str]                           # FQN -> column | row | vocab | replicate | shard
+    comms: list[CommOp] = field(default_factory=list)
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    dtype_bytes: int = 4
+    aliases: dict[str, str] = field(default_factory=dict)   # tied name -> FQN held
+
+    # ---- what users inspect -------------------------------------------------------------
+    @property
+    def param_layouts(self) -> dict[str, str]:
+        return dict(self.roles)
+
+    @property
+    def cost(self) -> dict[str, Any]:
+        per_rank = self.param_bytes_per_rank()
+        return {
+            "compute_s": self.compute_s,
+            "comm_s": self.comm_s,
+            "step_s": self.compute_s + self.comm_s,
+            "param_bytes_per_rank": per_rank,
+            "param_bytes_serial": self.serial_param_bytes(),
+            "comm_bytes_per_step": sum(c.fwd_bytes + c.bwd_bytes for c in self.comms),
+        }
+
+    def local_shape(self, name: str, rank: int) -> tuple[int, ...]:
+        shape = list(self.shapes[name])
+        p = self.params[name]
+        if isinstance(p, Shard):
+            shape[p.dim] = local_size(shape[p.dim], p, self.tp, rank)
+        return tuple(shape)
+
+    def param_bytes_per_rank(self) -> list[int]:
+        out = []
+        for rank in range(self.tp):
+            total = 0
+            for name in self.params:
+                n = 1
+                for s in self.local_shape(name, rank):
+                    n *= s
+                total += n
+            out.append(total * self.dtype_bytes)
+        return out
+
+    def serial_param_bytes(self) -> int:
+        total = 0
+        for shape in self.shapes.values():
+            n = 1
+            for s in shape:
+                n *= s
+            total += n
+        return total * self.dtype_bytes
+
+    def comm_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for c in self.comms:
+            counts[c.kind] = counts.get(c.kind, 0) + 1
+        return counts
+
+    # ---- printing -------------------------------------------------------------------------
+    def __str__(self) -> str:
+        from rich.console import Console
+        from rich.table import Table
+
+        buf = io.StringIO()
+        console = Console(file=buf, width=120, force_terminal=False, color_system=None)
+        head = Table(title=f"autotp plan: tp={self.tp}, profile={self.profile}, workload batch={self.batch} seq={self.seq}")
+        head.add_column("parameter")
+        head.add_column("shape", justify="right")
+        head.add_column("layout")
+        head.add_column("placement")
+        head.add_column("local shape (rank 0)", justify="right")
+        for name, p in self.params.items():
+            head.add_row(name, "x".join(map(str, self.shapes[name])), self.roles[name], repr(p),
+                         "x".join(map(str, self.local_shape(name, 0))))
+        console.print(head)
+        comms = Table(title="communication per step")
+        for col in ("op", "tensor", "before", "placement", "fwd MB/rank", "bwd MB/rank", "ms"):
+            comms.add_column(col)
+        for c in self.comms:
+            comms.add_row(c.kind, c.tensor, c.consumer, f"{c.src}->{c.dst}", f"{c.fwd_bytes / 1e6:.2f}",
+                          f"{c.bwd_bytes / 1e6:.2f}", f"{c.seconds * 1e3:.3f}")
+        console.print(comms)
+        cost = self.cost
+        per_rank = ", ".join(f"{b / 1e6:.1f}" for b in cost["param_bytes_per_rank"])
+        counts = ", ".join(f"{k}={v}" for k, v in sorted(self.comm_counts().items())) or "none"
+        console.print(
+            f"collectives: {counts}\n"
+            f"predicted step: {cost['step_s'] * 1e3:.3f} ms (compute {cost['compute_s'] * 1e3:.3f} ms, "
+            f"communication {cost['comm_s'] * 1e3:.3f} ms); {cost['comm_bytes_per_step'] / 1e6:.1f} MB sent per rank\n"
+            f"parameter MB per rank: [{per_rank}] vs serial {cost['param_bytes_serial'] / 1e6:.1f}"
+        )
+        return buf.getvalue()
+
+    # ---- JSON -------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        doc = {
+            "autotp_plan": SCHEMA_VERSION,
+            "tp": self.tp, "profile": self.profile, "batch": self.batch, "seq": self.seq,
+            "dtype_bytes": self.dtype_bytes,
+            "params": {k: {"placement": to_json(p), "shape": list(self.shapes[k]), "role": self.roles[k]}
+                       for k, p in self.params.items()},
+            "aliases": self.aliases,
+            "comms": [c.__dict__ for c in self.comms],
+            "compute_s": self.compute_s, "comm_s": self.comm_s,
+        }
+        return json.dumps(doc, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"not an autotp plan: invalid JSON ({exc})") from None
+        version = doc.get("autotp_plan") if isinstance(doc, dict) else None
+        if version != SCHEMA_VERSION:
+            raise ConfigError(
+                f"autotp plan schema version {version!r} is not supported (this autotp reads version "
+                f"{SCHEMA_VERSION}); re-create the plan with autotp.plan(...)"
+            )
+        params = {k: from_json(v["placement"]) for k, v in doc["params"].items()}
+        return cls(
+            tp=doc["tp"], profile=doc["profile"], batch=doc["batch"], seq=doc["seq"], params=params,
+            shapes={k: tuple(v["shape"]) for k, v in doc["params"].items()},
+            roles={k: v["role"] for k, v in doc["params"].items()},
+            comms=[CommOp(**c) for c in doc.get("comms", [])],
+            compute_s=doc.get("compute_s", 0.0), comm_s=doc.get("comm_s", 0.0),
+            dtype_bytes=doc.get("dtype_bytes", 4), aliases=doc.get("aliases", {}),
+        )
+
+
+def role_of(placement: Placement, first_use: Any, arg_pos: int) -> str:
+    """Name a parameter's layout in the paper's words, from the op that uses it first."""
+    import torch
+
+    aten = torch.ops.aten
+    if isinstance(placement, Replicate) or placement is None:
+        return "replicate"
+    if not isinstance(placement, Shard):
+        return repr(placement)
+    d = placement.dim
+    if first_use is aten.mm.default and arg_pos == 1:
+        return "column" if d == 1 else "row"
+    if first_use is aten.linear.default and arg_pos == 1:
+        return "column" if d == 0 else "row"
+    if first_use is aten.embedding.default and arg_pos == 0:
+        return "vocab" if d == 0 else "column"
+    return "column"  # a 1-D parameter split along a column-parallel output (its bias)
+
+
+def param_bytes_per_rank(index: Any, prop: Any) -> list[int]:
+    """Per-rank parameter bytes of a propagation (used by the solver's memory limit)."""
+    cap = index.capture
+    out = [0] * index.tp
+    for node in cap.graph.nodes:
+        if node.op != "placeholder" or node.name not in cap.param_names:
+            continue
+        val = node.meta["val"]
+        p = prop.params.get(node.name)
+        for rank in range(index.tp):
+            n = val.numel()
+            if isinstance(p, Shard):
+                size = int(val.shape[p.dim])
+                n = n // size * local_size(size, p, index.tp, rank)
+            out[rank] += n * val.element_size()
+    return out

@@ -1,0 +1,87 @@
+"""ParallelModule: this rank's parameter shards + the rewritten graph, called like the model.
+
+``pm(**kwargs)`` takes the keyword inputs the model was captured with and returns the same
+output structure as the serial model (a HuggingFace ``ModelOutput`` for HF models), with
+logits and loss whole on every rank. ``pm.graph_module`` is the per-rank program (print its
+``.code`` to see the f/g nodes); ``pm.plan`` is the plan it executes.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from ..capture import Capture, flat_inputs, unflatten_outputs
+from ..errors import InputError
+from ..plan import Plan
+from ..placements import Shard
+from .collectives import local_shard
+
+
+class _ParamTree(nn.Module):
+    """Holds parameters under their original dotted names (``transformer.h.0.attn...``)."""
+
+    def put(self, fqn: str, param: nn.Parameter) -> None:
+        *path, leaf = fqn.split(".")
+        mod: nn.Module = self
+        for part in path:
+            if not hasattr(mod, part) or not isinstance(getattr(mod, part), nn.Module):
+                mod.add_module(part, _ParamTree())
+            mod = getattr(mod, part)
+        mod.register_parameter(leaf, param)
+
+
+class ParallelModule(nn.Module):
+    def __init__(self, capture: Capture, plan: Plan, graph_module: fx.GraphModule, mesh: Any,
+                 model: nn.Module, device: torch.device):
+        super().__init__()
+        self.capture = capture
+        self.plan = plan
+        self.graph_module = graph_module
+        self.mesh = mesh
+        self.device = device
+        self.local = _ParamTree()
+        full_params = dict(model.named_parameters(remove_duplicate=False))
+        full_buffers = dict(model.named_buffers(remove_duplicate=False))
+        tp, rank = plan.tp, mesh.tp_rank if mesh is not None else 0
+        self._param_order: list[str] = []
+        for placeholder, fqn in capture.param_names.items():
+            if fqn in capture.aliases:      # a tied twin: fed the tensor it is tied to
+                self._param_order.append(capture.aliases[fqn])
+                continue
+            full = full_params[fqn].detach()
+            p = plan.params[fqn]
+            local = local_shard(full, p, tp, rank) if isinstance(p, Shard) else full
+            local = local.to(device).clone()
+            self.local.put(fqn, nn.Parameter(local, requires_grad=full_params[fqn].requires_grad))
+            self._param_order.append(fqn)
+        self._buffers_in: list[torch.Tensor] = []
+        for placeholder, fqn in capture.buffer_names.items():
+            self.register_buffer(f"_buf_{len(self._buffers_in)}", full_buffers[fqn].to(device))
+            self._buffers_in.append(getattr(self, f"_buf_{len(self._buffers_in)}"))
+        self._constants = [capture.constants[name].to(device) for name in capture.constant_names.values()]
+
+    def local_parameter(self, fqn: str) -> nn.Parameter:
+        return self.local.get_parameter(self.plan.aliases.get(fqn, fqn))
+
+    def forward(self, **kwargs: Any) -> Any:
+        flat = flat_inputs(self.capture, kwargs)
+        self._check_ranges(kwargs)
+        params = [self.local.get_parameter(fqn) for fqn in self._param_order]
+        buffers = [getattr(self, f"_buf_{i}") for i in range(len(self._buffers_in))]
+        outputs = self.graph_module(*params, *buffers, *self._constants, *flat)
+        return unflatten_outputs(self.capture, outputs)
+
+    def _check_ranges(self, kwargs: dict[str, Any]) -> None:
+        for key, (lo, hi) in self.capture.range_constraints.items():
+            name, dim = key.rsplit(".", 1)
+            value = kwargs.get(name)
+            if isinstance(value, torch.Tensor) and value.dim() > int(dim):
+                size = value.shape[int(dim)]
+                if size > hi:
+                    raise InputError(
+                        f"{name} has {size} elements in dim {dim} but the model was captured for at most "
+                        f"{hi} there (the model's maximum positions); shorten the input or use a model "
+                        "with more positions"
+                    )

@@ -1,0 +1,56 @@
+#!/usr/bin/env python3
+"""The repo's two commands, on a machine that has only python3.
+
+    python3 dev.py main     # parallelize GPT-2 on local gloo ranks, print the plan, check it
+    python3 dev.py test     # the test suite (fast tier; add pytest args after `test`)
+
+Both create `.venv/` in the repo on first use and install what they need: a CPU build of
+torch pinned first (an unpinned torch pulls a multi-GB CUDA build), then autotp with its test
+extra in editable mode. The install is redone only when pyproject.toml changes.
+"""
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+PY = VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+TORCH_PIN = "torch==2.13.0"
+
+
+def ensure_env() -> None:
+    stamp = VENV / ".autotp-installed"
+    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + TORCH_PIN.encode()).hexdigest()
+    if stamp.exists() and stamp.read_text() == want:
+        return
+    if not PY.exists():
+        print("creating .venv ...", flush=True)
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    pip = [str(PY), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    have_torch = subprocess.run([str(PY), "-c", "import torch"], capture_output=True).returncode == 0
+    if not have_torch:
+        print(f"installing {TORCH_PIN} (CPU build) ...", flush=True)
+        subprocess.check_call(pip + [TORCH_PIN])
+    print("installing autotp[test] ...", flush=True)
+    subprocess.check_call(pip + ["-e", f"{ROOT}[test]"])
+    stamp.write_text(want)
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in {"main", "test"}:
+        print(__doc__)
+        return 2
+    ensure_env()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if argv[0] == "main":
+        cmd = [str(PY), str(ROOT / "examples" / "gpt2_tp.py"), *argv[1:]]
+    else:
+        cmd = [str(PY), "-m", "pytest", "-q", *argv[1:]]
+    return subprocess.call(cmd, cwd=ROOT, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
