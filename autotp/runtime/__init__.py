@@ -1,0 +1,1 @@
+"""Runtime: process groups (``mesh``) and the tensor-parallel collectives (``collectives``)."""

@@ -1,0 +1,328 @@
+"""Megatron's tensor-parallel mappings as autograd Functions, forward and backward side by side.
+
+Every mapping takes the TP ``group`` (a torch.distributed ProcessGroup). ``group=None`` means a
+group of one rank: every mapping is then the identity (or plain slicing), with no communication.
+
+    mapping          forward                              backward
+    f  copy_to_tp    identity                             all-reduce(sum)
+    g  reduce_from   all-reduce(sum)                      identity
+    gather_from_tp   all-gather shards -> full            keep this rank's slice
+    scatter_to_tp    keep this rank's slice               all-gather -> full
+    reduce_scatter   sum over ranks, keep this rank's     all-gather -> full
+                     slice (Partial -> Shard)
+
+Sharded layouts follow ``autotp.placements.Shard`` (chunks, unit, uneven runs). Collectives need
+equal sizes on every rank, so uneven shards are padded to ``max_local_size`` and cut back (a
+reduce-scatter of uneven or interleaved shards is still one reduce-scatter, over padded blocks).
+Collectives write into fresh tensors, never into their inputs, and a failed
+torch.distributed call surfaces as ``autotp.errors.CommError`` naming the op and the group.
+
+``CopyToTP``, ``ReduceFromTP``, ... wrap the mappings as ``nn.Module``s so that rewritten torch.fx
+graphs call them as ``call_module`` nodes and ``print(gm.code)`` shows them by name.
+"""
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from autotp.errors import AutotpError, CommError
+from autotp.placements import Shard, local_ranges, local_size, max_local_size
+
+__all__ = [
+    "copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "reduce_scatter_to_tp",
+    "local_shard", "assemble", "group_size", "group_rank", "group_ranks",
+    "CopyToTP", "ReduceFromTP", "GatherFromTP", "ScatterToTP", "ReduceScatterToTP",
+]
+
+
+# ---------------------------------------------------------------- groups and errors
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def group_ranks(group) -> tuple[int, ...] | None:
+    """Global ranks of ``group``, or None when they cannot be known (no process group)."""
+    if group is None:
+        return None
+    try:
+        return tuple(dist.get_process_group_ranks(group))
+    except Exception:  # only used to word messages; never let it mask the real error
+        return None
+
+
+@contextmanager
+def _comm(op: str, group) -> Iterator[None]:
+    """Turn a torch.distributed failure (timeout, lost peer, backend error) into a CommError."""
+    try:
+        yield
+    except AutotpError:
+        raise
+    except Exception as e:
+        ranks = group_ranks(group)
+        where = f"the TP group of ranks {list(ranks)}" if ranks is not None else "the TP group"
+        raise CommError(
+            f"{op} failed on {where}: {type(e).__name__}: {e}\n"
+            "Check whether a rank died, raised, or took a different code path (ranks must call "
+            "the same collectives in the same order). A rank that is merely slow hits the "
+            "collective timeout, fixed when the process group is created: "
+            "autotp.runtime.mesh.DEFAULT_TIMEOUT unless the timeout= argument of "
+            "autotp.runtime.mesh.init_from_env (or of launch / LocalCluster) says otherwise."
+        ) from e
+
+
+def _all_reduce(x: Tensor, group, op: str) -> Tensor:
+    out = x.detach().clone(memory_format=torch.contiguous_format)  # never reduce in place
+    if group_size(group) > 1:
+        with _comm(op, group):
+            dist.all_reduce(out, group=group)
+    return out
+
+
+# ---------------------------------------------------------------- layouts (no communication)
+
+def local_shard(full: Tensor, shard: Shard, tp: int, rank: int) -> Tensor:
+    """The part of ``full`` that ``rank`` holds under ``shard`` (contiguous, possibly empty)."""
+    d = shard.dim
+    ranges = local_ranges(full.shape[d], shard, tp, rank)
+    if not ranges:
+        return full.narrow(d, 0, 0).contiguous()
+    return torch.cat([full.narrow(d, a, b - a) for a, b in ranges], dim=d).contiguous()
+
+
+def assemble(pieces: Sequence[Tensor], shard: Shard, full_size: int) -> Tensor:
+    """Inverse of ``local_shard``: ``pieces[r]`` is rank r's shard; returns the full tensor."""
+    d, tp = shard.dim, len(pieces)
+    segments: list[tuple[int, Tensor]] = []
+    for rank, piece in enumerate(pieces):
+        offset = 0
+        for a, b in local_ranges(full_size, shard, tp, rank):
+            segments.append((a, piece.narrow(d, offset, b - a)))
+            offset += b - a
+    segments.sort(key=lambda s: s[0])  # the ranges of all ranks tile [0, full_size)
+    if not segments:
+        return pieces[0].narrow(d, 0, 0)
+    return torch.cat([t for _, t in segments], dim=d)
+
+
+def _pad_front(x: Tensor, size: int) -> Tensor:
+    """Zero-pad dim 0 of ``x`` to ``size`` rows (contiguous)."""
+    if x.shape[0] == size:
+        return x.contiguous()
+    pad = x.new_zeros((size - x.shape[0],) + tuple(x.shape[1:]))
+    return torch.cat([x, pad], dim=0)
+
+
+def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tensor:
+    """All ranks' shards of ``x`` assembled into the full tensor (no autograd)."""
+    tp, x = group_size(group), x.detach()
+    if tp == 1:
+        return x.contiguous()
+    d, width = shard.dim, max_local_size(full_size, shard, tp)
+    # Collectives concatenate equal-sized tensors: put the sharded dim first and pad it.
+    send = _pad_front(x.movedim(d, 0), width)
+    recv = [torch.empty_like(send) for _ in range(tp)]
+    with _comm(op, group):
+        dist.all_gather(recv, send, group=group)
+    pieces = [
+        recv[r][: local_size(full_size, shard, tp, r)].movedim(0, d) for r in range(tp)
+    ]
+    return assemble(pieces, shard, full_size).contiguous()
+
+
+def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tensor:
+    """Sum ``x`` over the ranks and keep this rank's shard (no autograd)."""
+    tp, rank, x = group_size(group), group_rank(group), x.detach()
+    if tp == 1:
+        return local_shard(x, shard, 1, 0)
+    if x.device.type != "cpu" and dist.get_backend(group) == "gloo":
+        # gloo reduce-scatters CPU tensors only; it all-reduces GPU tensors (ranks sharing a GPU).
+        return local_shard(_all_reduce(x, group, op), shard, tp, rank)
+    d, width = shard.dim, max_local_size(full_size, shard, tp)
+    # One padded block per rank, in rank order: a reduce-scatter of equal sizes, even when the
+    # shard is uneven or interleaved (chunks > 1); the zero padding sums to zero and is cut.
+    send = [_pad_front(local_shard(x, shard, tp, r).movedim(d, 0), width) for r in range(tp)]
+    out = torch.empty_like(send[rank])
+    with _comm(op, group):
+        dist.reduce_scatter(out, send, group=group)
+    return out[: local_size(full_size, shard, tp, rank)].movedim(0, d).contiguous()
+
+
+# ---------------------------------------------------------------- the mappings
+
+class _CopyToTP(torch.autograd.Function):
+    """f: identity forward, all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group, "all_reduce in f (backward)"), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group, "all_reduce in g (forward)")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """Shard -> Replicate: all-gather forward, keep this rank's slice backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, shard, full_size):
+        ctx.group, ctx.shard = group, shard
+        return _all_gather(x, group, shard, full_size, "all_gather in gather_from_tp (forward)")
+
+    @staticmethod
+    def backward(ctx, grad):
+        g, s = ctx.group, ctx.shard
+        return local_shard(grad, s, group_size(g), group_rank(g)), None, None, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    """Replicate -> Shard: keep this rank's slice forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, shard, full_size):
+        ctx.group, ctx.shard, ctx.full_size = group, shard, full_size
+        return local_shard(x, shard, group_size(group), group_rank(group))
+
+    @staticmethod
+    def backward(ctx, grad):
+        op = "all_gather in scatter_to_tp (backward)"
+        return _all_gather(grad, ctx.group, ctx.shard, ctx.full_size, op), None, None, None
+
+
+class _ReduceScatterToTP(torch.autograd.Function):
+    """Partial -> Shard: reduce-scatter forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, shard, full_size):
+        ctx.group, ctx.shard, ctx.full_size = group, shard, full_size
+        op = "reduce_scatter in reduce_scatter_to_tp (forward)"
+        return _reduce_scatter(x, group, shard, full_size, op)
+
+    @staticmethod
+    def backward(ctx, grad):
+        op = "all_gather in reduce_scatter_to_tp (backward)"
+        return _all_gather(grad, ctx.group, ctx.shard, ctx.full_size, op), None, None, None
+
+
+def copy_to_tp(x: Tensor, group) -> Tensor:
+    """f: a Replicate activation enters sharded compute."""
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: Tensor, group) -> Tensor:
+    """g: a Partial activation becomes Replicate."""
+    return _ReduceFromTP.apply(x, group)
+
+
+def gather_from_tp(x: Tensor, group, shard: Shard, full_size: int) -> Tensor:
+    """A Shard becomes Replicate; ``full_size`` is the gathered size of ``shard.dim``."""
+    return _GatherFromTP.apply(x, group, shard, full_size)
+
+
+def scatter_to_tp(x: Tensor, group, shard: Shard, full_size: int) -> Tensor:
+    """A Replicate tensor becomes this rank's Shard (``full_size`` = ``x.shape[shard.dim]``)."""
+    return _ScatterToTP.apply(x, group, shard, full_size)
+
+
+def reduce_scatter_to_tp(x: Tensor, group, shard: Shard, full_size: int) -> Tensor:
+    """A Partial tensor becomes this rank's Shard of the sum."""
+    return _ReduceScatterToTP.apply(x, group, shard, full_size)
+
+
+# ---------------------------------------------------------------- modules for fx graphs
+
+class _CommModule(nn.Module):
+    kind = ""
+
+    def __init__(self, group) -> None:
+        super().__init__()
+        self.group = group  # a ProcessGroup is neither a parameter nor a buffer: plain attribute
+
+    def __deepcopy__(self, memo):
+        # Process groups cannot be copied; a copied graph talks over the same group.
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = value if key == "group" else copy.deepcopy(value, memo)
+        return new
+
+    def _group_repr(self) -> str:
+        ranks = group_ranks(self.group)
+        return "group=None" if self.group is None else f"ranks={list(ranks) if ranks else '?'}"
+
+
+class _ShardedCommModule(_CommModule):
+    def __init__(self, group, shard: Shard, full_size: int) -> None:
+        super().__init__(group)
+        self.shard, self.full_size = shard, int(full_size)
+
+    def extra_repr(self) -> str:
+        return f"{self._group_repr()}, shard={self.shard!r}, full_size={self.full_size}"
+
+
+class CopyToTP(_CommModule):
+    """f: identity forward, all-reduce of the gradient backward."""
+
+    kind = "f"
+
+    def forward(self, x: Tensor) -> Tensor:
+        return copy_to_tp(x, self.group)
+
+    def extra_repr(self) -> str:
+        return self._group_repr()
+
+
+class ReduceFromTP(_CommModule):
+    """g: all-reduce forward, identity backward."""
+
+    kind = "g"
+
+    def forward(self, x: Tensor) -> Tensor:
+        return reduce_from_tp(x, self.group)
+
+    def extra_repr(self) -> str:
+        return self._group_repr()
+
+
+class GatherFromTP(_ShardedCommModule):
+    kind = "all_gather"
+
+    def forward(self, x: Tensor) -> Tensor:
+        return gather_from_tp(x, self.group, self.shard, self.full_size)
+
+
+class ScatterToTP(_ShardedCommModule):
+    kind = "scatter"
+
+    def forward(self, x: Tensor) -> Tensor:
+        return scatter_to_tp(x, self.group, self.shard, self.full_size)
+
+
+class ReduceScatterToTP(_ShardedCommModule):
+    kind = "reduce_scatter"
+
+    def forward(self, x: Tensor) -> Tensor:
+        return reduce_scatter_to_tp(x, self.group, self.shard, self.full_size)

@@ -1,0 +1,152 @@
+"""Process groups for tensor parallelism inside a DP x TP mesh.
+
+``init_from_env`` initializes torch.distributed from torchrun's environment (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT). ``get_mesh(tp)`` splits the initialized world into TP groups of
+neighbouring ranks ([0..tp-1], [tp..2tp-1], ...; one node's fast links stay inside a TP group)
+and DP groups across them (ranks i, i+tp, i+2tp, ...), as in Figure 8 of the Megatron-LM paper.
+
+Collectives that do not complete within ``DEFAULT_TIMEOUT`` (300 s) raise instead of hanging
+forever: long enough for a slow first step (compilation, a checkpoint load on one rank), short
+enough that a dead or diverged rank is reported within minutes. Pass ``timeout=`` to
+``init_from_env`` to change it; groups made by ``get_mesh`` inherit the world's timeout.
+"""
+from __future__ import annotations
+
+import datetime
+import numbers
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from autotp.errors import ConfigError
+
+__all__ = ["DEFAULT_TIMEOUT", "TPMesh", "init_from_env", "get_mesh"]
+
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+# get_mesh's groups, per (tp, backend), for the world they were made in. new_group is a
+# collective and each call creates new communicators: tests that ask for the same mesh hundreds
+# of times must get the same groups back.
+_MESHES: dict[tuple[int, str | None], "TPMesh"] = {}
+_MESHES_WORLD = None  # the default group _MESHES belongs to
+
+
+def _choose_backend() -> str:
+    # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"): it needs a GPU per local rank.
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    if torch.cuda.is_available() and local_world <= torch.cuda.device_count():
+        return "nccl"
+    return "gloo"
+
+
+def init_from_env(backend: str | None = None, timeout: datetime.timedelta | None = None) -> str | None:
+    """Initialize torch.distributed from torchrun's environment if that has not been done.
+
+    Returns the default group's backend name, or None when torch.distributed is not initialized
+    and the torchrun variables are absent (nothing to initialize from).
+    """
+    if dist.is_initialized():
+        return dist.get_backend()
+    if not all(v in os.environ for v in _TORCHRUN_VARS):
+        return None
+    backend = backend or _choose_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=timeout or DEFAULT_TIMEOUT)
+    return backend
+
+
+@dataclass(frozen=True)
+class TPMesh:
+    """This rank's place in the DP x TP mesh. A group of one rank is None."""
+
+    tp: int
+    dp: int
+    tp_group: object = field(compare=False, hash=False, repr=False)
+    dp_group: object = field(compare=False, hash=False, repr=False)
+    tp_rank: int
+    dp_rank: int
+    tp_ranks: tuple[int, ...]
+    dp_ranks: tuple[int, ...]
+    backend: str
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp
+
+
+def _check_tp(tp) -> int:
+    if isinstance(tp, bool) or not isinstance(tp, numbers.Integral) or tp < 1:
+        raise ConfigError(
+            f"tp={tp!r} is not valid: tp must be a positive integer, the number of ranks that "
+            "share each layer (tp=1 runs unsharded)"
+        )
+    return int(tp)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _world_timeout() -> datetime.timedelta:
+    """The default group's collective timeout, so subgroups time out like the world does."""
+    try:  # private API; the fallback is only a different timeout, never a wrong result
+        pg = dist.distributed_c10d._get_default_group()
+        return pg._get_backend(torch.device("cpu")).options._timeout
+    except Exception:
+        return DEFAULT_TIMEOUT
+
+
+def get_mesh(tp: int, backend: str | None = None) -> TPMesh:
+    """This rank's TP and DP groups for ``tp``-way tensor parallelism (cached per tp, backend).
+
+    Every rank must call it with the same arguments: creating a group is a collective.
+    ``backend=None`` uses the default group's backend.
+    """
+    tp = _check_tp(tp)
+    init_from_env()
+    if not dist.is_initialized():
+        raise ConfigError(
+            "autotp.parallelize needs an initialized torch.distributed process group: launch with "
+            "torchrun, or use autotp.testing.launch / LocalCluster for local ranks"
+        )
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % tp:
+        choices = ", ".join(str(d) for d in _divisors(world))
+        raise ConfigError(f"world size {world} is not divisible by tp={tp}; choose tp in {{{choices}}}")
+
+    global _MESHES_WORLD
+    default_group = dist.distributed_c10d._get_default_group()
+    if _MESHES_WORLD is not default_group:  # a new world: the old groups are gone
+        _MESHES.clear()
+        _MESHES_WORLD = default_group
+    key = (tp, backend)
+    if key not in _MESHES:
+        _MESHES[key] = _make_mesh(tp, world, rank, backend)
+    return _MESHES[key]
+
+
+def _make_mesh(tp: int, world: int, rank: int, backend: str | None) -> TPMesh:
+    dp = world // tp
+    timeout = _world_timeout()
+
+    def groups(all_ranks: list[tuple[int, ...]]):
+        mine = None
+        for ranks in all_ranks:  # every rank creates every group, in the same order
+            group = dist.new_group(list(ranks), timeout=timeout, backend=backend) if len(ranks) > 1 else None
+            if rank in ranks:
+                mine = (group, ranks)
+        return mine
+
+    tp_group, tp_ranks = groups([tuple(range(b * tp, (b + 1) * tp)) for b in range(dp)])
+    dp_group, dp_ranks = groups([tuple(range(i, world, tp)) for i in range(tp)])
+    return TPMesh(
+        tp=tp, dp=dp, tp_group=tp_group, dp_group=dp_group,
+        tp_rank=tp_ranks.index(rank), dp_rank=dp_ranks.index(rank),
+        tp_ranks=tp_ranks, dp_ranks=dp_ranks,
+        backend=backend or dist.get_backend(),
+    )

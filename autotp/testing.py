@@ -1,0 +1,129 @@
+"""What autotp's own tests use, for users to test their models the same way.
+
+* :func:`launch` / :class:`LocalCluster`: local ranks (gloo on CPU) without torchrun.
+* :func:`equivalence_errors` / :func:`assert_equivalent`: run the serial model and its parallel
+  counterpart on the same inputs, forward and backward, and compare loss, logits and every
+  parameter's gradient (this rank's shard against the same slice of the serial gradient).
+* :func:`gpt2_cases`: hypothesis strategy of small GPT-2 configurations with a tp and a layout.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from .placements import Shard
+from .testing_launch import LocalCluster, launch
+
+__all__ = ["launch", "LocalCluster", "relative_error", "equivalence_errors", "assert_equivalent",
+           "gpt2_cases", "MEGATRON_GPT2", "TOLERANCE"]
+
+#: Relative error bounds the property tests hold the parallel model to.
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+
+#: GPT-2's layout in the Megatron-LM paper, as autotp roles (for pinning in tests).
+MEGATRON_GPT2 = {"*.c_attn.weight": "column", "*.mlp.c_fc.weight": "column",
+                 "*.attn.c_proj.weight": "row", "*.mlp.c_proj.weight": "row"}
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| (absolute when expected is all zeros)."""
+    actual, expected = actual.detach().double(), expected.detach().double()
+    if actual.shape != expected.shape:
+        raise AssertionError(f"shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+    denom = expected.norm().item()
+    diff = (actual - expected).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+def equivalence_errors(model: nn.Module, pm: nn.Module, inputs: Mapping[str, Any]) -> dict[str, float]:
+    """Relative errors of ``pm`` (a ParallelModule of ``model``) against ``model``, forward and
+    backward, on this rank. ``model``'s gradients are overwritten."""
+    from .runtime.collectives import local_shard
+
+    model.zero_grad(set_to_none=True)
+    pm.zero_grad(set_to_none=True)
+    ref = model(**inputs)
+    out = pm(**inputs)
+    errors: dict[str, float] = {}
+    ref_loss = getattr(ref, "loss", None)
+    if ref_loss is not None:
+        errors["loss"] = relative_error(out.loss, ref_loss)
+        errors["logits"] = relative_error(out.logits, ref.logits)
+        ref_loss.backward()
+        out.loss.backward()
+    else:
+        first = ref[0] if isinstance(ref, (tuple, list)) else ref
+        got = out[0] if isinstance(out, (tuple, list)) else out
+        errors["output"] = relative_error(got, first)
+        first.float().pow(2).sum().backward()
+        got.float().pow(2).sum().backward()
+    plan = pm.plan
+    rank = pm.mesh.tp_rank if pm.mesh is not None else 0
+    for name, param in model.named_parameters():
+        if name in plan.aliases or param.grad is None:
+            continue
+        local = pm.local_parameter(name)
+        placement = plan.params[name]
+        expected = local_shard(param.grad, placement, plan.tp, rank) if isinstance(placement, Shard) else param.grad
+        if local.grad is None:
+            errors[f"grad:{name}"] = float("inf")
+        else:
+            errors[f"grad:{name}"] = relative_error(local.grad, expected)
+    return errors
+
+
+def assert_equivalent(model: nn.Module, tp: int, inputs: Mapping[str, Any], *, rtol: float | None = None,
+                      **parallelize_kwargs: Any) -> dict[str, float]:
+    """Parallelize ``model`` at ``tp`` (inside an initialized world) and check that it computes
+    what ``model`` computes. Returns the errors; raises AssertionError naming the worst."""
+    from .api import parallelize
+
+    pm = parallelize(model, tp, **parallelize_kwargs)
+    errors = equivalence_errors(model, pm, inputs)
+    dtype = next(model.parameters()).dtype
+    bound = rtol if rtol is not None else TOLERANCE.get(dtype, 1e-2)
+    worst = max(errors, key=errors.get)
+    if errors[worst] > bound:
+        raise AssertionError(f"parallel model differs from serial at {worst}: relative error "
+                             f"{errors[worst]:.3e} > {bound:.1e} (tp={tp})")
+    return errors
+
+
+def gpt2_cases(tps: tuple[int, ...] = (1, 2, 4), max_layers: int = 3):
+    """Hypothesis strategy: dicts describing a small GPT-2, a tp dividing its heads, a layout
+    (Megatron's, one drawn per template, or None to let the planner choose), inputs and dtype."""
+    from hypothesis import strategies as st
+
+    roles = st.sampled_from(["replicate", "column", "row"])
+    emb_roles = st.sampled_from(["replicate", "vocab", "column"])
+
+    @st.composite
+    def case(draw):
+        tp = draw(st.sampled_from(tps))
+        heads = tp * draw(st.integers(1, 3))
+        head_dim = draw(st.sampled_from([2, 4, 8]))
+        n_positions = 16
+        kind = draw(st.sampled_from(["megatron", "drawn", "planner"]))
+        layout = None
+        if kind == "megatron":
+            layout = dict(MEGATRON_GPT2)
+        elif kind == "drawn":
+            layout = {t: draw(roles) for t in ("*.c_attn.weight", "*.attn.c_proj.weight", "*.mlp.c_fc.weight",
+                                                "*.mlp.c_proj.weight")}
+            layout["lm_head.weight"] = draw(emb_roles)
+            layout["transformer.wpe.weight"] = draw(emb_roles)
+        return {
+            "tp": tp,
+            "config": dict(n_layer=draw(st.integers(1, max_layers)), n_head=heads, n_embd=heads * head_dim,
+                           vocab_size=tp * draw(st.integers(3, 24)), n_positions=n_positions,
+                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+            "batch": draw(st.integers(1, 3)),
+            "seq": draw(st.integers(2, n_positions).filter(lambda s: s != 8)),  # 8 is the traced length
+            "dtype": draw(st.sampled_from(["float64", "float32"])),
+            "layout": layout,
+            "seed": draw(st.integers(0, 2**16)),
+        }
+
+    return case()

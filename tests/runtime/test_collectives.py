@@ -1,0 +1,238 @@
+"""The mappings f, g, gather, scatter and reduce-scatter match their definitions.
+
+Ranks build their inputs and upstream gradients from a seed, run one mapping forward and
+backward, and send back (output, input gradient); this process recomputes both from the same
+seeds with plain single-process tensor code. World 4, TP groups of 1, 2 and 4 ranks, float64.
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import zlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import fx, nn
+
+from autotp.errors import CommError
+from autotp.placements import Shard, local_ranges, local_size
+from autotp.runtime import collectives as C
+from autotp.runtime.mesh import get_mesh
+
+WORLD = 4
+
+
+@dataclass(frozen=True)
+class Case:
+    tp: int
+    shard: Shard
+    shape: tuple[int, ...]  # the full tensor's shape
+    seed: int
+
+    @property
+    def full_size(self) -> int:
+        return self.shape[self.shard.dim]
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        shape = list(self.shape)
+        shape[self.shard.dim] = local_size(self.full_size, self.shard, self.tp, rank)
+        return tuple(shape)
+
+
+@st.composite
+def cases(draw, tps=(1, 2, 4)) -> Case:
+    tp = draw(st.sampled_from(tps))
+    ndim = draw(st.integers(1, 3))
+    dim = draw(st.integers(0, ndim - 1))
+    shard = Shard(dim, draw(st.integers(1, 3)), draw(st.integers(1, 3)))
+    # Fewer atoms than ranks, a multiple of tp, or a remainder: empty, even and uneven shards.
+    atoms = draw(st.integers(1, 2 * tp + 1))
+    shape = [draw(st.integers(1, 3)) for _ in range(ndim)]
+    shape[dim] = shard.chunks * shard.unit * atoms
+    return Case(tp, shard, tuple(shape), draw(st.integers(0, 2**31 - 1)))
+
+
+def _tensor(seed: int, shape, *key) -> torch.Tensor:
+    """A float64 tensor determined by (seed, key): ranks and this process draw the same one."""
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((seed,) + key).encode()))
+    return torch.randn(tuple(shape), generator=gen, dtype=torch.float64)
+
+
+# ---------------------------------------------------------------- local layouts (no ranks)
+
+@settings(max_examples=200, deadline=None)
+@given(case=cases(tps=range(1, 9)))
+def test_local_shard_holds_local_ranges_and_assemble_inverts_it(case):
+    full = torch.arange(torch.Size(case.shape).numel(), dtype=torch.float64).reshape(case.shape)
+    d = case.shard.dim
+    pieces = [C.local_shard(full, case.shard, case.tp, r) for r in range(case.tp)]
+    for r, piece in enumerate(pieces):
+        index = [i for a, b in local_ranges(case.full_size, case.shard, case.tp, r) for i in range(a, b)]
+        assert piece.shape == case.local_shape(r)
+        assert piece.is_contiguous()
+        assert torch.equal(piece, full.index_select(d, torch.tensor(index, dtype=torch.long)))
+    assert torch.equal(C.assemble(pieces, case.shard, case.full_size), full)
+
+
+def test_group_none_is_one_rank_without_communication():
+    x = torch.randn(2, 6, dtype=torch.float64, requires_grad=True)
+    shard = Shard(1, chunks=3)
+    for fn in (C.copy_to_tp, C.reduce_from_tp):
+        y = fn(x, None)
+        (grad,) = torch.autograd.grad(y, x, torch.ones_like(y))
+        assert torch.equal(y, x) and torch.equal(grad, torch.ones_like(x))
+    for fn in (C.gather_from_tp, C.scatter_to_tp, C.reduce_scatter_to_tp):
+        y = fn(x, None, shard, 6)
+        (grad,) = torch.autograd.grad(y, x, torch.ones_like(y))
+        assert torch.equal(y, x) and torch.equal(grad, torch.ones_like(x))
+
+
+# ---------------------------------------------------------------- the mappings on 4 ranks
+
+def _rank_inputs(op: str, case: Case, block: int, r: int) -> torch.Tensor:
+    if op in ("f", "scatter"):  # Replicate: the same in the whole TP group
+        return _tensor(case.seed, case.shape, "x", block)
+    if op == "gather":  # Shard of one replicated full tensor
+        return C.local_shard(_tensor(case.seed, case.shape, "x", block), case.shard, case.tp, r)
+    return _tensor(case.seed, case.shape, "x", block, r)  # Partial: a summand per rank
+
+
+def run_mapping(op: str, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs in a rank: the mapping's output and the gradient of its input."""
+    mesh = get_mesh(case.tp)
+    group, r, block = mesh.tp_group, mesh.tp_rank, dist.get_rank() // case.tp
+    x = _rank_inputs(op, case, block, r).requires_grad_()
+    if op == "f":
+        y = C.copy_to_tp(x, group)
+    elif op == "g":
+        y = C.reduce_from_tp(x, group)
+    else:
+        fn = {"gather": C.gather_from_tp, "scatter": C.scatter_to_tp,
+              "reduce_scatter": C.reduce_scatter_to_tp}[op]
+        y = fn(x, group, case.shard, case.full_size)
+    y.backward(_tensor(case.seed, y.shape, "dy", block, r))
+    return y.detach(), x.grad
+
+
+def _expected(op: str, case: Case, block: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Single-process definitions of the mapping's output and input gradient on TP rank r."""
+    s, tp, ranks = case.shard, case.tp, range(case.tp)
+    x_full = _tensor(case.seed, case.shape, "x", block)
+    x_sum = sum(_tensor(case.seed, case.shape, "x", block, q) for q in ranks)
+    dy_full = [_tensor(case.seed, case.shape, "dy", block, q) for q in ranks]
+    dy_local = [_tensor(case.seed, case.local_shape(q), "dy", block, q) for q in ranks]
+    if op == "f":
+        return x_full, sum(dy_full)
+    if op == "g":
+        return x_sum, dy_full[r]
+    if op == "gather":
+        return x_full, C.local_shard(dy_full[r], s, tp, r)
+    if op == "scatter":
+        return C.local_shard(x_full, s, tp, r), C.assemble(dy_local, s, case.full_size)
+    return C.local_shard(x_sum, s, tp, r), C.assemble(dy_local, s, case.full_size)
+
+
+def _check(cluster, op: str, case: Case) -> None:
+    results = cluster.run(run_mapping, op, case)
+    for rank, (y, grad) in enumerate(results):
+        want_y, want_grad = _expected(op, case, rank // case.tp, rank % case.tp)
+        torch.testing.assert_close(y, want_y, msg=lambda m: f"{op} forward, rank {rank}: {m}")
+        torch.testing.assert_close(grad, want_grad, msg=lambda m: f"{op} backward, rank {rank}: {m}")
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=cases())
+def test_f_is_identity_forward_and_sums_gradients_backward(cluster, case):
+    _check(cluster, "f", case)
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=cases())
+def test_g_sums_forward_and_is_identity_backward(cluster, case):
+    _check(cluster, "g", case)
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=cases())
+def test_gather_assembles_full_forward_and_slices_backward(cluster, case):
+    _check(cluster, "gather", case)
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=cases())
+def test_scatter_slices_forward_and_gathers_full_gradient_backward(cluster, case):
+    _check(cluster, "scatter", case)
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=cases())
+def test_reduce_scatter_sums_to_local_shard_and_gathers_backward(cluster, case):
+    _check(cluster, "reduce_scatter", case)
+
+
+def all_reduce_in_dtype(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs in a rank: g forward and f backward on small integers (exact in every dtype)."""
+    group, rank = get_mesh(WORLD).tp_group, dist.get_rank()
+    y = C.reduce_from_tp(torch.full((3,), float(rank + 1), dtype=dtype), group)
+    x = torch.zeros(3, dtype=dtype, requires_grad=True)
+    C.copy_to_tp(x, group).backward(torch.full((3,), float(rank), dtype=dtype))
+    return y, x.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_all_reduce_supports_float_dtypes_on_gloo(cluster, dtype):
+    for y, grad in cluster.run(all_reduce_in_dtype, dtype):
+        assert y.dtype == grad.dtype == dtype
+        assert torch.equal(y, torch.full((3,), 10.0, dtype=dtype))  # 1 + 2 + 3 + 4
+        assert torch.equal(grad, torch.full((3,), 6.0, dtype=dtype))  # 0 + 1 + 2 + 3
+
+
+def all_reduce_alone_in_a_short_timeout_group() -> str | None:
+    """Runs in a rank: rank 0 enters an all-reduce that rank 1 never joins."""
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2))
+    if dist.get_rank() != 0:
+        return None
+    try:
+        C.reduce_from_tp(torch.ones(2), group)
+    except CommError as e:
+        return str(e)
+    return "no error"
+
+
+def test_collective_timeout_is_a_comm_error_naming_op_group_and_fix(cluster):
+    message = cluster.run(all_reduce_alone_in_a_short_timeout_group)[0]
+    assert "all_reduce in g (forward)" in message
+    assert "ranks [0, 1]" in message
+    assert "rank died" in message and "DEFAULT_TIMEOUT" in message and "timeout=" in message
+
+
+# ---------------------------------------------------------------- modules for fx graphs
+
+def test_comm_modules_are_named_call_modules_that_hold_no_state():
+    group = object()  # stands in for a ProcessGroup: never copied, never a buffer
+    shard = Shard(1, chunks=3, unit=2)
+    mods = {
+        "f": C.CopyToTP(group), "g": C.ReduceFromTP(group),
+        "gather": C.GatherFromTP(group, shard, 12), "scatter": C.ScatterToTP(group, shard, 12),
+        "rs": C.ReduceScatterToTP(group, shard, 12),
+    }
+    assert [m.kind for m in mods.values()] == ["f", "g", "all_gather", "scatter", "reduce_scatter"]
+    graph = fx.Graph()
+    node = graph.placeholder("x")
+    for name in mods:
+        node = graph.call_module(name, (node,))
+    graph.output(node)
+    root = nn.Module()
+    for name, mod in mods.items():
+        root.add_module(name, mod)
+    gm = fx.GraphModule(root, graph)
+
+    assert "self.gather(" in gm.code and "self.rs(" in gm.code
+    assert "GatherFromTP(ranks=?, shard=S(1x3/2), full_size=12)" in str(gm)
+    assert gm.state_dict() == {} and list(gm.buffers()) == []
+    copied = copy.deepcopy(gm)
+    assert all(copied.get_submodule(name).group is group for name in mods)
