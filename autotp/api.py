@@ -10,7 +10,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from .capture import Capture, capture as capture_model
+from .capture import Capture, capture as capture_model, module_path
 from .cost_model import get_profile
 from .errors import ConfigError, PlanError
 from .passes.propagate import GraphIndex, Propagation, propagate
@@ -110,7 +110,7 @@ def _pinned(cap: Capture, layout: Mapping[str, Any] | None, plan: Plan | None) -
 
 def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = None,
                layout: Mapping[str, Any] | None = None, plan: Plan | None = None,
-               uneven: bool = False) -> tuple[Plan, GraphIndex, Propagation]:
+               uneven: bool = True) -> tuple[Plan, GraphIndex, Propagation]:
     prof = get_profile(profile)
     index = GraphIndex.build(cap, tp, batch, seq, uneven=uneven)
     pinned = _pinned(cap, layout, plan)
@@ -133,7 +133,9 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
         shapes[fqn] = tuple(int(s) for s in node.meta["val"].shape)
         use = uses.get(placeholder)
         roles[fqn] = role_of(p, use[0] if use else None, use[1] if use else -1)
-    comms = [CommOp(c.kind, c.tensor, c.consumer, repr(c.src), repr(c.dst), c.fwd_bytes, c.bwd_bytes, c.seconds)
+    nodes = {n.name: n for n in cap.graph.nodes}
+    comms = [CommOp(c.kind, c.tensor, c.consumer, repr(c.src), repr(c.dst), c.fwd_bytes, c.bwd_bytes, c.seconds,
+                    module_path(nodes[c.consumer]) if c.consumer in nodes else "")
              for c in prop.comms]
     dtype_bytes = next(iter(n.meta["val"].element_size() for n in cap.graph.nodes
                             if n.op == "placeholder" and n.name in cap.param_names), 4)
@@ -144,7 +146,7 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
 
 
 def plan(model: nn.Module, tp: int, *, batch: int = 8, seq: int | None = None, profile: Any = None,
-         layout: Mapping[str, Any] | None = None, uneven: bool = False,
+         layout: Mapping[str, Any] | None = None, uneven: bool = True,
          example_kwargs: dict | None = None) -> Plan:
     """Choose a plan for ``model`` at ``tp`` without any process group (a meta model works)."""
     tp = check_tp(tp)
@@ -166,7 +168,7 @@ def _default_profile(device: torch.device) -> str:
 
 
 def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: Mapping[str, Any] | None = None,
-                profile: Any = None, batch: int = 8, seq: int | None = None, uneven: bool = False,
+                profile: Any = None, batch: int = 8, seq: int | None = None, uneven: bool = True,
                 example_kwargs: dict | None = None, device: torch.device | str | None = None,
                 backend: str | None = None) -> "ParallelModule":
     """Split ``model`` over this rank's TP group; see the module docs and docs/architecture.md."""

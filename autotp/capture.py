@@ -227,7 +227,7 @@ def _normalize(graph: fx.Graph) -> None:
             bias, x, w = node.args[:3]
             with graph.inserting_before(node):
                 mm = graph.call_function(aten.mm.default, (x, w))
-                mm.meta["val"] = _fake_mm(node, x, w)
+                mm.meta = dict(node.meta)   # same shape, dtype and source module
                 add = graph.call_function(aten.add.Tensor, (mm, bias))
                 add.meta = dict(node.meta)
             node.replace_all_uses_with(add)
@@ -236,7 +236,7 @@ def _normalize(graph: fx.Graph) -> None:
             x, w, bias = node.args
             with graph.inserting_before(node):
                 lin = graph.call_function(aten.linear.default, (x, w))
-                lin.meta["val"] = node.meta["val"]
+                lin.meta = dict(node.meta)
                 add = graph.call_function(aten.add.Tensor, (lin, bias))
                 add.meta = dict(node.meta)
             node.replace_all_uses_with(add)
@@ -244,8 +244,20 @@ def _normalize(graph: fx.Graph) -> None:
     graph.lint()
 
 
-def _fake_mm(node: fx.Node, x: fx.Node, w: fx.Node):
-    return node.meta["val"]  # same shape and dtype as the addmm it replaces
+def module_path(node: fx.Node) -> str:
+    """The dotted name of the module whose forward produced ``node`` ('' at top level)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, _ in reversed(list(stack.values())):
+        return _clean_path(path)
+    return ""
+
+
+def _clean_path(path: str) -> str:
+    # torch.export writes "L['self'].transformer.h[0].attn" style paths in some versions.
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
+    return path.strip(".")
 
 
 def shape_of(node: Any) -> tuple[sympy.Expr, ...] | None:

@@ -27,6 +27,7 @@ class CommOp:
     fwd_bytes: float     # per rank per step, at the planning workload
     bwd_bytes: float
     seconds: float
+    module: str = ""     # the module whose op needed it (transformer.h.0.attn.c_proj)
 
 
 @dataclass
@@ -113,10 +114,11 @@ class Plan:
                          "x".join(map(str, self.local_shape(name, 0))))
         console.print(head)
         comms = Table(title="communication per step")
-        for col in ("op", "tensor", "before", "placement", "fwd MB/rank", "bwd MB/rank", "ms"):
+        for col in ("op", "before (module: op)", "tensor", "placement", "fwd MB/rank", "bwd MB/rank", "ms"):
             comms.add_column(col)
         for c in self.comms:
-            comms.add_row(c.kind, c.tensor, c.consumer, f"{c.src}->{c.dst}", f"{c.fwd_bytes / 1e6:.2f}",
+            where = f"{c.module}: {c.consumer}" if c.module else c.consumer
+            comms.add_row(c.kind, where, c.tensor, f"{c.src}->{c.dst}", f"{c.fwd_bytes / 1e6:.2f}",
                           f"{c.bwd_bytes / 1e6:.2f}", f"{c.seconds * 1e3:.3f}")
         console.print(comms)
         cost = self.cost

@@ -316,6 +316,8 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
         for strat in index.strategies(node, actual):
             sharded = _sharded_compute(strat)
             cost = index.compute_time(node, strat, profile)
+            for _, meta in strat.internal:
+                cost += profile.all_reduce_time(nbytes(meta, env), tp)
             for inp, meta, want in zip(inputs, info.inputs, strat.inputs):
                 if isinstance(want, Shard) and not index.uneven and not _even(meta, want, tp):
                     cost = INF
@@ -341,6 +343,12 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
                                infeasible=f"no strategy fits {node.name} ({node.target}) with inputs {list(actual)}")
         chosen[node] = best
         compute += index.compute_time(node, best, profile)
+        for kind, meta in best.internal:
+            full = nbytes(meta, env)
+            seconds = profile.all_reduce_time(full, tp)
+            fw_b = collective_bytes("g", full, tp)[0]
+            comm += seconds
+            comms.append(Comm(kind, node.name, best.inputs[0], REPLICATE, node.name, full, fw_b, 0.0, seconds))
         sharded = _sharded_compute(best)
         for inp, meta, want in zip(inputs, info.inputs, best.inputs):
             f = isinstance(want, Replicate) and sharded and meta.is_float

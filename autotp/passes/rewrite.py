@@ -30,8 +30,8 @@ from .rules import LocalContext, localizer
 class GraphLocalContext(LocalContext):
     """Localizes size arguments inside a graph: a symbolic size gets a node computing it."""
 
-    def __init__(self, tp: int, rank: int, graph: fx.Graph):
-        super().__init__(tp, rank)
+    def __init__(self, tp: int, rank: int, graph: fx.Graph, group: Any = None):
+        super().__init__(tp, rank, group)
         self.graph = graph
 
     def local(self, arg: Any, size: Any, shard: Shard) -> Any:
@@ -54,7 +54,7 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
     env: dict[fx.Node, fx.Node] = {}
     converted: dict[tuple, fx.Node] = {}
     counts: dict[str, int] = {}
-    ctx = GraphLocalContext(tp, rank, graph)
+    ctx = GraphLocalContext(tp, rank, graph, group)
 
     def comm_node(kind: str, x: fx.Node, module: nn.Module) -> fx.Node:
         n = counts.get(kind, 0)
@@ -129,7 +129,14 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             target, args, kwargs = loc(info, strategy, tuple(args), kwargs, ctx)
         if device is not None and isinstance(kwargs.get("device"), torch.device):
             kwargs["device"] = device
-        new = graph.call_function(target, tuple(args), kwargs)
+        if isinstance(target, nn.Module):   # an op that communicates inside (vocab-parallel loss)
+            kind = getattr(target, "kind", "op")
+            n = counts.get(kind, 0)
+            counts[kind] = n + 1
+            root.add_module(f"{kind}_{n}", target)
+            new = graph.call_module(f"{kind}_{n}", tuple(args), kwargs)
+        else:
+            new = graph.call_function(target, tuple(args), kwargs)
         new.meta = {k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")}
         new.meta["autotp_placement"] = strategy.output
         env[node] = new

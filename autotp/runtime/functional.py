@@ -19,3 +19,93 @@ def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor,
         offset += stop - start
     out = F.embedding(local, weight)
     return out * mask.unsqueeze(-1).to(out.dtype)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of logits split by vocabulary (Megatron's vocab-parallel loss).
+
+    Forward: each rank holds logits for its vocabulary rows; the row max, the sum of exps and
+    the target's logit are each all-reduced (b*s numbers each, never b*s*V). Backward needs no
+    communication: the gradient of a rank's logits is its slice of softmax - one_hot.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, group, ranges, ignore_index, reduction):
+        import torch.distributed as dist
+
+        from .collectives import _comm, group_size
+
+        many = group_size(group) > 1
+        logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        row_max = logits.max(dim=-1).values
+        if many:
+            with _comm("all_reduce(max) in vocab-parallel cross-entropy", group):
+                dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - row_max.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        local_target = torch.zeros_like(target)
+        in_range = torch.zeros_like(target, dtype=torch.bool)
+        offset = 0
+        for start, stop in ranges:
+            hit = (target >= start) & (target < stop)
+            local_target = torch.where(hit, target - start + offset, local_target)
+            in_range |= hit
+            offset += stop - start
+        picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * in_range
+        if many:
+            both = torch.stack([sum_exp, picked])
+            with _comm("all_reduce(sum) in vocab-parallel cross-entropy", group):
+                dist.all_reduce(both, group=group)
+            sum_exp, picked = both[0], both[1]
+        losses = sum_exp.log() - picked
+        valid = target != ignore_index
+        losses = losses * valid
+        count = valid.sum()
+        ctx.save_for_backward(exp, sum_exp, local_target, in_range, valid, count)
+        ctx.reduction = reduction
+        if reduction == 1:   # mean over non-ignored targets
+            return losses.sum() / count
+        if reduction == 2:
+            return losses.sum()
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad):
+        exp, sum_exp, local_target, in_range, valid, count = ctx.saved_tensors
+        softmax = exp / sum_exp.unsqueeze(-1)
+        one_hot = torch.zeros_like(softmax)
+        one_hot.scatter_(-1, local_target.unsqueeze(-1), in_range.unsqueeze(-1).to(softmax.dtype))
+        scale = valid.to(softmax.dtype)
+        if ctx.reduction == 1:
+            scale = scale * grad / count
+        elif ctx.reduction == 2:
+            scale = scale * grad
+        else:
+            scale = scale * grad
+        return (softmax - one_hot) * scale.unsqueeze(-1), None, None, None, None, None
+
+
+class VocabParallelCrossEntropy(torch.nn.Module):
+    """``cross_entropy_loss`` on vocab-split logits, as a named node of the rewritten graph."""
+
+    kind = "vocab_parallel_cross_entropy"
+
+    def __init__(self, group, ranges: tuple[tuple[int, int], ...], ignore_index: int, reduction: int):
+        super().__init__()
+        self.group, self.ranges = group, tuple(ranges)
+        self.ignore_index, self.reduction = ignore_index, reduction
+
+    def __deepcopy__(self, memo):
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        out = _VocabParallelCrossEntropy.apply(logits, target, self.group, self.ranges,
+                                               self.ignore_index, self.reduction)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"ranges={list(self.ranges)}, ignore_index={self.ignore_index}"

@@ -49,6 +49,8 @@ OutputPlacement = Any  # Placement, a tuple of them (multi-output ops), or None 
 class Strategy:
     inputs: tuple[Placement, ...]
     output: OutputPlacement
+    #: collectives the op runs inside itself (vocab-parallel loss): (kind, TensorMeta moved)
+    internal: tuple = ()
 
     def __repr__(self) -> str:
         return f"{list(self.inputs)} -> {self.output}"
@@ -74,7 +76,11 @@ class OpInfo:
 
     def fresh_shard(self, dim: int) -> Shard | None:
         """A shard of output ``dim`` following the hint, or None if the dim cannot be split tp ways."""
-        out = self.output
+        return self.fresh_shard_of(None, dim)
+
+    def fresh_shard_of(self, input_index: int | None, dim: int) -> Shard | None:
+        """Like :meth:`fresh_shard`, for input ``input_index``'s ``dim`` (None: the output)."""
+        out = self.output if input_index is None else self.inputs[input_index]
         size = out.static(dim)
         chunks, unit = self.hint(dim)
         if size is None or size % (chunks * unit):
@@ -166,9 +172,10 @@ class LocalContext:
     ``size`` that is now sharded by ``shard``; returns the argument to pass locally (an int,
     -1 kept as is, or — in a graph — a node computing it)."""
 
-    def __init__(self, tp: int, rank: int):
+    def __init__(self, tp: int, rank: int, group: Any = None):
         self.tp = tp
         self.rank = rank
+        self.group = group   # the TP process group, for ops that communicate inside themselves
 
     def local(self, arg: Any, size: Any, shard: Shard) -> Any:
         from ...placements import local_size

@@ -4,7 +4,9 @@ from __future__ import annotations
 import torch
 
 from ...placements import PARTIAL, REPLICATE, Shard
-from . import LocalContext, OpInfo, Strategy, is_shard, norm_dim, register, register_localizer
+from typing import Any
+
+from . import LocalContext, OpInfo, Strategy, TensorMeta, is_shard, norm_dim, register, register_localizer
 
 aten = torch.ops.aten
 
@@ -121,7 +123,50 @@ register(aten.sum.dim_IntList)(_reduction_rule(linear=True))
 register(aten.mean.dim, aten.amax.default, aten.amin.default, aten.var.correction)(_reduction_rule(linear=False))
 
 
-@register(aten.cross_entropy_loss.default, aten.nll_loss_forward.default, aten.nll_loss.default)
+@register(aten.nll_loss_forward.default, aten.nll_loss.default)
 def loss_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
-    # Mean over non-ignored targets needs the whole batch; vocab-parallel loss is its own rule.
+    # A mean over non-ignored targets needs the whole batch.
     return [Strategy(tuple(REPLICATE for _ in info.inputs), REPLICATE)]
+
+
+def _ce_options(info: OpInfo) -> tuple[Any, int, int, float]:
+    names = ("weight", "reduction", "ignore_index", "label_smoothing")
+    defaults = [None, 1, -100, 0.0]
+    for i, name in enumerate(names):
+        if len(info.args) > 2 + i:
+            defaults[i] = info.args[2 + i]
+        elif name in info.kwargs:
+            defaults[i] = info.kwargs[name]
+    return tuple(defaults)
+
+
+@register(aten.cross_entropy_loss.default)
+def cross_entropy_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """logits [N, V] split by vocabulary -> the loss, whole, from three all-reduces of N numbers
+    (row max, sum of exps, target logit): Megatron's vocab-parallel cross-entropy."""
+    out = [Strategy(tuple(REPLICATE for _ in info.inputs), REPLICATE)]
+    weight, reduction, _, smoothing = _ce_options(info)
+    logits = info.inputs[0]
+    if weight is not None or smoothing or logits.ndim != 2 or len(info.inputs) != 2:
+        return out
+    p = placements[0]
+    shard = p if is_shard(p) and p.dim == 1 else info.fresh_shard_of(0, 1)
+    if shard is not None:
+        n = TensorMeta(logits.shape[:1], logits.dtype)
+        out.append(Strategy((shard, REPLICATE), REPLICATE,
+                            internal=(("all_reduce", n), ("all_reduce", n), ("all_reduce", n))))
+    return out
+
+
+@register_localizer(aten.cross_entropy_loss.default)
+def cross_entropy_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
+    p = strategy.inputs[0]
+    if not is_shard(p):
+        return info.target, args, kwargs
+    from ...placements import local_ranges
+    from ...runtime.functional import VocabParallelCrossEntropy
+
+    _, reduction, ignore_index, _ = _ce_options(info)
+    ranges = local_ranges(info.inputs[0].static(1), p, ctx.tp, ctx.rank)
+    module = VocabParallelCrossEntropy(ctx.group, ranges, ignore_index, reduction)
+    return module, (args[0], args[1]), {}

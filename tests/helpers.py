@@ -1,0 +1,25 @@
+"""Small GPT-2 builders shared by the tests (random weights, real HF classes, no hub)."""
+from __future__ import annotations
+
+import torch
+
+
+def tiny_gpt2(n_layer: int = 2, n_head: int = 4, head_dim: int = 8, vocab: int = 100, n_positions: int = 32,
+              dtype: torch.dtype = torch.float64, seed: int = 0, device: str | None = None):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    config = GPT2Config(n_layer=n_layer, n_head=n_head, n_embd=n_head * head_dim, vocab_size=vocab,
+                        n_positions=n_positions, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    if device == "meta":
+        with torch.device("meta"):
+            return GPT2LMHeadModel(config).to(dtype)
+    return GPT2LMHeadModel(config).to(dtype)
+
+
+def batch(vocab: int, b: int = 2, s: int = 7, seed: int = 1) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.randint(0, vocab, (b, s), generator=gen),
+            "labels": torch.randint(0, vocab, (b, s), generator=gen)}
