@@ -79,6 +79,13 @@ def hf_example_kwargs(model: torch.nn.Module, batch: int = EXAMPLE_BATCH, seq: i
     return kwargs
 
 
+def _forward_params(model: torch.nn.Module) -> set[str]:
+    try:
+        return set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
 def _max_positions(model: torch.nn.Module) -> int | None:
     config = getattr(model, "config", None)
     for name in ("n_positions", "max_position_embeddings", "n_ctx"):
@@ -112,6 +119,8 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
             "with the names of the model's forward arguments"
         )
     kwargs = dict(example_kwargs) if example_kwargs is not None else hf_example_kwargs(model, device=_device_of(model))
+    if "use_cache" in _forward_params(model) and "use_cache" not in kwargs:
+        kwargs["use_cache"] = False   # a KV cache is an inference-time output, not part of the graph
     dynamic_shapes = _dynamic_shapes(kwargs, _max_positions(model)) if dynamic else None
     was_training = model.training
     try:

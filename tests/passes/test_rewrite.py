@@ -1,0 +1,66 @@
+"""The per-rank program: named f/g nodes, the row-parallel bias added once after the all-reduce,
+GPT-2's fused q/k/v sharded by heads, local view sizes."""
+import operator
+
+import torch
+
+import autotp
+from autotp.testing import MEGATRON_GPT2
+from tests.helpers import batch, tiny_gpt2
+
+
+def _rank_program():
+    model = tiny_gpt2(n_layer=1, n_head=4, head_dim=8)
+    pm = autotp.parallelize(model, tp=2, layout=MEGATRON_GPT2)
+    gm = pm.graph_module
+    c_proj_bias = "p_transformer_h_0_attn_c_proj_bias"
+    bias_adds = [n for n in gm.graph.nodes if n.op == "call_function"
+                 and any(getattr(a, "name", None) == c_proj_bias for a in n.args)]
+    other = [a for a in bias_adds[0].args if getattr(a, "name", None) != c_proj_bias][0]
+    q, k, v = model.transformer.h[0].attn.c_attn.weight.detach().split(32, dim=1)
+    rank = pm.mesh.tp_rank
+    heads = slice(16 * rank, 16 * (rank + 1))   # this rank's 2 heads of 8 columns
+    expected_qkv = torch.cat([q[:, heads], k[:, heads], v[:, heads]], dim=1)
+    local_qkv = pm.local_parameter("transformer.h.0.attn.c_attn.weight").detach()
+    views = [n.args[1] for n in gm.graph.nodes if n.op == "call_function"
+             and n.target is torch.ops.aten.view.default and isinstance(n.args[1], list) and 16 in n.args[1]]
+    return {
+        "code": gm.code,
+        "comm_kinds": sorted({type(m).__name__ for m in gm.children()}),
+        "bias_add_input": (other.op, str(other.target)),
+        "n_bias_adds": len(bias_adds),
+        "qkv_ok": torch.equal(local_qkv, expected_qkv),
+        "has_local_view": bool(views),
+    }
+
+
+def test_rank_program_shows_f_and_g_and_adds_the_row_bias_once_after_g(cluster):
+    results = cluster.run(_rank_program)
+    for r in results:
+        assert "self.f_0(" in r["code"] and "self.g_0(" in r["code"]
+        assert {"CopyToTP", "ReduceFromTP"} <= set(r["comm_kinds"])
+        assert r["n_bias_adds"] == 1
+        assert r["bias_add_input"][0] == "call_module" and r["bias_add_input"][1].startswith("g_")
+
+
+def test_each_rank_holds_its_own_heads_of_q_k_and_v(cluster):
+    assert all(r["qkv_ok"] for r in cluster.run(_rank_program))
+
+
+def test_view_sizes_are_rewritten_to_local_sizes(cluster):
+    # The row-parallel c_proj input is viewed as [-1, 32] serially; each rank holds 16 columns.
+    assert all(r["has_local_view"] for r in cluster.run(_rank_program))
+
+
+def _inputs_without_labels():
+    model = tiny_gpt2(n_layer=1)
+    example = {"input_ids": torch.randint(0, 100, (2, 8))}
+    pm = autotp.parallelize(model, tp=2, layout=MEGATRON_GPT2, example_kwargs=example)
+    x = batch(100, b=3, s=5)["input_ids"]
+    out, ref = pm(input_ids=x), model(input_ids=x)
+    return (out.logits - ref.logits).abs().max().item(), out.loss is None
+
+
+def test_example_kwargs_override_the_synthesized_inputs(cluster):
+    for err, no_loss in cluster.run(_inputs_without_labels):
+        assert err < 1e-12 and no_loss
