@@ -9,7 +9,9 @@ from tests.helpers import tiny_gpt2
 
 
 def _ops(cap):
-    return [str(n.target) for n in cap.graph.nodes if n.op == "call_function"]
+    # contiguous() depends on strides, which differ between meta and real tensors after SDPA.
+    return [str(n.target) for n in cap.graph.nodes
+            if n.op == "call_function" and n.target is not torch.ops.aten.contiguous.default]
 
 
 def test_meta_and_real_models_capture_the_same_graph():
