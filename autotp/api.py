@@ -110,9 +110,11 @@ def _pinned(cap: Capture, layout: Mapping[str, Any] | None, plan: Plan | None) -
 
 def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = None,
                layout: Mapping[str, Any] | None = None, plan: Plan | None = None,
-               uneven: bool = True) -> tuple[Plan, GraphIndex, Propagation]:
+               uneven: bool = True, gather_logits: bool = True) -> tuple[Plan, GraphIndex, Propagation]:
     prof = get_profile(profile)
-    index = GraphIndex.build(cap, tp, batch, seq, uneven=uneven)
+    names = cap.output_names
+    keep = frozenset() if gather_logits else frozenset(i for i, n in enumerate(names) if n == "logits")
+    index = GraphIndex.build(cap, tp, batch, seq, uneven=uneven, sharded_outputs=keep)
     pinned = _pinned(cap, layout, plan)
     if plan is not None:
         prop = propagate(index, pinned, prof)
@@ -141,19 +143,31 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                             if n.op == "placeholder" and n.name in cap.param_names), 4)
     result = Plan(tp=tp, profile=prof.name, batch=batch, seq=seq, params=params, shapes=shapes, roles=roles,
                   comms=comms, compute_s=prop.compute_s, comm_s=prop.comm_s, dtype_bytes=dtype_bytes,
-                  aliases=dict(cap.aliases))
+                  aliases=dict(cap.aliases),
+                  sharded_outputs={names[i]: prop.placements[n] for i, n in enumerate(_output_nodes(cap))
+                                   if i in keep and isinstance(prop.placements.get(n), Shard)})
     return result, index, prop
 
 
+def _output_nodes(cap: Capture) -> list:
+    import torch.utils._pytree as pytree
+
+    out = next(n for n in cap.graph.nodes if n.op == "output")
+    return pytree.tree_leaves(out.args[0])
+
+
 def plan(model: nn.Module, tp: int, *, batch: int = 8, seq: int | None = None, profile: Any = None,
-         layout: Mapping[str, Any] | None = None, uneven: bool = True,
+         layout: Mapping[str, Any] | None = None, uneven: bool = True, gather_logits: bool = True,
          example_kwargs: dict | None = None) -> Plan:
-    """Choose a plan for ``model`` at ``tp`` without any process group (a meta model works)."""
+    """Choose a plan for ``model`` at ``tp`` without any process group (a meta model works).
+
+    ``gather_logits=False`` plans for training: logits stay split by vocabulary (the loss is
+    computed vocab-parallel either way) and the b*s*V all-gather is not paid."""
     tp = check_tp(tp)
     check_heads(model, tp, uneven)
     cap = capture_model(model, example_kwargs=example_kwargs)
     result, _, _ = build_plan(cap, tp, batch=batch, seq=seq or _default_seq(model), profile=profile,
-                              layout=layout, uneven=uneven)
+                              layout=layout, uneven=uneven, gather_logits=gather_logits)
     return result
 
 
@@ -169,6 +183,7 @@ def _default_profile(device: torch.device) -> str:
 
 def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: Mapping[str, Any] | None = None,
                 profile: Any = None, batch: int = 8, seq: int | None = None, uneven: bool = True,
+                gather_logits: bool = True,
                 example_kwargs: dict | None = None, device: torch.device | str | None = None,
                 backend: str | None = None) -> "ParallelModule":
     """Split ``model`` over this rank's TP group; see the module docs and docs/architecture.md."""
@@ -189,6 +204,6 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
     cap = capture_model(model, example_kwargs=example_kwargs)
     result, index, prop = build_plan(cap, tp, batch=batch, seq=seq or _default_seq(model),
                                      profile=profile or _default_profile(device), layout=layout,
-                                     plan=plan, uneven=uneven)
+                                     plan=plan, uneven=uneven, gather_logits=gather_logits)
     gm = rewrite(index, prop, mesh.tp_rank, mesh.tp_group, device)
     return ParallelModule(cap, result, gm, mesh, model, device)

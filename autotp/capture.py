@@ -50,6 +50,15 @@ class Capture:
     aliases: dict[str, str] = field(default_factory=dict)  # unused tied param FQN -> the FQN used
 
     @property
+    def output_names(self) -> list[str]:
+        """Names of the flat outputs: the ModelOutput/dict keys where there are some."""
+        context = getattr(self.out_spec, "context", None)
+        n = self.out_spec.num_leaves
+        if isinstance(context, (list, tuple)) and len(context) == n and all(isinstance(c, str) for c in context):
+            return list(context)
+        return [str(i) for i in range(n)]
+
+    @property
     def graph(self) -> fx.Graph:
         return self.graph_module.graph
 

@@ -8,7 +8,9 @@ equal blocks laid side by side (q, k and v in a fused ``c_attn``: chunks=3); eac
 into atoms of ``unit`` elements (one attention head: unit=head_dim) and the atoms are dealt to
 the ranks in contiguous runs, the first ``n_atoms % tp`` ranks taking one atom more. With
 chunks=1 and unit=1 this is the plain contiguous shard; when tp divides the atoms every rank
-holds the same amount (an even shard).
+holds the same amount (an even shard). ``rotate`` shifts which rank takes which run (rank r
+takes run ``(r + rotate) % tp``): layers of an uneven model rotate their extra head around the
+ranks so that every rank ends up holding the same number of parameters.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ class Shard:
     dim: int
     chunks: int = 1
     unit: int = 1
+    rotate: int = 0
 
     def __post_init__(self) -> None:
         if self.dim < 0:
@@ -49,10 +52,16 @@ class Shard:
             extra += f"x{self.chunks}"
         if self.unit != 1:
             extra += f"/{self.unit}"
+        if self.rotate:
+            extra += f"@{self.rotate}"
         return f"S({self.dim}{extra})"
 
     def with_dim(self, dim: int) -> "Shard":
-        return Shard(dim, self.chunks, self.unit)
+        return Shard(dim, self.chunks, self.unit, self.rotate)
+
+    def with_blocks(self, dim: int, chunks: int, unit: int) -> "Shard":
+        """The same dealing of atoms to ranks, described on another dim or block structure."""
+        return Shard(dim, chunks, unit, self.rotate)
 
 
 Placement = Union[Replicate, Shard, Partial]
@@ -91,7 +100,7 @@ def is_even(size: int, shard: Shard, tp: int) -> bool:
 
 def local_size(size: int, shard: Shard, tp: int, rank: int) -> int:
     """Elements of the sharded dimension held by ``rank``."""
-    _, count = _atom_runs(atoms_per_chunk(size, shard), tp)[rank]
+    _, count = _atom_runs(atoms_per_chunk(size, shard), tp)[(rank + shard.rotate) % tp]
     return shard.chunks * count * shard.unit
 
 
@@ -102,7 +111,7 @@ def max_local_size(size: int, shard: Shard, tp: int) -> int:
 def local_ranges(size: int, shard: Shard, tp: int, rank: int) -> tuple[tuple[int, int], ...]:
     """The [start, stop) index ranges of the full dimension that ``rank`` holds, in local order."""
     n_atoms = atoms_per_chunk(size, shard)
-    start, count = _atom_runs(n_atoms, tp)[rank]
+    start, count = _atom_runs(n_atoms, tp)[(rank + shard.rotate) % tp]
     block = size // shard.chunks
     return tuple(
         (c * block + start * shard.unit, c * block + (start + count) * shard.unit)
@@ -140,7 +149,7 @@ def same_placement(a: Placement | None, b: Placement | None, size: int | None, t
 
 def to_json(p: Placement) -> dict:
     if isinstance(p, Shard):
-        return {"kind": "shard", "dim": p.dim, "chunks": p.chunks, "unit": p.unit}
+        return {"kind": "shard", "dim": p.dim, "chunks": p.chunks, "unit": p.unit, "rotate": p.rotate}
     if isinstance(p, Partial):
         return {"kind": "partial"}
     return {"kind": "replicate"}
@@ -149,7 +158,7 @@ def to_json(p: Placement) -> dict:
 def from_json(d: dict) -> Placement:
     kind = d.get("kind")
     if kind == "shard":
-        return Shard(int(d["dim"]), int(d.get("chunks", 1)), int(d.get("unit", 1)))
+        return Shard(int(d["dim"]), int(d.get("chunks", 1)), int(d.get("unit", 1)), int(d.get("rotate", 0)))
     if kind == "partial":
         return PARTIAL
     if kind == "replicate":

@@ -44,6 +44,7 @@ class Plan:
     comm_s: float = 0.0
     dtype_bytes: int = 4
     aliases: dict[str, str] = field(default_factory=dict)   # tied name -> FQN held
+    sharded_outputs: dict[str, Placement] = field(default_factory=dict)  # outputs returned split
 
     # ---- what users inspect -------------------------------------------------------------
     @property
@@ -90,6 +91,16 @@ class Plan:
             total += n
         return total * self.dtype_bytes
 
+    def heads_per_rank(self) -> dict[str, list[int]]:
+        """For each parameter split by whole heads (atoms wider than one element), how many
+        heads each rank holds: uneven where tp does not divide the head count."""
+        out = {}
+        for name, p in self.params.items():
+            if isinstance(p, Shard) and p.unit > 1 and self.roles.get(name) == "column" and len(self.shapes[name]) > 1:
+                size = self.shapes[name][p.dim]
+                out[name] = [local_size(size, p, self.tp, r) // (p.chunks * p.unit) for r in range(self.tp)]
+        return out
+
     def comm_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for c in self.comms:
@@ -124,12 +135,20 @@ class Plan:
         cost = self.cost
         per_rank = ", ".join(f"{b / 1e6:.1f}" for b in cost["param_bytes_per_rank"])
         counts = ", ".join(f"{k}={v}" for k, v in sorted(self.comm_counts().items())) or "none"
+        heads = self.heads_per_rank()
+        if heads:
+            first = next(iter(heads))
+            uneven = sorted({tuple(v) for v in heads.values()})
+            note = "" if len(uneven) == 1 else f" (layers rotate which ranks hold the extra heads; {len(heads)} layers)"
+            console.print(f"attention heads per rank ({first}, {sum(heads[first])} heads): {heads[first]}{note}")
         console.print(
             f"collectives: {counts}\n"
             f"predicted step: {cost['step_s'] * 1e3:.3f} ms (compute {cost['compute_s'] * 1e3:.3f} ms, "
             f"communication {cost['comm_s'] * 1e3:.3f} ms); {cost['comm_bytes_per_step'] / 1e6:.1f} MB sent per rank\n"
             f"parameter MB per rank: [{per_rank}] vs serial {cost['param_bytes_serial'] / 1e6:.1f}"
         )
+        for name, p in self.sharded_outputs.items():
+            console.print(f"output {name!r} is returned split as {p} (not gathered)")
         return buf.getvalue()
 
     # ---- JSON -------------------------------------------------------------------------------
@@ -141,6 +160,7 @@ class Plan:
             "params": {k: {"placement": to_json(p), "shape": list(self.shapes[k]), "role": self.roles[k]}
                        for k, p in self.params.items()},
             "aliases": self.aliases,
+            "sharded_outputs": {k: to_json(v) for k, v in self.sharded_outputs.items()},
             "comms": [c.__dict__ for c in self.comms],
             "compute_s": self.compute_s, "comm_s": self.comm_s,
         }
@@ -166,6 +186,7 @@ class Plan:
             comms=[CommOp(**c) for c in doc.get("comms", [])],
             compute_s=doc.get("compute_s", 0.0), comm_s=doc.get("comm_s", 0.0),
             dtype_bytes=doc.get("dtype_bytes", 4), aliases=doc.get("aliases", {}),
+            sharded_outputs={k: from_json(v) for k, v in doc.get("sharded_outputs", {}).items()},
         )
 
 

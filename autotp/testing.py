@@ -5,6 +5,9 @@
   counterpart on the same inputs, forward and backward, and compare loss, logits and every
   parameter's gradient (this rank's shard against the same slice of the serial gradient).
 * :func:`gpt2_cases`: hypothesis strategy of small GPT-2 configurations with a tp and a layout.
+* :func:`keep_loss_precision`: HuggingFace's causal-LM loss casts logits to float32 even in a
+  float64 model; this gives the model a loss in the logits' own dtype, so that a float64 check
+  measures the rewrite and not float32 rounding of the loss.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from .placements import Shard
 from .testing_launch import LocalCluster, launch
 
 __all__ = ["launch", "LocalCluster", "relative_error", "equivalence_errors", "assert_equivalent",
-           "gpt2_cases", "MEGATRON_GPT2", "TOLERANCE"]
+           "gpt2_cases", "keep_loss_precision", "MEGATRON_GPT2", "TOLERANCE"]
 
 #: Relative error bounds the property tests hold the parallel model to.
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
@@ -25,6 +28,35 @@ TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
 #: GPT-2's layout in the Megatron-LM paper, as autotp roles (for pinning in tests).
 MEGATRON_GPT2 = {"*.c_attn.weight": "column", "*.mlp.c_fc.weight": "column",
                  "*.attn.c_proj.weight": "row", "*.mlp.c_proj.weight": "row"}
+
+
+def _causal_lm_loss_in_logits_dtype(logits, labels, vocab_size: int, num_items_in_batch=None,
+                                    ignore_index: int = -100, shift_labels=None, **kwargs):
+    """transformers' ForCausalLMLoss without its ``logits.float()``: float64 stays float64."""
+    import torch.nn.functional as F
+
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()     # what the HF loss does it for: half precision
+    if shift_labels is None:
+        labels = F.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:].contiguous()
+    logits = logits.view(-1, vocab_size)
+    shift_labels = shift_labels.view(-1).to(logits.device)
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = F.cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction=reduction)
+    return loss / num_items_in_batch if reduction == "sum" else loss
+
+
+def keep_loss_precision(model: nn.Module) -> nn.Module:
+    """Make a HuggingFace causal LM compute its loss in the logits' dtype (see module docs).
+
+    The serial model and every capture of it then agree on the loss's precision; without it a
+    float64 model's loss (and every gradient, which flows from it) carries float32 rounding
+    (relative ~1e-8 over a 50257-word vocabulary), whatever the parallel plan."""
+    if not hasattr(type(model), "loss_function"):
+        raise TypeError(f"{type(model).__name__} has no HuggingFace loss_function to replace")
+    model.loss_function = _causal_lm_loss_in_logits_dtype
+    return model
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -79,6 +80,7 @@ class GraphIndex:
     infos: dict[fx.Node, OpInfo] = field(default_factory=dict)
     tensor_inputs: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
     uneven: bool = False
+    sharded_outputs: frozenset = frozenset()   # output leaf positions returned split, not gathered
     _strategies: dict = field(default_factory=dict)
     _compute: dict = field(default_factory=dict)
 
@@ -97,14 +99,15 @@ class GraphIndex:
         return found
 
     @classmethod
-    def build(cls, capture: Capture, tp: int, batch: int, seq: int, uneven: bool = False) -> "GraphIndex":
+    def build(cls, capture: Capture, tp: int, batch: int, seq: int, uneven: bool = False,
+              sharded_outputs: frozenset = frozenset()) -> "GraphIndex":
         env = {}
         for sym, role in capture.dim_symbols.items():
             env[sympy.Symbol(sym, integer=True, positive=True)] = batch if role == "batch" else seq
-        index = cls(capture, tp, env, uneven=uneven)
+        index = cls(capture, tp, env, uneven=uneven, sharded_outputs=frozenset(sharded_outputs))
         for node in capture.graph.nodes:
             if node.op == "call_function" and node.target is not operator.getitem:
-                index.infos[node], index.tensor_inputs[node] = _op_info(node, tp, uneven)
+                index.infos[node], index.tensor_inputs[node] = _op_info(node, tp, uneven, capture.param_names)
         return index
 
     def numel_env(self) -> Mapping:
@@ -129,7 +132,12 @@ def _out_meta(node: fx.Node) -> Any:
     return None
 
 
-def _op_info(node: fx.Node, tp: int, uneven: bool) -> tuple[OpInfo, list[fx.Node]]:
+def _layer_index(fqn: str) -> int:
+    match = re.search(r"\.(\d+)\.", fqn)
+    return int(match.group(1)) if match else 0
+
+
+def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str]) -> tuple[OpInfo, list[fx.Node]]:
     inputs: list[fx.Node] = []
     metas: list[TensorMeta] = []
 
@@ -147,7 +155,11 @@ def _op_info(node: fx.Node, tp: int, uneven: bool) -> tuple[OpInfo, list[fx.Node
     if node.target in (aten.mm.default, aten.linear.default, aten.embedding.default, aten.bmm.default):
         out = info.output
         if isinstance(out, TensorMeta):
-            info.hints[out.ndim - 1] = column_hint(node, out.ndim - 1)
+            # Layers rotate which rank takes an uneven split's extra head, so that parameter
+            # memory evens out across ranks over the depth of the model.
+            weight = node.args[1] if node.target is not aten.embedding.default else node.args[0]
+            rotate = _layer_index(param_names.get(getattr(weight, "name", ""), ""))
+            info.hints[out.ndim - 1] = column_hint(node, out.ndim - 1) + (rotate,)
     return info, inputs
 
 
@@ -295,11 +307,11 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
                 place[node] = REPLICATE
             continue
         if node.op == "output":
-            for out in pytree.tree_leaves(node.args):
+            for i, out in enumerate(pytree.tree_leaves(node.args)):
                 if isinstance(out, fx.Node) and isinstance(place.get(out), (Shard, Partial)):
-                    meta = _meta(out)
-                    c = conversion_cost(out, meta, REPLICATE, False)
-                    record(out, meta, REPLICATE, False, node)
+                    if i in index.sharded_outputs and isinstance(place[out], Shard):
+                        continue   # the caller asked to keep it split (vocab-sharded logits)
+                    record(out, _meta(out), REPLICATE, False, node)
             continue
         if node.op != "call_function":
             place[node] = REPLICATE

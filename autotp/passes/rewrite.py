@@ -95,14 +95,17 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             env[node].meta = dict(node.meta)
             continue
         if node.op == "output":
-            def out_map(a: Any) -> Any:
+            leaves, spec = pytree.tree_flatten(node.args[0])
+            outs = []
+            for i, a in enumerate(leaves):
                 if isinstance(a, fx.Node):
-                    if isinstance(prop.placements.get(a), (Shard, Partial)):
-                        return convert(a, Replicate(), False)
-                    return env[a]
-                return a
-
-            graph.output(pytree.tree_map(out_map, node.args[0]))
+                    have = prop.placements.get(a)
+                    keep = i in index.sharded_outputs and isinstance(have, Shard)
+                    outs.append(convert(a, Replicate(), False) if isinstance(have, (Shard, Partial)) and not keep
+                                else env[a])
+                else:
+                    outs.append(a)
+            graph.output(pytree.tree_unflatten(outs, spec))
             continue
         if node.op != "call_function" or node.target is operator.getitem:
             env[node] = graph.node_copy(node, lambda n: env[n])

@@ -6,7 +6,7 @@ task run on every rank. World 4 holds 4, 2 or 1 TP groups for tp 1, 2, 4.
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from autotp.testing import TOLERANCE, assert_equivalent, gpt2_cases
+from autotp.testing import TOLERANCE, assert_equivalent, keep_loss_precision, gpt2_cases
 
 
 def check_gpt2_case(case: dict) -> dict:
@@ -16,7 +16,7 @@ def check_gpt2_case(case: dict) -> dict:
     hf_logging.set_verbosity_error()
     dtype = getattr(torch, case["dtype"])
     torch.manual_seed(case["seed"])
-    model = GPT2LMHeadModel(GPT2Config(**case["config"])).to(dtype)
+    model = keep_loss_precision(GPT2LMHeadModel(GPT2Config(**case["config"])).to(dtype))
     gen = torch.Generator().manual_seed(case["seed"] + 1)
     shape = (case["batch"], case["seq"])
     inputs = {"input_ids": torch.randint(0, case["config"]["vocab_size"], shape, generator=gen),

@@ -67,12 +67,14 @@ class OpInfo:
     inputs: tuple[TensorMeta, ...]
     output: Any  # TensorMeta, a tuple of them, or None
     tp: int
-    hints: dict[int, tuple[int, int]] = field(default_factory=dict)
+    hints: dict[int, tuple] = field(default_factory=dict)   # dim -> (chunks, unit[, rotate])
     uneven: bool = False   # may a fresh shard leave some ranks one atom more?
 
-    def hint(self, dim: int) -> tuple[int, int]:
-        """(chunks, unit) a fresh shard of output ``dim`` should use (fused q/k/v: 3 blocks of heads)."""
-        return self.hints.get(dim, (1, 1))
+    def hint(self, dim: int) -> tuple[int, int, int]:
+        """(chunks, unit, rotate) a fresh shard of output ``dim`` should use (fused q/k/v: 3
+        blocks of heads; rotate: which rank takes the first run of atoms)."""
+        h = tuple(self.hints.get(dim, (1, 1)))
+        return h + (0,) * (3 - len(h))
 
     def fresh_shard(self, dim: int) -> Shard | None:
         """A shard of output ``dim`` following the hint, or None if the dim cannot be split tp ways."""
@@ -82,14 +84,16 @@ class OpInfo:
         """Like :meth:`fresh_shard`, for input ``input_index``'s ``dim`` (None: the output)."""
         out = self.output if input_index is None else self.inputs[input_index]
         size = out.static(dim)
-        chunks, unit = self.hint(dim)
+        chunks, unit, rotate = self.hint(dim) if input_index is None else (1, 1, 0)
         if size is None or size % (chunks * unit):
             chunks, unit = 1, 1
         if size is None or size // (chunks * unit) < self.tp:
             return None
-        if not self.uneven and (size // (chunks * unit)) % self.tp:
+        if (size // (chunks * unit)) % self.tp == 0:
+            rotate = 0                      # even: nothing to balance
+        elif not self.uneven:
             return None
-        return Shard(dim, chunks, unit)
+        return Shard(dim, chunks, unit, rotate % self.tp)
 
 
 Rule = Callable[[OpInfo, tuple], list[Strategy]]

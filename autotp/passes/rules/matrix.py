@@ -36,7 +36,7 @@ def _matmul_strategies(info: OpInfo, placements: tuple, w_out: int, w_in: int) -
     elif is_shard(pw) and pw.dim == w_in:
         size = x_meta.static(k)
         if size is not None and size // (pw.chunks * pw.unit) >= info.tp and size % (pw.chunks * pw.unit) == 0:
-            out.append(Strategy((Shard(k, pw.chunks, pw.unit), pw), _partial()))
+            out.append(Strategy((pw.with_dim(k), pw), _partial()))
         elif size is not None and size >= info.tp:
             out.append(Strategy((Shard(k), Shard(w_in)), _partial()))
     # Batch-parallel: a row dim of x split, W whole.

@@ -24,7 +24,9 @@ def embedding_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
         out.append(Strategy((hidden.with_dim(1), REPLICATE), hidden))
     vocab = info.inputs[0].static(0)
     if vocab is not None and vocab >= info.tp:
-        w = pw if is_shard(pw) and pw.dim == 0 else Shard(0)
+        # Every rank must hold a row: a lookup in an empty local table fails.
+        held = is_shard(pw) and pw.dim == 0 and vocab // (pw.chunks * pw.unit) >= info.tp
+        w = pw if held else Shard(0)
         out.append(Strategy((w, REPLICATE), PARTIAL))
     if is_shard(pi):
         out.append(Strategy((REPLICATE, pi), pi))
@@ -64,14 +66,15 @@ register(aten.rms_norm.default)(_norm_rule(lambda info: len(info.args[1])))
 def sdpa_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     """q, k, v [b, heads, s, d] split alike on batch or heads; the mask broadcasts or follows."""
     q, k, v = info.inputs[:3]
+    nd = q.ndim   # [*batch, s, d]: 4-D [b, heads, s, d] in transformers, any batch dims in ATen
     out = [Strategy(tuple(REPLICATE for _ in info.inputs), REPLICATE)]
-    dims = {p.dim: p for p in placements[:3] if is_shard(p) and p.dim in (0, 1)}
+    dims = {p.dim: p for p in placements[:3] if is_shard(p) and p.dim < nd - 2}
     for dim, p in sorted(dims.items()):
         if not (q.shape[dim] == k.shape[dim] == v.shape[dim]):
             continue  # grouped-query attention: heads differ, keep whole
         req = [p, p, p]
         for m in info.inputs[3:]:  # the attention mask, if any
-            kdim = dim - (4 - m.ndim)
+            kdim = dim - (nd - m.ndim)
             req.append(REPLICATE if kdim < 0 or m.shape[kdim] == 1 else p.with_dim(kdim))
         out.append(Strategy(tuple(req), p))
     return out
@@ -92,7 +95,7 @@ def _reduced_dims(info: OpInfo) -> tuple[list[int], bool]:
     x = info.inputs[0]
     dims = info.args[1] if len(info.args) > 1 else info.kwargs.get("dim")
     keep = info.args[2] if len(info.args) > 2 else info.kwargs.get("keepdim", False)
-    if dims is None:
+    if dims is None or (isinstance(dims, (list, tuple)) and not dims):   # dim=[] reduces every dim
         return list(range(x.ndim)), bool(keep)
     if isinstance(dims, int):
         dims = [dims]

@@ -31,7 +31,7 @@ UNARY = [
     aten.dropout.default, aten.add.Scalar, aten.sub.Scalar, aten.reciprocal.default,
     aten.ne.Scalar, aten.eq.Scalar, aten.lt.Scalar, aten.le.Scalar, aten.gt.Scalar, aten.ge.Scalar,
     aten.logical_not.default, aten.bitwise_not.default, aten.clamp.default, aten.square.default,
-    aten.softplus.default, aten.tril.default, aten.triu.default,
+    aten.softplus.default,
 ]
 BINARY = [
     aten.pow.Tensor_Tensor, aten.eq.Tensor, aten.ne.Tensor, aten.lt.Tensor, aten.le.Tensor,
@@ -73,6 +73,13 @@ def _all_replicate(info: OpInfo) -> Strategy:
 @register(*UNARY, *BINARY)
 def pointwise_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     return [_all_replicate(info), *_shard_strategies(info, placements)]
+
+
+@register(aten.tril.default, aten.triu.default)
+def triangle_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    # Which elements survive depends on their global (row, column): only batch dims may be split.
+    nd = info.output.ndim
+    return [s for s in pointwise_rule(info, placements) if not (is_shard(s.output) and s.output.dim >= nd - 2)]
 
 
 @register(*ADDITIVE)

@@ -91,7 +91,7 @@ def map_view_shard(src: tuple, dst: tuple, shard: Shard) -> Shard | None:
             if flat_chunks % qb == 0 and flat_unit % qa == 0:
                 c, u = flat_chunks // qb, flat_unit // qa
                 if int(dst[j]) % (c * u) == 0:
-                    return Shard(j, c, u)
+                    return shard.with_blocks(j, c, u)
         return None
     return None
 
@@ -122,6 +122,10 @@ def _size_list_localizer(list_pos: int):
             return info.target, args, kwargs
         sizes = list(args[list_pos])
         sizes[out.dim] = ctx.local(sizes[out.dim], info.output.shape[out.dim], out)
+        if isinstance(sizes[out.dim], int) and sizes[out.dim] == 0:
+            # A rank holding none of the dim: a -1 elsewhere would be ambiguous; spell it out.
+            sizes = [int(g) if isinstance(a, int) and a == -1 and g.is_Integer else a
+                     for a, g in zip(sizes, info.output.shape)]
         args = args[:list_pos] + (sizes,) + args[list_pos + 1:]
         return info.target, args, kwargs
 
@@ -172,6 +176,17 @@ def squeeze_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     return _follow(info, placements, lambda s: map_view_shard(src, dst, s))
 
 
+@register_localizer(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def squeeze_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
+    # Squeeze the dims of global size 1 only: a rank holding one element of a split dim keeps it.
+    if not is_shard(strategy.inputs[0]):
+        return info.target, args, kwargs
+    shape = info.inputs[0].shape
+    asked = args[1] if len(args) > 1 else range(len(shape))
+    asked = {norm_dim(d, len(shape)) for d in ([asked] if isinstance(asked, int) else asked)}
+    return aten.squeeze.dims, (args[0], [d for d in sorted(asked) if shape[d] == 1]), {}
+
+
 @register(aten.expand.default)
 def expand_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     src, dst = info.inputs[0].shape, info.output.shape
@@ -219,7 +234,7 @@ def split_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
             out.append(Strategy((p,), tuple(p for _ in range(n))))
         elif len(set(pieces)) == 1 and p.chunks % n == 0:
             # Equal pieces aligned with the shard's blocks: piece i is blocks [i*c/n, (i+1)*c/n).
-            piece = Shard(dim, p.chunks // n, p.unit)
+            piece = p.with_blocks(dim, p.chunks // n, p.unit)
             out.append(Strategy((p,), tuple(piece for _ in range(n))))
     return out
 
@@ -232,6 +247,8 @@ def split_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict,
         return info.target, args, kwargs
     if info.target is aten.split.Tensor:
         size = ctx.local(args[1], pieces[0], piece)
+        if size == 0:   # a rank holding none of the dim: split(x, 0) would give one piece, not n
+            return aten.split_with_sizes.default, (args[0], [0] * len(pieces)) + tuple(args[2:]), kwargs
         return info.target, (args[0], size) + tuple(args[2:]), kwargs
     sizes = [ctx.local(a, s, piece) for a, s in zip(args[1], pieces)]
     return info.target, (args[0], sizes) + tuple(args[2:]), kwargs

@@ -1,0 +1,888 @@
+"""Every strategy a sharding rule offers computes its op.
+
+The harness plays the ranks of a tensor-parallel group in one process. Each tensor input is laid
+out as the strategy asks (Replicate: the whole tensor on every rank; Shard: ``local_shard``;
+Partial: random float64 summands that add up to it), every rank runs the op on its pieces with
+the arguments its localizer writes, and the ranks' outputs, combined as the strategy's output
+placement says, must equal the op on the whole tensors (Replicate: every rank's output; Shard:
+each rank holds ``local_shard`` of it and ``assemble`` gives it back; Partial: the sum).
+Forward values only, float64, rtol 1e-12. The current placements a rule is shown are drawn
+freely; the strategies it answers with are what is checked.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import pytest
+import sympy
+import torch
+import torch.utils._pytree as pytree
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autotp.passes import rules
+from autotp.passes.rules import LocalContext, OpInfo, Strategy, TensorMeta, localizer, strategies
+from autotp.passes.rules.view import map_view_shard
+from autotp.placements import PARTIAL, REPLICATE, Partial, Replicate, Shard
+from autotp.runtime.collectives import assemble, local_shard
+from autotp.runtime.functional import vocab_parallel_embedding
+
+aten = torch.ops.aten
+R, P = REPLICATE, PARTIAL
+F64 = torch.float64
+
+# ---------------------------------------------------------------- hypothesis strategies
+
+tps = st.integers(1, 8)
+sizes = st.integers(1, 12)
+seeds = st.integers(0, 2**32 - 1)
+
+
+def shapes(min_ndim: int = 1, max_ndim: int = 4, size=sizes):
+    return st.lists(size, min_size=min_ndim, max_size=max_ndim).map(tuple)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@st.composite
+def shards(draw, shape: tuple, tp: int, dims=None) -> Shard:
+    """A shard of one of ``dims`` of ``shape``: any chunks and unit that factor the dim (fewer
+    atoms than ranks, even and uneven alike), any rotation."""
+    dim = draw(st.sampled_from(list(range(len(shape)) if dims is None else dims)))
+    chunks = draw(st.sampled_from(_divisors(shape[dim])))
+    unit = draw(st.sampled_from(_divisors(shape[dim] // chunks)))
+    return Shard(dim, chunks, unit, draw(st.integers(0, tp - 1)))
+
+
+@st.composite
+def placements(draw, shape: tuple, tp: int, partial: bool = True, dims=None):
+    """A current placement for a tensor of ``shape``: a shard (half the time: shards are where
+    the rules differ), free (None), R, or P (floats only)."""
+    if shape and (dims is None or dims) and draw(st.booleans()):
+        return draw(shards(shape, tp, dims))
+    return draw(st.sampled_from([None, R, P] if partial else [None, R]))
+
+
+@st.composite
+def hints_for(draw, size: int, tp: int) -> tuple:
+    """A fresh-shard hint (chunks, unit, rotate) for an output dim of ``size`` (fused q/k/v, heads)."""
+    chunks = draw(st.sampled_from(_divisors(size)))
+    unit = draw(st.sampled_from(_divisors(size // chunks)))
+    return (chunks, unit, draw(st.integers(0, tp - 1)))
+
+
+@st.composite
+def broadcast_shapes(draw, n: int) -> tuple[tuple, list[tuple]]:
+    """An output shape and ``n`` input shapes that broadcast to it (leading dims dropped, dims set to 1)."""
+    out = draw(shapes(1, 4, st.integers(1, 6)))
+    ins = []
+    for _ in range(n):
+        lead = draw(st.integers(0, len(out)))
+        ins.append(tuple(1 if draw(st.booleans()) and draw(st.booleans()) else s for s in out[lead:]))
+    return out, ins
+
+
+# ---------------------------------------------------------------- the harness
+
+@dataclass
+class Case:
+    """One op call on whole tensors, the group size, and the inputs' current placements."""
+
+    target: Any
+    args: tuple
+    kwargs: dict
+    tp: int
+    placements: tuple
+    hints: dict = field(default_factory=dict)
+    uneven: bool = False
+    seed: int = 0
+
+    def __repr__(self) -> str:
+        show = pytree.tree_map(_meta_of_tensor, (self.args, self.kwargs))
+        return (f"Case({rules.op_name(self.target)}, args={show}, tp={self.tp}, "
+                f"placements={self.placements}, hints={self.hints}, uneven={self.uneven})")
+
+    def info(self) -> OpInfo:
+        return op_info(self.target, self.args, self.kwargs, self.tp, self.hints, self.uneven)
+
+
+def _meta(t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(tuple(sympy.Integer(s) for s in t.shape), t.dtype)
+
+
+def _tensors_in(args) -> list[torch.Tensor]:
+    return [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
+
+
+def _meta_of_tensor(a: Any) -> Any:
+    return _meta(a) if isinstance(a, torch.Tensor) else a
+
+
+def _out_meta(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return _meta(out)
+    if isinstance(out, (list, tuple)) and out and all(isinstance(o, torch.Tensor) for o in out):
+        return tuple(_meta(o) for o in out)
+    return None
+
+
+def op_info(target, args, kwargs, tp, hints=None, uneven=False) -> OpInfo:
+    """What propagation would show a rule: tensors replaced by TensorMeta, output meta from a run."""
+    out = target(*args, **kwargs)
+    targs, tkwargs = pytree.tree_map(_meta_of_tensor, (tuple(args), dict(kwargs)))
+    inputs = tuple(_meta(a) for a in _tensors_in((tuple(args), dict(kwargs))))
+    return OpInfo(target, targs, tkwargs, inputs, _out_meta(out), tp, dict(hints or {}), uneven)
+
+
+def distribute(full: torch.Tensor, want, tp: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """Each rank's piece of ``full`` laid out as ``want``."""
+    if isinstance(want, Replicate):
+        return [full.clone() for _ in range(tp)]
+    if isinstance(want, Shard):
+        return [local_shard(full, want, tp, r) for r in range(tp)]
+    if isinstance(want, Partial):
+        if full.is_floating_point():
+            # Unequal shares of the value plus noise that cancels: a non-linear op cannot hide.
+            w = torch.rand(tp, generator=gen, dtype=F64) + 0.1
+            w = (w / w.sum()).to(full.dtype)
+            noise = torch.randn((tp,) + tuple(full.shape), generator=gen, dtype=full.dtype)
+            noise = noise - noise.mean(0)
+            return [full * w[r] + noise[r] for r in range(tp)]
+        if full.dtype != torch.bool:
+            others = [torch.randint(-5, 5, full.shape, generator=gen, dtype=full.dtype) for _ in range(tp - 1)]
+            return [full - sum(others, torch.zeros_like(full))] + others
+    pytest.fail(f"strategy asks for an input of dtype {full.dtype} to be {want!r}")
+
+
+def _close(actual, expected, what: str) -> None:
+    if not isinstance(expected, torch.Tensor):
+        assert actual == expected, what
+        return
+    assert isinstance(actual, torch.Tensor), what
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12, equal_nan=True,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def combine_and_compare(outs: list, placement, full, tp: int, what: str) -> None:
+    """The ranks' outputs, combined as ``placement`` says, equal ``full``."""
+    if isinstance(full, (list, tuple)):
+        each = placement if isinstance(placement, tuple) else (placement,) * len(full)
+        assert len(each) == len(full), f"{what}: {len(each)} output placements for {len(full)} outputs"
+        for i, (p, f) in enumerate(zip(each, full)):
+            combine_and_compare([o[i] for o in outs], p, f, tp, f"{what} output {i}")
+        return
+    if not isinstance(full, torch.Tensor) or isinstance(placement, Replicate):
+        for r, o in enumerate(outs):
+            _close(o, full, f"{what} on rank {r}")
+    elif isinstance(placement, Shard):
+        for r, o in enumerate(outs):
+            _close(o, local_shard(full, placement, tp, r), f"{what} on rank {r}")
+        _close(assemble(outs, placement, full.shape[placement.dim]), full, f"{what} assembled")
+    elif isinstance(placement, Partial):
+        _close(sum(outs[1:], outs[0]), full, f"{what} summed over ranks")
+    else:
+        pytest.fail(f"{what}: a tensor output placed as {placement!r}")
+
+
+def check_strategy(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, seed: int = 0) -> None:
+    """Run ``strategy`` on simulated ranks; see the module docstring."""
+    tp = info.tp
+    what = f"{rules.op_name(info.target)} {strategy!r} (tp={tp})"
+    full = info.target(*args, **kwargs)
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    at = [i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor)]
+    assert len(strategy.inputs) == len(at), f"{what}: {len(strategy.inputs)} placements, {len(at)} tensor inputs"
+    gen = torch.Generator().manual_seed(seed)
+    per_rank = [list(leaves) for _ in range(tp)]
+    for i, want in zip(at, strategy.inputs):
+        for r, piece in enumerate(distribute(leaves[i], want, tp, gen)):
+            per_rank[r][i] = piece
+    loc = localizer(info.target)
+    outs = []
+    for r in range(tp):
+        a, kw = pytree.tree_unflatten(per_rank[r], spec)
+        target = info.target
+        if loc is not None:
+            target, a, kw = loc(info, strategy, tuple(a), dict(kw), LocalContext(tp, r))
+        outs.append(target(*a, **kw))
+    combine_and_compare(outs, strategy.output, full, tp, what)
+
+
+def check_case(case: Case, only=lambda s: True) -> list[Strategy]:
+    """Every strategy the rule offers for ``case`` (those ``only`` selects) computes the op."""
+    info = case.info()
+    assert len(case.placements) == len(info.inputs)
+    offered = strategies(info, tuple(case.placements))
+    assert offered, f"no strategy for {case!r}"
+    for s in offered:
+        if only(s):
+            check_strategy(info, s, case.args, case.kwargs, case.seed)
+    return offered
+
+
+def _tensor(gen: torch.Generator, shape, dtype=F64, low: int = 0, high: int = 5) -> torch.Tensor:
+    if dtype is torch.bool:
+        return torch.rand(tuple(shape), generator=gen) < 0.5
+    if not dtype.is_floating_point:
+        return torch.randint(low, high, tuple(shape), generator=gen, dtype=dtype)
+    return torch.randn(tuple(shape), generator=gen, dtype=dtype)
+
+
+@st.composite
+def _case(draw, target, tensors: list, other_args=(), kwargs=None, hints=None, uneven=False, tp=None,
+          partial=True, place=None, keep=()) -> Case:
+    """A Case calling ``target(*tensors, *other_args, **kwargs)`` with drawn current placements;
+    half the time the first tensor is sharded on one of ``keep``, the dims the op can keep split."""
+    tp = draw(tps) if tp is None else tp
+    ps = place if place is not None else tuple(
+        draw(placements(tuple(t.shape), tp, partial and t.is_floating_point())) for t in tensors
+    )
+    if place is None and keep and draw(st.booleans()):
+        ps = (draw(shards(tuple(tensors[0].shape), tp, keep)),) + ps[1:]
+    return Case(target, tuple(tensors) + tuple(other_args), dict(kwargs or {}), tp, ps, hints or {}, uneven,
+                draw(seeds))
+
+
+def _gen(draw) -> torch.Generator:
+    return torch.Generator().manual_seed(draw(seeds))
+
+
+def _offers(offered: list[Strategy], inputs: tuple, output) -> bool:
+    return any(s.inputs == inputs and s.output == output for s in offered)
+
+
+# ---------------------------------------------------------------- matrix products
+
+@st.composite
+def mm_cases(draw) -> Case:
+    gen, tp = _gen(draw), draw(tps)
+    m, k, n = draw(sizes), draw(sizes), draw(sizes)
+    x, w = _tensor(gen, (m, k)), _tensor(gen, (k, n))
+    hints = {1: draw(hints_for(n, tp))} if draw(st.booleans()) else {}
+    return draw(_case(aten.mm.default, [x, w], hints=hints, uneven=draw(st.booleans()), tp=tp))
+
+
+@st.composite
+def linear_cases(draw) -> Case:
+    gen, tp = _gen(draw), draw(tps)
+    batch = draw(shapes(1, 2, st.integers(1, 6)))
+    k, n = draw(sizes), draw(sizes)
+    x, w = _tensor(gen, batch + (k,)), _tensor(gen, (n, k))
+    hints = {len(batch): draw(hints_for(n, tp))} if draw(st.booleans()) else {}
+    return draw(_case(aten.linear.default, [x, w], hints=hints, uneven=draw(st.booleans()), tp=tp))
+
+
+@st.composite
+def bmm_cases(draw) -> Case:
+    gen = _gen(draw)
+    target = draw(st.sampled_from([aten.bmm.default, aten.matmul.default]))
+    batch = (draw(st.integers(1, 6)),) if target is aten.bmm.default else draw(shapes(0, 2, st.integers(1, 4)))
+    m, k, n = draw(sizes), draw(sizes), draw(sizes)
+    return draw(_case(target, [_tensor(gen, batch + (m, k)), _tensor(gen, batch + (k, n))]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=mm_cases())
+def test_mm_column_row_and_batch_parallel_strategies_compute_mm(case):
+    check_case(case)
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=linear_cases())
+def test_linear_strategies_compute_linear(case):
+    check_case(case)
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=bmm_cases())
+def test_bmm_and_matmul_strategies_compute_the_batched_product(case):
+    check_case(case)
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_linear_with_a_bias_runs_replicated(data):
+    gen, tp = _gen(data.draw), data.draw(tps)
+    x, w, b = _tensor(gen, (3, 4)), _tensor(gen, (5, 4)), _tensor(gen, (5,))
+    offered = check_case(data.draw(_case(aten.linear.default, [x, w, b], tp=tp)))
+    assert offered == [Strategy((R, R, R), R)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_a_column_shard_follows_the_output_hint(data):
+    # Fused q/k/v: each rank's heads of q, k and v, not a contiguous third of the columns.
+    tp = data.draw(tps)
+    gen = _gen(data.draw)
+    heads, head_dim = tp * data.draw(st.integers(1, 2)), data.draw(st.integers(1, 3))
+    n = 3 * heads * head_dim
+    case = data.draw(_case(aten.mm.default, [_tensor(gen, (4, 5)), _tensor(gen, (5, n))],
+                           hints={1: (3, head_dim, 0)}, tp=tp, place=(R, None)))
+    column = Shard(1, 3, head_dim)
+    assert _offers(check_case(case), (R, column), column)
+
+
+# ---------------------------------------------------------------- embedding
+
+@st.composite
+def embedding_cases(draw) -> Case:
+    gen, tp = _gen(draw), draw(tps)
+    vocab, hidden = draw(sizes), draw(sizes)
+    weight = _tensor(gen, (vocab, hidden))
+    indices = _tensor(gen, draw(shapes(1, 2, st.integers(1, 6))), torch.long, 0, vocab)
+    hints = {indices.ndim: draw(hints_for(hidden, tp))} if draw(st.booleans()) else {}
+    return draw(_case(aten.embedding.default, [weight, indices], hints=hints, uneven=draw(st.booleans()), tp=tp))
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=embedding_cases())
+def test_embedding_strategies_compute_the_lookup(case):
+    check_case(case)
+
+
+@settings(max_examples=50, deadline=None)
+@given(data=st.data())
+def test_a_vocab_sharded_embedding_is_partial_through_vocab_parallel_embedding(data):
+    tp, gen = data.draw(tps), _gen(data.draw)
+    chunks, unit = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 2))
+    vocab = chunks * unit * data.draw(st.integers(tp, 2 * tp + 1))   # every rank holds a row
+    weight, indices = _tensor(gen, (vocab, 3)), _tensor(gen, (2, 5), torch.long, 0, vocab)
+    vocab_shard = Shard(0, chunks, unit, data.draw(st.integers(0, tp - 1)))
+    case = data.draw(_case(aten.embedding.default, [weight, indices], tp=tp, place=(vocab_shard, R)))
+    offered = check_case(case)
+    assert _offers(offered, (vocab_shard, R), P)
+    strategy = next(s for s in offered if s.inputs == (vocab_shard, R))
+    target, _, _ = localizer(aten.embedding.default)(case.info(), strategy, case.args, {}, LocalContext(tp, 0))
+    assert target is vocab_parallel_embedding
+
+
+# ---------------------------------------------------------------- normalization, attention, softmax, reductions
+
+@st.composite
+def norm_cases(draw) -> Case:
+    gen = _gen(draw)
+    shape = draw(shapes(1, 4, st.integers(1, 6)))
+    normalized = shape[len(shape) - draw(st.integers(1, len(shape))):]
+    params = [_tensor(gen, normalized) if draw(st.booleans()) else None for _ in range(2)]
+    x = _tensor(gen, shape)
+    if draw(st.booleans()):
+        target, args = aten.layer_norm.default, [x, list(normalized), params[0], params[1], 1e-5]
+    else:
+        target, args = aten.rms_norm.default, [x, list(normalized), params[0], 1e-5]
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    case = draw(_case(target, tensors, keep=range(len(shape) - len(normalized))))
+    return replace(case, args=tuple(args))
+
+
+@settings(max_examples=80, deadline=None)
+@given(case=norm_cases())
+def test_layer_norm_and_rms_norm_strategies_compute_the_norm(case):
+    offered = check_case(case)
+    normalized = len(case.args[1])
+    assert all(not isinstance(s.output, Shard) or s.output.dim < case.args[0].ndim - normalized for s in offered)
+
+
+@st.composite
+def sdpa_cases(draw, ndim: int = 4) -> Case:
+    gen = _gen(draw)
+    lead = tuple(draw(st.integers(1, 4)) for _ in range(ndim - 2))   # (b, heads) for 4-D
+    s, s_kv, d = draw(st.integers(1, 5)), draw(st.integers(1, 5)), draw(st.integers(1, 4))
+    q, k, v = _tensor(gen, lead + (s, d)), _tensor(gen, lead + (s_kv, d)), _tensor(gen, lead + (s_kv, d))
+    tensors, kwargs = [q, k, v], {"dropout_p": 0.0}
+    mask = draw(st.sampled_from(["none", "bool", "causal"]))
+    if mask == "bool":
+        mask_shape = (lead[0],) + (1,) * (ndim - 3) + (s, s_kv) if draw(st.booleans()) else (s, s_kv)
+        m = _tensor(gen, mask_shape, torch.bool)
+        m[..., 0] = True   # every query sees a key: no all-masked rows
+        tensors.append(m)
+    kwargs["is_causal"] = mask == "causal"
+    if draw(st.booleans()):
+        kwargs["scale"] = 0.3
+    case = draw(_case(aten.scaled_dot_product_attention.default, tensors))
+    args = case.args[:3]
+    if len(case.args) > 3:
+        kwargs["attn_mask"] = case.args[3]
+    return replace(case, args=args, kwargs=kwargs)
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=sdpa_cases())
+def test_attention_split_by_batch_or_heads_computes_attention(case):
+    check_case(case)
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=sdpa_cases(ndim=3))
+def test_three_dim_attention_is_never_split_along_the_sequence(case):
+    check_case(case)
+
+
+@st.composite
+def softmax_cases(draw) -> Case:
+    gen = _gen(draw)
+    shape = draw(shapes(1, 4, st.integers(1, 6)))
+    dim = draw(st.integers(-len(shape), len(shape) - 1))
+    target = draw(st.sampled_from([aten._softmax.default, aten._log_softmax.default,
+                                   aten.softmax.int, aten.log_softmax.int]))
+    other = (dim, False) if target in (aten._softmax.default, aten._log_softmax.default) else (dim,)
+    keep = [d for d in range(len(shape)) if d != dim % len(shape)]
+    return draw(_case(target, [_tensor(gen, shape)], other, keep=keep))
+
+
+@settings(max_examples=80, deadline=None)
+@given(case=softmax_cases())
+def test_softmax_strategies_keep_the_softmax_dim_whole(case):
+    check_case(case)
+
+
+REDUCTIONS = [aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default, aten.var.correction]
+
+
+@st.composite
+def reduction_cases(draw, target=None) -> Case:
+    gen = _gen(draw)
+    target = draw(st.sampled_from(REDUCTIONS)) if target is None else target
+    shape = draw(shapes(1, 4, st.integers(1, 6)))
+    some = st.lists(st.integers(0, len(shape) - 1), unique=True, min_size=1, max_size=len(shape))
+    dims = draw(st.one_of(some, st.just([])))   # dim=[]: every dim
+    dims = [d - len(shape) if draw(st.booleans()) else d for d in dims]   # negative dims too
+    keep = draw(st.booleans())
+    if target is aten.var.correction:
+        other, kwargs = (dims,), {"correction": 1, "keepdim": keep}
+    else:
+        other, kwargs = (dims, keep), {}
+    kept = [d for d in range(len(shape)) if dims and d not in [e % len(shape) for e in dims]]
+    return draw(_case(target, [_tensor(gen, shape)], other, kwargs, keep=kept))
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=reduction_cases())
+def test_reduction_strategies_compute_the_reduction(case):
+    check_case(case)
+
+
+@settings(max_examples=50, deadline=None)
+@given(data=st.data())
+def test_a_sum_over_a_sharded_dim_is_partial(data):
+    tp, gen = data.draw(tps), _gen(data.draw)
+    x = _tensor(gen, data.draw(shapes(1, 3)))
+    shard = data.draw(shards(tuple(x.shape), tp))
+    dims = sorted({shard.dim} | set(data.draw(st.lists(st.integers(0, x.ndim - 1), max_size=2))))
+    case = data.draw(_case(aten.sum.dim_IntList, [x], (dims, data.draw(st.booleans())), tp=tp, place=(shard,)))
+    assert _offers(check_case(case), (shard,), P)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_nll_loss_runs_replicated(data):
+    gen, n, c = _gen(data.draw), data.draw(st.integers(1, 6)), data.draw(st.integers(1, 6))
+    logp, target = torch.log_softmax(_tensor(gen, (n, c)), -1), _tensor(gen, (n,), torch.long, 0, c)
+    op = data.draw(st.sampled_from([aten.nll_loss_forward.default, aten.nll_loss.default]))
+    case = data.draw(_case(op, [logp, target], (None, 1, -100)))
+    assert all(set(s.inputs) == {R} for s in check_case(case))
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_cross_entropy_whole_computes_the_loss_and_the_vocab_parallel_form_declares_its_collectives(data):
+    # The vocab-parallel form communicates inside itself; the runtime tests run it on real ranks.
+    gen, tp = _gen(data.draw), data.draw(tps)
+    n, vocab = data.draw(st.integers(1, 6)), data.draw(sizes)
+    logits, target = _tensor(gen, (n, vocab)), _tensor(gen, (n,), torch.long, 0, vocab)
+    case = data.draw(_case(aten.cross_entropy_loss.default, [logits, target], (None, 1, -100, 0.0), tp=tp))
+    offered = check_case(case, only=lambda s: set(s.inputs) == {R})
+    assert _offers(offered, (R, R), R)
+    assert all(s.internal for s in offered if set(s.inputs) != {R})
+
+
+# ---------------------------------------------------------------- views
+
+def _regroup(draw, factors: list[int]) -> tuple:
+    """``factors`` cut into consecutive runs (each run one dim), with size-1 dims sprinkled in."""
+    dims, run = [], 1
+    for i, f in enumerate(factors):
+        run *= f
+        if i == len(factors) - 1 or draw(st.booleans()):
+            dims.append(run)
+            run = 1
+    for _ in range(draw(st.integers(0, 2 if dims else 1))):
+        dims.insert(draw(st.integers(0, len(dims))), 1)
+    return tuple(dims)
+
+
+@st.composite
+def view_cases(draw) -> Case:
+    gen, tp = _gen(draw), draw(tps)
+    factors = draw(st.lists(st.integers(1, 4), min_size=1, max_size=5))
+    src, dst = _regroup(draw, factors), _regroup(draw, factors)
+    sizes_arg = list(dst)
+    if dst and draw(st.booleans()):
+        sizes_arg[draw(st.integers(0, len(dst) - 1))] = -1
+    target = draw(st.sampled_from([aten.view.default, aten.reshape.default, aten._unsafe_view.default]))
+    return draw(_case(target, [_tensor(gen, src)], (sizes_arg,), tp=tp))
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=view_cases())
+def test_view_moves_a_shard_onto_the_output_dim_holding_the_same_elements(case):
+    check_case(case)
+
+
+B, S = 2, 3
+GPT2_VIEWS = [
+    # (input shape, view sizes, input shard, output shard)
+    ((B, S, 32), [B, S, 4, 8], Shard(2, 1, 8), Shard(2)),             # split heads
+    ((B, S, 32), [B, S, -1, 8], Shard(2, 1, 8), Shard(2)),            # split heads as GPT-2 writes it
+    ((B, S, 4, 8), [B, S, 32], Shard(2), Shard(2, 1, 8)),             # merge heads
+    ((B * S, 16), [B, S, 16], Shard(1), Shard(2)),                    # (b*s, h) -> (b, s, h)
+    ((B, S, 16), [-1, 16], Shard(2), Shard(1)),                       # (b, s, h) -> (b*s, h)
+    ((B, S, 16), [-1, 16], Shard(0), Shard(0, 1, S)),                 # batch-parallel rows
+    ((B * S, 96), [B, S, 96], Shard(1, 3, 8), Shard(2, 3, 8)),        # fused q/k/v, 4 heads of 8
+]
+
+
+@pytest.mark.parametrize("shape, sizes_arg, shard, expected", GPT2_VIEWS, ids=str)
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_gpt2_views_map_the_head_shard(shape, sizes_arg, shard, expected, data):
+    tp, gen = data.draw(tps), _gen(data.draw)
+    rotate = data.draw(st.integers(0, tp - 1))
+    shard, expected = replace(shard, rotate=rotate), replace(expected, rotate=rotate)
+    case = data.draw(_case(aten.view.default, [_tensor(gen, shape)], (sizes_arg,), tp=tp, place=(shard,)))
+    assert map_view_shard(case.info().inputs[0].shape, case.info().output.shape, shard) == expected
+    assert _offers(check_case(case), (shard,), expected)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_fused_qkv_split_gives_each_piece_the_rank_heads(data):
+    # (b, s, 3h) with each rank's heads of q, k and v -> three (b, s, h) pieces, one block each.
+    tp, gen = data.draw(tps), _gen(data.draw)
+    heads, head_dim = data.draw(st.integers(1, 6)), data.draw(st.integers(1, 4))
+    h = heads * head_dim
+    qkv = Shard(2, 3, head_dim, data.draw(st.integers(0, tp - 1)))
+    case = data.draw(_case(aten.split.Tensor, [_tensor(gen, (2, 3, 3 * h))], (h, 2), tp=tp, place=(qkv,)))
+    piece = Shard(2, 1, head_dim, qkv.rotate)
+    assert _offers(check_case(case), (qkv,), (piece, piece, piece))
+
+
+@st.composite
+def split_cases(draw) -> Case:
+    gen, tp = _gen(draw), draw(tps)
+    shape = draw(shapes(1, 3))
+    dim = draw(st.integers(0, len(shape) - 1))
+    if draw(st.booleans()):
+        target, other = aten.split.Tensor, (draw(st.integers(1, shape[dim])), dim)
+    else:
+        cuts = draw(st.lists(st.integers(1, shape[dim] - 1), unique=True, max_size=3)) if shape[dim] > 1 else []
+        bounds = [0] + sorted(cuts) + [shape[dim]]
+        target, other = aten.split_with_sizes.default, ([b - a for a, b in zip(bounds, bounds[1:])], dim)
+    return draw(_case(target, [_tensor(gen, shape)], other, tp=tp))
+
+
+@settings(max_examples=80, deadline=None)
+@given(case=split_cases())
+def test_split_strategies_compute_the_pieces(case):
+    check_case(case)
+
+
+@st.composite
+def reshaping_cases(draw) -> Case:
+    """transpose, t, permute, unsqueeze, squeeze, select, slice, expand and the identities."""
+    gen = _gen(draw)
+    shape = draw(shapes(1, 4, st.integers(1, 6)))
+    nd = len(shape)
+    dim = draw(st.integers(-nd, nd - 1))
+    kind = draw(st.sampled_from(["transpose", "t", "permute", "unsqueeze", "squeeze", "select", "slice",
+                                 "expand", "identity"]))
+    if kind == "transpose":
+        target, other = aten.transpose.int, (dim, draw(st.integers(-nd, nd - 1)))
+    elif kind == "t":
+        shape = shape[:2]
+        target, other = aten.t.default, ()
+    elif kind == "permute":
+        target, other = aten.permute.default, (draw(st.permutations(range(nd))),)
+    elif kind == "unsqueeze":
+        target, other = aten.unsqueeze.default, (draw(st.integers(-nd - 1, nd)),)
+    elif kind == "squeeze":
+        shape = tuple(1 if draw(st.booleans()) else s for s in shape)
+        target, other = draw(st.sampled_from([(aten.squeeze.dim, (dim,)), (aten.squeeze.default, ()),
+                                              (aten.squeeze.dims, ([dim],))]))
+    elif kind == "select":
+        target, other = aten.select.int, (dim, draw(st.integers(-shape[dim], shape[dim] - 1)))
+    elif kind == "slice":
+        start = draw(st.integers(-shape[dim], shape[dim]))
+        end = draw(st.sampled_from([shape[dim], 2**63 - 1, max(start, 0) + 1]))
+        target, other = aten.slice.Tensor, (dim, start, end, draw(st.integers(1, 2)))
+    elif kind == "expand":
+        lead = tuple(draw(st.integers(1, 3)) for _ in range(draw(st.integers(0, 2))))
+        shape = tuple(1 if draw(st.booleans()) else s for s in shape)
+        wide = [draw(st.integers(1, 3)) if s == 1 else draw(st.sampled_from([s, -1])) for s in shape]
+        target, other = aten.expand.default, (list(lead) + wide,)
+    else:
+        target, other = draw(st.sampled_from([aten.contiguous.default, aten.clone.default, aten.alias.default,
+                                              aten.detach.default, aten.lift_fresh_copy.default])), ()
+    return draw(_case(target, [_tensor(gen, shape)], other))
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=reshaping_cases())
+def test_transposes_squeezes_slices_and_expands_carry_the_shard_along(case):
+    check_case(case)
+
+
+# ---------------------------------------------------------------- pointwise
+
+POSITIVE = "positive"   # inputs kept away from zero and negative values (pow, log, ...)
+# op, non-tensor arguments, kwargs, dtype of the tensor input
+UNARY_CASES = [
+    (aten.tanh.default, (), {}, F64), (aten.exp.default, (), {}, F64), (aten.log.default, (), {}, POSITIVE),
+    (aten.sqrt.default, (), {}, POSITIVE), (aten.rsqrt.default, (), {}, POSITIVE),
+    (aten.relu.default, (), {}, F64), (aten.gelu.default, (), {}, F64), (aten.silu.default, (), {}, F64),
+    (aten.sigmoid.default, (), {}, F64), (aten.abs.default, (), {}, F64), (aten.sin.default, (), {}, F64),
+    (aten.cos.default, (), {}, F64), (aten.erf.default, (), {}, F64), (aten.square.default, (), {}, F64),
+    (aten.reciprocal.default, (), {}, POSITIVE), (aten.softplus.default, (), {}, F64),
+    (aten.pow.Tensor_Scalar, (3,), {}, F64), (aten.pow.Tensor_Scalar, (0.5,), {}, POSITIVE),
+    (aten.to.dtype, (torch.float32,), {}, F64),
+    (aten.to.dtype_layout, (), {"dtype": torch.float32, "layout": torch.strided}, F64),
+    (aten._to_copy.default, (), {"dtype": torch.float32}, F64),
+    (aten.dropout.default, (0.0, True), {}, F64), (aten.dropout.default, (0.5, False), {}, F64),
+    (aten.add.Scalar, (1.5,), {}, F64), (aten.sub.Scalar, (1.5,), {}, F64),
+    (aten.ne.Scalar, (0.0,), {}, F64), (aten.eq.Scalar, (1,), {}, torch.long),
+    (aten.lt.Scalar, (0.0,), {}, F64), (aten.le.Scalar, (0.0,), {}, F64),
+    (aten.gt.Scalar, (0.0,), {}, F64), (aten.ge.Scalar, (0.0,), {}, F64),
+    (aten.logical_not.default, (), {}, torch.bool), (aten.bitwise_not.default, (), {}, torch.bool),
+    (aten.clamp.default, (-0.5, 0.5), {}, F64),
+    (aten.tril.default, (0,), {}, F64), (aten.triu.default, (1,), {}, F64),
+    # linear in their one tensor
+    (aten.neg.default, (), {}, F64), (aten.mul.Scalar, (2.5,), {}, F64), (aten.div.Scalar, (2.5,), {}, F64),
+    (aten.mul.Tensor, (3.0,), {}, F64), (aten.div.Tensor, (4.0,), {}, F64),
+    (aten.add.Tensor, (0,), {}, F64), (aten.sub.Tensor, (0.0,), {}, F64),
+    # affine: a Partial must not pass
+    (aten.add.Tensor, (2.0,), {}, F64), (aten.sub.Tensor, (1,), {}, F64),
+]
+
+
+def _ids(cases: list[tuple]) -> list[str]:
+    return [f"{c[0]}-{n}" for n, c in enumerate(cases)]
+
+
+def _min_ndim(op) -> int:
+    return 2 if op in (aten.tril.default, aten.triu.default) else 1
+
+
+def _input(gen, shape, dtype):
+    if dtype == POSITIVE:
+        return _tensor(gen, shape).abs() + 0.5
+    return _tensor(gen, shape, dtype)
+
+
+@pytest.mark.parametrize("op, other, kwargs, dtype", UNARY_CASES, ids=_ids(UNARY_CASES))
+@settings(max_examples=15, deadline=None)
+@given(data=st.data())
+def test_unary_pointwise_strategies_compute_the_op(op, other, kwargs, dtype, data):
+    gen = _gen(data.draw)
+    x = _input(gen, data.draw(shapes(_min_ndim(op), 3, st.integers(1, 6))), dtype)
+    check_case(data.draw(_case(op, [x], other, kwargs)))
+
+
+# op, dtypes of its tensor inputs ("out": the output's shape; "scalar": a 0-dim tensor),
+# non-tensor arguments after them, kwargs
+BINARY_CASES = [
+    (aten.add.Tensor, (F64, F64), (), {}), (aten.sub.Tensor, (F64, F64), (), {}),
+    (aten.add.Tensor, (F64, F64), (), {"alpha": 2}),
+    (aten.mul.Tensor, (F64, F64), (), {}), (aten.div.Tensor, (F64, POSITIVE), (), {}),
+    (aten.pow.Tensor_Tensor, (POSITIVE, F64), (), {}), (aten.maximum.default, (F64, F64), (), {}),
+    (aten.minimum.default, (F64, F64), (), {}),
+    (aten.eq.Tensor, (torch.long, torch.long), (), {}), (aten.ne.Tensor, (torch.long, torch.long), (), {}),
+    (aten.lt.Tensor, (F64, F64), (), {}), (aten.le.Tensor, (F64, F64), (), {}),
+    (aten.gt.Tensor, (F64, F64), (), {}), (aten.ge.Tensor, (F64, F64), (), {}),
+    (aten.__and__.Tensor, (torch.bool, torch.bool), (), {}),
+    (aten.__or__.Tensor, (torch.bool, torch.bool), (), {}),
+    (aten.bitwise_and.Tensor, (torch.bool, torch.bool), (), {}),
+    (aten.bitwise_or.Tensor, (torch.bool, torch.bool), (), {}),
+    (aten.logical_and.default, (torch.bool, torch.bool), (), {}),
+    (aten.logical_or.default, (torch.bool, torch.bool), (), {}),
+    (aten.where.self, (torch.bool, F64, F64), (), {}),
+    (aten.masked_fill.Scalar, ("out", torch.bool), (-1.5,), {}),
+    (aten.masked_fill.Tensor, ("out", torch.bool, "scalar"), (), {}),
+]
+
+
+@pytest.mark.parametrize("op, dtypes, other, kwargs", BINARY_CASES, ids=_ids(BINARY_CASES))
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_broadcasting_pointwise_strategies_compute_the_op(op, dtypes, other, kwargs, data):
+    gen = _gen(data.draw)
+    out, in_shapes = data.draw(broadcast_shapes(len(dtypes)))
+    tensors = []
+    for dtype, shape in zip(dtypes, in_shapes):
+        if dtype == "out":       # masked_fill's self: the output's shape
+            tensors.append(_tensor(gen, out))
+        elif dtype == "scalar":  # masked_fill's value: a 0-dim tensor
+            tensors.append(_tensor(gen, ()))
+        else:
+            tensors.append(_input(gen, shape, dtype))
+    check_case(data.draw(_case(op, tensors, other, kwargs)))
+
+
+# ---------------------------------------------------------------- replicate-only and metadata ops
+
+def _misc(gen) -> list[tuple]:
+    """(op, arguments with whole tensors) for the replicate-only, factory and size-query ops."""
+    x, i = _tensor(gen, (4, 5)), _tensor(gen, (4, 3), torch.long, 0, 4)
+    b = _tensor(gen, (4, 5), torch.bool)
+    return [
+        (aten.diff.default, (x, 1, -1)), (aten.cumsum.default, (x, 1)),
+        (aten.index.Tensor, (x, [_tensor(gen, (3,), torch.long, 0, 4)])),
+        (aten.pad.default, (x, [1, 2], "constant", 0.5)), (aten.constant_pad_nd.default, (x, [1, 1, 0, 2], 0.0)),
+        (aten.gather.default, (x, 1, i)), (aten.index_select.default, (x, 0, i[0])),
+        (aten.scatter.src, (x, 1, i, _tensor(gen, (4, 3)))),
+        (aten.topk.default, (x, 2)), (aten.sort.default, (x,)), (aten.argmax.default, (x, 1)),
+        (aten.any.default, (b,)), (aten.all.default, (b,)),
+        (aten.cat.default, ([x, _tensor(gen, (2, 5))], 0)), (aten.stack.default, ([x, x + 1], 1)),
+        (aten.flip.default, (x, [0, 1])), (aten.roll.default, (x, [1], [1])),
+        (aten.arange.default, (5,)), (aten.arange.start, (2, 7)), (aten.arange.start_step, (1, 9, 3)),
+        (aten.zeros.default, ([2, 3],)), (aten.ones.default, ([2, 3],)), (aten.full.default, ([2, 3], 1.5)),
+        (aten.scalar_tensor.default, (2.5,)),
+        (aten.new_ones.default, (x, [2, 3])), (aten.new_zeros.default, (x, [3])),
+        (aten.new_full.default, (x, [2], 7.0)),
+        (aten.zeros_like.default, (x,)), (aten.ones_like.default, (x,)), (aten.full_like.default, (x, 2.0)),
+        (aten.sym_size.int, (x, 1)), (aten.sym_size.int, (x, -2)), (aten.sym_numel.default, (x,)),
+        (aten.sym_stride.int, (x, 0)),
+    ]
+
+
+MISC_OPS = [op for op, _ in _misc(torch.Generator())]
+MISC_IDS = [f"{op}-{n}" for n, op in enumerate(MISC_OPS)]
+
+
+@pytest.mark.parametrize("n", range(len(MISC_OPS)), ids=MISC_IDS)
+@settings(max_examples=10, deadline=None)
+@given(data=st.data())
+def test_replicated_factory_and_metadata_ops_compute_the_op(n, data):
+    op, args = _misc(_gen(data.draw))[n]
+    tp = data.draw(tps)
+    place = tuple(data.draw(placements(tuple(t.shape), tp, t.is_floating_point())) for t in _tensors_in(args))
+    check_case(Case(op, args, {}, tp, place, seed=data.draw(seeds)))
+
+
+# ---------------------------------------------------------------- the registry
+
+def test_every_op_of_gpt2_training_graph_has_a_rule():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    from autotp.capture import capture
+
+    hf_logging.set_verbosity_error()
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16))
+    graph = capture(model).graph
+    ops = {n.target for n in graph.nodes if n.op == "call_function" and n.target is not operator.getitem}
+    assert ops
+    assert [rules.op_name(t) for t in ops if not rules.has_rule(t)] == []
+
+
+def test_an_op_without_a_rule_runs_replicated_with_a_warning_naming_it(caplog, monkeypatch):
+    monkeypatch.setattr(rules, "_warned", set())
+    assert not rules.has_rule(aten.erfinv.default)
+    x = torch.rand(4, 6, dtype=F64) - 0.5
+    info = op_info(aten.erfinv.default, (x,), {}, tp=2)
+    with caplog.at_level(logging.WARNING, logger="autotp.rules"):
+        offered = strategies(info, (Shard(0),))
+    assert offered == [Strategy((R,), R)]
+    assert any("aten.erfinv.default" in r.getMessage() for r in caplog.records if r.name == "autotp.rules")
+    check_strategy(info, offered[0], (x,), {})
+
+
+# ---------------------------------------------------------------- Partial only through linear ops
+
+def _linear_groups(case: Case) -> list[set[int]]:
+    """The sets of tensor inputs the op is linear in, jointly (a Partial may stand exactly there)."""
+    op, n = case.target, len(case.placements)
+    if op in (aten.add.Tensor, aten.sub.Tensor):
+        scalars = [a for a in case.args[1:2] if not isinstance(a, torch.Tensor)]
+        return [set(range(n))] if all(a == 0 for a in scalars) else []
+    if op in (aten.mul.Tensor, aten.mm.default, aten.linear.default, aten.bmm.default, aten.matmul.default):
+        return [{i} for i in range(n)]
+    if op in (aten.div.Tensor, aten.neg.default, aten.mul.Scalar, aten.div.Scalar, aten.sum.dim_IntList,
+              aten.mean.dim, aten.embedding.default) or rules._RULES[op].__module__.endswith(".view"):
+        return [{0}]
+    return []
+
+
+def assert_partial_only_where_linear(case: Case) -> None:
+    """With every float input Partial, a strategy may keep Partial only on inputs the op is linear
+    in, and its output is then Partial."""
+    case = replace(case, placements=tuple(
+        P if t.is_floating_point() else p for t, p in
+        zip(_tensors_in((case.args, case.kwargs)), case.placements)
+    ))
+    for s in strategies(case.info(), case.placements):
+        partial = {i for i, p in enumerate(s.inputs) if isinstance(p, Partial)}
+        if not partial:
+            continue
+        assert partial in _linear_groups(case), f"{case!r}: {s!r} sums a non-linear op over ranks"
+        outputs = s.output if isinstance(s.output, tuple) else (s.output,)
+        assert all(isinstance(o, Partial) for o in outputs), f"{case!r}: {s!r} drops the Partial"
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=st.one_of(mm_cases(), linear_cases(), bmm_cases()))
+def test_matrix_rules_never_take_two_partial_factors(case):
+    assert_partial_only_where_linear(case)
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=st.one_of(view_cases(), split_cases(), reshaping_cases()))
+def test_view_rules_keep_a_partial_input_partial(case):
+    assert_partial_only_where_linear(case)
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_pointwise_rules_pass_partial_only_through_linear_ops(data):
+    gen = _gen(data.draw)
+    op, other, kwargs, dtype = data.draw(st.sampled_from([c for c in UNARY_CASES if c[3] in (F64, POSITIVE)]))
+    x = _input(gen, data.draw(shapes(_min_ndim(op), 3, st.integers(1, 6))), dtype)
+    assert_partial_only_where_linear(data.draw(_case(op, [x], other, kwargs)))
+    op = data.draw(st.sampled_from([aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor,
+                                    aten.maximum.default, aten.pow.Tensor_Tensor]))
+    _, (a, b) = data.draw(broadcast_shapes(2))
+    assert_partial_only_where_linear(data.draw(_case(op, [_input(gen, a, POSITIVE), _input(gen, b, POSITIVE)])))
+
+
+def test_add_of_a_partial_and_a_replicated_term_is_not_partial():
+    # The replicated term would be added once per rank: a row-parallel bias waits for the g.
+    x, b = torch.ones(2, 4, dtype=F64), torch.ones(4, dtype=F64)
+    offered = strategies(op_info(aten.add.Tensor, (x, b), {}, tp=2), (P, R))
+    assert not any(P in s.inputs for s in offered if s.inputs != (P, P))
+    assert _offers(offered, (P, P), P)
+
+
+def test_tanh_of_a_partial_is_not_offered():
+    offered = strategies(op_info(aten.tanh.default, (torch.ones(2, 4, dtype=F64),), {}, tp=2), (P,))
+    assert offered == [Strategy((R,), R)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(case=st.one_of(embedding_cases(), norm_cases(), sdpa_cases(), softmax_cases(), reduction_cases()))
+def test_nn_rules_pass_partial_only_through_linear_ops(case):
+    assert_partial_only_where_linear(case)
+
+
+@pytest.mark.parametrize("n", range(len(MISC_OPS)), ids=MISC_IDS)
+def test_misc_rules_take_partial_only_where_the_op_reads_no_values(n):
+    # Factories and size queries read a tensor's dtype or shape, never its values.
+    op, args = _misc(torch.Generator().manual_seed(0))[n]
+    info = op_info(op, args, {}, tp=2)
+    metadata_only = op in (aten.new_ones.default, aten.new_zeros.default, aten.new_full.default,
+                           aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int)
+    for s in strategies(info, tuple(P if t.is_floating_point() else R for t in _tensors_in(args))):
+        assert metadata_only or P not in s.inputs, f"{op}: {s!r}"
