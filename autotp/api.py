@@ -158,14 +158,14 @@ def _output_nodes(cap: Capture) -> list:
 
 def plan(model: nn.Module, tp: int, *, batch: int = 8, seq: int | None = None, profile: Any = None,
          layout: Mapping[str, Any] | None = None, uneven: bool = True, gather_logits: bool = True,
-         example_kwargs: dict | None = None) -> Plan:
+         example_inputs: tuple = (), example_kwargs: dict | None = None) -> Plan:
     """Choose a plan for ``model`` at ``tp`` without any process group (a meta model works).
 
     ``gather_logits=False`` plans for training: logits stay split by vocabulary (the loss is
     computed vocab-parallel either way) and the b*s*V all-gather is not paid."""
     tp = check_tp(tp)
     check_heads(model, tp, uneven)
-    cap = capture_model(model, example_kwargs=example_kwargs)
+    cap = capture_model(model, example_inputs, example_kwargs)
     result, _, _ = build_plan(cap, tp, batch=batch, seq=seq or _default_seq(model), profile=profile,
                               layout=layout, uneven=uneven, gather_logits=gather_logits)
     return result
@@ -184,7 +184,8 @@ def _default_profile(device: torch.device) -> str:
 def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: Mapping[str, Any] | None = None,
                 profile: Any = None, batch: int = 8, seq: int | None = None, uneven: bool = True,
                 gather_logits: bool = True,
-                example_kwargs: dict | None = None, device: torch.device | str | None = None,
+                example_inputs: tuple = (), example_kwargs: dict | None = None,
+                device: torch.device | str | None = None,
                 backend: str | None = None) -> "ParallelModule":
     """Split ``model`` over this rank's TP group; see the module docs and docs/architecture.md."""
     from .runtime.mesh import get_mesh
@@ -201,7 +202,7 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
     if device.type == "meta":
         raise ConfigError("parallelize needs real weights: the model is on the meta device "
                           "(use autotp.plan for planning only)")
-    cap = capture_model(model, example_kwargs=example_kwargs)
+    cap = capture_model(model, example_inputs, example_kwargs)
     result, index, prop = build_plan(cap, tp, batch=batch, seq=seq or _default_seq(model),
                                      profile=profile or _default_profile(device), layout=layout,
                                      plan=plan, uneven=uneven, gather_logits=gather_logits)

@@ -48,6 +48,8 @@ class Capture:
     range_constraints: dict[str, tuple[int, int]]   # "input_ids.1" -> (min, max)
     dim_symbols: dict[str, str] = field(default_factory=dict)  # sympy symbol name -> "batch"/"seq"
     aliases: dict[str, str] = field(default_factory=dict)  # unused tied param FQN -> the FQN used
+    signature: inspect.Signature | None = None   # model.forward's, to name positional inputs
+    model_name: str = "the model"
 
     @property
     def output_names(self) -> list[str]:
@@ -88,6 +90,31 @@ def hf_example_kwargs(model: torch.nn.Module, batch: int = EXAMPLE_BATCH, seq: i
     return kwargs
 
 
+def forward_signature(model: torch.nn.Module) -> inspect.Signature | None:
+    try:
+        return inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+
+
+def bind_inputs(signature: inspect.Signature | None, args: tuple, kwargs: dict[str, Any],
+                owner: str = "the model") -> dict[str, Any]:
+    """Positional inputs named by the model's forward signature: everything downstream of
+    capture is keyed by argument name, so ``pm(x)`` and ``pm(input_ids=x)`` are one call."""
+    if not args:
+        return dict(kwargs)
+    if signature is None:
+        raise ConfigError(f"{owner}.forward has no readable signature: pass the inputs as keyword arguments")
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in signature.parameters.values()):
+        raise ConfigError(f"{owner}.forward takes *args, so positional inputs have no names: "
+                          "pass them as keyword arguments")
+    try:
+        bound = signature.bind_partial(*args, **kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"inputs do not fit {owner}.forward{signature}: {exc}") from None
+    return dict(bound.arguments)
+
+
 def _forward_params(model: torch.nn.Module) -> set[str]:
     try:
         return set(inspect.signature(model.forward).parameters)
@@ -122,12 +149,11 @@ def _dynamic_shapes(kwargs: dict[str, Any], max_seq: int | None) -> dict[str, An
 def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None,
             dynamic: bool = True) -> Capture:
     """Export ``model`` and normalize its graph. See the module docstring."""
-    if example_inputs:
-        raise ConfigError(
-            "positional example_inputs are not supported yet: pass example_kwargs={'input_ids': ...} "
-            "with the names of the model's forward arguments"
-        )
-    kwargs = dict(example_kwargs) if example_kwargs is not None else hf_example_kwargs(model, device=_device_of(model))
+    if example_inputs or example_kwargs is not None:
+        kwargs = bind_inputs(forward_signature(model), tuple(example_inputs), dict(example_kwargs or {}),
+                             type(model).__name__)
+    else:
+        kwargs = hf_example_kwargs(model, device=_device_of(model))
     if "use_cache" in _forward_params(model) and "use_cache" not in kwargs:
         kwargs["use_cache"] = False   # a KV cache is an inference-time output, not part of the graph
     dynamic_shapes = _dynamic_shapes(kwargs, _max_positions(model)) if dynamic else None
@@ -140,6 +166,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
         model.train(was_training)
     cap = _from_exported(ep, kwargs)
     cap.aliases = _tied_aliases(model, cap)
+    cap.signature, cap.model_name = forward_signature(model), type(model).__name__
     return cap
 
 

@@ -69,3 +69,16 @@ def test_untraceable_model_names_the_failure_and_what_to_try():
 def test_model_without_config_needs_example_inputs():
     with pytest.raises(CaptureError, match="pass example_kwargs"):
         autotp.plan(torch.nn.Linear(4, 4), tp=1)
+
+
+def test_positional_inputs_to_a_forward_taking_star_args_are_refused():
+    class StarArgs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, *xs):
+            return self.lin(xs[0])
+
+    with pytest.raises(ConfigError, match=r"takes \*args"):
+        autotp.plan(StarArgs(), tp=1, example_inputs=(torch.randn(2, 4),))

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ..capture import Capture, flat_inputs, unflatten_outputs
+from ..capture import Capture, bind_inputs, flat_inputs, unflatten_outputs
 from ..errors import InputError
 from ..plan import Plan
 from ..placements import Shard
@@ -65,7 +65,9 @@ class ParallelModule(nn.Module):
     def local_parameter(self, fqn: str) -> nn.Parameter:
         return self.local.get_parameter(self.plan.aliases.get(fqn, fqn))
 
-    def forward(self, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # Positional inputs are named by the model's forward signature, as at capture.
+        kwargs = bind_inputs(self.capture.signature, args, kwargs, self.capture.model_name)
         flat = flat_inputs(self.capture, kwargs)
         self._check_ranges(kwargs)
         params = [self.local.get_parameter(fqn) for fqn in self._param_order]

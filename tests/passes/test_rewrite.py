@@ -64,3 +64,32 @@ def _inputs_without_labels():
 def test_example_kwargs_override_the_synthesized_inputs(cluster):
     for err, no_loss in cluster.run(_inputs_without_labels):
         assert err < 1e-12 and no_loss
+
+
+class _MLP(torch.nn.Module):
+    """A plain module, no config: its inputs come from example_inputs, positionally."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(16, 64)     # column-parallel candidate
+        self.down = torch.nn.Linear(64, 16)   # row-parallel candidate
+
+    def forward(self, x):                      # x: (b, s, 16)
+        return self.down(torch.relu(self.up(x)))
+
+
+def _positional_inputs():
+    torch.manual_seed(0)
+    model = _MLP().double()
+    example = (torch.randn(2, 8, 16, dtype=torch.float64),)
+    pm = autotp.parallelize(model, tp=2, example_inputs=example,
+                            layout={"up.weight": "column", "down.weight": "row"})
+    x = torch.randn(3, 5, 16, dtype=torch.float64)
+    return ((pm(x) - model(x)).abs().max().item(), (pm(x=x) - model(x)).abs().max().item(),
+            pm.plan.param_layouts["up.weight"], pm.plan.param_layouts["down.weight"])
+
+
+def test_positional_example_inputs_capture_and_call_by_position(cluster):
+    for by_position, by_name, up, down in cluster.run(_positional_inputs):
+        assert by_position < 1e-12 and by_name < 1e-12
+        assert (up, down) == ("column", "row")
