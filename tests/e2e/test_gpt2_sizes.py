@@ -1,8 +1,12 @@
 """Every GPT-2 size at every tp from 1 to 8: uneven heads, a 50257-row vocabulary split by
 rows, the tied embedding/lm_head, vocab-parallel cross-entropy. Shrunken variants (fewer layers,
 smaller head dim, the real head counts and vocabulary) against the serial model."""
+import math
+
 import pytest
 import torch
+
+import autotp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -66,3 +70,45 @@ def test_logits_can_stay_vocab_sharded_and_skip_the_gather(cluster):
         assert loss_err < 1e-12 and logits_err < 1e-12
         assert shape[-1] in (50, 51)            # 101 rows split 51 / 50
         assert bytes_sharded < bytes_gathered   # the b*s*V all-gather is not paid
+
+
+def _ideal_param_bytes(plan) -> float:
+    """A perfectly even split of the same plan: sharded bytes / tp + replicated bytes."""
+    return plan.dtype_bytes * sum(math.prod(shape) / (plan.tp if isinstance(plan.params[n], autotp.Shard) else 1)
+                                  for n, shape in plan.shapes.items())
+
+
+def test_meta_gpt2_xl_at_tp8_plans_without_weights_and_every_rank_is_within_5_percent_of_ideal():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config(n_layer=48, n_head=25, n_embd=1600, vocab_size=50257))
+    plan = autotp.plan(model, tp=8, batch=8, seq=1024)
+    assert all(p.is_meta for p in model.parameters())
+    ideal = _ideal_param_bytes(plan)
+    assert ideal < plan.cost["param_bytes_serial"] / 7          # most bytes are split
+    for rank, held in enumerate(plan.param_bytes_per_rank()):
+        assert abs(held - ideal) / ideal <= 0.05, (rank, held, ideal)
+    heads = plan.heads_per_rank()["transformer.h.0.attn.c_attn.weight"]
+    assert sum(heads) == 25 and max(heads) - min(heads) == 1      # 25 heads: one rank holds 4, seven hold 3
+    assert f"heads): {heads}" in str(plan)
+
+
+def test_an_uneven_head_split_is_priced_at_its_largest_rank():
+    # 12 heads over 8 ranks: four ranks hold 2 heads, four hold 1; the step waits for a 2-head rank.
+    from autotp.api import build_plan
+    from autotp.capture import capture
+    from tests.helpers import tiny_gpt2
+
+    cap = capture(tiny_gpt2(n_layer=1, n_head=12, head_dim=8, dtype=torch.float32, device="meta"))
+    _, index, prop = build_plan(cap, 8, batch=8, seq=32, layout=MEGATRON_VOCAB, profile="h100-dgx")
+    c_attn = next(n for n in prop.chosen if n.target is torch.ops.aten.mm.default)
+    assert prop.params[c_attn.args[1].name].dim == 1                  # column-parallel, by heads
+    from autotp.cost_model import get_profile
+    from autotp.passes.rules import Strategy
+    from autotp.placements import REPLICATE
+
+    h100 = get_profile("h100-dgx")
+    whole = index.compute_time(c_attn, Strategy((REPLICATE, REPLICATE), REPLICATE), h100)
+    split = index.compute_time(c_attn, prop.chosen[c_attn], h100)
+    assert split / whole == pytest.approx(2 / 12)                   # not 1/8: the largest rank's share
