@@ -31,3 +31,14 @@ class CommError(AutotpError, RuntimeError):
 
 class CheckpointError(AutotpError):
     """A checkpoint does not match the model: a missing key, a wrong shape."""
+
+
+class DisagreementError(CommError):
+    """The ranks of a TP group would run different programs: their plans, rewritten graphs or
+    input shapes differ. Raised on every rank of the group, before the collectives that would
+    otherwise hang or silently mix unrelated tensors."""
+
+
+class LostRankError(CommError):
+    """A collective failed because a rank of the group is gone (its process died) or never
+    joined; the message names it."""

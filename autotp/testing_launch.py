@@ -64,15 +64,17 @@ class LocalCluster:
     """``world_size`` persistent rank processes that run tasks: ``cluster.run(fn, *args)``.
 
     ``timeout`` (seconds) bounds the start-up and each task, and is the ranks' collective
-    timeout. ``error_grace`` is how long the other ranks may still report after one failed.
+    timeout unless ``collective_timeout`` gives another. ``error_grace`` is how long the other
+    ranks may still report after one failed.
     """
 
     def __init__(self, world_size: int, backend: str = "gloo", timeout: float = 120.0,
-                 error_grace: float = 3.0) -> None:
+                 error_grace: float = 3.0, collective_timeout: float | None = None) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ConfigError(f"world_size={world_size!r}: world_size must be a positive integer")
         self.world_size, self.backend = world_size, backend
         self.timeout, self.error_grace = float(timeout), float(error_grace)
+        self.collective_timeout = float(collective_timeout if collective_timeout is not None else timeout)
         self._procs: list = []
         self._conns: list[Connection] = []
         self._store = None
@@ -121,7 +123,8 @@ class LocalCluster:
             parent_end, child_end = _CTX.Pipe()
             proc = _CTX.Process(
                 target=_worker_main, name=f"autotp-rank{rank}",
-                args=(rank, self.world_size, self.backend, store.port, self.timeout, child_end),
+                args=(rank, self.world_size, self.backend, store.port, self.timeout,
+                      self.collective_timeout, child_end),
             )
             proc.start()
             child_end.close()
@@ -230,7 +233,7 @@ class LocalCluster:
 # ------------------------------------------------------------------ the rank side
 
 def _worker_main(rank: int, world_size: int, backend: str, port: int, timeout: float,
-                 conn: Connection) -> None:
+                 collective_timeout: float, conn: Connection) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
     try:
@@ -240,9 +243,13 @@ def _worker_main(rank: int, world_size: int, backend: str, port: int, timeout: f
         torch.set_num_threads(1)  # world_size ranks share this machine's cores
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        delta = datetime.timedelta(seconds=timeout)
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=delta)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=delta)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=collective_timeout))
+        from autotp.runtime.faults import register_process
+
+        register_process()  # a roll call can then tell that this rank died
         reply = ("ready", None)
     except BaseException as e:
         conn.send_bytes(_dumps_error(e))

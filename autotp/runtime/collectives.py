@@ -23,6 +23,7 @@ graphs call them as ``call_module`` nodes and ``print(gm.code)`` shows them by n
 from __future__ import annotations
 
 import copy
+import time
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from autotp.errors import AutotpError, CommError
+from autotp.errors import AutotpError, CommError, LostRankError
 from autotp.placements import Shard, local_ranges, local_size, max_local_size
 
 __all__ = [
@@ -62,21 +63,37 @@ def group_ranks(group) -> tuple[int, ...] | None:
 
 @contextmanager
 def _comm(op: str, group) -> Iterator[None]:
-    """Turn a torch.distributed failure (timeout, lost peer, backend error) into a CommError."""
+    """Turn a torch.distributed failure (timeout, lost peer, backend error) into a CommError;
+    a LostRankError naming the rank when the roll call (autotp.runtime.faults) finds one gone."""
+    started = time.monotonic()
     try:
         yield
     except AutotpError:
         raise
     except Exception as e:
+        from .faults import roll_call
+        from .mesh import group_timeout
+
         ranks = group_ranks(group)
         where = f"the TP group of ranks {list(ranks)}" if ranks is not None else "the TP group"
+        cause = f"{op} failed on {where}: {type(e).__name__}: {e}"
+        timeout = group_timeout(group).total_seconds()
+        found = roll_call(group, ranks, started, timeout) if ranks is not None else None
+        if found is not None and found.lost:
+            raise LostRankError(
+                f"{found.describe(timeout)}.\n{cause}\n"
+                "A rank of the group is gone, so this job cannot go on: find why it stopped (its "
+                "log, the OOM killer), then restart every rank."
+            ) from e
+        note = f" ({found.note})" if found is not None and found.note else ""
         raise CommError(
-            f"{op} failed on {where}: {type(e).__name__}: {e}\n"
+            f"{cause}{note}\n"
             "Check whether a rank died, raised, or took a different code path (ranks must call "
             "the same collectives in the same order). A rank that is merely slow hits the "
-            "collective timeout, fixed when the process group is created: "
-            "autotp.runtime.mesh.DEFAULT_TIMEOUT unless the timeout= argument of "
-            "autotp.runtime.mesh.init_from_env (or of launch / LocalCluster) says otherwise."
+            f"collective timeout ({timeout:g} s here), fixed when the process group is created: "
+            "autotp.runtime.mesh.DEFAULT_TIMEOUT, or the AUTOTP_TIMEOUT environment variable, "
+            "unless the timeout= argument of autotp.runtime.mesh.init_from_env (or of launch / "
+            "LocalCluster) says otherwise."
         ) from e
 
 

@@ -7,8 +7,15 @@ and DP groups across them (ranks i, i+tp, i+2tp, ...), as in Figure 8 of the Meg
 
 Collectives that do not complete within ``DEFAULT_TIMEOUT`` (300 s) raise instead of hanging
 forever: long enough for a slow first step (compilation, a checkpoint load on one rank), short
-enough that a dead or diverged rank is reported within minutes. Pass ``timeout=`` to
-``init_from_env`` to change it; groups made by ``get_mesh`` inherit the world's timeout.
+enough that a dead or diverged rank is reported within minutes. Set the ``AUTOTP_TIMEOUT``
+environment variable (seconds) or pass ``timeout=`` to ``init_from_env`` to change it (a world
+you initialize yourself keeps the timeout you gave ``init_process_group``); groups made by
+``get_mesh`` inherit the world's timeout. A rank whose process dies is named sooner: see
+:mod:`autotp.runtime.faults`.
+
+Each mesh also has a ``control_group``: the TP ranks over gloo, for the few small CPU messages
+autotp exchanges to check that ranks agree (:mod:`autotp.runtime.agreement`) without touching
+the accelerator's stream. Under a gloo world it is the TP group itself.
 """
 from __future__ import annotations
 
@@ -21,10 +28,12 @@ import torch
 import torch.distributed as dist
 
 from autotp.errors import ConfigError
+from autotp.runtime.faults import register_process
 
-__all__ = ["DEFAULT_TIMEOUT", "TPMesh", "init_from_env", "get_mesh"]
+__all__ = ["DEFAULT_TIMEOUT", "TPMesh", "init_from_env", "get_mesh", "collective_timeout", "group_timeout"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
+TIMEOUT_ENV = "AUTOTP_TIMEOUT"
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -43,11 +52,27 @@ def _choose_backend() -> str:
     return "gloo"
 
 
+def collective_timeout() -> datetime.timedelta:
+    """The timeout a world started by autotp gets: ``AUTOTP_TIMEOUT`` seconds, else the default."""
+    text = os.environ.get(TIMEOUT_ENV)
+    if text is None:
+        return DEFAULT_TIMEOUT
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ConfigError(f"{TIMEOUT_ENV}={text!r} is not a positive number of seconds "
+                          f"(unset it for the default of {DEFAULT_TIMEOUT.total_seconds():g} s)")
+    return datetime.timedelta(seconds=seconds)
+
+
 def init_from_env(backend: str | None = None, timeout: datetime.timedelta | None = None) -> str | None:
     """Initialize torch.distributed from torchrun's environment if that has not been done.
 
     Returns the default group's backend name, or None when torch.distributed is not initialized
-    and the torchrun variables are absent (nothing to initialize from).
+    and the torchrun variables are absent (nothing to initialize from). ``timeout`` defaults to
+    :func:`collective_timeout`.
     """
     if dist.is_initialized():
         return dist.get_backend()
@@ -56,7 +81,7 @@ def init_from_env(backend: str | None = None, timeout: datetime.timedelta | None
     backend = backend or _choose_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=timeout or DEFAULT_TIMEOUT)
+    dist.init_process_group(backend, timeout=timeout or collective_timeout())
     return backend
 
 
@@ -73,6 +98,7 @@ class TPMesh:
     tp_ranks: tuple[int, ...]
     dp_ranks: tuple[int, ...]
     backend: str
+    control_group: object = field(default=None, compare=False, hash=False, repr=False)
 
     @property
     def world_size(self) -> int:
@@ -92,13 +118,18 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _world_timeout() -> datetime.timedelta:
-    """The default group's collective timeout, so subgroups time out like the world does."""
+def group_timeout(group=None) -> datetime.timedelta:
+    """The collective timeout of ``group`` (None: the default group)."""
     try:  # private API; the fallback is only a different timeout, never a wrong result
-        pg = dist.distributed_c10d._get_default_group()
-        return pg._get_backend(torch.device("cpu")).options._timeout
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        for device in ("cpu", "cuda"):
+            try:
+                return pg._get_backend(torch.device(device)).options._timeout
+            except Exception:
+                continue
     except Exception:
-        return DEFAULT_TIMEOUT
+        pass
+    return DEFAULT_TIMEOUT
 
 
 def get_mesh(tp: int, backend: str | None = None) -> TPMesh:
@@ -132,9 +163,9 @@ def get_mesh(tp: int, backend: str | None = None) -> TPMesh:
 
 def _make_mesh(tp: int, world: int, rank: int, backend: str | None) -> TPMesh:
     dp = world // tp
-    timeout = _world_timeout()
+    timeout = group_timeout()
 
-    def groups(all_ranks: list[tuple[int, ...]]):
+    def groups(all_ranks: list[tuple[int, ...]], backend: str | None):
         mine = None
         for ranks in all_ranks:  # every rank creates every group, in the same order
             group = dist.new_group(list(ranks), timeout=timeout, backend=backend) if len(ranks) > 1 else None
@@ -142,11 +173,14 @@ def _make_mesh(tp: int, world: int, rank: int, backend: str | None) -> TPMesh:
                 mine = (group, ranks)
         return mine
 
-    tp_group, tp_ranks = groups([tuple(range(b * tp, (b + 1) * tp)) for b in range(dp)])
-    dp_group, dp_ranks = groups([tuple(range(i, world, tp)) for i in range(tp)])
+    all_tp = [tuple(range(b * tp, (b + 1) * tp)) for b in range(dp)]
+    tp_group, tp_ranks = groups(all_tp, backend)
+    dp_group, dp_ranks = groups([tuple(range(i, world, tp)) for i in range(tp)], backend)
+    backend = backend or dist.get_backend()
+    control = tp_group if backend == "gloo" else groups(all_tp, "gloo")[0]
+    register_process()  # so that a roll call after a failed collective can tell this rank died
     return TPMesh(
         tp=tp, dp=dp, tp_group=tp_group, dp_group=dp_group,
         tp_rank=tp_ranks.index(rank), dp_rank=dp_ranks.index(rank),
-        tp_ranks=tp_ranks, dp_ranks=dp_ranks,
-        backend=backend or dist.get_backend(),
+        tp_ranks=tp_ranks, dp_ranks=dp_ranks, backend=backend, control_group=control,
     )

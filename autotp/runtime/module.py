@@ -4,6 +4,12 @@
 output structure as the serial model (a HuggingFace ``ModelOutput`` for HF models), with
 logits and loss whole on every rank. ``pm.graph_module`` is the per-rank program (print its
 ``.code`` to see the f/g nodes); ``pm.plan`` is the plan it executes.
+
+Before its first collective a ParallelModule checks that the ranks of its TP group agree on
+what they run (:mod:`autotp.runtime.agreement`): one small all-reduce at construction, and one
+per call for the inputs' names, shapes and dtypes (``pm.check_inputs = False`` skips the latter
+once the data pipeline is trusted). A disagreement raises ``DisagreementError`` on every rank
+instead of a hang.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from ..capture import Capture, bind_inputs, flat_inputs, unflatten_outputs
 from ..errors import InputError
 from ..plan import Plan
 from ..placements import Shard
+from .agreement import check_agreement, check_same_inputs, fingerprint, input_signature
 from .collectives import local_shard
 
 
@@ -36,6 +43,11 @@ class ParallelModule(nn.Module):
     def __init__(self, capture: Capture, plan: Plan, graph_module: fx.GraphModule, mesh: Any,
                  model: nn.Module, device: torch.device):
         super().__init__()
+        #: the group the agreement checks talk over (CPU/gloo: no accelerator sync per call)
+        self._control = getattr(mesh, "control_group", None) or getattr(mesh, "tp_group", None)
+        check_agreement(fingerprint(plan, graph_module), self._control)
+        #: compare every call's input shapes across the TP group (one tiny CPU all-reduce)
+        self.check_inputs = True
         self.capture = capture
         self.plan = plan
         self.graph_module = graph_module
@@ -68,6 +80,9 @@ class ParallelModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # Positional inputs are named by the model's forward signature, as at capture.
         kwargs = bind_inputs(self.capture.signature, args, kwargs, self.capture.model_name)
+        if self.check_inputs:  # first: the checks below then fail on every rank or on none
+            names = sorted(kwargs)
+            check_same_inputs(input_signature(names, [kwargs[n] for n in names]), self._control)
         flat = flat_inputs(self.capture, kwargs)
         self._check_ranges(kwargs)
         params = [self.local.get_parameter(fqn) for fqn in self._param_order]

@@ -1,0 +1,156 @@
+"""Which rank is lost: a roll call through the rendezvous store after a collective fails.
+
+A collective that fails tells a rank only that *some* peer went away (gloo: "Connection closed
+by peer [127.0.0.1]:32424") or that it waited too long. To name the lost rank, every rank whose
+collective fails answers a roll call in the torch.distributed store (which lives outside the
+ranks: in the torchrun agent, or in the process that started local ranks):
+
+1. it writes ``autotp/rollcall/<group>/<collective's sequence number>/<rank>``;
+2. it waits for the other ranks of the group to answer. A rank whose process has exited is lost
+   at once, when that can be seen from here: every rank publishes its pid and the identity of its
+   pid namespace when its mesh is made (:func:`register_process`), so ranks on the same host see
+   a dead peer immediately. Other ranks get until the collective timeout has passed since the
+   failed collective started (ranks still waiting in it time out by then and answer), plus a
+   little slack;
+3. ranks that have not answered by then are named: dead, or stuck outside this collective.
+
+No thread and no heartbeat: nothing runs until a collective has already failed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+__all__ = ["RollCall", "register_process", "roll_call"]
+
+#: How long a rank waits for answers beyond the collective timeout (and at least, when its own
+#: collective failed by timing out: the others have long answered or are gone).
+SLACK_S = 5.0
+
+
+
+@dataclass(frozen=True)
+class RollCall:
+    """The answer to one roll call: ``exited`` ranks are known dead, ``silent`` did not answer in
+    time, ``waiting`` had not answered yet when the dead ones were found."""
+
+    exited: tuple[int, ...] = ()
+    silent: tuple[int, ...] = ()
+    waiting: tuple[int, ...] = ()
+    note: str = ""
+
+    @property
+    def lost(self) -> tuple[int, ...]:
+        return tuple(sorted(self.exited + self.silent))
+
+    def describe(self, wait_s: float) -> str:
+        parts = []
+        if self.exited:
+            parts.append(f"lost rank{'s' if len(self.exited) > 1 else ''} "
+                         f"{', '.join(map(str, self.exited))}: the process has exited")
+        if self.silent:
+            parts.append(f"lost rank{'s' if len(self.silent) > 1 else ''} "
+                         f"{', '.join(map(str, self.silent))}: no answer to autotp's roll call within "
+                         f"{wait_s:.0f} s (the process died, or it is stuck outside this collective)")
+        if self.waiting:
+            parts.append(f"ranks {list(self.waiting)} had not answered yet (still waiting in the "
+                         "collective, or on another host)")
+        if self.note:
+            parts.append(self.note)
+        return "; ".join(parts)
+
+
+def _collective_id(group) -> str:
+    """Names the failed collective alike on every rank in it: the group and its sequence number
+    (every collective on a group advances it by one on each rank)."""
+    name = getattr(group, "group_name", None) or "world"
+    try:  # private API; without it, a roll call per group
+        return f"{name}/{group._get_sequence_number_for_group()}"
+    except Exception:
+        return f"{name}/0"
+
+
+def _store():
+    # The default group's store: the same rendezvous every rank used, outside the ranks themselves.
+    return dist.distributed_c10d._get_default_store()
+
+
+def _namespace() -> str | None:
+    """Identity of this process's pid namespace on this boot: equal means pids are comparable."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None
+
+
+def register_process() -> None:
+    """Publish this rank's pid, so that a roll call on its host can tell it has exited."""
+    try:
+        _store().set(f"autotp/proc/{dist.get_rank()}",
+                     json.dumps({"ns": _namespace(), "pid": os.getpid()}))
+    except Exception:  # only ever used to word an error: never fail a healthy start on it
+        pass
+
+
+def _exited(store, rank: int, namespace: str | None) -> bool:
+    try:
+        if not store.check([f"autotp/proc/{rank}"]):
+            return False
+        info = json.loads(store.get(f"autotp/proc/{rank}"))
+    except Exception:
+        return False
+    if namespace is None or info.get("ns") != namespace:
+        return False  # another host or container: its pids mean nothing here
+    try:
+        with open(f"/proc/{int(info['pid'])}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError, ValueError):
+        return False
+    return state in ("Z", "X")  # killed but not yet reaped by its parent: dead all the same
+
+
+def roll_call(group, ranks: tuple[int, ...], started: float, timeout_s: float) -> RollCall:
+    """Take the roll call of ``ranks`` (global ranks of ``group``) after a collective that
+    started at ``started`` (``time.monotonic()``) failed on this rank. See the module docs."""
+    me = dist.get_rank()
+    try:
+        store = _store()
+        prefix = f"autotp/rollcall/{_collective_id(group)}"
+        store.set(f"{prefix}/{me}", "here")
+    except Exception as e:
+        return RollCall(note=f"no roll call: the store is unreachable ({type(e).__name__}: {e})")
+    now = time.monotonic()
+    timed_out = now - started >= 0.9 * timeout_s
+    slack = min(SLACK_S, timeout_s)
+    deadline = now + slack + (0.0 if timed_out else max(0.0, started + timeout_s - now))
+    namespace = _namespace()
+    others = [r for r in ranks if r != me]
+    while True:
+        try:
+            missing = [r for r in others if not store.check([f"{prefix}/{r}"])]
+        except Exception as e:
+            return RollCall(note=f"the roll call was cut short: the store is unreachable ({type(e).__name__})")
+        exited = tuple(r for r in missing if _exited(store, r, namespace))
+        if exited:  # the group is broken for good: no need to wait for the others
+            return RollCall(exited=exited, waiting=tuple(r for r in missing if r not in exited))
+        remaining = deadline - time.monotonic()
+        if not missing or remaining <= 0:
+            return RollCall(silent=tuple(missing))
+        try:  # the store's wait doubles as the pause between looks
+            store.wait([f"{prefix}/{r}" for r in missing], _seconds(min(0.25, remaining)))
+        except Exception:
+            pass
+
+
+def _seconds(s: float):
+    import datetime
+
+    return datetime.timedelta(seconds=s)
