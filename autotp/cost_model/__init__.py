@@ -1,2 +1,3 @@
-"""Cost model: what an op or a collective costs on a device profile."""
-from .devices import PROFILES, DeviceProfile, get_profile  # noqa: F401
+"""Cost model: what an op or a collective costs on a device profile (symbolic in batch and
+sequence, priced by a profile), and calibration of a profile on the machine at hand."""
+from .devices import PROFILES, DeviceProfile, calibrate, get_profile  # noqa: F401

@@ -1,9 +1,21 @@
-"""Per-op and per-collective costs.
+"""Per-op and per-collective costs, as sympy expressions in the graph's dynamic dims.
 
-Sizes are sympy expressions in the captured graph's dynamic dims (batch and sequence);
-:func:`numel` evaluates them for a workload. Compute is priced as the larger of its FLOPs at
-the profile's rate and its memory traffic at the profile's bandwidth (a roofline), for
-forward plus backward (backward is twice the forward's FLOPs for products).
+Sizes are sympy expressions in the captured graph's symbols for batch and sequence. Every
+cost term is built symbolically first and evaluated for a workload (``env``) second:
+
+* **compute** of an op under a strategy, forward + backward, on the *largest* rank's share
+  (uneven shards are priced by the rank that waits longest): products by their FLOPs, every
+  other op by its memory traffic. A product is priced as a roofline, the larger of FLOP time
+  and traffic time; other ops are assumed fused into their neighbours (bias-dropout-add,
+  fused norms), so each streams its largest operand once forward and once backward;
+* **collectives** by the alpha-beta ring formulas of :class:`~.devices.DeviceProfile`
+  (all-reduce moves 2(n-1)/n of the bytes, all-gather and reduce-scatter (n-1)/n);
+* **memory** an op keeps for backward: its output, at the largest rank's share.
+
+Bytes: floating-point tensors are priced at the profile's training datatype
+(``DeviceProfile.dtype_bytes``: 2 on the GPU profiles, whose FLOP rates are bf16/fp16 rates;
+4 on CPU), whatever dtype the model was traced in, so that a float32 meta model is planned as
+it would train on that device. Integer tensors keep their own size.
 """
 from __future__ import annotations
 
@@ -20,9 +32,10 @@ from .devices import DeviceProfile
 
 aten = torch.ops.aten
 
-#: forward + backward relative to forward
+#: forward + backward relative to forward, for products (backward computes two products)
 TRAIN_FACTOR = 3.0
-
+#: forward + backward relative to forward, for memory-bound ops (one write each way)
+MEMORY_FACTOR = 2.0
 
 #: Ops that move no data (views, metadata, casts to the same dtype as traced).
 FREE_OPS = {
@@ -33,25 +46,36 @@ FREE_OPS = {
     aten.split_with_sizes.default, aten.to.dtype, aten.to.dtype_layout, aten.sym_size.int,
     aten.contiguous.default,
 }
+PRODUCTS = {aten.mm.default, aten.linear.default, aten.bmm.default, aten.matmul.default}
 
 
-def numel(shape: tuple, env: Mapping[sympy.Symbol, int]) -> int:
-    return _numel(shape, tuple(sorted(env.items(), key=lambda kv: str(kv[0]))))
-
-
-@lru_cache(maxsize=65536)
-def _numel(shape: tuple, env: tuple) -> int:
+# ---- symbolic sizes -------------------------------------------------------------------------
+def numel_expr(shape: tuple) -> sympy.Expr:
     value = sympy.Integer(1)
     for s in shape:
         value = value * s
-    if value.free_symbols:
-        value = value.subs(dict(env))
-    return int(value)
+    return value
 
 
-def nbytes(meta: TensorMeta, env: Mapping) -> int:
-    itemsize = meta.dtype.itemsize
-    return numel(meta.shape, env) * itemsize
+def element_bytes(meta: TensorMeta, dtype_bytes: int | None) -> int:
+    """Bytes per element as priced: floats at the profile's training dtype, integers as traced."""
+    if dtype_bytes is not None and meta.dtype.is_floating_point:
+        return dtype_bytes
+    return meta.dtype.itemsize
+
+
+def bytes_expr(meta: TensorMeta, dtype_bytes: int | None = None) -> sympy.Expr:
+    return numel_expr(meta.shape) * element_bytes(meta, dtype_bytes)
+
+
+def forward_flops_expr(info: OpInfo) -> sympy.Expr:
+    t = info.target
+    if t in PRODUCTS:
+        return 2 * numel_expr(info.output.shape + (info.inputs[0].shape[-1],))
+    if t is aten.scaled_dot_product_attention.default:
+        q, k = info.inputs[0], info.inputs[1]
+        return 4 * numel_expr(q.shape) * k.shape[-2]
+    return sympy.Integer(0)
 
 
 def _metas(out: Any) -> list[TensorMeta]:
@@ -62,15 +86,39 @@ def _metas(out: Any) -> list[TensorMeta]:
     return []
 
 
+def traffic_expr(info: OpInfo, dtype_bytes: int | None) -> sympy.Expr:
+    """Forward memory traffic: a product reads its operands and writes its result; any other
+    op is assumed fused with its neighbours and streams its largest operand once (its output
+    for elementwise ops, its input for a reduction such as the loss over the logits)."""
+    written = sum((bytes_expr(m, dtype_bytes) for m in _metas(info.output)), sympy.Integer(0))
+    if info.target in PRODUCTS or info.target is aten.scaled_dot_product_attention.default:
+        return written + sum((bytes_expr(m, dtype_bytes) for m in info.inputs), sympy.Integer(0))
+    return sympy.Max(written, *(bytes_expr(m, dtype_bytes) for m in info.inputs))
+
+
+# ---- evaluation -------------------------------------------------------------------------------
+def evaluate(expr: sympy.Expr, env: Mapping[sympy.Symbol, int]) -> float:
+    return _evaluate(expr, tuple(sorted(env.items(), key=lambda kv: str(kv[0]))))
+
+
+@lru_cache(maxsize=65536)
+def _evaluate(expr: sympy.Expr, env: tuple) -> float:
+    if expr.free_symbols:
+        expr = expr.subs(dict(env))
+    return float(expr)
+
+
+def numel(shape: tuple, env: Mapping[sympy.Symbol, int]) -> int:
+    return int(evaluate(numel_expr(tuple(shape)), env))
+
+
+def nbytes(meta: TensorMeta, env: Mapping, dtype_bytes: int | None = None) -> int:
+    """Bytes of a whole tensor at the workload ``env`` (floats at ``dtype_bytes`` if given)."""
+    return int(evaluate(bytes_expr(meta, dtype_bytes), env))
+
+
 def forward_flops(info: OpInfo, env: Mapping) -> float:
-    t = info.target
-    if t in (aten.mm.default, aten.linear.default, aten.bmm.default, aten.matmul.default):
-        k = info.inputs[0].shape[-1]
-        return 2.0 * numel(info.output.shape + (k,), env)
-    if t is aten.scaled_dot_product_attention.default:
-        q, k = info.inputs[0], info.inputs[1]
-        return 4.0 * numel(q.shape, env) * numel(k.shape[-2:-1], env)
-    return 0.0
+    return evaluate(forward_flops_expr(info), env)
 
 
 def shard_fraction(info: OpInfo, strategy: Strategy, tp: int) -> float:
@@ -90,50 +138,105 @@ def shard_fraction(info: OpInfo, strategy: Strategy, tp: int) -> float:
     return frac
 
 
-def compute_time(info: OpInfo, strategy: Strategy, env: Mapping, profile: DeviceProfile, tp: int) -> float:
-    """Forward + backward seconds of one op on the largest rank's share.
+def output_fraction(info: OpInfo, strategy: Strategy, tp: int) -> float:
+    """The largest rank's share of the op's output (Partial and Replicate: all of it)."""
+    outs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
+    metas = _metas(info.output)
+    fracs = []
+    for meta, p in zip(metas, outs):
+        size = meta.static(p.dim) if isinstance(p, Shard) else None
+        fracs.append(max_local_size(size, p, tp) / size if size else 1.0)
+    return max(fracs, default=1.0)
 
-    Products are priced by FLOPs. Memory-bound ops are priced as a trained model runs them:
-    fused into their neighbours (bias-dropout-add, fused norms), so each costs one write of
-    its output forward and one backward, not a pass over every input.
-    """
+
+def compute_time_expr(info: OpInfo, strategy: Strategy, profile: DeviceProfile, tp: int) -> sympy.Expr:
+    """Forward + backward seconds of one op on the largest rank's share, symbolic in b and s."""
+    if info.target in FREE_OPS:
+        return sympy.Integer(0)
+    frac = sympy.Rational(shard_fraction(info, strategy, tp)).limit_denominator(10 ** 6)
+    flops = forward_flops_expr(info)
+    traffic = traffic_expr(info, profile.dtype_bytes)
+    if flops != 0:
+        return TRAIN_FACTOR * frac * sympy.Max(flops / profile.flops, traffic / profile.mem_bw)
+    return MEMORY_FACTOR * frac * traffic / profile.mem_bw
+
+
+def compute_time(info: OpInfo, strategy: Strategy, env: Mapping, profile: DeviceProfile, tp: int) -> float:
+    """:func:`compute_time_expr` at the workload ``env`` (a roofline per product)."""
     if info.target in FREE_OPS:
         return 0.0
     frac = shard_fraction(info, strategy, tp)
-    flops = forward_flops(info, env) * frac
+    flops = evaluate(forward_flops_expr(info), env)
+    traffic = evaluate(traffic_expr(info, profile.dtype_bytes), env)
     if flops:
-        return TRAIN_FACTOR * profile.matmul_time(flops)
-    traffic = sum(nbytes(m, env) for m in _metas(info.output)) * frac
-    return 2.0 * profile.memory_time(traffic)
+        return TRAIN_FACTOR * frac * max(profile.matmul_time(flops), profile.memory_time(traffic))
+    return MEMORY_FACTOR * frac * profile.memory_time(traffic)
+
+
+def activation_bytes_expr(info: OpInfo, profile: DeviceProfile) -> sympy.Expr:
+    """Bytes an op's output holds until backward (views hold none of their own)."""
+    if info.target in FREE_OPS:
+        return sympy.Integer(0)
+    return sum((bytes_expr(m, profile.dtype_bytes) for m in _metas(info.output)), sympy.Integer(0))
+
+
+def activation_bytes(info: OpInfo, strategy: Strategy, env: Mapping, profile: DeviceProfile, tp: int) -> float:
+    if info.target in FREE_OPS:
+        return 0.0
+    return evaluate(activation_bytes_expr(info, profile), env) * output_fraction(info, strategy, tp)
+
+
+# ---- collectives ---------------------------------------------------------------------------------
+#: (forward, backward) collective of each redistribution kind
+COLLECTIVES = {
+    "f": (None, "all_reduce"),
+    "g": ("all_reduce", None),
+    "all_gather": ("all_gather", None),
+    "scatter": (None, "all_gather"),
+    "reduce_scatter": ("reduce_scatter", "all_gather"),
+    "reshard": ("all_gather", "all_gather"),
+    "all_reduce": ("all_reduce", None),     # inside an op (vocab-parallel cross-entropy)
+}
+
+
+def ring_volume(collective: str | None, full_bytes: Any, n: int) -> Any:
+    """Bytes each rank sends in a ring collective over a tensor of ``full_bytes``."""
+    if collective is None or n <= 1:
+        return 0
+    return (2 if collective == "all_reduce" else 1) * sympy.Rational(n - 1, n) * full_bytes
+
+
+def collective_time_expr(kind: str, full_bytes: sympy.Expr, profile: DeviceProfile, tp: int) -> sympy.Expr:
+    """Forward + backward seconds of redistribution ``kind``, symbolic in the tensor's bytes."""
+    total = sympy.Integer(0)
+    for coll in COLLECTIVES[kind]:
+        if coll is None or tp <= 1:
+            continue
+        steps = 2 * (tp - 1) if coll == "all_reduce" else tp - 1
+        total += steps * profile.link_latency + ring_volume(coll, full_bytes, tp) / profile.link_bw
+    return total
 
 
 def collective_time(kind: str, full_bytes: float, profile: DeviceProfile, tp: int) -> tuple[float, float]:
     """(forward, backward) seconds of a redistribution of a tensor of ``full_bytes``."""
-    ar = profile.all_reduce_time(full_bytes, tp)
-    ag = profile.all_gather_time(full_bytes, tp)
-    return {
-        "f": (0.0, ar),
-        "g": (ar, 0.0),
-        "all_gather": (ag, 0.0),
-        "scatter": (0.0, ag),
-        "reduce_scatter": (ag, ag),
-        "reshard": (ag, ag),
-    }[kind]
+    out = []
+    for coll in COLLECTIVES[kind]:
+        if coll is None:
+            out.append(0.0)
+        elif coll == "all_reduce":
+            out.append(profile.all_reduce_time(full_bytes, tp))
+        else:
+            out.append(profile.all_gather_time(full_bytes, tp))
+    return out[0], out[1]
 
 
 def collective_bytes(kind: str, full_bytes: float, tp: int) -> tuple[float, float]:
     """(forward, backward) bytes each rank sends."""
     if tp <= 1:
         return 0.0, 0.0
-    ar, ag = 2 * (tp - 1) / tp * full_bytes, (tp - 1) / tp * full_bytes
-    return {
-        "f": (0.0, ar),
-        "g": (ar, 0.0),
-        "all_gather": (ag, 0.0),
-        "scatter": (0.0, ag),
-        "reduce_scatter": (ag, ag),
-        "reshard": (ag, ag),
-    }[kind]
+    share = {None: 0.0, "all_reduce": 2 * (tp - 1) / tp}
+    fw, bw = COLLECTIVES[kind]
+    return share.get(fw, (tp - 1) / tp) * full_bytes, share.get(bw, (tp - 1) / tp) * full_bytes
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -29,8 +29,8 @@ from torch import fx
 
 from ..capture import Capture, shape_of
 from ..cost_model.devices import DeviceProfile
-from ..cost_model.symbolic import collective_bytes, collective_time, compute_time, nbytes
-from ..placements import REPLICATE, Partial, Placement, Replicate, Shard, same_placement
+from ..cost_model.symbolic import activation_bytes, collective_bytes, collective_time, compute_time, nbytes
+from ..placements import REPLICATE, Partial, Placement, Replicate, Shard, max_local_size, same_placement
 from .rules import OpInfo, Strategy, TensorMeta, strategies
 from .rules.view import map_view_shard, view_groups
 
@@ -63,6 +63,7 @@ class Propagation:
     comms: list[Comm]
     compute_s: float
     comm_s: float
+    memory_bytes: float = 0.0      # training state + activations on the largest rank
     infeasible: str | None = None
 
     @property
@@ -83,6 +84,8 @@ class GraphIndex:
     sharded_outputs: frozenset = frozenset()   # output leaf positions returned split, not gathered
     _strategies: dict = field(default_factory=dict)
     _compute: dict = field(default_factory=dict)
+    _activation: dict = field(default_factory=dict)
+    _conversion_cost: dict = field(default_factory=dict)
 
     def strategies(self, node: fx.Node, actual: tuple) -> list[Strategy]:
         key = (node, actual)
@@ -96,6 +99,13 @@ class GraphIndex:
         found = self._compute.get(key)
         if found is None:
             found = self._compute[key] = compute_time(self.infos[node], strat, self.env, profile, self.tp)
+        return found
+
+    def activation_bytes(self, node: fx.Node, strat: Strategy, profile: DeviceProfile) -> float:
+        key = (node, strat, profile)
+        found = self._activation.get(key)
+        if found is None:
+            found = self._activation[key] = activation_bytes(self.infos[node], strat, self.env, profile, self.tp)
         return found
 
     @classmethod
@@ -246,8 +256,52 @@ def _dim_size(meta: TensorMeta, p: Any) -> int | None:
     return meta.static(p.dim) if isinstance(p, Shard) else None
 
 
-def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: DeviceProfile) -> Propagation:
-    """See the module docstring. ``decisions`` maps parameter placeholder names to placements."""
+def conversion_seconds(index: "GraphIndex", profile: DeviceProfile, meta: TensorMeta, have: Any,
+                       want: Placement, f: bool) -> float:
+    """Forward + backward seconds to turn ``have`` into ``want`` (plus an f); inf if impossible."""
+    key = (meta, have, want, f, profile)
+    found = index._conversion_cost.get(key)
+    if found is None:
+        kind = _conversion(have, want, _dim_size(meta, want) or _dim_size(meta, have), index.tp)
+        if kind == "inf":
+            found = INF
+        else:
+            found = 0.0
+            full = nbytes(meta, index.env, profile.dtype_bytes)
+            for k in ([kind] if kind else []) + (["f"] if f else []):
+                fw, bw = collective_time(k, full, profile, index.tp)
+                found += fw + bw
+        index._conversion_cost[key] = found
+    return found
+
+
+def internal_seconds(index: "GraphIndex", profile: DeviceProfile, strat: Strategy) -> float:
+    """Seconds of the collectives an op runs inside itself (vocab-parallel cross-entropy)."""
+    return sum(profile.all_reduce_time(nbytes(meta, index.env, profile.dtype_bytes), index.tp)
+               for _, meta in strat.internal)
+
+
+def param_memory(index: "GraphIndex", profile: DeviceProfile, node: fx.Node, placement: Any) -> float:
+    """Bytes a parameter's training state takes on the largest rank (weight, gradient, optimizer)."""
+    val = node.meta["val"]
+    frac = 1.0
+    if isinstance(placement, Shard):
+        size = int(val.shape[placement.dim])
+        frac = max_local_size(size, placement, index.tp) / size
+    return profile.state_bytes_per_param * val.numel() * frac
+
+
+def wants_f(want: Any, sharded: bool, meta: TensorMeta) -> bool:
+    """f goes where a replicated float tensor feeds sharded compute: its gradient is a summand."""
+    return isinstance(want, Replicate) and sharded and meta.is_float
+
+
+def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: DeviceProfile,
+              forced: Mapping[fx.Node, int] | None = None) -> Propagation:
+    """See the module docstring. ``decisions`` maps parameter placeholder names to placements.
+
+    ``forced`` (the solver's answer) gives, for every op, the index of its strategy in its
+    rule's list; without it each op greedily takes its cheapest strategy."""
     tp = index.tp
     cap = index.capture
     place: dict[fx.Node, Any] = {}
@@ -256,20 +310,8 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
     params: dict[str, Placement] = {}
     conversions: dict[tuple, str] = {}
     comms: list[Comm] = []
-    compute = comm = 0.0
+    compute = comm = memory = 0.0
     env = index.env
-
-    def conversion_cost(node: fx.Node, meta: TensorMeta, dst: Placement, f: bool) -> float:
-        kind = _conversion(place[node], dst, _dim_size(meta, dst) or _dim_size(meta, place[node]), tp)
-        if kind == "inf":
-            return INF
-        cost = 0.0
-        full = None
-        for k in ([kind] if kind else []) + (["f"] if f else []):
-            full = nbytes(meta, env) if full is None else full
-            fw, bw = collective_time(k, full, profile, tp)
-            cost += fw + bw
-        return cost
 
     def record(node: fx.Node, meta: TensorMeta, dst: Placement, f: bool, consumer: fx.Node) -> None:
         nonlocal comm
@@ -278,12 +320,15 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
             return
         kind = _conversion(place[node], dst, _dim_size(meta, dst) or _dim_size(meta, place[node]), tp)
         conversions[key] = kind or ""
-        full = nbytes(meta, env)
+        full = nbytes(meta, env, profile.dtype_bytes)
         for k in ([kind] if kind else []) + (["f"] if f else []):
             fw_s, bw_s = collective_time(k, full, profile, tp)
             fw_b, bw_b = collective_bytes(k, full, tp)
             comm += fw_s + bw_s
             comms.append(Comm(k, node.name, place[node], dst, consumer.name, full, fw_b, bw_b, fw_s + bw_s))
+
+    def infeasible(why: str) -> Propagation:
+        return Propagation(tp, place, chosen, params, conversions, comms, compute, comm, memory, infeasible=why)
 
     for node in cap.graph.nodes:
         if node.op == "placeholder":
@@ -294,12 +339,14 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
                     if isinstance(decided, Shard) and (decided.chunks, decided.unit) != (1, 1):
                         place[node] = decided          # fully given (a loaded plan)
                         params[node.name] = decided
+                        memory += param_memory(index, profile, node, decided)
                     else:
                         place[node] = decided
                         if isinstance(decided, Shard):
                             unresolved[node] = decided
                         else:
                             params[node.name] = decided
+                            memory += param_memory(index, profile, node, decided)
                 else:
                     place[node] = None
                     unresolved[node] = None
@@ -324,13 +371,18 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
         info = index.infos[node]
         inputs = index.tensor_inputs[node]
         actual = tuple(place[i] for i in inputs)
+        options = index.strategies(node, actual)
+        if forced is not None:
+            j = forced.get(node)
+            if j is None or j >= len(options):
+                return infeasible(f"the solver's strategy {j} for {node.name} is not among its {len(options)}")
+            options = [options[j]]
         best, best_cost = None, INF
-        for strat in index.strategies(node, actual):
+        for strat in options:
             sharded = _sharded_compute(strat)
-            cost = index.compute_time(node, strat, profile)
-            for _, meta in strat.internal:
-                cost += profile.all_reduce_time(nbytes(meta, env), tp)
+            cost = index.compute_time(node, strat, profile) + internal_seconds(index, profile, strat)
             for inp, meta, want in zip(inputs, info.inputs, strat.inputs):
+                f = wants_f(want, sharded, meta)
                 if isinstance(want, Shard) and not index.uneven and not _even(meta, want, tp):
                     cost = INF
                 elif inp in unresolved:
@@ -339,42 +391,43 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
                         have is not None and not (isinstance(want, Shard) and want.dim == have.dim)
                     ):
                         cost = INF
-                    elif isinstance(want, Replicate) and sharded and meta.is_float:
-                        cost += collective_time("f", nbytes(meta, env), profile, tp)[1]
+                    elif f:
+                        cost += collective_time("f", nbytes(meta, env, profile.dtype_bytes), profile, tp)[1]
                 elif inp.name in cap.param_names and not same_placement(place[inp], want, _dim_size(meta, want), tp):
                     cost = INF  # a parameter is never moved at run time: it is sharded at load
-                else:
-                    f = isinstance(want, Replicate) and sharded and meta.is_float
-                    cost += conversion_cost(inp, meta, want, f)
+                elif (inp, want, f) not in conversions:   # a conversion already made is reused
+                    cost += conversion_seconds(index, profile, meta, place[inp], want, f)
                 if cost == INF:
                     break
             if cost < best_cost:
                 best, best_cost = strat, cost
         if best is None:
-            return Propagation(tp, place, chosen, params, conversions, comms, compute, comm,
-                               infeasible=f"no strategy fits {node.name} ({node.target}) with inputs {list(actual)}")
+            return infeasible(f"no strategy fits {node.name} ({node.target}) with inputs {list(actual)}")
         chosen[node] = best
         compute += index.compute_time(node, best, profile)
+        memory += index.activation_bytes(node, best, profile)
         for kind, meta in best.internal:
-            full = nbytes(meta, env)
+            full = nbytes(meta, env, profile.dtype_bytes)
             seconds = profile.all_reduce_time(full, tp)
             fw_b = collective_bytes("g", full, tp)[0]
             comm += seconds
             comms.append(Comm(kind, node.name, best.inputs[0], REPLICATE, node.name, full, fw_b, 0.0, seconds))
         sharded = _sharded_compute(best)
         for inp, meta, want in zip(inputs, info.inputs, best.inputs):
-            f = isinstance(want, Replicate) and sharded and meta.is_float
+            f = wants_f(want, sharded, meta)
             if inp in unresolved:
                 del unresolved[inp]
                 place[inp] = want
                 params[inp.name] = want
+                memory += param_memory(index, profile, inp, want)
             if f or place[inp] != want:
                 record(inp, meta, want, f, node)
         place[node] = best.output
     for node, have in unresolved.items():   # parameters no op used
         place[node] = REPLICATE
         params[node.name] = REPLICATE
-    return Propagation(tp, place, chosen, params, conversions, comms, compute, comm)
+        memory += param_memory(index, profile, node, REPLICATE)
+    return Propagation(tp, place, chosen, params, conversions, comms, compute, comm, memory)
 
 
 def _even(meta: TensorMeta, shard: Shard, tp: int) -> bool:
