@@ -40,12 +40,29 @@ def check_size_case(case: dict) -> dict:
 @given(size=st.sampled_from(sorted(HEADS)), layers=st.integers(1, 2), head_dim=st.sampled_from([2, 4]),
        seq=st.integers(2, 12), dtype=st.sampled_from(["float64", "float32"]), seed=st.integers(0, 999))
 def test_every_gpt2_size_at_every_tp_matches_serial(cluster_of, tp, size, layers, head_dim, seq, dtype, seed):
-    case = dict(tp=tp, size=size, layers=layers, head_dim=head_dim, seq=seq, dtype=dtype, seed=seed)
-    results = cluster_of(tp).run(check_size_case, case)
-    bound = TOLERANCE[getattr(torch, dtype)]
+    _assert_size_case_matches(cluster_of, dict(tp=tp, size=size, layers=layers, head_dim=head_dim, seq=seq,
+                                               dtype=dtype, seed=seed))
+
+
+def _assert_size_case_matches(cluster_of, case: dict) -> None:
+    results = cluster_of(case["tp"]).run(check_size_case, case)
+    bound = TOLERANCE[getattr(torch, case["dtype"])]
     for errors in results:
         worst = max(errors, key=errors.get)
         assert errors[worst] <= bound, (worst, errors[worst])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", sorted(HEADS))   # tp outermost: one cluster per world size
+@pytest.mark.parametrize("tp", range(1, 9))
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
+          derandomize=True)
+@given(layers=st.integers(1, 3), head_dim=st.sampled_from([2, 4, 8]), seq=st.integers(2, 24),
+       dtype=st.sampled_from(["float64", "float32"]), seed=st.integers(0, 999))
+def test_every_gpt2_size_and_tp_pair_matches_serial(cluster_of, tp, size, layers, head_dim, seq, dtype, seed):
+    # The slow tier: every (size, tp) pair, not a draw of sizes per tp.
+    _assert_size_case_matches(cluster_of, dict(tp=tp, size=size, layers=layers, head_dim=head_dim, seq=seq,
+                                               dtype=dtype, seed=seed))
 
 
 def _sharded_logits():

@@ -1,0 +1,15 @@
+"""The main job runs under torchrun too (its environment, not autotp's local launcher)."""
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_main_job_under_torchrun_matches_serial_on_two_ranks():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "examples" / "gpt2_tp.py"), "--tp", "2", "--layers", "1", "--seq", "8"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "PASS: the parallel model computes what the serial one does" in done.stdout
+    assert done.stdout.count("[ok <=") == 2
