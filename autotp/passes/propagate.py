@@ -65,6 +65,7 @@ class Propagation:
     comm_s: float
     memory_bytes: float = 0.0      # training state + activations on the largest rank
     infeasible: str | None = None
+    pending: tuple | None = None   # (op, number of strategies): where an exploring walk stopped
 
     @property
     def total_s(self) -> float:
@@ -297,11 +298,13 @@ def wants_f(want: Any, sharded: bool, meta: TensorMeta) -> bool:
 
 
 def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: DeviceProfile,
-              forced: Mapping[fx.Node, int] | None = None) -> Propagation:
+              forced: Mapping[fx.Node, int] | None = None, explore: bool = False) -> Propagation:
     """See the module docstring. ``decisions`` maps parameter placeholder names to placements.
 
     ``forced`` (the solver's answer) gives, for every op, the index of its strategy in its
-    rule's list; without it each op greedily takes its cheapest strategy."""
+    rule's list; without it each op greedily takes its cheapest strategy. With ``explore`` the
+    walk stops at the first op ``forced`` has no choice for and reports it in ``pending``
+    (tests enumerate the whole decision space this way)."""
     tp = index.tp
     cap = index.capture
     place: dict[fx.Node, Any] = {}
@@ -374,6 +377,9 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
         options = index.strategies(node, actual)
         if forced is not None:
             j = forced.get(node)
+            if j is None and explore:
+                return Propagation(tp, place, chosen, params, conversions, comms, compute, comm, memory,
+                                   pending=(node, len(options)))
             if j is None or j >= len(options):
                 return infeasible(f"the solver's strategy {j} for {node.name} is not among its {len(options)}")
             options = [options[j]]

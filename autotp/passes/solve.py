@@ -295,15 +295,20 @@ class _Solver:
         mapping = {}
         for a, sig in rep.ext.items():
             other = by_sig[sig]
-            kind_a = "free" if a in self.free else "fixed" if a in self.fixed else "op"
-            kind_o = "free" if other in self.free else "fixed" if other in self.fixed else "op"
-            if kind_a != kind_o or (kind_a == "free" and self.free[a] != self.free[other]) or (
-                    kind_a == "fixed" and self.fixed[a] != self.fixed[other]):
+            # a parameter placed by its first use here must be as free in both; anything else
+            # enters through the state, whose labels key the transfer
+            if (a in self.free) != (other in self.free) or (a in self.free and self.free[a] != self.free[other]):
                 return None
+            if a in self.free and (self._first_use(a) >= self.pos[rep.nodes[0]]) != (
+                    self._first_use(other) >= self.pos[b.nodes[0]]):
+                return None   # placed inside one layer, before the other (a tied weight)
             if (self.last_use[a] > end_rep) != (self.last_use[other] > end_b):
                 return None
             mapping[a] = other
         return mapping
+
+    def _first_use(self, n: fx.Node) -> int:
+        return min(self.pos[u] for u in n.users)
 
     def apply_block(self, b: _Block, states: dict) -> dict:
         """Advance ``states`` over layer ``b`` by its representative's transfer."""
