@@ -17,7 +17,7 @@ from .passes.propagate import GraphIndex, Propagation, propagate
 from .passes.rewrite import rewrite
 from .passes.solve import solve
 from .placements import REPLICATE, Placement, Replicate, Shard
-from .plan import CommOp, Plan, role_of
+from .plan import CommOp, Plan, cost_expressions, role_of
 
 log = logging.getLogger("autotp")
 
@@ -110,8 +110,12 @@ def _pinned(cap: Capture, layout: Mapping[str, Any] | None, plan: Plan | None) -
 
 def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = None,
                layout: Mapping[str, Any] | None = None, plan: Plan | None = None,
-               uneven: bool = True, gather_logits: bool = True) -> tuple[Plan, GraphIndex, Propagation]:
+               uneven: bool = True, gather_logits: bool = True,
+               memory_limit: float | None = None) -> tuple[Plan, GraphIndex, Propagation]:
+    """The plan for a capture. ``memory_limit`` (bytes per rank; default: the profile's device
+    memory) bounds training state + activations; a saved ``plan`` is replayed, not re-solved."""
     prof = get_profile(profile)
+    limit = prof.memory if memory_limit is None else memory_limit
     names = cap.output_names
     keep = frozenset() if gather_logits else frozenset(i for i, n in enumerate(names) if n == "logits")
     index = GraphIndex.build(cap, tp, batch, seq, uneven=uneven, sharded_outputs=keep)
@@ -121,7 +125,7 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
         if prop.infeasible:
             raise PlanError(f"the given plan does not fit this model: {prop.infeasible}")
     else:
-        prop = solve(index, prof, pinned).propagation
+        prop = solve(index, prof, pinned, memory_limit=limit).propagation
         if prop.infeasible:
             raise PlanError(f"no feasible plan: {prop.infeasible}")
     uses = _first_uses(cap)
@@ -145,7 +149,9 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                   comms=comms, compute_s=prop.compute_s, comm_s=prop.comm_s, dtype_bytes=dtype_bytes,
                   aliases=dict(cap.aliases),
                   sharded_outputs={names[i]: prop.placements[n] for i, n in enumerate(_output_nodes(cap))
-                                   if i in keep and isinstance(prop.placements.get(n), Shard)})
+                                   if i in keep and isinstance(prop.placements.get(n), Shard)},
+                  memory_bytes=prop.memory_bytes, activation_bytes=prop.activation_bytes, memory_limit=limit,
+                  expressions=cost_expressions(index, prop, prof))
     return result, index, prop
 
 
@@ -158,16 +164,19 @@ def _output_nodes(cap: Capture) -> list:
 
 def plan(model: nn.Module, tp: int, *, batch: int = 8, seq: int | None = None, profile: Any = None,
          layout: Mapping[str, Any] | None = None, uneven: bool = True, gather_logits: bool = True,
-         example_inputs: tuple = (), example_kwargs: dict | None = None) -> Plan:
+         example_inputs: tuple = (), example_kwargs: dict | None = None,
+         memory_limit: float | None = None) -> Plan:
     """Choose a plan for ``model`` at ``tp`` without any process group (a meta model works).
 
     ``gather_logits=False`` plans for training: logits stay split by vocabulary (the loss is
-    computed vocab-parallel either way) and the b*s*V all-gather is not paid."""
+    computed vocab-parallel either way) and the b*s*V all-gather is not paid.
+    ``memory_limit``: bytes per rank the plan may use (default: the profile's device memory)."""
     tp = check_tp(tp)
     check_heads(model, tp, uneven)
     cap = capture_model(model, example_inputs, example_kwargs)
     result, _, _ = build_plan(cap, tp, batch=batch, seq=seq or _default_seq(model), profile=profile,
-                              layout=layout, uneven=uneven, gather_logits=gather_logits)
+                              layout=layout, uneven=uneven, gather_logits=gather_logits,
+                              memory_limit=memory_limit)
     return result
 
 

@@ -45,6 +45,11 @@ class Plan:
     dtype_bytes: int = 4
     aliases: dict[str, str] = field(default_factory=dict)   # tied name -> FQN held
     sharded_outputs: dict[str, Placement] = field(default_factory=dict)  # outputs returned split
+    memory_bytes: float = 0.0        # predicted per rank (largest): training state + activations
+    activation_bytes: float = 0.0    # ... of which activations kept for backward
+    memory_limit: float | None = None
+    #: the predicted costs as sympy expressions (strings) in the symbols b (batch) and s (sequence)
+    expressions: dict[str, str] = field(default_factory=dict)
 
     # ---- what users inspect -------------------------------------------------------------
     @property
@@ -61,6 +66,11 @@ class Plan:
             "param_bytes_per_rank": per_rank,
             "param_bytes_serial": self.serial_param_bytes(),
             "comm_bytes_per_step": sum(c.fwd_bytes + c.bwd_bytes for c in self.comms),
+            "memory_bytes_per_rank": self.memory_bytes,
+            "state_bytes_per_rank": self.memory_bytes - self.activation_bytes,
+            "activation_bytes_per_rank": self.activation_bytes,
+            "memory_limit": self.memory_limit,
+            "expressions": dict(self.expressions),
         }
 
     def local_shape(self, name: str, rank: int) -> tuple[int, ...]:
@@ -145,8 +155,14 @@ class Plan:
             f"collectives: {counts}\n"
             f"predicted step: {cost['step_s'] * 1e3:.3f} ms (compute {cost['compute_s'] * 1e3:.3f} ms, "
             f"communication {cost['comm_s'] * 1e3:.3f} ms); {cost['comm_bytes_per_step'] / 1e6:.1f} MB sent per rank\n"
-            f"parameter MB per rank: [{per_rank}] vs serial {cost['param_bytes_serial'] / 1e6:.1f}"
+            f"parameter MB per rank: [{per_rank}] vs serial {cost['param_bytes_serial'] / 1e6:.1f}\n"
+            f"memory per rank (largest): {self.memory_bytes / 2**30:.2f} GiB = training state "
+            f"{(self.memory_bytes - self.activation_bytes) / 2**30:.2f} GiB (weights, gradients, Adam) + activations "
+            f"{self.activation_bytes / 2**30:.2f} GiB"
+            + (f"; limit {self.memory_limit / 2**30:.2f} GiB" if self.memory_limit else "")
         )
+        for key, expr in self.expressions.items():
+            console.print(f"{key}(b, s) = {expr}")
         for name, p in self.sharded_outputs.items():
             console.print(f"output {name!r} is returned split as {p} (not gathered)")
         return buf.getvalue()
@@ -163,6 +179,8 @@ class Plan:
             "sharded_outputs": {k: to_json(v) for k, v in self.sharded_outputs.items()},
             "comms": [c.__dict__ for c in self.comms],
             "compute_s": self.compute_s, "comm_s": self.comm_s,
+            "memory_bytes": self.memory_bytes, "activation_bytes": self.activation_bytes,
+            "memory_limit": self.memory_limit, "expressions": self.expressions,
         }
         return json.dumps(doc, indent=1, sort_keys=True)
 
@@ -187,6 +205,8 @@ class Plan:
             compute_s=doc.get("compute_s", 0.0), comm_s=doc.get("comm_s", 0.0),
             dtype_bytes=doc.get("dtype_bytes", 4), aliases=doc.get("aliases", {}),
             sharded_outputs={k: from_json(v) for k, v in doc.get("sharded_outputs", {}).items()},
+            memory_bytes=doc.get("memory_bytes", 0.0), activation_bytes=doc.get("activation_bytes", 0.0),
+            memory_limit=doc.get("memory_limit"), expressions=doc.get("expressions", {}),
         )
 
 
@@ -225,3 +245,43 @@ def param_bytes_per_rank(index: Any, prop: Any) -> list[int]:
                 n = n // size * local_size(size, p, index.tp, rank)
             out[rank] += n * val.element_size()
     return out
+
+
+def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
+    """The plan's predicted compute and communication seconds per step as sympy expressions in
+    b and s (the graph's dynamic batch and sequence dims), for the profile's rates. Each op's
+    roofline branch is the one taken at the planning workload: the expression is exact there
+    and near it, and a polynomial everywhere.
+
+    Per-op terms repeat layer after layer, so equal terms are counted, then built once."""
+    import collections
+
+    import sympy
+
+    from .cost_model.symbolic import bytes_expr, collective_time_expr, compute_time_expr
+    from .passes.propagate import _meta
+
+    rename = {}
+    for name, role in index.capture.dim_symbols.items():
+        rename[sympy.Symbol(name, integer=True, positive=True)] = sympy.Symbol("b" if role == "batch" else "s",
+                                                                               integer=True, positive=True)
+    compute: collections.Counter = collections.Counter()
+    first: dict = {}
+    for node, strat in prop.chosen.items():
+        info = index.infos[node]
+        key = (info.target, info.inputs, info.output, strat)
+        compute[key] += 1
+        first.setdefault(key, (info, strat))
+    comm: collections.Counter = collections.Counter()
+    nodes = {n.name: n for n in index.capture.graph.nodes}
+    for c in prop.comms:
+        if c.kind == "all_reduce":     # inside vocab-parallel cross-entropy: N = b*s numbers
+            comm[("g", next(m for _, m in prop.chosen[nodes[c.tensor]].internal))] += 1
+        else:
+            comm[(c.kind, _meta(nodes[c.tensor]))] += 1
+    compute_total = sympy.Add(*(n * compute_time_expr(*first[k], profile, index.tp, index.env)
+                                for k, n in compute.items()))
+    comm_total = sympy.Add(*(n * collective_time_expr(kind, bytes_expr(meta, profile.dtype_bytes), profile, index.tp)
+                             for (kind, meta), n in comm.items()))
+    return {key: str(expr.xreplace(rename).evalf(6)) for key, expr in (("compute_s", compute_total),
+                                                                      ("comm_s", comm_total))}

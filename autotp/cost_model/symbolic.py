@@ -69,11 +69,15 @@ def bytes_expr(meta: TensorMeta, dtype_bytes: int | None = None) -> sympy.Expr:
 
 
 def forward_flops_expr(info: OpInfo) -> sympy.Expr:
-    t = info.target
+    return _forward_flops_expr(info.target, info.inputs, info.output)
+
+
+@lru_cache(maxsize=4096)
+def _forward_flops_expr(t: Any, inputs: tuple, output: Any) -> sympy.Expr:
     if t in PRODUCTS:
-        return 2 * numel_expr(info.output.shape + (info.inputs[0].shape[-1],))
+        return 2 * numel_expr(output.shape + (inputs[0].shape[-1],))
     if t is aten.scaled_dot_product_attention.default:
-        q, k = info.inputs[0], info.inputs[1]
+        q, k = inputs[0], inputs[1]
         return 4 * numel_expr(q.shape) * k.shape[-2]
     return sympy.Integer(0)
 
@@ -86,14 +90,31 @@ def _metas(out: Any) -> list[TensorMeta]:
     return []
 
 
+def traffic_terms(info: OpInfo, dtype_bytes: int | None) -> tuple[str, tuple[sympy.Expr, ...]]:
+    """Forward memory traffic as ("sum" | "max", terms): a product reads its operands and
+    writes its result (the sum); any other op is assumed fused with its neighbours and streams
+    its largest operand once (its output for elementwise ops, its input for a reduction such
+    as the loss over the logits: the max)."""
+    return _traffic_terms(info.target, info.inputs, info.output, dtype_bytes)
+
+
+@lru_cache(maxsize=4096)
+def _traffic_terms(target: Any, inputs: tuple, output: Any, dtype_bytes: int | None) -> tuple:
+    written = sum((bytes_expr(m, dtype_bytes) for m in _metas(output)), sympy.Integer(0))
+    read = tuple(bytes_expr(m, dtype_bytes) for m in inputs)
+    if target in PRODUCTS or target is aten.scaled_dot_product_attention.default:
+        return "sum", (written + sum(read, sympy.Integer(0)),)
+    return "max", (written,) + read
+
+
 def traffic_expr(info: OpInfo, dtype_bytes: int | None) -> sympy.Expr:
-    """Forward memory traffic: a product reads its operands and writes its result; any other
-    op is assumed fused with its neighbours and streams its largest operand once (its output
-    for elementwise ops, its input for a reduction such as the loss over the logits)."""
-    written = sum((bytes_expr(m, dtype_bytes) for m in _metas(info.output)), sympy.Integer(0))
-    if info.target in PRODUCTS or info.target is aten.scaled_dot_product_attention.default:
-        return written + sum((bytes_expr(m, dtype_bytes) for m in info.inputs), sympy.Integer(0))
-    return sympy.Max(written, *(bytes_expr(m, dtype_bytes) for m in info.inputs))
+    how, terms = traffic_terms(info, dtype_bytes)
+    return terms[0] if how == "sum" else sympy.Max(*terms)
+
+
+def traffic(info: OpInfo, dtype_bytes: int | None, env: Mapping) -> float:
+    """:func:`traffic_expr` at the workload ``env``."""
+    return max(evaluate(t, env) for t in traffic_terms(info, dtype_bytes)[1])
 
 
 # ---- evaluation -------------------------------------------------------------------------------
@@ -149,16 +170,29 @@ def output_fraction(info: OpInfo, strategy: Strategy, tp: int) -> float:
     return max(fracs, default=1.0)
 
 
-def compute_time_expr(info: OpInfo, strategy: Strategy, profile: DeviceProfile, tp: int) -> sympy.Expr:
-    """Forward + backward seconds of one op on the largest rank's share, symbolic in b and s."""
+def compute_time_expr(info: OpInfo, strategy: Strategy, profile: DeviceProfile, tp: int,
+                      env: Mapping | None = None) -> sympy.Expr:
+    """Forward + backward seconds of one op on the largest rank's share, symbolic in b and s.
+
+    With ``env`` the roofline's branch (FLOP- or memory-bound, largest operand) is the one
+    taken at that workload, which keeps the expression a polynomial valid around it;
+    without, it is a ``Max``."""
     if info.target in FREE_OPS:
         return sympy.Integer(0)
     frac = sympy.Rational(shard_fraction(info, strategy, tp)).limit_denominator(10 ** 6)
     flops = forward_flops_expr(info)
-    traffic = traffic_expr(info, profile.dtype_bytes)
+    how, terms = traffic_terms(info, profile.dtype_bytes)
+    if env is not None:
+        moved = terms[0] if how == "sum" else max(terms, key=lambda t: evaluate(t, env))
+    else:
+        moved = terms[0] if how == "sum" else sympy.Max(*terms)
     if flops != 0:
-        return TRAIN_FACTOR * frac * sympy.Max(flops / profile.flops, traffic / profile.mem_bw)
-    return MEMORY_FACTOR * frac * traffic / profile.mem_bw
+        if env is not None:
+            bound = flops / profile.flops if evaluate(flops, env) / profile.flops >= evaluate(moved, env) / profile.mem_bw \
+                else moved / profile.mem_bw
+            return TRAIN_FACTOR * frac * bound
+        return TRAIN_FACTOR * frac * sympy.Max(flops / profile.flops, moved / profile.mem_bw)
+    return MEMORY_FACTOR * frac * moved / profile.mem_bw
 
 
 def compute_time(info: OpInfo, strategy: Strategy, env: Mapping, profile: DeviceProfile, tp: int) -> float:
@@ -167,10 +201,10 @@ def compute_time(info: OpInfo, strategy: Strategy, env: Mapping, profile: Device
         return 0.0
     frac = shard_fraction(info, strategy, tp)
     flops = evaluate(forward_flops_expr(info), env)
-    traffic = evaluate(traffic_expr(info, profile.dtype_bytes), env)
+    moved = traffic(info, profile.dtype_bytes, env)
     if flops:
-        return TRAIN_FACTOR * frac * max(profile.matmul_time(flops), profile.memory_time(traffic))
-    return MEMORY_FACTOR * frac * profile.memory_time(traffic)
+        return TRAIN_FACTOR * frac * max(profile.matmul_time(flops), profile.memory_time(moved))
+    return MEMORY_FACTOR * frac * profile.memory_time(moved)
 
 
 def activation_bytes_expr(info: OpInfo, profile: DeviceProfile) -> sympy.Expr:

@@ -64,6 +64,7 @@ class Propagation:
     compute_s: float
     comm_s: float
     memory_bytes: float = 0.0      # training state + activations on the largest rank
+    activation_bytes: float = 0.0  # ... of which activations kept for backward
     infeasible: str | None = None
     pending: tuple | None = None   # (op, number of strategies): where an exploring walk stopped
 
@@ -96,14 +97,16 @@ class GraphIndex:
         return found
 
     def compute_time(self, node: fx.Node, strat: Strategy, profile: DeviceProfile) -> float:
-        key = (node, strat, profile)
+        info = self.infos[node]
+        key = (info.target, info.inputs, info.output, strat, profile)   # equal across layers
         found = self._compute.get(key)
         if found is None:
             found = self._compute[key] = compute_time(self.infos[node], strat, self.env, profile, self.tp)
         return found
 
     def activation_bytes(self, node: fx.Node, strat: Strategy, profile: DeviceProfile) -> float:
-        key = (node, strat, profile)
+        info = self.infos[node]
+        key = (info.target, info.inputs, info.output, strat, profile)
         found = self._activation.get(key)
         if found is None:
             found = self._activation[key] = activation_bytes(self.infos[node], strat, self.env, profile, self.tp)
@@ -313,7 +316,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
     params: dict[str, Placement] = {}
     conversions: dict[tuple, str] = {}
     comms: list[Comm] = []
-    compute = comm = memory = 0.0
+    compute = comm = memory = activations = 0.0
     env = index.env
 
     def record(node: fx.Node, meta: TensorMeta, dst: Placement, f: bool, consumer: fx.Node) -> None:
@@ -331,7 +334,8 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
             comms.append(Comm(k, node.name, place[node], dst, consumer.name, full, fw_b, bw_b, fw_s + bw_s))
 
     def infeasible(why: str) -> Propagation:
-        return Propagation(tp, place, chosen, params, conversions, comms, compute, comm, memory, infeasible=why)
+        return Propagation(tp, place, chosen, params, conversions, comms, compute, comm, memory, activations,
+                           infeasible=why)
 
     for node in cap.graph.nodes:
         if node.op == "placeholder":
@@ -379,7 +383,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
             j = forced.get(node)
             if j is None and explore:
                 return Propagation(tp, place, chosen, params, conversions, comms, compute, comm, memory,
-                                   pending=(node, len(options)))
+                                   activations, pending=(node, len(options)))
             if j is None or j >= len(options):
                 return infeasible(f"the solver's strategy {j} for {node.name} is not among its {len(options)}")
             options = [options[j]]
@@ -411,6 +415,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
             return infeasible(f"no strategy fits {node.name} ({node.target}) with inputs {list(actual)}")
         chosen[node] = best
         compute += index.compute_time(node, best, profile)
+        activations += index.activation_bytes(node, best, profile)
         memory += index.activation_bytes(node, best, profile)
         for kind, meta in best.internal:
             full = nbytes(meta, env, profile.dtype_bytes)
@@ -432,8 +437,9 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
     for node, have in unresolved.items():   # parameters no op used
         place[node] = REPLICATE
         params[node.name] = REPLICATE
-        memory += param_memory(index, profile, node, REPLICATE)
-    return Propagation(tp, place, chosen, params, conversions, comms, compute, comm, memory)
+        if cap.param_names[node.name] not in cap.aliases:   # a tied name holds no memory of its own
+            memory += param_memory(index, profile, node, REPLICATE)
+    return Propagation(tp, place, chosen, params, conversions, comms, compute, comm, memory, activations)
 
 
 def _even(meta: TensorMeta, shard: Shard, tp: int) -> bool:
