@@ -156,10 +156,10 @@ class Plan:
             f"predicted step: {cost['step_s'] * 1e3:.3f} ms (compute {cost['compute_s'] * 1e3:.3f} ms, "
             f"communication {cost['comm_s'] * 1e3:.3f} ms); {cost['comm_bytes_per_step'] / 1e6:.1f} MB sent per rank\n"
             f"parameter MB per rank: [{per_rank}] vs serial {cost['param_bytes_serial'] / 1e6:.1f}\n"
-            f"memory per rank (largest): {self.memory_bytes / 2**30:.2f} GiB = training state "
-            f"{(self.memory_bytes - self.activation_bytes) / 2**30:.2f} GiB (weights, gradients, Adam) + activations "
-            f"{self.activation_bytes / 2**30:.2f} GiB"
-            + (f"; limit {self.memory_limit / 2**30:.2f} GiB" if self.memory_limit else "")
+            f"memory per rank (largest): {_size(self.memory_bytes)} = training state "
+            f"{_size(self.memory_bytes - self.activation_bytes)} (weights, gradients, Adam) + activations "
+            f"{_size(self.activation_bytes)}"
+            + (f"; limit {_size(self.memory_limit)}" if self.memory_limit else "")
         )
         for key, expr in self.expressions.items():
             console.print(f"{key}(b, s) = {expr}")
@@ -208,6 +208,13 @@ class Plan:
             memory_bytes=doc.get("memory_bytes", 0.0), activation_bytes=doc.get("activation_bytes", 0.0),
             memory_limit=doc.get("memory_limit"), expressions=doc.get("expressions", {}),
         )
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def role_of(placement: Placement, first_use: Any, arg_pos: int) -> str:
