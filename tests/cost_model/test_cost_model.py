@@ -1,0 +1,106 @@
+"""The cost model: ring collectives move 2(n-1)/n of the bytes, uneven shards are priced by
+their largest rank, floats are priced at the profile's training dtype, costs are sympy
+expressions in b and s, and calibrate() measures a profile on this machine."""
+import math
+
+import pytest
+import sympy
+import torch
+from hypothesis import given, strategies as st
+
+from autotp.cost_model import PROFILES, DeviceProfile, calibrate
+from autotp.cost_model.devices import fit_alpha_beta
+from autotp.cost_model.symbolic import (collective_bytes, collective_time, collective_time_expr, compute_time,
+                                        compute_time_expr, evaluate, nbytes)
+from autotp.passes.rules import OpInfo, Strategy, TensorMeta
+from autotp.placements import PARTIAL, REPLICATE, Shard
+
+aten = torch.ops.aten
+b, s = sympy.symbols("b s", integer=True, positive=True)
+H100 = PROFILES["h100-dgx"]
+
+
+def mm_info(k: int, n: int, dtype=torch.float32, tp: int = 8) -> OpInfo:
+    x, w = TensorMeta((b * s, sympy.Integer(k)), dtype), TensorMeta((sympy.Integer(k), sympy.Integer(n)), dtype)
+    return OpInfo(aten.mm.default, (x, w), {}, (x, w), TensorMeta((b * s, sympy.Integer(n)), dtype), tp)
+
+
+@given(n=st.integers(2, 64), full=st.floats(1.0, 1e10))
+def test_ring_all_reduce_sends_2_n_minus_1_over_n_of_the_bytes(n, full):
+    assert collective_bytes("g", full, n) == (pytest.approx(2 * (n - 1) / n * full), 0.0)
+    assert collective_bytes("f", full, n) == (0.0, pytest.approx(2 * (n - 1) / n * full))
+    assert collective_bytes("all_gather", full, n)[0] == pytest.approx((n - 1) / n * full)
+    fw, _ = collective_time("g", full, H100, n)
+    assert fw == pytest.approx(2 * (n - 1) * H100.link_latency + 2 * (n - 1) / n * full / H100.link_bw)
+
+
+def test_collective_expression_is_symbolic_in_the_tensor_size():
+    meta_bytes = b * s * 768 * 2
+    expr = collective_time_expr("g", meta_bytes, H100, 8)
+    assert expr.free_symbols == {b, s}
+    assert float(expr.subs({b: 8, s: 1024})) == pytest.approx(sum(collective_time("g", 8 * 1024 * 768 * 2, H100, 8)))
+
+
+def test_an_uneven_column_split_is_priced_at_its_largest_rank():
+    info = mm_info(768, 12 * 64)
+    whole = compute_time(info, Strategy((REPLICATE, REPLICATE), REPLICATE), {b: 8, s: 1024}, H100, 8)
+    split = compute_time(info, Strategy((REPLICATE, Shard(1, 1, 64)), Shard(1, 1, 64)), {b: 8, s: 1024}, H100, 8)
+    assert split / whole == pytest.approx(2 / 12)   # 12 heads over 8 ranks: the slowest holds 2
+
+
+def test_a_row_split_product_is_priced_at_one_rank_share():
+    info = mm_info(768, 768)
+    whole = compute_time(info, Strategy((REPLICATE, REPLICATE), REPLICATE), {b: 8, s: 1024}, H100, 4)
+    row = compute_time(info, Strategy((Shard(1), Shard(0)), PARTIAL), {b: 8, s: 1024}, H100, 4)
+    assert row / whole == pytest.approx(1 / 4)
+
+
+def test_floats_are_priced_at_the_profiles_training_dtype_not_the_traced_one():
+    meta = TensorMeta((b, s, sympy.Integer(768)), torch.float32)
+    env = {b: 8, s: 1024}
+    assert nbytes(meta, env, PROFILES["h100-dgx"].dtype_bytes) == 8 * 1024 * 768 * 2
+    assert nbytes(meta, env, PROFILES["cpu-gloo"].dtype_bytes) == 8 * 1024 * 768 * 4
+    ids = TensorMeta((b, s), torch.int64)
+    assert nbytes(ids, env, 2) == 8 * 1024 * 8        # integers keep their own size
+
+
+def test_compute_expression_evaluates_to_the_priced_cost():
+    info = mm_info(1600, 6400)
+    strat = Strategy((REPLICATE, Shard(1)), Shard(1))
+    expr = compute_time_expr(info, strat, H100, 8)
+    assert expr.free_symbols == {b, s}
+    for env in ({b: 8, s: 1024}, {b: 1, s: 1}):
+        assert evaluate(expr, env) == pytest.approx(compute_time(info, strat, env, H100, 8))
+
+
+def test_a_small_product_is_memory_bound_on_the_roofline():
+    info = mm_info(8, 8)
+    t = compute_time(info, Strategy((REPLICATE, REPLICATE), REPLICATE), {b: 1, s: 1}, H100, 1)
+    flops_time = 3 * 2 * 8 * 8 / H100.flops
+    assert t > flops_time * 10
+
+
+def test_loss_over_the_logits_is_priced_by_what_it_reads():
+    logits = TensorMeta((b * s, sympy.Integer(50257)), torch.float32)
+    target = TensorMeta((b * s,), torch.int64)
+    info = OpInfo(aten.cross_entropy_loss.default, (logits, target), {}, (logits, target),
+                  TensorMeta((), torch.float32), 1)
+    t = compute_time(info, Strategy((REPLICATE, REPLICATE), REPLICATE), {b: 8, s: 1024}, H100, 1)
+    assert t == pytest.approx(2 * 8 * 1024 * 50257 * 2 / H100.mem_bw)
+
+
+@given(alpha=st.floats(1e-7, 1e-3), bw=st.floats(1e7, 1e12), n=st.integers(2, 16))
+def test_alpha_beta_fit_recovers_a_ring_profile(alpha, bw, n):
+    sizes = [1e3, 1e5, 1e7]
+    seconds = [DeviceProfile("x", 1, 1, bw, alpha, 1).all_reduce_time(x, n) for x in sizes]
+    got_alpha, got_bw = fit_alpha_beta(sizes, seconds, n)
+    assert got_alpha == pytest.approx(alpha, rel=1e-3)
+    assert got_bw == pytest.approx(bw, rel=1e-3)
+
+
+def test_calibrate_measures_a_cpu_gloo_profile_on_this_machine():
+    prof = calibrate("here", world=2, matmul_sizes=(64, 128), message_bytes=(1 << 10, 1 << 14, 1 << 18), repeats=2)
+    for value in (prof.flops, prof.mem_bw, prof.link_bw, prof.link_latency, prof.memory):
+        assert math.isfinite(value) and value > 0
+    assert prof.dtype_bytes == 4 and prof.name == "here"
+    assert 1e6 < prof.flops < 1e14          # a CPU, not a typo of units
