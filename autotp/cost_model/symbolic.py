@@ -10,7 +10,8 @@ cost term is built symbolically first and evaluated for a workload (``env``) sec
   fused norms), so each streams its largest operand once forward and once backward;
 * **collectives** by the alpha-beta ring formulas of :class:`~.devices.DeviceProfile`
   (all-reduce moves 2(n-1)/n of the bytes, all-gather and reduce-scatter (n-1)/n);
-* **memory** an op keeps for backward: its output, at the largest rank's share.
+* **memory** an op keeps for backward: the activation inputs its backward needs (products,
+  norms, attention, the loss, nonlinearities), at the largest rank's share.
 
 Bytes: floating-point tensors are priced at the profile's training datatype
 (``DeviceProfile.dtype_bytes``: 2 on the GPU profiles, whose FLOP rates are bf16/fp16 rates;
@@ -159,17 +160,6 @@ def shard_fraction(info: OpInfo, strategy: Strategy, tp: int) -> float:
     return frac
 
 
-def output_fraction(info: OpInfo, strategy: Strategy, tp: int) -> float:
-    """The largest rank's share of the op's output (Partial and Replicate: all of it)."""
-    outs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
-    metas = _metas(info.output)
-    fracs = []
-    for meta, p in zip(metas, outs):
-        size = meta.static(p.dim) if isinstance(p, Shard) else None
-        fracs.append(max_local_size(size, p, tp) / size if size else 1.0)
-    return max(fracs, default=1.0)
-
-
 def compute_time_expr(info: OpInfo, strategy: Strategy, profile: DeviceProfile, tp: int,
                       env: Mapping | None = None) -> sympy.Expr:
     """Forward + backward seconds of one op on the largest rank's share, symbolic in b and s.
@@ -207,17 +197,32 @@ def compute_time(info: OpInfo, strategy: Strategy, env: Mapping, profile: Device
     return MEMORY_FACTOR * frac * profile.memory_time(moved)
 
 
-def activation_bytes_expr(info: OpInfo, profile: DeviceProfile) -> sympy.Expr:
-    """Bytes an op's output holds until backward (views hold none of their own)."""
-    if info.target in FREE_OPS:
-        return sympy.Integer(0)
-    return sum((bytes_expr(m, profile.dtype_bytes) for m in _metas(info.output)), sympy.Integer(0))
+#: Ops whose backward needs their (activation) inputs, which autograd keeps until then. Chains
+#: of pointwise ops are assumed fused and keep nothing beyond what these already keep.
+SAVES_INPUTS = PRODUCTS | {
+    aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default,
+    aten.scaled_dot_product_attention.default, aten._softmax.default, aten._log_softmax.default,
+    aten.softmax.int, aten.log_softmax.int, aten.cross_entropy_loss.default,
+    aten.tanh.default, aten.gelu.default, aten.silu.default, aten.sigmoid.default,
+}
 
 
-def activation_bytes(info: OpInfo, strategy: Strategy, env: Mapping, profile: DeviceProfile, tp: int) -> float:
-    if info.target in FREE_OPS:
+def _fraction(meta: TensorMeta, p: Any, tp: int) -> float:
+    size = meta.static(p.dim) if isinstance(p, Shard) else None
+    return max_local_size(size, p, tp) / size if size else 1.0
+
+
+def activation_bytes(info: OpInfo, strategy: Strategy, env: Mapping, profile: DeviceProfile, tp: int,
+                     is_param: tuple = ()) -> float:
+    """Bytes of the op's float activation inputs kept for backward, on the largest rank
+    (parameters are counted with the training state, not here)."""
+    if info.target not in SAVES_INPUTS:
         return 0.0
-    return evaluate(activation_bytes_expr(info, profile), env) * output_fraction(info, strategy, tp)
+    total = 0.0
+    for i, (meta, want) in enumerate(zip(info.inputs, strategy.inputs)):
+        if meta.is_float and not (i < len(is_param) and is_param[i]):
+            total += evaluate(bytes_expr(meta, profile.dtype_bytes), env) * _fraction(meta, want, tp)
+    return total
 
 
 # ---- collectives ---------------------------------------------------------------------------------

@@ -106,10 +106,12 @@ class GraphIndex:
 
     def activation_bytes(self, node: fx.Node, strat: Strategy, profile: DeviceProfile) -> float:
         info = self.infos[node]
-        key = (info.target, info.inputs, info.output, strat, profile)
+        is_param = tuple(i.op == "placeholder" and i.name in self.capture.param_names
+                         for i in self.tensor_inputs[node])
+        key = (info.target, info.inputs, info.output, strat, profile, is_param)
         found = self._activation.get(key)
         if found is None:
-            found = self._activation[key] = activation_bytes(self.infos[node], strat, self.env, profile, self.tp)
+            found = self._activation[key] = activation_bytes(info, strat, self.env, profile, self.tp, is_param)
         return found
 
     @classmethod
