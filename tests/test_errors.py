@@ -1,9 +1,19 @@
-"""Bad input gets a clear autotp error that names the cause and the fix."""
+"""Bad input gets a clear autotp error that names the cause and the fix.
+
+One test (at least) per entry of docs/errors.md; the entries about ranks that disagree or die
+are tested in tests/runtime/test_agreement.py and tests/runtime/test_faults.py.
+"""
+import ast
+import inspect
+import logging
+from pathlib import Path
+
 import pytest
 import torch
 
 import autotp
 from autotp.errors import CaptureError, ConfigError, InputError, PlanError
+from autotp.passes import rules
 from tests.helpers import batch, tiny_gpt2
 
 
@@ -61,9 +71,12 @@ class Branchy(torch.nn.Module):
         return -self.lin(x)
 
 
-def test_untraceable_model_names_the_failure_and_what_to_try():
-    with pytest.raises(CaptureError, match=r"(?s)could not capture Branchy.*data-dependent.*torch.cond"):
+def test_untraceable_model_names_the_failure_the_source_line_and_what_to_try():
+    lines, first = inspect.getsourcelines(Branchy.forward)
+    branch = first + next(i for i, line in enumerate(lines) if "if x.sum()" in line)
+    with pytest.raises(CaptureError, match=r"(?s)could not capture Branchy.*data-dependent.*torch.cond") as info:
         autotp.plan(Branchy(), tp=1, example_kwargs={"x": torch.randn(2, 4)})
+    assert f"(at {__file__}:{branch})" in str(info.value)
 
 
 def test_model_without_config_needs_example_inputs():
@@ -82,3 +95,100 @@ def test_positional_inputs_to_a_forward_taking_star_args_are_refused():
 
     with pytest.raises(ConfigError, match=r"takes \*args"):
         autotp.plan(StarArgs(), tp=1, example_inputs=(torch.randn(2, 4),))
+
+
+# ---------------------------------------------------------------- an op with no sharding rule
+
+class Arctan(torch.nn.Module):
+    """A column-parallel linear feeding aten.atan, an op autotp has no sharding rule for."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(4, 6)
+        self.down = torch.nn.Linear(6, 3)
+
+    def forward(self, x):                                   # (b, s, 4)
+        return self.down(torch.atan(self.up(x)))           # (b, s, 3)
+
+
+ARCTAN_INPUTS = {"x": torch.randn(2, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))}
+
+
+def _arctan_relative_error() -> float:
+    from autotp.testing import relative_error
+
+    torch.manual_seed(0)
+    model = Arctan().double()
+    pm = autotp.parallelize(model, tp=2, layout={"up.weight": "column"}, example_kwargs=ARCTAN_INPUTS)
+    return relative_error(pm(**ARCTAN_INPUTS), model(**ARCTAN_INPUTS))
+
+
+def test_op_without_a_rule_runs_replicated_with_a_warning_naming_it(monkeypatch, caplog, cluster):
+    monkeypatch.setattr(rules, "_warned", set())  # the warning is given once per op and process
+    with caplog.at_level(logging.WARNING, logger="autotp.rules"):
+        plan = autotp.plan(Arctan().double(), tp=2, layout={"up.weight": "column"}, example_kwargs=ARCTAN_INPUTS)
+    assert "no sharding rule for aten.atan.default; it runs replicated (correct, maybe slower)" in caplog.text
+    assert plan.comm_counts().get("all_gather") == 1  # the split activation is gathered for atan
+    assert max(cluster.run(_arctan_relative_error)) < 1e-12
+
+
+# ---------------------------------------------------------------- plans and layouts
+
+def test_pinned_layout_that_no_strategy_fits_names_the_op():
+    with pytest.raises(PlanError, match=r"no feasible plan: no strategy fits linear_default_1 \(aten.linear.default\)"):
+        autotp.plan(Arctan().double(), tp=4, layout={"down.weight": "column"}, example_kwargs=ARCTAN_INPUTS)
+
+
+def test_unknown_layout_role_lists_the_roles():
+    with pytest.raises(ConfigError, match=r"layout for up.weight: unknown role 'sideways'; use one of "
+                                          r"\('column', 'row', 'vocab', 'replicate'\) or a Placement"):
+        autotp.plan(Arctan(), tp=2, layout={"up.weight": "sideways"}, example_kwargs=ARCTAN_INPUTS)
+
+
+def test_plan_of_an_unknown_schema_version_is_refused():
+    text = autotp.plan(tiny_gpt2(n_layer=1), tp=2).to_json().replace('"autotp_plan": 1', '"autotp_plan": 99')
+    with pytest.raises(ConfigError, match=r"autotp plan schema version 99 is not supported \(this autotp reads "
+                                          r"version 1\); re-create the plan with autotp.plan"):
+        autotp.Plan.from_json(text)
+
+
+def test_plan_that_is_not_json_is_refused_without_unpickling():
+    with pytest.raises(ConfigError, match="not an autotp plan: invalid JSON"):
+        autotp.Plan.from_json("\x80\x04\x95 a pickle, not JSON")
+
+
+# ---------------------------------------------------------------- nothing unsafe is loaded
+
+UNSAFE_LOADERS = {("pickle", "load"), ("pickle", "loads"), ("dill", "load"), ("dill", "loads"),
+                  ("marshal", "loads"), ("torch", "load")}
+#: The local launcher pickles its own task functions and results between its own processes; it
+#: never reads a file or a user's data.
+PICKLE_ALLOWED = {"testing_launch.py"}
+
+
+def _unsafe_loads(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name)):
+            continue
+        call = (node.func.value.id, node.func.attr)
+        if call not in UNSAFE_LOADERS:
+            continue
+        safe = call == ("torch", "load") and any(
+            k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
+            for k in node.keywords)
+        if not safe and not (call[0] == "pickle" and path.name in PICKLE_ALLOWED):
+            found.append(f"{path}:{node.lineno}: {'.'.join(call)}")
+    return found
+
+
+def test_autotp_loads_no_pickle_and_torch_load_only_with_weights_only():
+    package = Path(autotp.__file__).parent
+    assert [hit for path in sorted(package.rglob("*.py")) for hit in _unsafe_loads(path)] == []
+
+
+def test_the_scan_finds_torch_load_without_weights_only_and_pickle(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import pickle, torch\ntorch.load('w.pt')\npickle.loads(b'')\ntorch.load('w.pt', weights_only=True)\n")
+    assert [hit.split(": ")[1] for hit in _unsafe_loads(bad)] == ["torch.load", "pickle.loads"]
