@@ -79,10 +79,14 @@ def equivalence_errors(model: nn.Module, pm: nn.Module, inputs: Mapping[str, Any
     ref = model(**inputs)
     out = pm(**inputs)
     errors: dict[str, float] = {}
+    plan = pm.plan
+    rank = pm.mesh.tp_rank if pm.mesh is not None else 0
     ref_loss = getattr(ref, "loss", None)
     if ref_loss is not None:
         errors["loss"] = relative_error(out.loss, ref_loss)
-        errors["logits"] = relative_error(out.logits, ref.logits)
+        kept = plan.sharded_outputs.get("logits")    # gather_logits=False: this rank's vocab slice
+        expected = local_shard(ref.logits, kept, plan.tp, rank) if kept is not None else ref.logits
+        errors["logits"] = relative_error(out.logits, expected)
         ref_loss.backward()
         out.loss.backward()
     else:
@@ -91,18 +95,17 @@ def equivalence_errors(model: nn.Module, pm: nn.Module, inputs: Mapping[str, Any
         errors["output"] = relative_error(got, first)
         first.float().pow(2).sum().backward()
         got.float().pow(2).sum().backward()
-    plan = pm.plan
-    rank = pm.mesh.tp_rank if pm.mesh is not None else 0
-    for name, param in model.named_parameters():
-        if name in plan.aliases or param.grad is None:
+    for name, param in model.named_parameters():   # a tied pair once, under the name listed first
+        if param.grad is None:
             continue
-        local = pm.local_parameter(name)
-        placement = plan.params[name]
+        held = plan.aliases.get(name, name)            # the name the plan and the shards use
+        local = pm.local_parameter(held)
+        placement = plan.params[held]
         expected = local_shard(param.grad, placement, plan.tp, rank) if isinstance(placement, Shard) else param.grad
         if local.grad is None:
-            errors[f"grad:{name}"] = float("inf")
+            errors[f"grad:{held}"] = float("inf")
         else:
-            errors[f"grad:{name}"] = relative_error(local.grad, expected)
+            errors[f"grad:{held}"] = relative_error(local.grad, expected)
     return errors
 
 

@@ -10,9 +10,10 @@ import autotp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autotp.testing import TOLERANCE, assert_equivalent, keep_loss_precision
+from autotp.testing import TOLERANCE, equivalence_errors, keep_loss_precision
 
 HEADS = {"gpt2": 12, "gpt2-medium": 16, "gpt2-large": 20, "gpt2-xl": 25}
+VOCAB_SMALL = 5003
 MEGATRON_VOCAB = {"*.c_attn.weight": "column", "*.mlp.c_fc.weight": "column", "*.attn.c_proj.weight": "row",
                   "*.mlp.c_proj.weight": "row", "lm_head.weight": "vocab"}
 
@@ -30,8 +31,8 @@ def check_size_case(case: dict) -> dict:
     model = keep_loss_precision(GPT2LMHeadModel(config).to(dtype))
     gen = torch.Generator().manual_seed(case["seed"])
     inputs = {k: torch.randint(0, 50257, (2, case["seq"]), generator=gen) for k in ("input_ids", "labels")}
-    errors = assert_equivalent(model, case["tp"], inputs, layout=MEGATRON_VOCAB)
-    return errors
+    pm = autotp.parallelize(model, case["tp"], layout=MEGATRON_VOCAB)
+    return equivalence_errors(model, pm, inputs), pm.plan.comm_counts()
 
 
 @pytest.mark.parametrize("tp", range(1, 9))
@@ -47,9 +48,11 @@ def test_every_gpt2_size_at_every_tp_matches_serial(cluster_of, tp, size, layers
 def _assert_size_case_matches(cluster_of, case: dict) -> None:
     results = cluster_of(case["tp"]).run(check_size_case, case)
     bound = TOLERANCE[getattr(torch, case["dtype"])]
-    for errors in results:
+    for errors, counts in results:
         worst = max(errors, key=errors.get)
         assert errors[worst] <= bound, (worst, errors[worst])
+        if case["tp"] > 1:   # the loss ran vocab-parallel: max, sum-exp and target logit all-reduced
+            assert counts.get("all_reduce") == 3, counts
 
 
 @pytest.mark.slow
@@ -71,8 +74,10 @@ def _sharded_logits():
     import autotp
     from autotp.runtime.collectives import local_shard
 
-    model = tiny_gpt2(n_head=3, head_dim=4, vocab=101)
-    inputs = batch(101)
+    # 5003 words: large enough that on the cpu-gloo profile the vocab-parallel loss (3 all-reduces
+    # of b*s numbers) is cheaper than gathering b*s*V logits; odd, so the split is uneven.
+    model = keep_loss_precision(tiny_gpt2(n_head=3, head_dim=4, vocab=VOCAB_SMALL))
+    inputs = batch(VOCAB_SMALL)
     pm = autotp.parallelize(model, tp=2, layout=MEGATRON_VOCAB, gather_logits=False)
     out, ref = pm(**inputs), model(**inputs)
     placement = pm.plan.sharded_outputs["logits"]
@@ -85,7 +90,7 @@ def _sharded_logits():
 def test_logits_can_stay_vocab_sharded_and_skip_the_gather(cluster):
     for loss_err, logits_err, shape, bytes_sharded, bytes_gathered in cluster.run(_sharded_logits):
         assert loss_err < 1e-12 and logits_err < 1e-12
-        assert shape[-1] in (50, 51)            # 101 rows split 51 / 50
+        assert shape[-1] in (2501, 2502)        # 5003 rows split 2502 / 2501
         assert bytes_sharded < bytes_gathered   # the b*s*V all-gather is not paid
 
 
@@ -129,3 +134,23 @@ def test_an_uneven_head_split_is_priced_at_its_largest_rank():
     whole = index.compute_time(c_attn, Strategy((REPLICATE, REPLICATE), REPLICATE), h100)
     split = index.compute_time(c_attn, prop.chosen[c_attn], h100)
     assert split / whole == pytest.approx(2 / 12)                   # not 1/8: the largest rank's share
+
+
+def _tied_vocab_parallel():
+    from tests.helpers import batch, tiny_gpt2
+
+    model = keep_loss_precision(tiny_gpt2(n_head=3, head_dim=4, vocab=VOCAB_SMALL))
+    pm = autotp.parallelize(model, tp=2, layout=MEGATRON_VOCAB, gather_logits=False)
+    errors = equivalence_errors(model, pm, batch(VOCAB_SMALL))
+    held = [name for name, _ in pm.local.named_parameters() if name in ("lm_head.weight", "transformer.wte.weight")]
+    return (held, pm.local_parameter("transformer.wte.weight") is pm.local_parameter("lm_head.weight"),
+            pm.plan.roles["lm_head.weight"], tuple(pm.local_parameter("lm_head.weight").shape),
+            errors["grad:lm_head.weight"], pm.plan.comm_counts())
+
+
+def test_tied_wte_and_lm_head_are_one_vocab_shard_whose_gradient_sums_both_uses(cluster):
+    for held, same, role, shape, grad_err, counts in cluster.run(_tied_vocab_parallel):
+        assert held == ["lm_head.weight"] and same          # one shard serves the lookup and the output
+        assert role == "vocab" and shape[0] in (2501, 2502)
+        assert grad_err < 1e-12                              # = serial grad: embedding use + output use
+        assert counts.get("all_reduce") == 3               # vocab-parallel loss: max, sum-exp, target logit
