@@ -154,3 +154,28 @@ def test_tied_wte_and_lm_head_are_one_vocab_shard_whose_gradient_sums_both_uses(
         assert role == "vocab" and shape[0] in (2501, 2502)
         assert grad_err < 1e-12                              # = serial grad: embedding use + output use
         assert counts.get("all_reduce") == 3               # vocab-parallel loss: max, sum-exp, target logit
+
+
+FULL_SIZES = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large": (36, 20, 1280),
+              "gpt2-xl": (48, 25, 1600)}   # layers, heads, hidden; vocabulary 50257
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", sorted(FULL_SIZES))
+def test_every_full_gpt2_size_is_planned_at_every_tp_with_each_rank_near_ideal(size):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from autotp.api import build_plan
+    from autotp.capture import capture
+
+    layers, heads, hidden = FULL_SIZES[size]
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config(n_layer=layers, n_head=heads, n_embd=hidden, vocab_size=50257))
+    cap = capture(model)
+    for tp in range(1, 9):
+        plan, _, _ = build_plan(cap, tp, batch=8, seq=1024)
+        ideal = _ideal_param_bytes(plan)
+        assert all(abs(b - ideal) / ideal <= 0.05 for b in plan.param_bytes_per_rank()), (tp, ideal)
+        if tp > 1:
+            heads_l0 = plan.heads_per_rank()["transformer.h.0.attn.c_attn.weight"]
+            assert sum(heads_l0) == heads and max(heads_l0) - min(heads_l0) <= 1, (tp, heads_l0)
