@@ -66,10 +66,10 @@ def fingerprint(plan: Any, graph_module: fx.GraphModule) -> Fingerprint:
     params += tuple(f"output {k} kept split {v!r}" for k, v in sorted(plan.sharded_outputs.items()))
     comms = tuple(f"{c.kind} of {c.tensor} for {c.consumer} ({c.src} -> {c.dst})" for c in plan.comms)
     return Fingerprint((
-        ("software versions", software),
-        ("parameter placements of the plan", params),
-        ("collectives of the plan", comms),
-        ("rewritten graph", tuple(_graph_entries(graph_module))),
+        ("the software versions differ", software),
+        ("the plan's parameter placements differ", params),
+        ("the plan's collectives differ", comms),
+        ("the rewritten graphs differ", tuple(_graph_entries(graph_module))),
     ))
 
 
@@ -118,7 +118,7 @@ def check_agreement(fp: Fingerprint, group, what: str = "before their first coll
     for i in differing:
         title, entries = fp.sections[i]
         per_rank = _all_gather_json(list(entries), group)
-        lines.append(f"- {title} differ: {_first_difference(per_rank, ranks)}")
+        lines.append(f"- {title}: {_first_difference(per_rank, ranks)}")
     raise DisagreementError(
         f"ranks {ranks} of the TP group disagree {what}, so their collectives would hang or mix "
         "unrelated tensors:\n" + "\n".join(lines) + "\n"

@@ -41,7 +41,7 @@ def test_a_rank_with_another_layout_makes_every_rank_raise_naming_the_parameter(
         cluster.run(parallelize_with_another_layout_on_the_last_rank)
     text = str(info.value)
     assert "ranks [0, 1, 2, 3] of the TP group disagree before their first collective" in text
-    assert "parameter placements of the plan differ" in text and "transformer.h.0.mlp.c_fc" in text
+    assert "the plan's parameter placements differ" in text and "transformer.h.0.mlp.c_fc" in text
     assert "ranks 0, 1, 2: " in text and "rank 3: " in text
     assert "ranks that failed: [0, 1, 2, 3]" in text  # every rank raised; none was left waiting
 
