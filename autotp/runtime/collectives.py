@@ -79,22 +79,21 @@ def _comm(op: str, group) -> Iterator[None]:
         cause = f"{op} failed on {where}: {type(e).__name__}: {e}"
         timeout = group_timeout(group).total_seconds()
         found = roll_call(group, ranks, started, timeout) if ranks is not None else None
-        if found is not None and found.lost:
-            raise LostRankError(
-                f"{found.describe(timeout)}.\n{cause}\n"
-                "A rank of the group is gone, so this job cannot go on: find why it stopped (its "
-                "log, the OOM killer), then restart every rank."
-            ) from e
-        note = f" ({found.note})" if found is not None and found.note else ""
-        raise CommError(
-            f"{cause}{note}\n"
+        advice = (
             "Check whether a rank died, raised, or took a different code path (ranks must call "
             "the same collectives in the same order). A rank that is merely slow hits the "
             f"collective timeout ({timeout:g} s here), fixed when the process group is created: "
             "autotp.runtime.mesh.DEFAULT_TIMEOUT, or the AUTOTP_TIMEOUT environment variable, "
             "unless the timeout= argument of autotp.runtime.mesh.init_from_env (or of launch / "
             "LocalCluster) says otherwise."
-        ) from e
+        )
+        if found is not None and found.exited:
+            advice = ("A rank of the group is gone, so this job cannot go on: find why it stopped "
+                      "(its log, the OOM killer), then restart every rank.")
+        if found is not None and found.lost:
+            raise LostRankError(f"{found.describe(timeout)}.\n{cause}\n{advice}") from e
+        note = f" ({found.note})" if found is not None and found.note else ""
+        raise CommError(f"{cause}{note}\n{advice}") from e
 
 
 def _all_reduce(x: Tensor, group, op: str) -> Tensor:
