@@ -178,8 +178,8 @@ def compute_time_expr(info: OpInfo, strategy: Strategy, profile: DeviceProfile, 
         moved = terms[0] if how == "sum" else sympy.Max(*terms)
     if flops != 0:
         if env is not None:
-            bound = flops / profile.flops if evaluate(flops, env) / profile.flops >= evaluate(moved, env) / profile.mem_bw \
-                else moved / profile.mem_bw
+            flop_bound = evaluate(flops, env) / profile.flops >= evaluate(moved, env) / profile.mem_bw
+            bound = flops / profile.flops if flop_bound else moved / profile.mem_bw
             return TRAIN_FACTOR * frac * bound
         return TRAIN_FACTOR * frac * sympy.Max(flops / profile.flops, moved / profile.mem_bw)
     return MEMORY_FACTOR * frac * moved / profile.mem_bw

@@ -20,26 +20,24 @@ instead of one best (memory only grows, so a partial plan over the limit is drop
 exact. What is *not* searched: strategies no rule offers, and placements outside
 :class:`~autotp.placements.Placement` (the rules are the space).
 
-**Repeated layers are solved once.** Runs of consecutive nodes of one numbered module
-(``transformer.h.7``) are grouped by a Weisfeiler-Lehman hash of their op graph (networkx) and
-checked node by node (ops, shapes, arguments, hints up to the layer's rotation). For one
-representative, the DP's transfer from each entry state to each exit state is computed once
-and reused for every layer with the same entry state, so a 72-layer model costs about as much
-as a 2-layer one plus a chain of small min-plus steps. Reuse requires that no tensor entering
-the layer is sharded (then the layer's placements differ from the representative's only by
-the rotation of uneven shards, which moves no cost); otherwise that layer is solved node by
-node. The chosen strategies are then replayed by :func:`propagate` (``forced``), which builds
-the plan; its cost must equal the solver's, and a mismatch raises.
+**Repeated layers are solved once** (:mod:`.repeats` finds them: runs of one numbered module
+such as ``transformer.h.7``, grouped by a Weisfeiler-Lehman hash of their op graph with
+networkx, then checked node by node). For one representative per group, the DP's transfer from
+each entry state to each exit state is computed once and reused for every repeat entered in
+the same state, so a 72-layer model costs about as much as a 2-layer one plus a chain of small
+min-plus steps. Uneven shards rotate by layer; rotating every uneven shard by the same amount
+moves no cost, so a repeat's labels are the representative's shifted by the layers' rotation
+difference (:class:`~.repeats.Shift`). The chosen strategies are then replayed by
+:func:`propagate` (``forced``), which builds the plan; its time and memory must equal the
+solver's, and a mismatch raises.
 """
 from __future__ import annotations
 
 import operator
 import re
-import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-import networkx as nx
 import torch
 import torch.utils._pytree as pytree
 from torch import fx
@@ -50,9 +48,9 @@ from ..errors import PlanError
 from ..placements import REPLICATE, Partial, Placement, Shard, same_placement
 from .propagate import (INF, GraphIndex, Propagation, _dim_size, _even, _meta, _out_meta, _sharded_compute,
                         conversion_seconds, internal_seconds, param_memory, propagate, wants_f)
+from .repeats import Layer, LayerFinder, Shift
 
 _LAYER_INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
-_LAYER_PREFIX = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
 
 def template_of(fqn: str) -> str:
@@ -83,15 +81,6 @@ def _pareto_add(front: list, entry: Entry, keep_front: bool) -> list:
         if e[0] <= t and e[1] <= m:
             return front
     return [e for e in front if not (t <= e[0] and m <= e[1])] + [entry]
-
-
-@dataclass
-class _Block:
-    nodes: list                  # call_function nodes of the layer, in order
-    rotate: int | None           # the layer's rotation of uneven shards (None: no hints)
-    ext: dict                    # external input node -> signature (its uses inside the block)
-    template: "_Block | None" = None
-    ext_map: dict | None = None  # template external node -> this block's external node
 
 
 class _Solver:
@@ -233,91 +222,14 @@ class _Solver:
                 "use a larger tp, or a smaller batch/seq")
 
     # ---- repeated layers -------------------------------------------------------------------------
-    def blocks(self) -> list[_Block]:
-        runs: list[tuple[str, list]] = []
-        for n in self.nodes:
-            if n.op != "call_function":
-                continue
-            m = _LAYER_PREFIX.match(module_path(n))
-            key = m.group(1) if m else None
-            if key is not None and runs and runs[-1][0] == key and self.pos[runs[-1][1][-1]] == self.pos[n] - 1:
-                runs[-1][1].append(n)
-            elif key is not None:
-                runs.append((key, [n]))
-        blocks = [self._block(nodes) for _, nodes in runs if len(nodes) > 1]
-        groups: dict[tuple, list[_Block]] = {}
-        for b in blocks:
-            groups.setdefault((_wl_hash(b.nodes), len(b.nodes)), []).append(b)
-        for members in groups.values():
-            rep = members[0]
-            for b in members:
-                if b is not rep:
-                    b.ext_map = self._correspond(rep, b)
-                    b.template = rep if b.ext_map is not None else None
-        return blocks
-
-    def _block(self, nodes: list) -> _Block:
-        inside = set(nodes)
-        ext: dict = {}
-        rotations = set()
-        for k, n in enumerate(nodes):
-            info = self.index.infos.get(n)
-            if info is not None:
-                rotations |= {h[2] % self.index.tp for h in info.hints.values() if len(h) > 2}
-            for a, arg in enumerate(n.all_input_nodes):
-                if arg not in inside:
-                    ext.setdefault(arg, []).append((k, a))
-        rotate = next(iter(rotations)) if len(rotations) == 1 else (None if not rotations else -1)
-        return _Block(nodes, rotate, {a: tuple(sig) for a, sig in ext.items()})
-
-    def _correspond(self, rep: _Block, b: _Block) -> dict | None:
-        """Template external node -> b's external node, if b repeats rep node for node."""
-        if rep.rotate == -1 or b.rotate == -1:
-            return None   # a layer whose ops rotate differently: solve it op by op
-        end_rep, end_b = self.pos[rep.nodes[-1]], self.pos[b.nodes[-1]]
-        for nr, nb in zip(rep.nodes, b.nodes):
-            if nr.target != nb.target:
-                return None
-            ir, ib = self.index.infos.get(nr), self.index.infos.get(nb)
-            if (ir is None) != (ib is None):
-                return None
-            if ir is not None and (ir.args != ib.args or ir.kwargs != ib.kwargs or ir.inputs != ib.inputs
-                                   or ir.output != ib.output
-                                   or {d: h[:2] for d, h in ir.hints.items()} != {d: h[:2] for d, h in ib.hints.items()}):
-                return None
-            if nr.target is operator.getitem and nr.args[1] != nb.args[1]:
-                return None
-            if (self.last_use[nr] > end_rep) != (self.last_use[nb] > end_b):
-                return None
-        by_sig = {sig: a for a, sig in b.ext.items()}
-        if len(by_sig) != len(b.ext) or sorted(rep.ext.values()) != sorted(by_sig):
-            return None
-        mapping = {}
-        for a, sig in rep.ext.items():
-            other = by_sig[sig]
-            # a parameter placed by its first use here must be as free in both; anything else
-            # enters through the state, whose labels key the transfer
-            if (a in self.free) != (other in self.free) or (a in self.free and self.free[a] != self.free[other]):
-                return None
-            if a in self.free and (self._first_use(a) >= self.pos[rep.nodes[0]]) != (
-                    self._first_use(other) >= self.pos[b.nodes[0]]):
-                return None   # placed inside one layer, before the other (a tied weight)
-            if (self.last_use[a] > end_rep) != (self.last_use[other] > end_b):
-                return None
-            mapping[a] = other
-        return mapping
-
-    def _first_use(self, n: fx.Node) -> int:
-        return min(self.pos[u] for u in n.users)
-
-    def apply_block(self, b: _Block, states: dict) -> dict:
+    def apply_block(self, b: Layer, states: dict) -> dict:
         """Advance ``states`` over layer ``b`` by its representative's transfer."""
         rep = b.template
         back = {v: k for k, v in b.ext_map.items()}
         to_b = dict(zip(rep.nodes, b.nodes))
         to_b.update(b.ext_map)
         end = self.pos[b.nodes[-1]]
-        shift = _Shift(((b.rotate or 0) - (rep.rotate or 0)) % self.index.tp, self.index.tp, _out_meta)
+        shift = Shift(((b.rotate or 0) - (rep.rotate or 0)) % self.index.tp, self.index.tp, _out_meta)
         nxt: dict = {}
         for key, front in states.items():
             state = dict(key)
@@ -346,7 +258,7 @@ class _Solver:
             raise PlanError(f"no feasible plan: no strategy fits layer {module_path(b.nodes[0])}" + self._memory_note())
         return nxt
 
-    def _transfer(self, rep: _Block, tkey: tuple) -> dict:
+    def _transfer(self, rep: Layer, tkey: tuple) -> dict:
         """exit state -> front of (seconds, bytes, strategy indices) through ``rep`` from ``tkey``."""
         start = {tkey: [(0.0, 0.0, None, None)]}
         saved, self.limit = self.limit, None if self.limit is None else float("inf")
@@ -361,7 +273,7 @@ class _Solver:
 
     # ---- the whole graph ---------------------------------------------------------------------------
     def solve(self) -> tuple[dict, float, float]:
-        blocks = {b.nodes[0]: b for b in self.blocks()}
+        blocks = {b.nodes[0]: b for b in LayerFinder(self.index, self.pos, self.last_use, self.free).layers()}
         start = tuple(sorted(((n, (p, frozenset())) for n, p in self.fixed.items() if n.users),
                              key=lambda kv: self.pos[kv[0]]))
         states = {start: [(0.0, 0.0, None, None)]}
@@ -392,33 +304,6 @@ class _Solver:
         return _expand(_choices(best)), best[0], best[1] + self.memory0
 
 
-class _Shift:
-    """Maps labels between a representative layer and a repeat of it. Uneven shards are
-    rotated by layer; rotating every uneven shard by the same amount changes no cost (every
-    rank's share and every layout comparison are kept), so a repeat's labels are the
-    representative's with uneven rotations moved by the layers' difference. Even shards
-    always have rotation 0 and stay as they are."""
-
-    def __init__(self, delta: int, tp: int, metas):
-        self.delta, self.tp, self.metas = delta, tp, metas
-
-    def _map(self, p: Any, meta: Any, delta: int) -> Any:
-        if isinstance(p, tuple):
-            ms = meta if isinstance(meta, tuple) else (meta,) * len(p)
-            return tuple(self._map(x, m, delta) for x, m in zip(p, ms))
-        if isinstance(p, Shard) and meta is not None and not _even(meta, p, self.tp):
-            return Shard(p.dim, p.chunks, p.unit, (p.rotate + delta) % self.tp)
-        return p
-
-    def label(self, node: fx.Node, lab: tuple, forward: bool) -> tuple:
-        delta = self.delta if forward else -self.delta
-        if not delta:
-            return lab
-        meta = self.metas(node)
-        p, paid = lab
-        return (self._map(p, meta, delta), frozenset((self._map(w, meta, delta), f) for w, f in paid))
-
-
 def _choices(entry: Entry) -> tuple:
     out = []
     while entry is not None:
@@ -440,21 +325,6 @@ def _expand(choices: tuple) -> dict:
         elif c[1] >= 0:
             forced[c[0]] = c[1]
     return forced
-
-
-def _wl_hash(nodes: list) -> str:
-    """Weisfeiler-Lehman hash of a layer's op graph (ops as labels): equal for repeats."""
-    g = nx.DiGraph()
-    inside = set(nodes)
-    for n in nodes:
-        label = str(n.target) + ("#" + str(n.args[1]) if n.target is operator.getitem else "")
-        g.add_node(n.name, label=label)
-        for a, arg in enumerate(n.all_input_nodes):
-            if arg in inside:
-                g.add_edge(arg.name, n.name, label=str(a))
-    with warnings.catch_warnings():   # networkx 3.5 notes that directed hashes changed; ours are compared in-process
-        warnings.simplefilter("ignore", UserWarning)
-        return nx.weisfeiler_lehman_graph_hash(g, node_attr="label", edge_attr="label", iterations=3)
 
 
 def decision_space(index: GraphIndex) -> dict[str, list[str]]:
@@ -485,7 +355,8 @@ def solve(index: GraphIndex, profile: DeviceProfile, pinned: Mapping[str, Placem
     prop = propagate(index, pinned, profile, forced=forced)
     if prop.infeasible:
         raise PlanError(f"internal: the solver's plan does not replay: {prop.infeasible}")
-    if abs(prop.total_s - seconds) > 1e-8 * max(1e-3, seconds) or abs(prop.memory_bytes - memory) > 1e-6 * max(1.0, memory):
+    if (abs(prop.total_s - seconds) > 1e-8 * max(1e-3, seconds)
+            or abs(prop.memory_bytes - memory) > 1e-6 * max(1.0, memory)):
         raise PlanError(f"internal: the solver predicted {seconds:.6g} s / {memory:.6g} B but the plan costs "
                         f"{prop.total_s:.6g} s / {prop.memory_bytes:.6g} B")
     return Solution(pinned, prop, solver.transitions, forced, solver.reused)
