@@ -13,15 +13,15 @@ instead of a hang.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import fx, nn
 
 from ..capture import Capture, bind_inputs, flat_inputs, unflatten_outputs
-from ..errors import InputError
+from ..errors import CheckpointError, InputError
 from ..plan import Plan
-from ..placements import Shard
+from ..placements import Placement, Shard
 from .agreement import check_agreement, check_same_inputs, fingerprint, input_signature
 from .collectives import local_shard
 
@@ -41,7 +41,10 @@ class _ParamTree(nn.Module):
 
 class ParallelModule(nn.Module):
     def __init__(self, capture: Capture, plan: Plan, graph_module: fx.GraphModule, mesh: Any,
-                 model: nn.Module, device: torch.device):
+                 model: nn.Module, device: torch.device,
+                 weights: Callable[[str, Placement], torch.Tensor] | None = None):
+        """``weights(fqn, placement)``, when given, returns this rank's part of a parameter (read
+        from a checkpoint); otherwise the parts are sliced from ``model``'s own tensors."""
         super().__init__()
         #: the group the agreement checks talk over (CPU/gloo: no accelerator sync per call)
         self._control = getattr(mesh, "control_group", None) or getattr(mesh, "tp_group", None)
@@ -62,14 +65,20 @@ class ParallelModule(nn.Module):
             if fqn in capture.aliases:      # a tied twin: fed the tensor it is tied to
                 self._param_order.append(capture.aliases[fqn])
                 continue
-            full = full_params[fqn].detach()
             p = plan.params[fqn]
-            local = local_shard(full, p, tp, rank) if isinstance(p, Shard) else full
-            local = local.to(device).clone()
+            if weights is not None:
+                local = weights(fqn, p).to(device)
+            else:
+                full = full_params[fqn].detach()
+                local = local_shard(full, p, tp, rank) if isinstance(p, Shard) else full
+                local = local.to(device).clone()
             self.local.put(fqn, nn.Parameter(local, requires_grad=full_params[fqn].requires_grad))
             self._param_order.append(fqn)
         self._buffers_in: list[torch.Tensor] = []
         for placeholder, fqn in capture.buffer_names.items():
+            if full_buffers[fqn].is_meta:
+                raise CheckpointError(f"buffer {fqn} is on the meta device: it is neither in the checkpoint "
+                                      "nor computed by the model's constructor; load the model for real")
             self.register_buffer(f"_buf_{len(self._buffers_in)}", full_buffers[fqn].to(device))
             self._buffers_in.append(getattr(self, f"_buf_{len(self._buffers_in)}"))
         self._constants = [capture.constants[name].to(device) for name in capture.constant_names.values()]
