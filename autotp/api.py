@@ -120,12 +120,18 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
     keep = frozenset() if gather_logits else frozenset(i for i, n in enumerate(names) if n == "logits")
     index = GraphIndex.build(cap, tp, batch, seq, uneven=uneven, sharded_outputs=keep)
     pinned = _pinned(cap, layout, plan)
+    notes: list[str] = []
     if plan is not None:
         prop = propagate(index, pinned, prof)
         if prop.infeasible:
             raise PlanError(f"the given plan does not fit this model: {prop.infeasible}")
     else:
-        prop = solve(index, prof, pinned, memory_limit=limit).propagation
+        solution = solve(index, prof, pinned, memory_limit=limit)
+        prop = solution.propagation
+        if solution.over_limit is not None:
+            fast_s, fast_bytes = solution.over_limit
+            notes.append(f"the fastest plan ({fast_s * 1e3:.3f} ms per step) needs {fast_bytes / 2**30:.2f} GiB "
+                         f"per rank, over the memory limit of {limit / 2**30:.2f} GiB: this plan is slower but fits")
         if prop.infeasible:
             raise PlanError(f"no feasible plan: {prop.infeasible}")
     uses = _first_uses(cap)
@@ -151,7 +157,7 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                   sharded_outputs={names[i]: prop.placements[n] for i, n in enumerate(_output_nodes(cap))
                                    if i in keep and isinstance(prop.placements.get(n), Shard)},
                   memory_bytes=prop.memory_bytes, activation_bytes=prop.activation_bytes, memory_limit=limit,
-                  expressions=cost_expressions(index, prop, prof))
+                  expressions=cost_expressions(index, prop, prof), notes=notes)
     return result, index, prop
 
 
@@ -192,11 +198,26 @@ def _default_profile(device: torch.device) -> str:
 
 def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: Mapping[str, Any] | None = None,
                 profile: Any = None, batch: int = 8, seq: int | None = None, uneven: bool = True,
-                gather_logits: bool = True,
+                gather_logits: bool = True, memory_limit: float | None = None,
                 example_inputs: tuple = (), example_kwargs: dict | None = None,
                 device: torch.device | str | None = None,
                 backend: str | None = None) -> "ParallelModule":
     """Split ``model`` over this rank's TP group; see the module docs and docs/architecture.md."""
+    if device is None:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if torch.device(device).type == "meta":
+        raise ConfigError("parallelize needs real weights: the model is on the meta device "
+                          "(use autotp.plan for planning only, or autotp.from_pretrained to load a checkpoint)")
+    return _parallelize(model, tp, None, plan=plan, layout=layout, profile=profile, batch=batch, seq=seq,
+                        uneven=uneven, gather_logits=gather_logits, memory_limit=memory_limit,
+                        example_inputs=example_inputs, example_kwargs=example_kwargs, device=device,
+                        backend=backend)
+
+
+def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, layout: Mapping[str, Any] | None,
+                 profile: Any, batch: int, seq: int | None, uneven: bool, gather_logits: bool,
+                 memory_limit: float | None, example_inputs: tuple, example_kwargs: dict | None,
+                 device: torch.device | str, backend: str | None) -> "ParallelModule":
     from .runtime.mesh import get_mesh
     from .runtime.module import ParallelModule
 
@@ -205,15 +226,73 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
     check_heads(model, tp, uneven)
     if plan is not None and plan.tp != tp:
         raise ConfigError(f"the plan was made for tp={plan.tp}, not tp={tp}")
-    if device is None:
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
     device = torch.device(device)
-    if device.type == "meta":
-        raise ConfigError("parallelize needs real weights: the model is on the meta device "
-                          "(use autotp.plan for planning only)")
     cap = capture_model(model, example_inputs, example_kwargs)
     result, index, prop = build_plan(cap, tp, batch=batch, seq=seq or _default_seq(model),
                                      profile=profile or _default_profile(device), layout=layout,
-                                     plan=plan, uneven=uneven, gather_logits=gather_logits)
+                                     plan=plan, uneven=uneven, gather_logits=gather_logits,
+                                     memory_limit=memory_limit)
     gm = rewrite(index, prop, mesh.tp_rank, mesh.tp_group, device)
-    return ParallelModule(cap, result, gm, mesh, model, device)
+    return ParallelModule(cap, result, gm, mesh, model, device,
+                          weights=weights(mesh, model) if weights is not None else None)
+
+
+def from_pretrained(path: str, tp: int, *, model_class: Any = None, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None, progress: bool = True,
+                    **parallelize_kwargs: Any) -> "ParallelModule":
+    """Parallelize a HuggingFace checkpoint folder without ever holding the whole model.
+
+    The model is built from ``path``'s config on the meta device (``model_class``, default
+    ``AutoModelForCausalLM``), captured and planned there; each rank then reads only its own
+    slices of the safetensors files (:mod:`autotp.runtime.checkpoint`). ``dtype`` defaults to
+    the config's. Other keywords are :func:`parallelize`'s."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .runtime.checkpoint import CheckpointReader
+
+    config = AutoConfig.from_pretrained(path)
+    dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    reader = CheckpointReader(path)    # fails early, before any collective, on a folder without weights
+    with torch.device("meta"):
+        model = (model_class or AutoModelForCausalLM).from_config(config, dtype=dtype)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+
+    def weights(mesh: Any, meta_model: nn.Module):
+        return _checkpoint_weights(reader, meta_model, mesh, progress)
+
+    return _parallelize(model, tp, weights, device=device, **{**_PARALLELIZE_DEFAULTS, **parallelize_kwargs})
+
+
+_PARALLELIZE_DEFAULTS = dict(plan=None, layout=None, profile=None, batch=8, seq=None, uneven=True,
+                             gather_logits=True, memory_limit=None, example_inputs=(), example_kwargs=None,
+                             backend=None)
+
+
+def _checkpoint_weights(reader: Any, meta_model: nn.Module, mesh: Any, progress: bool):
+    """``weights(fqn, placement)`` for ParallelModule: this rank's slices, read from ``reader``.
+    A tied parameter is found under any of its names (GPT-2 saves wte, not lm_head)."""
+    from rich.progress import Progress
+
+    params = dict(meta_model.named_parameters(remove_duplicate=False))
+    twins: dict[int, list[str]] = {}
+    for name, p in params.items():
+        twins.setdefault(id(p), []).append(name)
+    tp, rank = mesh.tp, mesh.tp_rank
+    shown = progress and rank == 0 and mesh.dp_rank == 0
+    bar = Progress(transient=True, disable=not shown)
+    task = bar.add_task(f"loading {reader.folder.name} (TP rank {rank} of {tp})",
+                        total=len({id(p) for p in params.values()}))
+
+    def weights(fqn: str, placement: Placement) -> torch.Tensor:
+        meta = params[fqn]
+        names = [fqn] + [n for n in twins[id(meta)] if n != fqn]
+        if not bar.live.is_started:
+            bar.start()
+        local = reader.read_local(reader.find(names), tuple(meta.shape), placement, tp, rank, meta.dtype)
+        bar.advance(task)
+        if bar.finished:
+            bar.stop()
+        return local
+
+    return weights

@@ -50,6 +50,7 @@ class Plan:
     memory_limit: float | None = None
     #: the predicted costs as sympy expressions (strings) in the symbols b (batch) and s (sequence)
     expressions: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)   # why the plan is what it is, where not obvious
 
     # ---- what users inspect -------------------------------------------------------------
     @property
@@ -111,6 +112,13 @@ class Plan:
                 out[name] = [local_size(size, p, self.tp, r) // (p.chunks * p.unit) for r in range(self.tp)]
         return out
 
+    def comm_seconds(self) -> dict[str, float]:
+        """Predicted seconds per step spent in each kind of collective."""
+        out: dict[str, float] = {}
+        for c in self.comms:
+            out[c.kind] = out.get(c.kind, 0.0) + c.seconds
+        return out
+
     def comm_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for c in self.comms:
@@ -161,8 +169,12 @@ class Plan:
             f"{_size(self.activation_bytes)}"
             + (f"; limit {_size(self.memory_limit)}" if self.memory_limit else "")
         )
+        for kind, seconds in sorted(self.comm_seconds().items(), key=lambda kv: -kv[1]):
+            console.print(f"  communication {kind}: {seconds * 1e3:.3f} ms")
         for key, expr in self.expressions.items():
             console.print(f"{key}(b, s) = {expr}")
+        for note in self.notes:
+            console.print(f"note: {note}")
         for name, p in self.sharded_outputs.items():
             console.print(f"output {name!r} is returned split as {p} (not gathered)")
         return buf.getvalue()
@@ -180,7 +192,7 @@ class Plan:
             "comms": [c.__dict__ for c in self.comms],
             "compute_s": self.compute_s, "comm_s": self.comm_s,
             "memory_bytes": self.memory_bytes, "activation_bytes": self.activation_bytes,
-            "memory_limit": self.memory_limit, "expressions": self.expressions,
+            "memory_limit": self.memory_limit, "expressions": self.expressions, "notes": self.notes,
         }
         return json.dumps(doc, indent=1, sort_keys=True)
 
@@ -207,6 +219,7 @@ class Plan:
             sharded_outputs={k: from_json(v) for k, v in doc.get("sharded_outputs", {}).items()},
             memory_bytes=doc.get("memory_bytes", 0.0), activation_bytes=doc.get("activation_bytes", 0.0),
             memory_limit=doc.get("memory_limit"), expressions=doc.get("expressions", {}),
+            notes=doc.get("notes", []),
         )
 
 

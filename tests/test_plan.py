@@ -105,7 +105,9 @@ def test_a_memory_limit_forces_sharding_where_replication_is_faster():
     assert fitted.memory_bytes <= limit
     assert "column" in fitted.roles.values() or "vocab" in fitted.roles.values()
     assert fitted.cost["step_s"] > fastest.cost["step_s"]   # slower, but it fits
-    assert f"limit {limit / 2**10:.2f} KiB" in str(fitted)
+    text = str(fitted)
+    assert f"limit {limit / 2**10:.2f} KiB" in text
+    assert "note: the fastest plan" in text and "over the memory limit" in text   # the breakdown says why
 
 
 def test_a_memory_limit_no_plan_meets_names_the_limit_and_the_fix():
@@ -121,6 +123,8 @@ def test_plan_cost_breaks_down_time_and_memory_per_rank():
     assert cost["comm_bytes_per_step"] == pytest.approx(sum(c.fwd_bytes + c.bwd_bytes for c in plan.comms))
     text = str(plan)
     assert "memory per rank (largest)" in text and "compute_s(b, s) =" in text and "comm_s(b, s) =" in text
+    assert "communication g:" in text and "communication f:" in text
+    assert sum(plan.comm_seconds().values()) == pytest.approx(cost["comm_s"])
 
 
 def test_cost_expressions_in_b_and_s_give_the_predicted_cost_at_the_workload():

@@ -64,6 +64,8 @@ class Solution:
     evaluated: int                       # DP transitions evaluated
     choices: dict                        # op node -> index of its strategy in its rule's list
     layers_reused: int = 0               # layers whose transfer came from a solved representative
+    #: (seconds, bytes) of the fastest plan when it did not fit the memory limit, else None
+    over_limit: tuple | None = None
 
 
 # An entry of a DP state's front: (time, memory, choice, previous entry). ``choice`` is
@@ -349,7 +351,9 @@ def solve(index: GraphIndex, profile: DeviceProfile, pinned: Mapping[str, Placem
     pinned = dict(pinned or {})
     solver = _Solver(index, profile, pinned, None)
     forced, seconds, memory = solver.solve()
+    over_limit = None
     if memory_limit is not None and memory > memory_limit:
+        over_limit = (seconds, memory)
         solver = _Solver(index, profile, pinned, memory_limit)
         forced, seconds, memory = solver.solve()
     prop = propagate(index, pinned, profile, forced=forced)
@@ -359,4 +363,4 @@ def solve(index: GraphIndex, profile: DeviceProfile, pinned: Mapping[str, Placem
             or abs(prop.memory_bytes - memory) > 1e-6 * max(1.0, memory)):
         raise PlanError(f"internal: the solver predicted {seconds:.6g} s / {memory:.6g} B but the plan costs "
                         f"{prop.total_s:.6g} s / {prop.memory_bytes:.6g} B")
-    return Solution(pinned, prop, solver.transitions, forced, solver.reused)
+    return Solution(pinned, prop, solver.transitions, forced, solver.reused, over_limit)
