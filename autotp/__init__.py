@@ -2,15 +2,16 @@
 
     plan = autotp.plan(model, tp=8)          # no process group needed; a meta model works
     pm = autotp.parallelize(model, tp=8)     # inside an initialized torch.distributed world
+    pm = autotp.from_pretrained(folder, tp=8)  # the same, reading only this rank's slices of a checkpoint
 """
-from .api import parallelize, plan
+from .api import from_pretrained, parallelize, plan
 from .errors import (AutotpError, CaptureError, CheckpointError, CommError, ConfigError, InputError,
                      NoRuleError, PlanError)
 from .placements import Partial, Replicate, Shard
 from .plan import Plan
 
 __all__ = [
-    "parallelize", "plan", "Plan", "Replicate", "Shard", "Partial", "AutotpError", "CaptureError",
+    "from_pretrained", "parallelize", "plan", "Plan", "Replicate", "Shard", "Partial", "AutotpError", "CaptureError",
     "CheckpointError", "CommError", "ConfigError", "InputError", "NoRuleError", "PlanError",
 ]
 __version__ = "0.1.0"

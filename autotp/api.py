@@ -1,6 +1,7 @@
 """The pipeline, nothing else: capture -> propagate/solve -> plan -> rewrite -> ParallelModule."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import fnmatch
 import logging
@@ -233,8 +234,9 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
                                      plan=plan, uneven=uneven, gather_logits=gather_logits,
                                      memory_limit=memory_limit)
     gm = rewrite(index, prop, mesh.tp_rank, mesh.tp_group, device)
-    return ParallelModule(cap, result, gm, mesh, model, device,
-                          weights=weights(mesh, model) if weights is not None else None)
+    source = weights(mesh, model) if weights is not None else None
+    with source or contextlib.nullcontext():
+        return ParallelModule(cap, result, gm, mesh, model, device, weights=source)
 
 
 def from_pretrained(path: str, tp: int, *, model_class: Any = None, dtype: torch.dtype | None = None,
@@ -242,8 +244,9 @@ def from_pretrained(path: str, tp: int, *, model_class: Any = None, dtype: torch
                     **parallelize_kwargs: Any) -> "ParallelModule":
     """Parallelize a HuggingFace checkpoint folder without ever holding the whole model.
 
-    The model is built from ``path``'s config on the meta device (``model_class``, default
-    ``AutoModelForCausalLM``), captured and planned there; each rank then reads only its own
+    The model is built from ``path``'s config on the meta device (``model_class(config)``: a
+    model class or any callable; default ``AutoModelForCausalLM.from_config``), captured and
+    planned there; each rank then reads only its own
     slices of the safetensors files (:mod:`autotp.runtime.checkpoint`). ``dtype`` defaults to
     the config's. Other keywords are :func:`parallelize`'s."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -254,7 +257,10 @@ def from_pretrained(path: str, tp: int, *, model_class: Any = None, dtype: torch
     dtype = dtype or getattr(config, "dtype", None) or torch.float32
     reader = CheckpointReader(path)    # fails early, before any collective, on a folder without weights
     with torch.device("meta"):
-        model = (model_class or AutoModelForCausalLM).from_config(config, dtype=dtype)
+        if model_class is None:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        else:
+            model = model_class(config).to(dtype)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
 
@@ -269,30 +275,39 @@ _PARALLELIZE_DEFAULTS = dict(plan=None, layout=None, profile=None, batch=8, seq=
                              backend=None)
 
 
-def _checkpoint_weights(reader: Any, meta_model: nn.Module, mesh: Any, progress: bool):
-    """``weights(fqn, placement)`` for ParallelModule: this rank's slices, read from ``reader``.
-    A tied parameter is found under any of its names (GPT-2 saves wte, not lm_head)."""
-    from rich.progress import Progress
+def _checkpoint_weights(reader: Any, meta_model: nn.Module, mesh: Any, progress: bool) -> "_CheckpointWeights":
+    return _CheckpointWeights(reader, meta_model, mesh, progress)
 
-    params = dict(meta_model.named_parameters(remove_duplicate=False))
-    twins: dict[int, list[str]] = {}
-    for name, p in params.items():
-        twins.setdefault(id(p), []).append(name)
-    tp, rank = mesh.tp, mesh.tp_rank
-    shown = progress and rank == 0 and mesh.dp_rank == 0
-    bar = Progress(transient=True, disable=not shown)
-    task = bar.add_task(f"loading {reader.folder.name} (TP rank {rank} of {tp})",
-                        total=len({id(p) for p in params.values()}))
 
-    def weights(fqn: str, placement: Placement) -> torch.Tensor:
-        meta = params[fqn]
-        names = [fqn] + [n for n in twins[id(meta)] if n != fqn]
-        if not bar.live.is_started:
-            bar.start()
-        local = reader.read_local(reader.find(names), tuple(meta.shape), placement, tp, rank, meta.dtype)
-        bar.advance(task)
-        if bar.finished:
-            bar.stop()
+class _CheckpointWeights:
+    """``weights(fqn, placement)`` for ParallelModule: this rank's slices, read from a checkpoint,
+    with a progress bar on the first rank while it is entered. A tied parameter is found under
+    any of its names (GPT-2's checkpoints hold ``transformer.wte.weight``, not ``lm_head.weight``)."""
+
+    def __init__(self, reader: Any, meta_model: nn.Module, mesh: Any, progress: bool):
+        from rich.progress import Progress
+
+        self.reader, self.tp, self.rank = reader, mesh.tp, mesh.tp_rank
+        self.params = dict(meta_model.named_parameters(remove_duplicate=False))
+        self.twins: dict[int, list[str]] = {}
+        for name, p in self.params.items():
+            self.twins.setdefault(id(p), []).append(name)
+        shown = progress and mesh.tp_rank == 0 and mesh.dp_rank == 0
+        self.bar = Progress(transient=True, disable=not shown)
+        self.task = self.bar.add_task(f"loading {reader.folder.name} (TP rank {mesh.tp_rank} of {mesh.tp})",
+                                      total=len(self.twins))
+
+    def __enter__(self) -> "_CheckpointWeights":
+        self.bar.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.bar.stop()
+
+    def __call__(self, fqn: str, placement: Placement) -> torch.Tensor:
+        meta = self.params[fqn]
+        names = [fqn] + [n for n in self.twins[id(meta)] if n != fqn]
+        local = self.reader.read_local(self.reader.find(names), tuple(meta.shape), placement, self.tp, self.rank,
+                                       meta.dtype)
+        self.bar.advance(self.task)
         return local
-
-    return weights

@@ -1,0 +1,117 @@
+"""Checkpoints: load only this rank's slices of a HuggingFace folder, resume from per-rank
+shards, gather back to one folder that transformers loads. Folders are written by the test
+process (save_pretrained of a random model) before the ranks read them."""
+import pytest
+import torch
+
+import autotp
+from autotp.errors import CheckpointError
+from autotp.placements import Shard
+from autotp.runtime.checkpoint import CheckpointReader
+from autotp.testing import keep_loss_precision
+from tests.helpers import batch, tiny_gpt2
+
+VOCAB = 101
+LAYOUT = {"*.c_attn.weight": "column", "*.mlp.c_fc.weight": "column", "*.attn.c_proj.weight": "row",
+          "*.mlp.c_proj.weight": "row", "lm_head.weight": "vocab"}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt2")
+    tiny_gpt2(n_layer=2, n_head=3, head_dim=4, vocab=VOCAB, seed=7).save_pretrained(path)
+    return str(path)
+
+
+def precise_gpt2(config):
+    """GPT-2 whose loss stays float64 (see autotp.testing.keep_loss_precision)."""
+    from transformers import GPT2LMHeadModel
+
+    return keep_loss_precision(GPT2LMHeadModel(config))
+
+
+def _serial(path):
+    from transformers import GPT2LMHeadModel
+
+    return keep_loss_precision(GPT2LMHeadModel.from_pretrained(path))
+
+
+def _load_and_compare(path):
+    from autotp.testing import equivalence_errors
+
+    pm = autotp.from_pretrained(path, tp=2, model_class=precise_gpt2, layout=LAYOUT, progress=False)
+    errors = equivalence_errors(_serial(path), pm, batch(VOCAB))
+    local_bytes = sum(p.numel() for p in pm.parameters())
+    return max(errors.values()), pm.plan.roles["lm_head.weight"], local_bytes
+
+
+def test_from_pretrained_reads_this_ranks_slices_and_matches_the_serial_model(cluster, folder):
+    serial_numel = sum(p.numel() for p in tiny_gpt2(n_layer=2, n_head=3, head_dim=4, vocab=VOCAB).parameters())
+    for worst, role, local_numel in cluster.run(_load_and_compare, folder):
+        assert worst < 1e-12
+        assert role == "vocab"                        # the tied wte/lm_head read as vocab rows
+        assert local_numel < 0.6 * serial_numel       # each rank holds about half
+
+
+def _save_resume_gather(path, shards, gathered):
+    from autotp.runtime.checkpoint import gather_to_hf, load_sharded, save_sharded
+
+    trained = autotp.from_pretrained(path, tp=2, model_class=precise_gpt2, layout=LAYOUT, progress=False)
+    with torch.no_grad():   # a "training step": every parameter moves
+        for p in trained.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    inputs = batch(VOCAB)
+    want = trained(**inputs).logits
+    save_sharded(trained, shards)
+    gather_to_hf(trained, gathered, config=_serial(path).config)
+    import torch.distributed as dist
+
+    dist.barrier()
+    fresh = autotp.from_pretrained(path, tp=2, model_class=precise_gpt2, layout=LAYOUT, progress=False, plan=trained.plan)
+    load_sharded(fresh, shards)
+    resumed = (fresh(**inputs).logits - want).abs().max().item()
+    serial = (_serial(gathered)(**inputs).logits - want).abs().max().item()
+    return resumed, serial
+
+
+def test_sharded_save_resumes_and_gathers_to_a_folder_transformers_loads(cluster, folder, tmp_path):
+    for resumed, serial in cluster.run(_save_resume_gather, folder, str(tmp_path / "shards"),
+                                       str(tmp_path / "gathered")):
+        assert resumed == 0.0          # resumed bit for bit
+        assert serial < 1e-12          # the serial model from the gathered folder computes the same
+
+
+def test_a_missing_tensor_is_named(folder, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(f"{folder}/model.safetensors")
+    del tensors["transformer.h.1.mlp.c_fc.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    reader = CheckpointReader(tmp_path)
+    with pytest.raises(CheckpointError, match=r"no tensor transformer\.h\.1\.mlp\.c_fc\.weight"):
+        reader.find(["transformer.h.1.mlp.c_fc.weight"])
+
+
+def test_a_tensor_of_the_wrong_shape_is_named_with_both_shapes(folder):
+    reader = CheckpointReader(folder)
+    with pytest.raises(CheckpointError, match=r"c_attn\.weight .* shape \[12, 36\], the model expects \[12, 48\]"):
+        reader.read_local("transformer.h.0.attn.c_attn.weight", (12, 48), Shard(1), 2, 0, torch.float64)
+
+
+def test_a_folder_without_safetensors_says_what_it_reads(tmp_path):
+    with pytest.raises(CheckpointError, match="autotp reads safetensors checkpoints"):
+        CheckpointReader(tmp_path)
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_interleaved_column_slices_read_from_the_file_equal_slices_of_the_tensor(folder, tp):
+    # c_attn's q|k|v blocks of heads: each rank reads three separate column ranges.
+    reader = CheckpointReader(folder)
+    full = tiny_gpt2(n_layer=2, n_head=3, head_dim=4, vocab=VOCAB, seed=7).transformer.h[0].attn.c_attn.weight
+    shard = Shard(1, chunks=3, unit=4)
+    from autotp.runtime.collectives import local_shard
+
+    for rank in range(tp):
+        got = reader.read_local("transformer.h.0.attn.c_attn.weight", tuple(full.shape), shard, tp, rank,
+                                torch.float64)
+        assert torch.equal(got, local_shard(full.detach(), shard, tp, rank))
