@@ -192,8 +192,9 @@ class _Solver:
             isinstance(val, (list, tuple)) and bool(val) and all(isinstance(v, torch.Tensor) for v in val))
 
     # ---- the DP over a range of nodes ---------------------------------------------------------
-    def run(self, nodes: list, states: dict) -> dict:
-        """Advance ``states`` (frozen state -> front) over ``nodes`` one op at a time."""
+    def run(self, nodes: list, states: dict, raise_empty: bool = True) -> dict:
+        """Advance ``states`` (frozen state -> front) over ``nodes`` one op at a time; when no
+        state survives, raise (or, with ``raise_empty=False``, return nothing)."""
         for node in nodes:
             p = self.pos[node]
             nxt: dict = {}
@@ -208,10 +209,12 @@ class _Solver:
                     nkey = tuple(sorted(new.items(), key=lambda kv: self.pos[kv[0]]))
                     for e in front:
                         t, m = e[0] + dt, e[1] + dm
-                        if self.limit is not None and m + self.memory0 > self.limit:
+                        if self.limit is not None and m + self.memory0 > self.limit * (1 + 1e-12):
                             continue
                         nxt[nkey] = _pareto_add(nxt.get(nkey, []), (t, m, (node, j), e), self.keep_front)
             states = nxt
+            if not states and not raise_empty:
+                return states
             if not states:
                 raise PlanError(f"no feasible plan: no strategy fits {node.name} ({node.target})"
                                 + self._memory_note())
@@ -252,7 +255,7 @@ class _Solver:
                 for e in front:
                     for dt, dm, choices in tfront:
                         t, m = e[0] + dt, e[1] + dm
-                        if self.limit is not None and m + self.memory0 > self.limit:
+                        if self.limit is not None and m + self.memory0 > self.limit * (1 + 1e-12):
                             continue
                         nxt[nkey] = _pareto_add(nxt.get(nkey, []), (t, m, ("block", b, choices), e),
                                                 self.keep_front)
@@ -265,7 +268,7 @@ class _Solver:
         start = {tkey: [(0.0, 0.0, None, None)]}
         saved, self.limit = self.limit, None if self.limit is None else float("inf")
         try:
-            out = self.run(rep.nodes, start)
+            out = self.run(rep.nodes, start, raise_empty=False)   # a dead end from this entry state
         finally:
             self.limit = saved
         result = {}

@@ -49,8 +49,9 @@ def stack_capture(layers: int, d: int, hidden: int, norm: bool, residual: bool):
     return capture(model, example_kwargs={"x": torch.empty(2, 8, d, device="meta")})
 
 
-def brute_force(index: GraphIndex, profile: DeviceProfile) -> list[float]:
-    """The total of every feasible assignment of strategies to ops, enumerated depth first."""
+def brute_force(index: GraphIndex, profile: DeviceProfile, with_memory: bool = False) -> list:
+    """The total of every feasible assignment of strategies to ops, enumerated depth first
+    (with ``with_memory``: (seconds, bytes per rank) pairs)."""
     totals = []
     stack = [{}]
     while stack:
@@ -60,7 +61,7 @@ def brute_force(index: GraphIndex, profile: DeviceProfile) -> list[float]:
             node, count = prop.pending
             stack.extend({**forced, node: j} for j in range(count))
         elif not prop.infeasible:
-            totals.append(prop.total_s)
+            totals.append((prop.total_s, prop.memory_bytes) if with_memory else prop.total_s)
     return totals
 
 
@@ -82,6 +83,20 @@ def test_solver_cost_equals_brute_force_minimum(layers, d, hidden, norm, residua
     solution = solve(index, profile)
     totals = brute_force(index, profile)
     assert solution.propagation.total_s == pytest.approx(min(totals), rel=1e-9, abs=1e-15)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layers=st.integers(1, 2), norm=st.booleans(), tp=st.sampled_from([2, 4]), quantile=st.floats(0, 1),
+       profile=profiles)
+def test_under_a_memory_limit_the_solver_finds_the_fastest_plan_that_fits(layers, norm, tp, quantile, profile):
+    index = GraphIndex.build(stack_capture(layers, 8, 16, norm, True), tp, 64, 512, uneven=True)
+    plans = brute_force(index, profile, with_memory=True)
+    memories = sorted(m for _, m in plans)
+    limit = memories[int(quantile * (len(memories) - 1))]
+    solution = solve(index, profile, memory_limit=limit)
+    assert solution.propagation.memory_bytes <= limit * (1 + 1e-9)
+    fitting = min(t for t, m in plans if m <= limit * (1 + 1e-9))
+    assert solution.propagation.total_s == pytest.approx(fitting, rel=1e-9, abs=1e-15)
 
 
 def test_enumerated_plans_differ_so_a_wrong_choice_would_be_caught():
