@@ -34,7 +34,6 @@ solver's, and a mismatch raises.
 from __future__ import annotations
 
 import operator
-import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -49,13 +48,6 @@ from ..placements import REPLICATE, Partial, Placement, Shard, same_placement
 from .propagate import (INF, GraphIndex, Propagation, _dim_size, _even, _meta, _out_meta, _sharded_compute,
                         conversion_seconds, internal_seconds, param_memory, propagate, wants_f)
 from .repeats import Layer, LayerFinder, Shift
-
-_LAYER_INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
-
-
-def template_of(fqn: str) -> str:
-    return _LAYER_INDEX.sub("*", fqn)
-
 
 @dataclass
 class Solution:
@@ -330,19 +322,6 @@ def _expand(choices: tuple) -> dict:
         elif c[1] >= 0:
             forced[c[0]] = c[1]
     return forced
-
-
-def decision_space(index: GraphIndex) -> dict[str, list[str]]:
-    """template -> the weight placeholders in it (in graph order): the parameters of 2+ dims
-    whose placement (column / row / vocab / replicate) the plan decides."""
-    groups: dict[str, list[str]] = {}
-    for node in index.capture.graph.nodes:
-        if node.op != "placeholder" or node.name not in index.capture.param_names:
-            continue
-        if node.meta["val"].dim() < 2:
-            continue
-        groups.setdefault(template_of(index.capture.param_names[node.name]), []).append(node.name)
-    return groups
 
 
 def solve(index: GraphIndex, profile: DeviceProfile, pinned: Mapping[str, Placement] | None = None,
