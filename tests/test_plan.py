@@ -183,3 +183,28 @@ def test_same_inputs_give_the_same_plan_byte_for_byte():
     gpt2_capture.cache_clear()
     b = plan_of(gpt2_capture(768, 12), 4, profile="v100-dgx2h")   # a fresh capture, as on another rank
     assert a.to_json() == b.to_json()
+
+
+_PLAN_IN_A_FRESH_PROCESS = """
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+import autotp
+with torch.device("meta"):
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=96, n_head=12, vocab_size=1000))
+print(autotp.plan(model, tp=8, profile="v100-dgx2h").to_json())
+"""
+
+
+@pytest.mark.slow   # two fresh interpreters importing torch and transformers: ~25 s
+def test_ranks_with_different_hash_seeds_choose_the_same_plan_byte_for_byte():
+    import os
+    import subprocess
+    import sys
+
+    plans = []
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        done = subprocess.run([sys.executable, "-c", _PLAN_IN_A_FRESH_PROCESS], env=env, capture_output=True,
+                              text=True, timeout=300, check=True)
+        plans.append(done.stdout)
+    assert plans[0] == plans[1] and '"autotp_plan": 1' in plans[0]
