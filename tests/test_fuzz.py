@@ -4,7 +4,8 @@ exception escapes.
 
 The ranks are the session's ``cluster`` (4 ranks, spawned once); each example is one task. A
 tp of 1 or 2 runs on the first TP group only (the others return at once), so that the 2 CPU
-cores of CI are not spent on identical DP replicas.
+cores of CI are not spent on identical DP replicas. ``AUTOTP_FUZZ_EXAMPLES=n`` changes the CI
+tier's 200 examples (to explore more without the slow tier's 2000).
 """
 from __future__ import annotations
 
