@@ -75,7 +75,7 @@ profiles = st.builds(
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layers=st.integers(1, 2), d=st.sampled_from([4, 8]), hidden=st.sampled_from([8, 16]),
-       norm=st.booleans(), residual=st.booleans(), tp=st.sampled_from([2, 4]),
+       norm=st.booleans(), residual=st.booleans(), tp=st.sampled_from([2, 3, 4]),
        batch=st.sampled_from([1, 64]), seq=st.sampled_from([1, 512]), profile=profiles)
 def test_solver_cost_equals_brute_force_minimum(layers, d, hidden, norm, residual, tp, batch, seq, profile):
     cap = stack_capture(layers, d, hidden, norm, residual)
