@@ -82,6 +82,23 @@ class ParallelModule(nn.Module):
             self.register_buffer(f"_buf_{len(self._buffers_in)}", full_buffers[fqn].to(device))
             self._buffers_in.append(getattr(self, f"_buf_{len(self._buffers_in)}"))
         self._constants = [capture.constants[name].to(device) for name in capture.constant_names.values()]
+        self._average_over_dp(getattr(mesh, "dp_group", None), getattr(mesh, "dp", 1))
+
+    def _average_over_dp(self, group: Any, dp: int) -> None:
+        """Data parallelism across TP groups: each parameter's gradient is averaged over the DP
+        group as soon as backward has accumulated it (the ranks of a DP group hold the same
+        shard, run the same graph, and so reach the hooks in the same order)."""
+        if group is None or dp <= 1:
+            return
+        import torch.distributed as dist
+
+        def average(param: torch.Tensor) -> None:
+            dist.all_reduce(param.grad, group=group)
+            param.grad.div_(dp)
+
+        for param in self.local.parameters():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(average)
 
     def local_parameter(self, fqn: str) -> nn.Parameter:
         return self.local.get_parameter(self.plan.aliases.get(fqn, fqn))

@@ -1,0 +1,56 @@
+"""Training: a DP x TP world (dp 2 x tp 2 on 4 gloo ranks) takes AdamW steps that equal the
+serial model's steps on the whole batch."""
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import autotp
+from autotp.testing import keep_loss_precision
+
+LAYOUT = {"*.c_attn.weight": "column", "*.mlp.c_fc.weight": "column", "*.attn.c_proj.weight": "row",
+          "*.mlp.c_proj.weight": "row", "lm_head.weight": "vocab"}
+
+
+def adamw_steps(case: dict) -> dict:
+    from autotp.runtime.collectives import local_shard
+    from autotp.testing import relative_error
+    from tests.helpers import batch, tiny_gpt2
+
+    model = keep_loss_precision(tiny_gpt2(n_layer=case["layers"], n_head=case["heads"], head_dim=4,
+                                          vocab=case["vocab"], seed=case["seed"]))
+    pm = autotp.parallelize(model, tp=2, layout=LAYOUT if case["megatron"] else None)
+    dp_rank, dp = pm.mesh.dp_rank, pm.mesh.dp
+    serial_opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    parallel_opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
+    b = case["batch"]
+    for step in range(case["steps"]):
+        data = batch(case["vocab"], b=b * dp, s=case["seq"], seed=100 + step)     # the whole batch
+        mine = {k: v[dp_rank * b:(dp_rank + 1) * b] for k, v in data.items()}   # this DP rank's slice
+        serial_opt.zero_grad()
+        model(**data).loss.backward()
+        serial_opt.step()
+        parallel_opt.zero_grad()
+        pm(**mine).loss.backward()
+        parallel_opt.step()
+    errors = {}
+    for name, param in model.named_parameters():
+        held = pm.plan.aliases.get(name, name)
+        placement = pm.plan.params[held]
+        expected = local_shard(param.detach(), placement, 2, pm.mesh.tp_rank) \
+            if isinstance(placement, autotp.Shard) else param.detach()
+        errors[held] = relative_error(pm.local_parameter(held), expected)
+    return errors
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
+          derandomize=True)
+@given(layers=st.integers(1, 2), heads=st.sampled_from([2, 3, 4]), vocab=st.integers(20, 64),
+       batch=st.integers(1, 2), seq=st.integers(3, 10), steps=st.integers(1, 3), megatron=st.booleans(),
+       seed=st.integers(0, 999))
+def test_adamw_steps_on_dp2_x_tp2_equal_serial_steps_on_the_whole_batch(cluster, layers, heads, vocab, batch,
+                                                                         seq, steps, megatron, seed):
+    case = dict(layers=layers, heads=heads, vocab=vocab, batch=batch, seq=seq, steps=steps, megatron=megatron,
+                seed=seed)
+    for errors in cluster.run(adamw_steps, case):
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= 1e-8, (worst, errors[worst])
