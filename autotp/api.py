@@ -19,6 +19,7 @@ from .passes.rewrite import rewrite
 from .passes.solve import solve
 from .placements import REPLICATE, Placement, Replicate, Shard
 from .plan import CommOp, Plan, cost_expressions, role_of
+from .runtime.rng import RNGTracker
 
 log = logging.getLogger("autotp")
 
@@ -202,8 +203,12 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
                 gather_logits: bool = True, memory_limit: float | None = None,
                 example_inputs: tuple = (), example_kwargs: dict | None = None,
                 device: torch.device | str | None = None,
-                backend: str | None = None) -> "ParallelModule":
-    """Split ``model`` over this rank's TP group; see the module docs and docs/architecture.md."""
+                backend: str | None = None, seed: int | None = None) -> "ParallelModule":
+    """Split ``model`` over this rank's TP group; see the module docs and docs/architecture.md.
+
+    ``seed`` seeds dropout in the rewritten graph (default: TP rank 0's ``torch.initial_seed()``,
+    shared with its group): replicated regions draw the same masks on every TP rank, sharded
+    regions their own (autotp.runtime.rng)."""
     if device is None:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if torch.device(device).type == "meta":
@@ -212,13 +217,13 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
     return _parallelize(model, tp, None, plan=plan, layout=layout, profile=profile, batch=batch, seq=seq,
                         uneven=uneven, gather_logits=gather_logits, memory_limit=memory_limit,
                         example_inputs=example_inputs, example_kwargs=example_kwargs, device=device,
-                        backend=backend)
+                        backend=backend, seed=seed)
 
 
 def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, layout: Mapping[str, Any] | None,
                  profile: Any, batch: int, seq: int | None, uneven: bool, gather_logits: bool,
                  memory_limit: float | None, example_inputs: tuple, example_kwargs: dict | None,
-                 device: torch.device | str, backend: str | None) -> "ParallelModule":
+                 device: torch.device | str, backend: str | None, seed: int | None) -> "ParallelModule":
     from .runtime.mesh import get_mesh
     from .runtime.module import ParallelModule
 
@@ -233,10 +238,24 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
                                      profile=profile or _default_profile(device), layout=layout,
                                      plan=plan, uneven=uneven, gather_logits=gather_logits,
                                      memory_limit=memory_limit)
-    gm = rewrite(index, prop, mesh.tp_rank, mesh.tp_group, device)
+    rng = RNGTracker(_agreed_seed(mesh, seed), mesh.tp_rank, mesh.dp_rank, device)
+    gm = rewrite(index, prop, mesh.tp_rank, mesh.tp_group, device, rng)
     source = weights(mesh, model) if weights is not None else None
     with source or contextlib.nullcontext():
         return ParallelModule(cap, result, gm, mesh, model, device, weights=source)
+
+
+def _agreed_seed(mesh: Any, seed: int | None) -> int:
+    """One dropout seed for the whole TP group: ``seed``, or TP rank 0's initial seed."""
+    seed = torch.initial_seed() % (1 << 62) if seed is None else int(seed)
+    group = getattr(mesh, "control_group", None) or mesh.tp_group
+    if group is None:
+        return seed
+    import torch.distributed as dist
+
+    value = torch.tensor([seed], dtype=torch.int64)
+    dist.broadcast(value, src=mesh.tp_ranks[0], group=group)
+    return int(value.item())
 
 
 def from_pretrained(path: str, tp: int, *, model_class: Any = None, dtype: torch.dtype | None = None,
@@ -272,7 +291,7 @@ def from_pretrained(path: str, tp: int, *, model_class: Any = None, dtype: torch
 
 _PARALLELIZE_DEFAULTS = dict(plan=None, layout=None, profile=None, batch=8, seq=None, uneven=True,
                              gather_logits=True, memory_limit=None, example_inputs=(), example_kwargs=None,
-                             backend=None)
+                             backend=None, seed=None)
 
 
 def _checkpoint_weights(reader: Any, meta_model: nn.Module, mesh: Any, progress: bool) -> "_CheckpointWeights":

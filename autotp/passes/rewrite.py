@@ -23,6 +23,7 @@ from torch import fx, nn
 from ..errors import PlanError
 from ..placements import Partial, Placement, Replicate, Shard, local_size
 from ..runtime import collectives as C
+from ..runtime.rng import RandomOp, draws_random
 from .propagate import GraphIndex, Propagation, _conversion, _dim_size, _meta, _sharded_compute
 from .rules import LocalContext, localizer
 
@@ -46,7 +47,9 @@ class GraphLocalContext(LocalContext):
 
 
 def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
-            device: torch.device | None) -> fx.GraphModule:
+            device: torch.device | None, rng: Any = None) -> fx.GraphModule:
+    """``rng``: an :class:`~autotp.runtime.rng.RNGTracker`; ops that draw random numbers then
+    run under its replicated or sharded state, as their output placement calls for."""
     cap = index.capture
     tp = index.tp
     root = nn.Module()
@@ -132,6 +135,11 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             target, args, kwargs = loc(info, strategy, tuple(args), kwargs, ctx)
         if device is not None and isinstance(kwargs.get("device"), torch.device):
             kwargs["device"] = device
+        if rng is not None and not isinstance(target, nn.Module) and draws_random(target, tuple(args), kwargs):
+            outs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
+            state = "sharded" if any(isinstance(p, Shard) for p in outs) else "replicated"
+            target = RandomOp(target, state, rng)
+            target.kind = f"{node.target._opname}_{state}"
         if isinstance(target, nn.Module):   # an op that communicates inside (vocab-parallel loss)
             kind = getattr(target, "kind", "op")
             n = counts.get(kind, 0)

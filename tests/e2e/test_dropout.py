@@ -1,0 +1,67 @@
+"""Dropout on: replicated regions draw the same masks on every TP rank, sharded regions their
+own, and after training steps every replicated parameter is bitwise identical across the group."""
+import torch
+
+import autotp
+
+LAYOUT = {"*.c_attn.weight": "column", "*.mlp.c_fc.weight": "column", "*.attn.c_proj.weight": "row",
+          "*.mlp.c_proj.weight": "row", "lm_head.weight": "vocab"}
+
+
+def _gather(x: torch.Tensor, group) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, x.contiguous(), group=group)
+    return out
+
+
+def _train_with_dropout(n_head: int):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    import torch.distributed as dist
+    from tests.helpers import batch
+
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(0)     # the same initial weights on every rank
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=n_head, n_embd=n_head * 4, vocab_size=64, n_positions=16,
+                                       resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2)).double()
+    torch.manual_seed(1000 + dist.get_rank())   # ranks' own generators differ: autotp must not rely on them
+    pm = autotp.parallelize(model, tp=2, layout=LAYOUT)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    for step in range(3):
+        data = batch(64, b=2, s=9, seed=step)
+        opt.zero_grad()
+        pm(**data).loss.backward()
+        opt.step()
+    group = pm.mesh.tp_group
+    drifted = [name for name, p in pm.local.named_parameters()
+               if not isinstance(pm.plan.params[name], autotp.Shard)
+               and not all(torch.equal(p.detach(), q) for q in _gather(p.detach(), group))]
+    # Each random op, fed the same input on every rank: equal draws where replicated, not where sharded.
+    from autotp.runtime.rng import RandomOp
+
+    same = {}
+    gen = torch.Generator().manual_seed(5)
+    for name, mod in pm.graph_module.named_children():
+        if not isinstance(mod, RandomOp):
+            continue
+        if mod.target is torch.ops.aten.dropout.default:
+            out = mod(torch.ones(256, dtype=torch.float64), 0.5, True)
+        else:
+            q = torch.randn(1, 1, 8, 4, dtype=torch.float64, generator=gen)
+            out = mod(q, q, q, None, 0.5)
+        same[name] = all(torch.equal(out, o) for o in _gather(out, group))
+    return drifted, same
+
+
+def test_replicated_parameters_stay_bitwise_identical_and_masks_follow_the_placement(cluster):
+    for n_head in (2, 3):   # even heads, and uneven (a rank holds two heads, the other one)
+        for drifted, same in cluster.run(_train_with_dropout, n_head):
+            assert drifted == []
+            replicated = [n for n in same if "_replicated_" in n]
+            sharded = [n for n in same if "_sharded_" in n]
+            assert replicated and sharded, sorted(same)
+            assert all(same[n] for n in replicated)
+            assert not any(same[n] for n in sharded)
