@@ -14,6 +14,7 @@ from torch import nn
 from .capture import Capture, capture as capture_model, module_path
 from .cost_model import get_profile
 from .errors import ConfigError, PlanError
+from .passes.checkpoint import checkpoint_layers
 from .passes.propagate import GraphIndex, Propagation, propagate
 from .passes.rewrite import rewrite
 from .passes.solve import solve
@@ -203,8 +204,12 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
                 gather_logits: bool = True, memory_limit: float | None = None,
                 example_inputs: tuple = (), example_kwargs: dict | None = None,
                 device: torch.device | str | None = None,
-                backend: str | None = None, seed: int | None = None) -> "ParallelModule":
+                backend: str | None = None, seed: int | None = None,
+                activation_checkpointing: bool = False) -> "ParallelModule":
     """Split ``model`` over this rank's TP group; see the module docs and docs/architecture.md.
+
+    ``activation_checkpointing=True`` recomputes each repeated layer in backward instead of
+    keeping its activations (autotp.passes.checkpoint).
 
     ``seed`` seeds dropout in the rewritten graph (default: TP rank 0's ``torch.initial_seed()``,
     shared with its group): replicated regions draw the same masks on every TP rank, sharded
@@ -217,13 +222,14 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
     return _parallelize(model, tp, None, plan=plan, layout=layout, profile=profile, batch=batch, seq=seq,
                         uneven=uneven, gather_logits=gather_logits, memory_limit=memory_limit,
                         example_inputs=example_inputs, example_kwargs=example_kwargs, device=device,
-                        backend=backend, seed=seed)
+                        backend=backend, seed=seed, activation_checkpointing=activation_checkpointing)
 
 
 def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, layout: Mapping[str, Any] | None,
                  profile: Any, batch: int, seq: int | None, uneven: bool, gather_logits: bool,
                  memory_limit: float | None, example_inputs: tuple, example_kwargs: dict | None,
-                 device: torch.device | str, backend: str | None, seed: int | None) -> "ParallelModule":
+                 device: torch.device | str, backend: str | None, seed: int | None,
+                 activation_checkpointing: bool) -> "ParallelModule":
     from .runtime.mesh import get_mesh
     from .runtime.module import ParallelModule
 
@@ -240,6 +246,8 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
                                      memory_limit=memory_limit)
     rng = RNGTracker(_agreed_seed(mesh, seed), mesh.tp_rank, mesh.dp_rank, device)
     gm = rewrite(index, prop, mesh.tp_rank, mesh.tp_group, device, rng)
+    if activation_checkpointing:
+        gm = checkpoint_layers(gm, rng)
     source = weights(mesh, model) if weights is not None else None
     with source or contextlib.nullcontext():
         return ParallelModule(cap, result, gm, mesh, model, device, weights=source)
@@ -291,7 +299,7 @@ def from_pretrained(path: str, tp: int, *, model_class: Any = None, dtype: torch
 
 _PARALLELIZE_DEFAULTS = dict(plan=None, layout=None, profile=None, batch=8, seq=None, uneven=True,
                              gather_logits=True, memory_limit=None, example_inputs=(), example_kwargs=None,
-                             backend=None, seed=None)
+                             backend=None, seed=None, activation_checkpointing=False)
 
 
 def _checkpoint_weights(reader: Any, meta_model: nn.Module, mesh: Any, progress: bool) -> "_CheckpointWeights":

@@ -1,0 +1,114 @@
+"""Activation checkpointing of the rewritten graph, one transformer layer at a time.
+
+Input: a rank's rewritten ``GraphModule`` (whose nodes keep ``nn_module_stack``) and its
+:class:`~autotp.runtime.rng.RNGTracker`. Output: a ``GraphModule`` of consecutive partitions
+(``torch.fx.passes.split_module``): one per repeated layer (a numbered child of a ModuleList,
+``transformer.h.7``) and one for each stretch between them. Each layer partition runs under
+``torch.utils.checkpoint``: its activations are dropped after forward and recomputed in
+backward, so backward holds only the layers' inputs (Megatron's full recomputation).
+
+Recomputation re-runs the layer's collectives (a g all-reduces again), as Megatron's does, and
+must redraw the same dropout masks: the tracker's states are put back to what they were when
+the layer first ran, then restored to their advanced values.
+"""
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from torch import fx, nn
+from torch.fx.passes.split_module import split_module
+
+#: a numbered child of a ModuleList: transformer.h.7, model.layers.12, encoder.layer.3
+_LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+def layer_of(node: fx.Node) -> str | None:
+    """The repeated layer whose forward produced ``node`` (None: outside every layer)."""
+    from ..capture import _clean_path
+
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, _ in stack.values():
+        match = _LAYER.match(_clean_path(path))
+        if match:
+            return match.group(1)
+    return None
+
+
+def checkpoint_layers(gm: fx.GraphModule, rng: Any = None) -> fx.GraphModule:
+    """See the module docstring. Communication nodes (no module stack of their own) join the
+    layer of the op they feed, so a layer's f and g are recomputed with it."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    owner: dict[fx.Node, str | None] = {}
+    for node in reversed(gm.graph.nodes):   # consumers first: a comm node takes its user's layer
+        if node.op in ("placeholder", "output"):
+            continue
+        layer = layer_of(node)
+        if layer is None and node.op == "call_module":
+            users = sorted(node.users, key=order.get)
+            layer = owner.get(users[0]) if users else None
+        owner[node] = layer
+    partition: dict[fx.Node, int] = {}
+    layers: dict[int, str] = {}
+    current, key = -1, object()
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if owner[node] != key:
+            current, key = current + 1, owner[node]
+            if key is not None:
+                layers[current] = key
+        partition[node] = current
+    if not layers:
+        return gm
+    split = split_module(gm, gm, lambda n: partition[n], keep_original_order=True)
+    for index, layer in layers.items():
+        name = f"submod_{index}"
+        inner = getattr(split, name, None)
+        if inner is not None:
+            setattr(split, name, CheckpointedLayer(inner, layer, rng))
+    split.recompile()
+    return split
+
+
+class CheckpointedLayer(nn.Module):
+    """One layer's partition under ``torch.utils.checkpoint`` (non-reentrant)."""
+
+    def __init__(self, inner: nn.Module, layer: str, rng: Any = None):
+        super().__init__()
+        self.inner, self.layer, self.rng = inner, layer, rng
+
+    def forward(self, *args: Any) -> Any:
+        from torch.utils.checkpoint import checkpoint
+
+        if not torch.is_grad_enabled():
+            return self.inner(*args)
+        return checkpoint(self.inner, *args, use_reentrant=False, context_fn=self._contexts)
+
+    def _contexts(self):
+        """(forward context, recompute context): the recompute sees the tracker as it was."""
+        rng = self.rng
+        if rng is None:
+            return _nothing(), _nothing()
+        at_forward = dict(rng.states)
+
+        @contextmanager
+        def recompute() -> Iterator[None]:
+            advanced = dict(rng.states)
+            rng.states = dict(at_forward)
+            try:
+                yield
+            finally:
+                rng.states = advanced
+
+        return _nothing(), recompute()
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer}"
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
