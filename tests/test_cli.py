@@ -1,0 +1,38 @@
+"""`autotp plan` / `autotp check` from a shell."""
+import json
+
+import pytest
+
+import autotp
+from autotp.cli import main
+
+
+def test_plan_of_a_gpt2_size_prints_the_layouts_without_weights(capsys):
+    assert main(["plan", "gpt2", "--tp", "4", "--layers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "transformer.h.0.attn.c_attn.weight" in out and "column" in out and "tp=4" in out
+
+
+def test_plan_as_json_loads_back_as_a_plan(capsys):
+    assert main(["plan", "gpt2-xl", "--tp", "8", "--layers", "1", "--json"]) == 0
+    plan = autotp.Plan.from_json(capsys.readouterr().out)
+    assert plan.tp == 8 and plan.roles["transformer.h.0.mlp.c_proj.weight"] == "row"
+
+
+def test_plan_of_a_saved_folder_reads_its_config(tmp_path, capsys):
+    from tests.helpers import tiny_gpt2
+
+    tiny_gpt2(n_layer=1).config.save_pretrained(tmp_path)
+    assert main(["plan", str(tmp_path), "--tp", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tp"] == 2
+
+
+def test_an_unknown_model_is_an_error_that_lists_the_sizes(capsys):
+    assert main(["plan", "no-such-model", "--tp", "2"]) == 2
+    assert "neither a GPT-2 size (gpt2, gpt2-medium" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_check_runs_local_ranks_and_passes(capsys):
+    assert main(["check", "gpt2", "--tp", "2", "--layers", "1", "--seq", "8"]) == 0
+    assert "PASS" in capsys.readouterr().out
