@@ -1,4 +1,4 @@
-"""The main job runs under torchrun too (its environment, not autotp's local launcher)."""
+"""The examples run under torchrun too (its environment, not autotp's local launcher)."""
 import subprocess
 import sys
 from pathlib import Path
@@ -13,3 +13,12 @@ def test_main_job_under_torchrun_matches_serial_on_two_ranks():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "PASS: the parallel model computes what the serial one does" in done.stdout
     assert done.stdout.count("[ok <=") == 2
+
+
+def test_training_example_under_torchrun_follows_the_serial_loss_curve():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           str(ROOT / "examples" / "train_gpt2.py"), "--tp", "2", "--steps", "3"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "world 4 = dp 2 x tp 2" in done.stdout
+    assert "PASS: the loss curves agree" in done.stdout
