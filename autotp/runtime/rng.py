@@ -12,7 +12,8 @@ data. A :class:`RNGTracker` holds two generator states per rank, advanced by eve
 The rewrite wraps every op that draws random numbers (``dropout``, attention with
 ``dropout_p``) in a :class:`RandomOp` node that runs it under the state its output placement
 calls for. The process's own generator is untouched: user code around the model draws what
-it always drew.
+it always drew. A captured training graph has ``train=True`` baked into its dropout calls;
+``pm.eval()`` reaches the RandomOp nodes, which then skip dropout, as the serial model would.
 """
 from __future__ import annotations
 
@@ -78,6 +79,21 @@ class RNGTracker:
             self.states[kind] = self._get()
 
 
+def _without_dropout(target: Any, args: tuple, kwargs: dict) -> Any:
+    aten = torch.ops.aten
+    if target is aten.dropout.default:
+        return args[0]
+    if target is aten.native_dropout.default:
+        return args[0], torch.ones_like(args[0], dtype=torch.bool)
+    if target is aten.scaled_dot_product_attention.default:
+        if len(args) > 4:
+            args = args[:4] + (0.0,) + args[5:]
+        else:
+            kwargs = {**kwargs, "dropout_p": 0.0}
+        return target(*args, **kwargs)
+    return target(*args, **kwargs)   # not dropout (bernoulli): eval mode does not change it
+
+
 class RandomOp(nn.Module):
     """An op that draws random numbers, run under the tracker state ``kind`` (a named node of
     the rewritten graph: ``dropout_replicated_0``, ``dropout_sharded_3``)."""
@@ -93,6 +109,8 @@ class RandomOp(nn.Module):
         return new
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.training:   # pm.eval(): the capture baked train=True in; dropout is off now
+            return _without_dropout(self.target, args, kwargs)
         with self.tracker.fork(self.kind_of_state):
             return self.target(*args, **kwargs)
 

@@ -65,3 +65,29 @@ def test_replicated_parameters_stay_bitwise_identical_and_masks_follow_the_place
             assert replicated and sharded, sorted(same)
             assert all(same[n] for n in replicated)
             assert not any(same[n] for n in sharded)
+
+
+def _eval_mode():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    from tests.helpers import batch
+
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=8, vocab_size=64, n_positions=16,
+                                       resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5)).double()
+    pm = autotp.parallelize(model, tp=2, layout=LAYOUT)
+    data = batch(64, b=2, s=9)
+    trained = [pm(**data).logits for _ in range(2)]
+    pm.eval()
+    model.eval()
+    evaluated = [pm(**data).logits for _ in range(2)]
+    return (torch.equal(trained[0], trained[1]), (evaluated[0] - model(**data).logits).abs().max().item(),
+            torch.equal(evaluated[0], evaluated[1]))
+
+
+def test_eval_mode_turns_the_captured_dropout_off(cluster):
+    for train_runs_equal, eval_err, eval_runs_equal in cluster.run(_eval_mode):
+        assert not train_runs_equal      # training: fresh masks each call
+        assert eval_err < 1e-12 and eval_runs_equal   # eval: no dropout, equal to the serial model
