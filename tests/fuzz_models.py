@@ -5,7 +5,8 @@ model it describes, reading top to bottom like a nanoGPT block:
 
     x: token ids (b, s) -> embedding [+ positions]      or   features (b, s, d_in) -> linear
     blocks: mlp | gated mlp | attention (sdpa or spelled out) | parallel attention+mlp | norm |
-            pointwise | head views | reductions | concatenated branches,
+            pointwise | head views | reductions | concatenated branches | slices | permutes |
+            broadcast (unsqueeze/expand) dims,
             each optionally pre-normed (layer norm / RMS norm) and residual
     head:   linear to outputs | lm head (optionally tied) + cross-entropy loss | none
 
@@ -20,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-BLOCKS = ("mlp", "gated", "attention", "parallel", "norm", "pointwise", "heads_view", "reduce", "concat")
+BLOCKS = ("mlp", "gated", "attention", "parallel", "norm", "pointwise", "heads_view", "reduce", "concat",
+          "halves", "permute", "repeat")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "tanh", "silu", "sigmoid")
 TRACE_BATCH, TRACE_SEQ = 2, 8  # what capture traces with (export specializes sizes 0 and 1)
 
@@ -159,6 +161,43 @@ class Concat(nn.Module):
         return self.proj(h)
 
 
+class Halves(nn.Module):
+    """Slices the hidden dim in two, scales one half, and puts them back in swapped order."""
+
+    def forward(self, x):                                   # (b, s, d)
+        d = x.shape[-1]
+        first, second = x[..., : d // 2], x[..., d // 2:]   # (b, s, d//2), (b, s, d - d//2)
+        return torch.cat([second * 2.0, torch.tanh(first)], dim=-1)
+
+
+class Permute(nn.Module):
+    """Attention-like data movement without attention: a softmax over the sequence per head."""
+
+    def __init__(self, heads: int):
+        super().__init__()
+        self.heads = heads
+
+    def forward(self, x):                                   # (b, s, d)
+        bsz, s, d = x.shape
+        h = x.view(bsz, s, self.heads, d // self.heads).permute(0, 2, 3, 1)  # (b, h, hd, s)
+        h = torch.softmax(h, dim=-1).permute(0, 3, 1, 2)   # (b, s, h, hd)
+        return h.reshape(bsz, s, d) * x
+
+
+class Repeat(nn.Module):
+    """Broadcasts a new dim (unsqueeze, expand), mixes it with a linear, and sums it away."""
+
+    def __init__(self, d: int, b: Block):
+        super().__init__()
+        self.proj = nn.Linear(d, d, bias=b.bias)
+
+    def forward(self, x):                                   # (b, s, d)
+        bsz, s, d = x.shape
+        h = x.unsqueeze(2).expand(bsz, s, 2, d)             # (b, s, 2, d)
+        h = self.proj(h) * torch.tensor([1.0, -0.5], dtype=x.dtype, device=x.device).view(2, 1)
+        return h.sum(dim=2)                                 # (b, s, d)
+
+
 class HeadsView(nn.Module):
     """Views the hidden dim as (heads, head_dim), mixes within each head, and views back."""
 
@@ -195,6 +234,12 @@ class Layer(nn.Module):
             self.body = Reduce()
         elif b.kind == "concat":
             self.body = Concat(d, b)
+        elif b.kind == "halves":
+            self.body = Halves()
+        elif b.kind == "permute":
+            self.body = Permute(spec.heads)
+        elif b.kind == "repeat":
+            self.body = Repeat(d, b)
         else:                                               # "norm": the norm is the block
             self.body = nn.Identity()
 
@@ -250,7 +295,7 @@ def weight_roles(spec: NetSpec) -> dict[str, list[str]]:
             for n, p in model.named_parameters() if p.dim() >= 2}
 
 
-def net_specs(tps=(2, 4, 1), max_blocks: int = 3):
+def net_specs(tps=(2, 4, 2, 1), max_blocks: int = 3):
     """Hypothesis strategy: (spec, tp, layout, profile, batch, seq, seed)."""
     from hypothesis import strategies as st
 
