@@ -10,13 +10,12 @@ step, and the step's wall time.
 """
 from __future__ import annotations
 
-import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
+from common import machine, publish
 
 MODES = [(False, False), (True, False), (False, True), (True, True)]   # (checkpointing, autocast)
 
@@ -71,8 +70,7 @@ def main() -> int:
         "# One training step's memory: activation checkpointing and bf16 autocast",
         "",
         "Command: `.venv/bin/python benchmarks/activation_memory.py` (writes this file).",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores; Python {platform.python_version()}, "
-        f"torch {torch.__version__}. GPT-2 124M config, dropout 0.1, float32 weights, tp=2 on 2 local gloo "
+        f"{machine()} GPT-2 124M config, dropout 0.1, float32 weights, tp=2 on 2 local gloo "
         "ranks (CPU), batch 4 x 256 tokens, logits kept vocab-sharded. Rank 0's figures; each mode in fresh "
         "processes, all in one run.",
         "",
@@ -86,8 +84,7 @@ def main() -> int:
         lines.append(f"| {'on' if checkpoint else 'off'} | {'on' if autocast else 'off'} | {r['saved_mb']:.0f} | "
                      f"{r['saved_mb'] / base['saved_mb']:.2f} | {r['hwm_growth_mb']:.0f} | {r['seconds']:.2f} | "
                      f"{r['loss']:.4f} |")
-    Path(__file__).with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    publish(lines, Path(__file__).with_suffix(".md"))
     return 0
 
 

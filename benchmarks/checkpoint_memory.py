@@ -11,8 +11,6 @@ of the parameters it holds.
 """
 from __future__ import annotations
 
-import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -20,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import machine, publish
 
 TP = 4
 CONFIG = dict(n_layer=36, n_head=20, n_embd=1280, vocab_size=50257)   # gpt2-large
@@ -70,8 +69,7 @@ def main() -> int:
         "# Peak memory per rank: autotp.from_pretrained, gpt2-large, tp=4",
         "",
         "Command: `.venv/bin/python benchmarks/checkpoint_memory.py` (writes this file).",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores; Python {platform.python_version()}, "
-        f"torch {torch.__version__}; 4 local gloo ranks on the CPU, float32.",
+        f"{machine()} 4 local gloo ranks on the CPU, float32.",
         "",
         f"Full model: {full_mb:.0f} MB of parameters; 1/tp of it: {full_mb / TP:.0f} MB.",
         "*before*: RSS after importing torch, transformers and autotp; *peak*: the process's maximum RSS",
@@ -86,8 +84,7 @@ def main() -> int:
         extra = r["peak"] - r["before"] - r["held"]
         lines.append(f"| {r['rank']} | {r['before']:.0f} | {r['peak']:.0f} | {r['held']:.0f} | {extra:.0f} | "
                      f"{r['peak'] / full_mb:.2f} | {r['seconds']:.1f} |")
-    Path(__file__).with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    publish(lines, Path(__file__).with_suffix(".md"))
     return 0
 
 

@@ -11,13 +11,12 @@ bytes sent per rank per step with full logits (gathered) and with vocab-sharded 
 """
 from __future__ import annotations
 
-import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
+from common import machine, publish
 
 SIZES = {  # name: (layers, heads, hidden)
     "gpt2": (12, 12, 768),
@@ -83,8 +82,7 @@ def main() -> int:
         "# Per-rank parameter bytes, every GPT-2 size at tp 1..8",
         "",
         f"Command: `.venv/bin/python benchmarks/param_bytes.py` (writes this file).",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.processor() or 'cpu'}; "
-        f"Python {platform.python_version()}, torch {torch.__version__}. Models on the meta device "
+        f"{machine()} Models on the meta device "
         "(no weights allocated), float32 parameters, planned with the h100-dgx profile at batch 8, seq 1024.",
         "",
         "*ideal* = bytes of sharded parameters / tp + bytes of replicated parameters, for the same plan.",
@@ -108,8 +106,7 @@ def main() -> int:
     ]
     for name, gather, mb, ms in logits_rows:
         out.append(f"| {name} | {'gathered (b x s x V all-gather)' if gather else 'vocab-sharded'} | {mb:.1f} | {ms:.2f} |")
-    Path(__file__).with_suffix(".md").write_text("\n".join(out) + "\n")
-    print("\n".join(out))
+    publish(out, Path(__file__).with_suffix(".md"))
     return 0
 
 

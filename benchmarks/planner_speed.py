@@ -19,16 +19,7 @@ import sys
 import time
 
 import torch
-
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+from common import cpu_model, publish
 
 
 def gpt2_capture(hidden: int, heads: int, layers: int, vocab: int):
@@ -109,11 +100,7 @@ def main() -> None:
         growth = f"{r['cpu'] / base['cpu']:.2f}x" if name.startswith("8.3B") else ""
         lines.append(f"| {name} | {hidden} | {heads} | {layers} | {r['nodes']} | {r['plan']:.3f} | {r['rewrite']:.3f} | "
                      f"{r['total']:.3f} | {r['median']:.3f} | {r['cpu']:.3f} | {growth} | {capture_s:.1f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    publish(lines, args.out)
 
 
 if __name__ == "__main__":

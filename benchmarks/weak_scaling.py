@@ -22,6 +22,7 @@ import argparse
 import sys
 
 import torch
+from common import publish
 
 PAPER = [  # name, hidden, heads, layers, gpus, reported weak-scaling efficiency
     ("1.2B", 1536, 16, 40, 1, 1.00),
@@ -122,11 +123,7 @@ def main() -> None:
         "replicated layer norms, dropouts and residual adds are (they do not shrink with tp, which is part of "
         "the predicted loss of efficiency).",
     ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    publish(lines, args.out)
 
 
 if __name__ == "__main__":
