@@ -2,9 +2,9 @@
 ranks, equal the serial model, or autotp raises an error documented in docs/errors.md. No other
 exception escapes.
 
-The ranks are the session's ``cluster`` (4 ranks, spawned once); each example is one task. A
-tp of 1 or 2 runs on the first TP group only (the others return at once), so that the 2 CPU
-cores of CI are not spent on identical DP replicas. ``AUTOTP_FUZZ_EXAMPLES=n`` changes the CI
+Each example runs as one task on a world of exactly tp ranks: the session's ``cluster`` (4 ranks)
+for tp=4, and a world of 1 and of 2 ranks (spawned once for this module) for the others. With
+no data-parallel replicas, the 2 CPU cores of CI are not spent on repeating a TP group's work. ``AUTOTP_FUZZ_EXAMPLES=n`` changes the CI
 tier's 200 examples (to explore more without the slow tier's 2000).
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 
 import autotp
 from autotp.errors import AutotpError, ConfigError, PlanError
-from autotp.runtime.mesh import get_mesh
+from autotp.testing_launch import LocalCluster
 from autotp.placements import Shard
 from autotp.runtime.collectives import local_shard
 from tests.fuzz_models import TRACE_BATCH, TRACE_SEQ, FuzzNet, net_specs
@@ -34,11 +34,9 @@ DOCUMENTED = [
 ]
 
 
-def run_case(case: dict) -> tuple[int, dict[str, float]] | None:
-    """On each rank of the first TP group: (sharded parameters, errors against serial)."""
+def run_case(case: dict) -> tuple[int, dict[str, float]]:
+    """On each rank: (sharded parameters, errors against serial)."""
     spec, tp = case["spec"], case["tp"]
-    if get_mesh(tp).dp_rank > 0:   # a DP replica would only repeat the first group's work
-        return None
     torch.manual_seed(case["seed"])
     model = FuzzNet(spec).double()
     example = spec.inputs(TRACE_BATCH, TRACE_SEQ, seed=0)
@@ -76,18 +74,24 @@ def documented(error: AutotpError) -> bool:
     return any(type(error) is kind and re.search(pattern, str(error)) for kind, pattern in DOCUMENTED)
 
 
-def check_case(cluster, case: dict) -> None:
+@pytest.fixture(scope="module")
+def worlds(cluster):
+    """A world of exactly tp ranks for each tp the fuzzer draws."""
+    small = {1: LocalCluster(1), 2: LocalCluster(2)}
+    yield {**small, 4: cluster}
+    for c in small.values():
+        c.close()
+
+
+def check_case(worlds: dict, case: dict) -> None:
     try:
-        results = cluster.run(run_case, case)
+        results = worlds[case["tp"]].run(run_case, case)
     except AutotpError as e:
         assert documented(e), f"undocumented error for {case}:\n{type(e).__name__}: {e}"
         event(f"tp={case['tp']}: {type(e).__name__}: {str(e)[:90]}")
         return
     event(f"tp={case['tp']}: compared, {'some' if results[0][0] else 'no'} parameters sharded")
-    for rank, result in enumerate(results):
-        if result is None:
-            continue
-        errors = result[1]
+    for rank, (_, errors) in enumerate(results):
         worst = max(errors, key=errors.get)
         assert errors[worst] <= BOUND, (rank, worst, errors[worst], case)
 
@@ -95,13 +99,13 @@ def check_case(cluster, case: dict) -> None:
 @settings(max_examples=int(os.environ.get("AUTOTP_FUZZ_EXAMPLES", 200)), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(case=net_specs())
-def test_random_models_run_in_parallel_as_they_do_serially_or_autotp_says_why(cluster, case):
-    check_case(cluster, case)
+def test_random_models_run_in_parallel_as_they_do_serially_or_autotp_says_why(worlds, case):
+    check_case(worlds, case)
 
 
 @pytest.mark.slow
 @settings(max_examples=2000, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(case=net_specs(max_blocks=5))
-def test_random_models_long_tier(cluster, case):
-    check_case(cluster, case)
+def test_random_models_long_tier(worlds, case):
+    check_case(worlds, case)
