@@ -15,7 +15,8 @@ Sharded layouts follow ``autotp.placements.Shard`` (chunks, unit, uneven runs). 
 equal sizes on every rank, so uneven shards are padded to ``max_local_size`` and cut back (a
 reduce-scatter of uneven or interleaved shards is still one reduce-scatter, over padded blocks).
 Collectives write into fresh tensors, never into their inputs, and a failed
-torch.distributed call surfaces as ``autotp.errors.CommError`` naming the op and the group.
+torch.distributed call surfaces as ``autotp.errors.CommError`` naming the op and the group, or
+as ``LostRankError`` naming the rank that is gone (the roll call of :mod:`autotp.runtime.faults`).
 
 ``CopyToTP``, ``ReduceFromTP``, ... wrap the mappings as ``nn.Module``s so that rewritten torch.fx
 graphs call them as ``call_module`` nodes and ``print(gm.code)`` shows them by name.
