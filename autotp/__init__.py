@@ -5,13 +5,14 @@
     pm = autotp.from_pretrained(folder, tp=8)  # the same, reading only this rank's slices of a checkpoint
 """
 from .api import from_pretrained, parallelize, plan
-from .errors import (AutotpError, CaptureError, CheckpointError, CommError, ConfigError, InputError,
-                     NoRuleError, PlanError)
+from .errors import (AutotpError, CaptureError, CheckpointError, CommError, ConfigError, DisagreementError,
+                     InputError, LostRankError, NoRuleError, PlanError)
 from .placements import Partial, Replicate, Shard
 from .plan import Plan
 
 __all__ = [
     "from_pretrained", "parallelize", "plan", "Plan", "Replicate", "Shard", "Partial", "AutotpError", "CaptureError",
-    "CheckpointError", "CommError", "ConfigError", "InputError", "NoRuleError", "PlanError",
+    "CheckpointError", "CommError", "ConfigError", "DisagreementError", "InputError", "LostRankError",
+    "NoRuleError", "PlanError",
 ]
 __version__ = "0.1.0"

@@ -13,7 +13,7 @@ from torch import nn
 
 from .capture import Capture, capture as capture_model, module_path
 from .cost_model import get_profile
-from .errors import ConfigError, PlanError
+from .errors import ConfigError, DisagreementError, PlanError
 from .passes.checkpoint import checkpoint_layers
 from .passes.propagate import GraphIndex, Propagation, propagate
 from .passes.rewrite import rewrite
@@ -239,11 +239,16 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
     if plan is not None and plan.tp != tp:
         raise ConfigError(f"the plan was made for tp={plan.tp}, not tp={tp}")
     device = torch.device(device)
-    cap = capture_model(model, example_inputs, example_kwargs)
-    result, index, prop = build_plan(cap, tp, batch=batch, seq=seq or _default_seq(model),
-                                     profile=profile or _default_profile(device), layout=layout,
-                                     plan=plan, uneven=uneven, gather_logits=gather_logits,
-                                     memory_limit=memory_limit)
+
+    def prepare():
+        cap = capture_model(model, example_inputs, example_kwargs)
+        result, index, prop = build_plan(cap, tp, batch=batch, seq=seq or _default_seq(model),
+                                         profile=profile or _default_profile(device), layout=layout,
+                                         plan=plan, uneven=uneven, gather_logits=gather_logits,
+                                         memory_limit=memory_limit)
+        return cap, result, index, prop
+
+    cap, result, index, prop = _on_every_rank_or_none(mesh, prepare)
     rng = RNGTracker(_agreed_seed(mesh, seed), mesh.tp_rank, mesh.dp_rank, device)
     gm = rewrite(index, prop, mesh.tp_rank, mesh.tp_group, device, rng)
     if activation_checkpointing:
@@ -251,6 +256,31 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
     source = weights(mesh, model) if weights is not None else None
     with source or contextlib.nullcontext():
         return ParallelModule(cap, result, gm, mesh, model, device, weights=source)
+
+
+def _on_every_rank_or_none(mesh: Any, step: Any) -> Any:
+    """Run ``step`` (capture and planning: no collectives) and tell the TP group whether it
+    worked, with one small all-reduce, before anyone waits in a collective of the model. A
+    rank that failed raises its own error; the others raise at once instead of waiting for it
+    until the collective timeout."""
+    try:
+        value, failure = step(), None
+    except Exception as exc:   # re-raised below, after the group has been told
+        value, failure = None, exc
+    group = getattr(mesh, "control_group", None) or mesh.tp_group
+    if group is not None:
+        import torch.distributed as dist
+
+        ok = torch.tensor([0 if failure is not None else 1], dtype=torch.int64)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+        if failure is None and ok.item() == 0:
+            raise DisagreementError(
+                f"another rank of TP group {list(mesh.tp_ranks)} failed to capture or plan the model (its own "
+                "error says why); this rank stops too instead of waiting for it in a collective"
+            )
+    if failure is not None:
+        raise failure
+    return value
 
 
 def _agreed_seed(mesh: Any, seed: int | None) -> int:

@@ -208,6 +208,14 @@ class Plan:
                 f"autotp plan schema version {version!r} is not supported (this autotp reads version "
                 f"{SCHEMA_VERSION}); re-create the plan with autotp.plan(...)"
             )
+        try:
+            return cls._from_doc(doc)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ConfigError(f"malformed autotp plan (version {version}): {type(exc).__name__}: {exc}; "
+                              "re-create the plan with autotp.plan(...)") from None
+
+    @classmethod
+    def _from_doc(cls, doc: dict) -> "Plan":
         params = {k: from_json(v["placement"]) for k, v in doc["params"].items()}
         return cls(
             tp=doc["tp"], profile=doc["profile"], batch=doc["batch"], seq=doc["seq"], params=params,

@@ -217,7 +217,7 @@ class LocalCluster:
             notes += [f"rank {r} raised {e[1]}: {e[2]}" for r, e in sorted(errors.items())]
             return CommError("\n".join(notes))
         # The root cause: an error that is not a CommError (those follow from it), lowest rank.
-        rank = min(errors, key=lambda r: (errors[r][1] == "CommError", r))
+        rank = min(errors, key=lambda r: (_follows_from_another(errors[r]), r))
         exc, type_name, message, tb = errors[rank]
         text = (f"{message}\n[raised on rank {rank} of {self.world_size} in {name}; "
                 f"ranks that failed: {sorted(errors)}]")
@@ -272,6 +272,14 @@ def _worker_main(rank: int, world_size: int, backend: str, port: int, timeout: f
         dist.destroy_process_group()
     except Exception:
         pass
+
+
+def _follows_from_another(error: tuple) -> bool:
+    """A CommError (a lost peer, a disagreement) reports another rank's failure, not its own."""
+    exc, type_name = error[0], error[1]
+    if exc is not None:
+        return isinstance(exc, CommError)
+    return type_name in ("CommError", "DisagreementError", "LostRankError")
 
 
 def _pack(fn: Callable, args: tuple, kwargs: dict) -> bytes:

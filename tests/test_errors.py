@@ -192,3 +192,28 @@ def test_the_scan_finds_torch_load_without_weights_only_and_pickle(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import pickle, torch\ntorch.load('w.pt')\npickle.loads(b'')\ntorch.load('w.pt', weights_only=True)\n")
     assert [hit.split(": ")[1] for hit in _unsafe_loads(bad)] == ["torch.load", "pickle.loads"]
+
+
+def _planning_fails_on_rank_1():
+    import torch.distributed as dist
+
+    layout = {"*.c_attn.weight": "sideways"} if dist.get_rank() == 1 else None   # an unknown role
+    autotp.parallelize(tiny_gpt2(n_layer=1), tp=2, layout=layout)
+    return "ok"
+
+
+def test_a_rank_that_fails_to_plan_stops_its_group_at_once_instead_of_leaving_it_waiting(cluster):
+    with pytest.raises(ConfigError, match="unknown role 'sideways'") as caught:
+        cluster.run(_planning_fails_on_rank_1)
+    message = str(caught.value)
+    assert "ranks that failed: [0, 1]" in message      # rank 0 was told, and raised; ranks 2, 3 went on
+    assert "did not finish" not in message              # nobody was left waiting in a collective
+
+
+def test_a_malformed_plan_document_is_a_config_error():
+    import json
+
+    doc = json.loads(autotp.plan(tiny_gpt2(n_layer=1), tp=2).to_json())
+    del doc["params"]["transformer.wpe.weight"]["placement"]
+    with pytest.raises(ConfigError, match="malformed autotp plan"):
+        autotp.Plan.from_json(json.dumps(doc))

@@ -3,6 +3,7 @@
 The rank processes are the session's ``cluster`` (spawned once); each hypothesis example is one
 task run on every rank. World 4 holds 4, 2 or 1 TP groups for tp 1, 2, 4.
 """
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
@@ -24,6 +25,7 @@ def check_gpt2_case(case: dict) -> dict:
     return assert_equivalent(model, case["tp"], inputs, layout=case["layout"], profile="h100-dgx")
 
 
+@pytest.mark.timeout(1800)   # 100 examples: ~4 minutes on an idle 2-core machine, more when it is shared
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
           derandomize=True)
 @given(case=gpt2_cases())
