@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from autotp.errors import ConfigError
 from autotp.runtime.faults import register_process
@@ -99,6 +100,9 @@ class TPMesh:
     dp_ranks: tuple[int, ...]
     backend: str
     control_group: object = field(default=None, compare=False, hash=False, repr=False)
+    #: the same layout as a torch DeviceMesh, dims ("dp", "tp"), over the same groups (for DTensor
+    #: and other torch.distributed code that takes a mesh)
+    device_mesh: object = field(default=None, compare=False, hash=False, repr=False)
 
     @property
     def world_size(self) -> int:
@@ -178,9 +182,19 @@ def _make_mesh(tp: int, world: int, rank: int, backend: str | None) -> TPMesh:
     dp_group, dp_ranks = groups([tuple(range(i, world, tp)) for i in range(tp)], backend)
     backend = backend or dist.get_backend()
     control = tp_group if backend == "gloo" else groups(all_tp, "gloo")[0]
+    # A DeviceMesh needs a group for every dim, a dim of one rank too: singletons, made only then.
+    single = None
+    if dp == 1 or tp == 1:
+        for r in range(world):
+            group = dist.new_group([r], timeout=timeout, backend=backend)
+            single = group if r == rank else single
+    device_mesh = DeviceMesh.from_group(
+        [dp_group or single, tp_group or single], "cuda" if backend == "nccl" else "cpu",
+        mesh=torch.arange(world).view(dp, tp), mesh_dim_names=("dp", "tp"))
     register_process()  # so that a roll call after a failed collective can tell this rank died
     return TPMesh(
         tp=tp, dp=dp, tp_group=tp_group, dp_group=dp_group,
         tp_rank=tp_ranks.index(rank), dp_rank=dp_ranks.index(rank),
         tp_ranks=tp_ranks, dp_ranks=dp_ranks, backend=backend, control_group=control,
+        device_mesh=device_mesh,
     )
