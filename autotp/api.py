@@ -114,14 +114,20 @@ def _pinned(cap: Capture, layout: Mapping[str, Any] | None, plan: Plan | None) -
 def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = None,
                layout: Mapping[str, Any] | None = None, plan: Plan | None = None,
                uneven: bool = True, gather_logits: bool = True,
-               memory_limit: float | None = None) -> tuple[Plan, GraphIndex, Propagation]:
+               memory_limit: float | None = None,
+               sequence_parallel: bool | None = None) -> tuple[Plan, GraphIndex, Propagation]:
     """The plan for a capture. ``memory_limit`` (bytes per rank; default: the profile's device
-    memory) bounds training state + activations; a saved ``plan`` is replayed, not re-solved."""
+    memory) bounds training state + activations; a saved ``plan`` is replayed, not re-solved.
+
+    ``sequence_parallel``: may the solver split layer-norm/dropout/residual regions along the
+    sequence (Korthikanti et al.)? None (default): only when the fastest plan without it does not
+    fit the memory limit; True: whenever the cost model prefers it; False: never."""
     prof = get_profile(profile)
     limit = prof.memory if memory_limit is None else memory_limit
     names = cap.output_names
     keep = frozenset() if gather_logits else frozenset(i for i, n in enumerate(names) if n == "logits")
-    index = GraphIndex.build(cap, tp, batch, seq, uneven=uneven, sharded_outputs=keep)
+    index = GraphIndex.build(cap, tp, batch, seq, uneven=uneven, sharded_outputs=keep,
+                             sequence_parallel=bool(sequence_parallel))
     pinned = _pinned(cap, layout, plan)
     notes: list[str] = []
     if plan is not None:
@@ -129,7 +135,30 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
         if prop.infeasible:
             raise PlanError(f"the given plan does not fit this model: {prop.infeasible}")
     else:
-        solution = solve(index, prof, pinned, memory_limit=limit)
+        try:
+            solution = solve(index, prof, pinned, memory_limit=limit)
+            fits = solution.over_limit is None
+        except PlanError:
+            solution, fits = None, False
+        if sequence_parallel is None and uneven and not fits:
+            # Memory is the reason for sequence parallelism: the layer norms' and dropouts'
+            # activations shrink to s/tp tokens. (Offered always, the cost model would also pick
+            # it where its pointwise savings outweigh the extra all-gather; see architecture.md.)
+            index = GraphIndex.build(cap, tp, batch, seq, uneven=uneven, sharded_outputs=keep,
+                                     sequence_parallel=True)
+            first = solution
+            try:
+                solution = solve(index, prof, pinned, memory_limit=limit)
+            except PlanError:
+                if first is None:
+                    raise
+                solution = first
+            if solution is not first and any(c.kind == "reduce_scatter" for c in solution.propagation.comms):
+                notes.append("sequence parallelism: without it no plan fits the memory limit as fast; layer "
+                             "norms, dropouts and residual adds run on s/tp tokens between a reduce-scatter "
+                             "and an all-gather along s")
+        elif solution is None:
+            solution = solve(index, prof, pinned, memory_limit=limit)   # raises the PlanError again
         prop = solution.propagation
         if solution.over_limit is not None:
             fast_s, fast_bytes = solution.over_limit
@@ -174,18 +203,19 @@ def _output_nodes(cap: Capture) -> list:
 def plan(model: nn.Module, tp: int, *, batch: int = 8, seq: int | None = None, profile: Any = None,
          layout: Mapping[str, Any] | None = None, uneven: bool = True, gather_logits: bool = True,
          example_inputs: tuple = (), example_kwargs: dict | None = None,
-         memory_limit: float | None = None) -> Plan:
+         memory_limit: float | None = None, sequence_parallel: bool | None = None) -> Plan:
     """Choose a plan for ``model`` at ``tp`` without any process group (a meta model works).
 
     ``gather_logits=False`` plans for training: logits stay split by vocabulary (the loss is
     computed vocab-parallel either way) and the b*s*V all-gather is not paid.
-    ``memory_limit``: bytes per rank the plan may use (default: the profile's device memory)."""
+    ``memory_limit``: bytes per rank the plan may use (default: the profile's device memory).
+    ``sequence_parallel``: see :func:`build_plan` (default: only when memory calls for it)."""
     tp = check_tp(tp)
     check_heads(model, tp, uneven)
     cap = capture_model(model, example_inputs, example_kwargs)
     result, _, _ = build_plan(cap, tp, batch=batch, seq=seq or _default_seq(model), profile=profile,
                               layout=layout, uneven=uneven, gather_logits=gather_logits,
-                              memory_limit=memory_limit)
+                              memory_limit=memory_limit, sequence_parallel=sequence_parallel)
     return result
 
 
@@ -205,11 +235,13 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
                 example_inputs: tuple = (), example_kwargs: dict | None = None,
                 device: torch.device | str | None = None,
                 backend: str | None = None, seed: int | None = None,
-                activation_checkpointing: bool = False) -> "ParallelModule":
+                activation_checkpointing: bool = False,
+                sequence_parallel: bool | None = None) -> "ParallelModule":
     """Split ``model`` over this rank's TP group; see the module docs and docs/architecture.md.
 
     ``activation_checkpointing=True`` recomputes each repeated layer in backward instead of
-    keeping its activations (autotp.passes.checkpoint).
+    keeping its activations (autotp.passes.checkpoint). ``sequence_parallel``: see
+    :func:`build_plan` (default: offered only when memory calls for it).
 
     ``seed`` seeds dropout in the rewritten graph (default: TP rank 0's ``torch.initial_seed()``,
     shared with its group): replicated regions draw the same masks on every TP rank, sharded
@@ -222,14 +254,15 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
     return _parallelize(model, tp, None, plan=plan, layout=layout, profile=profile, batch=batch, seq=seq,
                         uneven=uneven, gather_logits=gather_logits, memory_limit=memory_limit,
                         example_inputs=example_inputs, example_kwargs=example_kwargs, device=device,
-                        backend=backend, seed=seed, activation_checkpointing=activation_checkpointing)
+                        backend=backend, seed=seed, activation_checkpointing=activation_checkpointing,
+                        sequence_parallel=sequence_parallel)
 
 
 def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, layout: Mapping[str, Any] | None,
                  profile: Any, batch: int, seq: int | None, uneven: bool, gather_logits: bool,
                  memory_limit: float | None, example_inputs: tuple, example_kwargs: dict | None,
                  device: torch.device | str, backend: str | None, seed: int | None,
-                 activation_checkpointing: bool) -> "ParallelModule":
+                 activation_checkpointing: bool, sequence_parallel: bool | None = None) -> "ParallelModule":
     from .runtime.mesh import get_mesh
     from .runtime.module import ParallelModule
 
@@ -245,7 +278,7 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
         result, index, prop = build_plan(cap, tp, batch=batch, seq=seq or _default_seq(model),
                                          profile=profile or _default_profile(device), layout=layout,
                                          plan=plan, uneven=uneven, gather_logits=gather_logits,
-                                         memory_limit=memory_limit)
+                                         memory_limit=memory_limit, sequence_parallel=sequence_parallel)
         return cap, result, index, prop
 
     cap, result, index, prop = _on_every_rank_or_none(mesh, prepare)
@@ -329,7 +362,7 @@ def from_pretrained(path: str, tp: int, *, model_class: Any = None, dtype: torch
 
 _PARALLELIZE_DEFAULTS = dict(plan=None, layout=None, profile=None, batch=8, seq=None, uneven=True,
                              gather_logits=True, memory_limit=None, example_inputs=(), example_kwargs=None,
-                             backend=None, seed=None, activation_checkpointing=False)
+                             backend=None, seed=None, activation_checkpointing=False, sequence_parallel=None)
 
 
 def _checkpoint_weights(reader: Any, meta_model: nn.Module, mesh: Any, progress: bool) -> "_CheckpointWeights":

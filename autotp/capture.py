@@ -273,6 +273,9 @@ def _normalize(graph: fx.Graph) -> None:
             with graph.inserting_before(node):
                 mm = graph.call_function(aten.mm.default, (x, w))
                 mm.meta = dict(node.meta)   # same shape, dtype and source module
+            if _bias_after_view(graph, node, mm, bias):
+                continue
+            with graph.inserting_before(node):
                 add = graph.call_function(aten.add.Tensor, (mm, bias))
                 add.meta = dict(node.meta)
             node.replace_all_uses_with(add)
@@ -287,6 +290,34 @@ def _normalize(graph: fx.Graph) -> None:
             node.replace_all_uses_with(add)
             graph.erase_node(node)
     graph.lint()
+
+
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def _bias_after_view(graph: fx.Graph, addmm: fx.Node, mm: fx.Node, bias: Any) -> bool:
+    """``addmm`` on flattened tokens ``(b*s, n)`` whose only use views it back to ``(b, s, n)``:
+    view the product first and add the bias to the view. The sum is the same; what changes is
+    that a row-parallel Partial product now reaches the bias add with the sequence dim apart,
+    so sequence parallelism can reduce-scatter it along s (it cannot split the merged b*s)."""
+    users = list(addmm.users)
+    if len(users) != 1 or users[0].target not in _VIEWS or not isinstance(bias, fx.Node):
+        return False
+    view = users[0]
+    out, b = view.meta.get("val"), bias.meta.get("val")
+    if not (isinstance(out, torch.Tensor) and isinstance(b, torch.Tensor) and b.dim() == 1
+            and out.dim() >= 2 and out.shape[-1] == addmm.meta["val"].shape[-1]):
+        return False
+    view.replace_input_with(addmm, mm)
+    with graph.inserting_after(view):
+        add = graph.call_function(aten.add.Tensor, (view, bias))
+    add.meta = dict(view.meta)
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):   # the bias belongs to the linear
+        if key in addmm.meta:
+            add.meta[key] = addmm.meta[key]
+    view.replace_all_uses_with(add, delete_user_cb=lambda u: u is not add)
+    graph.erase_node(addmm)
+    return True
 
 
 def module_path(node: fx.Node) -> str:

@@ -37,6 +37,18 @@ def test_capture_splits_biased_products_so_a_row_bias_can_follow_the_all_reduce(
     assert torch.ops.aten._assert_tensor_metadata.default not in targets
 
 
+def test_capture_adds_a_linear_bias_after_the_view_back_to_batch_and_sequence():
+    # Sequence parallelism reduce-scatters the row-parallel product along s: the bias add must
+    # see (b, s, h), not the flattened (b*s, h) the product is computed on.
+    cap = capture(tiny_gpt2(n_layer=1))
+    bias = next(n for n in cap.graph.nodes if n.name == "p_transformer_h_0_attn_c_proj_bias")
+    (add,) = bias.users
+    view = add.args[0]
+    assert view.target is torch.ops.aten.view.default and view.args[0].target is torch.ops.aten.mm.default
+    b, s, h = shape_of(add)
+    assert isinstance(s, sympy.Symbol) and h == 32
+
+
 def test_tied_embedding_and_lm_head_are_one_parameter():
     cap = capture(tiny_gpt2())
     assert cap.aliases == {"transformer.wte.weight": "lm_head.weight"}

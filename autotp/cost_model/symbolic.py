@@ -155,6 +155,8 @@ def shard_fraction(info: OpInfo, strategy: Strategy, tp: int) -> float:
             size = meta.static(p.dim)
             if size:
                 frac = min(frac, max_local_size(size, p, tp) / size)
+            elif size is None:   # a sequence shard: about 1/tp of the tokens (at most one more)
+                frac = min(frac, 1.0 / tp)
     if frac == 1.0 and any(isinstance(p, Partial) for p in outs):
         frac = 1.0 / tp
     return frac
@@ -208,6 +210,8 @@ SAVES_INPUTS = PRODUCTS | {
 
 
 def _fraction(meta: TensorMeta, p: Any, tp: int) -> float:
+    if isinstance(p, Shard) and meta.static(p.dim) is None:
+        return 1.0 / tp   # a sequence shard: about 1/tp of the tokens
     size = meta.static(p.dim) if isinstance(p, Shard) else None
     return max_local_size(size, p, tp) / size if size else 1.0
 

@@ -116,14 +116,18 @@ class GraphIndex:
 
     @classmethod
     def build(cls, capture: Capture, tp: int, batch: int, seq: int, uneven: bool = False,
-              sharded_outputs: frozenset = frozenset()) -> "GraphIndex":
+              sharded_outputs: frozenset = frozenset(), sequence_parallel: bool = False) -> "GraphIndex":
+        """``sequence_parallel``: rules may split the sequence dim afresh (a reduce-scatter along
+        s where a Partial meets an add); needs ``uneven``, since lengths are known at run time."""
         env = {}
         for sym, role in capture.dim_symbols.items():
             env[sympy.Symbol(sym, integer=True, positive=True)] = batch if role == "batch" else seq
         index = cls(capture, tp, env, uneven=uneven, sharded_outputs=frozenset(sharded_outputs))
+        sequence = frozenset(sym for sym in env if sequence_parallel and capture.dim_symbols.get(sym.name) == "seq")
         for node in capture.graph.nodes:
             if node.op == "call_function" and node.target is not operator.getitem:
                 index.infos[node], index.tensor_inputs[node] = _op_info(node, tp, uneven, capture.param_names)
+                index.infos[node].sequence = sequence
         return index
 
     def numel_env(self) -> Mapping:

@@ -34,16 +34,63 @@ class GraphLocalContext(LocalContext):
     def __init__(self, tp: int, rank: int, graph: fx.Graph, group: Any = None):
         super().__init__(tp, rank, group)
         self.graph = graph
+        self.sizes: "SizeNodes | None" = None
 
     def local(self, arg: Any, size: Any, shard: Shard) -> Any:
         if isinstance(arg, fx.Node):
             if isinstance(size, sympy.Expr) and size.is_Integer:
                 return local_size(int(size), shard, self.tp, self.rank)
-            raise PlanError(
-                f"cannot shard a dimension of symbolic size {size} (argument {arg.name}); "
-                "only dimensions of fixed size (heads, hidden, vocabulary) are sharded"
-            )
+            return self.local_node(arg, size, shard)
         return super().local(arg, size, shard)
+
+    def size(self, expr: Any) -> Any:
+        return self.sizes(expr) if self.sizes is not None else super().size(expr)
+
+    def local_node(self, full: fx.Node, size: Any, shard: Shard) -> fx.Node:
+        """This rank's share of a dynamic size (a sequence shard), computed at run time from the
+        node ``full`` holding the whole size: run k of N in contiguous runs, the first N % tp
+        one longer, holds (N + tp - 1 - k) // tp."""
+        if (shard.chunks, shard.unit) != (1, 1):
+            raise PlanError(
+                f"cannot shard a dimension of symbolic size {size} (argument {full.name}) by "
+                f"{shard!r}: a dynamic dim is split only in plain contiguous runs (sequence parallelism)"
+            )
+        run = (self.rank + shard.rotate) % self.tp
+        padded = self.graph.call_function(operator.add, (full, self.tp - 1 - run))
+        return self.graph.call_function(operator.floordiv, (padded, self.tp))
+
+
+class SizeNodes:
+    """Nodes that compute a dynamic size (a sympy expression in the batch and sequence symbols)
+    at run time, from the inputs whose dims carry those symbols."""
+
+    def __init__(self, capture: Any, graph: fx.Graph, env: dict):
+        self.graph, self.env, self.sources, self.made = graph, env, {}, {}
+        for node in capture.graph.nodes:
+            val = node.meta.get("val") if node.op == "placeholder" else None
+            if isinstance(val, torch.Tensor) and node.name not in capture.param_names:
+                for d, size in enumerate(val.shape):
+                    if isinstance(size, torch.SymInt):
+                        self.sources.setdefault(sympy.sympify(size.node.expr), (node, d))
+
+    def __call__(self, expr: sympy.Expr) -> Any:
+        if expr.is_Integer:
+            return int(expr)
+        if expr in self.made:
+            return self.made[expr]
+        if expr.is_Symbol and expr in self.sources:
+            node, d = self.sources[expr]
+            out = self.graph.call_function(torch.ops.aten.sym_size.int, (self.env[node], d))
+        elif expr.is_Mul or expr.is_Add:
+            op = operator.mul if expr.is_Mul else operator.add
+            terms = [self(t) for t in expr.args]
+            out = terms[0]
+            for t in terms[1:]:
+                out = self.graph.call_function(op, (out, t))
+        else:
+            raise PlanError(f"cannot compute the dynamic size {expr} at run time: no input carries it")
+        self.made[expr] = out
+        return out
 
 
 def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
@@ -58,13 +105,24 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
     converted: dict[tuple, fx.Node] = {}
     counts: dict[str, int] = {}
     ctx = GraphLocalContext(tp, rank, graph, group)
+    sizes = ctx.sizes = SizeNodes(cap, graph, env)
 
-    def comm_node(kind: str, x: fx.Node, module: nn.Module) -> fx.Node:
+    def comm_node(kind: str, x: fx.Node, module: nn.Module, *more: Any) -> fx.Node:
         n = counts.get(kind, 0)
         counts[kind] = n + 1
         name = f"{kind}_{n}"
         root.add_module(name, module)
-        return graph.call_module(name, (x,))
+        return graph.call_module(name, (x, *more))
+
+    def full_size(meta: Any, shard: Shard) -> int | None:
+        size = meta.shape[shard.dim]
+        return int(size) if size.is_Integer else None   # None: dynamic, known at run time
+
+    def gather(out: fx.Node, meta: Any, have: Shard) -> fx.Node:
+        size = full_size(meta, have)
+        # A dynamic dim's whole size cannot be read off a shard: the graph computes it.
+        more = () if size is not None else (sizes(meta.shape[have.dim]),)
+        return comm_node("all_gather", out, C.GatherFromTP(group, have, size), *more)
 
     def convert(src: fx.Node, dst: Placement, f: bool) -> fx.Node:
         key = (src, dst, f)
@@ -77,14 +135,14 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         if kind == "g":
             out = comm_node("g", out, C.ReduceFromTP(group))
         elif kind == "all_gather":
-            out = comm_node("all_gather", out, C.GatherFromTP(group, have, int(meta.shape[have.dim])))
+            out = gather(out, meta, have)
         elif kind == "scatter":
-            out = comm_node("scatter", out, C.ScatterToTP(group, dst, int(meta.shape[dst.dim])))
+            out = comm_node("scatter", out, C.ScatterToTP(group, dst, full_size(meta, dst)))
         elif kind == "reduce_scatter":
-            out = comm_node("reduce_scatter", out, C.ReduceScatterToTP(group, dst, int(meta.shape[dst.dim])))
+            out = comm_node("reduce_scatter", out, C.ReduceScatterToTP(group, dst, full_size(meta, dst)))
         elif kind == "reshard":
-            out = comm_node("all_gather", out, C.GatherFromTP(group, have, int(meta.shape[have.dim])))
-            out = comm_node("scatter", out, C.ScatterToTP(group, dst, int(meta.shape[dst.dim])))
+            out = gather(out, meta, have)
+            out = comm_node("scatter", out, C.ScatterToTP(group, dst, full_size(meta, dst)))
         elif kind == "inf":
             raise PlanError(f"cannot turn {have} into {dst} for {src.name}")
         if f:

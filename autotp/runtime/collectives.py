@@ -292,12 +292,29 @@ class _CommModule(nn.Module):
 
 
 class _ShardedCommModule(_CommModule):
-    def __init__(self, group, shard: Shard, full_size: int) -> None:
+    """``full_size=None``: the sharded dim is dynamic (the sequence, under sequence parallelism);
+    the graph passes its size at call time, or the input, when whole, shows it."""
+
+    def __init__(self, group, shard: Shard, full_size: int | None) -> None:
         super().__init__(group)
-        self.shard, self.full_size = shard, int(full_size)
+        self.shard = shard
+        self.full_size = None if full_size is None else int(full_size)
+
+    def size(self, x: Tensor, full_size: int | None, whole_input: bool) -> int:
+        if full_size is not None:
+            return int(full_size)
+        if self.full_size is not None:
+            return self.full_size
+        if whole_input:
+            return x.shape[self.shard.dim]
+        raise CommError(
+            f"{self.kind} of {self.shard!r}: the gathered size of a dynamic dim is unknown; the "
+            "rewrite must pass it (a sym_size node) as the module's second argument"
+        )
 
     def extra_repr(self) -> str:
-        return f"{self._group_repr()}, shard={self.shard!r}, full_size={self.full_size}"
+        size = "dynamic" if self.full_size is None else self.full_size
+        return f"{self._group_repr()}, shard={self.shard!r}, full_size={size}"
 
 
 class CopyToTP(_CommModule):
@@ -327,19 +344,19 @@ class ReduceFromTP(_CommModule):
 class GatherFromTP(_ShardedCommModule):
     kind = "all_gather"
 
-    def forward(self, x: Tensor) -> Tensor:
-        return gather_from_tp(x, self.group, self.shard, self.full_size)
+    def forward(self, x: Tensor, full_size: int | None = None) -> Tensor:
+        return gather_from_tp(x, self.group, self.shard, self.size(x, full_size, whole_input=False))
 
 
 class ScatterToTP(_ShardedCommModule):
     kind = "scatter"
 
-    def forward(self, x: Tensor) -> Tensor:
-        return scatter_to_tp(x, self.group, self.shard, self.full_size)
+    def forward(self, x: Tensor, full_size: int | None = None) -> Tensor:
+        return scatter_to_tp(x, self.group, self.shard, self.size(x, full_size, whole_input=True))
 
 
 class ReduceScatterToTP(_ShardedCommModule):
     kind = "reduce_scatter"
 
-    def forward(self, x: Tensor) -> Tensor:
-        return reduce_scatter_to_tp(x, self.group, self.shard, self.full_size)
+    def forward(self, x: Tensor, full_size: int | None = None) -> Tensor:
+        return reduce_scatter_to_tp(x, self.group, self.shard, self.size(x, full_size, whole_input=True))

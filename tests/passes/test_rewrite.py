@@ -93,3 +93,24 @@ def test_positional_example_inputs_capture_and_call_by_position(cluster):
     for by_position, by_name, up, down in cluster.run(_positional_inputs):
         assert by_position < 1e-12 and by_name < 1e-12
         assert (up, down) == ("column", "row")
+
+
+def test_a_dynamic_size_is_localized_at_run_time_in_contiguous_runs_only():
+    import pytest
+    import sympy
+    from torch import fx
+
+    from autotp.errors import PlanError
+    from autotp.passes.rewrite import GraphLocalContext
+    from autotp.placements import Shard, local_size
+
+    s = sympy.Symbol("s", integer=True, positive=True)
+    for rank in range(4):
+        graph = fx.Graph()
+        full = graph.placeholder("n")
+        graph.output(GraphLocalContext(4, rank, graph).local(full, s, Shard(0)))
+        program = fx.GraphModule(torch.nn.Module(), graph)
+        assert [program(n) for n in range(0, 14)] == [local_size(n, Shard(0), 4, rank) for n in range(0, 14)]
+    graph = fx.Graph()
+    with pytest.raises(PlanError, match="plain contiguous runs"):
+        GraphLocalContext(4, 0, graph).local(graph.placeholder("n"), s, Shard(0, unit=2))

@@ -886,3 +886,32 @@ def test_misc_rules_take_partial_only_where_the_op_reads_no_values(n):
                            aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int)
     for s in strategies(info, tuple(P if t.is_floating_point() else R for t in _tensors_in(args))):
         assert metadata_only or P not in s.inputs, f"{op}: {s!r}"
+
+
+# ---------------------------------------------------------------- sequence parallelism
+
+def _sequence_add_info(uneven: bool) -> OpInfo:
+    b, s = sympy.Symbol("b", integer=True, positive=True), sympy.Symbol("s", integer=True, positive=True)
+    x, bias = TensorMeta((b, s, sympy.Integer(32)), F64), TensorMeta((sympy.Integer(32),), F64)
+    info = OpInfo(torch.ops.aten.add.Tensor, (x, bias), {}, (x, bias), x, 4, uneven=uneven)
+    info.sequence = frozenset({s})
+    return info
+
+
+def test_add_of_a_partial_offers_a_reduce_scatter_along_the_sequence_only():
+    offered = strategies(_sequence_add_info(uneven=True), (PARTIAL, REPLICATE))
+    fresh = [st for st in offered if isinstance(st.output, Shard)]
+    # The Partial operand is reduce-scattered along s; the bias broadcasts along s and stays whole.
+    assert fresh == [Strategy((Shard(1), REPLICATE), Shard(1))]
+
+
+def test_sequence_shards_need_uneven_splits_since_the_length_is_known_only_at_run_time():
+    offered = strategies(_sequence_add_info(uneven=False), (PARTIAL, REPLICATE))
+    assert not any(isinstance(st.output, Shard) for st in offered)
+
+
+def test_a_sequence_shard_survives_a_view_that_keeps_the_sequence_dim_and_not_a_flatten():
+    b, s = sympy.Symbol("b", integer=True, positive=True), sympy.Symbol("s", integer=True, positive=True)
+    h = sympy.Integer(32)
+    assert map_view_shard((b, s, h), (b, s, h), Shard(1)) == Shard(1)
+    assert map_view_shard((b, s, h), (b * s, h), Shard(1)) is None   # tokens of b sequences interleave

@@ -174,6 +174,38 @@ def test_reduce_scatter_sums_to_local_shard_and_gathers_backward(cluster, case):
     _check(cluster, "reduce_scatter", case)
 
 
+def run_dynamic_module(op: str, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs in a rank: a comm module built without a full size (a dynamic dim, as under
+    sequence parallelism); the gather is told the size at call time, the others read it off
+    their whole input."""
+    mesh = get_mesh(case.tp)
+    group, r, block = mesh.tp_group, mesh.tp_rank, dist.get_rank() // case.tp
+    x = _rank_inputs(op, case, block, r).requires_grad_()
+    if op == "gather":
+        y = C.GatherFromTP(group, case.shard, None)(x, case.full_size)
+    else:
+        cls = {"scatter": C.ScatterToTP, "reduce_scatter": C.ReduceScatterToTP}[op]
+        y = cls(group, case.shard, None)(x)
+    y.backward(_tensor(case.seed, y.shape, "dy", block, r))
+    return y.detach(), x.grad
+
+
+@settings(max_examples=10, deadline=None)
+@given(op=st.sampled_from(["gather", "scatter", "reduce_scatter"]),
+       case=cases().filter(lambda c: (c.shard.chunks, c.shard.unit) == (1, 1)))
+def test_comm_modules_of_a_dynamic_dim_take_its_size_at_call_time(cluster, op, case):
+    results = cluster.run(run_dynamic_module, op, case)
+    for rank, (y, grad) in enumerate(results):
+        want_y, want_grad = _expected(op, case, rank // case.tp, rank % case.tp)
+        torch.testing.assert_close(y, want_y, msg=lambda m: f"{op} forward, rank {rank}: {m}")
+        torch.testing.assert_close(grad, want_grad, msg=lambda m: f"{op} backward, rank {rank}: {m}")
+
+
+def test_gather_of_a_dynamic_dim_without_its_size_names_the_missing_argument():
+    with pytest.raises(CommError, match="gathered size of a dynamic dim"):
+        C.GatherFromTP(None, Shard(1), None)(torch.zeros(2, 3))
+
+
 def all_reduce_in_dtype(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs in a rank: g forward and f backward on small integers (exact in every dtype)."""
     group, rank = get_mesh(WORLD).tp_group, dist.get_rank()

@@ -69,6 +69,9 @@ class OpInfo:
     tp: int
     hints: dict[int, tuple] = field(default_factory=dict)   # dim -> (chunks, unit[, rotate])
     uneven: bool = False   # may a fresh shard leave some ranks one atom more?
+    #: symbols of sequence dims: the one dynamic size a fresh shard may split (sequence
+    #: parallelism); never the batch, which may be smaller than tp
+    sequence: frozenset = frozenset()
 
     def hint(self, dim: int) -> tuple[int, int, int]:
         """(chunks, unit, rotate) a fresh shard of output ``dim`` should use (fused q/k/v: 3
@@ -84,6 +87,10 @@ class OpInfo:
         """Like :meth:`fresh_shard`, for input ``input_index``'s ``dim`` (None: the output)."""
         out = self.output if input_index is None else self.inputs[input_index]
         size = out.static(dim)
+        if size is None:
+            # A sequence dim's size is known only at run time: a plain shard in contiguous runs,
+            # uneven whenever tp does not divide that call's length.
+            return Shard(dim) if self.uneven and out.shape[dim] in self.sequence else None
         chunks, unit, rotate = self.hint(dim) if input_index is None else (1, 1, 0)
         if size is None or size % (chunks * unit):
             chunks, unit = 1, 1
@@ -191,6 +198,12 @@ class LocalContext:
         if isinstance(size, sympy.Expr) and size.is_Integer:
             return local_size(int(size), shard, self.tp, self.rank)
         raise NotImplementedError(f"cannot localize symbolic size argument {arg!r} sharded by {shard}")
+
+    def size(self, expr: Any) -> Any:
+        """A global size as an argument: an int, or — in a graph — a node computing it."""
+        if isinstance(expr, sympy.Expr) and expr.is_Integer:
+            return int(expr)
+        raise NotImplementedError(f"cannot compute the dynamic size {expr} outside a graph")
 
 
 def norm_dim(dim: int, ndim: int) -> int:

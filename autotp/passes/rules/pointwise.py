@@ -91,7 +91,28 @@ def additive_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     scalars = [a for a in info.args[:2] if isinstance(a, (int, float, bool))]
     if all(a == 0 for a in scalars):
         out.append(Strategy(tuple(PARTIAL for _ in info.inputs), PARTIAL))
+    out.extend(_sequence_parallel(info))
     return out
+
+
+def _sequence_parallel(info: OpInfo) -> list[Strategy]:
+    """Sequence parallelism's entry: a Partial operand (a row-parallel product, a vocab-parallel
+    lookup) is reduce-scattered along the sequence instead of all-reduced, and the add runs on
+    this rank's tokens; replicated operands that span the sequence are sliced, ones that
+    broadcast along it (a bias) stay whole."""
+    out_shape = info.output.shape
+    nd = len(out_shape)
+    found = []
+    for d in range(nd):
+        shard = info.fresh_shard(d) if info.output.static(d) is None else None
+        if shard is None:
+            continue
+        req = []
+        for m in info.inputs:
+            k = d - (nd - m.ndim)
+            req.append(REPLICATE if k < 0 or (m.shape[k] == 1 and out_shape[d] != 1) else shard.with_dim(k))
+        found.append(Strategy(tuple(req), shard))
+    return found
 
 
 @register(*MULTIPLICATIVE)

@@ -85,12 +85,15 @@ def map_view_shard(src: tuple, dst: tuple, shard: Shard) -> Shard | None:
         flat_chunks, flat_unit = shard.chunks * int(before), shard.unit * int(after)
         for n, j in enumerate(go):
             qb, qa = _prod(dst[d] for d in go[:n]), _prod(dst[d] for d in go[n + 1:])
-            if not (qb.is_Integer and qa.is_Integer and dst[j].is_Integer):
+            if not (qb.is_Integer and qa.is_Integer):
                 continue
             qb, qa = int(qb), int(qa)
             if flat_chunks % qb == 0 and flat_unit % qa == 0:
                 c, u = flat_chunks // qb, flat_unit // qa
-                if int(dst[j]) % (c * u) == 0:
+                # A plain shard of a dynamic dim (the sequence) survives a view that keeps the dim.
+                if (c, u) == (1, 1) and not dst[j].is_Integer and len(go) == 1 and len(gi) == 1:
+                    return shard.with_blocks(j, c, u)
+                if dst[j].is_Integer and int(dst[j]) % (c * u) == 0:
                     return shard.with_blocks(j, c, u)
         return None
     return None
@@ -125,6 +128,10 @@ def _size_list_localizer(list_pos: int):
         if isinstance(sizes[out.dim], int) and sizes[out.dim] == 0:
             # A rank holding none of the dim: a -1 elsewhere would be ambiguous; spell it out.
             sizes = [int(g) if isinstance(a, int) and a == -1 and g.is_Integer else a
+                     for a, g in zip(sizes, info.output.shape)]
+        elif not isinstance(sizes[out.dim], int):
+            # A dynamic local size (a sequence shard) may be 0 on some ranks at some lengths.
+            sizes = [ctx.size(g) if isinstance(a, int) and a == -1 else a
                      for a, g in zip(sizes, info.output.shape)]
         args = args[:list_pos] + (sizes,) + args[list_pos + 1:]
         return info.target, args, kwargs
