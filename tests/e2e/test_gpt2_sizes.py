@@ -36,7 +36,7 @@ def check_size_case(case: dict) -> dict:
 
 
 @pytest.mark.parametrize("tp", range(1, 9))
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
           derandomize=True)
 @given(size=st.sampled_from(sorted(HEADS)), layers=st.integers(1, 2), head_dim=st.sampled_from([2, 4]),
        seq=st.integers(2, 12), dtype=st.sampled_from(["float64", "float32"]), seed=st.integers(0, 999))
