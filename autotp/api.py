@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import fnmatch
+import inspect
 import logging
 import operator
 from typing import Any, Mapping
@@ -354,19 +355,12 @@ def from_pretrained(path: str, tp: int, *, model_class: Any = None, dtype: torch
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
 
-    def weights(mesh: Any, meta_model: nn.Module):
-        return _checkpoint_weights(reader, meta_model, mesh, progress)
+    def weights(mesh: Any, meta_model: nn.Module) -> _CheckpointWeights:
+        return _CheckpointWeights(reader, meta_model, mesh, progress)
 
-    return _parallelize(model, tp, weights, device=device, **{**_PARALLELIZE_DEFAULTS, **parallelize_kwargs})
-
-
-_PARALLELIZE_DEFAULTS = dict(plan=None, layout=None, profile=None, batch=8, seq=None, uneven=True,
-                             gather_logits=True, memory_limit=None, example_inputs=(), example_kwargs=None,
-                             backend=None, seed=None, activation_checkpointing=False, sequence_parallel=None)
-
-
-def _checkpoint_weights(reader: Any, meta_model: nn.Module, mesh: Any, progress: bool) -> "_CheckpointWeights":
-    return _CheckpointWeights(reader, meta_model, mesh, progress)
+    defaults = {name: p.default for name, p in inspect.signature(parallelize).parameters.items()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "device"}   # one source of defaults
+    return _parallelize(model, tp, weights, device=device, **{**defaults, **parallelize_kwargs})
 
 
 class _CheckpointWeights:

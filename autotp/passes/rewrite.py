@@ -197,7 +197,6 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             outs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
             state = "sharded" if any(isinstance(p, Shard) for p in outs) else "replicated"
             target = RandomOp(target, state, rng)
-            target.kind = f"{node.target._opname}_{state}"
         if isinstance(target, nn.Module):   # an op that communicates inside (vocab-parallel loss)
             kind = getattr(target, "kind", "op")
             n = counts.get(kind, 0)

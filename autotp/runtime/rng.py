@@ -98,9 +98,10 @@ class RandomOp(nn.Module):
     """An op that draws random numbers, run under the tracker state ``kind`` (a named node of
     the rewritten graph: ``dropout_replicated_0``, ``dropout_sharded_3``)."""
 
-    def __init__(self, target: Any, kind: str, tracker: RNGTracker):
+    def __init__(self, target: Any, state: str, tracker: RNGTracker):
         super().__init__()
-        self.target, self.kind_of_state, self.tracker = target, kind, tracker
+        self.target, self.state, self.tracker = target, state, tracker
+        self.kind = f"{getattr(target, '_opname', 'random')}_{state}"   # the graph node's name
 
     def __deepcopy__(self, memo):   # shares the tracker: the states are the rank's, not the copy's
         new = self.__class__.__new__(self.__class__)
@@ -111,8 +112,8 @@ class RandomOp(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self.training:   # pm.eval(): the capture baked train=True in; dropout is off now
             return _without_dropout(self.target, args, kwargs)
-        with self.tracker.fork(self.kind_of_state):
+        with self.tracker.fork(self.state):
             return self.target(*args, **kwargs)
 
     def extra_repr(self) -> str:
-        return f"{self.target}, state={self.kind_of_state}"
+        return f"{self.target}, state={self.state}"
