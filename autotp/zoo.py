@@ -1,0 +1,226 @@
+"""The model families autotp is tested on, by their published configurations and as tiny ones.
+
+Nothing here is specific to how autotp plans a family (the planner never sees these names): it is
+the catalogue that the command line (``autotp plan llama-3-8b --tp 8``), the model-zoo benchmark
+(``benchmarks/model_zoo.py`` -> ``docs/models.md``) and the per-family property tests share.
+
+* :data:`FAMILIES`: family name -> :class:`Family` (its HuggingFace model class, the published
+  configurations, and how a tiny configuration of it is spelled).
+* :func:`published_config` / :func:`build`: a published configuration (optionally with fewer
+  layers) as a HuggingFace config, and a model of it on any device (``meta`` allocates nothing).
+* :func:`tiny_config`: a tiny configuration from a few numbers a test draws (layers, heads, kv
+  heads, head dim, vocabulary, rotary fraction), dropout off so runs are comparable.
+* :func:`example_batch`: a training batch of the family's kind (causal LM, masked LM, seq2seq).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_class: str                      # the transformers class, e.g. "LlamaForCausalLM"
+    config_class: str                     # e.g. "LlamaConfig"
+    published: dict = field(default_factory=dict)   # size name -> config kwargs
+    #: tiny config kwargs from (layers, heads, kv_heads, head_dim, vocab, rotary, positions)
+    tiny: Callable[..., dict] = None      # type: ignore[assignment]
+    task: str = "causal"                  # causal | masked | seq2seq
+    kv_heads: bool = False                # do its configs take a number of kv heads (GQA)?
+    rotary: bool = False                  # does it use rotary position embeddings?
+    #: config attribute that sets the number of layers (for shrunken published configs)
+    layers_attr: tuple = ("num_hidden_layers", "n_layer", "num_layers")
+
+
+def _llama_like(layers, heads, kv_heads, head_dim, vocab, rotary, positions, **extra) -> dict:
+    return dict(vocab_size=vocab, hidden_size=heads * head_dim, intermediate_size=2 * heads * head_dim + 8,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                head_dim=head_dim, max_position_embeddings=positions, attention_dropout=0.0, **extra)
+
+
+def _neox(layers, heads, kv_heads, head_dim, vocab, rotary, positions) -> dict:
+    return dict(vocab_size=vocab, hidden_size=heads * head_dim, intermediate_size=3 * heads * head_dim,
+                num_hidden_layers=layers, num_attention_heads=heads, max_position_embeddings=positions,
+                rotary_pct=rotary, hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def _gptj(layers, heads, kv_heads, head_dim, vocab, rotary, positions) -> dict:
+    rotary_dim = max(2, int(head_dim * rotary) // 2 * 2)
+    return dict(vocab_size=vocab, n_embd=heads * head_dim, n_layer=layers, n_head=heads, n_positions=positions,
+                rotary_dim=rotary_dim, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def _falcon(new_arch: bool):
+    def tiny(layers, heads, kv_heads, head_dim, vocab, rotary, positions) -> dict:
+        kw = dict(vocab_size=vocab, hidden_size=heads * head_dim, num_hidden_layers=layers,
+                  num_attention_heads=heads, max_position_embeddings=positions, hidden_dropout=0.0,
+                  attention_dropout=0.0, new_decoder_architecture=new_arch)
+        if new_arch:
+            kw["num_kv_heads"] = kv_heads
+        else:
+            kw["multi_query"] = kv_heads == 1
+        return kw
+
+    return tiny
+
+
+def _bigcode(layers, heads, kv_heads, head_dim, vocab, rotary, positions) -> dict:
+    return dict(vocab_size=vocab, n_embd=heads * head_dim, n_layer=layers, n_head=heads, n_positions=positions,
+                multi_query=kv_heads == 1, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def _opt(layers, heads, kv_heads, head_dim, vocab, rotary, positions) -> dict:
+    hidden = heads * head_dim
+    return dict(vocab_size=vocab, hidden_size=hidden, ffn_dim=4 * hidden, num_hidden_layers=layers,
+                num_attention_heads=heads, max_position_embeddings=positions, word_embed_proj_dim=hidden,
+                dropout=0.0, attention_dropout=0.0)
+
+
+def _bert(layers, heads, kv_heads, head_dim, vocab, rotary, positions) -> dict:
+    hidden = heads * head_dim
+    return dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                num_attention_heads=heads, max_position_embeddings=positions, hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0)
+
+
+def _t5(layers, heads, kv_heads, head_dim, vocab, rotary, positions) -> dict:
+    return dict(vocab_size=vocab, d_model=heads * head_dim, d_kv=head_dim, d_ff=4 * heads * head_dim,
+                num_layers=layers, num_decoder_layers=layers, num_heads=heads, dropout_rate=0.0,
+                relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0)
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in [
+    Family("gpt2", "GPT2LMHeadModel", "GPT2Config", {
+        "gpt2": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257),
+        "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, vocab_size=50257),
+        "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, vocab_size=50257),
+        "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, vocab_size=50257),
+    }, tiny=lambda layers, heads, kv_heads, head_dim, vocab, rotary, positions: dict(
+        n_layer=layers, n_head=heads, n_embd=heads * head_dim, vocab_size=vocab, n_positions=positions,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    Family("llama", "LlamaForCausalLM", "LlamaConfig", {
+        "llama-3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                           num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                           rope_theta=500000.0),
+        "llama-2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                           num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096),
+    }, tiny=_llama_like, kv_heads=True, rotary=True),
+    Family("mistral", "MistralForCausalLM", "MistralConfig", {
+        "mistral-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                           num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
+                           sliding_window=4096),
+    }, tiny=_llama_like, kv_heads=True, rotary=True),
+    Family("qwen2", "Qwen2ForCausalLM", "Qwen2Config", {
+        "qwen2-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                         num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768),
+    }, tiny=_llama_like, kv_heads=True, rotary=True),
+    Family("gpt-neox", "GPTNeoXForCausalLM", "GPTNeoXConfig", {
+        "gpt-neox-20b": dict(vocab_size=50432, hidden_size=6144, intermediate_size=24576, num_hidden_layers=44,
+                             num_attention_heads=64, rotary_pct=0.25, max_position_embeddings=2048),
+    }, tiny=_neox, rotary=True),
+    Family("gpt-j", "GPTJForCausalLM", "GPTJConfig", {
+        "gpt-j-6b": dict(vocab_size=50400, n_embd=4096, n_layer=28, n_head=16, rotary_dim=64, n_positions=2048),
+    }, tiny=_gptj, rotary=True),
+    Family("falcon", "FalconForCausalLM", "FalconConfig", {
+        "falcon-7b": dict(vocab_size=65024, hidden_size=4544, num_hidden_layers=32, num_attention_heads=71,
+                          multi_query=True, parallel_attn=True, new_decoder_architecture=False, bias=False),
+    }, tiny=_falcon(False), kv_heads=True, rotary=True),
+    Family("falcon-new", "FalconForCausalLM", "FalconConfig", {
+        "falcon-40b": dict(vocab_size=65024, hidden_size=8192, num_hidden_layers=60, num_attention_heads=128,
+                           num_kv_heads=8, new_decoder_architecture=True, parallel_attn=True, bias=False),
+    }, tiny=_falcon(True), kv_heads=True, rotary=True),
+    Family("gpt-bigcode", "GPTBigCodeForCausalLM", "GPTBigCodeConfig", {
+        "starcoder-15b": dict(vocab_size=49152, n_embd=6144, n_inner=24576, n_layer=40, n_head=48, n_positions=8192,
+                              multi_query=True),
+    }, tiny=_bigcode, kv_heads=True),
+    Family("opt", "OPTForCausalLM", "OPTConfig", {
+        "opt-6.7b": dict(vocab_size=50272, hidden_size=4096, ffn_dim=16384, num_hidden_layers=32,
+                         num_attention_heads=32, max_position_embeddings=2048, word_embed_proj_dim=4096),
+    }, tiny=_opt),
+    Family("bert", "BertForMaskedLM", "BertConfig", {
+        "bert-large": dict(vocab_size=30522, hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                           num_attention_heads=16, max_position_embeddings=512),
+    }, tiny=_bert, task="masked"),
+    Family("t5", "T5ForConditionalGeneration", "T5Config", {
+        "t5-large": dict(vocab_size=32128, d_model=1024, d_kv=64, d_ff=4096, num_layers=24, num_heads=16,
+                         decoder_start_token_id=0, pad_token_id=0),
+    }, tiny=_t5, task="seq2seq"),
+]}
+
+
+def published_sizes() -> dict[str, str]:
+    """Every published configuration name -> its family."""
+    return {size: fam.name for fam in FAMILIES.values() for size in fam.published}
+
+
+def family_of(size: str) -> Family:
+    from .errors import ConfigError
+
+    sizes = published_sizes()
+    if size not in sizes:
+        raise ConfigError(f"unknown model {size!r}; known configurations: {', '.join(sorted(sizes))}")
+    return FAMILIES[sizes[size]]
+
+
+def _classes(family: Family) -> tuple[Any, Any]:
+    import transformers
+
+    return getattr(transformers, family.config_class), getattr(transformers, family.model_class)
+
+
+def published_config(size: str, layers: int | None = None) -> Any:
+    """The HF config of a published model (``layers`` shrinks its depth, all else kept)."""
+    family = family_of(size)
+    config_cls, _ = _classes(family)
+    kwargs = dict(family.published[size])
+    if layers is not None:
+        for attr in family.layers_attr:
+            if attr in kwargs or hasattr(config_cls(), attr):
+                kwargs[attr] = layers
+                if family.task == "seq2seq":
+                    kwargs["num_decoder_layers"] = layers
+                break
+    return config_cls(**kwargs)
+
+
+def tiny_config(family: str, *, layers: int = 2, heads: int = 4, kv_heads: int | None = None, head_dim: int = 8,
+                vocab: int = 96, rotary: float = 1.0, positions: int = 32) -> Any:
+    """A tiny configuration of ``family`` (dropout off). ``kv_heads`` applies where the family has
+    grouped-query or multi-query attention (default: as many as ``heads``)."""
+    fam = FAMILIES[family]
+    config_cls, _ = _classes(fam)
+    kwargs = fam.tiny(layers=layers, heads=heads, kv_heads=kv_heads or heads, head_dim=head_dim, vocab=vocab,
+                      rotary=rotary, positions=positions)
+    # special tokens inside the tiny vocabulary (the published ids would lie outside it)
+    kwargs.update(bos_token_id=0, eos_token_id=1, pad_token_id=kwargs.get("pad_token_id", 0))
+    return config_cls(**kwargs)
+
+
+def build(family: str, config: Any, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+          seed: int = 0) -> torch.nn.Module:
+    """A model of ``config`` with random weights (``device="meta"``: no weights at all)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    _, model_cls = _classes(FAMILIES[family])
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = model_cls(config)
+    return model.to(dtype)
+
+
+def example_batch(family: str, config: Any, batch: int = 2, seq: int = 8, seed: int = 1) -> dict:
+    """A training batch for the family's task: ids and labels (masked LM: a few positions
+    labelled, the rest -100; seq2seq: an encoder input and decoder labels)."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = config.vocab_size
+    ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+    labels = torch.randint(0, vocab, (batch, seq), generator=gen)
+    if FAMILIES[family].task == "masked":
+        keep = torch.rand((batch, seq), generator=gen) < 0.5
+        keep[:, 0] = True
+        labels = torch.where(keep, labels, torch.full_like(labels, -100))
+    return {"input_ids": ids, "labels": labels}

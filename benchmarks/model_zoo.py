@@ -1,0 +1,155 @@
+"""The model zoo: every family autotp is tested on, planned at real size and checked on a tiny one.
+
+    .venv/bin/python benchmarks/model_zoo.py                  # writes docs/models.md
+    .venv/bin/python benchmarks/model_zoo.py llama gpt-j      # only these families (prints, no file)
+
+For each family (``autotp.zoo.FAMILIES``), one published configuration is built on the meta
+device in bfloat16 (no weights exist) and planned with ``autotp.plan(model, tp=8)`` under the
+default profile and workload. The table reports:
+
+* **plan**: ok, or the error that stopped it;
+* **layout**: the role of each weight matrix of one layer (column, row, vocab, replicate, or a
+  composite of parts) and of the embeddings and the output layer;
+* **collectives per layer**: the collectives the plan puts in one layer (layer 1, away from the
+  embedding), forward all-reduces (g) first;
+* **bytes per rank at tp=8**: the largest rank's parameter bytes (bfloat16) against serial;
+* **equivalence**: the worst relative error (loss, logits, every gradient) of the parallel model
+  against serial on a tiny float64 configuration of the family at tp=2 and tp=3, on local gloo
+  ranks, planner's choice under a layout-forcing workload;
+* **capture+plan s**: wall seconds of ``autotp.plan`` for the full-size model (this machine).
+"""
+from __future__ import annotations
+
+import re
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from common import machine, publish
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+#: the published configuration shown for each family
+SHOWN = {"gpt2": "gpt2-xl", "llama": "llama-3-8b", "mistral": "mistral-7b", "qwen2": "qwen2-7b",
+         "gpt-neox": "gpt-neox-20b", "gpt-j": "gpt-j-6b", "falcon": "falcon-7b", "falcon-new": "falcon-40b",
+         "gpt-bigcode": "starcoder-15b", "opt": "opt-6.7b", "bert": "bert-large", "t5": "t5-large"}
+TP = 8
+
+
+def layer_of(name: str) -> int | None:
+    m = re.search(r"\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
+def summarize_layout(plan) -> str:
+    """Roles of layer 1's weight matrices and of the matrices outside the layers."""
+    parts = []
+    for name, role in plan.roles.items():
+        if len(plan.shapes[name]) < 2:
+            continue
+        layer = layer_of(name)
+        if layer not in (None, 1):
+            continue
+        short = re.sub(r"^.*?\.1\.", "", name) if layer == 1 else name
+        parts.append(f"`{short.removesuffix('.weight')}` {role}")
+    return "; ".join(parts)
+
+
+def collectives_in_layer(plan, layer: int = 1) -> str:
+    counts: dict[str, int] = {}
+    for c in plan.comms:
+        if layer_of(c.module + ".") == layer or f".{layer}." in f"{c.module}.":
+            counts[c.kind] = counts.get(c.kind, 0) + 1
+    order = sorted(counts, key=lambda k: (k != "g", k != "f", k))
+    return ", ".join(f"{k}={counts[k]}" for k in order) or "none"
+
+
+def plan_row(family: str, size: str) -> dict:
+    import autotp
+    from autotp import zoo
+
+    config = zoo.published_config(size)
+    model = zoo.build(family, config, device="meta", dtype=torch.bfloat16)
+    start = time.perf_counter()
+    plan = autotp.plan(model, tp=TP)
+    seconds = time.perf_counter() - start
+    per_rank = plan.param_bytes_per_rank()
+    return {"plan": "ok", "layout": summarize_layout(plan), "layer": collectives_in_layer(plan),
+            "bytes": f"{max(per_rank) / 1e9:.2f} GB of {plan.serial_param_bytes() / 1e9:.2f} GB",
+            "seconds": f"{seconds:.1f}"}
+
+
+def equivalence_task(family: str, tp: int) -> float:
+    """On each rank: a tiny float64 model of ``family`` at ``tp``; the worst relative error."""
+    import autotp
+    from autotp import zoo
+    from autotp.testing import equivalence_errors
+
+    heads = 2 * tp
+    config = zoo.tiny_config(family, layers=2, heads=heads, kv_heads=max(1, heads // 4), head_dim=8,
+                             vocab=16 * tp + 5)
+    model = zoo.build(family, config, dtype=torch.float64)
+    if hasattr(type(model), "loss_function") and zoo.FAMILIES[family].task == "causal":
+        from autotp.testing import keep_loss_precision
+
+        keep_loss_precision(model)
+    inputs = zoo.example_batch(family, config, batch=2, seq=7)
+    # a large planning workload, so the cost model splits even this tiny model
+    pm = autotp.parallelize(model, tp, batch=64, seq=4096, profile="h100-dgx")
+    errors = equivalence_errors(model, pm, inputs)
+    return max(errors.values())
+
+
+def equivalence_row(family: str) -> str:
+    from autotp.testing import launch
+
+    worst = []
+    for tp in (2, 3):
+        results = launch(equivalence_task, tp, family, tp, timeout=600)
+        worst.append(f"tp={tp}: {max(results):.1e}")
+    return ", ".join(worst)
+
+
+def main(argv: list[str]) -> None:
+    families = argv or list(SHOWN)
+    rows = []
+    for family in families:
+        size = SHOWN[family]
+        print(f"... {family} ({size})", flush=True)
+        try:
+            row = plan_row(family, size)
+        except Exception as exc:   # the page reports what failed, with the error
+            traceback.print_exc()
+            row = {"plan": f"fails: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}", "layout": "",
+                   "layer": "", "bytes": "", "seconds": ""}
+        try:
+            row["equivalence"] = equivalence_row(family)
+        except Exception as exc:
+            traceback.print_exc()
+            row["equivalence"] = f"fails: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        rows.append((family, size, row))
+    lines = [
+        "# Model zoo",
+        "",
+        "Every model family autotp is tested on: planned at its published size on the meta device at",
+        f"tp={TP} (default profile and workload, bfloat16), and checked against the serial model on a tiny",
+        "float64 configuration of the same family on local gloo ranks. Written by",
+        "`benchmarks/model_zoo.py`; regenerate with `.venv/bin/python benchmarks/model_zoo.py`.",
+        "",
+        machine(),
+        "",
+        "| family | model | plan | layout (layer 1 and outside the layers) | collectives per layer | "
+        f"parameters per rank at tp={TP} | equivalence (float64, tiny) | capture+plan s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for family, size, r in rows:
+        lines.append(f"| {family} | {size} | {r['plan']} | {r['layout']} | {r['layer']} | {r['bytes']} | "
+                     f"{r['equivalence']} | {r['seconds']} |")
+    publish(lines, ROOT / "docs" / "models.md" if not argv else None)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
