@@ -38,7 +38,7 @@ BINARY = [
     aten.gt.Tensor, aten.ge.Tensor, aten.__and__.Tensor, aten.__or__.Tensor,
     aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.logical_and.default,
     aten.logical_or.default, aten.maximum.default, aten.minimum.default, aten.where.self,
-    aten.where.ScalarOther, aten.where.ScalarSelf,
+    aten.where.ScalarOther,
     aten.masked_fill.Scalar, aten.masked_fill.Tensor,
 ]
 
