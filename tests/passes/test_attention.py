@@ -80,16 +80,31 @@ def test_rotary_cat_costs_no_collective_in_llama():
     assert not [c for c in plan.comms if c.kind in ("all_gather", "scatter") and c.consumer.startswith(("cat", "add"))]
 
 
-def test_fewer_kv_heads_than_ranks_replicates_kv_and_slices_it_to_the_query_heads():
-    _, model = _model("llama", 8, 2)
+@pytest.mark.parametrize("heads, kv, tp", [(8, 2, 2), (8, 4, 2), (8, 4, 4), (6, 3, 3)])
+def test_kv_heads_dividing_tp_meet_the_query_heads_without_a_conversion(heads, kv, tp):
+    # k split by kv heads, expanded by repeat_kv and reshaped: S(1/n_rep) on the query heads,
+    # which same_placement finds equal to q's S(1).
+    _, model = _model("llama", heads, kv)
     cap = capture(model)
-    plan, _, prop = build_plan(cap, 4, **WORKLOAD)
-    q, k = plan.params["model.layers.0.self_attn.q_proj.weight"], plan.params["model.layers.0.self_attn.k_proj.weight"]
-    assert repr(q).startswith("S(0") and repr(k) == "R"
-    sdpa = [n for n in _attention_nodes(cap.graph)]
-    local_slices = [c for c in prop.comms if c.kind == "scatter" and c.consumer == sdpa[0].name]
-    assert len(local_slices) == 2    # k and v after repeat_kv: each rank takes its query heads' copies
-    assert plan.attention["model.layers.0.self_attn"] == [2, 2, 2, 2]
+    _, _, prop = build_plan(cap, tp, **WORKLOAD)
+    for node in _attention_nodes(cap.graph):
+        assert [c for c in prop.comms if c.consumer == node.name] == []
+
+
+@pytest.mark.parametrize("heads, kv, tp", [(8, 2, 4), (8, 2, 8), (6, 2, 4), (8, 1, 2)])
+def test_fewer_kv_heads_than_ranks_replicates_kv_and_slices_it_to_the_query_heads(heads, kv, tp):
+    _, model = _model("llama", heads, kv)
+    cap = capture(model)
+    plan, _, prop = build_plan(cap, tp, **WORKLOAD)
+    # q by heads; k and v whole on every rank at repeat_kv (projected replicated, or, where the
+    # cost model finds it cheaper for a single kv head, projected split and all-gathered)
+    assert repr(plan.params["model.layers.0.self_attn.q_proj.weight"]).startswith("S(0")
+    sdpa = _attention_nodes(cap.graph)[0]
+    at = [c for c in prop.comms if c.consumer == sdpa.name]
+    # k and v after repeat_kv: each rank slices the copies its query heads use (no head twice)
+    assert sorted(c.kind for c in at) == ["scatter", "scatter"]
+    share = [heads // tp + (r < heads % tp) for r in range(tp)]
+    assert sorted(plan.attention["model.layers.0.self_attn"], reverse=True) == share
 
 
 def test_no_heads_line_when_attention_runs_whole():
