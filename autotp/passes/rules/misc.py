@@ -43,10 +43,10 @@ def factory_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
 
 
 REPLICATED = [
-    aten.diff.default, aten.cumsum.default, aten.index.Tensor, aten.pad.default,
+    aten.diff.default, aten.cumsum.default, aten.pad.default,
     aten.constant_pad_nd.default, aten.gather.default, aten.scatter.src, aten.index_select.default,
     aten.topk.default, aten.sort.default, aten.argmax.default, aten.any.default, aten.all.default,
-    aten.cat.default, aten.stack.default, aten.flip.default, aten.roll.default,
+    aten.flip.default, aten.roll.default,
 ]
 
 
@@ -54,6 +54,21 @@ REPLICATED = [
 def replicated_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     # Correct whole; a sharded form would need index arithmetic these ops do not expose.
     return replicate_all(info, placements)
+
+
+@register(aten.index.Tensor)
+def index_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """``x[:, :, idx]`` (Falcon picks k and v out of its fused heads so): a shard of a dim left
+    whole (``None``) before the first index tensor keeps its place in the output; index
+    tensors stay whole. Anything else runs replicated."""
+    indices = info.args[1]
+    first = next((i for i, t in enumerate(indices) if t is not None), len(indices))
+    out = replicate_all(info, placements)
+    p = placements[0]
+    if is_shard(p) and p.dim < first and info.output is not None and \
+            info.output.shape[p.dim] == info.inputs[0].shape[p.dim]:
+        out.append(Strategy((p,) + tuple(REPLICATE for _ in info.inputs[1:]), p))
+    return out
 
 
 def _region_calls() -> list:
