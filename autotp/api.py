@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from .capture import Capture, capture as capture_model, module_path
+from .capture import Capture, capture as capture_model, example_like, module_path, seq_bounds
 from .cost_model import get_profile
 from .errors import ConfigError, DisagreementError, PlanError
 from .passes.checkpoint import checkpoint_layers
@@ -310,12 +310,33 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
 
     cap, result, index, prop = _on_every_rank_or_none(mesh, prepare)
     rng = RNGTracker(_agreed_seed(mesh, seed), mesh.tp_rank, mesh.dp_rank, device)
-    gm = rewrite(index, prop, mesh.tp_rank, mesh.tp_group, device, rng)
-    if activation_checkpointing:
-        gm = checkpoint_layers(gm, rng)
+
+    def program(index: GraphIndex, prop: Propagation) -> Any:
+        gm = rewrite(index, prop, mesh.tp_rank, mesh.tp_group, device, rng)
+        return checkpoint_layers(gm, rng) if activation_checkpointing else gm
+
+    def build(inputs: dict, training: bool) -> tuple:
+        """Another call signature's program under the same parameter layout (``result``)."""
+        def prepare_call():
+            was = model.training
+            model.train(training)
+            try:
+                call_cap = capture_model(model, example_kwargs=example_like(inputs, seq_bounds(model, seq_range)),
+                                         seq_range=seq_range)
+            finally:
+                model.train(was)
+            call_plan, call_index, call_prop = build_plan(
+                call_cap, tp, batch=batch, seq=seq or _default_seq(model),
+                profile=profile or _default_profile(device), plan=result, uneven=uneven,
+                gather_logits=gather_logits, memory_limit=memory_limit)
+            return call_cap, call_plan, call_index, call_prop
+
+        call_cap, call_plan, call_index, call_prop = _on_every_rank_or_none(mesh, prepare_call)
+        return call_cap, call_plan, program(call_index, call_prop)
+
     source = weights(mesh, model) if weights is not None else None
     with source or contextlib.nullcontext():
-        return ParallelModule(cap, result, gm, mesh, model, device, weights=source)
+        return ParallelModule(cap, result, program(index, prop), mesh, model, device, weights=source, build=build)
 
 
 def _on_every_rank_or_none(mesh: Any, step: Any) -> Any:

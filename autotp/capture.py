@@ -52,6 +52,7 @@ class Capture:
     input_dims: dict[str, str] = field(default_factory=dict)   # "input_ids.1" -> its symbol name
     aliases: dict[str, str] = field(default_factory=dict)  # unused tied param FQN -> the FQN used
     signature: inspect.Signature | None = None   # model.forward's, to name positional inputs
+    training: bool = True                # the model's mode at capture (dropout is in the graph or not)
     model_name: str = "the model"
 
     @property
@@ -179,6 +180,26 @@ def _example_seq(seq_range: tuple[int, int]) -> int:
     return lo
 
 
+def example_like(inputs: dict[str, Any], seq_range: tuple[int, int]) -> dict[str, Any]:
+    """Example inputs for capturing a call like ``inputs``: the same names, dtypes and values,
+    resized (tiled, then cut) to a batch of 2 and, for 2-D integer inputs, to the example length,
+    since export specializes a dim of size 0 or 1 (a one-token call) or one equal to a static
+    size of the model. Non-tensor inputs are kept as they are."""
+    length = _example_seq(seq_range)
+    out: dict[str, Any] = {}
+    for key, value in inputs.items():
+        if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.numel() == 0:
+            out[key] = value
+            continue
+        shape = list(value.shape)
+        shape[0] = EXAMPLE_BATCH
+        if value.dim() >= 2 and not value.is_floating_point():
+            shape[1] = length
+        reps = [-(-want // have) for want, have in zip(shape, value.shape)]
+        out[key] = value.repeat(*reps)[tuple(slice(0, n) for n in shape)].clone()
+    return out
+
+
 #: how often capture narrows the dynamic dims to torch's suggested fixes and tries again
 EXPORT_REFINEMENTS = 3
 
@@ -206,6 +227,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     finally:
         model.train(was_training)
     cap = _from_exported(ep, kwargs)
+    cap.training = was_training
     cap.aliases = _tied_aliases(model, cap)
     cap.signature, cap.model_name = forward_signature(model), type(model).__name__
     return cap

@@ -89,9 +89,12 @@ def equivalence_errors(model: nn.Module, pm: nn.Module, inputs: Mapping[str, Any
         errors["logits"] = relative_error(out.logits, expected)
         ref_loss.backward()
         out.loss.backward()
-    else:
-        first = ref[0] if isinstance(ref, (tuple, list)) else ref
-        got = out[0] if isinstance(out, (tuple, list)) else out
+    else:   # no loss (an inference call): the first output, squared and summed, drives backward
+        first = ref[0] if isinstance(ref, (tuple, list)) or hasattr(ref, "to_tuple") else ref
+        got = out[0] if isinstance(out, (tuple, list)) or hasattr(out, "to_tuple") else out
+        kept = plan.sharded_outputs.get("logits") if hasattr(ref, "logits") else None
+        if kept is not None:
+            first = local_shard(first, kept, plan.tp, rank)
         errors["output"] = relative_error(got, first)
         first.float().pow(2).sum().backward()
         got.float().pow(2).sum().backward()

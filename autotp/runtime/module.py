@@ -13,6 +13,7 @@ instead of a hang.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -39,31 +40,73 @@ class _ParamTree(nn.Module):
         mod.register_parameter(leaf, param)
 
 
+@dataclass
+class Program:
+    """One call signature's program: its capture, its plan (the module's one parameter layout,
+    this graph's collectives) and this rank's rewritten graph, with what feeds the graph."""
+
+    capture: Capture
+    plan: Plan
+    graph_module: fx.GraphModule
+    param_order: list[str]          # the parameter FQN fed to each parameter placeholder
+    buffer_order: list[str]         # the buffer FQN fed to each buffer placeholder
+    constants: list[torch.Tensor]
+
+    def serves(self, kwargs: dict[str, Any], training: bool) -> bool:
+        """Does this program compute a call with these inputs, in this mode? Same tensor inputs
+        (names, dtypes, ranks), same non-tensor flags (a flag left out takes the captured value)."""
+        cap = self.capture
+        if cap.training != training:
+            return False
+        for key, value in kwargs.items():
+            if key in cap.constant_inputs:
+                if isinstance(value, torch.Tensor) or value != cap.constant_inputs[key]:
+                    return False
+            elif key not in cap.input_keys or not isinstance(value, torch.Tensor):
+                return False
+        tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        wanted = [k for k in cap.input_keys if k not in cap.constant_inputs]
+        if sorted(tensors) != sorted(wanted):
+            return False
+        metas = {n.name: n.meta.get("val") for n in cap.graph.nodes if n.op == "placeholder"}
+        for key, node_name in zip(cap.input_keys, cap.user_inputs):
+            val = metas.get(node_name)
+            if key in tensors and isinstance(val, torch.Tensor):
+                if val.dtype != tensors[key].dtype or val.dim() != tensors[key].dim():
+                    return False
+        return True
+
+
+#: builds a program for a call: (inputs, training) -> (capture, plan, rewritten graph)
+ProgramBuilder = Callable[[dict, bool], tuple]
+
+
 class ParallelModule(nn.Module):
     def __init__(self, capture: Capture, plan: Plan, graph_module: fx.GraphModule, mesh: Any,
                  model: nn.Module, device: torch.device,
-                 weights: Callable[[str, Placement], torch.Tensor] | None = None):
+                 weights: Callable[[str, Placement], torch.Tensor] | None = None,
+                 build: ProgramBuilder | None = None):
         """``weights(fqn, placement)``, when given, returns this rank's part of a parameter (read
-        from a checkpoint); otherwise the parts are sliced from ``model``'s own tensors."""
+        from a checkpoint); otherwise the parts are sliced from ``model``'s own tensors.
+
+        ``build(inputs, training)`` makes the program of a call no program so far serves (other
+        inputs present, other dtypes, eval instead of train): captured on first use under this
+        module's parameter layout (``plan``), agreed by the TP group, then cached. Without it
+        the module runs the one program it was given."""
         super().__init__()
         #: the group the agreement checks talk over (CPU/gloo: no accelerator sync per call)
         self._control = getattr(mesh, "control_group", None) or getattr(mesh, "tp_group", None)
         check_agreement(fingerprint(plan, graph_module), self._control)
         #: compare every call's input shapes across the TP group (one tiny CPU all-reduce)
         self.check_inputs = True
-        self.capture = capture
-        self.plan = plan
-        self.graph_module = graph_module
         self.mesh = mesh
         self.device = device
+        self._build = build
         self.local = _ParamTree()
         full_params = dict(model.named_parameters(remove_duplicate=False))
-        full_buffers = dict(model.named_buffers(remove_duplicate=False))
         tp, rank = plan.tp, mesh.tp_rank if mesh is not None else 0
-        self._param_order: list[str] = []
         for placeholder, fqn in capture.param_names.items():
             if fqn in capture.aliases:      # a tied twin: fed the tensor it is tied to
-                self._param_order.append(capture.aliases[fqn])
                 continue
             p = plan.params[fqn]
             if weights is not None:
@@ -73,16 +116,65 @@ class ParallelModule(nn.Module):
                 local = local_shard(full, p, tp, rank) if isinstance(p, Shard) else full
                 local = local.to(device).clone()
             self.local.put(fqn, nn.Parameter(local, requires_grad=full_params[fqn].requires_grad))
-            self._param_order.append(fqn)
-        self._buffers_in: list[torch.Tensor] = []
-        for placeholder, fqn in capture.buffer_names.items():
-            if full_buffers[fqn].is_meta:
+        self._model_buffers = dict(model.named_buffers(remove_duplicate=False))
+        self._buffer_slots: dict[str, str] = {}     # buffer FQN -> the attribute holding it here
+        self._graphs = nn.ModuleDict()
+        self._programs: list[Program] = []
+        self._current = self._add_program(capture, plan, graph_module)
+        self._average_over_dp(getattr(mesh, "dp_group", None), getattr(mesh, "dp", 1))
+
+    # ---- the programs ---------------------------------------------------------------------
+    @property
+    def programs(self) -> list[Program]:
+        """Every program built so far, the first one the one ``parallelize`` captured."""
+        return list(self._programs)
+
+    @property
+    def capture(self) -> Capture:
+        return self._current.capture
+
+    @property
+    def plan(self) -> Plan:
+        """The plan of the program that ran last (the first one before any call): every program
+        holds the same parameter layout; their collectives differ with the inputs."""
+        return self._current.plan
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        return self._current.graph_module
+
+    def _add_program(self, capture: Capture, plan: Plan, graph_module: fx.GraphModule) -> Program:
+        if self._programs:   # the first was agreed at construction
+            check_agreement(fingerprint(plan, graph_module), self._control, "before a new program's first collective")
+        param_order = [capture.aliases.get(fqn, fqn) for fqn in capture.param_names.values()]
+        buffer_order = list(capture.buffer_names.values())
+        for fqn in buffer_order:
+            if fqn in self._buffer_slots:
+                continue
+            full = self._model_buffers[fqn]
+            if full.is_meta:
                 raise CheckpointError(f"buffer {fqn} is on the meta device: it is neither in the checkpoint "
                                       "nor computed by the model's constructor; load the model for real")
-            self.register_buffer(f"_buf_{len(self._buffers_in)}", full_buffers[fqn].to(device))
-            self._buffers_in.append(getattr(self, f"_buf_{len(self._buffers_in)}"))
-        self._constants = [capture.constants[name].to(device) for name in capture.constant_names.values()]
-        self._average_over_dp(getattr(mesh, "dp_group", None), getattr(mesh, "dp", 1))
+            slot = self._buffer_slots[fqn] = f"_buf_{len(self._buffer_slots)}"
+            self.register_buffer(slot, full.to(self.device))
+        constants = [capture.constants[name].to(self.device) for name in capture.constant_names.values()]
+        self._graphs[f"program_{len(self._programs)}"] = graph_module
+        program = Program(capture, plan, graph_module, param_order, buffer_order, constants)
+        self._programs.append(program)
+        return program
+
+    def _program_for(self, kwargs: dict[str, Any]) -> Program:
+        for program in [self._current, *self._programs]:
+            if program.serves(kwargs, self.training):
+                return program
+        if self._build is None:
+            raise InputError(
+                f"this call's inputs {sorted(kwargs)} (training={self.training}) are not the captured call's "
+                f"{self.capture.input_keys} (training={self.capture.training}), and this module cannot "
+                "capture another program; build it with autotp.parallelize"
+            )
+        capture, plan, graph_module = self._build(dict(kwargs), self.training)
+        return self._add_program(capture, plan, graph_module)
 
     def _average_over_dp(self, group: Any, dp: int) -> None:
         """Data parallelism across TP groups: each parameter's gradient is averaged over the DP
@@ -108,13 +200,15 @@ class ParallelModule(nn.Module):
         kwargs = bind_inputs(self.capture.signature, args, kwargs, self.capture.model_name)
         if self.check_inputs:  # first: the checks below then fail on every rank or on none
             names = sorted(kwargs)
-            check_same_inputs(input_signature(names, [kwargs[n] for n in names]), self._control)
-        flat = flat_inputs(self.capture, kwargs)
+            signature = input_signature(names, [kwargs[n] for n in names]) + (f"training: {self.training}",)
+            check_same_inputs(signature, self._control)
+        program = self._current = self._program_for(kwargs)
+        flat = flat_inputs(program.capture, kwargs)
         self._check_ranges(kwargs)
-        params = [self.local.get_parameter(fqn) for fqn in self._param_order]
-        buffers = [getattr(self, f"_buf_{i}") for i in range(len(self._buffers_in))]
-        outputs = self.graph_module(*params, *buffers, *self._constants, *flat)
-        return unflatten_outputs(self.capture, outputs)
+        params = [self.local.get_parameter(fqn) for fqn in program.param_order]
+        buffers = [getattr(self, self._buffer_slots[fqn]) for fqn in program.buffer_order]
+        outputs = program.graph_module(*params, *buffers, *program.constants, *flat)
+        return unflatten_outputs(program.capture, outputs)
 
     def _check_ranges(self, kwargs: dict[str, Any]) -> None:
         seen: dict[str, tuple[str, int]] = {}   # symbol -> (first input dim carrying it, its size)

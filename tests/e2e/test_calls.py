@@ -1,0 +1,83 @@
+"""One plan, many programs: every call a user makes on a parallel model equals the serial call.
+
+The parameter layout is chosen once; a call with other inputs (no labels, an attention mask,
+position or token-type ids) or in the other mode (eval/train) gets its own program, captured on
+first use under that layout and cached. The ranks keep one parallel model per tp across
+hypothesis examples, so the cache is exercised the way a user's loop exercises it."""
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import autotp
+from autotp.testing import TOLERANCE, equivalence_errors
+from tests.helpers import tiny_gpt2
+
+VOCAB = 100
+MEGATRON = {"*.c_attn.weight": "column", "*.attn.c_proj.weight": "row", "*.mlp.c_fc.weight": "column",
+            "*.mlp.c_proj.weight": "row", "lm_head.weight": "vocab"}
+_MODELS: dict = {}   # per rank process: tp -> (serial model, parallel model)
+
+
+def _models(tp: int):
+    if tp not in _MODELS:
+        model = tiny_gpt2(n_layer=2, n_head=4, vocab=VOCAB, dtype=torch.float64, seed=3)
+        model.config.resid_pdrop = model.config.embd_pdrop = model.config.attn_pdrop = 0.0
+        _MODELS[tp] = (model, autotp.parallelize(model, tp, layout=MEGATRON))
+    return _MODELS[tp]
+
+
+def call_matches_serial(case: dict) -> tuple[dict, int]:
+    model, pm = _models(case["tp"])
+    model.train(case["train"])
+    pm.train(case["train"])
+    gen = torch.Generator().manual_seed(case["seed"])
+    b, s = case["batch"], case["seq"] + case["labels"]   # a loss needs 2 tokens (labels shift by one)
+    inputs = {"input_ids": torch.randint(0, VOCAB, (b, s), generator=gen)}
+    if case["labels"]:
+        inputs["labels"] = torch.randint(0, VOCAB, (b, s), generator=gen)
+    if case["padding"] != "none":
+        mask = torch.ones(b, s, dtype=torch.long)
+        for row, n in enumerate(case["pads"][:b]):
+            n = min(n, s - 1)                      # every row keeps a token
+            if n:
+                mask[row, :n] = 0 if case["padding"] == "left" else 1
+                if case["padding"] == "right":
+                    mask[row, s - n:] = 0
+        inputs["attention_mask"] = mask
+    if case["position_ids"]:   # as generation makes them: counted over the kept tokens, from an offset
+        mask = inputs.get("attention_mask", torch.ones(b, s, dtype=torch.long))
+        inputs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0) + case["seed"] % 3
+    if case["token_type_ids"]:
+        inputs["token_type_ids"] = torch.randint(0, 2, (b, s), generator=gen)
+    return equivalence_errors(model, pm, inputs), len(pm.programs)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(tp=st.sampled_from([2, 4]), train=st.booleans(), labels=st.booleans(),
+       padding=st.sampled_from(["none", "left", "right"]), pads=st.lists(st.integers(0, 4), min_size=4, max_size=4),
+       position_ids=st.booleans(), token_type_ids=st.booleans(), batch=st.integers(1, 3), seq=st.integers(1, 9),
+       seed=st.integers(0, 99))
+def test_every_call_equals_the_serial_call_on_one_layout(cluster, **case):
+    for errors, programs in cluster.run(call_matches_serial, case):
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= TOLERANCE[torch.float64], (case, worst, errors[worst])
+
+
+def programs_after_repeated_calls() -> list[int]:
+    model = tiny_gpt2(n_layer=1, vocab=VOCAB, dtype=torch.float64)
+    pm = autotp.parallelize(model, 2, layout=MEGATRON)
+    ids = torch.randint(0, VOCAB, (2, 5))
+    counts = []
+    for kwargs in ({"input_ids": ids, "labels": ids}, {"input_ids": ids}, {"input_ids": ids[:, :3]},
+                   {"input_ids": ids, "labels": ids}, {"input_ids": ids}):
+        pm(**kwargs)
+        counts.append(len(pm.programs))
+    return counts
+
+
+def test_a_program_is_captured_once_per_call_signature(cluster):
+    # The first program is parallelize's (ids + labels); inference without labels adds one,
+    # any later call of a known signature, at any length, reuses it.
+    for counts in cluster.run(programs_after_repeated_calls):
+        assert counts == [1, 2, 2, 2, 2]
