@@ -212,7 +212,30 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                   memory_bytes=prop.memory_bytes, activation_bytes=prop.activation_bytes, memory_limit=limit,
                   expressions=cost_expressions(index, prop, prof), notes=notes,
                   attention=attention_heads(index, prop))
+    if plan is None and tp > 1:
+        note = _replicated_note(result, layout)
+        if note:
+            result.notes.append(note)
     return result, index, prop
+
+
+#: below this share of parameter bytes split across ranks, a plan says why and how to split more
+SPLIT_SHARE_NOTED = 0.5
+
+
+def _replicated_note(result: Plan, layout: Mapping[str, Any] | None) -> str | None:
+    """Why most of the model stays whole, and how to force splits, when the solver left it so."""
+    serial = result.serial_param_bytes()
+    saved = serial - max(result.param_bytes_per_rank())
+    share = saved / (serial * (1 - 1 / result.tp)) if serial else 1.0   # 1.0: every byte split tp ways
+    if share >= SPLIT_SHARE_NOTED:
+        return None
+    return (f"most of the model runs replicated (the split saves {share:.0%} of what splitting everything "
+            f"{result.tp} ways would): at this workload (batch={result.batch}, seq={result.seq}, profile "
+            f"{result.profile}) the collectives a split needs cost more than the compute it saves. To split "
+            "more: pin roles with layout={'<glob>': 'column'|'row'|'vocab'}, plan for the workload you will "
+            "run (batch=, seq=), or pass the profile of the hardware (profile=)"
+            + ("" if not layout else "; the given layout's pins are applied"))
 
 
 def _output_nodes(cap: Capture) -> list:
@@ -238,6 +261,13 @@ def plan(model: nn.Module, tp: int, *, batch: int = 8, seq: int | None = None, p
     tp = check_tp(tp)
     cap = capture_model(model, example_inputs, example_kwargs, seq_range=seq_range)
     check_heads(cap, tp, uneven)
+    if profile is None:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        runs = _default_profile(device) if device.type != "meta" else None
+        if runs is not None and runs != get_profile(None).name:
+            log.info("autotp.plan uses the default profile %s; parallelize on this model's device (%s) "
+                     "would default to %s: pass profile= to both to plan what runs",
+                     get_profile(None).name, device, runs)
     result, _, _ = build_plan(cap, tp, batch=batch, seq=seq or _default_seq(model), profile=profile,
                               layout=layout, uneven=uneven, gather_logits=gather_logits,
                               memory_limit=memory_limit, sequence_parallel=sequence_parallel)
@@ -309,6 +339,9 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
         return cap, result, index, prop
 
     cap, result, index, prop = _on_every_rank_or_none(mesh, prepare)
+    if mesh.tp_rank == 0 and mesh.dp_rank == 0:
+        for note in result.notes:   # once per parallelize, on one rank
+            log.warning("autotp plan note: %s", note)
     rng = RNGTracker(_agreed_seed(mesh, seed), mesh.tp_rank, mesh.dp_rank, device)
 
     def program(index: GraphIndex, prop: Propagation) -> Any:

@@ -239,3 +239,16 @@ def test_ranks_with_different_hash_seeds_choose_the_same_plan_byte_for_byte():
                               text=True, timeout=300, check=True)
         plans.append(done.stdout)
     assert plans[0] == plans[1] and '"autotp_plan": 1' in plans[0]
+
+
+def test_a_mostly_replicated_plan_says_why_and_how_to_split():
+    import autotp
+    from tests.helpers import tiny_gpt2
+
+    quiet = autotp.plan(tiny_gpt2(), tp=4)
+    (note,) = [n for n in quiet.notes if n.startswith("most of the model runs replicated")]
+    assert "layout=" in note and "batch=" in note and "profile=" in note
+    megatron = {"*.c_attn.weight": "column", "*.attn.c_proj.weight": "row", "*.c_fc.weight": "column",
+                "*.mlp.c_proj.weight": "row", "lm_head.weight": "vocab"}
+    split = autotp.plan(tiny_gpt2(), tp=4, layout=megatron)
+    assert not any(n.startswith("most of the model") for n in split.notes)
