@@ -67,6 +67,26 @@ def test_inputs_captured_with_one_length_called_with_two_are_refused(cluster):
         cluster.run(_unequal_lengths)
 
 
+def _out_of_vocabulary(which: str):
+    model = tiny_gpt2(vocab=100)
+    pm = autotp.parallelize(model, tp=2, layout={"lm_head.weight": "vocab"})
+    inputs = batch(100, s=5)
+    inputs[which][0, 2] = 100 if which == "input_ids" else -3
+    pm(**inputs)
+
+
+def test_token_ids_or_labels_outside_the_vocabulary_are_refused_like_serial(cluster):
+    # Serial raises IndexError; the vocab-parallel lookup and loss would mask the id away.
+    with pytest.raises(IndexError):
+        inputs = batch(100, s=5)
+        inputs["input_ids"][0, 2] = 100
+        tiny_gpt2(vocab=100)(**inputs)
+    with pytest.raises(InputError, match=r"input_ids holds 100, outside \[0, 100\)"):
+        cluster.run(_out_of_vocabulary, "input_ids")
+    with pytest.raises(InputError, match=r"labels holds -3, outside \[0, 100\).*-100 marks an ignored"):
+        cluster.run(_out_of_vocabulary, "labels")
+
+
 def test_input_longer_than_n_positions_is_refused_before_running(cluster):
     with pytest.raises(InputError, match=r"input_ids has 20 elements in dim 1 but the model was captured for "
                                          r"at most 16"):

@@ -13,7 +13,7 @@ instead of a hang.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -25,6 +25,7 @@ from ..plan import Plan
 from ..placements import Placement, Shard
 from .agreement import check_agreement, check_same_inputs, fingerprint, input_signature
 from .collectives import local_shard
+from .inputs import check_index_bounds, index_bounds
 
 
 class _ParamTree(nn.Module):
@@ -51,6 +52,7 @@ class Program:
     param_order: list[str]          # the parameter FQN fed to each parameter placeholder
     buffer_order: list[str]         # the buffer FQN fed to each buffer placeholder
     constants: list[torch.Tensor]
+    bounds: dict = field(default_factory=dict)   # input key -> the table it indexes (runtime/inputs.py)
 
     def serves(self, kwargs: dict[str, Any], training: bool) -> bool:
         """Does this program compute a call with these inputs, in this mode? Same tensor inputs
@@ -159,7 +161,8 @@ class ParallelModule(nn.Module):
             self.register_buffer(slot, full.to(self.device))
         constants = [capture.constants[name].to(self.device) for name in capture.constant_names.values()]
         self._graphs[f"program_{len(self._programs)}"] = graph_module
-        program = Program(capture, plan, graph_module, param_order, buffer_order, constants)
+        program = Program(capture, plan, graph_module, param_order, buffer_order, constants,
+                          index_bounds(capture))
         self._programs.append(program)
         return program
 
@@ -205,6 +208,7 @@ class ParallelModule(nn.Module):
         program = self._current = self._program_for(kwargs)
         flat = flat_inputs(program.capture, kwargs)
         self._check_ranges(kwargs)
+        check_index_bounds(program.bounds, kwargs)
         params = [self.local.get_parameter(fqn) for fqn in program.param_order]
         buffers = [getattr(self, self._buffer_slots[fqn]) for fqn in program.buffer_order]
         outputs = program.graph_module(*params, *buffers, *program.constants, *flat)

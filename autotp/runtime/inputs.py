@@ -1,0 +1,86 @@
+"""Call-time checks of integer inputs that index a table: never a silently wrong answer.
+
+Serially, a token id outside the vocabulary raises (``embedding``: index out of range) and so
+does a label outside it (``cross_entropy``: target out of bounds). On the vocab-parallel path
+each rank looks up only its own rows and masks the rest, so an id outside every rank's range
+would give a zero vector and a finite, wrong loss. So a program reads off its graph which user
+inputs index a table of which size (:func:`index_bounds`), and every call checks them before
+running (:func:`check_index_bounds`). The ranks of a TP group got the same inputs (checked
+first), so they all raise the same :class:`~autotp.errors.InputError` or none does.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+
+aten = torch.ops.aten
+
+#: ops through which an index tensor keeps its values (only moved, cut or padded)
+_CARRY = {
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.slice.Tensor,
+    aten.unsqueeze.default, aten.expand.default, aten.clone.default, aten.contiguous.default,
+    aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.to.device, aten.alias.default,
+    aten.pad.default, aten.constant_pad_nd.default,
+}
+
+
+def _source(node: Any, inputs: dict[str, str]) -> str | None:
+    """The user input ``node`` carries the values of, if any."""
+    for _ in range(32):
+        if not isinstance(node, fx.Node):
+            return None
+        if node.op == "placeholder":
+            return inputs.get(node.name)
+        if node.op != "call_function" or node.target not in _CARRY:
+            return None
+        node = node.args[0]
+    return None
+
+
+def index_bounds(capture: Any) -> dict[str, tuple[int, int | None, str]]:
+    """Input key -> (size of the table it indexes, an ignored value or None, what it indexes)."""
+    inputs = dict(zip(capture.user_inputs, capture.input_keys))
+    found: dict[str, tuple[int, int | None, str]] = {}
+    for node in capture.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is aten.embedding.default:
+            weight, index = node.args[0], node.args[1]
+            key, ignore, what = _source(index, inputs), None, "an embedding table"
+        elif node.target is aten.cross_entropy_loss.default:
+            weight, index = node.args[0], node.args[1]
+            ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
+            key, what = _source(index, inputs), "the classes of a cross-entropy loss"
+        else:
+            continue
+        val = weight.meta.get("val") if isinstance(weight, fx.Node) else None
+        if not isinstance(val, torch.Tensor):
+            continue
+        size = val.shape[0] if node.target is aten.embedding.default else val.shape[-1]
+        if key is not None and isinstance(size, int):
+            previous = found.get(key)
+            if previous is None or size < previous[0]:
+                found[key] = (size, ignore, what)
+    return found
+
+
+def check_index_bounds(bounds: dict[str, tuple[int, int | None, str]], kwargs: dict[str, Any]) -> None:
+    from ..errors import InputError
+
+    for key, (size, ignore, what) in bounds.items():
+        value = kwargs.get(key)
+        if not isinstance(value, torch.Tensor) or value.numel() == 0 or value.is_floating_point():
+            continue
+        kept = value if ignore is None else value[value != ignore]
+        if kept.numel() == 0:
+            continue
+        lo, hi = int(kept.min()), int(kept.max())
+        if lo < 0 or hi >= size:
+            bad = lo if lo < 0 else hi
+            raise InputError(
+                f"{key} holds {bad}, outside [0, {size}) ({key} indexes {what} of {size} rows"
+                + ("" if ignore is None else f"; {ignore} marks an ignored position") + "): "
+                "the serial model raises an IndexError here; fix the data or the tokenizer's vocabulary"
+            )
