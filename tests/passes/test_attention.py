@@ -120,25 +120,11 @@ def test_no_heads_line_when_attention_runs_whole():
 
 # ---------------------------------------------------------------- against the serial model
 
-def _rotary_without_no_grad(model) -> None:
-    """Run rotary embeddings' forward without its ``torch.no_grad()`` wrapper. The values and
-    gradients are the same (sin and cos come from a buffer and need no gradient), but the
-    wrapper reaches the captured graph as a higher-order op that the rewrite handles only once
-    the capture work on higher-order ops is merged; then this shim can go."""
-    import types
-
-    for mod in model.modules():
-        fwd = type(mod).forward
-        if "Rotary" in type(mod).__name__ and hasattr(fwd, "__wrapped__"):
-            mod.forward = types.MethodType(fwd.__wrapped__, mod)
-
-
 def check_family(family: str, tp: int, heads: int, kv: int | None, dtype: str) -> tuple[dict, dict]:
     logging.getLogger("autotp").setLevel(logging.ERROR)
     torch.manual_seed(0)
     config, model = _model(family, heads, kv, getattr(torch, dtype))
     model = keep_loss_precision(model)
-    _rotary_without_no_grad(model)
     inputs = zoo.example_batch(family, config, batch=2, seq=8, seed=0)
     pm = autotp.parallelize(model, tp, **WORKLOAD)
     errors = equivalence_errors(model, pm, inputs)
