@@ -6,8 +6,8 @@ no all-gather may bring a tensor whole before it (rotary's cat/stack/flatten, Ne
 Falcon's slices), and no scatter may split one before it except at the attention op itself (the
 replicated k/v of grouped-query attention with fewer kv heads than ranks, sliced locally to
 this rank's query heads). ``Plan.heads_per_rank`` and the printed line follow the real split.
-Equivalence with the serial model runs on gloo ranks for the families whose forward the
-capture turns into plain ATen ops.
+Equivalence with the serial model (forward and every gradient) runs on gloo ranks at tp 2 and
+3, uneven heads and fewer kv heads than ranks included.
 """
 from __future__ import annotations
 
@@ -144,6 +144,10 @@ EQUIVALENCE = [
     ("opt", 2, 8, None, "float64"), ("opt", 3, 8, None, "float64"),
     ("gpt-bigcode", 2, 8, 8, "float64"), ("gpt-bigcode", 3, 6, 6, "float64"), ("gpt-bigcode", 3, 6, 1, "float64"),
     ("gpt-j", 2, 8, None, "float32"), ("gpt-j", 3, 6, None, "float32"),
+    # rotary families; tp=3 with 2 kv heads: k and v replicated, sliced to each rank's query heads
+    ("llama", 2, 8, 2, "float64"), ("mistral", 2, 8, 4, "float64"), ("gpt-neox", 2, 8, None, "float64"),
+    ("falcon-new", 2, 8, 2, "float64"), ("llama", 3, 8, 2, "float64"), ("qwen2", 3, 6, 2, "float64"),
+    ("llama", 3, 6, 1, "float64"), ("gpt-neox", 3, 8, None, "float64"), ("falcon", 3, 8, 2, "float64"),
 ]
 
 
