@@ -26,6 +26,8 @@ from .runtime.rng import RNGTracker
 log = logging.getLogger("autotp")
 
 ROLES = ("column", "row", "vocab", "replicate")
+#: product -> the weight dim holding its output features (a head's vocabulary rows)
+_OUTPUT_ROWS = {torch.ops.aten.linear.default: 0, torch.ops.aten.mm.default: 1}
 
 
 def check_tp(tp: Any) -> int:
@@ -89,6 +91,10 @@ def _role_to_placement(role: str | Placement, fqn: str, ndim: int, use: tuple[An
     for d in range(ndim):
         if role_of(Shard(d), use[0] if use else None, use[1] if use else -1) == role:
             return Shard(d)
+    if role == "vocab" and use is not None and use[1] == 1 and use[0] in _OUTPUT_ROWS:
+        # an untied output head: its vocabulary rows are the product's output features, which
+        # Megatron splits as a column-parallel linear (the plan names it "column")
+        return Shard(_OUTPUT_ROWS[use[0]])
     raise ConfigError(f"layout for {fqn}: role {role!r} does not apply to how the model uses it")
 
 
