@@ -25,6 +25,7 @@ import torch.utils._pytree as pytree
 from torch import fx
 
 from .errors import CaptureError, ConfigError
+from .higher_order import inline_regions
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -244,6 +245,7 @@ def _from_exported(ep: torch.export.ExportedProgram, kwargs: dict[str, Any]) -> 
                 if vr is not None:
                     ranges[f"{key}.{d}"] = (int(vr.lower), int(vr.upper))
                 dim_symbols.setdefault(sym, "batch" if d == 0 else "seq")
+    inline_regions(gm)   # no_grad/autocast blocks in forward become plain ops (autotp.higher_order)
     graph = gm.graph
     _normalize(graph)
     gm.recompile()

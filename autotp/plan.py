@@ -51,6 +51,9 @@ class Plan:
     #: the predicted costs as sympy expressions (strings) in the symbols b (batch) and s (sequence)
     expressions: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)   # why the plan is what it is, where not obvious
+    #: module of each attention op that runs split by heads -> heads each rank computes (None:
+    #: a plan saved before this was recorded; heads are then read off the parameters alone)
+    attention: dict[str, list[int]] | None = None
 
     # ---- what users inspect -------------------------------------------------------------
     @property
@@ -103,10 +106,15 @@ class Plan:
         return total * self.dtype_bytes
 
     def heads_per_rank(self) -> dict[str, list[int]]:
-        """For each parameter split by whole heads (atoms wider than one element), how many
-        heads each rank holds: uneven where tp does not divide the head count."""
+        """For each parameter split by whole heads (atoms wider than one element) inside a module
+        whose attention really runs split by heads, how many heads each rank holds: uneven where
+        tp does not divide the head count. Empty when no attention is split (a q projection cut
+        by heads whose output is gathered before attention does not count)."""
         out = {}
+        split = None if self.attention is None else tuple(m + "." for m in self.attention)
         for name, p in self.params.items():
+            if split is not None and not name.startswith(split):
+                continue
             if isinstance(p, Shard) and p.unit > 1 and self.roles.get(name) == "column" and len(self.shapes[name]) > 1:
                 size = self.shapes[name][p.dim]
                 out[name] = [local_size(size, p, self.tp, r) // (p.chunks * p.unit) for r in range(self.tp)]
@@ -153,7 +161,7 @@ class Plan:
         cost = self.cost
         per_rank = ", ".join(f"{b / 1e6:.1f}" for b in cost["param_bytes_per_rank"])
         counts = ", ".join(f"{k}={v}" for k, v in sorted(self.comm_counts().items())) or "none"
-        heads = self.heads_per_rank()
+        heads = self.attention if self.attention is not None else self.heads_per_rank()
         if heads:
             first = next(iter(heads))
             uneven = sorted({tuple(v) for v in heads.values()})
@@ -193,6 +201,7 @@ class Plan:
             "compute_s": self.compute_s, "comm_s": self.comm_s,
             "memory_bytes": self.memory_bytes, "activation_bytes": self.activation_bytes,
             "memory_limit": self.memory_limit, "expressions": self.expressions, "notes": self.notes,
+            "attention": self.attention,
         }
         return json.dumps(doc, indent=1, sort_keys=True)
 
@@ -227,7 +236,7 @@ class Plan:
             sharded_outputs={k: from_json(v) for k, v in doc.get("sharded_outputs", {}).items()},
             memory_bytes=doc.get("memory_bytes", 0.0), activation_bytes=doc.get("activation_bytes", 0.0),
             memory_limit=doc.get("memory_limit"), expressions=doc.get("expressions", {}),
-            notes=doc.get("notes", []),
+            notes=doc.get("notes", []), attention=doc.get("attention"),
         )
 
 
@@ -255,6 +264,33 @@ def role_of(placement: Placement, first_use: Any, arg_pos: int) -> str:
     if first_use is aten.embedding.default and arg_pos == 0:
         return "vocab" if d == 0 else "column"
     return "column"  # a 1-D parameter split along a column-parallel output (its bias)
+
+
+def attention_heads(index: Any, prop: Any) -> dict[str, list[int]]:
+    """Module -> heads per rank, for each attention op the propagation runs split by heads:
+    ``scaled_dot_product_attention`` with q split on a static dim before [s, d], or the softmax
+    of eager attention's scores [..., heads, s, s] split on a static dim before the two sequence
+    dims. Read off the chosen strategies, so a projection cut by heads whose output is gathered
+    before attention shows nothing."""
+    import torch
+
+    from .capture import module_path
+
+    aten = torch.ops.aten
+    softmaxes = (aten._softmax.default, aten.softmax.int)
+    out: dict[str, list[int]] = {}
+    for node, strat in prop.chosen.items():
+        info = index.infos[node]
+        meta = info.inputs[0] if info.inputs else None
+        scores = node.target in softmaxes and meta.ndim >= 3 and not any(s.is_Integer for s in meta.shape[-2:])
+        if not (scores or node.target is aten.scaled_dot_product_attention.default):
+            continue
+        p = strat.inputs[0]
+        if not isinstance(p, Shard) or p.dim >= meta.ndim - 2 or meta.static(p.dim) is None:
+            continue
+        size = meta.static(p.dim)
+        out.setdefault(module_path(node), [local_size(size, p, index.tp, r) for r in range(index.tp)])
+    return out
 
 
 def param_bytes_per_rank(index: Any, prop: Any) -> list[int]:

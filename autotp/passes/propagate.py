@@ -173,12 +173,24 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
 
     args, kwargs = pytree.tree_map(swap, (node.args, dict(node.kwargs)))
     info = OpInfo(node.target, tuple(args), kwargs, tuple(metas), _out_meta(node), tp, uneven=uneven)
-    if node.target in (aten.mm.default, aten.linear.default, aten.embedding.default, aten.bmm.default):
+    if node.target in (aten.numpy_T.default, aten.t.default) and isinstance(info.output, TensorMeta) \
+            and info.output.ndim == 2:
+        # A transposed weight (Falcon's ``x @ weight.T``): the product's column hint names the
+        # blocks of this transpose's dim 1, its output features.
+        users = [u for u in node.users if u.target in (aten.mm.default, aten.matmul.default)
+                 and len(u.args) > 1 and u.args[1] is node]
+        if users and isinstance(_out_meta(users[0]), TensorMeta):
+            rotate = _layer_index(param_names.get(getattr(node.args[0], "name", ""), ""))
+            info.hints[1] = column_hint(users[0], _out_meta(users[0]).ndim - 1) + (rotate,)
+    if node.target in (aten.mm.default, aten.linear.default, aten.embedding.default, aten.bmm.default,
+                       aten.matmul.default):
         out = info.output
         if isinstance(out, TensorMeta):
             # Layers rotate which rank takes an uneven split's extra head, so that parameter
             # memory evens out across ranks over the depth of the model.
             weight = node.args[1] if node.target is not aten.embedding.default else node.args[0]
+            if isinstance(weight, fx.Node) and weight.target in (aten.numpy_T.default, aten.t.default):
+                weight = weight.args[0]   # the transpose's hint rotates by the same layer
             rotate = _layer_index(param_names.get(getattr(weight, "name", ""), ""))
             info.hints[out.ndim - 1] = column_hint(node, out.ndim - 1) + (rotate,)
     return info, inputs

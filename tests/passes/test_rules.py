@@ -637,6 +637,179 @@ def test_transposes_squeezes_slices_and_expands_carry_the_shard_along(case):
     check_case(case)
 
 
+# ---------------------------------------------------------------- rotary embeddings and fused attention
+
+@st.composite
+def join_cases(draw) -> Case:
+    """cat (rotate_half's ``cat([-x2, x1], -1)``, NeoX's partial rotary) and stack (GPT-J's
+    interleaved rotation) of 1-3 tensors; half the time every input holds the same shard."""
+    gen, tp = _gen(draw), draw(tps)
+    shape = draw(shapes(1, 4, st.integers(1, 6)))
+    nd = len(shape)
+    n = draw(st.integers(1, 3))
+    if draw(st.booleans()):
+        target, dim = aten.cat.default, draw(st.integers(-nd, nd - 1))
+        # pieces differ along the join dim only; an empty piece too (NeoX's rotary_pct=1 tail)
+        tensors = [_tensor(gen, shape[:dim % nd] + (draw(st.integers(0, 4)),) + shape[dim % nd + 1:])
+                   for _ in range(n)]
+        others = [d for d in range(nd) if d != dim % nd]
+    else:
+        target, dim = aten.stack.default, draw(st.integers(-nd - 1, nd))
+        tensors = [_tensor(gen, shape) for _ in range(n)]
+        others = list(range(nd))
+    ps = [draw(placements(tuple(t.shape), tp, dims=[d for d, k in enumerate(t.shape) if k])) for t in tensors]
+    if others and draw(st.booleans()):
+        shard = draw(shards(tuple(tensors[0].shape), tp, others))
+        ps = [shard] * n
+    elif draw(st.booleans()):
+        ps = [P] * n
+    return Case(target, ([*tensors], dim), {}, tp, tuple(ps), seed=draw(seeds))
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=join_cases())
+def test_cat_and_stack_keep_a_shard_of_any_other_dim(case):
+    offered = check_case(case)
+    p = case.placements[0]
+    nd = case.args[0][0].ndim
+    dim = case.args[1] % (nd + (case.target is aten.stack.default))
+    if isinstance(p, Shard) and all(q == p for q in case.placements) and (
+            case.target is aten.stack.default or p.dim != dim):
+        od = p.dim + 1 if case.target is aten.stack.default and p.dim >= dim else p.dim
+        assert _offers(offered, case.placements, p.with_dim(od)), f"{case!r}: the shard is not kept"
+
+
+def test_rotate_half_keeps_the_heads_shard_local():
+    # Llama: q [b, heads, s, d] split by heads; rotate_half cats halves of d.
+    q = torch.randn(2, 8, 5, 6, dtype=F64)
+    x1, x2 = q[..., :3], q[..., 3:]
+    case = Case(aten.cat.default, ([-x2, x1], -1), {}, 4, (Shard(1), Shard(1)))
+    assert _offers(check_case(case), (Shard(1), Shard(1)), Shard(1))
+    assert not any(isinstance(s.output, Shard) and s.output.dim == 3
+                   for s in strategies(case.info(), (Shard(3), Shard(3))))
+
+
+@st.composite
+def copy_cases(draw) -> Case:
+    """flatten, repeat, repeat_interleave, broadcast_to, chunk, numpy_T: GPT-J's and Falcon's
+    rotary and fused-qkv plumbing."""
+    gen, tp = _gen(draw), draw(tps)
+    shape = draw(shapes(1, 4, st.integers(1, 5)))
+    nd = len(shape)
+    kind = draw(st.sampled_from(["flatten", "repeat", "repeat_interleave", "broadcast_to", "chunk", "numpy_T"]))
+    if kind == "flatten":
+        start = draw(st.integers(-nd, nd - 1))
+        end = draw(st.integers(start % nd, nd - 1))
+        target, other = aten.flatten.using_ints, (start, end - nd if draw(st.booleans()) else end)
+    elif kind == "repeat":
+        lead = [draw(st.integers(1, 3)) for _ in range(draw(st.integers(0, 2)))]
+        target, other = aten.repeat.default, (lead + [draw(st.integers(1, 3)) for _ in shape],)
+    elif kind == "repeat_interleave":
+        dim = draw(st.one_of(st.none(), st.integers(-nd, nd - 1)))
+        target, other = aten.repeat_interleave.self_int, (draw(st.integers(1, 3)), dim)
+    elif kind == "broadcast_to":
+        shape = tuple(1 if draw(st.booleans()) else s for s in shape)
+        lead = [draw(st.integers(1, 3)) for _ in range(draw(st.integers(0, 2)))]
+        target, other = aten.broadcast_to.default, (lead + [draw(st.integers(1, 3)) if s == 1 else s
+                                                           for s in shape],)
+    elif kind == "chunk":
+        target, other = aten.chunk.default, (draw(st.integers(1, 4)), draw(st.integers(-nd, nd - 1)))
+    else:
+        target, other = aten.numpy_T.default, ()
+    return draw(_case(target, [_tensor(gen, shape)], other, tp=tp))
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=copy_cases())
+def test_flatten_repeat_broadcast_chunk_and_transpose_carry_the_shard_along(case):
+    offered = check_case(case)
+    p = case.placements[0]
+    if isinstance(p, Shard) and case.target is aten.chunk.default and p.dim != case.args[2] % case.args[0].ndim:
+        assert any(s.inputs == (p,) and isinstance(s.output, tuple) for s in offered)
+
+
+def test_gpt_j_rotary_keeps_the_heads_shard_local():
+    # x [b, s, heads, d]: stack(-x_odd, x_even) on a new last dim, then flatten(-2) back to d.
+    x = torch.randn(2, 3, 4, 6, dtype=F64)
+    heads = Shard(2)
+    stacked = Case(aten.stack.default, ([-x[..., 1::2], x[..., ::2]], -1), {}, 2, (heads, heads))
+    assert _offers(check_case(stacked), (heads, heads), heads)
+    flat = Case(aten.flatten.using_ints, (torch.stack([x[..., 1::2], x[..., ::2]], -1), -2), {}, 2, (heads,))
+    assert _offers(check_case(flat), (heads,), heads)
+    sin = torch.randn(1, 3, 1, 3, dtype=F64)
+    widened = Case(aten.repeat_interleave.self_int, (sin, 2, 3), {}, 2, (Shard(1),))
+    assert _offers(check_case(widened), (Shard(1),), Shard(1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_a_free_weight_under_a_transpose_is_cut_the_way_the_product_hints(data):
+    # Falcon: x @ W.T with W [3*heads*d, h] fused q|k|v by heads.
+    tp = data.draw(tps)
+    gen = _gen(data.draw)
+    heads, head_dim = tp * data.draw(st.integers(1, 2)), data.draw(st.integers(1, 3))
+    n = 3 * heads * head_dim
+    target = data.draw(st.sampled_from([aten.numpy_T.default, aten.t.default]))
+    case = Case(target, (_tensor(gen, (n, 2 * tp)),), {}, tp, (None,), hints={1: (1, 3 * head_dim, 0)})
+    column = Shard(1, 1, 3 * head_dim)
+    offered = check_case(case)
+    assert _offers(offered, (column.with_dim(0),), column)
+    assert any(s.output == Shard(0) and s.inputs == (Shard(1),) for s in offered)   # for a row-parallel use
+
+
+@st.composite
+def matmul_weight_cases(draw) -> Case:
+    gen, tp = _gen(draw), draw(tps)
+    batch = draw(shapes(1, 2, st.integers(1, 4)))
+    k, n = draw(sizes), draw(sizes)
+    hints = {len(batch): draw(hints_for(n, tp))} if draw(st.booleans()) else {}
+    return draw(_case(aten.matmul.default, [_tensor(gen, batch + (k,)), _tensor(gen, (k, n))], hints=hints,
+                      uneven=draw(st.booleans()), tp=tp))
+
+
+@settings(max_examples=80, deadline=None)
+@given(case=matmul_weight_cases())
+def test_matmul_with_a_two_dim_weight_is_column_or_row_parallel(case):
+    offered = check_case(case)
+    if case.placements[0] == Shard(case.args[0].ndim - 1) and case.args[0].shape[-1] >= case.tp:
+        assert any(isinstance(s.output, Partial) for s in offered)
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_index_keeps_a_shard_of_a_dim_before_the_first_index_tensor(data):
+    # Falcon's new architecture picks k and v out of [b, s, kv, n_rep + 2, d] with x[:, :, :, [-2]].
+    gen, tp = _gen(data.draw), data.draw(tps)
+    shape = data.draw(shapes(2, 4, st.integers(1, 5)))
+    at = data.draw(st.integers(0, len(shape) - 1))
+    idx = _tensor(gen, (data.draw(st.integers(1, 3)),), torch.long, -shape[at], shape[at])
+    x = _tensor(gen, shape)
+    p = data.draw(placements(shape, tp))
+    case = Case(aten.index.Tensor, (x, [None] * at + [idx]), {}, tp, (p, R), seed=data.draw(seeds))
+    offered = check_case(case)
+    if isinstance(p, Shard) and p.dim < at:
+        assert _offers(offered, (p, R), p)
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_in_place_add_never_converts_the_tensor_it_mutates(data):
+    # Falcon's ``mlp_output += attention_output``; the harness cannot rerun an in-place op on
+    # the inputs it mutated, so each strategy runs on fresh copies here.
+    gen, tp = _gen(data.draw), data.draw(tps)
+    out, (_, b_shape) = data.draw(broadcast_shapes(2))
+    a, b = _tensor(gen, out), _tensor(gen, b_shape)
+    have = data.draw(placements(out, tp))
+    info = op_info(aten.add.Tensor, (a, b), {}, tp)
+    info = replace(info, target=aten.add_.Tensor)
+    offered = strategies(info, (have, data.draw(placements(b_shape, tp))))
+    assert offered
+    for s in offered:
+        assert have is None or s.inputs[0] == have, f"{s!r} converts the mutated input {have!r}"
+        shim = replace(info, target=lambda x, y: aten.add_.Tensor(x.clone(), y))
+        check_strategy(shim, s, (a, b), {}, data.draw(seeds))
+
+
 # ---------------------------------------------------------------- pointwise
 
 POSITIVE = "positive"   # inputs kept away from zero and negative values (pow, log, ...)
@@ -710,6 +883,7 @@ BINARY_CASES = [
     (aten.logical_and.default, (torch.bool, torch.bool), (), {}),
     (aten.logical_or.default, (torch.bool, torch.bool), (), {}),
     (aten.where.self, (torch.bool, F64, F64), (), {}),
+    (aten.where.ScalarOther, (torch.bool, F64), (2.5,), {}),
     (aten.masked_fill.Scalar, ("out", torch.bool), (-1.5,), {}),
     (aten.masked_fill.Tensor, ("out", torch.bool, "scalar"), (), {}),
 ]
@@ -746,7 +920,6 @@ def _misc(gen) -> list[tuple]:
         (aten.scatter.src, (x, 1, i, _tensor(gen, (4, 3)))),
         (aten.topk.default, (x, 2)), (aten.sort.default, (x,)), (aten.argmax.default, (x, 1)),
         (aten.any.default, (b,)), (aten.all.default, (b,)),
-        (aten.cat.default, ([x, _tensor(gen, (2, 5))], 0)), (aten.stack.default, ([x, x + 1], 1)),
         (aten.flip.default, (x, [0, 1])), (aten.roll.default, (x, [1], [1])),
         (aten.arange.default, (5,)), (aten.arange.start, (2, 7)), (aten.arange.start_step, (1, 9, 3)),
         (aten.zeros.default, ([2, 3],)), (aten.ones.default, ([2, 3],)), (aten.full.default, ([2, 3], 1.5)),
@@ -806,6 +979,8 @@ def test_an_op_without_a_rule_runs_replicated_with_a_warning_naming_it(caplog, m
 def _linear_groups(case: Case) -> list[set[int]]:
     """The sets of tensor inputs the op is linear in, jointly (a Partial may stand exactly there)."""
     op, n = case.target, len(case.placements)
+    if op in (aten.cat.default, aten.stack.default):
+        return [set(range(n))]
     if op in (aten.add.Tensor, aten.sub.Tensor):
         scalars = [a for a in case.args[1:2] if not isinstance(a, torch.Tensor)]
         return [set(range(n))] if all(a == 0 for a in scalars) else []

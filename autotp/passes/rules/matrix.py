@@ -70,6 +70,9 @@ def linear_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
 def bmm_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     a, b = info.inputs
     pa, pb = placements
+    if info.target is aten.matmul.default and a.ndim >= 2 and b.ndim == 2:
+        # x [..., K] @ W [K, N]: Falcon's ``x @ weight.T``, column- or row-parallel like mm.
+        return _matmul_strategies(info, placements, w_out=1, w_in=0)
     if a.ndim < 2 or b.ndim < 2 or a.ndim != b.ndim:
         from . import replicate_all
 

@@ -43,14 +43,53 @@ def factory_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
 
 
 REPLICATED = [
-    aten.diff.default, aten.cumsum.default, aten.index.Tensor, aten.pad.default,
+    aten.diff.default, aten.cumsum.default, aten.pad.default,
     aten.constant_pad_nd.default, aten.gather.default, aten.scatter.src, aten.index_select.default,
     aten.topk.default, aten.sort.default, aten.argmax.default, aten.any.default, aten.all.default,
-    aten.cat.default, aten.stack.default, aten.flip.default, aten.roll.default,
+    aten.flip.default, aten.roll.default,
 ]
 
 
 @register(*REPLICATED)
 def replicated_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     # Correct whole; a sharded form would need index arithmetic these ops do not expose.
+    return replicate_all(info, placements)
+
+
+@register(aten.index.Tensor)
+def index_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """``x[:, :, idx]`` (Falcon picks k and v out of its fused heads so): a shard of a dim left
+    whole (``None``) before the first index tensor keeps its place in the output; index
+    tensors stay whole. Anything else runs replicated."""
+    indices = info.args[1]
+    first = next((i for i, t in enumerate(indices) if t is not None), len(indices))
+    out = replicate_all(info, placements)
+    p = placements[0]
+    if is_shard(p) and p.dim < first and info.output is not None and \
+            info.output.shape[p.dim] == info.inputs[0].shape[p.dim]:
+        out.append(Strategy((p,) + tuple(REPLICATE for _ in info.inputs[1:]), p))
+    return out
+
+
+def _region_calls() -> list:
+    from ...higher_order import REGION_CALLS
+
+    return list(REGION_CALLS)
+
+
+@register(*_region_calls())
+def region_call_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    # Grad-mode and autocast switches around an inlined region (autotp.higher_order): no data.
+    return [Strategy(tuple(REPLICATE for _ in info.inputs), None)]
+
+
+def _data_dependent_ops() -> list:
+    hop = torch.ops.higher_order
+    return [getattr(hop, name) for name in ("cond", "while_loop", "map_impl", "scan") if hasattr(hop, name)]
+
+
+@register(*_data_dependent_ops())
+def data_dependent_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    # Which branch runs depends on values: the op runs whole on every rank, its branch
+    # submodules carried into the rank's program by the rewrite.
     return replicate_all(info, placements)

@@ -158,12 +158,6 @@ def transpose_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     return _follow(info, placements, lambda s: s.with_dim(swap.get(s.dim, s.dim)))
 
 
-@register(aten.t.default)
-def t_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
-    nd = info.inputs[0].ndim
-    return _follow(info, placements, lambda s: s.with_dim(nd - 1 - s.dim) if nd == 2 else s)
-
-
 @register(aten.permute.default)
 def permute_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     nd = info.inputs[0].ndim
@@ -259,3 +253,121 @@ def split_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict,
         return info.target, (args[0], size) + tuple(args[2:]), kwargs
     sizes = [ctx.local(a, s, piece) for a, s in zip(args[1], pieces)]
     return info.target, (args[0], sizes) + tuple(args[2:]), kwargs
+
+
+# ---- joins and copies: rotary embeddings (rotate_half), GPT-J's interleaved rotation, repeat_kv
+
+def _joined_shards(info: OpInfo, placements: tuple, dim_of) -> list[Strategy]:
+    """cat/stack: every input takes the same shard of a dim other than the join dim, and the
+    output holds it on ``dim_of(input dim)``; a Partial passes when every input is Partial (the
+    join is linear). A shard of the join dim itself would need global offsets: not offered."""
+    n = len(info.inputs)
+    out = [Strategy(tuple(REPLICATE for _ in range(n)), REPLICATE)]
+    if n and all(is_partial(p) for p in placements):
+        out.append(Strategy(tuple(PARTIAL for _ in range(n)), PARTIAL))
+    seen = set()
+    for meta, p in zip(info.inputs, placements):
+        if not is_shard(p) or p in seen or meta.ndim != info.inputs[0].ndim:
+            continue
+        seen.add(p)
+        od = dim_of(p.dim)
+        if od is None or info.output.shape[od] != meta.shape[p.dim]:
+            continue
+        out.append(Strategy(tuple(p for _ in range(n)), p.with_dim(od)))
+    return out
+
+
+def _join_dim(info: OpInfo, ndim: int) -> int:
+    dim = info.args[1] if len(info.args) > 1 else info.kwargs.get("dim", 0)
+    return norm_dim(dim, ndim)
+
+
+@register(aten.cat.default)
+def cat_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """rotate_half's ``cat([-x2, x1], -1)`` on the head dim keeps a heads shard local."""
+    metas = info.inputs
+    if len({m.ndim for m in metas}) != 1:   # legacy 1-D empty inputs: keep it whole
+        return [Strategy(tuple(REPLICATE for _ in metas), REPLICATE)]
+    dim = _join_dim(info, metas[0].ndim)
+    return _joined_shards(info, placements, lambda d: None if d == dim else d)
+
+
+@register(aten.stack.default)
+def stack_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    dim = _join_dim(info, info.output.ndim)
+    return _joined_shards(info, placements, lambda d: d + 1 if d >= dim else d)
+
+
+@register(aten.flatten.using_ints)
+def flatten_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """A reshape whose arguments name dims, not sizes: no localizer needed (dims untouched by
+    the shard keep their sizes; a merged shard is the view's ``(chunks, unit)`` mapping)."""
+    src, dst = info.inputs[0].shape, info.output.shape
+    return _follow(info, placements, lambda s: map_view_shard(src, dst, s))
+
+
+@register(aten.numpy_T.default, aten.t.default)
+def weight_transpose_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """``x @ weight.T`` (Falcon's linear): the shard follows the transpose. A free weight (or
+    one split on the matching dim) may also be cut afresh on either dim, in the form the
+    product hints for its output features (fused q/k/v, whole heads): column- and
+    row-parallel products then find their weight already laid out."""
+    nd = info.inputs[0].ndim
+    out = _follow(info, placements, lambda s: s.with_dim(nd - 1 - s.dim) if nd == 2 or
+                  info.target is aten.numpy_T.default else s)
+    p = placements[0]
+    if nd != 2 or is_partial(p):
+        return out
+    for od in range(nd):
+        fresh = info.fresh_shard(od)
+        if fresh is not None and (p is None or (is_shard(p) and p.dim == nd - 1 - od)) and \
+                not any(s.output == fresh for s in out):
+            out.append(Strategy((fresh.with_dim(nd - 1 - od),), fresh))
+    return out
+
+
+@register(aten.repeat.default)
+def repeat_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """Tiling copies whole dims: a shard survives on a dim repeated once."""
+    reps = list(info.args[1])
+    lead = len(reps) - info.inputs[0].ndim
+    return _follow(info, placements, lambda s: s.with_dim(s.dim + lead) if reps[s.dim + lead] == 1 else None)
+
+
+@register(aten.repeat_interleave.self_int)
+def repeat_interleave_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """GPT-J's sin/cos widened element by element along the head dim: a shard of any other dim
+    survives; without a dim the input is flattened, so only whole tensors."""
+    dim = info.args[2] if len(info.args) > 2 else info.kwargs.get("dim")
+    if dim is None:
+        return _follow(info, placements, lambda s: None)
+    dim = norm_dim(dim, info.inputs[0].ndim)
+    return _follow(info, placements, lambda s: None if s.dim == dim else s)
+
+
+@register(aten.broadcast_to.default)
+def broadcast_to_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    return expand_rule(info, placements)
+
+
+register_localizer(aten.broadcast_to.default)(_size_list_localizer(1))
+
+
+def _chunk_pieces(info: OpInfo) -> tuple[int, int]:
+    dim = info.args[2] if len(info.args) > 2 else info.kwargs.get("dim", 0)
+    return norm_dim(dim, info.inputs[0].ndim), len(info.output)
+
+
+@register(aten.chunk.default)
+def chunk_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """GPT-NeoX's fused q|k|v per head, ``[b, heads, s, 3*d].chunk(3, -1)``: a heads shard
+    passes to every piece. A shard of the chunked dim is not offered (the pieces' local sizes
+    would not follow ``chunk``'s rounding)."""
+    p = placements[0]
+    dim, n = _chunk_pieces(info)
+    out = [Strategy((REPLICATE,), tuple(REPLICATE for _ in range(n)))]
+    if is_partial(p):
+        out.append(Strategy((PARTIAL,), tuple(PARTIAL for _ in range(n))))
+    elif is_shard(p) and p.dim != dim:
+        out.append(Strategy((p,), tuple(p for _ in range(n))))
+    return out
