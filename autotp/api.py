@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import fnmatch
+import re
 import inspect
 import logging
 import operator
@@ -26,6 +27,8 @@ from .runtime.rng import RNGTracker
 log = logging.getLogger("autotp")
 
 ROLES = ("column", "row", "vocab", "replicate")
+#: product -> the weight dim holding its output features (a head's vocabulary rows)
+_OUTPUT_ROWS = {torch.ops.aten.linear.default: 0, torch.ops.aten.mm.default: 1}
 
 
 def check_tp(tp: Any) -> int:
@@ -109,6 +112,10 @@ def _role_to_placement(role: str | Placement, fqn: str, ndim: int, use: tuple[An
     for d in range(ndim):
         if role_of(Shard(d), use[0] if use else None, use[1] if use else -1) == role:
             return Shard(d)
+    if role == "vocab" and use is not None and use[1] == 1 and use[0] in _OUTPUT_ROWS:
+        # an untied output head: its vocabulary rows are the product's output features, which
+        # Megatron splits as a column-parallel linear (the plan names it "column")
+        return Shard(_OUTPUT_ROWS[use[0]])
     raise ConfigError(f"layout for {fqn}: role {role!r} does not apply to how the model uses it")
 
 
@@ -416,11 +423,12 @@ def from_pretrained(path: str, tp: int, *, model_class: Any = None, dtype: torch
     """Parallelize a HuggingFace checkpoint folder without ever holding the whole model.
 
     The model is built from ``path``'s config on the meta device (``model_class(config)``: a
-    model class or any callable; default ``AutoModelForCausalLM.from_config``), captured and
+    model class or any callable; default: the class the config names in ``architectures``, so
+    masked-LM and seq2seq checkpoints load as such, else ``AutoModelForCausalLM``), captured and
     planned there; each rank then reads only its own
     slices of the safetensors files (:mod:`autotp.runtime.checkpoint`). ``dtype`` defaults to
     the config's. Other keywords are :func:`parallelize`'s."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from .runtime.checkpoint import CheckpointReader
 
@@ -429,9 +437,10 @@ def from_pretrained(path: str, tp: int, *, model_class: Any = None, dtype: torch
     reader = CheckpointReader(path)    # fails early, before any collective, on a folder without weights
     with torch.device("meta"):
         if model_class is None:
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = _architecture(config).from_config(config, dtype=dtype)
         else:
             model = model_class(config).to(dtype)
+    _compute_buffers(model, set(reader.names()))
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
 
@@ -441,6 +450,81 @@ def from_pretrained(path: str, tp: int, *, model_class: Any = None, dtype: torch
     defaults = {name: p.default for name, p in inspect.signature(parallelize).parameters.items()
                 if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "device"}   # one source of defaults
     return _parallelize(model, tp, weights, device=device, **{**defaults, **parallelize_kwargs})
+
+
+def _architecture(config: Any) -> Any:
+    """What builds the model a checkpoint was saved from: the class its config names
+    (``BertForMaskedLM``, ``T5ForConditionalGeneration``, ...), else ``AutoModelForCausalLM``."""
+    import transformers
+
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return _FromConfig(cls)
+    return transformers.AutoModelForCausalLM
+
+
+class _FromConfig:
+    """``cls`` with the ``from_config(config, dtype=)`` call of the Auto classes."""
+
+    def __init__(self, cls: Any):
+        self.cls = cls
+
+    def from_config(self, config: Any, dtype: torch.dtype) -> nn.Module:
+        return self.cls._from_config(config, dtype=dtype)
+
+
+def _compute_buffers(model: nn.Module, saved: set[str]) -> None:
+    """Give float buffers a checkpoint does not hold (rotary ``inv_freq``: computed, not saved)
+    the values the model's own initializer computes (``_init_weights``), on the CPU. A buffer
+    the initializer leaves unset stays on the meta device, which the parallel module reports."""
+    init = getattr(model, "_init_weights", None)
+    if init is None:
+        return
+    for prefix, module in model.named_modules():
+        # buffers, and plain tensor attributes (a copy such as rotary's original_inv_freq)
+        held = {**{k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)}, **module._buffers}
+        missing = {name: b for name, b in held.items() if b is not None and b.is_meta and b.is_floating_point()
+                   and f"{prefix}.{name}".lstrip(".") not in saved}
+        if not missing or any(True for _ in module.parameters(recurse=False)):
+            continue
+        for name, b in missing.items():
+            _set_tensor(module, name, torch.full(b.shape, float("nan"), dtype=b.dtype))
+        with torch.no_grad():
+            init(module)
+        for name, b in missing.items():
+            if torch.isnan(getattr(module, name)).any():   # not computed by the initializer
+                _set_tensor(module, name, b)
+
+
+def _set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    if name in module._buffers:
+        module._buffers[name] = value
+    else:
+        setattr(module, name, value)
+
+
+def _saved_names(model: nn.Module, keys: list[str]) -> dict[str, str]:
+    """Parameter name -> checkpoint key, for the keys transformers renames when it loads this
+    model class (GPT-NeoX's checkpoints hold ``embed_out.weight`` for ``lm_head.weight``). Only
+    plain renames: a transform that merges or splits tensors is not applied (``find`` then names
+    the missing tensor)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+
+        renames = [t for t in get_model_conversion_mapping(model) if type(t) is WeightRenaming]
+    except (ImportError, AttributeError, TypeError):   # an older transformers renames nothing
+        return {}
+    out = {}
+    for key in keys:
+        name = key
+        for rename in renames:   # each source pattern (a regex) becomes the first target
+            for source in rename.source_patterns:
+                name = re.sub(source, rename.target_patterns[0], name)
+        if name != key:
+            out[name] = key
+    return out
 
 
 class _CheckpointWeights:
@@ -456,6 +540,7 @@ class _CheckpointWeights:
         self.twins: dict[int, list[str]] = {}
         for name, p in self.params.items():
             self.twins.setdefault(id(p), []).append(name)
+        self.saved_as = _saved_names(meta_model, reader.names())
         shown = progress and mesh.tp_rank == 0 and mesh.dp_rank == 0
         self.bar = Progress(transient=True, disable=not shown)
         self.task = self.bar.add_task(f"loading {reader.folder.name} (TP rank {mesh.tp_rank} of {mesh.tp})",
@@ -471,6 +556,7 @@ class _CheckpointWeights:
     def __call__(self, fqn: str, placement: Placement) -> torch.Tensor:
         meta = self.params[fqn]
         names = [fqn] + [n for n in self.twins[id(meta)] if n != fqn]
+        names += [self.saved_as[n] for n in names if n in self.saved_as]
         local = self.reader.read_local(self.reader.find(names), tuple(meta.shape), placement, self.tp, self.rank,
                                        meta.dtype)
         self.bar.advance(self.task)

@@ -344,7 +344,7 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
         else:
             comm[(c.kind, _meta(nodes[c.tensor]))] += 1
     compute_total = sympy.Add(*(n * compute_time_expr(*first[k], profile, index.tp, index.env)
-                                for k, n in compute.items()))
+                                for k, n in compute.items())) + prop.update_s   # the optimizer step: constant
     comm_total = sympy.Add(*(n * collective_time_expr(kind, bytes_expr(meta, profile.dtype_bytes), profile, index.tp)
                              for (kind, meta), n in comm.items()))
     return {key: str(expr.xreplace(rename).evalf(6)) for key, expr in (("compute_s", compute_total),

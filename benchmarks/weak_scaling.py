@@ -119,7 +119,9 @@ def main() -> None:
         "- **Ideal collectives.** Ring all-reduce is priced at the bus bandwidth with 2 us per step and no "
         "contention, and no overlap is assumed either way; NCCL on the DGX-2H in 2019 reached less than this "
         "at 8 GPUs for the 25-50 MB messages of these models.",
-        "- **The rest of a step.** Optimizer update, gradient clipping and data loading are not in the graph; "
+        "- **The rest of a step.** The optimizer update is priced (AdamW reads and writes 16 B of state per "
+        "parameter held, at memory bandwidth: about 37-44 ms of each step, as parameters per GPU stay about "
+        "constant); gradient clipping and data loading are not; "
         "replicated layer norms, dropouts and residual adds are (they do not shrink with tp, which is part of "
         "the predicted loss of efficiency).",
     ]

@@ -115,3 +115,62 @@ def test_interleaved_column_slices_read_from_the_file_equal_slices_of_the_tensor
         got = reader.read_local("transformer.h.0.attn.c_attn.weight", tuple(full.shape), shard, tp, rank,
                                 torch.float64)
         assert torch.equal(got, local_shard(full.detach(), shard, tp, rank))
+
+
+# ---- other families: untied (Llama, GPT-NeoX) and tied (OPT) vocabularies, read vocab-parallel
+FAMILY_VOCAB = {"llama": ("model.embed_tokens.weight", "lm_head.weight"),
+                "gpt-neox": ("gpt_neox.embed_in.weight", "lm_head.weight"),
+                "opt": ("model.decoder.embed_tokens.weight", "lm_head.weight")}
+
+
+def _precise_from_config(config):
+    """The checkpoint's own architecture (as from_pretrained picks it), its loss kept float64."""
+    from autotp.api import _architecture
+
+    return keep_loss_precision(_architecture(config).from_config(config, dtype=torch.float64))
+
+
+def _family_load_and_compare(path, family):
+    from transformers import AutoConfig
+
+    from autotp import zoo
+    from autotp.api import _architecture
+    from autotp.testing import equivalence_errors
+
+    layout = {name: "vocab" for name in FAMILY_VOCAB[family]}
+    pm = autotp.from_pretrained(path, tp=2, model_class=_precise_from_config, layout=layout, progress=False)
+    config = AutoConfig.from_pretrained(path)
+    serial = keep_loss_precision(_architecture(config).cls.from_pretrained(path, dtype=torch.float64))
+    from tests.e2e.test_embeddings import _vanishing_gradients
+
+    errors = equivalence_errors(serial, pm, zoo.example_batch(family, config, batch=2, seq=6, seed=3))
+    _vanishing_gradients(serial, pm, errors)   # OPT's k_proj.bias: an exactly-zero gradient
+    worst = max(errors, key=errors.get)
+    return (worst, errors[worst]), {n: pm.plan.params[n] for n in FAMILY_VOCAB[family] if n in pm.plan.params}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_VOCAB))
+def test_from_pretrained_loads_each_family_vocab_parallel_and_matches_serial(cluster_of, family, tmp_path):
+    from autotp import zoo
+
+    config = zoo.tiny_config(family, layers=1, heads=2, head_dim=4, vocab=45)
+    zoo.build(family, config, dtype=torch.float64, seed=5).save_pretrained(tmp_path)
+    for (name, worst), split in cluster_of(2).run(_family_load_and_compare, str(tmp_path), family):
+        assert worst <= 1e-9, (name, worst)
+        assert split and all(p == Shard(0) for p in split.values()), split   # vocabulary rows per rank
+
+
+@pytest.mark.parametrize("family, name", [("llama", "LlamaForCausalLM"), ("bert", "BertForMaskedLM"),
+                                          ("t5", "T5ForConditionalGeneration")])
+def test_from_pretrained_builds_the_architecture_the_config_names(family, name, tmp_path):
+    from transformers import AutoConfig
+
+    from autotp import zoo
+    from autotp.api import _architecture
+
+    zoo.build(family, zoo.tiny_config(family, layers=1, heads=2, head_dim=4, vocab=45)).save_pretrained(tmp_path)
+    config = AutoConfig.from_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = _architecture(config).from_config(config, dtype=torch.bfloat16)
+    assert type(model).__name__ == name
+    assert next(model.parameters()).dtype == torch.bfloat16

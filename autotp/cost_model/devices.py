@@ -40,6 +40,13 @@ class DeviceProfile:
     def memory_time(self, nbytes: float) -> float:
         return nbytes / self.mem_bw
 
+    def update_time(self, numel: float) -> float:
+        """Seconds an optimizer step spends on ``numel`` parameters held on a rank: AdamW is
+        memory-bound, reading and writing each parameter's whole training state once (weight,
+        gradient, master copy, two moments: ``state_bytes_per_param`` each way). This is what a
+        replicated table costs every step beyond its memory, and what a split saves."""
+        return 2 * self.state_bytes_per_param * numel / self.mem_bw
+
     def all_reduce_time(self, nbytes: float, n: int) -> float:
         """Ring all-reduce: 2(n-1)/n of the bytes cross each link, in 2(n-1) steps."""
         if n <= 1:

@@ -65,6 +65,7 @@ class Propagation:
     comm_s: float
     memory_bytes: float = 0.0      # training state + activations on the largest rank
     activation_bytes: float = 0.0  # ... of which activations kept for backward
+    update_s: float = 0.0          # ... of compute_s: the optimizer step on the parameters held
     infeasible: str | None = None
     pending: tuple | None = None   # (op, number of strategies): where an exploring walk stopped
 
@@ -313,6 +314,12 @@ def param_memory(index: "GraphIndex", profile: DeviceProfile, node: fx.Node, pla
     return profile.state_bytes_per_param * val.numel() * frac
 
 
+def param_update_seconds(index: "GraphIndex", profile: DeviceProfile, node: fx.Node, placement: Any) -> float:
+    """Seconds the optimizer step spends on a parameter's state on the largest rank (see
+    :meth:`DeviceProfile.update_time`): splitting a parameter saves this time, not only memory."""
+    return profile.update_time(param_memory(index, profile, node, placement) / profile.state_bytes_per_param)
+
+
 def wants_f(want: Any, sharded: bool, meta: TensorMeta) -> bool:
     """f goes where a replicated float tensor feeds sharded compute: its gradient is a summand."""
     return isinstance(want, Replicate) and sharded and meta.is_float
@@ -334,7 +341,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
     params: dict[str, Placement] = {}
     conversions: dict[tuple, str] = {}
     comms: list[Comm] = []
-    compute = comm = memory = activations = 0.0
+    compute = comm = memory = activations = update = 0.0
     env = index.env
 
     def record(node: fx.Node, meta: TensorMeta, dst: Placement, f: bool, consumer: fx.Node) -> None:
@@ -352,8 +359,8 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
             comms.append(Comm(k, node.name, place[node], dst, consumer.name, full, fw_b, bw_b, fw_s + bw_s))
 
     def infeasible(why: str) -> Propagation:
-        return Propagation(tp, place, chosen, params, conversions, comms, compute, comm, memory, activations,
-                           infeasible=why)
+        return Propagation(tp, place, chosen, params, conversions, comms, compute + update, comm, memory,
+                           activations, update_s=update, infeasible=why)
 
     for node in cap.graph.nodes:
         if node.op == "placeholder":
@@ -365,6 +372,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
                         place[node] = decided          # fully given (a loaded plan)
                         params[node.name] = decided
                         memory += param_memory(index, profile, node, decided)
+                        update += param_update_seconds(index, profile, node, decided)
                     else:
                         place[node] = decided
                         if isinstance(decided, Shard):
@@ -372,6 +380,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
                         else:
                             params[node.name] = decided
                             memory += param_memory(index, profile, node, decided)
+                            update += param_update_seconds(index, profile, node, decided)
                 else:
                     place[node] = None
                     unresolved[node] = None
@@ -449,6 +458,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
                 place[inp] = want
                 params[inp.name] = want
                 memory += param_memory(index, profile, inp, want)
+                update += param_update_seconds(index, profile, inp, want)
             if f or place[inp] != want:
                 record(inp, meta, want, f, node)
         place[node] = best.output
@@ -457,7 +467,9 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
         params[node.name] = REPLICATE
         if cap.param_names[node.name] not in cap.aliases:   # a tied name holds no memory of its own
             memory += param_memory(index, profile, node, REPLICATE)
-    return Propagation(tp, place, chosen, params, conversions, comms, compute, comm, memory, activations)
+            update += param_update_seconds(index, profile, node, REPLICATE)
+    return Propagation(tp, place, chosen, params, conversions, comms, compute + update, comm, memory, activations,
+                       update_s=update)
 
 
 def _even(meta: TensorMeta, shard: Shard, tp: int) -> bool:

@@ -197,6 +197,8 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             target, args, kwargs = loc(info, strategy, tuple(args), kwargs, ctx)
         if device is not None and isinstance(kwargs.get("device"), torch.device):
             kwargs["device"] = device
+        if device is not None:   # positional too: aten.to.device(x, device, dtype)
+            args = tuple(device if isinstance(a, torch.device) else a for a in args)
         if rng is not None and not isinstance(target, nn.Module) and draws_random(target, tuple(args), kwargs):
             outs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
             state = "sharded" if any(isinstance(p, Shard) for p in outs) else "replicated"

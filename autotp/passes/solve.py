@@ -46,7 +46,8 @@ from ..cost_model.devices import DeviceProfile
 from ..errors import PlanError
 from ..placements import REPLICATE, Partial, Placement, Shard, same_placement
 from .propagate import (INF, GraphIndex, Propagation, _dim_size, _even, _meta, _out_meta, _sharded_compute,
-                        conversion_seconds, internal_seconds, param_memory, propagate, wants_f)
+                        conversion_seconds, internal_seconds, param_memory, param_update_seconds, propagate,
+                        wants_f)
 from .repeats import Layer, LayerFinder, Shift
 
 @dataclass
@@ -91,6 +92,7 @@ class _Solver:
         self.fixed: dict[fx.Node, Placement] = {}    # placed from the start: inputs, pinned-whole params
         self.free: dict[fx.Node, Any] = {}           # params placed by first use: None or Shard(d)
         self.memory0 = 0.0
+        self.seconds0 = 0.0     # the optimizer step on parameters placed before solving
         for n in self.nodes:
             if n.op != "placeholder":
                 continue
@@ -100,10 +102,12 @@ class _Solver:
                         isinstance(decided, Shard) and (decided.chunks, decided.unit) == (1, 1)):
                     self.fixed[n] = decided
                     self.memory0 += param_memory(index, profile, n, decided)
+                    self.seconds0 += param_update_seconds(index, profile, n, decided)
                 elif n.users:
                     self.free[n] = decided if n.meta["val"].dim() >= 2 else None
                 elif self.cap.param_names[n.name] not in self.cap.aliases:   # a tied name holds nothing itself
                     self.memory0 += param_memory(index, profile, n, REPLICATE)
+                    self.seconds0 += param_update_seconds(index, profile, n, REPLICATE)
             else:
                 self.fixed[n] = REPLICATE
         for n in self.nodes:
@@ -142,6 +146,7 @@ class _Solver:
                         cost = INF
                         break
                     mem += param_memory(index, profile, inp, want)
+                    cost += param_update_seconds(index, profile, inp, want)
                     paid = frozenset()
                     if f:
                         cost += conversion_seconds(index, profile, meta, want, want, True)
@@ -298,7 +303,7 @@ class _Solver:
         front = states[()]
         best = min(front, key=lambda e: (e[0], e[1]))
         self.reused = reused
-        return _expand(_choices(best)), best[0], best[1] + self.memory0
+        return _expand(_choices(best)), best[0] + self.seconds0, best[1] + self.memory0
 
 
 def _choices(entry: Entry) -> tuple:
