@@ -1,0 +1,39 @@
+"""Encoder and encoder–decoder families under Megatron's layout, against serial in float64:
+BERT's masked-LM head (transform + decoder tied to the word embeddings) with token-type
+embeddings, and T5's encoder–decoder (self and cross attention, relative position bias, the
+tied shared embedding and untied head). The layout is pinned by role; the rest is the planner's."""
+import pytest
+import torch
+
+import autotp
+from autotp import zoo
+from autotp.testing import TOLERANCE, equivalence_errors
+
+LAYOUTS = {
+    "bert": {"*.query.weight": "column", "*.key.weight": "column", "*.value.weight": "column",
+             "*.attention.output.dense.weight": "row", "*.intermediate.dense.weight": "column",
+             "*.output.dense.weight": "row", "*.word_embeddings.weight": "vocab",
+             "cls.predictions.decoder.weight": "vocab"},
+    "t5": {"*.q.weight": "column", "*.k.weight": "column", "*.v.weight": "column", "*.o.weight": "row",
+           "*.wi.weight": "column", "*.wo.weight": "row", "lm_head.weight": "vocab", "shared.weight": "vocab"},
+}
+
+
+def encoder_matches_serial(family: str, tp: int) -> tuple[dict, dict]:
+    config = zoo.tiny_config(family, layers=2, heads=4, head_dim=8, vocab=67)
+    model = zoo.build(family, config, dtype=torch.float64)
+    pm = autotp.parallelize(model, tp, layout=LAYOUTS[family])
+    inputs = zoo.example_batch(family, config, seq=7)
+    if family == "bert":
+        inputs["token_type_ids"] = (torch.arange(7) >= 4).long().repeat(2, 1)
+    return equivalence_errors(model, pm, inputs), pm.plan.roles
+
+
+@pytest.mark.parametrize("family", ["bert", "t5"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_encoder_families_under_megatrons_layout_match_serial(cluster, family, tp):
+    for errors, roles in cluster.run(encoder_matches_serial, family, tp):
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= TOLERANCE[torch.float64], (worst, errors[worst])
+        splits = [name for name, role in roles.items() if role in ("column", "row", "vocab")]
+        assert "vocab" in roles.values() and len(splits) >= 12   # the output head and every layer split
