@@ -825,6 +825,7 @@ UNARY_CASES = [
     (aten.to.dtype, (torch.float32,), {}, F64),
     (aten.to.dtype_layout, (), {"dtype": torch.float32, "layout": torch.strided}, F64),
     (aten._to_copy.default, (), {"dtype": torch.float32}, F64),
+    (aten.to.device, (torch.device("cpu"), torch.float32), {}, F64),
     (aten.dropout.default, (0.0, True), {}, F64), (aten.dropout.default, (0.5, False), {}, F64),
     (aten.add.Scalar, (1.5,), {}, F64), (aten.sub.Scalar, (1.5,), {}, F64),
     (aten.ne.Scalar, (0.0,), {}, F64), (aten.eq.Scalar, (1,), {}, torch.long),

@@ -27,7 +27,7 @@ UNARY = [
     aten.tanh.default, aten.exp.default, aten.log.default, aten.sqrt.default, aten.rsqrt.default,
     aten.relu.default, aten.gelu.default, aten.silu.default, aten.sigmoid.default, aten.abs.default,
     aten.pow.Tensor_Scalar, aten.sin.default, aten.cos.default, aten.erf.default,
-    aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.type_as.default,
+    aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default,
     aten.dropout.default, aten.add.Scalar, aten.sub.Scalar, aten.reciprocal.default,
     aten.ne.Scalar, aten.eq.Scalar, aten.lt.Scalar, aten.le.Scalar, aten.gt.Scalar, aten.ge.Scalar,
     aten.logical_not.default, aten.bitwise_not.default, aten.clamp.default, aten.square.default,
