@@ -30,6 +30,7 @@ FLOOR = 1e-3  # see errors_against_serial
 #: The errors a fuzzed model may legitimately meet; each is an entry of docs/errors.md.
 DOCUMENTED = [
     (PlanError, r"no feasible plan|the given plan does not fit"),
+    (PlanError, r"tp=\d+ exceeds the \d+ attention heads of .* \(read off its attention op\)"),
     (ConfigError, r"layout for .*: role '\w+' does not apply to how the model uses it"),
 ]
 
