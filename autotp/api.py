@@ -39,25 +39,45 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_heads(model: nn.Module, tp: int, uneven: bool) -> None:
+def attention_head_counts(cap: Capture) -> dict[str, int]:
+    """Module -> number of query heads of each attention op in the graph, read off the op's
+    operands (not a config's attribute names): ``scaled_dot_product_attention``'s q is
+    ``[..., heads, s, d]``; eager attention's softmax of scores is ``[..., heads, s, s]``."""
+    aten = torch.ops.aten
+    found: dict[str, int] = {}
+    for node in cap.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is aten.scaled_dot_product_attention.default:
+            val = node.args[0].meta.get("val")
+        elif node.target in (aten._softmax.default, aten.softmax.int):
+            val = node.args[0].meta.get("val")
+            if not (isinstance(val, torch.Tensor) and val.dim() >= 3
+                    and all(isinstance(d, torch.SymInt) for d in val.shape[-2:])):
+                continue
+        else:
+            continue
+        if isinstance(val, torch.Tensor) and val.dim() >= 3 and not isinstance(val.shape[-3], torch.SymInt):
+            found.setdefault(module_path(node), int(val.shape[-3]))
+    return found
+
+
+def check_heads(cap: Capture, tp: int, uneven: bool) -> None:
     """Heads are the dimension Megatron splits attention by: name it when it does not divide."""
-    config = getattr(model, "config", None)
-    heads = None
-    for name in ("n_head", "num_attention_heads"):
-        if isinstance(getattr(config, name, None), int):
-            heads, attr = getattr(config, name), name
-            break
-    if heads is None:
+    counts = attention_head_counts(cap)
+    if not counts:
         return
+    where, heads = min(counts.items(), key=lambda kv: kv[1])
+    where = where or "the model"
     if tp > heads:
         raise PlanError(
-            f"tp={tp} exceeds the model's {heads} attention heads (config.{attr}={heads}): a rank would "
-            f"hold no head; choose tp <= {heads}"
+            f"tp={tp} exceeds the {heads} attention heads of {where} (read off its attention op): a rank "
+            f"would hold no head; choose tp <= {heads}"
         )
     if heads % tp and not uneven:
         raise PlanError(
-            f"{heads} attention heads (config.{attr}) cannot be split {tp} ways evenly; "
-            f"choose tp in {_divisors(heads)}"
+            f"{heads} attention heads ({where}) cannot be split {tp} ways evenly with uneven=False; "
+            f"choose tp in {_divisors(heads)} or pass uneven=True"
         )
 
 
@@ -206,16 +226,19 @@ def _output_nodes(cap: Capture) -> list:
 def plan(model: nn.Module, tp: int, *, batch: int = 8, seq: int | None = None, profile: Any = None,
          layout: Mapping[str, Any] | None = None, uneven: bool = True, gather_logits: bool = True,
          example_inputs: tuple = (), example_kwargs: dict | None = None,
-         memory_limit: float | None = None, sequence_parallel: bool | None = None) -> Plan:
+         memory_limit: float | None = None, sequence_parallel: bool | None = None,
+         seq_range: tuple[int, int] | None = None) -> Plan:
     """Choose a plan for ``model`` at ``tp`` without any process group (a meta model works).
 
     ``gather_logits=False`` plans for training: logits stay split by vocabulary (the loss is
     computed vocab-parallel either way) and the b*s*V all-gather is not paid.
     ``memory_limit``: bytes per rank the plan may use (default: the profile's device memory).
-    ``sequence_parallel``: see :func:`build_plan` (default: only when memory calls for it)."""
+    ``sequence_parallel``: see :func:`build_plan` (default: only when memory calls for it).
+    ``seq_range=(min, max)``: sequence lengths the captured program accepts (default: 2 up to
+    the config's maximum positions, else as wide as torch.export allows)."""
     tp = check_tp(tp)
-    check_heads(model, tp, uneven)
-    cap = capture_model(model, example_inputs, example_kwargs)
+    cap = capture_model(model, example_inputs, example_kwargs, seq_range=seq_range)
+    check_heads(cap, tp, uneven)
     result, _, _ = build_plan(cap, tp, batch=batch, seq=seq or _default_seq(model), profile=profile,
                               layout=layout, uneven=uneven, gather_logits=gather_logits,
                               memory_limit=memory_limit, sequence_parallel=sequence_parallel)
@@ -239,7 +262,8 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
                 device: torch.device | str | None = None,
                 backend: str | None = None, seed: int | None = None,
                 activation_checkpointing: bool = False,
-                sequence_parallel: bool | None = None) -> "ParallelModule":
+                sequence_parallel: bool | None = None,
+                seq_range: tuple[int, int] | None = None) -> "ParallelModule":
     """Split ``model`` over this rank's TP group; see the module docs and docs/architecture.md.
 
     ``activation_checkpointing=True`` recomputes each repeated layer in backward instead of
@@ -258,26 +282,27 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
                         uneven=uneven, gather_logits=gather_logits, memory_limit=memory_limit,
                         example_inputs=example_inputs, example_kwargs=example_kwargs, device=device,
                         backend=backend, seed=seed, activation_checkpointing=activation_checkpointing,
-                        sequence_parallel=sequence_parallel)
+                        sequence_parallel=sequence_parallel, seq_range=seq_range)
 
 
 def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, layout: Mapping[str, Any] | None,
                  profile: Any, batch: int, seq: int | None, uneven: bool, gather_logits: bool,
                  memory_limit: float | None, example_inputs: tuple, example_kwargs: dict | None,
                  device: torch.device | str, backend: str | None, seed: int | None,
-                 activation_checkpointing: bool, sequence_parallel: bool | None = None) -> "ParallelModule":
+                 activation_checkpointing: bool, sequence_parallel: bool | None = None,
+                 seq_range: tuple[int, int] | None = None) -> "ParallelModule":
     from .runtime.mesh import get_mesh
     from .runtime.module import ParallelModule
 
     tp = check_tp(tp)
     mesh = get_mesh(tp, backend=backend)
-    check_heads(model, tp, uneven)
     if plan is not None and plan.tp != tp:
         raise ConfigError(f"the plan was made for tp={plan.tp}, not tp={tp}")
     device = torch.device(device)
 
     def prepare():
-        cap = capture_model(model, example_inputs, example_kwargs)
+        cap = capture_model(model, example_inputs, example_kwargs, seq_range=seq_range)
+        check_heads(cap, tp, uneven)
         result, index, prop = build_plan(cap, tp, batch=batch, seq=seq or _default_seq(model),
                                          profile=profile or _default_profile(device), layout=layout,
                                          plan=plan, uneven=uneven, gather_logits=gather_logits,

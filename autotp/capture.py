@@ -25,13 +25,15 @@ import torch.utils._pytree as pytree
 from torch import fx
 
 from .errors import CaptureError, ConfigError
+from .higher_order import inline_regions
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-#: Example sizes used for tracing; 0 and 1 are avoided since export specializes them.
+#: Example sizes used for tracing: 0 and 1 are avoided since export specializes them, and the
+#: length is chosen (`_example_seq`) so it does not equal a static size of the model.
 EXAMPLE_BATCH = 2
-EXAMPLE_SEQ = 8
+EXAMPLE_SEQ = 11
 
 
 @dataclass
@@ -47,6 +49,7 @@ class Capture:
     out_spec: Any
     range_constraints: dict[str, tuple[int, int]]   # "input_ids.1" -> (min, max)
     dim_symbols: dict[str, str] = field(default_factory=dict)  # sympy symbol name -> "batch"/"seq"
+    input_dims: dict[str, str] = field(default_factory=dict)   # "input_ids.1" -> its symbol name
     aliases: dict[str, str] = field(default_factory=dict)  # unused tied param FQN -> the FQN used
     signature: inspect.Signature | None = None   # model.forward's, to name positional inputs
     model_name: str = "the model"
@@ -82,7 +85,9 @@ def hf_example_kwargs(model: torch.nn.Module, batch: int = EXAMPLE_BATCH, seq: i
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
     labels = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
-    if device is not None and str(device) != "meta":
+    if device is not None:
+        # A meta model gets meta inputs: buffers it indexes with them (BERT's token types)
+        # live on the meta device too, and export only needs shapes.
         ids, labels = ids.to(device), labels.to(device)
     kwargs: dict[str, Any] = {"input_ids": ids, "labels": labels}
     if "use_cache" in inspect.signature(model.forward).parameters:
@@ -131,10 +136,14 @@ def _max_positions(model: torch.nn.Module) -> int | None:
     return None
 
 
-def _dynamic_shapes(kwargs: dict[str, Any], max_seq: int | None) -> dict[str, Any]:
+#: the widest sequence range tried when neither the model's config nor the caller bounds it
+DEFAULT_SEQ_RANGE = (2, 1 << 20)
+
+
+def _dynamic_shapes(kwargs: dict[str, Any], seq_range: tuple[int, int]) -> dict[str, Any]:
     """Batch (dim 0) and sequence (dim 1) of every 2-D integer input are dynamic."""
     batch = torch.export.Dim("batch", min=1, max=1 << 20)
-    seq = torch.export.Dim("seq", min=2, max=max_seq if max_seq else 1 << 20)
+    seq = torch.export.Dim("seq", min=seq_range[0], max=seq_range[1])
     shapes: dict[str, Any] = {}
     for key, value in kwargs.items():
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and not value.is_floating_point():
@@ -146,20 +155,52 @@ def _dynamic_shapes(kwargs: dict[str, Any], max_seq: int | None) -> dict[str, An
     return shapes
 
 
+def seq_bounds(model: torch.nn.Module, seq_range: tuple[int, int] | None = None) -> tuple[int, int]:
+    """The sequence lengths a capture should accept: ``seq_range`` if given, else 2 up to the
+    config's maximum positions, else :data:`DEFAULT_SEQ_RANGE` (export then narrows it to what
+    the model allows, e.g. a position table's length, or a minimum length the model needs)."""
+    if seq_range is not None:
+        lo, hi = seq_range
+        if not (isinstance(lo, int) and isinstance(hi, int) and 2 <= lo <= hi):
+            raise ConfigError(f"seq_range={seq_range!r}: give (min, max) lengths with 2 <= min <= max "
+                              "(lengths 0 and 1 are specialized by torch.export)")
+        return lo, hi
+    n_pos = _max_positions(model)
+    return (2, n_pos) if n_pos else DEFAULT_SEQ_RANGE
+
+
+def _example_seq(seq_range: tuple[int, int]) -> int:
+    """An example length inside the range that is unlikely to equal a static size of the model
+    (a head dim, a rotary dim: export would then tie the sequence to it)."""
+    lo, hi = seq_range
+    for length in (11, 13, 7, 5, 3, 2):
+        if lo <= length <= hi:
+            return length
+    return lo
+
+
+#: how often capture narrows the dynamic dims to torch's suggested fixes and tries again
+EXPORT_REFINEMENTS = 3
+
+
 def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None,
-            dynamic: bool = True) -> Capture:
-    """Export ``model`` and normalize its graph. See the module docstring."""
+            dynamic: bool = True, seq_range: tuple[int, int] | None = None) -> Capture:
+    """Export ``model`` and normalize its graph. See the module docstring.
+
+    ``seq_range=(min, max)``: the sequence lengths the captured program accepts (default: from
+    the model's config, else as wide as export allows)."""
+    bounds = seq_bounds(model, seq_range)
     if example_inputs or example_kwargs is not None:
         kwargs = bind_inputs(forward_signature(model), tuple(example_inputs), dict(example_kwargs or {}),
                              type(model).__name__)
     else:
-        kwargs = hf_example_kwargs(model, device=_device_of(model))
+        kwargs = hf_example_kwargs(model, seq=_example_seq(bounds), device=_device_of(model))
     if "use_cache" in _forward_params(model) and "use_cache" not in kwargs:
         kwargs["use_cache"] = False   # a KV cache is an inference-time output, not part of the graph
-    dynamic_shapes = _dynamic_shapes(kwargs, _max_positions(model)) if dynamic else None
+    dynamic_shapes = _dynamic_shapes(kwargs, bounds) if dynamic else None
     was_training = model.training
     try:
-        ep = torch.export.export(model, (), kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+        ep = _export(model, kwargs, dynamic_shapes)
     except Exception as exc:  # torch raises many types here; all mean "not capturable"
         raise CaptureError(_explain_export_failure(model, exc)) from exc
     finally:
@@ -168,6 +209,27 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     cap.aliases = _tied_aliases(model, cap)
     cap.signature, cap.model_name = forward_signature(model), type(model).__name__
     return cap
+
+
+def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: Any) -> torch.export.ExportedProgram:
+    """torch.export, narrowing the dynamic dims to torch's own suggested fixes when the model
+    allows less than asked (T5 needs 3 tokens or more; a position table bounds the length)."""
+    from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
+
+    for attempt in range(EXPORT_REFINEMENTS + 1):
+        try:
+            return torch.export.export(model, (), kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+        except Exception as exc:   # a constraint violation names its fix; anything else is final
+            fixes = _suggested_fixes(str(exc))
+            if dynamic_shapes is None or not fixes or attempt == EXPORT_REFINEMENTS:
+                raise
+            # torch's exc.msg is the block alone; str(exc) appends advice the parser cannot read
+            refined = refine_dynamic_shapes_from_suggested_fixes("Suggested fixes:\n" + fixes, dynamic_shapes)
+            if refined == dynamic_shapes:
+                raise
+            log.info("autotp: capture narrowed the dynamic dims to torch's suggested fixes and tries again")
+            dynamic_shapes = refined
+    raise AssertionError("unreachable")
 
 
 def _tied_aliases(model: torch.nn.Module, cap: Capture) -> dict[str, str]:
@@ -202,11 +264,30 @@ def _explain_export_failure(model: torch.nn.Module, exc: Exception) -> str:
         if m and "site-packages/torch" not in m.group(1):
             where = f" (at {m.group(1)}:{m.group(2)})"
     hint = "data-dependent control flow" if "data-dependent" in str(exc) or "GuardOnDataDependent" in type(exc).__name__ else type(exc).__name__
-    return (
+    message = (
         f"autotp could not capture {type(model).__name__} with torch.export(strict=False): "
         f"{hint}{where}: {first}. Make the forward traceable (no Python branches on tensor values, "
         "use torch.where/torch.cond), or pass example_kwargs that avoid that path."
     )
+    fixes = _suggested_fixes(str(exc))
+    if fixes:
+        message += (" torch suggests:\n" + fixes + "\n(autotp's sequence dim is 'seq', its batch dim 'batch': "
+                    "pass seq_range=(min, max) or example inputs of another length)")
+    return message
+
+
+def _suggested_fixes(text: str) -> str:
+    """torch's own "Suggested fixes:" block of a constraint violation, if the error has one."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.strip().startswith("Suggested fixes"):
+            block = []
+            for follow in lines[i + 1:]:
+                if not follow.strip():
+                    break
+                block.append(follow.rstrip())
+            return "\n".join(block)
+    return ""
 
 
 def _from_exported(ep: torch.export.ExportedProgram, kwargs: dict[str, Any]) -> Capture:
@@ -232,6 +313,7 @@ def _from_exported(ep: torch.export.ExportedProgram, kwargs: dict[str, Any]) -> 
     constant_inputs = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
     ranges: dict[str, tuple[int, int]] = {}
     dim_symbols: dict[str, str] = {}
+    input_dims: dict[str, str] = {}
     constraints = {str(sym): vr for sym, vr in ep.range_constraints.items()}
     for node, key in zip(user_nodes, keys):
         val = node.meta.get("val")
@@ -243,7 +325,9 @@ def _from_exported(ep: torch.export.ExportedProgram, kwargs: dict[str, Any]) -> 
                 vr = constraints.get(sym)
                 if vr is not None:
                     ranges[f"{key}.{d}"] = (int(vr.lower), int(vr.upper))
+                input_dims[f"{key}.{d}"] = sym
                 dim_symbols.setdefault(sym, "batch" if d == 0 else "seq")
+    inline_regions(gm)   # no_grad/autocast blocks in forward become plain ops (autotp.higher_order)
     graph = gm.graph
     _normalize(graph)
     gm.recompile()
@@ -259,6 +343,7 @@ def _from_exported(ep: torch.export.ExportedProgram, kwargs: dict[str, Any]) -> 
         out_spec=ep.call_spec.out_spec,
         range_constraints=ranges,
         dim_symbols=dim_symbols,
+        input_dims=input_dims,
     )
 
 

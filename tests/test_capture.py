@@ -58,3 +58,66 @@ def test_synthesized_inputs_include_labels_and_disable_the_cache():
     cap = capture(tiny_gpt2())
     assert cap.input_keys == ["input_ids", "labels", "use_cache"]
     assert cap.constant_inputs == {"use_cache": False}
+
+
+# ---- bounds from the model, families that need them -------------------------------------------
+import pytest  # noqa: E402
+
+from autotp import zoo  # noqa: E402
+from autotp.api import attention_head_counts, check_heads  # noqa: E402
+from autotp.errors import CaptureError, ConfigError, PlanError  # noqa: E402
+
+
+def test_a_minimum_length_the_model_needs_is_honoured():
+    # T5's relative-position buckets need 3 tokens or more: export says so, capture narrows to it.
+    config = zoo.tiny_config("t5", layers=1, heads=2, head_dim=4, vocab=40)
+    cap = capture(zoo.build("t5", config, device="meta"))
+    assert cap.range_constraints["input_ids.1"][0] == 3
+
+
+def test_a_model_with_buffers_indexed_by_its_inputs_captures_on_the_meta_device():
+    config = zoo.tiny_config("bert", layers=1, heads=2, head_dim=4, vocab=40)
+    meta = capture(zoo.build("bert", config, device="meta"))
+    real = capture(zoo.build("bert", config))
+    assert _ops(meta) == _ops(real)
+
+
+def _dtensor_test_transformer():
+    common = pytest.importorskip("torch.testing._internal.distributed._tensor.common_dtensor")
+    args = common.ModelArgs(n_layers=1, vocab_size=64, max_seq_len=16, dim=32, n_heads=4, dropout_p=0.0)
+    return common.Transformer(args)
+
+
+def test_a_model_without_config_gets_its_length_bound_from_export_and_heads_from_the_graph():
+    model = _dtensor_test_transformer()
+    cap = capture(model, example_inputs=(torch.randint(0, 64, (2, 7)),))
+    assert cap.range_constraints["tokens.1"][1] == 16     # its position table holds 16 rows
+    assert set(attention_head_counts(cap).values()) == {4}
+    with pytest.raises(PlanError, match="tp=8 exceeds the 4 attention heads"):
+        check_heads(cap, 8, uneven=True)
+    with pytest.raises(PlanError, match=r"choose tp in \[1, 2, 4\]"):
+        check_heads(cap, 3, uneven=False)
+    check_heads(cap, 3, uneven=True)
+
+
+def test_seq_range_bounds_the_captured_program():
+    cap = capture(tiny_gpt2(n_positions=24), seq_range=(4, 12))
+    assert cap.range_constraints["input_ids.1"] == (4, 12)
+    with pytest.raises(ConfigError, match="seq_range"):
+        capture(tiny_gpt2(), seq_range=(1, 12))
+
+
+def test_the_example_length_is_not_a_static_size_of_the_model():
+    # head_dim 8 and a length-8 example would let export tie the sequence to the head dim
+    cap = capture(tiny_gpt2(head_dim=8))
+    ids = next(n for n in cap.graph.nodes if n.name == "input_ids")
+    assert ids.meta["val"].shape[1] not in (8, 32)
+
+
+def test_a_capture_error_keeps_torchs_suggested_fix(monkeypatch):
+    import autotp.capture as capture_module
+
+    monkeypatch.setattr(capture_module, "EXPORT_REFINEMENTS", 0)   # no retry: the first violation surfaces
+    config = zoo.tiny_config("t5", layers=1, heads=2, head_dim=4, vocab=40)
+    with pytest.raises(CaptureError, match=r"(?s)torch suggests:.*seq = Dim\('seq', min=3"):
+        capture(zoo.build("t5", config, device="meta"))

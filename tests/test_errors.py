@@ -24,13 +24,13 @@ def test_tp_that_is_not_a_positive_int_is_refused(tp):
 
 
 def test_tp_above_the_head_count_names_the_heads():
-    with pytest.raises(PlanError, match=r"tp=8 exceeds the model's 4 attention heads \(config.n_head=4\)"):
+    with pytest.raises(PlanError, match=r"tp=8 exceeds the 4 attention heads of transformer.h.0.attn \(read off its attention op\)"):
         autotp.plan(tiny_gpt2(n_head=4), tp=8)
 
 
 def test_heads_that_do_not_divide_name_the_dimension_and_the_valid_tps():
-    with pytest.raises(PlanError, match=r"12 attention heads \(config.n_head\) cannot be split 8 ways evenly; "
-                                        r"choose tp in \[1, 2, 3, 4, 6, 12\]"):
+    with pytest.raises(PlanError, match=r"12 attention heads \(transformer.h.0.attn\) cannot be split 8 ways evenly "
+                                        r"with uneven=False; choose tp in \[1, 2, 3, 4, 6, 12\]"):
         autotp.plan(tiny_gpt2(n_head=12, head_dim=2), tp=8, uneven=False)
 
 
@@ -52,6 +52,19 @@ def _too_long_input():
     model = tiny_gpt2(n_positions=16)
     pm = autotp.parallelize(model, tp=2)
     pm(**batch(100, s=20))
+
+
+def _unequal_lengths():
+    model = tiny_gpt2(n_positions=16)
+    pm = autotp.parallelize(model, tp=2)
+    ids = torch.zeros(1, 5, dtype=torch.long)
+    pm(input_ids=ids, labels=torch.zeros(1, 6, dtype=torch.long), use_cache=False)
+
+
+def test_inputs_captured_with_one_length_called_with_two_are_refused(cluster):
+    # Capture found labels' and input_ids' lengths equal (the loss shifts one against the other).
+    with pytest.raises(InputError, match=r"input_ids dim 1 has size 5 but labels dim 1 has 6"):
+        cluster.run(_unequal_lengths)
 
 
 def test_input_longer_than_n_positions_is_refused_before_running(cluster):

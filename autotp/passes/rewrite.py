@@ -168,9 +168,13 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
                     outs.append(a)
             graph.output(pytree.tree_unflatten(outs, spec))
             continue
+        if node.op == "get_attr":   # a data-dependent op's branch (torch.cond) or a constant
+            _carry_attr(root, cap.graph_module, node.target)
         if node.op != "call_function" or node.target is operator.getitem:
             env[node] = graph.node_copy(node, lambda n: env[n])
             continue
+        if node.target in _REGION_BOUNDS:
+            converted.clear()   # a conversion made under one grad/autocast mode is not reused under another
         strategy = prop.chosen[node]
         info = index.infos[node]
         tensor_inputs = index.tensor_inputs[node]
@@ -210,3 +214,26 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         env[node] = new
     graph.lint()
     return fx.GraphModule(root, graph, class_name="ParallelGraph")
+
+
+_REGION_BOUNDS = (torch._C._set_grad_enabled, torch.amp._enter_autocast, torch.amp._exit_autocast)
+
+
+def _carry_attr(root: nn.Module, source: fx.GraphModule, target: str) -> None:
+    """Put ``source``'s attribute ``target`` (a submodule or a tensor) on ``root`` at the same path."""
+    *path, leaf = target.split(".")
+    src, dst = source, root
+    for part in path:
+        src = getattr(src, part)
+        if not hasattr(dst, part):
+            dst.add_module(part, nn.Module())
+        dst = getattr(dst, part)
+    value = getattr(src, leaf)
+    if isinstance(value, nn.Module):
+        dst.add_module(leaf, value)
+    elif isinstance(value, nn.Parameter):
+        dst.register_parameter(leaf, value)
+    elif isinstance(value, torch.Tensor):
+        dst.register_buffer(leaf, value)
+    else:
+        setattr(dst, leaf, value)

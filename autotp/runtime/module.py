@@ -117,11 +117,29 @@ class ParallelModule(nn.Module):
         return unflatten_outputs(self.capture, outputs)
 
     def _check_ranges(self, kwargs: dict[str, Any]) -> None:
+        seen: dict[str, tuple[str, int]] = {}   # symbol -> (first input dim carrying it, its size)
+        for key, sym in self.capture.input_dims.items():
+            name, dim = key.rsplit(".", 1)
+            value = kwargs.get(name)
+            if isinstance(value, torch.Tensor) and value.dim() > int(dim):
+                size = value.shape[int(dim)]
+                first = seen.setdefault(sym, (key, size))
+                if first[1] != size:
+                    raise InputError(
+                        f"{first[0].replace('.', ' dim ')} has size {first[1]} but {key.replace('.', ' dim ')} has "
+                        f"{size}: the model was captured with these dims equal (one symbol, {sym}); pass inputs "
+                        "of equal length, or capture with example inputs whose lengths differ"
+                    )
         for key, (lo, hi) in self.capture.range_constraints.items():
             name, dim = key.rsplit(".", 1)
             value = kwargs.get(name)
             if isinstance(value, torch.Tensor) and value.dim() > int(dim):
                 size = value.shape[int(dim)]
+                if 2 < lo and size < lo:
+                    raise InputError(
+                        f"{name} has {size} elements in dim {dim} but the model needs at least {lo} there "
+                        "(torch.export found this bound in its forward); pass a longer input"
+                    )
                 if size > hi:
                     raise InputError(
                         f"{name} has {size} elements in dim {dim} but the model was captured for at most "

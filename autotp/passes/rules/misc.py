@@ -69,3 +69,27 @@ def index_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
             info.output.shape[p.dim] == info.inputs[0].shape[p.dim]:
         out.append(Strategy((p,) + tuple(REPLICATE for _ in info.inputs[1:]), p))
     return out
+
+
+def _region_calls() -> list:
+    from ...higher_order import REGION_CALLS
+
+    return list(REGION_CALLS)
+
+
+@register(*_region_calls())
+def region_call_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    # Grad-mode and autocast switches around an inlined region (autotp.higher_order): no data.
+    return [Strategy(tuple(REPLICATE for _ in info.inputs), None)]
+
+
+def _data_dependent_ops() -> list:
+    hop = torch.ops.higher_order
+    return [getattr(hop, name) for name in ("cond", "while_loop", "map_impl", "scan") if hasattr(hop, name)]
+
+
+@register(*_data_dependent_ops())
+def data_dependent_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    # Which branch runs depends on values: the op runs whole on every rank, its branch
+    # submodules carried into the rank's program by the rewrite.
+    return replicate_all(info, placements)
