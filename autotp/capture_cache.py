@@ -15,7 +15,7 @@ key is all of those:
 * every parameter and buffer: name, shape, dtype, device, requires_grad;
 * the example inputs: names, and per tensor dtype, device and shape, with the dims that
   capture makes dynamic reduced to "0", "1" or "n" (export specializes 0 and 1 only);
-* the ``dynamic`` flag, and the state of the grad mode.
+* the ``dynamic`` flag, the sequence range the capture accepts, and the state of the grad mode.
 
 A model with an attribute of another kind (an object the key cannot read), or with forward
 hooks, is not cached: it is captured afresh every time (logged at debug level). On a hit the
@@ -80,22 +80,22 @@ def disabled() -> Iterator[None]:
 
 
 def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None,
-            dynamic: bool = True) -> _capture.Capture:
+            dynamic: bool = True, seq_range: tuple[int, int] | None = None) -> _capture.Capture:
     """:func:`autotp.capture.capture`, reusing an earlier capture of the same structure."""
     if not _state["enabled"]:
-        return _capture.capture(model, example_inputs, example_kwargs, dynamic)
+        return _capture.capture(model, example_inputs, example_kwargs, dynamic, seq_range)
     try:
-        key = structure_key(model, example_inputs, example_kwargs, dynamic)
+        key = structure_key(model, example_inputs, example_kwargs, dynamic, seq_range)
     except Uncacheable as why:
         log.debug("capture not cached: %s", why)
-        return _capture.capture(model, example_inputs, example_kwargs, dynamic)
+        return _capture.capture(model, example_inputs, example_kwargs, dynamic, seq_range)
     cached = _entries.get(key)
     if cached is not None and _fits(cached, model):
         _entries.move_to_end(key)
         _state["hits"] += 1
         return _for_model(cached, model)
     _state["misses"] += 1
-    cap = _capture.capture(model, example_inputs, example_kwargs, dynamic)
+    cap = _capture.capture(model, example_inputs, example_kwargs, dynamic, seq_range)
     _entries[key] = cap
     while len(_entries) > SIZE:
         _entries.popitem(last=False)
@@ -103,9 +103,10 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
 
 
 def structure_key(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None,
-                  dynamic: bool = True) -> str:
+                  dynamic: bool = True, seq_range: tuple[int, int] | None = None) -> str:
     """The key described in the module docs, as a hex digest. Raises :class:`Uncacheable`."""
-    parts: list[str] = [_qualname(type(model)), f"dynamic={dynamic}", f"grad={torch.is_grad_enabled()}"]
+    parts: list[str] = [_qualname(type(model)), f"dynamic={dynamic}", f"grad={torch.is_grad_enabled()}",
+                        f"seq={_capture.seq_bounds(model, seq_range)}"]
     for path, module in model.named_modules(remove_duplicate=False):
         if module._forward_hooks or module._forward_pre_hooks or getattr(module, "_backward_hooks", None):
             raise Uncacheable(f"module {path or 'root'} has hooks")
@@ -161,9 +162,10 @@ def _describe(value: Any, where: str) -> str:
 def _describe_input(value: Any, name: str) -> str:
     if not isinstance(value, torch.Tensor):
         return _describe(value, name)
-    dims = list(value.shape)
-    if value.dim() >= 2 and not value.is_floating_point():   # the dims capture makes dynamic
-        dims[:2] = [str(d) if d < 2 else "n" for d in dims[:2]]
+    dims: list = list(value.shape)
+    # the dims capture makes dynamic: batch and seq of integer inputs, batch of any other
+    dynamic = 2 if value.dim() >= 2 and not value.is_floating_point() else min(value.dim(), 1)
+    dims[:dynamic] = [str(d) if d < 2 else "n" for d in dims[:dynamic]]
     return f"{value.dtype} {value.device.type} {dims}"
 
 

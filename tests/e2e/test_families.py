@@ -8,8 +8,8 @@ logits and every gradient must match the serial model within TOLERANCE (float64 
 across examples, capture each structure once (autotp.capture_cache) and vary everything else.
 
 A family known not to pass yet is marked xfail(strict=True) with the reason, so that it turns
-into a failure once it is fixed and the mark must go; the fast tier runs it at tp=2 only (the
-slow tier at every tp), since each failing run still pays a capture.
+into a failure once it is fixed and the mark must go; the fast tier runs a family's first broken
+tp only (the slow tier every one), since each failing run still pays a capture.
 """
 import pytest
 import torch
@@ -25,13 +25,8 @@ from autotp.testing import TOLERANCE
 STRUCTURES = [(2, 6, 2, 4, 53, 1.0), (1, 4, 1, 8, 40, 0.5)]
 FAMILIES = ["gpt2", "llama", "mistral", "qwen2", "gpt-neox", "gpt-j", "falcon", "falcon-new", "gpt-bigcode",
             "opt", "bert", "t5"]
-#: family -> why it does not pass yet (measured when this file was last changed)
-_HOP = ("parallelize crashes in rewrite: the capture holds a higher-order op (wrap_with_set_grad_enabled, "
-        "the rotary embedding's no-grad region) whose submodule the rewritten graph lacks "
-        "(AttributeError: 'Module' object has no attribute 'submod_1'), at every tp")
-KNOWN_BROKEN = {f: _HOP for f in ("llama", "mistral", "qwen2", "gpt-neox", "falcon", "falcon-new")}
-KNOWN_BROKEN["t5"] = ("capture fails: torch.export reports 'Constraints violated (seq)' for "
-                      "T5ForConditionalGeneration (relative position buckets specialize the sequence length)")
+#: (family, tp) -> why it does not pass yet (measured when this file was last changed)
+KNOWN_BROKEN: dict[tuple[str, int], str] = {}
 #: family -> why float64 agreement is not held to 1e-9: its serial model computes in float32 there
 FLOAT32_ONLY = {"gpt-j": "GPTJAttention upcasts q and k to float32, so even tp=1 differs from the eager "
                          "model by float32 rounding (5.8e-8 relative on a q_proj gradient, measured)"}
@@ -60,14 +55,17 @@ def check_family_case(case: dict) -> tuple[dict, dict]:
 def rescale_zero_gradients(model, pm, errors: dict) -> dict:
     """A gradient that is zero in exact arithmetic (the key bias of softmax attention: it adds one
     constant to a row of scores) is rounding noise in the serial model too, and its relative
-    error means nothing. Where a serial gradient's norm is below 1e-6 of the largest one, its
-    error is taken relative to the largest gradient norm instead (absolute, at the model's scale)."""
+    error means nothing. Where a serial gradient's norm is below 1e4 machine epsilons of the
+    largest one (float64 2e-12, float32 1e-3), its error is taken relative to the largest gradient
+    norm instead (absolute, at the model's scale). Measured: Qwen2's key bias in float32 at tp=3
+    has a rounding-noise gradient that the parallel model matches to only 1.9e-4 relative."""
     norms = {pm.plan.aliases.get(n, n): p.grad.norm().item() for n, p in model.named_parameters()
              if p.grad is not None}
     scale = max(norms.values(), default=0.0)
+    noise = 1e4 * torch.finfo(next(model.parameters()).dtype).eps
     for name, norm in norms.items():
         key = f"grad:{name}"
-        if key in errors and norm < 1e-6 * scale:   # relative_error is absolute where norm is 0
+        if key in errors and norm < noise * scale:   # relative_error is absolute where norm is 0
             errors[key] = errors[key] * (norm if norm > 0 else 1.0) / scale
     return errors
 
@@ -93,16 +91,16 @@ def assert_family_case(cluster_of, case: dict) -> None:
 
 def _cases(fast: bool):
     """(tp, family) pairs, grouped by tp (one set of ranks per world size). In the fast tier a
-    family known broken runs at tp=2 only, where its strict xfail flips once it is fixed."""
-    pairs = []
+    family runs its first known-broken tp only, where the strict xfail flips once it is fixed."""
+    pairs, seen_broken = [], set()
     for tp in (1, 2, 3, 4):
         for f in FAMILIES:
-            if f in KNOWN_BROKEN:
-                if fast and tp != 2:
-                    continue
-                pairs.append(pytest.param(tp, f, marks=pytest.mark.xfail(strict=True, reason=KNOWN_BROKEN[f])))
-            else:
+            reason = KNOWN_BROKEN.get((f, tp))
+            if reason is None:
                 pairs.append((tp, f))
+            elif not (fast and f in seen_broken):
+                seen_broken.add(f)
+                pairs.append(pytest.param(tp, f, marks=pytest.mark.xfail(strict=True, reason=reason)))
     return pairs
 
 
