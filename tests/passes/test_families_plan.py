@@ -28,8 +28,6 @@ _EMBED = ("the token embedding is split by hidden columns (S(1)), not by vocabul
 KNOWN_BROKEN = {s: _EMBED for s in ("llama-3-8b", "mistral-7b", "gpt-neox-20b", "gpt-j-6b")}
 KNOWN_BROKEN["qwen2-7b"] = ("the token embedding (152064 rows) stays replicated under the default profile at "
                             "tp=8; the output layer is vocab-parallel")
-KNOWN_BROKEN["bert-large"] = ("capture fails on the meta device: 'Tensor on device meta is not on the expected "
-                              "device cpu' (BertForMaskedLM)")
 TP = 8
 aten = torch.ops.aten
 
