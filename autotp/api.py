@@ -13,7 +13,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from .capture import Capture, capture as capture_model, example_like, module_path, seq_bounds
+from .capture import Capture, example_like, module_path, seq_bounds
+from .capture_cache import capture as capture_model   # once per structure; see its docs
 from .cost_model import get_profile
 from .errors import ConfigError, DisagreementError, PlanError
 from .passes.checkpoint import checkpoint_layers

@@ -15,7 +15,9 @@ default profile and workload. The table reports:
 * **bytes per rank at tp=8**: the largest rank's parameter bytes (bfloat16) against serial;
 * **equivalence**: the worst relative error (loss, logits, every gradient) of the parallel model
   against serial on a tiny float64 configuration of the family at tp=2 and tp=3, on local gloo
-  ranks, planner's choice under a layout-forcing workload;
+  ranks, planner's choice under a layout-forcing workload (a gradient that is zero in exact
+  arithmetic, like a key bias's, is measured against the largest gradient's norm: see
+  ``rescale_zero_gradients`` in ``tests/e2e/test_families.py``);
 * **capture+plan s**: wall seconds of ``autotp.plan`` for the full-size model (this machine).
 """
 from __future__ import annotations
@@ -44,12 +46,22 @@ def layer_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def summarize_layout(plan) -> str:
-    """Roles of layer 1's weight matrices and of the matrices outside the layers."""
+def summarize_layout(plan, cap, vocab: int) -> str:
+    """Roles of layer 1's weight matrices and of the matrices outside the layers, read off the
+    graph: column/row by the product that reads the matrix, vocab where a vocabulary-sized dim is
+    split (tests/passes/test_families_plan.py checks the same way)."""
+    from autotp.placements import Shard
+    from tests.passes.test_families_plan import matrix_role
+
     parts = []
-    for name, role in plan.roles.items():
+    for name in plan.roles:
         if len(plan.shapes[name]) < 2:
             continue
+        placement = plan.params[name]
+        if isinstance(placement, Shard) and plan.shapes[name][placement.dim] == vocab:
+            role = "vocab"
+        else:
+            role = matrix_role(cap, plan, name) if name in cap.param_names.values() else plan.roles[name]
         layer = layer_of(name)
         if layer not in (None, 1):
             continue
@@ -69,15 +81,16 @@ def collectives_in_layer(plan, layer: int = 1) -> str:
 
 def plan_row(family: str, size: str) -> dict:
     import autotp
-    from autotp import zoo
+    from autotp import capture_cache, zoo
 
     config = zoo.published_config(size)
     model = zoo.build(family, config, device="meta", dtype=torch.bfloat16)
     start = time.perf_counter()
+    cap = capture_cache.capture(model)     # plan() below reuses it: the time is one capture + plan
     plan = autotp.plan(model, tp=TP)
     seconds = time.perf_counter() - start
     per_rank = plan.param_bytes_per_rank()
-    return {"plan": "ok", "layout": summarize_layout(plan), "layer": collectives_in_layer(plan),
+    return {"plan": "ok", "layout": summarize_layout(plan, cap, config.vocab_size), "layer": collectives_in_layer(plan),
             "bytes": f"{max(per_rank) / 1e9:.2f} GB of {plan.serial_param_bytes() / 1e9:.2f} GB",
             "seconds": f"{seconds:.1f}"}
 
@@ -100,7 +113,9 @@ def equivalence_task(family: str, tp: int) -> float:
     # a large planning workload, so the cost model splits even this tiny model
     pm = autotp.parallelize(model, tp, batch=64, seq=4096, profile="h100-dgx")
     errors = equivalence_errors(model, pm, inputs)
-    return max(errors.values())
+    from tests.e2e.test_families import rescale_zero_gradients
+
+    return max(rescale_zero_gradients(model, pm, errors).values())
 
 
 def equivalence_row(family: str) -> str:

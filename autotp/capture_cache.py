@@ -1,0 +1,191 @@
+"""Capture once per structure: models that differ only in their weights share one capture.
+
+torch.export costs seconds per model and dominates planning a small model; a process that
+parallelizes many models of one structure (property tests drawing seeds and tp, a sweep over
+tp) pays it once. :func:`capture` is a drop-in for :func:`autotp.capture.capture`.
+
+Why reuse is exact. Export fakifies parameters and buffers (strict=False traces them as fake
+tensors), so the captured graph cannot depend on their values; it depends on the code, the
+module tree and every non-tensor value the code reads, and the example inputs' signature. The
+key is all of those:
+
+* the model's class; for every submodule: its path, class, training flag and every plain
+  attribute in its ``__dict__`` (numbers, strings, dtypes, HF configs as their full JSON,
+  functions by qualified name, tensors that are not parameters by dtype, shape and values);
+* every parameter and buffer: name, shape, dtype, device, requires_grad;
+* the example inputs: names, and per tensor dtype, device and shape, with the dims that
+  capture makes dynamic reduced to "0", "1" or "n" (export specializes 0 and 1 only);
+* the ``dynamic`` flag, the sequence range the capture accepts, and the state of the grad mode.
+
+A model with an attribute of another kind (an object the key cannot read), or with forward
+hooks, is not cached: it is captured afresh every time (logged at debug level). On a hit the
+capture is re-checked against the model: every lifted parameter and buffer placeholder must
+name one of the model's tensors with the shape and dtype it was traced with. The entry handed
+out is a shallow copy whose per-model fields (tied aliases, signature, name) are recomputed;
+later stages read the cached graph and never mutate it (rewrite builds a new graph).
+
+The cache holds :data:`SIZE` entries per process, least recently used evicted; :func:`clear`
+empties it and :func:`disabled` turns it off within a block.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import logging
+import types
+from collections import OrderedDict
+from typing import Any, Iterator
+
+import torch
+
+from . import capture as _capture
+
+log = logging.getLogger(__name__)
+
+SIZE = 16
+_entries: "OrderedDict[str, _capture.Capture]" = OrderedDict()
+_state = {"enabled": True, "hits": 0, "misses": 0}
+
+#: nn.Module's own attributes; private attributes of the model's classes are keyed like any other
+#: (transformers keeps a replaced ``loss_function`` in ``_loss_function``)
+_TORCH_BOOKKEEPING = frozenset(torch.nn.Module().__dict__) - {"training"}
+
+_PLAIN = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+
+
+class Uncacheable(Exception):
+    """The model has state the key cannot read; it is captured afresh."""
+
+
+def stats() -> dict[str, int]:
+    """Hits and misses since the last :func:`clear` (tests and benchmarks read them)."""
+    return {"hits": _state["hits"], "misses": _state["misses"], "entries": len(_entries)}
+
+
+def clear() -> None:
+    _entries.clear()
+    _state["hits"] = _state["misses"] = 0
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    before = _state["enabled"]
+    _state["enabled"] = False
+    try:
+        yield
+    finally:
+        _state["enabled"] = before
+
+
+def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None,
+            dynamic: bool = True, seq_range: tuple[int, int] | None = None) -> _capture.Capture:
+    """:func:`autotp.capture.capture`, reusing an earlier capture of the same structure."""
+    if not _state["enabled"]:
+        return _capture.capture(model, example_inputs, example_kwargs, dynamic, seq_range)
+    try:
+        key = structure_key(model, example_inputs, example_kwargs, dynamic, seq_range)
+    except Uncacheable as why:
+        log.debug("capture not cached: %s", why)
+        return _capture.capture(model, example_inputs, example_kwargs, dynamic, seq_range)
+    cached = _entries.get(key)
+    if cached is not None and _fits(cached, model):
+        _entries.move_to_end(key)
+        _state["hits"] += 1
+        return _for_model(cached, model)
+    _state["misses"] += 1
+    cap = _capture.capture(model, example_inputs, example_kwargs, dynamic, seq_range)
+    _entries[key] = cap
+    while len(_entries) > SIZE:
+        _entries.popitem(last=False)
+    return cap
+
+
+def structure_key(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None,
+                  dynamic: bool = True, seq_range: tuple[int, int] | None = None) -> str:
+    """The key described in the module docs, as a hex digest. Raises :class:`Uncacheable`."""
+    parts: list[str] = [_qualname(type(model)), f"dynamic={dynamic}", f"grad={torch.is_grad_enabled()}",
+                        f"seq={_capture.seq_bounds(model, seq_range)}"]
+    for path, module in model.named_modules(remove_duplicate=False):
+        if module._forward_hooks or module._forward_pre_hooks or getattr(module, "_backward_hooks", None):
+            raise Uncacheable(f"module {path or 'root'} has hooks")
+        parts.append(f"M {path} {_qualname(type(module))} training={module.training}")
+        for attr, value in sorted(module.__dict__.items()):
+            if attr in _TORCH_BOOKKEEPING:
+                continue   # _parameters, _modules, ...: keyed below, or hooks (refused above)
+            parts.append(f"  {attr}={_describe(value, f'{path}.{attr}')}")
+    for name, p in model.named_parameters(remove_duplicate=False):
+        parts.append(f"P {name} {tuple(p.shape)} {p.dtype} {p.device.type} {p.requires_grad}")
+    for name, b in model.named_buffers(remove_duplicate=False):
+        parts.append(f"B {name} {tuple(b.shape)} {b.dtype} {b.device.type}")
+    if example_inputs or example_kwargs is not None:
+        inputs = _capture.bind_inputs(_capture.forward_signature(model), tuple(example_inputs),
+                                      dict(example_kwargs or {}), type(model).__name__)
+        for name, value in inputs.items():
+            parts.append(f"I {name} {_describe_input(value, name)}")
+    else:
+        parts.append("I synthesized")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _qualname(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
+
+
+def _describe(value: Any, where: str) -> str:
+    if isinstance(value, _PLAIN):
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        return "(" + ",".join(_describe(v, where) for v in value) + ")"
+    if isinstance(value, (set, frozenset)):
+        return "{" + ",".join(sorted(_describe(v, where) for v in value)) + "}"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k!r}:{_describe(v, where)}" for k, v in sorted(value.items(), key=repr)) + "}"
+    if isinstance(value, torch.Tensor):   # not a parameter or buffer: export lifts it as a constant
+        if value.device.type == "meta":
+            return f"tensor{tuple(value.shape)}{value.dtype}"
+        data = hashlib.sha256(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+        return f"tensor{tuple(value.shape)}{value.dtype}:{data}"
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, type)):
+        return _qualname(value)
+    if isinstance(value, functools.partial):
+        return (f"partial {_describe(value.func, where)} {_describe(value.args, where)} "
+                f"{_describe(value.keywords, where)}")
+    if isinstance(value, types.MethodType):
+        return f"method {_qualname(value.__func__)} of {type(value.__self__).__name__}"
+    if hasattr(value, "to_json_string") and hasattr(value, "to_dict"):   # a HuggingFace config
+        return value.to_json_string(use_diff=False) + f" attn={getattr(value, '_attn_implementation', None)}"
+    raise Uncacheable(f"{where} is a {type(value).__name__}, which the structure key cannot read")
+
+
+def _describe_input(value: Any, name: str) -> str:
+    if not isinstance(value, torch.Tensor):
+        return _describe(value, name)
+    dims: list = list(value.shape)
+    # the dims capture makes dynamic: batch and seq of integer inputs, batch of any other
+    dynamic = 2 if value.dim() >= 2 and not value.is_floating_point() else min(value.dim(), 1)
+    dims[:dynamic] = [str(d) if d < 2 else "n" for d in dims[:dynamic]]
+    return f"{value.dtype} {value.device.type} {dims}"
+
+
+def _fits(cap: _capture.Capture, model: torch.nn.Module) -> bool:
+    """Every lifted parameter/buffer placeholder names a tensor of the model with its shape and dtype."""
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
+    placeholders = {n.name: n for n in cap.graph.nodes if n.op == "placeholder"}
+    for names in (cap.param_names, cap.buffer_names):
+        for placeholder, fqn in names.items():
+            t, val = tensors.get(fqn), placeholders[placeholder].meta.get("val")
+            if t is None or val is None or tuple(t.shape) != tuple(val.shape) or t.dtype != val.dtype:
+                log.debug("cached capture does not fit %s (%s); capturing afresh", type(model).__name__, fqn)
+                return False
+    return True
+
+
+def _for_model(cap: _capture.Capture, model: torch.nn.Module) -> _capture.Capture:
+    """The cached capture with the fields that belong to this model instance recomputed."""
+    fresh = dataclasses.replace(cap, aliases={})
+    fresh.aliases = _capture._tied_aliases(model, fresh)
+    fresh.signature, fresh.model_name = _capture.forward_signature(model), type(model).__name__
+    return fresh

@@ -1,0 +1,139 @@
+"""Every family of autotp.zoo, parallelized by the planner, computes what the serial model computes.
+
+Hypothesis draws, per family and tp (1..4, 3 included): one of a few tiny structures (layers,
+heads, kv heads with kv < tp among them, head dim, vocabulary, rotary fraction), the batch, a
+sequence length (the capture's own length 8 among them), the weights' seed and the dtype; loss,
+logits and every gradient must match the serial model within TOLERANCE (float64 1e-9, float32
+1e-4). The structure is drawn from a small fixed set so that the rank processes, which persist
+across examples, capture each structure once (autotp.capture_cache) and vary everything else.
+
+A family known not to pass yet is marked xfail(strict=True) with the reason, so that it turns
+into a failure once it is fixed and the mark must go; the fast tier runs a family's first broken
+tp only (the slow tier every one), since each failing run still pays a capture.
+"""
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from autotp.capture import EXAMPLE_SEQ
+from autotp.testing import TOLERANCE
+
+#: (layers, heads, kv_heads, head_dim, vocab, rotary): 6 heads split evenly at tp 1-3 and
+#: unevenly at 4, 2 kv heads (fewer than tp at 3 and 4); 4 heads with one kv head (multi-query
+#: where the family has it), half-rotary heads; odd vocabularies (uneven vocab split)
+STRUCTURES = [(2, 6, 2, 4, 53, 1.0), (1, 4, 1, 8, 40, 0.5)]
+FAMILIES = ["gpt2", "llama", "mistral", "qwen2", "gpt-neox", "gpt-j", "falcon", "falcon-new", "gpt-bigcode",
+            "opt", "bert", "t5"]
+#: (family, tp) -> why it does not pass yet (measured when this file was last changed)
+KNOWN_BROKEN: dict[tuple[str, int], str] = {}
+#: family -> why float64 agreement is not held to 1e-9: its serial model computes in float32 there
+FLOAT32_ONLY = {"gpt-j": "GPTJAttention upcasts q and k to float32, so even tp=1 differs from the eager "
+                         "model by float32 rounding (5.8e-8 relative on a q_proj gradient, measured)"}
+
+
+def check_family_case(case: dict) -> tuple[dict, dict]:
+    """On each rank: build the drawn tiny model, parallelize it, compare with serial."""
+    import autotp
+    from autotp import capture_cache, zoo
+    from autotp.testing import equivalence_errors, keep_loss_precision
+
+    layers, heads, kv_heads, head_dim, vocab, rotary = case["structure"]
+    family, dtype = case["family"], getattr(torch, case["dtype"])
+    config = zoo.tiny_config(family, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                             vocab=vocab, rotary=rotary)
+    model = zoo.build(family, config, dtype=dtype, seed=case["seed"])
+    if zoo.FAMILIES[family].task == "causal":
+        keep_loss_precision(model)
+    inputs = zoo.example_batch(family, config, batch=case["batch"], seq=case["seq"], seed=case["seed"] + 1)
+    # a large planning workload, so that the cost model splits even these tiny models
+    pm = autotp.parallelize(model, case["tp"], batch=64, seq=4096, profile="h100-dgx")
+    errors = equivalence_errors(model, pm, inputs)
+    return rescale_zero_gradients(model, pm, errors), capture_cache.stats()
+
+
+def rescale_zero_gradients(model, pm, errors: dict) -> dict:
+    """A gradient that is zero in exact arithmetic (the key bias of softmax attention: it adds one
+    constant to a row of scores) is rounding noise in the serial model too, and its relative
+    error means nothing. Where a serial gradient's norm is below 1e4 machine epsilons of the
+    largest one (float64 2e-12, float32 1e-3), its error is taken relative to the largest gradient
+    norm instead (absolute, at the model's scale). Measured: Qwen2's key bias in float32 at tp=3
+    has a rounding-noise gradient that the parallel model matches to only 1.9e-4 relative."""
+    norms = {pm.plan.aliases.get(n, n): p.grad.norm().item() for n, p in model.named_parameters()
+             if p.grad is not None}
+    scale = max(norms.values(), default=0.0)
+    noise = 1e4 * torch.finfo(next(model.parameters()).dtype).eps
+    for name, norm in norms.items():
+        key = f"grad:{name}"
+        if key in errors and norm < noise * scale:   # relative_error is absolute where norm is 0
+            errors[key] = errors[key] * (norm if norm > 0 else 1.0) / scale
+    return errors
+
+
+def cases(family: str, tp: int):
+    return st.fixed_dictionaries({
+        "family": st.just(family), "tp": st.just(tp),
+        "structure": st.sampled_from(STRUCTURES),
+        "batch": st.integers(1, 3),
+        "seq": st.one_of(st.just(EXAMPLE_SEQ), st.integers(2, 16)),
+        "dtype": st.sampled_from(["float32"] if family in FLOAT32_ONLY else ["float64", "float32"]),
+        "seed": st.integers(0, 2**16),
+    })
+
+
+def assert_family_case(cluster_of, case: dict) -> None:
+    results = cluster_of(case["tp"]).run(check_family_case, case)
+    bound = TOLERANCE[getattr(torch, case["dtype"])]
+    for errors, _ in results:
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= bound, f"{case}: {worst} relative error {errors[worst]:.3e} > {bound:.0e}"
+
+
+def _cases(fast: bool):
+    """(tp, family) pairs, grouped by tp (one set of ranks per world size). In the fast tier a
+    family runs its first known-broken tp only, where the strict xfail flips once it is fixed."""
+    pairs, seen_broken = [], set()
+    for tp in (1, 2, 3, 4):
+        for f in FAMILIES:
+            reason = KNOWN_BROKEN.get((f, tp))
+            if reason is None:
+                pairs.append((tp, f))
+            elif not (fast and f in seen_broken):
+                seen_broken.add(f)
+                pairs.append(pytest.param(tp, f, marks=pytest.mark.xfail(strict=True, reason=reason)))
+    return pairs
+
+
+def check_capture_reused(family: str) -> dict:
+    """Two models of one structure and different weights on this rank: one capture."""
+    from autotp import capture_cache
+
+    capture_cache.clear()
+    case = dict(family=family, tp=1, structure=STRUCTURES[0], batch=2, seq=5, dtype="float64", seed=0)
+    check_family_case(case)
+    check_family_case(dict(case, seed=1, seq=EXAMPLE_SEQ))
+    return capture_cache.stats()
+
+
+def test_examples_of_one_structure_capture_once_per_rank(cluster_of):
+    for stats in cluster_of(1).run(check_capture_reused, "gpt2"):
+        assert stats["misses"] == 1 and stats["hits"] == 1, stats
+
+
+_settings = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture],
+                 phases=[Phase.explicit, Phase.generate])   # no shrinking: a failure reports its case
+
+
+@pytest.mark.parametrize("tp, family", _cases(fast=True))
+@settings(max_examples=5, **_settings)      # 20 examples per family over the four tps
+@given(data=st.data())
+def test_family_matches_serial(cluster_of, tp, family, data):
+    assert_family_case(cluster_of, data.draw(cases(family, tp)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, family", _cases(fast=False))
+@settings(max_examples=25, **_settings)
+@given(data=st.data())
+def test_family_matches_serial_many(cluster_of, tp, family, data):
+    assert_family_case(cluster_of, data.draw(cases(family, tp)))

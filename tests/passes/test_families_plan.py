@@ -1,0 +1,115 @@
+"""Megatron's layout emerges from the planner at real size (meta device, default profile, tp=8).
+
+Each published configuration is planned with 2 of its layers. The roles are checked by where a
+weight sits in the captured graph, never by its name: a matrix is column-parallel when it is
+split along the output dim of the product that reads it, row-parallel when split along the
+contracted dim. Within layer 1 (the second), the matrices in the order the graph first reads
+them must read as Megatron's two blocks, column-parallel matrices entering each block and one
+row-parallel matrix leaving it (q/k/v then the attention output, up/gate then down); k/v may be
+replicate where there are fewer kv heads than ranks (the solver prices that). One forward
+all-reduce (g) per block, or one for both where attention and MLP run side by side into one
+residual add (GPT-J, Falcon). Outside the layers every matrix with a vocabulary-sized dim (token
+embedding, output layer) is split along that dim (vocab-parallel). Other collectives in the
+layer are shown in the failure message.
+"""
+import re
+
+import pytest
+import torch
+
+import autotp
+from autotp.placements import Shard
+from autotp import capture_cache, zoo
+
+SIZES = ["llama-3-8b", "mistral-7b", "qwen2-7b", "gpt-neox-20b", "gpt-j-6b", "falcon-7b", "opt-6.7b", "bert-large"]
+#: size -> why its plan does not show Megatron's layout yet (measured when this file was last changed)
+_EMBED = ("the token embedding is split by hidden columns (S(1)), not by vocabulary rows, under the "
+          "default profile at tp=8; the output layer is vocab-parallel")
+KNOWN_BROKEN = {s: _EMBED for s in ("llama-3-8b", "mistral-7b", "gpt-neox-20b", "gpt-j-6b")}
+KNOWN_BROKEN["qwen2-7b"] = ("the token embedding (152064 rows) stays replicated under the default profile at "
+                            "tp=8; the output layer is vocab-parallel")
+TP = 8
+aten = torch.ops.aten
+
+
+def _layer_of(fqn: str) -> int | None:
+    m = re.search(r"\.(\d+)\.", fqn)
+    return int(m.group(1)) if m else None
+
+
+def first_use_order(cap) -> dict[str, int]:
+    """Parameter FQN -> position in the graph of the first op that reads it."""
+    position = {node: i for i, node in enumerate(cap.graph.nodes)}
+    order = {}
+    for node in cap.graph.nodes:
+        if node.op == "placeholder" and node.name in cap.param_names and node.users:
+            order[cap.param_names[node.name]] = min(position[u] for u in node.users)
+    return order
+
+
+_TRANSPOSES = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default}
+_PRODUCTS = {aten.mm.default, aten.matmul.default, aten.linear.default}
+
+
+def matrix_role(cap, plan, fqn: str) -> str:
+    """column / row / replicate for a weight matrix, from its placement and the product that uses it:
+    split along the product's output dim is column-parallel, along the contracted dim row-parallel."""
+    placement = plan.params[fqn]
+    if not isinstance(placement, Shard):
+        return "replicate"
+    node = next(n for n in cap.graph.nodes if n.op == "placeholder" and cap.param_names.get(n.name) == fqn)
+    dim = placement.dim
+    while True:
+        users = list(node.users)
+        if len(users) != 1:
+            return f"shard({dim}) read by {len(users)} ops"
+        user = users[0]
+        if user.target in _TRANSPOSES:
+            dim, node = 1 - dim, user      # 2-D: every transpose swaps the two dims
+            continue
+        if user.target not in _PRODUCTS:
+            return f"shard({dim}) read by {user.target}"
+        if user.target is aten.linear.default:
+            out_dim = 0                    # linear(x, W): x @ W.T, W's rows are the outputs
+        else:
+            out_dim = 1 if user.args[1] is node else 0
+        return "column" if dim == out_dim else "row"
+
+
+def plan_at_size(size: str):
+    family = zoo.family_of(size).name
+    model = zoo.build(family, zoo.published_config(size, layers=2), device="meta", dtype=torch.bfloat16)
+    cap = capture_cache.capture(model)      # the plan below reuses this capture
+    return model, cap, autotp.plan(model, TP)
+
+
+def _sizes():
+    return [pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=KNOWN_BROKEN[s])) if s in KNOWN_BROKEN
+            else s for s in SIZES]
+
+
+@pytest.mark.parametrize("size", _sizes())
+def test_megatron_layout_emerges_at_real_size(size):
+    model, cap, plan = plan_at_size(size)
+    order = first_use_order(cap)
+    layer = sorted((order[n], n) for n in order if _layer_of(n) == 1 and len(plan.shapes[n]) == 2)
+    roles = {n: matrix_role(cap, plan, n) for _, n in layer}
+    described = ", ".join(f"{n}={roles[n]}" for _, n in layer)
+    # replicate: k/v projections with fewer kv heads than ranks, priced by the solver
+    block = r"((column|replicate) )*column ((column|replicate) )*row "
+    assert re.fullmatch(f"({block})+", " ".join(roles[n] for _, n in layer) + " "), \
+        f"layer 1 in graph order: {described}"
+    blocks = list(roles.values()).count("row")
+    assert blocks == 2, f"{blocks} row-parallel blocks in layer 1: {described}"
+
+    in_layer = [c for c in plan.comms if _layer_of(c.module + ".") == 1]
+    g = [c for c in in_layer if c.kind == "g"]
+    shown = ", ".join(f"{c.kind}@{c.module}" for c in in_layer)
+    # attention and MLP side by side (one residual add) may share one all-reduce
+    assert 1 <= len(g) <= blocks, f"{len(g)} forward all-reduces in layer 1 ({shown})"
+
+    vocab = model.config.vocab_size
+    outside = [n for n in plan.roles if _layer_of(n) is None and vocab in plan.shapes[n]]
+    assert outside, "no vocabulary-sized matrix found"
+    split = {n: plan.params[n] for n in outside}
+    assert all(isinstance(p, Shard) and plan.shapes[n][p.dim] == vocab for n, p in split.items()), split
