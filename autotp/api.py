@@ -121,8 +121,25 @@ def _role_to_placement(role: str | Placement, fqn: str, ndim: int, use: tuple[An
 
 
 def _pinned(cap: Capture, layout: Mapping[str, Any] | None, plan: Plan | None) -> dict[str, Placement]:
+    """Placeholder -> the placement pinned by ``plan`` (every parameter) or by ``layout``'s globs
+    (the first glob matching any of a parameter's names: a tied parameter answers to each)."""
     pinned: dict[str, Placement] = {}
     uses = _first_uses(cap)
+    layout = dict(layout or {})
+    for pattern, role in layout.items():
+        if isinstance(role, str) and role not in ROLES:
+            raise ConfigError(f"layout for {pattern}: unknown role {role!r}; use one of {ROLES} or a Placement")
+    names_of: dict[str, list[str]] = {}
+    for alias, held in cap.aliases.items():
+        names_of.setdefault(held, [held]).append(alias)
+    every_name = set(cap.param_names.values())
+    unmatched = [p for p in layout if not any(fnmatch.fnmatchcase(n, p) for n in every_name)]
+    if unmatched and plan is None:
+        shown = ", ".join(sorted(every_name)[:6])
+        raise ConfigError(
+            f"layout pattern(s) {unmatched} match no parameter of {cap.model_name}: patterns are globs over the "
+            f"names named_parameters() shows (e.g. {shown}, ...); a tied parameter answers to each of its names"
+        )
     for placeholder, fqn in cap.param_names.items():
         node = next(n for n in cap.graph.nodes if n.name == placeholder)
         if fqn in cap.aliases:
@@ -132,8 +149,9 @@ def _pinned(cap: Capture, layout: Mapping[str, Any] | None, plan: Plan | None) -
                 raise ConfigError(f"the plan has no entry for parameter {fqn}; it was made for another model")
             pinned[placeholder] = plan.params[fqn]
             continue
-        for pattern, role in (layout or {}).items():
-            if fnmatch.fnmatchcase(fqn, pattern):
+        names = names_of.get(fqn, [fqn])
+        for pattern, role in layout.items():
+            if any(fnmatch.fnmatchcase(n, pattern) for n in names):
                 if node.meta["val"].dim() >= 2:
                     pinned[placeholder] = _role_to_placement(role, fqn, node.meta["val"].dim(), uses.get(placeholder))
                 break

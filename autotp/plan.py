@@ -58,7 +58,12 @@ class Plan:
     # ---- what users inspect -------------------------------------------------------------
     @property
     def param_layouts(self) -> dict[str, str]:
-        return dict(self.roles)
+        """Every parameter's role under each of its names (a tied pair under both)."""
+        out = dict(self.roles)
+        for alias, held in self.aliases.items():
+            if held in self.roles:
+                out[alias] = self.roles[held]
+        return out
 
     @property
     def cost(self) -> dict[str, Any]:
@@ -146,9 +151,15 @@ class Plan:
         head.add_column("layout")
         head.add_column("placement")
         head.add_column("local shape (rank 0)", justify="right")
+        tied: dict[str, list[str]] = {}
+        for alias, held in self.aliases.items():
+            tied.setdefault(held, []).append(alias)
         for name, p in self.params.items():
             head.add_row(name, "x".join(map(str, self.shapes[name])), self.roles[name], repr(p),
                          "x".join(map(str, self.local_shape(name, 0))))
+            for alias in tied.get(name, []):   # the same tensor under another name
+                head.add_row(alias, "x".join(map(str, self.shapes[name])), f"{self.roles[name]} (tied to {name})",
+                             repr(p), "x".join(map(str, self.local_shape(name, 0))))
         console.print(head)
         comms = Table(title="communication per step")
         for col in ("op", "before (module: op)", "tensor", "placement", "fwd MB/rank", "bwd MB/rank", "ms"):

@@ -252,3 +252,27 @@ def test_a_mostly_replicated_plan_says_why_and_how_to_split():
                 "*.mlp.c_proj.weight": "row", "lm_head.weight": "vocab"}
     split = autotp.plan(tiny_gpt2(), tp=4, layout=megatron)
     assert not any(n.startswith("most of the model") for n in split.notes)
+
+
+def test_a_tied_parameter_is_listed_and_pinned_under_each_of_its_names():
+    import autotp
+    from tests.helpers import tiny_gpt2
+
+    plan = autotp.plan(tiny_gpt2(), tp=2, layout={"transformer.wte.weight": "vocab"})
+    assert plan.params["lm_head.weight"].dim == 0                     # pinned by the embedding's own name
+    layouts = plan.param_layouts
+    assert layouts["transformer.wte.weight"] == layouts["lm_head.weight"] == "vocab"
+    assert "transformer.wte.weight" in str(plan) and "(tied to lm_head.weight)" in str(plan)
+
+
+def test_a_layout_pattern_that_matches_nothing_is_a_config_error():
+    import pytest
+
+    import autotp
+    from autotp.errors import ConfigError
+    from tests.helpers import tiny_gpt2
+
+    with pytest.raises(ConfigError, match=r"\['\*.q_proj.weight'\] match no parameter of GPT2LMHeadModel"):
+        autotp.plan(tiny_gpt2(), tp=2, layout={"*.c_attn.weight": "column", "*.q_proj.weight": "column"})
+    with pytest.raises(ConfigError, match="unknown role 'sideways'"):
+        autotp.plan(tiny_gpt2(), tp=2, layout={"*.nothing": "sideways"})
