@@ -1,4 +1,7 @@
-"""Call-time checks of integer inputs that index a table: never a silently wrong answer.
+"""Call-time checks of inputs: never a silently wrong answer.
+
+Empty inputs (a dim of size 0) are refused (:func:`check_not_empty`).
+
 
 Serially, a token id outside the vocabulary raises (``embedding``: index out of range) and so
 does a label outside it (``cross_entropy``: target out of bounds). On the vocab-parallel path
@@ -83,4 +86,17 @@ def check_index_bounds(bounds: dict[str, tuple[int, int | None, str]], kwargs: d
                 f"{key} holds {bad}, outside [0, {size}) ({key} indexes {what} of {size} rows"
                 + ("" if ignore is None else f"; {ignore} marks an ignored position") + "): "
                 "the serial model raises an IndexError here; fix the data or the tokenizer's vocabulary"
+            )
+
+
+def check_not_empty(kwargs: dict[str, Any]) -> None:
+    """A tensor input with a dim of size 0 (an empty batch, an empty sequence) is refused on every
+    rank: export specializes size 0, and a collective over nothing would still be a collective."""
+    from ..errors import InputError
+
+    for key, value in kwargs.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and 0 in value.shape:
+            raise InputError(
+                f"{key} has shape {tuple(value.shape)}: an empty batch or sequence; autotp runs no empty "
+                "call (skip it in the data loader, or call the serial model for it)"
             )

@@ -25,7 +25,7 @@ from ..plan import Plan
 from ..placements import Placement, Shard
 from .agreement import check_agreement, check_same_inputs, fingerprint, input_signature
 from .collectives import local_shard
-from .inputs import check_index_bounds, index_bounds
+from .inputs import check_index_bounds, check_not_empty, index_bounds
 
 
 class _ParamTree(nn.Module):
@@ -75,6 +75,10 @@ class Program:
             val = metas.get(node_name)
             if key in tensors and isinstance(val, torch.Tensor):
                 if val.dtype != tensors[key].dtype or val.dim() != tensors[key].dim():
+                    return False
+                # a dim the capture kept static (a float input's features) must have its size:
+                # another size is another program, never a silently wrong answer
+                if any(not isinstance(d, torch.SymInt) and d != n for d, n in zip(val.shape, tensors[key].shape)):
                     return False
         return True
 
@@ -205,6 +209,7 @@ class ParallelModule(nn.Module):
             names = sorted(kwargs)
             signature = input_signature(names, [kwargs[n] for n in names]) + (f"training: {self.training}",)
             check_same_inputs(signature, self._control)
+        check_not_empty(kwargs)   # after the shapes are known to agree: every rank or none
         program = self._current = self._program_for(kwargs)
         flat = flat_inputs(program.capture, kwargs)
         self._check_ranges(kwargs)

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import autotp
+from autotp.errors import InputError
 from autotp.testing import TOLERANCE, equivalence_errors
 from tests.helpers import tiny_gpt2
 
@@ -81,3 +82,37 @@ def test_a_program_is_captured_once_per_call_signature(cluster):
     # any later call of a known signature, at any length, reuses it.
     for counts in cluster.run(programs_after_repeated_calls):
         assert counts == [1, 2, 2, 2, 2]
+
+
+class Features(torch.nn.Module):
+    """A float input (b, s, 8) whose sequence dim capture keeps static (only dim 0 is dynamic)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 32), torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        y = self.down(torch.relu(self.up(x.reshape(b * s, h))))   # (b*s, 8)
+        return y.reshape(b, s, h).sum(1)                             # (b, 8)
+
+
+def static_dims_and_empty_calls() -> tuple[float, int, str]:
+    torch.manual_seed(0)
+    model = Features().double()
+    pm = autotp.parallelize(model, 2, example_inputs=(torch.randn(2, 5, 8, dtype=torch.float64),),
+                            layout={"up.weight": "column", "down.weight": "row"})
+    x = torch.randn(3, 7, 8, dtype=torch.float64)              # another size of the static dim
+    error = (pm(x) - model(x)).abs().max().item()
+    try:
+        pm(torch.zeros(0, 5, 8, dtype=torch.float64))
+        empty = "ran"
+    except InputError as e:
+        empty = str(e)
+    return error, len(pm.programs), empty
+
+
+def test_a_static_dim_called_with_another_size_gets_its_own_program_and_empty_calls_are_refused(cluster):
+    for error, programs, empty in cluster.run(static_dims_and_empty_calls):
+        assert error < 1e-12 and programs == 2
+        assert "an empty batch or sequence" in empty
