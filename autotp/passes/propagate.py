@@ -85,6 +85,11 @@ class GraphIndex:
     tensor_inputs: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
     uneven: bool = False
     sharded_outputs: frozenset = frozenset()   # output leaf positions returned split, not gathered
+    #: the nodes that may carry a gradient (:func:`grad_nodes`); f is paid on those alone
+    grads: frozenset = frozenset()
+    #: user input placeholder -> its placement on the ranks (default: whole on every rank); a
+    #: generation step's KV cache comes in split by head, as the step before returned it
+    input_placements: Mapping[str, Placement] = field(default_factory=dict)
     _strategies: dict = field(default_factory=dict)
     _compute: dict = field(default_factory=dict)
     _activation: dict = field(default_factory=dict)
@@ -117,13 +122,15 @@ class GraphIndex:
 
     @classmethod
     def build(cls, capture: Capture, tp: int, batch: int, seq: int, uneven: bool = False,
-              sharded_outputs: frozenset = frozenset(), sequence_parallel: bool = False) -> "GraphIndex":
+              sharded_outputs: frozenset = frozenset(), sequence_parallel: bool = False,
+              input_placements: Mapping[str, Placement] | None = None) -> "GraphIndex":
         """``sequence_parallel``: rules may split the sequence dim afresh (a reduce-scatter along
         s where a Partial meets an add); needs ``uneven``, since lengths are known at run time."""
         env = {}
         for sym, role in capture.dim_symbols.items():
             env[sympy.Symbol(sym, integer=True, positive=True)] = batch if role == "batch" else seq
-        index = cls(capture, tp, env, uneven=uneven, sharded_outputs=frozenset(sharded_outputs))
+        index = cls(capture, tp, env, uneven=uneven, sharded_outputs=frozenset(sharded_outputs),
+                    input_placements=dict(input_placements or {}), grads=grad_nodes(capture))
         sequence = frozenset(sym for sym in env if sequence_parallel and capture.dim_symbols.get(sym.name) == "seq")
         for node in capture.graph.nodes:
             if node.op == "call_function" and node.target is not operator.getitem:
@@ -320,9 +327,46 @@ def param_update_seconds(index: "GraphIndex", profile: DeviceProfile, node: fx.N
     return profile.update_time(param_memory(index, profile, node, placement) / profile.state_bytes_per_param)
 
 
-def wants_f(want: Any, sharded: bool, meta: TensorMeta) -> bool:
-    """f goes where a replicated float tensor feeds sharded compute: its gradient is a summand."""
-    return isinstance(want, Replicate) and sharded and meta.is_float
+def wants_f(want: Any, sharded: bool, meta: TensorMeta, grad: bool = True) -> bool:
+    """f goes where a replicated float tensor feeds sharded compute: its gradient is a summand.
+    A tensor that carries no gradient (``grad`` False: see :func:`grad_nodes`) needs none."""
+    return isinstance(want, Replicate) and sharded and meta.is_float and grad
+
+
+_NO_GRAD_OPS = frozenset(getattr(aten, name).default for name in ("detach", "detach_", "lift_fresh_copy")
+                         if hasattr(aten, name))
+
+
+def grad_nodes(cap: Capture) -> frozenset[fx.Node]:
+    """The nodes whose value may carry a gradient: those reached from a parameter or a float
+    user input through float ops, outside ``torch.no_grad()`` regions and ``detach``. Buffers,
+    lifted constants (a KV cache's empty start) and integer tensors carry none. Conservative:
+    anything unclear counts as carrying one (then f is kept: correct either way)."""
+    user = set(cap.user_inputs)
+    found: set[fx.Node] = set()
+    enabled = True
+    for node in cap.graph.nodes:
+        if node.op == "placeholder":
+            val = node.meta.get("val")
+            if node.name in cap.param_names or (node.name in user and isinstance(val, torch.Tensor)
+                                                and val.is_floating_point()):
+                found.add(node)
+            continue
+        if node.op != "call_function":
+            continue
+        if node.target is torch._C._set_grad_enabled:
+            # a constant mode is known; a restored one (``prev``, a node) may be on
+            enabled = node.args[0] if isinstance(node.args[0], bool) else True
+            continue
+        if not enabled or node.target in _NO_GRAD_OPS:
+            continue
+        val = node.meta.get("val")
+        vals = val if isinstance(val, (list, tuple)) else [val]
+        if not any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in vals):
+            continue
+        if any(isinstance(a, fx.Node) and a in found for a in node.all_input_nodes):
+            found.add(node)
+    return frozenset(found)
 
 
 def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: DeviceProfile,
@@ -385,7 +429,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
                     place[node] = None
                     unresolved[node] = None
             else:
-                place[node] = REPLICATE
+                place[node] = index.input_placements.get(node.name, REPLICATE)
             continue
         if node.op == "output":
             for i, out in enumerate(pytree.tree_leaves(node.args)):
@@ -419,7 +463,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
             sharded = _sharded_compute(strat)
             cost = index.compute_time(node, strat, profile) + internal_seconds(index, profile, strat)
             for inp, meta, want in zip(inputs, info.inputs, strat.inputs):
-                f = wants_f(want, sharded, meta)
+                f = wants_f(want, sharded, meta, inp in index.grads)
                 if isinstance(want, Shard) and not index.uneven and not _even(meta, want, tp):
                     cost = INF
                 elif inp in unresolved:
@@ -452,7 +496,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
             comms.append(Comm(kind, node.name, best.inputs[0], REPLICATE, node.name, full, fw_b, 0.0, seconds))
         sharded = _sharded_compute(best)
         for inp, meta, want in zip(inputs, info.inputs, best.inputs):
-            f = wants_f(want, sharded, meta)
+            f = wants_f(want, sharded, meta, inp in index.grads)
             if inp in unresolved:
                 del unresolved[inp]
                 place[inp] = want

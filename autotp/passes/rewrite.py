@@ -24,7 +24,7 @@ from ..errors import PlanError
 from ..placements import Partial, Placement, Replicate, Shard, local_size
 from ..runtime import collectives as C
 from ..runtime.rng import RandomOp, draws_random
-from .propagate import GraphIndex, Propagation, _conversion, _dim_size, _meta, _sharded_compute
+from .propagate import GraphIndex, Propagation, _conversion, _dim_size, _meta, _sharded_compute, wants_f
 from .rules import LocalContext, localizer
 
 
@@ -181,7 +181,7 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         sharded = _sharded_compute(strategy)
         replacements = []
         for inp, meta, want in zip(tensor_inputs, info.inputs, strategy.inputs):
-            f = isinstance(want, Replicate) and sharded and meta.is_float
+            f = wants_f(want, sharded, meta, inp in index.grads)
             replacements.append(convert(inp, want, f) if (f or prop.placements[inp] != want) else env[inp])
         it = iter(replacements)
 

@@ -109,7 +109,7 @@ class _Solver:
                     self.memory0 += param_memory(index, profile, n, REPLICATE)
                     self.seconds0 += param_update_seconds(index, profile, n, REPLICATE)
             else:
-                self.fixed[n] = REPLICATE
+                self.fixed[n] = index.input_placements.get(n.name, REPLICATE)
         for n in self.nodes:
             if n.op not in ("placeholder", "call_function", "output"):
                 self.fixed[n] = REPLICATE   # get_attr and the like: whole on every rank
@@ -134,7 +134,7 @@ class _Solver:
             mem = index.activation_bytes(node, strat, profile)
             labels: dict = {}
             for inp, meta, want in zip(inputs, info.inputs, strat.inputs):
-                f = wants_f(want, sharded, meta)
+                f = wants_f(want, sharded, meta, inp in index.grads)
                 if isinstance(want, Shard) and not index.uneven and not _even(meta, want, tp):
                     cost = INF
                     break

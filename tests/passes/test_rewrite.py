@@ -114,3 +114,34 @@ def test_a_dynamic_size_is_localized_at_run_time_in_contiguous_runs_only():
     graph = fx.Graph()
     with pytest.raises(PlanError, match="plain contiguous runs"):
         GraphLocalContext(4, 0, graph).local(graph.placeholder("n"), s, Shard(0, unit=2))
+
+
+class _NoGradParts(torch.nn.Module):
+    """A weight's product (carries a gradient) beside a buffer's and a no_grad block's (carry none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(6, 6))
+        self.register_buffer("table", torch.randn(6))
+
+    def forward(self, x):
+        with torch.no_grad():
+            scale = x.abs().amax(-1, keepdim=True) + 1.0
+        y = x @ self.w
+        return (y * self.table / scale).sum()
+
+
+def test_only_nodes_reached_from_parameters_or_float_inputs_outside_no_grad_carry_gradients():
+    from autotp.capture import capture
+    from autotp.passes.propagate import grad_nodes
+
+    cap = capture(_NoGradParts(), (torch.randn(2, 5, 6),))
+    grads = {n.name for n in grad_nodes(cap)}
+    by_op = {}
+    for n in cap.graph.nodes:
+        if n.op == "call_function":
+            by_op.setdefault(getattr(n.target, "__name__", str(n.target)).split(".")[0], []).append(n.name)
+    assert all(name in grads for name in by_op["matmul"] + by_op["sum"]), (grads, by_op)
+    # the no_grad block's amax/add and anything from the buffer alone carry none
+    assert not any(name in grads for name in by_op["amax"]), (grads, by_op)
+    assert "b_table" not in grads and cap.param_names and all(p in grads for p in cap.param_names)

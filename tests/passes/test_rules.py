@@ -689,6 +689,15 @@ def test_rotate_half_keeps_the_heads_shard_local():
                    for s in strategies(case.info(), (Shard(3), Shard(3))))
 
 
+def test_cat_with_a_legacy_empty_input_keeps_the_heads_shard():
+    # A KV cache's first update: cat(empty 1-D start, keys [b, kv heads, s, d]) along s. torch
+    # skips the empty piece; the keys' heads shard must survive (the cache stays split by head).
+    keys = torch.randn(2, 4, 5, 3, dtype=F64)
+    empty = torch.empty(0, dtype=F64)
+    case = Case(aten.cat.default, ([empty, keys], -2), {}, 2, (REPLICATE, Shard(1)))
+    assert _offers(check_case(case), (REPLICATE, Shard(1)), Shard(1))
+
+
 @st.composite
 def copy_cases(draw) -> Case:
     """flatten, repeat, repeat_interleave, broadcast_to, chunk, numpy_T: GPT-J's and Falcon's

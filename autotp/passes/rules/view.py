@@ -7,6 +7,8 @@ its block's flat index, which lands on the one output dim of the block that can 
 """
 from __future__ import annotations
 
+import dataclasses
+
 from functools import lru_cache
 from typing import Any
 
@@ -145,7 +147,7 @@ register_localizer(aten.view.default, aten.reshape.default, aten._unsafe_view.de
 
 
 @register(aten.alias.default, aten.contiguous.default, aten.clone.default, aten.detach.default,
-          aten.lift_fresh_copy.default)
+          aten.lift_fresh_copy.default, aten.detach_.default)
 def identity_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     return _follow(info, placements, lambda s: s)
 
@@ -286,10 +288,23 @@ def _join_dim(info: OpInfo, ndim: int) -> int:
 def cat_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     """rotate_half's ``cat([-x2, x1], -1)`` on the head dim keeps a heads shard local."""
     metas = info.inputs
-    if len({m.ndim for m in metas}) != 1:   # legacy 1-D empty inputs: keep it whole
+    # torch.cat skips legacy empty 1-D inputs (a KV cache's first update joins its empty start
+    # with the keys): they stay whole, the others decide the output's placement
+    empty = [m.ndim == 1 and m.shape[0] == 0 for m in metas]
+    real = [m for m, e in zip(metas, empty) if not e]
+    if not real or len({m.ndim for m in real}) != 1:
         return [Strategy(tuple(REPLICATE for _ in metas), REPLICATE)]
-    dim = _join_dim(info, metas[0].ndim)
-    return _joined_shards(info, placements, lambda d: None if d == dim else d)
+    dim = _join_dim(info, real[0].ndim)
+    if not any(empty):
+        return _joined_shards(info, placements, lambda d: None if d == dim else d)
+    sub = dataclasses.replace(info, inputs=tuple(real))
+    joined = _joined_shards(sub, tuple(p for p, e in zip(placements, empty) if not e),
+                            lambda d: None if d == dim else d)
+    out = []
+    for strat in joined:
+        it = iter(strat.inputs)
+        out.append(Strategy(tuple(REPLICATE if e else next(it) for e in empty), strat.output))
+    return out
 
 
 @register(aten.stack.default)
