@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .capture import Capture, example_like, module_path, seq_bounds
+from .generation import capture_step
 from .capture_cache import capture as capture_model   # once per structure; see its docs
 from .cost_model import get_profile
 from .errors import ConfigError, DisagreementError, PlanError
@@ -162,9 +163,15 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                layout: Mapping[str, Any] | None = None, plan: Plan | None = None,
                uneven: bool = True, gather_logits: bool = True,
                memory_limit: float | None = None,
-               sequence_parallel: bool | None = None) -> tuple[Plan, GraphIndex, Propagation]:
+               sequence_parallel: bool | None = None,
+               input_placements: Mapping[str, Placement] | None = None,
+               keep_split: frozenset[str] = frozenset()) -> tuple[Plan, GraphIndex, Propagation]:
     """The plan for a capture. ``memory_limit`` (bytes per rank; default: the profile's device
     memory) bounds training state + activations; a saved ``plan`` is replayed, not re-solved.
+
+    ``input_placements`` (input name -> placement) says how inputs arrive on the ranks when
+    not whole, and ``keep_split`` names outputs returned as they are split instead of gathered:
+    a generation step's KV cache goes out and comes back split by head (autotp.generation).
 
     ``sequence_parallel``: may the solver split layer-norm/dropout/residual regions along the
     sequence (Korthikanti et al.)? None (default): only when the fastest plan without it does not
@@ -172,9 +179,11 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
     prof = get_profile(profile)
     limit = prof.memory if memory_limit is None else memory_limit
     names = cap.output_names
-    keep = frozenset() if gather_logits else frozenset(i for i, n in enumerate(names) if n == "logits")
+    keep = frozenset(i for i, n in enumerate(names) if n in keep_split or (n == "logits" and not gather_logits))
+    by_key = dict(zip(cap.input_keys, cap.user_inputs))
+    arriving = {by_key[k]: p for k, p in (input_placements or {}).items()}
     index = GraphIndex.build(cap, tp, batch, seq, uneven=uneven, sharded_outputs=keep,
-                             sequence_parallel=bool(sequence_parallel))
+                             sequence_parallel=bool(sequence_parallel), input_placements=arriving)
     pinned = _pinned(cap, layout, plan)
     notes: list[str] = []
     if plan is not None:
@@ -192,7 +201,7 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
             # activations shrink to s/tp tokens. (Offered always, the cost model would also pick
             # it where its pointwise savings outweigh the extra all-gather; see architecture.md.)
             index = GraphIndex.build(cap, tp, batch, seq, uneven=uneven, sharded_outputs=keep,
-                                     sequence_parallel=True)
+                                     sequence_parallel=True, input_placements=arriving)
             first = solution
             try:
                 solution = solve(index, prof, pinned, memory_limit=limit)
@@ -374,20 +383,26 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
         gm = rewrite(index, prop, mesh.tp_rank, mesh.tp_group, device, rng)
         return checkpoint_layers(gm, rng) if activation_checkpointing else gm
 
-    def build(inputs: dict, training: bool) -> tuple:
-        """Another call signature's program under the same parameter layout (``result``)."""
+    def build(inputs: dict, training: bool, step: Any = None) -> tuple:
+        """Another call signature's program under the same parameter layout (``result``); with
+        ``step`` (an autotp.generation.StepSpec), a generation step's program instead."""
         def prepare_call():
             was = model.training
             model.train(training)
             try:
-                call_cap = capture_model(model, example_kwargs=example_like(inputs, seq_bounds(model, seq_range)),
-                                         seq_range=seq_range)
+                if step is None:
+                    call_cap = capture_model(model, seq_range=seq_range,
+                                             example_kwargs=example_like(inputs, seq_bounds(model, seq_range)))
+                else:
+                    call_cap = capture_step(model, step)
             finally:
                 model.train(was)
             call_plan, call_index, call_prop = build_plan(
                 call_cap, tp, batch=batch, seq=seq or _default_seq(model),
                 profile=profile or _default_profile(device), plan=result, uneven=uneven,
-                gather_logits=gather_logits, memory_limit=memory_limit)
+                gather_logits=gather_logits, memory_limit=memory_limit,
+                input_placements=step.input_placements if step else None,
+                keep_split=step.keep_split(call_cap) if step else frozenset())
             return call_cap, call_plan, call_index, call_prop
 
         call_cap, call_plan, call_index, call_prop = _on_every_rank_or_none(mesh, prepare_call)

@@ -205,11 +205,13 @@ EXPORT_REFINEMENTS = 3
 
 
 def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None,
-            dynamic: bool = True, seq_range: tuple[int, int] | None = None) -> Capture:
+            dynamic: bool = True, seq_range: tuple[int, int] | None = None,
+            dynamic_shapes: dict[str, Any] | None = None) -> Capture:
     """Export ``model`` and normalize its graph. See the module docstring.
 
     ``seq_range=(min, max)``: the sequence lengths the captured program accepts (default: from
-    the model's config, else as wide as export allows)."""
+    the model's config, else as wide as export allows). ``dynamic_shapes`` replaces the default
+    batch/sequence dims with torch.export's own spec (a generation step's cache lengths)."""
     bounds = seq_bounds(model, seq_range)
     if example_inputs or example_kwargs is not None:
         kwargs = bind_inputs(forward_signature(model), tuple(example_inputs), dict(example_kwargs or {}),
@@ -218,7 +220,8 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
         kwargs = hf_example_kwargs(model, seq=_example_seq(bounds), device=_device_of(model))
     if "use_cache" in _forward_params(model) and "use_cache" not in kwargs:
         kwargs["use_cache"] = False   # a KV cache is an inference-time output, not part of the graph
-    dynamic_shapes = _dynamic_shapes(kwargs, bounds) if dynamic else None
+    if dynamic_shapes is None and dynamic:
+        dynamic_shapes = _dynamic_shapes(kwargs, bounds)
     was_training = model.training
     try:
         ep = _export(model, kwargs, dynamic_shapes)
@@ -346,7 +349,7 @@ def _from_exported(ep: torch.export.ExportedProgram, kwargs: dict[str, Any]) -> 
                 sym = str(size.node.expr)
                 vr = constraints.get(sym)
                 if vr is not None:
-                    ranges[f"{key}.{d}"] = (int(vr.lower), int(vr.upper))
+                    ranges[f"{key}.{d}"] = (int(vr.lower), _bound(vr.upper))
                 input_dims[f"{key}.{d}"] = sym
                 dim_symbols.setdefault(sym, "batch" if d == 0 else "seq")
     inline_regions(gm)   # no_grad/autocast blocks in forward become plain ops (autotp.higher_order)
@@ -367,6 +370,17 @@ def _from_exported(ep: torch.export.ExportedProgram, kwargs: dict[str, Any]) -> 
         dim_symbols=dim_symbols,
         input_dims=input_dims,
     )
+
+
+#: an unbounded dim's upper bound (Dim.DYNAMIC's int_oo)
+UNBOUNDED = 1 << 62
+
+
+def _bound(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError, AttributeError, OverflowError):   # sympy's and torch's infinities
+        return UNBOUNDED
 
 
 def _normalize(graph: fx.Graph) -> None:

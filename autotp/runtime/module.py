@@ -53,6 +53,8 @@ class Program:
     buffer_order: list[str]         # the buffer FQN fed to each buffer placeholder
     constants: list[torch.Tensor]
     bounds: dict = field(default_factory=dict)   # input key -> the table it indexes (runtime/inputs.py)
+    step: str = ""   # "prefill"/"decode": a generation step's program (autotp.generation), not a call's
+    arriving: dict = field(default_factory=dict)   # input key -> its placement when it comes in split
 
     def serves(self, kwargs: dict[str, Any], training: bool) -> bool:
         """Does this program compute a call with these inputs, in this mode? Same tensor inputs
@@ -78,13 +80,16 @@ class Program:
                     return False
                 # a dim the capture kept static (a float input's features) must have its size:
                 # another size is another program, never a silently wrong answer
-                if any(not isinstance(d, torch.SymInt) and d != n for d, n in zip(val.shape, tensors[key].shape)):
+                split = self.arriving.get(key)
+                skip = split.dim if isinstance(split, Shard) else -1   # a local size: the plan's split
+                if any(not isinstance(d, torch.SymInt) and d != n and i != skip
+                       for i, (d, n) in enumerate(zip(val.shape, tensors[key].shape))):
                     return False
         return True
 
 
-#: builds a program for a call: (inputs, training) -> (capture, plan, rewritten graph)
-ProgramBuilder = Callable[[dict, bool], tuple]
+#: builds a program for a call: (inputs, training[, generation step]) -> (capture, plan, rewritten graph)
+ProgramBuilder = Callable[..., tuple]
 
 
 class ParallelModule(nn.Module):
@@ -108,6 +113,8 @@ class ParallelModule(nn.Module):
         self.mesh = mesh
         self.device = device
         self._build = build
+        #: what pm.generate needs of the serial model (autotp.generation)
+        self._generation = _generation_info(model)
         self.local = _ParamTree()
         full_params = dict(model.named_parameters(remove_duplicate=False))
         tp, rank = plan.tp, mesh.tp_rank if mesh is not None else 0
@@ -127,6 +134,7 @@ class ParallelModule(nn.Module):
         self._graphs = nn.ModuleDict()
         self._programs: list[Program] = []
         self._current = self._add_program(capture, plan, graph_module)
+        self.train(capture.training)   # the model's mode: a model in eval() gives a module in eval()
         self._average_over_dp(getattr(mesh, "dp_group", None), getattr(mesh, "dp", 1))
 
     # ---- the programs ---------------------------------------------------------------------
@@ -149,7 +157,8 @@ class ParallelModule(nn.Module):
     def graph_module(self) -> fx.GraphModule:
         return self._current.graph_module
 
-    def _add_program(self, capture: Capture, plan: Plan, graph_module: fx.GraphModule) -> Program:
+    def _add_program(self, capture: Capture, plan: Plan, graph_module: fx.GraphModule, step: str = "",
+                     arriving: dict | None = None) -> Program:
         if self._programs:   # the first was agreed at construction
             check_agreement(fingerprint(plan, graph_module), self._control, "before a new program's first collective")
         param_order = [capture.aliases.get(fqn, fqn) for fqn in capture.param_names.values()]
@@ -166,13 +175,13 @@ class ParallelModule(nn.Module):
         constants = [capture.constants[name].to(self.device) for name in capture.constant_names.values()]
         self._graphs[f"program_{len(self._programs)}"] = graph_module
         program = Program(capture, plan, graph_module, param_order, buffer_order, constants,
-                          index_bounds(capture))
+                          index_bounds(capture), step, dict(arriving or {}))
         self._programs.append(program)
         return program
 
     def _program_for(self, kwargs: dict[str, Any]) -> Program:
         for program in [self._current, *self._programs]:
-            if program.serves(kwargs, self.training):
+            if not program.step and program.serves(kwargs, self.training):
                 return program
         if self._build is None:
             raise InputError(
@@ -211,13 +220,44 @@ class ParallelModule(nn.Module):
             check_same_inputs(signature, self._control)
         check_not_empty(kwargs)   # after the shapes are known to agree: every rank or none
         program = self._current = self._program_for(kwargs)
-        flat = flat_inputs(program.capture, kwargs)
         self._check_ranges(kwargs)
+        return self._run(program, kwargs)
+
+    def _run(self, program: Program, kwargs: dict[str, Any]) -> Any:
+        flat = flat_inputs(program.capture, kwargs)
         check_index_bounds(program.bounds, kwargs)
         params = [self.local.get_parameter(fqn) for fqn in program.param_order]
         buffers = [getattr(self, self._buffer_slots[fqn]) for fqn in program.buffer_order]
         outputs = program.graph_module(*params, *buffers, *program.constants, *flat)
         return unflatten_outputs(program.capture, outputs)
+
+    # ---- generation -----------------------------------------------------------------------
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        """Greedy decoding with a KV cache split by head on each rank, token for token what the
+        serial model's ``generate(do_sample=False)`` returns; see :mod:`autotp.generation`."""
+        from ..generation import generate
+
+        return generate(self, input_ids, attention_mask, **kwargs)
+
+    def _step(self, spec: Any, inputs: dict[str, torch.Tensor]) -> tuple[Program, dict[str, torch.Tensor]]:
+        """Run one generation step (``spec``: an autotp.generation.StepSpec), building its
+        program on first use. The token inputs are checked across the ranks like a call's; the
+        cache is not (its split may give ranks different shapes)."""
+        if self.check_inputs:
+            names = sorted(spec.tokens)
+            signature = input_signature(names, [spec.tokens[n] for n in names]) + (
+                f"training: {self.training}", f"past: {spec.past}")
+            check_same_inputs(signature, self._control)
+        kind = "decode" if spec.cache is not None else "prefill"
+        for program in self._programs:
+            if program.step == kind and program.serves(inputs, self.training) and _in_ranges(program.capture, inputs):
+                break
+        else:
+            if self._build is None:
+                raise InputError("this module cannot capture a generation step; build it with autotp.parallelize")
+            capture, plan, graph_module = self._build(dict(inputs), self.training, spec)
+            program = self._add_program(capture, plan, graph_module, kind, spec.input_placements)
+        return program, self._run(program, inputs)
 
     def _check_ranges(self, kwargs: dict[str, Any]) -> None:
         seen: dict[str, tuple[str, int]] = {}   # symbol -> (first input dim carrying it, its size)
@@ -249,3 +289,28 @@ class ParallelModule(nn.Module):
                         f"{hi} there (the model's maximum positions); shorten the input or use a model "
                         "with more positions"
                     )
+
+
+def _in_ranges(capture: Capture, kwargs: dict[str, Any]) -> bool:
+    """Are the inputs' dynamic dims within what the capture was traced for?"""
+    for key, (lo, hi) in capture.range_constraints.items():
+        name, dim = key.rsplit(".", 1)
+        value = kwargs.get(name)
+        if isinstance(value, torch.Tensor) and value.dim() > int(dim) and not lo <= value.shape[int(dim)] <= hi:
+            return False
+    return True
+
+
+def _generation_info(model: nn.Module) -> dict[str, Any]:
+    import copy
+    import inspect
+
+    config = getattr(model, "config", None)
+    try:
+        params = set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        params = set()
+    return {"generation_config": copy.deepcopy(getattr(model, "generation_config", None)),
+            "is_encoder_decoder": bool(getattr(config, "is_encoder_decoder", False)),
+            "has_config": config is not None, "forward_params": params,
+            "model_name": type(model).__name__}

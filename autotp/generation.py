@@ -1,0 +1,294 @@
+"""Greedy generation on a ParallelModule, its KV cache held split by head on each rank.
+
+``pm.generate(input_ids, attention_mask=None, max_new_tokens=20)`` computes what HuggingFace's
+``model.generate(..., do_sample=False)`` computes for a decoder-only model: the prompt's
+position ids from its attention mask (left padding), the mask dropped when it is all ones, one
+token per step by argmax, and finished rows (an ``eos_token_id`` drawn) filled with
+``pad_token_id``. It runs two kinds of program under the module's one parameter layout:
+
+* **prefill**: the prompt in, the last position's logits and every layer's keys and values out;
+* **decode**: one token and the cache in, its logits and the grown cache out.
+
+Each is the model's own forward, captured through :class:`CachedStep`, which hands the cache to
+the model as a ``DynamicCache`` built from plain named tensors (``key_0``, ``value_0``, ...) and
+returns the updated cache the same way. The cache outputs are planned as kept split
+(``build_plan(keep_split=...)``) and the decode program's cache inputs arrive split the same
+way (``input_placements``): where the plan splits attention by head, each rank keeps and feeds
+back only its heads' keys and values; with fewer kv heads than ranks (GQA, MQA) the plan keeps
+them whole and so does the cache. Programs are captured on first use, agreed by the ranks and
+cached like any other call's (a one-token prompt, or a cache of one position, is its own
+program: torch.export specializes a dim of size 1).
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .capture import Capture, capture, seq_bounds
+from .errors import ConfigError, InputError, PlanError
+from .placements import REPLICATE, Placement
+
+#: the example batch and lengths a step is captured with (0 and 1 are specialized by export)
+EXAMPLE_BATCH = 2
+EXAMPLE_LENGTH = 11
+
+#: generation-config settings that change which token greedy decoding picks; autotp's greedy
+#: loop implements none of them and refuses a model whose generation config asks for one
+_UNSUPPORTED = {
+    "do_sample": False, "num_beams": 1, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+    "bad_words_ids": None, "min_length": 0, "min_new_tokens": None, "forced_bos_token_id": None,
+    "forced_eos_token_id": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+    "sequence_bias": None, "encoder_repetition_penalty": 1.0, "exponential_decay_length_penalty": None,
+}
+
+
+class CachedStep(nn.Module):
+    """``model``'s forward with its KV cache as plain named tensors.
+
+    The step shares the model's parameter, buffer and submodule tables, so its parameters have
+    the model's own names (a plan made for the model applies as it is). ``forward(input_ids,
+    [attention_mask], [position_ids], key_0, value_0, ...)`` returns ``{"logits": the last
+    position's logits, "key_0": ..., "value_0": ..., ...}``."""
+
+    def __init__(self, model: nn.Module, layers: int):
+        super().__init__()
+        object.__setattr__(self, "inner", model)   # not a submodule: FQNs stay the model's
+        self._parameters, self._buffers, self._modules = model._parameters, model._buffers, model._modules
+        self.training = model.training
+        self.layers = layers
+        params = inspect.signature(model.forward).parameters
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.keep_last = "logits_to_keep" in params
+
+    def forward(self, **kwargs: Any) -> dict[str, torch.Tensor]:
+        from transformers.cache_utils import DynamicCache
+
+        try:
+            cache = DynamicCache(config=self.inner.config)
+        except TypeError:   # a transformers without per-layer cache types
+            cache = DynamicCache()
+        for i in range(self.layers):
+            cache.update(kwargs.pop(f"key_{i}"), kwargs.pop(f"value_{i}"), i)
+        if self.keep_last:
+            kwargs["logits_to_keep"] = 1
+        out = self.inner(**kwargs, use_cache=True, **{self.cache_arg: cache})
+        cache = out.get(self.cache_arg, out.get("past_key_values"))
+        result = {"logits": out["logits"][:, -1, :]}
+        for i, layer in enumerate(cache.layers):
+            result[f"key_{i}"], result[f"value_{i}"] = layer.keys, layer.values
+        return result
+
+
+def _step_class(names: list[str]) -> type:
+    """A CachedStep whose forward names its inputs (capture binds and orders inputs by name)."""
+    P = inspect.Parameter
+    sig = inspect.Signature([P("self", P.POSITIONAL_OR_KEYWORD)]
+                            + [P(n, P.POSITIONAL_OR_KEYWORD, default=None) for n in names])
+
+    def forward(self, **kwargs: Any) -> dict[str, torch.Tensor]:
+        return CachedStep.forward(self, **kwargs)
+
+    forward.__signature__ = sig
+    return type("CachedStep", (CachedStep,), {"forward": forward})
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """The cache a decode step takes: per layer its (kv) heads and head dim, the dtype, and how
+    each cached tensor (``key_0``, ``value_0``, ...) lies on the ranks."""
+    heads: tuple[int, ...]
+    head_dims: tuple[int, ...]
+    dtype: torch.dtype
+    placements: tuple[tuple[str, Placement], ...] = ()
+
+    @property
+    def names(self) -> list[str]:
+        return [f"{kv}_{i}" for i in range(len(self.heads)) for kv in ("key", "value")]
+
+
+@dataclass
+class StepSpec:
+    """A generation step to capture: this call's token inputs (``input_ids`` and, where given,
+    ``attention_mask`` and ``position_ids``), the cache it takes (None: the prefill) and the
+    cache's length."""
+    tokens: dict[str, torch.Tensor]
+    cache: CacheLayout | None = None
+    past: int = 0
+    seq_range: tuple[int, int] | None = None
+
+    @property
+    def input_placements(self) -> dict[str, Placement]:
+        return dict(self.cache.placements) if self.cache else {}
+
+    def keep_split(self, cap: Capture) -> frozenset[str]:
+        """Every cache output stays as the plan splits it; only the logits are gathered."""
+        return frozenset(n for n in cap.output_names if n != "logits")
+
+
+def capture_step(model: nn.Module, spec: StepSpec) -> Capture:
+    """Capture ``model`` as the generation step ``spec`` describes, with example inputs of a
+    batch of 2 and dynamic batch and lengths (a length of 1 stays static: its own program)."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    cache = spec.cache
+    names = list(spec.tokens) + (cache.names if cache else [])
+    step = _step_class(names)(model, len(cache.heads) if cache else 0)
+    batch = torch.export.Dim("batch", min=1, max=1 << 20)
+    example: dict[str, torch.Tensor] = {}
+    shapes: dict[str, Any] = {}
+    if cache is None:   # the prompt: every 2-D token input has the prompt's length
+        lo, hi = seq_bounds(model, spec.seq_range)
+        length = spec.tokens["input_ids"].shape[1]
+        dynamic = length >= 2
+        if dynamic:
+            length = min(max(EXAMPLE_LENGTH, lo), hi)
+        seq = torch.export.Dim("seq", min=lo, max=hi)
+        for key, value in spec.tokens.items():
+            example[key] = torch.ones(EXAMPLE_BATCH, length, dtype=value.dtype, device=device)
+            shapes[key] = {0: batch, **({1: seq} if dynamic else {})}
+    else:               # one token; the mask and the cache span what came before
+        dynamic = spec.past >= 2
+        past = EXAMPLE_LENGTH if dynamic else spec.past
+        grow = {1: torch.export.Dim.DYNAMIC} if dynamic else {}
+        for key, value in spec.tokens.items():
+            wide = key == "attention_mask"
+            example[key] = torch.ones(EXAMPLE_BATCH, past + 1 if wide else 1, dtype=value.dtype, device=device)
+            shapes[key] = {0: batch, **(grow if wide else {})}
+        for i, (heads, head_dim) in enumerate(zip(cache.heads, cache.head_dims)):
+            for kv in ("key", "value"):
+                example[f"{kv}_{i}"] = torch.zeros(EXAMPLE_BATCH, heads, past, head_dim, dtype=cache.dtype,
+                                                   device=device)
+                shapes[f"{kv}_{i}"] = {0: batch, **({2: torch.export.Dim.DYNAMIC} if dynamic else {})}
+    cap = capture(step, example_kwargs=example, dynamic_shapes=shapes)
+    cap.model_name = f"{type(model).__name__} ({'decode' if cache else 'prefill'} step)"
+    return cap
+
+
+def cache_layout(cap: Capture, plan: Any) -> CacheLayout:
+    """The cache a prefill program returns: shapes from its graph, placements from its plan."""
+    import torch.utils._pytree as pytree
+
+    out = next(n for n in cap.graph.nodes if n.op == "output")
+    vals = {name: leaf.meta["val"] for name, leaf in zip(cap.output_names, pytree.tree_leaves(out.args[0]))}
+    layers = len(vals) // 2
+    heads, dims, dtypes = [], [], set()
+    for i in range(layers):
+        key = vals[f"key_{i}"]
+        if key.dim() != 4 or vals[f"value_{i}"].shape[1] != key.shape[1]:
+            raise ConfigError(f"{cap.model_name}: layer {i}'s cache is {tuple(key.shape)}; autotp's generation "
+                              "needs [batch, heads, length, head_dim] keys and values (a DynamicCache)")
+        heads.append(int(key.shape[1]))
+        dims.append(int(key.shape[3]))
+        dtypes.add(key.dtype)
+    placements = tuple((n, plan.sharded_outputs.get(n, REPLICATE)) for i in range(layers)
+                       for n in (f"key_{i}", f"value_{i}"))
+    return CacheLayout(tuple(heads), tuple(dims), dtypes.pop(), placements)
+
+
+def _settings(info: dict[str, Any], max_new_tokens: int | None, eos_token_id: Any,
+              pad_token_id: int | None) -> tuple[int, list[int], int | None]:
+    """max_new_tokens, the eos ids and the pad id, from the arguments or the model's generation
+    config as HuggingFace's generate reads them; a config asking for more than greedy decoding
+    is refused (autotp would pick other tokens than the serial model)."""
+    config = info["generation_config"]
+    for name, plain in _UNSUPPORTED.items():
+        value = getattr(config, name, plain) if config is not None else plain
+        if value not in (plain, None) and not (plain is None and value in ([], ())):
+            raise ConfigError(f"{info['model_name']}'s generation config sets {name}={value!r}; autotp's "
+                              "generate is greedy decoding only: set it back to its default "
+                              f"({plain!r}) on model.generation_config before autotp.parallelize")
+    if max_new_tokens is None:
+        max_new_tokens = getattr(config, "max_new_tokens", None) or 20
+    if eos_token_id is None and config is not None:
+        eos_token_id = config.eos_token_id
+    eos = [] if eos_token_id is None else [int(e) for e in (eos_token_id if isinstance(eos_token_id, (list, tuple))
+                                                           else [eos_token_id])]
+    if pad_token_id is None and config is not None:
+        pad_token_id = config.pad_token_id
+    if pad_token_id is None and eos:
+        pad_token_id = eos[0]   # HuggingFace's default too
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens={max_new_tokens!r}: give a positive int")
+    return max_new_tokens, eos, pad_token_id
+
+
+@torch.no_grad()
+def generate(pm: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+             max_new_tokens: int | None = None, eos_token_id: int | list[int] | None = None,
+             pad_token_id: int | None = None) -> torch.Tensor:
+    """Greedy decoding on ``pm`` (a ParallelModule); returns the prompt followed by the new
+    tokens, ``[batch, prompt + new]``, as HuggingFace's ``generate(do_sample=False)`` does."""
+    info = pm._generation
+    if not info["has_config"] or info["is_encoder_decoder"]:
+        raise ConfigError(f"{info['model_name']}: autotp's generate runs decoder-only HuggingFace models "
+                          "(a config and a DynamicCache); encoder-decoder generation is not supported yet")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        raise InputError("generate takes input_ids as a [batch, length] integer tensor")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise InputError(f"input_ids is {tuple(input_ids.shape)}: generate needs a batch of non-empty prompts")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise InputError(f"attention_mask is {tuple(attention_mask.shape)} but input_ids is "
+                         f"{tuple(input_ids.shape)}: give one mask entry per prompt token")
+    steps, eos, pad = _settings(info, max_new_tokens, eos_token_id, pad_token_id)
+    if eos and pad is None:
+        raise ConfigError("the model's generation config names an eos_token_id but no pad_token_id; "
+                          "pass pad_token_id= to generate")
+    device = pm.device
+    ids = input_ids.to(device)
+    mask = attention_mask.to(device) if attention_mask is not None else None
+    with_positions = "position_ids" in info["forward_params"]
+    positions = None
+    if with_positions:   # HuggingFace: from the mask (0 under padding), else 0..n-1
+        if mask is not None:
+            positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        else:
+            positions = torch.arange(ids.shape[1], device=device).expand(ids.shape[0], -1)
+    if mask is not None and bool((mask == 1).all()):
+        mask = None   # as HuggingFace does: an all-ones mask changes nothing but the program
+    tokens = {"input_ids": ids}
+    if mask is not None:
+        tokens["attention_mask"] = mask
+    if positions is not None:
+        tokens["position_ids"] = positions.contiguous()
+    program, out = pm._step(StepSpec(tokens), tokens)
+    layout = cache_layout(program.capture, program.plan)
+    unfinished = torch.ones(ids.shape[0], dtype=torch.bool, device=device)
+    past = ids.shape[1]
+    for step in range(steps):
+        logits = out["logits"]
+        cache = {n: out[n] for n in layout.names}
+        token = logits.argmax(-1)
+        if eos:
+            token = torch.where(unfinished, token, torch.full_like(token, pad))
+        ids = torch.cat([ids, token[:, None]], dim=-1)
+        if eos:
+            unfinished &= ~torch.isin(token, torch.tensor(eos, device=device))
+            if not bool(unfinished.any()):
+                break
+        if step == steps - 1:
+            break
+        tokens = {"input_ids": token[:, None].contiguous()}
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
+            tokens["attention_mask"] = mask
+        if positions is not None:
+            positions = positions[:, -1:] + 1
+            tokens["position_ids"] = positions
+        program, out = pm._step(StepSpec(tokens, layout, past), {**tokens, **cache})
+        _check_cache(layout, program)
+        past += 1
+    pm.kv_cache = {n: out[n] for n in layout.names}
+    return ids
+
+
+def _check_cache(layout: CacheLayout, program: Any) -> None:
+    """A decode step must return its cache split as it took it (the next step feeds it back)."""
+    names = program.capture.output_names
+    for name, placement in layout.placements:
+        returned = program.plan.sharded_outputs.get(name, REPLICATE)
+        if name not in names or returned != placement:
+            raise PlanError(f"the decode step returns {name} as {returned!r} but takes it as {placement!r}: "
+                            "the cache would not line up across steps (please report this model)")

@@ -1,0 +1,135 @@
+"""pm.generate: greedy decoding with the KV cache split by head, token for token the serial
+model's ``generate(do_sample=False)``.
+
+Hypothesis draws the family (GPT-2; Llama with grouped-query attention, 2 kv heads for 4 query
+heads, so kv < tp at tp 3 and 4), the batch, the prompt length (1 included: its own program),
+left padding, how many tokens to generate and whether an eos token stops some rows early. The
+ranks keep one parallel model per (family, tp) across examples, as a serving loop would."""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import autotp
+from autotp import zoo
+from autotp.errors import ConfigError, InputError
+
+VOCAB = 96
+PAD = VOCAB - 1
+LAYOUTS = {
+    "gpt2": {"*.c_attn.weight": "column", "*.attn.c_proj.weight": "row", "*.mlp.c_fc.weight": "column",
+             "*.mlp.c_proj.weight": "row"},
+    "llama": {"*.q_proj.weight": "column", "*.k_proj.weight": "column", "*.v_proj.weight": "column",
+              "*.o_proj.weight": "row", "*.gate_proj.weight": "column", "*.up_proj.weight": "column",
+              "*.down_proj.weight": "row"},
+}
+KV_HEADS = {"gpt2": 4, "llama": 2}
+_MODELS: dict = {}   # per rank process: (family, tp) -> (serial model, parallel model)
+
+
+def _models(family: str, tp: int):
+    if (family, tp) not in _MODELS:
+        config = zoo.tiny_config(family, heads=4, kv_heads=KV_HEADS[family], vocab=VOCAB, positions=64)
+        model = zoo.build(family, config, dtype=torch.float64, seed=5).eval()
+        layout = dict(LAYOUTS[family])
+        if tp > KV_HEADS[family]:   # fewer kv heads than ranks: k and v cannot split, the planner places them
+            layout = {k: v for k, v in layout.items() if not k.startswith(("*.k_proj", "*.v_proj"))}
+        _MODELS[family, tp] = (model, autotp.parallelize(model, tp, layout=layout))
+    return _MODELS[family, tp]
+
+
+def generate_both(case: dict) -> dict:
+    model, pm = _models(case["family"], case["tp"])
+    gen = torch.Generator().manual_seed(case["seed"])
+    b, s = case["batch"], case["length"]
+    ids = torch.randint(2, VOCAB - 1, (b, s), generator=gen)
+    mask = None
+    if case["padded"] and s > 1:
+        mask = torch.ones(b, s, dtype=torch.long)
+        for row, n in enumerate(case["pads"][:b]):
+            mask[row, :min(n, s - 1)] = 0          # left padding; every row keeps a token
+            ids[row, :min(n, s - 1)] = PAD
+    n = case["new"]
+    eos = None
+    if case["eos"]:   # a token the serial model draws mid-way in row 0: some rows stop early
+        free = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=PAD,
+                              eos_token_id=None)
+        eos = int(free[0, s + (n - 1) // 2])
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=PAD,
+                          eos_token_id=eos)
+    got = pm.generate(ids, attention_mask=mask, max_new_tokens=n, pad_token_id=PAD, eos_token_id=eos)
+    return {"want": want.tolist(), "got": got.tolist(), "cache_heads": int(pm.kv_cache["key_0"].shape[1]),
+            "programs": [p.step for p in pm.programs]}
+
+
+def _cases(tp: int):
+    return st.fixed_dictionaries({
+        "tp": st.just(tp), "family": st.sampled_from(["gpt2", "llama"]), "batch": st.integers(1, 3),
+        "length": st.integers(1, 7), "padded": st.booleans(), "pads": st.lists(st.integers(0, 4), min_size=3,
+                                                                                 max_size=3),
+        "new": st.integers(1, 6), "eos": st.booleans(), "seed": st.integers(0, 999)})
+
+
+def assert_generation(cluster_of, case: dict) -> None:
+    results = cluster_of(case["tp"]).run(generate_both, case)
+    for r in results:
+        assert r["got"] == r["want"], (case, r)
+    heads = [r["cache_heads"] for r in results]
+    total, tp = KV_HEADS[case["family"]], case["tp"]
+    if tp <= total:   # split by head: each head's keys and values on exactly one rank
+        assert sum(heads) == total and max(heads) - min(heads) <= 1, (case, heads)
+    else:             # fewer kv heads than ranks: every rank holds them all (its query heads need them)
+        assert heads == [total] * tp, (case, heads)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3, 4])
+@settings(max_examples=5, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_greedy_generation_equals_serial_with_a_head_split_cache(cluster_of, tp, data):
+    assert_generation(cluster_of, data.draw(_cases(tp)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2, 3, 4])
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_greedy_generation_equals_serial_many(cluster_of, tp, data):
+    assert_generation(cluster_of, data.draw(_cases(tp)))
+
+
+def programs_and_errors() -> dict:
+    model, pm = _models("gpt2", 2)
+    ids = torch.randint(2, VOCAB - 1, (2, 5))
+    out = {"training": pm.training}                      # a model in eval() gives a module in eval()
+    pm.generate(ids, max_new_tokens=3, pad_token_id=PAD)
+    first = len(pm.programs)
+    pm.generate(torch.randint(2, VOCAB - 1, (3, 9)), max_new_tokens=5, pad_token_id=PAD)
+    out["reused"] = len(pm.programs) == first            # another batch and length: the same two programs
+    for name, call in {"empty": lambda: pm.generate(ids[:, :0]),
+                       "mask": lambda: pm.generate(ids, attention_mask=torch.ones(2, 4, dtype=torch.long)),
+                       "float": lambda: pm.generate(ids.double()),
+                       "steps": lambda: pm.generate(ids, max_new_tokens=0)}.items():
+        try:
+            call()
+            out[name] = "ran"
+        except (InputError, ConfigError) as e:
+            out[name] = type(e).__name__
+    model.generation_config.repetition_penalty = 1.3
+    try:
+        autotp.parallelize(model, 2, layout=LAYOUTS["gpt2"]).generate(ids)
+        out["sampling"] = "ran"
+    except ConfigError as e:
+        out["sampling"] = str(e)
+    finally:
+        model.generation_config.repetition_penalty = 1.0
+    return out
+
+
+def test_programs_are_reused_and_bad_calls_are_refused_on_every_rank(cluster_of):
+    for out in cluster_of(2).run(programs_and_errors):
+        assert out["reused"] and out["training"] is False
+        assert out["empty"] == out["mask"] == out["float"] == "InputError"
+        assert out["steps"] == "ConfigError"
+        assert "repetition_penalty" in out["sampling"]
