@@ -3,7 +3,7 @@
 ``pm.generate(input_ids, attention_mask=None, max_new_tokens=20)`` computes what HuggingFace's
 ``model.generate(..., do_sample=False)`` computes for a decoder-only model: the prompt's
 position ids from its attention mask (left padding), the mask dropped when it is all ones, one
-token per step by argmax, and finished rows (an ``eos_token_id`` drawn) filled with
+token per step by argmax, a prompt's pad tokens masked when no mask is given, and finished rows (an ``eos_token_id`` drawn) filled with
 ``pad_token_id``. It runs two kinds of program under the module's one parameter layout:
 
 * **prefill**: the prompt in, the last position's logits and every layer's keys and values out;
@@ -239,6 +239,8 @@ def generate(pm: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | No
     device = pm.device
     ids = input_ids.to(device)
     mask = attention_mask.to(device) if attention_mask is not None else None
+    if mask is None and pad is not None and pad not in eos and bool((ids == pad).any()):
+        mask = ids.ne(pad).long()   # HuggingFace infers the mask: pad tokens in the prompt are padding
     with_positions = "position_ids" in info["forward_params"]
     positions = None
     if with_positions:   # HuggingFace: from the mask (0 under padding), else 0..n-1

@@ -3,8 +3,8 @@ model's ``generate(do_sample=False)``.
 
 Hypothesis draws the family (GPT-2; Llama with grouped-query attention, 2 kv heads for 4 query
 heads, so kv < tp at tp 3 and 4), the batch, the prompt length (1 included: its own program),
-left padding, how many tokens to generate and whether an eos token stops some rows early. The
-ranks keep one parallel model per (family, tp) across examples, as a serving loop would."""
+left padding (with its mask, or pad tokens alone, from which generate infers the mask as HF
+does), how many tokens to generate and whether an eos token stops some rows early. The ranks keep one parallel model per (family, tp) across examples, as a serving loop would."""
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -49,6 +49,8 @@ def generate_both(case: dict) -> dict:
         for row, n in enumerate(case["pads"][:b]):
             mask[row, :min(n, s - 1)] = 0          # left padding; every row keeps a token
             ids[row, :min(n, s - 1)] = PAD
+    if mask is not None and not case["mask_given"]:
+        mask = None   # the pad tokens stay in the prompt: generate infers the mask from them, as HF does
     n = case["new"]
     eos = None
     if case["eos"]:   # a token the serial model draws mid-way in row 0: some rows stop early
@@ -65,7 +67,7 @@ def generate_both(case: dict) -> dict:
 def _cases(tp: int):
     return st.fixed_dictionaries({
         "tp": st.just(tp), "family": st.sampled_from(["gpt2", "llama"]), "batch": st.integers(1, 3),
-        "length": st.integers(1, 7), "padded": st.booleans(), "pads": st.lists(st.integers(0, 4), min_size=3,
+        "length": st.integers(1, 7), "padded": st.booleans(), "mask_given": st.booleans(), "pads": st.lists(st.integers(0, 4), min_size=3,
                                                                                  max_size=3),
         "new": st.integers(1, 6), "eos": st.booleans(), "seed": st.integers(0, 999)})
 
