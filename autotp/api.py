@@ -474,12 +474,12 @@ def from_pretrained(path: str, tp: int, *, model_class: Any = None, dtype: torch
             model = _architecture(config).from_config(config, dtype=dtype)
         else:
             model = model_class(config).to(dtype)
-    _compute_buffers(model, set(reader.names()))
+    computed = _compute_buffers(model, set(reader.names()))
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
 
     def weights(mesh: Any, meta_model: nn.Module) -> _CheckpointWeights:
-        return _CheckpointWeights(reader, meta_model, mesh, progress)
+        return _CheckpointWeights(reader, meta_model, mesh, progress, computed)
 
     defaults = {name: p.default for name, p in inspect.signature(parallelize).parameters.items()
                 if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "device"}   # one source of defaults
@@ -508,27 +508,42 @@ class _FromConfig:
         return self.cls._from_config(config, dtype=dtype)
 
 
-def _compute_buffers(model: nn.Module, saved: set[str]) -> None:
-    """Give float buffers a checkpoint does not hold (rotary ``inv_freq``: computed, not saved)
-    the values the model's own initializer computes (``_init_weights``), on the CPU. A buffer
-    the initializer leaves unset stays on the meta device, which the parallel module reports."""
+def _compute_buffers(model: nn.Module, saved: set[str]) -> dict[str, torch.Tensor]:
+    """The values, on the CPU, of the buffers a checkpoint does not hold (rotary ``inv_freq``,
+    BERT's ``position_ids``, GPT-BigCode's causal ``bias``: computed, not saved) that the model's
+    own initializer (``_init_weights``) computes, by dotted name (plain tensor attributes such as
+    rotary's ``original_inv_freq`` too). The initializer runs twice per module, the missing
+    tensors filled with two different values first: a tensor it computes comes out the same both
+    times. The model is left as it was, all on the meta device (every later capture sees one
+    device); the parallel module takes the values from here, and reports a buffer neither here
+    nor in the checkpoint."""
     init = getattr(model, "_init_weights", None)
+    values: dict[str, torch.Tensor] = {}
     if init is None:
-        return
+        return values
     for prefix, module in model.named_modules():
-        # buffers, and plain tensor attributes (a copy such as rotary's original_inv_freq)
         held = {**{k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)}, **module._buffers}
-        missing = {name: b for name, b in held.items() if b is not None and b.is_meta and b.is_floating_point()
+        missing = {name: b for name, b in held.items() if b is not None and b.is_meta
                    and f"{prefix}.{name}".lstrip(".") not in saved}
-        if not missing or any(True for _ in module.parameters(recurse=False)):
+        if not missing:
             continue
+        runs = []
+        for fill in (0, 1):
+            for name, b in missing.items():
+                _set_tensor(module, name, torch.full(b.shape, fill, dtype=b.dtype))
+            with torch.no_grad():
+                try:
+                    init(module)
+                except Exception:   # an initializer that cannot run on this module: nothing computed
+                    pass
+            runs.append({name: getattr(module, name) for name in missing})
         for name, b in missing.items():
-            _set_tensor(module, name, torch.full(b.shape, float("nan"), dtype=b.dtype))
-        with torch.no_grad():
-            init(module)
-        for name, b in missing.items():
-            if torch.isnan(getattr(module, name)).any():   # not computed by the initializer
-                _set_tensor(module, name, b)
+            first, second = runs[0][name], runs[1][name]
+            _set_tensor(module, name, b)
+            if (isinstance(first, torch.Tensor) and not first.is_meta and first.shape == b.shape
+                    and torch.equal(first, second) and not (first.is_floating_point() and first.isnan().any())):
+                values[f"{prefix}.{name}".lstrip(".")] = first.clone()
+    return values
 
 
 def _set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -566,10 +581,13 @@ class _CheckpointWeights:
     with a progress bar on the first rank while it is entered. A tied parameter is found under
     any of its names (GPT-2's checkpoints hold ``transformer.wte.weight``, not ``lm_head.weight``)."""
 
-    def __init__(self, reader: Any, meta_model: nn.Module, mesh: Any, progress: bool):
+    def __init__(self, reader: Any, meta_model: nn.Module, mesh: Any, progress: bool,
+                 buffers: dict[str, torch.Tensor] | None = None):
         from rich.progress import Progress
 
         self.reader, self.tp, self.rank = reader, mesh.tp, mesh.tp_rank
+        #: values of the buffers the checkpoint does not hold, computed by the model's initializer
+        self.buffers = dict(buffers or {})
         self.params = dict(meta_model.named_parameters(remove_duplicate=False))
         self.twins: dict[int, list[str]] = {}
         for name, p in self.params.items():

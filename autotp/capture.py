@@ -13,7 +13,9 @@ device and dtype, which the rewritten per-rank graph must not).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import itertools
 import logging
 import re
 from dataclasses import dataclass, field
@@ -23,6 +25,7 @@ import sympy
 import torch
 import torch.utils._pytree as pytree
 from torch import fx
+from torch.overrides import TorchFunctionMode
 
 from .errors import CaptureError, ConfigError
 from .higher_order import inline_regions
@@ -241,9 +244,11 @@ def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: Any)
     allows less than asked (T5 needs 3 tokens or more; a position table bounds the length)."""
     from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
 
+    on_meta = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
     for attempt in range(EXPORT_REFINEMENTS + 1):
         try:
-            return torch.export.export(model, (), kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+            with _ListIndicesOnCPU() if on_meta else contextlib.nullcontext():
+                return torch.export.export(model, (), kwargs, strict=False, dynamic_shapes=dynamic_shapes)
         except Exception as exc:   # a constraint violation names its fix; anything else is final
             fixes = _suggested_fixes(str(exc))
             if dynamic_shapes is None or not fixes or attempt == EXPORT_REFINEMENTS:
@@ -255,6 +260,28 @@ def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: Any)
             log.info("autotp: capture narrowed the dynamic dims to torch's suggested fixes and tries again")
             dynamic_shapes = refined
     raise AssertionError("unreachable")
+
+
+class _ListIndicesOnCPU(TorchFunctionMode):
+    """While a meta-device model is exported: a Python list of ints or bools used as an index
+    of a meta tensor (Falcon's ``qkv[..., [-2]]``) becomes a CPU tensor first. torch would make
+    it on the indexed tensor's device, and a lifted constant on the meta device has lost its
+    values; a CPU one keeps them, and the run moves it to the run's device."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__getitem__ and len(args) == 2 and isinstance(args[0], torch.Tensor) \
+                and args[0].is_meta:
+            index = args[1]
+            index = tuple(_list_on_cpu(i) for i in index) if isinstance(index, tuple) else _list_on_cpu(index)
+            args = (args[0], index)
+        return func(*args, **(kwargs or {}))
+
+
+def _list_on_cpu(index: Any) -> Any:
+    if isinstance(index, list) and index and all(type(v) in (int, bool) for v in index) \
+            and len({type(v) for v in index}) == 1:
+        return torch.tensor(index)
+    return index
 
 
 def _tied_aliases(model: torch.nn.Module, cap: Capture) -> dict[str, str]:

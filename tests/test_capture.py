@@ -121,3 +121,25 @@ def test_a_capture_error_keeps_torchs_suggested_fix(monkeypatch):
     config = zoo.tiny_config("t5", layers=1, heads=2, head_dim=4, vocab=40)
     with pytest.raises(CaptureError, match=r"(?s)torch suggests:.*seq = Dim\('seq', min=3"):
         capture(zoo.build("t5", config, device="meta"))
+
+
+class _ListIndex(torch.nn.Module):
+    """Falcon's ``qkv[..., [-2]]``: a Python list as an index, lifted as a constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 6))
+
+    def forward(self, x):
+        y = x @ self.w
+        return y[..., [-2]] + y[..., [True, False, True, False, True, False]].sum(-1, keepdim=True)
+
+
+def test_a_list_index_captured_on_meta_keeps_its_values():
+    from autotp.capture import capture
+
+    with torch.device("meta"):
+        model = _ListIndex()
+    cap = capture(model, (torch.randn(2, 3, 4, device="meta"),))
+    values = sorted(v.tolist() for v in cap.constants.values())
+    assert values == [[-2], [True, False, True, False, True, False]], cap.constants

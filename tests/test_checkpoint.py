@@ -174,3 +174,40 @@ def test_from_pretrained_builds_the_architecture_the_config_names(family, name, 
         model = _architecture(config).from_config(config, dtype=torch.bfloat16)
     assert type(model).__name__ == name
     assert next(model.parameters()).dtype == torch.bfloat16
+
+
+# ---- every other family, planned as at real size (the workload makes the planner split)
+def _family_load_planned(path, family):
+    from transformers import AutoConfig
+
+    from autotp import zoo
+    from autotp.api import _architecture
+    from autotp.testing import equivalence_errors
+    from tests.e2e.test_embeddings import _vanishing_gradients
+
+    pm = autotp.from_pretrained(path, tp=2, model_class=_precise_from_config, progress=False,
+                                batch=64, seq=4096, profile="h100-dgx")
+    config = AutoConfig.from_pretrained(path)
+    serial = keep_loss_precision(_architecture(config).cls.from_pretrained(path, dtype=torch.float64))
+    errors = equivalence_errors(serial, pm, zoo.example_batch(family, config, batch=2, seq=6, seed=3))
+    _vanishing_gradients(serial, pm, errors)
+    worst = max(errors, key=errors.get)
+    local = sum(p.numel() for p in pm.parameters())
+    whole = sum(p.numel() for p in serial.parameters())
+    return (worst, errors[worst]), local / whole
+
+
+_LOADED_ELSEWHERE = {"gpt2", *FAMILY_VOCAB}
+_FAST_LOAD = {"bert", "t5"}   # the encoder and encoder-decoder architectures; the rest in the slow tier
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f in _FAST_LOAD else pytest.mark.slow)
+                                    for f in sorted(set(__import__("autotp.zoo").zoo.FAMILIES) - _LOADED_ELSEWHERE)])
+def test_from_pretrained_loads_every_family_split_and_matches_serial(cluster_of, family, tmp_path):
+    from autotp import zoo
+
+    config = zoo.tiny_config(family, layers=2, heads=4, kv_heads=2, head_dim=4, vocab=45)
+    zoo.build(family, config, dtype=torch.float64, seed=5).save_pretrained(tmp_path)
+    for (name, worst), share in cluster_of(2).run(_family_load_planned, str(tmp_path), family):
+        assert worst <= 1e-9, (family, name, worst)
+        assert share < 0.75, (family, share)   # each rank read and holds its slices, not the whole model

@@ -130,12 +130,28 @@ class ParallelModule(nn.Module):
                 local = local.to(device).clone()
             self.local.put(fqn, nn.Parameter(local, requires_grad=full_params[fqn].requires_grad))
         self._model_buffers = dict(model.named_buffers(remove_duplicate=False))
+        #: values for tensors the model holds on the meta device (from_pretrained computes the
+        #: buffers a checkpoint does not hold; the model itself stays on meta for later captures)
+        self._computed: dict[str, torch.Tensor] = dict(getattr(weights, "buffers", None) or {})
         self._buffer_slots: dict[str, str] = {}     # buffer FQN -> the attribute holding it here
         self._graphs = nn.ModuleDict()
         self._programs: list[Program] = []
         self._current = self._add_program(capture, plan, graph_module)
         self.train(capture.training)   # the model's mode: a model in eval() gives a module in eval()
         self._average_over_dp(getattr(mesh, "dp_group", None), getattr(mesh, "dp", 1))
+
+    def _constant(self, capture: Capture, name: str) -> torch.Tensor:
+        """A lifted constant on the run device. One captured from a meta model has no values:
+        a non-persistent buffer or tensor attribute lifted as a constant takes the value
+        computed for it (from_pretrained); anything else is reported."""
+        value = capture.constants[name]
+        if value.is_meta:
+            value = self._computed.get(name, value)
+        if value.is_meta:
+            raise CheckpointError(f"the captured constant {name} has no values (the model was captured on the "
+                                  "meta device and its forward makes this tensor there): load the model for real "
+                                  "and call autotp.parallelize")
+        return value.to(self.device)
 
     # ---- the programs ---------------------------------------------------------------------
     @property
@@ -168,11 +184,13 @@ class ParallelModule(nn.Module):
                 continue
             full = self._model_buffers[fqn]
             if full.is_meta:
+                full = self._computed.get(fqn, full)
+            if full.is_meta:
                 raise CheckpointError(f"buffer {fqn} is on the meta device: it is neither in the checkpoint "
                                       "nor computed by the model's constructor; load the model for real")
             slot = self._buffer_slots[fqn] = f"_buf_{len(self._buffer_slots)}"
             self.register_buffer(slot, full.to(self.device))
-        constants = [capture.constants[name].to(self.device) for name in capture.constant_names.values()]
+        constants = [self._constant(capture, name) for name in capture.constant_names.values()]
         self._graphs[f"program_{len(self._programs)}"] = graph_module
         program = Program(capture, plan, graph_module, param_order, buffer_order, constants,
                           index_bounds(capture), step, dict(arriving or {}))
