@@ -202,7 +202,7 @@ def placeholder_name(kind: str, fqn: str) -> str:
     return kind + re.sub(r"[^a-zA-Z0-9]", "_", fqn).lower()
 
 
-def _shift(text: str, stack: str, src: int, dst: int) -> str:
+def _shift(text: str, stack: str, src: int, dst: Any) -> str:
     return re.sub(rf"(?<![^._]){re.escape(stack)}\.{src}(?=\.|$)", f"{stack}.{dst}", text)
 
 
@@ -281,8 +281,12 @@ def expand(ep: torch.export.ExportedProgram, model: nn.Module, stacks: list[Stac
     for stack in stacks:
         _expand_stack(graph, stack, by_fqn, fqn_of)
     graph.lint()
-    gm = fx.GraphModule(ep.graph_module, graph)
-    gm.meta.update(ep.graph_module.meta)
+    # the cut program's module takes the grown graph: it holds the submodules its get_attr nodes
+    # name; its code is generated once, by capture's last step (fx's graph setter would
+    # generate it here too, for a graph that capture then edits)
+    gm = ep.graph_module
+    gm._graph = graph
+    graph.owning_module = gm
     return Expanded(gm, params, buffers, consts, tuple(s.path for s in stacks))
 
 
@@ -358,6 +362,9 @@ def _expand_stack(graph: fx.Graph, stack: Stack, by_fqn: dict, fqn_of: dict) -> 
             raise NotExpandable(f"{stack.path}: {n.name} of block 1 is used after block 2")
     inv_rec = {v: k for k, v in rec.items()}   # segment-1 node that segment 2 reads as its recurrent input
 
+    marker = "\0"   # where the block index goes in segment 2's module paths
+    stacks_of = {n: [(_shift(key, stack.path, KEEP - 1, marker), _shift(p, stack.path, KEEP - 1, marker), t)
+                     for key, (p, t) in (n.meta.get("nn_module_stack") or {}).items()] for n in seg2}
     previous = {n: phi[n] for n in inv_rec}    # recurrent input (segment 1 node) -> the last copy's
     last = {n: n for n in seg2}
     anchor = tail[0]
@@ -379,11 +386,10 @@ def _expand_stack(graph: fx.Graph, stack: Stack, by_fqn: dict, fqn_of: dict) -> 
             for n in seg2:
                 c = graph.node_copy(n, arg)
                 c.meta = dict(n.meta)
-                stack_meta = n.meta.get("nn_module_stack")
-                if stack_meta:
-                    c.meta["nn_module_stack"] = {
-                        _shift(key, stack.path, KEEP - 1, k): (_shift(p, stack.path, KEEP - 1, k), t)
-                        for key, (p, t) in stack_meta.items()}
+                if stacks_of[n]:
+                    index = str(k)
+                    c.meta["nn_module_stack"] = {key.replace(marker, index): (p.replace(marker, index), t)
+                                                 for key, p, t in stacks_of[n]}
                 copies[n] = c
         previous = {n: copies[phi[n]] for n in inv_rec}
         last = copies
