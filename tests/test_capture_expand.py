@@ -192,3 +192,25 @@ def test_the_config_is_cut_and_restored():
         with cut(model, stacks):
             pass
     assert len(model.model.layers) == LAYERS
+
+
+def check_parallel(family: str, checkpointing: bool) -> tuple:
+    """On each rank: a 5-layer model parallelized from an expanded capture against serial."""
+    import autotp
+    from autotp.testing import equivalence_errors, keep_loss_precision
+
+    config = zoo.tiny_config(family, layers=LAYERS, heads=4, kv_heads=2 if zoo.FAMILIES[family].kv_heads else None,
+                             vocab=53)
+    model = keep_loss_precision(zoo.build(family, config, dtype=torch.float64, seed=1))
+    pm = autotp.parallelize(model, 2, batch=64, seq=4096, profile="h100-dgx",
+                            activation_checkpointing=checkpointing)
+    errors = equivalence_errors(model, pm, zoo.example_batch(family, config, batch=2, seq=6, seed=2))
+    return pm.capture.expanded, max(errors.values())
+
+
+@pytest.mark.slow   # gloo ranks; the fast tier checks the graphs are the whole export's, node for node
+@pytest.mark.parametrize("family, checkpointing", [("gpt2", True), ("llama", False)])
+def test_a_parallel_model_from_an_expanded_capture_matches_serial(cluster_of, family, checkpointing):
+    for expanded, worst in cluster_of(2).run(check_parallel, family, checkpointing):
+        assert expanded == CASES[family]
+        assert worst <= 1e-9
