@@ -114,6 +114,19 @@ def test_a_new_signature_is_expanded_too():
     torch.testing.assert_close(run(fast, model, ids)["logits"], model(**ids).logits, rtol=1e-9, atol=1e-9)
 
 
+def test_training_mode_dropout_is_expanded():
+    """Train mode: every block's dropout ops are in the graph, each block's its own."""
+    config = zoo.tiny_config("gpt2", layers=LAYERS)
+    config.resid_pdrop = config.attn_pdrop = config.embd_pdrop = 0.1
+    model = zoo.build("gpt2", config, device="meta").train()
+    fast = capture(model)
+    assert fast.expanded == ("transformer.h",) and fast.training
+    full = whole(model)
+    assert_same_capture(fast, full)
+    dropouts = [module_path(n) for n in fast.graph.nodes if n.target is torch.ops.aten.dropout.default]
+    assert sum(p.startswith(f"transformer.h.{LAYERS - 1}.") for p in dropouts) == 2
+
+
 class Block(nn.Module):
     def __init__(self, width: int, index: int):
         super().__init__()
