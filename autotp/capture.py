@@ -14,12 +14,13 @@ device and dtype, which the rewritten per-rank graph must not).
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import itertools
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import sympy
 import torch
@@ -57,6 +58,8 @@ class Capture:
     signature: inspect.Signature | None = None   # model.forward's, to name positional inputs
     training: bool = True                # the model's mode at capture (dropout is in the graph or not)
     model_name: str = "the model"
+    #: the stacks captured cut and expanded (autotp.capture_expand), e.g. ("transformer.h",); () when whole
+    expanded: tuple = ()
 
     @property
     def output_names(self) -> list[str]:
@@ -226,17 +229,58 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     if dynamic_shapes is None and dynamic:
         dynamic_shapes = _dynamic_shapes(kwargs, bounds)
     was_training = model.training
-    try:
-        ep = _export(model, kwargs, dynamic_shapes)
-    except Exception as exc:  # torch raises many types here; all mean "not capturable"
-        raise CaptureError(_explain_export_failure(model, exc)) from exc
-    finally:
-        model.train(was_training)
-    cap = _from_exported(ep, kwargs)
+    with _gc_paused():
+        try:
+            ep, expanded = _export_cut(model, kwargs, dynamic_shapes) if EXPAND else (None, None)
+            if ep is None:
+                ep = _export(model, kwargs, dynamic_shapes)
+        except Exception as exc:  # torch raises many types here; all mean "not capturable"
+            raise CaptureError(_explain_export_failure(model, exc)) from exc
+        finally:
+            model.train(was_training)
+        cap = _from_exported(ep, kwargs, expanded)
+    if expanded is not None:
+        cap.expanded = expanded.stacks
     cap.training = was_training
     cap.aliases = _tied_aliases(model, cap)
     cap.signature, cap.model_name = forward_signature(model), type(model).__name__
     return cap
+
+
+#: capture a stack of identical blocks cut to three and expand the graph (autotp.capture_expand);
+#: False exports every model whole
+EXPAND = True
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Tracing allocates many short-lived objects; the cyclic collector's passes over a large
+    heap cost time and free nothing the trace still needs. They run after it."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _export_cut(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: Any) -> tuple:
+    """The program of ``model`` with its stacks cut, and its graph expanded to the whole model;
+    ``(None, None)`` when the model has no stack to cut or the cut graph fails a check."""
+    from . import capture_expand
+
+    try:
+        stacks = capture_expand.find_stacks(model)
+        if not stacks:
+            log.debug("autotp: %s has no stack of blocks to cut; capturing it whole", type(model).__name__)
+            return None, None
+        with capture_expand.cut(model, stacks):
+            ep = _export(model, kwargs, dynamic_shapes)
+        return ep, capture_expand.expand(ep, model, stacks)
+    except Exception as exc:   # a failed check, or a cut model export refuses: export it whole
+        log.debug("autotp: capturing %s whole (%s: %s)", type(model).__name__, type(exc).__name__, exc)
+        return None, None
 
 
 def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: Any) -> torch.export.ExportedProgram:
@@ -342,20 +386,26 @@ def _suggested_fixes(text: str) -> str:
     return ""
 
 
-def _from_exported(ep: torch.export.ExportedProgram, kwargs: dict[str, Any]) -> Capture:
+def _from_exported(ep: torch.export.ExportedProgram, kwargs: dict[str, Any], expanded: Any = None) -> Capture:
+    """The Capture of ``ep``; ``expanded`` (autotp.capture_expand.Expanded): the whole model's
+    graph and lifted inputs grown from ``ep``, a cut model's program."""
     sig = ep.graph_signature
     params, buffers, consts = {}, {}, {}
     from torch.export.graph_signature import InputKind
 
-    for spec in sig.input_specs:
-        name = spec.arg.name
-        if spec.kind == InputKind.PARAMETER:
-            params[name] = spec.target
-        elif spec.kind == InputKind.BUFFER:
-            buffers[name] = spec.target
-        elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
-            consts[name] = spec.target
-    gm = ep.graph_module
+    if expanded is not None:
+        params, buffers, consts = expanded.params, expanded.buffers, expanded.constants
+        gm = expanded.graph_module
+    else:
+        for spec in sig.input_specs:
+            name = spec.arg.name
+            if spec.kind == InputKind.PARAMETER:
+                params[name] = spec.target
+            elif spec.kind == InputKind.BUFFER:
+                buffers[name] = spec.target
+            elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
+                consts[name] = spec.target
+        gm = ep.graph_module
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     n_lifted = len(params) + len(buffers) + len(consts)
     user_nodes = placeholders[n_lifted:]
@@ -380,9 +430,8 @@ def _from_exported(ep: torch.export.ExportedProgram, kwargs: dict[str, Any]) -> 
                 input_dims[f"{key}.{d}"] = sym
                 dim_symbols.setdefault(sym, "batch" if d == 0 else "seq")
     inline_regions(gm)   # no_grad/autocast blocks in forward become plain ops (autotp.higher_order)
-    graph = gm.graph
-    _normalize(graph)
-    gm.recompile()
+    _normalize(gm.graph)
+    gm = _renamed(gm)
     return Capture(
         graph_module=gm,
         param_names=params,
@@ -408,6 +457,27 @@ def _bound(value: Any) -> int:
         return int(value)
     except (TypeError, ValueError, AttributeError, OverflowError):   # sympy's and torch's infinities
         return UNBOUNDED
+
+
+def _renamed(gm: fx.GraphModule) -> fx.GraphModule:
+    """The graph with its ops named afresh in graph order (``addmm``, ``addmm_1``, ...).
+    torch.export's names count nodes it traced and later dropped; these depend on the graph
+    alone, so a whole export and a cut-and-expanded one name every op alike (the plan's
+    collectives name the tensors they apply to)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr", "output"):
+            env[node] = graph.node_copy(node, lambda a: env[a])
+        else:
+            new = graph.create_node(node.op, node.target, fx.node.map_arg(node.args, lambda a: env[a]),
+                                    fx.node.map_arg(node.kwargs, lambda a: env[a]), type_expr=node.type)
+            new.meta = node.meta
+            env[node] = new
+    graph._codegen = gm.graph._codegen
+    out = fx.GraphModule(gm, graph)
+    out.meta.update(gm.meta)
+    return out
 
 
 def _normalize(graph: fx.Graph) -> None:

@@ -1,7 +1,14 @@
-"""How long planning and rewriting take after capture, and how that grows with depth.
+"""How long capture, planning and rewriting take, and how that grows with depth.
 
-Planning = ``build_plan`` (graph index, exact solve, plan with costs and b,s expressions);
-rewriting = one rank's ``rewrite``. Capture (torch.export) is excluded and done once per model.
+Capture (first table): torch.export of the whole model alone; autotp's capture exporting it
+whole; autotp's default capture, which exports the stack of blocks cut to three and expands the
+graph (autotp.capture_expand); ``autotp.plan(model, tp)`` timed inside a fresh process (and the
+process's whole wall time, imports included), with the default capture and with whole export;
+and, in that process after the plan, a new call signature's program (eval mode, no labels:
+capture, replay of the plan, one rank's rewrite).
+
+Planning (second table) = ``build_plan`` (graph index, exact solve, plan with costs and b,s
+expressions); rewriting = one rank's ``rewrite``; capture excluded, done once per model.
 Models are GPT-2 configurations on the meta device, planned at batch 8, seq 1024, tp 8 on the
 h100-dgx profile. Each figure is the best of ``--repeats`` runs (the median and the CPU time
 are also shown): other processes share this machine's cores.
@@ -18,20 +25,87 @@ import subprocess
 import sys
 import time
 
-import torch
-from common import cpu_model, publish
+T0 = time.perf_counter()   # before torch's import: a fresh process's setup includes it
+
+import torch  # noqa: E402
+from common import cpu_model, publish  # noqa: E402
 
 
-def gpt2_capture(hidden: int, heads: int, layers: int, vocab: int):
+def gpt2_model(hidden: int, heads: int, layers: int, vocab: int):
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
 
-    from autotp.capture import capture
-
     hf_logging.set_verbosity_error()
     with torch.device("meta"):
-        model = GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab))
-    return capture(model)
+        return GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab))
+
+
+def gpt2_capture(hidden: int, heads: int, layers: int, vocab: int):
+    from autotp.capture import capture
+
+    return capture(gpt2_model(hidden, heads, layers, vocab))
+
+
+def capture_times(dims: tuple, repeats: int) -> dict:
+    """Export alone, capture whole, capture cut and expanded: best of ``repeats`` each, one model."""
+    import autotp.capture as C
+
+    model = gpt2_model(*dims)
+    kwargs = C.hf_example_kwargs(model, seq=C._example_seq(C.seq_bounds(model)), device="meta")
+    shapes = C._dynamic_shapes(kwargs, C.seq_bounds(model))
+    out = {"export": [], "whole": [], "expand": []}
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.export.export(model, (), kwargs, strict=False, dynamic_shapes=shapes)
+        out["export"].append(time.perf_counter() - t)
+        for key, flag in (("whole", False), ("expand", True)):
+            C.EXPAND = flag
+            t = time.perf_counter()
+            cap = C.capture(model)
+            out[key].append(time.perf_counter() - t)
+            assert bool(cap.expanded) == flag
+        C.EXPAND = True
+    return {k: min(v) for k, v in out.items()}
+
+
+def child(dims: tuple, tp: int, whole: bool, t0: float) -> None:
+    """In a fresh process: the model, autotp.plan, then a new signature's program; JSON on stdout."""
+    import json
+
+    import autotp
+    import autotp.capture as C
+    from autotp.api import build_plan, capture_model
+    from autotp.passes.rewrite import rewrite
+
+    C.EXPAND = not whole
+    model = gpt2_model(*dims)
+    t1 = time.perf_counter()
+    plan = autotp.plan(model, tp, batch=8, seq=1024, profile="h100-dgx")
+    t2 = time.perf_counter()
+    model.eval()   # another call: inference, ids alone
+    inputs = C.example_like({"input_ids": torch.zeros((1, 5), dtype=torch.long, device="meta")}, C.seq_bounds(model))
+    cap = capture_model(model, example_kwargs=inputs)
+    t2a = time.perf_counter()
+    _, index, prop = build_plan(cap, tp, batch=8, seq=1024, profile="h100-dgx", plan=plan)
+    t2b = time.perf_counter()
+    rewrite(index, prop, 0, None, torch.device("cpu"))
+    t3 = time.perf_counter()
+    print(json.dumps({"setup": t1 - t0, "plan": t2 - t1, "new_signature": t3 - t2, "expanded": bool(cap.expanded),
+                      "parts": [t2a - t2, t2b - t2a, t3 - t2b]}))
+
+
+def fresh_process(name: str, tp: int, whole: bool) -> dict:
+    import json
+
+    cmd = [sys.executable, __file__, "--child", name, "--tp", str(tp)] + (["--whole"] if whole else [])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    t = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+    wall = time.perf_counter() - t
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["wall"] = wall
+    return result
 
 
 def measure(cap, tp: int, repeats: int) -> dict:
@@ -64,12 +138,30 @@ CONFIGS = [
 ]
 
 
+#: the models of the capture table
+CAPTURE_CONFIGS = ["gpt2-xl", "8.3B x24", "8.3B x48"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--capture-repeats", type=int, default=2)
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--out", help="write the markdown result here too")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--whole", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    dims = {name: (hidden, heads, layers, vocab) for name, hidden, heads, layers, vocab in CONFIGS}
+    if args.child:
+        child(dims[args.child], args.tp, args.whole, T0)
+        return
+    capture_rows = []
+    for name in CAPTURE_CONFIGS:
+        c = capture_times(dims[name], args.capture_repeats)
+        fast = min((fresh_process(name, args.tp, False) for _ in range(args.capture_repeats)), key=lambda r: r["plan"])
+        slow = fresh_process(name, args.tp, True)
+        capture_rows.append((name, c, fast, slow))
+        print(f"{name}: {c} {fast} {slow}", file=sys.stderr)
     rows = []
     for name, hidden, heads, layers, vocab in CONFIGS:
         t = time.perf_counter()
@@ -80,7 +172,7 @@ def main() -> None:
         print(f"{name}: {r}", file=sys.stderr)
     base = next(row[4] for row in rows if row[0] == "8.3B x12")
     lines = [
-        "# Planner speed (after capture)",
+        "# Planner speed",
         "",
         f"Command: `{' '.join(['.venv/bin/python'] + sys.argv)}`",
         "",
@@ -92,8 +184,35 @@ def main() -> None:
         "",
         f"Workload: batch 8, seq 1024, tp {args.tp}, profile h100-dgx, meta-device GPT-2 models.",
         "",
+        "## Capture, and a plan from a fresh process",
+        "",
+        f"In-process capture figures are the best of {args.capture_repeats} (the process already warm). "
+        "*export alone*: `torch.export.export` of the whole model; *capture whole*: autotp's capture with "
+        "`autotp.capture.EXPAND = False`; *cut + expand*: autotp's default capture (three blocks exported, "
+        "the graph grown to the model's depth; the graph is node for node the whole capture's). "
+        f"*plan, fresh process*: `autotp.plan(model, {args.tp})` timed inside a new Python process (best of "
+        f"{args.capture_repeats}; *process wall*: the subprocess's whole wall time, interpreter start and "
+        "imports of torch, transformers and autotp included; *imports + model*: the part of it before "
+        "`autotp.plan` inside the script, torch's import included); *whole* beside it: the same with whole export "
+        "(one run). *new signature*: in that process after the plan, the program of another call "
+        "(eval mode, `input_ids` alone): capture, the plan replayed, one rank's rewrite.",
+        "",
+        "| model | layers | export alone s | capture whole s | cut + expand s | speed-up | plan, fresh process s "
+        "| imports + model s | process wall s | plan, fresh process, whole s | process wall, whole s "
+        "| new signature s (capture + replay + rewrite) | new signature, whole s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, c, fast, slow in capture_rows:
+        lines.append(f"| {name} | {dims[name][2]} | {c['export']:.2f} | {c['whole']:.2f} | {c['expand']:.2f} | "
+                     f"{c['whole'] / c['expand']:.1f}x | {fast['plan']:.2f} | {fast['setup']:.2f} | {fast['wall']:.2f} | {slow['plan']:.2f} | "
+                     f"{slow['wall']:.2f} | {fast['new_signature']:.2f} ({' + '.join(f'{x:.2f}' for x in fast['parts'])}) | "
+                     f"{slow['new_signature']:.2f} |")
+    lines += [
+        "",
+        "## Planning and rewriting after capture",
+        "",
         "| model | hidden | heads | layers | graph nodes | plan s | rewrite s | plan + rewrite s (best) | median "
-        "| CPU s (best) | CPU vs 12 layers | capture s (excluded) |",
+        "| CPU s (best) | CPU vs 12 layers | capture s (excluded, default) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, hidden, heads, layers, r, capture_s in rows:

@@ -1,0 +1,405 @@
+"""Cut and expand: capture a model's stack of identical blocks at three blocks, then grow the graph.
+
+torch.export costs time in proportion to the ops it traces, and most of a transformer's ops
+are its N identical blocks. This module exports the model with every such stack cut to its
+first :data:`KEEP` blocks, then writes blocks ``KEEP..N-1`` into the graph by copying the last
+kept block's nodes, so the result is the graph a full export gives (same placeholders in the
+same order, same ops, same inputs and outputs).
+
+1. **Find the stacks** (:func:`find_stacks`): an ``nn.ModuleList`` of more than ``KEEP``
+   modules of one class, whose blocks 1..N-1 are alike: the same submodule tree and classes,
+   parameter and buffer names, shapes and dtypes, and the same plain attributes, except ints
+   that count with the block (``layer_idx``: block i holds ``i + c``). Block 0 may differ (T5's
+   relative attention bias). No block's tensors or modules may be shared with the rest of the
+   model, and no module may have hooks.
+2. **Cut** (:func:`cut`): each stack is replaced by a ``ModuleList`` of its first ``KEEP``
+   blocks; in every HuggingFace config the model holds, an int field named like a layer count
+   (``n_layer``, ``num_hidden_layers``, ``num_decoder_layers``) equal to a stack's length is set
+   to ``KEEP``, and a per-layer list (``layer_types``) of that length is cut to its first
+   ``KEEP`` entries (its entries 1..N-1 must be equal). Everything is restored afterwards.
+3. **Check** (:func:`expand`): in the cut graph, block i's *segment* runs from the node after
+   block i-1's last node to block i's last node (a block's nodes are those whose module path
+   is under ``stack.i``; the parent's per-iteration ops fall in between). Segment 2 must repeat
+   segment 1 node for node: same op, same constant arguments, the module path shifted by one
+   block, parameters of block 1 replaced by block 2's, nodes of segment 1 by their counterparts,
+   and every other input either the very same node (shared: a mask, rotary tables, T5's position
+   bias) or, consistently, a node of segment 1 standing for one before it (the recurrence: the
+   hidden state). No node of segment 1 may be used after segment 2, and no node may follow the
+   stack with a module path inside it.
+4. **Expand**: blocks ``KEEP..N-1`` are copies of segment 2 with its parameters renamed to the
+   block's FQNs (placeholders named as torch.export names them, ``p_`` + the FQN with dots as
+   underscores, checked on the cut graph), its recurrent inputs taken from the previous copy and
+   its module paths shifted; what followed the stack reads the last copy.
+
+Any check that fails raises :class:`NotExpandable`, and :func:`autotp.capture.capture` exports
+the whole model instead (logged at debug level). ``tests/test_capture_expand.py`` compares the
+result with a full capture (graph, outputs, plan) for GPT-2, Llama, BERT and T5.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch import fx, nn
+
+from .capture_cache import Uncacheable, _describe, _qualname, _TORCH_BOOKKEEPING
+
+#: blocks kept per stack in the cut capture: block 0 (may differ), block 1, and block 2 that
+#: must repeat block 1 and is the template of the rest
+KEEP = 3
+
+#: config fields that count a stack's layers
+_LAYER_COUNT = re.compile(r"(^|_)(n_layers?|num_layers|num_hidden_layers|num_\w*_layers|n_\w*_layers?)$")
+
+
+class NotExpandable(Exception):
+    """The model or its cut graph does not allow cut and expand; capture it whole."""
+
+
+@dataclass
+class Stack:
+    path: str                # "transformer.h"
+    parent: nn.Module
+    attr: str
+    blocks: list             # the full list's modules
+    original: nn.ModuleList
+
+    @property
+    def n(self) -> int:
+        return len(self.blocks)
+
+
+# ---- 1. finding the stacks -----------------------------------------------------------------
+
+def find_stacks(model: nn.Module) -> list[Stack]:
+    """The model's cuttable stacks, outermost first (empty when it has none)."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    if any(m._forward_hooks or m._forward_pre_hooks or getattr(m, "_backward_hooks", None)
+           or getattr(m, "_backward_pre_hooks", None) for m in modules.values()):
+        return []
+    owners: dict[int, list[str]] = {}
+    for path, m in modules.items():
+        owners.setdefault(id(m), []).append(path)
+    tensor_owners: dict[int, list[str]] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        tensor_owners.setdefault(id(t), []).append(name)
+    stacks: list[Stack] = []
+    for path, mod in modules.items():
+        if type(mod) is not nn.ModuleList or len(mod) <= KEEP or not path:
+            continue
+        if any(path.startswith(s.path + ".") for s in stacks) or len(owners[id(mod)]) != 1:
+            continue
+        blocks = list(mod)
+        if not _alike(path, blocks, owners, tensor_owners):
+            continue
+        parent_path, _, attr = path.rpartition(".")
+        stacks.append(Stack(path, modules[parent_path] if parent_path else model, attr, blocks, mod))
+    return stacks
+
+
+def _alike(path: str, blocks: list, owners: dict, tensor_owners: dict) -> bool:
+    if len({type(b) for b in blocks}) != 1:
+        return False
+    try:
+        described = [_describe_block(b) for b in blocks]
+    except Uncacheable:
+        return False
+    for i, block in enumerate(blocks):
+        prefix = f"{path}.{i}"
+        for sub in block.modules():
+            if any(not (p == prefix or p.startswith(prefix + ".")) for p in owners.get(id(sub), [])):
+                return False   # a module shared with the rest of the model
+        for _, t in [*block.named_parameters(remove_duplicate=False), *block.named_buffers(remove_duplicate=False)]:
+            if any(not n.startswith(prefix + ".") for n in tensor_owners.get(id(t), [])):
+                return False   # a tied tensor
+    first = described[1]
+    if any(len(d) != len(first) for d in described[2:]):
+        return False
+    for k, (key, text, _) in enumerate(first):
+        column = [d[k] for d in described[1:]]
+        if any(c[0] != key for c in column):
+            return False
+        if all(c[1] == text for c in column):
+            continue
+        values = [c[2] for c in column]   # allowed to differ: an int that counts with the block
+        if not all(type(v) is int for v in values):
+            return False
+        if len({v - i for i, v in enumerate(values, start=1)}) != 1:
+            return False
+    return True
+
+
+def _describe_block(block: nn.Module) -> list[tuple[str, str, Any]]:
+    out: list[tuple[str, str, Any]] = []
+    for rel, m in block.named_modules(remove_duplicate=False):
+        out.append((f"M {rel}", f"{_qualname(type(m))} training={m.training}", None))
+        for attr, value in sorted(vars(m).items()):
+            if attr not in _TORCH_BOOKKEEPING:
+                out.append((f"A {rel}.{attr}", _describe(value, f"{rel}.{attr}"), value))
+    for name, p in block.named_parameters(remove_duplicate=False):
+        out.append((f"P {name}", f"{tuple(p.shape)} {p.dtype} {p.device.type} {p.requires_grad}", None))
+    for name, b in block.named_buffers(remove_duplicate=False):
+        out.append((f"B {name}", f"{tuple(b.shape)} {b.dtype} {b.device.type}", None))
+    return out
+
+
+# ---- 2. cutting ----------------------------------------------------------------------------
+
+def _configs(model: nn.Module) -> list[Any]:
+    seen: dict[int, Any] = {}
+    for m in model.modules():
+        for value in vars(m).values():
+            if hasattr(value, "to_json_string") and hasattr(value, "to_dict"):
+                seen.setdefault(id(value), value)
+    for cfg in list(seen.values()):   # sub-configs (text_config, encoder/decoder configs)
+        for value in vars(cfg).values():
+            if hasattr(value, "to_json_string") and hasattr(value, "to_dict"):
+                seen.setdefault(id(value), value)
+    return list(seen.values())
+
+
+def _config_patches(model: nn.Module, stacks: list[Stack]) -> list[tuple[Any, str, Any]]:
+    lengths = {s.n for s in stacks}
+    patches = []
+    for cfg in _configs(model):
+        for name, value in vars(cfg).items():
+            if type(value) is int and value in lengths and _LAYER_COUNT.search(name):
+                patches.append((cfg, name, KEEP))
+            elif isinstance(value, (list, tuple)) and len(value) in lengths and "layer" in name.lower():
+                if any(v != value[1] for v in value[2:]):
+                    raise NotExpandable(f"config field {name} differs between layers")
+                patches.append((cfg, name, type(value)(value[:KEEP])))
+    return patches
+
+
+@contextlib.contextmanager
+def cut(model: nn.Module, stacks: list[Stack]) -> Iterator[None]:
+    """``model`` with every stack cut to its first :data:`KEEP` blocks (and its configs to match)."""
+    patches = _config_patches(model, stacks)
+    saved = [(cfg, name, cfg.__dict__[name]) for cfg, name, _ in patches]
+    try:
+        for s in stacks:
+            short = nn.ModuleList(s.blocks[:KEEP])
+            short.training = s.original.training
+            s.parent._modules[s.attr] = short
+        for cfg, name, value in patches:
+            cfg.__dict__[name] = value   # past HF's __setattr__: its checks see a half-patched config
+        yield
+    finally:
+        for s in stacks:
+            s.parent._modules[s.attr] = s.original
+        for cfg, name, value in saved:
+            cfg.__dict__[name] = value
+
+
+# ---- 3./4. checking and expanding the graph ------------------------------------------------
+
+def placeholder_name(kind: str, fqn: str) -> str:
+    """torch.export's placeholder name for a lifted parameter ("p_"), buffer ("b_") or constant ("c_")."""
+    return kind + re.sub(r"[^a-zA-Z0-9]", "_", fqn).lower()
+
+
+def _shift(text: str, stack: str, src: int, dst: Any) -> str:
+    return re.sub(rf"(?<![^._]){re.escape(stack)}\.{src}(?=\.|$)", f"{stack}.{dst}", text)
+
+
+def _shift_fqn(fqn: str, stack: str, src: int, dst: int) -> str | None:
+    prefix = f"{stack}.{src}."
+    return f"{stack}.{dst}.{fqn[len(prefix):]}" if fqn.startswith(prefix) else None
+
+
+@dataclass
+class Expanded:
+    graph_module: fx.GraphModule
+    params: dict[str, str]     # placeholder name -> FQN, full model's order
+    buffers: dict[str, str]
+    constants: dict[str, str]
+    stacks: tuple              # the stacks' paths
+
+
+def expand(ep: torch.export.ExportedProgram, model: nn.Module, stacks: list[Stack]) -> Expanded:
+    """The full model's graph from the cut program ``ep`` (see the module docs)."""
+    from torch.export.graph_signature import InputKind
+
+    kinds = {InputKind.PARAMETER: "p_", InputKind.BUFFER: "b_"}
+    cut_params: dict[str, str] = {}
+    cut_buffers: dict[str, str] = {}
+    consts: dict[str, str] = {}
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind in kinds:
+            if spec.arg.name != placeholder_name(kinds[spec.kind], spec.target):
+                raise NotExpandable(f"placeholder {spec.arg.name} is not named after {spec.target}")
+            (cut_params if spec.kind == InputKind.PARAMETER else cut_buffers)[spec.target] = spec.arg.name
+        elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
+            consts[spec.arg.name] = spec.target
+        elif spec.kind != InputKind.USER_INPUT:
+            raise NotExpandable(f"input kind {spec.kind}")
+
+    def dropped(fqn: str) -> bool:
+        return any(fqn.startswith(f"{s.path}.{k}.") for s in stacks for k in range(KEEP, s.n))
+
+    full_params = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    full_buffers = [n for n, _ in model.named_buffers(remove_duplicate=False)]
+    if [n for n in full_params if not dropped(n)] != list(cut_params):
+        raise NotExpandable("the cut program's parameters are not the model's in order")
+    if [n for n in full_buffers if not dropped(n)] != list(cut_buffers):
+        raise NotExpandable("the cut program's buffers are not the model's in order")
+
+    old = ep.graph_module.graph
+    old_ph = {n.name: n for n in old.nodes if n.op == "placeholder"}
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    params: dict[str, str] = {}
+    buffers: dict[str, str] = {}
+    by_fqn: dict[str, fx.Node] = {}
+    for kind, names, cut_names, out in (("p_", full_params, cut_params, params),
+                                        ("b_", full_buffers, cut_buffers, buffers)):
+        for fqn in names:
+            if fqn in cut_names:
+                node = graph.node_copy(old_ph[cut_names[fqn]])
+                env[old_ph[cut_names[fqn]]] = node
+            else:
+                stack = next(s for s in stacks if fqn.startswith(s.path + "."))
+                k = int(fqn[len(stack.path) + 1:].split(".", 1)[0])
+                template = old_ph[cut_names[_shift_fqn(fqn, stack.path, k, KEEP - 1)]]
+                node = graph.placeholder(placeholder_name(kind, fqn))
+                if node.name != placeholder_name(kind, fqn):
+                    raise NotExpandable(f"placeholder name {placeholder_name(kind, fqn)} is taken")
+                node.meta = dict(template.meta)
+            out[node.name] = fqn
+            by_fqn[fqn] = node
+    lifted = set(cut_params.values()) | set(cut_buffers.values())
+    for n in old.nodes:
+        if n.op == "placeholder" and n.name not in lifted:
+            env[n] = graph.node_copy(n)
+        elif n.op != "placeholder":
+            env[n] = graph.node_copy(n, lambda a: env[a])
+    fqn_of = {node: fqn for fqn, node in by_fqn.items()}
+    for stack in stacks:
+        _expand_stack(graph, stack, by_fqn, fqn_of)
+    graph.lint()
+    # the cut program's module takes the grown graph: it holds the submodules its get_attr nodes
+    # name; its code is generated once, by capture's last step (fx's graph setter would
+    # generate it here too, for a graph that capture then edits)
+    gm = ep.graph_module
+    gm._graph = graph
+    graph.owning_module = gm
+    return Expanded(gm, params, buffers, consts, tuple(s.path for s in stacks))
+
+
+def _block_of(node: fx.Node, stack: str) -> int | None:
+    from .capture import module_path
+
+    path = module_path(node)
+    if path.startswith(stack + "."):
+        head = path[len(stack) + 1:].split(".", 1)[0]
+        if head.isdigit():
+            return int(head)
+    return None
+
+
+def _expand_stack(graph: fx.Graph, stack: Stack, by_fqn: dict, fqn_of: dict) -> None:
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    block = {n: _block_of(n, stack.path) for n in nodes if n.op == "call_function"}
+    ends, starts = [], []
+    for i in range(KEEP):
+        mine = [pos[n] for n, b in block.items() if b == i]
+        if not mine:
+            raise NotExpandable(f"{stack.path}.{i} has no ops in the graph")
+        starts.append(min(mine))
+        ends.append(max(mine))
+    if any(b is not None and b >= KEEP for b in block.values()):
+        raise NotExpandable(f"{stack.path} has ops of blocks past {KEEP - 1}")
+    for i in range(1, KEEP):
+        if starts[i] <= ends[i - 1]:
+            raise NotExpandable(f"{stack.path}.{i} interleaves with the block before it")
+    seg1 = nodes[ends[0] + 1: ends[1] + 1]
+    seg2 = nodes[ends[1] + 1: ends[2] + 1]
+    tail = nodes[ends[2] + 1:]
+    if len(seg1) != len(seg2) or not seg2:
+        raise NotExpandable(f"{stack.path}: block 2's segment has {len(seg2)} nodes, block 1's {len(seg1)}")
+    in1, in2 = set(seg1), set(seg2)
+    phi: dict[fx.Node, fx.Node] = {}
+    rec: dict[fx.Node, fx.Node] = {}   # an input of segment 1 from before it -> segment 2's (in segment 1)
+
+    def match(xa: Any, xb: Any) -> bool:
+        if isinstance(xa, fx.Node) or isinstance(xb, fx.Node):
+            if not (isinstance(xa, fx.Node) and isinstance(xb, fx.Node)):
+                return False
+            if xa in in1:
+                return phi.get(xa) is xb
+            if xa.op == "placeholder":
+                fqn = fqn_of.get(xa)
+                shifted = _shift_fqn(fqn, stack.path, 1, 2) if fqn is not None else None
+                return xb is (by_fqn.get(shifted) if shifted is not None else xa)
+            if xb is xa:
+                return True
+            if xb in in1 and rec.setdefault(xa, xb) is xb:
+                return True
+            return False
+        if type(xa) is not type(xb):
+            return False
+        if isinstance(xa, (list, tuple)):
+            return len(xa) == len(xb) and all(match(a, b) for a, b in zip(xa, xb))
+        if isinstance(xa, dict):
+            return xa.keys() == xb.keys() and all(match(xa[k], xb[k]) for k in xa)
+        return xa == xb
+
+    for a, b in zip(seg1, seg2):
+        if a.op != "call_function" or b.op != "call_function" or a.target != b.target:
+            raise NotExpandable(f"{stack.path}: {b.name} ({b.target}) does not repeat {a.name} ({a.target})")
+        if [_shift(p, stack.path, 1, 2) for p in _stack_paths(a)] != _stack_paths(b):
+            raise NotExpandable(f"{stack.path}: {b.name}'s module path does not repeat {a.name}'s")
+        if not (match(a.args, b.args) and match(a.kwargs, b.kwargs)):
+            raise NotExpandable(f"{stack.path}: the inputs of {b.name} do not repeat those of {a.name}")
+        phi[a] = b
+    for n in seg1:
+        if any(u not in in1 and u not in in2 for u in n.users):
+            raise NotExpandable(f"{stack.path}: {n.name} of block 1 is used after block 2")
+    inv_rec = {v: k for k, v in rec.items()}   # segment-1 node that segment 2 reads as its recurrent input
+
+    marker = "\0"   # where the block index goes in segment 2's module paths
+    stacks_of = {n: [(_shift(key, stack.path, KEEP - 1, marker), _shift(p, stack.path, KEEP - 1, marker), t)
+                     for key, (p, t) in (n.meta.get("nn_module_stack") or {}).items()] for n in seg2}
+    previous = {n: phi[n] for n in inv_rec}    # recurrent input (segment 1 node) -> the last copy's
+    last = {n: n for n in seg2}
+    anchor = tail[0]
+    for k in range(KEEP, stack.n):
+        copies: dict[fx.Node, fx.Node] = {}
+
+        def arg(x: fx.Node) -> fx.Node:
+            if x in copies:
+                return copies[x]
+            if x in in1:
+                return previous[x]
+            if x.op == "placeholder" and x in fqn_of:
+                shifted = _shift_fqn(fqn_of[x], stack.path, KEEP - 1, k)
+                if shifted is not None:
+                    return by_fqn[shifted]
+            return x
+
+        with graph.inserting_before(anchor):
+            for n in seg2:
+                c = graph.node_copy(n, arg)
+                c.meta = dict(n.meta)
+                if stacks_of[n]:
+                    index = str(k)
+                    c.meta["nn_module_stack"] = {key.replace(marker, index): (p.replace(marker, index), t)
+                                                 for key, p, t in stacks_of[n]}
+                copies[n] = c
+        previous = {n: copies[phi[n]] for n in inv_rec}
+        last = copies
+    after = set(tail)
+    for n in seg2:
+        for user in list(n.users):
+            if user in after:
+                user.replace_input_with(n, last[n])
+
+
+def _stack_paths(node: fx.Node) -> list[str]:
+    stack = node.meta.get("nn_module_stack") or {}
+    return [p for p, _ in stack.values()]

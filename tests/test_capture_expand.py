@@ -1,0 +1,229 @@
+"""Cut and expand (autotp.capture_expand): a capture grown from three blocks is the whole export.
+
+For each family the expanded capture is compared with a whole export of the same model: the
+same graph node for node (names, ops, arguments, module paths), the same name maps, signature
+and shape ranges, the same outputs (and the model's own, float64), and the same plan.
+"""
+import pytest
+import torch
+from torch import nn
+
+from autotp import capture as capture_mod
+from autotp import zoo
+from autotp.api import build_plan
+from autotp.capture import capture, flat_inputs, module_path, unflatten_outputs
+from autotp.capture_expand import KEEP, find_stacks
+
+LAYERS = KEEP + 2   # two blocks written by the expansion: the recurrence runs copy to copy
+
+
+def whole(model, **kwargs):
+    before = capture_mod.EXPAND
+    capture_mod.EXPAND = False
+    try:
+        return capture(model, **kwargs)
+    finally:
+        capture_mod.EXPAND = before
+
+
+def nodes(cap):
+    return [(n.name, n.op, str(n.target), str(n.args), str(n.kwargs), module_path(n)) for n in cap.graph.nodes]
+
+
+def run(cap, model, inputs):
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
+    params = [tensors[fqn] for fqn in cap.param_names.values()]
+    buffers = [tensors[fqn] for fqn in cap.buffer_names.values()]
+    constants = [cap.constants[name] for name in cap.constant_names.values()]
+    flat = flat_inputs(cap, inputs)
+    return unflatten_outputs(cap, cap.graph_module(*params, *buffers, *constants, *flat))
+
+
+def assert_same_capture(fast, full):
+    assert nodes(fast) == nodes(full)
+    for field in ("param_names", "buffer_names", "constant_names", "user_inputs", "input_keys",
+                  "constant_inputs", "range_constraints", "dim_symbols", "input_dims", "aliases", "training"):
+        assert getattr(fast, field) == getattr(full, field), field
+    assert fast.out_spec == full.out_spec
+    shapes = {n.name: n.meta["val"].shape for n in full.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)}
+    assert {n.name: n.meta["val"].shape for n in fast.graph.nodes
+            if isinstance(n.meta.get("val"), torch.Tensor)} == shapes
+
+
+CASES = {   # family -> the stacks cut
+    "gpt2": ("transformer.h",),
+    "llama": ("model.layers",),   # rotary tables shared by every block, GQA, layer_idx per block
+    "bert": ("bert.encoder.layer",),
+    "t5": ("encoder.block", "decoder.block"),   # block 0 alone holds the relative attention bias
+}
+
+
+_captured: dict = {}
+
+
+def captured(family):
+    """(model, config, expanded capture, whole capture) of a tiny float64 model, once per module."""
+    if family not in _captured:
+        fam = zoo.FAMILIES[family]
+        config = zoo.tiny_config(family, layers=LAYERS, heads=4, kv_heads=2 if fam.kv_heads else None)
+        model = zoo.build(family, config, dtype=torch.float64)
+        model.eval()
+        seq_range = (3, 32) if family == "t5" else None   # T5 needs 3 tokens: no narrowing pass
+        fast = capture(model, seq_range=seq_range)
+        _captured[family] = (model, config, fast, whole(model, seq_range=seq_range))
+    return _captured[family]
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_expanded_capture_is_the_whole_export(family):
+    model, config, fast, full = captured(family)
+    assert fast.expanded == CASES[family]
+    assert full.expanded == ()
+    assert_same_capture(fast, full)
+    # the model is whole again
+    assert all(len(model.get_submodule(path)) == LAYERS for path in CASES[family])
+
+    batch = zoo.example_batch(family, config, batch=2, seq=7)
+    got, want = run(fast, model, batch), run(full, model, batch)
+    with torch.no_grad():
+        ref = model(**batch)
+    for key in ("loss", "logits"):
+        assert torch.equal(got[key], want[key])
+        torch.testing.assert_close(got[key], ref[key], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f == "t5" else f
+                                    for f in sorted(CASES)])   # T5's solve takes 10 s
+def test_expanded_capture_plans_as_the_whole_export(family):
+    _, _, fast, full = captured(family)
+    fast_plan, _, _ = build_plan(fast, 2, batch=8, seq=32, profile="h100-dgx")
+    full_plan, _, _ = build_plan(full, 2, batch=8, seq=32, profile="h100-dgx")
+    assert fast_plan.to_json() == full_plan.to_json()
+
+
+def test_a_new_signature_is_expanded_too():
+    """Another call (eval, no labels: no loss in the graph) of a model captured before."""
+    config = zoo.tiny_config("gpt2", layers=LAYERS)
+    model = zoo.build("gpt2", config, dtype=torch.float64).eval()
+    ids = {"input_ids": torch.randint(0, config.vocab_size, (2, 11))}
+    fast = capture(model, example_kwargs=ids)
+    assert fast.expanded == ("transformer.h",)
+    full = whole(model, example_kwargs=ids)
+    assert_same_capture(fast, full)
+    torch.testing.assert_close(run(fast, model, ids)["logits"], model(**ids).logits, rtol=1e-9, atol=1e-9)
+
+
+def test_training_mode_dropout_is_expanded():
+    """Train mode: every block's dropout ops are in the graph, each block's its own."""
+    config = zoo.tiny_config("gpt2", layers=LAYERS)
+    config.resid_pdrop = config.attn_pdrop = config.embd_pdrop = 0.1
+    model = zoo.build("gpt2", config, device="meta").train()
+    fast = capture(model)
+    assert fast.expanded == ("transformer.h",) and fast.training
+    full = whole(model)
+    assert_same_capture(fast, full)
+    dropouts = [module_path(n) for n in fast.graph.nodes if n.target is torch.ops.aten.dropout.default]
+    assert sum(p.startswith(f"transformer.h.{LAYERS - 1}.") for p in dropouts) == 2
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, index: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.index = index   # counts with the block: allowed to differ
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x))
+
+
+class Toy(nn.Module):
+    def __init__(self, layers: int = LAYERS, width: int = 8, odd_scale: bool = False):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width, i) for i in range(layers))
+        self.odd_scale = odd_scale
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if self.odd_scale and i % 2:   # the parent treats blocks 1 and 2 differently
+                x = x * 2
+        return x.sum(-1)
+
+
+def _toy_capture(model):
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    return capture(model, example_kwargs={"x": x}), x
+
+
+def test_a_plain_stack_is_expanded():
+    model = Toy().double()
+    cap, x = _toy_capture(model)
+    assert cap.expanded == ("blocks",)
+    assert_same_capture(cap, whole(model, example_kwargs={"x": x}))
+    torch.testing.assert_close(run(cap, model, {"x": x}), model(x), rtol=1e-12, atol=1e-12)
+
+
+def test_blocks_the_parent_treats_differently_are_captured_whole():
+    model = Toy(odd_scale=True).double()
+    cap, x = _toy_capture(model)
+    assert cap.expanded == ()   # block 2's segment does not repeat block 1's (no x * 2 after it)
+    assert_same_capture(cap, whole(model, example_kwargs={"x": x}))
+    assert len(model.blocks) == LAYERS
+
+
+def test_stacks_that_are_not_alike_are_not_cut():
+    model = Toy()
+    model.blocks[3].lin = nn.Linear(8, 8, bias=False)     # another parameter set
+    assert find_stacks(model) == []
+    model = Toy()
+    model.blocks[3].index = 7                              # does not count with the block
+    assert find_stacks(model) == []
+    model = Toy()
+    model.blocks[4].lin.weight = model.blocks[3].lin.weight   # tied across blocks
+    assert find_stacks(model) == []
+    model = Toy()
+    model.blocks[2].register_forward_hook(lambda *a: None)
+    assert find_stacks(model) == []
+    assert [s.path for s in find_stacks(Toy())] == ["blocks"]
+    assert find_stacks(Toy(layers=KEEP)) == []             # nothing to gain
+
+
+def test_the_config_is_cut_and_restored():
+    config = zoo.tiny_config("llama", layers=LAYERS)
+    model = zoo.build("llama", config, device="meta")
+    config.layer_types = ["full_attention"] * LAYERS
+    from autotp.capture_expand import cut
+    stacks = find_stacks(model)
+    with cut(model, stacks):
+        assert len(model.model.layers) == KEEP and model.config.num_hidden_layers == KEEP
+        assert model.config.layer_types == ["full_attention"] * KEEP
+    assert len(model.model.layers) == LAYERS and model.config.num_hidden_layers == LAYERS
+    assert model.config.layer_types == ["full_attention"] * LAYERS
+    config.layer_types = ["full_attention"] * (LAYERS - 1) + ["sliding_attention"]
+    with pytest.raises(Exception, match="differs between layers"):
+        with cut(model, stacks):
+            pass
+    assert len(model.model.layers) == LAYERS
+
+
+def check_parallel(family: str, checkpointing: bool) -> tuple:
+    """On each rank: a 5-layer model parallelized from an expanded capture against serial."""
+    import autotp
+    from autotp.testing import equivalence_errors, keep_loss_precision
+
+    config = zoo.tiny_config(family, layers=LAYERS, heads=4, kv_heads=2 if zoo.FAMILIES[family].kv_heads else None,
+                             vocab=53)
+    model = keep_loss_precision(zoo.build(family, config, dtype=torch.float64, seed=1))
+    pm = autotp.parallelize(model, 2, batch=64, seq=4096, profile="h100-dgx",
+                            activation_checkpointing=checkpointing)
+    errors = equivalence_errors(model, pm, zoo.example_batch(family, config, batch=2, seq=6, seed=2))
+    return pm.capture.expanded, max(errors.values())
+
+
+@pytest.mark.slow   # gloo ranks; the fast tier checks the graphs are the whole export's, node for node
+@pytest.mark.parametrize("family, checkpointing", [("gpt2", True), ("llama", False)])
+def test_a_parallel_model_from_an_expanded_capture_matches_serial(cluster_of, family, checkpointing):
+    for expanded, worst in cluster_of(2).run(check_parallel, family, checkpointing):
+        assert expanded == CASES[family]
+        assert worst <= 1e-9
