@@ -75,7 +75,24 @@ def _pareto_add(front: list, entry: Entry, keep_front: bool) -> list:
     for e in front:
         if e[0] <= t and e[1] <= m:
             return front
-    return [e for e in front if not (t <= e[0] and m <= e[1])] + [entry]
+    front = [e for e in front if not (t <= e[0] and m <= e[1])] + [entry]
+    return _thinned(front) if len(front) > 2 * FRONT_SIZE else front
+
+
+#: entries a (time, memory) front keeps per DP state when it is thinned
+FRONT_SIZE = 8
+
+
+def _thinned(front: list) -> list:
+    """``FRONT_SIZE`` entries of a Pareto front spread along it: the least memory and the least
+    time always, the rest evenly between. Under a memory limit the DP is then approximate in
+    time but never loses feasibility: each state's least-memory entry is kept, and least memory
+    is additive along the DP, so the least-memory plan is still found exactly. Unthinned, a
+    front of many uneven-head options grows without bound (T5 at tp=8: minutes)."""
+    front = sorted(front, key=lambda e: e[1])
+    last = len(front) - 1
+    keep = {round(i * last / (FRONT_SIZE - 1)) for i in range(FRONT_SIZE)}
+    return [front[i] for i in sorted(keep)]
 
 
 class _Solver:

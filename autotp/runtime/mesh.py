@@ -181,7 +181,9 @@ def _make_mesh(tp: int, world: int, rank: int, backend: str | None) -> TPMesh:
     tp_group, tp_ranks = groups(all_tp, backend)
     dp_group, dp_ranks = groups([tuple(range(i, world, tp)) for i in range(tp)], backend)
     backend = backend or dist.get_backend()
-    control = tp_group if backend == "gloo" else groups(all_tp, "gloo")[0]
+    # the CPU backends carry the control messages themselves ("fake": torch's one-process
+    # backend, whose collectives do nothing; a planning and rewriting tier runs one rank on it)
+    control = tp_group if backend in ("gloo", "fake") else groups(all_tp, "gloo")[0]
     # A DeviceMesh needs a group for every dim, a dim of one rank too: singletons, made only then.
     single = None
     if dp == 1 or tp == 1:

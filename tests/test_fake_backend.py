@@ -1,0 +1,104 @@
+"""The one-process tier: one rank of tp=8 planned, rewritten and run on torch's ``fake``
+process-group backend (its collectives return at once and move nothing).
+
+Values are not checked here (the gloo tiers compare with serial); what one rank can show is:
+every parameter holds exactly its planned slice, the outputs and every gradient have the shapes
+the serial model's have (or the planned slice's), and the collectives the rank issues in a
+forward and backward (counted with ``CommDebugMode``) are the plan's own: one per direction
+its communication ops move bytes in, plus the per-call input check. No rank processes, so a
+family's tp=8 program costs seconds.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import autotp
+from autotp import zoo
+from autotp.placements import Shard, local_size
+
+TP = 8
+
+
+@pytest.fixture
+def fake_world():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def start(rank: int) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", rank=rank, world_size=TP, store=FakeStore())
+
+    yield start
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _collectives(pm, inputs) -> int:
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    with CommDebugMode() as comm:
+        out = pm(**inputs)
+        out.loss.backward()
+    return comm.get_total_counts(), out
+
+
+def _expected(plan) -> int:
+    """One collective per direction a communication op moves bytes in, plus the input check."""
+    return sum((c.fwd_bytes > 0) + (c.bwd_bytes > 0) for c in plan.comms) + 1
+
+
+def _families():
+    for family in sorted(zoo.FAMILIES):
+        if family == "falcon-new":
+            # issue 10, open: Falcon's fused GQA layout with fewer kv heads than ranks is left
+            # replicated (correct, unsplit); strict, so the fix is noticed here
+            yield pytest.param(family, marks=pytest.mark.xfail(
+                strict=True, reason="Falcon's fused qkv with kv heads < tp is not split yet"))
+        else:
+            yield family
+
+
+@pytest.mark.parametrize("family", _families())
+@settings(max_examples=2, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(rank=st.integers(0, TP - 1), heads=st.sampled_from([8, 12]))
+def test_one_rank_of_tp8_holds_its_slices_and_issues_the_plans_collectives(fake_world, family, rank, heads):
+    if family == "t5" and heads == 12:
+        heads = 16   # T5's 12 uneven heads at tp=8 take the planner ~45 s: the slow test below
+    _one_rank(fake_world, family, rank, heads)
+
+
+@pytest.mark.slow
+def test_t5_with_uneven_heads_at_tp8(fake_world):
+    _one_rank(fake_world, "t5", 5, 12)
+
+
+def _one_rank(fake_world, family: str, rank: int, heads: int) -> None:
+    fake_world(rank)
+    # kv heads (where the family has them) fewer than the 8 ranks: 2 or 3
+    config = zoo.tiny_config(family, layers=2, heads=heads, kv_heads=heads // 4, head_dim=4, vocab=61)
+    model = zoo.build(family, config, dtype=torch.float32, seed=1)
+    inputs = zoo.example_batch(family, config, batch=2, seq=7, seed=2)
+    pm = autotp.parallelize(model, TP, batch=64, seq=4096, profile="h100-dgx")
+    assert pm.mesh.tp_rank == rank
+    plan = pm.plan
+    full = dict(model.named_parameters(remove_duplicate=False))
+    local = {name.removeprefix("local."): p for name, p in pm.named_parameters()}
+    split = 0
+    for name, p in local.items():
+        placement = plan.params[name]
+        want = list(full[name].shape)
+        if isinstance(placement, Shard):
+            want[placement.dim] = local_size(want[placement.dim], placement, TP, rank)
+            split += 1
+        assert list(p.shape) == want, (name, placement, tuple(p.shape), want)
+    assert split, "the real-size workload splits something"
+    count, out = _collectives(pm, inputs)
+    serial = model(**inputs)
+    assert out.logits.shape == serial.logits.shape and out.loss.shape == serial.loss.shape
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in local.values() if p.requires_grad)
+    assert count == _expected(plan), (count, _expected(plan), [c.kind for c in plan.comms])
