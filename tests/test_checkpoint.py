@@ -58,7 +58,7 @@ def _save_resume_gather(path, shards, gathered):
 
     trained = autotp.from_pretrained(path, tp=2, model_class=precise_gpt2, layout=LAYOUT, progress=False)
     with torch.no_grad():   # a "training step": every parameter moves
-        for p in trained.parameters():
+        for p in trained.local_parameters().values():   # this rank's shards
             p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     inputs = batch(VOCAB)
     want = trained(**inputs).logits
