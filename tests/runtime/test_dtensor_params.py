@@ -21,12 +21,21 @@ def _pair(tp: int, heads: int, seed: int = 0):
 
 
 def _described_exactly(tp: int, heads: int) -> dict:
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     model, pm = _pair(tp, heads)
     serial = dict(model.named_parameters())
     params = list(pm.named_parameters())
+    qkv = dict(params)["transformer.h.0.attn.c_attn.weight"]
+    try:   # torch's Shard(1) would relabel the runs: refused, where Replicate() gathers them
+        qkv.redistribute(qkv.device_mesh, [Replicate(), Shard(1)])
+        relabelled = "allowed"
+    except autotp.ConfigError as exc:
+        relabelled = str(exc)
     return {
+        "relabelled": relabelled,
+        "gathered": torch.equal(qkv.redistribute(qkv.device_mesh, [Replicate(), Replicate()]).to_local(),
+                                serial["transformer.h.0.attn.c_attn.weight"].detach()),
         "names": [n for n, _ in params], "serial_names": list(serial),
         "not_dtensor": [n for n, p in params if not isinstance(p, DTensor)],
         "inexact": [n for n, p in params if not torch.equal(p.full_tensor(), serial[n].detach())],
@@ -85,6 +94,7 @@ def _check_described(results: list[dict], tp: int) -> None:
         assert r["not_dtensor"] == [] and r["inexact"] == []
         assert r["over_dp"] == {"Replicate()"}
         assert r["shares_storage"]
+        assert r["gathered"] and "cannot redistribute between RunShard" in r["relabelled"]
         assert r["state_dict"] == r["serial_state_dict"]
         # the fused q|k|v weight (a run of each of q, k, v per rank, heads split unevenly) and the
         # unevenly split vocab are run layouts; a plain even split is torch's own Shard
