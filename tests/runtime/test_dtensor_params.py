@@ -32,7 +32,13 @@ def _described_exactly(tp: int, heads: int) -> dict:
         relabelled = "allowed"
     except autotp.ConfigError as exc:
         relabelled = str(exc)
+    saved = {k: v.clone() for k, v in pm.state_dict().items()}
+    with torch.no_grad():
+        for p in pm.parameters():
+            p.mul_(3)
+    pm.load_state_dict(saved)   # DTensor values back into the DTensor parameters, in place
     return {
+        "reloaded": all(torch.equal(p.full_tensor(), serial[n].detach()) for n, p in params),
         "relabelled": relabelled,
         "gathered": torch.equal(qkv.redistribute(qkv.device_mesh, [Replicate(), Replicate()]).to_local(),
                                 serial["transformer.h.0.attn.c_attn.weight"].detach()),
@@ -93,7 +99,7 @@ def _check_described(results: list[dict], tp: int) -> None:
         assert r["names"] == r["serial_names"]               # the model's names, tied weight once
         assert r["not_dtensor"] == [] and r["inexact"] == []
         assert r["over_dp"] == {"Replicate()"}
-        assert r["shares_storage"]
+        assert r["shares_storage"] and r["reloaded"]
         assert r["gathered"] and "cannot redistribute between RunShard" in r["relabelled"]
         assert r["state_dict"] == r["serial_state_dict"]
         # the fused q|k|v weight (a run of each of q, k, v per rank, heads split unevenly) and the
