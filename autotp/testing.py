@@ -117,13 +117,13 @@ def equivalence_errors(model: nn.Module, pm: nn.Module, inputs: Mapping[str, Any
         if param.grad is None:
             continue
         held = plan.aliases.get(name, name)            # the name the plan and the shards use
-        local = pm.local_parameter(held)
         placement = plan.params[held]
         expected = local_shard(param.grad, placement, plan.tp, rank) if isinstance(placement, Shard) else param.grad
-        if local.grad is None:
+        grad = pm.local_grad(held)
+        if grad is None:
             errors[f"grad:{held}"] = float("inf")
         else:
-            errors[f"grad:{held}"] = relative_error(local.grad, expected, group.get(name.rpartition(".")[0], 0.0))
+            errors[f"grad:{held}"] = relative_error(grad, expected, group.get(name.rpartition(".")[0], 0.0))
     return errors
 
 

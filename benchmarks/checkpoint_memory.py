@@ -43,7 +43,7 @@ def load_on_rank(folder: str) -> dict:
     start = time.perf_counter()
     pm = autotp.from_pretrained(folder, tp=TP)
     seconds = time.perf_counter() - start
-    held = sum(p.numel() * p.element_size() for p in pm.parameters()) / 1e6
+    held = sum(p.numel() * p.element_size() for p in pm.local_parameters().values()) / 1e6
     peak = _status_mb("VmHWM")
     return {"rank": pm.mesh.tp_rank, "before": before, "peak": peak, "after": _status_mb("VmRSS"), "held": held,
             "seconds": seconds}

@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> dict:
     pm = autotp.parallelize(model, tp=args.tp, profile=args.profile)
     setup_s = time.perf_counter() - start
     errors = equivalence_errors(model, pm, inputs)
-    local_bytes = sum(p.numel() * p.element_size() for p in pm.parameters())
+    local_bytes = sum(p.numel() * p.element_size() for p in pm.local_parameters().values())
     serial_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     worst = max(errors, key=errors.get)
     result = {"rank": dist.get_rank(), "tp_rank": pm.mesh.tp_rank, "loss_err": errors["loss"],

@@ -41,7 +41,7 @@ def _load_and_compare(path):
 
     pm = autotp.from_pretrained(path, tp=2, model_class=precise_gpt2, layout=LAYOUT, progress=False)
     errors = equivalence_errors(_serial(path), pm, batch(VOCAB))
-    local_bytes = sum(p.numel() for p in pm.parameters())
+    local_bytes = sum(p.numel() for p in pm.local_parameters().values())
     return max(errors.values()), pm.plan.roles["lm_head.weight"], local_bytes
 
 
@@ -58,7 +58,7 @@ def _save_resume_gather(path, shards, gathered):
 
     trained = autotp.from_pretrained(path, tp=2, model_class=precise_gpt2, layout=LAYOUT, progress=False)
     with torch.no_grad():   # a "training step": every parameter moves
-        for p in trained.parameters():
+        for p in trained.local_parameters().values():   # this rank's shards
             p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     inputs = batch(VOCAB)
     want = trained(**inputs).logits
@@ -192,7 +192,7 @@ def _family_load_planned(path, family):
     errors = equivalence_errors(serial, pm, zoo.example_batch(family, config, batch=2, seq=6, seed=3))
     _vanishing_gradients(serial, pm, errors)
     worst = max(errors, key=errors.get)
-    local = sum(p.numel() for p in pm.parameters())
+    local = sum(p.numel() for p in pm.local_parameters().values())
     whole = sum(p.numel() for p in serial.parameters())
     return (worst, errors[worst]), local / whole
 

@@ -87,7 +87,7 @@ def _one_rank(fake_world, family: str, rank: int, heads: int) -> None:
     assert pm.mesh.tp_rank == rank
     plan = pm.plan
     full = dict(model.named_parameters(remove_duplicate=False))
-    local = {name.removeprefix("local."): p for name, p in pm.named_parameters()}
+    local = pm.local_parameters()
     split = 0
     for name, p in local.items():
         placement = plan.params[name]
@@ -100,5 +100,6 @@ def _one_rank(fake_world, family: str, rank: int, heads: int) -> None:
     count, out = _collectives(pm, inputs)
     serial = model(**inputs)
     assert out.logits.shape == serial.logits.shape and out.loss.shape == serial.loss.shape
-    assert all(p.grad is not None and p.grad.shape == p.shape for p in local.values() if p.requires_grad)
+    assert all(pm.local_grad(name) is not None and pm.local_grad(name).shape == p.shape
+               for name, p in local.items() if p.requires_grad)
     assert count == _expected(plan), (count, _expected(plan), [c.kind for c in plan.comms])

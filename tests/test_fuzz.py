@@ -58,9 +58,9 @@ def errors_against_serial(model, pm, inputs: dict) -> dict[str, float]:
     for name, param in model.named_parameters():
         if name in plan.aliases or param.grad is None:
             continue
-        local, placement = pm.local_parameter(name), plan.params[name]
+        grad, placement = pm.local_grad(name), plan.params[name]
         expected = local_shard(param.grad, placement, plan.tp, rank) if isinstance(placement, Shard) else param.grad
-        errors[f"grad {name}"] = float("inf") if local.grad is None else _error(local.grad, expected)
+        errors[f"grad {name}"] = float("inf") if grad is None else _error(grad, expected)
     return errors
 
 

@@ -119,7 +119,7 @@ def save_sharded(pm, folder: str | Path) -> Path:
     tp, rank = pm.plan.tp, pm.mesh.tp_rank if pm.mesh is not None else 0
     if getattr(pm.mesh, "dp_rank", 0) != 0:
         return _rank_file(folder, rank, tp)
-    tensors = {fqn: p.detach().cpu().contiguous() for fqn, p in pm.local.named_parameters()}
+    tensors = {fqn: p.detach().cpu().contiguous() for fqn, p in pm.local_parameters().items()}
     path = _rank_file(folder, rank, tp)
     save_file(tensors, str(path), metadata={"autotp_tp": str(tp), "autotp_rank": str(rank)})
     if rank == 0:
@@ -151,7 +151,7 @@ def load_sharded(pm, folder: str | Path) -> None:
 
     tensors = load_file(str(path))
     with torch.no_grad():
-        for fqn, param in pm.local.named_parameters():
+        for fqn, param in pm.local_parameters().items():
             if fqn not in tensors:
                 raise CheckpointError(f"{path.name} has no tensor {fqn}")
             if tuple(tensors[fqn].shape) != tuple(param.shape):
@@ -175,7 +175,7 @@ def gather_to_hf(pm, folder: str | Path, config=None) -> Path | None:
     written = {held: twin for twin, held in pm.plan.aliases.items()}
     tensors = {}
     with torch.no_grad():
-        for fqn, param in pm.local.named_parameters():
+        for fqn, param in pm.local_parameters().items():
             placement = pm.plan.params[fqn]
             full = param.detach()
             if isinstance(placement, Shard):

@@ -20,25 +20,37 @@ import torch
 from torch import fx, nn
 
 from ..capture import Capture, bind_inputs, flat_inputs, unflatten_outputs
-from ..errors import CheckpointError, InputError
+from ..errors import CheckpointError, ConfigError, InputError
 from ..plan import Plan
 from ..placements import Placement, Shard
+from . import dtensor
 from .agreement import check_agreement, check_same_inputs, fingerprint, input_signature
 from .collectives import local_shard
 from .inputs import check_index_bounds, check_not_empty, index_bounds
 
 
 class _ParamTree(nn.Module):
-    """Holds parameters under their original dotted names (``transformer.h.0.attn...``)."""
+    """A submodule on the path to a parameter or buffer under its original dotted name
+    (``transformer.h.0.attn...``): the module's ``named_parameters()`` and ``state_dict()``
+    use the model's own names."""
 
-    def put(self, fqn: str, param: nn.Parameter) -> None:
-        *path, leaf = fqn.split(".")
-        mod: nn.Module = self
-        for part in path:
-            if not hasattr(mod, part) or not isinstance(getattr(mod, part), nn.Module):
-                mod.add_module(part, _ParamTree())
-            mod = getattr(mod, part)
-        mod.register_parameter(leaf, param)
+
+def _put(root: nn.Module, fqn: str, value: torch.Tensor, buffer: bool = False, persistent: bool = True) -> None:
+    *path, leaf = fqn.split(".")
+    mod: nn.Module = root
+    for part in path:
+        child = getattr(mod, part, None)
+        if child is None:
+            mod.add_module(part, _ParamTree())
+        elif not isinstance(child, _ParamTree):
+            raise ConfigError(
+                f"the model's {fqn} cannot be held under its own name: {part!r} is already an attribute of "
+                f"{type(mod).__name__}; rename the model's submodule")
+        mod = getattr(mod, part)
+    if buffer:
+        mod.register_buffer(leaf, value, persistent=persistent)
+    else:
+        mod.register_parameter(leaf, value)
 
 
 @dataclass
@@ -115,9 +127,15 @@ class ParallelModule(nn.Module):
         self._build = build
         #: what pm.generate needs of the serial model (autotp.generation)
         self._generation = _generation_info(model)
-        self.local = _ParamTree()
+        # Each parameter is a DTensor on the (dp, tp) mesh whose local tensor is this rank's
+        # shard: the programs run on those local tensors (to_local() each call, so gradients
+        # arrive in param.grad as DTensors), optimizers and clip_grad_norm_ see the whole.
         full_params = dict(model.named_parameters(remove_duplicate=False))
         tp, rank = plan.tp, mesh.tp_rank if mesh is not None else 0
+        device_mesh = getattr(mesh, "device_mesh", None)
+        if device_mesh is not None:
+            dtensor.install()
+        held: dict[str, nn.Parameter] = {}
         for placeholder, fqn in capture.param_names.items():
             if fqn in capture.aliases:      # a tied twin: fed the tensor it is tied to
                 continue
@@ -128,12 +146,25 @@ class ParallelModule(nn.Module):
                 full = full_params[fqn].detach()
                 local = local_shard(full, p, tp, rank) if isinstance(p, Shard) else full
                 local = local.to(device).clone()
-            self.local.put(fqn, nn.Parameter(local, requires_grad=full_params[fqn].requires_grad))
+            requires_grad = full_params[fqn].requires_grad
+            if device_mesh is not None:
+                local = _distributed(local, p, tuple(full_params[fqn].shape), tp, device_mesh)
+            held[fqn] = nn.Parameter(local, requires_grad=requires_grad)
+        #: held FQN -> the parameter (one per tied group, under the name the programs use)
+        self._held = held
+        # Under every name the model gives it, in the model's order: named_parameters() then
+        # lists a tied pair once, under the model's first name, as the model does.
+        for name in full_params:
+            target = capture.aliases.get(name, name)
+            if target in held:
+                _put(self, name, held[target])
         self._model_buffers = dict(model.named_buffers(remove_duplicate=False))
         #: values for tensors the model holds on the meta device (from_pretrained computes the
         #: buffers a checkpoint does not hold; the model itself stays on meta for later captures)
         self._computed: dict[str, torch.Tensor] = dict(getattr(weights, "buffers", None) or {})
-        self._buffer_slots: dict[str, str] = {}     # buffer FQN -> the attribute holding it here
+        self._persistent = {f"{prefix}.{b}" if prefix else b for prefix, m in model.named_modules(remove_duplicate=False)
+                            for b in m._buffers if b not in m._non_persistent_buffers_set}
+        self._buffers_held: set[str] = set()   # buffer FQNs registered here (under their own names)
         self._graphs = nn.ModuleDict()
         self._programs: list[Program] = []
         self._current = self._add_program(capture, plan, graph_module)
@@ -180,7 +211,7 @@ class ParallelModule(nn.Module):
         param_order = [capture.aliases.get(fqn, fqn) for fqn in capture.param_names.values()]
         buffer_order = list(capture.buffer_names.values())
         for fqn in buffer_order:
-            if fqn in self._buffer_slots:
+            if fqn in self._buffers_held:
                 continue
             full = self._model_buffers[fqn]
             if full.is_meta:
@@ -188,8 +219,8 @@ class ParallelModule(nn.Module):
             if full.is_meta:
                 raise CheckpointError(f"buffer {fqn} is on the meta device: it is neither in the checkpoint "
                                       "nor computed by the model's constructor; load the model for real")
-            slot = self._buffer_slots[fqn] = f"_buf_{len(self._buffer_slots)}"
-            self.register_buffer(slot, full.to(self.device))
+            _put(self, fqn, full.to(self.device), buffer=True, persistent=fqn in self._persistent)
+            self._buffers_held.add(fqn)
         constants = [self._constant(capture, name) for name in capture.constant_names.values()]
         self._graphs[f"program_{len(self._programs)}"] = graph_module
         program = Program(capture, plan, graph_module, param_order, buffer_order, constants,
@@ -219,15 +250,28 @@ class ParallelModule(nn.Module):
         import torch.distributed as dist
 
         def average(param: torch.Tensor) -> None:
-            dist.all_reduce(param.grad, group=group)
-            param.grad.div_(dp)
+            grad = _local(param.grad)
+            dist.all_reduce(grad, group=group)
+            grad.div_(dp)
 
-        for param in self.local.parameters():
+        for param in self._held.values():
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(average)
 
-    def local_parameter(self, fqn: str) -> nn.Parameter:
-        return self.local.get_parameter(self.plan.aliases.get(fqn, fqn))
+    def local_parameter(self, fqn: str) -> torch.Tensor:
+        """This rank's shard of parameter ``fqn`` (any of a tied parameter's names): the tensor
+        the programs compute with, sharing storage with the DTensor parameter."""
+        return _local(self._held[self.plan.aliases.get(fqn, fqn)])
+
+    def local_grad(self, fqn: str) -> torch.Tensor | None:
+        """This rank's shard of parameter ``fqn``'s gradient (None before a backward)."""
+        grad = self._held[self.plan.aliases.get(fqn, fqn)].grad
+        return None if grad is None else _local(grad)
+
+    def local_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter's shard on this rank, once per tied group, under the name the plan
+        and the programs use (``lm_head.weight`` for GPT-2's tied embedding)."""
+        return {fqn: _local(param) for fqn, param in self._held.items()}
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # Positional inputs are named by the model's forward signature, as at capture.
@@ -244,8 +288,9 @@ class ParallelModule(nn.Module):
     def _run(self, program: Program, kwargs: dict[str, Any]) -> Any:
         flat = flat_inputs(program.capture, kwargs)
         check_index_bounds(program.bounds, kwargs)
-        params = [self.local.get_parameter(fqn) for fqn in program.param_order]
-        buffers = [getattr(self, self._buffer_slots[fqn]) for fqn in program.buffer_order]
+        grad = torch.is_grad_enabled()
+        params = [_program_tensor(self._held[fqn], grad) for fqn in program.param_order]
+        buffers = [self.get_buffer(fqn) for fqn in program.buffer_order]
         outputs = program.graph_module(*params, *buffers, *program.constants, *flat)
         return unflatten_outputs(program.capture, outputs)
 
@@ -307,6 +352,31 @@ class ParallelModule(nn.Module):
                         f"{hi} there (the model's maximum positions); shorten the input or use a model "
                         "with more positions"
                     )
+
+
+def _distributed(local: torch.Tensor, placement: Placement, shape: tuple[int, ...], tp: int, device_mesh: Any) -> torch.Tensor:
+    """``local`` (this rank's part) as a DTensor on the (dp, tp) mesh: replicated over dp, over
+    tp the placement that describes ``placement`` exactly (autotp.runtime.dtensor)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    size = shape[placement.dim] if isinstance(placement, Shard) else None
+    over_tp = dtensor.torch_placement(placement, size, tp)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, device_mesh, [Replicate(), over_tp], run_check=False,
+                              shape=torch.Size(shape), stride=stride)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (the same tensor object every time), a plain tensor itself."""
+    return getattr(t, "_local_tensor", t)
+
+
+def _program_tensor(param: nn.Parameter, grad_enabled: bool) -> torch.Tensor:
+    """What a program is fed for ``param``: its local tensor, through to_local() when a gradient
+    must flow back into ``param.grad`` (a DTensor with the parameter's placements)."""
+    if grad_enabled and param.requires_grad and hasattr(param, "to_local"):
+        return param.to_local()
+    return _local(param)
 
 
 def _in_ranges(capture: Capture, kwargs: dict[str, Any]) -> bool:

@@ -36,7 +36,7 @@ def _train_with_dropout(n_head: int):
         pm(**data).loss.backward()
         opt.step()
     group = pm.mesh.tp_group
-    drifted = [name for name, p in pm.local.named_parameters()
+    drifted = [name for name, p in pm.local_parameters().items()
                if not isinstance(pm.plan.params[name], autotp.Shard)
                and not all(torch.equal(p.detach(), q) for q in _gather(p.detach(), group))]
     # Each random op, fed the same input on every rank: equal draws where replicated, not where sharded.

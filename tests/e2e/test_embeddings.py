@@ -29,7 +29,7 @@ def _vanishing_gradients(model, pm, errors: dict) -> None:
         placement = pm.plan.params[held]
         expected = local_shard(param.grad, placement, pm.plan.tp, pm.mesh.tp_rank) \
             if isinstance(placement, autotp.Shard) else param.grad
-        errors[f"grad:{held}"] = (pm.local_parameter(held).grad - expected).norm().item() / scale
+        errors[f"grad:{held}"] = (pm.local_grad(held) - expected).norm().item() / scale
 
 
 def vocab_parallel_errors(case: dict) -> tuple[dict, dict]:

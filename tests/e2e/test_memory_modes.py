@@ -45,7 +45,7 @@ def compare_modes(case: dict) -> dict:
     for name, param in model.named_parameters():   # replicated parameters: whole gradients
         held = pm.plan.aliases.get(name, name)
         if not isinstance(pm.plan.params[held], autotp.Shard):
-            errors[f"grad:{held}"] = relative_error(pm.local_parameter(held).grad, param.grad)
+            errors[f"grad:{held}"] = relative_error(pm.local_grad(held), param.grad)
     return errors
 
 
@@ -79,7 +79,7 @@ def _with_and_without_checkpointing():
         pm = autotp.parallelize(model, tp=2, layout=LAYOUT, seed=123, activation_checkpointing=checkpoint)
         out, nbytes = _saved_bytes(lambda: pm(**data))
         out.loss.backward()
-        grads.append({n: p.grad.clone() for n, p in pm.local.named_parameters()})
+        grads.append({n: pm.local_grad(n).clone() for n in pm.local_parameters()})
         saved.append(nbytes)
     worst = max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0])
     return worst, saved

@@ -1,0 +1,203 @@
+"""autotp's parameter layouts as DTensor placements.
+
+A ParallelModule's parameters are DTensors on the ``(dp, tp)`` DeviceMesh: ``Replicate()`` over
+dp, and over tp the placement that says exactly which elements this rank holds.
+
+- ``Replicate`` stays ``Replicate()``.
+- A shard whose per-rank ranges are those of ``torch.chunk`` (an even split, or an uneven one
+  that happens to deal like ``torch.chunk``) is torch's own ``Shard(dim)``.
+- Any other shard (an uneven split that gives the first ``n % tp`` ranks one atom more; fused
+  q|k|v, where a rank holds a run of each of q, k and v; runs rotated between layers) is a
+  :class:`RunShard`: torch's ``Shard(dim)`` subclassed with autotp's ``Shard(dim, chunks, unit,
+  rotate)``, whose gather puts every run back where it came from.
+
+Torch's sharding propagation builds a pointwise op's candidate placements from a few placement
+families (``Shard(d)`` for any ``d``), so it never proposes a RunShard: an in-place update of a
+RunShard tensor (an optimizer step, gradient clipping) would fail. :func:`install` teaches it
+one more candidate: where every tensor of a pointwise strategy is sharded on the RunShard's dim,
+the RunShard itself (the tensors of a pointwise op have that dim's size in common, so they split
+alike). It also lets a spec holding a RunShard pass torch's shard-order check (which compares
+with ``Shard(dim)`` by equality), and refuses a redistribution from a RunShard to anything but
+``Replicate()`` or itself rather than relabel the data. These are wrappers around private torch
+functions, installed once; a torch without them raises ``ConfigError`` on first use.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch.distributed.tensor import Replicate as TorchReplicate
+from torch.distributed.tensor.placement_types import Shard as TorchShard
+
+from ..errors import ConfigError
+from ..placements import Partial, Placement, Shard, layout, local_ranges, local_size
+
+
+class RunShard(TorchShard):
+    """autotp's ``Shard(dim, chunks, unit, rotate)`` over one mesh dim: rank ``r`` holds the
+    ranges ``autotp.placements.local_ranges(size, shard, tp, r)`` of ``dim``, laid side by side."""
+
+    def __init__(self, shard: Shard):
+        super().__init__(shard.dim)
+        self.shard = shard
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RunShard) and other.shard == self.shard
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    def __hash__(self) -> int:
+        return hash(("RunShard", self.shard))
+
+    def __repr__(self) -> str:
+        return f"RunShard({self.shard!r})"
+
+    __str__ = __repr__
+
+    def __fx_repr__(self):
+        raise ConfigError(f"{self!r} cannot be emitted into an FX graph: autotp's placements stay eager")
+
+    # ---- the ranges ----------------------------------------------------------------------
+    def ranges(self, size: int, tp: int, rank: int) -> tuple[tuple[int, int], ...]:
+        return local_ranges(size, self.shard, tp, rank)
+
+    def _local_shard_size_and_offset(self, curr_local_size: int, num_chunks: int, rank: int) -> tuple[int, int]:
+        return self.local_shard_size_and_offset(curr_local_size, num_chunks, rank)
+
+    def local_shard_size_and_offset(self, curr_local_size: int, num_chunks: int, rank: int) -> tuple[int, int]:
+        """(size, offset) of this rank's part: its size, and the start of its first range. A rank
+        holding several runs (fused q|k|v) has no one offset: torch asks for it to size new
+        tensors (the size is right); torch.distributed.checkpoint, which writes one chunk per rank
+        at that offset, would find the chunks overlap and refuse the plan."""
+        ranges = self.ranges(int(curr_local_size), num_chunks, int(rank))
+        if not ranges:
+            return 0, 0
+        return sum(b - a for a, b in ranges), ranges[0][0]
+
+    # ---- moving data ---------------------------------------------------------------------
+    def _split_tensor(self, tensor: torch.Tensor, num_chunks: int, *, with_padding: bool = True,
+                      contiguous: bool = True) -> tuple[list[torch.Tensor], list[int]]:
+        n = tensor.shape[self.dim]
+        most = max(local_size(n, self.shard, num_chunks, r) for r in range(num_chunks))
+        pieces, pads = [], []
+        for r in range(num_chunks):
+            piece = self._select(tensor, n, num_chunks, r)
+            pad = most - piece.shape[self.dim]
+            if with_padding and pad:
+                piece = torch.nn.functional.pad(piece, [0, 0] * (tensor.dim() - 1 - self.dim) + [0, pad])
+            pieces.append(piece.contiguous() if contiguous else piece)
+            pads.append(pad if with_padding else 0)
+        return pieces, pads
+
+    def _select(self, tensor: torch.Tensor, n: int, tp: int, rank: int) -> torch.Tensor:
+        ranges = self.ranges(n, tp, rank)
+        if not ranges:
+            return tensor.narrow(self.dim, 0, 0)
+        return torch.cat([tensor.narrow(self.dim, a, b - a) for a, b in ranges], dim=self.dim)
+
+    def _select_split_tensor(self, tensor: torch.Tensor, num_chunks: int, index: int, *, with_padding: bool = True,
+                             contiguous: bool = True, clone: bool = True) -> torch.Tensor:
+        pieces, _ = self._split_tensor(tensor, num_chunks, with_padding=with_padding, contiguous=contiguous)
+        return pieces[index].clone() if clone else pieces[index]
+
+    def _replicate_to_shard(self, local_tensor: torch.Tensor, mesh: Any, mesh_dim: int, shard_index: int) -> torch.Tensor:
+        n = local_tensor.shape[self.dim]
+        return self._select(local_tensor, n, mesh.size(mesh_dim=mesh_dim), int(shard_index)).clone()
+
+    def _to_replicate_tensor(self, local_tensor: torch.Tensor, mesh: Any, mesh_dim: int,
+                             current_logical_shape: Sequence[int]) -> torch.Tensor:
+        """All-gather the runs (padded to the longest rank's) and put each where it belongs."""
+        import torch.distributed._functional_collectives as funcol
+
+        tp, n, dim = mesh.size(mesh_dim=mesh_dim), int(current_logical_shape[self.dim]), self.dim
+        most = max(local_size(n, self.shard, tp, r) for r in range(tp))
+        pad = most - local_tensor.shape[dim]
+        if pad:
+            local_tensor = torch.nn.functional.pad(local_tensor, [0, 0] * (local_tensor.dim() - 1 - dim) + [0, pad])
+        gathered = funcol.all_gather_single(local_tensor.contiguous(), gather_dim=dim, group=(mesh, mesh_dim))
+        if isinstance(gathered, funcol.AsyncCollectiveTensor):
+            gathered = gathered.wait()
+        placed = []   # (start in the full dim, the run)
+        for r in range(tp):
+            block, offset = gathered.narrow(dim, r * most, most), 0
+            for a, b in self.ranges(n, tp, r):
+                placed.append((a, block.narrow(dim, offset, b - a)))
+                offset += b - a
+        placed.sort(key=lambda item: item[0])
+        return torch.cat([run for _, run in placed], dim=dim)
+
+
+def torch_placement(placement: Placement, size: int | None, tp: int):
+    """The DTensor placement over the tp mesh dim that describes ``placement`` exactly for a
+    dim of ``size`` elements (the sharded dim's size; unused for Replicate)."""
+    if isinstance(placement, Shard):
+        if layout(size, placement, tp) == _chunk_layout(size, tp):
+            return TorchShard(placement.dim)
+        return RunShard(placement)
+    if isinstance(placement, Partial):
+        raise ConfigError("a parameter cannot be Partial (a summand on each rank); this is a planner bug")
+    return TorchReplicate()
+
+
+def _chunk_layout(size: int, tp: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """torch.chunk's per-rank ranges: ceil(size / tp) each, the last ranks short or empty."""
+    step = -(-size // tp)
+    out = []
+    for r in range(tp):
+        a, b = min(r * step, size), min((r + 1) * step, size)
+        out.append(((a, b),) if b > a else ())
+    return tuple(out)
+
+
+# ---- teaching torch's sharding propagation about RunShard ------------------------------------
+_INSTALLED = False
+
+
+def install() -> None:
+    """Wrap the torch internals described in the module docstring (once per process)."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    try:
+        from torch.distributed.tensor import _api, _dispatch, _dtensor_spec, _redistribute
+        from torch.distributed.tensor._ops import single_dim_strategy as sds
+
+        fill = sds._fill_single_dim_strategy_placeholders
+        placeholder = sds._ShardingPlaceholder
+        verify = _dtensor_spec.DTensorSpec._verify_shard_order
+        redistribute = _redistribute.redistribute_local_tensor
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(
+            f"this torch ({torch.__version__}) lacks the DTensor internals autotp extends for its parameter "
+            f"placements ({exc}); use the torch version autotp is tested with") from None
+
+    def fill_with_runs(unique_input_placements, strategies):
+        out = fill(unique_input_placements, strategies)
+        for run in [p for p in unique_input_placements if isinstance(p, RunShard)]:
+            for strategy in strategies:
+                dims = {p.dim for p in strategy if isinstance(p, placeholder)}
+                if dims == {run.dim}:
+                    out.append([run if isinstance(p, placeholder) else p for p in strategy])
+        return out
+
+    def verify_unless_runs(self, shard_order):
+        if any(isinstance(p, RunShard) for p in self.placements):
+            return None   # a RunShard is a shard of its dim; torch's check compares with Shard(dim)
+        return verify(self, shard_order)
+
+    def redistribute_checked(local_tensor, current_spec, target_spec, *args, **kwargs):
+        for i, (a, b) in enumerate(zip(current_spec.placements, target_spec.placements)):
+            for src, dst in ((a, b), (b, a)):
+                if isinstance(src, RunShard) and dst != src and not dst.is_replicate():
+                    raise ConfigError(
+                        f"cannot redistribute between {src!r} and {dst!r} on mesh dim {i}: autotp's run "
+                        "layouts convert only to Replicate(); call full_tensor() first")
+        return redistribute(local_tensor, current_spec, target_spec, *args, **kwargs)
+
+    sds._fill_single_dim_strategy_placeholders = fill_with_runs
+    _dtensor_spec.DTensorSpec._verify_shard_order = verify_unless_runs
+    for module in (_redistribute, _dispatch, _api):   # the latter two import it by name
+        if getattr(module, "redistribute_local_tensor", None) is redistribute:
+            module.redistribute_local_tensor = redistribute_checked
+    _INSTALLED = True
