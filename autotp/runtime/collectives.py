@@ -76,7 +76,7 @@ def _comm(op: str, group) -> Iterator[None]:
         from .mesh import group_timeout
 
         ranks = group_ranks(group)
-        where = f"the TP group of ranks {list(ranks)}" if ranks is not None else "the TP group"
+        where = f"the group of ranks {list(ranks)}" if ranks is not None else "its group"
         cause = f"{op} failed on {where}: {type(e).__name__}: {e}"
         timeout = group_timeout(group).total_seconds()
         found = roll_call(group, ranks, started, timeout) if ranks is not None else None

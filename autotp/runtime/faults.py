@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-__all__ = ["RollCall", "register_process", "roll_call"]
+__all__ = ["RollCall", "StepGuard", "register_process", "roll_call"]
 
 #: How long a rank waits for answers beyond the collective timeout (and at least, when its own
 #: collective failed by timing out: the others have long answered or are gone).
@@ -141,7 +141,130 @@ def roll_call(group, ranks: tuple[int, ...], started: float, timeout_s: float) -
         exited = tuple(r for r in missing if _exited(store, r, namespace))
         if exited:  # the group is broken for good: no need to wait for the others
             return RollCall(exited=exited, waiting=tuple(r for r in missing if r not in exited))
+        raised = {r: f for r in missing if (f := _published_fault(store, r)) is not None}
+        if raised:  # alive, but it left the call: this collective will never complete
+            return RollCall(note="; ".join(
+                f"rank {r} raised {f['error']} inside this call and left its collectives unfinished "
+                "(restart every rank, or make that code raise on every rank alike)" for r, f in raised.items()))
         remaining = deadline - time.monotonic()
         if not missing or remaining <= 0:
             return RollCall(silent=tuple(missing))
         time.sleep(min(0.1, remaining))  # a look every 0.1 s; the store's own wait logs each timeout
+
+
+# ---- a call abandoned on some ranks ----------------------------------------------------------
+#
+# An exception raised inside a call (a forward or a generation step) on one rank leaves the
+# others waiting in a collective of that call. If the rank catches it and calls again, its next
+# collectives would pair with the ones the others are still waiting in: gloo aborts the process
+# on the mismatch, or, where the shapes happen to agree, every later result is silently another
+# call's. A StepGuard stops that: a rank whose call raised publishes the fault in the store and,
+# before its next call's first collective, waits (through the store, never a collective) for
+# every rank of the group to have left the same call. If every rank did, and no collective
+# failed, they stopped at the same collective and the group goes on in step; otherwise every
+# rank gets a clear error: the ones still inside the call when their collective times out (the
+# roll call names the rank that raised), the one that raised when it calls again.
+
+_guards_made = 0
+
+
+def _fault_key(guard: str, epoch: int, rank: int) -> str:
+    return f"autotp/fault/{guard}/{epoch}/{rank}"
+
+
+def _published_fault(store, rank: int) -> dict | None:
+    """The last fault rank ``rank`` published (any guard), or None."""
+    try:
+        if store.check([f"autotp/fault/last/{rank}"]):
+            return json.loads(store.get(f"autotp/fault/last/{rank}"))
+    except Exception:
+        pass
+    return None
+
+
+class StepGuard:
+    """Keeps the ranks of ``group`` in step across an exception raised inside a call."""
+
+    def __init__(self, group, ranks: tuple[int, ...] | None) -> None:
+        global _guards_made
+        _guards_made += 1    # modules are made in the same order on every rank: the same name
+        self.name = f"g{_guards_made}"
+        self.group, self.ranks = group, ranks
+        self.epoch = 0
+        self.fault: dict | None = None     # this rank's unresolved fault
+
+    @property
+    def active(self) -> bool:
+        return self.ranks is not None and len(self.ranks) > 1
+
+    def __enter__(self) -> "StepGuard":
+        if self.fault is not None:
+            self._rejoin()
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is not None and self.active and self.fault is None:
+            self._publish(exc)
+        return False
+
+    def _publish(self, exc: BaseException) -> None:
+        from ..errors import CommError, DisagreementError
+
+        broken = isinstance(exc, CommError) and not isinstance(exc, DisagreementError)
+        self.fault = {"rank": dist.get_rank(), "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300],
+                      "comm": broken, "guard": self.name, "epoch": self.epoch}
+        try:
+            store = _store()
+            text = json.dumps(self.fault)
+            store.set(_fault_key(self.name, self.epoch, dist.get_rank()), text)
+            store.set(f"autotp/fault/last/{dist.get_rank()}", text)
+        except Exception:  # no store: the next call still refuses to go on out of step
+            self.fault["no_store"] = True
+
+    def _rejoin(self) -> None:
+        from ..errors import CommError
+        from .mesh import group_timeout
+
+        mine = self.fault
+        if mine.get("comm") or mine.get("no_store"):
+            raise CommError(
+                f"rank {mine['rank']}'s previous call failed in a collective ({mine['error']}): the "
+                "process group can no longer be trusted to be in step. Restart every rank.")
+        timeout = group_timeout(self.group).total_seconds() + SLACK_S
+        store, me = _store(), dist.get_rank()
+        namespace = _namespace()
+        others = [r for r in self.ranks if r != me]
+        deadline = time.monotonic() + timeout
+        faults: dict[int, dict] = {}
+        while True:
+            for r in others:
+                if r not in faults and store.check([_fault_key(self.name, self.epoch, r)]):
+                    faults[r] = json.loads(store.get(_fault_key(self.name, self.epoch, r)))
+            missing = [r for r in others if r not in faults]
+            exited = [r for r in missing if _exited(store, r, namespace)]
+            if not missing or exited or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        raised = f"rank {me} raised {mine['error']} inside a call"
+        if exited or missing:
+            gone = (f"rank{'s' if len(exited) > 1 else ''} {', '.join(map(str, exited))} exited" if exited else
+                    f"ranks {missing} did not leave it within {timeout:.0f} s (still waiting in its collectives, "
+                    "or stuck)")
+            raise CommError(
+                f"{raised}, leaving that call's collectives unfinished on the other ranks; {gone}. Calling "
+                "again would pair this rank's collectives with another call's (a process abort or silently "
+                "wrong results), so the module refuses: restart every rank, or make the failing code raise "
+                "on every rank alike.")
+        broken = {r: f["error"] for r, f in faults.items() if f.get("comm")}
+        if broken:
+            raise CommError(
+                f"{raised}; ranks {sorted(broken)} then failed in a collective of that call "
+                f"({next(iter(broken.values()))}): the process group can no longer be trusted. Restart every rank.")
+        # every rank left the call by raising, none inside a collective: they stopped at the same
+        # collective (none could pass one without all), so the group is in step
+        self.epoch += 1
+        self.fault = None
+        try:
+            store.delete_key(f"autotp/fault/last/{me}")
+        except Exception:
+            pass

@@ -25,7 +25,8 @@ from ..plan import Plan
 from ..placements import Placement, Shard
 from . import dtensor
 from .agreement import check_agreement, check_same_inputs, fingerprint, input_signature
-from .collectives import local_shard
+from .collectives import group_ranks, local_shard
+from .faults import StepGuard
 from .inputs import check_index_bounds, check_not_empty, index_bounds
 
 
@@ -119,6 +120,7 @@ class ParallelModule(nn.Module):
         super().__init__()
         #: the group the agreement checks talk over (CPU/gloo: no accelerator sync per call)
         self._control = getattr(mesh, "control_group", None) or getattr(mesh, "tp_group", None)
+        self._guard = StepGuard(self._control, group_ranks(self._control) if self._control is not None else None)
         check_agreement(fingerprint(plan, graph_module), self._control)
         #: compare every call's input shapes across the TP group (one tiny CPU all-reduce)
         self.check_inputs = True
@@ -249,9 +251,12 @@ class ParallelModule(nn.Module):
             return
         import torch.distributed as dist
 
+        from .collectives import _comm
+
         def average(param: torch.Tensor) -> None:
             grad = _local(param.grad)
-            dist.all_reduce(grad, group=group)
+            with _comm("the data-parallel gradient all-reduce", group):   # a lost peer named as in TP
+                dist.all_reduce(grad, group=group)
             grad.div_(dp)
 
         for param in self._held.values():
@@ -274,6 +279,10 @@ class ParallelModule(nn.Module):
         return {fqn: _local(param) for fqn, param in self._held.items()}
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self._guard:   # an exception on some ranks only never leaves them out of step
+            return self._forward(args, kwargs)
+
+    def _forward(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         # Positional inputs are named by the model's forward signature, as at capture.
         kwargs = bind_inputs(self.capture.signature, args, kwargs, self.capture.model_name)
         if self.check_inputs:  # first: the checks below then fail on every rank or on none
@@ -306,6 +315,10 @@ class ParallelModule(nn.Module):
         """Run one generation step (``spec``: an autotp.generation.StepSpec), building its
         program on first use. The token inputs are checked across the ranks like a call's; the
         cache is not (its split may give ranks different shapes)."""
+        with self._guard:
+            return self._run_step(spec, inputs)
+
+    def _run_step(self, spec: Any, inputs: dict[str, torch.Tensor]) -> tuple[Program, dict[str, torch.Tensor]]:
         if self.check_inputs:
             names = sorted(spec.tokens)
             signature = input_signature(names, [spec.tokens[n] for n in names]) + (

@@ -1,12 +1,14 @@
 """A dead rank is an error, not a hang: the surviving ranks raise LostRankError naming it."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import signal
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import autotp
@@ -75,3 +77,71 @@ def test_a_bad_autotp_timeout_is_refused_with_the_default_named(monkeypatch, tex
     with pytest.raises(ConfigError, match=rf"AUTOTP_TIMEOUT='{text}' is not a positive number of seconds "
                                           r"\(unset it for the default of 300 s\)"):
         collective_timeout()
+
+
+# ---- an exception inside a call on some ranks -------------------------------------------------
+
+class _RaiseAtOp(torch.utils._python_dispatch.TorchDispatchMode):
+    """Raises ValueError at the ``at``-th ATen op run under it (0-based), once."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.seen = at, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen += 1
+        if self.seen == self.at + 1:
+            raise ValueError(f"injected at op {self.at} ({func})")
+        return func(*args, **(kwargs or {}))
+
+
+def raise_inside_a_call_then_call_again(raising: tuple[int, ...], at: int, check_inputs: bool) -> dict:
+    """Ranks in ``raising`` raise at op ``at`` of a call (past its first collectives when ``at`` is
+    large), catch it and call again; every rank reports what its calls did."""
+    torch.manual_seed(0)
+    serial = tiny_gpt2(n_layer=1, n_head=3).double()
+    pm = autotp.parallelize(serial, tp=3, layout=MEGATRON_GPT2)
+    pm.check_inputs = check_inputs
+    inputs = batch(100)
+    first = pm(**inputs).loss.item()            # a healthy call
+    out: dict = {"first_ok": abs(first - serial(**inputs).loss.item()) < 1e-9}
+    try:
+        with (_RaiseAtOp(at) if dist.get_rank() in raising else contextlib.nullcontext()):
+            pm(**batch(100, seed=2))
+        out["second"] = "returned"
+    except Exception as e:      # the caught exception the job goes on after
+        out["second"] = f"{type(e).__name__}: {e}"
+    try:
+        third = pm(**batch(100, seed=3)).loss.item()
+        out["third"] = abs(third - serial(**batch(100, seed=3)).loss.item())
+    except Exception as e:
+        out["third"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+@pytest.mark.parametrize("check_inputs", [True, False])
+def test_a_rank_that_raises_inside_a_call_and_calls_again_fails_every_rank_clearly(check_inputs):
+    # rank 1 raises at its 40th op (past the call's first all-reduce); ranks 0 and 2 are left
+    # waiting in a collective. Without the guard, rank 1's next call pairs with theirs: a gloo
+    # abort, or, with check_inputs=False, silently shifted results.
+    with LocalCluster(3, timeout=120, collective_timeout=COLLECTIVE_TIMEOUT,
+                      error_grace=COLLECTIVE_TIMEOUT + faults.SLACK_S) as cluster:
+        results = cluster.run(raise_inside_a_call_then_call_again, (1,), 40, check_inputs)
+    assert all(r["first_ok"] for r in results)
+    assert results[1]["second"].startswith("ValueError: injected at op 40")
+    for survivor in (0, 2):   # their collective times out; the roll call names the rank that raised
+        assert results[survivor]["second"].startswith("CommError"), results[survivor]
+        assert "rank 1 raised ValueError: injected at op 40" in results[survivor]["second"]
+        assert "inside this call and left its collectives unfinished" in results[survivor]["second"]
+        assert "can no longer be trusted" in results[survivor]["third"]
+    assert results[1]["third"].startswith("CommError: rank 1 raised ValueError: injected at op 40")
+    assert "inside a call; ranks [0, 2] then failed in a collective of that call" in results[1]["third"]
+
+
+def test_ranks_that_all_raise_at_the_same_op_stay_in_step(cluster_of):
+    # every rank raises at the same op, past the first collectives: the group stays usable and
+    # the next call equals serial
+    results = cluster_of(3).run(raise_inside_a_call_then_call_again, (0, 1, 2), 40, True)
+    for r in results:
+        assert r["first_ok"] and r["second"].startswith("ValueError: injected at op 40")
+        assert isinstance(r["third"], float) and r["third"] < 1e-9, r
