@@ -119,7 +119,20 @@ def _exited(store, rank: int, namespace: str | None) -> bool:
 
 def roll_call(group, ranks: tuple[int, ...], started: float, timeout_s: float) -> RollCall:
     """Take the roll call of ``ranks`` (global ranks of ``group``) after a collective that
-    started at ``started`` (``time.monotonic()``) failed on this rank. See the module docs."""
+    started at ``started`` (``time.monotonic()``) failed on this rank. See the module docs.
+    What it finds is published as this rank's fault, so that a rank of another group left
+    waiting on this one names the cause instead of blaming this live rank."""
+    found = _roll_call(group, ranks, started, timeout_s)
+    try:
+        error = ("LostRankError: " if found.lost else "CommError: ") + (found.describe(timeout_s) or "a collective failed")
+        _store().set(f"autotp/fault/last/{dist.get_rank()}",
+                     json.dumps({"rank": dist.get_rank(), "error": error[:300], "comm": True}))
+    except Exception:
+        pass
+    return found
+
+
+def _roll_call(group, ranks: tuple[int, ...], started: float, timeout_s: float) -> RollCall:
     me = dist.get_rank()
     try:
         store = _store()

@@ -47,6 +47,33 @@ def test_ranks_that_lose_a_peer_mid_step_raise_lost_rank_error_naming_it():
     assert "did not finish" not in text
 
 
+def dp2_x_tp2_steps_where_rank_3_dies_in_backward() -> None:
+    pm = autotp.parallelize(tiny_gpt2(n_layer=1, n_head=2), tp=2, layout=MEGATRON_GPT2)   # dp 2 on 4 ranks
+    pm(**batch(100)).loss.backward()  # one healthy step: every connection is up
+    loss = pm(**batch(100, seed=2)).loss
+    if dist.get_rank() == 3:
+        loss.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
+    loss.backward()
+
+
+def test_a_dp_peer_lost_mid_step_is_named_by_every_rank():
+    # TP groups {0, 1}, {2, 3}; DP groups {0, 2}, {1, 3}. Rank 3 dies: rank 2 loses it in TP's
+    # backward, rank 1 in the DP all-reduce, and rank 0, left waiting on the live rank 2 in the
+    # DP all-reduce, names what rank 2 found instead of blaming rank 2.
+    with LocalCluster(4, timeout=120, collective_timeout=COLLECTIVE_TIMEOUT,
+                      error_grace=COLLECTIVE_TIMEOUT + faults.SLACK_S) as cluster:
+        with pytest.raises(CommError) as info:
+            cluster.run(dp2_x_tp2_steps_where_rank_3_dies_in_backward)
+    text = str(info.value)
+    assert "lost rank 3 (exit code -9, SIGKILL)" in text
+    for survivor in (1, 2):
+        assert f"rank {survivor} raised LostRankError: lost rank 3: the process has exited" in text
+    rank0 = text[text.index("rank 0 raised"):].split("\nrank ")[0]
+    assert rank0.startswith("rank 0 raised CommError"), text
+    assert "rank 2 raised LostRankError: lost rank 3: the process has exited" in rank0, rank0
+    assert "lost rank 2" not in text
+
+
 def rank0_calls_the_roll_alone(timeout_s: float):
     if dist.get_rank() != 0:
         return None
