@@ -1,6 +1,8 @@
 """Checkpoints: load only this rank's slices of a HuggingFace folder, resume from per-rank
 shards, gather back to one folder that transformers loads. Folders are written by the test
 process (save_pretrained of a random model) before the ranks read them."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -64,19 +66,25 @@ def _save_resume_gather(path, shards, gathered):
     want = trained(**inputs).logits
     save_sharded(trained, shards)
     gather_to_hf(trained, gathered, config=_serial(path).config)
+    # streamed in files of at most 4 KiB (a larger tensor alone in its file), with their index
+    wrote = gather_to_hf(trained, gathered + "-files", config=_serial(path).config, max_shard_bytes=4096)
     import torch.distributed as dist
 
     dist.barrier()
+    files = sorted(p.name for p in Path(gathered + "-files").glob("*.safetensors"))
+    split = (_serial(gathered + "-files")(**inputs).logits - want).abs().max().item()
     fresh = autotp.from_pretrained(path, tp=2, model_class=precise_gpt2, layout=LAYOUT, progress=False, plan=trained.plan)
     load_sharded(fresh, shards)
     resumed = (fresh(**inputs).logits - want).abs().max().item()
     serial = (_serial(gathered)(**inputs).logits - want).abs().max().item()
-    return resumed, serial
+    return resumed, serial, split, files, wrote is not None
 
 
 def test_sharded_save_resumes_and_gathers_to_a_folder_transformers_loads(cluster, folder, tmp_path):
-    for resumed, serial in cluster.run(_save_resume_gather, folder, str(tmp_path / "shards"),
-                                       str(tmp_path / "gathered")):
+    results = cluster.run(_save_resume_gather, folder, str(tmp_path / "shards"), str(tmp_path / "gathered"))
+    assert [r[4] for r in results] == [True] + [False] * (len(results) - 1)     # one writer (dp 2 x tp 2)
+    for resumed, serial, split, files, _ in results:
+        assert split <= 1e-12 and len(files) > 3 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
         assert resumed == 0.0          # resumed bit for bit
         assert serial < 1e-12          # the serial model from the gathered folder computes the same
 

@@ -10,14 +10,16 @@ a rank's peak memory is its shards plus the largest column-sliced tensor.
 
 Writing: :func:`save_sharded` writes this rank's shards (``rank-00003-of-00008.safetensors``)
 with the plan beside them, to be resumed by :func:`load_sharded` under the same plan;
-:func:`gather_to_hf` all-gathers every parameter to one rank and writes a HuggingFace folder
-(``config.json`` + ``model.safetensors``) that ``from_pretrained`` loads into a serial model.
+:func:`gather_to_hf` gathers each parameter to one writer and streams a HuggingFace folder
+(``config.json`` + ``model.safetensors``, or size-bounded files with their index) that
+``from_pretrained`` loads into a serial model.
 
 No pickle anywhere: tensors go through safetensors, the plan through its versioned JSON.
 """
 from __future__ import annotations
 
 import json
+import math
 from contextlib import contextmanager
 from pathlib import Path
 import torch
@@ -160,31 +162,95 @@ def load_sharded(pm, folder: str | Path) -> None:
             param.copy_(tensors[fqn])
 
 
-def gather_to_hf(pm, folder: str | Path, config=None) -> Path | None:
-    """All-gather every parameter and write one HuggingFace folder on TP rank 0 (None elsewhere).
+def gather_to_hf(pm, folder: str | Path, config=None, max_shard_bytes: int = 2 << 30) -> Path | None:
+    """Write a HuggingFace folder of the whole model from TP rank 0 of DP replica 0 (None
+    elsewhere), streamed: each parameter is gathered to that one writer (never all-gathered to
+    every rank) and written out with the file it belongs to, files of at most
+    ``max_shard_bytes`` each (``model.safetensors``, or ``model-0000i-of-0000n.safetensors``
+    with ``model.safetensors.index.json`` as ``save_pretrained`` shards). The writer holds one
+    file's tensors at a time; the other ranks only their own shards.
 
     A tied pair is written once, under the name the model declares and the graph does not use
     (GPT-2: ``transformer.wte.weight``), as ``save_pretrained`` does. Every rank must call it."""
     from safetensors.torch import save_file
 
-    from .collectives import gather_from_tp
-
     folder = Path(folder)
-    rank = pm.mesh.tp_rank if pm.mesh is not None else 0
-    group = pm.mesh.tp_group if pm.mesh is not None else None
-    written = {held: twin for twin, held in pm.plan.aliases.items()}
-    tensors = {}
-    with torch.no_grad():
-        for fqn, param in pm.local_parameters().items():
-            placement = pm.plan.params[fqn]
-            full = param.detach()
-            if isinstance(placement, Shard):
-                full = gather_from_tp(full, group, placement, pm.plan.shapes[fqn][placement.dim])
-            tensors[written.get(fqn, fqn)] = full.cpu().contiguous()
-    if rank != 0 or getattr(pm.mesh, "dp_rank", 0) != 0:   # one writer per world
+    if getattr(pm.mesh, "dp_rank", 0) != 0:      # a data-parallel replica: replica 0 writes
         return None
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / SINGLE), metadata={"format": "pt"})
+    rank = pm.mesh.tp_rank if pm.mesh is not None else 0
+    written = {held: twin for twin, held in pm.plan.aliases.items()}
+    local = pm.local_parameters()
+    files = _shard_files(pm, local, max_shard_bytes)
+    writer = rank == 0
+    if writer:
+        folder.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    weight_map: dict[str, str] = {}
+    total = 0
+    with torch.no_grad():
+        for i, names in enumerate(files):
+            for fqn in names:
+                full = _gather_to_writer(pm, fqn, local[fqn].detach())
+                if writer:
+                    tensors[written.get(fqn, fqn)] = full.cpu().contiguous()
+            if writer:
+                name = SINGLE if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+                save_file(tensors, str(folder / name), metadata={"format": "pt"})
+                weight_map.update({k: name for k in tensors})
+                total += sum(t.numel() * t.element_size() for t in tensors.values())
+                tensors = {}
+    if not writer:
+        return None
+    if len(files) > 1:
+        (folder / INDEX).write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
     if config is not None:
         config.save_pretrained(str(folder))
     return folder
+
+
+def _shard_files(pm, local: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+    """The parameters of each output file, in order, each file at most ``max_bytes`` (a larger
+    tensor alone in its file); every rank computes the same from the plan's full shapes."""
+    files: list[list[str]] = [[]]
+    size = 0
+    for fqn, t in local.items():
+        n = t.element_size()
+        for d in pm.plan.shapes[fqn]:
+            n *= d
+        if files[-1] and size + n > max_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(fqn)
+        size += n
+    return files
+
+
+def _gather_to_writer(pm, fqn: str, piece: torch.Tensor) -> torch.Tensor | None:
+    """The whole of parameter ``fqn`` on TP rank 0 (None on the others), from every rank's
+    ``piece``: one gather of flat pieces padded to the longest (uneven splits)."""
+    import torch.distributed as dist
+
+    from .collectives import _comm, assemble
+
+    placement = pm.plan.params[fqn]
+    group = pm.mesh.tp_group if pm.mesh is not None else None
+    if not isinstance(placement, Shard) or group is None:
+        return piece
+    tp, rank = pm.plan.tp, pm.mesh.tp_rank
+    full_shape = pm.plan.shapes[fqn]
+    shapes = []
+    for r in range(tp):
+        shape = list(full_shape)
+        shape[placement.dim] = sum(b - a for a, b in local_ranges(full_shape[placement.dim], placement, tp, r))
+        shapes.append(shape)
+    longest = max(math.prod(s) for s in shapes)
+    flat = torch.zeros(longest, dtype=piece.dtype, device=piece.device)
+    flat[:piece.numel()] = piece.reshape(-1)
+    out = [torch.empty_like(flat) for _ in range(tp)] if rank == 0 else None
+    with _comm(f"gather of {fqn} to the writer", group):
+        dist.gather(flat, out, dst=pm.mesh.tp_ranks[0], group=group)
+    if rank != 0:
+        return None
+    pieces = [o[:math.prod(s)].view(s) for o, s in zip(out, shapes)]
+    return assemble(pieces, placement, full_shape[placement.dim])

@@ -1,7 +1,8 @@
 """Save and load a ParallelModule (and its optimizer) with torch.distributed.checkpoint.
 
-``save(pm, path, optimizer=None)`` and ``load(pm, path, optimizer=None)``: every rank of the
-world calls them. The checkpoint is in the model's names and full shapes, so a module planned at
+``save(pm, path, optimizer=None)``, ``async_save`` and ``load(pm, path, optimizer=None)``: every
+rank of the world calls them. A save is staged in ``<path>.partial`` and moved to ``path`` only
+when complete, so an interrupted save never loads as a mix of two checkpoints. The checkpoint is in the model's names and full shapes, so a module planned at
 another tp (or dp) loads it: DCP reads, for each rank, the parts of the saved chunks its own
 layout holds.
 
@@ -15,6 +16,9 @@ storage, so loading writes straight into the tensors the programs use. Optimizer
 """
 from __future__ import annotations
 
+import os
+import shutil
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -71,17 +75,91 @@ def _state(pm: Any, optimizer: Any) -> tuple[dict, dict | None]:
 
 
 def save(pm: Any, path: str, optimizer: Any = None) -> None:
-    """Write ``pm``'s parameters and buffers (and ``optimizer``'s state) to the DCP folder ``path``."""
+    """Write ``pm``'s parameters and buffers (and ``optimizer``'s state) to the DCP folder ``path``.
+
+    The files go to ``<path>.partial`` first; only when every rank has written its part (DCP's
+    metadata is written last, by rank 0) does rank 0 move the folder to ``path``, replacing an
+    earlier checkpoint there. A save cut short (a rank killed mid-write) leaves ``path`` as it was:
+    never a mix of two checkpoints."""
     import torch.distributed.checkpoint as dcp
 
+    staging = _stage(path)
     state, _ = _state(pm, optimizer)
-    dcp.save(_tree(state), checkpoint_id=path)
+    dcp.save(_tree(state), checkpoint_id=staging)
+    _publish(staging, path)
+    _barrier()
+
+
+def async_save(pm: Any, path: str, optimizer: Any = None) -> Future:
+    """:func:`save` in the background (``torch.distributed.checkpoint.async_save``): returns once
+    the state is copied aside, so training may go on and change the parameters. The returned
+    future completes on rank 0 once the checkpoint is in ``path`` (on the other ranks once their
+    part is written); wait for it on every rank, and on rank 0 before a load reads ``path``."""
+    import torch.distributed.checkpoint as dcp
+
+    staging = _stage(path)
+    state, _ = _state(pm, optimizer)
+    writing = dcp.async_save(_tree(state), checkpoint_id=staging)
+    done: Future = Future()
+
+    def finish(f: Any) -> None:
+        try:
+            f.result()
+            _publish(staging, path)
+            done.set_result(path)
+        except BaseException as exc:   # the caller sees the write's own error
+            done.set_exception(exc)
+
+    writing.add_done_callback(finish)
+    return done
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _stage(path: str) -> str:
+    """``<path>.partial``, emptied of an earlier interrupted save's files, on every rank alike."""
+    staging = f"{os.fspath(path).rstrip(os.sep)}.partial"
+    if _rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+    _barrier()
+    return staging
+
+
+def _publish(staging: str, path: str) -> None:
+    """On rank 0: the complete ``staging`` folder becomes ``path`` (an earlier one moved aside
+    first, then removed; a crash between the two renames leaves ``<path>.old``, complete)."""
+    if _rank() != 0:
+        return
+    path = os.fspath(path).rstrip(os.sep)
+    old = f"{path}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(path):
+        os.rename(path, old)
+    os.rename(staging, path)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def load(pm: Any, path: str, optimizer: Any = None) -> None:
     """Read :func:`save`'s folder into ``pm`` (and ``optimizer``), whatever tp and dp saved it."""
     import torch.distributed.checkpoint as dcp
 
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        partial = os.path.exists(f"{os.fspath(path).rstrip(os.sep)}.partial")
+        raise CheckpointError(
+            f"{path} is not a complete DCP checkpoint (no .metadata)"
+            + (f"; {path}.partial is a save that did not finish and is never loaded" if partial else "")
+            + ": load a folder autotp.runtime.dcp.save (or async_save, once its future is done) wrote")
     if optimizer is not None and not optimizer.state:
         from torch.distributed.checkpoint.state_dict import _init_optim_state
 

@@ -59,3 +59,92 @@ def test_dcp_checkpoint_of_model_and_adamw_loads_at_another_tp(cluster, tmp_path
         assert r["group"] == {"lr": 1e-2, "weight_decay": 0.1}
         assert r["after"] <= 1e-12
         assert r["runs"] > 0 or tp_to == 1
+
+
+def _trained(tp: int, steps: int):
+    from tests.helpers import tiny_gpt2
+
+    pm = autotp.parallelize(tiny_gpt2(n_layer=2, n_head=5, head_dim=2, vocab=VOCAB, seed=5), tp=tp, layout=LAYOUT)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    for seed in range(steps):
+        _step(pm, opt, seed)
+    return pm, opt
+
+
+def _full(pm) -> dict:
+    return {n: p.full_tensor().clone() for n, p in pm.named_parameters()}
+
+
+def _async_save_then_train_on(path: str) -> dict:
+    from autotp.runtime import dcp
+
+    pm, opt = _trained(2, 1)
+    at_save = _full(pm)
+    future = dcp.async_save(pm, path, opt)
+    _step(pm, opt, 5)                 # training goes on while the checkpoint is written
+    future.result()
+    import torch.distributed as dist
+
+    dist.barrier()
+    fresh, fresh_opt = _trained(2, 0)
+    dcp.load(fresh, path, fresh_opt)
+    loaded = _full(fresh)
+    return {"equal": all(torch.equal(loaded[n], at_save[n]) for n in at_save),
+            "moved": any(not torch.equal(_full(pm)[n], at_save[n]) for n in at_save)}
+
+
+def test_async_save_keeps_the_state_of_its_call_while_training_goes_on(cluster, tmp_path):
+    for r in cluster.run(_async_save_then_train_on, str(tmp_path / "ckpt")):
+        assert r["equal"] and r["moved"]
+
+
+def _save_twice_rank_1_killed_in_the_second(path: str) -> dict:
+    import os
+    import signal
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    from autotp.runtime import dcp
+
+    pm, opt = _trained(2, 1)
+    dcp.save(pm, path, opt)
+    first = _full(pm)
+    _step(pm, opt, 5)
+    if dist.get_rank() == 1:          # writes its files, then dies before the save completes
+        write = FileSystemWriter.write_data
+
+        def write_then_die(self, plan, planner):
+            out = write(self, plan, planner)
+            out.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        FileSystemWriter.write_data = write_then_die
+    if dist.get_rank() == 0:
+        torch.save(first, os.path.join(os.path.dirname(path), "first.pt"))
+    dcp.save(pm, path, opt)
+
+
+def _load(path: str) -> dict:
+    from autotp.runtime import dcp
+
+    pm, opt = _trained(2, 0)
+    dcp.load(pm, path, opt)
+    return _full(pm)
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_whole(tmp_path):
+    import os
+
+    from autotp.errors import CommError
+    from autotp.testing_launch import LocalCluster
+
+    path = str(tmp_path / "ckpt")
+    with LocalCluster(2, timeout=120, collective_timeout=15, error_grace=20) as cluster:
+        with pytest.raises(CommError, match="lost rank 1"):
+            cluster.run(_save_twice_rank_1_killed_in_the_second, path)
+    assert os.path.isdir(path + ".partial")          # the second save's files, never loaded
+    first = torch.load(str(tmp_path / "first.pt"))
+    with LocalCluster(2) as cluster:
+        for loaded in cluster.run(_load, path):
+            assert all(torch.equal(loaded[n], first[n]) for n in first)   # the first checkpoint, whole
