@@ -73,7 +73,7 @@ def summarize_layout(plan, cap, vocab: int) -> str:
 def collectives_in_layer(plan, layer: int = 1) -> str:
     counts: dict[str, int] = {}
     for c in plan.comms:
-        if layer_of(c.module + ".") == layer or f".{layer}." in f"{c.module}.":
+        if layer_of(c.module + ".") == layer:   # the first index in the module path: block 1 of each stack
             counts[c.kind] = counts.get(c.kind, 0) + 1
     order = sorted(counts, key=lambda k: (k != "g", k != "f", k))
     return ", ".join(f"{k}={counts[k]}" for k in order) or "none"

@@ -21,7 +21,10 @@ def _step(pm, opt, seed: int) -> None:
     opt.step()
 
 
-def _save_and_reshard(path: str, tp_from: int, tp_to: int) -> dict:
+MLP_ONLY = {"*.mlp.c_fc.weight": "column", "*.mlp.c_proj.weight": "row"}
+
+
+def _save_and_reshard(path: str, tp_from: int, tp_to: int, layout_to: dict = LAYOUT) -> dict:
     from autotp.runtime import dcp
     from tests.helpers import tiny_gpt2
 
@@ -34,7 +37,7 @@ def _save_and_reshard(path: str, tp_from: int, tp_to: int) -> dict:
     dcp.save(saving, path, saving_opt)
     # another model's weights and another optimizer's settings: everything must come from the file
     loading = autotp.parallelize(tiny_gpt2(n_layer=2, n_head=5, head_dim=2, vocab=VOCAB, seed=6), tp=tp_to,
-                                 layout=LAYOUT)
+                                 layout=layout_to)
     loading_opt = torch.optim.AdamW(loading.parameters(), lr=0.5, weight_decay=0.0)
     dcp.load(loading, path, loading_opt)
 
@@ -52,13 +55,14 @@ def _save_and_reshard(path: str, tp_from: int, tp_to: int) -> dict:
             "same_keys": sorted(sa) == sorted(sb) and len(sa) == len(a)}
 
 
-@pytest.mark.parametrize("tp_from, tp_to", [(2, 4), (4, 1)])
-def test_dcp_checkpoint_of_model_and_adamw_loads_at_another_tp(cluster, tmp_path, tp_from, tp_to):
-    for r in cluster.run(_save_and_reshard, str(tmp_path / "ckpt"), tp_from, tp_to):
+@pytest.mark.parametrize("tp_from, tp_to, layout_to", [(2, 4, LAYOUT), (4, 1, LAYOUT), (2, 2, MLP_ONLY)],
+                         ids=["tp2-to-tp4", "tp4-to-tp1", "another-plan"])
+def test_dcp_checkpoint_of_model_and_adamw_loads_at_another_tp(cluster, tmp_path, tp_from, tp_to, layout_to):
+    for r in cluster.run(_save_and_reshard, str(tmp_path / "ckpt"), tp_from, tp_to, layout_to):
         assert r["params"] == 0.0 and r["state"] == 0.0 and r["same_keys"]
         assert r["group"] == {"lr": 1e-2, "weight_decay": 0.1}
         assert r["after"] <= 1e-12
-        assert r["runs"] > 0 or tp_to == 1
+        assert r["runs"] > 0 or tp_to == 1 or layout_to is MLP_ONLY
 
 
 def _trained(tp: int, steps: int):
