@@ -87,10 +87,21 @@ def plan_row(family: str, size: str) -> dict:
     model = zoo.build(family, config, device="meta", dtype=torch.bfloat16)
     start = time.perf_counter()
     cap = capture_cache.capture(model)     # plan() below reuses it: the time is one capture + plan
-    plan = autotp.plan(model, tp=TP)
+    status = "ok"
+    try:
+        plan = autotp.plan(model, tp=TP)
+    except autotp.PlanError as exc:
+        if "memory limit" not in str(exc):
+            raise
+        # tp alone cannot hold this model's training state in the profile's memory: show the
+        # layout it would have, and what it needs (pipeline or ZeRO stages must make up the rest)
+        plan = autotp.plan(model, tp=TP, memory_limit=float("inf"))
+        state = plan.memory_bytes - plan.activation_bytes
+        status = (f"needs {plan.memory_bytes / 2**30:.0f} GiB per rank at tp={TP} (training state "
+                  f"{state / 2**30:.0f} GiB) > the profile's 80 GiB: PlanError; shown planned without the limit")
     seconds = time.perf_counter() - start
     per_rank = plan.param_bytes_per_rank()
-    return {"plan": "ok", "layout": summarize_layout(plan, cap, config.vocab_size), "layer": collectives_in_layer(plan),
+    return {"plan": status, "layout": summarize_layout(plan, cap, config.vocab_size), "layer": collectives_in_layer(plan),
             "bytes": f"{max(per_rank) / 1e9:.2f} GB of {plan.serial_param_bytes() / 1e9:.2f} GB",
             "seconds": f"{seconds:.1f}"}
 
