@@ -247,6 +247,7 @@ class ParallelModule(nn.Module):
         """Data parallelism across TP groups: each parameter's gradient is averaged over the DP
         group as soon as backward has accumulated it (the ranks of a DP group hold the same
         shard, run the same graph, and so reach the hooks in the same order)."""
+        self._dp_hooks: list = []
         if group is None or dp <= 1:
             return
         import torch.distributed as dist
@@ -259,9 +260,9 @@ class ParallelModule(nn.Module):
                 dist.all_reduce(grad, group=group)
             grad.div_(dp)
 
-        for param in self._held.values():
-            if param.requires_grad:
-                param.register_post_accumulate_grad_hook(average)
+        #: removed when FSDP2 takes data parallelism over (autotp.runtime.fsdp)
+        self._dp_hooks = [param.register_post_accumulate_grad_hook(average)
+                          for param in self._held.values() if param.requires_grad]
 
     def local_parameter(self, fqn: str) -> torch.Tensor:
         """This rank's shard of parameter ``fqn`` (any of a tied parameter's names): the tensor
@@ -308,8 +309,10 @@ class ParallelModule(nn.Module):
         """Greedy decoding with a KV cache split by head on each rank, token for token what the
         serial model's ``generate(do_sample=False)`` returns; see :mod:`autotp.generation`."""
         from ..generation import generate
+        from .fsdp import whole_parameters
 
-        return generate(self, input_ids, attention_mask, **kwargs)
+        with whole_parameters(self):   # generate() runs the programs without this module's __call__
+            return generate(self, input_ids, attention_mask, **kwargs)
 
     def _step(self, spec: Any, inputs: dict[str, torch.Tensor]) -> tuple[Program, dict[str, torch.Tensor]]:
         """Run one generation step (``spec``: an autotp.generation.StepSpec), building its

@@ -54,3 +54,55 @@ def test_adamw_steps_on_dp2_x_tp2_equal_serial_steps_on_the_whole_batch(cluster,
     for errors in cluster.run(adamw_steps, case):
         worst = max(errors, key=errors.get)
         assert errors[worst] <= 1e-8, (worst, errors[worst])
+
+
+def fsdp_adamw_steps(case: dict) -> dict:
+    """The dp dimension through FSDP2 (autotp.runtime.fsdp.fully_shard): each step two
+    micro-batches, the first without gradient sync; AdamW on the sharded parameters."""
+    from autotp.runtime import fsdp
+    from autotp.testing import relative_error
+    from tests.helpers import batch, tiny_gpt2
+
+    model = keep_loss_precision(tiny_gpt2(n_layer=case["layers"], n_head=case["heads"], head_dim=4,
+                                          vocab=case["vocab"], seed=case["seed"]))
+    pm = fsdp.fully_shard(autotp.parallelize(model, tp=2, layout=LAYOUT))
+    dp_rank, dp = pm.mesh.dp_rank, pm.mesh.dp
+    serial_opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    parallel_opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
+    b = case["batch"]
+    for step in range(case["steps"]):
+        data = batch(case["vocab"], b=2 * b * dp, s=case["seq"], seed=100 + step)   # two micro-batches per DP rank
+        serial_opt.zero_grad()
+        model(**data).loss.backward()
+        serial_opt.step()
+        parallel_opt.zero_grad()
+        for micro in range(2):
+            at = (micro * dp + dp_rank) * b
+            pm.set_requires_gradient_sync(micro == 1)
+            (pm(**{k: v[at:at + b] for k, v in data.items()}).loss / 2).backward()
+        parallel_opt.step()
+    serial = dict(model.named_parameters())
+    errors = {name: relative_error(p.full_tensor(), serial[name].detach()) for name, p in pm.named_parameters()}
+    state = sum(t._local_tensor.numel() for s in parallel_opt.state.values() for k, t in s.items() if k != "step")
+    whole = 2 * sum(p.numel() for p in model.parameters())       # AdamW's exp_avg and exp_avg_sq
+    placements = {str(p.placements) for p in pm.parameters()}
+    prompt = batch(case["vocab"], b=2, s=4, seed=7)["input_ids"]
+    model.eval(), pm.eval()
+    same_tokens = torch.equal(pm.generate(prompt, max_new_tokens=3),      # parameters gathered for it
+                              model.generate(prompt, max_new_tokens=3, do_sample=False, pad_token_id=0))
+    return {"errors": errors, "state_share": state / whole, "placements": placements, "same_tokens": same_tokens}
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
+          derandomize=True)
+@given(layers=st.integers(1, 2), heads=st.sampled_from([2, 3, 4]), vocab=st.integers(20, 64),
+       batch=st.integers(1, 2), seq=st.integers(3, 8), steps=st.integers(1, 2), seed=st.integers(0, 999))
+def test_fsdp2_over_dp2_x_tp2_with_accumulation_equals_serial_steps(cluster, layers, heads, vocab, batch, seq,
+                                                                    steps, seed):
+    case = dict(layers=layers, heads=heads, vocab=vocab, batch=batch, seq=seq, steps=steps, seed=seed)
+    for r in cluster.run(fsdp_adamw_steps, case):
+        worst = max(r["errors"], key=r["errors"].get)
+        assert r["errors"][worst] <= 1e-8, (worst, r["errors"][worst])
+        assert r["state_share"] < 0.35            # about a quarter: split over tp 2 and FSDP's dp 2
+        assert any("Shard(dim=0)" in p or "_StridedShard" in p for p in r["placements"])
+        assert r["same_tokens"]
