@@ -106,3 +106,34 @@ def test_fsdp2_over_dp2_x_tp2_with_accumulation_equals_serial_steps(cluster, lay
         assert r["state_share"] < 0.35            # about a quarter: split over tp 2 and FSDP's dp 2
         assert any("Shard(dim=0)" in p or "_StridedShard" in p for p in r["placements"])
         assert r["same_tokens"]
+
+
+def fsdp_bf16_reduced_in_float32() -> dict:
+    """bfloat16 parameters, FSDP2 reducing gradients in float32 (mp_policy): the gradients equal
+    the float64 serial model's within bfloat16's rounding."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from autotp.runtime import fsdp
+    from tests.helpers import batch, tiny_gpt2
+
+    model = tiny_gpt2(n_layer=2, n_head=4, head_dim=8, vocab=48, seed=3)
+    reference = keep_loss_precision(tiny_gpt2(n_layer=2, n_head=4, head_dim=8, vocab=48, seed=3))
+    pm = fsdp.fully_shard(autotp.parallelize(model.to(torch.bfloat16), tp=2, layout=LAYOUT),
+                          mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+    data = batch(48, b=4, s=8, seed=11)
+    dp_rank = pm.mesh.dp_rank
+    pm(**{k: v[2 * dp_rank:2 * dp_rank + 2] for k, v in data.items()}).loss.backward()
+    reference(**data).loss.backward()
+    want = dict(reference.named_parameters())
+    errors = {}
+    for name, p in pm.named_parameters():
+        got, ref = p.grad.full_tensor().double(), want[name].grad
+        errors[name] = ((got - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+    return {"errors": errors, "dtypes": {str(p.grad.dtype) for p in pm.parameters()}}
+
+
+def test_fsdp2_with_float32_reduction_of_bfloat16_gradients_matches_float64(cluster):
+    for r in cluster.run(fsdp_bf16_reduced_in_float32):
+        worst = max(r["errors"], key=r["errors"].get)
+        assert r["errors"][worst] <= 3e-2, (worst, r["errors"][worst])   # bfloat16 has 8 bits of mantissa
+        assert r["dtypes"] == {"torch.bfloat16"}
