@@ -22,6 +22,7 @@ default profile and workload. The table reports:
 """
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
@@ -165,7 +166,8 @@ def main(argv: list[str]) -> None:
         "float64 configuration of the same family on local gloo ranks. Written by",
         "`benchmarks/model_zoo.py`; regenerate with `.venv/bin/python benchmarks/model_zoo.py`.",
         "",
-        machine(),
+        machine() + " Load average at the end: {:.1f}, {:.1f}, {:.1f} (other jobs share the cores: the "
+                     "seconds are wall-clock).".format(*os.getloadavg()),
         "",
         "| family | model | plan | layout (layer 1 and outside the layers) | collectives per layer | "
         f"parameters per rank at tp={TP} | equivalence (float64, tiny) | capture+plan s |",
