@@ -13,7 +13,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from .capture import Capture, example_like, module_path, seq_bounds
+from .capture import Capture, example_like, gc_paused, module_path, seq_bounds
 from .generation import capture_step
 from .capture_cache import capture as capture_model   # once per structure; see its docs
 from .cost_model import get_profile
@@ -159,6 +159,7 @@ def _pinned(cap: Capture, layout: Mapping[str, Any] | None, plan: Plan | None) -
     return pinned
 
 
+@gc_paused()
 def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = None,
                layout: Mapping[str, Any] | None = None, plan: Plan | None = None,
                uneven: bool = True, gather_logits: bool = True,

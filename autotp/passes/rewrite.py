@@ -20,6 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
+from ..capture import gc_paused
 from ..errors import PlanError
 from ..placements import Partial, Placement, Replicate, Shard, local_size
 from ..runtime import collectives as C
@@ -93,6 +94,7 @@ class SizeNodes:
         return out
 
 
+@gc_paused()
 def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             device: torch.device | None, rng: Any = None) -> fx.GraphModule:
     """``rng``: an :class:`~autotp.runtime.rng.RNGTracker`; ops that draw random numbers then
