@@ -1,0 +1,141 @@
+"""The PTD-P paper's table by autotp's cost model: Narayanan et al. (2021), "Efficient
+Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", Table 1 (GPT models
+1.7B-1T on DGX A100 nodes, the published t, p, GPU count and batch, and the teraFLOP/s per GPU
+they achieved), predicted from autotp's own tensor-parallel plans.
+
+    .venv/bin/python benchmarks/ptdp_table.py --out benchmarks/ptdp_table.md
+
+For each row a GPT-2-architecture model of the row's hidden size, heads and vocabulary (51,200;
+sequence 2,048) is captured on the meta device at 2 and 3 layers and planned by autotp at the
+row's t (micro-batch 1, bfloat16, the a100-dgx profile): the difference prices one layer, the
+rest what lies outside the layers. autotp.cost_model.pipeline puts the layers into the row's
+pipeline (1F1B, full recomputation, micro-batch 1), adds the stage-to-stage and data-parallel
+traffic over each GPU's 200 Gb/s InfiniBand link and the optimizer, and counts the paper's
+model FLOPs (its eq. 3). The same model then searches (t, p, d, micro-batch) for the row's GPU
+count and batch and reports its fastest choice beside the published one.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine, publish  # noqa: E402
+
+# billions of parameters, heads, hidden, layers, t, p, GPUs, batch, published teraFLOP/s per GPU
+ROWS = [
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+]
+VOCAB, SEQ, PEAK = 51200, 2048, 312e12
+
+
+@functools.lru_cache(maxsize=None)
+def layer_cost(hidden: int, heads: int, t: int, micro_batch: int, gemm_fraction: float):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    from autotp import capture_cache
+    from autotp.api import build_plan
+    from autotp.cost_model import PROFILES
+    from autotp.cost_model.pipeline import LayerCost
+
+    hf_logging.set_verbosity_error()
+    profile = dataclasses.replace(PROFILES["a100-dgx"], flops=PEAK * gemm_fraction)
+    got = {}
+    for layers in (2, 3):
+        with torch.device("meta"):
+            model = GPT2LMHeadModel(GPT2Config(n_embd=hidden, n_head=heads, n_layer=layers, vocab_size=VOCAB,
+                                               n_positions=SEQ)).to(torch.bfloat16)
+        plan, _, _ = build_plan(capture_cache.capture(model), t, batch=micro_batch, seq=SEQ, profile=profile,
+                                memory_limit=float("inf"))
+        got[layers] = (plan.compute_s + plan.comm_s, max(plan.param_bytes_per_rank()) / 2, plan.activation_bytes)
+    (t2, p2, a2), (t3, p3, a3) = got[2], got[3]
+    layer_params, outside_params = p3 - p2, p2 - 2 * (p3 - p2)
+    # the plan prices an optimizer step with each forward and backward; the pipeline prices it once
+    layer_s = (t3 - t2) - profile.update_time(layer_params)
+    outside_s = (t2 - 2 * (t3 - t2)) - profile.update_time(outside_params)
+    return LayerCost(layer_s, outside_s, layer_params, outside_params, a3 - a2, micro_batch * SEQ * hidden * 2), profile
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--gemm-fraction", type=float, nargs="+", default=[0.5, 0.75],
+                        help="matmul rates to price with, as fractions of the A100's 312 TFLOP/s bf16 peak "
+                             "(0.5 is the a100-dgx profile's own)")
+    args = parser.parse_args()
+    from autotp.cost_model.pipeline import Cluster, choose, model_flops, step_time
+
+    start = time.time()
+    lines = [
+        "# PTD-P: the paper's Table 1 by autotp's cost model", "",
+        f"Command: `.venv/bin/python benchmarks/ptdp_table.py{' --out ' + args.out if args.out else ''}`", "",
+        machine() + " Nothing here runs a model: every figure is predicted (meta-device plans).", "",
+        "Published: Narayanan et al. (2021), Table 1 (DGX A100 80 GB nodes, 8 per node, NVSwitch inside, "
+        "8 x 200 Gb/s InfiniBand out; sequence 2048, vocabulary 51,200; the teraFLOP/s count the paper's "
+        "eq. 3, recomputation included). Predicted: autotp's plan of one layer at the published t (micro-batch 1, "
+        "bfloat16) on the a100-dgx profile, with its matmul rate set to the fraction of the 312 TFLOP/s peak "
+        "in the column's title, put into a 1F1B pipeline with full recomputation "
+        "(autotp.cost_model.pipeline).", "",
+    ]
+    for frac in args.gemm_fraction:
+        lines += [f"## Matmuls at {frac:.2f} of peak", "",
+                  "| params (B) | h | layers | published t, p, d | micro-batches | predicted step s | bubble | "
+                  "predicted TF/GPU | published TF/GPU | gap | memory GiB/GPU | search's choice (t, p, d, micro-batch) "
+                  "| its TF/GPU |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for (size, heads, h, layers, t, p, gpus, batch, published) in ROWS:
+            cost, profile = layer_cost(h, heads, t, 1, frac)
+            cluster = Cluster(profile)
+            d = gpus // (t * p)
+            step, bubble, parts = step_time(cost, cluster, layers=layers, t=t, p=p, d=d, batch=batch, micro_batch=1)
+            from autotp.cost_model.pipeline import memory
+            mem = memory(cost, cluster, layers=layers, p=p, micro_batch=1)
+            tf = model_flops(batch=batch, seq=SEQ, layers=layers, hidden=h, vocab=VOCAB) / step / gpus / 1e12
+            best = choose(lambda tt, mb: layer_cost(h, heads, tt, mb, frac)[0], cluster, gpus=gpus, layers=layers,
+                          batch=batch, seq=SEQ, hidden=h, vocab=VOCAB, micro_batches=(1, 2))
+            pick = (f"{best[0].t}, {best[0].p}, {best[0].d}, {best[0].micro_batch}" if best else "none fits")
+            pick_tf = f"{best[0].flops_per_gpu / 1e12:.0f}" if best else ""
+            lines.append(f"| {size} | {h} | {layers} | {t}, {p}, {d} | {parts['micro_batches']} | {step:.2f} | "
+                         f"{bubble:.1%} | {tf:.0f} | {published} | {tf / published - 1:+.0%} | {mem / 2**30:.0f} | "
+                         f"{pick} | {pick_tf} |")
+            print(lines[-1], flush=True)
+        lines.append("")
+    lines += [
+        "## The gaps", "",
+        "- **One matmul rate for every GEMM.** The profile prices every matrix product at one rate. At 0.50 of "
+        "peak (the a100-dgx profile's own, chosen as what GEMMs sustain in a whole training step) every row "
+        "comes out below the paper (-2% to -25%; the six rows up to 76B within 15%), and more so for the "
+        "large models, whose GEMMs (h = 16384-25600) run nearer the peak: the paper's 1T run reached 52% of "
+        "peak end to end, more than the profile allows its matmuls alone. At 0.75 of peak the three largest "
+        "rows land within 15% (+7% to +14%) and the small ones above it: their GEMMs are smaller and their memory-bound "
+        "share (softmax over s x s per head, layer norms, GeLU: s/(6h) of the FLOPs grows as h shrinks) is "
+        "larger than the flat profile gives. A size-dependent matmul rate (a roofline with a GEMM efficiency "
+        "curve) would close both ends; it is not in the cost model yet.",
+        "- **Kernel fusion.** Megatron fuses bias+GeLU, bias+dropout+add and the scaled masked softmax "
+        "(11-19% in the paper's section 5.8); autotp prices each ATen op's memory traffic separately.",
+        "- **Overlap.** Nothing is overlapped here: not the data-parallel all-reduce with the pipeline flush, "
+        "not the stage-to-stage sends (which the paper's scatter/gather makes small anyway).",
+        "- **The search** ranges over t in 1, 2, 4, 8 (inside a node), p dividing the layers, micro-batch 1 "
+        "or 2, no interleaving; its memory check counts the training state (16 bytes per parameter) and, with "
+        "recomputation, each layer's input for the p micro-batches 1F1B keeps in flight plus one layer's "
+        "activations. Where it picks a smaller t or p than the paper, its model finds the TP all-reduces or "
+        "the bubble dearer than the paper's runs did; the paper's runs also fixed t = 8 from 18B on by "
+        "design (tensor parallelism up to the node size, then pipeline).",
+        "",
+        f"Run time: {time.time() - start:.0f} s.",
+    ]
+    publish(lines, args.out)
+
+
+if __name__ == "__main__":
+    main()

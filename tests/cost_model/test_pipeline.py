@@ -1,0 +1,55 @@
+"""autotp.cost_model.pipeline: PTD-P step time, bubble and the (t, p, d) search, on synthetic
+layer costs (no capture)."""
+import dataclasses
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autotp.cost_model import PROFILES
+from autotp.cost_model.pipeline import Cluster, LayerCost, choose, memory, model_flops, step_time
+
+A100 = Cluster(PROFILES["a100-dgx"])
+
+
+def _cost(t: int, mb: int, layer_s: float = 0.01) -> LayerCost:
+    # compute splits over t; a tp > 1 pays a fixed all-reduce share
+    return LayerCost(layer_s * mb / t + (0.001 if t > 1 else 0.0), 0.002 * mb, 1e8 / t, 5e7 / t, 1e9 * mb / t,
+                     mb * 2048 * 4096 * 2)
+
+
+@settings(max_examples=50, deadline=None)
+@given(p=st.sampled_from([1, 2, 4, 8]), m=st.integers(1, 64), v=st.sampled_from([1, 2]))
+def test_the_bubble_is_p_minus_1_slots_over_v(p, m, v):
+    cluster = dataclasses.replace(A100, node_link_bw=float("inf"), node_link_latency=0.0)
+    cost = _cost(1, 1)
+    step, bubble, parts = step_time(cost, cluster, layers=16, t=1, p=p, d=1, batch=m, micro_batch=1, virtual=v)
+    stage = 16 / p * cost.layer_s * 4 / 3 + cost.outside_s
+    assert abs(parts["pipeline_s"] - (m + (p - 1) / v) * stage) < 1e-12
+    assert abs(bubble * step - (p - 1) / v * stage) < 1e-12
+    assert step == parts["pipeline_s"] + parts["optimizer_s"]       # d = 1: no data-parallel traffic
+
+
+@settings(max_examples=25, deadline=None)
+@given(gpus=st.sampled_from([8, 16, 32, 64]), layers=st.sampled_from([8, 12, 16]),
+       batch=st.sampled_from([32, 64, 128]), limit_gib=st.sampled_from([2, 8, 80]))
+def test_every_choice_uses_every_gpu_keeps_tp_in_a_node_and_fits(gpus, layers, batch, limit_gib):
+    cluster = dataclasses.replace(A100, profile=dataclasses.replace(A100.profile, memory=limit_gib * 2**30))
+    found = choose(_cost, cluster, gpus=gpus, layers=layers, batch=batch, seq=2048, hidden=4096, vocab=51200)
+    for c in found:
+        assert c.t * c.p * c.d == gpus and c.t <= cluster.gpus_per_node and layers % c.p == 0
+        assert c.d * c.micro_batch * c.micro_batches == batch
+        assert c.memory_bytes <= cluster.profile.memory
+        assert c.memory_bytes == memory(_cost(c.t, c.micro_batch), cluster, layers=layers, p=c.p,
+                                        micro_batch=c.micro_batch)
+    assert [c.step_s for c in found] == sorted(c.step_s for c in found)
+    if found:
+        flops = model_flops(batch=batch, seq=2048, layers=layers, hidden=4096, vocab=51200)
+        assert abs(found[0].flops_per_gpu - flops / found[0].step_s / gpus) < 1e-6 * found[0].flops_per_gpu
+
+
+def test_the_papers_flop_count_of_the_1t_row():
+    # eq. 3, 96 B s l h^2 (1 + s/6h + V/16lh): 5.14e19 FLOPs a step, so the published 163 TF/s on
+    # each of 3072 GPUs is a step of about 103 s
+    f = model_flops(batch=3072, seq=2048, layers=128, hidden=25600, vocab=51200)
+    by_hand = 96 * 3072 * 2048 * 128 * 25600**2 * (1 + 2048 / (6 * 25600) + 51200 / (16 * 128 * 25600))
+    assert f == by_hand and 102 < f / (163e12 * 3072) < 103
