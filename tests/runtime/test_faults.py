@@ -24,48 +24,39 @@ pytestmark = pytest.mark.timeout(300)
 COLLECTIVE_TIMEOUT = 20.0
 
 
-def train_steps_where_the_last_rank_dies_in_backward() -> None:
-    pm = autotp.parallelize(tiny_gpt2(n_layer=1, n_head=3), tp=3, layout=MEGATRON_GPT2)
+def steps_where_a_rank_dies_in_backward(tp: int, heads: int, dying: int) -> None:
+    pm = autotp.parallelize(tiny_gpt2(n_layer=1, n_head=heads), tp=tp, layout=MEGATRON_GPT2)
     pm(**batch(100)).loss.backward()  # one healthy step: every connection is up
     loss = pm(**batch(100, seed=2)).loss
-    if dist.get_rank() == 2:  # dies mid-step, between its forward and its backward collectives
+    if dist.get_rank() == dying:  # dies mid-step, between its forward and its backward collectives
         loss.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
     loss.backward()
 
 
-def test_ranks_that_lose_a_peer_mid_step_raise_lost_rank_error_naming_it():
+def _what_the_ranks_raise(world: int, tp: int, heads: int, dying: int) -> str:
     # The others may report for the collective timeout plus the roll call's slack: a rank still
     # waiting in a collective on a live peer learns of the loss only when it times out.
-    with LocalCluster(3, timeout=120, collective_timeout=COLLECTIVE_TIMEOUT,
+    with LocalCluster(world, timeout=120, collective_timeout=COLLECTIVE_TIMEOUT,
                       error_grace=COLLECTIVE_TIMEOUT + faults.SLACK_S) as cluster:
         with pytest.raises(CommError) as info:
-            cluster.run(train_steps_where_the_last_rank_dies_in_backward)
+            cluster.run(steps_where_a_rank_dies_in_backward, tp, heads, dying)
     text = str(info.value)
-    assert "lost rank 2 (exit code -9, SIGKILL)" in text  # what the launcher saw
+    assert f"lost rank {dying} (exit code -9, SIGKILL)" in text  # what the launcher saw
+    return text
+
+
+def test_ranks_that_lose_a_peer_mid_step_raise_lost_rank_error_naming_it():
+    text = _what_the_ranks_raise(3, 3, 3, 2)
     for survivor in (0, 1):                               # what each surviving rank raised
         assert f"rank {survivor} raised LostRankError: lost rank 2: the process has exited" in text
     assert "did not finish" not in text
 
 
-def dp2_x_tp2_steps_where_rank_3_dies_in_backward() -> None:
-    pm = autotp.parallelize(tiny_gpt2(n_layer=1, n_head=2), tp=2, layout=MEGATRON_GPT2)   # dp 2 on 4 ranks
-    pm(**batch(100)).loss.backward()  # one healthy step: every connection is up
-    loss = pm(**batch(100, seed=2)).loss
-    if dist.get_rank() == 3:
-        loss.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
-    loss.backward()
-
-
 def test_a_dp_peer_lost_mid_step_is_named_by_every_rank():
-    # TP groups {0, 1}, {2, 3}; DP groups {0, 2}, {1, 3}. Rank 3 dies: rank 2 loses it in TP's
-    # backward, rank 1 in the DP all-reduce, and rank 0, left waiting on the live rank 2 in the
-    # DP all-reduce, names what rank 2 found instead of blaming rank 2.
-    with LocalCluster(4, timeout=120, collective_timeout=COLLECTIVE_TIMEOUT,
-                      error_grace=COLLECTIVE_TIMEOUT + faults.SLACK_S) as cluster:
-        with pytest.raises(CommError) as info:
-            cluster.run(dp2_x_tp2_steps_where_rank_3_dies_in_backward)
-    text = str(info.value)
-    assert "lost rank 3 (exit code -9, SIGKILL)" in text
+    # dp 2 x tp 2: TP groups {0, 1}, {2, 3}; DP groups {0, 2}, {1, 3}. Rank 3 dies: rank 2 loses it
+    # in TP's backward, rank 1 in the DP all-reduce, and rank 0, left waiting on the live rank 2
+    # in the DP all-reduce, names what rank 2 found instead of blaming rank 2.
+    text = _what_the_ranks_raise(4, 2, 2, 3)
     for survivor in (1, 2):
         assert f"rank {survivor} raised LostRankError: lost rank 3: the process has exited" in text
     rank0 = text[text.index("rank 0 raised"):].split("\nrank ")[0]
