@@ -145,15 +145,32 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tens
     if tp == 1:
         return x.contiguous()
     d, width = shard.dim, max_local_size(full_size, shard, tp)
-    # Collectives concatenate equal-sized tensors: put the sharded dim first and pad it.
-    send = _pad_front(x.movedim(d, 0), width)
-    recv = [torch.empty_like(send) for _ in range(tp)]
-    with _comm(op, group):
-        dist.all_gather(recv, send, group=group)
-    pieces = [
-        recv[r][: local_size(full_size, shard, tp, r)].movedim(0, d) for r in range(tp)
-    ]
+    sizes = [local_size(full_size, shard, tp, r) for r in range(tp)]
+    if shard.chunks == 1 and not shard.rotate and all(n == width for n in sizes):
+        # An even contiguous split: one all_gather_into_tensor into a [tp, *local] buffer; the
+        # full tensor is that buffer with the rank axis folded into dim d (one copy where d > 0,
+        # none where d == 0).
+        out = _gather_into(x.contiguous(), group, op)
+        if d == 0:
+            return out.view((tp * width,) + tuple(x.shape[1:]))
+        shape = list(x.shape)
+        shape[d] = full_size
+        return out.movedim(0, d).reshape(shape)
+    # Uneven or interleaved: each rank's part padded to the widest along a leading dim, gathered
+    # into one buffer, and the runs put back in place.
+    out = _gather_into(_pad_front(x.movedim(d, 0), width), group, op)
+    pieces = [out[r][: sizes[r]].movedim(0, d) for r in range(tp)]
     return assemble(pieces, shard, full_size).contiguous()
+
+
+def _gather_into(send: Tensor, group, op: str) -> Tensor:
+    """Every rank's contiguous ``send`` in one buffer, viewed ``[tp, *send.shape]`` (backends take
+    the output as the inputs concatenated along dim 0)."""
+    tp = group_size(group)
+    out = send.new_empty((tp * send.shape[0],) + tuple(send.shape[1:]))
+    with _comm(op, group):
+        dist.all_gather_into_tensor(out, send, group=group)
+    return out.view((tp,) + tuple(send.shape))
 
 
 def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tensor:

@@ -1,0 +1,127 @@
+"""autotp's collectives against a bare torch.distributed collective of the same bytes and
+DTensor's redistribute of the same tensor, side by side on local gloo ranks.
+
+    .venv/bin/python benchmarks/collectives.py --out benchmarks/collectives.md
+
+Each rank times, in turn and repeated, on the same tensors: autotp's all-gather of a shard
+(``collectives._all_gather``: the logits' vocabulary dim, an even split and an uneven one),
+``dist.all_gather_into_tensor`` of the same local bytes (bare: the floor), the list
+``dist.all_gather`` + ``torch.cat`` that autotp used before, and ``DTensor.redistribute`` from
+``Shard(dim)`` to ``Replicate()``; and autotp's all-reduce (g's forward) against a bare
+``dist.all_reduce`` and DTensor's ``Partial() -> Replicate()``. Times are medians over the
+repeats; the slowest rank's median is shown.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine, publish  # noqa: E402
+
+
+def _median_ms(fn, repeats: int) -> float:
+    import torch.distributed as dist
+
+    fn()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def run_rank(args: argparse.Namespace) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+    from torch.distributed.tensor import Shard as TorchShard
+
+    from autotp.placements import Shard, local_size
+    from autotp.runtime import collectives as C
+
+    torch.set_num_threads(1)
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    group = dist.group.WORLD
+    mesh = init_device_mesh("cpu", (tp,))
+    out = {}
+    b, s = args.batch, args.seq
+    for vocab in (args.vocab, args.vocab + 1):          # even, then uneven
+        shard = Shard(2)
+        x = torch.randn(b, s, local_size(vocab, shard, tp, rank))
+        width = max(local_size(vocab, shard, tp, r) for r in range(tp))
+        padded = torch.randn(b, s, width)
+
+        def listed():
+            send = padded.movedim(2, 0).contiguous()
+            recv = [torch.empty_like(send) for _ in range(tp)]
+            dist.all_gather(recv, send, group=group)
+            return torch.cat([r.movedim(0, 2) for r in recv], dim=2)
+
+        def bare():
+            o = padded.new_empty((tp * b, s, width))
+            dist.all_gather_into_tensor(o, padded, group=group)
+            return o
+
+        dt = DTensor.from_local(x, mesh, [TorchShard(2)], run_check=False,
+                                shape=torch.Size((b, s, vocab)), stride=torch.empty(b, s, vocab, device="meta").stride())
+        kind = "even" if vocab % tp == 0 else "uneven"
+        out[f"all-gather {kind} [{b}, {s}, {vocab}] dim 2"] = {
+            "autotp": _median_ms(lambda: C._all_gather(x, group, shard, vocab, "bench"), args.repeats),
+            "bare all_gather_into_tensor": _median_ms(bare, args.repeats),
+            "list all_gather + cat (before)": _median_ms(listed, args.repeats),
+            "DTensor redistribute": _median_ms(lambda: dt.redistribute(mesh, [Replicate()]).to_local(), args.repeats),
+        }
+    h = torch.randn(b, s, args.hidden)
+    hd = DTensor.from_local(h, mesh, [Partial()], run_check=False)
+
+    def bare_reduce():
+        y = h.clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    out[f"all-reduce [{b}, {s}, {args.hidden}]"] = {
+        "autotp": _median_ms(lambda: C._all_reduce(h, group, "bench"), args.repeats),
+        "bare all_reduce": _median_ms(bare_reduce, args.repeats),
+        "DTensor redistribute": _median_ms(lambda: hd.redistribute(mesh, [Replicate()]).to_local(), args.repeats),
+    }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    from autotp.testing import launch
+
+    results = launch(run_rank, args.tp, args, timeout=1800)
+    load = os.getloadavg()
+    lines = ["# Collectives: autotp vs bare torch.distributed vs DTensor", "",
+             f"Command: `.venv/bin/python benchmarks/collectives.py{' --out ' + args.out if args.out else ''}`", "",
+             machine() + f" Load average at the end: {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}. {args.tp} gloo "
+             f"ranks, 1 thread each, float32; medians of {args.repeats} calls, the slowest rank's.", ""]
+    for case in results[0]:
+        lines += [f"## {case}", "", "| version | ms | vs bare |", "|---|---|---|"]
+        rows = {k: max(r[case][k] for r in results) for k in results[0][case]}
+        floor = next(v for k, v in rows.items() if k.startswith("bare"))
+        for k, v in rows.items():
+            lines.append(f"| {k} | {v:.2f} | {v / floor:.2f}x |")
+        lines.append("")
+    publish(lines, args.out)
+
+
+if __name__ == "__main__":
+    main()
