@@ -5,10 +5,12 @@ DTensor's redistribute of the same tensor, side by side on local gloo ranks.
 
 Each rank times, in turn and repeated, on the same tensors: autotp's all-gather of a shard
 (``collectives._all_gather``: the logits' vocabulary dim, an even split and an uneven one),
-``dist.all_gather_into_tensor`` of the same local bytes (bare: the floor), the list
+``dist.all_gather_single`` (``all_gather_into_tensor`` before torch 2.13) of the same local bytes (bare: the floor), the list
 ``dist.all_gather`` + ``torch.cat`` that autotp used before, and ``DTensor.redistribute`` from
 ``Shard(dim)`` to ``Replicate()``; and autotp's all-reduce (g's forward) against a bare
-``dist.all_reduce`` and DTensor's ``Partial() -> Replicate()``. Times are medians over the
+``dist.all_reduce`` and DTensor's ``Partial() -> Replicate()``; and the vocab-parallel
+cross-entropy (forward + backward, its three all-reduces included) on a rank's V/tp columns
+against serial ``F.cross_entropy`` on all V (the "bare" row there). Times are medians over the
 repeats; the slowest rank's median is shown.
 """
 from __future__ import annotations
@@ -67,7 +69,7 @@ def run_rank(args: argparse.Namespace) -> dict:
 
         def bare():
             o = padded.new_empty((tp * b, s, width))
-            dist.all_gather_into_tensor(o, padded, group=group)
+            C._ALL_GATHER_SINGLE(o, padded, group=group)
             return o
 
         dt = DTensor.from_local(x, mesh, [TorchShard(2)], run_check=False,
@@ -75,7 +77,7 @@ def run_rank(args: argparse.Namespace) -> dict:
         kind = "even" if vocab % tp == 0 else "uneven"
         out[f"all-gather {kind} [{b}, {s}, {vocab}] dim 2"] = {
             "autotp": _median_ms(lambda: C._all_gather(x, group, shard, vocab, "bench"), args.repeats),
-            "bare all_gather_into_tensor": _median_ms(bare, args.repeats),
+            "bare all_gather_single": _median_ms(bare, args.repeats),
             "list all_gather + cat (before)": _median_ms(listed, args.repeats),
             "DTensor redistribute": _median_ms(lambda: dt.redistribute(mesh, [Replicate()]).to_local(), args.repeats),
         }
@@ -91,6 +93,28 @@ def run_rank(args: argparse.Namespace) -> dict:
         "autotp": _median_ms(lambda: C._all_reduce(h, group, "bench"), args.repeats),
         "bare all_reduce": _median_ms(bare_reduce, args.repeats),
         "DTensor redistribute": _median_ms(lambda: hd.redistribute(mesh, [Replicate()]).to_local(), args.repeats),
+    }
+    # the vocab-parallel loss, forward + backward, on this rank's V/tp columns against serial
+    # cross_entropy on all V in the same process
+    import torch.nn.functional as F
+
+    from autotp.runtime.functional import _VocabParallelCrossEntropy
+
+    n, vocab = b * s, args.vocab
+    ranges = ((rank * vocab // tp, (rank + 1) * vocab // tp),)
+    local = torch.randn(n, vocab // tp, requires_grad=True)
+    whole = torch.randn(n, vocab, requires_grad=True)
+    target = torch.randint(0, vocab, (n,))
+
+    def parallel_loss():
+        _VocabParallelCrossEntropy.apply(local, target, group, ranges, -100, 1).backward()
+
+    def serial_loss():
+        F.cross_entropy(whole, target).backward()
+
+    out[f"cross-entropy forward + backward, {n} rows, vocab {vocab}"] = {
+        "bare: serial cross_entropy on V": _median_ms(serial_loss, args.repeats),
+        f"autotp vocab-parallel on V/{tp}": _median_ms(parallel_loss, args.repeats),
     }
     return out
 

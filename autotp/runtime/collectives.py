@@ -169,8 +169,12 @@ def _gather_into(send: Tensor, group, op: str) -> Tensor:
     tp = group_size(group)
     out = send.new_empty((tp * send.shape[0],) + tuple(send.shape[1:]))
     with _comm(op, group):
-        dist.all_gather_into_tensor(out, send, group=group)
+        _ALL_GATHER_SINGLE(out, send, group=group)
     return out.view((tp,) + tuple(send.shape))
+
+
+#: all_gather_single from torch 2.13 (all_gather_into_tensor, its older name, warns there)
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tensor:

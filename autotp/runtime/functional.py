@@ -41,8 +41,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if many:
             with _comm("all_reduce(max) in vocab-parallel cross-entropy", group):
                 dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - row_max.unsqueeze(-1)
-        exp = shifted.exp()
+        # one full-size temporary, kept for backward: exp(logits - max), computed in place
+        exp = torch.sub(logits, row_max.unsqueeze(-1)).exp_()
         sum_exp = exp.sum(dim=-1)
         local_target = torch.zeros_like(target)
         in_range = torch.zeros_like(target, dtype=torch.bool)
@@ -52,7 +52,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             local_target = torch.where(hit, target - start + offset, local_target)
             in_range |= hit
             offset += stop - start
-        picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * in_range
+        picked = (logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) - row_max) * in_range
         if many:
             both = torch.stack([sum_exp, picked])
             with _comm("all_reduce(sum) in vocab-parallel cross-entropy", group):
@@ -73,17 +73,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         exp, sum_exp, local_target, in_range, valid, count = ctx.saved_tensors
-        softmax = exp / sum_exp.unsqueeze(-1)
-        one_hot = torch.zeros_like(softmax)
-        one_hot.scatter_(-1, local_target.unsqueeze(-1), in_range.unsqueeze(-1).to(softmax.dtype))
-        scale = valid.to(softmax.dtype)
-        if ctx.reduction == 1:
-            scale = scale * grad / count
-        elif ctx.reduction == 2:
-            scale = scale * grad
-        else:
-            scale = scale * grad
-        return (softmax - one_hot) * scale.unsqueeze(-1), None, None, None, None, None
+        # d loss_i / d logit_ij = scale_i * (softmax_ij - [j is i's target]): one full-size
+        # tensor (exp scaled by scale_i / sum_i), the target's entry lowered in place
+        scale = valid.to(exp.dtype) * (grad / count if ctx.reduction == 1 else grad)
+        out = exp * (scale / sum_exp).unsqueeze(-1)
+        out.scatter_add_(-1, local_target.unsqueeze(-1), -(scale * in_range).unsqueeze(-1))
+        return out, None, None, None, None, None
 
 
 class VocabParallelCrossEntropy(torch.nn.Module):
