@@ -1,0 +1,251 @@
+"""Training step time of one Llama three ways, side by side in one run on local gloo ranks:
+serial (the HF model in one process), autotp (``autotp.parallelize``) and PyTorch's own DTensor
+tensor parallelism (``parallelize_module`` with the Megatron plan written by hand, torchtitan style).
+
+    .venv/bin/python benchmarks/vs_dtensor.py --out benchmarks/vs_dtensor.md
+
+Every rank builds the same random ``LlamaForCausalLM`` (float32, no hub) once per version, on the
+same batch. Before timing, each version's loss and every gradient (gathered to full size) are
+compared with the serial model's, and the collectives of one forward and one backward are counted
+with ``torch.distributed.tensor.debug.CommDebugMode``. Then the versions take turns step by step
+(serial, DTensor, autotp, autotp pinned to the Megatron layout): ``--warmup`` steps, then
+``--steps`` timed ones. A step is ``zero_grad``, forward with labels and backward (timed), then an
+AdamW step (timed separately). Every rank runs each version, serial included, on ``--threads``
+torch thread(s), so each ratio compares programs on the same share of the machine; a barrier
+starts every step. Reported: per rank the median and the best over the timed steps, then the
+slowest rank.
+
+DTensor's plan (torchtitan's, without sequence parallelism): q/k/v/gate/up ``ColwiseParallel``,
+o/down ``RowwiseParallel``, ``embed_tokens`` ``RowwiseParallel(input_layouts=Replicate())``,
+``lm_head`` ``ColwiseParallel(output_layouts=Replicate())`` (full logits on every rank, the HF
+loss on them). autotp returns full logits too (``gather_logits=True``, its default) and computes
+the loss vocab-parallel.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine, publish  # noqa: E402
+
+MEGATRON = {"*q_proj.weight": "column", "*k_proj.weight": "column", "*v_proj.weight": "column",
+            "*o_proj.weight": "row", "*gate_proj.weight": "column", "*up_proj.weight": "column",
+            "*down_proj.weight": "row", "model.embed_tokens.weight": "vocab", "lm_head.weight": "vocab"}
+VERSIONS = ("serial", "dtensor", "autotp", "autotp_pinned")
+LABEL = {"serial": "serial (HF model, 1 process)", "dtensor": "DTensor parallelize_module (Megatron plan)",
+         "autotp": "autotp (its own plan)", "autotp_pinned": "autotp (Megatron layout pinned)"}
+
+
+def _config(args: argparse.Namespace):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
+                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                       num_key_value_heads=args.kv_heads, max_position_embeddings=max(256, args.seq),
+                       tie_word_embeddings=False, attention_dropout=0.0)
+
+
+def _model(args: argparse.Namespace):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(_config(args)).float().train()
+
+
+def _dtensor_model(args: argparse.Namespace, tp: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = _model(args)
+    mesh = init_device_mesh("cpu", (tp,))
+    parallelize_module(model, mesh, {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+                                     "lm_head": ColwiseParallel(output_layouts=Replicate())})
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, {"self_attn.q_proj": ColwiseParallel(),
+                                         "self_attn.k_proj": ColwiseParallel(),
+                                         "self_attn.v_proj": ColwiseParallel(),
+                                         "self_attn.o_proj": RowwiseParallel(),
+                                         "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                                         "mlp.down_proj": RowwiseParallel()})
+    return model
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _comm_counts(fn) -> dict:
+    """Collectives of one forward and of its backward, by op name."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    with CommDebugMode() as fwd:
+        loss = fn()
+    with CommDebugMode() as bwd:
+        loss.backward()
+    name = lambda op: str(op).split(".")[-1].rstrip("_")  # noqa: E731
+    return {"forward": {name(k): v for k, v in fwd.get_comm_counts().items()},
+            "backward": {name(k): v for k, v in bwd.get_comm_counts().items()}}
+
+
+def run_rank(args: argparse.Namespace, tp: int) -> dict:
+    import torch.distributed as dist
+    from transformers.utils import logging as hf_logging
+
+    import autotp
+
+    hf_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", message=".*backward hook", category=UserWarning)  # CommDebugMode's hooks
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
+
+    models, setup_s = {}, {}
+    for v in VERSIONS:
+        start = time.perf_counter()
+        if v == "serial":
+            models[v] = _model(args)
+        elif v == "dtensor":
+            models[v] = _dtensor_model(args, tp)
+        else:
+            models[v] = autotp.parallelize(_model(args), tp, batch=args.batch, seq=args.seq,
+                                           layout=MEGATRON if v == "autotp_pinned" else None)
+        setup_s[v] = time.perf_counter() - start
+    layouts = {v: dict(models[v].plan.param_layouts) for v in ("autotp", "autotp_pinned")}
+    opts = {v: torch.optim.AdamW(m.parameters(), lr=1e-4) for v, m in models.items()}
+
+    def fwd(v):
+        return models[v](input_ids=ids, labels=ids).loss
+
+    # Equal work: the same loss and gradients as the serial model (first call also captures autotp).
+    check = {}
+    ref_loss = fwd("serial")
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in models["serial"].named_parameters()}
+    for v in VERSIONS[1:]:
+        loss = fwd(v)
+        loss.backward()
+        grads = dict(models[v].named_parameters())
+        check[v] = {"loss": abs(loss.item() - ref_loss.item()),
+                    "grad": max((_full(grads[n].grad) - g).abs().max().item() for n, g in ref_grads.items()),
+                    "missing": sorted(set(ref_grads) - set(grads))}
+    for m in models.values():
+        m.zero_grad(set_to_none=True)
+    counts = {v: _comm_counts(lambda v=v: fwd(v)) for v in VERSIONS}
+    for m in models.values():
+        m.zero_grad(set_to_none=True)
+
+    times = {v: {"step": [], "adamw": []} for v in VERSIONS}
+    for step in range(args.warmup + args.steps):
+        for v in VERSIONS:
+            dist.barrier()
+            start = time.perf_counter()
+            opts[v].zero_grad(set_to_none=True)
+            fwd(v).backward()
+            mid = time.perf_counter()
+            opts[v].step()
+            end = time.perf_counter()
+            if step >= args.warmup:
+                times[v]["step"].append(1e3 * (mid - start))
+                times[v]["adamw"].append(1e3 * (end - mid))
+    stats = {v: {k: {"median": statistics.median(t), "best": min(t)} for k, t in times[v].items()}
+             for v in VERSIONS}
+    return {"rank": dist.get_rank(), "ref_loss": ref_loss.item(), "check": check, "counts": counts,
+            "stats": stats, "layouts": layouts, "setup_s": setup_s}
+
+
+def _counts_text(c: dict) -> str:
+    def one(d):
+        return ", ".join(f"{k} {n}" for k, n in sorted(d.items())) or "none"
+    return f"fwd: {one(c['forward'])}; bwd: {one(c['backward'])}"
+
+
+def _layout_text(layouts: dict) -> str:
+    """Distinct roles by parameter-name suffix (layer index dropped)."""
+    import re
+
+    seen: dict[str, set] = {}
+    for name, role in layouts.items():
+        key = re.sub(r"\.\d+\.", ".N.", name)
+        seen.setdefault(key, set()).add(str(role))
+    return "; ".join(f"`{k}` {'/'.join(sorted(r))}" for k, r in seen.items())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tp", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--ffn", type=int, default=1024)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from autotp.testing import launch
+
+    load_start = os.getloadavg()
+    per_tp = {tp: launch(run_rank, tp, args, tp, timeout=3600) for tp in args.tp}
+    load = os.getloadavg()
+
+    lines = [
+        "# Training step: autotp vs PyTorch DTensor tensor parallelism vs serial",
+        "",
+        f"Command: `.venv/bin/python benchmarks/vs_dtensor.py {' '.join(sys.argv[1:])}`",
+        "",
+        machine() + f" `nproc` {os.cpu_count()}. Load average (1, 5, 15 min) at the start "
+        f"{load_start[0]:.1f}, {load_start[1]:.1f}, {load_start[2]:.1f}, at the end {load[0]:.1f}, {load[1]:.1f}, "
+        f"{load[2]:.1f} (the machine is shared with other work). Each rank runs {args.threads} torch thread(s); "
+        f"world = tp ranks on {os.cpu_count()} cores, so tp 4 is oversubscribed (4 processes on "
+        f"{os.cpu_count()} cores: times include waiting for a core, every version alike).",
+        "",
+        f"Model: `LlamaForCausalLM`, {args.layers} layers, hidden {args.hidden}, intermediate {args.ffn}, "
+        f"{args.heads} heads ({args.kv_heads} KV heads), vocab {args.vocab}, untied embeddings, float32, random "
+        f"weights. Batch {args.batch} x seq {args.seq}, labels = inputs. Step = zero_grad + forward + backward; "
+        f"AdamW step timed separately. {args.warmup} warm-up steps, {args.steps} timed; the versions take turns "
+        "step by step in the same rank processes, a barrier before each step. Figures: median and best over the "
+        "timed steps per rank, the slowest rank shown.",
+        "",
+    ]
+    for tp, results in per_tp.items():
+        r0 = results[0]
+        worst = {v: {k: {s: max(r["stats"][v][k][s] for r in results) for s in ("median", "best")}
+                     for k in ("step", "adamw")} for v in VERSIONS}
+        d = worst["dtensor"]["step"]["median"]
+        ser = worst["serial"]["step"]["median"]
+        lines += [f"## tp {tp}", "",
+                  f"Equal work: serial loss {r0['ref_loss']:.6f}; largest difference over ranks from the serial "
+                  "loss / any gradient element: "
+                  + "; ".join(f"{v} {max(r['check'][v]['loss'] for r in results):.1e} / "
+                              f"{max(r['check'][v]['grad'] for r in results):.1e}" for v in VERSIONS[1:]) + ".",
+                  "",
+                  "| version | fwd+bwd ms median | fwd+bwd ms best | AdamW ms median | vs DTensor (median) | "
+                  "vs serial (median) | collectives per step (rank 0, CommDebugMode) |",
+                  "|---|---|---|---|---|---|---|"]
+        for v in VERSIONS:
+            w = worst[v]
+            lines.append(f"| {LABEL[v]} | {w['step']['median']:.1f} | {w['step']['best']:.1f} | "
+                         f"{w['adamw']['median']:.1f} | {w['step']['median'] / d:.2f}x | "
+                         f"{w['step']['median'] / ser:.2f}x | {_counts_text(r0['counts'][v])} |")
+        lines += ["", f"autotp's own plan: {_layout_text(r0['layouts']['autotp'])}.", "",
+                  f"Set-up s (rank 0, before the first call; autotp captures on the first call): "
+                  + ", ".join(f"{v} {r0['setup_s'][v]:.1f}" for v in VERSIONS) + ".", ""]
+    publish(lines, args.out)
+
+
+if __name__ == "__main__":
+    main()
