@@ -19,11 +19,15 @@ DTensor's plan (torchtitan's, without sequence parallelism): q/k/v/gate/up ``Col
 o/down ``RowwiseParallel``, ``embed_tokens`` ``RowwiseParallel(input_layouts=Replicate())``,
 ``lm_head`` ``ColwiseParallel(output_layouts=Replicate())`` (full logits on every rank, the HF
 loss on them). autotp returns full logits too (``gather_logits=True``, its default) and computes
-the loss vocab-parallel.
+the loss vocab-parallel. Two more versions keep the logits split by vocabulary: DTensor's
+``loss_parallel()`` (``lm_head`` output ``Shard(-1)``, HF's loss run on the DTensor logits inside
+the context) and autotp pinned with ``gather_logits=False``; their "vs DTensor" ratio is against
+DTensor's loss-parallel version.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -38,9 +42,13 @@ from common import machine, publish  # noqa: E402
 MEGATRON = {"*q_proj.weight": "column", "*k_proj.weight": "column", "*v_proj.weight": "column",
             "*o_proj.weight": "row", "*gate_proj.weight": "column", "*up_proj.weight": "column",
             "*down_proj.weight": "row", "model.embed_tokens.weight": "vocab", "lm_head.weight": "vocab"}
-VERSIONS = ("serial", "dtensor", "autotp", "autotp_pinned")
+VERSIONS = ("serial", "dtensor", "autotp", "autotp_pinned", "dtensor_lp", "autotp_pinned_lp")
 LABEL = {"serial": "serial (HF model, 1 process)", "dtensor": "DTensor parallelize_module (Megatron plan)",
-         "autotp": "autotp (its own plan)", "autotp_pinned": "autotp (Megatron layout pinned)"}
+         "autotp": "autotp (its own plan)", "autotp_pinned": "autotp (Megatron layout pinned)",
+         "dtensor_lp": "DTensor, loss parallel (logits stay split)",
+         "autotp_pinned_lp": "autotp pinned, `gather_logits=False` (logits stay split)"}
+BASELINE = {"serial": "dtensor", "dtensor": "dtensor", "autotp": "dtensor", "autotp_pinned": "dtensor",
+            "dtensor_lp": "dtensor_lp", "autotp_pinned_lp": "dtensor_lp"}
 
 
 def _config(args: argparse.Namespace):
@@ -59,15 +67,16 @@ def _model(args: argparse.Namespace):
     return LlamaForCausalLM(_config(args)).float().train()
 
 
-def _dtensor_model(args: argparse.Namespace, tp: int):
+def _dtensor_model(args: argparse.Namespace, tp: int, loss_parallel: bool = False):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     model = _model(args)
     mesh = init_device_mesh("cpu", (tp,))
     parallelize_module(model, mesh, {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-                                     "lm_head": ColwiseParallel(output_layouts=Replicate())})
+                                     "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+                                     if loss_parallel else ColwiseParallel(output_layouts=Replicate())})
     for layer in model.model.layers:
         parallelize_module(layer, mesh, {"self_attn.q_proj": ColwiseParallel(),
                                          "self_attn.k_proj": ColwiseParallel(),
@@ -99,6 +108,7 @@ def _comm_counts(fn) -> dict:
 
 def run_rank(args: argparse.Namespace, tp: int) -> dict:
     import torch.distributed as dist
+    from torch.distributed.tensor.parallel import loss_parallel
     from transformers.utils import logging as hf_logging
 
     import autotp
@@ -114,11 +124,12 @@ def run_rank(args: argparse.Namespace, tp: int) -> dict:
         start = time.perf_counter()
         if v == "serial":
             models[v] = _model(args)
-        elif v == "dtensor":
-            models[v] = _dtensor_model(args, tp)
+        elif v.startswith("dtensor"):
+            models[v] = _dtensor_model(args, tp, loss_parallel=v.endswith("_lp"))
         else:
             models[v] = autotp.parallelize(_model(args), tp, batch=args.batch, seq=args.seq,
-                                           layout=MEGATRON if v == "autotp_pinned" else None)
+                                           layout=MEGATRON if "pinned" in v else None,
+                                           gather_logits=not v.endswith("_lp"))
         setup_s[v] = time.perf_counter() - start
     layouts = {v: dict(models[v].plan.param_layouts) for v in ("autotp", "autotp_pinned")}
     opts = {v: torch.optim.AdamW(m.parameters(), lr=1e-4) for v, m in models.items()}
@@ -126,21 +137,30 @@ def run_rank(args: argparse.Namespace, tp: int) -> dict:
     def fwd(v):
         return models[v](input_ids=ids, labels=ids).loss
 
+    def fwd_bwd(v):
+        # DTensor's loss parallelism is a context around the loss and its backward.
+        with loss_parallel() if v == "dtensor_lp" else contextlib.nullcontext():
+            loss = fwd(v)
+            loss.backward()
+        return loss
+
     # Equal work: the same loss and gradients as the serial model (first call also captures autotp).
     check = {}
     ref_loss = fwd("serial")
     ref_loss.backward()
     ref_grads = {n: p.grad for n, p in models["serial"].named_parameters()}
     for v in VERSIONS[1:]:
-        loss = fwd(v)
-        loss.backward()
+        loss = _full(fwd_bwd(v))
         grads = dict(models[v].named_parameters())
         check[v] = {"loss": abs(loss.item() - ref_loss.item()),
                     "grad": max((_full(grads[n].grad) - g).abs().max().item() for n, g in ref_grads.items()),
                     "missing": sorted(set(ref_grads) - set(grads))}
     for m in models.values():
         m.zero_grad(set_to_none=True)
-    counts = {v: _comm_counts(lambda v=v: fwd(v)) for v in VERSIONS}
+    counts = {}
+    for v in VERSIONS:
+        with loss_parallel() if v == "dtensor_lp" else contextlib.nullcontext():
+            counts[v] = _comm_counts(lambda v=v: fwd(v))
     for m in models.values():
         m.zero_grad(set_to_none=True)
 
@@ -150,7 +170,7 @@ def run_rank(args: argparse.Namespace, tp: int) -> dict:
             dist.barrier()
             start = time.perf_counter()
             opts[v].zero_grad(set_to_none=True)
-            fwd(v).backward()
+            fwd_bwd(v)
             mid = time.perf_counter()
             opts[v].step()
             end = time.perf_counter()
@@ -225,7 +245,6 @@ def main() -> None:
         r0 = results[0]
         worst = {v: {k: {s: max(r["stats"][v][k][s] for r in results) for s in ("median", "best")}
                      for k in ("step", "adamw")} for v in VERSIONS}
-        d = worst["dtensor"]["step"]["median"]
         ser = worst["serial"]["step"]["median"]
         lines += [f"## tp {tp}", "",
                   f"Equal work: serial loss {r0['ref_loss']:.6f}; largest difference over ranks from the serial "
@@ -233,13 +252,13 @@ def main() -> None:
                   + "; ".join(f"{v} {max(r['check'][v]['loss'] for r in results):.1e} / "
                               f"{max(r['check'][v]['grad'] for r in results):.1e}" for v in VERSIONS[1:]) + ".",
                   "",
-                  "| version | fwd+bwd ms median | fwd+bwd ms best | AdamW ms median | vs DTensor (median) | "
+                  "| version | fwd+bwd ms median | fwd+bwd ms best | AdamW ms median | vs DTensor, same logits (median) | "
                   "vs serial (median) | collectives per step (rank 0, CommDebugMode) |",
                   "|---|---|---|---|---|---|---|"]
         for v in VERSIONS:
             w = worst[v]
             lines.append(f"| {LABEL[v]} | {w['step']['median']:.1f} | {w['step']['best']:.1f} | "
-                         f"{w['adamw']['median']:.1f} | {w['step']['median'] / d:.2f}x | "
+                         f"{w['adamw']['median']:.1f} | {w['step']['median'] / worst[BASELINE[v]]['step']['median']:.2f}x | "
                          f"{w['step']['median'] / ser:.2f}x | {_counts_text(r0['counts'][v])} |")
         lines += ["", f"autotp's own plan: {_layout_text(r0['layouts']['autotp'])}.", "",
                   f"Set-up s (rank 0, before the first call; autotp captures on the first call): "
