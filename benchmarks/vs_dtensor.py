@@ -270,9 +270,11 @@ def main() -> None:
         "own, so in backward each of q, k, v, gate and up all-reduces its own input gradient: 5 all-reduces per "
         "layer, plus one for `lm_head`. autotp's Megatron `f` sums the three (two) branch gradients first and "
         "all-reduces once per attention (MLP) block: 2 per layer, plus one for `lm_head`. Forward, both issue "
-        "one all-reduce after o_proj and down_proj (`g`) and one for a vocab-split embedding; autotp with full "
-        "logits also computes the loss vocab-parallel here (3 all-reduces of b x s elements) beside the logits "
-        "all-gather, where DTensor computes the HF loss on the gathered logits.",
+        "one all-reduce after o_proj and down_proj (`g`) and one for a vocab-split embedding. autotp computes "
+        "the loss vocab-parallel (2 all-reduces of b x s numbers: the row max, then the sum of exps with the "
+        "target's logit), with full logits too, beside their all-gather; DTensor computes the HF loss on the "
+        "gathered logits, or under `loss_parallel()` with 3 all-reduces. Each autotp call also all-reduces 2 "
+        "numbers to check that the ranks got inputs of one signature (`pm.check_inputs = False` skips it).",
         "- autotp's own plan splits the untied input embedding by hidden columns (an all-gather of b x s x h) "
         "instead of by vocabulary (an all-reduce, DTensor's `RowwiseParallel` embedding); everything else is "
         "the Megatron layout, so the pinned version differs from it only in the embedding.",
