@@ -262,7 +262,9 @@ def main() -> None:
                          f"({w['step']['best'] / b['best']:.2f}x) | {w['step']['median'] / s['median']:.2f}x "
                          f"({w['step']['best'] / s['best']:.2f}x) | {_counts_text(r0['counts'][v])} |")
         lines += ["", f"autotp's own plan: {_layout_text(r0['layouts']['autotp'])}.", "",
-                  f"Set-up s (rank 0, before the first call; autotp captures on the first call): "
+                  "Set-up s (rank 0: building each version's model and parallelizing it; the first "
+                  "autotp.parallelize in a process captures the model with torch.export, the later ones "
+                  "reuse that capture): "
                   + ", ".join(f"{v} {r0['setup_s'][v]:.1f}" for v in VERSIONS) + ".", ""]
     lines += [
         "## Reading the table", "",
