@@ -137,3 +137,24 @@ def test_fsdp2_with_float32_reduction_of_bfloat16_gradients_matches_float64(clus
         worst = max(r["errors"], key=r["errors"].get)
         assert r["errors"][worst] <= 3e-2, (worst, r["errors"][worst])   # bfloat16 has 8 bits of mantissa
         assert r["dtypes"] == {"torch.bfloat16"}
+
+
+def fsdp_refusals() -> list[str]:
+    from autotp.runtime import fsdp
+    from tests.helpers import tiny_gpt2
+
+    pm = autotp.parallelize(tiny_gpt2(n_layer=1, n_head=2, head_dim=4, vocab=20), tp=2, layout=LAYOUT)
+    said = []
+    for call in (lambda: fsdp.fully_shard(pm, mesh=None), lambda: fsdp.fully_shard(fsdp.fully_shard(pm))):
+        try:
+            call()
+            said.append("accepted")
+        except autotp.ConfigError as e:
+            said.append(str(e))
+    return said
+
+
+def test_fully_shard_refuses_a_mesh_argument_and_a_second_call(cluster):
+    for said in cluster.run(fsdp_refusals):
+        assert "do not pass mesh=" in said[0]
+        assert "already sharded with FSDP2" in said[1]
