@@ -62,7 +62,7 @@ def _families():
             yield family
 
 
-@pytest.mark.parametrize("family", _families())
+@pytest.mark.parametrize("family", list(_families()))
 @settings(max_examples=1, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(rank=st.integers(0, TP - 1), heads=st.sampled_from([8, 12]))

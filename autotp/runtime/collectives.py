@@ -62,11 +62,18 @@ def group_ranks(group) -> tuple[int, ...] | None:
         return None
 
 
+#: Wall-clock start of the latest collective per group (keyed by the group's name).
+_previous_start: dict[object, float] = {}
+
+
 @contextmanager
 def _comm(op: str, group) -> Iterator[None]:
     """Turn a torch.distributed failure (timeout, lost peer, backend error) into a CommError;
     a LostRankError naming the rank when the roll call (autotp.runtime.faults) finds one gone."""
     started = time.monotonic()
+    key = getattr(group, "group_name", None) or id(group)
+    since = _previous_start.get(key)  # faults published before it are an earlier call's
+    _previous_start[key] = time.time()
     try:
         yield
     except AutotpError:
@@ -79,7 +86,7 @@ def _comm(op: str, group) -> Iterator[None]:
         where = f"the group of ranks {list(ranks)}" if ranks is not None else "its group"
         cause = f"{op} failed on {where}: {type(e).__name__}: {e}"
         timeout = group_timeout(group).total_seconds()
-        found = roll_call(group, ranks, started, timeout) if ranks is not None else None
+        found = roll_call(group, ranks, started, timeout, since) if ranks is not None else None
         advice = (
             "Check whether a rank died, raised, or took a different code path (ranks must call "
             "the same collectives in the same order). A rank that is merely slow hits the "

@@ -117,22 +117,29 @@ def _exited(store, rank: int, namespace: str | None) -> bool:
     return state in ("Z", "X")  # killed but not yet reaped by its parent: dead all the same
 
 
-def roll_call(group, ranks: tuple[int, ...], started: float, timeout_s: float) -> RollCall:
+def roll_call(group, ranks: tuple[int, ...], started: float, timeout_s: float,
+              since: float | None = None) -> RollCall:
     """Take the roll call of ``ranks`` (global ranks of ``group``) after a collective that
     started at ``started`` (``time.monotonic()``) failed on this rank. See the module docs.
     What it finds is published as this rank's fault, so that a rank of another group left
-    waiting on this one names the cause instead of blaming this live rank."""
-    found = _roll_call(group, ranks, started, timeout_s)
+    waiting on this one names the cause instead of blaming this live rank.
+
+    ``since`` (``time.time()``) is when this rank's previous collective on the group started:
+    a fault another rank published before then belongs to an earlier call (that collective
+    needed the other rank too, so a rank that raised in this call did so after it began) and is
+    not named. None: every published fault counts."""
+    found = _roll_call(group, ranks, started, timeout_s, since)
     try:
         error = ("LostRankError: " if found.lost else "CommError: ") + (found.describe(timeout_s) or "a collective failed")
         _store().set(f"autotp/fault/last/{dist.get_rank()}",
-                     json.dumps({"rank": dist.get_rank(), "error": error[:300], "comm": True}))
+                     json.dumps({"rank": dist.get_rank(), "error": error[:300], "comm": True, "at": time.time()}))
     except Exception:
         pass
     return found
 
 
-def _roll_call(group, ranks: tuple[int, ...], started: float, timeout_s: float) -> RollCall:
+def _roll_call(group, ranks: tuple[int, ...], started: float, timeout_s: float,
+               since: float | None) -> RollCall:
     me = dist.get_rank()
     try:
         store = _store()
@@ -154,7 +161,7 @@ def _roll_call(group, ranks: tuple[int, ...], started: float, timeout_s: float) 
         exited = tuple(r for r in missing if _exited(store, r, namespace))
         if exited:  # the group is broken for good: no need to wait for the others
             return RollCall(exited=exited, waiting=tuple(r for r in missing if r not in exited))
-        raised = {r: f for r in missing if (f := _published_fault(store, r)) is not None}
+        raised = {r: f for r in missing if (f := _published_fault(store, r, since)) is not None}
         if raised:  # alive, but it left the call: this collective will never complete
             return RollCall(note="; ".join(
                 f"rank {r} raised {f['error']} inside this call and left its collectives unfinished "
@@ -185,11 +192,13 @@ def _fault_key(guard: str, epoch: int, rank: int) -> str:
     return f"autotp/fault/{guard}/{epoch}/{rank}"
 
 
-def _published_fault(store, rank: int) -> dict | None:
-    """The last fault rank ``rank`` published (any guard), or None."""
+def _published_fault(store, rank: int, since: float | None) -> dict | None:
+    """The last fault rank ``rank`` published (any guard) at or after ``since``, or None."""
     try:
         if store.check([f"autotp/fault/last/{rank}"]):
-            return json.loads(store.get(f"autotp/fault/last/{rank}"))
+            fault = json.loads(store.get(f"autotp/fault/last/{rank}"))
+            if since is None or fault.get("at", 0.0) >= since:
+                return fault
     except Exception:
         pass
     return None
@@ -225,7 +234,7 @@ class StepGuard:
 
         broken = isinstance(exc, CommError) and not isinstance(exc, DisagreementError)
         self.fault = {"rank": dist.get_rank(), "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300],
-                      "comm": broken, "guard": self.name, "epoch": self.epoch}
+                      "comm": broken, "guard": self.name, "epoch": self.epoch, "at": time.time()}
         try:
             store = _store()
             text = json.dumps(self.fault)

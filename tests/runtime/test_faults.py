@@ -71,7 +71,8 @@ def rank0_calls_the_roll_alone(timeout_s: float):
     saved = faults._namespace
     faults._namespace = lambda: None  # as if the other ranks lived on other hosts
     try:
-        return faults.roll_call(dist.group.WORLD, (0, 1, 2, 3), time.monotonic() - timeout_s, timeout_s)
+        return faults.roll_call(dist.group.WORLD, (0, 1, 2, 3), time.monotonic() - timeout_s, timeout_s,
+                                since=time.time() - timeout_s)
     finally:
         faults._namespace = saved
 
@@ -80,6 +81,28 @@ def test_a_rank_that_never_answers_the_roll_call_is_named_silent(cluster):
     found = cluster.run(rank0_calls_the_roll_alone, 0.2)[0]
     assert found.silent == (1, 2, 3) and found.lost == (1, 2, 3)
     assert "lost ranks 1, 2, 3: no answer to autotp's roll call" in found.describe(0.2)
+
+
+class _DictStore:
+    def __init__(self, **keys) -> None:
+        self.keys = keys
+
+    def check(self, names):
+        return all(n in self.keys for n in names)
+
+    def get(self, name):
+        return self.keys[name]
+
+
+def test_a_fault_published_before_the_previous_collective_is_an_earlier_calls():
+    # A persistent rank keeps its last fault in the store; a later roll call on a call that rank
+    # joined since must not name it (it would blame a healthy rank for an old error).
+    import json
+    store = _DictStore(**{"autotp/fault/last/1": json.dumps({"rank": 1, "error": "ValueError: x", "at": 100.0})})
+    assert faults._published_fault(store, 1, since=None)["error"] == "ValueError: x"
+    assert faults._published_fault(store, 1, since=99.5)["rank"] == 1
+    assert faults._published_fault(store, 1, since=100.5) is None
+    assert faults._published_fault(store, 2, since=None) is None
 
 
 def test_collective_timeout_defaults_to_300_s_and_reads_autotp_timeout(monkeypatch):
