@@ -11,19 +11,28 @@ def cluster():
         yield c
 
 
+#: rank processes cluster_of keeps alive at once (besides the shared four): clusters of several
+#: world sizes stay up across test files, so each is spawned, and warms its caches, once a session
+KEEP_RANKS = 10
+
+
 @pytest.fixture(scope="session")
-def cluster_of():
-    """``cluster_of(world)``: persistent ranks of that world size; the previous one is closed
-    when another size is asked for (tests that use it are ordered by world size)."""
-    current: dict = {}
+def cluster_of(cluster):
+    """``cluster_of(world)``: persistent ranks of that world size (world 4: the shared ``cluster``).
+    Clusters stay up while their ranks number at most KEEP_RANKS in all; beyond that the least
+    recently used are closed."""
+    current: dict = {}    # world -> cluster, least recently used first
 
     def get(world: int) -> LocalCluster:
-        if world not in current:
-            for c in current.values():
-                c.close()
-            current.clear()
-            current[world] = LocalCluster(world)
-            current[world].start()
+        if world == 4:
+            return cluster
+        if world in current:
+            current[world] = current.pop(world)
+            return current[world]
+        while current and sum(current) + world > KEEP_RANKS:
+            current.pop(next(iter(current))).close()
+        current[world] = LocalCluster(world)
+        current[world].start()
         return current[world]
 
     yield get

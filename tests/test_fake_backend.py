@@ -56,8 +56,9 @@ def _families():
         if family == "falcon-new":
             # issue 10, open: Falcon's fused GQA layout with fewer kv heads than ranks is left
             # replicated (correct, unsplit); strict, so the fix is noticed here
-            yield pytest.param(family, marks=pytest.mark.xfail(
-                strict=True, reason="Falcon's fused qkv with kv heads < tp is not split yet"))
+            # (slow tier: the replicated plan costs ~20 s of solving on 2 cores)
+            yield pytest.param(family, marks=[pytest.mark.slow, pytest.mark.xfail(
+                strict=True, reason="Falcon's fused qkv with kv heads < tp is not split yet")])
         else:
             yield family
 

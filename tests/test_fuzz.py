@@ -2,10 +2,10 @@
 ranks, equal the serial model, or autotp raises an error documented in docs/errors.md. No other
 exception escapes.
 
-Each example runs as one task on a world of exactly tp ranks: the session's ``cluster`` (4 ranks)
-for tp=4, and a world of 1 and of 2 ranks (spawned once for this module) for the others. With
-no data-parallel replicas, the 2 CPU cores of CI are not spent on repeating a TP group's work. ``AUTOTP_FUZZ_EXAMPLES=n`` changes the CI
-tier's 200 examples (to explore more without the slow tier's 2000).
+Each example runs as one task on a world of exactly tp ranks (the session's ``cluster_of``: 1,
+2 and 4 ranks). With no data-parallel replicas, the 2 CPU cores of CI are not spent on repeating
+a TP group's work. ``AUTOTP_FUZZ_EXAMPLES=n`` changes the CI tier's 120 examples (to explore
+more without the slow tier's 2000).
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ import pytest
 
 import autotp
 from autotp.errors import AutotpError, ConfigError, PlanError
-from autotp.testing_launch import LocalCluster
 from autotp.placements import Shard
 from autotp.runtime.collectives import local_shard
 from tests.fuzz_models import TRACE_BATCH, TRACE_SEQ, FuzzNet, net_specs
@@ -76,12 +75,9 @@ def documented(error: AutotpError) -> bool:
 
 
 @pytest.fixture(scope="module")
-def worlds(cluster):
+def worlds(cluster_of):
     """A world of exactly tp ranks for each tp the fuzzer draws."""
-    small = {1: LocalCluster(1), 2: LocalCluster(2)}
-    yield {**small, 4: cluster}
-    for c in small.values():
-        c.close()
+    return {tp: cluster_of(tp) for tp in (1, 2, 4)}
 
 
 def check_case(worlds: dict, case: dict) -> None:
@@ -97,7 +93,7 @@ def check_case(worlds: dict, case: dict) -> None:
         assert errors[worst] <= BOUND, (rank, worst, errors[worst], case)
 
 
-@settings(max_examples=int(os.environ.get("AUTOTP_FUZZ_EXAMPLES", 200)), deadline=None,
+@settings(max_examples=int(os.environ.get("AUTOTP_FUZZ_EXAMPLES", 120)), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(case=net_specs())
 def test_random_models_run_in_parallel_as_they_do_serially_or_autotp_says_why(worlds, case):

@@ -2,7 +2,8 @@
 
 Hypothesis draws, per family and tp (1..4, 3 included): one of a few tiny structures (layers,
 heads, kv heads with kv < tp among them, head dim, vocabulary, rotary fraction), the batch, a
-sequence length (the capture's own length 8 among them), the weights' seed and the dtype; loss,
+sequence length (the capture's own length 8 among them), the weights' seed and the dtype (the
+fast tier fixes the structure and dtype per tp: FAST_PAIRS); loss,
 logits and every gradient must match the serial model within TOLERANCE (float64 1e-9, float32
 1e-4). The structure is drawn from a small fixed set so that the rank processes, which persist
 across examples, capture each structure once (autotp.capture_cache) and vary everything else.
@@ -77,13 +78,27 @@ def rescale_zero_gradients(model, pm, errors: dict) -> dict:
     return errors
 
 
-def cases(family: str, tp: int):
+#: The fast tier's (structure, dtype) per tp. A structure and dtype not yet seen on a rank cost a
+#: capture and a solve (seconds on 2 cores) where another example of them costs a fraction of one,
+#: so the fast tier gives each tp one pair and draws the rest (batch, length, weights) five times;
+#: over tp 1..4 every family meets both structures in both dtypes: MQA (one kv head) split
+#: unevenly at tp 3, six heads unevenly at 4 with two kv heads (fewer than the ranks at 3 and 4).
+#: The slow tier draws the structure and dtype too.
+FAST_PAIRS = {1: (1, "float32"), 2: (0, "float32"), 3: (1, "float64"), 4: (0, "float64")}
+
+
+def cases(family: str, tp: int, fast: bool = False):
+    dtypes = ["float32"] if family in FLOAT32_ONLY else ["float64", "float32"]
+    structure, dtype = st.sampled_from(STRUCTURES), st.sampled_from(dtypes)
+    if fast:
+        index, name = FAST_PAIRS[tp]
+        structure, dtype = st.just(STRUCTURES[index]), st.just(name if name in dtypes else dtypes[0])
     return st.fixed_dictionaries({
         "family": st.just(family), "tp": st.just(tp),
-        "structure": st.sampled_from(STRUCTURES),
+        "structure": structure,
         "batch": st.integers(1, 3),
         "seq": st.one_of(st.just(EXAMPLE_SEQ), st.integers(2, 16)),
-        "dtype": st.sampled_from(["float32"] if family in FLOAT32_ONLY else ["float64", "float32"]),
+        "dtype": dtype,
         "seed": st.integers(0, 2**16),
     })
 
@@ -135,7 +150,7 @@ _settings = dict(deadline=None, derandomize=True, suppress_health_check=[HealthC
 @settings(max_examples=5, **_settings)      # 20 examples per family over the four tps
 @given(data=st.data())
 def test_family_matches_serial(cluster_of, tp, family, data):
-    assert_family_case(cluster_of, data.draw(cases(family, tp)))
+    assert_family_case(cluster_of, data.draw(cases(family, tp, fast=True)))
 
 
 @pytest.mark.slow
