@@ -4,7 +4,7 @@ exception escapes.
 
 Each example runs as one task on a world of exactly tp ranks (the session's ``cluster_of``: 1,
 2 and 4 ranks). With no data-parallel replicas, the 2 CPU cores of CI are not spent on repeating
-a TP group's work. ``AUTOTP_FUZZ_EXAMPLES=n`` changes the CI tier's 120 examples (to explore
+a TP group's work. ``AUTOTP_FUZZ_EXAMPLES=n`` changes the CI tier's 80 examples (to explore
 more without the slow tier's 2000).
 """
 from __future__ import annotations
@@ -93,7 +93,7 @@ def check_case(worlds: dict, case: dict) -> None:
         assert errors[worst] <= BOUND, (rank, worst, errors[worst], case)
 
 
-@settings(max_examples=int(os.environ.get("AUTOTP_FUZZ_EXAMPLES", 120)), deadline=None,
+@settings(max_examples=int(os.environ.get("AUTOTP_FUZZ_EXAMPLES", 80)), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(case=net_specs())
 def test_random_models_run_in_parallel_as_they_do_serially_or_autotp_says_why(worlds, case):

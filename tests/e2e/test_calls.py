@@ -59,8 +59,8 @@ def call_matches_serial(case: dict) -> tuple[dict, int]:
        padding=st.sampled_from(["none", "left", "right"]), pads=st.lists(st.integers(0, 4), min_size=4, max_size=4),
        position_ids=st.booleans(), token_type_ids=st.booleans(), batch=st.integers(1, 3), seq=st.integers(1, 9),
        seed=st.integers(0, 99))
-def test_every_call_equals_the_serial_call_on_one_layout(cluster, **case):
-    for errors, programs in cluster.run(call_matches_serial, case):
+def test_every_call_equals_the_serial_call_on_one_layout(cluster_of, **case):
+    for errors, programs in cluster_of(case["tp"]).run(call_matches_serial, case):
         worst = max(errors, key=errors.get)
         assert errors[worst] <= TOLERANCE[torch.float64], (case, worst, errors[worst])
 
