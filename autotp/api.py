@@ -281,12 +281,18 @@ def _output_nodes(cap: Capture) -> list:
     return pytree.tree_leaves(out.args[0])
 
 
-def plan(model: nn.Module, tp: int, *, batch: int = 8, seq: int | None = None, profile: Any = None,
+def plan(model: nn.Module, tp: int | None = None, *, batch: int = 8, seq: int | None = None, profile: Any = None,
          layout: Mapping[str, Any] | None = None, uneven: bool = True, gather_logits: bool = True,
          example_inputs: tuple = (), example_kwargs: dict | None = None,
          memory_limit: float | None = None, sequence_parallel: bool | None = None,
-         seq_range: tuple[int, int] | None = None) -> Plan:
+         seq_range: tuple[int, int] | None = None, world: int | None = None,
+         gpus_per_node: int = 8) -> "Plan | PipelinePlan":
     """Choose a plan for ``model`` at ``tp`` without any process group (a meta model works).
+
+    ``world=N`` (with ``gpus_per_node``) chooses tensor x pipeline x data parallelism for N GPUs
+    instead and returns an :class:`autotp.ptd.PipelinePlan` (t, p, d, micro-batch, schedule,
+    predicted step time, bubble, memory per GPU and why; ``batch`` is the global batch, ``tp``
+    fixes t). It plans only: autotp does not run pipeline stages yet.
 
     ``gather_logits=False`` plans for training: logits stay split by vocabulary (the loss is
     computed vocab-parallel either way) and the b*s*V all-gather is not paid.
@@ -294,6 +300,13 @@ def plan(model: nn.Module, tp: int, *, batch: int = 8, seq: int | None = None, p
     ``sequence_parallel``: see :func:`build_plan` (default: only when memory calls for it).
     ``seq_range=(min, max)``: sequence lengths the captured program accepts (default: 2 up to
     the config's maximum positions, else as wide as torch.export allows)."""
+    if world is not None:
+        from .ptd import plan_ptd
+
+        return plan_ptd(model, world, gpus_per_node=gpus_per_node, batch=batch, seq=seq or _default_seq(model),
+                        profile=profile, tp=None if tp is None else check_tp(tp))
+    if tp is None:
+        raise ConfigError("autotp.plan needs tp (or world= to choose tensor x pipeline x data parallelism)")
     tp = check_tp(tp)
     cap = capture_model(model, example_inputs, example_kwargs, seq_range=seq_range)
     check_heads(cap, tp, uneven)

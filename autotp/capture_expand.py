@@ -161,28 +161,28 @@ def _configs(model: nn.Module) -> list[Any]:
     return list(seen.values())
 
 
-def _config_patches(model: nn.Module, stacks: list[Stack]) -> list[tuple[Any, str, Any]]:
+def _config_patches(model: nn.Module, stacks: list[Stack], keep: int = KEEP) -> list[tuple[Any, str, Any]]:
     lengths = {s.n for s in stacks}
     patches = []
     for cfg in _configs(model):
         for name, value in vars(cfg).items():
             if type(value) is int and value in lengths and _LAYER_COUNT.search(name):
-                patches.append((cfg, name, KEEP))
+                patches.append((cfg, name, keep))
             elif isinstance(value, (list, tuple)) and len(value) in lengths and "layer" in name.lower():
                 if any(v != value[1] for v in value[2:]):
                     raise NotExpandable(f"config field {name} differs between layers")
-                patches.append((cfg, name, type(value)(value[:KEEP])))
+                patches.append((cfg, name, type(value)(value[:keep])))
     return patches
 
 
 @contextlib.contextmanager
-def cut(model: nn.Module, stacks: list[Stack]) -> Iterator[None]:
-    """``model`` with every stack cut to its first :data:`KEEP` blocks (and its configs to match)."""
-    patches = _config_patches(model, stacks)
+def cut(model: nn.Module, stacks: list[Stack], keep: int = KEEP) -> Iterator[None]:
+    """``model`` with every stack cut to its first ``keep`` blocks (and its configs to match)."""
+    patches = _config_patches(model, stacks, keep)
     saved = [(cfg, name, cfg.__dict__[name]) for cfg, name, _ in patches]
     try:
         for s in stacks:
-            short = nn.ModuleList(s.blocks[:KEEP])
+            short = nn.ModuleList(s.blocks[:keep])
             short.training = s.original.training
             s.parent._modules[s.attr] = short
         for cfg, name, value in patches:

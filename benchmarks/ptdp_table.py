@@ -44,27 +44,18 @@ def layer_cost(hidden: int, heads: int, t: int, micro_batch: int, gemm_fraction:
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
 
-    from autotp import capture_cache
-    from autotp.api import build_plan
+    from autotp.capture_expand import find_stacks
     from autotp.cost_model import PROFILES
-    from autotp.cost_model.pipeline import LayerCost
+    from autotp.ptd import layer_cost as priced
 
     hf_logging.set_verbosity_error()
     profile = dataclasses.replace(PROFILES["a100-dgx"], flops=PEAK * gemm_fraction)
-    got = {}
-    for layers in (2, 3):
-        with torch.device("meta"):
-            model = GPT2LMHeadModel(GPT2Config(n_embd=hidden, n_head=heads, n_layer=layers, vocab_size=VOCAB,
-                                               n_positions=SEQ)).to(torch.bfloat16)
-        plan, _, _ = build_plan(capture_cache.capture(model), t, batch=micro_batch, seq=SEQ, profile=profile,
-                                memory_limit=float("inf"))
-        got[layers] = (plan.compute_s + plan.comm_s, max(plan.param_bytes_per_rank()) / 2, plan.activation_bytes)
-    (t2, p2, a2), (t3, p3, a3) = got[2], got[3]
-    layer_params, outside_params = p3 - p2, p2 - 2 * (p3 - p2)
-    # the plan prices an optimizer step with each forward and backward; the pipeline prices it once
-    layer_s = (t3 - t2) - profile.update_time(layer_params)
-    outside_s = (t2 - 2 * (t3 - t2)) - profile.update_time(outside_params)
-    return LayerCost(layer_s, outside_s, layer_params, outside_params, a3 - a2, micro_batch * SEQ * hidden * 2), profile
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config(n_embd=hidden, n_head=heads, n_layer=4, vocab_size=VOCAB,
+                                           n_positions=SEQ)).to(torch.bfloat16)
+    # autotp.ptd.layer_cost: the plans of the model cut to 2 and 3 layers (what autotp.plan(model,
+    # world=N) prices with)
+    return priced(model, find_stacks(model)[0], t, micro_batch, SEQ, profile), profile
 
 
 def main() -> None:

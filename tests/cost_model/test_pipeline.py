@@ -53,3 +53,51 @@ def test_the_papers_flop_count_of_the_1t_row():
     f = model_flops(batch=3072, seq=2048, layers=128, hidden=25600, vocab=51200)
     by_hand = 96 * 3072 * 2048 * 128 * 25600**2 * (1 + 2048 / (6 * 25600) + 51200 / (16 * 128 * 25600))
     assert f == by_hand and 102 < f / (163e12 * 3072) < 103
+
+
+# ---- autotp.plan(model, world=N): the choice for a captured model ------------------------------
+
+def _meta_gpt2(layers: int = 8):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        return GPT2LMHeadModel(GPT2Config(n_embd=256, n_head=8, n_layer=layers, vocab_size=1000, n_positions=128))
+
+
+def test_plan_with_world_chooses_t_p_d_within_a_node_and_says_why():
+    import autotp
+    from autotp.ptd import PipelinePlan
+
+    got = autotp.plan(_meta_gpt2(), world=16, gpus_per_node=4, batch=32, seq=128, profile="a100-dgx")
+    assert isinstance(got, PipelinePlan) and got.layers == 8
+    for c in got.choices:
+        assert c.t * c.p * c.d == 16 and c.t <= 4 and 8 % c.p == 0 and 32 % (c.d * c.micro_batch) == 0
+        assert c.micro_batches == 32 // (c.d * c.micro_batch)
+    assert [c.step_s for c in got.choices] == sorted(c.step_s for c in got.choices)
+    assert len({(c.t, c.p) for c in got.choices}) > 1     # the search saw several (t, p)
+    text = str(got)
+    best = got.best
+    assert f"chosen: t={best.t} x p={best.p} x d={best.d}" in text and "pipeline bubble" in text
+    assert "tensor parallelism stays inside a node (4 GPUs)" in text
+    assert "t in [8, 16] would put tensor parallelism's all-reduces on the inter-node link" in text
+    fixed = autotp.plan(_meta_gpt2(), 2, world=16, gpus_per_node=4, batch=32, seq=128, profile="a100-dgx")
+    assert {c.t for c in fixed.choices} == {2}
+
+
+def test_plan_with_world_refuses_what_cannot_be_split_clearly():
+    import pytest
+    import torch
+
+    import autotp
+    from autotp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="world=0: give the number of GPUs"):
+        autotp.plan(_meta_gpt2(), world=0, seq=128)
+    with pytest.raises(ConfigError, match=r"one stack of more than 3 identical blocks .* found 0 \(none\)"):
+        autotp.plan(torch.nn.Linear(4, 4), world=4, seq=8)
+    # 3 GPUs, 2 per node: t = 1, p divides 8 layers and 3 GPUs -> 1, d = 3 does not divide batch 32
+    with pytest.raises(ConfigError, match=r"no \(t, p, d\) fits 3 GPUs .* Change world, batch or gpus_per_node"):
+        autotp.plan(_meta_gpt2(), world=3, gpus_per_node=2, batch=32, seq=128)
+    with pytest.raises(ConfigError, match="needs tp"):
+        autotp.plan(_meta_gpt2())
