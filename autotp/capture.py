@@ -134,13 +134,18 @@ def _forward_params(model: torch.nn.Module) -> set[str]:
         return set()
 
 
-def _max_positions(model: torch.nn.Module) -> int | None:
+def config_int(model: torch.nn.Module, *names: str) -> int | None:
+    """The first of ``names`` that the model's config holds as an int, or None."""
     config = getattr(model, "config", None)
-    for name in ("n_positions", "max_position_embeddings", "n_ctx"):
+    for name in names:
         value = getattr(config, name, None)
         if isinstance(value, int):
             return value
     return None
+
+
+def _max_positions(model: torch.nn.Module) -> int | None:
+    return config_int(model, "n_positions", "max_position_embeddings", "n_ctx")
 
 
 #: the widest sequence range tried when neither the model's config nor the caller bounds it

@@ -166,12 +166,9 @@ def layer_cost(model: nn.Module, stack: Any, t: int, micro_batch: int, seq: int,
 
 
 def _hidden(model: nn.Module) -> int | None:
-    config = getattr(model, "config", None)
-    for name in ("hidden_size", "n_embd", "d_model"):
-        value = getattr(config, name, None)
-        if isinstance(value, int):
-            return value
-    return None
+    from .capture import config_int
+
+    return config_int(model, "hidden_size", "n_embd", "d_model")
 
 
 @contextlib.contextmanager

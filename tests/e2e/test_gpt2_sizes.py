@@ -35,28 +35,15 @@ def check_size_case(case: dict) -> dict:
     return equivalence_errors(model, pm, inputs), pm.plan.comm_counts()
 
 
-_fast_sizes = given(size=st.sampled_from(sorted(HEADS)), layers=st.integers(1, 2), head_dim=st.sampled_from([2, 4]),
-                    seq=st.integers(2, 12), dtype=st.sampled_from(["float64", "float32"]), seed=st.integers(0, 999))
-
-
-@pytest.mark.parametrize("tp", range(1, 5))
+# tp 8 in the slow tier: 8 ranks spawn and capture at once on CI's 2 cores (~30 s); the fast tier
+# has one rank of tp 8 per family on the fake backend (tests/test_fake_backend.py), and the slow
+# tier below also runs tp 5-7 and every size at every tp
+@pytest.mark.parametrize("tp", [1, 2, 3, 4, pytest.param(8, marks=pytest.mark.slow)])
 @settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
           derandomize=True)
-@_fast_sizes
+@given(size=st.sampled_from(sorted(HEADS)), layers=st.integers(1, 2), head_dim=st.sampled_from([2, 4]),
+       seq=st.integers(2, 12), dtype=st.sampled_from(["float64", "float32"]), seed=st.integers(0, 999))
 def test_every_gpt2_size_at_every_tp_matches_serial(cluster_of, tp, size, layers, head_dim, seq, dtype, seed):
-    _assert_size_case_matches(cluster_of, dict(tp=tp, size=size, layers=layers, head_dim=head_dim, seq=seq,
-                                               dtype=dtype, seed=seed))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("tp", [8])
-@settings(max_examples=1, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
-          derandomize=True)
-@_fast_sizes
-def test_every_gpt2_size_at_tp_8_matches_serial(cluster_of, tp, size, layers, head_dim, seq, dtype, seed):
-    # 8 ranks spawn and capture at once on CI's 2 cores (~30 s): the slow tier's, with tp 5-7 and
-    # every size at every tp (below); the fast tier has one rank of tp 8 per family on the fake
-    # backend (tests/test_fake_backend.py)
     _assert_size_case_matches(cluster_of, dict(tp=tp, size=size, layers=layers, head_dim=head_dim, seq=seq,
                                                dtype=dtype, seed=seed))
 
