@@ -89,7 +89,16 @@ def main() -> int:
 
         results = [None] * dist.get_world_size()
         dist.all_gather_object(results, result)
-        return report(results, args) if dist.get_rank() == 0 else 0
+        rank = dist.get_rank()
+        dist.destroy_process_group()   # every rank leaves the group before any exits
+        code = report(results, args) if rank == 0 else 0
+        # The job is done and reported. Skip the interpreter's C++ teardown: under torchrun a rank
+        # aborted in a static destructor after this point in 2 of 6-8 runs ("terminate called
+        # without an active exception", exit -6, so torchrun failed a passed job); not reproduced
+        # by a bare gloo job with an export, cause not found yet.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     from autotp.testing import launch
 
     return report(launch(run, args.tp, args, timeout=900.0), args)

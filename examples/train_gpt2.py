@@ -107,7 +107,16 @@ def main() -> int:
         init_from_env()
         args.world = dist.get_world_size()
         log = train(args)
-        return report([log], args) if dist.get_rank() == 0 else 0
+        rank = dist.get_rank()
+        dist.destroy_process_group()   # every rank leaves the group before any exits
+        code = report([log], args) if rank == 0 else 0
+        # The job is done and reported. Skip the interpreter's C++ teardown: under torchrun a rank
+        # aborted in a static destructor after this point in 2 of 6-8 runs ("terminate called
+        # without an active exception", exit -6, so torchrun failed a passed job); not reproduced
+        # by a bare gloo job with an export, cause not found yet.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     from autotp.testing import launch
 
     return report(launch(train, args.world, args, timeout=900.0), args)

@@ -19,6 +19,7 @@ the accelerator's stream. Under a gloo world it is the TP group itself.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import numbers
 import os
@@ -83,7 +84,19 @@ def init_from_env(backend: str | None = None, timeout: datetime.timedelta | None
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=timeout or collective_timeout())
+    atexit.register(_leave)
     return backend
+
+
+def _leave() -> None:
+    """At exit, destroy the process group this module made: a process that exits with gloo's
+    threads still running can abort in their destructors ("terminate called without an active
+    exception", exit code -6, seen under torchrun after the job had passed)."""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:   # exiting anyway; never turn a finished job into a failure
+            pass
 
 
 @dataclass(frozen=True)
