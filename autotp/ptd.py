@@ -146,14 +146,18 @@ def layer_cost(model: nn.Module, stack: Any, t: int, micro_batch: int, seq: int,
     prices it once a step)."""
     from .api import build_plan
     from .capture_cache import capture
-    from .capture_expand import cut
+    from .capture_expand import NotExpandable, cut
 
     prof = get_profile(profile)
     got = {}
     for keep in (2, 3):
-        with cut(model, [stack], keep):
-            plan, _, _ = build_plan(capture(model), t, batch=micro_batch, seq=seq, profile=prof,
-                                    memory_limit=float("inf"))
+        try:
+            with cut(model, [stack], keep):
+                plan, _, _ = build_plan(capture(model), t, batch=micro_batch, seq=seq, profile=prof,
+                                        memory_limit=float("inf"))
+        except NotExpandable as why:
+            raise ConfigError(f"pipeline planning cuts {stack.path} to {keep} blocks to price one, and this model "
+                              f"cannot be cut: {why}. Plan tensor parallelism alone with autotp.plan(model, tp)") from why
         got[keep] = (plan.compute_s + plan.comm_s, max(plan.param_bytes_per_rank()) / plan.dtype_bytes,
                      plan.activation_bytes, plan.dtype_bytes)
     (t2, p2, a2, size), (t3, p3, a3, _) = got[2], got[3]
