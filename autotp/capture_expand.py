@@ -31,6 +31,10 @@ same order, same ops, same inputs and outputs).
    underscores, checked on the cut graph), its recurrent inputs taken from the previous copy and
    its module paths shifted; what followed the stack reads the last copy.
 
+:func:`expand` takes ``keep``: a model captured before, whose three-block check held, is cut
+to two blocks where block 0 is alike the rest (:attr:`Stack.uniform`), and block 1's segment
+is checked against block 0's own nodes (see :func:`autotp.capture._export_cut`).
+
 Any check that fails raises :class:`NotExpandable`, and :func:`autotp.capture.capture` exports
 the whole model instead (logged at debug level). ``tests/test_capture_expand.py`` compares the
 result with a full capture (graph, outputs, plan) for GPT-2, Llama, BERT and T5.
@@ -66,6 +70,7 @@ class Stack:
     attr: str
     blocks: list             # the full list's modules
     original: nn.ModuleList
+    uniform: bool = False    # block 0 is alike the rest too (T5's is not)
 
     @property
     def n(self) -> int:
@@ -93,20 +98,22 @@ def find_stacks(model: nn.Module) -> list[Stack]:
         if any(path.startswith(s.path + ".") for s in stacks) or len(owners[id(mod)]) != 1:
             continue
         blocks = list(mod)
-        if not _alike(path, blocks, owners, tensor_owners):
+        if len({type(b) for b in blocks}) != 1 or not _own(path, blocks, owners, tensor_owners):
+            continue
+        try:
+            described = [_describe_block(b) for b in blocks]
+        except Uncacheable:
+            continue
+        if not _repeats(described, 1):
             continue
         parent_path, _, attr = path.rpartition(".")
-        stacks.append(Stack(path, modules[parent_path] if parent_path else model, attr, blocks, mod))
+        stacks.append(Stack(path, modules[parent_path] if parent_path else model, attr, blocks, mod,
+                            uniform=_repeats(described[:2], 0)))
     return stacks
 
 
-def _alike(path: str, blocks: list, owners: dict, tensor_owners: dict) -> bool:
-    if len({type(b) for b in blocks}) != 1:
-        return False
-    try:
-        described = [_describe_block(b) for b in blocks]
-    except Uncacheable:
-        return False
+def _own(path: str, blocks: list, owners: dict, tensor_owners: dict) -> bool:
+    """No block shares a module or a tensor with the rest of the model."""
     for i, block in enumerate(blocks):
         prefix = f"{path}.{i}"
         for sub in block.modules():
@@ -115,11 +122,17 @@ def _alike(path: str, blocks: list, owners: dict, tensor_owners: dict) -> bool:
         for _, t in [*block.named_parameters(remove_duplicate=False), *block.named_buffers(remove_duplicate=False)]:
             if any(not n.startswith(prefix + ".") for n in tensor_owners.get(id(t), [])):
                 return False   # a tied tensor
-    first = described[1]
-    if any(len(d) != len(first) for d in described[2:]):
+    return True
+
+
+def _repeats(described: list, start: int) -> bool:
+    """Blocks ``start..`` of ``described`` (one description per block) are alike: the same
+    entries, equal but for ints that count with the block (block i holds ``i + c``)."""
+    first = described[start]
+    if any(len(d) != len(first) for d in described[start + 1:]):
         return False
     for k, (key, text, _) in enumerate(first):
-        column = [d[k] for d in described[1:]]
+        column = [d[k] for d in described[start:]]
         if any(c[0] != key for c in column):
             return False
         if all(c[1] == text for c in column):
@@ -127,7 +140,7 @@ def _alike(path: str, blocks: list, owners: dict, tensor_owners: dict) -> bool:
         values = [c[2] for c in column]   # allowed to differ: an int that counts with the block
         if not all(type(v) is int for v in values):
             return False
-        if len({v - i for i, v in enumerate(values, start=1)}) != 1:
+        if len({v - i for i, v in enumerate(values, start=start)}) != 1:
             return False
     return True
 
@@ -220,8 +233,9 @@ class Expanded:
     stacks: tuple              # the stacks' paths
 
 
-def expand(ep: torch.export.ExportedProgram, model: nn.Module, stacks: list[Stack]) -> Expanded:
-    """The full model's graph from the cut program ``ep`` (see the module docs)."""
+def expand(ep: torch.export.ExportedProgram, model: nn.Module, stacks: list[Stack], keep: int = KEEP) -> Expanded:
+    """The full model's graph from the program ``ep`` of the model cut to ``keep`` blocks (see
+    the module docs)."""
     from torch.export.graph_signature import InputKind
 
     kinds = {InputKind.PARAMETER: "p_", InputKind.BUFFER: "b_"}
@@ -239,7 +253,7 @@ def expand(ep: torch.export.ExportedProgram, model: nn.Module, stacks: list[Stac
             raise NotExpandable(f"input kind {spec.kind}")
 
     def dropped(fqn: str) -> bool:
-        return any(fqn.startswith(f"{s.path}.{k}.") for s in stacks for k in range(KEEP, s.n))
+        return any(fqn.startswith(f"{s.path}.{k}.") for s in stacks for k in range(keep, s.n))
 
     full_params = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     full_buffers = [n for n, _ in model.named_buffers(remove_duplicate=False)]
@@ -264,7 +278,7 @@ def expand(ep: torch.export.ExportedProgram, model: nn.Module, stacks: list[Stac
             else:
                 stack = next(s for s in stacks if fqn.startswith(s.path + "."))
                 k = int(fqn[len(stack.path) + 1:].split(".", 1)[0])
-                template = old_ph[cut_names[_shift_fqn(fqn, stack.path, k, KEEP - 1)]]
+                template = old_ph[cut_names[_shift_fqn(fqn, stack.path, k, keep - 1)]]
                 node = graph.placeholder(placeholder_name(kind, fqn))
                 if node.name != placeholder_name(kind, fqn):
                     raise NotExpandable(f"placeholder name {placeholder_name(kind, fqn)} is taken")
@@ -279,7 +293,7 @@ def expand(ep: torch.export.ExportedProgram, model: nn.Module, stacks: list[Stac
             env[n] = graph.node_copy(n, lambda a: env[a])
     fqn_of = {node: fqn for fqn, node in by_fqn.items()}
     for stack in stacks:
-        _expand_stack(graph, stack, by_fqn, fqn_of)
+        _expand_stack(graph, stack, by_fqn, fqn_of, keep)
     graph.lint()
     # the cut program's module takes the grown graph: it holds the submodules its get_attr nodes
     # name; its code is generated once, by capture's last step (fx's graph setter would
@@ -301,27 +315,31 @@ def _block_of(node: fx.Node, stack: str) -> int | None:
     return None
 
 
-def _expand_stack(graph: fx.Graph, stack: Stack, by_fqn: dict, fqn_of: dict) -> None:
+def _expand_stack(graph: fx.Graph, stack: Stack, by_fqn: dict, fqn_of: dict, keep: int) -> None:
+    """Blocks ``keep..`` of ``stack`` written into ``graph`` as copies of block ``keep - 1``'s
+    segment (*seg2* below), once it is checked to repeat block ``keep - 2``'s (*seg1*)."""
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     block = {n: _block_of(n, stack.path) for n in nodes if n.op == "call_function"}
     ends, starts = [], []
-    for i in range(KEEP):
+    for i in range(keep):
         mine = [pos[n] for n, b in block.items() if b == i]
         if not mine:
             raise NotExpandable(f"{stack.path}.{i} has no ops in the graph")
         starts.append(min(mine))
         ends.append(max(mine))
-    if any(b is not None and b >= KEEP for b in block.values()):
-        raise NotExpandable(f"{stack.path} has ops of blocks past {KEEP - 1}")
-    for i in range(1, KEEP):
+    if any(b is not None and b >= keep for b in block.values()):
+        raise NotExpandable(f"{stack.path} has ops of blocks past {keep - 1}")
+    for i in range(1, keep):
         if starts[i] <= ends[i - 1]:
             raise NotExpandable(f"{stack.path}.{i} interleaves with the block before it")
-    seg1 = nodes[ends[0] + 1: ends[1] + 1]
-    seg2 = nodes[ends[1] + 1: ends[2] + 1]
-    tail = nodes[ends[2] + 1:]
+    one, two = keep - 2, keep - 1   # the blocks compared: seg2 is the template of the rest
+    # block 0's segment is its own ops: what comes before it is the parent's, run once
+    seg1 = nodes[(ends[one - 1] + 1 if one else starts[0]): ends[one] + 1]
+    seg2 = nodes[ends[one] + 1: ends[two] + 1]
+    tail = nodes[ends[two] + 1:]
     if len(seg1) != len(seg2) or not seg2:
-        raise NotExpandable(f"{stack.path}: block 2's segment has {len(seg2)} nodes, block 1's {len(seg1)}")
+        raise NotExpandable(f"{stack.path}: block {two}'s segment has {len(seg2)} nodes, block {one}'s {len(seg1)}")
     in1, in2 = set(seg1), set(seg2)
     phi: dict[fx.Node, fx.Node] = {}
     rec: dict[fx.Node, fx.Node] = {}   # an input of segment 1 from before it -> segment 2's (in segment 1)
@@ -332,9 +350,8 @@ def _expand_stack(graph: fx.Graph, stack: Stack, by_fqn: dict, fqn_of: dict) -> 
                 return False
             if xa in in1:
                 return phi.get(xa) is xb
-            if xa.op == "placeholder":
-                fqn = fqn_of.get(xa)
-                shifted = _shift_fqn(fqn, stack.path, 1, 2) if fqn is not None else None
+            if xa.op == "placeholder" and xa in fqn_of:   # a parameter or buffer: block one's is block two's
+                shifted = _shift_fqn(fqn_of[xa], stack.path, one, two)
                 return xb is (by_fqn.get(shifted) if shifted is not None else xa)
             if xb is xa:
                 return True
@@ -352,23 +369,23 @@ def _expand_stack(graph: fx.Graph, stack: Stack, by_fqn: dict, fqn_of: dict) -> 
     for a, b in zip(seg1, seg2):
         if a.op != "call_function" or b.op != "call_function" or a.target != b.target:
             raise NotExpandable(f"{stack.path}: {b.name} ({b.target}) does not repeat {a.name} ({a.target})")
-        if [_shift(p, stack.path, 1, 2) for p in _stack_paths(a)] != _stack_paths(b):
+        if [_shift(p, stack.path, one, two) for p in _stack_paths(a)] != _stack_paths(b):
             raise NotExpandable(f"{stack.path}: {b.name}'s module path does not repeat {a.name}'s")
         if not (match(a.args, b.args) and match(a.kwargs, b.kwargs)):
             raise NotExpandable(f"{stack.path}: the inputs of {b.name} do not repeat those of {a.name}")
         phi[a] = b
     for n in seg1:
         if any(u not in in1 and u not in in2 for u in n.users):
-            raise NotExpandable(f"{stack.path}: {n.name} of block 1 is used after block 2")
+            raise NotExpandable(f"{stack.path}: {n.name} of block {one} is used after block {two}")
     inv_rec = {v: k for k, v in rec.items()}   # segment-1 node that segment 2 reads as its recurrent input
 
     marker = "\0"   # where the block index goes in segment 2's module paths
-    stacks_of = {n: [(_shift(key, stack.path, KEEP - 1, marker), _shift(p, stack.path, KEEP - 1, marker), t)
+    stacks_of = {n: [(_shift(key, stack.path, two, marker), _shift(p, stack.path, two, marker), t)
                      for key, (p, t) in (n.meta.get("nn_module_stack") or {}).items()] for n in seg2}
     previous = {n: phi[n] for n in inv_rec}    # recurrent input (segment 1 node) -> the last copy's
     last = {n: n for n in seg2}
     anchor = tail[0]
-    for k in range(KEEP, stack.n):
+    for k in range(keep, stack.n):
         copies: dict[fx.Node, fx.Node] = {}
 
         def arg(x: fx.Node) -> fx.Node:
@@ -377,7 +394,7 @@ def _expand_stack(graph: fx.Graph, stack: Stack, by_fqn: dict, fqn_of: dict) -> 
             if x in in1:
                 return previous[x]
             if x.op == "placeholder" and x in fqn_of:
-                shifted = _shift_fqn(fqn_of[x], stack.path, KEEP - 1, k)
+                shifted = _shift_fqn(fqn_of[x], stack.path, two, k)
                 if shifted is not None:
                     return by_fqn[shifted]
             return x

@@ -114,6 +114,45 @@ def test_a_new_signature_is_expanded_too():
     torch.testing.assert_close(run(fast, model, ids)["logits"], model(**ids).logits, rtol=1e-9, atol=1e-9)
 
 
+@pytest.fixture
+def keeps(monkeypatch):
+    """The number of blocks each expanded capture was cut to, in order."""
+    from autotp import capture_expand
+
+    seen = []
+    real = capture_expand.expand
+
+    def spy(ep, model, stacks, keep=capture_expand.KEEP):
+        out = real(ep, model, stacks, keep)
+        seen.append(keep)
+        return out
+
+    monkeypatch.setattr(capture_expand, "expand", spy)
+    return seen
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_a_later_signature_cuts_to_two_blocks(family, keeps):
+    """Once a model's first capture checked three blocks, another call of it is cut to two
+    where block 0 is alike the rest (not T5's) and is still the whole export, node for node."""
+    fam = zoo.FAMILIES[family]
+    config = zoo.tiny_config(family, layers=LAYERS, heads=4, kv_heads=2 if fam.kv_heads else None)
+    model = zoo.build(family, config, dtype=torch.float64).eval()
+    seq_range = (3, 32) if family == "t5" else None
+    first = capture(model, seq_range=seq_range)
+    batch = zoo.example_batch(family, config, batch=2, seq=7)
+    if family != "t5":   # T5 reads its decoder's inputs off the labels
+        batch.pop("labels")   # another call: no labels, no loss
+    fast = capture(model, example_kwargs=batch, seq_range=seq_range)
+    assert first.expanded == fast.expanded == CASES[family]
+    assert keeps == [KEEP, KEEP if family == "t5" else 2]
+    assert_same_capture(fast, whole(model, example_kwargs=batch, seq_range=seq_range))
+    got = run(fast, model, batch)
+    with torch.no_grad():
+        want = model(**batch)
+    torch.testing.assert_close(got["logits"], want.logits, rtol=1e-9, atol=1e-9)
+
+
 def test_training_mode_dropout_is_expanded():
     """Train mode: every block's dropout ops are in the graph, each block's its own."""
     config = zoo.tiny_config("gpt2", layers=LAYERS)
@@ -164,12 +203,28 @@ def test_a_plain_stack_is_expanded():
     torch.testing.assert_close(run(cap, model, {"x": x}), model(x), rtol=1e-12, atol=1e-12)
 
 
-def test_blocks_the_parent_treats_differently_are_captured_whole():
+def test_blocks_the_parent_treats_differently_are_captured_whole(keeps):
     model = Toy(odd_scale=True).double()
     cap, x = _toy_capture(model)
     assert cap.expanded == ()   # block 2's segment does not repeat block 1's (no x * 2 after it)
     assert_same_capture(cap, whole(model, example_kwargs={"x": x}))
     assert len(model.blocks) == LAYERS
+    # cut to two blocks, block 1 would repeat block 0 (the x * 2 after block 1 is not in its
+    # segment): a model the three-block check refused is never cut to two
+    x = torch.randn(3, 4, 8, dtype=torch.float64)
+    again = capture(model, example_kwargs={"x": x}, dynamic=False)
+    assert again.expanded == () and keeps == []
+    torch.testing.assert_close(run(again, model, {"x": x}), model(x), rtol=1e-12, atol=1e-12)
+
+
+def test_a_plain_stack_is_cut_to_two_blocks_the_second_time(keeps):
+    model = Toy().double()
+    _toy_capture(model)
+    x = torch.randn(3, 4, 8, dtype=torch.float64)
+    cap = capture(model, example_kwargs={"x": x}, dynamic=False)
+    assert keeps == [KEEP, 2] and cap.expanded == ("blocks",)
+    assert_same_capture(cap, whole(model, example_kwargs={"x": x}, dynamic=False))
+    torch.testing.assert_close(run(cap, model, {"x": x}), model(x), rtol=1e-12, atol=1e-12)
 
 
 def test_stacks_that_are_not_alike_are_not_cut():

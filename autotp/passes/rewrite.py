@@ -25,7 +25,7 @@ from ..errors import PlanError
 from ..placements import Partial, Placement, Replicate, Shard, local_size
 from ..runtime import collectives as C
 from ..runtime.rng import RandomOp, draws_random
-from .propagate import GraphIndex, Propagation, _conversion, _dim_size, _meta, _sharded_compute, wants_f
+from .propagate import GraphIndex, Propagation, _conversion, _dim_size, _meta, _sharded_compute, map_args, wants_f
 from .rules import LocalContext, localizer
 
 
@@ -192,7 +192,7 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
                 return next(it) if _meta(a) is not None else env[a]
             return a
 
-        args, kwargs = pytree.tree_map(swap, (node.args, dict(node.kwargs)))
+        args, kwargs = map_args(swap, node)
         target = node.target
         loc = localizer(target)
         if loc is not None:

@@ -29,6 +29,16 @@ class TensorMeta:
     shape: tuple[sympy.Expr, ...]
     dtype: torch.dtype
 
+    def __hash__(self) -> int:   # cached: metas key the cost caches, one lookup per strategy
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.shape, self.dtype))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:   # a symbol's hash differs between processes
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     @property
     def ndim(self) -> int:
         return len(self.shape)
@@ -51,6 +61,15 @@ class Strategy:
     output: OutputPlacement
     #: collectives the op runs inside itself (vocab-parallel loss): (kind, TensorMeta moved)
     internal: tuple = ()
+
+    def __hash__(self) -> int:   # cached, as TensorMeta's
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.inputs, self.output, self.internal))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    __getstate__ = TensorMeta.__getstate__
 
     def __repr__(self) -> str:
         return f"{list(self.inputs)} -> {self.output}"
