@@ -141,8 +141,9 @@ def _pinned(cap: Capture, layout: Mapping[str, Any] | None, plan: Plan | None) -
             f"layout pattern(s) {unmatched} match no parameter of {cap.model_name}: patterns are globs over the "
             f"names named_parameters() shows (e.g. {shown}, ...); a tied parameter answers to each of its names"
         )
+    nodes = {n.name: n for n in cap.graph.nodes if n.op == "placeholder"}
     for placeholder, fqn in cap.param_names.items():
-        node = next(n for n in cap.graph.nodes if n.name == placeholder)
+        node = nodes[placeholder]
         if fqn in cap.aliases:
             continue
         if plan is not None:
@@ -162,7 +163,7 @@ def _pinned(cap: Capture, layout: Mapping[str, Any] | None, plan: Plan | None) -
 @gc_paused()
 def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = None,
                layout: Mapping[str, Any] | None = None, plan: Plan | None = None,
-               uneven: bool = True, gather_logits: bool = True,
+               uneven: bool = True, gather_logits: bool | None = None,
                memory_limit: float | None = None,
                sequence_parallel: bool | None = None,
                input_placements: Mapping[str, Placement] | None = None,
@@ -176,11 +177,17 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
 
     ``sequence_parallel``: may the solver split layer-norm/dropout/residual regions along the
     sequence (Korthikanti et al.)? None (default): only when the fastest plan without it does not
-    fit the memory limit; True: whenever the cost model prefers it; False: never."""
+    fit the memory limit; True: whenever the cost model prefers it; False: never.
+
+    ``gather_logits``: None (default) keeps the output named ``logits`` split by vocabulary
+    where the call also returns a loss (labels given: training needs the loss, computed
+    vocab-parallel, not the b*s*V logits) and gathers it otherwise; True always gathers, False
+    never does."""
     prof = get_profile(profile)
     limit = prof.memory if memory_limit is None else memory_limit
     names = cap.output_names
-    keep = frozenset(i for i, n in enumerate(names) if n in keep_split or (n == "logits" and not gather_logits))
+    split_logits = not gather_logits if gather_logits is not None else "loss" in names
+    keep = frozenset(i for i, n in enumerate(names) if n in keep_split or (n == "logits" and split_logits))
     by_key = dict(zip(cap.input_keys, cap.user_inputs))
     arriving = {by_key[k]: p for k, p in (input_placements or {}).items()}
     index = GraphIndex.build(cap, tp, batch, seq, uneven=uneven, sharded_outputs=keep,
@@ -225,16 +232,16 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
             raise PlanError(f"no feasible plan: {prop.infeasible}")
     uses = _first_uses(cap)
     params, shapes, roles = {}, {}, {}
+    nodes = {n.name: n for n in cap.graph.nodes}
     for placeholder, fqn in cap.param_names.items():
         if fqn in cap.aliases:
             continue
-        node = next(n for n in cap.graph.nodes if n.name == placeholder)
+        node = nodes[placeholder]
         p = prop.params.get(placeholder, REPLICATE)
         params[fqn] = p
         shapes[fqn] = tuple(int(s) for s in node.meta["val"].shape)
         use = uses.get(placeholder)
         roles[fqn] = role_of(p, use[0] if use else None, use[1] if use else -1)
-    nodes = {n.name: n for n in cap.graph.nodes}
     comms = [CommOp(c.kind, c.tensor, c.consumer, repr(c.src), repr(c.dst), c.fwd_bytes, c.bwd_bytes, c.seconds,
                     module_path(nodes[c.consumer]) if c.consumer in nodes else "")
              for c in prop.comms]
@@ -243,7 +250,7 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
     result = Plan(tp=tp, profile=prof.name, batch=batch, seq=seq, params=params, shapes=shapes, roles=roles,
                   comms=comms, compute_s=prop.compute_s, comm_s=prop.comm_s, dtype_bytes=dtype_bytes,
                   aliases=dict(cap.aliases),
-                  sharded_outputs={names[i]: prop.placements[n] for i, n in enumerate(_output_nodes(cap))
+                  sharded_outputs={names[i]: prop.placements[n] for i, n in enumerate(cap.output_nodes)
                                    if i in keep and isinstance(prop.placements.get(n), Shard)},
                   memory_bytes=prop.memory_bytes, activation_bytes=prop.activation_bytes, memory_limit=limit,
                   expressions=cost_expressions(index, prop, prof), notes=notes,
@@ -274,15 +281,8 @@ def _replicated_note(result: Plan, layout: Mapping[str, Any] | None) -> str | No
             + ("" if not layout else "; the given layout's pins are applied"))
 
 
-def _output_nodes(cap: Capture) -> list:
-    import torch.utils._pytree as pytree
-
-    out = next(n for n in cap.graph.nodes if n.op == "output")
-    return pytree.tree_leaves(out.args[0])
-
-
 def plan(model: nn.Module, tp: int | None = None, *, batch: int = 8, seq: int | None = None, profile: Any = None,
-         layout: Mapping[str, Any] | None = None, uneven: bool = True, gather_logits: bool = True,
+         layout: Mapping[str, Any] | None = None, uneven: bool = True, gather_logits: bool | None = None,
          example_inputs: tuple = (), example_kwargs: dict | None = None,
          memory_limit: float | None = None, sequence_parallel: bool | None = None,
          seq_range: tuple[int, int] | None = None, world: int | None = None,
@@ -294,8 +294,9 @@ def plan(model: nn.Module, tp: int | None = None, *, batch: int = 8, seq: int | 
     predicted step time, bubble, memory per GPU and why; ``batch`` is the global batch, ``tp``
     fixes t). It plans only: autotp does not run pipeline stages yet.
 
-    ``gather_logits=False`` plans for training: logits stay split by vocabulary (the loss is
-    computed vocab-parallel either way) and the b*s*V all-gather is not paid.
+    ``gather_logits``: by default logits stay split by vocabulary in a call that returns a loss
+    (labels given, as in the default example inputs: the b*s*V all-gather is not paid) and are
+    gathered in one without; True or False fixes it (see :func:`build_plan`).
     ``memory_limit``: bytes per rank the plan may use (default: the profile's device memory).
     ``sequence_parallel``: see :func:`build_plan` (default: only when memory calls for it).
     ``seq_range=(min, max)``: sequence lengths the captured program accepts (default: 2 up to
@@ -335,7 +336,7 @@ def _default_profile(device: torch.device) -> str:
 
 def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: Mapping[str, Any] | None = None,
                 profile: Any = None, batch: int = 8, seq: int | None = None, uneven: bool = True,
-                gather_logits: bool = True, memory_limit: float | None = None,
+                gather_logits: bool | None = None, memory_limit: float | None = None,
                 example_inputs: tuple = (), example_kwargs: dict | None = None,
                 device: torch.device | str | None = None,
                 backend: str | None = None, seed: int | None = None,
@@ -364,7 +365,7 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
 
 
 def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, layout: Mapping[str, Any] | None,
-                 profile: Any, batch: int, seq: int | None, uneven: bool, gather_logits: bool,
+                 profile: Any, batch: int, seq: int | None, uneven: bool, gather_logits: bool | None,
                  memory_limit: float | None, example_inputs: tuple, example_kwargs: dict | None,
                  device: torch.device | str, backend: str | None, seed: int | None,
                  activation_checkpointing: bool, sequence_parallel: bool | None = None,

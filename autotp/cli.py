@@ -60,7 +60,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     model = build(load_config(args.model, args.layers), meta=True)
     limit = args.memory_limit * 1024 ** 3 if args.memory_limit else None
     plan = autotp.plan(model, tp=args.tp, batch=args.batch, seq=args.seq, profile=args.profile,
-                       gather_logits=not args.sharded_logits, memory_limit=limit)
+                       gather_logits={"auto": None, "gather": True, "split": False}[args.logits],
+                       memory_limit=limit)
     print(plan.to_json() if args.json else plan)
     return 0
 
@@ -114,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--memory-limit", type=float, default=None, help="GiB per rank")
-    p.add_argument("--sharded-logits", action="store_true", help="plan for logits kept vocab-sharded")
+    p.add_argument("--logits", choices=("auto", "gather", "split"), default="auto",
+                   help="logits gathered or kept split by vocabulary (auto: split when the call returns a loss)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=cmd_plan)
     c = sub.add_parser("check", help="parallelize on local gloo ranks and compare with the serial model")

@@ -83,6 +83,26 @@ def _module_grad_norms(model: nn.Module) -> dict[str, float]:
     return {owner: total ** 0.5 for owner, total in squares.items()}
 
 
+def _split_placement(t: Any) -> Shard:
+    """The autotp placement of a split output (a DTensor on the tp mesh)."""
+    from .runtime.dtensor import RunShard
+
+    (over_tp,) = t.placements
+    return over_tp.shard if isinstance(over_tp, RunShard) else Shard(over_tp.dim)
+
+
+def _output_error(got: Any, expected: torch.Tensor, tp: int, rank: int) -> float:
+    """The relative error of an output; one kept split (a DTensor: logits with
+    ``gather_logits`` off) must be the whole tensor's shape and this rank's part of it."""
+    from .runtime.collectives import local_shard
+
+    if not hasattr(got, "to_local"):
+        return relative_error(got, expected)
+    if tuple(got.shape) != tuple(expected.shape):
+        raise AssertionError(f"split output has shape {tuple(got.shape)}, the serial one {tuple(expected.shape)}")
+    return relative_error(got.to_local(), local_shard(expected, _split_placement(got), tp, rank))
+
+
 def equivalence_errors(model: nn.Module, pm: nn.Module, inputs: Mapping[str, Any]) -> dict[str, float]:
     """Relative errors of ``pm`` (a ParallelModule of ``model``) against ``model``, forward and
     backward, on this rank. ``model``'s gradients are overwritten."""
@@ -98,18 +118,15 @@ def equivalence_errors(model: nn.Module, pm: nn.Module, inputs: Mapping[str, Any
     ref_loss = getattr(ref, "loss", None)
     if ref_loss is not None:
         errors["loss"] = relative_error(out.loss, ref_loss)
-        kept = plan.sharded_outputs.get("logits")    # gather_logits=False: this rank's vocab slice
-        expected = local_shard(ref.logits, kept, plan.tp, rank) if kept is not None else ref.logits
-        errors["logits"] = relative_error(out.logits, expected)
+        errors["logits"] = _output_error(out.logits, ref.logits, plan.tp, rank)
         ref_loss.backward()
         out.loss.backward()
     else:   # no loss (an inference call): the first output, squared and summed, drives backward
         first = ref[0] if isinstance(ref, (tuple, list)) or hasattr(ref, "to_tuple") else ref
         got = out[0] if isinstance(out, (tuple, list)) or hasattr(out, "to_tuple") else out
-        kept = plan.sharded_outputs.get("logits") if hasattr(ref, "logits") else None
-        if kept is not None:
-            first = local_shard(first, kept, plan.tp, rank)
-        errors["output"] = relative_error(got, first)
+        errors["output"] = _output_error(got, first, plan.tp, rank)
+        if hasattr(got, "to_local"):   # kept split: each rank's part drives its own backward
+            got, first = got.to_local(), local_shard(first, _split_placement(got), plan.tp, rank)
         first.float().pow(2).sum().backward()
         got.float().pow(2).sum().backward()
     group = _module_grad_norms(model)

@@ -96,7 +96,7 @@ def main() -> int:
         out.append(f"| {name} | {tp} | {hi:.1f} | {lo:.1f} | {ideal:.1f} | {off:.2f} | {h} | {roles} | {cs:.1f} | {ps:.1f} |")
     out += [
         "",
-        "## Logits: gathered (default) or kept vocab-sharded (`gather_logits=False`), tp=8",
+        "## Logits: gathered (a call without labels, or `gather_logits=True`) or kept vocab-sharded (the default in a call with labels, or `gather_logits=False`), tp=8",
         "",
         "lm_head pinned vocab-parallel; the loss is vocab-parallel cross-entropy either way. Bytes each rank",
         "sends per training step (forward + backward) and the predicted communication time.",

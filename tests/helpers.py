@@ -23,3 +23,9 @@ def batch(vocab: int, b: int = 2, s: int = 7, seed: int = 1) -> dict:
     gen = torch.Generator().manual_seed(seed)
     return {"input_ids": torch.randint(0, vocab, (b, s), generator=gen),
             "labels": torch.randint(0, vocab, (b, s), generator=gen)}
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A parallel model's output whole: logits kept split come back as a DTensor (a call with
+    labels, by default), gathered here."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t

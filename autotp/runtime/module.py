@@ -302,7 +302,30 @@ class ParallelModule(nn.Module):
         params = [_program_tensor(self._held[fqn], grad) for fqn in program.param_order]
         buffers = [self.get_buffer(fqn) for fqn in program.buffer_order]
         outputs = program.graph_module(*params, *buffers, *program.constants, *flat)
+        if not program.step and program.plan.sharded_outputs:
+            outputs = self._split_outputs(program, list(outputs))
         return unflatten_outputs(program.capture, outputs)
+
+    def _split_outputs(self, program: Program, outputs: list) -> list:
+        """A call's outputs kept split (logits by vocabulary: ``gather_logits``) as DTensors on
+        the tp mesh: their shape is the whole one, ``full_tensor()`` gathers them and
+        ``to_local()`` is this rank's part. A generation step's split cache stays local."""
+        from torch.distributed.tensor import DTensor
+
+        device_mesh = getattr(self.mesh, "device_mesh", None)
+        if device_mesh is None:
+            raise ConfigError("a split output needs the tp DeviceMesh; parallelize inside an initialized world")
+        nodes = program.capture.output_nodes
+        for i, name in enumerate(program.capture.output_names):
+            placement = program.plan.sharded_outputs.get(name)
+            if placement is None or not isinstance(outputs[i], torch.Tensor):
+                continue
+            shape = list(outputs[i].shape)
+            shape[placement.dim] = int(nodes[i].meta["val"].shape[placement.dim])   # the split dim is static
+            over_tp = dtensor.torch_placement(placement, shape[placement.dim], program.plan.tp)
+            outputs[i] = DTensor.from_local(outputs[i], device_mesh["tp"], [over_tp], run_check=False,
+                                            shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+        return outputs
 
     # ---- generation -----------------------------------------------------------------------
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:

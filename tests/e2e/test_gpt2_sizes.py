@@ -85,16 +85,35 @@ def _sharded_logits():
     out, ref = pm(**inputs), model(**inputs)
     placement = pm.plan.sharded_outputs["logits"]
     expected = local_shard(ref.logits, placement, 2, pm.mesh.tp_rank)
-    gathered = autotp.parallelize(model, tp=2, layout=MEGATRON_VOCAB)
-    return ((out.loss - ref.loss).abs().item(), (out.logits - expected).abs().max().item(),
-            tuple(out.logits.shape), pm.plan.cost["comm_bytes_per_step"], gathered.plan.cost["comm_bytes_per_step"])
+    gathered = autotp.parallelize(model, tp=2, layout=MEGATRON_VOCAB, gather_logits=True)
+    auto = autotp.parallelize(model, tp=2, layout=MEGATRON_VOCAB)   # the default: split where a loss is returned
+    auto_bytes = auto.plan.cost["comm_bytes_per_step"]   # pm.plan is the program of the last call
+    with_labels = auto(**inputs)
+    ids = {"input_ids": inputs["input_ids"]}
+    without = auto(**ids)
+    return {"loss": (out.loss - ref.loss).abs().item(), "local": (out.logits.to_local() - expected).abs().max().item(),
+            "local shape": tuple(out.logits.to_local().shape), "shape": tuple(out.logits.shape),
+            "whole": (out.logits.full_tensor() - ref.logits).abs().max().item(),
+            "bytes": (pm.plan.cost["comm_bytes_per_step"], gathered.plan.cost["comm_bytes_per_step"],
+                      auto_bytes),
+            "gathered": type(gathered(**inputs).logits).__name__,
+            "auto with labels": (type(with_labels.logits).__name__,
+                                 (with_labels.logits.full_tensor() - ref.logits).abs().max().item()),
+            "auto without": (type(without.logits).__name__, (without.logits - model(**ids).logits).abs().max().item())}
 
 
 def test_logits_can_stay_vocab_sharded_and_skip_the_gather(cluster):
-    for loss_err, logits_err, shape, bytes_sharded, bytes_gathered in cluster.run(_sharded_logits):
-        assert loss_err < 1e-12 and logits_err < 1e-12
-        assert shape[-1] in (2501, 2502)        # 5003 rows split 2502 / 2501
-        assert bytes_sharded < bytes_gathered   # the b*s*V all-gather is not paid
+    """Kept split (by default in a call with labels; ``gather_logits=False`` always), logits come
+    back as a DTensor: the whole shape, this rank's vocabulary rows, ``full_tensor()`` gathers."""
+    for r in cluster.run(_sharded_logits):
+        assert r["loss"] < 1e-12 and r["local"] < 1e-12 and r["whole"] < 1e-12
+        assert r["local shape"][-1] in (2501, 2502)        # 5003 rows split 2502 / 2501
+        assert r["shape"][-1] == VOCAB_SMALL
+        split, gathered, auto = r["bytes"]
+        assert split < gathered and auto == split   # the b*s*V all-gather is not paid
+        assert r["gathered"] == "Tensor"
+        assert r["auto with labels"][0] == "DTensor" and r["auto with labels"][1] < 1e-12
+        assert r["auto without"][0] == "Tensor" and r["auto without"][1] < 1e-12
 
 
 def _ideal_param_bytes(plan) -> float:
