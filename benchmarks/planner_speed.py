@@ -195,7 +195,8 @@ def main() -> None:
         "imports of torch, transformers and autotp included; *imports + model*: the part of it before "
         "`autotp.plan` inside the script, torch's import included); *whole* beside it: the same with whole export "
         "(one run). *new signature*: in that process after the plan, the program of another call "
-        "(eval mode, `input_ids` alone): capture, the plan replayed, one rank's rewrite.",
+        "(eval mode, `input_ids` alone): capture (the model's second: its stack cut to two blocks), "
+        "the plan replayed, one rank's rewrite.",
         "",
         "| model | layers | export alone s | capture whole s | cut + expand s | speed-up | plan, fresh process s "
         "| imports + model s | process wall s | plan, fresh process, whole s | process wall, whole s "
