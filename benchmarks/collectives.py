@@ -5,6 +5,8 @@ DTensor's redistribute of the same tensor, side by side on local gloo ranks.
 
 Each rank times, in turn and repeated, on the same tensors: autotp's all-gather of a shard
 (``collectives._all_gather``: the logits' vocabulary dim, an even split and an uneven one),
+the bare gather followed by the one copy any dim-2 gather needs (the backend's rank-major
+buffer laid out along dim 2: the floor for a gather of that dim),
 ``dist.all_gather_single`` (``all_gather_into_tensor`` before torch 2.13) of the same local bytes (bare: the floor), the list
 ``dist.all_gather`` + ``torch.cat`` that autotp used before, and ``DTensor.redistribute`` from
 ``Shard(dim)`` to ``Replicate()``; and autotp's all-reduce (g's forward) against a bare
@@ -80,6 +82,10 @@ def run_rank(args: argparse.Namespace) -> dict:
             "bare all_gather_single": _median_ms(bare, args.repeats),
             "list all_gather + cat (before)": _median_ms(listed, args.repeats),
             "DTensor redistribute": _median_ms(lambda: dt.redistribute(mesh, [Replicate()]).to_local(), args.repeats),
+            # what separates a dim-2 gather from the bare one: the rank-major buffer laid out
+            # along dim 2, one copy of the whole tensor (no communication)
+            "bare + the layout copy alone": _median_ms(lambda: bare().view(tp, b, s, width).movedim(0, 2)
+                                                       .reshape(b, s, tp * width), args.repeats),
         }
     h = torch.randn(b, s, args.hidden)
     hd = DTensor.from_local(h, mesh, [Partial()], run_check=False)

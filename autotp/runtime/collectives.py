@@ -163,11 +163,25 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tens
         shape = list(x.shape)
         shape[d] = full_size
         return out.movedim(0, d).reshape(shape)
-    # Uneven or interleaved: each rank's part padded to the widest along a leading dim, gathered
-    # into one buffer, and the runs put back in place.
-    out = _gather_into(_pad_front(x.movedim(d, 0), width), group, op)
-    pieces = [out[r][: sizes[r]].movedim(0, d) for r in range(tp)]
-    return assemble(pieces, shard, full_size).contiguous()
+    # Uneven or interleaved: each rank's part padded at the end of dim d to the widest (dims
+    # kept in place, so the copies move whole rows), gathered into one buffer, and every run
+    # copied once to where it belongs in the full tensor.
+    send = x.contiguous()
+    if x.shape[d] < width:
+        padded = list(x.shape)
+        padded[d] = width
+        send = x.new_zeros(padded)
+        send.narrow(d, 0, x.shape[d]).copy_(x)
+    out = _gather_into(send, group, op)
+    shape = list(x.shape)
+    shape[d] = full_size
+    full = x.new_empty(shape)
+    for r in range(tp):
+        offset = 0
+        for a, b in local_ranges(full_size, shard, tp, r):
+            full.narrow(d, a, b - a).copy_(out[r].narrow(d, offset, b - a))
+            offset += b - a
+    return full
 
 
 def _gather_into(send: Tensor, group, op: str) -> Tensor:
