@@ -79,8 +79,10 @@ def _comm(op: str, group) -> Iterator[None]:
     except AutotpError:
         raise
     except Exception as e:
-        from .faults import roll_call
+        from .faults import note_comm_failure, roll_call
         from .mesh import group_timeout
+
+        note_comm_failure()
 
         ranks = group_ranks(group)
         where = f"the group of ranks {list(ranks)}" if ranks is not None else "its group"

@@ -23,9 +23,10 @@ import os
 import time
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["RollCall", "StepGuard", "register_process", "roll_call"]
+__all__ = ["BackwardWatch", "RollCall", "StepGuard", "register_process", "roll_call"]
 
 #: How long a rank waits for answers beyond the collective timeout (and at least, when its own
 #: collective failed by timing out: the others have long answered or are gone).
@@ -164,7 +165,8 @@ def _roll_call(group, ranks: tuple[int, ...], started: float, timeout_s: float,
         raised = {r: f for r in missing if (f := _published_fault(store, r, since)) is not None}
         if raised:  # alive, but it left the call: this collective will never complete
             return RollCall(note="; ".join(
-                f"rank {r} raised {f['error']} inside this call and left its collectives unfinished "
+                f"rank {r} raised {f['error']} inside {'this call' if f.get('where', 'a call') == 'a call' else f['where']} "
+                "and left its collectives unfinished "
                 "(restart every rank, or make that code raise on every rank alike)" for r, f in raised.items()))
         remaining = deadline - time.monotonic()
         if not missing or remaining <= 0:
@@ -186,6 +188,29 @@ def _roll_call(group, ranks: tuple[int, ...], started: float, timeout_s: float,
 # roll call names the rank that raised), the one that raised when it calls again.
 
 _guards_made = 0
+
+#: time.time() of this process's last failed collective (autotp.runtime.collectives._comm)
+_last_comm_failure = 0.0
+
+
+def note_comm_failure() -> None:
+    global _last_comm_failure
+    _last_comm_failure = time.time()
+
+
+class BackwardWatch(torch.autograd.Function):
+    """Identity on a call's differentiable outputs; its backward tells ``guard`` that a backward
+    pass began (:meth:`StepGuard.backward_started`)."""
+
+    @staticmethod
+    def forward(ctx, guard: "StepGuard", *outputs):
+        ctx.guard = guard
+        return tuple(o.view_as(o) for o in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.guard.backward_started()
+        return (None, *grads)
 
 
 def _fault_key(guard: str, epoch: int, rank: int) -> str:
@@ -214,12 +239,20 @@ class StepGuard:
         self.group, self.ranks = group, ranks
         self.epoch = 0
         self.fault: dict | None = None     # this rank's unresolved fault
+        #: time.time() when a backward pass of this module's outputs began and has not ended
+        self.backward_began: float | None = None
 
     @property
     def active(self) -> bool:
         return self.ranks is not None and len(self.ranks) > 1
 
     def __enter__(self) -> "StepGuard":
+        if self.backward_began is not None and self.active and self.fault is None:
+            # the previous call's backward pass began and never reached its end: it raised
+            began, self.backward_began = self.backward_began, None
+            broken = _last_comm_failure >= began
+            self._publish_fault("a collective that failed" if broken else "an exception (the pass stopped before its end)",
+                                broken, "the backward pass of a call")
         if self.fault is not None:
             self._rejoin()
         return self
@@ -229,11 +262,31 @@ class StepGuard:
             self._publish(exc)
         return False
 
+    # A call's backward runs outside the module's forward, yet its collectives pair across the
+    # ranks as a forward's do. The runtime passes each call's differentiable outputs through
+    # :class:`BackwardWatch`: its backward, the first node of the pass, notes the start and asks
+    # the autograd engine for a callback at the pass's successful end. A pass that raised (on
+    # this rank, or in a collective a peer left) never gets the callback, and the next call
+    # treats it as a fault of the call, as above.
+
+    def backward_started(self) -> None:
+        from torch.autograd import Variable
+
+        if self.backward_began is None:
+            self.backward_began = time.time()
+        Variable._execution_engine.queue_callback(self._backward_finished)
+
+    def _backward_finished(self) -> None:
+        self.backward_began = None
+
     def _publish(self, exc: BaseException) -> None:
         from ..errors import CommError, DisagreementError
 
         broken = isinstance(exc, CommError) and not isinstance(exc, DisagreementError)
-        self.fault = {"rank": dist.get_rank(), "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300],
+        self._publish_fault(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", broken)
+
+    def _publish_fault(self, error: str, broken: bool, where: str = "a call") -> None:
+        self.fault = {"rank": dist.get_rank(), "error": error[:300], "where": where,
                       "comm": broken, "guard": self.name, "epoch": self.epoch, "at": time.time()}
         try:
             store = _store()
@@ -250,8 +303,9 @@ class StepGuard:
         mine = self.fault
         if mine.get("comm") or mine.get("no_store"):
             raise CommError(
-                f"rank {mine['rank']}'s previous call failed in a collective ({mine['error']}): the "
-                "process group can no longer be trusted to be in step. Restart every rank.")
+                f"rank {mine['rank']}'s previous call failed in a collective"
+                f"{'' if mine.get('where', 'a call') == 'a call' else ' of its backward pass'} ({mine['error']}): "
+                "the process group can no longer be trusted to be in step. Restart every rank.")
         timeout = group_timeout(self.group).total_seconds() + SLACK_S
         store, me = _store(), dist.get_rank()
         namespace = _namespace()
@@ -267,7 +321,7 @@ class StepGuard:
             if not missing or exited or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        raised = f"rank {me} raised {mine['error']} inside a call"
+        raised = f"rank {me} raised {mine['error']} inside {mine.get('where', 'a call')}"
         if exited or missing:
             gone = (f"rank{'s' if len(exited) > 1 else ''} {', '.join(map(str, exited))} exited" if exited else
                     f"ranks {missing} did not leave it within {timeout:.0f} s (still waiting in its collectives, "

@@ -26,7 +26,7 @@ from ..placements import Placement, Shard
 from . import dtensor
 from .agreement import check_agreement, check_same_inputs, fingerprint, input_signature
 from .collectives import group_ranks, local_shard
-from .faults import StepGuard
+from .faults import BackwardWatch, StepGuard
 from .inputs import check_index_bounds, check_not_empty, index_bounds
 
 
@@ -302,6 +302,12 @@ class ParallelModule(nn.Module):
         params = [_program_tensor(self._held[fqn], grad) for fqn in program.param_order]
         buffers = [self.get_buffer(fqn) for fqn in program.buffer_order]
         outputs = program.graph_module(*params, *buffers, *program.constants, *flat)
+        if grad and self._guard.active:   # a backward pass that raises is a fault of the call
+            outputs = list(outputs)
+            wanted = [i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
+            if wanted:
+                for i, o in zip(wanted, BackwardWatch.apply(self._guard, *(outputs[i] for i in wanted))):
+                    outputs[i] = o
         if not program.step and program.plan.sharded_outputs:
             outputs = self._split_outputs(program, list(outputs))
         return unflatten_outputs(program.capture, outputs)

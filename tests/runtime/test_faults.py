@@ -186,3 +186,52 @@ def test_ranks_that_all_raise_at_the_same_op_stay_in_step(cluster_of):
     for r in results:
         assert r["first_ok"] and r["second"].startswith("ValueError: injected at op 40")
         assert isinstance(r["third"], float) and r["third"] < 1e-9, r
+
+
+# ---- an exception inside a backward pass on some ranks ----------------------------------------
+
+def raise_inside_backward_then_call_again(raising: tuple[int, ...], at: int) -> dict:
+    """Ranks in ``raising`` raise at op ``at`` of a backward pass, catch it and call again."""
+    torch.manual_seed(0)
+    serial = tiny_gpt2(n_layer=1, n_head=3).double()
+    pm = autotp.parallelize(serial, tp=3, layout=MEGATRON_GPT2)
+    inputs = batch(100)
+    pm(**inputs).loss.backward()                    # a healthy step
+    out: dict = {}
+    loss = pm(**batch(100, seed=2)).loss
+    try:
+        with (_RaiseAtOp(at) if dist.get_rank() in raising else contextlib.nullcontext()):
+            loss.backward()
+        out["backward"] = "returned"
+    except Exception as e:
+        out["backward"] = f"{type(e).__name__}: {e}"
+    try:
+        third = pm(**batch(100, seed=3)).loss
+        out["next"] = abs(third.item() - serial(**batch(100, seed=3)).loss.item())
+        third.backward()                             # the group works for backward too
+    except Exception as e:
+        out["next"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_a_rank_that_raises_inside_backward_and_calls_again_fails_every_rank_clearly():
+    # rank 1 raises at the 30th op of its backward, past its first backward collective; ranks 0
+    # and 2 wait in the next one. Unguarded, rank 1's next call would pair its forward
+    # collectives with their backward ones.
+    with LocalCluster(3, timeout=120, collective_timeout=COLLECTIVE_TIMEOUT,
+                      error_grace=COLLECTIVE_TIMEOUT + faults.SLACK_S) as cluster:
+        results = cluster.run(raise_inside_backward_then_call_again, (1,), 30)
+    assert results[1]["backward"].startswith("ValueError: injected at op 30"), results[1]
+    for survivor in (0, 2):   # their backward collective times out; the roll call names rank 1
+        assert results[survivor]["backward"].startswith("CommError"), results[survivor]
+        assert "rank 1 raised an exception (the pass stopped before its end) inside the backward pass of a call" \
+            in results[survivor]["backward"], results[survivor]
+        assert "failed in a collective of its backward pass" in results[survivor]["next"], results[survivor]
+    assert results[1]["next"].startswith("CommError: rank 1 raised an exception (the pass stopped before its end) "
+                                         "inside the backward pass of a call; ranks [0, 2] then failed"), results[1]
+
+
+def test_ranks_that_all_raise_at_the_same_backward_op_stay_in_step(cluster_of):
+    for r in cluster_of(3).run(raise_inside_backward_then_call_again, (0, 1, 2), 30):
+        assert r["backward"].startswith("ValueError: injected at op 30")
+        assert isinstance(r["next"], float) and r["next"] < 1e-9, r
