@@ -23,6 +23,7 @@ graphs call them as ``call_module`` nodes and ``print(gm.code)`` shows them by n
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from contextlib import contextmanager
@@ -66,10 +67,18 @@ def group_ranks(group) -> tuple[int, ...] | None:
 _previous_start: dict[object, float] = {}
 
 
-@contextmanager
-def _comm(op: str, group) -> Iterator[None]:
+def _comm(op: str, group) -> contextlib.AbstractContextManager:
     """Turn a torch.distributed failure (timeout, lost peer, backend error) into a CommError;
-    a LostRankError naming the rank when the roll call (autotp.runtime.faults) finds one gone."""
+    a LostRankError naming the rank when the roll call (autotp.runtime.faults) finds one gone.
+    Under torch.compile it is no context at all: clocks and try/except would break the graph,
+    and a compiled program's collectives fail inside the compiled code, not here."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return _guarded_comm(op, group)
+
+
+@contextmanager
+def _guarded_comm(op: str, group) -> Iterator[None]:
     started = time.monotonic()
     key = getattr(group, "group_name", None) or id(group)
     since = _previous_start.get(key)  # faults published before it are an earlier call's

@@ -68,6 +68,9 @@ class Program:
     bounds: dict = field(default_factory=dict)   # input key -> the table it indexes (runtime/inputs.py)
     step: str = ""   # "prefill"/"decode": a generation step's program (autotp.generation), not a call's
     arriving: dict = field(default_factory=dict)   # input key -> its placement when it comes in split
+    #: (flat output index, the split dim, its whole size, the DTensor placement over tp) for each
+    #: output a call returns split, as a DTensor (``gather_logits``); made once, outside any trace
+    split: tuple = ()
 
     def serves(self, kwargs: dict[str, Any], training: bool) -> bool:
         """Does this program compute a call with these inputs, in this mode? Same tensor inputs
@@ -85,20 +88,28 @@ class Program:
         wanted = [k for k in cap.input_keys if k not in cap.constant_inputs]
         if sorted(tensors) != sorted(wanted):
             return False
-        metas = {n.name: n.meta.get("val") for n in cap.graph.nodes if n.op == "placeholder"}
-        for key, node_name in zip(cap.input_keys, cap.user_inputs):
-            val = metas.get(node_name)
-            if key in tensors and isinstance(val, torch.Tensor):
-                if val.dtype != tensors[key].dtype or val.dim() != tensors[key].dim():
+        for key, (dtype, ndim, static) in self.inputs.items():
+            if key in tensors:
+                if dtype != tensors[key].dtype or ndim != tensors[key].dim():
                     return False
                 # a dim the capture kept static (a float input's features) must have its size:
                 # another size is another program, never a silently wrong answer
                 split = self.arriving.get(key)
                 skip = split.dim if isinstance(split, Shard) else -1   # a local size: the plan's split
-                if any(not isinstance(d, torch.SymInt) and d != n and i != skip
-                       for i, (d, n) in enumerate(zip(val.shape, tensors[key].shape))):
+                if any(tensors[key].shape[i] != n and i != skip for i, n in static):
                     return False
         return True
+
+    def __post_init__(self) -> None:
+        #: tensor input key -> (dtype, rank, the (dim, size) pairs the capture kept static), read
+        #: off the graph once (the graph is not read per call: torch.compile traces the calls)
+        metas = {n.name: n.meta.get("val") for n in self.capture.graph.nodes if n.op == "placeholder"}
+        self.inputs = {}
+        for key, node_name in zip(self.capture.input_keys, self.capture.user_inputs):
+            val = metas.get(node_name)
+            if isinstance(val, torch.Tensor):
+                static = tuple((i, int(d)) for i, d in enumerate(val.shape) if not isinstance(d, torch.SymInt))
+                self.inputs[key] = (val.dtype, val.dim(), static)
 
 
 #: builds a program for a call: (inputs, training[, generation step]) -> (capture, plan, rewritten graph)
@@ -125,6 +136,9 @@ class ParallelModule(nn.Module):
         #: compare every call's input shapes across the TP group (one tiny CPU all-reduce)
         self.check_inputs = True
         self.mesh = mesh
+        device_mesh = getattr(mesh, "device_mesh", None)
+        #: the tp dim's DeviceMesh, taken once (a split output is a DTensor on it)
+        self._tp_mesh = device_mesh["tp"] if device_mesh is not None else None
         self.device = device
         self._build = build
         #: what pm.generate needs of the serial model (autotp.generation)
@@ -225,8 +239,14 @@ class ParallelModule(nn.Module):
             self._buffers_held.add(fqn)
         constants = [self._constant(capture, name) for name in capture.constant_names.values()]
         self._graphs[f"program_{len(self._programs)}"] = graph_module
+        split = []
+        for i, (name, node) in enumerate(zip(capture.output_names, capture.output_nodes)):
+            placement = plan.sharded_outputs.get(name) if not step else None
+            if placement is not None:
+                size = int(node.meta["val"].shape[placement.dim])
+                split.append((i, placement.dim, size, dtensor.torch_placement(placement, size, plan.tp)))
         program = Program(capture, plan, graph_module, param_order, buffer_order, constants,
-                          index_bounds(capture), step, dict(arriving or {}))
+                          index_bounds(capture), step, dict(arriving or {}), tuple(split))
         self._programs.append(program)
         return program
 
@@ -280,8 +300,31 @@ class ParallelModule(nn.Module):
         return {fqn: _local(param) for fqn, param in self._held.items()}
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return self._compiled_forward(args, kwargs)
         with self._guard:   # an exception on some ranks only never leaves them out of step
             return self._forward(args, kwargs)
+
+    def _compiled_forward(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """A call traced by torch.compile: a program an eager call built, run as it is. What
+        talks to the store or reads tensor values stays out of the traced region (the ranks'
+        input agreement, the index bounds, the step guard); a program for a new kind of call
+        is captured with torch.export, which cannot run inside a compiled region."""
+        kwargs = bind_inputs(self.capture.signature, args, kwargs, self.capture.model_name)
+        for program in [self._current, *self._programs]:
+            if not program.step and program.serves(kwargs, self.training) and _in_ranges(program.capture, kwargs):
+                break
+        else:
+            raise InputError(
+                f"no program of this module serves a call with inputs {sorted(kwargs)} (training={self.training}) "
+                "inside torch.compile: call the module once eagerly with such inputs first (a new kind of call is "
+                "captured with torch.export, which cannot run in a compiled region)")
+        if any(isinstance(over_tp, dtensor.RunShard) for *_, over_tp in program.split):
+            raise ConfigError(
+                "under torch.compile a call cannot return an output split unevenly over tp (here the logits: "
+                "the vocabulary is not a multiple of tp); pass gather_logits=True to parallelize, or compile "
+                "a call without labels, whose logits come back whole")
+        return self._run(program, kwargs, compiled=True)
 
     def _forward(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         # Positional inputs are named by the model's forward signature, as at capture.
@@ -295,41 +338,43 @@ class ParallelModule(nn.Module):
         self._check_ranges(kwargs)
         return self._run(program, kwargs)
 
-    def _run(self, program: Program, kwargs: dict[str, Any]) -> Any:
+    def _run(self, program: Program, kwargs: dict[str, Any], compiled: bool = False) -> Any:
         flat = flat_inputs(program.capture, kwargs)
-        check_index_bounds(program.bounds, kwargs)
+        if not compiled:
+            check_index_bounds(program.bounds, kwargs)
         grad = torch.is_grad_enabled()
         params = [_program_tensor(self._held[fqn], grad) for fqn in program.param_order]
         buffers = [self.get_buffer(fqn) for fqn in program.buffer_order]
         outputs = program.graph_module(*params, *buffers, *program.constants, *flat)
-        if grad and self._guard.active:   # a backward pass that raises is a fault of the call
+        if grad and self._guard.active and not compiled:   # a backward pass that raises is a fault of the call
             outputs = list(outputs)
             wanted = [i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
             if wanted:
                 for i, o in zip(wanted, BackwardWatch.apply(self._guard, *(outputs[i] for i in wanted))):
                     outputs[i] = o
-        if not program.step and program.plan.sharded_outputs:
-            outputs = self._split_outputs(program, list(outputs))
+        if program.split:
+            outputs = self._split_outputs(program, list(outputs), compiled)
         return unflatten_outputs(program.capture, outputs)
 
-    def _split_outputs(self, program: Program, outputs: list) -> list:
+    def _split_outputs(self, program: Program, outputs: list, compiled: bool = False) -> list:
         """A call's outputs kept split (logits by vocabulary: ``gather_logits``) as DTensors on
         the tp mesh: their shape is the whole one, ``full_tensor()`` gathers them and
-        ``to_local()`` is this rank's part. A generation step's split cache stays local."""
+        ``to_local()`` is this rank's part. A generation step's split cache stays local.
+
+        Under torch.compile a split output carries no gradient (the loss does): AOTAutograd
+        cannot take the plain zero tangent a DTensor output gets when backward starts from
+        the loss alone (pytorch/pytorch#172556), so backward from it raises instead."""
         from torch.distributed.tensor import DTensor
 
-        device_mesh = getattr(self.mesh, "device_mesh", None)
-        if device_mesh is None:
+        if self._tp_mesh is None:
             raise ConfigError("a split output needs the tp DeviceMesh; parallelize inside an initialized world")
-        nodes = program.capture.output_nodes
-        for i, name in enumerate(program.capture.output_names):
-            placement = program.plan.sharded_outputs.get(name)
-            if placement is None or not isinstance(outputs[i], torch.Tensor):
+        for i, dim, size, over_tp in program.split:
+            if not isinstance(outputs[i], torch.Tensor):
                 continue
             shape = list(outputs[i].shape)
-            shape[placement.dim] = int(nodes[i].meta["val"].shape[placement.dim])   # the split dim is static
-            over_tp = dtensor.torch_placement(placement, shape[placement.dim], program.plan.tp)
-            outputs[i] = DTensor.from_local(outputs[i], device_mesh["tp"], [over_tp], run_check=False,
+            shape[dim] = size   # the split dim is static
+            local = outputs[i].detach() if compiled else outputs[i]
+            outputs[i] = DTensor.from_local(local, self._tp_mesh, [over_tp], run_check=False,
                                             shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
         return outputs
 
@@ -419,9 +464,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _program_tensor(param: nn.Parameter, grad_enabled: bool) -> torch.Tensor:
     """What a program is fed for ``param``: its local tensor, through to_local() when a gradient
     must flow back into ``param.grad`` (a DTensor with the parameter's placements)."""
-    if grad_enabled and param.requires_grad and hasattr(param, "to_local"):
-        return param.to_local()
-    return _local(param)
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):   # (not hasattr: torch.compile answers it for plain tensors only)
+        return param.to_local() if grad_enabled and param.requires_grad else param._local_tensor
+    return param
 
 
 def _in_ranges(capture: Capture, kwargs: dict[str, Any]) -> bool:

@@ -1,0 +1,95 @@
+"""torch.compile(pm, fullgraph=True): one graph, the same loss, logits and gradients as serial.
+
+A call's program is built eagerly (its first call captures it with torch.export); a compiled
+module then traces the call through the runtime into the rank program, collectives included
+(dynamo turns them into functional collectives), with no graph break. Inductor on CPU compiles
+C++ kernels: seconds per program, so the fast tier compiles tp 2 and the slow tier tp 1..4.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+VOCAB = 48   # a multiple of 1..4: logits split evenly (an uneven split under compile is a ConfigError)
+
+
+def _compiled_matches_serial(backend: str, dtype: str) -> dict:
+    import torch.distributed as dist
+
+    import autotp
+    from autotp import zoo
+    from autotp.testing import equivalence_errors, keep_loss_precision
+
+    torch._dynamo.reset()
+    config = zoo.tiny_config("gpt2", layers=2, vocab=VOCAB)
+    model = keep_loss_precision(zoo.build("gpt2", config, dtype=getattr(torch, dtype), seed=1))
+    pm = autotp.parallelize(model, dist.get_world_size(), layout={"lm_head.weight": "vocab"})
+    data = zoo.example_batch("gpt2", config, batch=2, seq=6, seed=2)
+    pm(**data)   # eager: the call's program is captured and built
+    compiled = torch.compile(pm, fullgraph=True, backend=backend)
+    errors = [equivalence_errors(model, compiled, data),   # with labels: logits a DTensor, split
+              equivalence_errors(model, compiled, zoo.example_batch("gpt2", config, batch=3, seq=9, seed=3))]
+    ids = {"input_ids": data["input_ids"]}
+    pm(**ids)    # eager first: another kind of call (no labels, logits whole)
+    errors.append(equivalence_errors(model, compiled, ids))
+    explain = torch._dynamo.explain(pm)(**data)
+    return {"worst": max(max(e.values()) for e in errors), "graphs": explain.graph_count,
+            "breaks": explain.graph_break_count}
+
+
+def _check(results: list, dtype: str) -> None:
+    bound = 1e-12 if dtype == "float64" else 1e-5
+    for r in results:
+        assert r["worst"] <= bound, r
+        assert (r["graphs"], r["breaks"]) == (1, 0), r
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_compiled_module_is_one_graph_and_equals_serial(cluster_of, backend):
+    _check(cluster_of(2).run(_compiled_matches_serial, backend, "float64"), "float64")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 3, 4])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_a_compiled_module_equals_serial_at_every_tp(cluster_of, tp, dtype):
+    _check(cluster_of(tp).run(_compiled_matches_serial, "inductor", dtype), dtype)
+
+
+def _uneven_logits_under_compile() -> str:
+    import autotp
+    from autotp import zoo
+
+    config = zoo.tiny_config("gpt2", layers=1, vocab=VOCAB + 1)   # 13, 12, 12, 12 rows: not torch.chunk's
+    pm = autotp.parallelize(zoo.build("gpt2", config, seed=1), 4, layout={"lm_head.weight": "vocab"})
+    data = zoo.example_batch("gpt2", config, batch=2, seq=6, seed=2)
+    pm(**data)
+    try:
+        torch.compile(pm, fullgraph=True, backend="eager")(**data)
+    except Exception as e:
+        return str(e)
+    return "no error"
+
+
+def test_uneven_split_logits_under_compile_are_a_clear_error(cluster_of):
+    for text in cluster_of(4).run(_uneven_logits_under_compile):
+        assert "split unevenly over tp" in text and "gather_logits=True" in text, text
+
+
+def _a_new_kind_of_call_under_compile() -> str:
+    import autotp
+    from autotp import zoo
+
+    config = zoo.tiny_config("gpt2", layers=1, vocab=VOCAB)
+    pm = autotp.parallelize(zoo.build("gpt2", config, seed=1), 2)
+    data = zoo.example_batch("gpt2", config, batch=2, seq=6, seed=2)
+    try:
+        torch.compile(pm, fullgraph=True, backend="eager")(input_ids=data["input_ids"])
+    except Exception as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_new_kind_of_call_under_compile_asks_for_an_eager_call_first(cluster_of):
+    for text in cluster_of(2).run(_a_new_kind_of_call_under_compile):
+        assert "call the module once eagerly with such inputs first" in text, text
