@@ -71,6 +71,9 @@ class Program:
     #: (flat output index, the split dim, its whole size, the DTensor placement over tp) for each
     #: output a call returns split, as a DTensor (``gather_logits``); made once, outside any trace
     split: tuple = ()
+    #: tensor input key -> (dtype, rank, the (dim, size) pairs the capture kept static), read off
+    #: the graph once (not per call: torch.compile traces the calls, and the graph with them)
+    inputs: dict = field(init=False, default_factory=dict)
 
     def serves(self, kwargs: dict[str, Any], training: bool) -> bool:
         """Does this program compute a call with these inputs, in this mode? Same tensor inputs
@@ -101,10 +104,7 @@ class Program:
         return True
 
     def __post_init__(self) -> None:
-        #: tensor input key -> (dtype, rank, the (dim, size) pairs the capture kept static), read
-        #: off the graph once (the graph is not read per call: torch.compile traces the calls)
         metas = {n.name: n.meta.get("val") for n in self.capture.graph.nodes if n.op == "placeholder"}
-        self.inputs = {}
         for key, node_name in zip(self.capture.input_keys, self.capture.user_inputs):
             val = metas.get(node_name)
             if isinstance(val, torch.Tensor):
