@@ -3,7 +3,8 @@
 A call's program is built eagerly (its first call captures it with torch.export); a compiled
 module then traces the call through the runtime into the rank program, collectives included
 (dynamo turns them into functional collectives), with no graph break. Inductor on CPU compiles
-C++ kernels: seconds per program, so the fast tier compiles tp 2 and the slow tier tp 1..4.
+C++ kernels: seconds per program, so the fast tier compiles tp 2 with aot_eager and the slow
+tier with inductor at tp 1..4.
 """
 from __future__ import annotations
 
@@ -44,13 +45,13 @@ def _check(results: list, dtype: str) -> None:
         assert (r["graphs"], r["breaks"]) == (1, 0), r
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_a_compiled_module_is_one_graph_and_equals_serial(cluster_of, backend):
-    _check(cluster_of(2).run(_compiled_matches_serial, backend, "float64"), "float64")
+def test_a_compiled_module_is_one_graph_and_equals_serial(cluster_of):
+    # aot_eager: dynamo and AOTAutograd as inductor sees them, without its C++ compile (40 s here)
+    _check(cluster_of(2).run(_compiled_matches_serial, "aot_eager", "float64"), "float64")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, 3, 4])
+@pytest.mark.parametrize("tp", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_a_compiled_module_equals_serial_at_every_tp(cluster_of, tp, dtype):
     _check(cluster_of(tp).run(_compiled_matches_serial, "inductor", dtype), dtype)
