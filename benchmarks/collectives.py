@@ -51,6 +51,8 @@ def run_rank(args: argparse.Namespace) -> dict:
     from autotp.placements import Shard, local_size
     from autotp.runtime import collectives as C
 
+    # all_gather_single from torch 2.13 (all_gather_into_tensor, its older name, warns there)
+    all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     torch.set_num_threads(1)
     tp, rank = dist.get_world_size(), dist.get_rank()
     group = dist.group.WORLD
@@ -71,7 +73,7 @@ def run_rank(args: argparse.Namespace) -> dict:
 
         def bare():
             o = padded.new_empty((tp * b, s, width))
-            C._ALL_GATHER_SINGLE(o, padded, group=group)
+            all_gather_single(o, padded, group=group)
             return o
 
         dt = DTensor.from_local(x, mesh, [TorchShard(2)], run_check=False,

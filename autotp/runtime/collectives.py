@@ -31,6 +31,7 @@ from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
 from autotp.errors import AutotpError, CommError, LostRankError
@@ -116,11 +117,13 @@ def _guarded_comm(op: str, group) -> Iterator[None]:
 
 
 def _all_reduce(x: Tensor, group, op: str) -> Tensor:
-    out = x.detach().clone(memory_format=torch.contiguous_format)  # never reduce in place
-    if group_size(group) > 1:
-        with _comm(op, group):
-            dist.all_reduce(out, group=group)
-    return out
+    """The sum over the group, a new tensor (a functional collective: torch.compile traces it
+    as it is, and the input is never reduced in place)."""
+    x = x.detach()
+    if group_size(group) == 1:
+        return x.clone(memory_format=torch.contiguous_format)
+    with _comm(op, group):   # waited for inside: a failure surfaces here, named
+        return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
 
 
 # ---------------------------------------------------------------- layouts (no communication)
@@ -199,14 +202,9 @@ def _gather_into(send: Tensor, group, op: str) -> Tensor:
     """Every rank's contiguous ``send`` in one buffer, viewed ``[tp, *send.shape]`` (backends take
     the output as the inputs concatenated along dim 0)."""
     tp = group_size(group)
-    out = send.new_empty((tp * send.shape[0],) + tuple(send.shape[1:]))
-    with _comm(op, group):
-        _ALL_GATHER_SINGLE(out, send, group=group)
+    with _comm(op, group):   # a functional collective, waited for inside
+        out = funcol.wait_tensor(funcol.all_gather_tensor(send, 0, group))
     return out.view((tp,) + tuple(send.shape))
-
-
-#: all_gather_single from torch 2.13 (all_gather_into_tensor, its older name, warns there)
-_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tensor:
