@@ -181,7 +181,9 @@ class Permute(nn.Module):
         bsz, s, d = x.shape
         h = x.view(bsz, s, self.heads, d // self.heads).permute(0, 2, 3, 1)  # (b, h, hd, s)
         h = torch.softmax(h, dim=-1).permute(0, 3, 1, 2)   # (b, s, h, hd)
-        return h.reshape(bsz, s, d) * x
+        # contiguous, as attention's output is before its projection: the product would keep the
+        # permuted strides, and a later block's .view(-1, d) works on them only where b == 1
+        return (h.reshape(bsz, s, d) * x).contiguous()
 
 
 class Repeat(nn.Module):
