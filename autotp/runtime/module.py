@@ -250,10 +250,19 @@ class ParallelModule(nn.Module):
         self._programs.append(program)
         return program
 
-    def _program_for(self, kwargs: dict[str, Any]) -> Program:
+    def _serving(self, kwargs: dict[str, Any], in_ranges: bool = False) -> Program | None:
+        """The call program that serves ``kwargs`` in this mode (the current one first), or None;
+        ``in_ranges``: its captured dim ranges must hold the inputs too."""
         for program in [self._current, *self._programs]:
-            if not program.step and program.serves(kwargs, self.training):
+            if not program.step and program.serves(kwargs, self.training) \
+                    and (not in_ranges or _in_ranges(program.capture, kwargs)):
                 return program
+        return None
+
+    def _program_for(self, kwargs: dict[str, Any]) -> Program:
+        found = self._serving(kwargs)
+        if found is not None:
+            return found
         if self._build is None:
             raise InputError(
                 f"this call's inputs {sorted(kwargs)} (training={self.training}) are not the captured call's "
@@ -311,10 +320,8 @@ class ParallelModule(nn.Module):
         input agreement, the index bounds, the step guard); a program for a new kind of call
         is captured with torch.export, which cannot run inside a compiled region."""
         kwargs = bind_inputs(self.capture.signature, args, kwargs, self.capture.model_name)
-        for program in [self._current, *self._programs]:
-            if not program.step and program.serves(kwargs, self.training) and _in_ranges(program.capture, kwargs):
-                break
-        else:
+        program = self._serving(kwargs, in_ranges=True)
+        if program is None:
             raise InputError(
                 f"no program of this module serves a call with inputs {sorted(kwargs)} (training={self.training}) "
                 "inside torch.compile: call the module once eagerly with such inputs first (a new kind of call is "
@@ -346,14 +353,14 @@ class ParallelModule(nn.Module):
         params = [_program_tensor(self._held[fqn], grad) for fqn in program.param_order]
         buffers = [self.get_buffer(fqn) for fqn in program.buffer_order]
         outputs = program.graph_module(*params, *buffers, *program.constants, *flat)
+        outputs = list(outputs)
         if grad and self._guard.active and not compiled:   # a backward pass that raises is a fault of the call
-            outputs = list(outputs)
             wanted = [i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
             if wanted:
                 for i, o in zip(wanted, BackwardWatch.apply(self._guard, *(outputs[i] for i in wanted))):
                     outputs[i] = o
         if program.split:
-            outputs = self._split_outputs(program, list(outputs), compiled)
+            outputs = self._split_outputs(program, outputs, compiled)
         return unflatten_outputs(program.capture, outputs)
 
     def _split_outputs(self, program: Program, outputs: list, compiled: bool = False) -> list:

@@ -33,9 +33,19 @@ def _compiled_matches_serial(backend: str, dtype: str) -> dict:
     ids = {"input_ids": data["input_ids"]}
     pm(**ids)    # eager first: another kind of call (no labels, logits whole)
     errors.append(equivalence_errors(model, compiled, ids))
+    # a split output carries no gradient under compile (pytorch/pytorch#172556): backward from it
+    # must raise, never give other gradients than eager's
+    split = compiled(**data).logits
+    split_backward = "whole"   # tp 1: nothing split
+    if hasattr(split, "to_local"):
+        try:
+            split.to_local().sum().backward()
+            split_backward = "ran"
+        except RuntimeError as e:
+            split_backward = str(e)
     explain = torch._dynamo.explain(pm)(**data)
     return {"worst": max(max(e.values()) for e in errors), "graphs": explain.graph_count,
-            "breaks": explain.graph_break_count}
+            "breaks": explain.graph_break_count, "split backward": split_backward}
 
 
 def _check(results: list, dtype: str) -> None:
@@ -43,6 +53,7 @@ def _check(results: list, dtype: str) -> None:
     for r in results:
         assert r["worst"] <= bound, r
         assert (r["graphs"], r["breaks"]) == (1, 0), r
+        assert "does not require grad" in r["split backward"] or r["split backward"] == "whole", r
 
 
 def test_a_compiled_module_is_one_graph_and_equals_serial(cluster_of):
