@@ -1,4 +1,4 @@
-"""Cut and expand: capture a model's stack of identical blocks at three blocks, then grow the graph.
+"""Cut and expand: capture a model's stack of identical blocks at three blocks (later: one), then grow the graph.
 
 torch.export costs time in proportion to the ops it traces, and most of a transformer's ops
 are its N identical blocks. This module exports the model with every such stack cut to its
@@ -32,8 +32,16 @@ same order, same ops, same inputs and outputs).
    its module paths shifted; what followed the stack reads the last copy.
 
 :func:`expand` takes ``keep``: a model captured before, whose three-block check held, is cut
-to two blocks where block 0 is alike the rest (:attr:`Stack.uniform`), and block 1's segment
-is checked against block 0's own nodes (see :func:`autotp.capture._export_cut`).
+further where block 0 is alike the rest (:attr:`Stack.uniform`; see
+:func:`autotp.capture._export_cut`):
+
+* to **one** block where that first capture learned a :class:`Template` of the stack's block
+  calls (from torch.export's record of each block call's arguments and results: which argument
+  every block shares, which it takes from the block before). Block 0's call must match it, its
+  ops read nothing but its call's arguments, parameters, lifted tensors and sizes, and what
+  follows the stack reads its results where the template's capture read the last block's
+  (:func:`_one_block`); blocks 1..N-1 are copies of block 0;
+* else to **two**, and block 1's segment is checked against block 0's own nodes.
 
 Any check that fails raises :class:`NotExpandable`, and :func:`autotp.capture.capture` exports
 the whole model instead (logged at debug level). ``tests/test_capture_expand.py`` compares the
@@ -47,6 +55,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from .capture_cache import Uncacheable, _describe, _qualname, _TORCH_BOOKKEEPING
@@ -182,7 +191,8 @@ def _config_patches(model: nn.Module, stacks: list[Stack], keep: int = KEEP) -> 
             if type(value) is int and value in lengths and _LAYER_COUNT.search(name):
                 patches.append((cfg, name, keep))
             elif isinstance(value, (list, tuple)) and len(value) in lengths and "layer" in name.lower():
-                if any(v != value[1] for v in value[2:]):
+                first = 0 if keep < 2 else 1   # block 0 is the template of the rest when it is kept alone
+                if any(v != value[first] for v in value[first + 1:]):
                     raise NotExpandable(f"config field {name} differs between layers")
                 patches.append((cfg, name, type(value)(value[:keep])))
     return patches
@@ -190,9 +200,17 @@ def _config_patches(model: nn.Module, stacks: list[Stack], keep: int = KEEP) -> 
 
 @contextlib.contextmanager
 def cut(model: nn.Module, stacks: list[Stack], keep: int = KEEP) -> Iterator[None]:
-    """``model`` with every stack cut to its first ``keep`` blocks (and its configs to match)."""
+    """``model`` with every stack cut to its first ``keep`` blocks (and its configs to match).
+
+    A forward that hooks the model's modules while it runs (HuggingFace's output capturing,
+    when a config asks for every layer's hidden states or attention weights, hooks each module
+    once and marks the model hooked) would hook the kept blocks alone and leave the model
+    marked: those hooks and marks are taken off again, and the cut raises
+    :class:`NotExpandable` (the whole model is exported, and hooked, instead)."""
     patches = _config_patches(model, stacks, keep)
     saved = [(cfg, name, cfg.__dict__[name]) for cfg, name, _ in patches]
+    modules = list(model.modules())
+    before = [(m, set(vars(m)), {k: set(d) for k, d in _hook_dicts(m)}) for m in modules]
     try:
         for s in stacks:
             short = nn.ModuleList(s.blocks[:keep])
@@ -206,6 +224,31 @@ def cut(model: nn.Module, stacks: list[Stack], keep: int = KEEP) -> Iterator[Non
             s.parent._modules[s.attr] = s.original
         for cfg, name, value in saved:
             cfg.__dict__[name] = value
+        hooked = _unhook(before)
+    if hooked:
+        raise NotExpandable(f"the forward hooked {hooked} while the model was cut")
+
+
+def _hook_dicts(m: nn.Module) -> list[tuple[str, dict]]:
+    return [(k, v) for k, v in vars(m).items() if k.startswith(("_forward", "_backward")) and isinstance(v, dict)]
+
+
+def _unhook(before: list) -> str | None:
+    """Take off the hooks and attributes a forward added to the modules of ``before``; the
+    first such module's description, or None when none was added."""
+    found = None
+    for m, attrs, hooks in before:
+        added = [k for k in vars(m) if k not in attrs]
+        for k, d in _hook_dicts(m):
+            for key in [key for key in d if key not in hooks.get(k, set())]:
+                del d[key]
+                added.append(k)
+        for k in added:
+            if k in vars(m) and k not in attrs:
+                delattr(m, k)
+        if added and found is None:
+            found = f"{type(m).__name__} ({', '.join(sorted(set(added)))})"
+    return found
 
 
 # ---- 3./4. checking and expanding the graph ------------------------------------------------
@@ -231,11 +274,18 @@ class Expanded:
     buffers: dict[str, str]
     constants: dict[str, str]
     stacks: tuple              # the stacks' paths
+    #: stack path -> its :class:`Template` (None where none was learned); from a program cut
+    #: to :data:`KEEP` blocks only
+    templates: dict
 
 
-def expand(ep: torch.export.ExportedProgram, model: nn.Module, stacks: list[Stack], keep: int = KEEP) -> Expanded:
+def expand(ep: torch.export.ExportedProgram, model: nn.Module, stacks: list[Stack], keep: int = KEEP,
+           templates: dict | None = None) -> Expanded:
     """The full model's graph from the program ``ep`` of the model cut to ``keep`` blocks (see
-    the module docs)."""
+    the module docs). ``keep`` 1 needs each stack's :class:`Template` (``templates``: stack
+    path -> template) and ``ep`` exported with block 0's call signature preserved; a program
+    cut to :data:`KEEP` blocks whose blocks' signatures were preserved gives its stacks'
+    templates in :attr:`Expanded.templates`."""
     from torch.export.graph_signature import InputKind
 
     kinds = {InputKind.PARAMETER: "p_", InputKind.BUFFER: "b_"}
@@ -292,8 +342,12 @@ def expand(ep: torch.export.ExportedProgram, model: nn.Module, stacks: list[Stac
         elif n.op != "placeholder":
             env[n] = graph.node_copy(n, lambda a: env[a])
     fqn_of = {node: fqn for fqn, node in by_fqn.items()}
+    calls = {e.fqn: e.signature for e in ep.module_call_graph if e.signature is not None}
+    lifted_nodes = {env[old_ph[name]] for name in consts if name in old_ph}
+    learned = {}
     for stack in stacks:
-        _expand_stack(graph, stack, by_fqn, fqn_of, keep)
+        learned[stack.path] = _expand_stack(graph, stack, by_fqn, fqn_of, keep, calls,
+                                            (templates or {}).get(stack.path), lifted_nodes)
     graph.lint()
     # the cut program's module takes the grown graph: it holds the submodules its get_attr nodes
     # name; its code is generated once, by capture's last step (fx's graph setter would
@@ -301,7 +355,8 @@ def expand(ep: torch.export.ExportedProgram, model: nn.Module, stacks: list[Stac
     gm = ep.graph_module
     gm._graph = graph
     graph.owning_module = gm
-    return Expanded(gm, params, buffers, consts, tuple(s.path for s in stacks))
+    return Expanded(gm, params, buffers, consts, tuple(s.path for s in stacks),
+                    learned if keep == KEEP else {})
 
 
 def _block_of(node: fx.Node, stack: str) -> int | None:
@@ -315,9 +370,8 @@ def _block_of(node: fx.Node, stack: str) -> int | None:
     return None
 
 
-def _expand_stack(graph: fx.Graph, stack: Stack, by_fqn: dict, fqn_of: dict, keep: int) -> None:
-    """Blocks ``keep..`` of ``stack`` written into ``graph`` as copies of block ``keep - 1``'s
-    segment (*seg2* below), once it is checked to repeat block ``keep - 2``'s (*seg1*)."""
+def _segments(graph: fx.Graph, stack: Stack, keep: int) -> tuple[list, list[int], list[int]]:
+    """The graph's nodes, and the first and last position of each kept block's ops."""
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     block = {n: _block_of(n, stack.path) for n in nodes if n.op == "call_function"}
@@ -333,16 +387,19 @@ def _expand_stack(graph: fx.Graph, stack: Stack, by_fqn: dict, fqn_of: dict, kee
     for i in range(1, keep):
         if starts[i] <= ends[i - 1]:
             raise NotExpandable(f"{stack.path}.{i} interleaves with the block before it")
-    one, two = keep - 2, keep - 1   # the blocks compared: seg2 is the template of the rest
-    # block 0's segment is its own ops: what comes before it is the parent's, run once
-    seg1 = nodes[(ends[one - 1] + 1 if one else starts[0]): ends[one] + 1]
-    seg2 = nodes[ends[one] + 1: ends[two] + 1]
-    tail = nodes[ends[two] + 1:]
+    return nodes, starts, ends
+
+
+def _compare(seg1: list, seg2: list, stack: Stack, one: int, two: int, by_fqn: dict,
+             fqn_of: dict) -> tuple[dict, dict]:
+    """Check that ``seg2`` (block ``two``'s segment) repeats ``seg1`` (block ``one``'s) node for
+    node; return ``phi`` (seg1 node -> its seg2 counterpart) and ``rec`` (an input of seg1 from
+    before it -> the seg1 node seg2 reads in its place: the recurrence)."""
     if len(seg1) != len(seg2) or not seg2:
         raise NotExpandable(f"{stack.path}: block {two}'s segment has {len(seg2)} nodes, block {one}'s {len(seg1)}")
     in1, in2 = set(seg1), set(seg2)
     phi: dict[fx.Node, fx.Node] = {}
-    rec: dict[fx.Node, fx.Node] = {}   # an input of segment 1 from before it -> segment 2's (in segment 1)
+    rec: dict[fx.Node, fx.Node] = {}
 
     def match(xa: Any, xb: Any) -> bool:
         if isinstance(xa, fx.Node) or isinstance(xb, fx.Node):
@@ -377,21 +434,53 @@ def _expand_stack(graph: fx.Graph, stack: Stack, by_fqn: dict, fqn_of: dict, kee
     for n in seg1:
         if any(u not in in1 and u not in in2 for u in n.users):
             raise NotExpandable(f"{stack.path}: {n.name} of block {one} is used after block {two}")
-    inv_rec = {v: k for k, v in rec.items()}   # segment-1 node that segment 2 reads as its recurrent input
+    return phi, rec
+
+
+def _expand_stack(graph: fx.Graph, stack: Stack, by_fqn: dict, fqn_of: dict, keep: int,
+                  calls: dict | None = None, template: "Template | None" = None,
+                  lifted: set | None = None) -> "Template | None":
+    """Blocks ``keep..`` of ``stack`` written into ``graph`` as copies of block ``keep - 1``'s
+    segment (*seg2* below), once it is checked to repeat block ``keep - 2``'s (*seg1*).
+
+    ``keep`` 1 takes the recurrence from ``template`` and the block's call signature
+    (``calls``: block path -> its signature in the export; ``lifted``: the lifted constants'
+    placeholders), see :func:`_one_block`. Where
+    ``keep`` is :data:`KEEP` and the signatures were recorded, returns the stack's
+    :class:`Template` (None if its blocks' calls do not allow one)."""
+    nodes, starts, ends = _segments(graph, stack, keep)
+    two = keep - 1
+    learned = None
+    if keep == 1:
+        seg2 = nodes[starts[0]: ends[0] + 1]
+        tail = nodes[ends[0] + 1:]
+        feeds = _one_block(seg2, tail, stack, calls or {}, template, fqn_of, lifted or set())
+    else:
+        one = keep - 2   # the blocks compared: seg2 is the template of the rest
+        # block 0's segment is its own ops: what comes before it is the parent's, run once
+        seg1 = nodes[(ends[one - 1] + 1 if one else starts[0]): ends[one] + 1]
+        seg2 = nodes[ends[one] + 1: ends[two] + 1]
+        tail = nodes[ends[two] + 1:]
+        phi, rec = _compare(seg1, seg2, stack, one, two, by_fqn, fqn_of)
+        # segment 2 reads a segment-1 node where segment 1 read one from before it; copy k reads
+        # copy k-1's counterpart of that node
+        feeds = {b: phi[b] for b in rec.values()}
+        if keep == KEEP and calls:
+            learned = _learn(nodes, starts, ends, tail, stack, calls, by_fqn, fqn_of)
 
     marker = "\0"   # where the block index goes in segment 2's module paths
     stacks_of = {n: [(_shift(key, stack.path, two, marker), _shift(p, stack.path, two, marker), t)
                      for key, (p, t) in (n.meta.get("nn_module_stack") or {}).items()] for n in seg2}
-    previous = {n: phi[n] for n in inv_rec}    # recurrent input (segment 1 node) -> the last copy's
     last = {n: n for n in seg2}
     anchor = tail[0]
     for k in range(keep, stack.n):
         copies: dict[fx.Node, fx.Node] = {}
+        previous = {read: last[src] for read, src in feeds.items()}
 
         def arg(x: fx.Node) -> fx.Node:
             if x in copies:
                 return copies[x]
-            if x in in1:
+            if x in previous:
                 return previous[x]
             if x.op == "placeholder" and x in fqn_of:
                 shifted = _shift_fqn(fqn_of[x], stack.path, two, k)
@@ -408,13 +497,167 @@ def _expand_stack(graph: fx.Graph, stack: Stack, by_fqn: dict, fqn_of: dict, kee
                     c.meta["nn_module_stack"] = {key.replace(marker, index): (p.replace(marker, index), t)
                                                  for key, p, t in stacks_of[n]}
                 copies[n] = c
-        previous = {n: copies[phi[n]] for n in inv_rec}
         last = copies
     after = set(tail)
     for n in seg2:
         for user in list(n.users):
             if user in after:
                 user.replace_input_with(n, last[n])
+    return learned
+
+
+# ---- one block: the recurrence from an earlier capture's block calls -----------------------------
+
+@dataclass(frozen=True)
+class Template:
+    """How a stack's parent calls its blocks, learned from a capture cut to :data:`KEEP` blocks
+    whose check held (and whose block 0 repeats block 1 too): the call's argument and result
+    structure, and for each flat argument whether every block gets the same value
+    (``("shared",)``, ``("const", value)``) or the previous block's result number ``o``
+    (``("rec", o)``). ``tail``: where what follows the stack reads each result of the last
+    block, and each recurrent argument of the first (:func:`_tail_reads`)."""
+    in_spec: Any
+    out_spec: Any
+    inputs: tuple
+    tail: tuple
+
+
+def _call_args(sig: Any) -> list[tuple]:
+    """A block call's flat arguments (or results) as ("t", node name) for a tensor or symbolic
+    value, ("c", value) for a constant."""
+    from torch.export.graph_signature import ConstantArgument
+
+    out = []
+    for a in sig:
+        if isinstance(a, ConstantArgument):
+            out.append(("c", a.value))
+        elif type(a).__name__ in ("TensorArgument", "SymIntArgument", "SymFloatArgument", "SymBoolArgument"):
+            out.append(("t", a.name))
+        else:
+            raise NotExpandable(f"a block call's argument is a {type(a).__name__}")
+    return out
+
+
+def _tail_reads(tail: list, node: fx.Node | None) -> tuple:
+    """Where the nodes of ``tail`` read ``node``: (op, place in its arguments) for each read,
+    sorted (a model that collects every block's result reads the last one at another place)."""
+    if node is None:
+        return ()
+    after = set(tail)
+    found: list[tuple] = []
+
+    def walk(a: Any, user: fx.Node, path: tuple) -> None:
+        if a is node:
+            found.append((user.op, str(user.target), path))
+        elif isinstance(a, (list, tuple)):
+            for i, x in enumerate(a):
+                walk(x, user, path + (i,))
+        elif isinstance(a, dict):
+            for k, x in a.items():
+                walk(x, user, path + (k,))
+
+    for user in node.users:
+        if user in after:
+            walk(user.args, user, ("args",))
+            walk(user.kwargs, user, ("kwargs",))
+    return tuple(sorted(found, key=repr))
+
+
+def _learn(nodes: list, starts: list, ends: list, tail: list, stack: Stack, calls: dict,
+           by_fqn: dict, fqn_of: dict) -> "Template | None":
+    """The stack's :class:`Template` from a capture cut to :data:`KEEP` blocks (checked), or
+    None where block 0's segment does not repeat in block 1 or its calls do not fit one."""
+    sigs = [calls.get(f"{stack.path}.{i}") for i in range(KEEP)]
+    if any(s is None for s in sigs) or len({(str(s.in_spec), str(s.out_spec)) for s in sigs}) != 1:
+        return None
+    try:
+        _compare(nodes[starts[0]: ends[0] + 1], nodes[ends[0] + 1: ends[1] + 1], stack, 0, 1, by_fqn, fqn_of)
+        ins = [_call_args(s.inputs) for s in sigs]
+        outs = [_call_args(s.outputs) for s in sigs]
+    except NotExpandable:
+        return None
+    named = {n.name: n for n in nodes}
+    kinds, recurrent = [], []
+    for a0, a1, a2 in zip(*ins):
+        if a0[0] == a1[0] == a2[0] == "c" and a0[1] == a1[1] == a2[1] and type(a0[1]) in _CONSTANTS:
+            kinds.append(("const", a0[1]))
+        elif a0[0] == a1[0] == a2[0] == "t" and a0[1] == a1[1] == a2[1]:
+            kinds.append(("shared",))
+        elif a0[0] == a1[0] == a2[0] == "t" and a1 in outs[0] and a2 in outs[1] \
+                and outs[0].index(a1) == outs[1].index(a2):
+            kinds.append(("rec", outs[0].index(a1)))
+            recurrent.append(named.get(a0[1]))
+        else:
+            return None
+    if not any(k[0] == "rec" for k in kinds):
+        return None
+    tail_reads = tuple(_tail_reads(tail, named.get(o[1]) if o[0] == "t" else None) for o in outs[2])
+    return Template(sigs[0].in_spec, sigs[0].out_spec, tuple(kinds),
+                    tail_reads + tuple(_tail_reads(tail, x) for x in recurrent))
+
+
+#: constant block arguments a template compares by value
+_CONSTANTS = (type(None), bool, int, float, str)
+
+
+def _one_block(seg: list, tail: list, stack: Stack, calls: dict, template: "Template | None",
+               fqn_of: dict, lifted: set) -> dict:
+    """The recurrence of a capture cut to one block: ``{argument node: result node}`` for
+    each argument the next block takes from this block's results, read off block 0's call
+    signature where it matches ``template``. Refused (:class:`NotExpandable`) unless block 0's
+    ops read nothing from outside but its call's arguments, its parameters and the model's
+    lifted tensors and sizes, and what follows the stack reads the block's results (and the
+    stack's input) as the template's capture did."""
+    sig = calls.get(f"{stack.path}.0")
+    if template is None or sig is None:
+        raise NotExpandable(f"{stack.path}: no template of its block calls")
+    if (str(sig.in_spec), str(sig.out_spec)) != (str(template.in_spec), str(template.out_spec)):
+        raise NotExpandable(f"{stack.path}: block 0 is called with another argument structure")
+    ins, outs = _call_args(sig.inputs), _call_args(sig.outputs)
+    if len(ins) != len(template.inputs):
+        raise NotExpandable(f"{stack.path}: block 0 takes {len(ins)} arguments, the template {len(template.inputs)}")
+    named = {n.name: n for n in seg}
+    before = {n.name: n for n in seg[0].graph.nodes}
+    feeds: dict[fx.Node, fx.Node] = {}
+    passed: set[fx.Node] = set()
+    recurrent = []
+    for (kind, value), want in zip(ins, template.inputs):
+        if want[0] == "const":
+            if kind != "c" or type(value) is not type(want[1]) or value != want[1]:
+                raise NotExpandable(f"{stack.path}: block 0 takes {value!r} where the template's took {want[1]!r}")
+            continue
+        if kind != "t" or value not in before:
+            raise NotExpandable(f"{stack.path}: block 0 takes {value!r} where the template's took a tensor")
+        passed.add(before[value])
+        if want[0] == "rec":
+            o = outs[want[1]] if want[1] < len(outs) else ("c", None)
+            if o[0] != "t" or o[1] not in named:
+                raise NotExpandable(f"{stack.path}: block 0's result {want[1]} is not one of its ops")
+            feeds[before[value]] = named[o[1]]
+            recurrent.append(before[value])
+    inside = set(seg)
+    for n in seg:
+        if n.op != "call_function" or _block_of(n, stack.path) != 0:
+            raise NotExpandable(f"{stack.path}: {n.name} in block 0's segment is not one of its ops")
+        for x in n.all_input_nodes:
+            if x in inside or x in passed or not isinstance(x.meta.get("val"), torch.Tensor):
+                continue   # its own, an argument, or a size
+            if x.op == "placeholder" and (x in fqn_of or x in lifted):
+                if fqn_of.get(x, "").startswith(f"{stack.path}.") and not fqn_of[x].startswith(f"{stack.path}.0."):
+                    raise NotExpandable(f"{stack.path}: block 0 reads {fqn_of[x]}")
+                continue   # a parameter, buffer or lifted constant
+            raise NotExpandable(f"{stack.path}: block 0 reads {x.name}, which its call does not pass")
+    results = {named[o[1]] for o in outs if o[0] == "t" and o[1] in named}
+    after = set(tail)
+    for n in seg:
+        if n not in results and any(u in after for u in n.users):
+            raise NotExpandable(f"{stack.path}: {n.name} of block 0 is read after the stack")
+    reads = tuple(_tail_reads(tail, named.get(o[1]) if o[0] == "t" else None) for o in outs) \
+        + tuple(_tail_reads(tail, x) for x in recurrent)
+    if reads != template.tail:
+        raise NotExpandable(f"{stack.path}: what follows the stack reads block 0's results {reads}, "
+                            f"the template's capture {template.tail}")
+    return feeds
 
 
 def _stack_paths(node: fx.Node) -> list[str]:

@@ -122,8 +122,8 @@ def keeps(monkeypatch):
     seen = []
     real = capture_expand.expand
 
-    def spy(ep, model, stacks, keep=capture_expand.KEEP):
-        out = real(ep, model, stacks, keep)
+    def spy(ep, model, stacks, keep=capture_expand.KEEP, **kwargs):
+        out = real(ep, model, stacks, keep, **kwargs)
         seen.append(keep)
         return out
 
@@ -132,9 +132,10 @@ def keeps(monkeypatch):
 
 
 @pytest.mark.parametrize("family", sorted(CASES))
-def test_a_later_signature_cuts_to_two_blocks(family, keeps):
-    """Once a model's first capture checked three blocks, another call of it is cut to two
-    where block 0 is alike the rest (not T5's) and is still the whole export, node for node."""
+def test_a_later_signature_cuts_to_one_block(family, keeps):
+    """Once a model's first capture checked three blocks and learned how its blocks are called,
+    another call of it is cut to one block where block 0 is alike the rest (not T5's), and is
+    still the whole export, node for node."""
     fam = zoo.FAMILIES[family]
     config = zoo.tiny_config(family, layers=LAYERS, heads=4, kv_heads=2 if fam.kv_heads else None)
     model = zoo.build(family, config, dtype=torch.float64).eval()
@@ -145,12 +146,51 @@ def test_a_later_signature_cuts_to_two_blocks(family, keeps):
         batch.pop("labels")   # another call: no labels, no loss
     fast = capture(model, example_kwargs=batch, seq_range=seq_range)
     assert first.expanded == fast.expanded == CASES[family]
-    assert keeps == [KEEP, KEEP if family == "t5" else 2]
+    assert keeps == [KEEP, KEEP if family == "t5" else 1]
     assert_same_capture(fast, whole(model, example_kwargs=batch, seq_range=seq_range))
     got = run(fast, model, batch)
     with torch.no_grad():
         want = model(**batch)
     torch.testing.assert_close(got["logits"], want.logits, rtol=1e-9, atol=1e-9)
+
+
+def test_a_train_mode_model_is_cut_to_one_block_in_eval(keeps):
+    """The first capture in train mode (dropout in every block), the next in eval mode: the
+    block's ops differ, its call does not, and one block is enough."""
+    config = zoo.tiny_config("gpt2", layers=LAYERS)
+    config.resid_pdrop = config.attn_pdrop = config.embd_pdrop = 0.1
+    model = zoo.build("gpt2", config, dtype=torch.float64).train()
+    capture(model)
+    model.eval()
+    ids = {"input_ids": torch.randint(0, config.vocab_size, (2, 9)),
+           "attention_mask": torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 9])}
+    fast = capture(model, example_kwargs=ids)
+    assert keeps == [KEEP, 1]
+    assert_same_capture(fast, whole(model, example_kwargs=ids))
+    torch.testing.assert_close(run(fast, model, ids)["logits"], model(**ids).logits, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("flag", ["output_hidden_states", "output_attentions"])
+def test_a_call_that_returns_every_block_is_captured_whole(flag, keeps):
+    """A model set to return each block's hidden state (or attention weights): HuggingFace
+    hooks every module the forward runs, once; a cut export would hook the kept blocks alone.
+    The capture is the whole export, and every block is hooked."""
+    config = zoo.tiny_config("gpt2", layers=LAYERS)
+    config._attn_implementation = "eager"   # sdpa returns no attention weights
+    model = zoo.build("gpt2", config, dtype=torch.float64).eval()
+    capture(model)
+    setattr(model.config, flag, True)
+    ids = {"input_ids": torch.randint(0, config.vocab_size, (2, 6))}
+    cap = capture(model, example_kwargs=ids)
+    assert keeps == [KEEP] and cap.expanded == ()   # the first capture alone was cut
+    # the cut exports took off the hooks the forward put on the kept blocks alone
+    assert all(m._forward_hooks for m in model.transformer.h)
+    assert_same_capture(cap, whole(model, example_kwargs=ids))
+    got, want = run(cap, model, ids), model(**ids)
+    key = flag.removeprefix("output_")
+    assert len(got[key]) == len(want[key]) == LAYERS + (key == "hidden_states")
+    for g, w in zip(got[key], want[key]):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9)
 
 
 def test_training_mode_dropout_is_expanded():
@@ -172,7 +212,9 @@ class Block(nn.Module):
         self.lin = nn.Linear(width, width)
         self.index = index   # counts with the block: allowed to differ
 
-    def forward(self, x):
+    def forward(self, x, bias=None):
+        if bias is not None:
+            x = x + bias
         return x + torch.tanh(self.lin(x))
 
 
@@ -182,12 +224,14 @@ class Toy(nn.Module):
         self.blocks = nn.ModuleList(Block(width, i) for i in range(layers))
         self.odd_scale = odd_scale
 
-    def forward(self, x):
+    def forward(self, x, bias=None, collect=False):
+        outs = []
         for i, block in enumerate(self.blocks):
-            x = block(x)
+            x = block(x, bias)
+            outs.append(x)
             if self.odd_scale and i % 2:   # the parent treats blocks 1 and 2 differently
                 x = x * 2
-        return x.sum(-1)
+        return torch.stack(outs).sum(-1) if collect else x.sum(-1)
 
 
 def _toy_capture(model):
@@ -217,14 +261,39 @@ def test_blocks_the_parent_treats_differently_are_captured_whole(keeps):
     torch.testing.assert_close(run(again, model, {"x": x}), model(x), rtol=1e-12, atol=1e-12)
 
 
-def test_a_plain_stack_is_cut_to_two_blocks_the_second_time(keeps):
+def test_a_plain_stack_is_cut_to_one_block_the_second_time(keeps):
     model = Toy().double()
     _toy_capture(model)
     x = torch.randn(3, 4, 8, dtype=torch.float64)
     cap = capture(model, example_kwargs={"x": x}, dynamic=False)
-    assert keeps == [KEEP, 2] and cap.expanded == ("blocks",)
+    assert keeps == [KEEP, 1] and cap.expanded == ("blocks",)
     assert_same_capture(cap, whole(model, example_kwargs={"x": x}, dynamic=False))
     torch.testing.assert_close(run(cap, model, {"x": x}), model(x), rtol=1e-12, atol=1e-12)
+
+
+def test_a_block_argument_the_first_call_did_not_pass_cuts_to_two(keeps):
+    """The first capture passed each block None for ``bias``; a call that passes a tensor there
+    is not the template's call: cut to two blocks instead, where block 1 shows the bias shared."""
+    model = Toy().double()
+    _toy_capture(model)
+    x, bias = torch.randn(2, 5, 8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    cap = capture(model, example_kwargs={"x": x, "bias": bias}, dynamic=False)
+    assert keeps == [KEEP, 2] and cap.expanded == ("blocks",)
+    assert_same_capture(cap, whole(model, example_kwargs={"x": x, "bias": bias}, dynamic=False))
+    torch.testing.assert_close(run(cap, model, {"x": x, "bias": bias}), model(x, bias), rtol=1e-12, atol=1e-12)
+
+
+def test_a_call_that_reads_every_block_is_not_cut_to_one(keeps):
+    """``collect=True`` returns every block's output: block 0's result is read after the stack
+    once more than the template's capture read it, so one block cannot stand for the rest."""
+    model = Toy().double()
+    _toy_capture(model)
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    cap = capture(model, example_kwargs={"x": x, "collect": True})
+    assert 1 not in keeps and cap.expanded == ()
+    assert_same_capture(cap, whole(model, example_kwargs={"x": x, "collect": True}))
+    torch.testing.assert_close(run(cap, model, {"x": x, "collect": True}), model(x, collect=True),
+                               rtol=1e-12, atol=1e-12)
 
 
 def test_stacks_that_are_not_alike_are_not_cut():
