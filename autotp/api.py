@@ -23,7 +23,7 @@ from .passes.propagate import GraphIndex, Propagation, propagate
 from .passes.rewrite import rewrite
 from .passes.solve import solve
 from .placements import REPLICATE, Placement, Replicate, Shard
-from .plan import CommOp, Plan, attention_heads, cost_expressions, role_of
+from .plan import CommOp, DeferredExpressions, Plan, attention_heads, cost_expressions, role_of
 from .runtime.rng import RNGTracker
 
 log = logging.getLogger("autotp")
@@ -253,7 +253,9 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                   sharded_outputs={names[i]: prop.placements[n] for i, n in enumerate(cap.output_nodes)
                                    if i in keep and isinstance(prop.placements.get(n), Shard)},
                   memory_bytes=prop.memory_bytes, activation_bytes=prop.activation_bytes, memory_limit=limit,
-                  expressions=cost_expressions(index, prop, prof), notes=notes,
+                  expressions=(cost_expressions(index, prop, prof) if plan is None
+                               else DeferredExpressions(lambda: cost_expressions(index, prop, prof))),
+                  notes=notes,
                   attention=attention_heads(index, prop))
     if plan is None and tp > 1:
         note = _replicated_note(result, layout)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,36 @@ class CommOp:
     module: str = ""     # the module whose op needed it (transformer.h.0.attn.c_proj)
 
 
+class DeferredExpressions(Mapping):
+    """A plan's cost expressions, computed when first read: the plan replayed for another call
+    signature's program is rarely printed, and its expressions cost a tenth of the replay.
+    Copied and pickled as the dict it reads as."""
+
+    def __init__(self, make: Callable[[], dict[str, str]]):
+        self._make: Callable[[], dict[str, str]] | None = make
+        self._value: dict[str, str] | None = None
+
+    def _get(self) -> dict[str, str]:
+        if self._value is None:
+            self._value, self._make = self._make(), None
+        return self._value
+
+    def __getitem__(self, key: str) -> str:
+        return self._get()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __repr__(self) -> str:
+        return repr(self._get())
+
+    def __reduce__(self) -> tuple:
+        return dict, (dict(self._get()),)
+
+
 @dataclass
 class Plan:
     tp: int
@@ -49,7 +80,7 @@ class Plan:
     activation_bytes: float = 0.0    # ... of which activations kept for backward
     memory_limit: float | None = None
     #: the predicted costs as sympy expressions (strings) in the symbols b (batch) and s (sequence)
-    expressions: dict[str, str] = field(default_factory=dict)
+    expressions: Mapping[str, str] = field(default_factory=dict)   # or DeferredExpressions
     notes: list[str] = field(default_factory=list)   # why the plan is what it is, where not obvious
     #: module of each attention op that runs split by heads -> heads each rank computes (None:
     #: a plan saved before this was recorded; heads are then read off the parameters alone)
@@ -211,7 +242,7 @@ class Plan:
             "comms": [c.__dict__ for c in self.comms],
             "compute_s": self.compute_s, "comm_s": self.comm_s,
             "memory_bytes": self.memory_bytes, "activation_bytes": self.activation_bytes,
-            "memory_limit": self.memory_limit, "expressions": self.expressions, "notes": self.notes,
+            "memory_limit": self.memory_limit, "expressions": dict(self.expressions), "notes": self.notes,
             "attention": self.attention,
         }
         return json.dumps(doc, indent=1, sort_keys=True)

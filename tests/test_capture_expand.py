@@ -154,6 +154,30 @@ def test_a_later_signature_cuts_to_one_block(family, keeps):
     torch.testing.assert_close(got["logits"], want.logits, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(zoo.FAMILIES))
+def test_every_family_cut_to_one_block_is_its_whole_export(family, keeps):
+    """Every zoo family: first captured in train mode with labels, then called in eval mode
+    without them. Where the first capture expanded and block 0 is alike the rest, the second is
+    cut to one block; whatever the cut, it is the whole export node for node and equals the model."""
+    fam = zoo.FAMILIES[family]
+    config = zoo.tiny_config(family, layers=LAYERS, heads=4, kv_heads=2 if fam.kv_heads else None)
+    model = zoo.build(family, config, dtype=torch.float64).train()
+    seq_range = (3, 32) if family == "t5" else None
+    first = capture(model, seq_range=seq_range)
+    model.eval()
+    batch = zoo.example_batch(family, config, batch=2, seq=7)
+    if family != "t5":
+        batch.pop("labels", None)
+    fast = capture(model, example_kwargs=batch, seq_range=seq_range)
+    if first.expanded and all(s.uniform for s in find_stacks(model)):
+        assert keeps[-1] == 1
+    assert_same_capture(fast, whole(model, example_kwargs=batch, seq_range=seq_range))
+    with torch.no_grad():
+        want = model(**batch)
+    torch.testing.assert_close(run(fast, model, batch)["logits"], want.logits, rtol=1e-9, atol=1e-9)
+
+
 def test_a_train_mode_model_is_cut_to_one_block_in_eval(keeps):
     """The first capture in train mode (dropout in every block), the next in eval mode: the
     block's ops differ, its call does not, and one block is enough."""

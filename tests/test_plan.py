@@ -14,6 +14,7 @@ from autotp.api import build_plan
 from autotp.capture import capture
 from autotp.cost_model import PROFILES
 from autotp.errors import ConfigError, PlanError
+from autotp.plan import DeferredExpressions
 from autotp.testing import MEGATRON_GPT2
 from tests.helpers import tiny_gpt2
 
@@ -165,6 +166,27 @@ def test_cost_expressions_in_b_and_s_give_the_predicted_cost_at_the_workload():
         expr = sympy.sympify(plan.expressions[key], locals={"b": b, "s": s})
         assert expr.free_symbols == {b, s}
         assert float(expr.subs({b: 8, s: 1024})) == pytest.approx(getattr(plan, key), rel=1e-4)
+
+
+def test_a_replayed_plan_computes_its_cost_expressions_when_read():
+    """The plan replayed for another program defers its expressions; read, printed, copied,
+    pickled or saved, they are what the replay's propagation gives."""
+    import copy
+    import pickle
+
+    from autotp.cost_model import get_profile
+    from autotp.plan import cost_expressions
+
+    cap = gpt2_capture(768, 12)
+    solved = plan_of(cap, 4, profile="h100-dgx")
+    replayed, index, prop = build_plan(cap, 4, batch=8, seq=1024, profile="h100-dgx", plan=solved)
+    assert isinstance(replayed.expressions, DeferredExpressions) and replayed.expressions._value is None
+    want = cost_expressions(index, prop, get_profile("h100-dgx"))
+    assert set(want) >= {"compute_s", "comm_s"}
+    assert "compute_s(b, s) =" in str(replayed) and dict(replayed.expressions) == want
+    assert json.loads(replayed.to_json())["expressions"] == want
+    assert pickle.loads(pickle.dumps(replayed)).expressions == want
+    assert type(copy.deepcopy(replayed).expressions) is dict
 
 
 def test_plan_prints_every_parameter_layout_and_collective():
