@@ -24,7 +24,8 @@ same order, same ops, same inputs and outputs).
    block, parameters of block 1 replaced by block 2's, nodes of segment 1 by their counterparts,
    and every other input either the very same node (shared: a mask, rotary tables, T5's position
    bias) or, consistently, a node of segment 1 standing for one before it (the recurrence: the
-   hidden state). No node of segment 1 may be used after segment 2, and no node may follow the
+   hidden state); each node's value has its counterpart's shape and dtype (the copies take
+   segment 2's). No node of segment 1 may be used after segment 2, and no node may follow the
    stack with a module path inside it.
 4. **Expand**: blocks ``KEEP..N-1`` are copies of segment 2 with its parameters renamed to the
    block's FQNs (placeholders named as torch.export names them, ``p_`` + the FQN with dots as
@@ -38,7 +39,7 @@ further where block 0 is alike the rest (:attr:`Stack.uniform`; see
 * to **one** block where that first capture learned a :class:`Template` of the stack's block
   calls (from torch.export's record of each block call's arguments and results: which argument
   every block shares, which it takes from the block before). Block 0's call must match it, its
-  ops read nothing but its call's arguments, parameters, lifted tensors and sizes, and what
+  ops read nothing but its call's arguments, parameters, buffers and sizes, and what
   follows the stack reads its results where the template's capture read the last block's
   (:func:`_one_block`); blocks 1..N-1 are copies of block 0;
 * else to **two**, and block 1's segment is checked against block 0's own nodes.
@@ -343,11 +344,10 @@ def expand(ep: torch.export.ExportedProgram, model: nn.Module, stacks: list[Stac
             env[n] = graph.node_copy(n, lambda a: env[a])
     fqn_of = {node: fqn for fqn, node in by_fqn.items()}
     calls = {e.fqn: e.signature for e in ep.module_call_graph if e.signature is not None}
-    lifted_nodes = {env[old_ph[name]] for name in consts if name in old_ph}
     learned = {}
     for stack in stacks:
         learned[stack.path] = _expand_stack(graph, stack, by_fqn, fqn_of, keep, calls,
-                                            (templates or {}).get(stack.path), lifted_nodes)
+                                            (templates or {}).get(stack.path))
     graph.lint()
     # the cut program's module takes the grown graph: it holds the submodules its get_attr nodes
     # name; its code is generated once, by capture's last step (fx's graph setter would
@@ -430,6 +430,8 @@ def _compare(seg1: list, seg2: list, stack: Stack, one: int, two: int, by_fqn: d
             raise NotExpandable(f"{stack.path}: {b.name}'s module path does not repeat {a.name}'s")
         if not (match(a.args, b.args) and match(a.kwargs, b.kwargs)):
             raise NotExpandable(f"{stack.path}: the inputs of {b.name} do not repeat those of {a.name}")
+        if _shape_key(a) != _shape_key(b):   # the copies take segment 2's shapes
+            raise NotExpandable(f"{stack.path}: {b.name} is {_shape_key(b)}, {a.name} {_shape_key(a)}")
         phi[a] = b
     for n in seg1:
         if any(u not in in1 and u not in in2 for u in n.users):
@@ -438,14 +440,12 @@ def _compare(seg1: list, seg2: list, stack: Stack, one: int, two: int, by_fqn: d
 
 
 def _expand_stack(graph: fx.Graph, stack: Stack, by_fqn: dict, fqn_of: dict, keep: int,
-                  calls: dict | None = None, template: "Template | None" = None,
-                  lifted: set | None = None) -> "Template | None":
+                  calls: dict | None = None, template: "Template | None" = None) -> "Template | None":
     """Blocks ``keep..`` of ``stack`` written into ``graph`` as copies of block ``keep - 1``'s
     segment (*seg2* below), once it is checked to repeat block ``keep - 2``'s (*seg1*).
 
     ``keep`` 1 takes the recurrence from ``template`` and the block's call signature
-    (``calls``: block path -> its signature in the export; ``lifted``: the lifted constants'
-    placeholders), see :func:`_one_block`. Where
+    (``calls``: block path -> its signature in the export), see :func:`_one_block`. Where
     ``keep`` is :data:`KEEP` and the signatures were recorded, returns the stack's
     :class:`Template` (None if its blocks' calls do not allow one)."""
     nodes, starts, ends = _segments(graph, stack, keep)
@@ -454,7 +454,7 @@ def _expand_stack(graph: fx.Graph, stack: Stack, by_fqn: dict, fqn_of: dict, kee
     if keep == 1:
         seg2 = nodes[starts[0]: ends[0] + 1]
         tail = nodes[ends[0] + 1:]
-        feeds = _one_block(seg2, tail, stack, calls or {}, template, fqn_of, lifted or set())
+        feeds = _one_block(seg2, tail, stack, calls or {}, template, fqn_of)
     else:
         one = keep - 2   # the blocks compared: seg2 is the template of the rest
         # block 0's segment is its own ops: what comes before it is the parent's, run once
@@ -601,13 +601,14 @@ _CONSTANTS = (type(None), bool, int, float, str)
 
 
 def _one_block(seg: list, tail: list, stack: Stack, calls: dict, template: "Template | None",
-               fqn_of: dict, lifted: set) -> dict:
+               fqn_of: dict) -> dict:
     """The recurrence of a capture cut to one block: ``{argument node: result node}`` for
     each argument the next block takes from this block's results, read off block 0's call
     signature where it matches ``template``. Refused (:class:`NotExpandable`) unless block 0's
-    ops read nothing from outside but its call's arguments, its parameters and the model's
-    lifted tensors and sizes, and what follows the stack reads the block's results (and the
-    stack's input) as the template's capture did."""
+    ops read nothing from outside but its call's arguments, its own and the model's parameters
+    and buffers, and sizes; each recurrent argument has its result's shape and dtype; and what
+    follows the stack reads the block's results (and the stack's input) as the template's
+    capture did."""
     sig = calls.get(f"{stack.path}.0")
     if template is None or sig is None:
         raise NotExpandable(f"{stack.path}: no template of its block calls")
@@ -633,8 +634,11 @@ def _one_block(seg: list, tail: list, stack: Stack, calls: dict, template: "Temp
             o = outs[want[1]] if want[1] < len(outs) else ("c", None)
             if o[0] != "t" or o[1] not in named:
                 raise NotExpandable(f"{stack.path}: block 0's result {want[1]} is not one of its ops")
-            feeds[before[value]] = named[o[1]]
-            recurrent.append(before[value])
+            x, y = before[value], named[o[1]]
+            if _shape_key(x) != _shape_key(y):   # a block that changes the shape reads sizes of its own
+                raise NotExpandable(f"{stack.path}: block 0 turns {_shape_key(x)} into {_shape_key(y)}")
+            feeds[x] = y
+            recurrent.append(x)
     inside = set(seg)
     for n in seg:
         if n.op != "call_function" or _block_of(n, stack.path) != 0:
@@ -642,10 +646,12 @@ def _one_block(seg: list, tail: list, stack: Stack, calls: dict, template: "Temp
         for x in n.all_input_nodes:
             if x in inside or x in passed or not isinstance(x.meta.get("val"), torch.Tensor):
                 continue   # its own, an argument, or a size
-            if x.op == "placeholder" and (x in fqn_of or x in lifted):
-                if fqn_of.get(x, "").startswith(f"{stack.path}.") and not fqn_of[x].startswith(f"{stack.path}.0."):
+            if x.op == "placeholder" and x in fqn_of:
+                if fqn_of[x].startswith(f"{stack.path}.") and not fqn_of[x].startswith(f"{stack.path}.0."):
                     raise NotExpandable(f"{stack.path}: block 0 reads {fqn_of[x]}")
-                continue   # a parameter, buffer or lifted constant
+                continue   # its own parameter or buffer (each copy reads its block's), or the model's
+            # a lifted constant may be made per block (torch.tensor(self.layer_idx)): one block
+            # cannot tell, two can (they read one node or two)
             raise NotExpandable(f"{stack.path}: block 0 reads {x.name}, which its call does not pass")
     results = {named[o[1]] for o in outs if o[0] == "t" and o[1] in named}
     after = set(tail)
@@ -658,6 +664,18 @@ def _one_block(seg: list, tail: list, stack: Stack, calls: dict, template: "Temp
         raise NotExpandable(f"{stack.path}: what follows the stack reads block 0's results {reads}, "
                             f"the template's capture {template.tail}")
     return feeds
+
+
+def _shape_key(node: fx.Node) -> Any:
+    """What a node's value is: shape (symbolic sizes as text) and dtype, for each tensor."""
+    def key(val: Any) -> Any:
+        if isinstance(val, torch.Tensor):
+            return str(tuple(val.shape)), val.dtype
+        if isinstance(val, (list, tuple)):
+            return tuple(key(v) for v in val)
+        return str(val) if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)) else type(val).__name__
+
+    return key(node.meta.get("val"))
 
 
 def _stack_paths(node: fx.Node) -> list[str]:

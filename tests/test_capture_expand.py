@@ -242,6 +242,22 @@ class Block(nn.Module):
         return x + torch.tanh(self.lin(x))
 
 
+class EvalConstant(Block):
+    """Adds its index in eval mode only, as a tensor made in forward: a lifted constant per block."""
+
+    def forward(self, x, bias=None):
+        if not self.training:
+            x = x + torch.tensor(float(self.index), dtype=x.dtype)
+        return super().forward(x, bias)
+
+
+class Shrinking(Block):
+    """Drops the last position: each block's output is shorter than its input."""
+
+    def forward(self, x, bias=None):
+        return super().forward(x, bias)[:, :-1]
+
+
 class Toy(nn.Module):
     def __init__(self, layers: int = LAYERS, width: int = 8, odd_scale: bool = False):
         super().__init__()
@@ -318,6 +334,33 @@ def test_a_call_that_reads_every_block_is_not_cut_to_one(keeps):
     assert_same_capture(cap, whole(model, example_kwargs={"x": x, "collect": True}))
     torch.testing.assert_close(run(cap, model, {"x": x, "collect": True}), model(x, collect=True),
                                rtol=1e-12, atol=1e-12)
+
+
+def test_a_constant_made_in_each_block_is_not_read_off_block_0(keeps):
+    """Trained first, then called in eval mode, where each block adds a tensor of its own index
+    made in forward (a lifted constant per block): one block cannot show the constants differ,
+    so it is not cut to one, and the capture is the whole export."""
+    model = Toy().double().train()
+    model.blocks = nn.ModuleList(EvalConstant(8, i) for i in range(LAYERS)).double()
+    _toy_capture(model)
+    model.eval()
+    x = torch.randn(3, 4, 8, dtype=torch.float64)
+    cap = capture(model, example_kwargs={"x": x}, dynamic=False)
+    assert keeps == [KEEP] and cap.expanded == ()
+    assert_same_capture(cap, whole(model, example_kwargs={"x": x}, dynamic=False))
+    torch.testing.assert_close(run(cap, model, {"x": x}), model(x), rtol=1e-12, atol=1e-12)
+
+
+def test_blocks_that_change_the_shape_are_not_copied():
+    """Each block drops a position: block 2's values have other shapes than block 1's, so the
+    copies (which take one block's shapes) cannot stand for the rest; captured whole."""
+    model = Toy().double()
+    model.blocks = nn.ModuleList(Shrinking(8, i) for i in range(LAYERS)).double()
+    x = torch.randn(2, 9, 8, dtype=torch.float64)
+    cap = capture(model, example_kwargs={"x": x}, dynamic=False)
+    assert cap.expanded == ()
+    assert_same_capture(cap, whole(model, example_kwargs={"x": x}, dynamic=False))
+    torch.testing.assert_close(run(cap, model, {"x": x}), model(x), rtol=1e-12, atol=1e-12)
 
 
 def test_stacks_that_are_not_alike_are_not_cut():
