@@ -1,7 +1,8 @@
-"""Data parallelism two ways on a dp 2 x tp 2 world of local gloo ranks: autotp's per-parameter
-gradient all-reduce hooks against FSDP2 (``autotp.runtime.fsdp.fully_shard``), side by side in
-one run: training step time (forward, backward, AdamW) and bytes per rank of parameters,
-gradients and optimizer state.
+"""Data parallelism three ways on a dp 2 x tp 2 world of local gloo ranks: autotp's per-parameter
+gradient all-reduce hooks against FSDP2 (``autotp.runtime.fsdp.fully_shard``) with one unit per
+repeated layer (the default) and with the whole module as one unit, side by side in one run:
+training step time (forward, backward, AdamW) and bytes per rank of parameters, gradients and
+optimizer state, and the most parameter bytes FSDP2 holds gathered at once in a forward.
 
     .venv/bin/python benchmarks/fsdp.py --out benchmarks/fsdp.md
 
@@ -43,11 +44,12 @@ def run_rank(args: argparse.Namespace) -> dict:
     config = GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=args.heads, vocab_size=args.vocab,
                         n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     out = {}
-    for kind in ("hooks", "fsdp2"):
+    for kind in KINDS:
         torch.manual_seed(0)
         pm = autotp.parallelize(GPT2LMHeadModel(config), tp=2, layout=LAYOUT)
-        if kind == "fsdp2":
-            fsdp.fully_shard(pm)
+        if kind != "hooks":
+            fsdp.fully_shard(pm, per_layer=kind == "fsdp2 per layer")
+        peak = _gathered_peak(pm) if kind != "hooks" else None
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
         gen = torch.Generator().manual_seed(1 + pm.mesh.dp_rank)
         times = []
@@ -63,8 +65,43 @@ def run_rank(args: argparse.Namespace) -> dict:
         out[kind] = {"median_ms": 1e3 * statistics.median(times), "best_ms": 1e3 * min(times),
                      "param_bytes": _bytes(list(pm.parameters())),
                      "grad_bytes": _bytes([p.grad for p in pm.parameters()]),
-                     "state_bytes": _bytes(state)}
+                     "state_bytes": _bytes(state), "gathered_bytes": peak() if peak else None}
     return out
+
+
+KINDS = ("hooks", "fsdp2 whole module", "fsdp2 per layer")
+
+
+def _gathered_peak(pm) -> "callable":
+    """Track, through FSDP2's units' forward hooks, the most parameter bytes gathered at once
+    (a unit's whole parameters from its pre-forward until its forward ends and it reshards;
+    the root unit's stay gathered for the whole forward). Returns a function reading it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in pm.modules() if isinstance(m, FSDPModule)]
+
+    def gathered(p) -> int:   # this rank's tp part of the parameter, whole over dp
+        return p.numel() * p.element_size() // (pm.mesh.tp if p.placements[-1].is_shard() else 1)
+
+    sizes = {}
+    for m in units:
+        nested = {id(q) for u in units if u is not m and u in set(m.modules()) for q in u.parameters()}
+        sizes[id(m)] = sum(gathered(p) for p in m.parameters() if id(p) not in nested)
+    state = {"now": 0, "peak": 0}
+
+    def enter(module, args):
+        state["now"] += sizes[id(module)]
+        state["peak"] = max(state["peak"], state["now"])
+
+    def leave(module, args, output):
+        if module is not pm:
+            state["now"] -= sizes[id(module)]
+
+    for m in units:
+        m.register_forward_pre_hook(enter)
+        m.register_forward_hook(leave)
+    pm.register_forward_pre_hook(lambda module, args: state.update(now=0), prepend=True)
+    return lambda: state["peak"]
 
 
 def main() -> None:
@@ -86,7 +123,7 @@ def main() -> None:
     results = launch(run_rank, 4, args, timeout=1800)
     load = os.getloadavg()
     lines = [
-        "# Data parallelism: per-parameter all-reduce hooks vs FSDP2",
+        "# Data parallelism: per-parameter all-reduce hooks vs FSDP2 (per layer and whole module)",
         "",
         f"Command: `.venv/bin/python benchmarks/fsdp.py{' --out ' + args.out if args.out else ''}`",
         "",
@@ -99,23 +136,33 @@ def main() -> None:
         f"a step is forward, backward and AdamW; {args.warmup} warm-up steps, {args.steps} timed.",
         "",
         "| DP through | step ms (median, slowest rank) | step ms (best) | parameter bytes/rank | "
-        "gradient bytes/rank | AdamW state bytes/rank |",
-        "|---|---|---|---|---|---|",
+        "gradient bytes/rank | AdamW state bytes/rank | parameter bytes gathered at once (forward) |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for kind in ("hooks", "fsdp2"):
+    for kind in KINDS:
         rows = [r[kind] for r in results]
+        gathered = rows[0]["gathered_bytes"]
         lines.append(f"| {kind} | {max(r['median_ms'] for r in rows):.1f} | {max(r['best_ms'] for r in rows):.1f} | "
                      f"{max(r['param_bytes'] for r in rows):,} | {max(r['grad_bytes'] for r in rows):,} | "
-                     f"{max(r['state_bytes'] for r in rows):,} |")
-    h = max(r["hooks"]["median_ms"] for r in results)
-    f = max(r["fsdp2"]["median_ms"] for r in results)
-    hs = max(r["hooks"]["state_bytes"] for r in results)
-    fs = max(r["fsdp2"]["state_bytes"] for r in results)
-    lines += ["", f"FSDP2 / hooks: step time {f / h:.2f}x, optimizer state per rank {fs / hs:.2f}x.", "",
-              "FSDP2 gathers every parameter over dp before each forward and reduce-scatters the gradients "
-              "after backward, the whole module as one unit (autotp's programs are one graph each, so "
-              "there is no per-layer prefetch to overlap with compute); the hooks all-reduce each gradient "
-              "as backward produces it."]
+                     f"{max(r['state_bytes'] for r in rows):,} | "
+                     f"{'-' if gathered is None else f'{gathered:,}'} |")
+
+    def worst(kind: str, key: str) -> float:
+        return max(r[kind][key] for r in results)
+
+    h, hs = worst("hooks", "median_ms"), worst("hooks", "state_bytes")
+    lines.append("")
+    for kind in KINDS[1:]:
+        lines.append(f"{kind} / hooks: step time {worst(kind, 'median_ms') / h:.2f}x, optimizer state per rank "
+                     f"{worst(kind, 'state_bytes') / hs:.2f}x.")
+    lines += ["",
+              "FSDP2 reduce-scatters the gradients over dp and shards the optimizer state; per layer, each "
+              "repeated layer is a unit whose forward runs that layer's ops (autotp.runtime.outline), so its "
+              "parameters are gathered just before them and freed after (the root unit, embeddings and head, "
+              "stays gathered through the forward); as one unit, every parameter is gathered before the "
+              "forward. The hooks all-reduce each gradient as backward produces it. The gathered-at-once "
+              "column counts each unit's parameters from its pre-forward hook to the end of its forward, "
+              "per rank (its tp part of each tp-split tensor)."]
     publish(lines, args.out)
 
 

@@ -15,9 +15,13 @@ gradient with one all-reduce per parameter (``ParallelModule._average_over_dp``)
   micro-batches before the last;
 - the per-parameter all-reduce hooks are removed.
 
-The whole module is one FSDP unit: the programs are one graph each, not a module per layer, so
-all parameters are gathered at once before a forward (ZeRO-3 over the whole model, without
-FSDP's per-layer prefetch and overlap).
+- each repeated layer (the children of the model's ``nn.ModuleList`` stacks: ``transformer.h.0``,
+  ...) is an FSDP unit of its own, as torchtitan shards a model: the module's subtree under the
+  layer's name holds its parameters, and every program's graph is cut so that the layer's ops run
+  in that subtree's forward (``runtime.outline``). FSDP2 then gathers one layer's parameters
+  before its ops and frees them after (``reshard_after_forward``), prefetching the next, and
+  reduce-scatters each layer's gradients as its backward ends. ``per_layer=False`` makes the
+  whole module one unit instead (all parameters gathered at once before a forward).
 """
 from __future__ import annotations
 
@@ -32,11 +36,12 @@ from ..errors import ConfigError
 __all__ = ["fully_shard", "whole_parameters"]
 
 
-def fully_shard(pm: Any, **kwargs: Any) -> Any:
+def fully_shard(pm: Any, per_layer: bool = True, **kwargs: Any) -> Any:
     """Shard ``pm`` over its data-parallel ranks with FSDP2; returns ``pm`` (now also an
     ``FSDPModule``: ``unshard()``, ``reshard()``, ``set_requires_gradient_sync()``). ``kwargs`` go
     to ``torch.distributed.fsdp.fully_shard`` (``mp_policy=``, ``reshard_after_forward=``); the
-    mesh is the module's dp dimension. Build the optimizer after this call."""
+    mesh is the module's dp dimension. ``per_layer``: each repeated layer its own FSDP unit (see
+    the module docs), else one unit for the whole module. Build the optimizer after this call."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torch.distributed.tensor import DTensor
@@ -49,6 +54,13 @@ def fully_shard(pm: Any, **kwargs: Any) -> Any:
                           "autotp.parallelize in an initialized torch.distributed world")
     if "mesh" in kwargs:
         raise ConfigError("fully_shard shards over the module's own dp mesh dimension; do not pass mesh=")
+    units = {path: pm.get_submodule(path) for path in pm._layers if _holds_parameters(pm, path)} \
+        if per_layer else {}
+    if units:   # every program's layers outlined first: a program that cannot be changes nothing
+        from .outline import outline
+
+        for program in pm._programs:
+            outline(program.graph_module, program.param_order, list(units), units, check_only=True)
     for handle in pm._dp_hooks:       # FSDP2 reduces the gradients from now on
         handle.remove()
     pm._dp_hooks = []
@@ -64,10 +76,24 @@ def fully_shard(pm: Any, **kwargs: Any) -> Any:
     pm._held = {fqn: moved[id(param)] for fqn, param in pm._held.items()}
     names = {id(param): name for name, param in pm.named_parameters()}
     pm._held_names = {fqn: names[id(param)] for fqn, param in pm._held.items()}
+    for unit in units.values():
+        torch_fully_shard(unit, mesh=device_mesh["dp"], **kwargs)
     torch_fully_shard(pm, mesh=device_mesh["dp"], **kwargs)
     # after FSDP2's pre-hook (which puts the gathered parameters on the module): feed them on
     pm.register_forward_pre_hook(lambda module, args: _refresh(module))
+    pm._units = units
+    if units:
+        for program in pm._programs:
+            pm._outline(program)
     return pm
+
+
+def _holds_parameters(pm: Any, path: str) -> bool:
+    try:
+        unit = pm.get_submodule(path)
+    except AttributeError:   # a layer whose parameters the programs never use
+        return False
+    return any(True for _ in unit.parameters())
 
 
 def _refresh(pm: Any) -> None:

@@ -28,12 +28,21 @@ from .agreement import check_agreement, check_same_inputs, fingerprint, input_si
 from .collectives import group_ranks, local_shard
 from .faults import BackwardWatch, StepGuard
 from .inputs import check_index_bounds, check_not_empty, index_bounds
+from .outline import layer_paths, outline
 
 
 class _ParamTree(nn.Module):
     """A submodule on the path to a parameter or buffer under its original dotted name
     (``transformer.h.0.attn...``): the module's ``named_parameters()`` and ``state_dict()``
-    use the model's own names."""
+    use the model's own names.
+
+    A repeated layer's subtree runs the layer's outlined graph (``runtime.outline``) when
+    sharded per layer with FSDP2: its forward reads its parameters as FSDP2's pre-forward hook
+    left them (gathered over dp) and feeds them, in the graph's order (``names``), first."""
+
+    def forward(self, block: fx.GraphModule, names: tuple[str, ...], *args: Any) -> Any:
+        grad = torch.is_grad_enabled()
+        return block(*(_program_tensor(self.get_parameter(n), grad) for n in names), *args)
 
 
 def _put(root: nn.Module, fqn: str, value: torch.Tensor, buffer: bool = False, persistent: bool = True) -> None:
@@ -74,6 +83,8 @@ class Program:
     #: tensor input key -> (dtype, rank, the (dim, size) pairs the capture kept static), read off
     #: the graph once (not per call: torch.compile traces the calls, and the graph with them)
     inputs: dict = field(init=False, default_factory=dict)
+    #: parameter FQNs the program's layer calls read themselves (per-layer FSDP: runtime.outline)
+    outlined: frozenset = frozenset()
 
     def serves(self, kwargs: dict[str, Any], training: bool) -> bool:
         """Does this program compute a call with these inputs, in this mode? Same tensor inputs
@@ -143,6 +154,10 @@ class ParallelModule(nn.Module):
         self._build = build
         #: what pm.generate needs of the serial model (autotp.generation)
         self._generation = _generation_info(model)
+        #: the model's repeated layers (runtime.outline.layer_paths); under per-layer FSDP2
+        #: (runtime.fsdp.fully_shard) each one's subtree of this module, by path, runs its ops
+        self._layers = layer_paths(model)
+        self._units: dict[str, nn.Module] = {}
         # Each parameter is a DTensor on the (dp, tp) mesh whose local tensor is this rank's
         # shard: the programs run on those local tensors (to_local() each call, so gradients
         # arrive in param.grad as DTensors), optimizers and clip_grad_norm_ see the whole.
@@ -247,8 +262,15 @@ class ParallelModule(nn.Module):
                 split.append((i, placement.dim, size, dtensor.torch_placement(placement, size, plan.tp)))
         program = Program(capture, plan, graph_module, param_order, buffer_order, constants,
                           index_bounds(capture), step, dict(arriving or {}), tuple(split))
+        if self._units:
+            self._outline(program)
         self._programs.append(program)
         return program
+
+    def _outline(self, program: Program) -> None:
+        """Run ``program``'s layers through their subtrees of this module (per-layer FSDP2)."""
+        _, outlined = outline(program.graph_module, program.param_order, list(self._units), self._units)
+        program.outlined = frozenset(outlined)
 
     def _serving(self, kwargs: dict[str, Any], in_ranges: bool = False) -> Program | None:
         """The call program that serves ``kwargs`` in this mode (the current one first), or None;
@@ -350,7 +372,8 @@ class ParallelModule(nn.Module):
         if not compiled:
             check_index_bounds(program.bounds, kwargs)
         grad = torch.is_grad_enabled()
-        params = [_program_tensor(self._held[fqn], grad) for fqn in program.param_order]
+        params = [_program_tensor(self._held[fqn], grad) if fqn not in program.outlined else None
+                  for fqn in program.param_order]
         buffers = [self.get_buffer(fqn) for fqn in program.buffer_order]
         outputs = program.graph_module(*params, *buffers, *program.constants, *flat)
         outputs = list(outputs)

@@ -1,7 +1,7 @@
 """Training: a DP x TP world (dp 2 x tp 2 on 4 gloo ranks) takes AdamW steps that equal the
 serial model's steps on the whole batch."""
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import autotp
@@ -63,9 +63,14 @@ def fsdp_adamw_steps(case: dict) -> dict:
     from autotp.testing import relative_error
     from tests.helpers import batch, tiny_gpt2
 
+    from torch.distributed.fsdp import FSDPModule
+
+    from autotp.runtime.outline import LayerCall
+
     model = keep_loss_precision(tiny_gpt2(n_layer=case["layers"], n_head=case["heads"], head_dim=4,
                                           vocab=case["vocab"], seed=case["seed"]))
-    pm = fsdp.fully_shard(autotp.parallelize(model, tp=2, layout=LAYOUT))
+    pm = fsdp.fully_shard(autotp.parallelize(model, tp=2, layout=LAYOUT), per_layer=case["per_layer"])
+    units = sorted(name for name, m in pm.named_modules() if isinstance(m, FSDPModule))
     dp_rank, dp = pm.mesh.dp_rank, pm.mesh.dp
     serial_opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     parallel_opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
@@ -90,22 +95,33 @@ def fsdp_adamw_steps(case: dict) -> dict:
     model.eval(), pm.eval()
     same_tokens = torch.equal(pm.generate(prompt, max_new_tokens=3),      # parameters gathered for it
                               model.generate(prompt, max_new_tokens=3, do_sample=False, pad_token_id=0))
-    return {"errors": errors, "state_share": state / whole, "placements": placements, "same_tokens": same_tokens}
+    calls = [sum(isinstance(m, LayerCall) for m in p.graph_module.modules()) for p in pm.programs]
+    return {"errors": errors, "state_share": state / whole, "placements": placements, "same_tokens": same_tokens,
+            "units": units, "layer_calls": calls}
 
 
-@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
           derandomize=True)
-@given(layers=st.integers(1, 2), heads=st.sampled_from([2, 3, 4]), vocab=st.integers(20, 64),
-       batch=st.integers(1, 2), seq=st.integers(3, 8), steps=st.integers(1, 2), seed=st.integers(0, 999))
+@given(layers=st.integers(1, 3), heads=st.sampled_from([2, 3, 4]), vocab=st.integers(20, 64),
+       batch=st.integers(1, 2), seq=st.integers(3, 8), steps=st.integers(1, 2), seed=st.integers(0, 999),
+       per_layer=st.booleans())
+@example(layers=3, heads=4, vocab=40, batch=2, seq=5, steps=2, seed=1, per_layer=True)
 def test_fsdp2_over_dp2_x_tp2_with_accumulation_equals_serial_steps(cluster, layers, heads, vocab, batch, seq,
-                                                                    steps, seed):
-    case = dict(layers=layers, heads=heads, vocab=vocab, batch=batch, seq=seq, steps=steps, seed=seed)
+                                                                    steps, seed, per_layer):
+    """Per layer (each block an FSDP unit whose forward runs the block's ops) or the whole
+    module as one unit: AdamW steps with accumulation equal serial steps; generation works."""
+    case = dict(layers=layers, heads=heads, vocab=vocab, batch=batch, seq=seq, steps=steps, seed=seed,
+                per_layer=per_layer)
     for r in cluster.run(fsdp_adamw_steps, case):
         worst = max(r["errors"], key=r["errors"].get)
         assert r["errors"][worst] <= 1e-8, (worst, r["errors"][worst])
         assert r["state_share"] < 0.35            # about a quarter: split over tp 2 and FSDP's dp 2
         assert any("Shard(dim=0)" in p or "_StridedShard" in p for p in r["placements"])
         assert r["same_tokens"]
+        layer_units = [f"transformer.h.{i}" for i in range(layers)] if per_layer else []
+        assert r["units"] == sorted([""] + layer_units)
+        # every program (the training call, eval, the generation steps) runs each layer through its unit
+        assert len(r["layer_calls"]) >= 3 and set(r["layer_calls"]) == {len(layer_units)}
 
 
 def fsdp_bf16_reduced_in_float32() -> dict:
@@ -144,8 +160,11 @@ def fsdp_refusals() -> list[str]:
     from tests.helpers import tiny_gpt2
 
     pm = autotp.parallelize(tiny_gpt2(n_layer=1, n_head=2, head_dim=4, vocab=20), tp=2, layout=LAYOUT)
+    checkpointed = autotp.parallelize(tiny_gpt2(n_layer=2, n_head=2, head_dim=4, vocab=20), tp=2, layout=LAYOUT,
+                                      activation_checkpointing=True)
     said = []
-    for call in (lambda: fsdp.fully_shard(pm, mesh=None), lambda: fsdp.fully_shard(fsdp.fully_shard(pm))):
+    for call in (lambda: fsdp.fully_shard(pm, mesh=None), lambda: fsdp.fully_shard(fsdp.fully_shard(pm)),
+                 lambda: fsdp.fully_shard(checkpointed)):
         try:
             call()
             said.append("accepted")
@@ -154,7 +173,9 @@ def fsdp_refusals() -> list[str]:
     return said
 
 
-def test_fully_shard_refuses_a_mesh_argument_and_a_second_call(cluster):
+def test_fully_shard_refuses_a_mesh_argument_a_second_call_and_checkpointed_layers(cluster):
     for said in cluster.run(fsdp_refusals):
         assert "do not pass mesh=" in said[0]
         assert "already sharded with FSDP2" in said[1]
+        # per-layer units need each layer's ops in the program; checkpointing runs a layer as one call
+        assert "per-layer FSDP cannot outline transformer.h.0" in said[2] and "per_layer=False" in said[2]

@@ -1,0 +1,115 @@
+"""Outlining (autotp.runtime.outline): a program's repeated layers cut into calls of the modules
+that hold their parameters, computing what the program did; programs that cannot be cut so are
+refused with the fix. One process: the program is a capture's own graph."""
+import pytest
+import torch
+from torch import fx, nn
+
+from autotp.capture import capture, flat_inputs, unflatten_outputs
+from autotp.errors import ConfigError
+from autotp.runtime.module import _put
+from autotp.runtime.outline import LayerCall, layer_paths, outline
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.norm = nn.LayerNorm(6)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(self.norm(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, layers=3, reread=False, revisit=False):
+        super().__init__()
+        self.embed = nn.Linear(4, 6)
+        self.layers = nn.ModuleList(Layer() for _ in range(layers))
+        self.head = nn.Linear(6, 2)
+        self.reread, self.revisit = reread, revisit
+
+    def forward(self, x):
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        if self.revisit:   # layer 0 again, after the others: its ops interleave with theirs
+            h = self.layers[0](h)
+        out = self.head(h)
+        if self.reread:    # a layer's parameter read by the parent
+            out = out + self.layers[1].lin.bias.sum()
+        return out
+
+
+def outlined(model):
+    """The model's capture with its layers outlined into calls of parameter trees that hold the
+    model's parameters, as a ParallelModule holds them."""
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    cap = capture(model, example_kwargs={"x": x}, dynamic=False)
+    tree = nn.Module()
+    for name, p in model.named_parameters():
+        _put(tree, name, p)
+    units = {path: tree.get_submodule(path) for path in layer_paths(model)}
+    order = list(cap.param_names.values())
+    gm, done = outline(cap.graph_module, order, list(units), units)
+    return cap, gm, done, order, x
+
+
+def test_layers_become_calls_of_their_parameter_trees_and_compute_the_same():
+    model = Net().double()
+    cap, gm, done, order, x = outlined(model)
+    assert layer_paths(model) == ["layers.0", "layers.1", "layers.2"]
+    calls = [m for m in gm.modules() if isinstance(m, LayerCall)]
+    assert len(calls) == 3 and all(set(c.names) == {"lin.weight", "lin.bias", "norm.weight", "norm.bias"}
+                                   for c in calls)
+    assert done == {n for n in order if n.startswith("layers.")}
+    # the program is fed no layer parameter: each layer call reads its tree's
+    params = dict(model.named_parameters())
+    fed = [None if name in done else params[name] for name in order]
+    got = unflatten_outputs(cap, gm(*fed, *flat_inputs(cap, {"x": x})))
+    want = model(x)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    got.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    want.sum().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-12, atol=1e-12)
+    # no op of a layer is left in the program itself
+    assert not [n for n in gm.graph.nodes if n.op == "call_function" and "layers" in str(n.meta.get("nn_module_stack"))]
+
+
+def test_a_parameter_read_outside_its_layer_is_refused_with_the_fix():
+    with pytest.raises(ConfigError, match=r"cannot outline layers\.1: its parameter layers\.1\.lin\.bias is read "
+                                          r"outside the layer's ops.*per_layer=False"):
+        outlined(Net(reread=True).double())
+
+
+def test_layers_whose_ops_interleave_are_refused_with_the_fix():
+    with pytest.raises(ConfigError, match=r"cannot outline layers\.0 and layers\.1: their ops interleave.*per_layer=False"):
+        outlined(Net(revisit=True).double())
+
+
+def test_a_refused_program_is_left_as_it_was():
+    model = Net(reread=True).double()
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    cap = capture(model, example_kwargs={"x": x}, dynamic=False)
+    before = [(n.name, n.op, str(n.target), str(n.args)) for n in cap.graph.nodes]
+    units = {path: model.get_submodule(path) for path in layer_paths(model)}
+    with pytest.raises(ConfigError):
+        outline(cap.graph_module, list(cap.param_names.values()), list(units), units)
+    assert [(n.name, n.op, str(n.target), str(n.args)) for n in cap.graph.nodes] == before
+    assert isinstance(cap.graph_module, fx.GraphModule)
+
+
+def test_a_layer_whose_ops_carry_no_module_path_is_refused_with_the_fix():
+    """An activation-checkpointed program runs each layer as one call without the layer's
+    module path: its parameters are read, its ops not found; refused, not fed unsharded."""
+    model = Net().double()
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    cap = capture(model, example_kwargs={"x": x}, dynamic=False)
+    for n in cap.graph.nodes:
+        n.meta.pop("nn_module_stack", None)
+    units = {path: model.get_submodule(path) for path in layer_paths(model)}
+    with pytest.raises(ConfigError, match=r"cannot outline layers\.0: the program reads its parameters.*per_layer=False"):
+        outline(cap.graph_module, list(cap.param_names.values()), list(units), units)
