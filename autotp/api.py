@@ -23,7 +23,8 @@ from .passes.propagate import GraphIndex, Propagation, propagate
 from .passes.rewrite import rewrite
 from .passes.solve import solve
 from .placements import REPLICATE, Placement, Replicate, Shard
-from .plan import CommOp, DeferredExpressions, Plan, attention_heads, cost_expressions, role_of
+from .plan import (CommOp, DeferredExpressions, Plan, attention_heads, cost_expressions, role_of,
+                   unsplit_attention_note)
 from .runtime.rng import RNGTracker
 
 log = logging.getLogger("autotp")
@@ -258,9 +259,9 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                   notes=notes,
                   attention=attention_heads(index, prop))
     if plan is None and tp > 1:
-        note = _replicated_note(result, layout)
-        if note:
-            result.notes.append(note)
+        for note in (_replicated_note(result, layout), unsplit_attention_note(index, prop, result.attention or {})):
+            if note:
+                result.notes.append(note)
     return result, index, prop
 
 

@@ -335,6 +335,89 @@ def attention_heads(index: Any, prop: Any) -> dict[str, list[int]]:
     return out
 
 
+#: ops a projection's output passes through on its way to attention's q, k and v (one tensor in)
+_HEAD_WAY = frozenset(("view", "_unsafe_view", "reshape", "transpose", "permute", "t", "unsqueeze", "squeeze",
+                       "expand", "clone", "contiguous", "slice", "select", "split", "split_with_sizes",
+                       "getitem", "_to_copy", "to", "index", "mul", "div", "add", "sub", "neg", "cat"))
+_PROJECTIONS = frozenset(("mm", "addmm", "bmm", "matmul", "linear"))
+
+
+def _op_base(node: Any) -> str:
+    name = getattr(node.target, "__name__", str(node.target))
+    return name.split(".")[0]
+
+
+def _projection(node: Any, params: Any) -> Any:
+    """The matmul that produced ``node`` through shape and selection ops, and the parameter it
+    multiplies by (a placeholder in ``params``, through a transpose), or (None, None)."""
+    seen = 0
+    while node is not None and node.op == "call_function" and seen < 40:
+        base = _op_base(node)
+        if base in _PROJECTIONS:
+            for arg in node.all_input_nodes:
+                p = arg
+                while p.op == "call_function" and _op_base(p) in ("t", "transpose", "permute", "numpy_T", "mT",
+                                                                  "_to_copy"):
+                    p = p.all_input_nodes[0]
+                if p.op == "placeholder" and p.name in params:
+                    return node, params[p.name]
+            return node, None
+        if base not in _HEAD_WAY or not node.all_input_nodes:
+            return None, None
+        node = node.all_input_nodes[0]
+        seen += 1
+    return None, None
+
+
+def unsplit_attention_note(index: Any, prop: Any, split: Mapping[str, Any]) -> str | None:
+    """A note for a plan whose attention runs whole (every head on every rank) somewhere: which
+    modules, their query and key/value heads read off ``scaled_dot_product_attention``'s
+    inputs, and what kept them whole where the graph shows it: q, k and v from one fused
+    projection with fewer key/value heads than ranks (multi-query or grouped), whose head split
+    needs the k/v columns whole on every rank inside one split matmul, a layout autotp does not
+    have; otherwise the cost model's choice. ``split``: the plan's split attention modules."""
+    import torch
+
+    from .capture import module_path
+
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    cap = index.capture
+    whole: dict[str, tuple] = {}
+    for node in prop.chosen:
+        if node.target is not sdpa or module_path(node) in split or len(node.args) < 3:
+            continue
+        q, k = node.args[0], node.args[1]
+        qm, km = q.meta.get("val"), k.meta.get("val")
+        if qm is None or km is None or qm.dim() < 3:
+            continue
+        heads = (int(qm.shape[-3]) if isinstance(qm.shape[-3], int) else None,
+                 int(km.shape[-3]) if isinstance(km.shape[-3], int) else None)
+        (q_mm, q_param), (k_mm, _) = _projection(q, cap.param_names), _projection(k, cap.param_names)
+        fused = q_param if q_mm is not None and q_mm is k_mm else None
+        out = q_mm.meta.get("val") if fused is not None else None
+        if out is not None and heads[0] and isinstance(qm.shape[-1], int) and isinstance(out.shape[-1], int):
+            # a fused q|k|v of h query and kv key/value heads of d features has (h + 2 kv) d outputs
+            # (attention may see k and v repeated to h heads: multi-query expanded)
+            rest = out.shape[-1] // qm.shape[-1] - heads[0]
+            if out.shape[-1] % qm.shape[-1] == 0 and rest > 0 and rest % 2 == 0:
+                heads = (heads[0], rest // 2)
+        whole.setdefault(module_path(node), (heads, fused))
+    if not whole or index.tp < 2:
+        return None
+    path, ((h, kv), fused) = next(iter(whole.items()))
+    where = f"{len(whole)} attention module{'s' if len(whole) > 1 else ''} ({path}{', ...' if len(whole) > 1 else ''})"
+    heads = f"{h} query heads and {kv} key/value head{'s' if kv > 1 else ''}" if h and kv else "its heads"
+    if fused is not None and kv is not None and kv < index.tp:
+        why = (f"q, k and v come from one fused projection ({fused}) with fewer key/value heads than the "
+               f"{index.tp} ranks: a head split would keep the k/v columns of that matrix whole on every rank "
+               "inside one split matmul, a layout autotp does not have yet (separate k and v projections are "
+               "instead held whole on the ranks that need them)")
+    else:
+        why = "the cost model found splitting it by head costs more than it saves at this workload"
+    return (f"attention runs unsplit, every head on every rank, in {where}: {heads}; {why}. The rest of the "
+            "plan splits as shown and the model computes what the serial one does")
+
+
 def param_bytes_per_rank(index: Any, prop: Any) -> list[int]:
     """Per-rank parameter bytes of a propagation (used by the solver's memory limit)."""
     cap = index.capture

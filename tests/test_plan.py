@@ -298,3 +298,27 @@ def test_a_layout_pattern_that_matches_nothing_is_a_config_error():
         autotp.plan(tiny_gpt2(), tp=2, layout={"*.c_attn.weight": "column", "*.q_proj.weight": "column"})
     with pytest.raises(ConfigError, match="unknown role 'sideways'"):
         autotp.plan(tiny_gpt2(), tp=2, layout={"*.nothing": "sideways"})
+
+
+@pytest.mark.parametrize("size, projection", [("starcoder-15b", "transformer.h.0.attn.c_attn.weight"),
+                                              ("falcon-7b", "transformer.h.0.self_attention.query_key_value.weight")])
+def test_a_plan_says_why_multi_query_attention_runs_unsplit(size, projection):
+    """GPT-BigCode and Falcon-7B compute q, k and v in one matmul with one key/value head: the
+    plan cannot split them by head, and its note names the heads, the fused matrix and why."""
+    from autotp import zoo
+
+    model = zoo.build(zoo.family_of(size).name, zoo.published_config(size, layers=2), device="meta")
+    plan = autotp.plan(model, 8, profile="h100-dgx")
+    assert plan.attention == {}
+    note = next(n for n in plan.notes if n.startswith("attention runs unsplit"))
+    assert "2 attention modules" in note and "and 1 key/value head;" in note
+    assert f"one fused projection ({projection})" in note and "a layout autotp does not have yet" in note
+    assert "attention runs unsplit" in str(plan)
+
+
+def test_a_plan_whose_attention_splits_by_head_has_no_such_note():
+    from autotp import zoo
+
+    model = zoo.build("gpt2", zoo.published_config("gpt2", layers=2), device="meta")
+    plan = autotp.plan(model, 4, profile="h100-dgx")
+    assert plan.attention and not [n for n in plan.notes if n.startswith("attention runs unsplit")]
