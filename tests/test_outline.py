@@ -103,8 +103,8 @@ def test_a_refused_program_is_left_as_it_was():
 
 
 def test_a_layer_whose_ops_carry_no_module_path_is_refused_with_the_fix():
-    """An activation-checkpointed program runs each layer as one call without the layer's
-    module path: its parameters are read, its ops not found; refused, not fed unsharded."""
+    """A program whose ops lost their module paths: a layer's parameters are read, its ops not
+    found; refused, rather than fed parameters FSDP2 never gathered."""
     model = Net().double()
     x = torch.randn(3, 5, 4, dtype=torch.float64)
     cap = capture(model, example_kwargs={"x": x}, dynamic=False)

@@ -16,8 +16,11 @@ replaced by one call of a :class:`LayerCall`, which calls the layer's module (a
 ``_ParamTree`` of the ParallelModule, FSDP-wrapped) with that graph: the module's forward reads
 its own parameters, as FSDP2's pre-forward hook left them, and runs the graph.
 
-A program whose layers cannot be cut so (spans that interleave, a layer's parameter read outside
-its span) raises :class:`~autotp.errors.ConfigError`: per-layer FSDP cannot run it.
+An activation-checkpointed program (``passes/checkpoint.py``) runs each layer as one call that
+carries the layer's module path: that call is the span, outlined whole (FSDP2 gathers the
+layer's parameters again before its recomputation in backward). A program whose layers cannot be
+cut (spans that interleave, a layer's parameter read outside its span or by no op of the layer)
+raises :class:`~autotp.errors.ConfigError`: per-layer FSDP cannot run it.
 """
 from __future__ import annotations
 
@@ -97,9 +100,8 @@ def outline(gm: fx.GraphModule, param_order: list[str], layers: list[str],
         read = [fqn_of[p] for p in placeholders if fqn_of.get(p, "").startswith(layer + ".") and p.users]
         if read and layer not in spans:
             raise ConfigError(f"per-layer FSDP cannot outline {layer}: the program reads its parameters "
-                              f"({read[0]}, ...) but none of its ops carries the layer's module path (an "
-                              "activation-checkpointed program runs each layer as one call); shard the whole "
-                              "module (fully_shard(pm, per_layer=False))")
+                              f"({read[0]}, ...) but none of its ops carries the layer's module path; shard the "
+                              "whole module (fully_shard(pm, per_layer=False))")
     ordered = sorted(spans.items(), key=lambda kv: kv[1][0])
     for (a, (_, a_hi)), (b, (b_lo, _)) in zip(ordered, ordered[1:]):
         if b_lo <= a_hi:
