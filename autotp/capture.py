@@ -341,6 +341,8 @@ def _export_calls(model: torch.nn.Module, stacks: list, keep: int, kwargs: dict[
     try:
         with capture_expand.cut(model, stacks, keep):
             return _export(model, kwargs, dynamic_shapes, fake_cache=False, calls=calls)
+    except capture_expand.NotExpandable:
+        raise   # the cut itself was refused (a forward that hooked modules): recording changes nothing
     except Exception as exc:
         if not calls:
             raise
