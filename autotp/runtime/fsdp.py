@@ -36,12 +36,18 @@ from ..errors import ConfigError
 __all__ = ["fully_shard", "whole_parameters"]
 
 
-def fully_shard(pm: Any, per_layer: bool = True, **kwargs: Any) -> Any:
+def fully_shard(pm: Any, per_layer: bool = True, replicate: int = 1, **kwargs: Any) -> Any:
     """Shard ``pm`` over its data-parallel ranks with FSDP2; returns ``pm`` (now also an
     ``FSDPModule``: ``unshard()``, ``reshard()``, ``set_requires_gradient_sync()``). ``kwargs`` go
     to ``torch.distributed.fsdp.fully_shard`` (``mp_policy=``, ``reshard_after_forward=``); the
     mesh is the module's dp dimension. ``per_layer``: each repeated layer its own FSDP unit (see
-    the module docs), else one unit for the whole module. Build the optimizer after this call."""
+    the module docs), else one unit for the whole module.
+
+    ``replicate`` > 1 is HSDP: the dp ranks form ``replicate`` groups of ``dp / replicate``
+    neighbours; parameters and optimizer state are sharded within a group and replicated across
+    groups (gradients reduce-scattered within, all-reduced across), FSDP2's 2-D dp mesh
+    (``dp_replicate``, ``dp_shard``) beside tp, as torchtitan builds it. Put a group on one node
+    and its shards move over the node's links. Build the optimizer after this call."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torch.distributed.tensor import DTensor
@@ -54,6 +60,7 @@ def fully_shard(pm: Any, per_layer: bool = True, **kwargs: Any) -> Any:
                           "autotp.parallelize in an initialized torch.distributed world")
     if "mesh" in kwargs:
         raise ConfigError("fully_shard shards over the module's own dp mesh dimension; do not pass mesh=")
+    dp_mesh, tp_mesh = _meshes(pm, device_mesh, replicate)
     units = {path: pm.get_submodule(path) for path in pm._layers if _holds_parameters(pm, path)} \
         if per_layer else {}
     if units:   # every program's layers outlined first: a program that cannot be changes nothing
@@ -64,7 +71,6 @@ def fully_shard(pm: Any, per_layer: bool = True, **kwargs: Any) -> Any:
     for handle in pm._dp_hooks:       # FSDP2 reduces the gradients from now on
         handle.remove()
     pm._dp_hooks = []
-    tp_mesh = device_mesh["tp"]
     moved: dict[int, nn.Parameter] = {}
     for name, param in list(pm.named_parameters(remove_duplicate=False)):
         if id(param) not in moved:    # on the tp mesh alone: FSDP2 adds the dp dimension
@@ -77,8 +83,8 @@ def fully_shard(pm: Any, per_layer: bool = True, **kwargs: Any) -> Any:
     names = {id(param): name for name, param in pm.named_parameters()}
     pm._held_names = {fqn: names[id(param)] for fqn, param in pm._held.items()}
     for unit in units.values():
-        torch_fully_shard(unit, mesh=device_mesh["dp"], **kwargs)
-    torch_fully_shard(pm, mesh=device_mesh["dp"], **kwargs)
+        torch_fully_shard(unit, mesh=dp_mesh, **kwargs)
+    torch_fully_shard(pm, mesh=dp_mesh, **kwargs)
     # after FSDP2's pre-hook (which puts the gathered parameters on the module): feed them on
     pm.register_forward_pre_hook(lambda module, args: _refresh(module))
     pm._units = units
@@ -86,6 +92,24 @@ def fully_shard(pm: Any, per_layer: bool = True, **kwargs: Any) -> Any:
         for program in pm._programs:
             pm._outline(program)
     return pm
+
+
+def _meshes(pm: Any, device_mesh: Any, replicate: int) -> tuple[Any, Any]:
+    """(the mesh FSDP2 shards over, the tp mesh the parameters live on): the module's own dp and
+    tp dims, or for HSDP a (dp_replicate, dp_shard, tp) mesh over the same ranks in the same
+    order (dp index = replica * shard size + shard), whose tp dim holds the same groups."""
+    dp, tp = pm.mesh.dp, pm.mesh.tp
+    if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 1 or dp % replicate:
+        choices = ", ".join(str(d) for d in range(1, dp + 1) if dp % d == 0)
+        raise ConfigError(f"replicate={replicate!r} does not divide the {dp} data-parallel ranks into equal "
+                          f"groups; choose replicate in {{{choices}}} (1: no replication, FSDP over all of them)")
+    if replicate == 1:
+        return device_mesh["dp"], device_mesh["tp"]
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh(device_mesh.device_type, torch.arange(dp * tp).view(replicate, dp // replicate, tp),
+                      mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    return mesh["dp_replicate", "dp_shard"], mesh["tp"]
 
 
 def _holds_parameters(pm: Any, path: str) -> bool:

@@ -1,5 +1,6 @@
 """Training: a DP x TP world (dp 2 x tp 2 on 4 gloo ranks) takes AdamW steps that equal the
 serial model's steps on the whole batch."""
+import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -71,7 +72,7 @@ def fsdp_adamw_steps(case: dict) -> dict:
                                           vocab=case["vocab"], seed=case["seed"]))
     pm = fsdp.fully_shard(autotp.parallelize(model, tp=2, layout=LAYOUT,
                                              activation_checkpointing=case["checkpointing"]),
-                          per_layer=case["per_layer"])
+                          per_layer=case["per_layer"], replicate=case.get("replicate", 1))
     units = sorted(name for name, m in pm.named_modules() if isinstance(m, FSDPModule))
     dp_rank, dp = pm.mesh.dp_rank, pm.mesh.dp
     serial_opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -106,27 +107,45 @@ def fsdp_adamw_steps(case: dict) -> dict:
           derandomize=True)
 @given(layers=st.integers(1, 3), heads=st.sampled_from([2, 3, 4]), vocab=st.integers(20, 64),
        batch=st.integers(1, 2), seq=st.integers(3, 8), steps=st.integers(1, 2), seed=st.integers(0, 999),
-       per_layer=st.booleans(), checkpointing=st.booleans())
-@example(layers=3, heads=4, vocab=40, batch=2, seq=5, steps=2, seed=1, per_layer=True, checkpointing=False)
-@example(layers=2, heads=2, vocab=30, batch=1, seq=6, steps=2, seed=2, per_layer=True, checkpointing=True)
+       per_layer=st.booleans(), checkpointing=st.booleans(), replicate=st.sampled_from([1, 2]))
+@example(layers=3, heads=4, vocab=40, batch=2, seq=5, steps=2, seed=1, per_layer=True, checkpointing=False,
+         replicate=1)
+@example(layers=2, heads=2, vocab=30, batch=1, seq=6, steps=2, seed=2, per_layer=True, checkpointing=True,
+         replicate=2)
 def test_fsdp2_over_dp2_x_tp2_with_accumulation_equals_serial_steps(cluster, layers, heads, vocab, batch, seq,
-                                                                    steps, seed, per_layer, checkpointing):
+                                                                    steps, seed, per_layer, checkpointing,
+                                                                    replicate):
     """Per layer (each block an FSDP unit whose forward runs the block's ops) or the whole
     module as one unit, with or without activation checkpointing (a layer recomputed in its
-    backward, FSDP2 gathering its parameters again for it): AdamW steps with accumulation equal
+    backward, FSDP2 gathering its parameters again for it), FSDP over both dp ranks or HSDP
+    (``replicate=2``: two replicas of one shard each): AdamW steps with accumulation equal
     serial steps; generation works."""
     case = dict(layers=layers, heads=heads, vocab=vocab, batch=batch, seq=seq, steps=steps, seed=seed,
-                per_layer=per_layer, checkpointing=checkpointing)
+                per_layer=per_layer, checkpointing=checkpointing, replicate=replicate)
     for r in cluster.run(fsdp_adamw_steps, case):
         worst = max(r["errors"], key=r["errors"].get)
         assert r["errors"][worst] <= 1e-8, (worst, r["errors"][worst])
-        assert r["state_share"] < 0.35            # about a quarter: split over tp 2 and FSDP's dp 2
+        # split over tp 2 and the dp shards: a quarter, or a half where the 2 dp ranks are replicas
+        assert r["state_share"] < (0.35 if replicate == 1 else 0.6)
         assert any("Shard(dim=0)" in p or "_StridedShard" in p for p in r["placements"])
         assert r["same_tokens"]
         layer_units = [f"transformer.h.{i}" for i in range(layers)] if per_layer else []
         assert r["units"] == sorted([""] + layer_units)
         # every program (the training call, eval, the generation steps) runs each layer through its unit
         assert len(r["layer_calls"]) >= 3 and set(r["layer_calls"]) == {len(layer_units)}
+
+
+@pytest.mark.slow
+def test_hsdp_two_replicas_of_two_shards_at_tp2_equals_serial_steps(cluster_of):
+    """8 ranks: tp 2 x dp 4, the dp ranks two replicas of two shards each (HSDP): AdamW steps
+    equal serial steps; optimizer state split over tp 2 and 2 shards: a quarter per rank."""
+    case = dict(layers=2, heads=2, vocab=32, batch=1, seq=5, steps=2, seed=4, per_layer=True,
+                checkpointing=False, replicate=2)
+    for r in cluster_of(8).run(fsdp_adamw_steps, case):
+        worst = max(r["errors"], key=r["errors"].get)
+        assert r["errors"][worst] <= 1e-8, (worst, r["errors"][worst])
+        assert 0.2 < r["state_share"] < 0.35
+        assert r["same_tokens"]
 
 
 def fsdp_bf16_reduced_in_float32() -> dict:
@@ -166,7 +185,8 @@ def fsdp_refusals() -> list[str]:
 
     pm = autotp.parallelize(tiny_gpt2(n_layer=1, n_head=2, head_dim=4, vocab=20), tp=2, layout=LAYOUT)
     said = []
-    for call in (lambda: fsdp.fully_shard(pm, mesh=None), lambda: fsdp.fully_shard(fsdp.fully_shard(pm))):
+    for call in (lambda: fsdp.fully_shard(pm, mesh=None), lambda: fsdp.fully_shard(pm, replicate=3),
+                 lambda: fsdp.fully_shard(fsdp.fully_shard(pm))):
         try:
             call()
             said.append("accepted")
@@ -175,7 +195,8 @@ def fsdp_refusals() -> list[str]:
     return said
 
 
-def test_fully_shard_refuses_a_mesh_argument_and_a_second_call(cluster):
+def test_fully_shard_refuses_a_mesh_argument_a_bad_replica_count_and_a_second_call(cluster):
     for said in cluster.run(fsdp_refusals):
         assert "do not pass mesh=" in said[0]
-        assert "already sharded with FSDP2" in said[1]
+        assert "replicate=3 does not divide the 2 data-parallel ranks" in said[1] and "{1, 2}" in said[1]
+        assert "already sharded with FSDP2" in said[2]
