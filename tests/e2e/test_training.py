@@ -103,8 +103,8 @@ def fsdp_adamw_steps(case: dict) -> dict:
             "units": units, "layer_calls": calls}
 
 
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
-          derandomize=True)
+@settings(max_examples=1, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
+          derandomize=True)   # and the two examples below: 4-rank runs are the fast tier's dearest
 @given(layers=st.integers(1, 3), heads=st.sampled_from([2, 3, 4]), vocab=st.integers(20, 64),
        batch=st.integers(1, 2), seq=st.integers(3, 8), steps=st.integers(1, 2), seed=st.integers(0, 999),
        per_layer=st.booleans(), checkpointing=st.booleans(), replicate=st.sampled_from([1, 2]))
