@@ -70,9 +70,9 @@ def checkpoint_layers(gm: fx.GraphModule, rng: Any = None) -> fx.GraphModule:
         if inner is not None:
             setattr(split, name, CheckpointedLayer(inner, layer, rng))
     for node in split.graph.nodes:   # each layer's call keeps the layer's module path (runtime.outline)
-        if node.op == "call_module" and isinstance(getattr(split, node.target, None), CheckpointedLayer):
-            node.meta["nn_module_stack"] = {layer: (layer, CheckpointedLayer)
-                                            for layer in [getattr(split, node.target).layer]}
+        called = getattr(split, node.target, None) if node.op == "call_module" else None
+        if isinstance(called, CheckpointedLayer):
+            node.meta["nn_module_stack"] = {called.layer: (called.layer, CheckpointedLayer)}
     split.recompile()
     return split
 
