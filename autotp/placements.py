@@ -11,6 +11,13 @@ chunks=1 and unit=1 this is the plain contiguous shard; when tp divides the atom
 holds the same amount (an even shard). ``rotate`` shifts which rank takes which run (rank r
 takes run ``(r + rotate) % tp``): layers of an uneven model rotate their extra head around the
 ranks so that every rank ends up holding the same number of parameters.
+
+``tail`` keeps the last ``tail`` atoms of every block whole on every rank: multi-query and
+grouped-query attention with fewer key/value heads than ranks, fused into one projection
+(GPT-BigCode's ``c_attn`` = q heads | k | v, Falcon's groups of query heads | k | v). The query
+heads are dealt as above and each rank holds its run followed by the block's k and v. Every
+element a rank holds is still the same element of the whole tensor, so slicing, gathering and
+checkpoints work from :func:`local_ranges` alone; only sums over ranks must take the tail once.
 """
 from __future__ import annotations
 
@@ -39,12 +46,14 @@ class Shard:
     chunks: int = 1
     unit: int = 1
     rotate: int = 0
+    tail: int = 0    # atoms at the end of every block that every rank holds whole
 
     def __post_init__(self) -> None:
         if self.dim < 0:
             raise ValueError(f"Shard.dim must be normalized to >= 0, got {self.dim}")
-        if self.chunks < 1 or self.unit < 1:
-            raise ValueError(f"Shard chunks and unit must be >= 1, got {self.chunks}, {self.unit}")
+        if self.chunks < 1 or self.unit < 1 or self.tail < 0:
+            raise ValueError(f"Shard chunks and unit must be >= 1 and tail >= 0, got "
+                             f"{self.chunks}, {self.unit}, {self.tail}")
 
     def __repr__(self) -> str:
         extra = ""
@@ -54,14 +63,20 @@ class Shard:
             extra += f"/{self.unit}"
         if self.rotate:
             extra += f"@{self.rotate}"
+        if self.tail:
+            extra += f"+{self.tail}"
         return f"S({self.dim}{extra})"
 
     def with_dim(self, dim: int) -> "Shard":
-        return Shard(dim, self.chunks, self.unit, self.rotate)
+        return Shard(dim, self.chunks, self.unit, self.rotate, self.tail)
 
     def with_blocks(self, dim: int, chunks: int, unit: int) -> "Shard":
         """The same dealing of atoms to ranks, described on another dim or block structure."""
-        return Shard(dim, chunks, unit, self.rotate)
+        return Shard(dim, chunks, unit, self.rotate, self.tail)
+
+    def without_tail(self) -> "Shard":
+        """The dealt part alone: what a rank holds of each block's leading atoms."""
+        return Shard(self.dim, self.chunks, self.unit, self.rotate)
 
 
 Placement = Union[Replicate, Shard, Partial]
@@ -70,17 +85,19 @@ PARTIAL = Partial()
 
 
 def atoms_per_chunk(size: int, shard: Shard) -> int:
-    """How many atoms one block holds; raises if the dimension does not factor."""
-    if size % (shard.chunks * shard.unit):
+    """How many atoms one block deals out to the ranks (its tail, held whole, not counted);
+    raises if the dimension does not factor."""
+    if not divides(size, shard):
         raise ValueError(
             f"dimension of size {size} does not split into {shard.chunks} blocks of "
-            f"{shard.unit}-element atoms"
+            f"{shard.unit}-element atoms" + (f" ending in {shard.tail} whole ones" if shard.tail else "")
         )
-    return size // (shard.chunks * shard.unit)
+    return size // (shard.chunks * shard.unit) - shard.tail
 
 
 def divides(size: int, shard: Shard) -> bool:
-    return size % (shard.chunks * shard.unit) == 0
+    return size % (shard.chunks * shard.unit) == 0 and (
+        not shard.tail or size // (shard.chunks * shard.unit) > shard.tail)
 
 
 @lru_cache(maxsize=None)
@@ -101,7 +118,7 @@ def is_even(size: int, shard: Shard, tp: int) -> bool:
 def local_size(size: int, shard: Shard, tp: int, rank: int) -> int:
     """Elements of the sharded dimension held by ``rank``."""
     _, count = _atom_runs(atoms_per_chunk(size, shard), tp)[(rank + shard.rotate) % tp]
-    return shard.chunks * count * shard.unit
+    return shard.chunks * (count + shard.tail) * shard.unit
 
 
 def max_local_size(size: int, shard: Shard, tp: int) -> int:
@@ -113,11 +130,24 @@ def local_ranges(size: int, shard: Shard, tp: int, rank: int) -> tuple[tuple[int
     n_atoms = atoms_per_chunk(size, shard)
     start, count = _atom_runs(n_atoms, tp)[(rank + shard.rotate) % tp]
     block = size // shard.chunks
-    return tuple(
-        (c * block + start * shard.unit, c * block + (start + count) * shard.unit)
-        for c in range(shard.chunks)
-        if count
-    )
+    out = []
+    for c in range(shard.chunks):
+        if count:
+            out.append((c * block + start * shard.unit, c * block + (start + count) * shard.unit))
+        if shard.tail:
+            out.append((c * block + n_atoms * shard.unit, (c + 1) * block))
+    return tuple(out)
+
+
+def owned_ranges(size: int, shard: Shard, tp: int, rank: int) -> tuple[tuple[int, int], ...]:
+    """The ranges of :func:`local_ranges` that ``rank`` owns: its runs, and the blocks' tails on
+    rank 0 alone. Every element of the dim is owned by exactly one rank (a norm or a checksum
+    over ranks sums these)."""
+    ranges = local_ranges(size, shard, tp, rank)
+    if not shard.tail or rank == 0:
+        return ranges
+    n_atoms = atoms_per_chunk(size, shard)
+    return tuple((a, b) for a, b in ranges if (a % (size // shard.chunks)) < n_atoms * shard.unit)
 
 
 @lru_cache(maxsize=4096)
@@ -149,7 +179,10 @@ def same_placement(a: Placement | None, b: Placement | None, size: int | None, t
 
 def to_json(p: Placement) -> dict:
     if isinstance(p, Shard):
-        return {"kind": "shard", "dim": p.dim, "chunks": p.chunks, "unit": p.unit, "rotate": p.rotate}
+        out = {"kind": "shard", "dim": p.dim, "chunks": p.chunks, "unit": p.unit, "rotate": p.rotate}
+        if p.tail:
+            out["tail"] = p.tail
+        return out
     if isinstance(p, Partial):
         return {"kind": "partial"}
     return {"kind": "replicate"}
@@ -158,7 +191,8 @@ def to_json(p: Placement) -> dict:
 def from_json(d: dict) -> Placement:
     kind = d.get("kind")
     if kind == "shard":
-        return Shard(int(d["dim"]), int(d.get("chunks", 1)), int(d.get("unit", 1)), int(d.get("rotate", 0)))
+        return Shard(int(d["dim"]), int(d.get("chunks", 1)), int(d.get("unit", 1)), int(d.get("rotate", 0)),
+                     int(d.get("tail", 0)))
     if kind == "partial":
         return PARTIAL
     if kind == "replicate":

@@ -153,7 +153,10 @@ class Plan:
                 continue
             if isinstance(p, Shard) and p.unit > 1 and self.roles.get(name) == "column" and len(self.shapes[name]) > 1:
                 size = self.shapes[name][p.dim]
-                out[name] = [local_size(size, p, self.tp, r) // (p.chunks * p.unit) for r in range(self.tp)]
+                per_block = [local_size(size, p, self.tp, r) // (p.chunks * p.unit) for r in range(self.tp)]
+                # blocks of a fused q|k|v hold one rank's heads each; blocks with a tail (k and v
+                # kept whole) are groups of query heads, each adding its own
+                out[name] = [(n - p.tail) * p.chunks if p.tail else n for n in per_block]
         return out
 
     def comm_seconds(self) -> dict[str, float]:
@@ -303,6 +306,8 @@ def role_of(placement: Placement, first_use: Any, arg_pos: int) -> str:
         return "column" if d == 1 else "row"
     if first_use is aten.linear.default and arg_pos == 1:
         return "column" if d == 0 else "row"
+    if first_use in (aten.numpy_T.default, aten.t.default) and arg_pos == 0:
+        return "column" if d == 0 else "row"   # ``x @ weight.T`` (Falcon): weight [out, in] as linear's
     if first_use is aten.embedding.default and arg_pos == 0:
         return "vocab" if d == 0 else "column"
     return "column"  # a 1-D parameter split along a column-parallel output (its bias)
@@ -337,7 +342,7 @@ def attention_heads(index: Any, prop: Any) -> dict[str, list[int]]:
 
 #: ops a projection's output passes through on its way to attention's q, k and v (one tensor in)
 _HEAD_WAY = frozenset(("view", "_unsafe_view", "reshape", "transpose", "permute", "t", "unsqueeze", "squeeze",
-                       "expand", "clone", "contiguous", "slice", "select", "split", "split_with_sizes",
+                       "expand", "broadcast_to", "flatten", "clone", "contiguous", "slice", "select", "split", "split_with_sizes",
                        "getitem", "_to_copy", "to", "index", "mul", "div", "add", "sub", "neg", "cat"))
 _PROJECTIONS = frozenset(("mm", "addmm", "bmm", "matmul", "linear"))
 
@@ -373,9 +378,9 @@ def unsplit_attention_note(index: Any, prop: Any, split: Mapping[str, Any]) -> s
     """A note for a plan whose attention runs whole (every head on every rank) somewhere: which
     modules, their query and key/value heads read off ``scaled_dot_product_attention``'s
     inputs, and what kept them whole where the graph shows it: q, k and v from one fused
-    projection with fewer key/value heads than ranks (multi-query or grouped), whose head split
-    needs the k/v columns whole on every rank inside one split matmul, a layout autotp does not
-    have; otherwise the cost model's choice. ``split``: the plan's split attention modules."""
+    projection with fewer key/value groups than ranks and fewer query heads per group than ranks
+    (a rank's heads would span groups, a layout autotp does not have); otherwise the cost model's
+    choice. ``split``: the plan's split attention modules."""
     import torch
 
     from .capture import module_path
@@ -407,11 +412,12 @@ def unsplit_attention_note(index: Any, prop: Any, split: Mapping[str, Any]) -> s
     path, ((h, kv), fused) = next(iter(whole.items()))
     where = f"{len(whole)} attention module{'s' if len(whole) > 1 else ''} ({path}{', ...' if len(whole) > 1 else ''})"
     heads = f"{h} query heads and {kv} key/value head{'s' if kv > 1 else ''}" if h and kv else "its heads"
-    if fused is not None and kv is not None and kv < index.tp:
-        why = (f"q, k and v come from one fused projection ({fused}) with fewer key/value heads than the "
-               f"{index.tp} ranks: a head split would keep the k/v columns of that matrix whole on every rank "
-               "inside one split matmul, a layout autotp does not have yet (separate k and v projections are "
-               "instead held whole on the ranks that need them)")
+    if fused is not None and h and kv and kv < index.tp and h // kv < index.tp:
+        why = (f"q, k and v come from one fused projection ({fused}) of {kv} key/value group"
+               f"{'s' if kv > 1 else ''} of {h // kv} query heads each: neither the groups (dealt whole) nor "
+               f"a group's query heads (dealt beside its k and v, kept whole on every rank) reach the "
+               f"{index.tp} ranks, and a rank's run of query heads spanning groups is a layout autotp does "
+               "not have yet")
     else:
         why = "the cost model found splitting it by head costs more than it saves at this workload"
     return (f"attention runs unsplit, every head on every rank, in {where}: {heads}; {why}. The rest of the "

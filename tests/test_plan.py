@@ -300,19 +300,34 @@ def test_a_layout_pattern_that_matches_nothing_is_a_config_error():
         autotp.plan(tiny_gpt2(), tp=2, layout={"*.nothing": "sideways"})
 
 
-@pytest.mark.parametrize("size, projection", [("starcoder-15b", "transformer.h.0.attn.c_attn.weight"),
-                                              ("falcon-7b", "transformer.h.0.self_attention.query_key_value.weight")])
-def test_a_plan_says_why_multi_query_attention_runs_unsplit(size, projection):
-    """GPT-BigCode and Falcon-7B compute q, k and v in one matmul with one key/value head: the
-    plan cannot split them by head, and its note names the heads, the fused matrix and why."""
+@pytest.mark.parametrize("size", ["starcoder-15b", "falcon-7b"])
+def test_multi_query_attention_of_a_fused_projection_splits_by_query_head_at_real_size(size):
+    """GPT-BigCode and Falcon-7B compute q, k and v in one matmul with one key/value head: at
+    tp=8 each rank holds its query heads' rows followed by k and v whole (a tail of 2 heads),
+    attention splits by query head, and the plan has no unsplit-attention note."""
     from autotp import zoo
 
     model = zoo.build(zoo.family_of(size).name, zoo.published_config(size, layers=2), device="meta")
     plan = autotp.plan(model, 8, profile="h100-dgx")
+    fused = next(p for n, p in plan.params.items() if n.endswith(("c_attn.weight", "query_key_value.weight")))
+    assert fused.tail == 2 and fused.chunks == 1 and fused.unit == 128 if size == "starcoder-15b" else 64
+    heads = 48 if size == "starcoder-15b" else 71
+    assert len(plan.attention) == 2 and all(sum(h) == heads for h in plan.attention.values())
+    assert not [n for n in plan.notes if n.startswith("attention runs unsplit")]
+
+
+def test_a_plan_says_why_fused_grouped_attention_runs_unsplit():
+    """Falcon's new layout with 2 key/value groups of 4 query heads at tp=8: neither reaches 8
+    ranks; the note names the heads, the fused matrix and why."""
+    from autotp import zoo
+
+    config = zoo.tiny_config("falcon-new", layers=2, heads=8, kv_heads=2, head_dim=64, vocab=64)
+    plan = autotp.plan(zoo.build("falcon-new", config, device="meta"), 8, batch=64, seq=2048, profile="h100-dgx")
     assert plan.attention == {}
     note = next(n for n in plan.notes if n.startswith("attention runs unsplit"))
-    assert "2 attention modules" in note and "and 1 key/value head;" in note
-    assert f"one fused projection ({projection})" in note and "a layout autotp does not have yet" in note
+    assert "2 attention modules" in note and "8 query heads and 2 key/value heads;" in note
+    assert "one fused projection (transformer.h.0.self_attention.query_key_value.weight) of 2 key/value " \
+           "groups of 4 query heads each" in note and "a layout autotp does not have yet" in note
     assert "attention runs unsplit" in str(plan)
 
 

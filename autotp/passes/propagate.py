@@ -30,7 +30,8 @@ from torch import fx
 from ..capture import Capture, shape_of
 from ..cost_model.devices import DeviceProfile
 from ..cost_model.symbolic import activation_bytes, collective_bytes, collective_time, compute_time, nbytes
-from ..placements import REPLICATE, Partial, Placement, Replicate, Shard, max_local_size, same_placement
+from ..placements import (REPLICATE, Partial, Placement, Replicate, Shard, atoms_per_chunk, divides, max_local_size,
+                          same_placement)
 from .rules import OpInfo, Strategy, TensorMeta, strategies
 from .rules.view import map_view_shard, view_groups
 
@@ -132,9 +133,11 @@ class GraphIndex:
         index = cls(capture, tp, env, uneven=uneven, sharded_outputs=frozenset(sharded_outputs),
                     input_placements=dict(input_placements or {}), grads=grad_nodes(capture))
         sequence = frozenset(sym for sym in env if sequence_parallel and capture.dim_symbols.get(sym.name) == "seq")
+        constant = _constants(capture)
         for node in capture.graph.nodes:
             if node.op == "call_function" and node.target is not operator.getitem:
-                index.infos[node], index.tensor_inputs[node] = _op_info(node, tp, uneven, capture.param_names)
+                index.infos[node], index.tensor_inputs[node] = _op_info(node, tp, uneven, capture.param_names,
+                                                                        constant)
                 index.infos[node].sequence = sequence
         return index
 
@@ -185,7 +188,23 @@ def _layer_index(fqn: str) -> int:
     return int(match.group(1)) if match else 0
 
 
-def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str]) -> tuple[OpInfo, list[fx.Node]]:
+def _constants(capture: Capture):
+    """node -> the value of the lifted constant it reads (through ``lift_fresh_copy`` and
+    ``detach_``), or None."""
+    def value(node: Any) -> torch.Tensor | None:
+        while isinstance(node, fx.Node) and node.target in (aten.lift_fresh_copy.default, aten.detach_.default,
+                                                             aten.detach.default):
+            node = node.args[0]
+        if not isinstance(node, fx.Node) or node.op != "placeholder" or node.name not in capture.constant_names:
+            return None
+        found = capture.constants.get(capture.constant_names[node.name])
+        return found if isinstance(found, torch.Tensor) and found.device.type != "meta" else None
+
+    return value
+
+
+def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str],
+             constant: Any = None) -> tuple[OpInfo, list[fx.Node]]:
     inputs: list[fx.Node] = []
     metas: list[TensorMeta] = []
 
@@ -208,7 +227,12 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
                  and len(u.args) > 1 and u.args[1] is node]
         if users and isinstance(_out_meta(users[0]), TensorMeta):
             rotate = _layer_index(param_names.get(getattr(node.args[0], "name", ""), ""))
-            info.hints[1] = column_hint(users[0], _out_meta(users[0]).ndim - 1) + (rotate,)
+            c, u, t = column_hint(users[0], _out_meta(users[0]).ndim - 1, tp, uneven, constant)
+            info.hints[1] = (c, u, rotate, t)
+            # dim 0 holds the contracted features: a row-parallel product finds them in whole heads
+            x = users[0].args[0]
+            if isinstance(x, fx.Node) and shape_of(x) is not None:
+                info.hints[0] = row_hint(x, len(shape_of(x)) - 1) + (rotate,)
     if node.target in (aten.mm.default, aten.linear.default, aten.embedding.default, aten.bmm.default,
                        aten.matmul.default):
         out = info.output
@@ -219,7 +243,10 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
             if isinstance(weight, fx.Node) and weight.target in (aten.numpy_T.default, aten.t.default):
                 weight = weight.args[0]   # the transpose's hint rotates by the same layer
             rotate = _layer_index(param_names.get(getattr(weight, "name", ""), ""))
-            info.hints[out.ndim - 1] = column_hint(node, out.ndim - 1) + (rotate,)
+            c, u, t = column_hint(node, out.ndim - 1, tp, uneven, constant)
+            info.hints[out.ndim - 1] = (c, u, rotate, t)
+    if node.target is aten.index.Tensor:
+        info.picks = index_picks(node, constant)
     return info, inputs
 
 
@@ -230,12 +257,29 @@ _FOLLOW_SAME = {
 }
 
 
-def column_hint(node: fx.Node, dim: int) -> tuple[int, int]:
-    """(chunks, unit) for a fresh shard of ``node``'s ``dim``, read off how it is used next:
+def column_hint(node: fx.Node, dim: int, tp: int = 1, uneven: bool = False,
+                constant: Any = None) -> tuple[int, int, int]:
+    """(chunks, unit, tail) for a fresh shard of ``node``'s ``dim``, read off how it is used next:
     a later equal ``split`` of that dim gives the blocks (fused q, k, v), a later view that
-    factors it gives the atom (a head of ``head_dim`` elements)."""
-    chunks, unit = 1, 1
+    factors it gives the atom (a head of ``head_dim`` elements), and a fused multi-query or
+    grouped layout gives the tail, the atoms every rank keeps whole: an unequal split whose
+    first piece is the query heads (GPT-BigCode's ``[q | k | v]``), or a view into heads whose
+    readers slice the query heads off the front of each group and pick k and v from its end
+    (Falcon: ``[..., :-2, :]``, ``[..., [-2], :]``). Where a group of heads is itself a whole
+    atom (Falcon's new layout, k and v inside each group) and there are at least ``tp`` groups
+    (an even count, or ``uneven``), the groups are dealt whole instead: nothing is replicated.
+    ``constant(node)``: a lifted constant's value (the index lists), or None."""
+    chunks, unit, tail_elems = 1, 1, 0
     cur, d = node, dim
+    size = shape_of(node)[dim] if shape_of(node) is not None else None
+
+    def done(c: int, u: int, t_elems: int, t_atoms: int = 0) -> tuple[int, int, int]:
+        if t_elems:
+            if t_elems % (c * u):
+                return 1, 1, 0
+            t_atoms += t_elems // u
+        return c, u, t_atoms
+
     for _ in range(32):
         users = [u for u in cur.users if u.op == "call_function"]
         if not users:
@@ -255,19 +299,33 @@ def column_hint(node: fx.Node, dim: int) -> tuple[int, int]:
                 continue
             for gi, go in view_groups(src, dst) or []:
                 if gi == [d] and len(go) > 1:
-                    rest = sympy.Integer(1)
-                    for j in go[1:]:
-                        rest = rest * dst[j]
-                    if rest.is_Integer:
-                        unit *= int(rest)
-                        return chunks, unit
+                    sizes = [dst[j] for j in go]
+                    if not all(x.is_Integer for x in sizes[1:]):
+                        break
+                    sizes = [int(x) if x.is_Integer else None for x in sizes]
+                    grouped = unit * math.prod(sizes[1:])
+                    for k, j in enumerate(go):
+                        tail = _tail_of_readers(u, j, sizes[k], constant)
+                        if not tail or sizes[k] is None or any(x is None for x in sizes[:k]):
+                            continue
+                        groups = None if size is None or not size.is_Integer else int(size) // (chunks * grouped)
+                        if k and groups is not None and groups >= tp and (groups % tp == 0 or uneven):
+                            break   # whole groups: each rank's k and v come with its query heads
+                        return done(chunks * math.prod(sizes[:k]), unit * math.prod(sizes[k + 1:]), tail_elems,
+                                    tail)
+                    return done(chunks, grouped, tail_elems)
             break
         if t in (aten.split.Tensor, aten.split_with_sizes.default):
             sdim = (u.args[2] if len(u.args) > 2 else 0) % len(shape_of(cur))
             pieces = [v.shape[sdim] for v in u.meta["val"]]
             if sdim == d:
                 if len(set(pieces)) != 1:
-                    break
+                    # q heads first, the rest (k and v of fewer kv heads) kept whole: follow q
+                    first = [g for g in u.users if g.target is operator.getitem and g.args[1] == 0]
+                    if chunks != 1 or tail_elems or not first or not all(isinstance(x, int) for x in pieces):
+                        break
+                    tail_elems, cur = sum(pieces[1:]), first[0]
+                    continue
                 chunks *= len(pieces)
             cur = u
             continue
@@ -280,16 +338,142 @@ def column_hint(node: fx.Node, dim: int) -> tuple[int, int]:
             d = b if d == a else a if d == b else d
             cur = u
             continue
+        if t is aten.unsqueeze.default:
+            at = u.args[1] % (len(shape_of(cur)) + 1)
+            d = d + 1 if d >= at else d
+            cur = u
+            continue
         break
-    return chunks, unit
+    return done(chunks, unit, tail_elems)
+
+
+def row_hint(node: fx.Node, dim: int) -> tuple[int, int]:
+    """(chunks, unit) of ``node``'s ``dim`` read off how it was made: a reshape that merged
+    heads into it (``[b, s, heads, d] -> [b, s, heads * d]``) gives atoms of ``d``, and an
+    earlier merge of groups into the heads (Falcon's ``[kv, n_rep] -> heads``, past attention
+    and rotary) gives the blocks. The contracted dim of a row-parallel product whose weight is
+    transposed first (Falcon's ``x @ dense.weight.T``) is cut this way, so the weight's rows
+    match x's heads."""
+    cur, d = node, dim
+    chunks, unit = 1, None
+    for _ in range(64):
+        if cur.op != "call_function" or not cur.args or not isinstance(cur.args[0], fx.Node):
+            break
+        src = cur.args[0]
+        t = cur.target
+        if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints):
+            before, after = shape_of(src), shape_of(cur)
+            if before is None or after is None:
+                break
+            merged = next((gi for gi, go in view_groups(before, after) or [] if go == [d] and len(gi) > 1), None)
+            if merged is not None:
+                lead, rest = sympy.Integer(1), sympy.Integer(1)
+                for j in merged[:-1]:
+                    lead = lead * before[j]
+                for j in merged[1:]:
+                    rest = rest * before[j]
+                if unit is None:          # heads * d: atoms of d; go on with the heads dim
+                    if not rest.is_Integer:
+                        break
+                    unit, cur, d = int(rest), src, merged[0]
+                    continue
+                if lead.is_Integer:       # groups * heads per group: blocks of groups
+                    chunks = int(lead)
+                break
+            mapped = map_view_shard(after, before, Shard(d))
+            if mapped is None:
+                break
+            cur, d = src, mapped.dim
+            continue
+        if t in _FOLLOW_SAME and shape_of(src) == shape_of(cur):
+            cur = src
+            continue
+        if t is aten.scaled_dot_product_attention.default:
+            cur = src   # the output's heads are q's
+            continue
+        if t is aten.transpose.int:
+            nd = len(shape_of(cur))
+            a, b = cur.args[1] % nd, cur.args[2] % nd
+            d = b if d == a else a if d == b else d
+            cur = src
+            continue
+        if t is aten.permute.default:
+            d = cur.args[1][d] % len(shape_of(cur))
+            cur = src
+            continue
+        break
+    return (chunks, unit) if unit is not None else (1, 1)
+
+
+def index_picks(node: fx.Node, constant: Any) -> tuple[int, tuple[int, ...]] | None:
+    """(dim, positions) of ``x[..., [p0, p1], ...]`` indexing one dim by a constant list
+    (non-negative positions), or None."""
+    if node.target is not aten.index.Tensor or constant is None:
+        return None
+    indices = node.args[1]
+    picked = [(i, t) for i, t in enumerate(indices) if t is not None]
+    shape = shape_of(node.args[0])
+    if len(picked) != 1 or shape is None:
+        return None
+    dim, idx = picked[0]
+    value = constant(idx)
+    size = shape[dim]
+    if value is None or value.dim() != 1 or value.dtype not in (torch.int64, torch.int32) or not size.is_Integer:
+        return None
+    n = int(size)
+    return dim, tuple(int(v) + n if int(v) < 0 else int(v) for v in value.tolist())
+
+
+def slice_bounds(node: fx.Node) -> tuple[int, int, int] | None:
+    """(dim, start, stop) of a step-1 ``slice`` of a static dim, normalized, or None."""
+    shape = shape_of(node.args[0])
+    args = list(node.args) + [None] * (5 - len(node.args))
+    dim, start, stop, step = (args[1] or 0), args[2], args[3], args[4]
+    if shape is None or step not in (None, 1) or not isinstance(dim, int):
+        return None
+    dim %= len(shape)
+    if not shape[dim].is_Integer or not isinstance(start or 0, int) or not isinstance(stop, (int, type(None))):
+        return None
+    n = int(shape[dim])
+    start = 0 if start is None else (start + n if start < 0 else start)
+    stop = n if stop is None else (stop + n if stop < 0 else stop)
+    return dim, max(0, min(start, n)), max(0, min(stop, n))
+
+
+def _tail_of_readers(view: fx.Node, dim: int, n: int | None, constant: Any) -> int:
+    """How many atoms at the end of ``view``'s ``dim`` its readers take apart from the rest: one
+    reader slices ``[0, n - t)``, the others slice or index inside ``[n - t, n)``; 0 if not so."""
+    if n is None:
+        return 0
+    head, rest = None, []
+    for user in view.users:
+        if user.target is aten.slice.Tensor:
+            bounds = slice_bounds(user)
+            if bounds is None or bounds[0] != dim:
+                return 0
+            _, a, b = bounds
+            if a == 0 and b < n and head is None:
+                head = b
+            else:
+                rest.extend(range(a, b))
+        elif user.target is aten.index.Tensor:
+            picks = index_picks(user, constant)
+            if picks is None or picks[0] != dim:
+                return 0
+            rest.extend(picks[1])
+        else:
+            return 0
+    if head is None or head == 0 or not rest or min(rest) < head:
+        return 0
+    return n - head
 
 
 def _conversion(src: Any, dst: Placement, size: int | None, tp: int) -> str | None:
     """The collective that turns ``src`` into ``dst`` (None: nothing to do; 'inf': impossible)."""
     if same_placement(src, dst, size, tp):
         return None
-    if isinstance(dst, Partial):
-        return "inf"
+    if isinstance(dst, Partial) or (isinstance(dst, Shard) and dst.tail):
+        return "inf"   # a tail is made whole by the product that computes it, never by a collective
     if isinstance(src, Partial):
         return "g" if isinstance(dst, Replicate) else "reduce_scatter"
     if isinstance(src, Shard):
@@ -538,6 +722,6 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
 
 def _even(meta: TensorMeta, shard: Shard, tp: int) -> bool:
     size = meta.static(shard.dim)
-    if size is None or size % (shard.chunks * shard.unit):
+    if size is None or not divides(size, shard):
         return False
-    return (size // (shard.chunks * shard.unit)) % tp == 0
+    return atoms_per_chunk(size, shard) % tp == 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 import operator
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import networkx as nx
@@ -123,7 +123,7 @@ class LayerFinder:
 
 
 def _unrotated(hints: dict) -> dict:
-    return {d: h[:2] for d, h in hints.items()}
+    return {d: h[:2] + h[3:] for d, h in hints.items()}
 
 
 class Shift:
@@ -141,7 +141,7 @@ class Shift:
             ms = meta if isinstance(meta, tuple) else (meta,) * len(p)
             return tuple(self._map(x, m, delta) for x, m in zip(p, ms))
         if isinstance(p, Shard) and meta is not None and not _even(meta, p, self.tp):
-            return Shard(p.dim, p.chunks, p.unit, (p.rotate + delta) % self.tp)
+            return replace(p, rotate=(p.rotate + delta) % self.tp)
         return p
 
     def label(self, node: fx.Node, lab: tuple, forward: bool) -> tuple:

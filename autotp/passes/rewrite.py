@@ -51,7 +51,7 @@ class GraphLocalContext(LocalContext):
         """This rank's share of a dynamic size (a sequence shard), computed at run time from the
         node ``full`` holding the whole size: run k of N in contiguous runs, the first N % tp
         one longer, holds (N + tp - 1 - k) // tp."""
-        if (shard.chunks, shard.unit) != (1, 1):
+        if (shard.chunks, shard.unit, shard.tail) != (1, 1, 0):
             raise PlanError(
                 f"cannot shard a dimension of symbolic size {size} (argument {full.name}) by "
                 f"{shard!r}: a dynamic dim is split only in plain contiguous runs (sequence parallelism)"
@@ -185,6 +185,17 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         for inp, meta, want in zip(tensor_inputs, info.inputs, strategy.inputs):
             f = wants_f(want, sharded, meta, inp in index.grads)
             replacements.append(convert(inp, want, f) if (f or prop.placements[inp] != want) else env[inp])
+        if strategy.f_runs_only and wants_f(strategy.inputs[0], sharded, info.inputs[0], tensor_inputs[0] in index.grads):
+            # A column-parallel product into a tailed shard (a fused multi-query k and v): the f
+            # goes to the dealt runs' product alone; the tail is computed from x itself.
+            x = tensor_inputs[0]
+            plain = env[x] if prop.placements[x] == strategy.inputs[0] else convert(x, strategy.inputs[0], False)
+            new = _tailed_product(graph, node.target, replacements[0], plain, replacements[1], strategy.output,
+                                  info, ctx)
+            new.meta = {k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")}
+            new.meta["autotp_placement"] = strategy.output
+            env[node] = new
+            continue
         it = iter(replacements)
 
         def swap(a: Any) -> Any:
@@ -221,6 +232,29 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
 
 
 _REGION_BOUNDS = (torch._C._set_grad_enabled, torch.amp._enter_autocast, torch.amp._exit_autocast)
+
+
+def _tailed_product(graph: fx.Graph, target: Any, x_f: fx.Node, x: fx.Node, w: fx.Node, out: Shard,
+                    info: Any, ctx: GraphLocalContext) -> fx.Node:
+    """``x @ W`` with W's output features in ``out``'s tailed layout, as one product per block's
+    run (input ``x_f``, behind an f) and per block's tail (input ``x``), joined along the last
+    dim. Each rank's gradient for x is then its runs' summand, all-reduced by the f, plus the
+    tail's contribution, which is whole on every rank and so is not summed again."""
+    aten = torch.ops.aten
+    w_out = 0 if target is aten.linear.default else 1   # linear's W is [N, K]; mm/matmul's [K, N]
+    size = int(info.output.shape[out.dim])
+    block = size // out.chunks
+    run = ctx.local(block - out.tail * out.unit, sympy.Integer(block - out.tail * out.unit),
+                    Shard(0, 1, out.unit, out.rotate))
+    tail = out.tail * out.unit
+    pieces, offset = [], 0
+    for _ in range(out.chunks):
+        for source, width in ((x_f, run), (x, tail)):
+            if width:
+                part = graph.call_function(aten.slice.Tensor, (w, w_out, offset, offset + width))
+                pieces.append(graph.call_function(target, (source, part)))
+                offset += width
+    return graph.call_function(aten.cat.default, (pieces, -1))
 
 
 def _carry_attr(root: nn.Module, source: fx.GraphModule, target: str) -> None:

@@ -35,7 +35,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
 from autotp.errors import AutotpError, CommError, LostRankError
-from autotp.placements import Shard, local_ranges, local_size, max_local_size
+from autotp.placements import Shard, local_ranges, local_size, max_local_size, owned_ranges
 
 __all__ = [
     "copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "reduce_scatter_to_tp",
@@ -142,11 +142,12 @@ def assemble(pieces: Sequence[Tensor], shard: Shard, full_size: int) -> Tensor:
     d, tp = shard.dim, len(pieces)
     segments: list[tuple[int, Tensor]] = []
     for rank, piece in enumerate(pieces):
-        offset = 0
+        offset, owned = 0, set(owned_ranges(full_size, shard, tp, rank))
         for a, b in local_ranges(full_size, shard, tp, rank):
-            segments.append((a, piece.narrow(d, offset, b - a)))
+            if (a, b) in owned:   # a tail every rank holds is taken from rank 0
+                segments.append((a, piece.narrow(d, offset, b - a)))
             offset += b - a
-    segments.sort(key=lambda s: s[0])  # the ranges of all ranks tile [0, full_size)
+    segments.sort(key=lambda s: s[0])  # the owned ranges of all ranks tile [0, full_size)
     if not segments:
         return pieces[0].narrow(d, 0, 0)
     return torch.cat([t for _, t in segments], dim=d)
@@ -167,7 +168,7 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tens
         return x.contiguous()
     d, width = shard.dim, max_local_size(full_size, shard, tp)
     sizes = [local_size(full_size, shard, tp, r) for r in range(tp)]
-    if shard.chunks == 1 and not shard.rotate and all(n == width for n in sizes):
+    if shard.chunks == 1 and not shard.rotate and not shard.tail and all(n == width for n in sizes):
         # An even contiguous split: one all_gather_into_tensor into a [tp, *local] buffer; the
         # full tensor is that buffer with the rank axis folded into dim d (one copy where d > 0,
         # none where d == 0).

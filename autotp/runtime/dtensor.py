@@ -18,8 +18,11 @@ one more candidate: where every tensor of a pointwise strategy is sharded on the
 the RunShard itself (the tensors of a pointwise op have that dim's size in common, so they split
 alike). It also lets a spec holding a RunShard pass torch's shard-order check (which compares
 with ``Shard(dim)`` by equality), and refuses a redistribution from a RunShard to anything but
-``Replicate()`` or itself rather than relabel the data. These are wrappers around private torch
-functions, installed once; a torch without them raises ``ConfigError`` on first use.
+``Replicate()`` or itself rather than relabel the data. A RunShard with a tail (a fused
+multi-query k and v, held whole by every rank) would be summed once per rank by a norm: DTensor
+handlers for ``linalg_vector_norm`` and ``_foreach_norm`` (what ``clip_grad_norm_`` calls) give
+the norm each rank's owned elements only (:func:`owned_part`). These are wrappers around private
+torch functions, installed once; a torch without them raises ``ConfigError`` on first use.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from torch.distributed.tensor import Replicate as TorchReplicate
 from torch.distributed.tensor.placement_types import Shard as TorchShard
 
 from ..errors import ConfigError
-from ..placements import Partial, Placement, Shard, layout, local_ranges, local_size
+from ..placements import Partial, Placement, Shard, layout, local_ranges, local_size, owned_ranges
 
 
 class RunShard(TorchShard):
@@ -120,9 +123,10 @@ class RunShard(TorchShard):
             gathered = gathered.wait()
         placed = []   # (start in the full dim, the run)
         for r in range(tp):
-            block, offset = gathered.narrow(dim, r * most, most), 0
+            block, offset, owned = gathered.narrow(dim, r * most, most), 0, set(owned_ranges(n, self.shard, tp, r))
             for a, b in self.ranges(n, tp, r):
-                placed.append((a, block.narrow(dim, offset, b - a)))
+                if (a, b) in owned:   # a tail every rank holds is taken from rank 0
+                    placed.append((a, block.narrow(dim, offset, b - a)))
                 offset += b - a
         placed.sort(key=lambda item: item[0])
         return torch.cat([run for _, run in placed], dim=dim)
@@ -148,6 +152,90 @@ def _chunk_layout(size: int, tp: int) -> tuple[tuple[tuple[int, int], ...], ...]
         a, b = min(r * step, size), min((r + 1) * step, size)
         out.append(((a, b),) if b > a else ())
     return tuple(out)
+
+
+# ---- norms count a tail once ------------------------------------------------------------------
+_NORMS = (torch.ops.aten.linalg_vector_norm.default, torch.ops.aten._foreach_norm.Scalar)
+
+
+def _dispatch_handlers() -> dict:
+    from torch.distributed.tensor import DTensor
+
+    handlers = getattr(getattr(DTensor, "_op_dispatcher", None), "_custom_op_handlers", None)
+    if not isinstance(handlers, dict):
+        raise ConfigError(f"this torch ({torch.__version__}) lacks DTensor's custom op handlers, which autotp "
+                          "uses so that norms count a layout's whole tail once; use the torch version autotp is "
+                          "tested with")
+    return handlers
+
+
+def owned_part(t: Any) -> Any:
+    """A DTensor whose tp placement is a RunShard with a tail (k and v kept whole on every rank)
+    as a DTensor over the elements this rank owns (its runs; the tail on rank 0 only), placed as
+    torch's plain ``Shard``: a reduction over it (a norm) sums every element once. Other tensors
+    are returned as they are."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t
+    tailed = [(i, p) for i, p in enumerate(t.placements) if isinstance(p, RunShard) and p.shard.tail]
+    if not tailed:
+        return t
+    (mesh_dim, run), = tailed
+    dim, n = run.dim, t.shape[run.dim]
+    tp, rank = t.device_mesh.size(mesh_dim), t.device_mesh.get_local_rank(mesh_dim)
+    # the rank's tp-local positions it owns, then the part of them this tensor holds: FSDP2 cuts
+    # the tp-local tensor again on the same dim over dp (torch.chunk's ceil-sized pieces)
+    owned, keep, at = set(owned_ranges(n, run.shard, tp, rank)), [], 0
+    for a, b in run.ranges(n, tp, rank):
+        if (a, b) in owned:
+            keep.append((at, at + b - a))
+        at += b - a
+    start, held = 0, t._local_tensor.shape[dim]
+    for i, p in enumerate(t.placements):
+        if i != mesh_dim and _splits(p, dim):
+            if i > mesh_dim:
+                raise ConfigError(f"cannot reduce a tensor split on dim {dim} by {run!r} and then by {p!r}")
+            start = t.device_mesh.get_local_rank(i) * -(-at // t.device_mesh.size(i))
+    pieces = [t._local_tensor.narrow(dim, max(a, start) - start, min(b, start + held) - max(a, start))
+              for a, b in keep if min(b, start + held) > max(a, start)]
+    local = torch.cat(pieces, dim=dim) if pieces else t._local_tensor.narrow(dim, 0, 0)
+    placements = [TorchShard(dim) if i == mesh_dim or _splits(p, dim) else p for i, p in enumerate(t.placements)]
+    return DTensor.from_local(local, t.device_mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
+
+
+def _splits(p: Any, dim: int) -> bool:
+    """Whether placement ``p`` splits tensor dim ``dim`` (torch's Shard, or FSDP2's _StridedShard,
+    which is not a Shard subclass)."""
+    return getattr(p, "dim", None) == dim and not (p.is_replicate() or p.is_partial())
+
+
+def _norm_of_owned(handlers: dict, op: Any, previous: Any):
+    """A DTensor handler for ``op`` (a norm): reductions over a tailed layout's dim take each
+    rank's owned elements; everything else goes to DTensor's own handling (the handler steps
+    aside for that call: torch's own handler for ``op`` where it has one, ``previous``)."""
+    def handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
+        dims = args[2] if len(args) > 2 else kwargs.get("dim")
+        if op_call is torch.ops.aten.linalg_vector_norm.default and dims is not None:
+            reduced = {d % args[0].dim() for d in ([dims] if isinstance(dims, int) else dims)}
+            tailed = [p.dim for p in getattr(args[0], "placements", ()) if isinstance(p, RunShard) and p.shard.tail]
+            if not any(d in reduced for d in tailed):
+                return _default(handlers, op, handler, previous, op_call, args, kwargs)   # the tail stays
+        first = [owned_part(t) for t in args[0]] if isinstance(args[0], (list, tuple)) else owned_part(args[0])
+        return _default(handlers, op, handler, previous, op_call, (first,) + tuple(args[1:]), kwargs)
+
+    return handler
+
+
+def _default(handlers: dict, op: Any, handler: Any, previous: Any, op_call: Any, args: tuple, kwargs: dict) -> Any:
+    if previous is None:
+        handlers.pop(op, None)
+    else:
+        handlers[op] = previous
+    try:
+        return op_call(*args, **kwargs)
+    finally:
+        handlers[op] = handler
 
 
 # ---- teaching torch's sharding propagation about RunShard ------------------------------------
@@ -195,6 +283,9 @@ def install() -> None:
                         "layouts convert only to Replicate(); call full_tensor() first")
         return redistribute(local_tensor, current_spec, target_spec, *args, **kwargs)
 
+    handlers = _dispatch_handlers()
+    for op in _NORMS:
+        handlers[op] = _norm_of_owned(handlers, op, handlers.get(op))
     sds._fill_single_dim_strategy_placeholders = fill_with_runs
     _dtensor_spec.DTensorSpec._verify_shard_order = verify_unless_runs
     for module in (_redistribute, _dispatch, _api):   # the latter two import it by name

@@ -104,3 +104,35 @@ class VocabParallelCrossEntropy(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"ranges={list(self.ranges)}, ignore_index={self.ignore_index}"
+
+
+class _TailExactAdd(torch.autograd.Function):
+    """``x + b`` where ``b`` broadcasts along x's leading dims and both hold a tailed layout on
+    the last dim (a fused multi-query bias: k and v whole on every rank). The gradient of b's
+    tail is summed from a contiguous copy of its columns alone, a tensor of the same shape on
+    every rank, so the ranks' copies of the tail get bitwise the same gradient (summed inside the
+    whole gradient, the tail's rounding would follow each rank's own width)."""
+
+    @staticmethod
+    def forward(ctx, x, b, tails):
+        ctx.tails, ctx.b_shape = tails, b.shape
+        return x + b
+
+    @staticmethod
+    def backward(ctx, grad):
+        lead = tuple(range(grad.dim() - len(ctx.b_shape)))
+        keep = tuple(i for i, n in enumerate(ctx.b_shape) if n == 1)
+        grad_b = grad.sum(lead) if lead else grad.clone()
+        if keep:
+            grad_b = grad_b.sum(keep, keepdim=True)
+        for start, stop in ctx.tails:
+            tail = grad.narrow(-1, start, stop - start).contiguous()
+            tail = tail.sum(lead) if lead else tail
+            grad_b.narrow(-1, start, stop - start).copy_(tail.sum(keep, keepdim=True) if keep else tail)
+        return grad, grad_b, None
+
+
+def tail_exact_add(x: torch.Tensor, b: torch.Tensor, tails: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """``x + b`` with b's gradient over the local ``tails`` ranges of the last dim summed alone
+    (see :class:`_TailExactAdd`)."""
+    return _TailExactAdd.apply(x, b, tails)

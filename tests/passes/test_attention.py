@@ -101,8 +101,16 @@ def test_fewer_kv_heads_than_ranks_replicates_kv_and_slices_it_to_the_query_head
     assert repr(plan.params["model.layers.0.self_attn.q_proj.weight"]).startswith("S(0")
     sdpa = _attention_nodes(cap.graph)[0]
     at = [c for c in prop.comms if c.consumer == sdpa.name]
-    # k and v after repeat_kv: each rank slices the copies its query heads use (no head twice)
-    assert sorted(c.kind for c in at) == ["scatter", "scatter"]
+    nodes = {n.name: n for n in cap.graph.nodes}
+    expands = [c for c in prop.comms if c.consumer in nodes and nodes[c.consumer].target is aten.expand.default
+               and module_path(nodes[c.consumer]) == module_path(sdpa)]
+    if kv > 1:
+        # k and v after repeat_kv: each rank slices the copies its query heads use (no head twice)
+        assert sorted(c.kind for c in at) == ["scatter", "scatter"]
+    else:
+        # one kv head: repeat_kv's expand keeps each rank's own copies, and an f sums the copies'
+        # gradients (the unexpanded k and v, where a scatter would all-gather every copy's)
+        assert at == [] and sorted(c.kind for c in expands) == ["f", "f"]
     share = [heads // tp + (r < heads % tp) for r in range(tp)]
     assert sorted(plan.attention["model.layers.0.self_attn"], reverse=True) == share
 
@@ -161,3 +169,64 @@ def test_head_split_attention_matches_serial(cluster_of, family, tp, heads, kv, 
         assert errors[worst] <= bound, (worst, errors[worst])
         if kv != 1:
             assert attention, "attention ran whole"
+
+
+# ---------------------------------------------------------------- fused multi-query projections
+
+#: family, tp, heads, kv heads, the fused projection, the attention output projection (Falcon's
+#: new layout with fewer kv groups than ranks: 4 or 6 query heads per group dealt over the ranks)
+FUSED_MQA = [("gpt-bigcode", 2, 6, 1, "attn.c_attn", "attn.c_proj"),
+             ("gpt-bigcode", 3, 4, 1, "attn.c_attn", "attn.c_proj"),
+             ("falcon", 2, 6, 1, "self_attention.query_key_value", "self_attention.dense"),
+             ("falcon", 3, 4, 1, "self_attention.query_key_value", "self_attention.dense"),
+             ("falcon-new", 3, 12, 2, "self_attention.query_key_value", "self_attention.dense"),
+             ("falcon-new", 4, 8, 2, "self_attention.query_key_value", "self_attention.dense")]
+_FUSED_IDS = [f"{f}-tp{t}-h{h}-kv{k}" for f, t, h, k, _, _ in FUSED_MQA]
+
+
+def _fused_layout(fused: str, out: str) -> dict:
+    return {f"*.{fused}.*": "column", f"*.{out}.weight": "row"}
+
+
+@pytest.mark.parametrize("family, tp, heads, kv, fused, out", FUSED_MQA, ids=_FUSED_IDS)
+def test_a_fused_projection_with_fewer_kv_heads_than_ranks_splits_query_heads_and_keeps_kv_whole(
+        family, tp, heads, kv, fused, out):
+    # GPT-BigCode's [q | k | v] and Falcon's groups [q.. | k | v]: each rank holds its run of
+    # query heads of every group followed by the group's k and v whole (a tail), attention splits
+    # by query head, and the output projection is row-parallel on the same heads.
+    _, model = _model(family, heads, kv)
+    cap = capture(model)
+    plan, _, prop = build_plan(cap, tp, layout=_fused_layout(fused, out), **WORKLOAD)
+    weight = plan.params[f"transformer.h.0.{fused}.weight"]
+    assert isinstance(weight, autotp.Shard) and weight.tail == 2 and weight.chunks == kv, weight
+    assert plan.roles[f"transformer.h.0.{out}.weight"] == "row"
+    module = f"transformer.h.0.{fused.split('.')[0]}"
+    assert sum(plan.attention[module]) == heads and max(plan.attention[module]) - min(plan.attention[module]) <= kv
+    assert sum(plan.heads_per_rank()[f"transformer.h.0.{fused}.weight"]) == heads
+    gathers = [c for c in plan.comms if c.module.startswith(module) and c.kind in ("all_gather", "reshard")]
+    assert gathers == [], [(c.kind, c.tensor) for c in gathers]
+
+
+def check_fused(family: str, tp: int, heads: int, kv: int, fused: str, out: str) -> dict:
+    logging.getLogger("autotp").setLevel(logging.ERROR)
+    config, model = _model(family, heads, kv, torch.float64)
+    model = keep_loss_precision(model)
+    inputs = zoo.example_batch(family, config, batch=2, seq=7, seed=0)
+    pm = autotp.parallelize(model, tp, layout=_fused_layout(fused, out), **WORKLOAD)
+    assert pm.plan.params[f"transformer.h.1.{fused}.weight"].tail == 2
+    return equivalence_errors(model, pm, inputs)
+
+
+#: the fast tier's share: uneven query heads (GPT-BigCode, 4 over 3 ranks), Falcon's slices
+#: and picks, Falcon's groups; the slow tier runs every case
+_FAST_FUSED = {("gpt-bigcode", 3), ("falcon", 2), ("falcon-new", 4)}
+
+
+@pytest.mark.parametrize("family, tp, heads, kv, fused, out", [
+    case if case[:2] in _FAST_FUSED else pytest.param(*case, marks=pytest.mark.slow) for case in FUSED_MQA],
+    ids=_FUSED_IDS)
+def test_a_fused_multi_query_split_matches_serial(cluster_of, family, tp, heads, kv, fused, out):
+    # float64: loss, logits and every gradient, the k and v rows' held whole on every rank included
+    for errors in cluster_of(tp).run(check_fused, family, tp, heads, kv, fused, out):
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= TOLERANCE[torch.float64], (worst, errors[worst])

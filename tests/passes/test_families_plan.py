@@ -6,7 +6,9 @@ split along the output dim of the product that reads it, row-parallel when split
 contracted dim. Within layer 1 (the second), the matrices in the order the graph first reads
 them must read as Megatron's two blocks, column-parallel matrices entering each block and one
 row-parallel matrix leaving it (q/k/v then the attention output, up/gate then down); k/v may be
-replicate where there are fewer kv heads than ranks (the solver prices that). One forward
+replicate where there are fewer kv heads than ranks (the solver prices that), and attention runs
+split by head, every rank holding at least one (fused multi-query projections too: StarCoder,
+Falcon-7B). One forward
 all-reduce (g) per block, or one for both where attention and MLP run side by side into one
 residual add (GPT-J, Falcon). Outside the layers no rank holds a vocabulary-sized matrix whole:
 the output layer is split along the vocabulary (vocab-parallel, so the loss runs vocab-parallel),
@@ -24,7 +26,8 @@ import autotp
 from autotp.placements import Shard
 from autotp import capture_cache, zoo
 
-SIZES = ["llama-3-8b", "mistral-7b", "qwen2-7b", "gpt-neox-20b", "gpt-j-6b", "falcon-7b", "opt-6.7b", "bert-large"]
+SIZES = ["llama-3-8b", "mistral-7b", "qwen2-7b", "gpt-neox-20b", "gpt-j-6b", "falcon-7b", "falcon-40b", "starcoder-15b",
+         "opt-6.7b", "bert-large"]
 #: size -> why its plan does not show Megatron's layout yet (measured when this file was last changed)
 KNOWN_BROKEN = {}
 TP = 8
@@ -113,6 +116,11 @@ def test_megatron_layout_emerges_at_real_size(size):
         f"layer 1 in graph order: {described}"
     blocks = list(roles.values()).count("row")
     assert blocks == 2, f"{blocks} row-parallel blocks in layer 1: {described}"
+
+    # attention itself runs split by head (multi-query and grouped layouts included)
+    split = [m for m in plan.attention if _layer_of(m + ".") == 1]
+    assert split and all(len(plan.attention[m]) == TP and min(plan.attention[m]) >= 1 for m in split), \
+        (split, plan.attention)
 
     in_layer = [c for c in plan.comms if _layer_of(c.module + ".") == 1]
     g = [c for c in in_layer if c.kind == "g"]

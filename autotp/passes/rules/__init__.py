@@ -61,11 +61,14 @@ class Strategy:
     output: OutputPlacement
     #: collectives the op runs inside itself (vocab-parallel loss): (kind, TensorMeta moved)
     internal: tuple = ()
+    #: a column-parallel product into a tailed shard: input 0's f covers the dealt runs only
+    #: (the tail's gradient is whole on every rank already), see :func:`tail_sound`
+    f_runs_only: bool = False
 
     def __hash__(self) -> int:   # cached, as TensorMeta's
         h = self.__dict__.get("_hash")
         if h is None:
-            h = hash((self.inputs, self.output, self.internal))
+            h = hash((self.inputs, self.output, self.internal, self.f_runs_only))
             object.__setattr__(self, "_hash", h)
         return h
 
@@ -86,17 +89,20 @@ class OpInfo:
     inputs: tuple[TensorMeta, ...]
     output: Any  # TensorMeta, a tuple of them, or None
     tp: int
-    hints: dict[int, tuple] = field(default_factory=dict)   # dim -> (chunks, unit[, rotate])
+    hints: dict[int, tuple] = field(default_factory=dict)   # dim -> (chunks, unit[, rotate[, tail]])
     uneven: bool = False   # may a fresh shard leave some ranks one atom more?
     #: symbols of sequence dims: the one dynamic size a fresh shard may split (sequence
     #: parallelism); never the batch, which may be smaller than tp
     sequence: frozenset = frozenset()
+    #: an index by a constant list: (indexed dim, its non-negative positions); None otherwise
+    picks: tuple | None = None
 
-    def hint(self, dim: int) -> tuple[int, int, int]:
-        """(chunks, unit, rotate) a fresh shard of output ``dim`` should use (fused q/k/v: 3
-        blocks of heads; rotate: which rank takes the first run of atoms)."""
+    def hint(self, dim: int) -> tuple[int, int, int, int]:
+        """(chunks, unit, rotate, tail) a fresh shard of output ``dim`` should use (fused q/k/v:
+        3 blocks of heads; rotate: which rank takes the first run of atoms; tail: atoms at the
+        end of each block kept whole, a fused multi-query k and v)."""
         h = tuple(self.hints.get(dim, (1, 1)))
-        return h + (0,) * (3 - len(h))
+        return h + (0,) * (4 - len(h))
 
     def fresh_shard(self, dim: int) -> Shard | None:
         """A shard of output ``dim`` following the hint, or None if the dim cannot be split tp ways."""
@@ -110,16 +116,17 @@ class OpInfo:
             # A sequence dim's size is known only at run time: a plain shard in contiguous runs,
             # uneven whenever tp does not divide that call's length.
             return Shard(dim) if self.uneven and out.shape[dim] in self.sequence else None
-        chunks, unit, rotate = self.hint(dim) if input_index is None else (1, 1, 0)
-        if size is None or size % (chunks * unit):
-            chunks, unit = 1, 1
-        if size is None or size // (chunks * unit) < self.tp:
+        chunks, unit, rotate, tail = self.hint(dim) if input_index is None else (1, 1, 0, 0)
+        if size % (chunks * unit) or size // (chunks * unit) <= tail:
+            chunks, unit, tail = 1, 1, 0
+        dealt = size // (chunks * unit) - tail
+        if dealt < self.tp:
             return None
-        if (size // (chunks * unit)) % self.tp == 0:
+        if dealt % self.tp == 0:
             rotate = 0                      # even: nothing to balance
         elif not self.uneven:
             return None
-        return Shard(dim, chunks, unit, rotate % self.tp)
+        return Shard(dim, chunks, unit, rotate % self.tp, tail)
 
 
 Rule = Callable[[OpInfo, tuple], list[Strategy]]
@@ -179,7 +186,32 @@ def strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
                 "Register one in autotp/passes/rules/ to shard it.", name,
             )
         return replicate_all(info, placements)
-    return rule(info, placements)
+    found = rule(info, placements)
+    if any(has_tail(p) for p in placements) or any(has_tail(p) for s in found for p in _outputs(s)):
+        found = [s for s in found if tail_sound(info, s)]
+    return found
+
+
+def has_tail(p: Any) -> bool:
+    return isinstance(p, Shard) and p.tail > 0
+
+
+def _outputs(strategy: Strategy) -> tuple:
+    return strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
+
+
+def tail_sound(info: OpInfo, strategy: Strategy) -> bool:
+    """Whether a strategy stays exact where a placement keeps a whole tail on every rank. A
+    tail is replicated data inside a shard: a sum over ranks (a Partial output, an op's own
+    collectives) would count it once per rank, and so would the backward all-reduce (f) of a
+    replicated float input feeding a tailed output. The column-parallel product is the one
+    exception: it marks itself ``f_runs_only`` and the rewrite gives the f to the dealt runs alone."""
+    if any(has_tail(p) for p in strategy.inputs) and (
+            strategy.internal or any(isinstance(p, Partial) for p in _outputs(strategy))):
+        return False
+    if any(has_tail(p) for p in _outputs(strategy)) and not strategy.f_runs_only:
+        return not any(isinstance(p, Replicate) and m.is_float for p, m in zip(strategy.inputs, info.inputs))
+    return True
 
 
 def localizer(target: Any) -> Localizer | None:

@@ -8,7 +8,8 @@ For ``y = x @ W`` (GPT-2's Conv1D, ``mm``) or ``y = x @ W.T`` (``linear``):
 * batch-parallel: x sharded on a row dim, W replicated -> y sharded on that dim.
 
 A fresh column shard follows the hint for the output dim, so a fused q/k/v projection is
-cut into each rank's own heads of q, k and v.
+cut into each rank's own heads of q, k and v; a fused multi-query projection (q heads | k | v,
+fewer key/value heads than ranks) into each rank's query heads with k and v whole (a tail).
 """
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ def _matmul_strategies(info: OpInfo, placements: tuple, w_out: int, w_in: int) -
     out = [Strategy((REPLICATE, REPLICATE), REPLICATE)]
     col = info.fresh_shard(out_last)
     if col is not None:
-        out.append(Strategy((REPLICATE, col.with_dim(w_out)), col))
+        # A tail (a fused multi-query k and v) is computed whole on every rank: the rewrite
+        # splits the product there, so that x's f sums the runs' gradient contributions alone.
+        out.append(Strategy((REPLICATE, col.with_dim(w_out)), col, f_runs_only=col.tail > 0))
     # Row-parallel: contracted features split alike in x and W.
     if is_shard(px) and px.dim == k:
         out.append(Strategy((px, px.with_dim(w_in)), _partial()))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from ...placements import REPLICATE
-from . import OpInfo, Strategy, is_shard, register, replicate_all
+from . import LocalContext, OpInfo, Strategy, is_shard, register, register_localizer, replicate_all
+from .view import tail_part, tail_position
 
 aten = torch.ops.aten
 
@@ -68,7 +69,24 @@ def index_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     if is_shard(p) and p.dim < first and info.output is not None and \
             info.output.shape[p.dim] == info.inputs[0].shape[p.dim]:
         out.append(Strategy((p,) + tuple(REPLICATE for _ in info.inputs[1:]), p))
+    if is_shard(p) and p.tail and info.picks is not None and info.picks[0] == p.dim == first:
+        # Falcon's k and v picked from the end of a fused group (``x[..., [-2], :]``): every rank
+        # holds the tail whole, so the pick is whole (a narrow at the rank's own offset).
+        dim, positions = info.picks
+        contiguous = list(positions) == list(range(positions[0], positions[0] + len(positions)))
+        if contiguous and tail_part(p, info.inputs[0].shape[dim], positions) == REPLICATE:
+            out.append(Strategy((p,) + tuple(REPLICATE for _ in info.inputs[1:]), REPLICATE))
     return out
+
+
+@register_localizer(aten.index.Tensor)
+def index_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
+    p = strategy.inputs[0]
+    if not (is_shard(p) and p.tail and info.picks is not None and info.picks[0] == p.dim):
+        return info.target, args, kwargs
+    dim, positions = info.picks
+    start = tail_position(p, int(info.inputs[0].shape[dim]), positions[0], ctx)
+    return aten.narrow.default, (args[0], dim, start, len(positions)), {}
 
 
 def _region_calls() -> list:

@@ -64,15 +64,18 @@ register(aten.rms_norm.default)(_norm_rule(lambda info: len(info.args[1])))
 
 @register(aten.scaled_dot_product_attention.default)
 def sdpa_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
-    """q, k, v [b, heads, s, d] split alike on batch or heads; the mask broadcasts or follows."""
+    """q, k, v [b, heads, s, d] split alike on batch or heads; the mask broadcasts or follows.
+    A k or v with one head for all (Falcon's multi-query attention broadcasts it) stays whole
+    beside a heads split of q."""
     q, k, v = info.inputs[:3]
     nd = q.ndim   # [*batch, s, d]: 4-D [b, heads, s, d] in transformers, any batch dims in ATen
     out = [Strategy(tuple(REPLICATE for _ in info.inputs), REPLICATE)]
     dims = {p.dim: p for p in placements[:3] if is_shard(p) and p.dim < nd - 2}
     for dim, p in sorted(dims.items()):
-        if not (q.shape[dim] == k.shape[dim] == v.shape[dim]):
+        if not (q.shape[dim] == k.shape[dim] == v.shape[dim]) and \
+                not (k.shape[dim] == v.shape[dim] == 1 and q.shape[dim] != 1):
             continue  # grouped-query attention: heads differ, keep whole
-        req = [p, p, p]
+        req = [p] + [p if m.shape[dim] == q.shape[dim] else REPLICATE for m in (k, v)]
         for m in info.inputs[3:]:  # the attention mask, if any
             kdim = dim - (nd - m.ndim)
             req.append(REPLICATE if kdim < 0 or m.shape[kdim] == 1 else p.with_dim(kdim))

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 
 import torch
+from torch import fx
 
 from ...placements import PARTIAL, REPLICATE, Shard
-from . import OpInfo, Strategy, is_partial, is_shard, register
+from . import LocalContext, OpInfo, Strategy, is_partial, is_shard, register, register_localizer
 
 aten = torch.ops.aten
 
@@ -52,9 +53,9 @@ def _shard_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
         if not is_shard(p):
             continue
         od = p.dim + nd - meta.ndim
-        if meta.shape[p.dim] != out_shape[od] or (od, p.chunks, p.unit) in seen:
+        if meta.shape[p.dim] != out_shape[od] or (od, p.chunks, p.unit, p.tail) in seen:
             continue
-        seen.add((od, p.chunks, p.unit))
+        seen.add((od, p.chunks, p.unit, p.tail))
         shard_out = p.with_dim(od)
         req = []
         for m in info.inputs:
@@ -114,6 +115,33 @@ def _sequence_parallel(info: OpInfo) -> list[Strategy]:
             req.append(REPLICATE if k < 0 or (m.shape[k] == 1 and out_shape[d] != 1) else shard.with_dim(k))
         found.append(Strategy(tuple(req), shard))
     return found
+
+
+@register_localizer(aten.add.Tensor)
+def add_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
+    """A bias with a tail (a fused multi-query projection's k and v columns) added along the
+    rows: its gradient sums the tail's columns on their own (``tail_exact_add``), so that every
+    rank's copy of the tail stays bitwise the same when the ranks' widths differ."""
+    out = strategy.output
+    nd = info.output.ndim
+    if not (is_shard(out) and out.tail and out.dim == nd - 1 and len(info.inputs) == 2 and not kwargs
+            and all(isinstance(a, fx.Node) for a in args[:2])):
+        return info.target, args, kwargs
+    x, b = info.inputs
+    if b.ndim >= x.ndim and not any(b.shape[i] == 1 and x.shape[i] != 1 for i in range(b.ndim - 1)):
+        return info.target, args, kwargs
+    from ...placements import local_ranges
+    from ...runtime.functional import tail_exact_add
+
+    size = int(info.output.shape[out.dim])
+    ranges = local_ranges(size, out, ctx.tp, ctx.rank)
+    block = size // out.chunks
+    tails, at = [], 0
+    for a, z in ranges:
+        if a % block >= block - out.tail * out.unit:
+            tails.append((at, at + z - a))
+        at += z - a
+    return tail_exact_add, (args[0], args[1], tuple(tails)), {}
 
 
 @register(*MULTIPLICATIVE)

@@ -198,7 +198,22 @@ def expand_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     def mapped(s: Shard):
         return s.with_dim(s.dim + lead) if src[s.dim] == dst[s.dim + lead] else None
 
-    return _follow(info, placements, mapped)
+    out = _follow(info, placements, mapped)
+    if placements[0] is None or placements[0] == REPLICATE:
+        # A whole tensor broadcast along a new or size-1 dim (one key/value head for every query
+        # head: multi-query attention's repeat) may give each rank only its own copies: no data
+        # moves forward, and the f's backward all-reduce sums the copies' gradients, a tensor of
+        # the unexpanded size (a scatter of the copies would all-gather every copy's instead).
+        # Offered where every dim between the first and the broadcast one has size 1: the copies
+        # a rank keeps are then one contiguous run of heads once the dims merge, as a
+        # column-parallel q's heads are. With several kv groups a rank's query heads need copies
+        # of one group, a run no shard of the broadcast dim describes: a scatter covers that.
+        for d in range(len(dst)):
+            if (d < lead or src[d - lead] == 1) and dst[d] != 1 and all(x == 1 for x in dst[1:d]):
+                fresh = info.fresh_shard(d)
+                if fresh is not None:
+                    out.append(Strategy((REPLICATE,), fresh))
+    return out
 
 
 @register(aten.slice.Tensor)
@@ -207,7 +222,68 @@ def slice_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     dim = norm_dim(info.args[1] if len(info.args) > 1 else 0, nd)
     src, dst = info.inputs[0].shape, info.output.shape
     # Slicing a sharded dim would need global indices; slicing others keeps the shard.
-    return _follow(info, placements, lambda s: s if s.dim != dim or src[dim] == dst[dim] else None)
+    out = _follow(info, placements, lambda s: s if s.dim != dim or src[dim] == dst[dim] else None)
+    p = placements[0]
+    if is_shard(p) and p.dim == dim and p.tail:
+        bounds = _slice_bounds(info)
+        part = tail_part(p, src[dim], bounds and range(bounds[0], bounds[1]))
+        if part is not None:
+            out.append(Strategy((p,), part))
+    return out
+
+
+def _slice_bounds(info: OpInfo) -> tuple[int, int] | None:
+    """[start, stop) of a step-1 slice of a static dim, normalized, or None."""
+    args = list(info.args) + [None] * (5 - len(info.args))
+    start, stop, step = args[2], args[3], args[4]
+    size = info.inputs[0].shape[norm_dim(args[1] or 0, info.inputs[0].ndim)]
+    if step not in (None, 1) or not size.is_Integer or not isinstance(start or 0, int) \
+            or not isinstance(stop, (int, type(None))):
+        return None
+    n = int(size)
+    start = 0 if start is None else (start + n if start < 0 else start)
+    stop = n if stop is None else (stop + n if stop < 0 else stop)
+    return max(0, min(start, n)), max(0, min(stop, n))
+
+
+def tail_part(p: Shard, size: Any, positions: Any) -> Any:
+    """What a slice or pick of ``positions`` (elements of a one-block tailed dim) holds: the
+    dealt atoms exactly -> the shard without its tail; elements of the tail only -> Replicate
+    (every rank has them); anything else -> None (not offered)."""
+    if positions is None or not positions or p.chunks != 1 or not size.is_Integer:
+        return None
+    n = int(size)
+    if n % p.unit or n // p.unit <= p.tail:
+        return None
+    dealt = (n // p.unit - p.tail) * p.unit
+    if list(positions) == list(range(dealt)):
+        return p.without_tail()
+    if min(positions) >= dealt:
+        return REPLICATE
+    return None
+
+
+def tail_position(p: Shard, size: int, position: int, ctx: LocalContext) -> int:
+    """Where boundary ``position`` of a one-block tailed dim (0, the end of the dealt atoms, or
+    inside the tail) sits in this rank's local tensor: the rank's run comes first, then the tail."""
+    if position == 0:
+        return 0
+    dealt = (size // p.unit - p.tail) * p.unit
+    run = ctx.local(dealt, sympy.Integer(dealt), p.without_tail())
+    return run + position - dealt
+
+
+@register_localizer(aten.slice.Tensor)
+def slice_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
+    p = strategy.inputs[0]
+    dim = norm_dim(info.args[1] if len(info.args) > 1 else 0, info.inputs[0].ndim)
+    if not (is_shard(p) and p.dim == dim and p.tail):
+        return info.target, args, kwargs
+    # The dealt part (the query heads) or a piece of the tail, at this rank's local offsets.
+    size = int(info.inputs[0].shape[dim])
+    start, stop = _slice_bounds(info)
+    a, b = tail_position(p, size, start, ctx), tail_position(p, size, stop, ctx)
+    return info.target, (args[0], dim, a, b), {}
 
 
 @register(aten.select.int)
@@ -235,6 +311,13 @@ def split_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     elif is_shard(p):
         if p.dim != dim:
             out.append(Strategy((p,), tuple(p for _ in range(n))))
+        elif p.tail:
+            # GPT-BigCode's [q | k | v] with one kv head: the dealt q heads, then k and v whole.
+            starts = [sum(pieces[:i], sympy.Integer(0)) for i in range(n + 1)]
+            parts = [tail_part(p, info.inputs[0].shape[dim], range(int(a), int(b))) if a.is_Integer and b.is_Integer
+                     else None for a, b in zip(starts, starts[1:])]
+            if all(q is not None for q in parts):
+                out.append(Strategy((p,), tuple(parts)))
         elif len(set(pieces)) == 1 and p.chunks % n == 0:
             # Equal pieces aligned with the shard's blocks: piece i is blocks [i*c/n, (i+1)*c/n).
             piece = p.with_blocks(dim, p.chunks // n, p.unit)
@@ -246,6 +329,11 @@ def split_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
 def split_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
     piece = strategy.output[0]
     dim, pieces = _split_pieces(info)
+    p = strategy.inputs[0]
+    if is_shard(p) and p.dim == dim and p.tail:
+        # The pieces that take the dealt atoms shrink to this rank's run; tail pieces stay whole.
+        sizes = [ctx.local(int(s), s, q) if is_shard(q) else int(s) for s, q in zip(pieces, strategy.output)]
+        return aten.split_with_sizes.default, (args[0], sizes) + tuple(args[2:]), kwargs
     if not is_shard(piece) or piece.dim != dim:
         return info.target, args, kwargs
     if info.target is aten.split.Tensor:
