@@ -1,11 +1,14 @@
 """``autotp plan`` and ``autotp check``: the planner and the equivalence check from a shell.
 
     autotp plan gpt2-xl --tp 8                       # the plan for gpt2-xl at tp=8 (meta device)
+    autotp plan starcoder-15b --tp 8 --layers 2      # any published configuration of autotp.zoo
     autotp plan path/to/hf-folder --tp 4 --json      # any HF config folder; the plan as JSON
-    autotp check gpt2 --tp 4 --layers 2              # real weights on 4 local gloo ranks vs serial
+    autotp check llama-3-8b --tp 4 --layers 1        # random weights on 4 local gloo ranks vs serial
 
-MODEL is a GPT-2 size (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a folder holding a
-HuggingFace ``config.json``. Planning never allocates weights; checking builds random weights
+MODEL is a published configuration of a family autotp is tested on (``autotp.zoo``: gpt2 ...
+gpt2-xl, llama-3-8b, llama-2-7b, mistral-7b, qwen2-7b, gpt-neox-20b, gpt-j-6b, falcon-7b,
+falcon-40b, starcoder-15b, opt-6.7b, bert-large, t5-large) or a folder holding a HuggingFace
+``config.json`` (a causal LM). Planning never allocates weights; checking builds random weights
 (from the config, optionally with fewer layers) on every rank.
 """
 from __future__ import annotations
@@ -15,49 +18,50 @@ import sys
 from pathlib import Path
 from typing import Any
 
-GPT2_SIZES = {  # name: (layers, heads, hidden); vocabulary 50257
-    "gpt2": (12, 12, 768),
-    "gpt2-medium": (24, 16, 1024),
-    "gpt2-large": (36, 20, 1280),
-    "gpt2-xl": (48, 25, 1600),
-}
+#: config attributes that turn dropout on, zeroed for ``check`` (the runs must be comparable)
+_DROPOUT = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob",
+            "hidden_dropout", "attention_dropout", "dropout", "dropout_rate", "activation_dropout")
 
 
-def load_config(model: str, layers: int | None = None) -> Any:
-    from transformers import AutoConfig, GPT2Config
-
-    from .errors import ConfigError
-
-    if model in GPT2_SIZES:
-        n_layer, n_head, n_embd = GPT2_SIZES[model]
-        config = GPT2Config(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=50257)
-    elif (Path(model) / "config.json").is_file():
-        config = AutoConfig.from_pretrained(model)
-    else:
-        raise ConfigError(f"{model!r} is neither a GPT-2 size ({', '.join(GPT2_SIZES)}) nor a folder with a "
-                          "config.json")
-    if layers is not None:
-        for name in ("n_layer", "num_hidden_layers"):
-            if hasattr(config, name):
-                setattr(config, name, layers)
-    return config
-
-
-def build(config: Any, meta: bool, dtype: str = "float32") -> Any:
+def load_model(model: str, layers: int | None = None, meta: bool = True, dtype: str = "float32",
+               no_dropout: bool = False) -> tuple[Any, str | None]:
+    """(the model, its zoo family or None for a folder's causal LM)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from . import zoo
+    from .errors import ConfigError
+
     hf_logging.set_verbosity_error()
+    if model in zoo.published_sizes():
+        family = zoo.family_of(model).name
+        config = zoo.published_config(model, layers)
+    elif (Path(model) / "config.json").is_file():
+        family, config = None, AutoConfig.from_pretrained(model)
+        if layers is not None:
+            for name in ("n_layer", "num_hidden_layers"):
+                if hasattr(config, name):
+                    setattr(config, name, layers)
+    else:
+        raise ConfigError(f"{model!r} is neither a published configuration ({', '.join(zoo.published_sizes())}) "
+                          "nor a folder with a config.json")
+    if no_dropout:
+        for name in _DROPOUT:
+            if isinstance(getattr(config, name, None), float):
+                setattr(config, name, 0.0)
+    device = "meta" if meta else "cpu"
+    if family is not None:
+        return zoo.build(family, config, device=device, dtype=getattr(torch, dtype)), family
     torch.manual_seed(0)
-    with torch.device("meta" if meta else "cpu"):
-        return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)), None
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     import autotp
 
-    model = build(load_config(args.model, args.layers), meta=True)
+    model, _ = load_model(args.model, args.layers)
     limit = args.memory_limit * 1024 ** 3 if args.memory_limit else None
     plan = autotp.plan(model, tp=args.tp, batch=args.batch, seq=args.seq, profile=args.profile,
                        gather_logits={"auto": None, "gather": True, "split": False}[args.logits],
@@ -72,17 +76,18 @@ def _check_rank(model_name: str, layers: int | None, tp: int, dtype: str, batch:
     import autotp
     from autotp.testing import equivalence_errors, keep_loss_precision
 
-    config = load_config(model_name, layers)
-    for name in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob"):
-        if hasattr(config, name):
-            setattr(config, name, 0.0)   # no dropout: the runs must be comparable
-    model = build(config, meta=False, dtype=dtype)
-    if dtype == "float64":
+    from . import zoo
+
+    model, family = load_model(model_name, layers, meta=False, dtype=dtype, no_dropout=True)
+    if dtype == "float64" and (family is None or zoo.FAMILIES[family].task == "causal"):
         keep_loss_precision(model)
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
+    if family is not None:
+        inputs = zoo.example_batch(family, model.config, batch=batch, seq=seq, seed=1)
+    else:
+        ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+        inputs = {"input_ids": ids, "labels": ids}
     pm = autotp.parallelize(model, tp=tp)
-    errors = equivalence_errors(model, pm, {"input_ids": ids, "labels": ids})
+    errors = equivalence_errors(model, pm, inputs)
     worst = max(errors, key=errors.get)
     return {"worst": worst, "error": errors[worst], "plan": str(pm.plan) if pm.mesh.tp_rank == 0 else ""}
 

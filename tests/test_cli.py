@@ -29,10 +29,27 @@ def test_plan_of_a_saved_folder_reads_its_config(tmp_path, capsys):
 
 def test_an_unknown_model_is_an_error_that_lists_the_sizes(capsys):
     assert main(["plan", "no-such-model", "--tp", "2"]) == 2
-    assert "neither a GPT-2 size (gpt2, gpt2-medium" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "neither a published configuration (gpt2, gpt2-medium" in err and "starcoder-15b" in err
+
+
+def test_plan_of_every_familys_published_configuration(capsys):
+    # a multi-query model (its fused projection split by query head) and an encoder-decoder
+    assert main(["plan", "starcoder-15b", "--tp", "8", "--layers", "1", "--json"]) == 0
+    plan = autotp.Plan.from_json(capsys.readouterr().out)
+    assert plan.params["transformer.h.0.attn.c_attn.weight"].tail == 2 and plan.attention
+    assert main(["plan", "t5-large", "--tp", "4", "--layers", "1", "--json"]) == 0
+    plan = autotp.Plan.from_json(capsys.readouterr().out)
+    assert plan.roles["encoder.block.0.layer.0.SelfAttention.q.weight"] == "column"
 
 
 @pytest.mark.slow
 def test_check_runs_local_ranks_and_passes(capsys):
     assert main(["check", "gpt2", "--tp", "2", "--layers", "1", "--seq", "8"]) == 0
+    assert "PASS" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_check_of_a_masked_lm_family_builds_its_own_batch(capsys):
+    assert main(["check", "bert-large", "--tp", "2", "--layers", "1", "--seq", "8"]) == 0
     assert "PASS" in capsys.readouterr().out

@@ -232,7 +232,7 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
             # dim 0 holds the contracted features: a row-parallel product finds them in whole heads
             x = users[0].args[0]
             if isinstance(x, fx.Node) and shape_of(x) is not None:
-                info.hints[0] = row_hint(x, len(shape_of(x)) - 1) + (rotate,)
+                info.hints[0] = row_hint(x, len(shape_of(x)) - 1, tp, uneven) + (rotate,)
     if node.target in (aten.mm.default, aten.linear.default, aten.embedding.default, aten.bmm.default,
                        aten.matmul.default):
         out = info.output
@@ -347,11 +347,12 @@ def column_hint(node: fx.Node, dim: int, tp: int = 1, uneven: bool = False,
     return done(chunks, unit, tail_elems)
 
 
-def row_hint(node: fx.Node, dim: int) -> tuple[int, int]:
+def row_hint(node: fx.Node, dim: int, tp: int = 1, uneven: bool = False) -> tuple[int, int]:
     """(chunks, unit) of ``node``'s ``dim`` read off how it was made: a reshape that merged
     heads into it (``[b, s, heads, d] -> [b, s, heads * d]``) gives atoms of ``d``, and an
     earlier merge of groups into the heads (Falcon's ``[kv, n_rep] -> heads``, past attention
-    and rotary) gives the blocks. The contracted dim of a row-parallel product whose weight is
+    and rotary) gives the blocks, or, where :func:`column_hint` deals whole groups (at least
+    ``tp`` of them), atoms of a group's heads. The contracted dim of a row-parallel product whose weight is
     transposed first (Falcon's ``x @ dense.weight.T``) is cut this way, so the weight's rows
     match x's heads."""
     cur, d = node, dim
@@ -377,8 +378,13 @@ def row_hint(node: fx.Node, dim: int) -> tuple[int, int]:
                         break
                     unit, cur, d = int(rest), src, merged[0]
                     continue
-                if lead.is_Integer:       # groups * heads per group: blocks of groups
-                    chunks = int(lead)
+                per = before[merged[-1]]
+                if lead.is_Integer and per.is_Integer:   # groups * query heads per group
+                    groups = int(lead)
+                    if groups >= tp and (groups % tp == 0 or uneven):
+                        unit *= int(per)  # whole groups dealt (as column_hint chooses): runs of groups
+                    else:
+                        chunks = groups   # each group's heads dealt (a tail): blocks of groups
                 break
             mapped = map_view_shard(after, before, Shard(d))
             if mapped is None:

@@ -37,6 +37,10 @@ from torch import Tensor, nn
 from autotp.errors import AutotpError, CommError, LostRankError
 from autotp.placements import Shard, local_ranges, local_size, max_local_size, owned_ranges
 
+#: the functional all-gather into one tensor: ``all_gather_single`` from torch 2.13 on, where
+#: ``all_gather_tensor`` (the name before) warns that it is deprecated
+all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
 __all__ = [
     "copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "reduce_scatter_to_tp",
     "local_shard", "assemble", "group_size", "group_rank", "group_ranks",
@@ -204,7 +208,7 @@ def _gather_into(send: Tensor, group, op: str) -> Tensor:
     the output as the inputs concatenated along dim 0)."""
     tp = group_size(group)
     with _comm(op, group):   # a functional collective, waited for inside
-        out = funcol.wait_tensor(funcol.all_gather_tensor(send, 0, group))
+        out = funcol.wait_tensor(all_gather_single(send, 0, group))
     return out.view((tp,) + tuple(send.shape))
 
 

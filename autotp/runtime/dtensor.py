@@ -113,12 +113,14 @@ class RunShard(TorchShard):
         """All-gather the runs (padded to the longest rank's) and put each where it belongs."""
         import torch.distributed._functional_collectives as funcol
 
+        from .collectives import all_gather_single
+
         tp, n, dim = mesh.size(mesh_dim=mesh_dim), int(current_logical_shape[self.dim]), self.dim
         most = max(local_size(n, self.shard, tp, r) for r in range(tp))
         pad = most - local_tensor.shape[dim]
         if pad:
             local_tensor = torch.nn.functional.pad(local_tensor, [0, 0] * (local_tensor.dim() - 1 - dim) + [0, pad])
-        gathered = funcol.all_gather_single(local_tensor.contiguous(), gather_dim=dim, group=(mesh, mesh_dim))
+        gathered = all_gather_single(local_tensor.contiguous(), dim, (mesh, mesh_dim))
         if isinstance(gathered, funcol.AsyncCollectiveTensor):
             gathered = gathered.wait()
         placed = []   # (start in the full dim, the run)
