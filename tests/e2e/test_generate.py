@@ -135,3 +135,31 @@ def test_programs_are_reused_and_bad_calls_are_refused_on_every_rank(cluster_of)
         assert out["empty"] == out["mask"] == out["float"] == "InputError"
         assert out["steps"] == "ConfigError"
         assert "repetition_penalty" in out["sampling"]
+
+
+#: fused multi-query projections with the tailed layout (each rank its query heads, k and v whole):
+#: family, tp, query heads, kv heads, the fused projection and the attention output
+FUSED = [("gpt-bigcode", 3, 5, 1, "attn.c_attn", "attn.c_proj"),
+         ("falcon", 2, 6, 1, "self_attention.query_key_value", "self_attention.dense"),
+         ("falcon-new", 3, 12, 2, "self_attention.query_key_value", "self_attention.dense")]
+
+
+def fused_generation(family: str, tp: int, heads: int, kv: int, fused: str, out: str) -> tuple:
+    config = zoo.tiny_config(family, layers=2, heads=heads, kv_heads=kv, head_dim=4, vocab=VOCAB, positions=64)
+    model = zoo.build(family, config, dtype=torch.float64, seed=3).eval()
+    pm = autotp.parallelize(model, tp, layout={f"*.{fused}.*": "column", f"*.{out}.weight": "row"},
+                            batch=64, seq=2048, profile="h100-dgx")   # a workload at which the split pays
+    prompt = torch.randint(2, VOCAB - 1, (2, 5), generator=torch.Generator().manual_seed(4))
+    want = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=PAD)
+    got = pm.generate(prompt, max_new_tokens=5, pad_token_id=PAD)
+    return pm.plan.params[f"transformer.h.0.{fused}.weight"], torch.equal(got, want), pm.plan.attention
+
+
+@pytest.mark.parametrize("family, tp, heads, kv, fused, out", [
+    case if case[0] == "gpt-bigcode" else pytest.param(*case, marks=pytest.mark.slow) for case in FUSED],
+    ids=[case[0] for case in FUSED])
+def test_greedy_generation_over_a_fused_multi_query_split_equals_serial(cluster_of, family, tp, heads, kv,
+                                                                        fused, out):
+    for placement, same, attention in cluster_of(tp).run(fused_generation, family, tp, heads, kv, fused, out):
+        assert placement.tail == 2 and attention, (placement, attention)
+        assert same
