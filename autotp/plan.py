@@ -471,12 +471,12 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
     nodes = {n.name: n for n in index.capture.graph.nodes}
     for c in prop.comms:
         if c.kind == "all_reduce":     # inside vocab-parallel cross-entropy: N = b*s numbers
-            comm[("g", next(m for _, m in prop.chosen[nodes[c.tensor]].internal))] += 1
+            comm[("g", next(m for _, m in prop.chosen[nodes[c.tensor]].internal), True)] += 1
         else:
-            comm[(c.kind, _meta(nodes[c.tensor]))] += 1
+            comm[(c.kind, _meta(nodes[c.tensor]), nodes[c.tensor] in index.grads)] += 1
     compute_total = sympy.Add(*(n * compute_time_expr(*first[k], profile, index.tp, index.env)
                                 for k, n in compute.items())) + prop.update_s   # the optimizer step: constant
-    comm_total = sympy.Add(*(n * collective_time_expr(kind, bytes_expr(meta, profile.dtype_bytes), profile, index.tp)
-                             for (kind, meta), n in comm.items()))
+    comm_total = sympy.Add(*(n * collective_time_expr(kind, bytes_expr(meta, profile.dtype_bytes), profile, index.tp,
+                                                      grad) for (kind, meta, grad), n in comm.items()))
     return {key: str(expr.xreplace(rename).evalf(6)) for key, expr in (("compute_s", compute_total),
                                                                       ("comm_s", comm_total))}

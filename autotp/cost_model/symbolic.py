@@ -249,10 +249,12 @@ def ring_volume(collective: str | None, full_bytes: Any, n: int) -> Any:
     return (2 if collective == "all_reduce" else 1) * sympy.Rational(n - 1, n) * full_bytes
 
 
-def collective_time_expr(kind: str, full_bytes: sympy.Expr, profile: DeviceProfile, tp: int) -> sympy.Expr:
-    """Forward + backward seconds of redistribution ``kind``, symbolic in the tensor's bytes."""
+def collective_time_expr(kind: str, full_bytes: sympy.Expr, profile: DeviceProfile, tp: int,
+                         grad: bool = True) -> sympy.Expr:
+    """Forward + backward seconds of redistribution ``kind``, symbolic in the tensor's bytes
+    (``grad=False``: no gradient flows back through it, so its backward moves nothing)."""
     total = sympy.Integer(0)
-    for coll in COLLECTIVES[kind]:
+    for coll in COLLECTIVES[kind][:2 if grad else 1]:
         if coll is None or tp <= 1:
             continue
         steps = 2 * (tp - 1) if coll == "all_reduce" else tp - 1
@@ -260,11 +262,13 @@ def collective_time_expr(kind: str, full_bytes: sympy.Expr, profile: DeviceProfi
     return total
 
 
-def collective_time(kind: str, full_bytes: float, profile: DeviceProfile, tp: int) -> tuple[float, float]:
-    """(forward, backward) seconds of a redistribution of a tensor of ``full_bytes``."""
+def collective_time(kind: str, full_bytes: float, profile: DeviceProfile, tp: int,
+                    grad: bool = True) -> tuple[float, float]:
+    """(forward, backward) seconds of a redistribution of a tensor of ``full_bytes`` (``grad=False``:
+    the tensor gets no gradient, a mask say, and the backward collective never runs)."""
     out = []
-    for coll in COLLECTIVES[kind]:
-        if coll is None:
+    for i, coll in enumerate(COLLECTIVES[kind]):
+        if coll is None or (i == 1 and not grad):
             out.append(0.0)
         elif coll == "all_reduce":
             out.append(profile.all_reduce_time(full_bytes, tp))
@@ -273,13 +277,13 @@ def collective_time(kind: str, full_bytes: float, profile: DeviceProfile, tp: in
     return out[0], out[1]
 
 
-def collective_bytes(kind: str, full_bytes: float, tp: int) -> tuple[float, float]:
-    """(forward, backward) bytes each rank sends."""
+def collective_bytes(kind: str, full_bytes: float, tp: int, grad: bool = True) -> tuple[float, float]:
+    """(forward, backward) bytes each rank sends (``grad=False``: no backward)."""
     if tp <= 1:
         return 0.0, 0.0
     share = {None: 0.0, "all_reduce": 2 * (tp - 1) / tp}
     fw, bw = COLLECTIVES[kind]
-    return share.get(fw, (tp - 1) / tp) * full_bytes, share.get(bw, (tp - 1) / tp) * full_bytes
+    return share.get(fw, (tp - 1) / tp) * full_bytes, share.get(bw if grad else None, (tp - 1) / tp) * full_bytes
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -497,9 +497,10 @@ def _dim_size(meta: TensorMeta, p: Any) -> int | None:
 
 
 def conversion_seconds(index: "GraphIndex", profile: DeviceProfile, meta: TensorMeta, have: Any,
-                       want: Placement, f: bool) -> float:
-    """Forward + backward seconds to turn ``have`` into ``want`` (plus an f); inf if impossible."""
-    key = (meta, have, want, f, profile)
+                       want: Placement, f: bool, grad: bool = True) -> float:
+    """Forward + backward seconds to turn ``have`` into ``want`` (plus an f); inf if impossible.
+    ``grad``: whether a gradient flows back through the tensor (else its backward is free)."""
+    key = (meta, have, want, f, grad, profile)
     found = index._conversion_cost.get(key)
     if found is None:
         kind = _conversion(have, want, _dim_size(meta, want) or _dim_size(meta, have), index.tp)
@@ -509,7 +510,7 @@ def conversion_seconds(index: "GraphIndex", profile: DeviceProfile, meta: Tensor
             found = 0.0
             full = nbytes(meta, index.env, profile.dtype_bytes)
             for k in ([kind] if kind else []) + (["f"] if f else []):
-                fw, bw = collective_time(k, full, profile, index.tp)
+                fw, bw = collective_time(k, full, profile, index.tp, grad)
                 found += fw + bw
         index._conversion_cost[key] = found
     return found
@@ -606,9 +607,10 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
         kind = _conversion(place[node], dst, _dim_size(meta, dst) or _dim_size(meta, place[node]), tp)
         conversions[key] = kind or ""
         full = nbytes(meta, env, profile.dtype_bytes)
+        grad = node in index.grads
         for k in ([kind] if kind else []) + (["f"] if f else []):
-            fw_s, bw_s = collective_time(k, full, profile, tp)
-            fw_b, bw_b = collective_bytes(k, full, tp)
+            fw_s, bw_s = collective_time(k, full, profile, tp, grad)
+            fw_b, bw_b = collective_bytes(k, full, tp, grad)
             comm += fw_s + bw_s
             comms.append(Comm(k, node.name, place[node], dst, consumer.name, full, fw_b, bw_b, fw_s + bw_s))
 
@@ -687,7 +689,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
                 elif inp.name in cap.param_names and not same_placement(place[inp], want, _dim_size(meta, want), tp):
                     cost = INF  # a parameter is never moved at run time: it is sharded at load
                 elif (inp, want, f) not in conversions:   # a conversion already made is reused
-                    cost += conversion_seconds(index, profile, meta, place[inp], want, f)
+                    cost += conversion_seconds(index, profile, meta, place[inp], want, f, inp in index.grads)
                 if cost == INF:
                     break
             if cost < best_cost:

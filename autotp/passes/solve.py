@@ -175,7 +175,7 @@ class _Solver:
                     cost = INF   # a parameter is never moved at run time: it is sharded at load
                     break
                 if (f or have != want) and (want, f) not in paid:
-                    cost += conversion_seconds(index, profile, meta, have, want, f)
+                    cost += conversion_seconds(index, profile, meta, have, want, f, inp in index.grads)
                     labels[inp] = (have, paid | {(want, f)})
                 if cost == INF:
                     break
@@ -194,7 +194,8 @@ class _Solver:
             have, paid = state[leaf]
             if isinstance(have, (Shard, Partial)) and not (i in self.index.sharded_outputs and isinstance(have, Shard)):
                 if (REPLICATE, False) not in paid:
-                    cost += conversion_seconds(self.index, self.profile, _meta(leaf), have, REPLICATE, False)
+                    cost += conversion_seconds(self.index, self.profile, _meta(leaf), have, REPLICATE, False,
+                                               leaf in self.index.grads)
                     state[leaf] = (have, paid | {(REPLICATE, False)})
         return cost
 
