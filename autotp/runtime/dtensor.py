@@ -56,6 +56,17 @@ class RunShard(TorchShard):
     def __repr__(self) -> str:
         return f"RunShard({self.shard!r})"
 
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        # torch's Shard pickles (and copies) its dim alone; a copy without autotp's layout would
+        # be a RunShard that knows no ranges (dynamo copies placements into its guards)
+        return RunShard, (self.shard,)
+
+    def __copy__(self) -> "RunShard":
+        return RunShard(self.shard)
+
+    def __deepcopy__(self, memo: dict) -> "RunShard":
+        return RunShard(self.shard)
+
     __str__ = __repr__
 
     def __fx_repr__(self):

@@ -105,3 +105,34 @@ def _a_new_kind_of_call_under_compile() -> str:
 def test_a_new_kind_of_call_under_compile_asks_for_an_eager_call_first(cluster_of):
     for text in cluster_of(2).run(_a_new_kind_of_call_under_compile):
         assert "call the module once eagerly with such inputs first" in text, text
+
+
+def _compiled_split_projections() -> dict:
+    """Parameters whose layouts are RunShards (GPT-BigCode's fused multi-query c_attn: a run of
+    query heads then k and v whole) under torch.compile: dynamo copies their placements into its
+    guards."""
+    import torch.distributed as dist
+
+    import autotp
+    from autotp import zoo
+    from autotp.testing import equivalence_errors, keep_loss_precision
+
+    torch._dynamo.reset()
+    config = zoo.tiny_config("gpt-bigcode", layers=2, heads=5, kv_heads=1, head_dim=4, vocab=VOCAB)
+    model = keep_loss_precision(zoo.build("gpt-bigcode", config, dtype=torch.float64, seed=1))
+    pm = autotp.parallelize(model, dist.get_world_size(), layout={
+        "*.attn.c_attn.*": "column", "*.attn.c_proj.weight": "row", "lm_head.weight": "vocab"})
+    data = zoo.example_batch("gpt-bigcode", config, batch=2, seq=6, seed=2)
+    pm(**data)
+    compiled = torch.compile(pm, fullgraph=True, backend="aot_eager")
+    errors = equivalence_errors(model, compiled, data)
+    explain = torch._dynamo.explain(pm)(**data)
+    return {"worst": max(errors.values()), "graphs": explain.graph_count, "breaks": explain.graph_break_count,
+            "fused": pm.plan.params["transformer.h.0.attn.c_attn.weight"],
+            "runs": sum("RunShard" in repr(p.placements) for p in pm.parameters())}
+
+
+def test_run_layouts_and_a_fused_multi_query_split_compile_to_one_graph(cluster_of):
+    for r in cluster_of(2).run(_compiled_split_projections):
+        assert r["fused"].tail == 2 and r["runs"] >= 2, r
+        assert (r["graphs"], r["breaks"]) == (1, 0) and r["worst"] <= 1e-12, r

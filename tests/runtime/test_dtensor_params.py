@@ -193,3 +193,16 @@ def test_every_layout_round_trips_through_its_dtensor_placement_at_tp3(cluster_o
     # atoms below tp leave a rank empty; uneven atoms, fused chunks, units and rotations: run layouts
     for wrong in cluster_of(3).run(_layouts_round_trip, cases):
         assert wrong == []
+
+
+def test_a_run_layout_survives_copy_and_pickle():
+    # torch's Shard copies and pickles its dim alone; dynamo copies placements into its guards
+    import copy
+    import pickle
+
+    from autotp.placements import Shard
+    from autotp.runtime.dtensor import RunShard
+
+    run = RunShard(Shard(1, 3, 4, 1, 2))
+    for again in (copy.copy(run), copy.deepcopy(run), pickle.loads(pickle.dumps(run))):
+        assert again == run and again.shard == run.shard and again.dim == 1
