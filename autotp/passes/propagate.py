@@ -33,7 +33,7 @@ from ..cost_model.symbolic import activation_bytes, collective_bytes, collective
 from ..placements import (REPLICATE, Partial, Placement, Replicate, Shard, atoms_per_chunk, divides, max_local_size,
                           same_placement)
 from .rules import OpInfo, Strategy, TensorMeta, strategies
-from .rules.view import map_view_shard, view_groups
+from .rules.view import map_view_shard, slice_range, view_groups
 
 aten = torch.ops.aten
 INF = math.inf
@@ -333,10 +333,7 @@ def column_hint(node: fx.Node, dim: int, tp: int = 1, uneven: bool = False,
             cur = u
             continue
         if t is aten.transpose.int:
-            nd = len(shape_of(cur))
-            a, b = u.args[1] % nd, u.args[2] % nd
-            d = b if d == a else a if d == b else d
-            cur = u
+            d, cur = _through_transpose(u, d), u
             continue
         if t is aten.unsqueeze.default:
             at = u.args[1] % (len(shape_of(cur)) + 1)
@@ -345,6 +342,13 @@ def column_hint(node: fx.Node, dim: int, tp: int = 1, uneven: bool = False,
             continue
         break
     return done(chunks, unit, tail_elems)
+
+
+def _through_transpose(node: fx.Node, d: int) -> int:
+    """Where dim ``d`` goes through the ``transpose`` ``node`` (either way: it swaps two dims)."""
+    nd = len(shape_of(node))
+    a, b = node.args[1] % nd, node.args[2] % nd
+    return b if d == a else a if d == b else d
 
 
 def row_hint(node: fx.Node, dim: int, tp: int = 1, uneven: bool = False) -> tuple[int, int]:
@@ -398,10 +402,7 @@ def row_hint(node: fx.Node, dim: int, tp: int = 1, uneven: bool = False) -> tupl
             cur = src   # the output's heads are q's
             continue
         if t is aten.transpose.int:
-            nd = len(shape_of(cur))
-            a, b = cur.args[1] % nd, cur.args[2] % nd
-            d = b if d == a else a if d == b else d
-            cur = src
+            d, cur = _through_transpose(cur, d), src
             continue
         if t is aten.permute.default:
             d = cur.args[1][d] % len(shape_of(cur))
@@ -433,17 +434,12 @@ def index_picks(node: fx.Node, constant: Any) -> tuple[int, tuple[int, ...]] | N
 def slice_bounds(node: fx.Node) -> tuple[int, int, int] | None:
     """(dim, start, stop) of a step-1 ``slice`` of a static dim, normalized, or None."""
     shape = shape_of(node.args[0])
-    args = list(node.args) + [None] * (5 - len(node.args))
-    dim, start, stop, step = (args[1] or 0), args[2], args[3], args[4]
-    if shape is None or step not in (None, 1) or not isinstance(dim, int):
+    dim = node.args[1] if len(node.args) > 1 else 0
+    if shape is None or not isinstance(dim, int):
         return None
     dim %= len(shape)
-    if not shape[dim].is_Integer or not isinstance(start or 0, int) or not isinstance(stop, (int, type(None))):
-        return None
-    n = int(shape[dim])
-    start = 0 if start is None else (start + n if start < 0 else start)
-    stop = n if stop is None else (stop + n if stop < 0 else stop)
-    return dim, max(0, min(start, n)), max(0, min(stop, n))
+    found = slice_range(shape[dim], node.args[1:])
+    return None if found is None else (dim,) + found
 
 
 def _tail_of_readers(view: fx.Node, dim: int, n: int | None, constant: Any) -> int:

@@ -44,15 +44,18 @@ class Case:
 
 
 @st.composite
-def cases(draw, tps=(1, 2, 4)) -> Case:
+def cases(draw, tps=(1, 2, 4), tails: bool = False) -> Case:
     tp = draw(st.sampled_from(tps))
     ndim = draw(st.integers(1, 3))
     dim = draw(st.integers(0, ndim - 1))
-    shard = Shard(dim, draw(st.integers(1, 3)), draw(st.integers(1, 3)))
+    # a tail (k and v kept whole on every rank) only where no collective turns data into one
+    tail = draw(st.integers(0, 2)) if tails else 0
+    shard = Shard(dim, draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(0, tp - 1)) if tails else 0,
+                  tail)
     # Fewer atoms than ranks, a multiple of tp, or a remainder: empty, even and uneven shards.
     atoms = draw(st.integers(1, 2 * tp + 1))
     shape = [draw(st.integers(1, 3)) for _ in range(ndim)]
-    shape[dim] = shard.chunks * shard.unit * atoms
+    shape[dim] = shard.chunks * shard.unit * (atoms + tail)
     return Case(tp, shard, tuple(shape), draw(st.integers(0, 2**31 - 1)))
 
 
@@ -65,17 +68,26 @@ def _tensor(seed: int, shape, *key) -> torch.Tensor:
 # ---------------------------------------------------------------- local layouts (no ranks)
 
 @settings(max_examples=200, deadline=None)
-@given(case=cases(tps=range(1, 9)))
+@given(case=cases(tps=range(1, 9), tails=True))
 def test_local_shard_holds_local_ranges_and_assemble_inverts_it(case):
+    from autotp.placements import owned_ranges
+
     full = torch.arange(torch.Size(case.shape).numel(), dtype=torch.float64).reshape(case.shape)
-    d = case.shard.dim
-    pieces = [C.local_shard(full, case.shard, case.tp, r) for r in range(case.tp)]
+    d, shard, n = case.shard.dim, case.shard, case.full_size
+    pieces = [C.local_shard(full, shard, case.tp, r) for r in range(case.tp)]
+    owned = []
     for r, piece in enumerate(pieces):
-        index = [i for a, b in local_ranges(case.full_size, case.shard, case.tp, r) for i in range(a, b)]
+        index = [i for a, b in local_ranges(n, shard, case.tp, r) for i in range(a, b)]
         assert piece.shape == case.local_shape(r)
         assert piece.is_contiguous()
         assert torch.equal(piece, full.index_select(d, torch.tensor(index, dtype=torch.long)))
-    assert torch.equal(C.assemble(pieces, case.shard, case.full_size), full)
+        owned += [i for a, b in owned_ranges(n, shard, case.tp, r) for i in range(a, b)]
+        # a tail: every rank holds each block's last tail atoms, after its run
+        block = n // shard.chunks
+        tail = [c * block + i for c in range(shard.chunks) for i in range(block - shard.tail * shard.unit, block)]
+        assert set(tail) <= set(index)
+    assert sorted(owned) == list(range(n))    # the owned ranges partition the dim (a tail on rank 0)
+    assert torch.equal(C.assemble(pieces, shard, n), full)
 
 
 def test_group_none_is_one_rank_without_communication():

@@ -232,11 +232,11 @@ def slice_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     return out
 
 
-def _slice_bounds(info: OpInfo) -> tuple[int, int] | None:
-    """[start, stop) of a step-1 slice of a static dim, normalized, or None."""
-    args = list(info.args) + [None] * (5 - len(info.args))
-    start, stop, step = args[2], args[3], args[4]
-    size = info.inputs[0].shape[norm_dim(args[1] or 0, info.inputs[0].ndim)]
+def slice_range(size: Any, args: tuple) -> tuple[int, int] | None:
+    """[start, stop) of ``slice(x, dim, start, stop, step)`` (``args`` from ``dim`` on) over a dim
+    of ``size``, normalized; None unless the size is static and the step 1."""
+    args = tuple(args) + (None,) * (4 - len(args))
+    start, stop, step = args[1], args[2], args[3]
     if step not in (None, 1) or not size.is_Integer or not isinstance(start or 0, int) \
             or not isinstance(stop, (int, type(None))):
         return None
@@ -244,6 +244,11 @@ def _slice_bounds(info: OpInfo) -> tuple[int, int] | None:
     start = 0 if start is None else (start + n if start < 0 else start)
     stop = n if stop is None else (stop + n if stop < 0 else stop)
     return max(0, min(start, n)), max(0, min(stop, n))
+
+
+def _slice_bounds(info: OpInfo) -> tuple[int, int] | None:
+    return slice_range(info.inputs[0].shape[norm_dim(info.args[1] if len(info.args) > 1 else 0, info.inputs[0].ndim)],
+                       info.args[1:])
 
 
 def tail_part(p: Shard, size: Any, positions: Any) -> Any:
