@@ -66,6 +66,8 @@ def summarize_layout(plan, cap, vocab: int) -> str:
         layer = layer_of(name)
         if layer not in (None, 1):
             continue
+        if isinstance(placement, Shard) and placement.tail:
+            role += f" (query heads split, k and v whole: {placement!r})"
         short = re.sub(r"^.*?\.1\.", "", name) if layer == 1 else name
         parts.append(f"`{short.removesuffix('.weight')}` {role}")
     return "; ".join(parts)
