@@ -1,7 +1,8 @@
 """A fused multi-query projection's tailed layout (each rank: its query heads' rows, then k and v
 whole) through the PyTorch stack: clip_grad_norm_ counts the whole k and v rows once (the serial
 norm on every rank), torch.distributed.checkpoint saves them once and loads them at another tp,
-and FSDP2 over dp x tp with clipped AdamW steps equals serial steps."""
+FSDP2 over dp x tp with clipped AdamW steps equals serial steps, and from_pretrained reads each
+rank's query rows and the whole k and v rows from a save_pretrained folder."""
 import logging
 
 import torch
@@ -101,3 +102,27 @@ def test_fsdp2_with_clipped_adamw_over_a_tailed_layout_equals_serial_steps(clust
             assert abs(got - serial) <= 1e-10 * serial, r["norms"]
         worst = max(r["errors"], key=r["errors"].get)
         assert r["errors"][worst] <= 1e-9, (worst, r["errors"][worst])
+
+
+def _loaded(path: str) -> dict:
+    from autotp.testing import equivalence_errors, keep_loss_precision
+    from transformers import GPTBigCodeForCausalLM
+
+    logging.getLogger("autotp").setLevel(logging.ERROR)
+    from tests.test_checkpoint import _precise_from_config
+
+    pm = autotp.from_pretrained(path, tp=2, layout=LAYOUT, progress=False, model_class=_precise_from_config)
+    serial = keep_loss_precision(GPTBigCodeForCausalLM.from_pretrained(path, dtype=torch.float64))
+    errors = equivalence_errors(serial, pm, _batch(serial.config, 4))
+    local = pm.local_parameter(FUSED)
+    return {"placement": pm.plan.params[FUSED], "rows": local.shape[0], "worst": max(errors.values())}
+
+
+def test_from_pretrained_reads_each_ranks_query_rows_and_the_whole_kv_rows(cluster_of, tmp_path):
+    _, model = _bigcode(7, heads=5)
+    model.save_pretrained(tmp_path)
+    rows = []
+    for r in cluster_of(2).run(_loaded, str(tmp_path)):
+        assert r["placement"].tail == 2 and r["worst"] <= 1e-9, r
+        rows.append(r["rows"])
+    assert sorted(rows) == [(2 + 2) * 4, (3 + 2) * 4]   # 3 + 2 query heads of 4 features, then k and v
