@@ -251,6 +251,33 @@ def _default(handlers: dict, op: Any, handler: Any, previous: Any, op_call: Any,
         handlers[op] = handler
 
 
+class _TailSumRefused:
+    """Wraps DTensor's sharding propagation (the dispatcher's slow path, where a decision is made
+    before torch caches it): an op that would sum a tailed RunShard over ranks (its output
+    Partial on that mesh dim: a ``sum``, a ``mean``, a matmul over the dim) is a ConfigError
+    naming it, instead of a result that counts the tail once per rank. Norms never get here with
+    a tail (their handlers hand over the owned elements)."""
+
+    def __init__(self, propagate: Any):
+        self.propagate = propagate
+
+    def __call__(self, op_call: Any, args: Any, kwargs: Any, op_info: Any, *rest: Any) -> Any:
+        result = self.propagate(op_call, args, kwargs, op_info, *rest)
+        schema = getattr(op_info, "schema", None)
+        tailed = set() if schema is None else {
+            i for spec in schema.args_spec for i, p in enumerate(spec.placements)
+            if isinstance(p, RunShard) and p.shard.tail}
+        if tailed and hasattr(result, "output_spec"):
+            outs = result.output_spec if isinstance(result.output_spec, (list, tuple)) else [result.output_spec]
+            for spec in outs:
+                if spec is not None and any(spec.placements[i].is_partial() for i in tailed):
+                    raise ConfigError(
+                        f"{schema.op} would sum a tensor whose layout keeps a tail (k and v whole on every rank) "
+                        "over the ranks, counting the tail once per rank: call full_tensor() first, or reduce "
+                        "with torch.linalg.vector_norm / clip_grad_norm_, which count it once")
+        return result
+
+
 # ---- teaching torch's sharding propagation about RunShard ------------------------------------
 _INSTALLED = False
 
@@ -299,6 +326,9 @@ def install() -> None:
     handlers = _dispatch_handlers()
     for op in _NORMS:
         handlers[op] = _norm_of_owned(handlers, op, handlers.get(op))
+    dispatcher = _api.DTensor._op_dispatcher
+    dispatcher._propagate_op_sharding_dispatch_slow_path = _TailSumRefused(
+        dispatcher._propagate_op_sharding_dispatch_slow_path)
     sds._fill_single_dim_strategy_placeholders = fill_with_runs
     _dtensor_spec.DTensorSpec._verify_shard_order = verify_unless_runs
     for module in (_redistribute, _dispatch, _api):   # the latter two import it by name

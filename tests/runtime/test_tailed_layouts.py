@@ -55,7 +55,14 @@ def _clip_and_checkpoint(path: str, heads: int) -> dict:
         loaded[tp] = max([((a[n].full_tensor() - b[n].full_tensor()).abs().max().item(), n) for n in a] +
                          [((sa[i][k].full_tensor() - sb[i][k].full_tensor()).abs().max().item(), f"{i}.{k}")
                           for i in sa for k in sa[i] if k != "step"])
-    return {"placement": pm.plan.params[FUSED], "norm": (serial, got), "grads": grads, "loaded": loaded}
+    fused = dict(pm.named_parameters())[FUSED]
+    try:   # a sum over ranks would count the whole k and v rows once per rank
+        fused.sum()
+        refused = "summed"
+    except autotp.ConfigError as exc:
+        refused = str(exc)
+    return {"placement": pm.plan.params[FUSED], "norm": (serial, got), "grads": grads, "loaded": loaded,
+            "refused": refused}
 
 
 def test_clip_grad_norm_and_dcp_count_the_whole_kv_rows_once(cluster_of, tmp_path):
@@ -66,6 +73,7 @@ def test_clip_grad_norm_and_dcp_count_the_whole_kv_rows_once(cluster_of, tmp_pat
             assert abs(got - serial) <= 1e-12 * serial, (heads, got, serial)
             assert r["grads"] <= 1e-12 * serial
             assert {tp: err for tp, (err, _) in r["loaded"].items()} == {2: 0.0, 1: 0.0}, r["loaded"]
+            assert "would sum a tensor whose layout keeps a tail" in r["refused"], r
 
 
 def _fsdp_clipped_adamw(steps: int) -> dict:
