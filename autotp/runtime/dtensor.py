@@ -258,11 +258,17 @@ class _TailSumRefused:
     naming it, instead of a result that counts the tail once per rank. Norms never get here with
     a tail (their handlers hand over the owned elements)."""
 
-    def __init__(self, propagate: Any):
-        self.propagate = propagate
+    def __init__(self, propagate: Any, on_op_info: bool = False):
+        self.propagate, self.on_op_info = propagate, on_op_info
 
-    def __call__(self, op_call: Any, args: Any, kwargs: Any, op_info: Any, *rest: Any) -> Any:
-        result = self.propagate(op_call, args, kwargs, op_info, *rest)
+    def __call__(self, *args: Any) -> Any:
+        result = self.propagate(*args)
+        op_info = args[0] if self.on_op_info else args[3]   # propagate(op_info) / slow path(op, a, kw, op_info)
+        self.check(op_info, op_info.output_sharding if self.on_op_info else result)
+        return result
+
+    @staticmethod
+    def check(op_info: Any, result: Any) -> None:
         schema = getattr(op_info, "schema", None)
         tailed = set() if schema is None else {
             i for spec in schema.args_spec for i, p in enumerate(spec.placements)
@@ -275,7 +281,6 @@ class _TailSumRefused:
                         f"{schema.op} would sum a tensor whose layout keeps a tail (k and v whole on every rank) "
                         "over the ranks, counting the tail once per rank: call full_tensor() first, or reduce "
                         "with torch.linalg.vector_norm / clip_grad_norm_, which count it once")
-        return result
 
 
 # ---- teaching torch's sharding propagation about RunShard ------------------------------------
@@ -327,8 +332,12 @@ def install() -> None:
     for op in _NORMS:
         handlers[op] = _norm_of_owned(handlers, op, handlers.get(op))
     dispatcher = _api.DTensor._op_dispatcher
-    dispatcher._propagate_op_sharding_dispatch_slow_path = _TailSumRefused(
-        dispatcher._propagate_op_sharding_dispatch_slow_path)
+    if hasattr(dispatcher, "_propagate_op_sharding_dispatch_slow_path"):   # torch >= 2.12: C++ entry point
+        dispatcher._propagate_op_sharding_dispatch_slow_path = _TailSumRefused(
+            dispatcher._propagate_op_sharding_dispatch_slow_path)
+    else:   # older: the Python dispatcher asks the propagator, which records the decision on op_info
+        propagator = dispatcher.sharding_propagator
+        propagator.propagate = _TailSumRefused(propagator.propagate, on_op_info=True)
     sds._fill_single_dim_strategy_placeholders = fill_with_runs
     _dtensor_spec.DTensorSpec._verify_shard_order = verify_unless_runs
     for module in (_redistribute, _dispatch, _api):   # the latter two import it by name
