@@ -33,11 +33,15 @@ def test_an_unknown_model_is_an_error_that_lists_the_sizes(capsys):
     assert "neither a published configuration (gpt2, gpt2-medium" in err and "starcoder-15b" in err
 
 
-def test_plan_of_every_familys_published_configuration(capsys):
-    # a multi-query model (its fused projection split by query head) and an encoder-decoder
+def test_plan_of_a_published_configuration_of_another_family(capsys):
+    # a multi-query model: its fused projection split by query head
     assert main(["plan", "starcoder-15b", "--tp", "8", "--layers", "1", "--json"]) == 0
     plan = autotp.Plan.from_json(capsys.readouterr().out)
     assert plan.params["transformer.h.0.attn.c_attn.weight"].tail == 2 and plan.attention
+
+
+@pytest.mark.slow
+def test_plan_of_an_encoder_decoder_configuration(capsys):
     assert main(["plan", "t5-large", "--tp", "4", "--layers", "1", "--json"]) == 0
     plan = autotp.Plan.from_json(capsys.readouterr().out)
     assert plan.roles["encoder.block.0.layer.0.SelfAttention.q.weight"] == "column"

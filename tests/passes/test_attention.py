@@ -217,9 +217,10 @@ def check_fused(family: str, tp: int, heads: int, kv: int, fused: str, out: str)
     return equivalence_errors(model, pm, inputs)
 
 
-#: the fast tier's share: uneven query heads (GPT-BigCode, 4 over 3 ranks), Falcon's slices
-#: and picks, Falcon's groups; the slow tier runs every case
-_FAST_FUSED = {("gpt-bigcode", 3), ("falcon", 2), ("falcon-new", 4)}
+#: the fast tier's share: uneven query heads (GPT-BigCode, 4 over 3 ranks) and Falcon's groups
+#: (Falcon-7B's multi-query split runs in tests/e2e/test_families.py at tp 3); the slow tier runs
+#: every case
+_FAST_FUSED = {("gpt-bigcode", 3), ("falcon-new", 4)}   # Falcon's multi-query split: test_families, tp 3
 
 
 @pytest.mark.parametrize("family, tp, heads, kv, fused, out", [
