@@ -261,9 +261,11 @@ def tail_part(p: Shard, size: Any, positions: Any) -> Any:
     if n % p.unit or n // p.unit <= p.tail:
         return None
     dealt = (n // p.unit - p.tail) * p.unit
-    if list(positions) == list(range(dealt)):
-        return p.without_tail()
-    if min(positions) >= dealt:
+    lo, hi = min(positions), max(positions)
+    once = isinstance(positions, range) or len(set(positions)) == len(positions)   # a slice's range: no list
+    if lo == 0 and hi == dealt - 1 and len(positions) == dealt and once:
+        return p.without_tail()   # every dealt element, each once
+    if lo >= dealt:
         return REPLICATE
     return None
 
