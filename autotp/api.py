@@ -345,8 +345,15 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
                 backend: str | None = None, seed: int | None = None,
                 activation_checkpointing: bool = False,
                 sequence_parallel: bool | None = None,
-                seq_range: tuple[int, int] | None = None) -> "ParallelModule":
+                seq_range: tuple[int, int] | None = None, pp: int = 1, microbatches: int | None = None,
+                schedule: str | None = None, virtual: int = 1) -> "ParallelModule":
     """Split ``model`` over this rank's TP group; see the module docs and docs/architecture.md.
+
+    ``pp > 1`` also cuts it into ``pp`` pipeline stages (a world of ``dp * pp * tp`` ranks) and
+    returns this rank's stage, a :class:`~autotp.runtime.pipeline.PipelineModule` whose
+    ``step(**batch)`` trains on ``microbatches`` micro-batches (default ``pp``) under
+    ``schedule`` (``"1f1b"`` by default, ``"gpipe"``, or ``"interleaved1f1b"`` with ``virtual``
+    chunks per stage), run by ``torch.distributed.pipelining``.
 
     ``activation_checkpointing=True`` recomputes each repeated layer in backward instead of
     keeping its activations (autotp.passes.checkpoint). ``sequence_parallel``: see
@@ -364,7 +371,8 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
                         uneven=uneven, gather_logits=gather_logits, memory_limit=memory_limit,
                         example_inputs=example_inputs, example_kwargs=example_kwargs, device=device,
                         backend=backend, seed=seed, activation_checkpointing=activation_checkpointing,
-                        sequence_parallel=sequence_parallel, seq_range=seq_range)
+                        sequence_parallel=sequence_parallel, seq_range=seq_range, pp=pp,
+                        microbatches=microbatches, schedule=schedule, virtual=virtual)
 
 
 def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, layout: Mapping[str, Any] | None,
@@ -372,12 +380,19 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
                  memory_limit: float | None, example_inputs: tuple, example_kwargs: dict | None,
                  device: torch.device | str, backend: str | None, seed: int | None,
                  activation_checkpointing: bool, sequence_parallel: bool | None = None,
-                 seq_range: tuple[int, int] | None = None) -> "ParallelModule":
+                 seq_range: tuple[int, int] | None = None, pp: int = 1, microbatches: int | None = None,
+                 schedule: str | None = None, virtual: int = 1) -> "ParallelModule":
     from .runtime.mesh import get_mesh
     from .runtime.module import ParallelModule
+    from .runtime.pipeline import check_pipeline
 
     tp = check_tp(tp)
-    mesh = get_mesh(tp, backend=backend)
+    if pp != 1:
+        microbatches, schedule, virtual = check_pipeline(pp, microbatches, schedule, virtual)
+        if activation_checkpointing:
+            raise ConfigError("activation_checkpointing=True is not available with pp > 1 yet: a pipeline chunk "
+                              "keeps its layers' activations; run without it, or with pp=1")
+    mesh = get_mesh(tp, backend=backend, pp=pp)
     if plan is not None and plan.tp != tp:
         raise ConfigError(f"the plan was made for tp={plan.tp}, not tp={tp}")
     device = torch.device(device)
@@ -427,6 +442,14 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
         return call_cap, call_plan, program(call_index, call_prop)
 
     source = weights(mesh, model) if weights is not None else None
+    if mesh.pp > 1:
+        from .runtime.outline import layer_paths
+        from .runtime.pipeline import PipelineModule, layer_costs
+
+        costs = layer_costs(index, prop, get_profile(profile or _default_profile(device)), layer_paths(model))
+        with source or contextlib.nullcontext():
+            return PipelineModule(cap, result, program(index, prop), mesh, model, device, microbatches=microbatches,
+                                  schedule=schedule, virtual=virtual, costs=costs, weights=source)
     with source or contextlib.nullcontext():
         return ParallelModule(cap, result, program(index, prop), mesh, model, device, weights=source, build=build)
 

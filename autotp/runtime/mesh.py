@@ -114,12 +114,18 @@ class TPMesh:
     backend: str
     control_group: object = field(default=None, compare=False, hash=False, repr=False)
     #: the same layout as a torch DeviceMesh, dims ("dp", "tp"), over the same groups (for DTensor
-    #: and other torch.distributed code that takes a mesh)
+    #: and other torch.distributed code that takes a mesh); under a pipeline, this stage's ranks
     device_mesh: object = field(default=None, compare=False, hash=False, repr=False)
+    #: pipeline stages (PTD-P): this rank's stage, and the ranks that hold the other stages at the
+    #: same (dp, tp) position, in stage order (the point-to-point group the pipeline talks over)
+    pp: int = 1
+    pp_rank: int = 0
+    pp_ranks: tuple[int, ...] = ()
+    pp_group: object = field(default=None, compare=False, hash=False, repr=False)
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.dp
+        return self.tp * self.dp * self.pp
 
 
 def _check_tp(tp) -> int:
@@ -149,13 +155,20 @@ def group_timeout(group=None) -> datetime.timedelta:
     return DEFAULT_TIMEOUT
 
 
-def get_mesh(tp: int, backend: str | None = None) -> TPMesh:
-    """This rank's TP and DP groups for ``tp``-way tensor parallelism (cached per tp, backend).
+def get_mesh(tp: int, backend: str | None = None, pp: int = 1) -> TPMesh:
+    """This rank's TP and DP groups for ``tp``-way tensor parallelism (cached per tp, pp, backend).
 
     Every rank must call it with the same arguments: creating a group is a collective.
-    ``backend=None`` uses the default group's backend.
+    ``backend=None`` uses the default group's backend. With ``pp`` pipeline stages the world is
+    ``pp`` blocks of ``dp * tp`` neighbouring ranks, one per stage (the pipeline is the outermost
+    dim, as in Megatron-LM: a stage's TP and DP groups stay inside its block, its point-to-point
+    neighbours are ``dp * tp`` ranks away), and ``dp = world / (tp * pp)``.
     """
     tp = _check_tp(tp)
+    if isinstance(pp, bool) or not isinstance(pp, numbers.Integral) or pp < 1:
+        raise ConfigError(f"pp={pp!r} is not valid: pp must be a positive integer, the number of pipeline stages "
+                          "(pp=1: no pipeline)")
+    pp = int(pp)
     init_from_env()
     if not dist.is_initialized():
         raise ConfigError(
@@ -166,20 +179,27 @@ def get_mesh(tp: int, backend: str | None = None) -> TPMesh:
     if world % tp:
         choices = ", ".join(str(d) for d in _divisors(world))
         raise ConfigError(f"world size {world} is not divisible by tp={tp}; choose tp in {{{choices}}}")
+    if world % (tp * pp):
+        choices = ", ".join(str(d) for d in _divisors(world // tp))
+        raise ConfigError(f"world size {world} is not dp * pp * tp for tp={tp}, pp={pp}: {world} ranks are not a "
+                          f"multiple of {tp * pp}; with tp={tp} choose pp in {{{choices}}}, or launch a multiple of "
+                          f"{tp * pp} ranks")
 
     global _MESHES_WORLD
     default_group = dist.distributed_c10d._get_default_group()
     if _MESHES_WORLD is not default_group:  # a new world: the old groups are gone
         _MESHES.clear()
         _MESHES_WORLD = default_group
-    key = (tp, backend)
+    key = (tp, pp, backend)
     if key not in _MESHES:
-        _MESHES[key] = _make_mesh(tp, world, rank, backend)
+        _MESHES[key] = _make_mesh(tp, world, rank, backend, pp)
     return _MESHES[key]
 
 
-def _make_mesh(tp: int, world: int, rank: int, backend: str | None) -> TPMesh:
-    dp = world // tp
+def _make_mesh(tp: int, world: int, rank: int, backend: str | None, pp: int = 1) -> TPMesh:
+    block = world // pp          # the ranks of one pipeline stage
+    dp = block // tp
+    stage, base = rank // block, (rank // block) * block
     timeout = group_timeout()
 
     def groups(all_ranks: list[tuple[int, ...]], backend: str | None):
@@ -190,9 +210,11 @@ def _make_mesh(tp: int, world: int, rank: int, backend: str | None) -> TPMesh:
                 mine = (group, ranks)
         return mine
 
-    all_tp = [tuple(range(b * tp, (b + 1) * tp)) for b in range(dp)]
+    all_tp = [tuple(range(s * block + b * tp, s * block + (b + 1) * tp)) for s in range(pp) for b in range(dp)]
     tp_group, tp_ranks = groups(all_tp, backend)
-    dp_group, dp_ranks = groups([tuple(range(i, world, tp)) for i in range(tp)], backend)
+    dp_group, dp_ranks = groups([tuple(range(s * block + i, (s + 1) * block, tp)) for s in range(pp) for i in range(tp)],
+                                backend)
+    pp_group, pp_ranks = groups([tuple(range(j, world, block)) for j in range(block)], backend)
     backend = backend or dist.get_backend()
     # the CPU backends carry the control messages themselves ("fake": torch's one-process
     # backend, whose collectives do nothing; a planning and rewriting tier runs one rank on it)
@@ -205,11 +227,11 @@ def _make_mesh(tp: int, world: int, rank: int, backend: str | None) -> TPMesh:
             single = group if r == rank else single
     device_mesh = DeviceMesh.from_group(
         [dp_group or single, tp_group or single], "cuda" if backend == "nccl" else "cpu",
-        mesh=torch.arange(world).view(dp, tp), mesh_dim_names=("dp", "tp"))
+        mesh=torch.arange(base, base + block).view(dp, tp), mesh_dim_names=("dp", "tp"))
     register_process()  # so that a roll call after a failed collective can tell this rank died
     return TPMesh(
         tp=tp, dp=dp, tp_group=tp_group, dp_group=dp_group,
         tp_rank=tp_ranks.index(rank), dp_rank=dp_ranks.index(rank),
         tp_ranks=tp_ranks, dp_ranks=dp_ranks, backend=backend, control_group=control,
-        device_mesh=device_mesh,
+        device_mesh=device_mesh, pp=pp, pp_rank=stage, pp_ranks=pp_ranks, pp_group=pp_group,
     )

@@ -161,34 +161,10 @@ class ParallelModule(nn.Module):
         # Each parameter is a DTensor on the (dp, tp) mesh whose local tensor is this rank's
         # shard: the programs run on those local tensors (to_local() each call, so gradients
         # arrive in param.grad as DTensors), optimizers and clip_grad_norm_ see the whole.
-        full_params = dict(model.named_parameters(remove_duplicate=False))
-        tp, rank = plan.tp, mesh.tp_rank if mesh is not None else 0
-        device_mesh = getattr(mesh, "device_mesh", None)
-        if device_mesh is not None:
-            dtensor.install()
-        held: dict[str, nn.Parameter] = {}
-        for placeholder, fqn in capture.param_names.items():
-            if fqn in capture.aliases:      # a tied twin: fed the tensor it is tied to
-                continue
-            p = plan.params[fqn]
-            if weights is not None:
-                local = weights(fqn, p).to(device)
-            else:
-                full = full_params[fqn].detach()
-                local = local_shard(full, p, tp, rank) if isinstance(p, Shard) else full
-                local = local.to(device).clone()
-            requires_grad = full_params[fqn].requires_grad
-            if device_mesh is not None:
-                local = _distributed(local, p, tuple(full_params[fqn].shape), tp, device_mesh)
-            held[fqn] = nn.Parameter(local, requires_grad=requires_grad)
+        held = hold_parameters(capture, plan, model, mesh, device, weights)
         #: held FQN -> the parameter (one per tied group, under the name the programs use)
         self._held = held
-        # Under every name the model gives it, in the model's order: named_parameters() then
-        # lists a tied pair once, under the model's first name, as the model does.
-        for name in full_params:
-            target = capture.aliases.get(name, name)
-            if target in held:
-                _put(self, name, held[target])
+        put_parameters(self, model, capture, held)
         self._model_buffers = dict(model.named_buffers(remove_duplicate=False))
         #: values for tensors the model holds on the meta device (from_pretrained computes the
         #: buffers a checkpoint does not hold; the model itself stays on meta for later captures)
@@ -201,19 +177,6 @@ class ParallelModule(nn.Module):
         self._current = self._add_program(capture, plan, graph_module)
         self.train(capture.training)   # the model's mode: a model in eval() gives a module in eval()
         self._average_over_dp(getattr(mesh, "dp_group", None), getattr(mesh, "dp", 1))
-
-    def _constant(self, capture: Capture, name: str) -> torch.Tensor:
-        """A lifted constant on the run device. One captured from a meta model has no values:
-        a non-persistent buffer or tensor attribute lifted as a constant takes the value
-        computed for it (from_pretrained); anything else is reported."""
-        value = capture.constants[name]
-        if value.is_meta:
-            value = self._computed.get(name, value)
-        if value.is_meta:
-            raise CheckpointError(f"the captured constant {name} has no values (the model was captured on the "
-                                  "meta device and its forward makes this tensor there): load the model for real "
-                                  "and call autotp.parallelize")
-        return value.to(self.device)
 
     # ---- the programs ---------------------------------------------------------------------
     @property
@@ -242,17 +205,11 @@ class ParallelModule(nn.Module):
         param_order = [capture.aliases.get(fqn, fqn) for fqn in capture.param_names.values()]
         buffer_order = list(capture.buffer_names.values())
         for fqn in buffer_order:
-            if fqn in self._buffers_held:
-                continue
-            full = self._model_buffers[fqn]
-            if full.is_meta:
-                full = self._computed.get(fqn, full)
-            if full.is_meta:
-                raise CheckpointError(f"buffer {fqn} is on the meta device: it is neither in the checkpoint "
-                                      "nor computed by the model's constructor; load the model for real")
-            _put(self, fqn, full.to(self.device), buffer=True, persistent=fqn in self._persistent)
-            self._buffers_held.add(fqn)
-        constants = [self._constant(capture, name) for name in capture.constant_names.values()]
+            if fqn not in self._buffers_held:
+                put_buffer(self, fqn, self._model_buffers, self._computed, self._persistent, self.device)
+                self._buffers_held.add(fqn)
+        constants = [constant_value(capture, name, self._computed, self.device)
+                     for name in capture.constant_names.values()]
         self._graphs[f"program_{len(self._programs)}"] = graph_module
         split = []
         for i, (name, node) in enumerate(zip(capture.output_names, capture.output_nodes)):
@@ -472,6 +429,72 @@ class ParallelModule(nn.Module):
                         f"{hi} there (the model's maximum positions); shorten the input or use a model "
                         "with more positions"
                     )
+
+
+def hold_parameters(capture: Capture, plan: Plan, model: nn.Module, mesh: Any, device: torch.device,
+                    weights: Callable[[str, Placement], torch.Tensor] | None,
+                    wanted: set[str] | None = None) -> dict[str, nn.Parameter]:
+    """This rank's part of each parameter the programs read (``wanted``: of those alone), one per
+    tied group under the name the programs use: a DTensor on the (dp, tp) mesh whose local
+    tensor is this rank's shard, read from ``weights`` or sliced from ``model``'s own tensors."""
+    full_params = dict(model.named_parameters(remove_duplicate=False))
+    tp, rank = plan.tp, mesh.tp_rank if mesh is not None else 0
+    device_mesh = getattr(mesh, "device_mesh", None)
+    if device_mesh is not None:
+        dtensor.install()
+    held: dict[str, nn.Parameter] = {}
+    for fqn in capture.param_names.values():
+        if fqn in capture.aliases or (wanted is not None and fqn not in wanted):   # a tied twin: fed its target
+            continue
+        p = plan.params[fqn]
+        if weights is not None:
+            local = weights(fqn, p).to(device)
+        else:
+            full = full_params[fqn].detach()
+            local = local_shard(full, p, tp, rank) if isinstance(p, Shard) else full
+            local = local.to(device).clone()
+        requires_grad = full_params[fqn].requires_grad
+        if device_mesh is not None:
+            local = _distributed(local, p, tuple(full_params[fqn].shape), tp, device_mesh)
+        held[fqn] = nn.Parameter(local, requires_grad=requires_grad)
+    return held
+
+
+def put_parameters(owner: nn.Module, model: nn.Module, capture: Capture, held: dict[str, nn.Parameter]) -> None:
+    """``held`` under every name the model gives each of them, in the model's order:
+    ``named_parameters()`` then lists a tied pair once, under the model's first name, as the
+    model does."""
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        target = capture.aliases.get(name, name)
+        if target in held:
+            _put(owner, name, held[target])
+
+
+def constant_value(capture: Capture, name: str, computed: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A lifted constant on the run device. One captured from a meta model has no values: a
+    non-persistent buffer or tensor attribute lifted as a constant takes the value computed for
+    it (from_pretrained); anything else is reported."""
+    value = capture.constants[name]
+    if value.is_meta:
+        value = computed.get(name, value)
+    if value.is_meta:
+        raise CheckpointError(f"the captured constant {name} has no values (the model was captured on the "
+                              "meta device and its forward makes this tensor there): load the model for real "
+                              "and call autotp.parallelize")
+    return value.to(device)
+
+
+def put_buffer(owner: nn.Module, fqn: str, model_buffers: dict[str, torch.Tensor], computed: dict[str, torch.Tensor],
+               persistent: set[str], device: torch.device) -> None:
+    """Register the model's buffer ``fqn`` on ``owner`` under its own name, on the run device
+    (a meta buffer takes the value from_pretrained computed for it)."""
+    full = model_buffers[fqn]
+    if full.is_meta:
+        full = computed.get(fqn, full)
+    if full.is_meta:
+        raise CheckpointError(f"buffer {fqn} is on the meta device: it is neither in the checkpoint "
+                              "nor computed by the model's constructor; load the model for real")
+    _put(owner, fqn, full.to(device), buffer=True, persistent=fqn in persistent)
 
 
 def _distributed(local: torch.Tensor, placement: Placement, shape: tuple[int, ...], tp: int, device_mesh: Any) -> torch.Tensor:

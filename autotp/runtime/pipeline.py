@@ -1,0 +1,596 @@
+"""Pipeline parallelism (the p of Megatron's PTD-P): a rank program cut into stages at its
+repeated layers, run by ``torch.distributed.pipelining``'s schedules.
+
+``autotp.parallelize(model, tp=t, pp=p)`` in a world of ``d * p * t`` ranks plans and rewrites the
+whole model for tensor parallelism as without a pipeline (every stage's TP group runs the same
+plan), then cuts this rank's program into ``p * v`` *chunks* (``v`` virtual stages per rank,
+interleaved 1F1B) and keeps the chunks of its own stage:
+
+- **where to cut** (:func:`balance`): the model's repeated layers (:func:`runtime.outline.layer_paths`)
+  go to the chunks in order, contiguous, at least one each, so that the slowest chunk is as fast
+  as it can be by the plan's own cost model (each layer's ops and collectives, forward and
+  backward; what lies before the first layer, the embedding, counts in the first chunk, what lies
+  after the last, the final norm, the head and the loss, in the last).
+- **what each chunk computes** (:func:`cut`): every op of the program that depends on both a
+  parameter and an input is an *activation*: it runs in the chunk of its layer, or, outside the
+  layers, in the latest chunk of what it reads (the first chunk of what reads it when it reads no
+  activation: the embedding). What depends on no parameter (masks, positions, rotary tables, sizes)
+  and what depends on parameters alone (a transposed or gathered weight) is computed again by each
+  chunk that reads it, so that only activations and the model's inputs travel between stages. A
+  non-tensor value (a size read off an activation) is computed again from the activation.
+- **what travels** from chunk ``c`` to ``c + 1``: every activation made before ``c + 1`` and read
+  at or after it, and the model inputs later chunks read (the labels go through to the last
+  chunk), in program order. The last chunk returns the loss.
+
+The chunks run as ``torch.distributed.pipelining.PipelineStage`` s over the pipeline group (the
+ranks at this rank's (dp, tp) position in every stage), under ``ScheduleGPipe``,
+``Schedule1F1B`` or ``ScheduleInterleaved1F1B`` (chunk ``c`` on stage ``c mod p``, the looped
+placement those schedules use). A step's batch is split along dim 0 into ``microbatches``
+equal micro-batches; each micro-batch's loss is divided by their number, so the gradients are
+those of the mean over micro-batches, which is the model's own mean loss when every micro-batch
+counts the same tokens (no ignored labels). A parameter read by chunks on several stages (a tied
+embedding and head) is held by each, and its gradient is summed over them after the pipeline
+flushes (Megatron's embedding group); data parallelism then averages every gradient over the dp
+group, once per step, in one all-reduce per dtype.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+
+from ..capture import Capture, bind_inputs, flat_inputs, module_path
+from ..errors import ConfigError, InputError
+from ..plan import Plan
+from .outline import layer_paths
+
+log = logging.getLogger("autotp")
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
+
+
+def balance(costs: list[float], first: float, last: float, chunks: int) -> list[int]:
+    """How many of the layers (``costs``: seconds each, in order) each of ``chunks`` contiguous
+    chunks runs: every chunk at least one, the first also paying ``first``, the last ``last``;
+    the slowest chunk as fast as possible, ties broken toward equal chunks (exact, by dynamic
+    programming over the cut points)."""
+    n = len(costs)
+    if chunks > n:
+        raise ConfigError(f"{n} repeated layers cannot be cut into {chunks} pipeline chunks (pp x virtual stages): "
+                          f"each chunk needs a layer; choose pp x virtual <= {n}")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def span(i: int, j: int, k: int) -> float:     # layers i..j-1 as chunk k
+        return prefix[j] - prefix[i] + (first if k == 0 else 0.0) + (last if k == chunks - 1 else 0.0)
+
+    # best[k][j]: (slowest, sum of squared sizes) for layers 0..j-1 in chunks 0..k, and the cut
+    inf = (float("inf"), float("inf"))
+    best = [[inf] * (n + 1) for _ in range(chunks)]
+    cut = [[0] * (n + 1) for _ in range(chunks)]
+    for j in range(1, n + 1):
+        best[0][j] = (span(0, j, 0), j * j)
+    for k in range(1, chunks):
+        for j in range(k + 1, n + 1):
+            for i in range(k, j):
+                prev = best[k - 1][i]
+                cand = (max(prev[0], span(i, j, k)), prev[1] + (j - i) ** 2)
+                if _better(cand, best[k][j]):
+                    best[k][j], cut[k][j] = cand, i
+    sizes, j = [], n
+    for k in range(chunks - 1, 0, -1):
+        i = cut[k][j]
+        sizes.append(j - i)
+        j = i
+    sizes.append(j)
+    return sizes[::-1]
+
+
+def _better(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    if abs(a[0] - b[0]) > 1e-9 * max(abs(a[0]), abs(b[0]), 1e-30):
+        return a[0] < b[0]
+    return a[1] < b[1]
+
+
+def layer_costs(index: Any, prop: Any, profile: Any, layers: list[str]) -> tuple[list[float], float, float]:
+    """Seconds of each layer (forward and backward, collectives included) by the plan's cost
+    model, and of what lies before the first layer and after the last."""
+    from .outline import _layer_of
+
+    graph = index.capture.graph
+    per_layer = dict.fromkeys(layers, 0.0)
+    before = after = 0.0
+    seen_layer: set[fx.Node] = set()     # nodes downstream of a layer's op
+    where: dict[str, str | None] = {}
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        layer = _layer_of(node, layers)
+        where[node.name] = layer
+        downstream = layer is not None or any(x in seen_layer for x in node.all_input_nodes)
+        if downstream:
+            seen_layer.add(node)
+        strat = prop.chosen.get(node)
+        seconds = index.compute_time(node, strat, profile) if strat is not None and node in index.infos else 0.0
+        if layer is not None:
+            per_layer[layer] += seconds
+        elif downstream:
+            after += seconds
+        else:
+            before += seconds
+    for comm in prop.comms:
+        layer = where.get(comm.consumer)
+        if layer is not None:
+            per_layer[layer] += comm.seconds
+        else:
+            after += comm.seconds
+    return [per_layer[layer] for layer in layers], before, after
+
+
+# ---- cutting a rank program -----------------------------------------------------------------
+
+@dataclass
+class Chunk:
+    """One chunk of a rank program: its graph and what feeds it, in the graph's placeholder
+    order (parameters, buffers, constants by their program positions, then what it receives)."""
+
+    index: int
+    graph: fx.GraphModule
+    params: list[int]       # positions in the program's parameter placeholders
+    buffers: list[int]
+    constants: list[int]
+    receives: list[str]     # the names of the values it receives (model inputs, activations)
+    sends: list[str]
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    if val is not None:
+        return isinstance(val, torch.Tensor)
+    # nodes the rewrite made: collectives and localized ops give tensors, size arithmetic does not
+    return not (node.op == "call_function" and getattr(node.target, "__module__", "") in ("_operator", "operator")) \
+        and node.target is not torch.ops.aten.sym_size.int
+
+
+def cut(gm: fx.GraphModule, counts: tuple[int, int, int], chunk_of_layer: dict[str, int], chunks: int,
+        output_index: int, fixed: dict[int, Any] | None = None) -> list[Chunk]:
+    """``gm`` (a rank program: ``counts`` = its parameter, buffer and constant placeholders, then
+    the model's inputs) cut into ``chunks`` chunks; the last returns output ``output_index``.
+    ``fixed``: the model inputs traced as constants (``use_cache=False``), by input position,
+    written into the chunks instead of sent. See the module docs."""
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    n_params, n_buffers, n_constants = counts
+    params = placeholders[:n_params]
+    locals_ = placeholders[:n_params + n_buffers + n_constants]
+    inputs = placeholders[n_params + n_buffers + n_constants:]
+    fixed_values = {inputs[i]: v for i, v in (fixed or {}).items()}
+    user = [x for x in inputs if x not in fixed_values]
+    output = next(n for n in nodes if n.op == "output")
+    target = fx.node.map_arg(output.args[0], lambda a: a)
+    target = list(target) if isinstance(target, (list, tuple)) else [target]
+    loss = target[output_index]
+    if not isinstance(loss, fx.Node):
+        raise ConfigError("the program's loss output is not computed by the graph; a pipeline trains on the loss")
+
+    # what each node depends on: a parameter (w), a model input (u)
+    w: dict[fx.Node, bool] = {}
+    u: dict[fx.Node, bool] = {}
+    for n in nodes:
+        if n.op == "placeholder":
+            w[n], u[n] = n in params, n in user
+        elif n.op != "output":
+            ins = n.all_input_nodes
+            w[n] = any(w[x] for x in ins)
+            u[n] = any(u[x] for x in ins)
+    act = {n for n in nodes if n.op not in ("placeholder", "output") and w[n] and u[n]}
+
+    # an in-place op (T5's shift of the labels: zeros, then copy_ and fill_ into slices of
+    # them) is read by no one: it runs wherever the tensor it writes runs
+    writers = _writers(nodes)
+
+    # the ancestors of the loss: nothing else is computed
+    needed: set[fx.Node] = set()
+    stack = [loss]
+    while stack:
+        n = stack.pop()
+        if n not in needed:
+            needed.add(n)
+            stack.extend(n.all_input_nodes)
+            stack.extend(writers.get(n, ()))
+
+    from .outline import _layer_of
+
+    layers = list(chunk_of_layer)
+    fixed: dict[fx.Node, int] = {}
+    chunk: dict[fx.Node, int | None] = {}
+    for n in nodes:
+        if n not in act:
+            continue
+        layer = _layer_of(n, layers)
+        if layer is not None:
+            fixed[n] = chunk_of_layer[layer]
+        ins = [chunk[x] for x in n.all_input_nodes if x in act and chunk[x] is not None]
+        cands = ins + ([fixed[n]] if n in fixed else [])
+        chunk[n] = max(cands) if cands else None
+    for n in reversed(nodes):     # an activation of no layer that reads none: where it is first read
+        if n in act and chunk[n] is None:
+            readers = [chunks - 1 if r.op == "output" else chunk.get(r) for r in n.users]
+            readers = [c for c in readers if c is not None]
+            chunk[n] = min(readers) if readers else chunks - 1
+    for n in nodes:               # nothing runs before what it reads
+        if n in act:
+            ins = [chunk[x] for x in n.all_input_nodes if x in act]
+            if ins and max(ins) > chunk[n]:
+                if n in fixed:
+                    raise ConfigError(f"the pipeline cannot cut the program before {n.name} ({module_path(n)}): it "
+                                      "reads a value the model computes later, outside its layers")
+                chunk[n] = max(ins)
+    if chunk[loss] is None or loss not in act:
+        raise ConfigError("the loss does not depend on the model's inputs and parameters; nothing to pipeline")
+
+    emit: list[set[fx.Node]] = [set() for _ in range(chunks)]
+    receives: list[set[fx.Node]] = [set() for _ in range(chunks)]
+    local_in: list[set[fx.Node]] = [set() for _ in range(chunks)]
+
+    def require(c: int, x: fx.Node) -> None:
+        if x in fixed_values:
+            return
+        if x.op == "placeholder":
+            (receives if x in user else local_in)[c].add(x)
+            return
+        if x in act and chunk[x] == c:
+            return
+        if x in act and chunk[x] > c:
+            raise ConfigError(f"the pipeline cut is inconsistent: chunk {c} reads {x.name}, made in chunk {chunk[x]}")
+        if x in act and _is_tensor(x):
+            receives[c].add(x)
+            return
+        if x in emit[c]:
+            return
+        emit[c].add(x)     # computed again here (no parameter, parameters alone, or a size)
+        for y in [*x.all_input_nodes, *writers.get(x, ())]:
+            require(c, y)
+
+    for n in nodes:
+        if n in act and n in needed:
+            emit[chunk[n]].add(n)
+            for y in n.all_input_nodes:
+                require(chunk[n], y)
+            for y in writers.get(n, ()):
+                if y not in act or chunk[y] != chunk[n]:
+                    raise ConfigError(f"the pipeline cannot cut between {n.name} and the in-place {y.name} that "
+                                      "writes into it")
+    require(chunks - 1, loss)
+
+    order = {n: i for i, n in enumerate(nodes)}
+    made_before = lambda x, c: x in user or chunk[x] < c   # noqa: E731
+    recv: list[list[fx.Node]] = [list(user)]
+    for c in range(1, chunks):
+        later = set().union(*receives[c:])
+        recv.append(sorted((x for x in later if made_before(x, c)), key=order.get))
+    out: list[Chunk] = []
+    for c in range(chunks):
+        g = fx.Graph()
+        env: dict[fx.Node, Any] = dict(fixed_values)
+        for p in locals_:
+            if p in local_in[c]:
+                env[p] = g.placeholder(p.name)
+                env[p].meta = dict(p.meta)
+        for x in recv[c]:
+            env[x] = g.placeholder(f"in_{x.name}")
+            env[x].meta = dict(x.meta)
+        for n in nodes:
+            if n in emit[c]:
+                env[n] = g.node_copy(n, lambda a: env[a])
+        sends = recv[c + 1] if c + 1 < chunks else []
+        g.output(env[loss] if c == chunks - 1 else tuple(env[x] for x in sends))
+        graph = fx.GraphModule(gm, g, class_name=f"PipelineChunk{c}")
+        pos = {p: i for i, p in enumerate(placeholders)}
+        mine = [p for p in locals_ if p in local_in[c]]
+        out.append(Chunk(
+            c, graph,
+            params=[pos[p] for p in mine if pos[p] < n_params],
+            buffers=[pos[p] - n_params for p in mine if n_params <= pos[p] < n_params + n_buffers],
+            constants=[pos[p] - n_params - n_buffers for p in mine if pos[p] >= n_params + n_buffers],
+            receives=[x.name for x in recv[c]], sends=[x.name for x in sends]))
+    return out
+
+
+def _writers(nodes: list[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
+    """Each node written in place by later ops (through views of it): node -> those ops."""
+    out: dict[fx.Node, list[fx.Node]] = {}
+    for n in nodes:
+        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+        if schema is None or not schema.is_mutable or not n.args or not isinstance(n.args[0], fx.Node):
+            continue
+        base = n.args[0]
+        while base.op == "call_function" and _is_view(base) and base.args and isinstance(base.args[0], fx.Node):
+            base = base.args[0]
+        out.setdefault(base, []).append(n)
+    return out
+
+
+def _is_view(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
+
+
+# ---- running the chunks ---------------------------------------------------------------------
+
+class _ChunkModule(nn.Module):
+    """One chunk as the module a ``PipelineStage`` runs: reads its parameters (the owner's,
+    under their program names) and buffers, then runs the chunk's graph on what it received.
+    Holds nothing itself: the owner's module tree is the model's."""
+
+    def __init__(self, chunk: Chunk, owner: "PipelineModule", param_names: list[str], buffer_names: list[str],
+                 constants: list[torch.Tensor]):
+        super().__init__()
+        self.chunk = chunk.graph
+        object.__setattr__(self, "_owner", owner)
+        self._params, self._buffer_names, self._constants = param_names, buffer_names, constants
+
+    def forward(self, *received: Any) -> Any:
+        from .module import _program_tensor
+
+        owner, grad = self._owner, torch.is_grad_enabled()
+        params = [_program_tensor(owner._held[n], grad) for n in self._params]
+        buffers = [owner.get_buffer(n) for n in self._buffer_names]
+        out = self.chunk(*params, *buffers, *self._constants, *received)
+        # point-to-point sends take contiguous tensors (a chunk may end on a transposed view)
+        return tuple(o.contiguous() for o in out) if isinstance(out, tuple) else out
+
+
+def _stage_class() -> type:
+    from torch.distributed.pipelining import PipelineStage
+
+    class Stage(PipelineStage):
+        """torch's stage, whose metadata inference (a forward of the chunk on the first step's
+        shapes, before the schedule runs) feeds zeros instead of uninitialized memory: a
+        chunk reads indices (token ids, labels) that must be in range."""
+
+        def _to_tensor(self, arg: Any) -> torch.Tensor:
+            t = super()._to_tensor(arg)
+            if not isinstance(arg, torch.Tensor) and type(t) is torch.Tensor:
+                with torch.no_grad():
+                    t.zero_()
+            return t
+
+    return Stage
+
+
+class PipelineModule(nn.Module):
+    """This rank's stage of a pipelined, tensor-parallel model: ``pm.step(**batch)`` runs one
+    training step's forward and backward over the pipeline (the schedule's micro-batches) and
+    returns the batch's loss on every rank; the gradients are then in this rank's parameters
+    (DTensors on the stage's (dp, tp) mesh, under the model's names), ready for an optimizer."""
+
+    def __init__(self, capture: Capture, plan: Plan, graph_module: fx.GraphModule, mesh: Any, model: nn.Module,
+                 device: torch.device, *, microbatches: int, schedule: str, virtual: int,
+                 costs: tuple[list[float], float, float], weights: Callable | None = None):
+        from .agreement import check_agreement, fingerprint
+        from .module import constant_value, hold_parameters, put_buffer, put_parameters
+
+        super().__init__()
+        self.mesh, self.device, self.plan, self.capture = mesh, device, plan, capture
+        self.microbatches, self.virtual = microbatches, virtual
+        self.schedule_name = schedule
+        control = getattr(mesh, "control_group", None) or getattr(mesh, "tp_group", None)
+        check_agreement(fingerprint(plan, graph_module), control)
+        if "loss" not in capture.output_names:
+            raise ConfigError("a pipeline step trains on the model's loss, and this capture returns none "
+                              f"(outputs {capture.output_names}): pass labels in example_kwargs or call with labels")
+        p, chunks = mesh.pp, mesh.pp * virtual
+        layers = layer_paths(model)
+        sizes = balance(*_costs_for(costs, layers), chunks)
+        chunk_of_layer: dict[str, int] = {}
+        for c, size in enumerate(sizes):
+            for layer in layers[sum(sizes[:c]):sum(sizes[:c + 1])]:
+                chunk_of_layer[layer] = c
+        #: layers per chunk (chunk c runs on stage c mod pp)
+        self.chunk_layers = [layers[sum(sizes[:c]):sum(sizes[:c + 1])] for c in range(chunks)]
+        param_order = [capture.aliases.get(fqn, fqn) for fqn in capture.param_names.values()]
+        buffer_order = list(capture.buffer_names.values())
+        constant_names = list(capture.constant_names.values())
+        loss_node = capture.output_nodes[capture.output_names.index("loss")]
+        self._loss_dtype = getattr(loss_node.meta.get("val"), "dtype", torch.float32)
+        fixed = {i: capture.constant_inputs[key] for i, key in enumerate(capture.input_keys)
+                 if key in capture.constant_inputs}
+        all_chunks = cut(graph_module, (len(param_order), len(buffer_order), len(constant_names)),
+                         chunk_of_layer, chunks, capture.output_names.index("loss"), fixed)
+        #: chunk index -> the stages' FQNs it reads (for the shared-parameter groups)
+        readers: dict[str, set[int]] = {}
+        for ch in all_chunks:
+            for i in ch.params:
+                readers.setdefault(param_order[i], set()).add(ch.index % p)
+        mine = [ch for ch in all_chunks if ch.index % p == mesh.pp_rank]
+        wanted = {param_order[i] for ch in mine for i in ch.params}
+        self._held = hold_parameters(capture, plan, model, mesh, device, weights, wanted)
+        put_parameters(self, model, capture, self._held)
+        computed = dict(getattr(weights, "buffers", None) or {})
+        persistent = {f"{prefix}.{b}" if prefix else b for prefix, m in model.named_modules(remove_duplicate=False)
+                      for b in m._buffers if b not in m._non_persistent_buffers_set}
+        model_buffers = dict(model.named_buffers(remove_duplicate=False))
+        for fqn in sorted({buffer_order[i] for ch in mine for i in ch.buffers}, key=buffer_order.index):
+            put_buffer(self, fqn, model_buffers, computed, persistent, device)
+        self._shared = self._shared_groups(readers)
+        self._chunks = [ch for ch in mine]
+        modules = [_ChunkModule(ch, self, [param_order[i] for i in ch.params], [buffer_order[i] for i in ch.buffers],
+                                [constant_value(capture, constant_names[i], computed, device) for i in ch.constants])
+                   for ch in mine]
+        object.__setattr__(self, "_chunk_modules", modules)   # outside the module tree (the owner holds)
+        #: (stages, schedule) per micro-batch input shapes: torch's stages fix their shapes on first use
+        self._schedules: dict[tuple, Any] = {}
+        self.train(capture.training)
+
+    # ---- set-up -------------------------------------------------------------------------------
+    def _shared_groups(self, readers: dict[str, set[int]]) -> dict[str, Any]:
+        """A group for each parameter read by chunks on several stages: the ranks at this rank's
+        (dp, tp) position on those stages (every rank makes every group, in one order)."""
+        mesh = self.mesh
+        sets = sorted({tuple(sorted(s)) for s in readers.values() if len(s) > 1})
+        found = [sets]
+        dist.broadcast_object_list(found, src=0)   # one order on every rank, or a clear error
+        if found[0] != sets:
+            raise ConfigError(f"the pipeline stages disagree on which parameters they share ({sets} here, "
+                              f"{found[0]} on rank 0): every rank must parallelize the same model")
+        block = mesh.dp * mesh.tp
+        position = dist.get_rank() % block
+        group_of: dict[tuple[int, ...], Any] = {}
+        for stages in sets:
+            for j in range(block):
+                group = dist.new_group([s * block + j for s in stages])
+                if j == position and mesh.pp_rank in stages:
+                    group_of[stages] = group
+        return {fqn: group_of[tuple(sorted(s))] for fqn, s in readers.items()
+                if len(s) > 1 and mesh.pp_rank in s and fqn in self._held}
+
+    def _schedule_for(self, shapes: tuple) -> Any:
+        if shapes not in self._schedules:
+            Stage, chunks = _stage_class(), len(self.chunk_layers)
+            stages = [Stage(m, ch.index, chunks, self.device, group=self.mesh.pp_group)
+                      for m, ch in zip(self._chunk_modules, self._chunks)]
+            self._schedules[shapes] = _make_schedule(self.schedule_name, stages, self.microbatches, self._loss)
+        return self._schedules[shapes]
+
+    def _loss(self, output: torch.Tensor, target: Any) -> torch.Tensor:
+        return output / self.microbatches   # the mean over micro-batches: the gradients of the batch's mean
+
+    # ---- a step ---------------------------------------------------------------------------------
+    @property
+    def is_first(self) -> bool:
+        return any(ch.index == 0 for ch in self._chunks)
+
+    @property
+    def is_last(self) -> bool:
+        return any(ch.index == len(self.chunk_layers) - 1 for ch in self._chunks)
+
+    def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """One training step's forward and backward, the batch split into micro-batches; returns
+        the batch's loss (detached) on every rank. Gradients accumulate into the parameters
+        (zero them between steps, as for any module)."""
+        if not self.training:
+            raise InputError("PipelineModule.step trains (forward and backward); call pm.train() first")
+        kwargs = bind_inputs(self.capture.signature, args, kwargs, self.capture.model_name)
+        flat = flat_inputs(self.capture, kwargs)
+        tensors = [x for key, x in zip(self.capture.input_keys, flat) if key not in self.capture.constant_inputs]
+        if not all(isinstance(x, torch.Tensor) for x in tensors):
+            raise InputError(f"a pipeline step takes tensor inputs ({[k for k in self.capture.input_keys if k not in self.capture.constant_inputs]}); "
+                             "pass each of them as a tensor")
+        batch = tensors[0].shape[0] if tensors else 0
+        if batch % self.microbatches:
+            raise InputError(f"a batch of {batch} does not split into {self.microbatches} equal micro-batches; pass a "
+                             f"batch that is a multiple of {self.microbatches}, or change microbatches=")
+        target = torch.zeros(batch, device=self.device)   # the schedule splits a target; the loss is in the graph
+        losses: list[torch.Tensor] = []
+        inputs = [x.to(self.device) for x in tensors] if self.is_first else []
+        schedule = self._schedule_for(tuple((tuple(x.shape), x.dtype) for x in tensors))
+        schedule.step(*inputs, target=target if self.is_last else None,
+                            losses=losses if self.is_last else None, return_outputs=False)
+        loss = torch.stack([l.detach() for l in losses]).sum() if losses else torch.zeros((), device=self.device)
+        self._reduce_grads()
+        return self._broadcast_loss(loss)
+
+    def _broadcast_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        mesh = self.mesh
+        last = (len(self.chunk_layers) - 1) % mesh.pp
+        value = loss.detach().to(device=self.device, dtype=self._loss_dtype).reshape(1)
+        dist.broadcast(value, src=mesh.pp_ranks[last], group=mesh.pp_group)
+        return value[0]
+
+    def _reduce_grads(self) -> None:
+        """Sum each shared parameter's gradient over the stages that hold it, then average every
+        gradient over the dp group (one all-reduce per dtype)."""
+        from .collectives import _comm
+        from .module import _local
+
+        for fqn, group in self._shared.items():
+            grad = self._held[fqn].grad
+            if grad is not None:
+                with _comm(f"the pipeline's all-reduce of {fqn}'s gradient over the stages that hold it", group):
+                    dist.all_reduce(_local(grad), group=group)
+        mesh = self.mesh
+        if mesh.dp <= 1 or mesh.dp_group is None:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for param in self._held.values():
+            if param.grad is not None:
+                g = _local(param.grad)
+                by_dtype.setdefault(g.dtype, []).append(g)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            with _comm("the data-parallel gradient all-reduce", mesh.dp_group):
+                dist.all_reduce(flat, group=mesh.dp_group)
+            flat.div_(mesh.dp)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise InputError("a pipelined model runs a whole step at a time: call pm.step(**batch) (forward and "
+                         "backward over the micro-batches), not pm(**batch)")
+
+    def local_parameters(self) -> dict[str, torch.Tensor]:
+        """This stage's parameter shards on this rank, under the names the programs use."""
+        from .module import _local
+
+        return {fqn: _local(p) for fqn, p in self._held.items()}
+
+    def describe(self) -> str:
+        """Which layers each chunk runs, and on which stage."""
+        lines = [f"pipeline: {self.mesh.pp} stages x {self.virtual} virtual, {self.schedule_name}, "
+                 f"{self.microbatches} micro-batches"]
+        for c, layers in enumerate(self.chunk_layers):
+            span = f"{layers[0]} .. {layers[-1]}" if len(layers) > 1 else layers[0]
+            extra = (" + embedding" if c == 0 else "") + (" + head, loss" if c == len(self.chunk_layers) - 1 else "")
+            lines.append(f"  chunk {c} on stage {c % self.mesh.pp}: {len(layers)} layers ({span}){extra}")
+        return "\n".join(lines)
+
+
+def _costs_for(costs: tuple[list[float], float, float], layers: list[str]) -> tuple[list[float], float, float]:
+    per_layer, before, after = costs
+    if len(per_layer) != len(layers):
+        raise ConfigError(f"the model has {len(layers)} repeated layers but its plan priced {len(per_layer)}")
+    return per_layer, before, after
+
+
+def _make_schedule(name: str, stages: list, microbatches: int, loss_fn: Callable) -> Any:
+    from torch.distributed import pipelining as pl
+
+    if name == "interleaved1f1b":
+        return pl.ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
+    cls = pl.ScheduleGPipe if name == "gpipe" else pl.Schedule1F1B
+    return cls(stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def check_pipeline(pp: int, microbatches: int | None, schedule: str | None, virtual: int) -> tuple[int, str, int]:
+    """(micro-batches, schedule, virtual stages) for ``pp`` stages, or a ConfigError naming the fix."""
+    for name, value in (("virtual", virtual),):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name}={value!r} must be a positive int")
+    schedule = (schedule or ("interleaved1f1b" if virtual > 1 else "1f1b")).lower().replace("-", "").replace("_", "")
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if virtual > 1 and schedule != "interleaved1f1b":
+        raise ConfigError(f"virtual={virtual} stages per rank need schedule='interleaved1f1b' (not {schedule})")
+    if schedule == "interleaved1f1b" and virtual < 2:
+        raise ConfigError("schedule='interleaved1f1b' runs several chunks per stage: pass virtual >= 2")
+    microbatches = pp if microbatches is None else microbatches
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ConfigError(f"microbatches={microbatches!r} must be a positive int")
+    if schedule != "gpipe" and microbatches < pp:
+        raise ConfigError(f"{schedule} with pp={pp} needs at least {pp} micro-batches (got {microbatches}): a "
+                          "stage waits for the others otherwise; pass microbatches >= pp or schedule='gpipe'")
+    return microbatches, schedule, virtual
+
+
+__all__ = ["PipelineModule", "balance", "cut", "layer_costs", "check_pipeline", "SCHEDULES"]
