@@ -3,6 +3,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -15,6 +17,7 @@ def test_main_job_under_torchrun_matches_serial_on_two_ranks():
     assert done.stdout.count("[ok <=") == 2
 
 
+@pytest.mark.slow   # 40 s; tests/e2e/test_training.py checks dp 2 x tp 2 AdamW steps against serial in the fast tier
 def test_training_example_under_torchrun_follows_the_serial_loss_curve():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            str(ROOT / "examples" / "train_gpt2.py"), "--tp", "2", "--steps", "3"]

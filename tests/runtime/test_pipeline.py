@@ -1,0 +1,264 @@
+"""Pipeline parallelism (autotp.runtime.pipeline): the cut points (by the cost model), the cut
+program, and PTD-P steps on gloo ranks against the serial model (float64).
+
+Fast tier: one task on the shared four ranks runs GPT-2 (tied embedding and head: a parameter
+on two stages) at pp 2 x tp 2 under 1F1B for two AdamW steps, the second at another sequence
+length; Llama at pp 2 x tp 2 under interleaved 1F1B (two chunks per stage); Llama at pp 2 x dp 2
+under GPipe; a hand-written model whose forward writes in place outside its layers at pp 4; and
+the errors. The slow tier adds pp 2 x tp 2 x dp 2 on eight ranks for GPT-2 and Llama, T5 (an
+encoder-decoder: the encoder's output travels to every decoder stage) and BERT's masked LM."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import autotp
+from autotp.errors import ConfigError
+from autotp.runtime.pipeline import balance, check_pipeline
+
+
+# ---- where to cut: exact, by brute force on small stacks --------------------------------------
+
+def _slowest(sizes, costs, first, last):
+    out, start = 0.0, 0
+    for k, n in enumerate(sizes):
+        out = max(out, sum(costs[start:start + n]) + (first if k == 0 else 0) + (last if k == len(sizes) - 1 else 0))
+        start += n
+    return out
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(costs=st.lists(st.integers(1, 9), min_size=1, max_size=8), first=st.integers(0, 12),
+       last=st.integers(0, 12), data=st.data())
+def test_balance_is_the_fastest_contiguous_cut(costs, first, last, data):
+    chunks = data.draw(st.integers(1, len(costs)))
+    sizes = balance([float(c) for c in costs], float(first), float(last), chunks)
+    assert len(sizes) == chunks and sum(sizes) == len(costs) and min(sizes) >= 1
+    best = min(_slowest(s, costs, first, last) for s in itertools.product(range(1, len(costs) + 1), repeat=chunks)
+               if sum(s) == len(costs))
+    assert _slowest(sizes, costs, first, last) == best
+
+
+def test_balance_splits_equal_layers_evenly_and_moves_layers_off_a_heavy_head():
+    assert balance([1.0] * 8, 0.0, 0.0, 4) == [2, 2, 2, 2]
+    assert balance([1.0] * 8, 0.1, 0.1, 2) == [4, 4]
+    assert balance([1.0] * 8, 0.0, 4.0, 2) == [6, 2]      # the head costs four layers
+    with pytest.raises(ConfigError, match="cannot be cut into 5 pipeline chunks"):
+        balance([1.0] * 4, 0.0, 0.0, 5)
+
+
+def test_pipeline_arguments_are_checked_before_anything_runs():
+    assert check_pipeline(4, None, None, 1) == (4, "1f1b", 1)
+    assert check_pipeline(2, 4, "Interleaved-1F1B", 2) == (4, "interleaved1f1b", 2)
+    with pytest.raises(ConfigError, match="at least 4 micro-batches"):
+        check_pipeline(4, 2, "1f1b", 1)
+    with pytest.raises(ConfigError, match="not one of"):
+        check_pipeline(2, 2, "zero-bubble", 1)
+    with pytest.raises(ConfigError, match="need schedule='interleaved1f1b'"):
+        check_pipeline(2, 2, "1f1b", 2)
+
+
+# ---- steps on ranks ----------------------------------------------------------------------------
+
+def _grad_errors(pm, reference: dict) -> dict:
+    from autotp.testing import relative_error
+
+    out = {}
+    for name, p in pm.named_parameters():
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        # a gradient zero in exact arithmetic (a key bias) is measured against its layer's
+        scale = max(g.norm().item() for n, g in reference.items() if n.rsplit(".", 2)[0] == name.rsplit(".", 2)[0])
+        out[name] = relative_error(grad, reference[name], scale)
+    return out
+
+
+def _step_case(family: str, *, tp: int, pp: int, microbatches: int, schedule: str | None = None, virtual: int = 1,
+               layers: int = 4, batch: int = 4, seqs=(7,), steps: int = 1) -> dict:
+    """Serial AdamW steps on the whole batch against the pipeline's on each dp replica's part:
+    the losses, the gradients of the first step and the parameters after the last."""
+    from autotp import zoo
+    from autotp.testing import keep_loss_precision, relative_error
+
+    config = zoo.tiny_config(family, layers=layers, heads=4, kv_heads=2, head_dim=4, vocab=48)
+    model = keep_loss_precision(zoo.build(family, config, dtype=torch.float64, seed=0))
+    pm = autotp.parallelize(model, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule, virtual=virtual)
+    serial_opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
+    dp, dp_rank = pm.mesh.dp, pm.mesh.dp_rank
+    part = batch // dp
+    losses, grads = [], {}
+    for step in range(steps):
+        data = zoo.example_batch(family, config, batch=batch, seq=seqs[step % len(seqs)], seed=10 + step)
+        serial_opt.zero_grad()
+        loss = model(**data).loss
+        loss.backward()
+        opt.zero_grad()
+        mine = {k: v[dp_rank * part:(dp_rank + 1) * part] for k, v in data.items()}
+        got = pm.step(**mine)
+        whole = model(**mine).loss.detach() if dp > 1 else loss.detach()   # this replica's batch
+        losses.append(relative_error(got, whole))
+        if step == 0:
+            grads = _grad_errors(pm, {n: p.grad for n, p in model.named_parameters()})
+        serial_opt.step()
+        opt.step()
+    full = dict(model.named_parameters())
+    params = {n: relative_error(p.full_tensor() if hasattr(p, "full_tensor") else p, full[n])
+              for n, p in pm.named_parameters()}
+    return {"losses": losses, "grads": grads, "params": params, "chunks": pm.describe()}
+
+
+class _WritesInPlace(torch.nn.Module):
+    """Outside its layers, a forward that builds its targets in place (T5's shift of the labels:
+    zeros, then copy_ and fill_ into slices): the writes have no readers in the graph."""
+
+    def __init__(self, width: int = 8, layers: int = 4, vocab: int = 16):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.GELU(),
+                                                              torch.nn.Linear(2 * width, width))
+                                          for _ in range(layers))
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict:
+        shifted = labels.new_zeros(labels.shape)
+        shifted[:, 1:] = labels[:, :-1].clone()
+        shifted[:, 0] = 3
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = x + layer(x)
+        logits = self.head(x)
+        return {"loss": torch.nn.functional.cross_entropy(logits.flatten(0, 1), shifted.flatten())}
+
+
+def _in_place_case() -> dict:
+    from autotp.testing import relative_error
+
+    torch.manual_seed(0)
+    model = _WritesInPlace().double()
+    gen = torch.Generator().manual_seed(4)
+    data = {"input_ids": torch.randint(0, 16, (4, 6), generator=gen), "labels": torch.randint(0, 16, (4, 6), generator=gen)}
+    loss = model(**data)["loss"]
+    loss.backward()
+    pm = autotp.parallelize(model, tp=1, pp=4, microbatches=4, example_kwargs=data)
+    got = pm.step(**data)
+    return {"loss": relative_error(got, loss.detach()),
+            "grads": _grad_errors(pm, {n: p.grad for n, p in model.named_parameters()})}
+
+
+def _llama_config():
+    from autotp import zoo
+
+    return zoo.tiny_config("llama", layers=4, heads=4, kv_heads=2, head_dim=4, vocab=48)
+
+
+def _from_pretrained_case(folder: str) -> dict:
+    """Each rank reads its stage's parameters alone from a save_pretrained folder (written by
+    the test process: transformers writes the config from the main process of a world alone)."""
+    from autotp import zoo
+
+    model = zoo.build("llama", _llama_config(), dtype=torch.float64)
+    data = zoo.example_batch("llama", _llama_config(), batch=4, seq=6, seed=2)
+    pm = autotp.from_pretrained(folder, tp=2, pp=2, microbatches=2, dtype=torch.float64, progress=False)
+    model(**data).loss.backward()   # the model's own loss (float32 logits, as the loaded program's)
+    pm.step(**data)
+    return {"grads": _grad_errors(pm, {n: p.grad for n, p in model.named_parameters()}),
+            "held": sorted(pm.local_parameters()), "stage": pm.mesh.pp_rank}
+
+
+def _errors_case() -> list[str]:
+    from autotp import zoo
+    from autotp.errors import InputError
+    from autotp.runtime.mesh import get_mesh
+
+    seen = []
+    with pytest.raises(ConfigError) as world:
+        get_mesh(1, pp=3)
+    seen.append(str(world.value))
+    config = zoo.tiny_config("gpt2", layers=2, heads=2, head_dim=4, vocab=32)
+    model = zoo.build("gpt2", config, dtype=torch.float64)
+    with pytest.raises(ConfigError) as layers:
+        autotp.parallelize(model, tp=2, pp=2, microbatches=2, schedule="interleaved1f1b", virtual=2)
+    seen.append(str(layers.value))
+    pm = autotp.parallelize(model, tp=2, pp=2, microbatches=2)
+    with pytest.raises(InputError) as odd:
+        pm.step(**zoo.example_batch("gpt2", config, batch=3, seq=5))
+    seen.append(str(odd.value))
+    with pytest.raises(InputError) as call:
+        pm(**zoo.example_batch("gpt2", config, batch=2, seq=5))
+    seen.append(str(call.value))
+    return seen
+
+
+def _fast_cases(folder: str) -> dict:
+    return {
+        "gpt2 1f1b": _step_case("gpt2", tp=2, pp=2, microbatches=2, steps=2, seqs=(7, 5)),
+        "llama interleaved": _step_case("llama", tp=2, pp=2, microbatches=2, schedule="interleaved1f1b", virtual=2),
+        "llama gpipe dp2": _step_case("llama", tp=1, pp=2, microbatches=2, schedule="gpipe", batch=8),
+        "in place": _in_place_case(),
+        "from_pretrained": _from_pretrained_case(folder),
+        "errors": _errors_case(),
+    }
+
+
+def _check_step(case: dict, name: str) -> None:
+    assert max(case["losses"]) <= 1e-12, (name, case["losses"])
+    worst = max(case["grads"], key=case["grads"].get)
+    assert case["grads"][worst] <= 1e-9, (name, worst, case["grads"][worst])
+    worst = max(case["params"], key=case["params"].get)
+    assert case["params"][worst] <= 1e-9, (name, worst, case["params"][worst])
+
+
+def test_pipeline_steps_equal_serial_steps_on_four_ranks(cluster, tmp_path):
+    from autotp import zoo
+
+    zoo.build("llama", _llama_config(), dtype=torch.float64).save_pretrained(tmp_path)
+    results = cluster.run(_fast_cases, str(tmp_path))
+    stages = set()
+    for rank, result in enumerate(results):
+        for name in ("gpt2 1f1b", "llama interleaved", "llama gpipe dp2"):
+            _check_step(result[name], name)
+        stages.add(frozenset(result["gpt2 1f1b"]["grads"]))
+        assert result["in place"]["loss"] <= 1e-12
+        assert max(result["in place"]["grads"].values()) <= 1e-9
+        loaded = result["from_pretrained"]
+        assert max(loaded["grads"].values()) <= 1e-9
+        own = {0: ("model.layers.0.", "model.layers.1.", "model.embed_tokens."),
+               1: ("model.layers.2.", "model.layers.3.", "model.norm.", "lm_head.")}[loaded["stage"]]
+        assert loaded["held"] and all(name.startswith(own) for name in loaded["held"]), loaded["held"]
+        world, layers, odd, call = result["errors"]
+        assert "not dp * pp * tp" in world and "choose pp in {1, 2, 4}" in world
+        assert "2 repeated layers cannot be cut into 4 pipeline chunks" in layers
+        assert "does not split into 2 equal micro-batches" in odd
+        assert "call pm.step(**batch)" in call
+    # each stage holds its own layers; the tied embedding and head is on both stages
+    first, second = sorted(stages, key=lambda s: "transformer.h.0.ln_1.weight" not in s)
+    assert "transformer.h.0.ln_1.weight" in first and "transformer.h.3.ln_1.weight" in second
+    assert "transformer.h.3.ln_1.weight" not in first and "transformer.h.0.ln_1.weight" not in second
+    assert "transformer.wte.weight" in first and "transformer.wte.weight" in second
+    assert "chunk 1 on stage 1: 1 layers (model.layers.1)" in results[0]["llama interleaved"]["chunks"]
+
+
+def _slow_cases() -> dict:
+    return {f"{family} pp2 tp2 dp2": _step_case(family, tp=2, pp=2, microbatches=2, batch=8, steps=2)
+            for family in ("gpt2", "llama")}
+
+
+@pytest.mark.slow
+def test_ptd_p_on_eight_ranks_equals_serial_steps(cluster_of):
+    for result in cluster_of(8).run(_slow_cases):
+        for name, case in result.items():
+            _check_step(case, name)
+
+
+def _t5_case() -> dict:
+    return {"t5": _step_case("t5", tp=2, pp=2, microbatches=2, layers=2)}
+
+
+@pytest.mark.slow
+def test_an_encoder_decoder_pipelines_with_the_encoder_output_sent_on(cluster):
+    for result in cluster.run(_t5_case):
+        _check_step(result["t5"], "t5")
