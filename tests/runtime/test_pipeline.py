@@ -169,6 +169,39 @@ def _from_pretrained_case(folder: str) -> dict:
             "held": sorted(pm.local_parameters()), "stage": pm.mesh.pp_rank}
 
 
+def _dcp_case(folder: str) -> dict:
+    """A stage's parameters and AdamW state through DCP: resumed at pp 2 x tp 2 bit for bit (and
+    the next step too), loaded at pp 1 x tp 4 (a ParallelModule) to the same loss."""
+    from autotp import zoo
+    from autotp.runtime import dcp
+    from autotp.testing import keep_loss_precision, relative_error
+
+    config = zoo.tiny_config("gpt2", layers=4, heads=4, head_dim=4, vocab=48)
+    data = zoo.example_batch("gpt2", config, batch=4, seq=6, seed=2)
+
+    def fresh(**kw):
+        model = keep_loss_precision(zoo.build("gpt2", config, dtype=torch.float64, seed=kw.pop("seed")))
+        return autotp.parallelize(model, **kw)
+
+    pm = fresh(seed=0, tp=2, pp=2, microbatches=2)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    pm.step(**data)
+    opt.step()
+    dcp.save(pm, f"{folder}/pipeline", opt)
+    resumed = fresh(seed=9, tp=2, pp=2, microbatches=2)
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    dcp.load(resumed, f"{folder}/pipeline", resumed_opt)
+    equal = [torch.equal(a.to_local(), b.to_local()) for a, b in zip(pm.parameters(), resumed.parameters())]
+    for module, optimizer in ((pm, opt), (resumed, resumed_opt)):
+        optimizer.zero_grad()
+        loss = module.step(**data)
+        optimizer.step()
+    equal += [torch.equal(a.to_local(), b.to_local()) for a, b in zip(pm.parameters(), resumed.parameters())]
+    flat = fresh(seed=9, tp=4)
+    dcp.load(flat, f"{folder}/pipeline")
+    return {"equal": all(equal), "loss at tp 4": relative_error(flat(**data).loss.detach(), loss)}
+
+
 def _errors_case() -> list[str]:
     from autotp import zoo
     from autotp.errors import InputError
@@ -200,6 +233,7 @@ def _fast_cases(folder: str) -> dict:
         "llama gpipe dp2": _step_case("llama", tp=1, pp=2, microbatches=2, schedule="gpipe", batch=8),
         "in place": _in_place_case(),
         "from_pretrained": _from_pretrained_case(folder),
+        "dcp": _dcp_case(f"{folder}/dcp"),
         "errors": _errors_case(),
     }
 
@@ -229,6 +263,7 @@ def test_pipeline_steps_equal_serial_steps_on_four_ranks(cluster, tmp_path):
         own = {0: ("model.layers.0.", "model.layers.1.", "model.embed_tokens."),
                1: ("model.layers.2.", "model.layers.3.", "model.norm.", "lm_head.")}[loaded["stage"]]
         assert loaded["held"] and all(name.startswith(own) for name in loaded["held"]), loaded["held"]
+        assert result["dcp"]["equal"] and result["dcp"]["loss at tp 4"] <= 1e-12, result["dcp"]
         world, layers, odd, call = result["errors"]
         assert "not dp * pp * tp" in world and "choose pp in {1, 2, 4}" in world
         assert "2 repeated layers cannot be cut into 4 pipeline chunks" in layers
