@@ -400,10 +400,12 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
     def prepare():
         cap = capture_model(model, example_inputs, example_kwargs, seq_range=seq_range)
         check_heads(cap, tp, uneven)
+        # a pipeline stage holds a share of the model: the stage checks its share (runtime/pipeline.py)
         result, index, prop = build_plan(cap, tp, batch=batch, seq=seq or _default_seq(model),
                                          profile=profile or _default_profile(device), layout=layout,
                                          plan=plan, uneven=uneven, gather_logits=gather_logits,
-                                         memory_limit=memory_limit, sequence_parallel=sequence_parallel)
+                                         memory_limit=memory_limit if pp == 1 else float("inf"),
+                                         sequence_parallel=sequence_parallel)
         return cap, result, index, prop
 
     cap, result, index, prop = _on_every_rank_or_none(mesh, prepare)
@@ -446,10 +448,12 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
         from .runtime.outline import layer_paths
         from .runtime.pipeline import PipelineModule, layer_costs
 
-        costs = layer_costs(index, prop, get_profile(profile or _default_profile(device)), layer_paths(model))
+        prof = get_profile(profile or _default_profile(device))
+        costs = layer_costs(index, prop, prof, layer_paths(model))
         with source or contextlib.nullcontext():
             return PipelineModule(cap, result, program(index, prop), mesh, model, device, microbatches=microbatches,
-                                  schedule=schedule, virtual=virtual, costs=costs, weights=source)
+                                  schedule=schedule, virtual=virtual, costs=costs, weights=source,
+                                  memory_limit=prof.memory if memory_limit is None else memory_limit)
     with source or contextlib.nullcontext():
         return ParallelModule(cap, result, program(index, prop), mesh, model, device, weights=source, build=build)
 

@@ -375,7 +375,8 @@ class PipelineModule(nn.Module):
 
     def __init__(self, capture: Capture, plan: Plan, graph_module: fx.GraphModule, mesh: Any, model: nn.Module,
                  device: torch.device, *, microbatches: int, schedule: str, virtual: int,
-                 costs: tuple[list[float], float, float], weights: Callable | None = None):
+                 costs: tuple[list[float], float, float], weights: Callable | None = None,
+                 memory_limit: float = float("inf")):
         from .agreement import check_agreement, fingerprint
         from .module import constant_value, hold_parameters, put_buffer, put_parameters
 
@@ -413,6 +414,7 @@ class PipelineModule(nn.Module):
                 readers.setdefault(param_order[i], set()).add(ch.index % p)
         mine = [ch for ch in all_chunks if ch.index % p == mesh.pp_rank]
         wanted = {param_order[i] for ch in mine for i in ch.params}
+        self._check_memory(wanted, sum(len(self.chunk_layers[ch.index]) for ch in mine), len(layers), memory_limit)
         self._held = hold_parameters(capture, plan, model, mesh, device, weights, wanted)
         put_parameters(self, model, capture, self._held)
         computed = dict(getattr(weights, "buffers", None) or {})
@@ -432,6 +434,37 @@ class PipelineModule(nn.Module):
         self.train(capture.training)
 
     # ---- set-up -------------------------------------------------------------------------------
+    def _check_memory(self, wanted: set[str], layers_here: int, layers: int, limit: float) -> None:
+        """This stage's share of the plan's memory within ``limit``, on every rank or none: the
+        training state of the parameters it holds, and the activations of its layers for the
+        micro-batches in flight (GPipe keeps all of them, 1F1B at most pp on the first stage).
+        The plan's activations are the planning batch's, split into the micro-batches."""
+        import math
+
+        from ..errors import PlanError
+
+        plan, mesh = self.plan, self.mesh
+        held = sum(math.prod(plan.local_shape(f, mesh.tp_rank)) for f in wanted) * plan.dtype_bytes
+        whole = max(plan.param_bytes_per_rank()) or 1
+        state = (plan.memory_bytes - plan.activation_bytes) * held / whole
+        in_flight = self.microbatches if self.schedule_name == "gpipe" else min(self.microbatches, mesh.pp)
+        acts = plan.activation_bytes * layers_here / max(layers, 1) / self.microbatches * in_flight
+        fits = state + acts <= limit
+        flags = torch.tensor([1 if fits else 0], dtype=torch.int64,
+                             device=self.device if mesh.backend == "nccl" else "cpu")
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        gib = 2 ** 30
+        if not fits:
+            raise PlanError(
+                f"pipeline stage {mesh.pp_rank} of {mesh.pp} does not fit: {state / gib:.2f} GiB of training state "
+                f"(weights, gradients, Adam) for its {layers_here} of {layers} layers and {acts / gib:.2f} GiB of "
+                f"activations for {in_flight} micro-batches in flight, over the limit of {limit / gib:.2f} GiB per rank; "
+                "use more stages (pp), a larger tp, schedule='1f1b' (fewer micro-batches in flight than GPipe), a "
+                "smaller planning batch, or pass memory_limit=")
+        if flags.item() == 0:
+            raise PlanError("another pipeline stage does not fit in memory (its own error says by how much); this rank "
+                            "stops too instead of waiting for it")
+
     def _shared_groups(self, readers: dict[str, set[int]]) -> dict[str, Any]:
         """A group for each parameter read by chunks on several stages: the ranks at this rank's
         (dp, tp) position on those stages (every rank makes every group, in one order)."""

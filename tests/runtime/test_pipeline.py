@@ -216,6 +216,11 @@ def _errors_case() -> list[str]:
     with pytest.raises(ConfigError) as layers:
         autotp.parallelize(model, tp=2, pp=2, microbatches=2, schedule="interleaved1f1b", virtual=2)
     seen.append(str(layers.value))
+    from autotp.errors import PlanError
+
+    with pytest.raises(PlanError) as memory:
+        autotp.parallelize(model, tp=2, pp=2, microbatches=2, memory_limit=4096)
+    seen.append(str(memory.value))
     pm = autotp.parallelize(model, tp=2, pp=2, microbatches=2)
     with pytest.raises(InputError) as odd:
         pm.step(**zoo.example_batch("gpt2", config, batch=3, seq=5))
@@ -264,7 +269,8 @@ def test_pipeline_steps_equal_serial_steps_on_four_ranks(cluster, tmp_path):
                1: ("model.layers.2.", "model.layers.3.", "model.norm.", "lm_head.")}[loaded["stage"]]
         assert loaded["held"] and all(name.startswith(own) for name in loaded["held"]), loaded["held"]
         assert result["dcp"]["equal"] and result["dcp"]["loss at tp 4"] <= 1e-12, result["dcp"]
-        world, layers, odd, call = result["errors"]
+        world, layers, memory, odd, call = result["errors"]
+        assert f"pipeline stage {rank // 2} of 2 does not fit" in memory and "use more stages (pp)" in memory
         assert "not dp * pp * tp" in world and "choose pp in {1, 2, 4}" in world
         assert "2 repeated layers cannot be cut into 4 pipeline chunks" in layers
         assert "does not split into 2 equal micro-batches" in odd
