@@ -9,7 +9,8 @@ outside the layers (embedding, head, loss). :func:`autotp.cost_model.pipeline.ch
 the layers into every feasible pipeline (``t`` within a node and dividing it, ``p`` dividing the
 layers, ``d = N / (t p)`` dividing the batch in whole micro-batches, interleaved virtual stages
 where the layers per stage allow, the first stage's memory within the device) and the fastest
-is the choice. This is a planner: it prices and explains; it does not run a pipeline.
+is the choice. This is a planner: it prices and explains; ``PipelinePlan.parallelize_kwargs()``
+is what runs its choice with ``autotp.parallelize`` (``autotp.runtime.pipeline``).
 """
 from __future__ import annotations
 
@@ -52,6 +53,17 @@ class PipelinePlan:
         if c.p == 1:
             return "no pipeline"
         return "1F1B" if c.virtual == 1 else f"interleaved 1F1B, {c.virtual} virtual stages per GPU"
+
+    def parallelize_kwargs(self, choice: Choice | None = None) -> dict[str, Any]:
+        """What runs ``choice`` (default: the best) with :func:`autotp.parallelize` in a world of
+        ``t * p * d`` ranks: ``autotp.parallelize(model, **pplan.parallelize_kwargs())``; each
+        dp replica then steps on ``micro_batch * micro_batches`` rows of the global batch."""
+        c = choice or self.best
+        kwargs: dict[str, Any] = {"tp": c.t, "batch": c.micro_batch * c.micro_batches, "seq": self.seq}
+        if c.p > 1:
+            kwargs.update(pp=c.p, microbatches=c.micro_batches,
+                          schedule="interleaved1f1b" if c.virtual > 1 else "1f1b", virtual=c.virtual)
+        return kwargs
 
     def why(self) -> list[str]:
         b, out = self.best, []

@@ -81,6 +81,12 @@ def test_plan_with_world_chooses_t_p_d_within_a_node_and_says_why():
     assert f"chosen: t={best.t} x p={best.p} x d={best.d}" in text and "pipeline bubble" in text
     assert "tensor parallelism stays inside a node (4 GPUs)" in text
     assert "t in [8, 16] would put tensor parallelism's all-reduces on the inter-node link" in text
+    run = got.parallelize_kwargs()
+    assert run["tp"] == best.t and run["batch"] * best.d == 32 and run["seq"] == 128
+    if best.p > 1:
+        assert run["pp"] == best.p and run["microbatches"] == best.micro_batches and run["virtual"] == best.virtual
+    piped = next(c for c in got.choices if c.p > 1)
+    assert got.parallelize_kwargs(piped)["pp"] == piped.p
     fixed = autotp.plan(_meta_gpt2(), 2, world=16, gpus_per_node=4, batch=32, seq=128, profile="a100-dgx")
     assert {c.t for c in fixed.choices} == {2}
 
