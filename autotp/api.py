@@ -346,14 +346,16 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
                 activation_checkpointing: bool = False,
                 sequence_parallel: bool | None = None,
                 seq_range: tuple[int, int] | None = None, pp: int = 1, microbatches: int | None = None,
-                schedule: str | None = None, virtual: int = 1) -> "ParallelModule":
+                schedule: str | None = None, virtual: int = 1,
+                stage_layers: Any = None) -> "ParallelModule":
     """Split ``model`` over this rank's TP group; see the module docs and docs/architecture.md.
 
     ``pp > 1`` also cuts it into ``pp`` pipeline stages (a world of ``dp * pp * tp`` ranks) and
     returns this rank's stage, a :class:`~autotp.runtime.pipeline.PipelineModule` whose
     ``step(**batch)`` trains on ``microbatches`` micro-batches (default ``pp``) under
     ``schedule`` (``"1f1b"`` by default, ``"gpipe"``, or ``"interleaved1f1b"`` with ``virtual``
-    chunks per stage), run by ``torch.distributed.pipelining``.
+    chunks per stage), run by ``torch.distributed.pipelining``. The repeated layers are cut into
+    chunks by the cost model, or ``stage_layers=[n0, n1, ...]`` (one count per chunk, in order).
 
     ``activation_checkpointing=True`` recomputes each repeated layer in backward instead of
     keeping its activations (autotp.passes.checkpoint). ``sequence_parallel``: see
@@ -372,7 +374,8 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
                         example_inputs=example_inputs, example_kwargs=example_kwargs, device=device,
                         backend=backend, seed=seed, activation_checkpointing=activation_checkpointing,
                         sequence_parallel=sequence_parallel, seq_range=seq_range, pp=pp,
-                        microbatches=microbatches, schedule=schedule, virtual=virtual)
+                        microbatches=microbatches, schedule=schedule, virtual=virtual,
+                        stage_layers=stage_layers)
 
 
 def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, layout: Mapping[str, Any] | None,
@@ -381,12 +384,15 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
                  device: torch.device | str, backend: str | None, seed: int | None,
                  activation_checkpointing: bool, sequence_parallel: bool | None = None,
                  seq_range: tuple[int, int] | None = None, pp: int = 1, microbatches: int | None = None,
-                 schedule: str | None = None, virtual: int = 1) -> "ParallelModule":
+                 schedule: str | None = None, virtual: int = 1,
+                stage_layers: Any = None) -> "ParallelModule":
     from .runtime.mesh import get_mesh
     from .runtime.module import ParallelModule
     from .runtime.pipeline import check_pipeline
 
     tp = check_tp(tp)
+    if pp == 1 and stage_layers is not None:
+        raise ConfigError("stage_layers= cuts the layers into pipeline chunks: it needs pp > 1")
     if pp != 1:
         microbatches, schedule, virtual = check_pipeline(pp, microbatches, schedule, virtual)
         if activation_checkpointing:
@@ -453,7 +459,8 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
         with source or contextlib.nullcontext():
             return PipelineModule(cap, result, program(index, prop), mesh, model, device, microbatches=microbatches,
                                   schedule=schedule, virtual=virtual, costs=costs, weights=source,
-                                  memory_limit=prof.memory if memory_limit is None else memory_limit)
+                                  memory_limit=prof.memory if memory_limit is None else memory_limit,
+                                  stage_layers=stage_layers)
     with source or contextlib.nullcontext():
         return ParallelModule(cap, result, program(index, prop), mesh, model, device, weights=source, build=build)
 

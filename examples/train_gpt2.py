@@ -2,6 +2,7 @@
 
     python examples/train_gpt2.py                              # 4 local gloo ranks: dp 2 x tp 2
     python examples/train_gpt2.py --world 2 --tp 2 --steps 20
+    python examples/train_gpt2.py --world 8 --tp 2 --pp 2 --layers 4   # PTD-P: dp 2 x pp 2 x tp 2
     torchrun --nproc-per-node 4 examples/train_gpt2.py --tp 2  # under torchrun
 
 Every rank builds the same randomly initialized GPT-2 (a small config: no hub needed) and
@@ -9,7 +10,9 @@ parallelizes it with ``autotp.parallelize(model, tp)``; the world's other factor
 parallelism. Each step draws one global batch of random tokens, each DP rank trains on its
 slice, and AdamW updates the local shards (gradients are averaged over the DP group). Every
 rank also trains the serial model on the whole batch, so rank 0 can print both loss curves;
-with dropout off they agree to rounding. ``--dropout 0.1`` trains with dropout: the curves
+with dropout off they agree to rounding. ``--pp 2`` also cuts the layers into two pipeline
+stages (``pm.step`` runs the 1F1B schedule on ``--microbatches`` micro-batches: the loss is their
+mean, the serial loss's when they count the same tokens). ``--dropout 0.1`` trains with dropout: the curves
 then differ (different masks), and replicated parameters still stay identical across TP ranks.
 """
 from __future__ import annotations
@@ -39,7 +42,9 @@ def train(args: argparse.Namespace) -> list[dict]:
     serial = GPT2LMHeadModel(config).to(dtype)
     if dtype == torch.float64:
         keep_loss_precision(serial)   # HF's loss would otherwise run in float32
-    pm = autotp.parallelize(serial, tp=args.tp, gather_logits=False)
+    piped = args.pp > 1
+    pm = autotp.parallelize(serial, tp=args.tp, gather_logits=False,
+                            **({"pp": args.pp, "microbatches": args.microbatches} if piped else {}))
     dp, dp_rank = pm.mesh.dp, pm.mesh.dp_rank
     opt = torch.optim.AdamW(pm.parameters(), lr=args.lr, weight_decay=0.01)
     serial_opt = torch.optim.AdamW(serial.parameters(), lr=args.lr, weight_decay=0.01)
@@ -50,8 +55,11 @@ def train(args: argparse.Namespace) -> list[dict]:
         mine = ids[dp_rank * args.batch:(dp_rank + 1) * args.batch]
         start = time.perf_counter()
         opt.zero_grad()
-        loss = pm(input_ids=mine, labels=mine).loss
-        loss.backward()
+        if piped:    # forward and backward over the pipeline's micro-batches
+            loss = pm.step(input_ids=mine, labels=mine)
+        else:
+            loss = pm(input_ids=mine, labels=mine).loss
+            loss.backward()
         opt.step()
         seconds = time.perf_counter() - start
         mean = loss.detach().clone()
@@ -69,8 +77,9 @@ def train(args: argparse.Namespace) -> list[dict]:
 def report(logs: list[list[dict]], args: argparse.Namespace) -> int:
     log = logs[0]
     bound = {"float64": 1e-9, "float32": 1e-4}[args.dtype] * 100   # rounding grows over the steps
-    print(f"GPT-2 ({args.layers} layers, {args.heads} heads), world {args.world} = dp {args.world // args.tp} x "
-          f"tp {args.tp}, batch {args.batch} per DP rank, seq {args.seq}, {args.dtype}, dropout {args.dropout}")
+    stages = f"pp {args.pp} x " if args.pp > 1 else ""
+    print(f"GPT-2 ({args.layers} layers, {args.heads} heads), world {args.world} = dp {args.world // (args.tp * args.pp)} x "
+          f"{stages}tp {args.tp}, batch {args.batch} per DP rank, seq {args.seq}, {args.dtype}, dropout {args.dropout}")
     print(f"{'step':>4}  {'parallel loss':>14}  {'serial loss':>12}  {'rel diff':>9}  {'step s':>7}")
     worst = 0.0
     for row in log:
@@ -89,6 +98,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, default=4, help="local ranks to start (ignored under torchrun)")
     parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (PTD-P)")
+    parser.add_argument("--microbatches", type=int, default=2, help="micro-batches per step under --pp")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)

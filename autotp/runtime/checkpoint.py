@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
 from ..placements import Placement, Shard, local_ranges
 
 SINGLE = "model.safetensors"
@@ -107,8 +107,12 @@ def _keys(path: Path) -> list[str]:
 
 # ---------------------------------------------------------------- writing
 
-def _rank_file(folder: Path, rank: int, tp: int) -> Path:
-    return folder / f"rank-{rank:05d}-of-{tp:05d}.safetensors"
+def _rank_file(folder: Path, rank: int, tp: int, mesh=None) -> Path:
+    """This rank's shard file; a pipeline stage's ranks name their stage too (the stages hold
+    different layers under the same TP ranks)."""
+    pp, stage = getattr(mesh, "pp", 1), getattr(mesh, "pp_rank", 0)
+    staged = f"-stage-{stage:05d}-of-{pp:05d}" if pp > 1 else ""
+    return folder / f"rank-{rank:05d}-of-{tp:05d}{staged}.safetensors"
 
 
 def save_sharded(pm, folder: str | Path) -> Path:
@@ -120,11 +124,12 @@ def save_sharded(pm, folder: str | Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     tp, rank = pm.plan.tp, pm.mesh.tp_rank if pm.mesh is not None else 0
     if getattr(pm.mesh, "dp_rank", 0) != 0:
-        return _rank_file(folder, rank, tp)
+        return _rank_file(folder, rank, tp, pm.mesh)
     tensors = {fqn: p.detach().cpu().contiguous() for fqn, p in pm.local_parameters().items()}
-    path = _rank_file(folder, rank, tp)
-    save_file(tensors, str(path), metadata={"autotp_tp": str(tp), "autotp_rank": str(rank)})
-    if rank == 0:
+    path = _rank_file(folder, rank, tp, pm.mesh)
+    save_file(tensors, str(path), metadata={"autotp_tp": str(tp), "autotp_rank": str(rank),
+                                            "autotp_pp": str(getattr(pm.mesh, "pp", 1))})
+    if rank == 0 and getattr(pm.mesh, "pp_rank", 0) == 0:
         (folder / "autotp_plan.json").write_text(pm.plan.to_json())
     return path
 
@@ -146,16 +151,21 @@ def load_sharded(pm, folder: str | Path) -> None:
             f"{folder} was saved under another plan (tp={saved.tp}; differs at {differ or 'tp'}); "
             "parallelize with plan=autotp.Plan.from_json(open(.../autotp_plan.json).read())"
         )
-    path = _rank_file(folder, rank, tp)
+    path = _rank_file(folder, rank, tp, pm.mesh)
     if not path.is_file():
-        raise CheckpointError(f"{path} is missing: the checkpoint has no shard for TP rank {rank}")
+        others = sorted(p.name for p in folder.glob("rank-*.safetensors"))[:2]
+        raise CheckpointError(f"{path} is missing: the checkpoint has no shard for TP rank {rank}"
+                              + (f" of this pipeline stage" if getattr(pm.mesh, "pp", 1) > 1 else "")
+                              + f" (it holds {others}); load it with the tp and pp it was saved with, or save "
+                              "and load with autotp.runtime.dcp, which reshards")
     from safetensors.torch import load_file
 
     tensors = load_file(str(path))
     with torch.no_grad():
         for fqn, param in pm.local_parameters().items():
             if fqn not in tensors:
-                raise CheckpointError(f"{path.name} has no tensor {fqn}")
+                raise CheckpointError(f"{path.name} has no tensor {fqn}: saved with other pipeline stages? load "
+                                      "it with the pp it was saved with, or use autotp.runtime.dcp, which reshards")
             if tuple(tensors[fqn].shape) != tuple(param.shape):
                 raise CheckpointError(f"{path.name}: {fqn} has shape {list(tensors[fqn].shape)}, "
                                       f"this rank holds {list(param.shape)}")
@@ -175,6 +185,10 @@ def gather_to_hf(pm, folder: str | Path, config=None, max_shard_bytes: int = 2 <
     from safetensors.torch import save_file
 
     folder = Path(folder)
+    if getattr(pm.mesh, "pp", 1) > 1:
+        raise ConfigError("gather_to_hf writes from one stage's TP ranks, and a pipelined model's stages hold "
+                          "different layers: save with autotp.runtime.dcp.save, load that into a module "
+                          "parallelized with pp=1 (dcp.load reshards), and gather from it")
     if getattr(pm.mesh, "dp_rank", 0) != 0:      # a data-parallel replica: replica 0 writes
         return None
     rank = pm.mesh.tp_rank if pm.mesh is not None else 0

@@ -46,6 +46,7 @@ from torch import fx, nn
 from ..capture import Capture, bind_inputs, flat_inputs, module_path
 from ..errors import ConfigError, InputError
 from ..plan import Plan
+from .inputs import check_index_bounds, check_not_empty, index_bounds
 from .outline import layer_paths
 
 log = logging.getLogger("autotp")
@@ -376,7 +377,7 @@ class PipelineModule(nn.Module):
     def __init__(self, capture: Capture, plan: Plan, graph_module: fx.GraphModule, mesh: Any, model: nn.Module,
                  device: torch.device, *, microbatches: int, schedule: str, virtual: int,
                  costs: tuple[list[float], float, float], weights: Callable | None = None,
-                 memory_limit: float = float("inf")):
+                 memory_limit: float = float("inf"), stage_layers: Any = None):
         from .agreement import check_agreement, fingerprint
         from .module import constant_value, hold_parameters, put_buffer, put_parameters
 
@@ -384,6 +385,7 @@ class PipelineModule(nn.Module):
         self.mesh, self.device, self.plan, self.capture = mesh, device, plan, capture
         self.microbatches, self.virtual = microbatches, virtual
         self.schedule_name = schedule
+        self._bounds = index_bounds(capture)
         control = getattr(mesh, "control_group", None) or getattr(mesh, "tp_group", None)
         check_agreement(fingerprint(plan, graph_module), control)
         if "loss" not in capture.output_names:
@@ -391,7 +393,8 @@ class PipelineModule(nn.Module):
                               f"(outputs {capture.output_names}): pass labels in example_kwargs or call with labels")
         p, chunks = mesh.pp, mesh.pp * virtual
         layers = layer_paths(model)
-        sizes = balance(*_costs_for(costs, layers), chunks)
+        sizes = balance(*_costs_for(costs, layers), chunks) if stage_layers is None else \
+            _asked(stage_layers, len(layers), mesh.pp, virtual)
         chunk_of_layer: dict[str, int] = {}
         for c, size in enumerate(sizes):
             for layer in layers[sum(sizes[:c]):sum(sizes[:c + 1])]:
@@ -519,6 +522,9 @@ class PipelineModule(nn.Module):
             raise InputError(f"a pipeline step takes tensor inputs ({[k for k in self.capture.input_keys if k not in self.capture.constant_inputs]}); "
                              "pass each of them as a tensor")
         batch = tensors[0].shape[0] if tensors else 0
+        # every rank is handed the batch: what would fail in one stage's chunk fails on every rank now
+        check_not_empty(kwargs)
+        check_index_bounds(self._bounds, kwargs)
         if batch % self.microbatches:
             raise InputError(f"a batch of {batch} does not split into {self.microbatches} equal micro-batches; pass a "
                              f"batch that is a multiple of {self.microbatches}, or change microbatches=")
@@ -587,6 +593,22 @@ class PipelineModule(nn.Module):
             extra = (" + embedding" if c == 0 else "") + (" + head, loss" if c == len(self.chunk_layers) - 1 else "")
             lines.append(f"  chunk {c} on stage {c % self.mesh.pp}: {len(layers)} layers ({span}){extra}")
         return "\n".join(lines)
+
+
+def _asked(sizes: Any, layers: int, pp: int, virtual: int) -> list[int]:
+    """``stage_layers``: the layers of each chunk as the user asks, checked."""
+    chunks = pp * virtual
+    sizes = list(sizes)
+    if len(sizes) != chunks or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
+        raise ConfigError(f"stage_layers={sizes} must give a positive number of layers to each of the {chunks} chunks "
+                          f"(pp={pp} x virtual={virtual}), in order")
+    if sum(sizes) != layers:
+        even = f"; {layers // chunks} each" if layers % chunks == 0 else \
+            f" ({layers} does not divide into {chunks} equal chunks: give some chunks one layer more)"
+        raise ConfigError(f"stage_layers={sizes} adds up to {sum(sizes)} layers but the model has {layers} repeated "
+                          f"layers to cut into {chunks} chunks{even}; or leave stage_layers out and the cost model "
+                          "balances them")
+    return sizes
 
 
 def _costs_for(costs: tuple[list[float], float, float], layers: list[str]) -> tuple[list[float], float, float]:

@@ -51,6 +51,25 @@ def test_balance_splits_equal_layers_evenly_and_moves_layers_off_a_heavy_head():
         balance([1.0] * 4, 0.0, 0.0, 5)
 
 
+def test_the_cut_at_real_size_gives_the_head_stage_fewer_layers():
+    """GPT-2 XL's plan at tp 8 on meta: its vocabulary head and loss cost more than a layer, so
+    the last of 8 stages runs fewer of the 48 layers than the others."""
+    from autotp import zoo
+    from autotp.api import build_plan
+    from autotp.capture_cache import capture
+    from autotp.cost_model import get_profile
+    from autotp.runtime.outline import layer_paths
+    from autotp.runtime.pipeline import layer_costs
+
+    model = zoo.build("gpt2", zoo.published_config("gpt2-xl"), device="meta")
+    _, index, prop = build_plan(capture(model), 8, batch=8, seq=1024, profile="h100-dgx")
+    costs, before, after = layer_costs(index, prop, get_profile("h100-dgx"), layer_paths(model))
+    assert len(costs) == 48 and max(costs) / min(costs) < 1.01      # identical layers, priced alike
+    assert after > costs[0] > before > 0                            # head + loss > a layer > embedding
+    sizes = balance(costs, before, after, 8)
+    assert sum(sizes) == 48 and sizes[-1] < sizes[0], sizes
+
+
 def test_pipeline_arguments_are_checked_before_anything_runs():
     assert check_pipeline(4, None, None, 1) == (4, "1f1b", 1)
     assert check_pipeline(2, 4, "Interleaved-1F1B", 2) == (4, "interleaved1f1b", 2)
@@ -77,7 +96,7 @@ def _grad_errors(pm, reference: dict) -> dict:
 
 
 def _step_case(family: str, *, tp: int, pp: int, microbatches: int, schedule: str | None = None, virtual: int = 1,
-               layers: int = 4, batch: int = 4, seqs=(7,), steps: int = 1) -> dict:
+               layers: int = 4, batch: int = 4, seqs=(7,), steps: int = 1, stage_layers=None) -> dict:
     """Serial AdamW steps on the whole batch against the pipeline's on each dp replica's part:
     the losses, the gradients of the first step and the parameters after the last."""
     from autotp import zoo
@@ -85,7 +104,8 @@ def _step_case(family: str, *, tp: int, pp: int, microbatches: int, schedule: st
 
     config = zoo.tiny_config(family, layers=layers, heads=4, kv_heads=2, head_dim=4, vocab=48)
     model = keep_loss_precision(zoo.build(family, config, dtype=torch.float64, seed=0))
-    pm = autotp.parallelize(model, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule, virtual=virtual)
+    pm = autotp.parallelize(model, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule, virtual=virtual,
+                            stage_layers=stage_layers)
     serial_opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
     dp, dp_rank = pm.mesh.dp, pm.mesh.dp_rank
@@ -171,7 +191,8 @@ def _from_pretrained_case(folder: str) -> dict:
 
 def _dcp_case(folder: str) -> dict:
     """A stage's parameters and AdamW state through DCP: resumed at pp 2 x tp 2 bit for bit (and
-    the next step too), loaded at pp 1 x tp 4 (a ParallelModule) to the same loss."""
+    the next step too), loaded at pp 1 x tp 4 (a ParallelModule) to the same loss; autotp's
+    per-rank files resumed at the same tp and pp; gather_to_hf refused with the way round."""
     from autotp import zoo
     from autotp.runtime import dcp
     from autotp.testing import keep_loss_precision, relative_error
@@ -199,7 +220,18 @@ def _dcp_case(folder: str) -> dict:
     equal += [torch.equal(a.to_local(), b.to_local()) for a, b in zip(pm.parameters(), resumed.parameters())]
     flat = fresh(seed=9, tp=4)
     dcp.load(flat, f"{folder}/pipeline")
-    return {"equal": all(equal), "loss at tp 4": relative_error(flat(**data).loss.detach(), loss)}
+    # autotp's own per-rank files: one per (stage, TP rank), resumed at the same tp and pp
+    from autotp.runtime.checkpoint import gather_to_hf, load_sharded, save_sharded
+
+    save_sharded(pm, f"{folder}/sharded")
+    torch.distributed.barrier()
+    again = fresh(seed=5, tp=2, pp=2, microbatches=2)
+    load_sharded(again, f"{folder}/sharded")
+    equal += [torch.equal(a.to_local(), b.to_local()) for a, b in zip(pm.parameters(), again.parameters())]
+    with pytest.raises(ConfigError) as gather:
+        gather_to_hf(pm, f"{folder}/hf")
+    return {"equal": all(equal), "loss at tp 4": relative_error(flat(**data).loss.detach(), loss),
+            "gather": str(gather.value)}
 
 
 def _errors_case() -> list[str]:
@@ -218,6 +250,10 @@ def _errors_case() -> list[str]:
     seen.append(str(layers.value))
     from autotp.errors import PlanError
 
+    with pytest.raises(ConfigError) as asked:
+        autotp.parallelize(model, tp=2, pp=2, microbatches=2, stage_layers=[1, 2])
+    seen.append(str(asked.value))
+
     with pytest.raises(PlanError) as memory:
         autotp.parallelize(model, tp=2, pp=2, microbatches=2, memory_limit=4096)
     seen.append(str(memory.value))
@@ -225,6 +261,11 @@ def _errors_case() -> list[str]:
     with pytest.raises(InputError) as odd:
         pm.step(**zoo.example_batch("gpt2", config, batch=3, seq=5))
     seen.append(str(odd.value))
+    bad = zoo.example_batch("gpt2", config, batch=2, seq=5)
+    bad["input_ids"][1, 2] = 32    # past the vocabulary: stage 0's embedding would fail alone
+    with pytest.raises(InputError) as index:
+        pm.step(**bad)
+    seen.append(str(index.value))
     with pytest.raises(InputError) as call:
         pm(**zoo.example_batch("gpt2", config, batch=2, seq=5))
     seen.append(str(call.value))
@@ -235,7 +276,8 @@ def _fast_cases(folder: str) -> dict:
     return {
         "gpt2 1f1b": _step_case("gpt2", tp=2, pp=2, microbatches=2, steps=2, seqs=(7, 5)),
         "llama interleaved": _step_case("llama", tp=2, pp=2, microbatches=2, schedule="interleaved1f1b", virtual=2),
-        "llama gpipe dp2": _step_case("llama", tp=1, pp=2, microbatches=2, schedule="gpipe", batch=8),
+        "llama gpipe dp2": _step_case("llama", tp=1, pp=2, microbatches=2, schedule="gpipe", batch=8,
+                                      stage_layers=[3, 1]),
         "in place": _in_place_case(),
         "from_pretrained": _from_pretrained_case(folder),
         "dcp": _dcp_case(f"{folder}/dcp"),
@@ -269,7 +311,10 @@ def test_pipeline_steps_equal_serial_steps_on_four_ranks(cluster, tmp_path):
                1: ("model.layers.2.", "model.layers.3.", "model.norm.", "lm_head.")}[loaded["stage"]]
         assert loaded["held"] and all(name.startswith(own) for name in loaded["held"]), loaded["held"]
         assert result["dcp"]["equal"] and result["dcp"]["loss at tp 4"] <= 1e-12, result["dcp"]
-        world, layers, memory, odd, call = result["errors"]
+        assert "stages hold different layers: save with autotp.runtime.dcp.save" in result["dcp"]["gather"]
+        world, layers, asked, memory, odd, index, call = result["errors"]
+        assert "input_ids" in index and "32" in index
+        assert "stage_layers=[1, 2] adds up to 3 layers but the model has 2 repeated layers" in asked
         assert f"pipeline stage {rank // 2} of 2 does not fit" in memory and "use more stages (pp)" in memory
         assert "not dp * pp * tp" in world and "choose pp in {1, 2, 4}" in world
         assert "2 repeated layers cannot be cut into 4 pipeline chunks" in layers
@@ -281,6 +326,7 @@ def test_pipeline_steps_equal_serial_steps_on_four_ranks(cluster, tmp_path):
     assert "transformer.h.3.ln_1.weight" not in first and "transformer.h.0.ln_1.weight" not in second
     assert "transformer.wte.weight" in first and "transformer.wte.weight" in second
     assert "chunk 1 on stage 1: 1 layers (model.layers.1)" in results[0]["llama interleaved"]["chunks"]
+    assert "chunk 0 on stage 0: 3 layers (model.layers.0 .. model.layers.2)" in results[0]["llama gpipe dp2"]["chunks"]
 
 
 def _slow_cases() -> dict:
