@@ -25,3 +25,13 @@ def test_training_example_under_torchrun_follows_the_serial_loss_curve():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "world 4 = dp 2 x tp 2" in done.stdout
     assert "PASS: the loss curves agree" in done.stdout
+
+
+@pytest.mark.slow
+def test_pipeline_training_example_under_torchrun_follows_the_serial_loss_curve():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           str(ROOT / "examples" / "train_gpt2.py"), "--tp", "2", "--pp", "2", "--layers", "4", "--steps", "3"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "world 4 = dp 1 x pp 2 x tp 2" in done.stdout
+    assert "PASS: the loss curves agree" in done.stdout
