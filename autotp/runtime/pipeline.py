@@ -432,7 +432,7 @@ class PipelineModule(nn.Module):
                                 [constant_value(capture, constant_names[i], computed, device) for i in ch.constants])
                    for ch in mine]
         object.__setattr__(self, "_chunk_modules", modules)   # outside the module tree (the owner holds)
-        #: (stages, schedule) per micro-batch input shapes: torch's stages fix their shapes on first use
+        #: a schedule per (input shapes, training): torch's stages fix their shapes on first use
         self._schedules: dict[tuple, Any] = {}
         self.train(capture.training)
 
@@ -490,6 +490,8 @@ class PipelineModule(nn.Module):
                 if len(s) > 1 and mesh.pp_rank in s and fqn in self._held}
 
     def _schedule_for(self, shapes: tuple) -> Any:
+        """The stages and schedule for these input shapes (and mode: an eval schedule runs
+        forward only)."""
         if shapes not in self._schedules:
             Stage, chunks = _stage_class(), len(self.chunk_layers)
             stages = [Stage(m, ch.index, chunks, self.device, group=self.mesh.pp_group)
@@ -509,12 +511,23 @@ class PipelineModule(nn.Module):
     def is_last(self) -> bool:
         return any(ch.index == len(self.chunk_layers) - 1 for ch in self._chunks)
 
+    def train(self, mode: bool = True) -> "PipelineModule":
+        """Training mode runs dropout where the model has it, eval mode skips it (the chunks'
+        random ops follow the mode, as the model's would); see :meth:`step`."""
+        super().train(mode)
+        for module in getattr(self, "_chunk_modules", ()):
+            module.train(mode)
+        return self
+
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """One training step's forward and backward, the batch split into micro-batches; returns
         the batch's loss (detached) on every rank. Gradients accumulate into the parameters
-        (zero them between steps, as for any module)."""
-        if not self.training:
-            raise InputError("PipelineModule.step trains (forward and backward); call pm.train() first")
+        (zero them between steps, as for any module). In eval mode (``pm.eval()``) the step is
+        forward only, without dropout: the loss of a validation batch, no gradient."""
+        if self.training and not self.capture.training:
+            raise ConfigError("this pipeline was built from a model in eval mode, whose captured program has no "
+                              "dropout: training it would silently train without dropout. Call model.train() before "
+                              "autotp.parallelize, or pm.eval() to evaluate")
         kwargs = bind_inputs(self.capture.signature, args, kwargs, self.capture.model_name)
         flat = flat_inputs(self.capture, kwargs)
         tensors = [x for key, x in zip(self.capture.input_keys, flat) if key not in self.capture.constant_inputs]
@@ -531,11 +544,16 @@ class PipelineModule(nn.Module):
         target = torch.zeros(batch, device=self.device)   # the schedule splits a target; the loss is in the graph
         losses: list[torch.Tensor] = []
         inputs = [x.to(self.device) for x in tensors] if self.is_first else []
-        schedule = self._schedule_for(tuple((tuple(x.shape), x.dtype) for x in tensors))
-        schedule.step(*inputs, target=target if self.is_last else None,
-                            losses=losses if self.is_last else None, return_outputs=False)
+        schedule = self._schedule_for((tuple((tuple(x.shape), x.dtype) for x in tensors), self.training))
+        run = dict(target=target if self.is_last else None, losses=losses if self.is_last else None)
+        if self.training:
+            schedule.step(*inputs, **run, return_outputs=False)
+        else:
+            with torch.no_grad():
+                schedule.eval(*inputs, **run, return_outputs=False)
         loss = torch.stack([l.detach() for l in losses]).sum() if losses else torch.zeros((), device=self.device)
-        self._reduce_grads()
+        if self.training:
+            self._reduce_grads()
         return self._broadcast_loss(loss)
 
     def _broadcast_loss(self, loss: torch.Tensor) -> torch.Tensor:

@@ -169,6 +169,26 @@ def _in_place_case() -> dict:
             "grads": _grad_errors(pm, {n: p.grad for n, p in model.named_parameters()})}
 
 
+def _eval_case() -> dict:
+    """With dropout in the model: a training step draws masks (its loss is not the eval loss);
+    pm.eval() makes the step a forward without dropout, equal to the serial model in eval."""
+    from autotp import zoo
+    from autotp.testing import keep_loss_precision, relative_error
+
+    config = zoo.tiny_config("gpt2", layers=4, heads=4, head_dim=4, vocab=48)
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.3
+    model = keep_loss_precision(zoo.build("gpt2", config, dtype=torch.float64))
+    data = zoo.example_batch("gpt2", config, batch=4, seq=6, seed=2)
+    pm = autotp.parallelize(model, tp=2, pp=2, microbatches=2)
+    trained = pm.step(**data)
+    model.eval()
+    serial = model(**data).loss.detach()
+    pm.eval()
+    with torch.no_grad():
+        evaluated = pm.step(**data)
+    return {"train vs eval": relative_error(trained, serial), "eval": relative_error(evaluated, serial)}
+
+
 def _llama_config():
     from autotp import zoo
 
@@ -281,6 +301,7 @@ def _fast_cases(folder: str) -> dict:
         "in place": _in_place_case(),
         "from_pretrained": _from_pretrained_case(folder),
         "dcp": _dcp_case(f"{folder}/dcp"),
+        "eval": _eval_case(),
         "errors": _errors_case(),
     }
 
@@ -312,6 +333,7 @@ def test_pipeline_steps_equal_serial_steps_on_four_ranks(cluster, tmp_path):
         assert loaded["held"] and all(name.startswith(own) for name in loaded["held"]), loaded["held"]
         assert result["dcp"]["equal"] and result["dcp"]["loss at tp 4"] <= 1e-12, result["dcp"]
         assert "stages hold different layers: save with autotp.runtime.dcp.save" in result["dcp"]["gather"]
+        assert result["eval"]["eval"] <= 1e-12 and result["eval"]["train vs eval"] > 1e-3, result["eval"]
         world, layers, asked, memory, odd, index, call = result["errors"]
         assert "input_ids" in index and "32" in index
         assert "stage_layers=[1, 2] adds up to 3 layers but the model has 2 repeated layers" in asked
