@@ -122,12 +122,18 @@ def _step_case(family: str, *, tp: int, pp: int, microbatches: int, schedule: st
         whole = model(**mine).loss.detach() if dp > 1 else loss.detach()   # this replica's batch
         losses.append(relative_error(got, whole))
         if step == 0:
-            grads = _grad_errors(pm, {n: p.grad for n, p in model.named_parameters()})
+            reference = {n: p.grad for n, p in model.named_parameters()}
+            grads = _grad_errors(pm, reference)
+            # a gradient zero in exact arithmetic (OPT's key bias) is rounding noise on both sides,
+            # which AdamW scales up to a full step: such parameters are compared by gradient only
+            noise = {n for n, g in reference.items()
+                     if g.norm() <= 1e-9 * max(r.norm() for m, r in reference.items()
+                                               if m.rsplit(".", 2)[0] == n.rsplit(".", 2)[0])}
         serial_opt.step()
         opt.step()
     full = dict(model.named_parameters())
     params = {n: relative_error(p.full_tensor() if hasattr(p, "full_tensor") else p, full[n])
-              for n, p in pm.named_parameters()}
+              for n, p in pm.named_parameters() if n not in noise}
     return {"losses": losses, "grads": grads, "params": params, "chunks": pm.describe()}
 
 
@@ -371,3 +377,28 @@ def _t5_case() -> dict:
 def test_an_encoder_decoder_pipelines_with_the_encoder_output_sent_on(cluster):
     for result in cluster.run(_t5_case):
         _check_step(result["t5"], "t5")
+
+
+def _drawn_case(case: dict) -> dict:
+    return _step_case(case["family"], tp=case["tp"], pp=case["pp"], microbatches=case["microbatches"],
+                      schedule=case["schedule"], virtual=case["virtual"], layers=case["layers"],
+                      batch=case["microbatches"] * case["dp"] * case["micro"], seqs=(case["seq"],), steps=2)
+
+
+@pytest.mark.slow
+@settings(max_examples=25, deadline=None, derandomize=True,
+          suppress_health_check=[__import__("hypothesis").HealthCheck.function_scoped_fixture])
+@given(family=st.sampled_from(["gpt2", "llama", "gpt-neox", "opt"]), layers=st.integers(2, 6),
+       shape=st.sampled_from([(1, 2), (2, 2), (1, 4)]), schedule=st.sampled_from(["gpipe", "1f1b", "interleaved1f1b"]),
+       extra=st.integers(0, 2), micro=st.integers(1, 2), seq=st.integers(3, 9))
+def test_drawn_pipelines_equal_serial_steps(cluster, family, layers, shape, schedule, extra, micro, seq):
+    tp, pp = shape
+    virtual = 2 if schedule == "interleaved1f1b" else 1
+    if layers < pp * virtual:
+        schedule, virtual = "1f1b", 1
+    if layers < pp:
+        layers = pp
+    case = dict(family=family, tp=tp, pp=pp, dp=4 // (tp * pp), microbatches=pp + extra, schedule=schedule,
+                virtual=virtual, layers=layers, micro=micro, seq=seq)
+    for result in cluster.run(_drawn_case, case):
+        _check_step(result, str(case))
