@@ -27,7 +27,7 @@ import contextlib
 import copy
 import time
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -72,18 +72,29 @@ def group_ranks(group) -> tuple[int, ...] | None:
 _previous_start: dict[object, float] = {}
 
 
-def _comm(op: str, group) -> contextlib.AbstractContextManager:
+def _comm(op: str, group, only: Any = None) -> contextlib.AbstractContextManager:
     """Turn a torch.distributed failure (timeout, lost peer, backend error) into a CommError;
     a LostRankError naming the rank when the roll call (autotp.runtime.faults) finds one gone.
-    Under torch.compile it is no context at all: clocks and try/except would break the graph,
-    and a compiled program's collectives fail inside the compiled code, not here."""
+    ``only(exc)``, when given, picks the exceptions that are such failures (a block that also
+    computes lets the others through as they are). Under torch.compile it is no context at
+    all: clocks and try/except would break the graph, and a compiled program's collectives
+    fail inside the compiled code, not here."""
     if torch.compiler.is_compiling():
         return contextlib.nullcontext()
-    return _guarded_comm(op, group)
+    return _guarded_comm(op, group, only)
+
+
+def backend_failure(exc: BaseException) -> bool:
+    """Is ``exc`` a process group's failure (a lost peer, a timeout), not the computation's?"""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("gloo", "NCCL", "Connection reset", "Connection closed", "Timed out", "timed out"))
 
 
 @contextmanager
-def _guarded_comm(op: str, group) -> Iterator[None]:
+def _guarded_comm(op: str, group, only: Any = None) -> Iterator[None]:
     started = time.monotonic()
     key = getattr(group, "group_name", None) or id(group)
     since = _previous_start.get(key)  # faults published before it are an earlier call's
@@ -93,6 +104,8 @@ def _guarded_comm(op: str, group) -> Iterator[None]:
     except AutotpError:
         raise
     except Exception as e:
+        if only is not None and not only(e):
+            raise
         from .faults import note_comm_failure, roll_call
         from .mesh import group_timeout
 

@@ -546,11 +546,15 @@ class PipelineModule(nn.Module):
         inputs = [x.to(self.device) for x in tensors] if self.is_first else []
         schedule = self._schedule_for((tuple((tuple(x.shape), x.dtype) for x in tensors), self.training))
         run = dict(target=target if self.is_last else None, losses=losses if self.is_last else None)
-        if self.training:
-            schedule.step(*inputs, **run, return_outputs=False)
-        else:
-            with torch.no_grad():
-                schedule.eval(*inputs, **run, return_outputs=False)
+        from .collectives import _comm, backend_failure
+
+        # a lost neighbour surfaces in a send or receive of torch's schedule: named by a roll call
+        with _comm("the pipeline's sends and receives between stages", self.mesh.pp_group, only=backend_failure):
+            if self.training:
+                schedule.step(*inputs, **run, return_outputs=False)
+            else:
+                with torch.no_grad():
+                    schedule.eval(*inputs, **run, return_outputs=False)
         loss = torch.stack([l.detach() for l in losses]).sum() if losses else torch.zeros((), device=self.device)
         if self.training:
             self._reduce_grads()

@@ -402,3 +402,33 @@ def test_drawn_pipelines_equal_serial_steps(cluster, family, layers, shape, sche
                 virtual=virtual, layers=layers, micro=micro, seq=seq)
     for result in cluster.run(_drawn_case, case):
         _check_step(result, str(case))
+
+
+def _steps_where_a_stage_dies() -> None:
+    import os
+    import signal
+
+    from autotp import zoo
+
+    config = zoo.tiny_config("gpt2", layers=2, heads=2, head_dim=4, vocab=32)
+    pm = autotp.parallelize(zoo.build("gpt2", config, dtype=torch.float64), tp=1, pp=2, microbatches=2)
+    data = zoo.example_batch("gpt2", config, batch=2, seq=5)
+    pm.step(**data)            # one healthy step: every connection is up
+    if torch.distributed.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    pm.step(**data)
+
+
+@pytest.mark.slow
+def test_a_lost_stage_is_named_by_its_neighbour():
+    from autotp.errors import CommError
+    from autotp.runtime import faults
+    from autotp.testing_launch import LocalCluster
+
+    with LocalCluster(2, timeout=120, collective_timeout=12.0, error_grace=12.0 + faults.SLACK_S) as cluster:
+        with pytest.raises(CommError) as info:
+            cluster.run(_steps_where_a_stage_dies)
+    text = str(info.value)
+    assert "lost rank 1 (exit code -9, SIGKILL)" in text
+    assert "rank 0 raised LostRankError: lost rank 1: the process has exited" in text
+    assert "the pipeline's sends and receives between stages failed" in text
