@@ -395,9 +395,6 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
         raise ConfigError("stage_layers= cuts the layers into pipeline chunks: it needs pp > 1")
     if pp != 1:
         microbatches, schedule, virtual = check_pipeline(pp, microbatches, schedule, virtual)
-        if activation_checkpointing:
-            raise ConfigError("activation_checkpointing=True is not available with pp > 1 yet: a pipeline chunk "
-                              "keeps its layers' activations; run without it, or with pp=1")
     mesh = get_mesh(tp, backend=backend, pp=pp)
     if plan is not None and plan.tp != tp:
         raise ConfigError(f"the plan was made for tp={plan.tp}, not tp={tp}")

@@ -36,6 +36,7 @@ group, once per step, in one all-reduce per dtype.
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -149,17 +150,40 @@ class Chunk:
     sends: list[str]
 
 
-def _is_tensor(node: fx.Node) -> bool:
+def _is_tensor(node: fx.Node, root: nn.Module) -> bool:
     val = node.meta.get("val")
     if val is not None:
         return isinstance(val, torch.Tensor)
-    # nodes the rewrite made: collectives and localized ops give tensors, size arithmetic does not
+    # nodes the rewrite made: collectives and localized ops give tensors, size arithmetic does
+    # not; an item of a layer call's results (activation checkpointing) is what the called
+    # graph returns there
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        call, i = node.args[0], node.args[1]
+        inner = _called_graph(call, root)
+        if inner is not None:
+            out = next(n for n in inner.graph.nodes if n.op == "output").args[0]
+            item = out[i] if isinstance(out, (tuple, list)) else out
+            return isinstance(item, fx.Node) and _is_tensor(item, inner)
+        return True
+    if node.op == "call_module" and node.users and all(u.target is operator.getitem for u in node.users):
+        return False    # a tuple of results: its items travel
     return not (node.op == "call_function" and getattr(node.target, "__module__", "") in ("_operator", "operator")) \
         and node.target is not torch.ops.aten.sym_size.int
 
 
+def _called_graph(node: fx.Node, root: nn.Module) -> fx.GraphModule | None:
+    """The graph a call_module node runs (through a checkpointed layer's wrapper), or None."""
+    if node.op != "call_module":
+        return None
+    module = root.get_submodule(node.target)
+    for candidate in (module, getattr(module, "inner", None)):
+        if isinstance(candidate, fx.GraphModule):
+            return candidate
+    return None
+
+
 def cut(gm: fx.GraphModule, counts: tuple[int, int, int], chunk_of_layer: dict[str, int], chunks: int,
-        output_index: int, fixed: dict[int, Any] | None = None) -> list[Chunk]:
+        output_index: int, fixed: dict[int, Any] | None = None, device: torch.device | str = "cpu") -> list[Chunk]:
     """``gm`` (a rank program: ``counts`` = its parameter, buffer and constant placeholders, then
     the model's inputs) cut into ``chunks`` chunks; the last returns output ``output_index``.
     ``fixed``: the model inputs traced as constants (``use_cache=False``), by input position,
@@ -238,6 +262,7 @@ def cut(gm: fx.GraphModule, counts: tuple[int, int, int], chunk_of_layer: dict[s
     emit: list[set[fx.Node]] = [set() for _ in range(chunks)]
     receives: list[set[fx.Node]] = [set() for _ in range(chunks)]
     local_in: list[set[fx.Node]] = [set() for _ in range(chunks)]
+    boxed: dict[fx.Node, str] = {}    # numbers that travel: node -> "int", "float" or "bool"
 
     def require(c: int, x: fx.Node) -> None:
         if x in fixed_values:
@@ -249,12 +274,14 @@ def cut(gm: fx.GraphModule, counts: tuple[int, int, int], chunk_of_layer: dict[s
             return
         if x in act and chunk[x] > c:
             raise ConfigError(f"the pipeline cut is inconsistent: chunk {c} reads {x.name}, made in chunk {chunk[x]}")
-        if x in act and _is_tensor(x):
+        if x in act:       # made in an earlier chunk: it travels (a number as a one-element tensor)
             receives[c].add(x)
+            if not _is_tensor(x, gm):
+                boxed[x] = _kind(x, gm)
             return
         if x in emit[c]:
             return
-        emit[c].add(x)     # computed again here (no parameter, parameters alone, or a size)
+        emit[c].add(x)     # computed again here (no parameter, or parameters alone)
         for y in [*x.all_input_nodes, *writers.get(x, ())]:
             require(c, y)
 
@@ -286,11 +313,14 @@ def cut(gm: fx.GraphModule, counts: tuple[int, int, int], chunk_of_layer: dict[s
         for x in recv[c]:
             env[x] = g.placeholder(f"in_{x.name}")
             env[x].meta = dict(x.meta)
+            if x in boxed:
+                env[x] = g.call_function(_unbox, (env[x], boxed[x]))
         for n in nodes:
             if n in emit[c]:
                 env[n] = g.node_copy(n, lambda a: env[a])
         sends = recv[c + 1] if c + 1 < chunks else []
-        g.output(env[loss] if c == chunks - 1 else tuple(env[x] for x in sends))
+        sent = tuple(g.call_function(_box, (env[x], boxed[x], str(device))) if x in boxed else env[x] for x in sends)
+        g.output(env[loss] if c == chunks - 1 else sent)
         graph = fx.GraphModule(gm, g, class_name=f"PipelineChunk{c}")
         pos = {p: i for i, p in enumerate(placeholders)}
         mine = [p for p in locals_ if p in local_in[c]]
@@ -301,6 +331,26 @@ def cut(gm: fx.GraphModule, counts: tuple[int, int, int], chunk_of_layer: dict[s
             constants=[pos[p] - n_params - n_buffers for p in mine if pos[p] >= n_params + n_buffers],
             receives=[x.name for x in recv[c]], sends=[x.name for x in sends]))
     return out
+
+
+def _kind(node: fx.Node, root: nn.Module) -> str:
+    """What a number that travels is: "int", "float" or "bool" (an int when nothing says)."""
+    val = node.meta.get("val")
+    if isinstance(val, (bool, torch.SymBool)):
+        return "bool"
+    if isinstance(val, (float, torch.SymFloat)):
+        return "float"
+    return "int"
+
+
+def _box(value: Any, kind: str, device: str) -> torch.Tensor:
+    """A number as the one-element tensor a pipeline stage can send."""
+    return torch.tensor([value], dtype=torch.float64 if kind == "float" else torch.int64, device=device)
+
+
+def _unbox(t: torch.Tensor, kind: str) -> Any:
+    value = t.item()
+    return bool(value) if kind == "bool" else float(value) if kind == "float" else int(value)
 
 
 def _writers(nodes: list[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
@@ -350,24 +400,6 @@ class _ChunkModule(nn.Module):
         return tuple(o.contiguous() for o in out) if isinstance(out, tuple) else out
 
 
-def _stage_class() -> type:
-    from torch.distributed.pipelining import PipelineStage
-
-    class Stage(PipelineStage):
-        """torch's stage, whose metadata inference (a forward of the chunk on the first step's
-        shapes, before the schedule runs) feeds zeros instead of uninitialized memory: a
-        chunk reads indices (token ids, labels) that must be in range."""
-
-        def _to_tensor(self, arg: Any) -> torch.Tensor:
-            t = super()._to_tensor(arg)
-            if not isinstance(arg, torch.Tensor) and type(t) is torch.Tensor:
-                with torch.no_grad():
-                    t.zero_()
-            return t
-
-    return Stage
-
-
 class PipelineModule(nn.Module):
     """This rank's stage of a pipelined, tensor-parallel model: ``pm.step(**batch)`` runs one
     training step's forward and backward over the pipeline (the schedule's micro-batches) and
@@ -409,7 +441,7 @@ class PipelineModule(nn.Module):
         fixed = {i: capture.constant_inputs[key] for i, key in enumerate(capture.input_keys)
                  if key in capture.constant_inputs}
         all_chunks = cut(graph_module, (len(param_order), len(buffer_order), len(constant_names)),
-                         chunk_of_layer, chunks, capture.output_names.index("loss"), fixed)
+                         chunk_of_layer, chunks, capture.output_names.index("loss"), fixed, device)
         #: chunk index -> the stages' FQNs it reads (for the shared-parameter groups)
         readers: dict[str, set[int]] = {}
         for ch in all_chunks:
@@ -489,15 +521,48 @@ class PipelineModule(nn.Module):
         return {fqn: group_of[tuple(sorted(s))] for fqn, s in readers.items()
                 if len(s) > 1 and mesh.pp_rank in s and fqn in self._held}
 
-    def _schedule_for(self, shapes: tuple) -> Any:
+    def _schedule_for(self, shapes: tuple, first: list[torch.Tensor]) -> Any:
         """The stages and schedule for these input shapes (and mode: an eval schedule runs
-        forward only)."""
+        forward only); ``first``: the first micro-batch's inputs (on the first stage)."""
         if shapes not in self._schedules:
-            Stage, chunks = _stage_class(), len(self.chunk_layers)
-            stages = [Stage(m, ch.index, chunks, self.device, group=self.mesh.pp_group)
+            from torch.distributed.pipelining import PipelineStage
+
+            chunks, metas = len(self.chunk_layers), self._shapes_of(first)
+            stages = [PipelineStage(m, ch.index, chunks, self.device, input_args=metas[ch.index][0],
+                                    output_args=metas[ch.index][1], group=self.mesh.pp_group)
                       for m, ch in zip(self._chunk_modules, self._chunks)]
             self._schedules[shapes] = _make_schedule(self.schedule_name, stages, self.microbatches, self._loss)
         return self._schedules[shapes]
+
+    def _shapes_of(self, first: list[torch.Tensor]) -> dict[int, tuple[tuple, tuple]]:
+        """Each of this rank's chunks' (inputs, outputs) as meta tensors, found by running the
+        first micro-batch through the pipeline once, forward, without gradients: torch's stages
+        then take them as given (its own shape inference would run each chunk on zeros or
+        uninitialized memory, and numbers that travel, such as sizes, must be real)."""
+        mesh, last = self.mesh, len(self.chunk_layers) - 1
+        grad = self.training
+
+        def meta(t: torch.Tensor) -> torch.Tensor:
+            out = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            return out.requires_grad_(grad and t.is_floating_point())
+
+        found: dict[int, tuple[tuple, tuple]] = {}
+        for ch, module in zip(self._chunks, self._chunk_modules):
+            if ch.index == 0:
+                args = tuple(first)
+            else:
+                box: list[Any] = [None]
+                dist.recv_object_list(box, src=mesh.pp_ranks[(ch.index - 1) % mesh.pp], group=mesh.pp_group,
+                                      device=self.device if mesh.backend == "nccl" else None)
+                args = tuple(a.to(self.device) for a in box[0])
+            with torch.no_grad():
+                out = module(*args)
+            outs = out if isinstance(out, tuple) else (out,)
+            found[ch.index] = (tuple(meta(a) for a in args), tuple(meta(o) for o in outs))
+            if ch.index < last:
+                dist.send_object_list([tuple(o.cpu() for o in outs)], dst=mesh.pp_ranks[(ch.index + 1) % mesh.pp],
+                                      group=mesh.pp_group, device=self.device if mesh.backend == "nccl" else None)
+        return found
 
     def _loss(self, output: torch.Tensor, target: Any) -> torch.Tensor:
         return output / self.microbatches   # the mean over micro-batches: the gradients of the batch's mean
@@ -544,7 +609,8 @@ class PipelineModule(nn.Module):
         target = torch.zeros(batch, device=self.device)   # the schedule splits a target; the loss is in the graph
         losses: list[torch.Tensor] = []
         inputs = [x.to(self.device) for x in tensors] if self.is_first else []
-        schedule = self._schedule_for((tuple((tuple(x.shape), x.dtype) for x in tensors), self.training))
+        first = [x[:batch // self.microbatches] for x in inputs]
+        schedule = self._schedule_for((tuple((tuple(x.shape), x.dtype) for x in tensors), self.training), first)
         run = dict(target=target if self.is_last else None, losses=losses if self.is_last else None)
         from .collectives import _comm, backend_failure
 

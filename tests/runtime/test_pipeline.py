@@ -3,9 +3,10 @@ program, and PTD-P steps on gloo ranks against the serial model (float64).
 
 Fast tier: one task on the shared four ranks runs GPT-2 (tied embedding and head: a parameter
 on two stages) at pp 2 x tp 2 under 1F1B for two AdamW steps, the second at another sequence
-length; Llama at pp 2 x tp 2 under interleaved 1F1B (two chunks per stage); Llama at pp 2 x dp 2
-under GPipe; a hand-written model whose forward writes in place outside its layers at pp 4; and
-the errors. The slow tier adds pp 2 x tp 2 x dp 2 on eight ranks for GPT-2 and Llama, T5 (an
+length; Llama at pp 2 x tp 2 under interleaved 1F1B (two chunks per stage) with activation
+checkpointing; Llama at pp 2 x dp 2 under GPipe with an asked cut; a hand-written model whose
+forward writes in place outside its layers at pp 4; from_pretrained, DCP and per-rank files,
+eval mode; and the errors. The slow tier adds pp 2 x tp 2 x dp 2 on eight ranks for GPT-2 and Llama, T5 (an
 encoder-decoder: the encoder's output travels to every decoder stage) and BERT's masked LM."""
 from __future__ import annotations
 
@@ -96,7 +97,8 @@ def _grad_errors(pm, reference: dict) -> dict:
 
 
 def _step_case(family: str, *, tp: int, pp: int, microbatches: int, schedule: str | None = None, virtual: int = 1,
-               layers: int = 4, batch: int = 4, seqs=(7,), steps: int = 1, stage_layers=None) -> dict:
+               layers: int = 4, batch: int = 4, seqs=(7,), steps: int = 1, stage_layers=None,
+               checkpointing: bool = False) -> dict:
     """Serial AdamW steps on the whole batch against the pipeline's on each dp replica's part:
     the losses, the gradients of the first step and the parameters after the last."""
     from autotp import zoo
@@ -105,7 +107,7 @@ def _step_case(family: str, *, tp: int, pp: int, microbatches: int, schedule: st
     config = zoo.tiny_config(family, layers=layers, heads=4, kv_heads=2, head_dim=4, vocab=48)
     model = keep_loss_precision(zoo.build(family, config, dtype=torch.float64, seed=0))
     pm = autotp.parallelize(model, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule, virtual=virtual,
-                            stage_layers=stage_layers)
+                            stage_layers=stage_layers, activation_checkpointing=checkpointing)
     serial_opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
     dp, dp_rank = pm.mesh.dp, pm.mesh.dp_rank
@@ -301,7 +303,8 @@ def _errors_case() -> list[str]:
 def _fast_cases(folder: str) -> dict:
     return {
         "gpt2 1f1b": _step_case("gpt2", tp=2, pp=2, microbatches=2, steps=2, seqs=(7, 5)),
-        "llama interleaved": _step_case("llama", tp=2, pp=2, microbatches=2, schedule="interleaved1f1b", virtual=2),
+        "llama interleaved": _step_case("llama", tp=2, pp=2, microbatches=2, schedule="interleaved1f1b", virtual=2,
+                                        checkpointing=True, steps=2, seqs=(7, 4)),
         "llama gpipe dp2": _step_case("llama", tp=1, pp=2, microbatches=2, schedule="gpipe", batch=8,
                                       stage_layers=[3, 1]),
         "in place": _in_place_case(),
@@ -382,7 +385,8 @@ def test_an_encoder_decoder_pipelines_with_the_encoder_output_sent_on(cluster):
 def _drawn_case(case: dict) -> dict:
     return _step_case(case["family"], tp=case["tp"], pp=case["pp"], microbatches=case["microbatches"],
                       schedule=case["schedule"], virtual=case["virtual"], layers=case["layers"],
-                      batch=case["microbatches"] * case["dp"] * case["micro"], seqs=(case["seq"],), steps=2)
+                      batch=case["microbatches"] * case["dp"] * case["micro"], seqs=(case["seq"],), steps=2,
+                      checkpointing=case["checkpointing"])
 
 
 @pytest.mark.slow
@@ -390,8 +394,9 @@ def _drawn_case(case: dict) -> dict:
           suppress_health_check=[__import__("hypothesis").HealthCheck.function_scoped_fixture])
 @given(family=st.sampled_from(["gpt2", "llama", "gpt-neox", "opt"]), layers=st.integers(2, 6),
        shape=st.sampled_from([(1, 2), (2, 2), (1, 4)]), schedule=st.sampled_from(["gpipe", "1f1b", "interleaved1f1b"]),
-       extra=st.integers(0, 2), micro=st.integers(1, 2), seq=st.integers(3, 9))
-def test_drawn_pipelines_equal_serial_steps(cluster, family, layers, shape, schedule, extra, micro, seq):
+       extra=st.integers(0, 2), micro=st.integers(1, 2), seq=st.integers(3, 9), checkpointing=st.booleans())
+def test_drawn_pipelines_equal_serial_steps(cluster, family, layers, shape, schedule, extra, micro, seq,
+                                            checkpointing):
     tp, pp = shape
     virtual = 2 if schedule == "interleaved1f1b" else 1
     if layers < pp * virtual:
@@ -399,7 +404,7 @@ def test_drawn_pipelines_equal_serial_steps(cluster, family, layers, shape, sche
     if layers < pp:
         layers = pp
     case = dict(family=family, tp=tp, pp=pp, dp=4 // (tp * pp), microbatches=pp + extra, schedule=schedule,
-                virtual=virtual, layers=layers, micro=micro, seq=seq)
+                virtual=virtual, layers=layers, micro=micro, seq=seq, checkpointing=checkpointing)
     for result in cluster.run(_drawn_case, case):
         _check_step(result, str(case))
 
