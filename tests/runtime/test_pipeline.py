@@ -98,7 +98,7 @@ def _grad_errors(pm, reference: dict) -> dict:
 
 def _step_case(family: str, *, tp: int, pp: int, microbatches: int, schedule: str | None = None, virtual: int = 1,
                layers: int = 4, batch: int = 4, seqs=(7,), steps: int = 1, stage_layers=None,
-               checkpointing: bool = False) -> dict:
+               checkpointing: bool = False, planning: dict | None = None) -> dict:
     """Serial AdamW steps on the whole batch against the pipeline's on each dp replica's part:
     the losses, the gradients of the first step and the parameters after the last."""
     from autotp import zoo
@@ -107,7 +107,7 @@ def _step_case(family: str, *, tp: int, pp: int, microbatches: int, schedule: st
     config = zoo.tiny_config(family, layers=layers, heads=4, kv_heads=2, head_dim=4, vocab=48)
     model = keep_loss_precision(zoo.build(family, config, dtype=torch.float64, seed=0))
     pm = autotp.parallelize(model, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule, virtual=virtual,
-                            stage_layers=stage_layers, activation_checkpointing=checkpointing)
+                            stage_layers=stage_layers, activation_checkpointing=checkpointing, **(planning or {}))
     serial_opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
     dp, dp_rank = pm.mesh.dp, pm.mesh.dp_rank
@@ -136,7 +136,8 @@ def _step_case(family: str, *, tp: int, pp: int, microbatches: int, schedule: st
     full = dict(model.named_parameters())
     params = {n: relative_error(p.full_tensor() if hasattr(p, "full_tensor") else p, full[n])
               for n, p in pm.named_parameters() if n not in noise}
-    return {"losses": losses, "grads": grads, "params": params, "chunks": pm.describe()}
+    return {"losses": losses, "grads": grads, "params": params, "chunks": pm.describe(),
+            "collectives": sorted({c.kind for c in pm.plan.comms})}
 
 
 class _WritesInPlace(torch.nn.Module):
@@ -372,14 +373,30 @@ def test_ptd_p_on_eight_ranks_equals_serial_steps(cluster_of):
             _check_step(case, name)
 
 
+def _sequence_parallel_case() -> dict:
+    """Megatron's layout with sequence parallelism (the planning profile's link free, so the
+    solver takes it) at an uneven length: sequence-sharded activations cross the stages."""
+    import dataclasses
+
+    from autotp.cost_model import get_profile
+    from autotp.testing import MEGATRON_GPT2
+
+    free = dataclasses.replace(get_profile("h100-dgx"), name="free-link", link_bw=1e30, link_latency=0.0)
+    return _step_case("gpt2", tp=2, pp=2, microbatches=2, seqs=(7, 6), steps=2,
+                      planning=dict(sequence_parallel=True, profile=free, batch=8, seq=1024, layout=MEGATRON_GPT2))
+
+
 def _t5_case() -> dict:
-    return {"t5": _step_case("t5", tp=2, pp=2, microbatches=2, layers=2)}
+    return {"t5": _step_case("t5", tp=2, pp=2, microbatches=2, layers=2),
+            "sequence parallel": _sequence_parallel_case()}
 
 
 @pytest.mark.slow
-def test_an_encoder_decoder_pipelines_with_the_encoder_output_sent_on(cluster):
+def test_an_encoder_decoder_and_sequence_parallel_stages_equal_serial(cluster):
     for result in cluster.run(_t5_case):
         _check_step(result["t5"], "t5")
+        _check_step(result["sequence parallel"], "sequence parallel")
+        assert "reduce_scatter" in result["sequence parallel"]["collectives"], result["sequence parallel"]
 
 
 def _drawn_case(case: dict) -> dict:
