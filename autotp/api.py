@@ -347,7 +347,7 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
                 sequence_parallel: bool | None = None,
                 seq_range: tuple[int, int] | None = None, pp: int = 1, microbatches: int | None = None,
                 schedule: str | None = None, virtual: int = 1,
-                stage_layers: Any = None) -> "ParallelModule":
+                stage_layers: Any = None, rng: str = "torch") -> "ParallelModule":
     """Split ``model`` over this rank's TP group; see the module docs and docs/architecture.md.
 
     ``pp > 1`` also cuts it into ``pp`` pipeline stages (a world of ``dp * pp * tp`` ranks) and
@@ -363,7 +363,9 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
 
     ``seed`` seeds dropout in the rewritten graph (default: TP rank 0's ``torch.initial_seed()``,
     shared with its group): replicated regions draw the same masks on every TP rank, sharded
-    regions their own (autotp.runtime.rng)."""
+    regions their own (autotp.runtime.rng). ``rng="torch"`` draws them from torch's generator
+    in eager calls and counter-based under torch.compile; ``rng="counter"`` counter-based in both
+    (slower in eager; a compiled program then draws exactly the eager program's masks)."""
     if device is None:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if torch.device(device).type == "meta":
@@ -375,7 +377,7 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
                         backend=backend, seed=seed, activation_checkpointing=activation_checkpointing,
                         sequence_parallel=sequence_parallel, seq_range=seq_range, pp=pp,
                         microbatches=microbatches, schedule=schedule, virtual=virtual,
-                        stage_layers=stage_layers)
+                        stage_layers=stage_layers, rng=rng)
 
 
 def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, layout: Mapping[str, Any] | None,
@@ -385,7 +387,7 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
                  activation_checkpointing: bool, sequence_parallel: bool | None = None,
                  seq_range: tuple[int, int] | None = None, pp: int = 1, microbatches: int | None = None,
                  schedule: str | None = None, virtual: int = 1,
-                stage_layers: Any = None) -> "ParallelModule":
+                stage_layers: Any = None, rng: str = "torch") -> "ParallelModule":
     from .runtime.mesh import get_mesh
     from .runtime.module import ParallelModule
     from .runtime.pipeline import check_pipeline
@@ -415,7 +417,10 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
     if mesh.tp_rank == 0 and mesh.dp_rank == 0:
         for note in result.notes:   # once per parallelize, on one rank
             log.warning("autotp plan note: %s", note)
-    rng = RNGTracker(_agreed_seed(mesh, seed), mesh.tp_rank, mesh.dp_rank, device)
+    if rng not in ("torch", "counter"):
+        raise ConfigError(f"rng={rng!r}: choose 'torch' (torch's generator in eager calls, counter-based under "
+                          "torch.compile) or 'counter' (counter-based in both)")
+    rng = RNGTracker(_agreed_seed(mesh, seed), mesh.tp_rank, mesh.dp_rank, device, counter_based=rng == "counter")
 
     def program(index: GraphIndex, prop: Propagation) -> Any:
         gm = rewrite(index, prop, mesh.tp_rank, mesh.tp_group, device, rng)

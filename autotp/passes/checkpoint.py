@@ -96,16 +96,16 @@ class CheckpointedLayer(nn.Module):
         rng = self.rng
         if rng is None:
             return _nothing(), _nothing()
-        at_forward = dict(rng.states)
+        at_forward = rng.snapshot()
 
         @contextmanager
         def recompute() -> Iterator[None]:
-            advanced = dict(rng.states)
-            rng.states = dict(at_forward)
+            advanced = rng.snapshot()
+            rng.restore(at_forward)
             try:
                 yield
             finally:
-                rng.states = advanced
+                rng.restore(advanced)
 
         return _nothing(), recompute()
 

@@ -44,14 +44,51 @@ def draws_random(target: Any, args: tuple, kwargs: dict) -> bool:
 class RNGTracker:
     """The two generator states of one rank; ``fork(kind)`` runs a block under one of them."""
 
-    def __init__(self, seed: int, tp_rank: int, dp_rank: int, device: torch.device):
+    def __init__(self, seed: int, tp_rank: int, dp_rank: int, device: torch.device, counter_based: bool = False):
         self.device = torch.device(device)
         self.states: dict[str, tuple] = {}
+        #: counter-based draws (below) in eager calls too, not only under torch.compile
+        self.counter_based = counter_based
+        #: per kind: a 32-bit key and a count of draws so far (a tensor, so that a compiled
+        #: program advances it in place)
+        self.keys: dict[str, int] = {}
+        self.salts: dict[str, int] = {}
+        self.counters: dict[str, torch.Tensor] = {}
         base = seed + _DP_STRIDE * dp_rank
         for kind, s in (("replicated", base), ("sharded", base + _SHARDED_OFFSET + tp_rank)):
             with self._isolated():
                 torch.manual_seed(s)
                 self.states[kind] = self._get()
+            self.keys[kind] = _mix_int(s & _MASK32)
+            self.salts[kind] = _mix_int(self.keys[kind] ^ 0x5BD1E995)
+            self.counters[kind] = torch.zeros((), dtype=torch.int64, device=self.device)
+
+    def snapshot(self) -> tuple:
+        """Where every stream stands (activation checkpointing's recompute redraws from here)."""
+        return dict(self.states), {k: c.clone() for k, c in self.counters.items()}
+
+    def restore(self, snapshot: tuple) -> None:
+        states, counters = snapshot
+        self.states = dict(states)
+        for kind, value in counters.items():
+            self.counters[kind].copy_(value)
+
+    def uniform(self, kind: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """Uniform numbers in [0, 1) of ``shape`` from stream ``kind``, counter-based: a hash of
+        (the stream's key, its draw count, the element's index), each advancing the count by
+        one. Integer arithmetic only, the same in eager and compiled code (traced by
+        torch.compile as plain tensor ops, no generator state), and the same on every rank that
+        shares the key."""
+        counter = self.counters[kind]
+        call = counter.clone()
+        counter.add_(1)
+        n = 1
+        for size in shape:
+            n *= size
+        key = _mix(((call & _MASK32) * _GOLDEN) & _MASK32 ^ self.keys[kind])
+        index = torch.arange(n, dtype=torch.int64, device=self.device) & _MASK32
+        bits = _mix(_mix(index ^ key) ^ self.salts[kind])
+        return (bits.to(torch.float64) * (1.0 / 4294967296.0)).to(dtype).view(shape)
 
     def _get(self) -> tuple:
         cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
@@ -77,6 +114,53 @@ class RNGTracker:
             self._set(self.states[kind])
             yield
             self.states[kind] = self._get()
+
+
+_MASK32 = 0xFFFFFFFF
+_GOLDEN = 0x1E3779B1    # odd and below 2**31: a product with a 32-bit number stays within int64
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xorshift-multiply, multipliers below 2**31 so that int64 never
+    overflows) of the non-negative 32-bit values in ``x``."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _MASK32
+    return x ^ (x >> 16)
+
+
+def _mix_int(x: int) -> int:
+    return int(_mix(torch.tensor(x & _MASK32, dtype=torch.int64)))
+
+
+def counter_based_op(target: Any, args: tuple, kwargs: dict, tracker: RNGTracker, kind: str) -> Any:
+    """``target`` (a random op of :data:`RANDOM_OPS`) with its random numbers drawn from the
+    tracker's counter-based stream ``kind``."""
+    aten = torch.ops.aten
+    if target is aten.dropout.default or target is aten.native_dropout.default:
+        x, p = args[0], float(args[1])
+        train = args[2] if len(args) > 2 else kwargs.get("train", True)
+        if not train:
+            return x if target is aten.dropout.default else (x, torch.ones_like(x, dtype=torch.bool))
+        keep = tracker.uniform(kind, tuple(x.shape), torch.float32) >= p
+        out = x * keep / (1.0 - p) if p < 1 else torch.zeros_like(x)
+        return out if target is aten.dropout.default else (out, keep)
+    if target is aten.bernoulli.p:
+        x, p = args[0], float(args[1] if len(args) > 1 else kwargs.get("p", 0.5))
+        return (tracker.uniform(kind, tuple(x.shape), torch.float32) < p).to(x.dtype)
+    if target is aten.scaled_dot_product_attention.default:
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+        bound = dict(zip(names, args), **kwargs)
+        q, k = bound["query"], bound["key"]
+        p = float(bound.get("dropout_p", 0.0))
+        shape = tuple(q.shape[:-1]) + (k.shape[-2],)
+        keep = tracker.uniform(kind, shape, torch.float32) >= p
+        # the math kernel takes the mask instead of drawing one (what sdpa computes, mask given)
+        return aten._scaled_dot_product_attention_math(
+            q, k, bound["value"], bound.get("attn_mask"), p, bool(bound.get("is_causal", False)),
+            dropout_mask=keep, scale=bound.get("scale"), enable_gqa=bool(bound.get("enable_gqa", False)))[0]
+    raise NotImplementedError(f"no counter-based form of {target}")
 
 
 def _without_dropout(target: Any, args: tuple, kwargs: dict) -> Any:
@@ -112,6 +196,9 @@ class RandomOp(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self.training:   # pm.eval(): the capture baked train=True in; dropout is off now
             return _without_dropout(self.target, args, kwargs)
+        if torch.compiler.is_compiling() or self.tracker.counter_based:
+            # swapping generator states breaks a compiled graph: draw counter-based instead
+            return counter_based_op(self.target, args, kwargs, self.tracker, self.state)
         with self.tracker.fork(self.state):
             return self.target(*args, **kwargs)
 

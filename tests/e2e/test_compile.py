@@ -68,6 +68,63 @@ def test_a_compiled_module_equals_serial_at_every_tp(cluster_of, tp, dtype):
     _check(cluster_of(tp).run(_compiled_matches_serial, "inductor", dtype), dtype)
 
 
+def _dropout_compiled_as_in_eager(backend: str, counter: bool) -> dict:
+    """Dropout in every place GPT-2 has it (embeddings, attention inside sdpa, residuals), at
+    tp 2 under Megatron's layout (attention's dropout sharded by head, the residual's
+    replicated): compiled to one graph, drawing counter-based masks; with ``rng="counter"`` the
+    eager call draws the same ones, so both give the same loss and gradients."""
+    import torch.distributed as dist
+
+    import autotp
+    from autotp import zoo
+    from autotp.runtime.rng import RandomOp
+    from autotp.testing import MEGATRON_GPT2, keep_loss_precision, relative_error
+
+    torch._dynamo.reset()
+    config = zoo.tiny_config("gpt2", layers=2, vocab=VOCAB)
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.25
+    model = keep_loss_precision(zoo.build("gpt2", config, dtype=torch.float64, seed=1))
+    pm = autotp.parallelize(model, 2, layout=MEGATRON_GPT2, rng="counter" if counter else "torch")
+    data = zoo.example_batch("gpt2", config, batch=2, seq=6, seed=2)
+    tracker = next(m for m in pm.modules() if isinstance(m, RandomOp)).tracker
+    kinds = sorted({m.state for m in pm.modules() if isinstance(m, RandomOp)})
+    start = tracker.snapshot()
+
+    def run(module) -> tuple:
+        pm.zero_grad()
+        loss = module(**data).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.to_local().clone() for n, p in pm.named_parameters()}
+
+    eager_loss, eager_grads = run(pm)
+    tracker.restore(start)
+    compiled = torch.compile(pm, fullgraph=True, backend=backend)
+    compiled_loss, compiled_grads = run(compiled)
+    again, _ = run(compiled)        # the counters moved on: other masks
+    explain = torch._dynamo.explain(pm)(**data)
+    losses = [torch.zeros(1, dtype=torch.float64) for _ in range(2)]
+    dist.all_gather(losses, compiled_loss.reshape(1))
+    return {"kinds": kinds, "graphs": explain.graph_count, "breaks": explain.graph_break_count,
+            "loss": relative_error(compiled_loss, eager_loss),
+            "grads": max(relative_error(compiled_grads[n], eager_grads[n]) for n in eager_grads),
+            "next call differs": relative_error(again, compiled_loss), "ranks agree": bool(losses[0] == losses[1])}
+
+
+def test_dropout_compiles_to_one_graph_with_the_eager_masks_under_counter_rng(cluster_of):
+    for r in cluster_of(2).run(_dropout_compiled_as_in_eager, "aot_eager", True):
+        assert r["kinds"] == ["replicated", "sharded"], r
+        assert (r["graphs"], r["breaks"]) == (1, 0), r
+        assert r["loss"] <= 1e-12 and r["grads"] <= 1e-12, r
+        assert r["next call differs"] > 1e-3 and r["ranks agree"], r
+
+
+@pytest.mark.slow
+def test_dropout_compiles_with_inductor_and_torch_rng_in_eager(cluster_of):
+    for r in cluster_of(2).run(_dropout_compiled_as_in_eager, "inductor", False):
+        assert (r["graphs"], r["breaks"]) == (1, 0), r
+        assert r["loss"] > 1e-3 and r["ranks agree"], r     # eager drew torch's masks, compiled its own
+
+
 def _uneven_logits_under_compile() -> str:
     import autotp
     from autotp import zoo
