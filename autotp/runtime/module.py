@@ -169,8 +169,7 @@ class ParallelModule(nn.Module):
         #: values for tensors the model holds on the meta device (from_pretrained computes the
         #: buffers a checkpoint does not hold; the model itself stays on meta for later captures)
         self._computed: dict[str, torch.Tensor] = dict(getattr(weights, "buffers", None) or {})
-        self._persistent = {f"{prefix}.{b}" if prefix else b for prefix, m in model.named_modules(remove_duplicate=False)
-                            for b in m._buffers if b not in m._non_persistent_buffers_set}
+        self._persistent = persistent_buffers(model)
         self._buffers_held: set[str] = set()   # buffer FQNs registered here (under their own names)
         self._graphs = nn.ModuleDict()
         self._programs: list[Program] = []
@@ -482,6 +481,12 @@ def constant_value(capture: Capture, name: str, computed: dict[str, torch.Tensor
                               "meta device and its forward makes this tensor there): load the model for real "
                               "and call autotp.parallelize")
     return value.to(device)
+
+
+def persistent_buffers(model: nn.Module) -> set[str]:
+    """The FQNs of ``model``'s buffers that its state_dict holds."""
+    return {f"{prefix}.{b}" if prefix else b for prefix, m in model.named_modules(remove_duplicate=False)
+            for b in m._buffers if b not in m._non_persistent_buffers_set}
 
 
 def put_buffer(owner: nn.Module, fqn: str, model_buffers: dict[str, torch.Tensor], computed: dict[str, torch.Tensor],

@@ -35,9 +35,8 @@ group, once per step, in one all-reduce per dtype.
 """
 from __future__ import annotations
 
-import logging
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -49,8 +48,6 @@ from ..errors import ConfigError, InputError
 from ..plan import Plan
 from .inputs import check_index_bounds, check_not_empty, index_bounds
 from .outline import layer_paths
-
-log = logging.getLogger("autotp")
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 
@@ -411,7 +408,7 @@ class PipelineModule(nn.Module):
                  costs: tuple[list[float], float, float], weights: Callable | None = None,
                  memory_limit: float = float("inf"), stage_layers: Any = None):
         from .agreement import check_agreement, fingerprint
-        from .module import constant_value, hold_parameters, put_buffer, put_parameters
+        from .module import constant_value, hold_parameters, persistent_buffers, put_buffer, put_parameters
 
         super().__init__()
         self.mesh, self.device, self.plan, self.capture = mesh, device, plan, capture
@@ -442,7 +439,7 @@ class PipelineModule(nn.Module):
                  if key in capture.constant_inputs}
         all_chunks = cut(graph_module, (len(param_order), len(buffer_order), len(constant_names)),
                          chunk_of_layer, chunks, capture.output_names.index("loss"), fixed, device)
-        #: chunk index -> the stages' FQNs it reads (for the shared-parameter groups)
+        # parameter FQN -> the stages whose chunks read it (a tied pair on two stages shares its gradient)
         readers: dict[str, set[int]] = {}
         for ch in all_chunks:
             for i in ch.params:
@@ -453,13 +450,12 @@ class PipelineModule(nn.Module):
         self._held = hold_parameters(capture, plan, model, mesh, device, weights, wanted)
         put_parameters(self, model, capture, self._held)
         computed = dict(getattr(weights, "buffers", None) or {})
-        persistent = {f"{prefix}.{b}" if prefix else b for prefix, m in model.named_modules(remove_duplicate=False)
-                      for b in m._buffers if b not in m._non_persistent_buffers_set}
+        persistent = persistent_buffers(model)
         model_buffers = dict(model.named_buffers(remove_duplicate=False))
         for fqn in sorted({buffer_order[i] for ch in mine for i in ch.buffers}, key=buffer_order.index):
             put_buffer(self, fqn, model_buffers, computed, persistent, device)
         self._shared = self._shared_groups(readers)
-        self._chunks = [ch for ch in mine]
+        self._chunks = mine
         modules = [_ChunkModule(ch, self, [param_order[i] for i in ch.params], [buffer_order[i] for i in ch.buffers],
                                 [constant_value(capture, constant_names[i], computed, device) for i in ch.constants])
                    for ch in mine]
@@ -595,10 +591,10 @@ class PipelineModule(nn.Module):
                               "autotp.parallelize, or pm.eval() to evaluate")
         kwargs = bind_inputs(self.capture.signature, args, kwargs, self.capture.model_name)
         flat = flat_inputs(self.capture, kwargs)
+        keys = [k for k in self.capture.input_keys if k not in self.capture.constant_inputs]
         tensors = [x for key, x in zip(self.capture.input_keys, flat) if key not in self.capture.constant_inputs]
         if not all(isinstance(x, torch.Tensor) for x in tensors):
-            raise InputError(f"a pipeline step takes tensor inputs ({[k for k in self.capture.input_keys if k not in self.capture.constant_inputs]}); "
-                             "pass each of them as a tensor")
+            raise InputError(f"a pipeline step takes tensor inputs ({keys}); pass each of them as a tensor")
         batch = tensors[0].shape[0] if tensors else 0
         # every rank is handed the batch: what would fail in one stage's chunk fails on every rank now
         check_not_empty(kwargs)
