@@ -372,6 +372,77 @@ def _is_view(node: fx.Node) -> bool:
     return alias is not None and not alias.is_write
 
 
+# ---- the loss's token count ------------------------------------------------------------------
+
+#: ops between a mean cross-entropy and the loss output that keep its value (a cast, a copy)
+_KEEPS_VALUE = {torch.ops.aten._to_copy.default, torch.ops.aten.clone.default, torch.ops.aten.alias.default,
+                torch.ops.aten.to.dtype, torch.ops.aten.detach.default}
+
+
+def token_counter(capture: Capture, loss_index: int, constant: Callable[[str], torch.Tensor],
+                  device: torch.device | str = "cpu") -> Callable | None:
+    """When the model's loss is a mean cross-entropy over tokens (``ignore_index`` skipped) whose
+    targets come from the inputs alone (HF's shift of the labels, a ``view(-1)``): a function of
+    the flat tensor inputs giving each row's count of counted tokens, so that micro-batch means
+    can be weighted into the batch's mean. None otherwise (the step then takes the mean of the
+    micro-batches' means). ``constant(name)``: a lifted constant's value on the run device."""
+    node = capture.output_nodes[loss_index]
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _KEEPS_VALUE:
+        node = node.args[0]
+    if not (isinstance(node, fx.Node) and node.target is torch.ops.aten.cross_entropy_loss.default):
+        return None
+    args = list(node.args) + [None] * (6 - len(node.args))
+    reduction = args[3] if args[3] is not None else node.kwargs.get("reduction", 1)
+    ignore = args[4] if args[4] is not None else node.kwargs.get("ignore_index", -100)
+    if reduction != 1 or args[2] is not None or (len(node.args) > 5 and node.args[5]):
+        return None    # not a plain mean (a sum, class weights, label smoothing)
+    target = node.args[1]
+    by_name = {n.name: n for n in capture.graph.nodes if n.op == "placeholder"}
+    inputs = [by_name[name] for name in capture.user_inputs]
+    constants = {n: name for n in capture.graph.nodes if n.op == "placeholder"
+                 for ph, name in capture.constant_names.items() if n.name == ph}
+    ancestors, stack = set(), [target]
+    while stack:
+        n = stack.pop()
+        if n in ancestors:
+            continue
+        ancestors.add(n)
+        if n.op == "placeholder":
+            if n not in inputs and n not in constants:
+                return None        # the targets depend on a parameter or a buffer
+        elif n.op != "call_function":
+            return None
+        stack.extend(n.all_input_nodes)
+    g = fx.Graph()
+    env: dict[fx.Node, Any] = {}
+    for n in inputs:
+        env[n] = g.placeholder(n.name)
+    on_device = lambda a: torch.device(device) if isinstance(a, torch.device) else a   # noqa: E731 (a meta capture's)
+    for n in capture.graph.nodes:
+        if n in ancestors and n not in env:
+            if n.op == "placeholder":
+                env[n] = g.placeholder(n.name)
+                continue
+            env[n] = g.node_copy(n, lambda a: env[a])
+            env[n].args = fx.node.map_aggregate(env[n].args, on_device)
+            env[n].kwargs = fx.node.map_aggregate(env[n].kwargs, on_device)
+    g.output(env[target])
+    counted = fx.GraphModule(torch.nn.Module(), g)
+    const_values = [constant(constants[n]) for n in capture.graph.nodes if n in constants and n in ancestors]
+    tensor_keys = [k for k in capture.input_keys if k not in capture.constant_inputs]
+    fixed = {k: capture.constant_inputs[k] for k in capture.input_keys if k in capture.constant_inputs}
+
+    def count(tensors: list[torch.Tensor]) -> torch.Tensor:
+        by_key = dict(zip(tensor_keys, tensors), **fixed)
+        values = [by_key[k] for k in capture.input_keys]
+        with torch.no_grad():
+            targets = counted(*values, *const_values)
+        rows = tensors[0].shape[0]
+        return (targets != ignore).reshape(rows, -1).sum(1).to(torch.float64)
+
+    return count
+
+
 # ---- running the chunks ---------------------------------------------------------------------
 
 class _ChunkModule(nn.Module):
@@ -433,6 +504,11 @@ class PipelineModule(nn.Module):
         param_order = [capture.aliases.get(fqn, fqn) for fqn in capture.param_names.values()]
         buffer_order = list(capture.buffer_names.values())
         constant_names = list(capture.constant_names.values())
+        #: each row's count of counted tokens (None: the loss is not a mean over tokens we can find)
+        computed = dict(getattr(weights, "buffers", None) or {})
+        self._counter = token_counter(capture, capture.output_names.index("loss"),
+                                      lambda name: constant_value(capture, name, computed, device), device)
+        self._total = torch.ones((), dtype=torch.float64)
         loss_node = capture.output_nodes[capture.output_names.index("loss")]
         self._loss_dtype = getattr(loss_node.meta.get("val"), "dtype", torch.float32)
         fixed = {i: capture.constant_inputs[key] for i, key in enumerate(capture.input_keys)
@@ -560,8 +636,13 @@ class PipelineModule(nn.Module):
                                       group=mesh.pp_group, device=self.device if mesh.backend == "nccl" else None)
         return found
 
-    def _loss(self, output: torch.Tensor, target: Any) -> torch.Tensor:
-        return output / self.microbatches   # the mean over micro-batches: the gradients of the batch's mean
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's share of the batch's loss: its mean weighted by its counted tokens
+        (``target``: each row's count) over the batch's, so the shares add up to the batch's mean
+        over tokens; without a count, the mean over micro-batches."""
+        if self._counter is None:
+            return output / self.microbatches
+        return output * (target.sum().to(output.dtype) / self._total.to(output.dtype))
 
     # ---- a step ---------------------------------------------------------------------------------
     @property
@@ -602,7 +683,12 @@ class PipelineModule(nn.Module):
         if batch % self.microbatches:
             raise InputError(f"a batch of {batch} does not split into {self.microbatches} equal micro-batches; pass a "
                              f"batch that is a multiple of {self.microbatches}, or change microbatches=")
-        target = torch.zeros(batch, device=self.device)   # the schedule splits a target; the loss is in the graph
+        # the schedule splits a target along the batch: each row's counted tokens (the loss is in the graph)
+        if self._counter is not None:
+            target = self._counter([x.to(self.device) for x in tensors]).to(self.device)
+            self._total = target.sum()
+        else:
+            target = torch.zeros(batch, device=self.device)
         losses: list[torch.Tensor] = []
         inputs = [x.to(self.device) for x in tensors] if self.is_first else []
         first = [x[:batch // self.microbatches] for x in inputs]
@@ -732,4 +818,4 @@ def check_pipeline(pp: int, microbatches: int | None, schedule: str | None, virt
     return microbatches, schedule, virtual
 
 
-__all__ = ["PipelineModule", "balance", "cut", "layer_costs", "check_pipeline", "SCHEDULES"]
+__all__ = ["PipelineModule", "balance", "cut", "layer_costs", "check_pipeline", "token_counter", "SCHEDULES"]
