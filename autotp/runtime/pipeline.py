@@ -35,6 +35,7 @@ group, once per step, in one all-reduce per dtype.
 """
 from __future__ import annotations
 
+import logging
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -48,6 +49,8 @@ from ..errors import ConfigError, InputError
 from ..plan import Plan
 from .inputs import check_index_bounds, check_not_empty, index_bounds
 from .outline import layer_paths
+
+log = logging.getLogger("autotp")
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 
@@ -106,6 +109,7 @@ def layer_costs(index: Any, prop: Any, profile: Any, layers: list[str]) -> tuple
     before = after = 0.0
     seen_layer: set[fx.Node] = set()     # nodes downstream of a layer's op
     where: dict[str, str | None] = {}
+    after_layers: set[str] = set()       # names of the nodes outside the layers that follow them
     for node in graph.nodes:
         if node.op != "call_function":
             continue
@@ -114,6 +118,8 @@ def layer_costs(index: Any, prop: Any, profile: Any, layers: list[str]) -> tuple
         downstream = layer is not None or any(x in seen_layer for x in node.all_input_nodes)
         if downstream:
             seen_layer.add(node)
+            if layer is None:
+                after_layers.add(node.name)
         strat = prop.chosen.get(node)
         seconds = index.compute_time(node, strat, profile) if strat is not None and node in index.infos else 0.0
         if layer is not None:
@@ -126,8 +132,10 @@ def layer_costs(index: Any, prop: Any, profile: Any, layers: list[str]) -> tuple
         layer = where.get(comm.consumer)
         if layer is not None:
             per_layer[layer] += comm.seconds
-        else:
+        elif comm.consumer in after_layers:
             after += comm.seconds
+        else:     # before the first layer (the embedding's)
+            before += comm.seconds
     return [per_layer[layer] for layer in layers], before, after
 
 
@@ -229,16 +237,16 @@ def cut(gm: fx.GraphModule, counts: tuple[int, int, int], chunk_of_layer: dict[s
     from .outline import _layer_of
 
     layers = list(chunk_of_layer)
-    fixed: dict[fx.Node, int] = {}
+    in_layer: dict[fx.Node, int] = {}  # an activation of a layer: its chunk
     chunk: dict[fx.Node, int | None] = {}
     for n in nodes:
         if n not in act:
             continue
         layer = _layer_of(n, layers)
         if layer is not None:
-            fixed[n] = chunk_of_layer[layer]
+            in_layer[n] = chunk_of_layer[layer]
         ins = [chunk[x] for x in n.all_input_nodes if x in act and chunk[x] is not None]
-        cands = ins + ([fixed[n]] if n in fixed else [])
+        cands = ins + ([in_layer[n]] if n in in_layer else [])
         chunk[n] = max(cands) if cands else None
     for n in reversed(nodes):     # an activation of no layer that reads none: where it is first read
         if n in act and chunk[n] is None:
@@ -249,7 +257,7 @@ def cut(gm: fx.GraphModule, counts: tuple[int, int, int], chunk_of_layer: dict[s
         if n in act:
             ins = [chunk[x] for x in n.all_input_nodes if x in act]
             if ins and max(ins) > chunk[n]:
-                if n in fixed:
+                if n in in_layer:
                     raise ConfigError(f"the pipeline cannot cut the program before {n.name} ({module_path(n)}): it "
                                       "reads a value the model computes later, outside its layers")
                 chunk[n] = max(ins)
@@ -274,7 +282,7 @@ def cut(gm: fx.GraphModule, counts: tuple[int, int, int], chunk_of_layer: dict[s
         if x in act:       # made in an earlier chunk: it travels (a number as a one-element tensor)
             receives[c].add(x)
             if not _is_tensor(x, gm):
-                boxed[x] = _kind(x, gm)
+                boxed[x] = _kind(x)
             return
         if x in emit[c]:
             return
@@ -330,7 +338,7 @@ def cut(gm: fx.GraphModule, counts: tuple[int, int, int], chunk_of_layer: dict[s
     return out
 
 
-def _kind(node: fx.Node, root: nn.Module) -> str:
+def _kind(node: fx.Node) -> str:
     """What a number that travels is: "int", "float" or "bool" (an int when nothing says)."""
     val = node.meta.get("val")
     if isinstance(val, (bool, torch.SymBool)):
@@ -394,13 +402,14 @@ def token_counter(capture: Capture, loss_index: int, constant: Callable[[str], t
     args = list(node.args) + [None] * (6 - len(node.args))
     reduction = args[3] if args[3] is not None else node.kwargs.get("reduction", 1)
     ignore = args[4] if args[4] is not None else node.kwargs.get("ignore_index", -100)
-    if reduction != 1 or args[2] is not None or (len(node.args) > 5 and node.args[5]):
+    weighted = args[2] if args[2] is not None else node.kwargs.get("weight")
+    smoothing = args[5] if args[5] is not None else node.kwargs.get("label_smoothing", 0.0)
+    if reduction != 1 or weighted is not None or smoothing:
         return None    # not a plain mean (a sum, class weights, label smoothing)
     target = node.args[1]
     by_name = {n.name: n for n in capture.graph.nodes if n.op == "placeholder"}
     inputs = [by_name[name] for name in capture.user_inputs]
-    constants = {n: name for n in capture.graph.nodes if n.op == "placeholder"
-                 for ph, name in capture.constant_names.items() if n.name == ph}
+    constants = {by_name[ph]: name for ph, name in capture.constant_names.items()}
     ancestors, stack = set(), [target]
     while stack:
         n = stack.pop()
@@ -509,6 +518,10 @@ class PipelineModule(nn.Module):
         self._counter = token_counter(capture, capture.output_names.index("loss"),
                                       lambda name: constant_value(capture, name, computed, device), device)
         self._total = torch.ones((), dtype=torch.float64)
+        if self._counter is None and microbatches > 1 and mesh.tp_rank == 0 and mesh.dp_rank == 0:
+            log.warning("autotp pipeline: the model's loss is not a mean cross-entropy whose targets come from the "
+                        "inputs, so a step averages the %d micro-batches' losses: the batch's loss only when they "
+                        "weigh alike (no ignored labels)", microbatches)
         loss_node = capture.output_nodes[capture.output_names.index("loss")]
         self._loss_dtype = getattr(loss_node.meta.get("val"), "dtype", torch.float32)
         fixed = {i: capture.constant_inputs[key] for i, key in enumerate(capture.input_keys)
