@@ -54,6 +54,10 @@ class Capture:
     out_spec: Any
     range_constraints: dict[str, tuple[int, int]]   # "input_ids.1" -> (min, max)
     dim_symbols: dict[str, str] = field(default_factory=dict)  # sympy symbol name -> "batch"/"seq"
+    #: every other symbol export's shapes may hold -> what the cost model prices it at: an
+    #: expression of the input dims' symbols where export replaced it by one (a string), else its
+    #: value in the example (an op's data-dependent size, a size export could not relate)
+    symbol_hints: dict[str, int | str] = field(default_factory=dict)
     input_dims: dict[str, str] = field(default_factory=dict)   # "input_ids.1" -> its symbol name
     aliases: dict[str, str] = field(default_factory=dict)  # unused tied param FQN -> the FQN used
     signature: inspect.Signature | None = None   # model.forward's, to name positional inputs
@@ -369,6 +373,13 @@ def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: Any,
                                            preserve_module_call_signature=calls)
         except Exception as exc:   # a constraint violation names its fix; anything else is final
             fixes = _suggested_fixes(str(exc))
+            if dynamic_shapes is not None and not fixes and "Constraints violated" in str(exc) \
+                    and attempt < EXPORT_REFINEMENTS:
+                relaxed = _unnamed_dims(dynamic_shapes)
+                if relaxed != dynamic_shapes:
+                    log.info("autotp: capture retries with unnamed dynamic dims (%s)", str(exc).splitlines()[-1])
+                    dynamic_shapes = relaxed
+                    continue
             if dynamic_shapes is None or not fixes or attempt == EXPORT_REFINEMENTS:
                 raise
             # torch's exc.msg is the block alone; str(exc) appends advice the parser cannot read
@@ -475,6 +486,28 @@ def _explain_export_failure(model: torch.nn.Module, exc: Exception) -> str:
     return message
 
 
+def _unnamed_dims(dynamic_shapes: Any) -> Any:
+    """``dynamic_shapes`` with every named ``Dim`` replaced by ``Dim.DYNAMIC`` of the same range.
+
+    torch 2.11's non-strict export can fail to prove a guard that holds on the whole range
+    (GQA's ``repeat_kv`` reshape: ``Min(8*s, 16*s) == 8*s`` for s in [2, 32], "Constraints
+    violated (seq)" with no suggested fix); a named Dim turns such a guard into an error, while
+    ``Dim.DYNAMIC`` keeps the dim symbolic over the same range (each input its own symbol, which
+    export then ties together from the guards it finds)."""
+    from torch.export.dynamic_shapes import _Dim
+
+    def relax(x):
+        if isinstance(x, _Dim) and type(x).__name__ != "_StaticDim":
+            return torch.export.Dim.DYNAMIC(min=x.min, max=x.max)
+        if isinstance(x, dict):
+            return {k: relax(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(relax(v) for v in x)
+        return x
+
+    return relax(dynamic_shapes)
+
+
 def _suggested_fixes(text: str) -> str:
     """torch's own "Suggested fixes:" block of a constraint violation, if the error has one."""
     lines = text.splitlines()
@@ -532,6 +565,7 @@ def _from_exported(ep: torch.export.ExportedProgram, kwargs: dict[str, Any], exp
                     ranges[f"{key}.{d}"] = (int(vr.lower), _bound(vr.upper))
                 input_dims[f"{key}.{d}"] = sym
                 dim_symbols.setdefault(sym, "batch" if d == 0 else "seq")
+    symbol_hints = _symbol_hints(gm)
     inline_regions(gm)   # no_grad/autocast blocks in forward become plain ops (autotp.higher_order)
     _normalize(gm.graph)
     gm = _renamed(gm)
@@ -548,7 +582,32 @@ def _from_exported(ep: torch.export.ExportedProgram, kwargs: dict[str, Any], exp
         range_constraints=ranges,
         dim_symbols=dim_symbols,
         input_dims=input_dims,
+        symbol_hints={k: v for k, v in symbol_hints.items() if k not in dim_symbols},
     )
+
+
+def _symbol_hints(gm: fx.GraphModule) -> dict[str, int | str]:
+    """Every symbol export's shape environment knows: the expression export replaced it by
+    (a string), else its value in the example (backed and, where recorded, data-dependent)."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        sizes = val.shape if isinstance(val, torch.Tensor) else ()
+        env = next((size.node.shape_env for size in sizes if isinstance(size, torch.SymInt)), None)
+        if env is None:
+            continue
+        hints: dict[str, int | str] = {}
+        backed = getattr(env, "backed_var_to_val", None)
+        for table in (backed if backed is not None else getattr(env, "var_to_val", {}),
+                      getattr(env, "unbacked_var_to_val", {})):
+            for sym, value in table.items():
+                try:
+                    hints[str(sym)] = int(value)
+                except (TypeError, ValueError):
+                    pass
+        for sym, expr in getattr(env, "replacements", {}).items():
+            hints[str(sym)] = str(expr)
+        return hints
+    return {}
 
 
 #: an unbounded dim's upper bound (Dim.DYNAMIC's int_oo)

@@ -143,3 +143,29 @@ def test_a_list_index_captured_on_meta_keeps_its_values():
     cap = capture(model, (torch.randn(2, 3, 4, device="meta"),))
     values = sorted(v.tolist() for v in cap.constants.values())
     assert values == [[-2], [True, False, True, False, True, False]], cap.constants
+
+
+def test_a_constraint_torch_cannot_prove_is_retried_with_unnamed_dims_of_the_same_range():
+    # torch 2.11 fails GQA's repeat_kv reshape under named Dims ("Constraints violated (seq)"
+    # with no suggested fix); Dim.DYNAMIC of the same range keeps the dim symbolic
+    from autotp.capture import _unnamed_dims
+
+    seq = torch.export.Dim("seq", min=2, max=32)
+    batch = torch.export.Dim("batch", min=1, max=64)
+    shapes = {"input_ids": {0: batch, 1: seq}, "labels": {0: batch, 1: seq}, "use_cache": None}
+    relaxed = _unnamed_dims(shapes)
+    assert relaxed["use_cache"] is None
+    for key in ("input_ids", "labels"):
+        assert {d: (dim.min, dim.max) for d, dim in relaxed[key].items()} == {0: (1, 64), 1: (2, 32)}
+        assert all(not isinstance(dim, type(seq)) for dim in relaxed[key].values())
+    assert _unnamed_dims(relaxed) == relaxed   # nothing left to relax: the retry loop stops
+
+
+def test_shape_symbols_that_are_not_input_dims_are_priced_at_the_workload_or_their_example():
+    from autotp.passes.propagate import _hinted_symbols
+
+    s, b = sympy.Symbol("s0", integer=True, positive=True), sympy.Symbol("s1", integer=True, positive=True)
+    hints = {"s5": "s0", "s6": "2*s0 + s1", "u0": 7, "s0": 11}
+    out = _hinted_symbols(hints, {s: 1024, b: 8})
+    named = {str(k): v for k, v in out.items()}
+    assert named == {"s5": 1024, "s6": 2056, "u0": 7}     # s0 itself keeps the workload's value

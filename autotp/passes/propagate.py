@@ -75,6 +75,29 @@ class Propagation:
         return INF if self.infeasible else self.compute_s + self.comm_s
 
 
+def _hinted_symbols(hints: Mapping[str, int | str], env: Mapping[sympy.Symbol, int]) -> dict[sympy.Symbol, int]:
+    """Values for the shape symbols that are not input dims (``Capture.symbol_hints``): one
+    export replaced by an expression of the dims is that expression at the workload ``env``;
+    the others keep their example value."""
+    names = {str(sym): sym for sym in env}
+    out: dict[sympy.Symbol, int] = {}
+    for name, hint in hints.items():
+        sym = sympy.Symbol(name, integer=True, positive=True)
+        if sym in env:
+            continue
+        if isinstance(hint, str):
+            try:
+                expr = sympy.sympify(hint, locals=names)
+                value = expr.subs(env)
+            except (sympy.SympifyError, TypeError, ValueError):
+                continue
+            if not value.free_symbols and value.is_number and value > 0:
+                out[sym] = int(value)
+        elif hint > 0:
+            out[sym] = hint
+    return out
+
+
 @dataclass
 class GraphIndex:
     """What propagation needs of a graph, computed once per (capture, tp)."""
@@ -130,6 +153,7 @@ class GraphIndex:
         env = {}
         for sym, role in capture.dim_symbols.items():
             env[sympy.Symbol(sym, integer=True, positive=True)] = batch if role == "batch" else seq
+        env.update(_hinted_symbols(getattr(capture, "symbol_hints", {}), env))
         index = cls(capture, tp, env, uneven=uneven, sharded_outputs=frozenset(sharded_outputs),
                     input_placements=dict(input_placements or {}), grads=grad_nodes(capture))
         sequence = frozenset(sym for sym in env if sequence_parallel and capture.dim_symbols.get(sym.name) == "seq")

@@ -221,8 +221,20 @@ def _gather_into(send: Tensor, group, op: str) -> Tensor:
     the output as the inputs concatenated along dim 0)."""
     tp = group_size(group)
     with _comm(op, group):   # a functional collective, waited for inside
+        if _gloo_on_device(send, group):   # c10d's: the output is the inputs concatenated along dim 0
+            out = send.new_empty((tp * send.shape[0],) + tuple(send.shape[1:]))
+            dist.all_gather_into_tensor(out, send, group=group)
+            return out.view((tp,) + tuple(send.shape))
         out = funcol.wait_tensor(all_gather_single(send, 0, group))
     return out.view((tp,) + tuple(send.shape))
+
+
+def _gloo_on_device(t: Tensor, group) -> bool:
+    """A gloo group gathering accelerator tensors (ranks sharing one GPU) in eager code: torch
+    2.11's functional all-gather kills the process there (SIGSEGV, measured on an H200 with
+    two ranks on GPU 0; ``benchmarks/gloo_cuda_probe.py``), while c10d's
+    ``all_gather_into_tensor``, the functional all-reduce and ``reduce_scatter_tensor`` work."""
+    return t.device.type != "cpu" and not torch.compiler.is_compiling() and dist.get_backend(group) == "gloo"
 
 
 def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tensor:
@@ -245,6 +257,13 @@ def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str) -> 
 
 # ---------------------------------------------------------------- the mappings
 
+def _output(t: Tensor) -> Tensor:
+    """A collective's result as an autograd Function's forward output: a view of it. (torch
+    2.11's dynamo takes a functional collective's result, returned as it is, for an output
+    without gradient: g's input gradient came out zero in a compiled program at tp 2.)"""
+    return t.view_as(t)
+
+
 class _CopyToTP(torch.autograd.Function):
     """f: identity forward, all-reduce of the gradient backward."""
 
@@ -263,7 +282,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x, group, "all_reduce in g (forward)")
+        return _output(_all_reduce(x, group, "all_reduce in g (forward)"))
 
     @staticmethod
     def backward(ctx, grad):
@@ -276,7 +295,7 @@ class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, shard, full_size):
         ctx.group, ctx.shard = group, shard
-        return _all_gather(x, group, shard, full_size, "all_gather in gather_from_tp (forward)")
+        return _output(_all_gather(x, group, shard, full_size, "all_gather in gather_from_tp (forward)"))
 
     @staticmethod
     def backward(ctx, grad):
@@ -305,7 +324,7 @@ class _ReduceScatterToTP(torch.autograd.Function):
     def forward(ctx, x, group, shard, full_size):
         ctx.group, ctx.shard, ctx.full_size = group, shard, full_size
         op = "reduce_scatter in reduce_scatter_to_tp (forward)"
-        return _reduce_scatter(x, group, shard, full_size, op)
+        return _output(_reduce_scatter(x, group, shard, full_size, op))
 
     @staticmethod
     def backward(ctx, grad):
@@ -323,18 +342,29 @@ def reduce_from_tp(x: Tensor, group) -> Tensor:
     return _ReduceFromTP.apply(x, group)
 
 
+# In a group of one, a shard is the whole tensor: the three layout changes below are plain
+# tensor ops there, outside their autograd Functions. (torch 2.11's dynamo drops the gradient
+# of an autograd Function whose forward or backward returns a detached alias of its input, as
+# ``x.detach().contiguous()`` is: every gradient of a compiled tp=1 program came out zero.)
+
 def gather_from_tp(x: Tensor, group, shard: Shard, full_size: int) -> Tensor:
     """A Shard becomes Replicate; ``full_size`` is the gathered size of ``shard.dim``."""
+    if group_size(group) == 1:
+        return x.contiguous()
     return _GatherFromTP.apply(x, group, shard, full_size)
 
 
 def scatter_to_tp(x: Tensor, group, shard: Shard, full_size: int) -> Tensor:
     """A Replicate tensor becomes this rank's Shard (``full_size`` = ``x.shape[shard.dim]``)."""
+    if group_size(group) == 1:
+        return x.clone(memory_format=torch.contiguous_format)
     return _ScatterToTP.apply(x, group, shard, full_size)
 
 
 def reduce_scatter_to_tp(x: Tensor, group, shard: Shard, full_size: int) -> Tensor:
     """A Partial tensor becomes this rank's Shard of the sum."""
+    if group_size(group) == 1:
+        return x.clone(memory_format=torch.contiguous_format)
     return _ReduceScatterToTP.apply(x, group, shard, full_size)
 
 

@@ -124,14 +124,22 @@ class RunShard(TorchShard):
         """All-gather the runs (padded to the longest rank's) and put each where it belongs."""
         import torch.distributed._functional_collectives as funcol
 
-        from .collectives import all_gather_single
+        import torch.distributed as dist
+
+        from .collectives import _gloo_on_device, all_gather_single
 
         tp, n, dim = mesh.size(mesh_dim=mesh_dim), int(current_logical_shape[self.dim]), self.dim
         most = max(local_size(n, self.shard, tp, r) for r in range(tp))
         pad = most - local_tensor.shape[dim]
         if pad:
             local_tensor = torch.nn.functional.pad(local_tensor, [0, 0] * (local_tensor.dim() - 1 - dim) + [0, pad])
-        gathered = all_gather_single(local_tensor.contiguous(), dim, (mesh, mesh_dim))
+        if _gloo_on_device(local_tensor, mesh.get_group(mesh_dim)):
+            send = local_tensor.contiguous()
+            blocks = send.new_empty((tp * send.shape[0],) + tuple(send.shape[1:]))
+            dist.all_gather_into_tensor(blocks, send, group=mesh.get_group(mesh_dim))
+            gathered = torch.cat(list(blocks.view((tp,) + tuple(send.shape)).unbind(0)), dim=dim)
+        else:
+            gathered = all_gather_single(local_tensor.contiguous(), dim, (mesh, mesh_dim))
         if isinstance(gathered, funcol.AsyncCollectiveTensor):
             gathered = gathered.wait()
         placed = []   # (start in the full dim, the run)
@@ -287,6 +295,93 @@ class _TailSumRefused:
 _INSTALLED = False
 
 
+def _follow_runs_in_pointwise_strategies() -> None:
+    """torch < 2.12 builds a pointwise op's strategy in ``common_pointwise_strategy`` from the
+    followed argument's placements, re-making each shard as ``Shard(dim)``: an in-place update of
+    a RunShard tensor (``param.mul_`` in AdamW) would then redistribute from the RunShard to
+    ``Shard(dim)``. Put the RunShard back wherever a spec shards that dim (shifted by
+    broadcasting for arguments of fewer dims); the tensors of a pointwise op share the dim's
+    size, so they split alike."""
+    from dataclasses import replace
+
+    try:
+        from torch.distributed.tensor._ops import _pointwise_ops
+        from torch.distributed.tensor._ops.utils import generate_redistribute_costs
+        from torch.distributed.tensor._op_schema import OpStrategy
+    except ImportError:
+        return
+    common = getattr(_pointwise_ops, "common_pointwise_strategy", None)
+    if common is None:
+        return
+
+    def follow_runs(op, args_schema, followed_strategy, followed_strategy_index, *args, **kwargs):
+        out = common(op, args_schema, followed_strategy, followed_strategy_index, *args, **kwargs)
+        tensors = [a for a in args_schema if isinstance(a, OpStrategy)]
+        ndim = len(torch.broadcast_shapes(*[a.shape for a in tensors]))
+        for followed, spec in zip(followed_strategy.strategies, out.strategies):
+            source = followed.output_spec
+            runs = {i: (p, ndim - len(source.shape) + p.dim) for i, p in enumerate(source.placements)
+                    if isinstance(p, RunShard)}
+            if not runs:
+                continue
+
+            def put_back(target, target_ndim):
+                placements = list(target.placements)
+                for i, (run, out_dim) in runs.items():
+                    d = target_ndim - ndim + out_dim
+                    if d >= 0 and type(placements[i]) is TorchShard and placements[i].dim == d:
+                        placements[i] = run if d == run.dim else RunShard(replace(run.shard, dim=d))
+                target.placements = tuple(placements)
+
+            put_back(spec.output_spec, ndim)
+            for target in spec.input_specs:
+                put_back(target, len(target.shape))
+            spec.redistribute_cost = [generate_redistribute_costs(a, t) for a, t in zip(tensors, spec.input_specs)]
+        return out
+
+    _pointwise_ops.common_pointwise_strategy = follow_runs
+
+
+def _local_strides_from_local_shapes() -> None:
+    """torch < 2.12 gives ``new_empty_strided`` on a DTensor the global strides divided by the
+    mesh size, which is right for even shards only: autograd's layout contract (a DTensor
+    gradient whose strides differ from its parameter's is copied into ``new_empty_strided``)
+    then wrote an uneven shard's gradient into a local tensor of overlapping strides (GPT-2's
+    fused c_attn with 6 heads at tp 4: relative error 0.6). Derive the local strides from the
+    local shape in the global strides' order, as torch 2.12 does."""
+    import inspect
+
+    try:
+        from torch.distributed.tensor import _sharding_prop
+        from torch.distributed.tensor._op_schema import OpSchema
+    except ImportError:
+        return
+    local_stride = getattr(_sharding_prop, "compute_local_stride", None)
+    adjust = getattr(_sharding_prop.ShardingPropagator, "_adjust_shape_and_stride_args", None)
+    if local_stride is None or adjust is None or "mesh" not in inspect.signature(local_stride).parameters:
+        return   # this torch derives them from the local shape already
+
+    def dense(global_stride, local_shape) -> tuple[int, ...]:
+        order = sorted(range(len(global_stride)), key=lambda d: global_stride[d], reverse=True)
+        out, step = [0] * len(global_stride), 1
+        for d in reversed(order):
+            out[d] = step
+            step *= local_shape[d]
+        return tuple(out)
+
+    def adjust_dense(self, out_tensor_meta, schema, spec):
+        out = adjust(self, out_tensor_meta, schema, spec)
+        index = self.op_to_shape_and_stride_idx[schema.op]
+        if isinstance(index, tuple):
+            shape_idx, stride_idx = index
+            args = list(out.args_schema)
+            args[stride_idx] = dense(out_tensor_meta.stride, args[shape_idx])
+            out = OpSchema(out.op, tuple(args), out.kwargs_schema)
+        return out
+
+    _sharding_prop.ShardingPropagator._adjust_shape_and_stride_args = adjust_dense
+
+
 def install() -> None:
     """Wrap the torch internals described in the module docstring (once per process)."""
     global _INSTALLED
@@ -328,6 +423,8 @@ def install() -> None:
                         "layouts convert only to Replicate(); call full_tensor() first")
         return redistribute(local_tensor, current_spec, target_spec, *args, **kwargs)
 
+    _follow_runs_in_pointwise_strategies()
+    _local_strides_from_local_shapes()
     handlers = _dispatch_handlers()
     for op in _NORMS:
         handlers[op] = _norm_of_owned(handlers, op, handlers.get(op))

@@ -104,3 +104,10 @@ def test_calibrate_measures_a_cpu_gloo_profile_on_this_machine():
         assert math.isfinite(value) and value > 0
     assert prof.dtype_bytes == 4 and prof.name == "here"
     assert 1e6 < prof.flops < 1e14          # a CPU, not a typo of units
+
+
+def test_a_size_nothing_fixes_is_priced_at_one_rather_than_failing():
+    from autotp.cost_model.symbolic import evaluate
+
+    s, u = sympy.Symbol("s0", integer=True, positive=True), sympy.Symbol("u9", integer=True, positive=True)
+    assert evaluate(4 * s * u, {s: 3}) == 12.0

@@ -113,8 +113,15 @@ def _rank_inputs(op: str, case: Case, block: int, r: int) -> torch.Tensor:
     return _tensor(case.seed, case.shape, "x", block, r)  # Partial: a summand per rank
 
 
-def run_mapping(op: str, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
-    """Runs in a rank: the mapping's output and the gradient of its input."""
+def run_mapping(op: str, case: Case, c10d: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs in a rank: the mapping's output and the gradient of its input. ``c10d``: gather
+    the way gloo groups of GPU tensors do (c10d's all_gather_into_tensor), on these CPU ones."""
+    if c10d:
+        saved, C._gloo_on_device = C._gloo_on_device, lambda t, group: True
+        try:
+            return run_mapping(op, case)
+        finally:
+            C._gloo_on_device = saved
     mesh = get_mesh(case.tp)
     group, r, block = mesh.tp_group, mesh.tp_rank, dist.get_rank() // case.tp
     x = _rank_inputs(op, case, block, r).requires_grad_()
@@ -148,8 +155,8 @@ def _expected(op: str, case: Case, block: int, r: int) -> tuple[torch.Tensor, to
     return C.local_shard(x_sum, s, tp, r), C.assemble(dy_local, s, case.full_size)
 
 
-def _check(cluster, op: str, case: Case) -> None:
-    results = cluster.run(run_mapping, op, case)
+def _check(cluster, op: str, case: Case, c10d: bool = False) -> None:
+    results = cluster.run(run_mapping, op, case, c10d)
     for rank, (y, grad) in enumerate(results):
         want_y, want_grad = _expected(op, case, rank // case.tp, rank % case.tp)
         torch.testing.assert_close(y, want_y, msg=lambda m: f"{op} forward, rank {rank}: {m}")
@@ -184,6 +191,14 @@ def test_scatter_slices_forward_and_gathers_full_gradient_backward(cluster, case
 @given(case=cases())
 def test_reduce_scatter_sums_to_local_shard_and_gathers_backward(cluster, case):
     _check(cluster, "reduce_scatter", case)
+
+
+@settings(max_examples=10, deadline=None)
+@given(case=cases(), op=st.sampled_from(["gather", "scatter"]))
+def test_gathers_through_c10d_as_gloo_on_a_gpu_does_match_the_definitions(cluster, case, op):
+    # gloo groups of CUDA tensors gather with c10d's all_gather_into_tensor (torch 2.11's
+    # functional all-gather kills the process there); the same path on CPU tensors
+    _check(cluster, op, case, c10d=True)
 
 
 def run_dynamic_module(op: str, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
