@@ -141,18 +141,25 @@ def measure_memory_bandwidth(numel: int = 1 << 22, repeats: int = 3, device: str
     return 3 * numel * a.element_size() / _best_time(run, repeats)
 
 
-def measure_all_reduce(message_bytes: Sequence[int], repeats: int = 3, group=None) -> list[float]:
+def measure_all_reduce(message_bytes: Sequence[int], repeats: int = 3, group=None,
+                       device: str = "cpu") -> list[float]:
     """Best seconds of an all-reduce of each message size on ``group`` (every rank must call)."""
     import torch
     import torch.distributed as dist
 
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
     times = []
     for nbytes in message_bytes:
-        x = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+        x = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
         dist.barrier(group=group)
-        times.append(_best_time(lambda: dist.all_reduce(x, group=group), repeats))
+
+        def run():
+            dist.all_reduce(x, group=group)
+            sync()
+
+        times.append(_best_time(run, repeats))
     # the slowest rank sets the pace of a collective
-    t = torch.tensor(times, dtype=torch.float64)
+    t = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()
 
@@ -189,13 +196,22 @@ def _physical_memory() -> float:
 
 def calibrate(name: str = "calibrated", *, world: int = 2, matmul_sizes: Sequence[int] = (256, 512),
               message_bytes: Sequence[int] = (1 << 12, 1 << 16, 1 << 20), repeats: int = 3,
-              group=None, memory: float | None = None) -> DeviceProfile:
-    """Measure a CPU + gloo profile on this machine.
+              group=None, memory: float | None = None, device: str = "cpu",
+              link_from: str | DeviceProfile | None = None) -> DeviceProfile:
+    """Measure a CPU + gloo profile on this machine, or (``device="cuda"``) a GPU's.
 
     Inside an initialized process group pass ``group`` (every rank must call); otherwise
     ``world`` local gloo ranks are spawned for the collectives. The fit is alpha-beta over
     ``message_bytes``: use sizes that span latency- and bandwidth-bound messages.
+
+    On a GPU the rates are bf16's (the training datatype: ``dtype_bytes=2``), measured on
+    ``matmul_sizes`` (pass sizes a GPU fills, e.g. 4096 and 8192), and the memory is the
+    device's. The link is timed over ``group`` when given (one GPU per rank, NCCL); without a
+    group the link figures are ``link_from``'s (a profile of the same interconnect), since
+    ranks sharing one GPU would time the host, not the GPUs' link.
     """
+    if device != "cpu":
+        return _calibrate_gpu(name, device, matmul_sizes, message_bytes, repeats, group, memory, link_from)
     import torch.distributed as dist
 
     if world < 2 and group is None:
@@ -213,6 +229,29 @@ def calibrate(name: str = "calibrated", *, world: int = 2, matmul_sizes: Sequenc
     alpha, link_bw = fit_alpha_beta(message_bytes, seconds, n)
     return DeviceProfile(name, flops=flops, mem_bw=mem_bw, link_bw=link_bw, link_latency=alpha,
                          memory=memory if memory is not None else _physical_memory(), dtype_bytes=4)
+
+
+def _calibrate_gpu(name, device, matmul_sizes, message_bytes, repeats, group, memory, link_from) -> DeviceProfile:
+    import torch
+
+    dtype = torch.bfloat16
+    flops = measure_matmul_flops(matmul_sizes, repeats, device=device, dtype=dtype)
+    mem_bw = measure_memory_bandwidth(1 << 28, repeats, device=device, dtype=dtype)
+    if memory is None:
+        memory = float(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    if group is not None:
+        import torch.distributed as dist
+
+        alpha, link_bw = fit_alpha_beta(message_bytes, measure_all_reduce(message_bytes, repeats, group, device),
+                                        dist.get_world_size(group))
+    else:
+        if link_from is None:
+            raise ConfigError("calibrate(device=...) without a group of one GPU per rank cannot time the link: "
+                              "pass group= (NCCL) or link_from= (a profile of the same interconnect)")
+        base = get_profile(link_from)
+        alpha, link_bw = base.link_latency, base.link_bw
+    return DeviceProfile(name, flops=flops, mem_bw=mem_bw, link_bw=link_bw, link_latency=alpha, memory=memory,
+                         dtype_bytes=2)
 
 
 def with_memory(profile: DeviceProfile, memory: float) -> DeviceProfile:

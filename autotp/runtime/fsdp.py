@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from .mesh import device_mesh_of
 
 __all__ = ["fully_shard", "whole_parameters"]
 
@@ -54,7 +55,7 @@ def fully_shard(pm: Any, per_layer: bool = True, replicate: int = 1, **kwargs: A
 
     if isinstance(pm, FSDPModule):
         raise ConfigError("this ParallelModule is already sharded with FSDP2")
-    device_mesh = getattr(pm.mesh, "device_mesh", None)
+    device_mesh = device_mesh_of(pm.mesh, pm.device)
     if device_mesh is None:
         raise ConfigError("fully_shard needs a ParallelModule on a (dp, tp) device mesh: build it with "
                           "autotp.parallelize in an initialized torch.distributed world")

@@ -24,6 +24,7 @@ import datetime
 import numbers
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -126,6 +127,33 @@ class TPMesh:
     @property
     def world_size(self) -> int:
         return self.tp * self.dp * self.pp
+
+    def device_mesh_for(self, device: Any) -> Any:
+        """:attr:`device_mesh` for tensors on ``device``: the same groups under that device type.
+        DTensor moves a local tensor to its mesh's device type, and gloo carries the CUDA
+        tensors of ranks that share one GPU (NCCL refuses them), so a gloo mesh of CUDA
+        parameters is a "cuda" mesh over the gloo groups. None where there is no mesh."""
+        mesh = self.device_mesh
+        kind = torch.device(device).type
+        if mesh is None or kind == mesh.device_type:
+            return mesh
+        key = (id(mesh), kind)
+        if key not in _DEVICE_MESHES:
+            _DEVICE_MESHES[key] = (mesh, DeviceMesh.from_group(
+                [mesh.get_group(name) for name in mesh.mesh_dim_names], kind, mesh=mesh.mesh,
+                mesh_dim_names=mesh.mesh_dim_names))
+        return _DEVICE_MESHES[key][1]
+
+
+def device_mesh_of(mesh: Any, device: Any) -> Any:
+    """``mesh``'s DeviceMesh for tensors on ``device`` (None for no mesh, or one without)."""
+    if hasattr(mesh, "device_mesh_for"):
+        return mesh.device_mesh_for(device)
+    return getattr(mesh, "device_mesh", None)
+
+
+#: (id of a mesh's DeviceMesh, device type) -> (that DeviceMesh, kept alive; its twin)
+_DEVICE_MESHES: dict[tuple[int, str], tuple[Any, Any]] = {}
 
 
 def _check_tp(tp) -> int:

@@ -28,6 +28,7 @@ from .agreement import check_agreement, check_same_inputs, fingerprint, input_si
 from .collectives import group_ranks, local_shard
 from .faults import BackwardWatch, StepGuard
 from .inputs import check_index_bounds, check_not_empty, index_bounds
+from .mesh import device_mesh_of
 from .outline import layer_paths, outline
 
 
@@ -147,7 +148,7 @@ class ParallelModule(nn.Module):
         #: compare every call's input shapes across the TP group (one tiny CPU all-reduce)
         self.check_inputs = True
         self.mesh = mesh
-        device_mesh = getattr(mesh, "device_mesh", None)
+        device_mesh = device_mesh_of(mesh, device)
         #: the tp dim's DeviceMesh, taken once (a split output is a DTensor on it)
         self._tp_mesh = device_mesh["tp"] if device_mesh is not None else None
         self.device = device
@@ -438,7 +439,7 @@ def hold_parameters(capture: Capture, plan: Plan, model: nn.Module, mesh: Any, d
     tensor is this rank's shard, read from ``weights`` or sliced from ``model``'s own tensors."""
     full_params = dict(model.named_parameters(remove_duplicate=False))
     tp, rank = plan.tp, mesh.tp_rank if mesh is not None else 0
-    device_mesh = getattr(mesh, "device_mesh", None)
+    device_mesh = device_mesh_of(mesh, device)
     if device_mesh is not None:
         dtensor.install()
     held: dict[str, nn.Parameter] = {}

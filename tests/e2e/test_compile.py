@@ -14,7 +14,11 @@ import torch
 VOCAB = 48   # a multiple of 1..4: logits split evenly (an uneven split under compile is a ConfigError)
 
 
-def _compiled_matches_serial(backend: str, dtype: str) -> dict:
+def _to(batch: dict, device: str) -> dict:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def _compiled_matches_serial(backend: str, dtype: str, device: str = "cpu") -> dict:
     import torch.distributed as dist
 
     import autotp
@@ -23,13 +27,14 @@ def _compiled_matches_serial(backend: str, dtype: str) -> dict:
 
     torch._dynamo.reset()
     config = zoo.tiny_config("gpt2", layers=2, vocab=VOCAB)
-    model = keep_loss_precision(zoo.build("gpt2", config, dtype=getattr(torch, dtype), seed=1))
+    model = keep_loss_precision(zoo.build("gpt2", config, dtype=getattr(torch, dtype), seed=1, device=device))
     pm = autotp.parallelize(model, dist.get_world_size(), layout={"lm_head.weight": "vocab"})
-    data = zoo.example_batch("gpt2", config, batch=2, seq=6, seed=2)
+    data = _to(zoo.example_batch("gpt2", config, batch=2, seq=6, seed=2), device)
     pm(**data)   # eager: the call's program is captured and built
     compiled = torch.compile(pm, fullgraph=True, backend=backend)
     errors = [equivalence_errors(model, compiled, data),   # with labels: logits a DTensor, split
-              equivalence_errors(model, compiled, zoo.example_batch("gpt2", config, batch=3, seq=9, seed=3))]
+              equivalence_errors(model, compiled, _to(zoo.example_batch("gpt2", config, batch=3, seq=9, seed=3),
+                                                      device))]
     ids = {"input_ids": data["input_ids"]}
     pm(**ids)    # eager first: another kind of call (no labels, logits whole)
     errors.append(equivalence_errors(model, compiled, ids))
@@ -68,7 +73,7 @@ def test_a_compiled_module_equals_serial_at_every_tp(cluster_of, tp, dtype):
     _check(cluster_of(tp).run(_compiled_matches_serial, "inductor", dtype), dtype)
 
 
-def _dropout_compiled_as_in_eager(backend: str, counter: bool) -> dict:
+def _dropout_compiled_as_in_eager(backend: str, counter: bool, device: str = "cpu") -> dict:
     """Dropout in every place GPT-2 has it (embeddings, attention inside sdpa, residuals), at
     tp 2 under Megatron's layout (attention's dropout sharded by head, the residual's
     replicated): compiled to one graph, drawing counter-based masks; with ``rng="counter"`` the
@@ -83,9 +88,9 @@ def _dropout_compiled_as_in_eager(backend: str, counter: bool) -> dict:
     torch._dynamo.reset()
     config = zoo.tiny_config("gpt2", layers=2, vocab=VOCAB)
     config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.25
-    model = keep_loss_precision(zoo.build("gpt2", config, dtype=torch.float64, seed=1))
+    model = keep_loss_precision(zoo.build("gpt2", config, dtype=torch.float64, seed=1, device=device))
     pm = autotp.parallelize(model, 2, layout=MEGATRON_GPT2, rng="counter" if counter else "torch")
-    data = zoo.example_batch("gpt2", config, batch=2, seq=6, seed=2)
+    data = _to(zoo.example_batch("gpt2", config, batch=2, seq=6, seed=2), device)
     tracker = next(m for m in pm.modules() if isinstance(m, RandomOp)).tracker
     kinds = sorted({m.state for m in pm.modules() if isinstance(m, RandomOp)})
     start = tracker.snapshot()
@@ -102,7 +107,7 @@ def _dropout_compiled_as_in_eager(backend: str, counter: bool) -> dict:
     compiled_loss, compiled_grads = run(compiled)
     again, _ = run(compiled)        # the counters moved on: other masks
     explain = torch._dynamo.explain(pm)(**data)
-    losses = [torch.zeros(1, dtype=torch.float64) for _ in range(2)]
+    losses = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(2)]
     dist.all_gather(losses, compiled_loss.reshape(1))
     return {"kinds": kinds, "graphs": explain.graph_count, "breaks": explain.graph_break_count,
             "loss": relative_error(compiled_loss, eager_loss),

@@ -16,7 +16,7 @@ def _gather(x: torch.Tensor, group) -> list[torch.Tensor]:
     return out
 
 
-def _train_with_dropout(n_head: int):
+def _train_with_dropout(n_head: int, device: str = "cpu"):
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
 
@@ -26,12 +26,12 @@ def _train_with_dropout(n_head: int):
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)     # the same initial weights on every rank
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=n_head, n_embd=n_head * 4, vocab_size=64, n_positions=16,
-                                       resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2)).double()
+                                       resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2)).double().to(device)
     torch.manual_seed(1000 + dist.get_rank())   # ranks' own generators differ: autotp must not rely on them
     pm = autotp.parallelize(model, tp=2, layout=LAYOUT)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     for step in range(3):
-        data = batch(64, b=2, s=9, seed=step)
+        data = {k: v.to(device) for k, v in batch(64, b=2, s=9, seed=step).items()}
         opt.zero_grad()
         pm(**data).loss.backward()
         opt.step()
@@ -48,9 +48,9 @@ def _train_with_dropout(n_head: int):
         if not isinstance(mod, RandomOp):
             continue
         if mod.target is torch.ops.aten.dropout.default:
-            out = mod(torch.ones(256, dtype=torch.float64), 0.5, True)
+            out = mod(torch.ones(256, dtype=torch.float64, device=device), 0.5, True)
         else:
-            q = torch.randn(1, 1, 8, 4, dtype=torch.float64, generator=gen)
+            q = torch.randn(1, 1, 8, 4, dtype=torch.float64, generator=gen).to(device)
             out = mod(q, q, q, None, 0.5)
         same[name] = all(torch.equal(out, o) for o in _gather(out, group))
     return drifted, same

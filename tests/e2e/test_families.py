@@ -46,10 +46,12 @@ def check_family_case(case: dict) -> tuple[dict, dict]:
     family, dtype = case["family"], getattr(torch, case["dtype"])
     config = zoo.tiny_config(family, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                              vocab=vocab, rotary=rotary)
-    model = zoo.build(family, config, dtype=dtype, seed=case["seed"])
+    device = case.get("device", "cpu")   # benchmarks/gpu.py runs the same check on CUDA
+    model = zoo.build(family, config, dtype=dtype, seed=case["seed"], device=device)
     if zoo.FAMILIES[family].task == "causal":
         keep_loss_precision(model)
-    inputs = zoo.example_batch(family, config, batch=case["batch"], seq=case["seq"], seed=case["seed"] + 1)
+    inputs = {k: v.to(device) for k, v in zoo.example_batch(family, config, batch=case["batch"], seq=case["seq"],
+                                                             seed=case["seed"] + 1).items()}
     # a large planning workload, so that the cost model splits even these tiny models; the solver's
     # answer depends on the structure and tp only (not the weights), so it is solved once per rank
     # process and replayed (plan=) for the structure's later examples
