@@ -258,9 +258,10 @@ def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str) -> 
 # ---------------------------------------------------------------- the mappings
 
 def _output(t: Tensor) -> Tensor:
-    """A collective's result as an autograd Function's forward output: a view of it. (torch
-    2.11's dynamo takes a functional collective's result, returned as it is, for an output
-    without gradient: g's input gradient came out zero in a compiled program at tp 2.)"""
+    """An autograd Function's forward output, as a view of what it computed. torch 2.11's dynamo
+    loses the gradient of some outputs returned as they are: a functional collective's result
+    (g's input gradient came out zero in a compiled program at tp 2) and a rank's slice made by
+    ``torch.cat`` of one narrowed run (scatter's); a view of either is traced right."""
     return t.view_as(t)
 
 
@@ -309,7 +310,7 @@ class _ScatterToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, shard, full_size):
         ctx.group, ctx.shard, ctx.full_size = group, shard, full_size
-        return local_shard(x, shard, group_size(group), group_rank(group))
+        return _output(local_shard(x, shard, group_size(group), group_rank(group)))
 
     @staticmethod
     def backward(ctx, grad):
