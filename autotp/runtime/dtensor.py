@@ -343,7 +343,7 @@ def _follow_runs_in_pointwise_strategies() -> None:
 
 
 def _local_strides_from_local_shapes() -> None:
-    """torch < 2.12 gives ``new_empty_strided`` on a DTensor the global strides divided by the
+    """Two fixes of torch < 2.12's ``new_empty_strided`` on DTensors. It gives ``new_empty_strided`` on a DTensor the global strides divided by the
     mesh size, which is right for even shards only: autograd's layout contract (a DTensor
     gradient whose strides differ from its parameter's is copied into ``new_empty_strided``)
     then wrote an uneven shard's gradient into a local tensor of overlapping strides (GPT-2's
@@ -380,6 +380,31 @@ def _local_strides_from_local_shapes() -> None:
         return out
 
     _sharding_prop.ShardingPropagator._adjust_shape_and_stride_args = adjust_dense
+
+    # ... and its new_empty_strided replicates an uneven shard (torch's own Shard(1) of 128
+    # columns over 3 ranks): the gradient copied through it came back whole, all-gathered
+    # (GPT-2's c_fc at tp 3). A sharded input of the same shape is followed, as 2.12 does.
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._op_schema import OpSpec
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    op = torch.ops.aten.new_empty_strided.default
+    strategy = propagator.op_strategy_funcs.get(op)
+    if strategy is None:
+        return
+
+    def follow_shards(op_schema):
+        out = strategy(op_schema)
+        source = op_schema.args_schema[0]
+        if tuple(source.shape) == tuple(op_schema.args_schema[1]):
+            for candidate in source.strategies:
+                spec = candidate.output_spec
+                if spec.is_sharded() and not any(o.output_spec == spec for o in out.strategies):
+                    out.strategies.append(OpSpec(output_specs=spec, input_specs=(spec,),
+                                                 redistribute_cost=[[-0.1] * len(source.strategies)]))
+        return out
+
+    propagator.op_strategy_funcs[op] = follow_shards
 
 
 def install() -> None:
