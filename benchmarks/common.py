@@ -31,3 +31,31 @@ def publish(lines: list[str], path: str | Path | None) -> None:
     print(text)
     if path:
         Path(path).write_text(text)
+
+
+#: autotp's layout pins for a HF Llama in Megatron's layout (what the DTensor plan below does)
+MEGATRON_LLAMA = {"*q_proj.weight": "column", "*k_proj.weight": "column", "*v_proj.weight": "column",
+                  "*o_proj.weight": "row", "*gate_proj.weight": "column", "*up_proj.weight": "column",
+                  "*down_proj.weight": "row", "model.embed_tokens.weight": "vocab", "lm_head.weight": "vocab"}
+
+
+def dtensor_llama(model, mesh, loss_parallel: bool = False):
+    """PyTorch's own tensor parallelism of a HF Llama with Megatron's plan written by hand
+    (torchtitan's, without sequence parallelism): q/k/v/gate/up ``ColwiseParallel``, o/down
+    ``RowwiseParallel``, a vocab-split embedding, and an ``lm_head`` whose logits are gathered
+    (or, ``loss_parallel``, kept split as a DTensor for ``loss_parallel()``)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    head = (ColwiseParallel(output_layouts=Shard(-1), use_local_output=False) if loss_parallel
+            else ColwiseParallel(output_layouts=Replicate()))
+    parallelize_module(model, mesh, {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+                                     "lm_head": head})
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, {"self_attn.q_proj": ColwiseParallel(),
+                                         "self_attn.k_proj": ColwiseParallel(),
+                                         "self_attn.v_proj": ColwiseParallel(),
+                                         "self_attn.o_proj": RowwiseParallel(),
+                                         "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                                         "mlp.down_proj": RowwiseParallel()})
+    return model

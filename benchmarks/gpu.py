@@ -41,14 +41,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import machine, publish  # noqa: E402
+from common import MEGATRON_LLAMA, dtensor_llama, machine, publish  # noqa: E402
 
 FAMILIES = ["gpt2", "llama", "mistral", "qwen2", "gpt-neox", "gpt-j", "falcon", "falcon-new", "gpt-bigcode",
             "opt", "bert", "t5"]
-MEGATRON_LLAMA = {"*q_proj.weight": "column", "*k_proj.weight": "column", "*v_proj.weight": "column",
-                  "*o_proj.weight": "row", "*gate_proj.weight": "column", "*up_proj.weight": "column",
-                  "*down_proj.weight": "row", "model.embed_tokens.weight": "vocab", "lm_head.weight": "vocab"}
-
 
 # ------------------------------------------------------------------------------------ rank tasks
 
@@ -109,20 +105,8 @@ def _llama(args, dtype, device):
 
 def _dtensor(model, tp: int, device: str):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    mesh = init_device_mesh(torch.device(device).type, (tp,))
-    parallelize_module(model, mesh, {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-                                     "lm_head": ColwiseParallel(output_layouts=Replicate())})
-    for layer in model.model.layers:
-        parallelize_module(layer, mesh, {"self_attn.q_proj": ColwiseParallel(),
-                                         "self_attn.k_proj": ColwiseParallel(),
-                                         "self_attn.v_proj": ColwiseParallel(),
-                                         "self_attn.o_proj": RowwiseParallel(),
-                                         "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-                                         "mlp.down_proj": RowwiseParallel()})
-    return model
+    return dtensor_llama(model, init_device_mesh(torch.device(device).type, (tp,)))
 
 
 def _step_times(args, device: str, versions: list[str], compile_backend: str, dtype: str | None = None) -> dict:

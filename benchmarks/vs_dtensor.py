@@ -37,11 +37,9 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine, publish  # noqa: E402
+from common import MEGATRON_LLAMA, dtensor_llama, machine, publish  # noqa: E402
 
-MEGATRON = {"*q_proj.weight": "column", "*k_proj.weight": "column", "*v_proj.weight": "column",
-            "*o_proj.weight": "row", "*gate_proj.weight": "column", "*up_proj.weight": "column",
-            "*down_proj.weight": "row", "model.embed_tokens.weight": "vocab", "lm_head.weight": "vocab"}
+MEGATRON = MEGATRON_LLAMA
 VERSIONS = ("serial", "dtensor", "autotp", "autotp_pinned", "dtensor_lp", "autotp_pinned_lp")
 LABEL = {"serial": "serial (HF model, 1 process)", "dtensor": "DTensor parallelize_module (Megatron plan)",
          "autotp": "autotp (its own plan)", "autotp_pinned": "autotp (Megatron layout pinned)",
@@ -69,22 +67,8 @@ def _model(args: argparse.Namespace):
 
 def _dtensor_model(args: argparse.Namespace, tp: int, loss_parallel: bool = False):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    model = _model(args)
-    mesh = init_device_mesh("cpu", (tp,))
-    parallelize_module(model, mesh, {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-                                     "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
-                                     if loss_parallel else ColwiseParallel(output_layouts=Replicate())})
-    for layer in model.model.layers:
-        parallelize_module(layer, mesh, {"self_attn.q_proj": ColwiseParallel(),
-                                         "self_attn.k_proj": ColwiseParallel(),
-                                         "self_attn.v_proj": ColwiseParallel(),
-                                         "self_attn.o_proj": RowwiseParallel(),
-                                         "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-                                         "mlp.down_proj": RowwiseParallel()})
-    return model
+    return dtensor_llama(_model(args), init_device_mesh("cpu", (tp,)), loss_parallel)
 
 
 def _full(t):
