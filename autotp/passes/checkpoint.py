@@ -37,6 +37,15 @@ def layer_of(node: fx.Node) -> str | None:
     return None
 
 
+def set_grad_enabled(mode: bool) -> None:
+    """``torch._C._set_grad_enabled`` under another name. An inlined grad-mode region restores
+    the mode it found (``_set_grad_enabled(prev)``, ``prev`` a node: autotp.higher_order);
+    torch 2.11's ``split_module`` takes every ``_set_grad_enabled`` for a region to carry across
+    partitions and asserts a constant argument. A region autotp inlined starts and ends inside
+    one layer's code, so it is a plain call of the partition that holds it."""
+    torch._C._set_grad_enabled(mode)
+
+
 def checkpoint_layers(gm: fx.GraphModule, rng: Any = None) -> fx.GraphModule:
     """See the module docstring. Communication nodes (no module stack of their own) join the
     layer of the op they feed, so a layer's f and g are recomputed with it."""
@@ -63,6 +72,10 @@ def checkpoint_layers(gm: fx.GraphModule, rng: Any = None) -> fx.GraphModule:
         partition[node] = current
     if not layers:
         return gm
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled and node.args \
+                and isinstance(node.args[0], fx.Node):
+            node.target = set_grad_enabled   # a plain call to split_module (see there)
     split = split_module(gm, gm, lambda n: partition[n], keep_original_order=True)
     for index, layer in layers.items():
         name = f"submod_{index}"
