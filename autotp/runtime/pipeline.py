@@ -465,6 +465,11 @@ class _ChunkModule(nn.Module):
         self.chunk = chunk.graph
         object.__setattr__(self, "_owner", owner)
         self._params, self._buffer_names, self._constants = param_names, buffer_names, constants
+        #: under torch < 2.12: the dtype each received value had when it was sent (integers
+        #: travel as float64), told by the sender in ``PipelineModule._shapes_of``
+        self.received_dtypes: list[Any] | None = None
+        #: ... and the dtypes of what this chunk sends, before that
+        self.sent_dtypes: list[Any] = []
 
     def forward(self, *received: Any) -> Any:
         from .module import _program_tensor
@@ -472,9 +477,53 @@ class _ChunkModule(nn.Module):
         owner, grad = self._owner, torch.is_grad_enabled()
         params = [_program_tensor(owner._held[n], grad) for n in self._params]
         buffers = [owner.get_buffer(n) for n in self._buffer_names]
+        raw = received
+        if _EVERY_INPUT_NEEDS_A_GRADIENT and self.received_dtypes is not None:
+            received = tuple(t.detach().to(d) if isinstance(t, torch.Tensor) and d is not None and t.dtype != d else t
+                             for t, d in zip(received, self.received_dtypes))
         out = self.chunk(*params, *buffers, *self._constants, *received)
+        outs = list(out) if isinstance(out, tuple) else [out]
         # point-to-point sends take contiguous tensors (a chunk may end on a transposed view)
-        return tuple(o.contiguous() for o in out) if isinstance(out, tuple) else out
+        outs = [o.contiguous() if isinstance(o, torch.Tensor) else o for o in outs]
+        if _EVERY_INPUT_NEEDS_A_GRADIENT:
+            outs = self._for_old_stages(outs, raw, grad)
+        return tuple(outs) if isinstance(out, tuple) else outs[0]
+
+    def _for_old_stages(self, outs: list, raw: tuple, grad: bool) -> list:
+        """What torch < 2.12's stages need (the GPU machine's 2.11): they mark every received
+        buffer as requiring grad, which an integer tensor refuses, and refuse a backward that
+        leaves a received buffer without a gradient. Integer and boolean outputs travel as
+        float64 (exact below 2**53; the receiver converts them back), and every received
+        floating buffer is tied to a zero gradient through the first differentiable output."""
+        self.sent_dtypes = [o.dtype if isinstance(o, torch.Tensor) else None for o in outs]
+        outs = [o.to(torch.float64) if isinstance(o, torch.Tensor) and not (o.is_floating_point() or o.is_complex())
+                else o for o in outs]
+        tied = [t for t in raw if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        if grad and tied:
+            tied = [t if t.requires_grad or not t.is_leaf else t.requires_grad_() for t in tied]
+            floats = [k for k, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.is_floating_point()]
+            i = next((k for k in floats if outs[k].requires_grad), floats[0] if floats else None)
+            if i is not None:
+                outs[i] = _TieGradients.apply(outs[i], *tied)
+        return outs
+
+
+#: torch < 2.12's stages (see _ChunkModule._for_old_stages)
+_EVERY_INPUT_NEEDS_A_GRADIENT = torch.torch_version.TorchVersion(torch.__version__) < (2, 12)
+
+
+class _TieGradients(torch.autograd.Function):
+    """``out`` itself, with every ``tied`` tensor given a zero gradient besides any other it
+    gets: what torch < 2.12's stages need for each received buffer."""
+
+    @staticmethod
+    def forward(ctx, out, *tied):
+        ctx.tied = [(t.shape, t.dtype, t.device) for t in tied]
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.tied))
 
 
 class PipelineModule(nn.Module):
@@ -639,13 +688,15 @@ class PipelineModule(nn.Module):
                 box: list[Any] = [None]
                 dist.recv_object_list(box, src=mesh.pp_ranks[(ch.index - 1) % mesh.pp], group=mesh.pp_group,
                                       device=self.device if mesh.backend == "nccl" else None)
-                args = tuple(a.to(self.device) for a in box[0])
+                sent, module.received_dtypes = box[0]
+                args = tuple(a.to(self.device) for a in sent)
             with torch.no_grad():
                 out = module(*args)
             outs = out if isinstance(out, tuple) else (out,)
             found[ch.index] = (tuple(meta(a) for a in args), tuple(meta(o) for o in outs))
             if ch.index < last:
-                dist.send_object_list([tuple(o.cpu() for o in outs)], dst=mesh.pp_ranks[(ch.index + 1) % mesh.pp],
+                dist.send_object_list([(tuple(o.cpu() for o in outs), module.sent_dtypes or None)],
+                                      dst=mesh.pp_ranks[(ch.index + 1) % mesh.pp],
                                       group=mesh.pp_group, device=self.device if mesh.backend == "nccl" else None)
         return found
 
