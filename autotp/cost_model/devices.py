@@ -234,6 +234,9 @@ def calibrate(name: str = "calibrated", *, world: int = 2, matmul_sizes: Sequenc
 def _calibrate_gpu(name, device, matmul_sizes, message_bytes, repeats, group, memory, link_from) -> DeviceProfile:
     import torch
 
+    if group is None and link_from is None:   # before any measurement: a minute saved on a bad call
+        raise ConfigError("calibrate(device=...) without a group of one GPU per rank cannot time the link: "
+                          "pass group= (NCCL) or link_from= (a profile of the same interconnect)")
     dtype = torch.bfloat16
     flops = measure_matmul_flops(matmul_sizes, repeats, device=device, dtype=dtype)
     mem_bw = measure_memory_bandwidth(1 << 28, repeats, device=device, dtype=dtype)
@@ -245,9 +248,6 @@ def _calibrate_gpu(name, device, matmul_sizes, message_bytes, repeats, group, me
         alpha, link_bw = fit_alpha_beta(message_bytes, measure_all_reduce(message_bytes, repeats, group, device),
                                         dist.get_world_size(group))
     else:
-        if link_from is None:
-            raise ConfigError("calibrate(device=...) without a group of one GPU per rank cannot time the link: "
-                              "pass group= (NCCL) or link_from= (a profile of the same interconnect)")
         base = get_profile(link_from)
         alpha, link_bw = base.link_latency, base.link_bw
     return DeviceProfile(name, flops=flops, mem_bw=mem_bw, link_bw=link_bw, link_latency=alpha, memory=memory,

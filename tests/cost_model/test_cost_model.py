@@ -111,3 +111,10 @@ def test_a_size_nothing_fixes_is_priced_at_one_rather_than_failing():
 
     s, u = sympy.Symbol("s0", integer=True, positive=True), sympy.Symbol("u9", integer=True, positive=True)
     assert evaluate(4 * s * u, {s: 3}) == 12.0
+
+
+def test_calibrating_a_gpu_without_a_way_to_time_its_link_is_a_clear_error_before_measuring():
+    from autotp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="link_from="):
+        calibrate("x", device="cuda")    # no CUDA here: the check comes before any measurement
