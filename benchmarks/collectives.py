@@ -29,17 +29,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine, publish  # noqa: E402
 
 
-def _median_ms(fn, repeats: int) -> float:
+def _medians_ms(fns: dict, repeats: int) -> dict:
+    """Each version's median time in ms, the versions taken in turn within every repeat (so a
+    change in the machine's load falls on all of them alike), behind a barrier each."""
     import torch.distributed as dist
 
-    fn()
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
+    times = {k: [] for k in fns}
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - start)
+    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
 
 def run_rank(args: argparse.Namespace) -> dict:
@@ -79,16 +83,16 @@ def run_rank(args: argparse.Namespace) -> dict:
         dt = DTensor.from_local(x, mesh, [TorchShard(2)], run_check=False,
                                 shape=torch.Size((b, s, vocab)), stride=torch.empty(b, s, vocab, device="meta").stride())
         kind = "even" if vocab % tp == 0 else "uneven"
-        out[f"all-gather {kind} [{b}, {s}, {vocab}] dim 2"] = {
-            "autotp": _median_ms(lambda: C._all_gather(x, group, shard, vocab, "bench"), args.repeats),
-            "bare all_gather_single": _median_ms(bare, args.repeats),
-            "list all_gather + cat (before)": _median_ms(listed, args.repeats),
-            "DTensor redistribute": _median_ms(lambda: dt.redistribute(mesh, [Replicate()]).to_local(), args.repeats),
+        out[f"all-gather {kind} [{b}, {s}, {vocab}] dim 2"] = _medians_ms({
+            "autotp": lambda: C._all_gather(x, group, shard, vocab, "bench"),
+            "bare all_gather_single": bare,
+            "list all_gather + cat (before)": listed,
+            "DTensor redistribute": lambda: dt.redistribute(mesh, [Replicate()]).to_local(),
             # what separates a dim-2 gather from the bare one: the rank-major buffer laid out
             # along dim 2, one copy of the whole tensor (no communication)
-            "bare + the layout copy alone": _median_ms(lambda: bare().view(tp, b, s, width).movedim(0, 2)
-                                                       .reshape(b, s, tp * width), args.repeats),
-        }
+            "bare + the layout copy alone": lambda: bare().view(tp, b, s, width).movedim(0, 2)
+                                                    .reshape(b, s, tp * width),
+        }, args.repeats)
     h = torch.randn(b, s, args.hidden)
     hd = DTensor.from_local(h, mesh, [Partial()], run_check=False)
 
@@ -97,11 +101,11 @@ def run_rank(args: argparse.Namespace) -> dict:
         dist.all_reduce(y, group=group)
         return y
 
-    out[f"all-reduce [{b}, {s}, {args.hidden}]"] = {
-        "autotp": _median_ms(lambda: C._all_reduce(h, group, "bench"), args.repeats),
-        "bare all_reduce": _median_ms(bare_reduce, args.repeats),
-        "DTensor redistribute": _median_ms(lambda: hd.redistribute(mesh, [Replicate()]).to_local(), args.repeats),
-    }
+    out[f"all-reduce [{b}, {s}, {args.hidden}]"] = _medians_ms({
+        "autotp": lambda: C._all_reduce(h, group, "bench"),
+        "bare all_reduce": bare_reduce,
+        "DTensor redistribute": lambda: hd.redistribute(mesh, [Replicate()]).to_local(),
+    }, args.repeats)
     # the vocab-parallel loss, forward + backward, on this rank's V/tp columns against serial
     # cross_entropy on all V in the same process
     import torch.nn.functional as F
@@ -120,10 +124,10 @@ def run_rank(args: argparse.Namespace) -> dict:
     def serial_loss():
         F.cross_entropy(whole, target).backward()
 
-    out[f"cross-entropy forward + backward, {n} rows, vocab {vocab}"] = {
-        "bare: serial cross_entropy on V": _median_ms(serial_loss, args.repeats),
-        f"autotp vocab-parallel on V/{tp}": _median_ms(parallel_loss, args.repeats),
-    }
+    out[f"cross-entropy forward + backward, {n} rows, vocab {vocab}"] = _medians_ms({
+        "bare: serial cross_entropy on V": serial_loss,
+        f"autotp vocab-parallel on V/{tp}": parallel_loss,
+    }, args.repeats)
     return out
 
 
@@ -134,7 +138,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=60)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from autotp.testing import launch
@@ -144,7 +148,8 @@ def main() -> None:
     lines = ["# Collectives: autotp vs bare torch.distributed vs DTensor", "",
              f"Command: `.venv/bin/python benchmarks/collectives.py{' --out ' + args.out if args.out else ''}`", "",
              machine() + f" Load average at the end: {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}. {args.tp} gloo "
-             f"ranks, 1 thread each, float32; medians of {args.repeats} calls, the slowest rank's.", ""]
+             f"ranks, 1 thread each, float32; medians of {args.repeats} calls, the versions taken in turn "
+             "within each repeat; the slowest rank's median.", ""]
     for case in results[0]:
         lines += [f"## {case}", "", "| version | ms | vs bare |", "|---|---|---|"]
         rows = {k: max(r[case][k] for r in results) for k in results[0][case]}

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
+import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
@@ -187,14 +189,16 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tens
     sizes = [local_size(full_size, shard, tp, r) for r in range(tp)]
     if shard.chunks == 1 and not shard.rotate and not shard.tail and all(n == width for n in sizes):
         # An even contiguous split: one all_gather_into_tensor into a [tp, *local] buffer; the
-        # full tensor is that buffer with the rank axis folded into dim d (one copy where d > 0,
-        # none where d == 0).
-        out = _gather_into(x.contiguous(), group, op)
+        # full tensor is that buffer with the rank axis folded into dim d (none where d == 0,
+        # else one copy out of a kept buffer).
         if d == 0:
-            return out.view((tp * width,) + tuple(x.shape[1:]))
+            return _gather_into(x.contiguous(), group, op).view((tp * width,) + tuple(x.shape[1:]))
+        out = _gather_into(x.contiguous(), group, op, scratch=True)
         shape = list(x.shape)
         shape[d] = full_size
-        return out.movedim(0, d).reshape(shape)
+        full = x.new_empty(shape)   # a fresh tensor: the buffer may be reused
+        full.view(shape[:d] + [tp, width] + shape[d + 1:]).copy_(out.movedim(0, d))
+        return full
     # Uneven or interleaved: each rank's part padded at the end of dim d to the widest (dims
     # kept in place, so the copies move whole rows), gathered into one buffer, and every run
     # copied once to where it belongs in the full tensor.
@@ -202,9 +206,10 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tens
     if x.shape[d] < width:
         padded = list(x.shape)
         padded[d] = width
-        send = x.new_zeros(padded)
+        send = _scratch(padded, x, "send")
         send.narrow(d, 0, x.shape[d]).copy_(x)
-    out = _gather_into(send, group, op)
+        send.narrow(d, x.shape[d], width - x.shape[d]).zero_()
+    out = _gather_into(send, group, op, scratch=True)
     shape = list(x.shape)
     shape[d] = full_size
     full = x.new_empty(shape)
@@ -216,17 +221,56 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tens
     return full
 
 
-def _gather_into(send: Tensor, group, op: str) -> Tensor:
+def _gather_into(send: Tensor, group, op: str, scratch: bool = False) -> Tensor:
     """Every rank's contiguous ``send`` in one buffer, viewed ``[tp, *send.shape]`` (backends take
-    the output as the inputs concatenated along dim 0)."""
+    the output as the inputs concatenated along dim 0). ``scratch``: the caller copies what it
+    needs out of the buffer before the next collective, so a reused one may serve (``_scratch``)."""
     tp = group_size(group)
-    with _comm(op, group):   # a functional collective, waited for inside
-        if _gloo_on_device(send, group):   # c10d's: the output is the inputs concatenated along dim 0
-            out = send.new_empty((tp * send.shape[0],) + tuple(send.shape[1:]))
-            dist.all_gather_into_tensor(out, send, group=group)
+    shape = (tp * send.shape[0],) + tuple(send.shape[1:])
+    reuse = scratch and _reusable(send)
+    with _comm(op, group):   # a collective, waited for inside
+        if reuse or _gloo_on_device(send, group):   # c10d's: the output is the inputs concatenated along dim 0
+            out = _scratch(shape, send, "gather") if reuse else send.new_empty(shape)
+            _c10d_all_gather_single(out, send, group=group)
             return out.view((tp,) + tuple(send.shape))
         out = funcol.wait_tensor(all_gather_single(send, 0, group))
     return out.view((tp,) + tuple(send.shape))
+
+
+#: c10d's all-gather into one tensor (``all_gather_single`` from torch 2.13 on; the older name
+#: warns there)
+_c10d_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+#: the largest buffer ``_scratch`` keeps between calls, in bytes
+SCRATCH_BYTES = 256 << 20
+_scratches = threading.local()
+
+
+def _reusable(t: Tensor) -> bool:
+    """Whether a gather of ``t`` may go through a kept buffer: eager code on the CPU. CPU
+    allocators hand a large block back to the system when it is freed, so every fresh buffer
+    the size of a gathered logits tensor costs the kernel's page faults and zeroing again (about
+    as much as the copy that lays the gathered shards out); accelerator allocators keep their
+    blocks, and a compiled program plans its own."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _scratch(shape, like: Tensor, slot: str) -> Tensor:
+    """A buffer of ``shape`` and ``like``'s dtype and device for one collective's staging, kept
+    for the next call on this thread (one per slot, dtype and device; grown, never shrunk) when
+    it is at most ``SCRATCH_BYTES``. Its contents are garbage; callers copy out what they keep
+    before the next call may reuse it, so nothing returned to a caller is ever a view of it."""
+    numel = math.prod(shape)
+    if not _reusable(like) or numel * like.element_size() > SCRATCH_BYTES:
+        return like.new_empty(shape)
+    kept = getattr(_scratches, "buffers", None)
+    if kept is None:
+        kept = _scratches.buffers = {}
+    key = (slot, like.dtype, like.device)
+    buf = kept.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = kept[key] = like.new_empty(numel)
+    return buf[:numel].view(shape)
 
 
 def _gloo_on_device(t: Tensor, group) -> bool:

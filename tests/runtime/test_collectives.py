@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import fx, nn
 
@@ -199,6 +199,29 @@ def test_gathers_through_c10d_as_gloo_on_a_gpu_does_match_the_definitions(cluste
     # gloo groups of CUDA tensors gather with c10d's all_gather_into_tensor (torch 2.11's
     # functional all-gather kills the process there); the same path on CPU tensors
     _check(cluster, op, case, c10d=True)
+
+
+def run_gathers_in_a_row(first: Case, second: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs in a rank: two gathers one after the other (the second reuses the first's kept
+    staging buffer on the CPU); the first result is returned as it stands after the second."""
+    mesh = get_mesh(first.tp)
+    group, r, block = mesh.tp_group, mesh.tp_rank, dist.get_rank() // first.tp
+    ys = [C.gather_from_tp(_rank_inputs("gather", c, block, r), group, c.shard, c.full_size) for c in (first, second)]
+    return ys[0], ys[1]
+
+
+@settings(max_examples=10, deadline=None)
+@given(first=cases(tps=(2, 4)), seed=st.integers(0, 2**31 - 1))
+# the even split of a dim after dims of size 1, where laying out the buffer needs no copy
+@example(first=Case(2, Shard(1), (1, 4, 3), 7), seed=8)
+@example(first=Case(2, Shard(2), (1, 1, 6), 7), seed=8)
+def test_gathered_tensors_never_share_the_kept_staging_buffer(cluster, first, seed):
+    # the same layout again with other values: the one case the reused buffer fits exactly
+    second = Case(first.tp, first.shard, first.shape, seed)
+    for rank, ys in enumerate(cluster.run(run_gathers_in_a_row, first, second)):
+        block = rank // first.tp
+        for y, case in zip(ys, (first, second)):
+            torch.testing.assert_close(y, _tensor(case.seed, case.shape, "x", block), rtol=0, atol=0)
 
 
 def run_dynamic_module(op: str, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
