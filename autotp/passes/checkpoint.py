@@ -38,11 +38,17 @@ def layer_of(node: fx.Node) -> str | None:
 
 
 def set_grad_enabled(mode: bool) -> None:
-    """``torch._C._set_grad_enabled`` under another name. An inlined grad-mode region restores
-    the mode it found (``_set_grad_enabled(prev)``, ``prev`` a node: autotp.higher_order);
-    torch 2.11's ``split_module`` takes every ``_set_grad_enabled`` for a region to carry across
-    partitions and asserts a constant argument. A region autotp inlined starts and ends inside
-    one layer's code, so it is a plain call of the partition that holds it."""
+    """``torch._C._set_grad_enabled`` under another name, which ``split_module`` leaves alone.
+    torch 2.11's ``split_module`` takes each ``_set_grad_enabled`` to open a region that lasts
+    until the next one and sets its mode again at the start of every later partition; it
+    asserts a constant argument, while an inlined grad-mode region restores the mode it found
+    (``_set_grad_enabled(prev)``, ``prev`` a node: autotp.higher_order). With that restoring
+    call renamed alone, Llama's rotary ``no_grad`` region reached every later partition: the
+    layers ran without autograd and the grad mode stayed off after the call (the loss had no
+    gradient; a pipeline's next stage ran without one). Every grad-mode call is renamed: the
+    partitions run in order on one thread, so the mode one sets reaches the next as it would
+    unsplit; a layer that starts with grad off runs without checkpointing (nothing to
+    recompute), and one that starts with it on is recomputed from that same mode."""
     torch._C._set_grad_enabled(mode)
 
 
@@ -73,8 +79,7 @@ def checkpoint_layers(gm: fx.GraphModule, rng: Any = None) -> fx.GraphModule:
     if not layers:
         return gm
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is torch._C._set_grad_enabled and node.args \
-                and isinstance(node.args[0], fx.Node):
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
             node.target = set_grad_enabled   # a plain call to split_module (see there)
     split = split_module(gm, gm, lambda n: partition[n], keep_original_order=True)
     for index, layer in layers.items():

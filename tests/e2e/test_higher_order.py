@@ -37,6 +37,24 @@ class Branchy(nn.Module):
         return (self.down(torch.relu(h)) ** 2).sum()
 
 
+class NoGradThenLayers(nn.Module):
+    """A no_grad region before a stack of layers (as rotary models compute cos/sin before theirs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("freq", torch.arange(16, dtype=torch.float64))
+        self.layers = nn.ModuleList(nn.ModuleDict({"up": nn.Linear(16, 64), "down": nn.Linear(64, 16)})
+                                    for _ in range(2))
+
+    def forward(self, x):                                  # x: (b, 16)
+        with torch.no_grad():
+            scale = torch.cos(self.freq * 0.1) + 2.0
+        h = x * scale
+        for layer in self.layers:
+            h = h + layer["down"](torch.relu(layer["up"](h)))
+        return (h * h).sum()
+
+
 MEGATRON_MLP = {"up.weight": "column", "down.weight": "row"}
 
 
@@ -47,6 +65,15 @@ def run_module(kind: str) -> tuple[dict, str]:
     x = x * torch.sign(x.sum()) * (-1 if kind == "cond_false" else 1)   # which branch runs
     pm = autotp.parallelize(model, 2, example_inputs=(x,), layout=MEGATRON_MLP)
     return equivalence_errors(model, pm, {"x": x}), pm.graph_module.code
+
+
+def run_checkpointed_layers(_: str) -> tuple[dict, bool]:
+    torch.manual_seed(0)
+    model = NoGradThenLayers().double()
+    x = torch.randn(3, 16, dtype=torch.float64)
+    pm = autotp.parallelize(model, 2, example_inputs=(x,), layout={"*.up.weight": "column", "*.down.weight": "row"},
+                            activation_checkpointing=True)
+    return equivalence_errors(model, pm, {"x": x}), torch.is_grad_enabled()
 
 
 def run_tiny_llama(_: str) -> tuple[dict, str]:
@@ -63,6 +90,14 @@ def test_no_grad_and_autocast_regions_are_inlined_exactly(cluster):
         assert max(errors.values()) <= TOLERANCE[torch.float64], errors
         assert "wrap_with" not in code and "torch._C._set_grad_enabled(False)" in code
         assert "torch.amp.autocast_mode._enter_autocast" in code
+
+
+def test_a_no_grad_region_before_checkpointed_layers_stays_inside_its_partition(cluster):
+    # split_module carries a grad-mode call into every later partition unless it is renamed:
+    # the layers then ran without autograd and the mode stayed off after the call
+    for errors, grad_on in cluster.run(run_checkpointed_layers, ""):
+        assert max(errors.values()) <= TOLERANCE[torch.float64], errors
+        assert grad_on
 
 
 def test_cond_runs_whole_with_its_branches_on_every_rank(cluster):
