@@ -10,7 +10,9 @@ buffer laid out along dim 2: the floor for a gather of that dim),
 ``dist.all_gather_single`` (``all_gather_into_tensor`` before torch 2.13) of the same local bytes (bare: the floor), the list
 ``dist.all_gather`` + ``torch.cat`` that autotp used before, and ``DTensor.redistribute`` from
 ``Shard(dim)`` to ``Replicate()``; and autotp's all-reduce (g's forward) against a bare
-``dist.all_reduce`` and DTensor's ``Partial() -> Replicate()``; and the vocab-parallel
+``dist.all_reduce`` and DTensor's ``Partial() -> Replicate()``; autotp's reduce-scatter onto the sequence dim
+(sequence parallelism) against a bare ``reduce_scatter_single`` of the same bytes and DTensor's
+``Partial() -> Shard(1)``; and the vocab-parallel
 cross-entropy (forward + backward, its three all-reduces included) on a rank's V/tp columns
 against serial ``F.cross_entropy`` on all V (the "bare" row there). Times are medians over the
 repeats; the slowest rank's median is shown.
@@ -105,6 +107,21 @@ def run_rank(args: argparse.Namespace) -> dict:
         "autotp": lambda: C._all_reduce(h, group, "bench"),
         "bare all_reduce": bare_reduce,
         "DTensor redistribute": lambda: hd.redistribute(mesh, [Replicate()]).to_local(),
+    }, args.repeats)
+    # sequence parallelism's reduce-scatter: a partial sum onto this rank's sequence shard (dim 1)
+    reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    partial = torch.randn(b, s, args.hidden)
+    pd = DTensor.from_local(partial, mesh, [Partial()], run_check=False)
+
+    def bare_reduce_scatter():
+        o = partial.new_empty((b // tp, s, args.hidden))
+        reduce_scatter_single(o, partial, group=group)
+        return o
+
+    out[f"reduce-scatter [{b}, {s}, {args.hidden}] onto dim 1"] = _medians_ms({
+        "autotp": lambda: C._reduce_scatter(partial, group, Shard(1), s, "bench"),
+        "bare reduce_scatter_single (dim 0)": bare_reduce_scatter,
+        "DTensor redistribute": lambda: pd.redistribute(mesh, [TorchShard(1)]).to_local(),
     }, args.repeats)
     # the vocab-parallel loss, forward + backward, on this rank's V/tp columns against serial
     # cross_entropy on all V in the same process

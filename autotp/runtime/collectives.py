@@ -172,14 +172,6 @@ def assemble(pieces: Sequence[Tensor], shard: Shard, full_size: int) -> Tensor:
     return torch.cat([t for _, t in segments], dim=d)
 
 
-def _pad_front(x: Tensor, size: int) -> Tensor:
-    """Zero-pad dim 0 of ``x`` to ``size`` rows (contiguous)."""
-    if x.shape[0] == size:
-        return x.contiguous()
-    pad = x.new_zeros((size - x.shape[0],) + tuple(x.shape[1:]))
-    return torch.cat([x, pad], dim=0)
-
-
 def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tensor:
     """All ranks' shards of ``x`` assembled into the full tensor (no autograd)."""
     tp, x = group_size(group), x.detach()
@@ -290,13 +282,42 @@ def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str) -> 
         # gloo reduce-scatters CPU tensors only; it all-reduces GPU tensors (ranks sharing a GPU).
         return local_shard(_all_reduce(x, group, op), shard, tp, rank)
     d, width = shard.dim, max_local_size(full_size, shard, tp)
-    # One padded block per rank, in rank order: a reduce-scatter of equal sizes, even when the
-    # shard is uneven or interleaved (chunks > 1); the zero padding sums to zero and is cut.
-    send = [_pad_front(local_shard(x, shard, tp, r).movedim(d, 0), width) for r in range(tp)]
-    out = torch.empty_like(send[rank])
-    with _comm(op, group):
-        dist.reduce_scatter(out, send, group=group)
-    return out[: local_size(full_size, shard, tp, rank)].movedim(0, d).contiguous()
+    sizes = [local_size(full_size, shard, tp, r) for r in range(tp)]
+    shape = list(x.shape)
+    pre, post = shape[:d], shape[d + 1:]
+    # One block per rank, in rank order, each this rank's shard padded at the end of dim d to
+    # the widest: a reduce-scatter of equal blocks, even when the shard is uneven or
+    # interleaved (the zero padding sums to zero and is cut). An even split of dim 0 is that
+    # layout already; an even split of another dim is one copy; else each run copied once.
+    if shard.chunks == 1 and not shard.rotate and not shard.tail and all(n == width for n in sizes):
+        if d == 0:
+            send = x.contiguous()
+        else:
+            send = _scratch([tp] + pre + [width] + post, x, "reduce_scatter")
+            send.copy_(x.view(pre + [tp, width] + post).movedim(d, 0))
+    else:
+        send = _scratch([tp] + pre + [width] + post, x, "reduce_scatter")
+        for r in range(tp):
+            offset = 0
+            for a, b in local_ranges(full_size, shard, tp, r):
+                send[r].narrow(d, offset, b - a).copy_(x.narrow(d, a, b - a))
+                offset += b - a
+            if offset < width:
+                send[r].narrow(d, offset, width - offset).zero_()
+    send = send.reshape([tp * (pre or [width])[0]] + (pre[1:] + [width] if pre else []) + post)
+    with _comm(op, group):   # a collective, waited for inside
+        if _reusable(x):
+            out = x.new_empty(pre + [width] + post)
+            _c10d_reduce_scatter_tensor(out, send, group=group)
+        else:
+            out = funcol.wait_tensor(funcol.reduce_scatter_tensor(send, "sum", 0, group))
+    n = sizes[rank]
+    return out if n == width else out.narrow(d, 0, n).contiguous()
+
+
+#: c10d's reduce-scatter of one tensor (``reduce_scatter_single`` from torch 2.13 on, where the
+#: older name warns)
+_c10d_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 # ---------------------------------------------------------------- the mappings
