@@ -87,6 +87,20 @@ def test_token_ids_or_labels_outside_the_vocabulary_are_refused_like_serial(clus
         cluster.run(_out_of_vocabulary, "labels")
 
 
+def test_index_bounds_skip_ignored_positions_and_name_the_first_bad_input():
+    from autotp.runtime.inputs import check_index_bounds
+
+    bounds = {"input_ids": (10, None, "an embedding table"), "labels": (10, -100, "the classes of a loss")}
+    ids, labels = torch.tensor([[0, 9, 3]]), torch.tensor([[-100, 9, 0]])
+    check_index_bounds(bounds, {"input_ids": ids, "labels": labels})
+    check_index_bounds(bounds, {"input_ids": ids, "labels": torch.full((1, 3), -100)})   # all ignored
+    check_index_bounds(bounds, {"input_ids": ids})                                      # no labels given
+    with pytest.raises(InputError, match=r"labels holds 10, outside \[0, 10\)"):
+        check_index_bounds(bounds, {"input_ids": ids, "labels": torch.tensor([[-100, 10, 0]])})
+    with pytest.raises(InputError, match=r"input_ids holds -1, outside"):
+        check_index_bounds(bounds, {"input_ids": torch.tensor([[-1, 10]]), "labels": labels})
+
+
 def test_input_longer_than_n_positions_is_refused_before_running(cluster):
     with pytest.raises(InputError, match=r"input_ids has 20 elements in dim 1 but the model was captured for "
                                          r"at most 16"):
