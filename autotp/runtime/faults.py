@@ -229,6 +229,17 @@ def _published_fault(store, rank: int, since: float | None) -> dict | None:
     return None
 
 
+def _describe(exc: BaseException) -> str:
+    """``Type: first line`` of an exception, and of its cause where it wraps one (torch's
+    pipeline stages re-raise a chunk's error as "[Stage 1] failed to run forward", from it)."""
+    def line(e: BaseException) -> str:
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+        return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+    cause = exc.__cause__
+    return line(exc) if cause is None else f"{line(exc)} (from {line(cause)})"
+
+
 class StepGuard:
     """Keeps the ranks of ``group`` in step across an exception raised inside a call."""
 
@@ -283,7 +294,7 @@ class StepGuard:
         from ..errors import CommError, DisagreementError
 
         broken = isinstance(exc, CommError) and not isinstance(exc, DisagreementError)
-        self._publish_fault(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", broken)
+        self._publish_fault(_describe(exc), broken)
 
     def _publish_fault(self, error: str, broken: bool, where: str = "a call") -> None:
         self.fault = {"rank": dist.get_rank(), "error": error[:300], "where": where,

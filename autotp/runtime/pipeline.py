@@ -546,6 +546,12 @@ class PipelineModule(nn.Module):
         self._bounds = index_bounds(capture)
         control = getattr(mesh, "control_group", None) or getattr(mesh, "tp_group", None)
         check_agreement(fingerprint(plan, graph_module), control)
+        from .faults import StepGuard
+
+        #: a step that raises on some ranks only: the others, left waiting in the schedule's
+        #: sends and receives, name the rank and its error when their wait times out, and the
+        #: next step refuses to go on out of step (autotp.runtime.faults)
+        self._guard = StepGuard(dist.group.WORLD, tuple(range(dist.get_world_size())))
         if "loss" not in capture.output_names:
             raise ConfigError("a pipeline step trains on the model's loss, and this capture returns none "
                               f"(outputs {capture.output_names}): pass labels in example_kwargs or call with labels")
@@ -730,6 +736,10 @@ class PipelineModule(nn.Module):
         the batch's loss (detached) on every rank. Gradients accumulate into the parameters
         (zero them between steps, as for any module). In eval mode (``pm.eval()``) the step is
         forward only, without dropout: the loss of a validation batch, no gradient."""
+        with self._guard:   # an exception on some ranks only never leaves them out of step
+            return self._step(args, kwargs)
+
+    def _step(self, args: tuple, kwargs: dict) -> torch.Tensor:
         if self.training and not self.capture.training:
             raise ConfigError("this pipeline was built from a model in eval mode, whose captured program has no "
                               "dropout: training it would silently train without dropout. Call model.train() before "

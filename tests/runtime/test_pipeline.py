@@ -445,6 +445,37 @@ def _steps_where_a_stage_dies() -> None:
     pm.step(**data)
 
 
+def _steps_where_a_stage_raises() -> str:
+    from autotp import zoo
+
+    config = zoo.tiny_config("gpt2", layers=2, heads=2, head_dim=4, vocab=32)
+    pm = autotp.parallelize(zoo.build("gpt2", config, dtype=torch.float64), tp=1, pp=2, microbatches=2)
+    data = zoo.example_batch("gpt2", config, batch=2, seq=5)
+    pm.step(**data)            # one healthy step: every connection is up
+    if torch.distributed.get_rank() == 1:
+        def broken(*args):
+            raise RuntimeError("a bug in the last stage's code")
+        pm._chunk_modules[0].forward = broken
+    try:
+        pm.step(**data)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.slow
+def test_a_stage_that_raises_is_named_by_the_stage_left_waiting():
+    # without the step guard the first stage waited in its receive and failed naming nobody
+    from autotp.runtime import faults
+    from autotp.testing_launch import LocalCluster
+
+    with LocalCluster(2, timeout=120, collective_timeout=12.0, error_grace=12.0 + faults.SLACK_S) as cluster:
+        first, last = cluster.run(_steps_where_a_stage_raises)
+    assert last.startswith("RuntimeError") and "[Stage 1] failed to run forward" in last, last
+    assert "CommError" in first and "rank 1 raised RuntimeError: [Stage 1] failed to run forward: (from " \
+        "RuntimeError: a bug in the last stage's code)" in first, first
+
+
 @pytest.mark.slow
 def test_a_lost_stage_is_named_by_its_neighbour():
     from autotp.errors import CommError
