@@ -169,3 +169,41 @@ def test_shape_symbols_that_are_not_input_dims_are_priced_at_the_workload_or_the
     out = _hinted_symbols(hints, {s: 1024, b: 8})
     named = {str(k): v for k, v in out.items()}
     assert named == {"s5": 1024, "s6": 2056, "u0": 7}     # s0 itself keeps the workload's value
+
+
+class _LayerDrop(torch.nn.Module):
+    """LayerDrop as transformers < 5.2x writes it: a Python branch on a 0-d random draw."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.training:
+                if torch.rand([]) < self.p:
+                    continue
+            x = x + layer(x)
+        return x.sum()
+
+
+def test_layerdrop_at_zero_is_captured_with_every_layer_and_above_zero_is_refused():
+    x = torch.randn(2, 4)
+    cap = capture(_LayerDrop(0.0).train(), example_inputs=(x,), dynamic=False)
+    assert sum(n.target is torch.ops.aten.linear.default for n in cap.graph.nodes) == 2
+    with pytest.raises(CaptureError, match=r"torch.rand\(\[\]\) < 0.3.*config.layerdrop = 0"):
+        capture(_LayerDrop(0.3).train(), example_inputs=(x,), dynamic=False)
+    assert torch.rand([]).shape == ()    # the draw is a tensor again outside capture
+
+
+def test_a_unit_draw_answers_only_what_every_draw_answers_alike():
+    from autotp.capture import RandomBranchError, _UnitDraw
+
+    u = _UnitDraw("here")
+    assert (u < 0, u < 0.0, u <= -1, u > -0.5, u >= 0, u < 1, u <= 1.5, u > 1, u >= 1) == \
+        (False, False, False, True, True, True, True, False, False)
+    assert (0 > u) is False and (1 > u) is True    # reflected comparisons
+    for ask in (lambda: u < 0.5, lambda: u >= 0.1, lambda: u < torch.tensor(0.0), lambda: bool(u), lambda: float(u)):
+        with pytest.raises(RandomBranchError):
+            ask()
