@@ -430,28 +430,29 @@ def test_drawn_pipelines_equal_serial_steps(cluster, family, layers, shape, sche
         _check_step(result, str(case))
 
 
-def _steps_where_a_stage_dies() -> None:
-    import os
-    import signal
-
+def _a_healthy_pp2_step() -> tuple:
+    """A tiny GPT-2 at pp 2 and its batch, after one healthy step (every connection is up)."""
     from autotp import zoo
 
     config = zoo.tiny_config("gpt2", layers=2, heads=2, head_dim=4, vocab=32)
     pm = autotp.parallelize(zoo.build("gpt2", config, dtype=torch.float64), tp=1, pp=2, microbatches=2)
     data = zoo.example_batch("gpt2", config, batch=2, seq=5)
-    pm.step(**data)            # one healthy step: every connection is up
+    pm.step(**data)
+    return pm, data
+
+
+def _steps_where_a_stage_dies() -> None:
+    import os
+    import signal
+
+    pm, data = _a_healthy_pp2_step()
     if torch.distributed.get_rank() == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     pm.step(**data)
 
 
 def _steps_where_a_stage_raises() -> str:
-    from autotp import zoo
-
-    config = zoo.tiny_config("gpt2", layers=2, heads=2, head_dim=4, vocab=32)
-    pm = autotp.parallelize(zoo.build("gpt2", config, dtype=torch.float64), tp=1, pp=2, microbatches=2)
-    data = zoo.example_batch("gpt2", config, batch=2, seq=5)
-    pm.step(**data)            # one healthy step: every connection is up
+    pm, data = _a_healthy_pp2_step()
     if torch.distributed.get_rank() == 1:
         def broken(*args):
             raise RuntimeError("a bug in the last stage's code")
