@@ -118,11 +118,14 @@ def main() -> None:
         "largest), and the one measured curve autotp has (an H200, `benchmarks/gpu.md`: 248 TFLOP/s at 2048 x "
         "1024 x 1024, flat at 700-811 from hidden 4096 up; a fixed 12 us per product on top of the rate fits it) "
         "would slow the smallest row's six products per layer by about 4% and the largest row's by 0.3%: "
-        "the trend's direction, a sixth of its size. Nor the pipeline bubble or the TP all-reduces: both are "
-        "priced and both grow with the model, the wrong way for the trend. Candidates the model leaves out, "
-        "each larger for the large rows: the paper's scatter/gather of stage-to-stage sends over the 8 "
-        "InfiniBand cards, its fused kernels' share under t = 8, and efficiency that the paper tuned per run "
-        "(micro-batch sizes it does not list). Measuring one A100 layer at two sizes would tell them apart.",
+        "the trend's direction, a sixth of its size. Nor the TP all-reduces: priced, and their share shrinks "
+        "as h grows (bytes per layer grow as h, work as h^2/t). The stage-to-stage sends are priced with "
+        "the paper's scatter/gather (1/t of the boundary per InfiniBand card). Candidates the model leaves "
+        "out, each larger for the large rows: its pipeline is plain 1F1B, whose bubble (7-11% of the step "
+        "in the four largest rows) the paper's interleaved schedule cuts by its chunks per stage, if those "
+        "runs used it (Table 1 does not say); Megatron's fused kernels' share under t = 8; and efficiency "
+        "the paper tuned per run (micro-batch sizes it does not list). Measuring one A100 layer at two "
+        "sizes would tell the kernel-side ones apart.",
         "- **Kernel fusion.** Megatron fuses bias+GeLU, bias+dropout+add and the scaled masked softmax "
         "(11-19% in the paper's section 5.8); autotp prices each ATen op's memory traffic separately.",
         "- **Overlap.** Nothing is overlapped here: not the data-parallel all-reduce with the pipeline flush, "
