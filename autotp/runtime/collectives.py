@@ -178,8 +178,7 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tens
     if tp == 1:
         return x.contiguous()
     d, width = shard.dim, max_local_size(full_size, shard, tp)
-    sizes = [local_size(full_size, shard, tp, r) for r in range(tp)]
-    if shard.chunks == 1 and not shard.rotate and not shard.tail and all(n == width for n in sizes):
+    if _even(shard, full_size, tp):
         # An even contiguous split: one all_gather_into_tensor into a [tp, *local] buffer; the
         # full tensor is that buffer with the rank axis folded into dim d (none where d == 0,
         # else one copy out of a kept buffer).
@@ -211,6 +210,13 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tens
             full.narrow(d, a, b - a).copy_(out[r].narrow(d, offset, b - a))
             offset += b - a
     return full
+
+
+def _even(shard: Shard, full_size: int, tp: int) -> bool:
+    """An even contiguous split: every rank one run of the same width, in rank order."""
+    if shard.chunks != 1 or shard.rotate or shard.tail:
+        return False
+    return len({local_size(full_size, shard, tp, r) for r in range(tp)}) == 1
 
 
 def _gather_into(send: Tensor, group, op: str, scratch: bool = False) -> Tensor:
@@ -282,16 +288,15 @@ def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str) -> 
         # gloo reduce-scatters CPU tensors only; it all-reduces GPU tensors (ranks sharing a GPU).
         return local_shard(_all_reduce(x, group, op), shard, tp, rank)
     d, width = shard.dim, max_local_size(full_size, shard, tp)
-    sizes = [local_size(full_size, shard, tp, r) for r in range(tp)]
     shape = list(x.shape)
     pre, post = shape[:d], shape[d + 1:]
     # One block per rank, in rank order, each this rank's shard padded at the end of dim d to
     # the widest: a reduce-scatter of equal blocks, even when the shard is uneven or
     # interleaved (the zero padding sums to zero and is cut). An even split of dim 0 is that
     # layout already; an even split of another dim is one copy; else each run copied once.
-    if shard.chunks == 1 and not shard.rotate and not shard.tail and all(n == width for n in sizes):
+    if _even(shard, full_size, tp):
         if d == 0:
-            send = x.contiguous()
+            send = x.contiguous().view([tp, width] + post)
         else:
             send = _scratch([tp] + pre + [width] + post, x, "reduce_scatter")
             send.copy_(x.view(pre + [tp, width] + post).movedim(d, 0))
@@ -304,14 +309,14 @@ def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str) -> 
                 offset += b - a
             if offset < width:
                 send[r].narrow(d, offset, width - offset).zero_()
-    send = send.reshape([tp * (pre or [width])[0]] + (pre[1:] + [width] if pre else []) + post)
+    send = send.flatten(0, 1)   # [tp, *local] -> the ranks' blocks along dim 0, as backends take them
     with _comm(op, group):   # a collective, waited for inside
         if _reusable(x):
             out = x.new_empty(pre + [width] + post)
             _c10d_reduce_scatter_tensor(out, send, group=group)
         else:
             out = funcol.wait_tensor(funcol.reduce_scatter_tensor(send, "sum", 0, group))
-    n = sizes[rank]
+    n = local_size(full_size, shard, tp, rank)
     return out if n == width else out.narrow(d, 0, n).contiguous()
 
 
