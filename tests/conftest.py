@@ -1,7 +1,7 @@
 """Shared fixtures: one set of local gloo ranks for the whole session (spawning costs seconds)."""
 import pytest
 
-from autotp.testing_launch import LocalCluster
+from autotp.testing_launch import LocalCluster, close_all
 
 
 @pytest.fixture(scope="session")
@@ -36,5 +36,4 @@ def cluster_of(cluster):
         return current[world]
 
     yield get
-    for c in current.values():
-        c.close()
+    close_all([*current.values(), cluster])   # the ranks of every world leave together
