@@ -142,21 +142,30 @@ class Plan:
         return total * self.dtype_bytes
 
     def heads_per_rank(self) -> dict[str, list[int]]:
-        """For each parameter split by whole heads (atoms wider than one element) inside a module
-        whose attention really runs split by heads, how many heads each rank holds: uneven where
-        tp does not divide the head count. Empty when no attention is split (a q projection cut
-        by heads whose output is gathered before attention does not count)."""
+        """For each column-parallel projection split by whole heads (atoms wider than one
+        element) inside a module whose attention really runs split by heads: how many of the
+        module's query heads each rank runs attention for, uneven where tp does not divide the
+        head count. Read off the attention ops themselves (``Plan.attention``), so a fused
+        projection that deals whole groups of heads (Falcon's k and v inside each group) counts
+        the groups' query heads, and a k or v projection counts the query heads it serves. Empty
+        when no attention is split (a q projection cut by heads whose output is gathered before
+        attention does not count). A plan saved before attention was recorded counts the
+        projection's own atoms instead."""
         out = {}
-        split = None if self.attention is None else tuple(m + "." for m in self.attention)
         for name, p in self.params.items():
-            if split is not None and not name.startswith(split):
+            if not (isinstance(p, Shard) and p.unit > 1 and self.roles.get(name) == "column"
+                    and len(self.shapes[name]) > 1):
                 continue
-            if isinstance(p, Shard) and p.unit > 1 and self.roles.get(name) == "column" and len(self.shapes[name]) > 1:
-                size = self.shapes[name][p.dim]
-                per_block = [local_size(size, p, self.tp, r) // (p.chunks * p.unit) for r in range(self.tp)]
-                # blocks of a fused q|k|v hold one rank's heads each; blocks with a tail (k and v
-                # kept whole) are groups of query heads, each adding its own
-                out[name] = [(n - p.tail) * p.chunks if p.tail else n for n in per_block]
+            if self.attention is not None:
+                module = next((m for m in self.attention if name.startswith(m + ".")), None)
+                if module is not None:
+                    out[name] = list(self.attention[module])
+                continue
+            size = self.shapes[name][p.dim]
+            per_block = [local_size(size, p, self.tp, r) // (p.chunks * p.unit) for r in range(self.tp)]
+            # blocks of a fused q|k|v hold one rank's heads each; blocks with a tail (k and v
+            # kept whole) are groups of query heads, each adding its own
+            out[name] = [(n - p.tail) * p.chunks if p.tail else n for n in per_block]
         return out
 
     def comm_seconds(self) -> dict[str, float]:
