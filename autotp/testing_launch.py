@@ -278,6 +278,11 @@ def _worker_main(rank: int, world_size: int, backend: str, port: int, timeout: f
         pass
     # Leave without the interpreter's finalization (spawn's exit runs it): a rank that imported
     # torch and transformers spends a second or more of CPU tearing down modules nothing reads.
+    # multiprocessing's own exit hooks still run (as its bootstrap would after this function):
+    # they release what the rank registered with the resource tracker (torch.compile's locks).
+    from multiprocessing import util
+
+    util._exit_function()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
