@@ -18,10 +18,19 @@ grouped-query attention with fewer key/value heads than ranks, fused into one pr
 heads are dealt as above and each rank holds its run followed by the block's k and v. Every
 element a rank holds is still the same element of the whole tensor, so slicing, gathering and
 checkpoints work from :func:`local_ranges` alone; only sums over ranks must take the tail once.
+
+``per_block`` deals the blocks, not their atoms, to the ranks first: with fewer blocks than ranks
+(Falcon's new layout, 2 groups of 4 query heads with their k and v at tp=8) the ranks are cut
+into one consecutive set per block (sets as even as atoms are dealt: 3, 3, 2 ranks for 3 blocks
+at tp=8), and each block's atoms are dealt among its own set's ranks, its tail whole on each of
+them. A rank then holds one block's run and tail: ranks 0-3 group 0's query heads one each with
+group 0's k and v, ranks 4-7 group 1's. Where a view splits the blocks onto a dim of their own
+(``[..., groups, heads + 2, head_dim]``), ``outer`` names that dim: the shard's own dim then
+holds one block, and every rank holds one entry of dim ``outer``, its set's block.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Union
 
@@ -47,6 +56,8 @@ class Shard:
     unit: int = 1
     rotate: int = 0
     tail: int = 0    # atoms at the end of every block that every rank holds whole
+    per_block: bool = False   # each block dealt to its own set of ranks (fewer blocks than ranks)
+    outer: int = -1  # per_block only: the dim whose entries are the blocks (-1: blocks on ``dim``)
 
     def __post_init__(self) -> None:
         if self.dim < 0:
@@ -54,6 +65,8 @@ class Shard:
         if self.chunks < 1 or self.unit < 1 or self.tail < 0:
             raise ValueError(f"Shard chunks and unit must be >= 1 and tail >= 0, got "
                              f"{self.chunks}, {self.unit}, {self.tail}")
+        if self.outer >= 0 and (not self.per_block or self.outer == self.dim):
+            raise ValueError(f"Shard.outer={self.outer} needs per_block and a dim other than {self.dim}")
 
     def __repr__(self) -> str:
         extra = ""
@@ -65,18 +78,25 @@ class Shard:
             extra += f"@{self.rotate}"
         if self.tail:
             extra += f"+{self.tail}"
+        if self.per_block:
+            extra += " per block" if self.outer < 0 else f" per block of dim {self.outer}"
         return f"S({self.dim}{extra})"
 
     def with_dim(self, dim: int) -> "Shard":
-        return Shard(dim, self.chunks, self.unit, self.rotate, self.tail)
+        return replace(self, dim=dim)
 
     def with_blocks(self, dim: int, chunks: int, unit: int) -> "Shard":
         """The same dealing of atoms to ranks, described on another dim or block structure."""
-        return Shard(dim, chunks, unit, self.rotate, self.tail)
+        return replace(self, dim=dim, chunks=chunks, unit=unit)
 
     def without_tail(self) -> "Shard":
         """The dealt part alone: what a rank holds of each block's leading atoms."""
-        return Shard(self.dim, self.chunks, self.unit, self.rotate)
+        return replace(self, tail=0)
+
+    @property
+    def blocks_in_dim(self) -> int:
+        """Blocks laid side by side along ``dim`` itself (one where ``outer`` holds them)."""
+        return 1 if self.outer >= 0 else self.chunks
 
 
 Placement = Union[Replicate, Shard, Partial]
@@ -89,15 +109,49 @@ def atoms_per_chunk(size: int, shard: Shard) -> int:
     raises if the dimension does not factor."""
     if not divides(size, shard):
         raise ValueError(
-            f"dimension of size {size} does not split into {shard.chunks} blocks of "
+            f"dimension of size {size} does not split into {shard.blocks_in_dim} blocks of "
             f"{shard.unit}-element atoms" + (f" ending in {shard.tail} whole ones" if shard.tail else "")
         )
-    return size // (shard.chunks * shard.unit) - shard.tail
+    return size // (shard.blocks_in_dim * shard.unit) - shard.tail
 
 
 def divides(size: int, shard: Shard) -> bool:
-    return size % (shard.chunks * shard.unit) == 0 and (
-        not shard.tail or size // (shard.chunks * shard.unit) > shard.tail)
+    """Whether ``size`` factors as the shard says. A block of a per-block shard may be all tail
+    (k picked out of each group: every rank of a set holds its block's whole)."""
+    n = shard.blocks_in_dim * shard.unit
+    if size % n:
+        return False
+    return not shard.tail or size // n > shard.tail or (shard.per_block and size // n == shard.tail)
+
+
+def block_sets(chunks: int, tp: int) -> tuple[tuple[int, int], ...]:
+    """A per-block shard's (first rank, ranks) for each block: consecutive sets, dealt like atoms."""
+    return _atom_runs(tp, chunks)
+
+
+def _position(shard: Shard, tp: int, rank: int) -> tuple[int, int, int]:
+    """(block, position in its set, set size) of ``rank`` under a per-block shard."""
+    effective = (rank + shard.rotate) % tp
+    for block, (first, count) in enumerate(block_sets(shard.chunks, tp)):
+        if first <= effective < first + count:
+            return block, effective - first, count
+    raise AssertionError("unreachable: the sets cover every rank")
+
+
+def _run(size: int, shard: Shard, tp: int, rank: int) -> tuple[int, int, int]:
+    """(block, first atom, atoms) of ``rank``'s run; block -1: every block (an ordinary shard)."""
+    n_atoms = atoms_per_chunk(size, shard)
+    if shard.per_block:
+        block, position, ranks = _position(shard, tp, rank)
+        start, count = _atom_runs(n_atoms, ranks)[position]
+        return block, start, count
+    start, count = _atom_runs(n_atoms, tp)[(rank + shard.rotate) % tp]
+    return -1, start, count
+
+
+def outer_block(shard: Shard, tp: int, rank: int) -> int:
+    """The entry of dim ``outer`` (the block) that ``rank`` holds under a per-block shard."""
+    return _position(shard, tp, rank)[0]
 
 
 @lru_cache(maxsize=None)
@@ -117,8 +171,9 @@ def is_even(size: int, shard: Shard, tp: int) -> bool:
 
 def local_size(size: int, shard: Shard, tp: int, rank: int) -> int:
     """Elements of the sharded dimension held by ``rank``."""
-    _, count = _atom_runs(atoms_per_chunk(size, shard), tp)[(rank + shard.rotate) % tp]
-    return shard.chunks * (count + shard.tail) * shard.unit
+    block, _, count = _run(size, shard, tp, rank)
+    blocks = 1 if block >= 0 else shard.chunks
+    return blocks * (count + shard.tail) * shard.unit
 
 
 def max_local_size(size: int, shard: Shard, tp: int) -> int:
@@ -128,10 +183,12 @@ def max_local_size(size: int, shard: Shard, tp: int) -> int:
 def local_ranges(size: int, shard: Shard, tp: int, rank: int) -> tuple[tuple[int, int], ...]:
     """The [start, stop) index ranges of the full dimension that ``rank`` holds, in local order."""
     n_atoms = atoms_per_chunk(size, shard)
-    start, count = _atom_runs(n_atoms, tp)[(rank + shard.rotate) % tp]
-    block = size // shard.chunks
+    held, start, count = _run(size, shard, tp, rank)
+    block = size // shard.blocks_in_dim
     out = []
-    for c in range(shard.chunks):
+    for c in range(shard.blocks_in_dim):
+        if held >= 0 and shard.outer < 0 and c != held:
+            continue   # a per-block shard: this rank's set holds one block
         if count:
             out.append((c * block + start * shard.unit, c * block + (start + count) * shard.unit))
         if shard.tail:
@@ -144,10 +201,14 @@ def owned_ranges(size: int, shard: Shard, tp: int, rank: int) -> tuple[tuple[int
     rank 0 alone. Every element of the dim is owned by exactly one rank (a norm or a checksum
     over ranks sums these)."""
     ranges = local_ranges(size, shard, tp, rank)
-    if not shard.tail or rank == 0:
+    if shard.tail and shard.per_block:
+        owner = _position(shard, tp, rank)[1] == 0   # a block's tail: the first rank of its set
+    else:
+        owner = rank == 0
+    if not shard.tail or owner:
         return ranges
     n_atoms = atoms_per_chunk(size, shard)
-    return tuple((a, b) for a, b in ranges if (a % (size // shard.chunks)) < n_atoms * shard.unit)
+    return tuple((a, b) for a, b in ranges if (a % (size // shard.blocks_in_dim)) < n_atoms * shard.unit)
 
 
 @lru_cache(maxsize=4096)
@@ -182,6 +243,10 @@ def to_json(p: Placement) -> dict:
         out = {"kind": "shard", "dim": p.dim, "chunks": p.chunks, "unit": p.unit, "rotate": p.rotate}
         if p.tail:
             out["tail"] = p.tail
+        if p.per_block:
+            out["per_block"] = True
+        if p.outer >= 0:
+            out["outer"] = p.outer
         return out
     if isinstance(p, Partial):
         return {"kind": "partial"}
@@ -192,7 +257,7 @@ def from_json(d: dict) -> Placement:
     kind = d.get("kind")
     if kind == "shard":
         return Shard(int(d["dim"]), int(d.get("chunks", 1)), int(d.get("unit", 1)), int(d.get("rotate", 0)),
-                     int(d.get("tail", 0)))
+                     int(d.get("tail", 0)), bool(d.get("per_block", False)), int(d.get("outer", -1)))
     if kind == "partial":
         return PARTIAL
     if kind == "replicate":

@@ -387,8 +387,8 @@ def unsplit_attention_note(index: Any, prop: Any, split: Mapping[str, Any]) -> s
     """A note for a plan whose attention runs whole (every head on every rank) somewhere: which
     modules, their query and key/value heads read off ``scaled_dot_product_attention``'s
     inputs, and what kept them whole where the graph shows it: q, k and v from one fused
-    projection with fewer key/value groups than ranks and fewer query heads per group than ranks
-    (a rank's heads would span groups, a layout autotp does not have); otherwise the cost model's
+    projection whose groups, dealt to sets of ranks, would leave a rank without a head or deal
+    unevenly under ``uneven=False``; otherwise the cost model's
     choice. ``split``: the plan's split attention modules."""
     import torch
 
@@ -421,12 +421,16 @@ def unsplit_attention_note(index: Any, prop: Any, split: Mapping[str, Any]) -> s
     path, ((h, kv), fused) = next(iter(whole.items()))
     where = f"{len(whole)} attention module{'s' if len(whole) > 1 else ''} ({path}{', ...' if len(whole) > 1 else ''})"
     heads = f"{h} query heads and {kv} key/value head{'s' if kv > 1 else ''}" if h and kv else "its heads"
-    if fused is not None and h and kv and kv < index.tp and h // kv < index.tp:
-        why = (f"q, k and v come from one fused projection ({fused}) of {kv} key/value group"
-               f"{'s' if kv > 1 else ''} of {h // kv} query heads each: neither the groups (dealt whole) nor "
-               f"a group's query heads (dealt beside its k and v, kept whole on every rank) reach the "
-               f"{index.tp} ranks, and a rank's run of query heads spanning groups is a layout autotp does "
-               "not have yet")
+    per_set = -(-index.tp // kv) if kv else 0   # ranks in a group's set, where groups are dealt to sets
+    grouped = fused is not None and h and kv and 1 < kv < index.tp and h // kv < index.tp
+    what = (f"q, k and v come from one fused projection ({fused}) of {kv} key/value group"
+            f"{'s' if kv > 1 else ''} of {h // kv} query heads each" if grouped else "")
+    if grouped and h // kv < per_set:
+        why = (f"{what}: dealing each group to its own set of ranks (up to {per_set} of the {index.tp}) "
+               "would leave a rank without a query head")
+    elif grouped and not index.uneven and (index.tp % kv or (h // kv) % (index.tp // kv)):
+        why = (f"{what}: dealing each group to its own set of the {index.tp} ranks is uneven, and "
+               "uneven=False forbids it")
     else:
         why = "the cost model found splitting it by head costs more than it saves at this workload"
     return (f"attention runs unsplit, every head on every rank, in {where}: {heads}; {why}. The rest of the "

@@ -52,17 +52,9 @@ def _expected(plan) -> int:
 
 
 def _families():
-    for family in sorted(zoo.FAMILIES):
-        if family == "falcon-new":
-            # Falcon's new layout with 2 or 3 kv groups of 4 query heads at tp=8: neither the groups
-            # nor a group's query heads (dealt over the ranks beside a whole k and v) reach 8, so
-            # attention is left whole (correct, unsplit); strict, so a fix is noticed here
-            # (slow tier: the replicated plan costs ~20 s of solving on 2 cores)
-            yield pytest.param(family, marks=[pytest.mark.slow, pytest.mark.xfail(
-                strict=True, reason="Falcon's fused groups with fewer kv groups and fewer query heads per "
-                                    "group than ranks are not split yet")])
-        else:
-            yield family
+    # Falcon's new layout, 2 or 3 kv groups of 4 query heads at tp=8, deals each group to its own
+    # set of ranks (a per-block shard): every rank holds one group's k and v and its query heads
+    return sorted(zoo.FAMILIES)
 
 
 @pytest.mark.parametrize("family", list(_families()))

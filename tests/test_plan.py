@@ -316,19 +316,40 @@ def test_multi_query_attention_of_a_fused_projection_splits_by_query_head_at_rea
     assert not [n for n in plan.notes if n.startswith("attention runs unsplit")]
 
 
-def test_a_plan_says_why_fused_grouped_attention_runs_unsplit():
-    """Falcon's new layout with 2 key/value groups of 4 query heads at tp=8: neither reaches 8
-    ranks; the note names the heads, the fused matrix and why."""
+def test_fused_groups_fewer_than_ranks_are_each_dealt_to_their_own_ranks():
+    """Falcon's new layout with 2 key/value groups of 4 query heads at tp=8: each group goes to
+    its own 4 ranks, one query head each beside the group's k and v, and the output projection's
+    rows follow; nothing runs unsplit."""
     from autotp import zoo
 
     config = zoo.tiny_config("falcon-new", layers=2, heads=8, kv_heads=2, head_dim=64, vocab=64)
     plan = autotp.plan(zoo.build("falcon-new", config, device="meta"), 8, batch=64, seq=2048, profile="h100-dgx")
+    assert plan.attention == {f"transformer.h.{i}.self_attention": [1] * 8 for i in range(2)}
+    fused = plan.params["transformer.h.0.self_attention.query_key_value.weight"]
+    assert fused == autotp.Shard(0, 2, 64, 0, 2, per_block=True), fused
+    assert plan.roles["transformer.h.0.self_attention.dense.weight"] == "row"
+    assert not [n for n in plan.notes if n.startswith("attention runs unsplit")]
+    assert "S(0x2/64+2 per block)" in str(plan)
+
+
+def test_a_plan_says_why_fused_grouped_attention_runs_unsplit():
+    """4 groups of 3 query heads at tp=6 deal to sets of 2, 2, 1 and 1 ranks, uneven (though 6
+    divides the 12 heads): under uneven=False attention stays whole, and the note names the
+    heads, the fused matrix and why."""
+    from autotp import zoo
+
+    config = zoo.tiny_config("falcon-new", layers=2, heads=12, kv_heads=4, head_dim=64, vocab=64)
+    model = zoo.build("falcon-new", config, device="meta")
+    plan = autotp.plan(model, 6, batch=64, seq=2048, profile="h100-dgx", uneven=False)
     assert plan.attention == {}
     note = next(n for n in plan.notes if n.startswith("attention runs unsplit"))
-    assert "2 attention modules" in note and "8 query heads and 2 key/value heads;" in note
-    assert "one fused projection (transformer.h.0.self_attention.query_key_value.weight) of 2 key/value " \
-           "groups of 4 query heads each" in note and "a layout autotp does not have yet" in note
+    assert "2 attention modules" in note and "12 query heads and 4 key/value heads;" in note
+    assert "one fused projection (transformer.h.0.self_attention.query_key_value.weight) of 4 key/value " \
+           "groups of 3 query heads each" in note and "uneven=False forbids it" in note
     assert "attention runs unsplit" in str(plan)
+    # allowed uneven, a group's 3 heads go 2, 1 over a set of 2 ranks or all 3 to a set of 1
+    split = autotp.plan(model, 6, batch=64, seq=2048, profile="h100-dgx").attention
+    assert len(split) == 2 and all(sorted(h) == [1, 1, 2, 2, 3, 3] for h in split.values()), split
 
 
 def test_a_plan_whose_attention_splits_by_head_has_no_such_note():

@@ -256,7 +256,8 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
             # dim 0 holds the contracted features: a row-parallel product finds them in whole heads
             x = users[0].args[0]
             if isinstance(x, fx.Node) and shape_of(x) is not None:
-                info.hints[0] = row_hint(x, len(shape_of(x)) - 1, tp, uneven) + (rotate,)
+                c, u = row_hint(x, len(shape_of(x)) - 1, tp, uneven)
+                info.hints[0] = (c, u, rotate, 0, c > 1)   # blocks only from groups of heads
     if node.target in (aten.mm.default, aten.linear.default, aten.embedding.default, aten.bmm.default,
                        aten.matmul.default):
         out = info.output
@@ -500,6 +501,8 @@ def _conversion(src: Any, dst: Placement, size: int | None, tp: int) -> str | No
         return None
     if isinstance(dst, Partial) or (isinstance(dst, Shard) and dst.tail):
         return "inf"   # a tail is made whole by the product that computes it, never by a collective
+    if any(isinstance(p, Shard) and p.outer >= 0 for p in (src, dst)):
+        return "inf"   # blocks on a dim of their own: the collectives move one dim
     if isinstance(src, Partial):
         return "g" if isinstance(dst, Replicate) else "reduce_scatter"
     if isinstance(src, Shard):

@@ -22,8 +22,9 @@ from torch import fx, nn
 
 from ..capture import gc_paused
 from ..errors import PlanError
-from ..placements import Partial, Placement, Replicate, Shard, local_size
+from ..placements import Partial, Placement, Replicate, Shard, local_ranges, local_size, owned_ranges
 from ..runtime import collectives as C
+from ..runtime.functional import grad_if
 from ..runtime.rng import RandomOp, draws_random
 from .propagate import GraphIndex, Propagation, _conversion, _dim_size, _meta, _sharded_compute, map_args, wants_f
 from .rules import LocalContext, localizer
@@ -244,12 +245,23 @@ def _tailed_product(graph: fx.Graph, target: Any, x_f: fx.Node, x: fx.Node, w: f
     w_out = 0 if target is aten.linear.default else 1   # linear's W is [N, K]; mm/matmul's [K, N]
     size = int(info.output.shape[out.dim])
     block = size // out.chunks
-    run = ctx.local(block - out.tail * out.unit, sympy.Integer(block - out.tail * out.unit),
-                    Shard(0, 1, out.unit, out.rotate))
     tail = out.tail * out.unit
+    if out.per_block:
+        # One block per rank, its k and v whole on each rank of the block's set: their gradient
+        # is whole there too, so x's gradient takes the tail's contribution once per block,
+        # from the set's first rank, behind the f (the others' pass none back: grad_if).
+        ranges = local_ranges(size, out, ctx.tp, ctx.rank)   # the run, then the tail
+        run = sum(b - a for a, b in ranges) - tail
+        owner = owned_ranges(size, out, ctx.tp, ctx.rank) == ranges
+        tail_source = graph.call_function(grad_if, (x_f, int(owner)))   # an int: one graph on every rank
+        pieces_of, blocks = [(x_f, run), (tail_source, tail)], 1
+    else:
+        run = ctx.local(block - tail, sympy.Integer(block - tail), Shard(0, 1, out.unit, out.rotate))
+        pieces_of = [(x_f, run), (x, tail)]
+        blocks = out.chunks
     pieces, offset = [], 0
-    for _ in range(out.chunks):
-        for source, width in ((x_f, run), (x, tail)):
+    for _ in range(blocks):
+        for source, width in pieces_of:
             if width:
                 part = graph.call_function(aten.slice.Tensor, (w, w_out, offset, offset + width))
                 pieces.append(graph.call_function(target, (source, part)))

@@ -136,3 +136,25 @@ def tail_exact_add(x: torch.Tensor, b: torch.Tensor, tails: tuple[tuple[int, int
     """``x + b`` with b's gradient over the local ``tails`` ranges of the last dim summed alone
     (see :class:`_TailExactAdd`)."""
     return _TailExactAdd.apply(x, b, tails)
+
+
+class _GradIf(torch.autograd.Function):
+    """``x`` forward; backward the gradient where ``keep``, else none. A per-block tail (one group's
+    k and v, whole on each rank of the group's set) has a whole gradient on each of those ranks:
+    the product computing it passes it to x's gradient from the set's first rank alone, so that
+    x's f, summing over all ranks, counts every group once."""
+
+    @staticmethod
+    def forward(ctx, x, keep):
+        ctx.keep = keep
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad if ctx.keep else None), None
+
+
+def grad_if(x: torch.Tensor, keep: int) -> torch.Tensor:
+    """``x``, passing its gradient back only where ``keep`` is 1 (see :class:`_GradIf`); an int,
+    which the ranks' graph agreement reads as a size, since it differs between ranks."""
+    return _GradIf.apply(x, bool(keep))

@@ -141,7 +141,9 @@ def test_programs_are_reused_and_bad_calls_are_refused_on_every_rank(cluster_of)
 #: family, tp, query heads, kv heads, the fused projection and the attention output
 FUSED = [("gpt-bigcode", 3, 5, 1, "attn.c_attn", "attn.c_proj"),
          ("falcon", 2, 6, 1, "self_attention.query_key_value", "self_attention.dense"),
-         ("falcon-new", 3, 12, 2, "self_attention.query_key_value", "self_attention.dense")]
+         ("falcon-new", 3, 12, 2, "self_attention.query_key_value", "self_attention.dense"),
+         # 2 groups of 3 heads at tp 4: each group dealt to its own 2 ranks (a per-block shard)
+         ("falcon-new", 4, 6, 2, "self_attention.query_key_value", "self_attention.dense")]
 
 
 def fused_generation(family: str, tp: int, heads: int, kv: int, fused: str, out: str) -> tuple:
@@ -157,7 +159,7 @@ def fused_generation(family: str, tp: int, heads: int, kv: int, fused: str, out:
 
 @pytest.mark.parametrize("family, tp, heads, kv, fused, out", [
     case if case[0] == "gpt-bigcode" else pytest.param(*case, marks=pytest.mark.slow) for case in FUSED],
-    ids=[case[0] for case in FUSED])
+    ids=[f"{case[0]}-tp{case[1]}" for case in FUSED])
 def test_greedy_generation_over_a_fused_multi_query_split_equals_serial(cluster_of, family, tp, heads, kv,
                                                                         fused, out):
     for placement, same, attention in cluster_of(tp).run(fused_generation, family, tp, heads, kv, fused, out):

@@ -21,6 +21,8 @@ import torch
 
 from ...placements import PARTIAL, REPLICATE, Partial, Placement, Replicate, Shard
 
+aten = torch.ops.aten
+
 log = logging.getLogger("autotp.rules")
 
 
@@ -97,12 +99,13 @@ class OpInfo:
     #: an index by a constant list: (indexed dim, its non-negative positions); None otherwise
     picks: tuple | None = None
 
-    def hint(self, dim: int) -> tuple[int, int, int, int]:
-        """(chunks, unit, rotate, tail) a fresh shard of output ``dim`` should use (fused q/k/v:
-        3 blocks of heads; rotate: which rank takes the first run of atoms; tail: atoms at the
-        end of each block kept whole, a fused multi-query k and v)."""
+    def hint(self, dim: int) -> tuple[int, int, int, int, bool]:
+        """(chunks, unit, rotate, tail, grouped) a fresh shard of output ``dim`` should use (fused
+        q/k/v: 3 blocks of heads; rotate: which rank takes the first run of atoms; tail: atoms at
+        the end of each block kept whole, a fused multi-query k and v; grouped: the blocks are
+        groups of heads sharing a k and v, which may be dealt to sets of ranks, as a tail's are)."""
         h = tuple(self.hints.get(dim, (1, 1)))
-        return h + (0,) * (4 - len(h))
+        return h + (1, 1, 0, 0, False)[len(h):]
 
     def fresh_shard(self, dim: int) -> Shard | None:
         """A shard of output ``dim`` following the hint, or None if the dim cannot be split tp ways."""
@@ -116,17 +119,36 @@ class OpInfo:
             # A sequence dim's size is known only at run time: a plain shard in contiguous runs,
             # uneven whenever tp does not divide that call's length.
             return Shard(dim) if self.uneven and out.shape[dim] in self.sequence else None
-        chunks, unit, rotate, tail = self.hint(dim) if input_index is None else (1, 1, 0, 0)
+        chunks, unit, rotate, tail, grouped = self.hint(dim) if input_index is None else (1, 1, 0, 0, False)
         if size % (chunks * unit) or size // (chunks * unit) <= tail:
-            chunks, unit, tail = 1, 1, 0
+            chunks, unit, tail, grouped = 1, 1, 0, False
         dealt = size // (chunks * unit) - tail
         if dealt < self.tp:
-            return None
+            return self._per_block_shard(dim, chunks, unit, rotate, tail, dealt) if tail or grouped else None
         if dealt % self.tp == 0:
             rotate = 0                      # even: nothing to balance
         elif not self.uneven:
             return None
         return Shard(dim, chunks, unit, rotate % self.tp, tail)
+
+    def _per_block_shard(self, dim: int, chunks: int, unit: int, rotate: int, tail: int,
+                         dealt: int) -> Shard | None:
+        """Fewer query heads in a group than ranks, and fewer groups than ranks (Falcon's new
+        layout at 2 groups of 4 heads, tp=8): each group dealt to its own set of ranks, its
+        query heads among them and its k and v whole on each (a tail); the output projection's
+        rows, grouped the same way, follow. Every rank gets at least one atom; uneven sets or
+        runs only if ``uneven``."""
+        if not 1 < chunks < self.tp:
+            return None
+        from ...placements import block_sets
+
+        sets = [count for _, count in block_sets(chunks, self.tp)]
+        if max(sets) > dealt:
+            return None                     # a rank of the largest set would hold no atom
+        even = len(set(sets)) == 1 and dealt % sets[0] == 0
+        if not even and not self.uneven:
+            return None
+        return Shard(dim, chunks, unit, 0 if even else rotate % self.tp, tail, per_block=True)
 
 
 Rule = Callable[[OpInfo, tuple], list[Strategy]]
@@ -189,7 +211,22 @@ def strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
     found = rule(info, placements)
     if any(has_tail(p) for p in placements) or any(has_tail(p) for s in found for p in _outputs(s)):
         found = [s for s in found if tail_sound(info, s)]
+    if any(has_outer(p) for p in placements) or any(has_outer(p) for s in found for p in _outputs(s)):
+        found = [s for s in found if info.target in _OUTER_OPS
+                 or not any(has_outer(p) for p in (*s.inputs, *_outputs(s)))]
     return found
+
+
+def has_outer(p: Any) -> bool:
+    """A per-block shard whose blocks sit on a dim of their own: two dims differ per rank."""
+    return isinstance(p, Shard) and p.outer >= 0
+
+
+#: the ops whose rules place a per-block shard's ``outer`` dim (views, slices and picks of
+#: Falcon's grouped heads); any other strategy that would carry one is dropped
+_OUTER_OPS = frozenset((aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+                        aten.slice.Tensor, aten.index.Tensor, aten.alias.default, aten.clone.default,
+                        aten.contiguous.default, aten.detach.default))
 
 
 def has_tail(p: Any) -> bool:

@@ -6,7 +6,7 @@ import torch
 
 from ...placements import REPLICATE
 from . import LocalContext, OpInfo, Strategy, is_shard, register, register_localizer, replicate_all
-from .view import tail_part, tail_position
+from .view import tail_part, tail_position, tail_whole
 
 aten = torch.ops.aten
 
@@ -74,8 +74,9 @@ def index_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
         # holds the tail whole, so the pick is whole (a narrow at the rank's own offset).
         dim, positions = info.picks
         contiguous = list(positions) == list(range(positions[0], positions[0] + len(positions)))
-        if contiguous and tail_part(p, info.inputs[0].shape[dim], positions) == REPLICATE:
-            out.append(Strategy((p,) + tuple(REPLICATE for _ in info.inputs[1:]), REPLICATE))
+        whole = tail_whole(p)
+        if contiguous and tail_part(p, info.inputs[0].shape[dim], positions) == whole:
+            out.append(Strategy((p,) + tuple(REPLICATE for _ in info.inputs[1:]), whole))
     return out
 
 

@@ -8,6 +8,7 @@ its block's flat index, which lands on the one output dim of the block that can 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 
 from functools import lru_cache
 from typing import Any
@@ -77,6 +78,8 @@ def map_view_shard(src: tuple, dst: tuple, shard: Shard) -> Shard | None:
     groups = view_groups(src, dst)
     if groups is None:
         return None
+    if shard.per_block:
+        return _map_per_block(src, dst, shard, groups)
     for gi, go in groups:
         if shard.dim not in gi:
             continue
@@ -101,6 +104,68 @@ def map_view_shard(src: tuple, dst: tuple, shard: Shard) -> Shard | None:
     return None
 
 
+def _map_per_block(src: tuple, dst: tuple, shard: Shard, groups: list) -> Shard | None:
+    """:func:`map_view_shard` for a per-block shard. Its blocks are whole groups of atoms held
+    by sets of ranks, so a view may move them between the shard's own dim (blocks side by side)
+    and a dim of their own (``outer``: Falcon's ``[..., groups * (heads + 2) * d]`` viewed as
+    ``[..., groups, heads + 2, d]`` and the query heads flattened back), but never cut a block."""
+    def find(d: int):
+        return next(((gi, go) for gi, go in groups if d in gi), None)
+
+    found = find(shard.dim)
+    if found is None:
+        return None
+    gi, go = found
+    k = gi.index(shard.dim)
+    lead = gi[:k]
+    if shard.outer >= 0 and shard.outer in gi:
+        # the blocks' dim merges with the shard's: it must come right before, nothing ahead of it
+        if lead != [shard.outer] or src[shard.outer] != shard.chunks:
+            return None
+        merged, new_outer = True, None
+    else:
+        if lead:
+            return None
+        merged, new_outer = shard.outer < 0, None
+        if shard.outer >= 0:
+            outer_group = find(shard.outer)
+            if outer_group is None or len(outer_group[0]) != 1 or len(outer_group[1]) != 1:
+                return None
+            new_outer = outer_group[1][0]
+    after = _prod(src[d] for d in gi[k + 1:])
+    if not after.is_Integer:
+        return None
+    flat_unit = shard.unit * int(after)
+    for n, j in enumerate(go):
+        qb, qa = _prod(dst[d] for d in go[:n]), _prod(dst[d] for d in go[n + 1:])
+        if not (qb.is_Integer and qa.is_Integer and dst[j].is_Integer) or flat_unit % int(qa):
+            continue
+        u = flat_unit // int(qa)
+        if int(qb) == 1:
+            if merged and int(dst[j]) % (shard.chunks * u) == 0:
+                return replace(shard, dim=j, unit=u, outer=-1)        # blocks side by side on j
+            if new_outer is not None and int(dst[j]) % u == 0:
+                return replace(shard, dim=j, unit=u, outer=new_outer)
+        elif merged and n == 1 and dst[go[0]] == shard.chunks and int(dst[j]) % u == 0:
+            return replace(shard, dim=j, unit=u, outer=go[0])         # the blocks on a dim of their own
+    return None
+
+
+def plain_if_same(p: Any, size: Any, tp: int) -> Any:
+    """A per-block shard without a tail whose ranks hold what a plain shard of the same atoms
+    gives them (Falcon's query heads flattened back: 2 groups of 4 at tp=8 are heads 0..7 in
+    order) as that plain shard, which every rule knows."""
+    if not (is_shard(p) and p.per_block and p.outer < 0 and not p.tail and getattr(size, "is_Integer", False)):
+        return p
+    from ...placements import layout
+
+    plain = Shard(p.dim, 1, p.unit)
+    n = int(size)
+    if n % p.unit == 0 and layout(n, plain, tp) == layout(n, p, tp):
+        return plain
+    return p
+
+
 def _follow(info: OpInfo, placements: tuple, mapped) -> list[Strategy]:
     """R -> R, P -> P, and S -> mapped(S) where the shard survives the op."""
     p = placements[0]
@@ -114,10 +179,19 @@ def _follow(info: OpInfo, placements: tuple, mapped) -> list[Strategy]:
     return out
 
 
+def _mapped_view(info: OpInfo):
+    src, dst = info.inputs[0].shape, info.output.shape
+
+    def mapped(s: Shard) -> Shard | None:
+        out = map_view_shard(src, dst, s)
+        return out if out is None else plain_if_same(out, dst[out.dim], info.tp)
+
+    return mapped
+
+
 @register(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 def view_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
-    src, dst = info.inputs[0].shape, info.output.shape
-    return _follow(info, placements, lambda s: map_view_shard(src, dst, s))
+    return _follow(info, placements, _mapped_view(info))
 
 
 def _size_list_localizer(list_pos: int):
@@ -127,6 +201,8 @@ def _size_list_localizer(list_pos: int):
             return info.target, args, kwargs
         sizes = list(args[list_pos])
         sizes[out.dim] = ctx.local(sizes[out.dim], info.output.shape[out.dim], out)
+        if out.outer >= 0 and not (isinstance(sizes[out.outer], int) and sizes[out.outer] == -1):
+            sizes[out.outer] = 1   # a per-block shard's blocks on a dim of their own: one per rank
         if isinstance(sizes[out.dim], int) and sizes[out.dim] == 0:
             # A rank holding none of the dim: a -1 elsewhere would be ambiguous; spell it out.
             sizes = [int(g) if isinstance(a, int) and a == -1 and g.is_Integer else a
@@ -255,7 +331,7 @@ def tail_part(p: Shard, size: Any, positions: Any) -> Any:
     """What a slice or pick of ``positions`` (elements of a one-block tailed dim) holds: the
     dealt atoms exactly -> the shard without its tail; elements of the tail only -> Replicate
     (every rank has them); anything else -> None (not offered)."""
-    if positions is None or not positions or p.chunks != 1 or not size.is_Integer:
+    if positions is None or not positions or p.blocks_in_dim != 1 or not size.is_Integer:
         return None
     n = int(size)
     if n % p.unit or n // p.unit <= p.tail:
@@ -266,8 +342,17 @@ def tail_part(p: Shard, size: Any, positions: Any) -> Any:
     if lo == 0 and hi == dealt - 1 and len(positions) == dealt and once:
         return p.without_tail()   # every dealt element, each once
     if lo >= dealt:
-        return REPLICATE
+        return tail_whole(p)
     return None
+
+
+def tail_whole(p: Shard) -> Any:
+    """What a rank holds of a piece inside the tail: all of it (Replicate), or, where the blocks
+    sit on a dim of their own (``outer``), its set's block whole (a per-block shard of that dim,
+    one-element blocks that are all tail)."""
+    if p.outer < 0:
+        return REPLICATE
+    return Shard(p.outer, p.chunks, 1, p.rotate, tail=1, per_block=True)
 
 
 def tail_position(p: Shard, size: int, position: int, ctx: LocalContext) -> int:
@@ -325,7 +410,7 @@ def split_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
                      else None for a, b in zip(starts, starts[1:])]
             if all(q is not None for q in parts):
                 out.append(Strategy((p,), tuple(parts)))
-        elif len(set(pieces)) == 1 and p.chunks % n == 0:
+        elif len(set(pieces)) == 1 and p.chunks % n == 0 and not p.per_block:
             # Equal pieces aligned with the shard's blocks: piece i is blocks [i*c/n, (i+1)*c/n).
             piece = p.with_blocks(dim, p.chunks // n, p.unit)
             out.append(Strategy((p,), tuple(piece for _ in range(n))))
@@ -412,8 +497,7 @@ def stack_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
 def flatten_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     """A reshape whose arguments name dims, not sizes: no localizer needed (dims untouched by
     the shard keep their sizes; a merged shard is the view's ``(chunks, unit)`` mapping)."""
-    src, dst = info.inputs[0].shape, info.output.shape
-    return _follow(info, placements, lambda s: map_view_shard(src, dst, s))
+    return _follow(info, placements, _mapped_view(info))
 
 
 @register(aten.numpy_T.default, aten.t.default)
