@@ -117,9 +117,9 @@ def equivalence_task(family: str, tp: int) -> tuple[float, float]:
     from autotp.testing import equivalence_errors
 
     heads = 2 * tp
-    # kv heads (where the family has them) as many as the ranks: fused GQA/MQA layouts with fewer
-    # kv heads than ranks are not split yet (they would run replicated and the check say nothing)
-    config = zoo.tiny_config(family, layers=2, heads=heads, kv_heads=tp, head_dim=8,
+    # kv heads (where the family has them) fewer than the ranks: multi-query at tp 2, two groups
+    # of three query heads at tp 3 (replicated k and v, or a fused layout's k and v whole per rank)
+    config = zoo.tiny_config(family, layers=2, heads=heads, kv_heads=tp - 1, head_dim=8,
                              vocab=16 * tp + 5)
     model = zoo.build(family, config, dtype=torch.float64)
     if hasattr(type(model), "loss_function") and zoo.FAMILIES[family].task == "causal":
@@ -171,7 +171,8 @@ def main(argv: list[str]) -> None:
         "",
         "Every model family autotp is tested on: planned at its published size on the meta device at",
         f"tp={TP} (default profile and workload, bfloat16), and checked against the serial model on a tiny",
-        "float64 configuration of the same family on local gloo ranks. Written by",
+        "float64 configuration of the same family on local gloo ranks (2·tp query heads and, where the family",
+        "has them, tp - 1 key/value heads: fewer than the ranks). Written by",
         "`benchmarks/model_zoo.py`; regenerate with `.venv/bin/python benchmarks/model_zoo.py`.",
         "",
         machine() + " Load average at the end: {:.1f}, {:.1f}, {:.1f} (other jobs share the cores: the "

@@ -2,7 +2,7 @@
 serial model's steps on the whole batch."""
 import pytest
 import torch
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 import autotp
@@ -43,18 +43,31 @@ def adamw_steps(case: dict) -> dict:
     return errors
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
-          derandomize=True)
-@given(layers=st.integers(1, 2), heads=st.sampled_from([2, 3, 4]), vocab=st.integers(20, 64),
-       batch=st.integers(1, 2), seq=st.integers(3, 10), steps=st.integers(1, 3), megatron=st.booleans(),
-       seed=st.integers(0, 999))
-def test_adamw_steps_on_dp2_x_tp2_equal_serial_steps_on_the_whole_batch(cluster, layers, heads, vocab, batch,
-                                                                         seq, steps, megatron, seed):
-    case = dict(layers=layers, heads=heads, vocab=vocab, batch=batch, seq=seq, steps=steps, megatron=megatron,
-                seed=seed)
+_DP_TP_STEPS = dict(layers=st.integers(1, 2), heads=st.sampled_from([2, 3, 4]), vocab=st.integers(20, 64),
+                   batch=st.integers(1, 2), seq=st.integers(3, 10), steps=st.integers(1, 3),
+                   megatron=st.booleans(), seed=st.integers(0, 999))
+
+
+def _dp_tp_steps(cluster, case: dict) -> None:
     for errors in cluster.run(adamw_steps, case):
         worst = max(errors, key=errors.get)
         assert errors[worst] <= 1e-8, (worst, errors[worst])
+
+
+# 4 draws in the fast tier (4-rank steps are its dearest), 20 in the slow one
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
+          derandomize=True)
+@given(**_DP_TP_STEPS)
+def test_adamw_steps_on_dp2_x_tp2_equal_serial_steps_on_the_whole_batch(cluster, **case):
+    _dp_tp_steps(cluster, case)
+
+
+@pytest.mark.slow
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
+          derandomize=True)
+@given(**_DP_TP_STEPS)
+def test_adamw_steps_on_dp2_x_tp2_equal_serial_steps_20_draws(cluster, **case):
+    _dp_tp_steps(cluster, case)
 
 
 def fsdp_adamw_steps(case: dict) -> dict:
@@ -103,36 +116,49 @@ def fsdp_adamw_steps(case: dict) -> dict:
             "units": units, "layer_calls": calls}
 
 
+_FSDP_CASES = dict(layers=st.integers(1, 3), heads=st.sampled_from([2, 3, 4]), vocab=st.integers(20, 64),
+                   batch=st.integers(1, 2), seq=st.integers(3, 8), steps=st.integers(1, 2),
+                   seed=st.integers(0, 999), per_layer=st.booleans(), checkpointing=st.booleans(),
+                   replicate=st.sampled_from([1, 2]))
+
+
+def _fsdp_case(cluster, case: dict) -> None:
+    for r in cluster.run(fsdp_adamw_steps, case):
+        worst = max(r["errors"], key=r["errors"].get)
+        assert r["errors"][worst] <= 1e-8, (worst, r["errors"][worst])
+        # split over tp 2 and the dp shards: a quarter, or a half where the 2 dp ranks are replicas
+        assert r["state_share"] < (0.35 if case["replicate"] == 1 else 0.6)
+        assert any("Shard(dim=0)" in p or "_StridedShard" in p for p in r["placements"])
+        assert r["same_tokens"]
+        layer_units = [f"transformer.h.{i}" for i in range(case["layers"])] if case["per_layer"] else []
+        assert r["units"] == sorted([""] + layer_units)
+        # every program (the training call, eval, the generation steps) runs each layer through its unit
+        assert len(r["layer_calls"]) >= 3 and set(r["layer_calls"]) == {len(layer_units)}
+
+
+# The fast tier runs the two examples alone (4-rank runs are its dearest); the slow twin draws 10.
 @settings(max_examples=1, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
-          derandomize=True)   # and the two examples below: 4-rank runs are the fast tier's dearest
-@given(layers=st.integers(1, 3), heads=st.sampled_from([2, 3, 4]), vocab=st.integers(20, 64),
-       batch=st.integers(1, 2), seq=st.integers(3, 8), steps=st.integers(1, 2), seed=st.integers(0, 999),
-       per_layer=st.booleans(), checkpointing=st.booleans(), replicate=st.sampled_from([1, 2]))
+          derandomize=True, phases=[Phase.explicit])
+@given(**_FSDP_CASES)
 @example(layers=3, heads=4, vocab=40, batch=2, seq=5, steps=2, seed=1, per_layer=True, checkpointing=False,
          replicate=1)
 @example(layers=2, heads=2, vocab=30, batch=1, seq=6, steps=2, seed=2, per_layer=True, checkpointing=True,
          replicate=2)
-def test_fsdp2_over_dp2_x_tp2_with_accumulation_equals_serial_steps(cluster, layers, heads, vocab, batch, seq,
-                                                                    steps, seed, per_layer, checkpointing,
-                                                                    replicate):
+def test_fsdp2_over_dp2_x_tp2_with_accumulation_equals_serial_steps(cluster, **case):
     """Per layer (each block an FSDP unit whose forward runs the block's ops) or the whole
     module as one unit, with or without activation checkpointing (a layer recomputed in its
     backward, FSDP2 gathering its parameters again for it), FSDP over both dp ranks or HSDP
     (``replicate=2``: two replicas of one shard each): AdamW steps with accumulation equal
     serial steps; generation works."""
-    case = dict(layers=layers, heads=heads, vocab=vocab, batch=batch, seq=seq, steps=steps, seed=seed,
-                per_layer=per_layer, checkpointing=checkpointing, replicate=replicate)
-    for r in cluster.run(fsdp_adamw_steps, case):
-        worst = max(r["errors"], key=r["errors"].get)
-        assert r["errors"][worst] <= 1e-8, (worst, r["errors"][worst])
-        # split over tp 2 and the dp shards: a quarter, or a half where the 2 dp ranks are replicas
-        assert r["state_share"] < (0.35 if replicate == 1 else 0.6)
-        assert any("Shard(dim=0)" in p or "_StridedShard" in p for p in r["placements"])
-        assert r["same_tokens"]
-        layer_units = [f"transformer.h.{i}" for i in range(layers)] if per_layer else []
-        assert r["units"] == sorted([""] + layer_units)
-        # every program (the training call, eval, the generation steps) runs each layer through its unit
-        assert len(r["layer_calls"]) >= 3 and set(r["layer_calls"]) == {len(layer_units)}
+    _fsdp_case(cluster, case)
+
+
+@pytest.mark.slow
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
+          derandomize=True)
+@given(**_FSDP_CASES)
+def test_fsdp2_over_dp2_x_tp2_with_accumulation_10_draws(cluster, **case):
+    _fsdp_case(cluster, case)
 
 
 @pytest.mark.slow
