@@ -231,6 +231,8 @@ def same_placement(a: Placement | None, b: Placement | None, size: int | None, t
     """Whether two placements hold the same data on every rank (sizes compared by layout)."""
     if a == b:
         return True
+    if isinstance(a, Shard) and isinstance(b, Shard) and (a.outer >= 0 or b.outer >= 0):
+        return False   # the dim's layout alone does not say which block (entry of outer) a rank holds
     if isinstance(a, Shard) and isinstance(b, Shard) and a.dim == b.dim and isinstance(size, int):
         if not (divides(size, a) and divides(size, b)):
             return False
