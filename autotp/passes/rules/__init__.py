@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import sympy
 import torch
 
-from ...placements import PARTIAL, REPLICATE, Partial, Placement, Replicate, Shard
+from ...placements import PARTIAL, REPLICATE, Partial, Placement, Replicate, Shard, block_sets
 
 aten = torch.ops.aten
 
@@ -140,8 +140,6 @@ class OpInfo:
         runs only if ``uneven``."""
         if not 1 < chunks < self.tp:
             return None
-        from ...placements import block_sets
-
         sets = [count for _, count in block_sets(chunks, self.tp)]
         if max(sets) > dealt:
             return None                     # a rank of the largest set would hold no atom
