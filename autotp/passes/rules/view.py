@@ -16,7 +16,7 @@ from typing import Any
 import sympy
 import torch
 
-from ...placements import PARTIAL, REPLICATE, Shard
+from ...placements import PARTIAL, REPLICATE, Shard, layout
 from . import (
     LocalContext,
     OpInfo,
@@ -157,8 +157,6 @@ def plain_if_same(p: Any, size: Any, tp: int) -> Any:
     order) as that plain shard, which every rule knows."""
     if not (is_shard(p) and p.per_block and p.outer < 0 and not p.tail and getattr(size, "is_Integer", False)):
         return p
-    from ...placements import layout
-
     plain = Shard(p.dim, 1, p.unit)
     n = int(size)
     if n % p.unit == 0 and layout(n, plain, tp) == layout(n, p, tp):
