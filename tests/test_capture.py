@@ -68,11 +68,29 @@ from autotp.api import attention_head_counts, check_heads  # noqa: E402
 from autotp.errors import CaptureError, ConfigError, PlanError  # noqa: E402
 
 
-def test_a_minimum_length_the_model_needs_is_honoured():
+def test_a_minimum_length_the_model_needs_is_honoured(monkeypatch):
     # T5's relative-position buckets need 3 tokens or more: export says so, capture narrows to it.
+    import collections
+
+    import autotp.capture as capture_module
+
+    monkeypatch.setattr(capture_module, "_NARROWED", collections.OrderedDict())
+    exports = []
+    real_export = torch.export.export
+    monkeypatch.setattr(torch.export, "export",
+                        lambda *a, **k: exports.append(k["dynamic_shapes"]) or real_export(*a, **k))
     config = zoo.tiny_config("t5", layers=1, heads=2, head_dim=4, vocab=40)
     cap = capture(zoo.build("t5", config, device="meta"))
     assert cap.range_constraints["input_ids.1"][0] == 3
+    first = len(exports)
+    assert first >= 2                              # asked for 2 tokens, refused, narrowed to 3
+    # another model of the same class and config starts from the narrowed dims: one export
+    again = capture(zoo.build("t5", config, device="meta"))
+    assert len(exports) == first + 1 and again.range_constraints == cap.range_constraints
+    # a different config is not taken for it: it is refused and narrowed on its own
+    other = zoo.tiny_config("t5", layers=1, heads=2, head_dim=4, vocab=48)
+    assert capture(zoo.build("t5", other, device="meta")).range_constraints["input_ids.1"][0] == 3
+    assert len(exports) == 2 * first + 1
 
 
 def test_a_model_with_buffers_indexed_by_its_inputs_captures_on_the_meta_device():
@@ -115,9 +133,12 @@ def test_the_example_length_is_not_a_static_size_of_the_model():
 
 
 def test_a_capture_error_keeps_torchs_suggested_fix(monkeypatch):
+    import collections
+
     import autotp.capture as capture_module
 
     monkeypatch.setattr(capture_module, "EXPORT_REFINEMENTS", 0)   # no retry: the first violation surfaces
+    monkeypatch.setattr(capture_module, "_NARROWED", collections.OrderedDict())   # nor a narrowing known before
     config = zoo.tiny_config("t5", layers=1, heads=2, head_dim=4, vocab=40)
     with pytest.raises(CaptureError, match=r"(?s)torch suggests:.*seq = Dim\('seq', min=3"):
         capture(zoo.build("t5", config, device="meta"))
