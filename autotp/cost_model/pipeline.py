@@ -18,8 +18,9 @@ A step of a GPT-like model with ``layers`` identical layers on ``t`` x ``p`` x `
 - **the optimizer**: AdamW over each GPU's parameters, memory-bound (the profile's update time).
 
 Memory per GPU: the training state of its parameters, and with recomputation the input of each
-of its layers for every micro-batch in flight (1F1B keeps ``p`` on the first stage) plus one
-layer's activations being recomputed.
+of its layers for every micro-batch in flight (1F1B keeps ``p`` on the first stage; the
+interleaved schedule's longer warm-up about ``1 + 1/v`` times as many layers) plus one layer's
+activations being recomputed.
 
 Per-GPU throughput uses the model FLOPs of Narayanan et al. (2021), eq. (3), as the paper does:
 ``96 B s l h^2 (1 + s/(6h) + V/(16 l h))`` per step (recomputation included).
@@ -94,16 +95,32 @@ def step_time(cost: LayerCost, cluster: Cluster, *, layers: int, t: int, p: int,
 
 
 def memory(cost: LayerCost, cluster: Cluster, *, layers: int, p: int, micro_batch: int,
-           recompute: bool = True) -> float:
+           recompute: bool = True, virtual: int = 1, micro_batches: int | None = None) -> float:
     """Bytes per GPU of the first stage (the fullest under 1F1B)."""
     params = layers / p * cost.layer_params + cost.outside_params
     state = params * cluster.profile.state_bytes_per_param
-    in_flight = p    # micro-batches whose activations the first stage keeps
+    in_flight = in_flight_layers(layers=layers, p=p, virtual=virtual, micro_batches=micro_batches)
     if recompute:   # each layer keeps its input; the one being recomputed holds all of its own
-        acts = layers / p * in_flight * cost.boundary_bytes + cost.layer_activation_bytes
+        acts = in_flight * cost.boundary_bytes + cost.layer_activation_bytes
     else:
-        acts = layers / p * in_flight * cost.layer_activation_bytes
+        acts = in_flight * cost.layer_activation_bytes
     return state + acts
+
+
+def in_flight_layers(*, layers: int, p: int, virtual: int = 1, micro_batches: int | None = None) -> float:
+    """Layer-micro-batches whose activations the first GPU holds at its fullest. 1F1B: its
+    ``layers / p`` layers for the ``p`` micro-batches in flight. Interleaved 1F1B (``v`` chunks of
+    ``layers / (p v)`` layers per GPU, torch's ``ScheduleInterleaved1F1B``): a warm-up of
+    ``(v - 1) p + 2 (p - 1)`` chunk forwards before the first backward, plus the one running --
+    about ``1 + 1/v`` times 1F1B's, the paper's "comparable footprint"; never more than the
+    ``m v`` chunks a step runs."""
+    if virtual <= 1:
+        chunks, per_chunk = (min(p, micro_batches) if micro_batches else p), layers / p
+    else:
+        chunks, per_chunk = (virtual - 1) * p + 2 * (p - 1) + 1, layers / (p * virtual)
+        if micro_batches:
+            chunks = min(chunks, micro_batches * virtual)
+    return chunks * per_chunk
 
 
 def model_flops(*, batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
@@ -134,7 +151,8 @@ def choose(layer_cost: Callable[[int, int], LayerCost], cluster: Cluster, *, gpu
                 for v in virtual:
                     if v > 1 and (p == 1 or (layers // p) % v):
                         continue
-                    mem = memory(cost, cluster, layers=layers, p=p, micro_batch=mb, recompute=recompute)
+                    mem = memory(cost, cluster, layers=layers, p=p, micro_batch=mb, recompute=recompute,
+                                 virtual=v, micro_batches=batch // (d * mb))
                     if mem > cluster.profile.memory:
                         continue
                     step, bubble, parts = step_time(cost, cluster, layers=layers, t=t, p=p, d=d, batch=batch,

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from ..capture import Capture, bind_inputs, flat_inputs, module_path
+from ..cost_model.pipeline import in_flight_layers
 from ..errors import ConfigError, InputError
 from ..plan import Plan
 from .inputs import check_index_bounds, check_not_empty, index_bounds
@@ -612,7 +613,8 @@ class PipelineModule(nn.Module):
     def _check_memory(self, wanted: set[str], layers_here: int, layers: int, limit: float) -> None:
         """This stage's share of the plan's memory within ``limit``, on every rank or none: the
         training state of the parameters it holds, and the activations of its layers for the
-        micro-batches in flight (GPipe keeps all of them, 1F1B at most pp on the first stage).
+        micro-batches in flight (GPipe keeps all of them, 1F1B at most pp on the first stage, the
+        interleaved schedule about 1 + 1/virtual times as many layers: ``in_flight_layers``).
         The plan's activations are the planning batch's, split into the micro-batches."""
         import math
 
@@ -622,8 +624,13 @@ class PipelineModule(nn.Module):
         held = sum(math.prod(plan.local_shape(f, mesh.tp_rank)) for f in wanted) * plan.dtype_bytes
         whole = max(plan.param_bytes_per_rank()) or 1
         state = (plan.memory_bytes - plan.activation_bytes) * held / whole
-        in_flight = self.microbatches if self.schedule_name == "gpipe" else min(self.microbatches, mesh.pp)
-        acts = plan.activation_bytes * layers_here / max(layers, 1) / self.microbatches * in_flight
+        if self.schedule_name == "gpipe":
+            held_layers = self.microbatches * layers_here
+        else:   # the first stage's fullest: 1F1B's pp micro-batches, the interleaved warm-up's longer
+            held_layers = in_flight_layers(layers=layers_here * mesh.pp, p=mesh.pp, virtual=self.virtual,
+                                           micro_batches=self.microbatches)
+        in_flight = held_layers / max(layers_here, 1)
+        acts = plan.activation_bytes / max(layers, 1) / self.microbatches * held_layers
         fits = state + acts <= limit
         flags = torch.tensor([1 if fits else 0], dtype=torch.int64,
                              device=self.device if mesh.backend == "nccl" else "cpu")
@@ -633,7 +640,7 @@ class PipelineModule(nn.Module):
             raise PlanError(
                 f"pipeline stage {mesh.pp_rank} of {mesh.pp} does not fit: {state / gib:.2f} GiB of training state "
                 f"(weights, gradients, Adam) for its {layers_here} of {layers} layers and {acts / gib:.2f} GiB of "
-                f"activations for {in_flight} micro-batches in flight, over the limit of {limit / gib:.2f} GiB per rank; "
+                f"activations for {in_flight:g} micro-batches in flight, over the limit of {limit / gib:.2f} GiB per rank; "
                 "use more stages (pp), a larger tp, schedule='1f1b' (fewer micro-batches in flight than GPipe), a "
                 "smaller planning batch, or pass memory_limit=")
         if flags.item() == 0:

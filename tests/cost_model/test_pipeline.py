@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autotp.cost_model import PROFILES
-from autotp.cost_model.pipeline import Cluster, LayerCost, choose, memory, model_flops, step_time
+from autotp.cost_model.pipeline import Cluster, LayerCost, choose, in_flight_layers, memory, model_flops, step_time
 
 A100 = Cluster(PROFILES["a100-dgx"])
 
@@ -31,20 +31,43 @@ def test_the_bubble_is_p_minus_1_slots_over_v(p, m, v):
 
 @settings(max_examples=25, deadline=None)
 @given(gpus=st.sampled_from([8, 16, 32, 64]), layers=st.sampled_from([8, 12, 16]),
-       batch=st.sampled_from([32, 64, 128]), limit_gib=st.sampled_from([2, 8, 80]))
-def test_every_choice_uses_every_gpu_keeps_tp_in_a_node_and_fits(gpus, layers, batch, limit_gib):
+       batch=st.sampled_from([32, 64, 128]), limit_gib=st.sampled_from([2, 8, 80]),
+       virtual=st.sampled_from([(1,), (1, 2, 4)]))
+def test_every_choice_uses_every_gpu_keeps_tp_in_a_node_and_fits(gpus, layers, batch, limit_gib, virtual):
     cluster = dataclasses.replace(A100, profile=dataclasses.replace(A100.profile, memory=limit_gib * 2**30))
-    found = choose(_cost, cluster, gpus=gpus, layers=layers, batch=batch, seq=2048, hidden=4096, vocab=51200)
+    found = choose(_cost, cluster, gpus=gpus, layers=layers, batch=batch, seq=2048, hidden=4096, vocab=51200,
+                   virtual=virtual)
     for c in found:
         assert c.t * c.p * c.d == gpus and c.t <= cluster.gpus_per_node and layers % c.p == 0
         assert c.d * c.micro_batch * c.micro_batches == batch
         assert c.memory_bytes <= cluster.profile.memory
+        assert c.virtual in virtual and (c.virtual == 1 or (c.p > 1 and (layers // c.p) % c.virtual == 0))
         assert c.memory_bytes == memory(_cost(c.t, c.micro_batch), cluster, layers=layers, p=c.p,
-                                        micro_batch=c.micro_batch)
+                                        micro_batch=c.micro_batch, virtual=c.virtual,
+                                        micro_batches=c.micro_batches)
     assert [c.step_s for c in found] == sorted(c.step_s for c in found)
     if found:
         flops = model_flops(batch=batch, seq=2048, layers=layers, hidden=4096, vocab=51200)
         assert abs(found[0].flops_per_gpu - flops / found[0].step_s / gpus) < 1e-6 * found[0].flops_per_gpu
+
+
+@settings(max_examples=50, deadline=None)
+@given(p=st.sampled_from([2, 4, 8, 16]), per_gpu=st.sampled_from([1, 2, 4, 6]), m=st.integers(1, 64))
+def test_the_interleaved_schedule_holds_more_layers_in_flight_than_1f1b(p, per_gpu, m):
+    layers = p * per_gpu
+    plain = in_flight_layers(layers=layers, p=p, micro_batches=m)
+    assert plain == min(p, m) * per_gpu                   # p micro-batches of the first GPU's layers
+    for v in (v for v in range(2, per_gpu + 1) if per_gpu % v == 0):
+        got = in_flight_layers(layers=layers, p=p, virtual=v, micro_batches=m)
+        # torch's Interleaved1F1B on rank 0: (v-1) p + 2 (p-1) chunk forwards, then the first backward
+        whole = ((v - 1) * p + 2 * (p - 1) + 1) * per_gpu / v
+        assert got == min(whole, m * per_gpu)
+        assert got <= (1 + 1 / v) * layers                  # the paper's "comparable footprint"
+        if m >= 2 * p:
+            assert got > plain
+    # the 1T row of the paper: 64 stages of 2 layers, 2 chunks each -> 191 layer inputs, not 128
+    assert in_flight_layers(layers=128, p=64, virtual=2) == 191
+    assert in_flight_layers(layers=128, p=64) == 128
 
 
 def test_the_papers_flop_count_of_the_1t_row():
