@@ -127,8 +127,9 @@ def check_agreement(fp: Fingerprint, group, what: str = "before their first coll
     )
 
 
-def check_same_inputs(signature: tuple[str, ...], group) -> None:
-    """Raise DisagreementError on every rank of ``group`` unless all got inputs of one signature."""
+def check_same_inputs(signature: tuple[str, ...], group, what: str = "TP group") -> None:
+    """Raise DisagreementError on every rank of ``group`` unless all got inputs of one signature.
+    ``what`` names the group in the error (a TP group, or a pipeline's stages and their TP ranks)."""
     if group is None or group_size(group) == 1:
         return
     if not _differing([_digest(signature)], group):
@@ -136,9 +137,9 @@ def check_same_inputs(signature: tuple[str, ...], group) -> None:
     ranks = list(group_ranks(group) or range(group_size(group)))
     per_rank = _all_gather_json(list(signature), group)
     raise DisagreementError(
-        f"the inputs of this call differ across the TP group of ranks {ranks}: "
-        f"{_first_difference(per_rank, ranks)}. Every rank of a TP group must get the same batch "
-        "(split data across data-parallel groups, not across the ranks of one TP group)."
+        f"the inputs of this call differ across the {what} of ranks {ranks}: "
+        f"{_first_difference(per_rank, ranks)}. Every rank of a {what} must get the same batch "
+        f"(split data across data-parallel groups, not across the ranks of one {what})."
     )
 
 

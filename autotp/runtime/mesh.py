@@ -123,6 +123,9 @@ class TPMesh:
     pp_rank: int = 0
     pp_ranks: tuple[int, ...] = ()
     pp_group: object = field(default=None, compare=False, hash=False, repr=False)
+    #: every stage's TP ranks at this rank's dp position (one pipeline replica), over gloo; None
+    #: without a pipeline. A step checks over it that they were handed batches of one shape
+    replica_control_group: object = field(default=None, compare=False, hash=False, repr=False)
 
     @property
     def world_size(self) -> int:
@@ -247,6 +250,12 @@ def _make_mesh(tp: int, world: int, rank: int, backend: str | None, pp: int = 1)
     # the CPU backends carry the control messages themselves ("fake": torch's one-process
     # backend, whose collectives do nothing; a planning and rewriting tier runs one rank on it)
     control = tp_group if backend in ("gloo", "fake") else groups(all_tp, "gloo")[0]
+    # a pipeline's replica (every stage's TP ranks at this rank's dp position), over gloo: the
+    # per-step check that its ranks were handed batches of one shape
+    replica = None
+    if pp > 1:
+        all_replicas = [tuple(s * block + b * tp + i for s in range(pp) for i in range(tp)) for b in range(dp)]
+        replica = groups(all_replicas, "gloo" if backend != "fake" else backend)[0]
     # A DeviceMesh needs a group for every dim, a dim of one rank too: singletons, made only then.
     single = None
     if dp == 1 or tp == 1:
@@ -262,4 +271,5 @@ def _make_mesh(tp: int, world: int, rank: int, backend: str | None, pp: int = 1)
         tp_rank=tp_ranks.index(rank), dp_rank=dp_ranks.index(rank),
         tp_ranks=tp_ranks, dp_ranks=dp_ranks, backend=backend, control_group=control,
         device_mesh=device_mesh, pp=pp, pp_rank=stage, pp_ranks=pp_ranks, pp_group=pp_group,
+        replica_control_group=replica,
     )

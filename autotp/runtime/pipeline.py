@@ -48,6 +48,7 @@ from ..capture import Capture, bind_inputs, flat_inputs, module_path
 from ..cost_model.pipeline import in_flight_layers
 from ..errors import ConfigError, InputError
 from ..plan import Plan
+from .agreement import check_same_inputs, input_signature
 from .inputs import check_index_bounds, check_not_empty, index_bounds
 from .outline import layer_paths
 
@@ -545,6 +546,10 @@ class PipelineModule(nn.Module):
         self.microbatches, self.virtual = microbatches, virtual
         self.schedule_name = schedule
         self._bounds = index_bounds(capture)
+        #: each step first checks that every stage and TP rank of this replica was handed inputs
+        #: of the same names, shapes and dtypes, in the same mode (one small gloo all-reduce);
+        #: ``pm.check_inputs = False`` skips it once the data pipeline is trusted
+        self.check_inputs = True
         control = getattr(mesh, "control_group", None) or getattr(mesh, "tp_group", None)
         check_agreement(fingerprint(plan, graph_module), control)
         from .faults import StepGuard
@@ -757,6 +762,10 @@ class PipelineModule(nn.Module):
         tensors = [x for key, x in zip(self.capture.input_keys, flat) if key not in self.capture.constant_inputs]
         if not all(isinstance(x, torch.Tensor) for x in tensors):
             raise InputError(f"a pipeline step takes tensor inputs ({keys}); pass each of them as a tensor")
+        if self.check_inputs:   # first: torch's sends and receives of unequal shapes abort the process
+            check_same_inputs(input_signature(keys, tensors) + (f"training: {self.training}",),
+                              getattr(self.mesh, "replica_control_group", None),
+                              "pipeline replica")
         batch = tensors[0].shape[0] if tensors else 0
         # every rank is handed the batch: what would fail in one stage's chunk fails on every rank now
         check_not_empty(kwargs)

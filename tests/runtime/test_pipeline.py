@@ -270,6 +270,7 @@ def _errors_case() -> list[str]:
     from autotp import zoo
     from autotp.errors import InputError
     from autotp.runtime.mesh import get_mesh
+    from autotp.testing import relative_error
 
     seen = []
     with pytest.raises(ConfigError) as world:
@@ -301,6 +302,17 @@ def _errors_case() -> list[str]:
     with pytest.raises(InputError) as call:
         pm(**zoo.example_batch("gpt2", config, batch=2, seq=5))
     seen.append(str(call.value))
+    # the second stage handed longer sequences: refused on every rank before any send (torch's
+    # receive of the wrong size aborted the process); the next step runs
+    from autotp.errors import DisagreementError
+
+    seq = 6 if torch.distributed.get_rank() >= 2 else 5
+    with pytest.raises(DisagreementError) as shapes:
+        pm.step(**zoo.example_batch("gpt2", config, batch=2, seq=seq))
+    seen.append(str(shapes.value))
+    data = zoo.example_batch("gpt2", config, batch=2, seq=5)
+    model.zero_grad()
+    seen.append(relative_error(pm.step(**data), model(**data).loss.detach()))
     return seen
 
 
@@ -348,7 +360,10 @@ def test_pipeline_steps_equal_serial_steps_on_four_ranks(cluster, tmp_path):
         assert result["dcp"]["equal"] and result["dcp"]["loss at tp 4"] <= 1e-12, result["dcp"]
         assert "stages hold different layers: save with autotp.runtime.dcp.save" in result["dcp"]["gather"]
         assert result["eval"]["eval"] <= 1e-12 and result["eval"]["train vs eval"] > 1e-3, result["eval"]
-        world, layers, asked, memory, odd, index, call = result["errors"]
+        world, layers, asked, memory, odd, index, call, shapes, after = result["errors"]
+        assert "differ across the pipeline replica of ranks [0, 1, 2, 3]" in shapes, shapes
+        assert "'input_ids: (2, 5) int64'" in shapes and "'input_ids: (2, 6) int64'" in shapes, shapes
+        assert after <= 1e-12, after
         assert "input_ids" in index and "32" in index
         assert "stage_layers=[1, 2] adds up to 3 layers but the model has 2 repeated layers" in asked
         assert f"pipeline stage {rank // 2} of 2 does not fit" in memory and "use more stages (pp)" in memory
