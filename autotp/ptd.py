@@ -70,8 +70,12 @@ class PipelinePlan:
         out.append(f"t={b.t}: tensor parallelism stays inside a node ({self.gpus_per_node} GPUs), where its "
                    "per-layer all-reduces use the fast in-node link")
         if b.p > 1:
-            out.append(f"p={b.p}: {self.layers // b.p} of the {self.layers} layers per stage; the bubble is "
-                       f"{b.bubble:.1%} of the step with {b.micro_batches} micro-batches of {b.micro_batch}")
+            held = b.parts.get("layers_per_gpu") or [self.layers // b.p] * b.p
+            cut = f"{held[0]} of the {self.layers} layers per stage" if len(set(held)) == 1 else \
+                f"the {self.layers} layers cut {held} over the stages (the first also runs the embedding, the last " \
+                "the head and loss)"
+            out.append(f"p={b.p}: {cut}; the bubble is {b.bubble:.1%} of the step with {b.micro_batches} "
+                       f"micro-batches of {b.micro_batch}")
         for other in self.choices[1:]:
             if (other.t, other.p) != (b.t, b.p):
                 out.append(f"the next other (t, p), ({other.t}, {other.p}) with d={other.d}, "
@@ -155,18 +159,25 @@ def layer_cost(model: nn.Module, stack: Any, t: int, micro_batch: int, seq: int,
     """What a micro-batch costs at tp ``t`` by autotp's plans of ``model`` with ``stack`` (a
     :class:`autotp.capture_expand.Stack`) cut to 2 and to 3 blocks: one layer is their
     difference, the rest lies outside the layers (the optimizer's share taken out: a pipeline
-    prices it once a step)."""
+    prices it once a step), split between the first stage (before the layers) and the last as
+    the plan's ops and collectives fall (``runtime.pipeline.layer_costs``)."""
     from .api import build_plan
     from .capture_cache import capture
     from .capture_expand import NotExpandable, cut
 
+    from .runtime.outline import layer_paths
+    from .runtime.pipeline import layer_costs
+
     prof = get_profile(profile)
     got = {}
+    ends = (0.0, 0.0)
     for keep in (2, 3):
         try:
             with cut(model, [stack], keep):
-                plan, _, _ = build_plan(capture(model), t, batch=micro_batch, seq=seq, profile=prof,
-                                        memory_limit=float("inf"))
+                plan, index, prop = build_plan(capture(model), t, batch=micro_batch, seq=seq, profile=prof,
+                                               memory_limit=float("inf"))
+                if keep == 2:   # what lies before the layers and what after, as the runtime balances them
+                    ends = layer_costs(index, prop, prof, layer_paths(model))[1:]
         except NotExpandable as why:
             raise ConfigError(f"pipeline planning cuts {stack.path} to {keep} blocks to price one, and this model "
                               f"cannot be cut: {why}. Plan tensor parallelism alone with autotp.plan(model, tp)") from why
@@ -178,7 +189,8 @@ def layer_cost(model: nn.Module, stack: Any, t: int, micro_batch: int, seq: int,
     outside_s = max(0.0, (t2 - 2 * (t3 - t2)) - prof.update_time(outside_params))
     hidden = _hidden(model)
     boundary = micro_batch * seq * hidden * size if hidden else a3 - a2
-    return LayerCost(layer_s, outside_s, layer_params, outside_params, a3 - a2, boundary)
+    before = ends[0] / sum(ends) if sum(ends) > 0 else 0.0
+    return LayerCost(layer_s, outside_s, layer_params, outside_params, a3 - a2, boundary, first_s=outside_s * before)
 
 
 def _hidden(model: nn.Module) -> int | None:

@@ -2,11 +2,13 @@
 
 A step of a GPT-like model with ``layers`` identical layers on ``t`` x ``p`` x ``d`` GPUs:
 
-- **one micro-batch on one stage**: ``layers / p`` layers, each priced by autotp's tensor-parallel
-  plan at ``t`` for the micro-batch (forward and backward, its collectives included; the
-  optimizer's share the plan carries is taken out and priced once per step below), plus what lies
-  outside the layers (embedding, head, loss: the first and the last stage carry it, so the
-  slowest stage does). With full activation recomputation (``recompute=True``, what the PTD-P
+- **one micro-batch on one stage**: its layers, each priced by autotp's tensor-parallel plan at
+  ``t`` for the micro-batch (forward and backward, its collectives included; the optimizer's
+  share the plan carries is taken out and priced once per step below), the first stage also
+  running what lies before the layers (the embedding) and the last what follows them (head and
+  loss). The layers are cut as autotp's runtime cuts them (:func:`balance`: the head's stage
+  gets fewer where that makes the slowest faster) or evenly (``balanced=False``, Megatron-LM's
+  cut); the slowest GPU sets the pace (:func:`stage_layers`). With full activation recomputation (``recompute=True``, what the PTD-P
   runs use) each layer's forward runs twice: 4/3 of forward + backward.
 - **the pipeline** (1F1B, or GPipe: the same bubble): ``(m + p - 1)`` stage slots for ``m``
   micro-batches; with ``v`` virtual stages per GPU (interleaved 1F1B) the bubble shrinks to
@@ -30,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from ..errors import ConfigError
 from .devices import DeviceProfile
 
 
@@ -55,6 +58,16 @@ class LayerCost:
     outside_params: float      # per GPU
     layer_activation_bytes: float   # one layer's activations for one micro-batch, per GPU
     boundary_bytes: float      # the activation sent between stages, whole (b * s * h * dtype)
+    #: the part of ``outside_s`` before the layers (the embedding: the first stage's), the rest
+    #: after them (head and loss: the last stage's); None: not known, all of it on one stage
+    first_s: float | None = None
+
+    def ends(self) -> tuple[float, float] | None:
+        """(seconds on the first stage, on the last) outside the layers, or None if not known."""
+        if self.first_s is None:
+            return None
+        first = min(max(self.first_s, 0.0), self.outside_s)
+        return first, self.outside_s - first
 
 
 @dataclass(frozen=True)
@@ -72,18 +85,88 @@ class Choice:
     parts: dict
 
 
+def balance(costs: list[float], first: float, last: float, chunks: int) -> list[int]:
+    """How many of the layers (``costs``: seconds each, in order) each of ``chunks`` contiguous
+    chunks runs: every chunk at least one, the first also paying ``first``, the last ``last``;
+    the slowest chunk as fast as possible, ties broken toward equal chunks (exact, by dynamic
+    programming over the cut points)."""
+    n = len(costs)
+    if chunks > n:
+        raise ConfigError(f"{n} repeated layers cannot be cut into {chunks} pipeline chunks (pp x virtual stages): "
+                          f"each chunk needs a layer; choose pp x virtual <= {n}")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def span(i: int, j: int, k: int) -> float:     # layers i..j-1 as chunk k
+        return prefix[j] - prefix[i] + (first if k == 0 else 0.0) + (last if k == chunks - 1 else 0.0)
+
+    # best[k][j]: (slowest, sum of squared sizes) for layers 0..j-1 in chunks 0..k, and the cut
+    inf = (float("inf"), float("inf"))
+    best = [[inf] * (n + 1) for _ in range(chunks)]
+    cut = [[0] * (n + 1) for _ in range(chunks)]
+    for j in range(1, n + 1):
+        best[0][j] = (span(0, j, 0), j * j)
+    for k in range(1, chunks):
+        for j in range(k + 1, n + 1):
+            for i in range(k, j):
+                prev = best[k - 1][i]
+                cand = (max(prev[0], span(i, j, k)), prev[1] + (j - i) ** 2)
+                if _better(cand, best[k][j]):
+                    best[k][j], cut[k][j] = cand, i
+    sizes, j = [], n
+    for k in range(chunks - 1, 0, -1):
+        i = cut[k][j]
+        sizes.append(j - i)
+        j = i
+    sizes.append(j)
+    return sizes[::-1]
+
+
+def _better(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    if abs(a[0] - b[0]) > 1e-9 * max(abs(a[0]), abs(b[0]), 1e-30):
+        return a[0] < b[0]
+    return a[1] < b[1]
+
+
+def stage_layers(cost: LayerCost, *, layers: int, p: int, virtual: int = 1, recompute: bool = True,
+                 balanced: bool = True) -> tuple[list[int], float]:
+    """(layers each GPU runs, the slowest GPU's seconds per micro-batch) with the layers cut into
+    ``p * virtual`` chunks, chunk ``c`` on GPU ``c mod p``, the first chunk also running what lies
+    before the layers and the last what follows them. ``balanced``: cut as autotp's pipeline
+    runtime does (:func:`balance`: the slowest chunk as fast as possible, so the
+    head's GPU gets fewer layers); else evenly (``layers / (p v)`` each, as Megatron-LM does).
+    Without a known split of ``outside_s`` all of it lands on the slowest GPU."""
+    per = cost.layer_s * (4 / 3 if recompute else 1.0)
+    chunks = p * virtual
+    ends = cost.ends()
+    if p == 1 or ends is None:
+        return [layers // p] * p, layers / p * per + cost.outside_s
+    first, last = ends
+    if balanced:
+        sizes = balance([per] * layers, first, last, chunks)
+    else:
+        sizes = [layers // chunks + (1 if c < layers % chunks else 0) for c in range(chunks)]
+    held = [sum(sizes[c] for c in range(g, chunks, p)) for g in range(p)]
+    work = [n * per for n in held]
+    work[0] += first
+    work[(chunks - 1) % p] += last
+    return held, max(work)
+
+
 def step_time(cost: LayerCost, cluster: Cluster, *, layers: int, t: int, p: int, d: int, batch: int,
-              micro_batch: int, virtual: int = 1, recompute: bool = True) -> tuple[float, float, dict]:
-    """(step seconds, bubble fraction, the parts) of PTD-P on ``t`` x ``p`` x ``d`` GPUs."""
+              micro_batch: int, virtual: int = 1, recompute: bool = True,
+              balanced: bool = True) -> tuple[float, float, dict]:
+    """(step seconds, bubble fraction, the parts) of PTD-P on ``t`` x ``p`` x ``d`` GPUs; the
+    slowest GPU's work sets the pace (:func:`stage_layers`)."""
     m = batch // (d * micro_batch)
-    factor = 4 / 3 if recompute else 1.0
-    stage = layers / p * cost.layer_s * factor + cost.outside_s
+    held, stage = stage_layers(cost, layers=layers, p=p, virtual=virtual, recompute=recompute, balanced=balanced)
     p2p = 0.0
     if p > 1:
         p2p = 2 * virtual * (cluster.node_link_latency + cost.boundary_bytes / t / cluster.node_link_bw)
     slots = m + (p - 1) / virtual
     pipe = slots * (stage + p2p)
-    params = layers / p * cost.layer_params + cost.outside_params
+    params = max(held) * cost.layer_params + cost.outside_params
     dp = 0.0
     if d > 1:
         dp = 2 * (d - 1) * cluster.node_link_latency + 2 * (d - 1) / d * params * 2 / cluster.node_link_bw
@@ -91,15 +174,18 @@ def step_time(cost: LayerCost, cluster: Cluster, *, layers: int, t: int, p: int,
     step = pipe + dp + opt
     bubble = (p - 1) / virtual * (stage + p2p) / step
     return step, bubble, {"stage_s": stage, "p2p_s": p2p, "pipeline_s": pipe, "dp_s": dp, "optimizer_s": opt,
-                          "micro_batches": m}
+                          "micro_batches": m, "layers_per_gpu": held}
 
 
 def memory(cost: LayerCost, cluster: Cluster, *, layers: int, p: int, micro_batch: int,
-           recompute: bool = True, virtual: int = 1, micro_batches: int | None = None) -> float:
-    """Bytes per GPU of the first stage (the fullest under 1F1B)."""
-    params = layers / p * cost.layer_params + cost.outside_params
+           recompute: bool = True, virtual: int = 1, micro_batches: int | None = None,
+           balanced: bool = True) -> float:
+    """Bytes per GPU of the fullest: the first stage's in-flight activations (the fullest under
+    1F1B) on the most layers any GPU holds (:func:`stage_layers`)."""
+    held = max(stage_layers(cost, layers=layers, p=p, virtual=virtual, recompute=recompute, balanced=balanced)[0])
+    params = held * cost.layer_params + cost.outside_params
     state = params * cluster.profile.state_bytes_per_param
-    in_flight = in_flight_layers(layers=layers, p=p, virtual=virtual, micro_batches=micro_batches)
+    in_flight = in_flight_layers(layers=held * p, p=p, virtual=virtual, micro_batches=micro_batches)
     if recompute:   # each layer keeps its input; the one being recomputed holds all of its own
         acts = in_flight * cost.boundary_bytes + cost.layer_activation_bytes
     else:
@@ -131,7 +217,7 @@ def model_flops(*, batch: int, seq: int, layers: int, hidden: int, vocab: int) -
 
 def choose(layer_cost: Callable[[int, int], LayerCost], cluster: Cluster, *, gpus: int, layers: int, batch: int,
            seq: int, hidden: int, vocab: int, tps=(1, 2, 4, 8), micro_batches=(1, 2, 4), virtual=(1,),
-           recompute: bool = True) -> list[Choice]:
+           recompute: bool = True, balanced: bool = True) -> list[Choice]:
     """Every feasible (t, p, d, micro-batch, virtual stages) for ``gpus`` GPUs, fastest first.
     ``layer_cost(t, micro_batch)`` prices a micro-batch at tp ``t``. t stays inside a node; p
     divides the layers; d divides the batch in whole micro-batches; the state fits the memory."""
@@ -152,11 +238,12 @@ def choose(layer_cost: Callable[[int, int], LayerCost], cluster: Cluster, *, gpu
                     if v > 1 and (p == 1 or (layers // p) % v):
                         continue
                     mem = memory(cost, cluster, layers=layers, p=p, micro_batch=mb, recompute=recompute,
-                                 virtual=v, micro_batches=batch // (d * mb))
+                                 virtual=v, micro_batches=batch // (d * mb), balanced=balanced)
                     if mem > cluster.profile.memory:
                         continue
                     step, bubble, parts = step_time(cost, cluster, layers=layers, t=t, p=p, d=d, batch=batch,
-                                                    micro_batch=mb, virtual=v, recompute=recompute)
+                                                    micro_batch=mb, virtual=v, recompute=recompute,
+                                                    balanced=balanced)
                     out.append(Choice(t, p, d, mb, parts["micro_batches"], v, step, bubble, mem,
                                       flops / step / gpus, parts))
     return sorted(out, key=lambda c: c.step_s)

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from ..capture import Capture, bind_inputs, flat_inputs, module_path
-from ..cost_model.pipeline import in_flight_layers
+from ..cost_model.pipeline import balance, in_flight_layers
 from ..errors import ConfigError, InputError
 from ..plan import Plan
 from .agreement import check_same_inputs, input_signature
@@ -55,50 +55,6 @@ from .outline import layer_paths
 log = logging.getLogger("autotp")
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
-
-
-def balance(costs: list[float], first: float, last: float, chunks: int) -> list[int]:
-    """How many of the layers (``costs``: seconds each, in order) each of ``chunks`` contiguous
-    chunks runs: every chunk at least one, the first also paying ``first``, the last ``last``;
-    the slowest chunk as fast as possible, ties broken toward equal chunks (exact, by dynamic
-    programming over the cut points)."""
-    n = len(costs)
-    if chunks > n:
-        raise ConfigError(f"{n} repeated layers cannot be cut into {chunks} pipeline chunks (pp x virtual stages): "
-                          f"each chunk needs a layer; choose pp x virtual <= {n}")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-
-    def span(i: int, j: int, k: int) -> float:     # layers i..j-1 as chunk k
-        return prefix[j] - prefix[i] + (first if k == 0 else 0.0) + (last if k == chunks - 1 else 0.0)
-
-    # best[k][j]: (slowest, sum of squared sizes) for layers 0..j-1 in chunks 0..k, and the cut
-    inf = (float("inf"), float("inf"))
-    best = [[inf] * (n + 1) for _ in range(chunks)]
-    cut = [[0] * (n + 1) for _ in range(chunks)]
-    for j in range(1, n + 1):
-        best[0][j] = (span(0, j, 0), j * j)
-    for k in range(1, chunks):
-        for j in range(k + 1, n + 1):
-            for i in range(k, j):
-                prev = best[k - 1][i]
-                cand = (max(prev[0], span(i, j, k)), prev[1] + (j - i) ** 2)
-                if _better(cand, best[k][j]):
-                    best[k][j], cut[k][j] = cand, i
-    sizes, j = [], n
-    for k in range(chunks - 1, 0, -1):
-        i = cut[k][j]
-        sizes.append(j - i)
-        j = i
-    sizes.append(j)
-    return sizes[::-1]
-
-
-def _better(a: tuple[float, float], b: tuple[float, float]) -> bool:
-    if abs(a[0] - b[0]) > 1e-9 * max(abs(a[0]), abs(b[0]), 1e-30):
-        return a[0] < b[0]
-    return a[1] < b[1]
 
 
 def layer_costs(index: Any, prop: Any, profile: Any, layers: list[str]) -> tuple[list[float], float, float]:

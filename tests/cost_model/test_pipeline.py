@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autotp.cost_model import PROFILES
-from autotp.cost_model.pipeline import Cluster, LayerCost, choose, in_flight_layers, memory, model_flops, step_time
+from autotp.cost_model.pipeline import (Cluster, LayerCost, choose, in_flight_layers, memory, model_flops, stage_layers,
+                                        step_time)
 
 A100 = Cluster(PROFILES["a100-dgx"])
 
@@ -68,6 +69,27 @@ def test_the_interleaved_schedule_holds_more_layers_in_flight_than_1f1b(p, per_g
     # the 1T row of the paper: 64 stages of 2 layers, 2 chunks each -> 191 layer inputs, not 128
     assert in_flight_layers(layers=128, p=64, virtual=2) == 191
     assert in_flight_layers(layers=128, p=64) == 128
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=st.sampled_from([2, 3, 4]), v=st.sampled_from([1, 2]), per_chunk=st.integers(1, 4),
+       first=st.floats(0.0, 0.05), last=st.floats(0.0, 0.08))
+def test_the_slowest_gpu_sets_the_pace_with_the_head_on_the_last(p, v, per_chunk, first, last):
+    layers = p * v * per_chunk
+    cost = dataclasses.replace(_cost(1, 1), outside_s=first + last, first_s=first)
+    per = cost.layer_s * 4 / 3
+    even, slowest_even = stage_layers(cost, layers=layers, p=p, virtual=v, balanced=False)
+    assert even == [layers // p] * p
+    assert abs(slowest_even - (layers // p * per + max(first, last))) < 1e-12   # embedding and head apart
+    held, slowest = stage_layers(cost, layers=layers, p=p, virtual=v)
+    assert sum(held) == layers and all(n >= v for n in held)      # every chunk keeps a layer
+    assert slowest <= slowest_even + 1e-12                         # the runtime's cut is never slower
+    assert slowest >= (layers * per + first + last) / p - 1e-12   # nor faster than a perfect share
+    if v == 1 and last - first >= 2 * per and per_chunk > 1:        # a head two layers dearer moves one off
+        assert held[-1] < layers // p
+    # without the split known, all of what lies outside lands on the slowest stage (as before)
+    unknown = dataclasses.replace(cost, first_s=None)
+    assert abs(stage_layers(unknown, layers=layers, p=p, virtual=v)[1] - (layers / p * per + first + last)) < 1e-12
 
 
 def test_the_papers_flop_count_of_the_1t_row():

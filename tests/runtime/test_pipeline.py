@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 import autotp
 from autotp.errors import ConfigError
-from autotp.runtime.pipeline import balance, check_pipeline
+from autotp.cost_model.pipeline import balance
+from autotp.runtime.pipeline import check_pipeline
 
 
 # ---- where to cut: exact, by brute force on small stacks --------------------------------------
