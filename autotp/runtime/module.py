@@ -546,7 +546,9 @@ class _LocalOf(torch.autograd.Function):
     @staticmethod
     def forward(ctx, param):
         local = param._local_tensor
-        ctx.dtensor_spec, ctx.grad_placements, ctx.local_stride = param._spec, None, local.stride()
+        # the attributes torch's _ToTorchTensor.forward sets, which its backward (our fallback)
+        # reads: torch 2.14 added local_tensor_stride
+        ctx.dtensor_spec, ctx.grad_placements, ctx.local_tensor_stride = param._spec, None, local.stride()
         ctx.set_materialize_grads(False)
         return local.view_as(local)   # a fresh tensor object: autograd's metadata goes on it
 
@@ -559,7 +561,7 @@ class _LocalOf(torch.autograd.Function):
 
         if grad is None:
             return None
-        if grad.stride() == ctx.local_stride and not isinstance(grad, DTensor) and not torch.is_grad_enabled():
+        if grad.stride() == ctx.local_tensor_stride and not isinstance(grad, DTensor) and not torch.is_grad_enabled():
             return DTensor(grad, copy.copy(ctx.dtensor_spec), requires_grad=False)
         return _ToTorchTensor.backward(ctx, grad)[0]
 
