@@ -92,6 +92,25 @@ def test_the_slowest_gpu_sets_the_pace_with_the_head_on_the_last(p, v, per_chunk
     assert abs(stage_layers(unknown, layers=layers, p=p, virtual=v)[1] - (layers / p * per + first + last)) < 1e-12
 
 
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 40), data=st.data(), per=st.sampled_from([0.01, 0.013, 1.0]),
+       first=st.floats(0.0, 5.0), last=st.floats(0.0, 8.0))
+def test_the_uniform_cut_is_as_fast_as_the_runtimes_balance(n, data, per, first, last):
+    from autotp.cost_model.pipeline import _uniform_balance, balance
+
+    chunks = data.draw(st.integers(1, n))
+    first, last = first * per, last * per
+
+    def slowest(sizes):
+        return max(x * per + (first if k == 0 else 0.0) + (last if k == chunks - 1 else 0.0)
+                   for k, x in enumerate(sizes))
+
+    fast = _uniform_balance(n, per, first, last, chunks)
+    assert sum(fast) == n and min(fast) >= 1 and len(fast) == chunks
+    exact = balance([per] * n, first, last, chunks)
+    assert abs(slowest(fast) - slowest(exact)) <= 1e-9 * slowest(exact)
+
+
 def test_the_papers_flop_count_of_the_1t_row():
     # eq. 3, 96 B s l h^2 (1 + s/6h + V/16lh): 5.14e19 FLOPs a step, so the published 163 TF/s on
     # each of 3072 GPUs is a step of about 103 s
