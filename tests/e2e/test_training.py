@@ -54,17 +54,19 @@ def _dp_tp_steps(cluster, case: dict) -> None:
         assert errors[worst] <= 1e-8, (worst, errors[worst])
 
 
+#: every drawn case here: ranks are slow to start (no deadline), the cluster fixture is shared
+#: across draws on purpose, and the draws are the same on every run
+_DRAWS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture], derandomize=True)
+
 # 4 draws in the fast tier (4-rank steps are its dearest), 20 in the slow one
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
-          derandomize=True)
+@settings(max_examples=4, **_DRAWS)
 @given(**_DP_TP_STEPS)
 def test_adamw_steps_on_dp2_x_tp2_equal_serial_steps_on_the_whole_batch(cluster, **case):
     _dp_tp_steps(cluster, case)
 
 
 @pytest.mark.slow
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
-          derandomize=True)
+@settings(max_examples=20, **_DRAWS)
 @given(**_DP_TP_STEPS)
 def test_adamw_steps_on_dp2_x_tp2_equal_serial_steps_20_draws(cluster, **case):
     _dp_tp_steps(cluster, case)
@@ -143,8 +145,7 @@ def _fsdp_case(cluster, case: dict) -> None:
 
 
 # The fast tier runs the two examples alone (4-rank runs are its dearest); the slow twin draws 10.
-@settings(max_examples=1, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
-          derandomize=True, phases=[Phase.explicit])
+@settings(max_examples=1, phases=[Phase.explicit], **_DRAWS)
 @given(**_FSDP_CASES)
 @example(layers=3, heads=4, vocab=40, batch=2, seq=5, steps=2, seed=1, per_layer=True, checkpointing=False,
          replicate=1)
@@ -160,8 +161,7 @@ def test_fsdp2_over_dp2_x_tp2_with_accumulation_equals_serial_steps(cluster, **c
 
 
 @pytest.mark.slow
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
-          derandomize=True)
+@settings(max_examples=10, **_DRAWS)
 @given(**_FSDP_CASES)
 def test_fsdp2_over_dp2_x_tp2_with_accumulation_10_draws(cluster, **case):
     _fsdp_case(cluster, case)
