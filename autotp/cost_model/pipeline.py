@@ -85,15 +85,19 @@ class Choice:
     parts: dict
 
 
+def _check_chunks(n: int, chunks: int) -> None:
+    if chunks > n:
+        raise ConfigError(f"{n} repeated layers cannot be cut into {chunks} pipeline chunks (pp x virtual stages): "
+                          f"each chunk needs a layer; choose pp x virtual <= {n}")
+
+
 def balance(costs: list[float], first: float, last: float, chunks: int) -> list[int]:
     """How many of the layers (``costs``: seconds each, in order) each of ``chunks`` contiguous
     chunks runs: every chunk at least one, the first also paying ``first``, the last ``last``;
     the slowest chunk as fast as possible, ties broken toward equal chunks (exact, by dynamic
     programming over the cut points)."""
     n = len(costs)
-    if chunks > n:
-        raise ConfigError(f"{n} repeated layers cannot be cut into {chunks} pipeline chunks (pp x virtual stages): "
-                          f"each chunk needs a layer; choose pp x virtual <= {n}")
+    _check_chunks(n, chunks)
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
@@ -135,9 +139,7 @@ def _uniform_balance(n: int, per: float, first: float, last: float, chunks: int)
     slowest chunk over the candidate times ``a * per + extra``, then the layers dealt as evenly as
     each chunk's room allows. The slowest chunk is balance's; which chunk takes a leftover layer
     may differ from its tie-breaking."""
-    if chunks > n:
-        raise ConfigError(f"{n} repeated layers cannot be cut into {chunks} pipeline chunks (pp x virtual stages): "
-                          f"each chunk needs a layer; choose pp x virtual <= {n}")
+    _check_chunks(n, chunks)
     extras = [0.0] * chunks
     extras[0] += first
     extras[-1] += last
