@@ -6,18 +6,23 @@ import torch.nn.functional as F
 
 
 def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor,
-                             ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
+                             ranges: tuple[tuple[int, int], ...], padding_idx: int = -1) -> torch.Tensor:
     """Look up the rows this rank holds (``ranges`` of the full vocabulary, in local order);
-    rows held elsewhere give 0, so the sum over ranks (a g all-reduce) is the full lookup."""
+    rows held elsewhere give 0, so the sum over ranks (a g all-reduce) is the full lookup.
+    ``padding_idx`` (of the full vocabulary, -1: none) is the row that gets no gradient
+    (``nn.Embedding(padding_idx=...)``: BERT's, OPT's pad token): the rank holding it passes
+    its local index on; elsewhere no row of this rank's table is the padding row."""
     local = torch.zeros_like(indices)
     mask = torch.zeros_like(indices, dtype=torch.bool)
-    offset = 0
+    offset, local_padding = 0, None
     for start, stop in ranges:
         hit = (indices >= start) & (indices < stop)
         local = torch.where(hit, indices - start + offset, local)
         mask = mask | hit
+        if padding_idx >= 0 and start <= padding_idx < stop:
+            local_padding = padding_idx - start + offset
         offset += stop - start
-    out = F.embedding(local, weight)
+    out = F.embedding(local, weight, padding_idx=local_padding)
     return out * mask.unsqueeze(-1).to(out.dtype)
 
 

@@ -1,6 +1,8 @@
 """Vocab-parallel embeddings, output heads and cross-entropy on untied (Llama, GPT-NeoX) and tied
-(OPT) families: the parallel model on gloo ranks equals the serial one in float64 (loss, logits,
-every gradient), including uneven vocabularies, ignored labels and logits kept vocab-sharded."""
+(OPT, BERT's masked-LM decoder) families: the parallel model on gloo ranks equals the serial one in
+float64 (loss, logits, every gradient), including uneven vocabularies, ignored labels, logits kept
+vocab-sharded, and the padding token in the input (Llama's, OPT's and BERT's embeddings have a
+``padding_idx`` row that gets no gradient from the lookup)."""
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -12,7 +14,8 @@ from autotp.testing import keep_loss_precision
 #: the parameters a family's vocabulary lives in (OPT ties lm_head to embed_tokens)
 VOCAB_PARAMS = {"llama": ("model.embed_tokens.weight", "lm_head.weight"),
                 "gpt-neox": ("gpt_neox.embed_in.weight", "lm_head.weight"),
-                "opt": ("model.decoder.embed_tokens.weight", "lm_head.weight")}
+                "opt": ("model.decoder.embed_tokens.weight", "lm_head.weight"),
+                "bert": ("bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight")}
 
 
 def _vanishing_gradients(model, pm, errors: dict) -> None:
@@ -35,13 +38,22 @@ def _vanishing_gradients(model, pm, errors: dict) -> None:
 def vocab_parallel_errors(case: dict) -> tuple[dict, dict]:
     family = case["family"]
     config = zoo.tiny_config(family, layers=1, heads=2, head_dim=4, vocab=case["vocab"])
-    model = keep_loss_precision(zoo.build(family, config, dtype=torch.float64, seed=case["seed"]))
+    model = zoo.build(family, config, dtype=torch.float64, seed=case["seed"])
+    if zoo.FAMILIES[family].task == "causal":
+        keep_loss_precision(model)
     layout = {name: "vocab" for name in VOCAB_PARAMS[family]}
     pm = autotp.parallelize(model, tp=case["tp"], layout=layout, gather_logits=case["gather"])
     inputs = zoo.example_batch(family, config, batch=case["batch"], seq=case["seq"], seed=case["seed"])
+    pad = getattr(model.get_input_embeddings(), "padding_idx", None)
+    if pad is not None and case["seq"] > 1:   # the padding row's gradient: the head's alone (or zero)
+        # not the first token: the padding row is zeros, and a first token that looks it up leaves a
+        # 2-token causal model nothing to learn from
+        inputs["input_ids"][0, 1 + case["seed"] % (case["seq"] - 1)] = pad
     labels = inputs["labels"]
     ignored = torch.rand(labels.shape, generator=torch.Generator().manual_seed(case["seed"])) < 0.3
     ignored[:, -1] = False   # a causal LM's loss needs one label kept (the shift drops the first)
+    if zoo.FAMILIES[family].task == "masked":   # ... a masked LM's, one label at a position it keeps
+        ignored[:, 0] = False
     inputs["labels"] = torch.where(ignored, torch.full_like(labels, -100), labels)
     from autotp.testing import equivalence_errors
 

@@ -376,6 +376,27 @@ def test_a_vocab_sharded_embedding_is_partial_through_vocab_parallel_embedding(d
     assert target is vocab_parallel_embedding
 
 
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_an_embedding_that_scales_by_frequency_or_is_sparse_is_not_split_by_vocabulary(data):
+    """scale_grad_by_freq counts each index's uses, and a vocab split's masked positions would
+    count as uses of every rank's row 0; a sparse gradient is not split by rows here. The padding
+    row, though, goes through (vocab_parallel_embedding takes it on)."""
+    tp, gen = data.draw(tps), _gen(data.draw)
+    vocab = data.draw(st.integers(tp, 2 * tp + 1))
+    weight, indices = _tensor(gen, (vocab, 3)), _tensor(gen, (2, 5), torch.long, 0, vocab)
+    pad = data.draw(st.integers(-1, vocab - 1))
+    freq, sparse = data.draw(st.sampled_from([(True, False), (False, True), (False, False)]))
+    case = data.draw(_case(aten.embedding.default, [weight, indices, pad, freq, sparse], tp=tp,
+                           place=(Shard(0), R)))
+    offered = check_case(case)
+    assert _offers(offered, (Shard(0), R), P) == (not freq and not sparse)
+    if not (freq or sparse):
+        strategy = next(s for s in offered if s.inputs == (Shard(0), R))
+        _, args, _ = localizer(aten.embedding.default)(case.info(), strategy, case.args, {}, LocalContext(tp, 0))
+        assert args[3] == pad
+
+
 # ---------------------------------------------------------------- normalization, attention, softmax, reductions
 
 @st.composite

@@ -1,13 +1,17 @@
 """The vocab-parallel cross-entropy's own arithmetic on one rank (its ranges the whole
 vocabulary, in one or several runs): loss and gradient equal torch's cross_entropy for every
-reduction, with ignored targets (the split across ranks is tested end to end in
-tests/e2e/test_embeddings.py)."""
+reduction, with ignored targets; and the vocab-parallel embedding's lookups, summed over the
+ranks of a split computed here in one process, equal the whole table's, with each rank's table
+gradient the rows it holds of the serial one, a padding row included (the split across ranks is
+tested end to end in tests/e2e/test_embeddings.py)."""
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autotp.runtime.functional import _VocabParallelCrossEntropy
+from autotp.placements import Shard, local_ranges
+from autotp.runtime.collectives import local_shard
+from autotp.runtime.functional import _VocabParallelCrossEntropy, vocab_parallel_embedding
 
 
 @settings(max_examples=40, deadline=None)
@@ -30,3 +34,30 @@ def test_loss_and_gradient_equal_cross_entropy(n, vocab, reduction, cut, ignored
     (want_grad,) = torch.autograd.grad(want, logits, upstream)
     assert torch.allclose(ours, want, rtol=1e-12, atol=1e-12)
     assert torch.allclose(got_grad, want_grad, rtol=1e-12, atol=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(vocab=st.integers(2, 40), tp=st.integers(1, 5), chunks=st.sampled_from([1, 2]), padding=st.floats(-0.3, 1.0),
+       shape=st.sampled_from([(6,), (2, 5), (3, 1)]), seed=st.integers(0, 999))
+def test_embedding_over_ranks_equals_the_whole_lookup_padding_row_included(vocab, tp, chunks, padding, shape, seed):
+    vocab = max(vocab, tp) * chunks        # a fused table: chunks equal blocks of rows
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(vocab, 3, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, vocab, shape, generator=g)
+    pad = None if padding < 0 else min(int(padding * vocab), vocab - 1)
+    if pad is not None:
+        ids.view(-1)[seed % ids.numel()] = pad      # the padding token is looked up
+    upstream = torch.randn(*shape, 3, generator=g, dtype=torch.float64)
+    whole = weight.clone().requires_grad_()
+    want = F.embedding(ids, whole, padding_idx=pad)
+    want.backward(upstream)
+    shard = Shard(0, chunks=chunks) if chunks > 1 else Shard(0)   # fused tables: runs of rows per rank
+    total = torch.zeros_like(want)
+    for rank in range(tp):
+        local = local_shard(weight, shard, tp, rank).clone().requires_grad_()
+        ranges = tuple(local_ranges(vocab, shard, tp, rank))
+        out = vocab_parallel_embedding(local, ids, ranges, -1 if pad is None else pad)
+        out.backward(upstream)
+        total += out.detach()
+        assert torch.equal(local.grad, local_shard(whole.grad, shard, tp, rank)), (rank, ranges, pad)
+    assert torch.allclose(total, want.detach(), rtol=0, atol=0)

@@ -23,7 +23,11 @@ def embedding_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     if hidden is not None:
         out.append(Strategy((hidden.with_dim(1), REPLICATE), hidden))
     vocab = info.inputs[0].static(0)
-    if vocab is not None and vocab >= info.tp:
+    # aten.embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False): a
+    # vocab split counts each rank's token frequencies over the positions it does not hold too
+    # (they look up its row 0), and a sparse gradient is not split by rows here
+    plain = not any(info.args[3:5]) and not any(info.kwargs.get(k) for k in ("scale_grad_by_freq", "sparse"))
+    if vocab is not None and vocab >= info.tp and plain:
         # Every rank must hold a row: a lookup in an empty local table fails.
         held = is_shard(pw) and pw.dim == 0 and vocab // (pw.chunks * pw.unit) >= info.tp
         w = pw if held else Shard(0)
@@ -42,7 +46,8 @@ def embedding_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: d
     from ...runtime.functional import vocab_parallel_embedding
 
     ranges = local_ranges(info.inputs[0].static(0), pw, ctx.tp, ctx.rank)
-    return vocab_parallel_embedding, (args[0], args[1], tuple(ranges)), {}
+    padding_idx = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
+    return vocab_parallel_embedding, (args[0], args[1], tuple(ranges), padding_idx), {}
 
 
 def _norm_rule(n_normalized: int):
