@@ -30,8 +30,12 @@ equal micro-batches; each micro-batch's loss is divided by their number, so the 
 those of the mean over micro-batches, which is the model's own mean loss when every micro-batch
 counts the same tokens (no ignored labels). A parameter read by chunks on several stages (a tied
 embedding and head) is held by each, and its gradient is summed over them after the pipeline
-flushes (Megatron's embedding group); data parallelism then averages every gradient over the dp
-group, once per step, in one all-reduce per dtype.
+flushes (Megatron's embedding group); data parallelism then combines every gradient over the dp
+group, once per step, in one all-reduce per dtype. Where the loss is a mean over counted tokens,
+the micro-batches of every replica are weighted by the whole batch's count (one small
+all-reduce over dp) and the gradients summed, so that pp x dp computes the whole batch's mean
+loss whichever rows hold the ignored labels (a masked LM's); otherwise the replicas' gradients
+are averaged. ``step`` returns each replica's own loss.
 """
 from __future__ import annotations
 
@@ -534,7 +538,7 @@ class PipelineModule(nn.Module):
         computed = dict(getattr(weights, "buffers", None) or {})
         self._counter = token_counter(capture, capture.output_names.index("loss"),
                                       lambda name: constant_value(capture, name, computed, device), device)
-        self._total = torch.ones((), dtype=torch.float64)
+        self._total = self._replica_total = torch.ones((), dtype=torch.float64)
         if self._counter is None and microbatches > 1 and mesh.tp_rank == 0 and mesh.dp_rank == 0:
             log.warning("autotp pipeline: the model's loss is not a mean cross-entropy whose targets come from the "
                         "inputs, so a step averages the %d micro-batches' losses: the batch's loss only when they "
@@ -732,7 +736,15 @@ class PipelineModule(nn.Module):
         # the schedule splits a target along the batch: each row's counted tokens (the loss is in the graph)
         if self._counter is not None:
             target = self._counter([x.to(self.device) for x in tensors]).to(self.device)
-            self._total = target.sum()
+            self._total = self._replica_total = target.sum()
+            if self.mesh.dp > 1 and self.mesh.dp_group is not None:
+                # over the dp replicas' tokens: each replica's share of the whole batch's mean,
+                # summed (not averaged) by the data-parallel all-reduce (see _reduce_grads)
+                from .collectives import _comm
+
+                self._total = self._total.clone()
+                with _comm("the data-parallel all-reduce of the batch's counted tokens", self.mesh.dp_group):
+                    dist.all_reduce(self._total, group=self.mesh.dp_group)
         else:
             target = torch.zeros(batch, device=self.device)
         losses: list[torch.Tensor] = []
@@ -750,6 +762,8 @@ class PipelineModule(nn.Module):
                 with torch.no_grad():
                     schedule.eval(*inputs, **run, return_outputs=False)
         loss = torch.stack([l.detach() for l in losses]).sum() if losses else torch.zeros((), device=self.device)
+        if losses and self._counter is not None and self._total is not self._replica_total:
+            loss = loss * (self._total / self._replica_total).to(loss.dtype)   # this replica's own mean
         if self.training:
             self._reduce_grads()
         return self._broadcast_loss(loss)
@@ -762,8 +776,11 @@ class PipelineModule(nn.Module):
         return value[0]
 
     def _reduce_grads(self) -> None:
-        """Sum each shared parameter's gradient over the stages that hold it, then average every
-        gradient over the dp group (one all-reduce per dtype)."""
+        """Sum each shared parameter's gradient over the stages that hold it, then combine every
+        gradient over the dp group (one all-reduce per dtype): a sum where the loss is a mean over
+        counted tokens (each replica's micro-batches were weighted by the whole batch's count, so
+        the sum is the gradient of the whole batch's mean, however the ignored labels fall), else
+        the mean of the replicas' gradients."""
         from .collectives import _comm
         from .module import _local
 
@@ -784,7 +801,8 @@ class PipelineModule(nn.Module):
             flat = torch.cat([g.reshape(-1) for g in grads])
             with _comm("the data-parallel gradient all-reduce", mesh.dp_group):
                 dist.all_reduce(flat, group=mesh.dp_group)
-            flat.div_(mesh.dp)
+            if self._counter is None:
+                flat.div_(mesh.dp)
             offset = 0
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))

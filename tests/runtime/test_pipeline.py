@@ -4,11 +4,14 @@ program, and PTD-P steps on gloo ranks against the serial model (float64).
 Fast tier: one task on the shared four ranks runs GPT-2 (tied embedding and head: a parameter
 on two stages) at pp 2 x tp 2 under 1F1B for two AdamW steps, the second at another sequence
 length; Llama at pp 2 x tp 2 under interleaved 1F1B (two chunks per stage) with activation
-checkpointing; Llama at pp 2 x dp 2 under GPipe with an asked cut; BERT's masked LM (labels
-mostly -100: the micro-batches count different tokens); a hand-written model whose
+checkpointing; Llama at pp 2 x dp 2 under GPipe with an asked cut and ignored labels in one
+replica's rows (the replicas count different tokens); BERT's masked LM (labels mostly -100: the
+micro-batches count different tokens); a hand-written model whose
 forward writes in place outside its layers at pp 4; from_pretrained, DCP and per-rank files,
 eval mode; and the errors. The slow tier adds pp 2 x tp 2 x dp 2 on eight ranks for GPT-2 and Llama, T5 (an
-encoder-decoder: the encoder's output travels to every decoder stage) and BERT's masked LM."""
+encoder-decoder: the encoder's output travels to every decoder stage), and drawn pipelines of
+every family the zoo builds. Every plan is solved for a large workload, so that these tiny
+models' matrices are split at tp > 1 (a replicated plan would test no tensor parallelism)."""
 from __future__ import annotations
 
 import itertools
@@ -22,6 +25,7 @@ import autotp
 from autotp.errors import ConfigError
 from autotp.cost_model.pipeline import balance
 from autotp.runtime.pipeline import check_pipeline
+from autotp.zoo import FAMILIES
 
 
 # ---- where to cut: exact, by brute force on small stacks --------------------------------------
@@ -98,18 +102,31 @@ def _grad_errors(pm, reference: dict) -> dict:
     return out
 
 
+#: the workload the pipelines' plans are solved for (see _step_case)
+PLANNING = dict(profile="h100-dgx", batch=64, seq=4096)
+
+
 def _step_case(family: str, *, tp: int, pp: int, microbatches: int, schedule: str | None = None, virtual: int = 1,
                layers: int = 4, batch: int = 4, seqs=(7,), steps: int = 1, stage_layers=None,
                checkpointing: bool = False, planning: dict | None = None, padded: bool = False) -> dict:
     """Serial AdamW steps on the whole batch against the pipeline's on each dp replica's part:
-    the losses, the gradients of the first step and the parameters after the last."""
+    the losses, the gradients of the first step and the parameters after the last.
+
+    The plan is solved for a large workload (PLANNING, the families tests' own), so that the
+    cost model splits these tiny models: at their own size every matrix would run replicated
+    and tp > 1 would test nothing of tensor parallelism (checked: a tp > 1 plan has an f or g)."""
     from autotp import zoo
     from autotp.testing import keep_loss_precision, relative_error
 
     config = zoo.tiny_config(family, layers=layers, heads=4, kv_heads=2, head_dim=4, vocab=48)
-    model = keep_loss_precision(zoo.build(family, config, dtype=torch.float64, seed=0))
+    model = zoo.build(family, config, dtype=torch.float64, seed=0)
+    if zoo.FAMILIES[family].task == "causal":
+        keep_loss_precision(model)
     pm = autotp.parallelize(model, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule, virtual=virtual,
-                            stage_layers=stage_layers, activation_checkpointing=checkpointing, **(planning or {}))
+                            stage_layers=stage_layers, activation_checkpointing=checkpointing,
+                            **{**PLANNING, **(planning or {})})
+    kinds = {c.kind for c in pm.plan.comms}
+    assert tp == 1 or kinds & {"f", "g"}, f"{family}: the tp {tp} plan runs replicated ({sorted(kinds)})"
     serial_opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
     dp, dp_rank = pm.mesh.dp, pm.mesh.dp_rank
@@ -192,7 +209,7 @@ def _eval_case() -> dict:
     config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.3
     model = keep_loss_precision(zoo.build("gpt2", config, dtype=torch.float64))
     data = zoo.example_batch("gpt2", config, batch=4, seq=6, seed=2)
-    pm = autotp.parallelize(model, tp=2, pp=2, microbatches=2)
+    pm = autotp.parallelize(model, tp=2, pp=2, microbatches=2, **PLANNING)
     trained = pm.step(**data)
     model.eval()
     serial = model(**data).loss.detach()
@@ -215,7 +232,8 @@ def _from_pretrained_case(folder: str) -> dict:
 
     model = zoo.build("llama", _llama_config(), dtype=torch.float64)
     data = zoo.example_batch("llama", _llama_config(), batch=4, seq=6, seed=2)
-    pm = autotp.from_pretrained(folder, tp=2, pp=2, microbatches=2, dtype=torch.float64, progress=False)
+    pm = autotp.from_pretrained(folder, tp=2, pp=2, microbatches=2, dtype=torch.float64, progress=False,
+                                stage_layers=[2, 2], **PLANNING)
     model(**data).loss.backward()   # the model's own loss (float32 logits, as the loaded program's)
     pm.step(**data)
     return {"grads": _grad_errors(pm, {n: p.grad for n, p in model.named_parameters()}),
@@ -235,7 +253,7 @@ def _dcp_case(folder: str) -> dict:
 
     def fresh(**kw):
         model = keep_loss_precision(zoo.build("gpt2", config, dtype=torch.float64, seed=kw.pop("seed")))
-        return autotp.parallelize(model, **kw)
+        return autotp.parallelize(model, **kw, **PLANNING)
 
     pm = fresh(seed=0, tp=2, pp=2, microbatches=2)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
@@ -322,8 +340,9 @@ def _fast_cases(folder: str) -> dict:
         "gpt2 1f1b": _step_case("gpt2", tp=2, pp=2, microbatches=2, steps=2, seqs=(7, 5), padded=True),
         "llama interleaved": _step_case("llama", tp=2, pp=2, microbatches=2, schedule="interleaved1f1b", virtual=2,
                                         checkpointing=True, steps=2, seqs=(7, 4)),
+        # ignored labels in one replica's rows only: the whole batch's mean weighs the replicas by tokens
         "llama gpipe dp2": _step_case("llama", tp=1, pp=2, microbatches=2, schedule="gpipe", batch=8,
-                                      stage_layers=[3, 1]),
+                                      stage_layers=[3, 1], padded=True),
         "bert masked lm": _step_case("bert", tp=2, pp=2, microbatches=2),
         "in place": _in_place_case(),
         "from_pretrained": _from_pretrained_case(folder),
@@ -429,7 +448,7 @@ def _drawn_case(case: dict) -> dict:
 @pytest.mark.slow
 @settings(max_examples=25, deadline=None, derandomize=True,
           suppress_health_check=[__import__("hypothesis").HealthCheck.function_scoped_fixture])
-@given(family=st.sampled_from(["gpt2", "llama", "gpt-neox", "opt"]), layers=st.integers(2, 6),
+@given(family=st.sampled_from(sorted(FAMILIES)), layers=st.integers(2, 6),
        shape=st.sampled_from([(1, 2), (2, 2), (1, 4)]), schedule=st.sampled_from(["gpipe", "1f1b", "interleaved1f1b"]),
        extra=st.integers(0, 2), micro=st.integers(1, 2), seq=st.integers(3, 9), checkpointing=st.booleans())
 def test_drawn_pipelines_equal_serial_steps(cluster, family, layers, shape, schedule, extra, micro, seq,
