@@ -188,11 +188,24 @@ def cache_layout(cap: Capture, plan: Any) -> CacheLayout:
     return CacheLayout(tuple(heads), tuple(dims), dtypes.pop(), placements)
 
 
+class _FromConfig:
+    """The default of generate's ``eos_token_id`` and ``pad_token_id``: the model's generation
+    config's. HuggingFace tells an argument left out from one passed as None: ``eos_token_id=None``
+    turns the config's eos off (no row stops early), and so it does here."""
+
+    def __repr__(self) -> str:
+        return "<the model's generation config>"
+
+
+FROM_CONFIG: Any = _FromConfig()
+
+
 def _settings(info: dict[str, Any], max_new_tokens: int | None, eos_token_id: Any,
-              pad_token_id: int | None) -> tuple[int, list[int], int | None]:
-    """max_new_tokens, the eos ids and the pad id, from the arguments or the model's generation
-    config as HuggingFace's generate reads them; a config asking for more than greedy decoding
-    is refused (autotp would pick other tokens than the serial model)."""
+              pad_token_id: Any) -> tuple[int, list[int], int | None]:
+    """max_new_tokens, the eos ids and the pad id, from the arguments or (left out:
+    ``FROM_CONFIG``) the model's generation config as HuggingFace's generate reads them; a
+    config asking for more than greedy decoding is refused (autotp would pick other tokens
+    than the serial model)."""
     config = info["generation_config"]
     for name, plain in _UNSUPPORTED.items():
         value = getattr(config, name, plain) if config is not None else plain
@@ -202,12 +215,12 @@ def _settings(info: dict[str, Any], max_new_tokens: int | None, eos_token_id: An
                               f"({plain!r}) on model.generation_config before autotp.parallelize")
     if max_new_tokens is None:
         max_new_tokens = getattr(config, "max_new_tokens", None) or 20
-    if eos_token_id is None and config is not None:
-        eos_token_id = config.eos_token_id
+    if eos_token_id is FROM_CONFIG:
+        eos_token_id = config.eos_token_id if config is not None else None
     eos = [] if eos_token_id is None else [int(e) for e in (eos_token_id if isinstance(eos_token_id, (list, tuple))
                                                            else [eos_token_id])]
-    if pad_token_id is None and config is not None:
-        pad_token_id = config.pad_token_id
+    if pad_token_id is FROM_CONFIG:
+        pad_token_id = config.pad_token_id if config is not None else None
     if pad_token_id is None and eos:
         pad_token_id = eos[0]   # HuggingFace's default too
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -217,10 +230,13 @@ def _settings(info: dict[str, Any], max_new_tokens: int | None, eos_token_id: An
 
 @torch.no_grad()
 def generate(pm: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-             max_new_tokens: int | None = None, eos_token_id: int | list[int] | None = None,
-             pad_token_id: int | None = None) -> torch.Tensor:
+             max_new_tokens: int | None = None, eos_token_id: int | list[int] | None = FROM_CONFIG,
+             pad_token_id: int | None = FROM_CONFIG) -> torch.Tensor:
     """Greedy decoding on ``pm`` (a ParallelModule); returns the prompt followed by the new
-    tokens, ``[batch, prompt + new]``, as HuggingFace's ``generate(do_sample=False)`` does."""
+    tokens, ``[batch, prompt + new]``, as HuggingFace's ``generate(do_sample=False)`` does.
+    ``eos_token_id`` and ``pad_token_id`` left out are the model's generation config's; passed
+    as None they are none (as in HuggingFace: ``eos_token_id=None`` lets every row run to
+    ``max_new_tokens``)."""
     info = pm._generation
     if not info["has_config"] or info["is_encoder_decoder"]:
         raise ConfigError(f"{info['model_name']}: autotp's generate runs decoder-only HuggingFace models "

@@ -53,13 +53,14 @@ def generate_both(case: dict) -> dict:
         mask = None   # the pad tokens stay in the prompt: generate infers the mask from them, as HF does
     n = case["new"]
     eos = None
-    if case["eos"]:   # a token the serial model draws mid-way in row 0: some rows stop early
+    if case["eos"] == "drawn":   # a token the serial model draws mid-way in row 0: some rows stop early
         free = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=PAD,
                               eos_token_id=None)
         eos = int(free[0, s + (n - 1) // 2])
-    want = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=PAD,
-                          eos_token_id=eos)
-    got = pm.generate(ids, attention_mask=mask, max_new_tokens=n, pad_token_id=PAD, eos_token_id=eos)
+    # "none": eos_token_id=None, which turns the config's eos off; "config": left out, the config's
+    eos_kw = {} if case["eos"] == "config" else {"eos_token_id": eos}
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=PAD, **eos_kw)
+    got = pm.generate(ids, attention_mask=mask, max_new_tokens=n, pad_token_id=PAD, **eos_kw)
     return {"want": want.tolist(), "got": got.tolist(), "cache_heads": int(pm.kv_cache["key_0"].shape[1]),
             "programs": [p.step for p in pm.programs]}
 
@@ -69,7 +70,8 @@ def _cases(tp: int):
         "tp": st.just(tp), "family": st.sampled_from(["gpt2", "llama"]), "batch": st.integers(1, 3),
         "length": st.integers(1, 7), "padded": st.booleans(), "mask_given": st.booleans(), "pads": st.lists(st.integers(0, 4), min_size=3,
                                                                                  max_size=3),
-        "new": st.integers(1, 6), "eos": st.booleans(), "seed": st.integers(0, 999)})
+        "new": st.integers(1, 6), "eos": st.sampled_from(["drawn", "none", "config"]),
+        "seed": st.integers(0, 999)})
 
 
 def assert_generation(cluster_of, case: dict) -> None:
@@ -127,6 +129,21 @@ def programs_and_errors() -> dict:
     finally:
         model.generation_config.repetition_penalty = 1.0
     return out
+
+
+def test_eos_and_pad_left_out_are_the_configs_and_none_is_none_as_in_huggingface():
+    """HuggingFace's generate tells an argument left out (the generation config's) from one passed
+    as None (none: no row stops early; a pad of None falls back to the first eos)."""
+    from autotp.generation import FROM_CONFIG, _settings
+
+    config = zoo.tiny_config("llama", heads=2, head_dim=4, vocab=VOCAB)
+    info = {"generation_config": zoo.build("llama", config, device="meta").generation_config, "model_name": "m"}
+    assert (info["generation_config"].eos_token_id, info["generation_config"].pad_token_id) == (1, 0)
+    assert _settings(info, 3, FROM_CONFIG, FROM_CONFIG) == (3, [1], 0)
+    assert _settings(info, 3, None, FROM_CONFIG) == (3, [], 0)
+    assert _settings(info, 3, FROM_CONFIG, None) == (3, [1], 1)
+    assert _settings(info, 3, None, None) == (3, [], None)
+    assert _settings(info, 3, [5, 7], 9) == (3, [5, 7], 9)
 
 
 def test_programs_are_reused_and_bad_calls_are_refused_on_every_rank(cluster_of):
