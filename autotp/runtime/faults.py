@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["BackwardWatch", "RollCall", "StepGuard", "register_process", "roll_call"]
+__all__ = ["RollCall", "StepGuard", "register_process", "roll_call", "watch_backward"]
 
 #: How long a rank waits for answers beyond the collective timeout (and at least, when its own
 #: collective failed by timing out: the others have long answered or are gone).
@@ -198,19 +198,13 @@ def note_comm_failure() -> None:
     _last_comm_failure = time.time()
 
 
-class BackwardWatch(torch.autograd.Function):
-    """Identity on a call's differentiable outputs; its backward tells ``guard`` that a backward
-    pass began (:meth:`StepGuard.backward_started`)."""
-
-    @staticmethod
-    def forward(ctx, guard: "StepGuard", *outputs):
-        ctx.guard = guard
-        return tuple(o.view_as(o) for o in outputs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.guard.backward_started()
-        return (None, *grads)
+def watch_backward(guard: "StepGuard", outputs: list) -> None:
+    """Tell ``guard`` when a backward pass through a call's differentiable ``outputs`` begins
+    (:meth:`StepGuard.backward_started`): a hook on the first of their gradients to be computed.
+    A hook, not an identity autograd Function, so the outputs are returned as computed rather
+    than as views (FSDP2 warns on every call of a module returning views)."""
+    torch.autograd.graph.register_multi_grad_hook(tuple(outputs), lambda grad: guard.backward_started(),
+                                                  mode="any")
 
 
 def _fault_key(guard: str, epoch: int, rank: int) -> str:
@@ -275,7 +269,7 @@ class StepGuard:
 
     # A call's backward runs outside the module's forward, yet its collectives pair across the
     # ranks as a forward's do. The runtime passes each call's differentiable outputs through
-    # :class:`BackwardWatch`: its backward, the first node of the pass, notes the start and asks
+    # :func:`watch_backward`: its hook, on the pass's first gradient, notes the start and asks
     # the autograd engine for a callback at the pass's successful end. A pass that raised (on
     # this rank, or in a collective a peer left) never gets the callback, and the next call
     # treats it as a fault of the call, as above.

@@ -26,7 +26,7 @@ from ..placements import Placement, Shard
 from . import dtensor
 from .agreement import check_agreement, check_same_inputs, fingerprint, input_signature
 from .collectives import group_ranks, local_shard
-from .faults import BackwardWatch, StepGuard
+from .faults import StepGuard, watch_backward
 from .inputs import check_index_bounds, check_not_empty, index_bounds
 from .mesh import device_mesh_of
 from .outline import layer_paths, outline
@@ -335,10 +335,9 @@ class ParallelModule(nn.Module):
         outputs = program.graph_module(*params, *buffers, *program.constants, *flat)
         outputs = list(outputs)
         if grad and self._guard.active and not compiled:   # a backward pass that raises is a fault of the call
-            wanted = [i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
+            wanted = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
             if wanted:
-                for i, o in zip(wanted, BackwardWatch.apply(self._guard, *(outputs[i] for i in wanted))):
-                    outputs[i] = o
+                watch_backward(self._guard, wanted)
         if program.split:
             outputs = self._split_outputs(program, outputs, compiled)
         return unflatten_outputs(program.capture, outputs)
