@@ -126,7 +126,7 @@ def divides(size: int, shard: Shard) -> bool:
 
 def block_sets(chunks: int, tp: int) -> tuple[tuple[int, int], ...]:
     """A per-block shard's (first rank, ranks) for each block: consecutive sets, dealt like atoms."""
-    return _atom_runs(tp, chunks)
+    return _runs(tp, chunks)
 
 
 def _position(shard: Shard, tp: int, rank: int) -> tuple[int, int, int]:
@@ -143,15 +143,26 @@ def _run(size: int, shard: Shard, tp: int, rank: int) -> tuple[int, int, int]:
     n_atoms = atoms_per_chunk(size, shard)
     if shard.per_block:
         block, position, ranks = _position(shard, tp, rank)
-        start, count = _atom_runs(n_atoms, ranks)[position]
+        start, count = _runs(n_atoms, ranks)[position]
         return block, start, count
-    start, count = _atom_runs(n_atoms, tp)[(rank + shard.rotate) % tp]
+    start, count = _runs(n_atoms, tp)[(rank + shard.rotate) % tp]
     return -1, start, count
 
 
 def outer_block(shard: Shard, tp: int, rank: int) -> int:
     """The entry of dim ``outer`` (the block) that ``rank`` holds under a per-block shard."""
     return _position(shard, tp, rank)[0]
+
+
+def _runs(n_atoms: int, tp: int) -> tuple[tuple[int, int], ...]:
+    """:func:`_atom_runs`, cached (the planner asks tens of thousands of times), but computed
+    afresh inside a torch.compile trace of a rank program, where dynamo warns on every call of
+    an ``lru_cache`` function."""
+    import torch
+
+    if torch.compiler.is_compiling():
+        return _atom_runs.__wrapped__(n_atoms, tp)
+    return _atom_runs(n_atoms, tp)
 
 
 @lru_cache(maxsize=None)
