@@ -22,7 +22,7 @@ from typing import Any
 from torch import nn
 
 from .cost_model import get_profile
-from .cost_model.pipeline import Choice, Cluster, LayerCost, choose
+from .cost_model.pipeline import Choice, Cluster, LayerCost, choose, counted_flops
 from .errors import ConfigError
 
 #: tensor-parallel sizes and micro-batch sizes the search tries (t also bounded by the node)
@@ -141,11 +141,12 @@ def plan_ptd(model: nn.Module, world: int, *, gpus_per_node: int = 8, batch: int
     cluster = Cluster(prof, gpus_per_node=gpus_per_node)
     usable = tuple(t for t in tps if t <= gpus_per_node and world % t == 0)   # heads may split unevenly
     with _quiet():
+        # the model FLOPs of a step, counted off its own graph (a SwiGLU MLP, grouped-query
+        # attention or an untied head are not the paper's GPT formula)
+        flops = counted_flops(priced(usable[0], 1), batch=batch, micro_batch=1, layers=layers) if usable else None
         found = choose(priced, cluster, gpus=world, layers=layers, batch=batch, seq=seq,
                        hidden=hidden or 1, vocab=vocab or 0, tps=usable, micro_batches=MICRO_BATCHES,
-                       virtual=VIRTUAL)
-    if not (hidden and vocab):   # no config to count the paper's model FLOPs from
-        found = [dataclasses.replace(c, flops_per_gpu=0.0) for c in found]
+                       virtual=VIRTUAL, flops=flops)
     if not found:
         raise ConfigError(
             f"no (t, p, d) fits {world} GPUs for this model: t must divide {world} and stay within a node "
@@ -168,8 +169,10 @@ def layer_cost(model: nn.Module, stack: Any, t: int, micro_batch: int, seq: int,
     from .runtime.outline import layer_paths
     from .runtime.pipeline import layer_costs
 
+    from .cost_model.symbolic import forward_flops
+
     prof = get_profile(profile)
-    got = {}
+    got, flops = {}, {}
     ends = (0.0, 0.0)
     for keep in (2, 3):
         try:
@@ -178,6 +181,7 @@ def layer_cost(model: nn.Module, stack: Any, t: int, micro_batch: int, seq: int,
                                                memory_limit=float("inf"))
                 if keep == 2:   # what lies before the layers and what after, as the runtime balances them
                     ends = layer_costs(index, prop, prof, layer_paths(model))[1:]
+                flops[keep] = sum(forward_flops(info, index.env) for info in index.infos.values())
         except NotExpandable as why:
             raise ConfigError(f"pipeline planning cuts {stack.path} to {keep} blocks to price one, and this model "
                               f"cannot be cut: {why}. Plan tensor parallelism alone with autotp.plan(model, tp)") from why
@@ -190,7 +194,9 @@ def layer_cost(model: nn.Module, stack: Any, t: int, micro_batch: int, seq: int,
     hidden = _hidden(model)
     boundary = micro_batch * seq * hidden * size if hidden else a3 - a2
     before = ends[0] / sum(ends) if sum(ends) > 0 else 0.0
-    return LayerCost(layer_s, outside_s, layer_params, outside_params, a3 - a2, boundary, first_s=outside_s * before)
+    layer_flops = flops[3] - flops[2]
+    return LayerCost(layer_s, outside_s, layer_params, outside_params, a3 - a2, boundary, first_s=outside_s * before,
+                     layer_flops=layer_flops, outside_flops=max(0.0, flops[2] - 2 * layer_flops))
 
 
 def _hidden(model: nn.Module) -> int | None:

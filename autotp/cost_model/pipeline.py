@@ -61,6 +61,11 @@ class LayerCost:
     #: the part of ``outside_s`` before the layers (the embedding: the first stage's), the rest
     #: after them (head and loss: the last stage's); None: not known, all of it on one stage
     first_s: float | None = None
+    #: forward FLOPs of one micro-batch (the whole model's, not a GPU's share): one layer's and
+    #: what lies outside the layers (the head), counted off the captured graph's products and
+    #: attention; None: not counted
+    layer_flops: float | None = None
+    outside_flops: float | None = None
 
     def ends(self) -> tuple[float, float] | None:
         """(seconds on the first stage, on the last) outside the layers, or None if not known."""
@@ -256,18 +261,35 @@ def in_flight_layers(*, layers: int, p: int, virtual: int = 1, micro_batches: in
 
 
 def model_flops(*, batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
-    """Narayanan et al. (2021) eq. (3): FLOPs of a training step with recomputation."""
+    """Narayanan et al. (2021) eq. (3): FLOPs of a training step with recomputation, for a
+    GPT (4h MLP, full multi-head attention, tied head)."""
     h, s, l = hidden, seq, layers
     return 96 * batch * s * l * h * h * (1 + s / (6 * h) + vocab / (16 * l * h))
 
 
+def counted_flops(cost: LayerCost, *, batch: int, micro_batch: int, layers: int, recompute: bool = True) -> float:
+    """The same count from the model's own graph (``cost.layer_flops``, ``cost.outside_flops``:
+    forward FLOPs of a micro-batch): each layer's forward three times (forward, and backward's
+    two products), four with recomputation, and the head's three times, over ``batch /
+    micro_batch`` micro-batches. For a GPT it is eq. (3); for SwiGLU MLPs, grouped-query
+    attention or an untied head it counts what the model computes (Llama-3-8B 1.07 times eq.
+    (3) at its hidden size and vocabulary, Qwen2-7B 1.43 times)."""
+    if cost.layer_flops is None or cost.outside_flops is None:
+        raise ValueError("this LayerCost has no FLOP count")
+    per_layer = (4 if recompute else 3) * cost.layer_flops
+    return batch / micro_batch * (layers * per_layer + 3 * cost.outside_flops)
+
+
 def choose(layer_cost: Callable[[int, int], LayerCost], cluster: Cluster, *, gpus: int, layers: int, batch: int,
            seq: int, hidden: int, vocab: int, tps=(1, 2, 4, 8), micro_batches=(1, 2, 4), virtual=(1,),
-           recompute: bool = True, balanced: bool = True) -> list[Choice]:
+           recompute: bool = True, balanced: bool = True, flops: float | None = None) -> list[Choice]:
     """Every feasible (t, p, d, micro-batch, virtual stages) for ``gpus`` GPUs, fastest first.
     ``layer_cost(t, micro_batch)`` prices a micro-batch at tp ``t``. t stays inside a node; p
-    divides the layers; d divides the batch in whole micro-batches; the state fits the memory."""
-    flops = model_flops(batch=batch, seq=seq, layers=layers, hidden=hidden, vocab=vocab)
+    divides the layers; d divides the batch in whole micro-batches; the state fits the memory.
+    ``flops``: a step's model FLOPs (:func:`counted_flops`) for the FLOP/s per GPU; default
+    the paper's eq. (3) (:func:`model_flops`)."""
+    if flops is None:
+        flops = model_flops(batch=batch, seq=seq, layers=layers, hidden=hidden, vocab=vocab)
     out = []
     for t in tps:
         if t > cluster.gpus_per_node or gpus % t:

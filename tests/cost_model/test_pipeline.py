@@ -155,6 +155,34 @@ def test_plan_with_world_chooses_t_p_d_within_a_node_and_says_why():
     assert {c.t for c in fixed.choices} == {2}
 
 
+def test_model_flops_are_counted_off_the_graph_eq_3_for_a_gpt_and_what_swiglu_and_gqa_compute():
+    """A step's model FLOPs from the captured products: the paper's eq. (3) exactly for GPT-2,
+    and for a Llama (SwiGLU MLP of 3 matrices, 2 kv heads of 4, untied head) the hand count."""
+    import torch
+
+    import autotp
+    from autotp import zoo
+    from autotp.capture_expand import find_stacks
+    from autotp.cost_model.pipeline import counted_flops, model_flops
+    from autotp.ptd import layer_cost
+
+    gpt2 = _meta_gpt2(layers=4)
+    cost = layer_cost(gpt2, find_stacks(gpt2)[0], 2, 2, 128, "a100-dgx")
+    eq3 = model_flops(batch=8, seq=128, layers=4, hidden=256, vocab=1000)
+    assert abs(counted_flops(cost, batch=8, micro_batch=2, layers=4) / eq3 - 1) < 1e-9
+    config = zoo.tiny_config("llama", layers=4, heads=4, kv_heads=2, head_dim=8, vocab=100, positions=128)
+    llama = zoo.build("llama", config, device="meta", dtype=torch.bfloat16)
+    cost = layer_cost(llama, find_stacks(llama)[0], 1, 1, 64, "a100-dgx")
+    h, kv, ffn, s, v = 32, 2 * 8, config.intermediate_size, 64, 100
+    layer = 2 * s * (h * h + 2 * h * kv + h * h + 3 * h * ffn) + 4 * s * s * h   # q, k, v, o, MLP; attention
+    assert (cost.layer_flops, cost.outside_flops) == (layer, 2 * s * h * v)
+    assert counted_flops(cost, batch=3, micro_batch=1, layers=4) == 3 * (4 * 4 * layer + 3 * 2 * s * h * v)
+    plan = autotp.plan(llama, world=8, gpus_per_node=8, batch=8, seq=64, profile="a100-dgx")
+    best = plan.best
+    assert abs(best.flops_per_gpu * best.step_s * 8 - counted_flops(cost, batch=8, micro_batch=1, layers=4)) < 1e-3 * \
+        counted_flops(cost, batch=8, micro_batch=1, layers=4)
+
+
 def test_plan_with_world_refuses_what_cannot_be_split_clearly():
     import pytest
     import torch
