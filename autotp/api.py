@@ -86,6 +86,21 @@ def check_heads(cap: Capture, tp: int, uneven: bool) -> None:
         )
 
 
+def _planning_seq(model: nn.Module, seq: int | None, seq_range: tuple[int, int] | None = None) -> int:
+    """The workload's sequence length (``seq``, else the default), with a warning when it is
+    longer than the captured program takes: the plan then prices a workload the model cannot
+    run (its layouts still serve every length it can)."""
+    if seq is None:
+        return _default_seq(model)
+    longest = seq_bounds(model, seq_range)[1]
+    if seq > longest:
+        why = "the seq_range asked" if seq_range is not None else "its config's maximum positions"
+        log.warning("autotp: planning for seq=%d, but %s takes at most %d tokens (%s): the costs are those of "
+                    "a workload it cannot run; pass seq= up to %d for the plan of what will run",
+                    seq, type(model).__name__, longest, why, longest)
+    return seq
+
+
 def _default_seq(model: nn.Module) -> int:
     config = getattr(model, "config", None)
     for name in ("n_positions", "max_position_embeddings"):
@@ -307,7 +322,7 @@ def plan(model: nn.Module, tp: int | None = None, *, batch: int = 8, seq: int | 
     if world is not None:
         from .ptd import plan_ptd
 
-        return plan_ptd(model, world, gpus_per_node=gpus_per_node, batch=batch, seq=seq or _default_seq(model),
+        return plan_ptd(model, world, gpus_per_node=gpus_per_node, batch=batch, seq=_planning_seq(model, seq),
                         profile=profile, tp=None if tp is None else check_tp(tp))
     if tp is None:
         raise ConfigError("autotp.plan needs tp (or world= to choose tensor x pipeline x data parallelism)")
@@ -321,7 +336,7 @@ def plan(model: nn.Module, tp: int | None = None, *, batch: int = 8, seq: int | 
             log.info("autotp.plan uses the default profile %s; parallelize on this model's device (%s) "
                      "would default to %s: pass profile= to both to plan what runs",
                      get_profile(None).name, device, runs)
-    result, _, _ = build_plan(cap, tp, batch=batch, seq=seq or _default_seq(model), profile=profile,
+    result, _, _ = build_plan(cap, tp, batch=batch, seq=_planning_seq(model, seq, seq_range), profile=profile,
                               layout=layout, uneven=uneven, gather_logits=gather_logits,
                               memory_limit=memory_limit, sequence_parallel=sequence_parallel)
     return result
@@ -406,7 +421,7 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
         cap = capture_model(model, example_inputs, example_kwargs, seq_range=seq_range)
         check_heads(cap, tp, uneven)
         # a pipeline stage holds a share of the model: the stage checks its share (runtime/pipeline.py)
-        result, index, prop = build_plan(cap, tp, batch=batch, seq=seq or _default_seq(model),
+        result, index, prop = build_plan(cap, tp, batch=batch, seq=_planning_seq(model, seq, seq_range),
                                          profile=profile or _default_profile(device), layout=layout,
                                          plan=plan, uneven=uneven, gather_logits=gather_logits,
                                          memory_limit=memory_limit if pp == 1 else float("inf"),

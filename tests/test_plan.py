@@ -358,3 +358,17 @@ def test_a_plan_whose_attention_splits_by_head_has_no_such_note():
     model = zoo.build("gpt2", zoo.published_config("gpt2", layers=2), device="meta")
     plan = autotp.plan(model, 4, profile="h100-dgx")
     assert plan.attention and not [n for n in plan.notes if n.startswith("attention runs unsplit")]
+
+
+def test_planning_for_a_longer_sequence_than_the_model_takes_warns(caplog):
+    """seq= describes the workload: past the model's positions the plan prices what cannot run."""
+    import logging
+
+    model = tiny_gpt2(n_positions=16)
+    with caplog.at_level(logging.WARNING, logger="autotp"):
+        autotp.plan(model, tp=2, batch=4, seq=16)
+    assert not [r for r in caplog.records if "takes at most" in r.getMessage()]
+    with caplog.at_level(logging.WARNING, logger="autotp"):
+        autotp.plan(model, tp=2, batch=4, seq=64)
+    said = [r.getMessage() for r in caplog.records if "takes at most" in r.getMessage()]
+    assert said and "seq=64" in said[0] and "at most 16 tokens" in said[0] and "config's maximum positions" in said[0]
