@@ -15,7 +15,6 @@ is what runs its choice with ``autotp.parallelize`` (``autotp.runtime.pipeline``
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,11 +164,9 @@ def layer_cost(model: nn.Module, stack: Any, t: int, micro_batch: int, seq: int,
     from .api import build_plan
     from .capture_cache import capture
     from .capture_expand import NotExpandable, cut
-
+    from .cost_model.symbolic import forward_flops
     from .runtime.outline import layer_paths
     from .runtime.pipeline import layer_costs
-
-    from .cost_model.symbolic import forward_flops
 
     prof = get_profile(profile)
     got, flops = {}, {}
