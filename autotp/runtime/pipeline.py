@@ -762,8 +762,8 @@ class PipelineModule(nn.Module):
                 with torch.no_grad():
                     schedule.eval(*inputs, **run, return_outputs=False)
         loss = torch.stack([l.detach() for l in losses]).sum() if losses else torch.zeros((), device=self.device)
-        if losses and self._counter is not None and self._total is not self._replica_total:
-            loss = loss * (self._total / self._replica_total).to(loss.dtype)   # this replica's own mean
+        if losses and self._counter is not None:   # this replica's own mean (its share of the whole batch's, over dp)
+            loss = loss * (self._total / self._replica_total).to(loss.dtype)
         if self.training:
             self._reduce_grads()
         return self._broadcast_loss(loss)
