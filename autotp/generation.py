@@ -1,10 +1,11 @@
-"""Greedy generation on a ParallelModule, its KV cache held split by head on each rank.
+"""Generation on a ParallelModule, its KV cache held split by head on each rank.
 
-``pm.generate(input_ids, attention_mask=None, max_new_tokens=20)`` computes what HuggingFace's
-``model.generate(..., do_sample=False)`` computes for a decoder-only model: the prompt's
-position ids from its attention mask (left padding), the mask dropped when it is all ones, one
-token per step by argmax, a prompt's pad tokens masked when no mask is given, and finished rows (an ``eos_token_id`` drawn) filled with
-``pad_token_id``. It runs two kinds of program under the module's one parameter layout:
+``pm.generate(input_ids, attention_mask=None, max_new_tokens=20, ...)`` computes what
+HuggingFace's ``model.generate(...)`` computes for a decoder-only model: the prompt's position
+ids from its attention mask (left padding), the mask dropped when it is all ones, one token per
+step (argmax, or a draw with ``do_sample=True`` after HuggingFace's temperature, top-k, top-p
+and min-p processors; a repetition penalty either way), a prompt's pad tokens masked when no
+mask is given, and finished rows (an ``eos_token_id`` drawn) filled with ``pad_token_id``. It runs two kinds of program under the module's one parameter layout:
 
 * **prefill**: the prompt in, the last position's logits and every layer's keys and values out;
 * **decode**: one token and the cache in, its logits and the grown cache out.
@@ -36,14 +37,22 @@ from .placements import REPLICATE, Placement
 EXAMPLE_BATCH = 2
 EXAMPLE_LENGTH = 11
 
-#: generation-config settings that change which token greedy decoding picks; autotp's greedy
-#: loop implements none of them and refuses a model whose generation config asks for one
+#: generation-config settings that change which token generate picks and that autotp's loop
+#: does not implement: a model whose generation config (or call) asks for one is refused
 _UNSUPPORTED = {
-    "do_sample": False, "num_beams": 1, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+    "num_beams": 1, "no_repeat_ngram_size": 0,
     "bad_words_ids": None, "min_length": 0, "min_new_tokens": None, "forced_bos_token_id": None,
     "forced_eos_token_id": None, "suppress_tokens": None, "begin_suppress_tokens": None,
     "sequence_bias": None, "encoder_repetition_penalty": 1.0, "exponential_decay_length_penalty": None,
+    "guidance_scale": None, "watermarking_config": None,
 }
+#: ... and those that act only when sampling (HuggingFace ignores them in greedy decoding)
+_UNSUPPORTED_SAMPLING = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None}
+
+#: the settings generate implements, with HuggingFace's defaults (a setting left out, or None,
+#: is the model's generation config's, else this default: HuggingFace's resolution)
+SAMPLING_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": None,
+                     "repetition_penalty": 1.0}
 
 
 class CachedStep(nn.Module):
@@ -200,19 +209,24 @@ class _FromConfig:
 FROM_CONFIG: Any = _FromConfig()
 
 
+def _is_default(value: Any, plain: Any) -> bool:
+    return value in (plain, None) or (plain is None and value in ([], ()))
+
+
 def _settings(info: dict[str, Any], max_new_tokens: int | None, eos_token_id: Any,
               pad_token_id: Any) -> tuple[int, list[int], int | None]:
     """max_new_tokens, the eos ids and the pad id, from the arguments or (left out:
     ``FROM_CONFIG``) the model's generation config as HuggingFace's generate reads them; a
-    config asking for more than greedy decoding is refused (autotp would pick other tokens
-    than the serial model)."""
+    config asking for what autotp's loop does not implement (beams, forced or suppressed
+    tokens, ...) is refused (autotp would pick other tokens than the serial model)."""
     config = info["generation_config"]
     for name, plain in _UNSUPPORTED.items():
         value = getattr(config, name, plain) if config is not None else plain
-        if value not in (plain, None) and not (plain is None and value in ([], ())):
-            raise ConfigError(f"{info['model_name']}'s generation config sets {name}={value!r}; autotp's "
-                              "generate is greedy decoding only: set it back to its default "
-                              f"({plain!r}) on model.generation_config before autotp.parallelize")
+        if not _is_default(value, plain):
+            raise ConfigError(f"{info['model_name']}'s generation config sets {name}={value!r}, which autotp's "
+                              "generate does not implement (greedy or sampled decoding with temperature, top_k, "
+                              f"top_p, min_p and repetition_penalty): set it back to its default ({plain!r}) on "
+                              "model.generation_config before autotp.parallelize")
     if max_new_tokens is None:
         max_new_tokens = getattr(config, "max_new_tokens", None) or 20
     if eos_token_id is FROM_CONFIG:
@@ -228,15 +242,70 @@ def _settings(info: dict[str, Any], max_new_tokens: int | None, eos_token_id: An
     return max_new_tokens, eos, pad_token_id
 
 
+def _processors(info: dict[str, Any], given: dict[str, Any], mask: torch.Tensor | None) -> tuple[bool, list]:
+    """Whether to sample, and the logits processors HuggingFace's generate applies for these
+    settings, in its order (repetition penalty; then, when sampling, temperature, top-k, top-p,
+    min-p): HuggingFace's own classes, so the scores are the ones its generate computes. Each
+    setting is the argument's, else the model's generation config's, else HuggingFace's default."""
+    from transformers import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                              TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+    config = info["generation_config"]
+    unknown = sorted(set(given) - set(SAMPLING_DEFAULTS))
+    if unknown:
+        raise ConfigError(f"generate got {unknown}: autotp's generate takes max_new_tokens, eos_token_id, "
+                          f"pad_token_id and {sorted(SAMPLING_DEFAULTS)}")
+
+    def setting(name: str) -> Any:
+        value = given.get(name)
+        if value is None and config is not None:
+            value = getattr(config, name, None)
+        return SAMPLING_DEFAULTS[name] if value is None else value
+
+    sample = bool(setting("do_sample"))
+    if sample:
+        for name, plain in _UNSUPPORTED_SAMPLING.items():
+            value = getattr(config, name, plain) if config is not None else plain
+            if not _is_default(value, plain):
+                raise ConfigError(f"{info['model_name']}'s generation config sets {name}={value!r}, which autotp's "
+                                  "sampling does not implement (temperature, top_k, top_p, min_p): set it back to "
+                                  f"its default ({plain!r}) on model.generation_config before autotp.parallelize")
+    processors = LogitsProcessorList()
+    penalty = setting("repetition_penalty")
+    if penalty != 1.0:
+        extra = {}
+        if mask is not None and "prompt_ignore_length" in inspect.signature(RepetitionPenaltyLogitsProcessor).parameters:
+            extra["prompt_ignore_length"] = (mask != 0).int().argmax(dim=1)   # a left-padded prompt's pads
+        processors.append(RepetitionPenaltyLogitsProcessor(float(penalty), **extra))
+    if sample:
+        try:
+            if setting("temperature") != 1.0:
+                processors.append(TemperatureLogitsWarper(float(setting("temperature"))))
+            if setting("top_k") != 0:
+                processors.append(TopKLogitsWarper(top_k=int(setting("top_k"))))
+            if setting("top_p") < 1.0:
+                processors.append(TopPLogitsWarper(top_p=float(setting("top_p"))))
+            if setting("min_p") is not None:
+                processors.append(MinPLogitsWarper(min_p=float(setting("min_p"))))
+        except ValueError as e:   # HuggingFace's own check of the value
+            raise ConfigError(f"generate's sampling settings: {e}") from None
+    return sample, processors
+
+
 @torch.no_grad()
 def generate(pm: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
              max_new_tokens: int | None = None, eos_token_id: int | list[int] | None = FROM_CONFIG,
-             pad_token_id: int | None = FROM_CONFIG) -> torch.Tensor:
-    """Greedy decoding on ``pm`` (a ParallelModule); returns the prompt followed by the new
-    tokens, ``[batch, prompt + new]``, as HuggingFace's ``generate(do_sample=False)`` does.
-    ``eos_token_id`` and ``pad_token_id`` left out are the model's generation config's; passed
-    as None they are none (as in HuggingFace: ``eos_token_id=None`` lets every row run to
-    ``max_new_tokens``)."""
+             pad_token_id: int | None = FROM_CONFIG, **sampling: Any) -> torch.Tensor:
+    """Decoding on ``pm`` (a ParallelModule); returns the prompt followed by the new tokens,
+    ``[batch, prompt + new]``, as HuggingFace's ``generate`` does: greedy, or sampled
+    (``do_sample=True``) with ``temperature``, ``top_k``, ``top_p``, ``min_p``, and a
+    ``repetition_penalty`` either way - each left out (or None) is the model's generation
+    config's, else HuggingFace's default, so a checkpoint whose generation config samples
+    samples here too. A sampled token is drawn from torch's global generator on every rank of
+    the tensor-parallel group and the group takes its first rank's: seeded as the serial model
+    is (``torch.manual_seed``), the tokens are the serial model's. ``eos_token_id`` and
+    ``pad_token_id`` left out are the model's generation config's; passed as None they are
+    none (as in HuggingFace: ``eos_token_id=None`` lets every row run to ``max_new_tokens``)."""
     info = pm._generation
     if not info["has_config"] or info["is_encoder_decoder"]:
         raise ConfigError(f"{info['model_name']}: autotp's generate runs decoder-only HuggingFace models "
@@ -257,6 +326,7 @@ def generate(pm: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | No
     mask = attention_mask.to(device) if attention_mask is not None else None
     if mask is None and pad is not None and pad not in eos and bool((ids == pad).any()):
         mask = ids.ne(pad).long()   # HuggingFace infers the mask: pad tokens in the prompt are padding
+    sample, processors = _processors(info, sampling, mask)
     with_positions = "position_ids" in info["forward_params"]
     positions = None
     if with_positions:   # HuggingFace: from the mask (0 under padding), else 0..n-1
@@ -278,7 +348,10 @@ def generate(pm: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | No
     for step in range(steps):
         logits = out["logits"]
         cache = {n: out[n] for n in layout.names}
-        token = logits.argmax(-1)
+        scores = logits.to(torch.float32)   # as HuggingFace's generate scores them
+        if processors:
+            scores = processors(ids, scores)
+        token = _sampled(pm, scores) if sample else scores.argmax(-1)
         if eos:
             token = torch.where(unfinished, token, torch.full_like(token, pad))
         ids = torch.cat([ids, token[:, None]], dim=-1)
@@ -300,6 +373,23 @@ def generate(pm: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | No
         past += 1
     pm.kv_cache = {n: out[n] for n in layout.names}
     return ids
+
+
+def _sampled(pm: Any, scores: torch.Tensor) -> torch.Tensor:
+    """A token per row drawn as HuggingFace's generate draws it (softmax, then one multinomial
+    draw from torch's global generator). Every rank of the tensor-parallel group draws, so their
+    generators stay in step, and all take the first rank's tokens: ranks seeded differently
+    still feed the same tokens to the next step (another would run another program)."""
+    import torch.distributed as dist
+
+    token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+    mesh = pm.mesh
+    if mesh.tp > 1 and mesh.tp_group is not None:
+        from .runtime.collectives import _comm
+
+        with _comm("generate's broadcast of the sampled tokens", mesh.tp_group):
+            dist.broadcast(token, src=mesh.tp_ranks[0], group=mesh.tp_group)
+    return token
 
 
 def _check_cache(layout: CacheLayout, program: Any) -> None:

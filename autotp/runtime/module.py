@@ -366,8 +366,9 @@ class ParallelModule(nn.Module):
 
     # ---- generation -----------------------------------------------------------------------
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
-        """Greedy decoding with a KV cache split by head on each rank, token for token what the
-        serial model's ``generate(do_sample=False)`` returns; see :mod:`autotp.generation`."""
+        """Decoding with a KV cache split by head on each rank, token for token what the serial
+        model's ``generate`` returns, greedy or sampled (``do_sample``, ``temperature``,
+        ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``); see :mod:`autotp.generation`."""
         from ..generation import generate
         from .fsdp import whole_parameters
 

@@ -1,10 +1,12 @@
-"""pm.generate: greedy decoding with the KV cache split by head, token for token the serial
-model's ``generate(do_sample=False)``.
+"""pm.generate: greedy and sampled decoding with the KV cache split by head, token for token the
+serial model's ``generate``.
 
 Hypothesis draws the family (GPT-2; Llama with grouped-query attention, 2 kv heads for 4 query
 heads, so kv < tp at tp 3 and 4), the batch, the prompt length (1 included: its own program),
 left padding (with its mask, or pad tokens alone, from which generate infers the mask as HF
-does), how many tokens to generate and whether an eos token stops some rows early. The ranks keep one parallel model per (family, tp) across examples, as a serving loop would."""
+does), how many tokens to generate, whether an eos token stops some rows early, and greedy or
+sampled decoding (temperature, top-k, top-p, min-p, a repetition penalty; both seeded alike, each
+rank's generator seeded apart, so the ranks must take one rank's draw). The ranks keep one parallel model per (family, tp) across examples, as a serving loop would."""
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -59,10 +61,25 @@ def generate_both(case: dict) -> dict:
         eos = int(free[0, s + (n - 1) // 2])
     # "none": eos_token_id=None, which turns the config's eos off; "config": left out, the config's
     eos_kw = {} if case["eos"] == "config" else {"eos_token_id": eos}
-    want = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=PAD, **eos_kw)
-    got = pm.generate(ids, attention_mask=mask, max_new_tokens=n, pad_token_id=PAD, **eos_kw)
+    sampling = case["sampling"] or {"do_sample": False}
+    torch.manual_seed(case["seed"])
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=n, pad_token_id=PAD, **eos_kw, **sampling)
+    # each rank's generator seeded apart: the group samples as its first rank, seeded as serial was
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(case["seed"] + (rank % case["tp"]) * 1000)
+    got = pm.generate(ids, attention_mask=mask, max_new_tokens=n, pad_token_id=PAD, **eos_kw,
+                      **(case["sampling"] or {}))
     return {"want": want.tolist(), "got": got.tolist(), "cache_heads": int(pm.kv_cache["key_0"].shape[1]),
             "programs": [p.step for p in pm.programs]}
+
+
+#: sampled decoding's settings (None: greedy), HuggingFace's processors in HuggingFace's order
+SAMPLING = st.one_of(st.none(), st.fixed_dictionaries(
+    {"do_sample": st.just(True)},
+    optional={"temperature": st.sampled_from([0.5, 1.0, 1.7]), "top_k": st.sampled_from([0, 5, 50]),
+              "top_p": st.sampled_from([0.8, 1.0]), "min_p": st.sampled_from([None, 0.05]),
+              "repetition_penalty": st.sampled_from([1.0, 1.3])}),
+    st.fixed_dictionaries({"repetition_penalty": st.just(1.4)}))
 
 
 def _cases(tp: int):
@@ -71,7 +88,7 @@ def _cases(tp: int):
         "length": st.integers(1, 7), "padded": st.booleans(), "mask_given": st.booleans(), "pads": st.lists(st.integers(0, 4), min_size=3,
                                                                                  max_size=3),
         "new": st.integers(1, 6), "eos": st.sampled_from(["drawn", "none", "config"]),
-        "seed": st.integers(0, 999)})
+        "sampling": SAMPLING, "seed": st.integers(0, 999)})
 
 
 def assert_generation(cluster_of, case: dict) -> None:
@@ -86,12 +103,24 @@ def assert_generation(cluster_of, case: dict) -> None:
         assert heads == [total] * tp, (case, heads)
 
 
-@pytest.mark.parametrize("tp", [1, 2, 3, 4])
-@settings(max_examples=1, deadline=None, derandomize=True,   # one per tp here; the slow tier 30
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(data=st.data())
-def test_greedy_generation_equals_serial_with_a_head_split_cache(cluster_of, tp, data):
-    assert_generation(cluster_of, data.draw(_cases(tp)))
+#: the fast tier's cases, one per tp, chosen to cover what the slow tier draws (hypothesis's
+#: first derandomized draw is its simplest case, the same for every tp: GPT-2, greedy, one token)
+FAST = [
+    dict(tp=1, family="llama", batch=3, length=5, padded=True, mask_given=True, pads=[2, 0, 4], new=4,
+         eos="none", sampling={"do_sample": True, "temperature": 0.7, "top_k": 5}, seed=11),
+    dict(tp=2, family="gpt2", batch=2, length=6, padded=True, mask_given=False, pads=[3, 0, 0], new=5,
+         eos="drawn", sampling=None, seed=12),
+    dict(tp=3, family="llama", batch=2, length=1, padded=False, mask_given=False, pads=[0, 0, 0], new=3,
+         eos="config", sampling={"repetition_penalty": 1.4}, seed=13),
+    dict(tp=4, family="gpt2", batch=3, length=7, padded=True, mask_given=True, pads=[1, 4, 0], new=6,
+         eos="drawn", sampling={"do_sample": True, "top_p": 0.8, "min_p": 0.05, "repetition_penalty": 1.3},
+         seed=14),
+]
+
+
+@pytest.mark.parametrize("case", FAST, ids=[f"tp{c['tp']}-{c['family']}" for c in FAST])
+def test_generation_equals_serial_with_a_head_split_cache(cluster_of, case):
+    assert_generation(cluster_of, case)
 
 
 @pytest.mark.slow
@@ -99,17 +128,18 @@ def test_greedy_generation_equals_serial_with_a_head_split_cache(cluster_of, tp,
 @settings(max_examples=30, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
-def test_greedy_generation_equals_serial_many(cluster_of, tp, data):
+def test_generation_equals_serial_many(cluster_of, tp, data):
     assert_generation(cluster_of, data.draw(_cases(tp)))
 
 
 def programs_and_errors() -> dict:
     model, pm = _models("gpt2", 2)
-    ids = torch.randint(2, VOCAB - 1, (2, 5))
+    gen = torch.Generator().manual_seed(2)   # prompts alike on every rank
+    ids = torch.randint(2, VOCAB - 1, (2, 5), generator=gen)
     out = {"training": pm.training}                      # a model in eval() gives a module in eval()
     pm.generate(ids, max_new_tokens=3, pad_token_id=PAD)
     first = len(pm.programs)
-    pm.generate(torch.randint(2, VOCAB - 1, (3, 9)), max_new_tokens=5, pad_token_id=PAD)
+    pm.generate(torch.randint(2, VOCAB - 1, (3, 9), generator=gen), max_new_tokens=5, pad_token_id=PAD)
     out["reused"] = len(pm.programs) == first            # another batch and length: the same two programs
     for name, call in {"empty": lambda: pm.generate(ids[:, :0]),
                        "mask": lambda: pm.generate(ids, attention_mask=torch.ones(2, 4, dtype=torch.long)),
@@ -120,14 +150,34 @@ def programs_and_errors() -> dict:
             out[name] = "ran"
         except (InputError, ConfigError) as e:
             out[name] = type(e).__name__
-    model.generation_config.repetition_penalty = 1.3
+    model.generation_config.no_repeat_ngram_size = 2
     try:
         autotp.parallelize(model, 2, layout=LAYOUTS["gpt2"]).generate(ids)
-        out["sampling"] = "ran"
+        out["ngram"] = "ran"
     except ConfigError as e:
-        out["sampling"] = str(e)
+        out["ngram"] = str(e)
     finally:
-        model.generation_config.repetition_penalty = 1.0
+        model.generation_config.no_repeat_ngram_size = 0
+    # a checkpoint whose generation config samples (as many chat models' do) samples here too
+    config = model.generation_config
+    config.do_sample, config.temperature, config.top_p, config.top_k = True, 0.6, 0.9, 20
+    try:
+        sampled = autotp.parallelize(model, 2, layout=LAYOUTS["gpt2"])
+        torch.manual_seed(3)
+        want = model.generate(ids, max_new_tokens=6, pad_token_id=PAD)
+        torch.manual_seed(3 + 1000 * torch.distributed.get_rank())
+        out["config sampling"] = torch.equal(sampled.generate(ids, max_new_tokens=6, pad_token_id=PAD), want)
+        out["greedy differs"] = not torch.equal(model.generate(ids, max_new_tokens=6, pad_token_id=PAD,
+                                                               do_sample=False), want)
+        for name, call in {"top_p": lambda: sampled.generate(ids, top_p=-0.5),
+                           "unknown": lambda: sampled.generate(ids, num_beams=4)}.items():
+            try:
+                call()
+                out[name] = "ran"
+            except ConfigError as e:
+                out[name] = str(e)
+    finally:
+        config.do_sample, config.temperature, config.top_p, config.top_k = None, None, None, None
     return out
 
 
@@ -151,7 +201,10 @@ def test_programs_are_reused_and_bad_calls_are_refused_on_every_rank(cluster_of)
         assert out["reused"] and out["training"] is False
         assert out["empty"] == out["mask"] == out["float"] == "InputError"
         assert out["steps"] == "ConfigError"
-        assert "repetition_penalty" in out["sampling"]
+        assert "no_repeat_ngram_size=2" in out["ngram"] and "does not implement" in out["ngram"], out["ngram"]
+        assert out["config sampling"] and out["greedy differs"], {k: out[k] for k in ("config sampling", "greedy differs")}
+        assert "top_p" in out["top_p"] and "generate's sampling settings" in out["top_p"], out["top_p"]
+        assert "['num_beams']" in out["unknown"], out["unknown"]
 
 
 #: fused multi-query projections with the tailed layout (each rank its query heads, k and v whole):
