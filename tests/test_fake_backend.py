@@ -13,8 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import autotp
 from autotp import zoo
@@ -57,13 +55,20 @@ def _families():
     return sorted(zoo.FAMILIES)
 
 
-@pytest.mark.parametrize("family", list(_families()))
-@settings(max_examples=1, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(rank=st.integers(0, TP - 1), heads=st.sampled_from([8, 12]))
+def _spread():
+    """(family, rank, heads): each family on another rank of the eight, every other one with 12
+    heads (uneven at tp 8). Chosen, not drawn: hypothesis's first derandomized draw is its
+    simplest, rank 0 with 8 heads for every family (offset 0, even heads)."""
+    for i, family in enumerate(_families()):
+        heads = 12 if i % 2 else 8
+        if family == "t5" and heads == 12:
+            heads = 16   # T5's 12 uneven heads at tp=8 take the planner ~45 s: the slow test below
+        yield family, (3 * i + 5) % TP, heads
+
+
+@pytest.mark.parametrize("family, rank, heads", list(_spread()),
+                         ids=[f"{f}-rank{r}-heads{h}" for f, r, h in _spread()])
 def test_one_rank_of_tp8_holds_its_slices_and_issues_the_plans_collectives(fake_world, family, rank, heads):
-    if family == "t5" and heads == 12:
-        heads = 16   # T5's 12 uneven heads at tp=8 take the planner ~45 s: the slow test below
     _one_rank(fake_world, family, rank, heads)
 
 
