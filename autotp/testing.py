@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 import torch
@@ -60,7 +61,8 @@ def keep_loss_precision(model: nn.Module) -> nn.Module:
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor, scale: float = 0.0) -> float:
-    """||actual - expected|| / max(||expected||, scale) (absolute when both are zero).
+    """||actual - expected|| / max(||expected||, scale) (absolute when both are zero); inf where
+    one side has a nan or inf the other has not.
 
     ``scale`` is the size of the group the tensor belongs to: a gradient that is zero in exact
     arithmetic (a key projection's bias: softmax ignores a constant added to every score) is
@@ -68,6 +70,14 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor, scale: float = 
     actual, expected = actual.detach().double(), expected.detach().double()
     if actual.shape != expected.shape:
         raise AssertionError(f"shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+    # a nan or inf is equal only to the same value in the same place (a nan where the other side
+    # has a number is an infinite error, never a nan that max() and <= would pass over)
+    odd = ~(actual.isfinite() & expected.isfinite())
+    if bool(odd.any()):
+        alike = (actual == expected) | (actual.isnan() & expected.isnan())
+        if not bool(alike[odd].all()):
+            return math.inf
+        actual, expected = actual.masked_fill(odd, 0.0), expected.masked_fill(odd, 0.0)
     denom = max(expected.norm().item(), scale)
     diff = (actual - expected).norm().item()
     return diff / denom if denom > 0 else diff

@@ -25,3 +25,18 @@ def test_group_norms_are_per_module():
     norms = _module_grad_norms(model)
     first = torch.cat([model[0].weight.grad.flatten(), model[0].bias.grad]).norm().item()
     assert set(norms) == {"0", "1"} and abs(norms["0"] - first) < 1e-12
+
+
+def test_a_nan_or_inf_on_one_side_only_is_an_infinite_error():
+    # a nan error would pass max() and every <= check silently: it must fail them instead
+    nan, inf = float("nan"), float("inf")
+    one = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    assert relative_error(torch.tensor([1.0, nan], dtype=torch.float64), one) == inf
+    assert relative_error(one, torch.tensor([1.0, nan], dtype=torch.float64)) == inf
+    assert relative_error(torch.tensor([inf, 2.0], dtype=torch.float64), one) == inf
+    assert relative_error(torch.tensor([-inf]), torch.tensor([inf])) == inf
+    assert max([1e-16, relative_error(torch.tensor(nan), torch.tensor(3.0))]) > TOLERANCE[torch.float32]
+    # the same nan or inf in the same place on both sides is equal there; the rest is compared
+    both = torch.tensor([nan, inf, 2.0], dtype=torch.float64)
+    assert relative_error(both, both.clone()) == 0.0
+    assert relative_error(both, torch.tensor([nan, inf, 2.5], dtype=torch.float64)) == 0.5 / 2.5
