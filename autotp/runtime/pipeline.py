@@ -681,10 +681,13 @@ class PipelineModule(nn.Module):
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """A micro-batch's share of the batch's loss: its mean weighted by its counted tokens
         (``target``: each row's count) over the batch's, so the shares add up to the batch's mean
-        over tokens; without a count, the mean over micro-batches."""
+        over tokens; without a count, the mean over micro-batches. A micro-batch whose labels are
+        all ignored has a mean of 0/0 (nan): its share is 0 (its gradient is zero either way), so
+        it does not turn the batch's loss into nan where the serial model's is a number."""
         if self._counter is None:
             return output / self.microbatches
-        return output * (target.sum().to(output.dtype) / self._total.to(output.dtype))
+        count = target.sum().to(output.dtype)
+        return torch.where(count > 0, output * (count / self._total.to(output.dtype)), torch.zeros_like(output))
 
     # ---- a step ---------------------------------------------------------------------------------
     @property
