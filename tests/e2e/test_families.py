@@ -3,7 +3,8 @@
 Hypothesis draws, per family and tp (1..4, 3 included): one of a few tiny structures (layers,
 heads, kv heads with kv < tp among them, head dim, vocabulary, rotary fraction), the batch, a
 sequence length (the capture's own length 8 among them), the weights' seed and the dtype (the
-fast tier fixes the structure and dtype per tp: FAST_PAIRS); loss,
+fast tier fixes the structure and dtype per tp, FAST_PAIRS, and runs tp 2..4, T5 at tp 1 and 4,
+SLOW_ONLY); loss,
 logits and every gradient must match the serial model within TOLERANCE (float64 1e-9, float32
 1e-4). The structure is drawn from a small fixed set so that the rank processes, which persist
 across examples, capture each structure once (autotp.capture_cache) and vary everything else.
@@ -82,7 +83,7 @@ def rescale_zero_gradients(model, pm, errors: dict) -> dict:
 
 #: The fast tier's (structure, dtype) per tp. A structure and dtype not yet seen on a rank cost a
 #: capture and a solve (seconds on 2 cores) where another example of them costs a fraction of one,
-#: so the fast tier gives each tp one pair and draws the rest (batch, length, weights) five times;
+#: so the fast tier gives each tp one pair and draws the rest (batch, length, weights) three times;
 #: over tp 1..4 every family meets both structures in both dtypes: MQA (one kv head) split
 #: unevenly at tp 3, six heads unevenly at 4 with two kv heads (fewer than the ranks at 3 and 4).
 #: The slow tier draws the structure and dtype too.
@@ -90,6 +91,12 @@ def rescale_zero_gradients(model, pm, errors: dict) -> dict:
 #: export narrows the capture to it, test_capture checks that, and a shorter call is refused with
 #: an InputError naming the bound, not an equivalence case)
 MIN_SEQ = {"t5": 3}
+#: (family, tp) pairs the fast tier leaves to the slow one, to keep it within CI's budget: tp 1
+#: (nothing split) for every family but T5; T5 at tp 2 and 3 (its six captures per structure make
+#: it the dearest family: 54 s of the fast tier's families over four tps). Every family still
+#: meets both structures, both dtypes and an uneven split (T5 at tp 1 and 4); structure 1 in
+#: float32 (the other families' tp 1 pair) is left to the slow tier
+SLOW_ONLY = {(f, 1) for f in FAMILIES if f != "t5"} | {("t5", 2), ("t5", 3)}
 FAST_PAIRS = {1: (1, "float32"), 2: (0, "float32"), 3: (1, "float64"), 4: (0, "float64")}
 
 
@@ -123,6 +130,8 @@ def _cases(fast: bool):
     pairs, seen_broken = [], set()
     for tp in (1, 2, 3, 4):
         for f in FAMILIES:
+            if fast and (f, tp) in SLOW_ONLY:
+                continue
             reason = KNOWN_BROKEN.get((f, tp))
             if reason is None:
                 pairs.append((tp, f))
@@ -153,7 +162,7 @@ _settings = dict(deadline=None, derandomize=True, suppress_health_check=[HealthC
 
 
 @pytest.mark.parametrize("tp, family", _cases(fast=True))
-@settings(max_examples=5, **_settings)      # 20 examples per family over the four tps
+@settings(max_examples=3, **_settings)      # 9 examples per family over three tps
 @given(data=st.data())
 def test_family_matches_serial(cluster_of, tp, family, data):
     assert_family_case(cluster_of, data.draw(cases(family, tp, fast=True)))

@@ -11,6 +11,7 @@ Equivalence with the serial model (forward and every gradient) runs on gloo rank
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
@@ -53,10 +54,15 @@ def _attention_nodes(graph) -> list:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _captured(family: str, heads: int, kv: int | None):
+    """One capture per model, shared by its tps (a capture is most of such a case's time)."""
+    return capture(_model(family, heads, kv)[1])
+
+
 @pytest.mark.parametrize("family, tp, heads, kv", SPLIT, ids=[f"{f}-tp{t}-kv{k}" for f, t, _, k in SPLIT])
 def test_attention_splits_by_head_with_no_gather_before_it(family, tp, heads, kv):
-    _, model = _model(family, heads, kv)
-    cap = capture(model)
+    cap = _captured(family, heads, kv)
     plan, _, prop = build_plan(cap, tp, **WORKLOAD)
     attention = _attention_nodes(cap.graph)
     assert len(attention) == 2

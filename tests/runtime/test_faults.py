@@ -47,6 +47,7 @@ def _what_the_ranks_raise(world: int, tp: int, heads: int, dying: int) -> str:
     return text
 
 
+@pytest.mark.slow   # the dp x tp case below loses a TP peer mid-backward too (its rank 2)
 def test_ranks_that_lose_a_peer_mid_step_raise_lost_rank_error_naming_it():
     text = _what_the_ranks_raise(3, 3, 3, 2)
     for survivor in (0, 1):                               # what each surviving rank raised
