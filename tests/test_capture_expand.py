@@ -131,7 +131,8 @@ def keeps(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("family", sorted(CASES))
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f == "t5" else f
+                                    for f in sorted(CASES)])   # T5 (12 s): the slow tier, and below
 def test_a_later_signature_cuts_to_one_block(family, keeps):
     """Once a model's first capture checked three blocks and learned how its blocks are called,
     another call of it is cut to one block where block 0 is alike the rest (not T5's), and is
