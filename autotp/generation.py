@@ -5,7 +5,8 @@ HuggingFace's ``model.generate(...)`` computes for a decoder-only model: the pro
 ids from its attention mask (left padding), the mask dropped when it is all ones, one token per
 step (argmax, or a draw with ``do_sample=True`` after HuggingFace's temperature, top-k, top-p
 and min-p processors; a repetition penalty either way), a prompt's pad tokens masked when no
-mask is given, and finished rows (an ``eos_token_id`` drawn) filled with ``pad_token_id``. It runs two kinds of program under the module's one parameter layout:
+mask is given, and finished rows (an ``eos_token_id`` drawn) filled with ``pad_token_id``. It
+runs two kinds of program under the module's one parameter layout:
 
 * **prefill**: the prompt in, the last position's logits and every layer's keys and values out;
 * **decode**: one token and the cache in, its logits and the grown cache out.
