@@ -210,8 +210,16 @@ class _FromConfig:
 FROM_CONFIG: Any = _FromConfig()
 
 
-def _is_default(value: Any, plain: Any) -> bool:
-    return value in (plain, None) or (plain is None and value in ([], ()))
+def _refuse_unsupported(info: dict[str, Any], table: dict[str, Any], what: str) -> None:
+    """A ConfigError for the first setting of ``table`` (name -> its default) that the model's
+    generation config sets to something else: autotp's ``what``."""
+    config = info["generation_config"]
+    for name, plain in table.items():
+        value = getattr(config, name, plain) if config is not None else plain
+        if not (value in (plain, None) or (plain is None and value in ([], ()))):
+            raise ConfigError(f"{info['model_name']}'s generation config sets {name}={value!r}, which autotp's "
+                              f"{what}: set it back to its default ({plain!r}) on model.generation_config before "
+                              "autotp.parallelize")
 
 
 def _settings(info: dict[str, Any], max_new_tokens: int | None, eos_token_id: Any,
@@ -221,13 +229,8 @@ def _settings(info: dict[str, Any], max_new_tokens: int | None, eos_token_id: An
     config asking for what autotp's loop does not implement (beams, forced or suppressed
     tokens, ...) is refused (autotp would pick other tokens than the serial model)."""
     config = info["generation_config"]
-    for name, plain in _UNSUPPORTED.items():
-        value = getattr(config, name, plain) if config is not None else plain
-        if not _is_default(value, plain):
-            raise ConfigError(f"{info['model_name']}'s generation config sets {name}={value!r}, which autotp's "
-                              "generate does not implement (greedy or sampled decoding with temperature, top_k, "
-                              f"top_p, min_p and repetition_penalty): set it back to its default ({plain!r}) on "
-                              "model.generation_config before autotp.parallelize")
+    _refuse_unsupported(info, _UNSUPPORTED, "generate does not implement (greedy or sampled decoding with "
+                                            "temperature, top_k, top_p, min_p and repetition_penalty)")
     if max_new_tokens is None:
         max_new_tokens = getattr(config, "max_new_tokens", None) or 20
     if eos_token_id is FROM_CONFIG:
@@ -265,12 +268,8 @@ def _processors(info: dict[str, Any], given: dict[str, Any], mask: torch.Tensor 
 
     sample = bool(setting("do_sample"))
     if sample:
-        for name, plain in _UNSUPPORTED_SAMPLING.items():
-            value = getattr(config, name, plain) if config is not None else plain
-            if not _is_default(value, plain):
-                raise ConfigError(f"{info['model_name']}'s generation config sets {name}={value!r}, which autotp's "
-                                  "sampling does not implement (temperature, top_k, top_p, min_p): set it back to "
-                                  f"its default ({plain!r}) on model.generation_config before autotp.parallelize")
+        _refuse_unsupported(info, _UNSUPPORTED_SAMPLING, "sampling does not implement (temperature, top_k, "
+                                                         "top_p, min_p)")
     processors = LogitsProcessorList()
     penalty = setting("repetition_penalty")
     if penalty != 1.0:
