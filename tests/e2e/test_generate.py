@@ -196,6 +196,35 @@ def test_eos_and_pad_left_out_are_the_configs_and_none_is_none_as_in_huggingface
     assert _settings(info, 3, [5, 7], 9) == (3, [5, 7], 9)
 
 
+def test_sampling_settings_resolve_as_in_huggingface_and_what_is_not_implemented_is_refused():
+    """The processors HuggingFace applies, in its order, from the call, else the generation
+    config, else HuggingFace's defaults; a sampling-only setting autotp does not implement is
+    refused when sampling and ignored (as HuggingFace ignores it) when not."""
+    from transformers import GenerationConfig
+
+    from autotp.generation import _processors
+
+    def kinds(config, **given):
+        sample, processors = _processors({"generation_config": config, "model_name": "M"}, given, None)
+        return sample, [type(p).__name__ for p in processors]
+
+    plain = GenerationConfig()
+    assert kinds(plain) == (False, [])
+    assert kinds(plain, do_sample=True) == (True, ["TopKLogitsWarper"])   # HF's default top_k=50
+    assert kinds(plain, do_sample=True, top_k=0, temperature=0.5, top_p=0.9, min_p=0.1, repetition_penalty=1.2) == (
+        True, ["RepetitionPenaltyLogitsProcessor", "TemperatureLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper"])
+    chat = GenerationConfig(do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
+    assert kinds(chat) == (True, ["RepetitionPenaltyLogitsProcessor", "TemperatureLogitsWarper", "TopKLogitsWarper",
+                                  "TopPLogitsWarper"])
+    assert kinds(chat, do_sample=False) == (False, ["RepetitionPenaltyLogitsProcessor"])   # the call wins
+    typical = GenerationConfig(typical_p=0.5)
+    assert kinds(typical) == (False, [])                    # greedy: HuggingFace ignores it too
+    with pytest.raises(ConfigError, match=r"typical_p=0.5, which autotp's sampling does not implement"):
+        kinds(typical, do_sample=True)
+    with pytest.raises(ConfigError, match=r"generate got \['num_return_sequences'\]"):
+        kinds(plain, num_return_sequences=2)
+
+
 def test_programs_are_reused_and_bad_calls_are_refused_on_every_rank(cluster_of):
     for out in cluster_of(2).run(programs_and_errors):
         assert out["reused"] and out["training"] is False
