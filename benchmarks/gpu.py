@@ -22,9 +22,13 @@ passed or failed (a failure is a row with its error, never a stop); parts left w
    compiled call draws the eager call's masks.
 5. **Step time** (forward + backward, bf16, one GPU, NCCL world of one): a Llama trained three
    ways — HF eager, autotp's rank program, DTensor ``parallelize_module`` (the Megatron plan) —
-   each eager and ``torch.compile``d; then tp 2 over gloo on the one GPU (autotp vs DTensor,
-   eager; the collectives go through the host, so this measures correctness of the path and
-   the relative cost of the two runtimes' communication, not a multi-GPU speed-up).
+   each eager and ``torch.compile``d; then tp 2 over gloo on the one GPU (autotp vs HF eager,
+   eager; the collectives go through the host, so this measures that the path works and what
+   the host round trips cost, not a multi-GPU speed-up). DTensor at tp 2 runs apart, last.
+
+The parts that gather through torch's functional all-gather over gloo on CUDA tensors (the
+compiled ones and DTensor's) run last, each in its own rank processes: under torch 2.11 that
+gather kills the processes, and a part that dies takes only itself.
 """
 from __future__ import annotations
 
@@ -75,18 +79,22 @@ def _compiled(device: str, backend: str, dtype: str) -> dict:
     return _compiled_matches_serial(backend, dtype, device)
 
 
-def _dropout(device: str, compile_backend: str) -> dict:
-    """The RNG tracker on ``device``: replicated parameters stay bitwise equal through dropout
-    training; masks equal where replicated, different where sharded; counter-based compiled
-    masks equal eager ones."""
-    from tests.e2e.test_compile import _dropout_compiled_as_in_eager
+def _dropout(device: str) -> dict:
+    """The RNG tracker on ``device``, eager: replicated parameters stay bitwise equal through
+    dropout training; masks equal where replicated, different where sharded."""
     from tests.e2e.test_dropout import _train_with_dropout
 
     drifted, same = _train_with_dropout(2, device)
-    compiled = _dropout_compiled_as_in_eager(compile_backend, True, device)
     return {"drifted": drifted, "replicated equal": all(v for n, v in same.items() if "_replicated_" in n),
             "sharded differ": not any(v for n, v in same.items() if "_sharded_" in n),
-            "random ops": len(same), "compiled": compiled}
+            "random ops": len(same)}
+
+
+def _dropout_compiled(device: str, compile_backend: str) -> dict:
+    """Counter-based dropout compiled: the compiled call draws the eager call's masks."""
+    from tests.e2e.test_compile import _dropout_compiled_as_in_eager
+
+    return _dropout_compiled_as_in_eager(compile_backend, True, device)
 
 
 def _llama(args, dtype, device):
@@ -286,17 +294,26 @@ def main() -> None:
         part("bench:tp1", lambda: c.run(_step_times, args, args.device,
                                         ["hf", "autotp", "dtensor", "hf+compile", "autotp+compile",
                                          "dtensor+compile"], compile_backend)[0])
-    with LocalCluster(2, backend="gloo", timeout=600) as c:
+    with LocalCluster(2, backend="gloo", timeout=300) as c:
         part("gloo:families tp2 float64", lambda: c.run(_families, args.families, 2, "float64", args.device, one))
-        part("rng:dropout tp2", lambda: c.run(_dropout, args.device, compile_backend))
-        part("gloo:compile tp2", lambda: c.run(_compiled, args.device, compile_backend, "float64"))
-    with LocalCluster(4, backend="gloo", timeout=600) as c:
+        part("rng:dropout tp2", lambda: c.run(_dropout, args.device))
+    with LocalCluster(4, backend="gloo", timeout=300) as c:
         part("gloo:families tp4 float64", lambda: c.run(_families, ["gpt2", "llama", "falcon-new"], 4, "float64",
                                                         args.device, (2, 6, 2, 4, 53, 1.0)))
-    for dtype in ("float32", args.dtype):   # a cluster each: a crash in one leaves the other's result
-        with LocalCluster(2, backend="gloo", timeout=600) as c:
-            part(f"bench2:tp2 gloo {dtype}", lambda: c.run(_step_times, args, args.device, ["hf", "autotp", "dtensor"],
+    for dtype in (args.dtype, "float32"):   # a cluster each: a crash in one leaves the other's result
+        with LocalCluster(2, backend="gloo", timeout=300) as c:
+            part(f"bench2:tp2 gloo {dtype}", lambda: c.run(_step_times, args, args.device, ["hf", "autotp"],
                                                            compile_backend, dtype))
+    # Last, a cluster each: compiled programs and DTensor gather through torch's functional
+    # all-gather, which kills both processes under torch 2.11 when gloo carries CUDA tensors
+    # (benchmarks/gloo_cuda_probe.py); autotp's eager path above goes through c10d's.
+    with LocalCluster(2, backend="gloo", timeout=300) as c:
+        part("rng:compiled tp2", lambda: c.run(_dropout_compiled, args.device, compile_backend))
+    with LocalCluster(2, backend="gloo", timeout=300) as c:
+        part("gloo:compile tp2", lambda: c.run(_compiled, args.device, compile_backend, "float64"))
+    with LocalCluster(2, backend="gloo", timeout=300) as c:
+        part(f"bench2:tp2 gloo {args.dtype} dtensor", lambda: c.run(_step_times, args, args.device, ["dtensor"],
+                                                                    compile_backend, args.dtype))
     results["total_s"] = time.perf_counter() - started
     if args.merge:
         with open(args.merge) as f:
@@ -396,11 +413,16 @@ def report(results: dict, argv: str) -> list[str]:
         lines.append(f"- rng:dropout tp2: {s}")
     else:
         for i, r in enumerate(parts["rng:dropout tp2"]["value"]):
-            c = r["compiled"]
-            lines.append(f"- rng:dropout tp2 rank {i}: replicated parameters drifted: {r['drifted'] or 'none'}; "
-                         f"{r['random ops']} random ops: replicated masks equal {r['replicated equal']}, sharded "
-                         f"masks differ {r['sharded differ']}; counter-based compiled vs eager: loss "
-                         f"{c['loss']:.1e}, gradients {c['grads']:.1e}, graphs {c['graphs']}, breaks "
+            lines.append(f"- rng:dropout tp2{tag('rng:dropout tp2')} rank {i}: replicated parameters drifted after "
+                         f"three AdamW steps: {r['drifted'] or 'none'}; {r['random ops']} random ops: replicated "
+                         f"masks equal {r['replicated equal']}, sharded masks differ {r['sharded differ']}")
+    s = status("rng:compiled tp2")
+    if s:
+        lines.append(f"- rng:compiled tp2: {s}")
+    else:
+        for i, c in enumerate(parts["rng:compiled tp2"]["value"]):
+            lines.append(f"- rng:compiled tp2{tag('rng:compiled tp2')} rank {i}: counter-based dropout compiled vs "
+                         f"eager: loss {c['loss']:.1e}, gradients {c['grads']:.1e}, graphs {c['graphs']}, breaks "
                          f"{c['breaks']}, ranks agree {c['ranks agree']}")
     lines.append("")
 
