@@ -188,6 +188,53 @@ def _step_times(args, device: str, versions: list[str], compile_backend: str, dt
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device != "cpu" else None}
 
 
+def _where_time_goes(args, device: str, steps: int = 3) -> dict:
+    """HF eager and autotp's rank program at tp 1 under ``torch.profiler``: per step, the wall
+    time, the time the device was busy (kernels and copies), the kernels launched, and the ops
+    with the most host time of their own (aten ops and autotp's Functions)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import autotp
+
+    dtype = getattr(torch, args.dtype)
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1)).to(device)
+    out = {}
+    for v in ("hf", "autotp"):
+        m = _llama(args, dtype, device)
+        if v == "autotp":
+            m = autotp.parallelize(m, 1, batch=args.batch, seq=args.seq, layout=MEGATRON_LLAMA, device=device)
+
+        def step(m=m):
+            m.zero_grad(set_to_none=True)
+            m(input_ids=ids, labels=ids).loss.backward()
+
+        for _ in range(3):
+            step()
+        sync()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            sync()
+            wall = (time.perf_counter() - start) / steps
+        events = prof.key_averages()
+        dev = [e for e in prof.events() if e.device_type != torch.autograd.DeviceType.CPU]
+        rows = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:25]
+        out[v] = {"wall_ms": 1e3 * wall,
+                  "device_busy_ms": sum(e.device_time_total for e in dev) / 1e3 / steps if dev else None,
+                  "kernels": len(dev) / steps,
+                  "host_ops": sum(e.count for e in events) / steps,
+                  "top_self_cpu": [(e.key, e.count // steps, e.self_cpu_time_total / 1e3 / steps) for e in rows],
+                  "top_device": [(e.key, e.count // steps, e.self_device_time_total / 1e3 / steps)
+                                 for e in sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:15]]}
+        del m
+        if device != "cpu":
+            torch.cuda.empty_cache()
+    return out
+
+
 # ------------------------------------------------------------------------------------ main-process parts
 
 def _profile(args) -> dict:
@@ -294,6 +341,7 @@ def main() -> None:
         part("bench:tp1", lambda: c.run(_step_times, args, args.device,
                                         ["hf", "autotp", "dtensor", "hf+compile", "autotp+compile",
                                          "dtensor+compile"], compile_backend)[0])
+        part("prof:tp1", lambda: c.run(_where_time_goes, args, args.device)[0])
     with LocalCluster(2, backend="gloo", timeout=300) as c:
         part("gloo:families tp2 float64", lambda: c.run(_families, args.families, 2, "float64", args.device, one))
         part("rng:dropout tp2", lambda: c.run(_dropout, args.device))
@@ -456,6 +504,22 @@ def report(results: dict, argv: str) -> list[str]:
         if r0.get("peak_gib") is not None:
             lines.append(f"\nPeak memory allocated on rank 0 during the timed steps: {r0['peak_gib']:.1f} GiB.")
         lines.append("")
+    s = status("prof:tp1")
+    if s != "not run (--only)":
+        lines += [f"## Where the time goes at tp 1{tag('prof:tp1')}", ""]
+        if s:
+            lines += [s, ""]
+        else:
+            v = parts["prof:tp1"]["value"]
+            lines += ["`torch.profiler` over three steps of each (the same Llama), per step:", "",
+                      "| version | wall ms | device busy ms | device kernels | host ops |", "|---|---|---|---|---|"]
+            for k, r in v.items():
+                busy = f"{r['device_busy_ms']:.2f}" if r["device_busy_ms"] is not None else "-"
+                lines.append(f"| {k} | {r['wall_ms']:.2f} | {busy} | {r['kernels']:.0f} | {r['host_ops']:.0f} |")
+            for k, r in v.items():
+                lines += ["", f"{k}: the ops with the most host time of their own (calls and ms per step): "
+                          + "; ".join(f"`{n}` {c} {ms:.2f}" for n, c, ms in r["top_self_cpu"][:12])]
+            lines.append("")
     return lines
 
 
