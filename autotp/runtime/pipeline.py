@@ -523,7 +523,7 @@ class PipelineModule(nn.Module):
                               f"(outputs {capture.output_names}): pass labels in example_kwargs or call with labels")
         p, chunks = mesh.pp, mesh.pp * virtual
         layers = layer_paths(model)
-        sizes = balance(*_costs_for(costs, layers), chunks) if stage_layers is None else \
+        sizes = balance(*_costs_for(costs, layers), chunks, mesh.pp) if stage_layers is None else \
             _asked(stage_layers, len(layers), mesh.pp, virtual)
         chunk_of_layer: dict[str, int] = {}
         for c, size in enumerate(sizes):

@@ -52,6 +52,41 @@ def test_balance_is_the_fastest_contiguous_cut(costs, first, last, data):
     assert _slowest(sizes, costs, first, last) == best
 
 
+def _slowest_gpu(sizes, costs, first, last, gpus):
+    work, start = [0.0] * gpus, 0
+    for k, n in enumerate(sizes):
+        work[k % gpus] += sum(costs[start:start + n]) + (first if k == 0 else 0) + (last if k == len(sizes) - 1 else 0)
+        start += n
+    return max(work)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(gpus=st.integers(2, 3), virtual=st.integers(2, 3), more=st.integers(0, 4),
+       first=st.integers(0, 12), last=st.integers(0, 12), data=st.data())
+def test_with_several_chunks_a_gpu_the_slowest_gpu_is_what_balance_shortens(gpus, virtual, more, first, last, data):
+    """Virtual stages: chunk c runs on GPU c mod gpus, so a GPU's chunks add up. The cut is
+    never slower on its slowest GPU than the even cut or the slowest-chunk cut."""
+    chunks = gpus * virtual
+    costs = data.draw(st.lists(st.integers(1, 4), min_size=chunks + more, max_size=chunks + more))
+    sizes = balance([float(c) for c in costs], float(first), float(last), chunks, gpus)
+    assert len(sizes) == chunks and sum(sizes) == len(costs) and min(sizes) >= 1
+    n = len(costs)
+    even = [n // chunks + (1 if c < n % chunks else 0) for c in range(chunks)]
+    per_chunk = balance([float(c) for c in costs], float(first), float(last), chunks)
+    got = _slowest_gpu(sizes, costs, first, last, gpus)
+    assert got <= _slowest_gpu(even, costs, first, last, gpus)
+    assert got <= _slowest_gpu(per_chunk, costs, first, last, gpus)
+
+
+def test_the_head_gpu_is_not_handed_the_layers_of_two_chunks():
+    """6 equal layers in 4 chunks on 2 GPUs, the head 1.5 layers: the slowest-chunk cut 1+2+2+1
+    gives GPU 1 (chunks 1 and 3) 3 layers and the head, 4.5; the GPUs' totals want 2+1+2+1, 4."""
+    per_chunk = balance([1.0] * 6, 0.0, 1.5, 4)
+    assert per_chunk == [1, 2, 2, 1] and _slowest_gpu(per_chunk, [1.0] * 6, 0.0, 1.5, 2) == 4.5
+    sizes = balance([1.0] * 6, 0.0, 1.5, 4, gpus=2)
+    assert sizes == [2, 1, 2, 1] and _slowest_gpu(sizes, [1.0] * 6, 0.0, 1.5, 2) == 4.0
+
+
 def test_balance_splits_equal_layers_evenly_and_moves_layers_off_a_heavy_head():
     assert balance([1.0] * 8, 0.0, 0.0, 4) == [2, 2, 2, 2]
     assert balance([1.0] * 8, 0.1, 0.1, 2) == [4, 4]
