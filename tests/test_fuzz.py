@@ -93,8 +93,8 @@ def check_case(worlds: dict, case: dict) -> None:
         assert errors[worst] <= BOUND, (rank, worst, errors[worst], case)
 
 
-# 25 random models in the fast tier (AUTOTP_FUZZ_EXAMPLES sets another count); the slow tier 2000
-@settings(max_examples=int(os.environ.get("AUTOTP_FUZZ_EXAMPLES", 25)), deadline=None,
+# 15 random models in the fast tier (AUTOTP_FUZZ_EXAMPLES sets another count); the slow tier 2000
+@settings(max_examples=int(os.environ.get("AUTOTP_FUZZ_EXAMPLES", 15)), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(case=net_specs())
 def test_random_models_run_in_parallel_as_they_do_serially_or_autotp_says_why(worlds, case):

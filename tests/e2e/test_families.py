@@ -96,7 +96,7 @@ MIN_SEQ = {"t5": 3}
 #: it the dearest family: 54 s of the fast tier's families over four tps). Every family still
 #: meets both structures, both dtypes and an uneven split (T5 at tp 1 and 4); structure 1 in
 #: float32 (the other families' tp 1 pair) is left to the slow tier
-SLOW_ONLY = {(f, 1) for f in FAMILIES if f != "t5"} | {("t5", 2), ("t5", 3)}
+SLOW_ONLY = {(f, 1) for f in FAMILIES if f != "t5"} | {("t5", 2), ("t5", 3), ("t5", 4)}
 FAST_PAIRS = {1: (1, "float32"), 2: (0, "float32"), 3: (1, "float64"), 4: (0, "float64")}
 
 

@@ -38,7 +38,7 @@ def _check(cluster_of, case: dict) -> None:
 # more times among the families in tests/e2e/test_families.py, and at every size in
 # test_gpt2_sizes.py; 6 keeps the fast tier within CI's budget); the slow tier 100, ~4 minutes on
 # an idle 2-core machine.
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
           derandomize=True)
 @given(case=gpt2_cases())
 def test_parallel_gpt2_matches_serial_forward_and_backward(cluster_of, case):

@@ -137,6 +137,7 @@ def _load(path: str) -> dict:
     return _full(pm)
 
 
+@pytest.mark.slow   # kills a rank of a fresh cluster (18 s)
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_whole(tmp_path):
     import os
 

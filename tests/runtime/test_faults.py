@@ -55,6 +55,7 @@ def test_ranks_that_lose_a_peer_mid_step_raise_lost_rank_error_naming_it():
     assert "did not finish" not in text
 
 
+@pytest.mark.slow   # a fresh 4-rank cluster that loses a rank (22 s); the fast tier keeps the TP fault cases
 def test_a_dp_peer_lost_mid_step_is_named_by_every_rank():
     # dp 2 x tp 2: TP groups {0, 1}, {2, 3}; DP groups {0, 2}, {1, 3}. Rank 3 dies: rank 2 loses it
     # in TP's backward, rank 1 in the DP all-reduce, and rank 0, left waiting on the live rank 2
@@ -217,6 +218,7 @@ def raise_inside_backward_then_call_again(raising: tuple[int, ...], at: int) -> 
     return out
 
 
+@pytest.mark.slow   # a fresh cluster (20 s); the fast tier keeps the forward case and the shared-cluster backward one
 def test_a_rank_that_raises_inside_backward_and_calls_again_fails_every_rank_clearly():
     # rank 1 raises at the 30th op of its backward, past its first backward collective; ranks 0
     # and 2 wait in the next one. Unguarded, rank 1's next call would pair its forward
