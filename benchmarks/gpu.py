@@ -456,22 +456,21 @@ def report(results: dict, argv: str) -> list[str]:
             rs = v if isinstance(v, list) else [v]
             lines.append(f"- {name}{tag(name)}: worst error {max(r['worst'] for r in rs):.1e}, graphs "
                          f"{rs[0]['graphs']}, breaks {rs[0]['breaks']}")
-    s = status("rng:dropout tp2")
-    if s:
-        lines.append(f"- rng:dropout tp2: {s}")
-    else:
-        for i, r in enumerate(parts["rng:dropout tp2"]["value"]):
-            lines.append(f"- rng:dropout tp2{tag('rng:dropout tp2')} rank {i}: replicated parameters drifted after "
-                         f"three AdamW steps: {r['drifted'] or 'none'}; {r['random ops']} random ops: replicated "
-                         f"masks equal {r['replicated equal']}, sharded masks differ {r['sharded differ']}")
-    s = status("rng:compiled tp2")
-    if s:
-        lines.append(f"- rng:compiled tp2: {s}")
-    else:
-        for i, c in enumerate(parts["rng:compiled tp2"]["value"]):
-            lines.append(f"- rng:compiled tp2{tag('rng:compiled tp2')} rank {i}: counter-based dropout compiled vs "
-                         f"eager: loss {c['loss']:.1e}, gradients {c['grads']:.1e}, graphs {c['graphs']}, breaks "
-                         f"{c['breaks']}, ranks agree {c['ranks agree']}")
+    rng_rows = {   # each rank's row of the two RNG parts
+        "rng:dropout tp2": lambda r: (f"replicated parameters drifted after three AdamW steps: {r['drifted'] or 'none'}; "
+                                      f"{r['random ops']} random ops: replicated masks equal {r['replicated equal']}, "
+                                      f"sharded masks differ {r['sharded differ']}"),
+        "rng:compiled tp2": lambda c: (f"counter-based dropout compiled vs eager: loss {c['loss']:.1e}, gradients "
+                                       f"{c['grads']:.1e}, graphs {c['graphs']}, breaks {c['breaks']}, ranks agree "
+                                       f"{c['ranks agree']}"),
+    }
+    for name, row in rng_rows.items():
+        s = status(name)
+        if s:
+            lines.append(f"- {name}: {s}")
+            continue
+        for i, r in enumerate(parts[name]["value"]):
+            lines.append(f"- {name}{tag(name)} rank {i}: {row(r)}")
     lines.append("")
 
     a = results["args"]
