@@ -151,11 +151,12 @@ def _for_gpus(sizes: list[int], prefix: list[float], first: float, last: float, 
     """With several chunks per GPU (``len(sizes) > gpus``) a GPU runs all of its chunks, so its
     total, not its slowest chunk, sets the pace: the slowest-chunk cut can load one GPU with
     the leftover layers of two (8 layers, 4 chunks on 2 GPUs, a costly embedding: 1+3 | 2+2
-    puts 5 layers on the head's GPU against 4 for an even cut). From the slowest-chunk cut and
-    from the even one, the best of the cuts one or two cut points a layer away is taken while it
-    makes (slowest GPU, slowest chunk, size spread) smaller; the better end wins. Never slower
-    than either start; a local search, not an exhaustive one (it found the fastest cut in 398
-    of 400 random small stacks of 2-3 GPUs x 2 chunks)."""
+    puts 5 layers on the head's GPU against 4 for an even cut). From three starts (the
+    slowest-chunk cut, the even one, and :func:`_uniform_balance`'s, exact for layers of equal
+    cost), the best of the cuts one or two cut points a layer away is taken while it makes
+    (slowest GPU, slowest chunk, size spread) smaller; the best end wins. Never slower than any
+    start, so for equal layers as fast as the cost model's cut; with unequal ones a local
+    search, not an exhaustive one."""
     chunks, n = len(sizes), len(prefix) - 1
     if gpus >= chunks:
         return sizes
@@ -196,8 +197,13 @@ def _for_gpus(sizes: list[int], prefix: list[float], first: float, last: float, 
             best, s = step
 
     even = [n // chunks + (1 if c < n % chunks else 0) for c in range(chunks)]
-    (a, sa), (b, sb) = descend(sizes), descend(even)
-    return b if _better(sb, sa) else a
+    dealt = _uniform_balance(n, prefix[-1] / n, first, last, chunks, gpus)   # exact were the layers alike
+    best, best_score = None, None
+    for start in (sizes, even, dealt):
+        s, score_s = descend(start)
+        if best is None or _better(score_s, best_score):
+            best, best_score = s, score_s
+    return best
 
 
 def _uniform_balance(n: int, per: float, first: float, last: float, chunks: int, gpus: int | None = None) -> list[int]:

@@ -78,6 +78,23 @@ def test_with_several_chunks_a_gpu_the_slowest_gpu_is_what_balance_shortens(gpus
     assert got <= _slowest_gpu(per_chunk, costs, first, last, gpus)
 
 
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(gpus=st.sampled_from([2, 3, 4]), virtual=st.integers(1, 3), more=st.integers(0, 12),
+       first=st.integers(0, 16), last=st.integers(0, 24))
+def test_for_equal_layers_the_runtime_cuts_as_fast_as_the_cost_model_predicts(gpus, virtual, more, first, last):
+    """The planner prices a pipeline with the cost model's cut (exact for equal layers); the
+    runtime's cut of equal layers is as fast on its slowest GPU."""
+    from autotp.cost_model.pipeline import _uniform_balance
+
+    chunks = gpus * virtual
+    n = chunks + more
+    runtime = balance([1.0] * n, first / 4, last / 4, chunks, gpus)
+    model = _uniform_balance(n, 1.0, first / 4, last / 4, chunks, gpus)
+    assert sum(model) == n and min(model) >= 1
+    ones = [1.0] * n
+    assert _slowest_gpu(runtime, ones, first / 4, last / 4, gpus) == _slowest_gpu(model, ones, first / 4, last / 4, gpus)
+
+
 def test_the_head_gpu_is_not_handed_the_layers_of_two_chunks():
     """6 equal layers in 4 chunks on 2 GPUs, the head 1.5 layers: the slowest-chunk cut 1+2+2+1
     gives GPU 1 (chunks 1 and 3) 3 layers and the head, 4.5; the GPUs' totals want 2+1+2+1, 4."""
