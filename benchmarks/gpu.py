@@ -111,6 +111,14 @@ def _llama(args, dtype, device):
         return LlamaForCausalLM(config).to(dtype).train()
 
 
+def _autotp_llama(args, dtype, device, tp: int):
+    """autotp's rank program of the benchmark's Llama, pinned to Megatron's layout (the DTensor plan's)."""
+    import autotp
+
+    return autotp.parallelize(_llama(args, dtype, device), tp, batch=args.batch, seq=args.seq,
+                              layout=MEGATRON_LLAMA, device=device)
+
+
 def _dtensor(model, tp: int, device: str):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -120,8 +128,6 @@ def _dtensor(model, tp: int, device: str):
 def _step_times(args, device: str, versions: list[str], compile_backend: str, dtype: str | None = None) -> dict:
     """Forward + backward of one batch, each version in turn; medians over ``args.steps``."""
     import torch.distributed as dist
-
-    import autotp
 
     tp = dist.get_world_size()
     dtype = getattr(torch, dtype or args.dtype)
@@ -138,8 +144,7 @@ def _step_times(args, device: str, versions: list[str], compile_backend: str, dt
             elif base == "dtensor":
                 m = _dtensor(_llama(args, dtype, device), tp, device)
             else:
-                m = autotp.parallelize(_llama(args, dtype, device), tp, batch=args.batch, seq=args.seq,
-                                       layout=MEGATRON_LLAMA, device=device)
+                m = _autotp_llama(args, dtype, device, tp)
                 m(input_ids=ids, labels=ids).loss.backward()    # eager first: the call's program is built
                 m.zero_grad(set_to_none=True)
             if v.endswith("+compile"):
@@ -194,16 +199,12 @@ def _where_time_goes(args, device: str, steps: int = 3) -> dict:
     with the most host time of their own (aten ops and autotp's Functions)."""
     from torch.profiler import ProfilerActivity, profile
 
-    import autotp
-
     dtype = getattr(torch, args.dtype)
     sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1)).to(device)
     out = {}
     for v in ("hf", "autotp"):
-        m = _llama(args, dtype, device)
-        if v == "autotp":
-            m = autotp.parallelize(m, 1, batch=args.batch, seq=args.seq, layout=MEGATRON_LLAMA, device=device)
+        m = _autotp_llama(args, dtype, device, 1) if v == "autotp" else _llama(args, dtype, device)
 
         def step(m=m):
             m.zero_grad(set_to_none=True)

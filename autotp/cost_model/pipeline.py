@@ -139,6 +139,11 @@ def _slowest_chunk_first(prefix: list[float], first: float, last: float, chunks:
     return sizes[::-1]
 
 
+def _even_cut(n: int, chunks: int) -> list[int]:
+    """Megatron-LM's cut: ``n / chunks`` layers each, the first ``n mod chunks`` one more."""
+    return [n // chunks + (1 if c < n % chunks else 0) for c in range(chunks)]
+
+
 def _better(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
     """Lexicographic, the times compared up to rounding (the last entry, a size spread, exactly)."""
     for x, y in zip(a[:-1], b[:-1]):
@@ -196,7 +201,7 @@ def _for_gpus(sizes: list[int], prefix: list[float], first: float, last: float, 
                 return s, best
             best, s = step
 
-    even = [n // chunks + (1 if c < n % chunks else 0) for c in range(chunks)]
+    even = _even_cut(n, chunks)
     dealt = _uniform_balance(n, prefix[-1] / n, first, last, chunks, gpus)   # exact were the layers alike
     best, best_score = None, None
     for start in (sizes, even, dealt):
@@ -264,10 +269,9 @@ def _deal(n: int, per: float, extras: list[float], least: list[int]) -> list[int
     while sum(max(m, min(c, level + 1)) for c, m in zip(caps, least)) <= n and level < n:
         level += 1
     sizes = [max(m, min(c, level)) for c, m in zip(caps, least)]
-    for k in sorted(range(slots), key=lambda k: extras[k]):
-        while sum(sizes) < n and sizes[k] < caps[k]:
+    for k in sorted(range(slots), key=lambda k: extras[k]):   # one leftover layer a slot at most
+        if sum(sizes) < n and sizes[k] < caps[k]:
             sizes[k] += 1
-            break
     return sizes
 
 
@@ -288,7 +292,7 @@ def stage_layers(cost: LayerCost, *, layers: int, p: int, virtual: int = 1, reco
     if balanced:
         sizes = _uniform_balance(layers, per, first, last, chunks, p)
     else:
-        sizes = [layers // chunks + (1 if c < layers % chunks else 0) for c in range(chunks)]
+        sizes = _even_cut(layers, chunks)
     held = [sum(sizes[c] for c in range(g, chunks, p)) for g in range(p)]
     work = [n * per for n in held]
     work[0] += first
