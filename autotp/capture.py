@@ -30,6 +30,7 @@ import torch.utils._pytree as pytree
 from torch import fx
 from torch.overrides import TorchFunctionMode
 
+from .capture_masks import eager_masks
 from .errors import CaptureError, ConfigError
 from .higher_order import inline_regions
 
@@ -374,7 +375,8 @@ def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: Any,
     for attempt in range(EXPORT_REFINEMENTS + 1):
         try:
             with _ListIndicesOnCPU() if on_meta else contextlib.nullcontext(), _no_stack_traces(), \
-                    contextlib.nullcontext() if fake_cache else _fake_cache_off(), _UnitDraws():
+                    contextlib.nullcontext() if fake_cache else _fake_cache_off(), _UnitDraws(), \
+                    eager_masks(kwargs):
                 ep = torch.export.export(model, (), kwargs, strict=False, dynamic_shapes=dynamic_shapes,
                                          preserve_module_call_signature=calls)
             if key is not None and dynamic_shapes is not asked:

@@ -213,6 +213,8 @@ def _where_time_goes(args, device: str, steps: int = 3) -> dict:
         for _ in range(3):
             step()
         sync()
+        if device != "cpu":
+            torch.cuda.reset_peak_memory_stats()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])
         with profile(activities=activities) as prof:
             start = time.perf_counter()
@@ -224,6 +226,7 @@ def _where_time_goes(args, device: str, steps: int = 3) -> dict:
         dev = [e for e in prof.events() if e.device_type != torch.autograd.DeviceType.CPU]
         rows = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:25]
         out[v] = {"wall_ms": 1e3 * wall,
+                  "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device != "cpu" else None,
                   "device_busy_ms": sum(e.device_time_total for e in dev) / 1e3 / steps if dev else None,
                   "kernels": len(dev) / steps,
                   "host_ops": sum(e.count for e in events) / steps,
@@ -512,10 +515,12 @@ def report(results: dict, argv: str) -> list[str]:
         else:
             v = parts["prof:tp1"]["value"]
             lines += ["`torch.profiler` over three steps of each (the same Llama), per step:", "",
-                      "| version | wall ms | device busy ms | device kernels | host ops |", "|---|---|---|---|---|"]
+                      "| version | wall ms | device busy ms | device kernels | host ops | peak GiB |",
+                      "|---|---|---|---|---|---|"]
             for k, r in v.items():
                 busy = f"{r['device_busy_ms']:.2f}" if r["device_busy_ms"] is not None else "-"
-                lines.append(f"| {k} | {r['wall_ms']:.2f} | {busy} | {r['kernels']:.0f} | {r['host_ops']:.0f} |")
+                peak = f"{r['peak_gib']:.2f}" if r.get("peak_gib") is not None else "-"
+                lines.append(f"| {k} | {r['wall_ms']:.2f} | {busy} | {r['kernels']:.0f} | {r['host_ops']:.0f} | {peak} |")
             for k, r in v.items():
                 lines += ["", f"{k}: the ops with the most host time of their own (calls and ms per step): "
                           + "; ".join(f"`{n}` {c} {ms:.2f}" for n, c, ms in r["top_self_cpu"][:12])]

@@ -181,14 +181,16 @@ def test_every_family_cut_to_one_block_is_its_whole_export(family, keeps):
 
 def test_a_train_mode_model_is_cut_to_one_block_in_eval(keeps):
     """The first capture in train mode (dropout in every block), the next in eval mode: the
-    block's ops differ, its call does not, and one block is enough."""
+    block's ops differ, its call does not (both pass a mask: a call without one gives every
+    block no mask, a constant, which a later call's mask tensor does not fit), and one block
+    is enough."""
     config = zoo.tiny_config("gpt2", layers=LAYERS)
     config.resid_pdrop = config.attn_pdrop = config.embd_pdrop = 0.1
     model = zoo.build("gpt2", config, dtype=torch.float64).train()
-    capture(model)
-    model.eval()
     ids = {"input_ids": torch.randint(0, config.vocab_size, (2, 9)),
            "attention_mask": torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 9])}
+    capture(model, example_kwargs=ids)
+    model.eval()
     fast = capture(model, example_kwargs=ids)
     assert keeps == [KEEP, 1]
     assert_same_capture(fast, whole(model, example_kwargs=ids))

@@ -105,23 +105,44 @@ def test_fewer_kv_heads_than_ranks_replicates_kv_and_slices_it_to_the_query_head
     _, model = _model("llama", heads, kv)
     cap = capture(model)
     plan, _, prop = build_plan(cap, tp, **WORKLOAD)
-    # q by heads; k and v whole on every rank at repeat_kv (projected replicated, or, where the
-    # cost model finds it cheaper for a single kv head, projected split and all-gathered)
+    # q by heads; k and v whole on every rank (projected replicated, or, where the cost model
+    # finds it cheaper for a single kv head, projected split and all-gathered), an f summing
+    # their gradients; sdpa_localizer narrows them to the heads each rank's queries use
     assert repr(plan.params["model.layers.0.self_attn.q_proj.weight"]).startswith("S(0")
     sdpa = _attention_nodes(cap.graph)[0]
+    assert sdpa.kwargs.get("enable_gqa") and sdpa.args[5] is True   # HF's own call: causal, no mask
+    assert len(sdpa.args) < 4 or sdpa.args[3] is None
     at = [c for c in prop.comms if c.consumer == sdpa.name]
-    nodes = {n.name: n for n in cap.graph.nodes}
-    expands = [c for c in prop.comms if c.consumer in nodes and nodes[c.consumer].target is aten.expand.default
-               and module_path(nodes[c.consumer]) == module_path(sdpa)]
-    if kv > 1:
-        # k and v after repeat_kv: each rank slices the copies its query heads use (no head twice)
-        assert sorted(c.kind for c in at) == ["scatter", "scatter"]
-    else:
-        # one kv head: repeat_kv's expand keeps each rank's own copies, and an f sums the copies'
-        # gradients (the unexpanded k and v, where a scatter would all-gather every copy's)
-        assert at == [] and sorted(c.kind for c in expands) == ["f", "f"]
+    assert sorted(c.kind for c in at) in (["f", "f"], ["scatter", "scatter"])
     share = [heads // tp + (r < heads % tp) for r in range(tp)]
     assert sorted(plan.attention["model.layers.0.self_attn"], reverse=True) == share
+
+
+@pytest.mark.parametrize("heads, kv, tp, kinds", [
+    (8, 2, 2, [()]),                    # even: k and v split with q, nothing to pick
+    (8, 2, 4, [("narrow",)]),           # two ranks per group: each narrows to its group's head
+    (6, 2, 4, [("narrow",)]),           # runs 2, 2, 1, 1 of groups of 3: heads {0}, {0, 1}, {1}, {1}
+    (8, 2, 3, [("narrow",), ("narrow", "repeat_interleave", "cat")]),   # runs 3, 3, 2: rank 1 holds 0, 1, 1
+])
+def test_grouped_query_heads_each_rank_picks(heads, kv, tp, kinds):
+    """What each rank's attention is handed under the default plan: k and v split with q where
+    the groups deal evenly; else whole, and narrowed to the heads the rank's queries use,
+    repeated per query head (``enable_gqa`` off) only where a rank's run straddles groups
+    unevenly."""
+    from autotp.passes.rewrite import rewrite
+
+    _, model = _model("llama", heads, kv)
+    cap = capture(model)
+    plan, index, prop = build_plan(cap, tp, **WORKLOAD)
+    seen = set()
+    for rank in range(tp):
+        gm = rewrite(index, prop, rank, None, None)
+        sdpa = next(n for n in gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default)
+        made = tuple(sorted({n.target.__name__.split(".")[0] for n in (sdpa.args[1], *sdpa.args[1].all_input_nodes)
+                             if n.op == "call_function"} & {"narrow", "repeat_interleave", "cat"}))
+        seen.add(made)
+        assert sdpa.kwargs["enable_gqa"] == ("repeat_interleave" not in made), (rank, made)
+    assert seen == {tuple(sorted(k)) for k in kinds}, seen
 
 
 def test_no_heads_line_when_attention_runs_whole():

@@ -1,10 +1,12 @@
 """Neural-network ops: embedding, normalization, attention, softmax, reductions, losses."""
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 import torch
 
-from ...placements import PARTIAL, REPLICATE, Shard
-from typing import Any
+from ...placements import PARTIAL, REPLICATE, Shard, divides, local_ranges
 
 from . import LocalContext, OpInfo, Strategy, TensorMeta, is_shard, norm_dim, register, register_localizer
 
@@ -42,7 +44,6 @@ def embedding_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: d
     pw = strategy.inputs[0]
     if not (is_shard(pw) and pw.dim == 0):
         return info.target, args, kwargs
-    from ...placements import local_ranges
     from ...runtime.functional import vocab_parallel_embedding
 
     ranges = local_ranges(info.inputs[0].static(0), pw, ctx.tp, ctx.rank)
@@ -71,7 +72,9 @@ register(aten.rms_norm.default)(_norm_rule(lambda info: len(info.args[1])))
 def sdpa_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     """q, k, v [b, heads, s, d] split alike on batch or heads; the mask broadcasts or follows.
     A k or v with one head for all (Falcon's multi-query attention broadcasts it) stays whole
-    beside a heads split of q."""
+    beside a heads split of q. Grouped-query attention (``enable_gqa``: k and v of fewer heads,
+    each serving a group of consecutive query heads) splits by heads where every rank's query
+    heads use exactly the key/value heads it holds (:func:`_gqa_strategies`)."""
     q, k, v = info.inputs[:3]
     nd = q.ndim   # [*batch, s, d]: 4-D [b, heads, s, d] in transformers, any batch dims in ATen
     out = [Strategy(tuple(REPLICATE for _ in info.inputs), REPLICATE)]
@@ -79,13 +82,117 @@ def sdpa_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     for dim, p in sorted(dims.items()):
         if not (q.shape[dim] == k.shape[dim] == v.shape[dim]) and \
                 not (k.shape[dim] == v.shape[dim] == 1 and q.shape[dim] != 1):
-            continue  # grouped-query attention: heads differ, keep whole
+            continue  # grouped-query attention: heads differ, see _gqa_strategies
         req = [p] + [p if m.shape[dim] == q.shape[dim] else REPLICATE for m in (k, v)]
-        for m in info.inputs[3:]:  # the attention mask, if any
-            kdim = dim - (nd - m.ndim)
-            req.append(REPLICATE if kdim < 0 or m.shape[kdim] == 1 else p.with_dim(kdim))
-        out.append(Strategy(tuple(req), p))
+        out.append(Strategy(tuple(req + _mask_placements(info, p, nd)), p))
+    return out + _gqa_strategies(info, placements)
+
+
+def _mask_placements(info: OpInfo, p: Shard, nd: int) -> list:
+    """The attention mask (if any) beside a split of q's dim ``p.dim``: whole where it
+    broadcasts over that dim, else split alike."""
+    req = []
+    for m in info.inputs[3:]:
+        kdim = p.dim - (nd - m.ndim)
+        req.append(REPLICATE if kdim < 0 or m.shape[kdim] == 1 else p.with_dim(kdim))
+    return req
+
+
+def _gqa_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """``enable_gqa=True`` with q of ``g * kv`` heads and k, v of ``kv`` (query head i uses
+    key/value head i // g): split by heads where each rank's query heads, in its local order,
+    use its own key/value heads as the local op will (local query head j -> local kv head
+    j // (local q / local kv)). Tried from q's split (k and v dealt alike, or one whole group
+    per rank where ranks outnumber the groups: a slice of a replicated k and v) and from k's
+    (q dealt by whole groups); :func:`_grouped_alike` checks every rank."""
+    q, k, v = info.inputs[:3]
+    gqa = info.kwargs.get("enable_gqa", False)
+    h = q.ndim - 3
+    if not gqa or h < 0 or k.ndim != q.ndim or k.shape[h] != v.shape[h]:
+        return []
+    hq, hkv = q.static(h), k.static(h)
+    if hq is None or hkv is None or hkv <= 1 or hq == hkv or hq % hkv:
+        return []
+    g = hq // hkv
+    pq, pk = placements[0], placements[1]
+    pairs = []
+    if is_shard(pq) and pq.dim == h:
+        pairs += [(pq, pq), (pq, Shard(h)), (pq, Shard(h, hkv, 1, tail=1, per_block=True))]
+        if pq.unit % g == 0:
+            pairs.append((pq, replace(pq, unit=pq.unit // g)))
+    if is_shard(pk) and pk.dim == h:
+        pairs += [(Shard(h), pk), (replace(pk, unit=pk.unit * g, tail=0), pk)]
+    out, seen = [], set()
+    for a, b in pairs:
+        if (a, b) in seen or not _grouped_alike(a, b, hq, hkv, info.tp):
+            continue
+        seen.add((a, b))
+        out.append(Strategy((a, b, b) + tuple(_mask_placements(info, a, q.ndim)), a))
+    if is_shard(pq) and pq.dim == h and pq.outer < 0 and divides(hq, pq):
+        # any split of q beside whole k and v: each rank picks the key/value heads its query
+        # heads use (sdpa_localizer), as repeating k and v to every head and slicing would
+        out.append(Strategy((pq, REPLICATE, REPLICATE) + tuple(_mask_placements(info, pq, q.ndim)), pq))
     return out
+
+
+def _kv_heads_used(hq: int, hkv: int, pq: Shard, tp: int, rank: int) -> list[int]:
+    """The key/value head each of ``rank``'s query heads under ``pq`` uses, in local order."""
+    g = hq // hkv
+    return [i // g for a, b in local_ranges(hq, pq, tp, rank) for i in range(a, b)]
+
+
+@register_localizer(aten.scaled_dot_product_attention.default)
+def sdpa_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
+    """Grouped-query attention with q split by heads beside whole k and v: this rank's k and
+    v become the heads its query heads use. Where each used head serves the same number of
+    local query heads (a rank inside one group, or holding whole groups) that is a narrow of
+    k and v and the op keeps ``enable_gqa``; otherwise (a rank's run straddling groups
+    unevenly) each used head is repeated for its query heads and ``enable_gqa`` is dropped."""
+    pq, pk = strategy.inputs[0], strategy.inputs[1]
+    q, k = info.inputs[0], info.inputs[1]
+    h = q.ndim - 3
+    if not (kwargs.get("enable_gqa", False) and is_shard(pq) and pq.dim == h and pk == REPLICATE):
+        return info.target, args, kwargs
+    hq, hkv = q.static(h), k.static(h)
+    if hq is None or hkv is None or hq == hkv:
+        return info.target, args, kwargs
+    used = _kv_heads_used(hq, hkv, pq, ctx.tp, ctx.rank)
+    runs: list[list[int]] = []   # [head, how many local query heads use it], in order
+    for head in used:
+        if runs and runs[-1][0] == head:
+            runs[-1][1] += 1
+        else:
+            runs.append([head, 1])
+    graph = ctx.graph
+    regular = len({n for _, n in runs}) == 1 and runs[-1][0] - runs[0][0] == len(runs) - 1
+
+    def pick(kv: Any) -> Any:
+        if regular:
+            return graph.call_function(aten.narrow.default, (kv, h, runs[0][0], len(runs)))
+        pieces = [graph.call_function(aten.narrow.default, (kv, h, head, 1)) for head, _ in runs]
+        pieces = [p if n == 1 else graph.call_function(aten.repeat_interleave.self_int, (p, n, h))
+                  for p, (_, n) in zip(pieces, runs)]
+        return pieces[0] if len(pieces) == 1 else graph.call_function(aten.cat.default, (pieces, h))
+
+    args = (args[0], pick(args[1]), pick(args[2])) + tuple(args[3:])
+    return info.target, args, {**kwargs, "enable_gqa": regular}
+
+
+def _grouped_alike(pq: Shard, pk: Shard, hq: int, hkv: int, tp: int) -> bool:
+    """Whether, on every rank, the query heads ``pq`` gives it map onto the key/value heads
+    ``pk`` gives it as ``enable_gqa`` maps local heads (see :func:`_gqa_strategies`)."""
+    if pq.outer >= 0 or pk.outer >= 0 or not (divides(hq, pq) and divides(hkv, pk)):
+        return False
+    g = hq // hkv
+    for rank in range(tp):
+        qh = [i for a, b in local_ranges(hq, pq, tp, rank) for i in range(a, b)]
+        kh = [i for a, b in local_ranges(hkv, pk, tp, rank) for i in range(a, b)]
+        if not qh or not kh or len(qh) % len(kh):
+            return False
+        per = len(qh) // len(kh)
+        if any(i // g != kh[j // per] for j, i in enumerate(qh)):
+            return False
+    return True
 
 
 @register(aten._softmax.default, aten._log_softmax.default, aten.softmax.int, aten.log_softmax.int)
@@ -174,7 +281,6 @@ def cross_entropy_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwarg
     p = strategy.inputs[0]
     if not is_shard(p):
         return info.target, args, kwargs
-    from ...placements import local_ranges
     from ...runtime.functional import VocabParallelCrossEntropy
 
     _, reduction, ignore_index, _ = _ce_options(info)
