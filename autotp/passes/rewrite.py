@@ -128,6 +128,11 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         return comm_node("all_gather", out, C.GatherFromTP(group, have, size), *more)
 
     def convert(src: fx.Node, dst: Placement, f: bool) -> fx.Node:
+        if tp == 1:
+            # one rank holds every shard whole and every sum: each conversion and f/g is the
+            # identity (run, it was a clone: the collectives' group-of-one path), so the rank's
+            # program is the captured graph's own ops (a layout pinned at tp 1, DP alone)
+            return env[src]
         key = (src, dst, f)
         if key in converted:
             return converted[key]

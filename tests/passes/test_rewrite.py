@@ -145,3 +145,27 @@ def test_only_nodes_reached_from_parameters_or_float_inputs_outside_no_grad_carr
     # the no_grad block's amax/add and anything from the buffer alone carry none
     assert not any(name in grads for name in by_op["amax"]), (grads, by_op)
     assert "b_table" not in grads and cap.param_names and all(p in grads for p in cap.param_names)
+
+
+def test_a_layout_pinned_at_tp_1_runs_the_captured_ops_alone():
+    """At tp 1 every conversion and f/g is the identity: Megatron's layout pinned on one rank
+    (data parallelism alone) gives a program without a collective or a copy standing for one,
+    that computes what the model does."""
+    from autotp.api import build_plan
+    from autotp.capture import capture
+    from autotp.passes.rewrite import rewrite
+    from tests.test_capture_expand import run
+
+    model = tiny_gpt2(n_layer=2, n_head=4, head_dim=8).double()
+    cap = capture(model)
+    plan, index, prop = build_plan(cap, 1, batch=2, seq=8, layout=MEGATRON_GPT2)
+    assert any(c.kind in ("f", "g") for c in prop.comms)   # the plan still says where they would be
+    gm = rewrite(index, prop, 0, None, None)
+    assert [n for n in gm.graph.nodes if n.op == "call_module"] == []
+    assert len(gm.graph.nodes) == len(cap.graph.nodes)
+    data = batch(model.config.vocab_size)
+    want = run(cap, model, data)
+    cap.graph_module = gm   # the rank's program, fed as the capture is
+    got = run(cap, model, data)
+    for name in ("loss", "logits"):
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
