@@ -72,6 +72,7 @@ def fully_shard(pm: Any, per_layer: bool = True, replicate: int = 1, **kwargs: A
     for handle in pm._dp_hooks:       # FSDP2 reduces the gradients from now on
         handle.remove()
     pm._dp_hooks = []
+    pm._leaves = None   # FSDP2 reads the unsharded parameters' gradients from autograd: no leaves
     moved: dict[int, nn.Parameter] = {}
     for name, param in list(pm.named_parameters(remove_duplicate=False)):
         if id(param) not in moved:    # on the tp mesh alone: FSDP2 adds the dp dimension

@@ -165,6 +165,9 @@ class ParallelModule(nn.Module):
         held = hold_parameters(capture, plan, model, mesh, device, weights)
         #: held FQN -> the parameter (one per tied group, under the name the programs use)
         self._held = held
+        #: each DTensor parameter's local leaf (see :class:`LocalLeaves`); None under FSDP2,
+        #: which reads its unsharded parameters' gradients from autograd itself
+        self._leaves: LocalLeaves | None = LocalLeaves()
         put_parameters(self, model, capture, held)
         self._model_buffers = dict(model.named_buffers(remove_duplicate=False))
         #: values for tensors the model holds on the meta device (from_pretrained computes the
@@ -329,7 +332,7 @@ class ParallelModule(nn.Module):
         if not compiled:
             check_index_bounds(program.bounds, kwargs)
         grad = torch.is_grad_enabled()
-        params = [_program_tensor(self._held[fqn], grad) if fqn not in program.outlined else None
+        params = [_program_tensor(self._held[fqn], grad, self._leaves) if fqn not in program.outlined else None
                   for fqn in program.param_order]
         buffers = [self.get_buffer(fqn) for fqn in program.buffer_order]
         outputs = program.graph_module(*params, *buffers, *program.constants, *flat)
@@ -520,9 +523,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return getattr(t, "_local_tensor", t)
 
 
-def _program_tensor(param: nn.Parameter, grad_enabled: bool) -> torch.Tensor:
-    """What a program is fed for ``param``: its local tensor, through an autograd Function when
-    a gradient must flow back into ``param.grad`` (a DTensor with the parameter's placements)."""
+def _program_tensor(param: nn.Parameter, grad_enabled: bool, leaves: "LocalLeaves | None" = None) -> torch.Tensor:
+    """What a program is fed for ``param``: its local tensor; where a gradient must flow back
+    into ``param.grad`` (a DTensor with the parameter's placements), the local tensor's leaf
+    (``leaves``, :class:`LocalLeaves`) or, where that cannot stand in for the parameter, the
+    local tensor through an autograd Function."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(param, DTensor):   # (not hasattr: torch.compile answers it for plain tensors only)
@@ -530,8 +535,73 @@ def _program_tensor(param: nn.Parameter, grad_enabled: bool) -> torch.Tensor:
             return param._local_tensor
         if torch.compiler.is_compiling():
             return param.to_local()
+        if leaves is not None and not param._backward_hooks:
+            return leaves.leaf(param)
         return _LocalOf.apply(param)
     return param
+
+
+class LocalLeaves:
+    """One persistent leaf per DTensor parameter: its local tensor detached (same storage and
+    version counter), requiring a gradient, fed to the programs in its place. Autograd
+    accumulates the local gradient into the leaf as into any plain parameter; a hook on the
+    leaf then hands it to ``param.grad`` as a DTensor of the parameter's spec (added to the
+    local tensor of one already there) and runs the parameter's own post-accumulate-grad hooks
+    (the data-parallel average, a user's), as autograd would have.
+
+    The per-call autograd Function this replaces (:class:`_LocalOf`, still used for a
+    parameter with a gradient hook of its own, ``param.register_hook``, which must see the
+    gradient before it is accumulated) cost its forward, its Python backward and a DTensor
+    gradient accumulated through DTensor's dispatch, for every parameter and step: a 39-parameter
+    stack on CPU, 3.0 ms a step through it against 1.7 ms through the leaves (1.3 ms plain).
+    A leaf is made again when the parameter's local tensor is replaced (``param.data = ...``, a
+    state dict loaded with ``assign=True``)."""
+
+    def __init__(self) -> None:
+        #: id(param) -> (a weak reference to it, its local tensor then, the leaf): by id, as a
+        #: tensor key would be compared by value
+        self._of: dict[int, tuple] = {}
+
+    def leaf(self, param: nn.Parameter) -> torch.Tensor:
+        local = param._local_tensor
+        held = self._of.get(id(param))
+        if held is not None and held[0]() is param and held[1] is local:
+            return held[2]
+        import weakref
+
+        leaf = local.detach().requires_grad_()
+        ref = weakref.ref(param)
+        leaf.register_post_accumulate_grad_hook(_into_param_grad(ref))
+        self._of[id(param)] = (ref, local, leaf)
+        return leaf
+
+    def clear(self) -> None:
+        self._of.clear()
+
+
+def _into_param_grad(param_ref: Any) -> Callable[[torch.Tensor], None]:
+    def hook(leaf: torch.Tensor) -> None:
+        from torch.distributed.tensor import DTensor
+
+        grad, leaf.grad = leaf.grad, None
+        param = param_ref()
+        if param is None or grad is None:
+            return
+        spec = param._spec
+        if grad.requires_grad:   # backward(create_graph=True): the gradient is differentiable
+            grad = DTensor.from_local(grad, spec.mesh, spec.placements, run_check=False,
+                                      shape=spec.shape, stride=spec.stride)
+            param.grad = grad if param.grad is None else param.grad + grad
+        elif param.grad is None:
+            import copy
+
+            param.grad = DTensor(grad, copy.copy(spec), requires_grad=False)
+        else:
+            _local(param.grad).add_(grad)
+        for post in tuple((param._post_accumulate_grad_hooks or {}).values()):
+            post(param)
+
+    return hook
 
 
 class _LocalOf(torch.autograd.Function):

@@ -437,7 +437,7 @@ class _ChunkModule(nn.Module):
         from .module import _program_tensor
 
         owner, grad = self._owner, torch.is_grad_enabled()
-        params = [_program_tensor(owner._held[n], grad) for n in self._params]
+        params = [_program_tensor(owner._held[n], grad, owner._leaves) for n in self._params]
         buffers = [owner.get_buffer(n) for n in self._buffer_names]
         raw = received
         if _EVERY_INPUT_NEEDS_A_GRADIENT and self.received_dtypes is not None:
@@ -499,7 +499,7 @@ class PipelineModule(nn.Module):
                  costs: tuple[list[float], float, float], weights: Callable | None = None,
                  memory_limit: float = float("inf"), stage_layers: Any = None):
         from .agreement import check_agreement, fingerprint
-        from .module import constant_value, hold_parameters, persistent_buffers, put_buffer, put_parameters
+        from .module import LocalLeaves, constant_value, hold_parameters, persistent_buffers, put_buffer, put_parameters
 
         super().__init__()
         self.mesh, self.device, self.plan, self.capture = mesh, device, plan, capture
@@ -558,6 +558,7 @@ class PipelineModule(nn.Module):
         wanted = {param_order[i] for ch in mine for i in ch.params}
         self._check_memory(wanted, sum(len(self.chunk_layers[ch.index]) for ch in mine), len(layers), memory_limit)
         self._held = hold_parameters(capture, plan, model, mesh, device, weights, wanted)
+        self._leaves = LocalLeaves()   # the stages' programs read each parameter's local leaf
         put_parameters(self, model, capture, self._held)
         computed = dict(getattr(weights, "buffers", None) or {})
         persistent = persistent_buffers(model)

@@ -206,3 +206,62 @@ def test_a_run_layout_survives_copy_and_pickle():
     run = RunShard(Shard(1, 3, 4, 1, 2))
     for again in (copy.copy(run), copy.deepcopy(run), pickle.loads(pickle.dumps(run))):
         assert again == run and again.shard == run.shard and again.dim == 1
+
+
+def _gradients_reach_parameters_as_autograd_would(tp: int) -> dict:
+    """What a user does with parameter gradients, through the local leaves (runtime.module's
+    LocalLeaves) and the per-call Function beside them, each against the serial model."""
+    from torch.distributed.tensor import DTensor
+
+    from tests.helpers import batch
+
+    model, pm = _pair(tp, 3)
+    data = batch(VOCAB, b=2, s=5, seed=3)
+    serial = dict(model.named_parameters())
+
+    def worst(scale: float = 1.0) -> float:
+        return max((p.grad.full_tensor() - scale * serial[n].grad).abs().max().item() for n, p in pm.named_parameters())
+
+    out = {}
+    model(**data).loss.backward()
+    seen = []   # a post-accumulate hook (optimizer in backward): once per parameter, .grad set
+    handles = [p.register_post_accumulate_grad_hook(lambda p: seen.append(isinstance(p.grad, DTensor)))
+               for p in pm.parameters()]
+    pm(**data).loss.backward()
+    out["hooks"] = (len(seen), len(list(pm.parameters())), all(seen))
+    out["one backward"] = worst()
+    for h in handles:
+        h.remove()
+    pm(**data).loss.backward()   # accumulated onto the gradients there, as autograd does
+    out["accumulated"] = worst(2.0)
+    pm.zero_grad(set_to_none=False)   # zeros kept: added to in place
+    pm(**data).loss.backward()
+    out["onto zeros"] = worst()
+    # a gradient hook (before accumulation) sees and changes the DTensor gradient
+    name, first = next(iter(pm.named_parameters()))
+    h = first.register_hook(lambda g: g * 3)
+    pm.zero_grad()
+    pm(**data).loss.backward()
+    out["hooked"] = ((first.grad.full_tensor() - 3 * serial[name].grad).abs().max().item(),
+                     max((p.grad.full_tensor() - serial[n].grad).abs().max().item()
+                         for n, p in pm.named_parameters() if p is not first))
+    h.remove()
+    # a local tensor replaced (param.data = ...): the next call reads the new one
+    with torch.no_grad():
+        first.data = first.data * 1.0
+    pm.zero_grad()
+    pm(**data).loss.backward()
+    out["replaced"] = worst()
+    # backward(create_graph=True): differentiable gradients, the same values
+    pm.zero_grad()
+    pm(**data).loss.backward(create_graph=True)
+    out["create_graph"] = (worst(), all(p.grad.requires_grad for p in pm.parameters()))
+    return out
+
+
+def test_gradients_reach_parameters_as_autograd_would_at_tp2(cluster_of):
+    for r in cluster_of(2).run(_gradients_reach_parameters_as_autograd_would, 2):
+        assert r["hooks"][0] == r["hooks"][1] and r["hooks"][2], r["hooks"]
+        assert max(r["one backward"], r["accumulated"], r["onto zeros"], r["replaced"]) <= 1e-12, r
+        assert max(r["hooked"]) <= 1e-12, r["hooked"]
+        assert r["create_graph"][0] <= 1e-12 and r["create_graph"][1], r["create_graph"]
