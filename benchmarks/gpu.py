@@ -33,6 +33,7 @@ gather kills the processes, and a part that dies takes only itself.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -309,8 +310,17 @@ def main() -> None:
     results: dict = {"args": vars(args), "parts": {}, "note": args.note}
     json_path = (os.path.splitext(args.out)[0] + ".json") if args.out else None
 
+    def chosen(name: str) -> bool:
+        return args.only is None or any(name.startswith(o) for o in args.only)
+
+    def cluster(world: int, backend: str, timeout: int, *names: str):
+        """Rank processes for the parts ``names``; none (a do-nothing context) where --only
+        leaves them all out: spawning them costs seconds of device time."""
+        return LocalCluster(world, backend=backend, timeout=timeout) if any(map(chosen, names)) \
+            else contextlib.nullcontext()
+
     def part(name: str, fn, *a) -> None:
-        if args.only is not None and not any(name.startswith(o) for o in args.only):
+        if not chosen(name):
             return
         if time.perf_counter() - started > args.budget:
             results["parts"][name] = {"skipped": f"budget of {args.budget:.0f} s spent"}
@@ -337,7 +347,7 @@ def main() -> None:
     results["transformers"] = transformers.__version__
     part("profile", _profile, args)
     one = (2, 4, 2, 8, 48, 1.0)
-    with LocalCluster(1, backend=first_backend, timeout=600) as c:
+    with cluster(1, first_backend, 600, "nccl:", "bench:tp1", "prof:tp1") as c:
         part("nccl:families float64", lambda: c.run(_families, args.families, 1, "float64", args.device, one)[0])
         part("nccl:families float32", lambda: c.run(_families, ["gpt2", "llama", "bert", "t5"], 1, "float32",
                                                     args.device, one)[0])
@@ -346,24 +356,27 @@ def main() -> None:
                                         ["hf", "autotp", "dtensor", "hf+compile", "autotp+compile",
                                          "dtensor+compile"], compile_backend)[0])
         part("prof:tp1", lambda: c.run(_where_time_goes, args, args.device)[0])
-    with LocalCluster(2, backend="gloo", timeout=300) as c:
+    with cluster(2, "gloo", 300, "gloo:families tp2", "rng:dropout") as c:
         part("gloo:families tp2 float64", lambda: c.run(_families, args.families, 2, "float64", args.device, one))
         part("rng:dropout tp2", lambda: c.run(_dropout, args.device))
-    with LocalCluster(4, backend="gloo", timeout=300) as c:
+    with cluster(3, "gloo", 300, "gloo:families tp3") as c:   # uneven heads: 4 over 3 ranks
+        part("gloo:families tp3 float64", lambda: c.run(_families, ["gpt2", "llama", "falcon-new", "gpt-bigcode"], 3,
+                                                        "float64", args.device, (2, 4, 2, 8, 50, 1.0)))
+    with cluster(4, "gloo", 300, "gloo:families tp4") as c:
         part("gloo:families tp4 float64", lambda: c.run(_families, ["gpt2", "llama", "falcon-new"], 4, "float64",
                                                         args.device, (2, 6, 2, 4, 53, 1.0)))
     for dtype in (args.dtype, "float32"):   # a cluster each: a crash in one leaves the other's result
-        with LocalCluster(2, backend="gloo", timeout=300) as c:
+        with cluster(2, "gloo", 300, f"bench2:tp2 gloo {dtype}") as c:
             part(f"bench2:tp2 gloo {dtype}", lambda: c.run(_step_times, args, args.device, ["hf", "autotp"],
                                                            compile_backend, dtype))
     # Last, a cluster each: compiled programs and DTensor gather through torch's functional
     # all-gather, which kills both processes under torch 2.11 when gloo carries CUDA tensors
     # (benchmarks/gloo_cuda_probe.py); autotp's eager path above goes through c10d's.
-    with LocalCluster(2, backend="gloo", timeout=300) as c:
+    with cluster(2, "gloo", 300, "rng:compiled tp2") as c:
         part("rng:compiled tp2", lambda: c.run(_dropout_compiled, args.device, compile_backend))
-    with LocalCluster(2, backend="gloo", timeout=300) as c:
+    with cluster(2, "gloo", 300, "gloo:compile tp2") as c:
         part("gloo:compile tp2", lambda: c.run(_compiled, args.device, compile_backend, "float64"))
-    with LocalCluster(2, backend="gloo", timeout=300) as c:
+    with cluster(2, "gloo", 300, f"bench2:tp2 gloo {args.dtype} dtensor") as c:
         part(f"bench2:tp2 gloo {args.dtype} dtensor", lambda: c.run(_step_times, args, args.device, ["dtensor"],
                                                                     compile_backend, args.dtype))
     results["total_s"] = time.perf_counter() - started
@@ -432,7 +445,7 @@ def report(results: dict, argv: str) -> list[str]:
               "`tests/e2e/test_families.py::check_family_case`, on the device's tensors). Bounds: float64 1e-9, "
               "float32 1e-4 (GPT-J float32-only: its attention upcasts to float32).", ""]
     for name in ("nccl:families float64", "nccl:families float32", "gloo:families tp2 float64",
-                 "gloo:families tp4 float64"):
+                 "gloo:families tp3 float64", "gloo:families tp4 float64"):
         s = status(name)
         if s:
             lines += [f"- {name}: {s}"]
