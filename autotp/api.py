@@ -211,7 +211,7 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
     pinned = _pinned(cap, layout, plan)
     notes: list[str] = []
     if plan is not None:
-        prop = propagate(index, pinned, prof)
+        prop = propagate(index, pinned, prof, exact=True)
         if prop.infeasible:
             raise PlanError(f"the given plan does not fit this model: {prop.infeasible}")
     else:

@@ -372,3 +372,33 @@ def test_planning_for_a_longer_sequence_than_the_model_takes_warns(caplog):
         autotp.plan(model, tp=2, batch=4, seq=64)
     said = [r.getMessage() for r in caplog.records if "takes at most" in r.getMessage()]
     assert said and "seq=64" in said[0] and "at most 16 tokens" in said[0] and "config's maximum positions" in said[0]
+
+
+def test_a_plans_plain_split_is_held_exactly_by_another_calls_program():
+    """A plan's placements are exact for every later program of its module: a row-parallel
+    weight the plan holds in plain runs (11, 11, 10 of 32 columns at tp 3) stays so in a
+    program whose attention splits by heads (16, 8, 8 columns), whose output is then converted
+    to the weight's runs. (A plain ``Shard(1)`` once read as "dim 1, atoms from the graph"
+    there, and that program expected columns the rank did not hold.)"""
+    import dataclasses
+
+    import torch
+
+    from autotp import zoo
+    from autotp.placements import Shard
+
+    model = zoo.build("llama", zoo.tiny_config("llama", heads=4, kv_heads=2))
+    workload = dict(batch=64, seq=2048, profile="h100-dgx")
+    layout = {"*.q_proj.weight": "column", "*.o_proj.weight": "row"}
+    first, _, _ = build_plan(capture(model), 3, layout=layout, **workload)
+    o_proj = "model.layers.0.self_attn.o_proj.weight"
+    assert first.params[o_proj] == Shard(1, unit=8)   # by heads of 8 columns
+    held = dataclasses.replace(first, params={**first.params, o_proj: Shard(1)})
+    ids = torch.randint(0, 96, (2, 11))
+    masked = capture(model, example_kwargs={"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                                            "use_cache": False})
+    plan, _, _ = build_plan(masked, 3, plan=held, **workload)
+    assert plan.params == held.params
+    assert plan.attention["model.layers.0.self_attn"] == [2, 1, 1]
+    at = [(c.kind, c.src, c.dst) for c in plan.comms if c.module == "model.layers.0.self_attn.o_proj"]
+    assert at == [("reshard", "S(2/8)", "S(2)")], at

@@ -604,8 +604,12 @@ def grad_nodes(cap: Capture) -> frozenset[fx.Node]:
 
 
 def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: DeviceProfile,
-              forced: Mapping[fx.Node, int] | None = None, explore: bool = False) -> Propagation:
-    """See the module docstring. ``decisions`` maps parameter placeholder names to placements.
+              forced: Mapping[fx.Node, int] | None = None, explore: bool = False,
+              exact: bool = False) -> Propagation:
+    """See the module docstring. ``decisions`` maps parameter placeholder names to placements:
+    a plain ``Shard(d)`` decides the dim alone (a layout's "column", "row"), its blocks and atoms
+    then read off the graph, unless ``exact`` (a plan's own placements, which a later program
+    must hold as they are: plain runs of single elements where the plan says so).
 
     ``forced`` (the solver's answer) gives, for every op, the index of its strategy in its
     rule's list; without it each op greedily takes its cheapest strategy. With ``explore`` the
@@ -647,7 +651,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
                 val = node.meta["val"]
                 decided = decisions.get(node.name)
                 if val.dim() >= 2 and decided is not None:
-                    if isinstance(decided, Shard) and (decided.chunks, decided.unit) != (1, 1):
+                    if isinstance(decided, Shard) and (exact or (decided.chunks, decided.unit) != (1, 1)):
                         place[node] = decided          # fully given (a loaded plan)
                         params[node.name] = decided
                         memory += param_memory(index, profile, node, decided)

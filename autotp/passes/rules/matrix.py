@@ -33,10 +33,12 @@ def _matmul_strategies(info: OpInfo, placements: tuple, w_out: int, w_in: int) -
         # A tail (a fused multi-query k and v) is computed whole on every rank: the rewrite
         # splits the product there, so that x's f sums the runs' gradient contributions alone.
         out.append(Strategy((REPLICATE, col.with_dim(w_out)), col, f_runs_only=col.tail > 0))
-    # Row-parallel: contracted features split alike in x and W.
+    # Row-parallel: contracted features split alike in x and W; as x is split or, where W's
+    # split differs (a plan's weight held in plain runs, x split by heads in another call's
+    # program), as W is, x converted to it.
     if is_shard(px) and px.dim == k:
         out.append(Strategy((px, px.with_dim(w_in)), _partial()))
-    elif is_shard(pw) and pw.dim == w_in:
+    if is_shard(pw) and pw.dim == w_in and not (is_shard(px) and px.dim == k and px.with_dim(w_in) == pw):
         size = x_meta.static(k)
         if size is not None and size // (pw.chunks * pw.unit) >= info.tp and size % (pw.chunks * pw.unit) == 0:
             out.append(Strategy((pw.with_dim(k), pw), _partial()))

@@ -135,49 +135,6 @@ def _gqa_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
     return out
 
 
-def _kv_heads_used(hq: int, hkv: int, pq: Shard, tp: int, rank: int) -> list[int]:
-    """The key/value head each of ``rank``'s query heads under ``pq`` uses, in local order."""
-    g = hq // hkv
-    return [i // g for a, b in local_ranges(hq, pq, tp, rank) for i in range(a, b)]
-
-
-@register_localizer(aten.scaled_dot_product_attention.default)
-def sdpa_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
-    """Grouped-query attention with q split by heads beside whole k and v: this rank's k and
-    v become the heads its query heads use. Where each used head serves the same number of
-    local query heads (a rank inside one group, or holding whole groups) that is a narrow of
-    k and v and the op keeps ``enable_gqa``; otherwise (a rank's run straddling groups
-    unevenly) each used head is repeated for its query heads and ``enable_gqa`` is dropped."""
-    pq, pk = strategy.inputs[0], strategy.inputs[1]
-    q, k = info.inputs[0], info.inputs[1]
-    h = q.ndim - 3
-    if not (kwargs.get("enable_gqa", False) and is_shard(pq) and pq.dim == h and pk == REPLICATE):
-        return info.target, args, kwargs
-    hq, hkv = q.static(h), k.static(h)
-    if hq is None or hkv is None or hq == hkv:
-        return info.target, args, kwargs
-    used = _kv_heads_used(hq, hkv, pq, ctx.tp, ctx.rank)
-    runs: list[list[int]] = []   # [head, how many local query heads use it], in order
-    for head in used:
-        if runs and runs[-1][0] == head:
-            runs[-1][1] += 1
-        else:
-            runs.append([head, 1])
-    graph = ctx.graph
-    regular = len({n for _, n in runs}) == 1 and runs[-1][0] - runs[0][0] == len(runs) - 1
-
-    def pick(kv: Any) -> Any:
-        if regular:
-            return graph.call_function(aten.narrow.default, (kv, h, runs[0][0], len(runs)))
-        pieces = [graph.call_function(aten.narrow.default, (kv, h, head, 1)) for head, _ in runs]
-        pieces = [p if n == 1 else graph.call_function(aten.repeat_interleave.self_int, (p, n, h))
-                  for p, (_, n) in zip(pieces, runs)]
-        return pieces[0] if len(pieces) == 1 else graph.call_function(aten.cat.default, (pieces, h))
-
-    args = (args[0], pick(args[1]), pick(args[2])) + tuple(args[3:])
-    return info.target, args, {**kwargs, "enable_gqa": regular}
-
-
 def _grouped_alike(pq: Shard, pk: Shard, hq: int, hkv: int, tp: int) -> bool:
     """Whether, on every rank, the query heads ``pq`` gives it map onto the key/value heads
     ``pk`` gives it as ``enable_gqa`` maps local heads (see :func:`_gqa_strategies`)."""
@@ -193,6 +150,59 @@ def _grouped_alike(pq: Shard, pk: Shard, hq: int, hkv: int, tp: int) -> bool:
         if any(i // g != kh[j // per] for j, i in enumerate(qh)):
             return False
     return True
+
+
+def _kv_heads_used(hq: int, hkv: int, pq: Shard, tp: int, rank: int) -> list[int]:
+    """The key/value head each of ``rank``'s query heads under ``pq`` uses, in local order."""
+    g = hq // hkv
+    return [i // g for a, b in local_ranges(hq, pq, tp, rank) for i in range(a, b)]
+
+
+@register_localizer(aten.scaled_dot_product_attention.default)
+def sdpa_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
+    """Grouped-query attention with q split by heads beside whole k and v: this rank's k and
+    v become the heads its query heads use. Every rank's graph has the same ops (the ranks
+    check that before their first collective; their int arguments may differ): where on every
+    rank each used head serves the same number of local query heads (a rank inside one group,
+    or holding whole groups) a ``narrow`` of k and v, and the op keeps ``enable_gqa``;
+    otherwise (some rank's run straddling groups unevenly) the used heads as the same number
+    of pieces on every rank, each a one-head ``narrow`` repeated for its query heads (none for
+    a rank with fewer pieces), joined, and ``enable_gqa`` off."""
+    pq, pk = strategy.inputs[0], strategy.inputs[1]
+    q, k = info.inputs[0], info.inputs[1]
+    h = q.ndim - 3
+    if not (kwargs.get("enable_gqa", False) and is_shard(pq) and pq.dim == h and pk == REPLICATE):
+        return info.target, args, kwargs
+    hq, hkv = q.static(h), k.static(h)
+    if hq is None or hkv is None or hq == hkv:
+        return info.target, args, kwargs
+    runs = [_kv_runs(hq, hkv, pq, ctx.tp, rank) for rank in range(ctx.tp)]
+    regular = all(len({n for _, n in r}) == 1 and r[-1][0] - r[0][0] == len(r) - 1 for r in runs)
+    mine, pieces = runs[ctx.rank], max(len(r) for r in runs)
+    graph = ctx.graph
+
+    def pick(kv: Any) -> Any:
+        if regular:
+            return graph.call_function(aten.narrow.default, (kv, h, mine[0][0], len(mine)))
+        padded = mine + [(mine[-1][0], 0)] * (pieces - len(mine))
+        parts = [graph.call_function(aten.repeat_interleave.self_int,
+                                     (graph.call_function(aten.narrow.default, (kv, h, head, 1)), n, h))
+                 for head, n in padded]
+        return graph.call_function(aten.cat.default, (parts, h))
+
+    args = (args[0], pick(args[1]), pick(args[2])) + tuple(args[3:])
+    return info.target, args, {**kwargs, "enable_gqa": regular}
+
+
+def _kv_runs(hq: int, hkv: int, pq: Shard, tp: int, rank: int) -> list[tuple[int, int]]:
+    """(key/value head, how many of ``rank``'s query heads use it), in local order."""
+    runs: list[list[int]] = []
+    for head in _kv_heads_used(hq, hkv, pq, tp, rank):
+        if runs and runs[-1][0] == head:
+            runs[-1][1] += 1
+        else:
+            runs.append([head, 1])
+    return [(head, n) for head, n in runs]
 
 
 @register(aten._softmax.default, aten._log_softmax.default, aten.softmax.int, aten.log_softmax.int)
