@@ -128,7 +128,34 @@ class Program:
 ProgramBuilder = Callable[..., tuple]
 
 
-class ParallelModule(nn.Module):
+class LeavesSwitch:
+    """``module.local_leaves``: whether the programs read each parameter through its local leaf
+    (:class:`LocalLeaves`, the default) or through a per-call autograd Function.
+
+    With the leaves the DTensor parameters themselves are not in autograd's graph, only their
+    leaves: ``loss.backward()`` fills ``param.grad`` and runs the parameters' hooks as always,
+    but ``torch.autograd.grad(loss, module.parameters())`` finds the parameters unused (an error,
+    or None with ``allow_unused=True``). Set ``local_leaves = False`` before such a call (its
+    eager steps cost more host time). Under FSDP2 the Function is always used."""
+
+    _leaves: "LocalLeaves | None"
+
+    @property
+    def local_leaves(self) -> bool:
+        return self._leaves is not None
+
+    @local_leaves.setter
+    def local_leaves(self, on: bool) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        if on and isinstance(self, FSDPModule):
+            raise ConfigError("local_leaves cannot be turned on under FSDP2, which reads its unsharded "
+                              "parameters' gradients from autograd itself")
+        if bool(on) != self.local_leaves:
+            self._leaves = LocalLeaves() if on else None
+
+
+class ParallelModule(LeavesSwitch, nn.Module):
     def __init__(self, capture: Capture, plan: Plan, graph_module: fx.GraphModule, mesh: Any,
                  model: nn.Module, device: torch.device,
                  weights: Callable[[str, Placement], torch.Tensor] | None = None,

@@ -54,6 +54,7 @@ from ..errors import ConfigError, InputError
 from ..plan import Plan
 from .agreement import check_same_inputs, input_signature
 from .inputs import check_index_bounds, check_not_empty, index_bounds
+from .module import LeavesSwitch
 from .outline import layer_paths
 
 log = logging.getLogger("autotp")
@@ -488,7 +489,7 @@ class _TieGradients(torch.autograd.Function):
         return (grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.tied))
 
 
-class PipelineModule(nn.Module):
+class PipelineModule(LeavesSwitch, nn.Module):
     """This rank's stage of a pipelined, tensor-parallel model: ``pm.step(**batch)`` runs one
     training step's forward and backward over the pipeline (the schedule's micro-batches) and
     returns the batch's loss on every rank; the gradients are then in this rank's parameters

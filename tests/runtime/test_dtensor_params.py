@@ -256,6 +256,15 @@ def _gradients_reach_parameters_as_autograd_would(tp: int) -> dict:
     pm.zero_grad()
     pm(**data).loss.backward(create_graph=True)
     out["create_graph"] = (worst(), all(p.grad.requires_grad for p in pm.parameters()))
+    # torch.autograd.grad with respect to the parameters: they are in autograd's graph only
+    # without the leaves (local_leaves = False)
+    params = list(pm.parameters())
+    out["grad of leaves"] = torch.autograd.grad(pm(**data).loss, params, allow_unused=True)[0] is None
+    pm.local_leaves = False
+    grads = torch.autograd.grad(pm(**data).loss, params)
+    out["autograd.grad"] = max((g.full_tensor() - serial[n].grad).abs().max().item()
+                               for (n, _), g in zip(pm.named_parameters(), grads))
+    pm.local_leaves = True
     return out
 
 
@@ -265,3 +274,4 @@ def test_gradients_reach_parameters_as_autograd_would_at_tp2(cluster_of):
         assert max(r["one backward"], r["accumulated"], r["onto zeros"], r["replaced"]) <= 1e-12, r
         assert max(r["hooked"]) <= 1e-12, r["hooked"]
         assert r["create_graph"][0] <= 1e-12 and r["create_graph"][1], r["create_graph"]
+        assert r["grad of leaves"] and r["autograd.grad"] <= 1e-12, r
