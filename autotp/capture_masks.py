@@ -61,6 +61,12 @@ def _statically_equal(a: Any, b: Any) -> bool:
         return False
 
 
+def _exporting() -> bool:
+    import torch
+
+    return torch.compiler.is_exporting()
+
+
 def _is_zero(offset: Any) -> bool:
     return type(offset) is int and offset == 0
 
@@ -84,20 +90,23 @@ def eager_masks(kwargs: dict[str, Any]) -> Iterator[None]:
     causal, bidirectional, packed = (mu._ignore_causal_mask_sdpa, mu._ignore_bidirectional_mask_sdpa,
                                      mu.find_packed_sequence_indices)
 
+    # each answers only inside the export (another thread's eager run asks transformers)
     def ignore_causal(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None,
                       *args, **kwargs):
-        if padding_mask is None and local_attention_size is None and not args and not kwargs \
-                and _is_zero(q_offset) and _statically_equal(q_length, kv_length):
+        if _exporting() and padding_mask is None and local_attention_size is None and not args \
+                and not kwargs and _is_zero(q_offset) and _statically_equal(q_length, kv_length):
             return True
         return causal(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size, *args, **kwargs)
 
     def ignore_bidirectional(padding_mask, kv_length, local_attention_size=None, *args, **kwargs):
-        if padding_mask is None and local_attention_size is None and not args and not kwargs:
+        if _exporting() and padding_mask is None and local_attention_size is None and not args and not kwargs:
             return True
         return bidirectional(padding_mask, kv_length, local_attention_size, *args, **kwargs)
 
     def no_packing(position_ids, *args, **kwargs):
-        return None   # the model's own positions: consecutive from 0, one sequence per row
+        if _exporting():
+            return None   # the model's own positions: consecutive from 0, one sequence per row
+        return packed(position_ids, *args, **kwargs)
 
     mu._ignore_causal_mask_sdpa, mu._ignore_bidirectional_mask_sdpa = ignore_causal, ignore_bidirectional
     mu.find_packed_sequence_indices = no_packing

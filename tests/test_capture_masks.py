@@ -67,8 +67,12 @@ def test_transformers_own_decisions_are_back_after_a_capture():
     from transformers import masking_utils as mu
 
     before = (mu._ignore_causal_mask_sdpa, mu._ignore_bidirectional_mask_sdpa, mu.find_packed_sequence_indices)
+    packed = torch.tensor([[0, 1, 2, 0, 1]])   # two sequences in one row
     with eager_masks({"input_ids": torch.zeros(2, 3, dtype=torch.long), "use_cache": False}):
         assert mu.find_packed_sequence_indices is not before[2]
+        # outside an export (another thread's eager call) transformers answers
+        assert mu.find_packed_sequence_indices(packed) is not None
+        assert mu._ignore_causal_mask_sdpa(None, 5, 5, 0, 0) == before[0](None, 5, 5, 0, 0)
     assert (mu._ignore_causal_mask_sdpa, mu._ignore_bidirectional_mask_sdpa, mu.find_packed_sequence_indices) == before
     with pytest.raises(RuntimeError), eager_masks({"input_ids": torch.zeros(2, 3, dtype=torch.long)}):
         raise RuntimeError("a failed export")
