@@ -128,9 +128,11 @@ def _gqa_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
             continue
         seen.add((a, b))
         out.append(Strategy((a, b, b) + tuple(_mask_placements(info, a, q.ndim)), a))
-    if is_shard(pq) and pq.dim == h and pq.outer < 0 and divides(hq, pq):
-        # any split of q beside whole k and v: each rank picks the key/value heads its query
-        # heads use (sdpa_localizer), as repeating k and v to every head and slicing would
+    if is_shard(pq) and pq.dim == h and pq.outer < 0 and divides(hq, pq) \
+            and all(local_ranges(hq, pq, info.tp, rank) for rank in range(info.tp)):
+        # any split of q (a head or more on every rank) beside whole k and v: each rank picks
+        # the key/value heads its query heads use (sdpa_localizer), as repeating k and v to
+        # every head and slicing would
         out.append(Strategy((pq, REPLICATE, REPLICATE) + tuple(_mask_placements(info, pq, q.ndim)), pq))
     return out
 
