@@ -102,6 +102,7 @@ def test_random_models_run_in_parallel_as_they_do_serially_or_autotp_says_why(wo
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)   # 2000 models at 0.3-0.5 s each outlast the suite's 600 s per test
 @settings(max_examples=2000, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(case=net_specs(max_blocks=5))
