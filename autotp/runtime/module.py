@@ -607,9 +607,11 @@ class LocalLeaves:
 
 
 def _into_param_grad(param_ref: Any) -> Callable[[torch.Tensor], None]:
-    def hook(leaf: torch.Tensor) -> None:
-        from torch.distributed.tensor import DTensor
+    import copy
 
+    from torch.distributed.tensor import DTensor   # imported once per leaf, not per step
+
+    def hook(leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
         param = param_ref()
         if param is None or grad is None:
@@ -620,8 +622,6 @@ def _into_param_grad(param_ref: Any) -> Callable[[torch.Tensor], None]:
                                       shape=spec.shape, stride=spec.stride)
             param.grad = grad if param.grad is None else param.grad + grad
         elif param.grad is None:
-            import copy
-
             param.grad = DTensor(grad, copy.copy(spec), requires_grad=False)
         else:
             _local(param.grad).add_(grad)

@@ -144,8 +144,7 @@ def _grouped_alike(pq: Shard, pk: Shard, hq: int, hkv: int, tp: int) -> bool:
         return False
     g = hq // hkv
     for rank in range(tp):
-        qh = [i for a, b in local_ranges(hq, pq, tp, rank) for i in range(a, b)]
-        kh = [i for a, b in local_ranges(hkv, pk, tp, rank) for i in range(a, b)]
+        qh, kh = _held(hq, pq, tp, rank), _held(hkv, pk, tp, rank)
         if not qh or not kh or len(qh) % len(kh):
             return False
         per = len(qh) // len(kh)
@@ -157,7 +156,12 @@ def _grouped_alike(pq: Shard, pk: Shard, hq: int, hkv: int, tp: int) -> bool:
 def _kv_heads_used(hq: int, hkv: int, pq: Shard, tp: int, rank: int) -> list[int]:
     """The key/value head each of ``rank``'s query heads under ``pq`` uses, in local order."""
     g = hq // hkv
-    return [i // g for a, b in local_ranges(hq, pq, tp, rank) for i in range(a, b)]
+    return [i // g for i in _held(hq, pq, tp, rank)]
+
+
+def _held(size: int, p: Shard, tp: int, rank: int) -> list[int]:
+    """The indices of a dim of ``size`` that ``rank`` holds under ``p``, in local order."""
+    return [i for a, b in local_ranges(size, p, tp, rank) for i in range(a, b)]
 
 
 @register_localizer(aten.scaled_dot_product_attention.default)
