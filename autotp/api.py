@@ -13,7 +13,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from .capture import Capture, example_like, gc_paused, module_path, seq_bounds
+from .capture import Capture, example_like, gc_paused, module_path, on_meta, seq_bounds, shape_twin
 from .generation import capture_step
 from .capture_cache import capture as capture_model   # once per structure; see its docs
 from .cost_model import get_profile
@@ -441,22 +441,28 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
         gm = rewrite(index, prop, mesh.tp_rank, mesh.tp_group, device, rng)
         return checkpoint_layers(gm, rng) if activation_checkpointing else gm
 
+    # later captures read a weightless copy: the rank program keeps no reference to the model's
+    # own tensors (the whole serial model on every rank), so dropping the model frees them
+    twin = shape_twin(model)
+
     def build(inputs: dict, training: bool, step: Any = None) -> tuple:
         """Another call signature's program under the same parameter layout (``result``); with
         ``step`` (an autotp.generation.StepSpec), a generation step's program instead."""
         def prepare_call():
-            was = model.training
-            model.train(training)
+            was = twin.training
+            twin.train(training)
             try:
                 if step is None:
-                    call_cap = capture_model(model, seq_range=seq_range,
-                                             example_kwargs=example_like(inputs, seq_bounds(model, seq_range)))
+                    example = example_like(inputs, seq_bounds(twin, seq_range))
+                    if on_meta(twin):   # export only needs shapes; a meta model indexes its buffers with them
+                        example = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in example.items()}
+                    call_cap = capture_model(twin, seq_range=seq_range, example_kwargs=example)
                 else:
-                    call_cap = capture_step(model, step)
+                    call_cap = capture_step(twin, step)
             finally:
-                model.train(was)
+                twin.train(was)
             call_plan, call_index, call_prop = build_plan(
-                call_cap, tp, batch=batch, seq=seq or _default_seq(model),
+                call_cap, tp, batch=batch, seq=seq or _default_seq(twin),
                 profile=profile or _default_profile(device), plan=result, uneven=uneven,
                 gather_logits=gather_logits, memory_limit=memory_limit,
                 input_placements=step.input_placements if step else None,

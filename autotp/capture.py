@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import gc
 import inspect
 import itertools
@@ -336,6 +337,39 @@ def _export_cut(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: 
     return None, None
 
 
+def shape_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` for later captures, holding no weights: every parameter and buffer
+    on the meta device (export reads only their shapes and dtypes; a tied pair stays one
+    tensor), the module tree, configs and other attributes copied. A rank program keeps this
+    for the call signatures it has not met yet, so that the model's own weights (the whole
+    serial model, on every rank) are not kept alive by autotp once its shards are held: a user
+    who drops the model gets its memory back. What the model's first capture learned about its
+    stacks carries over. A model already all on the meta device is its own twin, and so is one
+    ``copy.deepcopy`` refuses (logged)."""
+    tensors = list(itertools.chain(model.parameters(), model.buffers()))
+    if all(t.is_meta for t in tensors):
+        return model
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = torch.nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = b.detach().to("meta")
+    try:
+        twin = copy.deepcopy(model, memo)
+    except Exception as exc:   # an attribute deepcopy refuses (a lock, a process group, a file)
+        log.warning("autotp: %s cannot be copied without its weights (%s: %s); later captures read the model "
+                    "itself, which stays referenced", type(model).__name__, type(exc).__name__, exc)
+        return model
+    if model in _CHECKED:
+        _CHECKED[twin] = dict(_CHECKED[model])
+    return twin
+
+
+def on_meta(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds any tensor on the meta device (then export gets meta inputs)."""
+    return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+
+
 def _export_calls(model: torch.nn.Module, stacks: list, keep: int, kwargs: dict[str, Any],
                   dynamic_shapes: Any, calls: tuple) -> torch.export.ExportedProgram:
     """The model cut to ``keep`` blocks, exported with the block calls ``calls`` recorded. A
@@ -366,7 +400,7 @@ def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: Any,
     ``calls``: submodules whose call signatures the program records (its ``module_call_graph``)."""
     from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
 
-    on_meta = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+    meta = on_meta(model)
     key = _narrowing_key(model, kwargs, dynamic_shapes, calls)
     asked = dynamic_shapes
     if key is not None and key in _NARROWED:
@@ -374,7 +408,7 @@ def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: Any,
         log.debug("autotp: capture starts from the dims %s needed before", type(model).__name__)
     for attempt in range(EXPORT_REFINEMENTS + 1):
         try:
-            with _ListIndicesOnCPU() if on_meta else contextlib.nullcontext(), _no_stack_traces(), \
+            with _ListIndicesOnCPU() if meta else contextlib.nullcontext(), _no_stack_traces(), \
                     contextlib.nullcontext() if fake_cache else _fake_cache_off(), _UnitDraws(), \
                     eager_masks(kwargs):
                 ep = torch.export.export(model, (), kwargs, strict=False, dynamic_shapes=dynamic_shapes,

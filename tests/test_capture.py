@@ -228,3 +228,24 @@ def test_a_unit_draw_answers_only_what_every_draw_answers_alike():
     for ask in (lambda: u < 0.5, lambda: u >= 0.1, lambda: u < torch.tensor(0.0), lambda: bool(u), lambda: float(u)):
         with pytest.raises(RandomBranchError):
             ask()
+
+
+def test_a_shape_twin_holds_no_weights_keeps_ties_and_leaves_the_model_alone():
+    from autotp.capture import shape_twin
+
+    model = tiny_gpt2(n_layer=2, vocab=50)
+    twin = shape_twin(model)
+    assert twin is not model and all(t.is_meta for t in [*twin.parameters(), *twin.buffers()])
+    assert twin.lm_head.weight is twin.transformer.wte.weight              # still one tensor
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    assert [(n, p.shape, p.requires_grad) for n, p in twin.named_parameters()] == \
+           [(n, p.shape, p.requires_grad) for n, p in model.named_parameters()]
+    twin.eval()
+    assert model.training                                                  # its own module tree
+    twin.train()
+    ids = torch.randint(0, 50, (2, 5))
+    whole = capture(model, example_kwargs={"input_ids": ids})
+    light = capture(twin, example_kwargs={"input_ids": ids.to("meta")})
+    assert _ops(light) == _ops(whole)
+    meta = tiny_gpt2(n_layer=1, vocab=50).to("meta")
+    assert shape_twin(meta) is meta                                        # nothing to drop

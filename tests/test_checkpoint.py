@@ -55,6 +55,29 @@ def test_from_pretrained_reads_this_ranks_slices_and_matches_the_serial_model(cl
         assert local_numel < 0.6 * serial_numel       # each rank holds about half
 
 
+
+def _later_calls(path):
+    from autotp.testing import equivalence_errors
+
+    pm = autotp.from_pretrained(path, tp=2, model_class=precise_gpt2, layout=LAYOUT, progress=False)
+    serial = _serial(path).eval()
+    pm.eval()
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, :3] = 0
+    errors = equivalence_errors(serial, pm, {"input_ids": ids, "attention_mask": mask})
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    return max(errors.values()), torch.equal(serial.generate(ids, **kw), pm.generate(ids, **kw))
+
+
+def test_a_loaded_model_serves_calls_it_was_not_captured_for(cluster, folder):
+    # from_pretrained keeps the model on the meta device: an eval call with a padding mask and
+    # generation (whose first cache keys are an empty tensor made on the model's device) are
+    # captured from it, with meta inputs, and run with the loaded shards
+    for worst, same_tokens in cluster.run(_later_calls, folder):
+        assert worst < 1e-12
+        assert same_tokens
+
 def _save_resume_gather(path, shards, gathered):
     from autotp.runtime.checkpoint import gather_to_hf, load_sharded, save_sharded
 

@@ -200,6 +200,12 @@ class ParallelModule(LeavesSwitch, nn.Module):
         #: values for tensors the model holds on the meta device (from_pretrained computes the
         #: buffers a checkpoint does not hold; the model itself stays on meta for later captures)
         self._computed: dict[str, torch.Tensor] = dict(getattr(weights, "buffers", None) or {})
+        # later programs are captured from a weightless copy of the model (capture.shape_twin): a
+        # tensor its forward makes on a parameter's device is lifted there with no values; the
+        # first capture, of the model itself, holds them
+        for name, value in capture.constants.items():
+            if not value.is_meta:
+                self._computed.setdefault(name, value)
         self._persistent = persistent_buffers(model)
         self._buffers_held: set[str] = set()   # buffer FQNs registered here (under their own names)
         self._graphs = nn.ModuleDict()
@@ -503,10 +509,13 @@ def put_parameters(owner: nn.Module, model: nn.Module, capture: Capture, held: d
 def constant_value(capture: Capture, name: str, computed: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
     """A lifted constant on the run device. One captured from a meta model has no values: a
     non-persistent buffer or tensor attribute lifted as a constant takes the value computed for
-    it (from_pretrained); anything else is reported."""
+    it (from_pretrained) or the one the model's first capture held; an empty one needs none;
+    anything else is reported."""
     value = capture.constants[name]
     if value.is_meta:
         value = computed.get(name, value)
+    if value.is_meta and value.numel() == 0:   # no values to lose (a cache's first, empty keys)
+        return torch.empty(value.shape, dtype=value.dtype, device=device)
     if value.is_meta:
         raise CheckpointError(f"the captured constant {name} has no values (the model was captured on the "
                               "meta device and its forward makes this tensor there): load the model for real "

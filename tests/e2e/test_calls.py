@@ -148,3 +148,37 @@ def test_a_static_dim_called_with_another_size_gets_its_own_program_and_empty_ca
     for error, programs, empty in cluster.run(static_dims_and_empty_calls):
         assert error < 1e-12 and programs == 2
         assert "an empty batch or sequence" in empty
+
+
+def dropped_model_is_freed() -> tuple[int, int, float, bool]:
+    import copy
+    import gc
+    import weakref
+
+    model = tiny_gpt2(n_layer=2, n_head=4, vocab=VOCAB, dtype=torch.float64, seed=5)
+    model.config.resid_pdrop = model.config.embd_pdrop = model.config.attn_pdrop = 0.0
+    serial = copy.deepcopy(model).eval()
+    refs = [weakref.ref(p) for p in model.parameters()]
+    pm = autotp.parallelize(model, 2, layout=MEGATRON)
+    del model
+    gc.collect()
+    alive = sum(r() is not None for r in refs)
+    # calls of signatures parallelize did not capture: each is captured now, without the model
+    pm.eval()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (2, 6), generator=gen)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[0, :2] = 0
+    errors = equivalence_errors(serial, pm, {"input_ids": ids, "attention_mask": mask})
+    want = serial.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    got = pm.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    return alive, len(refs), max(errors.values()), torch.equal(want, got)
+
+
+def test_the_parallel_model_keeps_none_of_the_models_weights_and_later_calls_still_equal_serial(cluster_of):
+    # A rank holds its shards; later call signatures are captured from a weightless copy
+    # (capture.shape_twin), so a user who drops the serial model gets its memory back.
+    for alive, params, worst, same_tokens in cluster_of(2).run(dropped_model_is_freed):
+        assert params > 0 and alive == 0
+        assert worst <= TOLERANCE[torch.float64]
+        assert same_tokens
