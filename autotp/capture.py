@@ -90,8 +90,10 @@ class Capture:
 
 
 def hf_example_kwargs(model: torch.nn.Module, batch: int = EXAMPLE_BATCH, seq: int = EXAMPLE_SEQ,
-                      device: torch.device | str | None = None) -> dict[str, Any]:
-    """Example inputs for a HuggingFace causal LM, synthesized from its config."""
+                      device: torch.device | str | None = None, target_seq: int | None = None) -> dict[str, Any]:
+    """Example inputs for a HuggingFace model, synthesized from its config: ids and labels. An
+    encoder-decoder model's labels (the decoder's side) are ``target_seq`` long, so that the
+    captured program takes source and target of different lengths (one symbol each)."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "vocab_size"):
         raise CaptureError(
@@ -105,7 +107,8 @@ def hf_example_kwargs(model: torch.nn.Module, batch: int = EXAMPLE_BATCH, seq: i
         raise CaptureError(f"{type(model).__name__} accepts at most {n_pos} positions; cannot trace")
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
-    labels = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
+    target = target_seq if target_seq is not None and getattr(config, "is_encoder_decoder", False) else seq
+    labels = torch.randint(0, config.vocab_size, (batch, target), generator=gen)
     if device is not None:
         # A meta model gets meta inputs: buffers it indexes with them (BERT's token types)
         # live on the meta device too, and export only needs shapes.
@@ -166,14 +169,31 @@ def _max_positions(model: torch.nn.Module) -> int | None:
 DEFAULT_SEQ_RANGE = (2, 1 << 20)
 
 
+def _token_inputs(kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The inputs whose dim 1 is a sequence: every integer tensor of 2 dims or more."""
+    return {k: v for k, v in kwargs.items()
+            if isinstance(v, torch.Tensor) and v.dim() >= 2 and not v.is_floating_point()}
+
+
+def _length_groups(kwargs: dict[str, Any]) -> dict[str, int]:
+    """Each token input -> the index of its length among the distinct lengths, in order of
+    first appearance: inputs of one length share a symbol, an encoder-decoder's source and
+    target lengths get one each."""
+    lengths: dict[int, int] = {}
+    return {k: lengths.setdefault(int(v.shape[1]), len(lengths)) for k, v in _token_inputs(kwargs).items()}
+
+
 def _dynamic_shapes(kwargs: dict[str, Any], seq_range: tuple[int, int]) -> dict[str, Any]:
-    """Batch (dim 0) and sequence (dim 1) of every 2-D integer input are dynamic."""
+    """Batch (dim 0) and sequence (dim 1) of every 2-D integer input are dynamic; inputs of one
+    length in the example share one sequence dim, each other length has its own."""
     batch = torch.export.Dim("batch", min=1, max=1 << 20)
-    seq = torch.export.Dim("seq", min=seq_range[0], max=seq_range[1])
+    groups = _length_groups(kwargs)
+    seqs = [torch.export.Dim("seq" if i == 0 else f"seq{i}", min=seq_range[0], max=seq_range[1])
+            for i in range(max(groups.values(), default=-1) + 1)]
     shapes: dict[str, Any] = {}
     for key, value in kwargs.items():
-        if isinstance(value, torch.Tensor) and value.dim() >= 2 and not value.is_floating_point():
-            shapes[key] = {0: batch, 1: seq}
+        if key in groups:
+            shapes[key] = {0: batch, 1: seqs[groups[key]]}
         elif isinstance(value, torch.Tensor) and value.dim() >= 1:
             shapes[key] = {0: batch}
         else:
@@ -198,19 +218,27 @@ def seq_bounds(model: torch.nn.Module, seq_range: tuple[int, int] | None = None)
 def _example_seq(seq_range: tuple[int, int]) -> int:
     """An example length inside the range that is unlikely to equal a static size of the model
     (a head dim, a rotary dim: export would then tie the sequence to it)."""
+    return _example_seqs(seq_range, 1)[0]
+
+
+def _example_seqs(seq_range: tuple[int, int], n: int) -> list[int]:
+    """``n`` distinct example lengths inside the range, the likeliest to be no static size of
+    the model first (fewer where the range is narrower)."""
     lo, hi = seq_range
-    for length in (11, 13, 7, 5, 3, 2):
-        if lo <= length <= hi:
-            return length
-    return lo
+    picks = [length for length in (11, 13, 7, 5, 3, 2) if lo <= length <= hi]
+    picks += [length for length in range(lo, min(hi, lo + n + 6) + 1) if length not in picks]
+    return picks[:n] or [lo]
 
 
 def example_like(inputs: dict[str, Any], seq_range: tuple[int, int]) -> dict[str, Any]:
     """Example inputs for capturing a call like ``inputs``: the same names, dtypes and values,
-    resized (tiled, then cut) to a batch of 2 and, for 2-D integer inputs, to the example length,
+    resized (tiled, then cut) to a batch of 2 and, for 2-D integer inputs, to example lengths,
     since export specializes a dim of size 0 or 1 (a one-token call) or one equal to a static
-    size of the model. Non-tensor inputs are kept as they are."""
-    length = _example_seq(seq_range)
+    size of the model: inputs of one length in the call get one example length, inputs of
+    another length another (an encoder-decoder's source and target), so the program's symbols
+    equate what the call does and no more. Non-tensor inputs are kept as they are."""
+    groups = _length_groups(inputs)
+    lengths = _example_seqs(seq_range, max(groups.values(), default=0) + 1)
     out: dict[str, Any] = {}
     for key, value in inputs.items():
         if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.numel() == 0:
@@ -218,8 +246,8 @@ def example_like(inputs: dict[str, Any], seq_range: tuple[int, int]) -> dict[str
             continue
         shape = list(value.shape)
         shape[0] = EXAMPLE_BATCH
-        if value.dim() >= 2 and not value.is_floating_point():
-            shape[1] = length
+        if key in groups:
+            shape[1] = lengths[min(groups[key], len(lengths) - 1)]
         reps = [-(-want // have) for want, have in zip(shape, value.shape)]
         out[key] = value.repeat(*reps)[tuple(slice(0, n) for n in shape)].clone()
     return out
@@ -242,7 +270,8 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
         kwargs = bind_inputs(forward_signature(model), tuple(example_inputs), dict(example_kwargs or {}),
                              type(model).__name__)
     else:
-        kwargs = hf_example_kwargs(model, seq=_example_seq(bounds), device=_device_of(model))
+        source, target = (_example_seqs(bounds, 2) * 2)[:2]
+        kwargs = hf_example_kwargs(model, seq=source, device=_device_of(model), target_seq=target)
     if "use_cache" in _forward_params(model) and "use_cache" not in kwargs:
         kwargs["use_cache"] = False   # a KV cache is an inference-time output, not part of the graph
     if dynamic_shapes is None and dynamic:
@@ -396,7 +425,7 @@ def _export_calls(model: torch.nn.Module, stacks: list, keep: int, kwargs: dict[
 def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: Any,
             fake_cache: bool = True, calls: tuple = ()) -> torch.export.ExportedProgram:
     """torch.export, narrowing the dynamic dims to torch's own suggested fixes when the model
-    allows less than asked (T5 needs 3 tokens or more; a position table bounds the length).
+    allows less than asked (T5's decoder needs 3 target tokens or more; a position table bounds the length).
     ``calls``: submodules whose call signatures the program records (its ``module_call_graph``)."""
     from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
 
@@ -438,8 +467,8 @@ def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: Any,
     raise AssertionError("unreachable")
 
 
-#: the dynamic dims torch.export narrowed a model to (its suggested fixes: T5 needs 3 tokens or
-#: more), by :func:`_narrowing_key`: a later capture of a model of the same class and config
+#: the dynamic dims torch.export narrowed a model to (its suggested fixes: T5's decoder needs 3
+#: target tokens or more), by :func:`_narrowing_key`: a later capture of a model of the same class and config
 #: starts from them instead of failing its first export again (T5's tiny models: 1.6-2.1 s of a
 #: 3.4-4.0 s capture). The newest NARROWED_KEPT are kept.
 _NARROWED: collections.OrderedDict = collections.OrderedDict()
@@ -634,8 +663,9 @@ def _explain_export_failure(model: torch.nn.Module, exc: Exception) -> str:
     )
     fixes = _suggested_fixes(str(exc))
     if fixes:
-        message += (" torch suggests:\n" + fixes + "\n(autotp's sequence dim is 'seq', its batch dim 'batch': "
-                    "pass seq_range=(min, max) or example inputs of another length)")
+        message += (" torch suggests:\n" + fixes + "\n(autotp's sequence dim is 'seq' ('seq1', 'seq2', ... for inputs "
+                    "of other lengths, an encoder-decoder's target), its batch dim 'batch': pass seq_range=(min, max) "
+                    "or example inputs of another length)")
     return message
 
 

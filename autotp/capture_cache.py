@@ -14,7 +14,8 @@ key is all of those:
   functions by qualified name, tensors that are not parameters by dtype, shape and values);
 * every parameter and buffer: name, shape, dtype, device, requires_grad;
 * the example inputs: names, and per tensor dtype, device and shape, with the dims that
-  capture makes dynamic reduced to "0", "1" or "n" (export specializes 0 and 1 only);
+  capture makes dynamic reduced to "0", "1" or "n" (export specializes 0 and 1 only), and
+  which token inputs share a length (each distinct length is a symbol of its own);
 * the ``dynamic`` flag, the sequence range the capture accepts, and the state of the grad mode.
 
 A model with an attribute of another kind (an object the key cannot read), or with forward
@@ -122,8 +123,10 @@ def structure_key(model: torch.nn.Module, example_inputs: tuple = (), example_kw
     if example_inputs or example_kwargs is not None:
         inputs = _capture.bind_inputs(_capture.forward_signature(model), tuple(example_inputs),
                                       dict(example_kwargs or {}), type(model).__name__)
+        # which inputs share a length: capture gives each distinct length its own symbol
+        groups = _capture._length_groups(inputs)
         for name, value in inputs.items():
-            parts.append(f"I {name} {_describe_input(value, name)}")
+            parts.append(f"I {name} {_describe_input(value, name)} length-group={groups.get(name)}")
     else:
         parts.append("I synthesized")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()

@@ -69,7 +69,8 @@ from autotp.errors import CaptureError, ConfigError, PlanError  # noqa: E402
 
 
 def test_a_minimum_length_the_model_needs_is_honoured(monkeypatch):
-    # T5's relative-position buckets need 3 tokens or more: export says so, capture narrows to it.
+    # T5's decoder (its causal relative-position buckets) needs 3 target tokens or more: export
+    # says so, capture narrows the target's dim to it; the source's own dim keeps taking 2.
     import collections
 
     import autotp.capture as capture_module
@@ -81,7 +82,7 @@ def test_a_minimum_length_the_model_needs_is_honoured(monkeypatch):
                         lambda *a, **k: exports.append(k["dynamic_shapes"]) or real_export(*a, **k))
     config = zoo.tiny_config("t5", layers=1, heads=2, head_dim=4, vocab=40)
     cap = capture(zoo.build("t5", config, device="meta"))
-    assert cap.range_constraints["input_ids.1"][0] == 3
+    assert cap.range_constraints["labels.1"][0] == 3 and cap.range_constraints["input_ids.1"][0] == 2
     first = len(exports)
     assert first >= 2                              # asked for 2 tokens, refused, narrowed to 3
     # another model of the same class and config starts from the narrowed dims: one export
@@ -89,7 +90,7 @@ def test_a_minimum_length_the_model_needs_is_honoured(monkeypatch):
     assert len(exports) == first + 1 and again.range_constraints == cap.range_constraints
     # a different config is not taken for it: it is refused and narrowed on its own
     other = zoo.tiny_config("t5", layers=1, heads=2, head_dim=4, vocab=48)
-    assert capture(zoo.build("t5", other, device="meta")).range_constraints["input_ids.1"][0] == 3
+    assert capture(zoo.build("t5", other, device="meta")).range_constraints["labels.1"][0] == 3
     assert len(exports) == 2 * first + 1
 
 
@@ -140,7 +141,7 @@ def test_a_capture_error_keeps_torchs_suggested_fix(monkeypatch):
     monkeypatch.setattr(capture_module, "EXPORT_REFINEMENTS", 0)   # no retry: the first violation surfaces
     monkeypatch.setattr(capture_module, "_NARROWED", collections.OrderedDict())   # nor a narrowing known before
     config = zoo.tiny_config("t5", layers=1, heads=2, head_dim=4, vocab=40)
-    with pytest.raises(CaptureError, match=r"(?s)torch suggests:.*seq = Dim\('seq', min=3"):
+    with pytest.raises(CaptureError, match=r"(?s)torch suggests:.*seq1 = Dim\('seq1', min=3"):
         capture(zoo.build("t5", config, device="meta"))
 
 
@@ -249,3 +250,20 @@ def test_a_shape_twin_holds_no_weights_keeps_ties_and_leaves_the_model_alone():
     assert _ops(light) == _ops(whole)
     meta = tiny_gpt2(n_layer=1, vocab=50).to("meta")
     assert shape_twin(meta) is meta                                        # nothing to drop
+
+
+def test_example_inputs_keep_which_lengths_are_equal_and_each_length_gets_its_own_dim():
+    from autotp.capture import _dynamic_shapes, example_like
+
+    call = {"input_ids": torch.ones(3, 6, dtype=torch.long), "attention_mask": torch.ones(3, 6, dtype=torch.long),
+            "decoder_input_ids": torch.ones(3, 4, dtype=torch.long), "use_cache": False}
+    example = example_like(call, (2, 64))
+    assert example["input_ids"].shape == example["attention_mask"].shape == (2, 11)
+    assert example["decoder_input_ids"].shape == (2, 13) and example["use_cache"] is False
+    shapes = _dynamic_shapes(example, (2, 64))
+    assert shapes["input_ids"][1] is shapes["attention_mask"][1]
+    assert shapes["decoder_input_ids"][1] is not shapes["input_ids"][1]
+    assert shapes["decoder_input_ids"][0] is shapes["input_ids"][0]           # one batch
+    one = example_like({"input_ids": torch.ones(1, 5, dtype=torch.long), "labels": torch.ones(1, 5, dtype=torch.long)},
+                       (2, 64))
+    assert one["input_ids"].shape == one["labels"].shape == (2, 11)

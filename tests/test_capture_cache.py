@@ -83,6 +83,19 @@ def test_different_example_input_signatures_miss_and_equal_lengths_hit():
     assert capture_cache.stats()["hits"] == 1
 
 
+def test_which_inputs_share_a_length_is_part_of_the_key():
+    # capture gives each distinct length its own symbol: ids and labels of one length are one
+    # program, of two lengths (an encoder-decoder's source and target) another
+    model = _llama()
+    same = capture_cache.structure_key(model, example_kwargs={"input_ids": torch.zeros(2, 6, dtype=torch.long),
+                                                              "labels": torch.zeros(2, 6, dtype=torch.long)})
+    other = capture_cache.structure_key(model, example_kwargs={"input_ids": torch.zeros(2, 6, dtype=torch.long),
+                                                               "labels": torch.zeros(2, 4, dtype=torch.long)})
+    swapped = capture_cache.structure_key(model, example_kwargs={"input_ids": torch.zeros(2, 9, dtype=torch.long),
+                                                                 "labels": torch.zeros(2, 7, dtype=torch.long)})
+    assert same != other and other == swapped
+
+
 class _Opaque:
     """An attribute the key cannot read: the forward could depend on anything in it."""
     scale = 2.0

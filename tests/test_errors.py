@@ -62,8 +62,10 @@ def _unequal_lengths():
 
 
 def test_inputs_captured_with_one_length_called_with_two_are_refused(cluster):
-    # Capture found labels' and input_ids' lengths equal (the loss shifts one against the other).
-    with pytest.raises(InputError, match=r"input_ids dim 1 has size 5 but labels dim 1 has 6"):
+    # Capture found labels' and input_ids' lengths equal; a program for unequal lengths is tried,
+    # and GPT-2's loss (which shifts one against the other) cannot take them: the error says both.
+    with pytest.raises(InputError, match=r"input_ids dim 1 has size 5 but labels dim 1 has 6: .* its forward "
+                                         r"fails with them unequal \(ValueError: Expected input batch_size"):
         cluster.run(_unequal_lengths)
 
 

@@ -20,7 +20,7 @@ import torch
 from torch import fx, nn
 
 from ..capture import Capture, bind_inputs, flat_inputs, unflatten_outputs
-from ..errors import CheckpointError, ConfigError, InputError
+from ..errors import CaptureError, CheckpointError, ConfigError, InputError
 from ..plan import Plan
 from ..placements import Placement, Shard
 from . import dtensor
@@ -87,9 +87,10 @@ class Program:
     #: parameter FQNs the program's layer calls read themselves (per-layer FSDP: runtime.outline)
     outlined: frozenset = frozenset()
 
-    def serves(self, kwargs: dict[str, Any], training: bool) -> bool:
+    def serves(self, kwargs: dict[str, Any], training: bool, tied: bool = True) -> bool:
         """Does this program compute a call with these inputs, in this mode? Same tensor inputs
-        (names, dtypes, ranks), same non-tensor flags (a flag left out takes the captured value)."""
+        (names, dtypes, ranks), same non-tensor flags (a flag left out takes the captured value),
+        and equal sizes where the capture has one symbol (``tied=False``: all but that)."""
         cap = self.capture
         if cap.training != training:
             return False
@@ -113,7 +114,9 @@ class Program:
                 skip = split.dim if isinstance(split, Shard) else -1   # a local size: the plan's split
                 if any(tensors[key].shape[i] != n and i != skip for i, n in static):
                     return False
-        return True
+        # dims the capture made one symbol must be equal: a call whose lengths differ there (an
+        # encoder-decoder's source and target) is another program
+        return not tied or unequal_symbol(cap, tensors, self.arriving) is None
 
     def __post_init__(self) -> None:
         metas = {n.name: n.meta.get("val") for n in self.capture.graph.nodes if n.op == "placeholder"}
@@ -278,13 +281,28 @@ class ParallelModule(LeavesSwitch, nn.Module):
         found = self._serving(kwargs)
         if found is not None:
             return found
+        tied = next((p for p in [self._current, *self._programs]
+                     if not p.step and p.serves(kwargs, self.training, tied=False)), None)
         if self._build is None:
+            if tied is not None:
+                raise InputError(f"{unequal_symbol(tied.capture, kwargs)}; pass inputs of equal length, or capture "
+                                 "with example inputs whose lengths differ")
             raise InputError(
                 f"this call's inputs {sorted(kwargs)} (training={self.training}) are not the captured call's "
                 f"{self.capture.input_keys} (training={self.capture.training}), and this module cannot "
                 "capture another program; build it with autotp.parallelize"
             )
-        capture, plan, graph_module = self._build(dict(kwargs), self.training)
+        try:
+            capture, plan, graph_module = self._build(dict(kwargs), self.training)
+        except CaptureError as exc:
+            if tied is None:
+                raise
+            # the lengths this call has unequal are one symbol in a program that serves it
+            # otherwise, and a capture with them unequal fails: the model's forward ties them
+            cause = exc.__cause__ or exc
+            why = f"{type(cause).__name__}: {(str(cause).splitlines() or [''])[0][:300]}"
+            raise InputError(f"{unequal_symbol(tied.capture, kwargs)}, and its forward fails with them unequal "
+                             f"({why}); pass inputs of equal length") from exc
         return self._add_program(capture, plan, graph_module)
 
     def _average_over_dp(self, group: Any, dp: int) -> None:
@@ -436,19 +454,10 @@ class ParallelModule(LeavesSwitch, nn.Module):
         return program, self._run(program, inputs)
 
     def _check_ranges(self, kwargs: dict[str, Any]) -> None:
-        seen: dict[str, tuple[str, int]] = {}   # symbol -> (first input dim carrying it, its size)
-        for key, sym in self.capture.input_dims.items():
-            name, dim = key.rsplit(".", 1)
-            value = kwargs.get(name)
-            if isinstance(value, torch.Tensor) and value.dim() > int(dim):
-                size = value.shape[int(dim)]
-                first = seen.setdefault(sym, (key, size))
-                if first[1] != size:
-                    raise InputError(
-                        f"{first[0].replace('.', ' dim ')} has size {first[1]} but {key.replace('.', ' dim ')} has "
-                        f"{size}: the model was captured with these dims equal (one symbol, {sym}); pass inputs "
-                        "of equal length, or capture with example inputs whose lengths differ"
-                    )
+        unequal = unequal_symbol(self.capture, kwargs)
+        if unequal is not None:
+            raise InputError(f"{unequal}; pass inputs of equal length, or capture with example inputs whose "
+                             "lengths differ")
         for key, (lo, hi) in self.capture.range_constraints.items():
             name, dim = key.rsplit(".", 1)
             value = kwargs.get(name)
@@ -465,6 +474,25 @@ class ParallelModule(LeavesSwitch, nn.Module):
                         f"{hi} there (the model's maximum positions); shorten the input or use a model "
                         "with more positions"
                     )
+
+
+def unequal_symbol(capture: Capture, kwargs: dict[str, Any], arriving: dict | None = None) -> str | None:
+    """Where ``kwargs`` give two input dims of one symbol of ``capture`` different sizes, a
+    sentence naming them (None where they agree). A dim ``arriving`` split holds a local size."""
+    seen: dict[str, tuple[str, int]] = {}   # symbol -> (first input dim carrying it, its size)
+    for key, sym in capture.input_dims.items():
+        name, dim = key.rsplit(".", 1)
+        value = kwargs.get(name)
+        split = (arriving or {}).get(name)
+        if not isinstance(value, torch.Tensor) or value.dim() <= int(dim) \
+                or (isinstance(split, Shard) and split.dim == int(dim)):
+            continue
+        size = value.shape[int(dim)]
+        first = seen.setdefault(sym, (key, size))
+        if first[1] != size:
+            return (f"{first[0].replace('.', ' dim ')} has size {first[1]} but {key.replace('.', ' dim ')} has {size}: "
+                    f"the model was captured with these dims equal (one symbol, {sym})")
+    return None
 
 
 def hold_parameters(capture: Capture, plan: Plan, model: nn.Module, mesh: Any, device: torch.device,

@@ -37,3 +37,29 @@ def test_encoder_families_under_megatrons_layout_match_serial(cluster, family, t
         assert errors[worst] <= TOLERANCE[torch.float64], (worst, errors[worst])
         splits = [name for name, role in roles.items() if role in ("column", "row", "vocab")]
         assert "vocab" in roles.values() and len(splits) >= 12   # the output head and every layer split
+
+
+def t5_lengths_match_serial(cases: list) -> tuple[list, int]:
+    config = zoo.tiny_config("t5", layers=2, heads=4, head_dim=8, vocab=67)
+    model = zoo.build("t5", config, dtype=torch.float64)
+    pm = autotp.parallelize(model, 2, layout=LAYOUTS["t5"])
+    gen = torch.Generator().manual_seed(4)
+    worst = []
+    for train, source, target, decoder in cases:
+        model.train(train)
+        pm.train(train)
+        inputs = {"input_ids": torch.randint(0, 67, (2, source), generator=gen),
+                  decoder: torch.randint(0, 67, (2, target), generator=gen)}
+        worst.append(max(equivalence_errors(model, pm, inputs).values()))
+    return worst, len(pm.programs)
+
+
+def test_an_encoder_decoder_takes_source_and_target_of_different_lengths(cluster_of):
+    # Translation and summarization feed a source and a target of their own lengths. The first
+    # program is captured with labels of another length than the ids (one symbol each), so it
+    # serves equal and unequal lengths alike; a call with decoder ids is captured the same way.
+    cases = [(True, 9, 5, "labels"), (True, 4, 10, "labels"), (True, 6, 6, "labels"),
+             (False, 7, 3, "decoder_input_ids"), (False, 5, 5, "decoder_input_ids")]
+    for worst, programs in cluster_of(2).run(t5_lengths_match_serial, cases):
+        assert max(worst) <= TOLERANCE[torch.float64], worst
+        assert programs == 2
