@@ -18,20 +18,10 @@ import time
 from pathlib import Path
 
 import torch
-from common import machine, publish
+from common import machine, publish, status_mb
 
 TP = 4
 CONFIG = dict(n_layer=36, n_head=20, n_embd=1280, vocab_size=50257)   # gpt2-large
-
-
-def _status_mb(field: str) -> float:
-    """VmRSS (resident now) or VmHWM (peak resident) of this process image, in MB. Not
-    ru_maxrss: across fork+exec that keeps the parent's peak, and the parent held the model."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024 / 1e6
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def load_on_rank(folder: str) -> dict:
@@ -39,13 +29,13 @@ def load_on_rank(folder: str) -> dict:
 
     import autotp
 
-    before = _status_mb("VmRSS")
+    before = status_mb("VmRSS")
     start = time.perf_counter()
     pm = autotp.from_pretrained(folder, tp=TP)
     seconds = time.perf_counter() - start
     held = sum(p.numel() * p.element_size() for p in pm.local_parameters().values()) / 1e6
-    peak = _status_mb("VmHWM")
-    return {"rank": pm.mesh.tp_rank, "before": before, "peak": peak, "after": _status_mb("VmRSS"), "held": held,
+    peak = status_mb("VmHWM")
+    return {"rank": pm.mesh.tp_rank, "before": before, "peak": peak, "after": status_mb("VmRSS"), "held": held,
             "seconds": seconds}
 
 

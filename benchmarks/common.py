@@ -25,6 +25,16 @@ def machine() -> str:
             f"Python {platform.python_version()}, torch {torch.__version__}.")
 
 
+def status_mb(field: str) -> float:
+    """VmRSS (resident now) or VmHWM (peak resident) of this process image, in MB. Not
+    ru_maxrss: across fork+exec that keeps the parent's peak, and the parent may hold a model."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024 / 1e6
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
 def publish(lines: list[str], path: str | Path | None) -> None:
     """Print the result and write it to ``path`` (the script's .md beside it, by convention)."""
     text = "\n".join(lines) + "\n"
