@@ -7,7 +7,8 @@ model it describes, reading top to bottom like a nanoGPT block:
     blocks: mlp | gated mlp | attention (sdpa or spelled out) | parallel attention+mlp | norm |
             pointwise | head views | reductions | concatenated branches | slices | permutes |
             broadcast (unsqueeze/expand) dims,
-            each optionally pre-normed (layer norm / RMS norm) and residual
+            each optionally pre-normed (layer norm / RMS norm) and residual; an mlp's
+            activation optionally in place (``nn.ReLU(inplace=True)``, ``tanh_``)
     head:   linear to outputs | lm head (optionally tied) + cross-entropy loss | none
 
 :func:`net_specs` is the hypothesis strategy: a spec, a tp, and a layout pinning some weights to
@@ -39,6 +40,7 @@ class Block:
     causal: bool = True
     sdpa: bool = True           # False: attention spelled out (matmul, masked_fill, softmax)
     flatten: bool = False       # run the linears on (b*s, d), as GPT-2 does
+    inplace: bool = False       # the mlp's activation in place (nn.ReLU(inplace=True)), where torch has one
 
 
 @dataclass(frozen=True)
@@ -70,9 +72,13 @@ class NetSpec:
         return out
 
 
-def _activation(name: str, x: torch.Tensor) -> torch.Tensor:
+def _activation(name: str, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     if name == "gelu_tanh":
         return F.gelu(x, approximate="tanh")
+    if inplace and name in ("relu", "silu"):
+        return getattr(F, name)(x, inplace=True)
+    if inplace and name in ("tanh", "sigmoid"):
+        return getattr(torch, name + "_")(x)
     return getattr(F, name)(x) if name in ("gelu", "relu", "silu") else getattr(torch, name)(x)
 
 
@@ -93,7 +99,7 @@ class Mlp(nn.Module):
         shape = x.shape
         if self.b.flatten:
             x = x.view(-1, shape[-1])                       # (b*s, d)
-        h = _activation(self.b.act, self.fc(x))
+        h = _activation(self.b.act, self.fc(x), self.b.inplace)   # in place on the product's output
         if self.gate is not None:
             h = h * self.gate(x)                            # SwiGLU-like: two branches multiplied
         return self.proj(h).view(shape)
@@ -314,6 +320,7 @@ def net_specs(tps=(2, 4, 2, 1), max_blocks: int = 3):
             causal=draw(st.booleans()),
             sdpa=draw(st.booleans()),
             flatten=draw(st.booleans()),
+            inplace=draw(st.booleans()),
         )
 
     @st.composite

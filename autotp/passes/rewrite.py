@@ -27,7 +27,7 @@ from ..runtime import collectives as C
 from ..runtime.functional import grad_if
 from ..runtime.rng import RandomOp, draws_random
 from .propagate import GraphIndex, Propagation, _conversion, _dim_size, _meta, _sharded_compute, map_args, wants_f
-from .rules import LocalContext, localizer
+from .rules import LocalContext, localizer, mutates_first
 
 
 class GraphLocalContext(LocalContext):
@@ -191,6 +191,10 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         for inp, meta, want in zip(tensor_inputs, info.inputs, strategy.inputs):
             f = wants_f(want, sharded, meta, inp in index.grads)
             replacements.append(convert(inp, want, f) if (f or prop.placements[inp] != want) else env[inp])
+        if replacements and replacements[0] is not env[tensor_inputs[0]] and mutates_first(node.target):
+            # an in-place op on a converted tensor writes a copy of its own: not the conversion
+            # other ops reuse, nor a collective's output, which autograd forbids writing in place
+            replacements[0] = graph.call_function(torch.ops.aten.clone.default, (replacements[0],))
         if strategy.f_runs_only and wants_f(strategy.inputs[0], sharded, info.inputs[0], tensor_inputs[0] in index.grads):
             # A column-parallel product into a tailed shard (a fused multi-query k and v): the f
             # goes to the dealt runs' product alone; the tail is computed from x itself.

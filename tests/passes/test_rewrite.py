@@ -169,3 +169,46 @@ def test_a_layout_pinned_at_tp_1_runs_the_captured_ops_alone():
     got = run(cap, model, data)
     for name in ("loss", "logits"):
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+
+
+class _InPlace(torch.nn.Module):
+    """In-place ops as user models write them: a scaling and an inplace ReLU between a column
+    and a row product (sharded there), and a masked fill of the row product's output (partial
+    there: it must be summed first, so the op writes a converted copy)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 32), torch.nn.Linear(32, 8, bias=False)
+
+    def forward(self, x):
+        h = self.up(x)
+        h.mul_(2.0)
+        h = torch.nn.functional.relu(h, inplace=True)
+        y = self.down(h)
+        y.masked_fill_(x > 1.5, 0.25)
+        return (y * y).sum(-1)
+
+
+def _in_place_matches_serial():
+    from autotp.testing import equivalence_errors
+
+    torch.manual_seed(0)
+    model = _InPlace().double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    pm = autotp.parallelize(model, 2, example_inputs=(x,), layout={"up.weight": "column", "down.weight": "row"})
+    errors = equivalence_errors(model, pm, {"x": torch.randn(5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))})
+    placements = {n.target.__name__.split(".")[0]: str(n.meta.get("autotp_placement"))
+                  for n in pm.graph_module.graph.nodes
+                  if n.op == "call_function" and n.target.__name__.split(".")[0] in ("relu_", "mul_", "masked_fill_")}
+    clones = sum(n.target is torch.ops.aten.clone.default for n in pm.graph_module.graph.nodes)
+    return max(errors.values()), placements, clones
+
+
+def test_in_place_ops_keep_the_split_they_write_or_write_a_copy_of_a_converted_tensor(cluster):
+    # Before, an in-place op without a rule of its own ran replicated on an all-gathered view,
+    # which autograd refuses to let an op write ("Output 0 of _GatherFromTP is a view and is
+    # being modified inplace"): an nn.ReLU(inplace=True) between the products failed to train.
+    for worst, placements, clones in cluster.run(_in_place_matches_serial):
+        assert worst < 1e-12
+        assert placements["relu_"].startswith("S(") and placements["mul_"].startswith("S("), placements
+        assert placements["masked_fill_"] == "R" and clones == 1, (placements, clones)

@@ -854,6 +854,34 @@ def test_in_place_add_never_converts_the_tensor_it_mutates(data):
         check_strategy(shim, s, (a, b), {}, data.draw(seeds))
 
 
+
+IN_PLACE = [(aten.relu_.default, ()), (aten.mul_.Scalar, (1.5,)), (aten.clamp_.default, (-0.5, 0.5)),
+            (aten.sigmoid_.default, ()), (aten.neg_.default, ())]
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_in_place_ops_take_their_twins_rule_and_keep_the_tensor_they_write_where_they_can(data):
+    # ``nn.ReLU(inplace=True)`` between a column and a row product: the op has no rule of its
+    # own; its out-of-place twin's rule, less every strategy that converts the written tensor
+    # (views of it would miss the update), unless none keeps it (then all replicated, and the
+    # rewrite writes a clone of the conversion). Each strategy runs on fresh copies.
+    op, extra = data.draw(st.sampled_from(IN_PLACE))
+    gen, tp = _gen(data.draw), data.draw(tps)
+    shape = data.draw(shapes(1, 4))
+    x = _tensor(gen, shape)
+    have = data.draw(placements(shape, tp))
+    assert rules.functional_of(op) is not None and rules.mutates_first(op)
+    info = replace(op_info(rules.functional_of(op), (x, *extra), {}, tp), target=op)
+    offered = strategies(info, (have,))
+    assert offered
+    if have is not None and not isinstance(have, Partial):
+        assert all(s.inputs[0] == have for s in offered), (have, offered)
+    for s in offered:
+        shim = replace(info, target=lambda t, *a, op=op: op(t.clone(), *a))
+        check_strategy(shim, s, (x, *extra), {}, data.draw(seeds))
+
+
 # ---------------------------------------------------------------- pointwise
 
 POSITIVE = "positive"   # inputs kept away from zero and negative values (pow, log, ...)

@@ -12,6 +12,7 @@ falls back to "replicate everything" with a warning naming it: slower, never wro
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -191,12 +192,49 @@ def has_rule(target: Any) -> bool:
     return target in _RULES
 
 
+def mutates_first(target: Any) -> bool:
+    """Whether an ATen op writes its first argument in place (``relu_``, ``masked_fill_``)."""
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return bool(alias is not None and alias.is_write)
+
+
+def functional_of(target: Any) -> Any:
+    """The out-of-place overload of an in-place ATen op that has a rule (``aten.relu_.default``
+    -> ``aten.relu.default``), or None."""
+    packet = getattr(target, "overloadpacket", None)
+    name = getattr(packet, "__name__", "")
+    if not mutates_first(target) or not name.endswith("_") or name.startswith("_"):
+        return None
+    base = getattr(torch.ops.aten, name[:-1], None)
+    overload = getattr(base, getattr(target, "_overloadname", ""), None) if base is not None else None
+    return overload if overload in _RULES else None
+
+
+def _in_place(info: OpInfo, placements: tuple, functional: Any) -> list[Strategy]:
+    """An in-place op without a rule of its own, by its out-of-place twin's rule: only the
+    strategies that leave the tensor it writes as it is (a conversion would hand the op a copy,
+    and views of the tensor would miss the update); where none does, every input replicated, the
+    rewrite then writing a clone of the converted tensor."""
+    from dataclasses import replace
+
+    found = _RULES[functional](replace(info, target=functional), placements)
+    have = placements[0] if placements else None
+    kept = [s for s in found if have is None or s.inputs[0] == have]
+    return kept or replicate_all(info, placements)
+
+
 def strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
     """The sound strategies for ``info`` given its inputs' current placements (None: a free
     parameter, which takes whatever placement the chosen strategy asks for)."""
     rule = _RULES.get(info.target)
     if rule is None and not info.inputs and info.output is None:
         return replicate_all(info, placements)   # size arithmetic (SymInt + 1): nothing to shard
+    functional = functional_of(info.target) if rule is None else None
+    if functional is not None:
+        rule = functools.partial(_in_place, functional=functional)
     if rule is None:
         name = op_name(info.target)
         if name not in _warned:
