@@ -425,7 +425,8 @@ def _export_calls(model: torch.nn.Module, stacks: list, keep: int, kwargs: dict[
 def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: Any,
             fake_cache: bool = True, calls: tuple = ()) -> torch.export.ExportedProgram:
     """torch.export, narrowing the dynamic dims to torch's own suggested fixes when the model
-    allows less than asked (T5's decoder needs 3 target tokens or more; a position table bounds the length).
+    allows less than asked (T5's decoder needs 3 target tokens or more; a position table bounds
+    the length).
     ``calls``: submodules whose call signatures the program records (its ``module_call_graph``)."""
     from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
 
@@ -468,9 +469,9 @@ def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: Any,
 
 
 #: the dynamic dims torch.export narrowed a model to (its suggested fixes: T5's decoder needs 3
-#: target tokens or more), by :func:`_narrowing_key`: a later capture of a model of the same class and config
-#: starts from them instead of failing its first export again (T5's tiny models: 1.6-2.1 s of a
-#: 3.4-4.0 s capture). The newest NARROWED_KEPT are kept.
+#: target tokens or more), by :func:`_narrowing_key`: a later capture of a model of the same
+#: class and config starts from them instead of failing its first export again (T5's tiny
+#: models: 1.6-2.1 s of a 3.4-4.0 s capture). The newest NARROWED_KEPT are kept.
 _NARROWED: collections.OrderedDict = collections.OrderedDict()
 NARROWED_KEPT = 64
 

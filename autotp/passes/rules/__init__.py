@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import sympy
@@ -218,8 +218,6 @@ def _in_place(info: OpInfo, placements: tuple, functional: Any) -> list[Strategy
     strategies that leave the tensor it writes as it is (a conversion would hand the op a copy,
     and views of the tensor would miss the update); where none does, every input replicated, the
     rewrite then writing a clone of the converted tensor."""
-    from dataclasses import replace
-
     found = _RULES[functional](replace(info, target=functional), placements)
     have = placements[0] if placements else None
     kept = [s for s in found if have is None or s.inputs[0] == have]
