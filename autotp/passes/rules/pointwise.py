@@ -160,15 +160,3 @@ def linear_unary_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     if is_partial(placements[0]):
         out.append(Strategy((PARTIAL,), PARTIAL))
     return out
-
-
-@register(aten.add_.Tensor)
-def add_inplace_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
-    """Falcon's parallel attention+MLP sum, ``mlp_out += attn_out``: as ``add``, but only the
-    strategies that leave the mutated tensor as it is. A conversion would hand the op a copy,
-    and the graph's other readers of the mutated tensor would miss the update."""
-    out = additive_rule(info, placements)
-    have = placements[0]
-    if have is None:
-        return out
-    return [s for s in out if s.inputs[0] == have]
