@@ -267,3 +267,29 @@ def test_example_inputs_keep_which_lengths_are_equal_and_each_length_gets_its_ow
     one = example_like({"input_ids": torch.ones(1, 5, dtype=torch.long), "labels": torch.ones(1, 5, dtype=torch.long)},
                        (2, 64))
     assert one["input_ids"].shape == one["labels"].shape == (2, 11)
+
+
+class _Uncopyable(torch.nn.Module):
+    """A module holding something deepcopy refuses (a lock, as a logger handler or a client holds)."""
+
+    def __init__(self):
+        super().__init__()
+        import threading
+
+        self.lin = torch.nn.Linear(4, 4)
+        self.lock = threading.Lock()
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_a_model_deepcopy_refuses_is_its_own_twin_with_a_warning(caplog):
+    import logging
+
+    from autotp.capture import shape_twin
+
+    model = _Uncopyable()
+    with caplog.at_level(logging.WARNING, logger="autotp"):
+        assert shape_twin(model) is model                     # later captures read the model itself
+    assert "cannot be copied without its weights" in caplog.text and "stays referenced" in caplog.text
+    assert not model.lin.weight.is_meta
