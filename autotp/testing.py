@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from .placements import Shard
-from .testing_launch import LocalCluster, launch
+from .testing_launch import LocalCluster, launch, preload
 
-__all__ = ["launch", "LocalCluster", "relative_error", "equivalence_errors", "assert_equivalent",
+__all__ = ["launch", "LocalCluster", "preload", "relative_error", "equivalence_errors", "assert_equivalent",
            "gpt2_cases", "keep_loss_precision", "MEGATRON_GPT2", "TOLERANCE"]
 
 #: Relative error bounds the property tests hold the parallel model to.

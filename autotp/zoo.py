@@ -171,6 +171,11 @@ def _classes(family: Family) -> tuple[Any, Any]:
     return getattr(transformers, family.config_class), getattr(transformers, family.model_class)
 
 
+def modeling_modules() -> list[str]:
+    """The transformers modules that define every family's model (for ``autotp.testing.preload``)."""
+    return sorted({_classes(fam)[1].__module__ for fam in FAMILIES.values()})
+
+
 def published_config(size: str, layers: int | None = None) -> Any:
     """The HF config of a published model (``layers`` shrinks its depth, all else kept)."""
     family = family_of(size)

@@ -99,8 +99,10 @@ def main() -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-    from autotp.testing import launch
+    from autotp.testing import launch, preload
 
+    # the ranks fork from one process that has imported these, instead of each importing them
+    preload("transformers", "transformers.models.gpt2.modeling_gpt2", "autotp.api", "autotp.testing")
     return report(launch(run, args.tp, args, timeout=900.0), args)
 
 

@@ -1,7 +1,14 @@
 """Shared fixtures: one set of local gloo ranks for the whole session (spawning costs seconds)."""
 import pytest
 
-from autotp.testing_launch import LocalCluster, close_all
+from autotp import zoo
+from autotp.testing_launch import LocalCluster, close_all, preload
+
+# what rank tasks import, imported once in the server the ranks fork from (seconds of CPU per
+# rank otherwise: the suite starts tens of ranks)
+preload("transformers", *zoo.modeling_modules(), "torch.export", "torch.distributed.tensor",
+        "torch.distributed.checkpoint", "torch.distributed.pipelining", "torch.distributed.fsdp",
+        "autotp.api", "autotp.testing", "hypothesis", "pytest")
 
 
 @pytest.fixture(scope="session")

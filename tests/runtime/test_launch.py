@@ -72,10 +72,28 @@ def backend_from_env() -> str | None:
     return init_from_env()
 
 
+def start_state(name: str) -> tuple:
+    import sys
+
+    return os.environ.get(name), "transformers" in sys.modules, torch.get_num_threads()
+
+
 # ---------------------------------------------------------------- launch
 
 def test_launch_returns_per_rank_results_in_rank_order():
     assert launch(rank_info, 2, "hi") == [(0, 2, "hi", 1, "0"), (1, 2, "hi", 1, "1")]
+
+
+def test_ranks_get_the_callers_environment_of_now_and_start_from_the_preloaded_server(monkeypatch):
+    launch(rank_info, 1, "the fork server is running from here on")
+    monkeypatch.setenv("AUTOTP_TEST_LATE_VARIABLE", "set after the server started")
+    # conftest preloads transformers: a rank has it without importing it; one thread per rank
+    assert launch(start_state, 2, "AUTOTP_TEST_LATE_VARIABLE") == [("set after the server started", True, 1)] * 2
+    monkeypatch.setenv("AUTOTP_START_METHOD", "spawn")   # a fresh interpreter: nothing preloaded
+    assert launch(start_state, 1, "AUTOTP_TEST_LATE_VARIABLE") == [("set after the server started", False, 1)]
+    monkeypatch.setenv("AUTOTP_START_METHOD", "fork")
+    with pytest.raises(ConfigError, match="AUTOTP_START_METHOD='fork': choose forkserver or spawn"):
+        launch(rank_info, 1, "x")
 
 
 def test_launch_reraises_an_autotp_error_with_its_type_rank_and_traceback():
