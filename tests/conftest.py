@@ -1,8 +1,16 @@
 """Shared fixtures: one set of local gloo ranks for the whole session (spawning costs seconds)."""
+import os
+
 import pytest
+import torch
 
 from autotp import zoo
 from autotp.testing_launch import LocalCluster, close_all, preload
+
+# pytest-xdist's workers share the cores: each computes on its share (torch's default, every
+# core per process, makes two workers' thread pools contend for the same cores)
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 # what rank tasks import, imported once in the server the ranks fork from (seconds of CPU per
 # rank otherwise: the suite starts tens of ranks)
