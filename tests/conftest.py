@@ -9,8 +9,15 @@ from autotp.testing_launch import LocalCluster, close_all, preload
 
 # pytest-xdist's workers share the cores: each computes on its share (torch's default, every
 # core per process, makes two workers' thread pools contend for the same cores)
-if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORKERS))
+
+#: seconds a task on the shared clusters may take: a rank waits for its peers in every
+#: collective, so with another worker's ranks on the same cores a task runs several times slower
+#: than alone (the pipeline test's one task: 26-28 s alone, past 120 s once beside another
+#: worker's four ranks on 2 cores)
+TASK_TIMEOUT = 120.0 * WORKERS
 
 # what rank tasks import, imported once in the server the ranks fork from (seconds of CPU per
 # rank otherwise: the suite starts tens of ranks)
@@ -22,7 +29,7 @@ preload("transformers", *zoo.modeling_modules(), "torch.export", "torch.distribu
 @pytest.fixture(scope="session")
 def cluster():
     """Four persistent ranks; a task that breaks them makes the cluster restart its workers."""
-    with LocalCluster(4) as c:
+    with LocalCluster(4, timeout=TASK_TIMEOUT) as c:
         yield c
 
 
@@ -46,7 +53,7 @@ def cluster_of(cluster):
             return current[world]
         while current and sum(current) + world > KEEP_RANKS:
             current.pop(next(iter(current))).close()
-        current[world] = LocalCluster(world)
+        current[world] = LocalCluster(world, timeout=TASK_TIMEOUT)
         current[world].start()
         return current[world]
 
