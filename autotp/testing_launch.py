@@ -54,9 +54,11 @@ def preload(*modules: str) -> None:
     torch and autotp: a rank then starts in a fraction of a second instead of importing them
     again (seconds of CPU each). Add the modules your rank functions import (a model library,
     its modeling modules) before the first ``launch`` or ``LocalCluster`` of the process: the
-    server starts then, and later additions do not reach it. A module that fails to import there
-    is skipped; the rank imports it itself. ``AUTOTP_START_METHOD=spawn`` starts every rank as a
-    fresh interpreter instead (as on platforms without a fork server).
+    server starts then, and later additions do not reach it. A module that is not installed is
+    skipped. Each rank takes the caller's environment as it is at its start, but what a preloaded
+    module read from the environment when imported is the server's: set such variables (e.g.
+    ``TORCH_LOGS``) before the first launch. ``AUTOTP_START_METHOD=spawn`` starts every rank as
+    a fresh interpreter instead (as on platforms without a fork server).
     """
     for module in modules:
         if module not in _PRELOAD:
