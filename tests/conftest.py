@@ -33,6 +33,13 @@ def cluster():
         yield c
 
 
+@pytest.fixture
+def own_cluster():
+    """Four ranks of this test's own, that no earlier test has run tasks on."""
+    with LocalCluster(4, timeout=TASK_TIMEOUT) as c:
+        yield c
+
+
 #: rank processes cluster_of keeps alive at once (besides the shared four): clusters of several
 #: world sizes stay up across test files, so each is spawned, and warms its caches, once a session
 KEEP_RANKS = 10
