@@ -18,8 +18,9 @@ Contract, for both:
 - Nothing hangs. A rank that dies (killed, segfault, ``os._exit``), or a task that does not finish
   within ``timeout`` seconds, raises ``CommError`` naming the ranks. After one rank failed, the
   others get ``error_grace`` seconds to report back; ranks still running then (typically stuck in
-  a collective the failed rank never joined) are killed. A cluster that killed or lost workers
-  starts fresh ones on its next ``run``.
+  a collective the failed rank never joined) are killed. A task that timed out with no rank
+  failed names where each stuck rank was (its Python stack). A cluster that killed or lost
+  workers starts fresh ones on its next ``run``.
 - Ranks are forked from a server process that has imported torch and autotp once (``preload``
   adds modules to it), on Linux; each rank gets the caller's environment as it is at the start.
 """
@@ -29,8 +30,10 @@ import datetime
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import traceback
 import weakref
@@ -142,6 +145,9 @@ class LocalCluster:
         if self._finalizer is not None:
             self._finalizer.detach()
         self._procs, self._conns, self._store, self._finalizer = [], [], None, None
+        if getattr(self, "_stacks", None):
+            shutil.rmtree(self._stacks, ignore_errors=True)
+            self._stacks = None
         return held
 
     def _kill(self) -> None:
@@ -160,12 +166,14 @@ class LocalCluster:
                               timeout=datetime.timedelta(seconds=self.timeout))
         procs, conns = [], []
         ctx = _context()
+        self._stacks = tempfile.mkdtemp(prefix="autotp-stacks-")   # where a stuck rank writes its stack
         for rank in range(self.world_size):
             parent_end, child_end = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker_main, name=f"autotp-rank{rank}",
                 args=(rank, self.world_size, self.backend, store.port, self.timeout,
-                      self.collective_timeout, child_end, dict(os.environ)),
+                      self.collective_timeout, child_end, dict(os.environ),
+                      os.path.join(self._stacks, f"rank{rank}.txt")),
             )
             proc.start()
             child_end.close()
@@ -208,11 +216,40 @@ class LocalCluster:
         except BaseException:  # Ctrl-C while the ranks work: do not leave them running
             self._kill()
             raise
+        timed_out = pending and not dead and all(rep[0] == "ok" for rep in replies.values())
+        stacks = self._stacks_of(pending) if timed_out else {}
         if pending or dead:
             self._kill()
         if not (pending or dead) and all(rep[0] == "ok" for rep in replies.values()):
             return [replies[r][1] for r in range(self.world_size)]
-        raise self._error(name, replies, pending, dead)
+        error = self._error(name, replies, pending, dead)
+        if stacks:
+            error.args = (str(error) + "".join(f"\nrank {r} was here (most recent call first):\n{text}"
+                                               for r, text in sorted(stacks.items())),)
+        raise error
+
+    def _stacks_of(self, ranks: set[int], lines: int = 30) -> dict[int, str]:
+        """The Python stacks of ranks that did not finish in time, each rank's main thread's
+        innermost ``lines`` frames (faulthandler, on SIGUSR1; where the platform has it)."""
+        if not hasattr(signal, "SIGUSR1") or not getattr(self, "_stacks", None):
+            return {}
+        for r in ranks:
+            try:
+                os.kill(self._procs[r].pid, signal.SIGUSR1)
+            except OSError:
+                pass
+        time.sleep(1.0)
+        out = {}
+        for r in ranks:
+            try:
+                with open(os.path.join(self._stacks, f"rank{r}.txt")) as f:
+                    text = f.read()
+            except OSError:
+                continue
+            current = text.split("\n\n")   # one block per thread, the current one marked
+            main = next((b for b in current if b.startswith("Current thread")), current[0])
+            out[r] = "\n".join(main.strip().splitlines()[:lines])
+        return out
 
     def _collect(self, deadline: float) -> tuple[dict[int, tuple], set[int], dict[int, Any]]:
         """Wait for one reply per rank: (replies, ranks that never answered, dead ranks' codes)."""
@@ -274,12 +311,16 @@ class LocalCluster:
 # ------------------------------------------------------------------ the rank side
 
 def _worker_main(rank: int, world_size: int, backend: str, port: int, timeout: float,
-                 collective_timeout: float, conn: Connection, environ: dict) -> None:
+                 collective_timeout: float, conn: Connection, environ: dict, stack_file: str) -> None:
     # the caller's environment as it is now (a fork server's children inherit the server's, from
     # when it started), then the rank's own variables
     os.environ.clear()
     os.environ.update(environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
+    if hasattr(signal, "SIGUSR1"):   # the caller asks for this rank's stack when it does not finish
+        import faulthandler
+
+        faulthandler.register(signal.SIGUSR1, file=open(stack_file, "w"), all_threads=True)
     try:
         import torch
         import torch.distributed as dist

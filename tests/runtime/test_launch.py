@@ -72,6 +72,12 @@ def backend_from_env() -> str | None:
     return init_from_env()
 
 
+def rank1_never_joins_the_all_reduce() -> None:
+    if dist.get_rank() == 1:
+        return None
+    return all_reduce_ones()
+
+
 def start_state(name: str) -> tuple:
     import sys
 
@@ -94,6 +100,16 @@ def test_ranks_get_the_callers_environment_of_now_and_start_from_the_preloaded_s
     monkeypatch.setenv("AUTOTP_START_METHOD", "fork")
     with pytest.raises(ConfigError, match="AUTOTP_START_METHOD='fork': choose forkserver or spawn"):
         launch(rank_info, 1, "x")
+
+
+def test_a_task_that_does_not_finish_in_time_reports_where_each_stuck_rank_waits():
+    with LocalCluster(2, timeout=6.0, collective_timeout=60.0) as cluster:
+        with pytest.raises(CommError) as caught:
+            cluster.run(rank1_never_joins_the_all_reduce)
+    message = str(caught.value)
+    assert "ranks [0] did not finish rank1_never_joins_the_all_reduce within 6 s" in message, message
+    assert "rank 0 was here (most recent call first):" in message, message
+    assert "in all_reduce_ones" in message and "in rank1_never_joins_the_all_reduce" in message, message
 
 
 def test_launch_reraises_an_autotp_error_with_its_type_rank_and_traceback():
