@@ -98,7 +98,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from autotp import zoo
     from autotp.testing import TOLERANCE, launch, preload
 
-    preload("transformers", *zoo.modeling_modules(), "autotp.api", "autotp.testing")   # once, not per rank
+    preload("transformers", *zoo.modeling_modules())   # once, not per rank
     results = launch(_check_rank, args.tp, args.model, args.layers, args.tp, args.dtype, args.batch, args.seq,
                      timeout=1800.0)
     print(results[0]["plan"])

@@ -47,7 +47,7 @@ __all__ = ["launch", "LocalCluster", "preload"]
 _STOP = b""  # the message that tells a worker to leave
 
 #: modules the rank processes import before they are forked (forkserver); see ``preload``
-_PRELOAD = ["torch", "torch.distributed", "autotp", "autotp.runtime.faults"]
+_PRELOAD = ["torch", "torch.distributed", "autotp", "autotp.api", "autotp.testing", "autotp.runtime.faults"]
 
 
 def preload(*modules: str) -> None:

@@ -102,7 +102,7 @@ def main() -> int:
     from autotp.testing import launch, preload
 
     # the ranks fork from one process that has imported these, instead of each importing them
-    preload("transformers", "transformers.models.gpt2.modeling_gpt2", "autotp.api", "autotp.testing")
+    preload("transformers", "transformers.models.gpt2.modeling_gpt2")
     return report(launch(run, args.tp, args, timeout=900.0), args)
 
 

@@ -14,16 +14,15 @@ if WORKERS > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORKERS))
 
 #: seconds a task on the shared clusters may take: a rank waits for its peers in every
-#: collective, so with another worker's ranks on the same cores a task runs several times slower
-#: than alone (the pipeline test's one task: 26-28 s alone, past 120 s once beside another
-#: worker's four ranks on 2 cores)
+#: collective, so with another worker's ranks on the same cores a task runs about twice as slow
+#: as alone (the pipeline test's one task: 26-28 s alone, 58 s beside the other worker)
 TASK_TIMEOUT = 120.0 * WORKERS
 
 # what rank tasks import, imported once in the server the ranks fork from (seconds of CPU per
 # rank otherwise: the suite starts tens of ranks)
 preload("transformers", *zoo.modeling_modules(), "torch.export", "torch.distributed.tensor",
         "torch.distributed.checkpoint", "torch.distributed.pipelining", "torch.distributed.fsdp",
-        "autotp.api", "autotp.testing", "hypothesis", "pytest")
+        "hypothesis", "pytest")
 
 
 @pytest.fixture(scope="session")
