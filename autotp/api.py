@@ -15,7 +15,7 @@ from torch import nn
 
 from .capture import Capture, example_like, gc_paused, module_path, on_meta, seq_bounds, shape_twin
 from .generation import capture_step
-from .capture_cache import capture as capture_model   # once per structure; see its docs
+from .capture.cache import capture as capture_model   # once per structure; see its docs
 from .cost_model import get_profile
 from .errors import ConfigError, DisagreementError, PlanError
 from .passes.checkpoint import checkpoint_layers

@@ -1,7 +1,7 @@
 """Choosing tensor x pipeline x data parallelism (PTD-P) for a model on a number of GPUs.
 
 ``autotp.plan(model, world=N, gpus_per_node=8)`` lands here. The model's stack of identical
-blocks (:func:`autotp.capture_expand.find_stacks`: exactly one, as in a decoder-only model) is
+blocks (:func:`autotp.capture.expand.find_stacks`: exactly one, as in a decoder-only model) is
 cut to two and to three blocks; each cut model is captured and planned by autotp at every
 tensor-parallel size ``t`` and micro-batch size considered. The three-block plan minus the
 two-block plan prices one layer (time, parameters, activations); the rest prices what lies
@@ -107,7 +107,7 @@ class PipelinePlan:
 def plan_ptd(model: nn.Module, world: int, *, gpus_per_node: int = 8, batch: int = 8, seq: int,
              profile: Any = None, tp: int | None = None) -> PipelinePlan:
     """See the module docs. ``tp`` fixes t instead of searching it."""
-    from .capture_expand import find_stacks
+    from .capture.expand import find_stacks
 
     if not isinstance(world, int) or world < 1:
         raise ConfigError(f"world={world!r}: give the number of GPUs, a positive int")
@@ -157,13 +157,13 @@ def plan_ptd(model: nn.Module, world: int, *, gpus_per_node: int = 8, batch: int
 
 def layer_cost(model: nn.Module, stack: Any, t: int, micro_batch: int, seq: int, profile: Any) -> LayerCost:
     """What a micro-batch costs at tp ``t`` by autotp's plans of ``model`` with ``stack`` (a
-    :class:`autotp.capture_expand.Stack`) cut to 2 and to 3 blocks: one layer is their
+    :class:`autotp.capture.expand.Stack`) cut to 2 and to 3 blocks: one layer is their
     difference, the rest lies outside the layers (the optimizer's share taken out: a pipeline
     prices it once a step), split between the first stage (before the layers) and the last as
     the plan's ops and collectives fall (``runtime.pipeline.layer_costs``)."""
     from .api import build_plan
-    from .capture_cache import capture
-    from .capture_expand import NotExpandable, cut
+    from .capture.cache import capture
+    from .capture.expand import NotExpandable, cut
     from .cost_model.symbolic import forward_flops
     from .runtime.outline import layer_paths
     from .runtime.pipeline import layer_costs

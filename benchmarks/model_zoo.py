@@ -84,7 +84,8 @@ def collectives_in_layer(plan, layer: int = 1) -> str:
 
 def plan_row(family: str, size: str) -> dict:
     import autotp
-    from autotp import capture_cache, zoo
+    from autotp import zoo
+    from autotp.capture import cache as capture_cache
 
     config = zoo.published_config(size)
     model = zoo.build(family, config, device="meta", dtype=torch.bfloat16)

@@ -82,7 +82,7 @@ def measure() -> dict:
                   "chunks": pm.describe()}
     # the planner's own prediction: a profile of this machine (every rank times the gloo link),
     # the model priced by autotp's plans (autotp.ptd.layer_cost) and put into the pipeline model
-    from autotp.capture_expand import find_stacks
+    from autotp.capture.expand import find_stacks
     from autotp.cost_model import calibrate
     from autotp.cost_model.pipeline import Cluster, step_time
     from autotp.ptd import layer_cost

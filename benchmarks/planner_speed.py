@@ -2,7 +2,7 @@
 
 Capture (first table): torch.export of the whole model alone; autotp's capture exporting it
 whole; autotp's default capture, which exports the stack of blocks cut to three and expands the
-graph (autotp.capture_expand); ``autotp.plan(model, tp)`` timed inside a fresh process (and the
+graph (autotp.capture.expand); ``autotp.plan(model, tp)`` timed inside a fresh process (and the
 process's whole wall time, imports included), with the default capture and with whole export;
 and, in that process after the plan, a new call signature's program (eval mode, no labels:
 capture, replay of the plan, one rank's rewrite).

@@ -45,7 +45,7 @@ def layer_cost(hidden: int, heads: int, t: int, micro_batch: int, gemm_fraction:
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
 
-    from autotp.capture_expand import find_stacks
+    from autotp.capture.expand import find_stacks
     from autotp.cost_model import PROFILES
     from autotp.ptd import layer_cost as priced
 

@@ -73,7 +73,7 @@ def test_a_minimum_length_the_model_needs_is_honoured(monkeypatch):
     # says so, capture narrows the target's dim to it; the source's own dim keeps taking 2.
     import collections
 
-    import autotp.capture as capture_module
+    import autotp.capture.export as capture_module
 
     monkeypatch.setattr(capture_module, "_NARROWED", collections.OrderedDict())
     exports = []
@@ -136,7 +136,7 @@ def test_the_example_length_is_not_a_static_size_of_the_model():
 def test_a_capture_error_keeps_torchs_suggested_fix(monkeypatch):
     import collections
 
-    import autotp.capture as capture_module
+    import autotp.capture.export as capture_module
 
     monkeypatch.setattr(capture_module, "EXPORT_REFINEMENTS", 0)   # no retry: the first violation surfaces
     monkeypatch.setattr(capture_module, "_NARROWED", collections.OrderedDict())   # nor a narrowing known before
@@ -170,7 +170,7 @@ def test_a_list_index_captured_on_meta_keeps_its_values():
 def test_a_constraint_torch_cannot_prove_is_retried_with_unnamed_dims_of_the_same_range():
     # torch 2.11 fails GQA's repeat_kv reshape under named Dims ("Constraints violated (seq)"
     # with no suggested fix); Dim.DYNAMIC of the same range keeps the dim symbolic
-    from autotp.capture import _unnamed_dims
+    from autotp.capture.export import _unnamed_dims
 
     seq = torch.export.Dim("seq", min=2, max=32)
     batch = torch.export.Dim("batch", min=1, max=64)
@@ -220,7 +220,7 @@ def test_layerdrop_at_zero_is_captured_with_every_layer_and_above_zero_is_refuse
 
 
 def test_a_unit_draw_answers_only_what_every_draw_answers_alike():
-    from autotp.capture import RandomBranchError, _UnitDraw
+    from autotp.capture.export import RandomBranchError, _UnitDraw
 
     u = _UnitDraw("here")
     assert (u < 0, u < 0.0, u <= -1, u > -0.5, u >= 0, u < 1, u <= 1.5, u > 1, u >= 1) == \
@@ -253,7 +253,7 @@ def test_a_shape_twin_holds_no_weights_keeps_ties_and_leaves_the_model_alone():
 
 
 def test_example_inputs_keep_which_lengths_are_equal_and_each_length_gets_its_own_dim():
-    from autotp.capture import _dynamic_shapes, example_like
+    from autotp.capture.export import _dynamic_shapes, example_like
 
     call = {"input_ids": torch.ones(3, 6, dtype=torch.long), "attention_mask": torch.ones(3, 6, dtype=torch.long),
             "decoder_input_ids": torch.ones(3, 4, dtype=torch.long), "use_cache": False}

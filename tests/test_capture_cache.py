@@ -4,7 +4,8 @@ import torch
 from torch import nn
 
 import autotp
-from autotp import capture_cache, zoo
+from autotp import zoo
+from autotp.capture import cache as capture_cache
 from autotp.capture import capture
 from autotp.testing import keep_loss_precision
 

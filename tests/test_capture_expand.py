@@ -1,4 +1,4 @@
-"""Cut and expand (autotp.capture_expand): a capture grown from three blocks is the whole export.
+"""Cut and expand (autotp.capture.expand): a capture grown from three blocks is the whole export.
 
 For each family the expanded capture is compared with a whole export of the same model: the
 same graph node for node (names, ops, arguments, module paths), the same name maps, signature
@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from autotp import capture as capture_mod
+from autotp.capture import export as capture_mod
 from autotp import zoo
 from autotp.api import build_plan
 from autotp.capture import capture, flat_inputs, module_path, unflatten_outputs
-from autotp.capture_expand import KEEP, find_stacks
+from autotp.capture.expand import KEEP, find_stacks
 
 LAYERS = KEEP + 2   # two blocks written by the expansion: the recurrence runs copy to copy
 
@@ -117,7 +117,7 @@ def test_a_new_signature_is_expanded_too():
 @pytest.fixture
 def keeps(monkeypatch):
     """The number of blocks each expanded capture was cut to, in order."""
-    from autotp import capture_expand
+    from autotp.capture import expand as capture_expand
 
     seen = []
     real = capture_expand.expand
@@ -387,7 +387,7 @@ def test_the_config_is_cut_and_restored():
     config = zoo.tiny_config("llama", layers=LAYERS)
     model = zoo.build("llama", config, device="meta")
     config.layer_types = ["full_attention"] * LAYERS
-    from autotp.capture_expand import cut
+    from autotp.capture.expand import cut
     stacks = find_stacks(model)
     with cut(model, stacks):
         assert len(model.model.layers) == KEEP and model.config.num_hidden_layers == KEEP

@@ -1,4 +1,4 @@
-"""A call without a mask is captured as transformers runs it eagerly (autotp.capture_masks):
+"""A call without a mask is captured as transformers runs it eagerly (autotp.capture.masks):
 no mask, causal by the kernel's flag, grouped-query attention at the key/value heads' own count;
 any call whose mask depends on its values keeps transformers' exported mask."""
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 from autotp import zoo
 from autotp.capture import capture
-from autotp.capture_masks import eager_masks, wants_eager_masks
+from autotp.capture.masks import eager_masks, wants_eager_masks
 
 aten = torch.ops.aten
 

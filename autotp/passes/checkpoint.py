@@ -27,7 +27,7 @@ _LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
 def layer_of(node: fx.Node) -> str | None:
     """The repeated layer whose forward produced ``node`` (None: outside every layer)."""
-    from ..capture import _clean_path
+    from ..capture.export import _clean_path
 
     stack = node.meta.get("nn_module_stack") or {}
     for path, _ in stack.values():
@@ -42,7 +42,7 @@ def set_grad_enabled(mode: bool) -> None:
     torch 2.11's ``split_module`` takes each ``_set_grad_enabled`` to open a region that lasts
     until the next one and sets its mode again at the start of every later partition; it
     asserts a constant argument, while an inlined grad-mode region restores the mode it found
-    (``_set_grad_enabled(prev)``, ``prev`` a node: autotp.higher_order). With that restoring
+    (``_set_grad_enabled(prev)``, ``prev`` a node: autotp.capture.higher_order). With that restoring
     call renamed alone, Llama's rotary ``no_grad`` region reached every later partition: the
     layers ran without autograd and the grad mode stayed off after the call (the loss had no
     gradient; a pipeline's next stage ran without one). Every grad-mode call is renamed: the

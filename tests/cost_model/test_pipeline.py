@@ -163,7 +163,7 @@ def test_model_flops_are_counted_off_the_graph_eq_3_for_a_gpt_and_what_swiglu_an
 
     import autotp
     from autotp import zoo
-    from autotp.capture_expand import find_stacks
+    from autotp.capture.expand import find_stacks
     from autotp.cost_model.pipeline import counted_flops, model_flops
     from autotp.ptd import layer_cost
 

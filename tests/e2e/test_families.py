@@ -7,7 +7,7 @@ fast tier fixes the structure and dtype per tp, FAST_PAIRS, and runs tp 2..4, T5
 SLOW_ONLY); loss,
 logits and every gradient must match the serial model within TOLERANCE (float64 1e-9, float32
 1e-4). The structure is drawn from a small fixed set so that the rank processes, which persist
-across examples, capture each structure once (autotp.capture_cache) and vary everything else.
+across examples, capture each structure once (autotp.capture.cache) and vary everything else.
 
 A family known not to pass yet is marked xfail(strict=True) with the reason, so that it turns
 into a failure once it is fixed and the mark must go; the fast tier runs a family's first broken
@@ -40,7 +40,8 @@ _PLANS: dict = {}   # per rank process: (family, structure, tp, dtype) -> the pl
 def check_family_case(case: dict) -> tuple[dict, dict]:
     """On each rank: build the drawn tiny model, parallelize it, compare with serial."""
     import autotp
-    from autotp import capture_cache, zoo
+    from autotp import zoo
+    from autotp.capture import cache as capture_cache
     from autotp.testing import equivalence_errors, keep_loss_precision
 
     layers, heads, kv_heads, head_dim, vocab, rotary = case["structure"]
@@ -143,7 +144,7 @@ def _cases(fast: bool):
 
 def check_capture_reused(family: str) -> dict:
     """Two models of one structure and different weights on this rank: one capture."""
-    from autotp import capture_cache
+    from autotp.capture import cache as capture_cache
 
     capture_cache.clear()
     case = dict(family=family, tp=1, structure=STRUCTURES[0], batch=2, seq=5, dtype="float64", seed=0)

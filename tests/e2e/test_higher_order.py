@@ -1,5 +1,5 @@
 """Higher-order ops in forward: a ``torch.no_grad()`` or ``torch.autocast`` block is inlined
-exactly (autotp.higher_order); ``torch.cond`` runs whole, its branches carried into the program.
+exactly (autotp.capture.higher_order); ``torch.cond`` runs whole, its branches carried into the program.
 Each checked against the serial model on gloo ranks (tp=2 inside a world of 4: dp=2)."""
 import torch
 from torch import nn

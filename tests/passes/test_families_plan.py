@@ -24,7 +24,8 @@ import torch
 
 import autotp
 from autotp.placements import Shard
-from autotp import capture_cache, zoo
+from autotp import zoo
+from autotp.capture import cache as capture_cache
 
 SIZES = ["llama-3-8b", "mistral-7b", "qwen2-7b", "gpt-neox-20b", "gpt-j-6b", "falcon-7b", "falcon-40b", "starcoder-15b",
          "opt-6.7b", "bert-large"]

@@ -91,14 +91,14 @@ def index_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict,
 
 
 def _region_calls() -> list:
-    from ...higher_order import REGION_CALLS
+    from ...capture.higher_order import REGION_CALLS
 
     return list(REGION_CALLS)
 
 
 @register(*_region_calls())
 def region_call_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
-    # Grad-mode and autocast switches around an inlined region (autotp.higher_order): no data.
+    # Grad-mode and autocast switches around an inlined region (autotp.capture.higher_order): no data.
     return [Strategy(tuple(REPLICATE for _ in info.inputs), None)]
 
 

@@ -41,7 +41,7 @@ from typing import Any, Iterator
 
 import torch
 
-from . import capture as _capture
+from . import export as _capture
 
 log = logging.getLogger(__name__)
 

@@ -31,9 +31,9 @@ import torch.utils._pytree as pytree
 from torch import fx
 from torch.overrides import TorchFunctionMode
 
-from .capture_masks import eager_masks
-from .errors import CaptureError, ConfigError
+from ..errors import CaptureError, ConfigError
 from .higher_order import inline_regions
+from .masks import eager_masks
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -66,7 +66,7 @@ class Capture:
     signature: inspect.Signature | None = None   # model.forward's, to name positional inputs
     training: bool = True                # the model's mode at capture (dropout is in the graph or not)
     model_name: str = "the model"
-    #: the stacks captured cut and expanded (autotp.capture_expand), e.g. ("transformer.h",); () when whole
+    #: the stacks captured cut and expanded (autotp.capture.expand), e.g. ("transformer.h",); () when whole
     expanded: tuple = ()
 
     @property
@@ -295,7 +295,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     return cap
 
 
-#: capture a stack of identical blocks cut to three and expand the graph (autotp.capture_expand);
+#: capture a stack of identical blocks cut to three and expand the graph (autotp.capture.expand);
 #: False exports every model whole
 EXPAND = True
 
@@ -329,12 +329,12 @@ def _export_cut(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: 
     A model's first capture keeps three blocks per stack: block 2 must repeat block 1 *with*
     whatever the parent runs between blocks, which catches a parent that treats alternate
     blocks differently. It also records each block's call signature (torch.export's
-    ``preserve_module_call_signature``) and learns a :class:`~autotp.capture_expand.Template`:
+    ``preserve_module_call_signature``) and learns a :class:`~autotp.capture.expand.Template`:
     which arguments every block shares and which it takes from the block before. Once that
     held, a later capture of the same model keeps **one** block where block 0 is alike the rest
     and its call fits the template (gpt2-xl's new signature: export 0.32 s against 0.48 s for
     two blocks), else two (block 1 checked against block 0), else three."""
-    from . import capture_expand
+    from . import expand as capture_expand
 
     try:
         stacks = capture_expand.find_stacks(model)
@@ -405,7 +405,7 @@ def _export_calls(model: torch.nn.Module, stacks: list, keep: int, kwargs: dict[
     model whose block calls torch.export cannot record (their arguments are not pytrees) is
     exported without them: cut to three it then teaches no template; cut to one it cannot
     expand."""
-    from . import capture_expand
+    from . import expand as capture_expand
 
     try:
         with capture_expand.cut(model, stacks, keep):
@@ -707,7 +707,7 @@ def _suggested_fixes(text: str) -> str:
 
 
 def _from_exported(ep: torch.export.ExportedProgram, kwargs: dict[str, Any], expanded: Any = None) -> Capture:
-    """The Capture of ``ep``; ``expanded`` (autotp.capture_expand.Expanded): the whole model's
+    """The Capture of ``ep``; ``expanded`` (autotp.capture.expand.Expanded): the whole model's
     graph and lifted inputs grown from ``ep``, a cut model's program."""
     sig = ep.graph_signature
     params, buffers, consts = {}, {}, {}
@@ -750,7 +750,7 @@ def _from_exported(ep: torch.export.ExportedProgram, kwargs: dict[str, Any], exp
                 input_dims[f"{key}.{d}"] = sym
                 dim_symbols.setdefault(sym, "batch" if d == 0 else "seq")
     symbol_hints = _symbol_hints(gm)
-    inline_regions(gm)   # no_grad/autocast blocks in forward become plain ops (autotp.higher_order)
+    inline_regions(gm)   # no_grad/autocast blocks in forward become plain ops (autotp.capture.higher_order)
     _normalize(gm.graph)
     gm = _renamed(gm)
     return Capture(
