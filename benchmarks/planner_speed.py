@@ -46,13 +46,26 @@ def gpt2_capture(hidden: int, heads: int, layers: int, vocab: int):
     return capture(gpt2_model(hidden, heads, layers, vocab))
 
 
+def _capture_modules():
+    """(the module holding capture's ``EXPAND`` switch, the one holding its example-input helpers):
+    ``autotp.capture.export`` and ``autotp.capture.inputs``; both ``autotp.capture`` itself in a tree
+    from before capture became a package (a side-by-side baseline)."""
+    try:
+        import autotp.capture.export as E
+        import autotp.capture.inputs as I
+    except ImportError:
+        import autotp.capture as E
+        I = E
+    return E, I
+
+
 def capture_times(dims: tuple, repeats: int) -> dict:
     """Export alone, capture whole, capture cut and expanded: best of ``repeats`` each, one model."""
-    import autotp.capture as C
+    C, I = _capture_modules()
 
     model = gpt2_model(*dims)
-    kwargs = C.hf_example_kwargs(model, seq=C._example_seq(C.seq_bounds(model)), device="meta")
-    shapes = C._dynamic_shapes(kwargs, C.seq_bounds(model))
+    kwargs = I.hf_example_kwargs(model, seq=I._example_seq(I.seq_bounds(model)), device="meta")
+    shapes = I._dynamic_shapes(kwargs, I.seq_bounds(model))
     out = {"export": [], "whole": [], "expand": []}
     for _ in range(repeats):
         t = time.perf_counter()
@@ -73,17 +86,17 @@ def child(dims: tuple, tp: int, whole: bool, t0: float) -> None:
     import json
 
     import autotp
-    import autotp.capture as C
     from autotp.api import build_plan, capture_model
     from autotp.passes.rewrite import rewrite
 
+    C, I = _capture_modules()
     C.EXPAND = not whole
     model = gpt2_model(*dims)
     t1 = time.perf_counter()
     plan = autotp.plan(model, tp, batch=8, seq=1024, profile="h100-dgx")
     t2 = time.perf_counter()
     model.eval()   # another call: inference, ids alone
-    inputs = C.example_like({"input_ids": torch.zeros((1, 5), dtype=torch.long, device="meta")}, C.seq_bounds(model))
+    inputs = I.example_like({"input_ids": torch.zeros((1, 5), dtype=torch.long, device="meta")}, I.seq_bounds(model))
     cap = capture_model(model, example_kwargs=inputs)
     t2a = time.perf_counter()
     _, index, prop = build_plan(cap, tp, batch=8, seq=1024, profile="h100-dgx", plan=plan)
@@ -194,7 +207,7 @@ def main() -> None:
         "",
         f"In-process capture figures are the best of {args.capture_repeats} (the process already warm). "
         "*export alone*: `torch.export.export` of the whole model; *capture whole*: autotp's capture with "
-        "`autotp.capture.EXPAND = False`; *cut + expand*: autotp's default capture (three blocks exported, "
+        "`autotp.capture.export.EXPAND = False`; *cut + expand*: autotp's default capture (three blocks exported, "
         "the graph grown to the model's depth; the graph is node for node the whole capture's). "
         f"*plan, fresh process*: `autotp.plan(model, {args.tp})` timed inside a new Python process (best of "
         f"{args.fresh_repeats}, median beside it; *process wall*: the subprocess's whole wall time, interpreter start and "

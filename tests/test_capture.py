@@ -220,7 +220,7 @@ def test_layerdrop_at_zero_is_captured_with_every_layer_and_above_zero_is_refuse
 
 
 def test_a_unit_draw_answers_only_what_every_draw_answers_alike():
-    from autotp.capture.export import RandomBranchError, _UnitDraw
+    from autotp.capture.draws import RandomBranchError, _UnitDraw
 
     u = _UnitDraw("here")
     assert (u < 0, u < 0.0, u <= -1, u > -0.5, u >= 0, u < 1, u <= 1.5, u > 1, u >= 1) == \
@@ -253,7 +253,7 @@ def test_a_shape_twin_holds_no_weights_keeps_ties_and_leaves_the_model_alone():
 
 
 def test_example_inputs_keep_which_lengths_are_equal_and_each_length_gets_its_own_dim():
-    from autotp.capture.export import _dynamic_shapes, example_like
+    from autotp.capture.inputs import _dynamic_shapes, example_like
 
     call = {"input_ids": torch.ones(3, 6, dtype=torch.long), "attention_mask": torch.ones(3, 6, dtype=torch.long),
             "decoder_input_ids": torch.ones(3, 4, dtype=torch.long), "use_cache": False}

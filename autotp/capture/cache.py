@@ -32,32 +32,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import hashlib
 import logging
-import types
 from collections import OrderedDict
 from typing import Any, Iterator
 
 import torch
 
-from . import export as _capture
+from .export import capture as _export
+from .inputs import _length_groups, bind_inputs, forward_signature, seq_bounds
+from .program import Capture, _tied_aliases
+from .structure import _TORCH_BOOKKEEPING, Uncacheable, _describe, _qualname
 
 log = logging.getLogger(__name__)
 
 SIZE = 16
-_entries: "OrderedDict[str, _capture.Capture]" = OrderedDict()
+_entries: "OrderedDict[str, Capture]" = OrderedDict()
 _state = {"enabled": True, "hits": 0, "misses": 0}
-
-#: nn.Module's own attributes; private attributes of the model's classes are keyed like any other
-#: (transformers keeps a replaced ``loss_function`` in ``_loss_function``)
-_TORCH_BOOKKEEPING = frozenset(torch.nn.Module().__dict__) - {"training"}
-
-_PLAIN = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
-
-
-class Uncacheable(Exception):
-    """The model has state the key cannot read; it is captured afresh."""
 
 
 def stats() -> dict[str, int]:
@@ -81,22 +72,22 @@ def disabled() -> Iterator[None]:
 
 
 def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None,
-            dynamic: bool = True, seq_range: tuple[int, int] | None = None) -> _capture.Capture:
+            dynamic: bool = True, seq_range: tuple[int, int] | None = None) -> Capture:
     """:func:`autotp.capture.capture`, reusing an earlier capture of the same structure."""
     if not _state["enabled"]:
-        return _capture.capture(model, example_inputs, example_kwargs, dynamic, seq_range)
+        return _export(model, example_inputs, example_kwargs, dynamic, seq_range)
     try:
         key = structure_key(model, example_inputs, example_kwargs, dynamic, seq_range)
     except Uncacheable as why:
         log.debug("capture not cached: %s", why)
-        return _capture.capture(model, example_inputs, example_kwargs, dynamic, seq_range)
+        return _export(model, example_inputs, example_kwargs, dynamic, seq_range)
     cached = _entries.get(key)
     if cached is not None and _fits(cached, model):
         _entries.move_to_end(key)
         _state["hits"] += 1
         return _for_model(cached, model)
     _state["misses"] += 1
-    cap = _capture.capture(model, example_inputs, example_kwargs, dynamic, seq_range)
+    cap = _export(model, example_inputs, example_kwargs, dynamic, seq_range)
     _entries[key] = cap
     while len(_entries) > SIZE:
         _entries.popitem(last=False)
@@ -107,7 +98,7 @@ def structure_key(model: torch.nn.Module, example_inputs: tuple = (), example_kw
                   dynamic: bool = True, seq_range: tuple[int, int] | None = None) -> str:
     """The key described in the module docs, as a hex digest. Raises :class:`Uncacheable`."""
     parts: list[str] = [_qualname(type(model)), f"dynamic={dynamic}", f"grad={torch.is_grad_enabled()}",
-                        f"seq={_capture.seq_bounds(model, seq_range)}"]
+                        f"seq={seq_bounds(model, seq_range)}"]
     for path, module in model.named_modules(remove_duplicate=False):
         if module._forward_hooks or module._forward_pre_hooks or getattr(module, "_backward_hooks", None):
             raise Uncacheable(f"module {path or 'root'} has hooks")
@@ -121,45 +112,15 @@ def structure_key(model: torch.nn.Module, example_inputs: tuple = (), example_kw
     for name, b in model.named_buffers(remove_duplicate=False):
         parts.append(f"B {name} {tuple(b.shape)} {b.dtype} {b.device.type}")
     if example_inputs or example_kwargs is not None:
-        inputs = _capture.bind_inputs(_capture.forward_signature(model), tuple(example_inputs),
+        inputs = bind_inputs(forward_signature(model), tuple(example_inputs),
                                       dict(example_kwargs or {}), type(model).__name__)
         # which inputs share a length: capture gives each distinct length its own symbol
-        groups = _capture._length_groups(inputs)
+        groups = _length_groups(inputs)
         for name, value in inputs.items():
             parts.append(f"I {name} {_describe_input(value, name)} length-group={groups.get(name)}")
     else:
         parts.append("I synthesized")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
-
-
-def _qualname(obj: Any) -> str:
-    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
-
-
-def _describe(value: Any, where: str) -> str:
-    if isinstance(value, _PLAIN):
-        return repr(value)
-    if isinstance(value, (tuple, list)):
-        return "(" + ",".join(_describe(v, where) for v in value) + ")"
-    if isinstance(value, (set, frozenset)):
-        return "{" + ",".join(sorted(_describe(v, where) for v in value)) + "}"
-    if isinstance(value, dict):
-        return "{" + ",".join(f"{k!r}:{_describe(v, where)}" for k, v in sorted(value.items(), key=repr)) + "}"
-    if isinstance(value, torch.Tensor):   # not a parameter or buffer: export lifts it as a constant
-        if value.device.type == "meta":
-            return f"tensor{tuple(value.shape)}{value.dtype}"
-        data = hashlib.sha256(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
-        return f"tensor{tuple(value.shape)}{value.dtype}:{data}"
-    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, type)):
-        return _qualname(value)
-    if isinstance(value, functools.partial):
-        return (f"partial {_describe(value.func, where)} {_describe(value.args, where)} "
-                f"{_describe(value.keywords, where)}")
-    if isinstance(value, types.MethodType):
-        return f"method {_qualname(value.__func__)} of {type(value.__self__).__name__}"
-    if hasattr(value, "to_json_string") and hasattr(value, "to_dict"):   # a HuggingFace config
-        return value.to_json_string(use_diff=False) + f" attn={getattr(value, '_attn_implementation', None)}"
-    raise Uncacheable(f"{where} is a {type(value).__name__}, which the structure key cannot read")
 
 
 def _describe_input(value: Any, name: str) -> str:
@@ -172,7 +133,7 @@ def _describe_input(value: Any, name: str) -> str:
     return f"{value.dtype} {value.device.type} {dims}"
 
 
-def _fits(cap: _capture.Capture, model: torch.nn.Module) -> bool:
+def _fits(cap: Capture, model: torch.nn.Module) -> bool:
     """Every lifted parameter/buffer placeholder names a tensor of the model with its shape and dtype."""
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(model.named_buffers(remove_duplicate=False))
@@ -186,9 +147,9 @@ def _fits(cap: _capture.Capture, model: torch.nn.Module) -> bool:
     return True
 
 
-def _for_model(cap: _capture.Capture, model: torch.nn.Module) -> _capture.Capture:
+def _for_model(cap: Capture, model: torch.nn.Module) -> Capture:
     """The cached capture with the fields that belong to this model instance recomputed."""
     fresh = dataclasses.replace(cap, aliases={})
-    fresh.aliases = _capture._tied_aliases(model, fresh)
-    fresh.signature, fresh.model_name = _capture.forward_signature(model), type(model).__name__
+    fresh.aliases = _tied_aliases(model, fresh)
+    fresh.signature, fresh.model_name = forward_signature(model), type(model).__name__
     return fresh

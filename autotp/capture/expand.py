@@ -59,7 +59,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
-from .cache import Uncacheable, _describe, _qualname, _TORCH_BOOKKEEPING
+from .program import module_path
+from .structure import _TORCH_BOOKKEEPING, Uncacheable, _describe, _qualname
 
 #: blocks kept per stack in the cut capture: block 0 (may differ), block 1, and block 2 that
 #: must repeat block 1 and is the template of the rest
@@ -360,8 +361,6 @@ def expand(ep: torch.export.ExportedProgram, model: nn.Module, stacks: list[Stac
 
 
 def _block_of(node: fx.Node, stack: str) -> int | None:
-    from .export import module_path
-
     path = module_path(node)
     if path.startswith(stack + "."):
         head = path[len(stack) + 1:].split(".", 1)[0]

@@ -27,7 +27,7 @@ _LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
 def layer_of(node: fx.Node) -> str | None:
     """The repeated layer whose forward produced ``node`` (None: outside every layer)."""
-    from ..capture.export import _clean_path
+    from ..capture.program import _clean_path
 
     stack = node.meta.get("nn_module_stack") or {}
     for path, _ in stack.values():
