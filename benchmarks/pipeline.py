@@ -103,7 +103,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    from autotp.testing_launch import LocalCluster
+    from autotp.testing.ranks import LocalCluster
 
     with LocalCluster(PP, timeout=1800) as cluster:
         result = cluster.run(measure)[0]

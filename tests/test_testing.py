@@ -1,7 +1,8 @@
 """autotp.testing's equivalence measure: relative to the scale of a parameter's group."""
 import torch
 
-from autotp.testing import TOLERANCE, _module_grad_norms, relative_error
+from autotp.testing import TOLERANCE, relative_error
+from autotp.testing.equivalence import _module_grad_norms
 
 
 def test_a_gradient_zero_in_exact_arithmetic_passes_against_its_modules_scale():

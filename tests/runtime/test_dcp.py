@@ -142,7 +142,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_whole(tmp_path):
     import os
 
     from autotp.errors import CommError
-    from autotp.testing_launch import LocalCluster
+    from autotp.testing.ranks import LocalCluster
 
     path = str(tmp_path / "ckpt")
     with LocalCluster(2, timeout=120, collective_timeout=15, error_grace=20) as cluster:

@@ -1,13 +1,10 @@
-"""What autotp's own tests use, for users to test their models the same way.
+"""Equivalence with the serial model: run the serial model and its parallel counterpart on the
+same inputs, forward and backward, and compare loss, logits and every parameter's gradient (this
+rank's shard against the same slice of the serial gradient), each relative to its scale.
 
-* :func:`launch` / :class:`LocalCluster`: local ranks (gloo on CPU) without torchrun.
-* :func:`equivalence_errors` / :func:`assert_equivalent`: run the serial model and its parallel
-  counterpart on the same inputs, forward and backward, and compare loss, logits and every
-  parameter's gradient (this rank's shard against the same slice of the serial gradient).
-* :func:`gpt2_cases`: hypothesis strategy of small GPT-2 configurations with a tp and a layout.
-* :func:`keep_loss_precision`: HuggingFace's causal-LM loss casts logits to float32 even in a
-  float64 model; this gives the model a loss in the logits' own dtype, so that a float64 check
-  measures the rewrite and not float32 rounding of the loss.
+:func:`keep_loss_precision`: HuggingFace's causal-LM loss casts logits to float32 even in a
+float64 model; this gives the model a loss in the logits' own dtype, so that a float64 check
+measures the rewrite and not float32 rounding of the loss.
 """
 from __future__ import annotations
 
@@ -17,18 +14,10 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from .placements import Shard
-from .testing_launch import LocalCluster, launch, preload
-
-__all__ = ["launch", "LocalCluster", "preload", "relative_error", "equivalence_errors", "assert_equivalent",
-           "gpt2_cases", "keep_loss_precision", "MEGATRON_GPT2", "TOLERANCE"]
+from ..placements import Shard
 
 #: Relative error bounds the property tests hold the parallel model to.
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
-
-#: GPT-2's layout in the Megatron-LM paper, as autotp roles (for pinning in tests).
-MEGATRON_GPT2 = {"*.c_attn.weight": "column", "*.mlp.c_fc.weight": "column",
-                 "*.attn.c_proj.weight": "row", "*.mlp.c_proj.weight": "row"}
 
 
 def _causal_lm_loss_in_logits_dtype(logits, labels, vocab_size: int, num_items_in_batch=None,
@@ -158,7 +147,7 @@ def assert_equivalent(model: nn.Module, tp: int, inputs: Mapping[str, Any], *, r
                       **parallelize_kwargs: Any) -> dict[str, float]:
     """Parallelize ``model`` at ``tp`` (inside an initialized world) and check that it computes
     what ``model`` computes. Returns the errors; raises AssertionError naming the worst."""
-    from .api import parallelize
+    from ..api import parallelize
 
     pm = parallelize(model, tp, **parallelize_kwargs)
     errors = equivalence_errors(model, pm, inputs)
@@ -169,41 +158,3 @@ def assert_equivalent(model: nn.Module, tp: int, inputs: Mapping[str, Any], *, r
         raise AssertionError(f"parallel model differs from serial at {worst}: relative error "
                              f"{errors[worst]:.3e} > {bound:.1e} (tp={tp})")
     return errors
-
-
-def gpt2_cases(tps: tuple[int, ...] = (1, 2, 4), max_layers: int = 3):
-    """Hypothesis strategy: dicts describing a small GPT-2, a tp dividing its heads, a layout
-    (Megatron's, one drawn per template, or None to let the planner choose), inputs and dtype."""
-    from hypothesis import strategies as st
-
-    roles = st.sampled_from(["replicate", "column", "row"])
-    emb_roles = st.sampled_from(["replicate", "vocab", "column"])
-
-    @st.composite
-    def case(draw):
-        tp = draw(st.sampled_from(tps))
-        heads = tp * draw(st.integers(1, 3))
-        head_dim = draw(st.sampled_from([2, 4, 8]))
-        n_positions = 16
-        kind = draw(st.sampled_from(["megatron", "drawn", "planner"]))
-        layout = None
-        if kind == "megatron":
-            layout = dict(MEGATRON_GPT2)
-        elif kind == "drawn":
-            layout = {t: draw(roles) for t in ("*.c_attn.weight", "*.attn.c_proj.weight", "*.mlp.c_fc.weight",
-                                                "*.mlp.c_proj.weight")}
-            layout["lm_head.weight"] = draw(emb_roles)
-            layout["transformer.wpe.weight"] = draw(emb_roles)
-        return {
-            "tp": tp,
-            "config": dict(n_layer=draw(st.integers(1, max_layers)), n_head=heads, n_embd=heads * head_dim,
-                           vocab_size=tp * draw(st.integers(3, 24)), n_positions=n_positions,
-                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-            "batch": draw(st.integers(1, 3)),
-            "seq": draw(st.integers(2, n_positions).filter(lambda s: s != 8)),  # 8 is the traced length
-            "dtype": draw(st.sampled_from(["float64", "float32"])),
-            "layout": layout,
-            "seed": draw(st.integers(0, 2**16)),
-        }
-
-    return case()
