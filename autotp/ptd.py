@@ -161,7 +161,7 @@ def layer_cost(model: nn.Module, stack: Any, t: int, micro_batch: int, seq: int,
     difference, the rest lies outside the layers (the optimizer's share taken out: a pipeline
     prices it once a step), split between the first stage (before the layers) and the last as
     the plan's ops and collectives fall (``runtime.pipeline.layer_costs``)."""
-    from .api import build_plan
+    from .planner import build_plan
     from .capture.cache import capture
     from .capture.expand import NotExpandable, cut
     from .cost_model.symbolic import forward_flops

@@ -49,7 +49,8 @@ def ideal_bytes(plan) -> float:
 
 
 def main() -> int:
-    from autotp.api import build_plan, check_heads
+    from autotp.passes.attention import check_heads
+    from autotp.planner import build_plan
     from autotp.capture import capture
 
     rows, logits_rows = [], []

@@ -49,7 +49,7 @@ def plan_for(hidden: int, heads: int, layers: int, tp: int):
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
 
-    from autotp.api import build_plan
+    from autotp.planner import build_plan
     from autotp.capture import capture
 
     hf_logging.set_verbosity_error()

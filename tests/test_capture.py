@@ -64,7 +64,7 @@ def test_synthesized_inputs_include_labels_and_disable_the_cache():
 import pytest  # noqa: E402
 
 from autotp import zoo  # noqa: E402
-from autotp.api import attention_head_counts, check_heads  # noqa: E402
+from autotp.passes.attention import attention_head_counts, check_heads  # noqa: E402
 from autotp.errors import CaptureError, ConfigError, PlanError  # noqa: E402
 
 

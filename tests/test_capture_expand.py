@@ -10,7 +10,7 @@ from torch import nn
 
 from autotp.capture import export as capture_mod
 from autotp import zoo
-from autotp.api import build_plan
+from autotp.planner import build_plan
 from autotp.capture import capture, flat_inputs, module_path, unflatten_outputs
 from autotp.capture.expand import KEEP, find_stacks
 

@@ -10,7 +10,7 @@ import pytest
 import sympy
 
 import autotp
-from autotp.api import build_plan
+from autotp.planner import build_plan
 from autotp.capture import capture
 from autotp.cost_model import PROFILES
 from autotp.errors import ConfigError, PlanError

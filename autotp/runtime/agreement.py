@@ -180,3 +180,43 @@ def _first_difference(per_rank: list[list[str]], ranks: list[int]) -> str:
                               for v, r in seen.items())
             return f"entry {i}: {shown}"
     return "the same entries in another order"
+
+
+# ---------------------------------------------------------------- capture and planning, on every rank or none
+
+def _on_every_rank_or_none(mesh: Any, step: Any) -> Any:
+    """Run ``step`` (capture and planning: no collectives) and tell the TP group whether it
+    worked, with one small all-reduce, before anyone waits in a collective of the model. A
+    rank that failed raises its own error; the others raise at once instead of waiting for it
+    until the collective timeout."""
+    try:
+        value, failure = step(), None
+    except Exception as exc:   # re-raised below, after the group has been told
+        value, failure = None, exc
+    group = getattr(mesh, "control_group", None) or mesh.tp_group
+    if group is not None:
+        import torch.distributed as dist
+
+        ok = torch.tensor([0 if failure is not None else 1], dtype=torch.int64)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+        if failure is None and ok.item() == 0:
+            raise DisagreementError(
+                f"another rank of TP group {list(mesh.tp_ranks)} failed to capture or plan the model (its own "
+                "error says why); this rank stops too instead of waiting for it in a collective"
+            )
+    if failure is not None:
+        raise failure
+    return value
+
+
+def _agreed_seed(mesh: Any, seed: int | None) -> int:
+    """One dropout seed for the whole TP group: ``seed``, or TP rank 0's initial seed."""
+    seed = torch.initial_seed() % (1 << 62) if seed is None else int(seed)
+    group = getattr(mesh, "control_group", None) or mesh.tp_group
+    if group is None:
+        return seed
+    import torch.distributed as dist
+
+    value = torch.tensor([seed], dtype=torch.int64)
+    dist.broadcast(value, src=mesh.tp_ranks[0], group=group)
+    return int(value.item())

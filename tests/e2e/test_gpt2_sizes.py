@@ -140,7 +140,7 @@ def test_meta_gpt2_xl_at_tp8_plans_without_weights_and_every_rank_is_within_5_pe
 
 def test_an_uneven_head_split_is_priced_at_its_largest_rank():
     # 12 heads over 8 ranks: four ranks hold 2 heads, four hold 1; the step waits for a 2-head rank.
-    from autotp.api import build_plan
+    from autotp.planner import build_plan
     from autotp.capture import capture
     from tests.helpers import tiny_gpt2
 
@@ -187,7 +187,7 @@ FULL_SIZES = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-large"
 def test_every_full_gpt2_size_is_planned_at_every_tp_with_each_rank_near_ideal(size):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from autotp.api import build_plan
+    from autotp.planner import build_plan
     from autotp.capture import capture
 
     layers, heads, hidden = FULL_SIZES[size]

@@ -19,7 +19,7 @@ import torch
 
 import autotp
 from autotp import zoo
-from autotp.api import build_plan
+from autotp.planner import build_plan
 from autotp.capture import capture, module_path
 from autotp.testing import TOLERANCE, equivalence_errors, keep_loss_precision
 

@@ -151,7 +151,7 @@ def test_a_layout_pinned_at_tp_1_runs_the_captured_ops_alone():
     """At tp 1 every conversion and f/g is the identity: Megatron's layout pinned on one rank
     (data parallelism alone) gives a program without a collective or a copy standing for one,
     that computes what the model does."""
-    from autotp.api import build_plan
+    from autotp.planner import build_plan
     from autotp.capture import capture
     from autotp.passes.rewrite import rewrite
     from tests.test_capture_expand import run

@@ -64,7 +64,7 @@ def test_ranks_of_an_uneven_split_agree_although_their_local_sizes_differ(cluste
 def test_fingerprint_leaves_out_local_sizes_but_keeps_the_graph_structure():
     from autotp.capture import capture
     from autotp.passes.rewrite import rewrite
-    from autotp.api import build_plan
+    from autotp.planner import build_plan
 
     cap = capture(tiny_gpt2(n_layer=1, n_head=6))
     plan, index, prop = build_plan(cap, 4, batch=2, seq=8, layout=MEGATRON_GPT2)

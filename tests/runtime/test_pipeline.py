@@ -116,7 +116,7 @@ def test_the_cut_at_real_size_gives_the_head_stage_fewer_layers():
     """GPT-2 XL's plan at tp 8 on meta: its vocabulary head and loss cost more than a layer, so
     the last of 8 stages runs fewer of the 48 layers than the others."""
     from autotp import zoo
-    from autotp.api import build_plan
+    from autotp.planner import build_plan
     from autotp.capture.cache import capture
     from autotp.cost_model import get_profile
     from autotp.runtime.outline import layer_paths

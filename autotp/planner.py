@@ -1,0 +1,138 @@
+"""A capture -> a :class:`~autotp.plan.Plan`: the graph indexed, the layout pinned, the
+strategies solved (or a saved plan replayed) and the result written as a plan. What
+:func:`autotp.plan`, :func:`autotp.parallelize` and the PTD-P planner (:mod:`autotp.ptd`) share."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .capture import Capture, gc_paused, module_path
+from .cost_model import get_profile
+from .errors import PlanError
+from .passes.propagate import GraphIndex, Propagation, propagate
+from .passes.solve import solve
+from .placements import REPLICATE, Placement, Shard
+from .plan import CommOp, DeferredExpressions, Plan, attention_heads, cost_expressions, role_of, unsplit_attention_note
+from .roles import _first_uses, _pinned
+
+
+@gc_paused()
+def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = None,
+               layout: Mapping[str, Any] | None = None, plan: Plan | None = None,
+               uneven: bool = True, gather_logits: bool | None = None,
+               memory_limit: float | None = None,
+               sequence_parallel: bool | None = None,
+               input_placements: Mapping[str, Placement] | None = None,
+               keep_split: frozenset[str] = frozenset()) -> tuple[Plan, GraphIndex, Propagation]:
+    """The plan for a capture. ``memory_limit`` (bytes per rank; default: the profile's device
+    memory) bounds training state + activations; a saved ``plan`` is replayed, not re-solved.
+
+    ``input_placements`` (input name -> placement) says how inputs arrive on the ranks when
+    not whole, and ``keep_split`` names outputs returned as they are split instead of gathered:
+    a generation step's KV cache goes out and comes back split by head (autotp.generation).
+
+    ``sequence_parallel``: may the solver split layer-norm/dropout/residual regions along the
+    sequence (Korthikanti et al.)? None (default): only when the fastest plan without it does not
+    fit the memory limit; True: whenever the cost model prefers it; False: never.
+
+    ``gather_logits``: None (default) keeps the output named ``logits`` split by vocabulary
+    where the call also returns a loss (labels given: training needs the loss, computed
+    vocab-parallel, not the b*s*V logits) and gathers it otherwise; True always gathers, False
+    never does."""
+    prof = get_profile(profile)
+    limit = prof.memory if memory_limit is None else memory_limit
+    names = cap.output_names
+    split_logits = not gather_logits if gather_logits is not None else "loss" in names
+    keep = frozenset(i for i, n in enumerate(names) if n in keep_split or (n == "logits" and split_logits))
+    by_key = dict(zip(cap.input_keys, cap.user_inputs))
+    arriving = {by_key[k]: p for k, p in (input_placements or {}).items()}
+    index = GraphIndex.build(cap, tp, batch, seq, uneven=uneven, sharded_outputs=keep,
+                             sequence_parallel=bool(sequence_parallel), input_placements=arriving)
+    pinned = _pinned(cap, layout, plan)
+    notes: list[str] = []
+    if plan is not None:
+        prop = propagate(index, pinned, prof, exact=True)
+        if prop.infeasible:
+            raise PlanError(f"the given plan does not fit this model: {prop.infeasible}")
+    else:
+        try:
+            solution = solve(index, prof, pinned, memory_limit=limit)
+            fits = solution.over_limit is None
+        except PlanError:
+            solution, fits = None, False
+        if sequence_parallel is None and uneven and not fits:
+            # Memory is the reason for sequence parallelism: the layer norms' and dropouts'
+            # activations shrink to s/tp tokens. (Offered always, the cost model would also pick
+            # it where its pointwise savings outweigh the extra all-gather; see architecture.md.)
+            index = GraphIndex.build(cap, tp, batch, seq, uneven=uneven, sharded_outputs=keep,
+                                     sequence_parallel=True, input_placements=arriving)
+            first = solution
+            try:
+                solution = solve(index, prof, pinned, memory_limit=limit)
+            except PlanError:
+                if first is None:
+                    raise
+                solution = first
+            if solution is not first and any(c.kind == "reduce_scatter" for c in solution.propagation.comms):
+                notes.append("sequence parallelism: without it no plan fits the memory limit as fast; layer "
+                             "norms, dropouts and residual adds run on s/tp tokens between a reduce-scatter "
+                             "and an all-gather along s")
+        elif solution is None:
+            solution = solve(index, prof, pinned, memory_limit=limit)   # raises the PlanError again
+        prop = solution.propagation
+        if solution.over_limit is not None:
+            fast_s, fast_bytes = solution.over_limit
+            notes.append(f"the fastest plan ({fast_s * 1e3:.3f} ms per step) needs {fast_bytes / 2**30:.2f} GiB "
+                         f"per rank, over the memory limit of {limit / 2**30:.2f} GiB: this plan is slower but fits")
+        if prop.infeasible:
+            raise PlanError(f"no feasible plan: {prop.infeasible}")
+    uses = _first_uses(cap)
+    params, shapes, roles = {}, {}, {}
+    nodes = {n.name: n for n in cap.graph.nodes}
+    for placeholder, fqn in cap.param_names.items():
+        if fqn in cap.aliases:
+            continue
+        node = nodes[placeholder]
+        p = prop.params.get(placeholder, REPLICATE)
+        params[fqn] = p
+        shapes[fqn] = tuple(int(s) for s in node.meta["val"].shape)
+        use = uses.get(placeholder)
+        roles[fqn] = role_of(p, use[0] if use else None, use[1] if use else -1)
+    comms = [CommOp(c.kind, c.tensor, c.consumer, repr(c.src), repr(c.dst), c.fwd_bytes, c.bwd_bytes, c.seconds,
+                    module_path(nodes[c.consumer]) if c.consumer in nodes else "")
+             for c in prop.comms]
+    dtype_bytes = next(iter(n.meta["val"].element_size() for n in cap.graph.nodes
+                            if n.op == "placeholder" and n.name in cap.param_names), 4)
+    result = Plan(tp=tp, profile=prof.name, batch=batch, seq=seq, params=params, shapes=shapes, roles=roles,
+                  comms=comms, compute_s=prop.compute_s, comm_s=prop.comm_s, dtype_bytes=dtype_bytes,
+                  aliases=dict(cap.aliases),
+                  sharded_outputs={names[i]: prop.placements[n] for i, n in enumerate(cap.output_nodes)
+                                   if i in keep and isinstance(prop.placements.get(n), Shard)},
+                  memory_bytes=prop.memory_bytes, activation_bytes=prop.activation_bytes, memory_limit=limit,
+                  expressions=(cost_expressions(index, prop, prof) if plan is None
+                               else DeferredExpressions(lambda: cost_expressions(index, prop, prof))),
+                  notes=notes,
+                  attention=attention_heads(index, prop))
+    if plan is None and tp > 1:
+        for note in (_replicated_note(result, layout), unsplit_attention_note(index, prop, result.attention or {})):
+            if note:
+                result.notes.append(note)
+    return result, index, prop
+
+
+#: below this share of parameter bytes split across ranks, a plan says why and how to split more
+SPLIT_SHARE_NOTED = 0.5
+
+
+def _replicated_note(result: Plan, layout: Mapping[str, Any] | None) -> str | None:
+    """Why most of the model stays whole, and how to force splits, when the solver left it so."""
+    serial = result.serial_param_bytes()
+    saved = serial - max(result.param_bytes_per_rank())
+    share = saved / (serial * (1 - 1 / result.tp)) if serial else 1.0   # 1.0: every byte split tp ways
+    if share >= SPLIT_SHARE_NOTED:
+        return None
+    return (f"most of the model runs replicated (the split saves {share:.0%} of what splitting everything "
+            f"{result.tp} ways would): at this workload (batch={result.batch}, seq={result.seq}, profile "
+            f"{result.profile}) the collectives a split needs cost more than the compute it saves. To split "
+            "more: pin roles with layout={'<glob>': 'column'|'row'|'vocab'}, plan for the workload you will "
+            "run (batch=, seq=), or pass the profile of the hardware (profile=)"
+            + ("" if not layout else "; the given layout's pins are applied"))
