@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ...placements import REPLICATE, Shard
-from . import OpInfo, Strategy, is_shard, register
+from .registry import OpInfo, Strategy, is_shard, register
 
 aten = torch.ops.aten
 
@@ -65,7 +65,7 @@ def mm_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
 @register(aten.linear.default)
 def linear_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     if len(info.inputs) != 2:
-        from . import replicate_all
+        from .registry import replicate_all
 
         return replicate_all(info, placements)  # capture splits the bias off; keep any other form whole
     return _matmul_strategies(info, placements, w_out=0, w_in=1)
@@ -79,7 +79,7 @@ def bmm_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
         # x [..., K] @ W [K, N]: Falcon's ``x @ weight.T``, column- or row-parallel like mm.
         return _matmul_strategies(info, placements, w_out=1, w_in=0)
     if a.ndim < 2 or b.ndim < 2 or a.ndim != b.ndim:
-        from . import replicate_all
+        from .registry import replicate_all
 
         return replicate_all(info, placements)
     nd = a.ndim

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...placements import REPLICATE
-from . import LocalContext, OpInfo, Strategy, is_shard, register, register_localizer, replicate_all
+from .registry import LocalContext, OpInfo, Strategy, is_shard, register, register_localizer, replicate_all
 from .view import tail_part, tail_position, tail_whole
 
 aten = torch.ops.aten

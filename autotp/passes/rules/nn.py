@@ -8,7 +8,7 @@ import torch
 
 from ...placements import PARTIAL, REPLICATE, Shard, divides, local_ranges
 
-from . import LocalContext, OpInfo, Strategy, TensorMeta, is_shard, norm_dim, register, register_localizer
+from .registry import LocalContext, OpInfo, Strategy, TensorMeta, is_shard, norm_dim, register, register_localizer
 
 aten = torch.ops.aten
 

@@ -13,7 +13,7 @@ import torch
 from torch import fx
 
 from ...placements import PARTIAL, REPLICATE, Shard
-from . import LocalContext, OpInfo, Strategy, is_partial, is_shard, register, register_localizer
+from .registry import LocalContext, OpInfo, Strategy, is_partial, is_shard, register, register_localizer
 
 aten = torch.ops.aten
 

@@ -17,7 +17,7 @@ import sympy
 import torch
 
 from ...placements import PARTIAL, REPLICATE, Shard, layout
-from . import (
+from .registry import (
     LocalContext,
     OpInfo,
     Strategy,

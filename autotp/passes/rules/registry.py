@@ -1,0 +1,347 @@
+"""One registry of per-op sharding rules, keyed by ATen op overload.
+
+A rule answers, for one op and the placements its tensor inputs currently have, which
+*strategies* are sound: each :class:`Strategy` names the placement every tensor input must
+have and the placement the output then has. The planner picks the cheapest (inputs are
+redistributed where they differ). A rule may also register a *localizer* that rewrites the
+op's arguments for a rank's local shards (view sizes, split sizes, ...).
+
+Adding an op is adding one decorated function to the family file it belongs to
+(``matrix.py``, ``view.py``, ``pointwise.py``, ``nn.py``, ``misc.py``). An op with no rule
+falls back to "replicate everything" with a warning naming it: slower, never wrong.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Sequence
+
+import sympy
+import torch
+
+from ...placements import PARTIAL, REPLICATE, Partial, Placement, Replicate, Shard, block_sets
+
+aten = torch.ops.aten
+
+log = logging.getLogger("autotp.rules")
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[sympy.Expr, ...]
+    dtype: torch.dtype
+
+    def __hash__(self) -> int:   # cached: metas key the cost caches, one lookup per strategy
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.shape, self.dtype))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:   # a symbol's hash differs between processes
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def static(self, dim: int) -> int | None:
+        size = self.shape[dim]
+        return int(size) if size.is_Integer else None
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.is_floating_point or self.dtype.is_complex
+
+
+OutputPlacement = Any  # Placement, a tuple of them (multi-output ops), or None (non-tensor)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    inputs: tuple[Placement, ...]
+    output: OutputPlacement
+    #: collectives the op runs inside itself (vocab-parallel loss): (kind, TensorMeta moved)
+    internal: tuple = ()
+    #: a column-parallel product into a tailed shard: input 0's f covers the dealt runs only
+    #: (the tail's gradient is whole on every rank already), see :func:`tail_sound`
+    f_runs_only: bool = False
+
+    def __hash__(self) -> int:   # cached, as TensorMeta's
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.inputs, self.output, self.internal, self.f_runs_only))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    __getstate__ = TensorMeta.__getstate__
+
+    def __repr__(self) -> str:
+        return f"{list(self.inputs)} -> {self.output}"
+
+
+@dataclass
+class OpInfo:
+    """What a rule sees of one op: its target, arguments (tensors replaced by
+    :class:`TensorMeta`), its tensor inputs in argument order, and its output's meta."""
+
+    target: Any
+    args: tuple
+    kwargs: dict
+    inputs: tuple[TensorMeta, ...]
+    output: Any  # TensorMeta, a tuple of them, or None
+    tp: int
+    hints: dict[int, tuple] = field(default_factory=dict)   # dim -> (chunks, unit[, rotate[, tail]])
+    uneven: bool = False   # may a fresh shard leave some ranks one atom more?
+    #: symbols of sequence dims: the one dynamic size a fresh shard may split (sequence
+    #: parallelism); never the batch, which may be smaller than tp
+    sequence: frozenset = frozenset()
+    #: an index by a constant list: (indexed dim, its non-negative positions); None otherwise
+    picks: tuple | None = None
+
+    def hint(self, dim: int) -> tuple[int, int, int, int, bool]:
+        """(chunks, unit, rotate, tail, grouped) a fresh shard of output ``dim`` should use (fused
+        q/k/v: 3 blocks of heads; rotate: which rank takes the first run of atoms; tail: atoms at
+        the end of each block kept whole, a fused multi-query k and v; grouped: the blocks are
+        groups of heads sharing a k and v, which may be dealt to sets of ranks, as a tail's are)."""
+        h = tuple(self.hints.get(dim, (1, 1)))
+        return h + (1, 1, 0, 0, False)[len(h):]
+
+    def fresh_shard(self, dim: int) -> Shard | None:
+        """A shard of output ``dim`` following the hint, or None if the dim cannot be split tp ways."""
+        return self.fresh_shard_of(None, dim)
+
+    def fresh_shard_of(self, input_index: int | None, dim: int) -> Shard | None:
+        """Like :meth:`fresh_shard`, for input ``input_index``'s ``dim`` (None: the output)."""
+        out = self.output if input_index is None else self.inputs[input_index]
+        size = out.static(dim)
+        if size is None:
+            # A sequence dim's size is known only at run time: a plain shard in contiguous runs,
+            # uneven whenever tp does not divide that call's length.
+            return Shard(dim) if self.uneven and out.shape[dim] in self.sequence else None
+        chunks, unit, rotate, tail, grouped = self.hint(dim) if input_index is None else (1, 1, 0, 0, False)
+        if size % (chunks * unit) or size // (chunks * unit) <= tail:
+            chunks, unit, tail, grouped = 1, 1, 0, False
+        dealt = size // (chunks * unit) - tail
+        if dealt < self.tp:
+            return self._per_block_shard(dim, chunks, unit, rotate, tail, dealt) if tail or grouped else None
+        if dealt % self.tp == 0:
+            rotate = 0                      # even: nothing to balance
+        elif not self.uneven:
+            return None
+        return Shard(dim, chunks, unit, rotate % self.tp, tail)
+
+    def _per_block_shard(self, dim: int, chunks: int, unit: int, rotate: int, tail: int,
+                         dealt: int) -> Shard | None:
+        """Fewer query heads in a group than ranks, and fewer groups than ranks (Falcon's new
+        layout at 2 groups of 4 heads, tp=8): each group dealt to its own set of ranks, its
+        query heads among them and its k and v whole on each (a tail); the output projection's
+        rows, grouped the same way, follow. Every rank gets at least one atom; uneven sets or
+        runs only if ``uneven``."""
+        if not 1 < chunks < self.tp:
+            return None
+        sets = [count for _, count in block_sets(chunks, self.tp)]
+        if max(sets) > dealt:
+            return None                     # a rank of the largest set would hold no atom
+        even = len(set(sets)) == 1 and dealt % sets[0] == 0
+        if not even and not self.uneven:
+            return None
+        return Shard(dim, chunks, unit, 0 if even else rotate % self.tp, tail, per_block=True)
+
+
+Rule = Callable[[OpInfo, tuple], list[Strategy]]
+Localizer = Callable[[OpInfo, Strategy, tuple, dict, "LocalContext"], tuple[Any, tuple, dict]]
+
+_RULES: dict[Any, Rule] = {}
+_LOCALIZERS: dict[Any, Localizer] = {}
+_warned: set[str] = set()
+
+
+def register(*targets: Any) -> Callable[[Rule], Rule]:
+    def deco(fn: Rule) -> Rule:
+        for t in targets:
+            _RULES[t] = fn
+        return fn
+
+    return deco
+
+
+def register_localizer(*targets: Any) -> Callable[[Localizer], Localizer]:
+    def deco(fn: Localizer) -> Localizer:
+        for t in targets:
+            _LOCALIZERS[t] = fn
+        return fn
+
+    return deco
+
+
+def replicate_all(info: OpInfo, placements: tuple) -> list[Strategy]:
+    return [Strategy(tuple(REPLICATE for _ in info.inputs), replicated_output(info.output))]
+
+
+def replicated_output(out: Any) -> Any:
+    if out is None:
+        return None
+    if isinstance(out, tuple):
+        return tuple(REPLICATE if o is not None else None for o in out)
+    return REPLICATE
+
+
+def has_rule(target: Any) -> bool:
+    return target in _RULES
+
+
+def mutates_first(target: Any) -> bool:
+    """Whether an ATen op writes its first argument in place (``relu_``, ``masked_fill_``)."""
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return bool(alias is not None and alias.is_write)
+
+
+def functional_of(target: Any) -> Any:
+    """The out-of-place overload of an in-place ATen op that has a rule (``aten.relu_.default``
+    -> ``aten.relu.default``), or None."""
+    packet = getattr(target, "overloadpacket", None)
+    name = getattr(packet, "__name__", "")
+    if not mutates_first(target) or not name.endswith("_") or name.startswith("_"):
+        return None
+    base = getattr(torch.ops.aten, name[:-1], None)
+    overload = getattr(base, getattr(target, "_overloadname", ""), None) if base is not None else None
+    return overload if overload in _RULES else None
+
+
+def _in_place(info: OpInfo, placements: tuple, functional: Any) -> list[Strategy]:
+    """An in-place op without a rule of its own, by its out-of-place twin's rule: only the
+    strategies that leave the tensor it writes as it is (a conversion would hand the op a copy,
+    and views of the tensor would miss the update); where none does, every input replicated, the
+    rewrite then writing a clone of the converted tensor."""
+    found = _RULES[functional](replace(info, target=functional), placements)
+    have = placements[0] if placements else None
+    kept = [s for s in found if have is None or s.inputs[0] == have]
+    return kept or replicate_all(info, placements)
+
+
+def strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """The sound strategies for ``info`` given its inputs' current placements (None: a free
+    parameter, which takes whatever placement the chosen strategy asks for)."""
+    rule = _RULES.get(info.target)
+    if rule is None and not info.inputs and info.output is None:
+        return replicate_all(info, placements)   # size arithmetic (SymInt + 1): nothing to shard
+    functional = functional_of(info.target) if rule is None else None
+    if functional is not None:
+        rule = functools.partial(_in_place, functional=functional)
+    if rule is None:
+        name = op_name(info.target)
+        if name not in _warned:
+            _warned.add(name)
+            log.warning(
+                "autotp: no sharding rule for %s; it runs replicated (correct, maybe slower). "
+                "Register one in autotp/passes/rules/ to shard it.", name,
+            )
+        return replicate_all(info, placements)
+    found = rule(info, placements)
+    if any(has_tail(p) for p in placements) or any(has_tail(p) for s in found for p in _outputs(s)):
+        found = [s for s in found if tail_sound(info, s)]
+    if any(has_outer(p) for p in placements) or any(has_outer(p) for s in found for p in _outputs(s)):
+        found = [s for s in found if info.target in _OUTER_OPS
+                 or not any(has_outer(p) for p in (*s.inputs, *_outputs(s)))]
+    return found
+
+
+def has_outer(p: Any) -> bool:
+    """A per-block shard whose blocks sit on a dim of their own: two dims differ per rank."""
+    return isinstance(p, Shard) and p.outer >= 0
+
+
+#: the ops whose rules place a per-block shard's ``outer`` dim (views, slices and picks of
+#: Falcon's grouped heads); any other strategy that would carry one is dropped
+_OUTER_OPS = frozenset((aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+                        aten.slice.Tensor, aten.index.Tensor, aten.alias.default, aten.clone.default,
+                        aten.contiguous.default, aten.detach.default))
+
+
+def has_tail(p: Any) -> bool:
+    return isinstance(p, Shard) and p.tail > 0
+
+
+def _outputs(strategy: Strategy) -> tuple:
+    return strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
+
+
+def tail_sound(info: OpInfo, strategy: Strategy) -> bool:
+    """Whether a strategy stays exact where a placement keeps a whole tail on every rank. A
+    tail is replicated data inside a shard: a sum over ranks (a Partial output, an op's own
+    collectives) would count it once per rank, and so would the backward all-reduce (f) of a
+    replicated float input feeding a tailed output. The column-parallel product is the one
+    exception: it marks itself ``f_runs_only`` and the rewrite gives the f to the dealt runs alone."""
+    if any(has_tail(p) for p in strategy.inputs) and (
+            strategy.internal or any(isinstance(p, Partial) for p in _outputs(strategy))):
+        return False
+    if any(has_tail(p) for p in _outputs(strategy)) and not strategy.f_runs_only:
+        return not any(isinstance(p, Replicate) and m.is_float for p, m in zip(strategy.inputs, info.inputs))
+    return True
+
+
+def localizer(target: Any) -> Localizer | None:
+    return _LOCALIZERS.get(target)
+
+
+def op_name(target: Any) -> str:
+    name = getattr(target, "__name__", None) or str(target)
+    if hasattr(target, "_schema"):
+        name = str(target).replace("aten::", "aten.")
+    return name
+
+
+def registered_ops() -> list[Any]:
+    return list(_RULES)
+
+
+class LocalContext:
+    """How a localizer turns a global size argument into this rank's local size.
+
+    ``local(arg, size, shard)``: ``arg`` is the op's argument for a dimension of global
+    ``size`` that is now sharded by ``shard``; returns the argument to pass locally (an int,
+    -1 kept as is, or — in a graph — a node computing it)."""
+
+    def __init__(self, tp: int, rank: int, group: Any = None):
+        self.tp = tp
+        self.rank = rank
+        self.group = group   # the TP process group, for ops that communicate inside themselves
+
+    def local(self, arg: Any, size: Any, shard: Shard) -> Any:
+        from ...placements import local_size
+
+        if isinstance(arg, int) and arg == -1:
+            return -1
+        if isinstance(arg, int):
+            return local_size(arg, shard, self.tp, self.rank)
+        if isinstance(size, sympy.Expr) and size.is_Integer:
+            return local_size(int(size), shard, self.tp, self.rank)
+        raise NotImplementedError(f"cannot localize symbolic size argument {arg!r} sharded by {shard}")
+
+    def size(self, expr: Any) -> Any:
+        """A global size as an argument: an int, or — in a graph — a node computing it."""
+        if isinstance(expr, sympy.Expr) and expr.is_Integer:
+            return int(expr)
+        raise NotImplementedError(f"cannot compute the dynamic size {expr} outside a graph")
+
+
+def norm_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def is_shard(p: Any) -> bool:
+    return isinstance(p, Shard)
+
+
+def is_partial(p: Any) -> bool:
+    return isinstance(p, Partial)
+
+
+def is_replicate(p: Any) -> bool:
+    return isinstance(p, Replicate)
+
