@@ -109,7 +109,7 @@ def _guarded_comm(op: str, group, only: Any = None) -> Iterator[None]:
         if only is not None and not only(e):
             raise
         from .faults import note_comm_failure, roll_call
-        from .mesh import group_timeout
+        from .timeouts import group_timeout
 
         note_comm_failure()
 

@@ -303,7 +303,7 @@ class StepGuard:
 
     def _rejoin(self) -> None:
         from ..errors import CommError
-        from .mesh import group_timeout
+        from .timeouts import group_timeout
 
         mine = self.fault
         if mine.get("comm") or mine.get("no_store"):

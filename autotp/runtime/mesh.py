@@ -32,11 +32,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autotp.errors import ConfigError
 from autotp.runtime.faults import register_process
+from autotp.runtime.timeouts import DEFAULT_TIMEOUT, collective_timeout, group_timeout
 
 __all__ = ["DEFAULT_TIMEOUT", "TPMesh", "init_from_env", "get_mesh", "collective_timeout", "group_timeout"]
-
-DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
-TIMEOUT_ENV = "AUTOTP_TIMEOUT"
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -53,21 +51,6 @@ def _choose_backend() -> str:
     if torch.cuda.is_available() and local_world <= torch.cuda.device_count():
         return "nccl"
     return "gloo"
-
-
-def collective_timeout() -> datetime.timedelta:
-    """The timeout a world started by autotp gets: ``AUTOTP_TIMEOUT`` seconds, else the default."""
-    text = os.environ.get(TIMEOUT_ENV)
-    if text is None:
-        return DEFAULT_TIMEOUT
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise ConfigError(f"{TIMEOUT_ENV}={text!r} is not a positive number of seconds "
-                          f"(unset it for the default of {DEFAULT_TIMEOUT.total_seconds():g} s)")
-    return datetime.timedelta(seconds=seconds)
 
 
 def init_from_env(backend: str | None = None, timeout: datetime.timedelta | None = None) -> str | None:
@@ -170,20 +153,6 @@ def _check_tp(tp) -> int:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def group_timeout(group=None) -> datetime.timedelta:
-    """The collective timeout of ``group`` (None: the default group)."""
-    try:  # private API; the fallback is only a different timeout, never a wrong result
-        pg = group if group is not None else dist.distributed_c10d._get_default_group()
-        for device in ("cpu", "cuda"):
-            try:
-                return pg._get_backend(torch.device(device)).options._timeout
-            except Exception:
-                continue
-    except Exception:
-        pass
-    return DEFAULT_TIMEOUT
 
 
 def get_mesh(tp: int, backend: str | None = None, pp: int = 1) -> TPMesh:
