@@ -9,10 +9,10 @@ from .errors import (AutotpError, CaptureError, CheckpointError, CommError, Conf
                      InputError, LostRankError, NoRuleError, PlanError)
 from .placements import Partial, Replicate, Shard
 from .plan import Plan
+from .version import __version__
 
 __all__ = [
     "from_pretrained", "parallelize", "plan", "Plan", "Replicate", "Shard", "Partial", "AutotpError", "CaptureError",
     "CheckpointError", "CommError", "ConfigError", "DisagreementError", "InputError", "LostRankError",
     "NoRuleError", "PlanError",
 ]
-__version__ = "0.1.0"

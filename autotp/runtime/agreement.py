@@ -57,9 +57,9 @@ def _digest(entries: Sequence[str]) -> int:
 # ---------------------------------------------------------------- what a rank will run
 
 def fingerprint(plan: Any, graph_module: fx.GraphModule) -> Fingerprint:
-    import autotp
+    from ..version import __version__
 
-    software = (f"autotp {autotp.__version__}", f"torch {torch.__version__}")
+    software = (f"autotp {__version__}", f"torch {torch.__version__}")
     params = tuple(f"{fqn}: {p!r} {list(plan.shapes.get(fqn, ()))}" for fqn, p in sorted(plan.params.items()))
     params += (f"tp={plan.tp}",)
     params += tuple(f"alias {a} -> {b}" for a, b in sorted(plan.aliases.items()))
