@@ -1,0 +1,240 @@
+"""Column and row hints: how a fresh shard of a tensor's dim learns its blocks, atom and tail from
+how the graph uses it next (a later equal ``split``: fused q, k, v; a view that factors the dim:
+a head of ``head_dim`` elements; an unequal split: a multi-query layout's whole tail), read by
+:class:`~autotp.passes.propagate.GraphIndex` when it indexes a product.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import sympy
+import torch
+from torch import fx
+
+from ..capture import shape_of
+from ..placements import Shard
+from .rules.view import map_view_shard, slice_range, view_groups
+
+aten = torch.ops.aten
+
+
+_FOLLOW_SAME = {
+    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.to.dtype,
+    aten.to.dtype_layout, aten._to_copy.default, aten.dropout.default, aten.contiguous.default,
+    aten.alias.default, aten.clone.default,
+}
+
+
+def column_hint(node: fx.Node, dim: int, tp: int = 1, uneven: bool = False,
+                constant: Any = None) -> tuple[int, int, int]:
+    """(chunks, unit, tail) for a fresh shard of ``node``'s ``dim``, read off how it is used next:
+    a later equal ``split`` of that dim gives the blocks (fused q, k, v), a later view that
+    factors it gives the atom (a head of ``head_dim`` elements), and a fused multi-query or
+    grouped layout gives the tail, the atoms every rank keeps whole: an unequal split whose
+    first piece is the query heads (GPT-BigCode's ``[q | k | v]``), or a view into heads whose
+    readers slice the query heads off the front of each group and pick k and v from its end
+    (Falcon: ``[..., :-2, :]``, ``[..., [-2], :]``). Where a group of heads is itself a whole
+    atom (Falcon's new layout, k and v inside each group) and there are at least ``tp`` groups
+    (an even count, or ``uneven``), the groups are dealt whole instead: nothing is replicated.
+    ``constant(node)``: a lifted constant's value (the index lists), or None."""
+    chunks, unit, tail_elems = 1, 1, 0
+    cur, d = node, dim
+    size = shape_of(node)[dim] if shape_of(node) is not None else None
+
+    def done(c: int, u: int, t_elems: int, t_atoms: int = 0) -> tuple[int, int, int]:
+        if t_elems:
+            if t_elems % (c * u):
+                return 1, 1, 0
+            t_atoms += t_elems // u
+        return c, u, t_atoms
+
+    for _ in range(32):
+        users = [u for u in cur.users if u.op == "call_function"]
+        if not users:
+            break
+        u = users[0]
+        if u.target is operator.getitem:
+            cur = u
+            continue
+        if len(users) > 1 and cur.target not in (aten.split.Tensor, aten.split_with_sizes.default):
+            break
+        t = u.target
+        if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+            src, dst = shape_of(cur), shape_of(u)
+            mapped = map_view_shard(src, dst, Shard(d))
+            if mapped is not None:
+                d, cur = mapped.dim, u
+                continue
+            for gi, go in view_groups(src, dst) or []:
+                if gi == [d] and len(go) > 1:
+                    sizes = [dst[j] for j in go]
+                    if not all(x.is_Integer for x in sizes[1:]):
+                        break
+                    sizes = [int(x) if x.is_Integer else None for x in sizes]
+                    grouped = unit * math.prod(sizes[1:])
+                    for k, j in enumerate(go):
+                        tail = _tail_of_readers(u, j, sizes[k], constant)
+                        if not tail or sizes[k] is None or any(x is None for x in sizes[:k]):
+                            continue
+                        groups = None if size is None or not size.is_Integer else int(size) // (chunks * grouped)
+                        if k and groups is not None and groups >= tp and (groups % tp == 0 or uneven):
+                            break   # whole groups: each rank's k and v come with its query heads
+                        return done(chunks * math.prod(sizes[:k]), unit * math.prod(sizes[k + 1:]), tail_elems,
+                                    tail)
+                    return done(chunks, grouped, tail_elems)
+            break
+        if t in (aten.split.Tensor, aten.split_with_sizes.default):
+            sdim = (u.args[2] if len(u.args) > 2 else 0) % len(shape_of(cur))
+            pieces = [v.shape[sdim] for v in u.meta["val"]]
+            if sdim == d:
+                if len(set(pieces)) != 1:
+                    # q heads first, the rest (k and v of fewer kv heads) kept whole: follow q
+                    first = [g for g in u.users if g.target is operator.getitem and g.args[1] == 0]
+                    if chunks != 1 or tail_elems or not first or not all(isinstance(x, int) for x in pieces):
+                        break
+                    tail_elems, cur = sum(pieces[1:]), first[0]
+                    continue
+                chunks *= len(pieces)
+            cur = u
+            continue
+        if t in _FOLLOW_SAME and shape_of(u) == shape_of(cur):
+            cur = u
+            continue
+        if t is aten.transpose.int:
+            d, cur = _through_transpose(u, d), u
+            continue
+        if t is aten.unsqueeze.default:
+            at = u.args[1] % (len(shape_of(cur)) + 1)
+            d = d + 1 if d >= at else d
+            cur = u
+            continue
+        break
+    return done(chunks, unit, tail_elems)
+
+
+def _through_transpose(node: fx.Node, d: int) -> int:
+    """Where dim ``d`` goes through the ``transpose`` ``node`` (either way: it swaps two dims)."""
+    nd = len(shape_of(node))
+    a, b = node.args[1] % nd, node.args[2] % nd
+    return b if d == a else a if d == b else d
+
+
+def row_hint(node: fx.Node, dim: int, tp: int = 1, uneven: bool = False) -> tuple[int, int]:
+    """(chunks, unit) of ``node``'s ``dim`` read off how it was made: a reshape that merged
+    heads into it (``[b, s, heads, d] -> [b, s, heads * d]``) gives atoms of ``d``, and an
+    earlier merge of groups into the heads (Falcon's ``[kv, n_rep] -> heads``, past attention
+    and rotary) gives the blocks, or, where :func:`column_hint` deals whole groups (at least
+    ``tp`` of them), atoms of a group's heads. The contracted dim of a row-parallel product whose weight is
+    transposed first (Falcon's ``x @ dense.weight.T``) is cut this way, so the weight's rows
+    match x's heads."""
+    cur, d = node, dim
+    chunks, unit = 1, None
+    for _ in range(64):
+        if cur.op != "call_function" or not cur.args or not isinstance(cur.args[0], fx.Node):
+            break
+        src = cur.args[0]
+        t = cur.target
+        if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints):
+            before, after = shape_of(src), shape_of(cur)
+            if before is None or after is None:
+                break
+            merged = next((gi for gi, go in view_groups(before, after) or [] if go == [d] and len(gi) > 1), None)
+            if merged is not None:
+                lead, rest = sympy.Integer(1), sympy.Integer(1)
+                for j in merged[:-1]:
+                    lead = lead * before[j]
+                for j in merged[1:]:
+                    rest = rest * before[j]
+                if unit is None:          # heads * d: atoms of d; go on with the heads dim
+                    if not rest.is_Integer:
+                        break
+                    unit, cur, d = int(rest), src, merged[0]
+                    continue
+                per = before[merged[-1]]
+                if lead.is_Integer and per.is_Integer:   # groups * query heads per group
+                    groups = int(lead)
+                    if groups >= tp and (groups % tp == 0 or uneven):
+                        unit *= int(per)  # whole groups dealt (as column_hint chooses): runs of groups
+                    else:
+                        chunks = groups   # each group's heads dealt (a tail): blocks of groups
+                break
+            mapped = map_view_shard(after, before, Shard(d))
+            if mapped is None:
+                break
+            cur, d = src, mapped.dim
+            continue
+        if t in _FOLLOW_SAME and shape_of(src) == shape_of(cur):
+            cur = src
+            continue
+        if t is aten.scaled_dot_product_attention.default:
+            cur = src   # the output's heads are q's
+            continue
+        if t is aten.transpose.int:
+            d, cur = _through_transpose(cur, d), src
+            continue
+        if t is aten.permute.default:
+            d = cur.args[1][d] % len(shape_of(cur))
+            cur = src
+            continue
+        break
+    return (chunks, unit) if unit is not None else (1, 1)
+
+
+def index_picks(node: fx.Node, constant: Any) -> tuple[int, tuple[int, ...]] | None:
+    """(dim, positions) of ``x[..., [p0, p1], ...]`` indexing one dim by a constant list
+    (non-negative positions), or None."""
+    if node.target is not aten.index.Tensor or constant is None:
+        return None
+    indices = node.args[1]
+    picked = [(i, t) for i, t in enumerate(indices) if t is not None]
+    shape = shape_of(node.args[0])
+    if len(picked) != 1 or shape is None:
+        return None
+    dim, idx = picked[0]
+    value = constant(idx)
+    size = shape[dim]
+    if value is None or value.dim() != 1 or value.dtype not in (torch.int64, torch.int32) or not size.is_Integer:
+        return None
+    n = int(size)
+    return dim, tuple(int(v) + n if int(v) < 0 else int(v) for v in value.tolist())
+
+
+def slice_bounds(node: fx.Node) -> tuple[int, int, int] | None:
+    """(dim, start, stop) of a step-1 ``slice`` of a static dim, normalized, or None."""
+    shape = shape_of(node.args[0])
+    dim = node.args[1] if len(node.args) > 1 else 0
+    if shape is None or not isinstance(dim, int):
+        return None
+    dim %= len(shape)
+    found = slice_range(shape[dim], node.args[1:])
+    return None if found is None else (dim,) + found
+
+
+def _tail_of_readers(view: fx.Node, dim: int, n: int | None, constant: Any) -> int:
+    """How many atoms at the end of ``view``'s ``dim`` its readers take apart from the rest: one
+    reader slices ``[0, n - t)``, the others slice or index inside ``[n - t, n)``; 0 if not so."""
+    if n is None:
+        return 0
+    head, rest = None, []
+    for user in view.users:
+        if user.target is aten.slice.Tensor:
+            bounds = slice_bounds(user)
+            if bounds is None or bounds[0] != dim:
+                return 0
+            _, a, b = bounds
+            if a == 0 and b < n and head is None:
+                head = b
+            else:
+                rest.extend(range(a, b))
+        elif user.target is aten.index.Tensor:
+            picks = index_picks(user, constant)
+            if picks is None or picks[0] != dim:
+                return 0
+            rest.extend(picks[1])
+        else:
+            return 0
+    if head is None or head == 0 or not rest or min(rest) < head:
+        return 0
+    return n - head
