@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 
 
 #: models whose stacks passed the three-block check: model -> {stack path: its
-#: capture_expand.Template or None}. Their later captures (other call signatures) cut them to
+#: expand.Template or None}. Their later captures (other call signatures) cut them to
 #: one block where a template describes how the blocks are called, else to two, where block 0
 #: is alike the rest
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
