@@ -111,8 +111,9 @@ def fresh_process(name: str, tp: int, whole: bool) -> dict:
     import json
 
     cmd = [sys.executable, __file__, "--child", name, "--tp", str(tp)] + (["--whole"] if whole else [])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                       os.environ.get("PYTHONPATH", "")]))
+    # an autotp already on PYTHONPATH (another tree, for a side-by-side run) comes before this one's
+    paths = [os.environ.get("PYTHONPATH", ""), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
     t = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
     wall = time.perf_counter() - t
