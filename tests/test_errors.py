@@ -173,7 +173,7 @@ def _arctan_relative_error() -> float:
 
 
 def test_op_without_a_rule_runs_replicated_with_a_warning_naming_it(monkeypatch, caplog, cluster):
-    monkeypatch.setattr(rules, "_warned", set())  # the warning is given once per op and process
+    monkeypatch.setattr(rules.registry, "_warned", set())  # the warning is given once per op and process
     with caplog.at_level(logging.WARNING, logger="autotp.rules"):
         plan = autotp.plan(Arctan().double(), tp=2, layout={"up.weight": "column"}, example_kwargs=ARCTAN_INPUTS)
     assert "no sharding rule for aten.atan.default; it runs replicated (correct, maybe slower)" in caplog.text

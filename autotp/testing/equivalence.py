@@ -84,7 +84,7 @@ def _module_grad_norms(model: nn.Module) -> dict[str, float]:
 
 def _split_placement(t: Any) -> Shard:
     """The autotp placement of a split output (a DTensor on the tp mesh)."""
-    from .runtime.dtensor import RunShard
+    from ..runtime.dtensor import RunShard
 
     (over_tp,) = t.placements
     return over_tp.shard if isinstance(over_tp, RunShard) else Shard(over_tp.dim)
@@ -93,7 +93,7 @@ def _split_placement(t: Any) -> Shard:
 def _output_error(got: Any, expected: torch.Tensor, tp: int, rank: int) -> float:
     """The relative error of an output; one kept split (a DTensor: logits with
     ``gather_logits`` off) must be the whole tensor's shape and this rank's part of it."""
-    from .runtime.collectives import local_shard
+    from ..runtime.collectives import local_shard
 
     if not hasattr(got, "to_local"):
         return relative_error(got, expected)
@@ -105,7 +105,7 @@ def _output_error(got: Any, expected: torch.Tensor, tp: int, rank: int) -> float
 def equivalence_errors(model: nn.Module, pm: nn.Module, inputs: Mapping[str, Any]) -> dict[str, float]:
     """Relative errors of ``pm`` (a ParallelModule of ``model``) against ``model``, forward and
     backward, on this rank. ``model``'s gradients are overwritten."""
-    from .runtime.collectives import local_shard
+    from ..runtime.collectives import local_shard
 
     model.zero_grad(set_to_none=True)
     pm.zero_grad(set_to_none=True)
