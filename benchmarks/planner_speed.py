@@ -107,12 +107,16 @@ def child(dims: tuple, tp: int, whole: bool, t0: float) -> None:
                       "parts": [t2a - t2, t2b - t2a, t3 - t2b]}))
 
 
-def fresh_process(name: str, tp: int, whole: bool) -> dict:
+def fresh_process(name: str, tp: int, whole: bool, tree: str | None = None, mode: str = "--child",
+                  repeats: int = 5) -> dict:
+    """``child`` (or, with ``mode="--plan-child"``, :func:`plan_child`) in a new process, importing
+    the autotp of ``tree`` (a checkout's root; default: this script's)."""
     import json
 
-    cmd = [sys.executable, __file__, "--child", name, "--tp", str(tp)] + (["--whole"] if whole else [])
+    cmd = [sys.executable, __file__, mode, name, "--tp", str(tp), "--repeats", str(repeats)] + \
+        (["--whole"] if whole else [])
     # an autotp already on PYTHONPATH (another tree, for a side-by-side run) comes before this one's
-    paths = [os.environ.get("PYTHONPATH", ""), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    paths = [tree or "", os.environ.get("PYTHONPATH", ""), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
     t = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
@@ -142,6 +146,47 @@ def measure(cap, tp: int, repeats: int) -> dict:
             "megatron": plan.comm_counts()}
 
 
+def plan_child(dims: tuple, tp: int, repeats: int) -> None:
+    """In a fresh process: capture, then :func:`measure`; JSON on stdout."""
+    import json
+
+    print(json.dumps(measure(gpt2_capture(*dims), tp, repeats)))
+
+
+def side_by_side(other: str, names: list[str], tp: int, pairs: int, repeats: int, out: str | None) -> None:
+    """This tree against ``other`` (another checkout's root), process by process in alternating
+    order, so that both meet the same load: ``autotp.plan`` in a fresh process, and planning +
+    rewriting after capture (best of ``repeats`` in each process). Medians over ``pairs``."""
+    this = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trees = {"before": other, "after": this}
+    rows = []
+    for name in names:
+        got: dict = {k: {"plan": [], "wall": [], "new": [], "total": [], "cpu": []} for k in trees}
+        for i in range(pairs):
+            for key in (("before", "after") if i % 2 == 0 else ("after", "before")):
+                fresh = fresh_process(name, tp, False, trees[key])
+                planned = fresh_process(name, tp, False, trees[key], mode="--plan-child", repeats=repeats)
+                got[key]["plan"].append(fresh["plan"])
+                got[key]["wall"].append(fresh["wall"])
+                got[key]["new"].append(fresh["new_signature"])
+                got[key]["total"].append(planned["total"])
+                got[key]["cpu"].append(planned["cpu"])
+        med = {k: {m: statistics.median(v) for m, v in d.items()} for k, d in got.items()}
+        rows.append((name, med))
+        print(f"{name}: {got}", file=sys.stderr)
+    lines = [
+        "| model | " + " | ".join(f"{m} s: before / after (ratio)" for m in
+                                  ("plan, fresh process", "process wall", "new signature",
+                                   "plan + rewrite after capture", "CPU of plan + rewrite")) + " |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, med in rows:
+        b, a = med["before"], med["after"]
+        lines.append(f"| {name} | " + " | ".join(f"{b[m]:.3f} / {a[m]:.3f} ({a[m] / b[m]:.2f}x)"
+                                                for m in ("plan", "wall", "new", "total", "cpu")) + " |")
+    publish(lines, out)
+
+
 CONFIGS = [
     # name, hidden, heads, layers, vocab
     ("gpt2-xl", 1600, 25, 48, 50257),
@@ -165,10 +210,21 @@ def main() -> None:
     ap.add_argument("--out", help="write the markdown result here too")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--whole", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--plan-child", help=argparse.SUPPRESS)
+    ap.add_argument("--side-by-side", metavar="TREE",
+                    help="time this tree against another checkout's root (alternating fresh processes) instead")
+    ap.add_argument("--pairs", type=int, default=4, help="processes per tree and model for --side-by-side")
+    ap.add_argument("--models", default="gpt2-xl,8.3B x24", help="comma-separated, for --side-by-side")
     args = ap.parse_args()
     dims = {name: (hidden, heads, layers, vocab) for name, hidden, heads, layers, vocab in CONFIGS}
     if args.child:
         child(dims[args.child], args.tp, args.whole, T0)
+        return
+    if args.plan_child:
+        plan_child(dims[args.plan_child], args.tp, args.repeats)
+        return
+    if args.side_by_side:
+        side_by_side(args.side_by_side, args.models.split(","), args.tp, args.pairs, args.repeats, args.out)
         return
     capture_rows = []
     for name in CAPTURE_CONFIGS:
