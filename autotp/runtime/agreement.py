@@ -2,19 +2,26 @@
 
 Tensor parallelism is SPMD: every rank of a TP group must run the same program, calling the
 same collectives in the same order on tensors of the same shapes. When they do not (another
-layout on one rank, another autotp or torch version, a batch of another length), the first
-collective hangs until the timeout or, worse, sums unrelated tensors. So, before its first real
-collective, each rank:
+layout on one rank, another autotp or torch version, a batch of another length, two modules
+called in another order), the first collective hangs until the timeout or, worse, sums
+unrelated tensors. So, before its first real collective, each rank:
 
 * fingerprints what it is about to run (:func:`fingerprint`): the software versions, the plan's
-  parameter placements, the plan's collectives, and the rewritten graph (nodes, their targets,
-  the comm modules with their global shard layouts; local sizes, which legitimately differ
-  between ranks of an uneven split, are left out);
-* compares the fingerprints with one small all-reduce on the group (:func:`check_agreement`).
+  parameter placements, the plan's collectives, the rewritten graph (nodes, their targets, the
+  comm modules with their global shard layouts; local sizes, which legitimately differ between
+  ranks of an uneven split, are left out), the captured graph before the rewrite (every
+  constant kept: it is the whole model's program, the same on every rank) and, at
+  ``parallelize``, a digest of every parameter and buffer as the rank received them
+  (:func:`state_entries`);
+* compares the fingerprints with one small all-reduce on the group (:func:`check_agreement`),
+  which also agrees on the module's number: its name in every later check.
 
-Each call's inputs are checked the same way (:func:`check_same_inputs`: names, shapes,
-dtypes). When the digests differ, every rank sees it from the same all-reduce, so every rank
-then exchanges the differing sections' entries (two more small collectives) and raises the same
+Each call is checked the same way (:func:`check_call`): which call of which module this rank is
+in (forward, or the backward pass of a call), and the inputs' names, shapes and dtypes (and,
+with ``check_inputs="values"``, a digest of their values). Every exchange has one shape (see
+:func:`exchange`), so ranks out of step pair their checks with each other's and find they
+differ. When the digests differ, every rank sees it from the same all-reduce, so every rank
+then exchanges its entries (two more small collectives) and raises the same
 :class:`~autotp.errors.DisagreementError`, saying what differs on which rank. The exchange is
 JSON bytes in tensors: nothing is unpickled.
 """
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -33,7 +41,8 @@ from torch import fx
 from ..errors import DisagreementError
 from .collectives import _comm, group_ranks, group_size
 
-__all__ = ["Fingerprint", "fingerprint", "check_agreement", "check_same_inputs", "input_signature"]
+__all__ = ["Fingerprint", "fingerprint", "check_agreement", "check_call", "input_signature",
+           "value_digest", "state_entries", "exchange"]
 
 # Digests are cut to 62 bits so that both h and -h fit an int64 (one MAX all-reduce finds min and max).
 _BITS = 62
@@ -56,7 +65,12 @@ def _digest(entries: Sequence[str]) -> int:
 
 # ---------------------------------------------------------------- what a rank will run
 
-def fingerprint(plan: Any, graph_module: fx.GraphModule) -> Fingerprint:
+def fingerprint(plan: Any, graph_module: fx.GraphModule, captured: fx.Graph | None = None,
+                state: Sequence[str] = ()) -> Fingerprint:
+    """``captured``: the capture's graph, before the rewrite: the whole model's program, the same
+    on every rank, so its integer constants are compared too (the rewritten graph's differ
+    legitimately, as local sizes). ``state``: :func:`state_entries` of the model as this rank
+    received it."""
     from ..version import __version__
 
     software = (f"autotp {__version__}", f"torch {torch.__version__}")
@@ -65,28 +79,42 @@ def fingerprint(plan: Any, graph_module: fx.GraphModule) -> Fingerprint:
     params += tuple(f"alias {a} -> {b}" for a, b in sorted(plan.aliases.items()))
     params += tuple(f"output {k} kept split {v!r}" for k, v in sorted(plan.sharded_outputs.items()))
     comms = tuple(f"{c.kind} of {c.tensor} for {c.consumer} ({c.src} -> {c.dst})" for c in plan.comms)
-    return Fingerprint((
+    sections = [
         ("the software versions differ", software),
         ("the plan's parameter placements differ", params),
         ("the plan's collectives differ", comms),
         ("the rewritten graphs differ", tuple(_graph_entries(graph_module))),
-    ))
+    ]
+    if captured is not None:
+        sections.append(("the captured graphs differ (the model's forward computes something else on some "
+                         "ranks: an integer or other constant that depends on the rank?)",
+                         tuple(_graph_entries(captured, sizes=False))))
+    if state:
+        sections.append(("the model's parameters and buffers differ (as each rank received them, before "
+                         "slicing: a digest of each tensor's values)", tuple(state)))
+    return Fingerprint(tuple(sections))
 
 
-def _graph_entries(gm: fx.GraphModule) -> list[str]:
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _graph_entries(gm: fx.GraphModule | fx.Graph, sizes: bool = True) -> list[str]:
+    """One entry per node; ``sizes``: every int written as ``int``, as the local sizes of a
+    rewritten graph differ between the ranks of an uneven split."""
     from ..passes.rules import op_name
 
     def arg(a: Any) -> str:
         if isinstance(a, fx.Node):
             return a.name
-        if isinstance(a, bool) or not isinstance(a, int):
-            return repr(a)
-        return "int"  # a size: local sizes differ between the ranks of an uneven split
+        if isinstance(a, bool) or not isinstance(a, int) or not sizes:
+            return _ADDRESS.sub("", repr(a))   # an object's address differs per process, not its meaning
+        return "int"
 
+    graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
     out = []
-    for node in gm.graph.nodes:
+    for node in graph.nodes:
         args = pytree.tree_map(arg, (node.args, dict(node.kwargs)))
-        if node.op == "call_module":
+        if node.op == "call_module" and isinstance(gm, fx.GraphModule):
             mod = gm.get_submodule(node.target)
             layout = f"{mod.shard!r} of {mod.full_size}" if hasattr(mod, "shard") else ""
             target = f"{type(mod).__name__}({layout})"
@@ -98,58 +126,153 @@ def _graph_entries(gm: fx.GraphModule) -> list[str]:
     return out
 
 
-def input_signature(names: Sequence[str], values: Sequence[Any]) -> tuple[str, ...]:
-    """The part of a call's inputs every rank of a TP group must share: names, shapes, dtypes."""
-    return tuple(f"{n}: {tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}" if isinstance(v, torch.Tensor)
-                 else f"{n}: {v!r}" for n, v in zip(names, values))
+def input_signature(names: Sequence[str], values: Sequence[Any], digest_values: bool = False) -> tuple[str, ...]:
+    """The part of a call's inputs every rank of a TP group must share: names, shapes, dtypes;
+    with ``digest_values`` also a digest of each tensor's values (``check_inputs="values"``)."""
+    out = tuple(f"{n}: {tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}" if isinstance(v, torch.Tensor)
+                else f"{n}: {v!r}" for n, v in zip(names, values))
+    if digest_values:
+        out += tuple(f"{n} values: {value_digest(v)}" for n, v in zip(names, values) if isinstance(v, torch.Tensor))
+    return out
+
+
+#: elements digested at once: bounds the int64 copies a large parameter is digested through
+_CHUNK = 1 << 20
+_BITS_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def value_digest(t: torch.Tensor) -> str:
+    """An exact digest of ``t``'s values: its bits read as integers, summed plain, squared and
+    weighted by position (mod 2^64). Integer sums are exact and do not depend on the order of
+    summation, so equal tensors give equal digests on any device and thread count, and
+    tensors that differ anywhere (another seed, another batch) give others. Bits, not values:
+    -0.0 and 0.0, or two NaNs of other payloads, count as different."""
+    t = t.detach()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    flat = t.contiguous().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    bits = flat.view(_BITS_OF[flat.element_size()])
+    weights = torch.arange(1, min(bits.numel(), _CHUNK) + 1, dtype=torch.int64, device=bits.device)
+    total = squares = weighted = 0
+    mask = (1 << 64) - 1
+    for start in range(0, bits.numel(), _CHUNK):
+        x = bits[start:start + _CHUNK].to(torch.int64)
+        total = (total + int(x.sum())) & mask
+        squares = (squares + int((x * x).sum())) & mask
+        weighted = (weighted + int((x * weights[: x.numel()]).sum())) & mask
+    return hashlib.sha256(f"{tuple(t.shape)} {t.dtype} {total} {squares} {weighted}".encode()).hexdigest()[:16]
+
+
+def state_entries(model: torch.nn.Module) -> tuple[str, ...]:
+    """``name: digest`` of each parameter and buffer of ``model`` that holds values (not on the
+    meta device: from_pretrained's ranks read one checkpoint), tied ones once."""
+    seen: dict[int, str] = {}
+    out = []
+    tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    for name, t in tensors:
+        if t is None or t.is_meta:
+            continue
+        if id(t) not in seen:
+            seen[id(t)] = value_digest(t)
+        out.append(f"{name}: {seen[id(t)]}")
+    return tuple(out)
 
 
 # ---------------------------------------------------------------- comparing
+#
+# Every agreement is the same exchange, whatever it checks: one all-reduce(MAX) of three int64,
+# [h, -h, n], where h digests what this rank is doing (``doing``: "call 3 of GPT2LMHeadModel
+# #1", "the backward pass of call 2 of ...", "autotp.parallelize") and what it checks, and n
+# is a number the ranks agree on by taking the largest (the module creation counter at
+# parallelize). Only when the digests differ do the ranks exchange their entries (two more
+# small collectives, on every rank alike). One shape for every exchange matters: ranks that
+# are out of step (one in a forward's check, another in a backward's, or in another module's)
+# pair their exchanges with each other's and find they differ, instead of pairing tensors of
+# other sizes (a gloo abort) or one check with a model's own collective.
 
-def check_agreement(fp: Fingerprint, group, what: str = "before their first collective") -> None:
-    """Raise DisagreementError on every rank of ``group`` unless all fingerprints are equal."""
+def exchange(doing: str, sections: Sequence[tuple[str, Sequence[str]]], group, number: int = 0,
+             ) -> tuple[list[dict] | None, int]:
+    """Compare ``doing`` and ``sections`` across ``group``: (None, agreed number) where every
+    rank has the same, else (every rank's ``{"doing", "sections"}`` in group-rank order, the
+    number). ``number``: this rank's; the agreed one is the largest."""
     if group is None or group_size(group) == 1:
-        return
-    differing = _differing(fp.digests(), group)
-    if not differing:
-        return
-    ranks = list(group_ranks(group) or range(group_size(group)))
-    lines = []
-    for i in differing:
-        title, entries = fp.sections[i]
-        per_rank = _all_gather_json(list(entries), group)
-        lines.append(f"- {title}: {_first_difference(per_rank, ranks)}")
-    raise DisagreementError(
-        f"ranks {ranks} of the TP group disagree {what}, so their collectives would hang or mix "
-        "unrelated tensors:\n" + "\n".join(lines) + "\n"
-        "Every rank must call autotp.parallelize with the same model, tp, layout or plan, profile and "
-        "planning sizes, under the same autotp and torch versions."
-    )
-
-
-def check_same_inputs(signature: tuple[str, ...], group, what: str = "TP group") -> None:
-    """Raise DisagreementError on every rank of ``group`` unless all got inputs of one signature.
-    ``what`` names the group in the error (a TP group, or a pipeline's stages and their TP ranks)."""
-    if group is None or group_size(group) == 1:
-        return
-    if not _differing([_digest(signature)], group):
-        return
-    ranks = list(group_ranks(group) or range(group_size(group)))
-    per_rank = _all_gather_json(list(signature), group)
-    raise DisagreementError(
-        f"the inputs of this call differ across the {what} of ranks {ranks}: "
-        f"{_first_difference(per_rank, ranks)}. Every rank of a {what} must get the same batch "
-        f"(split data across data-parallel groups, not across the ranks of one {what})."
-    )
-
-
-def _differing(digests: list[int], group) -> list[int]:
-    """Indices whose digest is not the same on every rank: one all-reduce(MAX) of [h, -h]."""
-    both = torch.tensor(digests + [-d for d in digests], dtype=torch.int64)
+        return None, number
+    h = _digest([doing] + [f"{title}\n" + "\n".join(entries) for title, entries in sections])
+    both = torch.tensor([h, -h, number], dtype=torch.int64)
     with _comm("all_reduce(max) in autotp's agreement check", group):
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    n = len(digests)
-    return [i for i in range(n) if int(both[i]) != -int(both[n + i])]
+    agreed = int(both[2])
+    if int(both[0]) == -int(both[1]):
+        return None, agreed
+    mine = {"doing": doing, "sections": [[title, list(entries)] for title, entries in sections]}
+    return _all_gather_json(mine, group), agreed
+
+
+def _ranks(group) -> list[int]:
+    return list(group_ranks(group) or range(group_size(group)))
+
+
+def _out_of_step(per_rank: list[dict], ranks: list[int], what: str) -> DisagreementError | None:
+    """The error for ranks that are doing different things (another call, another module, a
+    backward pass on some ranks and a forward on others), or None where they do the same."""
+    doing = [[r["doing"]] for r in per_rank]
+    if all(d == doing[0] for d in doing):
+        return None
+    return DisagreementError(
+        f"ranks {ranks} of the {what} are in different calls, so their collectives would pair up wrongly "
+        f"(silently wrong results, or a process abort where the sizes differ): "
+        f"{_first_difference(doing, ranks).removeprefix('entry 0: ')}. The ranks call their parallel modules, "
+        "or run their backward passes, in a different order: every rank of the group must make the same "
+        "calls in the same order (an exception caught on one rank that skips a call or a loss.backward() "
+        "there, or control flow that depends on the rank, is the usual cause).")
+
+
+_SAME_MODEL = ("Every rank must call autotp.parallelize with the same model (the same weights: seed the model's "
+               "construction, or load it from one checkpoint), tp, layout or plan, profile and planning sizes, "
+               "under the same autotp and torch versions.")
+
+
+def check_agreement(fp: Fingerprint, group, what: str = "before their first collective",
+                    doing: str = "autotp.parallelize", number: int = 0, advice: str = _SAME_MODEL) -> int:
+    """Raise DisagreementError on every rank of ``group`` unless all fingerprints are equal.
+    Returns the largest ``number`` of the group's ranks (see :func:`exchange`)."""
+    per_rank, agreed = exchange(doing, fp.sections, group, number)
+    if per_rank is None:
+        return agreed
+    ranks = _ranks(group)
+    stepped = _out_of_step(per_rank, ranks, "TP group")
+    if stepped is not None:
+        raise stepped
+    lines = []
+    for i, (title, _) in enumerate(fp.sections):
+        entries = [r["sections"][i][1] if i < len(r["sections"]) else [] for r in per_rank]
+        if any(e != entries[0] for e in entries):
+            lines.append(f"- {title}: {_first_difference(entries, ranks)}")
+    raise DisagreementError(
+        f"ranks {ranks} of the TP group disagree {what}, so their collectives would hang or mix "
+        "unrelated tensors:\n" + "\n".join(lines) + "\n" + advice
+    )
+
+
+def check_call(doing: str, signature: tuple[str, ...], group, what: str = "TP group") -> None:
+    """Raise DisagreementError on every rank of ``group`` unless all are ``doing`` the same
+    call (module, call number, forward or backward) with inputs of one ``signature``.
+    ``what`` names the group in the error (a TP group, or a pipeline's stages and their TP ranks)."""
+    per_rank, _ = exchange(doing, [("inputs", signature)], group)
+    if per_rank is None:
+        return
+    ranks = _ranks(group)
+    stepped = _out_of_step(per_rank, ranks, what)
+    if stepped is not None:
+        raise stepped
+    entries = [r["sections"][0][1] if r["sections"] else [] for r in per_rank]
+    raise DisagreementError(
+        f"the inputs of this call differ across the {what} of ranks {ranks}: "
+        f"{_first_difference(entries, ranks)}. Every rank of a {what} must get the same batch "
+        f"(split data across data-parallel groups, not across the ranks of one {what})."
+    )
 
 
 def _all_gather_json(value: Any, group) -> list[Any]:
@@ -187,23 +310,30 @@ def _first_difference(per_rank: list[list[str]], ranks: list[int]) -> str:
 def _on_every_rank_or_none(mesh: Any, step: Any) -> Any:
     """Run ``step`` (capture and planning: no collectives) and tell the TP group whether it
     worked, with one small all-reduce, before anyone waits in a collective of the model. A
-    rank that failed raises its own error; the others raise at once instead of waiting for it
-    until the collective timeout."""
+    rank that failed raises its own error; the others raise at once, with its message and
+    class (one more small exchange, on failure only), instead of waiting for it until the
+    collective timeout. A rank that died meanwhile is named (the collectives go through the
+    fault handling of autotp.runtime.collectives)."""
+    from .. import errors
+
     try:
         value, failure = step(), None
     except Exception as exc:   # re-raised below, after the group has been told
         value, failure = None, exc
     group = getattr(mesh, "control_group", None) or mesh.tp_group
     if group is not None:
-        import torch.distributed as dist
-
         ok = torch.tensor([0 if failure is not None else 1], dtype=torch.int64)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-        if failure is None and ok.item() == 0:
-            raise DisagreementError(
-                f"another rank of TP group {list(mesh.tp_ranks)} failed to capture or plan the model (its own "
-                "error says why); this rank stops too instead of waiting for it in a collective"
-            )
+        with _comm("all_reduce(min) telling the TP group whether capture and planning worked", group):
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+        if ok.item() == 0:
+            said = None if failure is None else [type(failure).__name__, str(failure)]
+            per_rank = _all_gather_json(said, group)
+            if failure is None:
+                rank, (kind, text) = next((r, e) for r, e in zip(mesh.tp_ranks, per_rank) if e is not None)
+                error = getattr(errors, kind, None)
+                if not (isinstance(error, type) and issubclass(error, errors.AutotpError)):
+                    error, text = DisagreementError, f"{kind}: {text}"
+                raise error(f"rank {rank} failed to capture or plan the model: {text}")
     if failure is not None:
         raise failure
     return value
@@ -215,8 +345,7 @@ def _agreed_seed(mesh: Any, seed: int | None) -> int:
     group = getattr(mesh, "control_group", None) or mesh.tp_group
     if group is None:
         return seed
-    import torch.distributed as dist
-
     value = torch.tensor([seed], dtype=torch.int64)
-    dist.broadcast(value, src=mesh.tp_ranks[0], group=group)
+    with _comm("broadcast of the dropout seed", group):   # a rank lost here is named
+        dist.broadcast(value, src=mesh.tp_ranks[0], group=group)
     return int(value.item())

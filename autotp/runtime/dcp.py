@@ -124,7 +124,10 @@ def _barrier() -> None:
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        from .collectives import _comm
+
+        with _comm("the checkpoint's barrier", dist.group.WORLD):   # a rank lost here is named
+            dist.barrier()
 
 
 def _stage(path: str) -> str:
@@ -173,6 +176,8 @@ def load(pm: Any, path: str, optimizer: Any = None) -> None:
 
         # the state tensors were loaded in place; this brings back the param groups (lr, betas)
         set_optimizer_state_dict(pm, optimizer, _untree(view["optim"], optim))
+    if hasattr(pm, "check_replicas"):   # every TP rank loaded the same replicated values, or all raise
+        pm.check_replicas()
 
 
 def _untree(loaded: Any, original: Any) -> Any:

@@ -198,13 +198,20 @@ def note_comm_failure() -> None:
     _last_comm_failure = time.time()
 
 
-def watch_backward(guard: "StepGuard", outputs: list) -> None:
+def watch_backward(guard: "StepGuard", outputs: list, agree=None) -> None:
     """Tell ``guard`` when a backward pass through a call's differentiable ``outputs`` begins
-    (:meth:`StepGuard.backward_started`): a hook on the first of their gradients to be computed.
-    A hook, not an identity autograd Function, so the outputs are returned as computed rather
-    than as views (FSDP2 warns on every call of a module returning views)."""
-    torch.autograd.graph.register_multi_grad_hook(tuple(outputs), lambda grad: guard.backward_started(),
-                                                  mode="any")
+    (:meth:`StepGuard.backward_started`): a hook on the first of their gradients to be computed,
+    which fires before any of the call's backward collectives. ``agree()``, when given, then
+    checks that every rank is in this same backward pass (autotp.runtime.agreement.check_call),
+    raising out of ``loss.backward()`` where one is not. A hook, not an identity autograd
+    Function, so the outputs are returned as computed rather than as views (FSDP2 warns on
+    every call of a module returning views)."""
+    def started(grad: torch.Tensor) -> None:
+        guard.backward_started()
+        if agree is not None:
+            agree()
+
+    torch.autograd.graph.register_multi_grad_hook(tuple(outputs), started, mode="any")
 
 
 def _fault_key(guard: str, epoch: int, rank: int) -> str:

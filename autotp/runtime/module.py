@@ -13,6 +13,8 @@ instead of a hang.
 """
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -24,7 +26,7 @@ from ..errors import CaptureError, CheckpointError, ConfigError, InputError
 from ..plan import Plan
 from ..placements import Placement, Shard
 from . import dtensor
-from .agreement import check_agreement, check_same_inputs, fingerprint, input_signature
+from .agreement import check_agreement, check_call, fingerprint, input_signature, state_entries
 from .collectives import group_ranks, local_shard
 from .faults import StepGuard, watch_backward
 from .inputs import check_index_bounds, check_not_empty, index_bounds
@@ -174,8 +176,20 @@ class ParallelModule(LeavesSwitch, nn.Module):
         #: the group the agreement checks talk over (CPU/gloo: no accelerator sync per call)
         self._control = getattr(mesh, "control_group", None) or getattr(mesh, "tp_group", None)
         self._guard = StepGuard(self._control, group_ranks(self._control) if self._control is not None else None)
-        check_agreement(fingerprint(plan, graph_module), self._control)
-        #: compare every call's input shapes across the TP group (one tiny CPU all-reduce)
+        global _modules_made
+        # the ranks agree on what they run, on the weights they were handed, and on this module's
+        # number (the largest any of them would give it): its name in every later call's check
+        number = check_agreement(fingerprint(plan, graph_module, capture.graph, state_entries(model)),
+                                 self._control, number=_modules_made + 1)
+        _modules_made = max(_modules_made, number)
+        #: this module as every rank of its group names it: "GPT2LMHeadModel #2"
+        self.name = f"{type(model).__name__} #{number}"
+        #: calls (and generation steps) made so far: each call's check names its number
+        self._calls = 0
+        self._caller: int | None = None   # the thread inside a call, if any
+        #: compare every call's input names, shapes and dtypes across the TP group (True), also
+        #: their values ("values"), or only the call's place in the order of calls (False); one
+        #: tiny CPU all-reduce per call in each case
         self.check_inputs = True
         self.mesh = mesh
         device_mesh = device_mesh_of(mesh, device)
@@ -217,6 +231,11 @@ class ParallelModule(LeavesSwitch, nn.Module):
         self.train(capture.training)   # the model's mode: a model in eval() gives a module in eval()
         self._average_over_dp(getattr(mesh, "dp_group", None), getattr(mesh, "dp", 1))
 
+    def _apply(self, fn: Callable, recurse: bool = True) -> "ParallelModule":
+        if refuse_dtype_change(self, fn):
+            return self   # a conversion to what the parameters are already (torch's would fail on DTensors)
+        return super()._apply(fn, recurse)
+
     # ---- the programs ---------------------------------------------------------------------
     @property
     def programs(self) -> list[Program]:
@@ -240,7 +259,8 @@ class ParallelModule(LeavesSwitch, nn.Module):
     def _add_program(self, capture: Capture, plan: Plan, graph_module: fx.GraphModule, step: str = "",
                      arriving: dict | None = None) -> Program:
         if self._programs:   # the first was agreed at construction
-            check_agreement(fingerprint(plan, graph_module), self._control, "before a new program's first collective")
+            check_agreement(fingerprint(plan, graph_module, capture.graph), self._control,
+                            "before a new program's first collective", doing=f"a new program for {self._doing()}")
         param_order = [capture.aliases.get(fqn, fqn) for fqn in capture.param_names.values()]
         buffer_order = list(capture.buffer_names.values())
         for fqn in buffer_order:
@@ -326,6 +346,23 @@ class ParallelModule(LeavesSwitch, nn.Module):
         self._dp_hooks = [param.register_post_accumulate_grad_hook(average)
                           for param in self._held.values() if param.requires_grad]
 
+    def check_replicas(self) -> None:
+        """Raise DisagreementError on every rank of the TP group unless its ranks hold the same
+        values in every parameter the plan replicates and every buffer (one small all-reduce,
+        and a digest of each tensor): a load that gave one rank other values (a shard of another
+        save, a damaged file) would otherwise compute silently wrong results. Run after a load."""
+        from .agreement import Fingerprint, value_digest
+
+        plan = self.plan
+        entries = tuple(f"{fqn}: {value_digest(_local(p))}" for fqn, p in self.named_parameters()
+                        if not isinstance(plan.params.get(plan.aliases.get(fqn, fqn)), Shard))
+        entries += tuple(f"{fqn}: {value_digest(b)}" for fqn, b in self.named_buffers())
+        check_agreement(Fingerprint((("the replicated parameters and buffers differ (a digest of each tensor's values)",
+                                      entries),)),
+                        self._control, "after loading", doing=f"the replicas' check of {self.name}",
+                        advice="Every rank of a TP group must load the same values into what it replicates: load "
+                               "one checkpoint, written by one save, on every rank.")
+
     def local_parameter(self, fqn: str) -> torch.Tensor:
         """This rank's shard of parameter ``fqn`` (any of a tied parameter's names): the tensor
         the programs compute with, sharing storage with the DTensor parameter."""
@@ -344,8 +381,53 @@ class ParallelModule(LeavesSwitch, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
             return self._compiled_forward(args, kwargs)
-        with self._guard:   # an exception on some ranks only never leaves them out of step
+        with self._sole_caller(), self._guard:   # an exception on some ranks only never leaves them out of step
             return self._forward(args, kwargs)
+
+    @property
+    def check_inputs(self) -> bool | str:
+        return self._check_inputs
+
+    @check_inputs.setter
+    def check_inputs(self, mode: bool | str) -> None:
+        self._check_inputs = _check_inputs_mode(mode)
+
+    def _doing(self, backward: bool = False) -> str:
+        call = f"call {self._calls} of {self.name}"
+        return f"the backward pass of {call}" if backward else call
+
+    def _agree_on_call(self, names: list[str], values: list[Any], extra: tuple[str, ...] = ()) -> None:
+        """The per-call check (one small all-reduce): every rank of the group is in this same call
+        of this same module, with inputs of the same names, shapes and dtypes (and values, with
+        ``check_inputs="values"``). The call is counted only once agreed, so a refused call is
+        made again under the same number."""
+        mode = self.check_inputs
+        signature = (input_signature(names, values, digest_values=mode == "values") + extra) if mode else ()
+        self._calls += 1
+        try:
+            check_call(self._doing(), signature, self._control)
+        except BaseException:
+            self._calls -= 1
+            raise
+
+    @contextmanager
+    def _sole_caller(self):
+        """One thread in a call at a time: the ranks pair their collectives by the order of calls,
+        which two threads calling at once cannot keep the same on every rank."""
+        me = threading.get_ident()
+        with _CALLERS:
+            owner = self._caller
+            if owner is not None and owner != me:
+                raise ConfigError(
+                    f"this {self.name} is already running a call in another thread: the ranks pair up their "
+                    "collectives by the order of calls, which calls from two threads at once cannot keep the same "
+                    "on every rank; call it from one thread at a time")
+            self._caller = me
+        try:
+            yield
+        finally:
+            if owner is None:
+                self._caller = None
 
     def _compiled_forward(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         """A call traced by torch.compile: a program an eager call built, run as it is. What
@@ -369,10 +451,9 @@ class ParallelModule(LeavesSwitch, nn.Module):
     def _forward(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         # Positional inputs are named by the model's forward signature, as at capture.
         kwargs = bind_inputs(self.capture.signature, args, kwargs, self.capture.model_name)
-        if self.check_inputs:  # first: the checks below then fail on every rank or on none
-            names = sorted(kwargs)
-            signature = input_signature(names, [kwargs[n] for n in names]) + (f"training: {self.training}",)
-            check_same_inputs(signature, self._control)
+        # first: the checks below then fail on every rank or on none
+        names = sorted(kwargs)
+        self._agree_on_call(names, [kwargs[n] for n in names], (f"training: {self.training}",))
         check_not_empty(kwargs)   # after the shapes are known to agree: every rank or none
         program = self._current = self._program_for(kwargs)
         self._check_ranges(kwargs)
@@ -390,8 +471,9 @@ class ParallelModule(LeavesSwitch, nn.Module):
         outputs = list(outputs)
         if grad and self._guard.active and not compiled:   # a backward pass that raises is a fault of the call
             wanted = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
-            if wanted:
-                watch_backward(self._guard, wanted)
+            if wanted:   # every rank in the same backward pass before its first collective
+                doing, control = self._doing(backward=True), self._control
+                watch_backward(self._guard, wanted, lambda: check_call(doing, (), control))
         if program.split:
             outputs = self._split_outputs(program, outputs, compiled)
         return unflatten_outputs(program.capture, outputs)
@@ -433,15 +515,12 @@ class ParallelModule(LeavesSwitch, nn.Module):
         """Run one generation step (``spec``: an autotp.generation.StepSpec), building its
         program on first use. The token inputs are checked across the ranks like a call's; the
         cache is not (its split may give ranks different shapes)."""
-        with self._guard:
+        with self._sole_caller(), self._guard:
             return self._run_step(spec, inputs)
 
     def _run_step(self, spec: Any, inputs: dict[str, torch.Tensor]) -> tuple[Program, dict[str, torch.Tensor]]:
-        if self.check_inputs:
-            names = sorted(spec.tokens)
-            signature = input_signature(names, [spec.tokens[n] for n in names]) + (
-                f"training: {self.training}", f"past: {spec.past}")
-            check_same_inputs(signature, self._control)
+        names = sorted(spec.tokens)
+        self._agree_on_call(names, [spec.tokens[n] for n in names], (f"training: {self.training}", f"past: {spec.past}"))
         kind = "decode" if spec.cache is not None else "prefill"
         for program in self._programs:
             if program.step == kind and program.serves(inputs, self.training) and _in_ranges(program.capture, inputs):
@@ -474,6 +553,44 @@ class ParallelModule(LeavesSwitch, nn.Module):
                         f"{hi} there (the model's maximum positions); shorten the input or use a model "
                         "with more positions"
                     )
+
+
+#: ParallelModules made in this process, as agreed with their groups (each one's number: its name)
+_modules_made = 0
+#: guards the check-and-set of a module's calling thread
+_CALLERS = threading.Lock()
+
+
+def _check_inputs_mode(mode: Any) -> bool | str:
+    if mode is True or mode is False or mode == "values":
+        return mode
+    raise ConfigError(f"check_inputs={mode!r} is not valid: use True (names, shapes and dtypes of every call's "
+                      "inputs compared across the TP group), \"values\" (their values too: a digest of each "
+                      "tensor) or False (only the order of calls)")
+
+
+def refuse_dtype_change(module: nn.Module, fn: Callable) -> bool:
+    """Raise ConfigError where ``fn`` (what ``module.to``/``.double()``/``.half()``... apply to
+    each tensor) would change the floating-point parameters' dtype: the programs were captured
+    and planned in the old one (their casts, a loss's dtype, the planned bytes), so converting
+    the tensors alone would run them half converted (a call with labels kept returning float32
+    logits). A device move goes on; True where ``fn`` leaves a tensor as it is (a conversion to
+    the dtype and device the parameters have: nothing to do)."""
+    held = getattr(module, "_held", None) or {}
+    probe = next((p for p in held.values() if p.is_floating_point()), None)
+    if probe is None:
+        return False
+    now = _local(probe)
+    before = torch.empty(0, dtype=now.dtype, device=now.device)
+    after = fn(before)
+    if after is before:
+        return True
+    if isinstance(after, torch.Tensor) and after.dtype != now.dtype:
+        raise ConfigError(
+            f"pm.double() / pm.to(dtype) after parallelize would turn the parameters from {now.dtype} into "
+            f"{after.dtype} but not the programs captured and planned in {now.dtype}, so calls would compute "
+            f"in a mix of the two; convert the model first and parallelize that: "
+            f"autotp.parallelize(model.to({after.dtype}), ...)")
 
 
 def unequal_symbol(capture: Capture, kwargs: dict[str, Any], arriving: dict | None = None) -> str | None:
@@ -548,7 +665,7 @@ def constant_value(capture: Capture, name: str, computed: dict[str, torch.Tensor
         raise CheckpointError(f"the captured constant {name} has no values (the model was captured on the "
                               "meta device and its forward makes this tensor there): load the model for real "
                               "and call autotp.parallelize")
-    return value.to(device)
+    return value.to(device, copy=True)   # never the source model's own tensor (see put_buffer)
 
 
 def persistent_buffers(model: nn.Module) -> set[str]:
@@ -567,7 +684,10 @@ def put_buffer(owner: nn.Module, fqn: str, model_buffers: dict[str, torch.Tensor
     if full.is_meta:
         raise CheckpointError(f"buffer {fqn} is on the meta device: it is neither in the checkpoint "
                               "nor computed by the model's constructor; load the model for real")
-    _put(owner, fqn, full.to(device), buffer=True, persistent=fqn in persistent)
+    # a copy, as the parameters are: the module owns its state (the source model changing its
+    # buffer, or pm.load_state_dict writing this one, never reaches the other; .to(device) alone
+    # would hand over the source's own tensor where the device is the same)
+    _put(owner, fqn, full.to(device, copy=True), buffer=True, persistent=fqn in persistent)
 
 
 def _distributed(local: torch.Tensor, placement: Placement, shape: tuple[int, ...], tp: int, device_mesh: Any) -> torch.Tensor:

@@ -50,7 +50,7 @@ from ..capture import Capture, bind_inputs, flat_inputs
 from ..cost_model.pipeline import balance, in_flight_layers
 from ..errors import ConfigError, InputError
 from ..plan import Plan
-from .agreement import check_same_inputs, input_signature
+from .agreement import check_call, input_signature
 from .chunks import Chunk, cut
 from .inputs import check_index_bounds, check_not_empty, index_bounds
 from .module import LeavesSwitch
@@ -270,7 +270,16 @@ class PipelineModule(LeavesSwitch, nn.Module):
         #: ``pm.check_inputs = False`` skips it once the data pipeline is trusted
         self.check_inputs = True
         control = getattr(mesh, "control_group", None) or getattr(mesh, "tp_group", None)
-        check_agreement(fingerprint(plan, graph_module), control)
+        from . import module as _module
+        from .agreement import state_entries
+
+        # the stage's TP ranks agree on the program, the weights they were handed and this
+        # module's number (its name in every step's check: steps of two pipelines never pair up)
+        number = check_agreement(fingerprint(plan, graph_module, capture.graph, state_entries(model)), control,
+                                 number=_module._modules_made + 1)
+        _module._modules_made = max(_module._modules_made, number)
+        self.name = f"{type(model).__name__} pipeline #{number}"
+        self._steps = 0
         from .faults import StepGuard
 
         #: a step that raises on some ranks only: the others, left waiting in the schedule's
@@ -359,7 +368,10 @@ class PipelineModule(LeavesSwitch, nn.Module):
         fits = state + acts <= limit
         flags = torch.tensor([1 if fits else 0], dtype=torch.int64,
                              device=self.device if mesh.backend == "nccl" else "cpu")
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        from .collectives import _comm
+
+        with _comm("all_reduce(min) telling the stages whether each fits in memory", dist.group.WORLD):
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
         gib = 2 ** 30
         if not fits:
             raise PlanError(
@@ -378,7 +390,10 @@ class PipelineModule(LeavesSwitch, nn.Module):
         mesh = self.mesh
         sets = sorted({tuple(sorted(s)) for s in readers.values() if len(s) > 1})
         found = [sets]
-        dist.broadcast_object_list(found, src=0)   # one order on every rank, or a clear error
+        from .collectives import _comm
+
+        with _comm("broadcast of the parameters the stages share", dist.group.WORLD):   # a lost rank named
+            dist.broadcast_object_list(found, src=0)   # one order on every rank, or a clear error
         if found[0] != sets:
             raise ConfigError(f"the pipeline stages disagree on which parameters they share ({sets} here, "
                               f"{found[0]} on rank 0): every rank must parallelize the same model")
@@ -466,6 +481,13 @@ class PipelineModule(LeavesSwitch, nn.Module):
             module.train(mode)
         return self
 
+    def _apply(self, fn: Any, recurse: bool = True) -> "PipelineModule":
+        from .module import refuse_dtype_change
+
+        if refuse_dtype_change(self, fn):   # the stages' programs were captured in the old dtype
+            return self
+        return super()._apply(fn, recurse)
+
     def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """One training step's forward and backward, the batch split into micro-batches; returns
         the batch's loss (detached) on every rank. Gradients accumulate into the parameters
@@ -485,10 +507,12 @@ class PipelineModule(LeavesSwitch, nn.Module):
         tensors = [x for key, x in zip(self.capture.input_keys, flat) if key not in self.capture.constant_inputs]
         if not all(isinstance(x, torch.Tensor) for x in tensors):
             raise InputError(f"a pipeline step takes tensor inputs ({keys}); pass each of them as a tensor")
-        if self.check_inputs:   # first: torch's sends and receives of unequal shapes abort the process
-            check_same_inputs(input_signature(keys, tensors) + (f"training: {self.training}",),
-                              getattr(self.mesh, "replica_control_group", None),
-                              "pipeline replica")
+        # first: torch's sends and receives of unequal shapes abort the process. Every rank of
+        # the replica in the same step of the same pipeline, with inputs of one signature
+        signature = input_signature(keys, tensors) + (f"training: {self.training}",) if self.check_inputs else ()
+        check_call(f"step {self._steps + 1} of {self.name}", signature,
+                   getattr(self.mesh, "replica_control_group", None), "pipeline replica")
+        self._steps += 1
         batch = tensors[0].shape[0] if tensors else 0
         # every rank is handed the batch: what would fail in one stage's chunk fails on every rank now
         check_not_empty(kwargs)
