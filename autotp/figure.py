@@ -17,15 +17,12 @@ text, which is less than a dependency would bring.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from xml.sax.saxutils import escape
 
 from .errors import ConfigError
 from .placements import Shard, local_ranges
-
-if TYPE_CHECKING:
-    from .plan import Plan
-    from .plan_flow import Flow, FlowStep
+from .plan_flow import Flow, FlowStep
 
 #: one colour per rank (cycled past 10), chosen apart in hue and readable under black text
 RANK_COLOURS = ("#8ecae6", "#ffb703", "#90be6d", "#f4978e", "#b8a1e3", "#f9c74f", "#4cc9f0", "#e5989b",
@@ -77,7 +74,7 @@ class _Svg:
         return head + "\n".join(self.parts) + "\n</svg>\n"
 
 
-def pick_flow(plan: "Plan", layer: str | None = None) -> "Flow":
+def pick_flow(plan: Any, layer: str | None = None) -> "Flow":
     """The flow of ``layer`` (a name such as ``transformer.h.5``), else the one most layers repeat."""
     flows = plan.flows or []
     if not flows:
@@ -94,7 +91,7 @@ def pick_flow(plan: "Plan", layer: str | None = None) -> "Flow":
     raise ConfigError(f"the plan has no layer {layer!r}; layers it can draw: {known} (or any index of their stacks)")
 
 
-def figure(plan: "Plan", path: Any = None, layer: str | None = None) -> str:
+def figure(plan: Any, path: Any = None, layer: str | None = None) -> str:
     flow = pick_flow(plan, layer)
     svg = draw(plan, flow)
     if path is not None:
@@ -109,7 +106,7 @@ def _depths(steps: tuple["FlowStep", ...]) -> list[int]:
     return depth
 
 
-def _title_of(plan: "Plan", flow: "Flow") -> str:
+def _title_of(plan: Any, flow: "Flow") -> str:
     from .plan_view import indices_text
 
     n = len(flow.indices)
@@ -118,7 +115,7 @@ def _title_of(plan: "Plan", flow: "Flow") -> str:
             f"(profile {plan.profile}, batch {plan.batch}, seq {plan.seq})")
 
 
-def draw(plan: "Plan", flow: "Flow") -> str:
+def draw(plan: Any, flow: "Flow") -> str:
     """The SVG of one layer of ``flow`` (its first index's parameters and heads)."""
     steps = flow.steps
     first = flow.indices[0]
@@ -154,7 +151,7 @@ def draw(plan: "Plan", flow: "Flow") -> str:
     return svg.document(width, y + 10)
 
 
-def _height(plan: "Plan", s: "FlowStep", fqn: Any, biggest: int) -> float:
+def _height(plan: Any, s: "FlowStep", fqn: Any, biggest: int) -> float:
     if s.kind == "matmul" or s.kind == "embedding":
         return _matrix_box(plan, _matrix(plan, s, fqn), biggest)[1] + 2 * 16 + 4
     if s.kind == "comm":
@@ -162,7 +159,7 @@ def _height(plan: "Plan", s: "FlowStep", fqn: Any, biggest: int) -> float:
     return 40
 
 
-def _matrix(plan: "Plan", s: "FlowStep", fqn: Any) -> str | None:
+def _matrix(plan: Any, s: "FlowStep", fqn: Any) -> str | None:
     """The step's weight: its first parameter of two or more dims."""
     return next((fqn(p) for p in s.params if fqn(p) in plan.shapes and len(plan.shapes[fqn(p)]) >= 2), None)
 
@@ -171,7 +168,7 @@ def _side(n: int, biggest: int) -> float:
     return max(MIN_SIDE, MAX_SIDE * (n / biggest) ** 0.5)
 
 
-def _axes(plan: "Plan", name: str) -> tuple[int, int]:
+def _axes(plan: Any, name: str) -> tuple[int, int]:
     """(dim drawn across, dim drawn down): a column split cuts across, a row or vocab split down."""
     shape = plan.shapes[name]
     p = plan.params[name]
@@ -182,7 +179,7 @@ def _axes(plan: "Plan", name: str) -> tuple[int, int]:
     return a, b
 
 
-def _matrix_box(plan: "Plan", name: str | None, biggest: int) -> tuple[float, float]:
+def _matrix_box(plan: Any, name: str | None, biggest: int) -> tuple[float, float]:
     if name is None:
         return 60.0, 24.0
     across, down = _axes(plan, name)
@@ -194,7 +191,7 @@ def _matrix_box(plan: "Plan", name: str | None, biggest: int) -> tuple[float, fl
     return w, h
 
 
-def _draw_step(svg: _Svg, plan: "Plan", s: "FlowStep", fqn: Any, cx: float, top: float, biggest: int,
+def _draw_step(svg: _Svg, plan: Any, s: "FlowStep", fqn: Any, cx: float, top: float, biggest: int,
                first: int) -> None:
     if s.kind == "comm":
         colour = COMM_COLOURS.get(s.op, "#6b21a8")
@@ -251,14 +248,14 @@ def _plain(p: Any) -> str:
     return re.sub(r"@\d+", "", repr(p))
 
 
-def _heads(plan: "Plan", module: str | None) -> str:
+def _heads(plan: Any, module: str | None) -> str:
     att = plan.attention or {}
     if module is not None and module in att:
         return f"heads per rank: {att[module]}"
     return "runs whole on every rank" if att else ""
 
 
-def _draw_matrix(svg: _Svg, plan: "Plan", name: str, x: float, y: float, w: float, h: float) -> None:
+def _draw_matrix(svg: _Svg, plan: Any, name: str, x: float, y: float, w: float, h: float) -> None:
     """The weight with its split dim cut into the ranks' shares (grey: held by every rank)."""
     shape = plan.shapes[name]
     p = plan.params[name]
@@ -279,7 +276,7 @@ def _draw_matrix(svg: _Svg, plan: "Plan", name: str, x: float, y: float, w: floa
     _cut(svg, plan, name, x, y, w, h)
 
 
-def _cut(svg: _Svg, plan: "Plan", name: str, x: float, y: float, w: float, h: float) -> None:
+def _cut(svg: _Svg, plan: Any, name: str, x: float, y: float, w: float, h: float) -> None:
     shape = plan.shapes[name]
     p = plan.params[name]
     if not isinstance(p, Shard) or p.dim < len(shape) - 2:
@@ -318,7 +315,7 @@ def _edge(svg: _Svg, src: "FlowStep", a: tuple, b: tuple, span: int) -> None:
     svg.text(left + 2, (abot + btop) / 2, label, size=10, colour="#0f5132", cls="placement")
 
 
-def _legend(svg: _Svg, plan: "Plan", steps: tuple, y: float) -> float:
+def _legend(svg: _Svg, plan: Any, steps: tuple, y: float) -> float:
     y += 4
     svg.text(20, y, "ranks:", size=11, weight="bold")
     for r in range(plan.tp):

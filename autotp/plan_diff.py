@@ -11,12 +11,10 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 from .plan_view import _NUMBERED, _ROTATION, indices_text, split_layer, unrotated
 
-if TYPE_CHECKING:
-    from .plan import Plan
 
 
 @dataclass(frozen=True)
@@ -36,8 +34,8 @@ class CommChange:
 
 @dataclass(frozen=True)
 class PlanDiff:
-    before: "Plan"
-    after: "Plan"
+    before: Any
+    after: Any
     layouts: tuple[LayoutChange, ...]
     collectives: tuple[CommChange, ...]
     names: tuple[str, str] = ("A", "B")
@@ -87,7 +85,7 @@ def _mb(x: float, y: float) -> str:
     return f"{x / 1e6:.1f} -> {y / 1e6:.1f} MB{_delta(x, y)}"
 
 
-def _layout(plan: "Plan", name: str) -> str:
+def _layout(plan: Any, name: str) -> str:
     if name not in plan.params:
         return "absent"
     return f"{plan.roles[name]} {unrotated(plan.params[name])!r}"
@@ -102,7 +100,7 @@ def _fold(items: dict[tuple, list[int]]) -> list[tuple[str, tuple]]:
     return out
 
 
-def _comm_counters(plan: "Plan") -> dict[tuple[str, int] | None, Counter]:
+def _comm_counters(plan: Any) -> dict[tuple[str, int] | None, Counter]:
     """(stack, index) -> Counter of the layer's collectives (without bytes: a collective whose
     size changed is neither added nor removed); None -> those outside the layers."""
     out: dict = {}
@@ -116,7 +114,7 @@ def _comm_counters(plan: "Plan") -> dict[tuple[str, int] | None, Counter]:
     return out
 
 
-def diff(before: "Plan", after: "Plan", names: tuple[str, str] = ("A", "B")) -> PlanDiff:
+def diff(before: Any, after: Any, names: tuple[str, str] = ("A", "B")) -> PlanDiff:
     changed: dict[tuple, list[int]] = {}
     outside: list[LayoutChange] = []
     for name in list(before.params) + [n for n in after.params if n not in before.params]:

@@ -16,12 +16,10 @@ import io
 import re
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .placements import Placement, Shard
 
-if TYPE_CHECKING:
-    from .plan import CommOp, Plan
 
 #: stack, index, rest of a name under the first numbered module (rest may be empty)
 _LAYER = re.compile(r"^(.*?)\.(\d+)(?:\.(.*))?$")
@@ -76,7 +74,7 @@ class LayerGroup:
         return f"{self.stack}.{index}.{rest}" if rest else f"{self.stack}.{index}"
 
 
-def layer_groups(plan: "Plan") -> list[LayerGroup]:
+def layer_groups(plan: Any) -> list[LayerGroup]:
     """The plan's layers folded into groups, in the order their parameters appear."""
     layers: dict[tuple[str, int], list[str]] = {}
     for name in plan.params:
@@ -91,14 +89,14 @@ def layer_groups(plan: "Plan") -> list[LayerGroup]:
     return [LayerGroup(stack, tuple(sorted(ix)), tuple(r for r, *_ in sig)) for (stack, sig), ix in by_sig.items()]
 
 
-def comm_key(c: "CommOp", rest: str) -> tuple:
+def comm_key(c: Any, rest: str) -> tuple:
     """What makes two layers' collectives the same: kind, where (under the layer), the op that
     needed it (node numbering dropped), the placements (rotation dropped), the bytes."""
     return (c.kind, rest, _NUMBERED.sub("", c.consumer), _ROTATION.sub("", c.src), _ROTATION.sub("", c.dst),
             round(c.fwd_bytes), round(c.bwd_bytes))
 
 
-def comms_by_layer(plan: "Plan") -> tuple[dict[tuple[str, int], list], list]:
+def comms_by_layer(plan: Any) -> tuple[dict[tuple[str, int], list], list]:
     """(stack, index) -> that layer's collectives as (key, CommOp); and those outside any layer."""
     layers: dict[tuple[str, int], list] = {}
     outside = []
@@ -117,11 +115,11 @@ def _shape_text(shapes: list[tuple[int, ...]]) -> str:
     return "x".join(str(lo) if lo == hi else f"{lo}..{hi}" for lo, hi in ((min(d), max(d)) for d in dims))
 
 
-def _local_text(plan: "Plan", name: str) -> str:
+def _local_text(plan: Any, name: str) -> str:
     return _shape_text([plan.local_shape(name, r) for r in range(plan.tp)])
 
 
-def _rotation_note(plan: "Plan", group: LayerGroup) -> str | None:
+def _rotation_note(plan: Any, group: LayerGroup) -> str | None:
     """How the group's uneven shards rotate from layer to layer, in a line (None: they do not)."""
     rotating = [r for r in group.params
                 if len({getattr(plan.params[group.fqn(i, r)], "rotate", 0) for i in group.indices}) > 1]
@@ -137,7 +135,7 @@ def _rotation_note(plan: "Plan", group: LayerGroup) -> str | None:
     return f"uneven splits rotate {how}, so every rank holds as much over the layers: {shown}"
 
 
-def _heads_note(plan: "Plan", group: LayerGroup, heads: dict[str, list[int]]) -> list[str]:
+def _heads_note(plan: Any, group: LayerGroup, heads: dict[str, list[int]]) -> list[str]:
     """Per attention module under the layer: heads per rank, how that varies over the layers."""
     out = []
     rests: dict[str, dict[int, list[int]]] = {}
@@ -158,7 +156,7 @@ def _heads_note(plan: "Plan", group: LayerGroup, heads: dict[str, list[int]]) ->
     return out
 
 
-def folded(plan: "Plan", width: int = 120) -> str:
+def folded(plan: Any, width: int = 120) -> str:
     """The plan with repeated layers printed once (see the module docstring)."""
     from rich.console import Console
     from rich.table import Table
@@ -207,12 +205,12 @@ def folded(plan: "Plan", width: int = 120) -> str:
     return buf.getvalue()
 
 
-def _heads_by_module(plan: "Plan") -> dict[str, list[int]]:
+def _heads_by_module(plan: Any) -> dict[str, list[int]]:
     """A plan saved before attention was recorded: heads read off the projections, by module."""
     return {name.rsplit(".", 2)[0]: v for name, v in plan.heads_per_rank().items()}
 
 
-def _comm_tables(plan: "Plan", groups: list[LayerGroup]) -> list:
+def _comm_tables(plan: Any, groups: list[LayerGroup]) -> list:
     """One table per layer group (the collectives each of its layers runs), then the rest once."""
     from rich.table import Table
 
