@@ -76,7 +76,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from .plan import Plan
 
         other = Plan.from_json(Path(args.diff).read_text())
-        print(plan.diff(other, names=("this plan", args.diff)))
+        print(other.diff(plan, names=(args.diff, "this plan")))
     elif args.json:
         print(plan.to_json())
     else:
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--figure", metavar="PLAN.svg", default=None,
                    help="draw one repeated layer (its matrices' splits, placements, f and g) as SVG")
     p.add_argument("--diff", metavar="OTHER.json", default=None,
-                   help="print what changes from this plan to a saved one (autotp plan ... --json > OTHER.json)")
+                   help="print what changes from a saved plan to this one (autotp plan ... --json > OTHER.json)")
     p.set_defaults(run=cmd_plan)
     c = sub.add_parser("check", help="parallelize on local gloo ranks and compare with the serial model")
     c.add_argument("model")

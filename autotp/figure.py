@@ -78,8 +78,9 @@ def pick_flow(plan: Any, layer: str | None = None) -> "Flow":
     """The flow of ``layer`` (a name such as ``transformer.h.5``), else the one most layers repeat."""
     flows = plan.flows or []
     if not flows:
-        raise ConfigError("this plan records no layer flows to draw (a plan saved by an older autotp, or a model "
-                          "without numbered layers): re-create it with autotp.plan(...)")
+        raise ConfigError("this plan records no layer flows to draw (a plan saved by an older autotp, a model "
+                          "without numbered layers, or a graph whose flows were not recorded: the log says why); "
+                          "re-create it with autotp.plan(...)")
     if layer is None:
         # most repeated; among equals the last (a first layer often differs: the embedding's g)
         return max(reversed(flows), key=lambda f: len(f.indices))
@@ -146,7 +147,7 @@ def draw(plan: Any, flow: "Flow") -> str:
         y += row_h + 46
     for k, s in enumerate(steps):
         for src in s.sources:
-            _edge(svg, steps[src], pos[src], pos[k], depth[k] - depth[src])
+            _edge(svg, steps[src], s, pos[src], pos[k], depth[k] - depth[src])
     y = _legend(svg, plan, steps, y)
     return svg.document(width, y + 10)
 
@@ -214,8 +215,10 @@ def _draw_step(svg: _Svg, plan: Any, s: "FlowStep", fqn: Any, cx: float, top: fl
         return
     name = _matrix(plan, s, fqn)
     if s.kind == "weight" or name is None:
-        svg.rect(cx - 90, top + 4, 180, 32, "#f8fafc", "#94a3b8", rx=4)
-        svg.text(cx, top + 18, ", ".join(s.params) or s.module or s.op, anchor="middle", cls="param")
+        label = ", ".join(s.params) or s.module or s.op
+        half = max(90, 3.4 * len(label) + 10)
+        svg.rect(cx - half, top + 4, 2 * half, 32, "#f8fafc", "#94a3b8", rx=4)
+        svg.text(cx, top + 18, label, anchor="middle", cls="param")
         roles = sorted({plan.roles.get(fqn(p), "?") for p in s.params})
         svg.text(cx, top + 31, f"{s.op} ({', '.join(roles)}) -> {s.output}", size=10, anchor="middle",
                  colour="#555")
@@ -300,10 +303,12 @@ def _cut(svg: _Svg, plan: Any, name: str, x: float, y: float, w: float, h: float
     svg.rect(x, y, w, h, "none", "#111")
 
 
-def _edge(svg: _Svg, src: "FlowStep", a: tuple, b: tuple, span: int) -> None:
+def _edge(svg: _Svg, src: "FlowStep", dst: "FlowStep", a: tuple, b: tuple, span: int) -> None:
     ax, _, abot, _ = a
     bx, btop, _, _ = b
-    label = src.output.split("->")[-1]
+    # what flows: the producer's output, or what a collective takes in (the tensor it converts
+    # may be a slice of the producer's output: Falcon's whole k and v)
+    label = dst.output.split("->")[0] if dst.kind == "comm" else src.output.split("->")[-1]
     if span == 1:
         svg.line(ax, abot + 2, bx, btop - 2)
         svg.text((ax + bx) / 2 + 5, (abot + btop) / 2 + 4, label, size=10, colour="#0f5132", cls="placement")
@@ -312,7 +317,6 @@ def _edge(svg: _Svg, src: "FlowStep", a: tuple, b: tuple, span: int) -> None:
     left = 40
     svg.path(f"M {ax - 70:.1f} {abot - 10:.1f} C {left:.1f} {abot:.1f}, {left:.1f} {btop:.1f}, {bx - 70:.1f} "
              f"{btop + 10:.1f}")
-    svg.text(left + 2, (abot + btop) / 2, label, size=10, colour="#0f5132", cls="placement")
 
 
 def _legend(svg: _Svg, plan: Any, steps: tuple, y: float) -> float:

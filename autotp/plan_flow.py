@@ -21,15 +21,19 @@ the rotation of uneven shards aside) share one flow.
 """
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger("autotp")
 
 _ROTATION = re.compile(r"@\d+")
 _LAYER = re.compile(r"^(.*?)\.(\d+)(?:\.(.*))?$")
 #: ops that only re-present a parameter (a transpose for ``x @ W.T``, a dtype cast)
 _PARAM_WAY = frozenset(("t", "transpose", "permute", "numpy_T", "mT", "_to_copy", "to", "alias", "view",
                         "_unsafe_view", "reshape", "expand", "contiguous", "clone", "detach"))
+#: products with a weight (an op named for grouped_mm too: experts' kernels and their fallbacks)
 _MATMULS = frozenset(("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_grouped_mm", "einsum"))
 _NORMS = frozenset(("layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm", "group_norm"))
 _SOFTMAX = frozenset(("_softmax", "softmax", "_safe_softmax"))
@@ -86,8 +90,18 @@ def _layer_of(node: Any) -> tuple[str, int, str] | None:
     return (m.group(1), int(m.group(2)), m.group(3) or "") if m else None
 
 
-def record_flows(index: Any, prop: Any) -> list[Flow]:
-    """The flows of every stack's distinct layers (see the module docstring)."""
+def record_flows(index: Any, prop: Any) -> list[Flow] | None:
+    """The flows of every stack's distinct layers (see the module docstring). They only serve
+    the figure: a graph this reading does not foresee logs why and records none (the figure then
+    says so), rather than failing the plan."""
+    try:
+        return _record_flows(index, prop)
+    except Exception as exc:   # noqa: BLE001 - a drawing aid must not stop planning
+        log.warning("autotp: the plan records no layer flows for plan.figure(): %s: %s", type(exc).__name__, exc)
+        return None
+
+
+def _record_flows(index: Any, prop: Any) -> list[Flow]:
     cap = index.capture
     layers: dict[tuple[str, int], list] = {}
     where: dict = {}
@@ -119,27 +133,26 @@ def _params_of(node: Any, param_names: dict) -> list[str]:
 
 
 def _comm_into(index: Any, prop: Any, by_tensor: dict, exact: dict) -> Any:
-    """``(arg, consumer) -> the Comm the consumer reads arg through, or None``. A conversion is
-    made once per (tensor, placement, f) and read by every consumer that wants the same (q, k and
-    v all read the f placed before q): decided as the propagation decides it."""
+    """``(arg, consumer) -> the Comms, in order, the consumer reads arg through``. A conversion
+    is made once per (tensor, placement, f) and read by every consumer that wants the same (q, k
+    and v all read the f placed before q): decided as the propagation decides it."""
     from .passes.propagate import _sharded_compute, wants_f
 
-    def into(arg: Any, consumer: Any) -> Any:
-        c = exact.get((arg.name, consumer.name))
-        if c is not None:
-            return c
+    def into(arg: Any, consumer: Any) -> list:
         strat, info = prop.chosen.get(consumer), index.infos.get(consumer)
         if strat is None or info is None or arg.name not in by_tensor:
-            return None
+            return list(exact.get((arg.name, consumer.name), ()))
         sharded = _sharded_compute(strat)
         for inp, meta, want in zip(index.tensor_inputs.get(consumer, ()), info.inputs, strat.inputs):
             if inp is not arg:
                 continue
             f = wants_f(want, sharded, meta, inp in index.grads)
-            kind = prop.conversions.get((inp, want, f))
-            if kind:
-                return next((c for c in by_tensor[arg.name] if c.kind == kind and c.dst == want), None)
-        return None
+            if (inp, want, f) not in prop.conversions:
+                continue
+            kinds = [k for k in (prop.conversions[(inp, want, f)], "f" if f else "") if k]
+            found = [next((c for c in by_tensor[arg.name] if c.kind == k and c.dst == want), None) for k in kinds]
+            return [c for c in found if c is not None]
+        return list(exact.get((arg.name, consumer.name), ()))
 
     return into
 
@@ -148,7 +161,10 @@ def _layer_steps(nodes: list, rest_of: dict, param_names: dict, prop: Any, index
     by_tensor: dict = {}
     for c in prop.comms:
         by_tensor.setdefault(c.tensor, []).append(c)
-    comm_into = _comm_into(index, prop, by_tensor, {(c.tensor, c.consumer): c for c in prop.comms})
+    exact: dict = {}
+    for c in prop.comms:
+        exact.setdefault((c.tensor, c.consumer), []).append(c)
+    comm_into = _comm_into(index, prop, by_tensor, exact)
     inside = set(nodes)
     steps: list[FlowStep] = []
     step_of: dict = {}        # node -> step index (a drawn op)
@@ -174,16 +190,18 @@ def _layer_steps(nodes: list, rest_of: dict, param_names: dict, prop: Any, index
 
     def resolve(arg: Any, consumer: Any) -> tuple[int, ...]:
         """The steps whose values reach ``consumer`` through its input ``arg``."""
-        c = comm_into(arg, consumer)
-        if c is not None:
-            key = id(c)
-            if key not in comm_step:
-                src = through(arg)
-                comm_step[key] = len(steps)
+        chain = comm_into(arg, consumer)
+        if not chain:
+            return through(arg)
+        src = None
+        for c in chain:   # a conversion's collective, then its f
+            if id(c) not in comm_step:
+                src = through(arg) if src is None else src
+                comm_step[id(c)] = len(steps)
                 steps.append(FlowStep("comm", _module_of(c.consumer), c.kind, (),
                                       f"{_ROTATION.sub('', repr(c.src))}->{_ROTATION.sub('', repr(c.dst))}", src))
-            return (comm_step[key],)
-        return through(arg)
+            src = (comm_step[id(c)],)
+        return src
 
     def through(arg: Any) -> tuple[int, ...]:
         if arg in step_of:
@@ -217,7 +235,7 @@ def _layer_steps(nodes: list, rest_of: dict, param_names: dict, prop: Any, index
         scores = base in _SOFTMAX and _scores(n)
         if not params and not scores and base != "scaled_dot_product_attention":
             continue
-        kind = ("attention" if not params else "matmul" if base in _MATMULS else
+        kind = ("attention" if not params else "matmul" if base in _MATMULS or "grouped_mm" in base else
                 "embedding" if base == "embedding" else "weight")
         rest = rest_of[n]
         sources: list[int] = []

@@ -22,7 +22,7 @@ def test_plan_full_figure_and_diff_from_the_command_line(tmp_path, capsys):
     assert main(["plan", "gpt2", "--tp", "2", "--layers", "1", "--figure", str(svg),
                  "--diff", str(tmp_path / "tp4.json")]) == 0
     out = capsys.readouterr().out
-    assert "plan diff: this plan (tp=2" in out and "tp4.json (tp=4" in out and "predicted step:" in out
+    assert "tp4.json (tp=4, profile=" in out and "-> this plan (tp=2, profile=" in out and "predicted step:" in out
     assert svg.read_text().startswith("<svg") and "attn.c_attn.weight" in svg.read_text()
 
 

@@ -413,14 +413,15 @@ def test_the_plan_of_gpt2_xl_prints_folded_in_a_screen():
     assert "transformer.h.{0..47}: 48 layers, 12 parameters each" in text
     assert "collectives in each layer of transformer.h.{0..47} (x 48 layers)" in text
     heads = plan.attention["transformer.h.0.attn"]
-    assert f"(transformer.h.0.attn, 25 heads): {heads} (layers rotate which ranks hold the extra heads" in text
-    assert "every rank runs 150 heads over them" in text
+    words = " ".join(text.split())   # long lines wrap at the console's width
+    assert f"(transformer.h.0.attn, 25 heads): {heads} (layers rotate which ranks hold the extra heads" in words
+    assert "every rank runs 150 heads over them" in words
     for rest in MEGATRON_ROLES:
         assert rest in text
     assert "transformer.h.47." not in text and "lm_head.weight" in text and "transformer.wpe.weight" in text
     assert "predicted step:" in text and "memory per rank (largest)" in text
-    full = plan.table(full=True)
-    assert all(name in full for name in plan.params) and len(full.splitlines()) > 500
+    full = plan.table(full=True)   # one row per parameter of every layer (long names cut short)
+    assert sum(line.startswith("│ transformer.h.") for line in full.splitlines()) == 48 * 12
 
 
 def test_diff_of_a_pinned_layout_names_the_parameters_and_the_collectives_it_moves():
