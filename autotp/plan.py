@@ -2,7 +2,9 @@
 
 A plan holds every parameter's placement and role (column, row, vocab, replicate), every
 collective with its bytes per step, and the predicted cost per rank. ``print(plan)`` shows it
-as tables; ``to_json``/``from_json`` round-trip it (versioned JSON, no pickle).
+as tables, repeated layers folded (``table(full=True)``: every row); ``figure()`` draws one
+layer, ``diff(other)`` compares two plans; ``to_json``/``from_json`` round-trip it (versioned
+JSON, no pickle).
 """
 from __future__ import annotations
 

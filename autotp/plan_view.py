@@ -180,7 +180,8 @@ def folded(plan: Any, width: int = 120) -> str:
 
     for g in groups:
         n = len(g.indices)
-        t = param_table(f"{g.name}: {n} layer{'s' if n > 1 else ''}, {len(g.params)} parameters each")
+        t = param_table(f"{g.name}: {n} layers, {len(g.params)} parameters each" if n > 1
+                        else f"{g.name}: 1 layer, {len(g.params)} parameters")
         for rest in g.params:
             name = g.fqn(g.indices[0], rest)
             t.add_row(rest, "x".join(map(str, plan.shapes[name])), plan.roles[name], repr(unrotated(plan.params[name])),
@@ -188,6 +189,10 @@ def folded(plan: Any, width: int = 120) -> str:
         console.print(t)
         for line in filter(None, [_rotation_note(plan, g), *_heads_note(plan, g, heads)]):
             console.print(line)
+    grouped = {(g.stack, i) for g in groups for i in g.indices}
+    rest = {m: v for m, v in heads.items() if (split_layer(m) or ("", -1, ""))[:2] not in grouped}
+    for module, per_rank in rest.items():   # attention outside any numbered layer
+        console.print(f"attention heads per rank ({module}, {sum(per_rank)} heads): {per_rank}")
     outside = [n for n in plan.params if n not in in_layers]
     if outside:
         t = param_table("outside the layers")
@@ -236,7 +241,8 @@ def _comm_tables(plan: Any, groups: list[LayerGroup]) -> list:
                     once.append(c)
         shown: set = set()
         n = len(g.indices)
-        t = table(f"collectives in each layer of {g.name}" + (f" (x {n} layers)" if n > 1 else ""), "per layer")
+        t = table(f"collectives in each layer of {g.name} (x {n} layers)" if n > 1 else f"collectives in {g.name}",
+                  "per layer")
         for key, c in by_layer.get((g.stack, g.indices[0]), []):
             if key in common and key not in shown:
                 shown.add(key)
