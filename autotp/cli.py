@@ -3,6 +3,9 @@
     autotp plan gpt2-xl --tp 8                       # the plan for gpt2-xl at tp=8 (meta device)
     autotp plan starcoder-15b --tp 8 --layers 2      # any published configuration of autotp.zoo
     autotp plan path/to/hf-folder --tp 4 --json      # any HF config folder; the plan as JSON
+    autotp plan gpt2-xl --tp 8 --full                # every layer's parameters and collectives
+    autotp plan gpt2-xl --tp 8 --figure plan.svg     # one layer drawn: splits, placements, f and g
+    autotp plan gpt2-xl --tp 4 --diff tp8.json       # what changes against a saved plan
     autotp check llama-3-8b --tp 4 --layers 1        # random weights on 4 local gloo ranks vs serial
 
 MODEL is a published configuration of a family autotp is tested on (``autotp.zoo``: gpt2 ...
@@ -66,7 +69,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = autotp.plan(model, tp=args.tp, batch=args.batch, seq=args.seq, profile=args.profile,
                        gather_logits={"auto": None, "gather": True, "split": False}[args.logits],
                        memory_limit=limit)
-    print(plan.to_json() if args.json else plan)
+    if args.figure:
+        plan.figure(args.figure)
+        print(f"autotp: drew one layer of the plan to {args.figure}", file=sys.stderr)
+    if args.diff:
+        from .plan import Plan
+
+        other = Plan.from_json(Path(args.diff).read_text())
+        print(other.diff(plan, names=(args.diff, "this plan")))
+    elif args.json:
+        print(plan.to_json())
+    else:
+        print(plan.table(full=args.full))
     return 0
 
 
@@ -125,6 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logits", choices=("auto", "gather", "split"), default="auto",
                    help="logits gathered or kept split by vocabulary (auto: split when the call returns a loss)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--full", action="store_true",
+                   help="every parameter of every layer and every collective (default: repeated layers folded)")
+    p.add_argument("--figure", metavar="PLAN.svg", default=None,
+                   help="draw one repeated layer (its matrices' splits, placements, f and g) as SVG")
+    p.add_argument("--diff", metavar="OTHER.json", default=None,
+                   help="print what changes from a saved plan to this one (autotp plan ... --json > OTHER.json)")
     p.set_defaults(run=cmd_plan)
     c = sub.add_parser("check", help="parallelize on local gloo ranks and compare with the serial model")
     c.add_argument("model")

@@ -2,7 +2,9 @@
 
 A plan holds every parameter's placement and role (column, row, vocab, replicate), every
 collective with its bytes per step, and the predicted cost per rank. ``print(plan)`` shows it
-as tables; ``to_json``/``from_json`` round-trip it (versioned JSON, no pickle).
+as tables, repeated layers folded (``table(full=True)``: every row); ``figure()`` draws one
+layer, ``diff(other)`` compares two plans; ``to_json``/``from_json`` round-trip it (versioned
+JSON, no pickle).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Any
 
 from .errors import ConfigError
 from .placements import Partial, Placement, Replicate, Shard, from_json, local_size, to_json
+from .plan_flow import Flow
 
 SCHEMA_VERSION = 1
 
@@ -85,6 +88,9 @@ class Plan:
     #: module of each attention op that runs split by heads -> heads each rank computes (None:
     #: a plan saved before this was recorded; heads are then read off the parameters alone)
     attention: dict[str, list[int]] | None = None
+    #: how data flows through each distinct layer (:mod:`autotp.plan_flow`), for the figure
+    #: (None: a plan saved before this was recorded)
+    flows: list | None = None
 
     # ---- what users inspect -------------------------------------------------------------
     @property
@@ -183,6 +189,17 @@ class Plan:
 
     # ---- printing -------------------------------------------------------------------------
     def __str__(self) -> str:
+        return self.table()
+
+    def table(self, full: bool = False) -> str:
+        """The plan as text: repeated layers folded into one table each (what varies across
+        them said in a line), the parameters outside them, the collectives per layer and per
+        step, predicted time and memory (:mod:`autotp.plan_view`); ``full``: every parameter of
+        every layer and every collective, one row each."""
+        if not full:
+            from .plan_view import folded
+
+            return folded(self)
         from rich.console import Console
         from rich.table import Table
 
@@ -212,34 +229,52 @@ class Plan:
             comms.add_row(c.kind, where, c.tensor, f"{c.src}->{c.dst}", f"{c.fwd_bytes / 1e6:.2f}",
                           f"{c.bwd_bytes / 1e6:.2f}", f"{c.seconds * 1e3:.3f}")
         console.print(comms)
-        cost = self.cost
-        per_rank = ", ".join(f"{b / 1e6:.1f}" for b in cost["param_bytes_per_rank"])
-        counts = ", ".join(f"{k}={v}" for k, v in sorted(self.comm_counts().items())) or "none"
         heads = self.attention if self.attention is not None else self.heads_per_rank()
         if heads:
             first = next(iter(heads))
             uneven = sorted({tuple(v) for v in heads.values()})
             note = "" if len(uneven) == 1 else f" (layers rotate which ranks hold the extra heads; {len(heads)} layers)"
             console.print(f"attention heads per rank ({first}, {sum(heads[first])} heads): {heads[first]}{note}")
-        console.print(
-            f"collectives: {counts}\n"
+        for line in self.summary_lines():
+            console.print(line)
+        return buf.getvalue()
+
+    def diff(self, other: "Plan", names: tuple[str, str] = ("A", "B")) -> Any:
+        """What changes from this plan to ``other``: layouts, collectives per layer, predicted
+        step time and memory (an :class:`autotp.plan_diff.PlanDiff`; print it)."""
+        from .plan_diff import diff
+
+        return diff(self, other, names)
+
+    def figure(self, path: Any = None, layer: str | None = None) -> str:
+        """One repeated layer drawn as data flows through it (SVG): the matrices and their split,
+        the activations' placements, f and g where the plan puts them (:mod:`autotp.figure`).
+        Written to ``path`` if given; the SVG text is returned. ``layer``: which recorded layer
+        (default: the one most layers repeat)."""
+        from .figure import figure
+
+        return figure(self, path, layer)
+
+    def summary_lines(self) -> list[str]:
+        """The totals both tables end with: collectives, predicted step, memory, notes."""
+        cost = self.cost
+        per_rank = ", ".join(f"{b / 1e6:.1f}" for b in cost["param_bytes_per_rank"])
+        counts = ", ".join(f"{k}={v}" for k, v in sorted(self.comm_counts().items())) or "none"
+        lines = [
+            f"collectives: {counts}",
             f"predicted step: {cost['step_s'] * 1e3:.3f} ms (compute {cost['compute_s'] * 1e3:.3f} ms, "
-            f"communication {cost['comm_s'] * 1e3:.3f} ms); {cost['comm_bytes_per_step'] / 1e6:.1f} MB sent per rank\n"
-            f"parameter MB per rank: [{per_rank}] vs serial {cost['param_bytes_serial'] / 1e6:.1f}\n"
+            f"communication {cost['comm_s'] * 1e3:.3f} ms); {cost['comm_bytes_per_step'] / 1e6:.1f} MB sent per rank",
+            f"parameter MB per rank: [{per_rank}] vs serial {cost['param_bytes_serial'] / 1e6:.1f}",
             f"memory per rank (largest): {_size(self.memory_bytes)} = training state "
             f"{_size(self.memory_bytes - self.activation_bytes)} (weights, gradients, Adam) + activations "
-            f"{_size(self.activation_bytes)}"
-            + (f"; limit {_size(self.memory_limit)}" if self.memory_limit else "")
-        )
+            f"{_size(self.activation_bytes)}" + (f"; limit {_size(self.memory_limit)}" if self.memory_limit else ""),
+        ]
         for kind, seconds in sorted(self.comm_seconds().items(), key=lambda kv: -kv[1]):
-            console.print(f"  communication {kind}: {seconds * 1e3:.3f} ms")
-        for key, expr in self.expressions.items():
-            console.print(f"{key}(b, s) = {expr}")
-        for note in self.notes:
-            console.print(f"note: {note}")
-        for name, p in self.sharded_outputs.items():
-            console.print(f"output {name!r} is returned split as {p} (not gathered)")
-        return buf.getvalue()
+            lines.append(f"  communication {kind}: {seconds * 1e3:.3f} ms")
+        lines += [f"{key}(b, s) = {expr}" for key, expr in self.expressions.items()]
+        lines += [f"note: {note}" for note in self.notes]
+        lines += [f"output {name!r} is returned split as {p} (not gathered)" for name, p in self.sharded_outputs.items()]
+        return lines
 
     # ---- JSON -------------------------------------------------------------------------------
     def to_json(self) -> str:
@@ -257,6 +292,8 @@ class Plan:
             "memory_limit": self.memory_limit, "expressions": dict(self.expressions), "notes": self.notes,
             "attention": self.attention,
         }
+        if self.flows is not None:
+            doc["flows"] = [f.to_json() for f in self.flows]
         return json.dumps(doc, indent=1, sort_keys=True)
 
     @classmethod
@@ -291,6 +328,7 @@ class Plan:
             memory_bytes=doc.get("memory_bytes", 0.0), activation_bytes=doc.get("activation_bytes", 0.0),
             memory_limit=doc.get("memory_limit"), expressions=doc.get("expressions", {}),
             notes=doc.get("notes", []), attention=doc.get("attention"),
+            flows=None if doc.get("flows") is None else [Flow.from_json(f) for f in doc["flows"]],
         )
 
 

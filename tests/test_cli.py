@@ -10,7 +10,20 @@ from autotp.cli import main
 def test_plan_of_a_gpt2_size_prints_the_layouts_without_weights(capsys):
     assert main(["plan", "gpt2", "--tp", "4", "--layers", "1"]) == 0
     out = capsys.readouterr().out
-    assert "transformer.h.0.attn.c_attn.weight" in out and "column" in out and "tp=4" in out
+    assert "transformer.h.0: 1 layer" in out and "attn.c_attn.weight" in out and "column" in out and "tp=4" in out
+
+
+def test_plan_full_figure_and_diff_from_the_command_line(tmp_path, capsys):
+    assert main(["plan", "gpt2", "--tp", "4", "--layers", "1", "--json"]) == 0
+    (tmp_path / "tp4.json").write_text(capsys.readouterr().out)
+    assert main(["plan", "gpt2", "--tp", "4", "--layers", "1", "--full"]) == 0
+    assert "transformer.h.0.attn.c_attn.weight" in capsys.readouterr().out
+    svg = tmp_path / "plan.svg"
+    assert main(["plan", "gpt2", "--tp", "2", "--layers", "1", "--figure", str(svg),
+                 "--diff", str(tmp_path / "tp4.json")]) == 0
+    out = capsys.readouterr().out
+    assert "tp4.json (tp=4, profile=" in out and "-> this plan (tp=2, profile=" in out and "predicted step:" in out
+    assert svg.read_text().startswith("<svg") and "attn.c_attn.weight" in svg.read_text()
 
 
 def test_plan_as_json_loads_back_as_a_plan(capsys):

@@ -14,7 +14,7 @@ from autotp.planner import build_plan
 from autotp.capture import capture
 from autotp.cost_model import PROFILES
 from autotp.errors import ConfigError, PlanError
-from autotp.plan import DeferredExpressions
+from autotp.plan import DeferredExpressions, Plan
 from autotp.testing import MEGATRON_GPT2
 from tests.helpers import tiny_gpt2
 
@@ -191,7 +191,7 @@ def test_a_replayed_plan_computes_its_cost_expressions_when_read():
 
 def test_plan_prints_every_parameter_layout_and_collective():
     plan = plan_of(tiny_capture(), 2, layout=MEGATRON_GPT2, batch=2, seq=8)
-    text = str(plan)
+    text = plan.table(full=True)
     for name in plan.params:
         assert name in text
     assert "column" in text and "row" in text and "P->R" in text
@@ -402,3 +402,64 @@ def test_a_plans_plain_split_is_held_exactly_by_another_calls_program():
     assert plan.attention["model.layers.0.self_attn"] == [2, 1, 1]
     at = [(c.kind, c.src, c.dst) for c in plan.comms if c.module == "model.layers.0.self_attn.o_proj"]
     assert at == [("reshard", "S(2/8)", "S(2)")], at
+
+
+def test_the_plan_of_gpt2_xl_prints_folded_in_a_screen():
+    """48 layers print once as their range, with the uneven heads' rotation in a line; the
+    full table keeps every parameter."""
+    plan = plan_of(gpt2_capture(*GPT2_FAMILY["xl"]), 8, profile="h100-dgx")
+    text = str(plan)
+    assert len(text.splitlines()) <= 150, len(text.splitlines())
+    assert "transformer.h.{0..47}: 48 layers, 12 parameters each" in text
+    assert "collectives in each layer of transformer.h.{0..47} (x 48 layers)" in text
+    heads = plan.attention["transformer.h.0.attn"]
+    words = " ".join(text.split())   # long lines wrap at the console's width
+    assert f"(transformer.h.0.attn, 25 heads): {heads} (layers rotate which ranks hold the extra heads" in words
+    assert "every rank runs 150 heads over them" in words
+    for rest in MEGATRON_ROLES:
+        assert rest in text
+    assert "transformer.h.47." not in text and "lm_head.weight" in text and "transformer.wpe.weight" in text
+    assert "predicted step:" in text and "memory per rank (largest)" in text
+    full = plan.table(full=True)   # one row per parameter of every layer (long names cut short)
+    assert sum(line.startswith("│ transformer.h.") for line in full.splitlines()) == 48 * 12
+
+
+def test_diff_of_a_pinned_layout_names_the_parameters_and_the_collectives_it_moves():
+    cap = gpt2_capture(768, 12)
+    free = plan_of(cap, 8, profile="h100-dgx")
+    pinned = plan_of(cap, 8, profile="h100-dgx", layout={"*.mlp.c_fc.weight": "replicate"})
+    d = free.diff(pinned)
+    changed = {c.name: (c.before, c.after) for c in d.layouts}
+    assert changed["transformer.h.{0..1}.mlp.c_fc.weight"] == ("column S(1)", "replicate R")
+    assert ("transformer.h.{0..1}", "-", "f before mlp.c_fc: mm_default (R->R)") in {
+        (c.where, c.sign, c.what) for c in d.collectives}
+    text = str(d)
+    assert "layouts changed" in text and "predicted step:" in text and "memory per rank (largest):" in text
+    assert d.after.cost["step_s"] > d.before.cost["step_s"]   # the solver's choice was the faster one
+
+
+def test_a_plan_keeps_its_layer_flows_through_json_and_draws_from_them(tmp_path):
+    plan = plan_of(gpt2_capture(768, 12), 8, profile="h100-dgx")
+    back = Plan.from_json(plan.to_json())
+    assert back.flows == plan.flows and back.figure() == plan.figure()
+    svg = plan.figure(tmp_path / "gpt2.svg")
+    assert (tmp_path / "gpt2.svg").read_text() == svg
+    old = json.loads(plan.to_json())
+    del old["flows"]
+    with pytest.raises(ConfigError, match="records no layer flows"):
+        Plan.from_json(json.dumps(old)).figure()
+
+
+def test_gpt2_figure_is_megatrons_figure_3():
+    """In graph order: f, then the column-parallel c_attn, attention split by head, the
+    row-parallel c_proj, g; then f, column c_fc, row c_proj, g."""
+    plan = plan_of(gpt2_capture(768, 12), 8, profile="h100-dgx")
+    flow = max(plan.flows, key=lambda f: len(f.indices))
+    order = [(s.op if s.kind == "comm" else s.kind, s.params[0] if s.kind == "matmul" else "")
+             for s in flow.steps if s.kind in ("comm", "matmul", "attention")]
+    assert order == [("f", ""), ("matmul", "attn.c_attn.weight"), ("attention", ""),
+                     ("matmul", "attn.c_proj.weight"), ("g", ""), ("f", ""), ("matmul", "mlp.c_fc.weight"),
+                     ("matmul", "mlp.c_proj.weight"), ("g", "")]
+    svg = plan.figure()
+    for word in ("column S(1x3/64)", "row S(0/64)", "column S(1)", "row S(0)", "heads per rank: [2, 2, 2, 2, 1, 1, 1, 1]"):
+        assert word in svg, word

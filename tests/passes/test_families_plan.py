@@ -18,6 +18,7 @@ all-reduce a vocabulary split needs, for the same memory: docs/architecture.md).
 collectives in the layer are shown in the failure message.
 """
 import re
+import xml.etree.ElementTree as ET
 
 import pytest
 import torch
@@ -136,3 +137,29 @@ def test_megatron_layout_emerges_at_real_size(size):
     assert all(isinstance(p, Shard) for p in split.values()), f"a vocabulary-sized matrix held whole: {split}"
     heads = [n for n in outside if read_by_product(cap, n)]   # the output layer (tied or not)
     assert heads and all(plan.shapes[n][split[n].dim] == vocab for n in heads), split
+
+
+#: one published size of every family, the figure drawn for each
+FIGURE_SIZES = [pytest.param(next(iter(f.published)), marks=[pytest.mark.slow] if f.task == "seq2seq" else [])
+                for f in zoo.FAMILIES.values()]
+_SVG = "{http://www.w3.org/2000/svg}"
+
+
+@pytest.mark.parametrize("size", FIGURE_SIZES)
+def test_every_family_draws_its_layer_with_the_matrices_f_and_g(size):
+    """The figure of a repeated layer (autotp.figure) draws every weight matrix of the layer by
+    its name and split, and marks f and g where the plan puts them."""
+    from autotp.figure import pick_flow
+
+    _, _, plan = plan_at_size(size)
+    svg = plan.figure()
+    root = ET.fromstring(svg)
+    texts = {t.text for t in root.iter(f"{_SVG}text")}
+    marks = {t.text for t in root.iter(f"{_SVG}text") if "comm" in (t.get("class") or "")}
+    assert {"f", "g"} <= marks, marks
+    flow = pick_flow(plan)
+    prefix = f"{flow.stack}.{flow.indices[0]}."
+    matrices = [n[len(prefix):] for n in plan.params if n.startswith(prefix) and len(plan.shapes[n]) >= 2]
+    assert matrices and all(m in texts for m in matrices), (matrices, sorted(t for t in texts if t))
+    roles = {t.split(" ")[0] for t in texts if t and t.split(" ")[0] in ("column", "row", "replicate")}
+    assert {"column", "row"} <= roles, roles
