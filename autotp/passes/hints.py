@@ -58,6 +58,14 @@ def column_hint(node: fx.Node, dim: int, tp: int = 1, uneven: bool = False,
         if u.target is operator.getitem:
             cur = u
             continue
+        pieces = _slices_tiling(cur, users, d)
+        if pieces is not None:
+            # a fused projection read back with slices (Phi-3's q | k | v): blocks of the pieces'
+            # greatest common size, followed into the first piece (the query heads)
+            block = math.gcd(*[b - a for a, b, _ in pieces])
+            chunks *= pieces[-1][1] // block
+            cur = pieces[0][2]
+            continue
         if len(users) > 1 and cur.target not in (aten.split.Tensor, aten.split_with_sizes.default):
             break
         t = u.target
@@ -112,6 +120,25 @@ def column_hint(node: fx.Node, dim: int, tp: int = 1, uneven: bool = False,
             continue
         break
     return done(chunks, unit, tail_elems)
+
+
+def _slices_tiling(node: fx.Node, users: list, d: int) -> list[tuple[int, int, fx.Node]] | None:
+    """(start, stop, slice) of ``node``'s readers where all are step-1 slices of dim ``d`` that
+    tile it without overlap, in order; None otherwise."""
+    shape = shape_of(node)
+    if len(users) < 2 or shape is None or not shape[d].is_Integer:
+        return None
+    pieces = []
+    for u in users:
+        bounds = slice_bounds(u) if u.target is aten.slice.Tensor else None
+        if bounds is None or bounds[0] != d:
+            return None
+        pieces.append((bounds[1], bounds[2], u))
+    pieces.sort(key=lambda p: p[:2])
+    ends = [0] + [b for _, b, _ in pieces]
+    if any(a != ends[i] for i, (a, _, _) in enumerate(pieces)) or ends[-1] != int(shape[d]):
+        return None
+    return pieces
 
 
 def _through_transpose(node: fx.Node, d: int) -> int:

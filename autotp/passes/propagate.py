@@ -430,7 +430,9 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
             if node.name in cap.param_names:
                 val = node.meta["val"]
                 decided = decisions.get(node.name)
-                if val.dim() >= 2 and decided is not None:
+                # a plan's own placements hold for every parameter, 1-D ones (norm weights)
+                # included: they were sliced at load, so a later program cannot choose anew
+                if decided is not None and (val.dim() >= 2 or exact):
                     if isinstance(decided, Shard) and (exact or (decided.chunks, decided.unit) != (1, 1)):
                         place[node] = decided          # fully given (a loaded plan)
                         params[node.name] = decided
