@@ -672,6 +672,30 @@ def test_transposes_squeezes_slices_and_expands_carry_the_shard_along(case):
     check_case(case)
 
 
+@st.composite
+def block_slice_cases(draw) -> Case:
+    """A slice of whole blocks of a dim split in blocks of heads (Phi-3's fused q|k|v read back
+    with ``qkv[..., :q]``, ``[q:q+k]``, ``[q+k:]``): every rank holds the same heads of each block."""
+    gen, tp = _gen(draw), draw(tps)
+    chunks, atoms, unit = draw(st.integers(2, 5)), draw(st.integers(1, 5)), draw(st.integers(1, 3))
+    lead = draw(shapes(0, 2, st.integers(1, 3)))
+    block = atoms * unit
+    first = draw(st.integers(0, chunks - 1))
+    last = draw(st.integers(first + 1, chunks))
+    dim = len(lead)
+    shard = Shard(dim, chunks, unit, draw(st.integers(0, tp - 1)))
+    x = _tensor(gen, lead + (chunks * block,))
+    return draw(_case(aten.slice.Tensor, [x], (dim, first * block, last * block), place=(shard,), tp=tp))
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=block_slice_cases())
+def test_a_slice_of_whole_blocks_keeps_the_heads_of_each_block(case):
+    offered = check_case(case)
+    if case.args[2] or case.args[3] != case.args[0].shape[case.args[1]]:   # not the whole dim: the block strategy
+        assert any(isinstance(s.output, Shard) for s in offered), offered
+
+
 # ---------------------------------------------------------------- rotary embeddings and fused attention
 
 @st.composite

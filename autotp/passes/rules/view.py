@@ -303,7 +303,23 @@ def slice_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
         part = tail_part(p, src[dim], bounds and range(bounds[0], bounds[1]))
         if part is not None:
             out.append(Strategy((p,), part))
+    blocks = whole_blocks(p, src[dim], _slice_bounds(info)) if is_shard(p) and p.dim == dim else None
+    if blocks is not None and blocks != (0, p.chunks):   # the whole dim: _follow keeps the shard
+        out.append(Strategy((p,), replace(p, chunks=blocks[1] - blocks[0])))
     return out
+
+
+def whole_blocks(p: Shard, size: Any, bounds: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The blocks [first, last) a slice takes whole from a dim split in blocks (a fused q|k|v
+    read back with slices, Phi-3's ``qkv[..., :q_size]``, dealt block by block: every rank holds
+    the same heads of each block), or None. The slice then holds the same heads of fewer blocks."""
+    if p.chunks < 2 or p.tail or p.per_block or bounds is None or not size.is_Integer:
+        return None
+    block = int(size) // p.chunks
+    a, b = bounds
+    if a % block or b % block or b <= a:
+        return None
+    return a // block, b // block
 
 
 def slice_range(size: Any, args: tuple) -> tuple[int, int] | None:
@@ -367,6 +383,12 @@ def tail_position(p: Shard, size: int, position: int, ctx: LocalContext) -> int:
 def slice_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
     p = strategy.inputs[0]
     dim = norm_dim(info.args[1] if len(info.args) > 1 else 0, info.inputs[0].ndim)
+    blocks = whole_blocks(p, info.inputs[0].shape[dim], _slice_bounds(info)) if is_shard(p) and p.dim == dim else None
+    if blocks is not None and is_shard(strategy.output) and strategy.output.dim == dim:
+        # whole blocks: this rank's run of each, laid one after another
+        size, (first, last) = int(info.inputs[0].shape[dim]), blocks
+        run = ctx.local(size // p.chunks, sympy.Integer(size // p.chunks), replace(p, chunks=1))
+        return info.target, (args[0], dim, first * run, last * run), {}
     if not (is_shard(p) and p.dim == dim and p.tail):
         return info.target, args, kwargs
     # The dealt part (the query heads) or a piece of the tail, at this rank's local offsets.
