@@ -8,6 +8,7 @@ from typing import Any, Mapping
 from .capture import Capture, gc_paused, module_path
 from .cost_model import get_profile
 from .errors import PlanError
+from .passes.pins import unholdable_pin
 from .passes.propagate import GraphIndex, Propagation, propagate
 from .passes.solve import solve
 from .placements import REPLICATE, Placement, Shard
@@ -71,6 +72,7 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                 solution = solve(index, prof, pinned, memory_limit=limit)
             except PlanError:
                 if first is None:
+                    _blame_pins(index, pinned, prof, layout)
                     raise
                 solution = first
             if solution is not first and any(c.kind == "reduce_scatter" for c in solution.propagation.comms):
@@ -78,7 +80,11 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                              "norms, dropouts and residual adds run on s/tp tokens between a reduce-scatter "
                              "and an all-gather along s")
         elif solution is None:
-            solution = solve(index, prof, pinned, memory_limit=limit)   # raises the PlanError again
+            try:
+                solution = solve(index, prof, pinned, memory_limit=limit)   # raises the PlanError again
+            except PlanError:
+                _blame_pins(index, pinned, prof, layout)
+                raise
         prop = solution.propagation
         if solution.over_limit is not None:
             fast_s, fast_bytes = solution.over_limit
@@ -140,3 +146,11 @@ def _replicated_note(result: Plan, layout: Mapping[str, Any] | None) -> str | No
             "more: pin roles with layout={'<glob>': 'column'|'row'|'vocab'}, plan for the workload you will "
             "run (batch=, seq=), or pass the profile of the hardware (profile=)"
             + ("" if not layout else "; the given layout's pins are applied"))
+
+
+def _blame_pins(index: GraphIndex, pinned: Mapping[str, Placement], prof: Any,
+                layout: Mapping[str, Any] | None) -> None:
+    """Raise a PlanError naming the pin that no plan can hold, where one alone cannot."""
+    blame = unholdable_pin(index, pinned, prof, layout) if pinned else None
+    if blame is not None:
+        raise PlanError(f"no feasible plan: {blame}")

@@ -183,8 +183,12 @@ def test_op_without_a_rule_runs_replicated_with_a_warning_naming_it(monkeypatch,
 
 # ---------------------------------------------------------------- plans and layouts
 
-def test_pinned_layout_that_no_strategy_fits_names_the_op():
-    with pytest.raises(PlanError, match=r"no feasible plan: no strategy fits linear_default_1 \(aten.linear.default\)"):
+def test_pinned_layout_that_no_strategy_fits_names_the_parameter_and_the_op():
+    # 3 output features cannot be dealt to 4 ranks: the pin alone cannot hold
+    with pytest.raises(PlanError, match=r"no feasible plan: down.weight \(shape \[3, 6\], split along dim 0 by "
+                                        r"layout pin 'down.weight'\) cannot be split 4 ways: no sharding rule of "
+                                        r"linear_default_1 \(aten.linear.default\), the op that reads it, "
+                                        r"accepts that split at tp=4 .*Pin it 'replicate'"):
         autotp.plan(Arctan().double(), tp=4, layout={"down.weight": "column"}, example_kwargs=ARCTAN_INPUTS)
 
 
