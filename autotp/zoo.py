@@ -151,6 +151,42 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
 ]}
 
 
+# Families of the 2025-26 round whose attention differs from Llama's (issue 35): whole-width q/k
+# norms (OLMo2), a fused q|k|v projection read back with slices (Phi-3, ModernBERT). Kept as a
+# block of their own beside the mixture-of-experts families.
+def _modernbert(layers, heads, kv_heads, head_dim, vocab, rotary, positions) -> dict:
+    hidden = heads * head_dim
+    return dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                num_attention_heads=heads, max_position_embeddings=positions, attention_dropout=0.0,
+                mlp_dropout=0.0, embedding_dropout=0.0, local_attention=positions,
+                cls_token_id=0, sep_token_id=1)
+
+
+FAMILIES.update({f.name: f for f in [
+    Family("olmo2", "Olmo2ForCausalLM", "Olmo2Config", {
+        "olmo-2-7b": dict(vocab_size=100352, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                          num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+                          rms_norm_eps=1e-6),
+        "olmo-2-13b": dict(vocab_size=100352, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                           num_attention_heads=40, num_key_value_heads=40, max_position_embeddings=4096,
+                           rms_norm_eps=1e-6),
+    }, tiny=_llama_like, kv_heads=True, rotary=True),
+    Family("phi3", "Phi3ForCausalLM", "Phi3Config", {
+        "phi-3-mini": dict(vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                           num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096),
+        "phi-3-medium": dict(vocab_size=32064, hidden_size=5120, intermediate_size=17920, num_hidden_layers=40,
+                             num_attention_heads=40, num_key_value_heads=10, max_position_embeddings=4096),
+    }, tiny=lambda **kw: {k: v for k, v in _llama_like(**kw).items() if k != "head_dim"},
+        kv_heads=True, rotary=True),
+    Family("modernbert", "ModernBertForMaskedLM", "ModernBertConfig", {
+        "modernbert-base": dict(vocab_size=50368, hidden_size=768, intermediate_size=1152, num_hidden_layers=22,
+                                num_attention_heads=12, max_position_embeddings=8192),
+        "modernbert-large": dict(vocab_size=50368, hidden_size=1024, intermediate_size=2624, num_hidden_layers=28,
+                                 num_attention_heads=16, max_position_embeddings=8192),
+    }, tiny=_modernbert, task="masked"),
+]})
+
+
 def published_sizes() -> dict[str, str]:
     """Every published configuration name -> its family."""
     return {size: fam.name for fam in FAMILIES.values() for size in fam.published}

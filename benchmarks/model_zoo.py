@@ -39,6 +39,9 @@ sys.path.insert(0, str(ROOT))
 SHOWN = {"gpt2": "gpt2-xl", "llama": "llama-3-8b", "mistral": "mistral-7b", "qwen2": "qwen2-7b",
          "gpt-neox": "gpt-neox-20b", "gpt-j": "gpt-j-6b", "falcon": "falcon-7b", "falcon-new": "falcon-40b",
          "gpt-bigcode": "starcoder-15b", "opt": "opt-6.7b", "bert": "bert-large", "t5": "t5-large"}
+# the families whose attention is not Llama's (whole-width q/k norms, a fused q|k|v read back with
+# slices), kept as a block of their own beside the mixture-of-experts families
+SHOWN.update({"olmo2": "olmo-2-7b", "phi3": "phi-3-mini", "modernbert": "modernbert-large"})
 TP = 8
 
 
