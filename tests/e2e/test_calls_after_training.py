@@ -19,10 +19,12 @@ from autotp.testing import TOLERANCE
 VOCAB = 64
 #: (heads, kv heads, head dim): grouped-query attention, 2 kv heads (fewer than tp at 3 and 4)
 STRUCTURE = {"olmo2": (4, 2, 16), "phi3": (4, 2, 16), "modernbert": (4, 4, 16)}
-#: OLMo2 pinned to Megatron's attention layout, so that its q/k norms run on split heads whatever
-#: the cost model thinks of a tiny model; the others take the planner's default plan
+#: OLMo2 and Phi-3 pinned to Megatron's attention layout, so that their q/k norms and fused q|k|v
+#: run on split heads whatever the cost model thinks of a tiny model (Phi-3's qkv_proj column in
+#: blocks of the kv heads: q's two blocks, k, v); ModernBERT takes the planner's default plan
 LAYOUTS = {"olmo2": {"*.q_proj.weight": "column", "*.k_proj.weight": "column", "*.v_proj.weight": "column",
-                     "*.o_proj.weight": "row"}}
+                     "*.o_proj.weight": "row"},
+           "phi3": {"*.qkv_proj.weight": "column", "*.o_proj.weight": "row"}}
 CALLS = {"causal": ["train", "infer", "generate"], "masked": ["train", "infer"]}
 _PLANS: dict = {}   # per rank process: (family, tp) -> the plan solved for it
 
@@ -40,7 +42,7 @@ def calls_in_order(case: dict) -> dict:
         keep_loss_precision(model)
     layout = dict(LAYOUTS.get(family, {}))
     if tp > kv:   # fewer kv heads than ranks: k and v cannot split, the planner places them
-        layout = {k: v for k, v in layout.items() if not k.startswith(("*.k_proj", "*.v_proj"))}
+        layout = {k: v for k, v in layout.items() if not k.startswith(("*.k_proj", "*.v_proj", "*.qkv_proj"))}
     key = (family, tp)
     pm = autotp.parallelize(model, tp, batch=64, seq=4096, profile="h100-dgx", layout=layout or None,
                             plan=_PLANS.get(key))
