@@ -147,7 +147,10 @@ def gather_to_hf(pm, folder: str | Path, config=None, max_shard_bytes: int = 2 <
     file's tensors at a time; the other ranks only their own shards.
 
     A tied pair is written once, under the name the model declares and the graph does not use
-    (GPT-2: ``transformer.wte.weight``), as ``save_pretrained`` does. Every rank must call it."""
+    (GPT-2: ``transformer.wte.weight``), as ``save_pretrained`` does. Every rank must call it.
+
+    ``config`` (written as ``config.json``) defaults to the source model's own, which the module
+    keeps; a model without one gets a warning: transformers cannot load a folder without it."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
@@ -184,9 +187,26 @@ def gather_to_hf(pm, folder: str | Path, config=None, max_shard_bytes: int = 2 <
     if len(files) > 1:
         (folder / INDEX).write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    config = config if config is not None else _own_config(pm)
     if config is not None:
         config.save_pretrained(str(folder))
+    else:
+        import warnings
+
+        warnings.warn(f"gather_to_hf wrote {folder} without a config.json: the model had no config and none was "
+                      "passed, so transformers cannot load the folder; pass config=", stacklevel=2)
     return folder
+
+
+def _own_config(pm):
+    """The source model's config as parallelize found it, naming its class as save_pretrained does."""
+    import copy
+
+    info = getattr(pm, "_generation", None) or {}
+    config = copy.deepcopy(info.get("config"))
+    if config is not None and hasattr(config, "save_pretrained") and not getattr(config, "architectures", None):
+        config.architectures = [info.get("model_name")]
+    return config if hasattr(config, "save_pretrained") else None
 
 
 def _shard_files(pm, local: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:

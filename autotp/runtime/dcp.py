@@ -163,7 +163,8 @@ def load(pm: Any, path: str, optimizer: Any = None, *, strict: bool = True, veri
         _init_optim_state(optimizer)   # the state tensors DCP loads into
     state, optim = _state(pm, optimizer)
     view = _tree(state)
-    safety.agree_on(f"the keys of {path}", safety.attempt(lambda: _check_keys(path, state, strict))[1])
+    whole = getattr(getattr(pm, "mesh", None), "pp", 1) == 1   # a pipeline stage holds some layers only
+    safety.agree_on(f"the keys of {path}", safety.attempt(lambda: _check_keys(path, state, strict, whole))[1])
     with torch.no_grad():
         safety.run_dcp("load", path, lambda: dcp.load(view, checkpoint_id=path,
                                                       planner=DefaultLoadPlanner(allow_partial_load=not strict)))
@@ -176,8 +177,10 @@ def load(pm: Any, path: str, optimizer: Any = None, *, strict: bool = True, veri
         pm.check_replicas()
 
 
-def _check_keys(path: str, state: dict, strict: bool) -> None:
-    """The checkpoint's tensors against the module's, by name and full shape (DCP's metadata)."""
+def _check_keys(path: str, state: dict, strict: bool, whole: bool = True) -> None:
+    """The checkpoint's tensors against the module's, by name and full shape (DCP's metadata).
+    Keys the checkpoint holds and the module lacks count only for a ``whole`` model (not a
+    pipeline stage, which holds its own layers)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -200,7 +203,7 @@ def _check_keys(path: str, state: dict, strict: bool) -> None:
         raise CheckpointError(f"{path} holds no optimizer state (it was saved without optimizer=): load it "
                               "without optimizer=, or pass strict=False to keep the optimizer's own state")
     missing = sorted(k for k in flat if k not in saved)
-    extra = sorted(k for k in saved if k.startswith("model.") and k not in flat)
+    extra = sorted(k for k in saved if whole and k.startswith("model.") and k not in flat)
     if missing or extra:
         said = ([f"the module holds {len(missing)} key(s) the checkpoint lacks: {shown(missing)}"] if missing else []) + (
             [f"the checkpoint holds {len(extra)} key(s) the module lacks: {shown(extra)}"] if extra else [])
