@@ -201,7 +201,7 @@ def test_a_save_on_one_rank_alone_names_the_missing_rank_and_publishes_nothing(t
     # before: `if rank == 0: save_sharded(...)` wrote half a checkpoint with no error
     import os
 
-    from autotp.testing_launch import LocalCluster
+    from autotp.testing.ranks import LocalCluster
 
     path = str(tmp_path / "ckpt")
     with LocalCluster(2, timeout=120, collective_timeout=10) as cluster:
