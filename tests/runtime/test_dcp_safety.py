@@ -52,6 +52,7 @@ def _damage(root: str) -> dict:
     other = autotp.parallelize(_model(2), tp=2)      # another model under the same plan
     save_sharded(saved, f"{root}/good")
     save_sharded(other, f"{root}/other")
+    dist.barrier()      # the retired save_sharded returned before the other ranks had written
     kinds = ("swapped", "foreign", "bit flip", "truncated")
     if dist.get_rank() == 0:
         for kind in kinds:
