@@ -14,6 +14,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from .arguments import check_planning
 from .capture import example_like, on_meta, seq_bounds, shape_twin
 from .capture.cache import capture as capture_model   # once per structure; see its docs
 from .cost_model import get_profile
@@ -80,6 +81,7 @@ def plan(model: nn.Module, tp: int | None = None, *, batch: int = 8, seq: int | 
     ``sequence_parallel``: see :func:`build_plan` (default: only when memory calls for it).
     ``seq_range=(min, max)``: sequence lengths the captured program accepts (default: 2 up to
     the config's maximum positions, else as wide as torch.export allows)."""
+    batch, seq, layout, memory_limit = check_planning(batch, seq, layout, memory_limit)
     if world is not None:
         from .ptd import plan_ptd
 
@@ -169,6 +171,7 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
     from .runtime.pipeline import check_pipeline
 
     tp = check_tp(tp)
+    batch, seq, layout, memory_limit = check_planning(batch, seq, layout, memory_limit)
     if pp == 1 and stage_layers is not None:
         raise ConfigError("stage_layers= cuts the layers into pipeline chunks: it needs pp > 1")
     if pp != 1:

@@ -17,6 +17,7 @@ falcon-40b, starcoder-15b, opt-6.7b, bert-large, t5-large) or a folder holding a
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,11 @@ def load_model(model: str, layers: int | None = None, meta: bool = True, dtype: 
         family = zoo.family_of(model).name
         config = zoo.published_config(model, layers)
     elif (Path(model) / "config.json").is_file():
-        family, config = None, AutoConfig.from_pretrained(model)
+        try:
+            family, config = None, AutoConfig.from_pretrained(model)
+        except Exception as exc:   # a broken or foreign config.json: one line, not transformers' traceback
+            raise ConfigError(f"{Path(model) / 'config.json'} is not a HuggingFace config transformers can read "
+                              f"({type(exc).__name__}: {_first_line(exc)})") from None
         if layers is not None:
             for name in ("n_layer", "num_hidden_layers"):
                 if hasattr(config, name):
@@ -59,6 +64,32 @@ def load_model(model: str, layers: int | None = None, meta: bool = True, dtype: 
     torch.manual_seed(0)
     with torch.device(device):
         return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)), None
+
+
+def _first_line(exc: BaseException) -> str:
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+
+
+def _positive(kind: type) -> Any:
+    """An argparse type: a positive ``kind`` (int or float)."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text} must be positive")
+        return value
+
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, its errors on one line (and exit status 2, as argparse's)."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -125,17 +156,17 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="autotp", description=__doc__,
+    parser = _Parser(prog="autotp", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="print the plan for a model (no weights, no process group)")
     p.add_argument("model")
-    p.add_argument("--tp", type=int, required=True)
-    p.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    p.add_argument("--tp", type=_positive(int), required=True)
+    p.add_argument("--layers", type=_positive(int), default=None, help="override the number of layers")
     p.add_argument("--profile", default=None, help="device profile (h100-dgx, a100-dgx, v100-dgx2h, cpu-gloo)")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=None)
-    p.add_argument("--memory-limit", type=float, default=None, help="GiB per rank")
+    p.add_argument("--batch", type=_positive(int), default=8)
+    p.add_argument("--seq", type=_positive(int), default=None)
+    p.add_argument("--memory-limit", type=_positive(float), default=None, help="GiB per rank")
     p.add_argument("--logits", choices=("auto", "gather", "split"), default="auto",
                    help="logits gathered or kept split by vocabulary (auto: split when the call returns a loss)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -148,19 +179,23 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(run=cmd_plan)
     c = sub.add_parser("check", help="parallelize on local gloo ranks and compare with the serial model")
     c.add_argument("model")
-    c.add_argument("--tp", type=int, required=True)
-    c.add_argument("--layers", type=int, default=None)
+    c.add_argument("--tp", type=_positive(int), required=True)
+    c.add_argument("--layers", type=_positive(int), default=None)
     c.add_argument("--dtype", choices=["float32", "float64"], default="float64")
-    c.add_argument("--batch", type=int, default=2)
-    c.add_argument("--seq", type=int, default=16)
+    c.add_argument("--batch", type=_positive(int), default=2)
+    c.add_argument("--seq", type=_positive(int), default=16)
     c.set_defaults(run=cmd_check)
     args = parser.parse_args(argv)
     from .errors import AutotpError
 
     try:
         return args.run(args)
-    except AutotpError as exc:
-        print(f"autotp: {type(exc).__name__}: {exc}", file=sys.stderr)
+    except Exception as exc:   # one line and exit status 2; AUTOTP_TRACEBACK=1 shows where an unforeseen one came from
+        if not isinstance(exc, AutotpError) and os.environ.get("AUTOTP_TRACEBACK"):
+            raise
+        text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        hint = "" if isinstance(exc, AutotpError) else " (set AUTOTP_TRACEBACK=1 for the traceback)"
+        print(f"autotp: {type(exc).__name__}: {text}{hint}", file=sys.stderr)
         return 2
 
 

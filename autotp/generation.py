@@ -318,6 +318,12 @@ def generate(pm: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | No
         raise InputError(f"attention_mask is {tuple(attention_mask.shape)} but input_ids is "
                          f"{tuple(input_ids.shape)}: give one mask entry per prompt token")
     steps, eos, pad = _settings(info, max_new_tokens, eos_token_id, pad_token_id)
+    limit, prompt = info.get("max_positions"), input_ids.shape[1]
+    if limit and prompt + steps - 1 > limit:   # the last token is returned, never fed back
+        raise InputError(f"a prompt of {prompt} tokens and max_new_tokens={steps} feed {prompt + steps - 1} positions "
+                         f"to {info['model_name']}, which has {limit} positions (its config's maximum): "
+                         + (f"ask for at most {limit - prompt + 1} new tokens, or shorten the prompt" if prompt <= limit
+                            else f"shorten the prompt to at most {limit} tokens"))
     if eos and pad is None:
         raise ConfigError("the model's generation config names an eos_token_id but no pad_token_id; "
                           "pass pad_token_id= to generate")

@@ -8,9 +8,8 @@ row-major matrix (a column-parallel Conv1D weight) touch the pages of every row.
 mapped per tensor and unmapped again, so no more than one tensor's pages are resident at once:
 a rank's peak memory is its shards plus the largest column-sliced tensor.
 
-Writing: :func:`save_sharded` writes this rank's shards (``rank-00003-of-00008.safetensors``)
-with the plan beside them, to be resumed by :func:`load_sharded` under the same plan;
-:func:`gather_to_hf` gathers each parameter to one writer and streams a HuggingFace folder
+Writing: training checkpoints go through :mod:`autotp.runtime.dcp` (the retired
+:func:`save_sharded`/:func:`load_sharded` call it); :func:`gather_to_hf` gathers each parameter to one writer and streams a HuggingFace folder
 (``config.json`` + ``model.safetensors``, or size-bounded files with their index) that
 ``from_pretrained`` loads into a serial model.
 
@@ -107,69 +106,36 @@ def _keys(path: Path) -> list[str]:
 
 # ---------------------------------------------------------------- writing
 
-def _rank_file(folder: Path, rank: int, tp: int, mesh=None) -> Path:
-    """This rank's shard file; a pipeline stage's ranks name their stage too (the stages hold
-    different layers under the same TP ranks)."""
-    pp, stage = getattr(mesh, "pp", 1), getattr(mesh, "pp_rank", 0)
-    staged = f"-stage-{stage:05d}-of-{pp:05d}" if pp > 1 else ""
-    return folder / f"rank-{rank:05d}-of-{tp:05d}{staged}.safetensors"
-
-
 def save_sharded(pm, folder: str | Path) -> Path:
-    """Write this rank's parameter shards and the plan; every rank of every TP group calls it
-    (data-parallel replicas write the same bytes, so DP rank 0 of each TP rank writes)."""
-    from safetensors.torch import save_file
+    """Retired: saves with :func:`autotp.runtime.dcp.save` (staged, checksummed, published once
+    every rank succeeded, loadable at another tp). Its own per-rank files could be left half old,
+    half new by a rank killed mid-save, written by one rank alone, swapped or mixed with another
+    model's and still load; one checkpoint path that cannot lose data replaced them."""
+    import warnings
 
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tp, rank = pm.plan.tp, pm.mesh.tp_rank if pm.mesh is not None else 0
-    if getattr(pm.mesh, "dp_rank", 0) != 0:
-        return _rank_file(folder, rank, tp, pm.mesh)
-    tensors = {fqn: p.detach().cpu().contiguous() for fqn, p in pm.local_parameters().items()}
-    path = _rank_file(folder, rank, tp, pm.mesh)
-    save_file(tensors, str(path), metadata={"autotp_tp": str(tp), "autotp_rank": str(rank),
-                                            "autotp_pp": str(getattr(pm.mesh, "pp", 1))})
-    if rank == 0 and getattr(pm.mesh, "pp_rank", 0) == 0:
-        (folder / "autotp_plan.json").write_text(pm.plan.to_json())
-    return path
+    from . import dcp
+
+    warnings.warn("autotp.runtime.checkpoint.save_sharded is retired: it now calls autotp.runtime.dcp.save, "
+                  "which you can call directly", FutureWarning, stacklevel=2)
+    dcp.save(pm, str(folder))
+    return Path(folder)
 
 
 def load_sharded(pm, folder: str | Path) -> None:
-    """Resume ``pm`` from :func:`save_sharded`'s folder: the plan must be the one it was saved
-    under (same tp, same placements); every tensor is checked by name and shape."""
-    from ..plan import Plan
+    """Retired: loads with :func:`autotp.runtime.dcp.load` (see :func:`save_sharded`)."""
+    import warnings
 
+    from . import dcp
+
+    warnings.warn("autotp.runtime.checkpoint.load_sharded is retired: it now calls autotp.runtime.dcp.load, "
+                  "which you can call directly", FutureWarning, stacklevel=2)
     folder = Path(folder)
-    plan_file = folder / "autotp_plan.json"
-    if not plan_file.is_file():
-        raise CheckpointError(f"{folder} has no autotp_plan.json: not a sharded autotp checkpoint")
-    saved = Plan.from_json(plan_file.read_text())
-    tp, rank = pm.plan.tp, pm.mesh.tp_rank if pm.mesh is not None else 0
-    if saved.tp != tp or saved.params != pm.plan.params:
-        differ = sorted(k for k in pm.plan.params if saved.params.get(k) != pm.plan.params[k])[:3]
+    if (folder / "autotp_plan.json").is_file() and not (folder / ".metadata").is_file():
         raise CheckpointError(
-            f"{folder} was saved under another plan (tp={saved.tp}; differs at {differ or 'tp'}); "
-            "parallelize with plan=autotp.Plan.from_json(open(.../autotp_plan.json).read())"
-        )
-    path = _rank_file(folder, rank, tp, pm.mesh)
-    if not path.is_file():
-        others = sorted(p.name for p in folder.glob("rank-*.safetensors"))[:2]
-        raise CheckpointError(f"{path} is missing: the checkpoint has no shard for TP rank {rank}"
-                              + (f" of this pipeline stage" if getattr(pm.mesh, "pp", 1) > 1 else "")
-                              + f" (it holds {others}); load it with the tp and pp it was saved with, or save "
-                              "and load with autotp.runtime.dcp, which reshards")
-    from safetensors.torch import load_file
-
-    tensors = load_file(str(path))
-    with torch.no_grad():
-        for fqn, param in pm.local_parameters().items():
-            if fqn not in tensors:
-                raise CheckpointError(f"{path.name} has no tensor {fqn}: saved with other pipeline stages? load "
-                                      "it with the pp it was saved with, or use autotp.runtime.dcp, which reshards")
-            if tuple(tensors[fqn].shape) != tuple(param.shape):
-                raise CheckpointError(f"{path.name}: {fqn} has shape {list(tensors[fqn].shape)}, "
-                                      f"this rank holds {list(param.shape)}")
-            param.copy_(tensors[fqn])
+            f"{folder} holds per-rank files of the retired save_sharded, which carry no save id or checksums (a "
+            "mix of two saves would load unnoticed): load them with the autotp version that wrote them, save "
+            "with autotp.runtime.dcp.save, and load that")
+    dcp.load(pm, str(folder))
 
 
 def gather_to_hf(pm, folder: str | Path, config=None, max_shard_bytes: int = 2 << 30) -> Path | None:
@@ -181,7 +147,10 @@ def gather_to_hf(pm, folder: str | Path, config=None, max_shard_bytes: int = 2 <
     file's tensors at a time; the other ranks only their own shards.
 
     A tied pair is written once, under the name the model declares and the graph does not use
-    (GPT-2: ``transformer.wte.weight``), as ``save_pretrained`` does. Every rank must call it."""
+    (GPT-2: ``transformer.wte.weight``), as ``save_pretrained`` does. Every rank must call it.
+
+    ``config`` (written as ``config.json``) defaults to the source model's own, which the module
+    keeps; a model without one gets a warning: transformers cannot load a folder without it."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
@@ -218,9 +187,26 @@ def gather_to_hf(pm, folder: str | Path, config=None, max_shard_bytes: int = 2 <
     if len(files) > 1:
         (folder / INDEX).write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    config = config if config is not None else _own_config(pm)
     if config is not None:
         config.save_pretrained(str(folder))
+    else:
+        import warnings
+
+        warnings.warn(f"gather_to_hf wrote {folder} without a config.json: the model had no config and none was "
+                      "passed, so transformers cannot load the folder; pass config=", stacklevel=2)
     return folder
+
+
+def _own_config(pm):
+    """The source model's config as parallelize found it, naming its class as save_pretrained does."""
+    import copy
+
+    info = getattr(pm, "_generation", None) or {}
+    config = copy.deepcopy(info.get("config"))
+    if config is not None and hasattr(config, "save_pretrained") and not getattr(config, "architectures", None):
+        config.architectures = [info.get("model_name")]
+    return config if hasattr(config, "save_pretrained") else None
 
 
 def _shard_files(pm, local: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:

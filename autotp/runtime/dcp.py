@@ -1,10 +1,14 @@
-"""Save and load a ParallelModule (and its optimizer) with torch.distributed.checkpoint.
+"""Save and load a ParallelModule (and its optimizer) with torch.distributed.checkpoint: autotp's
+one path for training checkpoints (``autotp.runtime.checkpoint`` reads HuggingFace folders and
+gathers one; its old per-rank ``save_sharded``/``load_sharded`` now come here).
 
 ``save(pm, path, optimizer=None)``, ``async_save`` and ``load(pm, path, optimizer=None)``: every
-rank of the world calls them. A save is staged in ``<path>.partial`` and moved to ``path`` only
-when complete, so an interrupted save never loads as a mix of two checkpoints. The checkpoint is in the model's names and full shapes, so a module planned at
-another tp (or dp) loads it: DCP reads, for each rank, the parts of the saved chunks its own
-layout holds.
+rank of the world calls them. A save is staged in ``<path>.partial``, summed into a manifest and
+moved to ``path`` only when every rank has written its part, so an interrupted save never loads
+as a mix of two checkpoints, and a load refuses damaged or mixed files on every rank
+(``autotp.runtime.dcp_safety`` says how). The checkpoint is in the model's names and full
+shapes, so a module planned at another tp (or dp) loads it: DCP reads, for each rank, the parts
+of the saved chunks its own layout holds.
 
 DCP writes one chunk per rank at one offset. A parameter in torch's ``Shard(dim)`` or
 ``Replicate()`` is written as it is; a ``RunShard`` parameter (several runs per rank: fused
@@ -17,13 +21,13 @@ storage, so loading writes straight into the tensors the programs use. Optimizer
 from __future__ import annotations
 
 import os
-import shutil
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 from ..errors import CheckpointError
+from . import dcp_safety as safety
 from .dtensor import RunShard
 
 
@@ -77,100 +81,93 @@ def _state(pm: Any, optimizer: Any) -> tuple[dict, dict | None]:
 def save(pm: Any, path: str, optimizer: Any = None) -> None:
     """Write ``pm``'s parameters and buffers (and ``optimizer``'s state) to the DCP folder ``path``.
 
-    The files go to ``<path>.partial`` first; only when every rank has written its part (DCP's
-    metadata is written last, by rank 0) does rank 0 move the folder to ``path``, replacing an
-    earlier checkpoint there. A save cut short (a rank killed mid-write) leaves ``path`` as it was:
-    never a mix of two checkpoints."""
+    Every rank calls it (autotp.runtime.dcp_safety checks that they do, and names a rank that
+    does not). The files go to ``<path>.partial`` first; when every rank has written its part,
+    each sums its files into the manifest, and only when every rank has succeeded does rank 0
+    move the folder to ``path``, replacing an earlier checkpoint there; every rank returns or
+    raises together. A save cut short (a rank killed mid-write) leaves ``path`` as it was: never
+    a mix of two checkpoints. ``path`` must be a folder this module wrote, or not exist."""
     import torch.distributed.checkpoint as dcp
 
-    staging = _stage(path)
+    safety.serialize()
+    path = _fspath(path)
+    save_id = safety.agree_to_start("save", path, safety.save_path_problem(path))
+    staging = safety.stage(path)
     state, _ = _state(pm, optimizer)
-    dcp.save(_tree(state), checkpoint_id=staging)
-    _publish(staging, path)
-    _barrier()
+    safety.run_dcp("save", path, lambda: dcp.save(_tree(state), checkpoint_id=staging))
+    _finish(pm, staging, path, save_id)
 
 
 def async_save(pm: Any, path: str, optimizer: Any = None) -> Future:
     """:func:`save` in the background (``torch.distributed.checkpoint.async_save``): returns once
     the state is copied aside, so training may go on and change the parameters. The returned
-    future completes on rank 0 once the checkpoint is in ``path`` (on the other ranks once their
-    part is written); wait for it on every rank, and on rank 0 before a load reads ``path``."""
+    future completes on every rank once the checkpoint is in ``path`` (or raises on every rank);
+    wait for it. A later save, async_save or load in this process first waits for it: their
+    collectives would otherwise interleave with the background ones (both would hang)."""
     import torch.distributed.checkpoint as dcp
 
-    staging = _stage(path)
+    safety.serialize()
+    path = _fspath(path)
+    save_id = safety.agree_to_start("async_save", path, safety.save_path_problem(path))
+    staging = safety.stage(path)
     state, _ = _state(pm, optimizer)
-    writing = dcp.async_save(_tree(state), checkpoint_id=staging)
+    writing = safety.run_dcp("async_save", path, lambda: dcp.async_save(_tree(state), checkpoint_id=staging))
     done: Future = Future()
 
     def finish(f: Any) -> None:
         try:
-            f.result()
-            _publish(staging, path)
+            # the background write's error, under the fault handling (a lost rank named)
+            safety.run_dcp("async_save", path, f.result)
+            _finish(pm, staging, path, save_id)
             done.set_result(path)
         except BaseException as exc:   # the caller sees the write's own error
             done.set_exception(exc)
 
     writing.add_done_callback(finish)
+    safety.in_flight(done)
     return done
 
 
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_initialized() else 0
+def _fspath(path: Any) -> str:
+    return os.fspath(path).rstrip(os.sep) or os.sep
 
 
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        from .collectives import _comm
-
-        with _comm("the checkpoint's barrier", dist.group.WORLD):   # a rank lost here is named
-            dist.barrier()
-
-
-def _stage(path: str) -> str:
-    """``<path>.partial``, emptied of an earlier interrupted save's files, on every rank alike."""
-    staging = f"{os.fspath(path).rstrip(os.sep)}.partial"
-    if _rank() == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-    _barrier()
-    return staging
+def _finish(pm: Any, staging: str, path: str, save_id: str) -> None:
+    """After DCP wrote ``staging``: the manifest, then (rank 0) the publish; every rank learns
+    whether it worked before any returns."""
+    plan = getattr(pm, "plan", None)
+    safety.write_manifest(staging, save_id, {"tp": getattr(plan, "tp", None)})
+    problem = safety.attempt(lambda: safety.publish(staging, path))[1] if safety.rank() == 0 else None
+    safety.agree_on(f"the publish of {path}", problem and f"rank 0 could not move {staging} to {path}: {problem}")
 
 
-def _publish(staging: str, path: str) -> None:
-    """On rank 0: the complete ``staging`` folder becomes ``path`` (an earlier one moved aside
-    first, then removed; a crash between the two renames leaves ``<path>.old``, complete)."""
-    if _rank() != 0:
-        return
-    path = os.fspath(path).rstrip(os.sep)
-    old = f"{path}.old"
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(path):
-        os.rename(path, old)
-    os.rename(staging, path)
-    shutil.rmtree(old, ignore_errors=True)
+def load(pm: Any, path: str, optimizer: Any = None, *, strict: bool = True, verify: bool = True) -> None:
+    """Read :func:`save`'s folder into ``pm`` (and ``optimizer``), whatever tp and dp saved it.
 
-
-def load(pm: Any, path: str, optimizer: Any = None) -> None:
-    """Read :func:`save`'s folder into ``pm`` (and ``optimizer``), whatever tp and dp saved it."""
+    Every rank calls it. The files are first checked against the save's manifest (each rank
+    reads a share; ``verify=False`` skips it), then the checkpoint's keys and shapes against the
+    module's: a tensor of another shape is an error; with ``strict`` (the default) so is a key
+    only one of them holds (a checkpoint of a deeper model, one saved without optimizer state);
+    ``strict=False`` loads the keys both hold and leaves the rest as they are."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    if not os.path.isfile(os.path.join(path, ".metadata")):
-        partial = os.path.exists(f"{os.fspath(path).rstrip(os.sep)}.partial")
-        raise CheckpointError(
-            f"{path} is not a complete DCP checkpoint (no .metadata)"
-            + (f"; {path}.partial is a save that did not finish and is never loaded" if partial else "")
-            + ": load a folder autotp.runtime.dcp.save (or async_save, once its future is done) wrote")
+    safety.serialize()
+    path = _fspath(path)
+    safety.agree_to_start("load", path, safety.load_path_problem(path))
+    if verify:
+        safety.verify_files(path)
     if optimizer is not None and not optimizer.state:
         from torch.distributed.checkpoint.state_dict import _init_optim_state
 
         _init_optim_state(optimizer)   # the state tensors DCP loads into
     state, optim = _state(pm, optimizer)
     view = _tree(state)
+    whole = getattr(getattr(pm, "mesh", None), "pp", 1) == 1   # a pipeline stage holds some layers only
+    safety.agree_on(f"the keys of {path}", safety.attempt(lambda: _check_keys(path, state, strict, whole))[1])
     with torch.no_grad():
-        dcp.load(view, checkpoint_id=path)
+        safety.run_dcp("load", path, lambda: dcp.load(view, checkpoint_id=path,
+                                                      planner=DefaultLoadPlanner(allow_partial_load=not strict)))
     if optimizer is not None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
@@ -178,6 +175,40 @@ def load(pm: Any, path: str, optimizer: Any = None) -> None:
         set_optimizer_state_dict(pm, optimizer, _untree(view["optim"], optim))
     if hasattr(pm, "check_replicas"):   # every TP rank loaded the same replicated values, or all raise
         pm.check_replicas()
+
+
+def _check_keys(path: str, state: dict, strict: bool, whole: bool = True) -> None:
+    """The checkpoint's tensors against the module's, by name and full shape (DCP's metadata).
+    Keys the checkpoint holds and the module lacks count only for a ``whole`` model (not a
+    pipeline stage, which holds its own layers)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    flat, _ = flatten_state_dict(state)
+
+    def shown(keys: list[str]) -> str:
+        return ", ".join(k.removeprefix("model.") for k in keys[:4]) + (f" (and {len(keys) - 4} more)" if len(keys) > 4 else "")
+
+    wrong = [f"{k.removeprefix('model.')}: saved {list(saved[k].size)}, the module holds {list(v.shape)}"
+             for k, v in flat.items() if isinstance(v, torch.Tensor) and isinstance(saved.get(k), TensorStorageMetadata)
+             and tuple(saved[k].size) != tuple(v.shape)]
+    if wrong:
+        raise CheckpointError(f"{len(wrong)} tensor(s) of {path} have another shape than the module's: "
+                              f"{'; '.join(wrong[:3])}: the checkpoint is of another model or config")
+    if not strict:
+        return
+    if any(k.startswith("optim.") for k in flat) and not any(k.startswith("optim.") for k in saved):
+        raise CheckpointError(f"{path} holds no optimizer state (it was saved without optimizer=): load it "
+                              "without optimizer=, or pass strict=False to keep the optimizer's own state")
+    missing = sorted(k for k in flat if k not in saved)
+    extra = sorted(k for k in saved if whole and k.startswith("model.") and k not in flat)
+    if missing or extra:
+        said = ([f"the module holds {len(missing)} key(s) the checkpoint lacks: {shown(missing)}"] if missing else []) + (
+            [f"the checkpoint holds {len(extra)} key(s) the module lacks: {shown(extra)}"] if extra else [])
+        raise CheckpointError(f"{path} does not match the module: {'; '.join(said)}. It was saved from another "
+                              "model (more or fewer layers?); pass strict=False to load the keys both hold")
 
 
 def _untree(loaded: Any, original: Any) -> Any:

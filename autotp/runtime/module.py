@@ -29,6 +29,7 @@ from . import dtensor
 from .agreement import check_agreement, check_call, fingerprint, input_signature, state_entries
 from .collectives import group_ranks, local_shard
 from .faults import StepGuard, watch_backward
+from .input_kinds import check_input_kinds
 from .inputs import check_index_bounds, check_not_empty, index_bounds
 from .mesh import device_mesh_of
 from .outline import layer_paths, outline
@@ -455,6 +456,7 @@ class ParallelModule(LeavesSwitch, nn.Module):
         names = sorted(kwargs)
         self._agree_on_call(names, [kwargs[n] for n in names], (f"training: {self.training}",))
         check_not_empty(kwargs)   # after the shapes are known to agree: every rank or none
+        check_input_kinds([self.capture, *(p.capture for p in self._programs)], kwargs)   # before a capture for them
         program = self._current = self._program_for(kwargs)
         self._check_ranges(kwargs)
         return self._run(program, kwargs)
@@ -839,7 +841,10 @@ def _generation_info(model: nn.Module) -> dict[str, Any]:
         params = set(inspect.signature(model.forward).parameters)
     except (TypeError, ValueError):
         params = set()
+    positions = next((v for name in ("n_positions", "max_position_embeddings", "n_ctx")
+                      if isinstance(v := getattr(config, name, None), int) and not isinstance(v, bool)), None)
     return {"generation_config": copy.deepcopy(getattr(model, "generation_config", None)),
+            "config": copy.deepcopy(config), "max_positions": positions,
             "is_encoder_decoder": bool(getattr(config, "is_encoder_decoder", False)),
             "has_config": config is not None, "forward_params": params,
             "model_name": type(model).__name__}

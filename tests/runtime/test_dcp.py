@@ -102,43 +102,64 @@ def test_async_save_keeps_the_state_of_its_call_while_training_goes_on(cluster, 
         assert r["equal"] and r["moved"]
 
 
-def _save_twice_rank_1_killed_in_the_second(path: str) -> dict:
+def _save_twice_rank_1_killed_in_the_second(path: str, api: str) -> dict:
     import os
     import signal
+    import warnings
 
+    import safetensors.torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-    from autotp.runtime import dcp
+    from autotp.runtime import checkpoint, dcp
 
+    warnings.simplefilter("ignore", FutureWarning)
+    save = dcp.save if api == "dcp" else lambda pm, path, opt: checkpoint.save_sharded(pm, path)
     pm, opt = _trained(2, 1)
-    dcp.save(pm, path, opt)
+    save(pm, path, opt)
     first = _full(pm)
     _step(pm, opt, 5)
     if dist.get_rank() == 1:          # writes its files, then dies before the save completes
-        write = FileSystemWriter.write_data
+        write, save_file = FileSystemWriter.write_data, safetensors.torch.save_file
 
         def write_then_die(self, plan, planner):
             out = write(self, plan, planner)
             out.wait()
             os.kill(os.getpid(), signal.SIGKILL)
 
+        def save_file_and_die(*args, **kwargs):   # the per-rank files of the retired save_sharded
+            os.kill(os.getpid(), signal.SIGKILL)
+
         FileSystemWriter.write_data = write_then_die
+        safetensors.torch.save_file = save_file_and_die
     if dist.get_rank() == 0:
         torch.save(first, os.path.join(os.path.dirname(path), "first.pt"))
-    dcp.save(pm, path, opt)
+    try:
+        save(pm, path, opt)
+    except Exception as exc:          # what the surviving rank itself was told
+        with open(os.path.join(os.path.dirname(path), f"rank{dist.get_rank()}.txt"), "w") as f:
+            f.write(f"{type(exc).__name__}: {exc}")
+        raise
 
 
-def _load(path: str) -> dict:
-    from autotp.runtime import dcp
+def _load(path: str, api: str = "dcp") -> dict:
+    import warnings
 
+    from autotp.runtime import checkpoint, dcp
+
+    warnings.simplefilter("ignore", FutureWarning)
     pm, opt = _trained(2, 0)
-    dcp.load(pm, path, opt)
+    if api == "dcp":
+        dcp.load(pm, path, opt)
+    else:
+        checkpoint.load_sharded(pm, path)
     return _full(pm)
 
 
 @pytest.mark.slow   # kills a rank of a fresh cluster (18 s)
-def test_a_save_killed_midway_leaves_the_previous_checkpoint_whole(tmp_path):
+@pytest.mark.parametrize("api", ["dcp", "save_sharded"])
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_whole(tmp_path, api):
+    # save_sharded before it was retired: rank 0's new file beside rank 1's old one, loaded as a mix
     import os
 
     from autotp.errors import CommError
@@ -147,9 +168,44 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_whole(tmp_path):
     path = str(tmp_path / "ckpt")
     with LocalCluster(2, timeout=120, collective_timeout=15, error_grace=20) as cluster:
         with pytest.raises(CommError, match="lost rank 1"):
-            cluster.run(_save_twice_rank_1_killed_in_the_second, path)
+            cluster.run(_save_twice_rank_1_killed_in_the_second, path, api)
     assert os.path.isdir(path + ".partial")          # the second save's files, never loaded
+    told = (tmp_path / "rank0.txt").read_text()
+    assert told.startswith("LostRankError: lost rank 1: the process has exited"), told   # the survivor names it
     first = torch.load(str(tmp_path / "first.pt"))
     with LocalCluster(2) as cluster:
-        for loaded in cluster.run(_load, path):
+        for loaded in cluster.run(_load, path, api):
             assert all(torch.equal(loaded[n], first[n]) for n in first)   # the first checkpoint, whole
+
+
+def _rank_0_alone(path: str) -> str:
+    import warnings
+
+    import torch.distributed as dist
+
+    from autotp.runtime.checkpoint import save_sharded
+
+    warnings.simplefilter("ignore", FutureWarning)
+    pm, _ = _trained(2, 0)
+    if dist.get_rank() != 0:
+        return "not called"
+    try:
+        save_sharded(pm, path)
+        return "no error"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+@pytest.mark.slow   # waits out a collective timeout on a fresh cluster (about 30 s)
+def test_a_save_on_one_rank_alone_names_the_missing_rank_and_publishes_nothing(tmp_path):
+    # before: `if rank == 0: save_sharded(...)` wrote half a checkpoint with no error
+    import os
+
+    from autotp.testing.ranks import LocalCluster
+
+    path = str(tmp_path / "ckpt")
+    with LocalCluster(2, timeout=120, collective_timeout=10) as cluster:
+        told, _ = cluster.run(_rank_0_alone, path)
+    assert told.startswith("LostRankError: lost rank 1: no answer to autotp's roll call"), told
+    assert "the start of save of" in told
+    assert not os.path.exists(path)

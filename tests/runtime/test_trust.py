@@ -314,8 +314,8 @@ def die_on_rank_1_in(where: str, path: str = "") -> None:
     pm(**batch(100))
     if where == "new call" and dying:          # capturing the program of a new call signature
         autotp.api.capture_model = die
-    if where == "barrier" and dying:           # in a checkpoint's barrier
-        dcp._rank = die
+    if where == "barrier" and dying:           # in a checkpoint's first exchange (autotp.runtime.dcp_safety)
+        dcp.safety.agree_to_start = die
     if where == "new call":
         pm.eval()
         pm(**batch(100))
