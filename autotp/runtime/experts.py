@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 
 
-def routed_gather(weight: torch.Tensor, index: torch.Tensor, first: int, count: int) -> torch.Tensor:
-    """``weight_full[index]`` for the experts this rank holds (``weight`` is its run of them),
-    zero where ``index`` names an expert held elsewhere (transformers' batched experts pick
-    each (token, expert) pair's weights so)."""
-    local = index - first
+def routed_gather(weight: torch.Tensor, index: torch.Tensor, first: int, count: int, total: int) -> torch.Tensor:
+    """``weight_full[index]`` (``total`` experts) for the experts this rank holds (``weight`` is
+    its run of them), zero where ``index`` names an expert held elsewhere (transformers' batched
+    experts pick each (token, expert) pair's weights so)."""
+    local = torch.where(index < 0, index + total, index) - first
     mine = (local >= 0) & (local < count)
     if count == 0:   # a rank with no expert (fewer experts than ranks): all zero, still in the graph
         return weight.new_zeros(index.shape + weight.shape[1:]) + weight.sum() * 0

@@ -49,7 +49,8 @@ def check_experts_case(case: dict) -> dict:
         mask[0, :2] = 0   # the first row left-padded
         ref, out = model(input_ids=ids, attention_mask=mask), pm(input_ids=ids, attention_mask=mask)
         errors["padded logits"] = relative_error(out.logits[mask.bool()], ref.logits[mask.bool()])
-    want = model.generate(ids, max_new_tokens=3, do_sample=False)
+    # the serial router loss off: transformers' load_balancing_loss_func fails on generate's growing mask
+    want = model.generate(ids, max_new_tokens=3, do_sample=False, output_router_logits=False)
     got = pm.generate(ids, max_new_tokens=3, do_sample=False)
     return {"errors": errors, "roles": roles, "generate": bool(torch.equal(want, got))}
 

@@ -137,26 +137,11 @@ def index_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict,
         from ...runtime.experts import routed_gather
 
         first, count = _run(info, strategy, 0, ctx)
-        return routed_gather, (args[0], args[1][0], first, count), {}
+        return routed_gather, (args[0], args[1][0], first, count, int(info.inputs[0].shape[0])), {}
     return _index_localizer(info, strategy, args, kwargs, ctx)
 
 
 # ---- the grouped path: one product over rows sorted by expert ------------------------------------
-_transpose_rule = _RULES[aten.transpose.int]
-
-
-@register(aten.transpose.int)
-def transpose_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
-    """Besides the view rule: a free stack of matrices transposed per matrix may be split by
-    whole matrices (the grouped path reads its experts' weights as ``w.transpose(-2, -1)``)."""
-    out = _transpose_rule(info, placements)
-    nd = info.inputs[0].ndim
-    swapped = {info.args[1] % nd, info.args[2] % nd}
-    if placements[0] is None and nd == 3 and 0 not in swapped and info.inputs[0].static(0) not in (None, 1):
-        out.append(Strategy((Shard(0),), Shard(0)))
-    return out
-
-
 def grouped_mm_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     """``out[rows of expert e] = x[rows of expert e] @ w[e]`` (x ``[rows, in]`` sorted by
     expert, w ``[experts, in, out]``, offs the cumulative rows per expert): replicated, or
