@@ -50,6 +50,21 @@ class Partial:
 
 
 @dataclass(frozen=True)
+class Routed(Partial):
+    """A Partial whose slices along ``dim`` are each held by one rank and zero on every other:
+    the rows of (token, expert) pairs under expert parallelism, each computed by the rank that
+    holds its expert. The sum over ranks is the whole tensor, as for any Partial (a g makes it
+    Replicate); unlike one, a row's holder has its exact value, so ops that act on rows alone
+    and keep a zero row zero (an activation, a product with a replicated factor, the next
+    expert product) run on it with no collective (see autotp/passes/rules/experts.py)."""
+
+    dim: int = 0
+
+    def __repr__(self) -> str:
+        return f"P(routed {self.dim})"
+
+
+@dataclass(frozen=True)
 class Shard:
     dim: int
     chunks: int = 1
@@ -99,7 +114,7 @@ class Shard:
         return 1 if self.outer >= 0 else self.chunks
 
 
-Placement = Union[Replicate, Shard, Partial]
+Placement = Union[Replicate, Shard, Partial]   # Routed is a Partial
 REPLICATE = Replicate()
 PARTIAL = Partial()
 
@@ -261,6 +276,8 @@ def to_json(p: Placement) -> dict:
         if p.outer >= 0:
             out["outer"] = p.outer
         return out
+    if isinstance(p, Routed):
+        return {"kind": "partial", "routed": p.dim}
     if isinstance(p, Partial):
         return {"kind": "partial"}
     return {"kind": "replicate"}
@@ -272,7 +289,7 @@ def from_json(d: dict) -> Placement:
         return Shard(int(d["dim"]), int(d.get("chunks", 1)), int(d.get("unit", 1)), int(d.get("rotate", 0)),
                      int(d.get("tail", 0)), bool(d.get("per_block", False)), int(d.get("outer", -1)))
     if kind == "partial":
-        return PARTIAL
+        return Routed(int(d["routed"])) if "routed" in d else PARTIAL
     if kind == "replicate":
         return REPLICATE
     raise ValueError(f"unknown placement kind {kind!r}")

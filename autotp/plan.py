@@ -339,8 +339,9 @@ def _size(nbytes: float) -> str:
     return f"{nbytes:.0f} B"
 
 
-def role_of(placement: Placement, first_use: Any, arg_pos: int) -> str:
-    """Name a parameter's layout in the paper's words, from the op that uses it first."""
+def role_of(placement: Placement, first_use: Any, arg_pos: int, ndim: int | None = None) -> str:
+    """Name a parameter's layout in the paper's words, from the op that uses it first (``ndim``:
+    the parameter's, where known: a stack of experts' matrices split by whole experts is "expert")."""
     import torch
 
     aten = torch.ops.aten
@@ -349,6 +350,12 @@ def role_of(placement: Placement, first_use: Any, arg_pos: int) -> str:
     if not isinstance(placement, Shard):
         return repr(placement)
     d = placement.dim
+    if d == 0 and ndim is not None and ndim >= 2 and (
+            (first_use is aten.transpose.int and arg_pos == 0 and ndim == 3)
+            or (first_use is aten.index.Tensor and arg_pos == 0)
+            or (str(first_use) in ("aten._grouped_mm.default", "transformers.grouped_mm_fallback.default")
+                and arg_pos == 1)):
+        return "expert"   # expert parallelism: whole experts per rank
     if first_use is aten.mm.default and arg_pos == 1:
         return "column" if d == 1 else "row"
     if first_use is aten.linear.default and arg_pos == 1:

@@ -103,7 +103,7 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
         params[fqn] = p
         shapes[fqn] = tuple(int(s) for s in node.meta["val"].shape)
         use = uses.get(placeholder)
-        roles[fqn] = role_of(p, use[0] if use else None, use[1] if use else -1)
+        roles[fqn] = role_of(p, use[0] if use else None, use[1] if use else -1, node.meta["val"].dim())
     comms = [CommOp(c.kind, c.tensor, c.consumer, repr(c.src), repr(c.dst), c.fwd_bytes, c.bwd_bytes, c.seconds,
                     module_path(nodes[c.consumer]) if c.consumer in nodes else "")
              for c in prop.comms]

@@ -15,7 +15,7 @@ from .placements import REPLICATE, Placement, Shard
 from .plan import Plan, role_of
 
 
-ROLES = ("column", "row", "vocab", "replicate")
+ROLES = ("column", "row", "vocab", "replicate", "expert")
 #: product -> the weight dim holding its output features (a head's vocabulary rows)
 _OUTPUT_ROWS = {torch.ops.aten.linear.default: 0, torch.ops.aten.mm.default: 1}
 
@@ -39,12 +39,21 @@ def _role_to_placement(role: str | Placement, fqn: str, ndim: int, use: tuple[An
     if role not in ROLES:
         raise ConfigError(f"layout for {fqn}: unknown role {role!r}; use one of {ROLES} or a Placement")
     for d in range(ndim):
-        if role_of(Shard(d), use[0] if use else None, use[1] if use else -1) == role:
+        if role_of(Shard(d), use[0] if use else None, use[1] if use else -1, ndim) == role:
             return Shard(d)
     if role == "vocab" and use is not None and use[1] == 1 and use[0] in _OUTPUT_ROWS:
         # an untied output head: its vocabulary rows are the product's output features, which
         # Megatron splits as a column-parallel linear (the plan names it "column")
         return Shard(_OUTPUT_ROWS[use[0]])
+    if role == "expert":
+        raise ConfigError(f"layout for {fqn}: role 'expert' (whole experts per rank) applies to a stack of experts' "
+                          f"weights ([experts, out, in], read by an MoE layer's experts); {fqn} is {ndim}-D and "
+                          f"first used by {getattr(use[0], '__name__', use[0]) if use else 'nothing'}: pin 'column', "
+                          "'row' or 'replicate' instead")
+    if ndim == 3 and role in ("column", "row"):
+        raise ConfigError(f"layout for {fqn}: role {role!r} splits a matrix; {fqn} is a stack of experts' matrices "
+                          "([experts, out, in]), which autotp splits by whole experts: pin 'expert' or 'replicate' "
+                          "(each expert's column/row split, expert tensor parallelism, is not offered yet)")
     raise ConfigError(f"layout for {fqn}: role {role!r} does not apply to how the model uses it")
 
 

@@ -21,6 +21,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..errors import CaptureError
+from .experts import capturable_experts, experts_hint
 from .draws import RandomBranchError, _UnitDraws
 from .inputs import _dynamic_shapes, _example_seqs, _forward_params, bind_inputs, forward_signature, \
     hf_example_kwargs, seq_bounds
@@ -56,7 +57,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     if dynamic_shapes is None and dynamic:
         dynamic_shapes = _dynamic_shapes(kwargs, bounds)
     was_training = model.training
-    with gc_paused():
+    with gc_paused(), capturable_experts(model):
         try:
             ep, expanded = _export_cut(model, kwargs, dynamic_shapes) if EXPAND else (None, None)
             if ep is None:
@@ -315,7 +316,7 @@ def _explain_export_failure(model: torch.nn.Module, exc: Exception) -> str:
         f"autotp could not capture {type(model).__name__} with torch.export(strict=False): "
         f"{hint}{where}: {first}. Make the forward traceable (no Python branches on tensor values, "
         "use torch.where/torch.cond), or pass example_kwargs that avoid that path."
-    )
+    ) + experts_hint(model)
     fixes = _suggested_fixes(str(exc))
     if fixes:
         message += (" torch suggests:\n" + fixes + "\n(autotp's sequence dim is 'seq' ('seq1', 'seq2', ... for inputs "

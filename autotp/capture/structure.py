@@ -51,5 +51,6 @@ def _describe(value: Any, where: str) -> str:
     if isinstance(value, types.MethodType):
         return f"method {_qualname(value.__func__)} of {type(value.__self__).__name__}"
     if hasattr(value, "to_json_string") and hasattr(value, "to_dict"):   # a HuggingFace config
-        return value.to_json_string(use_diff=False) + f" attn={getattr(value, '_attn_implementation', None)}"
+        return (value.to_json_string(use_diff=False) + f" attn={getattr(value, '_attn_implementation', None)}"
+                f" experts={getattr(value, '_experts_implementation', None)}")
     raise Uncacheable(f"{where} is a {type(value).__name__}, which the structure key cannot read")

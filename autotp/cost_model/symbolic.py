@@ -29,7 +29,7 @@ import sympy
 import torch
 
 from ..passes.rules import OpInfo, Strategy, TensorMeta
-from ..placements import Partial, Shard, max_local_size
+from ..placements import Partial, Routed, Shard, max_local_size
 from .devices import DeviceProfile
 
 log = logging.getLogger("autotp")
@@ -51,6 +51,8 @@ FREE_OPS = {
     aten.contiguous.default,
 }
 PRODUCTS = {aten.mm.default, aten.linear.default, aten.bmm.default, aten.matmul.default}
+#: grouped products (mixtures of experts), by name: transformers registers its fallback only once imported
+GROUPED_PRODUCTS = frozenset(("aten._grouped_mm.default", "transformers.grouped_mm_fallback.default"))
 
 
 # ---- symbolic sizes -------------------------------------------------------------------------
@@ -78,7 +80,7 @@ def forward_flops_expr(info: OpInfo) -> sympy.Expr:
 
 @lru_cache(maxsize=4096)
 def _forward_flops_expr(t: Any, inputs: tuple, output: Any) -> sympy.Expr:
-    if t in PRODUCTS:
+    if t in PRODUCTS or str(t) in GROUPED_PRODUCTS:   # a grouped product: each row by its expert's matrix
         return 2 * numel_expr(output.shape + (inputs[0].shape[-1],))
     if t is aten.scaled_dot_product_attention.default:
         q, k = inputs[0], inputs[1]
@@ -164,8 +166,8 @@ def shard_fraction(info: OpInfo, strategy: Strategy, tp: int) -> float:
                 frac = min(frac, max_local_size(size, p, tp) / size)
             elif size is None:   # a sequence shard: about 1/tp of the tokens (at most one more)
                 frac = min(frac, 1.0 / tp)
-    if frac == 1.0 and any(isinstance(p, Partial) for p in outs):
-        frac = 1.0 / tp
+    if frac == 1.0 and any(isinstance(p, Partial) and not isinstance(p, Routed) for p in outs):
+        frac = 1.0 / tp   # routed rows: every rank runs the op on all of them, zero where not its own
     return frac
 
 

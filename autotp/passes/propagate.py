@@ -30,8 +30,8 @@ from torch import fx
 from ..capture import Capture, shape_of
 from ..cost_model.devices import DeviceProfile
 from ..cost_model.symbolic import activation_bytes, collective_bytes, collective_time, compute_time, nbytes
-from ..placements import (REPLICATE, Partial, Placement, Replicate, Shard, atoms_per_chunk, divides, max_local_size,
-                          same_placement)
+from ..placements import (PARTIAL, REPLICATE, Partial, Placement, Replicate, Routed, Shard, atoms_per_chunk, divides,
+                          max_local_size, same_placement)
 from .hints import column_hint, index_picks, row_hint
 from .rules import OpInfo, Strategy, TensorMeta, strategies
 
@@ -277,8 +277,8 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
 
 def _conversion(src: Any, dst: Placement, size: int | None, tp: int) -> str | None:
     """The collective that turns ``src`` into ``dst`` (None: nothing to do; 'inf': impossible)."""
-    if same_placement(src, dst, size, tp):
-        return None
+    if same_placement(src, dst, size, tp) or (isinstance(src, Routed) and dst == PARTIAL):
+        return None   # a routed Partial is a Partial as it is
     if isinstance(dst, Partial) or (isinstance(dst, Shard) and dst.tail):
         return "inf"   # a tail is made whole by the product that computes it, never by a collective
     if any(isinstance(p, Shard) and p.outer >= 0 for p in (src, dst)):

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import sympy
 import torch
 
-from ...placements import PARTIAL, REPLICATE, Partial, Placement, Replicate, Shard, block_sets
+from ...placements import PARTIAL, REPLICATE, Partial, Placement, Replicate, Routed, Shard, block_sets
 
 aten = torch.ops.aten
 
@@ -189,7 +189,7 @@ def replicated_output(out: Any) -> Any:
 
 
 def has_rule(target: Any) -> bool:
-    return target in _RULES
+    return target in _RULES or op_name(target) in _RULES
 
 
 def mutates_first(target: Any) -> bool:
@@ -227,7 +227,7 @@ def _in_place(info: OpInfo, placements: tuple, functional: Any) -> list[Strategy
 def strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
     """The sound strategies for ``info`` given its inputs' current placements (None: a free
     parameter, which takes whatever placement the chosen strategy asks for)."""
-    rule = _RULES.get(info.target)
+    rule = _RULES.get(info.target) or _RULES.get(op_name(info.target))   # by name: a library's own op
     if rule is None and not info.inputs and info.output is None:
         return replicate_all(info, placements)   # size arithmetic (SymInt + 1): nothing to shard
     functional = functional_of(info.target) if rule is None else None
@@ -242,7 +242,12 @@ def strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
                 "Register one in autotp/passes/rules/ to shard it.", name,
             )
         return replicate_all(info, placements)
-    found = rule(info, placements)
+    if any(isinstance(p, Routed) for p in placements):
+        from .experts import routed_strategies   # rows of experts: the ops that keep them routed
+
+        found = routed_strategies(info, placements, rule)
+    else:
+        found = rule(info, placements)
     if any(has_tail(p) for p in placements) or any(has_tail(p) for s in found for p in _outputs(s)):
         found = [s for s in found if tail_sound(info, s)]
     if any(has_outer(p) for p in placements) or any(has_outer(p) for s in found for p in _outputs(s)):
@@ -286,7 +291,7 @@ def tail_sound(info: OpInfo, strategy: Strategy) -> bool:
 
 
 def localizer(target: Any) -> Localizer | None:
-    return _LOCALIZERS.get(target)
+    return _LOCALIZERS.get(target) or _LOCALIZERS.get(op_name(target))
 
 
 def op_name(target: Any) -> str:

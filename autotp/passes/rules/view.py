@@ -231,7 +231,12 @@ def transpose_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     nd = info.inputs[0].ndim
     a, b = norm_dim(info.args[1], nd), norm_dim(info.args[2], nd)
     swap = {a: b, b: a}
-    return _follow(info, placements, lambda s: s.with_dim(swap.get(s.dim, s.dim)))
+    out = _follow(info, placements, lambda s: s.with_dim(swap.get(s.dim, s.dim)))
+    if placements[0] is None and nd == 3 and 0 not in swap and info.inputs[0].static(0) not in (None, 1):
+        # a free stack of matrices transposed per matrix (a mixture's experts read as
+        # ``w.transpose(-2, -1)``) may be split by whole matrices: expert parallelism
+        out.append(Strategy((Shard(0),), Shard(0)))
+    return out
 
 
 @register(aten.permute.default)

@@ -1,0 +1,98 @@
+"""Mixtures of experts: expert parallelism computes what the serial model computes.
+
+Hypothesis draws an MoE family, its experts (3 among them, which tp 2 and 4 do not divide),
+top-k, kv heads (fewer than tp at 4), tp, the experts implementation and the weights; the
+experts are pinned to expert parallelism (``layout={"*.experts.*": "expert"}``, whole experts per
+rank) so every example runs it. On the same ParallelModule: a training call with the router's
+auxiliary loss in the loss (``output_router_logits=True``) — loss, logits and every gradient, the
+router's included, equal serial — then an inference call, a left-padded call and greedy
+``generate``, token-identical.
+
+Tolerances: float64 1e-9 where the experts path runs float64 on CPU (``batched_mm``; ``eager``,
+which autotp captures as ``grouped_mm``'s fallback product); float32 1e-4 for ``grouped_mm``,
+whose serial model calls torch's grouped kernel, which takes no float64 on CPU.
+"""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from autotp.testing import TOLERANCE
+
+FAMILIES = ["mixtral", "qwen3-moe", "qwen2-moe", "olmoe"]
+#: implementation -> the dtype its serial model computes in on CPU
+IMPLEMENTATIONS = {"batched_mm": "float64", "eager": "float64", "grouped_mm": "float32"}
+EXPERT_LAYOUT = {"*.experts.gate_up_proj": "expert", "*.experts.down_proj": "expert"}
+
+
+def check_experts_case(case: dict) -> dict:
+    """On each rank: the drawn tiny MoE model, its experts split by expert parallelism, against serial."""
+    import autotp
+    from autotp import zoo
+    from autotp.testing import equivalence_errors, relative_error
+
+    dtype = getattr(torch, case["dtype"])
+    config = zoo.tiny_config(case["family"], layers=2, heads=4, kv_heads=case["kv_heads"], head_dim=8, vocab=48,
+                             experts=case["experts"], top_k=case["top_k"], output_router_logits=True)
+    config._experts_implementation = case["impl"]
+    model = zoo.build(case["family"], config, dtype=dtype, seed=case["seed"])
+    batch = zoo.example_batch(case["family"], config, batch=2, seq=case["seq"], seed=case["seed"] + 1)
+    pm = autotp.parallelize(model, case["tp"], layout=EXPERT_LAYOUT)
+    roles = {name: role for name, role in pm.plan.roles.items() if ".experts." in name}
+    errors = equivalence_errors(model, pm, batch)
+    ids = batch["input_ids"]
+    with torch.no_grad():
+        ref, out = model(input_ids=ids), pm(input_ids=ids)
+        errors["inference logits"] = relative_error(out.logits, ref.logits)
+        errors["inference aux_loss"] = relative_error(out.aux_loss, ref.aux_loss)
+        mask = torch.ones_like(ids)
+        mask[0, :2] = 0   # the first row left-padded
+        ref, out = model(input_ids=ids, attention_mask=mask), pm(input_ids=ids, attention_mask=mask)
+        errors["padded logits"] = relative_error(out.logits[mask.bool()], ref.logits[mask.bool()])
+    # the serial router loss off: transformers' load_balancing_loss_func fails on generate's growing mask
+    want = model.generate(ids, max_new_tokens=3, do_sample=False, output_router_logits=False)
+    got = pm.generate(ids, max_new_tokens=3, do_sample=False)
+    return {"errors": errors, "roles": roles, "generate": bool(torch.equal(want, got))}
+
+
+def cases(tps: tuple[int, ...]):
+    return st.fixed_dictionaries({
+        "family": st.sampled_from(FAMILIES),
+        "impl": st.sampled_from(sorted(IMPLEMENTATIONS)),
+        "tp": st.sampled_from(tps),
+        "experts": st.sampled_from([3, 4]),
+        "top_k": st.sampled_from([1, 2]),
+        "kv_heads": st.sampled_from([2, 4]),
+        "seq": st.integers(3, 9),
+        "seed": st.integers(0, 2**16),
+    }).map(lambda c: {**c, "dtype": IMPLEMENTATIONS[c["impl"]]})
+
+
+def assert_experts_case(cluster_of, case: dict) -> None:
+    results = cluster_of(case["tp"]).run(check_experts_case, case)
+    bound = TOLERANCE[getattr(torch, case["dtype"])]
+    for rank, result in enumerate(results):
+        assert set(result["roles"].values()) == {"expert"}, (case, result["roles"])
+        worst = max(result["errors"], key=result["errors"].get)
+        assert result["errors"][worst] <= bound, (case, rank, worst, result["errors"][worst])
+        assert result["generate"], (case, rank, "greedy generate differs from serial")
+
+
+@pytest.mark.parametrize("case", [
+    # two cheap, chosen cases: experts tp does not divide, each of the two captured experts paths
+    dict(family="mixtral", impl="grouped_mm", tp=2, experts=3, top_k=2, kv_heads=2, seq=7, seed=1),
+    pytest.param(dict(family="qwen2-moe", impl="eager", tp=2, experts=4, top_k=1, kv_heads=4, seq=5, seed=2),
+                 marks=pytest.mark.xfail(strict=True, reason=(
+                     "training, inference and padded calls equal serial (measured); generate's decode step "
+                     "fails to capture: with output_router_logits=True in the config the step computes "
+                     "transformers' load-balancing loss over generate's growing mask (s vs b*s)"))),
+], ids=["mixtral-grouped-3of2", "qwen2moe-eager-shared"])
+def test_expert_parallel_equals_serial(cluster_of, case):
+    assert_experts_case(cluster_of, {**case, "dtype": IMPLEMENTATIONS[case["impl"]]})
+
+
+@pytest.mark.slow
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=cases((1, 2, 3, 4)))
+def test_expert_parallel_equals_serial_drawn(cluster_of, case):
+    assert_experts_case(cluster_of, case)
