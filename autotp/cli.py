@@ -124,7 +124,7 @@ def _check_rank(model_name: str, layers: int | None, tp: int, dtype: str, batch:
     from . import zoo
 
     model, family = load_model(model_name, layers, meta=False, dtype=dtype, no_dropout=True)
-    if dtype == "float64" and (family is None or zoo.FAMILIES[family].task == "causal"):
+    if dtype == "float64" and (family is None or zoo.family(family).task == "causal"):
         keep_loss_precision(model)
     if family is not None:
         inputs = zoo.example_batch(family, model.config, batch=batch, seq=seq, seed=1)

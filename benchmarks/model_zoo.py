@@ -126,7 +126,7 @@ def equivalence_task(family: str, tp: int) -> tuple[float, float]:
     config = zoo.tiny_config(family, layers=2, heads=heads, kv_heads=tp - 1, head_dim=8,
                              vocab=16 * tp + 5)
     model = zoo.build(family, config, dtype=torch.float64)
-    if hasattr(type(model), "loss_function") and zoo.FAMILIES[family].task == "causal":
+    if hasattr(type(model), "loss_function") and zoo.family(family).task == "causal":
         from autotp.testing import keep_loss_precision
 
         keep_loss_precision(model)

@@ -38,7 +38,7 @@ def calls_in_order(case: dict) -> dict:
     heads, kv, head_dim = STRUCTURE[family]
     config = zoo.tiny_config(family, layers=2, heads=heads, kv_heads=kv, head_dim=head_dim, vocab=VOCAB)
     model = zoo.build(family, config, dtype=torch.float64, seed=case["seed"])
-    if zoo.FAMILIES[family].task == "causal":
+    if zoo.family(family).task == "causal":
         keep_loss_precision(model)
     layout = dict(LAYOUTS.get(family, {}))
     if tp > kv:   # fewer kv heads than ranks: k and v cannot split, the planner places them

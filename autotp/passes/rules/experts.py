@@ -21,7 +21,7 @@ import torch
 
 from ...placements import PARTIAL, REPLICATE, Routed, Shard, local_ranges
 from .misc import index_localizer as _index_localizer
-from .registry import LocalContext, OpInfo, Strategy, _RULES, is_shard, register, register_localizer
+from .registry import LocalContext, OpInfo, Strategy, _RULES, is_shard, register, register_localizer, register_routed
 
 aten = torch.ops.aten
 
@@ -57,6 +57,7 @@ def _keeps_zero(info: OpInfo) -> bool:
     return True
 
 
+@register_routed
 def routed_strategies(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
     """The strategies of an op meeting a Routed input: every strategy of the op for a plain
     Partial there (a routed Partial is one, for free), and, for ops on rows alone, the one

@@ -242,10 +242,8 @@ def strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
                 "Register one in autotp/passes/rules/ to shard it.", name,
             )
         return replicate_all(info, placements)
-    if any(isinstance(p, Routed) for p in placements):
-        from .experts import routed_strategies   # rows of experts: the ops that keep them routed
-
-        found = routed_strategies(info, placements, rule)
+    if any(isinstance(p, Routed) for p in placements) and _ROUTED:
+        found = _ROUTED[0](info, placements, rule)   # rows of experts: the ops that keep them routed
     else:
         found = rule(info, placements)
     if any(has_tail(p) for p in placements) or any(has_tail(p) for s in found for p in _outputs(s)):
@@ -254,6 +252,17 @@ def strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
         found = [s for s in found if info.target in _OUTER_OPS
                  or not any(has_outer(p) for p in (*s.inputs, *_outputs(s)))]
     return found
+
+
+#: the strategies of an op meeting a Routed (expert rows) input; rules/experts.py registers them,
+#: so the registry does not import the family files above it
+_ROUTED: list = []
+
+
+def register_routed(strategies) -> Any:
+    """Decorator: ``strategies(info, placements, rule)`` answers for ops with a Routed input."""
+    _ROUTED[:] = [strategies]
+    return strategies
 
 
 def has_outer(p: Any) -> bool:
