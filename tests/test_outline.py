@@ -7,7 +7,7 @@ from torch import fx, nn
 
 from autotp.capture import capture, flat_inputs, unflatten_outputs
 from autotp.errors import ConfigError
-from autotp.runtime.module import _put
+from autotp.runtime.state import put_named
 from autotp.runtime.outline import LayerCall, layer_paths, outline
 
 
@@ -48,7 +48,7 @@ def outlined(model):
     cap = capture(model, example_kwargs={"x": x}, dynamic=False)
     tree = nn.Module()
     for name, p in model.named_parameters():
-        _put(tree, name, p)
+        put_named(tree, name, p)
     units = {path: tree.get_submodule(path) for path in layer_paths(model)}
     order = list(cap.param_names.values())
     gm, done = outline(cap.graph_module, order, list(units), units)

@@ -15,150 +15,26 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import fx, nn
 
 from ..capture import Capture, bind_inputs, flat_inputs, unflatten_outputs
-from ..errors import CaptureError, CheckpointError, ConfigError, InputError
+from ..errors import CaptureError, ConfigError, InputError
 from ..plan import Plan
 from ..placements import Placement, Shard
 from . import dtensor
 from .agreement import check_agreement, check_call, fingerprint, input_signature, state_entries
-from .collectives import group_ranks, local_shard
+from .collectives import group_ranks
 from .faults import StepGuard, watch_backward
 from .input_kinds import check_input_kinds
 from .inputs import check_index_bounds, check_not_empty, index_bounds
+from .leaves import LeavesSwitch, LocalLeaves, local_tensor, program_tensor
 from .mesh import device_mesh_of
 from .outline import layer_paths, outline
-
-
-class _ParamTree(nn.Module):
-    """A submodule on the path to a parameter or buffer under its original dotted name
-    (``transformer.h.0.attn...``): the module's ``named_parameters()`` and ``state_dict()``
-    use the model's own names.
-
-    A repeated layer's subtree runs the layer's outlined graph (``runtime.outline``) when
-    sharded per layer with FSDP2: its forward reads its parameters as FSDP2's pre-forward hook
-    left them (gathered over dp) and feeds them, in the graph's order (``names``), first."""
-
-    def forward(self, block: fx.GraphModule, names: tuple[str, ...], *args: Any) -> Any:
-        grad = torch.is_grad_enabled()
-        return block(*(_program_tensor(self.get_parameter(n), grad) for n in names), *args)
-
-
-def _put(root: nn.Module, fqn: str, value: torch.Tensor, buffer: bool = False, persistent: bool = True) -> None:
-    *path, leaf = fqn.split(".")
-    mod: nn.Module = root
-    for part in path:
-        child = getattr(mod, part, None)
-        if child is None:
-            mod.add_module(part, _ParamTree())
-        elif not isinstance(child, _ParamTree):
-            raise ConfigError(
-                f"the model's {fqn} cannot be held under its own name: {part!r} is already an attribute of "
-                f"{type(mod).__name__}; rename the model's submodule")
-        mod = getattr(mod, part)
-    if buffer:
-        mod.register_buffer(leaf, value, persistent=persistent)
-    else:
-        mod.register_parameter(leaf, value)
-
-
-@dataclass
-class Program:
-    """One call signature's program: its capture, its plan (the module's one parameter layout,
-    this graph's collectives) and this rank's rewritten graph, with what feeds the graph."""
-
-    capture: Capture
-    plan: Plan
-    graph_module: fx.GraphModule
-    param_order: list[str]          # the parameter FQN fed to each parameter placeholder
-    buffer_order: list[str]         # the buffer FQN fed to each buffer placeholder
-    constants: list[torch.Tensor]
-    bounds: dict = field(default_factory=dict)   # input key -> the table it indexes (runtime/inputs.py)
-    step: str = ""   # "prefill"/"decode": a generation step's program (autotp.generation), not a call's
-    arriving: dict = field(default_factory=dict)   # input key -> its placement when it comes in split
-    #: (flat output index, the split dim, its whole size, the DTensor placement over tp) for each
-    #: output a call returns split, as a DTensor (``gather_logits``); made once, outside any trace
-    split: tuple = ()
-    #: tensor input key -> (dtype, rank, the (dim, size) pairs the capture kept static), read off
-    #: the graph once (not per call: torch.compile traces the calls, and the graph with them)
-    inputs: dict = field(init=False, default_factory=dict)
-    #: parameter FQNs the program's layer calls read themselves (per-layer FSDP: runtime.outline)
-    outlined: frozenset = frozenset()
-
-    def serves(self, kwargs: dict[str, Any], training: bool, tied: bool = True) -> bool:
-        """Does this program compute a call with these inputs, in this mode? Same tensor inputs
-        (names, dtypes, ranks), same non-tensor flags (a flag left out takes the captured value),
-        and equal sizes where the capture has one symbol (``tied=False``: all but that)."""
-        cap = self.capture
-        if cap.training != training:
-            return False
-        for key, value in kwargs.items():
-            if key in cap.constant_inputs:
-                if isinstance(value, torch.Tensor) or value != cap.constant_inputs[key]:
-                    return False
-            elif key not in cap.input_keys or not isinstance(value, torch.Tensor):
-                return False
-        tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
-        wanted = [k for k in cap.input_keys if k not in cap.constant_inputs]
-        if sorted(tensors) != sorted(wanted):
-            return False
-        for key, (dtype, ndim, static) in self.inputs.items():
-            if key in tensors:
-                if dtype != tensors[key].dtype or ndim != tensors[key].dim():
-                    return False
-                # a dim the capture kept static (a float input's features) must have its size:
-                # another size is another program, never a silently wrong answer
-                split = self.arriving.get(key)
-                skip = split.dim if isinstance(split, Shard) else -1   # a local size: the plan's split
-                if any(tensors[key].shape[i] != n and i != skip for i, n in static):
-                    return False
-        # dims the capture made one symbol must be equal: a call whose lengths differ there (an
-        # encoder-decoder's source and target) is another program
-        return not tied or unequal_symbol(cap, tensors, self.arriving) is None
-
-    def __post_init__(self) -> None:
-        metas = {n.name: n.meta.get("val") for n in self.capture.graph.nodes if n.op == "placeholder"}
-        for key, node_name in zip(self.capture.input_keys, self.capture.user_inputs):
-            val = metas.get(node_name)
-            if isinstance(val, torch.Tensor):
-                static = tuple((i, int(d)) for i, d in enumerate(val.shape) if not isinstance(d, torch.SymInt))
-                self.inputs[key] = (val.dtype, val.dim(), static)
-
-
-#: builds a program for a call: (inputs, training[, generation step]) -> (capture, plan, rewritten graph)
-ProgramBuilder = Callable[..., tuple]
-
-
-class LeavesSwitch:
-    """``module.local_leaves``: whether the programs read each parameter through its local leaf
-    (:class:`LocalLeaves`, the default) or through a per-call autograd Function.
-
-    With the leaves the DTensor parameters themselves are not in autograd's graph, only their
-    leaves: ``loss.backward()`` fills ``param.grad`` and runs the parameters' hooks as always,
-    but ``torch.autograd.grad(loss, module.parameters())`` finds the parameters unused (an error,
-    or None with ``allow_unused=True``). Set ``local_leaves = False`` before such a call (its
-    eager steps cost more host time). Under FSDP2 the Function is always used."""
-
-    _leaves: "LocalLeaves | None"
-
-    @property
-    def local_leaves(self) -> bool:
-        return self._leaves is not None
-
-    @local_leaves.setter
-    def local_leaves(self, on: bool) -> None:
-        from torch.distributed.fsdp import FSDPModule
-
-        if on and isinstance(self, FSDPModule):
-            raise ConfigError("local_leaves cannot be turned on under FSDP2, which reads its unsharded "
-                              "parameters' gradients from autograd itself")
-        if bool(on) != self.local_leaves:
-            self._leaves = LocalLeaves() if on else None
+from .program import Program, ProgramBuilder, in_ranges, unequal_symbol
+from .state import constant_value, hold_parameters, persistent_buffers, put_buffer, put_parameters, refuse_dtype_change
 
 
 class ParallelModule(LeavesSwitch, nn.Module):
@@ -294,7 +170,7 @@ class ParallelModule(LeavesSwitch, nn.Module):
         ``in_ranges``: its captured dim ranges must hold the inputs too."""
         for program in [self._current, *self._programs]:
             if not program.step and program.serves(kwargs, self.training) \
-                    and (not in_ranges or _in_ranges(program.capture, kwargs)):
+                    and (not in_ranges or in_ranges(program.capture, kwargs)):
                 return program
         return None
 
@@ -338,7 +214,7 @@ class ParallelModule(LeavesSwitch, nn.Module):
         from .collectives import _comm
 
         def average(param: torch.Tensor) -> None:
-            grad = _local(param.grad)
+            grad = local_tensor(param.grad)
             with _comm("the data-parallel gradient all-reduce", group):   # a lost peer named as in TP
                 dist.all_reduce(grad, group=group)
             grad.div_(dp)
@@ -355,7 +231,7 @@ class ParallelModule(LeavesSwitch, nn.Module):
         from .agreement import Fingerprint, value_digest
 
         plan = self.plan
-        entries = tuple(f"{fqn}: {value_digest(_local(p))}" for fqn, p in self.named_parameters()
+        entries = tuple(f"{fqn}: {value_digest(local_tensor(p))}" for fqn, p in self.named_parameters()
                         if not isinstance(plan.params.get(plan.aliases.get(fqn, fqn)), Shard))
         entries += tuple(f"{fqn}: {value_digest(b)}" for fqn, b in self.named_buffers())
         check_agreement(Fingerprint((("the replicated parameters and buffers differ (a digest of each tensor's values)",
@@ -367,17 +243,17 @@ class ParallelModule(LeavesSwitch, nn.Module):
     def local_parameter(self, fqn: str) -> torch.Tensor:
         """This rank's shard of parameter ``fqn`` (any of a tied parameter's names): the tensor
         the programs compute with, sharing storage with the DTensor parameter."""
-        return _local(self._held[self.plan.aliases.get(fqn, fqn)])
+        return local_tensor(self._held[self.plan.aliases.get(fqn, fqn)])
 
     def local_grad(self, fqn: str) -> torch.Tensor | None:
         """This rank's shard of parameter ``fqn``'s gradient (None before a backward)."""
         grad = self._held[self.plan.aliases.get(fqn, fqn)].grad
-        return None if grad is None else _local(grad)
+        return None if grad is None else local_tensor(grad)
 
     def local_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter's shard on this rank, once per tied group, under the name the plan
         and the programs use (``lm_head.weight`` for GPT-2's tied embedding)."""
-        return {fqn: _local(param) for fqn, param in self._held.items()}
+        return {fqn: local_tensor(param) for fqn, param in self._held.items()}
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
@@ -466,7 +342,7 @@ class ParallelModule(LeavesSwitch, nn.Module):
         if not compiled:
             check_index_bounds(program.bounds, kwargs)
         grad = torch.is_grad_enabled()
-        params = [_program_tensor(self._held[fqn], grad, self._leaves) if fqn not in program.outlined else None
+        params = [program_tensor(self._held[fqn], grad, self._leaves) if fqn not in program.outlined else None
                   for fqn in program.param_order]
         buffers = [self.get_buffer(fqn) for fqn in program.buffer_order]
         outputs = program.graph_module(*params, *buffers, *program.constants, *flat)
@@ -525,7 +401,7 @@ class ParallelModule(LeavesSwitch, nn.Module):
         self._agree_on_call(names, [spec.tokens[n] for n in names], (f"training: {self.training}", f"past: {spec.past}"))
         kind = "decode" if spec.cache is not None else "prefill"
         for program in self._programs:
-            if program.step == kind and program.serves(inputs, self.training) and _in_ranges(program.capture, inputs):
+            if program.step == kind and program.serves(inputs, self.training) and in_ranges(program.capture, inputs):
                 break
         else:
             if self._build is None:
@@ -569,267 +445,6 @@ def _check_inputs_mode(mode: Any) -> bool | str:
     raise ConfigError(f"check_inputs={mode!r} is not valid: use True (names, shapes and dtypes of every call's "
                       "inputs compared across the TP group), \"values\" (their values too: a digest of each "
                       "tensor) or False (only the order of calls)")
-
-
-def refuse_dtype_change(module: nn.Module, fn: Callable) -> bool:
-    """Raise ConfigError where ``fn`` (what ``module.to``/``.double()``/``.half()``... apply to
-    each tensor) would change the floating-point parameters' dtype: the programs were captured
-    and planned in the old one (their casts, a loss's dtype, the planned bytes), so converting
-    the tensors alone would run them half converted (a call with labels kept returning float32
-    logits). A device move goes on; True where ``fn`` leaves a tensor as it is (a conversion to
-    the dtype and device the parameters have: nothing to do)."""
-    held = getattr(module, "_held", None) or {}
-    probe = next((p for p in held.values() if p.is_floating_point()), None)
-    if probe is None:
-        return False
-    now = _local(probe)
-    before = torch.empty(0, dtype=now.dtype, device=now.device)
-    after = fn(before)
-    if after is before:
-        return True
-    if isinstance(after, torch.Tensor) and after.dtype != now.dtype:
-        raise ConfigError(
-            f"pm.double() / pm.to(dtype) after parallelize would turn the parameters from {now.dtype} into "
-            f"{after.dtype} but not the programs captured and planned in {now.dtype}, so calls would compute "
-            f"in a mix of the two; convert the model first and parallelize that: "
-            f"autotp.parallelize(model.to({after.dtype}), ...)")
-
-
-def unequal_symbol(capture: Capture, kwargs: dict[str, Any], arriving: dict | None = None) -> str | None:
-    """Where ``kwargs`` give two input dims of one symbol of ``capture`` different sizes, a
-    sentence naming them (None where they agree). A dim ``arriving`` split holds a local size."""
-    seen: dict[str, tuple[str, int]] = {}   # symbol -> (first input dim carrying it, its size)
-    for key, sym in capture.input_dims.items():
-        name, dim = key.rsplit(".", 1)
-        value = kwargs.get(name)
-        split = (arriving or {}).get(name)
-        if not isinstance(value, torch.Tensor) or value.dim() <= int(dim) \
-                or (isinstance(split, Shard) and split.dim == int(dim)):
-            continue
-        size = value.shape[int(dim)]
-        first = seen.setdefault(sym, (key, size))
-        if first[1] != size:
-            return (f"{first[0].replace('.', ' dim ')} has size {first[1]} but {key.replace('.', ' dim ')} has {size}: "
-                    f"the model was captured with these dims equal (one symbol, {sym})")
-    return None
-
-
-def hold_parameters(capture: Capture, plan: Plan, model: nn.Module, mesh: Any, device: torch.device,
-                    weights: Callable[[str, Placement], torch.Tensor] | None,
-                    wanted: set[str] | None = None) -> dict[str, nn.Parameter]:
-    """This rank's part of each parameter the programs read (``wanted``: of those alone), one per
-    tied group under the name the programs use: a DTensor on the (dp, tp) mesh whose local
-    tensor is this rank's shard, read from ``weights`` or sliced from ``model``'s own tensors."""
-    full_params = dict(model.named_parameters(remove_duplicate=False))
-    tp, rank = plan.tp, mesh.tp_rank if mesh is not None else 0
-    device_mesh = device_mesh_of(mesh, device)
-    if device_mesh is not None:
-        dtensor.install()
-    held: dict[str, nn.Parameter] = {}
-    for fqn in capture.param_names.values():
-        if fqn in capture.aliases or (wanted is not None and fqn not in wanted):   # a tied twin: fed its target
-            continue
-        p = plan.params[fqn]
-        if weights is not None:
-            local = weights(fqn, p).to(device)
-        else:
-            full = full_params[fqn].detach()
-            local = local_shard(full, p, tp, rank) if isinstance(p, Shard) else full
-            local = local.to(device).clone()
-        requires_grad = full_params[fqn].requires_grad
-        if device_mesh is not None:
-            local = _distributed(local, p, tuple(full_params[fqn].shape), tp, device_mesh)
-        held[fqn] = nn.Parameter(local, requires_grad=requires_grad)
-    return held
-
-
-def put_parameters(owner: nn.Module, model: nn.Module, capture: Capture, held: dict[str, nn.Parameter]) -> None:
-    """``held`` under every name the model gives each of them, in the model's order:
-    ``named_parameters()`` then lists a tied pair once, under the model's first name, as the
-    model does."""
-    for name, _ in model.named_parameters(remove_duplicate=False):
-        target = capture.aliases.get(name, name)
-        if target in held:
-            _put(owner, name, held[target])
-
-
-def constant_value(capture: Capture, name: str, computed: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
-    """A lifted constant on the run device. One captured from a meta model has no values: a
-    non-persistent buffer or tensor attribute lifted as a constant takes the value computed for
-    it (from_pretrained) or the one the model's first capture held; an empty one needs none;
-    anything else is reported."""
-    value = capture.constants[name]
-    if value.is_meta:
-        value = computed.get(name, value)
-    if value.is_meta and value.numel() == 0:   # no values to lose (a cache's first, empty keys)
-        return torch.empty(value.shape, dtype=value.dtype, device=device)
-    if value.is_meta:
-        raise CheckpointError(f"the captured constant {name} has no values (the model was captured on the "
-                              "meta device and its forward makes this tensor there): load the model for real "
-                              "and call autotp.parallelize")
-    return value.to(device, copy=True)   # never the source model's own tensor (see put_buffer)
-
-
-def persistent_buffers(model: nn.Module) -> set[str]:
-    """The FQNs of ``model``'s buffers that its state_dict holds."""
-    return {f"{prefix}.{b}" if prefix else b for prefix, m in model.named_modules(remove_duplicate=False)
-            for b in m._buffers if b not in m._non_persistent_buffers_set}
-
-
-def put_buffer(owner: nn.Module, fqn: str, model_buffers: dict[str, torch.Tensor], computed: dict[str, torch.Tensor],
-               persistent: set[str], device: torch.device) -> None:
-    """Register the model's buffer ``fqn`` on ``owner`` under its own name, on the run device
-    (a meta buffer takes the value from_pretrained computed for it)."""
-    full = model_buffers[fqn]
-    if full.is_meta:
-        full = computed.get(fqn, full)
-    if full.is_meta:
-        raise CheckpointError(f"buffer {fqn} is on the meta device: it is neither in the checkpoint "
-                              "nor computed by the model's constructor; load the model for real")
-    # a copy, as the parameters are: the module owns its state (the source model changing its
-    # buffer, or pm.load_state_dict writing this one, never reaches the other; .to(device) alone
-    # would hand over the source's own tensor where the device is the same)
-    _put(owner, fqn, full.to(device, copy=True), buffer=True, persistent=fqn in persistent)
-
-
-def _distributed(local: torch.Tensor, placement: Placement, shape: tuple[int, ...], tp: int, device_mesh: Any) -> torch.Tensor:
-    """``local`` (this rank's part) as a DTensor on the (dp, tp) mesh: replicated over dp, over
-    tp the placement that describes ``placement`` exactly (autotp.runtime.dtensor)."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    size = shape[placement.dim] if isinstance(placement, Shard) else None
-    over_tp = dtensor.torch_placement(placement, size, tp)
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, device_mesh, [Replicate(), over_tp], run_check=False,
-                              shape=torch.Size(shape), stride=stride)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local tensor (the same tensor object every time), a plain tensor itself."""
-    return getattr(t, "_local_tensor", t)
-
-
-def _program_tensor(param: nn.Parameter, grad_enabled: bool, leaves: "LocalLeaves | None" = None) -> torch.Tensor:
-    """What a program is fed for ``param``: its local tensor; where a gradient must flow back
-    into ``param.grad`` (a DTensor with the parameter's placements), the local tensor's leaf
-    (``leaves``, :class:`LocalLeaves`) or, where that cannot stand in for the parameter, the
-    local tensor through an autograd Function."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(param, DTensor):   # (not hasattr: torch.compile answers it for plain tensors only)
-        if not (grad_enabled and param.requires_grad):
-            return param._local_tensor
-        if torch.compiler.is_compiling():
-            return param.to_local()
-        if leaves is not None and not param._backward_hooks:
-            return leaves.leaf(param)
-        return _LocalOf.apply(param)
-    return param
-
-
-class LocalLeaves:
-    """One persistent leaf per DTensor parameter: its local tensor detached (same storage and
-    version counter), requiring a gradient, fed to the programs in its place. Autograd
-    accumulates the local gradient into the leaf as into any plain parameter; a hook on the
-    leaf then hands it to ``param.grad`` as a DTensor of the parameter's spec (added to the
-    local tensor of one already there) and runs the parameter's own post-accumulate-grad hooks
-    (the data-parallel average, a user's), as autograd would have.
-
-    The per-call autograd Function this replaces (:class:`_LocalOf`, still used for a
-    parameter with a gradient hook of its own, ``param.register_hook``, which must see the
-    gradient before it is accumulated) cost its forward, its Python backward and a DTensor
-    gradient accumulated through DTensor's dispatch, for every parameter and step: a 39-parameter
-    stack on CPU, 3.0 ms a step through it against 1.7 ms through the leaves (1.3 ms plain).
-    A leaf is made again when the parameter's local tensor is replaced (``param.data = ...``, a
-    state dict loaded with ``assign=True``)."""
-
-    def __init__(self) -> None:
-        #: id(param) -> (a weak reference to it, its local tensor then, the leaf): by id, as a
-        #: tensor key would be compared by value
-        self._of: dict[int, tuple] = {}
-
-    def leaf(self, param: nn.Parameter) -> torch.Tensor:
-        local = param._local_tensor
-        held = self._of.get(id(param))
-        if held is not None and held[0]() is param and held[1] is local:
-            return held[2]
-        import weakref
-
-        leaf = local.detach().requires_grad_()
-        ref = weakref.ref(param)
-        leaf.register_post_accumulate_grad_hook(_into_param_grad(ref))
-        self._of[id(param)] = (ref, local, leaf)
-        return leaf
-
-    def clear(self) -> None:
-        self._of.clear()
-
-
-def _into_param_grad(param_ref: Any) -> Callable[[torch.Tensor], None]:
-    import copy
-
-    from torch.distributed.tensor import DTensor   # imported once per leaf, not per step
-
-    def hook(leaf: torch.Tensor) -> None:
-        grad, leaf.grad = leaf.grad, None
-        param = param_ref()
-        if param is None or grad is None:
-            return
-        spec = param._spec
-        if grad.requires_grad:   # backward(create_graph=True): the gradient is differentiable
-            grad = DTensor.from_local(grad, spec.mesh, spec.placements, run_check=False,
-                                      shape=spec.shape, stride=spec.stride)
-            param.grad = grad if param.grad is None else param.grad + grad
-        elif param.grad is None:
-            param.grad = DTensor(grad, copy.copy(spec), requires_grad=False)
-        else:
-            _local(param.grad).add_(grad)
-        for post in tuple((param._post_accumulate_grad_hooks or {}).values()):
-            post(param)
-
-    return hook
-
-
-class _LocalOf(torch.autograd.Function):
-    """``param.to_local()`` for a DTensor parameter, its gradient handed back as a DTensor of
-    the parameter's own spec. torch's to_local builds that DTensor through ``from_local`` (an
-    autograd Function, the global shape and stride worked out again, its checks) in every
-    backward, for every parameter: about a tenth of a tiny Llama's CPU step at tp 1. A gradient
-    laid out as the parameter's local tensor (the usual case) gets a copy of the spec at once;
-    any other, and a backward that builds a graph (``create_graph=True``), goes through torch's
-    own path."""
-
-    @staticmethod
-    def forward(ctx, param):
-        local = param._local_tensor
-        # the attributes torch's _ToTorchTensor.forward sets, which its backward (our fallback)
-        # reads: torch 2.14 added local_tensor_stride
-        ctx.dtensor_spec, ctx.grad_placements, ctx.local_tensor_stride = param._spec, None, local.stride()
-        ctx.set_materialize_grads(False)
-        return local.view_as(local)   # a fresh tensor object: autograd's metadata goes on it
-
-    @staticmethod
-    def backward(ctx, grad):
-        import copy
-
-        from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor._api import _ToTorchTensor
-
-        if grad is None:
-            return None
-        if grad.stride() == ctx.local_tensor_stride and not isinstance(grad, DTensor) and not torch.is_grad_enabled():
-            return DTensor(grad, copy.copy(ctx.dtensor_spec), requires_grad=False)
-        return _ToTorchTensor.backward(ctx, grad)[0]
-
-
-def _in_ranges(capture: Capture, kwargs: dict[str, Any]) -> bool:
-    """Are the inputs' dynamic dims within what the capture was traced for?"""
-    for key, (lo, hi) in capture.range_constraints.items():
-        name, dim = key.rsplit(".", 1)
-        value = kwargs.get(name)
-        if isinstance(value, torch.Tensor) and value.dim() > int(dim) and not lo <= value.shape[int(dim)] <= hi:
-            return False
-    return True
 
 
 def _generation_info(model: nn.Module) -> dict[str, Any]:

@@ -53,8 +53,9 @@ from ..plan import Plan
 from .agreement import check_call, input_signature
 from .chunks import Chunk, cut
 from .inputs import check_index_bounds, check_not_empty, index_bounds
-from .module import LeavesSwitch
+from .leaves import LeavesSwitch, LocalLeaves, local_tensor, program_tensor
 from .outline import layer_paths
+from .state import constant_value, hold_parameters, persistent_buffers, put_buffer, put_parameters, refuse_dtype_change
 
 log = logging.getLogger("autotp")
 
@@ -193,10 +194,9 @@ class _ChunkModule(nn.Module):
         self.sent_dtypes: list[Any] = []
 
     def forward(self, *received: Any) -> Any:
-        from .module import _program_tensor
 
         owner, grad = self._owner, torch.is_grad_enabled()
-        params = [_program_tensor(owner._held[n], grad, owner._leaves) for n in self._params]
+        params = [program_tensor(owner._held[n], grad, owner._leaves) for n in self._params]
         buffers = [owner.get_buffer(n) for n in self._buffer_names]
         raw = received
         if _EVERY_INPUT_NEEDS_A_GRADIENT and self.received_dtypes is not None:
@@ -258,7 +258,6 @@ class PipelineModule(LeavesSwitch, nn.Module):
                  costs: tuple[list[float], float, float], weights: Callable | None = None,
                  memory_limit: float = float("inf"), stage_layers: Any = None):
         from .agreement import check_agreement, fingerprint
-        from .module import LocalLeaves, constant_value, hold_parameters, persistent_buffers, put_buffer, put_parameters
 
         super().__init__()
         self.mesh, self.device, self.plan, self.capture = mesh, device, plan, capture
@@ -482,7 +481,6 @@ class PipelineModule(LeavesSwitch, nn.Module):
         return self
 
     def _apply(self, fn: Any, recurse: bool = True) -> "PipelineModule":
-        from .module import refuse_dtype_change
 
         if refuse_dtype_change(self, fn):   # the stages' programs were captured in the old dtype
             return self
@@ -569,20 +567,19 @@ class PipelineModule(LeavesSwitch, nn.Module):
         the sum is the gradient of the whole batch's mean, however the ignored labels fall), else
         the mean of the replicas' gradients."""
         from .collectives import _comm
-        from .module import _local
 
         for fqn, group in self._shared.items():
             grad = self._held[fqn].grad
             if grad is not None:
                 with _comm(f"the pipeline's all-reduce of {fqn}'s gradient over the stages that hold it", group):
-                    dist.all_reduce(_local(grad), group=group)
+                    dist.all_reduce(local_tensor(grad), group=group)
         mesh = self.mesh
         if mesh.dp <= 1 or mesh.dp_group is None:
             return
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for param in self._held.values():
             if param.grad is not None:
-                g = _local(param.grad)
+                g = local_tensor(param.grad)
                 by_dtype.setdefault(g.dtype, []).append(g)
         for grads in by_dtype.values():
             flat = torch.cat([g.reshape(-1) for g in grads])
@@ -601,9 +598,8 @@ class PipelineModule(LeavesSwitch, nn.Module):
 
     def local_parameters(self) -> dict[str, torch.Tensor]:
         """This stage's parameter shards on this rank, under the names the programs use."""
-        from .module import _local
 
-        return {fqn: _local(p) for fqn, p in self._held.items()}
+        return {fqn: local_tensor(p) for fqn, p in self._held.items()}
 
     def describe(self) -> str:
         """Which layers each chunk runs, and on which stage."""
