@@ -39,7 +39,8 @@ def check_size_case(case: dict) -> dict:
 # has one rank of tp 8 per family on the fake backend (tests/test_fake_backend.py), and the slow
 # tier below also runs tp 5-7 and every size at every tp
 @pytest.mark.parametrize("tp", [1, 2, 3, 4, pytest.param(8, marks=pytest.mark.slow)])
-@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
+# one derandomized draw per tp in the fast tier (two cost CI ~30 s more); the slow tier draws more
+@settings(max_examples=1, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
           derandomize=True)
 @given(size=st.sampled_from(sorted(HEADS)), layers=st.integers(1, 2), head_dim=st.sampled_from([2, 4]),
        seq=st.integers(2, 12), dtype=st.sampled_from(["float64", "float32"]), seed=st.integers(0, 999))
