@@ -6,7 +6,7 @@
 """
 from .api import from_pretrained, parallelize, plan
 from .errors import (AutotpError, CaptureError, CheckpointError, CommError, ConfigError, DisagreementError,
-                     InputError, LostRankError, NoRuleError, PlanError)
+                     InputError, LostRankError, MemoryLimitError, NoRuleError, PlanError)
 from .placements import Partial, Replicate, Shard
 from .plan import Plan
 from .version import __version__
@@ -14,5 +14,5 @@ from .version import __version__
 __all__ = [
     "from_pretrained", "parallelize", "plan", "Plan", "Replicate", "Shard", "Partial", "AutotpError", "CaptureError",
     "CheckpointError", "CommError", "ConfigError", "DisagreementError", "InputError", "LostRankError",
-    "NoRuleError", "PlanError",
+    "MemoryLimitError", "NoRuleError", "PlanError",
 ]

@@ -97,9 +97,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     model, _ = load_model(args.model, args.layers)
     limit = args.memory_limit * 1024 ** 3 if args.memory_limit else None
-    plan = autotp.plan(model, tp=args.tp, batch=args.batch, seq=args.seq, profile=args.profile,
-                       gather_logits={"auto": None, "gather": True, "split": False}[args.logits],
-                       memory_limit=limit)
+    options = dict(tp=args.tp, batch=args.batch, seq=args.seq, profile=args.profile,
+                   gather_logits={"auto": None, "gather": True, "split": False}[args.logits])
+    try:
+        plan = autotp.plan(model, memory_limit=limit, **options)
+    except autotp.MemoryLimitError as exc:
+        if limit is not None:   # the caller's own limit: theirs to change
+            raise
+        # the profile's memory: still show the layout tp would give (as docs/models.md does), said
+        # first and kept in the plan's notes, so a plan that cannot train here is never read as one that can
+        print(f"autotp: {exc}\nautotp: the plan below is solved without the memory limit", file=sys.stderr)
+        plan = autotp.plan(model, memory_limit=float("inf"), **options)
+        plan.notes.insert(0, f"does not fit the profile's memory: the fastest plan needs {exc.needed_bytes / 2**30:.2f} "
+                             f"GiB per rank (training state {exc.state_bytes / 2**30:.2f} GiB) against "
+                             f"{exc.limit_bytes / 2**30:.2f} GiB; solved without the limit")
     if args.figure:
         plan.figure(args.figure)
         print(f"autotp: drew one layer of the plan to {args.figure}", file=sys.stderr)
@@ -166,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", default=None, help="device profile (h100-dgx, a100-dgx, v100-dgx2h, cpu-gloo)")
     p.add_argument("--batch", type=_positive(int), default=8)
     p.add_argument("--seq", type=_positive(int), default=None)
-    p.add_argument("--memory-limit", type=_positive(float), default=None, help="GiB per rank")
+    p.add_argument("--memory-limit", type=_positive(float), default=None,
+                   help="GiB per rank (default: the profile's device memory; where no plan fits that, the plan is "
+                        "shown solved without it, with a note saying what it needs)")
     p.add_argument("--logits", choices=("auto", "gather", "split"), default="auto",
                    help="logits gathered or kept split by vocabulary (auto: split when the call returns a loss)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")

@@ -21,6 +21,19 @@ class PlanError(AutotpError):
     """No valid plan: a dimension does not divide, a memory limit cannot be met, ..."""
 
 
+class MemoryLimitError(PlanError):
+    """No plan fits the memory limit per rank, though plans without the limit exist. Its message
+    says what the fastest plan needs (training state and activations against the limit);
+    ``needed_bytes`` (per rank, the largest), ``state_bytes``, ``activation_bytes`` and
+    ``limit_bytes`` hold the numbers (0 where unknown)."""
+
+    def __init__(self, message: str, needed_bytes: float = 0.0, state_bytes: float = 0.0,
+                 activation_bytes: float = 0.0, limit_bytes: float = 0.0):
+        super().__init__(message)
+        self.needed_bytes, self.state_bytes, self.activation_bytes = needed_bytes, state_bytes, activation_bytes
+        self.limit_bytes = limit_bytes
+
+
 class InputError(AutotpError, ValueError):
     """A call's inputs do not fit the captured graph (too long, wrong keys, ...)."""
 

@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 from .capture import Capture, gc_paused, module_path
 from .cost_model import get_profile
-from .errors import PlanError
+from .errors import MemoryLimitError, PlanError
 from .passes.pins import unholdable_pin
 from .passes.propagate import GraphIndex, Propagation, propagate
 from .passes.solve import solve
@@ -57,34 +57,12 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
             raise PlanError(f"the given plan does not fit this model: {prop.infeasible}")
     else:
         try:
-            solution = solve(index, prof, pinned, memory_limit=limit)
-            fits = solution.over_limit is None
-        except PlanError:
-            solution, fits = None, False
-        if sequence_parallel is None and uneven and not fits:
-            # Memory is the reason for sequence parallelism: the layer norms' and dropouts'
-            # activations shrink to s/tp tokens. (Offered always, the cost model would also pick
-            # it where its pointwise savings outweigh the extra all-gather; see architecture.md.)
-            index = GraphIndex.build(cap, tp, batch, seq, uneven=uneven, sharded_outputs=keep,
-                                     sequence_parallel=True, input_placements=arriving)
-            first = solution
-            try:
-                solution = solve(index, prof, pinned, memory_limit=limit)
-            except PlanError:
-                if first is None:
-                    _blame_pins(index, pinned, prof, layout)
-                    raise
-                solution = first
-            if solution is not first and any(c.kind == "reduce_scatter" for c in solution.propagation.comms):
-                notes.append("sequence parallelism: without it no plan fits the memory limit as fast; layer "
-                             "norms, dropouts and residual adds run on s/tp tokens between a reduce-scatter "
-                             "and an all-gather along s")
-        elif solution is None:
-            try:
-                solution = solve(index, prof, pinned, memory_limit=limit)   # raises the PlanError again
-            except PlanError:
-                _blame_pins(index, pinned, prof, layout)
-                raise
+            solution, index, more = _solve(index, prof, pinned, layout, limit, sequence_parallel, uneven,
+                                           lambda: GraphIndex.build(cap, tp, batch, seq, uneven=uneven, sharded_outputs=keep,
+                                                                    sequence_parallel=True, input_placements=arriving))
+        except MemoryLimitError as exc:
+            raise _what_memory_takes(exc, tp, batch, seq) from None
+        notes += more
         prop = solution.propagation
         if solution.over_limit is not None:
             fast_s, fast_bytes = solution.over_limit
@@ -131,6 +109,59 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
 
 #: below this share of parameter bytes split across ranks, a plan says why and how to split more
 SPLIT_SHARE_NOTED = 0.5
+
+
+def _solve(index: GraphIndex, prof: Any, pinned: Mapping[str, Placement], layout: Any, limit: float,
+           sequence_parallel: bool | None, uneven: bool, with_sequence: Any) -> tuple[Any, GraphIndex, list[str]]:
+    """The fastest plan within ``limit``: the solver's, on ``index``; where none fits and the
+    caller left ``sequence_parallel`` to autotp, again on ``with_sequence()`` (an index whose
+    rules may split the sequence). Returns the solution, the index it was solved on and notes."""
+    notes: list[str] = []
+    try:
+        solution = solve(index, prof, pinned, memory_limit=limit)
+        fits = solution.over_limit is None
+    except PlanError:
+        solution, fits = None, False
+    if sequence_parallel is None and uneven and not fits:
+        # Memory is the reason for sequence parallelism: the layer norms' and dropouts'
+        # activations shrink to s/tp tokens. (Offered always, the cost model would also pick
+        # it where its pointwise savings outweigh the extra all-gather; see architecture.md.)
+        index, first = with_sequence(), solution
+        try:
+            solution = solve(index, prof, pinned, memory_limit=limit)
+        except PlanError:
+            if first is None:
+                _blame_pins(index, pinned, prof, layout)
+                raise
+            solution = first
+        if solution is not first and any(c.kind == "reduce_scatter" for c in solution.propagation.comms):
+            notes.append("sequence parallelism: without it no plan fits the memory limit as fast; layer "
+                         "norms, dropouts and residual adds run on s/tp tokens between a reduce-scatter "
+                         "and an all-gather along s")
+    elif solution is None:
+        try:
+            solution = solve(index, prof, pinned, memory_limit=limit)   # raises the PlanError again
+        except PlanError:
+            _blame_pins(index, pinned, prof, layout)
+            raise
+    return solution, index, notes
+
+
+def _what_memory_takes(exc: MemoryLimitError, tp: int, batch: int, seq: int) -> MemoryLimitError:
+    """``exc`` (no plan fits the memory limit; the solver found what the fastest plan needs) with
+    a message that says it: the bytes per rank, training state against activations, and what
+    would bring them under the limit, the larger part's remedies first."""
+    gib, limit = 2 ** 30, exc.limit_bytes
+    state, acts = exc.state_bytes, exc.activation_bytes
+    for_state = ("a larger tp, pipeline stages (autotp.plan(..., world=N) chooses tp x pp x dp) or data-parallel "
+                 "sharding (autotp.runtime.fsdp.fully_shard) for the training state")
+    for_acts = "a smaller batch or seq, or activation_checkpointing=True, for the activations"
+    fixes = f"{for_state}; {for_acts}" if state >= acts else f"{for_acts}; {for_state}"
+    message = (f"no plan fits the memory limit of {limit / gib:.2f} GiB per rank at tp={tp} (the slower plans that "
+               f"shard more were searched too): the fastest plan needs {exc.needed_bytes / gib:.2f} GiB per rank, "
+               f"training state {state / gib:.2f} GiB (weights, gradients, Adam's moments) and activations "
+               f"{acts / gib:.2f} GiB at batch {batch}, seq {seq}. Use {fixes}; or raise memory_limit")
+    return MemoryLimitError(message, exc.needed_bytes, state, acts, limit)
 
 
 def _replicated_note(result: Plan, layout: Mapping[str, Any] | None) -> str | None:

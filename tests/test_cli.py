@@ -70,3 +70,16 @@ def test_check_runs_local_ranks_and_passes(capsys):
 def test_check_of_a_masked_lm_family_builds_its_own_batch(capsys):
     assert main(["check", "bert-large", "--tp", "2", "--layers", "1", "--seq", "8"]) == 0
     assert "PASS" in capsys.readouterr().out
+
+
+def test_a_plan_over_the_profiles_memory_is_shown_solved_without_it_and_says_so(capsys):
+    # GPT-2 XL's one layer at a batch no 80 GiB rank holds: the layout is still shown, the
+    # shortfall said first on stderr and kept in the plan's notes; a limit the caller gave is theirs
+    assert main(["plan", "gpt2-xl", "--tp", "8", "--layers", "1", "--batch", "4096", "--seq", "1024"]) == 0
+    out, err = capsys.readouterr()
+    assert "no plan fits the memory limit of 80.00 GiB per rank at tp=8" in err
+    assert "solved without the memory limit" in err
+    assert "note: does not fit the profile's memory: the fastest plan needs" in out
+    assert "column" in out and "row" in out
+    assert main(["plan", "gpt2-xl", "--tp", "8", "--layers", "1", "--memory-limit", "0.001"]) == 2
+    assert "MemoryLimitError" in capsys.readouterr().err

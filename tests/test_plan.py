@@ -13,7 +13,7 @@ import autotp
 from autotp.planner import build_plan
 from autotp.capture import capture
 from autotp.cost_model import PROFILES
-from autotp.errors import ConfigError, PlanError
+from autotp.errors import ConfigError, MemoryLimitError, PlanError
 from autotp.plan import DeferredExpressions, Plan
 from autotp.testing import MEGATRON_GPT2
 from tests.helpers import tiny_gpt2
@@ -142,9 +142,22 @@ def test_sequence_parallelism_offered_always_wins_on_cost_for_gpt2_large_at_tp2_
     assert "reduce_scatter" not in plan_of(cap, 2, profile="v100-dgx2h").comm_counts()
 
 
-def test_a_memory_limit_no_plan_meets_names_the_limit_and_the_fix():
-    with pytest.raises(PlanError, match="memory limit of .* GiB per rank; raise memory_limit, use a larger tp"):
-        plan_of(tiny_capture(n_head=4, head_dim=8), 2, profile="cpu-gloo", batch=1, seq=8, memory_limit=1e3)
+def test_a_memory_limit_no_plan_meets_says_what_the_fastest_plan_needs_and_the_fixes():
+    cap = tiny_capture(n_head=4, head_dim=8)
+    fastest = plan_of(cap, 2, profile="cpu-gloo", batch=1, seq=8)
+    with pytest.raises(MemoryLimitError, match=r"no plan fits the memory limit of 0\.00 GiB per rank at tp=2 .*"
+                       r"the fastest plan needs .* GiB per rank, training state .* activations .* at batch 1, seq 8\. "
+                       r"Use a larger tp.*; or raise memory_limit") as caught:
+        plan_of(cap, 2, profile="cpu-gloo", batch=1, seq=8, memory_limit=1e3)
+    assert isinstance(caught.value, PlanError)   # what callers catch today still catches it
+    assert caught.value.needed_bytes == pytest.approx(fastest.memory_bytes)
+    assert caught.value.activation_bytes == pytest.approx(fastest.activation_bytes)
+    assert caught.value.limit_bytes == 1e3
+    # where the activations are the larger part, their remedies come first
+    big = plan_of(cap, 2, profile="cpu-gloo", batch=512, seq=64)
+    assert big.activation_bytes > big.memory_bytes - big.activation_bytes
+    with pytest.raises(MemoryLimitError, match=r"Use a smaller batch or seq, or activation_checkpointing=True"):
+        plan_of(cap, 2, profile="cpu-gloo", batch=512, seq=64, memory_limit=1e3)
 
 
 def test_plan_cost_breaks_down_time_and_memory_per_rank():

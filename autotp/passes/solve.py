@@ -43,7 +43,7 @@ from torch import fx
 
 from ..capture import module_path
 from ..cost_model.devices import DeviceProfile
-from ..errors import PlanError
+from ..errors import MemoryLimitError, PlanError
 from ..placements import REPLICATE, Partial, Placement, Shard, same_placement
 from .propagate import (INF, GraphIndex, Propagation, _dim_size, _even, _meta, _out_meta, _sharded_compute,
                         conversion_seconds, internal_seconds, param_memory, param_update_seconds, propagate,
@@ -231,15 +231,16 @@ class _Solver:
             if not states and not raise_empty:
                 return states
             if not states:
-                raise PlanError(f"no feasible plan: no strategy fits {node.name} ({node.target})"
-                                + self._memory_note())
+                raise self._infeasible(f"no feasible plan: no strategy fits {node.name} ({node.target})")
         return states
 
-    def _memory_note(self) -> str:
+    def _infeasible(self, what: str) -> PlanError:
+        """The error for a walk left with no state: under a memory limit, a MemoryLimitError
+        (the planner then finds out whether the limit alone is the cause, and what it takes)."""
         if self.limit is None:
-            return ""
-        return (f" within the memory limit of {self.limit / 2**30:.2f} GiB per rank; raise memory_limit, "
-                "use a larger tp, or a smaller batch/seq")
+            return PlanError(what)
+        return MemoryLimitError(f"{what} within the memory limit of {self.limit / 2**30:.2f} GiB per rank; raise "
+                                "memory_limit, use a larger tp, or a smaller batch/seq", limit_bytes=self.limit)
 
     # ---- repeated layers -------------------------------------------------------------------------
     def apply_block(self, b: Layer, states: dict) -> dict:
@@ -275,7 +276,7 @@ class _Solver:
                         nxt[nkey] = _pareto_add(nxt.get(nkey, []), (t, m, ("block", b, choices), e),
                                                 self.keep_front)
         if not nxt:
-            raise PlanError(f"no feasible plan: no strategy fits layer {module_path(b.nodes[0])}" + self._memory_note())
+            raise self._infeasible(f"no feasible plan: no strategy fits layer {module_path(b.nodes[0])}")
         return nxt
 
     def _transfer(self, rep: Layer, tkey: tuple) -> dict:
@@ -358,9 +359,15 @@ def solve(index: GraphIndex, profile: DeviceProfile, pinned: Mapping[str, Placem
     forced, seconds, memory = solver.solve()
     over_limit = None
     if memory_limit is not None and memory > memory_limit:
-        over_limit = (seconds, memory)
+        over_limit, fastest = (seconds, memory), forced
         solver = _Solver(index, profile, pinned, memory_limit)
-        forced, seconds, memory = solver.solve()
+        try:
+            forced, seconds, memory = solver.solve()
+        except MemoryLimitError as exc:   # plans exist, none within the limit: say what the fastest needs
+            prop = propagate(index, pinned, profile, forced=fastest)
+            exc.needed_bytes, exc.state_bytes = prop.memory_bytes, prop.memory_bytes - prop.activation_bytes
+            exc.activation_bytes = prop.activation_bytes
+            raise
     prop = propagate(index, pinned, profile, forced=forced)
     if prop.infeasible:
         raise PlanError(f"internal: the solver's plan does not replay: {prop.infeasible}")
