@@ -77,11 +77,10 @@ class CachedStep(nn.Module):
     def forward(self, **kwargs: Any) -> dict[str, torch.Tensor]:
         from transformers.cache_utils import DynamicCache
 
-        # every layer a whole one, even a sliding-window layer's: a cache rebuilt from tensors each
-        # step cannot carry a sliding layer's count of the tokens it has seen (it keeps the last
-        # window's), and the model reads the past length (its positions, its masks' offsets) off
-        # that count. A whole layer keeps the past's length; the mask still applies the window.
-        cache = DynamicCache()
+        try:
+            cache = DynamicCache(config=self.inner.config)
+        except TypeError:   # a transformers without per-layer cache types
+            cache = DynamicCache()
         for i in range(self.layers):
             cache.update(kwargs.pop(f"key_{i}"), kwargs.pop(f"value_{i}"), i)
         if self.keep_last:
