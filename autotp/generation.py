@@ -108,16 +108,23 @@ def _step_class(names: list[str]) -> type:
 
 @dataclass(frozen=True)
 class CacheLayout:
-    """The cache a decode step takes: per layer its (kv) heads and head dim, the dtype, and how
-    each cached tensor (``key_0``, ``value_0``, ...) lies on the ranks."""
-    heads: tuple[int, ...]
-    head_dims: tuple[int, ...]
+    """The cache a decode step takes: per layer the (heads, head dim) of its keys and of its
+    values, the dtype, and how each cached tensor (``key_0``, ``value_0``, ...) lies on the ranks.
+    Keys and values are read apart: multi-head latent attention (DeepSeek's MLA) caches the
+    compressed latent as its "keys" (one head of the latent's width) and the shared rotary key as
+    its "values" (one head of the rotary width), neither the config's ``head_dim``."""
+    keys: tuple[tuple[int, int], ...]
+    values: tuple[tuple[int, int], ...]
     dtype: torch.dtype
     placements: tuple[tuple[str, Placement], ...] = ()
 
     @property
+    def layers(self) -> int:
+        return len(self.keys)
+
+    @property
     def names(self) -> list[str]:
-        return [f"{kv}_{i}" for i in range(len(self.heads)) for kv in ("key", "value")]
+        return [f"{kv}_{i}" for i in range(self.layers) for kv in ("key", "value")]
 
 
 @dataclass
@@ -145,7 +152,7 @@ def capture_step(model: nn.Module, spec: StepSpec) -> Capture:
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     cache = spec.cache
     names = list(spec.tokens) + (cache.names if cache else [])
-    step = _step_class(names)(model, len(cache.heads) if cache else 0)
+    step = _step_class(names)(model, cache.layers if cache else 0)
     batch = torch.export.Dim("batch", min=1, max=1 << 20)
     example: dict[str, torch.Tensor] = {}
     shapes: dict[str, Any] = {}
@@ -167,8 +174,8 @@ def capture_step(model: nn.Module, spec: StepSpec) -> Capture:
             wide = key == "attention_mask"
             example[key] = torch.ones(EXAMPLE_BATCH, past + 1 if wide else 1, dtype=value.dtype, device=device)
             shapes[key] = {0: batch, **(grow if wide else {})}
-        for i, (heads, head_dim) in enumerate(zip(cache.heads, cache.head_dims)):
-            for kv in ("key", "value"):
+        for i in range(cache.layers):
+            for kv, (heads, head_dim) in (("key", cache.keys[i]), ("value", cache.values[i])):
                 example[f"{kv}_{i}"] = torch.zeros(EXAMPLE_BATCH, heads, past, head_dim, dtype=cache.dtype,
                                                    device=device)
                 shapes[f"{kv}_{i}"] = {0: batch, **({2: torch.export.Dim.DYNAMIC} if dynamic else {})}
@@ -184,18 +191,22 @@ def cache_layout(cap: Capture, plan: Any) -> CacheLayout:
     out = next(n for n in cap.graph.nodes if n.op == "output")
     vals = {name: leaf.meta["val"] for name, leaf in zip(cap.output_names, pytree.tree_leaves(out.args[0]))}
     layers = len(vals) // 2
-    heads, dims, dtypes = [], [], set()
+    keys, values, dtypes = [], [], set()
     for i in range(layers):
-        key = vals[f"key_{i}"]
-        if key.dim() != 4 or vals[f"value_{i}"].shape[1] != key.shape[1]:
-            raise ConfigError(f"{cap.model_name}: layer {i}'s cache is {tuple(key.shape)}; autotp's generation "
-                              "needs [batch, heads, length, head_dim] keys and values (a DynamicCache)")
-        heads.append(int(key.shape[1]))
-        dims.append(int(key.shape[3]))
-        dtypes.add(key.dtype)
+        key, value = vals[f"key_{i}"], vals[f"value_{i}"]
+        if key.dim() != 4 or value.dim() != 4:
+            raise ConfigError(f"{cap.model_name}: layer {i}'s cache is {tuple(key.shape)} and {tuple(value.shape)}; "
+                              "autotp's generation needs [batch, heads, length, head_dim] keys and values "
+                              "(a DynamicCache)")
+        keys.append((int(key.shape[1]), int(key.shape[3])))
+        values.append((int(value.shape[1]), int(value.shape[3])))
+        dtypes.update((key.dtype, value.dtype))
+    if len(dtypes) != 1:
+        raise ConfigError(f"{cap.model_name}: its cache holds tensors of several dtypes ({sorted(map(str, dtypes))}); "
+                          "autotp's generation needs one dtype for every cached key and value")
     placements = tuple((n, plan.sharded_outputs.get(n, REPLICATE)) for i in range(layers)
                        for n in (f"key_{i}", f"value_{i}"))
-    return CacheLayout(tuple(heads), tuple(dims), dtypes.pop(), placements)
+    return CacheLayout(tuple(keys), tuple(values), dtypes.pop(), placements)
 
 
 class _FromConfig:

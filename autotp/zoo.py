@@ -237,12 +237,14 @@ EXPERT_FAMILIES: dict[str, Family] = {f.name: f for f in [
                             topk_group=4, first_k_dense_replace=3, q_lora_rank=1536, kv_lora_rank=512,
                             qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
                             max_position_embeddings=4096),
-    }, tiny=lambda layers, heads, kv_heads, head_dim, vocab, rotary, positions, experts=4, top_k=2, **extra: dict(
-        vocab_size=vocab, hidden_size=heads * head_dim, intermediate_size=2 * heads * head_dim + 8,
-        moe_intermediate_size=12, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-        n_shared_experts=1, n_routed_experts=experts, num_experts_per_tok=top_k, n_group=1, topk_group=1,
-        first_k_dense_replace=0, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=head_dim,
-        v_head_dim=head_dim, max_position_embeddings=positions, attention_dropout=0.0, **extra),
+    }, tiny=lambda layers, heads, kv_heads, head_dim, vocab, rotary, positions, experts=4, top_k=2, **extra: {
+        **dict(vocab_size=vocab, hidden_size=heads * head_dim, intermediate_size=2 * heads * head_dim + 8,
+               moe_intermediate_size=12, num_hidden_layers=layers, num_attention_heads=heads,
+               num_key_value_heads=heads, n_shared_experts=1, n_routed_experts=experts, num_experts_per_tok=top_k,
+               n_group=1, topk_group=1, first_k_dense_replace=1 if layers > 1 else 0, q_lora_rank=16,
+               kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=head_dim, v_head_dim=head_dim,
+               max_position_embeddings=positions, attention_dropout=0.0),
+        **extra},   # the first layer dense (as the published model's first three), the rest MoE
         kv_heads=False, rotary=True),
     Family("gpt-oss", "GptOssForCausalLM", "GptOssConfig", {
         "gpt-oss-20b": dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,

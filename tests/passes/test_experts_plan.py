@@ -43,3 +43,49 @@ def test_expert_pin_on_a_matrix_names_the_fix():
         autotp.plan(model, tp=2, layout={"*.q_proj.weight": "expert"})
     with pytest.raises(ConfigError, match="stack of experts"):
         autotp.plan(model, tp=2, layout={"*.experts.down_proj": "row"})
+
+
+def _roles(plan, suffix: str) -> set[str]:
+    return {role for name, role in plan.roles.items() if name.endswith(suffix)}
+
+
+def test_deepseek_v3_at_tp8_experts_and_mla_split_by_head():
+    """DeepSeek-V3 at its published width, its first three (dense) layers and one MoE layer (256
+    routed experts of 8, one shared expert): whole experts per rank, MLA split by head as
+    torchtitan splits it (the up-projections q_b_proj/kv_b_proj column, o_proj row; the
+    down-projections to the latents and their norms replicated: the latents are shared by every
+    head), and the plan fits 80 GiB per rank (serial, the layers' training state alone is ~900 GiB)."""
+    plan, _ = _plan("deepseek-v3", layers=4)
+    experts = {n: r for n, r in plan.roles.items() if ".experts." in n and ".shared_experts." not in n}
+    assert experts and set(experts.values()) == {"expert"}, experts
+    assert _expert_bytes(plan, True) * 8 == _expert_bytes(plan, False)   # 256 experts: 32 per rank
+    for suffix in ("q_b_proj.weight", "kv_b_proj.weight"):
+        assert _roles(plan, suffix) == {"column"}, (suffix, _roles(plan, suffix))
+    assert _roles(plan, "self_attn.o_proj.weight") == {"row"}
+    for suffix in ("q_a_layernorm.weight", "kv_a_layernorm.weight"):
+        assert _roles(plan, suffix) == {"replicate"}, (suffix, _roles(plan, suffix))
+    # the down-projections to the latents: replicated (torchtitan) or, where their input arrives
+    # split along the hidden dim, row-parallel (the cost model's pick at this workload: a g of the
+    # 2112-wide latents instead of gathering the 7168-wide hidden state); the latents are whole
+    # on every rank either way
+    for suffix in ("q_a_proj.weight", "kv_a_proj_with_mqa.weight"):
+        assert _roles(plan, suffix) <= {"replicate", "row"}, (suffix, _roles(plan, suffix))
+    assert plan.attention and all(heads == [16] * 8 for heads in plan.attention.values()), plan.attention
+    assert plan.memory_bytes < 80 * 2**30 and plan.memory_limit == 80 * 2**30
+
+
+def test_gpt_oss_20b_at_tp8_experts_and_sinks_split_by_head():
+    """gpt-oss-20b (32 experts of 4 per token, biased experts, attention sinks, 64 q / 8 kv heads):
+    whole experts per rank, their biases with them; attention split by head (the 64 sinks may
+    stay replicated: each rank slices its heads' for free, their gradient summed)."""
+    plan, _ = _plan("gpt-oss-20b", layers=2)
+    experts = {n: r for n, r in plan.roles.items() if ".experts." in n}
+    assert {n.rpartition(".")[2] for n in experts} == {"gate_up_proj", "gate_up_proj_bias", "down_proj",
+                                                      "down_proj_bias"}
+    assert set(experts.values()) == {"expert"}, experts
+    assert _expert_bytes(plan, True) * 8 == _expert_bytes(plan, False)   # 32 experts: 4 per rank
+    for suffix in ("q_proj.weight", "k_proj.weight", "v_proj.weight"):
+        assert _roles(plan, suffix) == {"column"}, (suffix, _roles(plan, suffix))
+    assert _roles(plan, "o_proj.weight") == {"row"}
+    assert plan.attention and all(heads == [8] * 8 for heads in plan.attention.values()), plan.attention
+    assert _roles(plan, "router.weight") == {"replicate"}

@@ -502,6 +502,27 @@ def test_reduction_strategies_compute_the_reduction(case):
     check_case(case)
 
 
+@st.composite
+def max_dim_cases(draw) -> Case:
+    gen = _gen(draw)
+    target = draw(st.sampled_from([aten.max.dim, aten.min.dim]))
+    shape = draw(shapes(1, 4, st.integers(1, 6)))
+    dim = draw(st.integers(-len(shape), len(shape) - 1))
+    keep = draw(st.booleans())
+    kept = [d for d in range(len(shape)) if d != dim % len(shape)]
+    return draw(_case(target, [_tensor(gen, shape)], (dim, keep), keep=kept))
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=max_dim_cases())
+def test_max_along_a_dim_keeps_another_dims_shard(case):
+    offered = check_case(case)
+    p = case.placements[0]
+    dim = case.args[1] % case.args[0].ndim
+    if isinstance(p, Shard) and p.dim != dim:
+        assert any(s.inputs == (p,) and isinstance(s.output, tuple) for s in offered)
+
+
 @settings(max_examples=50, deadline=None)
 @given(data=st.data())
 def test_a_sum_over_a_sharded_dim_is_partial(data):

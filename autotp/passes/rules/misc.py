@@ -45,7 +45,8 @@ def factory_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
 
 REPLICATED = [
     aten.diff.default, aten.cumsum.default, aten.pad.default,
-    aten.constant_pad_nd.default, aten.gather.default, aten.scatter.src, aten.index_select.default,
+    aten.constant_pad_nd.default, aten.gather.default, aten.scatter.src, aten.scatter.value,
+    aten.scatter_.value, aten.index_select.default,
     aten.topk.default, aten.sort.default, aten.argmax.default, aten.any.default, aten.all.default,
     aten.flip.default, aten.roll.default,
 ]

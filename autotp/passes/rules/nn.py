@@ -257,6 +257,20 @@ register(aten.sum.dim_IntList)(_reduction_rule(linear=True))
 register(aten.mean.dim, aten.amax.default, aten.amin.default, aten.var.correction)(_reduction_rule(linear=False))
 
 
+@register(aten.max.dim, aten.min.dim)
+def max_dim_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """The largest (smallest) entry along one dim and its index: a shard of another dim stays
+    where it is, in both outputs (gpt-oss subtracts each row's max from its scores and sinks
+    before the softmax, the heads split)."""
+    px = placements[0]
+    out = [Strategy((REPLICATE,), (REPLICATE, REPLICATE))]
+    dims, keep = _reduced_dims(info)
+    if is_shard(px) and px.dim not in dims:
+        shifted = px.with_dim(px.dim - (0 if keep else sum(1 for d in dims if d < px.dim)))
+        out.append(Strategy((px,), (shifted, shifted)))
+    return out
+
+
 @register(aten.nll_loss_forward.default, aten.nll_loss.default)
 def loss_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     # A mean over non-ignored targets needs the whole batch.
