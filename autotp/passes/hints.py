@@ -67,7 +67,12 @@ def column_hint(node: fx.Node, dim: int, tp: int = 1, uneven: bool = False,
             cur = pieces[0][2]
             continue
         if len(users) > 1 and cur.target not in (aten.split.Tensor, aten.split_with_sizes.default):
-            break
+            # a norm over the dim (OLMo2's q_norm over all heads' width): its statistic (the mean
+            # of squares) reduces the dim away; the hint follows the normalized values
+            rest = [v for v in users if not _statistic(v, d)]
+            if len(rest) != 1 or len(rest) == len(users):
+                break
+            u = rest[0]
         t = u.target
         if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
             src, dst = shape_of(cur), shape_of(u)
@@ -82,6 +87,9 @@ def column_hint(node: fx.Node, dim: int, tp: int = 1, uneven: bool = False,
                         break
                     sizes = [int(x) if x.is_Integer else None for x in sizes]
                     grouped = unit * math.prod(sizes[1:])
+                    if len(go) >= 3 and None not in sizes and _unbound(u, go[0]):
+                        # ModernBERT's [b, s, 3, heads, d] unbound into q, k, v: 3 blocks of heads
+                        return done(chunks * sizes[0], unit * math.prod(sizes[2:]), tail_elems)
                     for k, j in enumerate(go):
                         tail = _tail_of_readers(u, j, sizes[k], constant)
                         if not tail or sizes[k] is None or any(x is None for x in sizes[:k]):
@@ -139,6 +147,36 @@ def _slices_tiling(node: fx.Node, users: list, d: int) -> list[tuple[int, int, f
     if any(a != ends[i] for i, (a, _, _) in enumerate(pieces)) or ends[-1] != int(shape[d]):
         return None
     return pieces
+
+
+_SQUARES = {aten.pow.Tensor_Scalar, aten.square.default, aten.mul.Tensor, aten._to_copy.default, aten.to.dtype,
+            aten.to.dtype_layout}
+
+
+def _statistic(node: fx.Node, dim: int) -> bool:
+    """Whether ``node`` only feeds a reduction of ``dim`` (kept as a size-1 dim) through
+    elementwise squares and casts: the mean of squares of an RMSNorm over that dim."""
+    for _ in range(4):
+        shape = shape_of(node)
+        if shape is None:
+            return False
+        if node.target in (aten.mean.dim, aten.sum.dim_IntList):
+            dims = node.args[1] if len(node.args) > 1 else None
+            keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+            return bool(keep) and isinstance(dims, (list, tuple)) and [x % len(shape) for x in dims] == [dim]
+        users = list(node.users)
+        if node.target not in _SQUARES or len(users) != 1:
+            return False
+        node = users[0]
+    return False
+
+
+def _unbound(view: fx.Node, dim: int) -> bool:
+    """Whether every reader of ``view`` unbinds its ``dim``."""
+    nd = len(shape_of(view))
+    return bool(view.users) and all(
+        u.target is aten.unbind.int and (u.args[1] if len(u.args) > 1 else u.kwargs.get("dim", 0)) % nd == dim
+        for u in view.users)
 
 
 def _through_transpose(node: fx.Node, d: int) -> int:

@@ -26,6 +26,13 @@ def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor,
     return out * mask.unsqueeze(-1).to(out.dtype)
 
 
+def mean_share(x: torch.Tensor, dims: tuple[int, ...], keepdim: bool, count: int,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """This rank's share of a mean over dims it holds part of: its sum over them divided by their
+    whole ``count``; the shares sum over ranks (a g) to the mean."""
+    return torch.sum(x, list(dims), keepdim, dtype=dtype) / count
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross-entropy of logits split by vocabulary (Megatron's vocab-parallel loss).
 

@@ -6,7 +6,9 @@ Hypothesis draws the family, tp, the order of the calls (a training call with la
 backward, an inference call in eval mode, greedy ``generate`` where the family is causal) and the
 seed; each example parallelizes afresh (the capture and the plan are replayed per structure), so
 the call it draws first is the first the ParallelModule sees. Every call must equal the serial
-model's: loss, logits and every gradient within float64's TOLERANCE, tokens identical. Before,
+model's: loss, logits and every gradient within float64's TOLERANCE (OLMo2: float32's, see BOUND),
+tokens identical. OLMo2's q/k norms run on split heads, their statistic a g of one number per
+token (each rank's q_norm weight a slice). Before,
 the training call was exact and a later call failed: the later program chose anew how to split
 a 1-D norm weight the plan had already sliced (a replicated q_norm weight times a split q)."""
 import pytest
@@ -26,6 +28,10 @@ LAYOUTS = {"olmo2": {"*.q_proj.weight": "column", "*.k_proj.weight": "column", "
                      "*.o_proj.weight": "row"},
            "phi3": {"*.qkv_proj.weight": "column", "*.o_proj.weight": "row"}}
 CALLS = {"causal": ["train", "infer", "generate"], "masked": ["train", "infer"]}
+#: OLMo2's RMSNorm computes in float32 whatever the model's dtype (``hidden_states.to(torch.float32)``),
+#: and its q/k norms over split heads sum each rank's squares apart, then all-reduce (not the serial
+#: order): float32's tolerance there (measured 1e-7 on k_proj's gradient at tp 2); float64's elsewhere
+BOUND = {"olmo2": TOLERANCE[torch.float32]}
 _PLANS: dict = {}   # per rank process: (family, tp) -> the plan solved for it
 
 
@@ -66,14 +72,18 @@ def calls_in_order(case: dict) -> dict:
             want = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
             got = pm.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
             errors["generate:tokens"] = 0.0 if torch.equal(got, want) else float("inf")
-    return {"errors": errors}
+    norms = {n: repr(p) for n, p in pm.plan.params.items() if n.endswith(("q_norm.weight", "k_norm.weight"))}
+    return {"errors": errors, "norms": norms}
 
 
 def assert_calls(cluster_of, case: dict) -> list[dict]:
     results = cluster_of(case["tp"]).run(calls_in_order, case)
     for r in results:
         worst = max(r["errors"], key=r["errors"].get)
-        assert r["errors"][worst] <= TOLERANCE[torch.float64], (case, worst, r["errors"][worst])
+        if case["family"] == "olmo2" and case["tp"] <= STRUCTURE["olmo2"][1]:   # q and k pinned by head
+            assert r["norms"] and all(p.startswith("S(") for p in r["norms"].values()), r["norms"]
+        bound = BOUND.get(case["family"], TOLERANCE[torch.float64])
+        assert r["errors"][worst] <= bound, (case, worst, r["errors"][worst])
     return results
 
 

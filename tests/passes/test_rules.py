@@ -536,6 +536,39 @@ def test_a_sum_over_a_sharded_dim_is_partial(data):
 
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
+def test_a_mean_over_a_dim_split_into_heads_is_partial(data):
+    """OLMo2's q_norm statistic: the mean of squares over all heads' width, split by head (atoms of
+    head_dim, uneven runs and rotation drawn), is each rank's sum over the whole count; a plain
+    split of the dim (the residual stream's hidden dim) is not offered it."""
+    tp, gen = data.draw(tps), _gen(data.draw)
+    heads, head_dim = data.draw(st.integers(1, 6)), data.draw(st.integers(2, 4))
+    lead = data.draw(shapes(0, 2, st.integers(1, 4)))
+    x = _tensor(gen, lead + (heads * head_dim,))
+    shard = Shard(len(lead), 1, head_dim, data.draw(st.integers(0, tp - 1)))
+    case = data.draw(_case(aten.mean.dim, [x], ([-1], True), tp=tp, place=(shard,)))
+    assert _offers(check_case(case), (shard,), P)
+    plain = Shard(len(lead))
+    assert not _offers(strategies(case.info(), (plain,)), (plain,), P)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_unbind_strategies_compute_the_pieces(data):
+    """ModernBERT's ``[b, s, 3, heads, d].unbind(2)``: a shard of another dim (the heads) passes to
+    every piece."""
+    gen = _gen(data.draw)
+    shape = data.draw(shapes(2, 4, st.integers(1, 5)))
+    dim = data.draw(st.integers(-len(shape), len(shape) - 1))
+    others = [d for d in range(len(shape)) if d != dim % len(shape)]
+    case = data.draw(_case(aten.unbind.int, [_tensor(gen, shape)], (dim,), keep=others))
+    offered = check_case(case)
+    p = case.placements[0]
+    if isinstance(p, Shard) and p.dim != dim % len(shape):
+        assert any(s.inputs == (p,) and isinstance(s.output[0], Shard) for s in offered), offered
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
 def test_nll_loss_runs_replicated(data):
     gen, n, c = _gen(data.draw), data.draw(st.integers(1, 6)), data.draw(st.integers(1, 6))
     logp, target = torch.log_softmax(_tensor(gen, (n, c)), -1), _tensor(gen, (n,), torch.long, 0, c)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import sympy
 import torch
 
 from ...placements import PARTIAL, REPLICATE, Shard, divides, local_ranges
@@ -254,7 +255,38 @@ def _reduction_rule(linear: bool):
 
 
 register(aten.sum.dim_IntList)(_reduction_rule(linear=True))
-register(aten.mean.dim, aten.amax.default, aten.amin.default, aten.var.correction)(_reduction_rule(linear=False))
+register(aten.amax.default, aten.amin.default, aten.var.correction)(_reduction_rule(linear=False))
+
+
+@register(aten.mean.dim)
+def mean_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """A mean keeps a split of the dims it does not reduce. Over a dim split into whole heads (atoms
+    of more than one element: a head-split projection's output) it is a Partial, each rank's sum
+    divided by the whole count (:func:`mean_localizer`): the per-token statistic of a norm over all
+    heads' width (OLMo2's ``q_norm``/``k_norm``), made whole by a g of one number per token instead
+    of a gather of q and a scatter back (vLLM's way). Not offered on a plain split (atoms of one
+    element, the residual stream's hidden dim): there it would let the solver run every norm on a
+    hidden-split stream, a layout Megatron does not use, for a gain the cost model cannot see."""
+    out = _reduction_rule(linear=False)(info, placements)
+    px = placements[0]
+    if is_shard(px) and px.unit > 1 and not px.tail and px.outer < 0 and px.dim in _reduced_dims(info)[0]:
+        out.append(Strategy((px,), PARTIAL))
+    return out
+
+
+@register_localizer(aten.mean.dim)
+def mean_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
+    """This rank's share of a mean over a split dim: its own sum over the reduced dims divided by
+    their whole count (a local mean would divide by its own count, unequal on uneven shards)."""
+    if strategy.output != PARTIAL or not is_shard(strategy.inputs[0]):
+        return info.target, args, kwargs
+    from ...runtime.functional import mean_share
+
+    dims, keep = _reduced_dims(info)
+    count = sympy.Integer(1)
+    for d in dims:
+        count = count * info.inputs[0].shape[d]
+    return mean_share, (args[0], tuple(dims), keep, ctx.size(count)), {"dtype": kwargs.get("dtype")}
 
 
 @register(aten.max.dim, aten.min.dim)

@@ -590,3 +590,22 @@ def chunk_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     elif is_shard(p) and p.dim != dim:
         out.append(Strategy((p,), tuple(p for _ in range(n))))
     return out
+
+
+@register(aten.unbind.int)
+def unbind_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """ModernBERT's fused q|k|v viewed as ``[b, s, 3, heads, d]`` and unbound along the 3: a shard
+    of another dim (the heads) passes to every piece, one dim lower past the unbound one; a
+    Partial passes (the pieces are linear in the input). A shard of the unbound dim would leave a
+    piece on some ranks only: not offered."""
+    p = placements[0]
+    nd = info.inputs[0].ndim
+    dim = norm_dim(info.args[1] if len(info.args) > 1 else info.kwargs.get("dim", 0), nd)
+    n = len(info.output)
+    out = [Strategy((REPLICATE,), tuple(REPLICATE for _ in range(n)))]
+    if is_partial(p):
+        out.append(Strategy((PARTIAL,), tuple(PARTIAL for _ in range(n))))
+    elif is_shard(p) and p.dim != dim and p.outer < 0:
+        piece = p.with_dim(p.dim - 1 if p.dim > dim else p.dim)
+        out.append(Strategy((p,), tuple(piece for _ in range(n))))
+    return out
