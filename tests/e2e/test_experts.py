@@ -47,7 +47,7 @@ def check_experts_case(case: dict) -> dict:
     from autotp.testing import equivalence_errors, relative_error
 
     dtype = getattr(torch, case["dtype"])
-    config = zoo.tiny_config(case["family"], layers=2, heads=4, kv_heads=case["kv_heads"], head_dim=8, vocab=48,
+    config = zoo.tiny_config(case["family"], layers=case.get("layers", 2), heads=4, kv_heads=case["kv_heads"], head_dim=8, vocab=48,
                              experts=case["experts"], top_k=case["top_k"], output_router_logits=True)
     config._experts_implementation = case["impl"]
     model = zoo.build(case["family"], config, dtype=dtype, seed=case["seed"])
@@ -119,7 +119,8 @@ def assert_experts_case(cluster_of, case: dict) -> None:
     pytest.param(dict(family="deepseek-v3", impl="batched_mm", tp=2, experts=3, top_k=2, kv_heads=4, seq=5,
                       seed=3, heads=True), marks=pytest.mark.slow),
     # expert-TP: every expert's gate|up split in matching halves, float64 on the batched path
-    dict(family="mixtral", impl="batched_mm", tp=2, experts=3, top_k=2, kv_heads=2, seq=6, seed=3, layout="etp"),
+    dict(family="mixtral", impl="batched_mm", tp=2, experts=3, top_k=2, kv_heads=2, seq=5, seed=3, layout="etp",
+         layers=1),
 ], ids=["mixtral-grouped-3of2", "qwen2moe-eager-shared", "deepseek-mla-heads", "mixtral-batched-etp"])
 def test_experts_split_equals_serial(cluster_of, case):
     assert_experts_case(cluster_of, {**case, "dtype": IMPLEMENTATIONS[case["impl"]]})

@@ -17,9 +17,9 @@ ETP = {"*.experts.gate_up_proj": "expert_column", "*.experts.down_proj": "expert
 EP = {"*.experts.*": "expert"}
 
 
-def _model(family: str, experts: int, kv_heads: int = 2, **extra):
-    config = zoo.tiny_config(family, layers=1, heads=4, kv_heads=kv_heads, head_dim=8, vocab=48, experts=experts,
-                             top_k=2, **extra)
+def _model(family: str, experts: int, kv_heads: int = 2, head_dim: int = 8, **extra):
+    config = zoo.tiny_config(family, layers=1, heads=8, kv_heads=kv_heads, head_dim=head_dim, vocab=48,
+                             experts=experts, top_k=2, **extra)
     config._experts_implementation = "grouped_mm"
     return zoo.build(family, config, device="meta")
 
@@ -30,7 +30,7 @@ def _experts(plan) -> dict:
 
 
 def test_fewer_experts_than_ranks_split_inside_each_expert():
-    plan = autotp.plan(_model("mixtral", experts=4), tp=8, profile="cpu-gloo")
+    plan = autotp.plan(_model("mixtral", experts=4, head_dim=64), tp=8)   # hidden 512, default profile
     got = _experts(plan)
     assert got["gate_up_proj"] == ("expert_column", Shard(1, chunks=2)), got   # matching gate and up halves
     assert got["down_proj"] == ("expert_row", Shard(2)), got
@@ -41,26 +41,27 @@ def test_fewer_experts_than_ranks_split_inside_each_expert():
 
 
 def test_fewer_features_per_expert_than_ranks_keep_whole_experts():
-    # 8 experts over 8 ranks; each expert's 4 features in each of gate and up cannot be dealt to 8 ranks
-    plan = autotp.plan(_model("qwen3-moe", experts=8, moe_intermediate_size=4), tp=8, profile="cpu-gloo")
+    # 256 experts over 8 ranks (32 each); each expert's 4 features in each of gate and up cannot be dealt
+    # to 8 ranks. (At the default profile: experts this small are cheaper whole on cpu-gloo's slow links.)
+    plan = autotp.plan(_model("qwen3-moe", experts=256, head_dim=128, moe_intermediate_size=4), tp=8)
     got = _experts(plan)
     assert got["gate_up_proj"] == ("expert", Shard(0)) and got["down_proj"] == ("expert", Shard(0)), got
     note = next(n for n in plan.notes if n.startswith("experts "))
-    assert "expert-parallel (8 experts, 1 per rank) — " in note and "than expert-TP" in note, note
+    assert "expert-parallel (256 experts, 32 per rank) — " in note and "than expert-TP" in note, note
 
 
 def test_either_layout_can_be_pinned():
-    pinned = autotp.plan(_model("mixtral", experts=4), tp=8, profile="cpu-gloo", layout=EP)
+    pinned = autotp.plan(_model("mixtral", experts=4, head_dim=64), tp=8, layout=EP)
     assert {role for role, _ in _experts(pinned).values()} == {"expert"}
     assert not [n for n in pinned.notes if n.startswith("experts ")]   # a pin decided it: nothing compared
-    pinned = autotp.plan(_model("qwen3-moe", experts=8), tp=8, profile="cpu-gloo", layout=ETP)
+    pinned = autotp.plan(_model("qwen3-moe", experts=8, head_dim=128, moe_intermediate_size=16), tp=8, layout=ETP)
     got = _experts(pinned)
     assert got["gate_up_proj"] == ("expert_column", Shard(1, chunks=2)) and got["down_proj"][0] == "expert_row", got
 
 
 def test_expert_tp_pin_that_cannot_hold_names_the_experts():
     # 2 features per expert in the down stack: 4 ranks cannot each hold an equal slice of every expert
-    model = _model("qwen3-moe", experts=4, kv_heads=4, moe_intermediate_size=2)
+    model = _model("qwen3-moe", experts=4, kv_heads=8, moe_intermediate_size=2)
     with pytest.raises(PlanError, match=r"down_proj.*cannot be split 4 ways.*2 features.*Pin it 'expert'"):
         autotp.plan(model, tp=4, profile="cpu-gloo", layout=ETP, uneven=False)
     with pytest.raises(ConfigError, match="role 'expert_column'.*applies to a stack of experts"):
