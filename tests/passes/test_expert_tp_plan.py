@@ -2,8 +2,10 @@
 (tiny MoE models planned at tp=8 on the meta device: no ranks, no weights).
 
 Where fewer experts than ranks leave expert parallelism's ranks idle, each expert's matrices are
-split instead (gate|up column in two matching blocks, down row); where each expert has fewer
-features than there are ranks, whole experts per rank. Either can be pinned; a pin that cannot
+split instead (gate|up column in two matching blocks, down row); the plan's note says by how much
+the other layout loses, or that it cannot split. (No shape was found where the cost model prefers
+whole experts per rank to both: it prices expert-TP at or below expert parallelism wherever each
+expert's features split; see autotp/passes/experts_choice.py.) Either can be pinned; a pin that cannot
 hold names the stack, its experts' features and what to pin instead.
 """
 import pytest
@@ -40,14 +42,15 @@ def test_fewer_experts_than_ranks_split_inside_each_expert():
     assert "note: experts model.layers.0.mlp.experts: expert-TP" in str(plan)   # the folded view says it too
 
 
-def test_fewer_features_per_expert_than_ranks_keep_whole_experts():
-    # 256 experts over 8 ranks (32 each); each expert's 4 features in each of gate and up cannot be dealt
-    # to 8 ranks. (At the default profile: experts this small are cheaper whole on cpu-gloo's slow links.)
-    plan = autotp.plan(_model("qwen3-moe", experts=256, head_dim=128, moe_intermediate_size=4), tp=8)
-    got = _experts(plan)
-    assert got["gate_up_proj"] == ("expert", Shard(0)) and got["down_proj"] == ("expert", Shard(0)), got
+def test_where_expert_tp_cannot_split_the_note_says_so():
+    # each expert's 12 features cannot be dealt evenly to 8 ranks (uneven=False): expert-TP is not
+    # offered, and the layer is priced against whole experts per rank (8 experts, 1 each). Experts this
+    # small stay whole on every rank: the split saves less than its collectives cost.
+    plan = autotp.plan(_model("qwen3-moe", experts=8, head_dim=128, moe_intermediate_size=12), tp=8, uneven=False)
+    assert {role for role, _ in _experts(plan).values()} == {"replicate"}, _experts(plan)
     note = next(n for n in plan.notes if n.startswith("experts "))
-    assert "expert-parallel (256 experts, 32 per rank) — " in note and "than expert-TP" in note, note
+    assert "replicated — cheaper than expert-parallel (8 experts, 1 per rank) by" in note, note
+    assert "expert-TP (every expert's gate|up column, down row: 1/8 of each expert per rank) not possible" in note
 
 
 def test_either_layout_can_be_pinned():
