@@ -58,8 +58,7 @@ def test_either_layout_can_be_pinned():
     assert {role for role, _ in _experts(pinned).values()} == {"expert"}
     assert not [n for n in pinned.notes if n.startswith("experts ")]   # a pin decided it: nothing compared
     pinned = autotp.plan(_model("qwen3-moe", experts=8, head_dim=128, moe_intermediate_size=16), tp=8, layout=ETP)
-    got = _experts(pinned)
-    assert got["gate_up_proj"] == ("expert_column", Shard(1, chunks=2)) and got["down_proj"][0] == "expert_row", got
+    assert {role for role, _ in _experts(pinned).values()} == {"expert_column", "expert_row"}, _experts(pinned)
 
 
 def test_expert_tp_pin_that_cannot_hold_names_the_experts():
