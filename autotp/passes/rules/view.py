@@ -236,7 +236,7 @@ def transpose_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
         # a free stack of matrices transposed per matrix (a mixture's experts read as
         # ``w.transpose(-2, -1)``) may be split by whole matrices: expert parallelism
         out.append(Strategy((Shard(0),), Shard(0)))
-    if nd == 3 and 0 not in swap and info.inputs[0].static(0) is not None and (
+    if nd == 3 and set(swap) == {1, 2} and info.inputs[0].static(0) is not None and (
             placements[0] is None or (is_shard(placements[0]) and placements[0].dim in swap
                                       and (placements[0].chunks, placements[0].unit) == (1, 1))):
         # ... or inside every matrix (expert tensor parallelism): a fresh shard of either matrix
