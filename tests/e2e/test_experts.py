@@ -47,7 +47,8 @@ def check_experts_case(case: dict) -> dict:
     from autotp.testing import equivalence_errors, relative_error
 
     dtype = getattr(torch, case["dtype"])
-    config = zoo.tiny_config(case["family"], layers=case.get("layers", 2), heads=4, kv_heads=case["kv_heads"], head_dim=8, vocab=48,
+    config = zoo.tiny_config(case["family"], layers=case.get("layers", 2), heads=4, kv_heads=case["kv_heads"],
+                             head_dim=8, vocab=48,
                              experts=case["experts"], top_k=case["top_k"], output_router_logits=True)
     config._experts_implementation = case["impl"]
     model = zoo.build(case["family"], config, dtype=dtype, seed=case["seed"])
