@@ -341,7 +341,8 @@ def _size(nbytes: float) -> str:
 
 def role_of(placement: Placement, first_use: Any, arg_pos: int, ndim: int | None = None) -> str:
     """Name a parameter's layout in the paper's words, from the op that uses it first (``ndim``:
-    the parameter's, where known: a stack of experts' matrices split by whole experts is "expert")."""
+    the parameter's, where known: a stack of experts' matrices split by whole experts is "expert", split
+    inside every expert "expert_column" (its output features) or "expert_row" (its input features))."""
     import torch
 
     aten = torch.ops.aten
@@ -356,6 +357,14 @@ def role_of(placement: Placement, first_use: Any, arg_pos: int, ndim: int | None
             or (str(first_use) in ("aten._grouped_mm.default", "transformers.grouped_mm_fallback.default")
                 and arg_pos == 1)):
         return "expert"   # expert parallelism: whole experts per rank
+    if d in (1, 2) and ndim == 3:
+        # expert tensor parallelism: a split inside every expert's matrix. transformers keeps a
+        # stack [experts, out, in] (read transposed by the grouped product, or picked per row
+        # for bmm); a grouped product reading the stack itself takes it as [experts, in, out].
+        out_dim = {aten.transpose.int: 1, aten.index.Tensor: 1}.get(first_use, 2 if str(first_use) in (
+            "aten._grouped_mm.default", "transformers.grouped_mm_fallback.default") else None)
+        if out_dim is not None and arg_pos in (0, 1):
+            return "expert_column" if d == out_dim else "expert_row"
     if first_use is aten.mm.default and arg_pos == 1:
         return "column" if d == 1 else "row"
     if first_use is aten.linear.default and arg_pos == 1:

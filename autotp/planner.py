@@ -8,6 +8,7 @@ from typing import Any, Mapping
 from .capture import Capture, gc_paused, module_path
 from .cost_model import get_profile
 from .errors import MemoryLimitError, PlanError
+from .passes.experts_choice import expert_stacks, experts_note
 from .passes.pins import unholdable_pin
 from .passes.propagate import GraphIndex, Propagation, propagate
 from .passes.solve import solve
@@ -82,6 +83,9 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
         shapes[fqn] = tuple(int(s) for s in node.meta["val"].shape)
         use = uses.get(placeholder)
         roles[fqn] = role_of(p, use[0] if use else None, use[1] if use else -1, node.meta["val"].dim())
+    if plan is None and tp > 1:
+        # which experts layout each MoE layer got, against the other one (autotp/passes/experts_choice.py)
+        notes += experts_note(index, prof, expert_stacks(cap), roles, shapes, prop.total_s, limit, pinned, uses)
     comms = [CommOp(c.kind, c.tensor, c.consumer, repr(c.src), repr(c.dst), c.fwd_bytes, c.bwd_bytes, c.seconds,
                     module_path(nodes[c.consumer]) if c.consumer in nodes else "")
              for c in prop.comms]

@@ -15,7 +15,11 @@ from .placements import REPLICATE, Placement, Shard
 from .plan import Plan, role_of
 
 
-ROLES = ("column", "row", "vocab", "replicate", "expert")
+#: "expert": whole experts per rank (expert parallelism); "expert_column" / "expert_row": every expert's
+#: matrix split as a column- / row-parallel linear is (expert tensor parallelism: gate|up column, down row).
+#: Two words, not one "expert_tp", so that the plan's table names each matrix's split as it does a dense
+#: MLP's and a pin says which matrix is cut which way.
+ROLES = ("column", "row", "vocab", "replicate", "expert", "expert_column", "expert_row")
 #: product -> the weight dim holding its output features (a head's vocabulary rows)
 _OUTPUT_ROWS = {torch.ops.aten.linear.default: 0, torch.ops.aten.mm.default: 1}
 
@@ -50,10 +54,16 @@ def _role_to_placement(role: str | Placement, fqn: str, ndim: int, use: tuple[An
                           f"weights ([experts, out, in], read by an MoE layer's experts); {fqn} is {ndim}-D and "
                           f"first used by {getattr(use[0], '__name__', use[0]) if use else 'nothing'}: pin 'column', "
                           "'row' or 'replicate' instead")
+    if role in ("expert_column", "expert_row"):
+        raise ConfigError(f"layout for {fqn}: role {role!r} (every expert's matrix split, expert tensor parallelism) "
+                          f"applies to a stack of experts' weights ([experts, out, in], read by an MoE layer's "
+                          f"experts); {fqn} is {ndim}-D and first used by "
+                          f"{getattr(use[0], '__name__', use[0]) if use else 'nothing'}: pin "
+                          f"{'column' if role == 'expert_column' else 'row'!r} or 'replicate' instead")
     if ndim == 3 and role in ("column", "row"):
         raise ConfigError(f"layout for {fqn}: role {role!r} splits a matrix; {fqn} is a stack of experts' matrices "
-                          "([experts, out, in]), which autotp splits by whole experts: pin 'expert' or 'replicate' "
-                          "(each expert's column/row split, expert tensor parallelism, is not offered yet)")
+                          f"([experts, out, in]): pin 'expert_{role}' (each expert's matrix split {role}-wise, expert "
+                          "tensor parallelism), 'expert' (whole experts per rank) or 'replicate'")
     raise ConfigError(f"layout for {fqn}: role {role!r} does not apply to how the model uses it")
 
 

@@ -194,7 +194,8 @@ def test_pinned_layout_that_no_strategy_fits_names_the_parameter_and_the_op():
 
 def test_unknown_layout_role_lists_the_roles():
     with pytest.raises(ConfigError, match=r"layout for up.weight: unknown role 'sideways'; use one of "
-                                          r"\('column', 'row', 'vocab', 'replicate', 'expert'\) or a Placement"):
+                                          r"\('column', 'row', 'vocab', 'replicate', 'expert', 'expert_column', "
+                                          r"'expert_row'\) or a Placement"):
         autotp.plan(Arctan(), tp=2, layout={"up.weight": "sideways"}, example_kwargs=ARCTAN_INPUTS)
 
 

@@ -66,7 +66,7 @@ def column_hint(node: fx.Node, dim: int, tp: int = 1, uneven: bool = False,
             chunks *= pieces[-1][1] // block
             cur = pieces[0][2]
             continue
-        if len(users) > 1 and cur.target not in (aten.split.Tensor, aten.split_with_sizes.default):
+        if len(users) > 1 and cur.target not in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
             # a norm over the dim (OLMo2's q_norm over all heads' width): its statistic (the mean
             # of squares) reduces the dim away; the hint follows the normalized values
             rest = [v for v in users if not _statistic(v, d)]
@@ -101,9 +101,14 @@ def column_hint(node: fx.Node, dim: int, tp: int = 1, uneven: bool = False,
                                     tail)
                     return done(chunks, grouped, tail_elems)
             break
-        if t in (aten.split.Tensor, aten.split_with_sizes.default):
-            sdim = (u.args[2] if len(u.args) > 2 else 0) % len(shape_of(cur))
+        if t is aten.chunk.default and (u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)) % len(
+                shape_of(cur)) != d:
+            break   # as before chunk was followed: only a chunk of the split dim (a fused gate|up) gives blocks
+        if t in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
+            sdim = (u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)) % len(shape_of(cur))
             pieces = [v.shape[sdim] for v in u.meta["val"]]
+            if t is aten.chunk.default and len(set(pieces)) != 1:
+                break
             if sdim == d:
                 if len(set(pieces)) != 1:
                     # q heads first, the rest (k and v of fewer kv heads) kept whole: follow q
@@ -126,8 +131,29 @@ def column_hint(node: fx.Node, dim: int, tp: int = 1, uneven: bool = False,
             d = d + 1 if d >= at else d
             cur = u
             continue
+        if t in (aten.squeeze.dim, aten.squeeze.dims) and shape_of(u) is not None:
+            mapped = map_view_shard(shape_of(cur), shape_of(u), Shard(d))
+            if mapped is not None:
+                d, cur = mapped.dim, u
+                continue
+        # the products of a mixture's experts carry a weight's output features into theirs: a
+        # picked stack's rows through ``bmm(w[ids], x)``, a stack's last dim through the grouped one
+        ndim = len(shape_of(cur) or ())
+        if t is aten.bmm.default and u.args[0] is cur and d == ndim - 2:
+            cur = u
+            continue
+        if _is_grouped(t) and len(u.args) > 1 and u.args[1] is cur and ndim == 3 and d == 2:
+            d, cur = 1, u
+            continue
         break
     return done(chunks, unit, tail_elems)
+
+
+def _is_grouped(target: Any) -> bool:
+    from .rules.experts import GROUPED_MM
+    from .rules.registry import op_name
+
+    return op_name(target) in GROUPED_MM
 
 
 def _slices_tiling(node: fx.Node, users: list, d: int) -> list[tuple[int, int, fx.Node]] | None:

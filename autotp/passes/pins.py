@@ -62,6 +62,12 @@ def _describe(index: GraphIndex, placeholder: str, fqn: str, placement: Shard, p
                 f"{head_dim}, so {idle} of {tp} would hold no head. Pin it 'replicate' (or leave it out of "
                 f"layout: the planner then keeps the heads whole on the ranks whose query heads use them), or use "
                 f"tp in {{{fits}}}")
+    if len(shape) == 3 and placement.dim in (1, 2):
+        # a stack of experts split inside every expert (expert tensor parallelism)
+        return (f"{what} cannot be split {tp} ways: each of its {shape[0]} experts has {size} features along dim "
+                f"{placement.dim}, too few to give each of {tp} ranks a slice"
+                f"{'' if index.uneven else ' of equal size (uneven=False)'}. Pin it 'expert' (whole experts per "
+                f"rank) or 'replicate', or leave it out of layout and the planner chooses")
     op = f"{user.name} ({user.target}), the op that reads it," if user is not None else "the op that reads it"
     return (f"{what} cannot be split {tp} ways: no sharding rule of {op} accepts that split at tp={tp} (its "
             f"{size} elements along dim {placement.dim}). Pin it 'replicate' or leave it out of layout, and the "

@@ -34,6 +34,8 @@ from ..placements import (PARTIAL, REPLICATE, Partial, Placement, Replicate, Rou
                           max_local_size, same_placement)
 from .hints import column_hint, index_picks, row_hint
 from .rules import OpInfo, Strategy, TensorMeta, strategies
+from .rules.experts import GROUPED_MM
+from .rules.registry import op_name
 
 aten = torch.ops.aten
 INF = math.inf
@@ -259,7 +261,7 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
                 c, u = row_hint(x, len(shape_of(x)) - 1, tp, uneven)
                 info.hints[0] = (c, u, rotate, 0, c > 1)   # blocks only from groups of heads
     if node.target in (aten.mm.default, aten.linear.default, aten.embedding.default, aten.bmm.default,
-                       aten.matmul.default):
+                       aten.matmul.default) or op_name(node.target) in GROUPED_MM:
         out = info.output
         if isinstance(out, TensorMeta):
             # Layers rotate which rank takes an uneven split's extra head, so that parameter
@@ -272,6 +274,16 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
             info.hints[out.ndim - 1] = (c, u, rotate, t)
     if node.target is aten.index.Tensor:
         info.picks = index_picks(node, constant)
+    stack = node.args[0] if node.args else None
+    if node.target in (aten.transpose.int, aten.index.Tensor) and getattr(stack, "op", None) == "placeholder" \
+            and stack.name in param_names and isinstance(info.output, TensorMeta) and info.output.ndim >= 3 \
+            and len(shape_of(stack) or ()) == 3:
+        # a stack of experts' matrices, transposed or picked per row: a fresh split of a matrix
+        # dim (expert tensor parallelism) takes its blocks from how the product's output is read
+        rotate = _layer_index(param_names.get(stack.name, ""))
+        for d in range(1, info.output.ndim):
+            c, u, t = column_hint(node, d, tp, uneven, constant)
+            info.hints[d] = (c, u, rotate, t)
     return info, inputs
 
 

@@ -1,4 +1,4 @@
-"""Mixtures of experts: expert parallelism as placements.
+"""Mixtures of experts: expert parallelism and expert tensor parallelism as placements.
 
 transformers keeps an MoE layer's experts as 3-D weights (``[experts, out, in]``) and runs them
 one of two ways the program shows: ``grouped_mm`` sorts the (token, expert) rows by expert and
@@ -14,12 +14,23 @@ that kernel does not take the dtype), ``batched_mm`` picks each row's expert wei
   (the combine over a token's top-k experts), made whole by a g like any row-parallel output;
 * the router stays replicated: its scores meet the routed rows in a product, so their gradient
   is a summand and gets an f (summed over ranks), as any replicated input of sharded compute.
+
+Expert tensor parallelism (Megatron's expert-TP) is the familiar column/row split inside every
+expert: the gate|up stack ``[experts, 2*inter, hidden]`` split on its output features, in two
+blocks (each rank holds matching halves of gate and up, as a fused dense gate|up is split, the
+blocks read off the ``chunk`` that follows: :func:`autotp.passes.hints.column_hint`), the down
+stack on its input features. Every rank computes every routed row for its slice of every
+expert; the down product's rows are a plain Partial, combined by the same g. The strategies
+below carry a Shard of the stacks' matrix dims (1, 2) through the ops that read them: the pick
+``weight[expert_ids]`` (the shard moves to the picked rows' matching dim), ``bmm`` (its own
+rule: column and row), the grouped product, and the transpose in front of it
+(autotp/passes/rules/view.py). Which of the two layouts a layer takes is the solver's choice.
 """
 from __future__ import annotations
 
 import torch
 
-from ...placements import PARTIAL, REPLICATE, Routed, Shard, local_ranges
+from ...placements import PARTIAL, REPLICATE, Partial, Routed, Shard, local_ranges
 from .misc import index_localizer as _index_localizer
 from .registry import LocalContext, OpInfo, Strategy, _RULES, is_shard, register, register_localizer, register_routed
 
@@ -106,6 +117,24 @@ def _experts(p) -> bool:
     return p is None or (is_shard(p) and p == Shard(0))
 
 
+def _matrix_shards(info: OpInfo, p, dims: tuple[int, ...], out_dim) -> list[tuple[Shard, Shard]]:
+    """(input shard, output shard) pairs that split a matrix dim of a stack of experts (expert
+    tensor parallelism), for input placement ``p``: a placed shard of one of ``dims`` as it is,
+    and where the stack is free (or pinned to a dim, which the rule may still cut into blocks) a
+    fresh shard following the output dim's hint (gate|up: two blocks). ``out_dim(d)``: the
+    output dim input dim ``d`` becomes."""
+    pairs: list[tuple[Shard, Shard]] = []
+    for d in dims:
+        od = out_dim(d)
+        if is_shard(p) and p.dim == d and not p.tail and not p.per_block:
+            pairs.append((p, p.with_dim(od)))
+        if p is None or (is_shard(p) and p.dim == d and (p.chunks, p.unit, p.tail) == (1, 1, 0)):
+            fresh = info.fresh_shard(od)
+            if fresh is not None and not fresh.tail and not fresh.per_block and fresh.with_dim(d) != p:
+                pairs.append((fresh.with_dim(d), fresh))
+    return pairs
+
+
 def _run(info: OpInfo, strategy: Strategy, i: int, ctx: LocalContext) -> tuple[int, int]:
     """(first expert, experts) this rank holds of input ``i``'s stack."""
     size = int(info.inputs[i].shape[0])
@@ -124,9 +153,18 @@ def index_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     out = _index_rule(info, placements)
     indices = info.args[1]
     x = info.inputs[0]
-    if (_experts(placements[0]) and x.ndim >= 2 and len(indices) == 1 and indices[0] is not None
-            and not info.inputs[1].is_float and x.static(0) is not None and x.static(0) >= 2):
+    picked = len(indices) == 1 and indices[0] is not None and not info.inputs[1].is_float
+    if (_experts(placements[0]) and x.ndim >= 2 and picked
+            and x.static(0) is not None and x.static(0) >= 2):
         out.append(Strategy((Shard(0), REPLICATE), Routed(0)))
+    if picked and x.ndim == 3 and x.static(0) is not None:
+        # expert tensor parallelism: every expert's matrices split alike, each picked row split so
+        rank = info.inputs[1].ndim
+        for have, want in _matrix_shards(info, placements[0], (1, 2), lambda d: d - 1 + rank):
+            out.append(Strategy((have, REPLICATE), want))
+    if picked and type(placements[0]) is Partial:
+        # rows reordered (the grouped path's inverse sort): linear in x, so a Partial stays one
+        out.append(Strategy((PARTIAL, REPLICATE), PARTIAL))
     return out
 
 
@@ -146,14 +184,27 @@ def index_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict,
 def grouped_mm_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     """``out[rows of expert e] = x[rows of expert e] @ w[e]`` (x ``[rows, in]`` sorted by
     expert, w ``[experts, in, out]``, offs the cumulative rows per expert): replicated, or
-    expert-parallel (w by whole experts, x replicated or already routed alike, offs whole)."""
+    expert-parallel (w by whole experts, x replicated or already routed alike, offs whole), or
+    expert tensor parallel: column (w split on its output features, x replicated, the rows'
+    features split alike) or row (x's features and w's input features split alike: a Partial)."""
     out = [Strategy(tuple(REPLICATE for _ in info.inputs), REPLICATE)]
     if len(info.inputs) < 3 or info.inputs[1].ndim != 3 or info.inputs[0].ndim != 2:
         return out
     px, pw = placements[0], placements[1]
-    if _experts(pw) and all(p == REPLICATE or p is None for p in placements[2:]):
-        if px == REPLICATE or px == Routed(0):
-            out.append(Strategy((px, Shard(0)) + (REPLICATE,) * (len(info.inputs) - 2), Routed(0)))
+    rest = (REPLICATE,) * (len(info.inputs) - 2)
+    if not all(p == REPLICATE or p is None for p in placements[2:]):
+        return out
+    if _experts(pw) and (px == REPLICATE or px == Routed(0)):
+        out.append(Strategy((px, Shard(0)) + rest, Routed(0)))
+    if info.inputs[1].static(0) is None:
+        return out
+    for have, want in _matrix_shards(info, pw, (2,), lambda d: 1):   # column
+        out.append(Strategy((REPLICATE, have) + rest, want))
+    if is_shard(px) and px.dim == 1 and not px.tail and not px.per_block:   # row, as x is split
+        out.append(Strategy((px, px.with_dim(1)) + rest, PARTIAL))
+    if is_shard(pw) and pw.dim == 1 and not pw.tail and not pw.per_block \
+            and not (is_shard(px) and px.with_dim(1) == pw):    # row, as w is split (x converted to it)
+        out.append(Strategy((pw.with_dim(1), pw) + rest, PARTIAL))
     return out
 
 

@@ -236,6 +236,18 @@ def transpose_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
         # a free stack of matrices transposed per matrix (a mixture's experts read as
         # ``w.transpose(-2, -1)``) may be split by whole matrices: expert parallelism
         out.append(Strategy((Shard(0),), Shard(0)))
+    if nd == 3 and set(swap) == {1, 2} and info.inputs[0].static(0) is not None and (
+            placements[0] is None or (is_shard(placements[0]) and placements[0].dim in swap
+                                      and (placements[0].chunks, placements[0].unit) == (1, 1))):
+        # ... or inside every matrix (expert tensor parallelism): a fresh shard of either matrix
+        # dim, in the blocks the product's output shows (gate|up: two), see rules/experts.py
+        for d in (1, 2):
+            fresh = info.fresh_shard(d)
+            if fresh is not None and not fresh.tail and not fresh.per_block and \
+                    (placements[0] is None or placements[0].dim == swap[d]):
+                strategy = Strategy((fresh.with_dim(swap[d]),), fresh)
+                if strategy not in out:
+                    out.append(strategy)
     return out
 
 
@@ -580,8 +592,10 @@ def _chunk_pieces(info: OpInfo) -> tuple[int, int]:
 @register(aten.chunk.default)
 def chunk_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     """GPT-NeoX's fused q|k|v per head, ``[b, heads, s, 3*d].chunk(3, -1)``: a heads shard
-    passes to every piece. A shard of the chunked dim is not offered (the pieces' local sizes
-    would not follow ``chunk``'s rounding)."""
+    passes to every piece. A shard of the chunked dim only where its blocks are the pieces (a
+    fused gate|up in two blocks, ``chunk(2, -1)``): every rank holds the same run of each block,
+    so its local ``chunk`` cuts them apart exactly; any other shard of that dim is not offered
+    (the pieces' local sizes would not follow ``chunk``'s rounding)."""
     p = placements[0]
     dim, n = _chunk_pieces(info)
     out = [Strategy((REPLICATE,), tuple(REPLICATE for _ in range(n)))]
@@ -589,6 +603,11 @@ def chunk_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
         out.append(Strategy((PARTIAL,), tuple(PARTIAL for _ in range(n))))
     elif is_shard(p) and p.dim != dim:
         out.append(Strategy((p,), tuple(p for _ in range(n))))
+    elif is_shard(p) and p.chunks % n == 0 and not p.tail and not p.per_block and \
+            info.inputs[0].static(dim) is not None and info.inputs[0].static(dim) % n == 0 and \
+            info.inputs[0].static(dim) // (p.chunks * p.unit) >= info.tp:   # every rank holds atoms
+        piece = p.with_blocks(dim, p.chunks // n, p.unit)
+        out.append(Strategy((p,), tuple(piece for _ in range(n))))
     return out
 
 

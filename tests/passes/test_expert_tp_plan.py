@@ -1,0 +1,72 @@
+"""Expert tensor parallelism against expert parallelism, chosen per MoE layer by the cost model
+(tiny MoE models planned at tp=8 on the meta device: no ranks, no weights).
+
+Where fewer experts than ranks leave expert parallelism's ranks idle, each expert's matrices are
+split instead (gate|up column in two matching blocks, down row); the plan's note says by how much
+the other layout loses, or that it cannot split. (No shape was found where the cost model prefers
+whole experts per rank to both: it prices expert-TP at or below expert parallelism wherever each
+expert's features split; see autotp/passes/experts_choice.py.) Either can be pinned; a pin that cannot
+hold names the stack, its experts' features and what to pin instead.
+"""
+import pytest
+
+import autotp
+from autotp import zoo
+from autotp.errors import ConfigError, PlanError
+from autotp.placements import Shard
+
+ETP = {"*.experts.gate_up_proj": "expert_column", "*.experts.down_proj": "expert_row"}
+EP = {"*.experts.*": "expert"}
+
+
+def _model(family: str, experts: int, kv_heads: int = 2, head_dim: int = 8, **extra):
+    config = zoo.tiny_config(family, layers=1, heads=8, kv_heads=kv_heads, head_dim=head_dim, vocab=48,
+                             experts=experts, top_k=2, **extra)
+    config._experts_implementation = "grouped_mm"
+    return zoo.build(family, config, device="meta")
+
+
+def _experts(plan) -> dict:
+    return {name.rsplit(".", 1)[-1]: (plan.roles[name], plan.params[name]) for name in plan.params
+            if ".experts." in name}
+
+
+def test_fewer_experts_than_ranks_split_inside_each_expert():
+    plan = autotp.plan(_model("mixtral", experts=4, head_dim=64), tp=8)   # hidden 512, default profile
+    got = _experts(plan)
+    assert got["gate_up_proj"] == ("expert_column", Shard(1, chunks=2)), got   # matching gate and up halves
+    assert got["down_proj"] == ("expert_row", Shard(2)), got
+    note = next(n for n in plan.notes if n.startswith("experts "))
+    assert "expert-TP" in note, note
+    assert "cheaper than expert-parallel (4 experts, 1 on the busiest rank, 4 idle)" in note, note
+    assert "note: experts model.layers.0.mlp.experts: expert-TP" in str(plan)   # the folded view says it too
+
+
+def test_where_expert_tp_cannot_split_the_note_says_so():
+    # each expert's 12 features cannot be dealt evenly to 8 ranks (uneven=False): expert-TP is not
+    # offered, and the layer is priced against whole experts per rank (8 experts, 1 each). Experts this
+    # small stay whole on every rank: the split saves less than its collectives cost.
+    plan = autotp.plan(_model("qwen3-moe", experts=8, head_dim=128, moe_intermediate_size=12), tp=8, uneven=False)
+    assert {role for role, _ in _experts(plan).values()} == {"replicate"}, _experts(plan)
+    note = next(n for n in plan.notes if n.startswith("experts "))
+    assert "replicated — cheaper than expert-parallel (8 experts, 1 per rank) by" in note, note
+    assert "expert-TP (every expert's gate|up column, down row: 1/8 of each expert per rank) not possible" in note
+
+
+def test_either_layout_can_be_pinned():
+    pinned = autotp.plan(_model("mixtral", experts=4, head_dim=64), tp=8, layout=EP)
+    assert {role for role, _ in _experts(pinned).values()} == {"expert"}
+    assert not [n for n in pinned.notes if n.startswith("experts ")]   # a pin decided it: nothing compared
+    pinned = autotp.plan(_model("qwen3-moe", experts=8, head_dim=128, moe_intermediate_size=16), tp=8, layout=ETP)
+    assert {role for role, _ in _experts(pinned).values()} == {"expert_column", "expert_row"}, _experts(pinned)
+
+
+def test_expert_tp_pin_that_cannot_hold_names_the_experts():
+    # 2 features per expert in the down stack: 4 ranks cannot each hold an equal slice of every expert
+    model = _model("qwen3-moe", experts=4, kv_heads=8, moe_intermediate_size=2)
+    with pytest.raises(PlanError, match=r"down_proj.*cannot be split 4 ways.*2 features.*Pin it 'expert'"):
+        autotp.plan(model, tp=4, profile="cpu-gloo", layout=ETP, uneven=False)
+    with pytest.raises(ConfigError, match="role 'expert_column'.*applies to a stack of experts"):
+        autotp.plan(model, tp=2, layout={"*.q_proj.weight": "expert_column"})
+    with pytest.raises(ConfigError, match="pin 'expert_row'"):
+        autotp.plan(model, tp=2, layout={"*.experts.down_proj": "row"})
