@@ -33,7 +33,7 @@ from .inputs import check_index_bounds, check_not_empty, index_bounds
 from .leaves import LeavesSwitch, LocalLeaves, local_tensor, program_tensor
 from .mesh import device_mesh_of
 from .outline import layer_paths, outline
-from .program import Program, ProgramBuilder, in_ranges, unequal_symbol
+from .program import Program, ProgramBuilder, unequal_symbol, within_ranges
 from .state import constant_value, hold_parameters, persistent_buffers, put_buffer, put_parameters, refuse_dtype_change
 
 
@@ -170,7 +170,7 @@ class ParallelModule(LeavesSwitch, nn.Module):
         ``in_ranges``: its captured dim ranges must hold the inputs too."""
         for program in [self._current, *self._programs]:
             if not program.step and program.serves(kwargs, self.training) \
-                    and (not in_ranges or in_ranges(program.capture, kwargs)):
+                    and (not in_ranges or within_ranges(program.capture, kwargs)):
                 return program
         return None
 
@@ -401,7 +401,7 @@ class ParallelModule(LeavesSwitch, nn.Module):
         self._agree_on_call(names, [spec.tokens[n] for n in names], (f"training: {self.training}", f"past: {spec.past}"))
         kind = "decode" if spec.cache is not None else "prefill"
         for program in self._programs:
-            if program.step == kind and program.serves(inputs, self.training) and in_ranges(program.capture, inputs):
+            if program.step == kind and program.serves(inputs, self.training) and within_ranges(program.capture, inputs):
                 break
         else:
             if self._build is None:

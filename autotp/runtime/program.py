@@ -3,7 +3,7 @@
 A ParallelModule holds one program per kind of call it has seen (training or inference, the
 inputs present, their dtypes, a generation step); :meth:`Program.serves` decides whether a
 call's inputs are the ones a program was captured for, and :func:`unequal_symbol` /
-:func:`in_ranges` read the captured dims' symbols and ranges against a call's sizes.
+:func:`within_ranges` read the captured dims' symbols and ranges against a call's sizes.
 """
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def unequal_symbol(capture: Capture, kwargs: dict[str, Any], arriving: dict | No
     return None
 
 
-def in_ranges(capture: Capture, kwargs: dict[str, Any]) -> bool:
+def within_ranges(capture: Capture, kwargs: dict[str, Any]) -> bool:
     """Are the inputs' dynamic dims within what the capture was traced for?"""
     for key, (lo, hi) in capture.range_constraints.items():
         name, dim = key.rsplit(".", 1)
