@@ -47,9 +47,9 @@ def _load_and_compare(path):
     return max(errors.values()), pm.plan.roles["lm_head.weight"], local_bytes
 
 
-def test_from_pretrained_reads_this_ranks_slices_and_matches_the_serial_model(cluster, folder):
+def test_from_pretrained_reads_this_ranks_slices_and_matches_the_serial_model(cluster_of, folder):
     serial_numel = sum(p.numel() for p in tiny_gpt2(n_layer=2, n_head=3, head_dim=4, vocab=VOCAB).parameters())
-    for worst, role, local_numel in cluster.run(_load_and_compare, folder):
+    for worst, role, local_numel in cluster_of(2).run(_load_and_compare, folder):
         assert worst < 1e-12
         assert role == "vocab"                        # the tied wte/lm_head read as vocab rows
         assert local_numel < 0.6 * serial_numel       # each rank holds about half
@@ -70,11 +70,11 @@ def _later_calls(path):
     return max(errors.values()), torch.equal(serial.generate(ids, **kw), pm.generate(ids, **kw))
 
 
-def test_a_loaded_model_serves_calls_it_was_not_captured_for(cluster, folder):
+def test_a_loaded_model_serves_calls_it_was_not_captured_for(cluster_of, folder):
     # from_pretrained keeps the model on the meta device: an eval call with a padding mask and
     # generation (whose first cache keys are an empty tensor made on the model's device) are
     # captured from it, with meta inputs, and run with the loaded shards
-    for worst, same_tokens in cluster.run(_later_calls, folder):
+    for worst, same_tokens in cluster_of(2).run(_later_calls, folder):
         assert worst < 1e-12
         assert same_tokens
 

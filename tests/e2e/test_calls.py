@@ -109,10 +109,10 @@ def programs_after_repeated_calls() -> list[int]:
     return counts
 
 
-def test_a_program_is_captured_once_per_call_signature(cluster):
+def test_a_program_is_captured_once_per_call_signature(cluster_of):
     # The first program is parallelize's (ids + labels); inference without labels adds one,
     # any later call of a known signature, at any length, reuses it.
-    for counts in cluster.run(programs_after_repeated_calls):
+    for counts in cluster_of(2).run(programs_after_repeated_calls):
         assert counts == [1, 2, 2, 2, 2]
 
 
@@ -144,8 +144,8 @@ def static_dims_and_empty_calls() -> tuple[float, int, str]:
     return error, len(pm.programs), empty
 
 
-def test_a_static_dim_called_with_another_size_gets_its_own_program_and_empty_calls_are_refused(cluster):
-    for error, programs, empty in cluster.run(static_dims_and_empty_calls):
+def test_a_static_dim_called_with_another_size_gets_its_own_program_and_empty_calls_are_refused(cluster_of):
+    for error, programs, empty in cluster_of(2).run(static_dims_and_empty_calls):
         assert error < 1e-12 and programs == 2
         assert "an empty batch or sequence" in empty
 

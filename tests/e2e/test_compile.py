@@ -48,16 +48,15 @@ def _compiled_matches_serial(backend: str, dtype: str, device: str = "cpu") -> d
             split_backward = "ran"
         except RuntimeError as e:
             split_backward = str(e)
-    explain = torch._dynamo.explain(pm)(**data)
-    return {"worst": max(max(e.values()) for e in errors), "graphs": explain.graph_count,
-            "breaks": explain.graph_break_count, "split backward": split_backward}
+    # one graph per call, no break: fullgraph=True raises on a break where dynamo would split the
+    # call (torch._dynamo.explain says the same after tracing every call once more: 20 s here)
+    return {"worst": max(max(e.values()) for e in errors), "split backward": split_backward}
 
 
 def _check(results: list, dtype: str) -> None:
     bound = 1e-12 if dtype == "float64" else 1e-5
     for r in results:
         assert r["worst"] <= bound, r
-        assert (r["graphs"], r["breaks"]) == (1, 0), r
         assert "does not require grad" in r["split backward"] or r["split backward"] == "whole", r
 
 
@@ -106,10 +105,9 @@ def _dropout_compiled_as_in_eager(backend: str, counter: bool, device: str = "cp
     compiled = torch.compile(pm, fullgraph=True, backend=backend)
     compiled_loss, compiled_grads = run(compiled)
     again, _ = run(compiled)        # the counters moved on: other masks
-    explain = torch._dynamo.explain(pm)(**data)
     losses = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(2)]
     dist.all_gather(losses, compiled_loss.reshape(1))
-    return {"kinds": kinds, "graphs": explain.graph_count, "breaks": explain.graph_break_count,
+    return {"kinds": kinds,   # one graph: fullgraph=True raises on a break
             "loss": relative_error(compiled_loss, eager_loss),
             "grads": max(relative_error(compiled_grads[n], eager_grads[n]) for n in eager_grads),
             "next call differs": relative_error(again, compiled_loss), "ranks agree": bool(losses[0] == losses[1])}
@@ -118,7 +116,6 @@ def _dropout_compiled_as_in_eager(backend: str, counter: bool, device: str = "cp
 def test_dropout_compiles_to_one_graph_with_the_eager_masks_under_counter_rng(cluster_of):
     for r in cluster_of(2).run(_dropout_compiled_as_in_eager, "aot_eager", True):
         assert r["kinds"] == ["replicated", "sharded"], r
-        assert (r["graphs"], r["breaks"]) == (1, 0), r
         assert r["loss"] <= 1e-12 and r["grads"] <= 1e-12, r
         assert r["next call differs"] > 1e-3 and r["ranks agree"], r
 
@@ -126,7 +123,6 @@ def test_dropout_compiles_to_one_graph_with_the_eager_masks_under_counter_rng(cl
 @pytest.mark.slow
 def test_dropout_compiles_with_inductor_and_torch_rng_in_eager(cluster_of):
     for r in cluster_of(2).run(_dropout_compiled_as_in_eager, "inductor", False):
-        assert (r["graphs"], r["breaks"]) == (1, 0), r
         assert r["loss"] > 1e-3 and r["ranks agree"], r     # eager drew torch's masks, compiled its own
 
 
@@ -192,8 +188,7 @@ def _compiled_split_projections() -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         errors = equivalence_errors(model, compiled, data)
-    explain = torch._dynamo.explain(pm)(**data)
-    return {"worst": max(errors.values()), "graphs": explain.graph_count, "breaks": explain.graph_break_count,
+    return {"worst": max(errors.values()),   # one graph: fullgraph=True raises on a break
             "fused": pm.plan.params["transformer.h.0.attn.c_attn.weight"],
             "runs": sum("RunShard" in repr(p.placements) for p in pm.parameters()),
             # a rank's ranges computed in the traced program: dynamo warned on each cached call
@@ -203,5 +198,5 @@ def _compiled_split_projections() -> dict:
 def test_run_layouts_and_a_fused_multi_query_split_compile_to_one_graph(cluster_of):
     for r in cluster_of(2).run(_compiled_split_projections):
         assert r["fused"].tail == 2 and r["runs"] >= 2, r
-        assert (r["graphs"], r["breaks"]) == (1, 0) and r["worst"] <= 1e-12, r
+        assert r["worst"] <= 1e-12, r
         assert r["lru warnings"] == 0, r

@@ -87,7 +87,7 @@ def _eval_mode():
             torch.equal(evaluated[0], evaluated[1]))
 
 
-def test_eval_mode_turns_the_captured_dropout_off(cluster):
-    for train_runs_equal, eval_err, eval_runs_equal in cluster.run(_eval_mode):
+def test_eval_mode_turns_the_captured_dropout_off(cluster_of):
+    for train_runs_equal, eval_err, eval_runs_equal in cluster_of(2).run(_eval_mode):
         assert not train_runs_equal      # training: fresh masks each call
         assert eval_err < 1e-12 and eval_runs_equal   # eval: no dropout, equal to the serial model

@@ -62,7 +62,8 @@ def vocab_parallel_errors(case: dict) -> tuple[dict, dict]:
     return errors, dict(pm.plan.params)
 
 
-@settings(max_examples=10, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate), suppress_health_check=[HealthCheck.function_scoped_fixture],
+@settings(max_examples=6, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate),   # 6: CI budget
+          suppress_health_check=[HealthCheck.function_scoped_fixture],
           derandomize=True)
 @given(family=st.sampled_from(sorted(VOCAB_PARAMS)), vocab=st.integers(9, 70), gather=st.booleans(),
        batch=st.integers(1, 2), seq=st.integers(2, 7), seed=st.integers(0, 999))

@@ -108,7 +108,7 @@ def assert_experts_case(cluster_of, case: dict) -> None:
 @pytest.mark.parametrize("case", [
     # a cheap chosen case (experts tp does not divide) and, in the slow tier, the eager path with
     # shared experts (a known failure at generate: 50 s of the fast tier's budget for an xfail)
-    dict(family="mixtral", impl="grouped_mm", tp=2, experts=3, top_k=2, kv_heads=2, seq=7, seed=1),
+    dict(family="mixtral", impl="grouped_mm", tp=2, experts=3, top_k=2, kv_heads=2, seq=7, seed=1, layers=1),
     pytest.param(dict(family="qwen2-moe", impl="eager", tp=2, experts=4, top_k=1, kv_heads=4, seq=5, seed=2),
                  marks=[pytest.mark.slow, pytest.mark.xfail(strict=True, reason=(
                      "training, inference and padded calls equal serial (measured); generate's decode step "

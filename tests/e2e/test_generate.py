@@ -103,13 +103,16 @@ def assert_generation(cluster_of, case: dict) -> None:
         assert heads == [total] * tp, (case, heads)
 
 
-#: the fast tier's cases, one per tp, chosen to cover what the slow tier draws (hypothesis's
-#: first derandomized draw is its simplest case, the same for every tp: GPT-2, greedy, one token)
+#: chosen cases, one per tp, that cover what the slow tier draws (hypothesis's first derandomized
+#: draw is its simplest case, the same for every tp: GPT-2, greedy, one token); the fast tier runs
+#: tp 2 and 3 (sampling with top-p, min-p and a repetition penalty over a padded batch; greedy
+#: from one token with the config's eos), the slow tier all four
 FAST = [
     dict(tp=1, family="llama", batch=3, length=5, padded=True, mask_given=True, pads=[2, 0, 4], new=4,
          eos="none", sampling={"do_sample": True, "temperature": 0.7, "top_k": 5}, seed=11),
     dict(tp=2, family="gpt2", batch=2, length=6, padded=True, mask_given=False, pads=[3, 0, 0], new=5,
-         eos="drawn", sampling=None, seed=12),
+         eos="drawn", sampling={"do_sample": True, "top_p": 0.8, "min_p": 0.05, "repetition_penalty": 1.3},
+         seed=12),
     dict(tp=3, family="llama", batch=2, length=1, padded=False, mask_given=False, pads=[0, 0, 0], new=3,
          eos="config", sampling={"repetition_penalty": 1.4}, seed=13),
     dict(tp=4, family="gpt2", batch=3, length=7, padded=True, mask_given=True, pads=[1, 4, 0], new=6,
@@ -118,7 +121,8 @@ FAST = [
 ]
 
 
-@pytest.mark.parametrize("case", FAST, ids=[f"tp{c['tp']}-{c['family']}" for c in FAST])
+@pytest.mark.parametrize("case", [c if c["tp"] in (2, 3) else pytest.param(c, marks=pytest.mark.slow) for c in FAST],
+                         ids=[f"tp{c['tp']}-{c['family']}" for c in FAST])
 def test_generation_equals_serial_with_a_head_split_cache(cluster_of, case):
     assert_generation(cluster_of, case)
 

@@ -38,7 +38,8 @@ def check_size_case(case: dict) -> dict:
 # tp 8 in the slow tier: 8 ranks spawn and capture at once on CI's 2 cores (~30 s); the fast tier
 # has one rank of tp 8 per family on the fake backend (tests/test_fake_backend.py), and the slow
 # tier below also runs tp 5-7 and every size at every tp
-@pytest.mark.parametrize("tp", [1, 2, 3, 4, pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.slow), 2, 3, 4,   # tp 1: nothing split
+                                pytest.param(8, marks=pytest.mark.slow)])
 # one derandomized draw per tp in the fast tier (two cost CI ~30 s more); the slow tier draws more
 @settings(max_examples=1, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
           derandomize=True)

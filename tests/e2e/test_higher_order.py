@@ -1,6 +1,6 @@
 """Higher-order ops in forward: a ``torch.no_grad()`` or ``torch.autocast`` block is inlined
 exactly (autotp.capture.higher_order); ``torch.cond`` runs whole, its branches carried into the program.
-Each checked against the serial model on gloo ranks (tp=2 inside a world of 4: dp=2)."""
+Each checked against the serial model on two gloo ranks at tp=2."""
 import torch
 from torch import nn
 
@@ -85,29 +85,29 @@ def run_tiny_llama(_: str) -> tuple[dict, str]:
     return equivalence_errors(model, pm, zoo.example_batch("llama", config, seq=7)), pm.graph_module.code
 
 
-def test_no_grad_and_autocast_regions_are_inlined_exactly(cluster):
-    for errors, code in cluster.run(run_module, "no_grad"):
+def test_no_grad_and_autocast_regions_are_inlined_exactly(cluster_of):
+    for errors, code in cluster_of(2).run(run_module, "no_grad"):
         assert max(errors.values()) <= TOLERANCE[torch.float64], errors
         assert "wrap_with" not in code and "torch._C._set_grad_enabled(False)" in code
         assert "torch.amp.autocast_mode._enter_autocast" in code
 
 
-def test_a_no_grad_region_before_checkpointed_layers_stays_inside_its_partition(cluster):
+def test_a_no_grad_region_before_checkpointed_layers_stays_inside_its_partition(cluster_of):
     # split_module carries a grad-mode call into every later partition unless it is renamed:
     # the layers then ran without autograd and the mode stayed off after the call
-    for errors, grad_on in cluster.run(run_checkpointed_layers, ""):
+    for errors, grad_on in cluster_of(2).run(run_checkpointed_layers, ""):
         assert max(errors.values()) <= TOLERANCE[torch.float64], errors
         assert grad_on
 
 
-def test_cond_runs_whole_with_its_branches_on_every_rank(cluster):
+def test_cond_runs_whole_with_its_branches_on_every_rank(cluster_of):
     for kind in ("cond", "cond_false"):
-        for errors, code in cluster.run(run_module, kind):
+        for errors, code in cluster_of(2).run(run_module, kind):
             assert max(errors.values()) <= TOLERANCE[torch.float64], (kind, errors)
             assert "cond" in code
 
 
-def test_rotary_model_with_no_grad_in_forward_parallelizes(cluster):
-    for errors, code in cluster.run(run_tiny_llama, ""):
+def test_rotary_model_with_no_grad_in_forward_parallelizes(cluster_of):
+    for errors, code in cluster_of(2).run(run_tiny_llama, ""):
         assert max(errors.values()) <= TOLERANCE[torch.float64], errors
         assert "wrap_with_set_grad_enabled" not in code

@@ -2,7 +2,7 @@
 model still computes what the serial one does (at bf16 tolerance under autocast), recomputation
 redraws the same dropout masks, and backward holds fewer saved bytes."""
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import autotp
@@ -49,8 +49,10 @@ def compare_modes(case: dict) -> dict:
     return errors
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
+# three draws and a chosen case with both modes on (each draw a new structure: a capture on 2 cores)
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
           derandomize=True)
+@example(layers=2, heads=4, vocab=61, seq=7, autocast=True, checkpoint=True, seed=5)
 @given(layers=st.integers(1, 3), heads=st.sampled_from([2, 4]), vocab=st.integers(30, 200), seq=st.integers(2, 16),
        autocast=st.booleans(), checkpoint=st.booleans(), seed=st.integers(0, 999))
 def test_autocast_and_checkpointing_keep_the_parallel_model_equal_to_serial(cluster_of, layers, heads, vocab, seq,
@@ -85,7 +87,7 @@ def _with_and_without_checkpointing():
     return worst, saved
 
 
-def test_recomputed_layers_redraw_the_same_dropout_masks_and_hold_fewer_bytes(cluster):
-    for worst, (plain, checkpointed) in cluster.run(_with_and_without_checkpointing):
+def test_recomputed_layers_redraw_the_same_dropout_masks_and_hold_fewer_bytes(cluster_of):
+    for worst, (plain, checkpointed) in cluster_of(2).run(_with_and_without_checkpointing):
         assert worst < 1e-12          # same masks in recompute: the same gradients
         assert checkpointed < 0.6 * plain

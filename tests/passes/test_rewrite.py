@@ -34,8 +34,8 @@ def _rank_program():
     }
 
 
-def test_rank_program_shows_f_and_g_and_adds_the_row_bias_once_after_g(cluster):
-    results = cluster.run(_rank_program)
+def test_rank_program_shows_f_and_g_and_adds_the_row_bias_once_after_g(cluster_of):
+    results = cluster_of(2).run(_rank_program)
     for r in results:
         assert "self.f_0(" in r["code"] and "self.g_0(" in r["code"]
         assert {"CopyToTP", "ReduceFromTP"} <= set(r["comm_kinds"])
@@ -43,13 +43,13 @@ def test_rank_program_shows_f_and_g_and_adds_the_row_bias_once_after_g(cluster):
         assert r["bias_add_input"][0] == "call_module" and r["bias_add_input"][1].startswith("g_")
 
 
-def test_each_rank_holds_its_own_heads_of_q_k_and_v(cluster):
-    assert all(r["qkv_ok"] for r in cluster.run(_rank_program))
+def test_each_rank_holds_its_own_heads_of_q_k_and_v(cluster_of):
+    assert all(r["qkv_ok"] for r in cluster_of(2).run(_rank_program))
 
 
-def test_view_sizes_are_rewritten_to_local_sizes(cluster):
+def test_view_sizes_are_rewritten_to_local_sizes(cluster_of):
     # The row-parallel c_proj input is viewed as [-1, 32] serially; each rank holds 16 columns.
-    assert all(r["has_local_view"] for r in cluster.run(_rank_program))
+    assert all(r["has_local_view"] for r in cluster_of(2).run(_rank_program))
 
 
 def _inputs_without_labels():
@@ -61,8 +61,8 @@ def _inputs_without_labels():
     return (out.logits - ref.logits).abs().max().item(), out.loss is None
 
 
-def test_example_kwargs_override_the_synthesized_inputs(cluster):
-    for err, no_loss in cluster.run(_inputs_without_labels):
+def test_example_kwargs_override_the_synthesized_inputs(cluster_of):
+    for err, no_loss in cluster_of(2).run(_inputs_without_labels):
         assert err < 1e-12 and no_loss
 
 
@@ -89,8 +89,8 @@ def _positional_inputs():
             pm.plan.param_layouts["up.weight"], pm.plan.param_layouts["down.weight"])
 
 
-def test_positional_example_inputs_capture_and_call_by_position(cluster):
-    for by_position, by_name, up, down in cluster.run(_positional_inputs):
+def test_positional_example_inputs_capture_and_call_by_position(cluster_of):
+    for by_position, by_name, up, down in cluster_of(2).run(_positional_inputs):
         assert by_position < 1e-12 and by_name < 1e-12
         assert (up, down) == ("column", "row")
 
@@ -204,11 +204,11 @@ def _in_place_matches_serial():
     return max(errors.values()), placements, clones
 
 
-def test_in_place_ops_keep_the_split_they_write_or_write_a_copy_of_a_converted_tensor(cluster):
+def test_in_place_ops_keep_the_split_they_write_or_write_a_copy_of_a_converted_tensor(cluster_of):
     # Before, an in-place op without a rule of its own ran replicated on an all-gathered view,
     # which autograd refuses to let an op write ("Output 0 of _GatherFromTP is a view and is
     # being modified inplace"): an nn.ReLU(inplace=True) between the products failed to train.
-    for worst, placements, clones in cluster.run(_in_place_matches_serial):
+    for worst, placements, clones in cluster_of(2).run(_in_place_matches_serial):
         assert worst < 1e-12
         assert placements["relu_"].startswith("S(") and placements["mul_"].startswith("S("), placements
         assert placements["masked_fill_"] == "R" and clones == 1, (placements, clones)

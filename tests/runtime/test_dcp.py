@@ -55,7 +55,8 @@ def _save_and_reshard(path: str, tp_from: int, tp_to: int, layout_to: dict = LAY
             "same_keys": sorted(sa) == sorted(sb) and len(sa) == len(a)}
 
 
-@pytest.mark.parametrize("tp_from, tp_to, layout_to", [(2, 4, LAYOUT), (4, 1, LAYOUT), (2, 2, MLP_ONLY)],
+@pytest.mark.parametrize("tp_from, tp_to, layout_to", [   # to tp 1 (nothing split: 12 s) in the slow tier
+    (2, 4, LAYOUT), pytest.param(4, 1, LAYOUT, marks=pytest.mark.slow), (2, 2, MLP_ONLY)],
                          ids=["tp2-to-tp4", "tp4-to-tp1", "another-plan"])
 def test_dcp_checkpoint_of_model_and_adamw_loads_at_another_tp(cluster, tmp_path, tp_from, tp_to, layout_to):
     for r in cluster.run(_save_and_reshard, str(tmp_path / "ckpt"), tp_from, tp_to, layout_to):
