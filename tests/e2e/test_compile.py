@@ -26,7 +26,8 @@ def _compiled_matches_serial(backend: str, dtype: str, device: str = "cpu") -> d
     from autotp.testing import equivalence_errors, keep_loss_precision
 
     torch._dynamo.reset()
-    config = zoo.tiny_config("gpt2", layers=2, vocab=VOCAB)
+    # one block: dynamo traces every op of the program (45 s at two blocks on 2 cores, 38 at one)
+    config = zoo.tiny_config("gpt2", layers=1, vocab=VOCAB)
     model = keep_loss_precision(zoo.build("gpt2", config, dtype=getattr(torch, dtype), seed=1, device=device))
     pm = autotp.parallelize(model, dist.get_world_size(), layout={"lm_head.weight": "vocab"})
     data = _to(zoo.example_batch("gpt2", config, batch=2, seq=6, seed=2), device)
@@ -85,7 +86,7 @@ def _dropout_compiled_as_in_eager(backend: str, counter: bool, device: str = "cp
     from autotp.testing import MEGATRON_GPT2, keep_loss_precision, relative_error
 
     torch._dynamo.reset()
-    config = zoo.tiny_config("gpt2", layers=2, vocab=VOCAB)
+    config = zoo.tiny_config("gpt2", layers=1, vocab=VOCAB)
     config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.25
     model = keep_loss_precision(zoo.build("gpt2", config, dtype=torch.float64, seed=1, device=device))
     pm = autotp.parallelize(model, 2, layout=MEGATRON_GPT2, rng="counter" if counter else "torch")
@@ -117,7 +118,7 @@ def test_dropout_compiles_to_one_graph_with_the_eager_masks_under_counter_rng(cl
     for r in cluster_of(2).run(_dropout_compiled_as_in_eager, "aot_eager", True):
         assert r["kinds"] == ["replicated", "sharded"], r
         assert r["loss"] <= 1e-12 and r["grads"] <= 1e-12, r
-        assert r["next call differs"] > 1e-3 and r["ranks agree"], r
+        assert r["next call differs"] > 1e-6 and r["ranks agree"], r   # other masks: far above rounding
 
 
 @pytest.mark.slow
@@ -176,7 +177,7 @@ def _compiled_split_projections() -> dict:
     from autotp.testing import equivalence_errors, keep_loss_precision
 
     torch._dynamo.reset()
-    config = zoo.tiny_config("gpt-bigcode", layers=2, heads=5, kv_heads=1, head_dim=4, vocab=VOCAB)
+    config = zoo.tiny_config("gpt-bigcode", layers=1, heads=5, kv_heads=1, head_dim=4, vocab=VOCAB)
     model = keep_loss_precision(zoo.build("gpt-bigcode", config, dtype=torch.float64, seed=1))
     pm = autotp.parallelize(model, dist.get_world_size(), layout={
         "*.attn.c_attn.*": "column", "*.attn.c_proj.weight": "row", "lm_head.weight": "vocab"})
