@@ -61,12 +61,12 @@ def _unequal_lengths():
     pm(input_ids=ids, labels=torch.zeros(1, 6, dtype=torch.long), use_cache=False)
 
 
-def test_inputs_captured_with_one_length_called_with_two_are_refused(cluster):
+def test_inputs_captured_with_one_length_called_with_two_are_refused(cluster_of):
     # Capture found labels' and input_ids' lengths equal; a program for unequal lengths is tried,
     # and GPT-2's loss (which shifts one against the other) cannot take them: the error says both.
     with pytest.raises(InputError, match=r"input_ids dim 1 has size 5 but labels dim 1 has 6: .* its forward "
                                          r"fails with them unequal \(ValueError: Expected input batch_size"):
-        cluster.run(_unequal_lengths)
+        cluster_of(2).run(_unequal_lengths)
 
 
 def _out_of_vocabulary(which: str):
@@ -77,16 +77,16 @@ def _out_of_vocabulary(which: str):
     pm(**inputs)
 
 
-def test_token_ids_or_labels_outside_the_vocabulary_are_refused_like_serial(cluster):
+def test_token_ids_or_labels_outside_the_vocabulary_are_refused_like_serial(cluster_of):
     # Serial raises IndexError; the vocab-parallel lookup and loss would mask the id away.
     with pytest.raises(IndexError):
         inputs = batch(100, s=5)
         inputs["input_ids"][0, 2] = 100
         tiny_gpt2(vocab=100)(**inputs)
     with pytest.raises(InputError, match=r"input_ids holds 100, outside \[0, 100\)"):
-        cluster.run(_out_of_vocabulary, "input_ids")
+        cluster_of(2).run(_out_of_vocabulary, "input_ids")
     with pytest.raises(InputError, match=r"labels holds -3, outside \[0, 100\).*-100 marks an ignored"):
-        cluster.run(_out_of_vocabulary, "labels")
+        cluster_of(2).run(_out_of_vocabulary, "labels")
 
 
 def test_index_bounds_skip_ignored_positions_and_name_the_first_bad_input():
@@ -103,10 +103,10 @@ def test_index_bounds_skip_ignored_positions_and_name_the_first_bad_input():
         check_index_bounds(bounds, {"input_ids": torch.tensor([[-1, 10]]), "labels": labels})
 
 
-def test_input_longer_than_n_positions_is_refused_before_running(cluster):
+def test_input_longer_than_n_positions_is_refused_before_running(cluster_of):
     with pytest.raises(InputError, match=r"input_ids has 20 elements in dim 1 but the model was captured for "
                                          r"at most 16"):
-        cluster.run(_too_long_input)
+        cluster_of(2).run(_too_long_input)
 
 
 class Branchy(torch.nn.Module):
