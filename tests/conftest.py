@@ -13,6 +13,23 @@ WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if WORKERS > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORKERS))
 
+#: the fast tier's longest files on 2 cores, longest first (pytest --durations, summed per file):
+#: collected first, so that the two xdist workers (dev.py: one file at a time, in this order) take
+#: them at the start and end together on the many short files
+LONGEST_FIRST = ("tests/runtime/test_pipeline.py", "tests/e2e/test_compile.py", "tests/e2e/test_generate.py",
+                 "tests/e2e/test_calls_after_training.py", "tests/e2e/test_calls.py", "tests/e2e/test_experts.py",
+                 "tests/e2e/test_families.py", "tests/e2e/test_training.py", "tests/passes/test_attention.py",
+                 "tests/test_capture_expand.py", "tests/e2e/test_gpt2_sizes.py", "tests/e2e/test_encoders.py",
+                 "tests/e2e/test_dropout.py", "tests/runtime/test_per_block.py", "tests/e2e/test_torchrun.py",
+                 "tests/e2e/test_gpt2_equivalence.py", "tests/test_checkpoint.py", "tests/e2e/test_embeddings.py",
+                 "tests/test_capture.py", "tests/test_fake_backend.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))   # stable: a file keeps its order
+
+
 #: seconds a task on the shared clusters may take: a rank waits for its peers in every
 #: collective, so with another worker's ranks on the same cores a task runs about twice as slow
 #: as alone (the pipeline test's one task: 26-28 s alone, 58 s beside the other worker)

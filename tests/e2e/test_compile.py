@@ -196,6 +196,7 @@ def _compiled_split_projections() -> dict:
             "lru warnings": sum("lru_cache" in str(w.message) for w in caught)}
 
 
+@pytest.mark.slow   # 20 s of the fast tier; the fast tier compiles plain shards (above)
 def test_run_layouts_and_a_fused_multi_query_split_compile_to_one_graph(cluster_of):
     for r in cluster_of(2).run(_compiled_split_projections):
         assert r["fused"].tail == 2 and r["runs"] >= 2, r

@@ -10,6 +10,7 @@ tps, and from_pretrained reads each rank's own rows.
 """
 import logging
 
+import pytest
 import sympy
 import torch
 from hypothesis import given, settings
@@ -156,6 +157,7 @@ def _loaded(path: str) -> dict:
             "worst": max(errors.values())}
 
 
+@pytest.mark.slow   # 17 s; the fast tier loads a tailed layout's rows (test_tailed_layouts.py)
 def test_from_pretrained_reads_each_ranks_group_rows(cluster, tmp_path):
     _, model = _falcon(7)
     model.save_pretrained(tmp_path)
