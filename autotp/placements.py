@@ -27,9 +27,18 @@ them. A rank then holds one block's run and tail: ranks 0-3 group 0's query head
 group 0's k and v, ranks 4-7 group 1's. Where a view splits the blocks onto a dim of their own
 (``[..., groups, heads + 2, head_dim]``), ``outer`` names that dim: the shard's own dim then
 holds one block, and every rank holds one entry of dim ``outer``, its set's block.
+
+``sizes`` gives blocks of unequal size: the blocks' relative sizes, in order (a fused q|k|v of
+grouped-query attention, 40 query heads beside 10 key and 10 value heads: ``sizes=(4, 1, 1)``,
+``chunks=3``, shown ``S(0x4:1:1/128)``). The dim is ``sum(sizes)`` equal parts, block ``i``
+taking ``sizes[i]`` of them, and each block's atoms are dealt to the ranks on their own, so a
+rank holds a run of the query heads and the matching run of the key/value heads (Megatron's
+layout of a fused grouped projection). Planning offers it only where tp divides every block's
+atoms; no tail, and no per-block dealing, with it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Union
@@ -73,8 +82,17 @@ class Shard:
     tail: int = 0    # atoms at the end of every block that every rank holds whole
     per_block: bool = False   # each block dealt to its own set of ranks (fewer blocks than ranks)
     outer: int = -1  # per_block only: the dim whose entries are the blocks (-1: blocks on ``dim``)
+    sizes: tuple = ()   # the blocks' relative sizes where they differ (q|k|v of 40|10|10 heads: (4, 1, 1))
 
     def __post_init__(self) -> None:
+        if self.sizes:
+            sizes = tuple(int(x) for x in self.sizes)
+            if len(sizes) != self.chunks or min(sizes) < 1 or self.tail or self.per_block:
+                raise ValueError(f"Shard.sizes {sizes} needs one positive size per block ({self.chunks}), "
+                                 f"no tail and no per-block dealing")
+            g = math.gcd(*sizes)
+            # the same blocks compare equal however they are spelled; equal blocks are plain chunks
+            object.__setattr__(self, "sizes", () if len(set(sizes)) == 1 else tuple(x // g for x in sizes))
         if self.dim < 0:
             raise ValueError(f"Shard.dim must be normalized to >= 0, got {self.dim}")
         if self.chunks < 1 or self.unit < 1 or self.tail < 0:
@@ -85,7 +103,9 @@ class Shard:
 
     def __repr__(self) -> str:
         extra = ""
-        if self.chunks != 1:
+        if self.sizes:
+            extra += "x" + ":".join(str(x) for x in self.sizes)
+        elif self.chunks != 1:
             extra += f"x{self.chunks}"
         if self.unit != 1:
             extra += f"/{self.unit}"
@@ -101,7 +121,10 @@ class Shard:
         return replace(self, dim=dim)
 
     def with_blocks(self, dim: int, chunks: int, unit: int) -> "Shard":
-        """The same dealing of atoms to ranks, described on another dim or block structure."""
+        """The same dealing of atoms to ranks, described on another dim or block structure
+        (blocks of unequal size keep their sizes: only their dim and atom may change)."""
+        if self.sizes and chunks != self.chunks:
+            raise ValueError(f"{self!r}: blocks of unequal size cannot be regrouped into {chunks}")
         return replace(self, dim=dim, chunks=chunks, unit=unit)
 
     def without_tail(self) -> "Shard":
@@ -113,6 +136,12 @@ class Shard:
         """Blocks laid side by side along ``dim`` itself (one where ``outer`` holds them)."""
         return 1 if self.outer >= 0 else self.chunks
 
+    @property
+    def parts(self) -> int:
+        """Equal parts the dim is cut into before atoms: the blocks, or where their sizes differ
+        the sum of their relative sizes (a dim splits this way when ``parts * unit`` divides it)."""
+        return sum(self.sizes) if self.sizes else self.blocks_in_dim
+
 
 Placement = Union[Replicate, Shard, Partial]   # Routed is a Partial
 REPLICATE = Replicate()
@@ -121,7 +150,9 @@ PARTIAL = Partial()
 
 def atoms_per_chunk(size: int, shard: Shard) -> int:
     """How many atoms one block deals out to the ranks (its tail, held whole, not counted);
-    raises if the dimension does not factor."""
+    raises if the dimension does not factor, or its blocks differ in size (:func:`block_atoms`)."""
+    if shard.sizes:
+        raise ValueError(f"{shard!r} has blocks of unequal size: see block_atoms")
     if not divides(size, shard):
         raise ValueError(
             f"dimension of size {size} does not split into {shard.blocks_in_dim} blocks of "
@@ -133,10 +164,31 @@ def atoms_per_chunk(size: int, shard: Shard) -> int:
 def divides(size: int, shard: Shard) -> bool:
     """Whether ``size`` factors as the shard says. A block of a per-block shard may be all tail
     (k picked out of each group: every rank of a set holds its block's whole)."""
-    n = shard.blocks_in_dim * shard.unit
+    n = shard.parts * shard.unit
     if size % n:
         return False
     return not shard.tail or size // n > shard.tail or (shard.per_block and size // n == shard.tail)
+
+
+def block_atoms(size: int, shard: Shard) -> tuple[int, ...]:
+    """The atoms each block of the dim deals out to the ranks (tails not counted), in order."""
+    if not shard.sizes:
+        return (atoms_per_chunk(size, shard),) * shard.blocks_in_dim
+    if not divides(size, shard):
+        raise ValueError(f"dimension of size {size} does not split into blocks of {shard.sizes} parts of "
+                         f"{shard.unit}-element atoms")
+    per = size // (shard.parts * shard.unit)
+    return tuple(x * per for x in shard.sizes)
+
+
+def block_bounds(size: int, shard: Shard) -> tuple[tuple[int, int], ...]:
+    """The [start, stop) of each block of the dim (blocks side by side on it)."""
+    out, at = [], 0
+    for n in block_atoms(size, shard):
+        stop = at + (n + shard.tail) * shard.unit
+        out.append((at, stop))
+        at = stop
+    return tuple(out)
 
 
 def block_sets(chunks: int, tp: int) -> tuple[tuple[int, int], ...]:
@@ -192,11 +244,23 @@ def _atom_runs(n_atoms: int, tp: int) -> tuple[tuple[int, int], ...]:
 
 
 def is_even(size: int, shard: Shard, tp: int) -> bool:
-    return atoms_per_chunk(size, shard) % tp == 0
+    return all(n % tp == 0 for n in block_atoms(size, shard))
+
+
+def _sized_ranges(size: int, shard: Shard, tp: int, rank: int) -> tuple[tuple[int, int], ...]:
+    """:func:`local_ranges` of blocks of unequal size: each block's atoms dealt on their own."""
+    out = []
+    for (a, _), n in zip(block_bounds(size, shard), block_atoms(size, shard)):
+        start, count = _runs(n, tp)[(rank + shard.rotate) % tp]
+        if count:
+            out.append((a + start * shard.unit, a + (start + count) * shard.unit))
+    return tuple(out)
 
 
 def local_size(size: int, shard: Shard, tp: int, rank: int) -> int:
     """Elements of the sharded dimension held by ``rank``."""
+    if shard.sizes:
+        return sum(b - a for a, b in _sized_ranges(size, shard, tp, rank))
     block, _, count = _run(size, shard, tp, rank)
     blocks = 1 if block >= 0 else shard.chunks
     return blocks * (count + shard.tail) * shard.unit
@@ -208,6 +272,8 @@ def max_local_size(size: int, shard: Shard, tp: int) -> int:
 
 def local_ranges(size: int, shard: Shard, tp: int, rank: int) -> tuple[tuple[int, int], ...]:
     """The [start, stop) index ranges of the full dimension that ``rank`` holds, in local order."""
+    if shard.sizes:
+        return _sized_ranges(size, shard, tp, rank)
     n_atoms = atoms_per_chunk(size, shard)
     held, start, count = _run(size, shard, tp, rank)
     block = size // shard.blocks_in_dim
@@ -275,6 +341,8 @@ def to_json(p: Placement) -> dict:
             out["per_block"] = True
         if p.outer >= 0:
             out["outer"] = p.outer
+        if p.sizes:
+            out["sizes"] = list(p.sizes)
         return out
     if isinstance(p, Routed):
         return {"kind": "partial", "routed": p.dim}
@@ -287,7 +355,8 @@ def from_json(d: dict) -> Placement:
     kind = d.get("kind")
     if kind == "shard":
         return Shard(int(d["dim"]), int(d.get("chunks", 1)), int(d.get("unit", 1)), int(d.get("rotate", 0)),
-                     int(d.get("tail", 0)), bool(d.get("per_block", False)), int(d.get("outer", -1)))
+                     int(d.get("tail", 0)), bool(d.get("per_block", False)), int(d.get("outer", -1)),
+                     tuple(int(x) for x in d.get("sizes", ())))
     if kind == "partial":
         return Routed(int(d["routed"])) if "routed" in d else PARTIAL
     if kind == "replicate":

@@ -168,6 +168,11 @@ class Plan:
                     out[name] = list(self.attention[module])
                 continue
             size = self.shapes[name][p.dim]
+            if p.sizes:   # blocks of unequal size: the first (the query heads) dealt on its own
+                query = Shard(p.dim, 1, p.unit, p.rotate)
+                out[name] = [local_size(size * p.sizes[0] // p.parts, query, self.tp, r) // p.unit
+                             for r in range(self.tp)]
+                continue
             per_block = [local_size(size, p, self.tp, r) // (p.chunks * p.unit) for r in range(self.tp)]
             # blocks of a fused q|k|v hold one rank's heads each; blocks with a tail (k and v
             # kept whole) are groups of query heads, each adding its own

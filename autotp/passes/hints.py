@@ -28,8 +28,8 @@ _FOLLOW_SAME = {
 
 
 def column_hint(node: fx.Node, dim: int, tp: int = 1, uneven: bool = False,
-                constant: Any = None) -> tuple[int, int, int]:
-    """(chunks, unit, tail) for a fresh shard of ``node``'s ``dim``, read off how it is used next:
+                constant: Any = None) -> tuple[int, int, int, tuple]:
+    """(chunks, unit, tail, sizes) for a fresh shard of ``node``'s ``dim``, read off how it is used next:
     a later equal ``split`` of that dim gives the blocks (fused q, k, v), a later view that
     factors it gives the atom (a head of ``head_dim`` elements), and a fused multi-query or
     grouped layout gives the tail, the atoms every rank keeps whole: an unequal split whose
@@ -38,17 +38,21 @@ def column_hint(node: fx.Node, dim: int, tp: int = 1, uneven: bool = False,
     (Falcon: ``[..., :-2, :]``, ``[..., [-2], :]``). Where a group of heads is itself a whole
     atom (Falcon's new layout, k and v inside each group) and there are at least ``tp`` groups
     (an even count, or ``uneven``), the groups are dealt whole instead: nothing is replicated.
-    ``constant(node)``: a lifted constant's value (the index lists), or None."""
+    A fused projection read back with slices of unequal width (Phi-3's q | k | v with fewer
+    key/value heads) gives ``sizes``, the pieces' relative widths: blocks of unequal size, each
+    dealt on its own (``()``: the blocks are equal). ``constant(node)``: a lifted constant's value
+    (the index lists), or None."""
     chunks, unit, tail_elems = 1, 1, 0
+    blocks: tuple = ()   # unequal blocks' relative sizes, summing to ``chunks`` while they hold
     cur, d = node, dim
     size = shape_of(node)[dim] if shape_of(node) is not None else None
 
-    def done(c: int, u: int, t_elems: int, t_atoms: int = 0) -> tuple[int, int, int]:
+    def done(c: int, u: int, t_elems: int, t_atoms: int = 0) -> tuple[int, int, int, tuple]:
         if t_elems:
             if t_elems % (c * u):
-                return 1, 1, 0
+                return 1, 1, 0, ()
             t_atoms += t_elems // u
-        return c, u, t_atoms
+        return c, u, t_atoms, blocks if sum(blocks) == c and not t_atoms else ()
 
     for _ in range(32):
         users = [u for u in cur.users if u.op == "call_function"]
@@ -59,10 +63,17 @@ def column_hint(node: fx.Node, dim: int, tp: int = 1, uneven: bool = False,
             cur = u
             continue
         pieces = _slices_tiling(cur, users, d)
+        if pieces is not None and blocks:
+            break   # the first piece read back with slices again: its blocks are not followed
         if pieces is not None:
             # a fused projection read back with slices (Phi-3's q | k | v): blocks of the pieces'
-            # greatest common size, followed into the first piece (the query heads)
-            block = math.gcd(*[b - a for a, b, _ in pieces])
+            # greatest common size, followed into the first piece (the query heads); pieces of
+            # unequal size (fewer key/value heads) are also blocks of their own (``sizes``), which
+            # registry.OpInfo.fresh_shard_of deals where tp divides every block's atoms
+            widths = [b - a for a, b, _ in pieces]
+            block = math.gcd(*widths)
+            if len(set(widths)) > 1 and chunks == 1 and not tail_elems:
+                blocks = tuple(w // block for w in widths)
             chunks *= pieces[-1][1] // block
             cur = pieces[0][2]
             continue

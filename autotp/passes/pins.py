@@ -51,9 +51,11 @@ def _describe(index: GraphIndex, placeholder: str, fqn: str, placement: Shard, p
         info = index.infos[user]
         out_dim = _output_dim(info, size)
         if out_dim is not None:
-            chunks, unit, _, tail, _ = info.hint(out_dim)
+            chunks, unit, _, tail, _, sizes = info.hint(out_dim)
             if unit > 1 and size % (chunks * unit) == 0:
                 atoms = (size // (chunks * unit) - tail) * chunks, unit
+                if sizes:
+                    return _describe_blocks(what, size, tuple(x * size // (chunks * unit) for x in sizes), unit, tp)
     if atoms is not None and atoms[0] < tp:
         heads, head_dim = atoms
         idle = f"rank {heads}" if tp - heads == 1 else f"ranks {heads}-{tp - 1}"
@@ -72,6 +74,24 @@ def _describe(index: GraphIndex, placeholder: str, fqn: str, placement: Shard, p
     return (f"{what} cannot be split {tp} ways: no sharding rule of {op} accepts that split at tp={tp} (its "
             f"{size} elements along dim {placement.dim}). Pin it 'replicate' or leave it out of layout, and the "
             f"planner chooses its split")
+
+
+def _describe_blocks(what: str, size: int, heads: tuple[int, ...], head_dim: int, tp: int) -> str:
+    """A fused projection read back as blocks of unequal heads (Phi-3's q | k | v with fewer
+    key/value heads): split by head only where tp divides every block's heads."""
+    fewest = min(heads)
+    counts = " | ".join(str(h) for h in heads)
+    fits = ", ".join(str(t) for t in range(1, fewest + 1) if all(h % t == 0 for h in heads))
+    if fewest < tp:
+        idle = f"rank {fewest}" if tp - fewest == 1 else f"ranks {fewest}-{tp - 1}"
+        why = f"{idle} of {tp} would hold none of the {fewest}-head block"
+    else:
+        why = f"{tp} does not divide the {fewest}-head block"
+    return (f"{what} cannot be split {tp} ways by head: the graph reads its {size} features as blocks of "
+            f"{counts} heads of {head_dim} (query heads, then key and value heads), each split by head across "
+            f"the ranks so that every rank's query heads find their key/value heads, and {why}. Pin it "
+            f"'replicate' (or leave it out of layout: the planner then chooses, keeping the key/value heads "
+            f"whole where it must), or use tp in {{{fits}}}")
 
 
 def _output_dim(info: Any, size: int) -> int | None:

@@ -253,8 +253,8 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
                  and len(u.args) > 1 and u.args[1] is node]
         if users and isinstance(_out_meta(users[0]), TensorMeta):
             rotate = _layer_index(param_names.get(getattr(node.args[0], "name", ""), ""))
-            c, u, t = column_hint(users[0], _out_meta(users[0]).ndim - 1, tp, uneven, constant)
-            info.hints[1] = (c, u, rotate, t)
+            c, u, t, sizes = column_hint(users[0], _out_meta(users[0]).ndim - 1, tp, uneven, constant)
+            info.hints[1] = (c, u, rotate, t, False, sizes)
             # dim 0 holds the contracted features: a row-parallel product finds them in whole heads
             x = users[0].args[0]
             if isinstance(x, fx.Node) and shape_of(x) is not None:
@@ -270,8 +270,8 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
             if isinstance(weight, fx.Node) and weight.target in (aten.numpy_T.default, aten.t.default):
                 weight = weight.args[0]   # the transpose's hint rotates by the same layer
             rotate = _layer_index(param_names.get(getattr(weight, "name", ""), ""))
-            c, u, t = column_hint(node, out.ndim - 1, tp, uneven, constant)
-            info.hints[out.ndim - 1] = (c, u, rotate, t)
+            c, u, t, sizes = column_hint(node, out.ndim - 1, tp, uneven, constant)
+            info.hints[out.ndim - 1] = (c, u, rotate, t, False, sizes)
     if node.target is aten.index.Tensor:
         info.picks = index_picks(node, constant)
     stack = node.args[0] if node.args else None
@@ -282,8 +282,8 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
         # dim (expert tensor parallelism) takes its blocks from how the product's output is read
         rotate = _layer_index(param_names.get(stack.name, ""))
         for d in range(1, info.output.ndim):
-            c, u, t = column_hint(node, d, tp, uneven, constant)
-            info.hints[d] = (c, u, rotate, t)
+            c, u, t, sizes = column_hint(node, d, tp, uneven, constant)
+            info.hints[d] = (c, u, rotate, t, False, sizes)
     return info, inputs
 
 

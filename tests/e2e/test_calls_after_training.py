@@ -23,7 +23,8 @@ VOCAB = 64
 STRUCTURE = {"olmo2": (4, 2, 16), "phi3": (4, 2, 16), "modernbert": (4, 4, 16)}
 #: OLMo2 and Phi-3 pinned to Megatron's attention layout, so that their q/k norms and fused q|k|v
 #: run on split heads whatever the cost model thinks of a tiny model (Phi-3's qkv_proj column in
-#: blocks of the kv heads: q's two blocks, k, v); ModernBERT takes the planner's default plan
+#: blocks of unequal size, q | k | v of 4 | 2 | 2 heads, each rank its q heads with their k and v);
+#: ModernBERT takes the planner's default plan
 LAYOUTS = {"olmo2": {"*.q_proj.weight": "column", "*.k_proj.weight": "column", "*.v_proj.weight": "column",
                      "*.o_proj.weight": "row"},
            "phi3": {"*.qkv_proj.weight": "column", "*.o_proj.weight": "row"}}
@@ -73,7 +74,9 @@ def calls_in_order(case: dict) -> dict:
             got = pm.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
             errors["generate:tokens"] = 0.0 if torch.equal(got, want) else float("inf")
     norms = {n: repr(p) for n, p in pm.plan.params.items() if n.endswith(("q_norm.weight", "k_norm.weight"))}
-    return {"errors": errors, "norms": norms}
+    qkv = {n: p.sizes for n, p in pm.plan.params.items() if n.endswith("qkv_proj.weight")}
+    attention = [c.kind for c in pm.plan.comms if c.module.endswith("self_attn")]
+    return {"errors": errors, "norms": norms, "qkv": qkv, "attention": attention}
 
 
 def assert_calls(cluster_of, case: dict) -> list[dict]:
@@ -82,6 +85,8 @@ def assert_calls(cluster_of, case: dict) -> list[dict]:
         worst = max(r["errors"], key=r["errors"].get)
         if case["family"] == "olmo2" and case["tp"] <= STRUCTURE["olmo2"][1]:   # q and k pinned by head
             assert r["norms"] and all(p.startswith("S(") for p in r["norms"].values()), r["norms"]
+        if case["family"] == "phi3" and case["tp"] <= STRUCTURE["phi3"][1]:   # q|k|v of unequal blocks, by head
+            assert r["qkv"] and all(s for s in r["qkv"].values()) and r["attention"] == [], r
         bound = BOUND.get(case["family"], TOLERANCE[torch.float64])
         assert r["errors"][worst] <= bound, (case, worst, r["errors"][worst])
     return results

@@ -31,6 +31,8 @@ SPLIT = [
     ("llama", 2, 8, 2), ("llama", 4, 8, 2), ("llama", 4, 8, 4), ("mistral", 2, 8, 2), ("qwen2", 4, 8, 2),
     ("gpt-neox", 2, 8, None), ("gpt-neox", 4, 8, None), ("gpt-j", 2, 8, None), ("gpt-j", 4, 8, None),
     ("falcon-new", 2, 8, 2), ("falcon-new", 4, 8, 4), ("gpt-bigcode", 2, 8, 8), ("gpt-bigcode", 4, 8, 8), ("opt", 4, 8, None),
+    # a fused q|k|v of fewer kv heads read back with slices: blocks of unequal size, split by head
+    ("phi3", 2, 8, 2), ("phi3", 4, 8, 4),
 ]
 
 

@@ -10,7 +10,8 @@ replicate where there are fewer kv heads than ranks (the solver prices that), an
 split by head, every rank holding at least one (fused multi-query projections too: StarCoder,
 Falcon-7B). One forward
 all-reduce (g) per block, or one for both where attention and MLP run side by side into one
-residual add (GPT-J, Falcon). Outside the layers no rank holds a vocabulary-sized matrix whole:
+residual add (GPT-J, Falcon); a norm statistic's g over split heads (OLMo2's q/k norms, one
+number per token) is not one of them. Outside the layers no rank holds a vocabulary-sized matrix whole:
 the output layer is split along the vocabulary (vocab-parallel, so the loss runs vocab-parallel),
 and an untied token embedding is split by vocabulary rows or by hidden columns, whichever the
 cost model prices cheaper (a hidden split's all-gather of b*s*h moves half the bytes of the
@@ -29,7 +30,10 @@ from autotp import zoo
 from autotp.capture import cache as capture_cache
 
 SIZES = ["llama-3-8b", "mistral-7b", "qwen2-7b", "gpt-neox-20b", "gpt-j-6b", "falcon-7b", "falcon-40b", "starcoder-15b",
-         "opt-6.7b", "bert-large"]
+         "opt-6.7b", "bert-large",
+         # whole-width q/k norms (an all-reduce of the sum of squares), a fused q|k|v read back with
+         # slices, a fused Wqkv unbound and a fused GLU Wi chunked in two
+         "olmo-2-7b", "phi-3-mini", "modernbert-large"]
 #: size -> why its plan does not show Megatron's layout yet (measured when this file was last changed)
 KNOWN_BROKEN = {}
 TP = 8
@@ -125,7 +129,10 @@ def test_megatron_layout_emerges_at_real_size(size):
         (split, plan.attention)
 
     in_layer = [c for c in plan.comms if _layer_of(c.module + ".") == 1]
-    g = [c for c in in_layer if c.kind == "g"]
+    # a norm's statistic over split heads (OLMo2's q/k norms: one number per token, kept as a
+    # size-1 dim) is made whole by a g of its own, not one of the block's
+    shapes = {n.name: n.meta["val"].shape for n in cap.graph.nodes if hasattr(n.meta.get("val"), "shape")}
+    g = [c for c in in_layer if c.kind == "g" and shapes[c.tensor][-1] != 1]
     shown = ", ".join(f"{c.kind}@{c.module}" for c in in_layer)
     # attention and MLP side by side (one residual add) may share one all-reduce
     assert 1 <= len(g) <= blocks, f"{len(g)} forward all-reduces in layer 1 ({shown})"
@@ -163,3 +170,28 @@ def test_every_family_draws_its_layer_with_the_matrices_f_and_g(size):
     assert matrices and all(m in texts for m in matrices), (matrices, sorted(t for t in texts if t))
     roles = {t.split(" ")[0] for t in texts if t and t.split(" ")[0] in ("column", "row", "replicate")}
     assert {"column", "row"} <= roles, roles
+
+
+#: Phi-3-medium's q | k | v: 40 query heads beside 10 key and 10 value heads, read back with slices
+GROUPED_FUSED = [("phi-3-medium", 2), ("phi-3-medium", 10)]
+
+
+@pytest.mark.parametrize("size, tp", GROUPED_FUSED, ids=[f"{s}-tp{t}" for s, t in GROUPED_FUSED])
+def test_a_fused_qkv_with_grouped_kv_heads_splits_by_head_as_megatron_would(size, tp):
+    """Blocks of unequal size (``S(0x4:1:1/128)``): each rank holds its run of the query heads and
+    the key/value heads they use, so attention runs split with no collective before it and the
+    output projection is row-parallel; the cost model chooses it, and a pin of that layout gives
+    the same plan. Before, the q|k|v was dealt as 6 equal blocks and k and v gathered at attention."""
+    family = zoo.family_of(size).name
+    model = zoo.build(family, zoo.published_config(size, layers=2), device="meta", dtype=torch.bfloat16)
+    cap = capture_cache.capture(model)
+    plan = autotp.plan(model, tp)
+    qkv, o = "model.layers.1.self_attn.qkv_proj.weight", "model.layers.1.self_attn.o_proj.weight"
+    assert plan.params[qkv] == Shard(0, 3, 128, sizes=(4, 1, 1)), plan.params[qkv]
+    assert (matrix_role(cap, plan, qkv), matrix_role(cap, plan, o)) == ("column", "row"), (plan.params[qkv],
+                                                                                         plan.params[o])
+    assert plan.attention["model.layers.1.self_attn"] == [40 // tp] * tp
+    attention = [c for c in plan.comms if c.module == "model.layers.1.self_attn"]
+    assert attention == [], [(c.kind, c.tensor) for c in attention]
+    pinned = autotp.plan(model, tp, layout={"*.qkv_proj.weight": "column", "*.o_proj.weight": "row"})
+    assert pinned.params == plan.params

@@ -50,13 +50,23 @@ def _divisors(n: int) -> list[int]:
 
 
 @st.composite
+def block_sizes(draw, parts: int) -> tuple:
+    """Relative sizes of 2 or more blocks that sum to ``parts`` (a q|k|v of fewer kv heads), or ()."""
+    if parts < 3 or draw(st.booleans()):
+        return ()
+    cuts = sorted(draw(st.sets(st.integers(1, parts - 1), min_size=1, max_size=min(3, parts - 1))))
+    return tuple(b - a for a, b in zip([0] + cuts, cuts + [parts]))
+
+
+@st.composite
 def shards(draw, shape: tuple, tp: int, dims=None) -> Shard:
     """A shard of one of ``dims`` of ``shape``: any chunks and unit that factor the dim (fewer
-    atoms than ranks, even and uneven alike), any rotation."""
+    atoms than ranks, even and uneven alike), any rotation; sometimes blocks of unequal size."""
     dim = draw(st.sampled_from(list(range(len(shape)) if dims is None else dims)))
     chunks = draw(st.sampled_from(_divisors(shape[dim])))
     unit = draw(st.sampled_from(_divisors(shape[dim] // chunks)))
-    return Shard(dim, chunks, unit, draw(st.integers(0, tp - 1)))
+    sizes = draw(block_sizes(chunks))
+    return Shard(dim, len(sizes) if sizes else chunks, unit, draw(st.integers(0, tp - 1)), sizes=sizes)
 
 
 @st.composite
@@ -70,10 +80,12 @@ def placements(draw, shape: tuple, tp: int, partial: bool = True, dims=None):
 
 @st.composite
 def hints_for(draw, size: int, tp: int) -> tuple:
-    """A fresh-shard hint (chunks, unit, rotate) for an output dim of ``size`` (fused q/k/v, heads)."""
+    """A fresh-shard hint (chunks, unit, rotate[, tail, grouped, sizes]) for an output dim of
+    ``size`` (fused q/k/v, heads; sometimes blocks of unequal size, a q|k|v of fewer kv heads)."""
     chunks = draw(st.sampled_from(_divisors(size)))
     unit = draw(st.sampled_from(_divisors(size // chunks)))
-    return (chunks, unit, draw(st.integers(0, tp - 1)))
+    sizes = draw(block_sizes(chunks))
+    return (chunks, unit, draw(st.integers(0, tp - 1))) + ((0, False, sizes) if sizes else ())
 
 
 @st.composite
@@ -740,6 +752,51 @@ def block_slice_cases(draw) -> Case:
     shard = Shard(dim, chunks, unit, draw(st.integers(0, tp - 1)))
     x = _tensor(gen, lead + (chunks * block,))
     return draw(_case(aten.slice.Tensor, [x], (dim, first * block, last * block), place=(shard,), tp=tp))
+
+
+@st.composite
+def unequal_block_cases(draw) -> Case:
+    """Blocks of unequal size (Phi-3's q | k | v of 4 | 1 | 1 parts: fewer kv heads), each dealt
+    on its own, read back by a slice or a split of whole blocks, as Phi-3 and a split would."""
+    gen, tp = _gen(draw), draw(tps)
+    sizes = tuple(draw(st.lists(st.integers(1, 4), min_size=2, max_size=4)))
+    unit, per = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    lead = draw(shapes(0, 2, st.integers(1, 3)))
+    dim = len(lead)
+    shard = Shard(dim, len(sizes), unit, draw(st.integers(0, tp - 1)), sizes=sizes)
+    widths = [x * per * unit for x in sizes]
+    x = _tensor(gen, lead + (sum(widths),))
+    edges = [sum(widths[:i]) for i in range(len(widths) + 1)]
+    if draw(st.booleans()):
+        first = draw(st.integers(0, len(sizes) - 1))
+        last = draw(st.integers(first + 1, len(sizes)))
+        return draw(_case(aten.slice.Tensor, [x], (dim, edges[first], edges[last]), place=(shard,), tp=tp))
+    cuts = sorted(draw(st.sets(st.sampled_from(edges[1:-1]), min_size=1)))
+    pieces = [b - a for a, b in zip([0] + cuts, cuts + [edges[-1]])]
+    return draw(_case(aten.split_with_sizes.default, [x], (pieces, dim), place=(shard,), tp=tp))
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=unequal_block_cases())
+def test_a_slice_or_split_of_whole_unequal_blocks_keeps_each_ranks_run_of_each(case):
+    offered = check_case(case)
+    assert any(isinstance(s.output, Shard) or (isinstance(s.output, tuple) and isinstance(s.output[0], Shard))
+               for s in offered if s.inputs[0] == case.placements[0]), offered
+
+
+def test_blocks_of_unequal_size_deal_each_block_on_its_own():
+    """Phi-3-medium's q | k | v (40 | 10 | 10 heads of 128) at tp=2: each rank holds its half of the
+    query heads and the matching half of the key and value heads; equal sizes are plain blocks."""
+    from autotp.placements import from_json, local_ranges, to_json
+
+    shard = Shard(0, 3, 128, sizes=(40, 10, 10))
+    assert shard.sizes == (4, 1, 1) and repr(shard) == "S(0x4:1:1/128)"
+    assert Shard(0, 3, 128, sizes=(2, 2, 2)) == Shard(0, 3, 128)
+    assert from_json(to_json(shard)) == shard
+    heads = 128
+    assert local_ranges(7680, shard, 2, 0) == ((0, 20 * heads), (40 * heads, 45 * heads), (50 * heads, 55 * heads))
+    assert local_ranges(7680, shard, 2, 1) == ((20 * heads, 40 * heads), (45 * heads, 50 * heads),
+                                               (55 * heads, 60 * heads))
 
 
 @settings(max_examples=100, deadline=None)

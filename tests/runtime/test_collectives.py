@@ -50,12 +50,15 @@ def cases(draw, tps=(1, 2, 4), tails: bool = False) -> Case:
     dim = draw(st.integers(0, ndim - 1))
     # a tail (k and v kept whole on every rank) only where no collective turns data into one
     tail = draw(st.integers(0, 2)) if tails else 0
-    shard = Shard(dim, draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(0, tp - 1)) if tails else 0,
-                  tail)
+    chunks = draw(st.integers(1, 3))
+    # blocks of unequal size (a q|k|v of fewer kv heads), each dealt on its own, where no tail
+    sizes = tuple(draw(st.lists(st.integers(1, 3), min_size=chunks, max_size=chunks))) if not tail else ()
+    shard = Shard(dim, chunks, draw(st.integers(1, 3)), draw(st.integers(0, tp - 1)) if tails else 0,
+                  tail, sizes=sizes if chunks > 1 else ())
     # Fewer atoms than ranks, a multiple of tp, or a remainder: empty, even and uneven shards.
     atoms = draw(st.integers(1, 2 * tp + 1))
     shape = [draw(st.integers(1, 3)) for _ in range(ndim)]
-    shape[dim] = shard.chunks * shard.unit * (atoms + tail)
+    shape[dim] = shard.parts * shard.unit * atoms + shard.chunks * shard.unit * tail
     return Case(tp, shard, tuple(shape), draw(st.integers(0, 2**31 - 1)))
 
 

@@ -40,7 +40,7 @@ def _matmul_strategies(info: OpInfo, placements: tuple, w_out: int, w_in: int) -
         out.append(Strategy((px, px.with_dim(w_in)), _partial()))
     if is_shard(pw) and pw.dim == w_in and not (is_shard(px) and px.dim == k and px.with_dim(w_in) == pw):
         size = x_meta.static(k)
-        if size is not None and size // (pw.chunks * pw.unit) >= info.tp and size % (pw.chunks * pw.unit) == 0:
+        if size is not None and size // (pw.parts * pw.unit) >= info.tp and size % (pw.parts * pw.unit) == 0:
             out.append(Strategy((pw.with_dim(k), pw), _partial()))
         elif size is not None and size >= info.tp:
             out.append(Strategy((Shard(k), Shard(w_in)), _partial()))

@@ -32,7 +32,7 @@ def embedding_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     plain = not any(info.args[3:5]) and not any(info.kwargs.get(k) for k in ("scale_grad_by_freq", "sparse"))
     if vocab is not None and vocab >= info.tp and plain:
         # Every rank must hold a row: a lookup in an empty local table fails.
-        held = is_shard(pw) and pw.dim == 0 and vocab // (pw.chunks * pw.unit) >= info.tp
+        held = is_shard(pw) and pw.dim == 0 and vocab // (pw.parts * pw.unit) >= info.tp
         w = pw if held else Shard(0)
         out.append(Strategy((w, REPLICATE), PARTIAL))
     if is_shard(pi):

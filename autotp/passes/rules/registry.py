@@ -92,7 +92,7 @@ class OpInfo:
     inputs: tuple[TensorMeta, ...]
     output: Any  # TensorMeta, a tuple of them, or None
     tp: int
-    hints: dict[int, tuple] = field(default_factory=dict)   # dim -> (chunks, unit[, rotate[, tail]])
+    hints: dict[int, tuple] = field(default_factory=dict)   # dim -> (chunks, unit[, rotate[, tail[, grouped[, sizes]]]])
     uneven: bool = False   # may a fresh shard leave some ranks one atom more?
     #: symbols of sequence dims: the one dynamic size a fresh shard may split (sequence
     #: parallelism); never the batch, which may be smaller than tp
@@ -100,13 +100,15 @@ class OpInfo:
     #: an index by a constant list: (indexed dim, its non-negative positions); None otherwise
     picks: tuple | None = None
 
-    def hint(self, dim: int) -> tuple[int, int, int, int, bool]:
-        """(chunks, unit, rotate, tail, grouped) a fresh shard of output ``dim`` should use (fused
-        q/k/v: 3 blocks of heads; rotate: which rank takes the first run of atoms; tail: atoms at
+    def hint(self, dim: int) -> tuple[int, int, int, int, bool, tuple]:
+        """(chunks, unit, rotate, tail, grouped, sizes) a fresh shard of output ``dim`` should use
+        (fused q/k/v: 3 blocks of heads; rotate: which rank takes the first run of atoms; tail: atoms at
         the end of each block kept whole, a fused multi-query k and v; grouped: the blocks are
-        groups of heads sharing a k and v, which may be dealt to sets of ranks, as a tail's are)."""
+        groups of heads sharing a k and v, which may be dealt to sets of ranks, as a tail's are;
+        sizes: the relative sizes of blocks of unequal size, Phi-3's q|k|v of fewer kv heads, which
+        sum to ``chunks``, the equal blocks of their common size, taken where sizes cannot be)."""
         h = tuple(self.hints.get(dim, (1, 1)))
-        return h + (1, 1, 0, 0, False)[len(h):]
+        return h + (1, 1, 0, 0, False, ())[len(h):]
 
     def fresh_shard(self, dim: int) -> Shard | None:
         """A shard of output ``dim`` following the hint, or None if the dim cannot be split tp ways."""
@@ -120,7 +122,14 @@ class OpInfo:
             # A sequence dim's size is known only at run time: a plain shard in contiguous runs,
             # uneven whenever tp does not divide that call's length.
             return Shard(dim) if self.uneven and out.shape[dim] in self.sequence else None
-        chunks, unit, rotate, tail, grouped = self.hint(dim) if input_index is None else (1, 1, 0, 0, False)
+        chunks, unit, rotate, tail, grouped, sizes = self.hint(dim) if input_index is None else (1, 1, 0, 0, False, ())
+        if sizes and size % (chunks * unit) == 0:
+            # blocks of unequal size (q heads | fewer k | v heads), each dealt evenly: every rank
+            # holds its run of query heads with the key/value heads they use. Where tp does not
+            # divide every block's heads, the equal blocks of their common size below instead.
+            per = size // (chunks * unit)
+            if all(x * per % self.tp == 0 for x in sizes):
+                return Shard(dim, len(sizes), unit, sizes=sizes)
         if size % (chunks * unit) or size // (chunks * unit) <= tail:
             chunks, unit, tail, grouped = 1, 1, 0, False
         dealt = size // (chunks * unit) - tail

@@ -16,7 +16,7 @@ from typing import Any
 import sympy
 import torch
 
-from ...placements import PARTIAL, REPLICATE, Shard, layout
+from ...placements import PARTIAL, REPLICATE, Shard, block_bounds, divides, layout, local_size
 from .registry import (
     LocalContext,
     OpInfo,
@@ -88,17 +88,22 @@ def map_view_shard(src: tuple, dst: tuple, shard: Shard) -> Shard | None:
         if not (before.is_Integer and after.is_Integer):
             return None
         flat_chunks, flat_unit = shard.chunks * int(before), shard.unit * int(after)
+        if shard.sizes and int(before) != 1:
+            return None   # blocks of unequal size repeated along a merged dim: no shard says that
         for n, j in enumerate(go):
             qb, qa = _prod(dst[d] for d in go[:n]), _prod(dst[d] for d in go[n + 1:])
             if not (qb.is_Integer and qa.is_Integer):
                 continue
             qb, qa = int(qb), int(qa)
+            if shard.sizes and qb != 1:
+                continue  # ... nor cut across two dims
             if flat_chunks % qb == 0 and flat_unit % qa == 0:
                 c, u = flat_chunks // qb, flat_unit // qa
                 # A plain shard of a dynamic dim (the sequence) survives a view that keeps the dim.
                 if (c, u) == (1, 1) and not dst[j].is_Integer and len(go) == 1 and len(gi) == 1:
                     return shard.with_blocks(j, c, u)
-                if dst[j].is_Integer and int(dst[j]) % (c * u) == 0:
+                parts = shard.parts if shard.sizes else c   # unequal blocks: c is their count
+                if dst[j].is_Integer and int(dst[j]) % (parts * u) == 0:
                     return shard.with_blocks(j, c, u)
         return None
     return None
@@ -322,21 +327,35 @@ def slice_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
             out.append(Strategy((p,), part))
     blocks = whole_blocks(p, src[dim], _slice_bounds(info)) if is_shard(p) and p.dim == dim else None
     if blocks is not None and blocks != (0, p.chunks):   # the whole dim: _follow keeps the shard
-        out.append(Strategy((p,), replace(p, chunks=blocks[1] - blocks[0])))
+        out.append(Strategy((p,), fewer_blocks(p, *blocks)))
     return out
 
 
 def whole_blocks(p: Shard, size: Any, bounds: tuple[int, int] | None) -> tuple[int, int] | None:
     """The blocks [first, last) a slice takes whole from a dim split in blocks (a fused q|k|v
     read back with slices, Phi-3's ``qkv[..., :q_size]``, dealt block by block: every rank holds
-    the same heads of each block), or None. The slice then holds the same heads of fewer blocks."""
-    if p.chunks < 2 or p.tail or p.per_block or bounds is None or not size.is_Integer:
+    the same heads of each block, or, of blocks of unequal size, its run of each), or None. The
+    slice then holds the same runs of fewer blocks."""
+    if p.chunks < 2 or p.tail or p.per_block or bounds is None or not size.is_Integer \
+            or not divides(int(size), p):
         return None
-    block = int(size) // p.chunks
+    edges = [a for a, _ in block_bounds(int(size), p)] + [int(size)]
     a, b = bounds
-    if a % block or b % block or b <= a:
+    if a not in edges or b not in edges or b <= a:
         return None
-    return a // block, b // block
+    return edges.index(a), edges.index(b)
+
+
+def fewer_blocks(p: Shard, first: int, last: int) -> Shard:
+    """``p`` of the blocks [first, last) alone, as a slice or split that takes them whole holds them."""
+    return replace(p, chunks=last - first, sizes=p.sizes[first:last])
+
+
+def block_span(p: Shard, size: int, first: int, last: int, ctx: LocalContext) -> tuple[int, int]:
+    """[start, stop) of blocks [first, last) of a dim of ``size`` in this rank's local tensor,
+    which holds its run of every block, one after another."""
+    runs = [local_size(b - a, Shard(0, 1, p.unit, p.rotate), ctx.tp, ctx.rank) for a, b in block_bounds(size, p)]
+    return sum(runs[:first]), sum(runs[:last])
 
 
 def slice_range(size: Any, args: tuple) -> tuple[int, int] | None:
@@ -403,9 +422,8 @@ def slice_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict,
     blocks = whole_blocks(p, info.inputs[0].shape[dim], _slice_bounds(info)) if is_shard(p) and p.dim == dim else None
     if blocks is not None and is_shard(strategy.output) and strategy.output.dim == dim:
         # whole blocks: this rank's run of each, laid one after another
-        size, (first, last) = int(info.inputs[0].shape[dim]), blocks
-        run = ctx.local(size // p.chunks, sympy.Integer(size // p.chunks), replace(p, chunks=1))
-        return info.target, (args[0], dim, first * run, last * run), {}
+        start, stop = block_span(p, int(info.inputs[0].shape[dim]), *blocks, ctx)
+        return info.target, (args[0], dim, start, stop), {}
     if not (is_shard(p) and p.dim == dim and p.tail):
         return info.target, args, kwargs
     # The dealt part (the query heads) or a piece of the tail, at this rank's local offsets.
@@ -447,10 +465,18 @@ def split_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
                      else None for a, b in zip(starts, starts[1:])]
             if all(q is not None for q in parts):
                 out.append(Strategy((p,), tuple(parts)))
-        elif len(set(pieces)) == 1 and p.chunks % n == 0 and not p.per_block:
+        elif len(set(pieces)) == 1 and p.chunks % n == 0 and not p.per_block and not p.sizes:
             # Equal pieces aligned with the shard's blocks: piece i is blocks [i*c/n, (i+1)*c/n).
             piece = p.with_blocks(dim, p.chunks // n, p.unit)
             out.append(Strategy((p,), tuple(piece for _ in range(n))))
+        elif p.sizes:
+            # Blocks of unequal size (q | k | v of fewer kv heads) split into pieces of whole
+            # blocks: each piece holds this rank's run of its blocks
+            starts = [sum(pieces[:i], sympy.Integer(0)) for i in range(n + 1)]
+            spans = [whole_blocks(p, info.inputs[0].shape[dim], (int(a), int(b)))
+                     if a.is_Integer and b.is_Integer else None for a, b in zip(starts, starts[1:])]
+            if all(sp is not None for sp in spans):
+                out.append(Strategy((p,), tuple(fewer_blocks(p, *sp) for sp in spans)))
     return out
 
 
@@ -465,6 +491,15 @@ def split_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict,
         return aten.split_with_sizes.default, (args[0], sizes) + tuple(args[2:]), kwargs
     if not is_shard(piece) or piece.dim != dim:
         return info.target, args, kwargs
+    if p.sizes:
+        # pieces of whole unequal blocks: each this rank's runs of its blocks
+        size, at, sizes = int(info.inputs[0].shape[dim]), 0, []
+        for s in pieces:
+            first, last = whole_blocks(p, info.inputs[0].shape[dim], (at, at + int(s)))
+            a, b = block_span(p, size, first, last, ctx)
+            sizes.append(b - a)
+            at += int(s)
+        return aten.split_with_sizes.default, (args[0], sizes) + tuple(args[2:]), kwargs
     if info.target is aten.split.Tensor:
         size = ctx.local(args[1], pieces[0], piece)
         if size == 0:   # a rank holding none of the dim: split(x, 0) would give one piece, not n
@@ -603,7 +638,7 @@ def chunk_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
         out.append(Strategy((PARTIAL,), tuple(PARTIAL for _ in range(n))))
     elif is_shard(p) and p.dim != dim:
         out.append(Strategy((p,), tuple(p for _ in range(n))))
-    elif is_shard(p) and p.chunks % n == 0 and not p.tail and not p.per_block and \
+    elif is_shard(p) and p.chunks % n == 0 and not p.tail and not p.per_block and not p.sizes and \
             info.inputs[0].static(dim) is not None and info.inputs[0].static(dim) % n == 0 and \
             info.inputs[0].static(dim) // (p.chunks * p.unit) >= info.tp:   # every rank holds atoms
         piece = p.with_blocks(dim, p.chunks // n, p.unit)
