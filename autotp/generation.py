@@ -24,7 +24,7 @@ program: torch.export specializes a dim of size 1).
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError
-from .placements import Partial, Placement, Replicate, Shard, from_json, local_size, to_json
+from .placements import Placement, Replicate, Shard, from_json, local_size, to_json
 from .plan_flow import Flow
 
 SCHEMA_VERSION = 1
