@@ -217,7 +217,8 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
             twin.train(training)
             try:
                 if step is None:
-                    example = example_like(inputs, seq_bounds(twin, seq_range))
+                    # a dim the first capture found fixed keeps the call's size (refused unless equal)
+                    example = example_like(inputs, seq_bounds(twin, seq_range), keep=cap.fixed_dims)
                     if on_meta(twin):   # export only needs shapes; a meta model indexes its buffers with them
                         example = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in example.items()}
                     call_cap = capture_model(twin, seq_range=seq_range, example_kwargs=example)

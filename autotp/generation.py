@@ -303,6 +303,19 @@ def _processors(info: dict[str, Any], given: dict[str, Any], mask: torch.Tensor 
     return sample, processors
 
 
+def recurrent_cache_layers(config: Any) -> str:
+    """The layers of ``config``'s DynamicCache that keep a recurrent state (transformers' linear
+    attention layers: Mamba's conv and SSM states) rather than keys and values, as words ('' if none)."""
+    try:
+        from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
+        layers = DynamicCache(config=config).layers
+    except Exception:   # a transformers without per-layer cache types, or a config it cannot read
+        return ""
+    kinds = sorted({type(layer).__name__ for layer in layers if isinstance(layer, LinearAttentionCacheLayerMixin)})
+    count = sum(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in layers)
+    return f"{count} of {len(layers)} layers are {', '.join(kinds)}" if kinds else ""
+
+
 @torch.no_grad()
 def generate(pm: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
              max_new_tokens: int | None = None, eos_token_id: int | list[int] | None = FROM_CONFIG,
@@ -321,6 +334,11 @@ def generate(pm: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | No
     if not info["has_config"] or info["is_encoder_decoder"]:
         raise ConfigError(f"{info['model_name']}: autotp's generate runs decoder-only HuggingFace models "
                           "(a config and a DynamicCache); encoder-decoder generation is not supported yet")
+    recurrent = recurrent_cache_layers(info["config"])
+    if recurrent:
+        raise ConfigError(f"{info['model_name']}: its generation cache holds a recurrent state, not keys and values "
+                          f"({recurrent}: a state-space or linear-attention layer); autotp's generate splits a "
+                          "key/value cache by head and does not run a recurrent one yet: generate with the serial model")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
         raise InputError("generate takes input_ids as a [batch, length] integer tensor")
     if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:

@@ -254,12 +254,35 @@ EXPERT_FAMILIES: dict[str, Family] = {f.name: f for f in [
 ]}
 
 
+# ---- not transformers ------------------------------------------------------------------------------
+def _mamba(layers, heads, kv_heads, head_dim, vocab, rotary, positions) -> dict:
+    hidden = heads * head_dim
+    # use_mambapy off: the slow path's plain loop over the sequence (what runs on CPU without the kernels)
+    return dict(vocab_size=vocab, hidden_size=hidden, state_size=4, num_hidden_layers=layers, expand=2,
+                conv_kernel=4, time_step_rank=4, use_mambapy=False)
+
+
+#: models that are not transformers. Mamba on CPU runs transformers' slow path, a Python loop over
+#: the sequence: torch.export unrolls it, so a program holds one length (Capture.fixed_dims) and
+#: calls at another are refused (tests/e2e/test_fixed_length.py); generate is refused (its cache
+#: is a recurrent state). Kept beside FAMILIES: the per-family tests that iterate FAMILIES vary
+#: the sequence length.
+RECURRENT_FAMILIES: dict[str, Family] = {f.name: f for f in [
+    Family("mamba", "MambaForCausalLM", "MambaConfig", {
+        "mamba-130m": dict(vocab_size=50280, hidden_size=768, state_size=16, num_hidden_layers=24, expand=2,
+                           conv_kernel=4, time_step_rank=48, use_bias=False, use_conv_bias=True,
+                           layer_norm_epsilon=1e-5, tie_word_embeddings=True, use_mambapy=False),
+    }, tiny=_mamba),
+]}
+
+
 def _all_families() -> dict[str, Family]:
-    return {**FAMILIES, **ATTENTION_FAMILIES, **EXPERT_FAMILIES}
+    return {**FAMILIES, **ATTENTION_FAMILIES, **EXPERT_FAMILIES, **RECURRENT_FAMILIES}
 
 
 def family(name: str) -> Family:
-    """The family of that name, from any of the tables (FAMILIES, ATTENTION_FAMILIES, EXPERT_FAMILIES)."""
+    """The family of that name, from any of the tables (FAMILIES, ATTENTION_FAMILIES, EXPERT_FAMILIES,
+    RECURRENT_FAMILIES)."""
     return _all_families()[name]
 
 

@@ -70,9 +70,37 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     if expanded is not None:
         cap.expanded = expanded.stacks
     cap.training = was_training
+    cap.fixed_dims = fixed_dims(cap, dynamic_shapes)
+    if cap.fixed_dims:
+        log.warning("autotp: %s's program holds %s only: torch.export fixed %s while tracing (the forward reads "
+                    "the length as a number, e.g. loops over it); calls at other lengths are refused",
+                    type(model).__name__, ", ".join(f"{k.replace('.', ' dim ')} = {n}" for k, n in cap.fixed_dims.items()),
+                    "these dims" if len(cap.fixed_dims) > 1 else "this dim")
     cap.aliases = _tied_aliases(model, cap)
     cap.signature, cap.model_name = forward_signature(model), type(model).__name__
     return cap
+
+
+def fixed_dims(cap: Capture, dynamic_shapes: Any) -> dict[str, int]:
+    """Input dims asked dynamic (a ``Dim`` in ``dynamic_shapes``) that the program holds as a
+    number: torch.export specialized them, silently where the dim was ``Dim.DYNAMIC`` (a
+    forward that loops over the sequence is traced once per position of the example)."""
+    if not isinstance(dynamic_shapes, dict):
+        return {}
+    from torch.export.dynamic_shapes import _Dim, _DimHint, _DimHintType
+
+    metas = {n.name: n.meta.get("val") for n in cap.graph.nodes if n.op == "placeholder"}
+    out = {}
+    for key, node in zip(cap.input_keys, cap.user_inputs):
+        spec, val = dynamic_shapes.get(key), metas.get(node)
+        if not isinstance(spec, dict) or not isinstance(val, torch.Tensor):
+            continue
+        for d, dim in spec.items():
+            asked = (isinstance(dim, _Dim) and type(dim).__name__ != "_StaticDim") or (
+                isinstance(dim, _DimHint) and dim.type is _DimHintType.DYNAMIC)
+            if asked and d < val.dim() and not isinstance(val.shape[d], torch.SymInt):
+                out[f"{key}.{d}"] = int(val.shape[d])
+    return out
 
 
 #: capture a stack of identical blocks cut to three and expand the graph (autotp.capture.expand);
@@ -333,7 +361,7 @@ def _unnamed_dims(dynamic_shapes: Any) -> Any:
     violated (seq)" with no suggested fix); a named Dim turns such a guard into an error, while
     ``Dim.DYNAMIC`` keeps the dim symbolic over the same range (each input its own symbol, which
     export then ties together from the guards it finds)."""
-    from torch.export.dynamic_shapes import _Dim
+    from torch.export.dynamic_shapes import _Dim, _DimHint, _DimHintType
 
     def relax(x):
         if isinstance(x, _Dim) and type(x).__name__ != "_StaticDim":

@@ -162,13 +162,14 @@ def _example_seqs(seq_range: tuple[int, int], n: int) -> list[int]:
     return picks[:n] or [lo]
 
 
-def example_like(inputs: dict[str, Any], seq_range: tuple[int, int]) -> dict[str, Any]:
+def example_like(inputs: dict[str, Any], seq_range: tuple[int, int], keep: Any = ()) -> dict[str, Any]:
     """Example inputs for capturing a call like ``inputs``: the same names, dtypes and values,
     resized (tiled, then cut) to a batch of 2 and, for 2-D integer inputs, to example lengths,
     since export specializes a dim of size 0 or 1 (a one-token call) or one equal to a static
     size of the model: inputs of one length in the call get one example length, inputs of
     another length another (an encoder-decoder's source and target), so the program's symbols
-    equate what the call does and no more. Non-tensor inputs are kept as they are."""
+    equate what the call does and no more. Non-tensor inputs are kept as they are. ``keep``:
+    input dims ("input_ids.1") kept at the call's size (dims an earlier capture found fixed)."""
     groups = _length_groups(inputs)
     lengths = _example_seqs(seq_range, max(groups.values(), default=0) + 1)
     out: dict[str, Any] = {}
@@ -178,7 +179,7 @@ def example_like(inputs: dict[str, Any], seq_range: tuple[int, int]) -> dict[str
             continue
         shape = list(value.shape)
         shape[0] = EXAMPLE_BATCH
-        if key in groups:
+        if key in groups and f"{key}.1" not in keep:
             shape[1] = lengths[min(groups[key], len(lengths) - 1)]
         reps = [-(-want // have) for want, have in zip(shape, value.shape)]
         out[key] = value.repeat(*reps)[tuple(slice(0, n) for n in shape)].clone()

@@ -44,6 +44,10 @@ class Capture:
     model_name: str = "the model"
     #: the stacks captured cut and expanded (autotp.capture.expand), e.g. ("transformer.h",); () when whole
     expanded: tuple = ()
+    #: input dims capture asked dynamic that torch.export fixed to the example's size ("input_ids.1"
+    #: -> 11): the forward read the size as a number (a loop over the sequence, Mamba's scan on CPU),
+    #: so the program holds that size only (autotp.capture.export.fixed_dims)
+    fixed_dims: dict[str, int] = field(default_factory=dict)
 
     @property
     def output_names(self) -> list[str]:

@@ -15,7 +15,11 @@ as a dynamic program whose state is the placement of every *live* tensor (define
 used) and which of its conversions are already paid. The cost still to come depends on nothing
 else, so merging equal states and keeping the cheapest is exact; a transformer's live set is
 small (the residual stream, the attention mask, a few tensors inside a layer), so the state
-count stays in the tens. With a memory limit a state keeps its Pareto front of (time, memory)
+count stays in the tens. A graph whose live set grows with a dim the capture fixed (a recurrent
+scan unrolled over the sequence, Mamba's on CPU: every step's output stays live until they are
+stacked) would multiply the states by each step; past :data:`MAX_STATES` the DP keeps the
+cheapest states and says so in a log line (the plan is then still a valid plan, the best
+among those kept, not proven optimal). With a memory limit a state keeps its Pareto front of (time, memory)
 instead of one best (memory only grows, so a partial plan over the limit is dropped): still
 exact. What is *not* searched: strategies no rule offers, and placements outside
 :class:`~autotp.placements.Placement` (the rules are the space).
@@ -33,6 +37,7 @@ solver's, and a mismatch raises.
 """
 from __future__ import annotations
 
+import logging
 import operator
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -49,6 +54,13 @@ from .propagate import (INF, GraphIndex, Propagation, _dim_size, _even, _meta, _
                         conversion_seconds, internal_seconds, param_memory, param_update_seconds, propagate,
                         wants_f)
 from .repeats import Layer, LayerFinder, Shift
+
+log = logging.getLogger(__name__)
+
+#: DP states kept after an op: a transformer's stay in the tens; beyond this many (an unrolled
+#: scan's live outputs: Mamba at 8 tokens reaches 5120 after one layer, and doubles per token)
+#: the cheapest are kept and the solve is no longer exact
+MAX_STATES = 256
 
 @dataclass
 class Solution:
@@ -106,6 +118,8 @@ class _Solver:
         self.pos = {n: i for i, n in enumerate(self.nodes)}
         self.last_use = {n: max((self.pos[u] for u in n.users), default=-1) for n in self.nodes}
         self.transitions = 0
+        self.pruned: fx.Node | None = None   # the first op after which states were dropped (MAX_STATES)
+        self.live_at_prune = 0
         self.fixed: dict[fx.Node, Placement] = {}    # placed from the start: inputs, pinned-whole params
         self.free: dict[fx.Node, Any] = {}           # params placed by first use: None or Shard(d)
         self.memory0 = 0.0
@@ -227,12 +241,20 @@ class _Solver:
                         if self.limit is not None and m + self.memory0 > self.limit * (1 + 1e-12):
                             continue
                         nxt[nkey] = _pareto_add(nxt.get(nkey, []), (t, m, (node, j), e), self.keep_front)
-            states = nxt
+            states = nxt if len(nxt) <= MAX_STATES else self._cheapest(node, nxt)
             if not states and not raise_empty:
                 return states
             if not states:
                 raise self._infeasible(f"no feasible plan: no strategy fits {node.name} ({node.target})")
         return states
+
+    def _cheapest(self, node: fx.Node, states: dict) -> dict:
+        """The MAX_STATES states of least time so far (ties: the first found), in their order."""
+        if self.pruned is None:
+            self.pruned, self.live_at_prune = node, len(next(iter(states)))
+        best = sorted(range(len(states)), key=lambda i, fronts=list(states.values()): min(e[0] for e in fronts[i]))
+        keep = set(best[:MAX_STATES])
+        return {k: v for i, (k, v) in enumerate(states.items()) if i in keep}
 
     def _infeasible(self, what: str) -> PlanError:
         """The error for a walk left with no state: under a memory limit, a MemoryLimitError
@@ -368,6 +390,10 @@ def solve(index: GraphIndex, profile: DeviceProfile, pinned: Mapping[str, Placem
             exc.needed_bytes, exc.state_bytes = prop.memory_bytes, prop.memory_bytes - prop.activation_bytes
             exc.activation_bytes = prop.activation_bytes
             raise
+    if solver.pruned is not None:
+        log.warning("autotp: the plan's search kept the %d cheapest of its states from %s on (%d tensors live "
+                    "at once there, a sequence loop unrolled by capture, say): the plan is valid but not proven "
+                    "the cheapest", MAX_STATES, solver.pruned.name, solver.live_at_prune)
     prop = propagate(index, pinned, profile, forced=forced)
     if prop.infeasible:
         raise PlanError(f"internal: the solver's plan does not replay: {prop.infeasible}")

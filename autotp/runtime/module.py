@@ -33,7 +33,7 @@ from .inputs import check_index_bounds, check_not_empty, index_bounds
 from .leaves import LeavesSwitch, LocalLeaves, local_tensor, program_tensor
 from .mesh import device_mesh_of
 from .outline import layer_paths, outline
-from .program import Program, ProgramBuilder, unequal_symbol, within_ranges
+from .program import Program, ProgramBuilder, fixed_length, unequal_symbol, within_ranges
 from .state import constant_value, hold_parameters, persistent_buffers, put_buffer, put_parameters, refuse_dtype_change
 
 
@@ -333,6 +333,9 @@ class ParallelModule(LeavesSwitch, nn.Module):
         self._agree_on_call(names, [kwargs[n] for n in names], (f"training: {self.training}",))
         check_not_empty(kwargs)   # after the shapes are known to agree: every rank or none
         check_input_kinds([self.capture, *(p.capture for p in self._programs)], kwargs)   # before a capture for them
+        fixed = fixed_length([self.capture, *(p.capture for p in self._programs)], kwargs)
+        if fixed is not None:   # a capture for this length would be fixed to the example's length
+            raise InputError(fixed)
         program = self._current = self._program_for(kwargs)
         self._check_ranges(kwargs)
         return self._run(program, kwargs)

@@ -104,6 +104,22 @@ def unequal_symbol(capture: Capture, kwargs: dict[str, Any], arriving: dict | No
     return None
 
 
+def fixed_length(captures: list[Capture], kwargs: dict[str, Any]) -> str | None:
+    """Where a call's input has another size in a dim that capture found fixed (a forward that
+    loops over the sequence: :attr:`Capture.fixed_dims`), a sentence saying so and what to do."""
+    for cap in captures:
+        for key, size in cap.fixed_dims.items():
+            name, dim = key.rsplit(".", 1)
+            value = kwargs.get(name)
+            if isinstance(value, torch.Tensor) and value.dim() > int(dim) and value.shape[int(dim)] != size:
+                return (f"{name} has {value.shape[int(dim)]} elements in dim {dim}, but {cap.model_name}'s program was "
+                        f"captured at {size} there and holds that size only: torch.export fixed the dim while tracing "
+                        f"(the forward reads it as a number, e.g. loops over the sequence). Pad {name} to {size} "
+                        "(labels -100 where padded), or parallelize with example_kwargs of the length you will call "
+                        f"with, e.g. example_kwargs={{'{name}': a batch of that length}}")
+    return None
+
+
 def within_ranges(capture: Capture, kwargs: dict[str, Any]) -> bool:
     """Are the inputs' dynamic dims within what the capture was traced for?"""
     for key, (lo, hi) in capture.range_constraints.items():

@@ -123,3 +123,19 @@ def test_repeated_layers_are_solved_once():
     cap = stack_capture(2, 8, 16, True, True)
     solution = solve(GraphIndex.build(cap, 2, 8, 64, uneven=True), DeviceProfile("p", 1e12, 1e11, 1e10, 1e-5, 1e12, 2))
     assert solution.layers_reused == 1    # h.1 takes h.0's transfer
+
+
+def test_past_max_states_the_solver_keeps_the_cheapest_and_its_plan_replays(monkeypatch, caplog):
+    # A graph whose live set grows with the sequence (an unrolled scan) keeps MAX_STATES states;
+    # here one, on a graph the exact DP solves with several: the plan must still replay (solve
+    # checks it) and cost no less than the exact optimum, and the log says the search was cut.
+    from autotp.passes import solve as solve_module
+
+    index = GraphIndex.build(stack_capture(2, 8, 16, True, True), 2, 64, 512, uneven=True)
+    prof = DeviceProfile("p", 1e10, 1e11, 1e10, 1e-6, 1e12, 4)
+    exact = solve(index, prof).propagation.total_s
+    monkeypatch.setattr(solve_module, "MAX_STATES", 1)
+    with caplog.at_level("WARNING", logger="autotp.passes.solve"):
+        cut = solve(index, prof).propagation.total_s
+    assert cut >= exact * (1 - 1e-12)
+    assert "kept the 1 cheapest" in caplog.text
