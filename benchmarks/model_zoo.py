@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/model_zoo.py                  # writes docs/models.md
     .venv/bin/python benchmarks/model_zoo.py llama gpt-j      # only these families (prints, no file)
+    .venv/bin/python benchmarks/model_zoo.py --update mixtral olmoe   # these rows rerun in docs/models.md,
+                                                                      # the other rows kept as they are
 
 For each family (``autotp.zoo.FAMILIES``), one published configuration is built on the meta
 device in bfloat16 (no weights exist) and planned with ``autotp.plan(model, tp=8)`` under the
@@ -19,6 +21,13 @@ default profile and workload. The table reports:
   arithmetic, like a key bias's, is measured against the largest gradient's norm: see
   ``rescale_zero_gradients`` in ``tests/e2e/test_families.py``);
 * **capture+plan s**: wall seconds of ``autotp.plan`` for the full-size model (this machine).
+
+The mixtures of experts (``autotp.zoo.EXPERT_FAMILIES``) get a table of their own, which adds
+the layout each MoE layer got (expert-parallel, expert-TP or replicated: the plan's notes,
+``autotp/passes/experts_choice.py``, with what the other layout would cost) and the experts'
+bytes per rank against serial; DeepSeek-V3 is planned with 4 layers of its published shape (3
+dense, 1 MoE). Their tiny float64 models run the ``batched_mm`` experts path (torch's grouped
+product takes no float64 on CPU), 4 experts of 2 per token (tp=3 does not divide them).
 """
 from __future__ import annotations
 
@@ -42,6 +51,14 @@ SHOWN = {"gpt2": "gpt2-xl", "llama": "llama-3-8b", "mistral": "mistral-7b", "qwe
 # the families whose attention is not Llama's (whole-width q/k norms, a fused q|k|v read back with
 # slices), kept as a block of their own beside the mixture-of-experts families
 SHOWN.update({"olmo2": "olmo-2-7b", "phi3": "phi-3-mini", "modernbert": "modernbert-large"})
+# not a transformer: Mamba's program holds one sequence length on CPU (autotp.capture.export.fixed_dims)
+SHOWN.update({"mamba": "mamba-130m"})
+#: the mixtures of experts, in a table of their own
+SHOWN_EXPERTS = {"mixtral": "mixtral-8x7b", "qwen3-moe": "qwen3-30b-a3b", "qwen2-moe": "qwen1.5-moe-a2.7b",
+                 "olmoe": "olmoe-1b-7b", "deepseek-v3": "deepseek-v3", "gpt-oss": "gpt-oss-20b"}
+#: layers planned where the published depth would only repeat what these show (DeepSeek-V3: its 3
+#: dense layers and one MoE layer)
+LAYERS = {"deepseek-v3": 4}
 TP = 8
 
 
@@ -59,7 +76,7 @@ def summarize_layout(plan, cap, vocab: int) -> str:
 
     parts = []
     for name in plan.roles:
-        if len(plan.shapes[name]) < 2:
+        if len(plan.shapes[name]) != 2:   # a stack of experts (its own column), a convolution's kernel
             continue
         placement = plan.params[name]
         if isinstance(placement, Shard) and plan.shapes[name][placement.dim] == vocab:
@@ -90,7 +107,7 @@ def plan_row(family: str, size: str) -> dict:
     from autotp import zoo
     from autotp.capture import cache as capture_cache
 
-    config = zoo.published_config(size)
+    config = zoo.published_config(size, layers=LAYERS.get(family))
     model = zoo.build(family, config, device="meta", dtype=torch.bfloat16)
     start = time.perf_counter()
     cap = capture_cache.capture(model)     # plan() below reuses it: the time is one capture + plan
@@ -108,9 +125,33 @@ def plan_row(family: str, size: str) -> dict:
                   f"{state / 2**30:.0f} GiB) > the profile's 80 GiB: PlanError; shown planned without the limit")
     seconds = time.perf_counter() - start
     per_rank = plan.param_bytes_per_rank()
-    return {"plan": status, "layout": summarize_layout(plan, cap, config.vocab_size), "layer": collectives_in_layer(plan),
-            "bytes": f"{max(per_rank) / 1e9:.2f} GB of {plan.serial_param_bytes() / 1e9:.2f} GB",
-            "seconds": f"{seconds:.1f}"}
+    row = {"plan": status, "layout": summarize_layout(plan, cap, config.vocab_size), "layer": collectives_in_layer(plan),
+           "bytes": f"{max(per_rank) / 1e9:.2f} GB of {plan.serial_param_bytes() / 1e9:.2f} GB",
+           "seconds": f"{seconds:.1f}"}
+    if family in SHOWN_EXPERTS:
+        rank, serial = expert_bytes(plan)
+        row["experts"] = "<br>".join(n for n in plan.notes if n.startswith("experts ")) or "(no note)"
+        row["expert_bytes"] = f"{rank / 1e9:.2f} GB of {serial / 1e9:.2f} GB ({serial / rank:.1f}x less)"
+    return row
+
+
+def expert_bytes(plan) -> tuple[int, int]:
+    """The routed experts' parameter bytes (every 3-D stack of experts) on the largest rank, and serial."""
+    from autotp.placements import Shard, local_size
+
+    rank = serial = 0
+    for name, shape in plan.shapes.items():
+        if len(shape) != 3 or ".experts." not in name:
+            continue
+        n = 2   # bfloat16
+        for d in shape:
+            n *= d
+        serial += n
+        p = plan.params[name]
+        if isinstance(p, Shard):
+            n = n // shape[p.dim] * max(local_size(shape[p.dim], p, plan.tp, r) for r in range(plan.tp))
+        rank += n
+    return rank, serial
 
 
 def equivalence_task(family: str, tp: int) -> tuple[float, float]:
@@ -125,6 +166,8 @@ def equivalence_task(family: str, tp: int) -> tuple[float, float]:
     # of three query heads at tp 3 (replicated k and v, or a fused layout's k and v whole per rank)
     config = zoo.tiny_config(family, layers=2, heads=heads, kv_heads=tp - 1, head_dim=8,
                              vocab=16 * tp + 5)
+    if family in SHOWN_EXPERTS:   # the batched experts path: float64 on CPU (the grouped one is not)
+        config._experts_implementation = "batched_mm"
     model = zoo.build(family, config, dtype=torch.float64)
     if hasattr(type(model), "loss_function") and zoo.family(family).task == "causal":
         from autotp.testing import keep_loss_precision
@@ -132,7 +175,9 @@ def equivalence_task(family: str, tp: int) -> tuple[float, float]:
         keep_loss_precision(model)
     inputs = zoo.example_batch(family, config, batch=2, seq=7)
     # a large planning workload, so the cost model splits even this tiny model
-    pm = autotp.parallelize(model, tp, batch=64, seq=4096, profile="h100-dgx")
+    # a program fixed to one length (Mamba's) is captured at the checked call's
+    example = inputs if family in zoo.RECURRENT_FAMILIES else None
+    pm = autotp.parallelize(model, tp, batch=64, seq=4096, profile="h100-dgx", example_kwargs=example)
     errors = equivalence_errors(model, pm, inputs)
     from tests.e2e.test_families import rescale_zero_gradients
 
@@ -152,11 +197,37 @@ def equivalence_row(family: str) -> str:
     return ", ".join(worst)
 
 
+def _row_line(family: str, size: str, r: dict) -> str:
+    if family in SHOWN_EXPERTS:
+        return (f"| {family} | {size}{' (%d layers)' % LAYERS[family] if family in LAYERS else ''} | {r['plan']} | "
+                f"{r.get('experts', '')} | {r.get('expert_bytes', '')} | {r['bytes']} | {r['layout']} | "
+                f"{r['layer']} | {r['equivalence']} | {r['seconds']} |")
+    return (f"| {family} | {size} | {r['plan']} | {r['layout']} | {r['layer']} | {r['bytes']} | "
+            f"{r['equivalence']} | {r['seconds']} |")
+
+
+def _kept_rows(path: Path) -> dict[str, str]:
+    """The table rows of an earlier docs/models.md, by family (``--update`` keeps those not rerun)."""
+    if not path.exists():
+        return {}
+    known = {**SHOWN, **SHOWN_EXPERTS}
+    rows = {}
+    for line in path.read_text().splitlines():
+        cells = [c.strip() for c in line.split("|")]
+        if line.startswith("| ") and len(cells) > 2 and cells[1] in known:
+            rows[cells[1]] = line
+    return rows
+
+
 def main(argv: list[str]) -> None:
-    families = argv or list(SHOWN)
-    rows = []
+    update = "--update" in argv
+    argv = [a for a in argv if a != "--update"]
+    shown = {**SHOWN, **SHOWN_EXPERTS}
+    families = argv or list(shown)
+    out = ROOT / "docs" / "models.md"
+    lines_by_family = _kept_rows(out) if update else {}
     for family in families:
-        size = SHOWN[family]
+        size = shown[family]
         print(f"... {family} ({size})", flush=True)
         try:
             row = plan_row(family, size)
@@ -169,7 +240,7 @@ def main(argv: list[str]) -> None:
         except Exception as exc:
             traceback.print_exc()
             row["equivalence"] = f"fails: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-        rows.append((family, size, row))
+        lines_by_family[family] = _row_line(family, size, row)
     lines = [
         "# Model zoo",
         "",
@@ -177,7 +248,10 @@ def main(argv: list[str]) -> None:
         f"tp={TP} (default profile and workload, bfloat16), and checked against the serial model on a tiny",
         "float64 configuration of the same family on local gloo ranks (2·tp query heads and, where the family",
         "has them, tp - 1 key/value heads: fewer than the ranks). Written by",
-        "`benchmarks/model_zoo.py`; regenerate with `.venv/bin/python benchmarks/model_zoo.py`.",
+        "`benchmarks/model_zoo.py`; regenerate with `.venv/bin/python benchmarks/model_zoo.py` (the whole page),",
+        "or `.venv/bin/python benchmarks/model_zoo.py --update FAMILY ...` (those rows rerun, the rest kept:",
+        "the whole run takes longer than the few minutes a run on this machine is given, so the rows were",
+        "written by several such runs, on the same machine).",
         "",
         machine() + " Load average at the end: {:.1f}, {:.1f}, {:.1f} (other jobs share the cores: the "
                      "seconds are wall-clock).".format(*os.getloadavg()),
@@ -186,10 +260,26 @@ def main(argv: list[str]) -> None:
         f"parameters per rank at tp={TP} | equivalence (float64, tiny) | capture+plan s |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for family, size, r in rows:
-        lines.append(f"| {family} | {size} | {r['plan']} | {r['layout']} | {r['layer']} | {r['bytes']} | "
-                     f"{r['equivalence']} | {r['seconds']} |")
-    publish(lines, ROOT / "docs" / "models.md" if not argv else None)
+    lines += [lines_by_family[f] for f in SHOWN if f in lines_by_family]
+    lines += [
+        "",
+        "Mamba is not a transformer: on CPU transformers runs its slow path, a Python loop over the sequence, which",
+        "torch.export unrolls, so its program holds the captured length only (a call at another length is an",
+        "`InputError`, `generate` a `ConfigError`: see docs/errors.md); its equivalence is checked at the captured length.",
+        "",
+        "## Mixtures of experts",
+        "",
+        f"The same, at tp={TP}, with the layout each MoE layer got (the plan's note: the solver's choice and by how much",
+        "the other layout would lose) and the routed experts' bytes on the largest rank against serial (bfloat16).",
+        "The tiny float64 models run transformers' `batched_mm` experts path, 4 experts of 2 per token.",
+        "",
+        "| family | model | plan | experts layout per MoE layer | expert bytes per rank | "
+        f"parameters per rank at tp={TP} | layout (layer 1 and outside the layers) | collectives per layer | "
+        "equivalence (float64, tiny) | capture+plan s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [lines_by_family[f] for f in SHOWN_EXPERTS if f in lines_by_family]
+    publish(lines, out if (update or not argv) else None)
 
 
 if __name__ == "__main__":
