@@ -241,6 +241,12 @@ def main(argv: list[str]) -> None:
             traceback.print_exc()
             row["equivalence"] = f"fails: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         lines_by_family[family] = _row_line(family, size, row)
+        if update:   # each row kept as soon as it is measured: a run cut short keeps the rows it made
+            publish(_page(lines_by_family), out)
+    publish(_page(lines_by_family), out if (update or not argv) else None)
+
+
+def _page(lines_by_family: dict[str, str]) -> list[str]:
     lines = [
         "# Model zoo",
         "",
@@ -279,7 +285,7 @@ def main(argv: list[str]) -> None:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [lines_by_family[f] for f in SHOWN_EXPERTS if f in lines_by_family]
-    publish(lines, out if (update or not argv) else None)
+    return lines
 
 
 if __name__ == "__main__":
