@@ -277,7 +277,12 @@ def _page(lines_by_family: dict[str, str]) -> list[str]:
         "",
         f"The same, at tp={TP}, with the layout each MoE layer got (the plan's note: the solver's choice and by how much",
         "the other layout would lose) and the routed experts' bytes on the largest rank against serial (bfloat16).",
-        "The tiny float64 models run transformers' `batched_mm` experts path, 4 experts of 2 per token.",
+        "The tiny float64 models run transformers' `batched_mm` experts path, 4 experts of 2 per token. Errors of",
+        "1e-8 to 1e-7 are float32's rounding in the model itself: transformers' routers take their softmax in",
+        "float32 (`router_logits.float()`, `dtype=torch.float`; DeepSeek-V3's router runs wholly in float32) and",
+        "eager attention its softmax (`dtype=torch.float32`), so a router or score input summed over ranks in",
+        "another order differs there at float32's rounding (tests/e2e/test_experts.py checks float64 1e-9 on",
+        "plans where those inputs arrive whole).",
         "",
         "| family | model | plan | experts layout per MoE layer | expert bytes per rank | "
         f"parameters per rank at tp={TP} | layout (layer 1 and outside the layers) | collectives per layer | "
