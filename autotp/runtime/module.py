@@ -333,7 +333,7 @@ class ParallelModule(LeavesSwitch, nn.Module):
         self._agree_on_call(names, [kwargs[n] for n in names], (f"training: {self.training}",))
         check_not_empty(kwargs)   # after the shapes are known to agree: every rank or none
         check_input_kinds([self.capture, *(p.capture for p in self._programs)], kwargs)   # before a capture for them
-        fixed = fixed_length([self.capture, *(p.capture for p in self._programs)], kwargs)
+        fixed = fixed_length([self.capture, *(p.capture for p in self._programs if not p.step)], kwargs)
         if fixed is not None:   # a capture for this length would be fixed to the example's length
             raise InputError(fixed)
         program = self._current = self._program_for(kwargs)
