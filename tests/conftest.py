@@ -21,6 +21,7 @@ LONGEST_FIRST = ("tests/runtime/test_pipeline.py", "tests/e2e/test_compile.py", 
                  "tests/e2e/test_families.py", "tests/e2e/test_training.py", "tests/passes/test_attention.py",
                  "tests/test_capture_expand.py", "tests/e2e/test_gpt2_sizes.py", "tests/e2e/test_encoders.py",
                  "tests/e2e/test_dropout.py", "tests/runtime/test_per_block.py", "tests/e2e/test_torchrun.py",
+                 "tests/e2e/test_fixed_length.py",
                  "tests/e2e/test_gpt2_equivalence.py", "tests/test_checkpoint.py", "tests/e2e/test_embeddings.py",
                  "tests/test_capture.py", "tests/test_fake_backend.py")
 
