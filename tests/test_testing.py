@@ -41,3 +41,43 @@ def test_a_nan_or_inf_on_one_side_only_is_an_infinite_error():
     both = torch.tensor([nan, inf, 2.0], dtype=torch.float64)
     assert relative_error(both, both.clone()) == 0.0
     assert relative_error(both, torch.tensor([nan, inf, 2.5], dtype=torch.float64)) == 0.5 / 2.5
+
+
+def _olmo2_grads(attention: str, seq: int) -> tuple[torch.nn.Module, dict]:
+    from autotp import zoo
+    from autotp.testing import keep_loss_precision
+
+    config = zoo.tiny_config("olmo2", layers=1, heads=4, kv_heads=2, head_dim=16, vocab=64)
+    config._attn_implementation = attention
+    model = keep_loss_precision(zoo.build("olmo2", config, dtype=torch.float64, seed=0))
+    model(**zoo.example_batch("olmo2", config, batch=2, seq=seq, seed=0)).loss.backward()
+    return model, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_a_module_whose_whole_gradient_is_rounding_noise_is_measured_against_its_block():
+    # OLMo2 at two tokens: the one labelled position attends to itself alone, so q_proj, k_proj
+    # and the q/k norms never change the loss; two honest computations (sdpa's backward and the
+    # eager one) give different noise there, which the every-call test read as a 35% error
+    from autotp.testing.equivalence import gradient_scales
+
+    model, sdpa = _olmo2_grads("sdpa", seq=2)
+    _, eager = _olmo2_grads("eager", seq=2)
+    attn = "model.layers.0.self_attn"
+    assert sdpa[f"{attn}.q_proj.weight"].norm() < 1e-12 * sdpa[f"{attn}.v_proj.weight"].norm()   # the premise
+    assert relative_error(eager[f"{attn}.k_norm.weight"], sdpa[f"{attn}.k_norm.weight"]) > 1e-1   # against itself
+    scales = gradient_scales(model)
+    errors = {n: relative_error(eager[n], sdpa[n], scales[n]) for n in sdpa}
+    assert max(errors.values()) <= TOLERANCE[torch.float64], errors
+    # a real gradient keeps its module's own scale: a wrong one is caught as before
+    assert abs(scales[f"{attn}.v_proj.weight"] / sdpa[f"{attn}.v_proj.weight"].norm().item() - 1) < 1e-12
+    wrong = sdpa[f"{attn}.v_proj.weight"] * (1 + 1e-6)
+    assert relative_error(wrong, sdpa[f"{attn}.v_proj.weight"], scales[f"{attn}.v_proj.weight"]) > 1e-7
+
+
+def test_a_small_real_gradient_keeps_its_own_scale():
+    # at three tokens q and k matter: their gradients are measured against themselves
+    from autotp.testing.equivalence import gradient_scales
+
+    model, grads = _olmo2_grads("sdpa", seq=3)
+    name = "model.layers.0.self_attn.k_norm.weight"
+    assert abs(gradient_scales(model)[name] / grads[name].norm().item() - 1) < 1e-12
