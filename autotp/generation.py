@@ -55,6 +55,9 @@ _UNSUPPORTED_SAMPLING = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 
 SAMPLING_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": None,
                      "repetition_penalty": 1.0}
 
+#: forward flags of HuggingFace models that add outputs a generation step does not return
+_UNREAD_OUTPUTS = ("output_router_logits",)
+
 
 class CachedStep(nn.Module):
     """``model``'s forward with its KV cache as plain named tensors.
@@ -73,6 +76,10 @@ class CachedStep(nn.Module):
         params = inspect.signature(model.forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
         self.keep_last = "logits_to_keep" in params
+        # outputs a step never returns, asked off: a config with output_router_logits=True would
+        # have an MoE model compute its load-balancing loss over the step's tokens and the whole
+        # attention mask (one token against the grown mask, a shape error in the decode step)
+        self.unread = {name: False for name in _UNREAD_OUTPUTS if name in params}
 
     def forward(self, **kwargs: Any) -> dict[str, torch.Tensor]:
         from transformers.cache_utils import DynamicCache
@@ -85,7 +92,7 @@ class CachedStep(nn.Module):
             cache.update(kwargs.pop(f"key_{i}"), kwargs.pop(f"value_{i}"), i)
         if self.keep_last:
             kwargs["logits_to_keep"] = 1
-        out = self.inner(**kwargs, use_cache=True, **{self.cache_arg: cache})
+        out = self.inner(**kwargs, use_cache=True, **self.unread, **{self.cache_arg: cache})
         cache = out.get(self.cache_arg, out.get("past_key_values"))
         result = {"logits": out["logits"][:, -1, :]}
         for i, layer in enumerate(cache.layers):
