@@ -205,7 +205,8 @@ def test_a_train_mode_model_is_cut_to_one_block_in_eval(keeps):
     torch.testing.assert_close(run(fast, model, ids)["logits"], model(**ids).logits, rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("flag", ["output_hidden_states", pytest.param("output_attentions", marks=pytest.mark.slow)])
+@pytest.mark.slow   # 25 s of the fast tier (two whole exports); an edge of the expansion
+@pytest.mark.parametrize("flag", ["output_hidden_states", "output_attentions"])
 def test_a_call_that_returns_every_block_is_captured_whole(flag, keeps):
     """A model set to return each block's hidden state (or attention weights): HuggingFace
     hooks every module the forward runs, once; a cut export would hook the kept blocks alone.

@@ -61,6 +61,8 @@ def _check(results: list, dtype: str) -> None:
         assert "does not require grad" in r["split backward"] or r["split backward"] == "whole", r
 
 
+@pytest.mark.slow   # 45-90 s on 2 cores (three dynamo traces of the whole program); the fast tier
+# compiles the dropout case below (one graph, equal to eager) and the two refusals after it
 def test_a_compiled_module_is_one_graph_and_equals_serial(cluster_of):
     # aot_eager: dynamo and AOTAutograd as inductor sees them, without its C++ compile (40 s here)
     _check(cluster_of(2).run(_compiled_matches_serial, "aot_eager", "float64"), "float64")

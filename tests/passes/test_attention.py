@@ -27,6 +27,10 @@ aten = torch.ops.aten
 WORKLOAD = dict(batch=64, seq=2048, profile="h100-dgx")
 
 # family, tp, heads, kv heads (None: the family has no separate count)
+#: the fast tier leaves the families whose attention is another's (Mistral's and Qwen2's is
+#: Llama's, OPT's and NeoX's GPT-J's plain heads, Falcon's kv 2 its kv 4) to the slow tier: a
+#: capture each, 30 s on 2 cores; test_families_plan.py checks every family's split at real size
+SLOW_SPLIT = {("mistral", 2), ("qwen2", 4), ("gpt-neox", 2), ("gpt-neox", 4), ("opt", 4), ("falcon-new", 2)}
 SPLIT = [
     ("llama", 2, 8, 2), ("llama", 4, 8, 2), ("llama", 4, 8, 4), ("mistral", 2, 8, 2), ("qwen2", 4, 8, 2),
     ("gpt-neox", 2, 8, None), ("gpt-neox", 4, 8, None), ("gpt-j", 2, 8, None), ("gpt-j", 4, 8, None),
@@ -62,7 +66,9 @@ def _captured(family: str, heads: int, kv: int | None):
     return capture(_model(family, heads, kv)[1])
 
 
-@pytest.mark.parametrize("family, tp, heads, kv", SPLIT, ids=[f"{f}-tp{t}-kv{k}" for f, t, _, k in SPLIT])
+@pytest.mark.parametrize("family, tp, heads, kv", [
+    pytest.param(*c, marks=pytest.mark.slow) if c[:2] in SLOW_SPLIT else c for c in SPLIT],
+    ids=[f"{f}-tp{t}-kv{k}" for f, t, _, k in SPLIT])
 def test_attention_splits_by_head_with_no_gather_before_it(family, tp, heads, kv):
     cap = _captured(family, heads, kv)
     plan, _, prop = build_plan(cap, tp, **WORKLOAD)
