@@ -45,7 +45,9 @@ TABLES = {"llama-3-8b": (EMBED, HEAD), "mistral-7b": (EMBED, HEAD), "qwen2-7b": 
           "falcon-7b": (HEAD,), "opt-6.7b": (HEAD,)}    # Falcon and OPT tie the head to the embedding
 
 
-@pytest.mark.parametrize("name", sorted(TABLES))
+# the fast tier: an untied pair (Llama), a tied one (Falcon), NeoX's own names; the rest slow
+@pytest.mark.parametrize("name", [n if n in ("llama-3-8b", "falcon-7b", "gpt-neox-20b")
+                                  else pytest.param(n, marks=pytest.mark.slow) for n in sorted(TABLES)])
 def test_real_size_vocabulary_tables_are_split_at_tp8(name):
     """At real size no rank holds a whole vocabulary table: the output head splits its vocabulary
     rows (column-parallel over V, the loss vocab-parallel); an untied input embedding splits too,
