@@ -27,7 +27,7 @@ from ..runtime import collectives as C
 from ..runtime.functional import grad_if
 from ..runtime.rng import RandomOp, draws_random
 from .propagate import GraphIndex, Propagation, _conversion, _dim_size, _meta, _sharded_compute, map_args, wants_f
-from .rules import LocalContext, localizer, mutates_first
+from .rules import LocalContext, aliases_first, localizer, mutates_first
 
 
 class GraphLocalContext(LocalContext):
@@ -191,9 +191,12 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         for inp, meta, want in zip(tensor_inputs, info.inputs, strategy.inputs):
             f = wants_f(want, sharded, meta, inp in index.grads)
             replacements.append(convert(inp, want, f) if (f or prop.placements[inp] != want) else env[inp])
-        if replacements and replacements[0] is not env[tensor_inputs[0]] and mutates_first(node.target):
-            # an in-place op on a converted tensor writes a copy of its own: not the conversion
-            # other ops reuse, nor a collective's output, which autograd forbids writing in place
+        if replacements and replacements[0] is not env[tensor_inputs[0]] and (
+                mutates_first(node.target) or (aliases_first(node.target) and _view_alone_written(node))):
+            # an in-place op on a converted tensor, or on a view of one (transformers' experts:
+            # bmm(...).squeeze(-1), then add_(bias)), writes a copy of its own: not the conversion
+            # other ops reuse, nor a collective's output, which autograd forbids writing in place,
+            # even through a view
             replacements[0] = graph.call_function(torch.ops.aten.clone.default, (replacements[0],))
         if strategy.f_runs_only and wants_f(strategy.inputs[0], sharded, info.inputs[0], tensor_inputs[0] in index.grads):
             # A column-parallel product into a tailed shard (a fused multi-query k and v): the f
@@ -242,6 +245,32 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
 
 
 _REGION_BOUNDS = (torch._C._set_grad_enabled, torch.amp._enter_autocast, torch.amp._exit_autocast)
+
+
+def _first_write(node: fx.Node) -> fx.Node | None:
+    """The first in-place op that writes ``node``'s output, directly or through views of it."""
+    writes = []
+    for user in node.users:
+        if user.op == "call_function" and user.args and user.args[0] is node:
+            if mutates_first(user.target):
+                writes.append(user)
+            elif aliases_first(user.target) and (inner := _first_write(user)) is not None:
+                writes.append(inner)
+    order = {n: i for i, n in enumerate(node.graph.nodes)} if len(writes) > 1 else None
+    return min(writes, key=order.__getitem__) if order else (writes[0] if writes else None)
+
+
+def _view_alone_written(view: fx.Node) -> bool:
+    """Whether the view's output is written in place and the viewed tensor is read by nothing
+    after that write: then writing a copy is what the model computes. Where the tensor is read
+    after (the write would show through it), no copy is made and autograd's refusal stands: an
+    error, never a silently unwritten tensor."""
+    write = _first_write(view)
+    if write is None:
+        return False
+    base = view.args[0]
+    order = {n: i for i, n in enumerate(view.graph.nodes)}
+    return all(u is view or order[u] < order[write] for u in base.users)
 
 
 def _tailed_product(graph: fx.Graph, target: Any, x_f: fx.Node, x: fx.Node, w: fx.Node, out: Shard,

@@ -210,6 +210,16 @@ def mutates_first(target: Any) -> bool:
     return bool(alias is not None and alias.is_write)
 
 
+def aliases_first(target: Any) -> bool:
+    """Whether an ATen op returns a view of its first argument (``squeeze``, ``view``,
+    ``transpose``): its output shares the argument's storage, so a write to it writes both."""
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.arguments or not schema.returns:
+        return False
+    arg, out = schema.arguments[0].alias_info, schema.returns[0].alias_info
+    return arg is not None and out is not None and not arg.is_write
+
+
 def functional_of(target: Any) -> Any:
     """The out-of-place overload of an in-place ATen op that has a rule (``aten.relu_.default``
     -> ``aten.relu.default``), or None."""
