@@ -759,7 +759,9 @@ def unequal_block_cases(draw) -> Case:
     """Blocks of unequal size (Phi-3's q | k | v of 4 | 1 | 1 parts: fewer kv heads), each dealt
     on its own, read back by a slice or a split of whole blocks, as Phi-3 and a split would."""
     gen, tp = _gen(draw), draw(tps)
-    sizes = tuple(draw(st.lists(st.integers(1, 4), min_size=2, max_size=4)))
+    # unequal sizes: equal ones are a plain shard of several blocks, whose split into groups of
+    # blocks of different counts has no rule yet (it runs replicated; a clean CI run drew 1 | 1 | 1)
+    sizes = tuple(draw(st.lists(st.integers(1, 4), min_size=2, max_size=4).filter(lambda s: len(set(s)) > 1)))
     unit, per = draw(st.integers(1, 3)), draw(st.integers(1, 3))
     lead = draw(shapes(0, 2, st.integers(1, 3)))
     dim = len(lead)
