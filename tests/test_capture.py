@@ -68,18 +68,24 @@ from autotp.passes.attention import attention_head_counts, check_heads  # noqa: 
 from autotp.errors import CaptureError, ConfigError, PlanError  # noqa: E402
 
 
-def test_a_minimum_length_the_model_needs_is_honoured(monkeypatch):
-    # T5's decoder (its causal relative-position buckets) needs 3 target tokens or more: export
-    # says so, capture narrows the target's dim to it; the source's own dim keeps taking 2.
+@pytest.fixture
+def exports(monkeypatch) -> list:
+    """The dynamic shapes of every torch.export call, with no length narrowed yet in this process."""
     import collections
 
     import autotp.capture.export as capture_module
 
     monkeypatch.setattr(capture_module, "_NARROWED", collections.OrderedDict())
-    exports = []
+    seen: list = []
     real_export = torch.export.export
     monkeypatch.setattr(torch.export, "export",
-                        lambda *a, **k: exports.append(k["dynamic_shapes"]) or real_export(*a, **k))
+                        lambda *a, **k: seen.append(k["dynamic_shapes"]) or real_export(*a, **k))
+    return seen
+
+
+def test_a_minimum_length_the_model_needs_is_honoured(exports):
+    # T5's decoder (its causal relative-position buckets) needs 3 target tokens or more: export
+    # says so, capture narrows the target's dim to it; the source's own dim keeps taking 2.
     config = zoo.tiny_config("t5", layers=1, heads=2, head_dim=4, vocab=40)
     cap = capture(zoo.build("t5", config, device="meta"))
     assert cap.range_constraints["labels.1"][0] == 3 and cap.range_constraints["input_ids.1"][0] == 2
@@ -91,16 +97,7 @@ def test_a_minimum_length_the_model_needs_is_honoured(monkeypatch):
 
 
 @pytest.mark.slow   # two more T5 exports (20 s on 2 cores)
-def test_a_narrowed_length_is_not_taken_for_another_config(monkeypatch):
-    import collections
-
-    import autotp.capture.export as capture_module
-
-    monkeypatch.setattr(capture_module, "_NARROWED", collections.OrderedDict())
-    exports = []
-    real_export = torch.export.export
-    monkeypatch.setattr(torch.export, "export",
-                        lambda *a, **k: exports.append(k["dynamic_shapes"]) or real_export(*a, **k))
+def test_a_narrowed_length_is_not_taken_for_another_config(exports):
     capture(zoo.build("t5", zoo.tiny_config("t5", layers=1, heads=2, head_dim=4, vocab=40), device="meta"))
     first = len(exports)
     # a different config is not taken for it: it is refused and narrowed on its own
