@@ -56,7 +56,6 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
-import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from .program import module_path

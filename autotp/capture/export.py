@@ -361,7 +361,7 @@ def _unnamed_dims(dynamic_shapes: Any) -> Any:
     violated (seq)" with no suggested fix); a named Dim turns such a guard into an error, while
     ``Dim.DYNAMIC`` keeps the dim symbolic over the same range (each input its own symbol, which
     export then ties together from the guards it finds)."""
-    from torch.export.dynamic_shapes import _Dim, _DimHint, _DimHintType
+    from torch.export.dynamic_shapes import _Dim
 
     def relax(x):
         if isinstance(x, _Dim) and type(x).__name__ != "_StaticDim":
