@@ -85,7 +85,9 @@ def _fast(families, slow=()):
 SLOW_FAMILIES = ("bert",)
 
 
-@pytest.mark.parametrize("family", _fast(sorted(CASES), SLOW_FAMILIES))
+# T5's two stacks (12 s of whole and cut exports) in the slow tier: the fast tier's T5 family test
+# (tests/e2e/test_families.py) runs its expanded capture against the serial model
+@pytest.mark.parametrize("family", _fast(sorted(CASES), ("t5", *SLOW_FAMILIES)))
 def test_expanded_capture_is_the_whole_export(family):
     model, config, fast, full = captured(family)
     assert fast.expanded == CASES[family]
@@ -140,7 +142,8 @@ def keeps(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("family", _fast(sorted(CASES), ("t5", *SLOW_FAMILIES)))   # T5 (12 s): slow, and below
+# T5 (12 s) and Llama (GPT-2's one-block cut, with rotary tables and GQA) in the slow tier
+@pytest.mark.parametrize("family", _fast(sorted(CASES), ("t5", "llama", *SLOW_FAMILIES)))
 def test_a_later_signature_cuts_to_one_block(family, keeps):
     """Once a model's first capture checked three blocks and learned how its blocks are called,
     another call of it is cut to one block where block 0 is alike the rest (not T5's), and is
