@@ -69,7 +69,7 @@ def _layers_text(modules: list[str]) -> str:
     return ", ".join(modules)
 
 
-def _describe(kind: str, experts: int, tp: int) -> str:
+def _describe(kind: str, experts: int, tp: int, split: tuple[str, str] = ("column", "row")) -> str:
     if kind == "expert":
         per = [experts // tp + (1 if r < experts % tp else 0) for r in range(tp)]
         idle = per.count(0)
@@ -77,7 +77,7 @@ def _describe(kind: str, experts: int, tp: int) -> str:
                 + (f", {idle} idle" if idle else ""))
         return f"expert-parallel ({experts} experts, {held})"
     if kind == "expert_tp":
-        return f"expert-TP (every expert's gate|up column, down row: 1/{tp} of each expert per rank)"
+        return f"expert-TP (every expert's gate|up {split[0]}, down {split[1]}: 1/{tp} of each expert per rank)"
     return WORDS.get(kind, kind)
 
 
@@ -119,7 +119,10 @@ def experts_note(index: Any, profile: Any, stacks: Mapping[str, str], roles: Map
     lines = []
     for kind, modules in by_kind.items():
         experts = shapes[next(f for f in stacks.values() if f.startswith(modules[0] + "."))][0]
-        line = f"experts {_layers_text(modules)}: {_describe(kind, experts, index.tp)}"
+        # the chosen expert-TP's split of the layer's stacks, in graph order: gate|up, then down
+        split = tuple(roles[f].removeprefix("expert_") for f in stacks.values() if f.startswith(modules[0] + "."))
+        line = (f"experts {_layers_text(modules)}: "
+                f"{_describe(kind, experts, index.tp, *([split] if kind == 'expert_tp' and len(split) == 2 else []))}")
         versus = []
         for other, cost in alternatives.items():
             if other == kind:

@@ -74,7 +74,8 @@ class LayerFinder:
         for k, n in enumerate(nodes):
             info = self.index.infos.get(n)
             if info is not None:
-                rotations |= {h[2] % self.index.tp for h in info.hints.values() if len(h) > 2}
+                rotations |= {h[2] % self.index.tp for d, h in info.hints.items()
+                              if len(h) > 2 and _rotation_used(info, d)}
             for a, arg in enumerate(n.all_input_nodes):
                 if arg not in inside:
                     ext.setdefault(arg, []).append((k, a))
@@ -120,6 +121,19 @@ class LayerFinder:
 
     def _first_use(self, n: fx.Node) -> int:
         return min(self.pos[u] for u in n.users)
+
+
+def _rotation_used(info: Any, dim: int) -> bool:
+    """Does the rotation of ``info``'s hint for output ``dim`` reach a placement? Only an uneven
+    fresh shard keeps it (an even one, or a dim that cannot be split, has rotation 0 whatever the
+    hint says), so only such hints decide a layer's rotation. A hint whose rotation is lost does
+    not tie the layer to its index: the experts' grouped products read their stacks through a
+    transpose and carry rotation 0 in every layer, which split evenly, and counted they made every
+    MoE layer not at a multiple of tp rotate two ways and be solved op by op."""
+    h = info.hints[dim]
+    probe = replace(info, hints={**info.hints, dim: h[:2] + (1,) + h[3:]})
+    shard = probe.fresh_shard(dim)
+    return isinstance(shard, Shard) and shard.rotate != 0
 
 
 def _unrotated(hints: dict) -> dict:

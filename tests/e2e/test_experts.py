@@ -35,6 +35,10 @@ LAYOUTS = {
     "ep": ({"*.experts.*": "expert"}, {"expert"}),
     "etp": ({"*.experts.gate_up_proj": "expert_column", "*.experts.down_proj": "expert_row"},
             {"expert_column", "expert_row"}),
+    # both products row-parallel, the biases by whole experts: gpt-oss-20b's plan at tp 8 (its gate and
+    # up are read interleaved, which a column split's blocks do not follow)
+    "rows": ({"*.experts.gate_up_proj": "expert_row", "*.experts.down_proj": "expert_row"},
+             {"expert_row", "expert"}),
 }
 #: MLA's up-projections to the heads (torchtitan's column-parallel ones)
 MLA_HEADS = ("*.q_b_proj.weight", "*.kv_b_proj.weight")
@@ -122,7 +126,10 @@ def assert_experts_case(cluster_of, case: dict) -> None:
     # expert-TP: every expert's gate|up split in matching halves, float64 on the batched path
     dict(family="mixtral", impl="batched_mm", tp=2, experts=3, top_k=2, kv_heads=2, seq=5, seed=3, layout="etp",
          layers=1),
-], ids=["mixtral-grouped-3of2", "qwen2moe-eager-shared", "deepseek-mla-heads", "mixtral-batched-etp"])
+    pytest.param(dict(family="gpt-oss", impl="grouped_mm", tp=2, experts=4, top_k=2, kv_heads=2, seq=6, seed=1,
+                      layout="rows", layers=1), marks=pytest.mark.slow),
+], ids=["mixtral-grouped-3of2", "qwen2moe-eager-shared", "deepseek-mla-heads", "mixtral-batched-etp",
+        "gptoss-grouped-rows"])
 def test_experts_split_equals_serial(cluster_of, case):
     assert_experts_case(cluster_of, {**case, "dtype": IMPLEMENTATIONS[case["impl"]]})
 

@@ -139,3 +139,24 @@ def test_past_max_states_the_solver_keeps_the_cheapest_and_its_plan_replays(monk
         cut = solve(index, prof).propagation.total_s
     assert cut >= exact * (1 - 1e-12)
     assert "kept the 1 cheapest" in caplog.text
+
+
+def test_repeated_moe_layers_are_solved_once_as_op_by_op(monkeypatch):
+    # The experts' grouped products read their stacks through a transpose, and their hints do not
+    # rotate by layer; split evenly, that rotation reaches no placement, so it must not keep an MoE
+    # layer from repeating its representative (it did: every MoE model was solved op by op).
+    from autotp import zoo
+    from autotp.passes.repeats import LayerFinder
+
+    # 3 heads at tp 2: uneven, so the attention's shards rotate by layer and repeats are shifted
+    config = zoo.tiny_config("mixtral", layers=5, heads=3, kv_heads=3, head_dim=8, vocab=48, experts=4)
+    config._experts_implementation = "grouped_mm"
+    index = GraphIndex.build(capture(zoo.build("mixtral", config, device="meta")), 2, 8, 64, uneven=True)
+    prof = DeviceProfile("p", 1e12, 1e11, 1e10, 1e-5, 1e12, 2)
+    reused = solve(index, prof)
+    assert reused.layers_reused == 2          # h.2, h.3 take h.1's (h.0 starts the stack, h.4 ends it)
+    monkeypatch.setattr(LayerFinder, "_correspond", lambda self, rep, b: None)
+    alone = solve(index, prof)
+    assert alone.layers_reused == 0
+    assert reused.propagation.total_s == alone.propagation.total_s
+    assert {n.name: j for n, j in reused.choices.items()} == {n.name: j for n, j in alone.choices.items()}

@@ -202,6 +202,11 @@ def grouped_mm_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
         out.append(Strategy((REPLICATE, have) + rest, want))
     if is_shard(px) and px.dim == 1 and not px.tail and not px.per_block:   # row, as x is split
         out.append(Strategy((px, px.with_dim(1)) + rest, PARTIAL))
+    if pw is None:
+        # row with a free stack, x converted to its split: what a stack pinned to its input features
+        # gets below. Offered only as x is split, the solver could not reach a plan a pin reaches
+        # (gpt-oss: its gate and up interleaved, [..., ::2] and [..., 1::2], x arrives whole)
+        pw = info.fresh_shard_of(1, 1)
     if is_shard(pw) and pw.dim == 1 and not pw.tail and not pw.per_block \
             and not (is_shard(px) and px.with_dim(1) == pw):    # row, as w is split (x converted to it)
         out.append(Strategy((pw.with_dim(1), pw) + rest, PARTIAL))
