@@ -29,7 +29,7 @@ import sympy
 import torch
 
 from ..passes.rules import OpInfo, Strategy, TensorMeta
-from ..placements import Partial, Routed, Shard, max_local_size
+from ..placements import Shard, max_local_size
 from .devices import DeviceProfile
 
 log = logging.getLogger("autotp")
@@ -153,7 +153,11 @@ def forward_flops(info: OpInfo, env: Mapping) -> float:
 
 
 def shard_fraction(info: OpInfo, strategy: Strategy, tp: int) -> float:
-    """The largest rank's share of the op's work under ``strategy`` (1.0: replicated)."""
+    """The largest rank's share of the op's work under ``strategy`` (1.0: replicated).
+
+    Only a split operand shares the work: an op on a Partial input (the sum of ranks' pieces,
+    each the whole shape) or making a Partial or Routed output from whole inputs runs on every
+    element on every rank, so it costs what it costs replicated."""
     frac = 1.0
     pairs = list(zip(info.inputs, strategy.inputs))
     out = strategy.output
@@ -166,8 +170,6 @@ def shard_fraction(info: OpInfo, strategy: Strategy, tp: int) -> float:
                 frac = min(frac, max_local_size(size, p, tp) / size)
             elif size is None:   # a sequence shard: about 1/tp of the tokens (at most one more)
                 frac = min(frac, 1.0 / tp)
-    if frac == 1.0 and any(isinstance(p, Partial) and not isinstance(p, Routed) for p in outs):
-        frac = 1.0 / tp   # routed rows: every rank runs the op on all of them, zero where not its own
     return frac
 
 

@@ -21,9 +21,8 @@ What the cost model finds different between the two (autotp/cost_model/symbolic.
 So expert-TP is priced below expert parallelism wherever each expert's features split (the
 products cost the same at an even split; the ops between and after them do not); in the shapes
 tried, whole experts per rank never beat both other layouts (where features are too few to
-split, the experts are small enough to keep whole). Part of expert-TP's margin is
-the cost model's rule that an op with a plain Partial output and no split input costs ``1/tp``
-(``shard_fraction``), which the combine's ops do not earn (each rank runs them on every row).
+split, the experts are small enough to keep whole). The combine's ops on Partial rows cost
+their whole size on every rank under either layout (``shard_fraction``), as Routed rows do.
 Equal prices keep the first strategy the rules offer (the solver keeps the first found), which
 is expert parallelism.
 """

@@ -55,6 +55,17 @@ def test_a_row_split_product_is_priced_at_one_rank_share():
     assert row / whole == pytest.approx(1 / 4)
 
 
+@pytest.mark.parametrize("strategy", [Strategy((PARTIAL, REPLICATE), PARTIAL),    # scaled before the g
+                                      Strategy((REPLICATE, REPLICATE), PARTIAL)],  # made Partial from whole
+                         ids=["partial-input", "whole-inputs"])
+def test_an_op_with_nothing_split_costs_its_whole_size_on_every_rank(strategy):
+    # the sum of the ranks' pieces is the whole shape on each: scaling it runs on every element
+    x = TensorMeta((b * s, sympy.Integer(768)), torch.float32)
+    info = OpInfo(aten.mul.Tensor, (x, x), {}, (x, x), x, 4)
+    whole = compute_time(info, Strategy((REPLICATE, REPLICATE), REPLICATE), {b: 8, s: 1024}, H100, 4)
+    assert compute_time(info, strategy, {b: 8, s: 1024}, H100, 4) == pytest.approx(whole)
+
+
 def test_floats_are_priced_at_the_profiles_training_dtype_not_the_traced_one():
     meta = TensorMeta((b, s, sympy.Integer(768)), torch.float32)
     env = {b: 8, s: 1024}
