@@ -19,11 +19,13 @@ from hypothesis import strategies as st
 from autotp.testing import TOLERANCE
 
 VOCAB = 64
-#: (heads, kv heads, head dim): grouped-query attention, 2 kv heads (fewer than tp at 3 and 4)
-STRUCTURE = {"olmo2": (4, 2, 16), "phi3": (4, 2, 16), "modernbert": (4, 4, 16)}
+#: (heads, kv heads, head dim): grouped-query attention, OLMo2's 2 kv heads fewer than tp at 3 and 4,
+#: Phi-3's 3 groups (a kv head with 2 query heads) dealt unevenly at tp 2 and fewer than tp at 4
+STRUCTURE = {"olmo2": (4, 2, 16), "phi3": (6, 3, 16), "modernbert": (4, 4, 16)}
 #: OLMo2 and Phi-3 pinned to Megatron's attention layout, so that their q/k norms and fused q|k|v
 #: run on split heads whatever the cost model thinks of a tiny model (Phi-3's qkv_proj column in
-#: blocks of unequal size, q | k | v of 4 | 2 | 2 heads, each rank its q heads with their k and v);
+#: blocks of unequal size, q | k | v of 6 | 3 | 3 heads, each rank its q heads with their k and v:
+#: at tp 2 4 query heads with 2 kv heads on rank 0, 2 with 1 on rank 1 in layer 0);
 #: ModernBERT takes the planner's default plan
 LAYOUTS = {"olmo2": {"*.q_proj.weight": "column", "*.k_proj.weight": "column", "*.v_proj.weight": "column",
                      "*.o_proj.weight": "row"},
