@@ -922,6 +922,10 @@ def test_flatten_repeat_broadcast_chunk_and_transpose_carry_the_shard_along(case
     p = case.placements[0]
     if isinstance(p, Shard) and case.target is aten.chunk.default and p.dim != case.args[2] % case.args[0].ndim:
         assert any(s.inputs == (p,) and isinstance(s.output, tuple) for s in offered)
+    if isinstance(p, Shard) and case.target is aten.repeat_interleave.self_int and case.args[2] is not None:
+        # any dim keeps its shard, the repeated one with atoms repeats times wider (kv heads
+        # repeated for their query heads)
+        assert any(s.inputs == (p,) and isinstance(s.output, Shard) for s in offered), offered
 
 
 def test_gpt_j_rotary_keeps_the_heads_shard_local():

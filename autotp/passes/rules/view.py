@@ -616,12 +616,18 @@ def repeat_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
 @register(aten.repeat_interleave.self_int)
 def repeat_interleave_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     """GPT-J's sin/cos widened element by element along the head dim: a shard of any other dim
-    survives; without a dim the input is flattened, so only whole tensors."""
+    survives; without a dim the input is flattened, so only whole tensors. The repeated dim
+    itself (grouped kv heads repeated for their query heads, ``k.repeat_interleave(n_rep, 1)``)
+    keeps its shard with atoms ``repeats`` times wider: element i becomes elements
+    [i * repeats, (i + 1) * repeats), so each rank's kv heads become the copies its query heads use."""
     dim = info.args[2] if len(info.args) > 2 else info.kwargs.get("dim")
     if dim is None:
         return _follow(info, placements, lambda s: None)
     dim = norm_dim(dim, info.inputs[0].ndim)
-    return _follow(info, placements, lambda s: None if s.dim == dim else s)
+    repeats = info.args[1] if len(info.args) > 1 else info.kwargs.get("repeats")
+    if not isinstance(repeats, int) or repeats < 1:
+        return _follow(info, placements, lambda s: None if s.dim == dim else s)
+    return _follow(info, placements, lambda s: replace(s, unit=s.unit * repeats) if s.dim == dim else s)
 
 
 @register(aten.broadcast_to.default)
