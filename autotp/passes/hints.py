@@ -75,9 +75,11 @@ def column_hint(node: fx.Node, dim: int, tp: int = 1, uneven: bool = False,
             widths = [b - a for a, b, _ in pieces]
             block = math.gcd(*widths)
             if len(set(widths)) > 1 and chunks == 1 and not tail_elems:
-                blocks = tuple(w // block for w in widths)
-            chunks *= pieces[-1][1] // block
-            blocks_at = chunks if blocks else 0
+                # unequal: where tp cannot deal the groups (fewer kv heads than ranks), the query
+                # heads dealt and k and v whole on every rank (a tail), as for a split below
+                blocks, blocks_at, tail_elems = tuple(w // block for w in widths), chunks, sum(widths[1:])
+            else:
+                chunks *= pieces[-1][1] // block
             cur = pieces[0][2]
             continue
         if len(users) > 1 and cur.target not in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
