@@ -31,10 +31,15 @@ holds one block, and every rank holds one entry of dim ``outer``, its set's bloc
 ``sizes`` gives blocks of unequal size: the blocks' relative sizes, in order (a fused q|k|v of
 grouped-query attention, 40 query heads beside 10 key and 10 value heads: ``sizes=(4, 1, 1)``,
 ``chunks=3``, shown ``S(0x4:1:1/128)``). The dim is ``sum(sizes)`` equal parts, block ``i``
-taking ``sizes[i]`` of them, and each block's atoms are dealt to the ranks on their own, so a
-rank holds a run of the query heads and the matching run of the key/value heads (Megatron's
-layout of a fused grouped projection). Planning offers it only where tp divides every block's
-atoms; no tail, and no per-block dealing, with it.
+taking ``sizes[i]`` of them. Reduced by their gcd, the sizes are one group: ``sizes[i]`` atoms
+of block ``i`` (4 query heads and the key and value head they share), and each block holds
+``per`` groups, one per part. The groups are dealt to the ranks as atoms are, the same run of
+every block, so a rank holds a run of the query heads and the key/value heads they use
+(Megatron's layout of a fused grouped projection); where tp does not divide the groups (10 kv
+heads at tp=8) the first ranks take one group more: rank 0 holds query heads 0-7 with kv heads
+0-1, rank 7 query heads 36-39 with kv head 9. Equal blocks are the case ``sizes = (1, ..., 1)``
+(a group is one atom of each block), which is why equal sizes are written as plain ``chunks``.
+No tail, and no per-block dealing, with it.
 """
 from __future__ import annotations
 
@@ -247,14 +252,37 @@ def is_even(size: int, shard: Shard, tp: int) -> bool:
     return all(n % tp == 0 for n in block_atoms(size, shard))
 
 
+def groups_per_block(size: int, shard: Shard) -> int:
+    """The groups each block of unequal size holds (``per``: block ``i`` is ``sizes[i] * per``
+    atoms); of equal blocks, their atoms."""
+    if not shard.sizes:
+        return atoms_per_chunk(size, shard)
+    if not divides(size, shard):
+        raise ValueError(f"dimension of size {size} does not split into blocks of {shard.sizes} parts of "
+                         f"{shard.unit}-element atoms")
+    return size // (shard.parts * shard.unit)
+
+
 def _sized_ranges(size: int, shard: Shard, tp: int, rank: int) -> tuple[tuple[int, int], ...]:
-    """:func:`local_ranges` of blocks of unequal size: each block's atoms dealt on their own."""
+    """:func:`local_ranges` of blocks of unequal size: the groups dealt in runs, the same run
+    of every block (``sizes[i]`` atoms of block ``i`` per group)."""
+    start, count = _runs(groups_per_block(size, shard), tp)[(rank + shard.rotate) % tp]
+    if not count:
+        return ()
     out = []
-    for (a, _), n in zip(block_bounds(size, shard), block_atoms(size, shard)):
-        start, count = _runs(n, tp)[(rank + shard.rotate) % tp]
-        if count:
-            out.append((a + start * shard.unit, a + (start + count) * shard.unit))
+    for (a, _), n in zip(block_bounds(size, shard), shard.sizes):
+        width = n * shard.unit   # one group's elements in this block
+        out.append((a + start * width, a + (start + count) * width))
     return tuple(out)
+
+
+def block_local_sizes(size: int, shard: Shard, tp: int, rank: int) -> tuple[int, ...]:
+    """The elements ``rank`` holds of each block of a shard whose blocks lie side by side on
+    its dim (no tail, no per-block dealing), in order: its local tensor is these one after another."""
+    if shard.tail or shard.per_block:
+        raise ValueError(f"{shard!r}: a tail or per-block dealing holds more than runs of its blocks")
+    _, count = _runs(groups_per_block(size, shard), tp)[(rank + shard.rotate) % tp]
+    return tuple(count * n * shard.unit for n in (shard.sizes or (1,) * shard.chunks))
 
 
 def local_size(size: int, shard: Shard, tp: int, rank: int) -> int:

@@ -168,8 +168,8 @@ class Plan:
                     out[name] = list(self.attention[module])
                 continue
             size = self.shapes[name][p.dim]
-            if p.sizes:   # blocks of unequal size: the first (the query heads) dealt on its own
-                query = Shard(p.dim, 1, p.unit, p.rotate)
+            if p.sizes:   # blocks of unequal size: the first (the query heads) in groups of sizes[0] heads
+                query = Shard(p.dim, 1, p.unit * p.sizes[0], p.rotate)
                 out[name] = [local_size(size * p.sizes[0] // p.parts, query, self.tp, r) // p.unit
                              for r in range(self.tp)]
                 continue

@@ -40,10 +40,12 @@ def column_hint(node: fx.Node, dim: int, tp: int = 1, uneven: bool = False,
     (an even count, or ``uneven``), the groups are dealt whole instead: nothing is replicated.
     A fused projection read back with slices of unequal width (Phi-3's q | k | v with fewer
     key/value heads) gives ``sizes``, the pieces' relative widths: blocks of unequal size, each
-    dealt on its own (``()``: the blocks are equal). ``constant(node)``: a lifted constant's value
-    (the index lists), or None."""
+    dealt in groups (``()``: the blocks are equal); an unequal split gives both its pieces'
+    ``sizes`` and the tail, for where tp cannot deal the groups. ``constant(node)``: a lifted
+    constant's value (the index lists), or None."""
     chunks, unit, tail_elems = 1, 1, 0
-    blocks: tuple = ()   # unequal blocks' relative sizes, summing to ``chunks`` while they hold
+    blocks: tuple = ()   # unequal blocks' relative sizes
+    blocks_at = 0        # ``chunks`` when they were read: they hold while no later split multiplies it
     cur, d = node, dim
     size = shape_of(node)[dim] if shape_of(node) is not None else None
 
@@ -52,7 +54,7 @@ def column_hint(node: fx.Node, dim: int, tp: int = 1, uneven: bool = False,
             if t_elems % (c * u):
                 return 1, 1, 0, ()
             t_atoms += t_elems // u
-        return c, u, t_atoms, blocks if sum(blocks) == c and not t_atoms else ()
+        return c, u, t_atoms, blocks if c == blocks_at else ()
 
     for _ in range(32):
         users = [u for u in cur.users if u.op == "call_function"]
@@ -73,8 +75,11 @@ def column_hint(node: fx.Node, dim: int, tp: int = 1, uneven: bool = False,
             widths = [b - a for a, b, _ in pieces]
             block = math.gcd(*widths)
             if len(set(widths)) > 1 and chunks == 1 and not tail_elems:
-                blocks = tuple(w // block for w in widths)
-            chunks *= pieces[-1][1] // block
+                # unequal: where tp cannot deal the groups (fewer kv heads than ranks), the query
+                # heads dealt and k and v whole on every rank (a tail), as for a split below
+                blocks, blocks_at, tail_elems = tuple(w // block for w in widths), chunks, sum(widths[1:])
+            else:
+                chunks *= pieces[-1][1] // block
             cur = pieces[0][2]
             continue
         if len(users) > 1 and cur.target not in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
@@ -122,10 +127,15 @@ def column_hint(node: fx.Node, dim: int, tp: int = 1, uneven: bool = False,
                 break
             if sdim == d:
                 if len(set(pieces)) != 1:
-                    # q heads first, the rest (k and v of fewer kv heads) kept whole: follow q
+                    # q heads first, then k and v of fewer kv heads: blocks of unequal size, dealt
+                    # in groups (a kv head with its query heads) where tp can deal them, else
+                    # k and v kept whole (a tail: GPT-BigCode's one kv head); follow q
                     first = [g for g in u.users if g.target is operator.getitem and g.args[1] == 0]
-                    if chunks != 1 or tail_elems or not first or not all(isinstance(x, int) for x in pieces):
+                    if chunks != 1 or tail_elems or blocks or not first or \
+                            not all(isinstance(x, int) for x in pieces):
                         break
+                    block = math.gcd(*pieces)
+                    blocks, blocks_at = tuple(x // block for x in pieces), chunks
                     tail_elems, cur = sum(pieces[1:]), first[0]
                     continue
                 chunks *= len(pieces)

@@ -10,6 +10,7 @@ the graph reads them, the ranks that would be left without one, and what to pin 
 from __future__ import annotations
 
 import fnmatch
+import math
 from typing import Any, Mapping
 
 from ..placements import Placement, Shard
@@ -55,7 +56,8 @@ def _describe(index: GraphIndex, placeholder: str, fqn: str, placement: Shard, p
             if unit > 1 and size % (chunks * unit) == 0:
                 atoms = (size // (chunks * unit) - tail) * chunks, unit
                 if sizes:
-                    return _describe_blocks(what, size, tuple(x * size // (chunks * unit) for x in sizes), unit, tp)
+                    return _describe_blocks(what, size, tuple(x * size // (sum(sizes) * unit) for x in sizes), unit,
+                                            tp, index.uneven)
     if atoms is not None and atoms[0] < tp:
         heads, head_dim = atoms
         idle = f"rank {heads}" if tp - heads == 1 else f"ranks {heads}-{tp - 1}"
@@ -76,17 +78,18 @@ def _describe(index: GraphIndex, placeholder: str, fqn: str, placement: Shard, p
             f"planner chooses its split")
 
 
-def _describe_blocks(what: str, size: int, heads: tuple[int, ...], head_dim: int, tp: int) -> str:
+def _describe_blocks(what: str, size: int, heads: tuple[int, ...], head_dim: int, tp: int, uneven: bool) -> str:
     """A fused projection read back as blocks of unequal heads (Phi-3's q | k | v with fewer
-    key/value heads): split by head only where tp divides every block's heads."""
-    fewest = min(heads)
+    key/value heads): split by head where every rank gets a group (a key/value head with its
+    query heads), evenly unless ``uneven``."""
+    groups = math.gcd(*heads)   # a key/value head with its query heads
     counts = " | ".join(str(h) for h in heads)
-    fits = ", ".join(str(t) for t in range(1, fewest + 1) if all(h % t == 0 for h in heads))
-    if fewest < tp:
-        idle = f"rank {fewest}" if tp - fewest == 1 else f"ranks {fewest}-{tp - 1}"
-        why = f"{idle} of {tp} would hold none of the {fewest}-head block"
+    fits = ", ".join(str(t) for t in range(1, groups + 1) if uneven or groups % t == 0)
+    if groups < tp:
+        idle = f"rank {groups}" if tp - groups == 1 else f"ranks {groups}-{tp - 1}"
+        why = f"{idle} of {tp} would hold none of its {groups} groups of heads"
     else:
-        why = f"{tp} does not divide the {fewest}-head block"
+        why = f"{tp} does not divide its {groups} groups of heads (uneven=False)"
     return (f"{what} cannot be split {tp} ways by head: the graph reads its {size} features as blocks of "
             f"{counts} heads of {head_dim} (query heads, then key and value heads), each split by head across "
             f"the ranks so that every rank's query heads find their key/value heads, and {why}. Pin it "

@@ -278,3 +278,74 @@ def test_a_fused_multi_query_split_matches_serial(cluster_of, family, tp, heads,
     for errors in cluster_of(tp).run(check_fused, family, tp, heads, kv, fused, out):
         worst = max(errors, key=errors.get)
         assert errors[worst] <= TOLERANCE[torch.float64], (worst, errors[worst])
+
+
+# ---------------------------------------------------------------- a fused q|k|v split by sizes, grouped kv heads
+
+class FusedGroupedAttention(torch.nn.Module):
+    """One causal attention block whose q | k | v come out of one projection and are cut apart by
+    ``split([q, kv, kv])`` (ChatGLM's ``query_key_value``), the kv heads repeated for their query
+    heads by ``repeat_interleave``."""
+
+    def __init__(self, heads: int, kv: int, head_dim: int = 4, hidden: int = 16):
+        super().__init__()
+        self.heads, self.kv, self.head_dim = heads, kv, head_dim
+        self.qkv = torch.nn.Linear(hidden, (heads + 2 * kv) * head_dim)
+        self.out = torch.nn.Linear(heads * head_dim, hidden)
+
+    def forward(self, x):                                               # (b, s, hidden)
+        b, s, _ = x.shape
+        h, kv, d = self.heads, self.kv, self.head_dim
+        q, k, v = self.qkv(x).split([h * d, kv * d, kv * d], dim=-1)
+        q = q.view(b, s, h, d).transpose(1, 2)                          # (b, h, s, d)
+        k = k.view(b, s, kv, d).transpose(1, 2).repeat_interleave(h // kv, dim=1)
+        v = v.view(b, s, kv, d).transpose(1, 2).repeat_interleave(h // kv, dim=1)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, h * d))         # (b, s, hidden)
+
+
+_SPLIT_LAYOUT = {"qkv.*": "column", "out.weight": "row"}
+#: tp, heads, kv heads, the fused projection's placement: kv groups (a kv head with its query
+#: heads) dealt by head where there are at least tp of them (3 over 2 ranks: 2 and 1), k and v
+#: whole on every rank (a tail) where there are fewer (the multi-query layout: 1 kv head)
+SPLIT_BY_SIZES = [(2, 4, 2, autotp.Shard(0, 3, 4, sizes=(2, 1, 1))),
+                  (2, 6, 3, autotp.Shard(0, 3, 4, sizes=(2, 1, 1))),
+                  (4, 8, 4, autotp.Shard(0, 3, 4, sizes=(2, 1, 1))),
+                  (4, 8, 1, autotp.Shard(0, 1, 4, tail=2))]
+
+
+@pytest.mark.parametrize("tp, heads, kv, want", SPLIT_BY_SIZES, ids=[f"tp{t}-h{h}-kv{k}" for t, h, k, _ in SPLIT_BY_SIZES])
+def test_a_fused_qkv_split_by_sizes_deals_kv_groups_by_head_and_keeps_one_kv_head_whole(tp, heads, kv, want):
+    # Before, an unequal split was always read as the multi-query layout (k and v whole on every
+    # rank) even where tp could deal the kv heads with their query heads
+    model = FusedGroupedAttention(heads, kv)
+    plan = autotp.plan(model, tp, example_inputs=(torch.randn(2, 5, 16),), layout=_SPLIT_LAYOUT, **WORKLOAD)
+    assert plan.params["qkv.weight"] == want, plan.params["qkv.weight"]
+    assert plan.roles["out.weight"] == "row"
+    if kv >= tp:   # each rank its groups' query heads
+        assert plan.attention[""] == [g * (heads // kv) for g in _groups(kv, tp)], plan.attention
+    else:
+        assert sum(plan.attention[""]) == heads, plan.attention
+    gathers = [c.kind for c in plan.comms if c.kind in ("all_gather", "reshard", "scatter")]
+    assert gathers == ([] if kv >= tp else ["scatter", "scatter"]), gathers   # the tail's k, v sliced locally
+
+
+def _groups(n: int, tp: int) -> list[int]:
+    return [n // tp + (r < n % tp) for r in range(tp)]
+
+
+def check_split_by_sizes(tp: int, heads: int, kv: int) -> dict:
+    torch.manual_seed(0)
+    model = FusedGroupedAttention(heads, kv).double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    pm = autotp.parallelize(model, tp, example_inputs=(x,), layout=_SPLIT_LAYOUT, **WORKLOAD)
+    return equivalence_errors(model, pm, {"x": torch.randn(3, 6, 16, dtype=torch.float64)})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, heads, kv", [(2, 6, 3), (2, 4, 1)], ids=["tp2-h6-kv3", "tp2-h4-kv1"])
+def test_a_fused_qkv_split_by_sizes_matches_serial(cluster_of, tp, heads, kv):
+    # float64, forward and every gradient: uneven kv groups (2 and 1 of 3), and one kv head whole
+    for errors in cluster_of(tp).run(check_split_by_sizes, tp, heads, kv):
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= TOLERANCE[torch.float64], (worst, errors[worst])

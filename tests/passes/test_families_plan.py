@@ -172,8 +172,9 @@ def test_every_family_draws_its_layer_with_the_matrices_f_and_g(size):
     assert {"column", "row"} <= roles, roles
 
 
-#: Phi-3-medium's q | k | v: 40 query heads beside 10 key and 10 value heads, read back with slices
-GROUPED_FUSED = [("phi-3-medium", 2), ("phi-3-medium", 10)]
+#: Phi-3-medium's q | k | v: 40 query heads beside 10 key and 10 value heads, read back with slices;
+#: at tp 8 (and 4) its 10 groups (a kv head with its 4 query heads) are dealt unevenly
+GROUPED_FUSED = [("phi-3-medium", 2), ("phi-3-medium", 8), ("phi-3-medium", 10)]
 
 
 @pytest.mark.parametrize("size, tp", GROUPED_FUSED, ids=[f"{s}-tp{t}" for s, t in GROUPED_FUSED])
@@ -181,16 +182,20 @@ def test_a_fused_qkv_with_grouped_kv_heads_splits_by_head_as_megatron_would(size
     """Blocks of unequal size (``S(0x4:1:1/128)``): each rank holds its run of the query heads and
     the key/value heads they use, so attention runs split with no collective before it and the
     output projection is row-parallel; the cost model chooses it, and a pin of that layout gives
-    the same plan. Before, the q|k|v was dealt as 6 equal blocks and k and v gathered at attention."""
+    the same plan. Before, the q|k|v was dealt as 6 equal blocks and k and v gathered at attention.
+    Where tp does not divide the 10 groups (tp 8) the first ranks (rotated by layer) take one more
+    group: 8 query heads with their 2 kv heads on 2 ranks, 4 with 1 on the other 6."""
     family = zoo.family_of(size).name
     model = zoo.build(family, zoo.published_config(size, layers=2), device="meta", dtype=torch.bfloat16)
     cap = capture_cache.capture(model)
     plan = autotp.plan(model, tp)
     qkv, o = "model.layers.1.self_attn.qkv_proj.weight", "model.layers.1.self_attn.o_proj.weight"
-    assert plan.params[qkv] == Shard(0, 3, 128, sizes=(4, 1, 1)), plan.params[qkv]
+    rotate = 1 if 10 % tp else 0   # layer 1 of an uneven split: rank tp-1 takes the first run
+    assert plan.params[qkv] == Shard(0, 3, 128, rotate, sizes=(4, 1, 1)), plan.params[qkv]
     assert (matrix_role(cap, plan, qkv), matrix_role(cap, plan, o)) == ("column", "row"), (plan.params[qkv],
                                                                                          plan.params[o])
-    assert plan.attention["model.layers.1.self_attn"] == [40 // tp] * tp
+    groups = [10 // tp + (r < 10 % tp) for r in range(tp)]
+    assert plan.attention["model.layers.1.self_attn"] == [4 * groups[(r + rotate) % tp] for r in range(tp)]
     attention = [c for c in plan.comms if c.module == "model.layers.1.self_attn"]
     assert attention == [], [(c.kind, c.tensor) for c in attention]
     pinned = autotp.plan(model, tp, layout={"*.qkv_proj.weight": "column", "*.o_proj.weight": "row"})

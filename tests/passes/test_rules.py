@@ -756,12 +756,12 @@ def block_slice_cases(draw) -> Case:
 
 @st.composite
 def unequal_block_cases(draw) -> Case:
-    """Blocks of unequal size (Phi-3's q | k | v of 4 | 1 | 1 parts: fewer kv heads), each dealt
-    on its own, read back by a slice or a split of whole blocks, as Phi-3 and a split would."""
+    """Blocks of unequal size (Phi-3's q | k | v of 4 | 1 | 1 parts: fewer kv heads), dealt in
+    groups, evenly or not (``per`` groups at any tp), read back by a slice or a split of whole
+    blocks, as Phi-3 and a split would; or equal blocks (1 | 1 | 1: a plain shard of several
+    blocks) split into pieces of different block counts (q|k and v)."""
     gen, tp = _gen(draw), draw(tps)
-    # unequal sizes: equal ones are a plain shard of several blocks, whose split into groups of
-    # blocks of different counts has no rule yet (it runs replicated; a clean CI run drew 1 | 1 | 1)
-    sizes = tuple(draw(st.lists(st.integers(1, 4), min_size=2, max_size=4).filter(lambda s: len(set(s)) > 1)))
+    sizes = tuple(draw(st.lists(st.integers(1, 4), min_size=2, max_size=4)))
     unit, per = draw(st.integers(1, 3)), draw(st.integers(1, 3))
     lead = draw(shapes(0, 2, st.integers(1, 3)))
     dim = len(lead)
@@ -799,6 +799,21 @@ def test_blocks_of_unequal_size_deal_each_block_on_its_own():
     assert local_ranges(7680, shard, 2, 0) == ((0, 20 * heads), (40 * heads, 45 * heads), (50 * heads, 55 * heads))
     assert local_ranges(7680, shard, 2, 1) == ((20 * heads, 40 * heads), (45 * heads, 50 * heads),
                                                (55 * heads, 60 * heads))
+
+
+def test_blocks_of_unequal_size_deal_groups_of_heads_where_tp_does_not_divide_them():
+    """Phi-3-medium's q | k | v at tp=8: its 10 groups (a kv head with its 4 query heads) dealt 2, 2,
+    1, ...: a rank holds the query heads of its own kv heads, the same run of every block (dealing
+    each block's heads on its own would give rank 0 q heads 0-4 beside kv heads 0-1)."""
+    from autotp.placements import local_ranges, local_size
+
+    shard, heads = Shard(0, 3, 128, sizes=(4, 1, 1)), 128
+    assert local_ranges(7680, shard, 8, 0) == ((0, 8 * heads), (40 * heads, 42 * heads), (50 * heads, 52 * heads))
+    assert local_ranges(7680, shard, 8, 7) == ((36 * heads, 40 * heads), (49 * heads, 50 * heads),
+                                               (59 * heads, 60 * heads))
+    assert [local_size(7680, shard, 8, r) // heads for r in range(8)] == [12, 12, 6, 6, 6, 6, 6, 6]
+    rotated = Shard(0, 3, 128, 1, sizes=(4, 1, 1))   # layer 1: rank 7 takes the first run
+    assert local_ranges(7680, rotated, 8, 7) == local_ranges(7680, shard, 8, 0)
 
 
 @settings(max_examples=100, deadline=None)
@@ -907,6 +922,10 @@ def test_flatten_repeat_broadcast_chunk_and_transpose_carry_the_shard_along(case
     p = case.placements[0]
     if isinstance(p, Shard) and case.target is aten.chunk.default and p.dim != case.args[2] % case.args[0].ndim:
         assert any(s.inputs == (p,) and isinstance(s.output, tuple) for s in offered)
+    if isinstance(p, Shard) and case.target is aten.repeat_interleave.self_int and case.args[2] is not None:
+        # any dim keeps its shard, the repeated one with atoms repeats times wider (kv heads
+        # repeated for their query heads)
+        assert any(s.inputs == (p,) and isinstance(s.output, Shard) for s in offered), offered
 
 
 def test_gpt_j_rotary_keeps_the_heads_shard_local():

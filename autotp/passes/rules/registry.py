@@ -105,8 +105,10 @@ class OpInfo:
         (fused q/k/v: 3 blocks of heads; rotate: which rank takes the first run of atoms; tail: atoms at
         the end of each block kept whole, a fused multi-query k and v; grouped: the blocks are
         groups of heads sharing a k and v, which may be dealt to sets of ranks, as a tail's are;
-        sizes: the relative sizes of blocks of unequal size, Phi-3's q|k|v of fewer kv heads, which
-        sum to ``chunks``, the equal blocks of their common size, taken where sizes cannot be)."""
+        sizes: the relative sizes of blocks of unequal size, Phi-3's q|k|v of fewer kv heads, taken
+        first where tp can deal their groups; ``chunks`` and ``tail`` then say the layout taken where
+        it cannot: equal blocks of their common size (``chunks = sum(sizes)``), or one block whose
+        k and v stay whole (a tail, a split's q | k | v: GPT-BigCode's multi-query layout))."""
         h = tuple(self.hints.get(dim, (1, 1)))
         return h + (1, 1, 0, 0, False, ())[len(h):]
 
@@ -123,13 +125,16 @@ class OpInfo:
             # uneven whenever tp does not divide that call's length.
             return Shard(dim) if self.uneven and out.shape[dim] in self.sequence else None
         chunks, unit, rotate, tail, grouped, sizes = self.hint(dim) if input_index is None else (1, 1, 0, 0, False, ())
-        if sizes and size % (chunks * unit) == 0:
-            # blocks of unequal size (q heads | fewer k | v heads), each dealt evenly: every rank
-            # holds its run of query heads with the key/value heads they use. Where tp does not
-            # divide every block's heads, the equal blocks of their common size below instead.
-            per = size // (chunks * unit)
-            if all(x * per % self.tp == 0 for x in sizes):
-                return Shard(dim, len(sizes), unit, sizes=sizes)
+        if sizes and size % (sum(sizes) * unit) == 0:
+            # blocks of unequal size (q heads | fewer k | v heads) dealt in groups (a kv head with
+            # its query heads): every rank holds its run of query heads with the key/value heads
+            # they use, nothing replicated. Where tp does not divide the groups, the first ranks
+            # take one more (uneven); where there are fewer groups than ranks, the hint's
+            # fallback below: k and v whole on every rank (a tail) or equal blocks of the
+            # common size (whose k and v attention gathers).
+            per = size // (sum(sizes) * unit)
+            if per % self.tp == 0 or (self.uneven and per > self.tp):
+                return Shard(dim, len(sizes), unit, rotate % self.tp if per % self.tp else 0, sizes=sizes)
         if size % (chunks * unit) or size // (chunks * unit) <= tail:
             chunks, unit, tail, grouped = 1, 1, 0, False
         dealt = size // (chunks * unit) - tail

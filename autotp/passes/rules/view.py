@@ -8,6 +8,7 @@ its block's flat index, which lands on the one output dim of the block that can 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import replace
 
 from functools import lru_cache
@@ -16,7 +17,7 @@ from typing import Any
 import sympy
 import torch
 
-from ...placements import PARTIAL, REPLICATE, Shard, block_bounds, divides, layout, local_size
+from ...placements import PARTIAL, REPLICATE, Shard, block_bounds, block_local_sizes, divides, layout
 from .registry import (
     LocalContext,
     OpInfo,
@@ -347,14 +348,19 @@ def whole_blocks(p: Shard, size: Any, bounds: tuple[int, int] | None) -> tuple[i
 
 
 def fewer_blocks(p: Shard, first: int, last: int) -> Shard:
-    """``p`` of the blocks [first, last) alone, as a slice or split that takes them whole holds them."""
-    return replace(p, chunks=last - first, sizes=p.sizes[first:last])
+    """``p`` of the blocks [first, last) alone, as a slice or split that takes them whole holds them.
+    Blocks of unequal size are dealt in groups (``sizes[i]`` atoms of block ``i``): the blocks
+    kept deal the same groups, so where their sizes share a factor (the query block alone: 4
+    heads per group) that factor joins the atom (``S(2/512)``, 10 groups of 4 heads of 128)."""
+    sizes = p.sizes[first:last]
+    g = math.gcd(*sizes) if sizes else 1
+    return replace(p, chunks=last - first, unit=p.unit * g, sizes=tuple(x // g for x in sizes))
 
 
 def block_span(p: Shard, size: int, first: int, last: int, ctx: LocalContext) -> tuple[int, int]:
     """[start, stop) of blocks [first, last) of a dim of ``size`` in this rank's local tensor,
     which holds its run of every block, one after another."""
-    runs = [local_size(b - a, Shard(0, 1, p.unit, p.rotate), ctx.tp, ctx.rank) for a, b in block_bounds(size, p)]
+    runs = block_local_sizes(size, p, ctx.tp, ctx.rank)
     return sum(runs[:first]), sum(runs[:last])
 
 
@@ -469,15 +475,24 @@ def split_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
             # Equal pieces aligned with the shard's blocks: piece i is blocks [i*c/n, (i+1)*c/n).
             piece = p.with_blocks(dim, p.chunks // n, p.unit)
             out.append(Strategy((p,), tuple(piece for _ in range(n))))
-        elif p.sizes:
-            # Blocks of unequal size (q | k | v of fewer kv heads) split into pieces of whole
-            # blocks: each piece holds this rank's run of its blocks
-            starts = [sum(pieces[:i], sympy.Integer(0)) for i in range(n + 1)]
-            spans = [whole_blocks(p, info.inputs[0].shape[dim], (int(a), int(b)))
-                     if a.is_Integer and b.is_Integer else None for a, b in zip(starts, starts[1:])]
-            if all(sp is not None for sp in spans):
+        else:
+            # Pieces of whole blocks, of unequal size (q | k | v of fewer kv heads) or of
+            # different block counts (equal q | k | v split into q|k and v): each piece holds
+            # this rank's run of its blocks
+            spans = _whole_block_pieces(p, info.inputs[0].shape[dim], pieces)
+            if spans is not None:
                 out.append(Strategy((p,), tuple(fewer_blocks(p, *sp) for sp in spans)))
     return out
+
+
+def _whole_block_pieces(p: Shard, size: Any, pieces: list) -> list[tuple[int, int]] | None:
+    """The blocks [first, last) of each piece of a split where every piece is whole blocks of
+    ``p`` (see :func:`whole_blocks`), or None."""
+    starts = [sum(pieces[:i], sympy.Integer(0)) for i in range(len(pieces) + 1)]
+    if not all(x.is_Integer for x in starts):
+        return None
+    spans = [whole_blocks(p, size, (int(a), int(b))) for a, b in zip(starts, starts[1:])]
+    return spans if all(sp is not None for sp in spans) else None
 
 
 @register_localizer(aten.split.Tensor, aten.split_with_sizes.default)
@@ -491,14 +506,12 @@ def split_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict,
         return aten.split_with_sizes.default, (args[0], sizes) + tuple(args[2:]), kwargs
     if not is_shard(piece) or piece.dim != dim:
         return info.target, args, kwargs
-    if p.sizes:
-        # pieces of whole unequal blocks: each this rank's runs of its blocks
-        size, at, sizes = int(info.inputs[0].shape[dim]), 0, []
-        for s in pieces:
-            first, last = whole_blocks(p, info.inputs[0].shape[dim], (at, at + int(s)))
-            a, b = block_span(p, size, first, last, ctx)
-            sizes.append(b - a)
-            at += int(s)
+    spans = _whole_block_pieces(p, info.inputs[0].shape[dim], pieces) if is_shard(p) and p.dim == dim else None
+    if spans is not None and any(q != piece for q in strategy.output):
+        # pieces of whole blocks that differ (unequal blocks, or different block counts): each
+        # this rank's runs of its blocks
+        size = int(info.inputs[0].shape[dim])
+        sizes = [b - a for a, b in (block_span(p, size, first, last, ctx) for first, last in spans)]
         return aten.split_with_sizes.default, (args[0], sizes) + tuple(args[2:]), kwargs
     if info.target is aten.split.Tensor:
         size = ctx.local(args[1], pieces[0], piece)
@@ -603,12 +616,18 @@ def repeat_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
 @register(aten.repeat_interleave.self_int)
 def repeat_interleave_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     """GPT-J's sin/cos widened element by element along the head dim: a shard of any other dim
-    survives; without a dim the input is flattened, so only whole tensors."""
+    survives; without a dim the input is flattened, so only whole tensors. The repeated dim
+    itself (grouped kv heads repeated for their query heads, ``k.repeat_interleave(n_rep, 1)``)
+    keeps its shard with atoms ``repeats`` times wider: element i becomes elements
+    [i * repeats, (i + 1) * repeats), so each rank's kv heads become the copies its query heads use."""
     dim = info.args[2] if len(info.args) > 2 else info.kwargs.get("dim")
     if dim is None:
         return _follow(info, placements, lambda s: None)
     dim = norm_dim(dim, info.inputs[0].ndim)
-    return _follow(info, placements, lambda s: None if s.dim == dim else s)
+    repeats = info.args[1] if len(info.args) > 1 else info.kwargs.get("repeats")
+    if not isinstance(repeats, int) or repeats < 1:
+        return _follow(info, placements, lambda s: None if s.dim == dim else s)
+    return _follow(info, placements, lambda s: replace(s, unit=s.unit * repeats) if s.dim == dim else s)
 
 
 @register(aten.broadcast_to.default)
