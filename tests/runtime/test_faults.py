@@ -26,8 +26,8 @@ pytestmark = pytest.mark.timeout(300)
 COLLECTIVE_TIMEOUT = 8.0
 
 
-def steps_where_a_rank_dies_in_backward(tp: int, heads: int, dying: int) -> None:
-    pm = autotp.parallelize(tiny_gpt2(n_layer=1, n_head=heads), tp=tp, layout=MEGATRON_GPT2)
+def steps_where_a_rank_dies_in_backward(tp: int, heads: int, dying: int, layout: dict) -> None:
+    pm = autotp.parallelize(tiny_gpt2(n_layer=1, n_head=heads), tp=tp, layout=layout)
     pm(**batch(100)).loss.backward()  # one healthy step: every connection is up
     loss = pm(**batch(100, seed=2)).loss
     if dist.get_rank() == dying:  # dies mid-step, between its forward and its backward collectives
@@ -35,13 +35,13 @@ def steps_where_a_rank_dies_in_backward(tp: int, heads: int, dying: int) -> None
     loss.backward()
 
 
-def _what_the_ranks_raise(world: int, tp: int, heads: int, dying: int) -> str:
+def _what_the_ranks_raise(world: int, tp: int, heads: int, dying: int, layout: dict = MEGATRON_GPT2) -> str:
     # The others may report for the collective timeout plus the roll call's slack: a rank still
     # waiting in a collective on a live peer learns of the loss only when it times out.
     with LocalCluster(world, timeout=120, collective_timeout=COLLECTIVE_TIMEOUT,
                       error_grace=COLLECTIVE_TIMEOUT + faults.SLACK_S) as cluster:
         with pytest.raises(CommError) as info:
-            cluster.run(steps_where_a_rank_dies_in_backward, tp, heads, dying)
+            cluster.run(steps_where_a_rank_dies_in_backward, tp, heads, dying, layout)
     text = str(info.value)
     assert f"lost rank {dying} (exit code -9, SIGKILL)" in text  # what the launcher saw
     return text
@@ -59,8 +59,12 @@ def test_ranks_that_lose_a_peer_mid_step_raise_lost_rank_error_naming_it():
 def test_a_dp_peer_lost_mid_step_is_named_by_every_rank():
     # dp 2 x tp 2: TP groups {0, 1}, {2, 3}; DP groups {0, 2}, {1, 3}. Rank 3 dies: rank 2 loses it
     # in TP's backward, rank 1 in the DP all-reduce, and rank 0, left waiting on the live rank 2
-    # in the DP all-reduce, names what rank 2 found instead of blaming rank 2.
-    text = _what_the_ranks_raise(4, 2, 2, 3)
+    # in the DP all-reduce, names what rank 2 found instead of blaming rank 2. That order needs a TP
+    # collective before backward's first DP all-reduce: lm_head split by vocabulary puts its input's
+    # f (an all-reduce in backward) ahead of ln_f's gradients, whose hooks start the DP all-reduces.
+    # The planner replicates this tiny vocabulary's lm_head, and then the DP all-reduce comes first
+    # and rank 0 waits on rank 1 in TP's instead.
+    text = _what_the_ranks_raise(4, 2, 2, 3, {**MEGATRON_GPT2, "lm_head.weight": "vocab"})
     for survivor in (1, 2):
         assert f"rank {survivor} raised LostRankError: lost rank 3: the process has exited" in text
     rank0 = text[text.index("rank 0 raised"):].split("\nrank ")[0]

@@ -556,14 +556,19 @@ def _a_healthy_pp2_step() -> tuple:
     return pm, data
 
 
-def _steps_where_a_stage_dies(check_inputs: bool = True) -> None:
+def _steps_where_a_stage_dies(inside_the_schedule: bool) -> None:
     import os
     import signal
 
     pm, data = _a_healthy_pp2_step()
-    pm.check_inputs = check_inputs   # off: the loss surfaces in the schedule's sends, not the input check
     if torch.distributed.get_rank() == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
+        def dies(*args):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        if inside_the_schedule:   # past the step's check: the loss surfaces in the schedule's sends
+            pm._chunk_modules[0].forward = dies
+        else:
+            dies()
     pm.step(**data)
 
 
@@ -594,19 +599,20 @@ def test_a_stage_that_raises_is_named_by_the_stage_left_waiting():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("check_inputs", [True, False])
-def test_a_lost_stage_is_named_by_its_neighbour(check_inputs):
+@pytest.mark.parametrize("inside_the_schedule", [False, True])
+def test_a_lost_stage_is_named_by_its_neighbour(inside_the_schedule):
     from autotp.errors import CommError
     from autotp.runtime import faults
     from autotp.testing.ranks import LocalCluster
 
     with LocalCluster(2, timeout=120, collective_timeout=12.0, error_grace=12.0 + faults.SLACK_S) as cluster:
         with pytest.raises(CommError) as info:
-            cluster.run(_steps_where_a_stage_dies, check_inputs)
+            cluster.run(_steps_where_a_stage_dies, inside_the_schedule)
     text = str(info.value)
     assert "lost rank 1 (exit code -9, SIGKILL)" in text
     assert "rank 0 raised LostRankError: lost rank 1: the process has exited" in text
-    if check_inputs:   # the step's first collective: the replica's input check
+    if not inside_the_schedule:   # the step's first collective: its agreement check (made with
+        # check_inputs=False too: it carries the step's number, so steps never pair out of order)
         assert "all_reduce(max) in autotp's agreement check failed" in text, text
     else:
         assert "the pipeline's sends and receives between stages failed" in text, text
