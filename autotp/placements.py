@@ -106,6 +106,16 @@ class Shard:
         if self.outer >= 0 and (not self.per_block or self.outer == self.dim):
             raise ValueError(f"Shard.outer={self.outer} needs per_block and a dim other than {self.dim}")
 
+    def __hash__(self) -> int:   # cached: placements key the solver's states, hashed per transition
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.dim, self.chunks, self.unit, self.rotate, self.tail, self.per_block, self.outer, self.sizes))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:   # the cache is not part of the value
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     def __repr__(self) -> str:
         extra = ""
         if self.sizes:

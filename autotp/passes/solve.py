@@ -146,10 +146,31 @@ class _Solver:
             if n.op not in ("placeholder", "call_function", "output"):
                 self.fixed[n] = REPLICATE   # get_attr and the like: whole on every rank
         self.transfers: dict = {}
+        # A state holds only tensors still to be used (each is dropped at its last use), so an
+        # op's step drops the state's tensors whose last use it is and nothing else.
+        self.dies_at: dict[int, list] = {}
+        for n, last in self.last_use.items():
+            self.dies_at.setdefault(last, []).append(n)
+        self.steps: dict = {}   # (op, its inputs' labels) -> step's result: the rest of a state never matters
 
     # ---- one op --------------------------------------------------------------------------
-    def step(self, node: fx.Node, state: dict) -> list[tuple[int, float, float, dict]]:
-        """Each feasible strategy of ``node`` from ``state``: (index, seconds, bytes, new labels)."""
+    def step(self, node: fx.Node, state: dict) -> list[tuple[int, float, float, dict, bool]]:
+        """Each feasible strategy of ``node`` from ``state``: (index, seconds, bytes, the labels
+        it sets that outlive it, whether one of them is a parameter it places). Only the labels
+        of the op's inputs matter, so the result is kept per (op, those labels)."""
+        inputs = (node.args[0],) if node.target is operator.getitem else self.index.tensor_inputs[node]
+        key = (node, tuple(state.get(i) for i in inputs))
+        found = self.steps.get(key)
+        if found is None:
+            p, last = self.pos[node], self.last_use
+            found = self.steps[key] = [
+                (j, dt, dm, {n: lab for n, lab in labels.items() if last[n] > p},
+                 any(n not in state and n is not node and last[n] > p for n in labels))
+                for j, dt, dm, labels in self._step(node, state)]
+        return found
+
+    def _step(self, node: fx.Node, state: dict) -> list[tuple[int, float, float, dict]]:
+        """:meth:`step`'s strategies, their labels unfiltered."""
         index, profile, tp = self.index, self.profile, self.index.tp
         if node.target is operator.getitem:
             src = state[node.args[0]][0]
@@ -225,18 +246,21 @@ class _Solver:
     def run(self, nodes: list, states: dict, raise_empty: bool = True) -> dict:
         """Advance ``states`` (frozen state -> front) over ``nodes`` one op at a time; when no
         state survives, raise (or, with ``raise_empty=False``, return nothing)."""
+        pos = self.pos
         for node in nodes:
-            p = self.pos[node]
+            p = pos[node]
+            dying = self.dies_at.get(p, ())
             nxt: dict = {}
             for key, front in states.items():
                 state = dict(key)
-                for j, dt, dm, labels in self.step(node, state):
+                for j, dt, dm, labels, placed in self.step(node, state):
                     new = dict(state)
+                    for n in dying:
+                        new.pop(n, None)
                     new.update(labels)
-                    for n in list(new):
-                        if self.last_use[n] <= p:
-                            del new[n]
-                    nkey = tuple(sorted(new.items(), key=lambda kv: self.pos[kv[0]]))
+                    # a state's key lists its tensors in graph order: the op's output comes last,
+                    # a parameter it places (a placeholder) goes before the rest
+                    nkey = tuple(sorted(new.items(), key=lambda kv: pos[kv[0]])) if placed else tuple(new.items())
                     for e in front:
                         t, m = e[0] + dt, e[1] + dm
                         if self.limit is not None and m + self.memory0 > self.limit * (1 + 1e-12):
