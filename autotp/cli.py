@@ -107,7 +107,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         # the profile's memory: still show the layout tp would give (as docs/models.md does), said
         # first and kept in the plan's notes, so a plan that cannot train here is never read as one that can
         print(f"autotp: {exc}\nautotp: the plan below is solved without the memory limit", file=sys.stderr)
-        plan = autotp.plan(model, memory_limit=float("inf"), **options)
+        plan = (exc.plan_without_limit() if exc.plan_without_limit is not None   # the search done, not again
+                else autotp.plan(model, memory_limit=float("inf"), **options))
         plan.notes.insert(0, f"does not fit the profile's memory: the fastest plan needs {exc.needed_bytes / 2**30:.2f} "
                              f"GiB per rank (training state {exc.state_bytes / 2**30:.2f} GiB) against "
                              f"{exc.limit_bytes / 2**30:.2f} GiB; solved without the limit")

@@ -25,13 +25,18 @@ class MemoryLimitError(PlanError):
     """No plan fits the memory limit per rank, though plans without the limit exist. Its message
     says what the fastest plan needs (training state and activations against the limit);
     ``needed_bytes`` (per rank, the largest), ``state_bytes``, ``activation_bytes`` and
-    ``limit_bytes`` hold the numbers (0 where unknown)."""
+    ``limit_bytes`` hold the numbers (0 where unknown).
+
+    ``plan_without_limit``: where :func:`autotp.plan` raised it, a function that returns the plan
+    ``memory_limit=float("inf")`` would give (the fastest one), built from the search that found
+    none fits, without solving again; else None."""
 
     def __init__(self, message: str, needed_bytes: float = 0.0, state_bytes: float = 0.0,
                  activation_bytes: float = 0.0, limit_bytes: float = 0.0):
         super().__init__(message)
         self.needed_bytes, self.state_bytes, self.activation_bytes = needed_bytes, state_bytes, activation_bytes
         self.limit_bytes = limit_bytes
+        self.plan_without_limit = None
 
 
 class InputError(AutotpError, ValueError):

@@ -62,7 +62,19 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                                            lambda: GraphIndex.build(cap, tp, batch, seq, uneven=uneven, sharded_outputs=keep,
                                                                     sequence_parallel=True, input_placements=arriving))
         except MemoryLimitError as exc:
-            raise _what_memory_takes(exc, tp, batch, seq) from None
+            error = _what_memory_takes(exc, tp, batch, seq)
+            if getattr(exc, "without_limit", None) is not None:   # set by _solve
+                # the plan memory_limit=inf gives: the fastest plan on the first index, solved already
+                fastest, first_index = exc.without_limit
+
+                @gc_paused()
+                def without_limit() -> Plan:
+                    fastest.warn_pruned()
+                    return _written(cap, first_index, fastest.propagation, prof, tp, batch, seq, keep, layout,
+                                    pinned, float("inf"), [], replayed=None)[0]
+
+                error.plan_without_limit = without_limit
+            raise error from None
         notes += more
         prop = solution.propagation
         if solution.over_limit is not None:
@@ -71,6 +83,15 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                          f"per rank, over the memory limit of {limit / 2**30:.2f} GiB: this plan is slower but fits")
         if prop.infeasible:
             raise PlanError(f"no feasible plan: {prop.infeasible}")
+    return _written(cap, index, prop, prof, tp, batch, seq, keep, layout, pinned, limit, notes, replayed=plan)
+
+
+def _written(cap: Capture, index: GraphIndex, prop: Propagation, prof: Any, tp: int, batch: int, seq: int,
+             keep: frozenset, layout: Mapping[str, Any] | None, pinned: Mapping[str, Placement], limit: float,
+             notes: list[str], replayed: Plan | None) -> tuple[Plan, GraphIndex, Propagation]:
+    """The plan of ``prop``, solved here or ``replayed`` from a saved plan: parameters, roles,
+    collectives, costs and notes."""
+    names, plan = cap.output_names, replayed
     uses = _first_uses(cap)
     params, shapes, roles = {}, {}, {}
     nodes = {n.name: n for n in cap.graph.nodes}
@@ -121,11 +142,16 @@ def _solve(index: GraphIndex, prof: Any, pinned: Mapping[str, Placement], layout
     caller left ``sequence_parallel`` to autotp, again on ``with_sequence()`` (an index whose
     rules may split the sequence). Returns the solution, the index it was solved on and notes."""
     notes: list[str] = []
+    # where no plan fits, the MemoryLimitError carries ``without_limit``: (the fastest plan on the
+    # first index, that index), what memory_limit=inf would solve, or None
+    fastest = None
     try:
         solution = solve(index, prof, pinned, memory_limit=limit)
         fits = solution.over_limit is None
-    except PlanError:
-        solution, fits = None, False
+    except PlanError as exc:
+        solution, fits, failed = None, False, exc
+        if isinstance(exc, MemoryLimitError):
+            fastest = (exc.fastest, index)
     if sequence_parallel is None and uneven and not fits:
         # Memory is the reason for sequence parallelism: the layer norms' and dropouts'
         # activations shrink to s/tp tokens. (Offered always, the cost model would also pick
@@ -133,21 +159,22 @@ def _solve(index: GraphIndex, prof: Any, pinned: Mapping[str, Placement], layout
         index, first = with_sequence(), solution
         try:
             solution = solve(index, prof, pinned, memory_limit=limit)
-        except PlanError:
+        except PlanError as exc:
             if first is None:
                 _blame_pins(index, pinned, prof, layout)
+                if isinstance(exc, MemoryLimitError):
+                    exc.without_limit = fastest
                 raise
             solution = first
         if solution is not first and any(c.kind == "reduce_scatter" for c in solution.propagation.comms):
             notes.append("sequence parallelism: without it no plan fits the memory limit as fast; layer "
                          "norms, dropouts and residual adds run on s/tp tokens between a reduce-scatter "
                          "and an all-gather along s")
-    elif solution is None:
-        try:
-            solution = solve(index, prof, pinned, memory_limit=limit)   # raises the PlanError again
-        except PlanError:
-            _blame_pins(index, pinned, prof, layout)
-            raise
+    elif solution is None:   # the same search again would fail the same way
+        _blame_pins(index, pinned, prof, layout)
+        if isinstance(failed, MemoryLimitError):
+            failed.without_limit = fastest
+        raise failed
     return solution, index, notes
 
 

@@ -72,14 +72,27 @@ def test_check_of_a_masked_lm_family_builds_its_own_batch(capsys):
     assert "PASS" in capsys.readouterr().out
 
 
-def test_a_plan_over_the_profiles_memory_is_shown_solved_without_it_and_says_so(capsys):
+def test_a_plan_over_the_profiles_memory_is_shown_solved_without_it_and_says_so(capsys, monkeypatch):
     # GPT-2 XL's one layer at a batch no 80 GiB rank holds: the layout is still shown, the
     # shortfall said first on stderr and kept in the plan's notes; a limit the caller gave is theirs
+    import autotp.planner as planner
+
+    solves = []
+    real = planner.solve
+    monkeypatch.setattr(planner, "solve", lambda *a, **k: solves.append(k["memory_limit"]) or real(*a, **k))
     assert main(["plan", "gpt2-xl", "--tp", "8", "--layers", "1", "--batch", "4096", "--seq", "1024"]) == 0
     out, err = capsys.readouterr()
     assert "no plan fits the memory limit of 80.00 GiB per rank at tp=8" in err
     assert "solved without the memory limit" in err
     assert "note: does not fit the profile's memory: the fastest plan needs" in out
     assert "column" in out and "row" in out
+    # the plan shown is the fastest one the failed search found, not solved again, and is the
+    # plan memory_limit=inf gives
+    assert solves == [80 * 2**30] * 2
+    model, _ = autotp.cli.load_model("gpt2-xl", 1)
+    unlimited = autotp.plan(model, tp=8, batch=4096, seq=1024, memory_limit=float("inf"))
+    start = out.index("note: does not fit")
+    end = out.index("solved without the limit\n", start) + len("solved without the limit\n")
+    assert out[:start] + out[end:] == unlimited.table() + "\n"   # the same, but for the note the CLI adds
     assert main(["plan", "gpt2-xl", "--tp", "8", "--layers", "1", "--memory-limit", "0.001"]) == 2
     assert "MemoryLimitError" in capsys.readouterr().err

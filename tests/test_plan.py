@@ -160,6 +160,25 @@ def test_a_memory_limit_no_plan_meets_says_what_the_fastest_plan_needs_and_the_f
         plan_of(cap, 2, profile="cpu-gloo", batch=512, seq=64, memory_limit=1e3)
 
 
+def test_a_plan_no_limit_meets_comes_with_the_plan_without_the_limit_solved_once(monkeypatch):
+    import autotp.planner as planner
+
+    cap = tiny_capture(n_head=4, head_dim=8)
+    unlimited = plan_of(cap, 2, profile="cpu-gloo", batch=512, seq=64, memory_limit=float("inf"))
+    solves = []
+    real = planner.solve
+    monkeypatch.setattr(planner, "solve", lambda *a, **k: solves.append(k["memory_limit"]) or real(*a, **k))
+    # over the activations' need, under the training state's alone: both kinds of failed search
+    for limit in (0.5 * unlimited.activation_bytes, 1e3):
+        solves.clear()
+        with pytest.raises(MemoryLimitError) as caught:
+            plan_of(cap, 2, profile="cpu-gloo", batch=512, seq=64, memory_limit=limit)
+        assert solves == [limit, limit]   # as given, then with sequence parallelism offered
+        shown = caught.value.plan_without_limit()
+        assert len(solves) == 2   # nothing solved again
+        assert shown.to_json() == unlimited.to_json() and shown.table(full=True) == unlimited.table(full=True)
+
+
 def test_plan_cost_breaks_down_time_and_memory_per_rank():
     plan = plan_of(gpt2_capture(768, 12), 8, profile="h100-dgx")
     cost = plan.cost

@@ -72,6 +72,15 @@ class Solution:
     layers_reused: int = 0               # layers whose transfer came from a solved representative
     #: (seconds, bytes) of the fastest plan when it did not fit the memory limit, else None
     over_limit: tuple | None = None
+    #: (op, tensors live there) where the search began to keep only MAX_STATES states, else None
+    pruned: tuple | None = None
+
+    def warn_pruned(self) -> None:
+        """Log that the search was cut (:data:`MAX_STATES`), where it was."""
+        if self.pruned is not None:
+            log.warning("autotp: the plan's search kept the %d cheapest of its states from %s on (%d tensors live "
+                        "at once there, a sequence loop unrolled by capture, say): the plan is valid but not proven "
+                        "the cheapest", MAX_STATES, *self.pruned)
 
 
 # An entry of a DP state's front: (time, memory, choice, previous entry). ``choice`` is
@@ -289,6 +298,12 @@ class _Solver:
         return MemoryLimitError(f"{what} within the memory limit of {self.limit / 2**30:.2f} GiB per rank; raise "
                                 "memory_limit, use a larger tp, or a smaller batch/seq", limit_bytes=self.limit)
 
+    def least_memory(self) -> float:
+        """A floor under the bytes per rank of every plan: each parameter's training state split
+        ``tp`` ways (the largest rank holds at least its share of any split) and no activations."""
+        per = self.profile.state_bytes_per_param / self.index.tp
+        return self.memory0 + sum(per * n.meta["val"].numel() for n in self.free)
+
     # ---- repeated layers -------------------------------------------------------------------------
     def apply_block(self, b: Layer, states: dict) -> dict:
         """Advance ``states`` over layer ``b`` by its representative's transfer."""
@@ -400,25 +415,41 @@ def solve(index: GraphIndex, profile: DeviceProfile, pinned: Mapping[str, Placem
     """The minimum-cost plan (see the module docstring); ``memory_limit`` in bytes per rank.
 
     The unconstrained optimum is found first; only if it does not fit is the DP run again
-    with (time, memory) fronts, which is slower."""
+    with (time, memory) fronts, which is slower, and not at all where the parameters' training
+    state alone, split ``tp`` ways, exceeds the limit. Where no plan fits, the MemoryLimitError
+    carries the unconstrained optimum as ``fastest`` (a Solution, as ``memory_limit=None`` returns)."""
     pinned = dict(pinned or {})
     solver = _Solver(index, profile, pinned, None)
     forced, seconds, memory = solver.solve()
     over_limit = None
     if memory_limit is not None and memory > memory_limit:
         over_limit, fastest = (seconds, memory), forced
-        solver = _Solver(index, profile, pinned, memory_limit)
+        fastest_solver, floor = solver, solver.least_memory()
         try:
+            if floor > memory_limit * (1 + 1e-12):   # as the DP's own test: no search can succeed
+                raise MemoryLimitError(
+                    f"no feasible plan: the parameters' training state alone, each split {index.tp} ways, takes "
+                    f"{floor / 2**30:.2f} GiB per rank, over the memory limit of {memory_limit / 2**30:.2f} GiB; "
+                    "raise memory_limit, use a larger tp, or a smaller batch/seq", limit_bytes=memory_limit)
+            solver = _Solver(index, profile, pinned, memory_limit)
             forced, seconds, memory = solver.solve()
         except MemoryLimitError as exc:   # plans exist, none within the limit: say what the fastest needs
-            prop = propagate(index, pinned, profile, forced=fastest)
+            # the fastest plan, as solve(..., memory_limit=None) returns it: a caller may show it (autotp.planner)
+            exc.fastest = _solution(index, profile, pinned, fastest_solver, fastest, *over_limit, None)
+            # (its search's cut, if any, is said where the plan is shown: Solution.warn_pruned)
+            prop = exc.fastest.propagation
             exc.needed_bytes, exc.state_bytes = prop.memory_bytes, prop.memory_bytes - prop.activation_bytes
             exc.activation_bytes = prop.activation_bytes
             raise
-    if solver.pruned is not None:
-        log.warning("autotp: the plan's search kept the %d cheapest of its states from %s on (%d tensors live "
-                    "at once there, a sequence loop unrolled by capture, say): the plan is valid but not proven "
-                    "the cheapest", MAX_STATES, solver.pruned.name, solver.live_at_prune)
+    solution = _solution(index, profile, pinned, solver, forced, seconds, memory, over_limit)
+    solution.warn_pruned()
+    return solution
+
+
+def _solution(index: GraphIndex, profile: DeviceProfile, pinned: dict, solver: _Solver, forced: dict,
+              seconds: float, memory: float, over_limit: tuple | None) -> Solution:
+    """The solver's choices replayed by :func:`propagate` into a plan, which must cost what the
+    solver predicted."""
     prop = propagate(index, pinned, profile, forced=forced)
     if prop.infeasible:
         raise PlanError(f"internal: the solver's plan does not replay: {prop.infeasible}")
@@ -426,4 +457,5 @@ def solve(index: GraphIndex, profile: DeviceProfile, pinned: Mapping[str, Placem
             or abs(prop.memory_bytes - memory) > 1e-6 * max(1.0, memory)):
         raise PlanError(f"internal: the solver predicted {seconds:.6g} s / {memory:.6g} B but the plan costs "
                         f"{prop.total_s:.6g} s / {prop.memory_bytes:.6g} B")
-    return Solution(pinned, prop, solver.transitions, forced, solver.reused, over_limit)
+    pruned = None if solver.pruned is None else (solver.pruned.name, solver.live_at_prune)
+    return Solution(pinned, prop, solver.transitions, forced, solver.reused, over_limit, pruned)

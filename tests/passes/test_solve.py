@@ -160,3 +160,38 @@ def test_repeated_moe_layers_are_solved_once_as_op_by_op(monkeypatch):
     assert alone.layers_reused == 0
     assert reused.propagation.total_s == alone.propagation.total_s
     assert {n.name: j for n, j in reused.choices.items()} == {n.name: j for n, j in alone.choices.items()}
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layers=st.integers(1, 2), norm=st.booleans(), tp=st.sampled_from([2, 4]), profile=profiles)
+def test_the_least_memory_bound_is_below_every_plans_memory(layers, norm, tp, profile):
+    from autotp.passes.solve import _Solver
+
+    index = GraphIndex.build(stack_capture(layers, 8, 16, norm, True), tp, 64, 512, uneven=True)
+    floor = _Solver(index, profile, {}, None).least_memory()
+    assert floor > 0
+    assert min(m for _, m in brute_force(index, profile, with_memory=True)) >= floor * (1 - 1e-12)
+
+
+def test_a_limit_below_the_parameters_share_fails_without_the_memory_limited_search(monkeypatch):
+    from autotp.errors import MemoryLimitError
+    from autotp.passes import solve as solve_module
+
+    index = GraphIndex.build(stack_capture(2, 8, 16, True, True), 2, 64, 512, uneven=True)
+    prof = DeviceProfile("p", 1e12, 1e11, 1e10, 1e-5, 1e12, 2)
+    fastest = solve(index, prof)
+    floor = solve_module._Solver(index, prof, {}, None).least_memory()
+    searches = []
+    real = solve_module._Solver.solve
+    monkeypatch.setattr(solve_module._Solver, "solve", lambda self: searches.append(self.limit) or real(self))
+    with pytest.raises(MemoryLimitError, match=r"^no feasible plan: the parameters' training state alone") as caught:
+        solve(index, prof, memory_limit=0.99 * floor)
+    assert searches == [None]   # the unconstrained search only: the limited one could not succeed
+    # the fastest plan goes with the error, as solve without a limit gives it
+    assert caught.value.fastest.choices == fastest.choices
+    assert caught.value.needed_bytes == pytest.approx(fastest.propagation.memory_bytes)
+    # just above the bound the limited search runs (and fails: every plan has activations too)
+    searches.clear()
+    with pytest.raises(MemoryLimitError, match="within the memory limit") as caught:
+        solve(index, prof, memory_limit=1.0001 * floor)
+    assert searches == [None, 1.0001 * floor] and caught.value.fastest.choices == fastest.choices
