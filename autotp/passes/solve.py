@@ -161,25 +161,39 @@ class _Solver:
         for n, last in self.last_use.items():
             self.dies_at.setdefault(last, []).append(n)
         self.steps: dict = {}   # (op, its inputs' labels) -> step's result: the rest of a state never matters
+        # A state maps each live tensor to a label (placement, conversions paid), held as its
+        # number in ``labels``: states key dicts per transition, and numbers hash without calls
+        self.labels: list = []
+        self.label_ids: dict = {}
+
+    def label_id(self, label: tuple) -> int:
+        found = self.label_ids.get(label)
+        if found is None:
+            found = self.label_ids[label] = len(self.labels)
+            self.labels.append(label)
+        return found
 
     # ---- one op --------------------------------------------------------------------------
     def step(self, node: fx.Node, state: dict) -> list[tuple[int, float, float, dict, bool]]:
-        """Each feasible strategy of ``node`` from ``state``: (index, seconds, bytes, the labels
-        it sets that outlive it, whether one of them is a parameter it places). Only the labels
-        of the op's inputs matter, so the result is kept per (op, those labels)."""
+        """Each feasible strategy of ``node`` from ``state`` (tensor -> label number): (index,
+        seconds, bytes, the label numbers it sets that outlive it, whether one of them is a
+        parameter it places). Only the labels of the op's inputs matter, so the result is kept
+        per (op, those labels)."""
         inputs = (node.args[0],) if node.target is operator.getitem else self.index.tensor_inputs[node]
         key = (node, tuple(state.get(i) for i in inputs))
         found = self.steps.get(key)
         if found is None:
+            seen = {i: self.labels[state[i]] for i in inputs if i in state}
             p, last = self.pos[node], self.last_use
             found = self.steps[key] = [
-                (j, dt, dm, {n: lab for n, lab in labels.items() if last[n] > p},
-                 any(n not in state and n is not node and last[n] > p for n in labels))
-                for j, dt, dm, labels in self._step(node, state)]
+                (j, dt, dm, {n: self.label_id(lab) for n, lab in labels.items() if last[n] > p},
+                 any(n not in seen and n is not node and last[n] > p for n in labels))
+                for j, dt, dm, labels in self._step(node, seen)]
         return found
 
     def _step(self, node: fx.Node, state: dict) -> list[tuple[int, float, float, dict]]:
-        """:meth:`step`'s strategies, their labels unfiltered."""
+        """:meth:`step`'s strategies from the labels of the op's inputs (``state``: tensor ->
+        label), their new labels unfiltered."""
         index, profile, tp = self.index, self.profile, self.index.tp
         if node.target is operator.getitem:
             src = state[node.args[0]][0]
@@ -236,12 +250,12 @@ class _Solver:
         for i, leaf in enumerate(pytree.tree_leaves(node.args)):
             if not isinstance(leaf, fx.Node) or leaf not in state:
                 continue
-            have, paid = state[leaf]
+            have, paid = self.labels[state[leaf]]
             if isinstance(have, (Shard, Partial)) and not (i in self.index.sharded_outputs and isinstance(have, Shard)):
                 if (REPLICATE, False) not in paid:
                     cost += conversion_seconds(self.index, self.profile, _meta(leaf), have, REPLICATE, False,
                                                leaf in self.index.grads)
-                    state[leaf] = (have, paid | {(REPLICATE, False)})
+                    state[leaf] = self.label_id((have, paid | {(REPLICATE, False)}))
         return cost
 
     def _tracked(self, node: fx.Node) -> bool:
@@ -270,6 +284,13 @@ class _Solver:
                     # a state's key lists its tensors in graph order: the op's output comes last,
                     # a parameter it places (a placeholder) goes before the rest
                     nkey = tuple(sorted(new.items(), key=lambda kv: pos[kv[0]])) if placed else tuple(new.items())
+                    if not self.keep_front:   # one entry per state: the fastest (ties: the first found)
+                        e = front[0]
+                        t, m = e[0] + dt, e[1] + dm
+                        best = nxt.get(nkey)
+                        if best is None or (t, m) < (best[0][0], best[0][1]):
+                            nxt[nkey] = [(t, m, (node, j), e)]
+                        continue
                     for e in front:
                         t, m = e[0] + dt, e[1] + dm
                         if self.limit is not None and m + self.memory0 > self.limit * (1 + 1e-12):
@@ -318,7 +339,7 @@ class _Solver:
             state = dict(key)
             consumed = {n: lab for n, lab in state.items() if n in back}
             passing = {n: lab for n, lab in state.items() if n not in back}
-            tkey = tuple(sorted(((back[n], shift.label(n, lab, False)) for n, lab in consumed.items()),
+            tkey = tuple(sorted(((back[n], self._shifted(shift, n, lab, False)) for n, lab in consumed.items()),
                                 key=lambda kv: self.pos[kv[0]]))
             transfer = self.transfers.get((id(rep), tkey))
             if transfer is None:
@@ -328,7 +349,7 @@ class _Solver:
                 for n, lab in okey:
                     nb = to_b[n]
                     if self.last_use[nb] > end:
-                        new[nb] = shift.label(nb, lab, True)
+                        new[nb] = self._shifted(shift, nb, lab, True)
                 nkey = tuple(sorted(new.items(), key=lambda kv: self.pos[kv[0]]))
                 for e in front:
                     for dt, dm, choices in tfront:
@@ -340,6 +361,9 @@ class _Solver:
         if not nxt:
             raise self._infeasible(f"no feasible plan: no strategy fits layer {module_path(b.nodes[0])}")
         return nxt
+
+    def _shifted(self, shift: Shift, node: fx.Node, label: int, forward: bool) -> int:
+        return self.label_id(shift.label(node, self.labels[label], forward)) if shift.delta else label
 
     def _transfer(self, rep: Layer, tkey: tuple) -> dict:
         """exit state -> front of (seconds, bytes, strategy indices) through ``rep`` from ``tkey``."""
@@ -357,7 +381,7 @@ class _Solver:
     # ---- the whole graph ---------------------------------------------------------------------------
     def solve(self) -> tuple[dict, float, float]:
         blocks = {b.nodes[0]: b for b in LayerFinder(self.index, self.pos, self.last_use, self.free).layers()}
-        start = tuple(sorted(((n, (p, frozenset())) for n, p in self.fixed.items() if n.users),
+        start = tuple(sorted(((n, self.label_id((p, frozenset()))) for n, p in self.fixed.items() if n.users),
                              key=lambda kv: self.pos[kv[0]]))
         states = {start: [(0.0, 0.0, None, None)]}
         reused = 0
