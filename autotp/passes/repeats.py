@@ -57,8 +57,13 @@ class LayerFinder:
                 runs.append((key, [n]))
         blocks = [self._layer(nodes) for _, nodes in runs if len(nodes) > 1]
         groups: dict[tuple, list[Layer]] = {}
+        hashes: dict[tuple, str] = {}   # a layer's labelled graph -> its hash: computed once per kind of layer
         for b in blocks:
-            groups.setdefault((wl_hash(b.nodes), len(b.nodes)), []).append(b)
+            graph = _labelled_graph(b.nodes)
+            h = hashes.get(graph)
+            if h is None:
+                h = hashes[graph] = wl_hash(b.nodes)
+            groups.setdefault((h, len(b.nodes)), []).append(b)
         for members in groups.values():
             rep = members[0]
             for b in members:
@@ -167,12 +172,24 @@ class Shift:
         return (self._map(p, meta, delta), frozenset((self._map(w, meta, delta), f) for w, f in paid))
 
 
+def _label(n: fx.Node) -> str:
+    return str(n.target) + ("#" + str(n.args[1]) if n.target is operator.getitem else "")
+
+
+def _labelled_graph(nodes: list) -> tuple:
+    """The graph :func:`wl_hash` hashes, nodes numbered in order: layers equal here have equal
+    hashes (the hash does not depend on the nodes' names)."""
+    local = {n: k for k, n in enumerate(nodes)}
+    return tuple((_label(n), tuple((local[arg], a) for a, arg in enumerate(n.all_input_nodes) if arg in local))
+                 for n in nodes)
+
+
 def wl_hash(nodes: list) -> str:
     """Weisfeiler-Lehman hash of a layer's op graph (ops as labels): equal for repeats."""
     g = nx.DiGraph()
     inside = set(nodes)
     for n in nodes:
-        label = str(n.target) + ("#" + str(n.args[1]) if n.target is operator.getitem else "")
+        label = _label(n)
         g.add_node(n.name, label=label)
         for a, arg in enumerate(n.all_input_nodes):
             if arg in inside:

@@ -195,3 +195,15 @@ def test_a_limit_below_the_parameters_share_fails_without_the_memory_limited_sea
     with pytest.raises(MemoryLimitError, match="within the memory limit") as caught:
         solve(index, prof, memory_limit=1.0001 * floor)
     assert searches == [None, 1.0001 * floor] and caught.value.fastest.choices == fastest.choices
+
+
+def test_layers_alike_as_labelled_graphs_have_one_hash_so_it_is_computed_once():
+    from autotp.passes.repeats import LayerFinder, _labelled_graph, wl_hash
+    from autotp.passes.solve import _Solver
+
+    index = GraphIndex.build(stack_capture(4, 8, 16, True, True), 2, 8, 64, uneven=True)
+    solver = _Solver(index, DeviceProfile("p", 1e12, 1e11, 1e10, 1e-5, 1e12, 2), {}, None)
+    blocks = LayerFinder(index, solver.pos, solver.last_use, solver.free).layers()
+    assert len(blocks) == 4 and len({_labelled_graph(b.nodes) for b in blocks}) == 1
+    assert len({wl_hash(b.nodes) for b in blocks}) == 1   # the hash does not read the nodes' names
+    assert sum(b.template is not None for b in blocks) == 3
