@@ -118,8 +118,10 @@ def plan_row(family: str, size: str) -> dict:
         if "memory limit" not in str(exc):
             raise
         # tp alone cannot hold this model's training state in the profile's memory: show the
-        # layout it would have, and what it needs (pipeline or ZeRO stages must make up the rest)
-        plan = autotp.plan(model, tp=TP, memory_limit=float("inf"))
+        # layout it would have, and what it needs (pipeline or ZeRO stages must make up the rest);
+        # the plan memory_limit=inf gives, from the search that failed (nothing solved again)
+        plan = (exc.plan_without_limit() if getattr(exc, "plan_without_limit", None) is not None
+                else autotp.plan(model, tp=TP, memory_limit=float("inf")))
         state = plan.memory_bytes - plan.activation_bytes
         status = (f"needs {plan.memory_bytes / 2**30:.0f} GiB per rank at tp={TP} (training state "
                   f"{state / 2**30:.0f} GiB) > the profile's 80 GiB: PlanError; shown planned without the limit")
