@@ -144,13 +144,13 @@ def _export_cut(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: 
             return None, None
         checked = _CHECKED.get(model, {})
         tries = [capture_expand.KEEP]
-        if all(s.uniform and s.path in checked for s in stacks):
+        if all(s.uniform and s.path in checked and s.period == 1 for s in stacks):
             tries.insert(0, 2)
-            if all(checked[s.path] is not None for s in stacks):
+            if all(checked[s.path] is not None for s in stacks):   # learned of period-1 stacks only
                 tries.insert(0, 1)
         for keep in tries:
             # the block calls a template is learned from (three kept) or read against (one)
-            calls = tuple(f"{s.path}.{i}" for s in stacks for i in range(keep)) if keep != 2 else ()
+            calls = tuple(f"{s.path}.{i}" for s in stacks if s.period == 1 for i in range(keep)) if keep != 2 else ()
             try:
                 ep = _export_calls(model, stacks, keep, kwargs, dynamic_shapes, calls)
                 expanded = capture_expand.expand(ep, model, stacks, keep, templates=checked)
