@@ -1,40 +1,56 @@
-"""Cut and expand: capture a model's stack of identical blocks at three blocks (later: one), then grow the graph.
+"""Cut and expand: capture a model's stack of alike blocks at three blocks (later: one), then grow the graph.
 
 torch.export costs time in proportion to the ops it traces, and most of a transformer's ops
-are its N identical blocks. This module exports the model with every such stack cut to its
-first :data:`KEEP` blocks, then writes blocks ``KEEP..N-1`` into the graph by copying the last
-kept block's nodes, so the result is the graph a full export gives (same placeholders in the
-same order, same ops, same inputs and outputs).
+are its N alike blocks. This module exports the model with every such stack cut to its first
+few blocks, then writes the rest into the graph by copying the last kept blocks' nodes, so the
+result is the graph a full export gives (same placeholders in the same order, same ops, same
+inputs and outputs).
+
+A stack's blocks may repeat with a **period** p > 1 rather than each alike the one before:
+gpt-oss and Gemma 2 alternate sliding-window and full attention (p = 2), Gemma 3 has five
+sliding layers to a full one (p = 6), ModernBERT a global layer every three (p = 3). What is
+said of blocks below is said of periods then; p = 1 is the plain stack. With N blocks, the
+first capture keeps ``kept = h + 2p`` of them (:meth:`Stack.kept`): a *head* of
+``h = 1 + (N - 1) % p`` blocks (block 0, and as many more as leave the rest whole periods: 1
+for p = 1), *period 1* (blocks ``h..h+p-1``) and *period 2* (``h+p..kept-1``), which must
+repeat period 1 and is the template of the rest. For p = 1 that is :data:`KEEP` = 3 blocks.
 
 1. **Find the stacks** (:func:`find_stacks`): an ``nn.ModuleList`` of more than ``KEEP``
-   modules of one class, whose blocks 1..N-1 are alike: the same submodule tree and classes,
-   parameter and buffer names, shapes and dtypes, and the same plain attributes, except ints
-   that count with the block (``layer_idx``: block i holds ``i + c``). Block 0 may differ (T5's
-   relative attention bias). No block's tensors or modules may be shared with the rest of the
-   model, and no module may have hooks.
-2. **Cut** (:func:`cut`): each stack is replaced by a ``ModuleList`` of its first ``KEEP``
+   modules of one class, whose blocks 1..N-1 repeat with the smallest period p (up to
+   :data:`MAX_PERIOD`) for which the stack has more blocks than the cut keeps: block i is alike
+   block i - p, i.e. the same submodule tree and classes, parameter and buffer names, shapes
+   and dtypes, and the same plain attributes, except ints that count with the block
+   (``layer_idx``: block i holds ``i + c``). The period is read off these descriptions (a
+   sliding window set on the odd layers' attention), never off a model's name. Block 0 may
+   differ (T5's relative attention bias, ModernBERT's missing attention norm). No block's
+   tensors or modules may be shared with the rest of the model, and no module may have hooks.
+2. **Cut** (:func:`cut`): each stack is replaced by a ``ModuleList`` of its first ``kept``
    blocks; in every HuggingFace config the model holds, an int field named like a layer count
    (``n_layer``, ``num_hidden_layers``, ``num_decoder_layers``) equal to a stack's length is set
-   to ``KEEP``, and a per-layer list (``layer_types``) of that length is cut to its first
-   ``KEEP`` entries (its entries 1..N-1 must be equal). Everything is restored afterwards.
+   to ``kept``, and a per-layer list (``layer_types``) of that length is cut to its first
+   ``kept`` entries; its entries 1..N-1 must repeat with the stack's period (entry i equal to
+   entry i - p: for p = 1, all equal), since a forward may read it (gpt-oss picks each layer's
+   mask by ``layer_types[i]``). Everything is restored afterwards.
 3. **Check** (:func:`expand`): in the cut graph, block i's *segment* runs from the node after
    block i-1's last node to block i's last node (a block's nodes are those whose module path
-   is under ``stack.i``; the parent's per-iteration ops fall in between). Segment 2 must repeat
-   segment 1 node for node: same op, same constant arguments, the module path shifted by one
-   block, parameters of block 1 replaced by block 2's, nodes of segment 1 by their counterparts,
-   and every other input either the very same node (shared: a mask, rotary tables, T5's position
-   bias) or, consistently, a node of segment 1 standing for one before it (the recurrence: the
-   hidden state); each node's value has its counterpart's shape and dtype (the copies take
-   segment 2's). No node of segment 1 may be used after segment 2, and no node may follow the
-   stack with a module path inside it.
-4. **Expand**: blocks ``KEEP..N-1`` are copies of segment 2 with its parameters renamed to the
-   block's FQNs (placeholders named as torch.export names them, ``p_`` + the FQN with dots as
-   underscores, checked on the cut graph), its recurrent inputs taken from the previous copy and
-   its module paths shifted; what followed the stack reads the last copy.
+   is under ``stack.i``; the parent's per-iteration ops fall in between), and a period's is
+   its blocks' segments in turn. Period 2's segment must repeat period 1's node for node:
+   same op, same constant arguments, the module path shifted by p blocks, parameters of block
+   i replaced by block i + p's, nodes of period 1 by their counterparts, and every other input
+   either the very same node (shared: a mask, rotary tables, T5's position bias) or,
+   consistently, a node of period 1 standing for one before it (the recurrence: the hidden
+   state); each node's value has its counterpart's shape and dtype (the copies take period
+   2's). No node of period 1 may be used after period 2, and no node may follow the stack
+   with a module path inside it.
+4. **Expand**: blocks ``kept..N-1`` are copies of period 2's segment, a period at a time, with
+   its parameters renamed to the blocks' FQNs (placeholders named as torch.export names them,
+   ``p_`` + the FQN with dots as underscores, checked on the cut graph), its recurrent inputs
+   taken from the previous copy and its module paths shifted; what followed the stack reads the
+   last copy.
 
 :func:`expand` takes ``keep``: a model captured before, whose three-block check held, is cut
-further where block 0 is alike the rest (:attr:`Stack.uniform`; see
-:func:`autotp.capture._export_cut`):
+further where its stacks have a period of 1 and block 0 is alike the rest
+(:attr:`Stack.uniform`; see :func:`autotp.capture._export_cut`):
 
 * to **one** block where that first capture learned a :class:`Template` of the stack's block
   calls (from torch.export's record of each block call's arguments and results: which argument
@@ -44,9 +60,17 @@ further where block 0 is alike the rest (:attr:`Stack.uniform`; see
   (:func:`_one_block`); blocks 1..N-1 are copies of block 0;
 * else to **two**, and block 1's segment is checked against block 0's own nodes.
 
+A stack with a period over 1 stays at its first cut (head and two periods) on later captures
+too: two periods from block 0 fail the check wherever block 0 computes a size every block
+then reads (gpt-oss's experts: a product of symbolic sizes), so the try would
+cost a wasted export; and one period would need a template of a period's calls. gpt-oss-20b
+(24 layers) is exported with 6 of them: its capture at tp 8 takes 2.8-3.3 s against 6.9 s
+whole (``benchmarks/moe_plan_speed.md``).
+
 Any check that fails raises :class:`NotExpandable`, and :func:`autotp.capture.capture` exports
 the whole model instead (logged at debug level). ``tests/test_capture_expand.py`` compares the
-result with a full capture (graph, outputs, plan) for GPT-2, Llama, BERT and T5.
+result with a full capture (graph, outputs, plan) for GPT-2, Llama, BERT and T5, and for
+gpt-oss, Gemma 2, Gemma 3 and ModernBERT (periods of 2, 2, 6 and 3).
 """
 from __future__ import annotations
 
@@ -61,8 +85,9 @@ from torch import fx, nn
 from .program import module_path
 from .structure import _TORCH_BOOKKEEPING, Uncacheable, _describe, _qualname
 
-#: blocks kept per stack in the cut capture: block 0 (may differ), block 1, and block 2 that
-#: must repeat block 1 and is the template of the rest
+#: blocks kept per stack of period 1 in the first cut capture: block 0 (may differ), block 1,
+#: and block 2 that must repeat block 1 and is the template of the rest; also the name of that
+#: cut for any period (:meth:`Stack.kept`)
 KEEP = 3
 
 #: config fields that count a stack's layers

@@ -134,7 +134,9 @@ def _export_cut(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: 
     which arguments every block shares and which it takes from the block before. Once that
     held, a later capture of the same model keeps **one** block where block 0 is alike the rest
     and its call fits the template (gpt2-xl's new signature: export 0.32 s against 0.48 s for
-    two blocks), else two (block 1 checked against block 0), else three."""
+    two blocks), else two (block 1 checked against block 0), else three. A stack whose blocks
+    repeat with a period over 1 (gpt-oss: sliding | full attention) keeps a head and two
+    periods, on every capture (:meth:`~autotp.capture.expand.Stack.kept`)."""
     from . import expand as capture_expand
 
     try:
