@@ -503,6 +503,22 @@ def test_periodic_stacks_are_their_whole_export(family, layers, period, kept):
     assert_periodic_expansion(family, layers, period, kept)
 
 
+@pytest.mark.slow   # 8 s: three exports
+def test_a_periodic_stack_stays_at_its_first_cut_the_second_time(keeps):
+    """A later call of a periodic stack is cut as the first (head and two periods), not to one or
+    two blocks, and is still the whole export and the model's values."""
+    model, config = periodic_model("gpt-oss", 8)
+    capture(model)
+    batch = zoo.example_batch("gpt-oss", config, batch=2, seq=5)
+    batch.pop("labels")   # another call: no loss
+    fast = capture(model, example_kwargs=batch)
+    assert keeps == [KEEP, KEEP] and fast.expanded == ("model.layers",)
+    assert_same_capture(fast, whole(model, example_kwargs=batch))
+    with torch.no_grad():
+        want = model(**batch)
+    torch.testing.assert_close(run(fast, model, batch)["logits"], want.logits, rtol=1e-9, atol=1e-9)
+
+
 class Windowed(Block):
     """A block that reads a window (or None) fixed at construction, as a sliding-window attention does."""
 
