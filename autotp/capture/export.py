@@ -2,7 +2,7 @@
 
 ``torch.export.export(strict=False)`` is used because ``torch.fx.symbolic_trace`` fails on
 transformers 5 models. The model is exported with its batch and sequence dims dynamic
-(:mod:`~autotp.capture.inputs`), its stacks of identical blocks cut and the graph expanded
+(:mod:`~autotp.capture.inputs`), its stacks of alike blocks cut and the graph expanded
 (:mod:`~autotp.capture.expand`), narrowing the dims to torch's suggested fixes where the model
 allows less than asked, mask-free calls traced as transformers runs them eagerly
 (:mod:`~autotp.capture.masks`) and random draws answered (:mod:`~autotp.capture.draws`); the
@@ -103,7 +103,7 @@ def fixed_dims(cap: Capture, dynamic_shapes: Any) -> dict[str, int]:
     return out
 
 
-#: capture a stack of identical blocks cut to three and expand the graph (autotp.capture.expand);
+#: capture a stack of alike blocks cut to three (a head and two periods) and expand the graph (autotp.capture.expand);
 #: False exports every model whole
 EXPAND = True
 
