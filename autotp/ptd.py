@@ -121,6 +121,10 @@ def plan_ptd(model: nn.Module, world: int, *, gpus_per_node: int = 8, batch: int
                           f"(an nn.ModuleList); found {len(stacks)} ({found}). Plan tensor parallelism alone with "
                           "autotp.plan(model, tp)")
     stack = stacks[0]
+    if stack.period != 1:
+        raise ConfigError(f"pipeline planning prices one layer of {stack.path} as every other's, and its layers "
+                          f"differ, repeating every {stack.period} (e.g. sliding-window and full attention). "
+                          "Plan tensor parallelism alone with autotp.plan(model, tp)")
     layers = stack.n
     tps = (tp,) if tp is not None else TPS
     rejected: dict[str, str] = {}

@@ -433,3 +433,139 @@ def test_a_parallel_model_from_an_expanded_capture_matches_serial(cluster_of, fa
     for expanded, worst in cluster_of(2).run(check_parallel, family, checkpointing):
         assert expanded == CASES[family]
         assert worst <= 1e-9
+
+
+# ---- stacks whose blocks repeat with a period (sliding-window | full attention) ---------------------
+
+def periodic_model(family: str, layers: int):
+    """A tiny float64 model whose layers alternate sliding-window and full attention: gpt-oss
+    (period 2; its experts on the batched path, which computes float64 on CPU), Gemma 2
+    (period 2), Gemma 3 (five sliding to one full: period 6) or ModernBERT (a global layer
+    every three; block 0 without its attention norm)."""
+    import transformers
+
+    if family == "modernbert":
+        config = zoo.tiny_config("modernbert", layers=layers, positions=8)   # local windows narrower than 8
+        return zoo.build("modernbert", config, dtype=torch.float64).eval(), config
+    if family == "gpt-oss":
+        config = zoo.tiny_config("gpt-oss", layers=layers, heads=4, kv_heads=2)
+        config._experts_implementation = "batched_mm"
+        return zoo.build("gpt-oss", config, dtype=torch.float64).eval(), config
+    config_cls, model_cls = {"gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+                             "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}[family]
+    config = getattr(transformers, config_cls)(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=4, max_position_embeddings=64, attention_dropout=0.0,
+        bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    return getattr(transformers, model_cls)(config).to(torch.float64).eval(), config
+
+
+def assert_periodic_expansion(family: str, layers: int, period: int, kept: int, plan: bool = True) -> None:
+    model, config = periodic_model(family, layers)
+    (stack,) = find_stacks(model)
+    assert (stack.period, stack.kept()) == (period, kept)
+    fast = capture(model)
+    full = whole(model)
+    assert fast.expanded == ("model.layers",) and full.expanded == ()
+    assert_same_capture(fast, full)
+    assert len(model.model.layers) == layers and len(model.config.layer_types) == layers   # whole again
+    batch = zoo.example_batch(family if family in ("gpt-oss", "modernbert") else "llama", config, batch=2, seq=7)
+    got, want = run(fast, model, batch), run(full, model, batch)
+    with torch.no_grad():
+        ref = model(**batch)
+    for key in ("loss", "logits"):
+        assert torch.equal(got[key], want[key])   # the same graph: the same values, exactly
+        torch.testing.assert_close(got[key], ref[key], rtol=1e-9, atol=1e-9)
+    if not plan:
+        return
+    fast_plan, _, _ = build_plan(fast, 2, batch=8, seq=32, profile="h100-dgx")
+    full_plan, _, _ = build_plan(full, 2, batch=8, seq=32, profile="h100-dgx")
+    assert fast_plan.to_json() == full_plan.to_json()
+
+
+def test_alternating_blocks_are_expanded_a_period_at_a_time():
+    """gpt-oss, 8 layers alternating sliding-window and full attention (period 2): cut to a
+    head of two blocks (so the rest is whole periods) and two periods, blocks 2-3 checked
+    against 4-5, and 6-7 written as a copy of 4-5: the whole export and its outputs (the plans,
+    2 s more, in the slow tier's cases below)."""
+    assert_periodic_expansion("gpt-oss", 8, period=2, kept=6, plan=False)
+
+
+@pytest.mark.slow   # 7-14 s each: two exports and two plans
+@pytest.mark.parametrize("family, layers, period, kept", [
+    ("gpt-oss", 9, 2, 5),     # a head of block 0 alone, two periods copied
+    ("gemma2", 8, 2, 6),
+    ("gemma3", 20, 6, 14),    # five sliding layers to one full: a head of two, two periods of six
+    ("modernbert", 10, 3, 7),
+])
+def test_periodic_stacks_are_their_whole_export(family, layers, period, kept):
+    assert_periodic_expansion(family, layers, period, kept)
+
+
+@pytest.mark.slow   # 8 s: three exports
+def test_a_periodic_stack_stays_at_its_first_cut_the_second_time(keeps):
+    """A later call of a periodic stack is cut as the first (head and two periods), not to one or
+    two blocks, and is still the whole export and the model's values."""
+    model, config = periodic_model("gpt-oss", 8)
+    capture(model)
+    batch = zoo.example_batch("gpt-oss", config, batch=2, seq=5)
+    batch.pop("labels")   # another call: no loss
+    fast = capture(model, example_kwargs=batch)
+    assert keeps == [KEEP, KEEP] and fast.expanded == ("model.layers",)
+    assert_same_capture(fast, whole(model, example_kwargs=batch))
+    with torch.no_grad():
+        want = model(**batch)
+    torch.testing.assert_close(run(fast, model, batch)["logits"], want.logits, rtol=1e-9, atol=1e-9)
+
+
+class Windowed(Block):
+    """A block that reads a window (or None) fixed at construction, as a sliding-window attention does."""
+
+    def __init__(self, width: int, index: int, window: int | None):
+        super().__init__(width, index)
+        self.window = window
+
+    def forward(self, x, bias=None):
+        x = super().forward(x, bias)
+        return x if self.window is None else x - x.roll(self.window, dims=1)
+
+
+def windowed(pattern: list) -> nn.Module:
+    model = Toy(layers=len(pattern))
+    model.blocks = nn.ModuleList(Windowed(8, i, w) for i, w in enumerate(pattern))
+    return model
+
+
+def test_the_period_is_the_smallest_the_blocks_repeat_with():
+    assert [(s.period, s.kept()) for s in find_stacks(windowed([None, 2] * 4))] == [(2, 6)]
+    assert [(s.period, s.kept()) for s in find_stacks(windowed([None, 2] * 4 + [None]))] == [(2, 5)]
+    assert [(s.period, s.kept()) for s in find_stacks(windowed([1, 1, 2] * 5))] == [(3, 9)]
+    assert [(s.period, s.uniform) for s in find_stacks(windowed([3] + [1, 2] * 4))] == [(2, False)]   # block 0 differs
+    assert find_stacks(windowed([None, 2] * 4))[0].kept(KEEP) == 6
+    assert find_stacks(windowed([None, 2] * 2 + [None])) == []           # no more blocks than a cut keeps
+    assert find_stacks(windowed([None, 2, 2, None, 2, None, 2, None])) == []   # the period breaks at block 2
+    assert find_stacks(windowed([5, 2, 7, 1, 3, 8, 6, 4])) == []          # every block its own
+    assert find_stacks(windowed(([1] * 8 + [2]) * 4 + [1])) == []       # a period of 9: past MAX_PERIOD
+
+
+def test_a_per_layer_list_that_breaks_the_period_is_refused():
+    """gpt-oss's model reads ``config.layer_types[i]`` in its forward: a list that does not
+    repeat with its blocks' period cannot be cut (the copies would take the wrong mask)."""
+    from autotp.capture.expand import NotExpandable, cut
+
+    config = zoo.tiny_config("gpt-oss", layers=8, heads=4, kv_heads=2)
+    model = zoo.build("gpt-oss", config, device="meta")
+    (stack,) = find_stacks(model)
+    types = list(config.layer_types)
+    assert stack.period == 2 and types[:2] == ["sliding_attention", "full_attention"]
+    with cut(model, [stack]):
+        assert len(model.model.layers) == 6 and model.config.num_hidden_layers == 6
+        assert model.config.layer_types == types[:6]
+    config.layer_types = types[:6] + types[7:5:-1]   # the last two swapped
+    with pytest.raises(NotExpandable, match="every 2 layers"):
+        with cut(model, [stack]):
+            pass
+    assert len(model.model.layers) == 8 and model.config.layer_types == types[:6] + types[7:5:-1]
+    with pytest.raises(NotExpandable, match="cut to three periods only"):
+        stack.kept(1)

@@ -19,7 +19,7 @@ The steps, each a module, in the order they import one another (each imports onl
 - ``normalize``: the exported program -> a normalized Capture
 - ``twin``: the weightless shape twin a rank keeps for later captures
 - ``structure``: a module's structure as text (the cache's key, the blocks' comparison)
-- ``expand``: cut a stack of identical blocks to three (later one), then grow the graph
+- ``expand``: cut a stack of alike blocks to three (later one; or a head and two periods), then grow the graph
 - ``export``: :func:`capture`, torch.export with dynamic dims, narrowed where the model allows less
 - ``cache``: one capture per structure, reused by models that differ only in their weights
 """

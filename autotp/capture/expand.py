@@ -1,40 +1,56 @@
-"""Cut and expand: capture a model's stack of identical blocks at three blocks (later: one), then grow the graph.
+"""Cut and expand: capture a model's stack of alike blocks at three blocks (later: one), then grow the graph.
 
 torch.export costs time in proportion to the ops it traces, and most of a transformer's ops
-are its N identical blocks. This module exports the model with every such stack cut to its
-first :data:`KEEP` blocks, then writes blocks ``KEEP..N-1`` into the graph by copying the last
-kept block's nodes, so the result is the graph a full export gives (same placeholders in the
-same order, same ops, same inputs and outputs).
+are its N alike blocks. This module exports the model with every such stack cut to its first
+few blocks, then writes the rest into the graph by copying the last kept blocks' nodes, so the
+result is the graph a full export gives (same placeholders in the same order, same ops, same
+inputs and outputs).
+
+A stack's blocks may repeat with a **period** p > 1 rather than each alike the one before:
+gpt-oss and Gemma 2 alternate sliding-window and full attention (p = 2), Gemma 3 has five
+sliding layers to a full one (p = 6), ModernBERT a global layer every three (p = 3). What is
+said of blocks below is said of periods then; p = 1 is the plain stack. With N blocks, the
+first capture keeps ``kept = h + 2p`` of them (:meth:`Stack.kept`): a *head* of
+``h = 1 + (N - 1) % p`` blocks (block 0, and as many more as leave the rest whole periods: 1
+for p = 1), *period 1* (blocks ``h..h+p-1``) and *period 2* (``h+p..kept-1``), which must
+repeat period 1 and is the template of the rest. For p = 1 that is :data:`KEEP` = 3 blocks.
 
 1. **Find the stacks** (:func:`find_stacks`): an ``nn.ModuleList`` of more than ``KEEP``
-   modules of one class, whose blocks 1..N-1 are alike: the same submodule tree and classes,
-   parameter and buffer names, shapes and dtypes, and the same plain attributes, except ints
-   that count with the block (``layer_idx``: block i holds ``i + c``). Block 0 may differ (T5's
-   relative attention bias). No block's tensors or modules may be shared with the rest of the
-   model, and no module may have hooks.
-2. **Cut** (:func:`cut`): each stack is replaced by a ``ModuleList`` of its first ``KEEP``
+   modules of one class, whose blocks 1..N-1 repeat with the smallest period p (up to
+   :data:`MAX_PERIOD`) for which the stack has more blocks than the cut keeps: block i is alike
+   block i - p, i.e. the same submodule tree and classes, parameter and buffer names, shapes
+   and dtypes, and the same plain attributes, except ints that count with the block
+   (``layer_idx``: block i holds ``i + c``). The period is read off these descriptions (a
+   sliding window set on the odd layers' attention), never off a model's name. Block 0 may
+   differ (T5's relative attention bias, ModernBERT's missing attention norm). No block's
+   tensors or modules may be shared with the rest of the model, and no module may have hooks.
+2. **Cut** (:func:`cut`): each stack is replaced by a ``ModuleList`` of its first ``kept``
    blocks; in every HuggingFace config the model holds, an int field named like a layer count
    (``n_layer``, ``num_hidden_layers``, ``num_decoder_layers``) equal to a stack's length is set
-   to ``KEEP``, and a per-layer list (``layer_types``) of that length is cut to its first
-   ``KEEP`` entries (its entries 1..N-1 must be equal). Everything is restored afterwards.
+   to ``kept``, and a per-layer list (``layer_types``) of that length is cut to its first
+   ``kept`` entries; its entries 1..N-1 must repeat with the stack's period (entry i equal to
+   entry i - p: for p = 1, all equal), since a forward may read it (gpt-oss picks each layer's
+   mask by ``layer_types[i]``). Everything is restored afterwards.
 3. **Check** (:func:`expand`): in the cut graph, block i's *segment* runs from the node after
    block i-1's last node to block i's last node (a block's nodes are those whose module path
-   is under ``stack.i``; the parent's per-iteration ops fall in between). Segment 2 must repeat
-   segment 1 node for node: same op, same constant arguments, the module path shifted by one
-   block, parameters of block 1 replaced by block 2's, nodes of segment 1 by their counterparts,
-   and every other input either the very same node (shared: a mask, rotary tables, T5's position
-   bias) or, consistently, a node of segment 1 standing for one before it (the recurrence: the
-   hidden state); each node's value has its counterpart's shape and dtype (the copies take
-   segment 2's). No node of segment 1 may be used after segment 2, and no node may follow the
-   stack with a module path inside it.
-4. **Expand**: blocks ``KEEP..N-1`` are copies of segment 2 with its parameters renamed to the
-   block's FQNs (placeholders named as torch.export names them, ``p_`` + the FQN with dots as
-   underscores, checked on the cut graph), its recurrent inputs taken from the previous copy and
-   its module paths shifted; what followed the stack reads the last copy.
+   is under ``stack.i``; the parent's per-iteration ops fall in between), and a period's is
+   its blocks' segments in turn. Period 2's segment must repeat period 1's node for node:
+   same op, same constant arguments, the module path shifted by p blocks, parameters of block
+   i replaced by block i + p's, nodes of period 1 by their counterparts, and every other input
+   either the very same node (shared: a mask, rotary tables, T5's position bias) or,
+   consistently, a node of period 1 standing for one before it (the recurrence: the hidden
+   state); each node's value has its counterpart's shape and dtype (the copies take period
+   2's). No node of period 1 may be used after period 2, and no node may follow the stack
+   with a module path inside it.
+4. **Expand**: blocks ``kept..N-1`` are copies of period 2's segment, a period at a time, with
+   its parameters renamed to the blocks' FQNs (placeholders named as torch.export names them,
+   ``p_`` + the FQN with dots as underscores, checked on the cut graph), its recurrent inputs
+   taken from the previous copy and its module paths shifted; what followed the stack reads the
+   last copy.
 
 :func:`expand` takes ``keep``: a model captured before, whose three-block check held, is cut
-further where block 0 is alike the rest (:attr:`Stack.uniform`; see
-:func:`autotp.capture._export_cut`):
+further where its stacks have a period of 1 and block 0 is alike the rest
+(:attr:`Stack.uniform`; see :func:`autotp.capture._export_cut`):
 
 * to **one** block where that first capture learned a :class:`Template` of the stack's block
   calls (from torch.export's record of each block call's arguments and results: which argument
@@ -44,9 +60,17 @@ further where block 0 is alike the rest (:attr:`Stack.uniform`; see
   (:func:`_one_block`); blocks 1..N-1 are copies of block 0;
 * else to **two**, and block 1's segment is checked against block 0's own nodes.
 
+A stack with a period over 1 stays at its first cut (head and two periods) on later captures
+too: two periods from block 0 fail the check wherever block 0 computes a size every block
+then reads (gpt-oss's experts: a product of symbolic sizes), so the try would
+cost a wasted export; and one period would need a template of a period's calls. gpt-oss-20b
+(24 layers) is exported with 6 of them: its capture at tp 8 takes 2.8-3.3 s against 6.9 s
+whole (``benchmarks/moe_plan_speed.md``).
+
 Any check that fails raises :class:`NotExpandable`, and :func:`autotp.capture.capture` exports
 the whole model instead (logged at debug level). ``tests/test_capture_expand.py`` compares the
-result with a full capture (graph, outputs, plan) for GPT-2, Llama, BERT and T5.
+result with a full capture (graph, outputs, plan) for GPT-2, Llama, BERT and T5, and for
+gpt-oss, Gemma 2, Gemma 3 and ModernBERT (periods of 2, 2, 6 and 3).
 """
 from __future__ import annotations
 
@@ -61,8 +85,9 @@ from torch import fx, nn
 from .program import module_path
 from .structure import _TORCH_BOOKKEEPING, Uncacheable, _describe, _qualname
 
-#: blocks kept per stack in the cut capture: block 0 (may differ), block 1, and block 2 that
-#: must repeat block 1 and is the template of the rest
+#: blocks kept per stack of period 1 in the first cut capture: block 0 (may differ), block 1,
+#: and block 2 that must repeat block 1 and is the template of the rest; also the name of that
+#: cut for any period (:meth:`Stack.kept`)
 KEEP = 3
 
 #: config fields that count a stack's layers
@@ -73,6 +98,10 @@ class NotExpandable(Exception):
     """The model or its cut graph does not allow cut and expand; capture it whole."""
 
 
+#: the longest period of blocks looked for (gpt-oss and Gemma 2 alternate two kinds, Gemma 3 six)
+MAX_PERIOD = 8
+
+
 @dataclass
 class Stack:
     path: str                # "transformer.h"
@@ -80,11 +109,23 @@ class Stack:
     attr: str
     blocks: list             # the full list's modules
     original: nn.ModuleList
-    uniform: bool = False    # block 0 is alike the rest too (T5's is not)
+    uniform: bool = False    # block 0 is alike block ``period`` too (T5's is not)
+    period: int = 1          # block i is alike block i - period (i > period)
 
     @property
     def n(self) -> int:
         return len(self.blocks)
+
+    def kept(self, keep: int = KEEP) -> int:
+        """The blocks the cut ``keep`` keeps: for :data:`KEEP`, a head of 1..period blocks
+        (block 0, and as many more as align the rest to whole periods) and two periods; 2 and
+        1 (the later captures' cuts) for a period of 1 only."""
+        p = self.period
+        if keep == KEEP:
+            return 1 + (self.n - 1) % p + 2 * p
+        if keep in (1, 2) and p == 1:
+            return keep
+        raise NotExpandable(f"{self.path}: its blocks repeat every {p}; it is cut to three periods only")
 
 
 # ---- 1. finding the stacks -----------------------------------------------------------------
@@ -114,12 +155,23 @@ def find_stacks(model: nn.Module) -> list[Stack]:
             described = [_describe_block(b) for b in blocks]
         except Uncacheable:
             continue
-        if not _repeats(described, 1):
+        period = _period(described)
+        if period is None:
             continue
         parent_path, _, attr = path.rpartition(".")
         stacks.append(Stack(path, modules[parent_path] if parent_path else model, attr, blocks, mod,
-                            uniform=_repeats(described[:2], 0)))
+                            uniform=_alike(described, (0, period)), period=period))
     return stacks
+
+
+def _period(described: list) -> int | None:
+    """The smallest period p (up to :data:`MAX_PERIOD`) with which blocks 1.. repeat (block i
+    alike block i - p), among those where the stack has more blocks than a cut keeps."""
+    n = len(described)
+    for p in range(1, MAX_PERIOD + 1):
+        if n > 1 + (n - 1) % p + 2 * p and _repeats(described, 1, p):
+            return p
+    return None
 
 
 def _own(path: str, blocks: list, owners: dict, tensor_owners: dict) -> bool:
@@ -135,14 +187,21 @@ def _own(path: str, blocks: list, owners: dict, tensor_owners: dict) -> bool:
     return True
 
 
-def _repeats(described: list, start: int) -> bool:
-    """Blocks ``start..`` of ``described`` (one description per block) are alike: the same
-    entries, equal but for ints that count with the block (block i holds ``i + c``)."""
-    first = described[start]
-    if any(len(d) != len(first) for d in described[start + 1:]):
+def _repeats(described: list, start: int, period: int = 1) -> bool:
+    """Blocks ``start..`` of ``described`` (one description per block) repeat with ``period``:
+    each is alike the block ``period`` before it (:func:`_alike`)."""
+    return all(_alike(described, range(r, len(described), period)) for r in range(start, start + period))
+
+
+def _alike(described: list, indices: Any) -> bool:
+    """The blocks at ``indices`` are alike: the same entries, equal but for ints that count with
+    the block (block i holds ``i + c``)."""
+    indices = list(indices)
+    first = described[indices[0]]
+    if any(len(described[i]) != len(first) for i in indices[1:]):
         return False
     for k, (key, text, _) in enumerate(first):
-        column = [d[k] for d in described[start:]]
+        column = [described[i][k] for i in indices]
         if any(c[0] != key for c in column):
             return False
         if all(c[1] == text for c in column):
@@ -150,7 +209,7 @@ def _repeats(described: list, start: int) -> bool:
         values = [c[2] for c in column]   # allowed to differ: an int that counts with the block
         if not all(type(v) is int for v in values):
             return False
-        if len({v - i for i, v in enumerate(values, start=start)}) != 1:
+        if len({v - i for i, v in zip(indices, values)}) != 1:
             return False
     return True
 
@@ -185,17 +244,28 @@ def _configs(model: nn.Module) -> list[Any]:
 
 
 def _config_patches(model: nn.Module, stacks: list[Stack], keep: int = KEEP) -> list[tuple[Any, str, Any]]:
-    lengths = {s.n for s in stacks}
+    by_length: dict[int, set] = {}
+    for s in stacks:
+        by_length.setdefault(s.n, set()).add((s.kept(keep), s.period))
     patches = []
     for cfg in _configs(model):
         for name, value in vars(cfg).items():
-            if type(value) is int and value in lengths and _LAYER_COUNT.search(name):
-                patches.append((cfg, name, keep))
-            elif isinstance(value, (list, tuple)) and len(value) in lengths and "layer" in name.lower():
-                first = 0 if keep < 2 else 1   # block 0 is the template of the rest when it is kept alone
-                if any(v != value[first] for v in value[first + 1:]):
-                    raise NotExpandable(f"config field {name} differs between layers")
-                patches.append((cfg, name, type(value)(value[:keep])))
+            counts = type(value) is int and value in by_length and _LAYER_COUNT.search(name)
+            listed = isinstance(value, (list, tuple)) and len(value) in by_length and "layer" in name.lower()
+            if not (counts or listed):
+                continue
+            cuts = by_length[len(value) if listed else value]
+            if len(cuts) != 1:
+                raise NotExpandable(f"config field {name} counts stacks of {value} layers cut to different lengths")
+            ((kept, period),) = cuts
+            if counts:
+                patches.append((cfg, name, kept))
+                continue
+            first = 0 if keep < 2 else 1   # block 0 is the template of the rest when it is kept alone
+            if any(value[i] != value[i - period] for i in range(first + period, len(value))):
+                raise NotExpandable(f"config field {name} differs between layers"
+                                    + (f" (not every {period} layers alike)" if period > 1 else ""))
+            patches.append((cfg, name, type(value)(value[:kept])))
     return patches
 
 
@@ -214,7 +284,7 @@ def cut(model: nn.Module, stacks: list[Stack], keep: int = KEEP) -> Iterator[Non
     before = [(m, set(vars(m)), {k: set(d) for k, d in _hook_dicts(m)}) for m in modules]
     try:
         for s in stacks:
-            short = nn.ModuleList(s.blocks[:keep])
+            short = nn.ModuleList(s.blocks[:s.kept(keep)])
             short.training = s.original.training
             s.parent._modules[s.attr] = short
         for cfg, name, value in patches:
@@ -259,13 +329,33 @@ def placeholder_name(kind: str, fqn: str) -> str:
     return kind + re.sub(r"[^a-zA-Z0-9]", "_", fqn).lower()
 
 
-def _shift(text: str, stack: str, src: int, dst: Any) -> str:
-    return re.sub(rf"(?<![^._]){re.escape(stack)}\.{src}(?=\.|$)", f"{stack}.{dst}", text)
+def _shift(text: str, stack: str, src: int, dst: Any, period: int = 1) -> str:
+    """``text`` with the paths of blocks ``src..src+period-1`` of ``stack`` moved to
+    ``dst..``; a str ``dst`` is a marker: block ``src + j`` becomes ``dst + j + dst``."""
+    if period == 1:
+        return re.sub(rf"(?<![^._]){re.escape(stack)}\.{src}(?=\.|$)", f"{stack}.{dst}", text)
+
+    def moved(m: re.Match) -> str:
+        j = int(m.group(1)) - src
+        if not 0 <= j < period:
+            return m.group(0)
+        return f"{stack}.{dst}{j}{dst}" if isinstance(dst, str) else f"{stack}.{dst + j}"
+
+    return re.sub(rf"(?<![^._]){re.escape(stack)}\.(\d+)(?=\.|$)", moved, text)
 
 
-def _shift_fqn(fqn: str, stack: str, src: int, dst: int) -> str | None:
-    prefix = f"{stack}.{src}."
-    return f"{stack}.{dst}.{fqn[len(prefix):]}" if fqn.startswith(prefix) else None
+def _shift_fqn(fqn: str, stack: str, src: int, dst: int, period: int = 1) -> str | None:
+    """The FQN ``fqn`` of block ``src + j`` (``0 <= j < period``) as block ``dst + j``'s; None
+    for any other."""
+    if period == 1:
+        prefix = f"{stack}.{src}."
+        return f"{stack}.{dst}.{fqn[len(prefix):]}" if fqn.startswith(prefix) else None
+    if not fqn.startswith(stack + "."):
+        return None
+    head, _, rest = fqn[len(stack) + 1:].partition(".")
+    if not (head.isdigit() and rest and 0 <= int(head) - src < period):
+        return None
+    return f"{stack}.{dst + int(head) - src}.{rest}"
 
 
 @dataclass
@@ -304,7 +394,7 @@ def expand(ep: torch.export.ExportedProgram, model: nn.Module, stacks: list[Stac
             raise NotExpandable(f"input kind {spec.kind}")
 
     def dropped(fqn: str) -> bool:
-        return any(fqn.startswith(f"{s.path}.{k}.") for s in stacks for k in range(keep, s.n))
+        return any(fqn.startswith(f"{s.path}.{k}.") for s in stacks for k in range(s.kept(keep), s.n))
 
     full_params = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     full_buffers = [n for n, _ in model.named_buffers(remove_duplicate=False)]
@@ -329,7 +419,8 @@ def expand(ep: torch.export.ExportedProgram, model: nn.Module, stacks: list[Stac
             else:
                 stack = next(s for s in stacks if fqn.startswith(s.path + "."))
                 k = int(fqn[len(stack.path) + 1:].split(".", 1)[0])
-                template = old_ph[cut_names[_shift_fqn(fqn, stack.path, k, keep - 1)]]
+                kept, p = stack.kept(keep), stack.period   # block k is a copy of this one
+                template = old_ph[cut_names[_shift_fqn(fqn, stack.path, k, kept - p + (k - kept) % p)]]
                 node = graph.placeholder(placeholder_name(kind, fqn))
                 if node.name != placeholder_name(kind, fqn):
                     raise NotExpandable(f"placeholder name {placeholder_name(kind, fqn)} is taken")
@@ -369,7 +460,7 @@ def _block_of(node: fx.Node, stack: str) -> int | None:
 
 
 def _segments(graph: fx.Graph, stack: Stack, keep: int) -> tuple[list, list[int], list[int]]:
-    """The graph's nodes, and the first and last position of each kept block's ops."""
+    """The graph's nodes, and the first and last position of each of the ``keep`` blocks' ops."""
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     block = {n: _block_of(n, stack.path) for n in nodes if n.op == "call_function"}
@@ -389,10 +480,11 @@ def _segments(graph: fx.Graph, stack: Stack, keep: int) -> tuple[list, list[int]
 
 
 def _compare(seg1: list, seg2: list, stack: Stack, one: int, two: int, by_fqn: dict,
-             fqn_of: dict) -> tuple[dict, dict]:
-    """Check that ``seg2`` (block ``two``'s segment) repeats ``seg1`` (block ``one``'s) node for
-    node; return ``phi`` (seg1 node -> its seg2 counterpart) and ``rec`` (an input of seg1 from
-    before it -> the seg1 node seg2 reads in its place: the recurrence)."""
+             fqn_of: dict, period: int = 1) -> tuple[dict, dict]:
+    """Check that ``seg2`` (the segment of blocks ``two..two+period-1``) repeats ``seg1`` (that
+    of blocks ``one..``) node for node; return ``phi`` (seg1 node -> its seg2 counterpart) and
+    ``rec`` (an input of seg1 from before it -> the seg1 node seg2 reads in its place: the
+    recurrence)."""
     if len(seg1) != len(seg2) or not seg2:
         raise NotExpandable(f"{stack.path}: block {two}'s segment has {len(seg2)} nodes, block {one}'s {len(seg1)}")
     in1, in2 = set(seg1), set(seg2)
@@ -406,7 +498,7 @@ def _compare(seg1: list, seg2: list, stack: Stack, one: int, two: int, by_fqn: d
             if xa in in1:
                 return phi.get(xa) is xb
             if xa.op == "placeholder" and xa in fqn_of:   # a parameter or buffer: block one's is block two's
-                shifted = _shift_fqn(fqn_of[xa], stack.path, one, two)
+                shifted = _shift_fqn(fqn_of[xa], stack.path, one, two, period)
                 return xb is (by_fqn.get(shifted) if shifted is not None else xa)
             if xb is xa:
                 return True
@@ -424,7 +516,7 @@ def _compare(seg1: list, seg2: list, stack: Stack, one: int, two: int, by_fqn: d
     for a, b in zip(seg1, seg2):
         if a.op != "call_function" or b.op != "call_function" or a.target != b.target:
             raise NotExpandable(f"{stack.path}: {b.name} ({b.target}) does not repeat {a.name} ({a.target})")
-        if [_shift(p, stack.path, one, two) for p in _stack_paths(a)] != _stack_paths(b):
+        if [_shift(p, stack.path, one, two, period) for p in _stack_paths(a)] != _stack_paths(b):
             raise NotExpandable(f"{stack.path}: {b.name}'s module path does not repeat {a.name}'s")
         if not (match(a.args, b.args) and match(a.kwargs, b.kwargs)):
             raise NotExpandable(f"{stack.path}: the inputs of {b.name} do not repeat those of {a.name}")
@@ -439,39 +531,41 @@ def _compare(seg1: list, seg2: list, stack: Stack, one: int, two: int, by_fqn: d
 
 def _expand_stack(graph: fx.Graph, stack: Stack, by_fqn: dict, fqn_of: dict, keep: int,
                   calls: dict | None = None, template: "Template | None" = None) -> "Template | None":
-    """Blocks ``keep..`` of ``stack`` written into ``graph`` as copies of block ``keep - 1``'s
-    segment (*seg2* below), once it is checked to repeat block ``keep - 2``'s (*seg1*).
+    """Blocks ``kept..`` of ``stack`` (``kept``: :meth:`Stack.kept`) written into ``graph`` as
+    copies of the segment of its last kept period (*seg2* below), once it is checked to repeat
+    the period before (*seg1*), a period at a time.
 
     ``keep`` 1 takes the recurrence from ``template`` and the block's call signature
     (``calls``: block path -> its signature in the export), see :func:`_one_block`. Where
     ``keep`` is :data:`KEEP` and the signatures were recorded, returns the stack's
-    :class:`Template` (None if its blocks' calls do not allow one)."""
-    nodes, starts, ends = _segments(graph, stack, keep)
-    two = keep - 1
+    :class:`Template` (None if its blocks' calls do not allow one; always for a period over 1)."""
+    kept, p = stack.kept(keep), stack.period
+    nodes, starts, ends = _segments(graph, stack, kept)
+    two = kept - p   # the first block of seg2
     learned = None
     if keep == 1:
         seg2 = nodes[starts[0]: ends[0] + 1]
         tail = nodes[ends[0] + 1:]
         feeds = _one_block(seg2, tail, stack, calls or {}, template, fqn_of)
     else:
-        one = keep - 2   # the blocks compared: seg2 is the template of the rest
+        one = two - p   # the first block of seg1; the blocks before it are the head, kept as they are
         # block 0's segment is its own ops: what comes before it is the parent's, run once
-        seg1 = nodes[(ends[one - 1] + 1 if one else starts[0]): ends[one] + 1]
-        seg2 = nodes[ends[one] + 1: ends[two] + 1]
-        tail = nodes[ends[two] + 1:]
-        phi, rec = _compare(seg1, seg2, stack, one, two, by_fqn, fqn_of)
+        seg1 = nodes[(ends[one - 1] + 1 if one else starts[0]): ends[two - 1] + 1]
+        seg2 = nodes[ends[two - 1] + 1: ends[kept - 1] + 1]
+        tail = nodes[ends[kept - 1] + 1:]
+        phi, rec = _compare(seg1, seg2, stack, one, two, by_fqn, fqn_of, p)
         # segment 2 reads a segment-1 node where segment 1 read one from before it; copy k reads
         # copy k-1's counterpart of that node
         feeds = {b: phi[b] for b in rec.values()}
-        if keep == KEEP and calls:
+        if keep == KEEP and calls and p == 1:
             learned = _learn(nodes, starts, ends, tail, stack, calls, by_fqn, fqn_of)
 
-    marker = "\0"   # where the block index goes in segment 2's module paths
-    stacks_of = {n: [(_shift(key, stack.path, two, marker), _shift(p, stack.path, two, marker), t)
-                     for key, (p, t) in (n.meta.get("nn_module_stack") or {}).items()] for n in seg2}
+    marker = "\0"   # where the block index goes in segment 2's module paths (block two + j: marker j marker)
+    stacks_of = {n: [(_shift(key, stack.path, two, marker, p), _shift(path, stack.path, two, marker, p), t)
+                     for key, (path, t) in (n.meta.get("nn_module_stack") or {}).items()] for n in seg2}
     last = {n: n for n in seg2}
     anchor = tail[0]
-    for k in range(keep, stack.n):
+    for k in range(kept, stack.n, p):   # the copy of blocks k..k+p-1
         copies: dict[fx.Node, fx.Node] = {}
         previous = {read: last[src] for read, src in feeds.items()}
 
@@ -481,19 +575,24 @@ def _expand_stack(graph: fx.Graph, stack: Stack, by_fqn: dict, fqn_of: dict, kee
             if x in previous:
                 return previous[x]
             if x.op == "placeholder" and x in fqn_of:
-                shifted = _shift_fqn(fqn_of[x], stack.path, two, k)
+                shifted = _shift_fqn(fqn_of[x], stack.path, two, k, p)
                 if shifted is not None:
                     return by_fqn[shifted]
             return x
+
+        indices = [(f"{marker}{j}{marker}" if p > 1 else marker, str(k + j)) for j in range(p)]
+
+        def moved(text: str) -> str:
+            for mark, index in indices:
+                text = text.replace(mark, index)
+            return text
 
         with graph.inserting_before(anchor):
             for n in seg2:
                 c = graph.node_copy(n, arg)
                 c.meta = dict(n.meta)
                 if stacks_of[n]:
-                    index = str(k)
-                    c.meta["nn_module_stack"] = {key.replace(marker, index): (p.replace(marker, index), t)
-                                                 for key, p, t in stacks_of[n]}
+                    c.meta["nn_module_stack"] = {moved(key): (moved(path), t) for key, path, t in stacks_of[n]}
                 copies[n] = c
         last = copies
     after = set(tail)

@@ -2,7 +2,7 @@
 
 ``torch.export.export(strict=False)`` is used because ``torch.fx.symbolic_trace`` fails on
 transformers 5 models. The model is exported with its batch and sequence dims dynamic
-(:mod:`~autotp.capture.inputs`), its stacks of identical blocks cut and the graph expanded
+(:mod:`~autotp.capture.inputs`), its stacks of alike blocks cut and the graph expanded
 (:mod:`~autotp.capture.expand`), narrowing the dims to torch's suggested fixes where the model
 allows less than asked, mask-free calls traced as transformers runs them eagerly
 (:mod:`~autotp.capture.masks`) and random draws answered (:mod:`~autotp.capture.draws`); the
@@ -103,7 +103,7 @@ def fixed_dims(cap: Capture, dynamic_shapes: Any) -> dict[str, int]:
     return out
 
 
-#: capture a stack of identical blocks cut to three and expand the graph (autotp.capture.expand);
+#: capture a stack of alike blocks cut to three (a head and two periods) and expand the graph (autotp.capture.expand);
 #: False exports every model whole
 EXPAND = True
 
@@ -134,7 +134,9 @@ def _export_cut(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: 
     which arguments every block shares and which it takes from the block before. Once that
     held, a later capture of the same model keeps **one** block where block 0 is alike the rest
     and its call fits the template (gpt2-xl's new signature: export 0.32 s against 0.48 s for
-    two blocks), else two (block 1 checked against block 0), else three."""
+    two blocks), else two (block 1 checked against block 0), else three. A stack whose blocks
+    repeat with a period over 1 (gpt-oss: sliding | full attention) keeps a head and two
+    periods, on every capture (:meth:`~autotp.capture.expand.Stack.kept`)."""
     from . import expand as capture_expand
 
     try:
@@ -144,13 +146,13 @@ def _export_cut(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: 
             return None, None
         checked = _CHECKED.get(model, {})
         tries = [capture_expand.KEEP]
-        if all(s.uniform and s.path in checked for s in stacks):
+        if all(s.uniform and s.path in checked and s.period == 1 for s in stacks):
             tries.insert(0, 2)
-            if all(checked[s.path] is not None for s in stacks):
+            if all(checked[s.path] is not None for s in stacks):   # learned of period-1 stacks only
                 tries.insert(0, 1)
         for keep in tries:
             # the block calls a template is learned from (three kept) or read against (one)
-            calls = tuple(f"{s.path}.{i}" for s in stacks for i in range(keep)) if keep != 2 else ()
+            calls = tuple(f"{s.path}.{i}" for s in stacks if s.period == 1 for i in range(keep)) if keep != 2 else ()
             try:
                 ep = _export_calls(model, stacks, keep, kwargs, dynamic_shapes, calls)
                 expanded = capture_expand.expand(ep, model, stacks, keep, templates=checked)

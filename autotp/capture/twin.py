@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 #: models whose stacks passed the three-block check: model -> {stack path: its
 #: expand.Template or None}. Their later captures (other call signatures) cut them to
 #: one block where a template describes how the blocks are called, else to two, where block 0
-#: is alike the rest
+#: is alike the rest (stacks of period 1; a periodic stack keeps its first cut)
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

@@ -200,13 +200,16 @@ def test_plan_with_world_refuses_what_cannot_be_split_clearly():
         autotp.plan(_meta_gpt2(), world=3, gpus_per_node=2, batch=32, seq=128)
     with pytest.raises(ConfigError, match="needs tp"):
         autotp.plan(_meta_gpt2())
-    # layers that alternate (sliding and full attention): no stack of identical blocks to cut
+    # layers that alternate (sliding and full attention): a stack of period 2 (which capture cuts and
+    # expands), whose one layer's price is not every layer's; at 6 layers too few to cut
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                         num_hidden_layers=6, vocab_size=100, use_sliding_window=True, sliding_window=16,
-                         layer_types=["full_attention", "sliding_attention"] * 3)
-    with torch.device("meta"):
-        alternating = Qwen2ForCausalLM(config)
-    with pytest.raises(ConfigError, match=r"one stack of more than 3 identical blocks .* found 0"):
-        autotp.plan(alternating, world=8, gpus_per_node=4, batch=8, seq=32)
+    for layers, refused in ((6, r"one stack of more than 3 identical blocks .* found 0"),
+                            (8, r"its layers differ, repeating every 2 .* autotp.plan\(model, tp\)")):
+        config = Qwen2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                             num_hidden_layers=layers, vocab_size=100, use_sliding_window=True, sliding_window=16,
+                             layer_types=["full_attention", "sliding_attention"] * (layers // 2))
+        with torch.device("meta"):
+            alternating = Qwen2ForCausalLM(config)
+        with pytest.raises(ConfigError, match=refused):
+            autotp.plan(alternating, world=8, gpus_per_node=4, batch=8, seq=32)

@@ -53,7 +53,8 @@ def check_experts_case(case: dict) -> dict:
     dtype = getattr(torch, case["dtype"])
     config = zoo.tiny_config(case["family"], layers=case.get("layers", 2), heads=4, kv_heads=case["kv_heads"],
                              head_dim=8, vocab=48,
-                             experts=case["experts"], top_k=case["top_k"], output_router_logits=True)
+                             experts=case["experts"], top_k=case["top_k"],
+                             output_router_logits=case.get("router_logits", True))
     config._experts_implementation = case["impl"]
     model = zoo.build(case["family"], config, dtype=dtype, seed=case["seed"])
     batch = zoo.example_batch(case["family"], config, batch=2, seq=case["seq"], seed=case["seed"] + 1)
@@ -78,7 +79,7 @@ def check_experts_case(case: dict) -> dict:
     want = model.generate(ids, max_new_tokens=3, do_sample=False, output_router_logits=False)
     got = pm.generate(ids, max_new_tokens=3, do_sample=False)
     return {"errors": errors, "roles": roles, "generate": bool(torch.equal(want, got)),
-            "split heads": bool(pm.plan.attention)}
+            "split heads": bool(pm.plan.attention), "expanded": pm.capture.expanded}
 
 
 def cases(tps: tuple[int, ...]):
@@ -108,6 +109,8 @@ def assert_experts_case(cluster_of, case: dict) -> None:
         assert result["generate"], (case, rank, "greedy generate differs from serial")
         if case.get("heads") and case["family"] == "deepseek-v3" and case["tp"] > 1:
             assert result["split heads"], (case, rank, "MLA pinned by head but not run split")
+        if "expanded" in case:
+            assert result["expanded"] == case["expanded"], (case, rank, result["expanded"])
 
 
 @pytest.mark.parametrize("case", [
@@ -128,8 +131,13 @@ def assert_experts_case(cluster_of, case: dict) -> None:
          layers=1),
     pytest.param(dict(family="gpt-oss", impl="grouped_mm", tp=2, experts=4, top_k=2, kv_heads=2, seq=6, seed=1,
                       layout="rows", layers=1), marks=pytest.mark.slow),
+    # 7 layers alternating sliding-window and full attention: captured cut to 5 (block 0 and two
+    # periods of two) and expanded, float64. Without the router's logits: a call that returns
+    # every layer's hooks every layer, and is captured whole
+    pytest.param(dict(family="gpt-oss", impl="batched_mm", tp=2, experts=4, top_k=2, kv_heads=2, seq=6, seed=4,
+                      layers=7, router_logits=False, expanded=("model.layers",)), marks=pytest.mark.slow),
 ], ids=["mixtral-grouped-3of2", "qwen2moe-eager-shared", "deepseek-mla-heads", "mixtral-batched-etp",
-        "gptoss-grouped-rows"])
+        "gptoss-grouped-rows", "gptoss-periodic-expanded"])
 def test_experts_split_equals_serial(cluster_of, case):
     assert_experts_case(cluster_of, {**case, "dtype": IMPLEMENTATIONS[case["impl"]]})
 
