@@ -156,7 +156,7 @@ def _solve(index: GraphIndex, prof: Any, pinned: Mapping[str, Placement], layout
         # Memory is the reason for sequence parallelism: the layer norms' and dropouts'
         # activations shrink to s/tp tokens. (Offered always, the cost model would also pick
         # it where its pointwise savings outweigh the extra all-gather; see architecture.md.)
-        index, first = with_sequence(), solution
+        (index, first_index), first = (with_sequence(), index), solution
         try:
             solution = solve(index, prof, pinned, memory_limit=limit)
         except PlanError as exc:
@@ -165,7 +165,7 @@ def _solve(index: GraphIndex, prof: Any, pinned: Mapping[str, Placement], layout
                 if isinstance(exc, MemoryLimitError):
                     exc.without_limit = fastest
                 raise
-            solution = first
+            solution, index = first, first_index   # the slower plan that fits, on the index it was solved on
         if solution is not first and any(c.kind == "reduce_scatter" for c in solution.propagation.comms):
             notes.append("sequence parallelism: without it no plan fits the memory limit as fast; layer "
                          "norms, dropouts and residual adds run on s/tp tokens between a reduce-scatter "

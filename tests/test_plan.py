@@ -495,3 +495,24 @@ def test_gpt2_figure_is_megatrons_figure_3():
     svg = plan.figure()
     for word in ("column S(1x3/64)", "row S(0/64)", "column S(1)", "row S(0)", "heads per rank: [2, 2, 2, 2, 1, 1, 1, 1]"):
         assert word in svg, word
+
+
+def test_a_slower_plan_that_fits_is_kept_with_its_own_index_where_sequence_parallelism_fails(monkeypatch):
+    """The fastest plan is over the limit, a slower one fits; the retry with sequence
+    parallelism finds nothing: the slower plan comes back with the index it was solved on, not
+    the sequence-parallel one (its strategies are numbered on its own index)."""
+    import types
+
+    from autotp import planner
+
+    first, sequence = object(), object()
+    slower = types.SimpleNamespace(over_limit=(1.0, 2.0))
+
+    def fake_solve(index, prof, pinned, memory_limit):
+        if index is sequence:
+            raise PlanError("no feasible plan: nothing fits with sequence parallelism either")
+        return slower
+
+    monkeypatch.setattr(planner, "solve", fake_solve)
+    solution, index, notes = planner._solve(first, None, {}, None, 1.0, None, True, lambda: sequence)
+    assert solution is slower and index is first and notes == []
