@@ -48,13 +48,14 @@ def _matmul_strategies(info: OpInfo, placements: tuple, w_out: int, w_in: int) -
             out.append(Strategy((pw.with_dim(k), pw), _partial()))
         elif size is not None and size >= info.tp:
             out.append(Strategy((Shard(k), Shard(w_in)), _partial()))
-    if pw is None and _row_may_pay(info, k, out_last):
+    if pw is None and not (is_shard(px) and px.dim == k) and _row_may_pay(info, k, out_last):
         # Row-parallel with a free weight, x converted to a fresh split of its features (a whole
         # x sliced on each rank, free; a Partial reduce-scattered): what a weight pinned to its
         # input features gets above. Offered only as x arrived split, the solver could not reach
         # what a pin reaches (k and v row-parallel where there are fewer kv heads than ranks).
+        # (x split on K already: the row split above costs no conversion, a fresh one a reshard)
         fresh = _fresh_row(info, k)
-        if fresh is not None and fresh != px:
+        if fresh is not None:
             out.append(Strategy((fresh, fresh.with_dim(w_in)), _partial()))
     # Batch-parallel: a row dim of x split, W whole.
     if is_shard(px) and px.dim < k:
