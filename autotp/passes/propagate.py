@@ -272,6 +272,14 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
             rotate = _layer_index(param_names.get(getattr(weight, "name", ""), ""))
             c, u, t, sizes = column_hint(node, out.ndim - 1, tp, uneven, constant)
             info.hints[out.ndim - 1] = (c, u, rotate, t, False, sizes)
+            x = node.args[0]
+            if node.target in (aten.mm.default, aten.linear.default, aten.matmul.default) \
+                    and isinstance(x, fx.Node) and shape_of(x) is not None:
+                # x's contracted features: a row-parallel product that splits them afresh (its
+                # weight free, x converted) finds them in whole heads, as Falcon's transpose does
+                k = len(shape_of(x)) - 1
+                c, u = row_hint(x, k, tp, uneven)
+                info.input_hints[(0, k)] = (c, u, rotate, 0, c > 1)   # blocks only from groups of heads
     if node.target is aten.index.Tensor:
         info.picks = index_picks(node, constant)
     stack = node.args[0] if node.args else None

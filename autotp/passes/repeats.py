@@ -3,7 +3,7 @@
 A *layer* is a run of consecutive nodes of one numbered module (``transformer.h.7``). Layers
 are grouped by a Weisfeiler-Lehman hash of their op graph (networkx), then each is checked node
 by node against its group's first member (the representative): same ops, argument and shape
-metas, column hints up to the layer's rotation, the same liveness after the layer, and external
+metas, column and row hints up to the layer's rotation, the same liveness after the layer, and external
 inputs that correspond by where they are used. A layer that passes gets ``template`` (its
 representative) and ``ext_map`` (the representative's external inputs -> its own).
 """
@@ -81,6 +81,8 @@ class LayerFinder:
             if info is not None:
                 rotations |= {h[2] % self.index.tp for d, h in info.hints.items()
                               if len(h) > 2 and _rotation_used(info, d)}
+                rotations |= {h[2] % self.index.tp for key, h in info.input_hints.items()
+                              if len(h) > 2 and _rotation_used(info, key)}
             for a, arg in enumerate(n.all_input_nodes):
                 if arg not in inside:
                     ext.setdefault(arg, []).append((k, a))
@@ -100,7 +102,8 @@ class LayerFinder:
                 return None
             if ir is not None and (ir.args != ib.args or ir.kwargs != ib.kwargs or ir.inputs != ib.inputs
                                    or ir.output != ib.output
-                                   or _unrotated(ir.hints) != _unrotated(ib.hints)):
+                                   or _unrotated(ir.hints) != _unrotated(ib.hints)
+                                   or _unrotated(ir.input_hints) != _unrotated(ib.input_hints)):
                 return None
             if nr.target is operator.getitem and nr.args[1] != nb.args[1]:
                 return None
@@ -128,16 +131,22 @@ class LayerFinder:
         return min(self.pos[u] for u in n.users)
 
 
-def _rotation_used(info: Any, dim: int) -> bool:
-    """Does the rotation of ``info``'s hint for output ``dim`` reach a placement? Only an uneven
+def _rotation_used(info: Any, dim: int | tuple[int, int]) -> bool:
+    """Does the rotation of ``info``'s hint for output ``dim`` (or for an input's dim, keyed
+    (input index, dim) as ``OpInfo.input_hints``) reach a placement? Only an uneven
     fresh shard keeps it (an even one, or a dim that cannot be split, has rotation 0 whatever the
     hint says), so only such hints decide a layer's rotation. A hint whose rotation is lost does
     not tie the layer to its index: the experts' grouped products read their stacks through a
     transpose and carry rotation 0 in every layer, which split evenly, and counted they made every
     MoE layer not at a multiple of tp rotate two ways and be solved op by op."""
-    h = info.hints[dim]
-    probe = replace(info, hints={**info.hints, dim: h[:2] + (1,) + h[3:]})
-    shard = probe.fresh_shard(dim)
+    if isinstance(dim, tuple):
+        h = info.input_hints[dim]
+        probe = replace(info, input_hints={**info.input_hints, dim: h[:2] + (1,) + h[3:]})
+        shard = probe.fresh_shard_of(*dim)
+    else:
+        h = info.hints[dim]
+        probe = replace(info, hints={**info.hints, dim: h[:2] + (1,) + h[3:]})
+        shard = probe.fresh_shard(dim)
     return isinstance(shard, Shard) and shard.rotate != 0
 
 

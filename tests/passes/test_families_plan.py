@@ -6,7 +6,8 @@ split along the output dim of the product that reads it, row-parallel when split
 contracted dim. Within layer 1 (the second), the matrices in the order the graph first reads
 them must read as Megatron's two blocks, column-parallel matrices entering each block and one
 row-parallel matrix leaving it (q/k/v then the attention output, up/gate then down); k/v may be
-replicate where there are fewer kv heads than ranks (the solver prices that), and attention runs
+replicate or row-parallel (x sliced on each rank, k and v made whole by a g each) where there are
+fewer kv heads than ranks (the solver prices both), and attention runs
 split by head, every rank holding at least one (fused multi-query projections too: StarCoder,
 Falcon-7B). One forward
 all-reduce (g) per block, or one for both where attention and MLP run side by side into one
@@ -84,6 +85,29 @@ def matrix_role(cap, plan, fqn: str) -> str:
         return "column" if dim == out_dim else "row"
 
 
+def _product_of(cap, fqn: str):
+    """The matrix product that reads the parameter (through transposes)."""
+    node = next(n for n in cap.graph.nodes if n.op == "placeholder" and cap.param_names.get(n.name) == fqn)
+    while node.target not in _PRODUCTS:
+        node = next(iter(node.users))
+    return node
+
+
+def feeds_attention(cap, fqn: str) -> bool:
+    """Is the product reading the parameter an input of attention, through ops other than products
+    (a bias, the views into heads, rotary, the repeat of kv heads)?"""
+    todo, seen = list(_product_of(cap, fqn).users), set()
+    while todo:
+        user = todo.pop()
+        if user in seen or user.target in _PRODUCTS:
+            continue
+        seen.add(user)
+        if user.target is aten.scaled_dot_product_attention.default:
+            return True
+        todo.extend(user.users)
+    return False
+
+
 def read_by_product(cap, fqn: str) -> bool:
     """Is the parameter (through transposes) an operand of a matrix product?"""
     node = next(n for n in cap.graph.nodes if n.op == "placeholder" and cap.param_names.get(n.name) == fqn)
@@ -115,9 +139,14 @@ def test_megatron_layout_emerges_at_real_size(size):
     order = first_use_order(cap)
     layer = sorted((order[n], n) for n in order if _layer_of(n) == 1 and len(plan.shapes[n]) == 2)
     roles = {n: matrix_role(cap, plan, n) for _, n in layer}
+    # k/v projections with fewer kv heads than ranks: replicate, or row-parallel (x sliced on each
+    # rank, k and v made whole by a g each before attention: 7/8 of their products saved for two
+    # small all-reduces, Qwen2-7B's 4 kv heads at tp 8), whichever the solver prices cheaper
+    kv_heads = getattr(model.config, "num_key_value_heads", None) or getattr(model.config, "num_attention_heads", TP)
+    kv_rows = {n for n in roles if roles[n] == "row" and kv_heads < TP and feeds_attention(cap, n)}
+    roles.update({n: "kv-row" for n in kv_rows})
     described = ", ".join(f"{n}={roles[n]}" for _, n in layer)
-    # replicate: k/v projections with fewer kv heads than ranks, priced by the solver
-    block = r"((column|replicate) )*column ((column|replicate) )*row "
+    block = r"((column|replicate|kv-row) )*column ((column|replicate|kv-row) )*row "
     assert re.fullmatch(f"({block})+", " ".join(roles[n] for _, n in layer) + " "), \
         f"layer 1 in graph order: {described}"
     blocks = list(roles.values()).count("row")
@@ -132,7 +161,8 @@ def test_megatron_layout_emerges_at_real_size(size):
     # a norm's statistic over split heads (OLMo2's q/k norms: one number per token, kept as a
     # size-1 dim) is made whole by a g of its own, not one of the block's
     shapes = {n.name: n.meta["val"].shape for n in cap.graph.nodes if hasattr(n.meta.get("val"), "shape")}
-    g = [c for c in in_layer if c.kind == "g" and shapes[c.tensor][-1] != 1]
+    kv_made_whole = {_product_of(cap, n).name for n in kv_rows}
+    g = [c for c in in_layer if c.kind == "g" and shapes[c.tensor][-1] != 1 and c.tensor not in kv_made_whole]
     shown = ", ".join(f"{c.kind}@{c.module}" for c in in_layer)
     # attention and MLP side by side (one residual add) may share one all-reduce
     assert 1 <= len(g) <= blocks, f"{len(g)} forward all-reduces in layer 1 ({shown})"

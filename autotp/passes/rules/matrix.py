@@ -4,7 +4,9 @@ For ``y = x @ W`` (GPT-2's Conv1D, ``mm``) or ``y = x @ W.T`` (``linear``):
 
 * column-parallel: x replicated, W split on its output features -> y sharded on its last dim;
 * row-parallel: x sharded on the contracted dim, W split the same way -> y Partial (the sum
-  over ranks is the product; a g all-reduce makes it whole);
+  over ranks is the product; a g all-reduce makes it whole). x split as it arrives, or, where
+  the weight is free, converted to a fresh split of its features (a whole x sliced on each rank:
+  free forward, its gradient all-gathered), in whole heads where x was made of heads;
 * batch-parallel: x sharded on a row dim, W replicated -> y sharded on that dim.
 
 A fresh column shard follows the hint for the output dim, so a fused q/k/v projection is
@@ -12,6 +14,8 @@ cut into each rank's own heads of q, k and v; a fused multi-query projection (q 
 fewer key/value heads than ranks) into each rank's query heads with k and v whole (a tail).
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -44,10 +48,44 @@ def _matmul_strategies(info: OpInfo, placements: tuple, w_out: int, w_in: int) -
             out.append(Strategy((pw.with_dim(k), pw), _partial()))
         elif size is not None and size >= info.tp:
             out.append(Strategy((Shard(k), Shard(w_in)), _partial()))
+    if pw is None and not (is_shard(px) and px.dim == k) and _row_may_pay(info, k, out_last):
+        # Row-parallel with a free weight, x converted to a fresh split of its features (a whole
+        # x sliced on each rank, free; a Partial reduce-scattered): what a weight pinned to its
+        # input features gets above. Offered only as x arrived split, the solver could not reach
+        # what a pin reaches (k and v row-parallel where there are fewer kv heads than ranks).
+        # (x split on K already: the row split above costs no conversion, a fresh one a reshard)
+        fresh = _fresh_row(info, k)
+        if fresh is not None:
+            out.append(Strategy((fresh, fresh.with_dim(w_in)), _partial()))
     # Batch-parallel: a row dim of x split, W whole.
     if is_shard(px) and px.dim < k:
         out.append(Strategy((px, REPLICATE), px))
     return out
+
+
+def _row_may_pay(info: OpInfo, k: int, out_last: int) -> bool:
+    """Whether a fresh row split (x converted, weight free) can beat the column split of the same
+    product, by its collectives: from a whole x, row moves x's gradient (K, an all-gather) and its
+    Partial y (2N: an all-reduce, or a reduce-scatter and its all-gather), column an f on x (2K)
+    and at most an all-gather of y (N). Row is cheaper only where N < K; where N == K the two tie
+    and row keeps a slice of x for backward, which a memory-tight plan may want where x is heads x
+    head_dim (an output projection after attention computed whole). Where N > K (an MLP's up
+    projection) row is dearer and not offered: every offer is a strategy more for every DP state."""
+    n_in, n_out = info.inputs[0].static(k), info.output.static(out_last)
+    if n_in is None or n_out is None:
+        return False
+    chunks, unit = info.input_hint(0, k)[:2]
+    return n_out < n_in or (n_out == n_in and (chunks > 1 or unit > 1))
+
+
+def _fresh_row(info: OpInfo, k: int) -> Shard | None:
+    """A fresh split of x's contracted dim ``k``: whole heads where the dim's hint says it is heads x
+    head_dim, else, where the heads cannot be dealt, even plain runs (any split of a whole x is
+    sound; an uneven one without the hint's rotation would not follow the layer's)."""
+    shard = info.fresh_shard_of(0, k)
+    if shard is None or shard.tail or shard.per_block:
+        shard = replace(info, input_hints={}, uneven=False).fresh_shard_of(0, k)
+    return shard
 
 
 def _partial():

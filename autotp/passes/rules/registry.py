@@ -99,6 +99,9 @@ class OpInfo:
     sequence: frozenset = frozenset()
     #: an index by a constant list: (indexed dim, its non-negative positions); None otherwise
     picks: tuple | None = None
+    #: hints for a fresh shard of an input's dim, (input index, dim) -> as ``hints``: a product's
+    #: contracted features read off how x was made (heads x head_dim: whole heads)
+    input_hints: dict[tuple[int, int], tuple] = field(default_factory=dict)
 
     def hint(self, dim: int) -> tuple[int, int, int, int, bool, tuple]:
         """(chunks, unit, rotate, tail, grouped, sizes) a fresh shard of output ``dim`` should use
@@ -109,7 +112,15 @@ class OpInfo:
         first where tp can deal their groups; ``chunks`` and ``tail`` then say the layout taken where
         it cannot: equal blocks of their common size (``chunks = sum(sizes)``), or one block whose
         k and v stay whole (a tail, a split's q | k | v: GPT-BigCode's multi-query layout))."""
-        h = tuple(self.hints.get(dim, (1, 1)))
+        return self._full(self.hints.get(dim, (1, 1)))
+
+    def input_hint(self, input_index: int, dim: int) -> tuple[int, int, int, int, bool, tuple]:
+        """As :meth:`hint`, for a fresh shard of input ``input_index``'s ``dim``."""
+        return self._full(self.input_hints.get((input_index, dim), (1, 1)))
+
+    @staticmethod
+    def _full(h: tuple) -> tuple[int, int, int, int, bool, tuple]:
+        h = tuple(h)
         return h + (1, 1, 0, 0, False, ())[len(h):]
 
     def fresh_shard(self, dim: int) -> Shard | None:
@@ -124,7 +135,8 @@ class OpInfo:
             # A sequence dim's size is known only at run time: a plain shard in contiguous runs,
             # uneven whenever tp does not divide that call's length.
             return Shard(dim) if self.uneven and out.shape[dim] in self.sequence else None
-        chunks, unit, rotate, tail, grouped, sizes = self.hint(dim) if input_index is None else (1, 1, 0, 0, False, ())
+        chunks, unit, rotate, tail, grouped, sizes = (self.hint(dim) if input_index is None
+                                                      else self.input_hint(input_index, dim))
         if sizes and size % (sum(sizes) * unit) == 0:
             # blocks of unequal size (q heads | fewer k | v heads) dealt in groups (a kv head with
             # its query heads): every rank holds its run of query heads with the key/value heads
