@@ -116,7 +116,7 @@ def _written(cap: Capture, index: GraphIndex, prop: Propagation, prof: Any, tp: 
                   comms=comms, compute_s=prop.compute_s, comm_s=prop.comm_s, dtype_bytes=dtype_bytes,
                   aliases=dict(cap.aliases),
                   sharded_outputs={names[i]: prop.placements[n] for i, n in enumerate(cap.output_nodes)
-                                   if i in keep and isinstance(prop.placements.get(n), Shard)},
+                                   if index.keeps_split(i, n, prop.placements.get(n))},
                   memory_bytes=prop.memory_bytes, activation_bytes=prop.activation_bytes, memory_limit=limit,
                   expressions=(cost_expressions(index, prop, prof) if plan is None
                                else DeferredExpressions(lambda: cost_expressions(index, prop, prof))),

@@ -170,6 +170,17 @@ class GraphIndex:
     def numel_env(self) -> Mapping:
         return self.env
 
+    def keeps_split(self, position: int, node: fx.Node, have: Any) -> bool:
+        """Output leaf ``position`` (the value of ``node``, placed ``have``) is returned split, not
+        gathered: the caller asked for it (:attr:`sharded_outputs`, vocab-sharded logits) and it
+        is split on a static dim, whose whole size the returned DTensor can state. An output
+        split along a dynamic dim (logits along the sequence, under sequence parallelism) is
+        gathered: its whole size differs from call to call."""
+        if position not in self.sharded_outputs or not isinstance(have, Shard):
+            return False
+        meta = _meta(node)
+        return meta is not None and meta.static(have.dim) is not None
+
 
 def _meta(node: fx.Node) -> TensorMeta | None:
     val = node.meta.get("val")
@@ -475,7 +486,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
         if node.op == "output":
             for i, out in enumerate(pytree.tree_leaves(node.args)):
                 if isinstance(out, fx.Node) and isinstance(place.get(out), (Shard, Partial)):
-                    if i in index.sharded_outputs and isinstance(place[out], Shard):
+                    if index.keeps_split(i, out, place[out]):
                         continue   # the caller asked to keep it split (vocab-sharded logits)
                     record(out, _meta(out), REPLICATE, False, node)
             continue

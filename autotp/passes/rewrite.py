@@ -169,7 +169,7 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             for i, a in enumerate(leaves):
                 if isinstance(a, fx.Node):
                     have = prop.placements.get(a)
-                    keep = i in index.sharded_outputs and isinstance(have, Shard)
+                    keep = index.keeps_split(i, a, have)
                     outs.append(convert(a, Replicate(), False) if isinstance(have, (Shard, Partial)) and not keep
                                 else env[a])
                 else:

@@ -251,7 +251,7 @@ class _Solver:
             if not isinstance(leaf, fx.Node) or leaf not in state:
                 continue
             have, paid = self.labels[state[leaf]]
-            if isinstance(have, (Shard, Partial)) and not (i in self.index.sharded_outputs and isinstance(have, Shard)):
+            if isinstance(have, (Shard, Partial)) and not self.index.keeps_split(i, leaf, have):
                 if (REPLICATE, False) not in paid:
                     cost += conversion_seconds(self.index, self.profile, _meta(leaf), have, REPLICATE, False,
                                                leaf in self.index.grads)

@@ -150,7 +150,8 @@ class ParallelModule(LeavesSwitch, nn.Module):
         split = []
         for i, (name, node) in enumerate(zip(capture.output_names, capture.output_nodes)):
             placement = plan.sharded_outputs.get(name) if not step else None
-            if placement is not None:
+            # split on a static dim only: one along a dynamic dim was gathered (GraphIndex.keeps_split)
+            if placement is not None and not isinstance(node.meta["val"].shape[placement.dim], torch.SymInt):
                 size = int(node.meta["val"].shape[placement.dim])
                 split.append((i, placement.dim, size, dtensor.torch_placement(placement, size, plan.tp)))
         program = Program(capture, plan, graph_module, param_order, buffer_order, constants,

@@ -2,6 +2,7 @@
 on each rank), offered by the matrix rule where it can pay (autotp/passes/rules/matrix.py), so the
 solver reaches what a 'row' pin reaches (models planned on the meta device: no ranks, no weights).
 """
+import functools
 from dataclasses import replace
 
 import sympy
@@ -60,20 +61,36 @@ def test_a_free_weight_is_offered_row_where_it_can_pay():
     assert _rows(_linear(64, 32)) == []
 
 
+@functools.lru_cache(maxsize=None)
+def _tight_plans(dtype: torch.dtype = torch.float32) -> tuple:
+    """Tiny Qwen2 at tp 4 with q/k/v pinned whole: the fastest plan, and one within 70% of its memory."""
+    h100 = PROFILES["h100-dgx"]
+    profile = replace(h100, name="h100-flops/100", flops=h100.flops / 100)
+    config = zoo.tiny_config("qwen2", layers=2, heads=6, kv_heads=2, head_dim=4, vocab=48)
+    model = zoo.build("qwen2", config, device="meta", dtype=dtype)
+    whole = {"*.q_proj.*": "replicate", "*.k_proj.*": "replicate", "*.v_proj.*": "replicate"}
+    fastest = autotp.plan(model, 4, batch=64, seq=4096, profile=profile, layout=whole, gather_logits=False)
+    return fastest, autotp.plan(model, 4, batch=64, seq=4096, profile=profile, layout=whole, gather_logits=False,
+                                memory_limit=0.7 * fastest.memory_bytes)
+
+
 def test_a_memory_tight_plan_splits_the_output_projection_after_a_whole_attention_by_head():
     # q/k/v pinned whole (attention computed whole on every rank): o_proj's x arrives whole. Row-parallel
     # keeps 1/4 of x for backward where column keeps it all, for the same collectives; offered only as x
     # arrived split, no plan fitted 70% of the fastest plan's memory (MemoryLimitError). The split follows
     # x's heads: 6 heads dealt to 4 ranks unevenly, the extra head rotated by layer. (An H100 whose FLOP
     # rate is scaled down with the width, hidden 24 against Qwen2-7B's 3584: tests/e2e/test_row_parallel.py.)
-    h100 = PROFILES["h100-dgx"]
-    profile = replace(h100, name="h100-flops/100", flops=h100.flops / 100)
-    config = zoo.tiny_config("qwen2", layers=2, heads=6, kv_heads=2, head_dim=4, vocab=48)
-    model = zoo.build("qwen2", config, device="meta")
-    whole = {"*.q_proj.*": "replicate", "*.k_proj.*": "replicate", "*.v_proj.*": "replicate"}
-    fastest = autotp.plan(model, 4, batch=64, seq=4096, profile=profile, layout=whole)
-    tight = autotp.plan(model, 4, batch=64, seq=4096, profile=profile, layout=whole,
-                        memory_limit=0.7 * fastest.memory_bytes)
+    fastest, tight = _tight_plans()
     assert tight.memory_bytes <= 0.7 * fastest.memory_bytes
     for layer in (0, 1):
         assert tight.params[f"model.layers.{layer}.self_attn.o_proj.weight"] == Shard(1, unit=4, rotate=layer)
+
+
+def test_an_output_split_along_the_sequence_is_gathered_not_returned_split():
+    # The tight plan runs sequence parallelism: the logits leave the last norm split along the
+    # sequence. Returned split, their DTensor stated the capture's example length as the whole one
+    # (11 tokens for a 7-token call); an output is kept split on a static dim only (the vocabulary).
+    # (In float64, as tests/e2e/test_row_parallel.py runs it: its plan keeps the logits split.)
+    _, tight = _tight_plans(torch.float64)
+    assert any(c.kind == "reduce_scatter" for c in tight.comms), "the case needs sequence parallelism"
+    assert all(p.dim == 2 for p in tight.sharded_outputs.values()), tight.sharded_outputs
