@@ -12,7 +12,7 @@ from .passes.experts_choice import expert_stacks, experts_note
 from .passes.pins import unholdable_pin
 from .passes.propagate import GraphIndex, Propagation, propagate
 from .passes.solve import solve
-from .placements import REPLICATE, Placement, Shard
+from .placements import REPLICATE, Placement
 from .plan_flow import record_flows
 from .plan import CommOp, DeferredExpressions, Plan, attention_heads, cost_expressions, role_of, unsplit_attention_note
 from .roles import _first_uses, _pinned

@@ -15,12 +15,12 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import sympy
 import torch
 
-from ...placements import PARTIAL, REPLICATE, Partial, Placement, Replicate, Routed, Shard, block_sets
+from ...placements import REPLICATE, Partial, Placement, Replicate, Routed, Shard, block_sets
 
 aten = torch.ops.aten
 
