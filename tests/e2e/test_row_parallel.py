@@ -1,5 +1,6 @@
 """Row-parallel with a free weight, x converted to a fresh split (autotp/passes/rules/matrix.py), chosen
-by the solver, computes what the serial model computes: loss, logits and every gradient, float64.
+by the solver, computes what the serial model computes: loss, logits and every gradient, float64;
+then, on the same ParallelModule, an inference call and greedy ``generate``.
 
 Two cases at tp 4 (2 kv heads, fewer than the ranks; 6 heads, dealt unevenly):
 
@@ -29,7 +30,7 @@ def check_row_case(case: dict) -> dict:
     import autotp
     from autotp import zoo
     from autotp.cost_model.devices import PROFILES
-    from autotp.testing import equivalence_errors, keep_loss_precision
+    from autotp.testing import equivalence_errors, keep_loss_precision, relative_error
     from tests.e2e.test_families import rescale_zero_gradients
 
     h100 = PROFILES["h100-dgx"]
@@ -51,7 +52,15 @@ def check_row_case(case: dict) -> dict:
     placements = {n.split("layers.")[1]: str(plan.params[n]) for n in names}
     sliced = [(c.module, c.src, c.dst) for c in plan.comms if c.kind == "scatter"]
     errors = rescale_zero_gradients(model, pm, equivalence_errors(model, pm, batch))
-    return {"roles": roles, "placements": placements, "sliced": sliced, "errors": errors}
+    # after the training call, on the same ParallelModule: an inference call and greedy generate
+    # (their programs captured from the weightless twin, run with the plan's slices)
+    ids = batch["input_ids"]
+    with torch.no_grad():
+        errors["inference logits"] = relative_error(pm(input_ids=ids).logits, model(input_ids=ids).logits)
+    want = model.generate(ids, max_new_tokens=3, do_sample=False)
+    got = pm.generate(ids, max_new_tokens=3, do_sample=False)
+    return {"roles": roles, "placements": placements, "sliced": sliced, "errors": errors,
+            "generate": bool(torch.equal(want, got))}
 
 
 @pytest.mark.slow
@@ -72,5 +81,6 @@ def test_row_parallel_from_a_whole_x_equals_serial(cluster_of, name):
         else:   # attention's output, whole, sliced in whole heads for o_proj in every layer
             for layer, split in ((0, "S(2/4)"), (1, "S(2/4@1)")):
                 assert (f"model.layers.{layer}.self_attn.o_proj", "R", split) in result["sliced"], result["sliced"]
+        assert result["generate"], (rank, name, "greedy generate after training differs from serial")
         worst = max(result["errors"], key=result["errors"].get)
         assert result["errors"][worst] <= TOLERANCE[torch.float64], (rank, worst, result["errors"][worst])
