@@ -48,6 +48,8 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Union
 
+from .cached_hash import cached_hash, state_without_hash
+
 
 @dataclass(frozen=True)
 class Replicate:
@@ -106,15 +108,8 @@ class Shard:
         if self.outer >= 0 and (not self.per_block or self.outer == self.dim):
             raise ValueError(f"Shard.outer={self.outer} needs per_block and a dim other than {self.dim}")
 
-    def __hash__(self) -> int:   # cached: placements key the solver's states, hashed per transition
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash((self.dim, self.chunks, self.unit, self.rotate, self.tail, self.per_block, self.outer, self.sizes))
-            object.__setattr__(self, "_hash", h)
-        return h
-
-    def __getstate__(self) -> dict:   # the cache is not part of the value
-        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+    __hash__ = cached_hash   # placements key the solver's states, hashed per transition
+    __getstate__ = state_without_hash
 
     def __repr__(self) -> str:
         extra = ""

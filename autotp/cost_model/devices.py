@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from ..cached_hash import cached_hash, state_without_hash
 from ..errors import ConfigError
 
 
@@ -34,16 +35,8 @@ class DeviceProfile:
     #: (2 + 2 + 4 + 4 + 4 = 16; in float32, 4 + 4 + 4 + 4 = 16 as well)
     state_bytes_per_param: int = 16
 
-    def __hash__(self) -> int:   # cached: a profile keys the index's cost caches, one lookup per strategy
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash((self.name, self.flops, self.mem_bw, self.link_bw, self.link_latency, self.memory,
-                      self.dtype_bytes, self.state_bytes_per_param))
-            object.__setattr__(self, "_hash", h)
-        return h
-
-    def __getstate__(self) -> dict:   # a name's hash differs between processes
-        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+    __hash__ = cached_hash   # a profile keys the index's cost caches, one lookup per strategy
+    __getstate__ = state_without_hash
 
     def matmul_time(self, flops: float) -> float:
         return flops / self.flops

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import sympy
 import torch
 
+from ...cached_hash import cached_hash, state_without_hash
 from ...placements import REPLICATE, Partial, Placement, Replicate, Routed, Shard, block_sets
 
 aten = torch.ops.aten
@@ -32,15 +33,8 @@ class TensorMeta:
     shape: tuple[sympy.Expr, ...]
     dtype: torch.dtype
 
-    def __hash__(self) -> int:   # cached: metas key the cost caches, one lookup per strategy
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash((self.shape, self.dtype))
-            object.__setattr__(self, "_hash", h)
-        return h
-
-    def __getstate__(self) -> dict:   # a symbol's hash differs between processes
-        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+    __hash__ = cached_hash   # metas key the cost caches, one lookup per strategy
+    __getstate__ = state_without_hash
 
     @property
     def ndim(self) -> int:
@@ -68,14 +62,8 @@ class Strategy:
     #: (the tail's gradient is whole on every rank already), see :func:`tail_sound`
     f_runs_only: bool = False
 
-    def __hash__(self) -> int:   # cached, as TensorMeta's
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash((self.inputs, self.output, self.internal, self.f_runs_only))
-            object.__setattr__(self, "_hash", h)
-        return h
-
-    __getstate__ = TensorMeta.__getstate__
+    __hash__ = cached_hash
+    __getstate__ = state_without_hash
 
     def __repr__(self) -> str:
         return f"{list(self.inputs)} -> {self.output}"
