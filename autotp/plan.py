@@ -77,6 +77,7 @@ class Plan:
     compute_s: float = 0.0
     comm_s: float = 0.0
     dtype_bytes: int = 4
+    optimizer_s: float = 0.0         # ... of compute_s: the optimizer step on the parameters a rank holds
     aliases: dict[str, str] = field(default_factory=dict)   # tied name -> FQN held
     sharded_outputs: dict[str, Placement] = field(default_factory=dict)  # outputs returned split
     memory_bytes: float = 0.0        # predicted per rank (largest): training state + activations
@@ -107,6 +108,7 @@ class Plan:
         per_rank = self.param_bytes_per_rank()
         return {
             "compute_s": self.compute_s,
+            "optimizer_s": self.optimizer_s,
             "comm_s": self.comm_s,
             "step_s": self.compute_s + self.comm_s,
             "param_bytes_per_rank": per_rank,
@@ -267,7 +269,8 @@ class Plan:
         counts = ", ".join(f"{k}={v}" for k, v in sorted(self.comm_counts().items())) or "none"
         lines = [
             f"collectives: {counts}",
-            f"predicted step: {cost['step_s'] * 1e3:.3f} ms (compute {cost['compute_s'] * 1e3:.3f} ms, "
+            f"predicted step: {cost['step_s'] * 1e3:.3f} ms (compute {cost['compute_s'] * 1e3:.3f} ms, of which "
+            f"the optimizer {cost['optimizer_s'] * 1e3:.3f} ms, "
             f"communication {cost['comm_s'] * 1e3:.3f} ms); {cost['comm_bytes_per_step'] / 1e6:.1f} MB sent per rank",
             f"parameter MB per rank: [{per_rank}] vs serial {cost['param_bytes_serial'] / 1e6:.1f}",
             f"memory per rank (largest): {_size(self.memory_bytes)} = training state "
@@ -292,7 +295,7 @@ class Plan:
             "aliases": self.aliases,
             "sharded_outputs": {k: to_json(v) for k, v in self.sharded_outputs.items()},
             "comms": [c.__dict__ for c in self.comms],
-            "compute_s": self.compute_s, "comm_s": self.comm_s,
+            "compute_s": self.compute_s, "comm_s": self.comm_s, "optimizer_s": self.optimizer_s,
             "memory_bytes": self.memory_bytes, "activation_bytes": self.activation_bytes,
             "memory_limit": self.memory_limit, "expressions": dict(self.expressions), "notes": self.notes,
             "attention": self.attention,
@@ -328,6 +331,7 @@ class Plan:
             roles={k: v["role"] for k, v in doc["params"].items()},
             comms=[CommOp(**c) for c in doc.get("comms", [])],
             compute_s=doc.get("compute_s", 0.0), comm_s=doc.get("comm_s", 0.0),
+            optimizer_s=doc.get("optimizer_s", 0.0),
             dtype_bytes=doc.get("dtype_bytes", 4), aliases=doc.get("aliases", {}),
             sharded_outputs={k: from_json(v) for k, v in doc.get("sharded_outputs", {}).items()},
             memory_bytes=doc.get("memory_bytes", 0.0), activation_bytes=doc.get("activation_bytes", 0.0),
@@ -536,7 +540,7 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
     first: dict = {}
     for node, strat in prop.chosen.items():
         info = index.infos[node]
-        key = (info.target, info.inputs, info.output, strat)
+        key = (info.cost_key, strat)
         compute[key] += 1
         first.setdefault(key, (info, strat))
     comm: collections.Counter = collections.Counter()

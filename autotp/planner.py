@@ -113,7 +113,8 @@ def _written(cap: Capture, index: GraphIndex, prop: Propagation, prof: Any, tp: 
     dtype_bytes = next(iter(n.meta["val"].element_size() for n in cap.graph.nodes
                             if n.op == "placeholder" and n.name in cap.param_names), 4)
     result = Plan(tp=tp, profile=prof.name, batch=batch, seq=seq, params=params, shapes=shapes, roles=roles,
-                  comms=comms, compute_s=prop.compute_s, comm_s=prop.comm_s, dtype_bytes=dtype_bytes,
+                  comms=comms, compute_s=prop.compute_s, comm_s=prop.comm_s, optimizer_s=prop.update_s,
+                  dtype_bytes=dtype_bytes,
                   aliases=dict(cap.aliases),
                   sharded_outputs={names[i]: prop.placements[n] for i, n in enumerate(cap.output_nodes)
                                    if index.keeps_split(i, n, prop.placements.get(n))},

@@ -2,30 +2,49 @@
 
 A profile holds what the cost model prices with: dense compute rate, memory bandwidth, the
 TP group's link bandwidth and latency (alpha-beta), device memory, and the datatype the
-figures are for. GPU figures are per device for the datatype a model of that era trains in
-(fp16/bf16 tensor cores: ``dtype_bytes=2``); the CPU profile is float32. The cost model
-prices every floating-point tensor at ``dtype_bytes``, so bytes and FLOP rates agree.
+figures are for, and how fast each kind of kernel runs (products by their shape, memory-bound
+op classes, attention, a launch). GPU figures are per device for the datatype a model of that
+era trains in (fp16/bf16 tensor cores: ``dtype_bytes=2``); the CPU profile is float32. The cost
+model prices a floating-point tensor in the model's training dtype at ``dtype_bytes``, so bytes
+and FLOP rates agree.
 
-``calibrate()`` measures a profile instead: the best rate of a few square matrix products,
-the bandwidth of a large elementwise add, and a least-squares alpha-beta fit of ring
-all-reduce times over a few message sizes on a local process group (gloo on CPU).
+``calibrate()`` measures a profile instead (:mod:`.measure`): the best rate of a few square
+matrix products and the shape constants of smaller ones, the bandwidth of a large elementwise
+add and each memory-bound op class's share of it, a kernel's launch, fused attention's rate, and
+a least-squares alpha-beta fit of ring all-reduce times over a few message sizes on a local
+process group (gloo on CPU).
 """
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass, replace
 from typing import Sequence
 
 from ..cached_hash import cached_hash, state_without_hash
 from ..errors import ConfigError
+from .measure import (fit_alpha_beta, fit_product_shape, measure_all_reduce, measure_attention,  # noqa: F401
+                      measure_launch, measure_matmul_flops, measure_memory_bandwidth, measure_op_classes,
+                      measure_products)
 
 
 @dataclass(frozen=True)
 class DeviceProfile:
+    """What the cost model prices with (see :mod:`.symbolic` and :mod:`.kernels`).
+
+    Products: ``flops`` is the rate of a large aligned matrix product; a product of ``W`` =
+    m·n·k multiply-adds reaches ``W/(W + product_half_work) · k/(k + product_half_k)`` of it
+    (small and skinny products run below peak), and a product whose leading dims are not
+    16-byte multiples runs at ``unaligned_flops`` (cuBLAS's ``align1`` kernels). Fused attention
+    runs at ``attention_flops`` with a head dim of 128, ``sqrt(d/128)`` of it for a smaller one,
+    and ``attention_dropout`` of that where it draws dropout. Memory-bound kernels move their
+    bytes at ``mem_bw`` times their class's share (``class_bw``: elementwise, cast, reduction,
+    softmax, norm, random, scatter; ``strided``: elementwise kernels on a strided or broadcast
+    operand, PyTorch's non-vectorized path), and every kernel costs ``launch_s`` more.
+    """
+
     name: str
-    flops: float            # dense matmul FLOP/s actually reached
-    mem_bw: float           # bytes/s to device memory
+    flops: float            # dense matmul FLOP/s of a large aligned product
+    mem_bw: float           # bytes/s to device memory (a large copy, reads and writes counted)
     link_bw: float          # bytes/s per device on the TP interconnect (bus bandwidth)
     link_latency: float     # seconds per collective step
     memory: float           # bytes of device memory
@@ -34,6 +53,13 @@ class DeviceProfile:
     #: its gradient in the training dtype plus an fp32 master copy and two fp32 moments
     #: (2 + 2 + 4 + 4 + 4 = 16; in float32, 4 + 4 + 4 + 4 = 16 as well)
     state_bytes_per_param: int = 16
+    launch_s: float = 0.0                 # seconds each kernel costs beyond its work
+    unaligned_flops: float = 0.0          # FLOP/s of a product with an unaligned leading dim (0: flops)
+    product_half_work: float = 0.0        # multiply-adds at which a product reaches half the rate
+    product_half_k: float = 0.0           # contracted length at which a product reaches half the rate
+    attention_flops: float = 0.0          # FLOP/s of fused attention, head dim 128 (0: flops)
+    attention_dropout: float = 1.0        # ... the share of it left when attention draws dropout
+    class_bw: tuple = ()                  # ((class, share of mem_bw), ...) for memory-bound kernels
 
     __hash__ = cached_hash   # a profile keys the index's cost caches, one lookup per strategy
     __getstate__ = state_without_hash
@@ -43,6 +69,24 @@ class DeviceProfile:
 
     def memory_time(self, nbytes: float) -> float:
         return nbytes / self.mem_bw
+
+    def bandwidth(self, op_class: str) -> float:
+        """Bytes/s a memory-bound kernel of ``op_class`` attains."""
+        for name, share in self.class_bw:
+            if name == op_class:
+                return share * self.mem_bw
+        return self.mem_bw
+
+    def product_rate(self, work: float, k: float, aligned: bool = True) -> float:
+        """FLOP/s of a product of ``work`` multiply-adds contracting ``k``."""
+        peak = self.flops if aligned or not self.unaligned_flops else min(self.flops, self.unaligned_flops)
+        size = work / (work + self.product_half_work) if self.product_half_work else 1.0
+        depth = k / (k + self.product_half_k) if self.product_half_k else 1.0
+        return peak * size * depth
+
+    def attention_rate(self, head_dim: int, dropout: bool) -> float:
+        rate = (self.attention_flops or self.flops) * min(1.0, max(head_dim, 1) / 128) ** 0.5
+        return rate * (self.attention_dropout if dropout else 1.0)
 
     def update_time(self, numel: float) -> float:
         """Seconds an optimizer step spends on ``numel`` parameters held on a rank: AdamW is
@@ -66,20 +110,53 @@ class DeviceProfile:
 
 GiB = 1024 ** 3
 
+#: Measured on one H200 (``../shared/measurements/h200-2026-11-28/``, bf16): the share of the
+#: copy bandwidth each class of memory-bound kernel attains (elementwise ``mul``/``add`` 4.1 TB/s
+#: of 4.07 in the vectorized kernels, 1.9 in the non-vectorized ones PyTorch runs where an operand
+#: is strided or broadcast (Llama's norms and rotary); casts' ``direct_copy`` 3.1; the loss's float32 log-softmax 2.1 forward and 3.0
+#: backward; reductions (the biases' gradients over the tokens 1.7, a norm's mean over the width
+#: 3.4); ``native_layer_norm`` and its backward 1.1-1.8; ``native_dropout`` 2.7;
+#: ``embedding_dense_backward``'s sorted scatter 0.2-0.35), and the shape of its products
+#: (``benchmarks/gpu.md``: 284 TFLOP/s at 2048 x 1024 x 1024 up to 792 at 2048 x 4096 x 16384;
+#: GPT-2's unaligned vocabulary: 97-142 TFLOP/s in ``align1`` kernels) and attention (cuDNN's
+#: flash kernels at head dim 128 ~355 TFLOP/s of the FLOPs a causal mask leaves, 0.74 of that at
+#: head dim 64, and 0.74 again with attention dropout).
+H200_CLASS_BW = (("elementwise", 1.0), ("strided", 0.5), ("cast", 0.77), ("reduction", 0.6), ("softmax", 0.6), ("norm", 0.35),
+                 ("random", 0.66), ("scatter", 0.07))
+#: the H200's measured best large bf16 product and copy bandwidth against its datasheet peak
+#: (754 of 989 TFLOP/s, 4.07 of 4.8 TB/s): the devices autotp has no measurement of take their
+#: datasheet figures times these, and the H200's shares and shape constants
+GEMM_OF_PEAK = 754 / 989
+COPY_OF_PEAK = 4.07 / 4.8
+
+
+def datasheet_profile(name: str, peak_flops: float, peak_bw: float, link_bw: float, link_latency: float,
+                      memory: float) -> DeviceProfile:
+    """A GPU profile from its datasheet, with the H200's measured ratios (see :data:`GEMM_OF_PEAK`)."""
+    flops = peak_flops * GEMM_OF_PEAK
+    return DeviceProfile(name, flops=flops, mem_bw=peak_bw * COPY_OF_PEAK, link_bw=link_bw,
+                         link_latency=link_latency, memory=memory, dtype_bytes=2, launch_s=2e-6,
+                         unaligned_flops=flops * 120 / 754, product_half_work=2.5e9, product_half_k=100.0,
+                         attention_flops=flops * 355 / 754, attention_dropout=0.74, class_bw=H200_CLASS_BW)
+
+
 PROFILES: dict[str, DeviceProfile] = {
-    # The Megatron-LM paper's machine: V100 32GB in a DGX-2H, NVSwitch 300 GB/s. FLOP rates
-    # are half the fp16 tensor-core peak: what large GEMMs sustain in a training step. The
-    # link figure is the NCCL bus bandwidth a ring reaches; the latency is per ring step
-    # (NCCL's small-message all-reduce over 8 GPUs takes tens of microseconds in all).
-    "v100-dgx2h": DeviceProfile("v100-dgx2h", flops=125e12 * 0.5, mem_bw=900e9, link_bw=150e9,
-                                link_latency=2e-6, memory=32 * GiB, dtype_bytes=2),
-    "a100-dgx": DeviceProfile("a100-dgx", flops=312e12 * 0.5, mem_bw=2.0e12, link_bw=240e9,
-                              link_latency=1.5e-6, memory=80 * GiB, dtype_bytes=2),
-    "h100-dgx": DeviceProfile("h100-dgx", flops=989e12 * 0.5, mem_bw=3.35e12, link_bw=370e9,
-                              link_latency=1e-6, memory=80 * GiB, dtype_bytes=2),
-    # Local CPU ranks over gloo on loopback, float32.
-    "cpu-gloo": DeviceProfile("cpu-gloo", flops=50e9, mem_bw=10e9, link_bw=2e9,
-                              link_latency=50e-6, memory=16 * GiB, dtype_bytes=4),
+    # The Megatron-LM paper's machine: V100 32GB in a DGX-2H, NVSwitch 300 GB/s (fp16 tensor
+    # cores: 125 TFLOP/s peak, 900 GB/s). The link figure is the NCCL bus bandwidth a ring
+    # reaches; the latency is per ring step (NCCL's small-message all-reduce over 8 GPUs takes
+    # tens of microseconds in all).
+    "v100-dgx2h": datasheet_profile("v100-dgx2h", 125e12, 900e9, link_bw=150e9, link_latency=2e-6, memory=32 * GiB),
+    "a100-dgx": datasheet_profile("a100-dgx", 312e12, 2.039e12, link_bw=240e9, link_latency=1.5e-6, memory=80 * GiB),
+    "h100-dgx": datasheet_profile("h100-dgx", 989e12, 3.35e12, link_bw=370e9, link_latency=1e-6, memory=80 * GiB),
+    # Measured on one H200 (bf16), the rates above; the link as H100's (NVLink 4, 900 GB/s).
+    "h200": DeviceProfile("h200", flops=754e12, mem_bw=4.07e12, link_bw=370e9, link_latency=1e-6,
+                          memory=140 * GiB, dtype_bytes=2, launch_s=2e-6, unaligned_flops=120e12,
+                          product_half_work=2.5e9, product_half_k=100.0, attention_flops=355e12,
+                          attention_dropout=0.74, class_bw=H200_CLASS_BW),
+    # Local CPU ranks over gloo on loopback, float32: eager ops pay a few microseconds each.
+    "cpu-gloo": DeviceProfile("cpu-gloo", flops=50e9, mem_bw=10e9, link_bw=2e9, link_latency=50e-6,
+                              memory=16 * GiB, dtype_bytes=4, launch_s=5e-6, product_half_work=1e5,
+                              product_half_k=16.0, attention_flops=25e9),
 }
 
 
@@ -97,96 +174,6 @@ def get_profile(profile: str | DeviceProfile | None) -> DeviceProfile:
         ) from None
 
 
-# ---- calibration ------------------------------------------------------------------------------
-def _best_time(fn, repeats: int) -> float:
-    fn()  # warm up (allocations, thread pools)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return max(best, 1e-9)
-
-
-def measure_matmul_flops(sizes: Sequence[int] = (256, 512), repeats: int = 3, device: str = "cpu",
-                         dtype=None) -> float:
-    """Best FLOP/s of square ``mm`` over ``sizes``."""
-    import torch
-
-    dtype = dtype or torch.float32
-    best = 0.0
-    for n in sizes:
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
-        out = torch.empty(n, n, device=device, dtype=dtype)
-        sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
-
-        def run():
-            torch.mm(a, b, out=out)
-            sync()
-
-        best = max(best, 2 * n ** 3 / _best_time(run, repeats))
-    return best
-
-
-def measure_memory_bandwidth(numel: int = 1 << 22, repeats: int = 3, device: str = "cpu", dtype=None) -> float:
-    """Bytes/s of ``c = a + b`` on ``numel`` elements (two reads and a write)."""
-    import torch
-
-    dtype = dtype or torch.float32
-    a, b = torch.randn(numel, device=device, dtype=dtype), torch.randn(numel, device=device, dtype=dtype)
-    c = torch.empty_like(a)
-    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
-
-    def run():
-        torch.add(a, b, out=c)
-        sync()
-
-    return 3 * numel * a.element_size() / _best_time(run, repeats)
-
-
-def measure_all_reduce(message_bytes: Sequence[int], repeats: int = 3, group=None,
-                       device: str = "cpu") -> list[float]:
-    """Best seconds of an all-reduce of each message size on ``group`` (every rank must call)."""
-    import torch
-    import torch.distributed as dist
-
-    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
-    times = []
-    for nbytes in message_bytes:
-        x = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
-        dist.barrier(group=group)
-
-        def run():
-            dist.all_reduce(x, group=group)
-            sync()
-
-        times.append(_best_time(run, repeats))
-    # the slowest rank sets the pace of a collective
-    t = torch.tensor(times, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.tolist()
-
-
-def fit_alpha_beta(message_bytes: Sequence[float], seconds: Sequence[float], n: int) -> tuple[float, float]:
-    """(latency per step, link bytes/s) of ring all-reduce, least squares on
-    ``t = 2(n-1)·alpha + 2(n-1)/n·B / bw``; both kept positive."""
-    # normal equations of the 2-parameter fit, by hand (no numpy dependency)
-    steps = 2 * (n - 1)
-    xs = [steps / n * b for b in message_bytes]
-    m, sx, sy = len(xs), sum(xs), sum(seconds)
-    sxx, sxy = sum(x * x for x in xs), sum(x * y for x, y in zip(xs, seconds))
-    det = m * sxx - sx * sx
-    if det == 0:
-        raise ConfigError("calibrate needs at least two different message sizes")
-    inv_bw = (m * sxy - sx * sy) / det
-    alpha = (sy - inv_bw * sx) / m / steps
-    alpha = max(float(alpha), 1e-9)
-    if inv_bw <= 0:   # all sizes cost the same: the link is faster than we can measure
-        inv_bw = 1e-15
-    return alpha, 1.0 / float(inv_bw)
-
-
 def _all_reduce_task(message_bytes, repeats):
     return measure_all_reduce(message_bytes, repeats)
 
@@ -202,7 +189,14 @@ def calibrate(name: str = "calibrated", *, world: int = 2, matmul_sizes: Sequenc
               message_bytes: Sequence[int] = (1 << 12, 1 << 16, 1 << 20), repeats: int = 3,
               group=None, memory: float | None = None, device: str = "cpu",
               link_from: str | DeviceProfile | None = None) -> DeviceProfile:
-    """Measure a CPU + gloo profile on this machine, or (``device="cuda"``) a GPU's.
+    """Measure a CPU + gloo profile on this machine, or (``device="cuda"``) a GPU's: every figure
+    the cost model prices with (see :class:`DeviceProfile` and :mod:`.measure`).
+
+    Products: the best rate of square products of ``matmul_sizes`` (the peak), then a small one
+    and a shallow one (the shape constants), and one with an unaligned leading dim. Memory: a
+    large copy's bandwidth, then each memory-bound op class's share of it, and a tiny kernel's
+    launch. Attention: causal ``scaled_dot_product_attention`` at head dim 128 and 64, with and
+    without dropout.
 
     Inside an initialized process group pass ``group`` (every rank must call); otherwise
     ``world`` local gloo ranks are spawned for the collectives. The fit is alpha-beta over
@@ -214,15 +208,40 @@ def calibrate(name: str = "calibrated", *, world: int = 2, matmul_sizes: Sequenc
     group the link figures are ``link_from``'s (a profile of the same interconnect), since
     ranks sharing one GPU would time the host, not the GPUs' link.
     """
-    if device != "cpu":
-        return _calibrate_gpu(name, device, matmul_sizes, message_bytes, repeats, group, memory, link_from)
+    import torch
+
+    gpu = device != "cpu"
+    if gpu and group is None and link_from is None:   # before any measurement: a minute saved on a bad call
+        raise ConfigError("calibrate(device=...) without a group of one GPU per rank cannot time the link: "
+                          "pass group= (NCCL) or link_from= (a profile of the same interconnect)")
     import torch.distributed as dist
 
-    if world < 2 and group is None:
+    in_world = group is not None or (dist.is_available() and dist.is_initialized())
+    if not gpu and world < 2 and not in_world:
         raise ConfigError(f"calibrate needs at least 2 ranks to time collectives, got world={world}")
-    flops = measure_matmul_flops(matmul_sizes, repeats)
-    mem_bw = measure_memory_bandwidth(repeats=repeats)
-    if group is not None or (dist.is_available() and dist.is_initialized()):
+    dtype = torch.bfloat16 if gpu else torch.float32
+    flops = measure_matmul_flops(matmul_sizes, repeats, device=device, dtype=dtype)
+    mem_bw = measure_memory_bandwidth((1 << 28) if gpu else (1 << 22), repeats, device=device, dtype=dtype)
+    shape = _measure_shape(flops, device, dtype, repeats, big=max(matmul_sizes))
+    classes = measure_op_classes(device, dtype, numel=(1 << 26) if gpu else (1 << 20), repeats=repeats)
+    att128, att64 = measure_attention(device, dtype, seq=4096 if gpu else 256, repeats=repeats)
+    dropped, _ = measure_attention(device, dtype, seq=4096 if gpu else 256, repeats=repeats, dropout=0.1)
+    common = dict(launch_s=measure_launch(device), attention_flops=att128,
+                  attention_dropout=min(1.0, dropped / att128),
+                  # shares of a plain add's bandwidth measured alike (the large copy sets mem_bw)
+                  class_bw=tuple((c, round(bw / classes["elementwise"], 3)) for c, bw in classes.items()), **shape)
+    if gpu:
+        if memory is None:
+            memory = float(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+        if group is not None:
+            alpha, link_bw = fit_alpha_beta(message_bytes, measure_all_reduce(message_bytes, repeats, group, device),
+                                            dist.get_world_size(group))
+        else:
+            base = get_profile(link_from)
+            alpha, link_bw = base.link_latency, base.link_bw
+        return DeviceProfile(name, flops=flops, mem_bw=mem_bw, link_bw=link_bw, link_latency=alpha, memory=memory,
+                             dtype_bytes=2, **common)
+    if in_world:
         n = dist.get_world_size(group)
         seconds = measure_all_reduce(message_bytes, repeats, group)
     else:
@@ -232,30 +251,19 @@ def calibrate(name: str = "calibrated", *, world: int = 2, matmul_sizes: Sequenc
         seconds = launch(_all_reduce_task, world, list(message_bytes), repeats)[0]
     alpha, link_bw = fit_alpha_beta(message_bytes, seconds, n)
     return DeviceProfile(name, flops=flops, mem_bw=mem_bw, link_bw=link_bw, link_latency=alpha,
-                         memory=memory if memory is not None else _physical_memory(), dtype_bytes=4)
+                         memory=memory if memory is not None else _physical_memory(), dtype_bytes=4, **common)
 
 
-def _calibrate_gpu(name, device, matmul_sizes, message_bytes, repeats, group, memory, link_from) -> DeviceProfile:
-    import torch
-
-    if group is None and link_from is None:   # before any measurement: a minute saved on a bad call
-        raise ConfigError("calibrate(device=...) without a group of one GPU per rank cannot time the link: "
-                          "pass group= (NCCL) or link_from= (a profile of the same interconnect)")
-    dtype = torch.bfloat16
-    flops = measure_matmul_flops(matmul_sizes, repeats, device=device, dtype=dtype)
-    mem_bw = measure_memory_bandwidth(1 << 28, repeats, device=device, dtype=dtype)
-    if memory is None:
-        memory = float(torch.cuda.get_device_properties(torch.device(device)).total_memory)
-    if group is not None:
-        import torch.distributed as dist
-
-        alpha, link_bw = fit_alpha_beta(message_bytes, measure_all_reduce(message_bytes, repeats, group, device),
-                                        dist.get_world_size(group))
-    else:
-        base = get_profile(link_from)
-        alpha, link_bw = base.link_latency, base.link_bw
-    return DeviceProfile(name, flops=flops, mem_bw=mem_bw, link_bw=link_bw, link_latency=alpha, memory=memory,
-                         dtype_bytes=2)
+def _measure_shape(peak: float, device: str, dtype, repeats: int, big: int) -> dict[str, float]:
+    """The product model's shape constants and unaligned rate, from three measured products: a
+    small square one, a shallow one (contracting 32) and one whose leading dims are odd."""
+    small, shallow = (big // 4, big // 4, big // 4), (big, big, 32)
+    odd = (big, big + 1, big + 1)
+    small_rate, shallow_rate, odd_rate = measure_products((small, shallow, odd), device, dtype, repeats)
+    half_work, half_k = fit_product_shape(peak, small, small_rate, shallow, shallow_rate)
+    aligned_rate = peak * (lambda w, k: w / (w + half_work) * k / (k + half_k))(odd[0] * odd[1] * odd[2], odd[2])
+    return dict(product_half_work=half_work, product_half_k=half_k,
+                unaligned_flops=peak if odd_rate >= 0.9 * aligned_rate else odd_rate)
 
 
 def with_memory(profile: DeviceProfile, memory: float) -> DeviceProfile:

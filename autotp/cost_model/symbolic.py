@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 from functools import lru_cache
 from typing import Any, Mapping
 
@@ -29,6 +30,8 @@ import sympy
 import torch
 
 from ..passes.rules import OpInfo, Strategy, TensorMeta
+from . import kernels
+from .kernels import OpWork
 from ..placements import Shard, max_local_size
 from .devices import DeviceProfile
 
@@ -36,23 +39,8 @@ log = logging.getLogger("autotp")
 
 aten = torch.ops.aten
 
-#: forward + backward relative to forward, for products (backward computes two products)
-TRAIN_FACTOR = 3.0
-#: forward + backward relative to forward, for memory-bound ops (one write each way)
-MEMORY_FACTOR = 2.0
-
-#: Ops that move no data (views, metadata, casts to the same dtype as traced).
-FREE_OPS = {
-    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int,
-    aten.t.default, aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim,
-    aten.squeeze.dims, aten.squeeze.default, aten.expand.default, aten.slice.Tensor,
-    aten.select.int, aten.alias.default, aten.detach.default, aten.split.Tensor,
-    aten.split_with_sizes.default, aten.to.dtype, aten.to.dtype_layout, aten.sym_size.int,
-    aten.contiguous.default,
-}
-PRODUCTS = {aten.mm.default, aten.linear.default, aten.bmm.default, aten.matmul.default}
-#: grouped products (mixtures of experts), by name: transformers registers its fallback only once imported
-GROUPED_PRODUCTS = frozenset(("aten._grouped_mm.default", "transformers.grouped_mm_fallback.default"))
+PRODUCTS = kernels.PRODUCTS
+GROUPED_PRODUCTS = kernels.GROUPED_PRODUCTS
 
 
 # ---- symbolic sizes -------------------------------------------------------------------------
@@ -94,33 +82,6 @@ def _metas(out: Any) -> list[TensorMeta]:
     if isinstance(out, tuple):
         return [o for o in out if isinstance(o, TensorMeta)]
     return []
-
-
-def traffic_terms(info: OpInfo, dtype_bytes: int | None) -> tuple[str, tuple[sympy.Expr, ...]]:
-    """Forward memory traffic as ("sum" | "max", terms): a product reads its operands and
-    writes its result (the sum); any other op is assumed fused with its neighbours and streams
-    its largest operand once (its output for elementwise ops, its input for a reduction such
-    as the loss over the logits: the max)."""
-    return _traffic_terms(info.target, info.inputs, info.output, dtype_bytes)
-
-
-@lru_cache(maxsize=4096)
-def _traffic_terms(target: Any, inputs: tuple, output: Any, dtype_bytes: int | None) -> tuple:
-    written = sum((bytes_expr(m, dtype_bytes) for m in _metas(output)), sympy.Integer(0))
-    read = tuple(bytes_expr(m, dtype_bytes) for m in inputs)
-    if target in PRODUCTS or target is aten.scaled_dot_product_attention.default:
-        return "sum", (written + sum(read, sympy.Integer(0)),)
-    return "max", (written,) + read
-
-
-def traffic_expr(info: OpInfo, dtype_bytes: int | None) -> sympy.Expr:
-    how, terms = traffic_terms(info, dtype_bytes)
-    return terms[0] if how == "sum" else sympy.Max(*terms)
-
-
-def traffic(info: OpInfo, dtype_bytes: int | None, env: Mapping) -> float:
-    """:func:`traffic_expr` at the workload ``env``."""
-    return max(evaluate(t, env) for t in traffic_terms(info, dtype_bytes)[1])
 
 
 # ---- evaluation -------------------------------------------------------------------------------
@@ -173,41 +134,78 @@ def shard_fraction(info: OpInfo, strategy: Strategy, tp: int) -> float:
     return frac
 
 
+def op_work(info: OpInfo, strategy: Strategy, profile: DeviceProfile, tp: int) -> OpWork:
+    """:func:`.kernels.op_work` for ``info`` (its inputs' gradients and the training dtype as
+    the index recorded them), plus the sums autograd makes where a tensor's gradient comes
+    from several uses (the residual stream's ``add_``)."""
+    work = _op_work(info.target, info.inputs, info.output, info.args_key, strategy, tp, profile.dtype_bytes,
+                    info.train_dtype, info.grad_inputs, info.grad_uses)
+    return work
+
+
+@lru_cache(maxsize=65536)
+def _op_work(target, inputs, output, args_key, strategy, tp, dtype_bytes, train_dtype, grad_inputs, grad_uses):
+    info = OpInfo(target, args_key[0], dict(args_key[1]), inputs, output, tp)
+    info.grad_inputs = grad_inputs
+    work = kernels.op_work(info, strategy, tp, dtype_bytes, train_dtype)
+    outs = kernels._metas(output)
+    if grad_uses > 1 and outs and outs[0].is_float:
+        place = strategy.output[0] if isinstance(strategy.output, tuple) else strategy.output
+        out_bytes = kernels.local_numel(outs[0], place, tp) * kernels.element_bytes(outs[0].dtype, dtype_bytes,
+                                                                                   train_dtype)
+        work = replace(work, moved=work.moved + (("elementwise", 3 * (grad_uses - 1) * out_bytes),),
+                       launches=work.launches + grad_uses - 1)
+    return work
+
+
+def product_seconds(p: kernels.Product, env: Mapping, profile: DeviceProfile, elem_bytes: int) -> tuple[float, float]:
+    """(seconds, seconds per FLOP) of one product at the workload ``env``: the slower of its
+    FLOPs at the rate its shape reaches and its operands' traffic (a skinny product, a decode
+    step's, is memory-bound)."""
+    work = evaluate(p.batch * p.m * p.n * p.k, env)
+    if work <= 0:
+        return 0.0, 0.0
+    k = evaluate(p.k, env)
+    flop_s = 2 * work / profile.product_rate(work, k, p.aligned)
+    moved = evaluate(p.batch * (p.m * p.k + p.k * p.n + p.m * p.n), env) * elem_bytes
+    seconds = max(flop_s, moved / profile.mem_bw)
+    return seconds, seconds / (2 * work)
+
+
+def split_seconds(info: OpInfo, strategy: Strategy, env: Mapping, profile: DeviceProfile,
+                  tp: int) -> dict[str, float]:
+    """Forward + backward seconds of one op on the largest rank, by kind: ``products``,
+    ``attention`` and ``memory`` (memory-bound kernels and every kernel's launch)."""
+    work = op_work(info, strategy, profile, tp)
+    eb = profile.dtype_bytes
+    products = sum(product_seconds(p, env, profile, eb)[0] for p in work.products)
+    attention = sum(max(evaluate(a.flops, env) / profile.attention_rate(a.head_dim, a.dropout),
+                        evaluate(a.moved, env) / profile.mem_bw) for a in work.attention)
+    memory = sum(evaluate(b, env) / profile.bandwidth(cls) for cls, b in work.moved)
+    return {"products": products, "attention": attention, "memory": memory + work.launches * profile.launch_s}
+
+
 def compute_time_expr(info: OpInfo, strategy: Strategy, profile: DeviceProfile, tp: int,
                       env: Mapping | None = None) -> sympy.Expr:
-    """Forward + backward seconds of one op on the largest rank's share, symbolic in b and s.
-
-    With ``env`` the roofline's branch (FLOP- or memory-bound, largest operand) is the one
-    taken at that workload, which keeps the expression a polynomial valid around it;
-    without, it is a ``Max``."""
-    if info.target in FREE_OPS:
-        return sympy.Integer(0)
-    frac = sympy.Rational(shard_fraction(info, strategy, tp)).limit_denominator(10 ** 6)
-    flops = forward_flops_expr(info)
-    how, terms = traffic_terms(info, profile.dtype_bytes)
-    if env is not None:
-        moved = terms[0] if how == "sum" else max(terms, key=lambda t: evaluate(t, env))
-    else:
-        moved = terms[0] if how == "sum" else sympy.Max(*terms)
-    if flops != 0:
-        if env is not None:
-            flop_bound = evaluate(flops, env) / profile.flops >= evaluate(moved, env) / profile.mem_bw
-            bound = flops / profile.flops if flop_bound else moved / profile.mem_bw
-            return TRAIN_FACTOR * frac * bound
-        return TRAIN_FACTOR * frac * sympy.Max(flops / profile.flops, moved / profile.mem_bw)
-    return MEMORY_FACTOR * frac * moved / profile.mem_bw
+    """Forward + backward seconds of one op on the largest rank, symbolic in b and s: each
+    product's FLOPs at the rate its shape reaches at the workload ``env`` (so the expression is
+    a polynomial, exact there and near it; without ``env``, at the profile's peak), every
+    memory-bound kernel's bytes at its class's bandwidth, and the launches."""
+    work = op_work(info, strategy, profile, tp)
+    total = sympy.Integer(0)
+    for p in work.products:
+        per_flop = product_seconds(p, env, profile, profile.dtype_bytes)[1] if env is not None else 1 / profile.flops
+        total += p.flops * sympy.Float(per_flop, 6)
+    for a in work.attention:
+        total += a.flops / profile.attention_rate(a.head_dim, a.dropout)
+    for cls, b in work.moved:
+        total += b / profile.bandwidth(cls)
+    return total + work.launches * profile.launch_s
 
 
 def compute_time(info: OpInfo, strategy: Strategy, env: Mapping, profile: DeviceProfile, tp: int) -> float:
-    """:func:`compute_time_expr` at the workload ``env`` (a roofline per product)."""
-    if info.target in FREE_OPS:
-        return 0.0
-    frac = shard_fraction(info, strategy, tp)
-    flops = evaluate(forward_flops_expr(info), env)
-    moved = traffic(info, profile.dtype_bytes, env)
-    if flops:
-        return TRAIN_FACTOR * frac * max(profile.matmul_time(flops), profile.memory_time(moved))
-    return MEMORY_FACTOR * frac * profile.memory_time(moved)
+    """:func:`compute_time_expr` at the workload ``env``."""
+    return sum(split_seconds(info, strategy, env, profile, tp).values())
 
 
 #: Ops whose backward needs their (activation) inputs, which autograd keeps until then. Chains
@@ -299,3 +297,26 @@ def collective_bytes(kind: str, full_bytes: float, tp: int, grad: bool = True) -
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b) if b else math.inf
+
+
+def step_breakdown(index: Any, prop: Any, profile: DeviceProfile) -> dict[str, Any]:
+    """A propagation's predicted compute at its workload, split as a profiler splits a step:
+    ``products``, ``attention``, ``memory`` (memory-bound kernels and launches) and
+    ``optimizer`` seconds, and ``by_op``: ATen op name -> seconds (forward + backward)."""
+    from ..passes.rules.registry import op_name
+
+    out = {"products": 0.0, "attention": 0.0, "memory": 0.0, "optimizer": prop.update_s}
+    by_op: dict[str, float] = {}
+    cache: dict = {}
+    for node, strat in prop.chosen.items():
+        info = index.infos[node]
+        key = (info.cost_key, strat)
+        parts = cache.get(key)
+        if parts is None:
+            parts = cache[key] = split_seconds(info, strat, index.env, profile, index.tp)
+        for kind, seconds in parts.items():
+            out[kind] += seconds
+        name = op_name(info.target)
+        by_op[name] = by_op.get(name, 0.0) + sum(parts.values())
+    out["by_op"] = dict(sorted(by_op.items(), key=lambda kv: -kv[1]))
+    return out

@@ -130,7 +130,7 @@ class GraphIndex:
 
     def compute_time(self, node: fx.Node, strat: Strategy, profile: DeviceProfile) -> float:
         info = self.infos[node]
-        key = (info.target, info.inputs, info.output, strat, profile)   # equal across layers
+        key = (info.cost_key, strat, profile)   # equal across layers
         found = self._compute.get(key)
         if found is None:
             found = self._compute[key] = compute_time(self.infos[node], strat, self.env, profile, self.tp)
@@ -160,11 +160,18 @@ class GraphIndex:
                     input_placements=dict(input_placements or {}), grads=grad_nodes(capture))
         sequence = frozenset(sym for sym in env if sequence_parallel and capture.dim_symbols.get(sym.name) == "seq")
         constant = _constants(capture)
+        train_dtype = training_dtype(capture)
+        contiguous: dict[fx.Node, bool] = {}
         for node in capture.graph.nodes:
+            contiguous[node] = _contiguous(node, contiguous)
             if node.op == "call_function" and node.target is not operator.getitem:
-                index.infos[node], index.tensor_inputs[node] = _op_info(node, tp, uneven, capture.param_names,
-                                                                        constant)
-                index.infos[node].sequence = sequence
+                info, inputs = _op_info(node, tp, uneven, capture.param_names, constant)
+                index.infos[node], index.tensor_inputs[node] = info, inputs
+                info.sequence = sequence
+                info.train_dtype = train_dtype
+                info.grad_inputs = tuple(i in index.grads for i in inputs)
+                info.grad_uses = _grad_uses(node, index.grads)
+                info.strided_inputs = tuple(not contiguous.get(i, True) for i in inputs)
         return index
 
     def numel_env(self) -> Mapping:
@@ -180,6 +187,51 @@ class GraphIndex:
             return False
         meta = _meta(node)
         return meta is not None and meta.static(have.dim) is not None
+
+
+def training_dtype(capture: Capture) -> torch.dtype | None:
+    """The float dtype most of the model's parameters hold: the dtype it trains in."""
+    counts: dict[torch.dtype, int] = {}
+    for node in capture.graph.nodes:
+        if node.op == "placeholder" and node.name in capture.param_names:
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.is_floating_point():
+                counts[val.dtype] = counts.get(val.dtype, 0) + val.numel()
+    return max(counts, key=counts.get) if counts else None
+
+
+_STRIDING_VIEWS = frozenset({aten.transpose.int, aten.t.default, aten.permute.default, aten.expand.default,
+                             aten.numpy_T.default, aten.broadcast_to.default, aten.diagonal.default})
+_KEEPING_VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.unsqueeze.default,
+                            aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.alias.default,
+                            aten.detach.default, aten.flatten.using_ints, aten.unflatten.int})
+
+
+def _contiguous(node: fx.Node, known: Mapping[fx.Node, bool]) -> bool:
+    """Is ``node``'s value laid out densely in order? Views that reorder or broadcast make a
+    strided tensor, a slice of an inner dim too; views that only regroup keep their input's
+    layout; every computed tensor is dense (a reshape of a strided one copies)."""
+    if node.op != "call_function":
+        return True
+    if node.target in _STRIDING_VIEWS:
+        return False
+    if node.target in (aten.slice.Tensor, aten.select.int, aten.narrow.default):
+        dim = node.args[1] if len(node.args) > 1 else 0
+        src = node.args[0]
+        first = all(s == 1 for s in (shape_of(src) or ())[:dim]) if isinstance(src, fx.Node) and isinstance(dim, int) \
+            and dim >= 0 else False
+        return (dim == 0 or first) and known.get(src, True)
+    if node.target in _KEEPING_VIEWS or node.target is operator.getitem:
+        src = node.args[0]
+        return known.get(src, True) if isinstance(src, fx.Node) else True
+    return True
+
+
+def _grad_uses(node: fx.Node, grads: frozenset) -> int:
+    """How many uses of ``node`` send a gradient back into it (autograd sums them)."""
+    if node not in grads:
+        return 0
+    return sum(1 for user in node.users if user in grads)
 
 
 def _meta(node: fx.Node) -> TensorMeta | None:

@@ -103,7 +103,9 @@ class LayerFinder:
             if ir is not None and (ir.args != ib.args or ir.kwargs != ib.kwargs or ir.inputs != ib.inputs
                                    or ir.output != ib.output
                                    or _unrotated(ir.hints) != _unrotated(ib.hints)
-                                   or _unrotated(ir.input_hints) != _unrotated(ib.input_hints)):
+                                   or _unrotated(ir.input_hints) != _unrotated(ib.input_hints)
+                                   or ir.grad_inputs != ib.grad_inputs or ir.grad_uses != ib.grad_uses
+                                   or ir.strided_inputs != ib.strided_inputs):
                 return None
             if nr.target is operator.getitem and nr.args[1] != nb.args[1]:
                 return None

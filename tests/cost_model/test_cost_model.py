@@ -1,6 +1,8 @@
-"""The cost model: ring collectives move 2(n-1)/n of the bytes, uneven shards are priced by
-their largest rank, floats are priced at the profile's training dtype, costs are sympy
-expressions in b and s, and calibrate() measures a profile on this machine."""
+"""The cost model: ring collectives move 2(n-1)/n of the bytes, an op is priced by the kernels
+eager PyTorch runs for it on the largest rank (products by a rate their shape reaches, memory-bound
+kernels by their bytes at their class's bandwidth, a launch each), floats are priced at the
+profile's training dtype, costs are sympy expressions in b and s, and calibrate() measures a
+profile on this machine."""
 import math
 
 import pytest
@@ -43,16 +45,37 @@ def test_collective_expression_is_symbolic_in_the_tensor_size():
 
 def test_an_uneven_column_split_is_priced_at_its_largest_rank():
     info = mm_info(768, 12 * 64)
-    whole = compute_time(info, Strategy((REPLICATE, REPLICATE), REPLICATE), {b: 8, s: 1024}, H100, 8)
     split = compute_time(info, Strategy((REPLICATE, Shard(1, 1, 64)), Shard(1, 1, 64)), {b: 8, s: 1024}, H100, 8)
-    assert split / whole == pytest.approx(2 / 12)   # 12 heads over 8 ranks: the slowest holds 2
+    # 12 heads over 8 ranks: the slowest holds 2, and its product is a whole product of that width
+    largest = compute_time(mm_info(768, 2 * 64), Strategy((REPLICATE, REPLICATE), REPLICATE), {b: 8, s: 1024},
+                           H100, 8)
+    assert split == pytest.approx(largest)
 
 
-def test_a_row_split_product_is_priced_at_one_rank_share():
+def test_a_row_split_product_is_priced_as_the_product_a_rank_runs():
     info = mm_info(768, 768)
-    whole = compute_time(info, Strategy((REPLICATE, REPLICATE), REPLICATE), {b: 8, s: 1024}, H100, 4)
     row = compute_time(info, Strategy((Shard(1), Shard(0)), PARTIAL), {b: 8, s: 1024}, H100, 4)
-    assert row / whole == pytest.approx(1 / 4)
+    local = compute_time(mm_info(768 // 4, 768), Strategy((REPLICATE, REPLICATE), REPLICATE), {b: 8, s: 1024},
+                         H100, 4)
+    assert row == pytest.approx(local)
+
+
+def test_a_smaller_product_runs_further_below_peak():
+    env = {b: 8, s: 1024}
+    rates = []
+    for width in (64, 512, 4096):
+        info = mm_info(width, width)
+        seconds = compute_time(info, Strategy((REPLICATE, REPLICATE), REPLICATE), env, H100, 1)
+        rates.append(3 * 2 * 8 * 1024 * width * width / seconds)
+    assert rates[0] < rates[1] < rates[2] <= H100.flops
+
+
+def test_an_unaligned_product_is_priced_at_the_unaligned_rate():
+    env = {b: 8, s: 1024}
+    whole = Strategy((REPLICATE, REPLICATE), REPLICATE)
+    aligned = compute_time(mm_info(1600, 50256), whole, env, H100, 1)
+    unaligned = compute_time(mm_info(1600, 50257), whole, env, H100, 1)
+    assert unaligned > 3 * aligned       # cuBLAS's align1 kernels: ~120 of 754 TFLOP/s on an H200
 
 
 @pytest.mark.parametrize("strategy", [Strategy((PARTIAL, REPLICATE), PARTIAL),    # scaled before the g
@@ -78,9 +101,9 @@ def test_floats_are_priced_at_the_profiles_training_dtype_not_the_traced_one():
 def test_compute_expression_evaluates_to_the_priced_cost():
     info = mm_info(1600, 6400)
     strat = Strategy((REPLICATE, Shard(1)), Shard(1))
-    expr = compute_time_expr(info, strat, H100, 8)
-    assert expr.free_symbols == {b, s}
     for env in ({b: 8, s: 1024}, {b: 1, s: 1}):
+        expr = compute_time_expr(info, strat, H100, 8, env)   # each product at the rate its shape reaches there
+        assert expr.free_symbols == {b, s}
         assert evaluate(expr, env) == pytest.approx(compute_time(info, strat, env, H100, 8))
 
 
@@ -91,13 +114,42 @@ def test_a_small_product_is_memory_bound_on_the_roofline():
     assert t > flops_time * 10
 
 
-def test_loss_over_the_logits_is_priced_by_what_it_reads():
+def test_loss_over_the_logits_is_priced_by_what_its_kernels_move():
     logits = TensorMeta((b * s, sympy.Integer(50257)), torch.float32)
     target = TensorMeta((b * s,), torch.int64)
     info = OpInfo(aten.cross_entropy_loss.default, (logits, target), {}, (logits, target),
                   TensorMeta((), torch.float32), 1)
     t = compute_time(info, Strategy((REPLICATE, REPLICATE), REPLICATE), {b: 8, s: 1024}, H100, 1)
-    assert t == pytest.approx(2 * 8 * 1024 * 50257 * 2 / H100.mem_bw)
+    x = 8 * 1024 * 50257 * 2
+    # forward log_softmax (read, write); backward a zero-filled gradient and log_softmax's backward
+    # (two reads, a write): six launches
+    expected = 5 * x / H100.bandwidth("softmax") + x / H100.bandwidth("elementwise") + 6 * H100.launch_s
+    assert t == pytest.approx(expected)
+
+
+def test_a_float32_upcast_in_a_bf16_model_moves_four_bytes_an_element():
+    x16 = TensorMeta((b * s, sympy.Integer(4096)), torch.bfloat16)
+    x32 = TensorMeta((b * s, sympy.Integer(4096)), torch.float32)
+    info = OpInfo(aten.to.dtype, (x16, torch.float32), {}, (x16,), x32, 1)
+    info.train_dtype, info.grad_inputs = torch.bfloat16, (True,)
+    t = compute_time(info, Strategy((REPLICATE,), REPLICATE), {b: 8, s: 1024}, H100, 1)
+    n = 8 * 1024 * 4096
+    assert t == pytest.approx(2 * (2 * n + 4 * n) / H100.bandwidth("cast") + 2 * H100.launch_s)
+
+
+def test_an_elementwise_op_on_a_broadcast_operand_takes_the_strided_rate():
+    x = TensorMeta((b * s, sympy.Integer(4096)), torch.bfloat16)
+    w = TensorMeta((sympy.Integer(4096),), torch.bfloat16)
+    full = OpInfo(aten.mul.Tensor, (x, x), {}, (x, x), x, 1)
+    broadcast = OpInfo(aten.mul.Tensor, (x, w), {}, (x, w), x, 1)
+    for info in (full, broadcast):
+        info.grad_inputs = (False, False)
+    env, whole = {b: 8, s: 1024}, Strategy((REPLICATE, REPLICATE), REPLICATE)
+    n = 8 * 1024 * 4096 * 2
+    assert compute_time(full, whole, env, H100, 1) == pytest.approx(3 * n / H100.bandwidth("elementwise")
+                                                                    + H100.launch_s)
+    assert compute_time(broadcast, whole, env, H100, 1) == pytest.approx((2 * n + 4096 * 2) / H100.bandwidth("strided")
+                                                                         + H100.launch_s)
 
 
 @given(alpha=st.floats(1e-7, 1e-3), bw=st.floats(1e7, 1e12), n=st.integers(2, 16))

@@ -69,6 +69,18 @@ class Strategy:
         return f"{list(self.inputs)} -> {self.output}"
 
 
+def _frozen(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
+
+
 @dataclass
 class OpInfo:
     """What a rule sees of one op: its target, arguments (tensors replaced by
@@ -90,6 +102,26 @@ class OpInfo:
     #: hints for a fresh shard of an input's dim, (input index, dim) -> as ``hints``: a product's
     #: contracted features read off how x was made (heads x head_dim: whole heads)
     input_hints: dict[tuple[int, int], tuple] = field(default_factory=dict)
+    #: what the cost model needs beyond the shapes (set by the graph index): whether each tensor
+    #: input carries a gradient back, the dtype the model trains in (its parameters'), and how many
+    #: uses send a gradient back into the output (autograd sums them: one kernel each past the first)
+    grad_inputs: tuple | None = None
+    train_dtype: Any = None
+    grad_uses: int = 1
+    #: which tensor inputs are strided views (a transpose, an expand, a slice of an inner dim):
+    #: an elementwise kernel on one takes PyTorch's slower non-vectorized path
+    strided_inputs: tuple = ()
+
+    @functools.cached_property
+    def args_key(self) -> tuple:
+        """The op's arguments (tensors as their metas) and keyword arguments, hashable."""
+        return _frozen(self.args), _frozen(tuple(sorted(self.kwargs.items())))
+
+    @property
+    def cost_key(self) -> tuple:
+        """Everything the cost of one strategy of this op depends on: equal across layers."""
+        return (self.target, self.inputs, self.output, self.args_key, self.grad_inputs, self.train_dtype,
+                self.grad_uses, self.strided_inputs)
 
     def hint(self, dim: int) -> tuple[int, int, int, int, bool, tuple]:
         """(chunks, unit, rotate, tail, grouped, sizes) a fresh shard of output ``dim`` should use

@@ -1,0 +1,434 @@
+"""What eager PyTorch runs for one ATen op on one rank, forward and backward.
+
+The cost model prices an op by the work its kernels do, not by a fused ideal: a GPU step spends a
+third of its time in memory-bound ops (norms, residual adds, activations, dropout, casts, the
+loss's float32 softmax), and those run one kernel per ATen op in eager mode, each reading and
+writing whole tensors. :func:`op_work` lists, for an op under a strategy:
+
+* **products**: every matrix product of the forward and of the backward (``dX = dY Wᵀ``,
+  ``dW = Xᵀ dY``, each only where that input carries a gradient), with its shape, so that its
+  efficiency can depend on it (small, skinny and unaligned products run well below peak);
+* **attention**: fused attention's FLOPs (half the score matrix under a causal mask), head
+  dim and whether it draws dropout;
+* **moved**: the bytes each memory-bound kernel reads and writes, forward and backward, by op
+  class (``elementwise``, ``cast``, ``reduction``, ``softmax``, ``norm``, ``random``,
+  ``scatter``): each class attains its own share of the memory bandwidth;
+* **launches**: how many kernels run (each pays the profile's launch cost).
+
+Every size is a sympy expression in the graph's batch and sequence symbols, on this rank's
+local shapes (a Shard of a static dim: the largest rank's part; of the sequence: 1/tp of it).
+
+Bytes per element: a float tensor in the dtype the model trains in (its parameters') is priced
+at the profile's ``dtype_bytes``, so a float32 meta model is planned as it would train on a bf16
+device; a float tensor in another dtype keeps its own size: RMSNorm's and the loss's float32
+upcasts in a bf16 model move 4 bytes an element, and the casts themselves are kernels.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import sympy
+import torch
+
+from ..placements import Shard, max_local_size
+
+aten = torch.ops.aten
+
+#: Ops that move no data (views, metadata, reshapes that stay views, casts priced apart).
+VIEWS = frozenset({
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int,
+    aten.t.default, aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim,
+    aten.squeeze.dims, aten.squeeze.default, aten.expand.default, aten.slice.Tensor,
+    aten.select.int, aten.alias.default, aten.detach.default, aten.split.Tensor,
+    aten.split_with_sizes.default, aten.sym_size.int, aten.unbind.int, aten.chunk.default,
+    aten.flatten.using_ints, aten.unflatten.int, aten.narrow.default, aten.broadcast_to.default,
+    aten.numpy_T.default, aten.view_as.default, aten.expand_as.default, aten.lift_fresh_copy.default,
+})
+CASTS = frozenset({aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default})
+COPIES = frozenset({aten.contiguous.default, aten.clone.default})
+PRODUCTS = frozenset({aten.mm.default, aten.linear.default, aten.bmm.default, aten.matmul.default})
+#: grouped products (mixtures of experts), by name: transformers registers its fallback only once imported
+GROUPED_PRODUCTS = frozenset(("aten._grouped_mm.default", "transformers.grouped_mm_fallback.default"))
+ATTENTION = aten.scaled_dot_product_attention.default
+
+#: elementwise ops whose backward passes the gradient on untouched (a kernel only to reduce a broadcast)
+_PASS_GRAD = frozenset({aten.add.Tensor, aten.add_.Tensor, aten.add.Scalar, aten.sub.Scalar})
+#: elementwise ops whose backward needs no saved tensor (one kernel: the gradient scaled or negated)
+_SCALE_GRAD = frozenset({aten.neg.default, aten.mul.Scalar, aten.div.Scalar})
+#: unary ops whose backward takes two kernels (pow: x^(e-1), then the product with the gradient)
+_TWO_KERNEL_GRAD = frozenset({aten.pow.Tensor_Scalar, aten.div.Tensor, aten.pow.Tensor_Tensor})
+_REDUCTIONS = frozenset({aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default,
+                         aten.amax.default, aten.amin.default, aten.var.correction, aten.max.dim,
+                         aten.min.dim, aten.norm.ScalarOpt_dim, aten.argmax.default, aten.logsumexp.default,
+                         aten.cumsum.default, aten.all.default, aten.any.default})
+_SOFTMAX = frozenset({aten._softmax.default, aten._log_softmax.default, aten.softmax.int, aten.log_softmax.int})
+_NORMS = frozenset({aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default,
+                    aten.group_norm.default})
+_RANDOM = frozenset({aten.dropout.default, aten.native_dropout.default, aten.bernoulli.p, aten.rand_like.default})
+_GATHERS = frozenset({aten.embedding.default, aten.index.Tensor, aten.index_select.default, aten.gather.default})
+_SCATTERS = frozenset({aten.index_put_.default, aten.index_put.default, aten.scatter_add.default,
+                       aten.index_add.default, aten.scatter.src, aten.histc.default, aten.bincount.default})
+_FACTORIES = frozenset({aten.zeros.default, aten.ones.default, aten.full.default, aten.empty.memory_format,
+                        aten.arange.default, aten.arange.start, aten.arange.start_step, aten.new_ones.default,
+                        aten.new_zeros.default, aten.new_full.default, aten.new_empty.default,
+                        aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+                        aten.empty_like.default, aten.fill_.Scalar})
+
+#: the classes of memory-bound kernels a profile gives a bandwidth each
+CLASSES = ("elementwise", "strided", "cast", "reduction", "softmax", "norm", "random", "scatter")
+
+
+@dataclass(frozen=True)
+class Product:
+    """One matrix product, ``batch`` of (m x k) @ (k x n); ``aligned``: its leading dims hold
+    16-byte multiples, which the fast tensor-core kernels need."""
+
+    m: Any
+    n: Any
+    k: Any
+    batch: Any = 1
+    aligned: bool = True
+
+    @property
+    def flops(self) -> Any:
+        return 2 * self.batch * self.m * self.n * self.k
+
+
+@dataclass(frozen=True)
+class Attention:
+    flops: Any          # forward and backward FLOPs run
+    head_dim: int
+    dropout: bool
+    moved: Any = 0      # bytes its kernels read and write (q, k, v, the output, their gradients)
+
+
+@dataclass(frozen=True)
+class OpWork:
+    products: tuple = ()                 # Product, forward and backward
+    attention: tuple = ()                # Attention
+    moved: tuple = ()                    # (class, bytes) forward and backward
+    launches: int = 0
+
+    def bytes_by_class(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for cls, b in self.moved:
+            out[cls] = out.get(cls, 0) + b
+        return out
+
+
+NO_WORK = OpWork()
+
+
+def local_numel(meta: Any, placement: Any, tp: int) -> sympy.Expr:
+    """Elements of ``meta`` on the largest rank under ``placement`` (a sequence shard: 1/tp)."""
+    value = sympy.Integer(1)
+    for d, size in enumerate(meta.shape):
+        if isinstance(placement, Shard) and placement.dim == d and tp > 1:
+            static = int(size) if size.is_Integer else None
+            size = sympy.Integer(max_local_size(static, placement, tp)) if static else size / tp
+        value = value * size
+    return value
+
+
+def local_shape(meta: Any, placement: Any, tp: int) -> tuple:
+    out = []
+    for d, size in enumerate(meta.shape):
+        if isinstance(placement, Shard) and placement.dim == d and tp > 1:
+            static = int(size) if size.is_Integer else None
+            size = sympy.Integer(max_local_size(static, placement, tp)) if static else size / tp
+        out.append(size)
+    return tuple(out)
+
+
+def element_bytes(dtype: torch.dtype, dtype_bytes: int | None, train_dtype: torch.dtype | None = None) -> int:
+    """Bytes per element as priced: a float in the training dtype at the profile's
+    ``dtype_bytes``; another float (an explicit upcast) and integers at their own size."""
+    if dtype_bytes is not None and dtype.is_floating_point and (train_dtype is None or dtype == train_dtype):
+        return dtype_bytes
+    return dtype.itemsize
+
+
+def aligned(size: Any, elem_bytes: int) -> bool:
+    """Does a row of ``size`` elements start every row on a 16-byte boundary? cuBLAS's fast
+    kernels need it of every leading dimension; a dynamic size counts as aligned (the planning
+    workload's batch and sequence are)."""
+    return not (isinstance(size, sympy.Integer) or isinstance(size, int)) or (int(size) * elem_bytes) % 16 == 0
+
+
+def _metas(out: Any) -> list:
+    if out is None:
+        return []
+    if isinstance(out, tuple):
+        return [o for o in out if o is not None and hasattr(o, "shape")]
+    return [out] if hasattr(out, "shape") else []
+
+
+def _flag(args: tuple, kwargs: dict, position: int, name: str, default: Any) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[position] if len(args) > position else default
+
+
+class _Op:
+    """One op's tensors on a rank: bytes of each input and output, as priced."""
+
+    def __init__(self, info: Any, strategy: Any, tp: int, dtype_bytes: int, train_dtype: Any):
+        self.info, self.tp = info, tp
+        outs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
+        self.inputs = list(info.inputs)
+        self.in_place = list(strategy.inputs)
+        self.outputs = _metas(info.output)
+        self.out_place = list(outs) + [None] * (len(self.outputs) - len(outs))
+
+        def nbytes(meta: Any, p: Any) -> sympy.Expr:
+            return local_numel(meta, p, tp) * element_bytes(meta.dtype, dtype_bytes, train_dtype)
+
+        self.b_in = [nbytes(m, p) for m, p in zip(self.inputs, self.in_place)]
+        self.b_out = [nbytes(m, p) for m, p in zip(self.outputs, self.out_place)]
+        self.n_in = [local_numel(m, p, tp) for m, p in zip(self.inputs, self.in_place)]
+        self.n_out = [local_numel(m, p, tp) for m, p in zip(self.outputs, self.out_place)]
+        grads = getattr(info, "grad_inputs", None)
+        self.grad = [bool(grads[i]) if grads is not None and i < len(grads) else m.is_float
+                     for i, m in enumerate(self.inputs)]
+        self.grad = [g and m.is_float for g, m in zip(self.grad, self.inputs)]
+
+    @property
+    def out_bytes(self) -> sympy.Expr:
+        return sum(self.b_out, sympy.Integer(0))
+
+    @property
+    def main_out(self) -> sympy.Expr:
+        return self.b_out[0] if self.b_out else sympy.Integer(0)
+
+
+def op_work(info: Any, strategy: Any, tp: int, dtype_bytes: int, train_dtype: Any = None) -> OpWork:
+    """What one op runs on the largest rank under ``strategy``, forward and backward."""
+    t = info.target
+    if t in VIEWS or t is torch.ops.aten.sym_size.int:
+        return NO_WORK
+    op = _Op(info, strategy, tp, dtype_bytes, train_dtype)
+    name = str(t)
+    if t in PRODUCTS:
+        return _product_work(op, dtype_bytes, train_dtype)
+    if name in GROUPED_PRODUCTS:
+        return _grouped_work(op, dtype_bytes, train_dtype)
+    if t is ATTENTION:
+        return _attention_work(op)
+    if t in CASTS:
+        return _cast_work(op)
+    if t in COPIES:
+        return OpWork(moved=(("elementwise", op.b_in[0] + op.main_out),), launches=1) if op.b_in else NO_WORK
+    if t in _NORMS:
+        return _norm_work(op)
+    if t in _SOFTMAX:
+        return _softmax_work(op)
+    if t is aten.cross_entropy_loss.default:
+        return _cross_entropy_work(op)
+    if t in _RANDOM:
+        return _dropout_work(op)
+    if t is aten.embedding.default:
+        return _embedding_work(op)
+    if t in _REDUCTIONS:
+        return _reduction_work(op)
+    if t in _SCATTERS:
+        return OpWork(moved=(("scatter", sum(op.b_in, sympy.Integer(0)) + op.out_bytes),), launches=2)
+    if t in _FACTORIES:
+        return OpWork(moved=(("elementwise", op.out_bytes),), launches=1) if op.outputs else NO_WORK
+    if not op.outputs:
+        return NO_WORK
+    if t in _GATHERS:
+        fwd = ("elementwise", op.out_bytes + sum((b for b, m in zip(op.b_in, op.inputs) if not m.is_float),
+                                                 sympy.Integer(0)) + op.out_bytes)
+        bwd = [("scatter", 2 * op.main_out + b) for b, g in zip(op.b_in, op.grad) if g]
+        return OpWork(moved=(fwd, *bwd), launches=1 + 2 * len(bwd))
+    return _elementwise_work(op)
+
+
+def _elementwise_work(op: _Op) -> OpWork:
+    """Forward: one kernel reads every input and writes the output. Backward, per input that
+    carries a gradient: a kernel that writes it (reading the incoming gradient and what the
+    formula saved), and a reduction where the input was broadcast."""
+    t = op.info.target
+    cls = "strided" if _strided(op) else "elementwise"
+    moved = [(cls, sum(op.b_in, sympy.Integer(0)) + op.out_bytes)]
+    launches = 1
+    out_float = bool(op.outputs) and op.outputs[0].is_float
+    if out_float:
+        g = op.main_out
+        others = sum(op.b_in, sympy.Integer(0))
+        for i, needs in enumerate(op.grad):
+            if not needs:
+                continue
+            broadcast = op.n_out and sympy.simplify(op.n_in[i] - op.n_out[0]) != 0
+            if t in _PASS_GRAD or (t is aten.sub.Tensor and i == 0):
+                pass
+            elif t in _SCALE_GRAD or t is aten.sub.Tensor:
+                moved.append((cls, 2 * g))
+                launches += 1
+            else:
+                saved = others - op.b_in[i] if len(op.inputs) > 1 else op.b_in[i]
+                kernels = 2 if t in _TWO_KERNEL_GRAD else 1
+                moved.append((cls, kernels * (2 * g) + saved))
+                launches += kernels
+            if broadcast:
+                moved.append(("reduction", g + op.b_in[i]))
+                launches += 1
+    return OpWork(moved=tuple(moved), launches=launches)
+
+
+def _strided(op: _Op) -> bool:
+    """Does the op take PyTorch's non-vectorized elementwise path: an input strided (a
+    transpose's, an expand's) or broadcast against the output (a norm's weight, a per-token
+    scale), other than a single number?"""
+    strided = getattr(op.info, "strided_inputs", ()) or ()
+    if any(strided):
+        return True
+    if not op.n_out:
+        return False
+    return any(sympy.simplify(n - op.n_out[0]) != 0 and n != 1 for n in op.n_in)
+
+
+def _cast_work(op: _Op) -> OpWork:
+    if not op.inputs or not op.outputs or op.inputs[0].dtype == op.outputs[0].dtype:
+        return NO_WORK   # a cast to the dtype it has (or a device move on one device): the tensor itself
+    moved = [("cast", op.b_in[0] + op.main_out)]
+    if op.grad[0] and op.outputs[0].is_float:
+        moved.append(("cast", op.b_in[0] + op.main_out))
+    return OpWork(moved=tuple(moved), launches=len(moved))
+
+
+def _norm_work(op: _Op) -> OpWork:
+    """Forward reads x (and the small weight) and writes y; backward reads the gradient and x,
+    writes x's gradient, and reads both again for the weight's and bias's."""
+    x, y = op.b_in[0], op.main_out
+    moved = [("norm", x + y)]
+    launches = 1
+    if op.grad[0]:
+        moved.append(("norm", 2 * x + y))
+        launches += 1
+    if any(op.grad[1:]):
+        moved.append(("norm", 2 * x))
+        launches += 1
+    return OpWork(moved=tuple(moved), launches=launches)
+
+
+def _softmax_work(op: _Op) -> OpWork:
+    moved = [("softmax", op.b_in[0] + op.main_out)]
+    if op.grad[0]:
+        moved.append(("softmax", 2 * op.main_out + op.b_in[0]))
+    return OpWork(moved=tuple(moved), launches=len(moved))
+
+
+def _cross_entropy_work(op: _Op) -> OpWork:
+    """log_softmax over the logits and a gather of the targets' entries; backward a zero-filled
+    gradient, the targets' entries set, and log_softmax's backward."""
+    x = op.b_in[0]
+    moved = [("softmax", 2 * x)]
+    launches = 3
+    if op.grad[0]:
+        moved += [("elementwise", x), ("softmax", 3 * x)]
+        launches += 3
+    return OpWork(moved=tuple(moved), launches=launches)
+
+
+def _dropout_work(op: _Op) -> OpWork:
+    info = op.info
+    p = _flag(info.args, info.kwargs, 1, "p", 0.5)
+    train = _flag(info.args, info.kwargs, 2, "train", True)
+    if not train or not p:
+        return NO_WORK
+    mask = op.n_in[0]   # one byte an element
+    moved = [("random", op.b_in[0] + op.main_out + mask)]
+    if op.grad[0]:
+        moved.append(("elementwise", 2 * op.main_out + mask))
+    return OpWork(moved=tuple(moved), launches=len(moved))
+
+
+def _embedding_work(op: _Op) -> OpWork:
+    """A lookup reads the rows it writes; the weight's gradient is a zero-filled table into
+    which the rows' gradients are scattered (sorted by index: a slow kernel)."""
+    w, idx = op.b_in[0], op.b_in[1]
+    moved = [("elementwise", 2 * op.main_out + idx)]
+    launches = 1
+    if op.grad[0]:
+        moved += [("elementwise", w), ("scatter", 2 * op.main_out + idx)]
+        launches += 3
+    return OpWork(moved=tuple(moved), launches=launches)
+
+
+def _reduction_work(op: _Op) -> OpWork:
+    moved = [("reduction", op.b_in[0] + op.out_bytes)]
+    launches = 1
+    if op.grad and op.grad[0] and op.outputs and op.outputs[0].is_float \
+            and op.info.target not in (aten.sum.dim_IntList, aten.sum.default):
+        moved.append(("elementwise", op.b_in[0] + op.main_out))   # the gradient spread back (sum's is a view)
+        launches += 1
+    return OpWork(moved=tuple(moved), launches=launches)
+
+
+def _attention_work(op: _Op) -> OpWork:
+    info = op.info
+    q_shape = local_shape(op.inputs[0], op.in_place[0], op.tp)
+    k_shape = local_shape(op.inputs[1], op.in_place[1], op.tp)
+    mask = _flag(info.args, info.kwargs, 3, "attn_mask", None)
+    dropout = _flag(info.args, info.kwargs, 4, "dropout_p", 0.0)
+    causal = _flag(info.args, info.kwargs, 5, "is_causal", False)
+    head_dim = q_shape[-1]
+    fwd = 4 * _prod(q_shape) * k_shape[-2]
+    if causal and mask is None:
+        fwd = fwd / 2   # the kernels skip the blocks above the diagonal
+    total = fwd * (sympy.Rational(7, 2) if any(op.grad[:3]) else 1)   # backward: 5 products to forward's 2
+    moved = sum(op.b_in, sympy.Integer(0)) + op.main_out
+    if any(op.grad[:3]):
+        moved += 2 * sum(op.b_in[:3], sympy.Integer(0)) + 2 * op.main_out
+    d = int(head_dim) if getattr(head_dim, "is_Integer", False) else 128
+    return OpWork(attention=(Attention(total, d, bool(dropout), moved),), launches=1 + 2 * any(op.grad[:3]))
+
+
+def _prod(shape: Sequence) -> sympy.Expr:
+    value = sympy.Integer(1)
+    for s in shape:
+        value = value * s
+    return value
+
+
+def _product_work(op: _Op, dtype_bytes: int, train_dtype: Any) -> OpWork:
+    """``mm``, ``linear``, ``bmm``, ``matmul`` on the local shapes: the forward product, and in
+    backward ``dX = dY·Wᵀ`` where x carries a gradient and ``dW = Xᵀ·dY`` where W does."""
+    t = op.info.target
+    x, w = (local_shape(m, p, op.tp) for m, p in zip(op.inputs[:2], op.in_place[:2]))
+    if t is aten.linear.default:
+        k, n, batch, m = x[-1], w[0], sympy.Integer(1), _prod(x[:-1])
+    elif len(x) >= 3 and len(w) >= 3:                       # batched
+        k, n, m, batch = x[-1], w[-1], x[-2], _prod(x[:-2])
+    else:
+        k, n, batch, m = x[-1], w[-1], sympy.Integer(1), _prod(x[:-1])
+    eb = element_bytes(op.inputs[0].dtype, dtype_bytes, train_dtype)
+    ok = aligned(k, eb) and aligned(n, eb)
+    products = [Product(m, n, k, batch, ok)]
+    if op.grad[0]:
+        products.append(Product(m, k, n, batch, ok))
+    if len(op.grad) > 1 and op.grad[1]:
+        products.append(Product(k, n, m, batch, ok))
+    return OpWork(products=tuple(products), launches=len(products))
+
+
+def _grouped_work(op: _Op, dtype_bytes: int, train_dtype: Any) -> OpWork:
+    """A grouped product (each row by its expert's matrix): priced as one product per expert this
+    rank holds, of the rows an expert gets on average."""
+    x = local_shape(op.inputs[0], op.in_place[0], op.tp)
+    w = local_shape(op.inputs[1], op.in_place[1], op.tp)
+    out = local_shape(op.outputs[0], op.out_place[0], op.tp)
+    rows, k, n = _prod(out[:-1]), x[-1], out[-1]
+    groups = w[0] if len(w) >= 3 else sympy.Integer(1)               # this rank's experts
+    experts = op.inputs[1].shape[0] if len(w) >= 3 else sympy.Integer(1)
+    eb = element_bytes(op.inputs[0].dtype, dtype_bytes, train_dtype)
+    ok = aligned(k, eb) and aligned(n, eb)
+    m = _prod(op.outputs[0].shape[:-1]) / experts    # the rows an expert gets on average
+    products = [Product(m, n, k, groups, ok)]
+    if op.grad[0]:
+        products.append(Product(m, k, n, groups, ok))
+    if len(op.grad) > 1 and op.grad[1]:
+        products.append(Product(k, n, m, groups, ok))
+    return OpWork(products=tuple(products), launches=len(products))

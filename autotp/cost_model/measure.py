@@ -1,0 +1,217 @@
+"""Measurements a profile is made of, on the machine at hand: matrix products of several shapes,
+the memory-bound op classes the cost model prices apart, fused attention, a kernel's launch, and
+ring all-reduces over a process group. Each returns plain numbers; :func:`.devices.calibrate`
+turns them into a :class:`~.devices.DeviceProfile`.
+
+Every figure is the best of ``repeats`` runs after a warm-up, synchronized on a GPU."""
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+from ..errors import ConfigError
+
+def _best_time(fn, repeats: int) -> float:
+    fn()  # warm up (allocations, thread pools)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return max(best, 1e-9)
+
+
+def measure_matmul_flops(sizes: Sequence[int] = (256, 512), repeats: int = 3, device: str = "cpu",
+                         dtype=None) -> float:
+    """Best FLOP/s of square ``mm`` over ``sizes``."""
+    import torch
+
+    dtype = dtype or torch.float32
+    best = 0.0
+    for n in sizes:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        out = torch.empty(n, n, device=device, dtype=dtype)
+        sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+
+        def run():
+            torch.mm(a, b, out=out)
+            sync()
+
+        best = max(best, 2 * n ** 3 / _best_time(run, repeats))
+    return best
+
+
+def measure_memory_bandwidth(numel: int = 1 << 22, repeats: int = 3, device: str = "cpu", dtype=None) -> float:
+    """Bytes/s of ``c = a + b`` on ``numel`` elements (two reads and a write)."""
+    import torch
+
+    dtype = dtype or torch.float32
+    a, b = torch.randn(numel, device=device, dtype=dtype), torch.randn(numel, device=device, dtype=dtype)
+    c = torch.empty_like(a)
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+
+    def run():
+        torch.add(a, b, out=c)
+        sync()
+
+    return 3 * numel * a.element_size() / _best_time(run, repeats)
+
+
+def measure_all_reduce(message_bytes: Sequence[int], repeats: int = 3, group=None,
+                       device: str = "cpu") -> list[float]:
+    """Best seconds of an all-reduce of each message size on ``group`` (every rank must call)."""
+    import torch
+    import torch.distributed as dist
+
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+    times = []
+    for nbytes in message_bytes:
+        x = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+        dist.barrier(group=group)
+
+        def run():
+            dist.all_reduce(x, group=group)
+            sync()
+
+        times.append(_best_time(run, repeats))
+    # the slowest rank sets the pace of a collective
+    t = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def fit_alpha_beta(message_bytes: Sequence[float], seconds: Sequence[float], n: int) -> tuple[float, float]:
+    """(latency per step, link bytes/s) of ring all-reduce, least squares on
+    ``t = 2(n-1)·alpha + 2(n-1)/n·B / bw``; both kept positive."""
+    # normal equations of the 2-parameter fit, by hand (no numpy dependency)
+    steps = 2 * (n - 1)
+    xs = [steps / n * b for b in message_bytes]
+    m, sx, sy = len(xs), sum(xs), sum(seconds)
+    sxx, sxy = sum(x * x for x in xs), sum(x * y for x, y in zip(xs, seconds))
+    det = m * sxx - sx * sx
+    if det == 0:
+        raise ConfigError("calibrate needs at least two different message sizes")
+    inv_bw = (m * sxy - sx * sy) / det
+    alpha = (sy - inv_bw * sx) / m / steps
+    alpha = max(float(alpha), 1e-9)
+    if inv_bw <= 0:   # all sizes cost the same: the link is faster than we can measure
+        inv_bw = 1e-15
+    return alpha, 1.0 / float(inv_bw)
+
+
+
+
+def _sync(device: str) -> Callable[[], None]:
+    import torch
+
+    return torch.cuda.synchronize if device != "cpu" else (lambda: None)
+
+
+def _timed(fn: Callable[[], object], device: str, repeats: int) -> float:
+    sync = _sync(device)
+
+    def run():
+        fn()
+        sync()
+
+    return _best_time(run, repeats)
+
+
+def measure_launch(device: str = "cpu", repeats: int = 20) -> float:
+    """Seconds one tiny kernel costs end to end (an add of 8 numbers): what every op pays."""
+    import torch
+
+    a = torch.ones(8, device=device)
+    out = torch.empty_like(a)
+    calls = 50
+
+    def run():
+        for _ in range(calls):
+            torch.add(a, a, out=out)
+
+    return _timed(run, device, repeats) / calls
+
+
+def measure_products(shapes: Sequence[tuple[int, int, int]], device: str = "cpu", dtype=None,
+                     repeats: int = 3) -> list[float]:
+    """FLOP/s of ``(m x k) @ (k x n)`` for each ``(m, n, k)`` in ``shapes``."""
+    import torch
+
+    dtype = dtype or torch.float32
+    rates = []
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        out = torch.empty(m, n, device=device, dtype=dtype)
+        rates.append(2 * m * n * k / _timed(lambda: torch.mm(a, b, out=out), device, repeats))
+    return rates
+
+
+def fit_product_shape(peak: float, small: tuple[int, int, int], small_rate: float, shallow: tuple[int, int, int],
+                      shallow_rate: float) -> tuple[float, float]:
+    """(half work, half k) of the product model ``rate = peak · W/(W + w0) · k/(k + k0)`` from a
+    small product and a shallow one (few contracted elements), each measured: two equations,
+    solved by fixed-point iteration (both factors are monotone), kept non-negative."""
+    w0, k0 = 0.0, 0.0
+    ws, ks = small[0] * small[1] * small[2], small[2]
+    wd, kd = shallow[0] * shallow[1] * shallow[2], shallow[2]
+    for _ in range(50):
+        depth_small = ks / (ks + k0)
+        size_small = min(0.999, max(small_rate / peak / depth_small, 1e-6))
+        w0 = max(0.0, ws * (1 / size_small - 1))
+        size_shallow = wd / (wd + w0)
+        depth = min(0.999, max(shallow_rate / peak / size_shallow, 1e-6))
+        k0 = max(0.0, kd * (1 / depth - 1))
+    return w0, k0
+
+
+def measure_op_classes(device: str = "cpu", dtype=None, numel: int = 1 << 22, repeats: int = 3) -> dict[str, float]:
+    """Bytes/s each memory-bound op class attains on ``numel``-element tensors (the bytes each
+    kernel reads and writes, as :mod:`.kernels` counts them): a contiguous add; the same add on
+    a transposed operand and a broadcast row (PyTorch's strided path); a cast to float32; a sum
+    over the rows; a log-softmax over rows; a layer norm; dropout; and a scatter-add of rows."""
+    import torch
+
+    dtype = dtype or torch.float32
+    eb = torch.empty((), dtype=dtype).element_size()
+    rows = 1024
+    cols = numel // rows
+    x = torch.randn(rows, cols, device=device, dtype=dtype)
+    y = torch.randn(rows, cols, device=device, dtype=dtype)
+    yt = torch.randn(cols, rows, device=device, dtype=dtype).t()
+    wide = torch.float64 if dtype == torch.float32 else torch.float32
+    out = torch.empty_like(x)
+    n = rows * cols
+    index = torch.randint(0, rows, (rows,), device=device)
+    table = torch.zeros(rows, cols, device=device, dtype=dtype)
+    ln = torch.nn.functional.layer_norm
+    measured = {
+        "elementwise": (3 * n * eb, lambda: torch.add(x, y, out=out)),
+        "strided": (3 * n * eb, lambda: torch.add(x, yt, out=out)),
+        "cast": (n * eb + n * wide.itemsize, lambda: x.to(wide)),
+        "reduction": (n * eb, lambda: x.sum(0)),
+        "softmax": (2 * n * eb, lambda: torch.log_softmax(x, dim=-1)),
+        "norm": (2 * n * eb, lambda: ln(x, (cols,))),
+        "random": (2 * n * eb + n, lambda: torch.nn.functional.dropout(x, 0.1, True)),
+        "scatter": (2 * n * eb, lambda: table.index_add_(0, index, x)),
+    }
+    return {name: nbytes / _timed(fn, device, repeats) for name, (nbytes, fn) in measured.items()}
+
+
+def measure_attention(device: str = "cpu", dtype=None, seq: int = 512, heads: int = 8, repeats: int = 3,
+                      dropout: float = 0.0) -> tuple[float, float]:
+    """FLOP/s of causal ``scaled_dot_product_attention`` at head dim 128 and at 64 (counting the
+    half of the score matrix a causal mask leaves), with ``dropout``."""
+    import torch
+
+    dtype = dtype or torch.float32
+    rates = []
+    for d in (128, 64):
+        q, k, v = (torch.randn(1, heads, seq, d, device=device, dtype=dtype) for _ in range(3))
+
+        def run():
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+
+        rates.append(2 * heads * seq * seq * d / _timed(run, device, repeats))
+    return rates[0], rates[1]
