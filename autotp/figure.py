@@ -31,9 +31,10 @@ WHOLE = "#d0d0d0"
 COMM_COLOURS = {"f": "#1d4ed8", "g": "#b91c1c"}
 COMM_WORDS = {"f": "f: forward identity, backward all-reduce",
               "g": "g: forward all-reduce, backward identity",
-              "all_gather": "all-gather", "reduce_scatter": "reduce-scatter", "scatter": "scatter (keep own part)",
+              "all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
+              "all_gather_f": "all-gather forward, reduce-scatter backward (f̄)", "scatter": "scatter (keep own part)",
               "all_reduce": "all-reduce", "reshard": "reshard"}
-COMM_MARKS = {"all_gather": "AG", "reduce_scatter": "RS", "scatter": "SC", "all_reduce": "AR", "reshard": "RE"}
+COMM_MARKS = {"all_gather_f": "AGf", "all_gather": "AG", "reduce_scatter": "RS", "scatter": "SC", "all_reduce": "AR", "reshard": "RE"}
 CELL_W, FONT = 330, 11
 MAX_SIDE, MIN_SIDE = 150, 14
 

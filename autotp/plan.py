@@ -374,7 +374,7 @@ def role_of(placement: Placement, first_use: Any, arg_pos: int, ndim: int | None
             "aten._grouped_mm.default", "transformers.grouped_mm_fallback.default") else None)
         if out_dim is not None and arg_pos in (0, 1):
             return "expert_column" if d == out_dim else "expert_row"
-    if first_use is aten.mm.default and arg_pos == 1:
+    if first_use in (aten.mm.default, aten.matmul.default) and arg_pos == 1 and ndim in (None, 2):
         return "column" if d == 1 else "row"
     if first_use is aten.linear.default and arg_pos == 1:
         return "column" if d == 0 else "row"

@@ -136,6 +136,7 @@ def _comm_into(index: Any, prop: Any, by_tensor: dict, exact: dict) -> Any:
     """``(arg, consumer) -> the Comms, in order, the consumer reads arg through``. A conversion
     is made once per (tensor, placement, f) and read by every consumer that wants the same (q, k
     and v all read the f placed before q): decided as the propagation decides it."""
+    from .cost_model.symbolic import conversion_kinds
     from .passes.propagate import _sharded_compute, wants_f
 
     def into(arg: Any, consumer: Any) -> list:
@@ -149,7 +150,7 @@ def _comm_into(index: Any, prop: Any, by_tensor: dict, exact: dict) -> Any:
             f = wants_f(want, sharded, meta, inp in index.grads)
             if (inp, want, f) not in prop.conversions:
                 continue
-            kinds = [k for k in (prop.conversions[(inp, want, f)], "f" if f else "") if k]
+            kinds = conversion_kinds(prop.conversions[(inp, want, f)] or None, f)
             found = [next((c for c in by_tensor[arg.name] if c.kind == k and c.dst == want), None) for k in kinds]
             return [c for c in found if c is not None]
         return list(exact.get((arg.name, consumer.name), ()))

@@ -7,12 +7,12 @@ from typing import Any, Mapping
 
 from .capture import Capture, gc_paused, module_path
 from .cost_model import get_profile
-from .errors import MemoryLimitError, PlanError
+from .errors import ConfigError, MemoryLimitError, PlanError
 from .passes.experts_choice import expert_stacks, experts_note
 from .passes.pins import unholdable_pin
 from .passes.propagate import GraphIndex, Propagation, propagate
 from .passes.solve import solve
-from .placements import REPLICATE, Placement
+from .placements import REPLICATE, Placement, Shard
 from .plan_flow import record_flows
 from .plan import CommOp, DeferredExpressions, Plan, attention_heads, cost_expressions, role_of, unsplit_attention_note
 from .roles import _first_uses, _pinned
@@ -34,8 +34,10 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
     a generation step's KV cache goes out and comes back split by head (autotp.generation).
 
     ``sequence_parallel``: may the solver split layer-norm/dropout/residual regions along the
-    sequence (Korthikanti et al.)? None (default): only when the fastest plan without it does not
-    fit the memory limit; True: whenever the cost model prefers it; False: never.
+    sequence (Korthikanti et al.)? None (default): wherever the cost model finds it cheaper;
+    True: wherever a row-parallel product's partial sum meets an add along the sequence (a
+    PlanError where nothing can take it); False: never. It needs ``uneven``: a sequence shard is
+    uneven whenever tp does not divide a call's length.
 
     ``gather_logits``: None (default) keeps the output named ``logits`` split by vocabulary
     where the call also returns a loss (labels given: training needs the loss, computed
@@ -48,8 +50,12 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
     keep = frozenset(i for i, n in enumerate(names) if n in keep_split or (n == "logits" and split_logits))
     by_key = dict(zip(cap.input_keys, cap.user_inputs))
     arriving = {by_key[k]: p for k, p in (input_placements or {}).items()}
+    if sequence_parallel and not uneven:
+        raise ConfigError("sequence_parallel=True needs uneven=True: a sequence shard is uneven whenever tp does "
+                          "not divide a call's length; pass uneven=True, or leave sequence_parallel to the planner")
     index = GraphIndex.build(cap, tp, batch, seq, uneven=uneven, sharded_outputs=keep,
-                             sequence_parallel=bool(sequence_parallel), input_placements=arriving)
+                             sequence_parallel=sequence_parallel is not False and uneven and tp > 1,
+                             input_placements=arriving, force_sequence=bool(sequence_parallel))
     pinned = _pinned(cap, layout, plan)
     notes: list[str] = []
     if plan is not None:
@@ -58,9 +64,7 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
             raise PlanError(f"the given plan does not fit this model: {prop.infeasible}")
     else:
         try:
-            solution, index, more = _solve(index, prof, pinned, layout, limit, sequence_parallel, uneven,
-                                           lambda: GraphIndex.build(cap, tp, batch, seq, uneven=uneven, sharded_outputs=keep,
-                                                                    sequence_parallel=True, input_placements=arriving))
+            solution, index, more = _solve(index, prof, pinned, layout, limit, sequence_parallel)
         except MemoryLimitError as exc:
             error = _what_memory_takes(exc, tp, batch, seq)
             if getattr(exc, "without_limit", None) is not None:   # set by _solve
@@ -127,7 +131,8 @@ def _written(cap: Capture, index: GraphIndex, prop: Propagation, prof: Any, tp: 
                   # 0.24 s of gpt2-xl's 0.63 s replay, paid per call signature)
                   flows=record_flows(index, prop) if plan is None else plan.flows)
     if plan is None and tp > 1:
-        for note in (_replicated_note(result, layout), unsplit_attention_note(index, prop, result.attention or {})):
+        for note in (_sequence_note(index, prop), _replicated_note(result, layout),
+                     unsplit_attention_note(index, prop, result.attention or {})):
             if note:
                 result.notes.append(note)
     return result, index, prop
@@ -138,45 +143,50 @@ SPLIT_SHARE_NOTED = 0.5
 
 
 def _solve(index: GraphIndex, prof: Any, pinned: Mapping[str, Placement], layout: Any, limit: float,
-           sequence_parallel: bool | None, uneven: bool, with_sequence: Any) -> tuple[Any, GraphIndex, list[str]]:
-    """The fastest plan within ``limit``: the solver's, on ``index``; where none fits and the
-    caller left ``sequence_parallel`` to autotp, again on ``with_sequence()`` (an index whose
-    rules may split the sequence). Returns the solution, the index it was solved on and notes."""
+           sequence_parallel: bool | None) -> tuple[Any, GraphIndex, list[str]]:
+    """The fastest plan within ``limit``: the solver's, on ``index``. Returns the solution, the
+    index it was solved on and notes (where sequence parallelism is used, and why)."""
     notes: list[str] = []
-    # where no plan fits, the MemoryLimitError carries ``without_limit``: (the fastest plan on the
-    # first index, that index), what memory_limit=inf would solve, or None
-    fastest = None
     try:
         solution = solve(index, prof, pinned, memory_limit=limit)
-        fits = solution.over_limit is None
     except PlanError as exc:
-        solution, fits, failed = None, False, exc
-        if isinstance(exc, MemoryLimitError):
-            fastest = (exc.fastest, index)
-    if sequence_parallel is None and uneven and not fits:
-        # Memory is the reason for sequence parallelism: the layer norms' and dropouts'
-        # activations shrink to s/tp tokens. (Offered always, the cost model would also pick
-        # it where its pointwise savings outweigh the extra all-gather; see architecture.md.)
-        (index, first_index), first = (with_sequence(), index), solution
-        try:
-            solution = solve(index, prof, pinned, memory_limit=limit)
-        except PlanError as exc:
-            if first is None:
-                _blame_pins(index, pinned, prof, layout)
-                if isinstance(exc, MemoryLimitError):
-                    exc.without_limit = fastest
-                raise
-            solution, index = first, first_index   # the slower plan that fits, on the index it was solved on
-        if solution is not first and any(c.kind == "reduce_scatter" for c in solution.propagation.comms):
-            notes.append("sequence parallelism: without it no plan fits the memory limit as fast; layer "
-                         "norms, dropouts and residual adds run on s/tp tokens between a reduce-scatter "
-                         "and an all-gather along s")
-    elif solution is None:   # the same search again would fail the same way
         _blame_pins(index, pinned, prof, layout)
-        if isinstance(failed, MemoryLimitError):
-            failed.without_limit = fastest
-        raise failed
+        if isinstance(exc, MemoryLimitError):
+            exc.without_limit = (exc.fastest, index)
+        raise
+    if sequence_parallel and not sequence_regions(index, solution.propagation):
+        raise PlanError(
+            "sequence_parallel=True, but no row-parallel product's partial sum meets an add along a dynamic "
+            f"sequence dim in this plan at tp={index.tp} (no layer is split so that a reduce-scatter along the "
+            "sequence can replace its all-reduce): pin a row-parallel layout (layout={'<glob>': 'row'}), or leave "
+            "sequence_parallel to the planner (None)")
     return solution, index, notes
+
+
+def _sequence_note(index: GraphIndex, prop: Propagation) -> str | None:
+    """Where a plan runs regions split along the sequence, and whether by cost or forced."""
+    regions = sequence_regions(index, prop)
+    if not regions:
+        return None
+    how = "forced (sequence_parallel=True)" if index.force_sequence else "chosen by cost (cheaper than all-reducing there)"
+    return (f"sequence parallelism in {regions} region{'s' if regions > 1 else ''}, {how}: layer norms, dropouts and "
+            "residual adds run on s/tp tokens between a reduce-scatter and an all-gather along s (Megatron-SP's ḡ "
+            "and f̄)")
+
+
+def sequence_regions(index: GraphIndex, prop: Propagation) -> int:
+    """How many regions of a propagation run split along the sequence: reduce-scatters of a
+    Partial along a dynamic dim."""
+    from .passes.propagate import _meta
+
+    nodes = {n.name: n for n in index.capture.graph.nodes}
+    count = 0
+    for c in prop.comms:
+        if c.kind == "reduce_scatter" and isinstance(c.dst, Shard) and c.tensor in nodes:
+            meta = _meta(nodes[c.tensor])
+            if meta is not None and meta.static(c.dst.dim) is None:
+                count += 1
+    return count
 
 
 def _what_memory_takes(exc: MemoryLimitError, tp: int, batch: int, seq: int) -> MemoryLimitError:

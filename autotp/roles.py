@@ -21,7 +21,7 @@ from .plan import Plan, role_of
 #: MLP's and a pin says which matrix is cut which way.
 ROLES = ("column", "row", "vocab", "replicate", "expert", "expert_column", "expert_row")
 #: product -> the weight dim holding its output features (a head's vocabulary rows)
-_OUTPUT_ROWS = {torch.ops.aten.linear.default: 0, torch.ops.aten.mm.default: 1}
+_OUTPUT_ROWS = {torch.ops.aten.linear.default: 0, torch.ops.aten.mm.default: 1, torch.ops.aten.matmul.default: 1}
 
 
 def _first_uses(cap: Capture) -> dict[str, tuple[Any, int]]:

@@ -184,7 +184,9 @@ def _bias_after_view(graph: fx.Graph, addmm: fx.Node, mm: fx.Node, bias: Any) ->
     """``addmm`` on flattened tokens ``(b*s, n)`` whose only use views it back to ``(b, s, n)``:
     view the product first and add the bias to the view. The sum is the same; what changes is
     that a row-parallel Partial product now reaches the bias add with the sequence dim apart,
-    so sequence parallelism can reduce-scatter it along s (it cannot split the merged b*s)."""
+    so sequence parallelism can reduce-scatter it along s (it cannot split the merged b*s).
+    Where x itself was flattened from ``(b, s, k)`` for the product (GPT-2's Conv1D), the two
+    views and the product become one ``matmul`` of the 3-D x."""
     users = list(addmm.users)
     if len(users) != 1 or users[0].target not in _VIEWS or not isinstance(bias, fx.Node):
         return False
@@ -193,7 +195,29 @@ def _bias_after_view(graph: fx.Graph, addmm: fx.Node, mm: fx.Node, bias: Any) ->
     if not (isinstance(out, torch.Tensor) and isinstance(b, torch.Tensor) and b.dim() == 1
             and out.dim() >= 2 and out.shape[-1] == addmm.meta["val"].shape[-1]):
         return False
-    view.replace_input_with(addmm, mm)
+    flat = mm.args[0]
+    whole = flat.args[0] if isinstance(flat, fx.Node) and flat.target in _VIEWS else None
+    whole_val = whole.meta.get("val") if isinstance(whole, fx.Node) else None
+    if isinstance(whole_val, torch.Tensor) and whole_val.dim() >= 3 and tuple(whole_val.shape[:-1]) == tuple(
+            out.shape[:-1]) and whole_val.shape[-1] == flat.meta["val"].shape[-1]:
+        # x viewed (b, s, k) -> (b*s, k), multiplied, viewed back: one matmul of the 3-D x, so the
+        # sequence dim stays apart through the product too (a sequence shard reaches it and is
+        # all-gathered into it in one collective with its f: Megatron-SP's f̄)
+        with graph.inserting_before(view):
+            product = graph.call_function(aten.matmul.default, (whole, mm.args[1]))
+        product.meta = dict(view.meta)
+        for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+            if key in addmm.meta:
+                product.meta[key] = addmm.meta[key]
+        view.replace_all_uses_with(product)
+        graph.erase_node(view)
+        graph.erase_node(addmm)
+        graph.erase_node(mm)
+        if not flat.users:
+            graph.erase_node(flat)
+        view = product
+    else:
+        view.replace_input_with(addmm, mm)
     with graph.inserting_after(view):
         add = graph.call_function(aten.add.Tensor, (view, bias))
     add.meta = dict(view.meta)
@@ -201,5 +225,6 @@ def _bias_after_view(graph: fx.Graph, addmm: fx.Node, mm: fx.Node, bias: Any) ->
         if key in addmm.meta:
             add.meta[key] = addmm.meta[key]
     view.replace_all_uses_with(add, delete_user_cb=lambda u: u is not add)
-    graph.erase_node(addmm)
+    if addmm.graph is graph and addmm in graph.nodes:
+        graph.erase_node(addmm)
     return True

@@ -242,6 +242,7 @@ def activation_bytes(info: OpInfo, strategy: Strategy, env: Mapping, profile: De
 #: (forward, backward) collective of each redistribution kind
 COLLECTIVES = {
     "f": (None, "all_reduce"),
+    "all_gather_f": ("all_gather", "reduce_scatter"),   # an all-gather into sharded compute (f fused in)
     "g": ("all_reduce", None),
     "all_gather": ("all_gather", None),
     "scatter": (None, "all_gather"),
@@ -256,6 +257,14 @@ def ring_volume(collective: str | None, full_bytes: Any, n: int) -> Any:
     if collective is None or n <= 1:
         return 0
     return (2 if collective == "all_reduce" else 1) * sympy.Rational(n - 1, n) * full_bytes
+
+
+def conversion_kinds(kind: str | None, f: bool) -> list[str]:
+    """The collectives a conversion of ``kind`` (None: none) followed by an f runs: an all-gather
+    into sharded compute takes the f into its backward (a reduce-scatter, not an all-reduce)."""
+    if kind == "all_gather" and f:
+        return ["all_gather_f"]
+    return ([kind] if kind else []) + (["f"] if f else [])
 
 
 def collective_time_expr(kind: str, full_bytes: sympy.Expr, profile: DeviceProfile, tp: int,

@@ -29,7 +29,8 @@ from torch import fx
 
 from ..capture import Capture, shape_of
 from ..cost_model.devices import DeviceProfile
-from ..cost_model.symbolic import activation_bytes, collective_bytes, collective_time, compute_time, nbytes
+from ..cost_model.symbolic import (activation_bytes, collective_bytes, collective_time, compute_time,
+                                   conversion_kinds, nbytes)
 from ..placements import (PARTIAL, REPLICATE, Partial, Placement, Replicate, Routed, Shard, atoms_per_chunk, divides,
                           max_local_size, same_placement)
 from .hints import column_hint, index_picks, row_hint
@@ -116,6 +117,8 @@ class GraphIndex:
     #: user input placeholder -> its placement on the ranks (default: whole on every rank); a
     #: generation step's KV cache comes in split by head, as the step before returned it
     input_placements: Mapping[str, Placement] = field(default_factory=dict)
+    #: sequence parallelism forced (``sequence_parallel=True``): see :meth:`build`
+    force_sequence: bool = False
     _strategies: dict = field(default_factory=dict)
     _compute: dict = field(default_factory=dict)
     _activation: dict = field(default_factory=dict)
@@ -149,9 +152,12 @@ class GraphIndex:
     @classmethod
     def build(cls, capture: Capture, tp: int, batch: int, seq: int, uneven: bool = False,
               sharded_outputs: frozenset = frozenset(), sequence_parallel: bool = False,
-              input_placements: Mapping[str, Placement] | None = None) -> "GraphIndex":
+              input_placements: Mapping[str, Placement] | None = None,
+              force_sequence: bool = False) -> "GraphIndex":
         """``sequence_parallel``: rules may split the sequence dim afresh (a reduce-scatter along
-        s where a Partial meets an add); needs ``uneven``, since lengths are known at run time."""
+        s where a Partial meets an add); needs ``uneven``, since lengths are known at run time.
+        ``force_sequence``: where they may, they must (a Partial meeting an add along the
+        sequence is reduce-scattered, never all-reduced whole)."""
         env = {}
         for sym, role in capture.dim_symbols.items():
             env[sympy.Symbol(sym, integer=True, positive=True)] = batch if role == "batch" else seq
@@ -159,6 +165,7 @@ class GraphIndex:
         index = cls(capture, tp, env, uneven=uneven, sharded_outputs=frozenset(sharded_outputs),
                     input_placements=dict(input_placements or {}), grads=grad_nodes(capture))
         sequence = frozenset(sym for sym in env if sequence_parallel and capture.dim_symbols.get(sym.name) == "seq")
+        index.force_sequence = force_sequence and bool(sequence)
         constant = _constants(capture)
         train_dtype = training_dtype(capture)
         contiguous: dict[fx.Node, bool] = {}
@@ -168,6 +175,7 @@ class GraphIndex:
                 info, inputs = _op_info(node, tp, uneven, capture.param_names, constant)
                 index.infos[node], index.tensor_inputs[node] = info, inputs
                 info.sequence = sequence
+                info.force_sequence = force_sequence and bool(sequence)
                 info.train_dtype = train_dtype
                 info.grad_inputs = tuple(i in index.grads for i in inputs)
                 info.grad_uses = _grad_uses(node, index.grads)
@@ -395,7 +403,7 @@ def conversion_seconds(index: "GraphIndex", profile: DeviceProfile, meta: Tensor
         else:
             found = 0.0
             full = nbytes(meta, index.env, profile.dtype_bytes)
-            for k in ([kind] if kind else []) + (["f"] if f else []):
+            for k in conversion_kinds(kind, f):
                 fw, bw = collective_time(k, full, profile, index.tp, grad)
                 found += fw + bw
         index._conversion_cost[key] = found
@@ -498,7 +506,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
         conversions[key] = kind or ""
         full = nbytes(meta, env, profile.dtype_bytes)
         grad = node in index.grads
-        for k in ([kind] if kind else []) + (["f"] if f else []):
+        for k in conversion_kinds(kind, f):
             fw_s, bw_s = collective_time(k, full, profile, tp, grad)
             fw_b, bw_b = collective_bytes(k, full, tp, grad)
             comm += fw_s + bw_s

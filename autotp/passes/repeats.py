@@ -170,7 +170,8 @@ class Shift:
         if isinstance(p, tuple):
             ms = meta if isinstance(meta, tuple) else (meta,) * len(p)
             return tuple(self._map(x, m, delta) for x, m in zip(p, ms))
-        if isinstance(p, Shard) and meta is not None and not _even(meta, p, self.tp):
+        # a shard of a dynamic dim (the sequence) is dealt in rank order in every layer: never rotated
+        if isinstance(p, Shard) and meta is not None and meta.static(p.dim) is not None and not _even(meta, p, self.tp):
             return replace(p, rotate=(p.rotate + delta) % self.tp)
         return p
 

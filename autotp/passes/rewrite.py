@@ -142,6 +142,11 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         out = env[src]
         if kind == "g":
             out = comm_node("g", out, C.ReduceFromTP(group))
+        elif kind == "all_gather" and f:   # into sharded compute: the f fused in (backward reduce-scatters)
+            size = full_size(meta, have)
+            more = () if size is not None else (sizes(meta.shape[have.dim]),)
+            out = comm_node("all_gather_f", out, C.GatherIntoTP(group, have, size), *more)
+            f = False
         elif kind == "all_gather":
             out = gather(out, meta, have)
         elif kind == "scatter":

@@ -374,6 +374,22 @@ class _GatherFromTP(torch.autograd.Function):
         return local_shard(grad, s, group_size(g), group_rank(g)), None, None, None
 
 
+class _GatherIntoTP(torch.autograd.Function):
+    """Shard -> Replicate into tensor-parallel compute (Megatron-SP's f̄: f fused with the
+    all-gather): all-gather forward; the gradient there is a summand, so backward
+    reduce-scatters it, each rank keeping its slice of the sum."""
+
+    @staticmethod
+    def forward(ctx, x, group, shard, full_size):
+        ctx.group, ctx.shard, ctx.full_size = group, shard, full_size
+        return _output(_all_gather(x, group, shard, full_size, "all_gather in gather_into_tp (forward)"))
+
+    @staticmethod
+    def backward(ctx, grad):
+        op = "reduce_scatter in gather_into_tp (backward)"
+        return _reduce_scatter(grad, ctx.group, ctx.shard, ctx.full_size, op), None, None, None
+
+
 class _ScatterToTP(torch.autograd.Function):
     """Replicate -> Shard: keep this rank's slice forward, all-gather backward."""
 
@@ -423,6 +439,14 @@ def gather_from_tp(x: Tensor, group, shard: Shard, full_size: int) -> Tensor:
     if group_size(group) == 1:
         return x.contiguous()
     return _GatherFromTP.apply(x, group, shard, full_size)
+
+
+def gather_into_tp(x: Tensor, group, shard: Shard, full_size: int) -> Tensor:
+    """A Shard becomes Replicate where it feeds sharded compute: all-gather forward,
+    reduce-scatter of the gradient backward (an all-gather and an f, in the bytes of one)."""
+    if group_size(group) == 1:
+        return x.contiguous()
+    return _GatherIntoTP.apply(x, group, shard, full_size)
 
 
 def scatter_to_tp(x: Tensor, group, shard: Shard, full_size: int) -> Tensor:
@@ -516,6 +540,16 @@ class GatherFromTP(_ShardedCommModule):
 
     def forward(self, x: Tensor, full_size: int | None = None) -> Tensor:
         return gather_from_tp(x, self.group, self.shard, self.size(x, full_size, whole_input=False))
+
+
+class GatherIntoTP(_ShardedCommModule):
+    """f̄: all-gather forward, reduce-scatter backward (a sequence shard entering a
+    column-parallel product)."""
+
+    kind = "all_gather_f"
+
+    def forward(self, x: Tensor, full_size: int | None = None) -> Tensor:
+        return gather_into_tp(x, self.group, self.shard, self.size(x, full_size, whole_input=False))
 
 
 class ScatterToTP(_ShardedCommModule):

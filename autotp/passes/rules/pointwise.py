@@ -93,7 +93,12 @@ def additive_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     scalars = [a for a in info.args[:2] if isinstance(a, (int, float, bool))]
     if all(a == 0 for a in scalars):
         out.append(Strategy(tuple(PARTIAL for _ in info.inputs), PARTIAL))
-    out.extend(_sequence_parallel(info))
+    sequence = _sequence_parallel(info)
+    if sequence and info.force_sequence:
+        # sequence parallelism forced: the Partial is reduce-scattered along s here (or the sum
+        # stays Partial), never all-reduced whole
+        out = [s for s in out if s.output == PARTIAL or is_shard(s.output)]
+    out.extend(sequence)
     return out
 
 

@@ -97,6 +97,9 @@ class OpInfo:
     #: symbols of sequence dims: the one dynamic size a fresh shard may split (sequence
     #: parallelism); never the batch, which may be smaller than tp
     sequence: frozenset = frozenset()
+    #: sequence parallelism forced (``sequence_parallel=True``): an add that can take a Partial
+    #: operand reduce-scattered along the sequence offers nothing that all-reduces it whole
+    force_sequence: bool = False
     #: an index by a constant list: (indexed dim, its non-negative positions); None otherwise
     picks: tuple | None = None
     #: hints for a fresh shard of an input's dim, (input index, dim) -> as ``hints``: a product's
