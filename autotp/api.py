@@ -18,6 +18,7 @@ from .arguments import check_planning
 from .capture import example_like, on_meta, seq_bounds, shape_twin
 from .capture.cache import capture as capture_model   # once per structure; see its docs
 from .cost_model import get_profile
+from .cost_model.alignment import Align
 from .errors import ConfigError
 from .generation import capture_step
 from .passes.attention import check_heads
@@ -105,6 +106,18 @@ def plan(model: nn.Module, tp: int | None = None, *, batch: int = 8, seq: int | 
     return result
 
 
+def _align(align_products: Any, device: torch.device, profile: Any) -> Align | None:
+    """Which products the rewrite pads (see :func:`parallelize`)."""
+    if align_products is True:
+        return Align()
+    if align_products is False or (align_products is None and device.type != "cuda"):
+        return None
+    if align_products is None:
+        return Align.for_profile(get_profile(profile or _default_profile(device)))
+    raise ConfigError(f"align_products={align_products!r}: choose None (pad unaligned products on CUDA where "
+                      "they are large enough to pay), True (pad every one) or False (pad none)")
+
+
 def _default_profile(device: torch.device) -> str:
     if device.type != "cuda":
         return "cpu-gloo"
@@ -125,7 +138,8 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
                 sequence_parallel: bool | None = None,
                 seq_range: tuple[int, int] | None = None, pp: int = 1, microbatches: int | None = None,
                 schedule: str | None = None, virtual: int = 1,
-                stage_layers: Any = None, rng: str = "torch") -> "ParallelModule":
+                stage_layers: Any = None, rng: str = "torch",
+                align_products: bool | None = None) -> "ParallelModule":
     """Split ``model`` over this rank's TP group; see the module docs and docs/architecture.md.
 
     ``pp > 1`` also cuts it into ``pp`` pipeline stages (a world of ``dp * pp * tp`` ranks) and
@@ -143,7 +157,14 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
     shared with its group): replicated regions draw the same masks on every TP rank, sharded
     regions their own (autotp.runtime.rng). ``rng="torch"`` draws them from torch's generator
     in eager calls and counter-based under torch.compile; ``rng="counter"`` counter-based in both
-    (slower in eager; a compiled program then draws exactly the eager program's masks)."""
+    (slower in eager; a compiled program then draws exactly the eager program's masks).
+
+    ``align_products``: a matrix product whose output width on a rank is off the GPU's 16-byte
+    alignment (GPT-2's 50257-word head split 8 ways: 6282 or 6283 rows) runs padded to an
+    aligned width, its output sliced back, every result unchanged
+    (:mod:`autotp.cost_model.alignment`). ``None`` (default): on a CUDA device, for products
+    over at least the profile's :func:`~autotp.cost_model.alignment.padding_rows` rows at the
+    planning workload; ``True``: every such product, on any device; ``False``: none."""
     if device is None:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if torch.device(device).type == "meta":
@@ -155,7 +176,7 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
                         backend=backend, seed=seed, activation_checkpointing=activation_checkpointing,
                         sequence_parallel=sequence_parallel, seq_range=seq_range, pp=pp,
                         microbatches=microbatches, schedule=schedule, virtual=virtual,
-                        stage_layers=stage_layers, rng=rng)
+                        stage_layers=stage_layers, rng=rng, align_products=align_products)
 
 
 def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, layout: Mapping[str, Any] | None,
@@ -165,7 +186,8 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
                  activation_checkpointing: bool, sequence_parallel: bool | None = None,
                  seq_range: tuple[int, int] | None = None, pp: int = 1, microbatches: int | None = None,
                  schedule: str | None = None, virtual: int = 1,
-                stage_layers: Any = None, rng: str = "torch") -> "ParallelModule":
+                 stage_layers: Any = None, rng: str = "torch",
+                 align_products: bool | None = None) -> "ParallelModule":
     from .runtime.mesh import get_mesh
     from .runtime.module import ParallelModule
     from .runtime.pipeline import check_pipeline
@@ -180,6 +202,7 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
     if plan is not None and plan.tp != tp:
         raise ConfigError(f"the plan was made for tp={plan.tp}, not tp={tp}")
     device = torch.device(device)
+    align = _align(align_products, device, profile)
 
     def prepare():
         cap = capture_model(model, example_inputs, example_kwargs, seq_range=seq_range)
@@ -202,7 +225,7 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
     rng = RNGTracker(_agreed_seed(mesh, seed), mesh.tp_rank, mesh.dp_rank, device, counter_based=rng == "counter")
 
     def program(index: GraphIndex, prop: Propagation) -> Any:
-        gm = rewrite(index, prop, mesh.tp_rank, mesh.tp_group, device, rng)
+        gm = rewrite(index, prop, mesh.tp_rank, mesh.tp_group, device, rng, align)
         return checkpoint_layers(gm, rng) if activation_checkpointing else gm
 
     # later captures read a weightless copy: the rank program keeps no reference to the model's

@@ -8,7 +8,10 @@ rank's shards) and in which
 * every redistribution is a named ``call_module`` node (``f_3``, ``g_7``, ``all_gather_1``,
   ``scatter_2``, ...) wrapping the autograd Functions of :mod:`autotp.runtime.collectives`;
 * every op's arguments are localized (view/split sizes, vocab ranges) by its rule's localizer;
-* device arguments captured on the meta device point at the run device.
+* device arguments captured on the meta device point at the run device;
+* with ``align`` (:class:`~autotp.cost_model.alignment.Align`), a matrix product whose local
+  output width is off the GPU's 16-byte alignment runs padded to an aligned width and is sliced
+  back (:func:`_padded_product`).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from ..capture import gc_paused
+from ..cost_model.alignment import Align, pads
 from ..errors import PlanError
 from ..placements import Partial, Placement, Replicate, Shard, local_ranges, local_size, owned_ranges
 from ..runtime import collectives as C
@@ -97,9 +101,10 @@ class SizeNodes:
 
 @gc_paused()
 def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
-            device: torch.device | None, rng: Any = None) -> fx.GraphModule:
+            device: torch.device | None, rng: Any = None, align: Align | None = None) -> fx.GraphModule:
     """``rng``: an :class:`~autotp.runtime.rng.RNGTracker`; ops that draw random numbers then
-    run under its replicated or sharded state, as their output placement calls for."""
+    run under its replicated or sharded state, as their output placement calls for. ``align``:
+    which products with an unaligned local output width run padded (None: none)."""
     cap = index.capture
     tp = index.tp
     root = nn.Module()
@@ -240,6 +245,8 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             counts[kind] = n + 1
             root.add_module(f"{kind}_{n}", target)
             new = graph.call_module(f"{kind}_{n}", tuple(args), kwargs)
+        elif (width := _padded_width(node, info, strategy, index, ctx, align)) is not None:
+            new = _padded_product(graph, target, tuple(args), width, info, strategy, ctx)
         else:
             new = graph.call_function(target, tuple(args), kwargs)
         new.meta = {k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")}
@@ -310,6 +317,78 @@ def _tailed_product(graph: fx.Graph, target: Any, x_f: fx.Node, x: fx.Node, w: f
                 pieces.append(graph.call_function(target, (source, part)))
                 offset += width
     return graph.call_function(aten.cat.default, (pieces, -1))
+
+
+#: products ``x [..., K] @ W`` with a 2-D weight, and the weight dim holding the output features
+_PRODUCTS = {torch.ops.aten.mm.default: 1, torch.ops.aten.linear.default: 0, torch.ops.aten.matmul.default: 1}
+#: views that need the strides they are handed to allow them (``reshape`` copies where they do not)
+_STRICT_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def _padded_width(node: fx.Node, info: Any, strategy: Any, index: GraphIndex, ctx: GraphLocalContext,
+                  align: Align | None) -> int | None:
+    """The aligned width every rank runs ``node``'s product at, or None where it runs as captured
+    (see :mod:`autotp.cost_model.alignment`): a plain 2-D-weight product whose output width on
+    some rank is unaligned, whose contracted width is aligned on every rank, over enough rows at
+    the planning workload, and whose output no strict view would merge across its last dim (the
+    sliced output's rows are the padded width apart)."""
+    if align is None or node.target not in _PRODUCTS or len(info.inputs) != 2 or node.kwargs \
+            or info.inputs[1].ndim != 2 or strategy.f_runs_only or info.output.ndim < 1:
+        return None
+    x, out = info.inputs[0], info.output
+    n, k = out.shape[-1], x.shape[-1]
+    if not (n.is_Integer and k.is_Integer):
+        return None
+
+    def widths(size: int, placement: Any, dim: int) -> list[int]:
+        if isinstance(placement, Shard) and placement.dim == dim:
+            return [local_size(size, placement, ctx.tp, r) for r in range(ctx.tp)]
+        return [size]
+
+    rows = sympy.prod(x.shape[:-1]).subs(index.env)
+    if not rows.is_number:
+        return None
+    width = pads(widths(int(n), strategy.output, out.ndim - 1), widths(int(k), strategy.inputs[0], x.ndim - 1),
+                 float(rows), align)
+    if width is None or not all(_keeps_last_dim(node, user) for user in node.users):
+        return None
+    return width
+
+
+def _keeps_last_dim(node: fx.Node, user: fx.Node) -> bool:
+    """Whether ``user`` can read ``node``'s output with rows further apart than its width: any op
+    but a strict view that merges the last dim with another (splitting it is fine)."""
+    if user.op != "call_function" or user.target not in _STRICT_VIEWS:
+        return True
+    have, want = _meta(node), _meta(user)
+    if have is None or want is None:
+        return False
+    tail = sympy.Integer(1)
+    for size in reversed(want.shape):
+        tail = tail * size
+        if sympy.simplify(tail - have.shape[-1]) == 0:
+            return True
+    return False
+
+
+def _padded_product(graph: fx.Graph, target: Any, args: tuple, width: int, info: Any, strategy: Any,
+                    ctx: GraphLocalContext) -> fx.Node:
+    """``x @ W`` run at ``width`` output features: W's shard padded with zero features, the
+    product, then the output sliced back to this rank's own width. The pad never leaves the
+    product: the slice is all anything reads, W's gradient is the slice of the padded one, and
+    the output's gradient reaches the product zero-padded to ``width``, so the backward products
+    run aligned as well."""
+    aten = torch.ops.aten
+    x, w = args
+    out = strategy.output
+    last = info.output.ndim - 1
+    n = int(info.output.shape[-1])
+    mine = local_size(n, out, ctx.tp, ctx.rank) if isinstance(out, Shard) and out.dim == last else n
+    w_out = _PRODUCTS[target]
+    pad = [0, width - mine] if w_out == 1 else [0, 0, 0, width - mine]   # last dim first
+    padded = graph.call_function(aten.constant_pad_nd.default, (w, pad))
+    product = graph.call_function(target, (x, padded))
+    return graph.call_function(aten.slice.Tensor, (product, last, 0, mine))
 
 
 def _carry_attr(root: nn.Module, source: fx.GraphModule, target: str) -> None:

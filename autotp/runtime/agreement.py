@@ -41,8 +41,8 @@ from torch import fx
 from ..errors import DisagreementError
 from .collectives import _comm, group_ranks, group_size
 
-__all__ = ["Fingerprint", "fingerprint", "check_agreement", "check_call", "input_signature",
-           "value_digest", "state_entries", "exchange"]
+__all__ = ["Fingerprint", "fingerprint", "check_agreement", "check_call", "start_call_check", "input_signature",
+           "value_digest", "state_entries", "exchange", "start_exchange"]
 
 # Digests are cut to 62 bits so that both h and -h fit an int64 (one MAX all-reduce finds min and max).
 _BITS = 62
@@ -197,17 +197,45 @@ def exchange(doing: str, sections: Sequence[tuple[str, Sequence[str]]], group, n
     """Compare ``doing`` and ``sections`` across ``group``: (None, agreed number) where every
     rank has the same, else (every rank's ``{"doing", "sections"}`` in group-rank order, the
     number). ``number``: this rank's; the agreed one is the largest."""
-    if group is None or group_size(group) == 1:
-        return None, number
-    h = _digest([doing] + [f"{title}\n" + "\n".join(entries) for title, entries in sections])
-    both = torch.tensor([h, -h, number], dtype=torch.int64)
-    with _comm("all_reduce(max) in autotp's agreement check", group):
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    agreed = int(both[2])
-    if int(both[0]) == -int(both[1]):
-        return None, agreed
-    mine = {"doing": doing, "sections": [[title, list(entries)] for title, entries in sections]}
-    return _all_gather_json(mine, group), agreed
+    return start_exchange(doing, sections, group, number).result()
+
+
+class PendingExchange:
+    """An exchange whose all-reduce is issued (:func:`start_exchange`) and not yet read: the
+    control group's collective runs on its backend's own thread while this one goes on (a call's
+    forward is queued meanwhile), and :meth:`result` reads it. Every rank must read it, at the same
+    point of its program: a disagreement exchanges the entries (two more collectives)."""
+
+    def __init__(self, doing: str, sections: Sequence[tuple[str, Sequence[str]]], group, number: int):
+        self.doing, self.sections, self.group, self.number = doing, sections, group, number
+        self.both = self.work = None
+        if group is None or group_size(group) == 1:
+            return
+        h = _digest([doing] + [f"{title}\n" + "\n".join(entries) for title, entries in sections])
+        # on the host: the control group is gloo (or the TP group where that is a CPU backend),
+        # so reading the result never waits for an accelerator's queue
+        self.both = torch.tensor([h, -h, number], dtype=torch.int64)
+        with _comm("all_reduce(max) in autotp's agreement check", group):
+            self.work = dist.all_reduce(self.both, op=dist.ReduceOp.MAX, group=group, async_op=True)
+
+    def result(self) -> tuple[list[dict] | None, int]:
+        if self.both is None:
+            return None, self.number
+        if self.work is not None:
+            with _comm("all_reduce(max) in autotp's agreement check", self.group):
+                self.work.wait()
+            self.work = None
+        agreed = int(self.both[2])
+        if int(self.both[0]) == -int(self.both[1]):
+            return None, agreed
+        mine = {"doing": self.doing, "sections": [[title, list(entries)] for title, entries in self.sections]}
+        return _all_gather_json(mine, self.group), agreed
+
+
+def start_exchange(doing: str, sections: Sequence[tuple[str, Sequence[str]]], group, number: int = 0,
+                   ) -> PendingExchange:
+    """:func:`exchange`, issued now and read by the result's ``result()``."""
+    return PendingExchange(doing, sections, group, number)
 
 
 def _ranks(group) -> list[int]:
@@ -260,9 +288,34 @@ def check_call(doing: str, signature: tuple[str, ...], group, what: str = "TP gr
     """Raise DisagreementError on every rank of ``group`` unless all are ``doing`` the same
     call (module, call number, forward or backward) with inputs of one ``signature``.
     ``what`` names the group in the error (a TP group, or a pipeline's stages and their TP ranks)."""
-    per_rank, _ = exchange(doing, [("inputs", signature)], group)
-    if per_rank is None:
-        return
+    start_call_check(doing, signature, group, what).finish()
+
+
+class PendingCallCheck:
+    """:func:`check_call` issued (:func:`start_call_check`) and finished later by :meth:`finish`,
+    which raises what check_call raises. A ParallelModule with ``deferred_checks`` issues a call's
+    check as the call starts and finishes it before handing back the outputs (the backward pass's
+    check: as that pass starts, finished as it ends), so its host never stops for the group in
+    between; see docs/errors.md for what that leaves open."""
+
+    def __init__(self, doing: str, signature: tuple[str, ...], group, what: str):
+        self.signature, self.group, self.what = signature, group, what
+        self.pending = start_exchange(doing, [("inputs", signature)], group)
+
+    def finish(self) -> None:
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        per_rank, _ = pending.result()
+        if per_rank is not None:
+            _raise_call_disagreement(per_rank, self.group, self.what)
+
+
+def start_call_check(doing: str, signature: tuple[str, ...], group, what: str = "TP group") -> PendingCallCheck:
+    return PendingCallCheck(doing, signature, group, what)
+
+
+def _raise_call_disagreement(per_rank: list[dict], group, what: str) -> None:
     ranks = _ranks(group)
     stepped = _out_of_step(per_rank, ranks, what)
     if stepped is not None:

@@ -73,8 +73,45 @@ def check_index_bounds(bounds: dict[str, tuple[int, int | None, str]], kwargs: d
     """Refuse an index input holding a value outside the table it indexes. The smallest and
     largest kept value of every checked input are read back from the device in one transfer
     (on a GPU each read waits for the queued work: one wait per call, not three per input)."""
-    from ..errors import InputError
+    staged = stage_index_bounds(bounds, kwargs, defer=False)
+    if staged is not None:
+        staged.check()
 
+
+class StagedBounds:
+    """The ends of a call's index inputs, computed where the inputs are and copied to the host
+    without waiting (:func:`stage_index_bounds`); :meth:`check` reads them and raises the
+    InputError :func:`check_index_bounds` raises. On a GPU the copy is queued behind the call's
+    own work, and reading it waits for the device to reach that point, which a call later it has."""
+
+    def __init__(self, found: torch.Tensor, checked: list, event: Any = None, call: str = ""):
+        self.found, self.checked, self.event, self.call = found, checked, event, call
+
+    def check(self) -> None:
+        from ..errors import InputError
+
+        if self.event is not None:
+            self.event.synchronize()
+        found = self.found.tolist()   # a host tensor: on the device the values were copied from
+        for i, (key, size, ignore, what) in enumerate(self.checked):
+            lo, hi = found[2 * i], found[2 * i + 1]
+            if lo > hi:
+                continue
+            if lo < 0 or hi >= size:
+                bad = lo if lo < 0 else hi
+                raise InputError(
+                    f"{key} {'of ' + self.call + ' ' if self.call else ''}holds {bad}, outside [0, {size}) "
+                    f"({key} indexes {what} of {size} rows"
+                    + ("" if ignore is None else f"; {ignore} marks an ignored position") + "): "
+                    "the serial model raises an IndexError here; fix the data or the tokenizer's vocabulary"
+                )
+
+
+def stage_index_bounds(bounds: dict[str, tuple[int, int | None, str]], kwargs: dict[str, Any],
+                       defer: bool = True, call: str = "") -> StagedBounds | None:
+    """The ends of every index input of ``bounds`` in ``kwargs``, staged for :meth:`StagedBounds.check`
+    (None where nothing is checked). ``defer``: copied to the host without waiting for the device
+    (``call`` names the call in the error, which comes a call later); else read at once."""
     checked, ends = [], []
     for key, (size, ignore, what) in bounds.items():
         value = kwargs.get(key)
@@ -88,19 +125,17 @@ def check_index_bounds(bounds: dict[str, tuple[int, int | None, str]], kwargs: d
             ends += [torch.where(kept, value, _INT64_MAX).min(), torch.where(kept, value, _INT64_MIN).max()]
         checked.append((key, size, ignore, what))
     if not checked:
-        return
-    found = torch.stack(ends).tolist()
-    for i, (key, size, ignore, what) in enumerate(checked):
-        lo, hi = found[2 * i], found[2 * i + 1]
-        if lo > hi:
-            continue
-        if lo < 0 or hi >= size:
-            bad = lo if lo < 0 else hi
-            raise InputError(
-                f"{key} holds {bad}, outside [0, {size}) ({key} indexes {what} of {size} rows"
-                + ("" if ignore is None else f"; {ignore} marks an ignored position") + "): "
-                "the serial model raises an IndexError here; fix the data or the tokenizer's vocabulary"
-            )
+        return None
+    found = torch.stack(ends)
+    if not defer:
+        return StagedBounds(found, checked)
+    # a copy the device queues behind the call's work; on the host it is the values themselves
+    host = found.to("cpu", non_blocking=True, copy=True)
+    event = None
+    if found.device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record()
+    return StagedBounds(host, checked, event, call)
 
 
 _INT64_MAX, _INT64_MIN = torch.iinfo(torch.int64).max, torch.iinfo(torch.int64).min

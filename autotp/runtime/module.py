@@ -10,6 +10,13 @@ what they run (:mod:`autotp.runtime.agreement`): one small all-reduce at constru
 per call for the inputs' names, shapes and dtypes (``pm.check_inputs = False`` skips the latter
 once the data pipeline is trusted). A disagreement raises ``DisagreementError`` on every rank
 instead of a hang.
+
+With ``pm.deferred_checks`` (the default where the TP collectives are NCCL's) a call never stops
+its host for the group or for the device in steady state: the call's agreement is issued as the
+call starts and read before its outputs are handed back (a backward pass's: issued as it starts,
+read as it ends), and its index inputs' bounds are computed on the device, copied to the host
+behind the call's work and read as the next call starts (or at ``pm.flush_checks()``). What this
+leaves open is in docs/errors.md ("Checks read late").
 """
 from __future__ import annotations
 
@@ -25,11 +32,11 @@ from ..errors import CaptureError, ConfigError, InputError
 from ..plan import Plan
 from ..placements import Placement, Shard
 from . import dtensor
-from .agreement import check_agreement, check_call, fingerprint, input_signature, state_entries
+from .agreement import check_agreement, check_call, fingerprint, input_signature, start_call_check, state_entries
 from .collectives import group_ranks
 from .faults import StepGuard, watch_backward
 from .input_kinds import check_input_kinds
-from .inputs import check_index_bounds, check_not_empty, index_bounds
+from .inputs import StagedBounds, check_index_bounds, check_not_empty, index_bounds, stage_index_bounds
 from .leaves import LeavesSwitch, LocalLeaves, local_tensor, program_tensor
 from .mesh import device_mesh_of
 from .outline import layer_paths, outline
@@ -68,6 +75,13 @@ class ParallelModule(LeavesSwitch, nn.Module):
         #: their values ("values"), or only the call's place in the order of calls (False); one
         #: tiny CPU all-reduce per call in each case
         self.check_inputs = True
+        #: read the per-call checks without stopping the host (see the module docs): by default
+        #: where the TP collectives are NCCL's, which the host queues without waiting for; where
+        #: they run on the host (gloo), a disagreeing call would stop in its first collective
+        #: before a late check could explain it, so the checks are read before it
+        self.deferred_checks = getattr(mesh, "backend", None) == "nccl"
+        #: the last call's index bounds, staged on the host and not yet read (deferred_checks)
+        self._staged: StagedBounds | None = None
         self.mesh = mesh
         device_mesh = device_mesh_of(mesh, device)
         #: the tp dim's DeviceMesh, taken once (a split output is a DTensor on it)
@@ -274,19 +288,43 @@ class ParallelModule(LeavesSwitch, nn.Module):
         call = f"call {self._calls} of {self.name}"
         return f"the backward pass of {call}" if backward else call
 
-    def _agree_on_call(self, names: list[str], values: list[Any], extra: tuple[str, ...] = ()) -> None:
+    @contextmanager
+    def _agreed_call(self, names: list[str], values: list[Any], extra: tuple[str, ...] = ()):
         """The per-call check (one small all-reduce): every rank of the group is in this same call
         of this same module, with inputs of the same names, shapes and dtypes (and values, with
         ``check_inputs="values"``). The call is counted only once agreed, so a refused call is
-        made again under the same number."""
+        made again under the same number. Read before the block runs, or, with
+        ``deferred_checks``, after it (yielding the pending check, which the block reads early
+        where it must: before a new program is captured). An error inside the block still reads
+        the check first, on every rank alike: a disagreement is the error every rank raises."""
         mode = self.check_inputs
         signature = (input_signature(names, values, digest_values=mode == "values") + extra) if mode else ()
         self._calls += 1
+        pending = start_call_check(self._doing(), signature, self._control)
+        if not self.deferred_checks:
+            self._finish_call_check(pending)
         try:
-            check_call(self._doing(), signature, self._control)
+            yield pending
+        except BaseException:
+            self._finish_call_check(pending)
+            raise
+        self._finish_call_check(pending)
+
+    def _finish_call_check(self, pending: Any) -> None:
+        try:
+            pending.finish()
         except BaseException:
             self._calls -= 1
             raise
+
+    def flush_checks(self) -> None:
+        """Read the checks ``deferred_checks`` leaves pending now (the last call's index bounds:
+        a token id outside the vocabulary raises its InputError here), waiting for the device
+        where it has not reached them yet. A training loop need not call it: the next call reads
+        them; call it after the last one."""
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            staged.check()
 
     @contextmanager
     def _sole_caller(self):
@@ -329,21 +367,26 @@ class ParallelModule(LeavesSwitch, nn.Module):
     def _forward(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         # Positional inputs are named by the model's forward signature, as at capture.
         kwargs = bind_inputs(self.capture.signature, args, kwargs, self.capture.model_name)
+        self.flush_checks()   # the last call's, where deferred
         # first: the checks below then fail on every rank or on none
         names = sorted(kwargs)
-        self._agree_on_call(names, [kwargs[n] for n in names], (f"training: {self.training}",))
-        check_not_empty(kwargs)   # after the shapes are known to agree: every rank or none
-        check_input_kinds([self.capture, *(p.capture for p in self._programs)], kwargs)   # before a capture for them
-        fixed = fixed_length([self.capture, *(p.capture for p in self._programs if not p.step)], kwargs)
-        if fixed is not None:   # a capture for this length would be fixed to the example's length
-            raise InputError(fixed)
-        program = self._current = self._program_for(kwargs)
-        self._check_ranges(kwargs)
-        return self._run(program, kwargs)
+        with self._agreed_call(names, [kwargs[n] for n in names], (f"training: {self.training}",)) as agreed:
+            check_not_empty(kwargs)   # after the shapes are known to agree: every rank or none
+            check_input_kinds([self.capture, *(p.capture for p in self._programs)], kwargs)   # before a capture for them
+            fixed = fixed_length([self.capture, *(p.capture for p in self._programs if not p.step)], kwargs)
+            if fixed is not None:   # a capture for this length would be fixed to the example's length
+                raise InputError(fixed)
+            if self._serving(kwargs) is None:
+                self._finish_call_check(agreed)   # the ranks agree on the call before capturing for it
+            program = self._current = self._program_for(kwargs)
+            self._check_ranges(kwargs)
+            return self._run(program, kwargs)
 
     def _run(self, program: Program, kwargs: dict[str, Any], compiled: bool = False) -> Any:
         flat = flat_inputs(program.capture, kwargs)
-        if not compiled:
+        if not compiled and self.deferred_checks:
+            self._staged = stage_index_bounds(program.bounds, kwargs, call=self._doing())
+        elif not compiled:
             check_index_bounds(program.bounds, kwargs)
         grad = torch.is_grad_enabled()
         params = [program_tensor(self._held[fqn], grad, self._leaves) if fqn not in program.outlined else None
@@ -355,7 +398,7 @@ class ParallelModule(LeavesSwitch, nn.Module):
             wanted = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
             if wanted:   # every rank in the same backward pass before its first collective
                 doing, control = self._doing(backward=True), self._control
-                watch_backward(self._guard, wanted, lambda: check_call(doing, (), control))
+                watch_backward(self._guard, wanted, _backward_check(doing, control, self.deferred_checks))
         if program.split:
             outputs = self._split_outputs(program, outputs, compiled)
         return unflatten_outputs(program.capture, outputs)
@@ -401,18 +444,22 @@ class ParallelModule(LeavesSwitch, nn.Module):
             return self._run_step(spec, inputs)
 
     def _run_step(self, spec: Any, inputs: dict[str, torch.Tensor]) -> tuple[Program, dict[str, torch.Tensor]]:
+        self.flush_checks()
         names = sorted(spec.tokens)
-        self._agree_on_call(names, [spec.tokens[n] for n in names], (f"training: {self.training}", f"past: {spec.past}"))
-        kind = "decode" if spec.cache is not None else "prefill"
-        for program in self._programs:
-            if program.step == kind and program.serves(inputs, self.training) and within_ranges(program.capture, inputs):
-                break
-        else:
-            if self._build is None:
-                raise InputError("this module cannot capture a generation step; build it with autotp.parallelize")
-            capture, plan, graph_module = self._build(dict(inputs), self.training, spec)
-            program = self._add_program(capture, plan, graph_module, kind, spec.input_placements)
-        return program, self._run(program, inputs)
+        with self._agreed_call(names, [spec.tokens[n] for n in names],
+                               (f"training: {self.training}", f"past: {spec.past}")) as agreed:
+            kind = "decode" if spec.cache is not None else "prefill"
+            for program in self._programs:
+                if program.step == kind and program.serves(inputs, self.training) \
+                        and within_ranges(program.capture, inputs):
+                    break
+            else:
+                if self._build is None:
+                    raise InputError("this module cannot capture a generation step; build it with autotp.parallelize")
+                self._finish_call_check(agreed)   # the ranks agree on the step before capturing for it
+                capture, plan, graph_module = self._build(dict(inputs), self.training, spec)
+                program = self._add_program(capture, plan, graph_module, kind, spec.input_placements)
+            return program, self._run(program, inputs)
 
     def _check_ranges(self, kwargs: dict[str, Any]) -> None:
         unequal = unequal_symbol(self.capture, kwargs)
@@ -441,6 +488,20 @@ class ParallelModule(LeavesSwitch, nn.Module):
 _modules_made = 0
 #: guards the check-and-set of a module's calling thread
 _CALLERS = threading.Lock()
+
+
+def _backward_check(doing: str, control: Any, deferred: bool) -> Callable[[], None]:
+    """The check a backward pass makes as it starts (every rank in the same backward pass): read
+    there, before its first collective; deferred, issued there and read as the pass ends (a
+    callback autograd runs after the pass's last gradient), raising out of ``loss.backward()``."""
+    if not deferred:
+        return lambda: check_call(doing, (), control)
+
+    def issue() -> None:
+        pending = start_call_check(doing, (), control)
+        torch.autograd.Variable._execution_engine.queue_callback(pending.finish)
+
+    return issue
 
 
 def _check_inputs_mode(mode: Any) -> bool | str:

@@ -1,0 +1,172 @@
+"""A rank's steady-state step never stops its host for the device.
+
+On a GPU, reading a tensor's values on the host (``.item()``, ``.tolist()``, ``int(t)``,
+``bool(t)``: ``aten._local_scalar_dense``) or copying it to the host without ``non_blocking``
+waits for everything queued before it: the host stops queueing kernels and the device runs dry.
+On CPU nothing waits, so :class:`HostReads` counts the operations that would: reads of values and
+blocking copies to the host of a tensor that would live on the device, which is what the call
+was given (inputs, parameters, buffers) or computed from it, or made on the device by the
+program (a factory op given the device). A copy queued with ``non_blocking=True`` to the host
+makes a host tensor (the deferred index check stages the bounds that way), and so do tensors
+made on the host from Python values (the agreement's digests, which travel over the gloo control
+group and never touch the device).
+
+One rank of tp 2 on torch's ``fake`` backend (its collectives return at once) with
+``deferred_checks`` on, as under NCCL: a training step (forward, backward) and an inference call
+(eval, no_grad) after a warm-up of each: no read at all, but one the model's own op makes, which
+is not autotp's to remove: transformers' experts fallback (``grouped_mm_fallback``, what a float32
+model runs on CPU where ``_grouped_mm`` does not take the dtype) reads its per-expert offsets once
+per product. (The serial HuggingFace models read more: GPT-2's forward checks its last and first
+tokens for padding with ``in``, a read per call, which the captured program does not hold.)
+"""
+from __future__ import annotations
+
+import traceback
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import autotp
+from autotp import zoo
+from autotp.capture import EXAMPLE_SEQ
+
+aten = torch.ops.aten
+TP = 2
+#: the model's own op that reads values on the host (transformers' experts on CPU in float32)
+MODEL_READS = "_grouped_mm_fallback"   # and its backward, _grouped_mm_fallback_bwd
+
+
+class HostReads(TorchDispatchMode):
+    """Counts reads of device values and blocking copies to the host (see the module docs)."""
+
+    def __init__(self, device_tensors):
+        super().__init__()
+        self._ids: dict[int, weakref.ref] = {}
+        self._storages = {t.untyped_storage().data_ptr() for t in device_tensors}
+        #: (what was read, the functions on the stack when it was)
+        self.reads: list[tuple[str, tuple[str, ...]]] = []
+        self._patched = {}
+
+    def on_device(self, t) -> bool:
+        if not isinstance(t, torch.Tensor):
+            return False
+        ref = self._ids.get(id(t))
+        if ref is not None and ref() is t:
+            return True
+        try:
+            return t.untyped_storage().data_ptr() in self._storages
+        except (RuntimeError, NotImplementedError):   # a tensor without storage (a DTensor)
+            return False
+
+    def _mark(self, out) -> None:
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._ids[id(t)] = weakref.ref(t)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        from_device = any(self.on_device(t) for t in tensors)
+        to_host = func in (aten._to_copy.default, aten.copy_.default) and kwargs.get("device") == torch.device("cpu")
+        if func is aten._local_scalar_dense.default and from_device:
+            self.read(f"{func} of {tuple(args[0].shape)}")
+        if to_host and from_device and not kwargs.get("non_blocking", False):
+            self.read(f"blocking {func} to the host")
+        out = func(*args, **kwargs)
+        staged = to_host and kwargs.get("non_blocking", False)
+        if not staged and (from_device or (not tensors and kwargs.get("device") is not None)):
+            self._mark(out)
+        return out
+
+    def read(self, what: str) -> None:
+        self.reads.append((what, tuple(f.name for f in traceback.extract_stack(limit=40))))
+
+    def __enter__(self):
+        for name in ("tolist", "numpy", "cpu"):
+            original = self._patched[name] = getattr(torch.Tensor, name)
+
+            def read(t, *a, _original=original, _name=name, **k):
+                if self.on_device(t):
+                    self.read(f"Tensor.{_name} of {tuple(t.shape)}")
+                return _original(t, *a, **k)
+
+            setattr(torch.Tensor, name, read)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, original in self._patched.items():
+            setattr(torch.Tensor, name, original)
+        return super().__exit__(*exc)
+
+
+@pytest.fixture
+def fake_rank():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=TP, store=FakeStore())
+    yield
+    dist.destroy_process_group()
+
+
+def _device_tensors(module, inputs) -> list[torch.Tensor]:
+    held = [getattr(p, "_local_tensor", p) for p in module.parameters()] + list(module.buffers())
+    return held + [v for v in inputs.values() if isinstance(v, torch.Tensor)]
+
+
+def _reads(module, inputs, train: bool) -> list[tuple[str, tuple[str, ...]]]:
+    """Host reads in one steady-state call of ``module``: a training step, or an inference call."""
+    module.train(train)
+    infer = {k: v for k, v in inputs.items() if k != "labels" or zoo.family(_reads.family).task == "seq2seq"}
+
+    def step():
+        if train:
+            module(**inputs).loss.backward()
+        else:
+            with torch.no_grad():
+                module(**infer)
+
+    step()   # warm-up: the first call of a kind captures its program
+    with HostReads(_device_tensors(module, inputs)) as mode:
+        step()
+    if hasattr(module, "flush_checks"):
+        module.flush_checks()   # the staged index check is read (after the window counted)
+    return mode.reads
+
+
+def _families():
+    return sorted(f for f in zoo._all_families() if f not in ("t5", "mamba"))   # t5, mamba: slow below
+
+
+@pytest.mark.parametrize("family", _families() + [pytest.param(f, marks=pytest.mark.slow) for f in ("t5", "mamba")])
+def test_a_steady_state_step_reads_nothing_back_from_the_device(fake_rank, family):
+    config = zoo.tiny_config(family, layers=2, heads=4, kv_heads=2, head_dim=4, vocab=61)
+    model = zoo.build(family, config, dtype=torch.float32, seed=1)
+    inputs = zoo.example_batch(family, config, batch=2, seq=EXAMPLE_SEQ, seed=2)
+    pm = autotp.parallelize(model, TP, batch=64, seq=4096, profile="h100-dgx")
+    pm.deferred_checks = True   # as under NCCL (the fake backend's collectives, like NCCL's, do not stop the host)
+    _reads.family = family
+    for train in (True, False):
+        reads = _reads(pm, inputs, train)
+        autotps = [what for what, stack in reads if not any(f.startswith(MODEL_READS) for f in stack)]
+        assert autotps == [], ("training" if train else "inference", autotps)
+        if family not in zoo.EXPERT_FAMILIES:
+            assert reads == []
+
+
+def test_the_counter_sees_what_a_blocking_check_reads(fake_rank):
+    """Without deferred_checks the index bounds are read at once (a read on a GPU): counted; and
+    so is the serial GPT-2's own padding check."""
+    config = zoo.tiny_config("gpt2", layers=1, heads=4, head_dim=4, vocab=61)
+    model = zoo.build("gpt2", config, dtype=torch.float32, seed=1)
+    inputs = zoo.example_batch("gpt2", config, batch=2, seq=EXAMPLE_SEQ, seed=2)
+    pm = autotp.parallelize(model, TP, batch=64, seq=4096, profile="h100-dgx")
+    pm.deferred_checks = False
+    _reads.family = "gpt2"
+    assert [what for what, _ in _reads(pm, inputs, train=True)] == ["Tensor.tolist of (4,)"]
+    assert [what for what, _ in _reads(model, inputs, train=True)] == ["aten._local_scalar_dense.default of ()"]
