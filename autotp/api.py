@@ -122,7 +122,7 @@ def _default_profile(device: torch.device) -> str:
     if device.type != "cuda":
         return "cpu-gloo"
     name = torch.cuda.get_device_name(device)
-    for key, prof in (("H100", "h100-dgx"), ("H200", "h100-dgx"), ("A100", "a100-dgx"), ("V100", "v100-dgx2h")):
+    for key, prof in (("H100", "h100-dgx"), ("H200", "h200"), ("A100", "a100-dgx"), ("V100", "v100-dgx2h")):
         if key in name:
             return prof
     return "h100-dgx"
@@ -212,7 +212,7 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
                                          profile=profile or _default_profile(device), layout=layout,
                                          plan=plan, uneven=uneven, gather_logits=gather_logits,
                                          memory_limit=memory_limit if pp == 1 else float("inf"),
-                                         sequence_parallel=sequence_parallel)
+                                         sequence_parallel=sequence_parallel, align=align)
         return cap, result, index, prop
 
     cap, result, index, prop = _on_every_rank_or_none(mesh, prepare)

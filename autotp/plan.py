@@ -550,7 +550,7 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
             comm[("g", next(m for _, m in prop.chosen[nodes[c.tensor]].internal), True)] += 1
         else:
             comm[(c.kind, _meta(nodes[c.tensor]), nodes[c.tensor] in index.grads)] += 1
-    compute_total = sympy.Add(*(n * compute_time_expr(*first[k], profile, index.tp, index.env)
+    compute_total = sympy.Add(*(n * compute_time_expr(*first[k], profile, index.tp, index.env, index.align)
                                 for k, n in compute.items())) + prop.update_s   # the optimizer step: constant
     comm_total = sympy.Add(*(n * collective_time_expr(kind, bytes_expr(meta, profile.dtype_bytes), profile, index.tp,
                                                       grad) for (kind, meta, grad), n in comm.items()))

@@ -7,6 +7,7 @@ from typing import Any, Mapping
 
 from .capture import Capture, gc_paused, module_path
 from .cost_model import get_profile
+from .cost_model.alignment import Align
 from .errors import ConfigError, MemoryLimitError, PlanError
 from .passes.experts_choice import expert_stacks, experts_note
 from .passes.pins import unholdable_pin
@@ -25,7 +26,7 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                memory_limit: float | None = None,
                sequence_parallel: bool | None = None,
                input_placements: Mapping[str, Placement] | None = None,
-               keep_split: frozenset[str] = frozenset()) -> tuple[Plan, GraphIndex, Propagation]:
+               keep_split: frozenset[str] = frozenset(), align: Any = "profile") -> tuple[Plan, GraphIndex, Propagation]:
     """The plan for a capture. ``memory_limit`` (bytes per rank; default: the profile's device
     memory) bounds training state + activations; a saved ``plan`` is replayed, not re-solved.
 
@@ -42,8 +43,15 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
     ``gather_logits``: None (default) keeps the output named ``logits`` split by vocabulary
     where the call also returns a loss (labels given: training needs the loss, computed
     vocab-parallel, not the b*s*V logits) and gathers it otherwise; True always gathers, False
-    never does."""
+    never does.
+
+    ``align``: which unaligned products the rewrite runs padded (an
+    :class:`~autotp.cost_model.alignment.Align`, or None: none), so that they are priced at the
+    rate they will run at; by default what ``parallelize`` does on the profile's device (a GPU
+    profile pads those over its ridge's rows, a CPU one none)."""
     prof = get_profile(profile)
+    if align == "profile":
+        align = Align.for_profile(prof) if 0 < prof.unaligned_flops < prof.flops else None
     limit = prof.memory if memory_limit is None else memory_limit
     names = cap.output_names
     split_logits = not gather_logits if gather_logits is not None else "loss" in names
@@ -55,7 +63,7 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                           "not divide a call's length; pass uneven=True, or leave sequence_parallel to the planner")
     index = GraphIndex.build(cap, tp, batch, seq, uneven=uneven, sharded_outputs=keep,
                              sequence_parallel=sequence_parallel is not False and uneven and tp > 1,
-                             input_placements=arriving, force_sequence=bool(sequence_parallel))
+                             input_placements=arriving, force_sequence=bool(sequence_parallel), align=align)
     pinned = _pinned(cap, layout, plan)
     notes: list[str] = []
     if plan is not None:

@@ -32,6 +32,7 @@ import sympy
 import torch
 
 from ..placements import Shard, max_local_size
+from . import alignment
 
 aten = torch.ops.aten
 
@@ -89,6 +90,11 @@ class Product:
     k: Any
     batch: Any = 1
     aligned: bool = True
+    #: where the rewrite may run an unaligned product padded (:mod:`.alignment`): this product at
+    #: the padded width, the bytes the pad copies, and the op's rows that decide whether it pays
+    padded: "Product | None" = None
+    pad_bytes: Any = 0
+    rows: Any = 0
 
     @property
     def flops(self) -> Any:
@@ -150,10 +156,16 @@ def element_bytes(dtype: torch.dtype, dtype_bytes: int | None, train_dtype: torc
 
 
 def aligned(size: Any, elem_bytes: int) -> bool:
-    """Does a row of ``size`` elements start every row on a 16-byte boundary? cuBLAS's fast
-    kernels need it of every leading dimension; a dynamic size counts as aligned (the planning
-    workload's batch and sequence are)."""
-    return not (isinstance(size, sympy.Integer) or isinstance(size, int)) or (int(size) * elem_bytes) % 16 == 0
+    """Does a row of ``size`` elements start every row on a 16-byte boundary
+    (:func:`.alignment.aligned`)? cuBLAS's fast kernels need it of every leading dimension; a
+    dynamic size counts as aligned (the planning workload's batch and sequence are)."""
+    if not (isinstance(size, (sympy.Integer, int))):
+        return True
+    return alignment.aligned(int(size), elem_bytes)
+
+
+def aligned_width(size: int, elem_bytes: int) -> int:
+    return alignment.aligned_width(size, elem_bytes)
 
 
 def _metas(out: Any) -> list:
@@ -406,11 +418,25 @@ def _product_work(op: _Op, dtype_bytes: int, train_dtype: Any) -> OpWork:
         k, n, batch, m = x[-1], w[-1], sympy.Integer(1), _prod(x[:-1])
     eb = element_bytes(op.inputs[0].dtype, dtype_bytes, train_dtype)
     ok = aligned(k, eb) and aligned(n, eb)
-    products = [Product(m, n, k, batch, ok)]
+    shapes = [(m, n, k)]
     if op.grad[0]:
-        products.append(Product(m, k, n, batch, ok))
+        shapes.append((m, k, n))
     if len(op.grad) > 1 and op.grad[1]:
-        products.append(Product(k, n, m, batch, ok))
+        shapes.append((k, n, m))
+    wide = None
+    if not ok and len(op.inputs[1].shape) == 2 and not getattr(op.info, "f_runs_only", False) \
+            and getattr(n, "is_Integer", False) and aligned(k, eb):
+        wide = sympy.Integer(aligned_width(int(n), eb))   # the rewrite may pad N (and the backward's K)
+    products = []
+    for first, (a, b, c) in enumerate(shapes):
+        padded = pad = None
+        if wide is not None:
+            grow = {id(n): wide}
+            padded = Product(*(grow.get(id(d), d) for d in (a, b, c)), batch, True)
+            # forward: the weight's shard copied at the padded width; backward: the output's
+            # gradient written into a zero-padded buffer
+            pad = k * wide * eb * 2 if first == 0 else (m * wide * eb * 2 if (a, b, c) == (m, k, n) else 0)
+        products.append(Product(a, b, c, batch, ok, padded, sympy.sympify(pad or 0), m * batch))
     return OpWork(products=tuple(products), launches=len(products))
 
 

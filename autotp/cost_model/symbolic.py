@@ -158,10 +158,17 @@ def _op_work(target, inputs, output, args_key, strategy, tp, dtype_bytes, train_
     return work
 
 
-def product_seconds(p: kernels.Product, env: Mapping, profile: DeviceProfile, elem_bytes: int) -> tuple[float, float]:
+def product_seconds(p: kernels.Product, env: Mapping, profile: DeviceProfile, elem_bytes: int,
+                    align: Any = None) -> tuple[float, float]:
     """(seconds, seconds per FLOP) of one product at the workload ``env``: the slower of its
     FLOPs at the rate its shape reaches and its operands' traffic (a skinny product, a decode
-    step's, is memory-bound)."""
+    step's, is memory-bound). ``align``: the rewrite's padding of unaligned products."""
+    if p.padded is not None and align is not None and evaluate(p.rows, env) >= align.min_rows:
+        # the rewrite runs it padded to an aligned width (autotp/cost_model/alignment.py): the
+        # aligned product's time, plus the pad's copies, per the product's own FLOPs
+        seconds = product_seconds(p.padded, env, profile, elem_bytes)[0] + evaluate(p.pad_bytes, env) / profile.mem_bw
+        work = evaluate(p.batch * p.m * p.n * p.k, env)
+        return seconds, seconds / (2 * work) if work > 0 else 0.0
     work = evaluate(p.batch * p.m * p.n * p.k, env)
     if work <= 0:
         return 0.0, 0.0
@@ -173,12 +180,12 @@ def product_seconds(p: kernels.Product, env: Mapping, profile: DeviceProfile, el
 
 
 def split_seconds(info: OpInfo, strategy: Strategy, env: Mapping, profile: DeviceProfile,
-                  tp: int) -> dict[str, float]:
+                  tp: int, align: Any = None) -> dict[str, float]:
     """Forward + backward seconds of one op on the largest rank, by kind: ``products``,
     ``attention`` and ``memory`` (memory-bound kernels and every kernel's launch)."""
     work = op_work(info, strategy, profile, tp)
     eb = profile.dtype_bytes
-    products = sum(product_seconds(p, env, profile, eb)[0] for p in work.products)
+    products = sum(product_seconds(p, env, profile, eb, align)[0] for p in work.products)
     attention = sum(max(evaluate(a.flops, env) / profile.attention_rate(a.head_dim, a.dropout),
                         evaluate(a.moved, env) / profile.mem_bw) for a in work.attention)
     memory = sum(evaluate(b, env) / profile.bandwidth(cls) for cls, b in work.moved)
@@ -186,7 +193,7 @@ def split_seconds(info: OpInfo, strategy: Strategy, env: Mapping, profile: Devic
 
 
 def compute_time_expr(info: OpInfo, strategy: Strategy, profile: DeviceProfile, tp: int,
-                      env: Mapping | None = None) -> sympy.Expr:
+                      env: Mapping | None = None, align: Any = None) -> sympy.Expr:
     """Forward + backward seconds of one op on the largest rank, symbolic in b and s: each
     product's FLOPs at the rate its shape reaches at the workload ``env`` (so the expression is
     a polynomial, exact there and near it; without ``env``, at the profile's peak), every
@@ -194,7 +201,7 @@ def compute_time_expr(info: OpInfo, strategy: Strategy, profile: DeviceProfile, 
     work = op_work(info, strategy, profile, tp)
     total = sympy.Integer(0)
     for p in work.products:
-        per_flop = product_seconds(p, env, profile, profile.dtype_bytes)[1] if env is not None else 1 / profile.flops
+        per_flop = product_seconds(p, env, profile, profile.dtype_bytes, align)[1] if env is not None else 1 / profile.flops
         total += p.flops * sympy.Float(per_flop, 6)
     for a in work.attention:
         total += a.flops / profile.attention_rate(a.head_dim, a.dropout)
@@ -203,9 +210,10 @@ def compute_time_expr(info: OpInfo, strategy: Strategy, profile: DeviceProfile, 
     return total + work.launches * profile.launch_s
 
 
-def compute_time(info: OpInfo, strategy: Strategy, env: Mapping, profile: DeviceProfile, tp: int) -> float:
+def compute_time(info: OpInfo, strategy: Strategy, env: Mapping, profile: DeviceProfile, tp: int,
+                 align: Any = None) -> float:
     """:func:`compute_time_expr` at the workload ``env``."""
-    return sum(split_seconds(info, strategy, env, profile, tp).values())
+    return sum(split_seconds(info, strategy, env, profile, tp, align).values())
 
 
 #: Ops whose backward needs their (activation) inputs, which autograd keeps until then. Chains
@@ -322,7 +330,7 @@ def step_breakdown(index: Any, prop: Any, profile: DeviceProfile) -> dict[str, A
         key = (info.cost_key, strat)
         parts = cache.get(key)
         if parts is None:
-            parts = cache[key] = split_seconds(info, strat, index.env, profile, index.tp)
+            parts = cache[key] = split_seconds(info, strat, index.env, profile, index.tp, index.align)
         for kind, seconds in parts.items():
             out[kind] += seconds
         name = op_name(info.target)

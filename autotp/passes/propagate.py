@@ -119,6 +119,9 @@ class GraphIndex:
     input_placements: Mapping[str, Placement] = field(default_factory=dict)
     #: sequence parallelism forced (``sequence_parallel=True``): see :meth:`build`
     force_sequence: bool = False
+    #: which unaligned products the rewrite pads (:class:`~autotp.cost_model.alignment.Align`;
+    #: None: none), priced as they will run
+    align: Any = None
     _strategies: dict = field(default_factory=dict)
     _compute: dict = field(default_factory=dict)
     _activation: dict = field(default_factory=dict)
@@ -136,7 +139,7 @@ class GraphIndex:
         key = (info.cost_key, strat, profile)   # equal across layers
         found = self._compute.get(key)
         if found is None:
-            found = self._compute[key] = compute_time(self.infos[node], strat, self.env, profile, self.tp)
+            found = self._compute[key] = compute_time(self.infos[node], strat, self.env, profile, self.tp, self.align)
         return found
 
     def activation_bytes(self, node: fx.Node, strat: Strategy, profile: DeviceProfile) -> float:
@@ -153,7 +156,7 @@ class GraphIndex:
     def build(cls, capture: Capture, tp: int, batch: int, seq: int, uneven: bool = False,
               sharded_outputs: frozenset = frozenset(), sequence_parallel: bool = False,
               input_placements: Mapping[str, Placement] | None = None,
-              force_sequence: bool = False) -> "GraphIndex":
+              force_sequence: bool = False, align: Any = None) -> "GraphIndex":
         """``sequence_parallel``: rules may split the sequence dim afresh (a reduce-scatter along
         s where a Partial meets an add); needs ``uneven``, since lengths are known at run time.
         ``force_sequence``: where they may, they must (a Partial meeting an add along the
@@ -166,6 +169,7 @@ class GraphIndex:
                     input_placements=dict(input_placements or {}), grads=grad_nodes(capture))
         sequence = frozenset(sym for sym in env if sequence_parallel and capture.dim_symbols.get(sym.name) == "seq")
         index.force_sequence = force_sequence and bool(sequence)
+        index.align = align
         constant = _constants(capture)
         train_dtype = training_dtype(capture)
         contiguous: dict[fx.Node, bool] = {}

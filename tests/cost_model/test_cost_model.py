@@ -181,3 +181,17 @@ def test_calibrating_a_gpu_without_a_way_to_time_its_link_is_a_clear_error_befor
 
     with pytest.raises(ConfigError, match="link_from="):
         calibrate("x", device="cuda")    # no CUDA here: the check comes before any measurement
+
+
+def test_an_unaligned_product_the_rewrite_pads_is_priced_at_the_aligned_rate_plus_its_copies():
+    from autotp.cost_model.alignment import Align
+
+    env = {b: 8, s: 1024}
+    whole = Strategy((REPLICATE, REPLICATE), REPLICATE)
+    aligned = compute_time(mm_info(1600, 50264), whole, env, H100, 1)      # 50257 padded to 50264
+    unaligned = compute_time(mm_info(1600, 50257), whole, env, H100, 1)
+    padded = compute_time(mm_info(1600, 50257), whole, env, H100, 1, align=Align.for_profile(H100))
+    assert aligned < padded < 1.1 * aligned and padded < unaligned / 3
+    # a decode step's few rows: bound by reading the weight, which a pad would copy again
+    assert compute_time(mm_info(1600, 50257), whole, {b: 1, s: 1}, H100, 1, align=Align.for_profile(H100)) == \
+        compute_time(mm_info(1600, 50257), whole, {b: 1, s: 1}, H100, 1)
