@@ -191,7 +191,7 @@ def test_an_unaligned_product_the_rewrite_pads_is_priced_at_the_aligned_rate_plu
     aligned = compute_time(mm_info(1600, 50264), whole, env, H100, 1)      # 50257 padded to 50264
     unaligned = compute_time(mm_info(1600, 50257), whole, env, H100, 1)
     padded = compute_time(mm_info(1600, 50257), whole, env, H100, 1, align=Align.for_profile(H100))
-    assert aligned < padded < 1.1 * aligned and padded < unaligned / 3
+    assert aligned < padded < 1.2 * aligned and padded < unaligned / 3   # the copies: the weight, the gradient
     # a decode step's few rows: bound by reading the weight, which a pad would copy again
     assert compute_time(mm_info(1600, 50257), whole, {b: 1, s: 1}, H100, 1, align=Align.for_profile(H100)) == \
         compute_time(mm_info(1600, 50257), whole, {b: 1, s: 1}, H100, 1)
