@@ -34,6 +34,7 @@ from .dtensor import RunShard
 def _chunks(t: torch.Tensor) -> Any:
     """``t`` as DCP should see it: a RunShard DTensor as a DTensor over its runs' views."""
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
     from torch.distributed.tensor.placement_types import Shard as TorchShard
 
@@ -55,9 +56,11 @@ def _chunks(t: torch.Tensor) -> Any:
     if not views:
         raise CheckpointError(f"this rank holds none of a tensor of shape {list(t.shape)} ({run!r} at tp={tp}): "
                               "DCP cannot save or load an empty shard; choose a tp that gives every rank a head")
-    placements = [TorchShard(dim) if i == mesh_dim else p for i, p in enumerate(t.placements)]
-    return DTensor.from_local(LocalShardsWrapper(views, offsets), t.device_mesh, placements, run_check=False,
-                              shape=t.shape, stride=t.stride())
+    placements = tuple(TorchShard(dim) if i == mesh_dim else p for i, p in enumerate(t.placements))
+    spec = DTensorSpec(t.device_mesh, placements, tensor_meta=TensorMeta(t.shape, t.stride(), t.dtype))
+    # built directly, not by DTensor.from_local: that views the local tensor as itself, which torch's
+    # LocalShardsWrapper refuses for more than 2 dims (a 3-D experts stack split inside each expert)
+    return DTensor(LocalShardsWrapper(views, offsets), spec, requires_grad=False)
 
 
 def _tree(obj: Any) -> Any:
