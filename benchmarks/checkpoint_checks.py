@@ -125,7 +125,8 @@ def main() -> int:
             "|---|---|",
             f"| with the checks | {ms(r['saves']['with'])} |",
             f"| without (the three replaced by no-ops) | {ms(r['saves']['without'])} |",
-            f"| difference of the medians | {1e3 * (with_ - without):.1f} ({100 * (with_ - without) / without:+.1f} %) |",
+            f"| difference of the medians | {1e3 * (with_ - without):.1f} "
+            f"({100 * (with_ - without) / without:+.1f} %) |",
             "",
             "| a check alone | ms |",
             "|---|---|",

@@ -8,18 +8,18 @@ before it writes anything, that it replaces no other model's or training run's c
 the optimizer is over the module's parameters and that the TP ranks' replicas are equal; it is
 staged in ``<path>.partial``, summed into a manifest and moved to ``path`` only when every rank
 has written its part, so an interrupted save never loads as a mix of two checkpoints, and a load
-refuses damaged or mixed files on every rank (``autotp.runtime.dcp_safety`` says how). The checkpoint is in the model's names and full
-shapes, so a module planned at another tp (or dp) loads it: DCP reads, for each rank, the parts
-of the saved chunks its own layout holds.
+refuses damaged or mixed files on every rank (``autotp.runtime.dcp_safety`` says how). The
+checkpoint is in the model's names and full shapes, so a module planned at another tp (or dp)
+loads it: DCP reads, for each rank, the parts of the saved chunks its own layout holds.
 
 DCP writes one chunk per rank at one offset. A parameter in torch's ``Shard(dim)`` or
 ``Replicate()`` is written as it is; a ``RunShard`` parameter (several runs per rank: fused
 q|k|v, uneven heads, an experts stack's gate|up split inside each expert) is handed to DCP as a
 DTensor over a ``LocalShardsWrapper`` of views of its runs, one chunk per contiguous range of the
-full tensor. The views share the parameter's
-storage, so loading writes straight into the tensors the programs use. Optimizer state
-(AdamW's ``exp_avg`` ...) has its parameter's placements and goes the same way, under
-``optim.state.<fqn>.<key>`` as torch's ``get_optimizer_state_dict`` names it.
+full tensor. The views share the parameter's storage, so loading writes straight into the
+tensors the programs use. Optimizer state (AdamW's ``exp_avg`` ...) has its parameter's
+placements and goes the same way, under ``optim.state.<fqn>.<key>`` as torch's
+``get_optimizer_state_dict`` names it.
 """
 from __future__ import annotations
 

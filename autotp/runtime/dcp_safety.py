@@ -241,8 +241,14 @@ def checkpoint_error(op: str, path: str, exc: BaseException) -> CheckpointError:
 # ---------------------------------------------------------------- paths
 
 def save_path_problem(path: str) -> str | None:
-    """Why ``path`` cannot take a checkpoint: a file, or a folder of files that is not one.
-    A save replaces the folder at ``path``, so it refuses one it did not write."""
+    """Why ``path`` cannot take a checkpoint: a file, or a folder of files that is not one (a
+    save replaces the folder at ``path``, so it refuses one it did not write); or a last name too
+    long for the ``.partial`` and ``.old`` folders beside it."""
+    name, longest = os.path.basename(path), _name_max(os.path.dirname(path) or ".")
+    if len(os.fsencode(name)) + len(".partial") > longest:
+        return (f"the checkpoint folder's name is {len(os.fsencode(name))} bytes long: a save stages in "
+                f"<name>.partial and moves an earlier checkpoint to <name>.old, names of at most {longest} bytes here; "
+                f"choose a name of at most {longest - len('.partial')} bytes")
     if os.path.isdir(path):
         if os.listdir(path) and not os.path.isfile(os.path.join(path, ".metadata")):
             return (f"{path} is a folder that holds files but no DCP checkpoint (no .metadata): a save replaces the "
@@ -252,6 +258,16 @@ def save_path_problem(path: str) -> str | None:
         return (f"{path} is a file, not a checkpoint folder: a save replaces the folder at its path, so it "
                 "refuses anything else; remove the file or choose another path")
     return None
+
+
+def _name_max(folder: str) -> int:
+    """The longest file name the file system at ``folder`` (or its nearest existing parent) takes."""
+    while folder and not os.path.isdir(folder):
+        folder = os.path.dirname(folder.rstrip(os.sep)) or os.sep
+    try:
+        return os.pathconf(folder or os.sep, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
 
 
 def replace_problem(path: str, run: str | None, tensors: dict[str, tuple[int, ...]], whole: bool = True) -> str | None:

@@ -388,8 +388,11 @@ def _long_path(root: str) -> dict:
     dcp.load(fresh, path)
     # texts of other lengths per rank, the longest past the first exchange's width
     texts = dcp_safety._exchange("a test", "x" * (3000 * dist.get_rank()) + "é" * dist.get_rank())
+    # a last name too long for the <name>.partial beside it: told before anything is written
+    named = _outcome(lambda: dcp.save(pm, os.path.join(root, "n" * 250)))
     return {"length": len(path), "equal": all(torch.equal(_full(fresh)[n], _full(pm)[n]) for n in _full(pm)),
-            "texts": [len(t) for t in texts], "whole": texts[-1].endswith("é" * (len(texts) - 1))}
+            "texts": [len(t) for t in texts], "whole": texts[-1].endswith("é" * (len(texts) - 1)),
+            "named": named}
 
 
 def test_a_checkpoint_path_of_any_legal_length_saves_and_loads(cluster, tmp_path):
@@ -398,6 +401,8 @@ def test_a_checkpoint_path_of_any_legal_length_saves_and_loads(cluster, tmp_path
     for r in cluster.run(_long_path, str(tmp_path)):
         assert r["length"] == 1227 and r["equal"]
         assert r["texts"] == [3001 * i for i in range(4)] and r["whole"]
+        kind, message = r["named"]
+        assert kind == "CheckpointError" and "choose a name of at most 247 bytes" in message, r["named"]
 
 
 def _drifted_replica(root: str) -> dict:
