@@ -276,6 +276,25 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
         return ParallelModule(cap, result, program(index, prop), mesh, model, device, weights=source, build=build)
 
 
+def _agreed(what: str, fn: Any) -> Any:
+    """``fn()``, its failure agreed on by every rank of the world (one small all-gather): a rank
+    that cannot read the checkpoint folder raises, and so does every other, naming it, instead of
+    going on into collectives the failed rank never joins."""
+    from .errors import CheckpointError
+    from .runtime import dcp_safety
+
+    own: BaseException | None = None
+    try:
+        result = fn()
+    except Exception as exc:  # noqa: BLE001 - raised on every rank below, this rank's own chained
+        own, result = exc, None
+    try:
+        dcp_safety.agree_on(what, None if own is None else dcp_safety.describe(own))
+    except CheckpointError as agreed:
+        raise agreed from own
+    return result
+
+
 def from_pretrained(path: str, tp: int, *, model_class: Any = None, dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None, progress: bool = True,
                     **parallelize_kwargs: Any) -> "ParallelModule":
@@ -289,7 +308,7 @@ def from_pretrained(path: str, tp: int, *, model_class: Any = None, dtype: torch
     the config's. Other keywords are :func:`parallelize`'s."""
     from .runtime.loading import open_checkpoint
 
-    model, weights = open_checkpoint(path, model_class, dtype, progress)
+    model, weights = _agreed(f"the opening of {path}", lambda: open_checkpoint(path, model_class, dtype, progress))
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
 

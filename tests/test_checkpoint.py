@@ -242,3 +242,66 @@ def test_from_pretrained_loads_every_family_split_and_matches_serial(cluster_of,
     for (name, worst), share in cluster_of(2).run(_family_load_planned, str(tmp_path), family):
         assert worst <= 1e-9, (family, name, worst)
         assert share < 0.75, (family, share)   # each rank read and holds its slices, not the whole model
+
+
+# ---- a folder whose config.json is missing or broken (issue 45)
+def _config_kinds(root: str, good: str) -> dict:
+    """Copies of ``good`` with their config.json missing, cut short, without model_type, with a
+    field of the wrong type; and a path that is a file."""
+    import json
+    import os
+    import shutil
+
+    paths = {}
+    for kind in ("missing", "cut short", "no model_type", "wrong type", "a file"):
+        path = os.path.join(root, kind.replace(" ", "-"))
+        if kind == "a file":
+            Path(path).write_text("x")
+        else:
+            shutil.copytree(good, path)
+        config = Path(path) / "config.json"
+        fields = json.loads((Path(good) / "config.json").read_text())
+        if kind == "missing":
+            config.unlink()
+        elif kind == "cut short":
+            config.write_text(config.read_text()[:50])
+        elif kind == "no model_type":
+            config.write_text(json.dumps({k: v for k, v in fields.items() if k != "model_type"}))
+        elif kind == "wrong type":
+            config.write_text(json.dumps({**fields, "n_head": "two"}))
+        paths[kind] = path
+    return paths
+
+
+def _from_pretrained_each(paths: dict) -> dict:
+    import torch.distributed as dist
+
+    out = {}
+    for kind, path in paths.items():
+        mine = path[dist.get_rank()] if isinstance(path, list) else path
+        try:
+            autotp.from_pretrained(mine, tp=2, progress=False)
+            out[kind] = ("ok", "")
+        except Exception as exc:   # noqa: BLE001 - compared below
+            out[kind] = (type(exc).__name__, str(exc))
+    return out
+
+
+def test_from_pretrained_of_a_missing_or_broken_config_json_names_it_on_every_rank(cluster_of, folder, tmp_path):
+    # before: transformers' raw errors ("Unrecognized model ... Should have a `model_type` key"
+    # for a missing file, "is not a valid JSON file", a StrictDataclassFieldValidationError), and
+    # a rank whose folder alone was broken left the others waiting in parallelize's collectives
+    paths = _config_kinds(str(tmp_path), folder)
+    paths["rank 1's alone"] = [folder, paths["missing"]]
+    said = {"missing": "has no config.json", "cut short": "is not a readable JSON file (JSONDecodeError",
+            "no model_type": "names no model_type", "wrong type": "transformers cannot make a config of",
+            "a file": "is not a folder", "rank 1's alone": "has no config.json"}
+    results = cluster_of(2).run(_from_pretrained_each, paths)
+    for kind, text in said.items():
+        for rank, r in enumerate(results):
+            error, message = r[kind]
+            assert error == "CheckpointError", (kind, rank, r[kind])
+            assert text in message, (kind, message)
+            assert kind == "a file" or "save_pretrained" in message, (kind, message)   # the fix
+        assert results[0][kind] == results[1][kind], kind                            # the same on every rank
+    assert "(rank 1)" in results[0]["rank 1's alone"][1]

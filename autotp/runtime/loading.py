@@ -5,7 +5,9 @@ own initializer, and each rank's slices read from the safetensors files
 """
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -19,11 +21,9 @@ def open_checkpoint(path: str, model_class: Any = None, dtype: torch.dtype | Non
     """The model ``path`` holds, built on the meta device from its config (``model_class(config)``,
     default: the class the config names, see :func:`_architecture`; ``dtype`` defaults to the
     config's), and ``weights(mesh, meta_model)``: what reads this rank's slices of it."""
-    from transformers import AutoConfig
-
     from .checkpoint import CheckpointReader
 
-    config = AutoConfig.from_pretrained(path)
+    config = read_config(path)
     dtype = dtype or getattr(config, "dtype", None) or torch.float32
     reader = CheckpointReader(path)    # fails early, before any collective, on a folder without weights
     with torch.device("meta"):
@@ -37,6 +37,39 @@ def open_checkpoint(path: str, model_class: Any = None, dtype: torch.dtype | Non
         return _CheckpointWeights(reader, meta_model, mesh, progress, computed)
 
     return model, weights
+
+
+def read_config(path: str) -> Any:
+    """The transformers config of the checkpoint folder ``path``, or a CheckpointError naming what
+    is wrong with its ``config.json`` and how to write it again (transformers' own errors for a
+    missing file speak of a missing ``model_type``, and a path that is no folder is taken for a
+    model on the Hub)."""
+    from transformers import AutoConfig
+
+    from ..errors import CheckpointError
+
+    folder, file = Path(path), Path(path) / "config.json"
+    rewrite = f"write it again: model.config.save_pretrained({str(path)!r}) (model.save_pretrained writes it too)"
+    if not folder.is_dir():
+        raise CheckpointError(f"{path} is not a folder: autotp.from_pretrained reads a HuggingFace checkpoint folder "
+                              "on this machine (config.json and safetensors files); download the model into one "
+                              "first (huggingface_hub.snapshot_download) and pass its path")
+    if not file.is_file():
+        raise CheckpointError(f"{path} has no config.json: autotp builds the model from it before it reads any "
+                              f"weights; {rewrite}")
+    try:
+        fields = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{file} is not a readable JSON file ({type(exc).__name__}: {exc}); {rewrite}") from None
+    if not isinstance(fields, dict) or "model_type" not in fields:
+        raise CheckpointError(f"{file} names no model_type (the architecture transformers builds: 'llama', 'gpt2', "
+                              f"...); {rewrite}")
+    try:
+        return AutoConfig.from_pretrained(str(folder))
+    except Exception as exc:  # noqa: BLE001 - transformers' validation errors have no common base
+        first = str(exc).strip().splitlines()
+        raise CheckpointError(f"transformers cannot make a config of {file}: {type(exc).__name__}: "
+                              f"{' '.join(ln.strip() for ln in first[:2])}; fix that field, or {rewrite}") from exc
 
 
 def _architecture(config: Any) -> Any:

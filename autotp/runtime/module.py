@@ -238,11 +238,15 @@ class ParallelModule(LeavesSwitch, nn.Module):
         self._dp_hooks = [param.register_post_accumulate_grad_hook(average)
                           for param in self._held.values() if param.requires_grad]
 
-    def check_replicas(self) -> None:
+    def check_replicas(self, when: str = "after loading", advice: str = (
+            "Every rank of a TP group must load the same values into what it replicates: load one checkpoint, "
+            "written by one save, on every rank.")) -> None:
         """Raise DisagreementError on every rank of the TP group unless its ranks hold the same
         values in every parameter the plan replicates and every buffer (one small all-reduce,
         and a digest of each tensor): a load that gave one rank other values (a shard of another
-        save, a damaged file) would otherwise compute silently wrong results. Run after a load."""
+        save, a damaged file) would otherwise compute silently wrong results. Run after a load,
+        and before every save (``autotp.runtime.dcp``); ``when`` and ``advice`` say which in the
+        error."""
         from .agreement import Fingerprint, value_digest
 
         plan = self.plan
@@ -251,9 +255,7 @@ class ParallelModule(LeavesSwitch, nn.Module):
         entries += tuple(f"{fqn}: {value_digest(b)}" for fqn, b in self.named_buffers())
         check_agreement(Fingerprint((("the replicated parameters and buffers differ (a digest of each tensor's values)",
                                       entries),)),
-                        self._control, "after loading", doing=f"the replicas' check of {self.name}",
-                        advice="Every rank of a TP group must load the same values into what it replicates: load "
-                               "one checkpoint, written by one save, on every rank.")
+                        self._control, when, doing=f"the replicas' check of {self.name}", advice=advice)
 
     def local_parameter(self, fqn: str) -> torch.Tensor:
         """This rank's shard of parameter ``fqn`` (any of a tied parameter's names): the tensor

@@ -271,3 +271,185 @@ def test_dcp_errors_start_with_the_reason_and_name_the_ranks(cluster, tmp_path):
         first = message.splitlines()[0]
         assert first.startswith(("NotADirectoryError", "FileExistsError")), message
         assert "(ranks 0, 1, 2, 3)" in first and "save of" in first
+
+
+# ---------------------------------------------------------------- nothing lost (issue 45)
+
+def _listing(root: str) -> list[str]:
+    return sorted(os.listdir(root))
+
+
+def _save_over_another(root: str) -> dict:
+    import torch.distributed as dist
+
+    from autotp.runtime import dcp
+
+    path = f"{root}/ckpt"
+    first = autotp.parallelize(_model(1), tp=2, layout=LAYOUT)
+    dcp.save(first, path)
+    want = _full(first)
+    deeper = autotp.parallelize(_model(2, layers=2), tp=2, layout=LAYOUT)       # another model
+    another_model = _outcome(lambda: dcp.save(deeper, path))
+    rerun = autotp.parallelize(_model(3), tp=2, layout=LAYOUT)                  # this model, another run
+    another_run = _outcome(lambda: dcp.save(rerun, path))
+    dist.barrier()
+    listing = _listing(root)
+    kept = autotp.parallelize(_model(4), tp=2, layout=LAYOUT)
+    dcp.load(kept, path)                        # the first checkpoint, whole
+    untouched = all(torch.equal(_full(kept)[n], want[n]) for n in want)
+    dcp.save(kept, path)                        # a module that loaded it goes on with its run
+    dcp.save(rerun, path, overwrite=True)       # told to: replaced
+    back = autotp.parallelize(_model(4), tp=2, layout=LAYOUT)
+    dcp.load(back, path)
+    replaced = all(torch.equal(_full(back)[n], _full(rerun)[n]) for n in want)
+    return {"model": another_model, "run": another_run, "listing": listing, "untouched": untouched,
+            "replaced": replaced}
+
+
+def test_a_save_onto_another_models_checkpoint_is_refused_unless_told_to_overwrite(cluster, tmp_path):
+    # before: both saves replaced the first checkpoint without a word
+    results = cluster.run(_save_over_another, str(tmp_path))
+    for r in results:
+        kind, message = r["model"]
+        assert kind == "CheckpointError", r["model"]
+        assert "holds the checkpoint of another model" in message and "overwrite=True" in message, message
+        assert "transformer.h.1." in message, message            # names a tensor the module lacks
+        kind, message = r["run"]
+        assert kind == "CheckpointError", r["run"]
+        assert "another training run" in message and "autotp.runtime.dcp.load it first" in message, message
+        assert r["listing"] == ["ckpt"] and r["untouched"]       # nothing touched: no .partial, no .old
+        assert r["replaced"]
+    assert len({str(r["model"]) for r in results}) == 1 and len({str(r["run"]) for r in results}) == 1
+
+
+def _two_threads(root: str) -> dict:
+    import threading
+
+    import torch.distributed as dist
+
+    from autotp.runtime import dcp
+
+    pm = autotp.parallelize(_model(1), tp=2)
+    outcomes: dict[str, tuple] = {}
+    inside = threading.Event()      # the first save has begun (it reads the module's state)
+    state_dict = pm.state_dict
+
+    def reading(*args, **kwargs):
+        inside.set()
+        return state_dict(*args, **kwargs)
+
+    pm.state_dict = reading
+
+    def save(name: str, after: threading.Event | None) -> None:
+        if after is not None:
+            after.wait()
+        outcomes[name] = _outcome(lambda: dcp.save(pm, f"{root}/{name}"))
+
+    threads = [threading.Thread(target=save, args=("a", None)), threading.Thread(target=save, args=("b", inside))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    dist.barrier()
+    loads, fresh = {}, autotp.parallelize(_model(4), tp=2)
+    for name in ("a", "b"):
+        if outcomes[name][0] == "ok":
+            dcp.load(fresh, f"{root}/{name}")
+            loads[name] = all(torch.equal(_full(fresh)[n], _full(pm)[n]) for n in _full(pm))
+    return {"outcomes": outcomes, "loads": loads, "listing": _listing(root)}
+
+
+def test_saves_from_two_threads_at_once_are_serialized(cluster, tmp_path):
+    # before: the second thread's collectives interleaved with the first's, and both waited out
+    # the collective timeout with raw errors, leaving two .partial folders. Now the second waits
+    # for the first (on each rank; ranks that take two threads' saves in different orders are
+    # told so by the start's exchange, a DisagreementError, and nothing is written)
+    for r in cluster.run(_two_threads, str(tmp_path)):
+        assert r["outcomes"] == {"a": ("ok", None), "b": ("ok", None)}, r["outcomes"]
+        assert r["listing"] == ["a", "b"] and r["loads"] == {"a": True, "b": True}
+
+
+def _long_path(root: str) -> dict:
+    import torch.distributed as dist
+
+    from autotp.runtime import dcp, dcp_safety
+
+    # 1227 characters in all: folders of 200 (a name may have 255)
+    path = root
+    while 1227 - len(path) - 1 > 200:
+        path = os.path.join(path, "d" * 200)
+    path = os.path.join(path, "c" * (1227 - len(path) - 1))
+    pm = autotp.parallelize(_model(1), tp=2, layout=LAYOUT)
+    if dist.get_rank() == 0:
+        os.makedirs(os.path.dirname(path))
+    dist.barrier()
+    dcp.save(pm, path)
+    fresh = autotp.parallelize(_model(2), tp=2, layout=LAYOUT)
+    dcp.load(fresh, path)
+    # texts of other lengths per rank, the longest past the first exchange's width
+    texts = dcp_safety._exchange("a test", "x" * (3000 * dist.get_rank()) + "é" * dist.get_rank())
+    # a last name too long for the <name>.partial beside it: told before anything is written
+    named = _outcome(lambda: dcp.save(pm, os.path.join(root, "n" * 250)))
+    return {"length": len(path), "equal": all(torch.equal(_full(fresh)[n], _full(pm)[n]) for n in _full(pm)),
+            "texts": [len(t) for t in texts], "whole": texts[-1].endswith("é" * (len(texts) - 1)),
+            "named": named}
+
+
+def test_a_checkpoint_path_of_any_legal_length_saves_and_loads(cluster, tmp_path):
+    # before: a 1227-character path failed with a raw JSONDecodeError (the start-of-operation
+    # exchange cut every rank's text at 1024 bytes)
+    for r in cluster.run(_long_path, str(tmp_path)):
+        assert r["length"] == 1227 and r["equal"]
+        assert r["texts"] == [3001 * i for i in range(4)] and r["whole"]
+        kind, message = r["named"]
+        assert kind == "CheckpointError" and "choose a name of at most 247 bytes" in message, r["named"]
+
+
+def _drifted_replica(root: str) -> dict:
+    import torch.distributed as dist
+
+    from autotp.runtime import dcp
+
+    pm = autotp.parallelize(_model(1), tp=2, layout=LAYOUT)   # dp 2 x tp 2: TP groups {0, 1} and {2, 3}
+    if dist.get_rank() == 3:      # as an optimizer step taken on one rank only would
+        with torch.no_grad():
+            pm.local_parameter("transformer.h.0.ln_1.weight").add_(1.0)
+    refused = _outcome(lambda: dcp.save(pm, f"{root}/ckpt"))
+    dist.barrier()
+    return {"refused": refused, "listing": _listing(root)}
+
+
+def test_a_save_of_replicas_that_drifted_apart_is_refused_on_every_rank(cluster, tmp_path):
+    # before: saved without a word, keeping one rank's copy of the replicated weight
+    results = cluster.run(_drifted_replica, str(tmp_path))
+    for r in results:
+        kind, message = r["refused"]
+        assert kind == "DisagreementError", r["refused"]
+        assert "disagree before the save of" in message and "transformer.h.0.ln_1.weight" in message, message
+        assert "an optimizer step" in message and "Nothing was written" in message, message
+        assert r["listing"] == []
+    assert len({r["refused"] for r in results}) == 1      # the other TP group told too
+
+
+def _foreign_optimizer(root: str) -> dict:
+    from autotp.runtime import dcp
+
+    pm = autotp.parallelize(_model(1), tp=2, layout=LAYOUT)
+    other = autotp.parallelize(_model(2), tp=2, layout=LAYOUT)
+    serial = _model(3)
+    out = {"other": _outcome(lambda: dcp.save(pm, f"{root}/a", torch.optim.AdamW(other.parameters()))),
+           "serial": _outcome(lambda: dcp.save(pm, f"{root}/b", torch.optim.AdamW(serial.parameters())))}
+    dcp.save(pm, f"{root}/c", torch.optim.AdamW(pm.parameters()))
+    out["load"] = _outcome(lambda: dcp.load(pm, f"{root}/c", torch.optim.AdamW(other.parameters())))
+    out["listing"] = _listing(root)
+    return out
+
+
+def test_a_save_or_load_with_another_modules_optimizer_is_refused_on_every_rank(cluster, tmp_path):
+    # before: a raw "KeyError: 0" from torch's get_optimizer_state_dict
+    for r in cluster.run(_foreign_optimizer, str(tmp_path)):
+        for case in ("other", "serial", "load"):
+            kind, message = r[case]
+            assert kind == "CheckpointError", (case, r[case])
+            assert "that are not this module's" in message and "AdamW(pm.parameters()" in message, message
+        assert r["listing"] == ["c"]
