@@ -1,0 +1,93 @@
+"""Sequence parallelism forced (``sequence_parallel=True``) on every zoo family, every call, float64.
+
+Each family's tiny model is parallelized with the regions between its products split along the
+sequence wherever a row-parallel product's partial sum meets an add (a reduce-scatter along s
+there, an all-gather along s into the next column-parallel product, its f fused in); then a
+training call (loss, logits, every gradient), an inference call in eval mode, a left-padded
+inference call (an attention mask) and greedy ``generate`` (causal families) must each equal the
+serial model's: float64 within TOLERANCE, tokens identical. The plan must hold at least one
+reduce-scatter along the sequence (the force took), and the lengths are ones tp does not divide.
+
+The fast tier runs two families (GPT-2's Conv1D, Llama's rotary/RMSNorm/SwiGLU) at tp 2; the slow
+tier every family (dense and mixture-of-experts) at tp 2 and 3.
+"""
+import pytest
+import torch
+
+from autotp import zoo
+from autotp.testing import TOLERANCE
+
+#: families whose float64 serial model computes in float32 somewhere (GPT-J's attention), and why
+FLOAT32_ONLY = {"gpt-j": "GPTJAttention upcasts q and k to float32 whatever the model's dtype",
+                "gpt-oss": "its router and sinks compute in float32"}
+#: the experts' grouped product has no float64 kernel on CPU: transformers' batched fallback runs there
+EXPERTS = {"experts_implementation": "batched_mm"}
+
+
+def sp_calls(case: dict) -> dict:
+    """On each rank: the family's tiny model, parallelized with sequence parallelism forced, against
+    serial on every kind of call."""
+    import autotp
+    from autotp.testing import equivalence_errors, keep_loss_precision
+
+    family, tp, seq = case["family"], case["tp"], case["seq"]
+    fam = zoo.family(family)
+    config = zoo.tiny_config(family, layers=2, heads=4, kv_heads=2 if fam.kv_heads else None, head_dim=8, vocab=61)
+    if family in zoo.EXPERT_FAMILIES:
+        for key, value in EXPERTS.items():
+            if hasattr(config, key):
+                setattr(config, key, value)
+    model = zoo.build(family, config, dtype=torch.float64, seed=case["seed"])
+    causal = fam.task == "causal"
+    if causal:
+        keep_loss_precision(model)
+    pm = autotp.parallelize(model, tp, batch=64, seq=4096, profile="h100-dgx", sequence_parallel=True)
+    along_s = [c for c in pm.plan.comms if c.kind == "reduce_scatter" and c.dst == "S(1)"]
+    errors: dict = {}
+    batch = zoo.example_batch(family, config, batch=2, seq=seq, seed=case["seed"] + 1)
+    for name, err in equivalence_errors(model, pm, batch).items():
+        errors[f"train:{name}"] = err
+    model.eval()
+    pm.eval()
+    gen = torch.Generator().manual_seed(case["seed"])
+    ids = torch.randint(3, 61, (2, seq), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0   # row 0 left-padded by two
+    with torch.no_grad():
+        for call, kwargs in (("infer", {}), ("padded", {"attention_mask": mask})):
+            extra = {"decoder_input_ids": ids[:, : seq - 1]} if fam.task == "seq2seq" else {}
+            want = model(input_ids=ids, **kwargs, **extra).logits
+            got = pm(input_ids=ids, **kwargs, **extra).logits
+            got = got.full_tensor() if hasattr(got, "full_tensor") else got
+            if call == "padded":   # a padded position's logits are whatever the model makes of no tokens
+                want, got = want[:, 2:] if fam.task != "seq2seq" else want, got[:, 2:] if fam.task != "seq2seq" else got
+            errors[f"{call}:logits"] = ((got - want).norm() / want.norm()).item()
+    if causal:
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        got = pm.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        errors["generate:tokens"] = 0.0 if torch.equal(got, want) else float("inf")
+    return {"errors": errors, "along_s": len(along_s)}
+
+
+def assert_sp_calls(cluster_of, case: dict) -> None:
+    bound = TOLERANCE[torch.float32 if case["family"] in FLOAT32_ONLY else torch.float64]
+    for rank, r in enumerate(cluster_of(case["tp"]).run(sp_calls, case)):
+        assert r["along_s"] >= 1, (case, "no reduce-scatter along the sequence: the force did not take")
+        worst = max(r["errors"], key=r["errors"].get)
+        assert r["errors"][worst] <= bound, (case, rank, worst, r["errors"][worst])
+
+
+FAST = [dict(family="gpt2", tp=2, seq=7, seed=1), dict(family="llama", tp=2, seq=5, seed=2)]
+SLOW = [dict(family=f, tp=tp, seq=7 if tp == 2 else 5, seed=3 + tp)
+        for f in [*zoo.FAMILIES, *zoo.EXPERT_FAMILIES] for tp in (2, 3)]
+
+
+@pytest.mark.parametrize("case", FAST, ids=[f"{c['family']}-tp{c['tp']}" for c in FAST])
+def test_forced_sequence_parallelism_equals_serial_on_every_call(cluster_of, case):
+    assert_sp_calls(cluster_of, case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW, ids=[f"{c['family']}-tp{c['tp']}" for c in SLOW])
+def test_forced_sequence_parallelism_equals_serial_on_every_call_every_family(cluster_of, case):
+    assert_sp_calls(cluster_of, case)
