@@ -7,13 +7,18 @@ logits and loss whole on every rank. ``pm.graph_module`` is the per-rank program
 
 Before its first collective a ParallelModule checks that the ranks of its TP group agree on
 what they run (:mod:`autotp.runtime.agreement`): one small all-reduce at construction, and one
-per call for the inputs' names, shapes and dtypes (``pm.check_inputs = False`` skips the latter
-once the data pipeline is trusted). A disagreement raises ``DisagreementError`` on every rank
-instead of a hang.
+per call for the inputs' names, shapes and dtypes (``pm.check_inputs = False`` keeps the shapes
+alone) and the state the call runs in: grad mode, autocast, the frozen parameters and the
+optimizer steps taken over the module's parameters (``pm.check_replicas_every = n`` adds the
+replicated parameters' digests after every n-th step). A disagreement raises
+``DisagreementError`` on every rank instead of a hang; one about the module's state (replicas
+that differ, optimizer steps taken on some ranks only) leaves the module refusing calls until
+``pm.check_replicas()`` finds the replicas equal again.
 """
 from __future__ import annotations
 
 import threading
+import weakref
 from contextlib import contextmanager
 from typing import Any, Callable
 
@@ -21,11 +26,12 @@ import torch
 from torch import fx, nn
 
 from ..capture import Capture, bind_inputs, flat_inputs, unflatten_outputs
-from ..errors import CaptureError, ConfigError, InputError
+from ..errors import CaptureError, ConfigError, DisagreementError, InputError
 from ..plan import Plan
 from ..placements import Placement, Shard
 from . import dtensor
-from .agreement import check_agreement, check_call, fingerprint, input_signature, state_entries
+from .agreement import (Fingerprint, check_agreement, check_call, constant_entries, fingerprint, grad_entries,
+                        input_signature, state_entries, value_digest)
 from .collectives import group_ranks
 from .faults import StepGuard, watch_backward
 from .input_kinds import check_input_kinds
@@ -56,7 +62,8 @@ class ParallelModule(LeavesSwitch, nn.Module):
         global _modules_made
         # the ranks agree on what they run, on the weights they were handed, and on this module's
         # number (the largest any of them would give it): its name in every later call's check
-        number = check_agreement(fingerprint(plan, graph_module, capture.graph, state_entries(model)),
+        number = check_agreement(fingerprint(plan, graph_module, capture.graph, state_entries(model),
+                                             constant_entries(capture.constants), grad_entries(model)),
                                  self._control, number=_modules_made + 1)
         _modules_made = max(_modules_made, number)
         #: this module as every rank of its group names it: "GPT2LMHeadModel #2"
@@ -68,6 +75,19 @@ class ParallelModule(LeavesSwitch, nn.Module):
         #: their values ("values"), or only the call's place in the order of calls (False); one
         #: tiny CPU all-reduce per call in each case
         self.check_inputs = True
+        #: optimizer steps over this module's parameters since the ranks last agreed on its replicas
+        #: (every call's check compares them: a step on some ranks only is refused at the next call)
+        self._steps = 0
+        #: compare the digests of the replicated parameters and buffers at the first call after
+        #: every n-th optimizer step (0: never; each check reads them to the host)
+        self.check_replicas_every = 0
+        self._steps_checked = 0
+        #: load_state_dict calls since the ranks last agreed on the replicas
+        self._loads = 0
+        self.register_load_state_dict_post_hook(lambda module, keys: setattr(module, "_loads", module._loads + 1))
+        #: why this module refuses calls (a disagreement about its state), until check_replicas passes
+        self._refusal: str | None = None
+        _count_optimizer_steps(self)
         self.mesh = mesh
         device_mesh = device_mesh_of(mesh, device)
         #: the tp dim's DeviceMesh, taken once (a split output is a DTensor on it)
@@ -227,19 +247,42 @@ class ParallelModule(LeavesSwitch, nn.Module):
     def check_replicas(self) -> None:
         """Raise DisagreementError on every rank of the TP group unless its ranks hold the same
         values in every parameter the plan replicates and every buffer (one small all-reduce,
-        and a digest of each tensor): a load that gave one rank other values (a shard of another
-        save, a damaged file) would otherwise compute silently wrong results. Run after a load."""
-        from .agreement import Fingerprint, value_digest
+        and a hash of each tensor): a load that gave one rank other values (a shard of another
+        save, a damaged file), an optimizer stepped on some ranks only or with other settings,
+        a parameter written on one rank would otherwise compute silently wrong results. Run
+        after a load (autotp.runtime.dcp.load does) or an optimizer step; while the replicas
+        differ the module refuses calls, and once they agree it takes them again."""
+        steps, loads = self._steps, self._loads
+        since = (f"{steps} optimizer step{'s' if steps != 1 else ''}, {loads} load_state_dict "
+                 f"call{'s' if loads != 1 else ''}")
+        try:
+            check_agreement(
+                Fingerprint((("the replicated parameters and buffers differ (a hash of each tensor's values)",
+                              self._replica_entries()),)),
+                self._control, "on what they replicate", doing=f"the replicas' check of {self.name}",
+                note=("what each rank did since the ranks last agreed on them", since),
+                advice="Every rank of a TP group must hold the same values in what it replicates: load one "
+                       "checkpoint, written by one save, on every rank; step the optimizer on every rank alike (the "
+                       "same calls, the same settings); write a parameter on every rank or on none. The module "
+                       "refuses calls until the replicas agree: load one checkpoint on every rank "
+                       "(autotp.runtime.dcp.load), or make them equal and call pm.check_replicas() again.")
+        except DisagreementError:
+            self._refusal = "the replicated parameters differ across its ranks"
+            raise
+        self._refusal = None
+        self._steps = self._steps_checked = self._loads = 0
 
+    def _replica_entries(self, prefix: str = "") -> tuple[str, ...]:
+        """``name: hash`` of every parameter the plan replicates and every buffer, on this rank."""
         plan = self.plan
-        entries = tuple(f"{fqn}: {value_digest(local_tensor(p))}" for fqn, p in self.named_parameters()
+        entries = tuple(f"{prefix}{fqn}: {value_digest(local_tensor(p))}" for fqn, p in self.named_parameters()
                         if not isinstance(plan.params.get(plan.aliases.get(fqn, fqn)), Shard))
-        entries += tuple(f"{fqn}: {value_digest(b)}" for fqn, b in self.named_buffers())
-        check_agreement(Fingerprint((("the replicated parameters and buffers differ (a digest of each tensor's values)",
-                                      entries),)),
-                        self._control, "after loading", doing=f"the replicas' check of {self.name}",
-                        advice="Every rank of a TP group must load the same values into what it replicates: load "
-                               "one checkpoint, written by one save, on every rank.")
+        return entries + tuple(f"{prefix}{fqn}: {value_digest(b)}" for fqn, b in self.named_buffers())
+
+    def _owns_any(self, optimizer: Any) -> bool:
+        """Whether ``optimizer`` steps any parameter of this module."""
+        mine = {id(p) for p in self.parameters()}
+        return any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
 
     def local_parameter(self, fqn: str) -> torch.Tensor:
         """This rank's shard of parameter ``fqn`` (any of a tied parameter's names): the tensor
@@ -274,25 +317,60 @@ class ParallelModule(LeavesSwitch, nn.Module):
         call = f"call {self._calls} of {self.name}"
         return f"the backward pass of {call}" if backward else call
 
-    def _agree_on_call(self, names: list[str], values: list[Any], extra: tuple[str, ...] = ()) -> None:
+    def _agree_on_call(self, names: list[str], values: list[Any], extra: tuple[str, ...] = (),
+                       settings: tuple[str, ...] = ()) -> None:
         """The per-call check (one small all-reduce): every rank of the group is in this same call
         of this same module, with inputs of the same names, shapes and dtypes (and values, with
-        ``check_inputs="values"``). The call is counted only once agreed, so a refused call is
-        made again under the same number."""
+        ``check_inputs="values"``; the shapes alone with False), in the same state (:meth:`_context`,
+        and ``settings``: a generation's arguments).
+        The call is counted only once agreed, so a refused call is made again under the same
+        number. A module whose ranks disagreed on its state refuses, on every rank alike."""
+        if self._refusal is not None:
+            raise DisagreementError(
+                f"{self.name} refuses calls: {self._refusal}, so every result would be silently wrong. Load one "
+                "checkpoint on every rank (autotp.runtime.dcp.load), or make the replicas equal and call "
+                "pm.check_replicas(), to go on.")
         mode = self.check_inputs
-        signature = (input_signature(names, values, digest_values=mode == "values") + extra) if mode else ()
+        if mode:
+            signature = input_signature(names, values, digest_values=mode == "values") + extra
+        else:   # what would abort a collective, at no cost: the shapes
+            signature = tuple(f"{n}: {tuple(v.shape)}" for n, v in zip(names, values) if isinstance(v, torch.Tensor))
+        replicas = bool(self.check_replicas_every) and self._steps - self._steps_checked >= self.check_replicas_every
         self._calls += 1
         try:
-            check_call(self._doing(), signature, self._control)
+            check_call(self._doing(), signature, self._control, context=self._context(replicas) + settings)
+        except DisagreementError as exc:
+            self._calls -= 1
+            if getattr(exc, "context_keys", frozenset()) & {"optimizer steps", "replicated"}:
+                self._refusal = ("its ranks took other numbers of optimizer steps" if "optimizer steps" in exc.context_keys
+                                 else "its replicated parameters drifted apart")
+            raise
         except BaseException:
             self._calls -= 1
             raise
+        if replicas:
+            self._steps_checked = self._steps
+
+    def _context(self, replicas: bool = False) -> tuple[str, ...]:
+        """The state this rank runs a call in, as the agreement compares it (see
+        autotp.runtime.agreement.CONTEXT_ADVICE): what decides which collectives it runs, and
+        how many optimizer steps its replicas went through; ``replicas``: their hashes too."""
+        kind = self.device.type
+        autocast = (f"{kind} {str(torch.get_autocast_dtype(kind)).removeprefix('torch.')}"
+                    if torch.is_autocast_enabled(kind) else "off")
+        frozen = ", ".join(fqn for fqn, p in self._held.items() if not p.requires_grad)
+        context = (f"grad mode: {'enabled' if torch.is_grad_enabled() else 'disabled'}", f"autocast: {autocast}",
+                   f"frozen: {frozen or '(none)'}", f"optimizer steps: {self._steps}")
+        return context + (self._replica_entries("replicated ") if replicas else ())
 
     @contextmanager
     def _sole_caller(self):
-        """One thread in a call at a time: the ranks pair their collectives by the order of calls,
-        which two threads calling at once cannot keep the same on every rank."""
+        """One thread in a call at a time, of this module and of every other module on the same
+        process groups: the ranks pair their collectives by the order of calls, which two
+        threads calling at once cannot keep the same on every rank."""
         me = threading.get_ident()
+        groups = [g for g in {id(self._control): self._control, id(getattr(self.mesh, "tp_group", None)):
+                              getattr(self.mesh, "tp_group", None)}.values() if g is not None]
         with _CALLERS:
             owner = self._caller
             if owner is not None and owner != me:
@@ -300,10 +378,23 @@ class ParallelModule(LeavesSwitch, nn.Module):
                     f"this {self.name} is already running a call in another thread: the ranks pair up their "
                     "collectives by the order of calls, which calls from two threads at once cannot keep the same "
                     "on every rank; call it from one thread at a time")
+            other = next((_RUNNING[g] for g in groups if g in _RUNNING and _RUNNING[g][0] != me), None)
+            if other is not None:
+                raise ConfigError(
+                    f"{other[1]} is running a call in another thread, on the process group this {self.name} "
+                    "talks over: the ranks pair up their collectives by the order of calls, which calls from two "
+                    "threads at once cannot keep the same on every rank (a process abort, or one module's tensors "
+                    "summed with the other's); call the modules of one group from one thread at a time")
             self._caller = me
+            entered = [g for g in groups if g not in _RUNNING]
+            for g in entered:
+                _RUNNING[g] = (me, self.name)
         try:
             yield
         finally:
+            with _CALLERS:
+                for g in entered:
+                    _RUNNING.pop(g, None)
             if owner is None:
                 self._caller = None
 
@@ -393,16 +484,20 @@ class ParallelModule(LeavesSwitch, nn.Module):
         with whole_parameters(self):   # generate() runs the programs without this module's __call__
             return generate(self, input_ids, attention_mask, **kwargs)
 
-    def _step(self, spec: Any, inputs: dict[str, torch.Tensor]) -> tuple[Program, dict[str, torch.Tensor]]:
+    def _step(self, spec: Any, inputs: dict[str, torch.Tensor], settings: tuple[str, ...] = (),
+              ) -> tuple[Program, dict[str, torch.Tensor]]:
         """Run one generation step (``spec``: an autotp.generation.StepSpec), building its
         program on first use. The token inputs are checked across the ranks like a call's; the
-        cache is not (its split may give ranks different shapes)."""
+        cache is not (its split may give ranks different shapes). ``settings``: generate's
+        arguments (``generate: ...`` entries), agreed with the step's state."""
         with self._sole_caller(), self._guard:
-            return self._run_step(spec, inputs)
+            return self._run_step(spec, inputs, settings)
 
-    def _run_step(self, spec: Any, inputs: dict[str, torch.Tensor]) -> tuple[Program, dict[str, torch.Tensor]]:
+    def _run_step(self, spec: Any, inputs: dict[str, torch.Tensor], settings: tuple[str, ...] = (),
+                  ) -> tuple[Program, dict[str, torch.Tensor]]:
         names = sorted(spec.tokens)
-        self._agree_on_call(names, [spec.tokens[n] for n in names], (f"training: {self.training}", f"past: {spec.past}"))
+        self._agree_on_call(names, [spec.tokens[n] for n in names], (f"training: {self.training}", f"past: {spec.past}"),
+                            settings)
         kind = "decode" if spec.cache is not None else "prefill"
         for program in self._programs:
             if program.step == kind and program.serves(inputs, self.training) and within_ranges(program.capture, inputs):
@@ -441,6 +536,28 @@ class ParallelModule(LeavesSwitch, nn.Module):
 _modules_made = 0
 #: guards the check-and-set of a module's calling thread
 _CALLERS = threading.Lock()
+#: the process groups a call is running over -> (its thread, its module's name)
+_RUNNING: dict[Any, tuple[int, str]] = {}
+#: the modules an optimizer step may concern (see _count_optimizer_steps)
+_LIVE: "weakref.WeakSet[ParallelModule]" = weakref.WeakSet()
+_step_hook: Any = None
+
+
+def _count_optimizer_steps(module: ParallelModule) -> None:
+    """Count each optimizer step over ``module``'s parameters in ``module._steps`` (every call's
+    check compares the count): one global post-step hook of torch.optim, added with the first
+    module, looks for the modules whose parameters the stepped optimizer holds."""
+    global _step_hook
+    _LIVE.add(module)
+    if _step_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        def stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
+            for live in list(_LIVE):
+                if live._owns_any(optimizer):
+                    live._steps += 1
+
+        _step_hook = register_optimizer_step_post_hook(stepped)
 
 
 def _check_inputs_mode(mode: Any) -> bool | str:
