@@ -83,7 +83,8 @@ def top_k_problem(model: torch.nn.Module, exc: BaseException) -> str | None:
     if not any(e in text for text in chain for e in _TOPK_ERRORS):
         return None
     found = []
-    for config in {id(c): c for c in [*experts_configs(model), getattr(model, "config", None)] if c is not None}.values():
+    configs = [*experts_configs(model), getattr(model, "config", None)]
+    for config in {id(c): c for c in configs if c is not None}.values():
         fields = {k: v for k, v in vars(config).items() if isinstance(v, int) and not isinstance(v, bool)}
         picks = {k: v for k, v in fields.items() if "per_tok" in k or k.replace("_", "").endswith("topk")}
         counts = {k: v for k, v in fields.items() if k.endswith("experts") and "per_tok" not in k}

@@ -19,10 +19,10 @@ unrelated tensors. So, before its first real collective, each rank:
 
 Each call is checked the same way (:func:`check_call`): which call of which module this rank is
 in (forward, or the backward pass of a call), the inputs' names, shapes and dtypes (and,
-with ``check_inputs="values"``, a digest of their values), and the state the call runs in
-(its ``context``: grad mode, autocast, the frozen parameters, the optimizer steps taken). Every exchange has one shape (see
-:func:`exchange`), so ranks out of step pair their checks with each other's and find they
-differ. When the digests differ, every rank sees it from the same all-reduce, so every rank
+with ``check_inputs="values"``, a hash of their values), and the state the call runs in (its
+``context``: grad mode, autocast, the frozen parameters, the optimizer steps taken). Every
+exchange has one shape (see :func:`exchange`), so ranks out of step pair their checks with
+each other's and find they differ. When the digests differ, every rank sees it from the same all-reduce, so every rank
 then exchanges its entries (two more small collectives) and raises the same
 :class:`~autotp.errors.DisagreementError`, saying what differs on which rank. The exchange is
 JSON bytes in tensors: nothing is unpickled.

@@ -72,8 +72,8 @@ class ParallelModule(LeavesSwitch, nn.Module):
         self._calls = 0
         self._caller: int | None = None   # the thread inside a call, if any
         #: compare every call's input names, shapes and dtypes across the TP group (True), also
-        #: their values ("values"), or only the call's place in the order of calls (False); one
-        #: tiny CPU all-reduce per call in each case
+        #: their values ("values"), or their shapes alone (False), with the call's place in the
+        #: order of calls and its state; one tiny CPU all-reduce per call in each case
         self.check_inputs = True
         #: optimizer steps over this module's parameters since the ranks last agreed on its replicas
         #: (every call's check compares them: a step on some ranks only is refused at the next call)
@@ -87,6 +87,7 @@ class ParallelModule(LeavesSwitch, nn.Module):
         self.register_load_state_dict_post_hook(lambda module, keys: setattr(module, "_loads", module._loads + 1))
         #: why this module refuses calls (a disagreement about its state), until check_replicas passes
         self._refusal: str | None = None
+        self._held_ids: tuple[Any, frozenset[int]] = (None, frozenset())
         _count_optimizer_steps(self)
         self.mesh = mesh
         device_mesh = device_mesh_of(mesh, device)
@@ -280,8 +281,11 @@ class ParallelModule(LeavesSwitch, nn.Module):
         return entries + tuple(f"{prefix}{fqn}: {value_digest(b)}" for fqn, b in self.named_buffers())
 
     def _owns_any(self, optimizer: Any) -> bool:
-        """Whether ``optimizer`` steps any parameter of this module."""
-        mine = {id(p) for p in self.parameters()}
+        """Whether ``optimizer`` steps any parameter of this module (``_held``: FSDP2 replaces the
+        dict with its own parameters, which renews the ids)."""
+        if self._held_ids[0] is not self._held:
+            self._held_ids = (self._held, frozenset(id(p) for p in self._held.values()))
+        mine = self._held_ids[1]
         return any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
 
     def local_parameter(self, fqn: str) -> torch.Tensor:
@@ -341,8 +345,9 @@ class ParallelModule(LeavesSwitch, nn.Module):
             check_call(self._doing(), signature, self._control, context=self._context(replicas) + settings)
         except DisagreementError as exc:
             self._calls -= 1
-            if getattr(exc, "context_keys", frozenset()) & {"optimizer steps", "replicated"}:
-                self._refusal = ("its ranks took other numbers of optimizer steps" if "optimizer steps" in exc.context_keys
+            keys = getattr(exc, "context_keys", frozenset())
+            if keys & {"optimizer steps", "replicated"}:
+                self._refusal = ("its ranks took other numbers of optimizer steps" if "optimizer steps" in keys
                                  else "its replicated parameters drifted apart")
             raise
         except BaseException:
@@ -496,8 +501,8 @@ class ParallelModule(LeavesSwitch, nn.Module):
     def _run_step(self, spec: Any, inputs: dict[str, torch.Tensor], settings: tuple[str, ...] = (),
                   ) -> tuple[Program, dict[str, torch.Tensor]]:
         names = sorted(spec.tokens)
-        self._agree_on_call(names, [spec.tokens[n] for n in names], (f"training: {self.training}", f"past: {spec.past}"),
-                            settings)
+        self._agree_on_call(names, [spec.tokens[n] for n in names],
+                            (f"training: {self.training}", f"past: {spec.past}"), settings)
         kind = "decode" if spec.cache is not None else "prefill"
         for program in self._programs:
             if program.step == kind and program.serves(inputs, self.training) and within_ranges(program.capture, inputs):
@@ -565,7 +570,7 @@ def _check_inputs_mode(mode: Any) -> bool | str:
         return mode
     raise ConfigError(f"check_inputs={mode!r} is not valid: use True (names, shapes and dtypes of every call's "
                       "inputs compared across the TP group), \"values\" (their values too: a digest of each "
-                      "tensor) or False (only the order of calls)")
+                      "tensor) or False (the order of calls and the inputs' shapes alone)")
 
 
 def _generation_info(model: nn.Module) -> dict[str, Any]:
