@@ -164,9 +164,14 @@ def _flow(here: _Field, flow: Any) -> None:
         if key not in flow:
             here.dot(key).fail("(missing)", "the field every flow has")
     here.dot("stack").text(flow["stack"])
-    for i, n in enumerate(here.dot("indices").sequence(flow["indices"])):
+    indices = here.dot("indices").sequence(flow["indices"])
+    if not indices:
+        here.dot("indices").fail(indices, "the indices of the layers the flow is of (at least one)")
+    for i, n in enumerate(indices):
         here.dot("indices").at(i).integer(n)
     steps = here.dot("steps").sequence(flow["steps"])
+    if not steps:
+        here.dot("steps").fail(steps, "the layer's steps (at least one)")
     for i, step in enumerate(steps):
         at = here.dot("steps").at(i)
         step = at.mapping(step)
