@@ -87,7 +87,8 @@ def top_k_problem(model: torch.nn.Module, exc: BaseException) -> str | None:
     for config in {id(c): c for c in configs if c is not None}.values():
         fields = {k: v for k, v in vars(config).items() if isinstance(v, int) and not isinstance(v, bool)}
         picks = {k: v for k, v in fields.items() if "per_tok" in k or k.replace("_", "").endswith("topk")}
-        counts = {k: v for k, v in fields.items() if k.endswith("experts") and "per_tok" not in k}
+        counts = {k: v for k, v in fields.items()   # the routed experts, not the shared ones every token runs
+                  if k.endswith("experts") and "per_tok" not in k and "shared" not in k}
         found += [f"{type(config).__name__}.{k}={v} > {c}={n}" for k, v in picks.items() for c, n in counts.items()
                   if 0 < n < v]
     cause = (f"the config asks each token for more experts than a layer has ({'; '.join(found)}); set the first "
