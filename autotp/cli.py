@@ -159,17 +159,42 @@ def _check_rank(model_name: str, layers: int | None, tp: int, dtype: str, batch:
     return {"worst": worst, "error": errors[worst], "plan": str(pm.plan) if pm.mesh.tp_rank == 0 else ""}
 
 
+def _check_dtype(model_name: str, layers: int | None, asked: str | None) -> str:
+    """The dtype ``check`` runs in: ``asked``, else float64 (the tightest comparison) where the
+    model runs it on CPU. Experts running torch's grouped product (transformers' default
+    ``grouped_mm``) have no float64 kernel on CPU: float32 then, said on stderr; float64 asked
+    for them is a ConfigError before any rank starts."""
+    from .capture.experts import experts_configs
+    from .errors import ConfigError
+
+    if asked == "float32":
+        return asked
+    model, _ = load_model(model_name, layers)   # on the meta device: no weights
+    grouped = sorted({type(c).__name__ for c in experts_configs(model)
+                      if getattr(c, "_experts_implementation", None) == "grouped_mm"})
+    if not grouped:
+        return asked or "float64"
+    why = (f"{type(model).__name__}'s experts run experts_implementation='grouped_mm': torch's grouped "
+           "product, which has no float64 kernel on CPU")
+    if asked == "float64":
+        raise ConfigError(f"cannot check in float64: {why}; pass --dtype float32 (or leave --dtype out: float32 is "
+                          "chosen for such models)")
+    print(f"autotp: checking in float32: {why} (compared at float32's tolerance)", file=sys.stderr)
+    return "float32"
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     import torch
 
     from autotp import zoo
     from autotp.testing import TOLERANCE, launch, preload
 
+    dtype = _check_dtype(args.model, args.layers, args.dtype)   # before any rank starts
     preload("transformers", *zoo.modeling_modules())   # once, not per rank
-    results = launch(_check_rank, args.tp, args.model, args.layers, args.tp, args.dtype, args.batch, args.seq,
+    results = launch(_check_rank, args.tp, args.model, args.layers, args.tp, dtype, args.batch, args.seq,
                      timeout=1800.0)
     print(results[0]["plan"])
-    bound = TOLERANCE[getattr(torch, args.dtype)]
+    bound = TOLERANCE[getattr(torch, dtype)]
     ok = all(r["error"] <= bound for r in results)
     for rank, r in enumerate(results):
         print(f"rank {rank}: worst relative error {r['error']:.2e} at {r['worst']} (bound {bound:.0e})")
@@ -205,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("model")
     c.add_argument("--tp", type=_positive(int), required=True)
     c.add_argument("--layers", type=_positive(int), default=None)
-    c.add_argument("--dtype", choices=["float32", "float64"], default="float64")
+    c.add_argument("--dtype", choices=["float32", "float64"], default=None,
+                   help="default: float64, or float32 for a model whose experts have no float64 kernel on CPU")
     c.add_argument("--batch", type=_positive(int), default=2)
     c.add_argument("--seq", type=_positive(int), default=16)
     c.set_defaults(run=cmd_check)

@@ -126,7 +126,7 @@ def draw(plan: Any, flow: "Flow") -> str:
     rows: dict[int, list[int]] = {}
     for k, d in enumerate(depth):
         rows.setdefault(d, []).append(k)
-    sizes = [max(plan.shapes[fqn(p)]) for s in steps for p in s.params if fqn(p) in plan.shapes]
+    sizes = [max(plan.shapes[fqn(p)], default=1) for s in steps for p in s.params if fqn(p) in plan.shapes]
     biggest = max(sizes, default=1)
     heights = {k: _height(plan, s, fqn, biggest) for k, s in enumerate(steps)}
     widest = max(len(r) for r in rows.values())

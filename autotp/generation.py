@@ -383,7 +383,11 @@ def generate(pm: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | No
         tokens["attention_mask"] = mask
     if positions is not None:
         tokens["position_ids"] = positions.contiguous()
-    program, out = pm._step(StepSpec(tokens), tokens)
+    # every rank decodes as many steps, alike: a rank told other settings would stop early and
+    # leave the others waiting in the next step (or pair its next call with their step)
+    settings = (f"generate: max_new_tokens={steps}, eos_token_id={eos}, pad_token_id={pad}, "
+                f"{', '.join(f'{k}={v!r}' for k, v in sorted(sampling.items()))}",)
+    program, out = pm._step(StepSpec(tokens), tokens, settings)
     layout = cache_layout(program.capture, program.plan)
     unfinished = torch.ones(ids.shape[0], dtype=torch.bool, device=device)
     past = ids.shape[1]

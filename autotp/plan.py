@@ -17,6 +17,7 @@ from typing import Any
 from .errors import ConfigError
 from .placements import Placement, Replicate, Shard, from_json, local_size, to_json
 from .plan_flow import Flow
+from .plan_schema import check_document
 
 SCHEMA_VERSION = 1
 
@@ -246,11 +247,18 @@ class Plan:
             console.print(line)
         return buf.getvalue()
 
-    def diff(self, other: "Plan", names: tuple[str, str] = ("A", "B")) -> Any:
-        """What changes from this plan to ``other``: layouts, collectives per layer, predicted
-        step time and memory (an :class:`autotp.plan_diff.PlanDiff`; print it)."""
+    def diff(self, other: "Plan | str", names: tuple[str, str] = ("A", "B")) -> Any:
+        """What changes from this plan to ``other`` (a Plan, or a plan's JSON text): layouts,
+        collectives per layer, predicted step time and memory (an
+        :class:`autotp.plan_diff.PlanDiff`; print it)."""
         from .plan_diff import diff
 
+        if isinstance(other, str):
+            other = Plan.from_json(other)
+        if not isinstance(other, Plan):
+            raise ConfigError(f"plan.diff takes another Plan (or its JSON text, Plan.to_json()), not "
+                              f"{type(other).__name__}: plan.diff(autotp.plan(model, tp=...)) or "
+                              "plan.diff(Plan.from_json(text))")
         return diff(self, other, names)
 
     def figure(self, path: Any = None, layer: str | None = None) -> str:
@@ -316,11 +324,16 @@ class Plan:
                 f"autotp plan schema version {version!r} is not supported (this autotp reads version "
                 f"{SCHEMA_VERSION}); re-create the plan with autotp.plan(...)"
             )
+        check_document(doc)   # every field's type and range, named where one is wrong
         try:
-            return cls._from_doc(doc)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            plan = cls._from_doc(doc)
+            for name in plan.params:   # every placement describes its parameter's shape on every rank
+                for rank in range(plan.tp):
+                    plan.local_shape(name, rank)
+        except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:
             raise ConfigError(f"malformed autotp plan (version {version}): {type(exc).__name__}: {exc}; "
                               "re-create the plan with autotp.plan(...)") from None
+        return plan
 
     @classmethod
     def _from_doc(cls, doc: dict) -> "Plan":

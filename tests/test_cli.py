@@ -96,3 +96,36 @@ def test_a_plan_over_the_profiles_memory_is_shown_solved_without_it_and_says_so(
     assert out[:start] + out[end:] == unlimited.table() + "\n"   # the same, but for the note the CLI adds
     assert main(["plan", "gpt2-xl", "--tp", "8", "--layers", "1", "--memory-limit", "0.001"]) == 2
     assert "MemoryLimitError" in capsys.readouterr().err
+
+
+def _tiny_mixtral(folder, top_k: int = 2) -> str:
+    from transformers import MixtralConfig
+
+    MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=top_k,
+                  max_position_embeddings=64).save_pretrained(folder)
+    return str(folder)
+
+
+def test_check_of_experts_without_a_float64_kernel_picks_float32_or_says_why(tmp_path, capsys):
+    # before: `autotp check` of a tiny Mixtral failed on its ranks with a raw "Expected mat_a to be
+    # Float32, BFloat16 or Float16 matrix, got Double" (torch's grouped_mm has no float64 on CPU)
+    from autotp.cli import _check_dtype
+
+    folder = _tiny_mixtral(tmp_path)
+    assert _check_dtype(folder, None, None) == "float32"
+    assert "checking in float32: MixtralForCausalLM's experts run experts_implementation='grouped_mm'" \
+        in capsys.readouterr().err
+    assert _check_dtype("gpt2", 1, None) == "float64" and _check_dtype(folder, None, "float32") == "float32"
+    assert main(["check", folder, "--tp", "2", "--dtype", "float64"]) == 2
+    assert "autotp: ConfigError: cannot check in float64: MixtralForCausalLM's experts run " \
+           "experts_implementation='grouped_mm'" in capsys.readouterr().err
+
+
+def test_plan_of_a_config_asking_for_more_experts_than_it_has_names_the_fields(tmp_path, capsys):
+    # before: a CaptureError advising to "make the forward traceable"
+    assert main(["plan", _tiny_mixtral(tmp_path, top_k=6), "--tp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "autotp: ConfigError: MixtralForCausalLM's forward calls torch.topk with k larger than the dim it picks " \
+           "from" in err, err
+    assert "(MixtralConfig.num_experts_per_tok=6 > num_local_experts=4); set the first to at most the second" in err

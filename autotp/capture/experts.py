@@ -66,3 +66,34 @@ def experts_hint(model: torch.nn.Module) -> str:
         return ""
     return (f" Its experts run experts_implementation={impls[0]!r}, which autotp does not capture: call "
             f"model.set_experts_implementation('grouped_mm') (or 'batched_mm') before parallelizing.")
+
+
+#: torch.topk's error where k exceeds the size of the dim it picks from (eager, and under export)
+_TOPK_ERRORS = ("k not in range for dimension", "selected index k out of range")
+
+
+def top_k_problem(model: torch.nn.Module, exc: BaseException) -> str | None:
+    """Where a capture failed in ``torch.topk`` asked for more entries than its dim holds: what
+    to tell the user (the model's config asking each token for more experts than a layer has,
+    named by its fields where they can be found), else None."""
+    chain, seen = [], exc
+    while seen is not None and len(chain) < 8:
+        chain.append(str(seen))
+        seen = seen.__cause__ or seen.__context__
+    if not any(e in text for text in chain for e in _TOPK_ERRORS):
+        return None
+    found = []
+    configs = [*experts_configs(model), getattr(model, "config", None)]
+    for config in {id(c): c for c in configs if c is not None}.values():
+        fields = {k: v for k, v in vars(config).items() if isinstance(v, int) and not isinstance(v, bool)}
+        picks = {k: v for k, v in fields.items() if "per_tok" in k or k.replace("_", "").endswith("topk")}
+        counts = {k: v for k, v in fields.items()   # the routed experts, not the shared ones every token runs
+                  if k.endswith("experts") and "per_tok" not in k and "shared" not in k}
+        found += [f"{type(config).__name__}.{k}={v} > {c}={n}" for k, v in picks.items() for c, n in counts.items()
+                  if 0 < n < v]
+    cause = (f"the config asks each token for more experts than a layer has ({'; '.join(found)}); set the first "
+             "to at most the second" if found else
+             "a top-k larger than what it picks from (in a mixture of experts: a config asking each token for "
+             "more experts than a layer has); lower that k to at most the dim's size")
+    return (f"{type(model).__name__}'s forward calls torch.topk with k larger than the dim it picks from, in the "
+            f"serial model as in a capture: {cause}")

@@ -20,8 +20,8 @@ from typing import Any, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..errors import CaptureError
-from .experts import capturable_experts, experts_hint
+from ..errors import CaptureError, ConfigError
+from .experts import capturable_experts, experts_hint, top_k_problem
 from .draws import RandomBranchError, _UnitDraws
 from .inputs import _dynamic_shapes, _example_seqs, _forward_params, bind_inputs, forward_signature, \
     hf_example_kwargs, seq_bounds
@@ -63,6 +63,9 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
             if ep is None:
                 ep = _export(model, kwargs, dynamic_shapes)
         except Exception as exc:  # torch raises many types here; all mean "not capturable"
+            config_problem = top_k_problem(model, exc)
+            if config_problem is not None:   # the model itself cannot run: its config is the fix
+                raise ConfigError(config_problem) from exc
             raise CaptureError(_explain_export_failure(model, exc)) from exc
         finally:
             model.train(was_training)

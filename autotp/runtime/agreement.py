@@ -12,15 +12,17 @@ unrelated tensors. So, before its first real collective, each rank:
   ranks of an uneven split, are left out), the captured graph before the rewrite (every
   constant kept: it is the whole model's program, the same on every rank) and, at
   ``parallelize``, a digest of every parameter and buffer as the rank received them
-  (:func:`state_entries`);
+  (:func:`state_entries`), of every tensor attribute the program reads (lifted as a constant:
+  :func:`constant_entries`) and which parameters are frozen (:func:`grad_entries`);
 * compares the fingerprints with one small all-reduce on the group (:func:`check_agreement`),
   which also agrees on the module's number: its name in every later check.
 
 Each call is checked the same way (:func:`check_call`): which call of which module this rank is
-in (forward, or the backward pass of a call), and the inputs' names, shapes and dtypes (and,
-with ``check_inputs="values"``, a digest of their values). Every exchange has one shape (see
-:func:`exchange`), so ranks out of step pair their checks with each other's and find they
-differ. When the digests differ, every rank sees it from the same all-reduce, so every rank
+in (forward, or the backward pass of a call), the inputs' names, shapes and dtypes (and,
+with ``check_inputs="values"``, a hash of their values), and the state the call runs in (its
+``context``: grad mode, autocast, the frozen parameters, the optimizer steps taken). Every
+exchange has one shape (see :func:`exchange`), so ranks out of step pair their checks with
+each other's and find they differ. When the digests differ, every rank sees it from the same all-reduce, so every rank
 then exchanges its entries (two more small collectives) and raises the same
 :class:`~autotp.errors.DisagreementError`, saying what differs on which rank. The exchange is
 JSON bytes in tensors: nothing is unpickled.
@@ -42,7 +44,7 @@ from ..errors import DisagreementError
 from .collectives import _comm, group_ranks, group_size
 
 __all__ = ["Fingerprint", "fingerprint", "check_agreement", "check_call", "start_call_check", "input_signature",
-           "value_digest", "state_entries", "exchange", "start_exchange"]
+           "value_digest", "state_entries", "constant_entries", "grad_entries", "exchange", "start_exchange"]
 
 # Digests are cut to 62 bits so that both h and -h fit an int64 (one MAX all-reduce finds min and max).
 _BITS = 62
@@ -66,11 +68,12 @@ def _digest(entries: Sequence[str]) -> int:
 # ---------------------------------------------------------------- what a rank will run
 
 def fingerprint(plan: Any, graph_module: fx.GraphModule, captured: fx.Graph | None = None,
-                state: Sequence[str] = ()) -> Fingerprint:
+                state: Sequence[str] = (), constants: Sequence[str] = (), grads: Sequence[str] = ()) -> Fingerprint:
     """``captured``: the capture's graph, before the rewrite: the whole model's program, the same
     on every rank, so its integer constants are compared too (the rewritten graph's differ
     legitimately, as local sizes). ``state``: :func:`state_entries` of the model as this rank
-    received it."""
+    received it; ``constants``: :func:`constant_entries` of the capture; ``grads``:
+    :func:`grad_entries` of the model."""
     from ..version import __version__
 
     software = (f"autotp {__version__}", f"torch {torch.__version__}")
@@ -92,6 +95,12 @@ def fingerprint(plan: Any, graph_module: fx.GraphModule, captured: fx.Graph | No
     if state:
         sections.append(("the model's parameters and buffers differ (as each rank received them, before "
                          "slicing: a digest of each tensor's values)", tuple(state)))
+    if constants:
+        sections.append(("the tensor attributes the model's forward reads differ (neither parameter nor buffer: "
+                         "lifted as constants of the program; a digest of each one's values)", tuple(constants)))
+    if grads:
+        sections.append(("the parameters' requires_grad differ (a parameter frozen on some ranks only: the "
+                         "others would run collectives of its backward alone)", tuple(grads)))
     return Fingerprint(tuple(sections))
 
 
@@ -136,33 +145,29 @@ def input_signature(names: Sequence[str], values: Sequence[Any], digest_values: 
     return out
 
 
-#: elements digested at once: bounds the int64 copies a large parameter is digested through
-_CHUNK = 1 << 20
+#: bytes hashed at once: bounds the host copy a large tensor on an accelerator is read through
+_CHUNK_BYTES = 1 << 24
 _BITS_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def value_digest(t: torch.Tensor) -> str:
-    """An exact digest of ``t``'s values: its bits read as integers, summed plain, squared and
-    weighted by position (mod 2^64). Integer sums are exact and do not depend on the order of
-    summation, so equal tensors give equal digests on any device and thread count, and
-    tensors that differ anywhere (another seed, another batch) give others. Bits, not values:
-    -0.0 and 0.0, or two NaNs of other payloads, count as different."""
+    """A hash of ``t``'s bytes: SHA-256 of its shape, dtype and every element's bits in order
+    (read to the host in chunks). Equal tensors give equal digests on any device and thread
+    count; tensors that differ anywhere (another seed, another batch, two values swapped) give
+    others, as a hash does. Bits, not values: -0.0 and 0.0, or two NaNs of other payloads,
+    count as different."""
     t = t.detach()
     if t.is_complex():
         t = torch.view_as_real(t)
     flat = t.contiguous().reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
-    bits = flat.view(_BITS_OF[flat.element_size()])
-    weights = torch.arange(1, min(bits.numel(), _CHUNK) + 1, dtype=torch.int64, device=bits.device)
-    total = squares = weighted = 0
-    mask = (1 << 64) - 1
-    for start in range(0, bits.numel(), _CHUNK):
-        x = bits[start:start + _CHUNK].to(torch.int64)
-        total = (total + int(x.sum())) & mask
-        squares = (squares + int((x * x).sum())) & mask
-        weighted = (weighted + int((x * weights[: x.numel()]).sum())) & mask
-    return hashlib.sha256(f"{tuple(t.shape)} {t.dtype} {total} {squares} {weighted}".encode()).hexdigest()[:16]
+    bits = flat.view(_BITS_OF[flat.element_size()])   # integers: numpy has no bfloat16 or float8
+    h = hashlib.sha256(f"{tuple(t.shape)} {t.dtype}".encode())
+    step = max(1, _CHUNK_BYTES // bits.element_size())
+    for start in range(0, bits.numel(), step):
+        h.update(bits[start:start + step].cpu().numpy().data)
+    return h.hexdigest()[:16]
 
 
 def state_entries(model: torch.nn.Module) -> tuple[str, ...]:
@@ -180,6 +185,20 @@ def state_entries(model: torch.nn.Module) -> tuple[str, ...]:
     return tuple(out)
 
 
+def constant_entries(constants: dict[str, torch.Tensor]) -> tuple[str, ...]:
+    """``name: digest`` of each tensor constant a capture lifted (a plain tensor attribute of the
+    model, neither parameter nor buffer, that its forward reads) and that holds values."""
+    return tuple(f"{name}: {value_digest(t)}" for name, t in sorted(constants.items())
+                 if isinstance(t, torch.Tensor) and not t.is_meta)
+
+
+def grad_entries(model: torch.nn.Module) -> tuple[str, ...]:
+    """``name: trainable`` or ``name: frozen`` for each parameter of ``model``: a parameter frozen on
+    some ranks only would leave the others running collectives of its backward alone."""
+    return tuple(f"{name}: {'trainable' if p.requires_grad else 'frozen'}"
+                 for name, p in model.named_parameters(remove_duplicate=False))
+
+
 # ---------------------------------------------------------------- comparing
 #
 # Every agreement is the same exchange, whatever it checks: one all-reduce(MAX) of three int64,
@@ -193,11 +212,12 @@ def state_entries(model: torch.nn.Module) -> tuple[str, ...]:
 # other sizes (a gloo abort) or one check with a model's own collective.
 
 def exchange(doing: str, sections: Sequence[tuple[str, Sequence[str]]], group, number: int = 0,
-             ) -> tuple[list[dict] | None, int]:
+             note: str = "") -> tuple[list[dict] | None, int]:
     """Compare ``doing`` and ``sections`` across ``group``: (None, agreed number) where every
-    rank has the same, else (every rank's ``{"doing", "sections"}`` in group-rank order, the
-    number). ``number``: this rank's; the agreed one is the largest."""
-    return start_exchange(doing, sections, group, number).result()
+    rank has the same, else (every rank's ``{"doing", "sections", "note"}`` in group-rank order,
+    the number). ``number``: this rank's; the agreed one is the largest. ``note``: what this rank
+    tells the others where they differ (not compared)."""
+    return start_exchange(doing, sections, group, number, note).result()
 
 
 class PendingExchange:
@@ -206,8 +226,9 @@ class PendingExchange:
     forward is queued meanwhile), and :meth:`result` reads it. Every rank must read it, at the same
     point of its program: a disagreement exchanges the entries (two more collectives)."""
 
-    def __init__(self, doing: str, sections: Sequence[tuple[str, Sequence[str]]], group, number: int):
-        self.doing, self.sections, self.group, self.number = doing, sections, group, number
+    def __init__(self, doing: str, sections: Sequence[tuple[str, Sequence[str]]], group, number: int,
+                 note: str = ""):
+        self.doing, self.sections, self.group, self.number, self.note = doing, sections, group, number, note
         self.both = self.work = None
         if group is None or group_size(group) == 1:
             return
@@ -228,14 +249,15 @@ class PendingExchange:
         agreed = int(self.both[2])
         if int(self.both[0]) == -int(self.both[1]):
             return None, agreed
-        mine = {"doing": self.doing, "sections": [[title, list(entries)] for title, entries in self.sections]}
+        mine = {"doing": self.doing, "sections": [[title, list(entries)] for title, entries in self.sections],
+                "note": self.note}
         return _all_gather_json(mine, self.group), agreed
 
 
 def start_exchange(doing: str, sections: Sequence[tuple[str, Sequence[str]]], group, number: int = 0,
-                   ) -> PendingExchange:
+                   note: str = "") -> PendingExchange:
     """:func:`exchange`, issued now and read by the result's ``result()``."""
-    return PendingExchange(doing, sections, group, number)
+    return PendingExchange(doing, sections, group, number, note)
 
 
 def _ranks(group) -> list[int]:
@@ -263,10 +285,12 @@ _SAME_MODEL = ("Every rank must call autotp.parallelize with the same model (the
 
 
 def check_agreement(fp: Fingerprint, group, what: str = "before their first collective",
-                    doing: str = "autotp.parallelize", number: int = 0, advice: str = _SAME_MODEL) -> int:
+                    doing: str = "autotp.parallelize", number: int = 0, advice: str = _SAME_MODEL,
+                    note: tuple[str, str] = ("", "")) -> int:
     """Raise DisagreementError on every rank of ``group`` unless all fingerprints are equal.
-    Returns the largest ``number`` of the group's ranks (see :func:`exchange`)."""
-    per_rank, agreed = exchange(doing, fp.sections, group, number)
+    Returns the largest ``number`` of the group's ranks (see :func:`exchange`). ``note``: a
+    title and this rank's text, listed with the other ranks' in the error (not compared)."""
+    per_rank, agreed = exchange(doing, fp.sections, group, number, note[1])
     if per_rank is None:
         return agreed
     ranks = _ranks(group)
@@ -278,17 +302,43 @@ def check_agreement(fp: Fingerprint, group, what: str = "before their first coll
         entries = [r["sections"][i][1] if i < len(r["sections"]) else [] for r in per_rank]
         if any(e != entries[0] for e in entries):
             lines.append(f"- {title}: {_first_difference(entries, ranks)}")
+    if note[0]:
+        notes = [[r.get("note", "")] for r in per_rank]
+        lines.append(f"- {note[0]}: " + (_first_difference(notes, ranks).removeprefix("entry 0: ")
+                                         if any(n != notes[0] for n in notes) else f"every rank: {notes[0][0]!r}"))
     raise DisagreementError(
         f"ranks {ranks} of the TP group disagree {what}, so their collectives would hang or mix "
         "unrelated tensors:\n" + "\n".join(lines) + "\n" + advice
     )
 
 
-def check_call(doing: str, signature: tuple[str, ...], group, what: str = "TP group") -> None:
+#: what to do where the state a call runs in (its ``context``) differs, by the entry's first words
+CONTEXT_ADVICE = {
+    "grad mode": "enable or disable gradients (torch.no_grad, torch.inference_mode) alike on every rank",
+    "autocast": "enter torch.autocast with the same device type and dtype on every rank, or on none",
+    "frozen": "freeze or unfreeze (requires_grad_) the same parameters on every rank",
+    "optimizer steps": "every rank must step its optimizer over this module's parameters as often: an opt.step() "
+                       "made or skipped on some ranks only leaves their replicated parameters other than the "
+                       "others' (every later result silently wrong). Load one checkpoint on every rank "
+                       "(autotp.runtime.dcp.load), or make the ranks' replicas equal and call pm.check_replicas(), "
+                       "to go on",
+    "generate": "pass generate the same arguments on every rank (max_new_tokens, eos_token_id, pad_token_id, the "
+                "sampling settings): a rank that decodes fewer steps leaves the others waiting in the next one",
+    "replicated": "the replicated parameters drifted apart since the ranks last agreed on them (an optimizer with "
+                  "other settings on some ranks, a gradient or a parameter changed on one rank only): every later "
+                  "result would be silently wrong. Load one checkpoint on every rank (autotp.runtime.dcp.load), or "
+                  "make the replicas equal and call pm.check_replicas(), to go on",
+}
+
+
+def check_call(doing: str, signature: tuple[str, ...], group, what: str = "TP group",
+               context: tuple[str, ...] = ()) -> None:
     """Raise DisagreementError on every rank of ``group`` unless all are ``doing`` the same
-    call (module, call number, forward or backward) with inputs of one ``signature``.
-    ``what`` names the group in the error (a TP group, or a pipeline's stages and their TP ranks)."""
-    start_call_check(doing, signature, group, what).finish()
+    call (module, call number, forward or backward) with inputs of one ``signature``, in one
+    ``context`` (entries ``key: value`` whose key is one of :data:`CONTEXT_ADVICE`'s).
+    ``what`` names the group in the error (a TP group, or a pipeline's stages and their TP ranks).
+    Where the contexts differ, the error's ``context_keys`` holds the keys that do."""
+    start_call_check(doing, signature, group, what, context).finish()
 
 
 class PendingCallCheck:
@@ -298,9 +348,10 @@ class PendingCallCheck:
     check: as that pass starts, finished as it ends), so its host never stops for the group in
     between; see docs/errors.md for what that leaves open."""
 
-    def __init__(self, doing: str, signature: tuple[str, ...], group, what: str):
-        self.signature, self.group, self.what = signature, group, what
-        self.pending = start_exchange(doing, [("inputs", signature)], group)
+    def __init__(self, doing: str, signature: tuple[str, ...], group, what: str, context: tuple[str, ...] = ()):
+        self.group, self.what = group, what
+        sections = [("inputs", signature)] + ([("context", context)] if context else [])
+        self.pending = start_exchange(doing, sections, group)
 
     def finish(self) -> None:
         if self.pending is None:
@@ -311,8 +362,9 @@ class PendingCallCheck:
             _raise_call_disagreement(per_rank, self.group, self.what)
 
 
-def start_call_check(doing: str, signature: tuple[str, ...], group, what: str = "TP group") -> PendingCallCheck:
-    return PendingCallCheck(doing, signature, group, what)
+def start_call_check(doing: str, signature: tuple[str, ...], group, what: str = "TP group",
+                     context: tuple[str, ...] = ()) -> PendingCallCheck:
+    return PendingCallCheck(doing, signature, group, what, context)
 
 
 def _raise_call_disagreement(per_rank: list[dict], group, what: str) -> None:
@@ -321,11 +373,21 @@ def _raise_call_disagreement(per_rank: list[dict], group, what: str) -> None:
     if stepped is not None:
         raise stepped
     entries = [r["sections"][0][1] if r["sections"] else [] for r in per_rank]
-    raise DisagreementError(
-        f"the inputs of this call differ across the {what} of ranks {ranks}: "
-        f"{_first_difference(entries, ranks)}. Every rank of a {what} must get the same batch "
-        f"(split data across data-parallel groups, not across the ranks of one {what})."
-    )
+    if any(e != entries[0] for e in entries):
+        raise DisagreementError(
+            f"the inputs of this call differ across the {what} of ranks {ranks}: "
+            f"{_first_difference(entries, ranks)}. Every rank of a {what} must get the same batch "
+            f"(split data across data-parallel groups, not across the ranks of one {what})."
+        )
+    states = [r["sections"][1][1] if len(r["sections"]) > 1 else [] for r in per_rank]
+    i = _first_index(states)
+    keys = sorted({next((k for k in CONTEXT_ADVICE if e[i].startswith(k)), e[i]) for e in states if i < len(e)})
+    error = DisagreementError(
+        f"ranks {ranks} of the {what} would run this call in different states, so their collectives would pair "
+        f"up wrongly (a process abort, or silently wrong results): {_first_difference(states, ranks)}. "
+        + "; ".join(CONTEXT_ADVICE.get(k, "") for k in keys) + ".")
+    error.context_keys = frozenset(keys)
+    raise error
 
 
 def _all_gather_json(value: Any, group) -> list[Any]:
@@ -342,6 +404,16 @@ def _all_gather_json(value: Any, group) -> list[Any]:
     with _comm("all_gather of fingerprints in autotp's agreement check", group):
         dist.all_gather(received, padded, group=group)
     return [json.loads(bytes(r[: int(s)].tolist()).decode()) for r, s in zip(received, sizes)]
+
+
+def _first_index(per_rank: list[list[str]]) -> int:
+    """The index of the first entry the ranks' lists differ in (the shorter lists' length where one
+    is a prefix of the others)."""
+    length = max(len(e) for e in per_rank)
+    for i in range(length):
+        if len({e[i] if i < len(e) else None for e in per_rank}) > 1:
+            return i
+    return length
 
 
 def _first_difference(per_rank: list[list[str]], ranks: list[int]) -> str:

@@ -7,9 +7,13 @@ logits and loss whole on every rank. ``pm.graph_module`` is the per-rank program
 
 Before its first collective a ParallelModule checks that the ranks of its TP group agree on
 what they run (:mod:`autotp.runtime.agreement`): one small all-reduce at construction, and one
-per call for the inputs' names, shapes and dtypes (``pm.check_inputs = False`` skips the latter
-once the data pipeline is trusted). A disagreement raises ``DisagreementError`` on every rank
-instead of a hang.
+per call for the inputs' names, shapes and dtypes (``pm.check_inputs = False`` keeps the shapes
+alone) and the state the call runs in: grad mode, autocast, the frozen parameters and the
+optimizer steps taken over the module's parameters (``pm.check_replicas_every = n`` adds the
+replicated parameters' digests after every n-th step). A disagreement raises
+``DisagreementError`` on every rank instead of a hang; one about the module's state (replicas
+that differ, optimizer steps taken on some ranks only) leaves the module refusing calls until
+``pm.check_replicas()`` finds the replicas equal again.
 
 With ``pm.deferred_checks`` (the default where the TP collectives are NCCL's) a call never stops
 its host for the group or for the device in steady state: the call's agreement is issued as the
@@ -21,6 +25,7 @@ leaves open is in docs/errors.md ("Checks read late").
 from __future__ import annotations
 
 import threading
+import weakref
 from contextlib import contextmanager
 from typing import Any, Callable
 
@@ -28,11 +33,12 @@ import torch
 from torch import fx, nn
 
 from ..capture import Capture, bind_inputs, flat_inputs, unflatten_outputs
-from ..errors import CaptureError, ConfigError, InputError
+from ..errors import CaptureError, ConfigError, DisagreementError, InputError
 from ..plan import Plan
 from ..placements import Placement, Shard
 from . import dtensor
-from .agreement import check_agreement, check_call, fingerprint, input_signature, start_call_check, state_entries
+from .agreement import (Fingerprint, check_agreement, check_call, constant_entries, fingerprint, grad_entries,
+                        input_signature, start_call_check, state_entries, value_digest)
 from .collectives import group_ranks
 from .faults import StepGuard, watch_backward
 from .input_kinds import check_input_kinds
@@ -63,7 +69,8 @@ class ParallelModule(LeavesSwitch, nn.Module):
         global _modules_made
         # the ranks agree on what they run, on the weights they were handed, and on this module's
         # number (the largest any of them would give it): its name in every later call's check
-        number = check_agreement(fingerprint(plan, graph_module, capture.graph, state_entries(model)),
+        number = check_agreement(fingerprint(plan, graph_module, capture.graph, state_entries(model),
+                                             constant_entries(capture.constants), grad_entries(model)),
                                  self._control, number=_modules_made + 1)
         _modules_made = max(_modules_made, number)
         #: this module as every rank of its group names it: "GPT2LMHeadModel #2"
@@ -72,8 +79,8 @@ class ParallelModule(LeavesSwitch, nn.Module):
         self._calls = 0
         self._caller: int | None = None   # the thread inside a call, if any
         #: compare every call's input names, shapes and dtypes across the TP group (True), also
-        #: their values ("values"), or only the call's place in the order of calls (False); one
-        #: tiny CPU all-reduce per call in each case
+        #: their values ("values"), or their shapes alone (False), with the call's place in the
+        #: order of calls and its state; one tiny CPU all-reduce per call in each case
         self.check_inputs = True
         #: read the per-call checks without stopping the host (see the module docs): by default
         #: where the TP collectives are NCCL's, which the host queues without waiting for; where
@@ -82,6 +89,20 @@ class ParallelModule(LeavesSwitch, nn.Module):
         self.deferred_checks = getattr(mesh, "backend", None) == "nccl"
         #: the last call's index bounds, staged on the host and not yet read (deferred_checks)
         self._staged: StagedBounds | None = None
+        #: optimizer steps over this module's parameters since the ranks last agreed on its replicas
+        #: (every call's check compares them: a step on some ranks only is refused at the next call)
+        self._steps = 0
+        #: compare the digests of the replicated parameters and buffers at the first call after
+        #: every n-th optimizer step (0: never; each check reads them to the host)
+        self.check_replicas_every = 0
+        self._steps_checked = 0
+        #: load_state_dict calls since the ranks last agreed on the replicas
+        self._loads = 0
+        self.register_load_state_dict_post_hook(lambda module, keys: setattr(module, "_loads", module._loads + 1))
+        #: why this module refuses calls (a disagreement about its state), until check_replicas passes
+        self._refusal: str | None = None
+        self._held_ids: tuple[Any, frozenset[int]] = (None, frozenset())
+        _count_optimizer_steps(self)
         self.mesh = mesh
         device_mesh = device_mesh_of(mesh, device)
         #: the tp dim's DeviceMesh, taken once (a split output is a DTensor on it)
@@ -238,24 +259,50 @@ class ParallelModule(LeavesSwitch, nn.Module):
         self._dp_hooks = [param.register_post_accumulate_grad_hook(average)
                           for param in self._held.values() if param.requires_grad]
 
-    def check_replicas(self, when: str = "after loading", advice: str = (
-            "Every rank of a TP group must load the same values into what it replicates: load one checkpoint, "
-            "written by one save, on every rank.")) -> None:
+    def check_replicas(self, when: str = "on what they replicate", advice: str | None = None) -> None:
         """Raise DisagreementError on every rank of the TP group unless its ranks hold the same
         values in every parameter the plan replicates and every buffer (one small all-reduce,
-        and a digest of each tensor): a load that gave one rank other values (a shard of another
-        save, a damaged file) would otherwise compute silently wrong results. Run after a load,
-        and before every save (``autotp.runtime.dcp``); ``when`` and ``advice`` say which in the
-        error."""
-        from .agreement import Fingerprint, value_digest
+        and a hash of each tensor): a load that gave one rank other values (a shard of another
+        save, a damaged file), an optimizer stepped on some ranks only or with other settings,
+        a parameter written on one rank would otherwise compute silently wrong results. Run
+        after a load (autotp.runtime.dcp.load does), an optimizer step, and before every save
+        (``autotp.runtime.dcp``: ``when`` and ``advice`` then say so in the error); while the
+        replicas differ the module refuses calls, and once they agree it takes them again."""
+        steps, loads = self._steps, self._loads
+        since = (f"{steps} optimizer step{'s' if steps != 1 else ''}, {loads} load_state_dict "
+                 f"call{'s' if loads != 1 else ''}")
+        try:
+            check_agreement(
+                Fingerprint((("the replicated parameters and buffers differ (a hash of each tensor's values)",
+                              self._replica_entries()),)),
+                self._control, when, doing=f"the replicas' check of {self.name}",
+                note=("what each rank did since the ranks last agreed on them", since),
+                advice=advice or (
+                    "Every rank of a TP group must hold the same values in what it replicates: load one "
+                    "checkpoint, written by one save, on every rank; step the optimizer on every rank alike (the "
+                    "same calls, the same settings); write a parameter on every rank or on none. The module "
+                    "refuses calls until the replicas agree: load one checkpoint on every rank "
+                    "(autotp.runtime.dcp.load), or make them equal and call pm.check_replicas() again."))
+        except DisagreementError:
+            self._refusal = "the replicated parameters differ across its ranks"
+            raise
+        self._refusal = None
+        self._steps = self._steps_checked = self._loads = 0
 
+    def _replica_entries(self, prefix: str = "") -> tuple[str, ...]:
+        """``name: hash`` of every parameter the plan replicates and every buffer, on this rank."""
         plan = self.plan
-        entries = tuple(f"{fqn}: {value_digest(local_tensor(p))}" for fqn, p in self.named_parameters()
+        entries = tuple(f"{prefix}{fqn}: {value_digest(local_tensor(p))}" for fqn, p in self.named_parameters()
                         if not isinstance(plan.params.get(plan.aliases.get(fqn, fqn)), Shard))
-        entries += tuple(f"{fqn}: {value_digest(b)}" for fqn, b in self.named_buffers())
-        check_agreement(Fingerprint((("the replicated parameters and buffers differ (a digest of each tensor's values)",
-                                      entries),)),
-                        self._control, when, doing=f"the replicas' check of {self.name}", advice=advice)
+        return entries + tuple(f"{prefix}{fqn}: {value_digest(b)}" for fqn, b in self.named_buffers())
+
+    def _owns_any(self, optimizer: Any) -> bool:
+        """Whether ``optimizer`` steps any parameter of this module (``_held``: FSDP2 replaces the
+        dict with its own parameters, which renews the ids)."""
+        if self._held_ids[0] is not self._held:
+            self._held_ids = (self._held, frozenset(id(p) for p in self._held.values()))
+        mine = self._held_ids[1]
+        return any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
 
     def local_parameter(self, fqn: str) -> torch.Tensor:
         """This rank's shard of parameter ``fqn`` (any of a tied parameter's names): the tensor
@@ -291,18 +338,31 @@ class ParallelModule(LeavesSwitch, nn.Module):
         return f"the backward pass of {call}" if backward else call
 
     @contextmanager
-    def _agreed_call(self, names: list[str], values: list[Any], extra: tuple[str, ...] = ()):
+    def _agreed_call(self, names: list[str], values: list[Any], extra: tuple[str, ...] = (),
+                     settings: tuple[str, ...] = ()):
         """The per-call check (one small all-reduce): every rank of the group is in this same call
         of this same module, with inputs of the same names, shapes and dtypes (and values, with
-        ``check_inputs="values"``). The call is counted only once agreed, so a refused call is
-        made again under the same number. Read before the block runs, or, with
+        ``check_inputs="values"``; the shapes alone with False), in the same state (:meth:`_context`,
+        and ``settings``: a generation's arguments). The call is counted only once agreed, so a
+        refused call is made again under the same number; a module whose ranks disagreed on its
+        state refuses, on every rank alike. Read before the block runs, or, with
         ``deferred_checks``, after it (yielding the pending check, which the block reads early
         where it must: before a new program is captured). An error inside the block still reads
         the check first, on every rank alike: a disagreement is the error every rank raises."""
+        if self._refusal is not None:
+            raise DisagreementError(
+                f"{self.name} refuses calls: {self._refusal}, so every result would be silently wrong. Load one "
+                "checkpoint on every rank (autotp.runtime.dcp.load), or make the replicas equal and call "
+                "pm.check_replicas(), to go on.")
         mode = self.check_inputs
-        signature = (input_signature(names, values, digest_values=mode == "values") + extra) if mode else ()
+        if mode:
+            signature = input_signature(names, values, digest_values=mode == "values") + extra
+        else:   # what would abort a collective, at no cost: the shapes
+            signature = tuple(f"{n}: {tuple(v.shape)}" for n, v in zip(names, values) if isinstance(v, torch.Tensor))
+        replicas = bool(self.check_replicas_every) and self._steps - self._steps_checked >= self.check_replicas_every
         self._calls += 1
-        pending = start_call_check(self._doing(), signature, self._control)
+        pending = start_call_check(self._doing(), signature, self._control,
+                                   context=self._context(replicas) + settings)
         if not self.deferred_checks:
             self._finish_call_check(pending)
         try:
@@ -311,13 +371,34 @@ class ParallelModule(LeavesSwitch, nn.Module):
             self._finish_call_check(pending)
             raise
         self._finish_call_check(pending)
+        if replicas:
+            self._steps_checked = self._steps
 
     def _finish_call_check(self, pending: Any) -> None:
         try:
             pending.finish()
+        except DisagreementError as exc:
+            self._calls -= 1
+            keys = getattr(exc, "context_keys", frozenset())
+            if keys & {"optimizer steps", "replicated"}:
+                self._refusal = ("its ranks took other numbers of optimizer steps" if "optimizer steps" in keys
+                                 else "its replicated parameters drifted apart")
+            raise
         except BaseException:
             self._calls -= 1
             raise
+
+    def _context(self, replicas: bool = False) -> tuple[str, ...]:
+        """The state this rank runs a call in, as the agreement compares it (see
+        autotp.runtime.agreement.CONTEXT_ADVICE): what decides which collectives it runs, and
+        how many optimizer steps its replicas went through; ``replicas``: their hashes too."""
+        kind = self.device.type
+        autocast = (f"{kind} {str(torch.get_autocast_dtype(kind)).removeprefix('torch.')}"
+                    if torch.is_autocast_enabled(kind) else "off")
+        frozen = ", ".join(fqn for fqn, p in self._held.items() if not p.requires_grad)
+        context = (f"grad mode: {'enabled' if torch.is_grad_enabled() else 'disabled'}", f"autocast: {autocast}",
+                   f"frozen: {frozen or '(none)'}", f"optimizer steps: {self._steps}")
+        return context + (self._replica_entries("replicated ") if replicas else ())
 
     def flush_checks(self) -> None:
         """Read the checks ``deferred_checks`` leaves pending now (the last call's index bounds:
@@ -330,9 +411,12 @@ class ParallelModule(LeavesSwitch, nn.Module):
 
     @contextmanager
     def _sole_caller(self):
-        """One thread in a call at a time: the ranks pair their collectives by the order of calls,
-        which two threads calling at once cannot keep the same on every rank."""
+        """One thread in a call at a time, of this module and of every other module on the same
+        process groups: the ranks pair their collectives by the order of calls, which two
+        threads calling at once cannot keep the same on every rank."""
         me = threading.get_ident()
+        groups = [g for g in {id(self._control): self._control, id(getattr(self.mesh, "tp_group", None)):
+                              getattr(self.mesh, "tp_group", None)}.values() if g is not None]
         with _CALLERS:
             owner = self._caller
             if owner is not None and owner != me:
@@ -340,10 +424,23 @@ class ParallelModule(LeavesSwitch, nn.Module):
                     f"this {self.name} is already running a call in another thread: the ranks pair up their "
                     "collectives by the order of calls, which calls from two threads at once cannot keep the same "
                     "on every rank; call it from one thread at a time")
+            other = next((_RUNNING[g] for g in groups if g in _RUNNING and _RUNNING[g][0] != me), None)
+            if other is not None:
+                raise ConfigError(
+                    f"{other[1]} is running a call in another thread, on the process group this {self.name} "
+                    "talks over: the ranks pair up their collectives by the order of calls, which calls from two "
+                    "threads at once cannot keep the same on every rank (a process abort, or one module's tensors "
+                    "summed with the other's); call the modules of one group from one thread at a time")
             self._caller = me
+            entered = [g for g in groups if g not in _RUNNING]
+            for g in entered:
+                _RUNNING[g] = (me, self.name)
         try:
             yield
         finally:
+            with _CALLERS:
+                for g in entered:
+                    _RUNNING.pop(g, None)
             if owner is None:
                 self._caller = None
 
@@ -438,18 +535,21 @@ class ParallelModule(LeavesSwitch, nn.Module):
         with whole_parameters(self):   # generate() runs the programs without this module's __call__
             return generate(self, input_ids, attention_mask, **kwargs)
 
-    def _step(self, spec: Any, inputs: dict[str, torch.Tensor]) -> tuple[Program, dict[str, torch.Tensor]]:
+    def _step(self, spec: Any, inputs: dict[str, torch.Tensor], settings: tuple[str, ...] = (),
+              ) -> tuple[Program, dict[str, torch.Tensor]]:
         """Run one generation step (``spec``: an autotp.generation.StepSpec), building its
         program on first use. The token inputs are checked across the ranks like a call's; the
-        cache is not (its split may give ranks different shapes)."""
+        cache is not (its split may give ranks different shapes). ``settings``: generate's
+        arguments (``generate: ...`` entries), agreed with the step's state."""
         with self._sole_caller(), self._guard:
-            return self._run_step(spec, inputs)
+            return self._run_step(spec, inputs, settings)
 
-    def _run_step(self, spec: Any, inputs: dict[str, torch.Tensor]) -> tuple[Program, dict[str, torch.Tensor]]:
+    def _run_step(self, spec: Any, inputs: dict[str, torch.Tensor], settings: tuple[str, ...] = (),
+                  ) -> tuple[Program, dict[str, torch.Tensor]]:
         self.flush_checks()
         names = sorted(spec.tokens)
         with self._agreed_call(names, [spec.tokens[n] for n in names],
-                               (f"training: {self.training}", f"past: {spec.past}")) as agreed:
+                               (f"training: {self.training}", f"past: {spec.past}"), settings) as agreed:
             kind = "decode" if spec.cache is not None else "prefill"
             for program in self._programs:
                 if program.step == kind and program.serves(inputs, self.training) \
@@ -490,6 +590,28 @@ class ParallelModule(LeavesSwitch, nn.Module):
 _modules_made = 0
 #: guards the check-and-set of a module's calling thread
 _CALLERS = threading.Lock()
+#: the process groups a call is running over -> (its thread, its module's name)
+_RUNNING: dict[Any, tuple[int, str]] = {}
+#: the modules an optimizer step may concern (see _count_optimizer_steps)
+_LIVE: "weakref.WeakSet[ParallelModule]" = weakref.WeakSet()
+_step_hook: Any = None
+
+
+def _count_optimizer_steps(module: ParallelModule) -> None:
+    """Count each optimizer step over ``module``'s parameters in ``module._steps`` (every call's
+    check compares the count): one global post-step hook of torch.optim, added with the first
+    module, looks for the modules whose parameters the stepped optimizer holds."""
+    global _step_hook
+    _LIVE.add(module)
+    if _step_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        def stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
+            for live in list(_LIVE):
+                if live._owns_any(optimizer):
+                    live._steps += 1
+
+        _step_hook = register_optimizer_step_post_hook(stepped)
 
 
 def _backward_check(doing: str, control: Any, deferred: bool) -> Callable[[], None]:
@@ -511,7 +633,7 @@ def _check_inputs_mode(mode: Any) -> bool | str:
         return mode
     raise ConfigError(f"check_inputs={mode!r} is not valid: use True (names, shapes and dtypes of every call's "
                       "inputs compared across the TP group), \"values\" (their values too: a digest of each "
-                      "tensor) or False (only the order of calls)")
+                      "tensor) or False (the order of calls and the inputs' shapes alone)")
 
 
 def _generation_info(model: nn.Module) -> dict[str, Any]:

@@ -270,11 +270,12 @@ class PipelineModule(LeavesSwitch, nn.Module):
         self.check_inputs = True
         control = getattr(mesh, "control_group", None) or getattr(mesh, "tp_group", None)
         from . import module as _module
-        from .agreement import state_entries
+        from .agreement import constant_entries, grad_entries, state_entries
 
         # the stage's TP ranks agree on the program, the weights they were handed and this
         # module's number (its name in every step's check: steps of two pipelines never pair up)
-        number = check_agreement(fingerprint(plan, graph_module, capture.graph, state_entries(model)), control,
+        number = check_agreement(fingerprint(plan, graph_module, capture.graph, state_entries(model),
+                                             constant_entries(capture.constants), grad_entries(model)), control,
                                  number=_module._modules_made + 1)
         _module._modules_made = max(_module._modules_made, number)
         self.name = f"{type(model).__name__} pipeline #{number}"
