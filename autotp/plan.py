@@ -558,9 +558,12 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
         first.setdefault(key, (info, strat))
     comm: collections.Counter = collections.Counter()
     nodes = {n.name: n for n in index.capture.graph.nodes}
+    inside: collections.Counter = collections.Counter()
     for c in prop.comms:
-        if c.kind == "all_reduce":     # inside vocab-parallel cross-entropy: N = b*s numbers
-            comm[("g", next(m for _, m in prop.chosen[nodes[c.tensor]].internal), True)] += 1
+        if c.kind == "all_reduce":     # inside an op (vocab-parallel cross-entropy): its internal ones, in order
+            internal = prop.chosen[nodes[c.tensor]].internal
+            comm[("g", internal[inside[c.tensor] % len(internal)][1], True)] += 1
+            inside[c.tensor] += 1
         else:
             comm[(c.kind, _meta(nodes[c.tensor]), nodes[c.tensor] in index.grads)] += 1
     compute_total = sympy.Add(*(n * compute_time_expr(*first[k], profile, index.tp, index.env, index.align)

@@ -144,10 +144,10 @@ def _comm_into(index: Any, prop: Any, by_tensor: dict, exact: dict) -> Any:
         if strat is None or info is None or arg.name not in by_tensor:
             return list(exact.get((arg.name, consumer.name), ()))
         sharded = _sharded_compute(strat)
-        for inp, meta, want in zip(index.tensor_inputs.get(consumer, ()), info.inputs, strat.inputs):
+        for i, (inp, meta, want) in enumerate(zip(index.tensor_inputs.get(consumer, ()), info.inputs, strat.inputs)):
             if inp is not arg:
                 continue
-            f = wants_f(want, sharded, meta, inp in index.grads)
+            f = wants_f(want, sharded, meta, inp in index.grads, apart=strat.f_runs_only and i == 0)
             if (inp, want, f) not in prop.conversions:
                 continue
             kinds = conversion_kinds(prop.conversions[(inp, want, f)] or None, f)

@@ -270,7 +270,7 @@ def ring_volume(collective: str | None, full_bytes: Any, n: int) -> Any:
 def conversion_kinds(kind: str | None, f: bool) -> list[str]:
     """The collectives a conversion of ``kind`` (None: none) followed by an f runs: an all-gather
     into sharded compute takes the f into its backward (a reduce-scatter, not an all-reduce)."""
-    if kind == "all_gather" and f:
+    if kind == "all_gather" and f is True:   # f == "apart": kept apart (see propagate.wants_f)
         return ["all_gather_f"]
     return ([kind] if kind else []) + (["f"] if f else [])
 

@@ -436,10 +436,14 @@ def param_update_seconds(index: "GraphIndex", profile: DeviceProfile, node: fx.N
     return profile.update_time(param_memory(index, profile, node, placement) / profile.state_bytes_per_param)
 
 
-def wants_f(want: Any, sharded: bool, meta: TensorMeta, grad: bool = True) -> bool:
+def wants_f(want: Any, sharded: bool, meta: TensorMeta, grad: bool = True, apart: bool = False) -> bool | str:
     """f goes where a replicated float tensor feeds sharded compute: its gradient is a summand.
-    A tensor that carries no gradient (``grad`` False: see :func:`grad_nodes`) needs none."""
-    return isinstance(want, Replicate) and sharded and meta.is_float and grad
+    A tensor that carries no gradient (``grad`` False: see :func:`grad_nodes`) needs none.
+    ``apart``: an f that must stay apart from an all-gather before it (``"apart"``, not True): a
+    tailed product reads the gathered tensor both through the f (its runs) and without (its
+    tail, whose gradient is whole on every rank already), so the two cannot be one collective."""
+    f = isinstance(want, Replicate) and sharded and meta.is_float and grad
+    return "apart" if f and apart else f
 
 
 _NO_GRAD_OPS = frozenset(getattr(aten, name).default for name in ("detach", "detach_", "lift_fresh_copy")
@@ -578,8 +582,8 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
         for strat in options:
             sharded = _sharded_compute(strat)
             cost = index.compute_time(node, strat, profile) + internal_seconds(index, profile, strat)
-            for inp, meta, want in zip(inputs, info.inputs, strat.inputs):
-                f = wants_f(want, sharded, meta, inp in index.grads)
+            for i, (inp, meta, want) in enumerate(zip(inputs, info.inputs, strat.inputs)):
+                f = wants_f(want, sharded, meta, inp in index.grads, apart=strat.f_runs_only and i == 0)
                 if isinstance(want, Shard) and not index.uneven and not _even(meta, want, tp):
                     cost = INF
                 elif inp in unresolved:
@@ -611,8 +615,8 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
             comm += seconds
             comms.append(Comm(kind, node.name, best.inputs[0], REPLICATE, node.name, full, fw_b, 0.0, seconds))
         sharded = _sharded_compute(best)
-        for inp, meta, want in zip(inputs, info.inputs, best.inputs):
-            f = wants_f(want, sharded, meta, inp in index.grads)
+        for i, (inp, meta, want) in enumerate(zip(inputs, info.inputs, best.inputs)):
+            f = wants_f(want, sharded, meta, inp in index.grads, apart=best.f_runs_only and i == 0)
             if inp in unresolved:
                 del unresolved[inp]
                 place[inp] = want

@@ -147,7 +147,7 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         out = env[src]
         if kind == "g":
             out = comm_node("g", out, C.ReduceFromTP(group))
-        elif kind == "all_gather" and f:   # into sharded compute: the f fused in (backward reduce-scatters)
+        elif kind == "all_gather" and f is True:   # into sharded compute: the f fused in (backward reduce-scatters)
             size = full_size(meta, have)
             more = () if size is not None else (sizes(meta.shape[have.dim]),)
             out = comm_node("all_gather_f", out, C.GatherIntoTP(group, have, size), *more)
@@ -164,6 +164,8 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         elif kind == "inf":
             raise PlanError(f"cannot turn {have} into {dst} for {src.name}")
         if f:
+            if kind:   # the conversion alone serves a consumer that wants no f (a tailed product's tail)
+                converted.setdefault((src, dst, False), out)
             out = comm_node("f", out, C.CopyToTP(group))
         converted[key] = out
         return out
@@ -198,8 +200,8 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         tensor_inputs = index.tensor_inputs[node]
         sharded = _sharded_compute(strategy)
         replacements = []
-        for inp, meta, want in zip(tensor_inputs, info.inputs, strategy.inputs):
-            f = wants_f(want, sharded, meta, inp in index.grads)
+        for i, (inp, meta, want) in enumerate(zip(tensor_inputs, info.inputs, strategy.inputs)):
+            f = wants_f(want, sharded, meta, inp in index.grads, apart=strategy.f_runs_only and i == 0)
             replacements.append(convert(inp, want, f) if (f or prop.placements[inp] != want) else env[inp])
         if replacements and replacements[0] is not env[tensor_inputs[0]] and (
                 mutates_first(node.target) or (aliases_first(node.target) and _view_alone_written(node))):

@@ -209,8 +209,8 @@ class _Solver:
             cost = index.compute_time(node, strat, profile) + internal_seconds(index, profile, strat)
             mem = index.activation_bytes(node, strat, profile)
             labels: dict = {}
-            for inp, meta, want in zip(inputs, info.inputs, strat.inputs):
-                f = wants_f(want, sharded, meta, inp in index.grads)
+            for i, (inp, meta, want) in enumerate(zip(inputs, info.inputs, strat.inputs)):
+                f = wants_f(want, sharded, meta, inp in index.grads, apart=strat.f_runs_only and i == 0)
                 if isinstance(want, Shard) and not index.uneven and not _even(meta, want, tp):
                     cost = INF
                     break

@@ -322,8 +322,9 @@ def _ce_options(info: OpInfo) -> tuple[Any, int, int, float]:
 
 @register(aten.cross_entropy_loss.default)
 def cross_entropy_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
-    """logits [N, V] split by vocabulary -> the loss, whole, from three all-reduces of N numbers
-    (row max, sum of exps, target logit): Megatron's vocab-parallel cross-entropy."""
+    """logits [N, V] split by vocabulary -> the loss, whole, from two all-reduces: the row max (N
+    numbers), then the sums of exps and the target logits together (2N): Megatron's vocab-parallel
+    cross-entropy, as ``runtime.functional.VocabParallelCrossEntropy`` runs it."""
     out = [Strategy(tuple(REPLICATE for _ in info.inputs), REPLICATE)]
     weight, reduction, _, smoothing = _ce_options(info)
     logits = info.inputs[0]
@@ -333,8 +334,8 @@ def cross_entropy_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     shard = p if is_shard(p) and p.dim == 1 else info.fresh_shard_of(0, 1)
     if shard is not None:
         n = TensorMeta(logits.shape[:1], logits.dtype)
-        out.append(Strategy((shard, REPLICATE), REPLICATE,
-                            internal=(("all_reduce", n), ("all_reduce", n), ("all_reduce", n))))
+        two_n = TensorMeta((sympy.Integer(2),) + tuple(logits.shape[:1]), logits.dtype)
+        out.append(Strategy((shard, REPLICATE), REPLICATE, internal=(("all_reduce", n), ("all_reduce", two_n))))
     return out
 
 
