@@ -543,7 +543,7 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
     import sympy
 
     from .cost_model.symbolic import bytes_expr, collective_time_expr, compute_time_expr
-    from .passes.propagate import _meta
+    from .passes.propagate import _meta, layout_copy_seconds
 
     rename = {}
     for name, role in index.capture.dim_symbols.items():
@@ -562,13 +562,16 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
     for c in prop.comms:
         if c.kind == "all_reduce":     # inside an op (vocab-parallel cross-entropy): its internal ones, in order
             internal = prop.chosen[nodes[c.tensor]].internal
-            comm[("g", internal[inside[c.tensor] % len(internal)][1], True)] += 1
+            comm[("g", internal[inside[c.tensor] % len(internal)][1], True, None, None)] += 1
             inside[c.tensor] += 1
         else:
-            comm[(c.kind, _meta(nodes[c.tensor]), nodes[c.tensor] in index.grads)] += 1
+            comm[(c.kind, _meta(nodes[c.tensor]), nodes[c.tensor] in index.grads, c.src, c.dst)] += 1
     compute_total = sympy.Add(*(n * compute_time_expr(*first[k], profile, index.tp, index.env, index.align)
                                 for k, n in compute.items())) + prop.update_s   # the optimizer step: constant
-    comm_total = sympy.Add(*(n * collective_time_expr(kind, bytes_expr(meta, profile.dtype_bytes), profile, index.tp,
-                                                      grad) for (kind, meta, grad), n in comm.items()))
+    comm_total = sympy.Add(*(n * (collective_time_expr(kind, bytes_expr(meta, profile.dtype_bytes), profile, index.tp,
+                                                       grad)
+                                  + layout_copy_seconds(kind, meta, src, dst, bytes_expr(meta, profile.dtype_bytes),
+                                                        profile, index.tp, grad))
+                             for (kind, meta, grad, src, dst), n in comm.items()))
     return {key: str(expr.xreplace(rename).evalf(6)) for key, expr in (("compute_s", compute_total),
                                                                       ("comm_s", comm_total))}

@@ -409,9 +409,32 @@ def conversion_seconds(index: "GraphIndex", profile: DeviceProfile, meta: Tensor
             full = nbytes(meta, index.env, profile.dtype_bytes)
             for k in conversion_kinds(kind, f):
                 fw, bw = collective_time(k, full, profile, index.tp, grad)
-                found += fw + bw
+                found += fw + bw + layout_copy_seconds(k, meta, have, want, full, profile, index.tp, grad)
         index._conversion_cost[key] = found
     return found
+
+
+def layout_copy_seconds(kind: str, meta: TensorMeta, have: Any, want: Any, full: float, profile: DeviceProfile,
+                        tp: int, grad: bool = True) -> float:
+    """Seconds the rank spends copying a collective's tensor into place, forward and backward:
+    backends gather and scatter along dim 0, so a collective along an inner dim with a dim of
+    more than one element before it (the sequence of ``(b, s, h)``), or an uneven split, puts
+    the whole tensor in order with one copy (read and write) on each side that moves it."""
+    if tp <= 1:
+        return 0.0
+    shard = have if kind in ("all_gather", "all_gather_f", "reshard") else want
+    if not isinstance(shard, Shard):
+        return 0.0
+    inner = any(size != 1 for size in meta.shape[:shard.dim])
+    size = meta.static(shard.dim)
+    uneven = size is None or not _even(meta, shard, tp) if size is not None else False
+    if not (inner or uneven):
+        return 0.0
+    from ..cost_model.symbolic import COLLECTIVES
+
+    moved = sum(1 for i, c in enumerate(COLLECTIVES[kind]) if c in ("all_gather", "reduce_scatter")
+                and (i == 0 or grad))
+    return moved * 2 * full / profile.bandwidth("elementwise")
 
 
 def internal_seconds(index: "GraphIndex", profile: DeviceProfile, strat: Strategy) -> float:
@@ -517,8 +540,9 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
         for k in conversion_kinds(kind, f):
             fw_s, bw_s = collective_time(k, full, profile, tp, grad)
             fw_b, bw_b = collective_bytes(k, full, tp, grad)
-            comm += fw_s + bw_s
-            comms.append(Comm(k, node.name, place[node], dst, consumer.name, full, fw_b, bw_b, fw_s + bw_s))
+            seconds = fw_s + bw_s + layout_copy_seconds(k, meta, place[node], dst, full, profile, tp, grad)
+            comm += seconds
+            comms.append(Comm(k, node.name, place[node], dst, consumer.name, full, fw_b, bw_b, seconds))
 
     def infeasible(why: str) -> Propagation:
         return Propagation(tp, place, chosen, params, conversions, comms, compute + update, comm, memory,

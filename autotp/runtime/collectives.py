@@ -182,8 +182,12 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tens
         # An even contiguous split: one all_gather_into_tensor into a [tp, *local] buffer; the
         # full tensor is that buffer with the rank axis folded into dim d (none where d == 0,
         # else one copy out of a kept buffer).
-        if d == 0:
-            return _gather_into(x.contiguous(), group, op).view((tp * width,) + tuple(x.shape[1:]))
+        if all(size == 1 for size in x.shape[:d]):
+            # every dim before d of size one (dim 0 itself, or a batch of one under sequence
+            # parallelism): the ranks' blocks in rank order are the full tensor already
+            shape = list(x.shape)
+            shape[d] = tp * width
+            return _gather_into(x.contiguous(), group, op).view(shape)
         out = _gather_into(x.contiguous(), group, op, scratch=True)
         shape = list(x.shape)
         shape[d] = full_size
@@ -295,8 +299,8 @@ def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str) -> 
     # interleaved (the zero padding sums to zero and is cut). An even split of dim 0 is that
     # layout already; an even split of another dim is one copy; else each run copied once.
     if _even(shard, full_size, tp):
-        if d == 0:
-            send = x.contiguous().view([tp, width] + post)
+        if all(size == 1 for size in pre):   # dim 0, or only dims of size one before d: in rank order already
+            send = x.contiguous().view([tp] + pre + [width] + post)
         else:
             send = _scratch([tp] + pre + [width] + post, x, "reduce_scatter")
             send.copy_(x.view(pre + [tp, width] + post).movedim(d, 0))

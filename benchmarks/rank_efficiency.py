@@ -1,0 +1,276 @@
+"""One rank of tp=N at real widths: does it do its 1/N of the serial step?
+
+One process joins torch's ``fake`` process-group backend as rank 0 of N
+(``dist.init_process_group("fake", rank=0, world_size=N, store=FakeStore())``: collectives return at
+once and move nothing), so the rank's own compute runs at its real size on one device. For each
+model (published widths, fewer layers) it measures, side by side in one run:
+
+* **efficiency**: (serial step / N) / rank step, forward + backward, eager (and ``--compile``:
+  both under ``torch.compile``), medians of ``--repeats`` steps after a warm-up;
+* **counts that do not depend on the device**: the products' FLOPs and every other op's bytes
+  read and written (a dispatch mode over forward and backward), rank against serial/N;
+* **time per ATen op** (the profiler's self time: CPU here, the device's on CUDA) beside serial/N,
+  the largest first, and on CUDA the share of the step the device is busy;
+* **predicted**: the cost model's forward + backward for the rank and for serial/N at the
+  measured workload, on ``--profile``.
+
+Mixtures of experts run each experts layout the planner weighs (``--layouts``: the default plan,
+expert-parallel, expert-TP), predicted and measured side by side.
+
+    python benchmarks/rank_efficiency.py                           # CPU: the figures in rank_efficiency.md
+    python benchmarks/rank_efficiency.py --device cuda --dtype bfloat16 --batch 8 --seq 1024 \\
+        --models gpt2-xl:12 --out benchmarks/rank_efficiency_gpu.md   # on a GPU
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import machine, publish  # noqa: E402
+
+#: experts layouts pinned: the expert stacks' names in transformers' MoE blocks
+EXPERTS = {"expert-parallel": {"*.experts.gate_up_proj": "expert", "*.experts.down_proj": "expert"},
+           "expert-TP": {"*.experts.gate_up_proj": "expert_column", "*.experts.down_proj": "expert_row"}}
+
+
+class Counts(TorchDispatchMode):
+    """Bytes of every op but the products (inputs read, outputs written), per ATen op; the
+    products' FLOPs are torch's ``FlopCounterMode``'s (see :func:`counted`)."""
+
+    VIEWS = frozenset(("view", "_unsafe_view", "t", "transpose", "expand", "permute", "unsqueeze", "squeeze",
+                       "slice", "select", "alias", "detach", "split", "unbind", "as_strided", "split_with_sizes"))
+
+    ALLOCATIONS = frozenset(("empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided"))
+
+    def __init__(self):
+        super().__init__()
+        from torch.utils.flop_counter import flop_registry
+
+        self.products, self.bytes, self.by_op, self.flops = frozenset(flop_registry), 0, {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        name = packet.__name__
+        if packet in self.products or name in self.VIEWS or name in self.ALLOCATIONS or name.startswith(
+                ("c10d", "_c10d", "wait_tensor", "all_", "_allgather", "_reduce_scatter", "reduce_scatter",
+                 "allreduce", "broadcast")):
+            return out   # products are counted in FLOPs; views and allocations move nothing; collectives communicate
+        moved = sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves((args, kwargs, out))
+                    if isinstance(t, torch.Tensor))
+        self.bytes += moved
+        self.by_op[name] = self.by_op.get(name, 0) + moved
+        return out
+
+
+def _sync(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize()
+
+
+def step(module, batch: dict) -> None:
+    out = module(**batch)
+    loss = out.loss
+    loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+    loss.backward()
+
+
+def timed(module, batch: dict, device: str, repeats: int) -> float:
+    """Median seconds of forward + backward."""
+    step(module, batch)
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        module.zero_grad(set_to_none=True)
+        _sync(device)
+        start = time.perf_counter()
+        step(module, batch)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def counted(module, batch: dict) -> Counts:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as flops, Counts() as counts:
+        step(module, batch)
+    counts.flops = flops.get_total_flops()
+    module.zero_grad(set_to_none=True)
+    return counts
+
+
+def per_op(module, batch: dict, device: str) -> tuple[dict, float]:
+    """Self time per ATen op of one forward + backward (ms), and the device's busy share (CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])
+    _sync(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        step(module, batch)
+        _sync(device)
+    wall = time.perf_counter() - start
+    module.zero_grad(set_to_none=True)
+    out: dict = {}
+    busy = 0.0
+    for e in prof.key_averages():
+        if not e.key.startswith("aten::"):
+            continue
+        t = (e.self_device_time_total if device != "cpu" else e.self_cpu_time_total) / 1e3
+        out[e.key] = out.get(e.key, 0.0) + t
+        busy += t if device != "cpu" else 0.0
+    return out, (busy / 1e3 / wall if device != "cpu" else float("nan"))
+
+
+def predicted(model, tp: int, batch: int, seq: int, profile: str, layout) -> tuple[float, float]:
+    """The cost model's forward + backward seconds: this rank's, and serial's / tp."""
+    from autotp.capture import capture
+    from autotp.cost_model import get_profile
+    from autotp.cost_model.symbolic import step_breakdown
+    from autotp.planner import build_plan
+
+    prof = get_profile(profile)
+    cap = capture(model)
+    rank = step_breakdown(*build_plan(cap, tp, batch=batch, seq=seq, profile=prof, layout=layout)[1:], prof)
+    serial = step_breakdown(*build_plan(cap, 1, batch=batch, seq=seq, profile=prof)[1:], prof)
+    fwd_bwd = lambda b: b["products"] + b["attention"] + b["memory"]   # noqa: E731
+    return fwd_bwd(rank), fwd_bwd(serial) / tp
+
+
+def model_for(name: str, layers: int, dtype: torch.dtype, device: str):
+    from autotp import zoo
+
+    family = zoo.family_of(name)
+    config = zoo.published_config(name, layers=layers)
+    for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout"):
+        if hasattr(config, key):
+            setattr(config, key, 0.0 if key != "resid_pdrop" else getattr(config, key))
+    if hasattr(config, "experts_implementation") and device == "cpu":
+        config.experts_implementation = "batched_mm" if dtype == torch.float64 else config.experts_implementation
+    return family, zoo.build(family.name, config, device=device, dtype=dtype)
+
+
+def run_model(spec: str, args) -> list[str]:
+    import autotp
+    from autotp import zoo
+
+    name, _, layers = spec.partition(":")
+    family, model = model_for(name, int(layers or 2), getattr(torch, args.dtype), args.device)
+    batch = {k: v.to(args.device) for k, v in zoo.example_batch(family.name, model.config, batch=args.batch,
+                                                                 seq=args.seq, seed=0).items()}
+    layouts = {"default": None}
+    if family.name in zoo.EXPERT_FAMILIES:
+        layouts.update({k: v for k, v in EXPERTS.items() if k in args.layouts})
+    lines = [f"## {name}, {int(layers or 2)} layers, tp={args.tp} rank 0 of a fake world, {args.dtype}, "
+             f"batch {args.batch} x seq {args.seq}, {args.device}", ""]
+    serial_s = timed(model, batch, args.device, args.repeats)
+    serial_counts = counted(model, batch)
+    serial_ops, serial_busy = per_op(model, batch, args.device)
+    compiled_serial = None
+    if args.compile:
+        compiled_serial = timed(torch.compile(model), batch, args.device, args.repeats)
+    rows = []
+    rank_ops = {}
+    for label, layout in layouts.items():
+        pm = autotp.parallelize(model, args.tp, profile=args.profile, batch=args.plan_batch, seq=args.plan_seq,
+                                layout=layout, device=args.device)
+        rank_s = timed(pm, batch, args.device, args.repeats)
+        counts = counted(pm, batch)
+        ops, busy = per_op(pm, batch, args.device)
+        rank_ops[label] = ops
+        pred_rank, pred_serial = predicted(model, args.tp, args.batch, args.seq, args.profile, layout)
+        compiled = timed(torch.compile(pm), batch, args.device, args.repeats) if args.compile else None
+        rows.append((label, rank_s, counts, busy, pred_rank, pred_serial, compiled, pm.plan))
+        del pm
+    lines += ["| version | fwd+bwd ms | serial/N ÷ rank | FLOPs rank ÷ serial/N | bytes rank ÷ serial/N | "
+              "predicted ms (rank / serial÷N) | predicted serial/N ÷ rank | device busy |", "|---|---|---|---|---|---|---|---|"]
+    share = serial_s / args.tp
+    lines.append(f"| serial | {serial_s * 1e3:.1f} | - | - | - | - | - | "
+                 f"{'-' if serial_busy != serial_busy else f'{serial_busy:.0%}'} |")
+    for label, rank_s, counts, busy, pr, ps, compiled, _ in rows:
+        lines.append(f"| autotp {label} | {rank_s * 1e3:.1f} | **{share / rank_s:.2f}** | "
+                     f"{counts.flops / (serial_counts.flops / args.tp):.2f} | "
+                     f"{counts.bytes / (serial_counts.bytes / args.tp):.2f} | {pr * 1e3:.2f} / {ps * 1e3:.2f} | "
+                     f"{ps / pr:.2f} | {'-' if busy != busy else f'{busy:.0%}'} |")
+    if args.compile:
+        lines += ["", f"compiled (torch.compile, inductor): serial {compiled_serial * 1e3:.1f} ms; " + "; ".join(
+            f"autotp {label} {c * 1e3:.1f} ms (serial/N ÷ rank {compiled_serial / args.tp / c:.2f})"
+            for label, _, _, _, _, _, c, _ in rows)]
+    for label, *_, plan in rows:
+        notes = [n for n in plan.notes if n.startswith(("experts", "sequence"))]
+        if notes:
+            lines += ["", f"{label} plan notes: " + " | ".join(n[:400] for n in notes)]
+    label = rows[0][0]
+    ops = rank_ops[label]
+    lines += ["", f"Time per ATen op, rank ({label}) beside serial/N, ms (self {'device' if args.device != 'cpu' else 'CPU'}"
+              " time, forward + backward; the 20 largest of the rank's):", "",
+              "| aten op | rank | serial/N | rank ÷ serial/N |", "|---|---|---|---|"]
+    for op, t in sorted(ops.items(), key=lambda kv: -kv[1])[:20]:
+        s = serial_ops.get(op, 0.0) / args.tp
+        lines.append(f"| `{op}` | {t:.2f} | {s:.2f} | {t / s:.1f} |" if s else f"| `{op}` | {t:.2f} | 0 | - |")
+    counts = rows[0][2]
+    lines += ["", f"Bytes per ATen op (not products), rank ({label}) beside serial/N, MB (forward + backward; the "
+              "12 with the most bytes over the rank's share):", "",
+              "| aten op | rank | serial/N | rank ÷ serial/N |", "|---|---|---|---|"]
+    excess = {op: b - serial_counts.by_op.get(op, 0) / args.tp for op, b in counts.by_op.items()}
+    for op in sorted(excess, key=lambda o: -excess[o])[:12]:
+        s_b = serial_counts.by_op.get(op, 0) / args.tp
+        lines.append(f"| `{op}` | {counts.by_op[op] / 1e6:.1f} | {s_b / 1e6:.1f} | "
+                     + (f"{counts.by_op[op] / s_b:.1f} |" if s_b else "- |"))
+    lines.append("")
+    del model
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", nargs="+", default=["gpt2-xl:2", "llama-3-8b:1", "mixtral-8x7b:1",
+                                                   "qwen3-30b-a3b:1"], help="name:layers")
+    p.add_argument("--tp", type=int, default=8)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--plan-batch", type=int, default=8, help="the planning workload (the GPU run's)")
+    p.add_argument("--plan-seq", type=int, default=1024)
+    p.add_argument("--profile", default="h200", help="the profile the plan is made for (and predicted with)")
+    p.add_argument("--layouts", nargs="*", default=list(EXPERTS), help="experts layouts weighed beside the default")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch.manual_seed(0)
+    dist.init_process_group("fake", rank=0, world_size=args.tp, store=FakeStore())
+    started = time.time()
+    lines = ["# One rank of tp=N against its share of the serial step", "",
+             "Command: `python benchmarks/rank_efficiency.py " + " ".join(sys.argv[1:]) + "`", "", machine(),
+             (f"Device: {torch.cuda.get_device_name()}" if args.device != "cpu" else "Device: the CPU") +
+             f"; the plans are made for profile `{args.profile}` at batch {args.plan_batch} x seq {args.plan_seq}.",
+             "",
+             "serial/N ÷ rank: 1.00 is a rank doing exactly its N-th of the serial step's compute (communication "
+             "is not run: the fake backend returns at once). FLOPs and bytes are counted off the ops the steps run "
+             "(forward + backward); 'predicted' is the cost model's forward + backward on the profile, at the "
+             "measured workload.", ""]
+    for spec in args.models:
+        with contextlib.suppress(KeyboardInterrupt):
+            lines += run_model(spec, args)
+        print("\n".join(lines[-8:]), flush=True)
+    lines.append(f"Whole run {time.time() - started:.0f} s.")
+    publish(lines, args.out or Path(__file__).with_suffix(".md"))
+
+
+if __name__ == "__main__":
+    main()
