@@ -8,7 +8,10 @@ rank's shards) and in which
 * every redistribution is a named ``call_module`` node (``f_3``, ``g_7``, ``all_gather_1``,
   ``scatter_2``, ...) wrapping the autograd Functions of :mod:`autotp.runtime.collectives`;
 * every op's arguments are localized (view/split sizes, vocab ranges) by its rule's localizer;
-* device arguments captured on the meta device point at the run device.
+* device arguments captured on the meta device point at the run device;
+* a rank's rows of experts (``Routed``, held compactly) carry a row map, a node the op that made
+  them adds (``GraphLocalContext.rows``), which the ops after them read and a conversion out of
+  them scatters by.
 """
 from __future__ import annotations
 
