@@ -86,3 +86,13 @@ def test_picked_rows_scatter_and_match_to_the_whole(rows, experts, tp, seed):
         shuffled = mine.flip(0)
         torch.testing.assert_close(E.match_rows(picked.flip(0), shuffled, mine, 0, rows), picked)
     torch.testing.assert_close(total, weight[ids])
+
+
+def test_routed_operands_with_other_rows_are_an_error_not_a_misaligned_sum():
+    import pytest
+
+    from autotp.errors import AutotpError
+
+    x = torch.arange(6.0).view(3, 2)
+    with pytest.raises(AutotpError, match="routed operands hold different rows on this rank"):
+        E.match_rows(x, torch.tensor([0, 2, 4]), torch.tensor([0, 1, 2]), 0, 6)
