@@ -67,17 +67,22 @@ class Partial:
 
 @dataclass(frozen=True)
 class Routed(Partial):
-    """A Partial whose slices along ``dim`` are each held by one rank and zero on every other:
-    the rows of (token, expert) pairs under expert parallelism, each computed by the rank that
-    holds its expert. The sum over ranks is the whole tensor, as for any Partial (a g makes it
-    Replicate); unlike one, a row's holder has its exact value, so ops that act on rows alone
-    and keep a zero row zero (an activation, a product with a replicated factor, the next
-    expert product) run on it with no collective (see autotp/passes/rules/experts.py)."""
+    """The rows along ``dim`` of (token, expert) pairs under expert parallelism, each held by the
+    one rank that holds its expert, *compactly*: a rank's local tensor has its own rows alone
+    (their global ids in a row map the rewrite carries, autotp/runtime/experts.py). Scattered
+    into zeros, the ranks' rows sum to the whole tensor, as any Partial's pieces do (a g makes
+    it Replicate); unlike one, a row's holder has its exact value, so any op on rows alone (an
+    activation, a product with a replicated factor, the next expert product) runs on a rank's
+    rows with no collective (see autotp/passes/rules/experts.py).
+
+    ``span`` > 1: the row ids count over ``span`` dims from ``dim`` on (``[tokens, top_k, ...]``,
+    a view of the rows), which a sum over the inner ones combines into a Partial."""
 
     dim: int = 0
+    span: int = 1
 
     def __repr__(self) -> str:
-        return f"P(routed {self.dim})"
+        return f"P(routed {self.dim})" if self.span == 1 else f"P(routed {self.dim}:{self.dim + self.span})"
 
 
 @dataclass(frozen=True)
@@ -378,7 +383,7 @@ def to_json(p: Placement) -> dict:
             out["sizes"] = list(p.sizes)
         return out
     if isinstance(p, Routed):
-        return {"kind": "partial", "routed": p.dim}
+        return {"kind": "partial", "routed": p.dim, **({"span": p.span} if p.span > 1 else {})}
     if isinstance(p, Partial):
         return {"kind": "partial"}
     return {"kind": "replicate"}
@@ -391,7 +396,7 @@ def from_json(d: dict) -> Placement:
                      int(d.get("tail", 0)), bool(d.get("per_block", False)), int(d.get("outer", -1)),
                      tuple(int(x) for x in d.get("sizes", ())))
     if kind == "partial":
-        return Routed(int(d["routed"])) if "routed" in d else PARTIAL
+        return Routed(int(d["routed"]), int(d.get("span", 1))) if "routed" in d else PARTIAL
     if kind == "replicate":
         return REPLICATE
     raise ValueError(f"unknown placement kind {kind!r}")

@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import sympy
 import torch
 
-from ..placements import Shard, max_local_size
+from ..placements import Routed, Shard, max_local_size
 from . import alignment
 
 aten = torch.ops.aten
@@ -129,20 +129,22 @@ NO_WORK = OpWork()
 def local_numel(meta: Any, placement: Any, tp: int) -> sympy.Expr:
     """Elements of ``meta`` on the largest rank under ``placement`` (a sequence shard: 1/tp)."""
     value = sympy.Integer(1)
-    for d, size in enumerate(meta.shape):
-        if isinstance(placement, Shard) and placement.dim == d and tp > 1:
-            static = int(size) if size.is_Integer else None
-            size = sympy.Integer(max_local_size(static, placement, tp)) if static else size / tp
+    for size in local_shape(meta, placement, tp):
         value = value * size
     return value
 
 
 def local_shape(meta: Any, placement: Any, tp: int) -> tuple:
+    """``meta``'s shape on the largest rank: a Shard's dim at its largest part (a sequence shard:
+    1/tp); a Routed tensor's rows (a rank's experts' rows, held compactly) at 1/tp of them, as
+    uniform routing deals them."""
     out = []
     for d, size in enumerate(meta.shape):
         if isinstance(placement, Shard) and placement.dim == d and tp > 1:
             static = int(size) if size.is_Integer else None
             size = sympy.Integer(max_local_size(static, placement, tp)) if static else size / tp
+        elif isinstance(placement, Routed) and placement.dim == d and tp > 1:
+            size = size / tp
         out.append(size)
     return tuple(out)
 

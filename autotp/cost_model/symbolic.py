@@ -32,7 +32,7 @@ import torch
 from ..passes.rules import OpInfo, Strategy, TensorMeta
 from . import kernels
 from .kernels import OpWork
-from ..placements import Shard, max_local_size
+from ..placements import Routed, Shard, max_local_size
 from .devices import DeviceProfile
 
 log = logging.getLogger("autotp")
@@ -117,13 +117,18 @@ def shard_fraction(info: OpInfo, strategy: Strategy, tp: int) -> float:
     """The largest rank's share of the op's work under ``strategy`` (1.0: replicated).
 
     Only a split operand shares the work: an op on a Partial input (the sum of ranks' pieces,
-    each the whole shape) or making a Partial or Routed output from whole inputs runs on every
-    element on every rank, so it costs what it costs replicated."""
+    each the whole shape) or making a Partial output from whole inputs runs on every element on
+    every rank, so it costs what it costs replicated. Routed rows (a rank's experts' rows, held
+    compactly) are ``1/tp`` of the rows at uniform routing; a grouped product's own price is the
+    busiest rank's share of the experts (its stack's Shard(0)), which is larger where tp does not
+    divide them."""
     frac = 1.0
     pairs = list(zip(info.inputs, strategy.inputs))
     out = strategy.output
     outs = out if isinstance(out, tuple) else (out,)
     pairs += [(m, p) for m, p in zip(_metas(info.output), outs)]
+    if any(isinstance(p, Routed) for _, p in pairs) and not any(isinstance(p, Shard) for _, p in pairs):
+        return 1.0 / tp
     for meta, p in pairs:
         if isinstance(p, Shard):
             size = meta.static(p.dim)
@@ -227,6 +232,8 @@ SAVES_INPUTS = PRODUCTS | {
 
 
 def _fraction(meta: TensorMeta, p: Any, tp: int) -> float:
+    if isinstance(p, Routed):
+        return 1.0 / tp   # a rank's rows of experts, at uniform routing
     if isinstance(p, Shard) and meta.static(p.dim) is None:
         return 1.0 / tp   # a sequence shard: about 1/tp of the tokens
     size = meta.static(p.dim) if isinstance(p, Shard) else None

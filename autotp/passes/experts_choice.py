@@ -11,20 +11,20 @@ What the cost model finds different between the two (autotp/cost_model/symbolic.
 * expert parallelism: a grouped product costs the largest rank's share of experts,
   ``ceil(experts / tp) / experts`` of the rows at uniform routing (uneven where tp does not divide
   the experts; ranks without an expert idle); the rows between the products (the activation, the
-  routing weights' product, the inverse sort) are Routed and every rank runs them on all rows,
-  zero where not its own; on the ``batched_mm`` path each rank also runs the whole ``bmm``;
+  routing weights' product, the inverse sort, the top-k sum) are Routed, a rank's own rows alone,
+  ``1/tp`` of them;
 * expert tensor parallelism: every product and every op between them on ``1/tp`` of each
   expert's features (the largest share where tp does not divide them); the rows are all there;
 * the same collectives: x's gradient all-reduced (f) before the first product, the combine a g
   of the ``[tokens, hidden]`` output, the routing weights' gradient summed.
 
-So expert-TP is priced below expert parallelism wherever each expert's features split (the
-products cost the same at an even split; the ops between and after them do not); in the shapes
-tried, whole experts per rank never beat both other layouts (where features are too few to
-split, the experts are small enough to keep whole). The combine's ops on Partial rows cost
-their whole size on every rank under either layout (``shard_fraction``), as Routed rows do.
-Equal prices keep the first strategy the rules offer (the solver keeps the first found), which
-is expert parallelism.
+So at an even split the two share the same FLOPs and rows; they differ by how each product's
+shape meets the roofline (expert parallelism runs whole experts' matrices on ``1/tp`` of the rows,
+expert-TP a slice of every expert's on all of them) and by the imbalance where tp does not divide
+the experts or their features. The
+combine's ops on Partial rows cost their whole size on every rank (``shard_fraction``). Equal
+prices keep the first strategy the rules offer (the solver keeps the first found), which is
+expert parallelism.
 """
 from __future__ import annotations
 

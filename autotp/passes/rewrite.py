@@ -12,6 +12,9 @@ rank's shards) and in which
 * with ``align`` (:class:`~autotp.cost_model.alignment.Align`), a matrix product whose local
   output width is off the GPU's 16-byte alignment runs padded to an aligned width and is sliced
   back (:func:`_padded_product`).
+* a rank's rows of experts (``Routed``, held compactly) carry a row map, a node the op that made
+  them adds (``GraphLocalContext.rows``), which the ops after them read and a conversion out of
+  them scatters by.
 """
 from __future__ import annotations
 
@@ -26,12 +29,13 @@ from torch import fx, nn
 from ..capture import gc_paused
 from ..cost_model.alignment import Align, pads
 from ..errors import PlanError
-from ..placements import Partial, Placement, Replicate, Shard, local_ranges, local_size, owned_ranges
+from ..placements import PARTIAL, Partial, Placement, Replicate, Routed, Shard, local_ranges, local_size, owned_ranges
 from ..runtime import collectives as C
+from ..runtime.experts import routed_scatter
 from ..runtime.functional import grad_if
 from ..runtime.rng import RandomOp, draws_random
 from .propagate import GraphIndex, Propagation, _conversion, _dim_size, _meta, _sharded_compute, map_args, wants_f
-from .rules import LocalContext, aliases_first, localizer, mutates_first
+from .rules import LocalContext, aliases_first, is_routed, localizer_for, mutates_first
 
 
 class GraphLocalContext(LocalContext):
@@ -41,6 +45,28 @@ class GraphLocalContext(LocalContext):
         super().__init__(tp, rank, group)
         self.graph = graph
         self.sizes: "SizeNodes | None" = None
+        #: rows of experts (a Routed value, held compactly) -> the node of its row map
+        self.rows: dict[fx.Node, fx.Node] = {}
+        #: the current op's tensor inputs as the rank's graph holds them (after conversions)
+        self.inputs: list[fx.Node] = []
+        #: set by a localizer whose op makes rows of its own (a product's, a pick's, a reorder's)
+        self.made_rows: fx.Node | None = None
+        self._shared_rows: dict[tuple, fx.Node] = {}
+
+    def rows_of(self, node: fx.Node) -> fx.Node:
+        """The row map of the routed value ``node``: the global row ids of its local rows."""
+        found = self.rows.get(node)
+        if found is None:
+            raise PlanError(f"{node.name} is placed as routed rows of experts, but no op made its row map")
+        return found
+
+    def shared_rows(self, key: tuple, make: Any) -> fx.Node:
+        """One row-map node per ``key`` (the two products of a layer share their experts' rows):
+        ``make()`` gives (function, args) of the node where none is made yet."""
+        if key not in self._shared_rows:
+            fn, args = make()
+            self._shared_rows[key] = self.graph.call_function(fn, args)
+        return self._shared_rows[key]
 
     def local(self, arg: Any, size: Any, shard: Shard) -> Any:
         if isinstance(arg, fx.Node):
@@ -143,8 +169,13 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             return converted[key]
         meta = _meta(src)
         have = prop.placements[src]
-        kind = _conversion(have, dst, _dim_size(meta, dst) or _dim_size(meta, have), tp)
         out = env[src]
+        if isinstance(have, Routed) and not isinstance(dst, Routed):
+            # a rank's rows of experts put in place, zero elsewhere: a plain Partial
+            shape = [sizes(s) for s in meta.shape]
+            out = graph.call_function(routed_scatter, (out, ctx.rows_of(out), have.dim, have.span, shape))
+            have = PARTIAL
+        kind = _conversion(have, dst, _dim_size(meta, dst) or _dim_size(meta, have), tp)
         if kind == "g":
             out = comm_node("g", out, C.ReduceFromTP(group))
         elif kind == "all_gather" and f is True:   # into sharded compute: the f fused in (backward reduce-scatters)
@@ -192,6 +223,8 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             _carry_attr(root, cap.graph_module, node.target)
         if node.op != "call_function" or node.target is operator.getitem:
             env[node] = graph.node_copy(node, lambda n: env[n])
+            if node.target is operator.getitem and env[node.args[0]] in ctx.rows:   # a split of routed rows
+                ctx.rows[env[node]] = ctx.rows[env[node.args[0]]]
             continue
         if node.target in _REGION_BOUNDS:
             converted.clear()   # a conversion made under one grad/autocast mode is not reused under another
@@ -230,7 +263,8 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
 
         args, kwargs = map_args(swap, node)
         target = node.target
-        loc = localizer(target)
+        loc = localizer_for(target, strategy)
+        ctx.inputs, ctx.made_rows = replacements, None
         if loc is not None:
             target, args, kwargs = loc(info, strategy, tuple(args), kwargs, ctx)
         if device is not None and isinstance(kwargs.get("device"), torch.device):
@@ -254,6 +288,11 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         new.meta = {k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")}
         new.meta["autotp_placement"] = strategy.output
         env[node] = new
+        if is_routed(strategy) and any(isinstance(p, Routed) for p in (
+                strategy.output if isinstance(strategy.output, tuple) else (strategy.output,))):
+            # the output's row map: the op's own (a product's, a pick's, a reorder's) or its routed input's
+            ctx.rows[new] = ctx.made_rows if ctx.made_rows is not None else ctx.rows_of(
+                next(r for r, p in zip(replacements, strategy.inputs) if isinstance(p, Routed)))
     graph.lint()
     return fx.GraphModule(root, graph, class_name="ParallelGraph")
 

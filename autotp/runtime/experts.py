@@ -1,45 +1,138 @@
-"""What a rank runs of an expert product under expert parallelism: its own experts' rows.
+"""What a rank runs of an expert layer under expert parallelism: its own experts' rows, nothing else.
 
-A rank holds a contiguous run of whole experts (``first``, ``count`` of them) and computes the
-(token, expert) rows routed to them; every other row of its result is zero, so the sum over
-ranks (a g) is the whole product (autotp.placements.Routed). Both functions are plain torch
-ops, differentiable through autograd: the gradient of a rank's experts comes from its rows alone.
+A rank holds a contiguous run of whole experts (``first``, ``count`` of them). A tensor of
+(token, expert) rows placed ``Routed`` (autotp.placements.Routed) is held *compactly*: the
+rank's local tensor has only the rows routed to its experts, and a *row map* (a 1-D int64
+tensor, one global row id per local row) says which rows those are. The rows of every rank
+together are each row once; scattered into zeros and summed over ranks (a g) they are the
+whole tensor.
+
+The rewritten graph makes the row maps (:func:`expert_rows` for the rows a grouped product
+sorted by expert, :func:`picked_rows` for the rows whose expert id is the rank's own), runs
+the ops on the local rows, and leaves the region by :func:`routed_combine` (a token's top-k
+rows summed straight into ``[tokens, ...]``: the Partial a g makes whole) or
+:func:`routed_scatter` (the rows put back in place, zero elsewhere). Every function is plain
+torch, differentiable through autograd: the gradient of a rank's experts comes from its rows
+alone, and a replicated operand sliced to the rank's rows gets its gradient on those rows
+(the f in front of it sums the ranks' rows).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
-import torch.nn.functional as F
 
 
-def routed_gather(weight: torch.Tensor, index: torch.Tensor, first: int, count: int, total: int) -> torch.Tensor:
-    """``weight_full[index]`` (``total`` experts) for the experts this rank holds (``weight`` is
-    its run of them), zero where ``index`` names an expert held elsewhere (transformers' batched
-    experts pick each (token, expert) pair's weights so)."""
-    local = torch.where(index < 0, index + total, index) - first
-    mine = (local >= 0) & (local < count)
-    if count == 0:   # a rank with no expert (fewer experts than ranks): all zero, still in the graph
-        return weight.new_zeros(index.shape + weight.shape[1:]) + weight.sum() * 0
-    picked = weight[local.clamp(0, count - 1)]
-    return picked.masked_fill(~mine.view(mine.shape + (1,) * (picked.dim() - mine.dim())), 0)
+def _bounds(offs: torch.Tensor, first: int, count: int) -> tuple[int, int]:
+    """The rows ``[start, end)`` of experts ``first .. first + count - 1`` among rows sorted by
+    expert (``offs``: cumulative rows per expert). One read of two numbers to the host: the
+    local rows' count sizes every tensor after it."""
+    if count == 0:
+        start = int(offs[first - 1]) if first > 0 else 0
+        return start, start
+    if first == 0:
+        return 0, int(offs[count - 1])
+    pair = offs[first - 1:first + count:count].tolist()
+    return int(pair[0]), int(pair[1])
+
+
+def expert_rows(offs: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """The row map of a grouped product's rows on this rank: ``arange(start, end)``, the rows
+    of rows sorted by expert that its experts own."""
+    start, end = _bounds(offs, first, count)
+    return torch.arange(start, end, device=offs.device)
+
+
+def picked_rows(index: torch.Tensor, first: int, count: int, total: int) -> torch.Tensor:
+    """The row map of ``weight[index]`` on this rank: the positions of ``index`` (expert ids of
+    ``total`` experts, negative ones counting from the end) naming one of its experts."""
+    ids = torch.where(index < 0, index + total, index)
+    return ((ids >= first) & (ids < first + count)).nonzero().squeeze(1)
+
+
+def routed_pick(weight: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, first: int,
+                total: int) -> torch.Tensor:
+    """``weight_full[index]`` at the rows ``rows`` only (``weight``: this rank's run of experts,
+    the first of them expert ``first``): transformers' batched experts pick each (token,
+    expert) row's matrices so; a rank copies its rows' matrices, not every row's."""
+    ids = index.index_select(0, rows)
+    return weight.index_select(0, torch.where(ids < 0, ids + total, ids) - first)
 
 
 def routed_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, first: int, count: int,
-                      op: str, **kwargs: Any) -> torch.Tensor:
-    """A grouped product (``x``'s rows sorted by expert, ``offs`` the cumulative rows per expert,
-    of every expert) over this rank's experts only: their rows run through the product the
-    model's program uses (``op``, by name: ``"aten._grouped_mm.default"``) and the other rows are zero."""
+                      op: str, x_routed: bool, **kwargs: Any) -> torch.Tensor:
+    """A grouped product over this rank's experts only (``offs``: the cumulative rows per expert
+    of every expert; ``weight``: the rank's run of experts). ``x`` is every row sorted by expert
+    (its rows ``[start, end)`` are taken, a view) or, ``x_routed``, the rank's rows already.
+    Returns the rank's rows of the product, through the product the model's program uses
+    (``op``, by name: ``"aten._grouped_mm.default"``)."""
     namespace, name, overload = op.split(".")
     target = getattr(getattr(getattr(torch.ops, namespace), name), overload)
-    rows = x.shape[0]
-    start = int(offs[first - 1]) if first > 0 else 0
-    end = int(offs[first + count - 1]) if count else start
-    width = weight.shape[-1]
-    if end == start:   # no row routed to this rank's experts
-        return x.new_zeros(rows, width) + (weight.sum() + x.sum()) * 0
-    out = target(x[start:end], weight, offs=offs[first:first + count] - start, **kwargs)
-    return F.pad(out, (0, 0, start, rows - end))
+    start, end = _bounds(offs, first, count)
+    mine = x if x_routed else x[start:end]
+    if end == start:   # no row routed to this rank's experts: no rows, still in autograd's graph
+        return mine.new_zeros(0, weight.shape[-1]) + (weight.sum() + mine.sum()) * 0
+    return target(mine, weight, offs=offs[first:first + count] - start, **kwargs)
+
+
+def take_rows(x: torch.Tensor, rows: torch.Tensor, dim: int) -> torch.Tensor:
+    """A replicated operand's rows ``rows`` along ``dim``: what meets a rank's rows in an op on
+    rows alone (the routing weights, the tokens of a batched product)."""
+    return x.index_select(dim, rows)
+
+
+def _positions(have: torch.Tensor, want: torch.Tensor, size: int) -> torch.Tensor:
+    """For each global row id in ``want``: its position in ``have`` (ids of ``size`` rows), or -1."""
+    mark = torch.full((size,), -1, dtype=torch.long, device=have.device)
+    mark[have] = torch.arange(have.numel(), device=have.device)
+    return mark[want]
+
+
+def match_rows(x: torch.Tensor, have: torch.Tensor, want: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``x``'s rows (global ids ``have`` along ``dim``) in the order of the row map ``want``:
+    two routed operands of one op (a bias picked by expert id, the product's rows) meet row by row."""
+    if have.shape == want.shape and torch.equal(have, want):
+        return x
+    where = _positions(have, want, size)
+    if bool((where < 0).any()):
+        from ..errors import AutotpError
+
+        raise AutotpError("routed operands hold different rows on this rank: an op on rows alone met rows "
+                          "routed by two different expert assignments")
+    return x.index_select(dim, where)
+
+
+def routed_reorder(x: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, size: int) -> tuple[torch.Tensor,
+                                                                                                  torch.Tensor]:
+    """``x_full[index]`` (rows reordered: transformers' inverse sort back to token order) on this
+    rank's rows: (the local result, its row map). ``x``'s rows are ``rows`` of ``size``; the
+    result holds the positions of ``index`` that name one of them, in ascending order."""
+    where = _positions(rows, index, size)
+    out_rows = (where >= 0).nonzero().squeeze(1)
+    return x.index_select(0, where.index_select(0, out_rows)), out_rows
+
+
+def routed_scatter(x: torch.Tensor, rows: torch.Tensor, dim: int, span: int, shape: Sequence[int]) -> torch.Tensor:
+    """The whole tensor of ``shape`` with this rank's rows in place and zero elsewhere (a routed
+    value leaving the region as a plain Partial: a g sums the ranks' rows). ``span`` dims from
+    ``dim`` on are the rows' dims (their ids count over them, row-major)."""
+    shape = [int(s) for s in shape]
+    rows_total = 1
+    for s in shape[dim:dim + span]:
+        rows_total *= s
+    flat = shape[:dim] + [rows_total] + shape[dim + span:]
+    return x.new_zeros(flat).index_copy(dim, rows, x).view(shape)
+
+
+def routed_combine(x: torch.Tensor, rows: torch.Tensor, dim: int, group: int, shape: Sequence[int],
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The sum over each token's rows (``group`` consecutive row ids: a token's top-k experts),
+    of this rank's rows alone, as the whole ``[tokens, ...]`` tensor of ``shape``: each row
+    added into its token's place. Zero where the rank holds none of a token's rows: a Partial,
+    which one g makes whole."""
+    if dtype is not None:
+        x = x.to(dtype)
+    return x.new_zeros([int(s) for s in shape]).index_add(dim, torch.div(rows, group, rounding_mode="floor"), x)
 
 
 def histc(x: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> torch.Tensor:

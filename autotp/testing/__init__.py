@@ -10,7 +10,8 @@
   measures the rewrite and not float32 rounding of the loss.
 
 Modules: ``ranks`` (local ranks: the fork server, LocalCluster, launch), ``equivalence`` (the
-serial-against-parallel measure and its tolerances), ``strategies`` (hypothesis cases, pinned layouts).
+serial-against-parallel measure and its tolerances), ``strategies`` (hypothesis cases, pinned layouts),
+``work`` (:class:`~autotp.testing.work.WorkCounter`: FLOPs of products and bytes written, per op).
 """
 from .equivalence import TOLERANCE, assert_equivalent, equivalence_errors, keep_loss_precision, relative_error
 from .ranks import LocalCluster, launch, preload

@@ -63,8 +63,15 @@ def check_experts_case(case: dict) -> dict:
     layout = dict(LAYOUTS[case.get("layout", "ep")][0])
     if case.get("heads") and case["family"] == "deepseek-v3":   # MLA pinned split by head
         layout.update({**{p: "column" for p in MLA_HEADS}, "*.self_attn.o_proj.weight": "row"})
-    pm = autotp.parallelize(model, case["tp"], layout=layout)
+    # the planning workload: its size decides where the solver leaves routed rows (a larger one
+    # keeps them to the combine, where a rank adds its rows into the tokens' sum)
+    pm = autotp.parallelize(model, case["tp"], layout=layout, batch=case.get("plan_batch", 8),
+                            seq=case.get("plan_seq"))
     roles = {name: role for name, role in pm.plan.roles.items() if ".experts." in name}
+    # what the rank program runs of the routed rows (autotp/runtime/experts.py)
+    routed = sorted({n.target.__name__ for n in pm.graph_module.graph.nodes
+                     if n.op == "call_function" and getattr(n.target, "__module__", "") == "autotp.runtime.experts"
+                     and n.target.__name__ != "histc"})
     errors = equivalence_errors(model, pm, batch)
     ids = batch["input_ids"]
     with torch.no_grad():
@@ -80,7 +87,7 @@ def check_experts_case(case: dict) -> dict:
     # mask (batch 2: 2 router rows against 2 * (past + 1) mask entries); it never changes a token
     want = model.generate(ids, max_new_tokens=3, do_sample=False, output_router_logits=False)
     got = pm.generate(ids, max_new_tokens=3, do_sample=False)
-    return {"errors": errors, "roles": roles, "generate": bool(torch.equal(want, got)),
+    return {"errors": errors, "roles": roles, "generate": bool(torch.equal(want, got)), "routed": routed,
             "split heads": bool(pm.plan.attention), "expanded": pm.capture.expanded}
 
 
@@ -96,7 +103,9 @@ def cases(tps: tuple[int, ...]):
         "seed": st.integers(0, 2**16),
         "heads": st.booleans(),   # DeepSeek-V3: MLA pinned split by head
         "layout": st.sampled_from(sorted(LAYOUTS)),
-    }).map(lambda c: {**c, "dtype": IMPLEMENTATIONS[c["impl"]],
+        # the planning workload: at the larger one the solver keeps routed rows up to the combine
+        "plan_batch": st.sampled_from([8, 64]),
+    }).map(lambda c: {**c, "dtype": IMPLEMENTATIONS[c["impl"]], "plan_seq": 32 if c["plan_batch"] == 64 else None,
                       # gpt-oss: expert-TP of its interleaved gate|up and its experts' biases is not tried yet
                       "layout": "ep" if c["family"] == "gpt-oss" else c["layout"]})
 
@@ -116,6 +125,8 @@ def assert_experts_case(cluster_of, case: dict) -> None:
             assert result["split heads"], (case, rank, "MLA pinned by head but not run split")
         if "expanded" in case:
             assert result["expanded"] == case["expanded"], (case, rank, result["expanded"])
+        if "routed" in case:   # the routed path the case is there to run, all of it
+            assert set(case["routed"]) <= set(result["routed"]), (case, rank, result["routed"])
 
 
 @pytest.mark.parametrize("case", [
@@ -123,7 +134,12 @@ def assert_experts_case(cluster_of, case: dict) -> None:
     # with shared experts whose prompt holds the pad token: generate keeps a mask, over which the
     # decode step once computed the router loss the config asks for (a failed capture; the step
     # now asks for no router logits: tests/test_generation_step.py)
-    dict(family="mixtral", impl="grouped_mm", tp=2, experts=3, top_k=2, kv_heads=2, seq=7, seed=1, layers=1),
+    # planned at a workload where the rows stay routed to the combine: each rank runs its experts'
+    # rows alone (the products, the activation, the routing weights' product, the reorder) and adds
+    # them into the tokens' sum
+    dict(family="mixtral", impl="grouped_mm", tp=2, experts=3, top_k=2, kv_heads=2, seq=7, seed=1, layers=1,
+         plan_batch=64, plan_seq=32,
+         routed=("expert_rows", "routed_grouped_mm", "take_rows", "routed_reorder", "routed_combine")),
     pytest.param(dict(family="qwen2-moe", impl="eager", tp=2, experts=4, top_k=1, kv_heads=4, seq=5, seed=2),
                  marks=pytest.mark.slow),
     # MLA (its latent cache in generate), shared experts and a dense first layer; the heads pinned
@@ -136,13 +152,23 @@ def assert_experts_case(cluster_of, case: dict) -> None:
          layers=1),
     pytest.param(dict(family="gpt-oss", impl="grouped_mm", tp=2, experts=4, top_k=2, kv_heads=2, seq=6, seed=1,
                       layout="rows", layers=1), marks=pytest.mark.slow),
+    # the batched path routed to the combine, 3 experts on 4 ranks (the last holds none: no rows)
+    pytest.param(dict(family="mixtral", impl="batched_mm", tp=4, experts=3, top_k=2, kv_heads=2, seq=7, seed=1,
+                      layers=1, plan_batch=64, plan_seq=32,
+                      routed=("picked_rows", "routed_pick", "take_rows", "routed_combine")), marks=pytest.mark.slow),
+    # gpt-oss's biases picked by expert id meet the product's rows (match_rows); its clamp, ``up + 1``
+    # and interleaved gate|up run on the rank's rows
+    pytest.param(dict(family="gpt-oss", impl="grouped_mm", tp=2, experts=4, top_k=2, kv_heads=2, seq=7, seed=1,
+                      layers=1, plan_batch=64, plan_seq=32,
+                      routed=("routed_pick", "match_rows", "routed_grouped_mm", "routed_combine")),
+                 marks=pytest.mark.slow),
     # 7 layers alternating sliding-window and full attention: captured cut to 5 (block 0 and two
     # periods of two) and expanded, float64. Without the router's logits: a call that returns
     # every layer's hooks every layer, and is captured whole
     pytest.param(dict(family="gpt-oss", impl="batched_mm", tp=2, experts=4, top_k=2, kv_heads=2, seq=6, seed=4,
                       layers=7, router_logits=False, expanded=("model.layers",)), marks=pytest.mark.slow),
 ], ids=["mixtral-grouped-3of2", "qwen2moe-eager-shared", "deepseek-mla-heads", "mixtral-batched-etp",
-        "gptoss-grouped-rows", "gptoss-periodic-expanded"])
+        "gptoss-grouped-rows", "mixtral-batched-3of4", "gptoss-grouped-routed", "gptoss-periodic-expanded"])
 def test_experts_split_equals_serial(cluster_of, case):
     assert_experts_case(cluster_of, {**case, "dtype": IMPLEMENTATIONS[case["impl"]]})
 

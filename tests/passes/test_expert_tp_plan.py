@@ -85,6 +85,8 @@ def test_no_pinned_experts_layout_beats_the_solvers_choice():
         assert plan.compute_s + plan.comm_s <= (pinned.compute_s + pinned.comm_s) * (1 + 1e-12), layout
     note = next(n for n in plan.notes if n.startswith("experts "))
     assert "dearer than" not in note, note
-    # here both products row-parallel (x sliced to each rank's features), and the note says so
-    assert (_experts(plan)["gate_up_proj"][0], _experts(plan)["down_proj"][0]) == ("expert_row", "expert_row")
-    assert "expert-TP (every expert's gate|up row, down row: 1/4 of each expert per rank)" in note, note
+    # A rank now computes its own experts' rows alone (the activation, the routing weights' product
+    # and the reorder too, where every rank once ran them on every row): whole experts per rank are
+    # the cheapest here (both products were row-parallel before), and the note says so
+    assert {role for role, _ in _experts(plan).values()} == {"expert"}, _experts(plan)
+    assert "expert-parallel (16 experts, 4 per rank) — cheaper than expert-TP" in note, note

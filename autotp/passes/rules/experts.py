@@ -8,10 +8,12 @@ that kernel does not take the dtype), ``batched_mm`` picks each row's expert wei
 
 * the weights ``Shard(0)``: each rank holds a run of whole experts (uneven where tp does not
   divide their number), split at the first op that reads them (a transpose keeps it);
-* the product on a rank computes the rows routed to its experts and leaves the others zero: a
-  :class:`~autotp.placements.Routed` Partial, which ops acting on rows alone carry on with no
-  collective (:func:`routed_strategies`), and which becomes a plain Partial where rows are summed
-  (the combine over a token's top-k experts), made whole by a g like any row-parallel output;
+* the product on a rank computes the rows routed to its experts and nothing else: a
+  :class:`~autotp.placements.Routed` Partial, held compactly (a rank's local tensor is its rows,
+  a row map says which). Any op on rows alone carries it with no collective, its replicated
+  operands taken at the rank's rows (:func:`routed_strategies`); the rows reordered back to token
+  order stay routed; where a token's top-k rows are summed (``view(T, k, H).sum(1)``) each rank
+  adds its rows into ``[T, H]``: a plain Partial, made whole by a g like any row-parallel output;
 * the router stays replicated: its scores meet the routed rows in a product, so their gradient
   is a summand and gets an f (summed over ranks), as any replicated input of sharded compute.
 
@@ -28,66 +30,80 @@ rule: column and row), the grouped product, and the transpose in front of it
 """
 from __future__ import annotations
 
+import math
+import operator
+
+import sympy
 import torch
 
 from ...placements import PARTIAL, REPLICATE, Partial, Routed, Shard, local_ranges
-from .misc import index_localizer as _index_localizer
-from .registry import LocalContext, OpInfo, Strategy, _RULES, is_shard, register, register_localizer, register_routed
+from .registry import (LocalContext, OpInfo, Strategy, _RULES, functional_of, is_shard, op_name, register,
+                       register_localizer, register_routed, register_routed_localizer)
 
 aten = torch.ops.aten
 
-#: ops whose result's rows depend on the same rows of their inputs alone and keep a zero row zero
+#: ops whose result's rows depend on the same rows of their inputs alone
 ROW_WISE = frozenset((
     aten.silu.default, aten.gelu.default, aten.relu.default, aten.tanh.default, aten.neg.default,
-    aten.mul.Scalar, aten.div.Scalar, aten.square.default, aten.abs.default, aten.sin.default, aten.erf.default,
+    aten.sigmoid.default, aten.exp.default,
+    aten.mul.Scalar, aten.div.Scalar, aten.add.Scalar, aten.sub.Scalar, aten.pow.Tensor_Scalar,
+    aten.square.default, aten.abs.default, aten.sin.default, aten.erf.default,
     aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.clone.default, aten.contiguous.default,
     aten.alias.default, aten.detach.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
     aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.transpose.int,
     aten.permute.default, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
     aten.slice.Tensor, aten.sum.dim_IntList, aten.clamp.default,
 ))
-#: products: a zero row times anything is a zero row, so the other operands may be replicated
-PRODUCT_LIKE = frozenset((aten.mul.Tensor, aten.div.Tensor, aten.bmm.default))
-#: sums: every operand must be routed alike (a replicated term would fill the zero rows)
-SUM_LIKE = frozenset((aten.add.Tensor, aten.sub.Tensor))
+#: ops of several operands whose rows meet row by row (a product, a sum; bmm: its batch rows)
+ROW_BY_ROW = frozenset((aten.mul.Tensor, aten.div.Tensor, aten.bmm.default, aten.add.Tensor, aten.sub.Tensor))
+#: views whose size arguments the rank's rows change (the routed dim's size: -1)
+SIZED_VIEWS = frozenset((aten.view.default, aten.reshape.default, aten._unsafe_view.default))
 
 #: the grouped products by name: transformers registers its fallback op only once imported
 GROUPED_MM = ("aten._grouped_mm.default", "transformers.grouped_mm_fallback.default")
 
 
-def _keeps_zero(info: OpInfo) -> bool:
-    """Whether the op maps a zero row to a zero row, for the ops whose arguments decide it."""
-    if info.target is aten.clamp.default:
-        low = info.args[1] if len(info.args) > 1 else info.kwargs.get("min")
-        high = info.args[2] if len(info.args) > 2 else info.kwargs.get("max")
-        return (low is None or low <= 0) and (high is None or high >= 0)
-    if info.target in SUM_LIKE:   # a scalar term (``up + 1``) fills the zero rows
-        return all(not isinstance(a, (int, float)) or a == 0 for a in info.args[:2])
-    if info.target is aten.div.Tensor:
-        return len(info.inputs) == 1 or info.args[1] is not info.inputs[0]
-    return True
+def _kind(target):
+    """The op a rule answers for: an in-place op's out-of-place twin (``add_`` -> ``add``)."""
+    return functional_of(target) or target
 
 
 @register_routed
 def routed_strategies(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
     """The strategies of an op meeting a Routed input: every strategy of the op for a plain
-    Partial there (a routed Partial is one, for free), and, for ops on rows alone, the one
-    that keeps the rows routed, found as the strategy a Shard of the routed dim would take
-    (rows a rank holds are full size, so nothing is localized)."""
+    Partial there (the rows scattered into zeros make one), and those that keep the rows routed:
+
+    * an op on rows alone (:data:`ROW_WISE`, :data:`ROW_BY_ROW`): the strategy a Shard of the
+      routed dim would take, with nothing to localize but the rows (a replicated operand with
+      the rows' dim is taken at the rank's rows, one broadcast along them is left whole);
+    * a grouped product of routed rows (its own rule: the next expert product);
+    * the rows reordered by one index tensor (each keeps its holder);
+    * a view splitting the rows' dim (``[T*k, H] -> [T, k, H]``), then the sum over the inner
+      dims (a token's top-k rows): that sum is a plain Partial, each rank adding its rows into
+      the whole ``[T, H]``."""
     found = list(rule(info, tuple(PARTIAL if isinstance(p, Routed) else p for p in placements)))
-    routed = {i: p.dim for i, p in enumerate(placements) if isinstance(p, Routed)}
-    if info.target is aten.index.Tensor and routed == {0: 0}:
+    routed = {i: p for i, p in enumerate(placements) if isinstance(p, Routed)}
+    if op_name(info.target) in GROUPED_MM:
+        return found + [s for s in rule(info, placements) if isinstance(s.output, Routed)]
+    if any(p.span > 1 for p in routed.values()):
+        combine = _combine(info, placements)
+        return found + ([combine] if combine is not None else [])
+    if info.target is aten.index.Tensor and set(routed) == {0} and routed[0] == Routed(0):
         indices = info.args[1]
-        if len(indices) == 1 and indices[0] is not None:   # rows reordered: each keeps its holder
-            found.append(Strategy((placements[0],) + (REPLICATE,) * (len(info.inputs) - 1), placements[0]))
+        if len(indices) == 1 and indices[0] is not None and len(info.inputs) == 2:   # rows reordered
+            found.append(Strategy((placements[0], REPLICATE), placements[0]))
         return found
-    kind = info.target in ROW_WISE or info.target in PRODUCT_LIKE or info.target in SUM_LIKE
-    if not kind or len(set(routed.values())) != 1 or not _keeps_zero(info):
+    kind = _kind(info.target)
+    if kind not in ROW_WISE and kind not in ROW_BY_ROW:
         return found
-    if info.target is aten.div.Tensor and 1 in routed:
+    if len({p.dim for p in routed.values()}) != 1:
         return found
+    if kind in SIZED_VIEWS and len(routed) == 1:
+        split = _split_rows(info, routed[0])
+        if split is not None:
+            found.append(Strategy((placements[0],), split))
     first = min(routed)
-    rows = info.inputs[first].shape[routed[first]]
+    rows = info.inputs[first].shape[routed[first].dim]
     probe = tuple(Shard(p.dim) if isinstance(p, Routed) else p for p in placements)
     for s in rule(info, probe):
         outs = s.output if isinstance(s.output, tuple) else (s.output,)
@@ -98,10 +114,9 @@ def routed_strategies(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
         wants = []
         for i, want in enumerate(s.inputs):
             if i in routed:
-                wants.append(placements[i] if want == Shard(routed[i]) else None)
+                wants.append(placements[i] if want == Shard(routed[i].dim) else None)
             elif is_shard(want) or want == REPLICATE:
-                keep = info.target not in SUM_LIKE or not info.inputs[i].is_float
-                wants.append(REPLICATE if keep else None)
+                wants.append(REPLICATE)   # taken at the rank's rows, or broadcast along them
             else:
                 wants.append(None)
         if None in wants:
@@ -109,6 +124,36 @@ def routed_strategies(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
         output = tuple(Routed(o.dim) if o is not None else None for o in outs)
         found.append(Strategy(tuple(wants), output if isinstance(s.output, tuple) else output[0]))
     return found
+
+
+def _split_rows(info: OpInfo, p: Routed) -> Routed | None:
+    """``Routed(d, span)`` of a view that splits the rows' dim ``d`` into ``span`` dims and keeps
+    every other dim (``[T*k, H] -> [T, k, H]``), else None."""
+    before, after = info.inputs[0].shape, info.output.shape
+    d = p.dim
+    span = len(after) - len(before) + 1
+    if p.span != 1 or span < 2 or tuple(after[:d]) != tuple(before[:d]) \
+            or tuple(after[d + span:]) != tuple(before[d + 1:]):
+        return None
+    if sympy.expand(math.prod(after[d:d + span]) - before[d]) != 0:
+        return None
+    return Routed(d, span)
+
+
+def _combine(info: OpInfo, placements: tuple) -> Strategy | None:
+    """``sum`` over the inner dims of routed rows that span several dims (a token's top-k): a
+    plain Partial, each rank's rows added into the whole result."""
+    if info.target is not aten.sum.dim_IntList or len(placements) != 1:
+        return None
+    p = placements[0]
+    dims = info.args[1] if len(info.args) > 1 else info.kwargs.get("dim")
+    keepdim = info.args[2] if len(info.args) > 2 else info.kwargs.get("keepdim", False)
+    ndim = info.inputs[0].ndim
+    if dims is None or keepdim or sorted(d % ndim for d in dims) != list(range(p.dim + 1, p.dim + p.span)):
+        return None
+    if any(info.inputs[0].static(d) is None for d in range(p.dim + 1, p.dim + p.span)):
+        return None
+    return Strategy((p,), PARTIAL)
 
 
 def _experts(p) -> bool:
@@ -149,12 +194,12 @@ _index_rule = _RULES[aten.index.Tensor]
 @register(aten.index.Tensor)
 def index_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     """Besides :func:`.misc.index_rule`: the rows of a stack of experts picked by expert id,
-    each rank picking from the experts it holds (zero rows for the others' experts)."""
+    each rank picking its own experts' rows (by one index tensor of ids)."""
     out = _index_rule(info, placements)
     indices = info.args[1]
     x = info.inputs[0]
     picked = len(indices) == 1 and indices[0] is not None and not info.inputs[1].is_float
-    if (_experts(placements[0]) and x.ndim >= 2 and picked
+    if (_experts(placements[0]) and x.ndim >= 2 and picked and info.inputs[1].ndim == 1 and info.tp > 1
             and x.static(0) is not None and x.static(0) >= 2):
         out.append(Strategy((Shard(0), REPLICATE), Routed(0)))
     if picked and x.ndim == 3 and x.static(0) is not None:
@@ -166,18 +211,6 @@ def index_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
         # rows reordered (the grouped path's inverse sort): linear in x, so a Partial stays one
         out.append(Strategy((PARTIAL, REPLICATE), PARTIAL))
     return out
-
-
-
-
-@register_localizer(aten.index.Tensor)
-def index_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
-    if isinstance(strategy.output, Routed) and strategy.inputs[0] == Shard(0):
-        from ...runtime.experts import routed_gather
-
-        first, count = _run(info, strategy, 0, ctx)
-        return routed_gather, (args[0], args[1][0], first, count, int(info.inputs[0].shape[0])), {}
-    return _index_localizer(info, strategy, args, kwargs, ctx)
 
 
 # ---- the grouped path: one product over rows sorted by expert ------------------------------------
@@ -194,7 +227,7 @@ def grouped_mm_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     rest = (REPLICATE,) * (len(info.inputs) - 2)
     if not all(p == REPLICATE or p is None for p in placements[2:]):
         return out
-    if _experts(pw) and (px == REPLICATE or px == Routed(0)):
+    if _experts(pw) and (px == REPLICATE or px == Routed(0)) and info.tp > 1:
         out.append(Strategy((px, Shard(0)) + rest, Routed(0)))
     if info.inputs[1].static(0) is None:
         return out
@@ -213,21 +246,8 @@ def grouped_mm_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     return out
 
 
-def grouped_mm_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
-    if not isinstance(strategy.output, Routed):
-        return info.target, args, kwargs
-    from ...runtime.experts import routed_grouped_mm
-    from .registry import op_name
-
-    kwargs = dict(kwargs)
-    offs = args[2] if len(args) > 2 else kwargs.pop("offs")
-    first, count = _run(info, strategy, 1, ctx)
-    return routed_grouped_mm, (args[0], args[1], offs, first, count, op_name(info.target)), kwargs
-
-
 for _name in GROUPED_MM:
     register(_name)(grouped_mm_rule)
-    register_localizer(_name)(grouped_mm_localizer)
 
 
 # ---- index bookkeeping the grouped path runs on every rank ---------------------------------------
@@ -244,3 +264,98 @@ def histc_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict,
     from ...runtime.experts import histc
 
     return histc, args, kwargs
+
+
+# ---- what a rank runs of routed rows -------------------------------------------------------------
+@register_routed_localizer
+def routed_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
+    """The rank's program for an op whose strategy holds a Routed placement: its rows alone.
+    ``ctx`` (a graph's context) gives the row map of each routed input (``ctx.rows_of``) and
+    takes the row map of the output where the op makes a new one (``ctx.made_rows``)."""
+    from ...runtime import experts as E
+
+    out = strategy.output
+    if op_name(info.target) in GROUPED_MM:
+        return _grouped_localizer(info, strategy, args, kwargs, ctx)
+    if info.target is aten.index.Tensor and isinstance(out, Routed):
+        if isinstance(strategy.inputs[0], Routed):   # rows reordered
+            x, index = ctx.inputs
+            size = ctx.size(info.inputs[0].shape[0])
+            pair = ctx.graph.call_function(E.routed_reorder, (x, index, ctx.rows_of(x), size))
+            ctx.made_rows = ctx.graph.call_function(operator.getitem, (pair, 1))
+            return operator.getitem, (pair, 0), {}
+        first, count = _run(info, strategy, 0, ctx)
+        total = int(info.inputs[0].shape[0])
+        weight, index = ctx.inputs
+        ctx.made_rows = ctx.shared_rows(("picked", index, first, count),
+                                        lambda: (E.picked_rows, (index, first, count, total)))
+        return E.routed_pick, (weight, index, ctx.made_rows, first, total), {}
+    if isinstance(out, Routed) and out.span > 1:   # [T*k, H] -> [T, k, H]: the rows as they are
+        return aten.alias.default, (ctx.inputs[0],), {}
+    if out == PARTIAL and strategy.inputs and isinstance(strategy.inputs[0], Routed):   # a token's rows summed
+        p = strategy.inputs[0]
+        x = ctx.inputs[0]
+        group = math.prod(int(info.inputs[0].shape[d]) for d in range(p.dim + 1, p.dim + p.span))
+        shape = [ctx.size(s) for s in info.output.shape]
+        return E.routed_combine, (x, ctx.rows_of(x), p.dim, group, shape, kwargs.get("dtype")), {}
+    return _row_wise(info, strategy, args, kwargs, ctx)
+
+
+def _row_wise(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
+    """An op on rows alone, on the rank's rows: other routed operands brought to the first one's
+    row order, replicated operands with the rows' dim taken at the rank's rows, a view's size
+    of the rows' dim left to the local rows (-1)."""
+    from ...runtime import experts as E
+
+    outs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
+    metas = info.output if isinstance(info.output, tuple) else (info.output,)
+    out_p, out_meta = next((p, m) for p, m in zip(outs, metas) if isinstance(p, Routed))
+    routed = [i for i, p in enumerate(strategy.inputs) if isinstance(p, Routed)]
+    rows = ctx.rows_of(ctx.inputs[routed[0]])
+    size = info.inputs[routed[0]].shape[strategy.inputs[routed[0]].dim]
+    swap = {}
+    for i, (node, meta, p) in enumerate(zip(ctx.inputs, info.inputs, strategy.inputs)):
+        if isinstance(p, Routed) and ctx.rows_of(node) is not rows:
+            swap[node] = ctx.graph.call_function(E.match_rows, (node, ctx.rows_of(node), rows, p.dim,
+                                                                ctx.size(size)))
+        elif p == REPLICATE and meta.ndim:
+            d = out_p.dim - (out_meta.ndim - meta.ndim)   # the dim broadcast against the rows
+            if 0 <= d < meta.ndim and meta.shape[d] == size and size != 1:
+                swap[node] = ctx.graph.call_function(E.take_rows, (node, rows, d))
+    args = tuple(_swapped(a, swap) for a in args)
+    kwargs = {k: _swapped(v, swap) for k, v in kwargs.items()}
+    if info.target in SIZED_VIEWS:
+        sizes = [ctx.size(s) for s in info.output.shape]
+        sizes[out_p.dim] = -1
+        args = (args[0], sizes) + tuple(args[2:])
+    return info.target, args, kwargs
+
+
+def _swapped(a, swap: dict):
+    if isinstance(a, (list, tuple)):
+        return type(a)(_swapped(x, swap) for x in a)
+    return swap.get(a, a) if not isinstance(a, (int, float, bool, str)) and a is not None else a
+
+
+def _grouped_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
+    """A grouped product on this rank's experts: x's rows ``[start, end)`` of the sorted rows (or
+    x routed already, the rows of the same experts: the previous product's) through the model's
+    product, offs rebased to them."""
+    from ...runtime import experts as E
+
+    if not isinstance(strategy.output, Routed):
+        return info.target, args, kwargs
+    kwargs = dict(kwargs)
+    offs = args[2] if len(args) > 2 else kwargs.pop("offs")
+    x = ctx.inputs[0]
+    first, count = _run(info, strategy, 1, ctx)
+    ctx.made_rows = ctx.shared_rows(("sorted", offs, first, count),
+                                    lambda: (E.expert_rows, (offs, first, count)))
+    x_routed = isinstance(strategy.inputs[0], Routed)
+    if x_routed and ctx.rows_of(x) is not ctx.made_rows:
+        from ...errors import PlanError
+
+        raise PlanError(f"the grouped product {info.target} reads routed rows that are not its own experts' "
+                        f"rows sorted by expert (they were reordered or picked otherwise); its input must be "
+                        f"replicated here")
+    return E.routed_grouped_mm, (args[0], args[1], offs, first, count, op_name(info.target), x_routed), kwargs

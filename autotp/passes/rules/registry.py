@@ -324,6 +324,30 @@ def register_routed(strategies) -> Any:
     return strategies
 
 
+#: the localizer of any strategy holding a Routed placement (a rank's rows of experts: they need
+#: the row maps the rewrite carries); rules/experts.py registers it
+_ROUTED_LOCALIZER: list = []
+
+
+def register_routed_localizer(fn: Localizer) -> Localizer:
+    """Decorator: the localizer for strategies with a Routed input or output."""
+    _ROUTED_LOCALIZER[:] = [fn]
+    return fn
+
+
+def is_routed(strategy: Strategy) -> bool:
+    """Whether a strategy holds a Routed placement among its inputs or outputs."""
+    outs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
+    return any(isinstance(p, Routed) for p in (*strategy.inputs, *outs))
+
+
+def localizer_for(target: Any, strategy: Strategy) -> Localizer | None:
+    """The localizer of ``target`` under ``strategy``: the routed one where it holds rows of experts."""
+    if _ROUTED_LOCALIZER and is_routed(strategy):
+        return _ROUTED_LOCALIZER[0]
+    return localizer(target)
+
+
 def has_outer(p: Any) -> bool:
     """A per-block shard whose blocks sit on a dim of their own: two dims differ per rank."""
     return isinstance(p, Shard) and p.outer >= 0

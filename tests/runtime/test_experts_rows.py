@@ -1,0 +1,98 @@
+"""A rank's rows of experts (autotp/runtime/experts.py) against the whole tensors they stand for.
+
+Hypothesis draws tokens, top-k, experts, ranks (more than experts too: ranks without one) and
+an expert for every (token, slot) row. For each rank the row-map functions give its rows; the
+ranks' results, put in place and summed (what a g does), equal the whole computation: the
+grouped product over the rows sorted by expert, the pick of each row's matrix, the reorder back
+to token order and the sum of a token's top-k rows, forward and backward.
+"""
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
+
+from autotp.placements import Shard, local_ranges
+from autotp.runtime import experts as E
+
+
+def _grouped_mm(x, w, offs):
+    """The whole grouped product, one expert at a time (transformers' fallback does the same)."""
+    out, start = x.new_zeros(x.shape[0], w.shape[-1]), 0
+    for e, end in enumerate(offs.tolist()):
+        out[start:end] = x[start:end] @ w[e]
+        start = end
+    return out
+
+
+def _run(experts: int, tp: int, rank: int) -> tuple[int, int]:
+    ((start, stop),) = local_ranges(experts, Shard(0), tp, rank) or ((0, 0),)
+    return start, stop - start
+
+
+@settings(max_examples=40, deadline=None)
+@given(tokens=st.integers(1, 6), k=st.integers(1, 3), experts=st.integers(1, 5), tp=st.integers(1, 4),
+       seed=st.integers(0, 2**16))
+def test_ranks_rows_add_up_to_the_whole(tokens, k, experts, tp, seed):
+    gen = torch.Generator().manual_seed(seed)
+    hidden, out = 3, 4
+    ids = torch.randint(0, experts, (tokens * k,), generator=gen)
+    weight = torch.randn(experts, hidden, out, dtype=torch.float64, generator=gen)
+    x = torch.randn(tokens, hidden, dtype=torch.float64, generator=gen)
+    sorted_ids, perm = torch.sort(ids)
+    offs = torch.cumsum(torch.bincount(sorted_ids, minlength=experts), 0).to(torch.int32)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel())
+
+    def whole(x, weight):
+        rows = _grouped_mm(x[perm // k], weight, offs)           # (T*k, out), sorted by expert
+        return rows[inverse].view(tokens, k, out).sum(1)         # back in token order, top-k summed
+
+    def rank_part(x, weight, rank):
+        first, count = _run(experts, tp, rank)
+        mine = E.expert_rows(offs, first, count)
+        rows = E.routed_grouped_mm(x[perm // k], weight[first:first + count], offs, first, count,
+                                   "transformers.grouped_mm_fallback.default", False)
+        rows, back = E.routed_reorder(rows, inverse, mine, tokens * k)
+        return E.routed_combine(rows, back, 0, k, [tokens, out])
+
+    xw = (x.clone().requires_grad_(), weight.clone().requires_grad_())
+    want = whole(*xw)
+    want.square().sum().backward()
+    parts = [(x.clone().requires_grad_(), weight.clone().requires_grad_()) for _ in range(tp)]
+    got = sum(rank_part(px, pw, r) for r, (px, pw) in enumerate(parts))
+    # a g: every rank's loss sees the whole output, so each rank's gradient is its own rows' share
+    got.square().sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(sum(px.grad for px, _ in parts), xw[0].grad, rtol=1e-12, atol=1e-12)
+    for rank, (_, pw) in enumerate(parts):
+        first, count = _run(experts, tp, rank)
+        torch.testing.assert_close(pw.grad[first:first + count], xw[1].grad[first:first + count])
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 12), experts=st.integers(1, 5), tp=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_picked_rows_scatter_and_match_to_the_whole(rows, experts, tp, seed):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-experts, experts, (rows,), generator=gen)   # negative ids count from the end
+    weight = torch.randn(experts, 2, 3, dtype=torch.float64, generator=gen)
+    total = torch.zeros(rows, 2, 3, dtype=torch.float64)
+    for rank in range(tp):
+        first, count = _run(experts, tp, rank)
+        mine = E.picked_rows(ids, first, count, experts)
+        picked = E.routed_pick(weight[first:first + count], ids, mine, first, experts)
+        total += E.routed_scatter(picked, mine, 0, 1, [rows, 2, 3])
+        # the same rows in another order come back in this one
+        shuffled = mine.flip(0)
+        torch.testing.assert_close(E.match_rows(picked.flip(0), shuffled, mine, 0, rows), picked)
+    torch.testing.assert_close(total, weight[ids])
+
+
+def test_routed_operands_with_other_rows_are_an_error_not_a_misaligned_sum():
+    import pytest
+
+    from autotp.errors import AutotpError
+
+    x = torch.arange(6.0).view(3, 2)
+    with pytest.raises(AutotpError, match="routed operands hold different rows on this rank"):
+        E.match_rows(x, torch.tensor([0, 2, 4]), torch.tensor([0, 1, 2]), 0, 6)
