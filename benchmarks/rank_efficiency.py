@@ -32,7 +32,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import machine, publish  # noqa: E402
@@ -40,37 +39,6 @@ from benchmarks.common import machine, publish  # noqa: E402
 #: experts layouts pinned: the expert stacks' names in transformers' MoE blocks
 EXPERTS = {"expert-parallel": {"*.experts.gate_up_proj": "expert", "*.experts.down_proj": "expert"},
            "expert-TP": {"*.experts.gate_up_proj": "expert_column", "*.experts.down_proj": "expert_row"}}
-
-
-class Counts(TorchDispatchMode):
-    """Bytes of every op but the products (inputs read, outputs written), per ATen op; the
-    products' FLOPs are torch's ``FlopCounterMode``'s (see :func:`counted`)."""
-
-    VIEWS = frozenset(("view", "_unsafe_view", "t", "transpose", "expand", "permute", "unsqueeze", "squeeze",
-                       "slice", "select", "alias", "detach", "split", "unbind", "as_strided", "split_with_sizes"))
-
-    ALLOCATIONS = frozenset(("empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided"))
-
-    def __init__(self):
-        super().__init__()
-        from torch.utils.flop_counter import flop_registry
-
-        self.products, self.bytes, self.by_op, self.flops = frozenset(flop_registry), 0, {}, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        packet = func._overloadpacket
-        name = packet.__name__
-        if packet in self.products or name in self.VIEWS or name in self.ALLOCATIONS or name.startswith(
-                ("c10d", "_c10d", "wait_tensor", "all_", "_allgather", "_reduce_scatter", "reduce_scatter",
-                 "allreduce", "broadcast")):
-            return out   # products are counted in FLOPs; views and allocations move nothing; collectives communicate
-        moved = sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves((args, kwargs, out))
-                    if isinstance(t, torch.Tensor))
-        self.bytes += moved
-        self.by_op[name] = self.by_op.get(name, 0) + moved
-        return out
 
 
 def _sync(device: str) -> None:
@@ -100,14 +68,14 @@ def timed(module, batch: dict, device: str, repeats: int) -> float:
     return statistics.median(times)
 
 
-def counted(module, batch: dict) -> Counts:
-    from torch.utils.flop_counter import FlopCounterMode
+def counted(module, batch: dict):
+    """FLOPs of products and bytes every other op reads and writes, forward + backward."""
+    from autotp.testing.work import WorkCounter
 
-    with FlopCounterMode(display=False) as flops, Counts() as counts:
+    with WorkCounter() as work:
         step(module, batch)
-    counts.flops = flops.get_total_flops()
     module.zero_grad(set_to_none=True)
-    return counts
+    return work
 
 
 def per_op(module, batch: dict, device: str) -> tuple[dict, float]:
@@ -201,7 +169,7 @@ def run_model(spec: str, args) -> list[str]:
     for label, rank_s, counts, busy, pr, ps, compiled, _ in rows:
         lines.append(f"| autotp {label} | {rank_s * 1e3:.1f} | **{share / rank_s:.2f}** | "
                      f"{counts.flops / (serial_counts.flops / args.tp):.2f} | "
-                     f"{counts.bytes / (serial_counts.bytes / args.tp):.2f} | {pr * 1e3:.2f} / {ps * 1e3:.2f} | "
+                     f"{counts.moved / (serial_counts.moved / args.tp):.2f} | {pr * 1e3:.2f} / {ps * 1e3:.2f} | "
                      f"{ps / pr:.2f} | {'-' if busy != busy else f'{busy:.0%}'} |")
     if args.compile:
         lines += ["", f"compiled (torch.compile, inductor): serial {compiled_serial * 1e3:.1f} ms; " + "; ".join(
@@ -223,11 +191,11 @@ def run_model(spec: str, args) -> list[str]:
     lines += ["", f"Bytes per ATen op (not products), rank ({label}) beside serial/N, MB (forward + backward; the "
               "12 with the most bytes over the rank's share):", "",
               "| aten op | rank | serial/N | rank ÷ serial/N |", "|---|---|---|---|"]
-    excess = {op: b - serial_counts.by_op.get(op, 0) / args.tp for op, b in counts.by_op.items()}
+    excess = {op: b - serial_counts.moved_by_op.get(op, 0) / args.tp for op, b in counts.moved_by_op.items()}
     for op in sorted(excess, key=lambda o: -excess[o])[:12]:
-        s_b = serial_counts.by_op.get(op, 0) / args.tp
-        lines.append(f"| `{op}` | {counts.by_op[op] / 1e6:.1f} | {s_b / 1e6:.1f} | "
-                     + (f"{counts.by_op[op] / s_b:.1f} |" if s_b else "- |"))
+        s_b = serial_counts.moved_by_op.get(op, 0) / args.tp
+        lines.append(f"| `{op}` | {counts.moved_by_op[op] / 1e6:.1f} | {s_b / 1e6:.1f} | "
+                     + (f"{counts.moved_by_op[op] / s_b:.1f} |" if s_b else "- |"))
     lines.append("")
     del model
     return lines

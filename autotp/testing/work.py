@@ -4,7 +4,9 @@
 backward): a product (``mm``, ``bmm``, attention, a grouped product of experts: transformers'
 fallback op and its backward included) adds its FLOPs, any other op the bytes of the tensors
 it writes (views write none). ``work.by_op`` keeps both per op name, so a test can hold one
-kind of op to account (the experts' products of a rank against its rows).
+kind of op to account (the experts' products of a rank against its rows). ``work.moved`` (and
+``moved_by_op``) counts what an op's kernels read too, the memory traffic a GPU pays for it;
+allocations (which touch no memory) and collectives (communication) are left out of it.
 """
 from __future__ import annotations
 
@@ -39,11 +41,18 @@ def _name(func) -> str:
 class WorkCounter(TorchDispatchMode):
     """Counts FLOPs of products and bytes written by every other op while active."""
 
+    #: ops that allocate without touching memory, and communication (not the rank's compute)
+    UNCOUNTED = ("empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "c10d", "_c10d",
+                 "wait_tensor", "all_reduce", "all_gather", "_allgather", "reduce_scatter", "_reduce_scatter",
+                 "allreduce", "broadcast")
+
     def __init__(self) -> None:
         super().__init__()
         self.flops = 0
         self.bytes = 0
+        self.moved = 0
         self.by_op: Counter = Counter()
+        self.moved_by_op: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -60,4 +69,9 @@ class WorkCounter(TorchDispatchMode):
             written = sum(t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
             self.bytes += written
             self.by_op[name] += written
+            short = name.split(".")[-1] if name.startswith("aten.") else name
+            if not short.startswith(self.UNCOUNTED):
+                read = sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+                self.moved += read + written
+                self.moved_by_op[short] += read + written
         return out
