@@ -301,6 +301,20 @@ EXPERT_FAMILIES: dict[str, Family] = {f.name: f for f in [
                             num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
                             num_experts_per_tok=4, sliding_window=128, max_position_embeddings=131072),
     }, tiny=_moe("num_local_experts", sliding_window=4), kv_heads=True, rotary=True),
+    # Llama-4's text model: every token through every expert (a stack read whole by bmm, the
+    # router's scores scaling the rows), a shared expert, chunked attention with rotary in three
+    # layers of four and full attention without it (and with a temperature) in the fourth
+    Family("llama4", "Llama4ForCausalLM", "Llama4TextConfig", {
+        "llama-4-scout": dict(vocab_size=202048, hidden_size=5120, intermediate_size=8192,
+                              intermediate_size_mlp=16384, num_hidden_layers=48, num_attention_heads=40,
+                              num_key_value_heads=8, head_dim=128, num_local_experts=16, num_experts_per_tok=1,
+                              interleave_moe_layer_step=1, attention_chunk_size=8192, use_qk_norm=True,
+                              max_position_embeddings=10485760, rms_norm_eps=1e-5,
+                              rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
+                                               "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                                               "original_max_position_embeddings": 8192}),
+    }, tiny=_moe("num_local_experts", num_experts_per_tok=1, no_rope_layer_interval=2, attention_chunk_size=4, floor_scale=4,
+                 intermediate_size_mlp=40), kv_heads=True, rotary=True),
 ]}
 
 
