@@ -134,6 +134,11 @@ def bmm_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
         out.append(Strategy((REPLICATE, pb), pb))
     if is_shard(pa) and pa.dim == nd - 1:
         out.append(Strategy((pa, pa.with_dim(nd - 2)), _partial()))
+    if is_shard(pb) and pb.dim == nd - 2 and not pb.tail and not pb.per_block \
+            and not (is_shard(pa) and pa.dim == nd - 1 and pa.with_dim(nd - 2) == pb):
+        # row as b is split (a plan's down stack), x converted to it: a later program whose x
+        # arrives whole (Llama-4's down_proj after a training call's plan) still has a strategy
+        out.append(Strategy((pb.with_dim(nd - 1), pb), _partial()))
     return out
 
 
