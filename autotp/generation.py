@@ -33,6 +33,7 @@ from torch import nn
 from .capture import Capture, capture, seq_bounds
 from .errors import ConfigError, InputError, PlanError
 from .placements import REPLICATE, Placement
+from .step_cache import step_cache, windowed_layers
 
 #: the example batch and lengths a step is captured with (0 and 1 are specialized by export)
 EXAMPLE_BATCH = 2
@@ -82,14 +83,12 @@ class CachedStep(nn.Module):
         self.unread = {name: False for name in _UNREAD_OUTPUTS if name in params}
 
     def forward(self, **kwargs: Any) -> dict[str, torch.Tensor]:
-        from transformers.cache_utils import DynamicCache
-
-        try:
-            cache = DynamicCache(config=self.inner.config)
-        except TypeError:   # a transformers without per-layer cache types
-            cache = DynamicCache()
-        for i in range(self.layers):
-            cache.update(kwargs.pop(f"key_{i}"), kwargs.pop(f"value_{i}"), i)
+        tensors = [(kwargs.pop(f"key_{i}"), kwargs.pop(f"value_{i}")) for i in range(self.layers)]
+        mask, ids = kwargs.get("attention_mask"), kwargs.get("input_ids")
+        # positions seen before this step: the mask spans them and the step's tokens (a sliding
+        # window layer holds fewer, and must be told: autotp.step_cache)
+        past = mask.shape[-1] - ids.shape[-1] if mask is not None and ids is not None and tensors else None
+        cache = step_cache(self.inner.config, tensors, past)
         if self.keep_last:
             kwargs["logits_to_keep"] = 1
         out = self.inner(**kwargs, use_cache=True, **self.unread, **{self.cache_arg: cache})
@@ -124,6 +123,14 @@ class CacheLayout:
     values: tuple[tuple[int, int], ...]
     dtype: torch.dtype
     placements: tuple[tuple[str, Placement], ...] = ()
+    #: per layer, the window of a layer whose cache holds the last ``window - 1`` positions only
+    #: (sliding-window or chunked attention: autotp.step_cache), else None
+    windows: tuple[int | None, ...] = ()
+
+    def held(self, layer: int, past: int) -> int:
+        """How many positions layer ``layer``'s cache holds after ``past`` positions."""
+        window = self.windows[layer] if layer < len(self.windows) else None
+        return past if window is None else min(past, window - 1)
 
     @property
     def layers(self) -> int:
@@ -182,17 +189,22 @@ def capture_step(model: nn.Module, spec: StepSpec) -> Capture:
             example[key] = torch.ones(EXAMPLE_BATCH, past + 1 if wide else 1, dtype=value.dtype, device=device)
             shapes[key] = {0: batch, **(grow if wide else {})}
         for i in range(cache.layers):
+            # a windowed layer holds at most window - 1 positions: a length of 1 there is static
+            # (export specializes it) while the mask grows, and the program must serve it
+            held = cache.held(i, spec.past)
+            length = cache.held(i, past) if held >= 2 else held
             for kv, (heads, head_dim) in (("key", cache.keys[i]), ("value", cache.values[i])):
-                example[f"{kv}_{i}"] = torch.zeros(EXAMPLE_BATCH, heads, past, head_dim, dtype=cache.dtype,
+                example[f"{kv}_{i}"] = torch.zeros(EXAMPLE_BATCH, heads, length, head_dim, dtype=cache.dtype,
                                                    device=device)
-                shapes[f"{kv}_{i}"] = {0: batch, **({2: torch.export.Dim.DYNAMIC} if dynamic else {})}
+                shapes[f"{kv}_{i}"] = {0: batch, **({2: torch.export.Dim.DYNAMIC} if held >= 2 else {})}
     cap = capture(step, example_kwargs=example, dynamic_shapes=shapes)
     cap.model_name = f"{type(model).__name__} ({'decode' if cache else 'prefill'} step)"
     return cap
 
 
-def cache_layout(cap: Capture, plan: Any) -> CacheLayout:
-    """The cache a prefill program returns: shapes from its graph, placements from its plan."""
+def cache_layout(cap: Capture, plan: Any, config: Any = None) -> CacheLayout:
+    """The cache a prefill program returns: shapes from its graph, placements from its plan,
+    the windowed layers from the model's ``config``."""
     import torch.utils._pytree as pytree
 
     out = next(n for n in cap.graph.nodes if n.op == "output")
@@ -213,7 +225,9 @@ def cache_layout(cap: Capture, plan: Any) -> CacheLayout:
                           "autotp's generation needs one dtype for every cached key and value")
     placements = tuple((n, plan.sharded_outputs.get(n, REPLICATE)) for i in range(layers)
                        for n in (f"key_{i}", f"value_{i}"))
-    return CacheLayout(tuple(keys), tuple(values), dtypes.pop(), placements)
+    windows = windowed_layers(config)
+    return CacheLayout(tuple(keys), tuple(values), dtypes.pop(), placements,
+                       tuple(windows.get(i) for i in range(layers)))
 
 
 class _FromConfig:
@@ -388,7 +402,11 @@ def generate(pm: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | No
     settings = (f"generate: max_new_tokens={steps}, eos_token_id={eos}, pad_token_id={pad}, "
                 f"{', '.join(f'{k}={v!r}' for k, v in sorted(sampling.items()))}",)
     program, out = pm._step(StepSpec(tokens), tokens, settings)
-    layout = cache_layout(program.capture, program.plan)
+    layout = cache_layout(program.capture, program.plan, info["config"])
+    if mask is None and any(layout.windows):
+        # a windowed layer's cache holds the last window's keys only: the decode step reads how
+        # many positions came before from the mask's width (autotp.step_cache)
+        mask = torch.ones_like(ids)
     unfinished = torch.ones(ids.shape[0], dtype=torch.bool, device=device)
     past = ids.shape[1]
     for step in range(steps):

@@ -373,18 +373,21 @@ def role_of(placement: Placement, first_use: Any, arg_pos: int, ndim: int | None
     if not isinstance(placement, Shard):
         return repr(placement)
     d = placement.dim
+    # a stack read whole by a batched product, each matrix applied to its own rows (Llama-4's
+    # experts, [experts, in, out]), is a stack of experts as a grouped product's is
+    stack_product = first_use is aten.bmm.default and arg_pos == 1 and ndim == 3
     if d == 0 and ndim is not None and ndim >= 2 and (
             (first_use is aten.transpose.int and arg_pos == 0 and ndim == 3)
             or (first_use is aten.index.Tensor and arg_pos == 0)
             or (str(first_use) in ("aten._grouped_mm.default", "transformers.grouped_mm_fallback.default")
-                and arg_pos == 1)):
+                and arg_pos == 1) or stack_product):
         return "expert"   # expert parallelism: whole experts per rank
     if d in (1, 2) and ndim == 3:
         # expert tensor parallelism: a split inside every expert's matrix. transformers keeps a
         # stack [experts, out, in] (read transposed by the grouped product, or picked per row
-        # for bmm); a grouped product reading the stack itself takes it as [experts, in, out].
+        # for bmm); a grouped product, or a bmm, reading the stack itself takes it as [experts, in, out].
         out_dim = {aten.transpose.int: 1, aten.index.Tensor: 1}.get(first_use, 2 if str(first_use) in (
-            "aten._grouped_mm.default", "transformers.grouped_mm_fallback.default") else None)
+            "aten._grouped_mm.default", "transformers.grouped_mm_fallback.default") or stack_product else None)
         if out_dim is not None and arg_pos in (0, 1):
             return "expert_column" if d == out_dim else "expert_row"
     if first_use in (aten.mm.default, aten.matmul.default) and arg_pos == 1 and ndim in (None, 2):

@@ -190,6 +190,56 @@ ATTENTION_FAMILIES: dict[str, Family] = {f.name: f for f in [
 ]}
 
 
+# ---- sliding-window attention ---------------------------------------------------------------
+def _windowed(every: int | None = None, **more):
+    """A tiny configuration with sliding-window attention: llama-like sizes, a window of 4 positions
+    (``sliding_window`` overrides), and where ``every`` is given, every ``every``-th layer full
+    attention, the others sliding (Gemma 2's 2, Cohere 2's 4, Gemma 3's 6; the last layer full from 2 layers on,
+    so a tiny model has both kinds); ``more`` adds the family's own switches."""
+    def tiny(layers, heads, kv_heads, head_dim, vocab, rotary, positions, **extra) -> dict:
+        kw = _llama_like(layers, heads, kv_heads, head_dim, vocab, rotary, positions, sliding_window=4)
+        if every is not None:
+            kw["layer_types"] = ["full_attention" if (i + 1) % every == 0 or (i == layers - 1 and layers > 1)
+                                 else "sliding_attention" for i in range(layers)]
+        kw.update(more)
+        kw.update(extra)
+        return kw
+
+    return tiny
+
+
+#: families whose attention looks at a sliding window of the last positions in all or some layers
+#: (Mistral's and gpt-oss's are in FAMILIES and EXPERT_FAMILIES). Kept beside FAMILIES, not in it:
+#: the per-family tests that iterate FAMILIES have not been run on them; their tests are
+#: tests/e2e/test_sliding_window.py (every call, generate with left padding)
+WINDOW_FAMILIES: dict[str, Family] = {f.name: f for f in [
+    Family("ministral", "MinistralForCausalLM", "MinistralConfig", {
+        "ministral-8b": dict(vocab_size=131072, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                             num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                             max_position_embeddings=32768, rope_theta=100000000.0, sliding_window=32768),
+    }, tiny=_windowed(), kv_heads=True, rotary=True),
+    Family("gemma2", "Gemma2ForCausalLM", "Gemma2Config", {
+        "gemma-2-9b": dict(vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+                           num_attention_heads=16, num_key_value_heads=8, head_dim=256, max_position_embeddings=8192,
+                           sliding_window=4096, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+                           final_logit_softcapping=30.0),
+    }, tiny=_windowed(2, query_pre_attn_scalar=8), kv_heads=True, rotary=True),
+    Family("gemma3", "Gemma3ForCausalLM", "Gemma3TextConfig", {
+        "gemma-3-27b": dict(vocab_size=262208, hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
+                            num_attention_heads=32, num_key_value_heads=16, head_dim=128,
+                            max_position_embeddings=131072, sliding_window=1024, query_pre_attn_scalar=168,
+                            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                "rope_theta": 1000000.0},
+                                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    }, tiny=_windowed(6, query_pre_attn_scalar=8), kv_heads=True, rotary=True),
+    Family("cohere2", "Cohere2ForCausalLM", "Cohere2Config", {
+        "command-r7b": dict(vocab_size=256000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                            num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+                            sliding_window=4096, rope_theta=50000.0, logit_scale=0.25),
+    }, tiny=_windowed(4), kv_heads=True, rotary=True),
+]}
+
+
 # ---- mixtures of experts -----------------------------------------------------------------------
 def _moe(experts_key: str, **more):
     """A tiny MoE configuration: llama-like attention, 4 experts of 2 picked per token (``experts``
@@ -251,6 +301,20 @@ EXPERT_FAMILIES: dict[str, Family] = {f.name: f for f in [
                             num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
                             num_experts_per_tok=4, sliding_window=128, max_position_embeddings=131072),
     }, tiny=_moe("num_local_experts", sliding_window=4), kv_heads=True, rotary=True),
+    # Llama-4's text model: every token through every expert (a stack read whole by bmm, the
+    # router's scores scaling the rows), a shared expert, chunked attention with rotary in three
+    # layers of four and full attention without it (and with a temperature) in the fourth
+    Family("llama4", "Llama4ForCausalLM", "Llama4TextConfig", {
+        "llama-4-scout": dict(vocab_size=202048, hidden_size=5120, intermediate_size=8192,
+                              intermediate_size_mlp=16384, num_hidden_layers=48, num_attention_heads=40,
+                              num_key_value_heads=8, head_dim=128, num_local_experts=16, num_experts_per_tok=1,
+                              interleave_moe_layer_step=1, attention_chunk_size=8192, use_qk_norm=True,
+                              max_position_embeddings=10485760, rms_norm_eps=1e-5,
+                              rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
+                                               "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                                               "original_max_position_embeddings": 8192}),
+    }, tiny=_moe("num_local_experts", num_experts_per_tok=1, no_rope_layer_interval=2, attention_chunk_size=4, floor_scale=4,
+                 intermediate_size_mlp=40), kv_heads=True, rotary=True),
 ]}
 
 
@@ -277,12 +341,12 @@ RECURRENT_FAMILIES: dict[str, Family] = {f.name: f for f in [
 
 
 def _all_families() -> dict[str, Family]:
-    return {**FAMILIES, **ATTENTION_FAMILIES, **EXPERT_FAMILIES, **RECURRENT_FAMILIES}
+    return {**FAMILIES, **ATTENTION_FAMILIES, **WINDOW_FAMILIES, **EXPERT_FAMILIES, **RECURRENT_FAMILIES}
 
 
 def family(name: str) -> Family:
-    """The family of that name, from any of the tables (FAMILIES, ATTENTION_FAMILIES, EXPERT_FAMILIES,
-    RECURRENT_FAMILIES)."""
+    """The family of that name, from any of the tables (FAMILIES, ATTENTION_FAMILIES, WINDOW_FAMILIES,
+    EXPERT_FAMILIES, RECURRENT_FAMILIES)."""
     return _all_families()[name]
 
 

@@ -51,11 +51,14 @@ SHOWN = {"gpt2": "gpt2-xl", "llama": "llama-3-8b", "mistral": "mistral-7b", "qwe
 # the families whose attention is not Llama's (whole-width q/k norms, a fused q|k|v read back with
 # slices), kept as a block of their own beside the mixture-of-experts families
 SHOWN.update({"olmo2": "olmo-2-7b", "phi3": "phi-3-mini", "modernbert": "modernbert-large"})
+# sliding-window attention in all layers or some (autotp.zoo.WINDOW_FAMILIES)
+SHOWN.update({"ministral": "ministral-8b", "gemma2": "gemma-2-9b", "gemma3": "gemma-3-27b", "cohere2": "command-r7b"})
 # not a transformer: Mamba's program holds one sequence length on CPU (autotp.capture.export.fixed_dims)
 SHOWN.update({"mamba": "mamba-130m"})
 #: the mixtures of experts, in a table of their own
 SHOWN_EXPERTS = {"mixtral": "mixtral-8x7b", "qwen3-moe": "qwen3-30b-a3b", "qwen2-moe": "qwen1.5-moe-a2.7b",
-                 "olmoe": "olmoe-1b-7b", "deepseek-v3": "deepseek-v3", "gpt-oss": "gpt-oss-20b"}
+                 "olmoe": "olmoe-1b-7b", "deepseek-v3": "deepseek-v3", "gpt-oss": "gpt-oss-20b",
+                 "llama4": "llama-4-scout"}
 #: layers planned where the published depth would only repeat what these show (DeepSeek-V3: its 3
 #: dense layers and one MoE layer)
 LAYERS = {"deepseek-v3": 4}

@@ -7,7 +7,7 @@ they achieved), predicted from autotp's own tensor-parallel plans.
 
 For each row a GPT-2-architecture model of the row's hidden size, heads and vocabulary (51,200;
 sequence 2,048) is captured on the meta device at 2 and 3 layers and planned by autotp at the
-row's t (micro-batch 1, bfloat16, the a100-dgx profile): the difference prices one layer, the
+row's t (micro-batch 1, bfloat16, the a100-dgx profile, nothing fitted): the difference prices one layer, the
 rest what lies outside the layers. autotp.cost_model.pipeline puts the layers into the row's
 pipeline (interleaved 1F1B as the paper's section 5.1 ran it, the chunks per GPU the fastest the
 layers allow; full recomputation, micro-batch 1), adds the stage-to-stage and data-parallel
@@ -116,9 +116,9 @@ def main() -> None:
         "Published: Narayanan et al. (2021), Table 1 (DGX A100 80 GB nodes, 8 per node, NVSwitch inside, "
         "8 x 200 Gb/s InfiniBand out; sequence 2048, vocabulary 51,200; the teraFLOP/s count the paper's "
         "eq. 3, recomputation included). Predicted: autotp's plan of one layer at the published t (micro-batch 1, "
-        "bfloat16) on the a100-dgx profile, with its matmul rate set to the fraction of the 312 TFLOP/s peak "
-        "in the column's title, put into the paper's interleaved 1F1B pipeline with full recomputation "
-        "(autotp.cost_model.pipeline).", "",
+        "bfloat16) on the a100-dgx profile as it is (or, in a section of its own, with its matmul rate set to "
+        "a fraction of the 312 TFLOP/s peak, `--gemm-fraction`), put into the paper's interleaved 1F1B "
+        "pipeline with full recomputation (autotp.cost_model.pipeline).", "",
     ]
     other = "sdpa" if args.attention == "eager" else "eager"
     for frac in [None, *args.gemm_fraction]:
@@ -162,58 +162,31 @@ def main() -> None:
         "pipelined rows by 1-7% (1T: bubble 10.9% -> 5.8% with its 2 layers per GPU in 2 chunks); the "
         "interleaved schedule's longer warm-up holds about 1 + 1/chunks times 1F1B's layer inputs on the "
         "first GPU, counted in the memory column (1T: 191 layer inputs instead of 128, 51 GiB).",
-        "- **Attention as the paper's runs computed it.** The paper's Megatron (2021, before flash attention) "
-        "wrote each layer's attention scores out: a batched product, the scale, the causal mask and the "
-        "softmax (one fused kernel in Megatron), dropout, and a second product reading the scores back. The "
-        "table prices that (`--attention eager`: GPT-2's eager attention, each ATen op's memory traffic); "
-        "the column beside the gap prices attention as one fused product that never writes the scores "
-        "(`--attention sdpa`, how autotp's captures of GPT-2 run by default). The scores' traffic grows as "
-        "a*s^2/t per sample and GPU, the layer's products as s*h^2/t (1.7B: 24 heads, h 2304; 1T: 160 "
-        "heads, h 25600, t 8), so the scores weigh on the "
-        "small rows and hardly on the large: 1.7B 134 -> 120 TF/GPU at 0.50, 1T 129 -> 128. This is "
-        "most of the rows' trend that a flat matmul rate could not follow: the spread of the gaps across "
-        "the ten rows falls from 18-23% (fused) to 11-18% (written out) at every rate scanned.",
-        "- **One matmul rate for every GEMM, and what it stands for.** The profile prices every matrix "
-        "product at one rate, and the level of the whole table follows it. At 0.50 of peak (the a100-dgx "
-        "profile's own, carried over from the Megatron-LM V100 convention before this table was made) every "
-        "row comes out short, -10% to -21%: six rows of ten within 15% (fused attention, whose shape is "
-        "wrong, put eight there by being high on the small rows). At 0.60 every row is within 15%, -7% to "
-        "+5%; at 0.75 every row is high (+10% to +24%), at 0.85 more so (+19% to +36%). The rate an A100's "
-        "products reach by themselves is measured elsewhere, and it is not 0.60. NVIDIA's cuBLAS curve of "
-        "the paper's era (the CUDA 11 launch post, \"CUDA 11 Features Revealed\", 2020, Figure 6: bf16, "
-        "m = n = k, read off the plot) is about 200 TFLOP/s (0.64 of peak) at 2048, 230-250 (0.74-0.80) "
-        "from 2304 to 3584, 260 (0.83) at 4096 and 275-290 (0.88-0.93) from 5632 up; a 2025 sweep over "
-        "shapes (the Maximum Achievable Matmul FLOPS table of S. Bekman's Machine Learning Engineering "
-        "book) finds at best 271 TFLOP/s (0.87) on an A100 SXM and 0.80 on an H100, where autotp's own "
-        "H200 run (`benchmarks/gpu.md`) measured 0.71-0.82 on a layer's products. This table's layer "
-        "products are 2048 tokens by h by 3h/t to 4h/t (1.7B: 2048 x 2304 x 6912; 1T: 2048 x 25600 x "
-        "9600), where those curves sit at 0.8-0.9. So 0.60 is not the products' rate: it is the rate "
-        "that makes this model's step, nearly all products, as long as the paper's. Priced at a measured "
-        "0.85, the model's step is 74-84% of the published one: the other 16-26% of the paper's step is "
-        "time the model does not price. The paper does not break its step down. Its own ablation (section "
-        "5.8) gained 11-19% of throughput by fusing three elementwise chains, where this model puts all "
-        "of a layer's elementwise traffic at a few per cent of its time at the HBM's full rate: the "
-        "memory-bound kernels of 2021 ran far below that rate, and they, with launch and host overheads, "
-        "clocks under a cluster's sustained load, and communication the runs did not overlap, are where "
-        "that time most likely went. The profile keeps 0.50. Pricing an A100 at about 0.60 puts every "
-        "row within 15%, but as a rate fitted to this table, standing for all of that, not a measured one.",
-        "- **What remains** (11-18% across the rows, the more the higher the rate): the middle rows (39B-145B at t = 8) come out "
-        "a little high and the two largest a little low, the direction of the paper's own explanation "
-        "(section 5.1: \"GPU utilization improves as the models get larger (larger matrix "
-        "multiplications)\"), which a flat rate cannot price. The one measured curve autotp has (H200: 248 "
-        "TFLOP/s at 2048 x 1024 x 1024, 700-811 from hidden 4096 up) is flat over these rows' shapes. What "
-        "the model prices besides the products is small at these sizes: the other memory-bound ops are a "
-        "few per cent of a layer, the TP all-reduces shrink as h grows (bytes per layer grow as h, work as "
-        "h^2/t), the stage-to-stage sends use the paper's scatter/gather (1/t of the boundary per "
-        "InfiniBand card), and the data-parallel all-reduce is 7% of the smallest row's step and 0.2% of "
-        "the largest. The ends of the pipeline are priced apart: the first GPU runs the embedding, the "
-        "last the head and loss, on top of Megatron's even cut of the layers. Left out: micro-batch sizes "
-        "the paper tuned per run and does not list. Measuring one A100 layer at two sizes would tell the "
-        "GEMM-rate part from the rest.",
-        "- **Kernel fusion.** Megatron fuses bias+GeLU, bias+dropout+add and the scaled masked softmax "
-        "(11-19% in the paper's section 5.8); autotp prices each ATen op as one pass over its largest "
-        "operand, as if fused with its neighbours (the written-out attention: the scale, mask, softmax and "
-        "dropout four passes over the scores, about what Megatron's fused softmax and its dropout move).",
+        "- **No fitted rate.** The a100-dgx profile is the A100's datasheet (312 TFLOP/s bf16, 2.04 TB/s) "
+        "times the ratios measured on one H200 (its best large product 754 of 989 TFLOP/s: 238 TFLOP/s "
+        "here; its copy bandwidth 4.07 of 4.8 TB/s), with the H200's product shape constants (a product "
+        "of W multiply-adds contracting k runs at W/(W + 2.5e9) x k/(k + 100) of that), its op classes' "
+        "share of the bandwidth, and a launch per kernel (`autotp/cost_model/devices.py`). Nothing in it "
+        "was set by this table. Earlier tables priced every product at a flat fraction of peak and "
+        "every other op as one fused pass over its largest operand; only a fraction of 0.60 fitted to "
+        "the table put every row within 15%.",
+        "- **Attention, the column to read.** With memory-bound ops priced at what their eager kernels "
+        "move, GPT-2's eager attention (`--attention eager`) is priced op by op: the scores written, "
+        "scaled, masked, soft-maxed (in float32) and dropped out as separate kernels, each reading and "
+        "writing b*a*s^2 values, and read again in backward. The paper's Megatron fused the scale, mask "
+        "and softmax into one kernel, so that column over-prices the small rows, where the scores weigh "
+        "most (a*s^2 per sample against s*h^2 for the products): 1.7B -32%, falling to +6% at 1T. The "
+        "fused column (`sdpa`: attention as one flash product, its bytes never written) under-prices "
+        "them less and puts every row within 15% (-10% to +13%), with no rate fitted. The truth is "
+        "between the two: Megatron's fused softmax still wrote the scores once and its dropout read them.",
+        "- **What remains**: the small rows come out low and the large rows high in the fused column. "
+        "The paper's own explanation for the trend (section 5.1: \"GPU utilization improves as the models "
+        "get larger (larger matrix multiplications)\") is priced now by the shape constants, which are "
+        "H200's: an A100's small products may lose less to their shape than an H200's (a smaller "
+        "machine fills with fewer tiles). Left out: micro-batch sizes the paper tuned per run and does "
+        "not list, clocks under a cluster's sustained load, overlap. Measuring one A100 layer at two "
+        "sizes (`autotp.cost_model.calibrate(device=\"cuda\")` measures every figure the profile holds) "
+        "would replace the scaled H200 ratios.",
         "- **Overlap.** Nothing is overlapped here: not the data-parallel all-reduce with the pipeline flush, "
         "not the stage-to-stage sends (which the paper's scatter/gather makes small anyway).",
         "- **The search** ranges over t in 1, 2, 4, 8 (inside a node), p dividing the layers, micro-batch 1 "

@@ -27,3 +27,46 @@ def test_a_decode_step_with_the_router_loss_in_the_config_computes_no_router_los
         want = CachedStep(model, layers=1)(input_ids=ids, attention_mask=mask, key_0=cache, value_0=cache.clone())
     assert out["logits"].shape == (batch, 48) and out["key_0"].shape == (batch, 2, past + 1, 8)
     assert torch.equal(out["logits"], want["logits"])   # the router loss never touched the logits
+
+
+def _steps_against_huggingface(family: str, window: int, pads: list[int], length: int, new: int) -> None:
+    """Prefill and decode steps run eagerly as generate feeds them (the mask grown each step, the
+    cache the last step returned) against the model's own calls with transformers' cache."""
+    config = zoo.tiny_config(family, layers=2, heads=4, kv_heads=2, head_dim=8, vocab=48, positions=64,
+                             sliding_window=window)
+    model = zoo.build(family, config, dtype=torch.float64, seed=3).eval()
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(2, 48, (len(pads), length), generator=gen)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate(pads):
+        mask[row, :pad] = 0
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        out = CachedStep(model, layers=0)(input_ids=ids, attention_mask=mask, position_ids=positions)
+        hf_cache = want.past_key_values
+        for _ in range(new):
+            assert torch.allclose(out["logits"], want.logits[:, -1], rtol=0, atol=1e-12)
+            token = want.logits[:, -1].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(token)], -1)
+            positions = positions[:, -1:] + 1
+            cache = {f"{kv}_{i}": out[f"{kv}_{i}"] for i in range(2) for kv in ("key", "value")}
+            want = model(input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=hf_cache,
+                         use_cache=True)
+            hf_cache = want.past_key_values
+            out = CachedStep(model, layers=2)(input_ids=token, attention_mask=mask, position_ids=positions, **cache)
+            # the windowed layers hold what transformers' own cache holds
+            for i, layer in enumerate(hf_cache.layers):
+                assert out[f"key_{i}"].shape == layer.keys.shape
+
+
+def test_a_sliding_window_step_reads_a_left_padded_mask_at_its_last_positions():
+    # Mistral, a window of 4, row 0 left-padded by 3 of 8: the windowed cache holds 3 positions;
+    # filled as tensors it counted 3 positions seen, so the decode step read the mask's first
+    # entries (row 0's pads) for its keys: logits off from the second new token, no error
+    _steps_against_huggingface("mistral", window=4, pads=[3, 0], length=8, new=4)
+
+
+def test_a_window_longer_than_the_prompt_and_mixed_layers_step_like_huggingface():
+    # Gemma 3: a sliding layer and a full one; a window of 6 over a prompt of 4 grows past it
+    _steps_against_huggingface("gemma3", window=6, pads=[0, 2], length=4, new=5)

@@ -141,7 +141,8 @@ def experts_note(index: Any, profile: Any, stacks: Mapping[str, str], roles: Map
 
 def expert_stacks(cap: Any) -> dict[str, str]:
     """Placeholder -> name of every parameter read as a stack of experts' matrices (3-D, read by
-    a pick per row, a per-matrix transpose or a grouped product)."""
+    a pick per row, a per-matrix transpose, a grouped product, or whole by a batched product as
+    its matrices: Llama-4's experts, every token through every expert)."""
     from ..roles import _first_uses
     from .rules.experts import GROUPED_MM
     from .rules.registry import op_name
@@ -155,7 +156,8 @@ def expert_stacks(cap: Any) -> dict[str, str]:
         if fqn is None or fqn in cap.aliases or node.meta["val"].dim() != 3:
             continue
         use = uses.get(node.name)
-        if use and (use[0] in (aten.transpose.int, aten.index.Tensor) or op_name(use[0]) in GROUPED_MM):
+        if use and (use[0] in (aten.transpose.int, aten.index.Tensor) or op_name(use[0]) in GROUPED_MM
+                    or (use[0] is aten.bmm.default and use[1] == 1)):
             out[node.name] = fqn
     position = {n: i for i, n in enumerate(cap.graph.nodes)}
     first_read = {p: min((position[u] for u in node.users), default=0)

@@ -126,10 +126,40 @@ def bmm_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
         # A batch dim split alike on both operands.
         if is_shard(p) and p.dim < nd - 2 and a.shape[p.dim] == b.shape[p.dim]:
             out.append(Strategy((p, p), p))
+    if nd == 3 and (pb is None or (is_shard(pb) and (pb.chunks, pb.unit, pb.tail) == (1, 1, 0))):
+        out.extend(_free_stack(info, pa, pb))
     if is_shard(pa) and pa.dim == nd - 2:
         out.append(Strategy((pa, REPLICATE), pa))
     if is_shard(pb) and pb.dim == nd - 1:
         out.append(Strategy((REPLICATE, pb), pb))
     if is_shard(pa) and pa.dim == nd - 1:
         out.append(Strategy((pa, pa.with_dim(nd - 2)), _partial()))
+    if is_shard(pb) and pb.dim == nd - 2 and not pb.tail and not pb.per_block \
+            and not (is_shard(pa) and pa.dim == nd - 1 and pa.with_dim(nd - 2) == pb):
+        # row as b is split (a plan's down stack), x converted to it: a later program whose x
+        # arrives whole (Llama-4's down_proj after a training call's plan) still has a strategy
+        out.append(Strategy((pb.with_dim(nd - 1), pb), _partial()))
+    return out
+
+
+def _free_stack(info: OpInfo, pa, pb) -> list[Strategy]:
+    """``x [n, rows, in] @ W [n, in, out]`` with W a parameter not yet placed (``pb`` None, or a
+    pin's plain shard that the rule may still cut into blocks): a stack of ``n``
+    matrices each applied to its own rows (Llama-4's experts, every token through every expert:
+    gate|up ``[experts, hidden, 2*inter]``, down ``[experts, inter, hidden]``). Besides what the
+    placements that arrived give: the stack split by whole matrices, x's matching rows sliced on
+    each rank (expert parallelism: each rank computes its experts, their sum over the stack a
+    Partial), and each matrix split on its output features, x whole (column: expert tensor
+    parallelism's gate|up, in the blocks the output's hint reads off a following ``chunk``); the
+    down product's row split follows from x arriving split on its features (above)."""
+    from .experts import _matrix_shards
+
+    out = []
+    whole = info.fresh_shard_of(1, 0)
+    if pb is None and whole is not None and info.inputs[1].static(0) is not None and info.inputs[1].static(0) >= 2 \
+            and not whole.tail and not whole.per_block and (pa == REPLICATE or pa == whole):
+        out.append(Strategy((whole, whole), whole))   # (a pinned Shard(0): the batch split above)
+    if info.inputs[1].static(0) is not None and pa == REPLICATE:
+        for have, want in _matrix_shards(info, pb, (2,), lambda d: 2):
+            out.append(Strategy((REPLICATE, have), want))
     return out

@@ -32,7 +32,7 @@ UNARY = [
     aten.dropout.default, aten.add.Scalar, aten.sub.Scalar, aten.reciprocal.default,
     aten.ne.Scalar, aten.eq.Scalar, aten.lt.Scalar, aten.le.Scalar, aten.gt.Scalar, aten.ge.Scalar,
     aten.logical_not.default, aten.bitwise_not.default, aten.clamp.default, aten.square.default,
-    aten.softplus.default,
+    aten.softplus.default, aten.floor.default, aten.log1p.default,
 ]
 BINARY = [
     aten.pow.Tensor_Tensor, aten.eq.Tensor, aten.ne.Tensor, aten.lt.Tensor, aten.le.Tensor,
@@ -40,7 +40,7 @@ BINARY = [
     aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.logical_and.default,
     aten.logical_or.default, aten.maximum.default, aten.minimum.default, aten.where.self,
     aten.where.ScalarOther,
-    aten.masked_fill.Scalar, aten.masked_fill.Tensor,
+    aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.polar.default,
 ]
 
 

@@ -279,7 +279,11 @@ def _in_place(info: OpInfo, placements: tuple, functional: Any) -> list[Strategy
     rewrite then writing a clone of the converted tensor."""
     found = _RULES[functional](replace(info, target=functional), placements)
     have = placements[0] if placements else None
-    kept = [s for s in found if have is None or s.inputs[0] == have]
+    # nothing becomes a Partial by conversion: a strategy asking it of another input (a Partial
+    # written with a replicated tensor added: Llama-4's shared expert's output, its routed sum
+    # gathered) cannot run, and the fallback below can
+    kept = [s for s in found if (have is None or s.inputs[0] == have)
+            and all(p is None or not is_partial(w) or is_partial(p) for w, p in zip(s.inputs[1:], placements[1:]))]
     return kept or replicate_all(info, placements)
 
 

@@ -605,6 +605,15 @@ def weight_transpose_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     return out
 
 
+@register(aten.view_as_complex.default, aten.view_as_real.default)
+def complex_view_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """Rotary embeddings as complex products (Llama-4): ``[..., n, 2]`` real pairs read as ``[..., n]``
+    complex numbers and back. Every dim but the pairs keeps its index, so a shard of one (the heads)
+    passes as it is; the pairs' dim is whole on every rank."""
+    pairs = info.inputs[0].ndim - 1 if info.target is aten.view_as_complex.default else info.inputs[0].ndim
+    return _follow(info, placements, lambda s: s if s.dim < pairs else None)
+
+
 @register(aten.repeat.default)
 def repeat_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     """Tiling copies whole dims: a shard survives on a dim repeated once."""
