@@ -153,9 +153,11 @@ class StepSpec:
         return frozenset(n for n in cap.output_names if n != "logits")
 
 
-def capture_step(model: nn.Module, spec: StepSpec) -> Capture:
+def capture_step(model: nn.Module, spec: StepSpec, own_lengths: bool = False) -> Capture:
     """Capture ``model`` as the generation step ``spec`` describes, with example inputs of a
-    batch of 2 and dynamic batch and lengths (a length of 1 stays static: its own program)."""
+    batch of 2 and dynamic batch and lengths (a length of 1 stays static: its own program).
+    ``own_lengths``: at the step's own prompt or cache length, not the example's (a model whose
+    program holds the length it was traced at, or guards its residue class of lengths)."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     cache = spec.cache
     names = list(spec.tokens) + (cache.names if cache else [])
@@ -167,7 +169,7 @@ def capture_step(model: nn.Module, spec: StepSpec) -> Capture:
         lo, hi = seq_bounds(model, spec.seq_range)
         length = spec.tokens["input_ids"].shape[1]
         dynamic = length >= 2
-        if dynamic:
+        if dynamic and not own_lengths:
             length = min(max(EXAMPLE_LENGTH, lo), hi)
         seq = torch.export.Dim("seq", min=lo, max=hi)
         for key, value in spec.tokens.items():
@@ -175,7 +177,7 @@ def capture_step(model: nn.Module, spec: StepSpec) -> Capture:
             shapes[key] = {0: batch, **({1: seq} if dynamic else {})}
     else:               # one token; the mask and the cache span what came before
         dynamic = spec.past >= 2
-        past = EXAMPLE_LENGTH if dynamic else spec.past
+        past = EXAMPLE_LENGTH if dynamic and not own_lengths else spec.past
         grow = {1: torch.export.Dim.DYNAMIC} if dynamic else {}
         for key, value in spec.tokens.items():
             wide = key == "attention_mask"
