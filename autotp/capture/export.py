@@ -73,7 +73,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     cap.fixed_dims = fixed_dims(cap, dynamic_shapes)
     if cap.fixed_dims:
         log.warning("autotp: %s's program holds %s only: torch.export fixed %s while tracing (the forward reads "
-                    "the length as a number, e.g. loops over it); calls at other lengths are refused",
+                    "the length as a number, e.g. loops over it); a call at another length gets a program of its own",
                     type(model).__name__, ", ".join(f"{k.replace('.', ' dim ')} = {n}" for k, n in cap.fixed_dims.items()),
                     "these dims" if len(cap.fixed_dims) > 1 else "this dim")
     cap.aliases = _tied_aliases(model, cap)
