@@ -305,3 +305,20 @@ def test_a_model_deepcopy_refuses_is_its_own_twin_with_a_warning(caplog):
         assert shape_twin(model) is model                     # later captures read the model itself
     assert "cannot be copied without its weights" in caplog.text and "stays referenced" in caplog.text
     assert not model.lin.weight.is_meta
+
+
+def test_a_chunked_scan_captures_at_a_dynamic_length_guarded_by_its_residue_class():
+    """Granite-4.0-H's Mamba2 mixer (chunks of 4): its causal LM takes use_cache through **kwargs
+    (the program must not return a cache object), and its scan pads the sequence to the chunk, so
+    export suggests ``seq = 4*_seq - 1``. The capture is dynamic in the length with the guards
+    export traced under: lengths of the example's class (11, 13: not a multiple of 4, over 4)
+    hold, a multiple of 4 and a single chunk do not (other programs)."""
+    from autotp.capture import guards_hold
+
+    config = zoo.tiny_config("granitemoehybrid", layers=1, heads=2, head_dim=8, vocab=64)
+    cap = capture(zoo.build("granitemoehybrid", config, device="meta"))
+    assert "cache" not in cap.output_names and "past_key_values" not in cap.output_names
+    assert cap.fixed_dims == {} and cap.guards
+    holds = {n: guards_hold(cap, {"input_ids": torch.zeros(2, n, dtype=torch.long),
+                                  "labels": torch.zeros(2, n, dtype=torch.long)}) for n in (3, 4, 5, 8, 11, 13)}
+    assert holds == {3: False, 4: False, 5: True, 8: False, 11: True, 13: True}

@@ -1,0 +1,64 @@
+"""The hybrids, every call: state-space mixers (Mamba in Jamba; Mamba2 in Bamba, Falcon-H1,
+Granite-4.0-H) and linear attention (Gated DeltaNet in Qwen3-Next and Qwen3.5-MoE, lightning
+attention in MiniMax) beside attention, tiny float64 configurations at tp 2 on gloo ranks.
+
+Each model is parallelized from its synthesized example (length 11), then called: training at 11
+and at 8 (Mamba2's chunked scan of 4-token chunks: another residue class of lengths, so another
+program by export's guards; a mixer that loops over the sequence or its chunks: a program traced
+at 8), and inference with row 0 left-padded. Every call equals serial at float32's rounding: each
+mixer computes in float32 inside a float64 model (transformers' torch paths cast to float32:
+``hidden_states.float()``, ``.to(torch.float32)``), and so do the routers of the experts.
+``generate`` is refused with a ConfigError naming the recurrent state (not run yet). Slow tier:
+a family's captures take 5-30 s each on two cores."""
+import pytest
+import torch
+
+from autotp.testing import TOLERANCE
+
+FAMILIES = ("bamba", "falcon-h1", "granitemoehybrid", "jamba", "qwen3-next", "qwen3.5-moe", "minimax")
+
+
+def hybrid_calls(family: str) -> dict:
+    import autotp
+    from autotp import zoo
+    from autotp.testing import equivalence_errors
+
+    config = zoo.tiny_config(family, layers=2, heads=2, kv_heads=2, head_dim=8, vocab=64)
+    if hasattr(config, "_experts_implementation"):
+        config._experts_implementation = "batched_mm"   # torch's grouped product takes no float64 on CPU
+    model = zoo.build(family, config, dtype=torch.float64)
+    pm = autotp.parallelize(model, 2)
+    out = {}
+    for length in (11, 8):
+        batch = zoo.example_batch(family, config, batch=2, seq=length, seed=length)
+        out[f"train {length}"] = max(equivalence_errors(model, pm, batch).values())
+    model.eval()
+    pm.eval()
+    ids = zoo.example_batch(family, config, batch=2, seq=8, seed=3)["input_ids"]
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+        got = pm(input_ids=ids, attention_mask=mask).logits
+        out["padded"] = ((got - ref).abs().max() / ref.abs().max()).item()
+    out["programs"] = len(pm._programs)
+    try:
+        pm.generate(ids[:, :4], max_new_tokens=2)
+        out["generate"] = None
+    except Exception as exc:   # the test asserts which class: any other is a failure
+        out["generate"] = (type(exc).__name__, isinstance(exc, autotp.AutotpError), str(exc))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_hybrid_equals_serial_at_every_length_and_padded(family):
+    from autotp.testing.ranks import LocalCluster
+
+    with LocalCluster(2, timeout=900) as cluster:   # three programs' captures, each seconds to half a minute
+        results = cluster.run(hybrid_calls, family)
+    for r in results:
+        for call in ("train 11", "train 8", "padded"):
+            assert r[call] <= TOLERANCE[torch.float32], (call, r[call])
+        kind, ours, text = r["generate"]
+        assert (kind, ours) == ("ConfigError", True) and "recurrent state" in text
