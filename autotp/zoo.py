@@ -5,7 +5,9 @@ the catalogue that the command line (``autotp plan llama-3-8b --tp 8``), the mod
 (``benchmarks/model_zoo.py`` -> ``docs/models.md``) and the per-family property tests share.
 
 * :data:`FAMILIES`: family name -> :class:`Family` (its HuggingFace model class, the published
-  configurations, and how a tiny configuration of it is spelled).
+  configurations, and how a tiny configuration of it is spelled); beside it the tables of
+  families whose tests differ (:data:`ATTENTION_FAMILIES`, :data:`EXPERT_FAMILIES`,
+  :data:`RECURRENT_FAMILIES`, :data:`HYBRID_FAMILIES`).
 * :func:`published_config` / :func:`build`: a published configuration (optionally with fewer
   layers) as a HuggingFace config, and a model of it on any device (``meta`` allocates nothing).
 * :func:`tiny_config`: a tiny configuration from a few numbers a test draws (layers, heads, kv
@@ -263,10 +265,10 @@ def _mamba(layers, heads, kv_heads, head_dim, vocab, rotary, positions) -> dict:
 
 
 #: models that are not transformers. Mamba on CPU runs transformers' slow path, a Python loop over
-#: the sequence: torch.export unrolls it, so a program holds one length (Capture.fixed_dims) and
-#: calls at another are refused (tests/e2e/test_fixed_length.py); generate is refused (its cache
-#: is a recurrent state). Kept beside FAMILIES: the per-family tests that iterate FAMILIES vary
-#: the sequence length.
+#: the sequence: torch.export unrolls it, so a program holds one length (Capture.fixed_dims) and a
+#: call at another gets a program of its own (tests/e2e/test_fixed_length.py); generate carries its
+#: recurrent state from step to step. Kept beside FAMILIES: the per-family tests that iterate
+#: FAMILIES vary the sequence length.
 RECURRENT_FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("mamba", "MambaForCausalLM", "MambaConfig", {
         "mamba-130m": dict(vocab_size=50280, hidden_size=768, state_size=16, num_hidden_layers=24, expand=2,
