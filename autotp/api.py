@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .arguments import check_planning
-from .capture import example_like, on_meta, seq_bounds, shape_twin
+from .capture import example_like, fits_call, lengths_of, on_meta, seq_bounds, shape_twin
 from .capture.cache import capture as capture_model   # once per structure; see its docs
 from .cost_model import get_profile
 from .cost_model.alignment import Align
@@ -238,15 +238,21 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
         def prepare_call():
             was = twin.training
             twin.train(training)
+            def call_capture(keep: Any) -> Any:
+                if step is not None:
+                    return capture_step(twin, step, own_lengths=bool(keep))
+                example = example_like(inputs, seq_bounds(twin, seq_range), keep=keep)
+                if on_meta(twin):   # export only needs shapes; a meta model indexes its buffers with them
+                    example = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in example.items()}
+                return capture_model(twin, seq_range=seq_range, example_kwargs=example)
+
             try:
-                if step is None:
-                    # a dim the first capture found fixed keeps the call's size (refused unless equal)
-                    example = example_like(inputs, seq_bounds(twin, seq_range), keep=cap.fixed_dims)
-                    if on_meta(twin):   # export only needs shapes; a meta model indexes its buffers with them
-                        example = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in example.items()}
-                    call_cap = capture_model(twin, seq_range=seq_range, example_kwargs=example)
-                else:
-                    call_cap = capture_step(twin, step)
+                # a dim the first capture found fixed keeps the call's size
+                call_cap = call_capture(cap.fixed_dims if step is None else ())
+                if not fits_call(call_cap, inputs):
+                    # a program traced at the example's lengths holds them only (a loop over the
+                    # sequence) or guards their residue class (a chunked scan): trace at the call's
+                    call_cap = call_capture(lengths_of(inputs))
             finally:
                 twin.train(was)
             call_plan, call_index, call_prop = build_plan(

@@ -1,4 +1,4 @@
-"""Generation on a ParallelModule, its KV cache held split by head on each rank.
+"""Generation on a ParallelModule, its KV cache (and a hybrid's recurrent states) held as the plan splits them.
 
 ``pm.generate(input_ids, attention_mask=None, max_new_tokens=20, ...)`` computes what
 HuggingFace's ``model.generate(...)`` computes for a decoder-only model: the prompt's position
@@ -8,8 +8,9 @@ and min-p processors; a repetition penalty either way), a prompt's pad tokens ma
 mask is given, and finished rows (an ``eos_token_id`` drawn) filled with ``pad_token_id``. It
 runs two kinds of program under the module's one parameter layout:
 
-* **prefill**: the prompt in, the last position's logits and every layer's keys and values out;
-* **decode**: one token and the cache in, its logits and the grown cache out.
+* **prefill**: the prompt in, the last position's logits and every layer's keys and values out
+  (a state-space or linear-attention layer's conv and recurrent states: ``conv_i``, ``ssm_i``);
+* **decode**: one token and the cache in, its logits and the grown (or updated) cache out.
 
 Each is the model's own forward, captured through :class:`CachedStep`, which hands the cache to
 the model as a ``DynamicCache`` built from plain named tensors (``key_0``, ``value_0``, ...) and
@@ -17,7 +18,8 @@ returns the updated cache the same way. The cache outputs are planned as kept sp
 (``build_plan(keep_split=...)``) and the decode program's cache inputs arrive split the same
 way (``input_placements``): where the plan splits attention by head, each rank keeps and feeds
 back only its heads' keys and values; with fewer kv heads than ranks (GQA, MQA) the plan keeps
-them whole and so does the cache. Programs are captured on first use, agreed by the ranks and
+them whole and so does the cache; a recurrent state lies as the plan leaves its mixer's output
+(split by head where the mixer is). Programs are captured on first use, agreed by the ranks and
 cached like any other call's (a one-token prompt, or a cache of one position, is its own
 program: torch.export specializes a dim of size 1).
 """
@@ -61,19 +63,21 @@ _UNREAD_OUTPUTS = ("output_router_logits",)
 
 
 class CachedStep(nn.Module):
-    """``model``'s forward with its KV cache as plain named tensors.
+    """``model``'s forward with its cache as plain named tensors.
 
     The step shares the model's parameter, buffer and submodule tables, so its parameters have
     the model's own names (a plan made for the model applies as it is). ``forward(input_ids,
-    [attention_mask], [position_ids], key_0, value_0, ...)`` returns ``{"logits": the last
-    position's logits, "key_0": ..., "value_0": ..., ...}``."""
+    [attention_mask], [position_ids], key_0, value_0, conv_1, ssm_1, ...)`` returns ``{"logits":
+    the last position's logits, "key_0": ..., ...}``: an attention layer's keys and values, a
+    state-space or linear-attention layer's (transformers' ``LinearAttentionLayer``) conv and
+    recurrent states, a hybrid layer both; ``names`` lists the tensors a decode step takes."""
 
-    def __init__(self, model: nn.Module, layers: int):
+    def __init__(self, model: nn.Module, names: tuple[str, ...] = ()):
         super().__init__()
         object.__setattr__(self, "inner", model)   # not a submodule: FQNs stay the model's
         self._parameters, self._buffers, self._modules = model._parameters, model._buffers, model._modules
         self.training = model.training
-        self.layers = layers
+        self.names = tuple(names)
         params = inspect.signature(model.forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
         self.keep_last = "logits_to_keep" in params
@@ -83,20 +87,56 @@ class CachedStep(nn.Module):
         self.unread = {name: False for name in _UNREAD_OUTPUTS if name in params}
 
     def forward(self, **kwargs: Any) -> dict[str, torch.Tensor]:
-        tensors = [(kwargs.pop(f"key_{i}"), kwargs.pop(f"value_{i}")) for i in range(self.layers)]
+        cached = {name: kwargs.pop(name) for name in self.names}
+        layers = sorted({int(name.rsplit("_", 1)[1]) for name in cached})
+        kv = {i: (cached[f"key_{i}"], cached[f"value_{i}"]) for i in layers if f"key_{i}" in cached}
         mask, ids = kwargs.get("attention_mask"), kwargs.get("input_ids")
         # positions seen before this step: the mask spans them and the step's tokens (a sliding
         # window layer holds fewer, and must be told: autotp.step_cache)
-        past = mask.shape[-1] - ids.shape[-1] if mask is not None and ids is not None and tensors else None
-        cache = step_cache(self.inner.config, tensors, past)
+        past = mask.shape[-1] - ids.shape[-1] if mask is not None and ids is not None and kv else None
+        cache = step_cache(self.inner.config, kv, past)
+        for i in layers:
+            if f"conv_{i}" in cached or f"ssm_{i}" in cached:
+                _load_states(cache.layers[i], cached.get(f"conv_{i}"), cached.get(f"ssm_{i}"))
         if self.keep_last:
             kwargs["logits_to_keep"] = 1
         out = self.inner(**kwargs, use_cache=True, **self.unread, **{self.cache_arg: cache})
         cache = out.get(self.cache_arg, out.get("past_key_values"))
         result = {"logits": out["logits"][:, -1, :]}
         for i, layer in enumerate(cache.layers):
-            result[f"key_{i}"], result[f"value_{i}"] = layer.keys, layer.values
+            for name, value in _layer_tensors(layer, i):
+                result[name] = value
         return result
+
+
+def _layer_tensors(layer: Any, i: int) -> list[tuple[str, torch.Tensor]]:
+    """A cache layer's tensors under the step's names: ``key_i``/``value_i`` of attention,
+    ``conv_i``/``ssm_i`` of a state-space or linear-attention mixer (one state each: transformers'
+    ``state_idx`` 0), those it holds."""
+    out = []
+    conv, ssm = getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)
+    if isinstance(conv, dict) and conv.get(0) is not None:
+        out.append((f"conv_{i}", conv[0]))
+    if isinstance(ssm, dict) and ssm.get(0) is not None:
+        out.append((f"ssm_{i}", ssm[0]))
+    if getattr(layer, "keys", None) is not None:
+        out += [(f"key_{i}", layer.keys), (f"value_{i}", layer.values)]
+    return out
+
+
+def _load_states(layer: Any, conv: torch.Tensor | None, ssm: torch.Tensor | None) -> None:
+    """A ``LinearAttentionLayer`` holding a step's conv and recurrent states, as transformers'
+    prefill leaves it. Copies: the mixers update the states in place, and a program's inputs
+    stay as they came (torch.export would otherwise record a mutated input)."""
+    if conv is not None:
+        layer.conv_states[0] = conv.clone()
+        layer.is_conv_states_initialized[0] = True
+        layer.conv_kernel_size[0] = conv.shape[-1]
+        layer.device, layer.dtype = conv.device, conv.dtype
+    if ssm is not None:
+        layer.recurrent_states[0] = ssm.clone()
+        layer.is_recurrent_states_initialized[0] = True
+    layer.has_previous_state[0] = True
 
 
 def _step_class(names: list[str]) -> type:
@@ -112,16 +152,22 @@ def _step_class(names: list[str]) -> type:
     return type("CachedStep", (CachedStep,), {"forward": forward})
 
 
+#: the dim of a cached key or value that grows by a position per step ([batch, heads, length, head_dim])
+LENGTH_DIM = 2
+
+
 @dataclass(frozen=True)
 class CacheLayout:
-    """The cache a decode step takes: per layer the (heads, head dim) of its keys and of its
-    values, the dtype, and how each cached tensor (``key_0``, ``value_0``, ...) lies on the ranks.
-    Keys and values are read apart: multi-head latent attention (DeepSeek's MLA) caches the
-    compressed latent as its "keys" (one head of the latent's width) and the shared rotary key as
-    its "values" (one head of the rotary width), neither the config's ``head_dim``."""
-    keys: tuple[tuple[int, int], ...]
-    values: tuple[tuple[int, int], ...]
-    dtype: torch.dtype
+    """The cache a decode step takes: each cached tensor by name (``key_0``, ``value_0``,
+    ``conv_1``, ``ssm_1``, ...) with its shape past the batch dim (a key's or value's length,
+    which grows, as 0), its dtype, and how it lies on the ranks. An attention layer's keys and
+    values are read apart: multi-head latent attention (DeepSeek's MLA) caches the compressed
+    latent as its "keys" and the shared rotary key as its "values", neither the config's
+    ``head_dim``. A state-space or linear-attention layer's conv and recurrent states keep their
+    shapes (the state of a sequence of any length), each its own dtype (Mamba2's scan keeps its
+    state in float32 in a bfloat16 model)."""
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    dtypes: tuple[tuple[str, torch.dtype], ...]
     placements: tuple[tuple[str, Placement], ...] = ()
     #: per layer, the window of a layer whose cache holds the last ``window - 1`` positions only
     #: (sliding-window or chunked attention: autotp.step_cache), else None
@@ -133,12 +179,13 @@ class CacheLayout:
         return past if window is None else min(past, window - 1)
 
     @property
-    def layers(self) -> int:
-        return len(self.keys)
-
-    @property
     def names(self) -> list[str]:
-        return [f"{kv}_{i}" for i in range(self.layers) for kv in ("key", "value")]
+        return [name for name, _ in self.shapes]
+
+    @staticmethod
+    def grows(name: str) -> bool:
+        """Does this cached tensor grow a position per step (attention's keys and values)?"""
+        return name.startswith(("key_", "value_"))
 
 
 @dataclass
@@ -160,13 +207,15 @@ class StepSpec:
         return frozenset(n for n in cap.output_names if n != "logits")
 
 
-def capture_step(model: nn.Module, spec: StepSpec) -> Capture:
+def capture_step(model: nn.Module, spec: StepSpec, own_lengths: bool = False) -> Capture:
     """Capture ``model`` as the generation step ``spec`` describes, with example inputs of a
-    batch of 2 and dynamic batch and lengths (a length of 1 stays static: its own program)."""
+    batch of 2 and dynamic batch and lengths (a length of 1 stays static: its own program).
+    ``own_lengths``: at the step's own prompt or cache length, not the example's (a model whose
+    program holds the length it was traced at, or guards its residue class of lengths)."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     cache = spec.cache
     names = list(spec.tokens) + (cache.names if cache else [])
-    step = _step_class(names)(model, cache.layers if cache else 0)
+    step = _step_class(names)(model, tuple(cache.names) if cache else ())
     batch = torch.export.Dim("batch", min=1, max=1 << 20)
     example: dict[str, torch.Tensor] = {}
     shapes: dict[str, Any] = {}
@@ -174,7 +223,7 @@ def capture_step(model: nn.Module, spec: StepSpec) -> Capture:
         lo, hi = seq_bounds(model, spec.seq_range)
         length = spec.tokens["input_ids"].shape[1]
         dynamic = length >= 2
-        if dynamic:
+        if dynamic and not own_lengths:
             length = min(max(EXAMPLE_LENGTH, lo), hi)
         seq = torch.export.Dim("seq", min=lo, max=hi)
         for key, value in spec.tokens.items():
@@ -182,21 +231,22 @@ def capture_step(model: nn.Module, spec: StepSpec) -> Capture:
             shapes[key] = {0: batch, **({1: seq} if dynamic else {})}
     else:               # one token; the mask and the cache span what came before
         dynamic = spec.past >= 2
-        past = EXAMPLE_LENGTH if dynamic else spec.past
+        past = EXAMPLE_LENGTH if dynamic and not own_lengths else spec.past
         grow = {1: torch.export.Dim.DYNAMIC} if dynamic else {}
         for key, value in spec.tokens.items():
             wide = key == "attention_mask"
             example[key] = torch.ones(EXAMPLE_BATCH, past + 1 if wide else 1, dtype=value.dtype, device=device)
             shapes[key] = {0: batch, **(grow if wide else {})}
-        for i in range(cache.layers):
+        dtypes = dict(cache.dtypes)
+        for name, shape in cache.shapes:
+            grows = cache.grows(name)
             # a windowed layer holds at most window - 1 positions: a length of 1 there is static
             # (export specializes it) while the mask grows, and the program must serve it
-            held = cache.held(i, spec.past)
-            length = cache.held(i, past) if held >= 2 else held
-            for kv, (heads, head_dim) in (("key", cache.keys[i]), ("value", cache.values[i])):
-                example[f"{kv}_{i}"] = torch.zeros(EXAMPLE_BATCH, heads, length, head_dim, dtype=cache.dtype,
-                                                   device=device)
-                shapes[f"{kv}_{i}"] = {0: batch, **({2: torch.export.Dim.DYNAMIC} if held >= 2 else {})}
+            held = cache.held(int(name.rsplit("_", 1)[1]), spec.past) if grows else 0
+            length = cache.held(int(name.rsplit("_", 1)[1]), past) if held >= 2 else held
+            size = [length if grows and d == LENGTH_DIM - 1 else n for d, n in enumerate(shape)]
+            example[name] = torch.zeros(EXAMPLE_BATCH, *size, dtype=dtypes[name], device=device)
+            shapes[name] = {0: batch, **({LENGTH_DIM: torch.export.Dim.DYNAMIC} if grows and held >= 2 else {})}
     cap = capture(step, example_kwargs=example, dynamic_shapes=shapes)
     cap.model_name = f"{type(model).__name__} ({'decode' if cache else 'prefill'} step)"
     return cap
@@ -209,25 +259,21 @@ def cache_layout(cap: Capture, plan: Any, config: Any = None) -> CacheLayout:
 
     out = next(n for n in cap.graph.nodes if n.op == "output")
     vals = {name: leaf.meta["val"] for name, leaf in zip(cap.output_names, pytree.tree_leaves(out.args[0]))}
-    layers = len(vals) // 2
-    keys, values, dtypes = [], [], set()
-    for i in range(layers):
-        key, value = vals[f"key_{i}"], vals[f"value_{i}"]
-        if key.dim() != 4 or value.dim() != 4:
-            raise ConfigError(f"{cap.model_name}: layer {i}'s cache is {tuple(key.shape)} and {tuple(value.shape)}; "
-                              "autotp's generation needs [batch, heads, length, head_dim] keys and values "
-                              "(a DynamicCache)")
-        keys.append((int(key.shape[1]), int(key.shape[3])))
-        values.append((int(value.shape[1]), int(value.shape[3])))
-        dtypes.update((key.dtype, value.dtype))
-    if len(dtypes) != 1:
-        raise ConfigError(f"{cap.model_name}: its cache holds tensors of several dtypes ({sorted(map(str, dtypes))}); "
-                          "autotp's generation needs one dtype for every cached key and value")
-    placements = tuple((n, plan.sharded_outputs.get(n, REPLICATE)) for i in range(layers)
-                       for n in (f"key_{i}", f"value_{i}"))
+    shapes, dtypes = [], []
+    for name, val in vals.items():
+        if name == "logits":
+            continue
+        if CacheLayout.grows(name) and val.dim() != 4:
+            raise ConfigError(f"{cap.model_name}: its cache's {name} is {tuple(val.shape)}; autotp's generation "
+                              "needs [batch, heads, length, head_dim] keys and values (a DynamicCache)")
+        shape = tuple(0 if CacheLayout.grows(name) and d == LENGTH_DIM else int(n)
+                      for d, n in enumerate(val.shape) if d > 0)
+        shapes.append((name, shape))
+        dtypes.append((name, val.dtype))
+    placements = tuple((n, plan.sharded_outputs.get(n, REPLICATE)) for n, _ in shapes)
     windows = windowed_layers(config)
-    return CacheLayout(tuple(keys), tuple(values), dtypes.pop(), placements,
-                       tuple(windows.get(i) for i in range(layers)))
+    layers = 1 + max((int(n.rsplit("_", 1)[1]) for n, _ in shapes), default=-1)
+    return CacheLayout(tuple(shapes), tuple(dtypes), placements, tuple(windows.get(i) for i in range(layers)))
 
 
 class _FromConfig:
@@ -324,19 +370,6 @@ def _processors(info: dict[str, Any], given: dict[str, Any], mask: torch.Tensor 
     return sample, processors
 
 
-def recurrent_cache_layers(config: Any) -> str:
-    """The layers of ``config``'s DynamicCache that keep a recurrent state (transformers' linear
-    attention layers: Mamba's conv and SSM states) rather than keys and values, as words ('' if none)."""
-    try:
-        from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
-        layers = DynamicCache(config=config).layers
-    except Exception:   # a transformers without per-layer cache types, or a config it cannot read
-        return ""
-    kinds = sorted({type(layer).__name__ for layer in layers if isinstance(layer, LinearAttentionCacheLayerMixin)})
-    count = sum(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in layers)
-    return f"{count} of {len(layers)} layers are {', '.join(kinds)}" if kinds else ""
-
-
 @torch.no_grad()
 def generate(pm: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
              max_new_tokens: int | None = None, eos_token_id: int | list[int] | None = FROM_CONFIG,
@@ -355,11 +388,6 @@ def generate(pm: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | No
     if not info["has_config"] or info["is_encoder_decoder"]:
         raise ConfigError(f"{info['model_name']}: autotp's generate runs decoder-only HuggingFace models "
                           "(a config and a DynamicCache); encoder-decoder generation is not supported yet")
-    recurrent = recurrent_cache_layers(info["config"])
-    if recurrent:
-        raise ConfigError(f"{info['model_name']}: its generation cache holds a recurrent state, not keys and values "
-                          f"({recurrent}: a state-space or linear-attention layer); autotp's generate splits a "
-                          "key/value cache by head and does not run a recurrent one yet: generate with the serial model")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
         raise InputError("generate takes input_ids as a [batch, length] integer tensor")
     if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:

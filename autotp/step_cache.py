@@ -101,10 +101,10 @@ def _step_window_layer() -> type | None:
     return StepWindowLayer
 
 
-def step_cache(config: Any, tensors: list[tuple[torch.Tensor, torch.Tensor]], past: Any) -> Any:
-    """A ``DynamicCache`` for ``config`` holding ``tensors`` (per layer its keys and values;
-    [] for the prefill) after ``past`` positions; ``past`` None: what the tensors hold (the
-    windowed layers then count their held keys, as transformers' update would)."""
+def step_cache(config: Any, tensors: dict[int, tuple[torch.Tensor, torch.Tensor]], past: Any) -> Any:
+    """A ``DynamicCache`` for ``config`` holding ``tensors`` (attention layer -> its keys and
+    values; {} for the prefill) after ``past`` positions; ``past`` None: what the tensors hold
+    (the windowed layers then count their held keys, as transformers' update would)."""
     from transformers.cache_utils import DynamicCache
 
     try:
@@ -115,10 +115,10 @@ def step_cache(config: Any, tensors: list[tuple[torch.Tensor, torch.Tensor]], pa
     for i in range(len(cache.layers) if window is not None else 0):
         layer = cache.layers[i]
         if type(layer) is window:
-            keys, values = tensors[i] if i < len(tensors) else (None, None)
+            keys, values = tensors.get(i, (None, None))
             seen = 0 if keys is None else past if past is not None else keys.shape[-2]
             cache.layers[i] = layer_class(layer.sliding_window, keys, values, seen)
-    for i, (keys, values) in enumerate(tensors):
+    for i, (keys, values) in sorted(tensors.items()):
         if layer_class is None or i >= len(cache.layers) or not isinstance(cache.layers[i], layer_class):
             cache.update(keys, values, i)
     return cache

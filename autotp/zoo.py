@@ -5,7 +5,9 @@ the catalogue that the command line (``autotp plan llama-3-8b --tp 8``), the mod
 (``benchmarks/model_zoo.py`` -> ``docs/models.md``) and the per-family property tests share.
 
 * :data:`FAMILIES`: family name -> :class:`Family` (its HuggingFace model class, the published
-  configurations, and how a tiny configuration of it is spelled).
+  configurations, and how a tiny configuration of it is spelled); beside it the tables of
+  families whose tests differ (:data:`ATTENTION_FAMILIES`, :data:`EXPERT_FAMILIES`,
+  :data:`RECURRENT_FAMILIES`, :data:`HYBRID_FAMILIES`).
 * :func:`published_config` / :func:`build`: a published configuration (optionally with fewer
   layers) as a HuggingFace config, and a model of it on any device (``meta`` allocates nothing).
 * :func:`tiny_config`: a tiny configuration from a few numbers a test draws (layers, heads, kv
@@ -327,10 +329,10 @@ def _mamba(layers, heads, kv_heads, head_dim, vocab, rotary, positions) -> dict:
 
 
 #: models that are not transformers. Mamba on CPU runs transformers' slow path, a Python loop over
-#: the sequence: torch.export unrolls it, so a program holds one length (Capture.fixed_dims) and
-#: calls at another are refused (tests/e2e/test_fixed_length.py); generate is refused (its cache
-#: is a recurrent state). Kept beside FAMILIES: the per-family tests that iterate FAMILIES vary
-#: the sequence length.
+#: the sequence: torch.export unrolls it, so a program holds one length (Capture.fixed_dims) and a
+#: call at another gets a program of its own (tests/e2e/test_fixed_length.py); generate carries its
+#: recurrent state from step to step. Kept beside FAMILIES: the per-family tests that iterate
+#: FAMILIES vary the sequence length.
 RECURRENT_FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("mamba", "MambaForCausalLM", "MambaConfig", {
         "mamba-130m": dict(vocab_size=50280, hidden_size=768, state_size=16, num_hidden_layers=24, expand=2,
@@ -340,13 +342,144 @@ RECURRENT_FAMILIES: dict[str, Family] = {f.name: f for f in [
 ]}
 
 
+# ---- hybrids: state-space and linear-attention mixers beside attention ------------------------------
+def _alternating(layers: int, mixer: str, attention: str) -> list[str]:
+    """A tiny hybrid's layer pattern: the mixer on even layers, attention on odd ones (2 layers:
+    one of each)."""
+    return [attention if i % 2 else mixer for i in range(layers)]
+
+
+def _mamba2_mixer(heads, head_dim) -> dict:
+    """A tiny Mamba2 mixer (Bamba, Falcon-H1, Granite-4.0-H): twice the attention's heads of its
+    head dim (the published expand of 2), one group, a state of 4 and chunks of 4 tokens, so that
+    the example length of 11 spans several chunks and a padded last one."""
+    return dict(mamba_n_heads=2 * heads, mamba_d_head=head_dim, mamba_n_groups=1, mamba_d_state=4,
+                mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=4)
+
+
+def _jamba(layers, heads, kv_heads, head_dim, vocab, rotary, positions, experts=4, top_k=2, **extra) -> dict:
+    kw = _llama_like(layers, heads, kv_heads, head_dim, vocab, rotary, positions)
+    kw.pop("head_dim")
+    kw.update(num_experts=experts, num_experts_per_tok=top_k, expert_layer_period=2, expert_layer_offset=1,
+              attn_layer_period=2, attn_layer_offset=1, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2,
+              mamba_dt_rank=4, use_mamba_kernels=False)
+    return {**kw, **extra}
+
+
+def _bamba(layers, heads, kv_heads, head_dim, vocab, rotary, positions, **extra) -> dict:
+    kw = _llama_like(layers, heads, kv_heads, head_dim, vocab, rotary, positions)
+    kw.pop("head_dim")
+    kw.update(attn_layer_indices=[i for i in range(layers) if i % 2], **_mamba2_mixer(heads, head_dim))
+    return {**kw, **extra}
+
+
+def _falcon_h1(layers, heads, kv_heads, head_dim, vocab, rotary, positions, **extra) -> dict:
+    kw = _llama_like(layers, heads, kv_heads, head_dim, vocab, rotary, positions)
+    kw.update(mamba_d_ssm=2 * heads * head_dim, **_mamba2_mixer(heads, head_dim))
+    return {**kw, **extra}
+
+
+def _granite_hybrid(layers, heads, kv_heads, head_dim, vocab, rotary, positions, experts=4, top_k=2,
+                    **extra) -> dict:
+    kw = _llama_like(layers, heads, kv_heads, head_dim, vocab, rotary, positions)
+    kw.pop("head_dim")
+    kw.update(num_local_experts=experts, num_experts_per_tok=top_k, shared_intermediate_size=2 * heads * head_dim,
+              layer_types=_alternating(layers, "mamba", "attention"), **_mamba2_mixer(heads, head_dim))
+    return {**kw, **extra}
+
+
+def _gated_deltanet(layers, heads, kv_heads, head_dim, vocab, rotary, positions, experts=4, top_k=2,
+                    **extra) -> dict:
+    """Qwen3-Next and Qwen3.5-MoE: Gated DeltaNet layers (as many key heads as attention heads,
+    twice the value heads, as published) and gated attention, each before a mixture of experts."""
+    kw = _llama_like(layers, heads, kv_heads, head_dim, vocab, rotary, positions)
+    kw.update(linear_num_key_heads=heads, linear_num_value_heads=2 * heads, linear_key_head_dim=head_dim,
+              linear_value_head_dim=head_dim, linear_conv_kernel_dim=4, num_experts=experts,
+              num_experts_per_tok=top_k, moe_intermediate_size=12, shared_expert_intermediate_size=12,
+              layer_types=_alternating(layers, "linear_attention", "full_attention"))
+    return {**kw, **extra}
+
+
+def _minimax(layers, heads, kv_heads, head_dim, vocab, rotary, positions, experts=4, top_k=2, **extra) -> dict:
+    """MiniMax: lightning attention (linear attention in blocks of ``block_size`` tokens, 4 here so
+    the example length spans several blocks) and softmax attention, each before its experts."""
+    kw = _llama_like(layers, heads, kv_heads, head_dim, vocab, rotary, positions)
+    kw.update(num_local_experts=experts, num_experts_per_tok=top_k, block_size=4,
+              layer_types=_alternating(layers, "linear_attention", "full_attention"))
+    return {**kw, **extra}
+
+
+#: hybrids: state-space (Mamba in Jamba; Mamba2 in Bamba, Falcon-H1, Granite-4.0-H) and linear-attention
+#: (Gated DeltaNet in Qwen3-Next and Qwen3.5-MoE, lightning attention in MiniMax) mixers beside attention.
+#: Kept beside FAMILIES: the per-family tests that iterate FAMILIES vary the sequence length, and the
+#: mixers whose torch path loops over the sequence (Jamba's Mamba, Gated DeltaNet's chunks, MiniMax's
+#: blocks) hold one length per program (Capture.fixed_dims); Mamba2's chunked scan is captured at a
+#: dynamic length with export's guards (Capture.guards). Their every-call test is tests/e2e/test_hybrids.py.
+#: The published configurations are the checkpoints' config.json values (Falcon-H1 0.5B and
+#: Granite-4.0-H-Tiny: their model cards' tables).
+HYBRID_FAMILIES: dict[str, Family] = {f.name: f for f in [
+    Family("jamba", "JambaForCausalLM", "JambaConfig", {
+        "jamba-v0.1": dict(vocab_size=65536, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                           num_attention_heads=32, num_key_value_heads=8, num_experts=16, num_experts_per_tok=2,
+                           expert_layer_period=2, expert_layer_offset=1, attn_layer_period=8, attn_layer_offset=4,
+                           mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=256,
+                           use_mamba_kernels=False, max_position_embeddings=262144),
+    }, tiny=_jamba, kv_heads=True),
+    Family("bamba", "BambaForCausalLM", "BambaConfig", {
+        "bamba-9b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, attn_layer_indices=[9, 18, 27],
+                         mamba_n_heads=128, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128, mamba_d_conv=4,
+                         mamba_expand=2, mamba_chunk_size=256, max_position_embeddings=262144),
+    }, tiny=_bamba, kv_heads=True, rotary=True),
+    Family("falcon-h1", "FalconH1ForCausalLM", "FalconH1Config", {
+        "falcon-h1-0.5b": dict(vocab_size=32784, hidden_size=1024, intermediate_size=2048, num_hidden_layers=36,
+                               num_attention_heads=8, num_key_value_heads=2, head_dim=64, mamba_d_ssm=1536,
+                               mamba_n_heads=24, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128,
+                               mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=128, max_position_embeddings=16384),
+    }, tiny=_falcon_h1, kv_heads=True, rotary=True),
+    Family("granitemoehybrid", "GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig", {
+        "granite-4.0-h-tiny": dict(vocab_size=100352, hidden_size=1536, intermediate_size=512,
+                                   shared_intermediate_size=1024, num_hidden_layers=40, num_attention_heads=12,
+                                   num_key_value_heads=4, num_local_experts=64, num_experts_per_tok=6,
+                                   layer_types=["attention" if i in (5, 15, 25, 35) else "mamba" for i in range(40)],
+                                   mamba_n_heads=48, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128,
+                                   mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256,
+                                   position_embedding_type="nope", max_position_embeddings=131072),
+    }, tiny=_granite_hybrid, kv_heads=True),
+    Family("qwen3-next", "Qwen3NextForCausalLM", "Qwen3NextConfig", {
+        "qwen3-next-80b-a3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=5120, num_hidden_layers=48,
+                                   num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                                   linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                                   linear_num_key_heads=16, linear_num_value_heads=32, moe_intermediate_size=512,
+                                   shared_expert_intermediate_size=512, num_experts=512, num_experts_per_tok=10,
+                                   decoder_sparse_step=1, norm_topk_prob=True, max_position_embeddings=262144),
+    }, tiny=_gated_deltanet, kv_heads=True, rotary=True),
+    Family("qwen3.5-moe", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", {
+        "qwen3.5-35b-a3b": dict(vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+                                num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4,
+                                linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+                                linear_num_value_heads=32, moe_intermediate_size=512,
+                                shared_expert_intermediate_size=512, num_experts=256, num_experts_per_tok=8,
+                                max_position_embeddings=262144),
+    }, tiny=_gated_deltanet, kv_heads=True, rotary=True),
+    Family("minimax", "MiniMaxForCausalLM", "MiniMaxConfig", {
+        "minimax-text-01": dict(vocab_size=200064, hidden_size=6144, intermediate_size=9216, num_hidden_layers=80,
+                                num_attention_heads=64, num_key_value_heads=8, head_dim=128, num_local_experts=32,
+                                num_experts_per_tok=2, block_size=256,
+                                layer_types=["full_attention" if i % 8 == 7 else "linear_attention" for i in range(80)],
+                                max_position_embeddings=10240000),
+    }, tiny=_minimax, kv_heads=True, rotary=True),
+]}
+
+
 def _all_families() -> dict[str, Family]:
-    return {**FAMILIES, **ATTENTION_FAMILIES, **WINDOW_FAMILIES, **EXPERT_FAMILIES, **RECURRENT_FAMILIES}
+    return {**FAMILIES, **ATTENTION_FAMILIES, **WINDOW_FAMILIES, **EXPERT_FAMILIES, **RECURRENT_FAMILIES,
+            **HYBRID_FAMILIES}
 
 
 def family(name: str) -> Family:
     """The family of that name, from any of the tables (FAMILIES, ATTENTION_FAMILIES, WINDOW_FAMILIES,
-    EXPERT_FAMILIES, RECURRENT_FAMILIES)."""
+    EXPERT_FAMILIES, RECURRENT_FAMILIES, HYBRID_FAMILIES)."""
     return _all_families()[name]
 
 
@@ -375,12 +508,29 @@ def modeling_modules() -> list[str]:
     return sorted({_classes(fam)[1].__module__ for fam in _all_families().values()})
 
 
+def _layer_lists(kwargs: dict, layers: int) -> dict:
+    """A hybrid's per-layer lists shrunk to ``layers`` with every kind of layer kept: the first
+    ``layers`` entries of ``layer_types``, a missing kind put in at the end; ``attn_layer_indices``
+    those below ``layers``, else the last layer."""
+    out = {}
+    types = kwargs.get("layer_types")
+    if isinstance(types, list):
+        kept = types[:layers]
+        missing = [kind for kind in dict.fromkeys(types) if kind not in kept]
+        out["layer_types"] = (kept[:max(layers - len(missing), 0)] + missing)[:layers]
+    indices = kwargs.get("attn_layer_indices")
+    if isinstance(indices, list):
+        out["attn_layer_indices"] = [i for i in indices if i < layers] or [layers - 1]
+    return out
+
+
 def published_config(size: str, layers: int | None = None) -> Any:
     """The HF config of a published model (``layers`` shrinks its depth, all else kept)."""
     family = family_of(size)
     config_cls, _ = _classes(family)
     kwargs = dict(family.published[size])
     if layers is not None:
+        kwargs.update(_layer_lists(kwargs, layers))
         for attr in family.layers_attr:
             if attr in kwargs or hasattr(config_cls(), attr):
                 kwargs[attr] = layers

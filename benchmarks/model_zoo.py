@@ -59,6 +59,10 @@ SHOWN.update({"mamba": "mamba-130m"})
 SHOWN_EXPERTS = {"mixtral": "mixtral-8x7b", "qwen3-moe": "qwen3-30b-a3b", "qwen2-moe": "qwen1.5-moe-a2.7b",
                  "olmoe": "olmoe-1b-7b", "deepseek-v3": "deepseek-v3", "gpt-oss": "gpt-oss-20b",
                  "llama4": "llama-4-scout"}
+#: the hybrids (state-space and linear-attention mixers beside attention), in a table of their own
+SHOWN_HYBRIDS = {"jamba": "jamba-v0.1", "bamba": "bamba-9b", "falcon-h1": "falcon-h1-0.5b",
+                 "granitemoehybrid": "granite-4.0-h-tiny", "qwen3-next": "qwen3-next-80b-a3b",
+                 "qwen3.5-moe": "qwen3.5-35b-a3b", "minimax": "minimax-text-01"}
 #: layers planned where the published depth would only repeat what these show (DeepSeek-V3: its 3
 #: dense layers and one MoE layer)
 LAYERS = {"deepseek-v3": 4}
@@ -171,7 +175,7 @@ def equivalence_task(family: str, tp: int) -> tuple[float, float]:
     # of three query heads at tp 3 (replicated k and v, or a fused layout's k and v whole per rank)
     config = zoo.tiny_config(family, layers=2, heads=heads, kv_heads=tp - 1, head_dim=8,
                              vocab=16 * tp + 5)
-    if family in SHOWN_EXPERTS:   # the batched experts path: float64 on CPU (the grouped one is not)
+    if hasattr(config, "_experts_implementation"):   # the batched experts path: float64 on CPU (grouped: not)
         config._experts_implementation = "batched_mm"
     model = zoo.build(family, config, dtype=torch.float64)
     if hasattr(type(model), "loss_function") and zoo.family(family).task == "causal":
@@ -215,7 +219,7 @@ def _kept_rows(path: Path) -> dict[str, str]:
     """The table rows of an earlier docs/models.md, by family (``--update`` keeps those not rerun)."""
     if not path.exists():
         return {}
-    known = {**SHOWN, **SHOWN_EXPERTS}
+    known = {**SHOWN, **SHOWN_EXPERTS, **SHOWN_HYBRIDS}
     rows = {}
     for line in path.read_text().splitlines():
         cells = [c.strip() for c in line.split("|")]
@@ -227,7 +231,7 @@ def _kept_rows(path: Path) -> dict[str, str]:
 def main(argv: list[str]) -> None:
     update = "--update" in argv
     argv = [a for a in argv if a != "--update"]
-    shown = {**SHOWN, **SHOWN_EXPERTS}
+    shown = {**SHOWN, **SHOWN_EXPERTS, **SHOWN_HYBRIDS}
     families = argv or list(shown)
     out = ROOT / "docs" / "models.md"
     lines_by_family = _kept_rows(out) if update else {}
@@ -275,8 +279,9 @@ def _page(lines_by_family: dict[str, str]) -> list[str]:
     lines += [
         "",
         "Mamba is not a transformer: on CPU transformers runs its slow path, a Python loop over the sequence, which",
-        "torch.export unrolls, so its program holds the captured length only (a call at another length is an",
-        "`InputError`, `generate` a `ConfigError`: see docs/errors.md); its equivalence is checked at the captured length.",
+        "torch.export unrolls, so its program holds the captured length only (a call at another length gets a",
+        "program of its own, and `generate` carries its conv and SSM states from step to step: see docs/errors.md);",
+        "its equivalence is checked at the captured length.",
         "",
         "## Mixtures of experts",
         "",
@@ -295,6 +300,29 @@ def _page(lines_by_family: dict[str, str]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [lines_by_family[f] for f in SHOWN_EXPERTS if f in lines_by_family]
+    lines += [
+        "",
+        "## Hybrids",
+        "",
+        f"State-space (Mamba in Jamba; Mamba2 in Bamba, Falcon-H1, Granite-4.0-H) and linear-attention (Gated",
+        "DeltaNet in Qwen3-Next and Qwen3.5-MoE, lightning attention in MiniMax) mixers beside attention, at",
+        f"tp={TP}. Mamba2's chunked scan is captured at a dynamic length with export's guards on the length's",
+        "residue class (a call of another class gets its own program); the mixers that loop over the sequence or",
+        "its chunks hold one length per program (a call at another length gets its own). The tiny float64",
+        "check calls at 7 tokens, another program than the capture's. The mixers compute in float32 inside a",
+        "float64 model (transformers' torch paths cast to it), so errors of 1e-8 to 1e-7 are float32's rounding.",
+        "The layout column shows what each mixer got: a Mamba2 mixer (Bamba, Granite-4.0-H) its in_proj column",
+        "and out_proj row, with the convolution, scan and gated norm between them run whole on every rank after an",
+        "all-gather: its bytes split, not yet Megatron's head layout (docs/architecture.md, section 3); MiniMax's",
+        "lightning attention its fused qkv column and out_proj row; attention, MLPs and experts as in the tables above.",
+        "These rows were measured on the machine named above under a load average of 8 to 50 from other jobs:",
+        "their seconds are not comparable with the other tables'.",
+        "",
+        "| family | model | plan | layout (layer 1 and outside the layers) | collectives per layer | "
+        f"parameters per rank at tp={TP} | equivalence (float64, tiny) | capture+plan s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [lines_by_family[f] for f in SHOWN_HYBRIDS if f in lines_by_family]
     return lines
 
 

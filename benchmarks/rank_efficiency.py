@@ -201,6 +201,45 @@ def run_model(spec: str, args) -> list[str]:
     return lines
 
 
+#: the GPU workloads of the H200 measurements (``../shared/measurements/h200-2026-11-28/``)
+REAL = (("gpt2-xl", 12, 8, 1024), ("llama-3-8b", 4, 2, 4096), ("mixtral-8x7b", 2, 2, 4096),
+        ("qwen3-30b-a3b", 2, 2, 4096))
+
+
+def predicted_at_real_size(tp: int, profile: str) -> list[str]:
+    """The cost model's serial/N ÷ rank at the H200 measurements' workloads (meta models, bf16),
+    with sequence parallelism chosen by cost and forbidden, and where the rank's time goes."""
+    from autotp import zoo
+    from autotp.capture import capture
+    from autotp.cost_model import get_profile
+    from autotp.cost_model.symbolic import step_breakdown
+    from autotp.planner import build_plan
+
+    prof = get_profile(profile)
+    fwd_bwd = lambda b: b["products"] + b["attention"] + b["memory"]   # noqa: E731
+    lines = [f"## Predicted at the GPU workloads ({profile}, bf16, tp={tp}, meta models)", "",
+             "| model (layers, batch x seq) | serial/N ÷ rank, SP by cost | without SP | rank ms: products / attention / "
+             "memory-bound | serial/N ms: products / attention / memory-bound | rank's communication ms (not overlapped) |",
+             "|---|---|---|---|---|---|"]
+    for name, layers, b, s in REAL:
+        model = zoo.build(zoo.family_of(name).name, zoo.published_config(name, layers=layers), device="meta",
+                          dtype=torch.bfloat16)
+        cap = capture(model)
+        serial = step_breakdown(*build_plan(cap, 1, batch=b, seq=s, profile=prof)[1:], prof)
+        got = {}
+        for sp in (None, False):
+            _, index, prop = build_plan(cap, tp, batch=b, seq=s, profile=prof, sequence_parallel=sp,
+                                        memory_limit=float("inf"))
+            got[sp] = (step_breakdown(index, prop, prof), prop.comm_s)
+        rank, comm = got[None]
+        share = fwd_bwd(serial) / tp
+        lines.append(f"| {name} ({layers}, {b} x {s}) | **{share / fwd_bwd(rank):.2f}** | "
+                     f"{share / fwd_bwd(got[False][0]):.2f} | {rank['products'] * 1e3:.2f} / {rank['attention'] * 1e3:.2f}"
+                     f" / {rank['memory'] * 1e3:.2f} | {serial['products'] / tp * 1e3:.2f} / "
+                     f"{serial['attention'] / tp * 1e3:.2f} / {serial['memory'] / tp * 1e3:.2f} | {comm * 1e3:.2f} |")
+    return lines + [""]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=["gpt2-xl:2", "llama-3-8b:1", "mixtral-8x7b:1",
@@ -232,6 +271,7 @@ def main() -> None:
              "is not run: the fake backend returns at once). FLOPs and bytes are counted off the ops the steps run "
              "(forward + backward); 'predicted' is the cost model's forward + backward on the profile, at the "
              "measured workload.", ""]
+    lines += predicted_at_real_size(args.tp, args.profile)
     for spec in args.models:
         with contextlib.suppress(KeyboardInterrupt):
             lines += run_model(spec, args)

@@ -33,18 +33,19 @@ def test_capture_splits_biased_products_so_a_row_bias_can_follow_the_all_reduce(
     cap = capture(tiny_gpt2())
     targets = {n.target for n in cap.graph.nodes if n.op == "call_function"}
     assert torch.ops.aten.addmm.default not in targets
-    assert torch.ops.aten.mm.default in targets
+    assert torch.ops.aten.matmul.default in targets   # Conv1D's view, product, view back: one matmul
     assert torch.ops.aten._assert_tensor_metadata.default not in targets
 
 
-def test_capture_adds_a_linear_bias_after_the_view_back_to_batch_and_sequence():
-    # Sequence parallelism reduce-scatters the row-parallel product along s: the bias add must
-    # see (b, s, h), not the flattened (b*s, h) the product is computed on.
+def test_capture_adds_a_linear_bias_to_a_product_of_batch_and_sequence():
+    # Sequence parallelism reduce-scatters the row-parallel product along s, and all-gathers
+    # along s into a column-parallel one: the product and its bias add see (b, s, h), not the
+    # flattened (b*s, h) Conv1D computes on (its view, addmm and view back: one matmul of 3-D x).
     cap = capture(tiny_gpt2(n_layer=1))
     bias = next(n for n in cap.graph.nodes if n.name == "p_transformer_h_0_attn_c_proj_bias")
     (add,) = bias.users
-    view = add.args[0]
-    assert view.target is torch.ops.aten.view.default and view.args[0].target is torch.ops.aten.mm.default
+    product = add.args[0]
+    assert product.target is torch.ops.aten.matmul.default and len(shape_of(product.args[0])) == 3
     b, s, h = shape_of(add)
     assert isinstance(s, sympy.Symbol) and h == 32
 
@@ -305,3 +306,20 @@ def test_a_model_deepcopy_refuses_is_its_own_twin_with_a_warning(caplog):
         assert shape_twin(model) is model                     # later captures read the model itself
     assert "cannot be copied without its weights" in caplog.text and "stays referenced" in caplog.text
     assert not model.lin.weight.is_meta
+
+
+def test_a_chunked_scan_captures_at_a_dynamic_length_guarded_by_its_residue_class():
+    """Granite-4.0-H's Mamba2 mixer (chunks of 4): its causal LM takes use_cache through **kwargs
+    (the program must not return a cache object), and its scan pads the sequence to the chunk, so
+    export suggests ``seq = 4*_seq - 1``. The capture is dynamic in the length with the guards
+    export traced under: lengths of the example's class (11, 13: not a multiple of 4, over 4)
+    hold, a multiple of 4 and a single chunk do not (other programs)."""
+    from autotp.capture import guards_hold
+
+    config = zoo.tiny_config("granitemoehybrid", layers=1, heads=2, head_dim=8, vocab=64)
+    cap = capture(zoo.build("granitemoehybrid", config, device="meta"))
+    assert "cache" not in cap.output_names and "past_key_values" not in cap.output_names
+    assert cap.fixed_dims == {} and cap.guards
+    holds = {n: guards_hold(cap, {"input_ids": torch.zeros(2, n, dtype=torch.long),
+                                  "labels": torch.zeros(2, n, dtype=torch.long)}) for n in (3, 4, 5, 8, 11, 13)}
+    assert holds == {3: False, 4: False, 5: True, 8: False, 11: True, 13: True}

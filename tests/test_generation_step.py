@@ -16,7 +16,7 @@ def test_a_decode_step_with_the_router_loss_in_the_config_computes_no_router_los
                              output_router_logits=True)
     model = zoo.build("qwen2-moe", config, dtype=torch.float32).eval()
     past, batch = 5, 2
-    step = CachedStep(model, layers=1)
+    step = CachedStep(model, ("key_0", "value_0"))
     cache = torch.randn(batch, 2, past, 8, dtype=torch.float32)
     mask = torch.ones(batch, past + 1, dtype=torch.long)
     mask[0, 0] = 0   # a left-padded row: generate keeps the mask
@@ -24,7 +24,7 @@ def test_a_decode_step_with_the_router_loss_in_the_config_computes_no_router_los
     with torch.no_grad():
         out = step(input_ids=ids, attention_mask=mask, key_0=cache, value_0=cache.clone())
         config.output_router_logits = False
-        want = CachedStep(model, layers=1)(input_ids=ids, attention_mask=mask, key_0=cache, value_0=cache.clone())
+        want = CachedStep(model, ("key_0", "value_0"))(input_ids=ids, attention_mask=mask, key_0=cache, value_0=cache.clone())
     assert out["logits"].shape == (batch, 48) and out["key_0"].shape == (batch, 2, past + 1, 8)
     assert torch.equal(out["logits"], want["logits"])   # the router loss never touched the logits
 
@@ -43,7 +43,7 @@ def _steps_against_huggingface(family: str, window: int, pads: list[int], length
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        out = CachedStep(model, layers=0)(input_ids=ids, attention_mask=mask, position_ids=positions)
+        out = CachedStep(model)(input_ids=ids, attention_mask=mask, position_ids=positions)
         hf_cache = want.past_key_values
         for _ in range(new):
             assert torch.allclose(out["logits"], want.logits[:, -1], rtol=0, atol=1e-12)
@@ -54,7 +54,7 @@ def _steps_against_huggingface(family: str, window: int, pads: list[int], length
             want = model(input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=hf_cache,
                          use_cache=True)
             hf_cache = want.past_key_values
-            out = CachedStep(model, layers=2)(input_ids=token, attention_mask=mask, position_ids=positions, **cache)
+            out = CachedStep(model, tuple(cache))(input_ids=token, attention_mask=mask, position_ids=positions, **cache)
             # the windowed layers hold what transformers' own cache holds
             for i, layer in enumerate(hf_cache.layers):
                 assert out[f"key_{i}"].shape == layer.keys.shape
@@ -70,3 +70,25 @@ def test_a_sliding_window_step_reads_a_left_padded_mask_at_its_last_positions():
 def test_a_window_longer_than_the_prompt_and_mixed_layers_step_like_huggingface():
     # Gemma 3: a sliding layer and a full one; a window of 6 over a prompt of 4 grows past it
     _steps_against_huggingface("gemma3", window=6, pads=[0, 2], length=4, new=5)
+
+def test_a_hybrid_step_carries_its_mixers_conv_and_recurrent_states_to_the_next():
+    # Bamba (tiny): layer 0 a Mamba2 mixer, layer 1 attention. The prompt's step returns the
+    # mixer's conv and SSM states beside the attention's keys and values; a decode step fed them
+    # gives the logits transformers' own cached decode gives (what the serial generate runs), and
+    # returns the states of one token more
+    config = zoo.tiny_config("bamba", layers=2, heads=2, head_dim=8, vocab=48)
+    model = zoo.build("bamba", config, dtype=torch.float64).eval()
+    ids = torch.randint(0, 48, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        prompt = CachedStep(model)(input_ids=ids[:, :6])
+        names = ("conv_0", "ssm_0", "key_1", "value_1")
+        assert sorted(n for n in prompt if n != "logits") == sorted(names)
+        states = {n: prompt[n] for n in names}
+        before = {n: v.clone() for n, v in states.items()}
+        step = CachedStep(model, names)(input_ids=ids[:, 6:], **states)
+        first = model(input_ids=ids[:, :6], use_cache=True)
+        serial = model(input_ids=ids[:, 6:], cache=first.cache, use_cache=True).logits[:, -1]
+    assert all(torch.equal(states[n], before[n]) for n in names)   # the step's inputs are left as they came
+    assert step["key_1"].shape[2] == 7 and step["conv_0"].shape == prompt["conv_0"].shape
+    assert not torch.equal(step["ssm_0"], prompt["ssm_0"])
+    torch.testing.assert_close(step["logits"], serial, rtol=1e-12, atol=1e-12)

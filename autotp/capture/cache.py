@@ -18,6 +18,10 @@ key is all of those:
   which token inputs share a length (each distinct length is a symbol of its own);
 * the ``dynamic`` flag, the sequence range the capture accepts, and the state of the grad mode.
 
+A capture whose program holds export's guards on the lengths (:attr:`Capture.guards`: a
+chunked scan's residue classes) is handed out only for example inputs that satisfy them;
+another example replaces the entry.
+
 A model with an attribute of another kind (an object the key cannot read), or with forward
 hooks, is not cached: it is captured afresh every time (logged at debug level). On a hit the
 capture is re-checked against the model: every lifted parameter and buffer placeholder must
@@ -41,7 +45,7 @@ import torch
 
 from .export import capture as _export
 from .inputs import _length_groups, bind_inputs, forward_signature, seq_bounds
-from .program import Capture, _tied_aliases
+from .program import Capture, _tied_aliases, guards_hold
 from .structure import _TORCH_BOOKKEEPING, Uncacheable, _describe, _qualname
 
 log = logging.getLogger(__name__)
@@ -82,7 +86,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
         log.debug("capture not cached: %s", why)
         return _export(model, example_inputs, example_kwargs, dynamic, seq_range)
     cached = _entries.get(key)
-    if cached is not None and _fits(cached, model):
+    if cached is not None and _fits(cached, model) and _guards_fit(cached, model, example_inputs, example_kwargs):
         _entries.move_to_end(key)
         _state["hits"] += 1
         return _for_model(cached, model)
@@ -145,6 +149,16 @@ def _fits(cap: Capture, model: torch.nn.Module) -> bool:
                 log.debug("cached capture does not fit %s (%s); capturing afresh", type(model).__name__, fqn)
                 return False
     return True
+
+
+def _guards_fit(cap: Capture, model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None) -> bool:
+    """The key reduces lengths to "n"; a capture with guards (a chunked scan's residue class of
+    lengths: :attr:`Capture.guards`) serves only examples whose sizes satisfy them."""
+    if not cap.guards or not (example_inputs or example_kwargs):
+        return True
+    inputs = bind_inputs(forward_signature(model), tuple(example_inputs), dict(example_kwargs or {}),
+                         type(model).__name__)
+    return guards_hold(cap, inputs)
 
 
 def _for_model(cap: Capture, model: torch.nn.Module) -> Capture:

@@ -57,7 +57,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     if dynamic_shapes is None and dynamic:
         dynamic_shapes = _dynamic_shapes(kwargs, bounds)
     was_training = model.training
-    with gc_paused(), capturable_experts(model):
+    with gc_paused(), capturable_experts(model), _no_cache_object(model, kwargs):
         try:
             ep, expanded = _export_cut(model, kwargs, dynamic_shapes) if EXPAND else (None, None)
             if ep is None:
@@ -76,7 +76,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     cap.fixed_dims = fixed_dims(cap, dynamic_shapes)
     if cap.fixed_dims:
         log.warning("autotp: %s's program holds %s only: torch.export fixed %s while tracing (the forward reads "
-                    "the length as a number, e.g. loops over it); calls at other lengths are refused",
+                    "the length as a number, e.g. loops over it); a call at another length gets a program of its own",
                     type(model).__name__, ", ".join(f"{k.replace('.', ' dim ')} = {n}" for k, n in cap.fixed_dims.items()),
                     "these dims" if len(cap.fixed_dims) > 1 else "this dim")
     cap.aliases = _tied_aliases(model, cap)
@@ -104,6 +104,24 @@ def fixed_dims(cap: Capture, dynamic_shapes: Any) -> dict[str, int]:
             if asked and d < val.dim() and not isinstance(val.shape[d], torch.SymInt):
                 out[f"{key}.{d}"] = int(val.shape[d])
     return out
+
+
+@contextlib.contextmanager
+def _no_cache_object(model: torch.nn.Module, kwargs: dict[str, Any]) -> Iterator[None]:
+    """While ``model`` is exported: a forward that takes ``use_cache`` only through ``**kwargs``
+    (Granite-4.0-H's causal LM hands it on to its decoder) gets its config's ``use_cache``
+    default turned off, as a forward that names it gets ``use_cache=False``: a training call's
+    program has no cache object among its outputs (torch.export cannot return a
+    ``DynamicCache``). The call's own ``use_cache`` wins; the config is restored after."""
+    config = getattr(model, "config", None)
+    if "use_cache" in kwargs or "use_cache" in _forward_params(model) or getattr(config, "use_cache", None) is not True:
+        yield
+        return
+    config.use_cache = False
+    try:
+        yield
+    finally:
+        config.use_cache = True
 
 
 #: capture a stack of alike blocks cut to three (a head and two periods) and expand the graph (autotp.capture.expand);
@@ -220,9 +238,14 @@ def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: Any,
                 _NARROWED[key] = dynamic_shapes
                 while len(_NARROWED) > NARROWED_KEPT:
                     _NARROWED.popitem(last=False)
+            # traced with unnamed dims, export proved none of its guards over the range: the
+            # Capture keeps them and a call is checked against them (capture.program.guards_hold)
+            ep._autotp_unnamed = _unnamed(dynamic_shapes)
             return ep
         except Exception as exc:   # a constraint violation names its fix; anything else is final
             fixes = _suggested_fixes(str(exc))
+            if _derived(fixes):   # not a narrowing: a residue class of lengths (a chunked scan's padding)
+                fixes = ""
             if dynamic_shapes is not None and not fixes and "Constraints violated" in str(exc) \
                     and attempt < EXPORT_REFINEMENTS:
                 relaxed = _unnamed_dims(dynamic_shapes)
@@ -378,6 +401,28 @@ def _unnamed_dims(dynamic_shapes: Any) -> Any:
         return x
 
     return relax(dynamic_shapes)
+
+
+def _unnamed(dynamic_shapes: Any) -> bool:
+    """Does ``dynamic_shapes`` hold a ``Dim.DYNAMIC`` (or ``Dim.AUTO``) anywhere?"""
+    from torch.export.dynamic_shapes import _DimHint
+
+    if isinstance(dynamic_shapes, _DimHint):
+        return True
+    if isinstance(dynamic_shapes, dict):
+        return any(_unnamed(v) for v in dynamic_shapes.values())
+    if isinstance(dynamic_shapes, (list, tuple)):
+        return any(_unnamed(v) for v in dynamic_shapes)
+    return False
+
+
+def _derived(fixes: str) -> bool:
+    """Does torch's suggestion define a dim as a multiple of a new one (``seq = 4*_seq - 1``)?
+    That is no range to narrow to but the lengths of one residue class: Mamba2's chunked scan
+    pads the sequence to its chunk and branches on ``length % chunk``. Such a model is traced
+    with unnamed dims instead, and its program keeps export's guards (a call of another residue
+    class is another program)."""
+    return bool(re.search(r"^\s*\w+ = \d+\*\w+", fixes, re.MULTILINE))
 
 
 def _suggested_fixes(text: str) -> str:

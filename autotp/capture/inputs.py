@@ -107,6 +107,12 @@ def _token_inputs(kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
             if isinstance(v, torch.Tensor) and v.dim() >= 2 and not v.is_floating_point()}
 
 
+def lengths_of(kwargs: dict[str, Any]) -> set[str]:
+    """Every token input's length dim ("input_ids.1"): what :func:`example_like` keeps to trace
+    a call at its own lengths."""
+    return {f"{key}.1" for key in _token_inputs(kwargs)}
+
+
 def _length_groups(kwargs: dict[str, Any]) -> dict[str, int]:
     """Each token input -> the index of its length among the distinct lengths, in order of
     first appearance: inputs of one length share a symbol, an encoder-decoder's source and
@@ -169,9 +175,12 @@ def example_like(inputs: dict[str, Any], seq_range: tuple[int, int], keep: Any =
     size of the model: inputs of one length in the call get one example length, inputs of
     another length another (an encoder-decoder's source and target), so the program's symbols
     equate what the call does and no more. Non-tensor inputs are kept as they are. ``keep``:
-    input dims ("input_ids.1") kept at the call's size (dims an earlier capture found fixed)."""
+    input dims ("input_ids.1") kept at the call's size (dims an earlier capture found fixed, or
+    lengths an earlier capture's guards do not hold for), each with every input of its length."""
     groups = _length_groups(inputs)
     lengths = _example_seqs(seq_range, max(groups.values(), default=0) + 1)
+    # a kept dim keeps every input of its length: a padded call's mask has the ids' length
+    kept = {group for key, group in groups.items() if f"{key}.1" in keep}
     out: dict[str, Any] = {}
     for key, value in inputs.items():
         if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.numel() == 0:
@@ -179,7 +188,7 @@ def example_like(inputs: dict[str, Any], seq_range: tuple[int, int], keep: Any =
             continue
         shape = list(value.shape)
         shape[0] = EXAMPLE_BATCH
-        if key in groups and f"{key}.1" not in keep:
+        if key in groups and groups[key] not in kept:
             shape[1] = lengths[min(groups[key], len(lengths) - 1)]
         reps = [-(-want // have) for want, have in zip(shape, value.shape)]
         out[key] = value.repeat(*reps)[tuple(slice(0, n) for n in shape)].clone()

@@ -16,7 +16,7 @@ from torch import fx
 
 from ..errors import CaptureError
 from .higher_order import inline_regions
-from .program import Capture
+from .program import input_guards, Capture
 
 aten = torch.ops.aten
 
@@ -82,6 +82,8 @@ def _from_exported(ep: torch.export.ExportedProgram, kwargs: dict[str, Any], exp
         dim_symbols=dim_symbols,
         input_dims=input_dims,
         symbol_hints={k: v for k, v in symbol_hints.items() if k not in dim_symbols},
+        # unproven guards only: with named dims export has checked every guard over their ranges
+        guards=input_guards(getattr(ep, "_guards_code", ()), keys) if getattr(ep, "_autotp_unnamed", False) else (),
     )
 
 

@@ -48,6 +48,11 @@ class Capture:
     #: -> 11): the forward read the size as a number (a loop over the sequence, Mamba's scan on CPU),
     #: so the program holds that size only (autotp.capture.export.fixed_dims)
     fixed_dims: dict[str, int] = field(default_factory=dict)
+    #: torch.export's guards on the input sizes (Python expressions over ``L['input_ids'].size()``)
+    #: where export traced with unnamed dynamic dims and so did not prove them over the whole
+    #: range: a chunked scan padded to its chunk branches on ``length % chunk`` and specializes a
+    #: single chunk. A call whose sizes break one is not this program's (:func:`guards_hold`)
+    guards: tuple[str, ...] = ()
 
     @property
     def output_names(self) -> list[str]:
@@ -67,6 +72,50 @@ class Capture:
         """The graph's flat outputs, in :attr:`output_names`' order."""
         out = next(n for n in reversed(self.graph.nodes) if n.op == "output")
         return pytree.tree_leaves(out.args[0])
+
+
+#: what a guard may name besides the inputs' sizes (torch writes them as Python expressions)
+_GUARD_NAMES = {"L", "size", "max", "min", "abs", "and", "or", "not", "True", "False"}
+
+
+def input_guards(codes: Any, keys: Any) -> tuple[str, ...]:
+    """The guards of ``codes`` (an exported program's ``_guards_code``) that read only the sizes
+    of the inputs ``keys``; any other (a guard on a parameter, a name torch may add) is left out."""
+    kept = []
+    for code in codes or ():
+        names = set(re.findall(r"L\['([^']+)'\]", code))
+        rest = set(re.findall(r"[A-Za-z_]\w*", re.sub(r"L\['[^']+'\]", "L", code)))
+        if names and names <= set(keys) and rest <= _GUARD_NAMES:
+            kept.append(code)
+    return tuple(kept)
+
+
+_COMPILED_GUARDS: dict[tuple[str, ...], Any] = {}
+
+
+def guards_hold(cap: "Capture", kwargs: dict[str, Any]) -> bool:
+    """Do a call's input sizes satisfy every guard export traced ``cap`` under
+    (:attr:`Capture.guards`)? A guard that cannot be read for this call counts as broken."""
+    if not cap.guards:
+        return True
+    code = _COMPILED_GUARDS.get(cap.guards)
+    if code is None:
+        code = _COMPILED_GUARDS[cap.guards] = compile(" and ".join(f"({g})" for g in cap.guards), "<guards>", "eval")
+    try:
+        return bool(eval(code, {"__builtins__": {}, "max": max, "min": min, "abs": abs}, {"L": kwargs}))
+    except Exception:   # an input missing or of another rank: not the call this program was traced for
+        return False
+
+
+def fits_call(cap: "Capture", kwargs: dict[str, Any]) -> bool:
+    """Can ``cap``'s program compute a call with these inputs' sizes: every dim it holds fixed
+    (:attr:`Capture.fixed_dims`) at the call's size, and every guard it keeps satisfied?"""
+    for key, size in cap.fixed_dims.items():
+        name, dim = key.rsplit(".", 1)
+        value = kwargs.get(name)
+        if isinstance(value, torch.Tensor) and value.dim() > int(dim) and value.shape[int(dim)] != size:
+            return False
+    return guards_hold(cap, kwargs)
 
 
 def _tied_aliases(model: torch.nn.Module, cap: Capture) -> dict[str, str]:

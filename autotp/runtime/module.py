@@ -24,6 +24,7 @@ leaves open is in docs/errors.md ("Checks read late").
 """
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from contextlib import contextmanager
@@ -48,6 +49,9 @@ from .mesh import device_mesh_of
 from .outline import layer_paths, outline
 from .program import Program, ProgramBuilder, fixed_length, unequal_symbol, within_ranges
 from .state import constant_value, hold_parameters, persistent_buffers, put_buffer, put_parameters, refuse_dtype_change
+
+
+log = logging.getLogger(__name__)
 
 
 class ParallelModule(LeavesSwitch, nn.Module):
@@ -139,6 +143,7 @@ class ParallelModule(LeavesSwitch, nn.Module):
         self._buffers_held: set[str] = set()   # buffer FQNs registered here (under their own names)
         self._graphs = nn.ModuleDict()
         self._programs: list[Program] = []
+        self._warned_lengths = False   # a program per length was said once (runtime.program.fixed_length)
         self._current = self._add_program(capture, plan, graph_module)
         self.train(capture.training)   # the model's mode: a model in eval() gives a module in eval()
         self._average_over_dp(getattr(mesh, "dp_group", None), getattr(mesh, "dp", 1))
@@ -236,7 +241,9 @@ class ParallelModule(LeavesSwitch, nn.Module):
             why = f"{type(cause).__name__}: {(str(cause).splitlines() or [''])[0][:300]}"
             raise InputError(f"{unequal_symbol(tied.capture, kwargs)}, and its forward fails with them unequal "
                              f"({why}); pass inputs of equal length") from exc
-        return self._add_program(capture, plan, graph_module)
+        program = self._add_program(capture, plan, graph_module)
+        _check_serves(program, kwargs, self.training)
+        return program
 
     def _average_over_dp(self, group: Any, dp: int) -> None:
         """Data parallelism across TP groups: each parameter's gradient is averaged over the DP
@@ -473,8 +480,9 @@ class ParallelModule(LeavesSwitch, nn.Module):
             check_not_empty(kwargs)   # after the shapes are known to agree: every rank or none
             check_input_kinds([self.capture, *(p.capture for p in self._programs)], kwargs)   # before a capture for them
             fixed = fixed_length([self.capture, *(p.capture for p in self._programs if not p.step)], kwargs)
-            if fixed is not None:   # a capture for this length would be fixed to the example's length
-                raise InputError(fixed)
+            if fixed is not None and not self._warned_lengths:   # the call gets a program traced at its length
+                self._warned_lengths = True
+                log.warning("autotp: %s", fixed)
             if self._serving(kwargs) is None:
                 self._finish_call_check(agreed)   # the ranks agree on the call before capturing for it
             program = self._current = self._program_for(kwargs)
@@ -561,6 +569,7 @@ class ParallelModule(LeavesSwitch, nn.Module):
                 self._finish_call_check(agreed)   # the ranks agree on the step before capturing for it
                 capture, plan, graph_module = self._build(dict(inputs), self.training, spec)
                 program = self._add_program(capture, plan, graph_module, kind, spec.input_placements)
+                _check_serves(program, inputs, self.training)
             return program, self._run(program, inputs)
 
     def _check_ranges(self, kwargs: dict[str, Any]) -> None:
@@ -584,6 +593,15 @@ class ParallelModule(LeavesSwitch, nn.Module):
                         f"{hi} there (the model's maximum positions); shorten the input or use a model "
                         "with more positions"
                     )
+
+
+def _check_serves(program: Program, kwargs: dict[str, Any], training: bool) -> None:
+    """A program just built for a call must compute it: never run one traced for other sizes."""
+    if not program.serves(kwargs, training):
+        sizes = {k: tuple(v.shape) for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        raise InputError(f"{program.capture.model_name}: the program captured for this call does not hold its inputs' "
+                         f"sizes {sizes} (a dim fixed while tracing, or a guard torch.export traced under): "
+                         "call with other lengths, or report this model")
 
 
 #: ParallelModules made in this process, as agreed with their groups (each one's number: its name)

@@ -14,6 +14,7 @@ import torch
 from torch import fx
 
 from ..capture import Capture
+from ..capture.program import guards_hold
 from ..plan import Plan
 from ..placements import Shard
 
@@ -68,6 +69,10 @@ class Program:
                 skip = split.dim if isinstance(split, Shard) else -1   # a local size: the plan's split
                 if any(tensors[key].shape[i] != n and i != skip for i, n in static):
                     return False
+        # sizes that break a guard export traced under (a chunked scan's other residue class of
+        # lengths, a single chunk) are another program's
+        if not guards_hold(cap, tensors):
+            return False
         # dims the capture made one symbol must be equal: a call whose lengths differ there (an
         # encoder-decoder's source and target) is another program
         return not tied or unequal_symbol(cap, tensors, self.arriving) is None
@@ -106,7 +111,8 @@ def unequal_symbol(capture: Capture, kwargs: dict[str, Any], arriving: dict | No
 
 def fixed_length(captures: list[Capture], kwargs: dict[str, Any]) -> str | None:
     """Where a call's input has another size in a dim that capture found fixed (a forward that
-    loops over the sequence: :attr:`Capture.fixed_dims`), a sentence saying so and what to do."""
+    loops over the sequence: :attr:`Capture.fixed_dims`), a sentence saying that the call gets a
+    program traced at its own size, what that costs and how to avoid it (said once per module)."""
     for cap in captures:
         for key, size in cap.fixed_dims.items():
             name, dim = key.rsplit(".", 1)
@@ -114,9 +120,9 @@ def fixed_length(captures: list[Capture], kwargs: dict[str, Any]) -> str | None:
             if isinstance(value, torch.Tensor) and value.dim() > int(dim) and value.shape[int(dim)] != size:
                 return (f"{name} has {value.shape[int(dim)]} elements in dim {dim}, but {cap.model_name}'s program was "
                         f"captured at {size} there and holds that size only: torch.export fixed the dim while tracing "
-                        f"(the forward reads it as a number, e.g. loops over the sequence). Pad {name} to {size} "
-                        "(labels -100 where padded), or parallelize with example_kwargs of the length you will call "
-                        f"with, e.g. example_kwargs={{'{name}': a batch of that length}}")
+                        f"(the forward reads it as a number, e.g. loops over the sequence). Each other length gets a "
+                        f"program of its own, captured on first use (seconds each); pad {name} to a few lengths "
+                        "(labels -100 where padded) to keep their number small")
     return None
 
 

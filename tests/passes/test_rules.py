@@ -1350,3 +1350,67 @@ def test_complex_views_of_real_pairs_keep_a_shard_of_every_other_dim(data):
     p = case.placements[0]
     if isinstance(p, Shard) and p.dim < pairs.ndim - 1:
         assert _offers(offered, (p,), p), offered
+
+# ---------------------------------------------------------------- the hybrids' mixers: einsum, depthwise conv1d
+
+#: the einsums of Mamba2's chunked scan (transformers' mamba2_chunk_scan) and two more forms
+EINSUMS = ("bclhn,bcshn->bclsh", "bclsh,bcshp->bclhp", "bclhn,bclhp->bchpn", "bzch,bzhpn->bchpn",
+           "bclhn,bchpn->bclhp", "ij,jk->ik", "bhd,bhe->bde")
+
+
+@st.composite
+def einsum_cases(draw) -> Case:
+    gen, tp = _gen(draw), draw(tps)
+    equation = draw(st.sampled_from(EINSUMS))
+    operands = equation.split("->")[0].split(",")
+    size = {letter: draw(st.integers(1, 6)) for letter in sorted(set("".join(operands)))}
+    tensors = [_tensor(gen, tuple(size[c] for c in op)) for op in operands]
+    ps = tuple(draw(placements(tuple(t.shape), tp, partial=False)) for t in tensors)
+    return Case(aten.einsum.default, (equation, tensors), {}, tp, ps, {}, False, draw(seeds))
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=einsum_cases())
+def test_einsum_strategies_split_a_letter_alike_and_sum_a_contracted_one(case):
+    offered = check_case(case)
+    operands, result = case.args[0].split("->")[0].split(","), case.args[0].split("->")[1]
+    seen = set()
+    for i, p in enumerate(case.placements):   # a split letter of one size everywhere is kept, never gathered
+        if isinstance(p, Shard) and operands[i][p.dim] not in seen:   # as its first operand splits it
+            letter = operands[i][p.dim]
+            seen.add(letter)
+            ins = tuple(p.with_dim(op.index(letter)) if letter in op else R for op in operands)
+            if len({t.shape[op.index(letter)] for t, op in zip(case.args[1], operands) if letter in op}) == 1:
+                assert any(s.inputs == ins for s in offered), f"{case!r}: {letter} split not kept"
+                out = next(s.output for s in offered if s.inputs == ins)
+                assert out == (p.with_dim(result.index(letter)) if letter in result else P)
+
+
+@st.composite
+def conv1d_cases(draw) -> Case:
+    gen, tp = _gen(draw), draw(tps)
+    batch, channels, length, kernel = draw(st.integers(1, 3)), draw(st.integers(1, 12)), draw(st.integers(1, 9)), \
+        draw(st.integers(1, 4))
+    depthwise = draw(st.booleans())
+    x = _tensor(gen, (batch, channels, length))
+    w = _tensor(gen, (channels, 1 if depthwise else channels, kernel))
+    bias = [_tensor(gen, (channels,))] if draw(st.booleans()) else []
+    groups = channels if depthwise else 1
+    tensors = [x, w] + bias
+    args = (x, w, bias[0] if bias else None, [1], [kernel - 1], [1], groups)
+    ps = tuple(draw(placements(tuple(t.shape), tp, partial=False)) for t in tensors)
+    if draw(st.booleans()):
+        ps = (draw(shards(tuple(x.shape), tp, (1,))),) + ps[1:]
+    return Case(aten.conv1d.default, args, {}, tp, ps, {}, draw(st.booleans()), draw(seeds))
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=conv1d_cases())
+def test_conv1d_splits_a_depthwise_convolution_by_channel(case):
+    offered = check_case(case)
+    px, depthwise = case.placements[0], case.args[6] == case.args[0].shape[1] and case.args[1].shape[1] == 1
+    if isinstance(px, Shard) and px.dim == 1 and depthwise \
+            and all(local_shard(case.args[0], px, case.tp, r).shape[1] for r in range(case.tp)):
+        assert any(s.output == px for s in offered), "a depthwise convolution keeps its channel split"
+    if not depthwise:
+        assert all(not (isinstance(s.output, Shard) and s.output.dim == 1) for s in offered)

@@ -163,3 +163,40 @@ def _free_stack(info: OpInfo, pa, pb) -> list[Strategy]:
         for have, want in _matrix_shards(info, pb, (2,), lambda d: 2):
             out.append(Strategy((REPLICATE, have), want))
     return out
+
+
+def _einsum_operands(equation: str, n: int) -> tuple[list[str], str] | None:
+    """``"bclhn,bcshn->bclsh"`` -> (["bclhn", "bcshn"], "bclsh"); None for what the rule does
+    not read (an ellipsis, an implicit output, a letter twice in one operand: a diagonal)."""
+    if "..." in equation or "->" not in equation:
+        return None
+    lhs, out = equation.replace(" ", "").split("->")
+    operands = lhs.split(",")
+    if len(operands) != n or any(len(set(op)) != len(op) for op in operands + [out]):
+        return None
+    return operands, out
+
+
+@register(aten.einsum.default)
+def einsum_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """``einsum(equation, operands)``: a letter split alike in every operand that holds it (the
+    others whole) keeps the split in the output where the output holds the letter, and gives a
+    Partial sum where it is contracted. Mamba2's chunked scan (``bclhn,bcshn->bclsh``, ...)
+    thereby runs on each rank's heads; a letter of unequal sizes (a broadcast 1) is not split."""
+    parsed = _einsum_operands(info.args[0], len(info.inputs)) if isinstance(info.args[0], str) else None
+    out = [Strategy(tuple(REPLICATE for _ in info.inputs), REPLICATE)]
+    if parsed is None:
+        return out
+    operands, result = parsed
+    seen = set()
+    for i, p in enumerate(placements):
+        if not is_shard(p) or p.dim >= len(operands[i]):
+            continue
+        letter = operands[i][p.dim]
+        sizes = {meta.shape[op.index(letter)] for meta, op in zip(info.inputs, operands) if letter in op}
+        if letter in seen or len(sizes) != 1:
+            continue
+        seen.add(letter)
+        ins = tuple(p.with_dim(op.index(letter)) if letter in op else REPLICATE for op in operands)
+        out.append(Strategy(ins, p.with_dim(result.index(letter)) if letter in result else _partial()))
+    return out

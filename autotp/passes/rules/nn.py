@@ -7,7 +7,7 @@ from typing import Any
 import sympy
 import torch
 
-from ...placements import PARTIAL, REPLICATE, Shard, divides, local_ranges
+from ...placements import PARTIAL, REPLICATE, Shard, divides, local_ranges, local_size
 
 from .registry import LocalContext, OpInfo, Strategy, TensorMeta, is_shard, norm_dim, register, register_localizer
 
@@ -350,3 +350,49 @@ def cross_entropy_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwarg
     ranges = local_ranges(info.inputs[0].static(1), p, ctx.tp, ctx.rank)
     module = VocabParallelCrossEntropy(ctx.group, ranges, ignore_index, reduction)
     return module, (args[0], args[1]), {}
+
+
+def _depthwise_channels(info: OpInfo) -> int | None:
+    """The channel count of a depthwise ``conv1d`` (every channel its own group: Mamba's and the
+    linear-attention mixers' causal convolution over the sequence), else None."""
+    x, w = info.inputs[0], info.inputs[1]
+    groups = info.args[6] if len(info.args) > 6 else info.kwargs.get("groups", 1)
+    channels = w.static(0)
+    if x.ndim != 3 or w.ndim != 3 or w.static(1) != 1 or channels is None or groups != channels \
+            or x.static(1) != channels:
+        return None
+    return channels
+
+
+@register(aten.conv1d.default)
+def conv1d_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """``conv1d(x [b, C, s], weight [C_out, C/groups, k], bias)``: a batch split of x passes
+    through; a depthwise convolution (groups == C) splits by channel, x, weight and bias alike,
+    each rank convolving its own channels (the localizer gives it its local group count)."""
+    out = [Strategy(tuple(REPLICATE for _ in info.inputs), REPLICATE)]
+    px = placements[0]
+    if is_shard(px) and px.dim == 0:
+        out.append(Strategy((px,) + tuple(REPLICATE for _ in info.inputs[1:]), px))
+    if _depthwise_channels(info) is not None:
+        shard = next((p.with_dim(1) for p, dim in zip(placements, (1, 0, 0)) if is_shard(p) and p.dim == dim),
+                     None) or info.fresh_shard(1)
+        channels = _depthwise_channels(info)
+        # every rank holds a channel: a convolution of zero groups does not run
+        if shard is not None and all(local_size(channels, shard.with_dim(0), info.tp, r) for r in range(info.tp)):
+            params = tuple(shard.with_dim(0) for _ in info.inputs[1:])
+            out.append(Strategy((shard,) + params, shard))
+    return out
+
+
+@register_localizer(aten.conv1d.default)
+def conv1d_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
+    px = strategy.inputs[0]
+    channels = _depthwise_channels(info)
+    if not (is_shard(px) and px.dim == 1) or channels is None:
+        return info.target, args, kwargs
+    args = list(args) + [None] * (7 - len(args))
+    defaults = (None, None, None, [1], [0], [1], 1)
+    args = [a if a is not None or i < 3 else defaults[i] for i, a in enumerate(args)]
+    args[6] = ctx.local(channels, info.inputs[1].shape[0], px.with_dim(0))
+    kwargs = {k: v for k, v in kwargs.items() if k != "groups"}
+    return info.target, tuple(args), kwargs

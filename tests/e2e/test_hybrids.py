@@ -1,0 +1,85 @@
+"""The hybrids, every call: state-space mixers (Mamba in Jamba; Mamba2 in Bamba, Falcon-H1,
+Granite-4.0-H) and linear attention (Gated DeltaNet in Qwen3-Next and Qwen3.5-MoE, lightning
+attention in MiniMax) beside attention, tiny float64 configurations at tp 2 on gloo ranks.
+
+Each model is parallelized from its synthesized example (length 11), then called: training at 11
+and at 8 (Mamba2's chunked scan of 4-token chunks: another residue class of lengths, so another
+program by export's guards; a mixer that loops over the sequence or its chunks: a program traced
+at 8), and inference with row 0 left-padded. Every call equals serial at float32's rounding: each
+mixer computes in float32 inside a float64 model (transformers' torch paths cast to float32:
+``hidden_states.float()``, ``.to(torch.float32)``), and so do the routers of the experts.
+Greedy ``generate`` (row 0 left-padded) gives the serial model's tokens: the prompt's program
+returns every attention layer's keys and values and every mixer's conv and recurrent states, and
+each decode step takes them back; MiniMax's generate is a CaptureError on every rank (its own
+cache class: NOT_GENERATED). Slow tier: a family's captures take 5-30 s each on two cores."""
+import pytest
+import torch
+
+from autotp.testing import TOLERANCE
+
+FAMILIES = ("bamba", "falcon-h1", "granitemoehybrid", "jamba", "qwen3-next", "qwen3.5-moe", "minimax")
+
+
+def hybrid_calls(family: str) -> dict:
+    import autotp
+    from autotp import zoo
+    from autotp.testing import equivalence_errors
+
+    config = zoo.tiny_config(family, layers=2, heads=2, kv_heads=2, head_dim=8, vocab=64)
+    if hasattr(config, "_experts_implementation"):
+        config._experts_implementation = "batched_mm"   # torch's grouped product takes no float64 on CPU
+    model = zoo.build(family, config, dtype=torch.float64)
+    # a large planning workload, so the cost model splits even this tiny model's attention and MLPs
+    pm = autotp.parallelize(model, 2, batch=64, seq=4096, profile="h100-dgx")
+    out = {"held": sum(p.numel() for p in pm.local_parameters().values()),
+           "serial": sum(p.numel() for p in model.parameters()), "fixed": bool(pm.capture.fixed_dims)}
+    for length in (11, 8):
+        batch = zoo.example_batch(family, config, batch=2, seq=length, seed=length)
+        out[f"train {length}"] = max(equivalence_errors(model, pm, batch).values())
+    model.eval()
+    pm.eval()
+    ids = zoo.example_batch(family, config, batch=2, seq=8, seed=3)["input_ids"]
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+        got = pm(input_ids=ids, attention_mask=mask).logits
+        out["padded"] = ((got - ref).abs().max() / ref.abs().max()).item()
+    prompt, prompt_mask = ids[:, :5], mask[:, :5]
+    try:
+        got = pm.generate(prompt, attention_mask=prompt_mask, max_new_tokens=3, eos_token_id=None).tolist()
+    except autotp.AutotpError as exc:   # the test asserts which families may refuse, and how
+        got = (type(exc).__name__, str(exc))
+    out["generate"] = (got, model.generate(prompt, attention_mask=prompt_mask, max_new_tokens=3, do_sample=False,
+                                           eos_token_id=None, pad_token_id=0).tolist())
+    return out
+
+
+#: families whose generate autotp does not run yet, and the error every rank raises: MiniMax's
+#: model makes and requires a cache class of its own (MiniMaxCache, its lightning attention's
+#: states in a list beside the layers), which the generation step's DynamicCache is not
+NOT_GENERATED = {"minimax": ("CaptureError", "uses cache of its own")}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_hybrid_equals_serial_at_every_length_and_padded(family):
+    from autotp.testing.ranks import LocalCluster
+
+    # four to six programs' captures, each seconds to a minute (Gated DeltaNet's, unrolled): 22 min
+    # for Qwen3-Next under a load average of 20 on two cores
+    with LocalCluster(2, timeout=3000) as cluster:
+        results = cluster.run(hybrid_calls, family)
+    for r in results:
+        # a program fixed to its example's 11 tokens is priced there, where the cost model may keep
+        # the tiny model whole (Qwen3-Next at tp 2 does); a dynamic one is priced at the workload
+        assert r["fixed"] or r["held"] < r["serial"], "the plan must split something (attention, MLPs, experts)"
+        for call in ("train 11", "train 8", "padded"):
+            assert r[call] <= TOLERANCE[torch.float32], (call, r[call])
+        got, serial = r["generate"]
+        if family in NOT_GENERATED:
+            kind, text = got
+            assert kind == NOT_GENERATED[family][0] and NOT_GENERATED[family][1] in text, got
+        else:
+            assert got == serial
