@@ -83,7 +83,7 @@ def _cases(tp: int):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 3, 4])
-@settings(max_examples=5, deadline=None, derandomize=True,
+@settings(max_examples=8, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_generation_with_a_vocab_split_head_equals_serial_many(cluster_of, tp, data):
