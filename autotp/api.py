@@ -255,10 +255,12 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
                     call_cap = call_capture(lengths_of(inputs))
             finally:
                 twin.train(was)
+            # a generation step returns its logits whole whatever gather_logits says for calls:
+            # generate picks each token from the whole row (StepSpec.keep_split keeps the cache)
             call_plan, call_index, call_prop = build_plan(
                 call_cap, tp, batch=batch, seq=seq or _default_seq(twin),
                 profile=profile or _default_profile(device), plan=result, uneven=uneven,
-                gather_logits=gather_logits, memory_limit=memory_limit,
+                gather_logits=True if step is not None else gather_logits, memory_limit=memory_limit,
                 input_placements=step.input_placements if step else None,
                 keep_split=step.keep_split(call_cap) if step else frozenset())
             return call_cap, call_plan, call_index, call_prop

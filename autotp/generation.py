@@ -430,6 +430,7 @@ def generate(pm: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | No
     settings = (f"generate: max_new_tokens={steps}, eos_token_id={eos}, pad_token_id={pad}, "
                 f"{', '.join(f'{k}={v!r}' for k, v in sorted(sampling.items()))}",)
     program, out = pm._step(StepSpec(tokens), tokens, settings)
+    _check_step(program)
     layout = cache_layout(program.capture, program.plan, info["config"])
     if mask is None and any(layout.windows):
         # a windowed layer's cache holds the last window's keys only: the decode step reads how
@@ -461,7 +462,7 @@ def generate(pm: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | No
             positions = positions[:, -1:] + 1
             tokens["position_ids"] = positions
         program, out = pm._step(StepSpec(tokens, layout, past), {**tokens, **cache})
-        _check_cache(layout, program)
+        _check_step(program, layout)
         past += 1
     pm.kv_cache = {n: out[n] for n in layout.names}
     return ids
@@ -484,8 +485,15 @@ def _sampled(pm: Any, scores: torch.Tensor) -> torch.Tensor:
     return token
 
 
-def _check_cache(layout: CacheLayout, program: Any) -> None:
-    """A decode step must return its cache split as it took it (the next step feeds it back)."""
+def _check_step(program: Any, layout: CacheLayout | None = None) -> None:
+    """A step must return its logits whole (a token is picked from the whole row) and a decode
+    step its cache split as it took it (the next step feeds it back)."""
+    if "logits" in program.plan.sharded_outputs:
+        raise PlanError(f"the {program.step} step returns its logits split as "
+                        f"{program.plan.sharded_outputs['logits']!r}: generate would pick a token from one rank's "
+                        "slice of the vocabulary (an autotp bug: please report it)")
+    if layout is None:
+        return
     names = program.capture.output_names
     for name, placement in layout.placements:
         returned = program.plan.sharded_outputs.get(name, REPLICATE)
