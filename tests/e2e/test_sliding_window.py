@@ -80,9 +80,11 @@ def assert_generation(cluster_of, case: dict) -> None:
     past = case["length"] + case["new"] - 1   # positions fed: the last token is returned, not fed back
     for r in results:
         assert r["got"] == r["want"], (case, r)
-        # one decode program serves every cache length, below the window and at it (at most two:
-        # a past of 1 position is its own program, export specializing size 1)
-        assert r["decode programs"] <= 2, (case, r)
+        # a few decode programs serve every cache length, below the window and at it: a past of 1
+        # position is its own program (export specializes size 1), and where a step's call breaks
+        # the guards the example's capture was traced under (a windowed layer's held length tied
+        # to the mask's), a program traced at the call's own lengths (api.build: fits_call), once
+        assert r["decode programs"] <= 3, (case, r)
         heads = {shape[1] for shape in r["held"].values()}
         assert heads == ({KV_HEADS // case["tp"]} if case["tp"] <= KV_HEADS else {KV_HEADS}), (case, r["held"])
         lengths = {shape[2] for shape in r["held"].values()}
