@@ -158,9 +158,9 @@ class GraphIndex:
               input_placements: Mapping[str, Placement] | None = None,
               force_sequence: bool = False, align: Any = None) -> "GraphIndex":
         """``sequence_parallel``: rules may split the sequence dim afresh (a reduce-scatter along
-        s where a Partial meets an add); needs ``uneven``, since lengths are known at run time.
-        ``force_sequence``: where they may, they must (a Partial meeting an add along the
-        sequence is reduce-scattered, never all-reduced whole)."""
+        s where a Partial meets an add, a dropout or a cast); needs ``uneven``, since lengths are
+        known at run time. ``force_sequence``: where they may, they must (a Partial meeting an
+        elementwise op along the sequence is reduce-scattered, never all-reduced whole)."""
         env = {}
         for sym, role in capture.dim_symbols.items():
             env[sympy.Symbol(sym, integer=True, positive=True)] = batch if role == "batch" else seq
