@@ -223,7 +223,12 @@ EQUIVALENCE = [
 @pytest.mark.parametrize("family, tp, heads, kv, dtype", sorted(EQUIVALENCE, key=lambda c: c[1]),
                          ids=[f"{f}-tp{t}-h{h}-kv{k}-{d}" for f, t, h, k, d in sorted(EQUIVALENCE, key=lambda c: c[1])])
 def test_head_split_attention_matches_serial(cluster_of, family, tp, heads, kv, dtype):
-    bound = TOLERANCE[getattr(torch, dtype)]
+    from tests.e2e.test_sequence_parallel_families import FLOAT32_ONLY
+
+    # Llama's, Mistral's and Qwen2's RMSNorm computes its variance in float32 whatever the model's
+    # dtype: where the plan splits the hidden dim the ranks sum in another order than serial
+    # (embed_tokens' gradient 5e-9 to 2e-8 relative, head dims 8 and 64 alike): float32's bound
+    bound = TOLERANCE[torch.float32 if family in FLOAT32_ONLY else getattr(torch, dtype)]
     for errors, attention in cluster_of(tp).run(check_family, family, tp, heads, kv, dtype):
         worst = max(errors, key=errors.get)
         assert errors[worst] <= bound, (worst, errors[worst])
