@@ -79,8 +79,9 @@ def pointwise_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
 
 @register(*UNARY)
 def unary_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
-    # a row-parallel product's partial sum met by a dropout (Phi-3, OPT) or a cast (a post-norm's
-    # float32 upcast: OLMo-2) before the residual add: sequence parallelism's entry, as at an add
+    # a row-parallel product's partial sum met by a dropout (Phi-3's output projections have no
+    # bias to add first) or a cast (a post-norm's float32 upcast: OLMo-2) before the residual add:
+    # sequence parallelism's entry, as at an add
     return _with_sequence_entry(info, placements, pointwise_rule(info, placements))
 
 
