@@ -36,9 +36,9 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
 
     ``sequence_parallel``: may the solver split layer-norm/dropout/residual regions along the
     sequence (Korthikanti et al.)? None (default): wherever the cost model finds it cheaper;
-    True: wherever a row-parallel product's partial sum meets an add along the sequence (a
-    PlanError where nothing can take it); False: never. It needs ``uneven``: a sequence shard is
-    uneven whenever tp does not divide a call's length.
+    True: wherever a row-parallel product's partial sum meets an add, a dropout or a cast along
+    the sequence (a PlanError where nothing can take it); False: never. It needs ``uneven``: a
+    sequence shard is uneven whenever tp does not divide a call's length.
 
     ``gather_logits``: None (default) keeps the output named ``logits`` split by vocabulary
     where the call also returns a loss (labels given: training needs the loss, computed
@@ -164,10 +164,10 @@ def _solve(index: GraphIndex, prof: Any, pinned: Mapping[str, Placement], layout
         raise
     if sequence_parallel and not sequence_regions(index, solution.propagation):
         raise PlanError(
-            "sequence_parallel=True, but no row-parallel product's partial sum meets an add along a dynamic "
-            f"sequence dim in this plan at tp={index.tp} (no layer is split so that a reduce-scatter along the "
-            "sequence can replace its all-reduce): pin a row-parallel layout (layout={'<glob>': 'row'}), or leave "
-            "sequence_parallel to the planner (None)")
+            "sequence_parallel=True, but no row-parallel product's partial sum meets an add, a dropout or a cast "
+            f"along a dynamic sequence dim in this plan at tp={index.tp} (no layer is split so that a "
+            "reduce-scatter along the sequence can replace its all-reduce): pin a row-parallel layout "
+            "(layout={'<glob>': 'row'}), or leave sequence_parallel to the planner (None)")
     return solution, index, notes
 
 

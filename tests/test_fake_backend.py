@@ -80,13 +80,28 @@ def test_t5_with_uneven_heads_at_tp8(fake_world):
     _one_rank(fake_world, "t5", 5, 12)
 
 
-def _one_rank(fake_world, family: str, rank: int, heads: int) -> None:
+@pytest.mark.parametrize("family", ["phi3", "olmo2"])
+def test_a_partial_sum_reduce_scattered_at_a_dropout_or_a_cast_issues_the_plans_collectives(fake_world, family):
+    # Phi-3's output projections feed a dropout, OLMo-2's a post-norm's float32 cast, before the
+    # residual add: sequence parallelism forced, the reduce-scatter enters there
+    _one_rank(fake_world, family, 6, 8, sequence_parallel=True)
+
+
+def test_one_all_reduce_serves_a_consumer_with_f_and_one_without(fake_world):
+    # OLMo-2: the vocabulary-parallel embedding's partial sum is made whole by one g for q_proj
+    # (column-parallel, so an f after it) and k_proj (run whole: no f). The rank reuses the g; the
+    # plan counted (and the solver priced) a second one (42 collectives issued, 43 expected)
+    plan = _one_rank(fake_world, "olmo2", 6, 8)
+    assert len([c for c in plan.comms if c.kind == "g" and c.tensor == "embedding_default"]) == 1
+
+
+def _one_rank(fake_world, family: str, rank: int, heads: int, **plan_kw):
     fake_world(rank)
     # kv heads (where the family has them) fewer than the 8 ranks: 2 or 3
     config = zoo.tiny_config(family, layers=2, heads=heads, kv_heads=heads // 4, head_dim=4, vocab=61)
     model = zoo.build(family, config, dtype=torch.float32, seed=1)
     inputs = zoo.example_batch(family, config, batch=2, seq=7, seed=2)
-    pm = autotp.parallelize(model, TP, batch=64, seq=4096, profile="h100-dgx")
+    pm = autotp.parallelize(model, TP, batch=64, seq=4096, profile="h100-dgx", **plan_kw)
     assert pm.mesh.tp_rank == rank
     plan = pm.plan
     full = dict(model.named_parameters(remove_duplicate=False))
@@ -106,3 +121,4 @@ def _one_rank(fake_world, family: str, rank: int, heads: int) -> None:
     assert all(pm.local_grad(name) is not None and pm.local_grad(name).shape == p.shape
                for name, p in local.items() if p.requires_grad)
     assert count == _expected(plan), (count, _expected(plan), [c.kind for c in plan.comms])
+    return plan

@@ -158,9 +158,9 @@ class GraphIndex:
               input_placements: Mapping[str, Placement] | None = None,
               force_sequence: bool = False, align: Any = None) -> "GraphIndex":
         """``sequence_parallel``: rules may split the sequence dim afresh (a reduce-scatter along
-        s where a Partial meets an add); needs ``uneven``, since lengths are known at run time.
-        ``force_sequence``: where they may, they must (a Partial meeting an add along the
-        sequence is reduce-scattered, never all-reduced whole)."""
+        s where a Partial meets an add, a dropout or a cast); needs ``uneven``, since lengths are
+        known at run time. ``force_sequence``: where they may, they must (a Partial meeting an
+        elementwise op along the sequence is reduce-scattered, never all-reduced whole)."""
         env = {}
         for sym, role in capture.dim_symbols.items():
             env[sympy.Symbol(sym, integer=True, positive=True)] = batch if role == "batch" else seq
@@ -469,6 +469,15 @@ def wants_f(want: Any, sharded: bool, meta: TensorMeta, grad: bool = True, apart
     return "apart" if f and apart else f
 
 
+def serves_without_f(kind: str | None, f: bool | str) -> bool:
+    """Does a conversion made for a consumer that wants an f also serve a consumer of the same
+    placement that wants none? Its collective runs first and the f after it, and the rewrite reuses
+    the collective's output (a g shared by a column-parallel q_proj and a k_proj run whole), unless
+    the f is fused into an all-gather (all_gather_f: another backward). The plan and the solver
+    then count the collective once, as the rank runs it."""
+    return bool(kind) and bool(f) and not (kind == "all_gather" and f is True)
+
+
 _NO_GRAD_OPS = frozenset(getattr(aten, name).default for name in ("detach", "detach_", "lift_fresh_copy")
                          if hasattr(aten, name))
 
@@ -535,6 +544,8 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
             return
         kind = _conversion(place[node], dst, _dim_size(meta, dst) or _dim_size(meta, place[node]), tp)
         conversions[key] = kind or ""
+        if serves_without_f(kind, f):
+            conversions.setdefault((node, dst, False), kind)
         full = nbytes(meta, env, profile.dtype_bytes)
         grad = node in index.grads
         for k in conversion_kinds(kind, f):

@@ -50,9 +50,9 @@ from ..capture import module_path
 from ..cost_model.devices import DeviceProfile
 from ..errors import MemoryLimitError, PlanError
 from ..placements import REPLICATE, Partial, Placement, Shard, same_placement
-from .propagate import (INF, GraphIndex, Propagation, _dim_size, _even, _meta, _out_meta, _sharded_compute,
-                        conversion_seconds, internal_seconds, param_memory, param_update_seconds, propagate,
-                        wants_f)
+from .propagate import (INF, GraphIndex, Propagation, _conversion, _dim_size, _even, _meta, _out_meta,
+                        _sharded_compute, conversion_seconds, internal_seconds, param_memory,
+                        param_update_seconds, propagate, serves_without_f, wants_f)
 from .repeats import Layer, LayerFinder, Shift
 
 log = logging.getLogger(__name__)
@@ -235,7 +235,10 @@ class _Solver:
                     break
                 if (f or have != want) and (want, f) not in paid:
                     cost += conversion_seconds(index, profile, meta, have, want, f, inp in index.grads)
-                    labels[inp] = (have, paid | {(want, f)})
+                    paid = paid | {(want, f)}
+                    if serves_without_f(_conversion(have, want, _dim_size(meta, want) or _dim_size(meta, have), tp), f):
+                        paid = paid | {(want, False)}   # its collective serves a consumer that wants no f
+                    labels[inp] = (have, paid)
                 if cost == INF:
                     break
             if cost == INF:

@@ -40,11 +40,16 @@ SPLIT = [
 ]
 
 
+#: heads of a real model's width (hidden 512 for 8 heads): at zoo.tiny_config's 8 the products are
+#: so small that the cost model keeps k/v projections whole on s/tp tokens or splits the hidden dim
+HEAD_DIM = 64
+
+
 def _model(family: str, heads: int, kv: int | None, dtype=torch.float32):
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    config = zoo.tiny_config(family, heads=heads, kv_heads=kv, layers=2)
+    config = zoo.tiny_config(family, heads=heads, kv_heads=kv, layers=2, head_dim=HEAD_DIM)
     return config, zoo.build(family, config, dtype=dtype)
 
 
@@ -79,9 +84,13 @@ def test_attention_splits_by_head_with_no_gather_before_it(family, tp, heads, kv
     for node in attention:
         module = module_path(node)
         assert plan.attention.get(module) == [heads // tp] * tp, (module, plan.attention)
+        # a free scatter (no bytes either way: rotary's cos and sin, which take no gradient, sliced
+        # along s where k is computed on this rank's tokens and all-gathered into attention) is no
+        # conversion of the attention's inputs
         before = [c for c in prop.comms if c.consumer in nodes and module_path(nodes[c.consumer]) == module
                   and (c.kind == "all_gather" and pos[nodes[c.consumer]] <= pos[node]
-                       or c.kind == "scatter" and pos[nodes[c.consumer]] < pos[node])]
+                       or c.kind == "scatter" and pos[nodes[c.consumer]] < pos[node]
+                       and (c.fwd_bytes, c.bwd_bytes) != (0, 0))]
         assert before == [], f"{family}: {[(c.kind, c.tensor, c.consumer) for c in before]}"
     # every head-split projection counts the query heads each rank runs (Falcon's new layout at
     # 4 groups of 2 heads, tp 4, deals whole groups: one group, two query heads per rank)
@@ -113,15 +122,19 @@ def test_fewer_kv_heads_than_ranks_replicates_kv_and_slices_it_to_the_query_head
     _, model = _model("llama", heads, kv)
     cap = capture(model)
     plan, _, prop = build_plan(cap, tp, **WORKLOAD)
-    # q by heads; k and v whole on every rank (projected replicated, or, where the cost model
-    # finds it cheaper for a single kv head, projected split and all-gathered), an f summing
-    # their gradients; sdpa_localizer narrows them to the heads each rank's queries use
+    # q by heads; k and v whole on every rank, sdpa_localizer narrowing them to the heads each
+    # rank's queries use: projected whole (an f each, summing their gradients), projected on this
+    # rank's s/tp tokens and all-gathered along s (all_gather_f each: their gradients
+    # reduce-scattered), projected whole and sliced (a scatter each), or row-parallel from an x
+    # split along the hidden dim (k made whole by a g before rotary, v by a g at attention; an f each)
     assert repr(plan.params["model.layers.0.self_attn.q_proj.weight"]).startswith("S(0")
     sdpa = _attention_nodes(cap.graph)[0]
     assert sdpa.kwargs.get("enable_gqa") and sdpa.args[5] is True   # HF's own call: causal, no mask
     assert len(sdpa.args) < 4 or sdpa.args[3] is None
     at = [c for c in prop.comms if c.consumer == sdpa.name]
-    assert sorted(c.kind for c in at) in (["f", "f"], ["scatter", "scatter"])
+    assert len({c.tensor for c in at}) == 2, at   # k and v, nothing of q
+    assert sorted(c.kind for c in at) in (["f", "f"], ["all_gather_f", "all_gather_f"], ["scatter", "scatter"],
+                                          ["f", "f", "g"]), at
     share = [heads // tp + (r < heads % tp) for r in range(tp)]
     assert sorted(plan.attention["model.layers.0.self_attn"], reverse=True) == share
 
@@ -210,7 +223,12 @@ EQUIVALENCE = [
 @pytest.mark.parametrize("family, tp, heads, kv, dtype", sorted(EQUIVALENCE, key=lambda c: c[1]),
                          ids=[f"{f}-tp{t}-h{h}-kv{k}-{d}" for f, t, h, k, d in sorted(EQUIVALENCE, key=lambda c: c[1])])
 def test_head_split_attention_matches_serial(cluster_of, family, tp, heads, kv, dtype):
-    bound = TOLERANCE[getattr(torch, dtype)]
+    from tests.e2e.test_sequence_parallel_families import FLOAT32_ONLY
+
+    # Llama's, Mistral's and Qwen2's RMSNorm computes its variance in float32 whatever the model's
+    # dtype: where the plan splits the hidden dim the ranks sum in another order than serial
+    # (embed_tokens' gradient 5e-9 to 2e-8 relative, head dims 8 and 64 alike): float32's bound
+    bound = TOLERANCE[torch.float32 if family in FLOAT32_ONLY else getattr(torch, dtype)]
     for errors, attention in cluster_of(tp).run(check_family, family, tp, heads, kv, dtype):
         worst = max(errors, key=errors.get)
         assert errors[worst] <= bound, (worst, errors[worst])
@@ -250,7 +268,9 @@ def test_a_fused_projection_with_fewer_kv_heads_than_ranks_splits_query_heads_an
     module = f"transformer.h.0.{fused.split('.')[0]}"
     assert sum(plan.attention[module]) == heads and max(plan.attention[module]) - min(plan.attention[module]) <= kv
     assert sum(plan.heads_per_rank()[f"transformer.h.0.{fused}.weight"]) == heads
-    gathers = [c for c in plan.comms if c.module.startswith(module) and c.kind in ("all_gather", "reshard")]
+    # (the sequence-parallel region's all-gather along s into the fused projection is not one)
+    gathers = [c for c in plan.comms if c.module.startswith(module) and c.kind in ("all_gather", "reshard")
+               and not (c.src == "S(1)" and c.module == f"transformer.h.0.{fused}")]
     assert gathers == [], [(c.kind, c.tensor) for c in gathers]
 
 

@@ -2,11 +2,12 @@
 (tiny MoE models planned at tp=8 on the meta device: no ranks, no weights).
 
 Where fewer experts than ranks leave expert parallelism's ranks idle, each expert's matrices are
-split instead (gate|up column in two matching blocks, down row); the plan's note says by how much
-the other layout loses, or that it cannot split. (No shape was found where the cost model prefers
-whole experts per rank to both: it prices expert-TP at or below expert parallelism wherever each
-expert's features split; see autotp/passes/experts_choice.py.) Either can be pinned; a pin that cannot
-hold names the stack, its experts' features and what to pin instead.
+split instead along their features (Megatron's gate|up column in two matching blocks and down row,
+or, where the cost model prices it cheaper, gate|up row and down column); the plan's note says by
+how much the other layout loses, or that it cannot split. Where every rank gets whole experts
+(gpt-oss's 16 at tp 4), expert parallelism can be the cheaper (see autotp/passes/experts_choice.py).
+Either can be pinned; a pin that cannot hold names the stack, its experts' features and what to
+pin instead.
 """
 import pytest
 
@@ -32,14 +33,27 @@ def _experts(plan) -> dict:
 
 
 def test_fewer_experts_than_ranks_split_inside_each_expert():
-    plan = autotp.plan(_model("mixtral", experts=4, head_dim=64), tp=8)   # hidden 512, default profile
+    # hidden 2048, default profile. (At hidden 512 the cost model keeps the experts' weights split
+    # but all-gathers them into whole products: cheaper there than an f on the routed tokens.)
+    model = _model("mixtral", experts=4, head_dim=256)
+    plan = autotp.plan(model, tp=8)
     got = _experts(plan)
-    assert got["gate_up_proj"] == ("expert_column", Shard(1, chunks=2)), got   # matching gate and up halves
-    assert got["down_proj"] == ("expert_row", Shard(2)), got
+    # each expert split along its features, 1/8 per rank: the solver's pick is gate|up row, down
+    # column (the routing weights then multiply 1/8 of each routed token's output, where after a
+    # row-parallel down they multiply its whole partial sum on every rank)
+    assert {role for role, _ in got.values()} <= {"expert_column", "expert_row"}, got
+    assert all(isinstance(p, Shard) and p.dim in (1, 2) for _, p in got.values()), got
+    assert not [c for c in plan.comms if c.kind == "all_gather" and "experts" in c.module
+                and c.consumer.startswith("grouped_mm")], "an expert's weights gathered: its products run whole"
     note = next(n for n in plan.notes if n.startswith("experts "))
     assert "expert-TP" in note, note
     assert "cheaper than expert-parallel (4 experts, 1 on the busiest rank, 4 idle)" in note, note
     assert "note: experts model.layers.0.mlp.experts: expert-TP" in str(plan)   # the folded view says it too
+    # Megatron's expert-TP pinned: matching gate and up halves, down row; no cheaper than the solver's
+    pinned = autotp.plan(model, tp=8, layout=ETP)
+    assert _experts(pinned) == {"gate_up_proj": ("expert_column", Shard(1, chunks=2)),
+                                "down_proj": ("expert_row", Shard(2))}, _experts(pinned)
+    assert plan.compute_s + plan.comm_s <= (pinned.compute_s + pinned.comm_s) * (1 + 1e-12)
 
 
 def test_where_expert_tp_cannot_split_the_note_says_so():
@@ -80,7 +94,8 @@ def test_no_pinned_experts_layout_beats_the_solvers_choice():
     # the solver's choice (gpt-oss-20b at tp 8: by 6.1 ms/step) and the note said "dearer than".
     model = _model("gpt-oss", experts=16, head_dim=32)
     plan = autotp.plan(model, tp=4)
-    for layout in (EP, ETP):
+    rows = {"*.experts.gate_up_proj": "expert_row", "*.experts.down_proj": "expert_row"}
+    for layout in (EP, ETP, rows):
         pinned = autotp.plan(model, tp=4, layout=layout)
         assert plan.compute_s + plan.comm_s <= (pinned.compute_s + pinned.comm_s) * (1 + 1e-12), layout
     note = next(n for n in plan.notes if n.startswith("experts "))

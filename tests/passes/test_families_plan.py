@@ -9,10 +9,16 @@ row-parallel matrix leaving it (q/k/v then the attention output, up/gate then do
 replicate or row-parallel (x sliced on each rank, k and v made whole by a g each) where there are
 fewer kv heads than ranks (the solver prices both), and attention runs
 split by head, every rank holding at least one (fused multi-query projections too: StarCoder,
-Falcon-7B). One forward
-all-reduce (g) per block, or one for both where attention and MLP run side by side into one
-residual add (GPT-J, Falcon); a norm statistic's g over split heads (OLMo2's q/k norms, one
-number per token) is not one of them. Outside the layers no rank holds a vocabulary-sized matrix whole:
+Falcon-7B). A block may also end in a column-parallel matrix whose split output is gathered
+whole before the residual add (OPT's out_proj: the same bytes as a row-parallel one's
+reduce-scatter and gather, its MLP running on flattened tokens that no sequence shard reaches),
+and at widths up to 1024 a block's matrices may stay whole, run on each rank's s/tp tokens
+(their gradients summed by an f each: ModernBERT-large's MLP, as GPT-2 small's in
+tests/test_plan.py). One forward reduction per block, an all-reduce (g) or, sequence-parallel,
+a reduce-scatter along the sequence (Megatron-SP), or one for both where attention and MLP run
+side by side into one residual add (GPT-J, Falcon); a norm statistic's reduction over split
+heads (OLMo2's q/k norms, one number per token) is not one of them. Outside the layers no rank
+holds a vocabulary-sized matrix whole:
 the output layer is split along the vocabulary (vocab-parallel, so the loss runs vocab-parallel),
 and an untied token embedding is split by vocabulary rows or by hidden columns, whichever the
 cost model prices cheaper (a hidden split's all-gather of b*s*h moves half the bytes of the
@@ -121,6 +127,24 @@ def read_by_product(cap, fqn: str) -> bool:
     return False
 
 
+def _placeholder(cap, fqn: str) -> str:
+    return next(n.name for n in cap.graph.nodes if n.op == "placeholder" and cap.param_names.get(n.name) == fqn)
+
+
+def gathered_whole(cap, plan, fqn: str) -> bool:
+    """Is the output of the product reading the parameter all-gathered whole (no sharded compute
+    after it) before it meets another product or attention (through its bias, dropout, casts)?"""
+    made, todo = set(), [_product_of(cap, fqn)]
+    while todo:
+        node = todo.pop()
+        if node.name in made:
+            continue
+        made.add(node.name)
+        todo.extend(u for u in node.users if u.target not in _PRODUCTS
+                    and u.target is not aten.scaled_dot_product_attention.default)
+    return any(c.kind == "all_gather" and c.tensor in made for c in plan.comms)
+
+
 def plan_at_size(size: str):
     family = zoo.family_of(size).name
     model = zoo.build(family, zoo.published_config(size, layers=2), device="meta", dtype=torch.bfloat16)
@@ -145,12 +169,20 @@ def test_megatron_layout_emerges_at_real_size(size):
     kv_heads = getattr(model.config, "num_key_value_heads", None) or getattr(model.config, "num_attention_heads", TP)
     kv_rows = {n for n in roles if roles[n] == "row" and kv_heads < TP and feeds_attention(cap, n)}
     roles.update({n: "kv-row" for n in kv_rows})
+    # a column-parallel matrix whose output is gathered whole ends a block as a row-parallel one does
+    roles.update({n: "column-gathered" for n in roles if roles[n] == "column" and gathered_whole(cap, plan, n)})
+    # a whole matrix run on this rank's s/tp tokens: its gradient summed over the ranks by an f
+    weight_fs = {c.tensor for c in plan.comms if c.kind == "f" and c.src == c.dst == "R"}
+    hidden = model.config.hidden_size
+    roles.update({n: "tokens" for n in roles if roles[n] == "replicate" and hidden <= 1024
+                  and _placeholder(cap, n) in weight_fs})
     described = ", ".join(f"{n}={roles[n]}" for _, n in layer)
-    block = r"((column|replicate|kv-row) )*column ((column|replicate|kv-row) )*row "
-    assert re.fullmatch(f"({block})+", " ".join(roles[n] for _, n in layer) + " "), \
-        f"layer 1 in graph order: {described}"
-    blocks = list(roles.values()).count("row")
-    assert blocks == 2, f"{blocks} row-parallel blocks in layer 1: {described}"
+    sequence = " ".join(roles[n] for _, n in layer) + " "
+    block = r"((column|replicate|kv-row) )*column ((column|replicate|kv-row) )*(row|column-gathered) "
+    assert re.fullmatch(f"({block}|(tokens )+)+", sequence), f"layer 1 in graph order: {described}"
+    blocks = len(re.findall(r"(row|column-gathered) ", sequence))
+    whole = len(re.findall(r"(tokens )+", sequence))
+    assert blocks >= 1 and blocks + whole == 2, f"{blocks} split blocks and {whole} whole in layer 1: {described}"
 
     # attention itself runs split by head (multi-query and grouped layouts included)
     split = [m for m in plan.attention if _layer_of(m + ".") == 1]
@@ -159,13 +191,16 @@ def test_megatron_layout_emerges_at_real_size(size):
 
     in_layer = [c for c in plan.comms if _layer_of(c.module + ".") == 1]
     # a norm's statistic over split heads (OLMo2's q/k norms: one number per token, kept as a
-    # size-1 dim) is made whole by a g of its own, not one of the block's
+    # size-1 dim) is made whole (or reduce-scattered) by a reduction of its own, not one of the block's
     shapes = {n.name: n.meta["val"].shape for n in cap.graph.nodes if hasattr(n.meta.get("val"), "shape")}
     kv_made_whole = {_product_of(cap, n).name for n in kv_rows}
-    g = [c for c in in_layer if c.kind == "g" and shapes[c.tensor][-1] != 1 and c.tensor not in kv_made_whole]
+    reductions = [c for c in in_layer if c.kind in ("g", "reduce_scatter") and c.src == "P"
+                  and shapes[c.tensor][-1] != 1 and c.tensor not in kv_made_whole]
     shown = ", ".join(f"{c.kind}@{c.module}" for c in in_layer)
-    # attention and MLP side by side (one residual add) may share one all-reduce
-    assert 1 <= len(g) <= blocks, f"{len(g)} forward all-reduces in layer 1 ({shown})"
+    # attention and MLP side by side (one residual add) may share one reduction
+    assert 1 <= len(reductions) <= blocks, f"{len(reductions)} forward reductions in layer 1 ({shown})"
+    # sequence parallelism splits (b, s, h) along s, nothing else
+    assert all(c.dst == "S(1)" for c in in_layer if c.kind == "reduce_scatter"), shown
 
     vocab = model.config.vocab_size
     outside = [n for n in plan.roles if _layer_of(n) is None and vocab in plan.shapes[n]]
@@ -185,7 +220,8 @@ _SVG = "{http://www.w3.org/2000/svg}"
 @pytest.mark.parametrize("size", FIGURE_SIZES)
 def test_every_family_draws_its_layer_with_the_matrices_f_and_g(size):
     """The figure of a repeated layer (autotp.figure) draws every weight matrix of the layer by
-    its name and split, and marks f and g where the plan puts them."""
+    its name and split, and marks f and g where the plan puts them (sequence-parallel regions:
+    Megatron-SP's all-gather with its f, AGf, and reduce-scatter, RS, in their place)."""
     from autotp.figure import pick_flow
 
     _, _, plan = plan_at_size(size)
@@ -193,7 +229,7 @@ def test_every_family_draws_its_layer_with_the_matrices_f_and_g(size):
     root = ET.fromstring(svg)
     texts = {t.text for t in root.iter(f"{_SVG}text")}
     marks = {t.text for t in root.iter(f"{_SVG}text") if "comm" in (t.get("class") or "")}
-    assert {"f", "g"} <= marks, marks
+    assert {"f", "g"} <= marks or {"AGf", "RS"} <= marks, marks
     flow = pick_flow(plan)
     prefix = f"{flow.stack}.{flow.indices[0]}."
     matrices = [n[len(prefix):] for n in plan.params if n.startswith(prefix) and len(plan.shapes[n]) >= 2]
@@ -230,3 +266,27 @@ def test_a_fused_qkv_with_grouped_kv_heads_splits_by_head_as_megatron_would(size
     assert attention == [], [(c.kind, c.tensor) for c in attention]
     pinned = autotp.plan(model, tp, layout={"*.qkv_proj.weight": "column", "*.o_proj.weight": "row"})
     assert pinned.params == plan.params
+
+
+#: a row-parallel product's partial sum met first by a dropout (Phi-3's resid_attn_dropout /
+#: resid_mlp_dropout, p 0 but in the graph) or a cast (OLMo-2's post-norms upcast to float32)
+PARTIAL_MEETS = [("phi-3-mini", aten.dropout.default, ("self_attn.o_proj", "mlp.down_proj")),
+                 ("olmo-2-7b", aten.to.dtype, ("self_attn.o_proj", "mlp.down_proj"))]
+
+
+@pytest.mark.parametrize("size, meets, rows", PARTIAL_MEETS, ids=[c[0] for c in PARTIAL_MEETS])
+def test_a_partial_sum_met_by_a_dropout_or_a_cast_is_reduce_scattered_there(size, meets, rows):
+    """Sequence parallelism enters where the partial sum meets its first elementwise op, as at an
+    add: reduce-scattered along s there, the dropout or the post-norm run on s/tp tokens, the
+    output projections row-parallel, no all-reduce in the layer. (Only an add took a partial
+    sum along the sequence before: these layers kept their residual stream split along the
+    hidden dim instead, an all-gather of the attention into a column-parallel output projection
+    and an all-gather of every norm's squares.)"""
+    _, cap, plan = plan_at_size(size)
+    nodes = {n.name: n for n in cap.graph.nodes}
+    in_layer = [c for c in plan.comms if _layer_of(c.module + ".") == 1]
+    entries = [c for c in in_layer if c.kind == "reduce_scatter" and nodes[c.consumer].target is meets]
+    assert len(entries) == 2 and all((c.src, c.dst) == ("P", "S(1)") for c in entries), entries
+    assert not [c for c in in_layer if c.kind in ("g", "all_gather")], [(c.kind, c.tensor) for c in in_layer]
+    for row in rows:
+        assert matrix_role(cap, plan, f"model.layers.1.{row}.weight") == "row", row

@@ -35,9 +35,13 @@ def test_no_pinned_row_split_beats_the_solvers_choice():
     for layer in (0, 1):
         for proj in ("k_proj", "v_proj"):
             assert plan.roles[f"model.layers.{layer}.self_attn.{proj}.weight"] == "row"
-    # layer 1's x arrives whole: sliced on each rank, its gradient all-gathered (one for k and v)
-    sliced = [c for c in plan.comms if c.kind == "scatter" and c.module.startswith("model.layers.1.")]
-    assert [(c.src, c.dst) for c in sliced] == [("R", "S(2)")], sliced
+    # layer 1's x reaches k and v split along its features: sliced on each rank from a whole x (one
+    # scatter for both, its gradient all-gathered), or already split (this plan's residual stream runs
+    # split along the hidden dim: the down projection's 7176 / 8 = 897 rows a rank are unaligned, so
+    # the MLP is column-parallel both ways and its 897-wide activation all-gathered)
+    sliced = [c for c in plan.comms if c.kind == "scatter" and c.module.startswith("model.layers.1.self_attn.")
+              and c.module.endswith(("k_proj", "v_proj"))]
+    assert [(c.src, c.dst) for c in sliced] in ([], [("R", "S(2)")]), sliced
 
 
 def _linear(n_out: int, n_in: int, input_hints: dict | None = None, tp: int = 4) -> OpInfo:
@@ -61,9 +65,14 @@ def test_a_free_weight_is_offered_row_where_it_can_pay():
     assert _rows(_linear(64, 32)) == []
 
 
+TIGHT = {torch.float32: 0.8, torch.float64: 0.9}
+
+
 @functools.lru_cache(maxsize=None)
 def _tight_plans(dtype: torch.dtype = torch.float32) -> tuple:
-    """Tiny Qwen2 at tp 4 with q/k/v pinned whole: the fastest plan, and one within 70% of its memory."""
+    """Tiny Qwen2 at tp 4 with q/k/v pinned whole: the fastest plan, and one within TIGHT[dtype] of its
+    memory (the fastest already runs a region sequence-parallel; below these no plan fits: float32
+    75%, float64 85%)."""
     h100 = PROFILES["h100-dgx"]
     profile = replace(h100, name="h100-flops/100", flops=h100.flops / 100)
     config = zoo.tiny_config("qwen2", layers=2, heads=6, kv_heads=2, head_dim=4, vocab=48)
@@ -71,17 +80,17 @@ def _tight_plans(dtype: torch.dtype = torch.float32) -> tuple:
     whole = {"*.q_proj.*": "replicate", "*.k_proj.*": "replicate", "*.v_proj.*": "replicate"}
     fastest = autotp.plan(model, 4, batch=64, seq=4096, profile=profile, layout=whole, gather_logits=False)
     return fastest, autotp.plan(model, 4, batch=64, seq=4096, profile=profile, layout=whole, gather_logits=False,
-                                memory_limit=0.7 * fastest.memory_bytes)
+                                memory_limit=TIGHT[dtype] * fastest.memory_bytes)
 
 
 def test_a_memory_tight_plan_splits_the_output_projection_after_a_whole_attention_by_head():
     # q/k/v pinned whole (attention computed whole on every rank): o_proj's x arrives whole. Row-parallel
     # keeps 1/4 of x for backward where column keeps it all, for the same collectives; offered only as x
-    # arrived split, no plan fitted 70% of the fastest plan's memory (MemoryLimitError). The split follows
+    # arrived split, no plan fitted 70% of the fastest plan's memory then (MemoryLimitError). The split follows
     # x's heads: 6 heads dealt to 4 ranks unevenly, the extra head rotated by layer. (An H100 whose FLOP
     # rate is scaled down with the width, hidden 24 against Qwen2-7B's 3584: tests/e2e/test_row_parallel.py.)
     fastest, tight = _tight_plans()
-    assert tight.memory_bytes <= 0.7 * fastest.memory_bytes
+    assert tight.memory_bytes <= 0.8 * fastest.memory_bytes
     for layer in (0, 1):
         assert tight.params[f"model.layers.{layer}.self_attn.o_proj.weight"] == Shard(1, unit=4, rotate=layer)
 

@@ -72,9 +72,29 @@ def _all_replicate(info: OpInfo) -> Strategy:
     return Strategy(tuple(REPLICATE for _ in info.inputs), REPLICATE)
 
 
-@register(*UNARY, *BINARY)
+@register(*BINARY)
 def pointwise_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     return [_all_replicate(info), *_shard_strategies(info, placements)]
+
+
+@register(*UNARY)
+def unary_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    # a row-parallel product's partial sum met by a dropout (Phi-3's output projections have no
+    # bias to add first) or a cast (a post-norm's float32 upcast: OLMo-2) before the residual add:
+    # sequence parallelism's entry, as at an add
+    return _with_sequence_entry(info, placements, pointwise_rule(info, placements))
+
+
+def _with_sequence_entry(info: OpInfo, placements: tuple, out: list[Strategy]) -> list[Strategy]:
+    """``out`` and, where a Partial operand meets the op, the reduce-scatter along the sequence
+    into it (:func:`_sequence_parallel`); forced (``sequence_parallel=True``), the Partial is
+    reduce-scattered there (or stays Partial), never all-reduced whole."""
+    if not any(is_partial(p) for p in placements):
+        return out
+    sequence = _sequence_parallel(info)
+    if sequence and info.force_sequence:
+        out = [s for s in out if s.output == PARTIAL or is_shard(s.output)]
+    return out + sequence
 
 
 @register(aten.tril.default, aten.triu.default)
@@ -93,13 +113,7 @@ def additive_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     scalars = [a for a in info.args[:2] if isinstance(a, (int, float, bool))]
     if all(a == 0 for a in scalars):
         out.append(Strategy(tuple(PARTIAL for _ in info.inputs), PARTIAL))
-    sequence = _sequence_parallel(info)
-    if sequence and info.force_sequence:
-        # sequence parallelism forced: the Partial is reduce-scattered along s here (or the sum
-        # stays Partial), never all-reduced whole
-        out = [s for s in out if s.output == PARTIAL or is_shard(s.output)]
-    out.extend(sequence)
-    return out
+    return _with_sequence_entry(info, placements, out)
 
 
 def _sequence_parallel(info: OpInfo) -> list[Strategy]:
