@@ -31,7 +31,7 @@ from ..capture import Capture, shape_of
 from ..cost_model.devices import DeviceProfile
 from ..cost_model.symbolic import (activation_bytes, collective_bytes, collective_time, compute_time,
                                    conversion_kinds, nbytes)
-from ..placements import (PARTIAL, REPLICATE, Partial, Placement, Replicate, Routed, Shard, atoms_per_chunk, divides,
+from ..placements import (PARTIAL, REPLICATE, Partial, Placement, Replicate, Routed, Shard, atoms_per_chunk, divides, is_even,
                           max_local_size, same_placement)
 from .hints import column_hint, index_picks, row_hint
 from .rules import OpInfo, Strategy, TensorMeta, strategies
@@ -427,7 +427,7 @@ def layout_copy_seconds(kind: str, meta: TensorMeta, have: Any, want: Any, full:
         return 0.0
     inner = any(size != 1 for size in meta.shape[:shard.dim])
     size = meta.static(shard.dim)
-    uneven = size is None or not _even(meta, shard, tp) if size is not None else False
+    uneven = size is not None and not _even(meta, shard, tp)
     if not (inner or uneven):
         return 0.0
     from ..cost_model.symbolic import COLLECTIVES
@@ -675,4 +675,4 @@ def _even(meta: TensorMeta, shard: Shard, tp: int) -> bool:
     size = meta.static(shard.dim)
     if size is None or not divides(size, shard):
         return False
-    return atoms_per_chunk(size, shard) % tp == 0
+    return is_even(size, shard, tp)

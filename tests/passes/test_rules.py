@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from autotp.passes import rules
 from autotp.passes.rules import LocalContext, OpInfo, Strategy, TensorMeta, localizer, strategies
 from autotp.passes.rules.view import map_view_shard
-from autotp.placements import PARTIAL, REPLICATE, Partial, Replicate, Shard
+from autotp.placements import PARTIAL, REPLICATE, Partial, Replicate, Routed, Shard
 from autotp.runtime.collectives import assemble, local_shard
 from autotp.runtime.functional import vocab_parallel_embedding
 
@@ -220,10 +220,35 @@ def check_strategy(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, 
     for r in range(tp):
         a, kw = pytree.tree_unflatten(per_rank[r], spec)
         target = info.target
+        if _picks_routed_rows(info, strategy):
+            outs.append(_routed_pick_on_rank(info, strategy, a, r, full))
+            continue
         if loc is not None:
             target, a, kw = loc(info, strategy, tuple(a), dict(kw), LocalContext(tp, r))
         outs.append(_call(target, a, kw))
     combine_and_compare(outs, strategy.output, full, tp, what)
+
+
+def _picks_routed_rows(info: OpInfo, strategy: Strategy) -> bool:
+    """``weight[ids]`` with the stack split by whole experts and the rows it picks ``Routed``."""
+    return (info.target is aten.index.Tensor and isinstance(strategy.output, Routed)
+            and not isinstance(strategy.inputs[0], Routed))
+
+
+def _routed_pick_on_rank(info: OpInfo, strategy: Strategy, args: tuple, rank: int, full: torch.Tensor):
+    """What rank ``rank`` runs of a pick of its own experts' rows (the rewrite's program:
+    ``runtime.experts.picked_rows`` and ``routed_pick``), its compact rows put back in place
+    among zeros, so the ranks' results sum to the whole pick as a Routed value's do."""
+    from autotp.placements import local_ranges
+    from autotp.runtime import experts as E
+
+    weight, (ids,) = args[0], args[1]
+    total = int(info.inputs[0].shape[0])
+    ((first, stop),) = local_ranges(total, strategy.inputs[0], info.tp, rank) or ((0, 0),)
+    rows = E.picked_rows(ids, first, stop - first, total)
+    out = full.new_zeros(full.shape)
+    out[rows] = E.routed_pick(weight, ids, rows, first, total)
+    return out
 
 
 _SDPA_CRASHES_ON_NO_HEADS = torch.torch_version.TorchVersion(torch.__version__) < (2, 12)
