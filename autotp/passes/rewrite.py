@@ -61,7 +61,8 @@ class GraphLocalContext(LocalContext):
         return found
 
     def shared_rows(self, key: tuple, make: Any) -> fx.Node:
-        """One row-map node per ``key`` (the two products of a layer share their experts' rows):
+        """One node per ``key`` (the two products of a layer share their experts' rows and the
+        bounds read once to make them):
         ``make()`` gives (function, args) of the node where none is made yet."""
         if key not in self._shared_rows:
             fn, args = make()

@@ -8,8 +8,8 @@ together are each row once; scattered into zeros and summed over ranks (a g) the
 whole tensor.
 
 The rewritten graph makes the row maps (:func:`expert_rows` for the rows a grouped product
-sorted by expert, :func:`picked_rows` for the rows whose expert id is the rank's own), runs
-the ops on the local rows, and leaves the region by :func:`routed_combine` (a token's top-k
+sorted by expert, from the bounds :func:`expert_bounds` reads once per layer; :func:`picked_rows`
+for the rows whose expert id is the rank's own), runs the ops on the local rows, and leaves the region by :func:`routed_combine` (a token's top-k
 rows summed straight into ``[tokens, ...]``: the Partial a g makes whole) or
 :func:`routed_scatter` (the rows put back in place, zero elsewhere). Every function is plain
 torch, differentiable through autograd: the gradient of a rank's experts comes from its rows
@@ -23,10 +23,12 @@ from typing import Any, Sequence
 import torch
 
 
-def _bounds(offs: torch.Tensor, first: int, count: int) -> tuple[int, int]:
+def expert_bounds(offs: torch.Tensor, first: int, count: int) -> tuple[int, int]:
     """The rows ``[start, end)`` of experts ``first .. first + count - 1`` among rows sorted by
-    expert (``offs``: cumulative rows per expert). One read of two numbers to the host: the
-    local rows' count sizes every tensor after it."""
+    expert (``offs``: cumulative rows per expert). The one read to the host of an expert layer
+    (two numbers, or one on the rank holding the first experts): the local rows' count sizes
+    every tensor after it. The rewritten graph makes it once per layer; both products and the
+    row map take it."""
     if count == 0:
         start = int(offs[first - 1]) if first > 0 else 0
         return start, start
@@ -36,10 +38,10 @@ def _bounds(offs: torch.Tensor, first: int, count: int) -> tuple[int, int]:
     return int(pair[0]), int(pair[1])
 
 
-def expert_rows(offs: torch.Tensor, first: int, count: int) -> torch.Tensor:
+def expert_rows(offs: torch.Tensor, bounds: tuple[int, int]) -> torch.Tensor:
     """The row map of a grouped product's rows on this rank: ``arange(start, end)``, the rows
-    of rows sorted by expert that its experts own."""
-    start, end = _bounds(offs, first, count)
+    of rows sorted by expert that its experts own (``bounds``: :func:`expert_bounds`)."""
+    start, end = bounds
     return torch.arange(start, end, device=offs.device)
 
 
@@ -59,16 +61,17 @@ def routed_pick(weight: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, f
     return weight.index_select(0, torch.where(ids < 0, ids + total, ids) - first)
 
 
-def routed_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, first: int, count: int,
-                      op: str, x_routed: bool, **kwargs: Any) -> torch.Tensor:
+def routed_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, bounds: tuple[int, int],
+                      first: int, count: int, op: str, x_routed: bool, **kwargs: Any) -> torch.Tensor:
     """A grouped product over this rank's experts only (``offs``: the cumulative rows per expert
-    of every expert; ``weight``: the rank's run of experts). ``x`` is every row sorted by expert
-    (its rows ``[start, end)`` are taken, a view) or, ``x_routed``, the rank's rows already.
-    Returns the rank's rows of the product, through the product the model's program uses
-    (``op``, by name: ``"aten._grouped_mm.default"``)."""
+    of every expert; ``weight``: the rank's run of experts; ``bounds``: its rows ``[start, end)``,
+    :func:`expert_bounds`). ``x`` is every row sorted by expert (its rows ``[start, end)`` are
+    taken, a view) or, ``x_routed``, the rank's rows already. Returns the rank's rows of the
+    product, through the product the model's program uses (``op``, by name:
+    ``"aten._grouped_mm.default"``)."""
     namespace, name, overload = op.split(".")
     target = getattr(getattr(getattr(torch.ops, namespace), name), overload)
-    start, end = _bounds(offs, first, count)
+    start, end = bounds
     mine = x if x_routed else x[start:end]
     if end == start:   # no row routed to this rank's experts: no rows, still in autograd's graph
         return mine.new_zeros(0, weight.shape[-1]) + (weight.sum() + mine.sum()) * 0

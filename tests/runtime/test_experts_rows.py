@@ -50,8 +50,9 @@ def test_ranks_rows_add_up_to_the_whole(tokens, k, experts, tp, seed):
 
     def rank_part(x, weight, rank):
         first, count = _run(experts, tp, rank)
-        mine = E.expert_rows(offs, first, count)
-        rows = E.routed_grouped_mm(x[perm // k], weight[first:first + count], offs, first, count,
+        bounds = E.expert_bounds(offs, first, count)
+        mine = E.expert_rows(offs, bounds)
+        rows = E.routed_grouped_mm(x[perm // k], weight[first:first + count], offs, bounds, first, count,
                                    "transformers.grouped_mm_fallback.default", False)
         rows, back = E.routed_reorder(rows, inverse, mine, tokens * k)
         return E.routed_combine(rows, back, 0, k, [tokens, out])

@@ -349,8 +349,8 @@ def _grouped_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: di
     offs = args[2] if len(args) > 2 else kwargs.pop("offs")
     x = ctx.inputs[0]
     first, count = _run(info, strategy, 1, ctx)
-    ctx.made_rows = ctx.shared_rows(("sorted", offs, first, count),
-                                    lambda: (E.expert_rows, (offs, first, count)))
+    bounds = ctx.shared_rows(("bounds", offs, first, count), lambda: (E.expert_bounds, (offs, first, count)))
+    ctx.made_rows = ctx.shared_rows(("sorted", offs, first, count), lambda: (E.expert_rows, (offs, bounds)))
     x_routed = isinstance(strategy.inputs[0], Routed)
     if x_routed and ctx.rows_of(x) is not ctx.made_rows:
         from ...errors import PlanError
@@ -358,4 +358,5 @@ def _grouped_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: di
         raise PlanError(f"the grouped product {info.target} reads routed rows that are not its own experts' "
                         f"rows sorted by expert (they were reordered or picked otherwise); its input must be "
                         f"replicated here")
-    return E.routed_grouped_mm, (args[0], args[1], offs, first, count, op_name(info.target), x_routed), kwargs
+    return (E.routed_grouped_mm, (args[0], args[1], offs, bounds, first, count, op_name(info.target), x_routed),
+            kwargs)
