@@ -62,7 +62,7 @@ def _families(families: list[str], tp: int, dtype: str, device: str, structure: 
     for family in families:
         start = time.perf_counter()
         try:
-            errors, _ = check_family_case({"family": family, "structure": structure, "tp": tp, "dtype": dtype,
+            errors, *_ = check_family_case({"family": family, "structure": structure, "tp": tp, "dtype": dtype,
                                            "batch": 2, "seq": 7, "seed": 3, "device": device})
             worst = max(errors, key=errors.get)
             out[family] = {"error": errors[worst], "worst": worst, "s": time.perf_counter() - start,

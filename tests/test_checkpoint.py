@@ -216,8 +216,11 @@ def _family_load_planned(path, family):
     from autotp.testing import equivalence_errors
     from tests.e2e.test_embeddings import _vanishing_gradients
 
+    # sequence parallelism forbidden: at these tiny widths (hidden 16) the cost model would run whole
+    # layers on s/tp tokens, their weights replicated (a gradient all-reduce of 8h² is fewer bytes than
+    # four b·s·h collectives), and the ranks would hold (and read) the whole model
     pm = autotp.from_pretrained(path, tp=2, model_class=_precise_from_config, progress=False,
-                                batch=64, seq=4096, profile="h100-dgx")
+                                batch=64, seq=4096, profile="h100-dgx", sequence_parallel=False)
     config = AutoConfig.from_pretrained(path)
     serial = keep_loss_precision(_architecture(config).cls.from_pretrained(path, dtype=torch.float64))
     errors = equivalence_errors(serial, pm, zoo.example_batch(family, config, batch=2, seq=6, seed=3))

@@ -13,9 +13,11 @@ Modules: ``ranks`` (local ranks: the fork server, LocalCluster, launch), ``equiv
 serial-against-parallel measure and its tolerances), ``strategies`` (hypothesis cases, pinned layouts),
 ``work`` (:class:`~autotp.testing.work.WorkCounter`: FLOPs of products and bytes written, per op).
 """
-from .equivalence import TOLERANCE, assert_equivalent, equivalence_errors, keep_loss_precision, relative_error
+from .equivalence import (TOLERANCE, assert_equivalent, computed_precision, equivalence_errors, keep_loss_precision,
+                          relative_error, tolerance)
 from .ranks import LocalCluster, launch, preload
 from .strategies import MEGATRON_GPT2, gpt2_cases
 
 __all__ = ["launch", "LocalCluster", "preload", "relative_error", "equivalence_errors", "assert_equivalent",
-           "gpt2_cases", "keep_loss_precision", "MEGATRON_GPT2", "TOLERANCE"]
+           "gpt2_cases", "keep_loss_precision", "MEGATRON_GPT2", "TOLERANCE",
+           "tolerance", "computed_precision"]

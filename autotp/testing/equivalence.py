@@ -20,6 +20,43 @@ from ..placements import Shard
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
 
 
+def computed_precision(model: nn.Module, inputs: Mapping[str, Any]) -> torch.dtype:
+    """The least precise floating dtype ``model``'s forward computes in on ``inputs``, whatever
+    its parameters' dtype: a float64 Llama's RMSNorm takes its variance in float32, GPT-J's
+    attention upcasts q and k to float32 and back. A parallel plan that sums in another order
+    moves such a model's values by float32's rounding, not float64's, past that op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    found = {next(model.parameters()).dtype}
+
+    def floats(tree) -> list[torch.dtype]:
+        return [t.dtype for t in tree_flatten(tree)[0]
+                if isinstance(t, torch.Tensor) and t.dtype.is_floating_point and t.numel() > 1]
+
+    class _Dtypes(TorchDispatchMode):
+        """Notes every op that casts floating values down (a float64 input, a float32 output):
+        float32 made from integers (OPT's positions from the mask's cumsum) rounds nothing."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            into = floats((args, kwargs))
+            if into:
+                finest = min(torch.finfo(d).eps for d in into)
+                found.update(d for d in floats(out) if torch.finfo(d).eps > finest)
+            return out
+
+    with torch.no_grad(), _Dtypes():
+        model(**inputs)
+    return max(found, key=lambda d: torch.finfo(d).eps)
+
+
+def tolerance(model: nn.Module, inputs: Mapping[str, Any]) -> float:
+    """The relative error bound (:data:`TOLERANCE`) of the least precise dtype ``model``
+    computes in on ``inputs`` (:func:`computed_precision`)."""
+    return TOLERANCE.get(computed_precision(model, inputs), 1e-2)
+
+
 def _causal_lm_loss_in_logits_dtype(logits, labels, vocab_size: int, num_items_in_batch=None,
                                     ignore_index: int = -100, shift_labels=None, **kwargs):
     """transformers' ForCausalLMLoss without its ``logits.float()``: float64 stays float64."""

@@ -6,7 +6,7 @@ sequence length (the capture's own length 8 among them), the weights' seed and t
 fast tier runs each family at one tp, FAST_TP, with the structure and dtype fixed per tp,
 FAST_PAIRS); loss,
 logits and every gradient must match the serial model within TOLERANCE (float64 1e-9, float32
-1e-4). The structure is drawn from a small fixed set so that the rank processes, which persist
+1e-4; float32's for a float64 model that casts down, autotp.testing.tolerance). The structure is drawn from a small fixed set so that the rank processes, which persist
 across examples, capture each structure once (autotp.capture.cache) and vary everything else.
 
 A family known not to pass yet is marked xfail(strict=True) with the reason, so that it turns
@@ -19,7 +19,6 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from autotp.capture import EXAMPLE_SEQ
-from autotp.testing import TOLERANCE
 
 #: (layers, heads, kv_heads, head_dim, vocab, rotary): 6 heads split evenly at tp 1-3 and
 #: unevenly at 4, 2 kv heads (fewer than tp at 3 and 4); 4 heads with one kv head (multi-query
@@ -37,12 +36,12 @@ FLOAT32_ONLY = {"gpt-j": "GPTJAttention upcasts q and k to float32, so even tp=1
 _PLANS: dict = {}   # per rank process: (family, structure, tp, dtype) -> the plan solved for it
 
 
-def check_family_case(case: dict) -> tuple[dict, dict]:
+def check_family_case(case: dict) -> tuple[dict, dict, float]:
     """On each rank: build the drawn tiny model, parallelize it, compare with serial."""
     import autotp
     from autotp import zoo
     from autotp.capture import cache as capture_cache
-    from autotp.testing import equivalence_errors, keep_loss_precision
+    from autotp.testing import equivalence_errors, keep_loss_precision, tolerance
 
     layers, heads, kv_heads, head_dim, vocab, rotary = case["structure"]
     family, dtype = case["family"], getattr(torch, case["dtype"])
@@ -61,7 +60,10 @@ def check_family_case(case: dict) -> tuple[dict, dict]:
     pm = autotp.parallelize(model, case["tp"], batch=64, seq=4096, profile="h100-dgx", plan=_PLANS.get(key))
     _PLANS.setdefault(key, pm.programs[0].plan)
     errors = equivalence_errors(model, pm, inputs)
-    return rescale_zero_gradients(model, pm, errors), capture_cache.stats()
+    # the dtype's bound, or float32's where the model casts down (an RMSNorm's float32 variance):
+    # a plan that sums in another order (a sequence-parallel region) moves those values by
+    # float32's rounding (autotp.testing.tolerance)
+    return rescale_zero_gradients(model, pm, errors), capture_cache.stats(), tolerance(model, inputs)
 
 
 def rescale_zero_gradients(model, pm, errors: dict) -> dict:
@@ -124,8 +126,7 @@ def cases(family: str, tp: int, fast: bool = False):
 
 def assert_family_case(cluster_of, case: dict) -> None:
     results = cluster_of(case["tp"]).run(check_family_case, case)
-    bound = TOLERANCE[getattr(torch, case["dtype"])]
-    for errors, _ in results:
+    for errors, _, bound in results:
         worst = max(errors, key=errors.get)
         assert errors[worst] <= bound, f"{case}: {worst} relative error {errors[worst]:.3e} > {bound:.0e}"
 

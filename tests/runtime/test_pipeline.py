@@ -112,9 +112,12 @@ def test_balance_splits_equal_layers_evenly_and_moves_layers_off_a_heavy_head():
         balance([1.0] * 4, 0.0, 0.0, 5)
 
 
-def test_the_cut_at_real_size_gives_the_head_stage_fewer_layers():
-    """GPT-2 XL's plan at tp 8 on meta: its vocabulary head and loss cost more than a layer, so
-    the last of 8 stages runs fewer of the 48 layers than the others."""
+def test_the_cut_at_real_size_weighs_the_head_and_the_embedding_by_the_cost_model():
+    """GPT-2 XL's plan at tp 8 on meta: its vocabulary head and loss cost most of a layer (0.8 of
+    one on h100-dgx, where a layer's norms, residuals and collectives are priced at what they
+    move) and more than the embedding. The cut minimizes the slowest stage with them counted: no
+    layer moved between neighbouring stages makes the slowest one faster (48 layers over 8 stages:
+    6 each, the head's stage 6.8 layers' time; a layer moved off it would make another 7)."""
     from autotp import zoo
     from autotp.planner import build_plan
     from autotp.capture.cache import capture
@@ -126,9 +129,24 @@ def test_the_cut_at_real_size_gives_the_head_stage_fewer_layers():
     _, index, prop = build_plan(capture(model), 8, batch=8, seq=1024, profile="h100-dgx")
     costs, before, after = layer_costs(index, prop, get_profile("h100-dgx"), layer_paths(model))
     assert len(costs) == 48 and max(costs) / min(costs) < 1.01      # identical layers, priced alike
-    assert after > costs[0] > before > 0                            # head + loss > a layer > embedding
+    assert costs[0] > after > 0.5 * costs[0] and after > before > 0  # a layer > head + loss > embedding
+
+    def slowest(sizes):
+        ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
+        stages = [sum(costs[e - n:e]) for n, e in zip(sizes, ends)]
+        stages[0] += before
+        stages[-1] += after
+        return max(stages)
+
     sizes = balance(costs, before, after, 8)
-    assert sum(sizes) == 48 and sizes[-1] < sizes[0], sizes
+    assert sum(sizes) == 48 and all(sizes), sizes
+    for i in range(7):
+        for moved in ((1, -1), (-1, 1)):
+            other = list(sizes)
+            other[i] += moved[0]
+            other[i + 1] += moved[1]
+            if min(other) > 0:
+                assert slowest(other) >= slowest(sizes) * (1 - 1e-12), (sizes, other)
 
 
 def test_pipeline_arguments_are_checked_before_anything_runs():
@@ -285,6 +303,7 @@ def _from_pretrained_case(folder: str) -> dict:
     """Each rank reads its stage's parameters alone from a save_pretrained folder (written by
     the test process: transformers writes the config from the main process of a world alone)."""
     from autotp import zoo
+    from autotp.testing import tolerance
 
     model = zoo.build("llama", _llama_config(), dtype=torch.float64)
     data = zoo.example_batch("llama", _llama_config(), batch=4, seq=6, seed=2)
@@ -292,8 +311,10 @@ def _from_pretrained_case(folder: str) -> dict:
                                 stage_layers=[2, 2], **PLANNING)
     model(**data).loss.backward()   # the model's own loss (float32 logits, as the loaded program's)
     pm.step(**data)
+    # float32's bound: Llama's RMSNorm casts down, and a plan that sums in another order (a
+    # sequence-parallel region) moves its values by float32's rounding (autotp.testing.tolerance)
     return {"grads": _grad_errors(pm, {n: p.grad for n, p in model.named_parameters()}),
-            "held": sorted(pm.local_parameters()), "stage": pm.mesh.pp_rank}
+            "held": sorted(pm.local_parameters()), "stage": pm.mesh.pp_rank, "bound": tolerance(model, data)}
 
 
 def _dcp_case(folder: str) -> dict:
@@ -445,7 +466,7 @@ def test_pipeline_steps_equal_serial_steps_on_four_ranks(own_cluster, tmp_path):
         assert result["in place"]["loss"] <= 1e-12
         assert max(result["in place"]["grads"].values()) <= 1e-9
         loaded = result["from_pretrained"]
-        assert max(loaded["grads"].values()) <= 1e-9
+        assert max(loaded["grads"].values()) <= loaded["bound"], loaded["grads"]
         own = {0: ("model.layers.0.", "model.layers.1.", "model.embed_tokens."),
                1: ("model.layers.2.", "model.layers.3.", "model.norm.", "lm_head.")}[loaded["stage"]]
         assert loaded["held"] and all(name.startswith(own) for name in loaded["held"]), loaded["held"]
