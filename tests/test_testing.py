@@ -81,3 +81,24 @@ def test_a_small_real_gradient_keeps_its_own_scale():
     model, grads = _olmo2_grads("sdpa", seq=3)
     name = "model.layers.0.self_attn.k_norm.weight"
     assert abs(gradient_scales(model)[name] / grads[name].norm().item() - 1) < 1e-12
+
+
+def test_the_bound_is_the_least_precise_dtype_the_model_computes_in():
+    """A float64 model that casts values down (Llama's RMSNorm takes its variance in float32) is
+    held to float32's bound; one that computes in float64 throughout (GPT-2 with its loss kept in
+    the logits' dtype, BERT) to float64's; float32 made from integers (positions) rounds nothing."""
+    from autotp import zoo
+    from autotp.testing import TOLERANCE, computed_precision, keep_loss_precision, tolerance
+
+    for family, want in (("gpt2", torch.float64), ("bert", torch.float64), ("opt", torch.float64),
+                         ("llama", torch.float32)):
+        config = zoo.tiny_config(family, layers=1, heads=2, head_dim=4, vocab=37)
+        model = zoo.build(family, config, dtype=torch.float64, seed=0)
+        if zoo.family(family).task == "causal":
+            keep_loss_precision(model)
+        batch = zoo.example_batch(family, config, batch=2, seq=5, seed=1)
+        assert computed_precision(model, batch) == want, family
+        assert tolerance(model, batch) == TOLERANCE[want], family
+    gpt2 = zoo.build("gpt2", zoo.tiny_config("gpt2", layers=1, heads=2, head_dim=4, vocab=37), dtype=torch.float64)
+    batch = zoo.example_batch("gpt2", zoo.tiny_config("gpt2", layers=1, heads=2, head_dim=4, vocab=37), seq=5)
+    assert computed_precision(gpt2, batch) == torch.float32   # transformers' loss upcasts the logits

@@ -227,13 +227,14 @@ def equivalence_errors(model: nn.Module, pm: nn.Module, inputs: Mapping[str, Any
 def assert_equivalent(model: nn.Module, tp: int, inputs: Mapping[str, Any], *, rtol: float | None = None,
                       **parallelize_kwargs: Any) -> dict[str, float]:
     """Parallelize ``model`` at ``tp`` (inside an initialized world) and check that it computes
-    what ``model`` computes. Returns the errors; raises AssertionError naming the worst."""
+    what ``model`` computes, within ``rtol`` or else :func:`tolerance` (the bound of the least
+    precise dtype the model computes in). Returns the errors; raises AssertionError naming the
+    worst."""
     from ..api import parallelize
 
     pm = parallelize(model, tp, **parallelize_kwargs)
     errors = equivalence_errors(model, pm, inputs)
-    dtype = next(model.parameters()).dtype
-    bound = rtol if rtol is not None else TOLERANCE.get(dtype, 1e-2)
+    bound = rtol if rtol is not None else tolerance(model, inputs)
     worst = max(errors, key=errors.get)
     if errors[worst] > bound:
         raise AssertionError(f"parallel model differs from serial at {worst}: relative error "
