@@ -35,6 +35,17 @@ def status_mb(field: str) -> float:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
+def timed_step(model, opt, batch) -> float:
+    """Seconds of one training step: zero_grad, forward, backward, the optimizer's step."""
+    import time
+
+    start = time.perf_counter()
+    opt.zero_grad()
+    model(**batch).loss.backward()
+    opt.step()
+    return time.perf_counter() - start
+
+
 def publish(lines: list[str], path: str | Path | None) -> None:
     """Print the result and write it to ``path`` (the script's .md beside it, by convention)."""
     text = "\n".join(lines) + "\n"

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import machine, publish
+from common import machine, publish, timed_step
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -47,14 +47,6 @@ def _model(device: str = "cpu"):
     return zoo.build("mixtral", config, seed=0, device=device), config
 
 
-def _step(model, opt, batch) -> float:
-    start = time.perf_counter()
-    opt.zero_grad()
-    model(**batch).loss.backward()
-    opt.step()
-    return time.perf_counter() - start
-
-
 def serial() -> dict:
     import autotp
     from autotp import zoo
@@ -63,7 +55,7 @@ def serial() -> dict:
     model, config = _model()
     batch = zoo.example_batch("mixtral", config, batch=BATCH, seq=SEQ, seed=1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    times = [_step(model, opt, batch) for _ in range(WARMUP + STEPS)][WARMUP:]
+    times = [timed_step(model, opt, batch) for _ in range(WARMUP + STEPS)][WARMUP:]
     plan = autotp.plan(_model("meta")[0], 1, batch=BATCH, seq=SEQ, profile="cpu-gloo")
     return {"median": statistics.median(times), "best": min(times), "predicted": plan.cost["step_s"]}
 
@@ -87,7 +79,7 @@ def measure_rank(tp: int) -> dict:
     for step in range(WARMUP + STEPS):
         for name, (pm, opt) in runs.items():
             torch.distributed.barrier()
-            elapsed = _step(pm, opt, batch)
+            elapsed = timed_step(pm, opt, batch)
             if step >= WARMUP:
                 times[name].append(elapsed)
     out = {name: {"median": statistics.median(t), "best": min(t), "predicted": runs[name][0].plan.cost["step_s"],

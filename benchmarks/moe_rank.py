@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import machine, publish
+from common import machine, publish, timed_step
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -51,14 +51,6 @@ def _model(family: str, extra: dict, device: str = "cpu"):
     config = zoo.tiny_config(family, layers=LAYERS, positions=SEQ, **extra)
     config._experts_implementation = IMPL
     return zoo.build(family, config, seed=0, device=device), config
-
-
-def _step(model, opt, batch) -> float:
-    start = time.perf_counter()
-    opt.zero_grad()
-    model(**batch).loss.backward()
-    opt.step()
-    return time.perf_counter() - start
 
 
 def _counted(model, batch) -> tuple[int, int]:
@@ -90,11 +82,11 @@ def measure(family: str, extra: dict, tp: int) -> dict:
                       "work": _counted(pm, batch), "predicted": pm.plan.cost["compute_s"]}
     chosen = autotp.plan(_model(family, extra, "meta")[0], tp, batch=BATCH, seq=SEQ, profile="cpu-gloo")
     for step in range(WARMUP + STEPS):   # alternating, so that load on the machine hits all alike
-        elapsed = _step(model, opt, batch)
+        elapsed = timed_step(model, opt, batch)
         if step >= WARMUP:
             serial["times"].append(elapsed)
         for run in runs.values():
-            elapsed = _step(run["pm"], run["opt"], batch)
+            elapsed = timed_step(run["pm"], run["opt"], batch)
             if step >= WARMUP:
                 run["times"].append(elapsed)
     dist.destroy_process_group()

@@ -29,3 +29,37 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     """A parallel model's output whole: logits kept split come back as a DTensor (a call with
     labels, by default), gathered here."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def outcome(fn, *args) -> str:
+    """What ``fn`` did on this rank: ``returned``, or ``Type: message``."""
+    try:
+        fn(*args)
+        return "returned"
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def call_while_another_runs(pm, first, second) -> tuple[str, object]:
+    """``first()`` in another thread, held inside ``pm``'s call until ``second()`` (this thread)
+    has run: (what ``second`` did, :func:`outcome`; what ``first`` returned)."""
+    import threading
+
+    inside, release = threading.Event(), threading.Event()
+    run, results = pm._run, []
+
+    def held(*args, **kwargs):   # the first call stays inside until released
+        inside.set()
+        assert release.wait(60)
+        return run(*args, **kwargs)
+
+    pm._run = held
+    thread = threading.Thread(target=lambda: results.append(first()))
+    thread.start()
+    try:
+        assert inside.wait(60)
+        done = outcome(second)
+    finally:
+        release.set()
+        thread.join(60)
+    return done, results[0]

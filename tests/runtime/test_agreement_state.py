@@ -5,7 +5,6 @@ makes every rank of its TP group raise DisagreementError (never a process abort,
 silently wrong number); a module whose ranks disagreed on its state refuses calls until they agree."""
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
@@ -15,22 +14,13 @@ from torch import nn
 import autotp
 from autotp.errors import ConfigError, DisagreementError
 from autotp.testing import MEGATRON_GPT2
-from tests.helpers import batch, tiny_gpt2
+from tests.helpers import batch, call_while_another_runs, outcome, tiny_gpt2
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def _last_rank() -> bool:
     return dist.get_rank() == dist.get_world_size() - 1
-
-
-def _outcome(fn, *args) -> str:
-    """What ``fn`` did on this rank: ``returned``, or ``Type: message``."""
-    try:
-        fn(*args)
-        return "returned"
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
 
 
 def _gpt2():
@@ -49,7 +39,7 @@ def parallelize_with_a_parameter_frozen_on_the_last_rank() -> str:
     model = tiny_gpt2(n_layer=1)
     if _last_rank():
         model.transformer.h[0].ln_1.weight.requires_grad_(False)
-    return _outcome(lambda: autotp.parallelize(model, tp=4, layout=MEGATRON_GPT2))
+    return outcome(lambda: autotp.parallelize(model, tp=4, layout=MEGATRON_GPT2))
 
 
 def test_a_parameter_frozen_on_one_rank_before_parallelize_fails_every_rank(cluster):
@@ -77,7 +67,7 @@ class ShiftedMlp(nn.Module):
 def parallelize_with_another_tensor_attribute_on_the_last_rank() -> str:
     x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(5))
     model = ShiftedMlp(2.0 if _last_rank() else 1.0)
-    return _outcome(lambda: autotp.parallelize(model, tp=4, example_kwargs={"x": x},
+    return outcome(lambda: autotp.parallelize(model, tp=4, example_kwargs={"x": x},
                                                layout={"up.weight": "column", "down.weight": "row"}))
 
 
@@ -97,21 +87,21 @@ def call_in_another_state_on_the_last_rank(state: str) -> list[str]:
     if state == "frozen":
         if _last_rank():
             pm.get_parameter("transformer.h.0.ln_1.weight").requires_grad_(False)
-        return [_outcome(_step, pm, 2)]
+        return [outcome(_step, pm, 2)]
     if state == "autocast":
         def call():
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=_last_rank()):
                 return _step(pm, 2)
-        return [_outcome(call)]
+        return [outcome(call)]
     if state == "no_grad":
         def call():
             with torch.set_grad_enabled(not _last_rank()):
                 return pm(**batch(100, seed=2)).logits
-        return [_outcome(call)]
+        return [outcome(call)]
     if state == "shapes":   # check_inputs=False still compares the shapes
         pm.check_inputs = False
-        out = [_outcome(lambda: pm(**batch(100, s=9 if _last_rank() else 7)))]
-        return out + [_outcome(_step, pm, 3)]   # refused on every rank, not counted: the module goes on
+        out = [outcome(lambda: pm(**batch(100, s=9 if _last_rank() else 7)))]
+        return out + [outcome(_step, pm, 3)]   # refused on every rank, not counted: the module goes on
     raise AssertionError(state)
 
 
@@ -139,24 +129,7 @@ def test_inputs_of_other_shapes_fail_every_rank_with_check_inputs_false(cluster)
 
 def call_two_modules_from_two_threads() -> tuple[str, float]:
     a, b = _gpt2(), _gpt2()
-    inside, release = threading.Event(), threading.Event()
-    run, losses = a._run, []
-
-    def held(*args, **kwargs):   # a's call stays inside until released
-        inside.set()
-        assert release.wait(60)
-        return run(*args, **kwargs)
-
-    a._run = held
-    thread = threading.Thread(target=lambda: losses.append(a(**batch(100)).loss.item()))
-    thread.start()
-    try:
-        assert inside.wait(60)
-        second = _outcome(lambda: b(**batch(100)))
-    finally:
-        release.set()
-        thread.join(60)
-    return second, losses[0]
+    return call_while_another_runs(a, lambda: a(**batch(100)).loss.item(), lambda: b(**batch(100)))
 
 
 def test_two_modules_called_from_two_threads_at_once_are_refused(cluster):
@@ -176,9 +149,9 @@ def step_the_optimizer_on_the_first_rank_only() -> list[str]:
     if dist.get_rank() == 0:
         opt.step()
     opt.zero_grad()
-    out = [_outcome(_step, pm, 2)]         # refused: the ranks took other numbers of steps
-    out.append(_outcome(_step, pm, 3))     # caught and used on: still refused
-    out.append(_outcome(pm.check_replicas))
+    out = [outcome(_step, pm, 2)]         # refused: the ranks took other numbers of steps
+    out.append(outcome(_step, pm, 3))     # caught and used on: still refused
+    out.append(outcome(pm.check_replicas))
     return out
 
 
@@ -204,13 +177,13 @@ def catch_a_replica_disagreement_and_call_again() -> list[str]:
     if _last_rank():
         with torch.no_grad():
             pm.local_parameter("transformer.h.0.ln_1.weight").add_(1.0)
-    out = [_outcome(pm.check_replicas)]
-    out.append(_outcome(_step, pm, 2))     # the error was caught: the module refuses
+    out = [outcome(pm.check_replicas)]
+    out.append(outcome(_step, pm, 2))     # the error was caught: the module refuses
     if _last_rank():                        # the replicas made equal again: re-agreed
         with torch.no_grad():
             pm.local_parameter("transformer.h.0.ln_1.weight").sub_(1.0)
-    out.append(_outcome(pm.check_replicas))
-    out.append(_outcome(_step, pm, 2))
+    out.append(outcome(pm.check_replicas))
+    out.append(outcome(_step, pm, 2))
     return out
 
 
@@ -230,7 +203,7 @@ def drift_with_another_learning_rate_on_the_last_rank() -> list[str]:
     opt = torch.optim.SGD(pm.parameters(), lr=0.2 if _last_rank() else 0.1)
     out = []
     for seed in (1, 2, 3):
-        out.append(_outcome(_step, pm, seed))
+        out.append(outcome(_step, pm, seed))
         opt.step()
         opt.zero_grad()
     return out
@@ -260,7 +233,7 @@ def skip_a_training_step_on_the_last_rank(values: bool, lengths_vary: bool) -> s
             opt.step()
             opt.zero_grad()
 
-    return _outcome(steps)
+    return outcome(steps)
 
 
 @pytest.mark.parametrize("values, lengths_vary", [(True, False), (False, True)],
@@ -278,7 +251,7 @@ def test_a_training_step_skipped_on_one_rank_is_caught_at_the_next_call(cluster,
 def generate_with_other_lengths_on_the_last_rank() -> str:
     pm = autotp.parallelize(tiny_gpt2(n_layer=1).eval(), tp=4, layout=MEGATRON_GPT2)
     ids = batch(100)["input_ids"]
-    return _outcome(lambda: pm.generate(ids, max_new_tokens=5 if _last_rank() else 3, eos_token_id=None))
+    return outcome(lambda: pm.generate(ids, max_new_tokens=5 if _last_rank() else 3, eos_token_id=None))
 
 
 def test_generate_with_max_new_tokens_differing_across_ranks_fails_every_rank(cluster):

@@ -4,7 +4,6 @@ rank leaves unanswered are each a clear error on every rank (never an abort, nev
 from __future__ import annotations
 
 import re
-import threading
 
 import pytest
 import torch
@@ -14,22 +13,13 @@ from torch import nn
 import autotp
 from autotp.errors import ConfigError, DisagreementError
 from autotp.testing import MEGATRON_GPT2
-from tests.helpers import batch, tiny_gpt2
+from tests.helpers import batch, call_while_another_runs, outcome, tiny_gpt2
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def _last_rank() -> bool:
     return dist.get_rank() == dist.get_world_size() - 1
-
-
-def _outcome(fn, *args) -> str:
-    """What ``fn`` did on this rank: ``returned``, or ``Type: message``."""
-    try:
-        fn(*args)
-        return "returned"
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
 
 
 # ---- 1. every call is matched or refused ------------------------------------------------------
@@ -49,7 +39,7 @@ def call_two_modules_in_another_order_on_the_last_rank(widths_differ: bool) -> s
         first(**batch(100))
         second(**batch(100))
 
-    return _outcome(calls)
+    return outcome(calls)
 
 
 @pytest.mark.parametrize("widths_differ", [False, True], ids=["same-widths", "other-widths"])
@@ -74,7 +64,7 @@ def skip_a_call_on_the_last_rank_then_call_another_module() -> str:
             a(**batch(100, seed=2))
         b(**batch(100))
 
-    return _outcome(calls)
+    return outcome(calls)
 
 
 def test_a_call_skipped_on_one_rank_fails_every_rank_at_the_next_call(cluster):
@@ -96,7 +86,7 @@ def skip_a_call_of_one_module_on_the_last_rank() -> str:
                 continue
             pm(**batch(100, seed=step))
 
-    return _outcome(calls)
+    return outcome(calls)
 
 
 def test_a_call_skipped_on_one_rank_is_caught_by_the_value_check(cluster):
@@ -117,7 +107,7 @@ def skip_one_backward_on_the_last_rank() -> str:
             loss.backward()
         pm(**batch(100, seed=3)).loss.backward()
 
-    return _outcome(steps)
+    return outcome(steps)
 
 
 def test_a_backward_skipped_on_one_rank_fails_every_rank_naming_it(cluster):
@@ -131,24 +121,7 @@ def test_a_backward_skipped_on_one_rank_fails_every_rank_naming_it(cluster):
 
 def call_one_module_from_two_threads() -> tuple[str, float]:
     pm = autotp.parallelize(tiny_gpt2(n_layer=1), tp=4, layout=MEGATRON_GPT2)
-    inside, release = threading.Event(), threading.Event()
-    run, losses = pm._run, []
-
-    def held(*args, **kwargs):   # the first thread stays inside its call until released
-        inside.set()
-        assert release.wait(60)
-        return run(*args, **kwargs)
-
-    pm._run = held
-    thread = threading.Thread(target=lambda: losses.append(pm(**batch(100)).loss.item()))
-    thread.start()
-    try:
-        assert inside.wait(60)
-        second = _outcome(lambda: pm(**batch(100)))
-    finally:
-        release.set()
-        thread.join(60)
-    return second, losses[0]
+    return call_while_another_runs(pm, lambda: pm(**batch(100)).loss.item(), lambda: pm(**batch(100)))
 
 
 def test_one_module_called_from_two_threads_at_once_is_refused(cluster):
@@ -215,7 +188,7 @@ def call_with_other_ids_of_the_same_shape_on_the_last_rank() -> str:
     pm = autotp.parallelize(tiny_gpt2(n_layer=1), tp=4, layout=MEGATRON_GPT2)
     pm(**batch(100, seed=5 if _last_rank() else 1))   # unchecked by default: shapes agree
     pm.check_inputs = "values"
-    return _outcome(lambda: pm(**batch(100, seed=5 if _last_rank() else 1)))
+    return outcome(lambda: pm(**batch(100, seed=5 if _last_rank() else 1)))
 
 
 def test_inputs_of_other_values_fail_every_rank_with_check_inputs_values(cluster):
@@ -261,8 +234,8 @@ def change_the_source_after_parallelize() -> dict:
     pm.load_state_dict(state)
     out["source scale"] = model.scale.tolist()  # the user's model, untouched by pm's load
     out["pm scale"] = pm.get_buffer("scale").tolist()
-    out["float64"] = _outcome(pm.double)
-    out["float"] = _outcome(pm.float)           # float32 already: nothing changes
+    out["float64"] = outcome(pm.double)
+    out["float"] = outcome(pm.float)           # float32 already: nothing changes
     return out
 
 
@@ -283,7 +256,7 @@ def fail_planning_on_the_last_rank() -> str:
     layout = dict(MEGATRON_GPT2)
     if _last_rank():
         layout["*.mlp.c_fc.weight"] = "sideways"
-    return _outcome(lambda: autotp.parallelize(tiny_gpt2(n_layer=1), tp=4, layout=layout))
+    return outcome(lambda: autotp.parallelize(tiny_gpt2(n_layer=1), tp=4, layout=layout))
 
 
 def test_one_ranks_bad_argument_fails_every_rank_with_its_message(cluster):
@@ -346,11 +319,11 @@ def load_then_change_a_replicated_parameter_on_the_last_rank(path: str) -> list[
 
     pm = autotp.parallelize(tiny_gpt2(n_layer=1), tp=4, layout=MEGATRON_GPT2)
     dcp.save(pm, path)
-    out = [_outcome(dcp.load, pm, path)]        # every rank loaded the same replicated values
+    out = [outcome(dcp.load, pm, path)]        # every rank loaded the same replicated values
     if _last_rank():                            # as a load that gave one rank other values would
         with torch.no_grad():
             pm.local_parameter("transformer.h.0.ln_1.weight").add_(1.0)
-    out.append(_outcome(pm.check_replicas))
+    out.append(outcome(pm.check_replicas))
     return out
 
 
