@@ -79,7 +79,7 @@ def plan(model: nn.Module, tp: int | None = None, *, batch: int = 8, seq: int | 
     (labels given, as in the default example inputs: the b*s*V all-gather is not paid) and are
     gathered in one without; True or False fixes it (see :func:`build_plan`).
     ``memory_limit``: bytes per rank the plan may use (default: the profile's device memory).
-    ``sequence_parallel``: see :func:`build_plan` (default: only when memory calls for it).
+    ``sequence_parallel``: see :func:`build_plan` (default: offered, chosen by cost).
     ``seq_range=(min, max)``: sequence lengths the captured program accepts (default: 2 up to
     the config's maximum positions, else as wide as torch.export allows)."""
     batch, seq, layout, memory_limit = check_planning(batch, seq, layout, memory_limit)
@@ -151,7 +151,9 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
 
     ``activation_checkpointing=True`` recomputes each repeated layer in backward instead of
     keeping its activations (autotp.passes.checkpoint). ``sequence_parallel``: see
-    :func:`build_plan` (default: offered only when memory calls for it).
+    :func:`build_plan` (default: offered, chosen by cost; ``True`` forces it in the first
+    program, and programs for later kinds of calls choose by cost; ``False`` forbids it in every
+    program).
 
     ``seed`` seeds dropout in the rewritten graph (default: TP rank 0's ``torch.initial_seed()``,
     shared with its group): replicated regions draw the same masks on every TP rank, sharded
@@ -262,7 +264,10 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
                 profile=profile or _default_profile(device), plan=result, uneven=uneven,
                 gather_logits=True if step is not None else gather_logits, memory_limit=memory_limit,
                 input_placements=step.input_placements if step else None,
-                keep_split=step.keep_split(call_cap) if step else frozenset())
+                keep_split=step.keep_split(call_cap) if step else frozenset(), align=align,
+                # forbidden stays forbidden; forced applies to the first program (a generation
+                # step of one token has no sequence to split), the later ones choose by cost
+                sequence_parallel=False if sequence_parallel is False else None)
             return call_cap, call_plan, call_index, call_prop
 
         call_cap, call_plan, call_index, call_prop = _on_every_rank_or_none(mesh, prepare_call)
