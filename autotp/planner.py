@@ -14,8 +14,8 @@ from .passes.pins import unholdable_pin
 from .passes.propagate import GraphIndex, Propagation, propagate
 from .passes.solve import solve
 from .placements import REPLICATE, Placement, Shard
-from .plan_flow import record_flows
-from .plan import CommOp, DeferredExpressions, Plan, attention_heads, cost_expressions, role_of, unsplit_attention_note
+from .plan.flow import record_flows
+from .plan.plan import CommOp, DeferredExpressions, Plan, attention_heads, cost_expressions, role_of, unsplit_attention_note
 from .roles import _first_uses, _pinned
 
 

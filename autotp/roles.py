@@ -12,7 +12,7 @@ import torch
 from .capture import Capture
 from .errors import ConfigError
 from .placements import REPLICATE, Placement, Shard
-from .plan import Plan, role_of
+from .plan.plan import Plan, role_of
 
 
 #: "expert": whole experts per rank (expert parallelism); "expert_column" / "expert_row": every expert's

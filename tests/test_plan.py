@@ -225,7 +225,7 @@ def test_a_replayed_plan_computes_its_cost_expressions_when_read():
     import pickle
 
     from autotp.cost_model import get_profile
-    from autotp.plan import cost_expressions
+    from autotp.plan.plan import cost_expressions
 
     cap = gpt2_capture(768, 12)
     solved = plan_of(cap, 4, profile="h100-dgx")

@@ -59,7 +59,7 @@ def module_is_experts(module: str) -> bool:
 
 
 def _layers_text(modules: list[str]) -> str:
-    from ..plan_view import indices_text, split_layer
+    from ..plan.view import indices_text, split_layer
 
     parts = [split_layer(m) for m in modules]
     if len(modules) > 1 and all(parts) and len({(p[0], p[2]) for p in parts}) == 1:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["check_document"]
 

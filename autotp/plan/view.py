@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .placements import Placement, Shard
+from ..placements import Placement, Shard
 
 
 #: stack, index, rest of a name under the first numbered module (rest may be empty)

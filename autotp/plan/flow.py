@@ -84,7 +84,7 @@ def _text(p: Any) -> str:
 
 
 def _layer_of(node: Any) -> tuple[str, int, str] | None:
-    from .capture import module_path
+    from ..capture import module_path
 
     m = _LAYER.match(module_path(node))
     return (m.group(1), int(m.group(2)), m.group(3) or "") if m else None
@@ -136,8 +136,8 @@ def _comm_into(index: Any, prop: Any, by_tensor: dict, exact: dict) -> Any:
     """``(arg, consumer) -> the Comms, in order, the consumer reads arg through``. A conversion
     is made once per (tensor, placement, f) and read by every consumer that wants the same (q, k
     and v all read the f placed before q): decided as the propagation decides it."""
-    from .cost_model.symbolic import conversion_kinds
-    from .passes.propagate import _sharded_compute, wants_f
+    from ..cost_model.symbolic import conversion_kinds
+    from ..passes.propagate import _sharded_compute, wants_f
 
     def into(arg: Any, consumer: Any) -> list:
         strat, info = prop.chosen.get(consumer), index.infos.get(consumer)

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
 
-from .errors import ConfigError
-from .placements import Shard, local_ranges
-from .plan_flow import Flow, FlowStep
+from ..errors import ConfigError
+from ..placements import Shard, local_ranges
+from .flow import Flow, FlowStep
 
 #: one colour per rank (cycled past 10), chosen apart in hue and readable under black text
 RANK_COLOURS = ("#8ecae6", "#ffb703", "#90be6d", "#f4978e", "#b8a1e3", "#f9c74f", "#4cc9f0", "#e5989b",
@@ -109,7 +109,7 @@ def _depths(steps: tuple["FlowStep", ...]) -> list[int]:
 
 
 def _title_of(plan: Any, flow: "Flow") -> str:
-    from .plan_view import indices_text
+    from .view import indices_text
 
     n = len(flow.indices)
     where = f"{flow.stack}.{indices_text(flow.indices)}" if n > 1 else f"{flow.stack}.{flow.indices[0]}"

@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from .plan_view import _NUMBERED, _ROTATION, indices_text, split_layer, unrotated
+from .view import _NUMBERED, _ROTATION, indices_text, split_layer, unrotated
 
 
 

@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ConfigError
-from .placements import Placement, Replicate, Shard, from_json, local_size, to_json
-from .plan_flow import Flow
-from .plan_schema import check_document
+from ..errors import ConfigError
+from ..placements import Placement, Replicate, Shard, from_json, local_size, to_json
+from .flow import Flow
+from .schema import check_document
 
 SCHEMA_VERSION = 1
 
@@ -205,7 +205,7 @@ class Plan:
         step, predicted time and memory (:mod:`autotp.plan_view`); ``full``: every parameter of
         every layer and every collective, one row each."""
         if not full:
-            from .plan_view import folded
+            from .view import folded
 
             return folded(self)
         from rich.console import Console
@@ -251,7 +251,7 @@ class Plan:
         """What changes from this plan to ``other`` (a Plan, or a plan's JSON text): layouts,
         collectives per layer, predicted step time and memory (an
         :class:`autotp.plan_diff.PlanDiff`; print it)."""
-        from .plan_diff import diff
+        from .diff import diff
 
         if isinstance(other, str):
             other = Plan.from_json(other)
@@ -409,7 +409,7 @@ def attention_heads(index: Any, prop: Any) -> dict[str, list[int]]:
     before attention shows nothing."""
     import torch
 
-    from .capture import module_path
+    from ..capture import module_path
 
     aten = torch.ops.aten
     softmaxes = (aten._softmax.default, aten.softmax.int)
@@ -471,7 +471,7 @@ def unsplit_attention_note(index: Any, prop: Any, split: Mapping[str, Any]) -> s
     choice. ``split``: the plan's split attention modules."""
     import torch
 
-    from .capture import module_path
+    from ..capture import module_path
 
     sdpa = torch.ops.aten.scaled_dot_product_attention.default
     cap = index.capture
@@ -545,8 +545,8 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
 
     import sympy
 
-    from .cost_model.symbolic import bytes_expr, collective_time_expr, compute_time_expr
-    from .passes.propagate import _meta, layout_copy_seconds
+    from ..cost_model.symbolic import bytes_expr, collective_time_expr, compute_time_expr
+    from ..passes.propagate import _meta, layout_copy_seconds
 
     rename = {}
     for name, role in index.capture.dim_symbols.items():
