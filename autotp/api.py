@@ -2,7 +2,7 @@
 
 ``plan``, ``parallelize`` and ``from_pretrained`` are thin entry points: the planner is
 :func:`autotp.planner.build_plan`, head checks :mod:`autotp.passes.attention`, a checkpoint's
-reading :mod:`autotp.runtime.loading`, the ranks' agreement :mod:`autotp.runtime.agreement`.
+reading :mod:`autotp.runtime.loading`, the ranks' agreement :mod:`autotp.distributed.agreement`.
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ from .passes.propagate import GraphIndex, Propagation
 from .passes.rewrite import rewrite
 from .plan import Plan
 from .planner import build_plan
-from .runtime.agreement import _agreed_seed, _on_every_rank_or_none
-from .runtime.rng import RNGTracker
+from .distributed.agreement import _agreed_seed, _on_every_rank_or_none
+from .distributed.rng import RNGTracker
 
 log = logging.getLogger("autotp")
 
@@ -155,7 +155,7 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
 
     ``seed`` seeds dropout in the rewritten graph (default: TP rank 0's ``torch.initial_seed()``,
     shared with its group): replicated regions draw the same masks on every TP rank, sharded
-    regions their own (autotp.runtime.rng). ``rng="torch"`` draws them from torch's generator
+    regions their own (autotp.distributed.rng). ``rng="torch"`` draws them from torch's generator
     in eager calls and counter-based under torch.compile; ``rng="counter"`` counter-based in both
     (slower in eager; a compiled program then draws exactly the eager program's masks).
 
@@ -188,7 +188,7 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
                  schedule: str | None = None, virtual: int = 1,
                  stage_layers: Any = None, rng: str = "torch",
                  align_products: bool | None = None) -> "ParallelModule":
-    from .runtime.mesh import get_mesh
+    from .distributed.mesh import get_mesh
     from .runtime.module import ParallelModule
     from .runtime.pipeline import check_pipeline
 

@@ -1,7 +1,7 @@
 """Activation checkpointing of the rewritten graph, one transformer layer at a time.
 
 Input: a rank's rewritten ``GraphModule`` (whose nodes keep ``nn_module_stack``) and its
-:class:`~autotp.runtime.rng.RNGTracker`. Output: a ``GraphModule`` of consecutive partitions
+:class:`~autotp.distributed.rng.RNGTracker`. Output: a ``GraphModule`` of consecutive partitions
 (``torch.fx.passes.split_module``): one per repeated layer (a numbered child of a ModuleList,
 ``transformer.h.7``) and one for each stretch between them. Each layer partition runs under
 ``torch.utils.checkpoint``: its activations are dropped after forward and recomputed in

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from .mesh import device_mesh_of
+from ..distributed.mesh import device_mesh_of
 
 __all__ = ["fully_shard", "whole_parameters"]
 

@@ -6,7 +6,7 @@ logits and loss whole on every rank. ``pm.graph_module`` is the per-rank program
 ``.code`` to see the f/g nodes); ``pm.plan`` is the plan it executes.
 
 Before its first collective a ParallelModule checks that the ranks of its TP group agree on
-what they run (:mod:`autotp.runtime.agreement`): one small all-reduce at construction, and one
+what they run (:mod:`autotp.distributed.agreement`): one small all-reduce at construction, and one
 per call for the inputs' names, shapes and dtypes (``pm.check_inputs = False`` keeps the shapes
 alone) and the state the call runs in: grad mode, autocast, the frozen parameters and the
 optimizer steps taken over the module's parameters (``pm.check_replicas_every = n`` adds the
@@ -38,14 +38,14 @@ from ..errors import CaptureError, ConfigError, DisagreementError, InputError
 from ..plan import Plan
 from ..placements import Placement, Shard
 from . import dtensor
-from .agreement import (Fingerprint, check_agreement, check_call, constant_entries, fingerprint, grad_entries,
+from ..distributed.agreement import (Fingerprint, check_agreement, check_call, constant_entries, fingerprint, grad_entries,
                         input_signature, start_call_check, state_entries, value_digest)
-from .collectives import group_ranks
-from .faults import StepGuard, watch_backward
+from ..distributed.collectives import group_ranks
+from ..distributed.faults import StepGuard, watch_backward
 from .input_kinds import check_input_kinds
 from .inputs import StagedBounds, check_index_bounds, check_not_empty, index_bounds, stage_index_bounds
 from .leaves import LeavesSwitch, LocalLeaves, local_tensor, program_tensor
-from .mesh import device_mesh_of
+from ..distributed.mesh import device_mesh_of
 from .outline import layer_paths, outline
 from .program import Program, ProgramBuilder, fixed_length, unequal_symbol, within_ranges
 from .state import constant_value, hold_parameters, persistent_buffers, put_buffer, put_parameters, refuse_dtype_change
@@ -254,7 +254,7 @@ class ParallelModule(LeavesSwitch, nn.Module):
             return
         import torch.distributed as dist
 
-        from .collectives import _comm
+        from ..distributed.collectives import _comm
 
         def average(param: torch.Tensor) -> None:
             grad = local_tensor(param.grad)
@@ -397,7 +397,7 @@ class ParallelModule(LeavesSwitch, nn.Module):
 
     def _context(self, replicas: bool = False) -> tuple[str, ...]:
         """The state this rank runs a call in, as the agreement compares it (see
-        autotp.runtime.agreement.CONTEXT_ADVICE): what decides which collectives it runs, and
+        autotp.distributed.agreement.CONTEXT_ADVICE): what decides which collectives it runs, and
         how many optimizer steps its replicas went through; ``replicas``: their hashes too."""
         kind = self.device.type
         autocast = (f"{kind} {str(torch.get_autocast_dtype(kind)).removeprefix('torch.')}"

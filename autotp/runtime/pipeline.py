@@ -50,7 +50,7 @@ from ..capture import Capture, bind_inputs, flat_inputs
 from ..cost_model.pipeline import balance, in_flight_layers
 from ..errors import ConfigError, InputError
 from ..plan import Plan
-from .agreement import check_call, input_signature
+from ..distributed.agreement import check_call, input_signature
 from .chunks import Chunk, cut
 from .inputs import check_index_bounds, check_not_empty, index_bounds
 from .leaves import LeavesSwitch, LocalLeaves, local_tensor, program_tensor
@@ -257,7 +257,7 @@ class PipelineModule(LeavesSwitch, nn.Module):
                  device: torch.device, *, microbatches: int, schedule: str, virtual: int,
                  costs: tuple[list[float], float, float], weights: Callable | None = None,
                  memory_limit: float = float("inf"), stage_layers: Any = None):
-        from .agreement import check_agreement, fingerprint
+        from ..distributed.agreement import check_agreement, fingerprint
 
         super().__init__()
         self.mesh, self.device, self.plan, self.capture = mesh, device, plan, capture
@@ -270,7 +270,7 @@ class PipelineModule(LeavesSwitch, nn.Module):
         self.check_inputs = True
         control = getattr(mesh, "control_group", None) or getattr(mesh, "tp_group", None)
         from . import module as _module
-        from .agreement import constant_entries, grad_entries, state_entries
+        from ..distributed.agreement import constant_entries, grad_entries, state_entries
 
         # the stage's TP ranks agree on the program, the weights they were handed and this
         # module's number (its name in every step's check: steps of two pipelines never pair up)
@@ -280,11 +280,11 @@ class PipelineModule(LeavesSwitch, nn.Module):
         _module._modules_made = max(_module._modules_made, number)
         self.name = f"{type(model).__name__} pipeline #{number}"
         self._steps = 0
-        from .faults import StepGuard
+        from ..distributed.faults import StepGuard
 
         #: a step that raises on some ranks only: the others, left waiting in the schedule's
         #: sends and receives, name the rank and its error when their wait times out, and the
-        #: next step refuses to go on out of step (autotp.runtime.faults)
+        #: next step refuses to go on out of step (autotp.distributed.faults)
         self._guard = StepGuard(dist.group.WORLD, tuple(range(dist.get_world_size())))
         if "loss" not in capture.output_names:
             raise ConfigError("a pipeline step trains on the model's loss, and this capture returns none "
@@ -368,7 +368,7 @@ class PipelineModule(LeavesSwitch, nn.Module):
         fits = state + acts <= limit
         flags = torch.tensor([1 if fits else 0], dtype=torch.int64,
                              device=self.device if mesh.backend == "nccl" else "cpu")
-        from .collectives import _comm
+        from ..distributed.collectives import _comm
 
         with _comm("all_reduce(min) telling the stages whether each fits in memory", dist.group.WORLD):
             dist.all_reduce(flags, op=dist.ReduceOp.MIN)
@@ -390,7 +390,7 @@ class PipelineModule(LeavesSwitch, nn.Module):
         mesh = self.mesh
         sets = sorted({tuple(sorted(s)) for s in readers.values() if len(s) > 1})
         found = [sets]
-        from .collectives import _comm
+        from ..distributed.collectives import _comm
 
         with _comm("broadcast of the parameters the stages share", dist.group.WORLD):   # a lost rank named
             dist.broadcast_object_list(found, src=0)   # one order on every rank, or a clear error
@@ -526,7 +526,7 @@ class PipelineModule(LeavesSwitch, nn.Module):
             if self.mesh.dp > 1 and self.mesh.dp_group is not None:
                 # over the dp replicas' tokens: each replica's share of the whole batch's mean,
                 # summed (not averaged) by the data-parallel all-reduce (see _reduce_grads)
-                from .collectives import _comm
+                from ..distributed.collectives import _comm
 
                 self._total = self._total.clone()
                 with _comm("the data-parallel all-reduce of the batch's counted tokens", self.mesh.dp_group):
@@ -538,7 +538,7 @@ class PipelineModule(LeavesSwitch, nn.Module):
         first = [x[:batch // self.microbatches] for x in inputs]
         schedule = self._schedule_for((tuple((tuple(x.shape), x.dtype) for x in tensors), self.training), first)
         run = dict(target=target if self.is_last else None, losses=losses if self.is_last else None)
-        from .collectives import _comm, backend_failure
+        from ..distributed.collectives import _comm, backend_failure
 
         # a lost neighbour surfaces in a send or receive of torch's schedule: named by a roll call
         with _comm("the pipeline's sends and receives between stages", self.mesh.pp_group, only=backend_failure):
@@ -567,7 +567,7 @@ class PipelineModule(LeavesSwitch, nn.Module):
         counted tokens (each replica's micro-batches were weighted by the whole batch's count, so
         the sum is the gradient of the whole batch's mean, however the ignored labels fall), else
         the mean of the replicas' gradients."""
-        from .collectives import _comm
+        from ..distributed.collectives import _comm
 
         for fqn, group in self._shared.items():
             grad = self._held[fqn].grad

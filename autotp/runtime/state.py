@@ -19,9 +19,9 @@ from ..errors import CheckpointError, ConfigError
 from ..plan import Plan
 from ..placements import Placement, Shard
 from . import dtensor
-from .collectives import local_shard
+from ..distributed.collectives import local_shard
 from .leaves import local_tensor, program_tensor
-from .mesh import device_mesh_of
+from ..distributed.mesh import device_mesh_of
 
 
 class ParamTree(nn.Module):

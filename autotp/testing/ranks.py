@@ -47,7 +47,7 @@ __all__ = ["launch", "LocalCluster", "preload"]
 _STOP = b""  # the message that tells a worker to leave
 
 #: modules the rank processes import before they are forked (forkserver); see ``preload``
-_PRELOAD = ["torch", "torch.distributed", "autotp", "autotp.api", "autotp.testing", "autotp.runtime.faults"]
+_PRELOAD = ["torch", "torch.distributed", "autotp", "autotp.api", "autotp.testing", "autotp.distributed.faults"]
 
 
 def preload(*modules: str) -> None:
@@ -332,7 +332,7 @@ def _worker_main(rank: int, world_size: int, backend: str, port: int, timeout: f
                               timeout=datetime.timedelta(seconds=timeout))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout))
-        from autotp.runtime.faults import register_process
+        from autotp.distributed.faults import register_process
 
         register_process()  # a roll call can then tell that this rank died
         reply = ("ready", None)

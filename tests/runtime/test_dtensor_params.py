@@ -160,7 +160,7 @@ def _layouts_round_trip(cases: list[tuple]) -> list[str]:
 
     from autotp.placements import local_ranges
     from autotp.runtime import dtensor
-    from autotp.runtime.mesh import get_mesh
+    from autotp.distributed.mesh import get_mesh
 
     dtensor.install()
     mesh = get_mesh(dist.get_world_size()).device_mesh

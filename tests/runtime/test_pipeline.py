@@ -344,7 +344,7 @@ def _dcp_case(folder: str) -> dict:
 def _errors_case() -> list[str]:
     from autotp import zoo
     from autotp.errors import InputError
-    from autotp.runtime.mesh import get_mesh
+    from autotp.distributed.mesh import get_mesh
     from autotp.testing import relative_error
 
     seen = []
@@ -588,7 +588,7 @@ def _steps_where_a_stage_raises() -> str:
 @pytest.mark.slow
 def test_a_stage_that_raises_is_named_by_the_stage_left_waiting():
     # without the step guard the first stage waited in its receive and failed naming nobody
-    from autotp.runtime import faults
+    from autotp.distributed import faults
     from autotp.testing.ranks import LocalCluster
 
     with LocalCluster(2, timeout=120, collective_timeout=12.0, error_grace=12.0 + faults.SLACK_S) as cluster:
@@ -602,7 +602,7 @@ def test_a_stage_that_raises_is_named_by_the_stage_left_waiting():
 @pytest.mark.parametrize("inside_the_schedule", [False, True])
 def test_a_lost_stage_is_named_by_its_neighbour(inside_the_schedule):
     from autotp.errors import CommError
-    from autotp.runtime import faults
+    from autotp.distributed import faults
     from autotp.testing.ranks import LocalCluster
 
     with LocalCluster(2, timeout=120, collective_timeout=12.0, error_grace=12.0 + faults.SLACK_S) as cluster:

@@ -225,7 +225,7 @@ def test_inputs_of_other_values_fail_every_rank_with_check_inputs_values(cluster
 
 
 def test_value_digest_is_exact_and_sees_every_element_and_its_place():
-    from autotp.runtime.agreement import value_digest
+    from autotp.distributed.agreement import value_digest
 
     x = torch.randn(3 * (1 << 20) + 7, generator=torch.Generator().manual_seed(0))   # several chunks
     assert value_digest(x) == value_digest(x.clone())
@@ -327,7 +327,7 @@ def die_on_rank_1_in(where: str, path: str = "") -> None:
 @pytest.mark.parametrize("where", ["capture", "seed", "new call", "barrier"])
 def test_a_rank_lost_in_any_collective_of_autotp_is_named_by_the_survivor(where, tmp_path):
     from autotp.errors import CommError
-    from autotp.runtime import faults
+    from autotp.distributed import faults
     from autotp.testing.ranks import LocalCluster
     from tests.runtime.test_faults import COLLECTIVE_TIMEOUT
 

@@ -189,7 +189,7 @@ def _roll_call(group, ranks: tuple[int, ...], started: float, timeout_s: float,
 
 _guards_made = 0
 
-#: time.time() of this process's last failed collective (autotp.runtime.collectives._comm)
+#: time.time() of this process's last failed collective (autotp.distributed.collectives._comm)
 _last_comm_failure = 0.0
 
 
@@ -202,7 +202,7 @@ def watch_backward(guard: "StepGuard", outputs: list, agree=None) -> None:
     """Tell ``guard`` when a backward pass through a call's differentiable ``outputs`` begins
     (:meth:`StepGuard.backward_started`): a hook on the first of their gradients to be computed,
     which fires before any of the call's backward collectives. ``agree()``, when given, then
-    checks that every rank is in this same backward pass (autotp.runtime.agreement.check_call),
+    checks that every rank is in this same backward pass (autotp.distributed.agreement.check_call),
     raising out of ``loss.backward()`` where one is not. A hook, not an identity autograd
     Function, so the outputs are returned as computed rather than as views (FSDP2 warns on
     every call of a module returning views)."""

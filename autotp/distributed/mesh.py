@@ -11,10 +11,10 @@ enough that a dead or diverged rank is reported within minutes. Set the ``AUTOTP
 environment variable (seconds) or pass ``timeout=`` to ``init_from_env`` to change it (a world
 you initialize yourself keeps the timeout you gave ``init_process_group``); groups made by
 ``get_mesh`` inherit the world's timeout. A rank whose process dies is named sooner: see
-:mod:`autotp.runtime.faults`.
+:mod:`autotp.distributed.faults`.
 
 Each mesh also has a ``control_group``: the TP ranks over gloo, for the few small CPU messages
-autotp exchanges to check that ranks agree (:mod:`autotp.runtime.agreement`) without touching
+autotp exchanges to check that ranks agree (:mod:`autotp.distributed.agreement`) without touching
 the accelerator's stream. Under a gloo world it is the TP group itself.
 """
 from __future__ import annotations
@@ -31,8 +31,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from autotp.errors import ConfigError
-from autotp.runtime.faults import register_process
-from autotp.runtime.timeouts import DEFAULT_TIMEOUT, collective_timeout, group_timeout
+from autotp.distributed.faults import register_process
+from autotp.distributed.timeouts import DEFAULT_TIMEOUT, collective_timeout, group_timeout
 
 __all__ = ["DEFAULT_TIMEOUT", "TPMesh", "init_from_env", "get_mesh", "collective_timeout", "group_timeout"]
 

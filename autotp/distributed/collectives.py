@@ -16,7 +16,7 @@ equal sizes on every rank, so uneven shards are padded to ``max_local_size`` and
 reduce-scatter of uneven or interleaved shards is still one reduce-scatter, over padded blocks).
 Collectives write into fresh tensors, never into their inputs, and a failed
 torch.distributed call surfaces as ``autotp.errors.CommError`` naming the op and the group, or
-as ``LostRankError`` naming the rank that is gone (the roll call of :mod:`autotp.runtime.faults`).
+as ``LostRankError`` naming the rank that is gone (the roll call of :mod:`autotp.distributed.faults`).
 
 ``CopyToTP``, ``ReduceFromTP``, ... wrap the mappings as ``nn.Module``s so that rewritten torch.fx
 graphs call them as ``call_module`` nodes and ``print(gm.code)`` shows them by name.
@@ -76,7 +76,7 @@ _previous_start: dict[object, float] = {}
 
 def _comm(op: str, group, only: Any = None) -> contextlib.AbstractContextManager:
     """Turn a torch.distributed failure (timeout, lost peer, backend error) into a CommError;
-    a LostRankError naming the rank when the roll call (autotp.runtime.faults) finds one gone.
+    a LostRankError naming the rank when the roll call (autotp.distributed.faults) finds one gone.
     ``only(exc)``, when given, picks the exceptions that are such failures (a block that also
     computes lets the others through as they are). Under torch.compile it is no context at
     all: clocks and try/except would break the graph, and a compiled program's collectives
@@ -122,8 +122,8 @@ def _guarded_comm(op: str, group, only: Any = None) -> Iterator[None]:
             "Check whether a rank died, raised, or took a different code path (ranks must call "
             "the same collectives in the same order). A rank that is merely slow hits the "
             f"collective timeout ({timeout:g} s here), fixed when the process group is created: "
-            "autotp.runtime.mesh.DEFAULT_TIMEOUT, or the AUTOTP_TIMEOUT environment variable, "
-            "unless the timeout= argument of autotp.runtime.mesh.init_from_env (or of launch / "
+            "autotp.distributed.mesh.DEFAULT_TIMEOUT, or the AUTOTP_TIMEOUT environment variable, "
+            "unless the timeout= argument of autotp.distributed.mesh.init_from_env (or of launch / "
             "LocalCluster) says otherwise."
         )
         if found is not None and found.exited:

@@ -438,7 +438,7 @@ def _on_every_rank_or_none(mesh: Any, step: Any) -> Any:
     rank that failed raises its own error; the others raise at once, with its message and
     class (one more small exchange, on failure only), instead of waiting for it until the
     collective timeout. A rank that died meanwhile is named (the collectives go through the
-    fault handling of autotp.runtime.collectives)."""
+    fault handling of autotp.distributed.collectives)."""
     from .. import errors
 
     try:

@@ -1,6 +1,6 @@
 """How long a collective may take before it raises instead of hanging: ``DEFAULT_TIMEOUT``
 (300 s), or ``AUTOTP_TIMEOUT`` seconds, for a world autotp starts; a group's own timeout as
-torch holds it (see :mod:`autotp.runtime.mesh`)."""
+torch holds it (see :mod:`autotp.distributed.mesh`)."""
 from __future__ import annotations
 
 import datetime
