@@ -270,7 +270,7 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
 
     source = weights(mesh, model) if weights is not None else None
     if mesh.pp > 1:
-        from .runtime.outline import layer_paths
+        from .runtime.module.outline import layer_paths
         from .runtime.pipeline import PipelineModule, layer_costs
 
         prof = get_profile(profile or _default_profile(device))

@@ -90,7 +90,7 @@ def test_token_ids_or_labels_outside_the_vocabulary_are_refused_like_serial(clus
 
 
 def test_index_bounds_skip_ignored_positions_and_name_the_first_bad_input():
-    from autotp.runtime.inputs import check_index_bounds
+    from autotp.runtime.module.inputs import check_index_bounds
 
     bounds = {"input_ids": (10, None, "an embedding table"), "labels": (10, -100, "the classes of a loss")}
     ids, labels = torch.tensor([[0, 9, 3]]), torch.tensor([[-100, 9, 0]])

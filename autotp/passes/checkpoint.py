@@ -87,7 +87,7 @@ def checkpoint_layers(gm: fx.GraphModule, rng: Any = None) -> fx.GraphModule:
         inner = getattr(split, name, None)
         if inner is not None:
             setattr(split, name, CheckpointedLayer(inner, layer, rng))
-    for node in split.graph.nodes:   # each layer's call keeps the layer's module path (runtime.outline)
+    for node in split.graph.nodes:   # each layer's call keeps the layer's module path (runtime.module.outline)
         called = getattr(split, node.target, None) if node.op == "call_module" else None
         if isinstance(called, CheckpointedLayer):
             node.meta["nn_module_stack"] = {called.layer: (called.layer, CheckpointedLayer)}

@@ -107,7 +107,7 @@ def cut(gm: fx.GraphModule, counts: tuple[int, int, int], chunk_of_layer: dict[s
             stack.extend(n.all_input_nodes)
             stack.extend(writers.get(n, ()))
 
-    from .outline import _layer_of
+    from .module.outline import _layer_of
 
     layers = list(chunk_of_layer)
     in_layer: dict[fx.Node, int] = {}  # an activation of a layer: its chunk

@@ -31,7 +31,7 @@ import torch
 
 from ..errors import CheckpointError
 from . import dcp_safety as safety
-from .dtensor import RunShard
+from .module.dtensor import RunShard
 
 
 def _chunks(t: torch.Tensor) -> Any:

@@ -6,7 +6,7 @@ whole model for tensor parallelism as without a pipeline (every stage's TP group
 plan), then cuts this rank's program into ``p * v`` *chunks* (``v`` virtual stages per rank,
 interleaved 1F1B) and keeps the chunks of its own stage:
 
-- **where to cut** (:func:`balance`): the model's repeated layers (:func:`runtime.outline.layer_paths`)
+- **where to cut** (:func:`balance`): the model's repeated layers (:func:`runtime.module.outline.layer_paths`)
   go to the chunks in order, contiguous, at least one each, so that the slowest chunk is as fast
   as it can be by the plan's own cost model (each layer's ops and collectives, forward and
   backward; what lies before the first layer, the embedding, counts in the first chunk, what lies
@@ -52,10 +52,10 @@ from ..errors import ConfigError, InputError
 from ..plan import Plan
 from ..distributed.agreement import check_call, input_signature
 from .chunks import Chunk, cut
-from .inputs import check_index_bounds, check_not_empty, index_bounds
-from .leaves import LeavesSwitch, LocalLeaves, local_tensor, program_tensor
-from .outline import layer_paths
-from .state import constant_value, hold_parameters, persistent_buffers, put_buffer, put_parameters, refuse_dtype_change
+from .module.inputs import check_index_bounds, check_not_empty, index_bounds
+from .module.leaves import LeavesSwitch, LocalLeaves, local_tensor, program_tensor
+from .module.outline import layer_paths
+from .module.state import constant_value, hold_parameters, persistent_buffers, put_buffer, put_parameters, refuse_dtype_change
 
 log = logging.getLogger("autotp")
 
@@ -65,7 +65,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 def layer_costs(index: Any, prop: Any, profile: Any, layers: list[str]) -> tuple[list[float], float, float]:
     """Seconds of each layer (forward and backward, collectives included) by the plan's cost
     model, and of what lies before the first layer and after the last."""
-    from .outline import _layer_of
+    from .module.outline import _layer_of
 
     graph = index.capture.graph
     per_layer = dict.fromkeys(layers, 0.0)
@@ -269,7 +269,7 @@ class PipelineModule(LeavesSwitch, nn.Module):
         #: ``pm.check_inputs = False`` skips it once the data pipeline is trusted
         self.check_inputs = True
         control = getattr(mesh, "control_group", None) or getattr(mesh, "tp_group", None)
-        from . import module as _module
+        from .module import module as _module
         from ..distributed.agreement import constant_entries, grad_entries, state_entries
 
         # the stage's TP ranks agree on the program, the weights they were handed and this

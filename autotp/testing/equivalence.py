@@ -128,7 +128,7 @@ def gradient_scales(model: nn.Module) -> dict[str, float]:
 
 def _split_placement(t: Any) -> Shard:
     """The autotp placement of a split output (a DTensor on the tp mesh)."""
-    from ..runtime.dtensor import RunShard
+    from ..runtime.module.dtensor import RunShard
 
     (over_tp,) = t.placements
     return over_tp.shard if isinstance(over_tp, RunShard) else Shard(over_tp.dim)

@@ -119,7 +119,7 @@ def test_the_cut_at_real_size_gives_the_head_stage_fewer_layers():
     from autotp.planner import build_plan
     from autotp.capture.cache import capture
     from autotp.cost_model import get_profile
-    from autotp.runtime.outline import layer_paths
+    from autotp.runtime.module.outline import layer_paths
     from autotp.runtime.pipeline import layer_costs
 
     model = zoo.build("gpt2", zoo.published_config("gpt2-xl"), device="meta")

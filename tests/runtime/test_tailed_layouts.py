@@ -77,7 +77,7 @@ def test_clip_grad_norm_and_dcp_count_the_whole_kv_rows_once(cluster_of, tmp_pat
 
 
 def _fsdp_clipped_adamw(steps: int) -> dict:
-    from autotp.runtime import fsdp
+    from autotp.runtime.module import fsdp
     from autotp.testing import relative_error
 
     logging.getLogger("autotp").setLevel(logging.ERROR)

@@ -240,7 +240,7 @@ def test_value_digest_is_exact_and_sees_every_element_and_its_place():
 
 
 def test_check_inputs_takes_true_false_or_values():
-    from autotp.runtime.module import _check_inputs_mode
+    from autotp.runtime.module.module import _check_inputs_mode
 
     assert [_check_inputs_mode(v) for v in (True, False, "values")] == [True, False, "values"]
     with pytest.raises(ConfigError, match=r"check_inputs='all' is not valid: use True \(names, shapes and dtypes"):

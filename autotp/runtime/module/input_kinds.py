@@ -21,7 +21,7 @@ from typing import Any, Iterable
 
 import torch
 
-from ..errors import InputError
+from ...errors import InputError
 
 
 def check_input_kinds(captures: Iterable[Any], kwargs: dict[str, Any]) -> None:

@@ -14,14 +14,14 @@ from typing import Any, Callable
 import torch
 from torch import fx, nn
 
-from ..capture import Capture
-from ..errors import CheckpointError, ConfigError
-from ..plan import Plan
-from ..placements import Placement, Shard
+from ...capture import Capture
+from ...errors import CheckpointError, ConfigError
+from ...plan import Plan
+from ...placements import Placement, Shard
 from . import dtensor
-from ..distributed.collectives import local_shard
+from ...distributed.collectives import local_shard
 from .leaves import local_tensor, program_tensor
-from ..distributed.mesh import device_mesh_of
+from ...distributed.mesh import device_mesh_of
 
 
 class ParamTree(nn.Module):
@@ -29,7 +29,7 @@ class ParamTree(nn.Module):
     (``transformer.h.0.attn...``): the module's ``named_parameters()`` and ``state_dict()``
     use the model's own names.
 
-    A repeated layer's subtree runs the layer's outlined graph (``runtime.outline``) when
+    A repeated layer's subtree runs the layer's outlined graph (``runtime.module.outline``) when
     sharded per layer with FSDP2: its forward reads its parameters as FSDP2's pre-forward hook
     left them (gathered over dp) and feeds them, in the graph's order (``names``), first."""
 
@@ -136,7 +136,7 @@ def put_buffer(owner: nn.Module, fqn: str, model_buffers: dict[str, torch.Tensor
 
 def _distributed(local: torch.Tensor, placement: Placement, shape: tuple[int, ...], tp: int, device_mesh: Any) -> torch.Tensor:
     """``local`` (this rank's part) as a DTensor on the (dp, tp) mesh: replicated over dp, over
-    tp the placement that describes ``placement`` exactly (autotp.runtime.dtensor)."""
+    tp the placement that describes ``placement`` exactly (autotp.runtime.module.dtensor)."""
     from torch.distributed.tensor import DTensor, Replicate
 
     size = shape[placement.dim] if isinstance(placement, Shard) else None

@@ -32,8 +32,8 @@ import torch
 from torch.distributed.tensor import Replicate as TorchReplicate
 from torch.distributed.tensor.placement_types import Shard as TorchShard
 
-from ..errors import ConfigError
-from ..placements import Partial, Placement, Shard, layout, local_ranges, local_size, owned_ranges
+from ...errors import ConfigError
+from ...placements import Partial, Placement, Shard, layout, local_ranges, local_size, owned_ranges
 
 
 class RunShard(TorchShard):
@@ -126,7 +126,7 @@ class RunShard(TorchShard):
 
         import torch.distributed as dist
 
-        from ..distributed.collectives import _gloo_on_device, all_gather_single
+        from ...distributed.collectives import _gloo_on_device, all_gather_single
 
         tp, n, dim = mesh.size(mesh_dim=mesh_dim), int(current_logical_shape[self.dim]), self.dim
         most = max(local_size(n, self.shard, tp, r) for r in range(tp))

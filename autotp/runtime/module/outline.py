@@ -28,8 +28,8 @@ from typing import Any
 
 from torch import fx, nn
 
-from ..capture import module_path
-from ..errors import ConfigError
+from ...capture import module_path
+from ...errors import ConfigError
 
 
 def layer_paths(model: nn.Module) -> list[str]:

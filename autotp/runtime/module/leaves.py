@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 
 class LeavesSwitch:

@@ -88,7 +88,7 @@ class StagedBounds:
         self.found, self.checked, self.event, self.call = found, checked, event, call
 
     def check(self) -> None:
-        from ..errors import InputError
+        from ...errors import InputError
 
         if self.event is not None:
             self.event.synchronize()
@@ -144,7 +144,7 @@ _INT64_MAX, _INT64_MIN = torch.iinfo(torch.int64).max, torch.iinfo(torch.int64).
 def check_not_empty(kwargs: dict[str, Any]) -> None:
     """A tensor input with a dim of size 0 (an empty batch, an empty sequence) is refused on every
     rank: export specializes size 0, and a collective over nothing would still be a collective."""
-    from ..errors import InputError
+    from ...errors import InputError
 
     for key, value in kwargs.items():
         if isinstance(value, torch.Tensor) and value.dim() > 0 and 0 in value.shape:

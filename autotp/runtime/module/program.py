@@ -13,10 +13,10 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from ..capture import Capture
-from ..capture.program import guards_hold
-from ..plan import Plan
-from ..placements import Shard
+from ...capture import Capture
+from ...capture.program import guards_hold
+from ...plan import Plan
+from ...placements import Shard
 
 
 @dataclass
@@ -30,7 +30,7 @@ class Program:
     param_order: list[str]          # the parameter FQN fed to each parameter placeholder
     buffer_order: list[str]         # the buffer FQN fed to each buffer placeholder
     constants: list[torch.Tensor]
-    bounds: dict = field(default_factory=dict)   # input key -> the table it indexes (runtime/inputs.py)
+    bounds: dict = field(default_factory=dict)   # input key -> the table it indexes (runtime/module/inputs.py)
     step: str = ""   # "prefill"/"decode": a generation step's program (autotp.generation), not a call's
     arriving: dict = field(default_factory=dict)   # input key -> its placement when it comes in split
     #: (flat output index, the split dim, its whole size, the DTensor placement over tp) for each
@@ -39,7 +39,7 @@ class Program:
     #: tensor input key -> (dtype, rank, the (dim, size) pairs the capture kept static), read off
     #: the graph once (not per call: torch.compile traces the calls, and the graph with them)
     inputs: dict = field(init=False, default_factory=dict)
-    #: parameter FQNs the program's layer calls read themselves (per-layer FSDP: runtime.outline)
+    #: parameter FQNs the program's layer calls read themselves (per-layer FSDP: runtime.module.outline)
     outlined: frozenset = frozenset()
 
     def serves(self, kwargs: dict[str, Any], training: bool, tied: bool = True) -> bool:

@@ -33,19 +33,19 @@ from typing import Any, Callable
 import torch
 from torch import fx, nn
 
-from ..capture import Capture, bind_inputs, flat_inputs, unflatten_outputs
-from ..errors import CaptureError, ConfigError, DisagreementError, InputError
-from ..plan import Plan
-from ..placements import Placement, Shard
+from ...capture import Capture, bind_inputs, flat_inputs, unflatten_outputs
+from ...errors import CaptureError, ConfigError, DisagreementError, InputError
+from ...plan import Plan
+from ...placements import Placement, Shard
 from . import dtensor
-from ..distributed.agreement import (Fingerprint, check_agreement, check_call, constant_entries, fingerprint, grad_entries,
+from ...distributed.agreement import (Fingerprint, check_agreement, check_call, constant_entries, fingerprint, grad_entries,
                         input_signature, start_call_check, state_entries, value_digest)
-from ..distributed.collectives import group_ranks
-from ..distributed.faults import StepGuard, watch_backward
+from ...distributed.collectives import group_ranks
+from ...distributed.faults import StepGuard, watch_backward
 from .input_kinds import check_input_kinds
 from .inputs import StagedBounds, check_index_bounds, check_not_empty, index_bounds, stage_index_bounds
 from .leaves import LeavesSwitch, LocalLeaves, local_tensor, program_tensor
-from ..distributed.mesh import device_mesh_of
+from ...distributed.mesh import device_mesh_of
 from .outline import layer_paths, outline
 from .program import Program, ProgramBuilder, fixed_length, unequal_symbol, within_ranges
 from .state import constant_value, hold_parameters, persistent_buffers, put_buffer, put_parameters, refuse_dtype_change
@@ -115,7 +115,7 @@ class ParallelModule(LeavesSwitch, nn.Module):
         self._build = build
         #: what pm.generate needs of the serial model (autotp.generation)
         self._generation = _generation_info(model)
-        #: the model's repeated layers (runtime.outline.layer_paths); under per-layer FSDP2
+        #: the model's repeated layers (runtime.module.outline.layer_paths); under per-layer FSDP2
         #: (runtime.fsdp.fully_shard) each one's subtree of this module, by path, runs its ops
         self._layers = layer_paths(model)
         self._units: dict[str, nn.Module] = {}
@@ -143,7 +143,7 @@ class ParallelModule(LeavesSwitch, nn.Module):
         self._buffers_held: set[str] = set()   # buffer FQNs registered here (under their own names)
         self._graphs = nn.ModuleDict()
         self._programs: list[Program] = []
-        self._warned_lengths = False   # a program per length was said once (runtime.program.fixed_length)
+        self._warned_lengths = False   # a program per length was said once (runtime.module.program.fixed_length)
         self._current = self._add_program(capture, plan, graph_module)
         self.train(capture.training)   # the model's mode: a model in eval() gives a module in eval()
         self._average_over_dp(getattr(mesh, "dp_group", None), getattr(mesh, "dp", 1))
@@ -254,7 +254,7 @@ class ParallelModule(LeavesSwitch, nn.Module):
             return
         import torch.distributed as dist
 
-        from ..distributed.collectives import _comm
+        from ...distributed.collectives import _comm
 
         def average(param: torch.Tensor) -> None:
             grad = local_tensor(param.grad)
@@ -537,7 +537,7 @@ class ParallelModule(LeavesSwitch, nn.Module):
         """Decoding with a KV cache split by head on each rank, token for token what the serial
         model's ``generate`` returns, greedy or sampled (``do_sample``, ``temperature``,
         ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``); see :mod:`autotp.generation`."""
-        from ..generation import generate
+        from ...generation import generate
         from .fsdp import whole_parameters
 
         with whole_parameters(self):   # generate() runs the programs without this module's __call__
