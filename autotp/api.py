@@ -2,7 +2,7 @@
 
 ``plan``, ``parallelize`` and ``from_pretrained`` are thin entry points: the planner is
 :func:`autotp.planner.build_plan`, head checks :mod:`autotp.passes.attention`, a checkpoint's
-reading :mod:`autotp.runtime.loading`, the ranks' agreement :mod:`autotp.distributed.agreement`.
+reading :mod:`autotp.runtime.checkpoint.loading`, the ranks' agreement :mod:`autotp.distributed.agreement`.
 """
 from __future__ import annotations
 
@@ -289,7 +289,7 @@ def _agreed(what: str, fn: Any) -> Any:
     that cannot read the checkpoint folder raises, and so does every other, naming it, instead of
     going on into collectives the failed rank never joins."""
     from .errors import CheckpointError
-    from .runtime import dcp_safety
+    from .runtime.checkpoint import dcp_safety
 
     own: BaseException | None = None
     try:
@@ -314,7 +314,7 @@ def from_pretrained(path: str, tp: int, *, model_class: Any = None, dtype: torch
     planned there; each rank then reads only its own
     slices of the safetensors files (:mod:`autotp.runtime.checkpoint`). ``dtype`` defaults to
     the config's. Other keywords are :func:`parallelize`'s."""
-    from .runtime.loading import open_checkpoint
+    from .runtime.checkpoint.loading import open_checkpoint
 
     model, weights = _agreed(f"the opening of {path}", lambda: open_checkpoint(path, model_class, dtype, progress))
     if device is None:

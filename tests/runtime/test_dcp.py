@@ -25,7 +25,7 @@ MLP_ONLY = {"*.mlp.c_fc.weight": "column", "*.mlp.c_proj.weight": "row"}
 
 
 def _save_and_reshard(path: str, tp_from: int, tp_to: int, layout_to: dict = LAYOUT) -> dict:
-    from autotp.runtime import dcp
+    from autotp.runtime.checkpoint import dcp
     from tests.helpers import tiny_gpt2
 
     # 5 heads: 3 + 2 at tp 2, 2 + 1 + 1 + 1 at tp 4 (fused q|k|v runs, uneven); vocab 22 uneven
@@ -81,7 +81,7 @@ def _full(pm) -> dict:
 
 
 def _async_save_then_train_on(path: str) -> dict:
-    from autotp.runtime import dcp
+    from autotp.runtime.checkpoint import dcp
 
     pm, opt = _trained(2, 1)
     at_save = _full(pm)
@@ -112,7 +112,8 @@ def _save_twice_rank_1_killed_in_the_second(path: str, api: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-    from autotp.runtime import checkpoint, dcp
+    from autotp.runtime import checkpoint
+    from autotp.runtime.checkpoint import dcp
 
     warnings.simplefilter("ignore", FutureWarning)
     save = dcp.save if api == "dcp" else lambda pm, path, opt: checkpoint.save_sharded(pm, path)
@@ -146,7 +147,8 @@ def _save_twice_rank_1_killed_in_the_second(path: str, api: str) -> dict:
 def _load(path: str, api: str = "dcp") -> dict:
     import warnings
 
-    from autotp.runtime import checkpoint, dcp
+    from autotp.runtime import checkpoint
+    from autotp.runtime.checkpoint import dcp
 
     warnings.simplefilter("ignore", FutureWarning)
     pm, opt = _trained(2, 0)

@@ -301,7 +301,7 @@ def _dcp_case(folder: str) -> dict:
     the next step too), loaded at pp 1 x tp 4 (a ParallelModule) to the same loss; autotp's
     per-rank files resumed at the same tp and pp; gather_to_hf refused with the way round."""
     from autotp import zoo
-    from autotp.runtime import dcp
+    from autotp.runtime.checkpoint import dcp
     from autotp.testing import keep_loss_precision, relative_error
 
     config = zoo.tiny_config("gpt2", layers=4, heads=4, head_dim=4, vocab=48)

@@ -29,7 +29,7 @@ def _batch(config, seed: int, batch: int = 2):
 
 
 def _clip_and_checkpoint(path: str, heads: int) -> dict:
-    from autotp.runtime import dcp
+    from autotp.runtime.checkpoint import dcp
 
     logging.getLogger("autotp").setLevel(logging.ERROR)
     config, model = _bigcode(0, heads)

@@ -300,7 +300,7 @@ def die_on_rank_1_in(where: str, path: str = "") -> None:
     import signal
 
     import autotp.api
-    from autotp.runtime import dcp
+    from autotp.runtime.checkpoint import dcp
 
     def die(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
@@ -314,7 +314,7 @@ def die_on_rank_1_in(where: str, path: str = "") -> None:
     pm(**batch(100))
     if where == "new call" and dying:          # capturing the program of a new call signature
         autotp.api.capture_model = die
-    if where == "barrier" and dying:           # in a checkpoint's first exchange (autotp.runtime.dcp_safety)
+    if where == "barrier" and dying:           # in a checkpoint's first exchange (autotp.runtime.checkpoint.dcp_safety)
         dcp.safety.agree_to_start = die
     if where == "new call":
         pm.eval()
@@ -342,7 +342,7 @@ def test_a_rank_lost_in_any_collective_of_autotp_is_named_by_the_survivor(where,
 
 
 def load_then_change_a_replicated_parameter_on_the_last_rank(path: str) -> list[str]:
-    from autotp.runtime import dcp
+    from autotp.runtime.checkpoint import dcp
 
     pm = autotp.parallelize(tiny_gpt2(n_layer=1), tp=4, layout=MEGATRON_GPT2)
     dcp.save(pm, path)

@@ -1,7 +1,7 @@
 """Reading a HuggingFace checkpoint folder into a parallel model: the model built on the meta
 device from the folder's config, the buffers the checkpoint does not hold computed by the model's
 own initializer, and each rank's slices read from the safetensors files
-(:mod:`autotp.runtime.checkpoint`) as the parallel module asks for them.
+(:mod:`autotp.runtime.checkpoint.hf`) as the parallel module asks for them.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..placements import Placement
+from ...placements import Placement
 
 
 def open_checkpoint(path: str, model_class: Any = None, dtype: torch.dtype | None = None,
@@ -21,7 +21,7 @@ def open_checkpoint(path: str, model_class: Any = None, dtype: torch.dtype | Non
     """The model ``path`` holds, built on the meta device from its config (``model_class(config)``,
     default: the class the config names, see :func:`_architecture`; ``dtype`` defaults to the
     config's), and ``weights(mesh, meta_model)``: what reads this rank's slices of it."""
-    from .checkpoint import CheckpointReader
+    from .hf import CheckpointReader
 
     config = read_config(path)
     dtype = dtype or getattr(config, "dtype", None) or torch.float32
@@ -46,7 +46,7 @@ def read_config(path: str) -> Any:
     model on the Hub)."""
     from transformers import AutoConfig
 
-    from ..errors import CheckpointError
+    from ...errors import CheckpointError
 
     folder, file = Path(path), Path(path) / "config.json"
     rewrite = f"write it again: model.config.save_pretrained({str(path)!r}) (model.save_pretrained writes it too)"

@@ -23,8 +23,8 @@ from contextlib import contextmanager
 from pathlib import Path
 import torch
 
-from ..errors import CheckpointError, ConfigError
-from ..placements import Placement, Shard, local_ranges
+from ...errors import CheckpointError, ConfigError
+from ...placements import Placement, Shard, local_ranges
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -231,7 +231,7 @@ def _gather_to_writer(pm, fqn: str, piece: torch.Tensor) -> torch.Tensor | None:
     ``piece``: one gather of flat pieces padded to the longest (uneven splits)."""
     import torch.distributed as dist
 
-    from ..distributed.collectives import _comm, assemble
+    from ...distributed.collectives import _comm, assemble
 
     placement = pm.plan.params[fqn]
     group = pm.mesh.tp_group if pm.mesh is not None else None

@@ -1,4 +1,4 @@
-"""What makes a DCP checkpoint safe to write and read across ranks (used by autotp.runtime.dcp).
+"""What makes a DCP checkpoint safe to write and read across ranks (used by autotp.runtime.checkpoint.dcp).
 
 A checkpoint is written by every rank and published by one; anything a rank sees alone
 (a path that is a file, a damaged shard, a failed rename) must reach every rank, or the others
@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..errors import CheckpointError, DisagreementError
+from ...errors import CheckpointError, DisagreementError
 
 log = logging.getLogger("autotp")
 
@@ -123,7 +123,7 @@ def _exchange(what: str, text: str) -> list[str]:
     fault handling."""
     import torch.distributed as dist
 
-    from ..distributed.collectives import _comm, backend_failure
+    from ...distributed.collectives import _comm, backend_failure
 
     if _size() == 1:
         return [text]
@@ -213,7 +213,7 @@ def run_dcp(op: str, path: str, fn: Callable[[], Any]) -> Any:
     into a CheckpointError that starts with the reason."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from ..distributed.collectives import _comm, backend_failure
+    from ...distributed.collectives import _comm, backend_failure
 
     try:
         if _world() is None:
