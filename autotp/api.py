@@ -207,7 +207,7 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
     def prepare():
         cap = capture_model(model, example_inputs, example_kwargs, seq_range=seq_range)
         check_heads(cap, tp, uneven)
-        # a pipeline stage holds a share of the model: the stage checks its share (runtime/pipeline.py)
+        # a pipeline stage holds a share of the model: the stage checks its share (runtime/pipeline/stage.py)
         result, index, prop = build_plan(cap, tp, batch=batch, seq=_planning_seq(model, seq, seq_range),
                                          profile=profile or _default_profile(device), layout=layout,
                                          plan=plan, uneven=uneven, gather_logits=gather_logits,

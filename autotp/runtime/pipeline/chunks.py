@@ -1,5 +1,5 @@
 """A rank program cut into pipeline chunks (:func:`cut`): which ops each chunk computes, what it
-receives and what it sends on (see :mod:`autotp.runtime.pipeline` for the rules and why).
+receives and what it sends on (see :mod:`autotp.runtime.pipeline.stage` for the rules and why).
 """
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ..capture import module_path
-from ..errors import ConfigError
+from ...capture import module_path
+from ...errors import ConfigError
 
 
 @dataclass
@@ -107,7 +107,7 @@ def cut(gm: fx.GraphModule, counts: tuple[int, int, int], chunk_of_layer: dict[s
             stack.extend(n.all_input_nodes)
             stack.extend(writers.get(n, ()))
 
-    from .module.outline import _layer_of
+    from ..module.outline import _layer_of
 
     layers = list(chunk_of_layer)
     in_layer: dict[fx.Node, int] = {}  # an activation of a layer: its chunk

@@ -46,16 +46,16 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from ..capture import Capture, bind_inputs, flat_inputs
-from ..cost_model.pipeline import balance, in_flight_layers
-from ..errors import ConfigError, InputError
-from ..plan import Plan
-from ..distributed.agreement import check_call, input_signature
+from ...capture import Capture, bind_inputs, flat_inputs
+from ...cost_model.pipeline import balance, in_flight_layers
+from ...errors import ConfigError, InputError
+from ...plan import Plan
+from ...distributed.agreement import check_call, input_signature
 from .chunks import Chunk, cut
-from .module.inputs import check_index_bounds, check_not_empty, index_bounds
-from .module.leaves import LeavesSwitch, LocalLeaves, local_tensor, program_tensor
-from .module.outline import layer_paths
-from .module.state import constant_value, hold_parameters, persistent_buffers, put_buffer, put_parameters, refuse_dtype_change
+from ..module.inputs import check_index_bounds, check_not_empty, index_bounds
+from ..module.leaves import LeavesSwitch, LocalLeaves, local_tensor, program_tensor
+from ..module.outline import layer_paths
+from ..module.state import constant_value, hold_parameters, persistent_buffers, put_buffer, put_parameters, refuse_dtype_change
 
 log = logging.getLogger("autotp")
 
@@ -65,7 +65,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 def layer_costs(index: Any, prop: Any, profile: Any, layers: list[str]) -> tuple[list[float], float, float]:
     """Seconds of each layer (forward and backward, collectives included) by the plan's cost
     model, and of what lies before the first layer and after the last."""
-    from .module.outline import _layer_of
+    from ..module.outline import _layer_of
 
     graph = index.capture.graph
     per_layer = dict.fromkeys(layers, 0.0)
@@ -257,7 +257,7 @@ class PipelineModule(LeavesSwitch, nn.Module):
                  device: torch.device, *, microbatches: int, schedule: str, virtual: int,
                  costs: tuple[list[float], float, float], weights: Callable | None = None,
                  memory_limit: float = float("inf"), stage_layers: Any = None):
-        from ..distributed.agreement import check_agreement, fingerprint
+        from ...distributed.agreement import check_agreement, fingerprint
 
         super().__init__()
         self.mesh, self.device, self.plan, self.capture = mesh, device, plan, capture
@@ -269,8 +269,8 @@ class PipelineModule(LeavesSwitch, nn.Module):
         #: ``pm.check_inputs = False`` skips it once the data pipeline is trusted
         self.check_inputs = True
         control = getattr(mesh, "control_group", None) or getattr(mesh, "tp_group", None)
-        from .module import module as _module
-        from ..distributed.agreement import constant_entries, grad_entries, state_entries
+        from ..module import module as _module
+        from ...distributed.agreement import constant_entries, grad_entries, state_entries
 
         # the stage's TP ranks agree on the program, the weights they were handed and this
         # module's number (its name in every step's check: steps of two pipelines never pair up)
@@ -280,7 +280,7 @@ class PipelineModule(LeavesSwitch, nn.Module):
         _module._modules_made = max(_module._modules_made, number)
         self.name = f"{type(model).__name__} pipeline #{number}"
         self._steps = 0
-        from ..distributed.faults import StepGuard
+        from ...distributed.faults import StepGuard
 
         #: a step that raises on some ranks only: the others, left waiting in the schedule's
         #: sends and receives, name the rank and its error when their wait times out, and the
@@ -352,7 +352,7 @@ class PipelineModule(LeavesSwitch, nn.Module):
         The plan's activations are the planning batch's, split into the micro-batches."""
         import math
 
-        from ..errors import PlanError
+        from ...errors import PlanError
 
         plan, mesh = self.plan, self.mesh
         held = sum(math.prod(plan.local_shape(f, mesh.tp_rank)) for f in wanted) * plan.dtype_bytes
@@ -368,7 +368,7 @@ class PipelineModule(LeavesSwitch, nn.Module):
         fits = state + acts <= limit
         flags = torch.tensor([1 if fits else 0], dtype=torch.int64,
                              device=self.device if mesh.backend == "nccl" else "cpu")
-        from ..distributed.collectives import _comm
+        from ...distributed.collectives import _comm
 
         with _comm("all_reduce(min) telling the stages whether each fits in memory", dist.group.WORLD):
             dist.all_reduce(flags, op=dist.ReduceOp.MIN)
@@ -390,7 +390,7 @@ class PipelineModule(LeavesSwitch, nn.Module):
         mesh = self.mesh
         sets = sorted({tuple(sorted(s)) for s in readers.values() if len(s) > 1})
         found = [sets]
-        from ..distributed.collectives import _comm
+        from ...distributed.collectives import _comm
 
         with _comm("broadcast of the parameters the stages share", dist.group.WORLD):   # a lost rank named
             dist.broadcast_object_list(found, src=0)   # one order on every rank, or a clear error
@@ -526,7 +526,7 @@ class PipelineModule(LeavesSwitch, nn.Module):
             if self.mesh.dp > 1 and self.mesh.dp_group is not None:
                 # over the dp replicas' tokens: each replica's share of the whole batch's mean,
                 # summed (not averaged) by the data-parallel all-reduce (see _reduce_grads)
-                from ..distributed.collectives import _comm
+                from ...distributed.collectives import _comm
 
                 self._total = self._total.clone()
                 with _comm("the data-parallel all-reduce of the batch's counted tokens", self.mesh.dp_group):
@@ -538,7 +538,7 @@ class PipelineModule(LeavesSwitch, nn.Module):
         first = [x[:batch // self.microbatches] for x in inputs]
         schedule = self._schedule_for((tuple((tuple(x.shape), x.dtype) for x in tensors), self.training), first)
         run = dict(target=target if self.is_last else None, losses=losses if self.is_last else None)
-        from ..distributed.collectives import _comm, backend_failure
+        from ...distributed.collectives import _comm, backend_failure
 
         # a lost neighbour surfaces in a send or receive of torch's schedule: named by a roll call
         with _comm("the pipeline's sends and receives between stages", self.mesh.pp_group, only=backend_failure):
@@ -567,7 +567,7 @@ class PipelineModule(LeavesSwitch, nn.Module):
         counted tokens (each replica's micro-batches were weighted by the whole batch's count, so
         the sum is the gradient of the whole batch's mean, however the ignored labels fall), else
         the mean of the replicas' gradients."""
-        from ..distributed.collectives import _comm
+        from ...distributed.collectives import _comm
 
         for fqn, group in self._shared.items():
             grad = self._held[fqn].grad
