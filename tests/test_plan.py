@@ -179,7 +179,7 @@ def test_a_memory_limit_no_plan_meets_says_what_the_fastest_plan_needs_and_the_f
 
 
 def test_a_plan_no_limit_meets_comes_with_the_plan_without_the_limit_solved_once(monkeypatch):
-    import autotp.planner as planner
+    from autotp.planner import planner
 
     cap = tiny_capture(n_head=4, head_dim=8)
     unlimited = plan_of(cap, 2, profile="cpu-gloo", batch=512, seq=64, memory_limit=float("inf"))

@@ -88,8 +88,8 @@ def experts_note(index: Any, profile: Any, stacks: Mapping[str, str], roles: Map
     ``stacks``: placeholder -> parameter name of every 3-D stack of experts; ``roles``/``shapes``:
     the plan's; ``chosen_s``: the plan's predicted step; ``pinned``: the user's pins (a layer
     whose stacks are pinned is not compared: the pin decided it)."""
-    from ..roles import _role_to_placement
-    from .solve import solve
+    from .roles import _role_to_placement
+    from ..passes.solve import solve
 
     if not stacks or index.tp <= 1:
         return []
@@ -143,9 +143,9 @@ def expert_stacks(cap: Any) -> dict[str, str]:
     """Placeholder -> name of every parameter read as a stack of experts' matrices (3-D, read by
     a pick per row, a per-matrix transpose, a grouped product, or whole by a batched product as
     its matrices: Llama-4's experts, every token through every expert)."""
-    from ..roles import _first_uses
-    from .rules.experts import GROUPED_MM
-    from .rules.registry import op_name
+    from .roles import _first_uses
+    from ..passes.rules.experts import GROUPED_MM
+    from ..passes.rules.registry import op_name
     import torch
 
     aten = torch.ops.aten

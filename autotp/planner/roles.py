@@ -9,10 +9,10 @@ from typing import Any, Mapping
 
 import torch
 
-from .capture import Capture
-from .errors import ConfigError
-from .placements import REPLICATE, Placement, Shard
-from .plan.plan import Plan, role_of
+from ..capture import Capture
+from ..errors import ConfigError
+from ..placements import REPLICATE, Placement, Shard
+from ..plan.plan import Plan, role_of
 
 
 #: "expert": whole experts per rank (expert parallelism); "expert_column" / "expert_row": every expert's

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .capture import Capture, gc_paused, module_path
-from .cost_model import get_profile
-from .cost_model.alignment import Align
-from .errors import ConfigError, MemoryLimitError, PlanError
-from .passes.experts_choice import expert_stacks, experts_note
-from .passes.pins import unholdable_pin
-from .passes.propagate import GraphIndex, Propagation, propagate
-from .passes.solve import solve
-from .placements import REPLICATE, Placement, Shard
-from .plan.flow import record_flows
-from .plan.plan import CommOp, DeferredExpressions, Plan, attention_heads, cost_expressions, role_of, unsplit_attention_note
+from ..capture import Capture, gc_paused, module_path
+from ..cost_model import get_profile
+from ..cost_model.alignment import Align
+from ..errors import ConfigError, MemoryLimitError, PlanError
+from .experts import expert_stacks, experts_note
+from ..passes.pins import unholdable_pin
+from ..passes.propagate import GraphIndex, Propagation, propagate
+from ..passes.solve import solve
+from ..placements import REPLICATE, Placement, Shard
+from ..plan.flow import record_flows
+from ..plan.plan import CommOp, DeferredExpressions, Plan, attention_heads, cost_expressions, role_of, unsplit_attention_note
 from .roles import _first_uses, _pinned
 
 
@@ -117,7 +117,7 @@ def _written(cap: Capture, index: GraphIndex, prop: Propagation, prof: Any, tp: 
         use = uses.get(placeholder)
         roles[fqn] = role_of(p, use[0] if use else None, use[1] if use else -1, node.meta["val"].dim())
     if plan is None and tp > 1:
-        # which experts layout each MoE layer got, against the other one (autotp/passes/experts_choice.py)
+        # which experts layout each MoE layer got, against the other one (autotp/planner/experts.py)
         notes += experts_note(index, prof, expert_stacks(cap), roles, shapes, prop.total_s, limit, pinned, uses)
     comms = [CommOp(c.kind, c.tensor, c.consumer, repr(c.src), repr(c.dst), c.fwd_bytes, c.bwd_bytes, c.seconds,
                     module_path(nodes[c.consumer]) if c.consumer in nodes else "")
@@ -185,7 +185,7 @@ def _sequence_note(index: GraphIndex, prop: Propagation) -> str | None:
 def sequence_regions(index: GraphIndex, prop: Propagation) -> int:
     """How many regions of a propagation run split along the sequence: reduce-scatters of a
     Partial along a dynamic dim."""
-    from .passes.propagate import _meta
+    from ..passes.propagate import _meta
 
     nodes = {n.name: n for n in index.capture.graph.nodes}
     count = 0
