@@ -4,13 +4,15 @@ The rewrite (:mod:`autotp.passes.rewrite`) writes graphs that call the mappings,
 random streams here; the runtime (:mod:`autotp.runtime`) builds its modules on the groups and
 agreement here. So this package knows no plan, no graph pass and no module: its inputs are
 process groups, tensors and plain values, and it imports only :mod:`autotp.errors`,
-:mod:`autotp.placements` and :mod:`autotp.capture` (a graph's op names, for agreement).
+:mod:`autotp.placements`, :mod:`autotp.version` and :mod:`autotp.capture` (a graph's op names,
+for agreement).
 
 From the group up:
 
 - :mod:`.timeouts`     how long a collective may take; a group's own timeout
 - :mod:`.faults`       which rank is lost: a roll call through the store after a collective fails; step guards
 - :mod:`.mesh`         DP x TP (x PP) process groups from torchrun's environment; their DeviceMesh
+- :mod:`.launch`       local ranks without torchrun (``launch``, ``LocalCluster``): tests, calibration, ``autotp check``
 - :mod:`.collectives`  Megatron's f and g (all-reduce, all-gather, reduce-scatter) as autograd Functions
 - :mod:`.functional`   the sharded forms of ops that need more than their ATen op (vocab-parallel
   embedding and cross-entropy, a tail's exact add, a mean's share)

@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import fx
 
+from ..capture.program import op_name
 from ..errors import DisagreementError
 from .collectives import _comm, group_ranks, group_size
 
@@ -110,8 +111,6 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 def _graph_entries(gm: fx.GraphModule | fx.Graph, sizes: bool = True) -> list[str]:
     """One entry per node; ``sizes``: every int written as ``int``, as the local sizes of a
     rewritten graph differ between the ranks of an uneven split."""
-    from ..passes.rules import op_name
-
     def arg(a: Any) -> str:
         if isinstance(a, fx.Node):
             return a.name

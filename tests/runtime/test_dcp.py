@@ -166,7 +166,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_whole(tmp_path, api
     import os
 
     from autotp.errors import CommError
-    from autotp.testing.ranks import LocalCluster
+    from autotp.distributed.launch import LocalCluster
 
     path = str(tmp_path / "ckpt")
     with LocalCluster(2, timeout=120, collective_timeout=15, error_grace=20) as cluster:
@@ -204,7 +204,7 @@ def test_a_save_on_one_rank_alone_names_the_missing_rank_and_publishes_nothing(t
     # before: `if rank == 0: save_sharded(...)` wrote half a checkpoint with no error
     import os
 
-    from autotp.testing.ranks import LocalCluster
+    from autotp.distributed.launch import LocalCluster
 
     path = str(tmp_path / "ckpt")
     with LocalCluster(2, timeout=120, collective_timeout=10) as cluster:

@@ -15,7 +15,7 @@ from autotp.errors import CommError, ConfigError
 from autotp.distributed import mesh as mesh_module
 from autotp.distributed.collectives import reduce_from_tp
 from autotp.distributed.mesh import get_mesh, init_from_env
-from autotp.testing.ranks import LocalCluster, launch
+from autotp.distributed.launch import LocalCluster, launch
 
 # A failure test that hangs fails here instead of stalling the suite.
 pytestmark = pytest.mark.timeout(120)

@@ -589,7 +589,7 @@ def _steps_where_a_stage_raises() -> str:
 def test_a_stage_that_raises_is_named_by_the_stage_left_waiting():
     # without the step guard the first stage waited in its receive and failed naming nobody
     from autotp.distributed import faults
-    from autotp.testing.ranks import LocalCluster
+    from autotp.distributed.launch import LocalCluster
 
     with LocalCluster(2, timeout=120, collective_timeout=12.0, error_grace=12.0 + faults.SLACK_S) as cluster:
         first, last = cluster.run(_steps_where_a_stage_raises)
@@ -603,7 +603,7 @@ def test_a_stage_that_raises_is_named_by_the_stage_left_waiting():
 def test_a_lost_stage_is_named_by_its_neighbour(inside_the_schedule):
     from autotp.errors import CommError
     from autotp.distributed import faults
-    from autotp.testing.ranks import LocalCluster
+    from autotp.distributed.launch import LocalCluster
 
     with LocalCluster(2, timeout=120, collective_timeout=12.0, error_grace=12.0 + faults.SLACK_S) as cluster:
         with pytest.raises(CommError) as info:

@@ -328,7 +328,7 @@ def die_on_rank_1_in(where: str, path: str = "") -> None:
 def test_a_rank_lost_in_any_collective_of_autotp_is_named_by_the_survivor(where, tmp_path):
     from autotp.errors import CommError
     from autotp.distributed import faults
-    from autotp.testing.ranks import LocalCluster
+    from autotp.distributed.launch import LocalCluster
     from tests.runtime.test_faults import COLLECTIVE_TIMEOUT
 
     # before: a raw gloo "Connection closed by peer", or a timeout that names no rank
