@@ -26,7 +26,7 @@ from .passes.checkpoint import checkpoint_layers
 from .passes.propagate import GraphIndex, Propagation
 from .passes.rewrite import rewrite
 from .plan import Plan
-from .planner import build_plan
+from .planner.planner import build_plan
 from .distributed.agreement import _agreed_seed, _on_every_rank_or_none
 from .distributed.rng import RNGTracker
 
@@ -189,8 +189,8 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
                  stage_layers: Any = None, rng: str = "torch",
                  align_products: bool | None = None) -> "ParallelModule":
     from .distributed.mesh import get_mesh
-    from .runtime.module import ParallelModule
-    from .runtime.pipeline import check_pipeline
+    from .runtime.module.module import ParallelModule
+    from .runtime.pipeline.stage import check_pipeline
 
     tp = check_tp(tp)
     batch, seq, layout, memory_limit = check_planning(batch, seq, layout, memory_limit)
@@ -271,7 +271,7 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
     source = weights(mesh, model) if weights is not None else None
     if mesh.pp > 1:
         from .runtime.module.outline import layer_paths
-        from .runtime.pipeline import PipelineModule, layer_costs
+        from .runtime.pipeline.stage import PipelineModule, layer_costs
 
         prof = get_profile(profile or _default_profile(device))
         costs = layer_costs(index, prop, prof, layer_paths(model))

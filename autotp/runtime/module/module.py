@@ -67,18 +67,16 @@ class ParallelModule(LeavesSwitch, nn.Module):
         module's parameter layout (``plan``), agreed by the TP group, then cached. Without it
         the module runs the one program it was given."""
         super().__init__()
+        # Built in stage order: the groups it talks over, the ranks' agreement on what they run,
+        # this rank's state (parameter shards, buffers), then the programs.
+        # -- the mesh
+        self.mesh, self.device = mesh, device
         #: the group the agreement checks talk over (CPU/gloo: no accelerator sync per call)
-        self._control = getattr(mesh, "control_group", None) or getattr(mesh, "tp_group", None)
+        self._control = control_group(mesh)
         self._guard = StepGuard(self._control, group_ranks(self._control) if self._control is not None else None)
-        global _modules_made
-        # the ranks agree on what they run, on the weights they were handed, and on this module's
-        # number (the largest any of them would give it): its name in every later call's check
-        number = check_agreement(fingerprint(plan, graph_module, capture.graph, state_entries(model),
-                                             constant_entries(capture.constants), grad_entries(model)),
-                                 self._control, number=_modules_made + 1)
-        _modules_made = max(_modules_made, number)
+        # -- agreement
         #: this module as every rank of its group names it: "GPT2LMHeadModel #2"
-        self.name = f"{type(model).__name__} #{number}"
+        self.name = f"{type(model).__name__} #{agree_on_module(capture, plan, graph_module, model, self._control)}"
         #: calls (and generation steps) made so far: each call's check names its number
         self._calls = 0
         self._caller: int | None = None   # the thread inside a call, if any
@@ -107,12 +105,10 @@ class ParallelModule(LeavesSwitch, nn.Module):
         self._refusal: str | None = None
         self._held_ids: tuple[Any, frozenset[int]] = (None, frozenset())
         _count_optimizer_steps(self)
-        self.mesh = mesh
+        # -- the state
         device_mesh = device_mesh_of(mesh, device)
         #: the tp dim's DeviceMesh, taken once (a split output is a DTensor on it)
         self._tp_mesh = device_mesh["tp"] if device_mesh is not None else None
-        self.device = device
-        self._build = build
         #: what pm.generate needs of the serial model (autotp.generation)
         self._generation = _generation_info(model)
         #: the model's repeated layers (runtime.module.outline.layer_paths); under per-layer FSDP2
@@ -141,11 +137,14 @@ class ParallelModule(LeavesSwitch, nn.Module):
                 self._computed.setdefault(name, value)
         self._persistent = persistent_buffers(model)
         self._buffers_held: set[str] = set()   # buffer FQNs registered here (under their own names)
+        # -- the programs
+        self._build = build
         self._graphs = nn.ModuleDict()
         self._programs: list[Program] = []
         self._warned_lengths = False   # a program per length was said once (runtime.module.program.fixed_length)
         self._current = self._add_program(capture, plan, graph_module)
         self.train(capture.training)   # the model's mode: a model in eval() gives a module in eval()
+        # -- the gradients over dp, once the parameters and the programs that read them are in place
         self._average_over_dp(getattr(mesh, "dp_group", None), getattr(mesh, "dp", 1))
 
     def _apply(self, fn: Callable, recurse: bool = True) -> "ParallelModule":
@@ -604,8 +603,28 @@ def _check_serves(program: Program, kwargs: dict[str, Any], training: bool) -> N
                          "call with other lengths, or report this model")
 
 
-#: ParallelModules made in this process, as agreed with their groups (each one's number: its name)
+#: ParallelModules (and pipeline stages) made in this process, as agreed with their groups (each
+#: one's number: its name)
 _modules_made = 0
+
+
+def control_group(mesh: Any) -> Any:
+    """The group a module's agreement checks talk over: the mesh's CPU (gloo) control group,
+    else its TP group (no accelerator sync per call)."""
+    return getattr(mesh, "control_group", None) or getattr(mesh, "tp_group", None)
+
+
+def agree_on_module(capture: Capture, plan: Plan, graph_module: fx.GraphModule, model: nn.Module,
+                    control: Any) -> int:
+    """The ranks of ``control`` agree on what they run, on the weights they were handed, and on
+    this module's number (the largest any of them would give it): its name in every later
+    check, so that the calls of two modules never pair up. One small exchange, on every rank."""
+    global _modules_made
+    number = check_agreement(fingerprint(plan, graph_module, capture.graph, state_entries(model),
+                                         constant_entries(capture.constants), grad_entries(model)),
+                             control, number=_modules_made + 1)
+    _modules_made = max(_modules_made, number)
+    return number
 #: guards the check-and-set of a module's calling thread
 _CALLERS = threading.Lock()
 #: the process groups a call is running over -> (its thread, its module's name)

@@ -51,9 +51,11 @@ from ...cost_model.pipeline import balance, in_flight_layers
 from ...errors import ConfigError, InputError
 from ...plan import Plan
 from ...distributed.agreement import check_call, input_signature
+from ...distributed.faults import StepGuard
 from .chunks import Chunk, cut
 from ..module.inputs import check_index_bounds, check_not_empty, index_bounds
 from ..module.leaves import LeavesSwitch, LocalLeaves, local_tensor, program_tensor
+from ..module.module import agree_on_module, control_group
 from ..module.outline import layer_paths
 from ..module.state import constant_value, hold_parameters, persistent_buffers, put_buffer, put_parameters, refuse_dtype_change
 
@@ -257,35 +259,26 @@ class PipelineModule(LeavesSwitch, nn.Module):
                  device: torch.device, *, microbatches: int, schedule: str, virtual: int,
                  costs: tuple[list[float], float, float], weights: Callable | None = None,
                  memory_limit: float = float("inf"), stage_layers: Any = None):
-        from ...distributed.agreement import check_agreement, fingerprint
-
         super().__init__()
+        # Built as a ParallelModule is (runtime.module.module): the groups, the agreement, the
+        # state; then the cut into chunks and this stage's share of them.
         self.mesh, self.device, self.plan, self.capture = mesh, device, plan, capture
         self.microbatches, self.virtual = microbatches, virtual
         self.schedule_name = schedule
+        #: a step that raises on some ranks only: the others, left waiting in the schedule's
+        #: sends and receives, name the rank and its error when their wait times out, and the
+        #: next step refuses to go on out of step (autotp.distributed.faults)
+        self._guard = StepGuard(dist.group.WORLD, tuple(range(dist.get_world_size())))
+        # the stage's TP ranks agree on the program, the weights they were handed and this
+        # module's number (its name in every step's check: steps of two pipelines never pair up)
+        number = agree_on_module(capture, plan, graph_module, model, control_group(mesh))
+        self.name = f"{type(model).__name__} pipeline #{number}"
         self._bounds = index_bounds(capture)
         #: each step first checks that every stage and TP rank of this replica was handed inputs
         #: of the same names, shapes and dtypes, in the same mode (one small gloo all-reduce);
         #: ``pm.check_inputs = False`` skips it once the data pipeline is trusted
         self.check_inputs = True
-        control = getattr(mesh, "control_group", None) or getattr(mesh, "tp_group", None)
-        from ..module import module as _module
-        from ...distributed.agreement import constant_entries, grad_entries, state_entries
-
-        # the stage's TP ranks agree on the program, the weights they were handed and this
-        # module's number (its name in every step's check: steps of two pipelines never pair up)
-        number = check_agreement(fingerprint(plan, graph_module, capture.graph, state_entries(model),
-                                             constant_entries(capture.constants), grad_entries(model)), control,
-                                 number=_module._modules_made + 1)
-        _module._modules_made = max(_module._modules_made, number)
-        self.name = f"{type(model).__name__} pipeline #{number}"
         self._steps = 0
-        from ...distributed.faults import StepGuard
-
-        #: a step that raises on some ranks only: the others, left waiting in the schedule's
-        #: sends and receives, name the rank and its error when their wait times out, and the
-        #: next step refuses to go on out of step (autotp.distributed.faults)
-        self._guard = StepGuard(dist.group.WORLD, tuple(range(dist.get_world_size())))
         if "loss" not in capture.output_names:
             raise ConfigError("a pipeline step trains on the model's loss, and this capture returns none "
                               f"(outputs {capture.output_names}): pass labels in example_kwargs or call with labels")
