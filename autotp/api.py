@@ -73,7 +73,8 @@ def plan(model: nn.Module, tp: int | None = None, *, batch: int = 8, seq: int | 
     ``world=N`` (with ``gpus_per_node``) chooses tensor x pipeline x data parallelism for N GPUs
     instead and returns an :class:`autotp.ptd.PipelinePlan` (t, p, d, micro-batch, schedule,
     predicted step time, bubble, memory per GPU and why; ``batch`` is the global batch, ``tp``
-    fixes t). It plans only: autotp does not run pipeline stages yet.
+    fixes t). It plans only; ``parallelize(model, **pplan.parallelize_kwargs())`` runs the choice,
+    pipeline stages included.
 
     ``gather_logits``: by default logits stay split by vocabulary in a call that returns a loss
     (labels given, as in the default example inputs: the b*s*V all-gather is not paid) and are
