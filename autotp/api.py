@@ -199,12 +199,16 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
         raise ConfigError("stage_layers= cuts the layers into pipeline chunks: it needs pp > 1")
     if pp != 1:
         microbatches, schedule, virtual = check_pipeline(pp, microbatches, schedule, virtual)
-    mesh = get_mesh(tp, backend=backend, pp=pp)
     if plan is not None and plan.tp != tp:
         raise ConfigError(f"the plan was made for tp={plan.tp}, not tp={tp}")
+    if rng not in ("torch", "counter"):
+        raise ConfigError(f"rng={rng!r}: choose 'torch' (torch's generator in eager calls, counter-based under "
+                          "torch.compile) or 'counter' (counter-based in both)")
     device = torch.device(device)
     align = _align(align_products, device, profile)
 
+    # What each kind of call runs: its capture and plan (on every rank or none), then this rank's
+    # program of it. The first call's is made below; a ParallelModule asks build() for others.
     def prepare():
         cap = capture_model(model, example_inputs, example_kwargs, seq_range=seq_range)
         check_heads(cap, tp, uneven)
@@ -216,58 +220,58 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
                                          sequence_parallel=sequence_parallel, align=align)
         return cap, result, index, prop
 
-    cap, result, index, prop = _on_every_rank_or_none(mesh, prepare)
-    if mesh.tp_rank == 0 and mesh.dp_rank == 0:
-        for note in result.notes:   # once per parallelize, on one rank
-            log.warning("autotp plan note: %s", note)
-    if rng not in ("torch", "counter"):
-        raise ConfigError(f"rng={rng!r}: choose 'torch' (torch's generator in eager calls, counter-based under "
-                          "torch.compile) or 'counter' (counter-based in both)")
-    rng = RNGTracker(_agreed_seed(mesh, seed), mesh.tp_rank, mesh.dp_rank, device, counter_based=rng == "counter")
+    def prepare_call(inputs: dict, training: bool, step: Any) -> tuple:
+        was = twin.training
+        twin.train(training)
+        def call_capture(keep: Any) -> Any:
+            if step is not None:
+                return capture_step(twin, step, own_lengths=bool(keep))
+            example = example_like(inputs, seq_bounds(twin, seq_range), keep=keep)
+            if on_meta(twin):   # export only needs shapes; a meta model indexes its buffers with them
+                example = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in example.items()}
+            return capture_model(twin, seq_range=seq_range, example_kwargs=example)
+
+        try:
+            # a dim the first capture found fixed keeps the call's size
+            call_cap = call_capture(cap.fixed_dims if step is None else ())
+            if not fits_call(call_cap, inputs):
+                # a program traced at the example's lengths holds them only (a loop over the
+                # sequence) or guards their residue class (a chunked scan): trace at the call's
+                call_cap = call_capture(lengths_of(inputs))
+        finally:
+            twin.train(was)
+        # a generation step returns its logits whole whatever gather_logits says for calls:
+        # generate picks each token from the whole row (StepSpec.keep_split keeps the cache)
+        call_plan, call_index, call_prop = build_plan(
+            call_cap, tp, batch=batch, seq=seq or _default_seq(twin),
+            profile=profile or _default_profile(device), plan=result, uneven=uneven,
+            gather_logits=True if step is not None else gather_logits, memory_limit=memory_limit,
+            input_placements=step.input_placements if step else None,
+            keep_split=step.keep_split(call_cap) if step else frozenset())
+        return call_cap, call_plan, call_index, call_prop
 
     def program(index: GraphIndex, prop: Propagation) -> Any:
-        gm = rewrite(index, prop, mesh.tp_rank, mesh.tp_group, device, rng, align)
-        return checkpoint_layers(gm, rng) if activation_checkpointing else gm
-
-    # later captures read a weightless copy: the rank program keeps no reference to the model's
-    # own tensors (the whole serial model on every rank), so dropping the model frees them
-    twin = shape_twin(model)
+        gm = rewrite(index, prop, mesh.tp_rank, mesh.tp_group, device, tracker, align)
+        return checkpoint_layers(gm, tracker) if activation_checkpointing else gm
 
     def build(inputs: dict, training: bool, step: Any = None) -> tuple:
         """Another call signature's program under the same parameter layout (``result``); with
         ``step`` (an autotp.generation.StepSpec), a generation step's program instead."""
-        def prepare_call():
-            was = twin.training
-            twin.train(training)
-            def call_capture(keep: Any) -> Any:
-                if step is not None:
-                    return capture_step(twin, step, own_lengths=bool(keep))
-                example = example_like(inputs, seq_bounds(twin, seq_range), keep=keep)
-                if on_meta(twin):   # export only needs shapes; a meta model indexes its buffers with them
-                    example = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in example.items()}
-                return capture_model(twin, seq_range=seq_range, example_kwargs=example)
-
-            try:
-                # a dim the first capture found fixed keeps the call's size
-                call_cap = call_capture(cap.fixed_dims if step is None else ())
-                if not fits_call(call_cap, inputs):
-                    # a program traced at the example's lengths holds them only (a loop over the
-                    # sequence) or guards their residue class (a chunked scan): trace at the call's
-                    call_cap = call_capture(lengths_of(inputs))
-            finally:
-                twin.train(was)
-            # a generation step returns its logits whole whatever gather_logits says for calls:
-            # generate picks each token from the whole row (StepSpec.keep_split keeps the cache)
-            call_plan, call_index, call_prop = build_plan(
-                call_cap, tp, batch=batch, seq=seq or _default_seq(twin),
-                profile=profile or _default_profile(device), plan=result, uneven=uneven,
-                gather_logits=True if step is not None else gather_logits, memory_limit=memory_limit,
-                input_placements=step.input_placements if step else None,
-                keep_split=step.keep_split(call_cap) if step else frozenset())
-            return call_cap, call_plan, call_index, call_prop
-
-        call_cap, call_plan, call_index, call_prop = _on_every_rank_or_none(mesh, prepare_call)
+        call_cap, call_plan, call_index, call_prop = _on_every_rank_or_none(
+            mesh, lambda: prepare_call(inputs, training, step))
         return call_cap, call_plan, program(call_index, call_prop)
+
+    # The groups, then on them: the first plan (every rank or none) and the dropout seed, agreed.
+    mesh = get_mesh(tp, backend=backend, pp=pp)
+    cap, result, index, prop = _on_every_rank_or_none(mesh, prepare)
+    if mesh.tp_rank == 0 and mesh.dp_rank == 0:
+        for note in result.notes:   # once per parallelize, on one rank
+            log.warning("autotp plan note: %s", note)
+    agreed_seed = _agreed_seed(mesh, seed)
+    tracker = RNGTracker(agreed_seed, mesh.tp_rank, mesh.dp_rank, device, counter_based=rng == "counter")
+    # later captures read a weightless copy: the rank program keeps no reference to the model's
+    # own tensors (the whole serial model on every rank), so dropping the model frees them
+    twin = shape_twin(model)
 
     source = weights(mesh, model) if weights is not None else None
     if mesh.pp > 1:

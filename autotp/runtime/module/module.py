@@ -172,11 +172,19 @@ class ParallelModule(LeavesSwitch, nn.Module):
     def graph_module(self) -> fx.GraphModule:
         return self._current.graph_module
 
+    def _new_program(self, capture: Capture, plan: Plan, graph_module: fx.GraphModule, inputs: dict[str, Any],
+                     step: str = "", arriving: dict | None = None) -> Program:
+        """A program built for a call (or a generation step) no program served: agreed by the group
+        before its first collective (the first program was agreed at construction), added, and
+        checked to compute ``inputs``."""
+        check_agreement(fingerprint(plan, graph_module, capture.graph), self._control,
+                        "before a new program's first collective", doing=f"a new program for {self._doing()}")
+        program = self._add_program(capture, plan, graph_module, step, arriving)
+        _check_serves(program, inputs, self.training)
+        return program
+
     def _add_program(self, capture: Capture, plan: Plan, graph_module: fx.GraphModule, step: str = "",
                      arriving: dict | None = None) -> Program:
-        if self._programs:   # the first was agreed at construction
-            check_agreement(fingerprint(plan, graph_module, capture.graph), self._control,
-                            "before a new program's first collective", doing=f"a new program for {self._doing()}")
         param_order = [capture.aliases.get(fqn, fqn) for fqn in capture.param_names.values()]
         buffer_order = list(capture.buffer_names.values())
         for fqn in buffer_order:
@@ -240,9 +248,7 @@ class ParallelModule(LeavesSwitch, nn.Module):
             why = f"{type(cause).__name__}: {(str(cause).splitlines() or [''])[0][:300]}"
             raise InputError(f"{unequal_symbol(tied.capture, kwargs)}, and its forward fails with them unequal "
                              f"({why}); pass inputs of equal length") from exc
-        program = self._add_program(capture, plan, graph_module)
-        _check_serves(program, kwargs, self.training)
-        return program
+        return self._new_program(capture, plan, graph_module, kwargs)
 
     def _average_over_dp(self, group: Any, dp: int) -> None:
         """Data parallelism across TP groups: each parameter's gradient is averaged over the DP
@@ -567,8 +573,7 @@ class ParallelModule(LeavesSwitch, nn.Module):
                     raise InputError("this module cannot capture a generation step; build it with autotp.parallelize")
                 self._finish_call_check(agreed)   # the ranks agree on the step before capturing for it
                 capture, plan, graph_module = self._build(dict(inputs), self.training, spec)
-                program = self._add_program(capture, plan, graph_module, kind, spec.input_placements)
-                _check_serves(program, inputs, self.training)
+                program = self._new_program(capture, plan, graph_module, inputs, kind, spec.input_placements)
             return program, self._run(program, inputs)
 
     def _check_ranges(self, kwargs: dict[str, Any]) -> None:

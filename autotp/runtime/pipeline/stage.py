@@ -273,12 +273,12 @@ class PipelineModule(LeavesSwitch, nn.Module):
         # module's number (its name in every step's check: steps of two pipelines never pair up)
         number = agree_on_module(capture, plan, graph_module, model, control_group(mesh))
         self.name = f"{type(model).__name__} pipeline #{number}"
-        self._bounds = index_bounds(capture)
         #: each step first checks that every stage and TP rank of this replica was handed inputs
         #: of the same names, shapes and dtypes, in the same mode (one small gloo all-reduce);
         #: ``pm.check_inputs = False`` skips it once the data pipeline is trusted
         self.check_inputs = True
         self._steps = 0
+        # -- the cut: the repeated layers dealt to the chunks, the program cut, this stage's chunks
         if "loss" not in capture.output_names:
             raise ConfigError("a pipeline step trains on the model's loss, and this capture returns none "
                               f"(outputs {capture.output_names}): pass labels in example_kwargs or call with labels")
@@ -295,17 +295,6 @@ class PipelineModule(LeavesSwitch, nn.Module):
         param_order = [capture.aliases.get(fqn, fqn) for fqn in capture.param_names.values()]
         buffer_order = list(capture.buffer_names.values())
         constant_names = list(capture.constant_names.values())
-        #: each row's count of counted tokens (None: the loss is not a mean over tokens we can find)
-        computed = dict(getattr(weights, "buffers", None) or {})
-        self._counter = token_counter(capture, capture.output_names.index("loss"),
-                                      lambda name: constant_value(capture, name, computed, device), device)
-        self._total = self._replica_total = torch.ones((), dtype=torch.float64)
-        if self._counter is None and microbatches > 1 and mesh.tp_rank == 0 and mesh.dp_rank == 0:
-            log.warning("autotp pipeline: the model's loss is not a mean cross-entropy whose targets come from the "
-                        "inputs, so a step averages the %d micro-batches' losses: the batch's loss only when they "
-                        "weigh alike (no ignored labels)", microbatches)
-        loss_node = capture.output_nodes[capture.output_names.index("loss")]
-        self._loss_dtype = getattr(loss_node.meta.get("val"), "dtype", torch.float32)
         fixed = {i: capture.constant_inputs[key] for i, key in enumerate(capture.input_keys)
                  if key in capture.constant_inputs}
         all_chunks = cut(graph_module, (len(param_order), len(buffer_order), len(constant_names)),
@@ -318,6 +307,7 @@ class PipelineModule(LeavesSwitch, nn.Module):
         mine = [ch for ch in all_chunks if ch.index % p == mesh.pp_rank]
         wanted = {param_order[i] for ch in mine for i in ch.params}
         self._check_memory(wanted, sum(len(self.chunk_layers[ch.index]) for ch in mine), len(layers), memory_limit)
+        # -- the state: the parameters and buffers this stage's chunks read, held as a ParallelModule holds them
         self._held = hold_parameters(capture, plan, model, mesh, device, weights, wanted)
         self._leaves = LocalLeaves()   # the stages' programs read each parameter's local leaf
         put_parameters(self, model, capture, self._held)
@@ -327,11 +317,23 @@ class PipelineModule(LeavesSwitch, nn.Module):
         for fqn in sorted({buffer_order[i] for ch in mine for i in ch.buffers}, key=buffer_order.index):
             put_buffer(self, fqn, model_buffers, computed, persistent, device)
         self._shared = self._shared_groups(readers)
+        # -- the programs: the chunks as modules, the loss's token count, the inputs' bounds
         self._chunks = mine
         modules = [_ChunkModule(ch, self, [param_order[i] for i in ch.params], [buffer_order[i] for i in ch.buffers],
                                 [constant_value(capture, constant_names[i], computed, device) for i in ch.constants])
                    for ch in mine]
         object.__setattr__(self, "_chunk_modules", modules)   # outside the module tree (the owner holds)
+        #: each row's count of counted tokens (None: the loss is not a mean over tokens we can find)
+        self._counter = token_counter(capture, capture.output_names.index("loss"),
+                                      lambda name: constant_value(capture, name, computed, device), device)
+        self._bounds = index_bounds(capture)
+        self._total = self._replica_total = torch.ones((), dtype=torch.float64)
+        if self._counter is None and microbatches > 1 and mesh.tp_rank == 0 and mesh.dp_rank == 0:
+            log.warning("autotp pipeline: the model's loss is not a mean cross-entropy whose targets come from the "
+                        "inputs, so a step averages the %d micro-batches' losses: the batch's loss only when they "
+                        "weigh alike (no ignored labels)", microbatches)
+        loss_node = capture.output_nodes[capture.output_names.index("loss")]
+        self._loss_dtype = getattr(loss_node.meta.get("val"), "dtype", torch.float32)
         #: a schedule per (input shapes, training): torch's stages fix their shapes on first use
         self._schedules: dict[tuple, Any] = {}
         self.train(capture.training)
