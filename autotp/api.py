@@ -2,7 +2,7 @@
 
 ``plan``, ``parallelize`` and ``from_pretrained`` are thin entry points: the planner is
 :func:`autotp.planner.build_plan`, head checks :mod:`autotp.passes.attention`, a checkpoint's
-reading :mod:`autotp.runtime.loading`, the ranks' agreement :mod:`autotp.runtime.agreement`.
+reading :mod:`autotp.runtime.checkpoint.loading`, the ranks' agreement :mod:`autotp.distributed.agreement`.
 """
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ from .passes.checkpoint import checkpoint_layers
 from .passes.propagate import GraphIndex, Propagation
 from .passes.rewrite import rewrite
 from .plan import Plan
-from .planner import build_plan
-from .runtime.agreement import _agreed_seed, _on_every_rank_or_none
-from .runtime.rng import RNGTracker
+from .planner.planner import build_plan
+from .distributed.agreement import _agreed_seed, _on_every_rank_or_none
+from .distributed.rng import RNGTracker
 
 log = logging.getLogger("autotp")
 
@@ -73,7 +73,8 @@ def plan(model: nn.Module, tp: int | None = None, *, batch: int = 8, seq: int | 
     ``world=N`` (with ``gpus_per_node``) chooses tensor x pipeline x data parallelism for N GPUs
     instead and returns an :class:`autotp.ptd.PipelinePlan` (t, p, d, micro-batch, schedule,
     predicted step time, bubble, memory per GPU and why; ``batch`` is the global batch, ``tp``
-    fixes t). It plans only: autotp does not run pipeline stages yet.
+    fixes t). It plans only; ``parallelize(model, **pplan.parallelize_kwargs())`` runs the choice,
+    pipeline stages included.
 
     ``gather_logits``: by default logits stay split by vocabulary in a call that returns a loss
     (labels given, as in the default example inputs: the b*s*V all-gather is not paid) and are
@@ -157,7 +158,7 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
 
     ``seed`` seeds dropout in the rewritten graph (default: TP rank 0's ``torch.initial_seed()``,
     shared with its group): replicated regions draw the same masks on every TP rank, sharded
-    regions their own (autotp.runtime.rng). ``rng="torch"`` draws them from torch's generator
+    regions their own (autotp.distributed.rng). ``rng="torch"`` draws them from torch's generator
     in eager calls and counter-based under torch.compile; ``rng="counter"`` counter-based in both
     (slower in eager; a compiled program then draws exactly the eager program's masks).
 
@@ -190,9 +191,9 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
                  schedule: str | None = None, virtual: int = 1,
                  stage_layers: Any = None, rng: str = "torch",
                  align_products: bool | None = None) -> "ParallelModule":
-    from .runtime.mesh import get_mesh
-    from .runtime.module import ParallelModule
-    from .runtime.pipeline import check_pipeline
+    from .distributed.mesh import get_mesh
+    from .runtime.module.module import ParallelModule
+    from .runtime.pipeline.stage import check_pipeline
 
     tp = check_tp(tp)
     batch, seq, layout, memory_limit = check_planning(batch, seq, layout, memory_limit)
@@ -200,16 +201,20 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
         raise ConfigError("stage_layers= cuts the layers into pipeline chunks: it needs pp > 1")
     if pp != 1:
         microbatches, schedule, virtual = check_pipeline(pp, microbatches, schedule, virtual)
-    mesh = get_mesh(tp, backend=backend, pp=pp)
     if plan is not None and plan.tp != tp:
         raise ConfigError(f"the plan was made for tp={plan.tp}, not tp={tp}")
+    if rng not in ("torch", "counter"):
+        raise ConfigError(f"rng={rng!r}: choose 'torch' (torch's generator in eager calls, counter-based under "
+                          "torch.compile) or 'counter' (counter-based in both)")
     device = torch.device(device)
     align = _align(align_products, device, profile)
 
+    # What each kind of call runs: its capture and plan (on every rank or none), then this rank's
+    # program of it. The first call's is made below; a ParallelModule asks build() for others.
     def prepare():
         cap = capture_model(model, example_inputs, example_kwargs, seq_range=seq_range)
         check_heads(cap, tp, uneven)
-        # a pipeline stage holds a share of the model: the stage checks its share (runtime/pipeline.py)
+        # a pipeline stage holds a share of the model: the stage checks its share (runtime/pipeline/stage.py)
         result, index, prop = build_plan(cap, tp, batch=batch, seq=_planning_seq(model, seq, seq_range),
                                          profile=profile or _default_profile(device), layout=layout,
                                          plan=plan, uneven=uneven, gather_logits=gather_logits,
@@ -217,66 +222,66 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
                                          sequence_parallel=sequence_parallel, align=align)
         return cap, result, index, prop
 
-    cap, result, index, prop = _on_every_rank_or_none(mesh, prepare)
-    if mesh.tp_rank == 0 and mesh.dp_rank == 0:
-        for note in result.notes:   # once per parallelize, on one rank
-            log.warning("autotp plan note: %s", note)
-    if rng not in ("torch", "counter"):
-        raise ConfigError(f"rng={rng!r}: choose 'torch' (torch's generator in eager calls, counter-based under "
-                          "torch.compile) or 'counter' (counter-based in both)")
-    rng = RNGTracker(_agreed_seed(mesh, seed), mesh.tp_rank, mesh.dp_rank, device, counter_based=rng == "counter")
+    def prepare_call(inputs: dict, training: bool, step: Any) -> tuple:
+        was = twin.training
+        twin.train(training)
+        def call_capture(keep: Any) -> Any:
+            if step is not None:
+                return capture_step(twin, step, own_lengths=bool(keep))
+            example = example_like(inputs, seq_bounds(twin, seq_range), keep=keep)
+            if on_meta(twin):   # export only needs shapes; a meta model indexes its buffers with them
+                example = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in example.items()}
+            return capture_model(twin, seq_range=seq_range, example_kwargs=example)
+
+        try:
+            # a dim the first capture found fixed keeps the call's size
+            call_cap = call_capture(cap.fixed_dims if step is None else ())
+            if not fits_call(call_cap, inputs):
+                # a program traced at the example's lengths holds them only (a loop over the
+                # sequence) or guards their residue class (a chunked scan): trace at the call's
+                call_cap = call_capture(lengths_of(inputs))
+        finally:
+            twin.train(was)
+        # a generation step returns its logits whole whatever gather_logits says for calls:
+        # generate picks each token from the whole row (StepSpec.keep_split keeps the cache)
+        call_plan, call_index, call_prop = build_plan(
+            call_cap, tp, batch=batch, seq=seq or _default_seq(twin),
+            profile=profile or _default_profile(device), plan=result, uneven=uneven,
+            gather_logits=True if step is not None else gather_logits, memory_limit=memory_limit,
+            input_placements=step.input_placements if step else None,
+            keep_split=step.keep_split(call_cap) if step else frozenset(), align=align,
+            # forbidden stays forbidden; forced applies to the first program (a generation
+            # step of one token has no sequence to split), the later ones choose by cost
+            sequence_parallel=False if sequence_parallel is False else None)
+        return call_cap, call_plan, call_index, call_prop
 
     def program(index: GraphIndex, prop: Propagation) -> Any:
-        gm = rewrite(index, prop, mesh.tp_rank, mesh.tp_group, device, rng, align)
-        return checkpoint_layers(gm, rng) if activation_checkpointing else gm
-
-    # later captures read a weightless copy: the rank program keeps no reference to the model's
-    # own tensors (the whole serial model on every rank), so dropping the model frees them
-    twin = shape_twin(model)
+        gm = rewrite(index, prop, mesh.tp_rank, mesh.tp_group, device, tracker, align)
+        return checkpoint_layers(gm, tracker) if activation_checkpointing else gm
 
     def build(inputs: dict, training: bool, step: Any = None) -> tuple:
         """Another call signature's program under the same parameter layout (``result``); with
         ``step`` (an autotp.generation.StepSpec), a generation step's program instead."""
-        def prepare_call():
-            was = twin.training
-            twin.train(training)
-            def call_capture(keep: Any) -> Any:
-                if step is not None:
-                    return capture_step(twin, step, own_lengths=bool(keep))
-                example = example_like(inputs, seq_bounds(twin, seq_range), keep=keep)
-                if on_meta(twin):   # export only needs shapes; a meta model indexes its buffers with them
-                    example = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in example.items()}
-                return capture_model(twin, seq_range=seq_range, example_kwargs=example)
-
-            try:
-                # a dim the first capture found fixed keeps the call's size
-                call_cap = call_capture(cap.fixed_dims if step is None else ())
-                if not fits_call(call_cap, inputs):
-                    # a program traced at the example's lengths holds them only (a loop over the
-                    # sequence) or guards their residue class (a chunked scan): trace at the call's
-                    call_cap = call_capture(lengths_of(inputs))
-            finally:
-                twin.train(was)
-            # a generation step returns its logits whole whatever gather_logits says for calls:
-            # generate picks each token from the whole row (StepSpec.keep_split keeps the cache)
-            call_plan, call_index, call_prop = build_plan(
-                call_cap, tp, batch=batch, seq=seq or _default_seq(twin),
-                profile=profile or _default_profile(device), plan=result, uneven=uneven,
-                gather_logits=True if step is not None else gather_logits, memory_limit=memory_limit,
-                input_placements=step.input_placements if step else None,
-                keep_split=step.keep_split(call_cap) if step else frozenset(), align=align,
-                # forbidden stays forbidden; forced applies to the first program (a generation
-                # step of one token has no sequence to split), the later ones choose by cost
-                sequence_parallel=False if sequence_parallel is False else None)
-            return call_cap, call_plan, call_index, call_prop
-
-        call_cap, call_plan, call_index, call_prop = _on_every_rank_or_none(mesh, prepare_call)
+        call_cap, call_plan, call_index, call_prop = _on_every_rank_or_none(
+            mesh, lambda: prepare_call(inputs, training, step))
         return call_cap, call_plan, program(call_index, call_prop)
+
+    # The groups, then on them: the first plan (every rank or none) and the dropout seed, agreed.
+    mesh = get_mesh(tp, backend=backend, pp=pp)
+    cap, result, index, prop = _on_every_rank_or_none(mesh, prepare)
+    if mesh.tp_rank == 0 and mesh.dp_rank == 0:
+        for note in result.notes:   # once per parallelize, on one rank
+            log.warning("autotp plan note: %s", note)
+    agreed_seed = _agreed_seed(mesh, seed)
+    tracker = RNGTracker(agreed_seed, mesh.tp_rank, mesh.dp_rank, device, counter_based=rng == "counter")
+    # later captures read a weightless copy: the rank program keeps no reference to the model's
+    # own tensors (the whole serial model on every rank), so dropping the model frees them
+    twin = shape_twin(model)
 
     source = weights(mesh, model) if weights is not None else None
     if mesh.pp > 1:
-        from .runtime.outline import layer_paths
-        from .runtime.pipeline import PipelineModule, layer_costs
+        from .runtime.module.outline import layer_paths
+        from .runtime.pipeline.stage import PipelineModule, layer_costs
 
         prof = get_profile(profile or _default_profile(device))
         costs = layer_costs(index, prop, prof, layer_paths(model))
@@ -294,7 +299,7 @@ def _agreed(what: str, fn: Any) -> Any:
     that cannot read the checkpoint folder raises, and so does every other, naming it, instead of
     going on into collectives the failed rank never joins."""
     from .errors import CheckpointError
-    from .runtime import dcp_safety
+    from .runtime.checkpoint import dcp_safety
 
     own: BaseException | None = None
     try:
@@ -319,7 +324,7 @@ def from_pretrained(path: str, tp: int, *, model_class: Any = None, dtype: torch
     planned there; each rank then reads only its own
     slices of the safetensors files (:mod:`autotp.runtime.checkpoint`). ``dtype`` defaults to
     the config's. Other keywords are :func:`parallelize`'s."""
-    from .runtime.loading import open_checkpoint
+    from .runtime.checkpoint.loading import open_checkpoint
 
     model, weights = _agreed(f"the opening of {path}", lambda: open_checkpoint(path, model_class, dtype, progress))
     if device is None:

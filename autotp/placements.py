@@ -69,7 +69,7 @@ class Partial:
 class Routed(Partial):
     """The rows along ``dim`` of (token, expert) pairs under expert parallelism, each held by the
     one rank that holds its expert, *compactly*: a rank's local tensor has its own rows alone
-    (their global ids in a row map the rewrite carries, autotp/runtime/experts.py). Scattered
+    (their global ids in a row map the rewrite carries, autotp/distributed/experts.py). Scattered
     into zeros, the ranks' rows sum to the whole tensor, as any Partial's pieces do (a g makes
     it Replicate); unlike one, a row's holder has its exact value, so any op on rows alone (an
     activation, a product with a replicated factor, the next expert product) runs on a rank's

@@ -169,7 +169,7 @@ def layer_cost(model: nn.Module, stack: Any, t: int, micro_batch: int, seq: int,
     from .capture.cache import capture
     from .capture.expand import NotExpandable, cut
     from .cost_model.symbolic import forward_flops
-    from .runtime.outline import layer_paths
+    from .runtime.module.outline import layer_paths
     from .runtime.pipeline import layer_costs
 
     prof = get_profile(profile)

@@ -59,8 +59,8 @@ def _rank(args: argparse.Namespace) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import autotp
-    from autotp.runtime import module as module_mod
-    from autotp.runtime.agreement import value_digest
+    from autotp.runtime.module import module as module_mod
+    from autotp.distributed.agreement import value_digest
 
     config = GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=args.heads, vocab_size=args.vocab,
                         n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)

@@ -40,7 +40,7 @@ def on_rank(root: str, layout: str) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import autotp
-    from autotp.runtime import dcp, dcp_safety
+    from autotp.runtime.checkpoint import dcp, dcp_safety
 
     torch.manual_seed(0)
     pm = autotp.parallelize(GPT2LMHeadModel(GPT2Config(**CONFIG)), tp=TP, layout=LAYOUTS[layout])

@@ -55,7 +55,7 @@ def run_rank(args: argparse.Namespace) -> dict:
     from torch.distributed.tensor import Shard as TorchShard
 
     from autotp.placements import Shard, local_size
-    from autotp.runtime import collectives as C
+    from autotp.distributed import collectives as C
 
     # all_gather_single from torch 2.13 (all_gather_into_tensor, its older name, warns there)
     all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -127,7 +127,7 @@ def run_rank(args: argparse.Namespace) -> dict:
     # cross_entropy on all V in the same process
     import torch.nn.functional as F
 
-    from autotp.runtime.functional import _VocabParallelCrossEntropy
+    from autotp.distributed.functional import _VocabParallelCrossEntropy
 
     n, vocab = b * s, args.vocab
     ranges = ((rank * vocab // tp, (rank + 1) * vocab // tp),)

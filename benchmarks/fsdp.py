@@ -37,7 +37,7 @@ def run_rank(args: argparse.Namespace) -> dict:
     from transformers.utils import logging as hf_logging
 
     import autotp
-    from autotp.runtime import fsdp
+    from autotp.runtime.module import fsdp
 
     hf_logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
@@ -157,7 +157,7 @@ def main() -> None:
                      f"{worst(kind, 'state_bytes') / hs:.2f}x.")
     lines += ["",
               "FSDP2 reduce-scatters the gradients over dp and shards the optimizer state; per layer, each "
-              "repeated layer is a unit whose forward runs that layer's ops (autotp.runtime.outline), so its "
+              "repeated layer is a unit whose forward runs that layer's ops (autotp.runtime.module.outline), so its "
               "parameters are gathered just before them and freed after (the root unit, embeddings and head, "
               "stays gathered through the forward); as one unit, every parameter is gathered before the "
               "forward. The hooks all-reduce each gradient as backward produces it. The gathered-at-once "

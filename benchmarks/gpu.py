@@ -4,7 +4,7 @@
 
 On a machine with one CUDA GPU (``--device cpu --quick`` rehearses every part on CPU, gloo in
 place of NCCL and small sizes). Each part runs in local rank processes
-(``autotp.testing.ranks.LocalCluster``), is timed, and lands in the result file whether it
+(``autotp.distributed.launch.LocalCluster``), is timed, and lands in the result file whether it
 passed or failed (a failure is a row with its error, never a stop); parts left when
 ``--budget`` seconds have passed are listed as not run.
 
@@ -301,7 +301,7 @@ def main() -> None:
     if args.quick:
         args.layers, args.hidden, args.ffn, args.heads, args.kv_heads, args.vocab = 2, 64, 128, 4, 2, 256
         args.batch, args.seq, args.warmup, args.steps = 2, 32, 1, 2
-    from autotp.testing.ranks import LocalCluster
+    from autotp.distributed.launch import LocalCluster
 
     gpu = args.device != "cpu"
     first_backend = "nccl" if gpu else "gloo"

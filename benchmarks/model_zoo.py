@@ -24,7 +24,7 @@ default profile and workload. The table reports:
 
 The mixtures of experts (``autotp.zoo.EXPERT_FAMILIES``) get a table of their own, which adds
 the layout each MoE layer got (expert-parallel, expert-TP or replicated: the plan's notes,
-``autotp/passes/experts_choice.py``, with what the other layout would cost) and the experts'
+``autotp/planner/experts.py``, with what the other layout would cost) and the experts'
 bytes per rank against serial; DeepSeek-V3 is planned with 4 layers of its published shape (3
 dense, 1 MoE). Their tiny float64 models run the ``batched_mm`` experts path (torch's grouped
 product takes no float64 on CPU), 4 experts of 2 per token (tp=3 does not divide them).

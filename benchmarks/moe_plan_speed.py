@@ -28,7 +28,7 @@ MODELS = {"mixtral-8x7b": None, "qwen3-30b-a3b": None, "deepseek-v3": 4, "gpt-os
 def child(name: str) -> None:
     """In a fresh process: the CLI's plan of ``name``, timed by part; JSON on stdout's last line."""
     import autotp.api as api
-    import autotp.planner as planner
+    from autotp.planner import planner
     from autotp import cli
 
     spent: dict = {}

@@ -103,7 +103,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    from autotp.testing.ranks import LocalCluster
+    from autotp.distributed.launch import LocalCluster
 
     with LocalCluster(PP, timeout=1800) as cluster:
         result = cluster.run(measure)[0]

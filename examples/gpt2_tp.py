@@ -81,7 +81,7 @@ def main() -> int:
     parser.add_argument("--profile", default=None, help="device profile the planner prices with")
     args = parser.parse_args()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:      # under torchrun
-        from autotp.runtime.mesh import init_from_env
+        from autotp.distributed.mesh import init_from_env
 
         init_from_env()
         result = run(args)

@@ -113,7 +113,7 @@ def main() -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:      # under torchrun
         import torch.distributed as dist
 
-        from autotp.runtime.mesh import init_from_env
+        from autotp.distributed.mesh import init_from_env
 
         init_from_env()
         args.world = dist.get_world_size()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from autotp import zoo
-from autotp.testing.ranks import LocalCluster, close_all, preload
+from autotp.distributed.launch import LocalCluster, close_all, preload
 
 # pytest-xdist's workers share the cores: each computes on its share (torch's default, every
 # core per process, makes two workers' thread pools contend for the same cores)

@@ -24,7 +24,7 @@ def test_an_int_histc_from_the_meta_twin_runs_on_cpu():
     """transformers' grouped experts count tokens per expert with histc of ints off the CPU and of
     floats on it; the meta twin's program holds the int form, which the rank program must run on CPU."""
     from autotp.passes.rules import localizer
-    from autotp.runtime.experts import histc
+    from autotp.distributed.experts import histc
 
     twin = shape_twin(_tiny("grouped_mm"))
     cap = capture(twin, example_kwargs={"input_ids": torch.ones(2, 5, dtype=torch.long, device="meta")})

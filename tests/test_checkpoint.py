@@ -140,7 +140,7 @@ def test_interleaved_column_slices_read_from_the_file_equal_slices_of_the_tensor
     reader = CheckpointReader(folder)
     full = tiny_gpt2(n_layer=2, n_head=3, head_dim=4, vocab=VOCAB, seed=7).transformer.h[0].attn.c_attn.weight
     shard = Shard(1, chunks=3, unit=4)
-    from autotp.runtime.collectives import local_shard
+    from autotp.distributed.collectives import local_shard
 
     for rank in range(tp):
         got = reader.read_local("transformer.h.0.attn.c_attn.weight", tuple(full.shape), shard, tp, rank,
@@ -156,7 +156,7 @@ FAMILY_VOCAB = {"llama": ("model.embed_tokens.weight", "lm_head.weight"),
 
 def _precise_from_config(config):
     """The checkpoint's own architecture (as from_pretrained picks it), its loss kept float64."""
-    from autotp.runtime.loading import _architecture
+    from autotp.runtime.checkpoint.loading import _architecture
 
     return keep_loss_precision(_architecture(config).from_config(config, dtype=torch.float64))
 
@@ -165,7 +165,7 @@ def _family_load_and_compare(path, family):
     from transformers import AutoConfig
 
     from autotp import zoo
-    from autotp.runtime.loading import _architecture
+    from autotp.runtime.checkpoint.loading import _architecture
     from autotp.testing import equivalence_errors
 
     layout = {name: "vocab" for name in FAMILY_VOCAB[family]}
@@ -197,7 +197,7 @@ def test_from_pretrained_builds_the_architecture_the_config_names(family, name, 
     from transformers import AutoConfig
 
     from autotp import zoo
-    from autotp.runtime.loading import _architecture
+    from autotp.runtime.checkpoint.loading import _architecture
 
     zoo.build(family, zoo.tiny_config(family, layers=1, heads=2, head_dim=4, vocab=45)).save_pretrained(tmp_path)
     config = AutoConfig.from_pretrained(tmp_path)
@@ -212,7 +212,7 @@ def _family_load_planned(path, family):
     from transformers import AutoConfig
 
     from autotp import zoo
-    from autotp.runtime.loading import _architecture
+    from autotp.runtime.checkpoint.loading import _architecture
     from autotp.testing import equivalence_errors
     from tests.e2e.test_embeddings import _vanishing_gradients
 

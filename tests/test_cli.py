@@ -75,7 +75,7 @@ def test_check_of_a_masked_lm_family_builds_its_own_batch(capsys):
 def test_a_plan_over_the_profiles_memory_is_shown_solved_without_it_and_says_so(capsys, monkeypatch):
     # GPT-2 XL's one layer at a batch no 80 GiB rank holds: the layout is still shown, the
     # shortfall said first on stderr and kept in the plan's notes; a limit the caller gave is theirs
-    import autotp.planner as planner
+    from autotp.planner import planner
 
     solves = []
     real = planner.solve

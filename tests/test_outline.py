@@ -1,4 +1,4 @@
-"""Outlining (autotp.runtime.outline): a program's repeated layers cut into calls of the modules
+"""Outlining (autotp.runtime.module.outline): a program's repeated layers cut into calls of the modules
 that hold their parameters, computing what the program did; programs that cannot be cut so are
 refused with the fix. One process: the program is a capture's own graph."""
 import pytest
@@ -7,8 +7,8 @@ from torch import fx, nn
 
 from autotp.capture import capture, flat_inputs, unflatten_outputs
 from autotp.errors import ConfigError
-from autotp.runtime.state import put_named
-from autotp.runtime.outline import LayerCall, layer_paths, outline
+from autotp.runtime.module.state import put_named
+from autotp.runtime.module.outline import LayerCall, layer_paths, outline
 
 
 class Layer(nn.Module):

@@ -179,7 +179,7 @@ def test_a_memory_limit_no_plan_meets_says_what_the_fastest_plan_needs_and_the_f
 
 
 def test_a_plan_no_limit_meets_comes_with_the_plan_without_the_limit_solved_once(monkeypatch):
-    import autotp.planner as planner
+    from autotp.planner import planner
 
     cap = tiny_capture(n_head=4, head_dim=8)
     unlimited = plan_of(cap, 2, profile="cpu-gloo", batch=512, seq=64, memory_limit=float("inf"))
@@ -225,7 +225,7 @@ def test_a_replayed_plan_computes_its_cost_expressions_when_read():
     import pickle
 
     from autotp.cost_model import get_profile
-    from autotp.plan import cost_expressions
+    from autotp.plan.plan import cost_expressions
 
     cap = gpt2_capture(768, 12)
     solved = plan_of(cap, 4, profile="h100-dgx")

@@ -3,7 +3,7 @@ autotp.plan_diff), on small hand-made plans. Plans of real models: tests/test_pl
 folded, a pinned layout's diff), tests/passes/test_families_plan.py (every family's figure)."""
 from autotp.placements import REPLICATE, Shard
 from autotp.plan import CommOp, Plan
-from autotp.plan_view import indices_text, layer_groups
+from autotp.plan.view import indices_text, layer_groups
 
 TP = 4
 

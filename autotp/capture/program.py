@@ -198,3 +198,12 @@ def flat_inputs(capture: Capture, kwargs: dict[str, Any]) -> list[Any]:
 
 def unflatten_outputs(capture: Capture, outputs: Any) -> Any:
     return pytree.tree_unflatten(list(outputs), capture.out_spec)
+
+
+def op_name(target: Any) -> str:
+    """An fx node's target as people and the ranks' agreement name it: ``aten.mm.default``, or a
+    function's name."""
+    name = getattr(target, "__name__", None) or str(target)
+    if hasattr(target, "_schema"):
+        name = str(target).replace("aten::", "aten.")
+    return name

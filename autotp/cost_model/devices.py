@@ -245,7 +245,7 @@ def calibrate(name: str = "calibrated", *, world: int = 2, matmul_sizes: Sequenc
         n = dist.get_world_size(group)
         seconds = measure_all_reduce(message_bytes, repeats, group)
     else:
-        from ..testing.ranks import launch
+        from ..distributed.launch import launch
 
         n = world
         seconds = launch(_all_reduce_task, world, list(message_bytes), repeats)[0]

@@ -29,6 +29,7 @@ from typing import Any, Mapping
 import sympy
 import torch
 
+from ..capture.program import op_name
 from ..passes.rules import OpInfo, Strategy, TensorMeta
 from . import kernels
 from .kernels import OpWork
@@ -327,8 +328,6 @@ def step_breakdown(index: Any, prop: Any, profile: DeviceProfile) -> dict[str, A
     """A propagation's predicted compute at its workload, split as a profiler splits a step:
     ``products``, ``attention``, ``memory`` (memory-bound kernels and launches) and
     ``optimizer`` seconds, and ``by_op``: ATen op name -> seconds (forward + backward)."""
-    from ..passes.rules.registry import op_name
-
     out = {"products": 0.0, "attention": 0.0, "memory": 0.0, "optimizer": prop.update_s}
     by_op: dict[str, float] = {}
     cache: dict = {}

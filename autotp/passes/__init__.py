@@ -1,1 +1,1 @@
-"""Graph passes: per-op sharding rules, propagation/planning, and the per-rank rewrite."""
+"""Graph passes: per-op sharding rules, the graph index and propagation, the exact solve, and the per-rank rewrite."""

@@ -1,7 +1,7 @@
 """Activation checkpointing of the rewritten graph, one transformer layer at a time.
 
 Input: a rank's rewritten ``GraphModule`` (whose nodes keep ``nn_module_stack``) and its
-:class:`~autotp.runtime.rng.RNGTracker`. Output: a ``GraphModule`` of consecutive partitions
+:class:`~autotp.distributed.rng.RNGTracker`. Output: a ``GraphModule`` of consecutive partitions
 (``torch.fx.passes.split_module``): one per repeated layer (a numbered child of a ModuleList,
 ``transformer.h.7``) and one for each stretch between them. Each layer partition runs under
 ``torch.utils.checkpoint``: its activations are dropped after forward and recomputed in
@@ -87,7 +87,7 @@ def checkpoint_layers(gm: fx.GraphModule, rng: Any = None) -> fx.GraphModule:
         inner = getattr(split, name, None)
         if inner is not None:
             setattr(split, name, CheckpointedLayer(inner, layer, rng))
-    for node in split.graph.nodes:   # each layer's call keeps the layer's module path (runtime.outline)
+    for node in split.graph.nodes:   # each layer's call keeps the layer's module path (runtime.module.outline)
         called = getattr(split, node.target, None) if node.op == "call_module" else None
         if isinstance(called, CheckpointedLayer):
             node.meta["nn_module_stack"] = {called.layer: (called.layer, CheckpointedLayer)}

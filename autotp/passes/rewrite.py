@@ -6,7 +6,7 @@ Output: a ``GraphModule`` whose placeholders are the captured ones (parameters n
 rank's shards) and in which
 
 * every redistribution is a named ``call_module`` node (``f_3``, ``g_7``, ``all_gather_1``,
-  ``scatter_2``, ...) wrapping the autograd Functions of :mod:`autotp.runtime.collectives`;
+  ``scatter_2``, ...) wrapping the autograd Functions of :mod:`autotp.distributed.collectives`;
 * every op's arguments are localized (view/split sizes, vocab ranges) by its rule's localizer;
 * device arguments captured on the meta device point at the run device;
 * with ``align`` (:class:`~autotp.cost_model.alignment.Align`), a matrix product whose local
@@ -30,10 +30,10 @@ from ..capture import gc_paused
 from ..cost_model.alignment import Align, pads
 from ..errors import PlanError
 from ..placements import PARTIAL, Partial, Placement, Replicate, Routed, Shard, local_ranges, local_size, owned_ranges
-from ..runtime import collectives as C
-from ..runtime.experts import routed_scatter
-from ..runtime.functional import grad_if
-from ..runtime.rng import RandomOp, draws_random
+from ..distributed import collectives as C
+from ..distributed.experts import routed_scatter
+from ..distributed.functional import grad_if
+from ..distributed.rng import RandomOp, draws_random
 from .propagate import GraphIndex, Propagation, _conversion, _dim_size, _meta, _sharded_compute, map_args, wants_f
 from .rules import LocalContext, aliases_first, is_routed, localizer_for, mutates_first
 
@@ -129,7 +129,7 @@ class SizeNodes:
 @gc_paused()
 def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             device: torch.device | None, rng: Any = None, align: Align | None = None) -> fx.GraphModule:
-    """``rng``: an :class:`~autotp.runtime.rng.RNGTracker`; ops that draw random numbers then
+    """``rng``: an :class:`~autotp.distributed.rng.RNGTracker`; ops that draw random numbers then
     run under its replicated or sharded state, as their output placement calls for. ``align``:
     which products with an unaligned local output width run padded (None: none)."""
     cap = index.capture

@@ -9,13 +9,14 @@
   float64 model; this gives the model a loss in the logits' own dtype, so that a float64 check
   measures the rewrite and not float32 rounding of the loss.
 
-Modules: ``ranks`` (local ranks: the fork server, LocalCluster, launch), ``equivalence`` (the
-serial-against-parallel measure and its tolerances), ``strategies`` (hypothesis cases, pinned layouts),
-``work`` (:class:`~autotp.testing.work.WorkCounter`: FLOPs of products and bytes written, per op).
+Modules: ``equivalence`` (the serial-against-parallel measure and its tolerances), ``strategies``
+(hypothesis cases, pinned layouts), ``work`` (:class:`~autotp.testing.work.WorkCounter`: FLOPs of
+products and bytes written, per op). The local ranks (the fork server, LocalCluster, launch) are
+:mod:`autotp.distributed.launch`, re-exported here; calibration starts them too.
 """
 from .equivalence import (TOLERANCE, assert_equivalent, computed_precision, equivalence_errors, keep_loss_precision,
                           relative_error, tolerance)
-from .ranks import LocalCluster, launch, preload
+from ..distributed.launch import LocalCluster, launch, preload
 from .strategies import MEGATRON_GPT2, gpt2_cases
 
 __all__ = ["launch", "LocalCluster", "preload", "relative_error", "equivalence_errors", "assert_equivalent",

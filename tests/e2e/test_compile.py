@@ -84,7 +84,7 @@ def _dropout_compiled_as_in_eager(backend: str, counter: bool, device: str = "cp
 
     import autotp
     from autotp import zoo
-    from autotp.runtime.rng import RandomOp
+    from autotp.distributed.rng import RandomOp
     from autotp.testing import MEGATRON_GPT2, keep_loss_precision, relative_error
 
     torch._dynamo.reset()

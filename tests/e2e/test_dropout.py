@@ -41,7 +41,7 @@ def _train_with_dropout(n_head: int, device: str = "cpu"):
                if not isinstance(pm.plan.params[name], autotp.Shard)
                and not all(torch.equal(p.detach(), q) for q in _gather(p.detach(), group))]
     # Each random op, fed the same input on every rank: equal draws where replicated, not where sharded.
-    from autotp.runtime.rng import RandomOp
+    from autotp.distributed.rng import RandomOp
 
     same = {}
     gen = torch.Generator().manual_seed(5)

@@ -68,9 +68,9 @@ def check_experts_case(case: dict) -> dict:
     pm = autotp.parallelize(model, case["tp"], layout=layout, batch=case.get("plan_batch", 8),
                             seq=case.get("plan_seq"))
     roles = {name: role for name, role in pm.plan.roles.items() if ".experts." in name}
-    # what the rank program runs of the routed rows (autotp/runtime/experts.py)
+    # what the rank program runs of the routed rows (autotp/distributed/experts.py)
     routed = sorted({n.target.__name__ for n in pm.graph_module.graph.nodes
-                     if n.op == "call_function" and getattr(n.target, "__module__", "") == "autotp.runtime.experts"
+                     if n.op == "call_function" and getattr(n.target, "__module__", "") == "autotp.distributed.experts"
                      and n.target.__name__ != "histc"})
     errors = equivalence_errors(model, pm, batch)
     ids = batch["input_ids"]

@@ -38,7 +38,8 @@ def _noise(model) -> set[str]:
 def family_through_the_stack(family: str, folder: str) -> dict:
     import autotp
     from autotp import zoo
-    from autotp.runtime import dcp, fsdp
+    from autotp.runtime.checkpoint import dcp
+    from autotp.runtime.module import fsdp
     from autotp.testing import equivalence_errors, keep_loss_precision, relative_error
 
     from tests.e2e.test_families import rescale_zero_gradients

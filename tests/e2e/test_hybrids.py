@@ -65,7 +65,7 @@ NOT_GENERATED = {"minimax": ("CaptureError", "uses cache of its own")}
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_hybrid_equals_serial_at_every_length_and_padded(family):
-    from autotp.testing.ranks import LocalCluster
+    from autotp.distributed.launch import LocalCluster
 
     # four to six programs' captures, each seconds to a minute (Gated DeltaNet's, unrolled): 22 min
     # for Qwen3-Next under a load average of 20 on two cores

@@ -13,7 +13,7 @@ LAYOUT = {"*.c_attn.weight": "column", "*.mlp.c_fc.weight": "column", "*.attn.c_
 
 
 def adamw_steps(case: dict) -> dict:
-    from autotp.runtime.collectives import local_shard
+    from autotp.distributed.collectives import local_shard
     from autotp.testing import relative_error
     from tests.helpers import batch, tiny_gpt2
 
@@ -81,13 +81,13 @@ def test_adamw_steps_on_dp2_x_tp2_equal_serial_steps_20_draws(cluster, **case):
 def fsdp_adamw_steps(case: dict) -> dict:
     """The dp dimension through FSDP2 (autotp.runtime.fsdp.fully_shard): each step two
     micro-batches, the first without gradient sync; AdamW on the sharded parameters."""
-    from autotp.runtime import fsdp
+    from autotp.runtime.module import fsdp
     from autotp.testing import relative_error
     from tests.helpers import batch, tiny_gpt2
 
     from torch.distributed.fsdp import FSDPModule
 
-    from autotp.runtime.outline import LayerCall
+    from autotp.runtime.module.outline import LayerCall
 
     model = keep_loss_precision(tiny_gpt2(n_layer=case["layers"], n_head=case["heads"], head_dim=4,
                                           vocab=case["vocab"], seed=case["seed"]))
@@ -199,7 +199,7 @@ def fsdp_bf16_reduced_in_float32() -> dict:
     the float64 serial model's within bfloat16's rounding."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from autotp.runtime import fsdp
+    from autotp.runtime.module import fsdp
     from tests.helpers import batch, tiny_gpt2
 
     model = tiny_gpt2(n_layer=2, n_head=4, head_dim=8, vocab=48, seed=3)
@@ -226,7 +226,7 @@ def test_fsdp2_with_float32_reduction_of_bfloat16_gradients_matches_float64(clus
 
 
 def fsdp_refusals() -> list[str]:
-    from autotp.runtime import fsdp
+    from autotp.runtime.module import fsdp
     from tests.helpers import tiny_gpt2
 
     pm = autotp.parallelize(tiny_gpt2(n_layer=1, n_head=2, head_dim=4, vocab=20), tp=2, layout=LAYOUT)

@@ -151,7 +151,7 @@ def test_grouped_query_heads_each_rank_picks(heads, kv, tp, kinds):
     repeated per query head (``enable_gqa`` off) where some rank's run straddles groups
     unevenly; the same ops on every rank (they check their graphs agree)."""
     from autotp.passes.rewrite import rewrite
-    from autotp.runtime.agreement import _graph_entries
+    from autotp.distributed.agreement import _graph_entries
 
     _, model = _model("llama", heads, kv)
     cap = capture(model)

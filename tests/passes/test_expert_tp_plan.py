@@ -5,7 +5,7 @@ Where fewer experts than ranks leave expert parallelism's ranks idle, each exper
 split instead along their features (Megatron's gate|up column in two matching blocks and down row,
 or, where the cost model prices it cheaper, gate|up row and down column); the plan's note says by
 how much the other layout loses, or that it cannot split. Where every rank gets whole experts
-(gpt-oss's 16 at tp 4), expert parallelism can be the cheaper (see autotp/passes/experts_choice.py).
+(gpt-oss's 16 at tp 4), expert parallelism can be the cheaper (see autotp/planner/experts.py).
 Either can be pinned; a pin that cannot hold names the stack, its experts' features and what to
 pin instead.
 """

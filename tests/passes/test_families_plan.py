@@ -222,7 +222,7 @@ def test_every_family_draws_its_layer_with_the_matrices_f_and_g(size):
     """The figure of a repeated layer (autotp.figure) draws every weight matrix of the layer by
     its name and split, and marks f and g where the plan puts them (sequence-parallel regions:
     Megatron-SP's all-gather with its f, AGf, and reduce-scatter, RS, in their place)."""
-    from autotp.figure import pick_flow
+    from autotp.plan.figure import pick_flow
 
     _, _, plan = plan_at_size(size)
     svg = plan.figure()

@@ -27,8 +27,8 @@ from autotp.passes import rules
 from autotp.passes.rules import LocalContext, OpInfo, Strategy, TensorMeta, localizer, strategies
 from autotp.passes.rules.view import map_view_shard
 from autotp.placements import PARTIAL, REPLICATE, Partial, Replicate, Routed, Shard
-from autotp.runtime.collectives import assemble, local_shard
-from autotp.runtime.functional import vocab_parallel_embedding
+from autotp.distributed.collectives import assemble, local_shard
+from autotp.distributed.functional import vocab_parallel_embedding
 
 aten = torch.ops.aten
 R, P = REPLICATE, PARTIAL
@@ -237,10 +237,10 @@ def _picks_routed_rows(info: OpInfo, strategy: Strategy) -> bool:
 
 def _routed_pick_on_rank(info: OpInfo, strategy: Strategy, args: tuple, rank: int, full: torch.Tensor):
     """What rank ``rank`` runs of a pick of its own experts' rows (the rewrite's program:
-    ``runtime.experts.picked_rows`` and ``routed_pick``), its compact rows put back in place
+    ``distributed.experts.picked_rows`` and ``routed_pick``), its compact rows put back in place
     among zeros, so the ranks' results sum to the whole pick as a Routed value's do."""
     from autotp.placements import local_ranges
-    from autotp.runtime import experts as E
+    from autotp.distributed import experts as E
 
     weight, (ids,) = args[0], args[1]
     total = int(info.inputs[0].shape[0])

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import autotp
 from autotp.errors import DisagreementError
-from autotp.runtime.agreement import Fingerprint, _first_difference, fingerprint
+from autotp.distributed.agreement import Fingerprint, _first_difference, fingerprint
 from autotp.testing import MEGATRON_GPT2
 from tests.helpers import batch, tiny_gpt2
 

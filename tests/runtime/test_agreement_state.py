@@ -266,7 +266,7 @@ def test_generate_with_max_new_tokens_differing_across_ranks_fails_every_rank(cl
 # ---- the hash ---------------------------------------------------------------------------------
 
 def test_value_digest_sees_four_values_permuted_so_that_sums_and_weighted_sums_agree():
-    from autotp.runtime.agreement import value_digest
+    from autotp.distributed.agreement import value_digest
 
     # bits a, b, c, d with a - b == d - c: swapping a<->b and c<->d keeps the sum, the sum of
     # squares and the position-weighted sum of the bits (the old digest's three numbers)

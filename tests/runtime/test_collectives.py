@@ -20,8 +20,8 @@ from torch import fx, nn
 
 from autotp.errors import CommError
 from autotp.placements import Shard, local_ranges, local_size
-from autotp.runtime import collectives as C
-from autotp.runtime.mesh import get_mesh
+from autotp.distributed import collectives as C
+from autotp.distributed.mesh import get_mesh
 
 WORLD = 4
 

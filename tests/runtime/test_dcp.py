@@ -25,7 +25,7 @@ MLP_ONLY = {"*.mlp.c_fc.weight": "column", "*.mlp.c_proj.weight": "row"}
 
 
 def _save_and_reshard(path: str, tp_from: int, tp_to: int, layout_to: dict = LAYOUT) -> dict:
-    from autotp.runtime import dcp
+    from autotp.runtime.checkpoint import dcp
     from tests.helpers import tiny_gpt2
 
     # 5 heads: 3 + 2 at tp 2, 2 + 1 + 1 + 1 at tp 4 (fused q|k|v runs, uneven); vocab 22 uneven
@@ -81,7 +81,7 @@ def _full(pm) -> dict:
 
 
 def _async_save_then_train_on(path: str) -> dict:
-    from autotp.runtime import dcp
+    from autotp.runtime.checkpoint import dcp
 
     pm, opt = _trained(2, 1)
     at_save = _full(pm)
@@ -112,7 +112,8 @@ def _save_twice_rank_1_killed_in_the_second(path: str, api: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-    from autotp.runtime import checkpoint, dcp
+    from autotp.runtime import checkpoint
+    from autotp.runtime.checkpoint import dcp
 
     warnings.simplefilter("ignore", FutureWarning)
     save = dcp.save if api == "dcp" else lambda pm, path, opt: checkpoint.save_sharded(pm, path)
@@ -146,7 +147,8 @@ def _save_twice_rank_1_killed_in_the_second(path: str, api: str) -> dict:
 def _load(path: str, api: str = "dcp") -> dict:
     import warnings
 
-    from autotp.runtime import checkpoint, dcp
+    from autotp.runtime import checkpoint
+    from autotp.runtime.checkpoint import dcp
 
     warnings.simplefilter("ignore", FutureWarning)
     pm, opt = _trained(2, 0)
@@ -164,7 +166,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_whole(tmp_path, api
     import os
 
     from autotp.errors import CommError
-    from autotp.testing.ranks import LocalCluster
+    from autotp.distributed.launch import LocalCluster
 
     path = str(tmp_path / "ckpt")
     with LocalCluster(2, timeout=120, collective_timeout=15, error_grace=20) as cluster:
@@ -202,7 +204,7 @@ def test_a_save_on_one_rank_alone_names_the_missing_rank_and_publishes_nothing(t
     # before: `if rank == 0: save_sharded(...)` wrote half a checkpoint with no error
     import os
 
-    from autotp.testing.ranks import LocalCluster
+    from autotp.distributed.launch import LocalCluster
 
     path = str(tmp_path / "ckpt")
     with LocalCluster(2, timeout=120, collective_timeout=10) as cluster:

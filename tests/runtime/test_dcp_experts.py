@@ -62,7 +62,7 @@ def save_and_reshard(case: dict, root: str) -> dict:
     import transformers
 
     import autotp
-    from autotp.runtime import dcp
+    from autotp.runtime.checkpoint import dcp
     from autotp.runtime.checkpoint import gather_to_hf
 
     family, experts = case["family"], case["experts"]

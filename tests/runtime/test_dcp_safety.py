@@ -1,5 +1,5 @@
 """A training checkpoint never loses data and never loads wrong (autotp.runtime.dcp,
-autotp.runtime.dcp_safety): damaged, swapped or foreign files are refused on every rank; the
+autotp.runtime.checkpoint.dcp_safety): damaged, swapped or foreign files are refused on every rank; the
 retired per-rank save_sharded/load_sharded go the same way; concurrent saves are serialized; a
 checkpoint of another depth, a file at the path and a save cut short between its renames get a
 clear CheckpointError; DCP's own errors come with the reason first. Each test was a probe that
@@ -115,7 +115,7 @@ def test_a_damaged_or_mixed_checkpoint_is_refused_on_every_rank_naming_the_file(
 
 
 def _two_async_saves(root: str) -> dict:
-    from autotp.runtime import dcp
+    from autotp.runtime.checkpoint import dcp
 
     pm = autotp.parallelize(_model(1), tp=2)
     first = _full(pm)
@@ -146,7 +146,7 @@ def test_concurrent_async_saves_are_serialized_and_both_checkpoints_load(cluster
 
 
 def _async_then_save_same_path(path: str) -> bool:
-    from autotp.runtime import dcp
+    from autotp.runtime.checkpoint import dcp
 
     pm = autotp.parallelize(_model(1), tp=2)
     writing = dcp.async_save(pm, path)
@@ -168,7 +168,7 @@ def test_a_save_while_an_async_save_to_the_same_path_is_in_flight_waits_for_it(c
 
 
 def _deeper_checkpoint(path: str) -> dict:
-    from autotp.runtime import dcp
+    from autotp.runtime.checkpoint import dcp
 
     deep = autotp.parallelize(_model(1, layers=2), tp=2)
     dcp.save(deep, path)
@@ -191,7 +191,7 @@ def test_a_checkpoint_with_keys_the_module_lacks_is_refused_unless_strict_is_fal
 def _file_at_the_path(root: str) -> dict:
     import torch.distributed as dist
 
-    from autotp.runtime import dcp
+    from autotp.runtime.checkpoint import dcp
 
     pm = autotp.parallelize(_model(1), tp=2)
     if dist.get_rank() == 0:
@@ -220,7 +220,7 @@ def test_a_path_that_is_not_a_checkpoint_folder_is_refused_and_left_alone(cluste
 def _cut_between_renames(path: str) -> dict:
     import torch.distributed as dist
 
-    from autotp.runtime import dcp
+    from autotp.runtime.checkpoint import dcp
 
     pm = autotp.parallelize(_model(1), tp=2)
     dcp.save(pm, path)
@@ -256,7 +256,7 @@ def test_a_save_cut_short_between_its_renames_points_at_the_complete_old_folder(
 
 
 def _dcp_error(root: str) -> tuple:
-    from autotp.runtime import dcp
+    from autotp.runtime.checkpoint import dcp
 
     pm = autotp.parallelize(_model(1), tp=2)
     with open(f"{root}/file", "w") as f:
@@ -282,7 +282,7 @@ def _listing(root: str) -> list[str]:
 def _save_over_another(root: str) -> dict:
     import torch.distributed as dist
 
-    from autotp.runtime import dcp
+    from autotp.runtime.checkpoint import dcp
 
     path = f"{root}/ckpt"
     first = autotp.parallelize(_model(1), tp=2, layout=LAYOUT)
@@ -327,7 +327,7 @@ def _two_threads(root: str) -> dict:
 
     import torch.distributed as dist
 
-    from autotp.runtime import dcp
+    from autotp.runtime.checkpoint import dcp
 
     pm = autotp.parallelize(_model(1), tp=2)
     outcomes: dict[str, tuple] = {}
@@ -372,7 +372,7 @@ def test_saves_from_two_threads_at_once_are_serialized(cluster, tmp_path):
 def _long_path(root: str) -> dict:
     import torch.distributed as dist
 
-    from autotp.runtime import dcp, dcp_safety
+    from autotp.runtime.checkpoint import dcp, dcp_safety
 
     # 1227 characters in all: folders of 200 (a name may have 255)
     path = root
@@ -408,7 +408,7 @@ def test_a_checkpoint_path_of_any_legal_length_saves_and_loads(cluster, tmp_path
 def _drifted_replica(root: str) -> dict:
     import torch.distributed as dist
 
-    from autotp.runtime import dcp
+    from autotp.runtime.checkpoint import dcp
 
     pm = autotp.parallelize(_model(1), tp=2, layout=LAYOUT)   # dp 2 x tp 2: TP groups {0, 1} and {2, 3}
     if dist.get_rank() == 3:      # as an optimizer step taken on one rank only would
@@ -432,7 +432,7 @@ def test_a_save_of_replicas_that_drifted_apart_is_refused_on_every_rank(cluster,
 
 
 def _foreign_optimizer(root: str) -> dict:
-    from autotp.runtime import dcp
+    from autotp.runtime.checkpoint import dcp
 
     pm = autotp.parallelize(_model(1), tp=2, layout=LAYOUT)
     other = autotp.parallelize(_model(2), tp=2, layout=LAYOUT)

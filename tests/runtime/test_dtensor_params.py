@@ -159,8 +159,8 @@ def _layouts_round_trip(cases: list[tuple]) -> list[str]:
     from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
     from autotp.placements import local_ranges
-    from autotp.runtime import dtensor
-    from autotp.runtime.mesh import get_mesh
+    from autotp.runtime.module import dtensor
+    from autotp.distributed.mesh import get_mesh
 
     dtensor.install()
     mesh = get_mesh(dist.get_world_size()).device_mesh
@@ -201,7 +201,7 @@ def test_a_run_layout_survives_copy_and_pickle():
     import pickle
 
     from autotp.placements import Shard
-    from autotp.runtime.dtensor import RunShard
+    from autotp.runtime.module.dtensor import RunShard
 
     run = RunShard(Shard(1, 3, 4, 1, 2))
     for again in (copy.copy(run), copy.deepcopy(run), pickle.loads(pickle.dumps(run))):

@@ -1,4 +1,4 @@
-"""A rank's rows of experts (autotp/runtime/experts.py) against the whole tensors they stand for.
+"""A rank's rows of experts (autotp/distributed/experts.py) against the whole tensors they stand for.
 
 Hypothesis draws tokens, top-k, experts, ranks (more than experts too: ranks without one) and
 an expert for every (token, slot) row. For each rank the row-map functions give its rows; the
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
 
 from autotp.placements import Shard, local_ranges
-from autotp.runtime import experts as E
+from autotp.distributed import experts as E
 
 
 def _grouped_mm(x, w, offs):

@@ -13,10 +13,10 @@ import torch.distributed as dist
 
 import autotp
 from autotp.errors import CommError, ConfigError
-from autotp.runtime import faults
-from autotp.runtime.mesh import DEFAULT_TIMEOUT, collective_timeout
+from autotp.distributed import faults
+from autotp.distributed.mesh import DEFAULT_TIMEOUT, collective_timeout
 from autotp.testing import MEGATRON_GPT2
-from autotp.testing.ranks import LocalCluster
+from autotp.distributed.launch import LocalCluster
 from tests.helpers import batch, tiny_gpt2
 
 pytestmark = pytest.mark.timeout(300)

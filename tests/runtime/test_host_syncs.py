@@ -19,7 +19,7 @@ One rank of tp 2 on torch's ``fake`` backend (its collectives return at once) wi
 which is not autotp's to remove: transformers' experts fallback (``grouped_mm_fallback``, what a
 float32 model runs on CPU where ``_grouped_mm`` does not take the dtype) reads its per-expert
 offsets once per product. And up to three per expert layer where a rank computes its own
-experts' rows alone (``runtime.experts``: the bounds of its rows among the rows sorted by expert,
+experts' rows alone (``distributed.experts``: the bounds of its rows among the rows sorted by expert,
 read once and shared by the layer's products; the rows picked by its experts' ids, gpt-oss's
 biases; where its rows land back in token order): how many rows are its own sizes every tensor of the layer after it (a
 data-dependent size, as in any dropless expert parallelism without a fixed capacity). (The serial HuggingFace models read more: GPT-2's forward checks its last and first
@@ -49,7 +49,7 @@ MODEL_READS = "_grouped_mm_fallback"   # and its backward, _grouped_mm_fallback_
 SIZED_BY_VALUES = {aten.nonzero.default, aten.masked_select.default, aten._unique2.default, aten.unique_dim.default,
                    aten.unique_consecutive.default, aten.repeat_interleave.Tensor}
 #: autotp's reads of an expert layer where a rank computes its own experts' rows alone
-#: (autotp.runtime.experts): where its rows start and end among the rows sorted by expert
+#: (autotp.distributed.experts): where its rows start and end among the rows sorted by expert
 #: (expert_bounds), which of the rows picked by expert id are its own (picked_rows) and where its
 #: rows land in token order (routed_reorder); their count sizes the compact rows after them
 ROWS_READS = ("expert_bounds", "picked_rows", "routed_reorder")

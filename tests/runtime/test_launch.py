@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 
 from autotp.errors import CommError, ConfigError
-from autotp.runtime import mesh as mesh_module
-from autotp.runtime.collectives import reduce_from_tp
-from autotp.runtime.mesh import get_mesh, init_from_env
-from autotp.testing.ranks import LocalCluster, launch
+from autotp.distributed import mesh as mesh_module
+from autotp.distributed.collectives import reduce_from_tp
+from autotp.distributed.mesh import get_mesh, init_from_env
+from autotp.distributed.launch import LocalCluster, launch
 
 # A failure test that hangs fails here instead of stalling the suite.
 pytestmark = pytest.mark.timeout(120)

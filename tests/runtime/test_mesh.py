@@ -4,7 +4,7 @@ import pytest
 
 
 def _mesh(tp: int) -> dict:
-    from autotp.runtime.mesh import get_mesh
+    from autotp.distributed.mesh import get_mesh
 
     m = get_mesh(tp)
     dm = m.device_mesh

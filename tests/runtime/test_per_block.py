@@ -100,7 +100,7 @@ def _batch(config, seed: int):
 
 
 def _through_the_stack(path: str, tp: int) -> dict:
-    from autotp.runtime import dcp
+    from autotp.runtime.checkpoint import dcp
     from autotp.testing import equivalence_errors
 
     logging.getLogger("autotp").setLevel(logging.ERROR)

@@ -122,7 +122,7 @@ def test_the_cut_at_real_size_weighs_the_head_and_the_embedding_by_the_cost_mode
     from autotp.planner import build_plan
     from autotp.capture.cache import capture
     from autotp.cost_model import get_profile
-    from autotp.runtime.outline import layer_paths
+    from autotp.runtime.module.outline import layer_paths
     from autotp.runtime.pipeline import layer_costs
 
     model = zoo.build("gpt2", zoo.published_config("gpt2-xl"), device="meta")
@@ -322,7 +322,7 @@ def _dcp_case(folder: str) -> dict:
     the next step too), loaded at pp 1 x tp 4 (a ParallelModule) to the same loss; autotp's
     per-rank files resumed at the same tp and pp; gather_to_hf refused with the way round."""
     from autotp import zoo
-    from autotp.runtime import dcp
+    from autotp.runtime.checkpoint import dcp
     from autotp.testing import keep_loss_precision, relative_error
 
     config = zoo.tiny_config("gpt2", layers=4, heads=4, head_dim=4, vocab=48)
@@ -365,7 +365,7 @@ def _dcp_case(folder: str) -> dict:
 def _errors_case() -> list[str]:
     from autotp import zoo
     from autotp.errors import InputError
-    from autotp.runtime.mesh import get_mesh
+    from autotp.distributed.mesh import get_mesh
     from autotp.testing import relative_error
 
     seen = []
@@ -609,8 +609,8 @@ def _steps_where_a_stage_raises() -> str:
 @pytest.mark.slow
 def test_a_stage_that_raises_is_named_by_the_stage_left_waiting():
     # without the step guard the first stage waited in its receive and failed naming nobody
-    from autotp.runtime import faults
-    from autotp.testing.ranks import LocalCluster
+    from autotp.distributed import faults
+    from autotp.distributed.launch import LocalCluster
 
     with LocalCluster(2, timeout=120, collective_timeout=12.0, error_grace=12.0 + faults.SLACK_S) as cluster:
         first, last = cluster.run(_steps_where_a_stage_raises)
@@ -623,8 +623,8 @@ def test_a_stage_that_raises_is_named_by_the_stage_left_waiting():
 @pytest.mark.parametrize("inside_the_schedule", [False, True])
 def test_a_lost_stage_is_named_by_its_neighbour(inside_the_schedule):
     from autotp.errors import CommError
-    from autotp.runtime import faults
-    from autotp.testing.ranks import LocalCluster
+    from autotp.distributed import faults
+    from autotp.distributed.launch import LocalCluster
 
     with LocalCluster(2, timeout=120, collective_timeout=12.0, error_grace=12.0 + faults.SLACK_S) as cluster:
         with pytest.raises(CommError) as info:

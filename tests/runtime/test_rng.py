@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from autotp.runtime.rng import RNGTracker, counter_based_op
+from autotp.distributed.rng import RNGTracker, counter_based_op
 
 
 def _tracker() -> RNGTracker:

@@ -29,7 +29,7 @@ def _batch(config, seed: int, batch: int = 2):
 
 
 def _clip_and_checkpoint(path: str, heads: int) -> dict:
-    from autotp.runtime import dcp
+    from autotp.runtime.checkpoint import dcp
 
     logging.getLogger("autotp").setLevel(logging.ERROR)
     config, model = _bigcode(0, heads)
@@ -77,7 +77,7 @@ def test_clip_grad_norm_and_dcp_count_the_whole_kv_rows_once(cluster_of, tmp_pat
 
 
 def _fsdp_clipped_adamw(steps: int) -> dict:
-    from autotp.runtime import fsdp
+    from autotp.runtime.module import fsdp
     from autotp.testing import relative_error
 
     logging.getLogger("autotp").setLevel(logging.ERROR)

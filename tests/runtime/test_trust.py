@@ -198,7 +198,7 @@ def test_inputs_of_other_values_fail_every_rank_with_check_inputs_values(cluster
 
 
 def test_value_digest_is_exact_and_sees_every_element_and_its_place():
-    from autotp.runtime.agreement import value_digest
+    from autotp.distributed.agreement import value_digest
 
     x = torch.randn(3 * (1 << 20) + 7, generator=torch.Generator().manual_seed(0))   # several chunks
     assert value_digest(x) == value_digest(x.clone())
@@ -213,7 +213,7 @@ def test_value_digest_is_exact_and_sees_every_element_and_its_place():
 
 
 def test_check_inputs_takes_true_false_or_values():
-    from autotp.runtime.module import _check_inputs_mode
+    from autotp.runtime.module.module import _check_inputs_mode
 
     assert [_check_inputs_mode(v) for v in (True, False, "values")] == [True, False, "values"]
     with pytest.raises(ConfigError, match=r"check_inputs='all' is not valid: use True \(names, shapes and dtypes"):
@@ -273,7 +273,7 @@ def die_on_rank_1_in(where: str, path: str = "") -> None:
     import signal
 
     import autotp.api
-    from autotp.runtime import dcp
+    from autotp.runtime.checkpoint import dcp
 
     def die(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
@@ -287,7 +287,7 @@ def die_on_rank_1_in(where: str, path: str = "") -> None:
     pm(**batch(100))
     if where == "new call" and dying:          # capturing the program of a new call signature
         autotp.api.capture_model = die
-    if where == "barrier" and dying:           # in a checkpoint's first exchange (autotp.runtime.dcp_safety)
+    if where == "barrier" and dying:           # in a checkpoint's first exchange (autotp.runtime.checkpoint.dcp_safety)
         dcp.safety.agree_to_start = die
     if where == "new call":
         pm.eval()
@@ -300,8 +300,8 @@ def die_on_rank_1_in(where: str, path: str = "") -> None:
 @pytest.mark.parametrize("where", ["capture", "seed", "new call", "barrier"])
 def test_a_rank_lost_in_any_collective_of_autotp_is_named_by_the_survivor(where, tmp_path):
     from autotp.errors import CommError
-    from autotp.runtime import faults
-    from autotp.testing.ranks import LocalCluster
+    from autotp.distributed import faults
+    from autotp.distributed.launch import LocalCluster
     from tests.runtime.test_faults import COLLECTIVE_TIMEOUT
 
     # before: a raw gloo "Connection closed by peer", or a timeout that names no rank
@@ -315,7 +315,7 @@ def test_a_rank_lost_in_any_collective_of_autotp_is_named_by_the_survivor(where,
 
 
 def load_then_change_a_replicated_parameter_on_the_last_rank(path: str) -> list[str]:
-    from autotp.runtime import dcp
+    from autotp.runtime.checkpoint import dcp
 
     pm = autotp.parallelize(tiny_gpt2(n_layer=1), tp=4, layout=MEGATRON_GPT2)
     dcp.save(pm, path)

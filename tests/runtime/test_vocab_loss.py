@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autotp.placements import Shard, local_ranges
-from autotp.runtime.collectives import local_shard
-from autotp.runtime.functional import _VocabParallelCrossEntropy, vocab_parallel_embedding
+from autotp.distributed.collectives import local_shard
+from autotp.distributed.functional import _VocabParallelCrossEntropy, vocab_parallel_embedding
 
 
 @settings(max_examples=40, deadline=None)

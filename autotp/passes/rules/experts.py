@@ -261,7 +261,7 @@ def bookkeeping_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
 @register_localizer(aten.histc.default)
 def histc_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
     """An int histc (the meta twin's program took the GPU branch) runs on CPU as a float one."""
-    from ...runtime.experts import histc
+    from ...distributed.experts import histc
 
     return histc, args, kwargs
 
@@ -272,7 +272,7 @@ def routed_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict
     """The rank's program for an op whose strategy holds a Routed placement: its rows alone.
     ``ctx`` (a graph's context) gives the row map of each routed input (``ctx.rows_of``) and
     takes the row map of the output where the op makes a new one (``ctx.made_rows``)."""
-    from ...runtime import experts as E
+    from ...distributed import experts as E
 
     out = strategy.output
     if op_name(info.target) in GROUPED_MM:
@@ -305,7 +305,7 @@ def _row_wise(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: 
     """An op on rows alone, on the rank's rows: other routed operands brought to the first one's
     row order, replicated operands with the rows' dim taken at the rank's rows, a view's size
     of the rows' dim left to the local rows (-1)."""
-    from ...runtime import experts as E
+    from ...distributed import experts as E
 
     outs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
     metas = info.output if isinstance(info.output, tuple) else (info.output,)
@@ -341,7 +341,7 @@ def _grouped_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: di
     """A grouped product on this rank's experts: x's rows ``[start, end)`` of the sorted rows (or
     x routed already, the rows of the same experts: the previous product's) through the model's
     product, offs rebased to them."""
-    from ...runtime import experts as E
+    from ...distributed import experts as E
 
     if not isinstance(strategy.output, Routed):
         return info.target, args, kwargs

@@ -45,7 +45,7 @@ def embedding_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: d
     pw = strategy.inputs[0]
     if not (is_shard(pw) and pw.dim == 0):
         return info.target, args, kwargs
-    from ...runtime.functional import vocab_parallel_embedding
+    from ...distributed.functional import vocab_parallel_embedding
 
     ranges = local_ranges(info.inputs[0].static(0), pw, ctx.tp, ctx.rank)
     padding_idx = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
@@ -280,7 +280,7 @@ def mean_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, 
     their whole count (a local mean would divide by its own count, unequal on uneven shards)."""
     if strategy.output != PARTIAL or not is_shard(strategy.inputs[0]):
         return info.target, args, kwargs
-    from ...runtime.functional import mean_share
+    from ...distributed.functional import mean_share
 
     dims, keep = _reduced_dims(info)
     count = sympy.Integer(1)
@@ -324,7 +324,7 @@ def _ce_options(info: OpInfo) -> tuple[Any, int, int, float]:
 def cross_entropy_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     """logits [N, V] split by vocabulary -> the loss, whole, from two all-reduces: the row max (N
     numbers), then the sums of exps and the target logits together (2N): Megatron's vocab-parallel
-    cross-entropy, as ``runtime.functional.VocabParallelCrossEntropy`` runs it."""
+    cross-entropy, as ``distributed.functional.VocabParallelCrossEntropy`` runs it."""
     out = [Strategy(tuple(REPLICATE for _ in info.inputs), REPLICATE)]
     weight, reduction, _, smoothing = _ce_options(info)
     logits = info.inputs[0]
@@ -344,7 +344,7 @@ def cross_entropy_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwarg
     p = strategy.inputs[0]
     if not is_shard(p):
         return info.target, args, kwargs
-    from ...runtime.functional import VocabParallelCrossEntropy
+    from ...distributed.functional import VocabParallelCrossEntropy
 
     _, reduction, ignore_index, _ = _ce_options(info)
     ranges = local_ranges(info.inputs[0].static(1), p, ctx.tp, ctx.rank)

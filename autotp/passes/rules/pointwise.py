@@ -150,7 +150,7 @@ def add_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
     if b.ndim >= x.ndim and not any(b.shape[i] == 1 and x.shape[i] != 1 for i in range(b.ndim - 1)):
         return info.target, args, kwargs
     from ...placements import local_ranges
-    from ...runtime.functional import tail_exact_add
+    from ...distributed.functional import tail_exact_add
 
     size = int(info.output.shape[out.dim])
     ranges = local_ranges(size, out, ctx.tp, ctx.rank)

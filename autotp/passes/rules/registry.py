@@ -21,6 +21,7 @@ import sympy
 import torch
 
 from ...cached_hash import cached_hash, state_without_hash
+from ...capture.program import op_name
 from ...placements import REPLICATE, Partial, Placement, Replicate, Routed, Shard, block_sets
 
 aten = torch.ops.aten
@@ -388,13 +389,6 @@ def tail_sound(info: OpInfo, strategy: Strategy) -> bool:
 
 def localizer(target: Any) -> Localizer | None:
     return _LOCALIZERS.get(target) or _LOCALIZERS.get(op_name(target))
-
-
-def op_name(target: Any) -> str:
-    name = getattr(target, "__name__", None) or str(target)
-    if hasattr(target, "_schema"):
-        name = str(target).replace("aten::", "aten.")
-    return name
 
 
 def registered_ops() -> list[Any]:

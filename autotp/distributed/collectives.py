@@ -1,0 +1,570 @@
+"""Megatron's tensor-parallel mappings as autograd Functions, forward and backward side by side.
+
+Every mapping takes the TP ``group`` (a torch.distributed ProcessGroup). ``group=None`` means a
+group of one rank: every mapping is then the identity (or plain slicing), with no communication.
+
+    mapping          forward                              backward
+    f  copy_to_tp    identity                             all-reduce(sum)
+    g  reduce_from   all-reduce(sum)                      identity
+    gather_from_tp   all-gather shards -> full            keep this rank's slice
+    scatter_to_tp    keep this rank's slice               all-gather -> full
+    reduce_scatter   sum over ranks, keep this rank's     all-gather -> full
+                     slice (Partial -> Shard)
+
+Sharded layouts follow ``autotp.placements.Shard`` (chunks, unit, uneven runs). Collectives need
+equal sizes on every rank, so uneven shards are padded to ``max_local_size`` and cut back (a
+reduce-scatter of uneven or interleaved shards is still one reduce-scatter, over padded blocks).
+Collectives write into fresh tensors, never into their inputs, and a failed
+torch.distributed call surfaces as ``autotp.errors.CommError`` naming the op and the group, or
+as ``LostRankError`` naming the rank that is gone (the roll call of :mod:`autotp.distributed.faults`).
+
+``CopyToTP``, ``ReduceFromTP``, ... wrap the mappings as ``nn.Module``s so that rewritten torch.fx
+graphs call them as ``call_module`` nodes and ``print(gm.code)`` shows them by name.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor, nn
+
+from autotp.errors import AutotpError, CommError, LostRankError
+from autotp.placements import Shard, local_ranges, local_size, max_local_size, owned_ranges
+
+#: the functional all-gather into one tensor: ``all_gather_single`` from torch 2.13 on, where
+#: ``all_gather_tensor`` (the name before) warns that it is deprecated
+all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+__all__ = [
+    "copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "reduce_scatter_to_tp",
+    "local_shard", "assemble", "group_size", "group_rank", "group_ranks",
+    "CopyToTP", "ReduceFromTP", "GatherFromTP", "ScatterToTP", "ReduceScatterToTP",
+]
+
+
+# ---------------------------------------------------------------- groups and errors
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def group_ranks(group) -> tuple[int, ...] | None:
+    """Global ranks of ``group``, or None when they cannot be known (no process group)."""
+    if group is None:
+        return None
+    try:
+        return tuple(dist.get_process_group_ranks(group))
+    except Exception:  # only used to word messages; never let it mask the real error
+        return None
+
+
+#: Wall-clock start of the latest collective per group (keyed by the group's name).
+_previous_start: dict[object, float] = {}
+
+
+def _comm(op: str, group, only: Any = None) -> contextlib.AbstractContextManager:
+    """Turn a torch.distributed failure (timeout, lost peer, backend error) into a CommError;
+    a LostRankError naming the rank when the roll call (autotp.distributed.faults) finds one gone.
+    ``only(exc)``, when given, picks the exceptions that are such failures (a block that also
+    computes lets the others through as they are). Under torch.compile it is no context at
+    all: clocks and try/except would break the graph, and a compiled program's collectives
+    fail inside the compiled code, not here."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return _guarded_comm(op, group, only)
+
+
+def backend_failure(exc: BaseException) -> bool:
+    """Is ``exc`` a process group's failure (a lost peer, a timeout), not the computation's?"""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("gloo", "NCCL", "Connection reset", "Connection closed", "Timed out", "timed out"))
+
+
+@contextmanager
+def _guarded_comm(op: str, group, only: Any = None) -> Iterator[None]:
+    started = time.monotonic()
+    key = getattr(group, "group_name", None) or id(group)
+    since = _previous_start.get(key)  # faults published before it are an earlier call's
+    _previous_start[key] = time.time()
+    try:
+        yield
+    except AutotpError:
+        raise
+    except Exception as e:
+        if only is not None and not only(e):
+            raise
+        from .faults import note_comm_failure, roll_call
+        from .timeouts import group_timeout
+
+        note_comm_failure()
+
+        ranks = group_ranks(group)
+        where = f"the group of ranks {list(ranks)}" if ranks is not None else "its group"
+        cause = f"{op} failed on {where}: {type(e).__name__}: {e}"
+        timeout = group_timeout(group).total_seconds()
+        found = roll_call(group, ranks, started, timeout, since) if ranks is not None else None
+        advice = (
+            "Check whether a rank died, raised, or took a different code path (ranks must call "
+            "the same collectives in the same order). A rank that is merely slow hits the "
+            f"collective timeout ({timeout:g} s here), fixed when the process group is created: "
+            "autotp.distributed.mesh.DEFAULT_TIMEOUT, or the AUTOTP_TIMEOUT environment variable, "
+            "unless the timeout= argument of autotp.distributed.mesh.init_from_env (or of launch / "
+            "LocalCluster) says otherwise."
+        )
+        if found is not None and found.exited:
+            advice = ("A rank of the group is gone, so this job cannot go on: find why it stopped "
+                      "(its log, the OOM killer), then restart every rank.")
+        if found is not None and found.lost:
+            raise LostRankError(f"{found.describe(timeout)}.\n{cause}\n{advice}") from e
+        note = f" ({found.note})" if found is not None and found.note else ""
+        raise CommError(f"{cause}{note}\n{advice}") from e
+
+
+def _all_reduce(x: Tensor, group, op: str) -> Tensor:
+    """The sum over the group, a new tensor (a functional collective: torch.compile traces it
+    as it is, and the input is never reduced in place)."""
+    x = x.detach()
+    if group_size(group) == 1:
+        return x.clone(memory_format=torch.contiguous_format)
+    with _comm(op, group):   # waited for inside: a failure surfaces here, named
+        return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
+
+
+# ---------------------------------------------------------------- layouts (no communication)
+
+def local_shard(full: Tensor, shard: Shard, tp: int, rank: int) -> Tensor:
+    """The part of ``full`` that ``rank`` holds under ``shard`` (contiguous, possibly empty)."""
+    d = shard.dim
+    ranges = local_ranges(full.shape[d], shard, tp, rank)
+    if not ranges:
+        return full.narrow(d, 0, 0).contiguous()
+    return torch.cat([full.narrow(d, a, b - a) for a, b in ranges], dim=d).contiguous()
+
+
+def assemble(pieces: Sequence[Tensor], shard: Shard, full_size: int) -> Tensor:
+    """Inverse of ``local_shard``: ``pieces[r]`` is rank r's shard; returns the full tensor."""
+    d, tp = shard.dim, len(pieces)
+    segments: list[tuple[int, Tensor]] = []
+    for rank, piece in enumerate(pieces):
+        offset, owned = 0, set(owned_ranges(full_size, shard, tp, rank))
+        for a, b in local_ranges(full_size, shard, tp, rank):
+            if (a, b) in owned:   # a tail every rank holds is taken from rank 0
+                segments.append((a, piece.narrow(d, offset, b - a)))
+            offset += b - a
+    segments.sort(key=lambda s: s[0])  # the owned ranges of all ranks tile [0, full_size)
+    if not segments:
+        return pieces[0].narrow(d, 0, 0)
+    return torch.cat([t for _, t in segments], dim=d)
+
+
+def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tensor:
+    """All ranks' shards of ``x`` assembled into the full tensor (no autograd)."""
+    tp, x = group_size(group), x.detach()
+    if tp == 1:
+        return x.contiguous()
+    d, width = shard.dim, max_local_size(full_size, shard, tp)
+    if _even(shard, full_size, tp):
+        # An even contiguous split: one all_gather_into_tensor into a [tp, *local] buffer; the
+        # full tensor is that buffer with the rank axis folded into dim d (none where d == 0,
+        # else one copy out of a kept buffer).
+        if all(size == 1 for size in x.shape[:d]):
+            # every dim before d of size one (dim 0 itself, or a batch of one under sequence
+            # parallelism): the ranks' blocks in rank order are the full tensor already
+            shape = list(x.shape)
+            shape[d] = tp * width
+            return _gather_into(x.contiguous(), group, op).view(shape)
+        out = _gather_into(x.contiguous(), group, op, scratch=True)
+        shape = list(x.shape)
+        shape[d] = full_size
+        full = x.new_empty(shape)   # a fresh tensor: the buffer may be reused
+        full.view(shape[:d] + [tp, width] + shape[d + 1:]).copy_(out.movedim(0, d))
+        return full
+    # Uneven or interleaved: each rank's part padded at the end of dim d to the widest (dims
+    # kept in place, so the copies move whole rows), gathered into one buffer, and every run
+    # copied once to where it belongs in the full tensor.
+    send = x.contiguous()
+    if x.shape[d] < width:
+        padded = list(x.shape)
+        padded[d] = width
+        send = _scratch(padded, x, "send")
+        send.narrow(d, 0, x.shape[d]).copy_(x)
+        send.narrow(d, x.shape[d], width - x.shape[d]).zero_()
+    out = _gather_into(send, group, op, scratch=True)
+    shape = list(x.shape)
+    shape[d] = full_size
+    full = x.new_empty(shape)
+    for r in range(tp):
+        offset = 0
+        for a, b in local_ranges(full_size, shard, tp, r):
+            full.narrow(d, a, b - a).copy_(out[r].narrow(d, offset, b - a))
+            offset += b - a
+    return full
+
+
+def _even(shard: Shard, full_size: int, tp: int) -> bool:
+    """An even contiguous split: every rank one run of the same width, in rank order."""
+    if shard.chunks != 1 or shard.rotate or shard.tail:
+        return False
+    return len({local_size(full_size, shard, tp, r) for r in range(tp)}) == 1
+
+
+def _gather_into(send: Tensor, group, op: str, scratch: bool = False) -> Tensor:
+    """Every rank's contiguous ``send`` in one buffer, viewed ``[tp, *send.shape]`` (backends take
+    the output as the inputs concatenated along dim 0). ``scratch``: the caller copies what it
+    needs out of the buffer before the next collective, so a reused one may serve (``_scratch``)."""
+    tp = group_size(group)
+    shape = (tp * send.shape[0],) + tuple(send.shape[1:])
+    reuse = scratch and _reusable(send)
+    with _comm(op, group):   # a collective, waited for inside
+        if reuse or _gloo_on_device(send, group):   # c10d's: the output is the inputs concatenated along dim 0
+            out = _scratch(shape, send, "gather") if reuse else send.new_empty(shape)
+            _c10d_all_gather_single(out, send, group=group)
+            return out.view((tp,) + tuple(send.shape))
+        out = funcol.wait_tensor(all_gather_single(send, 0, group))
+    return out.view((tp,) + tuple(send.shape))
+
+
+#: c10d's all-gather into one tensor (``all_gather_single`` from torch 2.13 on; the older name
+#: warns there)
+_c10d_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+#: the largest buffer ``_scratch`` keeps between calls, in bytes
+SCRATCH_BYTES = 256 << 20
+_scratches = threading.local()
+
+
+def _reusable(t: Tensor) -> bool:
+    """Whether a gather of ``t`` may go through a kept buffer: eager code on the CPU. CPU
+    allocators hand a large block back to the system when it is freed, so every fresh buffer
+    the size of a gathered logits tensor costs the kernel's page faults and zeroing again (about
+    as much as the copy that lays the gathered shards out); accelerator allocators keep their
+    blocks, and a compiled program plans its own."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _scratch(shape, like: Tensor, slot: str) -> Tensor:
+    """A buffer of ``shape`` and ``like``'s dtype and device for one collective's staging, kept
+    for the next call on this thread (one per slot, dtype and device; grown, never shrunk) when
+    it is at most ``SCRATCH_BYTES``. Its contents are garbage; callers copy out what they keep
+    before the next call may reuse it, so nothing returned to a caller is ever a view of it."""
+    numel = math.prod(shape)
+    if not _reusable(like) or numel * like.element_size() > SCRATCH_BYTES:
+        return like.new_empty(shape)
+    kept = getattr(_scratches, "buffers", None)
+    if kept is None:
+        kept = _scratches.buffers = {}
+    key = (slot, like.dtype, like.device)
+    buf = kept.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = kept[key] = like.new_empty(numel)
+    return buf[:numel].view(shape)
+
+
+def _gloo_on_device(t: Tensor, group) -> bool:
+    """A gloo group gathering accelerator tensors (ranks sharing one GPU) in eager code: torch
+    2.11's functional all-gather kills the process there (SIGSEGV, measured on an H200 with
+    two ranks on GPU 0; ``benchmarks/gloo_cuda_probe.py``), while c10d's
+    ``all_gather_into_tensor``, the functional all-reduce and ``reduce_scatter_tensor`` work."""
+    return t.device.type != "cpu" and not torch.compiler.is_compiling() and dist.get_backend(group) == "gloo"
+
+
+def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tensor:
+    """Sum ``x`` over the ranks and keep this rank's shard (no autograd)."""
+    tp, rank, x = group_size(group), group_rank(group), x.detach()
+    if tp == 1:
+        return local_shard(x, shard, 1, 0)
+    if x.device.type != "cpu" and dist.get_backend(group) == "gloo":
+        # gloo reduce-scatters CPU tensors only; it all-reduces GPU tensors (ranks sharing a GPU).
+        return local_shard(_all_reduce(x, group, op), shard, tp, rank)
+    d, width = shard.dim, max_local_size(full_size, shard, tp)
+    shape = list(x.shape)
+    pre, post = shape[:d], shape[d + 1:]
+    # One block per rank, in rank order, each this rank's shard padded at the end of dim d to
+    # the widest: a reduce-scatter of equal blocks, even when the shard is uneven or
+    # interleaved (the zero padding sums to zero and is cut). An even split of dim 0 is that
+    # layout already; an even split of another dim is one copy; else each run copied once.
+    if _even(shard, full_size, tp):
+        if all(size == 1 for size in pre):   # dim 0, or only dims of size one before d: in rank order already
+            send = x.contiguous().view([tp] + pre + [width] + post)
+        else:
+            send = _scratch([tp] + pre + [width] + post, x, "reduce_scatter")
+            send.copy_(x.view(pre + [tp, width] + post).movedim(d, 0))
+    else:
+        send = _scratch([tp] + pre + [width] + post, x, "reduce_scatter")
+        for r in range(tp):
+            offset = 0
+            for a, b in local_ranges(full_size, shard, tp, r):
+                send[r].narrow(d, offset, b - a).copy_(x.narrow(d, a, b - a))
+                offset += b - a
+            if offset < width:
+                send[r].narrow(d, offset, width - offset).zero_()
+    send = send.flatten(0, 1)   # [tp, *local] -> the ranks' blocks along dim 0, as backends take them
+    with _comm(op, group):   # a collective, waited for inside
+        if _reusable(x):
+            out = x.new_empty(pre + [width] + post)
+            _c10d_reduce_scatter_tensor(out, send, group=group)
+        else:
+            out = funcol.wait_tensor(funcol.reduce_scatter_tensor(send, "sum", 0, group))
+    n = local_size(full_size, shard, tp, rank)
+    return out if n == width else out.narrow(d, 0, n).contiguous()
+
+
+#: c10d's reduce-scatter of one tensor (``reduce_scatter_single`` from torch 2.13 on, where the
+#: older name warns)
+_c10d_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# ---------------------------------------------------------------- the mappings
+
+def _output(t: Tensor) -> Tensor:
+    """An autograd Function's forward output, as a view of what it computed. torch 2.11's dynamo
+    loses the gradient of some outputs returned as they are: a functional collective's result
+    (g's input gradient came out zero in a compiled program at tp 2) and a rank's slice made by
+    ``torch.cat`` of one narrowed run (scatter's); a view of either is traced right."""
+    return t.view_as(t)
+
+
+class _CopyToTP(torch.autograd.Function):
+    """f: identity forward, all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group, "all_reduce in f (backward)"), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _output(_all_reduce(x, group, "all_reduce in g (forward)"))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """Shard -> Replicate: all-gather forward, keep this rank's slice backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, shard, full_size):
+        ctx.group, ctx.shard = group, shard
+        return _output(_all_gather(x, group, shard, full_size, "all_gather in gather_from_tp (forward)"))
+
+    @staticmethod
+    def backward(ctx, grad):
+        g, s = ctx.group, ctx.shard
+        return local_shard(grad, s, group_size(g), group_rank(g)), None, None, None
+
+
+class _GatherIntoTP(torch.autograd.Function):
+    """Shard -> Replicate into tensor-parallel compute (Megatron-SP's f̄: f fused with the
+    all-gather): all-gather forward; the gradient there is a summand, so backward
+    reduce-scatters it, each rank keeping its slice of the sum."""
+
+    @staticmethod
+    def forward(ctx, x, group, shard, full_size):
+        ctx.group, ctx.shard, ctx.full_size = group, shard, full_size
+        return _output(_all_gather(x, group, shard, full_size, "all_gather in gather_into_tp (forward)"))
+
+    @staticmethod
+    def backward(ctx, grad):
+        op = "reduce_scatter in gather_into_tp (backward)"
+        return _reduce_scatter(grad, ctx.group, ctx.shard, ctx.full_size, op), None, None, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    """Replicate -> Shard: keep this rank's slice forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, shard, full_size):
+        ctx.group, ctx.shard, ctx.full_size = group, shard, full_size
+        return _output(local_shard(x, shard, group_size(group), group_rank(group)))
+
+    @staticmethod
+    def backward(ctx, grad):
+        op = "all_gather in scatter_to_tp (backward)"
+        return _all_gather(grad, ctx.group, ctx.shard, ctx.full_size, op), None, None, None
+
+
+class _ReduceScatterToTP(torch.autograd.Function):
+    """Partial -> Shard: reduce-scatter forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, shard, full_size):
+        ctx.group, ctx.shard, ctx.full_size = group, shard, full_size
+        op = "reduce_scatter in reduce_scatter_to_tp (forward)"
+        return _output(_reduce_scatter(x, group, shard, full_size, op))
+
+    @staticmethod
+    def backward(ctx, grad):
+        op = "all_gather in reduce_scatter_to_tp (backward)"
+        return _all_gather(grad, ctx.group, ctx.shard, ctx.full_size, op), None, None, None
+
+
+def copy_to_tp(x: Tensor, group) -> Tensor:
+    """f: a Replicate activation enters sharded compute."""
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: Tensor, group) -> Tensor:
+    """g: a Partial activation becomes Replicate."""
+    return _ReduceFromTP.apply(x, group)
+
+
+# In a group of one, a shard is the whole tensor: the three layout changes below are plain
+# tensor ops there, outside their autograd Functions. (torch 2.11's dynamo drops the gradient
+# of an autograd Function whose forward or backward returns a detached alias of its input, as
+# ``x.detach().contiguous()`` is: every gradient of a compiled tp=1 program came out zero.)
+
+def gather_from_tp(x: Tensor, group, shard: Shard, full_size: int) -> Tensor:
+    """A Shard becomes Replicate; ``full_size`` is the gathered size of ``shard.dim``."""
+    if group_size(group) == 1:
+        return x.contiguous()
+    return _GatherFromTP.apply(x, group, shard, full_size)
+
+
+def gather_into_tp(x: Tensor, group, shard: Shard, full_size: int) -> Tensor:
+    """A Shard becomes Replicate where it feeds sharded compute: all-gather forward,
+    reduce-scatter of the gradient backward (an all-gather and an f, in the bytes of one)."""
+    if group_size(group) == 1:
+        return x.contiguous()
+    return _GatherIntoTP.apply(x, group, shard, full_size)
+
+
+def scatter_to_tp(x: Tensor, group, shard: Shard, full_size: int) -> Tensor:
+    """A Replicate tensor becomes this rank's Shard (``full_size`` = ``x.shape[shard.dim]``)."""
+    if group_size(group) == 1:
+        return x.clone(memory_format=torch.contiguous_format)
+    return _ScatterToTP.apply(x, group, shard, full_size)
+
+
+def reduce_scatter_to_tp(x: Tensor, group, shard: Shard, full_size: int) -> Tensor:
+    """A Partial tensor becomes this rank's Shard of the sum."""
+    if group_size(group) == 1:
+        return x.clone(memory_format=torch.contiguous_format)
+    return _ReduceScatterToTP.apply(x, group, shard, full_size)
+
+
+# ---------------------------------------------------------------- modules for fx graphs
+
+class _CommModule(nn.Module):
+    kind = ""
+
+    def __init__(self, group) -> None:
+        super().__init__()
+        self.group = group  # a ProcessGroup is neither a parameter nor a buffer: plain attribute
+
+    def __deepcopy__(self, memo):
+        # Process groups cannot be copied; a copied graph talks over the same group.
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = value if key == "group" else copy.deepcopy(value, memo)
+        return new
+
+    def _group_repr(self) -> str:
+        ranks = group_ranks(self.group)
+        return "group=None" if self.group is None else f"ranks={list(ranks) if ranks else '?'}"
+
+
+class _ShardedCommModule(_CommModule):
+    """``full_size=None``: the sharded dim is dynamic (the sequence, under sequence parallelism);
+    the graph passes its size at call time, or the input, when whole, shows it."""
+
+    def __init__(self, group, shard: Shard, full_size: int | None) -> None:
+        super().__init__(group)
+        self.shard = shard
+        self.full_size = None if full_size is None else int(full_size)
+
+    def size(self, x: Tensor, full_size: int | None, whole_input: bool) -> int:
+        if full_size is not None:
+            return int(full_size)
+        if self.full_size is not None:
+            return self.full_size
+        if whole_input:
+            return x.shape[self.shard.dim]
+        raise CommError(
+            f"{self.kind} of {self.shard!r}: the gathered size of a dynamic dim is unknown; the "
+            "rewrite must pass it (a sym_size node) as the module's second argument"
+        )
+
+    def extra_repr(self) -> str:
+        size = "dynamic" if self.full_size is None else self.full_size
+        return f"{self._group_repr()}, shard={self.shard!r}, full_size={size}"
+
+
+class CopyToTP(_CommModule):
+    """f: identity forward, all-reduce of the gradient backward."""
+
+    kind = "f"
+
+    def forward(self, x: Tensor) -> Tensor:
+        return copy_to_tp(x, self.group)
+
+    def extra_repr(self) -> str:
+        return self._group_repr()
+
+
+class ReduceFromTP(_CommModule):
+    """g: all-reduce forward, identity backward."""
+
+    kind = "g"
+
+    def forward(self, x: Tensor) -> Tensor:
+        return reduce_from_tp(x, self.group)
+
+    def extra_repr(self) -> str:
+        return self._group_repr()
+
+
+class GatherFromTP(_ShardedCommModule):
+    kind = "all_gather"
+
+    def forward(self, x: Tensor, full_size: int | None = None) -> Tensor:
+        return gather_from_tp(x, self.group, self.shard, self.size(x, full_size, whole_input=False))
+
+
+class GatherIntoTP(_ShardedCommModule):
+    """f̄: all-gather forward, reduce-scatter backward (a sequence shard entering a
+    column-parallel product)."""
+
+    kind = "all_gather_f"
+
+    def forward(self, x: Tensor, full_size: int | None = None) -> Tensor:
+        return gather_into_tp(x, self.group, self.shard, self.size(x, full_size, whole_input=False))
+
+
+class ScatterToTP(_ShardedCommModule):
+    kind = "scatter"
+
+    def forward(self, x: Tensor, full_size: int | None = None) -> Tensor:
+        return scatter_to_tp(x, self.group, self.shard, self.size(x, full_size, whole_input=True))
+
+
+class ReduceScatterToTP(_ShardedCommModule):
+    kind = "reduce_scatter"
+
+    def forward(self, x: Tensor, full_size: int | None = None) -> Tensor:
+        return reduce_scatter_to_tp(x, self.group, self.shard, self.size(x, full_size, whole_input=True))

@@ -1,0 +1,169 @@
+"""Why each MoE layer got the experts layout it got: the solver's choice against the other one.
+
+The solver picks, per layer, among the strategies the rules offer for a stack of experts (whole
+experts per rank, every expert's matrices split, or replicated; autotp/passes/rules/experts.py).
+Its plan says which each layer got; this module says by how much the other layout loses, by
+solving again with every MoE layer's stacks pinned to it (an exact solve of the rest around the
+pins, so the figure is the difference of two optimal plans, not of two greedy walks).
+
+What the cost model finds different between the two (autotp/cost_model/symbolic.py):
+
+* expert parallelism: a grouped product costs the largest rank's share of experts,
+  ``ceil(experts / tp) / experts`` of the rows at uniform routing (uneven where tp does not divide
+  the experts; ranks without an expert idle); the rows between the products (the activation, the
+  routing weights' product, the inverse sort, the top-k sum) are Routed, a rank's own rows alone,
+  ``1/tp`` of them;
+* expert tensor parallelism: every product and every op between them on ``1/tp`` of each
+  expert's features (the largest share where tp does not divide them); the rows are all there;
+* the same collectives: x's gradient all-reduced (f) before the first product, the combine a g
+  of the ``[tokens, hidden]`` output, the routing weights' gradient summed.
+
+So at an even split the two share the same FLOPs and rows; they differ by how each product's
+shape meets the roofline (expert parallelism runs whole experts' matrices on ``1/tp`` of the rows,
+expert-TP a slice of every expert's on all of them) and by the imbalance where tp does not divide
+the experts or their features. The
+combine's ops on Partial rows cost their whole size on every rank (``shard_fraction``). Equal
+prices keep the first strategy the rules offer (the solver keeps the first found), which is
+expert parallelism.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ..errors import AutotpError
+from ..placements import Placement, Shard
+
+#: the experts layouts by role, in words
+WORDS = {
+    "expert": "expert-parallel",
+    "expert_tp": "expert-TP",
+    "replicate": "replicated",
+}
+
+
+def layer_layouts(roles: Mapping[str, str], shapes: Mapping[str, tuple]) -> dict[str, str]:
+    """Module of each stack of experts -> its layout ("expert", "expert_tp", "replicate" or "mixed")."""
+    out: dict[str, set] = {}
+    for fqn, role in roles.items():
+        if len(shapes.get(fqn, ())) != 3:
+            continue
+        module = fqn.rsplit(".", 1)[0]
+        kind = "expert_tp" if role in ("expert_column", "expert_row") else role
+        out.setdefault(module, set()).add(kind)
+    return {m: (next(iter(k)) if len(k) == 1 else "mixed") for m, k in out.items()
+            if k & {"expert", "expert_tp"} or module_is_experts(m)}
+
+
+def module_is_experts(module: str) -> bool:
+    return module.rsplit(".", 1)[-1] == "experts"
+
+
+def _layers_text(modules: list[str]) -> str:
+    from ..plan.view import indices_text, split_layer
+
+    parts = [split_layer(m) for m in modules]
+    if len(modules) > 1 and all(parts) and len({(p[0], p[2]) for p in parts}) == 1:
+        stack, _, rest = parts[0]
+        return f"{stack}.{indices_text([p[1] for p in parts])}.{rest}"
+    return ", ".join(modules)
+
+
+def _describe(kind: str, experts: int, tp: int, split: tuple[str, str] = ("column", "row")) -> str:
+    if kind == "expert":
+        per = [experts // tp + (1 if r < experts % tp else 0) for r in range(tp)]
+        idle = per.count(0)
+        held = (f"{per[0]} per rank" if len(set(per)) == 1 else f"{max(per)} on the busiest rank"
+                + (f", {idle} idle" if idle else ""))
+        return f"expert-parallel ({experts} experts, {held})"
+    if kind == "expert_tp":
+        return f"expert-TP (every expert's gate|up {split[0]}, down {split[1]}: 1/{tp} of each expert per rank)"
+    return WORDS.get(kind, kind)
+
+
+def experts_note(index: Any, profile: Any, stacks: Mapping[str, str], roles: Mapping[str, str],
+                 shapes: Mapping[str, tuple], chosen_s: float, memory_limit: float | None,
+                 pinned: Mapping[str, Placement], uses: Mapping[str, Any]) -> list[str]:
+    """One line per layout the MoE layers got, with what the other layout would cost.
+
+    ``stacks``: placeholder -> parameter name of every 3-D stack of experts; ``roles``/``shapes``:
+    the plan's; ``chosen_s``: the plan's predicted step; ``pinned``: the user's pins (a layer
+    whose stacks are pinned is not compared: the pin decided it)."""
+    from .roles import _role_to_placement
+    from ..passes.solve import solve
+
+    if not stacks or index.tp <= 1:
+        return []
+    layouts = layer_layouts(roles, shapes)
+    if not layouts or any(p in pinned for p in stacks):
+        return []
+    alternatives = {}
+    for other in ("expert", "expert_tp"):
+        if all(kind == other for kind in layouts.values()):
+            continue
+        pins = dict(pinned)
+        seen: set = set()
+        try:
+            for placeholder, fqn in stacks.items():   # in the order the graph reads them
+                module = fqn.rsplit(".", 1)[0]
+                # a layer's first stack is its up (gate|up) projection, column; the next its down, row
+                role = other if other == "expert" else "expert_row" if module in seen else "expert_column"
+                seen.add(module)
+                pins[placeholder] = _role_to_placement(role, fqn, 3, uses.get(placeholder))
+            alternatives[other] = solve(index, profile, pins, memory_limit=memory_limit).propagation.total_s
+        except (AutotpError, ValueError) as err:
+            alternatives[other] = f"not possible ({str(err).split(':')[0]})"
+    by_kind: dict[str, list[str]] = {}
+    for module, kind in layouts.items():
+        by_kind.setdefault(kind, []).append(module)
+    lines = []
+    for kind, modules in by_kind.items():
+        experts = shapes[next(f for f in stacks.values() if f.startswith(modules[0] + "."))][0]
+        # the chosen expert-TP's split of the layer's stacks, in graph order: gate|up, then down
+        split = tuple(roles[f].removeprefix("expert_") for f in stacks.values() if f.startswith(modules[0] + "."))
+        line = (f"experts {_layers_text(modules)}: "
+                f"{_describe(kind, experts, index.tp, *([split] if kind == 'expert_tp' and len(split) == 2 else []))}")
+        versus = []
+        for other, cost in alternatives.items():
+            if other == kind:
+                continue
+            name = _describe(other, experts, index.tp)
+            if isinstance(cost, str):
+                versus.append(f"{name} {cost}")
+            elif cost == float("inf"):
+                versus.append(f"{name} not feasible here")
+            else:
+                delta = cost - chosen_s
+                versus.append(f"{'cheaper than' if delta > 0 else 'tied with' if delta == 0 else 'dearer than'} "
+                              f"{name} by {abs(delta) * 1e3:.3f} ms/step (every MoE layer so: {cost * 1e3:.3f} ms)")
+        lines.append(line + (" — " + "; ".join(versus) if versus else ""))
+    return lines
+
+
+def expert_stacks(cap: Any) -> dict[str, str]:
+    """Placeholder -> name of every parameter read as a stack of experts' matrices (3-D, read by
+    a pick per row, a per-matrix transpose, a grouped product, or whole by a batched product as
+    its matrices: Llama-4's experts, every token through every expert)."""
+    from .roles import _first_uses
+    from ..passes.rules.experts import GROUPED_MM
+    from ..passes.rules.registry import op_name
+    import torch
+
+    aten = torch.ops.aten
+    out = {}
+    uses = _first_uses(cap)
+    for node in cap.graph.nodes:   # graph order
+        fqn = cap.param_names.get(node.name) if node.op == "placeholder" else None
+        if fqn is None or fqn in cap.aliases or node.meta["val"].dim() != 3:
+            continue
+        use = uses.get(node.name)
+        if use and (use[0] in (aten.transpose.int, aten.index.Tensor) or op_name(use[0]) in GROUPED_MM
+                    or (use[0] is aten.bmm.default and use[1] == 1)):
+            out[node.name] = fqn
+    position = {n: i for i, n in enumerate(cap.graph.nodes)}
+    first_read = {p: min((position[u] for u in node.users), default=0)
+                  for node in cap.graph.nodes if node.name in out for p in [node.name]}
+    return dict(sorted(out.items(), key=lambda kv: first_read[kv[0]]))
+
+
+def is_etp(p: Placement) -> bool:
+    return isinstance(p, Shard) and p.dim in (1, 2)

@@ -1,0 +1,237 @@
+"""A capture -> a :class:`~autotp.plan.Plan`: the graph indexed, the layout pinned, the
+strategies solved (or a saved plan replayed) and the result written as a plan. What
+:func:`autotp.plan`, :func:`autotp.parallelize` and the PTD-P planner (:mod:`autotp.ptd`) share."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ..capture import Capture, gc_paused, module_path
+from ..cost_model import get_profile
+from ..cost_model.alignment import Align
+from ..errors import ConfigError, MemoryLimitError, PlanError
+from .experts import expert_stacks, experts_note
+from ..passes.pins import unholdable_pin
+from ..passes.propagate import GraphIndex, Propagation, propagate
+from ..passes.solve import solve
+from ..placements import REPLICATE, Placement, Shard
+from ..plan.flow import record_flows
+from ..plan.plan import CommOp, DeferredExpressions, Plan, attention_heads, cost_expressions, role_of, unsplit_attention_note
+from .roles import _first_uses, _pinned
+
+
+@gc_paused()
+def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = None,
+               layout: Mapping[str, Any] | None = None, plan: Plan | None = None,
+               uneven: bool = True, gather_logits: bool | None = None,
+               memory_limit: float | None = None,
+               sequence_parallel: bool | None = None,
+               input_placements: Mapping[str, Placement] | None = None,
+               keep_split: frozenset[str] = frozenset(), align: Any = "profile") -> tuple[Plan, GraphIndex, Propagation]:
+    """The plan for a capture. ``memory_limit`` (bytes per rank; default: the profile's device
+    memory) bounds training state + activations; a saved ``plan`` is replayed, not re-solved.
+
+    ``input_placements`` (input name -> placement) says how inputs arrive on the ranks when
+    not whole, and ``keep_split`` names outputs returned as they are split instead of gathered:
+    a generation step's KV cache goes out and comes back split by head (autotp.generation).
+
+    ``sequence_parallel``: may the solver split layer-norm/dropout/residual regions along the
+    sequence (Korthikanti et al.)? None (default): wherever the cost model finds it cheaper;
+    True: wherever a row-parallel product's partial sum meets an add, a dropout or a cast along
+    the sequence (a PlanError where nothing can take it); False: never. It needs ``uneven``: a
+    sequence shard is uneven whenever tp does not divide a call's length.
+
+    ``gather_logits``: None (default) keeps the output named ``logits`` split by vocabulary
+    where the call also returns a loss (labels given: training needs the loss, computed
+    vocab-parallel, not the b*s*V logits) and gathers it otherwise; True always gathers, False
+    never does.
+
+    ``align``: which unaligned products the rewrite runs padded (an
+    :class:`~autotp.cost_model.alignment.Align`, or None: none), so that they are priced at the
+    rate they will run at; by default what ``parallelize`` does on the profile's device (a GPU
+    profile pads those over its ridge's rows, a CPU one none)."""
+    prof = get_profile(profile)
+    if align == "profile":
+        align = Align.for_profile(prof) if 0 < prof.unaligned_flops < prof.flops else None
+    limit = prof.memory if memory_limit is None else memory_limit
+    names = cap.output_names
+    split_logits = not gather_logits if gather_logits is not None else "loss" in names
+    keep = frozenset(i for i, n in enumerate(names) if n in keep_split or (n == "logits" and split_logits))
+    by_key = dict(zip(cap.input_keys, cap.user_inputs))
+    arriving = {by_key[k]: p for k, p in (input_placements or {}).items()}
+    if sequence_parallel and not uneven:
+        raise ConfigError("sequence_parallel=True needs uneven=True: a sequence shard is uneven whenever tp does "
+                          "not divide a call's length; pass uneven=True, or leave sequence_parallel to the planner")
+    index = GraphIndex.build(cap, tp, batch, seq, uneven=uneven, sharded_outputs=keep,
+                             sequence_parallel=sequence_parallel is not False and uneven and tp > 1,
+                             input_placements=arriving, force_sequence=bool(sequence_parallel), align=align)
+    pinned = _pinned(cap, layout, plan)
+    notes: list[str] = []
+    if plan is not None:
+        prop = propagate(index, pinned, prof, exact=True)
+        if prop.infeasible:
+            raise PlanError(f"the given plan does not fit this model: {prop.infeasible}")
+    else:
+        try:
+            solution, index, more = _solve(index, prof, pinned, layout, limit, sequence_parallel)
+        except MemoryLimitError as exc:
+            error = _what_memory_takes(exc, tp, batch, seq)
+            if getattr(exc, "without_limit", None) is not None:   # set by _solve
+                # the plan memory_limit=inf gives: the fastest plan on the first index, solved already
+                fastest, first_index = exc.without_limit
+
+                @gc_paused()
+                def without_limit() -> Plan:
+                    fastest.warn_pruned()
+                    return _written(cap, first_index, fastest.propagation, prof, tp, batch, seq, keep, layout,
+                                    pinned, float("inf"), [], replayed=None)[0]
+
+                error.plan_without_limit = without_limit
+            raise error from None
+        notes += more
+        prop = solution.propagation
+        if solution.over_limit is not None:
+            fast_s, fast_bytes = solution.over_limit
+            notes.append(f"the fastest plan ({fast_s * 1e3:.3f} ms per step) needs {fast_bytes / 2**30:.2f} GiB "
+                         f"per rank, over the memory limit of {limit / 2**30:.2f} GiB: this plan is slower but fits")
+        if prop.infeasible:
+            raise PlanError(f"no feasible plan: {prop.infeasible}")
+    return _written(cap, index, prop, prof, tp, batch, seq, keep, layout, pinned, limit, notes, replayed=plan)
+
+
+def _written(cap: Capture, index: GraphIndex, prop: Propagation, prof: Any, tp: int, batch: int, seq: int,
+             keep: frozenset, layout: Mapping[str, Any] | None, pinned: Mapping[str, Placement], limit: float,
+             notes: list[str], replayed: Plan | None) -> tuple[Plan, GraphIndex, Propagation]:
+    """The plan of ``prop``, solved here or ``replayed`` from a saved plan: parameters, roles,
+    collectives, costs and notes."""
+    names, plan = cap.output_names, replayed
+    uses = _first_uses(cap)
+    params, shapes, roles = {}, {}, {}
+    nodes = {n.name: n for n in cap.graph.nodes}
+    for placeholder, fqn in cap.param_names.items():
+        if fqn in cap.aliases:
+            continue
+        node = nodes[placeholder]
+        p = prop.params.get(placeholder, REPLICATE)
+        params[fqn] = p
+        shapes[fqn] = tuple(int(s) for s in node.meta["val"].shape)
+        use = uses.get(placeholder)
+        roles[fqn] = role_of(p, use[0] if use else None, use[1] if use else -1, node.meta["val"].dim())
+    if plan is None and tp > 1:
+        # which experts layout each MoE layer got, against the other one (autotp/planner/experts.py)
+        notes += experts_note(index, prof, expert_stacks(cap), roles, shapes, prop.total_s, limit, pinned, uses)
+    comms = [CommOp(c.kind, c.tensor, c.consumer, repr(c.src), repr(c.dst), c.fwd_bytes, c.bwd_bytes, c.seconds,
+                    module_path(nodes[c.consumer]) if c.consumer in nodes else "")
+             for c in prop.comms]
+    dtype_bytes = next(iter(n.meta["val"].element_size() for n in cap.graph.nodes
+                            if n.op == "placeholder" and n.name in cap.param_names), 4)
+    result = Plan(tp=tp, profile=prof.name, batch=batch, seq=seq, params=params, shapes=shapes, roles=roles,
+                  comms=comms, compute_s=prop.compute_s, comm_s=prop.comm_s, optimizer_s=prop.update_s,
+                  dtype_bytes=dtype_bytes,
+                  aliases=dict(cap.aliases),
+                  sharded_outputs={names[i]: prop.placements[n] for i, n in enumerate(cap.output_nodes)
+                                   if index.keeps_split(i, n, prop.placements.get(n))},
+                  memory_bytes=prop.memory_bytes, activation_bytes=prop.activation_bytes, memory_limit=limit,
+                  expressions=(cost_expressions(index, prop, prof) if plan is None
+                               else DeferredExpressions(lambda: cost_expressions(index, prop, prof))),
+                  notes=notes,
+                  attention=attention_heads(index, prop),
+                  # a replay keeps the layout it is given, and its drawing (recording one costs
+                  # 0.24 s of gpt2-xl's 0.63 s replay, paid per call signature)
+                  flows=record_flows(index, prop) if plan is None else plan.flows)
+    if plan is None and tp > 1:
+        for note in (_sequence_note(index, prop), _replicated_note(result, layout),
+                     unsplit_attention_note(index, prop, result.attention or {})):
+            if note:
+                result.notes.append(note)
+    return result, index, prop
+
+
+#: below this share of parameter bytes split across ranks, a plan says why and how to split more
+SPLIT_SHARE_NOTED = 0.5
+
+
+def _solve(index: GraphIndex, prof: Any, pinned: Mapping[str, Placement], layout: Any, limit: float,
+           sequence_parallel: bool | None) -> tuple[Any, GraphIndex, list[str]]:
+    """The fastest plan within ``limit``: the solver's, on ``index``. Returns the solution, the
+    index it was solved on and notes (where sequence parallelism is used, and why)."""
+    notes: list[str] = []
+    try:
+        solution = solve(index, prof, pinned, memory_limit=limit)
+    except PlanError as exc:
+        _blame_pins(index, pinned, prof, layout)
+        if isinstance(exc, MemoryLimitError):
+            exc.without_limit = (exc.fastest, index)
+        raise
+    if sequence_parallel and not sequence_regions(index, solution.propagation):
+        raise PlanError(
+            "sequence_parallel=True, but no row-parallel product's partial sum meets an add, a dropout or a cast "
+            f"along a dynamic sequence dim in this plan at tp={index.tp} (no layer is split so that a "
+            "reduce-scatter along the sequence can replace its all-reduce): pin a row-parallel layout "
+            "(layout={'<glob>': 'row'}), or leave sequence_parallel to the planner (None)")
+    return solution, index, notes
+
+
+def _sequence_note(index: GraphIndex, prop: Propagation) -> str | None:
+    """Where a plan runs regions split along the sequence, and whether by cost or forced."""
+    regions = sequence_regions(index, prop)
+    if not regions:
+        return None
+    how = "forced (sequence_parallel=True)" if index.force_sequence else "chosen by cost (cheaper than all-reducing there)"
+    return (f"sequence parallelism in {regions} region{'s' if regions > 1 else ''}, {how}: layer norms, dropouts and "
+            "residual adds run on s/tp tokens between a reduce-scatter and an all-gather along s (Megatron-SP's ḡ "
+            "and f̄)")
+
+
+def sequence_regions(index: GraphIndex, prop: Propagation) -> int:
+    """How many regions of a propagation run split along the sequence: reduce-scatters of a
+    Partial along a dynamic dim."""
+    from ..passes.propagate import _meta
+
+    nodes = {n.name: n for n in index.capture.graph.nodes}
+    count = 0
+    for c in prop.comms:
+        if c.kind == "reduce_scatter" and isinstance(c.dst, Shard) and c.tensor in nodes:
+            meta = _meta(nodes[c.tensor])
+            if meta is not None and meta.static(c.dst.dim) is None:
+                count += 1
+    return count
+
+
+def _what_memory_takes(exc: MemoryLimitError, tp: int, batch: int, seq: int) -> MemoryLimitError:
+    """``exc`` (no plan fits the memory limit; the solver found what the fastest plan needs) with
+    a message that says it: the bytes per rank, training state against activations, and what
+    would bring them under the limit, the larger part's remedies first."""
+    gib, limit = 2 ** 30, exc.limit_bytes
+    state, acts = exc.state_bytes, exc.activation_bytes
+    for_state = ("a larger tp, pipeline stages (autotp.plan(..., world=N) chooses tp x pp x dp) or data-parallel "
+                 "sharding (autotp.runtime.fsdp.fully_shard) for the training state")
+    for_acts = "a smaller batch or seq, or activation_checkpointing=True, for the activations"
+    fixes = f"{for_state}; {for_acts}" if state >= acts else f"{for_acts}; {for_state}"
+    message = (f"no plan fits the memory limit of {limit / gib:.2f} GiB per rank at tp={tp} (the slower plans that "
+               f"shard more were searched too): the fastest plan needs {exc.needed_bytes / gib:.2f} GiB per rank, "
+               f"training state {state / gib:.2f} GiB (weights, gradients, Adam's moments) and activations "
+               f"{acts / gib:.2f} GiB at batch {batch}, seq {seq}. Use {fixes}; or raise memory_limit")
+    return MemoryLimitError(message, exc.needed_bytes, state, acts, limit)
+
+
+def _replicated_note(result: Plan, layout: Mapping[str, Any] | None) -> str | None:
+    """Why most of the model stays whole, and how to force splits, when the solver left it so."""
+    serial = result.serial_param_bytes()
+    saved = serial - max(result.param_bytes_per_rank())
+    share = saved / (serial * (1 - 1 / result.tp)) if serial else 1.0   # 1.0: every byte split tp ways
+    if share >= SPLIT_SHARE_NOTED:
+        return None
+    return (f"most of the model runs replicated (the split saves {share:.0%} of what splitting everything "
+            f"{result.tp} ways would): at this workload (batch={result.batch}, seq={result.seq}, profile "
+            f"{result.profile}) the collectives a split needs cost more than the compute it saves. To split "
+            "more: pin roles with layout={'<glob>': 'column'|'row'|'vocab'}, plan for the workload you will "
+            "run (batch=, seq=), or pass the profile of the hardware (profile=)"
+            + ("" if not layout else "; the given layout's pins are applied"))
+
+
+def _blame_pins(index: GraphIndex, pinned: Mapping[str, Placement], prof: Any,
+                layout: Mapping[str, Any] | None) -> None:
+    """Raise a PlanError naming the pin that no plan can hold, where one alone cannot."""
+    blame = unholdable_pin(index, pinned, prof, layout) if pinned else None
+    if blame is not None:
+        raise PlanError(f"no feasible plan: {blame}")

@@ -1,0 +1,161 @@
+"""How a program is fed a DTensor parameter: its local tensor, with the gradient handed back.
+
+The programs compute on each parameter's local shard; the parameters themselves are DTensors
+(optimizers, ``clip_grad_norm_`` and DCP see the whole). :func:`program_tensor` gives a program
+the local tensor, through a persistent leaf (:class:`LocalLeaves`, the default) or a per-call
+autograd Function (:class:`_LocalOf`), so that ``loss.backward()`` fills ``param.grad`` as a
+DTensor of the parameter's spec.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ...errors import ConfigError
+
+
+class LeavesSwitch:
+    """``module.local_leaves``: whether the programs read each parameter through its local leaf
+    (:class:`LocalLeaves`, the default) or through a per-call autograd Function.
+
+    With the leaves the DTensor parameters themselves are not in autograd's graph, only their
+    leaves: ``loss.backward()`` fills ``param.grad`` and runs the parameters' hooks as always,
+    but ``torch.autograd.grad(loss, module.parameters())`` finds the parameters unused (an error,
+    or None with ``allow_unused=True``). Set ``local_leaves = False`` before such a call (its
+    eager steps cost more host time). Under FSDP2 the Function is always used."""
+
+    _leaves: "LocalLeaves | None"
+
+    @property
+    def local_leaves(self) -> bool:
+        return self._leaves is not None
+
+    @local_leaves.setter
+    def local_leaves(self, on: bool) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        if on and isinstance(self, FSDPModule):
+            raise ConfigError("local_leaves cannot be turned on under FSDP2, which reads its unsharded "
+                              "parameters' gradients from autograd itself")
+        if bool(on) != self.local_leaves:
+            self._leaves = LocalLeaves() if on else None
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (the same tensor object every time), a plain tensor itself."""
+    return getattr(t, "_local_tensor", t)
+
+
+def program_tensor(param: nn.Parameter, grad_enabled: bool, leaves: "LocalLeaves | None" = None) -> torch.Tensor:
+    """What a program is fed for ``param``: its local tensor; where a gradient must flow back
+    into ``param.grad`` (a DTensor with the parameter's placements), the local tensor's leaf
+    (``leaves``, :class:`LocalLeaves`) or, where that cannot stand in for the parameter, the
+    local tensor through an autograd Function."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):   # (not hasattr: torch.compile answers it for plain tensors only)
+        if not (grad_enabled and param.requires_grad):
+            return param._local_tensor
+        if torch.compiler.is_compiling():
+            return param.to_local()
+        if leaves is not None and not param._backward_hooks:
+            return leaves.leaf(param)
+        return _LocalOf.apply(param)
+    return param
+
+
+class LocalLeaves:
+    """One persistent leaf per DTensor parameter: its local tensor detached (same storage and
+    version counter), requiring a gradient, fed to the programs in its place. Autograd
+    accumulates the local gradient into the leaf as into any plain parameter; a hook on the
+    leaf then hands it to ``param.grad`` as a DTensor of the parameter's spec (added to the
+    local tensor of one already there) and runs the parameter's own post-accumulate-grad hooks
+    (the data-parallel average, a user's), as autograd would have.
+
+    The per-call autograd Function this replaces (:class:`_LocalOf`, still used for a
+    parameter with a gradient hook of its own, ``param.register_hook``, which must see the
+    gradient before it is accumulated) cost its forward, its Python backward and a DTensor
+    gradient accumulated through DTensor's dispatch, for every parameter and step: a 39-parameter
+    stack on CPU, 3.0 ms a step through it against 1.7 ms through the leaves (1.3 ms plain).
+    A leaf is made again when the parameter's local tensor is replaced (``param.data = ...``, a
+    state dict loaded with ``assign=True``)."""
+
+    def __init__(self) -> None:
+        #: id(param) -> (a weak reference to it, its local tensor then, the leaf): by id, as a
+        #: tensor key would be compared by value
+        self._of: dict[int, tuple] = {}
+
+    def leaf(self, param: nn.Parameter) -> torch.Tensor:
+        local = param._local_tensor
+        held = self._of.get(id(param))
+        if held is not None and held[0]() is param and held[1] is local:
+            return held[2]
+        import weakref
+
+        leaf = local.detach().requires_grad_()
+        ref = weakref.ref(param)
+        leaf.register_post_accumulate_grad_hook(_into_param_grad(ref))
+        self._of[id(param)] = (ref, local, leaf)
+        return leaf
+
+    def clear(self) -> None:
+        self._of.clear()
+
+
+def _into_param_grad(param_ref: Any) -> Callable[[torch.Tensor], None]:
+    import copy
+
+    from torch.distributed.tensor import DTensor   # imported once per leaf, not per step
+
+    def hook(leaf: torch.Tensor) -> None:
+        grad, leaf.grad = leaf.grad, None
+        param = param_ref()
+        if param is None or grad is None:
+            return
+        spec = param._spec
+        if grad.requires_grad:   # backward(create_graph=True): the gradient is differentiable
+            grad = DTensor.from_local(grad, spec.mesh, spec.placements, run_check=False,
+                                      shape=spec.shape, stride=spec.stride)
+            param.grad = grad if param.grad is None else param.grad + grad
+        elif param.grad is None:
+            param.grad = DTensor(grad, copy.copy(spec), requires_grad=False)
+        else:
+            local_tensor(param.grad).add_(grad)
+        for post in tuple((param._post_accumulate_grad_hooks or {}).values()):
+            post(param)
+
+    return hook
+
+
+class _LocalOf(torch.autograd.Function):
+    """``param.to_local()`` for a DTensor parameter, its gradient handed back as a DTensor of
+    the parameter's own spec. torch's to_local builds that DTensor through ``from_local`` (an
+    autograd Function, the global shape and stride worked out again, its checks) in every
+    backward, for every parameter: about a tenth of a tiny Llama's CPU step at tp 1. A gradient
+    laid out as the parameter's local tensor (the usual case) gets a copy of the spec at once;
+    any other, and a backward that builds a graph (``create_graph=True``), goes through torch's
+    own path."""
+
+    @staticmethod
+    def forward(ctx, param):
+        local = param._local_tensor
+        # the attributes torch's _ToTorchTensor.forward sets, which its backward (our fallback)
+        # reads: torch 2.14 added local_tensor_stride
+        ctx.dtensor_spec, ctx.grad_placements, ctx.local_tensor_stride = param._spec, None, local.stride()
+        ctx.set_materialize_grads(False)
+        return local.view_as(local)   # a fresh tensor object: autograd's metadata goes on it
+
+    @staticmethod
+    def backward(ctx, grad):
+        import copy
+
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._api import _ToTorchTensor
+
+        if grad is None:
+            return None
+        if grad.stride() == ctx.local_tensor_stride and not isinstance(grad, DTensor) and not torch.is_grad_enabled():
+            return DTensor(grad, copy.copy(ctx.dtensor_spec), requires_grad=False)
+        return _ToTorchTensor.backward(ctx, grad)[0]
