@@ -213,7 +213,7 @@ def _family_load_planned(path, family):
 
     from autotp import zoo
     from autotp.runtime.checkpoint.loading import _architecture
-    from autotp.testing import equivalence_errors
+    from autotp.testing import equivalence_errors, tolerance
     from tests.e2e.test_embeddings import _vanishing_gradients
 
     # sequence parallelism forbidden: at these tiny widths (hidden 16) the cost model would run whole
@@ -223,12 +223,15 @@ def _family_load_planned(path, family):
                                 batch=64, seq=4096, profile="h100-dgx", sequence_parallel=False)
     config = AutoConfig.from_pretrained(path)
     serial = keep_loss_precision(_architecture(config).cls.from_pretrained(path, dtype=torch.float64))
-    errors = equivalence_errors(serial, pm, zoo.example_batch(family, config, batch=2, seq=6, seed=3))
+    data = zoo.example_batch(family, config, batch=2, seq=6, seed=3)
+    errors = equivalence_errors(serial, pm, data)
     _vanishing_gradients(serial, pm, errors)
     worst = max(errors, key=errors.get)
     local = sum(p.numel() for p in pm.local_parameters().values())
     whole = sum(p.numel() for p in serial.parameters())
-    return (worst, errors[worst]), local / whole
+    # float64's bound, or float32's for a model that casts down (RMSNorm's and T5's norms take their
+    # variance in float32): autotp.testing.tolerance
+    return (worst, errors[worst]), local / whole, tolerance(serial, data)
 
 
 _LOADED_ELSEWHERE = {"gpt2", *FAMILY_VOCAB}
@@ -242,9 +245,12 @@ def test_from_pretrained_loads_every_family_split_and_matches_serial(cluster_of,
 
     config = zoo.tiny_config(family, layers=2, heads=4, kv_heads=2, head_dim=4, vocab=45)
     zoo.build(family, config, dtype=torch.float64, seed=5).save_pretrained(tmp_path)
-    for (name, worst), share in cluster_of(2).run(_family_load_planned, str(tmp_path), family):
-        assert worst <= 1e-9, (family, name, worst)
-        assert share < 0.75, (family, share)   # each rank read and holds its slices, not the whole model
+    for (name, worst), share, bound in cluster_of(2).run(_family_load_planned, str(tmp_path), family):
+        assert worst <= bound, (family, name, worst, bound)
+        # each rank read and holds its slices, not the whole model: BERT's plan splits most of it
+        # (< 0.75); at these tiny widths (hidden 16) the cost model splits only some matrices of the
+        # others (Mistral, Qwen2, Falcon-40B's layout, T5: 0.90-0.93 of the parameters per rank)
+        assert share < (0.75 if family in _FAST_LOAD else 0.95), (family, share)
 
 
 # ---- a folder whose config.json is missing or broken (issue 45)
