@@ -64,9 +64,7 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
     index = GraphIndex.build(cap, tp, batch, seq, uneven=uneven, sharded_outputs=keep,
                              sequence_parallel=sequence_parallel is not False and uneven and tp > 1,
                              input_placements=arriving, force_sequence=bool(sequence_parallel), align=align)
-    pinned = _pinned(cap, layout, plan)   # (checked at any tp: an unknown role or glob is an error)
-    if tp == 1:   # every placement is the whole tensor: a pin (a split over one rank) holds as it is
-        pinned = {}
+    pinned = _pinned(cap, layout, plan)
     notes: list[str] = []
     if plan is not None:
         prop = propagate(index, pinned, prof, exact=True)

@@ -40,20 +40,3 @@ def test_a_column_pin_on_a_fused_qkv_with_fewer_kv_heads_than_ranks_keeps_them_w
     assert plan.attention == {"model.layers.0.self_attn": [1, 1, 1, 1]}
     plan = autotp.plan(model, tp=2, layout=layout)
     assert plan.params["model.layers.0.self_attn.qkv_proj.weight"].sizes == (2, 1, 1)
-
-
-def test_a_pin_at_tp_1_holds_as_it_is():
-    """At tp 1 every placement is the whole tensor, so a pin (a split over one rank) holds without
-    a rule to offer it: before, an experts pin at tp 1 was a PlanError (no sharding rule of
-    index.Tensor offers a split over one rank); an unknown glob is still an error."""
-    import autotp
-    from autotp import zoo
-    from autotp.errors import ConfigError
-
-    config = zoo.tiny_config("mixtral", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=61)
-    config._experts_implementation = "batched_mm"
-    model = zoo.build("mixtral", config, device="meta")
-    plan = autotp.plan(model, 1, layout={"*.experts.*": "expert", "*.q_proj.weight": "column"})
-    assert set(plan.roles.values()) == {"replicate"}, plan.roles
-    with pytest.raises(ConfigError, match="match no parameter"):
-        autotp.plan(model, 1, layout={"*.no_such.weight": "row"})
