@@ -45,13 +45,19 @@ def _work(impl: str, rank: int | None) -> dict[str, int]:
     # serial Mixtral runs torch's grouped kernel on CPU, the rank program transformers' fallback op
     # (its own capture); a product's FLOPs are the same either way
     products = sum(work.by_op[op] for op in ROW_OPS if op not in ("aten.silu", "aten.silu_backward"))
-    return {"products": products, "silu": work.by_op["aten.silu"], "silu_backward": work.by_op["aten.silu_backward"]}
+    return {"products": products, "silu": work.by_op["aten.silu"], "silu_backward": work.by_op["aten.silu_backward"],
+            "gathered": work.by_op["aten.index"]}
 
 
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
 def test_ranks_share_the_rows_of_experts_exactly(impl):
     serial = _work(impl, None)
     ranks = [_work(impl, r) for r in range(TP)]
+    gathered = serial.pop("gathered"), [r.pop("gathered") for r in ranks]
     assert all(v > 0 for v in serial.values()), serial
     for kind, whole in serial.items():
         assert sum(r[kind] for r in ranks) == whole, (kind, [r[kind] for r in ranks], whole)
+    # the rows gathered for the experts (transformers' hidden_states[perm // top_k] on the grouped
+    # path, the routing weights picked on both): the ranks together gather no more than serial
+    # (each rank once gathered every row and kept its own)
+    assert sum(gathered[1]) <= gathered[0], gathered

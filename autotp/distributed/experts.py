@@ -8,7 +8,8 @@ together are each row once; scattered into zeros and summed over ranks (a g) the
 whole tensor.
 
 The rewritten graph makes the row maps (:func:`expert_rows` for the rows a grouped product
-sorted by expert, from the bounds :func:`expert_bounds` reads once per layer; :func:`picked_rows`
+sorted by expert, from the bounds :func:`expert_bounds` reads once per layer, which also gather
+those rows alone where the model gathers every row for the product, :func:`gather_rows`; :func:`picked_rows`
 for the rows whose expert id is the rank's own), runs the ops on the local rows, and leaves the region by :func:`routed_combine` (a token's top-k
 rows summed straight into ``[tokens, ...]``: the Partial a g makes whole) or
 :func:`routed_scatter` (the rows put back in place, zero elsewhere). Every function is plain
@@ -43,6 +44,14 @@ def expert_rows(offs: torch.Tensor, bounds: tuple[int, int]) -> torch.Tensor:
     of rows sorted by expert that its experts own (``bounds``: :func:`expert_bounds`)."""
     start, end = bounds
     return torch.arange(start, end, device=offs.device)
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor, bounds: tuple[int, int]) -> torch.Tensor:
+    """``x[index]`` at the rows ``[start, end)`` alone (``bounds``: :func:`expert_bounds`): the
+    rows a grouped product of this rank's experts reads, gathered where the model gathers every
+    (token, expert) row (transformers' ``hidden_states[perm // top_k]``)."""
+    start, end = bounds
+    return x[index[start:end]]
 
 
 def picked_rows(index: torch.Tensor, first: int, count: int, total: int) -> torch.Tensor:

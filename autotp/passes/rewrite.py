@@ -36,6 +36,8 @@ from ..distributed.functional import grad_if
 from ..distributed.rng import RandomOp, draws_random
 from .propagate import GraphIndex, Propagation, _conversion, _dim_size, _meta, _sharded_compute, map_args, wants_f
 from .rules import LocalContext, aliases_first, is_routed, localizer_for, mutates_first
+from .rules.experts import grouped_reader
+from .rules.registry import REGION_BOUNDS
 
 
 class GraphLocalContext(LocalContext):
@@ -52,6 +54,10 @@ class GraphLocalContext(LocalContext):
         #: set by a localizer whose op makes rows of its own (a product's, a pick's, a reorder's)
         self.made_rows: fx.Node | None = None
         self._shared_rows: dict[tuple, fx.Node] = {}
+        #: the grouped product that reads the rows the current op gathers, as
+        #: (its OpInfo, its strategy, its offs in the rank's graph): set by :func:`rewrite`
+        self.grouped_reader: Any = None
+        self.node: fx.Node | None = None   # the captured op being localized
 
     def rows_of(self, node: fx.Node) -> fx.Node:
         """The row map of the routed value ``node``: the global row ids of its local rows."""
@@ -202,7 +208,16 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         converted[key] = out
         return out
 
-    for node in cap.graph.nodes:
+    readers = {}
+
+    def grouped_reader() -> tuple:
+        product = readers[ctx.node]
+        offs = product.args[2] if len(product.args) > 2 else product.kwargs["offs"]
+        return index.infos[product], prop.chosen[product], env[offs]
+
+    ctx.grouped_reader = grouped_reader
+    for node in _program_order(cap.graph, prop, readers):
+        ctx.node = node
         if node.op == "placeholder":
             env[node] = graph.placeholder(node.name)
             env[node].meta = dict(node.meta)
@@ -227,7 +242,7 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             if node.target is operator.getitem and env[node.args[0]] in ctx.rows:   # a split of routed rows
                 ctx.rows[env[node]] = ctx.rows[env[node.args[0]]]
             continue
-        if node.target in _REGION_BOUNDS:
+        if node.target in REGION_BOUNDS:
             converted.clear()   # a conversion made under one grad/autocast mode is not reused under another
         strategy = prop.chosen[node]
         info = index.infos[node]
@@ -298,7 +313,33 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
     return fx.GraphModule(root, graph, class_name="ParallelGraph")
 
 
-_REGION_BOUNDS = (torch._C._set_grad_enabled, torch.amp._enter_autocast, torch.amp._exit_autocast)
+
+
+def _program_order(graph: fx.Graph, prop: Propagation, readers: dict) -> list[fx.Node]:
+    """The captured graph's nodes in the order the rank's program runs them: as captured, but a
+    gather of rows a rank takes at its own experts' rows (an ``index`` placed routed from whole
+    inputs, :func:`~autotp.passes.rules.experts.grouped_reader`) moved, with the casts that carry
+    its rows, to right before the grouped product that reads them, after the product's ``offs``
+    that bound the rank's rows. ``readers`` gets each such gather's product."""
+    order = list(graph.nodes)
+    moved = []
+    for node in order:
+        strategy = prop.chosen.get(node)
+        if node.target is torch.ops.aten.index.Tensor and strategy is not None \
+                and isinstance(strategy.output, Routed) and strategy.inputs[0] == Replicate():
+            found = grouped_reader(node)
+            if found is None:
+                raise PlanError(f"{node.name} is placed as routed rows gathered for a grouped product, "
+                                f"but no grouped product alone reads it")
+            chain, product = found
+            readers[node] = product
+            moved.append(([node] + chain, product))
+    for run, product in moved:
+        for n in run:
+            order.remove(n)
+        at = order.index(product)
+        order[at:at] = run
+    return order
 
 
 def _first_write(node: fx.Node) -> fx.Node | None:

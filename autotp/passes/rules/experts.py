@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import operator
+from typing import Any
 
 import sympy
 import torch
@@ -61,6 +62,54 @@ SIZED_VIEWS = frozenset((aten.view.default, aten.reshape.default, aten._unsafe_v
 
 #: the grouped products by name: transformers registers its fallback op only once imported
 GROUPED_MM = ("aten._grouped_mm.default", "transformers.grouped_mm_fallback.default")
+#: ops that carry a gathered row to a grouped product unchanged but for its dtype or memory
+CARRY_ROWS = frozenset((aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.clone.default,
+                        aten.contiguous.default, aten.alias.default))
+
+
+def grouped_reader(node: Any) -> tuple[list, Any] | None:
+    """``(chain, product)`` where ``node`` is ``h[idx]`` (rows gathered by one 1-D index) read by
+    one grouped product of experts alone, as its x, through ``chain`` (casts and copies, each
+    read once); None otherwise. Such a gather's rows are the product's rows, sorted by expert
+    (the product's ``offs`` say whose): a rank under expert parallelism needs its own experts'
+    rows alone, ``h[idx[start:end]]``, not every row to slice them. Its bounds come from
+    ``offs``, which the model computes after the gather; nothing between the gather and the
+    product may write ``h`` or ``idx`` or change the grad or autocast mode, so that the rank's
+    program can gather there, right before the product (see autotp/passes/rewrite.py)."""
+    from torch import fx
+
+    from .registry import REGION_BOUNDS, aliases_first, mutates_first
+
+    if not (isinstance(node, fx.Node) and node.target is aten.index.Tensor and len(node.args) == 2):
+        return None
+    h, indices = node.args
+    if not (isinstance(h, fx.Node) and isinstance(indices, (list, tuple)) and len(indices) == 1
+            and isinstance(indices[0], fx.Node)):
+        return None
+    hv, iv = h.meta.get("val"), indices[0].meta.get("val")
+    if not (isinstance(hv, torch.Tensor) and hv.is_floating_point() and hv.ndim == 2
+            and isinstance(iv, torch.Tensor) and not iv.is_floating_point() and iv.ndim == 1):
+        return None
+    chain, cur = [], node
+    while True:
+        users = list(cur.users)
+        if len(users) != 1 or users[0].op != "call_function" or not users[0].args or users[0].args[0] is not cur:
+            return None
+        user = users[0]
+        if op_name(user.target) in GROUPED_MM:
+            break
+        if user.target not in CARRY_ROWS:
+            return None
+        chain.append(user)
+        cur = user
+    read = {h, indices[0]}
+    at = node.next
+    while at is not user:
+        if at.op == "call_function" and (at.target in REGION_BOUNDS or (
+                (mutates_first(at.target) or aliases_first(at.target)) and at.args and at.args[0] in read)):
+            return None
+        at = at.next
+    return chain, user
 
 
 def _kind(target):
@@ -207,6 +256,11 @@ def index_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
         rank = info.inputs[1].ndim
         for have, want in _matrix_shards(info, placements[0], (1, 2), lambda d: d - 1 + rank):
             out.append(Strategy((have, REPLICATE), want))
+    if info.gathers_expert_rows and info.tp > 1 and placements[0] in (REPLICATE, None) \
+            and placements[1] in (REPLICATE, None):
+        # rows gathered for a grouped product alone: a rank gathers its experts' rows (the
+        # product takes them as routed rows, the same row map)
+        out.append(Strategy((REPLICATE, REPLICATE), Routed(0)))
     if picked and type(placements[0]) is Partial:
         # rows reordered (the grouped path's inverse sort): linear in x, so a Partial stays one
         out.append(Strategy((PARTIAL, REPLICATE), PARTIAL))
@@ -284,6 +338,17 @@ def routed_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict
             pair = ctx.graph.call_function(E.routed_reorder, (x, index, ctx.rows_of(x), size))
             ctx.made_rows = ctx.graph.call_function(operator.getitem, (pair, 1))
             return operator.getitem, (pair, 0), {}
+        if strategy.inputs[0] == REPLICATE:   # rows gathered for a grouped product: its rank's rows
+            product, product_strategy, offs = ctx.grouped_reader()
+            if not isinstance(product_strategy.output, Routed):
+                from ...errors import PlanError
+
+                raise PlanError(f"{info.target} gathers its rows for a grouped product as routed rows, but the "
+                                f"product does not run its experts' rows alone (it is {product_strategy}); the "
+                                f"gather must be replicated here")
+            bounds, ctx.made_rows = _expert_rows(product, product_strategy, offs, ctx)
+            h, index = ctx.inputs
+            return E.gather_rows, (h, index, bounds), {}
         first, count = _run(info, strategy, 0, ctx)
         total = int(info.inputs[0].shape[0])
         weight, index = ctx.inputs
@@ -349,8 +414,7 @@ def _grouped_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: di
     offs = args[2] if len(args) > 2 else kwargs.pop("offs")
     x = ctx.inputs[0]
     first, count = _run(info, strategy, 1, ctx)
-    bounds = ctx.shared_rows(("bounds", offs, first, count), lambda: (E.expert_bounds, (offs, first, count)))
-    ctx.made_rows = ctx.shared_rows(("sorted", offs, first, count), lambda: (E.expert_rows, (offs, bounds)))
+    bounds, ctx.made_rows = _expert_rows(info, strategy, offs, ctx)
     x_routed = isinstance(strategy.inputs[0], Routed)
     if x_routed and ctx.rows_of(x) is not ctx.made_rows:
         from ...errors import PlanError
@@ -360,3 +424,14 @@ def _grouped_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: di
                         f"replicated here")
     return (E.routed_grouped_mm, (args[0], args[1], offs, bounds, first, count, op_name(info.target), x_routed),
             kwargs)
+
+
+def _expert_rows(info: OpInfo, strategy: Strategy, offs: Any, ctx: LocalContext) -> tuple[Any, Any]:
+    """(bounds, row map) of the rows of this rank's experts among a grouped product's rows sorted
+    by expert: one pair of nodes per layer (``offs`` and the run of experts), shared by its two
+    products and the gather in front of them, and read to the host once."""
+    from ...distributed import experts as E
+
+    first, count = _run(info, strategy, 1, ctx)
+    bounds = ctx.shared_rows(("bounds", offs, first, count), lambda: (E.expert_bounds, (offs, first, count)))
+    return bounds, ctx.shared_rows(("sorted", offs, first, count), lambda: (E.expert_rows, (offs, bounds)))

@@ -103,6 +103,9 @@ class OpInfo:
     force_sequence: bool = False
     #: an index by a constant list: (indexed dim, its non-negative positions); None otherwise
     picks: tuple | None = None
+    #: an index gathering rows (``h[idx]``) read by one grouped product of experts alone (through
+    #: casts): its rows are the product's, sorted by expert, so a rank can gather its own alone
+    gathers_expert_rows: bool = False
     #: hints for a fresh shard of an input's dim, (input index, dim) -> as ``hints``: a product's
     #: contracted features read off how x was made (heads x head_dim: whole heads)
     input_hints: dict[tuple[int, int], tuple] = field(default_factory=dict)
@@ -423,6 +426,10 @@ class LocalContext:
         if isinstance(expr, sympy.Expr) and expr.is_Integer:
             return int(expr)
         raise NotImplementedError(f"cannot compute the dynamic size {expr} outside a graph")
+
+
+#: the ops that open or close a region of the program run under another grad or autocast mode
+REGION_BOUNDS = (torch._C._set_grad_enabled, torch.amp._enter_autocast, torch.amp._exit_autocast)
 
 
 def norm_dim(dim: int, ndim: int) -> int:
