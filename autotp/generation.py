@@ -9,11 +9,13 @@ mask is given, and finished rows (an ``eos_token_id`` drawn) filled with ``pad_t
 runs two kinds of program under the module's one parameter layout:
 
 * **prefill**: the prompt in, the last position's logits and every layer's keys and values out
-  (a state-space or linear-attention layer's conv and recurrent states: ``conv_i``, ``ssm_i``);
+  (a state-space or linear-attention layer's conv and recurrent states: ``conv_i``, ``ssm_i``;
+  the states a model's own cache class keeps beside its layers, MiniMax's ``linear_cache_i``);
 * **decode**: one token and the cache in, its logits and the grown (or updated) cache out.
 
 Each is the model's own forward, captured through :class:`CachedStep`, which hands the cache to
-the model as a ``DynamicCache`` built from plain named tensors (``key_0``, ``value_0``, ...) and
+the model as a ``DynamicCache`` (or the cache class the model requires of its own:
+:func:`~autotp.step_cache.own_cache_class`) built from plain named tensors (``key_0``, ``value_0``, ...) and
 returns the updated cache the same way. The cache outputs are planned as kept split
 (``build_plan(keep_split=...)``) and the decode program's cache inputs arrive split the same
 way (``input_placements``): where the plan splits attention by head, each rank keeps and feeds
@@ -35,7 +37,7 @@ from torch import nn
 from .capture import Capture, capture, seq_bounds
 from .errors import ConfigError, InputError, PlanError
 from .placements import REPLICATE, Placement
-from .step_cache import step_cache, windowed_layers
+from .step_cache import own_cache_class, own_states, step_cache, windowed_layers
 
 #: the example batch and lengths a step is captured with (0 and 1 are specialized by export)
 EXAMPLE_BATCH = 2
@@ -85,6 +87,7 @@ class CachedStep(nn.Module):
         # have an MoE model compute its load-balancing loss over the step's tokens and the whole
         # attention mask (one token against the grown mask, a shape error in the decode step)
         self.unread = {name: False for name in _UNREAD_OUTPUTS if name in params}
+        self.cache_class = own_cache_class(model)
 
     def forward(self, **kwargs: Any) -> dict[str, torch.Tensor]:
         cached = {name: kwargs.pop(name) for name in self.names}
@@ -94,10 +97,17 @@ class CachedStep(nn.Module):
         # positions seen before this step: the mask spans them and the step's tokens (a sliding
         # window layer holds fewer, and must be told: autotp.step_cache)
         past = mask.shape[-1] - ids.shape[-1] if mask is not None and ids is not None and kv else None
-        cache = step_cache(self.inner.config, kv, past)
+        cache = step_cache(self.inner.config, kv, past, self.cache_class)
+        own = dict(own_states(cache))
         for i in layers:
             if f"conv_{i}" in cached or f"ssm_{i}" in cached:
                 _load_states(cache.layers[i], cached.get(f"conv_{i}"), cached.get(f"ssm_{i}"))
+        for name, value in cached.items():
+            attr, i = name.rsplit("_", 1)
+            if attr in own:   # a state the model's own cache class keeps beside its layers
+                held = own[attr]
+                held.extend([] for _ in range(len(held), int(i) + 1))
+                held[int(i)] = value.clone()   # a copy, as _load_states makes
         if self.keep_last:
             kwargs["logits_to_keep"] = 1
         out = self.inner(**kwargs, use_cache=True, **self.unread, **{self.cache_arg: cache})
@@ -106,6 +116,10 @@ class CachedStep(nn.Module):
         for i, layer in enumerate(cache.layers):
             for name, value in _layer_tensors(layer, i):
                 result[name] = value
+        for attr, held in own_states(cache):
+            for i, value in enumerate(held):
+                if isinstance(value, torch.Tensor):
+                    result[f"{attr}_{i}"] = value
         return result
 
 

@@ -25,6 +25,7 @@ the window refused a cache below it).
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import torch
@@ -101,16 +102,59 @@ def _step_window_layer() -> type | None:
     return StepWindowLayer
 
 
-def step_cache(config: Any, tensors: dict[int, tuple[torch.Tensor, torch.Tensor]], past: Any) -> Any:
-    """A ``DynamicCache`` for ``config`` holding ``tensors`` (attention layer -> its keys and
-    values; {} for the prefill) after ``past`` positions; ``past`` None: what the tensors hold
-    (the windowed layers then count their held keys, as transformers' update would)."""
+def own_cache_class(model: Any) -> type | None:
+    """The cache class a model makes and requires of its own, where it has one: a subclass of
+    ``DynamicCache`` that a module's forward names as the type of its cache argument (MiniMax's
+    ``MiniMaxCache``, which keeps its lightning attention's states in a list beside the layers
+    and refuses any other cache); None for a model that takes any ``DynamicCache``."""
+    import typing
+
     from transformers.cache_utils import DynamicCache
 
+    seen = set()
+    for module in model.modules():
+        forward = type(module).forward
+        if forward in seen:
+            continue
+        seen.add(forward)
+        names = [n for n in inspect.signature(forward).parameters if n in ("cache", "past_key_values")]
+        if not names:
+            continue
+        try:
+            hint = typing.get_type_hints(forward).get(names[0])
+        except Exception:   # an annotation that does not resolve: no class named there
+            continue
+        for cls in typing.get_args(hint) or (hint,):
+            if isinstance(cls, type) and issubclass(cls, DynamicCache) and cls is not DynamicCache:
+                return cls
+    return None
+
+
+def own_states(cache: Any) -> list[tuple[str, list]]:
+    """The per-layer lists a cache class of the model's own keeps beside its layers (MiniMax's
+    ``linear_cache``: a lightning attention layer's state at its layer's index, ``[]`` for the
+    others), by attribute name: what a step hands out and takes back as ``{name}_{layer}``."""
+    from transformers.cache_utils import DynamicCache
+
+    if type(cache) is DynamicCache:
+        return []
+    plain = set(vars(DynamicCache()))
+    return [(name, value) for name, value in vars(cache).items() if name not in plain and isinstance(value, list)]
+
+
+def step_cache(config: Any, tensors: dict[int, tuple[torch.Tensor, torch.Tensor]], past: Any,
+               cache_class: type | None = None) -> Any:
+    """A ``DynamicCache`` (or ``cache_class``, the model's own: :func:`own_cache_class`) for
+    ``config`` holding ``tensors`` (attention layer -> its keys and values; {} for the prefill)
+    after ``past`` positions; ``past`` None: what the tensors hold (the windowed layers then
+    count their held keys, as transformers' update would)."""
+    from transformers.cache_utils import DynamicCache
+
+    cls = cache_class or DynamicCache
     try:
-        cache = DynamicCache(config=config)
-    except TypeError:   # a transformers without per-layer cache types
-        cache = DynamicCache()
+        cache = cls(config=config)
+    except TypeError:   # a transformers without per-layer cache types, or a class of the model's own
+        cache = cls()
     window, layer_class = _window_layer_class(), _step_window_layer()
     for i in range(len(cache.layers) if window is not None else 0):
         layer = cache.layers[i]

@@ -92,3 +92,33 @@ def test_a_hybrid_step_carries_its_mixers_conv_and_recurrent_states_to_the_next(
     assert step["key_1"].shape[2] == 7 and step["conv_0"].shape == prompt["conv_0"].shape
     assert not torch.equal(step["ssm_0"], prompt["ssm_0"])
     torch.testing.assert_close(step["logits"], serial, rtol=1e-12, atol=1e-12)
+
+
+def test_a_model_with_a_cache_class_of_its_own_steps_with_it_and_carries_its_states():
+    # MiniMax (tiny): layer 0 lightning attention, layer 1 attention. Its model refuses any cache
+    # but its own MiniMaxCache, which keeps the lightning layer's state in a list beside the
+    # layers: the step makes that class (named in the model's forward signature, not its name),
+    # hands the state out as linear_cache_0 and takes it back, as transformers' own cached decode
+    from transformers.cache_utils import DynamicCache
+
+    from autotp.step_cache import own_cache_class
+
+    config = zoo.tiny_config("minimax", layers=2, heads=2, head_dim=8, vocab=48)
+    config._experts_implementation = "batched_mm"
+    model = zoo.build("minimax", config, dtype=torch.float64).eval()
+    own = own_cache_class(model)
+    assert own is not None and issubclass(own, DynamicCache) and own is not DynamicCache
+    assert own_cache_class(zoo.build("llama", zoo.tiny_config("llama", layers=1, heads=2, head_dim=8, vocab=48))) is None
+    ids = torch.randint(0, 48, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        prompt = CachedStep(model)(input_ids=ids[:, :6])
+        names = ("linear_cache_0", "key_1", "value_1")
+        assert sorted(n for n in prompt if n != "logits") == sorted(names)
+        states = {n: prompt[n] for n in names}
+        before = {n: v.clone() for n, v in states.items()}
+        step = CachedStep(model, names)(input_ids=ids[:, 6:], **states)
+        first = model(input_ids=ids[:, :6], use_cache=True)
+        serial = model(input_ids=ids[:, 6:], cache=first.cache, use_cache=True).logits[:, -1]
+    assert all(torch.equal(states[n], before[n]) for n in names)   # the step's inputs are left as they came
+    assert step["key_1"].shape[2] == 7 and not torch.equal(step["linear_cache_0"], prompt["linear_cache_0"])
+    torch.testing.assert_close(step["logits"], serial, rtol=1e-12, atol=1e-12)

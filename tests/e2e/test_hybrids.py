@@ -10,8 +10,8 @@ mixer computes in float32 inside a float64 model (transformers' torch paths cast
 ``hidden_states.float()``, ``.to(torch.float32)``), and so do the routers of the experts.
 Greedy ``generate`` (row 0 left-padded) gives the serial model's tokens: the prompt's program
 returns every attention layer's keys and values and every mixer's conv and recurrent states, and
-each decode step takes them back; MiniMax's generate is a CaptureError on every rank (its own
-cache class: NOT_GENERATED). Slow tier: a family's captures take 5-30 s each on two cores."""
+each decode step takes them back (MiniMax's lightning attention states too, kept by its model's
+own cache class beside the layers). Slow tier: a family's captures take 5-30 s each on two cores."""
 import pytest
 import torch
 
@@ -55,10 +55,9 @@ def hybrid_calls(family: str) -> dict:
     return out
 
 
-#: families whose generate autotp does not run yet, and the error every rank raises: MiniMax's
-#: model makes and requires a cache class of its own (MiniMaxCache, its lightning attention's
-#: states in a list beside the layers), which the generation step's DynamicCache is not
-NOT_GENERATED = {"minimax": ("CaptureError", "uses cache of its own")}
+#: families whose generate autotp does not run yet, and the error every rank raises (MiniMax's,
+#: whose model requires a cache class of its own, runs: autotp.step_cache.own_cache_class)
+NOT_GENERATED: dict[str, tuple[str, str]] = {}
 
 
 @pytest.mark.slow
