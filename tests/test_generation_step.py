@@ -71,17 +71,12 @@ def test_a_window_longer_than_the_prompt_and_mixed_layers_step_like_huggingface(
     # Gemma 3: a sliding layer and a full one; a window of 6 over a prompt of 4 grows past it
     _steps_against_huggingface("gemma3", window=6, pads=[0, 2], length=4, new=5)
 
-def test_a_hybrid_step_carries_its_mixers_conv_and_recurrent_states_to_the_next():
-    # Bamba (tiny): layer 0 a Mamba2 mixer, layer 1 attention. The prompt's step returns the
-    # mixer's conv and SSM states beside the attention's keys and values; a decode step fed them
-    # gives the logits transformers' own cached decode gives (what the serial generate runs), and
-    # returns the states of one token more
-    config = zoo.tiny_config("bamba", layers=2, heads=2, head_dim=8, vocab=48)
-    model = zoo.build("bamba", config, dtype=torch.float64).eval()
+def _prompt_then_one_step(model, names: tuple[str, ...]) -> tuple[dict, dict]:
+    """The prompt's step (6 tokens) and one decode step fed its states, eagerly, checked against
+    transformers' own cached decode: (prompt step's outputs, decode step's outputs)."""
     ids = torch.randint(0, 48, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         prompt = CachedStep(model)(input_ids=ids[:, :6])
-        names = ("conv_0", "ssm_0", "key_1", "value_1")
         assert sorted(n for n in prompt if n != "logits") == sorted(names)
         states = {n: prompt[n] for n in names}
         before = {n: v.clone() for n, v in states.items()}
@@ -89,9 +84,20 @@ def test_a_hybrid_step_carries_its_mixers_conv_and_recurrent_states_to_the_next(
         first = model(input_ids=ids[:, :6], use_cache=True)
         serial = model(input_ids=ids[:, 6:], cache=first.cache, use_cache=True).logits[:, -1]
     assert all(torch.equal(states[n], before[n]) for n in names)   # the step's inputs are left as they came
+    torch.testing.assert_close(step["logits"], serial, rtol=1e-12, atol=1e-12)
+    return prompt, step
+
+
+def test_a_hybrid_step_carries_its_mixers_conv_and_recurrent_states_to_the_next():
+    # Bamba (tiny): layer 0 a Mamba2 mixer, layer 1 attention. The prompt's step returns the
+    # mixer's conv and SSM states beside the attention's keys and values; a decode step fed them
+    # gives the logits transformers' own cached decode gives (what the serial generate runs), and
+    # returns the states of one token more
+    config = zoo.tiny_config("bamba", layers=2, heads=2, head_dim=8, vocab=48)
+    model = zoo.build("bamba", config, dtype=torch.float64).eval()
+    prompt, step = _prompt_then_one_step(model, ("conv_0", "ssm_0", "key_1", "value_1"))
     assert step["key_1"].shape[2] == 7 and step["conv_0"].shape == prompt["conv_0"].shape
     assert not torch.equal(step["ssm_0"], prompt["ssm_0"])
-    torch.testing.assert_close(step["logits"], serial, rtol=1e-12, atol=1e-12)
 
 
 def test_a_model_with_a_cache_class_of_its_own_steps_with_it_and_carries_its_states():
@@ -109,16 +115,5 @@ def test_a_model_with_a_cache_class_of_its_own_steps_with_it_and_carries_its_sta
     own = own_cache_class(model)
     assert own is not None and issubclass(own, DynamicCache) and own is not DynamicCache
     assert own_cache_class(zoo.build("llama", zoo.tiny_config("llama", layers=1, heads=2, head_dim=8, vocab=48))) is None
-    ids = torch.randint(0, 48, (2, 7), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        prompt = CachedStep(model)(input_ids=ids[:, :6])
-        names = ("linear_cache_0", "key_1", "value_1")
-        assert sorted(n for n in prompt if n != "logits") == sorted(names)
-        states = {n: prompt[n] for n in names}
-        before = {n: v.clone() for n, v in states.items()}
-        step = CachedStep(model, names)(input_ids=ids[:, 6:], **states)
-        first = model(input_ids=ids[:, :6], use_cache=True)
-        serial = model(input_ids=ids[:, 6:], cache=first.cache, use_cache=True).logits[:, -1]
-    assert all(torch.equal(states[n], before[n]) for n in names)   # the step's inputs are left as they came
+    prompt, step = _prompt_then_one_step(model, ("linear_cache_0", "key_1", "value_1"))
     assert step["key_1"].shape[2] == 7 and not torch.equal(step["linear_cache_0"], prompt["linear_cache_0"])
-    torch.testing.assert_close(step["logits"], serial, rtol=1e-12, atol=1e-12)
