@@ -98,7 +98,7 @@ def layer_costs(index: Any, prop: Any, profile: Any, layers: list[str]) -> tuple
     graph = index.capture.graph
     per_layer = dict.fromkeys(layers, 0.0)
     before = after = 0.0
-    seen_layer: set[fx.Node] = set()     # nodes downstream of a layer's op
+    seen_layer: set = set()     # nodes downstream of a layer's op (fx nodes)
     where: dict[str, str | None] = {}
     after_layers: set[str] = set()       # names of the nodes outside the layers that follow them
     for node in graph.nodes:
