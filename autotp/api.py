@@ -19,6 +19,7 @@ from .capture import example_like, fits_call, lengths_of, on_meta, seq_bounds, s
 from .capture.cache import capture as capture_model   # once per structure; see its docs
 from .cost_model import get_profile
 from .cost_model.alignment import Align
+from .cost_model.pipeline import cut_layers, layer_costs
 from .errors import ConfigError
 from .generation import capture_step
 from .passes.attention import check_heads
@@ -193,7 +194,8 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
                  align_products: bool | None = None) -> "ParallelModule":
     from .distributed.mesh import get_mesh
     from .runtime.module.module import ParallelModule
-    from .runtime.pipeline.stage import check_pipeline
+    from .runtime.module.outline import layer_paths
+    from .runtime.pipeline.stage import PipelineModule, check_pipeline
 
     tp = check_tp(tp)
     batch, seq, layout, memory_limit = check_planning(batch, seq, layout, memory_limit)
@@ -207,20 +209,23 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
         raise ConfigError(f"rng={rng!r}: choose 'torch' (torch's generator in eager calls, counter-based under "
                           "torch.compile) or 'counter' (counter-based in both)")
     device = torch.device(device)
+    profile = profile or _default_profile(device)
     align = _align(align_products, device, profile)
 
     # What each kind of call runs: its capture and plan (on every rank or none), then this rank's
     # program of it. The first call's is made below; a ParallelModule asks build() for others.
     def prepare():
         cap = capture_model(model, example_inputs, example_kwargs, seq_range=seq_range)
-        check_heads(cap, tp, uneven)
-        # a pipeline stage holds a share of the model: the stage checks its share (runtime/pipeline/stage.py)
-        result, index, prop = build_plan(cap, tp, batch=batch, seq=_planning_seq(model, seq, seq_range),
-                                         profile=profile or _default_profile(device), layout=layout,
-                                         plan=plan, uneven=uneven, gather_logits=gather_logits,
-                                         memory_limit=memory_limit if pp == 1 else float("inf"),
-                                         sequence_parallel=sequence_parallel, align=align)
-        return cap, result, index, prop
+        result, index, prop = planned(cap, seq=_planning_seq(model, seq, seq_range), layout=layout, plan=plan,
+                                      gather_logits=gather_logits, sequence_parallel=sequence_parallel,
+                                      # a pipeline stage checks its own share of the memory (runtime/pipeline/stage.py)
+                                      memory_limit=memory_limit if pp == 1 else float("inf"))
+        chunk_layers = None
+        if pp > 1:   # a pipeline's cut: the repeated layers dealt to its chunks by the plan's costs, or as asked
+            layers = layer_paths(model)
+            chunk_layers = cut_layers(layer_costs(index, prop, get_profile(profile), layers), layers, pp, virtual,
+                                      stage_layers)
+        return cap, result, index, prop, chunk_layers
 
     def prepare_call(inputs: dict, training: bool, step: Any) -> tuple:
         was = twin.training
@@ -244,16 +249,20 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
             twin.train(was)
         # a generation step returns its logits whole whatever gather_logits says for calls:
         # generate picks each token from the whole row (StepSpec.keep_split keeps the cache)
-        call_plan, call_index, call_prop = build_plan(
-            call_cap, tp, batch=batch, seq=seq or _default_seq(twin),
-            profile=profile or _default_profile(device), plan=result, uneven=uneven,
-            gather_logits=True if step is not None else gather_logits, memory_limit=memory_limit,
+        return (call_cap, *planned(
+            call_cap, seq=seq or _default_seq(twin), plan=result, memory_limit=memory_limit,
+            gather_logits=True if step is not None else gather_logits,
             input_placements=step.input_placements if step else None,
-            keep_split=step.keep_split(call_cap) if step else frozenset(), align=align,
+            keep_split=step.keep_split(call_cap) if step else frozenset(),
             # forbidden stays forbidden; forced applies to the first program (a generation
             # step of one token has no sequence to split), the later ones choose by cost
-            sequence_parallel=False if sequence_parallel is False else None)
-        return call_cap, call_plan, call_index, call_prop
+            sequence_parallel=False if sequence_parallel is False else None))
+
+    def planned(call_cap: Any, **call: Any) -> tuple:
+        """A capture's plan, graph index and propagation: the first call's and every later one's
+        (``call``: what differs between them), the heads checked first."""
+        check_heads(call_cap, tp, uneven)
+        return build_plan(call_cap, tp, batch=batch, profile=profile, uneven=uneven, align=align, **call)
 
     def program(index: GraphIndex, prop: Propagation) -> Any:
         gm = rewrite(index, prop, mesh.tp_rank, mesh.tp_group, device, tracker, align)
@@ -268,7 +277,7 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
 
     # The groups, then on them: the first plan (every rank or none) and the dropout seed, agreed.
     mesh = get_mesh(tp, backend=backend, pp=pp)
-    cap, result, index, prop = _on_every_rank_or_none(mesh, prepare)
+    cap, result, index, prop, chunk_layers = _on_every_rank_or_none(mesh, prepare)
     if mesh.tp_rank == 0 and mesh.dp_rank == 0:
         for note in result.notes:   # once per parallelize, on one rank
             log.warning("autotp plan note: %s", note)
@@ -279,18 +288,12 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
     twin = shape_twin(model)
 
     source = weights(mesh, model) if weights is not None else None
-    if mesh.pp > 1:
-        from .runtime.module.outline import layer_paths
-        from .runtime.pipeline.stage import PipelineModule, layer_costs
-
-        prof = get_profile(profile or _default_profile(device))
-        costs = layer_costs(index, prop, prof, layer_paths(model))
-        with source or contextlib.nullcontext():
-            return PipelineModule(cap, result, program(index, prop), mesh, model, device, microbatches=microbatches,
-                                  schedule=schedule, virtual=virtual, costs=costs, weights=source,
-                                  memory_limit=prof.memory if memory_limit is None else memory_limit,
-                                  stage_layers=stage_layers)
     with source or contextlib.nullcontext():
+        if mesh.pp > 1:
+            limit = get_profile(profile).memory if memory_limit is None else memory_limit
+            return PipelineModule(cap, result, program(index, prop), mesh, model, device, microbatches=microbatches,
+                                  schedule=schedule, virtual=virtual, chunk_layers=chunk_layers, weights=source,
+                                  memory_limit=limit)
         return ParallelModule(cap, result, program(index, prop), mesh, model, device, weights=source, build=build)
 
 

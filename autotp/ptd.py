@@ -164,13 +164,13 @@ def layer_cost(model: nn.Module, stack: Any, t: int, micro_batch: int, seq: int,
     :class:`autotp.capture.expand.Stack`) cut to 2 and to 3 blocks: one layer is their
     difference, the rest lies outside the layers (the optimizer's share taken out: a pipeline
     prices it once a step), split between the first stage (before the layers) and the last as
-    the plan's ops and collectives fall (``runtime.pipeline.layer_costs``)."""
+    the plan's ops and collectives fall (``cost_model.pipeline.layer_costs``)."""
     from .planner import build_plan
     from .capture.cache import capture
     from .capture.expand import NotExpandable, cut
     from .cost_model.symbolic import forward_flops
     from .runtime.module.outline import layer_paths
-    from .runtime.pipeline import layer_costs
+    from .cost_model.pipeline import layer_costs
 
     prof = get_profile(profile)
     got, flops = {}, {}

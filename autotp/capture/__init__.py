@@ -26,12 +26,12 @@ The steps, each a module, in the order they import one another (each imports onl
 from .export import capture, gc_paused
 from .inputs import (DEFAULT_SEQ_RANGE, EXAMPLE_BATCH, EXAMPLE_SEQ, bind_inputs, config_int, example_like,
                      forward_signature, hf_example_kwargs, lengths_of, seq_bounds)
-from .program import Capture, fits_call, flat_inputs, guards_hold, module_path, shape_of, to_sympy, unflatten_outputs
+from .program import Capture, fits_call, flat_inputs, guards_hold, layer_of, module_path, shape_of, to_sympy, unflatten_outputs
 from .twin import on_meta, shape_twin
 
 __all__ = [
     "Capture", "capture", "bind_inputs", "config_int", "example_like", "fits_call", "flat_inputs",
     "forward_signature", "guards_hold", "lengths_of",
-    "gc_paused", "hf_example_kwargs", "module_path", "on_meta", "seq_bounds", "shape_of", "shape_twin",
+    "gc_paused", "hf_example_kwargs", "layer_of", "module_path", "on_meta", "seq_bounds", "shape_of", "shape_twin",
     "to_sympy", "unflatten_outputs", "DEFAULT_SEQ_RANGE", "EXAMPLE_BATCH", "EXAMPLE_SEQ",
 ]

@@ -143,6 +143,15 @@ def module_path(node: fx.Node) -> str:
     return ""
 
 
+def layer_of(node: fx.Node, layers: list[str]) -> str | None:
+    """The repeated layer (one of ``layers``, module paths) whose forward produced ``node``, or None."""
+    path = module_path(node)
+    for layer in layers:
+        if path == layer or path.startswith(layer + "."):
+            return layer
+    return None
+
+
 def _clean_path(path: str) -> str:
     # torch.export writes "L['self'].transformer.h[0].attn" style paths in some versions.
     path = re.sub(r"^L\['self'\]\.?", "", path)

@@ -30,8 +30,9 @@ Per-GPU throughput uses the model FLOPs of Narayanan et al. (2021), eq. (3), as 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
+from ..capture import layer_of
 from ..errors import ConfigError
 from .devices import DeviceProfile
 
@@ -88,6 +89,78 @@ class Choice:
     memory_bytes: float        # per GPU
     flops_per_gpu: float       # model FLOP/s per GPU (the paper's count)
     parts: dict
+
+
+def layer_costs(index: Any, prop: Any, profile: Any, layers: list[str]) -> tuple[list[float], float, float]:
+    """Seconds of each of ``layers`` (module paths; forward and backward, collectives included)
+    by a plan's cost model (``index``, ``prop``: the plan's graph index and propagation), and of
+    what lies before the first layer and after the last."""
+    graph = index.capture.graph
+    per_layer = dict.fromkeys(layers, 0.0)
+    before = after = 0.0
+    seen_layer: set = set()     # nodes downstream of a layer's op (fx nodes)
+    where: dict[str, str | None] = {}
+    after_layers: set[str] = set()       # names of the nodes outside the layers that follow them
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        layer = layer_of(node, layers)
+        where[node.name] = layer
+        downstream = layer is not None or any(x in seen_layer for x in node.all_input_nodes)
+        if downstream:
+            seen_layer.add(node)
+            if layer is None:
+                after_layers.add(node.name)
+        strat = prop.chosen.get(node)
+        seconds = index.compute_time(node, strat, profile) if strat is not None and node in index.infos else 0.0
+        if layer is not None:
+            per_layer[layer] += seconds
+        elif downstream:
+            after += seconds
+        else:
+            before += seconds
+    for comm in prop.comms:
+        layer = where.get(comm.consumer)
+        if layer is not None:
+            per_layer[layer] += comm.seconds
+        elif comm.consumer in after_layers:
+            after += comm.seconds
+        else:     # before the first layer (the embedding's)
+            before += comm.seconds
+    return [per_layer[layer] for layer in layers], before, after
+
+
+def cut_layers(costs: tuple[list[float], float, float], layers: list[str], pp: int, virtual: int,
+               asked: Any = None) -> list[list[str]]:
+    """The repeated ``layers`` dealt to ``pp * virtual`` chunks, in order (chunk ``c`` runs on
+    stage ``c mod pp``): ``asked`` (``stage_layers``: a count per chunk, checked), else as
+    :func:`balance` finds them by ``costs`` (:func:`layer_costs`)."""
+    chunks = pp * virtual
+    sizes = balance(*_priced(costs, layers), chunks, pp) if asked is None else _asked(asked, len(layers), pp, virtual)
+    return [layers[sum(sizes[:c]):sum(sizes[:c + 1])] for c in range(chunks)]
+
+
+def _asked(sizes: Any, layers: int, pp: int, virtual: int) -> list[int]:
+    """``stage_layers``: the layers of each chunk as the user asks, checked."""
+    chunks = pp * virtual
+    sizes = list(sizes)
+    if len(sizes) != chunks or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
+        raise ConfigError(f"stage_layers={sizes} must give a positive number of layers to each of the {chunks} chunks "
+                          f"(pp={pp} x virtual={virtual}), in order")
+    if sum(sizes) != layers:
+        even = f"; {layers // chunks} each" if layers % chunks == 0 else \
+            f" ({layers} does not divide into {chunks} equal chunks: give some chunks one layer more)"
+        raise ConfigError(f"stage_layers={sizes} adds up to {sum(sizes)} layers but the model has {layers} repeated "
+                          f"layers to cut into {chunks} chunks{even}; or leave stage_layers out and the cost model "
+                          "balances them")
+    return sizes
+
+
+def _priced(costs: tuple[list[float], float, float], layers: list[str]) -> tuple[list[float], float, float]:
+    per_layer, before, after = costs
+    if len(per_layer) != len(layers):
+        raise ConfigError(f"the model has {len(layers)} repeated layers but its plan priced {len(per_layer)}")
+    return per_layer, before, after
 
 
 def _check_chunks(n: int, chunks: int) -> None:

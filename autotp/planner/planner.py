@@ -72,9 +72,9 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
             raise PlanError(f"the given plan does not fit this model: {prop.infeasible}")
     else:
         try:
-            solution, index, more = _solve(index, prof, pinned, layout, limit, sequence_parallel)
+            solution, index, more = _solve(index, prof, pinned, layout, limit)
         except MemoryLimitError as exc:
-            error = _what_memory_takes(exc, tp, batch, seq)
+            error = _what_memory_takes(exc, index, batch, seq)
             if getattr(exc, "without_limit", None) is not None:   # set by _solve
                 # the plan memory_limit=inf gives: the fastest plan on the first index, solved already
                 fastest, first_index = exc.without_limit
@@ -82,7 +82,7 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                 @gc_paused()
                 def without_limit() -> Plan:
                     fastest.warn_pruned()
-                    return _written(cap, first_index, fastest.propagation, prof, tp, batch, seq, keep, layout,
+                    return _written(cap, first_index, fastest.propagation, prof, batch, seq, keep, layout,
                                     pinned, float("inf"), [], replayed=None)[0]
 
                 error.plan_without_limit = without_limit
@@ -95,15 +95,15 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                          f"per rank, over the memory limit of {limit / 2**30:.2f} GiB: this plan is slower but fits")
         if prop.infeasible:
             raise PlanError(f"no feasible plan: {prop.infeasible}")
-    return _written(cap, index, prop, prof, tp, batch, seq, keep, layout, pinned, limit, notes, replayed=plan)
+    return _written(cap, index, prop, prof, batch, seq, keep, layout, pinned, limit, notes, replayed=plan)
 
 
-def _written(cap: Capture, index: GraphIndex, prop: Propagation, prof: Any, tp: int, batch: int, seq: int,
+def _written(cap: Capture, index: GraphIndex, prop: Propagation, prof: Any, batch: int, seq: int,
              keep: frozenset, layout: Mapping[str, Any] | None, pinned: Mapping[str, Placement], limit: float,
              notes: list[str], replayed: Plan | None) -> tuple[Plan, GraphIndex, Propagation]:
-    """The plan of ``prop``, solved here or ``replayed`` from a saved plan: parameters, roles,
-    collectives, costs and notes."""
-    names, plan = cap.output_names, replayed
+    """The plan of ``prop`` on ``index`` (its tp), solved here or ``replayed`` from a saved plan:
+    parameters, roles, collectives, costs and notes."""
+    names, plan, tp = cap.output_names, replayed, index.tp
     uses = _first_uses(cap)
     params, shapes, roles = {}, {}, {}
     nodes = {n.name: n for n in cap.graph.nodes}
@@ -150,10 +150,11 @@ def _written(cap: Capture, index: GraphIndex, prop: Propagation, prof: Any, tp: 
 SPLIT_SHARE_NOTED = 0.5
 
 
-def _solve(index: GraphIndex, prof: Any, pinned: Mapping[str, Placement], layout: Any, limit: float,
-           sequence_parallel: bool | None) -> tuple[Any, GraphIndex, list[str]]:
-    """The fastest plan within ``limit``: the solver's, on ``index``. Returns the solution, the
-    index it was solved on and notes (where sequence parallelism is used, and why)."""
+def _solve(index: GraphIndex, prof: Any, pinned: Mapping[str, Placement], layout: Any,
+           limit: float) -> tuple[Any, GraphIndex, list[str]]:
+    """The fastest plan within ``limit``: the solver's, on ``index`` (sequence parallelism
+    forced where ``index.force_sequence``). Returns the solution, the index it was solved on
+    and notes (where sequence parallelism is used, and why)."""
     notes: list[str] = []
     try:
         solution = solve(index, prof, pinned, memory_limit=limit)
@@ -162,7 +163,7 @@ def _solve(index: GraphIndex, prof: Any, pinned: Mapping[str, Placement], layout
         if isinstance(exc, MemoryLimitError):
             exc.without_limit = (exc.fastest, index)
         raise
-    if sequence_parallel and not sequence_regions(index, solution.propagation):
+    if index.force_sequence and not sequence_regions(index, solution.propagation):
         raise PlanError(
             "sequence_parallel=True, but no row-parallel product's partial sum meets an add, a dropout or a cast "
             f"along a dynamic sequence dim in this plan at tp={index.tp} (no layer is split so that a "
@@ -197,11 +198,11 @@ def sequence_regions(index: GraphIndex, prop: Propagation) -> int:
     return count
 
 
-def _what_memory_takes(exc: MemoryLimitError, tp: int, batch: int, seq: int) -> MemoryLimitError:
+def _what_memory_takes(exc: MemoryLimitError, index: GraphIndex, batch: int, seq: int) -> MemoryLimitError:
     """``exc`` (no plan fits the memory limit; the solver found what the fastest plan needs) with
     a message that says it: the bytes per rank, training state against activations, and what
     would bring them under the limit, the larger part's remedies first."""
-    gib, limit = 2 ** 30, exc.limit_bytes
+    gib, limit, tp = 2 ** 30, exc.limit_bytes, index.tp
     state, acts = exc.state_bytes, exc.activation_bytes
     for_state = ("a larger tp, pipeline stages (autotp.plan(..., world=N) chooses tp x pp x dp) or data-parallel "
                  "sharding (autotp.runtime.fsdp.fully_shard) for the training state")

@@ -7,6 +7,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import autotp
+from autotp.placements import layout
+
+from .test_collectives import cases as collective_cases
 
 LAYOUT = {"*.c_attn.weight": "column", "*.mlp.c_fc.weight": "column", "*.attn.c_proj.weight": "row",
           "*.mlp.c_proj.weight": "row", "lm_head.weight": "vocab"}
@@ -275,3 +278,29 @@ def test_gradients_reach_parameters_as_autograd_would_at_tp2(cluster_of):
         assert max(r["hooked"]) <= 1e-12, r["hooked"]
         assert r["create_graph"][0] <= 1e-12 and r["create_graph"][1], r["create_graph"]
         assert r["grad of leaves"] and r["autograd.grad"] <= 1e-12, r
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=collective_cases(tps=range(1, 9), tails=True), rank=st.integers(0, 7), replicate=st.booleans())
+def test_a_rank_parameter_is_its_local_shard_a_copy_placed_as_torch_placement_says(case, rank, replicate):
+    # the state computes a shard's layout once, for the slice and for the DTensor placement:
+    # the slice is what local_shard takes, the placement what torch_placement gives, and the
+    # tensor a copy of the model's (its storage never the parameter's)
+    import types
+
+    from autotp.distributed.collectives import local_shard
+    from autotp.placements import REPLICATE
+    from autotp.runtime.module import dtensor
+
+    rank %= case.tp
+    full = torch.nn.Parameter(torch.arange(torch.Size(case.shape).numel(), dtype=torch.float64).reshape(case.shape))
+    placement = REPLICATE if replicate else case.shard
+    mesh = types.SimpleNamespace(tp_rank=rank)   # no DeviceMesh: the plain local tensor
+    got = dtensor.parameter(full, placement, case.tp, mesh, torch.device("cpu"))
+    want = full.detach() if replicate else local_shard(full.detach(), case.shard, case.tp, rank)
+    assert torch.equal(got, want) and not got.requires_grad
+    assert got.untyped_storage().data_ptr() != full.untyped_storage().data_ptr()
+    if not replicate:
+        size = case.full_size
+        assert dtensor.torch_placement(case.shard, size, case.tp, layout(size, case.shard, case.tp)) == \
+            dtensor.torch_placement(case.shard, size, case.tp)

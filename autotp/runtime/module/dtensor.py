@@ -32,6 +32,7 @@ import torch
 from torch.distributed.tensor import Replicate as TorchReplicate
 from torch.distributed.tensor.placement_types import Shard as TorchShard
 
+from ...distributed.mesh import device_mesh_of
 from ...errors import ConfigError
 from ...placements import Partial, Placement, Shard, layout, local_ranges, local_size, owned_ranges
 
@@ -105,10 +106,7 @@ class RunShard(TorchShard):
         return pieces, pads
 
     def _select(self, tensor: torch.Tensor, n: int, tp: int, rank: int) -> torch.Tensor:
-        ranges = self.ranges(n, tp, rank)
-        if not ranges:
-            return tensor.narrow(self.dim, 0, 0)
-        return torch.cat([tensor.narrow(self.dim, a, b - a) for a, b in ranges], dim=self.dim)
+        return _take(tensor, self.dim, self.ranges(n, tp, rank))
 
     def _select_split_tensor(self, tensor: torch.Tensor, num_chunks: int, index: int, *, with_padding: bool = True,
                              contiguous: bool = True, clone: bool = True) -> torch.Tensor:
@@ -153,16 +151,52 @@ class RunShard(TorchShard):
         return torch.cat([run for _, run in placed], dim=dim)
 
 
-def torch_placement(placement: Placement, size: int | None, tp: int):
-    """The DTensor placement over the tp mesh dim that describes ``placement`` exactly for a
-    dim of ``size`` elements (the sharded dim's size; unused for Replicate)."""
+def parameter(full: torch.Tensor, placement: Placement, tp: int, mesh: Any, device: torch.device,
+              local: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's part of the parameter ``full`` under ``placement``, a copy on ``device``
+    (``local``: the part itself, read from a checkpoint), as a DTensor on ``mesh``'s (dp, tp)
+    DeviceMesh where it has one: replicated over dp, over tp the placement that describes
+    ``placement`` exactly (as :func:`torch_placement`; the shard's layout computed once, for both)."""
+    from torch.distributed.tensor import DTensor
+
+    rank = mesh.tp_rank if mesh is not None else 0
+    size = ranges = None
     if isinstance(placement, Shard):
-        if layout(size, placement, tp) == _chunk_layout(size, tp):
-            return TorchShard(placement.dim)
-        return RunShard(placement)
+        size = full.shape[placement.dim]
+        ranges = layout(size, placement, tp)   # every rank's: for the slice and for the DTensor placement
+    over_tp = torch_placement(placement, size, tp, ranges)
+    if local is None:   # a copy: the model's own tensor is never a parameter's storage
+        local = (full if ranges is None else _take(full, placement.dim, ranges[rank])).detach().to(device, copy=True)
+    else:
+        local = local.to(device)
+    device_mesh = device_mesh_of(mesh, device)
+    if device_mesh is None:
+        return local
+    install()
+    shape = tuple(full.shape)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, device_mesh, [TorchReplicate(), over_tp], run_check=False,
+                              shape=torch.Size(shape), stride=stride)
+
+
+def torch_placement(placement: Placement, size: int | None, tp: int, ranges: Any = None):
+    """The DTensor placement over the tp mesh dim that describes ``placement`` exactly for a
+    dim of ``size`` elements (the sharded dim's size; unused for Replicate); ``ranges``: the
+    shard's :func:`~autotp.placements.layout`, where the caller has computed it."""
+    if isinstance(placement, Shard):
+        if ranges is None:
+            ranges = layout(size, placement, tp)
+        return TorchShard(placement.dim) if ranges == _chunk_layout(size, tp) else RunShard(placement)
     if isinstance(placement, Partial):
         raise ConfigError("a parameter cannot be Partial (a summand on each rank); this is a planner bug")
     return TorchReplicate()
+
+
+def _take(tensor: torch.Tensor, dim: int, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """The ``[start, stop)`` ``ranges`` of ``tensor``'s ``dim``, side by side."""
+    if not ranges:
+        return tensor.narrow(dim, 0, 0)
+    return torch.cat([tensor.narrow(dim, a, b - a) for a, b in ranges], dim=dim)
 
 
 def _chunk_layout(size: int, tp: int) -> tuple[tuple[tuple[int, int], ...], ...]:

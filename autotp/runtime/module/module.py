@@ -48,7 +48,7 @@ from .leaves import LeavesSwitch, LocalLeaves, local_tensor, program_tensor
 from ...distributed.mesh import device_mesh_of
 from .outline import layer_paths, outline
 from .program import Program, ProgramBuilder, fixed_length, unequal_symbol, within_ranges
-from .state import constant_value, hold_parameters, persistent_buffers, put_buffer, put_parameters, refuse_dtype_change
+from .state import RankState, refuse_dtype_change
 
 
 log = logging.getLogger(__name__)
@@ -67,16 +67,40 @@ class ParallelModule(LeavesSwitch, nn.Module):
         module's parameter layout (``plan``), agreed by the TP group, then cached. Without it
         the module runs the one program it was given."""
         super().__init__()
-        # Built in stage order: the groups it talks over, the ranks' agreement on what they run,
-        # this rank's state (parameter shards, buffers), then the programs.
-        # -- the mesh
+        # Built in stage order: the groups it talks over and the ranks' agreement on what they
+        # run, this rank's state (parameter shards, buffers), the programs, then what its calls
+        # check and keep on those groups.
+        # -- the mesh and the agreement
         self.mesh, self.device = mesh, device
         #: the group the agreement checks talk over (CPU/gloo: no accelerator sync per call)
         self._control = control_group(mesh)
-        self._guard = StepGuard(self._control, group_ranks(self._control) if self._control is not None else None)
-        # -- agreement
         #: this module as every rank of its group names it: "GPT2LMHeadModel #2"
         self.name = f"{type(model).__name__} #{agree_on_module(capture, plan, graph_module, model, self._control)}"
+        # -- the state: each parameter a DTensor on the (dp, tp) mesh whose local tensor is this
+        # rank's shard: the programs run on those local tensors (to_local() each call, so gradients
+        # arrive in param.grad as DTensors), optimizers and clip_grad_norm_ see the whole
+        self._state = RankState(capture, plan, model, mesh, device, weights)
+        #: held FQN -> the parameter (one per tied group, under the name the programs use)
+        self._held = self._state.put_on(self)
+        #: each DTensor parameter's local leaf (see :class:`LocalLeaves`); None under FSDP2,
+        #: which reads its unsharded parameters' gradients from autograd itself
+        self._leaves: LocalLeaves | None = LocalLeaves()
+        #: what pm.generate needs of the serial model (autotp.generation)
+        self._generation = _generation_info(model)
+        #: the model's repeated layers (runtime.module.outline.layer_paths); under per-layer FSDP2
+        #: (runtime.fsdp.fully_shard) each one's subtree of this module, by path, runs its ops
+        self._layers = layer_paths(model)
+        self._units: dict[str, nn.Module] = {}
+        # -- the programs
+        self._build = build
+        self._graphs = nn.ModuleDict()
+        self._programs: list[Program] = []
+        self._warned_lengths = False   # a program per length was said once (runtime.module.program.fixed_length)
+        self._current = self._add_program(capture, plan, graph_module)
+        self.train(capture.training)   # the model's mode: a model in eval() gives a module in eval()
+        # -- the gradients over dp, once the parameters and the programs that read them are in place
+        self._average_over_dp(getattr(mesh, "dp_group", None), getattr(mesh, "dp", 1))
+        # -- the calls
         #: calls (and generation steps) made so far: each call's check names its number
         self._calls = 0
         self._caller: int | None = None   # the thread inside a call, if any
@@ -105,47 +129,11 @@ class ParallelModule(LeavesSwitch, nn.Module):
         self._refusal: str | None = None
         self._held_ids: tuple[Any, frozenset[int]] = (None, frozenset())
         _count_optimizer_steps(self)
-        # -- the state
-        device_mesh = device_mesh_of(mesh, device)
+        #: a call that raises on some ranks only leaves none of them out of step (autotp.distributed.faults)
+        self._guard = StepGuard(self._control, group_ranks(self._control) if self._control is not None else None)
         #: the tp dim's DeviceMesh, taken once (a split output is a DTensor on it)
+        device_mesh = device_mesh_of(mesh, device)
         self._tp_mesh = device_mesh["tp"] if device_mesh is not None else None
-        #: what pm.generate needs of the serial model (autotp.generation)
-        self._generation = _generation_info(model)
-        #: the model's repeated layers (runtime.module.outline.layer_paths); under per-layer FSDP2
-        #: (runtime.fsdp.fully_shard) each one's subtree of this module, by path, runs its ops
-        self._layers = layer_paths(model)
-        self._units: dict[str, nn.Module] = {}
-        # Each parameter is a DTensor on the (dp, tp) mesh whose local tensor is this rank's
-        # shard: the programs run on those local tensors (to_local() each call, so gradients
-        # arrive in param.grad as DTensors), optimizers and clip_grad_norm_ see the whole.
-        held = hold_parameters(capture, plan, model, mesh, device, weights)
-        #: held FQN -> the parameter (one per tied group, under the name the programs use)
-        self._held = held
-        #: each DTensor parameter's local leaf (see :class:`LocalLeaves`); None under FSDP2,
-        #: which reads its unsharded parameters' gradients from autograd itself
-        self._leaves: LocalLeaves | None = LocalLeaves()
-        put_parameters(self, model, capture, held)
-        self._model_buffers = dict(model.named_buffers(remove_duplicate=False))
-        #: values for tensors the model holds on the meta device (from_pretrained computes the
-        #: buffers a checkpoint does not hold; the model itself stays on meta for later captures)
-        self._computed: dict[str, torch.Tensor] = dict(getattr(weights, "buffers", None) or {})
-        # later programs are captured from a weightless copy of the model (capture.shape_twin): a
-        # tensor its forward makes on a parameter's device is lifted there with no values; the
-        # first capture, of the model itself, holds them
-        for name, value in capture.constants.items():
-            if not value.is_meta:
-                self._computed.setdefault(name, value)
-        self._persistent = persistent_buffers(model)
-        self._buffers_held: set[str] = set()   # buffer FQNs registered here (under their own names)
-        # -- the programs
-        self._build = build
-        self._graphs = nn.ModuleDict()
-        self._programs: list[Program] = []
-        self._warned_lengths = False   # a program per length was said once (runtime.module.program.fixed_length)
-        self._current = self._add_program(capture, plan, graph_module)
-        self.train(capture.training)   # the model's mode: a model in eval() gives a module in eval()
-        # -- the gradients over dp, once the parameters and the programs that read them are in place
-        self._average_over_dp(getattr(mesh, "dp_group", None), getattr(mesh, "dp", 1))
 
     def _apply(self, fn: Callable, recurse: bool = True) -> "ParallelModule":
         if refuse_dtype_change(self, fn):
@@ -187,12 +175,9 @@ class ParallelModule(LeavesSwitch, nn.Module):
                      arriving: dict | None = None) -> Program:
         param_order = [capture.aliases.get(fqn, fqn) for fqn in capture.param_names.values()]
         buffer_order = list(capture.buffer_names.values())
-        for fqn in buffer_order:
-            if fqn not in self._buffers_held:
-                put_buffer(self, fqn, self._model_buffers, self._computed, self._persistent, self.device)
-                self._buffers_held.add(fqn)
-        constants = [constant_value(capture, name, self._computed, self.device)
-                     for name in capture.constant_names.values()]
+        self._state.put_buffers(self, buffer_order)
+        values = self._state.constants(capture)
+        constants = [values[name] for name in capture.constant_names.values()]
         self._graphs[f"program_{len(self._programs)}"] = graph_module
         split = []
         for i, (name, node) in enumerate(zip(capture.output_names, capture.output_nodes)):

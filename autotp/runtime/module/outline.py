@@ -28,7 +28,7 @@ from typing import Any
 
 from torch import fx, nn
 
-from ...capture import module_path
+from ...capture import layer_of
 from ...errors import ConfigError
 
 
@@ -69,14 +69,6 @@ class LayerCall(nn.Module):
         return new
 
 
-def _layer_of(node: fx.Node, layers: list[str]) -> str | None:
-    path = module_path(node)
-    for layer in layers:
-        if path == layer or path.startswith(layer + "."):
-            return layer
-    return None
-
-
 def outline(gm: fx.GraphModule, param_order: list[str], layers: list[str],
             units: dict[str, nn.Module], check_only: bool = False) -> tuple[fx.GraphModule, set[str]]:
     """``gm`` (a rank program whose first ``len(param_order)`` placeholders take the parameters
@@ -92,7 +84,7 @@ def outline(gm: fx.GraphModule, param_order: list[str], layers: list[str],
     spans: dict[str, list[int]] = {}
     for n in nodes:
         if n.op in ("call_function", "call_module", "call_method"):
-            layer = _layer_of(n, layers)
+            layer = layer_of(n, layers)
             if layer is not None:
                 lo_hi = spans.setdefault(layer, [pos[n], pos[n]])
                 lo_hi[1] = pos[n]

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from ...capture import module_path
+from ...capture import layer_of, module_path
 from ...errors import ConfigError
 
 
@@ -107,7 +107,6 @@ def cut(gm: fx.GraphModule, counts: tuple[int, int, int], chunk_of_layer: dict[s
             stack.extend(n.all_input_nodes)
             stack.extend(writers.get(n, ()))
 
-    from ..module.outline import _layer_of
 
     layers = list(chunk_of_layer)
     in_layer: dict[fx.Node, int] = {}  # an activation of a layer: its chunk
@@ -115,7 +114,7 @@ def cut(gm: fx.GraphModule, counts: tuple[int, int, int], chunk_of_layer: dict[s
     for n in nodes:
         if n not in act:
             continue
-        layer = _layer_of(n, layers)
+        layer = layer_of(n, layers)
         if layer is not None:
             in_layer[n] = chunk_of_layer[layer]
         ins = [chunk[x] for x in n.all_input_nodes if x in act and chunk[x] is not None]

@@ -6,7 +6,8 @@ whole model for tensor parallelism as without a pipeline (every stage's TP group
 plan), then cuts this rank's program into ``p * v`` *chunks* (``v`` virtual stages per rank,
 interleaved 1F1B) and keeps the chunks of its own stage:
 
-- **where to cut** (:func:`balance`): the model's repeated layers (:func:`runtime.module.outline.layer_paths`)
+- **where to cut**, chosen in planning (:func:`autotp.cost_model.pipeline.cut_layers`, by
+  :func:`balance`): the model's repeated layers (:func:`runtime.module.outline.layer_paths`)
   go to the chunks in order, contiguous, at least one each, so that the slowest chunk is as fast
   as it can be by the plan's own cost model (each layer's ops and collectives, forward and
   backward; what lies before the first layer, the embedding, counts in the first chunk, what lies
@@ -47,7 +48,8 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from ...capture import Capture, bind_inputs, flat_inputs
-from ...cost_model.pipeline import balance, in_flight_layers
+from ...cost_model.pipeline import in_flight_layers
+from ...cost_model.pipeline import balance, layer_costs   # noqa: F401 (this package's names; the cut is planning's)
 from ...errors import ConfigError, InputError
 from ...plan import Plan
 from ...distributed.agreement import check_call, input_signature
@@ -56,52 +58,11 @@ from .chunks import Chunk, cut
 from ..module.inputs import check_index_bounds, check_not_empty, index_bounds
 from ..module.leaves import LeavesSwitch, LocalLeaves, local_tensor, program_tensor
 from ..module.module import agree_on_module, control_group
-from ..module.outline import layer_paths
-from ..module.state import constant_value, hold_parameters, persistent_buffers, put_buffer, put_parameters, refuse_dtype_change
+from ..module.state import RankState, refuse_dtype_change
 
 log = logging.getLogger("autotp")
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
-
-
-def layer_costs(index: Any, prop: Any, profile: Any, layers: list[str]) -> tuple[list[float], float, float]:
-    """Seconds of each layer (forward and backward, collectives included) by the plan's cost
-    model, and of what lies before the first layer and after the last."""
-    from ..module.outline import _layer_of
-
-    graph = index.capture.graph
-    per_layer = dict.fromkeys(layers, 0.0)
-    before = after = 0.0
-    seen_layer: set[fx.Node] = set()     # nodes downstream of a layer's op
-    where: dict[str, str | None] = {}
-    after_layers: set[str] = set()       # names of the nodes outside the layers that follow them
-    for node in graph.nodes:
-        if node.op != "call_function":
-            continue
-        layer = _layer_of(node, layers)
-        where[node.name] = layer
-        downstream = layer is not None or any(x in seen_layer for x in node.all_input_nodes)
-        if downstream:
-            seen_layer.add(node)
-            if layer is None:
-                after_layers.add(node.name)
-        strat = prop.chosen.get(node)
-        seconds = index.compute_time(node, strat, profile) if strat is not None and node in index.infos else 0.0
-        if layer is not None:
-            per_layer[layer] += seconds
-        elif downstream:
-            after += seconds
-        else:
-            before += seconds
-    for comm in prop.comms:
-        layer = where.get(comm.consumer)
-        if layer is not None:
-            per_layer[layer] += comm.seconds
-        elif comm.consumer in after_layers:
-            after += comm.seconds
-        else:     # before the first layer (the embedding's)
-            before += comm.seconds
-    return [per_layer[layer] for layer in layers], before, after
 
 
 # ---- the loss's token count ------------------------------------------------------------------
@@ -111,13 +72,13 @@ _KEEPS_VALUE = {torch.ops.aten._to_copy.default, torch.ops.aten.clone.default, t
                 torch.ops.aten.to.dtype, torch.ops.aten.detach.default}
 
 
-def token_counter(capture: Capture, loss_index: int, constant: Callable[[str], torch.Tensor],
+def token_counter(capture: Capture, loss_index: int, constants: dict[str, torch.Tensor],
                   device: torch.device | str = "cpu") -> Callable | None:
     """When the model's loss is a mean cross-entropy over tokens (``ignore_index`` skipped) whose
     targets come from the inputs alone (HF's shift of the labels, a ``view(-1)``): a function of
     the flat tensor inputs giving each row's count of counted tokens, so that micro-batch means
     can be weighted into the batch's mean. None otherwise (the step then takes the mean of the
-    micro-batches' means). ``constant(name)``: a lifted constant's value on the run device."""
+    micro-batches' means). ``constants``: the lifted constants' values on the run device, by name."""
     node = capture.output_nodes[loss_index]
     while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _KEEPS_VALUE:
         node = node.args[0]
@@ -133,7 +94,7 @@ def token_counter(capture: Capture, loss_index: int, constant: Callable[[str], t
     target = node.args[1]
     by_name = {n.name: n for n in capture.graph.nodes if n.op == "placeholder"}
     inputs = [by_name[name] for name in capture.user_inputs]
-    constants = {by_name[ph]: name for ph, name in capture.constant_names.items()}
+    lifted = {by_name[ph]: name for ph, name in capture.constant_names.items()}   # placeholder -> constant
     ancestors, stack = set(), [target]
     while stack:
         n = stack.pop()
@@ -141,7 +102,7 @@ def token_counter(capture: Capture, loss_index: int, constant: Callable[[str], t
             continue
         ancestors.add(n)
         if n.op == "placeholder":
-            if n not in inputs and n not in constants:
+            if n not in inputs and n not in lifted:
                 return None        # the targets depend on a parameter or a buffer
         elif n.op != "call_function":
             return None
@@ -161,7 +122,7 @@ def token_counter(capture: Capture, loss_index: int, constant: Callable[[str], t
             env[n].kwargs = fx.node.map_aggregate(env[n].kwargs, on_device)
     g.output(env[target])
     counted = fx.GraphModule(torch.nn.Module(), g)
-    const_values = [constant(constants[n]) for n in capture.graph.nodes if n in constants and n in ancestors]
+    const_values = [constants[lifted[n]] for n in capture.graph.nodes if n in lifted and n in ancestors]
     tensor_keys = [k for k in capture.input_keys if k not in capture.constant_inputs]
     fixed = {k: capture.constant_inputs[k] for k in capture.input_keys if k in capture.constant_inputs}
 
@@ -257,11 +218,12 @@ class PipelineModule(LeavesSwitch, nn.Module):
 
     def __init__(self, capture: Capture, plan: Plan, graph_module: fx.GraphModule, mesh: Any, model: nn.Module,
                  device: torch.device, *, microbatches: int, schedule: str, virtual: int,
-                 costs: tuple[list[float], float, float], weights: Callable | None = None,
-                 memory_limit: float = float("inf"), stage_layers: Any = None):
+                 chunk_layers: list[list[str]], weights: Callable | None = None,
+                 memory_limit: float = float("inf")):
         super().__init__()
-        # Built as a ParallelModule is (runtime.module.module): the groups, the agreement, the
-        # state; then the cut into chunks and this stage's share of them.
+        # Built as a ParallelModule is (runtime.module.module): the groups and the agreement; then
+        # the program cut into the chunks planning chose, the state this stage's chunks read, and
+        # the chunks as programs.
         self.mesh, self.device, self.plan, self.capture = mesh, device, plan, capture
         self.microbatches, self.virtual = microbatches, virtual
         self.schedule_name = schedule
@@ -278,27 +240,22 @@ class PipelineModule(LeavesSwitch, nn.Module):
         #: ``pm.check_inputs = False`` skips it once the data pipeline is trusted
         self.check_inputs = True
         self._steps = 0
-        # -- the cut: the repeated layers dealt to the chunks, the program cut, this stage's chunks
+        # -- the cut: the program cut at the chunks' layers (chosen in planning:
+        # autotp.cost_model.pipeline.cut_layers), this stage's chunks
         if "loss" not in capture.output_names:
             raise ConfigError("a pipeline step trains on the model's loss, and this capture returns none "
                               f"(outputs {capture.output_names}): pass labels in example_kwargs or call with labels")
-        p, chunks = mesh.pp, mesh.pp * virtual
-        layers = layer_paths(model)
-        sizes = balance(*_costs_for(costs, layers), chunks, mesh.pp) if stage_layers is None else \
-            _asked(stage_layers, len(layers), mesh.pp, virtual)
-        chunk_of_layer: dict[str, int] = {}
-        for c, size in enumerate(sizes):
-            for layer in layers[sum(sizes[:c]):sum(sizes[:c + 1])]:
-                chunk_of_layer[layer] = c
+        p = mesh.pp
         #: layers per chunk (chunk c runs on stage c mod pp)
-        self.chunk_layers = [layers[sum(sizes[:c]):sum(sizes[:c + 1])] for c in range(chunks)]
+        self.chunk_layers = chunk_layers
+        chunk_of_layer = {layer: c for c, layers in enumerate(chunk_layers) for layer in layers}
         param_order = [capture.aliases.get(fqn, fqn) for fqn in capture.param_names.values()]
         buffer_order = list(capture.buffer_names.values())
         constant_names = list(capture.constant_names.values())
         fixed = {i: capture.constant_inputs[key] for i, key in enumerate(capture.input_keys)
                  if key in capture.constant_inputs}
         all_chunks = cut(graph_module, (len(param_order), len(buffer_order), len(constant_names)),
-                         chunk_of_layer, chunks, capture.output_names.index("loss"), fixed, device)
+                         chunk_of_layer, len(chunk_layers), capture.output_names.index("loss"), fixed, device)
         # parameter FQN -> the stages whose chunks read it (a tied pair on two stages shares its gradient)
         readers: dict[str, set[int]] = {}
         for ch in all_chunks:
@@ -306,26 +263,22 @@ class PipelineModule(LeavesSwitch, nn.Module):
                 readers.setdefault(param_order[i], set()).add(ch.index % p)
         mine = [ch for ch in all_chunks if ch.index % p == mesh.pp_rank]
         wanted = {param_order[i] for ch in mine for i in ch.params}
-        self._check_memory(wanted, sum(len(self.chunk_layers[ch.index]) for ch in mine), len(layers), memory_limit)
+        self._check_memory(wanted, sum(len(chunk_layers[ch.index]) for ch in mine), len(chunk_of_layer), memory_limit)
         # -- the state: the parameters and buffers this stage's chunks read, held as a ParallelModule holds them
-        self._held = hold_parameters(capture, plan, model, mesh, device, weights, wanted)
+        state = RankState(capture, plan, model, mesh, device, weights, wanted)
+        self._held = state.put_on(self)
         self._leaves = LocalLeaves()   # the stages' programs read each parameter's local leaf
-        put_parameters(self, model, capture, self._held)
-        computed = dict(getattr(weights, "buffers", None) or {})
-        persistent = persistent_buffers(model)
-        model_buffers = dict(model.named_buffers(remove_duplicate=False))
-        for fqn in sorted({buffer_order[i] for ch in mine for i in ch.buffers}, key=buffer_order.index):
-            put_buffer(self, fqn, model_buffers, computed, persistent, device)
+        state.put_buffers(self, sorted({buffer_order[i] for ch in mine for i in ch.buffers}, key=buffer_order.index))
+        constants = state.constants(capture)
         self._shared = self._shared_groups(readers)
         # -- the programs: the chunks as modules, the loss's token count, the inputs' bounds
         self._chunks = mine
         modules = [_ChunkModule(ch, self, [param_order[i] for i in ch.params], [buffer_order[i] for i in ch.buffers],
-                                [constant_value(capture, constant_names[i], computed, device) for i in ch.constants])
+                                [constants[constant_names[i]] for i in ch.constants])
                    for ch in mine]
         object.__setattr__(self, "_chunk_modules", modules)   # outside the module tree (the owner holds)
         #: each row's count of counted tokens (None: the loss is not a mean over tokens we can find)
-        self._counter = token_counter(capture, capture.output_names.index("loss"),
-                                      lambda name: constant_value(capture, name, computed, device), device)
+        self._counter = token_counter(capture, capture.output_names.index("loss"), constants, device)
         self._bounds = index_bounds(capture)
         self._total = self._replica_total = torch.ones((), dtype=torch.float64)
         if self._counter is None and microbatches > 1 and mesh.tp_rank == 0 and mesh.dp_rank == 0:
@@ -606,29 +559,6 @@ class PipelineModule(LeavesSwitch, nn.Module):
             extra = (" + embedding" if c == 0 else "") + (" + head, loss" if c == len(self.chunk_layers) - 1 else "")
             lines.append(f"  chunk {c} on stage {c % self.mesh.pp}: {len(layers)} layers ({span}){extra}")
         return "\n".join(lines)
-
-
-def _asked(sizes: Any, layers: int, pp: int, virtual: int) -> list[int]:
-    """``stage_layers``: the layers of each chunk as the user asks, checked."""
-    chunks = pp * virtual
-    sizes = list(sizes)
-    if len(sizes) != chunks or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
-        raise ConfigError(f"stage_layers={sizes} must give a positive number of layers to each of the {chunks} chunks "
-                          f"(pp={pp} x virtual={virtual}), in order")
-    if sum(sizes) != layers:
-        even = f"; {layers // chunks} each" if layers % chunks == 0 else \
-            f" ({layers} does not divide into {chunks} equal chunks: give some chunks one layer more)"
-        raise ConfigError(f"stage_layers={sizes} adds up to {sum(sizes)} layers but the model has {layers} repeated "
-                          f"layers to cut into {chunks} chunks{even}; or leave stage_layers out and the cost model "
-                          "balances them")
-    return sizes
-
-
-def _costs_for(costs: tuple[list[float], float, float], layers: list[str]) -> tuple[list[float], float, float]:
-    per_layer, before, after = costs
-    if len(per_layer) != len(layers):
-        raise ConfigError(f"the model has {len(layers)} repeated layers but its plan priced {len(per_layer)}")
-    return per_layer, before, after
 
 
 def _make_schedule(name: str, stages: list, microbatches: int, loss_fn: Callable) -> Any:
