@@ -191,11 +191,11 @@ class GraphIndex:
         return index
 
     def moves_parameter(self, node: fx.Node, have: Any, want: Any, meta: TensorMeta) -> bool:
-        """Whether converting ``node`` from ``have`` to ``want`` moves a parameter at run time:
-        any change of a parameter's own placement (it is sharded at load), or a gather of a view
-        of a sharded one (a row-parallel weight read through its transpose, Falcon's
-        ``x @ w.T``: gathered, its pin would hold in name only and the product run whole).
-        Slicing a replicated parameter's view is local and allowed."""
+        """Whether converting ``node`` from ``have`` to ``want`` moves a parameter at run time,
+        which the solver never chooses: any change of a parameter's own placement (it is sharded
+        at load), or a gather of a view of a sharded one (a row-parallel weight read through its
+        transpose, Falcon's ``x @ w.T``: gathered, its pin would hold in name only and the product
+        run whole). Slicing a replicated parameter's view is local and allowed."""
         if node not in self.param_views or same_placement(have, want, _dim_size(meta, want), self.tp):
             return False
         return node.name in self.capture.param_names or not isinstance(have, Replicate)
@@ -655,8 +655,13 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
                         cost = INF
                     elif f:
                         cost += collective_time("f", nbytes(meta, env, profile.dtype_bytes), profile, tp)[1]
-                elif index.moves_parameter(inp, place[inp], want, meta):
-                    cost = INF  # a parameter is never moved at run time: it is sharded at load
+                elif inp.name in cap.param_names and not same_placement(place[inp], want, _dim_size(meta, want), tp):
+                    # a parameter is never moved at run time: it is sharded at load. (The solver
+                    # never gathers a view of one either, GraphIndex.moves_parameter; this walk,
+                    # which replays a plan for another call op by op without looking ahead, may:
+                    # falcon-new at tp 4 reached its row-parallel product with x whole, where only
+                    # the weight's transpose gathered fits)
+                    cost = INF
                 elif (inp, want, f) not in conversions:   # a conversion already made is reused
                     cost += conversion_seconds(index, profile, meta, place[inp], want, f, inp in index.grads)
                 if cost == INF:
