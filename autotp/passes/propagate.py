@@ -36,7 +36,7 @@ from ..placements import (PARTIAL, REPLICATE, Partial, Placement, Replicate, Rou
 from .hints import column_hint, index_picks, row_hint
 from .rules import OpInfo, Strategy, TensorMeta, strategies
 from .rules.experts import GROUPED_MM, grouped_reader
-from .rules.registry import op_name
+from .rules.registry import aliases_first, op_name
 
 aten = torch.ops.aten
 INF = math.inf
@@ -122,6 +122,9 @@ class GraphIndex:
     #: which unaligned products the rewrite pads (:class:`~autotp.cost_model.alignment.Align`;
     #: None: none), priced as they will run
     align: Any = None
+    #: parameters and the views of them (``numpy_T``, ``t``, ``view``: ops returning an alias of
+    #: their first argument): a sharded one is never gathered at run time (:meth:`moves_parameter`)
+    param_views: frozenset = frozenset()
     _strategies: dict = field(default_factory=dict)
     _compute: dict = field(default_factory=dict)
     _activation: dict = field(default_factory=dict)
@@ -184,7 +187,18 @@ class GraphIndex:
                 info.grad_inputs = tuple(i in index.grads for i in inputs)
                 info.grad_uses = _grad_uses(node, index.grads)
                 info.strided_inputs = tuple(not contiguous.get(i, True) for i in inputs)
+        index.param_views = _param_views(capture)
         return index
+
+    def moves_parameter(self, node: fx.Node, have: Any, want: Any, meta: TensorMeta) -> bool:
+        """Whether converting ``node`` from ``have`` to ``want`` moves a parameter at run time,
+        which the solver never chooses: any change of a parameter's own placement (it is sharded
+        at load), or a gather of a view of a sharded one (a row-parallel weight read through its
+        transpose, Falcon's ``x @ w.T``: gathered, its pin would hold in name only and the product
+        run whole). Slicing a replicated parameter's view is local and allowed."""
+        if node not in self.param_views or same_placement(have, want, _dim_size(meta, want), self.tp):
+            return False
+        return node.name in self.capture.param_names or not isinstance(have, Replicate)
 
     def numel_env(self) -> Mapping:
         return self.env
@@ -199,6 +213,18 @@ class GraphIndex:
             return False
         meta = _meta(node)
         return meta is not None and meta.static(have.dim) is not None
+
+
+def _param_views(capture: Capture) -> frozenset:
+    """The parameters and the nodes that are views of one, through any chain of views."""
+    found: set[fx.Node] = set()
+    for node in capture.graph.nodes:
+        if node.op == "placeholder" and node.name in capture.param_names:
+            found.add(node)
+        elif (node.op == "call_function" and node.args and node.args[0] in found
+              and aliases_first(node.target)):
+            found.add(node)
+    return frozenset(found)
 
 
 def training_dtype(capture: Capture) -> torch.dtype | None:
@@ -631,7 +657,12 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
                     elif f:
                         cost += collective_time("f", nbytes(meta, env, profile.dtype_bytes), profile, tp)[1]
                 elif inp.name in cap.param_names and not same_placement(place[inp], want, _dim_size(meta, want), tp):
-                    cost = INF  # a parameter is never moved at run time: it is sharded at load
+                    # a parameter is never moved at run time: it is sharded at load. (The solver
+                    # never gathers a view of one either, GraphIndex.moves_parameter; this walk,
+                    # which replays a plan for another call op by op without looking ahead, may:
+                    # falcon-new at tp 4 reached its row-parallel product with x whole, where only
+                    # the weight's transpose gathered fits)
+                    cost = INF
                 elif (inp, want, f) not in conversions:   # a conversion already made is reused
                     cost += conversion_seconds(index, profile, meta, place[inp], want, f, inp in index.grads)
                 if cost == INF:

@@ -230,7 +230,7 @@ class _Solver:
                     labels[inp] = (want, paid)
                     continue
                 have, paid = label
-                if inp.name in self.cap.param_names and not same_placement(have, want, _dim_size(meta, want), tp):
+                if index.moves_parameter(inp, have, want, meta):
                     cost = INF   # a parameter is never moved at run time: it is sharded at load
                     break
                 if (f or have != want) and (want, f) not in paid:

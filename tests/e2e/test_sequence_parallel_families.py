@@ -91,16 +91,6 @@ FAST = [dict(family="gpt2", tp=2, seq=7, seed=1), dict(family="llama", tp=2, seq
 #: cast (OLMo-2) before the residual add, where the reduce-scatter along s enters
 SLOW = [dict(family=f, tp=tp, seq=7 if tp == 2 else 5, seed=3 + tp)
         for f in [*zoo.FAMILIES, *zoo.EXPERT_FAMILIES, "phi3", "olmo2"] for tp in (2, 3)]
-#: known not to pass yet (strict: the mark must go once it does)
-KNOWN_BROKEN = {("falcon", 3): "a PlanError at tp 3 (no reduce-scatter along s offered) even with its "
-                               "row-parallel products pinned; tp 2 passes. Not yet diagnosed",
-                ("llama4", 2): "a PlanError at tp 2 (no reduce-scatter along s offered) even with o_proj "
-                               "pinned row-parallel; tp 3 passes. Not yet diagnosed"}
-
-
-def _slow_cases():
-    return [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=KNOWN_BROKEN[(c["family"], c["tp"])]))
-            if (c["family"], c["tp"]) in KNOWN_BROKEN else c for c in SLOW]
 
 
 @pytest.mark.parametrize("case", FAST, ids=[f"{c['family']}-tp{c['tp']}" for c in FAST])
@@ -109,6 +99,6 @@ def test_forced_sequence_parallelism_equals_serial_on_every_call(cluster_of, cas
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", _slow_cases(), ids=[f"{c['family']}-tp{c['tp']}" for c in SLOW])
+@pytest.mark.parametrize("case", SLOW, ids=[f"{c['family']}-tp{c['tp']}" for c in SLOW])
 def test_forced_sequence_parallelism_equals_serial_on_every_call_every_family(cluster_of, case):
     assert_sp_calls(cluster_of, case)

@@ -1,6 +1,7 @@
 """A layout pin that no plan can hold is refused with a PlanError naming the parameter, the heads
 its split dim holds (read off the graph), the ranks left without one, and what to pin instead."""
 import pytest
+import torch
 
 import autotp
 from autotp import zoo
@@ -40,3 +41,34 @@ def test_a_column_pin_on_a_fused_qkv_with_fewer_kv_heads_than_ranks_keeps_them_w
     assert plan.attention == {"model.layers.0.self_attn": [1, 1, 1, 1]}
     plan = autotp.plan(model, tp=2, layout=layout)
     assert plan.params["model.layers.0.self_attn.qkv_proj.weight"].sizes == (2, 1, 1)
+
+
+@pytest.mark.parametrize("impl", ["batched_mm", "eager"])
+def test_an_experts_pin_at_tp_1_plans_like_any_other_pin(impl):
+    """At tp 1 a stack pinned 'expert' (whole experts per rank) is the whole stack: the op that reads
+    it (the batched path's pick ``w[expert_ids]``, the grouped product) reads it as it is. Before,
+    only the routed strategies (tp > 1) took a stack by experts: a PlanError on the batched path
+    (drawn by tests/e2e/test_experts.py's slow test at tp 1). The plan names the pinned role, and
+    the rank's program is the captured graph's own ops, computing what the model does."""
+    from autotp.capture import capture
+    from autotp.passes.rewrite import rewrite
+    from autotp.planner import build_plan
+    from tests.test_capture_expand import run
+
+    config = zoo.tiny_config("mixtral", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=3, top_k=2)
+    config._experts_implementation = impl
+    model = zoo.build("mixtral", config, dtype=torch.float64, seed=1)
+    cap = capture(model)
+    plan, index, prop = build_plan(cap, 1, batch=2, seq=8, layout={"*.experts.*": "expert"})
+    assert {r for n, r in plan.roles.items() if ".experts." in n} == {"expert"}, plan.roles
+    gm = rewrite(index, prop, 0, None, None)
+    assert len(gm.graph.nodes) == len(cap.graph.nodes)
+    data = zoo.example_batch("mixtral", config, batch=2, seq=8, seed=2)
+    want = run(cap, model, data)
+    captured, cap.graph_module = cap.graph_module, gm   # the rank's program, fed as the capture is
+    try:
+        got = run(cap, model, data)
+    finally:
+        cap.graph_module = captured   # (the capture is cached per structure)
+    torch.testing.assert_close(got["loss"], want["loss"], rtol=0, atol=0)
+    torch.testing.assert_close(got["logits"], want["logits"], rtol=0, atol=0)

@@ -211,6 +211,14 @@ def _experts(p) -> bool:
     return p is None or (is_shard(p) and p == Shard(0))
 
 
+def _experts_whole(info: OpInfo) -> Strategy:
+    """Whole experts per rank at tp 1: the one rank holds every expert (a stack pinned 'expert'
+    is whole there), so the op reads it as it is and its result is whole. No rows are routed: the
+    rank's program is the captured op, as any layout pinned at tp 1 (passes/rewrite.py)."""
+    stack = 0 if info.target is aten.index.Tensor else 1
+    return Strategy(tuple(Shard(0) if i == stack else REPLICATE for i in range(len(info.inputs))), REPLICATE)
+
+
 def _matrix_shards(info: OpInfo, p, dims: tuple[int, ...], out_dim) -> list[tuple[Shard, Shard]]:
     """(input shard, output shard) pairs that split a matrix dim of a stack of experts (expert
     tensor parallelism), for input placement ``p``: a placed shard of one of ``dims`` as it is,
@@ -248,9 +256,12 @@ def index_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     indices = info.args[1]
     x = info.inputs[0]
     picked = len(indices) == 1 and indices[0] is not None and not info.inputs[1].is_float
-    if (_experts(placements[0]) and x.ndim >= 2 and picked and info.inputs[1].ndim == 1 and info.tp > 1
+    if (_experts(placements[0]) and x.ndim >= 2 and picked and info.inputs[1].ndim == 1
             and x.static(0) is not None and x.static(0) >= 2):
-        out.append(Strategy((Shard(0), REPLICATE), Routed(0)))
+        if info.tp > 1:
+            out.append(Strategy((Shard(0), REPLICATE), Routed(0)))
+        elif is_shard(placements[0]):
+            out.append(_experts_whole(info))
     if picked and x.ndim == 3 and x.static(0) is not None:
         # expert tensor parallelism: every expert's matrices split alike, each picked row split so
         rank = info.inputs[1].ndim
@@ -281,8 +292,11 @@ def grouped_mm_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     rest = (REPLICATE,) * (len(info.inputs) - 2)
     if not all(p == REPLICATE or p is None for p in placements[2:]):
         return out
-    if _experts(pw) and (px == REPLICATE or px == Routed(0)) and info.tp > 1:
-        out.append(Strategy((px, Shard(0)) + rest, Routed(0)))
+    if _experts(pw) and (px == REPLICATE or px == Routed(0)):
+        if info.tp > 1:
+            out.append(Strategy((px, Shard(0)) + rest, Routed(0)))
+        elif is_shard(pw):
+            out.append(_experts_whole(info))
     if info.inputs[1].static(0) is None:
         return out
     for have, want in _matrix_shards(info, pw, (2,), lambda d: 1):   # column

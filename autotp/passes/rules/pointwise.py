@@ -88,13 +88,24 @@ def unary_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
 def _with_sequence_entry(info: OpInfo, placements: tuple, out: list[Strategy]) -> list[Strategy]:
     """``out`` and, where a Partial operand meets the op, the reduce-scatter along the sequence
     into it (:func:`_sequence_parallel`); forced (``sequence_parallel=True``), the Partial is
-    reduce-scattered there (or stays Partial), never all-reduced whole."""
+    reduce-scattered there along the sequence (or stays Partial): never all-reduced whole, nor
+    reduce-scattered along another dim (a residual stream split by its hidden features, which
+    Llama-4 at tp 2 took instead, the cheaper of the two at its width)."""
     if not any(is_partial(p) for p in placements):
         return out
     sequence = _sequence_parallel(info)
     if sequence and info.force_sequence:
-        out = [s for s in out if s.output == PARTIAL or is_shard(s.output)]
+        out = [s for s in out if _along_sequence(info, placements, s)]
     return out + sequence
+
+
+def _along_sequence(info: OpInfo, placements: tuple, strategy: Strategy) -> bool:
+    """Whether ``strategy`` keeps each Partial operand Partial or reduce-scatters it along a
+    sequence dim."""
+    for meta, have, want in zip(info.inputs, placements, strategy.inputs):
+        if is_partial(have) and not (is_partial(want) or (is_shard(want) and meta.shape[want.dim] in info.sequence)):
+            return False
+    return True
 
 
 @register(aten.tril.default, aten.triu.default)
