@@ -174,6 +174,7 @@ def test_experts_split_equals_serial(cluster_of, case):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)   # 40 drawn cases, each a few captures: over 600 s on two loaded cores
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=cases((1, 2, 3, 4)))
 def test_experts_split_equals_serial_drawn(cluster_of, case):
