@@ -129,6 +129,59 @@ def test_dropout_compiles_with_inductor_and_torch_rng_in_eager(cluster_of):
         assert r["loss"] > 1e-3 and r["ranks agree"], r     # eager drew torch's masks, compiled its own
 
 
+def _compiled_experts_read_the_local_leaves() -> dict:
+    """Mixtral's experts split whole over the ranks, under torch.compile: one graph, the serial
+    loss and gradients (DTensors of the parameters' placements), and each parameter fed to the
+    program through its local leaf as in eager (runtime/module/leaves.py), not through
+    ``to_local()``, whose backward accumulates each DTensor gradient through DTensor's dispatch
+    (benchmarks/moe_compile.md). The module's first call has no gradients: the leaves are made
+    with its programs, not by an eager backward."""
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+    from torch.distributed.tensor import DTensor
+
+    import autotp
+    from autotp import zoo
+    from autotp.testing import equivalence_errors, relative_error
+
+    torch._dynamo.reset()
+    counters.clear()
+    config = zoo.tiny_config("mixtral", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=VOCAB, experts=4,
+                             top_k=2, output_router_logits=True)
+    config._experts_implementation = "batched_mm"
+    model = zoo.build("mixtral", config, dtype=torch.float64, seed=1)
+    pm = autotp.parallelize(model, dist.get_world_size(), layout={"*.experts.*": "expert"})
+    data = zoo.example_batch("mixtral", config, batch=2, seq=6, seed=2)
+    with torch.no_grad():
+        pm(**data)   # eager: the call's program is built
+    compiled = torch.compile(pm, fullgraph=True, backend="aot_eager")
+    errors = equivalence_errors(model, compiled, data)
+    params = list(pm.parameters())
+    out = {"worst": max(errors.values()),
+           "dtensor grads": all(isinstance(p.grad, DTensor) and p.grad.placements == p.placements for p in params),
+           # the parameters are not in the compiled call's autograd graph: their leaves are
+           "params in the graph": sum(g is not None for g in torch.autograd.grad(
+               compiled(**data).loss, params, allow_unused=True)),
+           "graphs": counters["stats"]["unique_graphs"], "breaks": dict(counters["graph_break"])}
+    # a parameter's local tensor replaced by another: dynamo's guard on the leaf sees it (the
+    # call is traced again, reading the new tensor), and the next eager call makes its leaf
+    norm = pm._held["model.norm.weight"]
+    before = pm(**data).loss.detach()
+    norm._local_tensor = norm._local_tensor * 3.0
+    after = compiled(**data).loss.detach()
+    out["replaced"] = (relative_error(after, pm(**data).loss), relative_error(after, before),
+                       relative_error(compiled(**data).loss, after))
+    return out
+
+
+def test_compiled_experts_read_the_parameters_local_leaves(cluster_of):
+    for r in cluster_of(2).run(_compiled_experts_read_the_local_leaves):
+        assert r["worst"] <= 1e-12 and r["dtensor grads"], r
+        assert r["params in the graph"] == 0, r
+        assert r["graphs"] == 1 and not r["breaks"], r
+        assert r["replaced"][0] <= 1e-12 and r["replaced"][1] > 1e-3 and r["replaced"][2] <= 1e-12, r
+
+
 def _uneven_logits_under_compile() -> str:
     import autotp
     from autotp import zoo

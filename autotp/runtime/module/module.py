@@ -205,6 +205,8 @@ class ParallelModule(LeavesSwitch, nn.Module):
                           index_bounds(capture), step, dict(arriving or {}), tuple(split))
         if self._units:
             self._outline(program)
+        if self._leaves is not None:   # now: torch.compile cannot make one in the region it traces
+            self._leaves.make(self._held[fqn] for fqn in param_order)
         self._programs.append(program)
         return program
 
