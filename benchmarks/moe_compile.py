@@ -2,11 +2,15 @@
 same tiny Mixtral, forward + backward; graph breaks counted by dynamo.
 
     python benchmarks/moe_compile.py --out benchmarks/moe_compile.md
+    python benchmarks/moe_compile.py --family llama    # the dense path, the same widths without experts
+    python benchmarks/moe_compile.py --head-dim 8 --seq 8 --steps 200   # tiny: the host's work per step
 
 One process, a gloo world of one rank. Both are compiled with inductor (``fullgraph=False``, so
 that a break would be counted, not raised); the experts run transformers' ``grouped_mm`` (float32
-on CPU: its ``grouped_mm_fallback`` op, opaque to inductor in both programs). Times are medians
-of the timed steps, the two modules alternating.
+on CPU: its ``grouped_mm_fallback`` op, opaque to inductor in both programs). The two modules
+alternate step for step; each step is timed by the wall clock and by the process's CPU time (one
+thread: what the step computed, less what a loaded machine's other processes took from it).
+Reported: medians and best steps, and the median of each step pair's autotp / HF ratio.
 """
 from __future__ import annotations
 
@@ -24,85 +28,108 @@ from common import machine, publish
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SHAPE = dict(layers=2, heads=4, kv_heads=2, head_dim=64, vocab=1024, experts=8, top_k=2, intermediate_size=512)
-BATCH, SEQ, WARMUP, STEPS = 2, 64, 3, 40
+WIDTHS = dict(layers=2, heads=4, kv_heads=2, head_dim=64, vocab=1024)
+#: family -> its config's extra fields (Mixtral's experts; the zoo's Llama has an MLP of 2 x hidden + 8)
+FAMILIES = {"mixtral": dict(experts=8, top_k=2, intermediate_size=512), "llama": {}}
+BATCH, SEQ, WARMUP = 2, 64, 3
 
 
-def _step(module, batch) -> float:
-    start = time.perf_counter()
+def _step(module, batch) -> tuple[float, float]:
+    wall, cpu = time.perf_counter(), time.process_time()
     module(**batch).loss.backward()
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--family", default="mixtral", choices=sorted(FAMILIES))
+    parser.add_argument("--steps", type=int, default=40, help="timed steps of each module")
+    parser.add_argument("--head-dim", type=int, default=WIDTHS["head_dim"], help="hidden = 4 heads of it")
+    parser.add_argument("--seq", type=int, default=SEQ)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import autotp
     from autotp import zoo
     from torch._dynamo.utils import counters
 
-    started = time.time()
+    started, load_before = time.time(), os.getloadavg()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:29517")
-    config = zoo.tiny_config("mixtral", positions=SEQ, **SHAPE)
-    config._experts_implementation = "grouped_mm"
-    model = zoo.build("mixtral", config, seed=0)
-    batch = zoo.example_batch("mixtral", config, batch=BATCH, seq=SEQ, seed=1)
-    pm = autotp.parallelize(zoo.build("mixtral", config, seed=0), 1, batch=BATCH, seq=SEQ)
+    extra = FAMILIES[args.family]
+    widths = {**WIDTHS, "head_dim": args.head_dim}
+    config = zoo.tiny_config(args.family, positions=max(args.seq, 8), **widths, **extra)
+    experts = "experts" in extra
+    if experts:
+        config._experts_implementation = "grouped_mm"
+    model = zoo.build(args.family, config, seed=0)
+    batch = zoo.example_batch(args.family, config, batch=BATCH, seq=args.seq, seed=1)
+    pm = autotp.parallelize(zoo.build(args.family, config, seed=0), 1, batch=BATCH, seq=args.seq)
     pm(**batch)   # eager first: the call's program is captured and built
     from autotp.testing.work import WorkCounter
 
+    names = ("HF compiled", "autotp tp=1 compiled")
     work = {}
-    for name, module in (("HF compiled", model), ("autotp tp=1 compiled", pm)):   # eager, counted
+    for name, module in zip(names, (model, pm)):   # eager, counted
         with WorkCounter() as counted:
             module(**batch).loss.backward()
         module.zero_grad()
         work[name] = (counted.flops, counted.bytes)
     runs, breaks = {}, {}
-    for name, module in (("HF compiled", model), ("autotp tp=1 compiled", pm)):
+    for name, module in zip(names, (model, pm)):
         torch._dynamo.reset()
         counters.clear()
         compiled = torch.compile(module)
         start = time.perf_counter()
         _step(compiled, batch)
-        runs[name] = {"compiled": compiled, "first_s": time.perf_counter() - start, "times": []}
+        runs[name] = {"compiled": compiled, "first_s": time.perf_counter() - start, "wall": [], "cpu": []}
         breaks[name] = dict(counters["graph_break"])
-    for step in range(WARMUP + STEPS):
+    for step in range(WARMUP + args.steps):
         for name, run in runs.items():
-            elapsed = _step(run["compiled"], batch)
+            wall, cpu = _step(run["compiled"], batch)
             if step >= WARMUP:
-                run["times"].append(elapsed)
+                run["wall"].append(wall)
+                run["cpu"].append(cpu)
     dist.destroy_process_group()
-    hf = statistics.median(runs["HF compiled"]["times"])
+    hf, ours = runs[names[0]], runs[names[1]]
+    paired = {k: statistics.median(a / b for a, b in zip(ours[k], hf[k])) for k in ("wall", "cpu")}
+    what = (f"Mixtral, {WIDTHS['layers']} layers, hidden {widths['heads'] * widths['head_dim']}, {extra['experts']} "
+            f"experts of {extra['intermediate_size']} features, top-{extra['top_k']}" if experts else
+            f"Llama (dense), {WIDTHS['layers']} layers, hidden {widths['heads'] * widths['head_dim']}, MLP of "
+            f"{config.intermediate_size} features")
+    flags = "" if args.family == "mixtral" else f" --family {args.family}"
+    flags += "" if args.head_dim == WIDTHS["head_dim"] else f" --head-dim {args.head_dim}"
+    flags += "" if args.seq == SEQ else f" --seq {args.seq}"
+    flags += "" if args.steps == 40 else f" --steps {args.steps}"
     lines = [
-        "# Compiled MoE at tp 1: autotp's program against HF's module, both under torch.compile",
+        f"# Compiled {'MoE' if experts else 'dense model'} at tp 1: autotp's program against HF's module, both "
+        "under torch.compile",
         "",
-        "Command: `python benchmarks/moe_compile.py --out benchmarks/moe_compile.md`",
+        f"Command: `python benchmarks/moe_compile.py{flags} --out ...`",
         "",
-        machine() + " Load average at the end: {:.1f}, {:.1f}, {:.1f}.".format(*os.getloadavg())
-        + f" Wall time {time.time() - started:.0f} s.",
+        machine() + " Load average at the start: {:.1f}, {:.1f}, {:.1f}; at the end: {:.1f}, {:.1f}, {:.1f}.".format(
+            *load_before, *os.getloadavg()) + f" Wall time {time.time() - started:.0f} s.",
         "",
-        f"Mixtral, {SHAPE['layers']} layers, hidden {SHAPE['heads'] * SHAPE['head_dim']}, {SHAPE['experts']} experts "
-        f"of {SHAPE['intermediate_size']} features, top-{SHAPE['top_k']}, vocab {SHAPE['vocab']}, float32, experts "
-        f"`grouped_mm`; batch {BATCH} x seq {SEQ}; a step is forward + backward; one thread; inductor; {WARMUP} "
-        f"warm-up steps after the compiling one, {STEPS} timed, alternating.",
+        f"{what}, vocab {WIDTHS['vocab']}, float32{', experts `grouped_mm`' if experts else ''}; batch {BATCH} x "
+        f"seq {args.seq}; a step is forward + backward; one thread; inductor; {WARMUP} warm-up steps after the "
+        f"compiling one, {args.steps} timed, alternating. Wall: the step's wall-clock time; CPU: the process's "
+        "CPU time over the step.",
         "",
         "Work: one eager forward + backward counted (`autotp/testing/work.py`): FLOPs of products, bytes written "
-        "by the rest (HF's eager experts call torch's grouped kernel, autotp's captured program transformers' "
-        "fallback op: the same FLOPs).",
+        "by the rest.",
         "",
-        "| module | first call s (compiles) | step ms (median) | best ms | median / HF's | best / HF's | "
+        "| module | first call s (compiles) | wall ms median | wall ms best | CPU ms median | CPU ms best | "
         "graph breaks | GFLOP (eager) | MB written (eager) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    hf_best = min(runs["HF compiled"]["times"])
     for name, run in runs.items():
-        med = statistics.median(run["times"])
-        count = sum(breaks[name].values())
-        lines.append(f"| {name} | {run['first_s']:.1f} | {med * 1e3:.1f} | {min(run['times']) * 1e3:.1f} | "
-                     f"{med / hf:.2f} | {min(run['times']) / hf_best:.2f} | {count} | {work[name][0] / 1e9:.3f} | "
+        lines.append(f"| {name} | {run['first_s']:.1f} | {statistics.median(run['wall']) * 1e3:.1f} | "
+                     f"{min(run['wall']) * 1e3:.1f} | {statistics.median(run['cpu']) * 1e3:.1f} | "
+                     f"{min(run['cpu']) * 1e3:.1f} | {sum(breaks[name].values())} | {work[name][0] / 1e9:.3f} | "
                      f"{work[name][1] / 1e6:.2f} |")
+    ratio = lambda k, f: f(ours[k]) / f(hf[k])   # noqa: E731
+    lines += ["", "| autotp / HF | median | best | median of the step pairs' ratios |", "|---|---|---|---|",
+              f"| wall | {ratio('wall', statistics.median):.3f} | {ratio('wall', min):.3f} | {paired['wall']:.3f} |",
+              f"| CPU | {ratio('cpu', statistics.median):.3f} | {ratio('cpu', min):.3f} | {paired['cpu']:.3f} |"]
     for name, found in breaks.items():
         if found:
             lines += ["", f"{name}'s graph breaks:"] + [f"- {reason}: {n}" for reason, n in found.items()]

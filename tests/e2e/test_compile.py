@@ -129,6 +129,79 @@ def test_dropout_compiles_with_inductor_and_torch_rng_in_eager(cluster_of):
         assert r["loss"] > 1e-3 and r["ranks agree"], r     # eager drew torch's masks, compiled its own
 
 
+def _compiled_experts_read_the_local_leaves() -> dict:
+    """Mixtral's experts split whole over the ranks, under torch.compile: one graph, the serial
+    loss and gradients (DTensors of the parameters' placements), and each parameter fed to the
+    program through its local leaf as in eager (runtime/module/leaves.py), not through
+    ``to_local()``, whose backward accumulates each DTensor gradient through DTensor's dispatch
+    (benchmarks/moe_compile.md). The module's first call has no gradients: the leaves are made
+    with its programs, not by an eager backward."""
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+    from torch.distributed.tensor import DTensor
+
+    import autotp
+    from autotp import zoo
+    from autotp.testing import equivalence_errors, relative_error
+
+    torch._dynamo.reset()
+    counters.clear()
+    config = zoo.tiny_config("mixtral", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=VOCAB, experts=4,
+                             top_k=2, output_router_logits=True)
+    config._experts_implementation = "batched_mm"
+    model = zoo.build("mixtral", config, dtype=torch.float64, seed=1)
+    pm = autotp.parallelize(model, dist.get_world_size(), layout={"*.experts.*": "expert"})
+    data = zoo.example_batch("mixtral", config, batch=2, seq=6, seed=2)
+    with torch.no_grad():
+        pm(**data)   # eager: the call's program is built
+    compiled = torch.compile(pm, fullgraph=True, backend="aot_eager")
+    errors = equivalence_errors(model, compiled, data)
+    params = list(pm.parameters())
+    out = {"worst": max(errors.values()),
+           "dtensor grads": all(isinstance(p.grad, DTensor) and p.grad.placements == p.placements for p in params),
+           # no gradient flows to the parameters themselves (autograd finds them unused): to their leaves
+           "params given a gradient": sum(g is not None for g in torch.autograd.grad(
+               compiled(**data).loss, params, allow_unused=True)),
+           "graphs": counters["stats"]["unique_graphs"], "breaks": dict(counters["graph_break"])}
+    # a hook on a parameter's gradient (register_hook) runs before accumulation as in eager, and
+    # a post-accumulate hook (the data-parallel average's kind) once, on the gradient
+    seen = []
+    norm = pm._held["model.norm.weight"]
+    hooks = [norm.register_hook(lambda g: g * 3),
+             norm.register_post_accumulate_grad_hook(lambda p: seen.append(None if p.grad is None else
+                                                                           p.grad.to_local().clone()))]
+    pm.zero_grad()
+    pm(**data).loss.backward()
+    eager = norm.grad.to_local().clone()
+    pm.zero_grad()
+    compiled(**data).loss.backward()
+    out["hooked"] = (relative_error(norm.grad.to_local(), eager), len(seen), relative_error(seen[-1], eager))
+    for h in hooks:
+        h.remove()
+    # a parameter's local tensor replaced behind the module's back after its last eager call:
+    # the compiled call's backward refuses the leaf it read, naming the fix
+    before = pm(**data).loss.detach()
+    norm._local_tensor = norm._local_tensor * 3.0
+    try:
+        compiled(**data).loss.backward()
+        out["replaced"] = "no error"
+    except autotp.ConfigError as e:
+        out["replaced"] = str(e)
+    after = pm(**data).loss.detach()   # the eager call makes the new leaf
+    out["after an eager call"] = (relative_error(compiled(**data).loss, after), relative_error(after, before))
+    return out
+
+
+def test_compiled_experts_read_the_parameters_local_leaves(cluster_of):
+    for r in cluster_of(2).run(_compiled_experts_read_the_local_leaves):
+        assert r["worst"] <= 1e-12 and r["dtensor grads"], r
+        assert r["params given a gradient"] == 0, r
+        assert r["graphs"] == 1 and not r["breaks"], r
+        assert r["hooked"][0] <= 1e-12 and r["hooked"][1] == 2 and r["hooked"][2] <= 1e-12, r
+        assert "call the module once eagerly after replacing parameters" in r["replaced"], r
+        assert r["after an eager call"][0] <= 1e-12 and r["after an eager call"][1] > 1e-3, r
+
+
 def _uneven_logits_under_compile() -> str:
     import autotp
     from autotp import zoo

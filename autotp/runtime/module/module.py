@@ -124,7 +124,7 @@ class ParallelModule(LeavesSwitch, nn.Module):
         self._steps_checked = 0
         #: load_state_dict calls since the ranks last agreed on the replicas
         self._loads = 0
-        self.register_load_state_dict_post_hook(lambda module, keys: setattr(module, "_loads", module._loads + 1))
+        self.register_load_state_dict_post_hook(_after_load)
         #: why this module refuses calls (a disagreement about its state), until check_replicas passes
         self._refusal: str | None = None
         self._held_ids: tuple[Any, frozenset[int]] = (None, frozenset())
@@ -138,7 +138,15 @@ class ParallelModule(LeavesSwitch, nn.Module):
     def _apply(self, fn: Callable, recurse: bool = True) -> "ParallelModule":
         if refuse_dtype_change(self, fn):
             return self   # a conversion to what the parameters are already (torch's would fail on DTensors)
-        return super()._apply(fn, recurse)
+        out = super()._apply(fn, recurse)
+        self._refresh_leaves()
+        return out
+
+    def _refresh_leaves(self) -> None:
+        """The leaves of local tensors replaced (a move that swaps the tensors), made again now:
+        a compiled call reads the leaves made before it (runtime.module.leaves.program_tensor)."""
+        if getattr(self, "_leaves", None) is not None:
+            self._leaves.make(self._held.values())
 
     # ---- the programs ---------------------------------------------------------------------
     @property
@@ -190,6 +198,8 @@ class ParallelModule(LeavesSwitch, nn.Module):
                           index_bounds(capture), step, dict(arriving or {}), tuple(split))
         if self._units:
             self._outline(program)
+        if self._leaves is not None:   # now: torch.compile cannot make one in the region it traces
+            self._leaves.make(self._held[fqn] for fqn in param_order)
         self._programs.append(program)
         return program
 
@@ -622,6 +632,13 @@ _RUNNING: dict[Any, tuple[int, str]] = {}
 #: the modules an optimizer step may concern (see _count_optimizer_steps)
 _LIVE: "weakref.WeakSet[ParallelModule]" = weakref.WeakSet()
 _step_hook: Any = None
+
+
+def _after_load(module: "ParallelModule", keys: Any) -> None:
+    """load_state_dict's post-hook: one more load since the ranks last agreed on the replicas,
+    and the leaves of any local tensor the load replaced made again."""
+    module._loads += 1
+    module._refresh_leaves()
 
 
 def _count_optimizer_steps(module: ParallelModule) -> None:
