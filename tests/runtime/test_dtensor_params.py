@@ -40,8 +40,27 @@ def _described_exactly(tp: int, heads: int) -> dict:
         for p in pm.parameters():
             p.mul_(3)
     pm.load_state_dict(saved)   # DTensor values back into the DTensor parameters, in place
+    reloaded = all(torch.equal(p.full_tensor(), serial[n].detach()) for n, p in params)
+    shares = all(pm.local_parameter(n).data_ptr() == p.to_local().data_ptr() for n, p in params)
+    # assigned: the DTensors of a state dict put in place of the parameters (load_state_dict(assign=
+    # True)); the programs read the new ones (they once kept reading the old: the load ignored)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    changed = "transformer.h.0.mlp.c_fc.weight"
+    with torch.no_grad():
+        doubled = {k: (v * 2 if k == changed else v.clone()) for k, v in pm.state_dict().items()}
+        pm.load_state_dict(doubled, assign=True)
+        want = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in doubled.items()}
+        serial_after = torch.func.functional_call(model, want, (ids,), tie_weights=False).logits
+        assigned = (pm.get_parameter(changed) is not params[[n for n, _ in params].index(changed)][1]
+                    and torch.allclose(pm(ids).logits, serial_after, rtol=1e-5, atol=1e-6))
+    try:   # whole tensors assigned in place of the shards: refused, naming the fix
+        pm.load_state_dict({k: want[k] for k in doubled}, assign=True)
+        whole = "allowed"
+    except autotp.ConfigError as exc:
+        whole = str(exc)
     return {
-        "reloaded": all(torch.equal(p.full_tensor(), serial[n].detach()) for n, p in params),
+        "assigned": assigned, "whole assigned": whole,
+        "reloaded": reloaded,
         "relabelled": relabelled,
         "gathered": torch.equal(qkv.redistribute(qkv.device_mesh, [Replicate(), Replicate()]).to_local(),
                                 serial["transformer.h.0.attn.c_attn.weight"].detach()),
@@ -50,7 +69,7 @@ def _described_exactly(tp: int, heads: int) -> dict:
         "inexact": [n for n, p in params if not torch.equal(p.full_tensor(), serial[n].detach())],
         "over_tp": {n: repr(p.placements[1]) for n, p in params},
         "over_dp": {repr(p.placements[0]) for _, p in params},
-        "shares_storage": all(pm.local_parameter(n).data_ptr() == p.to_local().data_ptr() for n, p in params),
+        "shares_storage": shares,
         "state_dict": sorted(pm.state_dict()), "serial_state_dict": sorted(model.state_dict()),
         "local_numel": {n: pm.local_parameter(n).numel() for n, _ in params},
     }
@@ -103,6 +122,7 @@ def _check_described(results: list[dict], tp: int) -> None:
         assert r["not_dtensor"] == [] and r["inexact"] == []
         assert r["over_dp"] == {"Replicate()"}
         assert r["shares_storage"] and r["reloaded"]
+        assert r["assigned"] and "load_state_dict(assign=True)" in r["whole assigned"], r["whole assigned"]
         assert r["gathered"] and "cannot redistribute between RunShard" in r["relabelled"]
         assert r["state_dict"] == r["serial_state_dict"]
         # the fused q|k|v weight (a run of each of q, k, v per rank, heads split unevenly) and the

@@ -636,8 +636,23 @@ _step_hook: Any = None
 
 def _after_load(module: "ParallelModule", keys: Any) -> None:
     """load_state_dict's post-hook: one more load since the ranks last agreed on the replicas,
-    and the leaves of any local tensor the load replaced made again."""
+    the parameters a load with ``assign=True`` put in place of the held ones held instead (the
+    programs read ``_held``: they once kept reading the replaced parameters, the load silently
+    ignored), and the leaves of any local tensor the load replaced made again."""
     module._loads += 1
+    names = getattr(module, "_held_names", None) or {fqn: fqn for fqn in module._held}
+    held = {}
+    for fqn, name in names.items():
+        old, new = module._held[fqn], module.get_parameter(name)
+        if new is not old and not (type(new) is type(old) and new.shape == old.shape
+                                   and getattr(new, "placements", None) == getattr(old, "placements", None)):
+            raise ConfigError(f"load_state_dict(assign=True) put a {type(new).__name__} of shape {tuple(new.shape)} "
+                              f"in place of {name}, a {type(old).__name__} of shape {tuple(old.shape)}"
+                              f"{' placed ' + str(old.placements) if hasattr(old, 'placements') else ''}: assign "
+                              f"the tensors of pm.state_dict() (DTensors, each rank its shard), or load without "
+                              f"assign=True (whole tensors are copied into the shards)")
+        held[fqn] = new
+    module._held = held
     module._refresh_leaves()
 
 
