@@ -1000,6 +1000,31 @@ def test_matmul_with_a_two_dim_weight_is_column_or_row_parallel(case):
         assert any(isinstance(s.output, Partial) for s in offered)
 
 
+@st.composite
+def left_matrix_cases(draw) -> Case:
+    """Mamba's ``dt_proj.weight @ time_step.transpose(1, 2)``: a 2-D weight on the left of a
+    batched x, ``[M, K] @ [..., K, N]``."""
+    gen, tp = _gen(draw), draw(tps)
+    batch = draw(shapes(1, 2, st.integers(1, 4)))
+    m, k, n = draw(sizes), draw(sizes), draw(sizes)
+    hints = {len(batch): draw(hints_for(m, tp))} if draw(st.booleans()) else {}
+    return draw(_case(aten.matmul.default, [_tensor(gen, (m, k)), _tensor(gen, batch + (k, n))], hints=hints,
+                      uneven=draw(st.booleans()), tp=tp))
+
+
+@settings(max_examples=80, deadline=None)
+@given(case=left_matrix_cases())
+def test_matmul_with_a_two_dim_weight_on_the_left_is_column_or_row_parallel(case):
+    offered = check_case(case)
+    w, x = case.args[0], case.args[1]
+    if case.placements[0] is None and w.shape[0] >= case.tp and (case.uneven or w.shape[0] % case.tp == 0) \
+            and not case.hints:
+        # a free weight is offered split on its rows (column-parallel), x whole
+        assert any(s.inputs[1] == R and isinstance(s.inputs[0], Shard) and s.inputs[0].dim == 0 for s in offered)
+    if case.placements[1] == Shard(x.ndim - 2):
+        assert any(isinstance(s.output, Partial) for s in offered)   # row-parallel as x arrives
+
+
 @settings(max_examples=80, deadline=None)
 @given(data=st.data())
 def test_index_keeps_a_shard_of_a_dim_before_the_first_index_tensor(data):

@@ -116,6 +116,8 @@ def bmm_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     if info.target is aten.matmul.default and a.ndim >= 2 and b.ndim == 2:
         # x [..., K] @ W [K, N]: Falcon's ``x @ weight.T``, column- or row-parallel like mm.
         return _matmul_strategies(info, placements, w_out=1, w_in=0)
+    if info.target is aten.matmul.default and a.ndim == 2 and b.ndim >= 3:
+        return _left_matrix_strategies(info, placements)
     if a.ndim < 2 or b.ndim < 2 or a.ndim != b.ndim:
         from .registry import replicate_all
 
@@ -139,6 +141,32 @@ def bmm_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
         # row as b is split (a plan's down stack), x converted to it: a later program whose x
         # arrives whole (Llama-4's down_proj after a training call's plan) still has a strategy
         out.append(Strategy((pb.with_dim(nd - 1), pb), _partial()))
+    return out
+
+
+def _left_matrix_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """``W [M, K] @ x [..., K, N]`` (a weight on the left, broadcast over x's leading dims: Mamba's
+    ``dt_proj.weight @ time_step.transpose(1, 2)``, ``[d_inner, dt_rank] @ [b, dt_rank, s]``).
+    Column-parallel: W split on its rows M, x whole -> y split on its rows; row-parallel: K split
+    alike in W (dim 1) and x (dim -2) -> y Partial; a split of x's leading dims or of its columns N
+    (W whole) passes through."""
+    pw, px = placements
+    nd = info.inputs[1].ndim
+    rows, cols = info.output.ndim - 2, info.output.ndim - 1
+    out = [Strategy((REPLICATE, REPLICATE), REPLICATE)]
+    if is_shard(pw) and pw.dim == 0:
+        out.append(Strategy((pw, REPLICATE), pw.with_dim(rows)))
+    elif pw is None:
+        col = info.fresh_shard(rows)
+        if col is not None and not col.tail and not col.per_block:
+            out.append(Strategy((col.with_dim(0), REPLICATE), col))
+    if is_shard(px) and px.dim == nd - 2:
+        out.append(Strategy((px.with_dim(1), px), _partial()))
+    elif is_shard(pw) and pw.dim == 1:
+        out.append(Strategy((pw, pw.with_dim(nd - 2)), _partial()))
+    if is_shard(px) and px.dim != nd - 2:
+        # a leading (batch) dim or the columns: the output's dim of the same meaning
+        out.append(Strategy((REPLICATE, px), px.with_dim(px.dim - nd + info.output.ndim)))
     return out
 
 
