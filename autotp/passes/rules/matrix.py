@@ -37,6 +37,13 @@ def _matmul_strategies(info: OpInfo, placements: tuple, w_out: int, w_in: int) -
         # A tail (a fused multi-query k and v) is computed whole on every rank: the rewrite
         # splits the product there, so that x's f sums the runs' gradient contributions alone.
         out.append(Strategy((REPLICATE, col.with_dim(w_out)), col, f_runs_only=col.tail > 0))
+    if is_shard(pw) and pw.dim == w_out and (col is None or col.with_dim(w_out) != pw) and not pw.per_block \
+            and (pw.chunks, pw.unit) != (1, 1):
+        # column as W is split in blocks (a plan's weight, replayed in a program whose graph reads
+        # the product's output otherwise: Mamba2's in-projection in a generation step, its conv
+        # state cached): the output holds W's blocks. (A plain Shard is a layout pin of the dim
+        # alone, its blocks read off the graph: the hint's column above.)
+        out.append(Strategy((REPLICATE, pw), pw.with_dim(out_last), f_runs_only=pw.tail > 0))
     # Row-parallel: contracted features split alike in x and W; as x is split or, where W's
     # split differs (a plan's weight held in plain runs, x split by heads in another call's
     # program), as W is, x converted to it.
