@@ -126,6 +126,10 @@ def column_hint(node: fx.Node, dim: int, tp: int = 1, uneven: bool = False,
             if t is aten.chunk.default and len(set(pieces)) != 1:
                 break
             if sdim == d:
+                if len(set(pieces)) != 1 and chunks == 1 and not tail_elems and not blocks:
+                    grouped = _grouped_pieces(u, d, tp, uneven, constant)
+                    if grouped is not None:
+                        return grouped
                 if len(set(pieces)) != 1:
                     # q heads first, then k and v of fewer kv heads: blocks of unequal size, dealt
                     # in groups (a kv head with its query heads) where tp can deal them, else
@@ -168,6 +172,110 @@ def column_hint(node: fx.Node, dim: int, tp: int = 1, uneven: bool = False,
             continue
         break
     return done(chunks, unit, tail_elems)
+
+
+#: ops a piece of a fused projection passes through on its way to being split again, its dim
+#: kept: casts, unary elementwise functions, a depthwise convolution along the sequence
+_UNARY = {aten.silu.default, aten.sigmoid.default, aten.relu.default, aten.gelu.default, aten.tanh.default,
+          aten.softplus.default}
+
+
+def _grouped_pieces(split: fx.Node, d: int, tp: int, uneven: bool, constant: Any) -> tuple | None:
+    """Mamba2's fused in-projection ``[z | x | B | C | dt]``, split into ``z | xBC | dt`` with
+    ``xBC`` split again into ``x | B | C`` after its convolution: blocks of unequal size, one per
+    innermost piece, dealt in ``ngroups`` groups (a group: its heads' z, x and dt, its own B and C).
+    Each piece's atom is read off its own use (x viewed into heads, B and C into groups of
+    ``d_state``; a piece read no further counts single elements), the groups are the greatest
+    common count of atoms over the pieces, and the blocks' sizes are each piece's width per group.
+    Only where a piece is split again (so a plain q | k | v keeps its reading) and tp can deal the
+    groups (as :meth:`OpInfo.fresh_shard_of` deals blocks of unequal size); else None."""
+    blocks = _piece_atoms(split, d, tp, uneven, constant, nested_ok=True)
+    if blocks is None or not any(inner for _, _, inner in blocks):
+        return None
+    groups = math.gcd(*(atoms for _, atoms, _ in blocks))
+    if groups < tp or (groups % tp and not uneven):
+        return None
+    per_group = [width // groups for width, _, _ in blocks]
+    unit = math.gcd(*per_group)
+    sizes = tuple(w // unit for w in per_group)
+    return sum(sizes), unit, 0, sizes
+
+
+def _piece_atoms(split: fx.Node, d: int, tp: int, uneven: bool, constant: Any,
+                 nested_ok: bool) -> list[tuple[int, int, bool]] | None:
+    """(width, atoms, split again) of each innermost piece of an unequal ``split`` of dim ``d``."""
+    widths = [v.shape[d] for v in split.meta["val"]]
+    if not all(isinstance(w, int) for w in widths):
+        return None
+    items = {g.args[1]: g for g in split.users if g.target is operator.getitem}
+    out = []
+    for i, width in enumerate(widths):
+        piece = items.get(i)
+        if piece is None:
+            out.append((width, width, False))
+            continue
+        again = _split_again(piece, d) if nested_ok else None
+        if again is not None:
+            inner = _piece_atoms(*again, tp, uneven, constant, nested_ok=False)
+            if inner is None or sum(w for w, _, _ in inner) != width:
+                return None
+            out += [(w, a, True) for w, a, _ in inner]
+            continue
+        unit = _factored_atom(piece, d) or column_hint(piece, d, tp, uneven, constant)[1]
+        out.append((width, width // unit if width % unit == 0 else width, False))
+    return out
+
+
+def _factored_atom(node: fx.Node, d: int) -> int | None:
+    """``k`` where ``node``'s dim ``d`` is next viewed as ``[..., g, k, ...]`` (through casts): B and C
+    of Mamba2 viewed into ``[b, s, ngroups, d_state]``, whose atom is a group even where there is one
+    (a view to ``[.., 1, d_state]``, which a shard of the dim passes through unchanged)."""
+    cur = node
+    for _ in range(8):
+        users = [u for u in cur.users if u.op == "call_function"]
+        if len(users) != 1:
+            return None
+        u = users[0]
+        if u.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+            src, dst = shape_of(cur), shape_of(u)
+            if src is None or dst is None or len(dst) != len(src) + 1 or tuple(dst[:d]) != tuple(src[:d]) \
+                    or tuple(dst[d + 2:]) != tuple(src[d + 1:]) or not (dst[d].is_Integer and dst[d + 1].is_Integer):
+                return None
+            return int(dst[d + 1]) if dst[d] * dst[d + 1] == src[d] else None
+        if not ((u.target in _FOLLOW_SAME or u.target is operator.getitem) and shape_of(u) == shape_of(cur)):
+            return None
+        cur = u
+    return None
+
+
+def _split_again(node: fx.Node, d: int) -> tuple[fx.Node, int] | None:
+    """(the split, its dim) where ``node``'s dim ``d`` is split unequally again further on, through
+    casts, transposes, unary functions, a depthwise convolution (channels on dim 1) and slices of
+    other dims (the convolution's padding cut off), each the only reader; None otherwise."""
+    cur = node
+    for _ in range(16):
+        users = [u for u in cur.users if u.op == "call_function"]
+        if len(users) != 1:
+            return None
+        u, shape = users[0], shape_of(cur)
+        t = u.target
+        if t in (aten.split.Tensor, aten.split_with_sizes.default):
+            sdim = (u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)) % len(shape)
+            pieces = [v.shape[sdim] for v in u.meta["val"]]
+            return (u, d) if sdim == d and len(set(pieces)) > 1 else None
+        if t is aten.transpose.int:
+            d = _through_transpose(u, d)
+        elif t is aten.conv1d.default:
+            groups = u.args[6] if len(u.args) > 6 else u.kwargs.get("groups", 1)
+            if u.args[0] is not cur or d != 1 or groups != shape[1]:
+                return None
+        elif t is aten.slice.Tensor:
+            if (u.args[1] if len(u.args) > 1 else 0) % len(shape) == d:
+                return None
+        elif not ((t in _FOLLOW_SAME or t in _UNARY) and shape_of(u) == shape):
+            return None
+        cur = u
+    return None
 
 
 def _is_grouped(target: Any) -> bool:

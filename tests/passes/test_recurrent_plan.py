@@ -3,6 +3,7 @@ tp=8 on the meta device. Its slow path loops over the sequence, so the capture's
 comes out fixed to the example's length (Capture.fixed_dims) and the unrolled scan keeps many
 tensors live at once (the solver's state cap, autotp/passes/solve.py): the plan must still
 come back, its 50280-word output layer split."""
+import pytest
 import torch
 
 import autotp
@@ -25,3 +26,45 @@ def test_mamba_130m_plans_at_tp8_with_its_sequence_fixed():
     assert isinstance(head, Shard) and plan.shapes["lm_head.weight"][head.dim] in (50280, 768), head
     if plan.shapes["lm_head.weight"][head.dim] == 768:
         assert [c.kind for c in plan.comms if c.consumer.startswith("to_dtype") and c.src == "P"] == ["g"]
+
+
+def test_mamba_130m_takes_the_channel_layout_pinned_at_tp8():
+    # Megatron's and vLLM's Mamba layout: in_proj column, x_proj row (its dt|B|C a Partial, one
+    # all-reduce), dt_proj column, out_proj row. dt_proj is read as ``dt_proj.weight @ x`` (a 2-D
+    # weight on the left of a batched product), which had no rule: pinning it was a PlanError.
+    model = zoo.build("mamba", zoo.published_config("mamba-130m", layers=1), device="meta", dtype=torch.bfloat16)
+    layout = {"*in_proj.weight": "column", "*x_proj.weight": "row", "*dt_proj.weight": "column",
+              "*out_proj.weight": "row"}
+    plan = autotp.plan(model, tp=8, layout=layout)
+    mixer = "backbone.layers.0.mixer."
+    assert plan.params[mixer + "dt_proj.weight"] == Shard(0)
+    assert plan.params[mixer + "x_proj.weight"] == Shard(1)
+    assert plan.local_shape(mixer + "dt_proj.weight", 0) == (1536 // 8, 48)
+    # x_proj's Partial output is made whole once, before dt|B|C are split apart
+    assert [c.kind for c in plan.comms if c.module == mixer.rstrip(".") and c.src == "P"] == ["g"]
+
+
+def _mamba2_plan(groups: int, tp: int):
+    """A tiny Bamba whose Mamba2 mixer has 2 * tp heads of 8 in ``groups`` groups (d_state 4),
+    planned at a large workload so that the cost model splits it."""
+    config = zoo.tiny_config("bamba", layers=2, heads=tp, kv_heads=tp, head_dim=8, vocab=64,
+                             mamba_n_groups=groups)
+    model = zoo.build("bamba", config, device="meta")
+    return autotp.plan(model, tp=tp, batch=64, seq=4096, profile="h100-dgx")
+
+
+@pytest.mark.parametrize("groups, tp", [(2, 2), pytest.param(4, 4, marks=pytest.mark.slow)])
+def test_mamba2_with_groups_dealt_to_the_ranks_splits_by_head_group(groups, tp):
+    # in_proj's [z | x | B | C | dt] cut per group (its heads' z, x and dt; its own B and C): the
+    # conv, the chunked scan and the gated norm run on each rank's groups, nothing gathered
+    # between in_proj and out_proj (before: in_proj in three plain blocks, B and C cut across
+    # groups, the conv's output all-gathered and the scan run whole on every rank). Per group:
+    # z 16, x 16, B 4, C 4, dt 2 elements, blocks in units of 2.
+    plan = _mamba2_plan(groups, tp)
+    mixer = "model.layers.0.mamba"
+    in_proj, out_proj = plan.params[mixer + ".in_proj.weight"], plan.params[mixer + ".out_proj.weight"]
+    assert isinstance(in_proj, Shard) and in_proj.dim == 0 and in_proj.sizes == (8, 8, 2, 2, 1), in_proj
+    assert isinstance(out_proj, Shard) and out_proj.dim == 1, out_proj
+    inside = [c for c in plan.comms if c.module.startswith(mixer) and c.module != mixer + ".in_proj"
+              and c.kind != "scatter"]   # (scatters: A_log, D, dt_bias and the conv weight sliced)
+    assert inside == [], inside

@@ -968,6 +968,38 @@ def test_gpt_j_rotary_keeps_the_heads_shard_local():
 
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
+def test_repeat_interleave_with_its_output_size_keeps_a_shard_of_the_repeated_dim(data):
+    # Mamba2's B and C: [b, s, groups, d_state] repeated for each group's heads along dim 2,
+    # export writing the repeated size (output_size=heads): each rank's groups become its heads
+    gen, tp = _gen(data.draw), data.draw(tps)
+    groups, reps = tp * data.draw(st.integers(1, 2)), data.draw(st.integers(1, 3))
+    x = _tensor(gen, (2, 3, groups, data.draw(st.integers(1, 3))))
+    case = Case(aten.repeat_interleave.self_int, (x, reps, 2), {"output_size": groups * reps}, tp, (Shard(2),),
+                seed=data.draw(seeds))
+    assert _offers(check_case(case), (Shard(2),), Shard(2, 1, reps))
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_the_chunked_scan_pads_sums_and_zeros_per_head(data):
+    # Mamba2's chunked scan on [b, s, heads, d] split by heads: the sequence padded to whole
+    # chunks, A's running sum over each chunk, the first chunk state zeros_like another's
+    gen, tp = _gen(data.draw), data.draw(tps)
+    x = _tensor(gen, (2, data.draw(st.integers(1, 5)), tp * data.draw(st.integers(1, 2)), 3))
+    heads = data.draw(shards(tuple(x.shape), tp, [2]))
+    pad = data.draw(st.integers(0, 3))
+    for op, args in ((aten.pad.default, (x, [0, 0, 0, 0, 0, pad], "constant", 0.0)),
+                     (aten.constant_pad_nd.default, (x, [0, 0, 0, 0, pad, 0], 0.0)),
+                     (aten.cumsum.default, (x, 1)), (aten.zeros_like.default, (x,))):
+        assert _offers(check_case(Case(op, args, {}, tp, (heads,), seed=data.draw(seeds))), (heads,), heads)
+    for op, args in ((aten.pad.default, (x, [0, 0, 0, 0, 0, pad], "constant", 0.0)), (aten.cumsum.default, (x, 1))):
+        assert _offers(check_case(Case(op, args, {}, tp, (P,), seed=data.draw(seeds))), (P,), P)
+    padded = check_case(Case(aten.pad.default, (x, [0, 0, 1, 0], "constant", 0.0), {}, tp, (heads,)))
+    assert not any(s.output == heads for s in padded)   # the split dim itself padded: not kept
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
 def test_a_free_weight_under_a_transpose_is_cut_the_way_the_product_hints(data):
     # Falcon: x @ W.T with W [3*heads*d, h] fused q|k|v by heads.
     tp = data.draw(tps)
@@ -998,6 +1030,31 @@ def test_matmul_with_a_two_dim_weight_is_column_or_row_parallel(case):
     offered = check_case(case)
     if case.placements[0] == Shard(case.args[0].ndim - 1) and case.args[0].shape[-1] >= case.tp:
         assert any(isinstance(s.output, Partial) for s in offered)
+
+
+@st.composite
+def left_matrix_cases(draw) -> Case:
+    """Mamba's ``dt_proj.weight @ time_step.transpose(1, 2)``: a 2-D weight on the left of a
+    batched x, ``[M, K] @ [..., K, N]``."""
+    gen, tp = _gen(draw), draw(tps)
+    batch = draw(shapes(1, 2, st.integers(1, 4)))
+    m, k, n = draw(sizes), draw(sizes), draw(sizes)
+    hints = {len(batch): draw(hints_for(m, tp))} if draw(st.booleans()) else {}
+    return draw(_case(aten.matmul.default, [_tensor(gen, (m, k)), _tensor(gen, batch + (k, n))], hints=hints,
+                      uneven=draw(st.booleans()), tp=tp))
+
+
+@settings(max_examples=80, deadline=None)
+@given(case=left_matrix_cases())
+def test_matmul_with_a_two_dim_weight_on_the_left_is_column_or_row_parallel(case):
+    offered = check_case(case)
+    w, x = case.args[0], case.args[1]
+    if case.placements[0] is None and w.shape[0] >= case.tp and (case.uneven or w.shape[0] % case.tp == 0) \
+            and not case.hints:
+        # a free weight is offered split on its rows (column-parallel), x whole
+        assert any(s.inputs[1] == R and isinstance(s.inputs[0], Shard) and s.inputs[0].dim == 0 for s in offered)
+    if case.placements[1] == Shard(x.ndim - 2):
+        assert any(isinstance(s.output, Partial) for s in offered)   # row-parallel as x arrives
 
 
 @settings(max_examples=80, deadline=None)
@@ -1322,8 +1379,10 @@ def test_misc_rules_take_partial_only_where_the_op_reads_no_values(n):
     metadata_only = op in (aten.new_ones.default, aten.new_zeros.default, aten.new_full.default,
                            aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int)
     for s in strategies(info, tuple(P if t.is_floating_point() else R for t in _tensors_in(args))):
-        if op is aten.index.Tensor and s.inputs[0] == P and P not in s.inputs[1:] and s.output == P:
-            # a pick by integer indices is linear in the values (rows reordered: the expert-TP combine)
+        if op in (aten.index.Tensor, aten.cumsum.default, aten.pad.default, aten.constant_pad_nd.default) \
+                and s.inputs[0] == P and P not in s.inputs[1:] and s.output == P:
+            # linear in the values: a pick by integer indices (rows reordered: the expert-TP
+            # combine), a running sum, a pad with zeros (Mamba2's chunked scan)
             x = args[0]
             parts = [x * 0.25, x * 0.75]
             assert torch.allclose(sum(op(part, *args[1:]) for part in parts), op(x, *args[1:]))

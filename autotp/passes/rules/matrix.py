@@ -37,6 +37,13 @@ def _matmul_strategies(info: OpInfo, placements: tuple, w_out: int, w_in: int) -
         # A tail (a fused multi-query k and v) is computed whole on every rank: the rewrite
         # splits the product there, so that x's f sums the runs' gradient contributions alone.
         out.append(Strategy((REPLICATE, col.with_dim(w_out)), col, f_runs_only=col.tail > 0))
+    if is_shard(pw) and pw.dim == w_out and (col is None or col.with_dim(w_out) != pw) and not pw.per_block \
+            and (pw.chunks, pw.unit) != (1, 1):
+        # column as W is split in blocks (a plan's weight, replayed in a program whose graph reads
+        # the product's output otherwise: Mamba2's in-projection in a generation step, its conv
+        # state cached): the output holds W's blocks. (A plain Shard is a layout pin of the dim
+        # alone, its blocks read off the graph: the hint's column above.)
+        out.append(Strategy((REPLICATE, pw), pw.with_dim(out_last), f_runs_only=pw.tail > 0))
     # Row-parallel: contracted features split alike in x and W; as x is split or, where W's
     # split differs (a plan's weight held in plain runs, x split by heads in another call's
     # program), as W is, x converted to it.
@@ -116,6 +123,8 @@ def bmm_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     if info.target is aten.matmul.default and a.ndim >= 2 and b.ndim == 2:
         # x [..., K] @ W [K, N]: Falcon's ``x @ weight.T``, column- or row-parallel like mm.
         return _matmul_strategies(info, placements, w_out=1, w_in=0)
+    if info.target is aten.matmul.default and a.ndim == 2 and b.ndim >= 3:
+        return _left_matrix_strategies(info, placements)
     if a.ndim < 2 or b.ndim < 2 or a.ndim != b.ndim:
         from .registry import replicate_all
 
@@ -139,6 +148,32 @@ def bmm_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
         # row as b is split (a plan's down stack), x converted to it: a later program whose x
         # arrives whole (Llama-4's down_proj after a training call's plan) still has a strategy
         out.append(Strategy((pb.with_dim(nd - 1), pb), _partial()))
+    return out
+
+
+def _left_matrix_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """``W [M, K] @ x [..., K, N]`` (a weight on the left, broadcast over x's leading dims: Mamba's
+    ``dt_proj.weight @ time_step.transpose(1, 2)``, ``[d_inner, dt_rank] @ [b, dt_rank, s]``).
+    Column-parallel: W split on its rows M, x whole -> y split on its rows; row-parallel: K split
+    alike in W (dim 1) and x (dim -2) -> y Partial; a split of x's leading dims or of its columns N
+    (W whole) passes through."""
+    pw, px = placements
+    nd = info.inputs[1].ndim
+    rows, cols = info.output.ndim - 2, info.output.ndim - 1
+    out = [Strategy((REPLICATE, REPLICATE), REPLICATE)]
+    if is_shard(pw) and pw.dim == 0:
+        out.append(Strategy((pw, REPLICATE), pw.with_dim(rows)))
+    elif pw is None:
+        col = info.fresh_shard(rows)
+        if col is not None and not col.tail and not col.per_block:
+            out.append(Strategy((col.with_dim(0), REPLICATE), col))
+    if is_shard(px) and px.dim == nd - 2:
+        out.append(Strategy((px.with_dim(1), px), _partial()))
+    elif is_shard(pw) and pw.dim == 1:
+        out.append(Strategy((pw, pw.with_dim(nd - 2)), _partial()))
+    if is_shard(px) and px.dim != nd - 2:
+        # a leading (batch) dim or the columns: the output's dim of the same meaning
+        out.append(Strategy((REPLICATE, px), px.with_dim(px.dim - nd + info.output.ndim)))
     return out
 
 

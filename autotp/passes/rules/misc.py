@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ...placements import REPLICATE
-from .registry import LocalContext, OpInfo, Strategy, is_shard, register, register_localizer, replicate_all
+from ...placements import PARTIAL, REPLICATE
+from .registry import LocalContext, OpInfo, Strategy, is_partial, is_shard, register, register_localizer, replicate_all
 from .view import tail_part, tail_position, tail_whole
 
 aten = torch.ops.aten
@@ -39,13 +39,17 @@ def factory_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     # A tensor argument only lends its dtype/device (new_ones, zeros_like ...): leave it as it is.
     if info.target in (aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
                        aten.empty_like.default):
-        return replicate_all(info, placements)
+        # a tensor of one value: split as its model is split, each rank makes its own shape of it
+        # (Mamba2's scan starts its chunk states from ``zeros_like`` of one chunk's, per head)
+        out = replicate_all(info, placements)
+        if is_shard(placements[0]):
+            out.append(Strategy((placements[0],) + tuple(REPLICATE for _ in placements[1:]), placements[0]))
+        return out
     return [Strategy(tuple(p if p is not None else REPLICATE for p in placements), REPLICATE)]
 
 
 REPLICATED = [
-    aten.diff.default, aten.cumsum.default, aten.pad.default,
-    aten.constant_pad_nd.default, aten.gather.default, aten.scatter.src, aten.scatter.value,
+    aten.diff.default, aten.gather.default, aten.scatter.src, aten.scatter.value,
     aten.scatter_.value, aten.index_select.default,
     aten.topk.default, aten.sort.default, aten.argmax.default, aten.any.default, aten.all.default,
     aten.flip.default, aten.roll.default,
@@ -56,6 +60,48 @@ REPLICATED = [
 def replicated_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     # Correct whole; a sharded form would need index arithmetic these ops do not expose.
     return replicate_all(info, placements)
+
+
+@register(aten.cumsum.default)
+def cumsum_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """A running sum along one dim (Mamba2's chunked scan: ``cumsum`` of A over each chunk's
+    positions, per head): a shard of another dim is kept, a Partial passes (the sum is linear)."""
+    dim = info.args[1] % max(info.inputs[0].ndim, 1)
+    out = replicate_all(info, placements)
+    p = placements[0]
+    if is_shard(p) and p.dim != dim:
+        out.append(Strategy((p,), p))
+    elif is_partial(p) and info.output.dtype == info.inputs[0].dtype:
+        out.append(Strategy((PARTIAL,), PARTIAL))
+    return out
+
+
+@register(aten.pad.default, aten.constant_pad_nd.default)
+def pad_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """Padding of some dims (Mamba2 pads the sequence to a whole number of chunks; its scan pads
+    the chunk states): a shard of a dim padded by nothing is kept; a Partial passes a constant
+    pad of zeros (the pad of a sum is the sum of the pads)."""
+    nd = info.inputs[0].ndim
+    pads = list(info.args[1]) if len(info.args) > 1 else []
+    out = replicate_all(info, placements)
+    p = placements[0]
+    if is_shard(p):
+        k = nd - 1 - p.dim          # pads run (left, right) from the last dim backwards
+        pair = pads[2 * k:2 * k + 2]
+        if all(isinstance(x, int) and x == 0 for x in pair):
+            out.append(Strategy((p,), p))
+    elif is_partial(p) and _pads_with_zeros(info):
+        out.append(Strategy((PARTIAL,), PARTIAL))
+    return out
+
+
+def _pads_with_zeros(info: OpInfo) -> bool:
+    if info.target is aten.constant_pad_nd.default:
+        value = info.args[2] if len(info.args) > 2 else info.kwargs.get("value", 0)
+        return value == 0
+    mode = info.args[2] if len(info.args) > 2 else info.kwargs.get("mode", "constant")
+    value = info.args[3] if len(info.args) > 3 else info.kwargs.get("value", None)
+    return mode == "constant" and (value is None or value == 0)
 
 
 @register(aten.index.Tensor)

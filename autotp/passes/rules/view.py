@@ -76,6 +76,24 @@ def _prod(sizes) -> sympy.Expr:
 @lru_cache(maxsize=8192)
 def map_view_shard(src: tuple, dst: tuple, shard: Shard) -> Shard | None:
     """Where a shard of ``src`` lands in ``dst`` after a reshape, or None if it cannot."""
+    found = _map_view_shard(src, dst, shard)
+    return found if found is not None else _in_common_tail(src, dst, shard)
+
+
+def _in_common_tail(src: tuple, dst: tuple, shard: Shard) -> Shard | None:
+    """A shard of a dim among the trailing dims that ``src`` and ``dst`` share size for size: the
+    reshape regroups only the dims before them (Mamba2's chunked scan views the padded sequence
+    ``[b, s, heads, d]`` as ``[b, s // chunk, chunk, heads, d]``, sizes export writes in a form the
+    grouping of :func:`view_groups` cannot pair), so the shard keeps its place counted from the end."""
+    from_end = len(src) - shard.dim
+    if shard.per_block or from_end > min(len(src), len(dst)):
+        return None
+    if any(src[-k] != dst[-k] for k in range(1, from_end + 1)):
+        return None
+    return shard.with_dim(len(dst) - from_end)
+
+
+def _map_view_shard(src: tuple, dst: tuple, shard: Shard) -> Shard | None:
     groups = view_groups(src, dst)
     if groups is None:
         return None
@@ -637,6 +655,21 @@ def repeat_interleave_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     if not isinstance(repeats, int) or repeats < 1:
         return _follow(info, placements, lambda s: None if s.dim == dim else s)
     return _follow(info, placements, lambda s: replace(s, unit=s.unit * repeats) if s.dim == dim else s)
+
+
+@register_localizer(aten.repeat_interleave.self_int)
+def repeat_interleave_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
+    """``output_size`` (export writes the repeated dim's size: Mamba2's B and C groups repeated for
+    their heads) is this rank's size of that dim where it is split."""
+    out = strategy.output
+    dim = info.args[2] if len(info.args) > 2 else info.kwargs.get("dim")
+    if dim is None or not is_shard(out) or out.dim != norm_dim(dim, info.inputs[0].ndim):
+        return info.target, args, kwargs
+    if "output_size" in kwargs and kwargs["output_size"] is not None:
+        kwargs = dict(kwargs, output_size=ctx.local(kwargs["output_size"], info.output.shape[out.dim], out))
+    elif len(args) > 3 and args[3] is not None:
+        args = args[:3] + (ctx.local(args[3], info.output.shape[out.dim], out),) + args[4:]
+    return info.target, args, kwargs
 
 
 @register(aten.broadcast_to.default)
