@@ -20,19 +20,22 @@ from autotp.testing import TOLERANCE
 FAMILIES = ("bamba", "falcon-h1", "granitemoehybrid", "jamba", "qwen3-next", "qwen3.5-moe", "minimax")
 
 
-def hybrid_calls(family: str) -> dict:
+def hybrid_calls(family: str, config_extra: dict | None = None, params: tuple[str, ...] = ()) -> dict:
+    """Every call of a tiny ``family`` (``config_extra`` set on its config) at this world's tp
+    against serial; ``params``: parameters whose plan placement the result carries too."""
     import autotp
     from autotp import zoo
     from autotp.testing import equivalence_errors
 
-    config = zoo.tiny_config(family, layers=2, heads=2, kv_heads=2, head_dim=8, vocab=64)
+    config = zoo.tiny_config(family, layers=2, heads=2, kv_heads=2, head_dim=8, vocab=64, **(config_extra or {}))
     if hasattr(config, "_experts_implementation"):
         config._experts_implementation = "batched_mm"   # torch's grouped product takes no float64 on CPU
     model = zoo.build(family, config, dtype=torch.float64)
     # a large planning workload, so the cost model splits even this tiny model's attention and MLPs
-    pm = autotp.parallelize(model, 2, batch=64, seq=4096, profile="h100-dgx")
+    pm = autotp.parallelize(model, torch.distributed.get_world_size(), batch=64, seq=4096, profile="h100-dgx")
     out = {"held": sum(p.numel() for p in pm.local_parameters().values()),
-           "serial": sum(p.numel() for p in model.parameters()), "fixed": bool(pm.capture.fixed_dims)}
+           "serial": sum(p.numel() for p in model.parameters()), "fixed": bool(pm.capture.fixed_dims),
+           **{name: pm.plan.params[name] for name in params}}
     for length in (11, 8):
         batch = zoo.example_batch(family, config, batch=2, seq=length, seed=length)
         out[f"train {length}"] = max(equivalence_errors(model, pm, batch).values())

@@ -60,34 +60,12 @@ def test_mamba_with_the_channel_layout_pinned_equals_serial(tp, cluster_of):
 
 
 def mamba2_group_calls(family: str) -> dict:
-    import autotp
-    from autotp import zoo
-    from autotp.testing import equivalence_errors
+    from tests.e2e.test_hybrids import hybrid_calls
 
-    tp = torch.distributed.get_world_size()
-    config = zoo.tiny_config(family, layers=2, heads=2, kv_heads=2, head_dim=8, vocab=64, mamba_n_groups=tp)
-    if hasattr(config, "_experts_implementation"):
-        config._experts_implementation = "batched_mm"   # torch's grouped product takes no float64 on CPU
-    model = zoo.build(family, config, dtype=torch.float64)
-    pm = autotp.parallelize(model, tp, batch=64, seq=4096, profile="h100-dgx")
-    out = {"in_proj": pm.plan.params["model.layers.0.mamba.in_proj.weight"],
-           "out_proj": pm.plan.params["model.layers.0.mamba.out_proj.weight"]}
-    for length in (11, 8):
-        batch = zoo.example_batch(family, config, batch=2, seq=length, seed=length)
-        out[f"train {length}"] = max(equivalence_errors(model, pm, batch).values())
-    model.eval()
-    pm.eval()
-    ids = zoo.example_batch(family, config, batch=2, seq=8, seed=3)["input_ids"]
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-    with torch.no_grad():
-        ref = model(input_ids=ids, attention_mask=mask).logits
-        got = pm(input_ids=ids, attention_mask=mask).logits
-        out["padded"] = ((got - ref).abs().max() / ref.abs().max()).item()
-    prompt, prompt_mask = ids[:, :5], mask[:, :5]
-    out["generate"] = (pm.generate(prompt, attention_mask=prompt_mask, max_new_tokens=3, eos_token_id=None).tolist(),
-                       model.generate(prompt, attention_mask=prompt_mask, max_new_tokens=3, do_sample=False,
-                                      eos_token_id=None, pad_token_id=0).tolist())
+    out = hybrid_calls(family, {"mamba_n_groups": torch.distributed.get_world_size()},
+                       ("model.layers.0.mamba.in_proj.weight", "model.layers.0.mamba.out_proj.weight"))
+    out["in_proj"], out["out_proj"] = (out.pop("model.layers.0.mamba.in_proj.weight"),
+                                       out.pop("model.layers.0.mamba.out_proj.weight"))
     return out
 
 
