@@ -488,6 +488,9 @@ class _CommModule(nn.Module):
         ranks = group_ranks(self.group)
         return "group=None" if self.group is None else f"ranks={list(ranks) if ranks else '?'}"
 
+    def extra_repr(self) -> str:
+        return self._group_repr()
+
 
 class _ShardedCommModule(_CommModule):
     """``full_size=None``: the sharded dim is dynamic (the sequence, under sequence parallelism);
@@ -523,9 +526,6 @@ class CopyToTP(_CommModule):
     def forward(self, x: Tensor) -> Tensor:
         return copy_to_tp(x, self.group)
 
-    def extra_repr(self) -> str:
-        return self._group_repr()
-
 
 class ReduceFromTP(_CommModule):
     """g: all-reduce forward, identity backward."""
@@ -534,9 +534,6 @@ class ReduceFromTP(_CommModule):
 
     def forward(self, x: Tensor) -> Tensor:
         return reduce_from_tp(x, self.group)
-
-    def extra_repr(self) -> str:
-        return self._group_repr()
 
 
 class GatherFromTP(_ShardedCommModule):
