@@ -20,7 +20,7 @@ import pytest
 import sympy
 import torch
 import torch.utils._pytree as pytree
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from autotp.passes import rules
@@ -759,6 +759,10 @@ def reshaping_cases(draw) -> Case:
 
 @settings(max_examples=200, deadline=None)
 @given(case=reshaping_cases())
+# a squeeze of the split dim itself, of size 1, its trailing sizes matched by the output's: once
+# offered as keeping the shard (S(1) -> S(0)), where rank 1's empty local dim is not squeezed
+@example(case=Case(aten.squeeze.dim, (torch.tensor([[[1.5]]], dtype=torch.float64), 1), {}, 2, (Shard(1),), {},
+                   False, 0))
 def test_transposes_squeezes_slices_and_expands_carry_the_shard_along(case):
     check_case(case)
 

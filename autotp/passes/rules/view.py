@@ -86,7 +86,8 @@ def _in_common_tail(src: tuple, dst: tuple, shard: Shard) -> Shard | None:
     ``[b, s, heads, d]`` as ``[b, s // chunk, chunk, heads, d]``, sizes export writes in a form the
     grouping of :func:`view_groups` cannot pair), so the shard keeps its place counted from the end."""
     from_end = len(src) - shard.dim
-    if shard.per_block or from_end > min(len(src), len(dst)):
+    if shard.per_block or from_end > min(len(src), len(dst)) or src[shard.dim] == 1:
+        # a split dim of size 1 may be the one the view drops (squeeze): its place is not kept
         return None
     if any(src[-k] != dst[-k] for k in range(1, from_end + 1)):
         return None
