@@ -36,7 +36,7 @@ from ..placements import (PARTIAL, REPLICATE, Partial, Placement, Replicate, Rou
 from .hints import column_hint, index_picks, row_hint
 from .rules import OpInfo, Strategy, TensorMeta, strategies
 from .rules.experts import GROUPED_MM, grouped_reader
-from .rules.registry import aliases_first, op_name
+from .rules.registry import aliases_first, mutates_first, op_name
 
 aten = torch.ops.aten
 INF = math.inf
@@ -125,6 +125,11 @@ class GraphIndex:
     #: parameters and the views of them (``numpy_T``, ``t``, ``view``: ops returning an alias of
     #: their first argument): a sharded one is never gathered at run time (:meth:`moves_parameter`)
     param_views: frozenset = frozenset()
+    #: ops that write their first argument's storage in place, directly or through views of it,
+    #: where the tensor is read after the write: that argument is never converted (:meth:`moves_written`)
+    written_first: frozenset = frozenset()
+    #: the tensors those ops write (each view chain's first tensor)
+    written_roots: frozenset = frozenset()
     _strategies: dict = field(default_factory=dict)
     _compute: dict = field(default_factory=dict)
     _activation: dict = field(default_factory=dict)
@@ -188,6 +193,8 @@ class GraphIndex:
                 info.grad_uses = _grad_uses(node, index.grads)
                 info.strided_inputs = tuple(not contiguous.get(i, True) for i in inputs)
         index.param_views = _param_views(capture)
+        index.written_first = written_in_place(capture.graph)
+        index.written_roots = frozenset(storage_root(n) for n in index.written_first)
         return index
 
     def moves_parameter(self, node: fx.Node, have: Any, want: Any, meta: TensorMeta) -> bool:
@@ -199,6 +206,17 @@ class GraphIndex:
         if node not in self.param_views or same_placement(have, want, _dim_size(meta, want), self.tp):
             return False
         return node.name in self.capture.param_names or not isinstance(have, Replicate)
+
+    def moves_written(self, node: fx.Node, position: int, have: Any, want: Any, meta: TensorMeta) -> bool:
+        """Whether converting input ``position`` of ``node`` from ``have`` to ``want`` would leave an
+        in-place write in a copy: ``node`` writes its first argument (``copy_`` into a slice of a
+        tensor, ``masked_fill_``), or is a view written later, and the tensor is read after the write
+        (Gated DeltaNet's chunk loop: ``attn[..., i, :i] = ...``, each row read by the next). A
+        conversion is a tensor of its own (a collective's output, which autograd also refuses to
+        write through a view): the write would miss the tensor the later reads take. The solver
+        never chooses it; the written tensor is placed as its writer wants where it is made."""
+        return (position == 0 and node in self.written_first
+                and not same_placement(have, want, _dim_size(meta, want), self.tp))
 
     def numel_env(self) -> Mapping:
         return self.env
@@ -225,6 +243,66 @@ def _param_views(capture: Capture) -> frozenset:
               and aliases_first(node.target)):
             found.add(node)
     return frozenset(found)
+
+
+def first_write(node: fx.Node) -> fx.Node | None:
+    """The first in-place op that writes ``node``'s output, directly or through views of it."""
+    writes = []
+    for user in node.users:
+        if user.op == "call_function" and user.args and user.args[0] is node:
+            if mutates_first(user.target):
+                writes.append(user)
+            elif aliases_first(user.target) and (inner := first_write(user)) is not None:
+                writes.append(inner)
+    order = {n: i for i, n in enumerate(node.graph.nodes)} if len(writes) > 1 else None
+    return min(writes, key=order.__getitem__) if order else (writes[0] if writes else None)
+
+
+def _aliasing(node: fx.Node) -> bool:
+    return node.op == "call_function" and bool(node.args) and (aliases_first(node.target) or
+                                                             mutates_first(node.target))
+
+
+def storage_root(node: fx.Node) -> fx.Node:
+    """The tensor whose storage ``node`` views or writes (itself where it is no view)."""
+    while _aliasing(node) and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def written_in_place(graph: fx.Graph) -> frozenset:
+    """The ops whose first argument must not be converted (:meth:`GraphIndex.moves_written`): an
+    in-place op writing through a view (``copy_`` into ``attn[..., i, :i]``) and the views between
+    it and the tensor viewed, where that tensor (or a view of it not made from the write) is read
+    after the write. An in-place op on a tensor itself needs none: capture hands its later readers
+    the op's output, which the rewrite makes the written copy."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    found: set[fx.Node] = set()
+    for write in graph.nodes:
+        if not (_aliasing(write) and mutates_first(write.target) and isinstance(write.args[0], fx.Node)):
+            continue
+        chain, node = [write], write.args[0]
+        while _aliasing(node) and isinstance(node.args[0], fx.Node):
+            chain.append(node)
+            node = node.args[0]
+        if len(chain) == 1:   # written itself, not through a view
+            continue
+        made_after = _aliases_of(write)
+        if any(order[u] > order[write] and u not in made_after
+               for member in _aliases_of(node) - made_after for u in member.users):
+            found.update(chain)
+    return frozenset(found)
+
+
+def _aliases_of(node: fx.Node) -> set[fx.Node]:
+    """``node`` and every view or in-place op over its storage made from it."""
+    seen, todo = {node}, [node]
+    while todo:
+        for user in todo.pop().users:
+            if user not in seen and _aliasing(user) and user.args[0] in seen:
+                seen.add(user)
+                todo.append(user)
+    return seen
 
 
 def training_dtype(capture: Capture) -> torch.dtype | None:
@@ -663,6 +741,8 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
                     # falcon-new at tp 4 reached its row-parallel product with x whole, where only
                     # the weight's transpose gathered fits)
                     cost = INF
+                elif index.moves_written(node, i, place[inp], want, meta):
+                    cost = INF   # an in-place write lands in the tensor later ops read, not a copy
                 elif (inp, want, f) not in conversions:   # a conversion already made is reused
                     cost += conversion_seconds(index, profile, meta, place[inp], want, f, inp in index.grads)
                 if cost == INF:

@@ -34,7 +34,8 @@ from ..distributed import collectives as C
 from ..distributed.experts import routed_scatter
 from ..distributed.functional import grad_if
 from ..distributed.rng import RandomOp, draws_random
-from .propagate import GraphIndex, Propagation, _conversion, _dim_size, _meta, _sharded_compute, map_args, wants_f
+from .propagate import (GraphIndex, Propagation, _conversion, _dim_size, _meta, _sharded_compute, first_write, map_args,
+                        storage_root, wants_f)
 from .rules import LocalContext, aliases_first, is_routed, localizer_for, mutates_first
 from .rules.experts import grouped_reader
 from .rules.registry import REGION_BOUNDS
@@ -304,6 +305,12 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         new.meta = {k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")}
         new.meta["autotp_placement"] = strategy.output
         env[node] = new
+        if mutates_first(node.target) and converted:
+            # the tensor written (through any view of it) is no longer what its conversions made
+            # before the write hold: a later reader converts it afresh
+            written = storage_root(node)
+            for key in [k for k in converted if storage_root(k[0]) is written]:
+                del converted[key]
         if is_routed(strategy) and any(isinstance(p, Routed) for p in (
                 strategy.output if isinstance(strategy.output, tuple) else (strategy.output,))):
             # the output's row map: the op's own (a product's, a pick's, a reorder's) or its routed input's
@@ -342,25 +349,12 @@ def _program_order(graph: fx.Graph, prop: Propagation, readers: dict) -> list[fx
     return order
 
 
-def _first_write(node: fx.Node) -> fx.Node | None:
-    """The first in-place op that writes ``node``'s output, directly or through views of it."""
-    writes = []
-    for user in node.users:
-        if user.op == "call_function" and user.args and user.args[0] is node:
-            if mutates_first(user.target):
-                writes.append(user)
-            elif aliases_first(user.target) and (inner := _first_write(user)) is not None:
-                writes.append(inner)
-    order = {n: i for i, n in enumerate(node.graph.nodes)} if len(writes) > 1 else None
-    return min(writes, key=order.__getitem__) if order else (writes[0] if writes else None)
-
-
 def _view_alone_written(view: fx.Node) -> bool:
     """Whether the view's output is written in place and the viewed tensor is read by nothing
     after that write: then writing a copy is what the model computes. Where the tensor is read
     after (the write would show through it), no copy is made and autograd's refusal stands: an
     error, never a silently unwritten tensor."""
-    write = _first_write(view)
+    write = first_write(view)
     if write is None:
         return False
     base = view.args[0]

@@ -233,6 +233,9 @@ class _Solver:
                 if index.moves_parameter(inp, have, want, meta):
                     cost = INF   # a parameter is never moved at run time: it is sharded at load
                     break
+                if index.moves_written(node, i, have, want, meta):
+                    cost = INF   # an in-place write lands in the tensor later ops read, not a copy
+                    break
                 if (f or have != want) and (want, f) not in paid:
                     cost += conversion_seconds(index, profile, meta, have, want, f, inp in index.grads)
                     paid = paid | {(want, f)}
@@ -312,6 +315,18 @@ class _Solver:
             self.pruned, self.live_at_prune = node, len(next(iter(states)))
         best = sorted(range(len(states)), key=lambda i, fronts=list(states.values()): min(e[0] for e in fronts[i]))
         keep = set(best[:MAX_STATES])
+        # a tensor later written in place through a view (GraphIndex.moves_written) must already
+        # be placed as that write wants: the cheapest state of each placement of such tensors is
+        # kept too, or the cheap placements alone would survive to a write none of them can take
+        roots = self.index.written_roots
+        if roots:
+            seen: set = set()
+            keys = list(states)
+            for i in best:
+                written = tuple(kv for kv in keys[i] if kv[0] in roots)
+                if written and written not in seen:
+                    seen.add(written)
+                    keep.add(i)
         return {k: v for i, (k, v) in enumerate(states.items()) if i in keep}
 
     def _infeasible(self, what: str) -> PlanError:
