@@ -298,6 +298,11 @@ def _page(lines_by_family: dict[str, str]) -> list[str]:
         "eager attention its softmax (`dtype=torch.float32`), so a router or score input summed over ranks in",
         "another order differs there at float32's rounding (tests/e2e/test_experts.py checks float64 1e-9 on",
         "plans where those inputs arrive whole).",
+        "Llama-4's router (`feed_forward.router`) reads the post-attention norm's output, which the plan leaves split",
+        "along the hidden size: the solver makes it row-parallel, its [tokens, experts] logits made whole by one",
+        "all-reduce before the top-k. Pinned replicated (`layout={'*.router.weight': 'replicate'}`) it is predicted",
+        "0.54 ms slower of 92.4 ms (Llama-4-Scout, 2 layers, 2 x 4096, h200 profile); both are exact",
+        "(tests/e2e/test_llama4.py).",
         "",
         "| family | model | plan | experts layout per MoE layer | expert bytes per rank | "
         f"parameters per rank at tp={TP} | layout (layer 1 and outside the layers) | collectives per layer | "

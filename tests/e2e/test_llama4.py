@@ -31,7 +31,11 @@ ATTENTION = {"*.q_proj.weight": "column", "*.k_proj.weight": "column", "*.v_proj
              "*.shared_expert.up_proj.weight": "column", "*.shared_expert.down_proj.weight": "row"}
 EXPERTS = {"ep": {"*.experts.gate_up_proj": "expert", "*.experts.down_proj": "expert"},
            "etp": {"*.experts.gate_up_proj": "expert_column", "*.experts.down_proj": "expert_row"},
-           "planner": {}}
+           "planner": {},
+           # the router row-parallel, as the solver takes it at Llama-4-Scout's size (its input, the
+           # post-attention norm's output, left split along the hidden size: docs/models.md)
+           "etp-row-router": {"*.experts.gate_up_proj": "expert_column", "*.experts.down_proj": "expert_row",
+                              "*.router.weight": "row"}}
 #: the router's scores are a sigmoid computed in float32 whatever the model's dtype
 #: (``sigmoid(router_scores.float())``): the parallel model's logits, equal to serial's at float64's
 #: rounding, round to float32 apart there, so every call is held to float32's tolerance
@@ -115,6 +119,8 @@ def assert_calls(cluster_of, case: dict) -> list[dict]:
         assert r["errors"][worst] <= BOUND, (case, worst, sorted(r["errors"].items(), key=lambda kv: -kv[1])[:6])
         if case["tp"] > 1:   # the experts are split, whichever way: no rank holds them all
             assert set(r["roles"].values()) <= {"expert", "expert_column", "expert_row"}, (case, r["roles"])
+        if case["tp"] > 1 and "*.router.weight" in EXPERTS[case["experts"]]:
+            assert set(r["router"].values()) == {"row"}, (case, r["router"])
     if case["tp"] > 1:
         held = sum(sum(r["local"].values()) for r in results)
         assert held == sum(results[0]["whole"].values()), (case, held)   # each expert byte on one rank
@@ -129,6 +135,7 @@ FAST = [
     dict(tp=2, experts="etp", order=["train", "generate", "padded"], seq=7, pad=3, seed=1),
     dict(tp=4, experts="ep", order=["generate", "train", "infer"], seq=6, pad=2, seed=2),
     dict(tp=1, experts="etp", order=["train", "infer"], seq=2, pad=0, seed=0),
+    dict(tp=2, experts="etp-row-router", order=["train", "padded"], seq=5, pad=2, seed=3),
 ]
 
 
