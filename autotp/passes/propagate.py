@@ -718,6 +718,11 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
             if j is None or j >= len(options):
                 return infeasible(f"the solver's strategy {j} for {node.name} is not among its {len(options)}")
             options = [options[j]]
+        elif node in index.written_roots:
+            # a tensor written in place through a view later, which no conversion may reach
+            # (GraphIndex.moves_written): this walk does not look ahead to the write, so it makes
+            # the tensor whole, which every write can take
+            options = [s for s in options if s.output == REPLICATE] or options
         best, best_cost = None, INF
         for strat in options:
             sharded = _sharded_compute(strat)
