@@ -88,3 +88,34 @@ def test_mamba2_split_by_head_group_equals_serial(family):
             assert r[call] <= TOLERANCE[torch.float32], (call, r[call])
         got, serial = r["generate"]
         assert got == serial
+
+
+def mamba2_one_group_calls(family: str) -> dict:
+    from tests.e2e.test_hybrids import hybrid_calls
+
+    tp = torch.distributed.get_world_size()
+    # one group (the tiny config's, as published): 4 heads of 8, so tp 4 deals one head a rank
+    heads = {} if tp <= 2 else {"num_attention_heads": tp, "num_key_value_heads": tp}
+    out = hybrid_calls(family, heads, ("model.layers.0.mamba.in_proj.weight", "model.layers.0.mamba.out_proj.weight"))
+    out["in_proj"], out["out_proj"] = (out.pop("model.layers.0.mamba.in_proj.weight"),
+                                       out.pop("model.layers.0.mamba.out_proj.weight"))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("family, tp", [("bamba", 2), ("bamba", 4), ("granitemoehybrid", 2)])
+def test_mamba2_of_one_group_split_by_head_equals_serial(family, tp):
+    from autotp.distributed.launch import LocalCluster
+    from autotp.placements import Shard
+
+    # Megatron's and vLLM's layout for ngroups=1: each rank its heads' z, x, dt, B and C whole
+    with LocalCluster(tp, timeout=3000) as cluster:
+        results = cluster.run(mamba2_one_group_calls, family)
+    for r in results:
+        assert r["in_proj"] == Shard(0, 5, 1, sizes=(8, 8, 1, 1, 1), whole=(2, 3)), r["in_proj"]
+        assert isinstance(r["out_proj"], Shard) and r["out_proj"].dim == 1, r["out_proj"]
+        for call in ("train 11", "train 8", "padded"):
+            assert r[call] <= TOLERANCE[torch.float32], (call, r[call])
+        got, serial = r["generate"]
+        assert got == serial
