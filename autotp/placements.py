@@ -108,8 +108,10 @@ class Shard:
         if self.whole:
             whole = tuple(sorted({int(i) for i in self.whole}))
             sizes = tuple(self.sizes) or (1,) * self.chunks
-            if len(sizes) != self.chunks or whole[0] < 0 or whole[-1] >= self.chunks or len(whole) == self.chunks:
-                raise ValueError(f"Shard.whole {whole} needs indices of blocks ({self.chunks}) with one dealt")
+            if len(sizes) != self.chunks or whole[0] < 0 or whole[-1] >= self.chunks or len(whole) == self.chunks \
+                    or min(sizes) < 1 or self.tail or self.per_block:
+                raise ValueError(f"Shard.whole {whole} needs indices of blocks ({self.chunks}, one dealt), "
+                                 f"positive sizes, no tail and no per-block dealing")
             g = math.gcd(*sizes)
             # kept even where the sizes are equal: which blocks are whole needs them spelled out
             object.__setattr__(self, "whole", whole)

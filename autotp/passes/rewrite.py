@@ -29,7 +29,8 @@ from torch import fx, nn
 from ..capture import gc_paused
 from ..cost_model.alignment import Align, pads
 from ..errors import PlanError
-from ..placements import PARTIAL, Partial, Placement, Replicate, Routed, Shard, block_local_sizes, local_ranges, local_size, owned_ranges
+from ..placements import (PARTIAL, Partial, Placement, Replicate, Routed, Shard, block_local_sizes, local_ranges,
+                          local_size, owned_ranges)
 from ..distributed import collectives as C
 from ..distributed.experts import routed_scatter
 from ..distributed.functional import grad_if

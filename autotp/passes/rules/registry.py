@@ -93,7 +93,8 @@ class OpInfo:
     inputs: tuple[TensorMeta, ...]
     output: Any  # TensorMeta, a tuple of them, or None
     tp: int
-    hints: dict[int, tuple] = field(default_factory=dict)   # dim -> (chunks, unit[, rotate[, tail[, grouped[, sizes[, whole]]]]])
+    #: dim -> (chunks, unit[, rotate[, tail[, grouped[, sizes[, whole]]]]])
+    hints: dict[int, tuple] = field(default_factory=dict)
     uneven: bool = False   # may a fresh shard leave some ranks one atom more?
     #: symbols of sequence dims: the one dynamic size a fresh shard may split (sequence
     #: parallelism); never the batch, which may be smaller than tp

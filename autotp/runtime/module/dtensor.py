@@ -273,7 +273,8 @@ def _norm_of_owned(handlers: dict, op: Any, previous: Any):
         dims = args[2] if len(args) > 2 else kwargs.get("dim")
         if op_call is torch.ops.aten.linalg_vector_norm.default and dims is not None:
             reduced = {d % args[0].dim() for d in ([dims] if isinstance(dims, int) else dims)}
-            tailed = [p.dim for p in getattr(args[0], "placements", ()) if isinstance(p, RunShard) and p.shard.holds_whole]
+            tailed = [p.dim for p in getattr(args[0], "placements", ())
+                      if isinstance(p, RunShard) and p.shard.holds_whole]
             if not any(d in reduced for d in tailed):
                 return _default(handlers, op, handler, previous, op_call, args, kwargs)   # the tail stays
         first = [owned_part(t) for t in args[0]] if isinstance(args[0], (list, tuple)) else owned_part(args[0])
