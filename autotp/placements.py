@@ -40,6 +40,13 @@ heads at tp=8) the first ranks take one group more: rank 0 holds query heads 0-7
 0-1, rank 7 query heads 36-39 with kv head 9. Equal blocks are the case ``sizes = (1, ..., 1)``
 (a group is one atom of each block), which is why equal sizes are written as plain ``chunks``.
 No tail, and no per-block dealing, with it.
+
+``whole`` names blocks of unequal size that every rank holds whole, among dealt ones: Mamba2's
+in-projection ``[z | x | B | C | dt]`` of one group of B and C (every published Bamba, Falcon-H1,
+Granite-4.0-H), whose heads' z, x and dt are dealt while every head reads the one B and C. A whole
+block is ``sizes[i] * per * unit`` elements as any block (``per`` the groups dealt), shown in
+brackets: ``S(0x64:64:[1]:[1]:1)`` is 128 heads of 64 with a state of 128. Like a tail it is
+replicated data inside a shard: every rank holds the same elements, its gradient whole on each.
 """
 from __future__ import annotations
 
@@ -95,9 +102,21 @@ class Shard:
     per_block: bool = False   # each block dealt to its own set of ranks (fewer blocks than ranks)
     outer: int = -1  # per_block only: the dim whose entries are the blocks (-1: blocks on ``dim``)
     sizes: tuple = ()   # the blocks' relative sizes where they differ (q|k|v of 40|10|10 heads: (4, 1, 1))
+    whole: tuple = ()   # indices of blocks of ``sizes`` every rank holds whole (Mamba2's one B and C)
 
     def __post_init__(self) -> None:
-        if self.sizes:
+        if self.whole:
+            whole = tuple(sorted({int(i) for i in self.whole}))
+            sizes = tuple(self.sizes) or (1,) * self.chunks
+            if len(sizes) != self.chunks or whole[0] < 0 or whole[-1] >= self.chunks or len(whole) == self.chunks \
+                    or min(sizes) < 1 or self.tail or self.per_block:
+                raise ValueError(f"Shard.whole {whole} needs indices of blocks ({self.chunks}, one dealt), "
+                                 f"positive sizes, no tail and no per-block dealing")
+            g = math.gcd(*sizes)
+            # kept even where the sizes are equal: which blocks are whole needs them spelled out
+            object.__setattr__(self, "whole", whole)
+            object.__setattr__(self, "sizes", tuple(x // g for x in sizes))
+        elif self.sizes:
             sizes = tuple(int(x) for x in self.sizes)
             if len(sizes) != self.chunks or min(sizes) < 1 or self.tail or self.per_block:
                 raise ValueError(f"Shard.sizes {sizes} needs one positive size per block ({self.chunks}), "
@@ -119,7 +138,7 @@ class Shard:
     def __repr__(self) -> str:
         extra = ""
         if self.sizes:
-            extra += "x" + ":".join(str(x) for x in self.sizes)
+            extra += "x" + ":".join(f"[{x}]" if i in self.whole else str(x) for i, x in enumerate(self.sizes))
         elif self.chunks != 1:
             extra += f"x{self.chunks}"
         if self.unit != 1:
@@ -141,6 +160,12 @@ class Shard:
         if self.sizes and chunks != self.chunks:
             raise ValueError(f"{self!r}: blocks of unequal size cannot be regrouped into {chunks}")
         return replace(self, dim=dim, chunks=chunks, unit=unit)
+
+    @property
+    def holds_whole(self) -> bool:
+        """Whether every rank holds some of the dim whole (a tail, or whole blocks): replicated
+        data inside a shard, which a sum over ranks would count once per rank."""
+        return bool(self.tail or self.whole)
 
     def without_tail(self) -> "Shard":
         """The dealt part alone: what a rank holds of each block's leading atoms."""
@@ -259,7 +284,7 @@ def _atom_runs(n_atoms: int, tp: int) -> tuple[tuple[int, int], ...]:
 
 
 def is_even(size: int, shard: Shard, tp: int) -> bool:
-    return all(n % tp == 0 for n in block_atoms(size, shard))
+    return all(n % tp == 0 for i, n in enumerate(block_atoms(size, shard)) if i not in shard.whole)
 
 
 def groups_per_block(size: int, shard: Shard) -> int:
@@ -277,12 +302,13 @@ def _sized_ranges(size: int, shard: Shard, tp: int, rank: int) -> tuple[tuple[in
     """:func:`local_ranges` of blocks of unequal size: the groups dealt in runs, the same run
     of every block (``sizes[i]`` atoms of block ``i`` per group)."""
     start, count = _runs(groups_per_block(size, shard), tp)[(rank + shard.rotate) % tp]
-    if not count:
-        return ()
     out = []
-    for (a, _), n in zip(block_bounds(size, shard), shard.sizes):
+    for i, ((a, b), n) in enumerate(zip(block_bounds(size, shard), shard.sizes)):
         width = n * shard.unit   # one group's elements in this block
-        out.append((a + start * width, a + (start + count) * width))
+        if i in shard.whole:
+            out.append((a, b))
+        elif count:
+            out.append((a + start * width, a + (start + count) * width))
     return tuple(out)
 
 
@@ -291,8 +317,10 @@ def block_local_sizes(size: int, shard: Shard, tp: int, rank: int) -> tuple[int,
     its dim (no tail, no per-block dealing), in order: its local tensor is these one after another."""
     if shard.tail or shard.per_block:
         raise ValueError(f"{shard!r}: a tail or per-block dealing holds more than runs of its blocks")
-    _, count = _runs(groups_per_block(size, shard), tp)[(rank + shard.rotate) % tp]
-    return tuple(count * n * shard.unit for n in (shard.sizes or (1,) * shard.chunks))
+    per = groups_per_block(size, shard)
+    _, count = _runs(per, tp)[(rank + shard.rotate) % tp]
+    return tuple((per if i in shard.whole else count) * n * shard.unit
+                 for i, n in enumerate(shard.sizes or (1,) * shard.chunks))
 
 
 def local_size(size: int, shard: Shard, tp: int, rank: int) -> int:
@@ -331,6 +359,9 @@ def owned_ranges(size: int, shard: Shard, tp: int, rank: int) -> tuple[tuple[int
     rank 0 alone. Every element of the dim is owned by exactly one rank (a norm or a checksum
     over ranks sums these)."""
     ranges = local_ranges(size, shard, tp, rank)
+    if shard.whole:   # whole blocks: rank 0's
+        whole = {block_bounds(size, shard)[i] for i in shard.whole}
+        return ranges if rank == 0 else tuple(r for r in ranges if r not in whole)
     if shard.tail and shard.per_block:
         owner = _position(shard, tp, rank)[1] == 0   # a block's tail: the first rank of its set
     else:
@@ -381,6 +412,8 @@ def to_json(p: Placement) -> dict:
             out["outer"] = p.outer
         if p.sizes:
             out["sizes"] = list(p.sizes)
+        if p.whole:
+            out["whole"] = list(p.whole)
         return out
     if isinstance(p, Routed):
         return {"kind": "partial", "routed": p.dim, **({"span": p.span} if p.span > 1 else {})}
@@ -394,7 +427,7 @@ def from_json(d: dict) -> Placement:
     if kind == "shard":
         return Shard(int(d["dim"]), int(d.get("chunks", 1)), int(d.get("unit", 1)), int(d.get("rotate", 0)),
                      int(d.get("tail", 0)), bool(d.get("per_block", False)), int(d.get("outer", -1)),
-                     tuple(int(x) for x in d.get("sizes", ())))
+                     tuple(int(x) for x in d.get("sizes", ())), tuple(int(x) for x in d.get("whole", ())))
     if kind == "partial":
         return Routed(int(d["routed"]), int(d.get("span", 1))) if "routed" in d else PARTIAL
     if kind == "replicate":

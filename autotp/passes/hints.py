@@ -28,8 +28,8 @@ _FOLLOW_SAME = {
 
 
 def column_hint(node: fx.Node, dim: int, tp: int = 1, uneven: bool = False,
-                constant: Any = None) -> tuple[int, int, int, tuple]:
-    """(chunks, unit, tail, sizes) for a fresh shard of ``node``'s ``dim``, read off how it is used next:
+                constant: Any = None) -> tuple[int, int, int, tuple, tuple]:
+    """(chunks, unit, tail, sizes, whole) for a fresh shard of ``node``'s ``dim``, read off how it is used next:
     a later equal ``split`` of that dim gives the blocks (fused q, k, v), a later view that
     factors it gives the atom (a head of ``head_dim`` elements), and a fused multi-query or
     grouped layout gives the tail, the atoms every rank keeps whole: an unequal split whose
@@ -41,20 +41,21 @@ def column_hint(node: fx.Node, dim: int, tp: int = 1, uneven: bool = False,
     A fused projection read back with slices of unequal width (Phi-3's q | k | v with fewer
     key/value heads) gives ``sizes``, the pieces' relative widths: blocks of unequal size, each
     dealt in groups (``()``: the blocks are equal); an unequal split gives both its pieces'
-    ``sizes`` and the tail, for where tp cannot deal the groups. ``constant(node)``: a lifted
-    constant's value (the index lists), or None."""
+    ``sizes`` and the tail, for where tp cannot deal the groups; ``whole``: blocks of ``sizes``
+    every rank holds whole (Mamba2's one group of B and C, see :func:`_grouped_pieces`).
+    ``constant(node)``: a lifted constant's value (the index lists), or None."""
     chunks, unit, tail_elems = 1, 1, 0
     blocks: tuple = ()   # unequal blocks' relative sizes
     blocks_at = 0        # ``chunks`` when they were read: they hold while no later split multiplies it
     cur, d = node, dim
     size = shape_of(node)[dim] if shape_of(node) is not None else None
 
-    def done(c: int, u: int, t_elems: int, t_atoms: int = 0) -> tuple[int, int, int, tuple]:
+    def done(c: int, u: int, t_elems: int, t_atoms: int = 0) -> tuple[int, int, int, tuple, tuple]:
         if t_elems:
             if t_elems % (c * u):
-                return 1, 1, 0, ()
+                return 1, 1, 0, (), ()
             t_atoms += t_elems // u
-        return c, u, t_atoms, blocks if c == blocks_at else ()
+        return c, u, t_atoms, blocks if c == blocks_at else (), ()
 
     for _ in range(32):
         users = [u for u in cur.users if u.op == "call_function"]
@@ -187,18 +188,31 @@ def _grouped_pieces(split: fx.Node, d: int, tp: int, uneven: bool, constant: Any
     Each piece's atom is read off its own use (x viewed into heads, B and C into groups of
     ``d_state``; a piece read no further counts single elements), the groups are the greatest
     common count of atoms over the pieces, and the blocks' sizes are each piece's width per group.
-    Only where a piece is split again (so a plain q | k | v keeps its reading) and tp can deal the
-    groups (as :meth:`OpInfo.fresh_shard_of` deals blocks of unequal size); else None."""
+    Where tp cannot deal the groups (one group of B and C, as every published Bamba, Falcon-H1
+    and Granite-4.0-H has), the inner pieces of fewer atoms than ranks (B and C) are held whole
+    on every rank (``whole``) and the others dealt in groups of heads: as many as divide every
+    piece's width (bamba-9b: 128 heads, B of 128; granite-4.0-h-tiny: 48 heads and B of 128 make
+    16 groups of 3 heads). Only where a piece is split again (so a plain q | k | v keeps its
+    reading) and tp can deal the groups (as :meth:`OpInfo.fresh_shard_of` deals blocks of
+    unequal size); else None."""
     blocks = _piece_atoms(split, d, tp, uneven, constant, nested_ok=True)
     if blocks is None or not any(inner for _, _, inner in blocks):
         return None
+    whole = ()
     groups = math.gcd(*(atoms for _, atoms, _ in blocks))
+    if groups < tp:
+        whole = tuple(i for i, (_, atoms, inner) in enumerate(blocks) if inner and atoms < tp)
+        dealt = [atoms for i, (_, atoms, _) in enumerate(blocks) if i not in whole]
+        if not whole or not dealt:
+            return None
+        # the whole blocks' widths in the dealt groups' parts: a group count dividing them too
+        groups = math.gcd(*dealt, *(blocks[i][0] for i in whole))
     if groups < tp or (groups % tp and not uneven):
         return None
     per_group = [width // groups for width, _, _ in blocks]
     unit = math.gcd(*per_group)
     sizes = tuple(w // unit for w in per_group)
-    return sum(sizes), unit, 0, sizes
+    return sum(sizes), unit, 0, sizes, whole
 
 
 def _piece_atoms(split: fx.Node, d: int, tp: int, uneven: bool, constant: Any,

@@ -432,8 +432,8 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
                  and len(u.args) > 1 and u.args[1] is node]
         if users and isinstance(_out_meta(users[0]), TensorMeta):
             rotate = _layer_index(param_names.get(getattr(node.args[0], "name", ""), ""))
-            c, u, t, sizes = column_hint(users[0], _out_meta(users[0]).ndim - 1, tp, uneven, constant)
-            info.hints[1] = (c, u, rotate, t, False, sizes)
+            c, u, t, sizes, whole = column_hint(users[0], _out_meta(users[0]).ndim - 1, tp, uneven, constant)
+            info.hints[1] = (c, u, rotate, t, False, sizes, whole)
             # dim 0 holds the contracted features: a row-parallel product finds them in whole heads
             x = users[0].args[0]
             if isinstance(x, fx.Node) and shape_of(x) is not None:
@@ -449,8 +449,8 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
             if isinstance(weight, fx.Node) and weight.target in (aten.numpy_T.default, aten.t.default):
                 weight = weight.args[0]   # the transpose's hint rotates by the same layer
             rotate = _layer_index(param_names.get(getattr(weight, "name", ""), ""))
-            c, u, t, sizes = column_hint(node, out.ndim - 1, tp, uneven, constant)
-            info.hints[out.ndim - 1] = (c, u, rotate, t, False, sizes)
+            c, u, t, sizes, whole = column_hint(node, out.ndim - 1, tp, uneven, constant)
+            info.hints[out.ndim - 1] = (c, u, rotate, t, False, sizes, whole)
             x = node.args[0]
             if node.target in (aten.mm.default, aten.linear.default, aten.matmul.default) \
                     and isinstance(x, fx.Node) and shape_of(x) is not None:
@@ -470,8 +470,8 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
         # dim (expert tensor parallelism) takes its blocks from how the product's output is read
         rotate = _layer_index(param_names.get(stack.name, ""))
         for d in range(1, info.output.ndim):
-            c, u, t, sizes = column_hint(node, d, tp, uneven, constant)
-            info.hints[d] = (c, u, rotate, t, False, sizes)
+            c, u, t, sizes, whole = column_hint(node, d, tp, uneven, constant)
+            info.hints[d] = (c, u, rotate, t, False, sizes, whole)
     return info, inputs
 
 
@@ -479,7 +479,9 @@ def _conversion(src: Any, dst: Placement, size: int | None, tp: int) -> str | No
     """The collective that turns ``src`` into ``dst`` (None: nothing to do; 'inf': impossible)."""
     if same_placement(src, dst, size, tp) or (isinstance(src, Routed) and dst == PARTIAL):
         return None   # a routed Partial is a Partial as it is
-    if isinstance(dst, Partial) or (isinstance(dst, Shard) and dst.tail):
+    if isinstance(dst, Shard) and dst.whole and not dst.tail and isinstance(src, Replicate):
+        return "scatter"   # blocks held whole are sliced whole (a conv weight of Mamba2's one B and C)
+    if isinstance(dst, Partial) or (isinstance(dst, Shard) and dst.holds_whole):
         return "inf"   # a tail is made whole by the product that computes it, never by a collective
     if any(isinstance(p, Shard) and p.outer >= 0 for p in (src, dst)):
         return "inf"   # blocks on a dim of their own: the collectives move one dim

@@ -29,7 +29,8 @@ from torch import fx, nn
 from ..capture import gc_paused
 from ..cost_model.alignment import Align, pads
 from ..errors import PlanError
-from ..placements import PARTIAL, Partial, Placement, Replicate, Routed, Shard, local_ranges, local_size, owned_ranges
+from ..placements import (PARTIAL, Partial, Placement, Replicate, Routed, Shard, block_local_sizes, local_ranges,
+                          local_size, owned_ranges)
 from ..distributed import collectives as C
 from ..distributed.experts import routed_scatter
 from ..distributed.functional import grad_if
@@ -373,7 +374,18 @@ def _tailed_product(graph: fx.Graph, target: Any, x_f: fx.Node, x: fx.Node, w: f
     size = int(info.output.shape[out.dim])
     block = size // out.chunks
     tail = out.tail * out.unit
-    if out.per_block:
+    if out.whole:
+        # Blocks held whole on every rank between dealt ones (Mamba2's one B and C beside its
+        # heads' z, x and dt): a product per run of neighbouring blocks of one kind, the whole
+        # ones from x itself
+        pieces_of, blocks = [], 1
+        for i, width in enumerate(block_local_sizes(size, out, ctx.tp, ctx.rank)):
+            source = x if i in out.whole else x_f
+            if pieces_of and pieces_of[-1][0] is source:
+                pieces_of[-1] = (source, pieces_of[-1][1] + width)
+            else:
+                pieces_of.append((source, width))
+    elif out.per_block:
         # One block per rank, its k and v whole on each rank of the block's set: their gradient
         # is whole there too, so x's gradient takes the tail's contribution once per block,
         # from the set's first rank, behind the f (the others' pass none back: grad_if).

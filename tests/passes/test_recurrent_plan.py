@@ -68,3 +68,22 @@ def test_mamba2_with_groups_dealt_to_the_ranks_splits_by_head_group(groups, tp):
     inside = [c for c in plan.comms if c.module.startswith(mixer) and c.module != mixer + ".in_proj"
               and c.kind != "scatter"]   # (scatters: A_log, D, dt_bias and the conv weight sliced)
     assert inside == [], inside
+
+
+def test_mamba2_with_one_group_splits_by_head_with_b_and_c_whole():
+    # every published Bamba, Falcon-H1 and Granite-4.0-H has one group of B and C, read by every
+    # head: in_proj [z | x | B | C | dt] dealt by head (its z, x, dt) with B and C whole on every
+    # rank (before: in_proj in three plain blocks, the conv's output all-gathered, the conv, scan and
+    # gated norm run whole on every rank). Per head: z 8, x 8, dt 1; B and C 4 each (one part per
+    # head of 4). Between in_proj and out_proj only B's and C's f (their gradients, summed over the
+    # ranks' heads) and the gated norm's statistic over all heads (one group): nothing gathered.
+    plan = _mamba2_plan(1, 2)
+    mixer = "model.layers.0.mamba"
+    in_proj, out_proj = plan.params[mixer + ".in_proj.weight"], plan.params[mixer + ".out_proj.weight"]
+    assert in_proj == Shard(0, 5, 1, sizes=(8, 8, 1, 1, 1), whole=(2, 3)), in_proj
+    assert plan.local_shape(mixer + ".in_proj.weight", 1) == (16 + 16 + 4 + 4 + 2, 16)
+    assert isinstance(out_proj, Shard) and out_proj.dim == 1, out_proj
+    inside = [c for c in plan.comms if c.module.startswith(mixer) and c.module != mixer + ".in_proj"
+              and c.kind != "scatter"]
+    assert sorted(c.kind for c in inside) == ["f", "f", "f", "g"], inside
+    assert [c.consumer.split("_self")[0] for c in inside if c.module == mixer] == ["repeat_interleave"] * 2

@@ -815,6 +815,70 @@ def test_a_slice_or_split_of_whole_unequal_blocks_keeps_each_ranks_run_of_each(c
                for s in offered if s.inputs[0] == case.placements[0]), offered
 
 
+@st.composite
+def whole_block_cases(draw) -> Case:
+    """Blocks of unequal size some of which every rank holds whole (Mamba2's one group: its
+    ``x | B | C`` after the convolution, B and C whole), read back by a split or a slice of whole
+    blocks: a piece of dealt blocks keeps each rank's run, a piece of whole blocks alone is
+    Replicate, a mixed piece keeps which of its blocks are whole."""
+    gen, tp = _gen(draw), draw(tps)
+    sizes = tuple(draw(st.lists(st.integers(1, 4), min_size=2, max_size=5)))
+    whole = tuple(draw(st.sets(st.integers(0, len(sizes) - 1), min_size=1, max_size=len(sizes) - 1)))
+    unit, per = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    lead = draw(shapes(0, 2, st.integers(1, 3)))
+    dim = len(lead)
+    shard = Shard(dim, len(sizes), unit, draw(st.integers(0, tp - 1)), sizes=sizes, whole=whole)
+    widths = [x * per * unit for x in sizes]
+    x = _tensor(gen, lead + (sum(widths),))
+    edges = [sum(widths[:i]) for i in range(len(widths) + 1)]
+    if draw(st.booleans()):
+        first = draw(st.integers(0, len(sizes) - 1))
+        last = draw(st.integers(first + 1, len(sizes)))
+        return draw(_case(aten.slice.Tensor, [x], (dim, edges[first], edges[last]), place=(shard,), tp=tp))
+    cuts = sorted(draw(st.sets(st.sampled_from(edges[1:-1]), min_size=1)))
+    pieces = [b - a for a, b in zip([0] + cuts, cuts + [edges[-1]])]
+    return draw(_case(aten.split_with_sizes.default, [x], (pieces, dim), place=(shard,), tp=tp))
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=whole_block_cases())
+def test_a_slice_or_split_of_blocks_some_held_whole_keeps_them_whole(case):
+    offered = check_case(case)
+    kept = [s for s in offered if s.inputs[0] == case.placements[0]]
+    assert kept, offered
+    outs = kept[0].output if isinstance(kept[0].output, tuple) else (kept[0].output,)
+    assert any(isinstance(p, Shard) for p in outs) or all(p == Replicate() for p in outs), kept
+
+
+def test_one_group_of_b_and_c_held_whole_beside_dealt_heads():
+    """bamba-9b's in_proj rows [z | x | B | C | dt]: 128 heads of 64, one group of a 128-wide state,
+    at tp=8: each rank its 16 heads' z, x and dt, B and C whole; the whole blocks owned by rank 0."""
+    from autotp.placements import from_json, local_ranges, local_size, owned_ranges, to_json
+
+    shard = Shard(0, 5, 1, sizes=(64, 64, 1, 1, 1), whole=(2, 3))
+    assert repr(shard) == "S(0x64:64:[1]:[1]:1)" and from_json(to_json(shard)) == shard
+    assert shard != Shard(0, 5, 1, sizes=(64, 64, 1, 1, 1))
+    n = 2 * 8192 + 2 * 128 + 128
+    assert local_ranges(n, shard, 8, 1) == ((1024, 2048), (9216, 10240), (16384, 16512), (16512, 16640),
+                                            (16656, 16672))
+    assert local_size(n, shard, 8, 7) == 2 * 1024 + 256 + 16
+    assert owned_ranges(n, shard, 8, 0) == local_ranges(n, shard, 8, 0)
+    assert owned_ranges(n, shard, 8, 1) == ((1024, 2048), (9216, 10240), (16656, 16672))
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_repeat_interleave_of_one_group_gives_each_rank_its_heads(data):
+    # Mamba2's one B (or C), [b, s, 1, d_state] whole on every rank, repeated for every head:
+    # each rank repeats it for its own heads alone (the f in front sums the gradient)
+    gen, tp = _gen(data.draw), data.draw(tps)
+    heads = tp * data.draw(st.integers(1, 3))
+    x = _tensor(gen, (2, 3, 1, data.draw(st.integers(1, 3))))
+    case = Case(aten.repeat_interleave.self_int, (x, heads, 2), {"output_size": heads}, tp, (Replicate(),),
+                seed=data.draw(seeds))
+    assert _offers(check_case(case), (Replicate(),), Shard(2))
+
+
 def test_blocks_of_unequal_size_deal_each_block_on_its_own():
     """Phi-3-medium's q | k | v (40 | 10 | 10 heads of 128) at tp=2: each rank holds its half of the
     query heads and the matching half of the key and value heads; equal sizes are plain blocks."""

@@ -53,8 +53,11 @@ def cases(draw, tps=(1, 2, 4), tails: bool = False) -> Case:
     chunks = draw(st.integers(1, 3))
     # blocks of unequal size (a q|k|v of fewer kv heads), each dealt on its own, where no tail
     sizes = tuple(draw(st.lists(st.integers(1, 3), min_size=chunks, max_size=chunks))) if not tail else ()
+    # blocks every rank holds whole among dealt ones (Mamba2's one B and C): like a tail, replicated data
+    whole = tuple(draw(st.sets(st.integers(0, chunks - 1), max_size=chunks - 1))) if tails and sizes and chunks > 1 \
+        else ()
     shard = Shard(dim, chunks, draw(st.integers(1, 3)), draw(st.integers(0, tp - 1)) if tails else 0,
-                  tail, sizes=sizes if chunks > 1 else ())
+                  tail, sizes=sizes if chunks > 1 else (), whole=whole)
     # Fewer atoms than ranks, a multiple of tp, or a remainder: empty, even and uneven shards.
     atoms = draw(st.integers(1, 2 * tp + 1))
     shape = [draw(st.integers(1, 3)) for _ in range(ndim)]
@@ -73,7 +76,7 @@ def _tensor(seed: int, shape, *key) -> torch.Tensor:
 @settings(max_examples=200, deadline=None)
 @given(case=cases(tps=range(1, 9), tails=True))
 def test_local_shard_holds_local_ranges_and_assemble_inverts_it(case):
-    from autotp.placements import owned_ranges
+    from autotp.placements import block_bounds, owned_ranges
 
     full = torch.arange(torch.Size(case.shape).numel(), dtype=torch.float64).reshape(case.shape)
     d, shard, n = case.shard.dim, case.shard, case.full_size
@@ -89,6 +92,9 @@ def test_local_shard_holds_local_ranges_and_assemble_inverts_it(case):
         block = n // shard.chunks
         tail = [c * block + i for c in range(shard.chunks) for i in range(block - shard.tail * shard.unit, block)]
         assert set(tail) <= set(index)
+        # whole blocks: every rank holds all of each
+        whole = [i for b in shard.whole for i in range(*block_bounds(n, shard)[b])]
+        assert set(whole) <= set(index)
     assert sorted(owned) == list(range(n))    # the owned ranges partition the dim (a tail on rank 0)
     assert torch.equal(C.assemble(pieces, shard, n), full)
 

@@ -228,11 +228,11 @@ def _matrix_shards(info: OpInfo, p, dims: tuple[int, ...], out_dim) -> list[tupl
     pairs: list[tuple[Shard, Shard]] = []
     for d in dims:
         od = out_dim(d)
-        if is_shard(p) and p.dim == d and not p.tail and not p.per_block:
+        if is_shard(p) and p.dim == d and not p.holds_whole and not p.per_block:
             pairs.append((p, p.with_dim(od)))
         if p is None or (is_shard(p) and p.dim == d and (p.chunks, p.unit, p.tail) == (1, 1, 0)):
             fresh = info.fresh_shard(od)
-            if fresh is not None and not fresh.tail and not fresh.per_block and fresh.with_dim(d) != p:
+            if fresh is not None and not fresh.holds_whole and not fresh.per_block and fresh.with_dim(d) != p:
                 pairs.append((fresh.with_dim(d), fresh))
     return pairs
 
@@ -301,14 +301,14 @@ def grouped_mm_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
         return out
     for have, want in _matrix_shards(info, pw, (2,), lambda d: 1):   # column
         out.append(Strategy((REPLICATE, have) + rest, want))
-    if is_shard(px) and px.dim == 1 and not px.tail and not px.per_block:   # row, as x is split
+    if is_shard(px) and px.dim == 1 and not px.holds_whole and not px.per_block:   # row, as x is split
         out.append(Strategy((px, px.with_dim(1)) + rest, PARTIAL))
     if pw is None:
         # row with a free stack, x converted to its split: what a stack pinned to its input features
         # gets below. Offered only as x is split, the solver could not reach a plan a pin reaches
         # (gpt-oss: its gate and up interleaved, [..., ::2] and [..., 1::2], x arrives whole)
         pw = info.fresh_shard_of(1, 1)
-    if is_shard(pw) and pw.dim == 1 and not pw.tail and not pw.per_block \
+    if is_shard(pw) and pw.dim == 1 and not pw.holds_whole and not pw.per_block \
             and not (is_shard(px) and px.with_dim(1) == pw):    # row, as w is split (x converted to it)
         out.append(Strategy((pw.with_dim(1), pw) + rest, PARTIAL))
     return out

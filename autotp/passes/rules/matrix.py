@@ -36,14 +36,14 @@ def _matmul_strategies(info: OpInfo, placements: tuple, w_out: int, w_in: int) -
     if col is not None:
         # A tail (a fused multi-query k and v) is computed whole on every rank: the rewrite
         # splits the product there, so that x's f sums the runs' gradient contributions alone.
-        out.append(Strategy((REPLICATE, col.with_dim(w_out)), col, f_runs_only=col.tail > 0))
+        out.append(Strategy((REPLICATE, col.with_dim(w_out)), col, f_runs_only=col.holds_whole))
     if is_shard(pw) and pw.dim == w_out and (col is None or col.with_dim(w_out) != pw) and not pw.per_block \
             and (pw.chunks, pw.unit) != (1, 1):
         # column as W is split in blocks (a plan's weight, replayed in a program whose graph reads
         # the product's output otherwise: Mamba2's in-projection in a generation step, its conv
         # state cached): the output holds W's blocks. (A plain Shard is a layout pin of the dim
         # alone, its blocks read off the graph: the hint's column above.)
-        out.append(Strategy((REPLICATE, pw), pw.with_dim(out_last), f_runs_only=pw.tail > 0))
+        out.append(Strategy((REPLICATE, pw), pw.with_dim(out_last), f_runs_only=pw.holds_whole))
     # Row-parallel: contracted features split alike in x and W; as x is split or, where W's
     # split differs (a plan's weight held in plain runs, x split by heads in another call's
     # program), as W is, x converted to it.
@@ -90,7 +90,7 @@ def _fresh_row(info: OpInfo, k: int) -> Shard | None:
     head_dim, else, where the heads cannot be dealt, even plain runs (any split of a whole x is
     sound; an uneven one without the hint's rotation would not follow the layer's)."""
     shard = info.fresh_shard_of(0, k)
-    if shard is None or shard.tail or shard.per_block:
+    if shard is None or shard.holds_whole or shard.per_block:
         shard = replace(info, input_hints={}, uneven=False).fresh_shard_of(0, k)
     return shard
 
@@ -143,7 +143,7 @@ def bmm_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
         out.append(Strategy((REPLICATE, pb), pb))
     if is_shard(pa) and pa.dim == nd - 1:
         out.append(Strategy((pa, pa.with_dim(nd - 2)), _partial()))
-    if is_shard(pb) and pb.dim == nd - 2 and not pb.tail and not pb.per_block \
+    if is_shard(pb) and pb.dim == nd - 2 and not pb.holds_whole and not pb.per_block \
             and not (is_shard(pa) and pa.dim == nd - 1 and pa.with_dim(nd - 2) == pb):
         # row as b is split (a plan's down stack), x converted to it: a later program whose x
         # arrives whole (Llama-4's down_proj after a training call's plan) still has a strategy
@@ -165,7 +165,7 @@ def _left_matrix_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
         out.append(Strategy((pw, REPLICATE), pw.with_dim(rows)))
     elif pw is None:
         col = info.fresh_shard(rows)
-        if col is not None and not col.tail and not col.per_block:
+        if col is not None and not col.holds_whole and not col.per_block:
             out.append(Strategy((col.with_dim(0), REPLICATE), col))
     if is_shard(px) and px.dim == nd - 2:
         out.append(Strategy((px.with_dim(1), px), _partial()))
@@ -192,7 +192,7 @@ def _free_stack(info: OpInfo, pa, pb) -> list[Strategy]:
     out = []
     whole = info.fresh_shard_of(1, 0)
     if pb is None and whole is not None and info.inputs[1].static(0) is not None and info.inputs[1].static(0) >= 2 \
-            and not whole.tail and not whole.per_block and (pa == REPLICATE or pa == whole):
+            and not whole.holds_whole and not whole.per_block and (pa == REPLICATE or pa == whole):
         out.append(Strategy((whole, whole), whole))   # (a pinned Shard(0): the batch split above)
     if info.inputs[1].static(0) is not None and pa == REPLICATE:
         for have, want in _matrix_shards(info, pb, (2,), lambda d: 2):

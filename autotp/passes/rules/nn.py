@@ -269,7 +269,7 @@ def mean_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     hidden-split stream, a layout Megatron does not use, for a gain the cost model cannot see."""
     out = _reduction_rule(linear=False)(info, placements)
     px = placements[0]
-    if is_shard(px) and px.unit > 1 and not px.tail and px.outer < 0 and px.dim in _reduced_dims(info)[0]:
+    if is_shard(px) and px.unit > 1 and not px.holds_whole and px.outer < 0 and px.dim in _reduced_dims(info)[0]:
         out.append(Strategy((px,), PARTIAL))
     return out
 

@@ -53,9 +53,9 @@ def _shard_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
         if not is_shard(p):
             continue
         od = p.dim + nd - meta.ndim
-        if meta.shape[p.dim] != out_shape[od] or (od, p.chunks, p.unit, p.tail, p.sizes) in seen:
+        if meta.shape[p.dim] != out_shape[od] or (od, p.chunks, p.unit, p.tail, p.sizes, p.whole) in seen:
             continue
-        seen.add((od, p.chunks, p.unit, p.tail, p.sizes))
+        seen.add((od, p.chunks, p.unit, p.tail, p.sizes, p.whole))
         shard_out = p.with_dim(od)
         req = []
         for m in info.inputs:

@@ -93,7 +93,8 @@ class OpInfo:
     inputs: tuple[TensorMeta, ...]
     output: Any  # TensorMeta, a tuple of them, or None
     tp: int
-    hints: dict[int, tuple] = field(default_factory=dict)   # dim -> (chunks, unit[, rotate[, tail[, grouped[, sizes]]]])
+    #: dim -> (chunks, unit[, rotate[, tail[, grouped[, sizes[, whole]]]]])
+    hints: dict[int, tuple] = field(default_factory=dict)
     uneven: bool = False   # may a fresh shard leave some ranks one atom more?
     #: symbols of sequence dims: the one dynamic size a fresh shard may split (sequence
     #: parallelism); never the batch, which may be smaller than tp
@@ -130,25 +131,26 @@ class OpInfo:
         return (self.target, self.inputs, self.output, self.args_key, self.grad_inputs, self.train_dtype,
                 self.grad_uses, self.strided_inputs)
 
-    def hint(self, dim: int) -> tuple[int, int, int, int, bool, tuple]:
-        """(chunks, unit, rotate, tail, grouped, sizes) a fresh shard of output ``dim`` should use
+    def hint(self, dim: int) -> tuple[int, int, int, int, bool, tuple, tuple]:
+        """(chunks, unit, rotate, tail, grouped, sizes, whole) a fresh shard of output ``dim`` should use
         (fused q/k/v: 3 blocks of heads; rotate: which rank takes the first run of atoms; tail: atoms at
         the end of each block kept whole, a fused multi-query k and v; grouped: the blocks are
         groups of heads sharing a k and v, which may be dealt to sets of ranks, as a tail's are;
         sizes: the relative sizes of blocks of unequal size, Phi-3's q|k|v of fewer kv heads, taken
         first where tp can deal their groups; ``chunks`` and ``tail`` then say the layout taken where
         it cannot: equal blocks of their common size (``chunks = sum(sizes)``), or one block whose
-        k and v stay whole (a tail, a split's q | k | v: GPT-BigCode's multi-query layout))."""
+        k and v stay whole (a tail, a split's q | k | v: GPT-BigCode's multi-query layout)); whole:
+        blocks of ``sizes`` every rank holds whole (Mamba2's one group of B and C))."""
         return self._full(self.hints.get(dim, (1, 1)))
 
-    def input_hint(self, input_index: int, dim: int) -> tuple[int, int, int, int, bool, tuple]:
+    def input_hint(self, input_index: int, dim: int) -> tuple[int, int, int, int, bool, tuple, tuple]:
         """As :meth:`hint`, for a fresh shard of input ``input_index``'s ``dim``."""
         return self._full(self.input_hints.get((input_index, dim), (1, 1)))
 
     @staticmethod
-    def _full(h: tuple) -> tuple[int, int, int, int, bool, tuple]:
+    def _full(h: tuple) -> tuple[int, int, int, int, bool, tuple, tuple]:
         h = tuple(h)
-        return h + (1, 1, 0, 0, False, ())[len(h):]
+        return h + (1, 1, 0, 0, False, (), ())[len(h):]
 
     def fresh_shard(self, dim: int) -> Shard | None:
         """A shard of output ``dim`` following the hint, or None if the dim cannot be split tp ways."""
@@ -162,8 +164,8 @@ class OpInfo:
             # A sequence dim's size is known only at run time: a plain shard in contiguous runs,
             # uneven whenever tp does not divide that call's length.
             return Shard(dim) if self.uneven and out.shape[dim] in self.sequence else None
-        chunks, unit, rotate, tail, grouped, sizes = (self.hint(dim) if input_index is None
-                                                      else self.input_hint(input_index, dim))
+        chunks, unit, rotate, tail, grouped, sizes, whole = (self.hint(dim) if input_index is None
+                                                             else self.input_hint(input_index, dim))
         if sizes and size % (sum(sizes) * unit) == 0:
             # blocks of unequal size (q heads | fewer k | v heads) dealt in groups (a kv head with
             # its query heads): every rank holds its run of query heads with the key/value heads
@@ -173,7 +175,8 @@ class OpInfo:
             # common size (whose k and v attention gathers).
             per = size // (sum(sizes) * unit)
             if per % self.tp == 0 or (self.uneven and per > self.tp):
-                return Shard(dim, len(sizes), unit, rotate % self.tp if per % self.tp else 0, sizes=sizes)
+                return Shard(dim, len(sizes), unit, rotate % self.tp if per % self.tp else 0, sizes=sizes,
+                             whole=whole)
         if size % (chunks * unit) or size // (chunks * unit) <= tail:
             chunks, unit, tail, grouped = 1, 1, 0, False
         dealt = size // (chunks * unit) - tail
@@ -369,7 +372,8 @@ _OUTER_OPS = frozenset((aten.view.default, aten.reshape.default, aten._unsafe_vi
 
 
 def has_tail(p: Any) -> bool:
-    return isinstance(p, Shard) and p.tail > 0
+    """A shard holding replicated data: a tail, or blocks every rank holds whole."""
+    return isinstance(p, Shard) and p.holds_whole
 
 
 def _outputs(strategy: Strategy) -> tuple:

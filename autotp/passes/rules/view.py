@@ -17,13 +17,14 @@ from typing import Any
 import sympy
 import torch
 
-from ...placements import PARTIAL, REPLICATE, Shard, block_bounds, block_local_sizes, divides, layout
+from ...placements import PARTIAL, REPLICATE, Replicate, Shard, block_bounds, block_local_sizes, divides, layout
 from .registry import (
     LocalContext,
     OpInfo,
     Strategy,
     TensorMeta,
     is_partial,
+    is_replicate,
     is_shard,
     norm_dim,
     register,
@@ -268,7 +269,7 @@ def transpose_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
         # dim, in the blocks the product's output shows (gate|up: two), see rules/experts.py
         for d in (1, 2):
             fresh = info.fresh_shard(d)
-            if fresh is not None and not fresh.tail and not fresh.per_block and \
+            if fresh is not None and not fresh.holds_whole and not fresh.per_block and \
                     (placements[0] is None or placements[0].dim == swap[d]):
                 strategy = Strategy((fresh.with_dim(swap[d]),), fresh)
                 if strategy not in out:
@@ -366,14 +367,19 @@ def whole_blocks(p: Shard, size: Any, bounds: tuple[int, int] | None) -> tuple[i
     return edges.index(a), edges.index(b)
 
 
-def fewer_blocks(p: Shard, first: int, last: int) -> Shard:
+def fewer_blocks(p: Shard, first: int, last: int) -> Shard | Replicate:
     """``p`` of the blocks [first, last) alone, as a slice or split that takes them whole holds them.
     Blocks of unequal size are dealt in groups (``sizes[i]`` atoms of block ``i``): the blocks
     kept deal the same groups, so where their sizes share a factor (the query block alone: 4
-    heads per group) that factor joins the atom (``S(2/512)``, 10 groups of 4 heads of 128)."""
+    heads per group) that factor joins the atom (``S(2/512)``, 10 groups of 4 heads of 128).
+    Blocks every rank holds whole stay so (Mamba2's ``x | B | C``); of whole blocks alone every
+    rank holds all: Replicate (its B, its C)."""
+    whole = tuple(i - first for i in p.whole if first <= i < last)
+    if len(whole) == last - first:
+        return REPLICATE
     sizes = p.sizes[first:last]
     g = math.gcd(*sizes) if sizes else 1
-    return replace(p, chunks=last - first, unit=p.unit * g, sizes=tuple(x // g for x in sizes))
+    return replace(p, chunks=last - first, unit=p.unit * g, sizes=tuple(x // g for x in sizes), whole=whole)
 
 
 def block_span(p: Shard, size: int, first: int, last: int, ctx: LocalContext) -> tuple[int, int]:
@@ -445,8 +451,9 @@ def slice_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict,
     p = strategy.inputs[0]
     dim = norm_dim(info.args[1] if len(info.args) > 1 else 0, info.inputs[0].ndim)
     blocks = whole_blocks(p, info.inputs[0].shape[dim], _slice_bounds(info)) if is_shard(p) and p.dim == dim else None
-    if blocks is not None and is_shard(strategy.output) and strategy.output.dim == dim:
-        # whole blocks: this rank's run of each, laid one after another
+    if blocks is not None and (is_shard(strategy.output) and strategy.output.dim == dim
+                               or is_replicate(strategy.output) and p.whole):
+        # whole blocks: this rank's run of each (or the whole of blocks held whole), one after another
         start, stop = block_span(p, int(info.inputs[0].shape[dim]), *blocks, ctx)
         return info.target, (args[0], dim, start, stop), {}
     if not (is_shard(p) and p.dim == dim and p.tail):
@@ -516,7 +523,8 @@ def _whole_block_pieces(p: Shard, size: Any, pieces: list) -> list[tuple[int, in
 
 @register_localizer(aten.split.Tensor, aten.split_with_sizes.default)
 def split_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
-    piece = strategy.output[0]
+    # the first piece split on the dim (a piece of whole blocks alone is Replicate: Mamba2's B)
+    piece = next((q for q in strategy.output if is_shard(q)), strategy.output[0])
     dim, pieces = _split_pieces(info)
     p = strategy.inputs[0]
     if is_shard(p) and p.dim == dim and p.tail:
@@ -655,7 +663,15 @@ def repeat_interleave_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     repeats = info.args[1] if len(info.args) > 1 else info.kwargs.get("repeats")
     if not isinstance(repeats, int) or repeats < 1:
         return _follow(info, placements, lambda s: None if s.dim == dim else s)
-    return _follow(info, placements, lambda s: replace(s, unit=s.unit * repeats) if s.dim == dim else s)
+    out = _follow(info, placements, lambda s: replace(s, unit=s.unit * repeats) if s.dim == dim else s)
+    size = info.output.static(dim)
+    if info.inputs[0].static(dim) == 1 and size is not None and size >= info.tp and (
+            size % info.tp == 0 or info.uneven) and not is_shard(placements[0]) and not is_partial(placements[0]):
+        # one whole group read by every head (Mamba2's one B and C repeated to its heads): each rank
+        # repeats it for its own heads alone; the input's gradient, a sum over the rank's heads,
+        # is summed over the ranks by the f in front
+        out.append(Strategy((REPLICATE,), Shard(dim)))
+    return out
 
 
 @register_localizer(aten.repeat_interleave.self_int)
@@ -666,6 +682,8 @@ def repeat_interleave_localizer(info: OpInfo, strategy: Strategy, args: tuple, k
     dim = info.args[2] if len(info.args) > 2 else info.kwargs.get("dim")
     if dim is None or not is_shard(out) or out.dim != norm_dim(dim, info.inputs[0].ndim):
         return info.target, args, kwargs
+    if is_replicate(strategy.inputs[0]):   # one group repeated for this rank's heads alone
+        args = (args[0], ctx.local(args[1], info.output.shape[out.dim], out)) + tuple(args[2:])
     if "output_size" in kwargs and kwargs["output_size"] is not None:
         kwargs = dict(kwargs, output_size=ctx.local(kwargs["output_size"], info.output.shape[out.dim], out))
     elif len(args) > 3 and args[3] is not None:

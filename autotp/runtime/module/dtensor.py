@@ -233,7 +233,7 @@ def owned_part(t: Any) -> Any:
 
     if not isinstance(t, DTensor):
         return t
-    tailed = [(i, p) for i, p in enumerate(t.placements) if isinstance(p, RunShard) and p.shard.tail]
+    tailed = [(i, p) for i, p in enumerate(t.placements) if isinstance(p, RunShard) and p.shard.holds_whole]
     if not tailed:
         return t
     (mesh_dim, run), = tailed
@@ -273,7 +273,8 @@ def _norm_of_owned(handlers: dict, op: Any, previous: Any):
         dims = args[2] if len(args) > 2 else kwargs.get("dim")
         if op_call is torch.ops.aten.linalg_vector_norm.default and dims is not None:
             reduced = {d % args[0].dim() for d in ([dims] if isinstance(dims, int) else dims)}
-            tailed = [p.dim for p in getattr(args[0], "placements", ()) if isinstance(p, RunShard) and p.shard.tail]
+            tailed = [p.dim for p in getattr(args[0], "placements", ())
+                      if isinstance(p, RunShard) and p.shard.holds_whole]
             if not any(d in reduced for d in tailed):
                 return _default(handlers, op, handler, previous, op_call, args, kwargs)   # the tail stays
         first = [owned_part(t) for t in args[0]] if isinstance(args[0], (list, tuple)) else owned_part(args[0])
@@ -314,7 +315,7 @@ class _TailSumRefused:
         schema = getattr(op_info, "schema", None)
         tailed = set() if schema is None else {
             i for spec in schema.args_spec for i, p in enumerate(spec.placements)
-            if isinstance(p, RunShard) and p.shard.tail}
+            if isinstance(p, RunShard) and p.shard.holds_whole}
         if tailed and hasattr(result, "output_spec"):
             outs = result.output_spec if isinstance(result.output_spec, (list, tuple)) else [result.output_spec]
             for spec in outs:
