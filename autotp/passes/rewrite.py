@@ -58,6 +58,9 @@ class GraphLocalContext(LocalContext):
         #: (its OpInfo, its strategy, its offs in the rank's graph): set by :func:`rewrite`
         self.grouped_reader: Any = None
         self.node: fx.Node | None = None   # the captured op being localized
+        #: ``comm(module, *args)``: a node calling a communicating module (an all-to-all
+        #: dispatch) the rank's graph holds; set by :func:`rewrite`
+        self.comm: Any = None
 
     def rows_of(self, node: fx.Node) -> fx.Node:
         """The row map of the routed value ``node``: the global row ids of its local rows."""
@@ -216,6 +219,7 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         return index.infos[product], prop.chosen[product], env[offs]
 
     ctx.grouped_reader = grouped_reader
+    ctx.comm = lambda module, *args: comm_node(module.kind, args[0], module, *args[1:])
     for node in _program_order(cap.graph, prop, readers):
         ctx.node = node
         if node.op == "placeholder":
