@@ -169,16 +169,22 @@ def token_rows(x: torch.Tensor, dim: int, outer: Sequence[int], seq: int, tp: in
     return (base + start + torch.arange(n, device=x.device)).reshape(-1)
 
 
-# ---- the all-to-all dispatch: rows held by their tokens' ranks sent to their experts' ranks -------
-def dispatch_splits(send: torch.Tensor, group: Any) -> tuple[list[int], list[int]]:
-    """(rows this rank sends to each rank, rows it receives from each): its counts exchanged by
-    one small all-to-all, then read to the host once (the split sizes size the rows' all-to-all,
-    as Megatron's and torchtitan's dispatchers read them)."""
-    from .collectives import _comm
-    import torch.distributed._functional_collectives as funcol
+def token_owners(x: torch.Tensor, outer: Sequence[int], seq: int, tp: int) -> torch.Tensor:
+    """The rank holding each of the ``prod(outer) * seq`` flattened tokens under a sequence split
+    (contiguous runs, the first ``seq % tp`` one longer): every rank knows where every token is."""
+    sizes = torch.tensor([(seq + tp - 1 - r) // tp for r in range(tp)], device=x.device)
+    of_position = torch.repeat_interleave(torch.arange(tp, device=x.device), sizes, output_size=seq)
+    count = 1
+    for size in outer:
+        count *= int(size)
+    return of_position.repeat(count)
 
-    with _comm("all_to_all of the rows' counts (expert dispatch)", group):
-        recv = funcol.wait_tensor(funcol.all_to_all_single(send.contiguous(), None, None, group))
+
+# ---- the all-to-all dispatch: rows held by their tokens' ranks sent to their experts' ranks -------
+def dispatch_splits(send: torch.Tensor, recv: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(rows this rank sends to each rank, rows it receives from each), read to the host once:
+    the split sizes of the rows' all-to-all (Megatron's and torchtitan's dispatchers read them
+    too). Both are counted on this rank, from the routing every rank holds whole."""
     both = torch.stack([send, recv]).tolist()
     return both[0], both[1]
 
@@ -212,25 +218,30 @@ class _DispatchRows(torch.autograd.Function):
         return out, None, None, None, None, None
 
 
-def dispatch_rows(x: torch.Tensor, rows: torch.Tensor, offs: torch.Tensor, runs: Sequence[tuple[int, int]],
-                  rank: int, group: Any) -> torch.Tensor:
+def dispatch_rows(x: torch.Tensor, rows: torch.Tensor, owners: torch.Tensor, offs: torch.Tensor,
+                  runs: Sequence[tuple[int, int]], rank: int, group: Any) -> torch.Tensor:
     """The all-to-all dispatch of an expert layer (Megatron's ``MoEAlltoAllTokenDispatcher``,
     torchtitan's expert parallel): ``x`` holds this rank's rows of (token, expert) pairs sorted
-    by expert (global ids ``rows``: the pairs of the tokens it holds); each is sent to the rank
-    of its expert (``runs``: every rank's (first expert, experts); ``offs``: the cumulative rows
-    per expert), and the rows of this rank's experts come back in sorted order, the rows
-    ``[start, end)`` that :func:`routed_grouped_mm` takes as routed. Autograd-correct: the
-    backward is the reverse all-to-all."""
+    by expert (global ids ``rows``, ``owners``: every row's holder); each is sent to the rank of
+    its expert (``runs``: every rank's (first expert, experts); ``offs``: the cumulative rows per
+    expert), and the rows of this rank's experts come back in sorted order, the rows
+    ``[start, end)`` :func:`routed_grouped_mm` takes as routed. Each rank sends its rows by
+    destination, then id, so a receiver knows the order they arrive in: from each holder in
+    turn, by id. Autograd-correct: the backward is the reverse all-to-all."""
+    total, tp = owners.numel(), len(runs)
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
     per_rank = torch.stack([counts[first:first + count].sum() for first, count in runs])
     ends = per_rank.cumsum(0).to(rows.dtype)
     dest = torch.bucketize(rows, ends, right=True)
-    order = torch.argsort(dest, stable=True)
-    send, recv = dispatch_splits(torch.bincount(dest, minlength=len(runs)), group)
-    ids = _all_to_all(rows.index_select(0, order), send, recv, group, "all_to_all of row ids (expert dispatch)")
-    start = ends[rank] - per_rank[rank]
-    place = torch.argsort(ids - start)
-    return _DispatchRows.apply(x, order, place, send, recv, group)
+    order = torch.argsort(dest * total + rows)
+    start, end = ends[rank] - per_rank[rank], ends[rank]
+    ids = torch.arange(total, device=rows.device)
+    mine = (ids >= start) & (ids < end)               # this rank's rows: [start, end)
+    recv = torch.zeros(tp, dtype=torch.long, device=rows.device).scatter_add_(0, owners, mine.long())
+    send, recv = dispatch_splits(torch.bincount(dest, minlength=tp), recv)
+    # the rows as they arrive: from each holder in turn, by id (others' rows sorted last)
+    arrival = torch.argsort(torch.where(mine, owners * total + ids, tp * total + ids))[:sum(recv)] - start
+    return _DispatchRows.apply(x, order, torch.argsort(arrival), send, recv, group)
 
 
 def _comm_module_base():
@@ -249,8 +260,8 @@ class DispatchRows(_comm_module_base()):
         super().__init__(group)
         self.runs, self.rank = tuple(tuple(r) for r in runs), rank
 
-    def forward(self, x: torch.Tensor, rows: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        return dispatch_rows(x, rows, offs, self.runs, self.rank, self.group)
+    def forward(self, x: torch.Tensor, rows: torch.Tensor, owners: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return dispatch_rows(x, rows, owners, offs, self.runs, self.rank, self.group)
 
     def extra_repr(self) -> str:
         return f"{self._group_repr()}, experts per rank={[count for _, count in self.runs]}"

@@ -1310,7 +1310,9 @@ def _linear_groups(case: Case) -> list[set[int]]:
     if op in (aten.mul.Tensor, aten.mm.default, aten.linear.default, aten.bmm.default, aten.matmul.default):
         return [{i} for i in range(n)]
     if op in (aten.div.Tensor, aten.neg.default, aten.mul.Scalar, aten.div.Scalar, aten.sum.dim_IntList,
-              aten.mean.dim, aten.embedding.default) or rules._RULES[op].__module__.endswith(".view"):
+              aten.mean.dim, aten.embedding.default) or rules._RULES[op].__module__.endswith(".view") \
+            or op in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):   # (rules/experts.py
+        # extends the sized views: the tokens of a sequence split, flattened)
         return [{0}]
     return []
 

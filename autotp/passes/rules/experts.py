@@ -294,8 +294,9 @@ def token_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict,
     before = info.inputs[0].shape
     sizes = [-1] + [ctx.size(s) for s in info.output.shape[1:]]
     outer = [ctx.size(s) for s in before[:p.dim]]
-    ctx.made_rows = ctx.graph.call_function(E.token_rows, (ctx.inputs[0], p.dim, outer, ctx.size(before[p.dim]),
-                                                           ctx.tp, ctx.rank))
+    seq = ctx.size(before[p.dim])
+    ctx.made_rows = ctx.graph.call_function(E.token_rows, (ctx.inputs[0], p.dim, outer, seq, ctx.tp, ctx.rank))
+    ctx.made_owners = ctx.graph.call_function(E.token_owners, (ctx.inputs[0], outer, seq, ctx.tp))
     return info.target, (args[0], sizes) + tuple(args[2:]), kwargs
 
 
@@ -412,6 +413,8 @@ def routed_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict
             size = ctx.size(info.inputs[0].shape[0])
             pair = ctx.graph.call_function(E.routed_reorder, (x, index, ctx.rows_of(x), size))
             ctx.made_rows = ctx.graph.call_function(operator.getitem, (pair, 1))
+            if strategy.inputs[0].tokens:   # each row reordered is held where its token is
+                ctx.made_owners = ctx.graph.call_function(E.take_rows, (ctx.owners[x], index, 0))
             return operator.getitem, (pair, 0), {}
         if strategy.inputs[0] == REPLICATE:   # rows gathered for a grouped product: its rank's rows
             product, product_strategy, offs = ctx.grouped_reader()
@@ -496,7 +499,8 @@ def _grouped_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: di
         total = int(info.inputs[1].shape[0])
         runs = tuple(local_ranges(total, strategy.inputs[1], ctx.tp, r) or ((0, 0),) for r in range(ctx.tp))
         runs = tuple((a, b - a) for ((a, b),) in runs)
-        args = (ctx.comm(E.DispatchRows(ctx.group, runs, ctx.rank), x, ctx.rows_of(x), offs),) + tuple(args[1:])
+        args = (ctx.comm(E.DispatchRows(ctx.group, runs, ctx.rank), x, ctx.rows_of(x), ctx.owners[x], offs),) \
+            + tuple(args[1:])
     elif x_routed and ctx.rows_of(x) is not ctx.made_rows:
         from ...errors import PlanError
 
