@@ -7,6 +7,12 @@ tensor, one global row id per local row) says which rows those are. The rows of 
 together are each row once; scattered into zeros and summed over ranks (a g) they are the
 whole tensor.
 
+Under sequence parallelism the tokens themselves arrive as compact rows
+(``Routed(tokens=True)``: a rank's ``b`` runs of ``s/tp`` flattened tokens, :func:`token_rows`,
+every token's holder known from the shapes, :func:`token_owners`); an expert product reading
+them first sends each (token, expert) row to its expert's rank (:class:`DispatchRows`, an
+all-to-all; backward the reverse one).
+
 The rewritten graph makes the row maps (:func:`expert_rows` for the rows a grouped product
 sorted by expert, from the bounds :func:`expert_bounds` reads once per layer, which also gather
 those rows alone where the model gathers every row for the product, :func:`gather_rows`; :func:`picked_rows`
@@ -22,6 +28,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+import torch.distributed._functional_collectives as funcol
+
+from .collectives import _comm, _CommModule
 
 
 def expert_bounds(offs: torch.Tensor, first: int, count: int) -> tuple[int, int]:
@@ -190,9 +199,6 @@ def dispatch_splits(send: torch.Tensor, recv: torch.Tensor) -> tuple[list[int], 
 
 
 def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: Any, op: str) -> torch.Tensor:
-    from .collectives import _comm
-    import torch.distributed._functional_collectives as funcol
-
     with _comm(op, group):
         return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), recv, send, group))
 
@@ -244,13 +250,7 @@ def dispatch_rows(x: torch.Tensor, rows: torch.Tensor, owners: torch.Tensor, off
     return _DispatchRows.apply(x, order, torch.argsort(arrival), send, recv, group)
 
 
-def _comm_module_base():
-    from .collectives import _CommModule
-
-    return _CommModule
-
-
-class DispatchRows(_comm_module_base()):
+class DispatchRows(_CommModule):
     """The all-to-all dispatch as a node of the rank's graph (:func:`dispatch_rows`), holding the
     group and every rank's run of experts."""
 

@@ -17,6 +17,13 @@ that kernel does not take the dtype), ``batched_mm`` picks each row's expert wei
 * the router stays replicated: its scores meet the routed rows in a product, so their gradient
   is a summand and gets an f (summed over ranks), as any replicated input of sharded compute.
 
+Under sequence parallelism the tokens arrive split along the sequence; flattened (``[b, s, h] ->
+[b*s, h]``) they are a rank's compact rows too, held by their token's rank: ``Routed(0,
+tokens=True)`` (:func:`token_rows`). The router, its softmax and top-k run on them as on any rows;
+the grouped product takes them with an all-to-all inside (each (token, expert) row sent to its
+expert's rank, :class:`autotp.distributed.experts.DispatchRows`), priced as one, against
+gathering every token on every rank.
+
 Expert tensor parallelism (Megatron's expert-TP) is the familiar column/row split inside every
 expert: the gate|up stack ``[experts, 2*inter, hidden]`` split on its output features, in two
 blocks (each rank holds matching halves of gate and up, as a fused dense gate|up is split, the
