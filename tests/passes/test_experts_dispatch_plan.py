@@ -38,6 +38,8 @@ def test_the_dispatch_is_priced_as_an_all_to_all_and_chosen_where_cheaper(monkey
     assert a2a[0].fwd_bytes == a2a[0].bwd_bytes == rows * config.hidden_size * 2 * (2 - 1) / 2 ** 2
     # the tokens are not gathered before the router (its softmax and top-k run on a rank's own)
     assert not [c for c in plan.comms if c.kind in ("all_gather", "all_gather_f") and ".mlp" in c.module]
+    assert any(n.startswith("experts model.layers.0.mlp.experts: the tokens arrive split along the sequence")
+               and "all-to-all (8.39 MB/rank each way per layer" in n for n in plan.notes), plan.notes
     gathered = _without_dispatch(monkeypatch, model, 2)
     assert not [c for c in gathered.comms if c.kind == "all_to_all"]
     assert plan.cost["step_s"] < gathered.cost["step_s"]
