@@ -83,13 +83,20 @@ class Routed(Partial):
     rows with no collective (see autotp/passes/rules/experts.py).
 
     ``span`` > 1: the row ids count over ``span`` dims from ``dim`` on (``[tokens, top_k, ...]``,
-    a view of the rows), which a sum over the inner ones combines into a Partial."""
+    a view of the rows), which a sum over the inner ones combines into a Partial.
+
+    ``tokens``: the rows are held by the rank that holds their *token* (a sequence split,
+    ``[b, s/tp, h]`` flattened to the rank's ``b`` runs of ``s/tp`` rows), not by their expert's
+    rank: an expert product reading them first sends each row to its expert's rank (an
+    all-to-all dispatch, autotp/distributed/experts.py)."""
 
     dim: int = 0
     span: int = 1
+    tokens: bool = False
 
     def __repr__(self) -> str:
-        return f"P(routed {self.dim})" if self.span == 1 else f"P(routed {self.dim}:{self.dim + self.span})"
+        kind = "tokens" if self.tokens else "routed"
+        return f"P({kind} {self.dim})" if self.span == 1 else f"P({kind} {self.dim}:{self.dim + self.span})"
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,13 @@ class DeviceProfile:
             return 0.0
         return 2 * (n - 1) * self.link_latency + 2 * (n - 1) / n * nbytes / self.link_bw
 
+    def all_to_all_time(self, full_bytes: float, n: int) -> float:
+        """All-to-all of a tensor of ``full_bytes`` dealt evenly over the ranks (an expert
+        dispatch): each rank keeps 1/n of its share and sends the rest, (n-1)/n² of the whole."""
+        if n <= 1:
+            return 0.0
+        return (n - 1) * self.link_latency + (n - 1) / n ** 2 * full_bytes / self.link_bw
+
     def all_gather_time(self, full_bytes: float, n: int) -> float:
         """Ring all-gather (or reduce-scatter) of a tensor of ``full_bytes``: (n-1)/n of it."""
         if n <= 1:

@@ -265,6 +265,7 @@ COLLECTIVES = {
     "reduce_scatter": ("reduce_scatter", "all_gather"),
     "reshard": ("all_gather", "all_gather"),
     "all_reduce": ("all_reduce", None),     # inside an op (vocab-parallel cross-entropy)
+    "all_to_all": ("all_to_all", "all_to_all"),   # inside an op (an expert dispatch), reversed backward
 }
 
 
@@ -272,6 +273,8 @@ def ring_volume(collective: str | None, full_bytes: Any, n: int) -> Any:
     """Bytes each rank sends in a ring collective over a tensor of ``full_bytes``."""
     if collective is None or n <= 1:
         return 0
+    if collective == "all_to_all":   # each rank's 1/n share, all but 1/n of it sent
+        return sympy.Rational(n - 1, n * n) * full_bytes
     return (2 if collective == "all_reduce" else 1) * sympy.Rational(n - 1, n) * full_bytes
 
 
@@ -306,6 +309,8 @@ def collective_time(kind: str, full_bytes: float, profile: DeviceProfile, tp: in
             out.append(0.0)
         elif coll == "all_reduce":
             out.append(profile.all_reduce_time(full_bytes, tp))
+        elif coll == "all_to_all":
+            out.append(profile.all_to_all_time(full_bytes, tp))
         else:
             out.append(profile.all_gather_time(full_bytes, tp))
     return out[0], out[1]
@@ -315,7 +320,7 @@ def collective_bytes(kind: str, full_bytes: float, tp: int, grad: bool = True) -
     """(forward, backward) bytes each rank sends (``grad=False``: no backward)."""
     if tp <= 1:
         return 0.0, 0.0
-    share = {None: 0.0, "all_reduce": 2 * (tp - 1) / tp}
+    share = {None: 0.0, "all_reduce": 2 * (tp - 1) / tp, "all_to_all": (tp - 1) / tp ** 2}
     fw, bw = COLLECTIVES[kind]
     return share.get(fw, (tp - 1) / tp) * full_bytes, share.get(bw if grad else None, (tp - 1) / tp) * full_bytes
 

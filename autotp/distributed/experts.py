@@ -7,6 +7,12 @@ tensor, one global row id per local row) says which rows those are. The rows of 
 together are each row once; scattered into zeros and summed over ranks (a g) they are the
 whole tensor.
 
+Under sequence parallelism the tokens themselves arrive as compact rows
+(``Routed(tokens=True)``: a rank's ``b`` runs of ``s/tp`` flattened tokens, :func:`token_rows`,
+every token's holder known from the shapes, :func:`token_owners`); an expert product reading
+them first sends each (token, expert) row to its expert's rank (:class:`DispatchRows`, an
+all-to-all; backward the reverse one).
+
 The rewritten graph makes the row maps (:func:`expert_rows` for the rows a grouped product
 sorted by expert, from the bounds :func:`expert_bounds` reads once per layer, which also gather
 those rows alone where the model gathers every row for the product, :func:`gather_rows`; :func:`picked_rows`
@@ -22,6 +28,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+import torch.distributed._functional_collectives as funcol
+
+from .collectives import _comm, _CommModule
 
 
 def expert_bounds(offs: torch.Tensor, first: int, count: int) -> tuple[int, int]:
@@ -154,3 +163,105 @@ def histc(x: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> t
     if x.dtype.is_floating_point or x.device.type != "cpu":
         return torch.histc(x, bins, min, max)
     return torch.histc(x.double(), bins, min, max).to(x.dtype)
+
+
+def token_rows(x: torch.Tensor, dim: int, outer: Sequence[int], seq: int, tp: int, rank: int) -> torch.Tensor:
+    """The row map of a rank's tokens under a sequence split, flattened: ``x`` is its
+    ``[*outer, seq_local, ...]`` (split along ``dim``, contiguous runs, the first ``seq % tp`` one
+    longer), its rows ``o * seq + start + j`` for each outer index ``o`` and its ``j``-th position."""
+    start = rank * (seq // tp) + min(rank, seq % tp)
+    n = x.shape[dim]
+    count = 1
+    for size in outer:
+        count *= int(size)
+    base = torch.arange(count, device=x.device).unsqueeze(1) * seq
+    return (base + start + torch.arange(n, device=x.device)).reshape(-1)
+
+
+def token_owners(x: torch.Tensor, outer: Sequence[int], seq: int, tp: int) -> torch.Tensor:
+    """The rank holding each of the ``prod(outer) * seq`` flattened tokens under a sequence split
+    (contiguous runs, the first ``seq % tp`` one longer): every rank knows where every token is."""
+    sizes = torch.tensor([(seq + tp - 1 - r) // tp for r in range(tp)], device=x.device)
+    of_position = torch.repeat_interleave(torch.arange(tp, device=x.device), sizes, output_size=seq)
+    count = 1
+    for size in outer:
+        count *= int(size)
+    return of_position.repeat(count)
+
+
+# ---- the all-to-all dispatch: rows held by their tokens' ranks sent to their experts' ranks -------
+def dispatch_splits(send: torch.Tensor, recv: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(rows this rank sends to each rank, rows it receives from each), read to the host once:
+    the split sizes of the rows' all-to-all (Megatron's and torchtitan's dispatchers read them
+    too). Both are counted on this rank, from the routing every rank holds whole."""
+    both = torch.stack([send, recv]).tolist()
+    return both[0], both[1]
+
+
+def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: Any, op: str) -> torch.Tensor:
+    with _comm(op, group):
+        return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), recv, send, group))
+
+
+class _DispatchRows(torch.autograd.Function):
+    """Forward: this rank's rows (``order``: sorted by destination rank) to their experts'
+    ranks, the rows received put in their experts' order (``place``). Backward, the mirror: each
+    row's gradient back to the rank that sent it (the reverse all-to-all), into its row."""
+
+    @staticmethod
+    def forward(ctx, x, order, place, send, recv, group):
+        ctx.save_for_backward(order, place)
+        ctx.send, ctx.recv, ctx.group, ctx.rows = send, recv, group, x.shape[0]
+        got = _all_to_all(x.index_select(0, order), send, recv, group, "all_to_all of rows (expert dispatch)")
+        return got.index_select(0, place)
+
+    @staticmethod
+    def backward(ctx, grad):
+        order, place = ctx.saved_tensors
+        got = torch.empty_like(grad).index_copy(0, place, grad)
+        sent = _all_to_all(got, ctx.recv, ctx.send, ctx.group, "all_to_all of rows (expert dispatch, backward)")
+        out = sent.new_empty((ctx.rows,) + tuple(sent.shape[1:])).index_copy(0, order, sent)
+        return out, None, None, None, None, None
+
+
+def dispatch_rows(x: torch.Tensor, rows: torch.Tensor, owners: torch.Tensor, offs: torch.Tensor,
+                  runs: Sequence[tuple[int, int]], rank: int, group: Any) -> torch.Tensor:
+    """The all-to-all dispatch of an expert layer (Megatron's ``MoEAlltoAllTokenDispatcher``,
+    torchtitan's expert parallel): ``x`` holds this rank's rows of (token, expert) pairs sorted
+    by expert (global ids ``rows``, ``owners``: every row's holder); each is sent to the rank of
+    its expert (``runs``: every rank's (first expert, experts); ``offs``: the cumulative rows per
+    expert), and the rows of this rank's experts come back in sorted order, the rows
+    ``[start, end)`` :func:`routed_grouped_mm` takes as routed. Each rank sends its rows by
+    destination, then id, so a receiver knows the order they arrive in: from each holder in
+    turn, by id. Autograd-correct: the backward is the reverse all-to-all."""
+    total, tp = owners.numel(), len(runs)
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    per_rank = torch.stack([counts[first:first + count].sum() for first, count in runs])
+    ends = per_rank.cumsum(0).to(rows.dtype)
+    dest = torch.bucketize(rows, ends, right=True)
+    order = torch.argsort(dest * total + rows)
+    start, end = ends[rank] - per_rank[rank], ends[rank]
+    ids = torch.arange(total, device=rows.device)
+    mine = (ids >= start) & (ids < end)               # this rank's rows: [start, end)
+    recv = torch.zeros(tp, dtype=torch.long, device=rows.device).scatter_add_(0, owners, mine.long())
+    send, recv = dispatch_splits(torch.bincount(dest, minlength=tp), recv)
+    # the rows as they arrive: from each holder in turn, by id (others' rows sorted last)
+    arrival = torch.argsort(torch.where(mine, owners * total + ids, tp * total + ids))[:sum(recv)] - start
+    return _DispatchRows.apply(x, order, torch.argsort(arrival), send, recv, group)
+
+
+class DispatchRows(_CommModule):
+    """The all-to-all dispatch as a node of the rank's graph (:func:`dispatch_rows`), holding the
+    group and every rank's run of experts."""
+
+    kind = "all_to_all"
+
+    def __init__(self, group: Any, runs: Sequence[tuple[int, int]], rank: int) -> None:
+        super().__init__(group)
+        self.runs, self.rank = tuple(tuple(r) for r in runs), rank
+
+    def forward(self, x: torch.Tensor, rows: torch.Tensor, owners: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return dispatch_rows(x, rows, owners, offs, self.runs, self.rank, self.group)
+
+    def extra_repr(self) -> str:
+        return f"{self._group_repr()}, experts per rank={[count for _, count in self.runs]}"

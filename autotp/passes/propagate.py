@@ -546,8 +546,8 @@ def layout_copy_seconds(kind: str, meta: TensorMeta, have: Any, want: Any, full:
 
 def internal_seconds(index: "GraphIndex", profile: DeviceProfile, strat: Strategy) -> float:
     """Seconds of the collectives an op runs inside itself (vocab-parallel cross-entropy)."""
-    return sum(profile.all_reduce_time(nbytes(meta, index.env, profile.dtype_bytes), index.tp)
-               for _, meta in strat.internal)
+    return sum(sum(collective_time(kind, nbytes(meta, index.env, profile.dtype_bytes), profile, index.tp))
+               for kind, meta in strat.internal)
 
 
 def param_memory(index: "GraphIndex", profile: DeviceProfile, node: fx.Node, placement: Any) -> float:
@@ -764,10 +764,11 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
         memory += index.activation_bytes(node, best, profile)
         for kind, meta in best.internal:
             full = nbytes(meta, env, profile.dtype_bytes)
-            seconds = profile.all_reduce_time(full, tp)
-            fw_b = collective_bytes("g", full, tp)[0]
+            seconds = sum(collective_time(kind, full, profile, tp))
+            fw_b, bw_b = collective_bytes(kind, full, tp)
             comm += seconds
-            comms.append(Comm(kind, node.name, best.inputs[0], REPLICATE, node.name, full, fw_b, 0.0, seconds))
+            comms.append(Comm(kind, node.name, best.inputs[0], best.output if kind == "all_to_all" else REPLICATE,
+                              node.name, full, fw_b, bw_b, seconds))
         sharded = _sharded_compute(best)
         for i, (inp, meta, want) in enumerate(zip(inputs, info.inputs, best.inputs)):
             f = wants_f(want, sharded, meta, inp in index.grads, apart=best.f_runs_only and i == 0)

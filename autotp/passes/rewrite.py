@@ -55,11 +55,18 @@ class GraphLocalContext(LocalContext):
         self.inputs: list[fx.Node] = []
         #: set by a localizer whose op makes rows of its own (a product's, a pick's, a reorder's)
         self.made_rows: fx.Node | None = None
+        #: rows held by their tokens' ranks (``Routed(tokens=True)``) -> the node of every row's
+        #: holder (one rank per global row id: every rank knows where each row is, from the shapes)
+        self.owners: dict[fx.Node, fx.Node] = {}
+        self.made_owners: fx.Node | None = None
         self._shared_rows: dict[tuple, fx.Node] = {}
         #: the grouped product that reads the rows the current op gathers, as
         #: (its OpInfo, its strategy, its offs in the rank's graph): set by :func:`rewrite`
         self.grouped_reader: Any = None
         self.node: fx.Node | None = None   # the captured op being localized
+        #: ``comm(module, *args)``: a node calling a communicating module (an all-to-all
+        #: dispatch) the rank's graph holds; set by :func:`rewrite`
+        self.comm: Any = None
 
     def rows_of(self, node: fx.Node) -> fx.Node:
         """The row map of the routed value ``node``: the global row ids of its local rows."""
@@ -218,6 +225,7 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         return index.infos[product], prop.chosen[product], env[offs]
 
     ctx.grouped_reader = grouped_reader
+    ctx.comm = lambda module, *args: comm_node(module.kind, args[0], module, *args[1:])
     for node in _program_order(cap.graph, prop, readers):
         ctx.node = node
         if node.op == "placeholder":
@@ -243,6 +251,8 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             env[node] = graph.node_copy(node, lambda n: env[n])
             if node.target is operator.getitem and env[node.args[0]] in ctx.rows:   # a split of routed rows
                 ctx.rows[env[node]] = ctx.rows[env[node.args[0]]]
+                if env[node.args[0]] in ctx.owners:
+                    ctx.owners[env[node]] = ctx.owners[env[node.args[0]]]
             continue
         if node.target in REGION_BOUNDS:
             converted.clear()   # a conversion made under one grad/autocast mode is not reused under another
@@ -282,7 +292,7 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         args, kwargs = map_args(swap, node)
         target = node.target
         loc = localizer_for(target, strategy)
-        ctx.inputs, ctx.made_rows = replacements, None
+        ctx.inputs, ctx.made_rows, ctx.made_owners = replacements, None, None
         if loc is not None:
             target, args, kwargs = loc(info, strategy, tuple(args), kwargs, ctx)
         if device is not None and isinstance(kwargs.get("device"), torch.device):
@@ -315,8 +325,11 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         if is_routed(strategy) and any(isinstance(p, Routed) for p in (
                 strategy.output if isinstance(strategy.output, tuple) else (strategy.output,))):
             # the output's row map: the op's own (a product's, a pick's, a reorder's) or its routed input's
-            ctx.rows[new] = ctx.made_rows if ctx.made_rows is not None else ctx.rows_of(
-                next(r for r, p in zip(replacements, strategy.inputs) if isinstance(p, Routed)))
+            source = next((r for r, p in zip(replacements, strategy.inputs) if isinstance(p, Routed)), None)
+            ctx.rows[new] = ctx.made_rows if ctx.made_rows is not None else ctx.rows_of(source)
+            owners = ctx.made_owners if ctx.made_owners is not None else ctx.owners.get(source)
+            if owners is not None:
+                ctx.owners[new] = owners
     graph.lint()
     return fx.GraphModule(root, graph, class_name="ParallelGraph")
 

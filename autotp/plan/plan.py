@@ -563,9 +563,10 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
     nodes = {n.name: n for n in index.capture.graph.nodes}
     inside: collections.Counter = collections.Counter()
     for c in prop.comms:
-        if c.kind == "all_reduce":     # inside an op (vocab-parallel cross-entropy): its internal ones, in order
-            internal = prop.chosen[nodes[c.tensor]].internal
-            comm[("g", internal[inside[c.tensor] % len(internal)][1], True, None, None)] += 1
+        if c.kind in ("all_reduce", "all_to_all"):   # inside an op (vocab-parallel cross-entropy, an expert
+            internal = prop.chosen[nodes[c.tensor]].internal   # dispatch): its internal ones, in order
+            kind, meta = internal[inside[c.tensor] % len(internal)]
+            comm[("g" if kind == "all_reduce" else kind, meta, True, None, None)] += 1
             inside[c.tensor] += 1
         else:
             comm[(c.kind, _meta(nodes[c.tensor]), nodes[c.tensor] in index.grads, c.src, c.dst)] += 1

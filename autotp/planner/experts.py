@@ -167,3 +167,15 @@ def expert_stacks(cap: Any) -> dict[str, str]:
 
 def is_etp(p: Placement) -> bool:
     return isinstance(p, Shard) and p.dim in (1, 2)
+
+
+def dispatch_note(comms: list) -> list[str]:
+    """One line naming the MoE layers whose tokens, split along the sequence, reach their
+    experts' ranks by an all-to-all dispatch (``comms``: the plan's CommOps), with its bytes."""
+    modules = [c.module for c in comms if c.kind == "all_to_all"]
+    if not modules:
+        return []
+    sent = max(c.fwd_bytes for c in comms if c.kind == "all_to_all")
+    return [f"experts {_layers_text(modules)}: the tokens arrive split along the sequence; the router runs on "
+            f"each rank's own, and each (token, expert) row goes to its expert's rank by an all-to-all "
+            f"({sent / 1e6:.2f} MB/rank each way per layer, the reverse one backward), not gathered whole"]

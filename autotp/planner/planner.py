@@ -9,7 +9,7 @@ from ..capture import Capture, gc_paused, module_path
 from ..cost_model import get_profile
 from ..cost_model.alignment import Align
 from ..errors import ConfigError, MemoryLimitError, PlanError
-from .experts import expert_stacks, experts_note
+from .experts import dispatch_note, expert_stacks, experts_note
 from ..passes.pins import unholdable_pin
 from ..passes.propagate import GraphIndex, Propagation, propagate
 from ..passes.solve import solve
@@ -122,6 +122,8 @@ def _written(cap: Capture, index: GraphIndex, prop: Propagation, prof: Any, batc
     comms = [CommOp(c.kind, c.tensor, c.consumer, repr(c.src), repr(c.dst), c.fwd_bytes, c.bwd_bytes, c.seconds,
                     module_path(nodes[c.consumer]) if c.consumer in nodes else "")
              for c in prop.comms]
+    if plan is None and tp > 1:
+        notes += dispatch_note(comms)   # the layers whose tokens go to their experts by an all-to-all
     dtype_bytes = next(iter(n.meta["val"].element_size() for n in cap.graph.nodes
                             if n.op == "placeholder" and n.name in cap.param_names), 4)
     result = Plan(tp=tp, profile=prof.name, batch=batch, seq=seq, params=params, shapes=shapes, roles=roles,

@@ -44,7 +44,7 @@ class WorkCounter(TorchDispatchMode):
     #: ops that allocate without touching memory, and communication (not the rank's compute)
     UNCOUNTED = ("empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "c10d", "_c10d",
                  "wait_tensor", "all_reduce", "all_gather", "_allgather", "reduce_scatter", "_reduce_scatter",
-                 "allreduce", "broadcast")
+                 "allreduce", "broadcast", "all_to_all", "alltoall")
 
     def __init__(self) -> None:
         super().__init__()

@@ -12,6 +12,7 @@ freely; the strategies it answers with are what is checked.
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -511,6 +512,28 @@ def softmax_cases(draw) -> Case:
 @given(case=softmax_cases())
 def test_softmax_strategies_keep_the_softmax_dim_whole(case):
     check_case(case)
+
+
+@st.composite
+def topk_cases(draw) -> Case:
+    gen = _gen(draw)
+    shape = draw(shapes(1, 3, st.integers(1, 6)))
+    dim = draw(st.integers(-len(shape), len(shape) - 1))
+    k = draw(st.integers(1, shape[dim]))
+    keep = [d for d in range(len(shape)) if d != dim % len(shape)]
+    # distinct values: ties would let a rank pick another of equal indices than the whole op
+    x = torch.randperm(math.prod(shape), generator=gen).to(F64).reshape(shape)
+    return draw(_case(aten.topk.default, [x], (k, dim), keep=keep))
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=topk_cases())
+def test_topk_strategies_keep_a_shard_of_another_dim(case):
+    # a router's top-k experts per token on the tokens a rank holds: values and indices alike
+    offered = check_case(case)
+    p, dim = case.placements[0], case.args[2] % case.args[0].ndim
+    if isinstance(p, Shard) and p == Shard(p.dim) and p.dim != dim:
+        assert Strategy((p,), (p, p)) in offered, offered
 
 
 REDUCTIONS = [aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default, aten.var.correction]
@@ -1374,7 +1397,9 @@ def _linear_groups(case: Case) -> list[set[int]]:
     if op in (aten.mul.Tensor, aten.mm.default, aten.linear.default, aten.bmm.default, aten.matmul.default):
         return [{i} for i in range(n)]
     if op in (aten.div.Tensor, aten.neg.default, aten.mul.Scalar, aten.div.Scalar, aten.sum.dim_IntList,
-              aten.mean.dim, aten.embedding.default) or rules._RULES[op].__module__.endswith(".view"):
+              aten.mean.dim, aten.embedding.default) or rules._RULES[op].__module__.endswith(".view") \
+            or op in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):   # (rules/experts.py
+        # extends the sized views: the tokens of a sequence split, flattened)
         return [{0}]
     return []
 

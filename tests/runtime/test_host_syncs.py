@@ -22,7 +22,10 @@ offsets once per product. And up to three per expert layer where a rank computes
 experts' rows alone (``distributed.experts``: the bounds of its rows among the rows sorted by expert,
 read once and shared by the layer's products; the rows picked by its experts' ids, gpt-oss's
 biases; where its rows land back in token order): how many rows are its own sizes every tensor of the layer after it (a
-data-dependent size, as in any dropless expert parallelism without a fixed capacity). (The serial HuggingFace models read more: GPT-2's forward checks its last and first
+data-dependent size, as in any dropless expert parallelism without a fixed capacity); two more
+where the tokens arrive split along the sequence and the rank sends its tokens' rows to their
+experts' ranks by an all-to-all (its split sizes, read once, as Megatron's and torchtitan's
+dispatchers read theirs; which (token, expert) rows are of its own tokens). (The serial HuggingFace models read more: GPT-2's forward checks its last and first
 tokens for padding with ``in``, a read per call, which the captured program does not hold.)
 """
 from __future__ import annotations
@@ -51,8 +54,9 @@ SIZED_BY_VALUES = {aten.nonzero.default, aten.masked_select.default, aten._uniqu
 #: autotp's reads of an expert layer where a rank computes its own experts' rows alone
 #: (autotp.distributed.experts): where its rows start and end among the rows sorted by expert
 #: (expert_bounds), which of the rows picked by expert id are its own (picked_rows) and where its
-#: rows land in token order (routed_reorder); their count sizes the compact rows after them
-ROWS_READS = ("expert_bounds", "picked_rows", "routed_reorder")
+#: rows land in token order (routed_reorder); their count sizes the compact rows after them. Under
+#: the all-to-all dispatch (tokens split along the sequence), the split sizes (dispatch_splits)
+ROWS_READS = ("expert_bounds", "picked_rows", "routed_reorder", "dispatch_splits")
 
 
 def layers_of_experts(model) -> int:
@@ -182,9 +186,13 @@ def test_a_steady_state_step_reads_nothing_back_from_the_device(fake_rank, famil
         reads = _reads(pm, inputs, train)
         autotps = [(what, stack) for what, stack in reads if not any(f.startswith(MODEL_READS) for f in stack)]
         # a rank's own experts' rows: at most three reads of an expert layer's rows (the bounds of
-        # the sorted rows, the rows of its experts' biases picked by id, the reorder back)
+        # the sorted rows, the rows of its experts' biases picked by id, the reorder back), and two
+        # more where the tokens arrive split along the sequence and go to their experts' ranks by
+        # an all-to-all (the split sizes; which (token, expert) rows are of the rank's own tokens)
         rows = [what for what, stack in autotps if set(ROWS_READS) & set(stack)]
-        assert len(rows) <= 3 * layers_of_experts(model), ("training" if train else "inference", rows)
+        dispatches = sum(1 for _, stack in autotps if "dispatch_splits" in stack)
+        assert len(rows) <= 3 * layers_of_experts(model) + 2 * dispatches, \
+            ("training" if train else "inference", rows)
         assert [what for what, stack in autotps if not set(ROWS_READS) & set(stack)] == [], \
             ("training" if train else "inference", autotps)
         if not layers_of_experts(model):

@@ -17,6 +17,13 @@ that kernel does not take the dtype), ``batched_mm`` picks each row's expert wei
 * the router stays replicated: its scores meet the routed rows in a product, so their gradient
   is a summand and gets an f (summed over ranks), as any replicated input of sharded compute.
 
+Under sequence parallelism the tokens arrive split along the sequence; flattened (``[b, s, h] ->
+[b*s, h]``) they are a rank's compact rows too, held by their token's rank: ``Routed(0,
+tokens=True)`` (:func:`token_rows`). The router, its softmax and top-k run on them as on any rows;
+the grouped product takes them with an all-to-all inside (each (token, expert) row sent to its
+expert's rank, :class:`autotp.distributed.experts.DispatchRows`), priced as one, against
+gathering every token on every rank.
+
 Expert tensor parallelism (Megatron's expert-TP) is the familiar column/row split inside every
 expert: the gate|up stack ``[experts, 2*inter, hidden]`` split on its output features, in two
 blocks (each rank holds matching halves of gate and up, as a fused dense gate|up is split, the
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import math
 import operator
+from dataclasses import replace
 from typing import Any
 
 import sympy
@@ -55,8 +63,13 @@ ROW_WISE = frozenset((
     aten.permute.default, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
     aten.slice.Tensor, aten.sum.dim_IntList, aten.clamp.default,
 ))
-#: ops of several operands whose rows meet row by row (a product, a sum; bmm: its batch rows)
-ROW_BY_ROW = frozenset((aten.mul.Tensor, aten.div.Tensor, aten.bmm.default, aten.add.Tensor, aten.sub.Tensor))
+#: ops of several operands whose rows meet row by row (a product, a sum; bmm: its batch rows; a
+#: linear's rows of x against a replicated weight: the router on the tokens a rank holds)
+ROW_BY_ROW = frozenset((aten.mul.Tensor, aten.div.Tensor, aten.bmm.default, aten.add.Tensor, aten.sub.Tensor,
+                        aten.linear.default, aten.mm.default, aten.addmm.default))
+#: ops along another dim than the rows' that keep each row's result in its row (the router's
+#: softmax and top-k over the experts of each token); their own rules say which dims
+ROW_REDUCING = frozenset((aten._softmax.default, aten.softmax.int, aten.topk.default))
 #: views whose size arguments the rank's rows change (the routed dim's size: -1)
 SIZED_VIEWS = frozenset((aten.view.default, aten.reshape.default, aten._unsafe_view.default))
 
@@ -137,15 +150,15 @@ def routed_strategies(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
     if any(p.span > 1 for p in routed.values()):
         combine = _combine(info, placements)
         return found + ([combine] if combine is not None else [])
-    if info.target is aten.index.Tensor and set(routed) == {0} and routed[0] == Routed(0):
+    if info.target is aten.index.Tensor and set(routed) == {0} and routed[0].dim == 0 and routed[0].span == 1:
         indices = info.args[1]
         if len(indices) == 1 and indices[0] is not None and len(info.inputs) == 2:   # rows reordered
             found.append(Strategy((placements[0], REPLICATE), placements[0]))
         return found
     kind = _kind(info.target)
-    if kind not in ROW_WISE and kind not in ROW_BY_ROW:
+    if kind not in ROW_WISE and kind not in ROW_BY_ROW and kind not in ROW_REDUCING:
         return found
-    if len({p.dim for p in routed.values()}) != 1:
+    if len(set(routed.values())) != 1:   # rows held by their experts' ranks never meet rows held by their tokens'
         return found
     if kind in SIZED_VIEWS and len(routed) == 1:
         split = _split_rows(info, routed[0])
@@ -170,7 +183,7 @@ def routed_strategies(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
                 wants.append(None)
         if None in wants:
             continue
-        output = tuple(Routed(o.dim) if o is not None else None for o in outs)
+        output = tuple(replace(placements[first], dim=o.dim) if o is not None else None for o in outs)
         found.append(Strategy(tuple(wants), output if isinstance(s.output, tuple) else output[0]))
     return found
 
@@ -244,6 +257,56 @@ def _run(info: OpInfo, strategy: Strategy, i: int, ctx: LocalContext) -> tuple[i
     return start, stop - start
 
 
+# ---- the tokens a rank holds under a sequence split, flattened -----------------------------------
+_VIEW_RULES = {t: _RULES[t] for t in SIZED_VIEWS}
+
+
+def token_rows(info: OpInfo, p) -> Routed | None:
+    """``Routed(0, tokens=True)`` where a view flattens ``[b, s, ...]`` split along a sequence
+    dim into ``[b*s, ...]`` (dims ``0..d`` into one, the rest kept); None otherwise. A rank's
+    tokens are then ``b`` runs of its ``s/tp`` positions, not a contiguous run of the rows: no
+    Shard says them, compact rows with a row map computed from the shapes do (:func:`token_localizer`)."""
+    if not (is_shard(p) and p == Shard(p.dim) and info.tp > 1):
+        return None
+    before, after = info.inputs[0].shape, info.output.shape
+    d = p.dim
+    if info.inputs[0].static(d) is not None or len(after) != len(before) - d \
+            or tuple(after[1:]) != tuple(before[d + 1:]):
+        return None
+    if sympy.expand(math.prod(before[:d + 1]) - after[0]) != 0:
+        return None
+    return Routed(0, tokens=True)
+
+
+def sized_view_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """Besides :func:`.view.view_rule`: the sequence-split tokens flattened to the rank's rows
+    (:func:`token_rows`), which the router, its softmax and top-k then run on alone."""
+    out = _VIEW_RULES[info.target](info, placements)
+    tokens = token_rows(info, placements[0]) if placements else None
+    if tokens is not None:
+        out.append(Strategy((placements[0],), tokens))
+    return out
+
+
+for _target in SIZED_VIEWS:
+    register(_target)(sized_view_rule)
+
+
+def token_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
+    """The rank's ``[b, s_local, ...]`` flattened to ``[b*s_local, ...]``, its row map the
+    global ids ``i*s + start + j`` of its runs (``start``: where its run of the sequence begins)."""
+    from ...distributed import experts as E
+
+    p = strategy.inputs[0]
+    before = info.inputs[0].shape
+    sizes = [-1] + [ctx.size(s) for s in info.output.shape[1:]]
+    outer = [ctx.size(s) for s in before[:p.dim]]
+    seq = ctx.size(before[p.dim])
+    ctx.made_rows = ctx.graph.call_function(E.token_rows, (ctx.inputs[0], p.dim, outer, seq, ctx.tp, ctx.rank))
+    ctx.made_owners = ctx.graph.call_function(E.token_owners, (ctx.inputs[0], outer, seq, ctx.tp))
+    return info.target, (args[0], sizes) + tuple(args[2:]), kwargs
+
+
 # ---- the batched path: weight[expert_ids] -> bmm -------------------------------------------------
 _index_rule = _RULES[aten.index.Tensor]
 
@@ -297,6 +360,10 @@ def grouped_mm_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
             out.append(Strategy((px, Shard(0)) + rest, Routed(0)))
         elif is_shard(pw):
             out.append(_experts_whole(info))
+    if _experts(pw) and px == Routed(0, tokens=True) and info.tp > 1:
+        # rows held by their tokens' ranks (a sequence split): each sent to its expert's rank
+        # first, an all-to-all of the rows (and back, backward), priced as one inside the op
+        out.append(Strategy((px, Shard(0)) + rest, Routed(0), internal=(("all_to_all", info.inputs[0]),)))
     if info.inputs[1].static(0) is None:
         return out
     for have, want in _matrix_shards(info, pw, (2,), lambda d: 1):   # column
@@ -343,6 +410,8 @@ def routed_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict
     from ...distributed import experts as E
 
     out = strategy.output
+    if isinstance(out, Routed) and out.tokens and is_shard(strategy.inputs[0]):
+        return token_localizer(info, strategy, args, kwargs, ctx)
     if op_name(info.target) in GROUPED_MM:
         return _grouped_localizer(info, strategy, args, kwargs, ctx)
     if info.target is aten.index.Tensor and isinstance(out, Routed):
@@ -351,6 +420,8 @@ def routed_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict
             size = ctx.size(info.inputs[0].shape[0])
             pair = ctx.graph.call_function(E.routed_reorder, (x, index, ctx.rows_of(x), size))
             ctx.made_rows = ctx.graph.call_function(operator.getitem, (pair, 1))
+            if strategy.inputs[0].tokens:   # each row reordered is held where its token is
+                ctx.made_owners = ctx.graph.call_function(E.take_rows, (ctx.owners[x], index, 0))
             return operator.getitem, (pair, 0), {}
         if strategy.inputs[0] == REPLICATE:   # rows gathered for a grouped product: its rank's rows
             product, product_strategy, offs = ctx.grouped_reader()
@@ -430,7 +501,14 @@ def _grouped_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: di
     first, count = _run(info, strategy, 1, ctx)
     bounds, ctx.made_rows = _expert_rows(info, strategy, offs, ctx)
     x_routed = isinstance(strategy.inputs[0], Routed)
-    if x_routed and ctx.rows_of(x) is not ctx.made_rows:
+    if x_routed and strategy.inputs[0].tokens:
+        # the all-to-all dispatch: every rank's rows of its tokens to the ranks of their experts
+        total = int(info.inputs[1].shape[0])
+        runs = tuple(local_ranges(total, strategy.inputs[1], ctx.tp, r) or ((0, 0),) for r in range(ctx.tp))
+        runs = tuple((a, b - a) for ((a, b),) in runs)
+        args = (ctx.comm(E.DispatchRows(ctx.group, runs, ctx.rank), x, ctx.rows_of(x), ctx.owners[x], offs),) \
+            + tuple(args[1:])
+    elif x_routed and ctx.rows_of(x) is not ctx.made_rows:
         from ...errors import PlanError
 
         raise PlanError(f"the grouped product {info.target} reads routed rows that are not its own experts' "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ...placements import PARTIAL, REPLICATE
+from ...placements import PARTIAL, REPLICATE, Shard
 from .registry import LocalContext, OpInfo, Strategy, is_partial, is_shard, register, register_localizer, replicate_all
 from .view import tail_part, tail_position, tail_whole
 
@@ -51,7 +51,7 @@ def factory_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
 REPLICATED = [
     aten.diff.default, aten.gather.default, aten.scatter.src, aten.scatter.value,
     aten.scatter_.value, aten.index_select.default,
-    aten.topk.default, aten.sort.default, aten.argmax.default, aten.any.default, aten.all.default,
+    aten.sort.default, aten.argmax.default, aten.any.default, aten.all.default,
     aten.flip.default, aten.roll.default,
 ]
 
@@ -60,6 +60,20 @@ REPLICATED = [
 def replicated_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     # Correct whole; a sharded form would need index arithmetic these ops do not expose.
     return replicate_all(info, placements)
+
+
+@register(aten.topk.default)
+def topk_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """The k largest along one dim (a router's experts per token): a shard of another dim is
+    kept by both the values and their indices, each row's k picked from its own row."""
+    x = info.inputs[0]
+    dim = info.args[2] if len(info.args) > 2 else info.kwargs.get("dim", -1)
+    dim = dim % max(x.ndim, 1)
+    out = replicate_all(info, placements)
+    p = placements[0]
+    if is_shard(p) and p.dim != dim and p == Shard(p.dim):
+        out.append(Strategy((p,), (p, p)))
+    return out
 
 
 @register(aten.cumsum.default)
