@@ -36,7 +36,7 @@ from ..placements import (PARTIAL, REPLICATE, Partial, Placement, Replicate, Rou
 from .hints import column_hint, index_picks, row_hint
 from .rules import OpInfo, Strategy, TensorMeta, strategies
 from .rules.experts import GROUPED_MM, grouped_reader
-from .rules.registry import aliases_first, op_name
+from .rules.registry import aliases_first, mutates_first, op_name
 
 aten = torch.ops.aten
 INF = math.inf
@@ -381,6 +381,8 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
                 k = len(shape_of(x)) - 1
                 c, u = row_hint(x, k, tp, uneven)
                 info.input_hints[(0, k)] = (c, u, rotate, 0, c > 1)   # blocks only from groups of heads
+    if mutates_first(node.target):
+        info.writes_alone = _written_alone(node)
     if node.target is aten.index.Tensor:
         info.picks = index_picks(node, constant)
         info.gathers_expert_rows = grouped_reader(node) is not None
@@ -395,6 +397,17 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
             c, u, t, sizes = column_hint(node, d, tp, uneven, constant)
             info.hints[d] = (c, u, rotate, t, False, sizes)
     return info, inputs
+
+
+def _written_alone(node: fx.Node) -> bool:
+    """Whether ``node`` (an in-place op) writes a tensor that nothing else reads: computed by an
+    op that makes a tensor of its own (not a view nor an in-place op, whose output is another's
+    storage; not a program input, which the caller sees), used by ``node`` alone. A conversion of
+    it for ``node`` then loses no update: what is read after is ``node``'s own output."""
+    dest = node.args[0] if node.args else None
+    return (isinstance(dest, fx.Node) and dest.op == "call_function" and len(dest.users) == 1
+            and dest.target is not operator.getitem   # a piece of a split: a view
+            and not aliases_first(dest.target) and not mutates_first(dest.target))
 
 
 def _conversion(src: Any, dst: Placement, size: int | None, tp: int) -> str | None:
