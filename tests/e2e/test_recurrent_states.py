@@ -1,0 +1,67 @@
+"""Generate keeps a split mixer's recurrent states split, as it keeps keys and values by head.
+
+A state-space or linear-attention mixer split by head (Mamba2 by head group: Bamba with
+``mamba_n_groups`` = tp) or by channel (Mamba with Megatron's layout pinned) hands its conv and
+SSM states from the prompt's program to the first decode step and from each decode step to the
+next. transformers writes them with ``copy_``: into a ``zeros`` buffer in the prefill, into the
+state handed in for a decode step. Before ``copy_`` had a rule, each ran replicated: the split
+state was all-gathered into a whole buffer on every rank, and every decode step took it whole.
+Here each rank's cached states are 1/tp of the serial model's bytes, and greedy ``generate``
+(Bamba's row 0 left-padded) gives the serial model's tokens at tp 2 (float64 models; the mixers
+compute in float32). Slow tier: each family captures three programs (a call, a prompt, a decode
+step), tens of seconds each on two loaded cores."""
+import pytest
+import torch
+
+MAMBA_LAYOUT = {"*in_proj.weight": "column", "*x_proj.weight": "row", "*dt_proj.weight": "column",
+                "*out_proj.weight": "row"}
+
+
+def state_calls(family: str) -> dict:
+    """Greedy generate on a tiny ``family`` at this world's tp against serial, and each cached
+    state's bytes on this rank and in the serial model's cache after the prompt."""
+    import autotp
+    from autotp import zoo
+    from autotp.generation import CachedStep
+
+    tp = torch.distributed.get_world_size()
+    if family == "mamba":
+        config = zoo.tiny_config("mamba", layers=2, heads=2, head_dim=8, vocab=64)
+        model = zoo.build("mamba", config, dtype=torch.float64)
+        batch = zoo.example_batch("mamba", config, batch=2, seq=6)
+        pm = autotp.parallelize(model, tp, example_kwargs=batch, layout=MAMBA_LAYOUT)
+        prompt, mask = batch["input_ids"][:, :3], None
+    else:   # Mamba2 split by head group
+        config = zoo.tiny_config(family, layers=2, heads=2, kv_heads=2, head_dim=8, vocab=64, mamba_n_groups=tp)
+        model = zoo.build(family, config, dtype=torch.float64)
+        pm = autotp.parallelize(model, tp, batch=64, seq=4096, profile="h100-dgx")
+        prompt = zoo.example_batch(family, config, batch=2, seq=5, seed=3)["input_ids"]
+        mask = torch.ones_like(prompt)
+        mask[0, :2] = 0
+    model.eval()
+    pm.eval()
+    got = pm.generate(prompt, attention_mask=mask, max_new_tokens=3, eos_token_id=None).tolist()
+    serial = model.generate(prompt, attention_mask=mask, max_new_tokens=3, do_sample=False, eos_token_id=None,
+                            pad_token_id=0).tolist()
+    with torch.no_grad():
+        whole = CachedStep(model)(input_ids=prompt, **({"attention_mask": mask} if mask is not None else {}))
+    states = {n: (v.numel() * v.element_size(), whole[n].numel() * whole[n].element_size())
+              for n, v in pm.kv_cache.items() if n.startswith(("conv_", "ssm_"))}
+    decode = [p for p in pm._programs if p.step == "decode"]
+    gathered = sorted({c.tensor for p in decode for c in p.plan.comms if c.kind.startswith("all_gather")
+                       and c.consumer.startswith("copy_")})
+    return {"generate": (got, serial), "states": states, "gathered into copy_": gathered}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("family", ["bamba", "mamba"])
+def test_generate_keeps_each_ranks_share_of_the_recurrent_states(family, cluster_of):
+    tp = 2
+    for r in cluster_of(tp).run(state_calls, family):
+        got, serial = r["generate"]
+        assert got == serial
+        assert r["states"], "the model's mixers hand states between steps"
+        for name, (held, whole) in r["states"].items():
+            assert held * tp == whole, (name, held, whole)
+        assert r["gathered into copy_"] == [], r["gathered into copy_"]
