@@ -526,7 +526,10 @@ def grad_nodes(cap: Capture) -> frozenset[fx.Node]:
     """The nodes whose value may carry a gradient: those reached from a parameter or a float
     user input through float ops, outside ``torch.no_grad()`` regions and ``detach``. Buffers,
     lifted constants (a KV cache's empty start) and integer tensors carry none. Conservative:
-    anything unclear counts as carrying one (then f is kept: correct either way)."""
+    anything unclear counts as carrying one (then f is kept: correct either way). A program that
+    is never differentiated (``Capture.differentiable`` False: a generation step) has none."""
+    if not cap.differentiable:
+        return frozenset()
     user = set(cap.user_inputs)
     found: set[fx.Node] = set()
     enabled = True

@@ -6,7 +6,8 @@ SSM states from the prompt's program to the first decode step and from each deco
 next. transformers writes them with ``copy_``: into a ``zeros`` buffer in the prefill, into the
 state handed in for a decode step. Before ``copy_`` had a rule, each ran replicated: the split
 state was all-gathered into a whole buffer on every rank, and every decode step took it whole.
-Here each rank's cached states are 1/tp of the serial model's bytes, and greedy ``generate``
+Here each rank's cached states are 1/tp of the serial model's bytes, a decode step gathers no
+state (but Bamba's SSM state for one product, below), and greedy ``generate``
 (Bamba's row 0 left-padded) gives the serial model's tokens at tp 2 (float64 models; the mixers
 compute in float32). Slow tier: each family captures three programs (a call, a prompt, a decode
 step), tens of seconds each on two loaded cores."""
@@ -47,10 +48,17 @@ def state_calls(family: str) -> dict:
         whole = CachedStep(model)(input_ids=prompt, **({"attention_mask": mask} if mask is not None else {}))
     states = {n: (v.numel() * v.element_size(), whole[n].numel() * whole[n].element_size())
               for n, v in pm.kv_cache.items() if n.startswith(("conv_", "ssm_"))}
-    decode = [p for p in pm._programs if p.step == "decode"]
-    gathered = sorted({c.tensor for p in decode for c in p.plan.comms if c.kind.startswith("all_gather")
-                       and c.consumer.startswith("copy_")})
-    return {"generate": (got, serial), "states": states, "gathered into copy_": gathered}
+    # the decode step's all-gathers of a tensor shaped as a state (past the batch dim): a state
+    # gathered inside the step, by its layer and kind
+    shapes = {tuple(v.shape[1:]): n.split("_")[0] for n, v in whole.items() if n in states}
+    gathered = set()
+    for program in (p for p in pm._programs if p.step == "decode"):
+        nodes = {n.name: n for n in program.capture.graph.nodes}
+        for c in program.plan.comms:
+            val = nodes[c.tensor].meta.get("val")
+            if c.kind.startswith("all_gather") and isinstance(val, torch.Tensor) and tuple(val.shape[1:]) in shapes:
+                gathered.add(shapes[tuple(val.shape[1:])])
+    return {"generate": (got, serial), "states": states, "gathered in decode": sorted(gathered)}
 
 
 @pytest.mark.slow
@@ -64,4 +72,6 @@ def test_generate_keeps_each_ranks_share_of_the_recurrent_states(family, cluster
         assert r["states"], "the model's mixers hand states between steps"
         for name, (held, whole) in r["states"].items():
             assert held * tp == whole, (name, held, whole)
-        assert r["gathered into copy_"] == [], r["gathered into copy_"]
+        # Bamba's decode reads its SSM state as view(batch * heads, ...) for one bmm, a merge of
+        # the batch with the split heads no Shard can say: gathered there (docs/architecture.md)
+        assert r["gathered in decode"] == (["ssm"] if family == "bamba" else []), r["gathered in decode"]
