@@ -263,6 +263,10 @@ def capture_step(model: nn.Module, spec: StepSpec, own_lengths: bool = False) ->
             shapes[name] = {0: batch, **({LENGTH_DIM: torch.export.Dim.DYNAMIC} if grows and held >= 2 else {})}
     cap = capture(step, example_kwargs=example, dynamic_shapes=shapes)
     cap.model_name = f"{type(model).__name__} ({'decode' if cache else 'prefill'} step)"
+    # generate runs every step under torch.no_grad(): priced forward only, as it runs (a backward
+    # priced in made a decode step gather a split SSM state rather than pay an f's all-reduce
+    # of a gradient that is never computed)
+    cap.differentiable = False
     return cap
 
 

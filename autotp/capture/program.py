@@ -41,6 +41,9 @@ class Capture:
     aliases: dict[str, str] = field(default_factory=dict)  # unused tied param FQN -> the FQN used
     signature: inspect.Signature | None = None   # model.forward's, to name positional inputs
     training: bool = True                # the model's mode at capture (dropout is in the graph or not)
+    #: whether the program's outputs may be differentiated: False for a generation step, which
+    #: generate runs under ``torch.no_grad()`` (its plan prices no backward and places no f)
+    differentiable: bool = True
     model_name: str = "the model"
     #: the stacks captured cut and expanded (autotp.capture.expand), e.g. ("transformer.h",); () when whole
     expanded: tuple = ()

@@ -459,6 +459,8 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
                 k = len(shape_of(x)) - 1
                 c, u = row_hint(x, k, tp, uneven)
                 info.input_hints[(0, k)] = (c, u, rotate, 0, c > 1)   # blocks only from groups of heads
+    if mutates_first(node.target):
+        info.writes_alone = _written_alone(node)
     if node.target is aten.index.Tensor:
         info.picks = index_picks(node, constant)
         info.gathers_expert_rows = grouped_reader(node) is not None
@@ -473,6 +475,17 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
             c, u, t, sizes, whole = column_hint(node, d, tp, uneven, constant)
             info.hints[d] = (c, u, rotate, t, False, sizes, whole)
     return info, inputs
+
+
+def _written_alone(node: fx.Node) -> bool:
+    """Whether ``node`` (an in-place op) writes a tensor that nothing else reads: computed by an
+    op that makes a tensor of its own (not a view nor an in-place op, whose output is another's
+    storage; not a program input, which the caller sees), used by ``node`` alone. A conversion of
+    it for ``node`` then loses no update: what is read after is ``node``'s own output."""
+    dest = node.args[0] if node.args else None
+    return (isinstance(dest, fx.Node) and dest.op == "call_function" and len(dest.users) == 1
+            and dest.target is not operator.getitem   # a piece of a split: a view
+            and not aliases_first(dest.target) and not mutates_first(dest.target))
 
 
 def _conversion(src: Any, dst: Placement, size: int | None, tp: int) -> str | None:
@@ -593,7 +606,10 @@ def grad_nodes(cap: Capture) -> frozenset[fx.Node]:
     """The nodes whose value may carry a gradient: those reached from a parameter or a float
     user input through float ops, outside ``torch.no_grad()`` regions and ``detach``. Buffers,
     lifted constants (a KV cache's empty start) and integer tensors carry none. Conservative:
-    anything unclear counts as carrying one (then f is kept: correct either way)."""
+    anything unclear counts as carrying one (then f is kept: correct either way). A program that
+    is never differentiated (``Capture.differentiable`` False: a generation step) has none."""
+    if not cap.differentiable:
+        return frozenset()
     user = set(cap.user_inputs)
     found: set[fx.Node] = set()
     enabled = True

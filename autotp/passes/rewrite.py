@@ -201,6 +201,9 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             f = False
         elif kind == "all_gather":
             out = gather(out, meta, have)
+        elif kind == "scatter" and (made := _factory_at_local_size(graph, out, dst, meta, tp, rank)) is not None:
+            out = made   # a slice of a tensor of one value is that tensor at the slice's size
+            unsliced.append(env[src])
         elif kind == "scatter":
             out = comm_node("scatter", out, C.ScatterToTP(group, dst, full_size(meta, dst)))
         elif kind == "reduce_scatter":
@@ -218,6 +221,7 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         return out
 
     readers = {}
+    unsliced: list[fx.Node] = []   # factories made again at a rank's size: erased where nothing else reads them
 
     def grouped_reader() -> tuple:
         product = readers[ctx.node]
@@ -330,8 +334,35 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             owners = ctx.made_owners if ctx.made_owners is not None else ctx.owners.get(source)
             if owners is not None:
                 ctx.owners[new] = owners
+    for made in dict.fromkeys(unsliced):
+        if not made.users:
+            graph.erase_node(made)
     graph.lint()
     return fx.GraphModule(root, graph, class_name="ParallelGraph")
+
+
+#: factories of a tensor of one value, by the position of their size argument
+_CONSTANT_FACTORIES = {
+    torch.ops.aten.zeros.default: 0, torch.ops.aten.ones.default: 0, torch.ops.aten.full.default: 0,
+    torch.ops.aten.empty.memory_format: 0, torch.ops.aten.new_zeros.default: 1, torch.ops.aten.new_ones.default: 1,
+    torch.ops.aten.new_full.default: 1, torch.ops.aten.new_empty.default: 1,
+}
+
+
+def _factory_at_local_size(graph: fx.Graph, made: fx.Node, dst: Placement, meta: Any, tp: int,
+                           rank: int) -> fx.Node | None:
+    """``made`` (a rank program's node) called again at this rank's size of ``dst``, where it
+    makes a tensor of one value (``zeros``, ``full``, ``new_zeros``, ...) and the split dim is
+    static: a recurrent layer's state buffer split as its state (``copy_``'s rule), made at its
+    share instead of whole and sliced. None otherwise."""
+    at = _CONSTANT_FACTORIES.get(made.target)
+    size = meta.shape[dst.dim] if isinstance(dst, Shard) else None
+    if at is None or size is None or not size.is_Integer or len(made.args) <= at \
+            or not isinstance(made.args[at], (list, tuple)):
+        return None
+    shape = list(made.args[at])
+    shape[dst.dim] = local_size(int(size), dst, tp, rank)
+    return graph.call_function(made.target, (*made.args[:at], shape, *made.args[at + 1:]), dict(made.kwargs))
 
 
 

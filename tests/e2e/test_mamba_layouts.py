@@ -10,12 +10,11 @@ Mamba2 (Bamba, Granite-4.0-H; tiny, float64, mamba_n_groups = tp): the solver's 
 in_proj column by head group and out_proj row with the conv, chunked scan and gated norm on each
 rank's groups; every call equals serial at float32's rounding (the mixer computes in float32),
 training at two lengths, a left-padded call, and greedy ``generate`` carrying the conv and SSM
-states (held whole on every rank between steps: transformers writes them with ``copy_`` into a
-``zeros`` buffer, which no rule splits yet). Mamba2 of one group (the tiny configs' and every
-published one's): in_proj by head with B's and C's rows whole on every rank, every call equal to
-serial (Bamba at tp 2 and 4, Granite-4.0-H and Falcon-H1 at tp 2), and its whole rows counted once
-by clip_grad_norm_ and DCP. Slow tier: captures of the chunked scan take a minute each on two
-loaded cores."""
+states (each rank its groups' share between steps: tests/e2e/test_recurrent_states.py). Mamba2 of one
+group (the tiny configs' and every published one's): in_proj by head with B's and C's rows whole on
+every rank, every call equal to serial (Bamba at tp 2 and 4, Granite-4.0-H and Falcon-H1 at tp 2),
+and its whole rows counted once by clip_grad_norm_ and DCP. Slow tier: captures of the chunked scan
+take a minute each on two loaded cores."""
 import pytest
 import torch
 

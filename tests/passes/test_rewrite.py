@@ -310,3 +310,39 @@ def test_in_place_ops_keep_the_split_they_write_or_write_a_copy_of_a_converted_t
         assert isinstance(view_read_after, float) and view_read_after < 1e-12, view_read_after
         error, roles = loop
         assert error < 1e-12 and set(roles.values()) != {"replicate"}, (error, roles)
+
+
+class _StateInABuffer(torch.nn.Module):
+    """A recurrent layer's last state written into a ``zeros`` buffer, as transformers' cache does."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(16, 32, bias=False)
+        self.down = torch.nn.Linear(32, 16, bias=False)
+
+    def forward(self, x):                                          # x: (b, s, 16)
+        h = self.up(x)                                             # (b, s, 32)
+        state = torch.zeros(x.shape[0], 32, dtype=h.dtype, device=h.device)
+        state.copy_(h[:, -1])                                      # (b, 32): the last position's
+        return self.down(torch.relu(state))                        # (b, 16)
+
+
+def test_a_buffer_written_by_a_split_state_is_made_at_each_ranks_share():
+    # copy_ had no rule: the split state was all-gathered into a whole buffer on every rank.
+    # Now the buffer takes the state's shard and each rank makes its own 16 of the 32 columns
+    # (a zeros at the local size, not a whole one sliced)
+    from autotp.capture import capture
+    from autotp.passes.rewrite import rewrite
+    from autotp.planner import build_plan
+
+    cap = capture(_StateInABuffer(), example_kwargs={"x": torch.randn(2, 8, 16)})
+    layout = {"up.weight": "column", "down.weight": "row"}
+    plan, index, prop = build_plan(cap, 2, batch=2, seq=8, profile="cpu-gloo", layout=layout)
+    # nothing gathered into the buffer: it takes the state's split (a scatter of zeros, which
+    # the rank program makes at its size)
+    assert [(c.kind, c.tensor.split("_")[0]) for c in plan.comms] == [("f", "x"), ("scatter", "zeros"), ("g", "linear")]
+    for rank in range(2):
+        gm = rewrite(index, prop, rank, None, None)
+        zeros = [n.args[0] for n in gm.graph.nodes if n.target is torch.ops.aten.zeros.default]
+        assert len(zeros) == 1 and zeros[0][1] == 16, (rank, zeros)
+        assert not any(name.startswith("scatter") for name, _ in gm.named_children()), gm.code

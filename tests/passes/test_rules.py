@@ -1190,6 +1190,44 @@ def test_in_place_add_never_converts_the_tensor_it_mutates(data):
 
 
 
+@settings(max_examples=120, deadline=None)
+@given(data=st.data())
+def test_copy_into_a_tensor_keeps_its_placement_and_a_fresh_buffer_takes_the_sources(data):
+    # transformers writes a recurrent layer's conv and SSM states with ``copy_``: into a
+    # ``zeros`` buffer in the prefill (nothing else reads it: ``writes_alone``), into the state
+    # handed in for a decode step. dest stays as it is (views of it see the write); only a buffer
+    # read by nothing else may take src's shard, each rank writing its slice (no gather). Each
+    # strategy runs on fresh copies (the harness cannot rerun an in-place op).
+    gen, tp = _gen(data.draw), data.draw(tps)
+    out, (src_shape,) = data.draw(broadcast_shapes(1))
+    dest, src = _tensor(gen, out), _tensor(gen, src_shape)
+    have, other = data.draw(placements(out, tp)), data.draw(placements(src_shape, tp))
+    alone = data.draw(st.booleans())
+    info = replace(op_info(aten.copy_.default, (dest.clone(), src), {}, tp), writes_alone=alone)
+    offered = strategies(info, (have, other))
+    assert Strategy((R, R), R) in offered
+    for s in offered:
+        assert s.inputs[0] in (have, R) or alone, f"{s!r} converts the written {have!r}"
+        shim = replace(info, target=lambda d, x: aten.copy_.default(d.clone(), x))
+        check_strategy(shim, s, (dest, src), {}, data.draw(seeds))
+    if alone and isinstance(other, Shard) and src_shape[other.dim] == out[other.dim + len(out) - len(src_shape)]:
+        mine = other.with_dim(other.dim + len(out) - len(src_shape))
+        assert Strategy((mine, other), mine) in offered, offered
+
+
+def test_a_zeros_buffer_written_by_a_split_state_is_written_split():
+    # Mamba2's prefill: ``zeros([b, conv_dim, k]).copy_(padded[..., -k:])`` with the conv input
+    # split by head group; before, copy_ had no rule and the split state was all-gathered into a
+    # whole buffer on every rank (and handed to the decode steps whole)
+    state = Shard(1, 3, 1, sizes=(4, 1, 1))
+    info = replace(op_info(aten.copy_.default, (torch.zeros(2, 12, 4), torch.ones(2, 12, 4)), {}, 2),
+                   writes_alone=True)
+    assert Strategy((state, state), state) in strategies(info, (R, state))
+    # a buffer something else reads stays whole: the split source is gathered into it
+    kept = replace(info, writes_alone=False)
+    assert strategies(kept, (R, state)) == [Strategy((R, R), R)]
+
+
 IN_PLACE = [(aten.relu_.default, ()), (aten.mul_.Scalar, (1.5,)), (aten.clamp_.default, (-0.5, 0.5)),
             (aten.sigmoid_.default, ()), (aten.neg_.default, ())]
 

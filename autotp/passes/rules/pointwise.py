@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from ...placements import PARTIAL, REPLICATE, Shard
+from ...placements import PARTIAL, REPLICATE, Placement, Shard
 from .registry import LocalContext, OpInfo, Strategy, is_partial, is_shard, register, register_localizer
 
 aten = torch.ops.aten
@@ -181,6 +181,36 @@ def multiplicative_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     for i, p in enumerate(placements):
         if is_partial(p) and not (info.target is aten.div.Tensor and i == 1):
             out.append(Strategy(tuple(PARTIAL if j == i else REPLICATE for j in range(n)), PARTIAL))
+    return out
+
+
+@register(aten.copy_.default, aten.copy.default)
+def copy_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """``dest.copy_(src)``: src, cast to dest's dtype and broadcast to its shape, written over all
+    of dest (transformers writes a recurrent layer's conv and SSM states so into the cache). The
+    two take one placement: dest's, src converted to it (a whole dest from a split src is a
+    gather, a split dest from a whole src a slice) - dest is written in place, so it stays as it
+    is, and views of it see the update. Where nothing else reads dest (``writes_alone``: a fresh
+    ``zeros`` buffer) it may take src's placement instead: a split src is written into its
+    rank's slice of dest, nothing gathered. A Partial passes (the copy is linear)."""
+    dest, src = info.inputs[0], info.inputs[1]
+    nd, have = dest.ndim, placements[0]
+
+    def src_of(p: Placement) -> Placement:
+        """The placement src takes for dest placed ``p``: a dim src broadcasts along stays whole."""
+        if not is_shard(p):
+            return p
+        k = p.dim - (nd - src.ndim)
+        return REPLICATE if k < 0 or (src.shape[k] == 1 and dest.shape[p.dim] != 1) else p.with_dim(k)
+
+    wanted = [have]
+    p = placements[1]
+    if info.writes_alone and is_shard(p) and src.shape[p.dim] == dest.shape[p.dim + nd - src.ndim]:
+        wanted.append(p.with_dim(p.dim + nd - src.ndim))
+    out = [Strategy((REPLICATE, REPLICATE), REPLICATE)]
+    for p in wanted:
+        if (is_shard(p) or is_partial(p)) and Strategy((p, src_of(p)), p) not in out:
+            out.append(Strategy((p, src_of(p)), p))
     return out
 
 

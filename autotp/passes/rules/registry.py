@@ -119,6 +119,10 @@ class OpInfo:
     #: which tensor inputs are strided views (a transpose, an expand, a slice of an inner dim):
     #: an elementwise kernel on one takes PyTorch's slower non-vectorized path
     strided_inputs: tuple = ()
+    #: an in-place op whose written input nothing else reads (not a view, not a program input,
+    #: no other user: a ``zeros`` buffer filled by ``copy_``): it may be converted for the op, no
+    #: update is lost, since the op's own output is what is read after
+    writes_alone: bool = False
 
     @functools.cached_property
     def args_key(self) -> tuple:
