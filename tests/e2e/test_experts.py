@@ -139,7 +139,7 @@ def assert_experts_case(cluster_of, case: dict) -> None:
     # them into the tokens' sum
     dict(family="mixtral", impl="grouped_mm", tp=2, experts=3, top_k=2, kv_heads=2, seq=7, seed=1, layers=1,
          plan_batch=64, plan_seq=32,
-         routed=("gather_rows", "expert_rows", "routed_grouped_mm", "take_rows", "routed_reorder", "routed_combine")),
+         routed=("gather_rows", "expert_rows", "routed_grouped_mm", "take_rows", "routed_permute", "routed_combine")),
     pytest.param(dict(family="qwen2-moe", impl="eager", tp=2, experts=4, top_k=1, kv_heads=4, seq=5, seed=2),
                  marks=pytest.mark.slow),
     # MLA (its latent cache in generate), shared experts and a dense first layer; the heads pinned

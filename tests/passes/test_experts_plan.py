@@ -1,5 +1,6 @@
 """Expert parallelism at real size: MoE models planned at tp=8 on the meta device (no ranks, no weights)."""
 import pytest
+import torch
 
 import autotp
 from autotp import zoo
@@ -102,3 +103,30 @@ def test_gpt_oss_20b_at_tp8_experts_and_sinks_split_by_head():
     assert _roles(plan, "o_proj.weight") == {"row"}
     assert plan.attention and all(heads == [8] * 8 for heads in plan.attention.values()), plan.attention
     assert _roles(plan, "router.weight") == {"replicate"}
+
+
+class _Reorders(torch.nn.Module):
+    """Rows sorted by id and put back, as transformers' experts do (``inv[perm] = arange``), beside
+    indices that are not permutations."""
+
+    def forward(self, x, ids):
+        _, perm = torch.sort(ids)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.size(0))
+        shorter = torch.empty_like(perm)
+        shorter[perm[:-1]] = torch.arange(perm.size(0) - 1)   # one entry never written
+        summed = torch.zeros_like(perm).index_put((perm,), torch.arange(perm.size(0)), accumulate=True)
+        written = torch.empty_like(perm)
+        written[perm] = torch.arange(perm.size(0))
+        written.clamp_(max=1)                                  # written after it is made
+        return x[inverse], x[shorter], x[summed], x[written], x[ids], x[torch.argsort(ids)]
+
+
+def test_the_inverse_of_a_sort_is_known_a_permutation_and_nothing_else_is():
+    """A reorder by a permutation keeps a rank's rows and their count: the rewrite renumbers them
+    instead of reading how many land on the rank (autotp/passes/rules/experts.py)."""
+    from autotp.passes.rules.experts import is_permutation
+
+    ep = torch.export.export(_Reorders(), (torch.randn(5, 2), torch.randint(0, 3, (5,))))
+    gathers = [n for n in ep.graph.nodes if n.target is torch.ops.aten.index.Tensor]
+    assert [is_permutation(n.args[1][0]) for n in gathers] == [True, False, False, False, False, True]

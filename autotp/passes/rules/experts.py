@@ -112,6 +112,72 @@ def grouped_reader(node: Any) -> tuple[list, Any] | None:
     return chain, user
 
 
+#: ops whose second output is the permutation that sorts a tensor
+SORTS = frozenset((aten.sort.default, aten.sort.stable))
+#: ops whose output is a permutation of ``0 .. n-1`` (n: its length) whatever their input
+PERMUTATIONS = frozenset((aten.argsort.default, aten.argsort.stable, aten.randperm.default))
+
+
+def _length(node: Any) -> Any:
+    """The length of a 1-D integer tensor ``node`` (a sympy size), or None for anything else."""
+    from torch import fx
+
+    from ...capture import shape_of
+
+    if not isinstance(node, fx.Node):
+        return None
+    val = node.meta.get("val")
+    if not (isinstance(val, torch.Tensor) and not val.is_floating_point() and not val.is_complex()
+            and val.dtype is not torch.bool and val.ndim == 1):
+        return None
+    return shape_of(node)[0]
+
+
+def _written(node: Any) -> bool:
+    """Whether an op writes ``node`` in place, or a view of it, after it is made."""
+    from .registry import aliases_first, mutates_first
+
+    return any(u.op == "call_function" and u.args and u.args[0] is node and (
+        mutates_first(u.target) or (aliases_first(u.target) and _written(u))) for u in node.users)
+
+
+def is_permutation(node: Any) -> bool:
+    """Whether the graph makes the 1-D integer tensor ``node`` a permutation of ``0 .. n-1`` (n:
+    its length), by how it is made: the indices a sort of a 1-D tensor returns, an argsort, a
+    randperm, or ``inv[p] = arange(n)`` for a permutation ``p`` (transformers' inverse of the sort
+    by expert: every entry of ``inv`` written once), each not written after. Such an index reorders
+    rows without a row lost or repeated: the rows a rank holds keep their count."""
+    n = _length(node)
+    if n is None or node.op != "call_function" or _written(node):
+        return False
+    if node.target is operator.getitem:
+        source, which = node.args
+        return (which == 1 and getattr(source, "target", None) in SORTS
+                and _length(source.args[0]) is not None)
+    if node.target in PERMUTATIONS:
+        return True
+    if node.target in (aten.clone.default, aten.alias.default):
+        return is_permutation(node.args[0])
+    if node.target in (aten.index_put_.default, aten.index_put.default):
+        base, indices, values = node.args[:3]
+        accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+        if accumulate or len(indices) != 1 or not is_permutation(indices[0]):
+            return False
+        lengths = (_length(base), _length(indices[0]), _arange_length(values))
+        return None not in lengths and all(sympy.expand(m - n) == 0 for m in lengths)
+    return False
+
+
+def _arange_length(node: Any) -> Any:
+    """n where ``node`` is ``arange(n)`` (``0, 1, .., n-1``), else None."""
+    if getattr(node, "target", None) is aten.arange.default:
+        return _length(node)
+    if getattr(node, "target", None) in (aten.arange.start, aten.arange.start_step):
+        step = node.args[2] if len(node.args) > 2 else node.kwargs.get("step", 1)
+        return _length(node) if node.args[0] == 0 and step == 1 else None
+    return None
+
+
 def _kind(target):
     """The op a rule answers for: an in-place op's out-of-place twin (``add_`` -> ``add``)."""
     return functional_of(target) or target
@@ -349,7 +415,11 @@ def routed_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict
         if isinstance(strategy.inputs[0], Routed):   # rows reordered
             x, index = ctx.inputs
             size = ctx.size(info.inputs[0].shape[0])
-            pair = ctx.graph.call_function(E.routed_reorder, (x, index, ctx.rows_of(x), size))
+            if _permutes(info, ctx.node):   # every row kept once: the rank's rows stay, renumbered
+                copy = len(ctx.node.args[0].users) > 1 or _written(ctx.node)
+                pair = ctx.graph.call_function(E.routed_permute, (x, index, ctx.rows_of(x), copy))
+            else:
+                pair = ctx.graph.call_function(E.routed_reorder, (x, index, ctx.rows_of(x), size))
             ctx.made_rows = ctx.graph.call_function(operator.getitem, (pair, 1))
             return operator.getitem, (pair, 0), {}
         if strategy.inputs[0] == REPLICATE:   # rows gathered for a grouped product: its rank's rows
@@ -378,6 +448,13 @@ def routed_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict
         shape = [ctx.size(s) for s in info.output.shape]
         return E.routed_combine, (x, ctx.rows_of(x), p.dim, group, shape, kwargs.get("dtype")), {}
     return _row_wise(info, strategy, args, kwargs, ctx)
+
+
+def _permutes(info: OpInfo, node: Any) -> bool:
+    """Whether ``x[index]`` (``node``) reorders all of x's rows by a permutation (the index as
+    long as x's rows, made a permutation by the graph: :func:`is_permutation`)."""
+    index = node.args[1][0]
+    return is_permutation(index) and sympy.expand(info.inputs[1].shape[0] - info.inputs[0].shape[0]) == 0
 
 
 def _row_wise(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
