@@ -58,6 +58,8 @@ class GraphLocalContext(LocalContext):
         #: (its OpInfo, its strategy, its offs in the rank's graph): set by :func:`rewrite`
         self.grouped_reader: Any = None
         self.node: fx.Node | None = None   # the captured op being localized
+        #: captured node -> its node in the rank's graph (the nodes made so far)
+        self.env: dict[fx.Node, fx.Node] = {}
 
     def rows_of(self, node: fx.Node) -> fx.Node:
         """The row map of the routed value ``node``: the global row ids of its local rows."""
@@ -146,6 +148,7 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
     converted: dict[tuple, fx.Node] = {}
     counts: dict[str, int] = {}
     ctx = GraphLocalContext(tp, rank, graph, group)
+    ctx.env = env
     sizes = ctx.sizes = SizeNodes(cap, graph, env)
 
     def comm_node(kind: str, x: fx.Node, module: nn.Module, *more: Any) -> fx.Node:

@@ -130,3 +130,30 @@ def test_the_inverse_of_a_sort_is_known_a_permutation_and_nothing_else_is():
     ep = torch.export.export(_Reorders(), (torch.randn(5, 2), torch.randint(0, 3, (5,))))
     gathers = [n for n in ep.graph.nodes if n.target is torch.ops.aten.index.Tensor]
     assert [is_permutation(n.args[1][0]) for n in gathers] == [True, False, False, False, False, True]
+
+
+class _Routes(torch.nn.Module):
+    """A router's top-k ids sorted and counted per expert (transformers' grouped experts), beside
+    counts that do not match the sorted ids."""
+
+    def forward(self, scores):
+        ids = torch.topk(scores, 2, dim=-1)[1].reshape(-1)          # (tokens * 2,) ids in 0..3
+        ascending, _ = torch.sort(ids)
+        descending, _ = torch.sort(ids, descending=True)
+        offs = torch.cumsum(torch.histc(ascending.float(), bins=4, min=0, max=3), 0, dtype=torch.int32)
+        fewer = torch.cumsum(torch.histc(descending.float(), bins=4, min=0, max=3), 0, dtype=torch.int32)
+        shifted, _ = torch.sort(ids + 1)                             # not a router's ids any more
+        off_by_one = torch.cumsum(torch.histc(shifted.float(), bins=4, min=0, max=3), 0, dtype=torch.int32)
+        return ascending, descending, shifted, offs, fewer, off_by_one
+
+
+def test_sorted_router_ids_are_counted_by_the_offsets_made_from_them():
+    """A pick by sorted router ids takes the rows its experts' grouped products take (the offsets
+    count exactly those ids): the rewrite reuses the products' bounds instead of reading its own."""
+    from autotp.passes.rules.experts import counted_by
+
+    ep = torch.export.export(_Routes(), (torch.randn(5, 4),))
+    ascending, descending, shifted, offs = (ep.graph.output_node().args[0][i] for i in range(4))
+    assert counted_by(ascending, 4) is offs
+    assert counted_by(ascending, 5) is None                          # another number of experts
+    assert counted_by(descending, 4) is None and counted_by(shifted, 4) is None

@@ -436,8 +436,14 @@ def routed_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict
         first, count = _run(info, strategy, 0, ctx)
         total = int(info.inputs[0].shape[0])
         weight, index = ctx.inputs
-        ctx.made_rows = ctx.shared_rows(("picked", index, first, count),
-                                        lambda: (E.picked_rows, (index, first, count, total)))
+        offs = counted_by(ctx.node.args[1][0], total)
+        if offs is not None and offs in ctx.env:
+            # ids sorted, each counted in offs: its experts' ids are the rows its products take,
+            # the same bounds read once (gpt-oss's biases)
+            _, ctx.made_rows = _sorted_rows(ctx.env[offs], first, count, ctx)
+        else:
+            ctx.made_rows = ctx.shared_rows(("picked", index, first, count),
+                                            lambda: (E.picked_rows, (index, first, count, total)))
         return E.routed_pick, (weight, index, ctx.made_rows, first, total), {}
     if isinstance(out, Routed) and out.span > 1:   # [T*k, H] -> [T, k, H]: the rows as they are
         return aten.alias.default, (ctx.inputs[0],), {}
@@ -524,5 +530,74 @@ def _expert_rows(info: OpInfo, strategy: Strategy, offs: Any, ctx: LocalContext)
     from ...distributed import experts as E
 
     first, count = _run(info, strategy, 1, ctx)
+    return _sorted_rows(offs, first, count, ctx)
+
+
+def _sorted_rows(offs: Any, first: int, count: int, ctx: LocalContext) -> tuple[Any, Any]:
+    """(bounds, row map) of experts ``first .. first + count - 1`` among rows sorted by expert
+    (``offs``: the cumulative rows per expert, in the rank's graph), made once per layer."""
+    from ...distributed import experts as E
+
     bounds = ctx.shared_rows(("bounds", offs, first, count), lambda: (E.expert_bounds, (offs, first, count)))
     return bounds, ctx.shared_rows(("sorted", offs, first, count), lambda: (E.expert_rows, (offs, bounds)))
+
+
+#: ops that pass a tensor's values on unchanged (an int cast of ints included)
+_SAME_VALUES = frozenset((aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,
+                          aten.alias.default, aten.contiguous.default, aten.flatten.using_ints))
+_TO = frozenset((aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout))
+
+
+def _values_of(node: Any) -> Any:
+    """The node whose values ``node`` holds unchanged, through reshapes and casts of integers."""
+    def integral(n: Any) -> bool:
+        val = getattr(n, "meta", {}).get("val")
+        return isinstance(val, torch.Tensor) and not val.is_floating_point() and not val.is_complex()
+
+    while getattr(node, "op", None) == "call_function" and (
+            node.target in _SAME_VALUES or (node.target in _TO and integral(node) and integral(node.args[0]))):
+        node = node.args[0]
+    return node
+
+
+def _expert_ids(node: Any, total: int) -> bool:
+    """Whether ``node`` holds ids in ``0 .. total - 1`` by how it is made: the indices of a top-k
+    over a dim of ``total`` scores (a router's choice), reshaped or cast."""
+    node = _values_of(node)
+    if getattr(node, "target", None) is not operator.getitem or node.args[1] != 1:
+        return False
+    topk = node.args[0]
+    if getattr(topk, "target", None) is not aten.topk.default:
+        return False
+    scores = topk.args[0].meta["val"]
+    dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
+    return isinstance(scores.shape[dim], int) and scores.shape[dim] == total
+
+
+def counted_by(index: Any, total: int) -> Any:
+    """The captured ``offs`` of a grouped product that counts ``index``'s ids, where ``index``
+    is a router's ids (:func:`_expert_ids`, so each is in ``0 .. total - 1``) sorted ascending and
+    ``offs`` is ``cumsum(histc(index, bins=total, min=0, max=total - 1))``, transformers' count of
+    rows per expert; else None. Then the positions of one run of experts' ids in ``index`` are
+    the rows ``offs`` gives those experts: a pick by ``index`` takes the rows the product takes."""
+    if getattr(index, "target", None) is not operator.getitem or index.args[1] != 0:
+        return None
+    sort = index.args[0]
+    if getattr(sort, "target", None) not in SORTS or sort.args[0].meta["val"].ndim != 1:
+        return None
+    descending = sort.args[2] if len(sort.args) > 2 else sort.kwargs.get("descending", False)
+    if descending or not _expert_ids(sort.args[0], total):
+        return None
+    for user in index.users:
+        chain = user
+        while chain.target in _TO and len(chain.users) == 1:   # transformers counts float ids on CPU
+            chain = next(iter(chain.users))
+        if chain.target is not aten.histc.default:
+            continue
+        given = dict(zip(("bins", "min", "max"), chain.args[1:]), **chain.kwargs)
+        if (given.get("bins", 100), given.get("min", 0), given.get("max", 0)) != (total, 0, total - 1):
+            continue
+        for cumsum in chain.users:
+            if cumsum.target is aten.cumsum.default and cumsum.args[1] in (0, -1):
+                return cumsum
+    return None
