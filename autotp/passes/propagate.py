@@ -36,7 +36,7 @@ from ..placements import (PARTIAL, REPLICATE, Partial, Placement, Replicate, Rou
 from .hints import column_hint, index_picks, row_hint
 from .rules import OpInfo, Strategy, TensorMeta, strategies
 from .rules.experts import GROUPED_MM, grouped_reader
-from .rules.registry import aliases_first, op_name
+from .rules.registry import aliases_first, is_routed, op_name
 
 aten = torch.ops.aten
 INF = math.inf
@@ -125,6 +125,9 @@ class GraphIndex:
     #: parameters and the views of them (``numpy_T``, ``t``, ``view``: ops returning an alias of
     #: their first argument): a sharded one is never gathered at run time (:meth:`moves_parameter`)
     param_views: frozenset = frozenset()
+    #: may a strategy read a value on the host (``host_reads=False`` forbids it): a rank running
+    #: its own experts' rows alone (Routed) reads how many are its own, so none is offered
+    host_reads: bool = True
     _strategies: dict = field(default_factory=dict)
     _compute: dict = field(default_factory=dict)
     _activation: dict = field(default_factory=dict)
@@ -134,7 +137,10 @@ class GraphIndex:
         key = (node, actual)
         found = self._strategies.get(key)
         if found is None:
-            found = self._strategies[key] = strategies(self.infos[node], actual)
+            found = strategies(self.infos[node], actual)
+            if not self.host_reads:
+                found = [s for s in found if not is_routed(s)]
+            self._strategies[key] = found
         return found
 
     def compute_time(self, node: fx.Node, strat: Strategy, profile: DeviceProfile) -> float:
@@ -159,7 +165,7 @@ class GraphIndex:
     def build(cls, capture: Capture, tp: int, batch: int, seq: int, uneven: bool = False,
               sharded_outputs: frozenset = frozenset(), sequence_parallel: bool = False,
               input_placements: Mapping[str, Placement] | None = None,
-              force_sequence: bool = False, align: Any = None) -> "GraphIndex":
+              force_sequence: bool = False, align: Any = None, host_reads: bool = True) -> "GraphIndex":
         """``sequence_parallel``: rules may split the sequence dim afresh (a reduce-scatter along
         s where a Partial meets an add, a dropout or a cast); needs ``uneven``, since lengths are
         known at run time. ``force_sequence``: where they may, they must (a Partial meeting an
@@ -173,6 +179,7 @@ class GraphIndex:
         sequence = frozenset(sym for sym in env if sequence_parallel and capture.dim_symbols.get(sym.name) == "seq")
         index.force_sequence = force_sequence and bool(sequence)
         index.align = align
+        index.host_reads = host_reads
         constant = _constants(capture)
         train_dtype = training_dtype(capture)
         contiguous: dict[fx.Node, bool] = {}
