@@ -35,7 +35,7 @@ from ..placements import (PARTIAL, REPLICATE, Partial, Placement, Replicate, Rou
                           max_local_size, same_placement)
 from .hints import column_hint, index_picks, row_hint
 from .rules import OpInfo, Strategy, TensorMeta, strategies
-from .rules.experts import GROUPED_MM, grouped_reader
+from .rules.experts import GROUPED_MM, grouped_reader, reads_rows
 from .rules.registry import aliases_first, is_routed, op_name
 
 aten = torch.ops.aten
@@ -391,6 +391,7 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
     if node.target is aten.index.Tensor:
         info.picks = index_picks(node, constant)
         info.gathers_expert_rows = grouped_reader(node) is not None
+    info.reads_rows = reads_rows(node)
     stack = node.args[0] if node.args else None
     if node.target in (aten.transpose.int, aten.index.Tensor) and getattr(stack, "op", None) == "placeholder" \
             and stack.name in param_names and isinstance(info.output, TensorMeta) and info.output.ndim >= 3 \

@@ -157,3 +157,23 @@ def test_sorted_router_ids_are_counted_by_the_offsets_made_from_them():
     assert counted_by(ascending, 4) is offs
     assert counted_by(ascending, 5) is None                          # another number of experts
     assert counted_by(descending, 4) is None and counted_by(shifted, 4) is None
+
+
+def test_a_host_read_is_priced_once_per_expert_layer_where_a_rank_counts_its_rows():
+    """Expert parallelism reads how many rows each rank's experts got, once per layer: the cost
+    model prices each read at the profile's host_read_time (the queue drained, the round trip, a
+    launch the device waits for); expert-TP reads nothing; on a CPU profile nothing waits."""
+    from autotp.capture.cache import capture
+    from autotp.cost_model import get_profile
+    from autotp.cost_model.symbolic import step_breakdown
+    from autotp.planner.planner import build_plan
+
+    model = zoo.build("mixtral", zoo.tiny_config("mixtral", layers=1), device="meta")
+    cap = capture(model, (), None)
+    h200 = get_profile("h200")
+    assert h200.host_read_time() == pytest.approx(h200.sync_s + h200.launch_s) and h200.sync_s > 0
+    assert get_profile("cpu-gloo").host_read_time() == 0
+    etp = {"*.experts.gate_up_proj": "expert_column", "*.experts.down_proj": "expert_row"}
+    for layout, reads in (({"*.experts.*": "expert"}, 1), (etp, 0)):
+        _, index, prop = build_plan(cap, 2, batch=8, seq=64, profile=h200, layout=layout)
+        assert step_breakdown(index, prop, h200)["host_reads"] == pytest.approx(reads * h200.host_read_time())

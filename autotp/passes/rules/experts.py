@@ -178,6 +178,54 @@ def _arange_length(node: Any) -> Any:
     return None
 
 
+def reads_rows(node: Any) -> bool:
+    """Whether ``node``, run on a rank's own experts' rows alone where its inputs hold every row,
+    reads how many are the rank's on the host (the rewrite below): a grouped product or the
+    gather in front of it (the layer's bounds, :func:`autotp.distributed.experts.expert_bounds`,
+    read once: the first of them to take routed rows pays it), the first pick by a tensor of
+    expert ids not sorted and counted by the layer's offsets (:func:`counted_by`; the picks by
+    the same ids share the read), a reorder by an index not known a permutation."""
+    from torch import fx
+
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False
+    if op_name(node.target) in GROUPED_MM:
+        return True
+    if node.target is not aten.index.Tensor or len(node.args) != 2 or len(node.args[1]) != 1:
+        return False
+    index = node.args[1][0]
+    stack = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    if grouped_reader(node) is not None:
+        return True
+    if isinstance(stack, torch.Tensor) and stack.ndim >= 2 and isinstance(stack.shape[0], int):   # a pick
+        earlier = [u for u in index.users if u.target is aten.index.Tensor and len(u.args) == 2
+                   and list(u.args[1]) == [index] and _before(u, node)]
+        return counted_by(index, stack.shape[0]) is None and not earlier
+    return not is_permutation(index)
+
+
+def _before(a: Any, b: Any) -> bool:
+    at = a.next
+    while at.op != "root":
+        if at is b:
+            return True
+        at = at.next
+    return False
+
+
+def host_reads(info: OpInfo, strategy: Strategy) -> int:
+    """How many reads to the host ``strategy`` of the op ``info`` makes on a rank: one where it
+    opens a run of routed rows (every input holds every row, its output only the rank's) and
+    :attr:`~.registry.OpInfo.reads_rows`, or reorders routed rows by an index not known a
+    permutation."""
+    outs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
+    if not info.reads_rows or not any(isinstance(p, Routed) for p in outs):
+        return 0
+    routed_in = [isinstance(p, Routed) for p in strategy.inputs]
+    reorder = info.target is aten.index.Tensor and routed_in[:1] == [True]
+    return int(reorder or not any(routed_in))
+
+
 def _kind(target):
     """The op a rule answers for: an in-place op's out-of-place twin (``add_`` -> ``add``)."""
     return functional_of(target) or target
