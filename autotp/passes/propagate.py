@@ -194,6 +194,11 @@ class GraphIndex:
                 info.grad_inputs = tuple(i in index.grads for i in inputs)
                 info.grad_uses = _grad_uses(node, index.grads)
                 info.strided_inputs = tuple(not contiguous.get(i, True) for i in inputs)
+        for node, info in list(index.infos.items()):
+            if info.gathers_expert_rows:   # rows its reader's routed strategies alone can take
+                chain, product = grouped_reader(node)
+                for reader in (*chain, product):
+                    index.infos[reader].x_gathered = True
         index.param_views = _param_views(capture)
         return index
 

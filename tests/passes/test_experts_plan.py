@@ -177,3 +177,18 @@ def test_a_host_read_is_priced_once_per_expert_layer_where_a_rank_counts_its_row
     for layout, reads in (({"*.experts.*": "expert"}, 1), (etp, 0)):
         _, index, prop = build_plan(cap, 2, batch=8, seq=64, profile=h200, layout=layout)
         assert step_breakdown(index, prop, h200)["host_reads"] == pytest.approx(reads * h200.host_read_time())
+
+
+def test_rows_gathered_for_an_expert_tp_product_stay_whole():
+    """Under expert-TP pins a rank has no experts of its own: the gather in front of the grouped
+    product must not take routed rows (at Qwen3-30B-A3B's size the solver once took them and
+    summed them back, a plan whose rewrite raised: the rows of no rank's experts)."""
+    from autotp.capture.cache import capture
+    from autotp.passes.rules.registry import is_routed
+    from autotp.planner.planner import build_plan
+
+    size = "qwen3-30b-a3b"
+    model = zoo.build(zoo.published_sizes()[size], zoo.published_config(size, layers=1), device="meta")
+    etp = {"*.experts.gate_up_proj": "expert_column", "*.experts.down_proj": "expert_row"}
+    _, _, prop = build_plan(capture(model, (), None), 8, batch=2, seq=4096, profile="h200", layout=etp)
+    assert [node.name for node, s in prop.chosen.items() if is_routed(s)] == []

@@ -244,6 +244,16 @@ def routed_strategies(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
     * a view splitting the rows' dim (``[T*k, H] -> [T, k, H]``), then the sum over the inner
       dims (a token's top-k rows): that sum is a plain Partial, each rank adding its rows into
       the whole ``[T, H]``."""
+    if info.x_gathered and isinstance(placements[0], Routed):
+        # rows gathered at a grouped product's experts' bounds (through casts): only the
+        # product's expert-parallel strategies have those experts; scattered and summed into a
+        # whole x they would be rows of no rank's experts (the gather must then be replicated)
+        return [s for s in _routed_strategies(info, placements, rule)
+                if any(isinstance(p, Routed) for p in (s.output if isinstance(s.output, tuple) else (s.output,)))]
+    return _routed_strategies(info, placements, rule)
+
+
+def _routed_strategies(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
     found = list(rule(info, tuple(PARTIAL if isinstance(p, Routed) else p for p in placements)))
     routed = {i: p for i, p in enumerate(placements) if isinstance(p, Routed)}
     if op_name(info.target) in GROUPED_MM:

@@ -109,6 +109,10 @@ class OpInfo:
     #: this op, placed to run a rank's own experts' rows alone where its inputs hold every row,
     #: reads their count on the host (:func:`autotp.passes.rules.experts.reads_rows`)
     reads_rows: bool = False
+    #: a grouped product whose x is rows gathered for it alone (``gathers_expert_rows``), or a
+    #: cast between them: routed, those are the product's own experts' rows, which only its
+    #: expert-parallel strategies can take (routed through the casts)
+    x_gathered: bool = False
     #: hints for a fresh shard of an input's dim, (input index, dim) -> as ``hints``: a product's
     #: contracted features read off how x was made (heads x head_dim: whole heads)
     input_hints: dict[tuple[int, int], tuple] = field(default_factory=dict)
@@ -131,7 +135,7 @@ class OpInfo:
     def cost_key(self) -> tuple:
         """Everything the cost of one strategy of this op depends on: equal across layers."""
         return (self.target, self.inputs, self.output, self.args_key, self.grad_inputs, self.train_dtype,
-                self.grad_uses, self.strided_inputs, self.reads_rows)
+                self.grad_uses, self.strided_inputs, self.reads_rows, self.x_gathered)
 
     def hint(self, dim: int) -> tuple[int, int, int, int, bool, tuple]:
         """(chunks, unit, rotate, tail, grouped, sizes) a fresh shard of output ``dim`` should use
