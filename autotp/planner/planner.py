@@ -73,7 +73,20 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                              host_reads=host_reads)
     pinned = _pinned(cap, layout, plan)
     if not host_reads:
-        _refuse_host_reads(cap, pinned, tp)
+        _refuse_model_reads(cap)
+        try:
+            return _planned(cap, index, prof, pinned, plan, layout, limit, batch, seq, keep)
+        except PlanError as exc:   # a pin that only a layout reading to the host could hold
+            if not isinstance(exc, MemoryLimitError):
+                _refuse_pinned_reads(cap, pinned, tp, exc)
+            raise
+    return _planned(cap, index, prof, pinned, plan, layout, limit, batch, seq, keep)
+
+
+def _planned(cap: Capture, index: GraphIndex, prof: Any, pinned: Mapping[str, Placement], plan: Plan | None,
+             layout: Mapping[str, Any] | None, limit: float, batch: int, seq: int,
+             keep: frozenset) -> tuple[Plan, GraphIndex, Propagation]:
+    """The plan on ``index``: ``plan`` replayed, or solved under ``pinned`` within ``limit``."""
     notes: list[str] = []
     if plan is not None:
         prop = propagate(index, pinned, prof, exact=True)
@@ -190,18 +203,23 @@ _READS_VALUES = ("aten._local_scalar_dense.default", "aten.item.default", "aten.
                  "transformers.grouped_mm_fallback.default")
 
 
-def _refuse_host_reads(cap: Capture, pinned: Mapping[str, Placement], tp: int) -> None:
-    """``host_reads=False``: a PlanError where the program cannot run without a read to the host:
-    whole experts pinned per rank, or a model's op that reads values itself."""
-    from ..passes.rules.registry import op_name
-
+def _refuse_pinned_reads(cap: Capture, pinned: Mapping[str, Placement], tp: int, exc: PlanError) -> None:
+    """``host_reads=False`` and no plan: where whole experts are pinned per rank (expert
+    parallelism, whose rows a rank counts on the host), a PlanError that says so (Llama-4's
+    experts, every token through every expert, hold such a pin without a read)."""
     stacks = expert_stacks(cap)
     whole = [stacks[p] for p, placement in pinned.items()
              if p in stacks and isinstance(placement, Shard) and placement.dim == 0]
     if whole and tp > 1:
         raise PlanError(f"host_reads=False, but the layout pins {whole[0]} to whole experts per rank (expert "
                         "parallelism), where a rank reads how many rows its experts got on the host every step: pin "
-                        "'expert_column'/'expert_row' (expert-TP), or allow host_reads")
+                        "'expert_column'/'expert_row' (expert-TP), or allow host_reads") from exc
+
+
+def _refuse_model_reads(cap: Capture) -> None:
+    """``host_reads=False``: a PlanError where the model's own program reads values on the host."""
+    from ..passes.rules.registry import op_name
+
     reading: dict[str, None] = {}   # each op in each module once, in graph order
     for node in cap.graph.nodes:
         name = op_name(node.target) if node.op == "call_function" else ""
