@@ -125,7 +125,7 @@ class _Reorders(torch.nn.Module):
 def test_the_inverse_of_a_sort_is_known_a_permutation_and_nothing_else_is():
     """A reorder by a permutation keeps a rank's rows and their count: the rewrite renumbers them
     instead of reading how many land on the rank (autotp/passes/rules/experts.py)."""
-    from autotp.passes.rules.experts import is_permutation
+    from autotp.passes.rules.routing import is_permutation
 
     ep = torch.export.export(_Reorders(), (torch.randn(5, 2), torch.randint(0, 3, (5,))))
     gathers = [n for n in ep.graph.nodes if n.target is torch.ops.aten.index.Tensor]
@@ -150,7 +150,7 @@ class _Routes(torch.nn.Module):
 def test_sorted_router_ids_are_counted_by_the_offsets_made_from_them():
     """A pick by sorted router ids takes the rows its experts' grouped products take (the offsets
     count exactly those ids): the rewrite reuses the products' bounds instead of reading its own."""
-    from autotp.passes.rules.experts import counted_by
+    from autotp.passes.rules.routing import counted_by
 
     ep = torch.export.export(_Routes(), (torch.randn(5, 4),))
     ascending, descending, shifted, offs = (ep.graph.output_node().args[0][i] for i in range(4))

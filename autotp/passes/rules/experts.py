@@ -38,6 +38,7 @@ import sympy
 import torch
 
 from ...placements import PARTIAL, REPLICATE, Partial, Routed, Shard, local_ranges
+from .routing import counted_by, index_length, is_permutation, written
 from .registry import (LocalContext, OpInfo, Strategy, _RULES, functional_of, is_shard, op_name, register,
                        register_localizer, register_routed, register_routed_localizer)
 
@@ -112,72 +113,6 @@ def grouped_reader(node: Any) -> tuple[list, Any] | None:
     return chain, user
 
 
-#: ops whose second output is the permutation that sorts a tensor
-SORTS = frozenset((aten.sort.default, aten.sort.stable))
-#: ops whose output is a permutation of ``0 .. n-1`` (n: its length) whatever their input
-PERMUTATIONS = frozenset((aten.argsort.default, aten.argsort.stable, aten.randperm.default))
-
-
-def _length(node: Any) -> Any:
-    """The length of a 1-D integer tensor ``node`` (a sympy size), or None for anything else."""
-    from torch import fx
-
-    from ...capture import shape_of
-
-    if not isinstance(node, fx.Node):
-        return None
-    val = node.meta.get("val")
-    if not (isinstance(val, torch.Tensor) and not val.is_floating_point() and not val.is_complex()
-            and val.dtype is not torch.bool and val.ndim == 1):
-        return None
-    return shape_of(node)[0]
-
-
-def _written(node: Any) -> bool:
-    """Whether an op writes ``node`` in place, or a view of it, after it is made."""
-    from .registry import aliases_first, mutates_first
-
-    return any(u.op == "call_function" and u.args and u.args[0] is node and (
-        mutates_first(u.target) or (aliases_first(u.target) and _written(u))) for u in node.users)
-
-
-def is_permutation(node: Any) -> bool:
-    """Whether the graph makes the 1-D integer tensor ``node`` a permutation of ``0 .. n-1`` (n:
-    its length), by how it is made: the indices a sort of a 1-D tensor returns, an argsort, a
-    randperm, or ``inv[p] = arange(n)`` for a permutation ``p`` (transformers' inverse of the sort
-    by expert: every entry of ``inv`` written once), each not written after. Such an index reorders
-    rows without a row lost or repeated: the rows a rank holds keep their count."""
-    n = _length(node)
-    if n is None or node.op != "call_function" or _written(node):
-        return False
-    if node.target is operator.getitem:
-        source, which = node.args
-        return (which == 1 and getattr(source, "target", None) in SORTS
-                and _length(source.args[0]) is not None)
-    if node.target in PERMUTATIONS:
-        return True
-    if node.target in (aten.clone.default, aten.alias.default):
-        return is_permutation(node.args[0])
-    if node.target in (aten.index_put_.default, aten.index_put.default):
-        base, indices, values = node.args[:3]
-        accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
-        if accumulate or len(indices) != 1 or not is_permutation(indices[0]):
-            return False
-        lengths = (_length(base), _length(indices[0]), _arange_length(values))
-        return None not in lengths and all(sympy.expand(m - n) == 0 for m in lengths)
-    return False
-
-
-def _arange_length(node: Any) -> Any:
-    """n where ``node`` is ``arange(n)`` (``0, 1, .., n-1``), else None."""
-    if getattr(node, "target", None) is aten.arange.default:
-        return _length(node)
-    if getattr(node, "target", None) in (aten.arange.start, aten.arange.start_step):
-        step = node.args[2] if len(node.args) > 2 else node.kwargs.get("step", 1)
-        return _length(node) if node.args[0] == 0 and step == 1 else None
-    return None
-
-
 def reads_rows(node: Any) -> bool:
     """Whether ``node``, run on a rank's own experts' rows alone where its inputs hold every row,
     reads how many are the rank's on the host (the rewrite below): a grouped product or the
@@ -186,6 +121,8 @@ def reads_rows(node: Any) -> bool:
     expert ids not sorted and counted by the layer's offsets (:func:`counted_by`; the picks by
     the same ids share the read), a reorder by an index not known a permutation."""
     from torch import fx
+
+    from ...capture import shape_of
 
     if not isinstance(node, fx.Node) or node.op != "call_function":
         return False
@@ -201,10 +138,13 @@ def reads_rows(node: Any) -> bool:
         earlier = [u for u in index.users if u.target is aten.index.Tensor and len(u.args) == 2
                    and list(u.args[1]) == [index] and _before(u, node)]
         return counted_by(index, stack.shape[0]) is None and not earlier
-    return not is_permutation(index)
+    # rows reordered: unread where the index keeps every row once (routed_permute)
+    return not (isinstance(stack, torch.Tensor) and stack.ndim and is_permutation(index)
+                and sympy.expand(index_length(index) - shape_of(node.args[0])[0]) == 0)
 
 
 def _before(a: Any, b: Any) -> bool:
+    """Whether node ``a`` comes before node ``b`` in their graph."""
     at = a.next
     while at.op != "root":
         if at is b:
@@ -474,7 +414,7 @@ def routed_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict
             x, index = ctx.inputs
             size = ctx.size(info.inputs[0].shape[0])
             if _permutes(info, ctx.node):   # every row kept once: the rank's rows stay, renumbered
-                copy = len(ctx.node.args[0].users) > 1 or _written(ctx.node)
+                copy = len(ctx.node.args[0].users) > 1 or written(ctx.node)
                 pair = ctx.graph.call_function(E.routed_permute, (x, index, ctx.rows_of(x), copy))
             else:
                 pair = ctx.graph.call_function(E.routed_reorder, (x, index, ctx.rows_of(x), size))
@@ -598,64 +538,3 @@ def _sorted_rows(offs: Any, first: int, count: int, ctx: LocalContext) -> tuple[
 
     bounds = ctx.shared_rows(("bounds", offs, first, count), lambda: (E.expert_bounds, (offs, first, count)))
     return bounds, ctx.shared_rows(("sorted", offs, first, count), lambda: (E.expert_rows, (offs, bounds)))
-
-
-#: ops that pass a tensor's values on unchanged (an int cast of ints included)
-_SAME_VALUES = frozenset((aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,
-                          aten.alias.default, aten.contiguous.default, aten.flatten.using_ints))
-_TO = frozenset((aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout))
-
-
-def _values_of(node: Any) -> Any:
-    """The node whose values ``node`` holds unchanged, through reshapes and casts of integers."""
-    def integral(n: Any) -> bool:
-        val = getattr(n, "meta", {}).get("val")
-        return isinstance(val, torch.Tensor) and not val.is_floating_point() and not val.is_complex()
-
-    while getattr(node, "op", None) == "call_function" and (
-            node.target in _SAME_VALUES or (node.target in _TO and integral(node) and integral(node.args[0]))):
-        node = node.args[0]
-    return node
-
-
-def _expert_ids(node: Any, total: int) -> bool:
-    """Whether ``node`` holds ids in ``0 .. total - 1`` by how it is made: the indices of a top-k
-    over a dim of ``total`` scores (a router's choice), reshaped or cast."""
-    node = _values_of(node)
-    if getattr(node, "target", None) is not operator.getitem or node.args[1] != 1:
-        return False
-    topk = node.args[0]
-    if getattr(topk, "target", None) is not aten.topk.default:
-        return False
-    scores = topk.args[0].meta["val"]
-    dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
-    return isinstance(scores.shape[dim], int) and scores.shape[dim] == total
-
-
-def counted_by(index: Any, total: int) -> Any:
-    """The captured ``offs`` of a grouped product that counts ``index``'s ids, where ``index``
-    is a router's ids (:func:`_expert_ids`, so each is in ``0 .. total - 1``) sorted ascending and
-    ``offs`` is ``cumsum(histc(index, bins=total, min=0, max=total - 1))``, transformers' count of
-    rows per expert; else None. Then the positions of one run of experts' ids in ``index`` are
-    the rows ``offs`` gives those experts: a pick by ``index`` takes the rows the product takes."""
-    if getattr(index, "target", None) is not operator.getitem or index.args[1] != 0:
-        return None
-    sort = index.args[0]
-    if getattr(sort, "target", None) not in SORTS or sort.args[0].meta["val"].ndim != 1:
-        return None
-    descending = sort.args[2] if len(sort.args) > 2 else sort.kwargs.get("descending", False)
-    if descending or not _expert_ids(sort.args[0], total):
-        return None
-    for user in index.users:
-        chain = user
-        while chain.target in _TO and len(chain.users) == 1:   # transformers counts float ids on CPU
-            chain = next(iter(chain.users))
-        if chain.target is not aten.histc.default:
-            continue
-        given = dict(zip(("bins", "min", "max"), chain.args[1:]), **chain.kwargs)
-        if (given.get("bins", 100), given.get("min", 0), given.get("max", 0)) != (total, 0, total - 1):
-            continue
-        for cumsum in chain.users:
-            if cumsum.target is aten.cumsum.default and cumsum.args[1] in (0, -1):
-                return cumsum
-    return None
