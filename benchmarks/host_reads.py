@@ -89,7 +89,7 @@ def main() -> None:
 
     lines = ["# Reads to the host in a rank's step", "",
              "Command: `python benchmarks/host_reads.py --out benchmarks/host_reads.md`", "",
-             f"Machine: {machine()}", "",
+             machine(), "",
              "## Counted: one rank of tp 2, fake backend, tiny configs, float32", "",
              "Reads per steady-state training step / inference call (autotp's; the model's own, transformers' "
              "float32 grouped fallback, in brackets). Default: the plan the solver chooses at batch 64 x seq 4096 "
