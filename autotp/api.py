@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from .arguments import check_planning
+from .arguments import check_flag, check_planning
 from .capture import example_like, fits_call, lengths_of, on_meta, seq_bounds, shape_twin
 from .capture.cache import capture as capture_model   # once per structure; see its docs
 from .cost_model import get_profile
@@ -68,7 +68,7 @@ def plan(model: nn.Module, tp: int | None = None, *, batch: int = 8, seq: int | 
          example_inputs: tuple = (), example_kwargs: dict | None = None,
          memory_limit: float | None = None, sequence_parallel: bool | None = None,
          seq_range: tuple[int, int] | None = None, world: int | None = None,
-         gpus_per_node: int = 8) -> "Plan | PipelinePlan":
+         gpus_per_node: int = 8, host_reads: bool = True) -> "Plan | PipelinePlan":
     """Choose a plan for ``model`` at ``tp`` without any process group (a meta model works).
 
     ``world=N`` (with ``gpus_per_node``) chooses tensor x pipeline x data parallelism for N GPUs
@@ -83,8 +83,11 @@ def plan(model: nn.Module, tp: int | None = None, *, batch: int = 8, seq: int | 
     ``memory_limit``: bytes per rank the plan may use (default: the profile's device memory).
     ``sequence_parallel``: see :func:`build_plan` (default: offered, chosen by cost).
     ``seq_range=(min, max)``: sequence lengths the captured program accepts (default: 2 up to
-    the config's maximum positions, else as wide as torch.export allows)."""
+    the config's maximum positions, else as wide as torch.export allows).
+    ``host_reads=False``: only layouts whose step reads no device value on the host (see
+    :func:`parallelize`)."""
     batch, seq, layout, memory_limit = check_planning(batch, seq, layout, memory_limit)
+    host_reads = check_flag("host_reads", host_reads)
     if world is not None:
         from .ptd import plan_ptd
 
@@ -104,7 +107,7 @@ def plan(model: nn.Module, tp: int | None = None, *, batch: int = 8, seq: int | 
                      get_profile(None).name, device, runs)
     result, _, _ = build_plan(cap, tp, batch=batch, seq=_planning_seq(model, seq, seq_range), profile=profile,
                               layout=layout, uneven=uneven, gather_logits=gather_logits,
-                              memory_limit=memory_limit, sequence_parallel=sequence_parallel)
+                              memory_limit=memory_limit, sequence_parallel=sequence_parallel, host_reads=host_reads)
     return result
 
 
@@ -141,7 +144,7 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
                 seq_range: tuple[int, int] | None = None, pp: int = 1, microbatches: int | None = None,
                 schedule: str | None = None, virtual: int = 1,
                 stage_layers: Any = None, rng: str = "torch",
-                align_products: bool | None = None) -> "ParallelModule":
+                align_products: bool | None = None, host_reads: bool = True) -> "ParallelModule":
     """Split ``model`` over this rank's TP group; see the module docs and docs/architecture.md.
 
     ``pp > 1`` also cuts it into ``pp`` pipeline stages (a world of ``dp * pp * tp`` ranks) and
@@ -168,7 +171,14 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
     aligned width, its output sliced back, every result unchanged
     (:mod:`autotp.cost_model.alignment`). ``None`` (default): on a CUDA device, for products
     over at least the profile's :func:`~autotp.cost_model.alignment.padding_rows` rows at the
-    planning workload; ``True``: every such product, on any device; ``False``: none."""
+    planning workload; ``True``: every such product, on any device; ``False``: none.
+
+    ``host_reads=False``: the plan takes only layouts whose steady-state step reads no device
+    value on the host (a read stops the host until the device has run everything queued before
+    it). Expert parallelism reads how many rows each rank's experts got (one read per expert
+    layer), so the experts run expert-TP (or replicated); a layout pinning whole experts per
+    rank, or a model op that reads on the host whatever the layout, is a PlanError naming it.
+    Default True: the planner weighs a read's price like any other cost."""
     if device is None:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if torch.device(device).type == "meta":
@@ -180,7 +190,7 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
                         backend=backend, seed=seed, activation_checkpointing=activation_checkpointing,
                         sequence_parallel=sequence_parallel, seq_range=seq_range, pp=pp,
                         microbatches=microbatches, schedule=schedule, virtual=virtual,
-                        stage_layers=stage_layers, rng=rng, align_products=align_products)
+                        stage_layers=stage_layers, rng=rng, align_products=align_products, host_reads=host_reads)
 
 
 def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, layout: Mapping[str, Any] | None,
@@ -191,7 +201,7 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
                  seq_range: tuple[int, int] | None = None, pp: int = 1, microbatches: int | None = None,
                  schedule: str | None = None, virtual: int = 1,
                  stage_layers: Any = None, rng: str = "torch",
-                 align_products: bool | None = None) -> "ParallelModule":
+                 align_products: bool | None = None, host_reads: bool = True) -> "ParallelModule":
     from .distributed.mesh import get_mesh
     from .runtime.module.module import ParallelModule
     from .runtime.module.outline import layer_paths
@@ -199,6 +209,7 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
 
     tp = check_tp(tp)
     batch, seq, layout, memory_limit = check_planning(batch, seq, layout, memory_limit)
+    host_reads = check_flag("host_reads", host_reads)
     if pp == 1 and stage_layers is not None:
         raise ConfigError("stage_layers= cuts the layers into pipeline chunks: it needs pp > 1")
     if pp != 1:
@@ -262,7 +273,8 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
         """A capture's plan, graph index and propagation: the first call's and every later one's
         (``call``: what differs between them), the heads checked first."""
         check_heads(call_cap, tp, uneven)
-        return build_plan(call_cap, tp, batch=batch, profile=profile, uneven=uneven, align=align, **call)
+        return build_plan(call_cap, tp, batch=batch, profile=profile, uneven=uneven, align=align,
+                          host_reads=host_reads, **call)
 
     def program(index: GraphIndex, prop: Propagation) -> Any:
         gm = rewrite(index, prop, mesh.tp_rank, mesh.tp_group, device, tracker, align)

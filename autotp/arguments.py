@@ -47,3 +47,10 @@ def check_planning(batch: Any, seq: Any, layout: Any = None, memory_limit: Any =
     if seq is not None:
         seq = positive_int("seq", seq, "the planning workload's sequence length")
     return batch, seq, check_layout(layout), check_memory_limit(memory_limit)
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """``value`` as a bool, or a ConfigError naming ``name`` (a string "False" is truthy)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}={value!r}: {name} is True or False")
+    return value

@@ -43,6 +43,15 @@ def test_a_memory_limit_that_is_not_a_positive_number_is_a_config_error(meta_gpt
         autotp.plan(meta_gpt2, tp=2, memory_limit=limit)
 
 
+@pytest.mark.parametrize("value", ["False", 0, None])
+def test_host_reads_that_is_not_a_bool_is_a_config_error(meta_gpt2, value):
+    # "False" is truthy: read as a bool it would allow the reads it was meant to forbid
+    with pytest.raises(ConfigError, match=r"host_reads=.*: host_reads is True or False"):
+        autotp.plan(meta_gpt2, tp=2, host_reads=value)
+    with pytest.raises(ConfigError, match=r"host_reads=.*: host_reads is True or False"):
+        autotp.parallelize(tiny_gpt2(n_layer=1, n_head=2, head_dim=4, vocab=VOCAB), tp=2, host_reads=value)
+
+
 # ---------------------------------------------------------------- the CLI
 
 @pytest.mark.parametrize("argv", [["check", "gpt2", "--tp", "2", "--layers", "0"],

@@ -23,7 +23,7 @@ from typing import Sequence
 from ..cached_hash import cached_hash, state_without_hash
 from ..errors import ConfigError
 from .measure import (fit_alpha_beta, fit_product_shape, measure_all_reduce, measure_attention,  # noqa: F401
-                      measure_launch, measure_matmul_flops, measure_memory_bandwidth, measure_op_classes,
+                      measure_host_read, measure_launch, measure_matmul_flops, measure_memory_bandwidth, measure_op_classes,
                       measure_products)
 
 
@@ -40,6 +40,13 @@ class DeviceProfile:
     bytes at ``mem_bw`` times their class's share (``class_bw``: elementwise, cast, reduction,
     softmax, norm, random, scatter; ``strided``: elementwise kernels on a strided or broadcast
     operand, PyTorch's non-vectorized path), and every kernel costs ``launch_s`` more.
+
+    A read of a device value on the host (a rank counting its own experts' rows) costs
+    :meth:`host_read_time`: the host stops queueing until the device has run everything queued
+    before the read, then ``sync_s`` (the device-to-host round trip of a few bytes and the host
+    waking), then the device waits for the host to issue the next kernel (a launch). The queue it
+    drains was work the device had to do anyway; what the step loses is the overlap of host and
+    device over that gap.
     """
 
     name: str
@@ -60,6 +67,7 @@ class DeviceProfile:
     attention_flops: float = 0.0          # FLOP/s of fused attention, head dim 128 (0: flops)
     attention_dropout: float = 1.0        # ... the share of it left when attention draws dropout
     class_bw: tuple = ()                  # ((class, share of mem_bw), ...) for memory-bound kernels
+    sync_s: float = 0.0                   # seconds a read to the host takes once the device is idle
 
     __hash__ = cached_hash   # a profile keys the index's cost caches, one lookup per strategy
     __getstate__ = state_without_hash
@@ -87,6 +95,12 @@ class DeviceProfile:
     def attention_rate(self, head_dim: int, dropout: bool) -> float:
         rate = (self.attention_flops or self.flops) * min(1.0, max(head_dim, 1) / 128) ** 0.5
         return rate * (self.attention_dropout if dropout else 1.0)
+
+    def host_read_time(self) -> float:
+        """Seconds a step loses to one read of a device value on the host (see the class docs):
+        the round trip once the queue is drained, and the device idle while the host issues the
+        next kernel. Nothing where the host is the device (``sync_s`` 0: a CPU profile)."""
+        return self.sync_s + self.launch_s if self.sync_s else 0.0
 
     def update_time(self, numel: float) -> float:
         """Seconds an optimizer step spends on ``numel`` parameters held on a rank: AdamW is
@@ -130,6 +144,10 @@ GiB = 1024 ** 3
 #: head dim 64, and 0.74 again with attention dropout).
 H200_CLASS_BW = (("elementwise", 1.0), ("strided", 0.5), ("cast", 0.77), ("reduction", 0.6), ("softmax", 0.6), ("norm", 0.35),
                  ("random", 0.66), ("scatter", 0.07))
+#: A read to the host once the device is idle: a copy of a few bytes device to host and the
+#: host's wait on it, about 10 us on PCIe-attached GPUs of these generations (CUDA's
+#: small-transfer latency); not measured on the H200 here: ``calibrate(device="cuda")`` does
+GPU_SYNC_S = 10e-6
 #: the H200's measured best large bf16 product and copy bandwidth against its datasheet peak
 #: (754 of 989 TFLOP/s, 4.07 of 4.8 TB/s): the devices autotp has no measurement of take their
 #: datasheet figures times these, and the H200's shares and shape constants
@@ -144,7 +162,8 @@ def datasheet_profile(name: str, peak_flops: float, peak_bw: float, link_bw: flo
     return DeviceProfile(name, flops=flops, mem_bw=peak_bw * COPY_OF_PEAK, link_bw=link_bw,
                          link_latency=link_latency, memory=memory, dtype_bytes=2, launch_s=2e-6,
                          unaligned_flops=flops * 120 / 754, product_half_work=2.5e9, product_half_k=100.0,
-                         attention_flops=flops * 355 / 754, attention_dropout=0.74, class_bw=H200_CLASS_BW)
+                         attention_flops=flops * 355 / 754, attention_dropout=0.74, class_bw=H200_CLASS_BW,
+                         sync_s=GPU_SYNC_S)
 
 
 PROFILES: dict[str, DeviceProfile] = {
@@ -159,7 +178,7 @@ PROFILES: dict[str, DeviceProfile] = {
     "h200": DeviceProfile("h200", flops=754e12, mem_bw=4.07e12, link_bw=370e9, link_latency=1e-6,
                           memory=140 * GiB, dtype_bytes=2, launch_s=2e-6, unaligned_flops=120e12,
                           product_half_work=2.5e9, product_half_k=100.0, attention_flops=355e12,
-                          attention_dropout=0.74, class_bw=H200_CLASS_BW),
+                          attention_dropout=0.74, class_bw=H200_CLASS_BW, sync_s=GPU_SYNC_S),
     # Local CPU ranks over gloo on loopback, float32: eager ops pay a few microseconds each.
     "cpu-gloo": DeviceProfile("cpu-gloo", flops=50e9, mem_bw=10e9, link_bw=2e9, link_latency=50e-6,
                               memory=16 * GiB, dtype_bytes=4, launch_s=5e-6, product_half_work=1e5,
@@ -233,7 +252,7 @@ def calibrate(name: str = "calibrated", *, world: int = 2, matmul_sizes: Sequenc
     classes = measure_op_classes(device, dtype, numel=(1 << 26) if gpu else (1 << 20), repeats=repeats)
     att128, att64 = measure_attention(device, dtype, seq=4096 if gpu else 256, repeats=repeats)
     dropped, _ = measure_attention(device, dtype, seq=4096 if gpu else 256, repeats=repeats, dropout=0.1)
-    common = dict(launch_s=measure_launch(device), attention_flops=att128,
+    common = dict(launch_s=measure_launch(device), sync_s=measure_host_read(device), attention_flops=att128,
                   attention_dropout=min(1.0, dropped / att128),
                   # shares of a plain add's bandwidth measured alike (the large copy sets mem_bw)
                   class_bw=tuple((c, round(bw / classes["elementwise"], 3)) for c, bw in classes.items()), **shape)

@@ -133,6 +133,23 @@ def measure_launch(device: str = "cpu", repeats: int = 20) -> float:
     return _timed(run, device, repeats) / calls
 
 
+def measure_host_read(device: str = "cpu", repeats: int = 20) -> float:
+    """Seconds one read of a device value on the host costs beyond a tiny kernel's launch: a
+    kernel, then ``.item()`` of its output (the host waits for it, then copies it back)."""
+    import torch
+
+    a = torch.ones(8, device=device)
+    out = torch.empty_like(a)
+    calls = 50
+
+    def run():
+        for _ in range(calls):
+            torch.add(a, a, out=out)
+            out[0].item()
+
+    return max(0.0, _timed(run, device, repeats) / calls - measure_launch(device, repeats))
+
+
 def measure_products(shapes: Sequence[tuple[int, int, int]], device: str = "cpu", dtype=None,
                      repeats: int = 3) -> list[float]:
     """FLOP/s of ``(m x k) @ (k x n)`` for each ``(m, n, k)`` in ``shapes``."""

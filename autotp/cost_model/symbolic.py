@@ -31,6 +31,7 @@ import torch
 
 from ..capture.program import op_name
 from ..passes.rules import OpInfo, Strategy, TensorMeta
+from ..passes.rules.experts import host_reads
 from . import kernels
 from .kernels import OpWork
 from ..placements import Routed, Shard, max_local_size
@@ -195,7 +196,8 @@ def split_seconds(info: OpInfo, strategy: Strategy, env: Mapping, profile: Devic
     attention = sum(max(evaluate(a.flops, env) / profile.attention_rate(a.head_dim, a.dropout),
                         evaluate(a.moved, env) / profile.mem_bw) for a in work.attention)
     memory = sum(evaluate(b, env) / profile.bandwidth(cls) for cls, b in work.moved)
-    return {"products": products, "attention": attention, "memory": memory + work.launches * profile.launch_s}
+    return {"products": products, "attention": attention, "memory": memory + work.launches * profile.launch_s,
+            "host_reads": host_reads(info, strategy) * profile.host_read_time()}
 
 
 def compute_time_expr(info: OpInfo, strategy: Strategy, profile: DeviceProfile, tp: int,
@@ -213,7 +215,7 @@ def compute_time_expr(info: OpInfo, strategy: Strategy, profile: DeviceProfile, 
         total += a.flops / profile.attention_rate(a.head_dim, a.dropout)
     for cls, b in work.moved:
         total += b / profile.bandwidth(cls)
-    return total + work.launches * profile.launch_s
+    return total + work.launches * profile.launch_s + host_reads(info, strategy) * profile.host_read_time()
 
 
 def compute_time(info: OpInfo, strategy: Strategy, env: Mapping, profile: DeviceProfile, tp: int,
@@ -331,9 +333,9 @@ def ceil_div(a: int, b: int) -> int:
 
 def step_breakdown(index: Any, prop: Any, profile: DeviceProfile) -> dict[str, Any]:
     """A propagation's predicted compute at its workload, split as a profiler splits a step:
-    ``products``, ``attention``, ``memory`` (memory-bound kernels and launches) and
-    ``optimizer`` seconds, and ``by_op``: ATen op name -> seconds (forward + backward)."""
-    out = {"products": 0.0, "attention": 0.0, "memory": 0.0, "optimizer": prop.update_s}
+    ``products``, ``attention``, ``memory`` (memory-bound kernels and launches), ``host_reads``
+    (what reads to the host cost, :meth:`DeviceProfile.host_read_time`) and ``optimizer`` seconds, and ``by_op``: ATen op name -> seconds (forward + backward)."""
+    out = {"products": 0.0, "attention": 0.0, "memory": 0.0, "host_reads": 0.0, "optimizer": prop.update_s}
     by_op: dict[str, float] = {}
     cache: dict = {}
     for node, strat in prop.chosen.items():

@@ -16,7 +16,10 @@ all-to-all; backward the reverse one).
 The rewritten graph makes the row maps (:func:`expert_rows` for the rows a grouped product
 sorted by expert, from the bounds :func:`expert_bounds` reads once per layer, which also gather
 those rows alone where the model gathers every row for the product, :func:`gather_rows`; :func:`picked_rows`
-for the rows whose expert id is the rank's own), runs the ops on the local rows, and leaves the region by :func:`routed_combine` (a token's top-k
+for the rows whose expert id is the rank's own), runs the ops on the local rows (the reorder back
+to token order by :func:`routed_permute` where the index is a permutation, the inverse of the sort
+by expert: the rows stay as they are, renumbered, their count unread; :func:`routed_reorder`
+for any other index), and leaves the region by :func:`routed_combine` (a token's top-k
 rows summed straight into ``[tokens, ...]``: the Partial a g makes whole) or
 :func:`routed_scatter` (the rows put back in place, zero elsewhere). Every function is plain
 torch, differentiable through autograd: the gradient of a rank's experts comes from its rows
@@ -131,6 +134,16 @@ def routed_reorder(x: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, siz
     where = _positions(rows, index, size)
     out_rows = (where >= 0).nonzero().squeeze(1)
     return x.index_select(0, where.index_select(0, out_rows)), out_rows
+
+
+def routed_permute(x: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, copy: bool) -> tuple[torch.Tensor,
+                                                                                                 torch.Tensor]:
+    """``x_full[index]`` on this rank's rows where ``index`` is a permutation of x's rows
+    (transformers' inverse of the sort by expert): each of the rank's rows lands in one place,
+    so the local result is x's rows as they are (a copy where the graph reads x again or writes
+    the result), their row map where ``index`` sends them: no row counted, no read to the host."""
+    inverse = torch.empty_like(index).scatter_(0, index, torch.arange(index.numel(), device=index.device))
+    return (x.clone() if copy else x), inverse.index_select(0, rows)
 
 
 def routed_scatter(x: torch.Tensor, rows: torch.Tensor, dim: int, span: int, shape: Sequence[int]) -> torch.Tensor:

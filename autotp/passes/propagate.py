@@ -35,8 +35,8 @@ from ..placements import (PARTIAL, REPLICATE, Partial, Placement, Replicate, Rou
                           max_local_size, same_placement)
 from .hints import column_hint, index_picks, row_hint
 from .rules import OpInfo, Strategy, TensorMeta, strategies
-from .rules.experts import GROUPED_MM, grouped_reader
-from .rules.registry import aliases_first, mutates_first, op_name
+from .rules.experts import GROUPED_MM, grouped_reader, reads_rows
+from .rules.registry import aliases_first, is_routed, mutates_first, op_name
 
 aten = torch.ops.aten
 INF = math.inf
@@ -130,6 +130,9 @@ class GraphIndex:
     written_first: frozenset = frozenset()
     #: the tensors those ops write (each view chain's first tensor)
     written_roots: frozenset = frozenset()
+    #: may a strategy read a value on the host (``host_reads=False`` forbids it): a rank running
+    #: its own experts' rows alone (Routed) reads how many are its own, so none is offered
+    host_reads: bool = True
     _strategies: dict = field(default_factory=dict)
     _compute: dict = field(default_factory=dict)
     _activation: dict = field(default_factory=dict)
@@ -139,7 +142,10 @@ class GraphIndex:
         key = (node, actual)
         found = self._strategies.get(key)
         if found is None:
-            found = self._strategies[key] = strategies(self.infos[node], actual)
+            found = strategies(self.infos[node], actual)
+            if not self.host_reads:
+                found = [s for s in found if not is_routed(s)]
+            self._strategies[key] = found
         return found
 
     def compute_time(self, node: fx.Node, strat: Strategy, profile: DeviceProfile) -> float:
@@ -164,7 +170,7 @@ class GraphIndex:
     def build(cls, capture: Capture, tp: int, batch: int, seq: int, uneven: bool = False,
               sharded_outputs: frozenset = frozenset(), sequence_parallel: bool = False,
               input_placements: Mapping[str, Placement] | None = None,
-              force_sequence: bool = False, align: Any = None) -> "GraphIndex":
+              force_sequence: bool = False, align: Any = None, host_reads: bool = True) -> "GraphIndex":
         """``sequence_parallel``: rules may split the sequence dim afresh (a reduce-scatter along
         s where a Partial meets an add, a dropout or a cast); needs ``uneven``, since lengths are
         known at run time. ``force_sequence``: where they may, they must (a Partial meeting an
@@ -178,6 +184,7 @@ class GraphIndex:
         sequence = frozenset(sym for sym in env if sequence_parallel and capture.dim_symbols.get(sym.name) == "seq")
         index.force_sequence = force_sequence and bool(sequence)
         index.align = align
+        index.host_reads = host_reads
         constant = _constants(capture)
         train_dtype = training_dtype(capture)
         contiguous: dict[fx.Node, bool] = {}
@@ -192,6 +199,11 @@ class GraphIndex:
                 info.grad_inputs = tuple(i in index.grads for i in inputs)
                 info.grad_uses = _grad_uses(node, index.grads)
                 info.strided_inputs = tuple(not contiguous.get(i, True) for i in inputs)
+        for node, info in list(index.infos.items()):
+            if info.gathers_expert_rows:   # rows its reader's routed strategies alone can take
+                chain, product = grouped_reader(node)
+                for reader in (*chain, product):
+                    index.infos[reader].x_gathered = True
         index.param_views = _param_views(capture)
         index.written_first = written_in_place(capture.graph)
         index.written_roots = frozenset(storage_root(n) for n in index.written_first)
@@ -464,6 +476,7 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
     if node.target is aten.index.Tensor:
         info.picks = index_picks(node, constant)
         info.gathers_expert_rows = grouped_reader(node) is not None
+    info.reads_rows = reads_rows(node)
     stack = node.args[0] if node.args else None
     if node.target in (aten.transpose.int, aten.index.Tensor) and getattr(stack, "op", None) == "placeholder" \
             and stack.name in param_names and isinstance(info.output, TensorMeta) and info.output.ndim >= 3 \

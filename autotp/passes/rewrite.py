@@ -67,6 +67,8 @@ class GraphLocalContext(LocalContext):
         #: ``comm(module, *args)``: a node calling a communicating module (an all-to-all
         #: dispatch) the rank's graph holds; set by :func:`rewrite`
         self.comm: Any = None
+        #: captured node -> its node in the rank's graph (the nodes made so far)
+        self.env: dict[fx.Node, fx.Node] = {}
 
     def rows_of(self, node: fx.Node) -> fx.Node:
         """The row map of the routed value ``node``: the global row ids of its local rows."""
@@ -155,6 +157,7 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
     converted: dict[tuple, fx.Node] = {}
     counts: dict[str, int] = {}
     ctx = GraphLocalContext(tp, rank, graph, group)
+    ctx.env = env
     sizes = ctx.sizes = SizeNodes(cap, graph, env)
 
     def comm_node(kind: str, x: fx.Node, module: nn.Module, *more: Any) -> fx.Node:

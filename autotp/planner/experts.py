@@ -100,6 +100,9 @@ def experts_note(index: Any, profile: Any, stacks: Mapping[str, str], roles: Map
     for other in ("expert", "expert_tp"):
         if all(kind == other for kind in layouts.values()):
             continue
+        if other == "expert" and not index.host_reads:
+            alternatives[other] = "not allowed (host_reads=False: a rank reads how many rows its experts got)"
+            continue
         pins = dict(pinned)
         seen: set = set()
         try:

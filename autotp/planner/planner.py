@@ -26,7 +26,8 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                memory_limit: float | None = None,
                sequence_parallel: bool | None = None,
                input_placements: Mapping[str, Placement] | None = None,
-               keep_split: frozenset[str] = frozenset(), align: Any = "profile") -> tuple[Plan, GraphIndex, Propagation]:
+               keep_split: frozenset[str] = frozenset(), align: Any = "profile",
+               host_reads: bool = True) -> tuple[Plan, GraphIndex, Propagation]:
     """The plan for a capture. ``memory_limit`` (bytes per rank; default: the profile's device
     memory) bounds training state + activations; a saved ``plan`` is replayed, not re-solved.
 
@@ -48,7 +49,12 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
     ``align``: which unaligned products the rewrite runs padded (an
     :class:`~autotp.cost_model.alignment.Align`, or None: none), so that they are priced at the
     rate they will run at; by default what ``parallelize`` does on the profile's device (a GPU
-    profile pads those over its ridge's rows, a CPU one none)."""
+    profile pads those over its ridge's rows, a CPU one none).
+
+    ``host_reads=False``: no layout that reads a device value on the host in a step (a rank
+    running its own experts' rows alone reads how many it got: expert parallelism); the experts
+    then run expert-TP or replicated. A layout pinning whole experts per rank, or an op of the
+    model's own program that reads on the host whatever the layout, is a PlanError naming it."""
     prof = get_profile(profile)
     if align == "profile":
         align = Align.for_profile(prof) if 0 < prof.unaligned_flops < prof.flops else None
@@ -63,8 +69,24 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                           "not divide a call's length; pass uneven=True, or leave sequence_parallel to the planner")
     index = GraphIndex.build(cap, tp, batch, seq, uneven=uneven, sharded_outputs=keep,
                              sequence_parallel=sequence_parallel is not False and uneven and tp > 1,
-                             input_placements=arriving, force_sequence=bool(sequence_parallel), align=align)
+                             input_placements=arriving, force_sequence=bool(sequence_parallel), align=align,
+                             host_reads=host_reads)
     pinned = _pinned(cap, layout, plan)
+    if not host_reads:
+        _refuse_model_reads(cap)
+        try:
+            return _planned(cap, index, prof, pinned, plan, layout, limit, batch, seq, keep)
+        except PlanError as exc:   # a pin that only a layout reading to the host could hold
+            if not isinstance(exc, MemoryLimitError):
+                _refuse_pinned_reads(cap, pinned, tp, exc)
+            raise
+    return _planned(cap, index, prof, pinned, plan, layout, limit, batch, seq, keep)
+
+
+def _planned(cap: Capture, index: GraphIndex, prof: Any, pinned: Mapping[str, Placement], plan: Plan | None,
+             layout: Mapping[str, Any] | None, limit: float, batch: int, seq: int,
+             keep: frozenset) -> tuple[Plan, GraphIndex, Propagation]:
+    """The plan on ``index``: ``plan`` replayed, or solved under ``pinned`` within ``limit``."""
     notes: list[str] = []
     if plan is not None:
         prop = propagate(index, pinned, prof, exact=True)
@@ -172,6 +194,49 @@ def _solve(index: GraphIndex, prof: Any, pinned: Mapping[str, Placement], layout
             "reduce-scatter along the sequence can replace its all-reduce): pin a row-parallel layout "
             "(layout={'<glob>': 'row'}), or leave sequence_parallel to the planner (None)")
     return solution, index, notes
+
+
+#: ops of a model's program that read device values on the host whatever the layout: a value read
+#: (``.item()``, ``bool(t)``, ``torch.equal``), an output sized by the values, transformers' grouped
+#: experts fallback (its offsets, ``.tolist()``)
+_READS_VALUES = ("aten._local_scalar_dense.default", "aten.item.default", "aten.equal.default",
+                 "aten.nonzero.default", "aten.masked_select.default", "aten._unique2.default",
+                 "aten.unique_dim.default", "aten.unique_consecutive.default",
+                 "transformers.grouped_mm_fallback.default")
+
+
+def _refuse_pinned_reads(cap: Capture, pinned: Mapping[str, Placement], tp: int, exc: PlanError) -> None:
+    """``host_reads=False`` and no plan: where whole experts are pinned per rank (expert
+    parallelism, whose rows a rank counts on the host), a PlanError that says so (Llama-4's
+    experts, every token through every expert, hold such a pin without a read)."""
+    stacks = expert_stacks(cap)
+    whole = [stacks[p] for p, placement in pinned.items()
+             if p in stacks and isinstance(placement, Shard) and placement.dim == 0]
+    if whole and tp > 1:
+        raise PlanError(f"host_reads=False, but the layout pins {whole[0]} to whole experts per rank (expert "
+                        "parallelism), where a rank reads how many rows its experts got on the host every step: pin "
+                        "'expert_column'/'expert_row' (expert-TP), or allow host_reads") from exc
+
+
+def _refuse_model_reads(cap: Capture) -> None:
+    """``host_reads=False``: a PlanError where the model's own program reads values on the host."""
+    from ..passes.rules.registry import op_name
+
+    reading: dict[str, None] = {}   # each op in each module once, in graph order
+    for node in cap.graph.nodes:
+        name = op_name(node.target) if node.op == "call_function" else ""
+        is_sized = name == "aten.repeat_interleave.Tensor" and node.kwargs.get("output_size") is None
+        if name in _READS_VALUES or is_sized:
+            reading[f"{name} in {module_path(node) or 'the model'}"] = None
+    if reading:
+        fallback = any("grouped_mm_fallback" in r for r in reading)
+        raise PlanError(
+            f"host_reads=False, but the model's own program reads device values on the host, whatever the layout: "
+            f"{'; '.join(list(reading)[:3])}{f' and {len(reading) - 3} more' if len(reading) > 3 else ''}. "
+            + ("transformers runs its experts through grouped_mm_fallback where torch's grouped kernel does not take "
+               "the dtype under capture (anything but bfloat16): run the model in bfloat16, or set "
+               "config._experts_implementation = 'batched_mm'; " if fallback else "")
+            + "or allow host_reads (the reads then stop the host each step)")
 
 
 def _sequence_note(index: GraphIndex, prop: Propagation) -> str | None:

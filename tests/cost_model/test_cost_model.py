@@ -167,6 +167,7 @@ def test_calibrate_measures_a_cpu_gloo_profile_on_this_machine():
         assert math.isfinite(value) and value > 0
     assert prof.dtype_bytes == 4 and prof.name == "here"
     assert 1e6 < prof.flops < 1e14          # a CPU, not a typo of units
+    assert math.isfinite(prof.sync_s) and prof.sync_s >= 0   # a read to the host, beyond a launch
 
 
 def test_a_size_nothing_fixes_is_priced_at_one_rather_than_failing():

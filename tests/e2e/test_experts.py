@@ -163,7 +163,7 @@ def assert_experts_case(cluster_of, case: dict) -> None:
     # them into the tokens' sum
     dict(family="mixtral", impl="grouped_mm", tp=2, experts=3, top_k=2, kv_heads=2, seq=7, seed=1, layers=1,
          plan_batch=64, plan_seq=32, sp=False,
-         routed=("gather_rows", "expert_rows", "routed_grouped_mm", "take_rows", "routed_reorder", "routed_combine")),
+         routed=("gather_rows", "expert_rows", "routed_grouped_mm", "take_rows", "routed_permute", "routed_combine")),
     pytest.param(dict(family="qwen2-moe", impl="eager", tp=2, experts=4, top_k=1, kv_heads=4, seq=5, seed=2),
                  marks=pytest.mark.slow),
     # MLA (its latent cache in generate), shared experts and a dense first layer; the heads pinned
@@ -180,11 +180,11 @@ def assert_experts_case(cluster_of, case: dict) -> None:
     pytest.param(dict(family="mixtral", impl="batched_mm", tp=4, experts=3, top_k=2, kv_heads=2, seq=7, seed=1,
                       layers=1, plan_batch=64, plan_seq=32, sp=False,
                       routed=("picked_rows", "routed_pick", "take_rows", "routed_combine")), marks=pytest.mark.slow),
-    # gpt-oss's biases picked by expert id meet the product's rows (match_rows); its clamp, ``up + 1``
-    # and interleaved gate|up run on the rank's rows
+    # gpt-oss's biases picked by the sorted expert ids take the product's rows (the same row map,
+    # from the bounds read once); its clamp, ``up + 1`` and interleaved gate|up run on the rank's rows
     pytest.param(dict(family="gpt-oss", impl="grouped_mm", tp=2, experts=4, top_k=2, kv_heads=2, seq=7, seed=1,
                       layers=1, plan_batch=64, plan_seq=32, sp=False,
-                      routed=("routed_pick", "match_rows", "routed_grouped_mm", "routed_combine")),
+                      routed=("routed_pick", "expert_rows", "routed_grouped_mm", "routed_combine")),
                  marks=pytest.mark.slow),
     # 7 layers alternating sliding-window and full attention: captured cut to 5 (block 0 and two
     # periods of two) and expanded, float64. Without the router's logits: a call that returns

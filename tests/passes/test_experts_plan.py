@@ -1,5 +1,6 @@
 """Expert parallelism at real size: MoE models planned at tp=8 on the meta device (no ranks, no weights)."""
 import pytest
+import torch
 
 import autotp
 from autotp import zoo
@@ -102,3 +103,92 @@ def test_gpt_oss_20b_at_tp8_experts_and_sinks_split_by_head():
     assert _roles(plan, "o_proj.weight") == {"row"}
     assert plan.attention and all(heads == [8] * 8 for heads in plan.attention.values()), plan.attention
     assert _roles(plan, "router.weight") == {"replicate"}
+
+
+class _Reorders(torch.nn.Module):
+    """Rows sorted by id and put back, as transformers' experts do (``inv[perm] = arange``), beside
+    indices that are not permutations."""
+
+    def forward(self, x, ids):
+        _, perm = torch.sort(ids)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.size(0))
+        shorter = torch.empty_like(perm)
+        shorter[perm[:-1]] = torch.arange(perm.size(0) - 1)   # one entry never written
+        summed = torch.zeros_like(perm).index_put((perm,), torch.arange(perm.size(0)), accumulate=True)
+        written = torch.empty_like(perm)
+        written[perm] = torch.arange(perm.size(0))
+        written.clamp_(max=1)                                  # written after it is made
+        return x[inverse], x[shorter], x[summed], x[written], x[ids], x[torch.argsort(ids)]
+
+
+def test_the_inverse_of_a_sort_is_known_a_permutation_and_nothing_else_is():
+    """A reorder by a permutation keeps a rank's rows and their count: the rewrite renumbers them
+    instead of reading how many land on the rank (autotp/passes/rules/experts.py)."""
+    from autotp.passes.rules.routing import is_permutation
+
+    ep = torch.export.export(_Reorders(), (torch.randn(5, 2), torch.randint(0, 3, (5,))))
+    gathers = [n for n in ep.graph.nodes if n.target is torch.ops.aten.index.Tensor]
+    assert [is_permutation(n.args[1][0]) for n in gathers] == [True, False, False, False, False, True]
+
+
+class _Routes(torch.nn.Module):
+    """A router's top-k ids sorted and counted per expert (transformers' grouped experts), beside
+    counts that do not match the sorted ids."""
+
+    def forward(self, scores):
+        ids = torch.topk(scores, 2, dim=-1)[1].reshape(-1)          # (tokens * 2,) ids in 0..3
+        ascending, _ = torch.sort(ids)
+        descending, _ = torch.sort(ids, descending=True)
+        offs = torch.cumsum(torch.histc(ascending.float(), bins=4, min=0, max=3), 0, dtype=torch.int32)
+        fewer = torch.cumsum(torch.histc(descending.float(), bins=4, min=0, max=3), 0, dtype=torch.int32)
+        shifted, _ = torch.sort(ids + 1)                             # not a router's ids any more
+        off_by_one = torch.cumsum(torch.histc(shifted.float(), bins=4, min=0, max=3), 0, dtype=torch.int32)
+        return ascending, descending, shifted, offs, fewer, off_by_one
+
+
+def test_sorted_router_ids_are_counted_by_the_offsets_made_from_them():
+    """A pick by sorted router ids takes the rows its experts' grouped products take (the offsets
+    count exactly those ids): the rewrite reuses the products' bounds instead of reading its own."""
+    from autotp.passes.rules.routing import counted_by
+
+    ep = torch.export.export(_Routes(), (torch.randn(5, 4),))
+    ascending, descending, shifted, offs = (ep.graph.output_node().args[0][i] for i in range(4))
+    assert counted_by(ascending, 4) is offs
+    assert counted_by(ascending, 5) is None                          # another number of experts
+    assert counted_by(descending, 4) is None and counted_by(shifted, 4) is None
+
+
+def test_a_host_read_is_priced_once_per_expert_layer_where_a_rank_counts_its_rows():
+    """Expert parallelism reads how many rows each rank's experts got, once per layer: the cost
+    model prices each read at the profile's host_read_time (the queue drained, the round trip, a
+    launch the device waits for); expert-TP reads nothing; on a CPU profile nothing waits."""
+    from autotp.capture.cache import capture
+    from autotp.cost_model import get_profile
+    from autotp.cost_model.symbolic import step_breakdown
+    from autotp.planner.planner import build_plan
+
+    model = zoo.build("mixtral", zoo.tiny_config("mixtral", layers=1), device="meta")
+    cap = capture(model, (), None)
+    h200 = get_profile("h200")
+    assert h200.host_read_time() == pytest.approx(h200.sync_s + h200.launch_s) and h200.sync_s > 0
+    assert get_profile("cpu-gloo").host_read_time() == 0
+    etp = {"*.experts.gate_up_proj": "expert_column", "*.experts.down_proj": "expert_row"}
+    for layout, reads in (({"*.experts.*": "expert"}, 1), (etp, 0)):
+        _, index, prop = build_plan(cap, 2, batch=8, seq=64, profile=h200, layout=layout)
+        assert step_breakdown(index, prop, h200)["host_reads"] == pytest.approx(reads * h200.host_read_time())
+
+
+def test_rows_gathered_for_an_expert_tp_product_stay_whole():
+    """Under expert-TP pins a rank has no experts of its own: the gather in front of the grouped
+    product must not take routed rows (at Qwen3-30B-A3B's size the solver once took them and
+    summed them back, a plan whose rewrite raised: the rows of no rank's experts)."""
+    from autotp.capture.cache import capture
+    from autotp.passes.rules.registry import is_routed
+    from autotp.planner.planner import build_plan
+
+    size = "qwen3-30b-a3b"
+    model = zoo.build(zoo.published_sizes()[size], zoo.published_config(size, layers=1), device="meta")
+    etp = {"*.experts.gate_up_proj": "expert_column", "*.experts.down_proj": "expert_row"}
+    _, _, prop = build_plan(capture(model, (), None), 8, batch=2, seq=4096, profile="h200", layout=etp)
+    assert [node.name for node, s in prop.chosen.items() if is_routed(s)] == []

@@ -32,8 +32,11 @@ def _run(experts: int, tp: int, rank: int) -> tuple[int, int]:
 
 @settings(max_examples=40, deadline=None)
 @given(tokens=st.integers(1, 6), k=st.integers(1, 3), experts=st.integers(1, 5), tp=st.integers(1, 4),
-       seed=st.integers(0, 2**16))
-def test_ranks_rows_add_up_to_the_whole(tokens, k, experts, tp, seed):
+       seed=st.integers(0, 2**16), permute=st.booleans())
+def test_ranks_rows_add_up_to_the_whole(tokens, k, experts, tp, seed, permute):
+    """The reorder back to token order either way: any index, its rows found and counted
+    (``routed_reorder``), or the inverse of the sort, a permutation, the rows kept as they are and
+    renumbered (``routed_permute``: no count of the rank's rows read)."""
     gen = torch.Generator().manual_seed(seed)
     hidden, out = 3, 4
     ids = torch.randint(0, experts, (tokens * k,), generator=gen)
@@ -54,7 +57,10 @@ def test_ranks_rows_add_up_to_the_whole(tokens, k, experts, tp, seed):
         mine = E.expert_rows(offs, bounds)
         rows = E.routed_grouped_mm(x[perm // k], weight[first:first + count], offs, bounds, first, count,
                                    "transformers.grouped_mm_fallback.default", False)
-        rows, back = E.routed_reorder(rows, inverse, mine, tokens * k)
+        if permute:
+            rows, back = E.routed_permute(rows, inverse, mine, copy=False)
+        else:
+            rows, back = E.routed_reorder(rows, inverse, mine, tokens * k)
         return E.routed_combine(rows, back, 0, k, [tokens, out])
 
     xw = (x.clone().requires_grad_(), weight.clone().requires_grad_())

@@ -17,16 +17,25 @@ One rank of tp 2 on torch's ``fake`` backend (its collectives return at once) wi
 ``deferred_checks`` on, as under NCCL: a training step (forward, backward) and an inference call
 (eval, no_grad) after a warm-up of each: no read at all, but two. One the model's own op makes,
 which is not autotp's to remove: transformers' experts fallback (``grouped_mm_fallback``, what a
-float32 model runs on CPU where ``_grouped_mm`` does not take the dtype) reads its per-expert
-offsets once per product. And up to three per expert layer where a rank computes its own
-experts' rows alone (``distributed.experts``: the bounds of its rows among the rows sorted by expert,
-read once and shared by the layer's products; the rows picked by its experts' ids, gpt-oss's
-biases; where its rows land back in token order): how many rows are its own sizes every tensor of the layer after it (a
-data-dependent size, as in any dropless expert parallelism without a fixed capacity); two more
+float32 model runs where ``_grouped_mm`` does not take the dtype under capture) reads its
+per-expert offsets once per product. And one per expert layer where a rank computes its own
+experts' rows alone (``distributed.experts``): the bounds of its rows among the rows sorted by
+expert (``expert_bounds``), which the layer's products, the gather in front of them and a pick by
+the sorted ids (gpt-oss's biases) share, the reorder back to token order a permutation that keeps
+the rows (``routed_permute``); on the batched path the rows its experts' ids pick
+(``picked_rows``) instead. How many rows are its own sizes every tensor of the layer after it (a
+data-dependent size, as in any dropless expert parallelism without a fixed capacity). Two more
 where the tokens arrive split along the sequence and the rank sends its tokens' rows to their
 experts' ranks by an all-to-all (its split sizes, read once, as Megatron's and torchtitan's
-dispatchers read theirs; which (token, expert) rows are of its own tokens). (The serial HuggingFace models read more: GPT-2's forward checks its last and first
-tokens for padding with ``in``, a read per call, which the captured program does not hold.)
+dispatchers read theirs; which (token, expert) rows are of its own tokens).
+(The serial HuggingFace models read more: GPT-2's forward checks its last and first tokens for
+padding with ``in``, a read per call, which the captured program does not hold.)
+
+With ``host_reads=False`` the plan takes no layout that reads (the experts run expert-TP or
+replicated) and a step of every zoo family reads nothing at all; a model whose own program
+reads (the float32 grouped fallback) is refused with a PlanError naming the op and the fix, so
+those families run here with transformers' ``batched_mm`` experts, and the grouped path in
+bfloat16, what a GPU runs.
 """
 from __future__ import annotations
 
@@ -53,9 +62,10 @@ SIZED_BY_VALUES = {aten.nonzero.default, aten.masked_select.default, aten._uniqu
                    aten.unique_consecutive.default, aten.repeat_interleave.Tensor}
 #: autotp's reads of an expert layer where a rank computes its own experts' rows alone
 #: (autotp.distributed.experts): where its rows start and end among the rows sorted by expert
-#: (expert_bounds), which of the rows picked by expert id are its own (picked_rows) and where its
-#: rows land in token order (routed_reorder); their count sizes the compact rows after them. Under
-#: the all-to-all dispatch (tokens split along the sequence), the split sizes (dispatch_splits)
+#: (expert_bounds), which of the rows picked by expert id are its own (picked_rows, the batched
+#: path) and, for a reorder by an index not known a permutation, where its rows land
+#: (routed_reorder); their count sizes the compact rows after them. One per expert layer; under
+#: the all-to-all dispatch (tokens split along the sequence), the split sizes (dispatch_splits) too
 ROWS_READS = ("expert_bounds", "picked_rows", "routed_reorder", "dispatch_splits")
 
 
@@ -94,8 +104,11 @@ class HostReads(TorchDispatchMode):
         kwargs = kwargs or {}
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         from_device = any(self.on_device(t) for t in tensors)
-        to_host = func in (aten._to_copy.default, aten.copy_.default) and kwargs.get("device") == torch.device("cpu")
-        if func is aten._local_scalar_dense.default and from_device:
+        # a copy to the host: a device move alone (a cast's device argument is the program's own
+        # device, the rewrite sets it, which on CPU reads "cpu" too)
+        to_host = (func in (aten._to_copy.default, aten.copy_.default) and kwargs.get("device") == torch.device("cpu")
+                   and kwargs.get("dtype", args[0].dtype) == args[0].dtype)
+        if func in (aten._local_scalar_dense.default, aten.equal.default) and from_device:
             self.read(f"{func} of {tuple(args[0].shape)}")
         if func in SIZED_BY_VALUES and from_device:
             self.read(f"{func} of {tuple(args[0].shape)} (its size read back)")
@@ -185,14 +198,13 @@ def test_a_steady_state_step_reads_nothing_back_from_the_device(fake_rank, famil
     for train in (True, False):
         reads = _reads(pm, inputs, train)
         autotps = [(what, stack) for what, stack in reads if not any(f.startswith(MODEL_READS) for f in stack)]
-        # a rank's own experts' rows: at most three reads of an expert layer's rows (the bounds of
-        # the sorted rows, the rows of its experts' biases picked by id, the reorder back), and two
-        # more where the tokens arrive split along the sequence and go to their experts' ranks by
-        # an all-to-all (the split sizes; which (token, expert) rows are of the rank's own tokens)
+        # a rank's own experts' rows: one read per expert layer (their count), shared by the
+        # layer's products, its gather, a pick by the sorted ids, the reorder back; two more where
+        # the tokens arrive split along the sequence and go to their experts' ranks by an
+        # all-to-all (the split sizes; which (token, expert) rows are of the rank's own tokens)
         rows = [what for what, stack in autotps if set(ROWS_READS) & set(stack)]
         dispatches = sum(1 for _, stack in autotps if "dispatch_splits" in stack)
-        assert len(rows) <= 3 * layers_of_experts(model) + 2 * dispatches, \
-            ("training" if train else "inference", rows)
+        assert len(rows) <= layers_of_experts(model) + 2 * dispatches, ("training" if train else "inference", rows)
         assert [what for what, stack in autotps if not set(ROWS_READS) & set(stack)] == [], \
             ("training" if train else "inference", autotps)
         if not layers_of_experts(model):
@@ -210,3 +222,61 @@ def test_the_counter_sees_what_a_blocking_check_reads(fake_rank):
     _reads.family = "gpt2"
     assert [what for what, _ in _reads(pm, inputs, train=True)] == ["Tensor.tolist of (4,)"]
     assert [what for what, _ in _reads(model, inputs, train=True)] == ["aten._local_scalar_dense.default of ()"]
+
+
+#: the fast tier's families without host reads: experts on the batched path, a hybrid with experts
+FAST_NO_READS = ("gpt2", "mixtral", "granitemoehybrid")
+
+
+def _no_read_families():
+    return [f if f in FAST_NO_READS else pytest.param(f, marks=pytest.mark.slow) for f in sorted(zoo._all_families())]
+
+
+def _no_reads_module(family: str, dtype: torch.dtype = torch.float32, experts: str = "batched_mm"):
+    config = zoo.tiny_config(family, layers=2, heads=4, kv_heads=2, head_dim=4, vocab=61)
+    config._experts_implementation = experts   # read by MoE families alone
+    model = zoo.build(family, config, dtype=dtype, seed=1)
+    inputs = zoo.example_batch(family, config, batch=2, seq=EXAMPLE_SEQ, seed=2)
+    pm = autotp.parallelize(model, TP, batch=64, seq=4096, profile="h100-dgx", host_reads=False)
+    pm.deferred_checks = True
+    _reads.family = family
+    return pm, inputs
+
+
+@pytest.mark.parametrize("family", _no_read_families())
+def test_without_host_reads_a_step_reads_nothing_at_all(fake_rank, family):
+    """``host_reads=False``: every zoo family's steady-state step and inference call read nothing,
+    the model's own ops included; no rank runs its own experts' rows alone (Llama-4's experts,
+    every token through every expert, may still be split whole per rank: nothing is counted)."""
+    pm, inputs = _no_reads_module(family)
+    assert not [n for n in pm.graph_module.graph.nodes if getattr(n.target, "__name__", "") in ROWS_READS]
+    for train in (True, False):
+        assert _reads(pm, inputs, train) == [], ("training" if train else "inference")
+
+
+@pytest.mark.parametrize("family", ["mixtral", pytest.param("gpt-oss", marks=pytest.mark.slow)])
+def test_without_host_reads_the_grouped_experts_in_bfloat16_read_nothing(fake_rank, family):
+    """The grouped path as a GPU runs it (``_grouped_mm`` in bfloat16, no fallback): no read."""
+    pm, inputs = _no_reads_module(family, torch.bfloat16, experts="grouped_mm")
+    assert not any(n.target.__name__.startswith("grouped_mm_fallback") for n in pm.graph_module.graph.nodes
+                   if n.op == "call_function" and hasattr(n.target, "__name__"))
+    for train in (True, False):
+        assert _reads(pm, inputs, train) == [], ("training" if train else "inference")
+
+
+def test_without_host_reads_a_read_no_layout_avoids_is_an_error():
+    """Whole experts pinned per rank, or the model's own op that reads (transformers' float32
+    grouped fallback): a PlanError naming it and the fix, before any rank runs."""
+    from autotp.errors import PlanError
+
+    config = zoo.tiny_config("mixtral", layers=1, heads=4, kv_heads=2, head_dim=4, vocab=61)
+    config._experts_implementation = "batched_mm"
+    model = zoo.build("mixtral", config, device="meta")
+    with pytest.raises(PlanError, match=r"pins model\.layers\.0\.mlp\.experts\.\w+ to whole experts per rank"
+                                        r".*'expert_column'/'expert_row'"):
+        autotp.plan(model, tp=2, layout={"*.experts.*": "expert"}, host_reads=False)
+    assert "expert" in autotp.plan(model, tp=2, layout={"*.experts.*": "expert"}).roles.values()
+    config._experts_implementation = "grouped_mm"
+    model = zoo.build("mixtral", config, device="meta")
+    with pytest.raises(PlanError, match=r"grouped_mm_fallback.default in model\.layers\.0\.mlp\.experts.*bfloat16"):
+        autotp.plan(model, tp=2, host_reads=False)

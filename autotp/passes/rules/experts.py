@@ -46,6 +46,7 @@ import sympy
 import torch
 
 from ...placements import PARTIAL, REPLICATE, Partial, Routed, Shard, local_ranges
+from .routing import counted_by, index_length, is_permutation, written
 from .registry import (LocalContext, OpInfo, Strategy, _RULES, functional_of, is_shard, op_name, register,
                        register_localizer, register_routed, register_routed_localizer)
 
@@ -125,6 +126,59 @@ def grouped_reader(node: Any) -> tuple[list, Any] | None:
     return chain, user
 
 
+def reads_rows(node: Any) -> bool:
+    """Whether ``node``, run on a rank's own experts' rows alone where its inputs hold every row,
+    reads how many are the rank's on the host (the rewrite below): a grouped product or the
+    gather in front of it (the layer's bounds, :func:`autotp.distributed.experts.expert_bounds`,
+    read once: the first of them to take routed rows pays it), the first pick by a tensor of
+    expert ids not sorted and counted by the layer's offsets (:func:`counted_by`; the picks by
+    the same ids share the read), a reorder by an index not known a permutation."""
+    from torch import fx
+
+    from ...capture import shape_of
+
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False
+    if op_name(node.target) in GROUPED_MM:
+        return True
+    if node.target is not aten.index.Tensor or len(node.args) != 2 or len(node.args[1]) != 1:
+        return False
+    index = node.args[1][0]
+    stack = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    if grouped_reader(node) is not None:
+        return True
+    if isinstance(stack, torch.Tensor) and stack.ndim >= 2 and isinstance(stack.shape[0], int):   # a pick
+        earlier = [u for u in index.users if u.target is aten.index.Tensor and len(u.args) == 2
+                   and list(u.args[1]) == [index] and _before(u, node)]
+        return counted_by(index, stack.shape[0]) is None and not earlier
+    # rows reordered: unread where the index keeps every row once (routed_permute)
+    return not (isinstance(stack, torch.Tensor) and stack.ndim and is_permutation(index)
+                and sympy.expand(index_length(index) - shape_of(node.args[0])[0]) == 0)
+
+
+def _before(a: Any, b: Any) -> bool:
+    """Whether node ``a`` comes before node ``b`` in their graph."""
+    at = a.next
+    while at.op != "root":
+        if at is b:
+            return True
+        at = at.next
+    return False
+
+
+def host_reads(info: OpInfo, strategy: Strategy) -> int:
+    """How many reads to the host ``strategy`` of the op ``info`` makes on a rank: one where it
+    opens a run of routed rows (every input holds every row, its output only the rank's) and
+    :attr:`~.registry.OpInfo.reads_rows`, or reorders routed rows by an index not known a
+    permutation."""
+    outs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
+    if not info.reads_rows or not any(isinstance(p, Routed) for p in outs):
+        return 0
+    routed_in = [isinstance(p, Routed) for p in strategy.inputs]
+    reorder = info.target is aten.index.Tensor and routed_in[:1] == [True]
+    return int(reorder or not any(routed_in))
+
+
 def _kind(target):
     """The op a rule answers for: an in-place op's out-of-place twin (``add_`` -> ``add``)."""
     return functional_of(target) or target
@@ -143,6 +197,16 @@ def routed_strategies(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
     * a view splitting the rows' dim (``[T*k, H] -> [T, k, H]``), then the sum over the inner
       dims (a token's top-k rows): that sum is a plain Partial, each rank adding its rows into
       the whole ``[T, H]``."""
+    if info.x_gathered and isinstance(placements[0], Routed):
+        # rows gathered at a grouped product's experts' bounds (through casts): only the
+        # product's expert-parallel strategies have those experts; scattered and summed into a
+        # whole x they would be rows of no rank's experts (the gather must then be replicated)
+        return [s for s in _routed_strategies(info, placements, rule)
+                if any(isinstance(p, Routed) for p in (s.output if isinstance(s.output, tuple) else (s.output,)))]
+    return _routed_strategies(info, placements, rule)
+
+
+def _routed_strategies(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
     found = list(rule(info, tuple(PARTIAL if isinstance(p, Routed) else p for p in placements)))
     routed = {i: p for i, p in enumerate(placements) if isinstance(p, Routed)}
     if op_name(info.target) in GROUPED_MM:
@@ -418,7 +482,11 @@ def routed_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict
         if isinstance(strategy.inputs[0], Routed):   # rows reordered
             x, index = ctx.inputs
             size = ctx.size(info.inputs[0].shape[0])
-            pair = ctx.graph.call_function(E.routed_reorder, (x, index, ctx.rows_of(x), size))
+            if _permutes(info, ctx.node):   # every row kept once: the rank's rows stay, renumbered
+                copy = len(ctx.node.args[0].users) > 1 or written(ctx.node)
+                pair = ctx.graph.call_function(E.routed_permute, (x, index, ctx.rows_of(x), copy))
+            else:
+                pair = ctx.graph.call_function(E.routed_reorder, (x, index, ctx.rows_of(x), size))
             ctx.made_rows = ctx.graph.call_function(operator.getitem, (pair, 1))
             if strategy.inputs[0].tokens:   # each row reordered is held where its token is
                 ctx.made_owners = ctx.graph.call_function(E.take_rows, (ctx.owners[x], index, 0))
@@ -437,8 +505,14 @@ def routed_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict
         first, count = _run(info, strategy, 0, ctx)
         total = int(info.inputs[0].shape[0])
         weight, index = ctx.inputs
-        ctx.made_rows = ctx.shared_rows(("picked", index, first, count),
-                                        lambda: (E.picked_rows, (index, first, count, total)))
+        offs = counted_by(ctx.node.args[1][0], total)
+        if offs is not None and offs in ctx.env:
+            # ids sorted, each counted in offs: its experts' ids are the rows its products take,
+            # the same bounds read once (gpt-oss's biases)
+            _, ctx.made_rows = _sorted_rows(ctx.env[offs], first, count, ctx)
+        else:
+            ctx.made_rows = ctx.shared_rows(("picked", index, first, count),
+                                            lambda: (E.picked_rows, (index, first, count, total)))
         return E.routed_pick, (weight, index, ctx.made_rows, first, total), {}
     if isinstance(out, Routed) and out.span > 1:   # [T*k, H] -> [T, k, H]: the rows as they are
         return aten.alias.default, (ctx.inputs[0],), {}
@@ -449,6 +523,13 @@ def routed_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict
         shape = [ctx.size(s) for s in info.output.shape]
         return E.routed_combine, (x, ctx.rows_of(x), p.dim, group, shape, kwargs.get("dtype")), {}
     return _row_wise(info, strategy, args, kwargs, ctx)
+
+
+def _permutes(info: OpInfo, node: Any) -> bool:
+    """Whether ``x[index]`` (``node``) reorders all of x's rows by a permutation (the index as
+    long as x's rows, made a permutation by the graph: :func:`is_permutation`)."""
+    index = node.args[1][0]
+    return is_permutation(index) and sympy.expand(info.inputs[1].shape[0] - info.inputs[0].shape[0]) == 0
 
 
 def _row_wise(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
@@ -525,5 +606,13 @@ def _expert_rows(info: OpInfo, strategy: Strategy, offs: Any, ctx: LocalContext)
     from ...distributed import experts as E
 
     first, count = _run(info, strategy, 1, ctx)
+    return _sorted_rows(offs, first, count, ctx)
+
+
+def _sorted_rows(offs: Any, first: int, count: int, ctx: LocalContext) -> tuple[Any, Any]:
+    """(bounds, row map) of experts ``first .. first + count - 1`` among rows sorted by expert
+    (``offs``: the cumulative rows per expert, in the rank's graph), made once per layer."""
+    from ...distributed import experts as E
+
     bounds = ctx.shared_rows(("bounds", offs, first, count), lambda: (E.expert_bounds, (offs, first, count)))
     return bounds, ctx.shared_rows(("sorted", offs, first, count), lambda: (E.expert_rows, (offs, bounds)))

@@ -107,6 +107,13 @@ class OpInfo:
     #: an index gathering rows (``h[idx]``) read by one grouped product of experts alone (through
     #: casts): its rows are the product's, sorted by expert, so a rank can gather its own alone
     gathers_expert_rows: bool = False
+    #: this op, placed to run a rank's own experts' rows alone where its inputs hold every row,
+    #: reads their count on the host (:func:`autotp.passes.rules.experts.reads_rows`)
+    reads_rows: bool = False
+    #: a grouped product whose x is rows gathered for it alone (``gathers_expert_rows``), or a
+    #: cast between them: routed, those are the product's own experts' rows, which only its
+    #: expert-parallel strategies can take (routed through the casts)
+    x_gathered: bool = False
     #: hints for a fresh shard of an input's dim, (input index, dim) -> as ``hints``: a product's
     #: contracted features read off how x was made (heads x head_dim: whole heads)
     input_hints: dict[tuple[int, int], tuple] = field(default_factory=dict)
@@ -133,7 +140,7 @@ class OpInfo:
     def cost_key(self) -> tuple:
         """Everything the cost of one strategy of this op depends on: equal across layers."""
         return (self.target, self.inputs, self.output, self.args_key, self.grad_inputs, self.train_dtype,
-                self.grad_uses, self.strided_inputs)
+                self.grad_uses, self.strided_inputs, self.reads_rows, self.x_gathered)
 
     def hint(self, dim: int) -> tuple[int, int, int, int, bool, tuple, tuple]:
         """(chunks, unit, rotate, tail, grouped, sizes, whole) a fresh shard of output ``dim`` should use

@@ -1,0 +1,147 @@
+"""What the graph proves about an expert layer's routing, so that a rank running its own experts'
+rows reads no more than it must (autotp/passes/rules/experts.py, autotp/distributed/experts.py).
+
+* :func:`is_permutation`: an index that reorders rows without a row lost or repeated (the
+  inverse of the sort by expert, transformers' way back to token order): a rank's rows keep their
+  count through it, renumbered, unread.
+* :func:`counted_by`: a router's ids sorted and counted per expert into a grouped product's
+  ``offs``: a pick by those ids takes the rows the product takes, from the bounds read once.
+
+Each proof reads how a node is made (the ops and arguments in front of it), never a model's
+name; anything it cannot prove is answered False / None, and the rank then reads.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import sympy
+import torch
+
+from .registry import aliases_first, mutates_first
+
+aten = torch.ops.aten
+
+#: ops whose second output is the permutation that sorts a tensor
+SORTS = frozenset((aten.sort.default, aten.sort.stable))
+#: ops whose output is a permutation of ``0 .. n-1`` (n: its length) whatever their input
+PERMUTATIONS = frozenset((aten.argsort.default, aten.argsort.stable, aten.randperm.default))
+
+
+def index_length(node: Any) -> Any:
+    """The length of a 1-D integer tensor ``node`` (a sympy size), or None for anything else."""
+    from torch import fx
+
+    from ...capture import shape_of
+
+    if not isinstance(node, fx.Node):
+        return None
+    val = node.meta.get("val")
+    if not (isinstance(val, torch.Tensor) and not val.is_floating_point() and not val.is_complex()
+            and val.dtype is not torch.bool and val.ndim == 1):
+        return None
+    return shape_of(node)[0]
+
+
+def written(node: Any) -> bool:
+    """Whether an op writes ``node`` in place, or a view of it, after it is made."""
+    return any(u.op == "call_function" and u.args and u.args[0] is node and (
+        mutates_first(u.target) or (aliases_first(u.target) and written(u))) for u in node.users)
+
+
+def is_permutation(node: Any) -> bool:
+    """Whether the graph makes the 1-D integer tensor ``node`` a permutation of ``0 .. n-1`` (n:
+    its length), by how it is made: the indices a sort of a 1-D tensor returns, an argsort, a
+    randperm, or ``inv[p] = arange(n)`` for a permutation ``p`` (transformers' inverse of the sort
+    by expert: every entry of ``inv`` written once), each not written after. Such an index reorders
+    rows without a row lost or repeated: the rows a rank holds keep their count."""
+    n = index_length(node)
+    if n is None or node.op != "call_function" or written(node):
+        return False
+    if node.target is operator.getitem:
+        source, which = node.args
+        return (which == 1 and getattr(source, "target", None) in SORTS
+                and index_length(source.args[0]) is not None)
+    if node.target in PERMUTATIONS:
+        return True
+    if node.target in (aten.clone.default, aten.alias.default):
+        return is_permutation(node.args[0])
+    if node.target in (aten.index_put_.default, aten.index_put.default):
+        base, indices, values = node.args[:3]
+        accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+        if accumulate or len(indices) != 1 or not is_permutation(indices[0]):
+            return False
+        lengths = (index_length(base), index_length(indices[0]), _arange_length(values))
+        return None not in lengths and all(sympy.expand(m - n) == 0 for m in lengths)
+    return False
+
+
+def _arange_length(node: Any) -> Any:
+    """n where ``node`` is ``arange(n)`` (``0, 1, .., n-1``), else None."""
+    if getattr(node, "target", None) is aten.arange.default:
+        return index_length(node)
+    if getattr(node, "target", None) in (aten.arange.start, aten.arange.start_step):
+        step = node.args[2] if len(node.args) > 2 else node.kwargs.get("step", 1)
+        return index_length(node) if node.args[0] == 0 and step == 1 else None
+    return None
+
+
+#: ops that pass a tensor's values on unchanged (an int cast of ints included)
+_SAME_VALUES = frozenset((aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,
+                          aten.alias.default, aten.contiguous.default, aten.flatten.using_ints))
+_TO = frozenset((aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout))
+
+
+def _values_of(node: Any) -> Any:
+    """The node whose values ``node`` holds unchanged, through reshapes and casts of integers."""
+    def integral(n: Any) -> bool:
+        val = getattr(n, "meta", {}).get("val")
+        return isinstance(val, torch.Tensor) and not val.is_floating_point() and not val.is_complex()
+
+    while getattr(node, "op", None) == "call_function" and (
+            node.target in _SAME_VALUES or (node.target in _TO and integral(node) and integral(node.args[0]))):
+        node = node.args[0]
+    return node
+
+
+def _expert_ids(node: Any, total: int) -> bool:
+    """Whether ``node`` holds ids in ``0 .. total - 1`` by how it is made: the indices of a top-k
+    over a dim of ``total`` scores (a router's choice), reshaped or cast."""
+    node = _values_of(node)
+    if getattr(node, "target", None) is not operator.getitem or node.args[1] != 1:
+        return False
+    topk = node.args[0]
+    if getattr(topk, "target", None) is not aten.topk.default:
+        return False
+    scores = topk.args[0].meta["val"]
+    dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
+    return isinstance(scores.shape[dim], int) and scores.shape[dim] == total
+
+
+def counted_by(index: Any, total: int) -> Any:
+    """The captured ``offs`` of a grouped product that counts ``index``'s ids, where ``index``
+    is a router's ids (:func:`_expert_ids`, so each is in ``0 .. total - 1``) sorted ascending and
+    ``offs`` is ``cumsum(histc(index, bins=total, min=0, max=total - 1))``, transformers' count of
+    rows per expert; else None. Then the positions of one run of experts' ids in ``index`` are
+    the rows ``offs`` gives those experts: a pick by ``index`` takes the rows the product takes."""
+    if getattr(index, "target", None) is not operator.getitem or index.args[1] != 0:
+        return None
+    sort = index.args[0]
+    if getattr(sort, "target", None) not in SORTS or sort.args[0].meta["val"].ndim != 1:
+        return None
+    descending = sort.args[2] if len(sort.args) > 2 else sort.kwargs.get("descending", False)
+    if descending or not _expert_ids(sort.args[0], total):
+        return None
+    for user in index.users:
+        chain = user
+        while chain.target in _TO and len(chain.users) == 1:   # transformers counts float ids on CPU
+            chain = next(iter(chain.users))
+        if chain.target is not aten.histc.default:
+            continue
+        given = dict(zip(("bins", "min", "max"), chain.args[1:]), **chain.kwargs)
+        if (given.get("bins", 100), given.get("min", 0), given.get("max", 0)) != (total, 0, total - 1):
+            continue
+        for cumsum in chain.users:
+            if cumsum.target is aten.cumsum.default and cumsum.args[1] in (0, -1):
+                return cumsum
+    return None
