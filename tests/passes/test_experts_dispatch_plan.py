@@ -68,3 +68,21 @@ def test_the_dispatch_is_not_offered_without_a_sequence_split():
     plan = autotp.plan(model, tp=2, layout={"*.experts.*": "expert"}, batch=2, seq=4096, profile="h100-dgx",
                        sequence_parallel=False)
     assert not [c for c in plan.comms if c.kind == "all_to_all" or "tokens" in str(c.src)]
+
+
+def test_the_dispatch_prices_its_two_host_reads():
+    # the dispatch reads its split sizes and which (token, expert) rows are of the rank's tokens
+    # (tests/runtime/test_host_syncs.py counts them): two reads priced where it runs, besides the
+    # layer's bounds its products read as a gathered layer's do (before, the two were not priced)
+    from autotp.capture.cache import capture
+    from autotp.cost_model import get_profile
+    from autotp.cost_model.symbolic import step_breakdown
+    from autotp.planner.planner import build_plan
+
+    config = zoo.tiny_config("mixtral", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=4, top_k=2)
+    cap = capture(zoo.build("mixtral", config, device="meta"), (), None)
+    h200 = get_profile("h200")
+    _, index, prop = build_plan(cap, 2, batch=TINY_BATCH, seq=WORKLOAD["seq"], profile=h200,
+                                layout={"*.experts.*": "expert"}, sequence_parallel=True)
+    assert any(str(s.inputs[0]) == "P(tokens 0)" for s in prop.chosen.values() if s.inputs), "no dispatch chosen"
+    assert step_breakdown(index, prop, h200)["host_reads"] == pytest.approx(3 * h200.host_read_time())

@@ -170,8 +170,12 @@ def host_reads(info: OpInfo, strategy: Strategy) -> int:
     """How many reads to the host ``strategy`` of the op ``info`` makes on a rank: one where it
     opens a run of routed rows (every input holds every row, its output only the rank's) and
     :attr:`~.registry.OpInfo.reads_rows`, or reorders routed rows by an index not known a
-    permutation."""
+    permutation; two where it sends a rank's tokens' rows to their experts' ranks (the all-to-all
+    dispatch: its split sizes, and which (token, expert) rows are of the rank's own tokens)."""
     outs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
+    if any(isinstance(p, Routed) and p.tokens for p in strategy.inputs) and \
+            any(isinstance(p, Routed) and not p.tokens for p in outs):
+        return 2   # the all-to-all dispatch: its split sizes, and which rows are of the rank's tokens
     if not info.reads_rows or not any(isinstance(p, Routed) for p in outs):
         return 0
     routed_in = [isinstance(p, Routed) for p in strategy.inputs]
