@@ -118,8 +118,9 @@ def _timed(fn: Callable[[], object], device: str, repeats: int) -> float:
     return _best_time(run, repeats)
 
 
-def measure_launch(device: str = "cpu", repeats: int = 20) -> float:
-    """Seconds one tiny kernel costs end to end (an add of 8 numbers): what every op pays."""
+def _tiny_kernels(device: str, repeats: int, read: bool) -> float:
+    """Seconds per call of a tiny kernel (an add of 8 numbers), each followed by ``.item()`` of
+    its output where ``read``."""
     import torch
 
     a = torch.ones(8, device=device)
@@ -129,25 +130,21 @@ def measure_launch(device: str = "cpu", repeats: int = 20) -> float:
     def run():
         for _ in range(calls):
             torch.add(a, a, out=out)
+            if read:
+                out[0].item()
 
     return _timed(run, device, repeats) / calls
+
+
+def measure_launch(device: str = "cpu", repeats: int = 20) -> float:
+    """Seconds one tiny kernel costs end to end (an add of 8 numbers): what every op pays."""
+    return _tiny_kernels(device, repeats, read=False)
 
 
 def measure_host_read(device: str = "cpu", repeats: int = 20) -> float:
     """Seconds one read of a device value on the host costs beyond a tiny kernel's launch: a
     kernel, then ``.item()`` of its output (the host waits for it, then copies it back)."""
-    import torch
-
-    a = torch.ones(8, device=device)
-    out = torch.empty_like(a)
-    calls = 50
-
-    def run():
-        for _ in range(calls):
-            torch.add(a, a, out=out)
-            out[0].item()
-
-    return max(0.0, _timed(run, device, repeats) / calls - measure_launch(device, repeats))
+    return max(0.0, _tiny_kernels(device, repeats, read=True) - measure_launch(device, repeats))
 
 
 def measure_products(shapes: Sequence[tuple[int, int, int]], device: str = "cpu", dtype=None,

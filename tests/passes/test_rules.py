@@ -806,6 +806,23 @@ def block_slice_cases(draw) -> Case:
     return draw(_case(aten.slice.Tensor, [x], (dim, first * block, last * block), place=(shard,), tp=tp))
 
 
+def _slice_or_split_of_blocks(draw, gen, tp: int, shard: Shard, sizes: tuple, unit: int, per: int,
+                              lead: tuple) -> Case:
+    """A slice or a split of whole blocks (``sizes`` atoms of ``unit`` each, ``per`` times)
+    along the dim after ``lead``, of a tensor placed ``shard``."""
+    dim = len(lead)
+    widths = [x * per * unit for x in sizes]
+    x = _tensor(gen, lead + (sum(widths),))
+    edges = [sum(widths[:i]) for i in range(len(widths) + 1)]
+    if draw(st.booleans()):
+        first = draw(st.integers(0, len(sizes) - 1))
+        last = draw(st.integers(first + 1, len(sizes)))
+        return draw(_case(aten.slice.Tensor, [x], (dim, edges[first], edges[last]), place=(shard,), tp=tp))
+    cuts = sorted(draw(st.sets(st.sampled_from(edges[1:-1]), min_size=1)))
+    pieces = [b - a for a, b in zip([0] + cuts, cuts + [edges[-1]])]
+    return draw(_case(aten.split_with_sizes.default, [x], (pieces, dim), place=(shard,), tp=tp))
+
+
 @st.composite
 def unequal_block_cases(draw) -> Case:
     """Blocks of unequal size (Phi-3's q | k | v of 4 | 1 | 1 parts: fewer kv heads), dealt in
@@ -818,16 +835,7 @@ def unequal_block_cases(draw) -> Case:
     lead = draw(shapes(0, 2, st.integers(1, 3)))
     dim = len(lead)
     shard = Shard(dim, len(sizes), unit, draw(st.integers(0, tp - 1)), sizes=sizes)
-    widths = [x * per * unit for x in sizes]
-    x = _tensor(gen, lead + (sum(widths),))
-    edges = [sum(widths[:i]) for i in range(len(widths) + 1)]
-    if draw(st.booleans()):
-        first = draw(st.integers(0, len(sizes) - 1))
-        last = draw(st.integers(first + 1, len(sizes)))
-        return draw(_case(aten.slice.Tensor, [x], (dim, edges[first], edges[last]), place=(shard,), tp=tp))
-    cuts = sorted(draw(st.sets(st.sampled_from(edges[1:-1]), min_size=1)))
-    pieces = [b - a for a, b in zip([0] + cuts, cuts + [edges[-1]])]
-    return draw(_case(aten.split_with_sizes.default, [x], (pieces, dim), place=(shard,), tp=tp))
+    return _slice_or_split_of_blocks(draw, gen, tp, shard, sizes, unit, per, lead)
 
 
 @settings(max_examples=100, deadline=None)
@@ -851,16 +859,7 @@ def whole_block_cases(draw) -> Case:
     lead = draw(shapes(0, 2, st.integers(1, 3)))
     dim = len(lead)
     shard = Shard(dim, len(sizes), unit, draw(st.integers(0, tp - 1)), sizes=sizes, whole=whole)
-    widths = [x * per * unit for x in sizes]
-    x = _tensor(gen, lead + (sum(widths),))
-    edges = [sum(widths[:i]) for i in range(len(widths) + 1)]
-    if draw(st.booleans()):
-        first = draw(st.integers(0, len(sizes) - 1))
-        last = draw(st.integers(first + 1, len(sizes)))
-        return draw(_case(aten.slice.Tensor, [x], (dim, edges[first], edges[last]), place=(shard,), tp=tp))
-    cuts = sorted(draw(st.sets(st.sampled_from(edges[1:-1]), min_size=1)))
-    pieces = [b - a for a, b in zip([0] + cuts, cuts + [edges[-1]])]
-    return draw(_case(aten.split_with_sizes.default, [x], (pieces, dim), place=(shard,), tp=tp))
+    return _slice_or_split_of_blocks(draw, gen, tp, shard, sizes, unit, per, lead)
 
 
 @settings(max_examples=100, deadline=None)
