@@ -52,7 +52,7 @@ def _describe(index: GraphIndex, placeholder: str, fqn: str, placement: Shard, p
         info = index.infos[user]
         out_dim = _output_dim(info, size)
         if out_dim is not None:
-            chunks, unit, _, tail, _, sizes = info.hint(out_dim)
+            chunks, unit, _, tail, _, sizes, _ = info.hint(out_dim)
             if unit > 1 and size % (chunks * unit) == 0:
                 atoms = (size // (chunks * unit) - tail) * chunks, unit
                 if sizes:
