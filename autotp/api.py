@@ -68,7 +68,8 @@ def plan(model: nn.Module, tp: int | None = None, *, batch: int = 8, seq: int | 
          example_inputs: tuple = (), example_kwargs: dict | None = None,
          memory_limit: float | None = None, sequence_parallel: bool | None = None,
          seq_range: tuple[int, int] | None = None, world: int | None = None,
-         gpus_per_node: int = 8, host_reads: bool = True) -> "Plan | PipelinePlan":
+         gpus_per_node: int = 8, host_reads: bool = True,
+         expert_dispatch: bool | None = None) -> "Plan | PipelinePlan":
     """Choose a plan for ``model`` at ``tp`` without any process group (a meta model works).
 
     ``world=N`` (with ``gpus_per_node``) chooses tensor x pipeline x data parallelism for N GPUs
@@ -85,7 +86,7 @@ def plan(model: nn.Module, tp: int | None = None, *, batch: int = 8, seq: int | 
     ``seq_range=(min, max)``: sequence lengths the captured program accepts (default: 2 up to
     the config's maximum positions, else as wide as torch.export allows).
     ``host_reads=False``: only layouts whose step reads no device value on the host (see
-    :func:`parallelize`)."""
+    :func:`parallelize`). ``expert_dispatch``: see :func:`build_plan` (default: by cost)."""
     batch, seq, layout, memory_limit = check_planning(batch, seq, layout, memory_limit)
     host_reads = check_flag("host_reads", host_reads)
     if world is not None:
@@ -107,7 +108,8 @@ def plan(model: nn.Module, tp: int | None = None, *, batch: int = 8, seq: int | 
                      get_profile(None).name, device, runs)
     result, _, _ = build_plan(cap, tp, batch=batch, seq=_planning_seq(model, seq, seq_range), profile=profile,
                               layout=layout, uneven=uneven, gather_logits=gather_logits,
-                              memory_limit=memory_limit, sequence_parallel=sequence_parallel, host_reads=host_reads)
+                              memory_limit=memory_limit, sequence_parallel=sequence_parallel, host_reads=host_reads,
+                              expert_dispatch=expert_dispatch)
     return result
 
 
@@ -144,7 +146,8 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
                 seq_range: tuple[int, int] | None = None, pp: int = 1, microbatches: int | None = None,
                 schedule: str | None = None, virtual: int = 1,
                 stage_layers: Any = None, rng: str = "torch",
-                align_products: bool | None = None, host_reads: bool = True) -> "ParallelModule":
+                align_products: bool | None = None, host_reads: bool = True,
+                expert_dispatch: bool | None = None) -> "ParallelModule":
     """Split ``model`` over this rank's TP group; see the module docs and docs/architecture.md.
 
     ``pp > 1`` also cuts it into ``pp`` pipeline stages (a world of ``dp * pp * tp`` ranks) and
@@ -178,7 +181,12 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
     it). Expert parallelism reads how many rows each rank's experts got (one read per expert
     layer), so the experts run expert-TP (or replicated); a layout pinning whole experts per
     rank, or a model op that reads on the host whatever the layout, is a PlanError naming it.
-    Default True: the planner weighs a read's price like any other cost."""
+    Default True: the planner weighs a read's price like any other cost.
+
+    ``expert_dispatch``: where the tokens arrive split along the sequence, whether expert
+    parallelism's (token, expert) rows reach their experts by the all-to-all dispatch (True),
+    by gathering the tokens whole (False), or as the cost model finds cheaper (None, default);
+    in every program (see :func:`build_plan`)."""
     if device is None:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if torch.device(device).type == "meta":
@@ -190,7 +198,8 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
                         backend=backend, seed=seed, activation_checkpointing=activation_checkpointing,
                         sequence_parallel=sequence_parallel, seq_range=seq_range, pp=pp,
                         microbatches=microbatches, schedule=schedule, virtual=virtual,
-                        stage_layers=stage_layers, rng=rng, align_products=align_products, host_reads=host_reads)
+                        stage_layers=stage_layers, rng=rng, align_products=align_products, host_reads=host_reads,
+                        expert_dispatch=expert_dispatch)
 
 
 def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, layout: Mapping[str, Any] | None,
@@ -201,7 +210,8 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
                  seq_range: tuple[int, int] | None = None, pp: int = 1, microbatches: int | None = None,
                  schedule: str | None = None, virtual: int = 1,
                  stage_layers: Any = None, rng: str = "torch",
-                 align_products: bool | None = None, host_reads: bool = True) -> "ParallelModule":
+                 align_products: bool | None = None, host_reads: bool = True,
+                 expert_dispatch: bool | None = None) -> "ParallelModule":
     from .distributed.mesh import get_mesh
     from .runtime.module.module import ParallelModule
     from .runtime.module.outline import layer_paths
@@ -274,7 +284,7 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
         (``call``: what differs between them), the heads checked first."""
         check_heads(call_cap, tp, uneven)
         return build_plan(call_cap, tp, batch=batch, profile=profile, uneven=uneven, align=align,
-                          host_reads=host_reads, **call)
+                          host_reads=host_reads, expert_dispatch=expert_dispatch, **call)
 
     def program(index: GraphIndex, prop: Propagation) -> Any:
         gm = rewrite(index, prop, mesh.tp_rank, mesh.tp_group, device, tracker, align)

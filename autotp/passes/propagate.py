@@ -101,6 +101,24 @@ def _hinted_symbols(hints: Mapping[str, int | str], env: Mapping[sympy.Symbol, i
     return out
 
 
+def dispatch_allows(info: OpInfo, strategy: Strategy, dispatch: bool) -> bool:
+    """Whether ``strategy`` keeps to ``dispatch`` (:attr:`GraphIndex.expert_dispatch`): False
+    offers no placement of the tokens as rows of their own ranks (``Routed(tokens=True)``: the
+    tokens are gathered whole before the router); True offers the ops reading the (token,
+    expert) rows gathered for a grouped product (the product and the casts before it,
+    ``OpInfo.x_gathered``) no routed output but from token rows: whole experts per rank take
+    their rows by the all-to-all alone (expert-TP and replicated experts stay offered)."""
+    def tokens(p: Any) -> bool:
+        return isinstance(p, Routed) and p.tokens
+
+    outs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
+    if dispatch is False:
+        return not any(tokens(p) for p in (*strategy.inputs, *outs))
+    if not info.x_gathered or not any(isinstance(p, Routed) for p in outs):
+        return True
+    return bool(strategy.inputs) and tokens(strategy.inputs[0])
+
+
 @dataclass
 class GraphIndex:
     """What propagation needs of a graph, computed once per (capture, tp)."""
@@ -133,6 +151,11 @@ class GraphIndex:
     #: may a strategy read a value on the host (``host_reads=False`` forbids it): a rank running
     #: its own experts' rows alone (Routed) reads how many are its own, so none is offered
     host_reads: bool = True
+    #: how expert parallelism's rows reach their experts where the tokens arrive split along the
+    #: sequence: None, by cost; True, by the all-to-all dispatch alone (whole experts per rank
+    #: never read rows cut from the tokens gathered whole); False, never by it (no strategy holds
+    #: the tokens as rows of their own ranks: they are gathered whole). See :func:`dispatch_allows`
+    expert_dispatch: bool | None = None
     _strategies: dict = field(default_factory=dict)
     _compute: dict = field(default_factory=dict)
     _activation: dict = field(default_factory=dict)
@@ -145,6 +168,8 @@ class GraphIndex:
             found = strategies(self.infos[node], actual)
             if not self.host_reads:
                 found = [s for s in found if not is_routed(s)]
+            if self.expert_dispatch is not None:
+                found = [s for s in found if dispatch_allows(self.infos[node], s, self.expert_dispatch)]
             self._strategies[key] = found
         return found
 

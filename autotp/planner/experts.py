@@ -172,13 +172,67 @@ def is_etp(p: Placement) -> bool:
     return isinstance(p, Shard) and p.dim in (1, 2)
 
 
-def dispatch_note(comms: list) -> list[str]:
-    """One line naming the MoE layers whose tokens, split along the sequence, reach their
-    experts' ranks by an all-to-all dispatch (``comms``: the plan's CommOps), with its bytes."""
-    modules = [c.module for c in comms if c.kind == "all_to_all"]
-    if not modules:
+def _versus(cost: Any, chosen_s: float, name: str) -> str:
+    """``cheaper than <name> by ... ms/step (...)``: the chosen plan against a re-solve."""
+    if isinstance(cost, str):
+        return f"{name} {cost}"
+    if cost == float("inf"):
+        return f"{name} not feasible here"
+    delta = cost - chosen_s
+    return (f"{'cheaper than' if delta > 0 else 'tied with' if delta == 0 else 'dearer than'} {name} by "
+            f"{abs(delta) * 1e3:.3f} ms/step (every MoE layer so: {cost * 1e3:.3f} ms)")
+
+
+def _solved_with(index: Any, profile: Any, pinned: Mapping[str, Placement], memory_limit: float | None,
+                 dispatch: bool) -> tuple[Any, Any]:
+    """(the predicted step, the propagation) of the plan solved again with
+    ``expert_dispatch=dispatch``, or (why not, None)."""
+    from dataclasses import replace
+
+    from ..passes.solve import solve
+
+    try:
+        prop = solve(replace(index, expert_dispatch=dispatch, _strategies={}), profile, pinned,
+                     memory_limit=memory_limit).propagation
+    except (AutotpError, ValueError) as err:
+        return f"not possible ({str(err).split(':')[0]})", None
+    return prop.total_s, prop
+
+
+#: the all-to-all dispatch, and the other way, in words
+DISPATCH = "the all-to-all dispatch (the router on each rank's own tokens, each row sent to its expert's rank)"
+GATHER = "gathering the tokens whole (the router on every token, each rank's rows cut from them)"
+
+
+def dispatch_note(index: Any, profile: Any, comms: list, roles: Mapping[str, str], chosen_s: float,
+                  memory_limit: float | None, pinned: Mapping[str, Placement]) -> list[str]:
+    """How each MoE layer under expert parallelism gets its (token, expert) rows where the tokens
+    arrive split along the sequence, and by how much that beats the other way (the plan solved
+    again with ``expert_dispatch`` the other way round, the user's pins kept): the layers whose
+    rows go to their experts' ranks by an all-to-all (``comms``: the plan's CommOps, with its
+    bytes), and the layers whose split tokens are gathered whole before the router."""
+    a2a = [c for c in comms if c.kind == "all_to_all"]
+    if a2a:
+        modules = [c.module for c in a2a]
+        sent = max(c.fwd_bytes for c in a2a)
+        cost = _solved_with(index, profile, pinned, memory_limit, False)[0]
+        return [f"experts {_layers_text(modules)}: the tokens arrive split along the sequence; the router runs on "
+                f"each rank's own, and each (token, expert) row goes to its expert's rank by an all-to-all "
+                f"({sent / 1e6:.2f} MB/rank each way per layer, the reverse one backward), not gathered whole"
+                f"{_forced(index)} — " + _versus(cost, chosen_s, GATHER)]
+    whole = {fqn.rsplit(".", 1)[0] for fqn, role in roles.items() if role == "expert"}
+    # an all-gather inside the experts' MoE block (its router's input): the tokens gathered whole there
+    gathered = sorted({m for c in comms if c.kind in ("all_gather", "all_gather_f")
+                       for m in whole for block in [m.rsplit(".", 1)[0]]
+                       if c.module == block or c.module.startswith(block + ".")})
+    if not gathered:
         return []
-    sent = max(c.fwd_bytes for c in comms if c.kind == "all_to_all")
-    return [f"experts {_layers_text(modules)}: the tokens arrive split along the sequence; the router runs on "
-            f"each rank's own, and each (token, expert) row goes to its expert's rank by an all-to-all "
-            f"({sent / 1e6:.2f} MB/rank each way per layer, the reverse one backward), not gathered whole"]
+    cost, prop = _solved_with(index, profile, pinned, memory_limit, True)
+    if prop is not None and not any(c.kind == "all_to_all" for c in prop.comms):
+        return []   # the all-to-all cannot take these layers' rows (their tokens do not arrive as rows)
+    return [f"experts {_layers_text(gathered)}: the tokens arrive split along the sequence and are gathered whole "
+            f"before the router{_forced(index)} — " + _versus(cost, chosen_s, DISPATCH)]
+
+
+def _forced(index: Any) -> str:
+    return "" if index.expert_dispatch is None else f" (expert_dispatch={index.expert_dispatch})"

@@ -27,7 +27,8 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                sequence_parallel: bool | None = None,
                input_placements: Mapping[str, Placement] | None = None,
                keep_split: frozenset[str] = frozenset(), align: Any = "profile",
-               host_reads: bool = True) -> tuple[Plan, GraphIndex, Propagation]:
+               host_reads: bool = True,
+               expert_dispatch: bool | None = None) -> tuple[Plan, GraphIndex, Propagation]:
     """The plan for a capture. ``memory_limit`` (bytes per rank; default: the profile's device
     memory) bounds training state + activations; a saved ``plan`` is replayed, not re-solved.
 
@@ -54,7 +55,14 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
     ``host_reads=False``: no layout that reads a device value on the host in a step (a rank
     running its own experts' rows alone reads how many it got: expert parallelism); the experts
     then run expert-TP or replicated. A layout pinning whole experts per rank, or an op of the
-    model's own program that reads on the host whatever the layout, is a PlanError naming it."""
+    model's own program that reads on the host whatever the layout, is a PlanError naming it.
+
+    ``expert_dispatch``: where the tokens arrive split along the sequence, how a rank's experts
+    get their (token, expert) rows under expert parallelism. None (default): by cost; True: by
+    the all-to-all dispatch alone (the router on each rank's own tokens, each row sent to its
+    expert's rank: Megatron's all-to-all token dispatcher); False: never by it (the tokens
+    gathered whole before the router: Megatron's all-gather dispatcher). Where no tokens arrive
+    split (no sequence parallelism) it changes nothing."""
     prof = get_profile(profile)
     if align == "profile":
         align = Align.for_profile(prof) if 0 < prof.unaligned_flops < prof.flops else None
@@ -64,6 +72,12 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
     keep = frozenset(i for i, n in enumerate(names) if n in keep_split or (n == "logits" and split_logits))
     by_key = dict(zip(cap.input_keys, cap.user_inputs))
     arriving = {by_key[k]: p for k, p in (input_placements or {}).items()}
+    if not (expert_dispatch is None or isinstance(expert_dispatch, bool)):
+        raise ConfigError(f"expert_dispatch={expert_dispatch!r}: choose None (by cost), True (the all-to-all "
+                          "dispatch) or False (the tokens gathered whole)")
+    if expert_dispatch and not host_reads:
+        raise ConfigError("expert_dispatch=True reads its split sizes on the host (a rank's experts' rows), which "
+                          "host_reads=False forbids: leave expert_dispatch to the planner, or allow host_reads")
     if sequence_parallel and not uneven:
         raise ConfigError("sequence_parallel=True needs uneven=True: a sequence shard is uneven whenever tp does "
                           "not divide a call's length; pass uneven=True, or leave sequence_parallel to the planner")
@@ -71,6 +85,7 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                              sequence_parallel=sequence_parallel is not False and uneven and tp > 1,
                              input_placements=arriving, force_sequence=bool(sequence_parallel), align=align,
                              host_reads=host_reads)
+    index.expert_dispatch = expert_dispatch
     pinned = _pinned(cap, layout, plan)
     if not host_reads:
         _refuse_model_reads(cap)
@@ -145,7 +160,8 @@ def _written(cap: Capture, index: GraphIndex, prop: Propagation, prof: Any, batc
                     module_path(nodes[c.consumer]) if c.consumer in nodes else "")
              for c in prop.comms]
     if plan is None and tp > 1:
-        notes += dispatch_note(comms)   # the layers whose tokens go to their experts by an all-to-all
+        # the layers whose tokens go to their experts by an all-to-all, or could, against the other way
+        notes += dispatch_note(index, prof, comms, roles, prop.total_s, limit, pinned)
     dtype_bytes = next(iter(n.meta["val"].element_size() for n in cap.graph.nodes
                             if n.op == "placeholder" and n.name in cap.param_names), 4)
     result = Plan(tp=tp, profile=prof.name, batch=batch, seq=seq, params=params, shapes=shapes, roles=roles,

@@ -1,6 +1,8 @@
 """The all-to-all expert dispatch in the plan: where the tokens arrive split along the sequence,
 the solver weighs sending each (token, expert) row to its expert's rank (an all-to-all, and the
 reverse one backward) against gathering every token on every rank, by cost."""
+import re
+
 import pytest
 import torch
 
@@ -86,3 +88,52 @@ def test_the_dispatch_prices_its_two_host_reads():
                                 layout={"*.experts.*": "expert"}, sequence_parallel=True)
     assert any(str(s.inputs[0]) == "P(tokens 0)" for s in prop.chosen.values() if s.inputs), "no dispatch chosen"
     assert step_breakdown(index, prop, h200)["host_reads"] == pytest.approx(3 * h200.host_read_time())
+
+
+#: the note's comparison: "... by X ms/step (every MoE layer so: Y ms)"
+VERSUS = re.compile(r"(cheaper than|dearer than|tied with) (.+) by ([0-9.]+) ms/step \(every MoE layer so: ([0-9.]+) ms\)")
+
+
+def _tiny_mixtral():
+    config = zoo.tiny_config("mixtral", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=4, top_k=2)
+    return zoo.build("mixtral", config, device="meta")
+
+
+def _versus(plan) -> tuple[str, str, float, float]:
+    (note,) = [n for n in plan.notes if "the tokens arrive split along the sequence" in n]
+    word, other, delta, so = VERSUS.search(note).groups()
+    return note, word, float(delta), float(so)
+
+
+@pytest.mark.parametrize("batch, taken", [(TINY_BATCH, True), (8, False)])
+def test_the_note_says_by_how_much_the_way_taken_beats_the_other(batch, taken):
+    # a tiny Mixtral layer at tp 2: at batch 64 the dispatch is chosen, at batch 8 gathering the
+    # tokens whole; the note names the way taken and what the plan forced the other way costs
+    model = _tiny_mixtral()
+    plan = autotp.plan(model, tp=2, layout={"*.experts.*": "expert"}, batch=batch, **WORKLOAD)
+    other = autotp.plan(model, tp=2, layout={"*.experts.*": "expert"}, batch=batch, expert_dispatch=not taken,
+                        **WORKLOAD)
+    assert any(c.kind == "all_to_all" for c in plan.comms) is taken
+    assert any(c.kind == "all_to_all" for c in other.comms) is not taken   # the flag forces the other way
+    note, word, delta, so = _versus(plan)
+    assert ("by an all-to-all" in note) is taken and ("gathered whole before the router" in note) is not taken
+    assert word == "cheaper than"
+    assert so == pytest.approx(other.cost["step_s"] * 1e3, abs=1e-3)
+    assert delta == pytest.approx((other.cost["step_s"] - plan.cost["step_s"]) * 1e3, abs=2e-3)
+
+
+def test_expert_dispatch_false_gathers_the_tokens_and_forced_ways_say_so():
+    plan = autotp.plan(_tiny_mixtral(), tp=2, layout={"*.experts.*": "expert"}, batch=TINY_BATCH,
+                       expert_dispatch=False, **WORKLOAD)
+    assert not [c for c in plan.comms if c.kind == "all_to_all" or "tokens" in c.src + c.dst]
+    note, word, _, _ = _versus(plan)
+    assert "gathered whole before the router (expert_dispatch=False)" in note and word == "dearer than"
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    (dict(expert_dispatch="all_to_all"), "expert_dispatch='all_to_all': choose None"),
+    (dict(expert_dispatch=True, host_reads=False), "expert_dispatch=True reads its split sizes on the host"),
+])
+def test_a_bad_expert_dispatch_is_a_config_error(kwargs, says):
+    with pytest.raises(autotp.ConfigError, match=re.escape(says)):
+        autotp.plan(_tiny_mixtral(), tp=2, batch=2, seq=16, profile="h100-dgx", **kwargs)
