@@ -1,16 +1,32 @@
-"""One rank of tp=N against serial/N for two MoE shapes: expert-parallel and expert-TP, the plan's
-predicted compute beside the measured step, and the work counted (FLOPs of products, bytes
-written by the rest) against serial/N.
+"""One rank of tp=N against serial/N for two MoE shapes: expert-parallel with the tokens gathered
+(the combine a g), expert-parallel with the all-to-all dispatch, and expert-TP, each predicted
+(the cost model on a profile calibrated on this machine) beside measured, and the solver's pick
+beside the fastest measured.
 
     python benchmarks/moe_rank.py --out benchmarks/moe_rank.md
 
 The rank runs on torch's ``fake`` process-group backend (rank 0 of tp=N in this one process: its
-collectives return at once and move nothing), so its step is its own compute at the model's
-size. The shapes are Mixtral-8x7B's and Qwen3-30B-A3B's expert counts, top-k and
-heads-to-width ratios with the widths cut to fit a shared 2-core CPU (see SHAPES), 2 layers.
-Predicted: the plan's compute (``plan.cost["compute_s"]``, forward + backward + the optimizer
-step on the largest rank) under the cpu-gloo profile, which is not calibrated on this machine:
-the ratios between rows are what to read, not the absolute times.
+collectives return at once and move nothing), so its time is its own compute at the model's
+size; the peers' routing, which the dispatch needs real-sized, is emulated by mirroring the rank
+(``benchmarks/fake_peers.py`` says exactly what is emulated). Sequence parallelism is forced in
+every version (the all-to-all dispatch exists only where the tokens arrive split along the
+sequence), so the versions differ in the experts' path alone:
+
+* expert-parallel, g combine: whole experts per rank, the tokens gathered whole before the
+  router, a rank's rows cut from them (``expert_dispatch=False``);
+* expert-parallel, all-to-all dispatch: whole experts per rank, each (token, expert) row sent
+  from its token's rank to its expert's (``expert_dispatch=True``; where the router runs, on the
+  rank's own tokens or on every token, is the solver's choice);
+* expert-TP: every expert's gate|up column, down row (the router where the solver puts it).
+
+The combine is the one g in all three. The shapes are Mixtral-8x7B's and Qwen3-30B-A3B's expert
+counts, top-k and heads-to-width ratios with the widths cut to fit a shared 2-core CPU (SHAPES),
+2 layers. Predicted: the cost model's forward + backward for the rank (products, attention,
+memory-bound, host reads: ``cost_model/symbolic.step_breakdown``) at the measured workload, on a
+profile ``calibrate()`` measures at the start of the run (one thread, as the steps run). The
+plans are solved at the measured workload on that profile; the solver picks by its whole step
+(compute + the collectives the fake backend does not run), so the pick is also given by the
+predicted compute alone, the part measured here.
 """
 from __future__ import annotations
 
@@ -23,10 +39,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import machine, publish, timed_step
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.common import machine, publish  # noqa: E402
+from benchmarks.fake_peers import EMULATED, mirrored_peers  # noqa: E402
 
 #: (family, tiny_config arguments): the published models' experts, top-k and heads, narrower
 SHAPES = {
@@ -37,108 +54,265 @@ SHAPES = {
     "Qwen3-30B-A3B / 4": ("qwen3-moe", dict(heads=8, kv_heads=1, head_dim=64, experts=128, top_k=8,
                                             moe_intermediate_size=192, vocab=4096)),
 }
-LAYERS, BATCH, SEQ, WARMUP, STEPS = 2, 2, 128, 1, 7
-IMPL = "grouped_mm"
-LAYOUTS = {
-    "expert-parallel": {"*.experts.*": "expert"},
-    "expert-TP": {"*.experts.gate_up_proj": "expert_column", "*.experts.down_proj": "expert_row"},
+LAYERS, IMPL = 2, "grouped_mm"
+EP = {"*.experts.*": "expert"}
+ETP = {"*.experts.gate_up_proj": "expert_column", "*.experts.down_proj": "expert_row"}
+
+
+#: name -> (layout pinned, expert_dispatch: how expert parallelism's rows reach their experts)
+VERSIONS = {
+    "expert-parallel, g combine": (EP, False),
+    "expert-parallel, all-to-all dispatch": (EP, True),
+    "expert-TP": (ETP, None),
 }
 
 
-def _model(family: str, extra: dict, device: str = "cpu"):
+def _model(family: str, extra: dict, seq: int, device: str = "cpu"):
     from autotp import zoo
 
-    config = zoo.tiny_config(family, layers=LAYERS, positions=SEQ, **extra)
+    config = zoo.tiny_config(family, layers=LAYERS, positions=seq, **extra)
     config._experts_implementation = IMPL
     return zoo.build(family, config, seed=0, device=device), config
 
 
-def _counted(model, batch) -> tuple[int, int]:
+def _fwd_bwd(module, batch: dict) -> float:
+    module.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    module(**batch).loss.backward()
+    return time.perf_counter() - start
+
+
+def _counted(module, batch: dict):
     from autotp.testing.work import WorkCounter
 
     with WorkCounter() as work:
-        model(**batch).loss.backward()
-    model.zero_grad()
-    return work.flops, work.bytes
+        module(**batch).loss.backward()
+    module.zero_grad(set_to_none=True)
+    return work
 
 
-def measure(family: str, extra: dict, tp: int) -> dict:
+def _per_op(module, batch: dict, repeats: int = 3) -> dict[str, float]:
+    """Self CPU seconds per ATen op of a forward + backward: each op's least over ``repeats``
+    profiled steps (a step shares two cores with other work: the least is the op's own time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out: dict[str, float] = {}
+    for i in range(repeats):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            module(**batch).loss.backward()
+        module.zero_grad(set_to_none=True)
+        step: dict[str, float] = {}
+        for e in prof.key_averages():
+            if e.key.startswith("aten::"):
+                name = e.key.removeprefix("aten::")
+                step[name] = step.get(name, 0.0) + e.self_cpu_time_total / 1e6
+        out = step if i == 0 else {op: min(t, step.get(op, 0.0)) for op, t in out.items()}
+    return out
+
+
+def _kind(plan) -> str:
+    """Which version a plan is: its experts' roles and whether it holds the all-to-all."""
+    roles = {r for n, r in plan.roles.items() if ".experts." in n}
+    a2a = any(c.kind == "all_to_all" for c in plan.comms)
+    if roles == {"expert"}:
+        return "expert-parallel, all-to-all dispatch" if a2a else "expert-parallel, g combine"
+    if roles == {"expert_column", "expert_row"}:
+        return "expert-TP"
+    return "other (" + ", ".join(sorted(roles)) + ")"
+
+
+def _moe_comms(plan) -> str:
+    """The collectives of the first MoE block (forward kind, what they move)."""
+    first = next((c.module for c in plan.comms if ".mlp" in c.module), "")
+    block = first.split(".mlp")[0] + ".mlp"
+    return ", ".join(f"{c.kind} {c.src}->{c.dst}" for c in plan.comms if c.module.startswith(block))
+
+
+def _predicted(model, example: dict, tp: int, batch: int, seq: int, profile, layout, dispatch=None):
+    """(the plan, the rank's predicted forward + backward split, predicted communication s) of the
+    call ``example``, as ``parallelize`` plans it on CPU (no product padded)."""
+    from autotp.capture import capture
+    from autotp.cost_model.symbolic import step_breakdown
+    from autotp.planner import build_plan
+
+    plan, index, prop = build_plan(capture(model, (), example), tp, batch=batch, seq=seq, profile=profile,
+                                   layout=layout, sequence_parallel=True if tp > 1 else None, align=None,
+                                   expert_dispatch=dispatch)
+    return plan, step_breakdown(index, prop, profile), prop.comm_s
+
+
+def _compute(parts: dict) -> float:
+    return parts["products"] + parts["attention"] + parts["memory"] + parts["host_reads"]
+
+
+def measure(family: str, extra: dict, tp: int, batch_size: int, seq: int, steps: int, profile) -> dict:
     import autotp
     from autotp import zoo
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    torch.set_num_threads(1)
-    model, config = _model(family, extra)
-    batch = zoo.example_batch(family, config, batch=BATCH, seq=SEQ, seed=1)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    serial = {"times": [], "work": _counted(model, batch),
-              "predicted": autotp.plan(_model(family, extra, "meta")[0], 1, batch=BATCH, seq=SEQ,
-                                       profile="cpu-gloo").cost["compute_s"]}
+    model, config = _model(family, extra, seq)
+    batch = zoo.example_batch(family, config, batch=batch_size, seq=seq, seed=1)
+    serial_parts = _predicted(model, batch, 1, batch_size, seq, profile, None)[1]
+    runs = {"serial": {"module": model, "work": _counted(model, batch), "times": [],
+                       "predicted": _compute(serial_parts) / tp, "comm": 0.0, "by_op": serial_parts["by_op"], "split": serial_parts}}
     dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
-    runs = {}
-    for name, layout in LAYOUTS.items():
-        pm = autotp.parallelize(_model(family, extra)[0], tp, layout=layout, batch=BATCH, seq=SEQ, profile="cpu-gloo")
-        runs[name] = {"pm": pm, "opt": torch.optim.AdamW(pm.parameters(), lr=1e-4), "times": [],
-                      "work": _counted(pm, batch), "predicted": pm.plan.cost["compute_s"]}
-    chosen = autotp.plan(_model(family, extra, "meta")[0], tp, batch=BATCH, seq=SEQ, profile="cpu-gloo")
-    for step in range(WARMUP + STEPS):   # alternating, so that load on the machine hits all alike
-        elapsed = timed_step(model, opt, batch)
-        if step >= WARMUP:
-            serial["times"].append(elapsed)
+    for name, (layout, dispatch) in VERSIONS.items():
+        plan, parts, comm = _predicted(model, batch, tp, batch_size, seq, profile, layout, dispatch)
+        if _kind(plan) != name:
+            raise RuntimeError(f"{name}: the solver's plan at this workload is {_kind(plan)}")
+        with mirrored_peers():
+            pm = autotp.parallelize(_model(family, extra, seq)[0], tp, layout=layout, batch=batch_size, seq=seq,
+                                    profile=profile, sequence_parallel=True, example_kwargs=batch,
+                                    expert_dispatch=dispatch)
+            EMULATED["scatters"] = 0
+            work = _counted(pm, batch)   # the first call: its program is written here, under the emulation
+        if len(pm._programs) != 1 or [c.kind for c in pm.plan.comms] != [c.kind for c in plan.comms]:
+            raise RuntimeError(f"{name}: ran {len(pm._programs)} programs, or not the plan predicted")
+        runs[name] = {"module": pm, "work": work, "times": [], "predicted": _compute(parts), "comm": comm,
+                      "by_op": parts["by_op"], "split": parts, "emulated": EMULATED["scatters"],
+                      "moe_comms": _moe_comms(plan)}
+    chosen = _predicted(model, batch, tp, batch_size, seq, profile, None)[0]
+    for run in runs.values():   # warm-up
+        _fwd_bwd(run["module"], batch)
+    for _ in range(steps):   # alternating, so that load on the machine hits all alike
         for run in runs.values():
-            elapsed = timed_step(run["pm"], run["opt"], batch)
-            if step >= WARMUP:
-                run["times"].append(elapsed)
+            run["times"].append(_fwd_bwd(run["module"], batch))
+    for run in runs.values():
+        run["ops"] = _per_op(run["module"], batch)
     dist.destroy_process_group()
-    out = {"serial": {k: v for k, v in serial.items()}}
-    for name, run in runs.items():
-        out[name] = {k: run[k] for k in ("times", "work", "predicted")}
-    out["notes"] = [n for n in chosen.notes if n.startswith("experts ")]
+    return {"runs": runs, "chosen": _kind(chosen), "chosen_step_s": chosen.cost["step_s"],
+            "notes": [n for n in chosen.notes if n.startswith("experts ")]}
+
+
+#: measured ATen ops (the profiler's names) that are products, and attention
+PRODUCTS = ("mm", "bmm", "addmm", "baddbmm", "_grouped_mm", "addmv", "mv", "dot")
+ATTENTION = ("_scaled_dot_product", "_flash_attention", "_efficient_attention")
+
+
+def _measured_split(ops: dict[str, float]) -> dict[str, float]:
+    out = {"products": 0.0, "attention": 0.0, "memory": 0.0}
+    for op, t in ops.items():
+        kind = ("products" if op in PRODUCTS else "attention" if op.startswith(ATTENTION) else "memory")
+        out[kind] += t
     return out
+
+
+def _short(op: str) -> str:
+    """``aten.mul.Tensor`` -> ``mul``: the predicted op (priced forward + backward under its
+    forward's name) by the name the profiler gives its forward kernel."""
+    parts = op.split(".")
+    return parts[1] if parts[0] == "aten" and len(parts) > 1 else op
+
+
+def _split_table(runs: dict, names: list[str]) -> list[str]:
+    """Predicted beside measured forward + backward, split as a profiler splits a step."""
+    lines = ["| version | products ms (predicted / measured) | attention | memory-bound and the rest | "
+             "host reads (predicted) |", "|---|---|---|---|---|"]
+    for n in names:
+        run, measured = runs[n], _measured_split(runs[n]["ops"])
+        cells = [f"{run['split'][k] * 1e3:.1f} / {measured[k] * 1e3:.1f}" for k in ("products", "attention", "memory")]
+        lines.append(f"| {n} | " + " | ".join(cells) + f" | {run['split']['host_reads'] * 1e3:.2f} |")
+    return lines
+
+
+def _op_table(runs: dict, names: list[str]) -> list[str]:
+    """Predicted beside measured per ATen op (the profiler's forward name; a prediction holds
+    its op's backward too, the profiler puts backward kernels under their own names): the ops
+    where the two part most."""
+    lines = ["| aten op | " + " | ".join(f"{n}: predicted / measured ms" for n in names) + " |",
+             "|---|" + "---|" * len(names)]
+    predicted = {n: {} for n in names}
+    for n in names:
+        for op, t in runs[n]["by_op"].items():
+            predicted[n][_short(op)] = predicted[n].get(_short(op), 0.0) + t
+    gaps: dict[str, float] = {}
+    for n in names:
+        for op in set(predicted[n]) | set(runs[n]["ops"]):
+            gap = abs(predicted[n].get(op, 0.0) - runs[n]["ops"].get(op, 0.0))
+            gaps[op] = max(gaps.get(op, 0.0), gap)
+    for op in sorted(gaps, key=lambda o: -gaps[o])[:12]:
+        cells = [f"{predicted[n].get(op, 0.0) * 1e3:.2f} / {runs[n]['ops'].get(op, 0.0) * 1e3:.2f}" for n in names]
+        lines.append(f"| `{op}` | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=7)
     args = parser.parse_args()
+    from autotp.cost_model.devices import calibrate
+
     started = time.time()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    profile = calibrate("cpu-calibrated")
     tp = args.tp
     lines = [
-        f"# One rank of tp={tp} against serial/{tp}: MoE experts, predicted and measured",
+        f"# One rank of tp={tp} against serial/{tp}: MoE experts layouts and the all-to-all dispatch, predicted "
+        "and measured",
         "",
-        "Command: `python benchmarks/moe_rank.py --out benchmarks/moe_rank.md`",
+        "Command: `python benchmarks/moe_rank.py " + " ".join(sys.argv[1:]) + "`",
         "",
-        machine() + " Load average at the end: {:.1f}, {:.1f}, {:.1f}.",
+        machine() + " Load average at the start: {:.1f}, {:.1f}, {:.1f}; at the end: {{:.1f}}, {{:.1f}}, "
+        "{{:.1f}}.".format(*os.getloadavg()),
         "",
-        f"{LAYERS} layers, batch {BATCH} x seq {SEQ}, float32, experts implementation `{IMPL}`; one thread. A step is "
-        f"forward, backward and AdamW; {WARMUP} warm-up step, {STEPS} timed, serial and the layouts "
-        f"alternating. The rank is rank 0 of tp={tp} on the `fake` backend (its collectives move nothing: its own "
-        "compute). Efficiency: (serial step / tp) / rank step, 1.0 being a rank doing exactly its share. Work: one "
-        "counted forward + backward (`autotp/testing/work.py`), the rank's over serial's / tp.",
+        f"{LAYERS} layers, batch {args.batch} x seq {args.seq}, float32, experts implementation `{IMPL}`, one "
+        f"thread. Timed: forward + backward, 1 warm-up, then {args.steps} of each version in turn (median, best). "
+        f"The rank is rank 0 of tp={tp} on the `fake` backend (its collectives move nothing: its own compute), "
+        "sequence parallelism forced in every version; the peers' routing mirrored "
+        "(`benchmarks/fake_peers.py`). Predicted: the rank's forward + backward compute on profile "
+        f"`{profile.name}`, calibrated at the start of this run ({profile.flops / 1e9:.0f} GFLOP/s products, "
+        f"{profile.mem_bw / 1e9:.1f} GB/s memory, {profile.link_bw / 1e9:.2f} GB/s link, one thread); "
+        "communication predicted but not run. Efficiency: (serial / tp) / rank. FLOPs: the rank's counted "
+        "products against serial's / tp (the rows routed to its experts).",
         "",
-        "| shape | plan | predicted compute ms | measured step ms (median) | best ms | efficiency predicted | "
-        "efficiency measured (median) | (best) | FLOPs / (serial/tp) | bytes written / (serial/tp) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | version | predicted compute ms | measured ms (median) | (best) | predicted efficiency | "
+        "measured efficiency (median) | predicted comm ms | FLOPs / (serial/tp) | bytes moved / (serial/tp) | "
+        "token-row tensors mirrored per step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    notes = []
+    picks, notes, op_tables, comms = [], [], [], []
     for label, (family, extra) in SHAPES.items():
-        result = measure(family, extra, tp)
-        serial = result["serial"]
-        s_med, s_best, s_pred = statistics.median(serial["times"]), min(serial["times"]), serial["predicted"]
-        s_flops, s_bytes = serial["work"]
-        lines.append(f"| {label} | serial / {tp} | {s_pred / tp * 1e3:.1f} | {s_med / tp * 1e3:.1f} | "
-                     f"{s_best / tp * 1e3:.1f} | 1.00 | 1.00 | 1.00 | 1.00 | 1.00 |")
-        for name in LAYOUTS:
-            run = result[name]
-            med, best = statistics.median(run["times"]), min(run["times"])
-            flops, written = run["work"]
-            lines.append(f"| {label} | {name} | {run['predicted'] * 1e3:.1f} | {med * 1e3:.1f} | {best * 1e3:.1f} | "
-                         f"{s_pred / tp / run['predicted']:.2f} | {s_med / tp / med:.2f} | {s_best / tp / best:.2f} | "
-                         f"{flops / (s_flops / tp):.2f} | {written / (s_bytes / tp):.2f} |")
+        result = measure(family, extra, tp, args.batch, args.seq, args.steps, profile)
+        runs = result["runs"]
+        serial = runs["serial"]
+        s_med = statistics.median(serial["times"]) / tp
+        s_flops, s_moved = serial["work"].flops / tp, serial["work"].moved / tp
+        lines.append(f"| {label} | serial / {tp} | {serial['predicted'] * 1e3:.1f} | {s_med * 1e3:.1f} | "
+                     f"{min(serial['times']) / tp * 1e3:.1f} | 1.00 | 1.00 | - | 1.00 | 1.00 | - |")
+        for name in VERSIONS:
+            run = runs[name]
+            med = statistics.median(run["times"])
+            lines.append(f"| {label} | {name} | {run['predicted'] * 1e3:.1f} | {med * 1e3:.1f} | "
+                         f"{min(run['times']) * 1e3:.1f} | {serial['predicted'] / run['predicted']:.2f} | "
+                         f"{s_med / med:.2f} | {run['comm'] * 1e3:.1f} | {run['work'].flops / s_flops:.2f} | "
+                         f"{run['work'].moved / s_moved:.2f} | {run['emulated']} |")
+        measured = {n: statistics.median(runs[n]["times"]) for n in VERSIONS}
+        fastest = min(measured, key=measured.get)
+        by_compute = min(VERSIONS, key=lambda n: runs[n]["predicted"])
+        pick = result["chosen"]
+        verdict = (f"{measured[pick] / measured[fastest]:.2f}x the fastest's measured time"
+                   if pick in measured else "not one of the versions measured")
+        picks.append(f"| {label} | {pick} ({result['chosen_step_s'] * 1e3:.1f} ms predicted step) | {by_compute} | "
+                     f"{fastest} | {verdict} |")
         notes += [f"- {label}: {n}" for n in result["notes"]]
+        comms += [f"- {label}, {name}: {runs[name]['moe_comms']}" for name in VERSIONS]
+        op_tables += ["", f"### {label}: where the time goes, predicted and measured (each op's least of 3 "
+                      "profiled forward + backward steps; serial whole, not / tp)", ""]
+        op_tables += _split_table(runs, ["serial", *VERSIONS])
+        op_tables += ["", "The 12 ATen ops where prediction and measurement part most:", ""]
+        op_tables += _op_table(runs, ["serial", *VERSIONS])
     lines[4] = lines[4].format(*os.getloadavg()) + f" Wall time {time.time() - started:.0f} s."
-    lines += ["", "## The solver's own choice (nothing pinned)", ""] + notes
+    lines += ["", "## The solver's pick (nothing pinned, sequence parallelism forced) against the fastest measured", "",
+              "| shape | solver's pick (whole step: compute + communication) | pick by predicted compute alone | "
+              "fastest measured (median) | the solver's pick measured |", "|---|---|---|---|---|"] + picks
+    lines += ["", "The plan's notes:", ""] + notes
+    lines += ["", "The collectives of each version's first MoE block (the plan's, kind and placements):", ""] + comms
+    lines += op_tables
     publish(lines, args.out)
 
 

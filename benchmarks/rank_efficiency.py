@@ -15,7 +15,9 @@ model (published widths, fewer layers) it measures, side by side in one run:
   measured workload, on ``--profile``.
 
 Mixtures of experts run each experts layout the planner weighs (``--layouts``: the default plan,
-expert-parallel, expert-TP), predicted and measured side by side.
+expert-parallel, expert-TP, and expert-parallel with the all-to-all dispatch under sequence
+parallelism, the peers' routing mirrored: ``benchmarks/fake_peers.py``), predicted and measured
+side by side. ``benchmarks/moe_rank.py`` does the same on CPU at narrower widths.
 
     python benchmarks/rank_efficiency.py                           # CPU: the figures in rank_efficiency.md
     python benchmarks/rank_efficiency.py --device cuda --dtype bfloat16 --batch 8 --seq 1024 \\
@@ -35,10 +37,15 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import machine, publish  # noqa: E402
+from benchmarks.fake_peers import mirrored_peers  # noqa: E402
 
-#: experts layouts pinned: the expert stacks' names in transformers' MoE blocks
-EXPERTS = {"expert-parallel": {"*.experts.gate_up_proj": "expert", "*.experts.down_proj": "expert"},
-           "expert-TP": {"*.experts.gate_up_proj": "expert_column", "*.experts.down_proj": "expert_row"}}
+#: experts layouts pinned (the expert stacks' names in transformers' MoE blocks), as planning
+#: arguments; the all-to-all dispatch needs the tokens split along the sequence, and on the fake
+#: backend the peers' routing mirrored (benchmarks/fake_peers.py)
+_EP = {"*.experts.gate_up_proj": "expert", "*.experts.down_proj": "expert"}
+EXPERTS = {"expert-parallel": dict(layout=_EP),
+           "expert-TP": dict(layout={"*.experts.gate_up_proj": "expert_column", "*.experts.down_proj": "expert_row"}),
+           "expert-parallel, all-to-all dispatch": dict(layout=_EP, sequence_parallel=True, expert_dispatch=True)}
 
 
 def _sync(device: str) -> None:
@@ -101,7 +108,7 @@ def per_op(module, batch: dict, device: str) -> tuple[dict, float]:
     return out, (busy / 1e3 / wall if device != "cpu" else float("nan"))
 
 
-def predicted(model, tp: int, batch: int, seq: int, profile: str, layout) -> tuple[float, float]:
+def predicted(model, tp: int, batch: int, seq: int, profile: str, planning: dict) -> tuple[float, float]:
     """The cost model's forward + backward seconds: this rank's, and serial's / tp."""
     from autotp.capture import capture
     from autotp.cost_model import get_profile
@@ -110,7 +117,7 @@ def predicted(model, tp: int, batch: int, seq: int, profile: str, layout) -> tup
 
     prof = get_profile(profile)
     cap = capture(model)
-    rank = step_breakdown(*build_plan(cap, tp, batch=batch, seq=seq, profile=prof, layout=layout)[1:], prof)
+    rank = step_breakdown(*build_plan(cap, tp, batch=batch, seq=seq, profile=prof, **planning)[1:], prof)
     serial = step_breakdown(*build_plan(cap, 1, batch=batch, seq=seq, profile=prof)[1:], prof)
     fwd_bwd = lambda b: b["products"] + b["attention"] + b["memory"]   # noqa: E731
     return fwd_bwd(rank), fwd_bwd(serial) / tp
@@ -137,7 +144,7 @@ def run_model(spec: str, args) -> list[str]:
     family, model = model_for(name, int(layers or 2), getattr(torch, args.dtype), args.device)
     batch = {k: v.to(args.device) for k, v in zoo.example_batch(family.name, model.config, batch=args.batch,
                                                                  seq=args.seq, seed=0).items()}
-    layouts = {"default": None}
+    layouts = {"default": {}}
     if family.name in zoo.EXPERT_FAMILIES:
         layouts.update({k: v for k, v in EXPERTS.items() if k in args.layouts})
     lines = [f"## {name}, {int(layers or 2)} layers, tp={args.tp} rank 0 of a fake world, {args.dtype}, "
@@ -150,14 +157,17 @@ def run_model(spec: str, args) -> list[str]:
         compiled_serial = timed(torch.compile(model), batch, args.device, args.repeats)
     rows = []
     rank_ops = {}
-    for label, layout in layouts.items():
-        pm = autotp.parallelize(model, args.tp, profile=args.profile, batch=args.plan_batch, seq=args.plan_seq,
-                                layout=layout, device=args.device)
+    for label, planning in layouts.items():
+        with mirrored_peers():   # the program is written at the first call
+            pm = autotp.parallelize(model, args.tp, profile=args.profile, batch=args.plan_batch, seq=args.plan_seq,
+                                    device=args.device, **planning)
+            step(pm, batch)
+            pm.zero_grad(set_to_none=True)
         rank_s = timed(pm, batch, args.device, args.repeats)
         counts = counted(pm, batch)
         ops, busy = per_op(pm, batch, args.device)
         rank_ops[label] = ops
-        pred_rank, pred_serial = predicted(model, args.tp, args.batch, args.seq, args.profile, layout)
+        pred_rank, pred_serial = predicted(model, args.tp, args.batch, args.seq, args.profile, planning)
         compiled = timed(torch.compile(pm), batch, args.device, args.repeats) if args.compile else None
         rows.append((label, rank_s, counts, busy, pred_rank, pred_serial, compiled, pm.plan))
         del pm

@@ -1,0 +1,106 @@
+"""Peers that mirror the measured rank, for one rank of tp=N timed alone on torch's ``fake`` backend.
+
+On the fake process-group backend a rank runs alone: its collectives return at once and move
+nothing real. What they leave behind (torch 2.13's ``FakeProcessGroup``, checked in
+``tests/test_fake_peers.py``): an all-gather fills every rank's block with this rank's own
+input (the peers *mirror* the rank); a reduce-scatter returns the input's first block; an
+all-reduce returns the input as it is; an all-to-all fills the block received from each peer
+with the first rows of this rank's send buffer.
+
+That is enough to size a rank's compute everywhere but one place: a tensor held as a rank's
+own *token rows* (the tokens of a sequence split, flattened: ``Routed(tokens=True)``, the
+router's top-k ids and weights under sequence parallelism) made whole by scattering the rows
+into zeros and all-reducing (``autotp/distributed/experts.routed_scatter`` then a g). Alone,
+the all-reduce leaves the peers' tokens zero: every peer's token routed to expert 0, so rank 0
+of an expert-parallel layer would receive every peer's rows and the others none.
+
+:func:`mirrored_peers` makes that all-reduce's result what the fake all-gather already makes of
+a sequence shard: every peer holds its tokens routed as this rank's are (this rank's rows
+written at each peer's positions, ``tp`` copies along the sequence). Then, on rank 0:
+
+* the expert ids and routing weights of every token are real-sized, the routing of the same
+  tokens the gathering layouts see (their router runs on the fake all-gather's ``tp`` copies);
+* the all-to-all dispatch (``autotp/distributed/experts.dispatch_rows``) counts, from that
+  routing, the rows it receives from each peer: the rows its own tokens send its own experts,
+  once per peer (never a fixed count); the fake all-to-all then fills each peer's block with
+  the first rows of the rank's send buffer, which are sorted by destination rank, so on rank 0
+  they are exactly those rows. Backward, the reverse all-to-all's blocks have the right sizes;
+  their values are the rank's first rows again (real numbers, not the peers' gradients).
+
+What it does not emulate: a peer's own draw of routing (the peers' loads are copies of this
+rank's, so the rank's experts get ``tp`` times its own tokens' rows for them: its share with
+its own tokens' imbalance, not the average over ranks), and the time the collectives take
+(none is run). The benchmark reports the rank's product FLOPs against its share, which says
+how far its experts' rows were from the even share in each run.
+
+Only a benchmark uses this: it patches two names of autotp's rewrite while the rank's programs
+are written (the graph's nodes keep the functions they were made with), and needs every rank's
+sequence run of equal length (``seq % tp == 0``).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence
+
+import torch
+
+#: how many token-row tensors the mirrored scatter made whole (forward calls)
+EMULATED = {"scatters": 0}
+#: autotp's own functions, while patched (set by :func:`mirrored_peers`)
+_PLAIN: dict = {}
+
+
+def _token_rows(x: torch.Tensor, dim: int, outer: Sequence[int], seq: int, tp: int, rank: int) -> torch.Tensor:
+    rows = _PLAIN["token_rows"](x, dim, outer, seq, tp, rank)
+    rows._fake_peers = (int(seq), tp, rank)   # the map of a sequence split's tokens, as made
+    return rows
+
+
+class _Mirrored(torch.autograd.Function):
+    """Forward: the whole ``[outer * tp * run, ...]`` tensor with this rank's ``[outer * run,
+    ...]`` rows at every rank's positions (one write of the whole, as the real scatter's zeros
+    and its rows). Backward: the rank's own rows of the gradient (the real scatter's backward,
+    the all-reduce's being the identity): the emulation costs what the scatter it stands for
+    costs, so it does not weigh on the timing."""
+
+    @staticmethod
+    def forward(ctx, x, rows, tp, run):
+        ctx.save_for_backward(rows)
+        rest = tuple(x.shape[1:])
+        outer = x.shape[0] // run
+        return x.reshape(outer, 1, run, *rest).expand(outer, tp, run, *rest).reshape(outer * tp * run, *rest)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (rows,) = ctx.saved_tensors
+        return grad.index_select(0, rows), None, None, None
+
+
+def _mirrored_scatter(x: torch.Tensor, rows: torch.Tensor, dim: int, span: int, shape: Sequence[int]) -> torch.Tensor:
+    routed_scatter = _PLAIN["routed_scatter"]
+    layout = getattr(rows, "_fake_peers", None)
+    if layout is None:   # rows of experts: the rank's own, zero elsewhere, as on a real world
+        return routed_scatter(x, rows, dim, span, shape)
+    seq, tp, rank = layout
+    if seq % tp or dim != 0 or span != 1:
+        raise ValueError(f"mirrored peers need equal sequence runs (seq {seq}, tp {tp}) and token rows along "
+                         f"dim 0 (got dim {dim}, span {span})")
+    EMULATED["scatters"] += 1
+    # each peer p holds its positions [p*run, (p+1)*run) of every sequence: this rank's rows there
+    return _Mirrored.apply(x, rows, tp, seq // tp).view([int(s) for s in shape])
+
+
+@contextlib.contextmanager
+def mirrored_peers() -> Iterator[None]:
+    """While a rank's programs are written (``parallelize`` and its first call): make the whole
+    of every token-row tensor as if every peer routed its tokens as this rank does."""
+    from autotp.distributed import experts as E
+    from autotp.passes import rewrite
+
+    saved = E.token_rows, rewrite.routed_scatter
+    _PLAIN.update(token_rows=E.token_rows, routed_scatter=rewrite.routed_scatter)
+    E.token_rows, rewrite.routed_scatter = _token_rows, _mirrored_scatter
+    try:
+        yield
+    finally:
+        E.token_rows, rewrite.routed_scatter = saved
