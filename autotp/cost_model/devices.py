@@ -38,8 +38,10 @@ class DeviceProfile:
     runs at ``attention_flops`` with a head dim of 128, ``sqrt(d/128)`` of it for a smaller one,
     and ``attention_dropout`` of that where it draws dropout. Memory-bound kernels move their
     bytes at ``mem_bw`` times their class's share (``class_bw``: elementwise, cast, reduction,
-    softmax, norm, random, scatter; ``strided``: elementwise kernels on a strided or broadcast
-    operand, PyTorch's non-vectorized path), and every kernel costs ``launch_s`` more.
+    softmax, norm, random, scatter; ``strided`` and ``broadcast``: elementwise kernels on a
+    strided operand or on one broadcast against the output, PyTorch's non-vectorized path on a
+    GPU; a profile without a ``broadcast`` share prices those at its ``strided`` one), and every
+    kernel costs ``launch_s`` more.
 
     A read of a device value on the host (a rank counting its own experts' rows) costs
     :meth:`host_read_time`: the host stops queueing until the device has run everything queued
@@ -80,10 +82,10 @@ class DeviceProfile:
 
     def bandwidth(self, op_class: str) -> float:
         """Bytes/s a memory-bound kernel of ``op_class`` attains."""
-        for name, share in self.class_bw:
-            if name == op_class:
-                return share * self.mem_bw
-        return self.mem_bw
+        shares = dict(self.class_bw)
+        if op_class == "broadcast" and op_class not in shares:   # a profile from before the two were told apart
+            op_class = "strided"
+        return shares.get(op_class, 1.0) * self.mem_bw
 
     def product_rate(self, work: float, k: float, aligned: bool = True) -> float:
         """FLOP/s of a product of ``work`` multiply-adds contracting ``k``."""

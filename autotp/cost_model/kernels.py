@@ -77,7 +77,7 @@ _FACTORIES = frozenset({aten.zeros.default, aten.ones.default, aten.full.default
                         aten.empty_like.default, aten.fill_.Scalar})
 
 #: the classes of memory-bound kernels a profile gives a bandwidth each
-CLASSES = ("elementwise", "strided", "cast", "reduction", "softmax", "norm", "random", "scatter")
+CLASSES = ("elementwise", "strided", "broadcast", "cast", "reduction", "softmax", "norm", "random", "scatter")
 
 
 @dataclass(frozen=True)
@@ -264,7 +264,7 @@ def _elementwise_work(op: _Op) -> OpWork:
     carries a gradient: a kernel that writes it (reading the incoming gradient and what the
     formula saved), and a reduction where the input was broadcast."""
     t = op.info.target
-    cls = "strided" if _strided(op) else "elementwise"
+    cls = _layout_class(op)
     moved = [(cls, sum(op.b_in, sympy.Integer(0)) + op.out_bytes)]
     launches = 1
     out_float = bool(op.outputs) and op.outputs[0].is_float
@@ -291,16 +291,18 @@ def _elementwise_work(op: _Op) -> OpWork:
     return OpWork(moved=tuple(moved), launches=launches)
 
 
-def _strided(op: _Op) -> bool:
-    """Does the op take PyTorch's non-vectorized elementwise path: an input strided (a
-    transpose's, an expand's) or broadcast against the output (a norm's weight, a per-token
-    scale), other than a single number?"""
+def _layout_class(op: _Op) -> str:
+    """The class of an elementwise kernel by its operands' layout: ``strided`` where an input is
+    strided (a transpose's, an expand's), ``broadcast`` where one is broadcast against the
+    output (a norm's weight, a per-token scale), other than a single number; ``elementwise``
+    otherwise. A GPU runs both of the first two on PyTorch's non-vectorized path alike; a CPU
+    runs a broadcast one near a contiguous one's rate and a transposed one far below it."""
     strided = getattr(op.info, "strided_inputs", ()) or ()
     if any(strided):
-        return True
-    if not op.n_out:
-        return False
-    return any(sympy.simplify(n - op.n_out[0]) != 0 and n != 1 for n in op.n_in)
+        return "strided"
+    if op.n_out and any(sympy.simplify(n - op.n_out[0]) != 0 and n != 1 for n in op.n_in):
+        return "broadcast"
+    return "elementwise"
 
 
 def _cast_work(op: _Op) -> OpWork:

@@ -183,8 +183,9 @@ def fit_product_shape(peak: float, small: tuple[int, int, int], small_rate: floa
 def measure_op_classes(device: str = "cpu", dtype=None, numel: int = 1 << 22, repeats: int = 3) -> dict[str, float]:
     """Bytes/s each memory-bound op class attains on ``numel``-element tensors (the bytes each
     kernel reads and writes, as :mod:`.kernels` counts them): a contiguous add; the same add on
-    a transposed operand and a broadcast row (PyTorch's strided path); a cast to float32; a sum
-    over the rows; a log-softmax over rows; a layer norm; dropout; and a scatter-add of rows."""
+    a transposed operand (strided); a product with a broadcast row and with a broadcast column
+    (a norm's weight, a per-token scale: broadcast); a cast to float32; a sum over the rows; a
+    log-softmax over rows; a layer norm; dropout; and a scatter-add of rows."""
     import torch
 
     dtype = dtype or torch.float32
@@ -199,10 +200,12 @@ def measure_op_classes(device: str = "cpu", dtype=None, numel: int = 1 << 22, re
     n = rows * cols
     index = torch.randint(0, rows, (rows,), device=device)
     table = torch.zeros(rows, cols, device=device, dtype=dtype)
+    row, col = torch.randn(cols, device=device, dtype=dtype), torch.randn(rows, 1, device=device, dtype=dtype)
     ln = torch.nn.functional.layer_norm
     measured = {
         "elementwise": (3 * n * eb, lambda: torch.add(x, y, out=out)),
         "strided": (3 * n * eb, lambda: torch.add(x, yt, out=out)),
+        "broadcast": ((4 * n + rows + cols) * eb, lambda: (torch.mul(x, row, out=out), torch.mul(x, col, out=out))),
         "cast": (n * eb + n * wide.itemsize, lambda: x.to(wide)),
         "reduction": (n * eb, lambda: x.sum(0)),
         "softmax": (2 * n * eb, lambda: torch.log_softmax(x, dim=-1)),

@@ -152,6 +152,28 @@ def test_an_elementwise_op_on_a_broadcast_operand_takes_the_strided_rate():
                                                                          + H100.launch_s)
 
 
+def test_a_broadcast_operand_takes_the_broadcast_share_where_a_profile_has_one():
+    # a CPU runs a product with a norm's weight or a per-token scale near a contiguous one's rate
+    # and an add of a transposed operand at a few percent of it (1 thread: 15.6 and 11.4 GB/s
+    # against 14.2 contiguous, 0.8 transposed): calibrate() measures the two apart, and a
+    # broadcast operand once took the transposed add's rate (an ETP rank's routing-weight
+    # product on CPU priced 117 ms, measured 5: benchmarks/moe_rank.md). A profile without a
+    # broadcast share (the GPU ones, where both take the non-vectorized path) prices it at its
+    # strided share, as before
+    from dataclasses import replace
+
+    x = TensorMeta((b * s, sympy.Integer(4096)), torch.float32)
+    scale = TensorMeta((b * s, sympy.Integer(1)), torch.float32)
+    broadcast = OpInfo(aten.mul.Tensor, (x, scale), {}, (x, scale), x, 1)
+    broadcast.grad_inputs = (False, False)
+    cpu = replace(PROFILES["cpu-gloo"], class_bw=(("elementwise", 1.0), ("strided", 0.05), ("broadcast", 0.9)))
+    env, whole = {b: 2, s: 256}, Strategy((REPLICATE, REPLICATE), REPLICATE)
+    n = 2 * 256 * 4096 * 4
+    assert compute_time(broadcast, whole, env, cpu, 1) == pytest.approx((2 * n + n // 4096) / (0.9 * cpu.mem_bw)
+                                                                        + cpu.launch_s)
+    assert H100.bandwidth("broadcast") == H100.bandwidth("strided")
+
+
 @given(alpha=st.floats(1e-7, 1e-3), bw=st.floats(1e7, 1e12), n=st.integers(2, 16))
 def test_alpha_beta_fit_recovers_a_ring_profile(alpha, bw, n):
     sizes = [1e3, 1e5, 1e7]
