@@ -200,7 +200,7 @@ def _solved_with(index: Any, profile: Any, pinned: Mapping[str, Placement], memo
 
 
 #: the all-to-all dispatch, and the other way, in words
-DISPATCH = "the all-to-all dispatch (the router on each rank's own tokens, each row sent to its expert's rank)"
+DISPATCH = "the all-to-all dispatch (each row sent from its token's rank to its expert's)"
 GATHER = "gathering the tokens whole (the router on every token, each rank's rows cut from them)"
 
 
@@ -216,8 +216,10 @@ def dispatch_note(index: Any, profile: Any, comms: list, roles: Mapping[str, str
         modules = [c.module for c in a2a]
         sent = max(c.fwd_bytes for c in a2a)
         cost = _solved_with(index, profile, pinned, memory_limit, False)[0]
-        return [f"experts {_layers_text(modules)}: the tokens arrive split along the sequence; the router runs on "
-                f"each rank's own, and each (token, expert) row goes to its expert's rank by an all-to-all "
+        # (where the router runs, on each rank's own tokens or on all of them made whole, is the
+        # solver's choice too: the plan's collectives say which)
+        return [f"experts {_layers_text(modules)}: the tokens arrive split along the sequence, and each (token, "
+                f"expert) row goes from its token's rank to its expert's by an all-to-all "
                 f"({sent / 1e6:.2f} MB/rank each way per layer, the reverse one backward), not gathered whole"
                 f"{_forced(index)} — " + _versus(cost, chosen_s, GATHER)]
     whole = {fqn.rsplit(".", 1)[0] for fqn, role in roles.items() if role == "expert"}
