@@ -223,17 +223,18 @@ def dispatch_note(index: Any, profile: Any, comms: list, roles: Mapping[str, str
                 f"({sent / 1e6:.2f} MB/rank each way per layer, the reverse one backward), not gathered whole"
                 f"{_forced(index)} — " + _versus(cost, chosen_s, GATHER)]
     whole = {fqn.rsplit(".", 1)[0] for fqn, role in roles.items() if role == "expert"}
-    # an all-gather inside the experts' MoE block (its router's input): the tokens gathered whole there
+    # an all-gather in the experts' layer (the block holding their MoE block): the layer runs split
+    # along the sequence somewhere, so its tokens may reach the experts split; the plan solved
+    # with the dispatch says whether they can
     gathered = sorted({m for c in comms if c.kind in ("all_gather", "all_gather_f")
-                       for m in whole for block in [m.rsplit(".", 1)[0]]
-                       if c.module == block or c.module.startswith(block + ".")})
+                       for m in whole for layer in [m.rsplit(".", 2)[0]] if c.module.startswith(layer + ".")})
     if not gathered:
         return []
     cost, prop = _solved_with(index, profile, pinned, memory_limit, True)
     if prop is not None and not any(c.kind == "all_to_all" for c in prop.comms):
         return []   # the all-to-all cannot take these layers' rows (their tokens do not arrive as rows)
-    return [f"experts {_layers_text(gathered)}: the tokens arrive split along the sequence and are gathered whole "
-            f"before the router{_forced(index)} — " + _versus(cost, chosen_s, DISPATCH)]
+    return [f"experts {_layers_text(gathered)}: the tokens, split along the sequence in the layer, are gathered "
+            f"whole before the router{_forced(index)} — " + _versus(cost, chosen_s, DISPATCH)]
 
 
 def _forced(index: Any) -> str:
