@@ -8,8 +8,8 @@ all-reduce returns the input as it is; an all-to-all fills the block received fr
 with the first rows of this rank's send buffer.
 
 That is enough to size a rank's compute everywhere but one place: a tensor held as a rank's
-own *token rows* (the tokens of a sequence split, flattened: ``Routed(tokens=True)``, the
-router's top-k ids and weights under sequence parallelism) made whole by scattering the rows
+own *token rows* (the tokens of a sequence split, flattened: ``Routed(tokens=True)``: the
+router's top-k ids and weights, or the tokens themselves, under sequence parallelism) made whole by scattering the rows
 into zeros and all-reducing (``autotp/distributed/experts.routed_scatter`` then a g). Alone,
 the all-reduce leaves the peers' tokens zero: every peer's token routed to expert 0, so rank 0
 of an expert-parallel layer would receive every peer's rows and the others none.
@@ -19,7 +19,8 @@ a sequence shard: every peer holds its tokens routed as this rank's are (this ra
 written at each peer's positions, ``tp`` copies along the sequence). Then, on rank 0:
 
 * the expert ids and routing weights of every token are real-sized, the routing of the same
-  tokens the gathering layouts see (their router runs on the fake all-gather's ``tp`` copies);
+  tokens the gathering layouts see where the rest of the plan is the same (their router runs on
+  the fake all-gather's ``tp`` copies; other collectives before it can leave other values);
 * the all-to-all dispatch (``autotp/distributed/experts.dispatch_rows``) counts, from that
   routing, the rows it receives from each peer: the rows its own tokens send its own experts,
   once per peer (never a fixed count); the fake all-to-all then fills each peer's block with
@@ -33,7 +34,7 @@ its own tokens' imbalance, not the average over ranks), and the time the collect
 (none is run). The benchmark reports the rank's product FLOPs against its share, which says
 how far its experts' rows were from the even share in each run.
 
-Only a benchmark uses this: it patches two names of autotp's rewrite while the rank's programs
+Only the benchmarks use this (and its test): it patches two names of autotp's rewrite while the rank's programs
 are written (the graph's nodes keep the functions they were made with), and needs every rank's
 sequence run of equal length (``seq % tp == 0``).
 """
