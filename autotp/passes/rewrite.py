@@ -59,6 +59,9 @@ class GraphLocalContext(LocalContext):
         #: holder (one rank per global row id: every rank knows where each row is, from the shapes)
         self.owners: dict[fx.Node, fx.Node] = {}
         self.made_owners: fx.Node | None = None
+        #: an expert layer's all-to-all dispatch, (offs, first expert, experts) -> (its plan, the
+        #: row map and holders of the rows it sent): the combine back reuses them
+        self.dispatches: dict[tuple, tuple] = {}
         self._shared_rows: dict[tuple, fx.Node] = {}
         #: the grouped product that reads the rows the current op gathers, as
         #: (its OpInfo, its strategy, its offs in the rank's graph): set by :func:`rewrite`

@@ -174,11 +174,20 @@ def is_etp(p: Placement) -> bool:
 
 def dispatch_note(comms: list) -> list[str]:
     """One line naming the MoE layers whose tokens, split along the sequence, reach their
-    experts' ranks by an all-to-all dispatch (``comms``: the plan's CommOps), with its bytes."""
-    modules = [c.module for c in comms if c.kind == "all_to_all"]
-    if not modules:
-        return []
-    sent = max(c.fwd_bytes for c in comms if c.kind == "all_to_all")
-    return [f"experts {_layers_text(modules)}: the tokens arrive split along the sequence; the router runs on "
-            f"each rank's own, and each (token, expert) row goes to its expert's rank by an all-to-all "
-            f"({sent / 1e6:.2f} MB/rank each way per layer, the reverse one backward), not gathered whole"]
+    experts' ranks by an all-to-all dispatch (``comms``: the plan's CommOps), with its bytes,
+    and one naming those whose experts' output comes back by the reverse all-to-all."""
+    sends = [c for c in comms if c.kind == "all_to_all" and str(c.src) == "P(tokens 0)"]
+    backs = [c for c in comms if c.kind == "all_to_all" and str(c.dst) == "P(tokens 0)"]
+    out = []
+    if sends:
+        sent = max(c.fwd_bytes for c in sends)
+        out.append(f"experts {_layers_text([c.module for c in sends])}: the tokens arrive split along the sequence; "
+                   f"the router runs on each rank's own, and each (token, expert) row goes to its expert's rank by "
+                   f"an all-to-all ({sent / 1e6:.2f} MB/rank each way per layer, the reverse one backward), not "
+                   f"gathered whole")
+    if backs:
+        back = max(c.fwd_bytes for c in backs)
+        out.append(f"experts {_layers_text([c.module for c in backs])}: each expert's output row goes back to its "
+                   f"token's rank by the reverse all-to-all ({back / 1e6:.2f} MB/rank each way per layer), where the "
+                   f"routing weights' product and the top-k sum run on the rank's own tokens: no g of the combine")
+    return out
