@@ -227,6 +227,13 @@ def in_row_order(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, torch.argsort(rows))
 
 
+def sequence_runs(x: torch.Tensor, outer: Sequence[int]) -> torch.Tensor:
+    """A rank's tokens' rows ``[b*s_r, ...]`` in sequence order (:func:`token_rows`) as its run of
+    the sequence ``[b, s_r, ...]``: what an all-gather along the sequence makes whole, the
+    variable runs of every rank known from ``s`` (the token rows' all-gather)."""
+    return x.reshape(*[int(o) for o in outer], -1, *x.shape[1:])
+
+
 # ---- the all-to-all dispatch: rows held by their tokens' ranks sent to their experts' ranks -------
 def dispatch_splits(send: torch.Tensor, recv: torch.Tensor) -> tuple[list[int], list[int]]:
     """(rows this rank sends to each rank, rows it receives from each), read to the host once:

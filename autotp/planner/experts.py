@@ -176,8 +176,8 @@ def dispatch_note(comms: list) -> list[str]:
     """One line naming the MoE layers whose tokens, split along the sequence, reach their
     experts' ranks by an all-to-all dispatch (``comms``: the plan's CommOps), with its bytes,
     and one naming those whose experts' output comes back by the reverse all-to-all."""
-    sends = [c for c in comms if c.kind == "all_to_all" and str(c.src) == "P(tokens 0)"]
-    backs = [c for c in comms if c.kind == "all_to_all" and str(c.dst) == "P(tokens 0)"]
+    sends = [c for c in comms if c.kind == "all_to_all" and str(c.src).startswith("P(tokens")]
+    backs = [c for c in comms if c.kind == "all_to_all" and str(c.dst).startswith("P(tokens")]
     out = []
     if sends:
         sent = max(c.fwd_bytes for c in sends)

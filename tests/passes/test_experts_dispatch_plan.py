@@ -14,6 +14,8 @@ from autotp import zoo
 WORKLOAD = dict(seq=4096, profile="h100-dgx", sequence_parallel=True)
 #: a tiny model's products pay for their collectives at a larger batch only
 TINY_BATCH, BATCH = 64, 2
+#: the dispatch's and the reverse combine's (source, destination) placements
+SEND, BACK = ("P(tokens 0, reordered)", "P(sent 0)"), ("P(sent 0)", "P(tokens 0, reordered)")
 
 
 def _dispatch_offered(monkeypatch, offered: bool) -> None:
@@ -43,12 +45,16 @@ def test_the_dispatch_is_priced_as_an_all_to_all_and_chosen_where_cheaper(monkey
     plan = _plan(model, 2)
     a2a = [c for c in plan.comms if c.kind == "all_to_all"]
     # the dispatch, and the combine by the reverse all-to-all (the experts' output rows, as wide)
-    assert [(c.src, c.dst) for c in a2a] == [("P(tokens 0)", "P(sent 0)"), ("P(sent 0)", "P(tokens 0)")], plan.comms
+    # (the rows a rank sends are its tokens' rows sorted by expert, not in sequence order)
+    assert [(c.src, c.dst) for c in a2a] == [SEND, BACK], plan.comms
     rows = TINY_BATCH * WORKLOAD["seq"] * config.num_experts_per_tok
     for c in a2a:
         assert c.fwd_bytes == c.bwd_bytes == rows * config.hidden_size * 2 * (2 - 1) / 2 ** 2
     # the tokens are not gathered before the router (its softmax and top-k run on a rank's own)
-    assert not [c for c in plan.comms if c.kind in ("all_gather", "all_gather_f") and ".mlp" in c.module]
+    assert not [c for c in plan.comms if c.kind in ("all_gather", "all_gather_f") and ".mlp" in c.module
+                and c.src.startswith("S(")]
+    # the expert ids and routing weights every rank needs whole: all-gathered token rows, not all-reduced
+    assert [c.kind for c in plan.comms if c.src == "P(tokens 0)"] == ["all_gather", "all_gather"], plan.comms
     assert any(n.startswith("experts model.layers.0.mlp.experts: the tokens arrive split along the sequence")
                and "all-to-all (8.39 MB/rank each way per layer" in n for n in plan.notes), plan.notes
     gathered = _without_dispatch(monkeypatch, model, 2)
@@ -70,7 +76,7 @@ def test_the_combine_by_the_reverse_all_to_all_replaces_the_g_where_cheaper(monk
     assert any(n.startswith("experts model.layers.0.mlp.experts: each expert's output row goes back to its token's "
                             "rank by the reverse all-to-all (8.39 MB/rank") for n in plan.notes), plan.notes
     summed = _without_combine(monkeypatch, model, 2)
-    assert [(c.src, c.dst) for c in summed.comms if c.kind == "all_to_all"] == [("P(tokens 0)", "P(routed 0)")]
+    assert [(c.src, c.dst) for c in summed.comms if c.kind == "all_to_all"] == [(SEND[0], "P(routed 0)")]
     assert combine(summed) == ["g", "scatter"], summed.comms
     assert plan.cost["step_s"] < summed.cost["step_s"]
 
@@ -98,7 +104,7 @@ def test_real_size_moe_at_tp8_takes_the_dispatch_under_sequence_parallelism(monk
     plan = _plan(model, 8)
     # one dispatch and one combine per layer
     assert [(c.src, c.dst) for c in plan.comms if c.kind == "all_to_all"] == \
-        [("P(tokens 0)", "P(sent 0)"), ("P(sent 0)", "P(tokens 0)")] * 2
+        [SEND, BACK] * 2
     assert plan.cost["step_s"] < _without_dispatch(monkeypatch, model, 8).cost["step_s"]
     assert plan.cost["step_s"] < _without_combine(monkeypatch, model, 8).cost["step_s"]
 

@@ -201,10 +201,11 @@ def routed_strategies(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
     * a view splitting the rows' dim (``[T*k, H] -> [T, k, H]``), then the sum over the inner
       dims (a token's top-k rows): that sum is a plain Partial, each rank adding its rows into
       the whole ``[T, H]``."""
-    if info.x_gathered and isinstance(placements[0], Routed):
+    if info.x_gathered and isinstance(placements[0], Routed) and not placements[0].tokens:
         # rows gathered at a grouped product's experts' bounds (through casts): only the
         # product's expert-parallel strategies have those experts; scattered and summed into a
-        # whole x they would be rows of no rank's experts (the gather must then be replicated)
+        # whole x they would be rows of no rank's experts (the gather must then be replicated).
+        # Rows gathered on their tokens' ranks are every row, each held once: made whole as any
         return [s for s in _routed_strategies(info, placements, rule)
                 if any(isinstance(p, Routed) for p in (s.output if isinstance(s.output, tuple) else (s.output,)))]
     return _routed_strategies(info, placements, rule)
@@ -220,7 +221,8 @@ def _routed_strategies(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
     if info.target is aten.index.Tensor and set(routed) == {0} and routed[0].dim == 0 and routed[0].span == 1:
         indices = info.args[1]
         if len(indices) == 1 and indices[0] is not None and len(info.inputs) == 2:   # rows reordered
-            found.append(Strategy((placements[0], REPLICATE), placements[0]))
+            p = placements[0]
+            found.append(Strategy((p, REPLICATE), replace(p, reordered=True) if p.tokens else p))
         return found
     kind = _kind(info.target)
     if kind not in ROW_WISE and kind not in ROW_BY_ROW and kind not in ROW_REDUCING:
@@ -287,8 +289,8 @@ def _combine(info: OpInfo, placements: tuple) -> list[Strategy]:
         return []
     if any(info.inputs[0].static(d) is None for d in range(p.dim + 1, p.dim + p.span)):
         return []
-    if p.tokens and p.dim == 0:
-        return [Strategy((p,), PARTIAL), Strategy((p,), Routed(0, tokens=True))]
+    if p.tokens and p.dim == 0:   # the sums' rows: the rank's tokens, ascending (no token_rows map)
+        return [Strategy((p,), PARTIAL), Strategy((p,), Routed(0, tokens=True, reordered=True))]
     return [Strategy((p,), PARTIAL)]
 
 
@@ -452,7 +454,7 @@ def grouped_mm_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
             out.append(Strategy((px, Shard(0)) + rest, Routed(0)))
         elif is_shard(pw):
             out.append(_experts_whole(info))
-    if _experts(pw) and px == Routed(0, tokens=True) and info.tp > 1:
+    if _experts(pw) and isinstance(px, Routed) and px.tokens and (px.dim, px.span) == (0, 1) and info.tp > 1:
         # rows held by their tokens' ranks (a sequence split): each sent to its expert's rank
         # first, an all-to-all of the rows (and back, backward), priced as one inside the op;
         # the rows then marked sent, for a later product to send its output back the same way
@@ -485,7 +487,7 @@ def combine_back(info: OpInfo, inputs: tuple) -> list[Strategy]:
     dispatch's plan reused: no count read again), where the routing weights' product and the
     top-k sum then run on the rank's own tokens: no g of the ``[tokens, hidden]`` combine.
     Priced as an all-to-all of the product's output inside the op, forward and backward."""
-    return [Strategy(inputs, Routed(0, tokens=True), internal=(("all_to_all", info.output),))]
+    return [Strategy(inputs, Routed(0, tokens=True, reordered=True), internal=(("all_to_all", info.output),))]
 
 
 for _name in GROUPED_MM:
