@@ -98,8 +98,8 @@ def _without_combine(monkeypatch, model, tp):
 def test_real_size_moe_at_tp8_takes_the_dispatch_under_sequence_parallelism(monkeypatch, size):
     # measured when written (h100-dgx, 2 layers, 2 x 4096): Mixtral-8x7B 21.76 ms/step with the
     # dispatch vs 23.40 gathering the tokens; Qwen3-30B-A3B 15.67 vs 16.21. With the combine by the
-    # reverse all-to-all: Mixtral-8x7B 20.86 vs 21.83 with the dispatch and the g combine (h200:
-    # 18.25 vs 19.17), Qwen3-30B-A3B 15.49 vs 15.74 (h200: 13.20 vs 13.43)
+    # reverse all-to-all: Mixtral-8x7B 20.85 vs 21.82 with the dispatch and the g combine (h200:
+    # 18.23 vs 19.15), Qwen3-30B-A3B 15.46 vs 15.71 (h200: 13.17 vs 13.40)
     model = zoo.build(zoo.published_sizes()[size], zoo.published_config(size, layers=2), device="meta")
     plan = _plan(model, 8)
     # one dispatch and one combine per layer
