@@ -11,7 +11,11 @@ Under sequence parallelism the tokens themselves arrive as compact rows
 (``Routed(tokens=True)``: a rank's ``b`` runs of ``s/tp`` flattened tokens, :func:`token_rows`,
 every token's holder known from the shapes, :func:`token_owners`); an expert product reading
 them first sends each (token, expert) row to its expert's rank (:class:`DispatchRows`, an
-all-to-all; backward the reverse one).
+all-to-all planned once per layer by :func:`dispatch_plan`; backward the reverse one), and the
+next product may send its output rows back to their tokens' ranks on the same plan
+(:class:`CombineRows`, the mirror), where each token's top-k rows are summed
+(:func:`token_sums`). Token rows in sequence order are made whole by an all-gather along the
+sequence (:func:`sequence_runs`).
 
 The rewritten graph makes the row maps (:func:`expert_rows` for the rows a grouped product
 sorted by expert, from the bounds :func:`expert_bounds` reads once per layer, which also gather

@@ -22,7 +22,10 @@ Under sequence parallelism the tokens arrive split along the sequence; flattened
 tokens=True)`` (:func:`token_rows`). The router, its softmax and top-k run on them as on any rows;
 the grouped product takes them with an all-to-all inside (each (token, expert) row sent to its
 expert's rank, :class:`autotp.distributed.experts.DispatchRows`), priced as one, against
-gathering every token on every rank.
+gathering every token on every rank; the next product may send its output rows back by the
+reverse all-to-all (:func:`combine_back`), where the routing weights' product and the top-k sum
+run on the rank's own tokens and their sum views back to its run of the sequence
+(:func:`token_sequence`), against the g of the combine.
 
 Expert tensor parallelism (Megatron's expert-TP) is the familiar column/row split inside every
 expert: the gate|up stack ``[experts, 2*inter, hidden]`` split on its output features, in two
