@@ -88,15 +88,32 @@ class Routed(Partial):
     ``tokens``: the rows are held by the rank that holds their *token* (a sequence split,
     ``[b, s/tp, h]`` flattened to the rank's ``b`` runs of ``s/tp`` rows), not by their expert's
     rank: an expert product reading them first sends each row to its expert's rank (an
-    all-to-all dispatch, autotp/distributed/experts.py)."""
+    all-to-all dispatch, autotp/distributed/experts.py).
+
+    ``sent``: rows held by their experts' ranks that the dispatch sent there from their tokens'
+    ranks; the reverse all-to-all, which needs the dispatch's plan, may send them back (the
+    combine on the tokens' ranks).
+
+    ``reordered`` (with ``tokens``): rows held by their tokens' ranks that are not the rank's
+    tokens in sequence order (a reorder's, the combine's): made whole, they are scattered into
+    zeros and summed, where the rank's tokens in sequence order are all-gathered along it."""
 
     dim: int = 0
     span: int = 1
     tokens: bool = False
+    sent: bool = False
+    reordered: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tokens and self.sent:
+            raise ValueError("Routed rows are held by their tokens' ranks or were sent to their experts', not both")
+        if self.reordered and not self.tokens:
+            raise ValueError("Routed.reordered says how rows held by their tokens' ranks are ordered: tokens=True")
 
     def __repr__(self) -> str:
-        kind = "tokens" if self.tokens else "routed"
-        return f"P({kind} {self.dim})" if self.span == 1 else f"P({kind} {self.dim}:{self.dim + self.span})"
+        kind = "tokens" if self.tokens else "sent" if self.sent else "routed"
+        rows = f"{self.dim}" if self.span == 1 else f"{self.dim}:{self.dim + self.span}"
+        return f"P({kind} {rows}{', reordered' if self.reordered else ''})"
 
 
 @dataclass(frozen=True)
@@ -423,7 +440,9 @@ def to_json(p: Placement) -> dict:
             out["whole"] = list(p.whole)
         return out
     if isinstance(p, Routed):
-        return {"kind": "partial", "routed": p.dim, **({"span": p.span} if p.span > 1 else {})}
+        return {"kind": "partial", "routed": p.dim, **({"span": p.span} if p.span > 1 else {}),
+                **({"tokens": True} if p.tokens else {}), **({"sent": True} if p.sent else {}),
+                **({"reordered": True} if p.reordered else {})}
     if isinstance(p, Partial):
         return {"kind": "partial"}
     return {"kind": "replicate"}
@@ -436,7 +455,8 @@ def from_json(d: dict) -> Placement:
                      int(d.get("tail", 0)), bool(d.get("per_block", False)), int(d.get("outer", -1)),
                      tuple(int(x) for x in d.get("sizes", ())), tuple(int(x) for x in d.get("whole", ())))
     if kind == "partial":
-        return Routed(int(d["routed"]), int(d.get("span", 1))) if "routed" in d else PARTIAL
+        return Routed(int(d["routed"]), int(d.get("span", 1)), bool(d.get("tokens", False)),
+                      bool(d.get("sent", False)), bool(d.get("reordered", False))) if "routed" in d else PARTIAL
     if kind == "replicate":
         return REPLICATE
     raise ValueError(f"unknown placement kind {kind!r}")

@@ -11,7 +11,11 @@ Under sequence parallelism the tokens themselves arrive as compact rows
 (``Routed(tokens=True)``: a rank's ``b`` runs of ``s/tp`` flattened tokens, :func:`token_rows`,
 every token's holder known from the shapes, :func:`token_owners`); an expert product reading
 them first sends each (token, expert) row to its expert's rank (:class:`DispatchRows`, an
-all-to-all; backward the reverse one).
+all-to-all planned once per layer by :func:`dispatch_plan`; backward the reverse one), and the
+next product may send its output rows back to their tokens' ranks on the same plan
+(:class:`CombineRows`, the mirror), where each token's top-k rows are summed
+(:func:`token_sums`). Token rows in sequence order are made whole by an all-gather along the
+sequence (:func:`sequence_runs`).
 
 The rewritten graph makes the row maps (:func:`expert_rows` for the rows a grouped product
 sorted by expert, from the bounds :func:`expert_bounds` reads once per layer, which also gather
@@ -28,7 +32,7 @@ alone, and a replicated operand sliced to the rank's rows gets its gradient on t
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -202,6 +206,38 @@ def token_owners(x: torch.Tensor, outer: Sequence[int], seq: int, tp: int) -> to
     return of_position.repeat(count)
 
 
+def token_sums(x: torch.Tensor, rows: torch.Tensor, group: int,
+               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sum over each token's rows (``group`` consecutive row ids: its top-k experts), where
+    this rank holds every row of each of its tokens (rows back on their tokens' ranks after the
+    combine's all-to-all): (the rank's tokens' sums, their token ids, ascending). Each token's
+    rows are summed in top-k order, as the whole ``view(T, k, H).sum(1)`` does."""
+    if dtype is not None:
+        x = x.to(dtype)
+    order = torch.argsort(rows)   # a token's rows next to each other, in top-k order
+    tokens = x.shape[0] // group
+    sums = x.index_select(0, order).view((tokens, group) + tuple(x.shape[1:])).sum(1)
+    return sums, torch.div(rows.index_select(0, order[::group]), group, rounding_mode="floor")
+
+
+def token_sum_owners(owners: torch.Tensor, group: int) -> torch.Tensor:
+    """The holder of each token, from the holders of its rows (``group`` per token, one rank)."""
+    return owners[::group]
+
+
+def in_row_order(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``x``'s rows in ascending order of their global ids ``rows``: a rank's tokens in sequence
+    order, its ``b`` runs of ``s/tp`` positions (:func:`token_rows`)."""
+    return x.index_select(0, torch.argsort(rows))
+
+
+def sequence_runs(x: torch.Tensor, outer: Sequence[int]) -> torch.Tensor:
+    """A rank's tokens' rows ``[b*s_r, ...]`` in sequence order (:func:`token_rows`) as its run of
+    the sequence ``[b, s_r, ...]``: what an all-gather along the sequence makes whole, the
+    variable runs of every rank known from ``s`` (the token rows' all-gather)."""
+    return x.reshape(*[int(o) for o in outer], -1, *x.shape[1:])
+
+
 # ---- the all-to-all dispatch: rows held by their tokens' ranks sent to their experts' ranks -------
 def dispatch_splits(send: torch.Tensor, recv: torch.Tensor) -> tuple[list[int], list[int]]:
     """(rows this rank sends to each rank, rows it receives from each), read to the host once:
@@ -216,37 +252,76 @@ def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: Any, o
         return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), recv, send, group))
 
 
+class DispatchPlan(NamedTuple):
+    """How a layer's (token, expert) rows move between their tokens' ranks and their experts'
+    ranks (:func:`dispatch_plan`): the dispatch sends them one way, the combine back the other."""
+
+    order: torch.Tensor   # this rank's token rows as it sends them: sorted by destination, then id
+    place: torch.Tensor   # the rows received, in the order they arrive, put in their experts' order
+    send: list            # rows this rank sends to each rank (its tokens' rows)
+    recv: list            # rows it receives from each rank (its experts' rows)
+    rows: int             # how many rows of its tokens this rank holds
+
+
+def _scatter_rows(x: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
+    """``rows`` rows, row ``index[i]`` set to ``x[i]`` (``index`` a permutation of them)."""
+    return x.new_empty((rows,) + tuple(x.shape[1:])).index_copy(0, index, x)
+
+
+def _to_experts(x: torch.Tensor, plan: DispatchPlan, group: Any, what: str) -> torch.Tensor:
+    """Rows of this rank's tokens (in ``plan.order``'s terms) to their experts' ranks."""
+    got = _all_to_all(x.index_select(0, plan.order), plan.send, plan.recv, group, what)
+    return got.index_select(0, plan.place)
+
+
+def _to_tokens(y: torch.Tensor, plan: DispatchPlan, group: Any, what: str) -> torch.Tensor:
+    """Rows of this rank's experts (sorted by expert) back to their tokens' ranks, each landing
+    in the row it left from: the exact reverse of :func:`_to_experts`."""
+    got = _scatter_rows(y, plan.place, y.shape[0])
+    return _scatter_rows(_all_to_all(got, plan.recv, plan.send, group, what), plan.order, plan.rows)
+
+
 class _DispatchRows(torch.autograd.Function):
-    """Forward: this rank's rows (``order``: sorted by destination rank) to their experts'
-    ranks, the rows received put in their experts' order (``place``). Backward, the mirror: each
-    row's gradient back to the rank that sent it (the reverse all-to-all), into its row."""
+    """Forward: this rank's rows (``plan.order``: sorted by destination rank) to their experts'
+    ranks, the rows received put in their experts' order (``plan.place``). Backward, the
+    mirror: each row's gradient back to the rank that sent it (the reverse all-to-all), into its row."""
 
     @staticmethod
-    def forward(ctx, x, order, place, send, recv, group):
-        ctx.save_for_backward(order, place)
-        ctx.send, ctx.recv, ctx.group, ctx.rows = send, recv, group, x.shape[0]
-        got = _all_to_all(x.index_select(0, order), send, recv, group, "all_to_all of rows (expert dispatch)")
-        return got.index_select(0, place)
+    def forward(ctx, x, plan, group):
+        ctx.plan, ctx.group = plan, group
+        return _to_experts(x, plan, group, "all_to_all of rows (expert dispatch)")
 
     @staticmethod
     def backward(ctx, grad):
-        order, place = ctx.saved_tensors
-        got = torch.empty_like(grad).index_copy(0, place, grad)
-        sent = _all_to_all(got, ctx.recv, ctx.send, ctx.group, "all_to_all of rows (expert dispatch, backward)")
-        out = sent.new_empty((ctx.rows,) + tuple(sent.shape[1:])).index_copy(0, order, sent)
-        return out, None, None, None, None, None
+        return _to_tokens(grad, ctx.plan, ctx.group, "all_to_all of rows (expert dispatch, backward)"), None, None
 
 
-def dispatch_rows(x: torch.Tensor, rows: torch.Tensor, owners: torch.Tensor, offs: torch.Tensor,
-                  runs: Sequence[tuple[int, int]], rank: int, group: Any) -> torch.Tensor:
+class _CombineRows(torch.autograd.Function):
+    """The dispatch's mirror (Megatron's token unpermutation, torchtitan's combine): forward, each
+    of this rank's experts' output rows back to the rank of its token, into the row the dispatch
+    sent it from; backward, each row's gradient to its expert's rank again (the dispatch)."""
+
+    @staticmethod
+    def forward(ctx, y, plan, group):
+        ctx.plan, ctx.group = plan, group
+        return _to_tokens(y, plan, group, "all_to_all of rows (expert combine)")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _to_experts(grad, ctx.plan, ctx.group, "all_to_all of rows (expert combine, backward)"), None, None
+
+
+def dispatch_plan(rows: torch.Tensor, owners: torch.Tensor, offs: torch.Tensor, runs: Sequence[tuple[int, int]],
+                  rank: int) -> DispatchPlan:
     """The all-to-all dispatch of an expert layer (Megatron's ``MoEAlltoAllTokenDispatcher``,
-    torchtitan's expert parallel): ``x`` holds this rank's rows of (token, expert) pairs sorted
-    by expert (global ids ``rows``, ``owners``: every row's holder); each is sent to the rank of
-    its expert (``runs``: every rank's (first expert, experts); ``offs``: the cumulative rows per
-    expert), and the rows of this rank's experts come back in sorted order, the rows
+    torchtitan's expert parallel), planned: this rank holds rows of (token, expert) pairs
+    sorted by expert (global ids ``rows``, ``owners``: every row's holder); each goes to the rank
+    of its expert (``runs``: every rank's (first expert, experts); ``offs``: the cumulative rows
+    per expert), and the rows of this rank's experts arrive in sorted order, the rows
     ``[start, end)`` :func:`routed_grouped_mm` takes as routed. Each rank sends its rows by
     destination, then id, so a receiver knows the order they arrive in: from each holder in
-    turn, by id. Autograd-correct: the backward is the reverse all-to-all."""
+    turn, by id. The split sizes are read to the host here, once per layer: the combine back
+    (:class:`CombineRows`) and both backwards reuse them."""
     total, tp = owners.numel(), len(runs)
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
     per_rank = torch.stack([counts[first:first + count].sum() for first, count in runs])
@@ -260,21 +335,38 @@ def dispatch_rows(x: torch.Tensor, rows: torch.Tensor, owners: torch.Tensor, off
     send, recv = dispatch_splits(torch.bincount(dest, minlength=tp), recv)
     # the rows as they arrive: from each holder in turn, by id (others' rows sorted last)
     arrival = torch.argsort(torch.where(mine, owners * total + ids, tp * total + ids))[:sum(recv)] - start
-    return _DispatchRows.apply(x, order, torch.argsort(arrival), send, recv, group)
+    return DispatchPlan(order, torch.argsort(arrival), send, recv, rows.numel())
+
+
+def dispatch_rows(x: torch.Tensor, plan: DispatchPlan, group: Any) -> torch.Tensor:
+    """This rank's rows of its tokens (in the order of the plan's ``rows``) sent to their
+    experts' ranks, :func:`dispatch_plan`'s rows of its experts received. Autograd-correct: the
+    backward is the reverse all-to-all."""
+    return _DispatchRows.apply(x, plan, group)
+
+
+def combine_rows(y: torch.Tensor, plan: DispatchPlan, group: Any) -> torch.Tensor:
+    """The rows of this rank's experts (sorted by expert, as :func:`dispatch_rows` gave them)
+    sent back to their tokens' ranks: the rank's token rows, in the order the dispatch took them.
+    Autograd-correct: the backward is the dispatch's all-to-all."""
+    return _CombineRows.apply(y, plan, group)
 
 
 class DispatchRows(_CommModule):
-    """The all-to-all dispatch as a node of the rank's graph (:func:`dispatch_rows`), holding the
-    group and every rank's run of experts."""
+    """The all-to-all dispatch as a node of the rank's graph (:func:`dispatch_rows`), given the
+    layer's :func:`dispatch_plan`."""
 
     kind = "all_to_all"
 
-    def __init__(self, group: Any, runs: Sequence[tuple[int, int]], rank: int) -> None:
-        super().__init__(group)
-        self.runs, self.rank = tuple(tuple(r) for r in runs), rank
+    def forward(self, x: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        return dispatch_rows(x, plan, self.group)
 
-    def forward(self, x: torch.Tensor, rows: torch.Tensor, owners: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        return dispatch_rows(x, rows, owners, offs, self.runs, self.rank, self.group)
 
-    def extra_repr(self) -> str:
-        return f"{self._group_repr()}, experts per rank={[count for _, count in self.runs]}"
+class CombineRows(_CommModule):
+    """The combine by the reverse all-to-all as a node of the rank's graph (:func:`combine_rows`),
+    given the plan of the layer's dispatch: no count read again."""
+
+    kind = "all_to_all"
+
+    def forward(self, y: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        return combine_rows(y, plan, self.group)

@@ -530,6 +530,8 @@ def _conversion(src: Any, dst: Placement, size: int | None, tp: int) -> str | No
     """The collective that turns ``src`` into ``dst`` (None: nothing to do; 'inf': impossible)."""
     if same_placement(src, dst, size, tp) or (isinstance(src, Routed) and dst == PARTIAL):
         return None   # a routed Partial is a Partial as it is
+    if isinstance(src, Routed) and src.tokens and not src.reordered and src.span == 1 and isinstance(dst, Replicate):
+        return "all_gather"   # a rank's tokens in sequence order: its run of it, gathered (rewrite.gather_tokens)
     if isinstance(dst, Shard) and dst.whole and not dst.tail and isinstance(src, Replicate):
         return "scatter"   # blocks held whole are sliced whole (a conv weight of Mamba2's one B and C)
     if isinstance(dst, Partial) or (isinstance(dst, Shard) and dst.holds_whole):
@@ -581,9 +583,13 @@ def layout_copy_seconds(kind: str, meta: TensorMeta, have: Any, want: Any, full:
     if tp <= 1:
         return 0.0
     shard = have if kind in ("all_gather", "all_gather_f", "reshard") else want
-    if not isinstance(shard, Shard):
+    if isinstance(shard, Routed) and shard.tokens and not shard.reordered:
+        shard = Shard(0)   # a rank's tokens' rows: gathered along the sequence of (b, s, ...), an inner dim
+        inner = True
+    elif not isinstance(shard, Shard):
         return 0.0
-    inner = any(size != 1 for size in meta.shape[:shard.dim])
+    else:
+        inner = any(size != 1 for size in meta.shape[:shard.dim])
     size = meta.static(shard.dim)
     uneven = size is not None and not _even(meta, shard, tp)
     if not (inner or uneven):
@@ -593,6 +599,22 @@ def layout_copy_seconds(kind: str, meta: TensorMeta, have: Any, want: Any, full:
     moved = sum(1 for i, c in enumerate(COLLECTIVES[kind]) if c in ("all_gather", "reduce_scatter")
                 and (i == 0 or grad))
     return moved * 2 * full / profile.bandwidth("elementwise")
+
+
+def _experts_may_take_rows(node: fx.Node, place: Mapping[fx.Node, Any]) -> bool:
+    """Whether the grouped product that reads the rows ``node`` gathers (``h[idx]``) may run them
+    as its experts' own: its stack of experts (through a transpose) free, or split by whole
+    experts (``Shard(0)``), as placed so far."""
+    from .rules.experts import grouped_reader
+
+    found = grouped_reader(node)
+    if found is None:
+        return True
+    stack = found[1].args[1]
+    while isinstance(stack, fx.Node) and stack.op == "call_function" and stack.target is torch.ops.aten.transpose.int:
+        stack = stack.args[0]
+    have = place.get(stack)
+    return have is None or have == REPLICATE or (isinstance(have, Shard) and have == Shard(0))
 
 
 def internal_seconds(index: "GraphIndex", profile: DeviceProfile, strat: Strategy) -> float:
@@ -779,6 +801,11 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
             # (GraphIndex.moves_written): this walk does not look ahead to the write, so it makes
             # the tensor whole, which every write can take
             options = [s for s in options if s.output == REPLICATE] or options
+        elif info.gathers_expert_rows and not _experts_may_take_rows(node, place):
+            # rows gathered for a grouped product whose stack is split otherwise here (expert-TP:
+            # a later program replaying its plan): this walk does not look ahead to the product,
+            # which takes such rows routed by its expert-parallel strategies alone
+            options = [s for s in options if not isinstance(s.output, Routed)] or options
         best, best_cost = None, INF
         for strat in options:
             sharded = _sharded_compute(strat)

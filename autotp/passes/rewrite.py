@@ -18,6 +18,7 @@ rank's shards) and in which
 """
 from __future__ import annotations
 
+import logging
 import operator
 from typing import Any
 
@@ -32,7 +33,7 @@ from ..errors import PlanError
 from ..placements import (PARTIAL, Partial, Placement, Replicate, Routed, Shard, block_local_sizes, local_ranges,
                           local_size, owned_ranges)
 from ..distributed import collectives as C
-from ..distributed.experts import routed_scatter
+from ..distributed.experts import routed_scatter, sequence_runs, token_rows
 from ..distributed.functional import grad_if
 from ..distributed.rng import RandomOp, draws_random
 from .propagate import (GraphIndex, Propagation, _conversion, _dim_size, _meta, _sharded_compute, first_write, map_args,
@@ -40,6 +41,8 @@ from .propagate import (GraphIndex, Propagation, _conversion, _dim_size, _meta, 
 from .rules import LocalContext, aliases_first, is_routed, localizer_for, mutates_first
 from .rules.experts import grouped_reader
 from .rules.registry import REGION_BOUNDS
+
+log = logging.getLogger(__name__)
 
 
 class GraphLocalContext(LocalContext):
@@ -59,6 +62,9 @@ class GraphLocalContext(LocalContext):
         #: holder (one rank per global row id: every rank knows where each row is, from the shapes)
         self.owners: dict[fx.Node, fx.Node] = {}
         self.made_owners: fx.Node | None = None
+        #: an expert layer's all-to-all dispatch, (offs, first expert, experts) -> (its plan, the
+        #: row map and holders of the rows it sent): the combine back reuses them
+        self.dispatches: dict[tuple, tuple] = {}
         self._shared_rows: dict[tuple, fx.Node] = {}
         #: the grouped product that reads the rows the current op gathers, as
         #: (its OpInfo, its strategy, its offs in the rank's graph): set by :func:`rewrite`
@@ -177,6 +183,19 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         more = () if size is not None else (sizes(meta.shape[have.dim]),)
         return comm_node("all_gather", out, C.GatherFromTP(group, have, size), *more)
 
+    def gather_tokens(out: fx.Node, rows: fx.Node, meta: Any, fused: bool) -> tuple[fx.Node, bool]:
+        """A rank's tokens' rows ``[b*s_r, ...]`` (its ``b`` runs of ``s/tp`` positions, the row
+        map :func:`token_rows` made) gathered whole: viewed as its run of the sequence ``[b, s_r,
+        ...]``, all-gathered along it (runs of any length: each rank's is known from ``s``),
+        flattened again. ``fused``: into sharded compute, the f in the gather's backward (a
+        reduce-scatter of the gradient back to the rank's tokens). Returns (node, fused)."""
+        _, dim, outer, seq, _, _ = rows.args
+        rest = [sizes(s) for s in meta.shape[1:]]
+        local = graph.call_function(sequence_runs, (out, outer))
+        module = C.GatherIntoTP(group, Shard(dim), None) if fused else C.GatherFromTP(group, Shard(dim), None)
+        whole = comm_node("all_gather_f" if fused else "all_gather", local, module, seq)
+        return graph.call_function(torch.ops.aten.reshape.default, (whole, [-1, *rest])), fused
+
     def convert(src: fx.Node, dst: Placement, f: bool) -> fx.Node:
         if tp == 1:
             # one rank holds every shard whole and every sum: each conversion and f/g is the
@@ -189,6 +208,20 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         meta = _meta(src)
         have = prop.placements[src]
         out = env[src]
+        if isinstance(have, Routed) and have.tokens and not have.reordered and have.span == 1 \
+                and isinstance(dst, Replicate):
+            if ctx.rows_of(out).target is token_rows:
+                out, fused = gather_tokens(out, ctx.rows_of(out), meta, f is True)
+                if f:
+                    if not fused:
+                        converted.setdefault((src, dst, False), out)
+                        out = comm_node("f", out, C.CopyToTP(group))
+                converted[key] = out
+                return out
+            # not foreseen: rows the rules keep in sequence order with another row map; put in
+            # place and summed (correct, twice the bytes of the all-gather the plan priced)
+            log.warning("autotp: %s holds token rows without their sequence's row map; made whole by "
+                        "scatter and all-reduce, not the all-gather the plan priced", src.name)
         if isinstance(have, Routed) and not isinstance(dst, Routed):
             # a rank's rows of experts put in place, zero elsewhere: a plain Partial
             shape = [sizes(s) for s in meta.shape]

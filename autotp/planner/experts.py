@@ -211,17 +211,25 @@ def dispatch_note(index: Any, profile: Any, comms: list, roles: Mapping[str, str
     again with ``expert_dispatch`` the other way round, the user's pins kept): the layers whose
     rows go to their experts' ranks by an all-to-all (``comms``: the plan's CommOps, with its
     bytes), and the layers whose split tokens are gathered whole before the router."""
-    a2a = [c for c in comms if c.kind == "all_to_all"]
+    a2a = [c for c in comms if c.kind == "all_to_all" and str(c.src).startswith("P(tokens")]
+    backs = [c for c in comms if c.kind == "all_to_all" and str(c.dst).startswith("P(tokens")]
     if a2a:
         modules = [c.module for c in a2a]
         sent = max(c.fwd_bytes for c in a2a)
         cost = _solved_with(index, profile, pinned, memory_limit, False)[0]
         # (where the router runs, on each rank's own tokens or on all of them made whole, is the
         # solver's choice too: the plan's collectives say which)
-        return [f"experts {_layers_text(modules)}: the tokens arrive split along the sequence, and each (token, "
-                f"expert) row goes from its token's rank to its expert's by an all-to-all "
-                f"({sent / 1e6:.2f} MB/rank each way per layer, the reverse one backward), not gathered whole"
-                f"{_forced(index)} — " + _versus(cost, chosen_s, GATHER)]
+        out = [f"experts {_layers_text(modules)}: the tokens arrive split along the sequence, and each (token, "
+               f"expert) row goes from its token's rank to its expert's by an all-to-all "
+               f"({sent / 1e6:.2f} MB/rank each way per layer, the reverse one backward), not gathered whole"
+               f"{_forced(index)} — " + _versus(cost, chosen_s, GATHER)]
+        if backs:
+            back = max(c.fwd_bytes for c in backs)
+            out.append(f"experts {_layers_text([c.module for c in backs])}: each expert's output row goes back to "
+                       f"its token's rank by the reverse all-to-all ({back / 1e6:.2f} MB/rank each way per layer), "
+                       f"where the routing weights' product and the top-k sum run on the rank's own tokens: no g "
+                       f"of the combine")
+        return out
     whole = {fqn.rsplit(".", 1)[0] for fqn, role in roles.items() if role == "expert"}
     # an all-gather in the experts' layer (the block holding their MoE block): the layer runs split
     # along the sequence somewhere, so its tokens may reach the experts split; the plan solved

@@ -82,8 +82,9 @@ def check_experts_case(case: dict) -> dict:
     routed = sorted({n.target.__name__ for n in pm.graph_module.graph.nodes
                      if n.op == "call_function" and getattr(n.target, "__module__", "") == "autotp.distributed.experts"
                      and n.target.__name__ != "histc"}
-                    | {"dispatch_rows" for n in pm.graph_module.graph.nodes if n.op == "call_module"
-                       and type(pm.graph_module.get_submodule(n.target)).__name__ == "DispatchRows"}
+                    | {{"DispatchRows": "dispatch_rows", "CombineRows": "combine_rows"}.get(
+                        type(pm.graph_module.get_submodule(n.target)).__name__, "")
+                       for n in pm.graph_module.graph.nodes if n.op == "call_module"}
                     | {"token_rows" for n in pm.graph_module.graph.nodes
                        if n.op == "call_function" and getattr(n.target, "__name__", "") == "token_rows"})
     errors = equivalence_errors(model, pm, batch)
@@ -193,25 +194,39 @@ def assert_experts_case(cluster_of, case: dict) -> None:
                       layers=7, router_logits=False, expanded=("model.layers",)), marks=pytest.mark.slow),
     # the tokens split along the sequence (sequence parallelism forced): the router, its softmax and
     # top-k run on the tokens a rank holds, and each (token, expert) row goes to its expert's rank by
-    # an all-to-all (back by the reverse one, backward); float64 through the eager path's product
+    # an all-to-all (back by the reverse one, backward); float64 through the eager path's product.
+    # The experts' output rows go back to their tokens' ranks by the reverse all-to-all (the
+    # dispatch's backward, its backward the dispatch), where the routing weights' product and the
+    # top-k sum run on the rank's own tokens, viewed back to its run of the sequence: no g
     dict(family="mixtral", impl="eager", tp=2, experts=4, top_k=2, kv_heads=2, seq=7, seed=1, layers=1,
-         plan_batch=64, plan_seq=4096, sp=True, routed=("token_rows", "dispatch_rows", "routed_grouped_mm")),
+         plan_batch=64, plan_seq=4096, sp=True,
+         routed=("token_rows", "dispatch_rows", "routed_grouped_mm", "combine_rows", "token_sums")),
     # the same at tp 4 with 3 experts (a rank holds none: it sends every row, receives none) and a
     # length tp does not divide; Qwen3-MoE at tp 3, top-1; DeepSeek-V3, whose router computes in
     # float32 (its weight's gradient sums the ranks' tokens in another order: within float32's bound)
     pytest.param(dict(family="mixtral", impl="eager", tp=4, experts=3, top_k=2, kv_heads=2, seq=9, seed=1,
-                      layers=1, plan_batch=64, plan_seq=4096, sp=True, routed=("token_rows", "dispatch_rows")),
+                      layers=1, plan_batch=64, plan_seq=4096, sp=True,
+                      routed=("token_rows", "dispatch_rows", "combine_rows", "token_sums")),
                  marks=pytest.mark.slow),
     pytest.param(dict(family="qwen3-moe", impl="eager", tp=3, experts=4, top_k=1, kv_heads=2, seq=5, seed=2,
-                      layers=1, plan_batch=64, plan_seq=4096, sp=True, routed=("token_rows", "dispatch_rows")),
+                      layers=1, plan_batch=64, plan_seq=4096, sp=True,
+                      routed=("token_rows", "dispatch_rows", "combine_rows", "token_sums")),
                  marks=pytest.mark.slow),
     pytest.param(dict(family="deepseek-v3", impl="eager", tp=2, experts=3, top_k=2, kv_heads=2, seq=6, seed=1,
-                      layers=1, plan_batch=64, plan_seq=4096, sp=True, routed=("token_rows", "dispatch_rows")),
+                      layers=1, plan_batch=64, plan_seq=4096, sp=True,
+                      routed=("token_rows", "dispatch_rows", "combine_rows", "token_sums")),
                  marks=pytest.mark.slow),
+    # expert-TP with the tokens split along the sequence: the router runs on a rank's own tokens,
+    # and the token rows every rank needs whole (the expert ids, the routing weights) are
+    # all-gathered along the sequence (sequence_runs), not scattered into zeros and all-reduced.
+    # Its later programs (inference, generate) replay the plan: they once gathered the rows for
+    # the expert-TP product routed, which it cannot take (a PlanError)
+    dict(family="mixtral", impl="eager", tp=2, experts=3, top_k=2, kv_heads=2, seq=7, seed=2, layers=1,
+         layout="etp", plan_batch=64, plan_seq=4096, sp=True, routed=("token_rows", "sequence_runs")),
 ], ids=["mixtral-grouped-3of2", "qwen2moe-eager-shared", "deepseek-mla-heads", "mixtral-batched-etp",
         "gptoss-grouped-rows", "mixtral-batched-3of4", "gptoss-grouped-routed", "gptoss-periodic-expanded",
         "mixtral-eager-tokens-a2a", "mixtral-eager-tokens-a2a-3of4", "qwen3-eager-tokens-a2a-tp3",
-        "deepseek-eager-tokens-a2a"])
+        "deepseek-eager-tokens-a2a", "mixtral-eager-tokens-etp-gather"])
 def test_experts_split_equals_serial(cluster_of, case):
     assert_experts_case(cluster_of, {**case, "dtype": IMPLEMENTATIONS[case["impl"]]})
 

@@ -105,3 +105,19 @@ def test_no_pinned_experts_layout_beats_the_solvers_choice():
     # the cheapest here (both products were row-parallel before), and the note says so
     assert {role for role, _ in _experts(plan).values()} == {"expert"}, _experts(plan)
     assert "expert-parallel (16 experts, 4 per rank) — cheaper than expert-TP" in note, note
+
+
+def test_token_rows_made_whole_under_expert_tp_are_all_gathered_along_the_sequence():
+    # the tokens split along the sequence, the router on a rank's own: the expert ids and routing
+    # weights every rank needs whole under expert-TP are its tokens in sequence order, gathered
+    # along it ((tp-1)/tp of their bytes), not scattered into zeros and all-reduced (twice that)
+    config = zoo.tiny_config("mixtral", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=4, top_k=2)
+    model = zoo.build("mixtral", config, device="meta")
+    plan = autotp.plan(model, tp=2, layout=ETP, batch=64, seq=4096, profile="h100-dgx", sequence_parallel=True)
+    whole = [c for c in plan.comms if c.src == "P(tokens 0)"]
+    assert [c.kind for c in whole] == ["all_gather", "all_gather"], plan.comms
+    rows = 64 * 4096
+    # the weights (priced in the profile's 2-byte dtype) and ids (int64): [tokens, top_k] each,
+    # half of each sent at tp 2
+    assert sorted(c.fwd_bytes for c in whole) == [rows * 2 * 2 / 2, rows * 2 * 8 / 2]
+    assert all(c.bwd_bytes == 0 for c in whole)

@@ -1,6 +1,8 @@
-"""The all-to-all expert dispatch in the plan: where the tokens arrive split along the sequence,
-the solver weighs sending each (token, expert) row to its expert's rank (an all-to-all, and the
-reverse one backward) against gathering every token on every rank, by cost."""
+"""The all-to-all expert dispatch and combine in the plan: where the tokens arrive split along the
+sequence, the solver weighs sending each (token, expert) row to its expert's rank (an all-to-all,
+and the reverse one backward) against gathering every token on every rank, and sending each
+expert's output row back to its token's rank (the reverse all-to-all) against the g of the
+``[tokens, hidden]`` combine, by cost."""
 import re
 
 import pytest
@@ -14,6 +16,8 @@ from autotp import zoo
 WORKLOAD = dict(seq=4096, profile="h100-dgx", sequence_parallel=True)
 #: a tiny model's products pay for their collectives at a larger batch only
 TINY_BATCH, BATCH = 64, 2
+#: the dispatch's and the reverse combine's (source, destination) placements
+SEND, BACK = ("P(tokens 0, reordered)", "P(sent 0)"), ("P(sent 0)", "P(tokens 0, reordered)")
 
 
 def _dispatch_offered(monkeypatch, offered: bool) -> None:
@@ -21,6 +25,13 @@ def _dispatch_offered(monkeypatch, offered: bool) -> None:
 
     if not offered:   # the flattened tokens of a sequence split have no placement: gathered whole
         monkeypatch.setattr(rules, "token_rows", lambda info, p: None)
+
+
+def _combine_offered(monkeypatch, offered: bool) -> None:
+    import autotp.passes.rules.experts as rules
+
+    if not offered:   # the experts' output rows stay on their ranks: summed by the g
+        monkeypatch.setattr(rules, "combine_back", lambda info, inputs: [])
 
 
 def _plan(model, tp: int):
@@ -35,16 +46,41 @@ def test_the_dispatch_is_priced_as_an_all_to_all_and_chosen_where_cheaper(monkey
     model = zoo.build("mixtral", config, device="meta")
     plan = _plan(model, 2)
     a2a = [c for c in plan.comms if c.kind == "all_to_all"]
-    assert len(a2a) == 1 and (a2a[0].src, a2a[0].dst) == ("P(tokens 0)", "P(routed 0)"), plan.comms
+    # the dispatch, and the combine by the reverse all-to-all (the experts' output rows, as wide)
+    # (the rows a rank sends are its tokens' rows sorted by expert, not in sequence order)
+    assert [(c.src, c.dst) for c in a2a] == [SEND, BACK], plan.comms
     rows = TINY_BATCH * WORKLOAD["seq"] * config.num_experts_per_tok
-    assert a2a[0].fwd_bytes == a2a[0].bwd_bytes == rows * config.hidden_size * 2 * (2 - 1) / 2 ** 2
+    for c in a2a:
+        assert c.fwd_bytes == c.bwd_bytes == rows * config.hidden_size * 2 * (2 - 1) / 2 ** 2
     # the tokens are not gathered before the router (its softmax and top-k run on a rank's own)
-    assert not [c for c in plan.comms if c.kind in ("all_gather", "all_gather_f") and ".mlp" in c.module]
+    assert not [c for c in plan.comms if c.kind in ("all_gather", "all_gather_f") and ".mlp" in c.module
+                and c.src.startswith("S(")]
+    # the expert ids and routing weights every rank needs whole: all-gathered token rows, not all-reduced
+    assert [c.kind for c in plan.comms if c.src == "P(tokens 0)"] == ["all_gather", "all_gather"], plan.comms
     assert any(n.startswith("experts model.layers.0.mlp.experts: the tokens arrive split along the sequence")
                and "all-to-all (8.39 MB/rank each way per layer" in n for n in plan.notes), plan.notes
     gathered = _without_dispatch(monkeypatch, model, 2)
     assert not [c for c in gathered.comms if c.kind == "all_to_all"]
     assert plan.cost["step_s"] < gathered.cost["step_s"]
+
+
+def test_the_combine_by_the_reverse_all_to_all_replaces_the_g_where_cheaper(monkeypatch):
+    # the experts' output rows go back to their tokens' ranks, where the routing weights' product
+    # and the top-k sum run on the rank's own tokens: their [tokens, hidden] sum is the rank's run
+    # of the sequence, with no g (all-reduce, then the scatter to the sequence split) at all
+    config = zoo.tiny_config("mixtral", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=4, top_k=2)
+    model = zoo.build("mixtral", config, device="meta")
+    plan = _plan(model, 2)
+    def combine(p):   # the g of the experts' Partial output, and its scatter to the sequence split
+        return [c.kind for c in p.comms if (".mlp" in c.module and c.src == "P") or c.kind == "scatter"]
+
+    assert combine(plan) == [] and len([c for c in plan.comms if c.kind == "all_to_all"]) == 2, plan.comms
+    assert any(n.startswith("experts model.layers.0.mlp.experts: each expert's output row goes back to its token's "
+                            "rank by the reverse all-to-all (8.39 MB/rank") for n in plan.notes), plan.notes
+    summed = _without_combine(monkeypatch, model, 2)
+    assert [(c.src, c.dst) for c in summed.comms if c.kind == "all_to_all"] == [(SEND[0], "P(routed 0)")]
+    assert combine(summed) == ["g", "scatter"], summed.comms
+    assert plan.cost["step_s"] < summed.cost["step_s"]
 
 
 def _without_dispatch(monkeypatch, model, tp):
@@ -53,15 +89,26 @@ def _without_dispatch(monkeypatch, model, tp):
         return _plan(model, tp)
 
 
+def _without_combine(monkeypatch, model, tp):
+    with monkeypatch.context() as m:
+        _combine_offered(m, False)
+        return _plan(model, tp)
+
+
 @pytest.mark.slow   # two real-size plans per model: 6-7 s each on two loaded cores
 @pytest.mark.parametrize("size", ["mixtral-8x7b", "qwen3-30b-a3b"])
 def test_real_size_moe_at_tp8_takes_the_dispatch_under_sequence_parallelism(monkeypatch, size):
     # measured when written (h100-dgx, 2 layers, 2 x 4096): Mixtral-8x7B 21.76 ms/step with the
-    # dispatch vs 23.40 gathering the tokens; Qwen3-30B-A3B 15.67 vs 16.21
+    # dispatch vs 23.40 gathering the tokens; Qwen3-30B-A3B 15.67 vs 16.21. With the combine by the
+    # reverse all-to-all: Mixtral-8x7B 20.85 vs 21.82 with the dispatch and the g combine (h200:
+    # 18.23 vs 19.15), Qwen3-30B-A3B 15.46 vs 15.71 (h200: 13.17 vs 13.40)
     model = zoo.build(zoo.published_sizes()[size], zoo.published_config(size, layers=2), device="meta")
     plan = _plan(model, 8)
-    assert len([c for c in plan.comms if c.kind == "all_to_all"]) == 2   # one per layer
+    # one dispatch and one combine per layer
+    assert [(c.src, c.dst) for c in plan.comms if c.kind == "all_to_all"] == \
+        [SEND, BACK] * 2
     assert plan.cost["step_s"] < _without_dispatch(monkeypatch, model, 8).cost["step_s"]
+    assert plan.cost["step_s"] < _without_combine(monkeypatch, model, 8).cost["step_s"]
 
 
 def test_the_dispatch_is_not_offered_without_a_sequence_split():

@@ -103,3 +103,27 @@ def test_routed_operands_with_other_rows_are_an_error_not_a_misaligned_sum():
     x = torch.arange(6.0).view(3, 2)
     with pytest.raises(AutotpError, match="routed operands hold different rows on this rank"):
         E.match_rows(x, torch.tensor([0, 2, 4]), torch.tensor([0, 1, 2]), 0, 6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=st.integers(1, 3), seq=st.integers(1, 7), k=st.integers(1, 3), tp=st.integers(1, 4),
+       seed=st.integers(0, 2**16))
+def test_token_rows_summed_on_their_ranks_view_back_to_their_run_of_the_sequence(batch, seq, k, tp, seed):
+    """After the combine's reverse all-to-all a rank holds every (token, expert) row of its tokens,
+    in any order: their top-k sums (``token_sums``) are its tokens' sums, in sequence order, which
+    ``sequence_runs`` views as its run ``[b, s_r, h]``; rows in another order are put in sequence
+    order first (``in_row_order``)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens, hidden = batch * seq, 3
+    rows = torch.randn(tokens * k, hidden, dtype=torch.float64, generator=gen)   # row t*k + j
+    whole = rows.view(tokens, k, hidden).sum(1).view(batch, seq, hidden)
+    for rank in range(tp):
+        start, local = rank * (seq // tp) + min(rank, seq % tp), (seq + tp - 1 - rank) // tp
+        mine = E.token_rows(torch.empty(batch, local), 1, [batch], seq, tp, rank)
+        ids = (mine.unsqueeze(1) * k + torch.arange(k)).reshape(-1)
+        ids = ids[torch.randperm(ids.numel(), generator=gen)]   # as the combine left them
+        sums, held = E.token_sums(rows[ids], ids, k)
+        assert torch.equal(held, mine)
+        torch.testing.assert_close(E.sequence_runs(sums, [batch]), whole[:, start:start + local], rtol=0, atol=0)
+        shuffled = torch.randperm(held.numel(), generator=gen)
+        assert torch.equal(E.in_row_order(sums[shuffled], held[shuffled]), sums)

@@ -211,6 +211,36 @@ def test_a_steady_state_step_reads_nothing_back_from_the_device(fake_rank, famil
             assert reads == []
 
 
+def test_the_combine_by_the_reverse_all_to_all_reads_nothing_more(fake_rank, monkeypatch):
+    """The tokens split along the sequence, each (token, expert) row sent to its expert's rank
+    and its output row sent back (the reverse all-to-all): the combine reuses the dispatch's
+    split sizes, so a layer reads what a dispatching layer whose output a g sums reads: three in
+    a training step (its bounds, the split sizes, which sorted rows are of its tokens), and in an
+    inference call what that call's program reads either way."""
+    import autotp.passes.rules.experts as rules
+
+    config = zoo.tiny_config("mixtral", layers=2, heads=4, kv_heads=2, head_dim=4, vocab=61, experts=4, top_k=2)
+    inputs = zoo.example_batch("mixtral", config, batch=2, seq=EXAMPLE_SEQ, seed=2)
+    _reads.family = "mixtral"
+    counts = {}
+    for combine in (True, False):
+        if not combine:
+            monkeypatch.setattr(rules, "combine_back", lambda info, inputs: [])
+        model = zoo.build("mixtral", config, dtype=torch.float32, seed=1)
+        pm = autotp.parallelize(model, TP, layout={"*.experts.*": "expert"}, batch=64, seq=4096,
+                                profile="h100-dgx", sequence_parallel=True)
+        pm.deferred_checks = True
+        kinds = [type(m).__name__ for m in pm.graph_module.modules()]
+        assert kinds.count("DispatchRows") == 2 and kinds.count("CombineRows") == (2 if combine else 0), kinds
+        for train in (True, False):
+            reads = [(what, stack) for what, stack in _reads(pm, inputs, train)
+                     if not any(f.startswith(MODEL_READS) for f in stack)]
+            assert all(set(ROWS_READS) & set(stack) for _, stack in reads), reads
+            counts[combine, train] = len(reads)
+    assert counts[True, True] == counts[False, True] == 3 * 2, counts
+    assert counts[True, False] == counts[False, False], counts   # inference: its own program's reads
+
+
 def test_the_counter_sees_what_a_blocking_check_reads(fake_rank):
     """Without deferred_checks the index bounds are read at once (a read on a GPU): counted; and
     so is the serial GPT-2's own padding check."""

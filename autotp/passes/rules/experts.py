@@ -22,7 +22,10 @@ Under sequence parallelism the tokens arrive split along the sequence; flattened
 tokens=True)`` (:func:`token_rows`). The router, its softmax and top-k run on them as on any rows;
 the grouped product takes them with an all-to-all inside (each (token, expert) row sent to its
 expert's rank, :class:`autotp.distributed.experts.DispatchRows`), priced as one, against
-gathering every token on every rank.
+gathering every token on every rank; the next product may send its output rows back by the
+reverse all-to-all (:func:`combine_back`), where the routing weights' product and the top-k sum
+run on the rank's own tokens and their sum views back to its run of the sequence
+(:func:`token_sequence`), against the g of the combine.
 
 Expert tensor parallelism (Megatron's expert-TP) is the familiar column/row split inside every
 expert: the gate|up stack ``[experts, 2*inter, hidden]`` split on its output features, in two
@@ -201,10 +204,11 @@ def routed_strategies(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
     * a view splitting the rows' dim (``[T*k, H] -> [T, k, H]``), then the sum over the inner
       dims (a token's top-k rows): that sum is a plain Partial, each rank adding its rows into
       the whole ``[T, H]``."""
-    if info.x_gathered and isinstance(placements[0], Routed):
+    if info.x_gathered and isinstance(placements[0], Routed) and not placements[0].tokens:
         # rows gathered at a grouped product's experts' bounds (through casts): only the
         # product's expert-parallel strategies have those experts; scattered and summed into a
-        # whole x they would be rows of no rank's experts (the gather must then be replicated)
+        # whole x they would be rows of no rank's experts (the gather must then be replicated).
+        # Rows gathered on their tokens' ranks are every row, each held once: made whole as any
         return [s for s in _routed_strategies(info, placements, rule)
                 if any(isinstance(p, Routed) for p in (s.output if isinstance(s.output, tuple) else (s.output,)))]
     return _routed_strategies(info, placements, rule)
@@ -216,12 +220,12 @@ def _routed_strategies(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
     if op_name(info.target) in GROUPED_MM:
         return found + [s for s in rule(info, placements) if isinstance(s.output, Routed)]
     if any(p.span > 1 for p in routed.values()):
-        combine = _combine(info, placements)
-        return found + ([combine] if combine is not None else [])
+        return found + _combine(info, placements)
     if info.target is aten.index.Tensor and set(routed) == {0} and routed[0].dim == 0 and routed[0].span == 1:
         indices = info.args[1]
         if len(indices) == 1 and indices[0] is not None and len(info.inputs) == 2:   # rows reordered
-            found.append(Strategy((placements[0], REPLICATE), placements[0]))
+            p = placements[0]
+            found.append(Strategy((p, REPLICATE), replace(p, reordered=True) if p.tokens else p))
         return found
     kind = _kind(info.target)
     if kind not in ROW_WISE and kind not in ROW_BY_ROW and kind not in ROW_REDUCING:
@@ -232,6 +236,9 @@ def _routed_strategies(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
         split = _split_rows(info, routed[0])
         if split is not None:
             found.append(Strategy((placements[0],), split))
+        back = token_sequence(info, routed[0])
+        if back is not None:   # a rank's token rows back to its run of the sequence
+            found.append(Strategy((placements[0],), back))
     first = min(routed)
     rows = info.inputs[first].shape[routed[first].dim]
     probe = tuple(Shard(p.dim) if isinstance(p, Routed) else p for p in placements)
@@ -267,23 +274,27 @@ def _split_rows(info: OpInfo, p: Routed) -> Routed | None:
         return None
     if sympy.expand(math.prod(after[d:d + span]) - before[d]) != 0:
         return None
-    return Routed(d, span)
+    return replace(p, span=span)
 
 
-def _combine(info: OpInfo, placements: tuple) -> Strategy | None:
+def _combine(info: OpInfo, placements: tuple) -> list[Strategy]:
     """``sum`` over the inner dims of routed rows that span several dims (a token's top-k): a
-    plain Partial, each rank's rows added into the whole result."""
+    plain Partial, each rank's rows added into the whole result; or, rows held by their tokens'
+    ranks (every row of a token on one rank, after the combine's reverse all-to-all), the
+    rank's own tokens' sums, rows held by their tokens' ranks again."""
     if info.target is not aten.sum.dim_IntList or len(placements) != 1:
-        return None
+        return []
     p = placements[0]
     dims = info.args[1] if len(info.args) > 1 else info.kwargs.get("dim")
     keepdim = info.args[2] if len(info.args) > 2 else info.kwargs.get("keepdim", False)
     ndim = info.inputs[0].ndim
     if dims is None or keepdim or sorted(d % ndim for d in dims) != list(range(p.dim + 1, p.dim + p.span)):
-        return None
+        return []
     if any(info.inputs[0].static(d) is None for d in range(p.dim + 1, p.dim + p.span)):
-        return None
-    return Strategy((p,), PARTIAL)
+        return []
+    if p.tokens and p.dim == 0:   # the sums' rows: the rank's tokens, ascending (no token_rows map)
+        return [Strategy((p,), PARTIAL), Strategy((p,), Routed(0, tokens=True, reordered=True))]
+    return [Strategy((p,), PARTIAL)]
 
 
 def _experts(p) -> bool:
@@ -346,6 +357,23 @@ def token_rows(info: OpInfo, p) -> Routed | None:
     return Routed(0, tokens=True)
 
 
+def token_sequence(info: OpInfo, p) -> Shard | None:
+    """``Shard(d)`` where a view unflattens a rank's token rows ``[b*s, ...]`` (``Routed(0,
+    tokens=True)``) back to ``[b, s, ...]`` split along the sequence dim ``d`` (dims ``0..d``
+    from dim 0, the rest kept, ``d``'s size a sequence symbol): the inverse of
+    :func:`token_rows`, the rank's rows its ``b`` runs of ``s/tp`` positions again, no collective
+    (the combine by the reverse all-to-all leaves the experts' output so)."""
+    if not (isinstance(p, Routed) and p.tokens and p.dim == 0 and p.span == 1 and info.tp > 1):
+        return None
+    before, after = info.inputs[0].shape, info.output.shape
+    d = len(after) - len(before)
+    if d < 1 or after[d] not in info.sequence or tuple(after[d + 1:]) != tuple(before[1:]):
+        return None
+    if sympy.expand(math.prod(after[:d + 1]) - before[0]) != 0:
+        return None
+    return Shard(d)
+
+
 def sized_view_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     """Besides :func:`.view.view_rule`: the sequence-split tokens flattened to the rank's rows
     (:func:`token_rows`), which the router, its softmax and top-k then run on alone."""
@@ -371,6 +399,7 @@ def token_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict,
     outer = [ctx.size(s) for s in before[:p.dim]]
     seq = ctx.size(before[p.dim])
     ctx.made_rows = ctx.graph.call_function(E.token_rows, (ctx.inputs[0], p.dim, outer, seq, ctx.tp, ctx.rank))
+    ctx.made_rows.meta[ASCENDING] = True
     ctx.made_owners = ctx.graph.call_function(E.token_owners, (ctx.inputs[0], outer, seq, ctx.tp))
     return info.target, (args[0], sizes) + tuple(args[2:]), kwargs
 
@@ -428,10 +457,16 @@ def grouped_mm_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
             out.append(Strategy((px, Shard(0)) + rest, Routed(0)))
         elif is_shard(pw):
             out.append(_experts_whole(info))
-    if _experts(pw) and px == Routed(0, tokens=True) and info.tp > 1:
+    if _experts(pw) and isinstance(px, Routed) and px.tokens and (px.dim, px.span) == (0, 1) and info.tp > 1:
         # rows held by their tokens' ranks (a sequence split): each sent to its expert's rank
-        # first, an all-to-all of the rows (and back, backward), priced as one inside the op
-        out.append(Strategy((px, Shard(0)) + rest, Routed(0), internal=(("all_to_all", info.inputs[0]),)))
+        # first, an all-to-all of the rows (and back, backward), priced as one inside the op;
+        # the rows then marked sent, for a later product to send its output back the same way
+        for sent in (False, True):
+            out.append(Strategy((px, Shard(0)) + rest, Routed(0, sent=sent),
+                                internal=(("all_to_all", info.inputs[0]),)))
+    if _experts(pw) and px == Routed(0, sent=True) and info.tp > 1:
+        out.append(Strategy((px, Shard(0)) + rest, px))
+        out += combine_back(info, (px, Shard(0)) + rest)
     if info.inputs[1].static(0) is None:
         return out
     for have, want in _matrix_shards(info, pw, (2,), lambda d: 1):   # column
@@ -447,6 +482,15 @@ def grouped_mm_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
             and not (is_shard(px) and px.with_dim(1) == pw):    # row, as w is split (x converted to it)
         out.append(Strategy((pw.with_dim(1), pw) + rest, PARTIAL))
     return out
+
+
+def combine_back(info: OpInfo, inputs: tuple) -> list[Strategy]:
+    """A grouped product of rows the dispatch sent (``Routed(0, sent=True)``) that sends its
+    output rows back to their tokens' ranks (the combine by the reverse all-to-all, the
+    dispatch's plan reused: no count read again), where the routing weights' product and the
+    top-k sum then run on the rank's own tokens: no g of the ``[tokens, hidden]`` combine.
+    Priced as an all-to-all of the product's output inside the op, forward and backward."""
+    return [Strategy(inputs, Routed(0, tokens=True, reordered=True), internal=(("all_to_all", info.output),))]
 
 
 for _name in GROUPED_MM:
@@ -480,6 +524,8 @@ def routed_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict
     out = strategy.output
     if isinstance(out, Routed) and out.tokens and is_shard(strategy.inputs[0]):
         return token_localizer(info, strategy, args, kwargs, ctx)
+    if is_shard(out) and isinstance(strategy.inputs[0], Routed) and strategy.inputs[0].tokens:
+        return _token_sequence_localizer(info, strategy, args, kwargs, ctx)
     if op_name(info.target) in GROUPED_MM:
         return _grouped_localizer(info, strategy, args, kwargs, ctx)
     if info.target is aten.index.Tensor and isinstance(out, Routed):
@@ -520,6 +566,16 @@ def routed_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict
         return E.routed_pick, (weight, index, ctx.made_rows, first, total), {}
     if isinstance(out, Routed) and out.span > 1:   # [T*k, H] -> [T, k, H]: the rows as they are
         return aten.alias.default, (ctx.inputs[0],), {}
+    if isinstance(out, Routed) and out.tokens and isinstance(strategy.inputs[0], Routed) \
+            and strategy.inputs[0].span > 1:   # a token's rows summed on its own rank
+        p = strategy.inputs[0]
+        x = ctx.inputs[0]
+        group = math.prod(int(info.inputs[0].shape[d]) for d in range(p.dim + 1, p.dim + p.span))
+        pair = ctx.graph.call_function(E.token_sums, (x, ctx.rows_of(x), group, kwargs.get("dtype")))
+        ctx.made_rows = ctx.graph.call_function(operator.getitem, (pair, 1))
+        ctx.made_rows.meta[ASCENDING] = True
+        ctx.made_owners = ctx.graph.call_function(E.token_sum_owners, (ctx.owners[x], group))
+        return operator.getitem, (pair, 0), {}
     if out == PARTIAL and strategy.inputs and isinstance(strategy.inputs[0], Routed):   # a token's rows summed
         p = strategy.inputs[0]
         x = ctx.inputs[0]
@@ -527,6 +583,25 @@ def routed_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict
         shape = [ctx.size(s) for s in info.output.shape]
         return E.routed_combine, (x, ctx.rows_of(x), p.dim, group, shape, kwargs.get("dtype")), {}
     return _row_wise(info, strategy, args, kwargs, ctx)
+
+
+#: a row map's node meta key: its rows ascending (a rank's tokens in sequence order, b runs of s/tp)
+ASCENDING = "autotp_rows_ascending"
+
+
+def _token_sequence_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
+    """A rank's token rows ``[rows, ...]`` viewed back as its run of the sequence ``[b, s/tp,
+    ...]``: its rows in ascending order are exactly that (:func:`token_rows`); rows in another
+    order (a reorder's) are put in it first."""
+    from ...distributed import experts as E
+
+    x = ctx.inputs[0]
+    rows = ctx.rows_of(x)
+    if not rows.meta.get(ASCENDING):
+        x = ctx.graph.call_function(E.in_row_order, (x, rows))
+    sizes = [ctx.size(s) for s in info.output.shape]
+    sizes[strategy.output.dim] = -1
+    return info.target, (x, sizes) + tuple(args[2:]), kwargs
 
 
 def _permutes(info: OpInfo, node: Any) -> bool:
@@ -586,21 +661,36 @@ def _grouped_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: di
     first, count = _run(info, strategy, 1, ctx)
     bounds, ctx.made_rows = _expert_rows(info, strategy, offs, ctx)
     x_routed = isinstance(strategy.inputs[0], Routed)
+    from ...errors import PlanError
+
     if x_routed and strategy.inputs[0].tokens:
-        # the all-to-all dispatch: every rank's rows of its tokens to the ranks of their experts
+        # the all-to-all dispatch: every rank's rows of its tokens to the ranks of their experts,
+        # planned once per layer (the split sizes read), the plan kept for the combine back
         total = int(info.inputs[1].shape[0])
         runs = tuple(local_ranges(total, strategy.inputs[1], ctx.tp, r) or ((0, 0),) for r in range(ctx.tp))
         runs = tuple((a, b - a) for ((a, b),) in runs)
-        args = (ctx.comm(E.DispatchRows(ctx.group, runs, ctx.rank), x, ctx.rows_of(x), ctx.owners[x], offs),) \
-            + tuple(args[1:])
+        rows, owners = ctx.rows_of(x), ctx.owners[x]
+        plan = ctx.shared_rows(("dispatch", offs, first, count),
+                               lambda: (E.dispatch_plan, (rows, owners, offs, runs, ctx.rank)))
+        ctx.dispatches[(offs, first, count)] = (plan, rows, owners)
+        args = (ctx.comm(E.DispatchRows(ctx.group), x, plan),) + tuple(args[1:])
     elif x_routed and ctx.rows_of(x) is not ctx.made_rows:
-        from ...errors import PlanError
-
         raise PlanError(f"the grouped product {info.target} reads routed rows that are not its own experts' "
                         f"rows sorted by expert (they were reordered or picked otherwise); its input must be "
                         f"replicated here")
-    return (E.routed_grouped_mm, (args[0], args[1], offs, bounds, first, count, op_name(info.target), x_routed),
-            kwargs)
+    product = (E.routed_grouped_mm, (args[0], args[1], offs, bounds, first, count, op_name(info.target), x_routed),
+               kwargs)
+    if not strategy.output.tokens:
+        return product
+    # the combine by the reverse all-to-all: the rank's experts' output rows back to their
+    # tokens' ranks, each into the row the dispatch took it from (its row map and holders)
+    dispatched = ctx.dispatches.get((offs, first, count))
+    if dispatched is None:
+        raise PlanError(f"the grouped product {info.target} sends its rows back to their tokens' ranks, but no "
+                        f"all-to-all dispatch of this layer sent them (the rows were gathered); its output must "
+                        f"stay on its experts' ranks here")
+    plan, ctx.made_rows, ctx.made_owners = dispatched
+    return E.CombineRows(ctx.group), (ctx.graph.call_function(product[0], product[1], product[2]), plan), {}
 
 
 def _expert_rows(info: OpInfo, strategy: Strategy, offs: Any, ctx: LocalContext) -> tuple[Any, Any]:

@@ -1,0 +1,99 @@
+"""The all-to-all dispatch of an expert layer and the combine by the reverse all-to-all
+(autotp/distributed/experts.py) against the whole tensors they stand for, on gloo ranks.
+
+Hypothesis draws a batch of sequences split along the sequence (a rank's tokens: ``b`` runs of
+``s/tp`` positions, the first ``s % tp`` one longer), top-k, experts (3 on 4 ranks: one holds
+none) and every token's experts. Each rank holds its tokens' (token, expert) rows sorted by
+expert; the dispatch must hand each rank exactly the rows of its experts, in sorted order, and
+the combine must give each rank back the rows of its tokens as the dispatch took them, each
+row's expert-side product applied. Backward, each side gets its rows' gradient of the whole
+computation: the dispatch's backward is the combine's all-to-all and the other way round.
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from autotp.placements import Shard, local_ranges
+
+HIDDEN = 3
+
+
+def _tensor(seed: int, shape, *key) -> torch.Tensor:
+    """A float64 tensor determined by (seed, key): ranks and this process draw the same one."""
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((seed,) + key).encode()))
+    return torch.randn(tuple(shape), generator=gen, dtype=torch.float64)
+
+
+def _whole(case: dict) -> dict:
+    """The layer's routing, whole (what every rank computes alike from the routing it holds)."""
+    gen = torch.Generator().manual_seed(case["seed"])
+    tokens, k, experts = case["batch"] * case["seq"], case["k"], case["experts"]
+    ids = torch.randint(0, experts, (tokens * k,), generator=gen)
+    _, perm = torch.sort(ids, stable=True)
+    offs = torch.cumsum(torch.bincount(ids, minlength=experts), 0)
+    h = _tensor(case["seed"], (tokens, HIDDEN), "h")
+    scale = _tensor(case["seed"], (tokens * k, 1), "scale")   # an expert-side factor per sorted row
+    grad = _tensor(case["seed"], (tokens * k, HIDDEN), "grad")   # the upstream gradient per sorted row
+    return dict(perm=perm, offs=offs, h=h, scale=scale, grad=grad)
+
+
+def _runs(case: dict) -> tuple[tuple[int, int], ...]:
+    out = []
+    for r in range(case["tp"]):
+        ((start, stop),) = local_ranges(case["experts"], Shard(0), case["tp"], r) or ((0, 0),)
+        out.append((start, stop - start))
+    return tuple(out)
+
+
+def run_dispatch_and_combine(case: dict) -> dict:
+    """On each rank of its TP group: its token rows dispatched to their experts' ranks, scaled
+    there, combined back; the rows and gradients each side ends with."""
+    from autotp.distributed import experts as E
+    from autotp.distributed.mesh import get_mesh
+
+    mesh = get_mesh(case["tp"])
+    group, rank, tp = mesh.tp_group, mesh.tp_rank, case["tp"]
+    w = _whole(case)
+    b, s, k = case["batch"], case["seq"], case["k"]
+    mine = E.token_rows(torch.empty(b, (s + tp - 1 - rank) // tp), 1, [b], s, tp, rank)   # the rank's tokens
+    owners = E.token_owners(w["h"], [b], s, tp)
+    x = w["h"].index_select(0, mine).requires_grad_()
+    # the rank's (token, expert) rows in sorted order, and every sorted row's holder
+    rows_x, rows = E.routed_reorder(x, w["perm"] // k, mine, b * s)
+    plan = E.dispatch_plan(rows, owners[w["perm"] // k], w["offs"], _runs(case), rank)
+    sent = E.dispatch_rows(rows_x, plan, group)
+    sent.retain_grad()
+    first, count = _runs(case)[rank]
+    start, end = E.expert_bounds(w["offs"], first, count)
+    back = E.combine_rows(sent * w["scale"][start:end], plan, group)
+    (back * w["grad"].index_select(0, rows)).sum().backward()
+    return dict(rows=rows, bounds=(start, end), sent=sent.detach(), sent_grad=sent.grad, back=back.detach(),
+                x_grad=x.grad, mine=mine)
+
+
+@settings(max_examples=12, deadline=None)
+@given(case=st.fixed_dictionaries(dict(
+    tp=st.sampled_from([2, 4]), batch=st.integers(1, 3), seq=st.integers(1, 7), k=st.integers(1, 3),
+    experts=st.integers(1, 5), seed=st.integers(0, 2**16))))
+@example(case=dict(tp=4, batch=2, seq=9, k=2, experts=3, seed=1))   # a rank with no expert: sends all, gets none
+def test_the_combine_returns_each_row_to_its_token_and_both_backwards_mirror(cluster, case):
+    results = cluster.run(run_dispatch_and_combine, case)
+    w = _whole(case)
+    k = case["k"]
+    gathered = w["h"][w["perm"] // k]                          # every (token, expert) row, sorted by expert
+    rows_grad = w["grad"] * w["scale"]
+    for got in results:
+        start, end = got["bounds"]
+        # the dispatch: the rank's experts' rows, in sorted order
+        torch.testing.assert_close(got["sent"], gathered[start:end], rtol=0, atol=0)
+        # the combine: the rank's tokens' rows back, in the order the dispatch took them, scaled
+        torch.testing.assert_close(got["back"], (gathered * w["scale"]).index_select(0, got["rows"]), rtol=0, atol=0)
+        # backward through the combine (the dispatch's all-to-all): the experts' side's rows
+        torch.testing.assert_close(got["sent_grad"], rows_grad[start:end], rtol=0, atol=0)
+        # and through the dispatch (the combine's all-to-all) to the rank's tokens, each token's k rows summed
+        want = torch.zeros_like(w["h"]).index_add(0, w["perm"] // k, rows_grad).index_select(0, got["mine"])
+        torch.testing.assert_close(got["x_grad"], want, rtol=1e-12, atol=1e-12)
