@@ -12,8 +12,10 @@ rank's groups; every call equals serial at float32's rounding (the mixer compute
 training at two lengths, a left-padded call, and greedy ``generate`` carrying the conv and SSM
 states (each rank its groups' share between steps: tests/e2e/test_recurrent_states.py). Mamba2 of one
 group (the tiny configs' and every published one's): in_proj by head with B's and C's rows whole on
-every rank, every call equal to serial (Bamba at tp 2 and 4, Granite-4.0-H and Falcon-H1 at tp 2),
-and its whole rows counted once by clip_grad_norm_ and DCP. Slow tier: captures of the chunked scan
+every rank, every call equal to serial (Bamba at tp 2 and 4, Granite-4.0-H and Falcon-H1 at tp 2; at
+tp 3 with 6 heads, split by head beside a state of 6 and unsplit beside one of 4), and its whole
+rows counted once by clip_grad_norm_ and DCP. Mamba2 of 2 groups at tp 4: every group of B and C
+whole, each rank repeating its own head's. Slow tier: captures of the chunked scan
 take a minute each on two loaded cores."""
 import pytest
 import torch
