@@ -107,6 +107,70 @@ def test_a_narrowed_length_is_not_taken_for_another_config(exports):
     assert len(exports) == 2 * first
 
 
+class _PerPosition(torch.nn.Module):
+    """A forward that loops over the sequence (Mamba's slow path, a chunked scan's chunks): export
+    traces one step per position, so the program holds the example's length only."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import PretrainedConfig
+
+        self.config = PretrainedConfig(vocab_size=16)
+        self.emb = torch.nn.Embedding(16, 4)
+
+    def forward(self, input_ids):
+        h = self.emb(input_ids)                                               # (b, s, 4)
+        return torch.stack([h[:, i] * (i + 1) for i in range(h.shape[1])], 1).sum()
+
+
+def _wrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` under a wrapper whose class is made per call (as a generation step's is), its
+    config on the child only."""
+    wrapper = type("Step", (torch.nn.Module,), {"forward": lambda self, input_ids: self.inner(input_ids)})()
+    wrapper.inner = model
+    return wrapper
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["model", "wrapper made per call"])
+def test_a_length_export_fixed_is_fixed_at_once_at_another_length(exports, wrap):
+    # refused a range ("seq = 11"), the first capture exports twice; an equal model at another
+    # length goes straight to its own length: the refused symbolic trace is paid once per structure
+    make = (lambda: _wrapped(_PerPosition())) if wrap else _PerPosition
+    ids = torch.randint(0, 16, (2, 11))
+    assert capture(make(), example_kwargs={"input_ids": ids}).fixed_dims == {"input_ids.1": 11}
+    assert len(exports) == 2
+    again = capture(make(), example_kwargs={"input_ids": ids[:, :7]})
+    assert again.fixed_dims == {"input_ids.1": 7} and len(exports) == 3
+
+
+def test_dims_an_equal_model_needed_that_do_not_hold_are_dropped_for_those_asked(exports, monkeypatch):
+    import autotp.capture.export as capture_module
+
+    ids = torch.randint(0, 16, (2, 11))
+    capture(_PerPosition(), example_kwargs={"input_ids": ids})
+    # the memo's dims made to fail (a range without the example's length): capture exports as asked
+    narrow = torch.export.Dim("seq", min=2, max=3)
+    monkeypatch.setattr(capture_module, "_replayed", lambda asked, *_: {"input_ids": {0: asked["input_ids"][0],
+                                                                                      1: narrow}})
+    assert capture(_PerPosition(), example_kwargs={"input_ids": ids[:, :7]}).fixed_dims == {"input_ids.1": 7}
+    assert len(exports) == 2 + 3   # the memo's (refused), as asked (refused: "seq = 7"), fixed
+
+
+@pytest.mark.parametrize("layers, cache", [(2, False), (5, True)])
+def test_a_whole_export_keeps_fake_tensors_dispatch_cache_only_over_a_stack_of_blocks(monkeypatch, layers, cache):
+    # the cache answers each repeated block's ops from the first's entries; with a block or two
+    # its symbolic entries cost more to rebuild than they save (a chunked scan's: twice the capture)
+    import autotp.capture.export as capture_module
+
+    monkeypatch.setattr(capture_module, "EXPAND", False)   # every model exported whole
+    seen = []
+    real_export = torch.export.export
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: seen.append(
+        torch._dynamo.config.fake_tensor_cache_enabled) or real_export(*a, **k))
+    capture(tiny_gpt2(n_layer=layers))
+    assert seen == [cache]
+
+
 def test_a_model_with_buffers_indexed_by_its_inputs_captures_on_the_meta_device():
     config = zoo.tiny_config("bert", layers=1, heads=2, head_dim=4, vocab=40)
     meta = capture(zoo.build("bert", config, device="meta"))

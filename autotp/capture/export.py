@@ -28,6 +28,7 @@ from .inputs import _dynamic_shapes, _example_seqs, _forward_params, bind_inputs
 from .masks import eager_masks
 from .normalize import _from_exported
 from .program import Capture, _tied_aliases
+from .structure import _qualname
 from .twin import _CHECKED, on_meta
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
         try:
             ep, expanded = _export_cut(model, kwargs, dynamic_shapes) if EXPAND else (None, None)
             if ep is None:
-                ep = _export(model, kwargs, dynamic_shapes)
+                ep = _export(model, kwargs, dynamic_shapes, fake_cache=_repeats_blocks(model))
         except Exception as exc:  # torch raises many types here; all mean "not capturable"
             config_problem = top_k_problem(model, exc)
             if config_problem is not None:   # the model itself cannot run: its config is the fix
@@ -224,10 +225,15 @@ def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: Any,
     meta = on_meta(model)
     key = _narrowing_key(model, kwargs, dynamic_shapes, calls)
     asked = dynamic_shapes
+    replaying = False
     if key is not None and key in _NARROWED:
-        dynamic_shapes = _NARROWED[key]
-        log.debug("autotp: capture starts from the dims %s needed before", type(model).__name__)
-    for attempt in range(EXPORT_REFINEMENTS + 1):
+        before, sizes = _NARROWED[key]
+        replayed = _replayed(asked, before, sizes, _sizes(kwargs))
+        if replayed is not None:
+            dynamic_shapes, replaying = replayed, True
+            log.debug("autotp: capture starts from the dims %s needed before", type(model).__name__)
+    attempt = 0
+    while True:
         try:
             with _ListIndicesOnCPU() if meta else contextlib.nullcontext(), _no_stack_traces(), \
                     contextlib.nullcontext() if fake_cache else _fake_cache_off(), _UnitDraws(), \
@@ -235,7 +241,8 @@ def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: Any,
                 ep = torch.export.export(model, (), kwargs, strict=False, dynamic_shapes=dynamic_shapes,
                                          preserve_module_call_signature=calls)
             if key is not None and dynamic_shapes is not asked:
-                _NARROWED[key] = dynamic_shapes
+                _NARROWED[key] = (dynamic_shapes, _sizes(kwargs))
+                _NARROWED.move_to_end(key)
                 while len(_NARROWED) > NARROWED_KEPT:
                     _NARROWED.popitem(last=False)
             # traced with unnamed dims, export proved none of its guards over the range: the
@@ -243,6 +250,12 @@ def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: Any,
             ep._autotp_unnamed = _unnamed(dynamic_shapes)
             return ep
         except Exception as exc:   # a constraint violation names its fix; anything else is final
+            if replaying:   # the dims an equal model needed do not hold here: start over from those asked
+                log.debug("autotp: %s refuses the dims an equal model needed (%s); exporting as asked",
+                          type(model).__name__, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                _NARROWED.pop(key, None)
+                dynamic_shapes, replaying = asked, False
+                continue
             fixes = _suggested_fixes(str(exc))
             if _derived(fixes):   # not a narrowing: a residue class of lengths (a chunked scan's padding)
                 fixes = ""
@@ -252,6 +265,7 @@ def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: Any,
                 if relaxed != dynamic_shapes:
                     log.info("autotp: capture retries with unnamed dynamic dims (%s)", str(exc).splitlines()[-1])
                     dynamic_shapes = relaxed
+                    attempt += 1
                     continue
             if dynamic_shapes is None or not fixes or attempt == EXPORT_REFINEMENTS:
                 raise
@@ -261,32 +275,110 @@ def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: Any,
                 raise
             log.info("autotp: capture narrowed the dynamic dims to torch's suggested fixes and tries again")
             dynamic_shapes = refined
-    raise AssertionError("unreachable")
+            attempt += 1
 
 
-#: the dynamic dims torch.export narrowed a model to (its suggested fixes: T5's decoder needs 3
-#: target tokens or more), by :func:`_narrowing_key`: a later capture of a model of the same
-#: class and config starts from them instead of failing its first export again (T5's tiny
-#: models: 1.6-2.1 s of a 3.4-4.0 s capture). The newest NARROWED_KEPT are kept.
+#: the dynamic dims torch.export narrowed a model to, by :func:`_narrowing_key`, with the sizes
+#: of the example it traced: a later capture of a model of the same class and config, at any
+#: length, starts from them (:func:`_replayed`) instead of failing its first export again.
+#: T5's decoder needs 3 target tokens or more (its tiny models: 1.6-2.1 s of a 3.4-4.0 s
+#: capture); Bamba's chunked scan is refused named dims (a residue class of lengths) and traced
+#: unnamed; Qwen3-Next's Gated DeltaNet over 64-token chunks is refused any range and fixed at
+#: the example's length: its first export is the symbolic trace that fails, 6-18 CPU s of a
+#: tiny model's capture, paid once per structure instead of once per length. The newest
+#: NARROWED_KEPT are kept.
 _NARROWED: collections.OrderedDict = collections.OrderedDict()
 NARROWED_KEPT = 64
 
 
 def _narrowing_key(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: Any, calls: tuple):
     """What decides the dims export allows: the model's class, its whole config, its modules
-    (a cut model has fewer), train or eval, the inputs' names, shapes and dtypes, the dims asked
-    and the block calls recorded. ``None`` (no memo) for a model without a serializable config."""
-    to_json = getattr(getattr(model, "config", None), "to_json_string", None)
+    (a cut model has fewer), train or eval, the inputs' names, dtypes and shapes but for the
+    dims asked dynamic (the lengths: :func:`_replayed` carries a narrowing over to another),
+    the dims asked and the block calls recorded. ``None`` (no memo) for a model without a
+    serializable config."""
+    to_json = getattr(_config_of(model), "to_json_string", None)
     if dynamic_shapes is None or to_json is None:
         return None
     try:
         config = to_json(use_diff=False)
     except Exception:   # a config holding something JSON cannot write: no memo, export as asked
         return None
-    inputs = tuple((name, (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v))
-                   for name, v in kwargs.items())
-    return (type(model), config, sum(1 for _ in model.modules()), model.training, inputs,
-            _spec_key(dynamic_shapes), tuple(calls))
+    inputs: list[tuple] = []
+    for name, v in kwargs.items():
+        if isinstance(v, torch.Tensor):
+            spec = dynamic_shapes.get(name) if isinstance(dynamic_shapes, dict) else None
+            asked = spec if isinstance(spec, dict) else {}
+            inputs.append((name, tuple("n" if _asked(asked.get(d)) else n for d, n in enumerate(v.shape)), v.dtype))
+        else:
+            inputs.append((name, repr(v)))
+    # the class by name, with every module's: a wrapper made per call (a generation step's
+    # class, made for its inputs' names) is one model whenever it wraps an equal one
+    classes = tuple(_qualname(type(m)) for m in model.modules())
+    return (classes, config, model.training, tuple(inputs), _spec_key(dynamic_shapes), tuple(calls))
+
+
+def _config_of(model: torch.nn.Module) -> Any:
+    """The model's config, else its first child's (a wrapper of a transformers model, such as a
+    generation step, holds the model's submodules as its own)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        config = next((getattr(m, "config") for m in model.children() if getattr(m, "config", None) is not None),
+                      None)
+    return config
+
+
+def _asked(dim: Any) -> bool:
+    """Is ``dim`` (one entry of a dynamic-shapes spec) a dim asked dynamic: a named ``Dim`` or a hint?"""
+    from torch.export.dynamic_shapes import _Dim, _DimHint, _DimHintType
+
+    return (isinstance(dim, _Dim) and type(dim).__name__ != "_StaticDim") or (
+        isinstance(dim, _DimHint) and dim.type is not _DimHintType.STATIC)
+
+
+def _sizes(kwargs: dict[str, Any]) -> dict[str, tuple]:
+    """Each tensor input's sizes."""
+    return {name: tuple(v.shape) for name, v in kwargs.items() if isinstance(v, torch.Tensor)}
+
+
+def _replayed(asked: Any, narrowed: Any, before: dict[str, tuple], now: dict[str, tuple]) -> Any:
+    """``narrowed`` (the dims export allowed an example of sizes ``before``) carried over to an
+    example of sizes ``now``, for the dims ``asked``; None where it does not carry over.
+
+    A dim export fixed at the example's size (a forward that loops over the length) is fixed
+    at the new example's; a narrowed range or an unnamed dim holds if it takes the new size;
+    a fixed size other than the example's (none export suggests) does not carry over."""
+    from torch.export.dynamic_shapes import _Dim, _DimHint
+
+    if not isinstance(asked, dict) or not isinstance(narrowed, dict) or set(asked) != set(narrowed):
+        return None
+    out = {}
+    for name, spec in narrowed.items():
+        wanted = asked[name]
+        if not isinstance(wanted, dict) or not isinstance(spec, dict):
+            if spec != wanted:   # a spec autotp does not read by dim: only one left as asked carries over
+                return None
+            out[name] = spec
+            continue
+        if name not in now or name not in before:
+            return None
+        dims = {}
+        for d, dim in spec.items():
+            if not _asked(wanted.get(d)):
+                dims[d] = dim
+            elif isinstance(dim, int):
+                if before[name][d] != dim:
+                    return None
+                dims[d] = now[name][d]
+            elif isinstance(dim, (_Dim, _DimHint)):
+                lo, hi = dim.min, dim.max
+                if (lo is not None and now[name][d] < lo) or (hi is not None and now[name][d] > hi):
+                    return None
+                dims[d] = dim
+            else:
+                return None
+        out[name] = dims
+    return out
 
 
 def _spec_key(spec: Any) -> Any:
@@ -318,11 +410,26 @@ def _no_stack_traces() -> Iterator[None]:
         fx_config.do_not_emit_stack_traces = before
 
 
+def _repeats_blocks(model: torch.nn.Module) -> bool:
+    """Does a whole export of ``model`` run a stack of alike blocks (more than a cut keeps)?
+    FakeTensorMode's dispatch cache pays there: each later block's ops are answered from the
+    first's entries (gpt2-xl whole: 6 s with it, 12 s without; a tiny GPT-2 of 24 layers 2.9 CPU s
+    against 3.7). Elsewhere it is off (:func:`_fake_cache_off`): a model of a few blocks runs
+    each op a few times, and the entries of a chunked scan, whose sizes are expressions of the
+    length padded to the chunk, cost more to rebuild than the dispatches they save (tiny
+    Qwen3-Next, 2 layers: capture 9.0-10.5 CPU s off against 18.6-22.7 on; tiny Bamba 3.6-3.7
+    against 7.4-10.6; tiny GPT-2 0.5 against 0.6-1.0)."""
+    from . import expand as capture_expand
+
+    return bool(capture_expand.find_stacks(model))
+
+
 def _fake_cache_off() -> contextlib.AbstractContextManager:
     """FakeTensorMode's dispatch cache, off for one export: its entries are checked and rebuilt
     with symbolic sizes at a cost above the dispatch they save in a trace that runs each op a
     few times (gpt2-xl cut to three blocks: export 0.85 s without it against 1.07 s with it).
-    A whole export runs each block's ops N times and gains from it: 6 s with, 12 s without."""
+    A whole export of a stack of alike blocks runs each block's ops N times and gains from it
+    (:func:`_repeats_blocks`)."""
     config = torch._dynamo.config
     if not hasattr(config, "fake_tensor_cache_enabled"):
         return contextlib.nullcontext()

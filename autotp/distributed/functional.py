@@ -150,6 +150,17 @@ def tail_exact_add(x: torch.Tensor, b: torch.Tensor, tails: tuple[tuple[int, int
     return _TailExactAdd.apply(x, b, tails)
 
 
+def repeat_rows(x: torch.Tensor, repeats: int, dim: int, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """The rows ``ranges`` (of dim ``dim``, in order) of ``x.repeat_interleave(repeats, dim)``,
+    repeating only the groups they read: one rank's heads' copies of whole groups."""
+    parts = []
+    for start, stop in ranges:
+        first, last = start // repeats, (stop - 1) // repeats
+        part = x.narrow(dim, first, last - first + 1).repeat_interleave(repeats, dim)
+        parts.append(part.narrow(dim, start - first * repeats, stop - start))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
 class _GradIf(torch.autograd.Function):
     """``x`` forward; backward the gradient where ``keep``, else none. A per-block tail (one group's
     k and v, whole on each rank of the group's set) has a whole gradient on each of those ranks:

@@ -180,7 +180,7 @@ def _written(cap: Capture, index: GraphIndex, prop: Propagation, prof: Any, batc
                   flows=record_flows(index, prop) if plan is None else plan.flows)
     if plan is None and tp > 1:
         for note in (_sequence_note(index, prop), _replicated_note(result, layout),
-                     unsplit_attention_note(index, prop, result.attention or {})):
+                     unsplit_attention_note(index, prop, result.attention or {}), _unsplit_mixer_note(index, result)):
             if note:
                 result.notes.append(note)
     return result, index, prop
@@ -296,6 +296,50 @@ def _what_memory_takes(exc: MemoryLimitError, index: GraphIndex, batch: int, seq
                f"training state {state / gib:.2f} GiB (weights, gradients, Adam's moments) and activations "
                f"{acts / gib:.2f} GiB at batch {batch}, seq {seq}. Use {fixes}; or raise memory_limit")
     return MemoryLimitError(message, exc.needed_bytes, state, acts, limit)
+
+
+def _unsplit_mixer_note(index: GraphIndex, result: Plan) -> str | None:
+    """Why a Mamba2 in-projection (``[z | x | B | C | dt]``, its ``x | B | C`` split again after
+    the convolution: :func:`~autotp.passes.hints._grouped_pieces`) is not split by head where tp
+    cannot deal its head groups: it is whole, or its z dealt and the rest whole (a tail). B's and
+    C's rows, whole on every rank where there are fewer groups than ranks, must divide into as
+    many parts as the heads: 6 heads beside a state of 4 make 2 groups, too few for tp 3."""
+    import math
+
+    import torch
+
+    from ..passes.hints import _grouped_pieces, _piece_atoms
+    from ..plan.plan import _projection
+
+    cap, tp, uneven = index.capture, index.tp, index.uneven
+    unsplit: list[tuple[str, Placement, int, int]] = []
+    for node in cap.graph.nodes:
+        if node.target is not torch.ops.aten.split_with_sizes.default or "val" not in node.args[0].meta:
+            continue
+        d = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % node.args[0].meta["val"].dim()
+        blocks = _piece_atoms(node, d, tp, uneven, None, nested_ok=True)
+        if blocks is None or not any(inner for _, _, inner in blocks) or _grouped_pieces(node, d, tp, uneven, None):
+            continue
+        _, param = _projection(node.args[0], cap.param_names)
+        placement = result.params.get(param)
+        if param is not None and not (isinstance(placement, Shard) and placement.sizes):
+            # as _grouped_pieces reads it: B and C (inner pieces of fewer atoms than ranks) whole,
+            # the others dealt in as many head groups as divide every piece
+            held = [inner and atoms < tp for _, atoms, inner in blocks]
+            dealt = math.gcd(*(atoms for (_, atoms, _), h in zip(blocks, held) if not h))
+            groups = math.gcd(dealt, *(width for (width, _, _), h in zip(blocks, held) if h))
+            unsplit.append((param, placement, dealt, groups))   # dealt: x's and dt's heads (z counts elements)
+    if not unsplit:
+        return None
+    param, placement, heads, groups = unsplit[0]
+    fits = [t for t in range(2, groups + 1) if groups % t == 0 or uneven]
+    why = f"fewer than tp={tp}" if groups < tp else f"not a multiple of tp={tp} (uneven=False)"
+    n = len(unsplit)
+    return (f"{n} Mamba2 in-projection{'s' if n > 1 else ''} ({param}: {placement}{', ...' if n > 1 else ''}) "
+            f"not split by head, the mixer's scan unsplit: its {heads} heads and the rows of B and C divide "
+            f"into {groups} head group{'s' if groups > 1 else ''} at most, {why}"
+            + (f"; tp in {fits} splits it by head" if fits else "")
+            + ". The model computes what the serial one does")
 
 
 def _replicated_note(result: Plan, layout: Mapping[str, Any] | None) -> str | None:

@@ -12,8 +12,10 @@ rank's groups; every call equals serial at float32's rounding (the mixer compute
 training at two lengths, a left-padded call, and greedy ``generate`` carrying the conv and SSM
 states (each rank its groups' share between steps: tests/e2e/test_recurrent_states.py). Mamba2 of one
 group (the tiny configs' and every published one's): in_proj by head with B's and C's rows whole on
-every rank, every call equal to serial (Bamba at tp 2 and 4, Granite-4.0-H and Falcon-H1 at tp 2),
-and its whole rows counted once by clip_grad_norm_ and DCP. Slow tier: captures of the chunked scan
+every rank, every call equal to serial (Bamba at tp 2 and 4, Granite-4.0-H and Falcon-H1 at tp 2; at
+tp 3 with 6 heads, split by head beside a state of 6 and unsplit beside one of 4), and its whole
+rows counted once by clip_grad_norm_ and DCP. Mamba2 of 2 groups at tp 4: every group of B and C
+whole, each rank repeating its own head's. Slow tier: captures of the chunked scan
 take a minute each on two loaded cores."""
 import pytest
 import torch
@@ -120,6 +122,73 @@ def test_mamba2_of_one_group_split_by_head_equals_serial(family, tp):
         # at tp 4 (one head of 4 a rank, hidden 16) the cost model gathers the scan's output for a
         # whole out_proj: the split it weighs, not a layout this test holds
         assert tp > 2 or (isinstance(r["out_proj"], Shard) and r["out_proj"].dim == 1), r["out_proj"]
+        for call in ("train 11", "train 8", "padded"):
+            assert r[call] <= TOLERANCE[torch.float32], (call, r[call])
+        got, serial = r["generate"]
+        assert got == serial
+
+
+def mamba2_fewer_groups_calls(family: str, groups: int) -> dict:
+    from tests.e2e.test_hybrids import hybrid_calls
+
+    tp = torch.distributed.get_world_size()
+    # ``groups`` groups of B and C, fewer than the ranks and more than one (vLLM's case where
+    # several ranks hold one group's B and C): tp attention heads, the tiny config's 4 Mamba heads
+    out = hybrid_calls(family, {"mamba_n_groups": groups, "num_attention_heads": tp, "num_key_value_heads": tp},
+                       ("model.layers.0.mamba.in_proj.weight", "model.layers.0.mamba.out_proj.weight"))
+    out["in_proj"], out["out_proj"] = (out.pop("model.layers.0.mamba.in_proj.weight"),
+                                       out.pop("model.layers.0.mamba.out_proj.weight"))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_mamba2_of_fewer_groups_than_ranks_split_by_head_equals_serial():
+    from autotp.distributed.launch import LocalCluster
+    from autotp.placements import Shard
+
+    # 2 groups at tp 4: each rank its head's z, x and dt, B's and C's two groups whole (the
+    # one-group layout with a group count tp cannot deal: vLLM would hold only its own group)
+    with LocalCluster(4, timeout=3000) as cluster:
+        results = cluster.run(mamba2_fewer_groups_calls, "bamba", 2)
+    for r in results:
+        # per head: z 8, x 8, dt 1; B's and C's 2 groups of 4 whole on every rank (2 per head)
+        assert r["in_proj"] == Shard(0, 5, 1, sizes=(8, 8, 2, 2, 1), whole=(2, 3)), r["in_proj"]
+        for call in ("train 11", "train 8", "padded"):
+            assert r[call] <= TOLERANCE[torch.float32], (call, r[call])
+        got, serial = r["generate"]
+        assert got == serial
+
+
+def mamba2_one_group_at_tp3_calls(family: str, d_state: int) -> dict:
+    from tests.e2e.test_hybrids import hybrid_calls
+
+    # hidden 24: 3 attention heads of 8, 6 Mamba heads of 8, one group of B and C of a ``d_state``-wide state
+    out = hybrid_calls(family, {"hidden_size": 24, "num_attention_heads": 3, "num_key_value_heads": 3,
+                                "mamba_n_heads": 6, "mamba_d_state": d_state},
+                       ("model.layers.0.mamba.in_proj.weight", "model.layers.0.mamba.out_proj.weight"))
+    out["in_proj"], out["out_proj"] = (out.pop("model.layers.0.mamba.in_proj.weight"),
+                                       out.pop("model.layers.0.mamba.out_proj.weight"))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("d_state", [6, 4])
+def test_mamba2_of_one_group_at_tp3_equals_serial(d_state):
+    from autotp.distributed.launch import LocalCluster
+    from autotp.placements import Replicate, Shard
+
+    # a state of 6 and 6 heads: 6 groups of one head, 2 a rank, B and C whole on every rank; a
+    # state of 4: B's and C's 4 rows and 6 heads share 2 groups only, fewer than 3 ranks, and
+    # the in-projection stays whole (the mixer unsplit), every call still equal to serial
+    with LocalCluster(3, timeout=3000) as cluster:
+        results = cluster.run(mamba2_one_group_at_tp3_calls, "bamba", d_state)
+    for r in results:
+        if d_state == 6:
+            assert r["in_proj"] == Shard(0, 5, 1, sizes=(8, 8, 1, 1, 1), whole=(2, 3)), r["in_proj"]
+        else:
+            assert r["in_proj"] == Replicate(), r["in_proj"]
         for call in ("train 11", "train 8", "padded"):
             assert r[call] <= TOLERANCE[torch.float32], (call, r[call])
         got, serial = r["generate"]

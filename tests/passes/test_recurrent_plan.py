@@ -87,3 +87,34 @@ def test_mamba2_with_one_group_splits_by_head_with_b_and_c_whole():
               and c.kind != "scatter"]
     assert sorted(c.kind for c in inside) == ["f", "f", "f", "g"], inside
     assert [c.consumer.split("_self")[0] for c in inside if c.module == mixer] == ["repeat_interleave"] * 2
+
+
+def test_mamba2_with_fewer_groups_than_ranks_splits_by_head_with_every_group_of_b_and_c_whole():
+    # 2 groups at tp 4 (4 heads of 8, d_state 4): tp cannot deal the groups, so each rank holds
+    # its head's z, x and dt and B's and C's two groups whole, as for one group; vLLM would hold
+    # only its own group's B and C (docs/architecture.md)
+    config = zoo.tiny_config("bamba", layers=2, heads=2, kv_heads=2, head_dim=8, vocab=64, mamba_n_groups=2,
+                             num_attention_heads=4, num_key_value_heads=4)
+    plan = autotp.plan(zoo.build("bamba", config, device="meta"), tp=4, batch=64, seq=4096, profile="h100-dgx")
+    in_proj = "model.layers.0.mamba.in_proj.weight"
+    assert plan.params[in_proj] == Shard(0, 5, 1, sizes=(8, 8, 2, 2, 1), whole=(2, 3)), plan.params[in_proj]
+    assert plan.local_shape(in_proj, 3) == (8 + 8 + 8 + 8 + 1, 16)   # of [84, hidden 16]
+    assert not any("Mamba2 in-projection" in note for note in plan.notes)
+    # B and C repeated for each rank's own head from their whole groups, behind an f (before: the
+    # repeat run whole and its output sliced, the gradient all-gathered)
+    mixer = "model.layers.0.mamba"
+    repeats = [c for c in plan.comms if c.module == mixer and c.consumer.startswith("repeat_interleave")]
+    assert [c.kind for c in repeats] == ["f", "f"], repeats
+
+
+def test_a_mamba2_mixer_tp_cannot_split_by_head_runs_whole_and_the_plan_says_why():
+    # 6 heads beside B's and C's 4 rows (one group, d_state 4) divide into 2 head groups only:
+    # at tp 3 the in-projection is not split by head (on meta in float32 its z rows dealt and the
+    # rest whole, a tail), and a note names it, the count and the tp that fits
+    config = zoo.tiny_config("bamba", layers=2, heads=3, kv_heads=3, head_dim=8, vocab=64)
+    plan = autotp.plan(zoo.build("bamba", config, device="meta"), tp=3, batch=64, seq=4096, profile="h100-dgx")
+    in_proj = plan.params["model.layers.0.mamba.in_proj.weight"]
+    assert not (isinstance(in_proj, Shard) and in_proj.sizes), in_proj
+    notes = [note for note in plan.notes if "Mamba2 in-projection" in note]
+    assert len(notes) == 1 and "model.layers.0.mamba.in_proj.weight" in notes[0], plan.notes
+    assert "6 heads" in notes[0] and "2 head groups" in notes[0] and "tp=3" in notes[0] and "[2]" in notes[0], notes

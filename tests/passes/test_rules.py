@@ -890,14 +890,17 @@ def test_one_group_of_b_and_c_held_whole_beside_dealt_heads():
 
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
-def test_repeat_interleave_of_one_group_gives_each_rank_its_heads(data):
-    # Mamba2's one B (or C), [b, s, 1, d_state] whole on every rank, repeated for every head:
-    # each rank repeats it for its own heads alone (the f in front sums the gradient)
+def test_repeat_interleave_of_whole_groups_gives_each_rank_its_heads(data):
+    # Mamba2's B (or C), [b, s, groups, d_state] whole on every rank, each group repeated for its
+    # heads: each rank repeats the groups of its own heads alone (the f in front sums the
+    # gradient); one group, or fewer groups than ranks (2 at tp 4), or more, evenly or not
     gen, tp = _gen(data.draw), data.draw(tps)
-    heads = tp * data.draw(st.integers(1, 3))
-    x = _tensor(gen, (2, 3, 1, data.draw(st.integers(1, 3))))
-    case = Case(aten.repeat_interleave.self_int, (x, heads, 2), {"output_size": heads}, tp, (Replicate(),),
-                seed=data.draw(seeds))
+    uneven = data.draw(st.booleans())
+    heads = tp * data.draw(st.integers(1, 3)) + (data.draw(st.integers(0, tp - 1)) if uneven else 0)
+    groups = data.draw(st.sampled_from([g for g in range(1, heads + 1) if heads % g == 0]))
+    x = _tensor(gen, (2, 3, groups, data.draw(st.integers(1, 3))))
+    case = Case(aten.repeat_interleave.self_int, (x, heads // groups, 2), {"output_size": heads}, tp,
+                (Replicate(),), seed=data.draw(seeds), uneven=uneven)
     assert _offers(check_case(case), (Replicate(),), Shard(2))
 
 

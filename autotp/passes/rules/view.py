@@ -665,11 +665,11 @@ def repeat_interleave_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
         return _follow(info, placements, lambda s: None if s.dim == dim else s)
     out = _follow(info, placements, lambda s: replace(s, unit=s.unit * repeats) if s.dim == dim else s)
     size = info.output.static(dim)
-    if info.inputs[0].static(dim) == 1 and size is not None and size >= info.tp and (
+    if info.inputs[0].static(dim) is not None and size is not None and size >= info.tp and (
             size % info.tp == 0 or info.uneven) and not is_shard(placements[0]) and not is_partial(placements[0]):
-        # one whole group read by every head (Mamba2's one B and C repeated to its heads): each rank
-        # repeats it for its own heads alone; the input's gradient, a sum over the rank's heads,
-        # is summed over the ranks by the f in front
+        # whole groups read by their heads (Mamba2's B and C of fewer groups than ranks, repeated
+        # to the heads): each rank repeats the groups of its own heads alone; the input's
+        # gradient, a sum over the rank's heads, is summed over the ranks by the f in front
         out.append(Strategy((REPLICATE,), Shard(dim)))
     return out
 
@@ -682,6 +682,13 @@ def repeat_interleave_localizer(info: OpInfo, strategy: Strategy, args: tuple, k
     dim = info.args[2] if len(info.args) > 2 else info.kwargs.get("dim")
     if dim is None or not is_shard(out) or out.dim != norm_dim(dim, info.inputs[0].ndim):
         return info.target, args, kwargs
+    if is_replicate(strategy.inputs[0]) and info.inputs[0].static(out.dim) != 1:
+        # whole groups: each repeated for this rank's heads alone
+        from ...distributed.functional import repeat_rows
+        from ...placements import local_ranges
+
+        ranges = local_ranges(int(info.output.shape[out.dim]), out, ctx.tp, ctx.rank)
+        return repeat_rows, (args[0], args[1], out.dim, ranges), {}
     if is_replicate(strategy.inputs[0]):   # one group repeated for this rank's heads alone
         args = (args[0], ctx.local(args[1], info.output.shape[out.dim], out)) + tuple(args[2:])
     if "output_size" in kwargs and kwargs["output_size"] is not None:
