@@ -88,15 +88,20 @@ class Routed(Partial):
     ``tokens``: the rows are held by the rank that holds their *token* (a sequence split,
     ``[b, s/tp, h]`` flattened to the rank's ``b`` runs of ``s/tp`` rows), not by their expert's
     rank: an expert product reading them first sends each row to its expert's rank (an
-    all-to-all dispatch, autotp/distributed/experts.py)."""
+    all-to-all dispatch, autotp/distributed/experts.py). The same rows where a view merges the
+    batch with a dim split by head (Mamba2's ``[b, h, d, n] -> [b*h, d, n]``): each held by the
+    rank of its head; ``unit``: the atoms of the shard merged (``Shard(1, unit=u)``, laid out as
+    a plain one), which a view splitting the rows back returns."""
 
     dim: int = 0
     span: int = 1
     tokens: bool = False
+    unit: int = 1
 
     def __repr__(self) -> str:
         kind = "tokens" if self.tokens else "routed"
-        return f"P({kind} {self.dim})" if self.span == 1 else f"P({kind} {self.dim}:{self.dim + self.span})"
+        unit = f"/{self.unit}" if self.unit != 1 else ""
+        return f"P({kind} {self.dim}{unit})" if self.span == 1 else f"P({kind} {self.dim}:{self.dim + self.span})"
 
 
 @dataclass(frozen=True)

@@ -346,3 +346,48 @@ def test_a_buffer_written_by_a_split_state_is_made_at_each_ranks_share():
         zeros = [n.args[0] for n in gm.graph.nodes if n.target is torch.ops.aten.zeros.default]
         assert len(zeros) == 1 and zeros[0][1] == 16, (rank, zeros)
         assert not any(name.startswith("scatter") for name, _ in gm.named_children()), gm.code
+
+
+class _HeadsMergedForOneProduct(torch.nn.Module):
+    """Mamba2's decode product: a state and C split by head, read as ``[b*h, ...]`` for one ``bmm``."""
+
+    def __init__(self, heads: int = 4, d: int = 3, n: int = 2):
+        super().__init__()
+        self.heads, self.d, self.n = heads, d, n
+        self.state = torch.nn.Linear(8, heads * d * n, bias=False)
+        self.c = torch.nn.Linear(8, heads * n, bias=False)
+        self.out = torch.nn.Linear(heads * d, 8, bias=False)
+
+    def forward(self, x):                                          # x: (b, 8)
+        b, h, d, n = x.shape[0], self.heads, self.d, self.n
+        state = self.state(x).view(b, h, d, n)                     # (b, h, d, n), split by head
+        c = self.c(x).view(b, h, n)                                # (b, h, n)
+        y = torch.bmm(state.view(b * h, d, n), c.view(b * h, n, 1))   # (b*h, d, 1): the batch merged with h
+        return self.out(torch.relu(y.view(b, h, d)).reshape(b, h * d))
+
+
+def _heads_merged(tp: int, batch: int):
+    from autotp.testing import equivalence_errors
+
+    torch.manual_seed(0)
+    model = _HeadsMergedForOneProduct().double()
+    x = torch.randn(3, 8, dtype=torch.float64)
+    pm = autotp.parallelize(model, tp, example_inputs=(x,), uneven=True,
+                            layout={"state.weight": "column", "c.weight": "column", "out.weight": "row"})
+    errors = equivalence_errors(model, pm, {"x": torch.randn(batch, 8, dtype=torch.float64)})
+    placed = {str(n.target).split(".")[1]: str(n.meta.get("autotp_placement"))
+              for n in pm.graph_module.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.bmm.default}
+    return max(errors.values()), [c.kind for c in pm.plan.comms], placed
+
+
+def test_a_merge_of_the_batch_with_split_heads_keeps_each_ranks_heads(cluster_of):
+    # view(b * h, ...) of a tensor split by head merges the dynamic batch with a split dim, which
+    # no Shard can say: the state and C were all-gathered for the bmm and its output sliced back
+    # (Mamba2's decode step, every step). Now the merge makes the rank's rows (b runs of its
+    # heads: P(tokens 0)), the bmm keeps them, and the view back is the heads' split again:
+    # nothing gathered, exact forward and backward (4 heads at tp 3: one rank holds two).
+    for tp, batch in ((2, 5), (3, 1)):
+        for worst, kinds, placed in cluster_of(tp).run(_heads_merged, tp, batch):
+            assert worst < 1e-12, worst
+            assert "all_gather" not in kinds and "all_gather_f" not in kinds, kinds
+            assert placed == {"bmm": "P(tokens 0)"}, placed
