@@ -70,9 +70,9 @@ def state_calls(family: str) -> dict:
     return {"generate": (got, serial), "states": states, "gathered in decode": sorted(gathered)}
 
 
-#: the states each family's plan splits: Qwen3-Next's runs the Gated DeltaNet's conv whole (its
-#: conv state with it: the conv reads q | k | v joined, gathered) and its recurrence by head
-SPLIT = {"bamba": ("conv", "ssm"), "mamba": ("conv", "ssm"), "qwen3-next": ("ssm",)}
+#: the states each family's plan splits: Qwen3-Next's Gated DeltaNet conv by q's, k's and v's heads
+#: (it reads q | k | v joined: blocks of one shard; it ran whole, its conv state with it, before)
+SPLIT = {"bamba": ("conv", "ssm"), "mamba": ("conv", "ssm"), "qwen3-next": ("conv", "ssm")}
 
 
 @pytest.mark.slow
