@@ -57,7 +57,7 @@ ROW_WISE = frozenset((
     aten.silu.default, aten.gelu.default, aten.relu.default, aten.tanh.default, aten.neg.default,
     aten.sigmoid.default, aten.exp.default,
     aten.mul.Scalar, aten.div.Scalar, aten.add.Scalar, aten.sub.Scalar, aten.pow.Tensor_Scalar,
-    aten.square.default, aten.abs.default, aten.sin.default, aten.erf.default,
+    aten.square.default, aten.abs.default, aten.sin.default, aten.erf.default, aten.rsqrt.default,
     aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.clone.default, aten.contiguous.default,
     aten.alias.default, aten.detach.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
     aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.transpose.int,
@@ -69,8 +69,9 @@ ROW_WISE = frozenset((
 ROW_BY_ROW = frozenset((aten.mul.Tensor, aten.div.Tensor, aten.bmm.default, aten.add.Tensor, aten.sub.Tensor,
                         aten.linear.default, aten.mm.default, aten.addmm.default))
 #: ops along another dim than the rows' that keep each row's result in its row (the router's
-#: softmax and top-k over the experts of each token); their own rules say which dims
-ROW_REDUCING = frozenset((aten._softmax.default, aten.softmax.int, aten.topk.default))
+#: softmax and top-k over the experts of each token, a norm's mean over a head's features); their
+#: own rules say which dims
+ROW_REDUCING = frozenset((aten._softmax.default, aten.softmax.int, aten.topk.default, aten.mean.dim))
 #: views whose size arguments the rank's rows change (the routed dim's size: -1)
 SIZED_VIEWS = frozenset((aten.view.default, aten.reshape.default, aten._unsafe_view.default))
 
