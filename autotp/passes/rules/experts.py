@@ -366,10 +366,11 @@ def _plain_runs(meta, p, tp: int) -> bool:
 
 
 def token_split(info: OpInfo, p: Routed) -> Shard | None:
-    """``Shard(d)`` where a view splits the rows of :func:`token_rows` back into dims ``0..d``
-    (``[b*h, d, 1] -> [b, h, d]``), each row's elements kept; None otherwise. Sound where the
-    rows are those a merge of the same dims made, in its order: the rank's program checks that
-    the row map is that merge's (:func:`token_localizer`)."""
+    """The shard merged (``Shard(d, unit=p.unit)``) where a view splits the rows of
+    :func:`token_rows` back into dims ``0..d`` (``[b*h, d, 1] -> [b, h, d]``), each row's
+    elements kept; None otherwise. Sound where the rows are those a merge of the same dims made,
+    in its order: the rank's program checks that the row map is that merge's
+    (:func:`token_split_localizer`)."""
     if not (p.tokens and p.dim == 0 and p.span == 1 and info.tp > 1):
         return None
     before, after = info.inputs[0].shape, info.output.shape
