@@ -88,7 +88,10 @@ class Routed(Partial):
     ``tokens``: the rows are held by the rank that holds their *token* (a sequence split,
     ``[b, s/tp, h]`` flattened to the rank's ``b`` runs of ``s/tp`` rows), not by their expert's
     rank: an expert product reading them first sends each row to its expert's rank (an
-    all-to-all dispatch, autotp/distributed/experts.py).
+    all-to-all dispatch, autotp/distributed/experts.py). The same rows where a view merges the
+    batch with a dim split by head (Mamba2's ``[b, h, d, n] -> [b*h, d, n]``): each held by the
+    rank of its head; ``unit``: the atoms of the shard merged (``Shard(1, unit=u)``, laid out as
+    a plain one), which a view splitting the rows back returns.
 
     ``sent``: rows held by their experts' ranks that the dispatch sent there from their tokens'
     ranks; the reverse all-to-all, which needs the dispatch's plan, may send them back (the
@@ -103,6 +106,7 @@ class Routed(Partial):
     tokens: bool = False
     sent: bool = False
     reordered: bool = False
+    unit: int = 1
 
     def __post_init__(self) -> None:
         if self.tokens and self.sent:
@@ -113,7 +117,8 @@ class Routed(Partial):
     def __repr__(self) -> str:
         kind = "tokens" if self.tokens else "sent" if self.sent else "routed"
         rows = f"{self.dim}" if self.span == 1 else f"{self.dim}:{self.dim + self.span}"
-        return f"P({kind} {rows}{', reordered' if self.reordered else ''})"
+        unit = f"/{self.unit}" if self.unit != 1 else ""
+        return f"P({kind} {rows}{unit}{', reordered' if self.reordered else ''})"
 
 
 @dataclass(frozen=True)
@@ -442,7 +447,7 @@ def to_json(p: Placement) -> dict:
     if isinstance(p, Routed):
         return {"kind": "partial", "routed": p.dim, **({"span": p.span} if p.span > 1 else {}),
                 **({"tokens": True} if p.tokens else {}), **({"sent": True} if p.sent else {}),
-                **({"reordered": True} if p.reordered else {})}
+                **({"reordered": True} if p.reordered else {}), **({"unit": p.unit} if p.unit != 1 else {})}
     if isinstance(p, Partial):
         return {"kind": "partial"}
     return {"kind": "replicate"}
@@ -456,7 +461,8 @@ def from_json(d: dict) -> Placement:
                      tuple(int(x) for x in d.get("sizes", ())), tuple(int(x) for x in d.get("whole", ())))
     if kind == "partial":
         return Routed(int(d["routed"]), int(d.get("span", 1)), bool(d.get("tokens", False)),
-                      bool(d.get("sent", False)), bool(d.get("reordered", False))) if "routed" in d else PARTIAL
+                      bool(d.get("sent", False)), bool(d.get("reordered", False)),
+                      int(d.get("unit", 1))) if "routed" in d else PARTIAL
     if kind == "replicate":
         return REPLICATE
     raise ValueError(f"unknown placement kind {kind!r}")

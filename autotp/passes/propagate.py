@@ -255,6 +255,32 @@ class GraphIndex:
         return (position == 0 and node in self.written_first
                 and not same_placement(have, want, _dim_size(meta, want), self.tp))
 
+    def writes_keep(self, root: fx.Node, placed: Any) -> bool:
+        """Whether every in-place write through a view of ``root`` (:attr:`written_first`) can
+        land in it placed ``placed``: each view on the way keeps it with no conversion (its first
+        such strategy, as the op-by-op walk takes it), and each write is a ``copy_``, which takes
+        its destination's placement whatever its source's (Gated DeltaNet's decode step writes
+        each token's output so into ``core_attn_out[:, :, i]`` of a ``zeros_like`` split by head)."""
+        if isinstance(placed, tuple):
+            return False
+        todo = [(root, placed)]
+        while todo:
+            node, have = todo.pop()
+            for user in node.users:
+                if user not in self.written_first or not user.args or user.args[0] is not node:
+                    continue
+                if mutates_first(user.target):
+                    if user.target is not torch.ops.aten.copy_.default:
+                        return False
+                    continue
+                if len(self.tensor_inputs[user]) != 1:
+                    return False
+                kept = next((s for s in self.strategies(user, (have,)) if s.inputs[0] == have), None)
+                if kept is None or isinstance(kept.output, tuple):
+                    return False
+                todo.append((user, kept.output))
+        return True
+
     def numel_env(self) -> Mapping:
         return self.env
 
@@ -798,9 +824,9 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
             options = [options[j]]
         elif node in index.written_roots:
             # a tensor written in place through a view later, which no conversion may reach
-            # (GraphIndex.moves_written): this walk does not look ahead to the write, so it makes
-            # the tensor whole, which every write can take
-            options = [s for s in options if s.output == REPLICATE] or options
+            # (GraphIndex.moves_written): whole, which every write can take, or split where the
+            # views keep the split down to each write and each write takes it (GraphIndex.writes_keep)
+            options = [s for s in options if s.output == REPLICATE or index.writes_keep(node, s.output)] or options
         elif info.gathers_expert_rows and not _experts_may_take_rows(node, place):
             # rows gathered for a grouped product whose stack is split otherwise here (expert-TP:
             # a later program replaying its plan): this walk does not look ahead to the product,

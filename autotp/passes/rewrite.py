@@ -92,6 +92,10 @@ class GraphLocalContext(LocalContext):
             self._shared_rows[key] = self.graph.call_function(fn, args)
         return self._shared_rows[key]
 
+    def found_rows(self, key: tuple) -> fx.Node | None:
+        """The node :meth:`shared_rows` made for ``key``, or None where none is made yet."""
+        return self._shared_rows.get(key)
+
     def local(self, arg: Any, size: Any, shard: Shard) -> Any:
         if isinstance(arg, fx.Node):
             if isinstance(size, sympy.Expr) and size.is_Integer:

@@ -8,7 +8,7 @@ next. transformers writes them with ``copy_``: into a ``zeros`` buffer in the pr
 state handed in for a decode step. Before ``copy_`` had a rule, each ran replicated: the split
 state was all-gathered into a whole buffer on every rank, and every decode step took it whole.
 Here each rank's cached states are 1/tp of the serial model's bytes, a decode step gathers no
-state (but Bamba's SSM state for one product, below), and greedy ``generate``
+state (Bamba's SSM state, read merged with the batch for one product, was gathered), and greedy ``generate``
 (Bamba's row 0 left-padded) gives the serial model's tokens at tp 2 (float64 models; the mixers
 compute in float32). Slow tier: each family captures three programs (a call, a prompt, a decode
 step), tens of seconds each on two loaded cores."""
@@ -70,9 +70,9 @@ def state_calls(family: str) -> dict:
     return {"generate": (got, serial), "states": states, "gathered in decode": sorted(gathered)}
 
 
-#: the states each family's plan splits: Qwen3-Next's runs the Gated DeltaNet's conv whole (its
-#: conv state with it: the conv reads q | k | v joined, gathered) and its recurrence by head
-SPLIT = {"bamba": ("conv", "ssm"), "mamba": ("conv", "ssm"), "qwen3-next": ("ssm",)}
+#: the states each family's plan splits: Qwen3-Next's Gated DeltaNet conv by q's, k's and v's heads
+#: (it reads q | k | v joined: blocks of one shard; it ran whole, its conv state with it, before)
+SPLIT = {"bamba": ("conv", "ssm"), "mamba": ("conv", "ssm"), "qwen3-next": ("conv", "ssm")}
 
 
 @pytest.mark.slow
@@ -93,5 +93,5 @@ def test_generate_keeps_each_ranks_share_of_the_recurrent_states(family):
         for name, (held, whole) in r["states"].items():
             assert held * (tp if name.split("_")[0] in SPLIT[family] else 1) == whole, (name, held, whole)
         # Bamba's decode reads its SSM state as view(batch * heads, ...) for one bmm, a merge of
-        # the batch with the split heads no Shard can say: gathered there (docs/architecture.md)
-        assert r["gathered in decode"] == (["ssm"] if family == "bamba" else []), r["gathered in decode"]
+        # the batch with the split heads: each rank's rows of it (P(tokens 0)), not gathered (it was)
+        assert r["gathered in decode"] == [], r["gathered in decode"]

@@ -5,6 +5,7 @@ import operator
 import torch
 
 import autotp
+from autotp.placements import Shard
 from autotp.testing import MEGATRON_GPT2
 from tests.helpers import batch, tiny_gpt2
 
@@ -346,3 +347,145 @@ def test_a_buffer_written_by_a_split_state_is_made_at_each_ranks_share():
         zeros = [n.args[0] for n in gm.graph.nodes if n.target is torch.ops.aten.zeros.default]
         assert len(zeros) == 1 and zeros[0][1] == 16, (rank, zeros)
         assert not any(name.startswith("scatter") for name, _ in gm.named_children()), gm.code
+
+
+class _HeadsMergedForOneProduct(torch.nn.Module):
+    """Mamba2's decode product: a state and C split by head, read as ``[b*h, ...]`` for one ``bmm``."""
+
+    def __init__(self, heads: int = 4, d: int = 3, n: int = 2):
+        super().__init__()
+        self.heads, self.d, self.n = heads, d, n
+        self.state = torch.nn.Linear(8, heads * d * n, bias=False)
+        self.c = torch.nn.Linear(8, heads * n, bias=False)
+        self.out = torch.nn.Linear(heads * d, 8, bias=False)
+
+    def forward(self, x):                                          # x: (b, 8)
+        b, h, d, n = x.shape[0], self.heads, self.d, self.n
+        state = self.state(x).view(b, h, d, n)                     # (b, h, d, n), split by head
+        c = self.c(x).view(b, h, n)                                # (b, h, n)
+        y = torch.bmm(state.view(b * h, d, n), c.view(b * h, n, 1))   # (b*h, d, 1): the batch merged with h
+        y = y * torch.rsqrt(y.pow(2).mean(1, keepdim=True) + 1e-6)   # a norm per head (a gated norm's)
+        return self.out(torch.relu(y.view(b, h, d)).reshape(b, h * d))
+
+
+def _heads_merged(tp: int, batch: int):
+    from autotp.testing import equivalence_errors
+
+    torch.manual_seed(0)
+    model = _HeadsMergedForOneProduct().double()
+    x = torch.randn(3, 8, dtype=torch.float64)
+    pm = autotp.parallelize(model, tp, example_inputs=(x,), uneven=True,
+                            layout={"state.weight": "column", "c.weight": "column", "out.weight": "row"})
+    errors = equivalence_errors(model, pm, {"x": torch.randn(batch, 8, dtype=torch.float64)})
+    placed = {str(n.target).split(".")[1]: str(n.meta.get("autotp_placement"))
+              for n in pm.graph_module.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.bmm.default}
+    return max(errors.values()), [c.kind for c in pm.plan.comms], placed
+
+
+def test_a_merge_of_the_batch_with_split_heads_keeps_each_ranks_heads(cluster_of):
+    # view(b * h, ...) of a tensor split by head merges the dynamic batch with a split dim, which
+    # no Shard can say: the state and C were all-gathered for the bmm and its output sliced back
+    # (Mamba2's decode step, every step). Now the merge makes the rank's rows (b runs of its
+    # heads: P(tokens 0)), the bmm and a norm over each head's features keep them, and the view
+    # back is the heads' split again: nothing gathered, exact forward and backward (4 heads at
+    # tp 3: one rank holds two).
+    for tp, batch in ((2, 5), (3, 1)):
+        for worst, kinds, placed in cluster_of(tp).run(_heads_merged, tp, batch):
+            assert worst < 1e-12, worst
+            assert sorted(kinds) == ["f", "g"], kinds   # x's gradient, out's sum
+            assert placed == {"bmm": "P(tokens 0)"}, placed
+
+
+class _JoinedForADepthwiseConv(torch.nn.Module):
+    """Gated DeltaNet's causal conv: q | k | v, each split by head, joined for one depthwise conv."""
+
+    def __init__(self, k_heads: int = 2, dk: int = 4, v_heads: int = 4, dv: int = 4):
+        super().__init__()
+        self.sizes = [k_heads * dk, k_heads * dk, v_heads * dv]
+        self.q, self.k, self.v = (torch.nn.Linear(8, n, bias=False) for n in self.sizes)
+        c = sum(self.sizes)
+        self.conv = torch.nn.Conv1d(c, c, 3, groups=c, padding=2, bias=False)
+        self.out = torch.nn.Linear(self.sizes[0] + self.sizes[2], 8, bias=False)
+
+    def forward(self, x):                                                    # x: (b, s, 8)
+        qkv = torch.cat((self.q(x), self.k(x), self.v(x)), dim=-1)           # (b, s, c)
+        y = self.conv(qkv.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)  # (b, s, c)
+        q, k, v = torch.split(y, self.sizes, dim=-1)
+        return self.out(torch.cat((q * k, v), dim=-1))
+
+
+def _joined_for_a_conv():
+    from autotp.testing import equivalence_errors
+
+    torch.manual_seed(0)
+    model = _JoinedForADepthwiseConv().double()
+    x = torch.randn(2, 6, 8, dtype=torch.float64)
+    pm = autotp.parallelize(model, 2, example_inputs=(x,), layout={"q.weight": "column", "k.weight": "column",
+                                                                   "v.weight": "column", "out.weight": "row"})
+    errors = equivalence_errors(model, pm, {"x": torch.randn(3, 5, 8, dtype=torch.float64)})
+    return max(errors.values()), [c.kind for c in pm.plan.comms], pm.plan.params["conv.weight"]
+
+
+def test_heads_joined_along_their_split_dim_are_blocks_of_one_shard(cluster_of):
+    # cat((q, k, v), -1) of tensors each split by head had no strategy but whole: the three were
+    # all-gathered and the depthwise conv (and with it a recurrent layer's conv state) ran whole
+    # on every rank. Now each input is a block of the joined dim, dealt as it was (q's, k's and
+    # v's heads of a rank side by side: S(2x1:1:2)), and the conv splits by those channels.
+    for worst, kinds, conv in cluster_of(2).run(_joined_for_a_conv):
+        assert worst < 1e-12, worst
+        assert sorted(kinds) == ["f", "g"], kinds
+        assert isinstance(conv, Shard) and (conv.chunks, conv.sizes) == (3, (1, 1, 2)), conv
+
+
+class _TokensWrittenIntoABuffer(torch.nn.Module):
+    """Gated DeltaNet's recurrence: each position's output, per head, written into a slice of a
+    ``zeros_like`` buffer (``out[:, :, i] = ...``), which is read after the loop."""
+
+    def __init__(self, heads: int = 4, d: int = 2):
+        super().__init__()
+        self.heads, self.d = heads, d
+        self.up = torch.nn.Linear(8, heads * d, bias=False)
+        self.down = torch.nn.Linear(heads * d, 8, bias=False)
+
+    def forward(self, x):                                                      # x: (b, s, 8)
+        b, s = x.shape[0], x.shape[1]
+        v = self.up(x).view(b, s, self.heads, self.d).transpose(1, 2)          # (b, h, s, d)
+        out = torch.zeros_like(v)
+        state = torch.zeros_like(v[:, :, 0])
+        for i in range(s):
+            state = state * 0.5 + v[:, :, i]
+            out[:, :, i] = state.sin()
+        return self.down(out.transpose(1, 2).reshape(b, s, self.heads * self.d))
+
+
+def _written_into_a_buffer():
+    from autotp.testing import equivalence_errors
+
+    torch.manual_seed(0)
+    model = _TokensWrittenIntoABuffer().double()
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    pm = autotp.parallelize(model, 2, example_inputs=(x,), layout={"up.weight": "column", "down.weight": "row"})
+    model.eval(), pm.eval()   # another program, planned by replaying the first one's plan op by op
+    errors = equivalence_errors(model, pm, {"x": torch.randn(3, 3, 8, dtype=torch.float64)})
+    assert len(pm._programs) == 2   # the training call's, the eval call's
+    return max(errors.values()), [c.kind for c in pm._programs[-1].plan.comms]
+
+
+def test_a_replayed_plan_keeps_a_buffer_split_where_its_writes_take_the_split(cluster_of):
+    # A plan replayed op by op for another program (a generation step, an eval call) made every
+    # tensor written later through a view whole, not looking ahead to the writes: the split
+    # outputs were all-gathered into it (Qwen3-Next's decode step, each token's output by head).
+    # Now it stays split where each view keeps the split and each write is a copy_.
+    from autotp.capture import capture
+    from autotp.planner import build_plan
+
+    cap = capture(_TokensWrittenIntoABuffer(), example_kwargs={"x": torch.randn(2, 3, 8)})
+    plan, _, _ = build_plan(cap, 2, batch=2, seq=3, profile="cpu-gloo",
+                            layout={"up.weight": "column", "down.weight": "row"})
+    replayed, _, prop = build_plan(cap, 2, batch=2, seq=3, profile="cpu-gloo", plan=plan)
+    assert sorted(c.kind for c in replayed.comms) == ["f", "g"], replayed.comms
+    copies = [s for n, s in prop.chosen.items() if n.target is torch.ops.aten.copy_.default]
+    assert len(copies) == 3 and all(isinstance(s.output, Shard) for s in copies), copies
+    for worst, kinds in cluster_of(2).run(_written_into_a_buffer):
+        assert worst < 1e-12, worst
+        assert "all_gather" not in kinds, kinds

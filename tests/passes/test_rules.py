@@ -984,14 +984,34 @@ def test_cat_and_stack_keep_a_shard_of_any_other_dim(case):
         assert _offers(offered, case.placements, p.with_dim(od)), f"{case!r}: the shard is not kept"
 
 
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_a_cat_of_inputs_split_by_head_along_the_join_dim_is_a_block_shard(data):
+    # Gated DeltaNet joins q | k | v, each split by head, along the dim they are split on, for
+    # one depthwise conv: each input is a block of the result, dealt as it was (before: only
+    # whole, the three all-gathered)
+    gen, tp = _gen(data.draw), data.draw(tps)
+    groups = data.draw(st.integers(tp, 3 * tp))   # heads dealt to the ranks, unevenly too
+    widths = data.draw(st.lists(st.integers(1, 3), min_size=2, max_size=3))   # a head's elements per input
+    lead = data.draw(shapes(0, 2, st.integers(1, 3)))
+    tensors = [_tensor(gen, lead + (groups * w,)) for w in widths]
+    dim = len(lead)
+    ps = tuple(Shard(dim, unit=w) for w in widths)
+    offered = check_case(Case(aten.cat.default, (tensors, -1), {}, tp, ps, seed=data.draw(seeds)))
+    blocks = [s.output for s in offered if isinstance(s.output, Shard) and s.output.dim == dim]
+    assert len(blocks) == 1 and blocks[0].chunks == len(widths), offered
+
+
 def test_rotate_half_keeps_the_heads_shard_local():
     # Llama: q [b, heads, s, d] split by heads; rotate_half cats halves of d.
     q = torch.randn(2, 8, 5, 6, dtype=F64)
     x1, x2 = q[..., :3], q[..., 3:]
     case = Case(aten.cat.default, ([-x2, x1], -1), {}, 4, (Shard(1), Shard(1)))
     assert _offers(check_case(case), (Shard(1), Shard(1)), Shard(1))
-    assert not any(isinstance(s.output, Shard) and s.output.dim == 3
-                   for s in strategies(case.info(), (Shard(3), Shard(3))))
+    # halves split along d itself: no plain shard of d (a rank's -x2 and x1 are not a run of the
+    # result); the two as blocks of one shard are (every offered strategy computes the op)
+    halves = Case(aten.cat.default, ([-x2, x1], -1), {}, 4, (Shard(3), Shard(3)))
+    assert [s.output for s in check_case(halves) if isinstance(s.output, Shard)] == [Shard(3, 2)]
 
 
 def test_cat_with_a_legacy_empty_input_keeps_the_heads_shard():

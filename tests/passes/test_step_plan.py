@@ -1,10 +1,12 @@
 """A generation step's plan: generate runs every step under ``torch.no_grad()``, so the step is
 planned as it runs, forward only (one process, a tiny model on the meta device)."""
+import pytest
 import torch
 
 import autotp
 from autotp import zoo
-from autotp.generation import StepSpec, capture_step
+from autotp.generation import CacheLayout, StepSpec, capture_step
+from autotp.placements import REPLICATE, Routed, Shard
 from autotp.passes.propagate import grad_nodes
 from autotp.planner.planner import build_plan
 
@@ -23,3 +25,37 @@ def test_a_generation_step_is_priced_forward_only_and_places_no_f():
     assert not cap.differentiable and grad_nodes(cap) == frozenset()
     step, *_ = build_plan(cap, 2, batch=8, seq=64, plan=plan, gather_logits=True, keep_split=spec.keep_split(cap))
     assert step.comms and all(c.kind not in ("f", "all_gather_f") and c.bwd_bytes == 0 for c in step.comms), step.comms
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_mamba2_decode_step_reads_its_split_state_for_one_bmm_without_gathering_it(groups):
+    # Mamba2's torch path reads its SSM state as view(batch * heads, head_dim, d_state) for one
+    # bmm with C: a merge of the dynamic batch with the split heads, which no Shard can say. The
+    # state and C were all-gathered for that product every decode step (b*h*d*n float32 bytes a
+    # layer) and y sliced back. Now the merge makes each rank's rows (P(tokens 0)), the bmm
+    # keeps them, and the view back to [b, h, d] is the heads' split again.
+    config = zoo.tiny_config("bamba", layers=2, heads=2, kv_heads=2, head_dim=8, vocab=64, mamba_n_groups=groups)
+    model = zoo.build("bamba", config, device="meta").eval()
+    heads, d, n = config.mamba_n_heads, config.mamba_d_head, config.mamba_d_state
+    conv = config.mamba_expand * config.hidden_size + 2 * groups * n
+    names = ("conv_0", "ssm_0", "key_1", "value_1")
+    # the states a prefill split by head leaves (the conv state's layout is not this test's)
+    layout = CacheLayout(shapes=(("conv_0", (conv, config.mamba_d_conv)), ("ssm_0", (heads, d, n)),
+                                 ("key_1", (2, 0, 8)), ("value_1", (2, 0, 8))),
+                         dtypes=tuple((name, torch.float32) for name in names),
+                         placements=(("conv_0", REPLICATE), ("ssm_0", Shard(1)), ("key_1", Shard(1)),
+                                     ("value_1", Shard(1))))
+    spec = StepSpec({"input_ids": torch.ones(2, 1, dtype=torch.long)}, layout, 5)
+    cap = capture_step(model, spec)
+    step, _, prop = build_plan(cap, 2, batch=64, seq=4096, profile="h100-dgx", gather_logits=True,
+                               layout={"*in_proj.weight": "column", "*out_proj.weight": "row"},
+                               input_placements=spec.input_placements, keep_split=spec.keep_split(cap))
+    shapes = {n.name: tuple(n.meta["val"].shape[1:]) for n in cap.graph.nodes
+              if isinstance(n.meta.get("val"), torch.Tensor)}
+    gathered = [c.tensor for c in step.comms if c.kind.startswith("all_gather")
+                and shapes[c.tensor] in ((heads, d, n), (heads, n))]   # the state, C
+    assert gathered == [], gathered
+    (bmm,) = [node for node in cap.graph.nodes if node.target is torch.ops.aten.bmm.default]
+    assert prop.chosen[bmm].output == Routed(0, tokens=True), prop.chosen[bmm]
+    (back,) = bmm.users
+    assert isinstance(prop.chosen[back].output, Shard) and prop.chosen[back].output.dim == 1, prop.chosen[back]

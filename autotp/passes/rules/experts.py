@@ -48,7 +48,7 @@ from typing import Any
 import sympy
 import torch
 
-from ...placements import PARTIAL, REPLICATE, Partial, Routed, Shard, local_ranges
+from ...placements import PARTIAL, REPLICATE, Partial, Routed, Shard, local_ranges, same_placement
 from .routing import counted_by, index_length, is_permutation, written
 from .registry import (LocalContext, OpInfo, Strategy, _RULES, functional_of, is_shard, op_name, register,
                        register_localizer, register_routed, register_routed_localizer)
@@ -60,7 +60,7 @@ ROW_WISE = frozenset((
     aten.silu.default, aten.gelu.default, aten.relu.default, aten.tanh.default, aten.neg.default,
     aten.sigmoid.default, aten.exp.default,
     aten.mul.Scalar, aten.div.Scalar, aten.add.Scalar, aten.sub.Scalar, aten.pow.Tensor_Scalar,
-    aten.square.default, aten.abs.default, aten.sin.default, aten.erf.default,
+    aten.square.default, aten.abs.default, aten.sin.default, aten.erf.default, aten.rsqrt.default,
     aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.clone.default, aten.contiguous.default,
     aten.alias.default, aten.detach.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
     aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.transpose.int,
@@ -72,8 +72,9 @@ ROW_WISE = frozenset((
 ROW_BY_ROW = frozenset((aten.mul.Tensor, aten.div.Tensor, aten.bmm.default, aten.add.Tensor, aten.sub.Tensor,
                         aten.linear.default, aten.mm.default, aten.addmm.default))
 #: ops along another dim than the rows' that keep each row's result in its row (the router's
-#: softmax and top-k over the experts of each token); their own rules say which dims
-ROW_REDUCING = frozenset((aten._softmax.default, aten.softmax.int, aten.topk.default))
+#: softmax and top-k over the experts of each token, a norm's mean over a head's features); their
+#: own rules say which dims
+ROW_REDUCING = frozenset((aten._softmax.default, aten.softmax.int, aten.topk.default, aten.mean.dim))
 #: views whose size arguments the rank's rows change (the routed dim's size: -1)
 SIZED_VIEWS = frozenset((aten.view.default, aten.reshape.default, aten._unsafe_view.default))
 
@@ -236,9 +237,15 @@ def _routed_strategies(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
         split = _split_rows(info, routed[0])
         if split is not None:
             found.append(Strategy((placements[0],), split))
-        back = token_sequence(info, routed[0])
-        if back is not None:   # a rank's token rows back to its run of the sequence
-            found.append(Strategy((placements[0],), back))
+        back = token_split(info, routed[0])
+        if back is not None:
+            # a merge's rows split back into its dims: the shard it merged, first (at equal cost
+            # a plan replayed op by op, a decode step's, keeps it, not the Partial of the rows
+            # scattered into zeros, which costs its collective later)
+            found.insert(0, Strategy((placements[0],), back))
+        seq = token_sequence(info, routed[0])
+        if seq is not None and seq != back:   # a rank's token rows back to its run of the sequence
+            found.append(Strategy((placements[0],), seq))
     first = min(routed)
     rows = info.inputs[first].shape[routed[first].dim]
     probe = tuple(Shard(p.dim) if isinstance(p, Routed) else p for p in placements)
@@ -341,20 +348,57 @@ _VIEW_RULES = {t: _RULES[t] for t in SIZED_VIEWS}
 
 
 def token_rows(info: OpInfo, p) -> Routed | None:
-    """``Routed(0, tokens=True)`` where a view flattens ``[b, s, ...]`` split along a sequence
-    dim into ``[b*s, ...]`` (dims ``0..d`` into one, the rest kept); None otherwise. A rank's
-    tokens are then ``b`` runs of its ``s/tp`` positions, not a contiguous run of the rows: no
-    Shard says them, compact rows with a row map computed from the shapes do (:func:`token_localizer`)."""
-    if not (is_shard(p) and p == Shard(p.dim) and info.tp > 1):
+    """``Routed(0, tokens=True)`` where a view merges dims ``0..d`` of a tensor split along ``d``
+    into its rows (``[b, s, ...] -> [b*s, ...]``: the sequence-split tokens; ``[b, h, d, n] ->
+    [b*h, d, n]``: Mamba2's split heads read for one ``bmm``), each row's elements kept; None
+    otherwise. A rank's rows are then ``b`` runs of its share of ``d``, not a contiguous run: no
+    Shard says them where a merged dim is dynamic (the batch), compact rows with a row map
+    computed from the shapes do (:func:`token_localizer`). ``d`` split in contiguous runs as a
+    plain Shard deals them (a static dim's shard of another unit, laid out alike, counts)."""
+    if not (is_shard(p) and info.tp > 1 and _plain_runs(info.inputs[0], p, info.tp)):
         return None
     before, after = info.inputs[0].shape, info.output.shape
     d = p.dim
-    if info.inputs[0].static(d) is not None or len(after) != len(before) - d \
-            or tuple(after[1:]) != tuple(before[d + 1:]):
+    if all(info.inputs[0].static(i) is not None for i in range(d + 1)):
+        return None   # every merged dim static: a Shard of the merged dim says it (the view's own rule)
+    if not after or sympy.expand(math.prod(before[:d + 1]) - after[0]) != 0 \
+            or sympy.expand(math.prod(before[d + 1:]) - math.prod(after[1:])) != 0:
         return None
-    if sympy.expand(math.prod(before[:d + 1]) - after[0]) != 0:
+    return Routed(0, tokens=True, unit=p.unit)
+
+
+def _plain_runs(meta, p, tp: int) -> bool:
+    """Whether shard ``p`` of ``meta`` deals its dim as a plain ``Shard(p.dim)`` does: contiguous
+    runs, the first ``size % tp`` ranks one longer (what the row maps compute from the shapes)."""
+    if p == Shard(p.dim):
+        return True
+    size = meta.static(p.dim)
+    return size is not None and same_placement(p, Shard(p.dim), size, tp)
+
+
+def token_split(info: OpInfo, p: Routed) -> Shard | None:
+    """The shard merged (``Shard(d, unit=p.unit)``) where a view splits the rows of
+    :func:`token_rows` back into dims ``0..d`` (``[b*h, d, 1] -> [b, h, d]``), each row's
+    elements kept; None otherwise. Sound where the rows are those a merge of the same dims made,
+    in its order: the rank's program checks that the row map is that merge's
+    (:func:`token_split_localizer`)."""
+    if not (p.tokens and p.dim == 0 and p.span == 1 and info.tp > 1):
         return None
-    return Routed(0, tokens=True)
+    before, after = info.inputs[0].shape, info.output.shape
+    for d in range(1, len(after)):
+        if sympy.expand(math.prod(after[:d + 1]) - before[0]) != 0:
+            continue
+        if sympy.expand(math.prod(after[d + 1:]) - math.prod(before[1:])) != 0:
+            return None
+        size = info.output.static(d)
+        if size is None:   # as a fresh shard of a sequence dim
+            return Shard(d) if info.uneven and after[d] in info.sequence else None
+        back = Shard(d, unit=p.unit)   # the shard merged (Mamba2's heads in a group's units)
+        if size < info.tp or not _plain_runs(info.output, back, info.tp) \
+                or (size % info.tp and not info.uneven):
+            return None
+        return back
+    return None
 
 
 def token_sequence(info: OpInfo, p) -> Shard | None:
@@ -390,18 +434,52 @@ for _target in SIZED_VIEWS:
 
 def token_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
     """The rank's ``[b, s_local, ...]`` flattened to ``[b*s_local, ...]``, its row map the
-    global ids ``i*s + start + j`` of its runs (``start``: where its run of the sequence begins)."""
-    from ...distributed import experts as E
-
+    global ids ``i*s + start + j`` of its runs (``start``: where its run of the sequence begins).
+    Merges of the same dims share one row map (and one map of holders): their rows meet row by
+    row as they are (Mamba2's state and C at their ``bmm``), and the split back finds it."""
     p = strategy.inputs[0]
     before = info.inputs[0].shape
     sizes = [-1] + [ctx.size(s) for s in info.output.shape[1:]]
-    outer = [ctx.size(s) for s in before[:p.dim]]
-    seq = ctx.size(before[p.dim])
-    ctx.made_rows = ctx.graph.call_function(E.token_rows, (ctx.inputs[0], p.dim, outer, seq, ctx.tp, ctx.rank))
-    ctx.made_rows.meta[ASCENDING] = True
-    ctx.made_owners = ctx.graph.call_function(E.token_owners, (ctx.inputs[0], outer, seq, ctx.tp))
+    ctx.made_rows, ctx.made_owners = _token_maps(ctx, ctx.inputs[0], p.dim, tuple(before[:p.dim]), before[p.dim])
+    ctx.made_rows.meta[ASCENDING] = True   # the rank's rows in order: b runs of its s/tp (or h/tp)
     return info.target, (args[0], sizes) + tuple(args[2:]), kwargs
+
+
+def _token_maps(ctx: LocalContext, x: Any, dim: int, outer: tuple, seq: Any) -> tuple[Any, Any]:
+    """(row map, holders) of the rows a merge of dims ``outer + (seq,)`` split along the last
+    makes, one pair per merged shape (``x``: the rank's tensor of the first merge, for its local
+    length along ``dim``)."""
+    from ...distributed import experts as E
+
+    key = ("tokens", outer, seq)
+    outer_sizes = [ctx.size(s) for s in outer]
+    rows = ctx.shared_rows(key, lambda: (E.token_rows, (x, dim, outer_sizes, ctx.size(seq), ctx.tp, ctx.rank)))
+    owners = ctx.shared_rows(("owners",) + key[1:], lambda: (E.token_owners, (x, outer_sizes, ctx.size(seq), ctx.tp)))
+    return rows, owners
+
+
+def token_split_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
+    """The rank's rows of a merge split back into its dims (:func:`token_split`): a view, where
+    they are that merge's rows in its order (the one row map of :func:`_token_maps`); otherwise
+    first brought to that order (:func:`autotp.distributed.experts.match_rows`, which raises
+    where the rank holds other rows); where no merge of those dims made a row map, a PlanError."""
+    from ...distributed import experts as E
+
+    d = strategy.output.dim
+    after = info.output.shape
+    x = ctx.inputs[0]
+    want = ctx.found_rows(("tokens", tuple(after[:d]), after[d]))
+    if want is None:
+        from ...errors import PlanError
+
+        raise PlanError(f"{info.target} splits rows back into {tuple(after[:d + 1])} that no merge of those dims "
+                        f"made on this rank (they are {strategy.inputs[0]}): its input must be converted here "
+                        "(an autotp bug: please report it)")
+    if ctx.rows_of(x) is not want:
+        x = ctx.graph.call_function(E.match_rows, (x, ctx.rows_of(x), want, 0, ctx.size(info.inputs[0].shape[0])))
+    sizes = [ctx.size(s) for s in after]
+    sizes[d] = -1
+    return info.target, (x, sizes) + tuple(args[2:]), kwargs
 
 
 # ---- the batched path: weight[expert_ids] -> bmm -------------------------------------------------
@@ -525,7 +603,9 @@ def routed_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict
     if isinstance(out, Routed) and out.tokens and is_shard(strategy.inputs[0]):
         return token_localizer(info, strategy, args, kwargs, ctx)
     if is_shard(out) and isinstance(strategy.inputs[0], Routed) and strategy.inputs[0].tokens:
-        return _token_sequence_localizer(info, strategy, args, kwargs, ctx)
+        if info.output.static(out.dim) is None:   # back to the rank's run of the sequence
+            return _token_sequence_localizer(info, strategy, args, kwargs, ctx)
+        return token_split_localizer(info, strategy, args, kwargs, ctx)   # back to a dim split by head
     if op_name(info.target) in GROUPED_MM:
         return _grouped_localizer(info, strategy, args, kwargs, ctx)
     if info.target is aten.index.Tensor and isinstance(out, Routed):

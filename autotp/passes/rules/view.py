@@ -17,7 +17,8 @@ from typing import Any
 import sympy
 import torch
 
-from ...placements import PARTIAL, REPLICATE, Replicate, Shard, block_bounds, block_local_sizes, divides, layout
+from ...placements import (PARTIAL, REPLICATE, Replicate, Shard, block_bounds, block_local_sizes, divides, layout,
+                           local_ranges)
 from .registry import (
     LocalContext,
     OpInfo,
@@ -588,7 +589,9 @@ def cat_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
         return [Strategy(tuple(REPLICATE for _ in metas), REPLICATE)]
     dim = _join_dim(info, real[0].ndim)
     if not any(empty):
-        return _joined_shards(info, placements, lambda d: None if d == dim else d)
+        out = _joined_shards(info, placements, lambda d: None if d == dim else d)
+        blocks = _cat_blocks(info, placements, dim)
+        return out + ([Strategy(tuple(placements), blocks)] if blocks is not None else [])
     sub = dataclasses.replace(info, inputs=tuple(real))
     joined = _joined_shards(sub, tuple(p for p, e in zip(placements, empty) if not e),
                             lambda d: None if d == dim else d)
@@ -596,6 +599,35 @@ def cat_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     for strat in joined:
         it = iter(strat.inputs)
         out.append(Strategy(tuple(REPLICATE if e else next(it) for e in empty), strat.output))
+    return out
+
+
+def _cat_blocks(info: OpInfo, placements: tuple, dim: int) -> Shard | None:
+    """The join of tensors each split along the join dim by head (Gated DeltaNet's q | k | v,
+    joined for its depthwise conv): each input one block of the output, dealt as it was, the
+    blocks of unequal size where the inputs differ (``S(dim x 1:1:2 / unit)``: a rank's run of
+    q, of k and of v, side by side). Offered where the inputs deal the same number of groups
+    (each input's shard laid out as runs of ``size / groups`` elements), else None."""
+    if len(placements) < 2 or not all(is_shard(p) and p.dim == dim and p.chunks == 1 and not p.holds_whole
+                                      and not p.per_block and not p.rotate for p in placements):
+        return None
+    sizes = [m.static(dim) for m in info.inputs]
+    if None in sizes or not all(divides(n, p) for n, p in zip(sizes, placements)):
+        return None
+    groups = math.gcd(*(n // p.unit for n, p in zip(sizes, placements)))
+    widths = [n // groups for n in sizes]   # one group's elements of each input
+    if not all(layout(n, p, info.tp) == layout(n, Shard(dim, unit=w), info.tp)
+               for n, p, w in zip(sizes, placements, widths)):
+        return None
+    unit = math.gcd(*widths)
+    out = Shard(dim, len(sizes), unit, sizes=tuple(w // unit for w in widths))
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    total = sum(sizes)
+    for rank in range(info.tp):   # each rank holds its runs of the inputs, in order
+        want = [(a + s0, b + s0) for n, p, s0 in zip(sizes, placements, starts)
+                for a, b in local_ranges(n, p, info.tp, rank)]
+        if list(local_ranges(total, out, info.tp, rank)) != want:
+            return None
     return out
 
 
