@@ -236,9 +236,11 @@ def main() -> None:
     for part in ("forward", "backward"):
         a, b = hf["ops"][part], ours["ops"][part]
         lines.append(f"| ATen ops, {part} graph | {sum(a.values())} | {sum(b.values())} |")
-    guards = lambda g: (f"{sum(v for k, v in g.items() if k != 'Python lambda parts')} ({g.get('LAMBDA_GUARD', 0)} "   # noqa: E731
-                        f"Python lambdas of {g.get('Python lambda parts', 0)} checks, {g.get('TENSOR_MATCH', 0)} "
-                        "tensor matches)")
+    def guards(kinds: dict) -> str:
+        total = sum(v for k, v in kinds.items() if k != "Python lambda parts")
+        return (f"{total} ({kinds.get('LAMBDA_GUARD', 0)} Python lambdas of {kinds.get('Python lambda parts', 0)} "
+                f"checks, {kinds.get('TENSOR_MATCH', 0)} tensor matches)")
+
     lines.append(f"| guards | {guards(hf['guards'])} | {guards(ours['guards'])} |")
     nodes = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items()))   # noqa: E731
     lines.append(f"| autograd nodes outside the compiled region | {nodes(hf['autograd nodes outside'])} | "
