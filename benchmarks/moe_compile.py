@@ -4,18 +4,25 @@ same tiny Mixtral, forward + backward; graph breaks counted by dynamo.
     python benchmarks/moe_compile.py --out benchmarks/moe_compile.md
     python benchmarks/moe_compile.py --family llama    # the dense path, the same widths without experts
     python benchmarks/moe_compile.py --head-dim 8 --seq 8 --steps 200   # tiny: the host's work per step
+    python benchmarks/moe_compile.py --pin-malloc   # glibc's heap neither trimmed nor mmapped per step
 
 One process, a gloo world of one rank. Both are compiled with inductor (``fullgraph=False``, so
 that a break would be counted, not raised); the experts run transformers' ``grouped_mm`` (float32
 on CPU: its ``grouped_mm_fallback`` op, opaque to inductor in both programs). The two modules
 alternate step for step; each step is timed by the wall clock and by the process's CPU time (one
 thread: what the step computed, less what a loaded machine's other processes took from it).
-Reported: medians and best steps, and the median of each step pair's autotp / HF ratio.
+Reported: medians and best steps, and the median of each step pair's autotp / HF ratio, with
+the minor page faults of a step (memory the allocator returned to the system and touched again:
+system CPU time, part of the CPU column). ``--pin-malloc`` runs the process with glibc's trim and
+mmap thresholds fixed (``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``), so that a step's
+buffers come from a heap that is never given back: the steps then compare without the faults,
+whose number follows the heap's history more than either program (``moe_compile_counts.py``).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import time
@@ -34,10 +41,16 @@ FAMILIES = {"mixtral": dict(experts=8, top_k=2, intermediate_size=512), "llama":
 BATCH, SEQ, WARMUP = 2, 64, 3
 
 
-def _step(module, batch) -> tuple[float, float]:
+#: glibc's heap kept, never trimmed, no per-allocation mmap (--pin-malloc): 1 GB thresholds
+PINNED_MALLOC = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(1 << 30)}
+
+
+def _step(module, batch) -> tuple[float, float, int]:
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     wall, cpu = time.perf_counter(), time.process_time()
     module(**batch).loss.backward()
-    return time.perf_counter() - wall, time.process_time() - cpu
+    return (time.perf_counter() - wall, time.process_time() - cpu,
+            resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
 
 
 def main() -> None:
@@ -46,8 +59,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="timed steps of each module")
     parser.add_argument("--head-dim", type=int, default=WIDTHS["head_dim"], help="hidden = 4 heads of it")
     parser.add_argument("--seq", type=int, default=SEQ)
+    parser.add_argument("--pin-malloc", action="store_true", help="fix glibc's trim and mmap thresholds")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.pin_malloc and any(os.environ.get(k) != v for k, v in PINNED_MALLOC.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **PINNED_MALLOC})
     import autotp
     from autotp import zoo
     from torch._dynamo.utils import counters
@@ -81,14 +97,16 @@ def main() -> None:
         compiled = torch.compile(module)
         start = time.perf_counter()
         _step(compiled, batch)
-        runs[name] = {"compiled": compiled, "first_s": time.perf_counter() - start, "wall": [], "cpu": []}
+        runs[name] = {"compiled": compiled, "first_s": time.perf_counter() - start, "wall": [], "cpu": [],
+                      "faults": []}
         breaks[name] = dict(counters["graph_break"])
     for step in range(WARMUP + args.steps):
         for name, run in runs.items():
-            wall, cpu = _step(run["compiled"], batch)
+            wall, cpu, faults = _step(run["compiled"], batch)
             if step >= WARMUP:
                 run["wall"].append(wall)
                 run["cpu"].append(cpu)
+                run["faults"].append(faults)
     dist.destroy_process_group()
     hf, ours = runs[names[0]], runs[names[1]]
     paired = {k: statistics.median(a / b for a, b in zip(ours[k], hf[k])) for k in ("wall", "cpu")}
@@ -100,6 +118,7 @@ def main() -> None:
     flags += "" if args.head_dim == WIDTHS["head_dim"] else f" --head-dim {args.head_dim}"
     flags += "" if args.seq == SEQ else f" --seq {args.seq}"
     flags += "" if args.steps == 40 else f" --steps {args.steps}"
+    flags += " --pin-malloc" if args.pin_malloc else ""
     lines = [
         f"# Compiled {'MoE' if experts else 'dense model'} at tp 1: autotp's program against HF's module, both "
         "under torch.compile",
@@ -112,19 +131,22 @@ def main() -> None:
         f"{what}, vocab {WIDTHS['vocab']}, float32{', experts `grouped_mm`' if experts else ''}; batch {BATCH} x "
         f"seq {args.seq}; a step is forward + backward; one thread; inductor; {WARMUP} warm-up steps after the "
         f"compiling one, {args.steps} timed, alternating. Wall: the step's wall-clock time; CPU: the process's "
-        "CPU time over the step.",
+        "CPU time over the step; faults: the minor page faults of a step."
+        + (" glibc's heap pinned: " + ", ".join(f"{k}={v}" for k, v in PINNED_MALLOC.items()) + "."
+           if args.pin_malloc else ""),
         "",
         "Work: one eager forward + backward counted (`autotp/testing/work.py`): FLOPs of products, bytes written "
         "by the rest.",
         "",
         "| module | first call s (compiles) | wall ms median | wall ms best | CPU ms median | CPU ms best | "
-        "graph breaks | GFLOP (eager) | MB written (eager) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "faults median | graph breaks | GFLOP (eager) | MB written (eager) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, run in runs.items():
         lines.append(f"| {name} | {run['first_s']:.1f} | {statistics.median(run['wall']) * 1e3:.1f} | "
                      f"{min(run['wall']) * 1e3:.1f} | {statistics.median(run['cpu']) * 1e3:.1f} | "
-                     f"{min(run['cpu']) * 1e3:.1f} | {sum(breaks[name].values())} | {work[name][0] / 1e9:.3f} | "
+                     f"{min(run['cpu']) * 1e3:.1f} | {statistics.median(run['faults']):.0f} | "
+                     f"{sum(breaks[name].values())} | {work[name][0] / 1e9:.3f} | "
                      f"{work[name][1] / 1e6:.2f} |")
     ratio = lambda k, f: f(ours[k]) / f(hf[k])   # noqa: E731
     lines += ["", "| autotp / HF | median | best | median of the step pairs' ratios |", "|---|---|---|---|",

@@ -138,7 +138,7 @@ def _compiled_experts_read_the_local_leaves() -> dict:
     with its programs, not by an eager backward."""
     import torch.distributed as dist
     from torch._dynamo.utils import counters
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate
 
     import autotp
     from autotp import zoo
@@ -157,12 +157,28 @@ def _compiled_experts_read_the_local_leaves() -> dict:
     compiled = torch.compile(pm, fullgraph=True, backend="aot_eager")
     errors = equivalence_errors(model, compiled, data)
     params = list(pm.parameters())
-    out = {"worst": max(errors.values()),
+    # dynamo guards each parameter's identity in C++ (ID_MATCH); the leaves add no Python guard
+    # per parameter, checked before every call (a comparison of the entry's weak reference)
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    tree = str(_debug_get_cache_entry_list(type(pm).forward)[0].guard_manager).splitlines()
+    python_guards = sum("LAMBDA_GUARD" in line and "_leaves._of[" in line for line in tree)
+    # an entry goes with its parameter, before another object can take its id
+    import gc
+
+    entries = len(pm._leaves._of)
+    mesh = params[0].device_mesh
+    other = torch.nn.Parameter(DTensor.from_local(torch.ones(3, dtype=torch.float64), mesh, [Replicate()] * mesh.ndim))
+    pm._leaves.leaf(other)
+    made = len(pm._leaves._of) - entries
+    del other
+    gc.collect()
+    out = {"python guards on the leaves": python_guards, "entries": (made, len(pm._leaves._of) - entries)}
+    out.update({"worst": max(errors.values()),
            "dtensor grads": all(isinstance(p.grad, DTensor) and p.grad.placements == p.placements for p in params),
            # no gradient flows to the parameters themselves (autograd finds them unused): to their leaves
            "params given a gradient": sum(g is not None for g in torch.autograd.grad(
                compiled(**data).loss, params, allow_unused=True)),
-           "graphs": counters["stats"]["unique_graphs"], "breaks": dict(counters["graph_break"])}
+           "graphs": counters["stats"]["unique_graphs"], "breaks": dict(counters["graph_break"])})
     # a hook on a parameter's gradient (register_hook) runs before accumulation as in eager, and
     # a post-accumulate hook (the data-parallel average's kind) once, on the gradient
     seen = []
@@ -195,6 +211,7 @@ def _compiled_experts_read_the_local_leaves() -> dict:
 def test_compiled_experts_read_the_parameters_local_leaves(cluster_of):
     for r in cluster_of(2).run(_compiled_experts_read_the_local_leaves):
         assert r["worst"] <= 1e-12 and r["dtensor grads"], r
+        assert r["python guards on the leaves"] == 0 and r["entries"] == (1, 0), r
         assert r["params given a gradient"] == 0, r
         assert r["graphs"] == 1 and not r["breaks"], r
         assert r["hooked"][0] <= 1e-12 and r["hooked"][1] == 2 and r["hooked"][2] <= 1e-12, r

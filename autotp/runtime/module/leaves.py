@@ -99,30 +99,38 @@ class LocalLeaves:
 
     def __init__(self) -> None:
         #: id(param) -> (a weak reference to it, its local tensor then, the leaf): by id, as a
-        #: tensor key would be compared by value
+        #: tensor key would be compared by value. An entry goes when its parameter does (the
+        #: reference's callback), before another object can take the id: an entry is always
+        #: the live parameter's of that id
         self._of: dict[int, tuple] = {}
 
     def made(self, param: nn.Parameter) -> torch.Tensor | None:
         """``param``'s leaf if one was made, else None; makes none and reads nothing of
         ``param`` but its identity (what a region torch.compile traces may ask: see
-        :func:`program_tensor`). Whether the leaf is still ``param``'s local tensor's is checked
-        by the leaf's hook, in backward."""
+        :func:`program_tensor`; dynamo guards the identity itself, in C++). Whether the leaf is
+        still ``param``'s local tensor's is checked by the leaf's hook, in backward. No
+        comparison of the entry's reference with ``param`` here: under torch.compile that was a
+        Python guard per parameter, checked before every call."""
         held = self._of.get(id(param))
-        if held is not None and held[0]() is param:
-            return held[2]
-        return None
+        return held[2] if held is not None else None
 
     def leaf(self, param: nn.Parameter) -> torch.Tensor:
         local = param._local_tensor
         held = self._of.get(id(param))
-        if held is not None and held[0]() is param and held[1] is local:
+        if held is not None and held[1] is local:
             return held[2]
         import weakref
 
         leaf = local.detach().requires_grad_()
-        ref = weakref.ref(param)
+        key, entries = id(param), self._of
+
+        def gone(ref: Any) -> None:   # the parameter is freed: its id may be another object's next
+            if entries.get(key, (None,))[0] is ref:
+                del entries[key]
+
+        ref = weakref.ref(param, gone)
         leaf.register_post_accumulate_grad_hook(_into_param_grad(ref, local))
-        self._of[id(param)] = (ref, local, leaf)
+        self._of[key] = (ref, local, leaf)
         return leaf
 
     def make(self, params: "Iterable[nn.Parameter]") -> None:
