@@ -36,8 +36,8 @@ from ..distributed import collectives as C
 from ..distributed.experts import routed_scatter, sequence_runs, token_rows
 from ..distributed.functional import grad_if
 from ..distributed.rng import RandomOp, draws_random
-from .propagate import (GraphIndex, Propagation, _conversion, _dim_size, _meta, _sharded_compute, first_write, map_args,
-                        storage_root, wants_f)
+from .propagate import (GraphIndex, Propagation, _aliases_of, _conversion, _dim_size, _meta, _sharded_compute,
+                        first_write, map_args, storage_root, wants_f)
 from .rules import LocalContext, aliases_first, is_routed, localizer_for, mutates_first
 from .rules.experts import grouped_reader
 from .rules.registry import REGION_BOUNDS
@@ -241,7 +241,8 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             f = False
         elif kind == "all_gather":
             out = gather(out, meta, have)
-        elif kind == "scatter" and (made := _factory_at_local_size(graph, out, dst, meta, tp, rank)) is not None:
+        elif kind == "scatter" and not _written_before(src, ctx.node) \
+                and (made := _factory_at_local_size(graph, out, dst, meta, tp, rank)) is not None:
             out = made   # a slice of a tensor of one value is that tensor at the slice's size
             unsliced.append(env[src])
         elif kind == "scatter":
@@ -387,6 +388,16 @@ _CONSTANT_FACTORIES = {
     torch.ops.aten.empty.memory_format: 0, torch.ops.aten.new_zeros.default: 1, torch.ops.aten.new_ones.default: 1,
     torch.ops.aten.new_full.default: 1, torch.ops.aten.new_empty.default: 1,
 }
+
+
+def _written_before(made: fx.Node, reader: fx.Node) -> bool:
+    """Whether an in-place op writes ``made``'s storage (itself, or through a view of it) before
+    ``reader`` runs: its values are then no longer the factory's one value, and a conversion for
+    ``reader`` must slice them (DeepSeek-V3's MLA writes its keys into a ``new_empty`` through two
+    slices and reads the whole; made again at the rank's size, attention read uninitialized keys)."""
+    order = {n: i for i, n in enumerate(made.graph.nodes)}
+    at = order.get(reader, len(order))
+    return any(mutates_first(n.target) and order[n] < at for n in _aliases_of(made) if n is not made)
 
 
 def _factory_at_local_size(graph: fx.Graph, made: fx.Node, dst: Placement, meta: Any, tp: int,

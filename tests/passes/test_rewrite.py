@@ -489,3 +489,53 @@ def test_a_replayed_plan_keeps_a_buffer_split_where_its_writes_take_the_split(cl
     for worst, kinds in cluster_of(2).run(_written_into_a_buffer):
         assert worst < 1e-12, worst
         assert "all_gather" not in kinds, kinds
+
+
+class _KeysWrittenIntoAnEmpty(torch.nn.Module):
+    """DeepSeek-V3's MLA keys: a ``new_empty`` written through two slices (each head's own part and
+    the rotary part shared by every head), then read whole by attention split by head."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(8, 4 * 10, bias=False)
+        self.v = torch.nn.Linear(8, 4 * 10, bias=False)
+        self.nope = torch.nn.Linear(8, 4 * 6, bias=False)
+        self.rot = torch.nn.Linear(8, 4, bias=False)
+        self.out = torch.nn.Linear(4 * 10, 8, bias=False)
+
+    def forward(self, x):                                          # x: (b, s, 8)
+        b, s = x.shape[:2]
+        q = self.q(x).view(b, s, 4, 10).transpose(1, 2)
+        v = self.v(x).view(b, s, 4, 10).transpose(1, 2)
+        nope = self.nope(x).view(b, s, 4, 6).transpose(1, 2)
+        rot = self.rot(x).view(b, 1, s, 4).expand(-1, 4, -1, -1)
+        keys = nope.new_empty(b, 4, s, 10)
+        keys[..., :6].copy_(nope)
+        keys[..., 6:].copy_(rot)
+        y = torch.nn.functional.scaled_dot_product_attention(q, keys, v)
+        return self.out(y.transpose(1, 2).reshape(b, s, 40))
+
+
+def _keys_written_into_an_empty():
+    from autotp.testing import equivalence_errors
+
+    torch.manual_seed(0)
+    model = _KeysWrittenIntoAnEmpty().double()
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    pm = autotp.parallelize(model, 2, example_inputs=(x,), layout={
+        "q.weight": "column", "v.weight": "column", "out.weight": "row", "nope.weight": "replicate"})
+    errors = equivalence_errors(model, pm, {"x": torch.randn(3, 5, 8, dtype=torch.float64)})
+    empties = sum(n.target is torch.ops.aten.new_empty.default for n in pm.graph_module.graph.nodes)
+    return max(errors.values()), empties, [c.kind for c in pm.plan.comms]
+
+
+def test_a_factory_written_in_place_is_sliced_not_made_again_at_the_ranks_size(cluster_of):
+    # A conversion of a factory's output to a shard is the factory made again at the rank's size
+    # (a recurrent state's zeros buffer), which is right only before anything writes it: the keys
+    # written into a new_empty and then split by head for attention were made again, empty,
+    # and attention read uninitialized keys (DeepSeek-V3 at tp 2: logits off by 2e-3, MLA's
+    # gradients by 1). Now a factory written before the conversion is sliced.
+    for worst, empties, kinds in cluster_of(2).run(_keys_written_into_an_empty):
+        assert "scatter" in kinds, kinds   # the keys are split after the writes
+        assert empties == 1, empties
+        assert worst < 1e-12, worst
