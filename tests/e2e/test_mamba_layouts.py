@@ -64,14 +64,19 @@ def test_mamba_with_the_channel_layout_pinned_equals_serial(tp, cluster_of):
         assert shapes["backbone.layers.0.mixer.out_proj.weight"][1] == mine, shapes
 
 
-def mamba2_group_calls(family: str) -> dict:
+def _mixer_calls(family: str, overrides: dict) -> dict:
+    """The hybrids' every-call check of ``family`` with ``overrides`` on its tiny config, and the
+    placements of layer 0's Mamba2 in_proj and out_proj."""
     from tests.e2e.test_hybrids import hybrid_calls
 
-    out = hybrid_calls(family, {"mamba_n_groups": torch.distributed.get_world_size()},
-                       ("model.layers.0.mamba.in_proj.weight", "model.layers.0.mamba.out_proj.weight"))
-    out["in_proj"], out["out_proj"] = (out.pop("model.layers.0.mamba.in_proj.weight"),
-                                       out.pop("model.layers.0.mamba.out_proj.weight"))
+    names = ("model.layers.0.mamba.in_proj.weight", "model.layers.0.mamba.out_proj.weight")
+    out = hybrid_calls(family, overrides, names)
+    out["in_proj"], out["out_proj"] = out.pop(names[0]), out.pop(names[1])
     return out
+
+
+def mamba2_group_calls(family: str) -> dict:
+    return _mixer_calls(family, {"mamba_n_groups": torch.distributed.get_world_size()})
 
 
 @pytest.mark.slow
@@ -96,15 +101,10 @@ def test_mamba2_split_by_head_group_equals_serial(family):
 
 
 def mamba2_one_group_calls(family: str) -> dict:
-    from tests.e2e.test_hybrids import hybrid_calls
-
     tp = torch.distributed.get_world_size()
     # one group (the tiny config's, as published): 4 heads of 8, so tp 4 deals one head a rank
     heads = {} if tp <= 2 else {"num_attention_heads": tp, "num_key_value_heads": tp}
-    out = hybrid_calls(family, heads, ("model.layers.0.mamba.in_proj.weight", "model.layers.0.mamba.out_proj.weight"))
-    out["in_proj"], out["out_proj"] = (out.pop("model.layers.0.mamba.in_proj.weight"),
-                                       out.pop("model.layers.0.mamba.out_proj.weight"))
-    return out
+    return _mixer_calls(family, heads)
 
 
 @pytest.mark.slow
@@ -129,16 +129,10 @@ def test_mamba2_of_one_group_split_by_head_equals_serial(family, tp):
 
 
 def mamba2_fewer_groups_calls(family: str, groups: int) -> dict:
-    from tests.e2e.test_hybrids import hybrid_calls
-
     tp = torch.distributed.get_world_size()
     # ``groups`` groups of B and C, fewer than the ranks and more than one (vLLM's case where
     # several ranks hold one group's B and C): tp attention heads, the tiny config's 4 Mamba heads
-    out = hybrid_calls(family, {"mamba_n_groups": groups, "num_attention_heads": tp, "num_key_value_heads": tp},
-                       ("model.layers.0.mamba.in_proj.weight", "model.layers.0.mamba.out_proj.weight"))
-    out["in_proj"], out["out_proj"] = (out.pop("model.layers.0.mamba.in_proj.weight"),
-                                       out.pop("model.layers.0.mamba.out_proj.weight"))
-    return out
+    return _mixer_calls(family, {"mamba_n_groups": groups, "num_attention_heads": tp, "num_key_value_heads": tp})
 
 
 @pytest.mark.slow
@@ -161,15 +155,9 @@ def test_mamba2_of_fewer_groups_than_ranks_split_by_head_equals_serial():
 
 
 def mamba2_one_group_at_tp3_calls(family: str, d_state: int) -> dict:
-    from tests.e2e.test_hybrids import hybrid_calls
-
     # hidden 24: 3 attention heads of 8, 6 Mamba heads of 8, one group of B and C of a ``d_state``-wide state
-    out = hybrid_calls(family, {"hidden_size": 24, "num_attention_heads": 3, "num_key_value_heads": 3,
-                                "mamba_n_heads": 6, "mamba_d_state": d_state},
-                       ("model.layers.0.mamba.in_proj.weight", "model.layers.0.mamba.out_proj.weight"))
-    out["in_proj"], out["out_proj"] = (out.pop("model.layers.0.mamba.in_proj.weight"),
-                                       out.pop("model.layers.0.mamba.out_proj.weight"))
-    return out
+    return _mixer_calls(family, {"hidden_size": 24, "num_attention_heads": 3, "num_key_value_heads": 3,
+                                 "mamba_n_heads": 6, "mamba_d_state": d_state})
 
 
 @pytest.mark.slow
