@@ -395,6 +395,8 @@ def _written_before(made: fx.Node, reader: fx.Node) -> bool:
     ``reader`` runs: its values are then no longer the factory's one value, and a conversion for
     ``reader`` must slice them (DeepSeek-V3's MLA writes its keys into a ``new_empty`` through two
     slices and reads the whole; made again at the rank's size, attention read uninitialized keys)."""
+    if made.target not in _CONSTANT_FACTORIES:   # only a factory is made again: no walk of the graph
+        return False
     order = {n: i for i, n in enumerate(made.graph.nodes)}
     at = order.get(reader, len(order))
     return any(mutates_first(n.target) and order[n] < at for n in _aliases_of(made) if n is not made)
