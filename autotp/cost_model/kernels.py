@@ -188,7 +188,7 @@ class _Op:
     """One op's tensors on a rank: bytes of each input and output, as priced."""
 
     def __init__(self, info: Any, strategy: Any, tp: int, dtype_bytes: int, train_dtype: Any):
-        self.info, self.tp = info, tp
+        self.info, self.strategy, self.tp = info, strategy, tp
         outs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
         self.inputs = list(info.inputs)
         self.in_place = list(strategy.inputs)
@@ -428,7 +428,7 @@ def _product_work(op: _Op, dtype_bytes: int, train_dtype: Any) -> OpWork:
     if len(op.grad) > 1 and op.grad[1]:
         shapes.append((k, n, m))
     wide = None
-    if not ok and len(op.inputs[1].shape) == 2 and not getattr(op.info, "f_runs_only", False) \
+    if not ok and len(op.inputs[1].shape) == 2 and not getattr(op.strategy, "f_runs_only", False) \
             and getattr(n, "is_Integer", False) and aligned(k, eb):
         wide = sympy.Integer(aligned_width(int(n), eb))   # the rewrite may pad N (and the backward's K)
     products = []

@@ -145,15 +145,16 @@ def op_work(info: OpInfo, strategy: Strategy, profile: DeviceProfile, tp: int) -
     """:func:`.kernels.op_work` for ``info`` (its inputs' gradients and the training dtype as
     the index recorded them), plus the sums autograd makes where a tensor's gradient comes
     from several uses (the residual stream's ``add_``)."""
-    work = _op_work(info.target, info.inputs, info.output, info.args_key, strategy, tp, profile.dtype_bytes,
-                    info.train_dtype, info.grad_inputs, info.grad_uses)
-    return work
+    return _op_work(info.target, info.inputs, info.output, info.args_key, strategy, tp, profile.dtype_bytes,
+                    info.train_dtype, info.grad_inputs, info.grad_uses, info.strided_inputs)
 
 
 @lru_cache(maxsize=65536)
-def _op_work(target, inputs, output, args_key, strategy, tp, dtype_bytes, train_dtype, grad_inputs, grad_uses):
+def _op_work(target, inputs, output, args_key, strategy, tp, dtype_bytes, train_dtype, grad_inputs, grad_uses,
+             strided_inputs):
     info = OpInfo(target, args_key[0], dict(args_key[1]), inputs, output, tp)
     info.grad_inputs = grad_inputs
+    info.strided_inputs = strided_inputs
     work = kernels.op_work(info, strategy, tp, dtype_bytes, train_dtype)
     outs = kernels._metas(output)
     if grad_uses > 1 and outs and outs[0].is_float:

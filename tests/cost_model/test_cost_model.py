@@ -218,3 +218,33 @@ def test_an_unaligned_product_the_rewrite_pads_is_priced_at_the_aligned_rate_plu
     # a decode step's few rows: bound by reading the weight, which a pad would copy again
     assert compute_time(mm_info(1600, 50257), whole, {b: 1, s: 1}, H100, 1, align=Align.for_profile(H100)) == \
         compute_time(mm_info(1600, 50257), whole, {b: 1, s: 1}, H100, 1)
+
+
+def test_a_strided_operand_is_priced_strided_through_the_cached_work():
+    # the cached work once rebuilt the op without its strided inputs: an add of a transposed
+    # operand was priced as a contiguous one (and, equal in every other key, shared its price)
+    x = TensorMeta((b * s, sympy.Integer(4096)), torch.bfloat16)
+    infos = [OpInfo(aten.add.Tensor, (x, x), {}, (x, x), x, 1) for _ in range(2)]
+    for info, strided in zip(infos, [(False, False), (False, True)]):
+        info.grad_inputs, info.strided_inputs = (False, False), strided
+    env, whole = {b: 8, s: 1024}, Strategy((REPLICATE, REPLICATE), REPLICATE)
+    n = 8 * 1024 * 4096 * 2
+    contiguous, strided = (compute_time(info, whole, env, H100, 1) for info in infos)
+    assert contiguous == pytest.approx(3 * n / H100.bandwidth("elementwise") + H100.launch_s)
+    assert strided == pytest.approx(3 * n / H100.bandwidth("strided") + H100.launch_s)
+
+
+def test_a_product_whose_f_feeds_the_dealt_runs_alone_is_not_priced_padded():
+    # the rewrite pads no f_runs_only product (autotp/passes/rewrite.py); the price once read the
+    # flag off the op, where it never is, and priced such a product at the padded kernel's rate
+    from autotp.cost_model.kernels import op_work
+
+    x = TensorMeta((b * s, sympy.Integer(1600)), torch.bfloat16)
+    w = TensorMeta((sympy.Integer(6283), sympy.Integer(1600)), torch.bfloat16)
+    out = TensorMeta((b * s, sympy.Integer(6283)), torch.bfloat16)
+    info = OpInfo(aten.linear.default, (x, w), {}, (x, w), out, 1)
+    info.grad_inputs = (True, True)
+    plain = Strategy((REPLICATE, REPLICATE), REPLICATE)
+    apart = Strategy((REPLICATE, REPLICATE), REPLICATE, f_runs_only=True)
+    assert all(p.padded is not None for p in op_work(info, plain, 1, 2).products)
+    assert all(p.padded is None for p in op_work(info, apart, 1, 2).products)
