@@ -19,7 +19,7 @@ expert-parallel, expert-TP, and expert-parallel with the all-to-all dispatch und
 parallelism, the peers' routing mirrored: ``benchmarks/fake_peers.py``), predicted and measured
 side by side. ``benchmarks/moe_rank.py`` does the same on CPU at narrower widths.
 
-    python benchmarks/rank_efficiency.py                           # CPU: the figures in rank_efficiency.md
+    python benchmarks/rank_efficiency.py --models gpt2-xl:2 llama-3-8b:1 --seq 256   # CPU: rank_efficiency.md
     python benchmarks/rank_efficiency.py --device cuda --dtype bfloat16 --batch 8 --seq 1024 \\
         --models gpt2-xl:12 --out benchmarks/rank_efficiency_gpu.md   # on a GPU
 """
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import sys
 import time
@@ -109,7 +110,8 @@ def per_op(module, batch: dict, device: str) -> tuple[dict, float]:
 
 
 def predicted(model, tp: int, batch: int, seq: int, profile: str, planning: dict) -> tuple[float, float]:
-    """The cost model's forward + backward seconds: this rank's, and serial's / tp."""
+    """The cost model's forward + backward seconds: rank 0's (the rank the fake world runs), and
+    serial's / tp."""
     from autotp.capture import capture
     from autotp.cost_model import get_profile
     from autotp.cost_model.symbolic import step_breakdown
@@ -117,7 +119,7 @@ def predicted(model, tp: int, batch: int, seq: int, profile: str, planning: dict
 
     prof = get_profile(profile)
     cap = capture(model)
-    rank = step_breakdown(*build_plan(cap, tp, batch=batch, seq=seq, profile=prof, **planning)[1:], prof)
+    rank = step_breakdown(*build_plan(cap, tp, batch=batch, seq=seq, profile=prof, **planning)[1:], prof, rank=0)
     serial = step_breakdown(*build_plan(cap, 1, batch=batch, seq=seq, profile=prof)[1:], prof)
     fwd_bwd = lambda b: b["products"] + b["attention"] + b["memory"]   # noqa: E731
     return fwd_bwd(rank), fwd_bwd(serial) / tp
@@ -222,12 +224,15 @@ def predicted_at_real_size(tp: int, profile: str) -> list[str]:
     from autotp import zoo
     from autotp.capture import capture
     from autotp.cost_model import get_profile
-    from autotp.cost_model.symbolic import step_breakdown
+    from autotp.cost_model.symbolic import busiest_rank, step_breakdown
     from autotp.planner import build_plan
 
     prof = get_profile(profile)
     fwd_bwd = lambda b: b["products"] + b["attention"] + b["memory"]   # noqa: E731
     lines = [f"## Predicted at the GPU workloads ({profile}, bf16, tp={tp}, meta models)", "",
+             "The busiest rank's step (each op at that rank's part of it: uneven splits rotate their larger "
+             "part from layer to layer), and in brackets the bound the solver weighs (every op on its largest rank).",
+             "",
              "| model (layers, batch x seq) | serial/N ÷ rank, SP by cost | without SP | rank ms: products / attention / "
              "memory-bound | serial/N ms: products / attention / memory-bound | rank's communication ms (not overlapped) |",
              "|---|---|---|---|---|---|"]
@@ -240,11 +245,12 @@ def predicted_at_real_size(tp: int, profile: str) -> list[str]:
         for sp in (None, False):
             _, index, prop = build_plan(cap, tp, batch=b, seq=s, profile=prof, sequence_parallel=sp,
                                         memory_limit=float("inf"))
-            got[sp] = (step_breakdown(index, prop, prof), prop.comm_s)
-        rank, comm = got[None]
+            got[sp] = (busiest_rank(index, prop, prof)[1], prop.comm_s, step_breakdown(index, prop, prof))
+        rank, comm, bound = got[None]
         share = fwd_bwd(serial) / tp
-        lines.append(f"| {name} ({layers}, {b} x {s}) | **{share / fwd_bwd(rank):.2f}** | "
-                     f"{share / fwd_bwd(got[False][0]):.2f} | {rank['products'] * 1e3:.2f} / {rank['attention'] * 1e3:.2f}"
+        lines.append(f"| {name} ({layers}, {b} x {s}) | **{share / fwd_bwd(rank):.2f}** ({share / fwd_bwd(bound):.2f}) | "
+                     f"{share / fwd_bwd(got[False][0]):.2f} ({share / fwd_bwd(got[False][2]):.2f}) | "
+                     f"{rank['products'] * 1e3:.2f} / {rank['attention'] * 1e3:.2f}"
                      f" / {rank['memory'] * 1e3:.2f} | {serial['products'] / tp * 1e3:.2f} / "
                      f"{serial['attention'] / tp * 1e3:.2f} / {serial['memory'] / tp * 1e3:.2f} | {comm * 1e3:.2f} |")
     return lines + [""]
@@ -264,18 +270,26 @@ def main() -> None:
     p.add_argument("--profile", default="h200", help="the profile the plan is made for (and predicted with)")
     p.add_argument("--layouts", nargs="*", default=list(EXPERTS), help="experts layouts weighed beside the default")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads on CPU: on a shared machine two threads make every small op wait at the "
+                        "thread pool's barrier for a descheduled thread (a 512 KB copy_: 24 ms, against 0.01 ms "
+                        "on one), which a rank's many small ops pay and serial's few large ones do not")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     torch.manual_seed(0)
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
     dist.init_process_group("fake", rank=0, world_size=args.tp, store=FakeStore())
     started = time.time()
     lines = ["# One rank of tp=N against its share of the serial step", "",
              "Command: `python benchmarks/rank_efficiency.py " + " ".join(sys.argv[1:]) + "`", "", machine(),
              (f"Device: {torch.cuda.get_device_name()}" if args.device != "cpu" else "Device: the CPU") +
-             f"; the plans are made for profile `{args.profile}` at batch {args.plan_batch} x seq {args.plan_seq}.",
+             f"; the plans are made for profile `{args.profile}` at batch {args.plan_batch} x seq {args.plan_seq}."
+             + (f" {torch.get_num_threads()} torch thread(s); load average at the start "
+                f"{os.getloadavg()[0]:.1f}." if args.device == "cpu" else ""),
              "",
              "serial/N ÷ rank: 1.00 is a rank doing exactly its N-th of the serial step's compute (communication "
              "is not run: the fake backend returns at once). FLOPs and bytes are counted off the ops the steps run "
@@ -286,7 +300,8 @@ def main() -> None:
         with contextlib.suppress(KeyboardInterrupt):
             lines += run_model(spec, args)
         print("\n".join(lines[-8:]), flush=True)
-    lines.append(f"Whole run {time.time() - started:.0f} s.")
+    lines.append(f"Whole run {time.time() - started:.0f} s" + (f"; load average at the end {os.getloadavg()[0]:.1f}."
+                                                                if args.device == "cpu" else "."))
     publish(lines, args.out or Path(__file__).with_suffix(".md"))
 
 

@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import sympy
 import torch
 
-from ..placements import Routed, Shard, max_local_size
+from ..placements import Routed, Shard, local_size, max_local_size
 from . import alignment
 
 aten = torch.ops.aten
@@ -126,23 +126,30 @@ class OpWork:
 NO_WORK = OpWork()
 
 
-def local_numel(meta: Any, placement: Any, tp: int) -> sympy.Expr:
-    """Elements of ``meta`` on the largest rank under ``placement`` (a sequence shard: 1/tp)."""
+def local_numel(meta: Any, placement: Any, tp: int, rank: int | None = None) -> sympy.Expr:
+    """Elements of ``meta`` on the largest rank (or on ``rank``) under ``placement`` (a sequence
+    shard: 1/tp)."""
     value = sympy.Integer(1)
-    for size in local_shape(meta, placement, tp):
+    for size in local_shape(meta, placement, tp, rank):
         value = value * size
     return value
 
 
-def local_shape(meta: Any, placement: Any, tp: int) -> tuple:
+def local_shape(meta: Any, placement: Any, tp: int, rank: int | None = None) -> tuple:
     """``meta``'s shape on the largest rank: a Shard's dim at its largest part (a sequence shard:
     1/tp); a Routed tensor's rows (a rank's experts' rows, held compactly) at 1/tp of them, as
-    uniform routing deals them."""
+    uniform routing deals them. With ``rank``, a static Shard's dim at that rank's part (an
+    uneven split's parts differ, and rotate from layer to layer)."""
     out = []
     for d, size in enumerate(meta.shape):
         if isinstance(placement, Shard) and placement.dim == d and tp > 1:
             static = int(size) if size.is_Integer else None
-            size = sympy.Integer(max_local_size(static, placement, tp)) if static else size / tp
+            if not static:
+                size = size / tp
+            elif rank is None:
+                size = sympy.Integer(max_local_size(static, placement, tp))
+            else:
+                size = sympy.Integer(local_size(static, placement, tp, rank))
         elif isinstance(placement, Routed) and placement.dim == d and tp > 1:
             size = size / tp
         out.append(size)
@@ -187,8 +194,9 @@ def _flag(args: tuple, kwargs: dict, position: int, name: str, default: Any) -> 
 class _Op:
     """One op's tensors on a rank: bytes of each input and output, as priced."""
 
-    def __init__(self, info: Any, strategy: Any, tp: int, dtype_bytes: int, train_dtype: Any):
-        self.info, self.strategy, self.tp = info, strategy, tp
+    def __init__(self, info: Any, strategy: Any, tp: int, dtype_bytes: int, train_dtype: Any,
+                 rank: int | None = None):
+        self.info, self.strategy, self.tp, self.rank = info, strategy, tp, rank
         outs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
         self.inputs = list(info.inputs)
         self.in_place = list(strategy.inputs)
@@ -196,12 +204,12 @@ class _Op:
         self.out_place = list(outs) + [None] * (len(self.outputs) - len(outs))
 
         def nbytes(meta: Any, p: Any) -> sympy.Expr:
-            return local_numel(meta, p, tp) * element_bytes(meta.dtype, dtype_bytes, train_dtype)
+            return local_numel(meta, p, tp, rank) * element_bytes(meta.dtype, dtype_bytes, train_dtype)
 
         self.b_in = [nbytes(m, p) for m, p in zip(self.inputs, self.in_place)]
         self.b_out = [nbytes(m, p) for m, p in zip(self.outputs, self.out_place)]
-        self.n_in = [local_numel(m, p, tp) for m, p in zip(self.inputs, self.in_place)]
-        self.n_out = [local_numel(m, p, tp) for m, p in zip(self.outputs, self.out_place)]
+        self.n_in = [local_numel(m, p, tp, rank) for m, p in zip(self.inputs, self.in_place)]
+        self.n_out = [local_numel(m, p, tp, rank) for m, p in zip(self.outputs, self.out_place)]
         grads = getattr(info, "grad_inputs", None)
         self.grad = [bool(grads[i]) if grads is not None and i < len(grads) else m.is_float
                      for i, m in enumerate(self.inputs)]
@@ -216,12 +224,13 @@ class _Op:
         return self.b_out[0] if self.b_out else sympy.Integer(0)
 
 
-def op_work(info: Any, strategy: Any, tp: int, dtype_bytes: int, train_dtype: Any = None) -> OpWork:
-    """What one op runs on the largest rank under ``strategy``, forward and backward."""
+def op_work(info: Any, strategy: Any, tp: int, dtype_bytes: int, train_dtype: Any = None,
+            rank: int | None = None) -> OpWork:
+    """What one op runs on the largest rank (or on ``rank``) under ``strategy``, forward and backward."""
     t = info.target
     if t in VIEWS or t is torch.ops.aten.sym_size.int:
         return NO_WORK
-    op = _Op(info, strategy, tp, dtype_bytes, train_dtype)
+    op = _Op(info, strategy, tp, dtype_bytes, train_dtype, rank)
     name = str(t)
     if t in PRODUCTS:
         return _product_work(op, dtype_bytes, train_dtype)
@@ -385,8 +394,8 @@ def _reduction_work(op: _Op) -> OpWork:
 
 def _attention_work(op: _Op) -> OpWork:
     info = op.info
-    q_shape = local_shape(op.inputs[0], op.in_place[0], op.tp)
-    k_shape = local_shape(op.inputs[1], op.in_place[1], op.tp)
+    q_shape = local_shape(op.inputs[0], op.in_place[0], op.tp, op.rank)
+    k_shape = local_shape(op.inputs[1], op.in_place[1], op.tp, op.rank)
     mask = _flag(info.args, info.kwargs, 3, "attn_mask", None)
     dropout = _flag(info.args, info.kwargs, 4, "dropout_p", 0.0)
     causal = _flag(info.args, info.kwargs, 5, "is_causal", False)
@@ -413,7 +422,7 @@ def _product_work(op: _Op, dtype_bytes: int, train_dtype: Any) -> OpWork:
     """``mm``, ``linear``, ``bmm``, ``matmul`` on the local shapes: the forward product, and in
     backward ``dX = dY·Wᵀ`` where x carries a gradient and ``dW = Xᵀ·dY`` where W does."""
     t = op.info.target
-    x, w = (local_shape(m, p, op.tp) for m, p in zip(op.inputs[:2], op.in_place[:2]))
+    x, w = (local_shape(m, p, op.tp, op.rank) for m, p in zip(op.inputs[:2], op.in_place[:2]))
     if t is aten.linear.default:
         k, n, batch, m = x[-1], w[0], sympy.Integer(1), _prod(x[:-1])
     elif len(x) >= 3 and len(w) >= 3:                       # batched
@@ -447,9 +456,9 @@ def _product_work(op: _Op, dtype_bytes: int, train_dtype: Any) -> OpWork:
 def _grouped_work(op: _Op, dtype_bytes: int, train_dtype: Any) -> OpWork:
     """A grouped product (each row by its expert's matrix): priced as one product per expert this
     rank holds, of the rows an expert gets on average."""
-    x = local_shape(op.inputs[0], op.in_place[0], op.tp)
-    w = local_shape(op.inputs[1], op.in_place[1], op.tp)
-    out = local_shape(op.outputs[0], op.out_place[0], op.tp)
+    x = local_shape(op.inputs[0], op.in_place[0], op.tp, op.rank)
+    w = local_shape(op.inputs[1], op.in_place[1], op.tp, op.rank)
+    out = local_shape(op.outputs[0], op.out_place[0], op.tp, op.rank)
     rows, k, n = _prod(out[:-1]), x[-1], out[-1]
     groups = w[0] if len(w) >= 3 else sympy.Integer(1)               # this rank's experts
     experts = op.inputs[1].shape[0] if len(w) >= 3 else sympy.Integer(1)

@@ -141,25 +141,25 @@ def shard_fraction(info: OpInfo, strategy: Strategy, tp: int) -> float:
     return frac
 
 
-def op_work(info: OpInfo, strategy: Strategy, profile: DeviceProfile, tp: int) -> OpWork:
+def op_work(info: OpInfo, strategy: Strategy, profile: DeviceProfile, tp: int, rank: int | None = None) -> OpWork:
     """:func:`.kernels.op_work` for ``info`` (its inputs' gradients and the training dtype as
     the index recorded them), plus the sums autograd makes where a tensor's gradient comes
-    from several uses (the residual stream's ``add_``)."""
+    from several uses (the residual stream's ``add_``); on the largest rank, or on ``rank``."""
     return _op_work(info.target, info.inputs, info.output, info.args_key, strategy, tp, profile.dtype_bytes,
-                    info.train_dtype, info.grad_inputs, info.grad_uses, info.strided_inputs)
+                    info.train_dtype, info.grad_inputs, info.grad_uses, info.strided_inputs, rank)
 
 
 @lru_cache(maxsize=65536)
 def _op_work(target, inputs, output, args_key, strategy, tp, dtype_bytes, train_dtype, grad_inputs, grad_uses,
-             strided_inputs):
+             strided_inputs, rank):
     info = OpInfo(target, args_key[0], dict(args_key[1]), inputs, output, tp)
     info.grad_inputs = grad_inputs
     info.strided_inputs = strided_inputs
-    work = kernels.op_work(info, strategy, tp, dtype_bytes, train_dtype)
+    work = kernels.op_work(info, strategy, tp, dtype_bytes, train_dtype, rank)
     outs = kernels._metas(output)
     if grad_uses > 1 and outs and outs[0].is_float:
         place = strategy.output[0] if isinstance(strategy.output, tuple) else strategy.output
-        out_bytes = kernels.local_numel(outs[0], place, tp) * kernels.element_bytes(outs[0].dtype, dtype_bytes,
+        out_bytes = kernels.local_numel(outs[0], place, tp, rank) * kernels.element_bytes(outs[0].dtype, dtype_bytes,
                                                                                    train_dtype)
         work = replace(work, moved=work.moved + (("elementwise", 3 * (grad_uses - 1) * out_bytes),),
                        launches=work.launches + grad_uses - 1)
@@ -188,10 +188,10 @@ def product_seconds(p: kernels.Product, env: Mapping, profile: DeviceProfile, el
 
 
 def split_seconds(info: OpInfo, strategy: Strategy, env: Mapping, profile: DeviceProfile,
-                  tp: int, align: Any = None) -> dict[str, float]:
-    """Forward + backward seconds of one op on the largest rank, by kind: ``products``,
-    ``attention`` and ``memory`` (memory-bound kernels and every kernel's launch)."""
-    work = op_work(info, strategy, profile, tp)
+                  tp: int, align: Any = None, rank: int | None = None) -> dict[str, float]:
+    """Forward + backward seconds of one op on the largest rank (or on ``rank``), by kind:
+    ``products``, ``attention`` and ``memory`` (memory-bound kernels and every kernel's launch)."""
+    work = op_work(info, strategy, profile, tp, rank)
     eb = profile.dtype_bytes
     products = sum(product_seconds(p, env, profile, eb, align)[0] for p in work.products)
     attention = sum(max(evaluate(a.flops, env) / profile.attention_rate(a.head_dim, a.dropout),
@@ -332,10 +332,15 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b) if b else math.inf
 
 
-def step_breakdown(index: Any, prop: Any, profile: DeviceProfile) -> dict[str, Any]:
+def step_breakdown(index: Any, prop: Any, profile: DeviceProfile, rank: int | None = None) -> dict[str, Any]:
     """A propagation's predicted compute at its workload, split as a profiler splits a step:
     ``products``, ``attention``, ``memory`` (memory-bound kernels and launches), ``host_reads``
-    (what reads to the host cost, :meth:`DeviceProfile.host_read_time`) and ``optimizer`` seconds, and ``by_op``: ATen op name -> seconds (forward + backward)."""
+    (what reads to the host cost, :meth:`DeviceProfile.host_read_time`) and ``optimizer`` seconds,
+    and ``by_op``: ATen op name -> seconds (forward + backward).
+
+    Each op on its largest rank by default (what the solver weighs: a bound on every rank's step);
+    with ``rank``, each op on that rank, whose step is what a profiler of that rank sees — lower
+    where uneven splits rotate their larger part from layer to layer (:func:`busiest_rank`)."""
     out = {"products": 0.0, "attention": 0.0, "memory": 0.0, "host_reads": 0.0, "optimizer": prop.update_s}
     by_op: dict[str, float] = {}
     cache: dict = {}
@@ -344,10 +349,18 @@ def step_breakdown(index: Any, prop: Any, profile: DeviceProfile) -> dict[str, A
         key = (info.cost_key, strat)
         parts = cache.get(key)
         if parts is None:
-            parts = cache[key] = split_seconds(info, strat, index.env, profile, index.tp, index.align)
+            parts = cache[key] = split_seconds(info, strat, index.env, profile, index.tp, index.align, rank)
         for kind, seconds in parts.items():
             out[kind] += seconds
         name = op_name(info.target)
         by_op[name] = by_op.get(name, 0.0) + sum(parts.values())
     out["by_op"] = dict(sorted(by_op.items(), key=lambda kv: -kv[1]))
     return out
+
+
+def busiest_rank(index: Any, prop: Any, profile: DeviceProfile) -> tuple[int, dict[str, Any]]:
+    """(rank, :func:`step_breakdown` of that rank) for the rank whose predicted forward + backward
+    is the longest: the step the others wait for, at most the per-op bound of ``step_breakdown``."""
+    steps = [step_breakdown(index, prop, profile, rank) for rank in range(index.tp)]
+    busy = max(range(index.tp), key=lambda r: steps[r]["products"] + steps[r]["attention"] + steps[r]["memory"])
+    return busy, steps[busy]

@@ -248,3 +248,43 @@ def test_a_product_whose_f_feeds_the_dealt_runs_alone_is_not_priced_padded():
     apart = Strategy((REPLICATE, REPLICATE), REPLICATE, f_runs_only=True)
     assert all(p.padded is not None for p in op_work(info, plain, 1, 2).products)
     assert all(p.padded is None for p in op_work(info, apart, 1, 2).products)
+
+
+def test_a_rank_priced_alone_takes_its_own_part_of_uneven_splits_that_rotate_between_layers():
+    # 5 heads over 2 ranks: each layer's third head goes to the rank its rotation names (layer 0
+    # rank 0, layer 1 rank 1), so each rank's step holds 3 + 2 heads' products, where the per-op
+    # bound (every op on its largest rank, what the solver weighs) holds 3 + 3
+    from autotp.capture import capture
+    from autotp.cost_model.symbolic import busiest_rank, step_breakdown
+    from autotp.planner import build_plan
+    from tests.helpers import tiny_gpt2
+
+    layout = {"*.c_attn.weight": "column", "*.attn.c_proj.weight": "row", "*.mlp.c_fc.weight": "column",
+              "*.mlp.c_proj.weight": "row"}
+    h200 = PROFILES["h200"]
+    model = tiny_gpt2(n_layer=2, n_head=5, head_dim=64, vocab=1024, device="meta", dtype=torch.bfloat16)
+    _, index, prop = build_plan(capture(model), 2, batch=8, seq=1024, profile=h200, layout=layout)
+    bound = step_breakdown(index, prop, h200)
+    ranks = [step_breakdown(index, prop, h200, r) for r in range(2)]
+    for kind in ("products", "attention", "memory"):
+        assert all(r[kind] <= bound[kind] * (1 + 1e-9) for r in ranks)
+    assert ranks[0]["attention"] == pytest.approx(ranks[1]["attention"])   # 3 + 2 heads each
+    assert ranks[0]["attention"] < 0.9 * bound["attention"]                 # against 3 + 3
+    busy, step = busiest_rank(index, prop, h200)
+    total = lambda b: b["products"] + b["attention"] + b["memory"]   # noqa: E731
+    assert total(step) == max(total(r) for r in ranks) and total(step) < total(bound)
+
+
+def test_an_even_split_prices_every_rank_as_the_bound():
+    from autotp.capture import capture
+    from autotp.cost_model.symbolic import step_breakdown
+    from autotp.planner import build_plan
+    from tests.helpers import tiny_gpt2
+
+    h200 = PROFILES["h200"]
+    model = tiny_gpt2(n_layer=2, n_head=4, head_dim=64, vocab=1024, device="meta", dtype=torch.bfloat16)
+    _, index, prop = build_plan(capture(model), 2, batch=8, seq=1024, profile=h200,
+                                layout={"*.c_attn.weight": "column", "*.attn.c_proj.weight": "row"})
+    bound = step_breakdown(index, prop, h200)
+    for r in range(2):
+        assert step_breakdown(index, prop, h200, r)["attention"] == pytest.approx(bound["attention"])
