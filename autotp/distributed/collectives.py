@@ -198,7 +198,14 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tens
     # kept in place, so the copies move whole rows), gathered into one buffer, and every run
     # copied once to where it belongs in the full tensor.
     send = x.contiguous()
-    if x.shape[d] < width:
+    if x.shape[d] < width and torch.compiler.is_compiling():
+        # a pure pad, not a staging buffer: AOTAutograd merges two gathers of one tensor into one
+        # (CSE) where their inputs are the same nodes, as they are on a rank whose part needs no
+        # padding, but never two buffers made by empty(). A rank that padded through a buffer
+        # gathered twice where the others gathered once: under inductor each rank's graph then
+        # ran other collectives than its peers' (a hang, the all-to-all dispatch at tp 2, seq 7)
+        send = torch.nn.functional.pad(x, [0, 0] * (x.dim() - 1 - d) + [0, width - x.shape[d]])
+    elif x.shape[d] < width:
         padded = list(x.shape)
         padded[d] = width
         send = _scratch(padded, x, "send")

@@ -36,6 +36,7 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.distributed._functional_collectives as funcol
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from .collectives import _comm, _CommModule
 
@@ -98,7 +99,11 @@ def routed_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
     target = getattr(getattr(getattr(torch.ops, namespace), name), overload)
     start, end = bounds
     mine = x if x_routed else x[start:end]
-    if end == start:   # no row routed to this rank's experts: no rows, still in autograd's graph
+    # no row routed to this rank's experts: no rows, still in autograd's graph. Under
+    # torch.compile the count is an unbacked size, unknown while tracing: the product runs on
+    # however many rows arrive (zero included: the products take zero rows), so only a rank
+    # holding no expert (no groups at all) is decided here
+    if count == 0 or guard_or_false(end == start):
         return mine.new_zeros(0, weight.shape[-1]) + (weight.sum() + mine.sum()) * 0
     return target(mine, weight, offs=offs[first:first + count] - start, **kwargs)
 
@@ -260,7 +265,6 @@ class DispatchPlan(NamedTuple):
     place: torch.Tensor   # the rows received, in the order they arrive, put in their experts' order
     send: list            # rows this rank sends to each rank (its tokens' rows)
     recv: list            # rows it receives from each rank (its experts' rows)
-    rows: int             # how many rows of its tokens this rank holds
 
 
 def _scatter_rows(x: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
@@ -278,7 +282,9 @@ def _to_tokens(y: torch.Tensor, plan: DispatchPlan, group: Any, what: str) -> to
     """Rows of this rank's experts (sorted by expert) back to their tokens' ranks, each landing
     in the row it left from: the exact reverse of :func:`_to_experts`."""
     got = _scatter_rows(y, plan.place, y.shape[0])
-    return _scatter_rows(_all_to_all(got, plan.recv, plan.send, group, what), plan.order, plan.rows)
+    # the rank's token rows: as many as ``plan.order`` sends (under torch.compile a size of the
+    # order tensor, not an int the plan holds, which the traced autograd Function could not lift)
+    return _scatter_rows(_all_to_all(got, plan.recv, plan.send, group, what), plan.order, plan.order.shape[0])
 
 
 class _DispatchRows(torch.autograd.Function):
@@ -335,7 +341,7 @@ def dispatch_plan(rows: torch.Tensor, owners: torch.Tensor, offs: torch.Tensor, 
     send, recv = dispatch_splits(torch.bincount(dest, minlength=tp), recv)
     # the rows as they arrive: from each holder in turn, by id (others' rows sorted last)
     arrival = torch.argsort(torch.where(mine, owners * total + ids, tp * total + ids))[:sum(recv)] - start
-    return DispatchPlan(order, torch.argsort(arrival), send, recv, rows.numel())
+    return DispatchPlan(order, torch.argsort(arrival), send, recv)
 
 
 def dispatch_rows(x: torch.Tensor, plan: DispatchPlan, group: Any) -> torch.Tensor:
