@@ -444,13 +444,13 @@ def _program_order(graph: fx.Graph, prop: Propagation, readers: dict) -> list[fx
             if found is None:
                 raise PlanError(f"{node.name} is placed as routed rows gathered for a grouped product, "
                                 f"but no grouped product alone reads it")
-        elif not (isinstance(x, Routed) and x.tokens and found is not None and dispatches_tokens(prop.chosen[found[1]])):
+        elif not (isinstance(x, Routed) and x.tokens and found is not None
+                  and dispatches_tokens(prop.chosen[found[1]])):
             continue   # any other reorder of routed rows runs where captured
         chain, product = found
         readers[node] = product
         moved.append(([node] + chain, product))
-    moved += _picks_after_dispatch(order, prop, [p for run, p in moved if readers[run[0]] is p
-                                                 and dispatches_tokens(prop.chosen[p])])
+    moved += _picks_after_dispatch(order, prop, [p for _, p in moved if dispatches_tokens(prop.chosen[p])])
     for run, product in moved:
         for n in run:
             order.remove(n)
