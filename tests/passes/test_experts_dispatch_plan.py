@@ -137,6 +137,21 @@ def test_a_dispatching_layer_is_priced_one_host_read():
     assert step_breakdown(index, prop, h200)["host_reads"] == pytest.approx(h200.host_read_time())
 
 
+def test_a_dispatch_whose_rows_no_reorder_gathered_for_it_prices_a_read_of_its_own():
+    # the fold into one read needs the reorder of the rank's tokens' rows to reach the product
+    # through casts alone (OpInfo.x_gathered): that reorder's read, priced there, is then the
+    # layer's one; otherwise the reorder keeps its nonzero and the product reads its sizes itself
+    from autotp.passes.rules.experts import host_reads
+    from autotp.passes.rules.registry import OpInfo, Strategy
+    from autotp.placements import REPLICATE, Routed, Shard
+
+    dispatch = Strategy((Routed(0, tokens=True, reordered=True), Shard(0), REPLICATE), Routed(0, sent=True))
+    info = OpInfo(torch.ops.aten._grouped_mm.default, (), {}, (), None, 2)
+    assert host_reads(info, dispatch) == 1
+    info.x_gathered = True
+    assert host_reads(info, dispatch) == 0
+
+
 #: the note's comparison: "... by X ms/step (every MoE layer so: Y ms)"
 VERSUS = re.compile(r"(cheaper than|dearer than|tied with) (.+) by ([0-9.]+) ms/step \(every MoE layer so: ([0-9.]+) ms\)")
 
