@@ -10,6 +10,11 @@ its offsets per product), by default and under ``host_reads=False`` (the experts
 transformers' ``batched_mm``: the float32 grouped fallback reads by itself, which
 ``host_reads=False`` refuses).
 
+Part 1b, the all-to-all dispatch: the same counter, experts pinned whole per rank, the tokens
+split along the sequence (``sequence_parallel=True``) and sent to their experts' ranks
+(the solver's choice there, checked), for the families whose experts take it (``--dispatch-only``: this
+part alone, to count another tree of the code with the same counter).
+
 Part 2, planned: the published configs (2 layers; DeepSeek-V3 4, its fourth the first MoE; meta device, bfloat16) at tp 8 on the ``h200`` profile,
 batch 2 x seq 4096: the experts layout the solver chooses and its margin over the other layout
 (the plan's note), with a host read priced (``DeviceProfile.host_read_time``) and without
@@ -37,8 +42,13 @@ PUBLISHED = ("mixtral-8x7b", "qwen3-30b-a3b", "gpt-oss-20b", "deepseek-v3")
 LAYERS = {"deepseek-v3": 4}
 
 
-def counted(family: str, host_reads: bool) -> tuple[int, int, int, int]:
-    """(experts layers, autotp's reads, the model's reads, ...) per training step and inference call."""
+#: families whose experts the all-to-all dispatch serves (grouped experts after a router's top-k)
+DISPATCH_FAMILIES = ("deepseek-v3", "gpt-oss", "mixtral", "olmoe", "qwen2-moe", "qwen3-moe")
+
+
+def counted(family: str, host_reads: bool, dispatch: bool = False) -> tuple[int, int, int, int]:
+    """(experts layers, autotp's reads, the model's reads, ...) per training step and inference
+    call; ``dispatch``: the experts whole per rank, the tokens sent to them by the all-to-all."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -55,7 +65,13 @@ def counted(family: str, host_reads: bool) -> tuple[int, int, int, int]:
         config._experts_implementation = "batched_mm"
     model = zoo.build(family, config, dtype=torch.float32, seed=1)
     inputs = zoo.example_batch(family, config, batch=2, seq=EXAMPLE_SEQ, seed=2)
-    pm = autotp.parallelize(model, T.TP, batch=64, seq=4096, profile="h100-dgx", host_reads=host_reads)
+    more = dict(layout={"*.experts.*": "expert"}, sequence_parallel=True) if dispatch else {}
+    pm = autotp.parallelize(model, T.TP, batch=64, seq=4096, profile="h100-dgx", host_reads=host_reads, **more)
+    if dispatch:
+        kinds = [type(m).__name__ for m in pm.graph_module.modules()]
+        if kinds.count("DispatchRows") != T.layers_of_experts(model):
+            raise ValueError(f"the solver sends {kinds.count('DispatchRows')} of {T.layers_of_experts(model)} "
+                             "expert layers' tokens by the all-to-all")
     pm.deferred_checks = True
     T._reads.family = family
     out = [T.layers_of_experts(model)]
@@ -84,8 +100,33 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
     parser.add_argument("--families", nargs="*", default=list(MOE_FAMILIES))
+    parser.add_argument("--dispatch-only", action="store_true")
     args = parser.parse_args()
     from autotp.cost_model import get_profile
+
+    dispatch = ["", "## Counted: the all-to-all dispatch, one rank of tp 2, fake backend, tiny configs, float32", "",
+                "As above, the experts pinned whole per rank (`layout={'*.experts.*': 'expert'}`), the tokens split "
+                "along the sequence (`sequence_parallel=True`) and sent to their experts' ranks by the "
+                "all-to-all, as the solver chooses there (one `DispatchRows` per expert layer, checked; "
+                "`expert_dispatch=True` is not used: its inference program does not plan, before and after "
+                "this count).", "",
+                "| family | expert layers | training | inference |", "|---|---|---|---|"]
+    for family in DISPATCH_FAMILIES:
+        if family in args.families:
+            try:
+                layers, t, tm, i, im = counted(family, True, dispatch=True)
+            except Exception as error:   # a plan the forced dispatch cannot make: say so, count the rest
+                import torch.distributed as dist
+
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+                dispatch.append(f"| {family} | - | fails: {type(error).__name__}: {str(error)[:160]} | |")
+            else:
+                dispatch.append(f"| {family} | {layers} | {t} ({tm}) | {i} ({im}) |")
+            print(dispatch[-1], flush=True)
+    if args.dispatch_only:
+        publish(dispatch[1:], args.out)
+        return
 
     lines = ["# Reads to the host in a rank's step", "",
              "Command: `python benchmarks/host_reads.py --out benchmarks/host_reads.md`", "",
@@ -102,6 +143,7 @@ def main() -> None:
         _, t0, tm0, i0, im0 = counted(family, False)
         lines.append(f"| {family} | {layers} | {t} ({tm}) | {i} ({im}) | {t0 + tm0} | {i0 + im0} |")
         print(lines[-1], flush=True)
+    lines += dispatch
     h200 = get_profile("h200")
     lines += ["", "## Planned: published configs, 2 layers (DeepSeek-V3: 4, one MoE), tp 8, `h200`, batch 2 x seq 4096", "",
               f"A host read priced at `h200`'s `host_read_time()` = sync {h200.sync_s * 1e6:.0f} us + a launch "

@@ -11,7 +11,8 @@ Under sequence parallelism the tokens themselves arrive as compact rows
 (``Routed(tokens=True)``: a rank's ``b`` runs of ``s/tp`` flattened tokens, :func:`token_rows`,
 every token's holder known from the shapes, :func:`token_owners`); an expert product reading
 them first sends each (token, expert) row to its expert's rank (:class:`DispatchRows`, an
-all-to-all planned once per layer by :func:`dispatch_plan`; backward the reverse one), and the
+all-to-all planned once per layer by :func:`dispatch_plan` on the layer's one read to the host,
+:func:`dispatch_sizes`; backward the reverse one), and the
 next product may send its output rows back to their tokens' ranks on the same plan
 (:class:`CombineRows`, the mirror), where each token's top-k rows are summed
 (:func:`token_sums`). Token rows in sequence order are made whole by an all-gather along the
@@ -44,7 +45,8 @@ from .collectives import _comm, _CommModule
 def expert_bounds(offs: torch.Tensor, first: int, count: int) -> tuple[int, int]:
     """The rows ``[start, end)`` of experts ``first .. first + count - 1`` among rows sorted by
     expert (``offs``: cumulative rows per expert). The one read to the host of an expert layer
-    (two numbers, or one on the rank holding the first experts): the local rows' count sizes
+    (two numbers, or one on the rank holding the first experts; a dispatching layer's bounds
+    are read with its split sizes instead, :func:`dispatch_sizes`): the local rows' count sizes
     every tensor after it. The rewritten graph makes it once per layer; both products and the
     row map take it."""
     if count == 0:
@@ -135,13 +137,16 @@ def match_rows(x: torch.Tensor, have: torch.Tensor, want: torch.Tensor, dim: int
     return x.index_select(dim, where)
 
 
-def routed_reorder(x: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, size: int) -> tuple[torch.Tensor,
-                                                                                                  torch.Tensor]:
+def routed_reorder(x: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, size: int,
+                   count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x_full[index]`` (rows reordered: transformers' inverse sort back to token order) on this
     rank's rows: (the local result, its row map). ``x``'s rows are ``rows`` of ``size``; the
-    result holds the positions of ``index`` that name one of them, in ascending order."""
+    result holds the positions of ``index`` that name one of them, in ascending order. Their
+    ``count`` where the host knows it already (a dispatching layer's, read with its split sizes,
+    :func:`dispatch_sizes`): no read of its own; otherwise a ``nonzero``, whose size the host reads."""
     where = _positions(rows, index, size)
-    out_rows = (where >= 0).nonzero().squeeze(1)
+    held = where >= 0
+    out_rows = (held.nonzero() if count is None else torch.nonzero_static(held, size=count)).squeeze(1)
     return x.index_select(0, where.index_select(0, out_rows)), out_rows
 
 
@@ -244,12 +249,46 @@ def sequence_runs(x: torch.Tensor, outer: Sequence[int]) -> torch.Tensor:
 
 
 # ---- the all-to-all dispatch: rows held by their tokens' ranks sent to their experts' ranks -------
-def dispatch_splits(send: torch.Tensor, recv: torch.Tensor) -> tuple[list[int], list[int]]:
-    """(rows this rank sends to each rank, rows it receives from each), read to the host once:
-    the split sizes of the rows' all-to-all (Megatron's and torchtitan's dispatchers read them
-    too). Both are counted on this rank, from the routing every rank holds whole."""
-    both = torch.stack([send, recv]).tolist()
-    return both[0], both[1]
+class DispatchSizes(NamedTuple):
+    """What the host must know of a dispatching expert layer, read at once (:func:`dispatch_sizes`)."""
+
+    bounds: tuple   # the rows [start, end) of this rank's experts among the rows sorted by expert
+    send: list      # rows this rank sends to each rank (its tokens' rows, by their experts' rank)
+    recv: list      # rows it receives from each rank (its experts' rows, by their tokens' rank)
+
+    @property
+    def sent(self) -> int:
+        """How many (token, expert) rows of its tokens this rank holds (and sends)."""
+        return sum(self.send)
+
+
+def _expert_ranks(offs: torch.Tensor, runs: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Where each rank's run of rows sorted by expert ends (``runs``: every rank's (first expert,
+    experts), in order; ``offs``: the cumulative rows per expert): the rows of rank ``r``'s
+    experts are ``[ends[r-1], ends[r])``."""
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    return torch.stack([counts[first:first + count].sum() for first, count in runs]).cumsum(0)
+
+
+def dispatch_sizes(owners: torch.Tensor, offs: torch.Tensor, runs: Sequence[tuple[int, int]],
+                   rank: int) -> DispatchSizes:
+    """Everything the host must know of a dispatching expert layer, read to the host once (one
+    ``tolist`` of ``2 + 2 * tp`` numbers): the bounds of this rank's experts' rows (what
+    :func:`expert_bounds` reads for a layer that gathers), the rows it sends to each rank and
+    receives from each (the split sizes of the rows' all-to-all; Megatron's and torchtitan's
+    dispatchers read theirs too), and so how many rows of its tokens it holds (their sum).
+    Every rank counts them itself from what it holds whole: ``owners``, the holder of each row
+    sorted by expert, and ``offs``, the cumulative rows per expert (``runs``: every rank's
+    (first expert, experts)); no exchange of counts. The reorder of its tokens' rows, both
+    products, the dispatch, the combine back and their backwards reuse them."""
+    tp = len(runs)
+    ends = _expert_ranks(offs, runs)
+    dest = torch.bucketize(torch.arange(owners.numel(), device=owners.device), ends, right=True)
+    send = torch.zeros(tp, dtype=torch.long, device=owners.device).scatter_add_(0, dest, (owners == rank).long())
+    recv = torch.zeros(tp, dtype=torch.long, device=owners.device).scatter_add_(0, owners, (dest == rank).long())
+    start = ends[rank - 1] if rank else ends.new_zeros(())
+    read = torch.cat([start.view(1), ends[rank].view(1), send, recv]).tolist()
+    return DispatchSizes((read[0], read[1]), read[2:2 + tp], read[2 + tp:])
 
 
 def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: Any, op: str) -> torch.Tensor:
@@ -318,7 +357,7 @@ class _CombineRows(torch.autograd.Function):
 
 
 def dispatch_plan(rows: torch.Tensor, owners: torch.Tensor, offs: torch.Tensor, runs: Sequence[tuple[int, int]],
-                  rank: int) -> DispatchPlan:
+                  sizes: DispatchSizes) -> DispatchPlan:
     """The all-to-all dispatch of an expert layer (Megatron's ``MoEAlltoAllTokenDispatcher``,
     torchtitan's expert parallel), planned: this rank holds rows of (token, expert) pairs
     sorted by expert (global ids ``rows``, ``owners``: every row's holder); each goes to the rank
@@ -326,22 +365,16 @@ def dispatch_plan(rows: torch.Tensor, owners: torch.Tensor, offs: torch.Tensor, 
     per expert), and the rows of this rank's experts arrive in sorted order, the rows
     ``[start, end)`` :func:`routed_grouped_mm` takes as routed. Each rank sends its rows by
     destination, then id, so a receiver knows the order they arrive in: from each holder in
-    turn, by id. The split sizes are read to the host here, once per layer: the combine back
-    (:class:`CombineRows`) and both backwards reuse them."""
-    total, tp = owners.numel(), len(runs)
-    counts = torch.diff(offs, prepend=offs.new_zeros(1))
-    per_rank = torch.stack([counts[first:first + count].sum() for first, count in runs])
-    ends = per_rank.cumsum(0).to(rows.dtype)
-    dest = torch.bucketize(rows, ends, right=True)
+    turn, by id. Nothing is read here: the split sizes and bounds are the layer's one read
+    (``sizes``, :func:`dispatch_sizes`), which the combine back (:class:`CombineRows`) and both
+    backwards reuse."""
+    total = owners.numel()
+    dest = torch.bucketize(rows, _expert_ranks(offs, runs).to(rows.dtype), right=True)
     order = torch.argsort(dest * total + rows)
-    start, end = ends[rank] - per_rank[rank], ends[rank]
-    ids = torch.arange(total, device=rows.device)
-    mine = (ids >= start) & (ids < end)               # this rank's rows: [start, end)
-    recv = torch.zeros(tp, dtype=torch.long, device=rows.device).scatter_add_(0, owners, mine.long())
-    send, recv = dispatch_splits(torch.bincount(dest, minlength=tp), recv)
-    # the rows as they arrive: from each holder in turn, by id (others' rows sorted last)
-    arrival = torch.argsort(torch.where(mine, owners * total + ids, tp * total + ids))[:sum(recv)] - start
-    return DispatchPlan(order, torch.argsort(arrival), send, recv)
+    start, end = sizes.bounds
+    # the rows as they arrive: from each holder in turn, by id
+    arrival = torch.argsort(owners[start:end], stable=True)
+    return DispatchPlan(order, torch.argsort(arrival), sizes.send, sizes.recv)
 
 
 def dispatch_rows(x: torch.Tensor, plan: DispatchPlan, group: Any) -> torch.Tensor:

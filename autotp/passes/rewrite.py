@@ -39,7 +39,7 @@ from ..distributed.rng import RandomOp, draws_random
 from .propagate import (GraphIndex, Propagation, _aliases_of, _conversion, _dim_size, _meta, _sharded_compute,
                         first_write, map_args, storage_root, wants_f)
 from .rules import LocalContext, aliases_first, is_routed, localizer_for, mutates_first
-from .rules.experts import grouped_reader
+from .rules.experts import dispatches_tokens, grouped_reader
 from .rules.registry import REGION_BOUNDS
 
 log = logging.getLogger(__name__)
@@ -264,8 +264,10 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
     readers = {}
     unsliced: list[fx.Node] = []   # factories made again at a rank's size: erased where nothing else reads them
 
-    def grouped_reader() -> tuple:
-        product = readers[ctx.node]
+    def grouped_reader() -> tuple | None:
+        product = readers.get(ctx.node)
+        if product is None:
+            return None
         offs = product.args[2] if len(product.args) > 2 else product.kwargs["offs"]
         return index.infos[product], prop.chosen[product], env[offs]
 
@@ -425,26 +427,65 @@ def _program_order(graph: fx.Graph, prop: Propagation, readers: dict) -> list[fx
     gather of rows a rank takes at its own experts' rows (an ``index`` placed routed from whole
     inputs, :func:`~autotp.passes.rules.experts.grouped_reader`) moved, with the casts that carry
     its rows, to right before the grouped product that reads them, after the product's ``offs``
-    that bound the rank's rows. ``readers`` gets each such gather's product."""
+    that bound the rank's rows; and so a reorder of a rank's tokens' rows read by a product that
+    sends them to their experts' ranks (the all-to-all dispatch), whose count is read with the
+    dispatch's split sizes, the layer's one read, which needs ``offs``. ``readers`` gets each
+    such gather's product."""
     order = list(graph.nodes)
     moved = []
     for node in order:
         strategy = prop.chosen.get(node)
-        if node.target is torch.ops.aten.index.Tensor and strategy is not None \
-                and isinstance(strategy.output, Routed) and strategy.inputs[0] == Replicate():
-            found = grouped_reader(node)
+        if node.target is not torch.ops.aten.index.Tensor or strategy is None \
+                or not isinstance(strategy.output, Routed):
+            continue
+        x = strategy.inputs[0]
+        found = grouped_reader(node)
+        if x == Replicate():
             if found is None:
                 raise PlanError(f"{node.name} is placed as routed rows gathered for a grouped product, "
                                 f"but no grouped product alone reads it")
-            chain, product = found
-            readers[node] = product
-            moved.append(([node] + chain, product))
+        elif not (isinstance(x, Routed) and x.tokens and found is not None
+                  and dispatches_tokens(prop.chosen[found[1]])):
+            continue   # any other reorder of routed rows runs where captured
+        chain, product = found
+        readers[node] = product
+        moved.append(([node] + chain, product))
+    moved += _picks_after_dispatch(order, prop, [p for _, p in moved if dispatches_tokens(prop.chosen[p])])
     for run, product in moved:
         for n in run:
             order.remove(n)
         at = order.index(product)
         order[at:at] = run
     return order
+
+
+def _picks_after_dispatch(order: list, prop: Propagation, products: list) -> list[tuple[list, fx.Node]]:
+    """Picks of a stack of experts by the router's sorted ids counted by a dispatching product's
+    ``offs`` (gpt-oss's biases, :func:`~autotp.passes.rules.routing.counted_by`), each as
+    ``([pick], product)`` where nothing before the product reads it: their rows are the
+    product's, bounded by the layer's one read, which the reorder of the rank's tokens' rows
+    makes right before the product; picked earlier, they would read the bounds on their own."""
+    from .rules.routing import counted_by
+
+    at = {n: i for i, n in enumerate(order)}
+    out = []
+    for product in products:
+        offs = product.args[2] if len(product.args) > 2 else product.kwargs["offs"]
+        for node in order[:at[product]]:
+            strategy = prop.chosen.get(node)
+            if node.target is not torch.ops.aten.index.Tensor or strategy is None \
+                    or not isinstance(strategy.output, Routed) or not isinstance(strategy.inputs[0], Shard):
+                continue
+            stack = _meta(node.args[0])
+            if stack is None or stack.static(0) is None or len(node.args[1]) != 1 \
+                    or counted_by(node.args[1][0], stack.static(0)) is not offs:
+                continue
+            read = {node.args[0], node.args[1][0]}
+            written_between = any(mutates_first(n.target) and n.args and n.args[0] in read
+                                  for n in order[at[node] + 1:at[product]] if n.op == "call_function")
+            if all(at[u] > at[product] for u in node.users) and not written_between:
+                out.append(([node], product))
+    return out
 
 
 def _view_alone_written(view: fx.Node) -> bool:

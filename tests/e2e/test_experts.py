@@ -216,6 +216,12 @@ def assert_experts_case(cluster_of, case: dict) -> None:
                       layers=1, plan_batch=64, plan_seq=4096, sp=True,
                       routed=("token_rows", "dispatch_rows", "combine_rows", "token_sums")),
                  marks=pytest.mark.slow),
+    # gpt-oss with the dispatch: its biases picked by the sorted expert ids run after the layer's
+    # one read (the bounds and split sizes at once), on the rows the all-to-all brings
+    pytest.param(dict(family="gpt-oss", impl="eager", tp=2, experts=4, top_k=2, kv_heads=2, seq=7, seed=1,
+                      layers=1, plan_batch=64, plan_seq=4096, sp=True,
+                      routed=("token_rows", "dispatch_rows", "routed_pick", "routed_grouped_mm")),
+                 marks=pytest.mark.slow),
     # expert-TP with the tokens split along the sequence: the router runs on a rank's own tokens,
     # and the token rows every rank needs whole (the expert ids, the routing weights) are
     # all-gathered along the sequence (sequence_runs), not scattered into zeros and all-reduced.
@@ -226,7 +232,7 @@ def assert_experts_case(cluster_of, case: dict) -> None:
 ], ids=["mixtral-grouped-3of2", "qwen2moe-eager-shared", "deepseek-mla-heads", "mixtral-batched-etp",
         "gptoss-grouped-rows", "mixtral-batched-3of4", "gptoss-grouped-routed", "gptoss-periodic-expanded",
         "mixtral-eager-tokens-a2a", "mixtral-eager-tokens-a2a-3of4", "qwen3-eager-tokens-a2a-tp3",
-        "deepseek-eager-tokens-a2a", "mixtral-eager-tokens-etp-gather"])
+        "deepseek-eager-tokens-a2a", "gptoss-eager-tokens-a2a", "mixtral-eager-tokens-etp-gather"])
 def test_experts_split_equals_serial(cluster_of, case):
     assert_experts_case(cluster_of, {**case, "dtype": IMPLEMENTATIONS[case["impl"]]})
 

@@ -62,13 +62,21 @@ def run_dispatch_and_combine(case: dict) -> dict:
     mine = E.token_rows(torch.empty(b, (s + tp - 1 - rank) // tp), 1, [b], s, tp, rank)   # the rank's tokens
     owners = E.token_owners(w["h"], [b], s, tp)
     x = w["h"].index_select(0, mine).requires_grad_()
-    # the rank's (token, expert) rows in sorted order, and every sorted row's holder
-    rows_x, rows = E.routed_reorder(x, w["perm"] // k, mine, b * s)
-    plan = E.dispatch_plan(rows, owners[w["perm"] // k], w["offs"], _runs(case), rank)
+    # every sorted row's holder, the layer's one read (bounds, split sizes), and the rank's
+    # (token, expert) rows in sorted order, counted by that read
+    held = owners[w["perm"] // k]
+    sizes = E.dispatch_sizes(held, w["offs"], _runs(case), rank)
+    rows_x, rows = E.routed_reorder(x, w["perm"] // k, mine, b * s, sizes.sent)
+    plan = E.dispatch_plan(rows, held, w["offs"], _runs(case), sizes)
     sent = E.dispatch_rows(rows_x, plan, group)
     sent.retain_grad()
     first, count = _runs(case)[rank]
-    start, end = E.expert_bounds(w["offs"], first, count)
+    start, end = sizes.bounds
+    # the same as a gathering layer's bounds (a rank with no expert: no rows either way), and
+    # the same rows as the reorder counting them itself (a nonzero)
+    gathering = E.expert_bounds(w["offs"], first, count)
+    assert (start, end) == gathering if count else start == end and gathering[0] == gathering[1]
+    assert torch.equal(rows, E.routed_reorder(x, w["perm"] // k, mine, b * s)[1])
     back = E.combine_rows(sent * w["scale"][start:end], plan, group)
     (back * w["grad"].index_select(0, rows)).sum().backward()
     return dict(rows=rows, bounds=(start, end), sent=sent.detach(), sent_grad=sent.grad, back=back.detach(),

@@ -24,10 +24,11 @@ expert (``expert_bounds``), which the layer's products, the gather in front of t
 the sorted ids (gpt-oss's biases) share, the reorder back to token order a permutation that keeps
 the rows (``routed_permute``); on the batched path the rows its experts' ids pick
 (``picked_rows``) instead. How many rows are its own sizes every tensor of the layer after it (a
-data-dependent size, as in any dropless expert parallelism without a fixed capacity). Two more
-where the tokens arrive split along the sequence and the rank sends its tokens' rows to their
-experts' ranks by an all-to-all (its split sizes, read once, as Megatron's and torchtitan's
-dispatchers read theirs; which (token, expert) rows are of its own tokens).
+data-dependent size, as in any dropless expert parallelism without a fixed capacity). Where the
+tokens arrive split along the sequence and the rank sends its tokens' rows to their experts' ranks
+by an all-to-all, still one: everything the host must know of the layer read at once
+(``dispatch_sizes``: its experts' rows' bounds, the split sizes, as Megatron's and torchtitan's
+dispatchers read theirs, and so how many (token, expert) rows are of its own tokens).
 (The serial HuggingFace models read more: GPT-2's forward checks its last and first tokens for
 padding with ``in``, a read per call, which the captured program does not hold.)
 
@@ -65,8 +66,9 @@ SIZED_BY_VALUES = {aten.nonzero.default, aten.masked_select.default, aten._uniqu
 #: (expert_bounds), which of the rows picked by expert id are its own (picked_rows, the batched
 #: path) and, for a reorder by an index not known a permutation, where its rows land
 #: (routed_reorder); their count sizes the compact rows after them. One per expert layer; under
-#: the all-to-all dispatch (tokens split along the sequence), the split sizes (dispatch_splits) too
-ROWS_READS = ("expert_bounds", "picked_rows", "routed_reorder", "dispatch_splits")
+#: the all-to-all dispatch (tokens split along the sequence), its bounds and split sizes read at
+#: once instead (dispatch_sizes)
+ROWS_READS = ("expert_bounds", "picked_rows", "routed_reorder", "dispatch_sizes")
 
 
 def layers_of_experts(model) -> int:
@@ -199,24 +201,26 @@ def test_a_steady_state_step_reads_nothing_back_from_the_device(fake_rank, famil
         reads = _reads(pm, inputs, train)
         autotps = [(what, stack) for what, stack in reads if not any(f.startswith(MODEL_READS) for f in stack)]
         # a rank's own experts' rows: one read per expert layer (their count), shared by the
-        # layer's products, its gather, a pick by the sorted ids, the reorder back; two more where
-        # the tokens arrive split along the sequence and go to their experts' ranks by an
-        # all-to-all (the split sizes; which (token, expert) rows are of the rank's own tokens)
+        # layer's products, its gather, a pick by the sorted ids, the reorder back; where the
+        # tokens arrive split along the sequence and go to their experts' ranks by an all-to-all,
+        # that one read holds the split sizes too
         rows = [what for what, stack in autotps if set(ROWS_READS) & set(stack)]
-        dispatches = sum(1 for _, stack in autotps if "dispatch_splits" in stack)
-        assert len(rows) <= layers_of_experts(model) + 2 * dispatches, ("training" if train else "inference", rows)
+        assert len(rows) <= layers_of_experts(model), ("training" if train else "inference", rows)
         assert [what for what, stack in autotps if not set(ROWS_READS) & set(stack)] == [], \
             ("training" if train else "inference", autotps)
         if not layers_of_experts(model):
             assert reads == []
 
 
-def test_the_combine_by_the_reverse_all_to_all_reads_nothing_more(fake_rank, monkeypatch):
-    """The tokens split along the sequence, each (token, expert) row sent to its expert's rank
-    and its output row sent back (the reverse all-to-all): the combine reuses the dispatch's
-    split sizes, so a layer reads what a dispatching layer whose output a g sums reads: three in
-    a training step (its bounds, the split sizes, which sorted rows are of its tokens), and in an
-    inference call what that call's program reads either way."""
+def test_a_dispatching_layer_reads_the_host_once(fake_rank, monkeypatch):
+    """The tokens split along the sequence, each (token, expert) row sent to its expert's rank by
+    an all-to-all, its output row sent back by the reverse one or summed by a g: a training step
+    reads the host once per expert layer, everything the host must know of the layer in one
+    ``tolist`` (``dispatch_sizes``: the bounds of the rank's experts' rows, the rows it sends to
+    and receives from each rank, and so how many rows of its tokens it holds), which the reorder
+    of its tokens' rows, both products, the dispatch, the combine and their backwards share
+    (before: three, the bounds, the split sizes and the reorder's ``nonzero``). An inference
+    call reads what its own program reads either way."""
     import autotp.passes.rules.experts as rules
 
     config = zoo.tiny_config("mixtral", layers=2, heads=4, kv_heads=2, head_dim=4, vocab=61, experts=4, top_k=2)
@@ -236,8 +240,11 @@ def test_the_combine_by_the_reverse_all_to_all_reads_nothing_more(fake_rank, mon
             reads = [(what, stack) for what, stack in _reads(pm, inputs, train)
                      if not any(f.startswith(MODEL_READS) for f in stack)]
             assert all(set(ROWS_READS) & set(stack) for _, stack in reads), reads
+            if train:   # the bounds (2), the rows sent to each rank and received from each (2 x tp)
+                assert [what for what, stack in reads if "dispatch_sizes" in stack] == \
+                    [f"Tensor.tolist of ({2 + 2 * TP},)"] * layers_of_experts(model), reads
             counts[combine, train] = len(reads)
-    assert counts[True, True] == counts[False, True] == 3 * 2, counts
+    assert counts[True, True] == counts[False, True] == layers_of_experts(model), counts
     assert counts[True, False] == counts[False, False], counts   # inference: its own program's reads
 
 

@@ -174,12 +174,16 @@ def host_reads(info: OpInfo, strategy: Strategy) -> int:
     """How many reads to the host ``strategy`` of the op ``info`` makes on a rank: one where it
     opens a run of routed rows (every input holds every row, its output only the rank's) and
     :attr:`~.registry.OpInfo.reads_rows`, or reorders routed rows by an index not known a
-    permutation; two where it sends a rank's tokens' rows to their experts' ranks (the all-to-all
-    dispatch: its split sizes, and which (token, expert) rows are of the rank's own tokens)."""
+    permutation. A product that sends a rank's tokens' rows to their experts' ranks (the
+    all-to-all dispatch) reads its bounds and split sizes at once, and with them how many rows
+    the reorder of the rank's tokens in front of it (``h[perm // k]``) holds: that reorder's one
+    read, priced at the reorder, where the product's x is rows gathered for it alone
+    (:attr:`~.registry.OpInfo.x_gathered`: the rank's program runs the two together,
+    passes/rewrite.py); one of its own otherwise."""
     outs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
     if any(isinstance(p, Routed) and p.tokens for p in strategy.inputs) and \
             any(isinstance(p, Routed) and not p.tokens for p in outs):
-        return 2   # the all-to-all dispatch: its split sizes, and which rows are of the rank's tokens
+        return 0 if info.x_gathered else 1   # the all-to-all dispatch: the layer's one read
     if not info.reads_rows or not any(isinstance(p, Routed) for p in outs):
         return 0
     routed_in = [isinstance(p, Routed) for p in strategy.inputs]
@@ -612,14 +616,22 @@ def routed_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict
         if isinstance(strategy.inputs[0], Routed):   # rows reordered
             x, index = ctx.inputs
             size = ctx.size(info.inputs[0].shape[0])
+            if strategy.inputs[0].tokens:   # each row reordered is held where its token is
+                ctx.made_owners = ctx.graph.call_function(E.take_rows, (ctx.owners[x], index, 0))
             if _permutes(info, ctx.node):   # every row kept once: the rank's rows stay, renumbered
                 copy = len(ctx.node.args[0].users) > 1 or written(ctx.node)
                 pair = ctx.graph.call_function(E.routed_permute, (x, index, ctx.rows_of(x), copy))
             else:
-                pair = ctx.graph.call_function(E.routed_reorder, (x, index, ctx.rows_of(x), size))
+                # a rank's tokens' rows sorted by expert for a dispatching product (the rank's
+                # program runs this reorder right before it, after its offs): how many are the
+                # rank's is read with the layer's split sizes, one read; otherwise a nonzero
+                reader = ctx.grouped_reader() if strategy.inputs[0].tokens else None
+                count = None
+                if reader is not None and dispatches_tokens(reader[1]):
+                    sizes = _dispatch_sizes(*reader, ctx.made_owners, ctx)
+                    count = ctx.graph.call_function(getattr, (sizes, "sent"))
+                pair = ctx.graph.call_function(E.routed_reorder, (x, index, ctx.rows_of(x), size, count))
             ctx.made_rows = ctx.graph.call_function(operator.getitem, (pair, 1))
-            if strategy.inputs[0].tokens:   # each row reordered is held where its token is
-                ctx.made_owners = ctx.graph.call_function(E.take_rows, (ctx.owners[x], index, 0))
             return operator.getitem, (pair, 0), {}
         if strategy.inputs[0] == REPLICATE:   # rows gathered for a grouped product: its rank's rows
             product, product_strategy, offs = ctx.grouped_reader()
@@ -739,19 +751,20 @@ def _grouped_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: di
     offs = args[2] if len(args) > 2 else kwargs.pop("offs")
     x = ctx.inputs[0]
     first, count = _run(info, strategy, 1, ctx)
-    bounds, ctx.made_rows = _expert_rows(info, strategy, offs, ctx)
     x_routed = isinstance(strategy.inputs[0], Routed)
+    dispatch = dispatches_tokens(strategy)
+    if dispatch:   # the layer's one read (made first: the bounds below are read with it)
+        sizes = _dispatch_sizes(info, strategy, offs, ctx.owners[x], ctx)
+    bounds, ctx.made_rows = _expert_rows(info, strategy, offs, ctx)
     from ...errors import PlanError
 
-    if x_routed and strategy.inputs[0].tokens:
+    if dispatch:
         # the all-to-all dispatch: every rank's rows of its tokens to the ranks of their experts,
-        # planned once per layer (the split sizes read), the plan kept for the combine back
-        total = int(info.inputs[1].shape[0])
-        runs = tuple(local_ranges(total, strategy.inputs[1], ctx.tp, r) or ((0, 0),) for r in range(ctx.tp))
-        runs = tuple((a, b - a) for ((a, b),) in runs)
+        # planned once per layer on its one read, the plan kept for the combine back
         rows, owners = ctx.rows_of(x), ctx.owners[x]
         plan = ctx.shared_rows(("dispatch", offs, first, count),
-                               lambda: (E.dispatch_plan, (rows, owners, offs, runs, ctx.rank)))
+                               lambda: (E.dispatch_plan, (rows, owners, offs, _expert_runs(info, strategy, ctx),
+                                                          sizes)))
         ctx.dispatches[(offs, first, count)] = (plan, rows, owners)
         args = (ctx.comm(E.DispatchRows(ctx.group), x, plan),) + tuple(args[1:])
     elif x_routed and ctx.rows_of(x) is not ctx.made_rows:
@@ -771,6 +784,37 @@ def _grouped_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: di
                         f"stay on its experts' ranks here")
     plan, ctx.made_rows, ctx.made_owners = dispatched
     return E.CombineRows(ctx.group), (ctx.graph.call_function(product[0], product[1], product[2]), plan), {}
+
+
+def dispatches_tokens(strategy: Strategy) -> bool:
+    """Whether a grouped product's strategy sends its rows of tokens to their experts' ranks (the
+    all-to-all dispatch)."""
+    x = strategy.inputs[0] if strategy.inputs else None
+    return isinstance(x, Routed) and x.tokens and isinstance(strategy.output, Routed)
+
+
+def _expert_runs(info: OpInfo, strategy: Strategy, ctx: LocalContext) -> tuple[tuple[int, int], ...]:
+    """Every rank's (first expert, experts) of a grouped product's stack of experts, in rank order."""
+    total = int(info.inputs[1].shape[0])
+    runs = tuple(local_ranges(total, strategy.inputs[1], ctx.tp, r) or ((0, 0),) for r in range(ctx.tp))
+    return tuple((a, b - a) for ((a, b),) in runs)
+
+
+def _dispatch_sizes(info: OpInfo, strategy: Strategy, offs: Any, owners: Any, ctx: LocalContext) -> Any:
+    """The node of a dispatching layer's one read (:func:`autotp.distributed.experts.dispatch_sizes`:
+    its bounds, split sizes and so its tokens' rows' count), made once per layer by the first of
+    the reorder of its tokens' rows and its dispatching product (``info``, ``strategy``: the
+    product's; ``owners``: the holder of each row sorted by expert). The layer's bounds are
+    taken from it, so the products read nothing of their own."""
+    from ...distributed import experts as E
+
+    first, count = _run(info, strategy, 1, ctx)
+    key = ("dispatch sizes", offs, first, count)
+    if ctx.found_rows(key) is None:
+        sizes = ctx.shared_rows(key, lambda: (E.dispatch_sizes, (owners, offs, _expert_runs(info, strategy, ctx),
+                                                                  ctx.rank)))
+        ctx.shared_rows(("bounds", offs, first, count), lambda: (getattr, (sizes, "bounds")))
+    return ctx.found_rows(key)
 
 
 def _expert_rows(info: OpInfo, strategy: Strategy, offs: Any, ctx: LocalContext) -> tuple[Any, Any]:
