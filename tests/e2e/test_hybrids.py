@@ -119,7 +119,7 @@ def dynamic_length_calls(family: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("family", ["qwen3-next"])
+@pytest.mark.parametrize("family", ["qwen3-next", "qwen3.5-moe"])
 def test_gated_deltanet_runs_two_lengths_on_one_program(family, cluster_of):
     # Gated DeltaNet pads the sequence to its 64-token chunk and loops over the chunks: named
     # dims are refused (torch cannot prove the padding's guards over the range and forces
