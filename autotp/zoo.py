@@ -411,10 +411,11 @@ def _minimax(layers, heads, kv_heads, head_dim, vocab, rotary, positions, expert
 
 #: hybrids: state-space (Mamba in Jamba; Mamba2 in Bamba, Falcon-H1, Granite-4.0-H) and linear-attention
 #: (Gated DeltaNet in Qwen3-Next and Qwen3.5-MoE, lightning attention in MiniMax) mixers beside attention.
-#: Kept beside FAMILIES: the per-family tests that iterate FAMILIES vary the sequence length, and the
-#: mixers whose torch path loops over the sequence (Jamba's Mamba, Gated DeltaNet's chunks, MiniMax's
-#: blocks) hold one length per program (Capture.fixed_dims); Mamba2's chunked scan is captured at a
-#: dynamic length with export's guards (Capture.guards). Their every-call test is tests/e2e/test_hybrids.py.
+#: Kept beside FAMILIES: the per-family tests that iterate FAMILIES vary the sequence length, and
+#: Jamba's Mamba, whose torch path loops over the sequence, holds one length per program
+#: (Capture.fixed_dims); Mamba2's chunked scan, Gated DeltaNet's chunks and MiniMax's blocks are
+#: captured at a dynamic length with export's guards (Capture.guards: a residue class of lengths,
+#: a chunk or block count). Their every-call test is tests/e2e/test_hybrids.py.
 #: The published configurations are the checkpoints' config.json values (Falcon-H1 0.5B and
 #: Granite-4.0-H-Tiny: their model cards' tables).
 HYBRID_FAMILIES: dict[str, Family] = {f.name: f for f in [

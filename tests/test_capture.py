@@ -131,6 +131,70 @@ def _wrapped(model: torch.nn.Module) -> torch.nn.Module:
     return wrapper
 
 
+class _ChunkedScan(torch.nn.Module):
+    """Gated DeltaNet's torch path (Qwen3-Next, Qwen3.5) in small: the sequence padded to the
+    chunk, ``(chunk - s % chunk) % chunk``, reshaped into chunks and scanned chunk by chunk."""
+
+    def __init__(self, chunk: int = 16, positions: int = 40):
+        super().__init__()
+        from transformers import PretrainedConfig
+
+        self.config = PretrainedConfig(vocab_size=16, max_position_embeddings=positions)
+        self.chunk = chunk
+        self.emb = torch.nn.Embedding(16, 4)
+
+    def forward(self, input_ids):
+        h = self.emb(input_ids)                                                     # (b, s, 4)
+        s = h.shape[1]
+        pad = (self.chunk - s % self.chunk) % self.chunk
+        chunks = torch.nn.functional.pad(h, (0, 0, 0, pad)).reshape(h.shape[0], -1, self.chunk, 4)   # (b, n, c, 4)
+        state, out = torch.zeros_like(chunks[:, 0, 0]), torch.zeros_like(chunks)
+        for i in range(chunks.shape[1]):                                            # a loop over the chunks
+            out[:, i] = chunks[:, i] + state[:, None]
+            state = state + chunks[:, i].sum(1)
+        return out.reshape(h.shape[0], -1, 4)[:, :s].sum()
+
+
+def test_a_chunked_scan_is_dynamic_in_the_length_over_its_chunk_count(exports):
+    # named dims are refused with "seq = 11": torch's solver cannot prove the padding's guards
+    # ((s + (16 - s % 16) % 16) // 16 == 1) over the range and forces the example's length. The
+    # trace itself keeps the length symbolic: traced with unnamed dims the program serves every
+    # length of one chunk count, checked by its guards (the old capture held 11 only); another
+    # chunk count is another program
+    from autotp.capture import fits_call
+
+    def fits(cap, n):
+        return fits_call(cap, {"input_ids": torch.zeros(2, n, dtype=torch.long)})
+
+    ids = torch.randint(0, 16, (2, 40))
+    cap = capture(_ChunkedScan(), example_kwargs={"input_ids": ids[:, :11]})
+    assert cap.fixed_dims == {} and len(exports) == 2
+    # every padded length of one chunk; an unpadded one (16: no pad, no slice) is another program
+    assert [n for n in range(2, 41) if fits(cap, n)] == list(range(2, 16))
+    longer = capture(_ChunkedScan(), example_kwargs={"input_ids": ids[:, :20]})
+    assert longer.fixed_dims == {} and len(exports) == 3   # the unnamed dims of the first, at once
+    assert [n for n in range(2, 41) if fits(longer, n)] == list(range(17, 32))
+
+
+def test_a_forced_pin_is_taken_where_unnamed_dims_are_refused_too(exports, monkeypatch):
+    # the fallback: an export with unnamed dims that fails after the forced pin falls back to the
+    # pin torch suggested, and the program holds the example's length
+    from torch.export.dynamic_shapes import _DimHint
+
+    counted = torch.export.export   # the fixture's counting export
+
+    def refusing(*args, **kwargs):
+        if any(isinstance(d, _DimHint) for spec in kwargs["dynamic_shapes"].values() if isinstance(spec, dict)
+               for d in spec.values()):
+            exports.append(kwargs["dynamic_shapes"])
+            raise RuntimeError("unnamed dims refused")
+        return counted(*args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", refusing)
+    cap = capture(_ChunkedScan(), example_kwargs={"input_ids": torch.randint(0, 16, (2, 11))})
+    assert cap.fixed_dims == {"input_ids.1": 11} and len(exports) == 3   # named, unnamed (refused), pinned
+
+
 @pytest.mark.parametrize("wrap", [False, True], ids=["model", "wrapper made per call"])
 def test_a_length_export_fixed_is_fixed_at_once_at_another_length(exports, wrap):
     # refused a range ("seq = 11"), the first capture exports twice; an equal model at another

@@ -233,6 +233,7 @@ def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: Any,
             dynamic_shapes, replaying = replayed, True
             log.debug("autotp: capture starts from the dims %s needed before", type(model).__name__)
     attempt = 0
+    pinned = None   # the pin torch forced from guards it could not prove, kept while unnamed dims are tried
     while True:
         try:
             with _ListIndicesOnCPU() if meta else contextlib.nullcontext(), _no_stack_traces(), \
@@ -250,6 +251,11 @@ def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: Any,
             ep._autotp_unnamed = _unnamed(dynamic_shapes)
             return ep
         except Exception as exc:   # a constraint violation names its fix; anything else is final
+            if pinned is not None:   # unnamed dims refused where the pin was not: the length fixed, as torch said
+                log.info("autotp: %s refuses unnamed dims too (%s); its program holds the example's length",
+                         type(model).__name__, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                dynamic_shapes, pinned = pinned, None
+                continue
             if replaying:   # the dims an equal model needed do not hold here: start over from those asked
                 log.debug("autotp: %s refuses the dims an equal model needed (%s); exporting as asked",
                           type(model).__name__, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
@@ -257,13 +263,19 @@ def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: Any,
                 dynamic_shapes, replaying = asked, False
                 continue
             fixes = _suggested_fixes(str(exc))
-            if _derived(fixes):   # not a narrowing: a residue class of lengths (a chunked scan's padding)
+            forced = fixes and _forced_pin(str(exc))
+            if _derived(fixes) or forced:   # not a narrowing: a residue class of lengths, guards unproven
                 fixes = ""
             if dynamic_shapes is not None and not fixes and "Constraints violated" in str(exc) \
                     and attempt < EXPORT_REFINEMENTS:
                 relaxed = _unnamed_dims(dynamic_shapes)
                 if relaxed != dynamic_shapes:
-                    log.info("autotp: capture retries with unnamed dynamic dims (%s)", str(exc).splitlines()[-1])
+                    lines = str(exc).splitlines()
+                    log.info("autotp: capture retries with unnamed dynamic dims (%s)", next(
+                        (ln.strip(" -") for ln in lines if "resulted in a specialized value" in ln), lines[-1]))
+                    if forced:
+                        pinned = refine_dynamic_shapes_from_suggested_fixes(
+                            "Suggested fixes:\n" + _suggested_fixes(str(exc)), dynamic_shapes)
                     dynamic_shapes = relaxed
                     attempt += 1
                     continue
@@ -283,10 +295,10 @@ def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: Any,
 #: length, starts from them (:func:`_replayed`) instead of failing its first export again.
 #: T5's decoder needs 3 target tokens or more (its tiny models: 1.6-2.1 s of a 3.4-4.0 s
 #: capture); Bamba's chunked scan is refused named dims (a residue class of lengths) and traced
-#: unnamed; Qwen3-Next's Gated DeltaNet over 64-token chunks is refused any range and fixed at
-#: the example's length: its first export is the symbolic trace that fails, 6-18 CPU s of a
-#: tiny model's capture, paid once per structure instead of once per length. The newest
-#: NARROWED_KEPT are kept.
+#: unnamed; so is Qwen3-Next's Gated DeltaNet over 64-token chunks (torch forces "seq = 11" from
+#: the padding's guards it cannot prove, :func:`_forced_pin`): its first export is the symbolic
+#: trace that fails, 11-25 CPU s of a tiny model's capture, paid once per structure instead of
+#: once per chunk count. The newest NARROWED_KEPT are kept.
 _NARROWED: collections.OrderedDict = collections.OrderedDict()
 NARROWED_KEPT = 64
 
@@ -530,6 +542,21 @@ def _derived(fixes: str) -> bool:
     with unnamed dims instead, and its program keeps export's guards (a call of another residue
     class is another program)."""
     return bool(re.search(r"^\s*\w+ = \d+\*\w+", fixes, re.MULTILINE))
+
+
+def _forced_pin(text: str) -> bool:
+    """Does torch pin a dim to the example's size (``seq = 11``) only because its solver could not
+    prove the guards export generated over the range ("solving the guards generated for seq ...
+    resulted in a specialized value of 11"), the trace itself keeping the length symbolic?
+
+    Gated DeltaNet pads the sequence to its 64-token chunk, ``(64 - s % 64) % 64``, and reshapes
+    it into chunks: guards such as ``(s + (64 - s % 64) % 64) // 64 == 1`` hold for every length
+    below 64 but are no range torch can solve for. Traced with unnamed dims the program stays
+    symbolic in the length and keeps those guards (a call at a length that breaks one, another
+    chunk count, gets a program of its own). A forward that reads the length as a number (a loop
+    over the positions) makes torch say instead that the code "specialized it to be a constant":
+    that pin is the program's only length, and it is taken as torch suggests."""
+    return "resulted in a specialized value" in text and "specialized it to be a constant" not in text
 
 
 def _suggested_fixes(text: str) -> str:

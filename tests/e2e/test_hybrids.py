@@ -3,9 +3,11 @@ Granite-4.0-H) and linear attention (Gated DeltaNet in Qwen3-Next and Qwen3.5-Mo
 attention in MiniMax) beside attention, tiny float64 configurations at tp 2 on gloo ranks.
 
 Each model is parallelized from its synthesized example (length 11), then called: training at 11
-and at 8 (Mamba2's chunked scan of 4-token chunks: another residue class of lengths, so another
-program by export's guards; a mixer that loops over the sequence or its chunks: a program traced
-at 8), and inference with row 0 left-padded. Every call equals serial at float32's rounding: each
+and at 8 (Mamba2's chunked scan of 4-token chunks: 8 is a multiple of the chunk, so another
+program by export's guards; MiniMax's lightning attention over 4-token blocks: another block
+count, another program; Jamba's Mamba, which loops over the sequence: a program traced at 8;
+Gated DeltaNet's 64-token chunks: the same chunk count, the same program), and inference with
+row 0 left-padded. Every call equals serial at float32's rounding: each
 mixer computes in float32 inside a float64 model (transformers' torch paths cast to float32:
 ``hidden_states.float()``, ``.to(torch.float32)``), and so do the routers of the experts.
 Greedy ``generate`` (row 0 left-padded) gives the serial model's tokens: the prompt's program
@@ -74,8 +76,8 @@ def test_a_hybrid_equals_serial_at_every_length_and_padded(family):
     with LocalCluster(2, timeout=3000) as cluster:
         results = cluster.run(hybrid_calls, family)
     for r in results:
-        # a program fixed to its example's 11 tokens is priced there, where the cost model may keep
-        # the tiny model whole (Qwen3-Next at tp 2 does); a dynamic one is priced at the workload
+        # a program fixed to its example's 11 tokens (Jamba's) is priced there, where the cost model
+        # may keep the tiny model whole; a dynamic one is priced at the workload
         assert r["fixed"] or r["held"] < r["serial"], "the plan must split something (attention, MLPs, experts)"
         for call in ("train 11", "train 8", "padded"):
             assert r[call] <= TOLERANCE[torch.float32], (call, r[call])
@@ -85,3 +87,50 @@ def test_a_hybrid_equals_serial_at_every_length_and_padded(family):
             assert kind == NOT_GENERATED[family][0] and NOT_GENERATED[family][1] in text, got
         else:
             assert got == serial
+
+
+def dynamic_length_calls(family: str) -> dict:
+    """A tiny ``family`` parallelized at this world's tp from its synthesized example (11), then
+    trained at 11 and at 8 against serial (loss, logits, every gradient): each call's errors, and
+    how many torch.export calls and programs the module needed for all of it."""
+    import autotp
+    from autotp import zoo
+    from autotp.capture import export as capture_export
+    from autotp.testing import equivalence_errors
+
+    config = zoo.tiny_config(family, layers=2, heads=2, kv_heads=2, head_dim=8, vocab=64)
+    config._experts_implementation = "batched_mm"   # torch's grouped product takes no float64 on CPU
+    model = zoo.build(family, config, dtype=torch.float64)
+    capture_export._NARROWED.clear()   # no dims learned from an equal model earlier in this rank
+    exports, real_export = [], torch.export.export
+    torch.export.export = lambda *a, **k: exports.append(1) or real_export(*a, **k)
+    try:
+        pm = autotp.parallelize(model, torch.distributed.get_world_size(), batch=64, seq=4096, profile="h100-dgx")
+        out = {"fixed": dict(pm.capture.fixed_dims), "held": sum(p.numel() for p in pm.local_parameters().values()),
+               "serial": sum(p.numel() for p in model.parameters())}
+        for length in (11, 8):
+            batch = zoo.example_batch(family, config, batch=2, seq=length, seed=length)
+            out[f"train {length}"] = max(equivalence_errors(model, pm, batch).values())
+    finally:
+        torch.export.export = real_export
+    out["exports"], out["programs"] = len(exports), len(pm._programs)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("family", ["qwen3-next", "qwen3.5-moe"])
+def test_gated_deltanet_runs_two_lengths_on_one_program(family, cluster_of):
+    # Gated DeltaNet pads the sequence to its 64-token chunk and loops over the chunks: named
+    # dims are refused (torch cannot prove the padding's guards over the range and forces
+    # "seq = 11"), so the program used to hold 11 only and the call at 8 paid a capture of its
+    # own (3 exports, 2 programs). Traced with unnamed dims, the program holds every length of
+    # one chunk (its guards checked per call): 8 runs on it. Exact at float32's rounding: the
+    # mixer computes in float32 inside the float64 model (transformers' torch path casts)
+    results = cluster_of(2).run(dynamic_length_calls, family)
+    for r in results:
+        assert r["fixed"] == {}
+        assert r["held"] < r["serial"], "the plan must split something"
+        assert (r["exports"], r["programs"]) == (2, 1)   # the refused named trace, the unnamed one
+        for call in ("train 11", "train 8"):
+            assert r[call] <= TOLERANCE[torch.float32], (call, r[call])
