@@ -7,7 +7,9 @@ beside the fastest measured.
 
 The rank runs on torch's ``fake`` process-group backend (rank 0 of tp=N in this one process: its
 collectives return at once and move nothing), so its time is its own compute at the model's
-size; the peers' routing, which the dispatch needs real-sized, is emulated by mirroring the rank
+size, timed by the thread's CPU time (a shared machine's load puts waiting for a core into the
+wall clock) and, call by call, at each ATen call's least time over the repeats
+(``benchmarks/op_timer.py``): where the rank's time above serial/N goes, by kind and by call; the peers' routing, which the dispatch needs real-sized, is emulated by mirroring the rank
 (``benchmarks/fake_peers.py`` says exactly what is emulated). Sequence parallelism is forced in
 every version (the all-to-all dispatch exists only where the tokens arrive split along the
 sequence) and attention pinned Megatron's way (ATTENTION), so the versions differ in the experts'
@@ -366,7 +368,7 @@ def main() -> None:
         "(`benchmarks/fake_peers.py`). Predicted: the rank's forward + backward compute on profile "
         f"`{profile.name}`, calibrated at the start of this run ({profile.flops / 1e9:.0f} GFLOP/s products, "
         f"{profile.mem_bw / 1e9:.1f} GB/s memory, {profile.link_bw / 1e9:.2f} GB/s link, "
-        f"{getattr(profile, 'group_s', 0.0) * 1e6:.1f} us per expert group of a grouped product, one thread); "
+        f"a grouped product's experts' weights streamed at {profile.grouped_bw / 1e9:.2f} GB/s, one thread); "
         "communication predicted but not run. Efficiency: (serial / tp) / rank, by CPU time. Against its own rows: "
         "serial / tp with its experts' products scaled to the rows the router gave this rank's experts (their "
         "FLOPs against their share), over the rank: what the rank would measure with a balanced router, "
