@@ -23,8 +23,8 @@ from typing import Sequence
 from ..cached_hash import cached_hash, state_without_hash
 from ..errors import ConfigError
 from .measure import (fit_alpha_beta, fit_product_shape, measure_all_reduce, measure_attention,  # noqa: F401
-                      measure_grouped, measure_host_read, measure_launch, measure_matmul_flops, measure_memory_bandwidth,
-                      measure_op_classes, measure_products)
+                      measure_grouped, measure_host_read, measure_launch, measure_matmul_flops,
+                      measure_memory_bandwidth, measure_op_classes, measure_products)
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,9 @@ class DeviceProfile:
 
     A grouped product (a mixture of experts' experts, each over its own rows) costs its
     products at the product model's rate plus its experts' weights (read forward and for the
-    input's gradient, their gradient written) streamed at ``grouped_bw``: each expert's matrix is read for its few rows and left, where one
-    product of the same shape keeps its operands in cache, and where no fused kernel takes the
-    dtype each expert is a call of its own. ``calibrate`` measures it from a grouped product of
+    input's gradient, their gradient written) streamed at ``grouped_bw``: each expert's matrix
+    is read for its few rows and left, where one product of the same shape keeps its operands
+    in cache, and where no fused kernel takes the dtype each expert is a call of its own. ``calibrate`` measures it from a grouped product of
     many small experts (:data:`GROUPED_SHAPE`): its time beyond the product model's price, per
     byte of weights; 0 prices no stream (a profile without the measurement).
 

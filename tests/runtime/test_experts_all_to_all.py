@@ -101,7 +101,7 @@ def test_the_combine_returns_each_row_to_its_token_and_both_backwards_mirror(clu
 
 def test_even_runs_of_experts_count_their_rows_off_the_cumulative_counts_without_a_sum_per_rank():
     # the dispatch plan's rows per rank: tp dividing the experts, each rank's rows are the
-    # cumulative counts at its last expert (a view), not a slice and a sum per rank (24 scalar
+    # cumulative counts at its last expert (a view), not a slice and a sum per rank (16 scalar
     # sums a step in benchmarks/moe_rank.md's Mixtral dispatch); uneven runs keep the sums
     from torch.utils._python_dispatch import TorchDispatchMode
 
