@@ -34,7 +34,15 @@ its own tokens' imbalance, not the average over ranks), and the time the collect
 (none is run). The benchmark reports the rank's product FLOPs against its share, which says
 how far its experts' rows were from the even share in each run.
 
-Only the benchmarks use this (and its test): it patches two names of autotp's rewrite while the rank's programs
+One case the fake backend refuses: an all-to-all whose send buffer is empty while it expects rows
+from a peer (``alltoall_base: inputBuffer is empty``). Under the mirror that is the combine of a
+rank whose experts got no row of its own tokens (so none of any peer's): it has nothing to send
+back, and its tokens' rows come from the peers' experts, which it never computes. The fake
+backend would fill them with the first rows of the send buffer; with no such rows,
+:func:`mirrored_peers` fills them with zeros instead (one write of the rows received, as the
+fake copy of them costs). The rank's product FLOPs then say its experts did nothing that step.
+
+Only the benchmarks use this (and its test): it patches three names of autotp's rewrite while the rank's programs
 are written (the graph's nodes keep the functions they were made with), and needs every rank's
 sequence run of equal length (``seq % tp == 0``).
 """
@@ -91,17 +99,24 @@ def _mirrored_scatter(x: torch.Tensor, rows: torch.Tensor, dim: int, span: int, 
     return _Mirrored.apply(x, rows, tp, seq // tp).view([int(s) for s in shape])
 
 
+def _all_to_all(x: torch.Tensor, send: list, recv: list, group, op: str) -> torch.Tensor:
+    if x.shape[0] == 0 and sum(recv) > 0:   # nothing to send, rows expected: the peers' rows, zero
+        return x.new_zeros((sum(recv),) + tuple(x.shape[1:]))
+    return _PLAIN["all_to_all"](x, send, recv, group, op)
+
+
 @contextlib.contextmanager
 def mirrored_peers() -> Iterator[None]:
-    """While a rank's programs are written (``parallelize`` and its first call): make the whole
-    of every token-row tensor as if every peer routed its tokens as this rank does."""
+    """While a rank's programs are written (``parallelize`` and its first call) and run: make the
+    whole of every token-row tensor as if every peer routed its tokens as this rank does, and an
+    all-to-all with nothing to send return the rows it expects as zeros."""
     from autotp.distributed import experts as E
     from autotp.passes import rewrite
 
-    saved = E.token_rows, rewrite.routed_scatter
-    _PLAIN.update(token_rows=E.token_rows, routed_scatter=rewrite.routed_scatter)
-    E.token_rows, rewrite.routed_scatter = _token_rows, _mirrored_scatter
+    saved = E.token_rows, rewrite.routed_scatter, E._all_to_all
+    _PLAIN.update(token_rows=E.token_rows, routed_scatter=rewrite.routed_scatter, all_to_all=E._all_to_all)
+    E.token_rows, rewrite.routed_scatter, E._all_to_all = _token_rows, _mirrored_scatter, _all_to_all
     try:
         yield
     finally:
-        E.token_rows, rewrite.routed_scatter = saved
+        E.token_rows, rewrite.routed_scatter, E._all_to_all = saved

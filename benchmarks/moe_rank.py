@@ -7,7 +7,9 @@ beside the fastest measured.
 
 The rank runs on torch's ``fake`` process-group backend (rank 0 of tp=N in this one process: its
 collectives return at once and move nothing), so its time is its own compute at the model's
-size; the peers' routing, which the dispatch needs real-sized, is emulated by mirroring the rank
+size, timed by the thread's CPU time (a shared machine's load puts waiting for a core into the
+wall clock) and, call by call, at each ATen call's least time over the repeats
+(``benchmarks/op_timer.py``): where the rank's time above serial/N goes, by kind and by call; the peers' routing, which the dispatch needs real-sized, is emulated by mirroring the rank
 (``benchmarks/fake_peers.py`` says exactly what is emulated). Sequence parallelism is forced in
 every version (the all-to-all dispatch exists only where the tokens arrive split along the
 sequence) and attention pinned Megatron's way (ATTENTION), so the versions differ in the experts'
@@ -81,11 +83,14 @@ def _model(family: str, extra: dict, seq: int, device: str = "cpu"):
     return zoo.build(family, config, seed=0, device=device), config
 
 
-def _fwd_bwd(module, batch: dict) -> float:
+def _fwd_bwd(module, batch: dict) -> tuple[float, float]:
+    """(wall seconds, this thread's CPU seconds) of a forward + backward. The thread's time is
+    the step's own compute: on two cores shared by several jobs the wall time also holds the
+    time the step waited for a core (at a load average of 16, most of it)."""
     module.zero_grad(set_to_none=True)
-    start = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.thread_time()
     module(**batch).loss.backward()
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.thread_time() - cpu
 
 
 def _counted(module, batch: dict):
@@ -97,22 +102,17 @@ def _counted(module, batch: dict):
     return work
 
 
-def _per_op(module, batch: dict, repeats: int = 3) -> dict[str, float]:
-    """Self CPU seconds per ATen op of a forward + backward: each op's least over ``repeats``
-    profiled steps (a step shares two cores with other work: the least is the op's own time)."""
-    from torch.profiler import ProfilerActivity, profile
+def _per_op(module, batch: dict, repeats: int = 3):
+    """The ATen op calls of a forward + backward, each at its least CPU time over ``repeats``
+    steps (``benchmarks/op_timer.py``), and the least whole step's CPU time."""
+    from benchmarks.op_timer import op_times
 
-    out: dict[str, float] = {}
-    for i in range(repeats):
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            module(**batch).loss.backward()
+    def step():
         module.zero_grad(set_to_none=True)
-        step: dict[str, float] = {}
-        for e in prof.key_averages():
-            if e.key.startswith("aten::"):
-                name = e.key.removeprefix("aten::")
-                step[name] = step.get(name, 0.0) + e.self_cpu_time_total / 1e6
-        out = step if i == 0 else {op: min(t, step.get(op, 0.0)) for op, t in out.items()}
+        module(**batch).loss.backward()
+
+    out = op_times(step, repeats)
+    module.zero_grad(set_to_none=True)
     return out
 
 
@@ -152,7 +152,6 @@ def _compute(parts: dict) -> float:
 
 
 def measure(family: str, extra: dict, tp: int, batch_size: int, seq: int, steps: int, profile) -> dict:
-    import autotp
     from autotp import zoo
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -162,16 +161,24 @@ def measure(family: str, extra: dict, tp: int, batch_size: int, seq: int, steps:
     runs = {"serial": {"module": model, "work": _counted(model, batch), "times": [],
                        "predicted": _compute(serial_parts) / tp, "comm": 0.0, "by_op": serial_parts["by_op"], "split": serial_parts}}
     dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
+    with mirrored_peers():   # the programs are written under it; their all-to-alls run under it
+        out = _measure_ranks(model, family, extra, batch, runs, tp, batch_size, seq, steps, profile)
+    dist.destroy_process_group()
+    return out
+
+
+def _measure_ranks(model, family: str, extra: dict, batch: dict, runs: dict, tp: int, batch_size: int, seq: int,
+                   steps: int, profile) -> dict:
+    import autotp
+
     for name, (layout, dispatch) in VERSIONS.items():
         plan, parts, comm = _predicted(model, batch, tp, batch_size, seq, profile, layout, dispatch)
         if _kind(plan) != name:
             raise RuntimeError(f"{name}: the solver's plan at this workload is {_kind(plan)}")
-        with mirrored_peers():
-            pm = autotp.parallelize(_model(family, extra, seq)[0], tp, layout=layout, batch=batch_size, seq=seq,
-                                    profile=profile, sequence_parallel=True, example_kwargs=batch,
-                                    expert_dispatch=dispatch)
-            EMULATED["scatters"] = 0
-            work = _counted(pm, batch)   # the first call: its program is written here, under the emulation
+        pm = autotp.parallelize(_model(family, extra, seq)[0], tp, layout=layout, batch=batch_size, seq=seq,
+                                profile=profile, sequence_parallel=True, example_kwargs=batch, expert_dispatch=dispatch)
+        EMULATED["scatters"] = 0
+        work = _counted(pm, batch)   # the first call: its program is written here, under the emulation
         if len(pm._programs) != 1 or [c.kind for c in pm.plan.comms] != [c.kind for c in plan.comms]:
             raise RuntimeError(f"{name}: ran {len(pm._programs)} programs, or not the plan predicted")
         runs[name] = {"module": pm, "work": work, "times": [], "predicted": _compute(parts), "comm": comm,
@@ -185,46 +192,97 @@ def measure(family: str, extra: dict, tp: int, batch_size: int, seq: int, steps:
             run["times"].append(_fwd_bwd(run["module"], batch))
     for run in runs.values():
         run["ops"] = _per_op(run["module"], batch)
-    dist.destroy_process_group()
     return {"runs": runs, "chosen": _kind(chosen), "chosen_step_s": chosen.cost["step_s"],
             "notes": [n for n in chosen.notes if n.startswith("experts ")]}
 
 
-#: measured ATen ops (the profiler's names) that are products, and attention
-PRODUCT_OPS = ("mm", "bmm", "addmm", "baddbmm", "_grouped_mm", "addmv", "mv", "dot")
+#: measured ATen ops (the dispatch mode's names) that are products, and attention
+PRODUCT_OPS = ("mm", "bmm", "addmm", "baddbmm", "addmv", "mv", "dot")
 ATTENTION_OPS = ("_scaled_dot_product", "_flash_attention", "_efficient_attention")
+INDEX_OPS = ("index", "_index_put", "scatter", "gather", "sort", "argsort", "topk", "bucketize", "nonzero", "histc",
+             "bincount", "masked", "take", "embedding", "cumsum", "repeat_interleave", "one_hot", "where")
+ALLOC_OPS = ("new_zeros", "zeros", "zeros_like", "fill_", "zero_", "new_empty", "empty", "empty_like", "new_full",
+             "full", "new_empty_strided", "empty_strided", "arange", "ones", "new_ones", "ones_like", "full_like",
+             "scalar_tensor", "lift_fresh")
+COPY_OPS = ("copy_", "clone", "_to_copy", "contiguous", "cat", "stack", "to", "_copy_from", "expand_copy")
+VIEW_OPS = ("view", "_unsafe_view", "reshape", "slice", "select", "permute", "transpose", "t", "expand", "as_strided",
+            "unsqueeze", "squeeze", "split", "split_with_sizes", "chunk", "alias", "detach", "narrow", "unbind",
+            "_reshape_alias", "unflatten", "flatten", "view_as", "diagonal")
+#: the categories of the where-the-time-goes table, in its order
+CATEGORIES = ("experts' products", "other products", "attention", "index, scatter, gather, sort, top-k",
+              "allocations, zero-fills", "copies, cat", "views", "elementwise, reductions, norms, the loss",
+              "collectives (the fake backend's copies)", "outside ATen ops (Python, autograd, the program's calls)")
 
 
-def _measured_split(ops: dict[str, float]) -> dict[str, float]:
+def _category(op: str) -> str:
+    if "grouped_mm" in op:
+        return CATEGORIES[0]
+    if op in PRODUCT_OPS:
+        return CATEGORIES[1]
+    if op.startswith(ATTENTION_OPS):
+        return CATEGORIES[2]
+    if "c10d" in op:
+        return CATEGORIES[8]
+    if op.startswith(INDEX_OPS):
+        return CATEGORIES[3]
+    if op in ALLOC_OPS:
+        return CATEGORIES[4]
+    if op in COPY_OPS:
+        return CATEGORIES[5]
+    if op in VIEW_OPS:
+        return CATEGORIES[6]
+    return CATEGORIES[7]
+
+
+def _by_category(ops) -> dict[str, float]:
+    """Seconds per category of a step's least-time op calls (``benchmarks/op_timer.StepOps``),
+    with what the step spent outside any ATen op."""
+    out = dict.fromkeys(CATEGORIES, 0.0)
+    for op, t in ops.by_op.items():
+        out[_category(op)] += t
+    out[CATEGORIES[-1]] = max(0.0, ops.wall - ops.total)
+    return out
+
+
+def _measured_split(ops) -> dict[str, float]:
     out = {"products": 0.0, "attention": 0.0, "memory": 0.0}
-    for op, t in ops.items():
-        kind = ("products" if op in PRODUCT_OPS else "attention" if op.startswith(ATTENTION_OPS) else "memory")
+    for op, t in ops.by_op.items():
+        kind = ("products" if "grouped_mm" in op or op in PRODUCT_OPS else
+                "attention" if op.startswith(ATTENTION_OPS) else "memory")
         out[kind] += t
     return out
 
 
 def _short(op: str) -> str:
-    """``aten.mul.Tensor`` -> ``mul``: the predicted op (priced forward + backward under its
-    forward's name) by the name the profiler gives its forward kernel."""
+    """``aten.mul.Tensor`` -> ``mul``, ``transformers.grouped_mm_fallback.default`` ->
+    ``transformers.grouped_mm_fallback``: the predicted op (priced forward + backward under its
+    forward's name) by the name the dispatch mode gives its forward call."""
     parts = op.split(".")
-    return parts[1] if parts[0] == "aten" and len(parts) > 1 else op
+    if parts[0] == "aten" and len(parts) > 1:
+        return parts[1]
+    return ".".join(parts[:2]) if len(parts) > 2 else op
+
+
+def _expert_flops(work) -> int:
+    return sum(f for name, f in work.by_op.items() if "grouped_mm" in name)
 
 
 def _split_table(runs: dict, names: list[str]) -> list[str]:
-    """Predicted beside measured forward + backward, split as a profiler splits a step."""
+    """Predicted beside measured forward + backward, split by kind."""
     lines = ["| version | products ms (predicted / measured) | attention | memory-bound and the rest | "
-             "host reads (predicted) |", "|---|---|---|---|---|"]
+             "host reads (predicted) | outside ATen ops (measured) |", "|---|---|---|---|---|---|"]
     for n in names:
         run, measured = runs[n], _measured_split(runs[n]["ops"])
         cells = [f"{run['split'][k] * 1e3:.1f} / {measured[k] * 1e3:.1f}" for k in ("products", "attention", "memory")]
-        lines.append(f"| {n} | " + " | ".join(cells) + f" | {run['split']['host_reads'] * 1e3:.2f} |")
+        outside = max(0.0, runs[n]["ops"].wall - runs[n]["ops"].total)
+        lines.append(f"| {n} | " + " | ".join(cells) + f" | {run['split']['host_reads'] * 1e3:.2f} | "
+                     f"{outside * 1e3:.1f} |")
     return lines
 
 
 def _op_table(runs: dict, names: list[str]) -> list[str]:
-    """Predicted beside measured per ATen op (the profiler's forward name; a prediction holds
-    its op's backward too, the profiler puts backward kernels under their own names): the ops
-    where the two part most."""
+    """Predicted beside measured per ATen op (a prediction holds its op's backward too, the
+    dispatch mode sees backward calls under their own names): the ops where the two part most."""
     lines = ["| aten op | " + " | ".join(f"{n}: predicted / measured ms" for n in names) + " |",
              "|---|" + "---|" * len(names)]
     predicted = {n: {} for n in names}
@@ -233,12 +291,46 @@ def _op_table(runs: dict, names: list[str]) -> list[str]:
             predicted[n][_short(op)] = predicted[n].get(_short(op), 0.0) + t
     gaps: dict[str, float] = {}
     for n in names:
-        for op in set(predicted[n]) | set(runs[n]["ops"]):
-            gap = abs(predicted[n].get(op, 0.0) - runs[n]["ops"].get(op, 0.0))
+        measured = runs[n]["ops"].by_op
+        for op in set(predicted[n]) | set(measured):
+            gap = abs(predicted[n].get(op, 0.0) - measured.get(op, 0.0))
             gaps[op] = max(gaps.get(op, 0.0), gap)
     for op in sorted(gaps, key=lambda o: -gaps[o])[:12]:
-        cells = [f"{predicted[n].get(op, 0.0) * 1e3:.2f} / {runs[n]['ops'].get(op, 0.0) * 1e3:.2f}" for n in names]
+        cells = [f"{predicted[n].get(op, 0.0) * 1e3:.2f} / {runs[n]['ops'].by_op.get(op, 0.0) * 1e3:.2f}"
+                 for n in names]
         lines.append(f"| `{op}` | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _excess_tables(runs: dict, tp: int) -> list[str]:
+    """Where each rank's time above serial/tp goes: by category, then the op calls (op, output
+    shape) with the most time above serial's same calls / tp."""
+    serial = runs["serial"]["ops"]
+    s_cat = _by_category(serial)
+    lines = ["| where (CPU ms, each call at its least of the repeats) | serial / tp | "
+             + " | ".join(f"{n}: rank (over serial/tp)" for n in VERSIONS) + " |",
+             "|---|---|" + "---|" * len(VERSIONS)]
+    cats = {n: _by_category(runs[n]["ops"]) for n in VERSIONS}
+    for c in CATEGORIES:
+        cells = [f"{cats[n][c] * 1e3:.1f} ({(cats[n][c] - s_cat[c] / tp) * 1e3:+.1f})" for n in VERSIONS]
+        lines.append(f"| {c} | {s_cat[c] / tp * 1e3:.1f} | " + " | ".join(cells) + " |")
+    totals = [f"**{runs[n]['ops'].wall * 1e3:.1f}** ({(runs[n]['ops'].wall - serial.wall / tp) * 1e3:+.1f})"
+              for n in VERSIONS]
+    lines.append(f"| the step (least thread time) | **{serial.wall / tp * 1e3:.1f}** | " + " | ".join(totals) + " |")
+    lines.append(f"| ATen op calls per step | {len(serial.calls)} (whole) | "
+                 + " | ".join(str(len(runs[n]["ops"].calls)) for n in VERSIONS) + " |")
+    s_shape = serial.by_op_shape()
+    for n in VERSIONS:
+        lines += ["", f"{n}: the 10 op calls (op, output shape; not the experts' products) most over serial's same "
+                  "calls / tp, CPU ms:", "",
+                  "| op | output shape | calls | rank | serial / tp | over |", "|---|---|---|---|---|---|"]
+        rank = runs[n]["ops"].by_op_shape()
+        over = {key: t - s_shape.get(key, (0.0, 0))[0] / tp for key, (t, _) in rank.items()
+                if _category(key[0]) != CATEGORIES[0]}
+        for key in sorted(over, key=lambda k: -over[k])[:10]:
+            op, shape = key
+            lines.append(f"| `{op}` | {list(shape)} | {rank[key][1]} | {rank[key][0] * 1e3:.2f} | "
+                         f"{s_shape.get(key, (0.0, 0))[0] / tp * 1e3:.2f} | {over[key] * 1e3:+.2f} |")
     return lines
 
 
@@ -248,7 +340,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--only", default=None, help="run the shapes whose label holds this")
     args = parser.parse_args()
     from autotp.cost_model.devices import calibrate
 
@@ -268,53 +361,70 @@ def main() -> None:
         "",
         f"{LAYERS} layers, batch {args.batch} x seq {args.seq}, float32, experts implementation `{IMPL}`, one "
         f"thread. Timed: forward + backward, 1 warm-up, then {args.steps} of each version in turn (median, best). "
+        "Measured is the step's thread CPU time (`time.thread_time`: the step's own compute; the wall time "
+        "beside it also holds the time the step waited for one of the two shared cores). "
         f"The rank is rank 0 of tp={tp} on the `fake` backend (its collectives move nothing: its own compute), "
         "sequence parallelism forced in every version; the peers' routing mirrored "
         "(`benchmarks/fake_peers.py`). Predicted: the rank's forward + backward compute on profile "
         f"`{profile.name}`, calibrated at the start of this run ({profile.flops / 1e9:.0f} GFLOP/s products, "
-        f"{profile.mem_bw / 1e9:.1f} GB/s memory, {profile.link_bw / 1e9:.2f} GB/s link, one thread); "
-        "communication predicted but not run. Efficiency: (serial / tp) / rank. FLOPs: the rank's counted "
-        "products against serial's / tp (the rows routed to its experts).",
+        f"{profile.mem_bw / 1e9:.1f} GB/s memory, {profile.link_bw / 1e9:.2f} GB/s link, "
+        f"a grouped product's experts' weights streamed at {profile.grouped_bw / 1e9:.2f} GB/s, one thread); "
+        "communication predicted but not run. Efficiency: (serial / tp) / rank, by CPU time. Against its own rows: "
+        "serial / tp with its experts' products scaled to the rows the router gave this rank's experts (their "
+        "FLOPs against their share), over the rank: what the rank would measure with a balanced router, "
+        "everything else alike.",
         "",
-        "| shape | version | predicted compute ms | measured ms (median) | (best) | predicted efficiency | "
-        "measured efficiency (median) | predicted comm ms | FLOPs / (serial/tp) | bytes moved / (serial/tp) | "
-        "token-row tensors mirrored per step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | version | predicted compute ms | measured CPU ms (median) | (best) | wall ms (median) | "
+        "predicted efficiency | measured efficiency | against its own rows | predicted comm ms | "
+        "experts' FLOPs / share | FLOPs / (serial/tp) | bytes moved / (serial/tp) | token-row tensors mirrored |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     picks, notes, op_tables, comms = [], [], [], []
     for label, (family, extra) in SHAPES.items():
+        if args.only and args.only not in label:
+            continue
         result = measure(family, extra, tp, args.batch, args.seq, args.steps, profile)
         runs = result["runs"]
         serial = runs["serial"]
-        s_med = statistics.median(serial["times"]) / tp
+        cpu = {n: [c for _, c in r["times"]] for n, r in runs.items()}
+        wall = {n: [w for w, _ in r["times"]] for n, r in runs.items()}
+        s_med = statistics.median(cpu["serial"]) / tp
         s_flops, s_moved = serial["work"].flops / tp, serial["work"].moved / tp
+        s_expert_flops = _expert_flops(serial["work"]) / tp
+        s_expert_s = _by_category(serial["ops"])[CATEGORIES[0]] / tp
         lines.append(f"| {label} | serial / {tp} | {serial['predicted'] * 1e3:.1f} | {s_med * 1e3:.1f} | "
-                     f"{min(serial['times']) / tp * 1e3:.1f} | 1.00 | 1.00 | - | 1.00 | 1.00 | - |")
+                     f"{min(cpu['serial']) / tp * 1e3:.1f} | {statistics.median(wall['serial']) / tp * 1e3:.1f} | "
+                     "1.00 | 1.00 | 1.00 | - | 1.00 | 1.00 | 1.00 | - |")
         for name in VERSIONS:
             run = runs[name]
-            med = statistics.median(run["times"])
+            med = statistics.median(cpu[name])
+            share = _expert_flops(run["work"]) / s_expert_flops
+            own = s_med + s_expert_s * (share - 1)
             lines.append(f"| {label} | {name} | {run['predicted'] * 1e3:.1f} | {med * 1e3:.1f} | "
-                         f"{min(run['times']) * 1e3:.1f} | {serial['predicted'] / run['predicted']:.2f} | "
-                         f"{s_med / med:.2f} | {run['comm'] * 1e3:.1f} | {run['work'].flops / s_flops:.2f} | "
+                         f"{min(cpu[name]) * 1e3:.1f} | {statistics.median(wall[name]) * 1e3:.1f} | "
+                         f"{serial['predicted'] / run['predicted']:.2f} | {s_med / med:.2f} | {own / med:.2f} | "
+                         f"{run['comm'] * 1e3:.1f} | {share:.2f} | {run['work'].flops / s_flops:.2f} | "
                          f"{run['work'].moved / s_moved:.2f} | {run['emulated']} |")
         pick, by_compute = result["chosen"], min(VERSIONS, key=lambda n: runs[n]["predicted"])
         cells = []
         for stat in (statistics.median, min):   # the median, and the best step (load only adds to a step)
-            measured = {n: stat(runs[n]["times"]) for n in VERSIONS}
+            measured = {n: stat(cpu[n]) for n in VERSIONS}
             fastest = min(measured, key=measured.get)
             cells += [fastest, f"{measured[pick] / measured[fastest]:.2f}x" if pick in measured else "not measured"]
         picks.append(f"| {label} | {pick} ({result['chosen_step_s'] * 1e3:.1f} ms predicted step) | {by_compute} | "
                      + " | ".join(cells) + " |")
         notes += [f"- {label}: {n}" for n in result["notes"]]
         comms += [f"- {label}, {name}: {runs[name]['moe_comms']}" for name in VERSIONS]
-        op_tables += ["", f"### {label}: where the time goes, predicted and measured (each op's least of 3 "
-                      "profiled forward + backward steps; serial whole, not / tp)", ""]
+        op_tables += ["", f"### {label}: where the rank's time above its share goes", ""]
+        op_tables += _excess_tables(runs, tp)
+        op_tables += ["", f"### {label}: predicted and measured (each op call's least CPU time of 3 forward + "
+                      "backward steps; serial whole, not / tp)", ""]
         op_tables += _split_table(runs, ["serial", *VERSIONS])
         op_tables += ["", "The 12 ATen ops where prediction and measurement part most:", ""]
         op_tables += _op_table(runs, ["serial", *VERSIONS])
     lines[4] = lines[4].format(*os.getloadavg()) + f" Wall time {time.time() - started:.0f} s."
     lines += ["", "## The solver's pick (the experts free, attention pinned, sequence parallelism forced) against the "
-              "fastest measured", "",
+              "fastest measured (CPU time)", "",
               "| shape | solver's pick (whole step: compute + communication) | pick by predicted compute alone | "
               "fastest measured (median) | the pick's median over the fastest's | fastest measured (best step) | "
               "the pick's best over the fastest's |", "|---|---|---|---|---|---|---|"] + picks

@@ -101,3 +101,20 @@ def test_a_dispatching_rank_computes_the_rows_a_gathering_rank_does(fake_world):
     dispatched, mirrored = _experts_rows(fake_world, True)
     assert none == 0 and mirrored >= 1
     assert gathered > 0 and dispatched == gathered
+
+
+def test_an_all_to_all_with_nothing_to_send_gets_zeros_under_the_mirror(fake_world):
+    # a rank whose experts got none of its own tokens' rows combines back nothing, and expects
+    # its tokens' rows from the peers' experts: the fake backend refuses an empty send buffer
+    from autotp.distributed import experts as E
+    from autotp.errors import CommError
+
+    fake_world(4)
+    empty = torch.zeros(0, 3)
+    with pytest.raises(CommError, match="inputBuffer is empty"):
+        E._all_to_all(empty, [0, 0, 0, 0], [1, 2, 0, 1], dist.group.WORLD, "combine")
+    with mirrored_peers():
+        got = E._all_to_all(empty, [0, 0, 0, 0], [1, 2, 0, 1], dist.group.WORLD, "combine")
+        sent = E._all_to_all(torch.ones(4, 3), [1, 1, 1, 1], [2, 2, 2, 2], dist.group.WORLD, "dispatch")
+    assert torch.equal(got, torch.zeros(4, 3))
+    assert sent.shape == (8, 3)   # anything with rows to send goes through the fake backend as before

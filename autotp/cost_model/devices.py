@@ -23,8 +23,8 @@ from typing import Sequence
 from ..cached_hash import cached_hash, state_without_hash
 from ..errors import ConfigError
 from .measure import (fit_alpha_beta, fit_product_shape, measure_all_reduce, measure_attention,  # noqa: F401
-                      measure_host_read, measure_launch, measure_matmul_flops, measure_memory_bandwidth, measure_op_classes,
-                      measure_products)
+                      measure_grouped, measure_host_read, measure_launch, measure_matmul_flops,
+                      measure_memory_bandwidth, measure_op_classes, measure_products)
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,14 @@ class DeviceProfile:
     strided operand or on one broadcast against the output, PyTorch's non-vectorized path on a
     GPU; a profile without a ``broadcast`` share prices those at its ``strided`` one), and every
     kernel costs ``launch_s`` more.
+
+    A grouped product (a mixture of experts' experts, each over its own rows) costs its
+    products at the product model's rate plus its experts' weights (read forward and for the
+    input's gradient, their gradient written) streamed at ``grouped_bw``: each expert's matrix
+    is read for its few rows and left, where one product of the same shape keeps its operands
+    in cache, and where no fused kernel takes the dtype each expert is a call of its own. ``calibrate`` measures it from a grouped product of
+    many small experts (:data:`GROUPED_SHAPE`): its time beyond the product model's price, per
+    byte of weights; 0 prices no stream (a profile without the measurement).
 
     A read of a device value on the host (a rank counting its own experts' rows) costs
     :meth:`host_read_time`: the host stops queueing until the device has run everything queued
@@ -70,6 +78,7 @@ class DeviceProfile:
     attention_dropout: float = 1.0        # ... the share of it left when attention draws dropout
     class_bw: tuple = ()                  # ((class, share of mem_bw), ...) for memory-bound kernels
     sync_s: float = 0.0                   # seconds a read to the host takes once the device is idle
+    grouped_bw: float = 0.0               # bytes/s a grouped product streams its experts' weights at (0: free)
 
     __hash__ = cached_hash   # a profile keys the index's cost caches, one lookup per strategy
     __getstate__ = state_without_hash
@@ -221,7 +230,9 @@ def calibrate(name: str = "calibrated", *, world: int = 2, matmul_sizes: Sequenc
     the cost model prices with (see :class:`DeviceProfile` and :mod:`.measure`).
 
     Products: the best rate of square products of ``matmul_sizes`` (the peak), then a small one
-    and a shallow one (the shape constants), and one with an unaligned leading dim. Memory: a
+    and a shallow one (the shape constants), and one with an unaligned leading dim; a grouped
+    product's forward + backward over many small experts beyond the product model's price of it
+    (``grouped_bw``). Memory: a
     large copy's bandwidth, then each memory-bound op class's share of it, and a tiny kernel's
     launch. Attention: causal ``scaled_dot_product_attention`` at head dim 128 and 64, with and
     without dropout.
@@ -257,7 +268,9 @@ def calibrate(name: str = "calibrated", *, world: int = 2, matmul_sizes: Sequenc
     common = dict(launch_s=measure_launch(device), sync_s=measure_host_read(device), attention_flops=att128,
                   attention_dropout=min(1.0, dropped / att128),
                   # shares of a plain add's bandwidth measured alike (the large copy sets mem_bw)
-                  class_bw=tuple((c, round(bw / classes["elementwise"], 3)) for c, bw in classes.items()), **shape)
+                  class_bw=tuple((c, round(bw / classes["elementwise"], 3)) for c, bw in classes.items()),
+                  grouped_bw=_grouped_bw(flops, mem_bw, shape, device, dtype, repeats, 2 if gpu else 4),
+                  **shape)
     if gpu:
         if memory is None:
             memory = float(torch.cuda.get_device_properties(torch.device(device)).total_memory)
@@ -292,6 +305,32 @@ def _measure_shape(peak: float, device: str, dtype, repeats: int, big: int) -> d
     aligned_rate = peak * (lambda w, k: w / (w + half_work) * k / (k + half_k))(odd[0] * odd[1] * odd[2], odd[2])
     return dict(product_half_work=half_work, product_half_k=half_k,
                 unaligned_flops=peak if odd_rate >= 0.9 * aligned_rate else odd_rate)
+
+
+#: the grouped product ``calibrate`` times (experts, rows each, k, n): a 128-expert top-8 layer's
+#: share of a few thousand tokens, each expert's weights read for a few rows
+GROUPED_SHAPE = (64, 32, 512, 512)
+
+
+def _grouped_bw(peak: float, mem_bw: float, shape: dict, device: str, dtype, repeats: int, eb: int) -> float:
+    """``grouped_bw``: the weights a grouped product's forward + backward at :data:`GROUPED_SHAPE`
+    streams (:func:`.symbolic.grouped_stream_bytes`) over its measured time
+    (:func:`.measure.measure_grouped`) beyond the product model's price of its products (this
+    calibration's peak, shape constants and memory bandwidth); 0 where it measures no slower."""
+    import sympy
+
+    from .kernels import Product
+    from .symbolic import grouped_stream_bytes, product_seconds
+
+    base = DeviceProfile("model", flops=peak, mem_bw=mem_bw, link_bw=1.0, link_latency=0.0, memory=0.0, **shape)
+    groups, rows, k, n = GROUPED_SHAPE
+    g, m, kk, nn = (sympy.Integer(v) for v in GROUPED_SHAPE)
+    passes = (Product(m, nn, kk, g, streamed=kk * nn), Product(m, kk, nn, g, streamed=kk * nn),
+              Product(kk, nn, m, g, streamed=kk * nn))
+    modelled = sum(product_seconds(p, {}, base, eb)[0] for p in passes)
+    beyond = measure_grouped(groups, rows, k, n, device, dtype, repeats) - modelled
+    streamed = sum(grouped_stream_bytes(p, {}, eb) for p in passes)
+    return streamed / beyond if beyond > 0 else 0.0
 
 
 def with_memory(profile: DeviceProfile, memory: float) -> DeviceProfile:

@@ -95,6 +95,9 @@ class Product:
     padded: "Product | None" = None
     pad_bytes: Any = 0
     rows: Any = 0
+    #: a grouped product's: the elements of each expert's weights the pass reads (or, for their
+    #: gradient, writes), streamed once per expert (0: an ordinary product)
+    streamed: Any = 0
 
     @property
     def flops(self) -> Any:
@@ -465,9 +468,9 @@ def _grouped_work(op: _Op, dtype_bytes: int, train_dtype: Any) -> OpWork:
     eb = element_bytes(op.inputs[0].dtype, dtype_bytes, train_dtype)
     ok = aligned(k, eb) and aligned(n, eb)
     m = _prod(op.outputs[0].shape[:-1]) / experts    # the rows an expert gets on average
-    products = [Product(m, n, k, groups, ok)]
+    products = [Product(m, n, k, groups, ok, streamed=k * n)]
     if op.grad[0]:
-        products.append(Product(m, k, n, groups, ok))
+        products.append(Product(m, k, n, groups, ok, streamed=k * n))
     if len(op.grad) > 1 and op.grad[1]:
-        products.append(Product(k, n, m, groups, ok))
+        products.append(Product(k, n, m, groups, ok, streamed=k * n))
     return OpWork(products=tuple(products), launches=len(products))

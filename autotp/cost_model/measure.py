@@ -3,7 +3,10 @@ the memory-bound op classes the cost model prices apart, fused attention, a kern
 ring all-reduces over a process group. Each returns plain numbers; :func:`.devices.calibrate`
 turns them into a :class:`~.devices.DeviceProfile`.
 
-Every figure is the best of ``repeats`` runs after a warm-up, synchronized on a GPU."""
+Every figure is the best of ``repeats`` runs after a warm-up, synchronized on a GPU. A CPU's
+compute is timed by the thread's CPU time, not the wall clock: on a machine shared with other
+jobs a run's wall time also holds the time it waited for a core, which the profile's rates are
+not about (the collectives, which wait on other ranks by nature, keep the wall clock)."""
 from __future__ import annotations
 
 import time
@@ -11,14 +14,22 @@ from typing import Callable, Sequence
 
 from ..errors import ConfigError
 
-def _best_time(fn, repeats: int) -> float:
+def _best_time(fn, repeats: int, clock: Callable[[], float] = time.perf_counter) -> float:
     fn()  # warm up (allocations, thread pools)
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return max(best, 1e-9)
+
+
+def _clock(device: str) -> Callable[[], float]:
+    """The thread's CPU time for a CPU's compute (one thread runs it: ``torch.set_num_threads``
+    beyond one would need the process's), the wall clock for a device's (synchronized)."""
+    import torch
+
+    return time.thread_time if device == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
 
 
 def measure_matmul_flops(sizes: Sequence[int] = (256, 512), repeats: int = 3, device: str = "cpu",
@@ -38,7 +49,7 @@ def measure_matmul_flops(sizes: Sequence[int] = (256, 512), repeats: int = 3, de
             torch.mm(a, b, out=out)
             sync()
 
-        best = max(best, 2 * n ** 3 / _best_time(run, repeats))
+        best = max(best, 2 * n ** 3 / _best_time(run, repeats, _clock(device)))
     return best
 
 
@@ -55,7 +66,7 @@ def measure_memory_bandwidth(numel: int = 1 << 22, repeats: int = 3, device: str
         torch.add(a, b, out=c)
         sync()
 
-    return 3 * numel * a.element_size() / _best_time(run, repeats)
+    return 3 * numel * a.element_size() / _best_time(run, repeats, _clock(device))
 
 
 def measure_all_reduce(message_bytes: Sequence[int], repeats: int = 3, group=None,
@@ -115,7 +126,7 @@ def _timed(fn: Callable[[], object], device: str, repeats: int) -> float:
         fn()
         sync()
 
-    return _best_time(run, repeats)
+    return _best_time(run, repeats, _clock(device))
 
 
 def _tiny_kernels(device: str, repeats: int, read: bool) -> float:
@@ -160,6 +171,44 @@ def measure_products(shapes: Sequence[tuple[int, int, int]], device: str = "cpu"
         out = torch.empty(m, n, device=device, dtype=dtype)
         rates.append(2 * m * n * k / _timed(lambda: torch.mm(a, b, out=out), device, repeats))
     return rates
+
+
+def measure_grouped(groups: int = 32, rows: int = 32, k: int = 512, n: int = 512, device: str = "cpu", dtype=None,
+                    repeats: int = 3) -> float:
+    """Seconds of a grouped product's forward and backward: ``groups`` experts of ``rows`` rows
+    each, ``(rows x k) @ (k x n)`` per expert. On a GPU ``torch._grouped_mm`` through autograd;
+    on the CPU as a captured mixture of experts runs it there (transformers'
+    ``grouped_mm_fallback``, the op a float32 model exports with): the output zeroed, one ``mm``
+    per expert into its rows; backward the gradients zeroed, then per expert ``dY·Wᵀ`` into its
+    rows and ``Xᵀ·dY`` into its matrix."""
+    import torch
+
+    dtype = dtype or torch.float32
+    x = torch.randn(groups * rows, k, device=device, dtype=dtype)
+    w = torch.randn(groups, k, n, device=device, dtype=dtype)
+    dy = torch.randn(groups * rows, n, device=device, dtype=dtype)
+    offs = torch.arange(1, groups + 1, device=device, dtype=torch.int32) * rows
+    if device != "cpu":
+        xg, wg = x.requires_grad_(), w.requires_grad_()
+
+        def run():
+            torch.autograd.grad(torch._grouped_mm(xg, wg, offs=offs), (xg, wg), dy)
+        return _timed(run, device, repeats)
+
+    def run():
+        ends = offs.tolist()
+        out = torch.zeros(groups * rows, n, dtype=dtype)
+        dx, dw = torch.zeros_like(x), torch.zeros_like(w)
+        start = 0
+        for i, end in enumerate(ends):
+            torch.mm(x[start:end], w[i], out=out[start:end])
+            start = end
+        start = 0
+        for i, end in enumerate(ends):
+            torch.mm(dy[start:end], w[i].T, out=dx[start:end])
+            torch.mm(x[start:end].T, dy[start:end], out=dw[i])
+            start = end
+    return _timed(run, device, repeats)
 
 
 def fit_product_shape(peak: float, small: tuple[int, int, int], small_rate: float, shallow: tuple[int, int, int],

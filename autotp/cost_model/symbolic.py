@@ -184,7 +184,15 @@ def product_seconds(p: kernels.Product, env: Mapping, profile: DeviceProfile, el
     flop_s = 2 * work / profile.product_rate(work, k, p.aligned)
     moved = evaluate(p.batch * (p.m * p.k + p.k * p.n + p.m * p.n), env) * elem_bytes
     seconds = max(flop_s, moved / profile.mem_bw)
+    if p.streamed and profile.grouped_bw:   # each expert's weights streamed for its few rows (DeviceProfile)
+        seconds += grouped_stream_bytes(p, env, elem_bytes) / profile.grouped_bw
     return seconds, seconds / (2 * work)
+
+
+def grouped_stream_bytes(p: kernels.Product, env: Mapping, elem_bytes: int) -> float:
+    """The bytes of a grouped product's experts' weights one pass streams (its weights forward
+    and for the input's gradient, the weights' gradient written), every expert's."""
+    return evaluate(p.batch * p.streamed, env) * elem_bytes
 
 
 def split_seconds(info: OpInfo, strategy: Strategy, env: Mapping, profile: DeviceProfile,

@@ -190,6 +190,60 @@ def test_calibrate_measures_a_cpu_gloo_profile_on_this_machine():
     assert prof.dtype_bytes == 4 and prof.name == "here"
     assert 1e6 < prof.flops < 1e14          # a CPU, not a typo of units
     assert math.isfinite(prof.sync_s) and prof.sync_s >= 0   # a read to the host, beyond a launch
+    assert math.isfinite(prof.grouped_bw) and prof.grouped_bw >= 0   # a grouped product's weights streamed
+
+
+def test_a_cpu_calibration_times_compute_by_the_threads_cpu_time():
+    # on a machine shared with other jobs the wall clock also holds the time a run waited for a
+    # core: at a load average of 16 on 2 cores the serial MoE step measured 2.5x its CPU time
+    # (benchmarks/moe_rank.md), so a profile of best-of-3 short runs priced long steps low
+    import time
+
+    from autotp.cost_model.measure import _clock
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert _clock("cpu") is time.thread_time
+        torch.set_num_threads(2)
+        assert _clock("cpu") is time.perf_counter     # other threads' work is not this thread's time
+    finally:
+        torch.set_num_threads(threads)
+    assert _clock("cuda") is time.perf_counter
+
+
+def _grouped_info(experts: int, rows_per_expert: int, k: int, n: int) -> OpInfo:
+    x = TensorMeta((sympy.Integer(experts * rows_per_expert), sympy.Integer(k)), torch.float32)
+    w = TensorMeta((sympy.Integer(experts), sympy.Integer(k), sympy.Integer(n)), torch.float32)
+    offs = TensorMeta((sympy.Integer(experts),), torch.int32)
+    out = TensorMeta((sympy.Integer(experts * rows_per_expert), sympy.Integer(n)), torch.float32)
+    info = OpInfo(aten._grouped_mm.default, (x, w, offs), {}, (x, w, offs), out, 1)
+    info.grad_inputs = (True, True, False)
+    return info
+
+
+def test_a_grouped_product_streams_its_experts_weights_at_the_measured_rate():
+    # a grouped product of many small experts reads each expert's matrix for its few rows, forward
+    # and backward: on one CPU thread 128 experts of 32 rows (512 -> 384) measured 3.8x the
+    # product model's price of the same grouped work, 8 experts of 128 rows (512 -> 3584) 2x.
+    # The stream is priced at grouped_bw beyond the products; 0 (no measurement) prices none.
+    from dataclasses import replace
+
+    whole = Strategy((REPLICATE, REPLICATE, REPLICATE), REPLICATE)
+    cpu = PROFILES["cpu-gloo"]
+    streaming = replace(cpu, grouped_bw=2e9)
+    many, few = _grouped_info(128, 32, 512, 384), _grouped_info(8, 512, 512, 384)   # the same FLOPs
+    weights = 3 * 512 * 384 * 4   # each expert's [512, 384]: forward, the input's gradient, the weights'
+    assert compute_time(many, whole, {}, streaming, 1) == pytest.approx(
+        compute_time(many, whole, {}, cpu, 1) + 128 * weights / 2e9)
+    assert compute_time(few, whole, {}, streaming, 1) == pytest.approx(
+        compute_time(few, whole, {}, cpu, 1) + 8 * weights / 2e9)
+    assert compute_time(many, whole, {}, streaming, 1) > 2 * compute_time(few, whole, {}, streaming, 1)
+    # an ordinary product streams nothing
+    mm = mm_info(512, 384, tp=1)
+    mm.grad_inputs = (True, True)
+    rep = Strategy((REPLICATE, REPLICATE), REPLICATE)
+    assert compute_time(mm, rep, {b: 2, s: 256}, streaming, 1) == compute_time(mm, rep, {b: 2, s: 256}, cpu, 1)
 
 
 def test_a_size_nothing_fixes_is_priced_at_one_rather_than_failing():

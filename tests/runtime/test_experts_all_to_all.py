@@ -105,3 +105,32 @@ def test_the_combine_returns_each_row_to_its_token_and_both_backwards_mirror(clu
         # and through the dispatch (the combine's all-to-all) to the rank's tokens, each token's k rows summed
         want = torch.zeros_like(w["h"]).index_add(0, w["perm"] // k, rows_grad).index_select(0, got["mine"])
         torch.testing.assert_close(got["x_grad"], want, rtol=1e-12, atol=1e-12)
+
+
+def test_even_runs_of_experts_count_their_rows_off_the_cumulative_counts_without_a_sum_per_rank():
+    # the dispatch plan's rows per rank: tp dividing the experts, each rank's rows are the
+    # cumulative counts at its last expert (a view), not a slice and a sum per rank (16 scalar
+    # sums a step in benchmarks/moe_rank.md's Mixtral dispatch); uneven runs keep the sums
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autotp.distributed.experts import _expert_ranks
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    counts = torch.tensor([3, 0, 5, 2, 7, 1, 0, 4])
+    offs = counts.cumsum(0)
+    for runs in (((0, 2), (2, 2), (4, 2), (6, 2)), tuple((r, 1) for r in range(8)),
+                 ((0, 3), (3, 3), (6, 2)), ((0, 4), (4, 4), (8, 0))):
+        with Ops() as ops:
+            ends = _expert_ranks(offs, runs)
+        want = torch.stack([counts[a:a + n].sum() for a, n in runs])
+        assert torch.equal(ends, want.cumsum(0))
+        even = len({n for _, n in runs}) == 1
+        assert ("sum" in ops.names) is not even, (runs, ops.names)
