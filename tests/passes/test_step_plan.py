@@ -27,13 +27,15 @@ def test_a_generation_step_is_priced_forward_only_and_places_no_f():
     assert step.comms and all(c.kind not in ("f", "all_gather_f") and c.bwd_bytes == 0 for c in step.comms), step.comms
 
 
-@pytest.mark.parametrize("groups", [1, 2])
-def test_a_mamba2_decode_step_reads_its_split_state_for_one_bmm_without_gathering_it(groups):
+@pytest.mark.parametrize("groups, host_reads", [(1, True), (2, True), (2, False)])
+def test_a_mamba2_decode_step_reads_its_split_state_for_one_bmm_without_gathering_it(groups, host_reads):
     # Mamba2's torch path reads its SSM state as view(batch * heads, head_dim, d_state) for one
     # bmm with C: a merge of the dynamic batch with the split heads, which no Shard can say. The
     # state and C were all-gathered for that product every decode step (b*h*d*n float32 bytes a
     # layer) and y sliced back. Now the merge makes each rank's rows (P(tokens 0)), the bmm
-    # keeps them, and the view back to [b, h, d] is the heads' split again.
+    # keeps them, and the view back to [b, h, d] is the heads' split again. Their row map is
+    # computed from the shapes, no host read: host_reads=False keeps them (it dropped every
+    # strategy of rows, the experts' with these, and gathered the state again)
     config = zoo.tiny_config("bamba", layers=2, heads=2, kv_heads=2, head_dim=8, vocab=64, mamba_n_groups=groups)
     model = zoo.build("bamba", config, device="meta").eval()
     heads, d, n = config.mamba_n_heads, config.mamba_d_head, config.mamba_d_state
@@ -49,7 +51,8 @@ def test_a_mamba2_decode_step_reads_its_split_state_for_one_bmm_without_gatherin
     cap = capture_step(model, spec)
     step, _, prop = build_plan(cap, 2, batch=64, seq=4096, profile="h100-dgx", gather_logits=True,
                                layout={"*in_proj.weight": "column", "*out_proj.weight": "row"},
-                               input_placements=spec.input_placements, keep_split=spec.keep_split(cap))
+                               input_placements=spec.input_placements, keep_split=spec.keep_split(cap),
+                               host_reads=host_reads)
     shapes = {n.name: tuple(n.meta["val"].shape[1:]) for n in cap.graph.nodes
               if isinstance(n.meta.get("val"), torch.Tensor)}
     gathered = [c.tensor for c in step.comms if c.kind.startswith("all_gather")

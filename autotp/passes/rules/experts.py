@@ -187,6 +187,21 @@ def host_reads(info: OpInfo, strategy: Strategy) -> int:
     return int(reorder or not any(routed_in))
 
 
+def reads_host(info: OpInfo, strategy: Strategy) -> bool:
+    """Whether ``strategy`` of the op ``info`` may read a value on the host on a rank, which
+    ``host_reads=False`` forbids: where it reads itself (:func:`host_reads`), and where it holds
+    rows whose row map some op read (a rank's experts' rows, rows the dispatch sent: the layer's
+    bounds read once and shared, so a later op of the run is priced no read of its own) or rows
+    of their tokens reordered (meeting rows in the merge's order, they are matched by value).
+    Rows of a merge of the batch with a split dim in its order (``Routed(tokens=True)``: the
+    sequence-split tokens, Mamba2's heads merged with the batch) have a row map the shapes give:
+    no read."""
+    outs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
+    if any(isinstance(p, Routed) and not (p.tokens and not p.reordered) for p in (*strategy.inputs, *outs)):
+        return True
+    return host_reads(info, strategy) > 0
+
+
 def _kind(target):
     """The op a rule answers for: an in-place op's out-of-place twin (``add_`` -> ``add``)."""
     return functional_of(target) or target
