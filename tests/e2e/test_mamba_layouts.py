@@ -183,6 +183,31 @@ def test_mamba2_of_one_group_at_tp3_equals_serial(d_state):
         assert got == serial
 
 
+def mamba2_groups_dealt_unevenly_calls(family: str) -> dict:
+    # hidden 24: 3 attention heads of 8; 8 Mamba heads of 6 in 4 groups of 2: 4 groups at tp 3
+    return _mixer_calls(family, {"hidden_size": 24, "num_attention_heads": 3, "num_key_value_heads": 3,
+                                 "mamba_n_heads": 8, "mamba_d_head": 6, "mamba_n_groups": 4})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_mamba2_of_groups_tp_does_not_divide_equals_serial():
+    from autotp.distributed.launch import LocalCluster
+    from autotp.placements import Shard
+
+    # 4 groups of 2 heads at tp 3: by group, 2, 1 and 1 groups a rank (4, 2 and 2 heads, not a
+    # plain split's 3, 3 and 2); the decode step reads the state split so for its bmm (rows of
+    # the heads' runs in units of a group: tests/passes/test_step_plan.py), every call equal to serial
+    with LocalCluster(3, timeout=3000) as cluster:
+        results = cluster.run(mamba2_groups_dealt_unevenly_calls, "bamba")
+    for r in results:
+        assert isinstance(r["in_proj"], Shard) and r["in_proj"].unit == 2 and not r["in_proj"].whole, r["in_proj"]
+        for call in ("train 11", "train 8", "padded"):
+            assert r[call] <= TOLERANCE[torch.float32], (call, r[call])
+        got, serial = r["generate"]
+        assert got == serial
+
+
 def mamba2_one_group_clip_and_checkpoint(path: str) -> dict:
     import logging
 

@@ -48,7 +48,8 @@ from typing import Any
 import sympy
 import torch
 
-from ...placements import PARTIAL, REPLICATE, Partial, Routed, Shard, local_ranges, same_placement
+from ...placements import (PARTIAL, REPLICATE, Partial, Routed, Shard, divides, is_even, layout, local_ranges,
+                           same_placement)
 from .routing import counted_by, index_length, is_permutation, written
 from .registry import (LocalContext, OpInfo, Strategy, _RULES, functional_of, is_shard, op_name, register,
                        register_localizer, register_routed, register_routed_localizer)
@@ -368,9 +369,11 @@ def token_rows(info: OpInfo, p) -> Routed | None:
     [b*h, d, n]``: Mamba2's split heads read for one ``bmm``), each row's elements kept; None
     otherwise. A rank's rows are then ``b`` runs of its share of ``d``, not a contiguous run: no
     Shard says them where a merged dim is dynamic (the batch), compact rows with a row map
-    computed from the shapes do (:func:`token_localizer`). ``d`` split in contiguous runs as a
-    plain Shard deals them (a static dim's shard of another unit, laid out alike, counts)."""
-    if not (is_shard(p) and info.tp > 1 and _plain_runs(info.inputs[0], p, info.tp)):
+    computed from the shapes do (:func:`token_localizer`). ``d`` split in contiguous runs: as a
+    plain Shard deals them, or a static dim's runs of whole ``unit``-element atoms, every rank
+    holding some (Mamba2's heads dealt by group where tp divides neither: 4 heads of 2 groups at
+    tp 3 hold 2, 1 and 1 heads as a plain shard would, 6 heads of 3 groups at tp 2 hold 4 and 2)."""
+    if not (is_shard(p) and info.tp > 1 and _contiguous_runs(info.inputs[0], p, info.tp)):
         return None
     before, after = info.inputs[0].shape, info.output.shape
     d = p.dim
@@ -382,13 +385,27 @@ def token_rows(info: OpInfo, p) -> Routed | None:
     return Routed(0, tokens=True, unit=p.unit)
 
 
-def _plain_runs(meta, p, tp: int) -> bool:
-    """Whether shard ``p`` of ``meta`` deals its dim as a plain ``Shard(p.dim)`` does: contiguous
-    runs, the first ``size % tp`` ranks one longer (what the row maps compute from the shapes)."""
+def _contiguous_runs(meta, p, tp: int) -> bool:
+    """Whether shard ``p`` of ``meta`` deals its dim in one contiguous run a rank, as
+    ``Shard(p.dim, unit=p.unit)`` does (runs of whole atoms, the first ``atoms % tp`` ranks one
+    atom longer: what the row maps compute from the shapes), every rank holding some; a dynamic
+    dim (the sequence) as a plain ``Shard(p.dim)`` alone."""
     if p == Shard(p.dim):
         return True
     size = meta.static(p.dim)
-    return size is not None and same_placement(p, Shard(p.dim), size, tp)
+    runs = Shard(p.dim, unit=p.unit)
+    return size is not None and divides(size, runs) and size // p.unit >= tp and same_placement(p, runs, size, tp)
+
+
+def row_unit(size: Any, unit: int, tp: int) -> int:
+    """The atom of the runs a merge's row map is computed from (:func:`_token_maps`): 1 where
+    ``Shard(d, unit=unit)`` of ``size`` is laid out as a plain shard, else the smallest atom laid
+    out as it is, so that merges holding the same rows share one row map whatever their units say."""
+    if unit == 1 or not (isinstance(size, int) or getattr(size, "is_Integer", False)):
+        return 1   # a dynamic dim (the sequence) is split as a plain shard (:func:`_contiguous_runs`)
+    size = int(size)
+    want = layout(size, Shard(0, unit=unit), tp)
+    return next(u for u in range(1, unit + 1) if size % u == 0 and layout(size, Shard(0, unit=u), tp) == want)
 
 
 def token_split(info: OpInfo, p: Routed) -> Shard | None:
@@ -409,8 +426,7 @@ def token_split(info: OpInfo, p: Routed) -> Shard | None:
         if size is None:   # as a fresh shard of a sequence dim
             return Shard(d) if info.uneven and after[d] in info.sequence else None
         back = Shard(d, unit=p.unit)   # the shard merged (Mamba2's heads in a group's units)
-        if size < info.tp or not _plain_runs(info.output, back, info.tp) \
-                or (size % info.tp and not info.uneven):
+        if not _contiguous_runs(info.output, back, info.tp) or not (info.uneven or is_even(size, back, info.tp)):
             return None
         return back
     return None
@@ -455,22 +471,30 @@ def token_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict,
     p = strategy.inputs[0]
     before = info.inputs[0].shape
     sizes = [-1] + [ctx.size(s) for s in info.output.shape[1:]]
-    ctx.made_rows, ctx.made_owners = _token_maps(ctx, ctx.inputs[0], p.dim, tuple(before[:p.dim]), before[p.dim])
+    ctx.made_rows, ctx.made_owners = _token_maps(ctx, ctx.inputs[0], p.dim, tuple(before[:p.dim]), before[p.dim],
+                                                 p.unit)
     ctx.made_rows.meta[ASCENDING] = True   # the rank's rows in order: b runs of its s/tp (or h/tp)
     return info.target, (args[0], sizes) + tuple(args[2:]), kwargs
 
 
-def _token_maps(ctx: LocalContext, x: Any, dim: int, outer: tuple, seq: Any) -> tuple[Any, Any]:
-    """(row map, holders) of the rows a merge of dims ``outer + (seq,)`` split along the last
-    makes, one pair per merged shape (``x``: the rank's tensor of the first merge, for its local
-    length along ``dim``)."""
+def _token_maps(ctx: LocalContext, x: Any, dim: int, outer: tuple, seq: Any, unit: int) -> tuple[Any, Any]:
+    """(row map, holders) of the rows a merge of dims ``outer + (seq,)`` split along the last in
+    runs of ``unit``-element atoms makes, one pair per merged shape and layout of the runs
+    (``x``: the rank's tensor of the first merge, for its local length along ``dim``)."""
     from ...distributed import experts as E
 
-    key = ("tokens", outer, seq)
+    unit = row_unit(seq, unit, ctx.tp)
+    key = _rows_key(outer, seq, unit)
     outer_sizes = [ctx.size(s) for s in outer]
-    rows = ctx.shared_rows(key, lambda: (E.token_rows, (x, dim, outer_sizes, ctx.size(seq), ctx.tp, ctx.rank)))
-    owners = ctx.shared_rows(("owners",) + key[1:], lambda: (E.token_owners, (x, outer_sizes, ctx.size(seq), ctx.tp)))
+    rows = ctx.shared_rows(key, lambda: (E.token_rows, (x, dim, outer_sizes, ctx.size(seq), ctx.tp, ctx.rank, unit)))
+    owners = ctx.shared_rows(("owners",) + key[1:],
+                             lambda: (E.token_owners, (x, outer_sizes, ctx.size(seq), ctx.tp, unit)))
     return rows, owners
+
+
+def _rows_key(outer: tuple, seq: Any, unit: int) -> tuple:
+    """The key of a merge's row map (:func:`_token_maps`): its dims and the atom of its runs."""
+    return ("tokens", outer, seq) + ((unit,) if unit != 1 else ())
 
 
 def token_split_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
@@ -483,7 +507,7 @@ def token_split_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs:
     d = strategy.output.dim
     after = info.output.shape
     x = ctx.inputs[0]
-    want = ctx.found_rows(("tokens", tuple(after[:d]), after[d]))
+    want = ctx.found_rows(_rows_key(tuple(after[:d]), after[d], row_unit(after[d], strategy.output.unit, ctx.tp)))
     if want is None:
         from ...errors import PlanError
 
