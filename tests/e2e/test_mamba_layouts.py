@@ -15,7 +15,8 @@ group (the tiny configs' and every published one's): in_proj by head with B's an
 every rank, every call equal to serial (Bamba at tp 2 and 4, Granite-4.0-H and Falcon-H1 at tp 2; at
 tp 3 with 6 heads, split by head beside a state of 6 and unsplit beside one of 4), and its whole
 rows counted once by clip_grad_norm_ and DCP. Mamba2 of 2 groups at tp 4: every group of B and C
-whole, each rank repeating its own head's. Slow tier: captures of the chunked scan
+whole, each rank repeating its own head's. Mamba2 of 4 groups of 2 heads at tp 3: split by group
+unevenly, every call equal to serial. Slow tier: captures of the chunked scan
 take a minute each on two loaded cores."""
 import pytest
 import torch
