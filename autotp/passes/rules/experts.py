@@ -370,10 +370,11 @@ def token_rows(info: OpInfo, p) -> Routed | None:
     otherwise. A rank's rows are then ``b`` runs of its share of ``d``, not a contiguous run: no
     Shard says them where a merged dim is dynamic (the batch), compact rows with a row map
     computed from the shapes do (:func:`token_localizer`). ``d`` split in contiguous runs: as a
-    plain Shard deals them, or a static dim's runs of whole ``unit``-element atoms, every rank
-    holding some (Mamba2's heads dealt by group where tp divides neither: 4 heads of 2 groups at
-    tp 3 hold 2, 1 and 1 heads as a plain shard would, 6 heads of 3 groups at tp 2 hold 4 and 2)."""
-    if not (is_shard(p) and info.tp > 1 and _contiguous_runs(info.inputs[0], p, info.tp)):
+    plain Shard deals them, or a static dim's runs of whole atoms, every rank holding some
+    (Mamba2's heads dealt by group where tp divides neither: 8 heads of 4 groups at tp 3 hold 4,
+    2 and 2 heads where a plain shard holds 3, 3 and 2)."""
+    unit = _runs_unit(info.inputs[0], p, info.tp) if is_shard(p) and info.tp > 1 else None
+    if unit is None:
         return None
     before, after = info.inputs[0].shape, info.output.shape
     d = p.dim
@@ -382,19 +383,23 @@ def token_rows(info: OpInfo, p) -> Routed | None:
     if not after or sympy.expand(math.prod(before[:d + 1]) - after[0]) != 0 \
             or sympy.expand(math.prod(before[d + 1:]) - math.prod(after[1:])) != 0:
         return None
-    return Routed(0, tokens=True, unit=p.unit)
+    return Routed(0, tokens=True, unit=unit)
 
 
-def _contiguous_runs(meta, p, tp: int) -> bool:
-    """Whether shard ``p`` of ``meta`` deals its dim in one contiguous run a rank, as
-    ``Shard(p.dim, unit=p.unit)`` does (runs of whole atoms, the first ``atoms % tp`` ranks one
-    atom longer: what the row maps compute from the shapes), every rank holding some; a dynamic
-    dim (the sequence) as a plain ``Shard(p.dim)`` alone."""
-    if p == Shard(p.dim):
-        return True
+def _runs_unit(meta, p, tp: int) -> int | None:
+    """The atom ``u`` where shard ``p`` of ``meta`` deals its dim as ``Shard(p.dim, unit=u)``
+    does, one contiguous run of whole atoms a rank, the first ``atoms % tp`` one atom longer
+    (what the row maps compute from the shapes), every rank holding some: ``p.unit``, or 1 where
+    ``p`` is laid out as a plain shard alone; a dynamic dim (the sequence) as a plain shard
+    alone. None otherwise."""
     size = meta.static(p.dim)
-    runs = Shard(p.dim, unit=p.unit)
-    return size is not None and divides(size, runs) and size // p.unit >= tp and same_placement(p, runs, size, tp)
+    if size is None:
+        return 1 if p == Shard(p.dim) else None
+    for unit in dict.fromkeys((p.unit, 1)):
+        runs = Shard(p.dim, unit=unit)
+        if divides(size, runs) and size // unit >= tp and same_placement(p, runs, size, tp):
+            return unit
+    return None
 
 
 def row_unit(size: Any, unit: int, tp: int) -> int:
@@ -402,7 +407,7 @@ def row_unit(size: Any, unit: int, tp: int) -> int:
     ``Shard(d, unit=unit)`` of ``size`` is laid out as a plain shard, else the smallest atom laid
     out as it is, so that merges holding the same rows share one row map whatever their units say."""
     if unit == 1 or not (isinstance(size, int) or getattr(size, "is_Integer", False)):
-        return 1   # a dynamic dim (the sequence) is split as a plain shard (:func:`_contiguous_runs`)
+        return 1   # a dynamic dim (the sequence) is split as a plain shard (:func:`_runs_unit`)
     size = int(size)
     want = layout(size, Shard(0, unit=unit), tp)
     return next(u for u in range(1, unit + 1) if size % u == 0 and layout(size, Shard(0, unit=u), tp) == want)
@@ -426,9 +431,10 @@ def token_split(info: OpInfo, p: Routed) -> Shard | None:
         if size is None:   # as a fresh shard of a sequence dim
             return Shard(d) if info.uneven and after[d] in info.sequence else None
         back = Shard(d, unit=p.unit)   # the shard merged (Mamba2's heads in a group's units)
-        if not _contiguous_runs(info.output, back, info.tp) or not (info.uneven or is_even(size, back, info.tp)):
+        unit = _runs_unit(info.output, back, info.tp)
+        if unit is None or not (info.uneven or is_even(size, back, info.tp)):
             return None
-        return back
+        return Shard(d, unit=unit)
     return None
 
 
