@@ -59,9 +59,10 @@ EMULATED = {"scatters": 0}
 _PLAIN: dict = {}
 
 
-def _token_rows(x: torch.Tensor, dim: int, outer: Sequence[int], seq: int, tp: int, rank: int) -> torch.Tensor:
-    rows = _PLAIN["token_rows"](x, dim, outer, seq, tp, rank)
-    rows._fake_peers = (int(seq), tp, rank)   # the map of a sequence split's tokens, as made
+def _token_rows(x: torch.Tensor, dim: int, outer: Sequence[int], seq: int, tp: int, rank: int,
+                unit: int = 1) -> torch.Tensor:
+    rows = _PLAIN["token_rows"](x, dim, outer, seq, tp, rank, unit)
+    rows._fake_peers = (int(seq), tp, rank, unit)   # the map of a sequence split's tokens, as made
     return rows
 
 
@@ -90,8 +91,8 @@ def _mirrored_scatter(x: torch.Tensor, rows: torch.Tensor, dim: int, span: int, 
     layout = getattr(rows, "_fake_peers", None)
     if layout is None:   # rows of experts: the rank's own, zero elsewhere, as on a real world
         return routed_scatter(x, rows, dim, span, shape)
-    seq, tp, rank = layout
-    if seq % tp or dim != 0 or span != 1:
+    seq, tp, rank, unit = layout
+    if seq % tp or unit != 1 or dim != 0 or span != 1:
         raise ValueError(f"mirrored peers need equal sequence runs (seq {seq}, tp {tp}) and token rows along "
                          f"dim 0 (got dim {dim}, span {span})")
     EMULATED["scatters"] += 1

@@ -192,11 +192,14 @@ def histc(x: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> t
     return torch.histc(x.double(), bins, min, max).to(x.dtype)
 
 
-def token_rows(x: torch.Tensor, dim: int, outer: Sequence[int], seq: int, tp: int, rank: int) -> torch.Tensor:
+def token_rows(x: torch.Tensor, dim: int, outer: Sequence[int], seq: int, tp: int, rank: int,
+               unit: int = 1) -> torch.Tensor:
     """The row map of a rank's tokens under a sequence split, flattened: ``x`` is its
-    ``[*outer, seq_local, ...]`` (split along ``dim``, contiguous runs, the first ``seq % tp`` one
-    longer), its rows ``o * seq + start + j`` for each outer index ``o`` and its ``j``-th position."""
-    start = rank * (seq // tp) + min(rank, seq % tp)
+    ``[*outer, seq_local, ...]`` (split along ``dim`` in contiguous runs of ``unit``-element atoms,
+    the first ``seq / unit % tp`` one atom longer), its rows ``o * seq + start + j`` for each outer
+    index ``o`` and its ``j``-th position."""
+    atoms = seq // unit
+    start = (rank * (atoms // tp) + min(rank, atoms % tp)) * unit
     n = x.shape[dim]
     count = 1
     for size in outer:
@@ -205,10 +208,12 @@ def token_rows(x: torch.Tensor, dim: int, outer: Sequence[int], seq: int, tp: in
     return (base + start + torch.arange(n, device=x.device)).reshape(-1)
 
 
-def token_owners(x: torch.Tensor, outer: Sequence[int], seq: int, tp: int) -> torch.Tensor:
+def token_owners(x: torch.Tensor, outer: Sequence[int], seq: int, tp: int, unit: int = 1) -> torch.Tensor:
     """The rank holding each of the ``prod(outer) * seq`` flattened tokens under a sequence split
-    (contiguous runs, the first ``seq % tp`` one longer): every rank knows where every token is."""
-    sizes = torch.tensor([(seq + tp - 1 - r) // tp for r in range(tp)], device=x.device)
+    (contiguous runs of ``unit``-element atoms, the first ``seq / unit % tp`` one atom longer):
+    every rank knows where every token is."""
+    atoms = seq // unit
+    sizes = torch.tensor([(atoms + tp - 1 - r) // tp * unit for r in range(tp)], device=x.device)
     of_position = torch.repeat_interleave(torch.arange(tp, device=x.device), sizes, output_size=seq)
     count = 1
     for size in outer:

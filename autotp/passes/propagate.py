@@ -35,8 +35,8 @@ from ..placements import (PARTIAL, REPLICATE, Partial, Placement, Replicate, Rou
                           max_local_size, same_placement)
 from .hints import column_hint, index_picks, row_hint
 from .rules import OpInfo, Strategy, TensorMeta, strategies
-from .rules.experts import GROUPED_MM, grouped_reader, reads_rows
-from .rules.registry import aliases_first, is_routed, mutates_first, op_name
+from .rules.experts import GROUPED_MM, grouped_reader, reads_host, reads_rows
+from .rules.registry import aliases_first, mutates_first, op_name
 
 aten = torch.ops.aten
 INF = math.inf
@@ -149,7 +149,9 @@ class GraphIndex:
     #: the tensors those ops write (each view chain's first tensor)
     written_roots: frozenset = frozenset()
     #: may a strategy read a value on the host (``host_reads=False`` forbids it): a rank running
-    #: its own experts' rows alone (Routed) reads how many are its own, so none is offered
+    #: its own experts' rows alone reads how many are its own, so none of those is offered
+    #: (:func:`~.rules.experts.reads_host`); rows whose row map the shapes give (a merge of the
+    #: batch with a split dim in its order, ``Routed(tokens=True)``) read nothing and stay
     host_reads: bool = True
     #: how expert parallelism's rows reach their experts where the tokens arrive split along the
     #: sequence: None, by cost; True, by the all-to-all dispatch alone (whole experts per rank
@@ -167,7 +169,7 @@ class GraphIndex:
         if found is None:
             found = strategies(self.infos[node], actual)
             if not self.host_reads:
-                found = [s for s in found if not is_routed(s)]
+                found = [s for s in found if not reads_host(self.infos[node], s)]
             if self.expert_dispatch is not None:
                 found = [s for s in found if dispatch_allows(self.infos[node], s, self.expert_dispatch)]
             self._strategies[key] = found

@@ -193,10 +193,11 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         ...]``, all-gathered along it (runs of any length: each rank's is known from ``s``),
         flattened again. ``fused``: into sharded compute, the f in the gather's backward (a
         reduce-scatter of the gradient back to the rank's tokens). Returns (node, fused)."""
-        _, dim, outer, seq, _, _ = rows.args
+        _, dim, outer, seq, _, _, unit = rows.args
         rest = [sizes(s) for s in meta.shape[1:]]
         local = graph.call_function(sequence_runs, (out, outer))
-        module = C.GatherIntoTP(group, Shard(dim), None) if fused else C.GatherFromTP(group, Shard(dim), None)
+        runs = Shard(dim, unit=unit)   # the runs the row map was computed from
+        module = C.GatherIntoTP(group, runs, None) if fused else C.GatherFromTP(group, runs, None)
         whole = comm_node("all_gather_f" if fused else "all_gather", local, module, seq)
         return graph.call_function(torch.ops.aten.reshape.default, (whole, [-1, *rest])), fused
 

@@ -15,7 +15,8 @@ group (the tiny configs' and every published one's): in_proj by head with B's an
 every rank, every call equal to serial (Bamba at tp 2 and 4, Granite-4.0-H and Falcon-H1 at tp 2; at
 tp 3 with 6 heads, split by head beside a state of 6 and unsplit beside one of 4), and its whole
 rows counted once by clip_grad_norm_ and DCP. Mamba2 of 2 groups at tp 4: every group of B and C
-whole, each rank repeating its own head's. Slow tier: captures of the chunked scan
+whole, each rank repeating its own head's. Mamba2 of 4 groups of 2 heads at tp 3: split by group
+unevenly, every call equal to serial. Slow tier: captures of the chunked scan
 take a minute each on two loaded cores."""
 import pytest
 import torch
@@ -177,6 +178,31 @@ def test_mamba2_of_one_group_at_tp3_equals_serial(d_state):
             assert r["in_proj"] == Shard(0, 5, 1, sizes=(8, 8, 1, 1, 1), whole=(2, 3)), r["in_proj"]
         else:
             assert r["in_proj"] == Replicate(), r["in_proj"]
+        for call in ("train 11", "train 8", "padded"):
+            assert r[call] <= TOLERANCE[torch.float32], (call, r[call])
+        got, serial = r["generate"]
+        assert got == serial
+
+
+def mamba2_groups_dealt_unevenly_calls(family: str) -> dict:
+    # hidden 24: 3 attention heads of 8; 8 Mamba heads of 6 in 4 groups of 2: 4 groups at tp 3
+    return _mixer_calls(family, {"hidden_size": 24, "num_attention_heads": 3, "num_key_value_heads": 3,
+                                 "mamba_n_heads": 8, "mamba_d_head": 6, "mamba_n_groups": 4})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_mamba2_of_groups_tp_does_not_divide_equals_serial():
+    from autotp.distributed.launch import LocalCluster
+    from autotp.placements import Shard
+
+    # 4 groups of 2 heads at tp 3: by group, 2, 1 and 1 groups a rank (4, 2 and 2 heads, not a
+    # plain split's 3, 3 and 2); the decode step reads the state split so for its bmm (rows of
+    # the heads' runs in units of a group: tests/passes/test_step_plan.py), every call equal to serial
+    with LocalCluster(3, timeout=3000) as cluster:
+        results = cluster.run(mamba2_groups_dealt_unevenly_calls, "bamba")
+    for r in results:
+        assert isinstance(r["in_proj"], Shard) and r["in_proj"].unit == 2 and not r["in_proj"].whole, r["in_proj"]
         for call in ("train 11", "train 8", "padded"):
             assert r[call] <= TOLERANCE[torch.float32], (call, r[call])
         got, serial = r["generate"]

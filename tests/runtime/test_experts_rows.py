@@ -127,3 +127,30 @@ def test_token_rows_summed_on_their_ranks_view_back_to_their_run_of_the_sequence
         torch.testing.assert_close(E.sequence_runs(sums, [batch]), whole[:, start:start + local], rtol=0, atol=0)
         shuffled = torch.randperm(held.numel(), generator=gen)
         assert torch.equal(E.in_row_order(sums[shuffled], held[shuffled]), sums)
+
+
+@settings(max_examples=60, deadline=None)
+@given(outer=st.integers(1, 3), atoms=st.integers(1, 9), unit=st.integers(1, 3), tp=st.integers(1, 4),
+       inner=st.integers(1, 2))
+def test_token_rows_of_a_merge_are_the_ranks_runs_of_whole_atoms(outer, atoms, unit, tp, inner):
+    """A merge of ``[outer, size, inner]`` split along ``size`` in runs of ``unit``-element atoms
+    (Mamba2's heads by group, ``view(b * h, ...)``): the row map is the rank's rows of the whole
+    merge, in order, the holders say the rank of every row, and the map computed in the smallest
+    atom laid out alike (``row_unit``, which keys a shared map) is the same."""
+    from autotp.passes.rules.experts import row_unit
+
+    size = atoms * unit
+    shard = Shard(1, unit=unit)
+    whole = torch.arange(outer * size * inner).view(outer, size, inner)
+    ids = torch.arange(outer * size).view(outer, size)   # the merged rows' global ids
+    owners = E.token_owners(whole, [outer], size, tp, unit)
+    for rank in range(tp):
+        ranges = local_ranges(size, shard, tp, rank)
+        local = torch.cat([whole[:, a:b] for a, b in ranges], 1) if ranges else whole[:, :0]
+        rows = E.token_rows(local, 1, [outer], size, tp, rank, unit)
+        want = torch.cat([ids[:, a:b] for a, b in ranges], 1).reshape(-1) if ranges else ids[:, :0].reshape(-1)
+        assert torch.equal(rows, want)
+        assert torch.equal(local.reshape(-1, inner), whole.reshape(-1, inner)[rows])
+        assert bool((owners[rows] == rank).all())
+        same = row_unit(size, unit, tp)
+        assert torch.equal(E.token_rows(local, 1, [outer], size, tp, rank, same), rows)

@@ -48,7 +48,8 @@ from typing import Any
 import sympy
 import torch
 
-from ...placements import PARTIAL, REPLICATE, Partial, Routed, Shard, local_ranges, same_placement
+from ...placements import (PARTIAL, REPLICATE, Partial, Routed, Shard, divides, is_even, layout, local_ranges,
+                           same_placement)
 from .routing import counted_by, index_length, is_permutation, written
 from .registry import (LocalContext, OpInfo, Strategy, _RULES, functional_of, is_shard, op_name, register,
                        register_localizer, register_routed, register_routed_localizer)
@@ -189,6 +190,21 @@ def host_reads(info: OpInfo, strategy: Strategy) -> int:
     routed_in = [isinstance(p, Routed) for p in strategy.inputs]
     reorder = info.target is aten.index.Tensor and routed_in[:1] == [True]
     return int(reorder or not any(routed_in))
+
+
+def reads_host(info: OpInfo, strategy: Strategy) -> bool:
+    """Whether ``strategy`` of the op ``info`` may read a value on the host on a rank, which
+    ``host_reads=False`` forbids: where it reads itself (:func:`host_reads`), and where it holds
+    rows whose row map some op read (a rank's experts' rows, rows the dispatch sent: the layer's
+    bounds read once and shared, so a later op of the run is priced no read of its own) or rows
+    of their tokens reordered (meeting rows in the merge's order, they are matched by value).
+    Rows of a merge of the batch with a split dim in its order (``Routed(tokens=True)``: the
+    sequence-split tokens, Mamba2's heads merged with the batch) have a row map the shapes give:
+    no read."""
+    outs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
+    if any(isinstance(p, Routed) and not (p.tokens and not p.reordered) for p in (*strategy.inputs, *outs)):
+        return True
+    return host_reads(info, strategy) > 0
 
 
 def _kind(target):
@@ -357,9 +373,12 @@ def token_rows(info: OpInfo, p) -> Routed | None:
     [b*h, d, n]``: Mamba2's split heads read for one ``bmm``), each row's elements kept; None
     otherwise. A rank's rows are then ``b`` runs of its share of ``d``, not a contiguous run: no
     Shard says them where a merged dim is dynamic (the batch), compact rows with a row map
-    computed from the shapes do (:func:`token_localizer`). ``d`` split in contiguous runs as a
-    plain Shard deals them (a static dim's shard of another unit, laid out alike, counts)."""
-    if not (is_shard(p) and info.tp > 1 and _plain_runs(info.inputs[0], p, info.tp)):
+    computed from the shapes do (:func:`token_localizer`). ``d`` split in contiguous runs: as a
+    plain Shard deals them, or a static dim's runs of whole atoms, every rank holding some
+    (Mamba2's heads dealt by group where tp divides neither: 8 heads of 4 groups at tp 3 hold 4,
+    2 and 2 heads where a plain shard holds 3, 3 and 2)."""
+    unit = _runs_unit(info.inputs[0], p, info.tp) if is_shard(p) and info.tp > 1 else None
+    if unit is None:
         return None
     before, after = info.inputs[0].shape, info.output.shape
     d = p.dim
@@ -368,16 +387,34 @@ def token_rows(info: OpInfo, p) -> Routed | None:
     if not after or sympy.expand(math.prod(before[:d + 1]) - after[0]) != 0 \
             or sympy.expand(math.prod(before[d + 1:]) - math.prod(after[1:])) != 0:
         return None
-    return Routed(0, tokens=True, unit=p.unit)
+    return Routed(0, tokens=True, unit=unit)
 
 
-def _plain_runs(meta, p, tp: int) -> bool:
-    """Whether shard ``p`` of ``meta`` deals its dim as a plain ``Shard(p.dim)`` does: contiguous
-    runs, the first ``size % tp`` ranks one longer (what the row maps compute from the shapes)."""
-    if p == Shard(p.dim):
-        return True
+def _runs_unit(meta, p, tp: int) -> int | None:
+    """The atom ``u`` where shard ``p`` of ``meta`` deals its dim as ``Shard(p.dim, unit=u)``
+    does, one contiguous run of whole atoms a rank, the first ``atoms % tp`` one atom longer
+    (what the row maps compute from the shapes), every rank holding some: ``p.unit``, or 1 where
+    ``p`` is laid out as a plain shard alone; a dynamic dim (the sequence) as a plain shard
+    alone. None otherwise."""
     size = meta.static(p.dim)
-    return size is not None and same_placement(p, Shard(p.dim), size, tp)
+    if size is None:
+        return 1 if p == Shard(p.dim) else None
+    for unit in dict.fromkeys((p.unit, 1)):
+        runs = Shard(p.dim, unit=unit)
+        if divides(size, runs) and size // unit >= tp and same_placement(p, runs, size, tp):
+            return unit
+    return None
+
+
+def row_unit(size: Any, unit: int, tp: int) -> int:
+    """The atom of the runs a merge's row map is computed from (:func:`_token_maps`): 1 where
+    ``Shard(d, unit=unit)`` of ``size`` is laid out as a plain shard, else the smallest atom laid
+    out as it is, so that merges holding the same rows share one row map whatever their units say."""
+    if unit == 1 or not (isinstance(size, int) or getattr(size, "is_Integer", False)):
+        return 1   # a dynamic dim (the sequence) is split as a plain shard (:func:`_runs_unit`)
+    size = int(size)
+    want = layout(size, Shard(0, unit=unit), tp)
+    return next(u for u in range(1, unit + 1) if size % u == 0 and layout(size, Shard(0, unit=u), tp) == want)
 
 
 def token_split(info: OpInfo, p: Routed) -> Shard | None:
@@ -398,10 +435,10 @@ def token_split(info: OpInfo, p: Routed) -> Shard | None:
         if size is None:   # as a fresh shard of a sequence dim
             return Shard(d) if info.uneven and after[d] in info.sequence else None
         back = Shard(d, unit=p.unit)   # the shard merged (Mamba2's heads in a group's units)
-        if size < info.tp or not _plain_runs(info.output, back, info.tp) \
-                or (size % info.tp and not info.uneven):
+        unit = _runs_unit(info.output, back, info.tp)
+        if unit is None or not (info.uneven or is_even(size, back, info.tp)):
             return None
-        return back
+        return Shard(d, unit=unit)
     return None
 
 
@@ -444,22 +481,30 @@ def token_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict,
     p = strategy.inputs[0]
     before = info.inputs[0].shape
     sizes = [-1] + [ctx.size(s) for s in info.output.shape[1:]]
-    ctx.made_rows, ctx.made_owners = _token_maps(ctx, ctx.inputs[0], p.dim, tuple(before[:p.dim]), before[p.dim])
+    ctx.made_rows, ctx.made_owners = _token_maps(ctx, ctx.inputs[0], p.dim, tuple(before[:p.dim]), before[p.dim],
+                                                 p.unit)
     ctx.made_rows.meta[ASCENDING] = True   # the rank's rows in order: b runs of its s/tp (or h/tp)
     return info.target, (args[0], sizes) + tuple(args[2:]), kwargs
 
 
-def _token_maps(ctx: LocalContext, x: Any, dim: int, outer: tuple, seq: Any) -> tuple[Any, Any]:
-    """(row map, holders) of the rows a merge of dims ``outer + (seq,)`` split along the last
-    makes, one pair per merged shape (``x``: the rank's tensor of the first merge, for its local
-    length along ``dim``)."""
+def _token_maps(ctx: LocalContext, x: Any, dim: int, outer: tuple, seq: Any, unit: int) -> tuple[Any, Any]:
+    """(row map, holders) of the rows a merge of dims ``outer + (seq,)`` split along the last in
+    runs of ``unit``-element atoms makes, one pair per merged shape and layout of the runs
+    (``x``: the rank's tensor of the first merge, for its local length along ``dim``)."""
     from ...distributed import experts as E
 
-    key = ("tokens", outer, seq)
+    unit = row_unit(seq, unit, ctx.tp)
+    key = _rows_key(outer, seq, unit)
     outer_sizes = [ctx.size(s) for s in outer]
-    rows = ctx.shared_rows(key, lambda: (E.token_rows, (x, dim, outer_sizes, ctx.size(seq), ctx.tp, ctx.rank)))
-    owners = ctx.shared_rows(("owners",) + key[1:], lambda: (E.token_owners, (x, outer_sizes, ctx.size(seq), ctx.tp)))
+    rows = ctx.shared_rows(key, lambda: (E.token_rows, (x, dim, outer_sizes, ctx.size(seq), ctx.tp, ctx.rank, unit)))
+    owners = ctx.shared_rows(("owners",) + key[1:],
+                             lambda: (E.token_owners, (x, outer_sizes, ctx.size(seq), ctx.tp, unit)))
     return rows, owners
+
+
+def _rows_key(outer: tuple, seq: Any, unit: int) -> tuple:
+    """The key of a merge's row map (:func:`_token_maps`): its dims and the atom of its runs."""
+    return ("tokens", outer, seq) + ((unit,) if unit != 1 else ())
 
 
 def token_split_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
@@ -472,7 +517,7 @@ def token_split_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs:
     d = strategy.output.dim
     after = info.output.shape
     x = ctx.inputs[0]
-    want = ctx.found_rows(("tokens", tuple(after[:d]), after[d]))
+    want = ctx.found_rows(_rows_key(tuple(after[:d]), after[d], row_unit(after[d], strategy.output.unit, ctx.tp)))
     if want is None:
         from ...errors import PlanError
 
