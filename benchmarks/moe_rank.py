@@ -343,7 +343,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--only", default=None, help="run the shapes whose label holds this")
     args = parser.parse_args()
-    from autotp.cost_model.devices import calibrate
+    from autotp.cost_model import calibrate
 
     started = time.time()
     torch.set_num_threads(1)

@@ -1,3 +1,4 @@
 """Cost model: what an op or a collective costs on a device profile (symbolic in batch and
 sequence, priced by a profile), and calibration of a profile on the machine at hand."""
-from .devices import PROFILES, DeviceProfile, calibrate, get_profile  # noqa: F401
+from .calibration import calibrate  # noqa: F401
+from .devices import PROFILES, DeviceProfile, get_profile  # noqa: F401

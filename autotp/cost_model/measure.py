@@ -1,6 +1,6 @@
 """Measurements a profile is made of, on the machine at hand: matrix products of several shapes,
 the memory-bound op classes the cost model prices apart, fused attention, a kernel's launch, and
-ring all-reduces over a process group. Each returns plain numbers; :func:`.devices.calibrate`
+ring all-reduces over a process group. Each returns plain numbers; :func:`.calibration.calibrate`
 turns them into a :class:`~.devices.DeviceProfile`.
 
 Every figure is the best of ``repeats`` runs after a warm-up, synchronized on a GPU. A CPU's
