@@ -187,7 +187,8 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
     ``expert_dispatch``: where the tokens arrive split along the sequence, whether expert
     parallelism's (token, expert) rows reach their experts by the all-to-all dispatch (True),
     by gathering the tokens whole (False), or as the cost model finds cheaper (None, default);
-    in every program (see :func:`build_plan`)."""
+    in every program (see :func:`build_plan`), but that a later program whose tokens reach the
+    experts whole, where True leaves no plan, is planned by cost, with a logged note."""
     if device is None:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if torch.device(device).type == "meta":
