@@ -259,6 +259,6 @@ def forced_dispatch_dropped(inputs: Mapping[str, Any], training: bool, generatio
         f"the call with {', '.join(sorted(k for k, v in inputs.items() if v is not None))} " \
         f"({'training' if training else 'eval'} mode)"
     return (f"expert_dispatch=True does not hold in the program of {call}: its tokens do not reach the experts "
-            f"split along the sequence (sequence parallelism is forced in the first program alone), so the "
+            f"split along the sequence (a later program takes sequence parallelism by cost, never forced), so the "
             f"program is planned by cost and each rank's experts take their rows from the tokens gathered whole "
             f"(exact; forced, it failed: {why})")
