@@ -20,13 +20,14 @@ from .capture.cache import capture as capture_model   # once per structure; see 
 from .cost_model import get_profile
 from .cost_model.alignment import Align
 from .cost_model.pipeline import cut_layers, layer_costs
-from .errors import ConfigError
+from .errors import ConfigError, MemoryLimitError, PlanError
 from .generation import capture_step
 from .passes.attention import check_heads
 from .passes.checkpoint import checkpoint_layers
 from .passes.propagate import GraphIndex, Propagation
 from .passes.rewrite import rewrite
 from .plan import Plan
+from .planner.experts import forced_dispatch_dropped
 from .planner.planner import build_plan
 from .distributed.agreement import _agreed_seed, _on_every_rank_or_none
 from .distributed.rng import RNGTracker
@@ -186,7 +187,8 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
     ``expert_dispatch``: where the tokens arrive split along the sequence, whether expert
     parallelism's (token, expert) rows reach their experts by the all-to-all dispatch (True),
     by gathering the tokens whole (False), or as the cost model finds cheaper (None, default);
-    in every program (see :func:`build_plan`)."""
+    in every program (see :func:`build_plan`), but that a later program whose tokens reach the
+    experts whole, where True leaves no plan, is planned by cost, with a logged note."""
     if device is None:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if torch.device(device).type == "meta":
@@ -270,21 +272,33 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
             twin.train(was)
         # a generation step returns its logits whole whatever gather_logits says for calls:
         # generate picks each token from the whole row (StepSpec.keep_split keeps the cache)
-        return (call_cap, *planned(
-            call_cap, seq=seq or _default_seq(twin), plan=result, memory_limit=memory_limit,
-            gather_logits=True if step is not None else gather_logits,
-            input_placements=step.input_placements if step else None,
-            keep_split=step.keep_split(call_cap) if step else frozenset(),
-            # forbidden stays forbidden; forced applies to the first program (a generation
-            # step of one token has no sequence to split), the later ones choose by cost
-            sequence_parallel=False if sequence_parallel is False else None))
+        call = dict(seq=seq or _default_seq(twin), plan=result, memory_limit=memory_limit,
+                    gather_logits=True if step is not None else gather_logits,
+                    input_placements=step.input_placements if step else None,
+                    keep_split=step.keep_split(call_cap) if step else frozenset(),
+                    # forbidden stays forbidden; forced applies to the first program (a generation
+                    # step of one token has no sequence to split), the later ones choose by cost
+                    sequence_parallel=False if sequence_parallel is False else None)
+        try:
+            return (call_cap, *planned(call_cap, **call), None)
+        except PlanError as forced:
+            if expert_dispatch is not True or isinstance(forced, MemoryLimitError):
+                raise
+            # the all-to-all dispatch takes tokens split along the sequence, which the first
+            # program alone is forced to: a later one whose walk has them whole (its greedy walk
+            # does not look ahead to the experts) cuts each rank's rows from them, as a plan by
+            # cost does there (exact); the user is told
+            call_plan, *rest = planned(call_cap, dispatch=None, **call)
+            note = forced_dispatch_dropped(inputs, training, step is not None, forced)
+            call_plan.notes.append(note)
+            return (call_cap, call_plan, *rest, note)
 
-    def planned(call_cap: Any, **call: Any) -> tuple:
+    def planned(call_cap: Any, dispatch: bool | None = expert_dispatch, **call: Any) -> tuple:
         """A capture's plan, graph index and propagation: the first call's and every later one's
         (``call``: what differs between them), the heads checked first."""
         check_heads(call_cap, tp, uneven)
         return build_plan(call_cap, tp, batch=batch, profile=profile, uneven=uneven, align=align,
-                          host_reads=host_reads, expert_dispatch=expert_dispatch, **call)
+                          host_reads=host_reads, expert_dispatch=dispatch, **call)
 
     def program(index: GraphIndex, prop: Propagation) -> Any:
         gm = rewrite(index, prop, mesh.tp_rank, mesh.tp_group, device, tracker, align)
@@ -293,8 +307,10 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
     def build(inputs: dict, training: bool, step: Any = None) -> tuple:
         """Another call signature's program under the same parameter layout (``result``); with
         ``step`` (an autotp.generation.StepSpec), a generation step's program instead."""
-        call_cap, call_plan, call_index, call_prop = _on_every_rank_or_none(
+        call_cap, call_plan, call_index, call_prop, note = _on_every_rank_or_none(
             mesh, lambda: prepare_call(inputs, training, step))
+        if note is not None and mesh.tp_rank == 0 and mesh.dp_rank == 0:
+            log.warning("autotp plan note: %s", note)
         return call_cap, call_plan, program(call_index, call_prop)
 
     # The groups, then on them: the first plan (every rank or none) and the dropout seed, agreed.

@@ -61,8 +61,10 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
     get their (token, expert) rows under expert parallelism. None (default): by cost; True: by
     the all-to-all dispatch alone (the router on each rank's own tokens, each row sent to its
     expert's rank: Megatron's all-to-all token dispatcher); False: never by it (the tokens
-    gathered whole before the router: Megatron's all-gather dispatcher). Where no tokens arrive
-    split (no sequence parallelism) it changes nothing."""
+    gathered whole before the router: Megatron's all-gather dispatcher). True needs sequence
+    parallelism allowed (with ``sequence_parallel=False`` it is a ConfigError: under expert
+    parallelism no plan is left); a later program of ``parallelize`` (another call's) whose tokens
+    do not reach the experts split is planned by cost instead, with a note (api.py)."""
     prof = get_profile(profile)
     if align == "profile":
         align = Align.for_profile(prof) if 0 < prof.unaligned_flops < prof.flops else None
@@ -78,6 +80,10 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
     if expert_dispatch and not host_reads:
         raise ConfigError("expert_dispatch=True reads its split sizes on the host (a rank's experts' rows), which "
                           "host_reads=False forbids: leave expert_dispatch to the planner, or allow host_reads")
+    if expert_dispatch and sequence_parallel is False:
+        raise ConfigError("expert_dispatch=True sends the tokens a rank holds along the sequence to their experts' "
+                          "ranks, and sequence_parallel=False leaves no token split along it: allow sequence "
+                          "parallelism (None or True), or leave expert_dispatch to the planner")
     if sequence_parallel and not uneven:
         raise ConfigError("sequence_parallel=True needs uneven=True: a sequence shard is uneven whenever tp does "
                           "not divide a call's length; pass uneven=True, or leave sequence_parallel to the planner")

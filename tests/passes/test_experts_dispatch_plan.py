@@ -197,7 +197,47 @@ def test_expert_dispatch_false_gathers_the_tokens_and_forced_ways_say_so():
 @pytest.mark.parametrize("kwargs, says", [
     (dict(expert_dispatch="all_to_all"), "expert_dispatch='all_to_all': choose None"),
     (dict(expert_dispatch=True, host_reads=False), "expert_dispatch=True reads its split sizes on the host"),
+    # (before: "no feasible plan: no strategy fits grouped_mm_fallback_default" under whole experts)
+    (dict(expert_dispatch=True, sequence_parallel=False, layout={"*.experts.*": "expert"}),
+     "expert_dispatch=True sends the tokens a rank holds along the sequence"),
 ])
 def test_a_bad_expert_dispatch_is_a_config_error(kwargs, says):
     with pytest.raises(autotp.ConfigError, match=re.escape(says)):
         autotp.plan(_tiny_mixtral(), tp=2, batch=2, seq=16, profile="h100-dgx", **kwargs)
+
+
+@pytest.fixture
+def fake_rank():
+    """One rank of tp 2 on torch's ``fake`` backend: parallelize plans and rewrites every
+    program as it would on a real rank (its collectives return at once, so no value is checked)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_forced_dispatch_plans_the_inference_program_by_cost_with_a_note(fake_rank, caplog):
+    # expert_dispatch=True with sequence parallelism forced: the first program (the training
+    # call) sends its rows by the all-to-all. The inference call's program replays the plan by a
+    # greedy walk, which left its tokens whole (sequence parallelism is forced in the first
+    # program alone) and took the gather of their rows routed; forced, the cast after it had no
+    # strategy ("no strategy fits to_dtype_N ... [P(routed 0)]", a PlanError on the call). It
+    # is planned by cost now, each rank's rows cut from the tokens gathered whole, and says so
+    config = zoo.tiny_config("mixtral", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=4, top_k=2)
+    model = zoo.build("mixtral", config, dtype=torch.float32, seed=1)
+    pm = autotp.parallelize(model, 2, layout={"*.experts.*": "expert"}, batch=TINY_BATCH, expert_dispatch=True,
+                            **WORKLOAD)
+    batch = zoo.example_batch("mixtral", config, batch=2, seq=8, seed=2)
+    pm(**batch).loss.backward()
+    assert [(c.src, c.dst) for c in pm.plan.comms if c.kind == "all_to_all"] == [SEND, BACK]
+    with torch.no_grad(), caplog.at_level("WARNING", logger="autotp"):
+        assert pm(input_ids=batch["input_ids"]).logits.shape == (2, 8, config.vocab_size)
+    (program,) = [p for p in pm.programs if "labels" not in p.capture.input_keys]
+    assert not [c for c in program.plan.comms if c.kind == "all_to_all"]
+    said = "expert_dispatch=True does not hold in the program of the call with input_ids (training mode)"
+    assert any(n.startswith(said) for n in program.plan.notes), program.plan.notes
+    assert any(said in r.getMessage() for r in caplog.records)
