@@ -83,3 +83,17 @@ def cluster_of(cluster):
 
     yield get
     close_all([*current.values(), cluster])   # the ranks of every world leave together
+
+
+@pytest.fixture
+def fake_rank():
+    """Rank 0 of a tp-2 world on torch's ``fake`` backend, in this process: collectives return at
+    once, so a rank's program runs (and is counted) at its own size."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    yield
+    dist.destroy_process_group()

@@ -45,7 +45,6 @@ import weakref
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -141,17 +140,6 @@ class HostReads(TorchDispatchMode):
         for name, original in self._patched.items():
             setattr(torch.Tensor, name, original)
         return super().__exit__(*exc)
-
-
-@pytest.fixture
-def fake_rank():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=TP, store=FakeStore())
-    yield
-    dist.destroy_process_group()
 
 
 def _device_tensors(module, inputs) -> list[torch.Tensor]:
