@@ -40,6 +40,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from .collectives import _comm, _CommModule
+from .reads import host_ints, nonzero_rows
 
 
 def expert_bounds(offs: torch.Tensor, first: int, count: int) -> tuple[int, int]:
@@ -50,12 +51,12 @@ def expert_bounds(offs: torch.Tensor, first: int, count: int) -> tuple[int, int]
     every tensor after it. The rewritten graph makes it once per layer; both products and the
     row map take it."""
     if count == 0:
-        start = int(offs[first - 1]) if first > 0 else 0
+        start = host_ints(offs[first - 1:first])[0] if first > 0 else 0
         return start, start
     if first == 0:
-        return 0, int(offs[count - 1])
-    pair = offs[first - 1:first + count:count].tolist()
-    return int(pair[0]), int(pair[1])
+        return 0, host_ints(offs[count - 1:count])[0]
+    start, end = host_ints(offs[first - 1:first + count:count])
+    return start, end
 
 
 def expert_rows(offs: torch.Tensor, bounds: tuple[int, int]) -> torch.Tensor:
@@ -77,7 +78,7 @@ def picked_rows(index: torch.Tensor, first: int, count: int, total: int) -> torc
     """The row map of ``weight[index]`` on this rank: the positions of ``index`` (expert ids of
     ``total`` experts, negative ones counting from the end) naming one of its experts."""
     ids = torch.where(index < 0, index + total, index)
-    return ((ids >= first) & (ids < first + count)).nonzero().squeeze(1)
+    return nonzero_rows((ids >= first) & (ids < first + count))
 
 
 def routed_pick(weight: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, first: int,
@@ -125,16 +126,26 @@ def _positions(have: torch.Tensor, want: torch.Tensor, size: int) -> torch.Tenso
 
 def match_rows(x: torch.Tensor, have: torch.Tensor, want: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     """``x``'s rows (global ids ``have`` along ``dim``) in the order of the row map ``want``:
-    two routed operands of one op (a bias picked by expert id, the product's rows) meet row by row."""
+    two routed operands of one op (a bias picked by expert id, the product's rows) meet row by row.
+    Under torch.compile nothing is read to the host (``torch.equal`` and the check would break
+    the graph): the rows are always reordered, and rows the rank does not hold fail the device
+    assertion in the graph."""
+    if torch.compiler.is_compiling():
+        where = _positions(have, want, size)
+        torch._assert_async((where >= 0).all(), _OTHER_ROWS)
+        return x.index_select(dim, where)
     if have.shape == want.shape and torch.equal(have, want):
         return x
     where = _positions(have, want, size)
     if bool((where < 0).any()):
         from ..errors import AutotpError
 
-        raise AutotpError("routed operands hold different rows on this rank: an op on rows alone met rows "
-                          "routed by two different expert assignments")
+        raise AutotpError(_OTHER_ROWS)
     return x.index_select(dim, where)
+
+
+_OTHER_ROWS = ("routed operands hold different rows on this rank: an op on rows alone met rows routed by two "
+               "different expert assignments")
 
 
 def routed_reorder(x: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, size: int,
@@ -146,7 +157,7 @@ def routed_reorder(x: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, siz
     :func:`dispatch_sizes`): no read of its own; otherwise a ``nonzero``, whose size the host reads."""
     where = _positions(rows, index, size)
     held = where >= 0
-    out_rows = (held.nonzero() if count is None else torch.nonzero_static(held, size=count)).squeeze(1)
+    out_rows = nonzero_rows(held) if count is None else torch.nonzero_static(held, size=count).squeeze(1)
     return x.index_select(0, where.index_select(0, out_rows)), out_rows
 
 
@@ -297,7 +308,7 @@ def dispatch_sizes(owners: torch.Tensor, offs: torch.Tensor, runs: Sequence[tupl
     send = torch.zeros(tp, dtype=torch.long, device=owners.device).scatter_add_(0, dest, (owners == rank).long())
     recv = torch.zeros(tp, dtype=torch.long, device=owners.device).scatter_add_(0, owners, (dest == rank).long())
     start = ends[rank - 1] if rank else ends.new_zeros(())
-    read = torch.cat([start.view(1), ends[rank].view(1), send, recv]).tolist()
+    read = host_ints(torch.cat([start.view(1), ends[rank].view(1), send, recv]))
     return DispatchSizes((read[0], read[1]), read[2:2 + tp], read[2 + tp:])
 
 

@@ -298,13 +298,21 @@ def test_run_layouts_and_a_fused_multi_query_split_compile_to_one_graph(cluster_
         assert r["lru warnings"] == 0, r
 
 
-def _compiled_all_to_all_dispatch(backend: str, fullgraph: bool) -> dict:
+#: how torch.compile is asked: ``fullgraph=True``; dynamo's defaults with its scalar and
+#: dynamic-shape capture set; dynamo's defaults alone (what a user writes: ``torch.compile(pm)``)
+COMPILE_MODES = {"fullgraph": (True, {}),
+                 "scalars-captured": (False, dict(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True)),
+                 "defaults": (False, {})}
+
+
+def _compiled_all_to_all_dispatch(backend: str, mode: str) -> dict:
     """Mixtral's experts split whole over the ranks with the tokens split along the sequence
     (sequence parallelism forced): each rank routes its own tokens and sends each (token,
     expert) row to its expert's rank by an all-to-all, and the experts' output rows come back by
     the reverse one (autotp/distributed/experts.py). Under torch.compile the split sizes read to
-    the host and the rows a rank receives are unbacked sizes: one graph (``fullgraph=True``, or
-    dynamo's scalar and dynamic-shape capture on), both all-to-alls traced in forward and in
+    the host and the rows a rank receives are unbacked sizes, made by autotp's opaque read
+    (autotp/distributed/reads.py): one graph in every mode (``COMPILE_MODES``: dynamo's defaults
+    too), both all-to-alls traced in forward and in
     backward, and the loss and every gradient those of the eager program (float64: the same
     ops) and of serial (within the bound of the model's float32 RMSNorm variance). A second
     batch routes other rows to each rank: the graph is reused, not traced again."""
@@ -346,8 +354,7 @@ def _compiled_all_to_all_dispatch(backend: str, fullgraph: bool) -> dict:
         return loss.detach(), {n: p.grad.to_local().clone() for n, p in pm.named_parameters()}
 
     eager = [step(pm, batch) for batch in data]
-    # without fullgraph=True dynamo breaks the graph at a read to the host unless told to capture it
-    capture = {} if fullgraph else dict(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True)
+    fullgraph, capture = COMPILE_MODES[mode]
     with torch._dynamo.config.patch(capture):
         compiled = torch.compile(pm, fullgraph=fullgraph, backend=backend)
         got = [step(compiled, batch) for batch in data]
@@ -359,10 +366,12 @@ def _compiled_all_to_all_dispatch(backend: str, fullgraph: bool) -> dict:
             "graphs": counters["stats"]["unique_graphs"], "breaks": dict(counters["graph_break"])}
 
 
-@pytest.mark.parametrize("fullgraph", [True, pytest.param(False, marks=pytest.mark.slow)],   # 30 s, 20 s
-                         ids=["fullgraph", "scalars-captured"])
-def test_the_all_to_all_expert_dispatch_compiles_to_one_graph(cluster_of, fullgraph):
-    for r in cluster_of(2).run(_compiled_all_to_all_dispatch, "aot_eager", fullgraph):
+# the fast tier compiles with dynamo's defaults (before autotp's reads were opaque ops: 4 graphs,
+# 5 breaks at the reads); fullgraph=True and the capture flags trace the same graph (30 s, 20 s)
+@pytest.mark.parametrize("mode", [pytest.param("fullgraph", marks=pytest.mark.slow),
+                                  pytest.param("scalars-captured", marks=pytest.mark.slow), "defaults"])
+def test_the_all_to_all_expert_dispatch_compiles_to_one_graph(cluster_of, mode):
+    for r in cluster_of(2).run(_compiled_all_to_all_dispatch, "aot_eager", mode):
         assert r["dispatch"], r   # the program the case is there to compile: the all-to-all dispatch
         assert r["graphs"] == 1 and not r["breaks"], r
         assert r["all_to_all"] == {"forward": 2, "backward": 2}, r
@@ -378,9 +387,60 @@ def test_the_all_to_all_expert_dispatch_runs_under_inductor(cluster_of):
     cluster = cluster_of(2)
     before, cluster.timeout = cluster.timeout, 600.0   # inductor's first compile of both programs: over 120 s
     try:
-        results = cluster.run(_compiled_all_to_all_dispatch, "inductor", True)
+        results = cluster.run(_compiled_all_to_all_dispatch, "inductor", "defaults")
     finally:
         cluster.timeout = before
     for r in results:
         assert r["dispatch"] and r["graphs"] == 1 and not r["breaks"], r
         assert r["to eager"] <= r["bound"] and r["to serial"] <= r["bound"], r
+
+
+def _compiled_experts_with_dynamos_defaults(family: str, experts: str) -> dict:
+    """``torch.compile(pm)`` with dynamo's defaults (no ``fullgraph``, no capture flag) of an expert
+    layer whose rank runs its own experts' rows alone, gathering them from the whole tokens: the
+    bounds of its rows read once per layer (``expert_bounds``, the grouped path) or the rows its
+    experts' ids pick (``picked_rows``, the batched path), each an opaque op of autotp's
+    (autotp/distributed/reads.py). One graph, no break, and the loss and every gradient of the
+    eager program (float64); a batch routed otherwise reuses the graph."""
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    import autotp
+    from autotp import zoo
+    from autotp.testing import relative_error
+
+    torch._dynamo.reset()
+    counters.clear()
+    config = zoo.tiny_config(family, layers=1, heads=4, kv_heads=2, head_dim=8, vocab=VOCAB, experts=4, top_k=2)
+    config._experts_implementation = experts
+    model = zoo.build(family, config, dtype=torch.float64, seed=1)
+    pm = autotp.parallelize(model, dist.get_world_size(), layout={"*.experts.*": "expert"}, batch=64, seq=4096,
+                            profile="h100-dgx", sequence_parallel=False)
+    reads = sorted({n.target.__name__ for n in pm.graph_module.graph.nodes if n.op == "call_function"
+                    and getattr(n.target, "__name__", "") in ("expert_bounds", "picked_rows", "dispatch_sizes")})
+    data = [zoo.example_batch(family, config, batch=2, seq=7, seed=s) for s in (2, 3)]
+
+    def step(module, batch) -> tuple:
+        pm.zero_grad()
+        loss = module(**batch).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.to_local().clone() for n, p in pm.named_parameters()}
+
+    eager = [step(pm, batch) for batch in data]
+    compiled = torch.compile(pm, backend="aot_eager")
+    got = [step(compiled, batch) for batch in data]
+    return {"reads": reads, "graphs": counters["stats"]["unique_graphs"], "breaks": dict(counters["graph_break"]),
+            "to eager": max(max([relative_error(g[0], e[0])] + [relative_error(g[1][n], e[1][n]) for n in e[1]])
+                            for g, e in zip(got, eager))}
+
+
+@pytest.mark.parametrize("family, experts, reads", [
+    ("mixtral", "grouped_mm", ["expert_bounds"]),
+    pytest.param("gpt-oss", "batched_mm", ["picked_rows"], marks=pytest.mark.slow),
+    pytest.param("deepseek-v3", "grouped_mm", ["expert_bounds"], marks=pytest.mark.slow)])
+def test_expert_parallel_layers_compile_to_one_graph_with_dynamos_defaults(cluster_of, family, experts, reads):
+    # before autotp's reads were opaque ops: a break at each read (Mixtral: 4 graphs, 5 breaks)
+    for r in cluster_of(2).run(_compiled_experts_with_dynamos_defaults, family, experts):
+        assert r["reads"] == reads, r   # the layout the case is there to compile
+        assert r["graphs"] == 1 and not r["breaks"], r
+        assert r["to eager"] <= 1e-12, r

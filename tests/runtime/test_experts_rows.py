@@ -154,3 +154,72 @@ def test_token_rows_of_a_merge_are_the_ranks_runs_of_whole_atoms(outer, atoms, u
         assert bool((owners[rows] == rank).all())
         same = row_unit(size, unit, tp)
         assert torch.equal(E.token_rows(local, 1, [outer], size, tp, rank, same), rows)
+
+
+def _rank_of_a_layer(x, weight, bias, ids, offs, perm, inverse, owners, *, first, count, experts, k, tp, rank):
+    """One rank's rows of a layer through every function that reads the host: the bounds of its
+    rows (``expert_bounds``) for the gather in front of its grouped product and the product, the
+    rows its experts' ids pick (``picked_rows``, a bias picked by id) brought to the product's
+    rows (``match_rows``), the reorder back found and counted (``routed_reorder``), and the
+    sizes a dispatching layer reads at once (``dispatch_sizes``)."""
+    tokens = x.shape[0]
+    bounds = E.expert_bounds(offs, first, count)
+    mine = E.expert_rows(offs, bounds)
+    rows = E.routed_grouped_mm(E.gather_rows(x, perm // k, bounds), weight, offs, bounds, first, count,
+                               "transformers.grouped_mm_fallback.default", True)
+    sorted_ids = ids[perm]
+    picked = E.picked_rows(sorted_ids, first, count, experts)
+    rows = rows + E.match_rows(E.routed_pick(bias, sorted_ids, picked, first, experts), picked, mine, 0, tokens * k)
+    rows, back = E.routed_reorder(rows, inverse, mine, tokens * k)
+    runs = [_run(experts, tp, r) for r in range(tp)]
+    sizes = E.dispatch_sizes(owners, offs, runs, rank)
+    moved = torch.stack([x.new_ones(n).sum() for n in (*sizes.bounds, *sizes.send, *sizes.recv)])
+    return E.routed_combine(rows, back, 0, k, [tokens, weight.shape[-1]]), moved
+
+
+def test_every_read_of_a_ranks_rows_compiles_to_one_graph_with_dynamos_defaults():
+    """``torch.compile`` without ``fullgraph`` and without dynamo's capture flags: the reads are
+    autotp's opaque ops (autotp/distributed/reads.py), never a ``.tolist()`` or ``nonzero`` dynamo
+    would break the graph at; one graph, the eager result and gradients, and a batch routed
+    otherwise reuses it (its sizes unbacked, not guarded on)."""
+    from torch._dynamo.utils import counters
+
+    tokens, k, experts, tp, hidden, out = 6, 2, 5, 2, 3, 4   # 3 experts and 2: uneven
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(_rank_of_a_layer, backend="aot_eager")
+    for seed in (0, 1):
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, experts, (tokens * k,), generator=gen)
+        sorted_ids, perm = torch.sort(ids)
+        offs = torch.cumsum(torch.bincount(sorted_ids, minlength=experts), 0).to(torch.int32)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.numel())
+        owners = torch.randint(0, tp, (tokens * k,), generator=gen)
+        x = torch.randn(tokens, hidden, dtype=torch.float64, generator=gen)
+        weight = torch.randn(experts, hidden, out, dtype=torch.float64, generator=gen)
+        bias = torch.randn(experts, out, dtype=torch.float64, generator=gen)
+        for rank in range(tp):
+            first, count = _run(experts, tp, rank)
+            results = []
+            for fn in (_rank_of_a_layer, compiled):
+                leaves = [t.clone().requires_grad_() for t in (x, weight[first:first + count], bias[first:first + count])]
+                y, moved = fn(*leaves, ids, offs, perm, inverse, owners, first=first, count=count, experts=experts,
+                              k=k, tp=tp, rank=rank)
+                y.square().sum().backward()
+                results.append([y, moved] + [t.grad for t in leaves])
+            for got, want in zip(results[1], results[0]):
+                torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert dict(counters["graph_break"]) == {}
+    # one graph per rank's run of experts (first and count are constants of the trace), not per batch
+    assert counters["stats"]["unique_graphs"] == tp
+
+
+def test_routed_operands_with_other_rows_fail_under_compile_too():
+    x = torch.arange(6.0).view(3, 2)
+    compiled = torch.compile(E.match_rows, backend="aot_eager")
+    import pytest
+
+    # a device assertion in the compiled graph (eager raises AutotpError), the same message
+    with pytest.raises(Exception, match="routed operands hold different rows on this rank"):
+        compiled(x, torch.tensor([0, 2, 4]), torch.tensor([0, 1, 2]), 0, 6)
