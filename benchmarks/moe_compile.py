@@ -1,22 +1,31 @@
 """Compiled MoE at tp 1: ``torch.compile(pm)`` against ``torch.compile(model)`` (HF's own module), the
 same tiny Mixtral, forward + backward; graph breaks counted by dynamo.
 
-    python benchmarks/moe_compile.py --out benchmarks/moe_compile.md
+    python benchmarks/moe_compile.py --steps 60 --out benchmarks/moe_compile.md
     python benchmarks/moe_compile.py --family llama    # the dense path, the same widths without experts
     python benchmarks/moe_compile.py --head-dim 8 --seq 8 --steps 200   # tiny: the host's work per step
-    python benchmarks/moe_compile.py --pin-malloc   # glibc's heap neither trimmed nor mmapped per step
+    python benchmarks/moe_compile.py --control      # HF against a second HF module: the harness's spread
+    python benchmarks/moe_compile.py --default-malloc   # glibc's heap as it comes (thresholds adapting)
 
 One process, a gloo world of one rank. Both are compiled with inductor (``fullgraph=False``, so
 that a break would be counted, not raised); the experts run transformers' ``grouped_mm`` (float32
 on CPU: its ``grouped_mm_fallback`` op, opaque to inductor in both programs). The two modules
-alternate step for step; each step is timed by the wall clock and by the process's CPU time (one
-thread: what the step computed, less what a loaded machine's other processes took from it).
-Reported: medians and best steps, and the median of each step pair's autotp / HF ratio, with
-the minor page faults of a step (memory the allocator returned to the system and touched again:
-system CPU time, part of the CPU column). ``--pin-malloc`` runs the process with glibc's trim and
-mmap thresholds fixed (``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``), so that a step's
-buffers come from a heap that is never given back: the steps then compare without the faults,
-whose number follows the heap's history more than either program (``moe_compile_counts.py``).
+alternate step for step, in ABBA order (which one runs first in a pair alternates too); each
+step is timed by the wall clock and by the process's CPU time (one thread: what the step
+computed, less what a loaded machine's other processes took from it). Reported: medians and
+best steps, and the median of the step pairs' autotp / HF ratios with its spread (the pairs'
+quartiles, and a 95% bootstrap interval of the median), with the minor page faults of a step.
+
+Both arms run under the same allocator conditions: by default the process runs with glibc's trim
+and mmap thresholds fixed (``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_`` at 1 GB), so
+that neither module's step buffers are handed back to the system and faulted in again. Under
+glibc's adapting thresholds the faults follow where each module's parameters were allocated
+(HF's before any large free, in mappings of their own; ``parallelize``'s copies after the
+capture's frees, in the heap: ``moe_compile_heap.md``), not either program; the module must own
+copies of its parameters (docs/architecture.md section 9), so the benchmark fixes the heap for
+both rather than pricing that history into one arm. ``--default-malloc`` measures it anyway.
+``--control`` replaces autotp's arm by a second HF module (its parameters copied, as
+``parallelize``'s are): the ratio the harness itself reports for two equal programs.
 """
 from __future__ import annotations
 
@@ -45,6 +54,17 @@ BATCH, SEQ, WARMUP = 2, 64, 3
 PINNED_MALLOC = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(1 << 30)}
 
 
+def _spread(ratios: list[float], draws: int = 2000) -> tuple[float, float, float, float]:
+    """The step pairs' ratios: (25th percentile, 75th, and a 95% bootstrap interval of their
+    median: the median of ``draws`` resamples, a fixed seed)."""
+    import random
+
+    quartiles = statistics.quantiles(ratios, n=4)
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
+    return quartiles[0], quartiles[2], medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
+
+
 def _step(module, batch) -> tuple[float, float, int]:
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     wall, cpu = time.perf_counter(), time.process_time()
@@ -59,10 +79,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="timed steps of each module")
     parser.add_argument("--head-dim", type=int, default=WIDTHS["head_dim"], help="hidden = 4 heads of it")
     parser.add_argument("--seq", type=int, default=SEQ)
-    parser.add_argument("--pin-malloc", action="store_true", help="fix glibc's trim and mmap thresholds")
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="glibc's adapting trim and mmap thresholds (default: both fixed, for both arms)")
+    parser.add_argument("--pin-malloc", action="store_true", help="the default now (kept: earlier commands run)")
+    parser.add_argument("--control", action="store_true", help="a second HF module in place of autotp's")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if args.pin_malloc and any(os.environ.get(k) != v for k, v in PINNED_MALLOC.items()):
+    pinned = not args.default_malloc
+    if pinned and any(os.environ.get(k) != v for k, v in PINNED_MALLOC.items()):
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **PINNED_MALLOC})
     import autotp
     from autotp import zoo
@@ -79,11 +103,18 @@ def main() -> None:
         config._experts_implementation = "grouped_mm"
     model = zoo.build(args.family, config, seed=0)
     batch = zoo.example_batch(args.family, config, batch=BATCH, seq=args.seq, seed=1)
-    pm = autotp.parallelize(zoo.build(args.family, config, seed=0), 1, batch=BATCH, seq=args.seq)
-    pm(**batch)   # eager first: the call's program is captured and built
+    if args.control:   # HF's module again, its parameters copied after the first, as parallelize copies
+        pm = zoo.build(args.family, config, seed=0)
+        pm(**batch).loss.backward()
+        pm.zero_grad()
+        for p in pm.parameters():
+            p.data = p.data.clone()
+    else:
+        pm = autotp.parallelize(zoo.build(args.family, config, seed=0), 1, batch=BATCH, seq=args.seq)
+        pm(**batch)   # eager first: the call's program is captured and built
     from autotp.testing.work import WorkCounter
 
-    names = ("HF compiled", "autotp tp=1 compiled")
+    names = ("HF compiled", "HF compiled (control)" if args.control else "autotp tp=1 compiled")
     work = {}
     for name, module in zip(names, (model, pm)):   # eager, counted
         with WorkCounter() as counted:
@@ -101,7 +132,8 @@ def main() -> None:
                       "faults": []}
         breaks[name] = dict(counters["graph_break"])
     for step in range(WARMUP + args.steps):
-        for name, run in runs.items():
+        for name in (names if step % 4 in (0, 3) else names[::-1]):   # ABBA: either may run first
+            run = runs[name]
             wall, cpu, faults = _step(run["compiled"], batch)
             if step >= WARMUP:
                 run["wall"].append(wall)
@@ -109,7 +141,9 @@ def main() -> None:
                 run["faults"].append(faults)
     dist.destroy_process_group()
     hf, ours = runs[names[0]], runs[names[1]]
-    paired = {k: statistics.median(a / b for a, b in zip(ours[k], hf[k])) for k in ("wall", "cpu")}
+    pairs = {k: [a / b for a, b in zip(ours[k], hf[k])] for k in ("wall", "cpu")}
+    paired = {k: statistics.median(v) for k, v in pairs.items()}
+    spread = {k: _spread(v) for k, v in pairs.items()}
     what = (f"Mixtral, {WIDTHS['layers']} layers, hidden {widths['heads'] * widths['head_dim']}, {extra['experts']} "
             f"experts of {extra['intermediate_size']} features, top-{extra['top_k']}" if experts else
             f"Llama (dense), {WIDTHS['layers']} layers, hidden {widths['heads'] * widths['head_dim']}, MLP of "
@@ -118,7 +152,8 @@ def main() -> None:
     flags += "" if args.head_dim == WIDTHS["head_dim"] else f" --head-dim {args.head_dim}"
     flags += "" if args.seq == SEQ else f" --seq {args.seq}"
     flags += "" if args.steps == 40 else f" --steps {args.steps}"
-    flags += " --pin-malloc" if args.pin_malloc else ""
+    flags += " --default-malloc" if args.default_malloc else ""
+    flags += " --control" if args.control else ""
     lines = [
         f"# Compiled {'MoE' if experts else 'dense model'} at tp 1: autotp's program against HF's module, both "
         "under torch.compile",
@@ -132,8 +167,10 @@ def main() -> None:
         f"seq {args.seq}; a step is forward + backward; one thread; inductor; {WARMUP} warm-up steps after the "
         f"compiling one, {args.steps} timed, alternating. Wall: the step's wall-clock time; CPU: the process's "
         "CPU time over the step; faults: the minor page faults of a step."
-        + (" glibc's heap pinned: " + ", ".join(f"{k}={v}" for k, v in PINNED_MALLOC.items()) + "."
-           if args.pin_malloc else ""),
+        + (" Both arms under one fixed heap: " + ", ".join(f"{k}={v}" for k, v in PINNED_MALLOC.items()) + "."
+           if pinned else " glibc's adapting thresholds (--default-malloc).")
+        + (" Control: the second arm is a second HF module, its parameters copied after one step." if args.control
+           else ""),
         "",
         "Work: one eager forward + backward counted (`autotp/testing/work.py`): FLOPs of products, bytes written "
         "by the rest.",
@@ -149,9 +186,13 @@ def main() -> None:
                      f"{sum(breaks[name].values())} | {work[name][0] / 1e9:.3f} | "
                      f"{work[name][1] / 1e6:.2f} |")
     ratio = lambda k, f: f(ours[k]) / f(hf[k])   # noqa: E731
-    lines += ["", "| autotp / HF | median | best | median of the step pairs' ratios |", "|---|---|---|---|",
-              f"| wall | {ratio('wall', statistics.median):.3f} | {ratio('wall', min):.3f} | {paired['wall']:.3f} |",
-              f"| CPU | {ratio('cpu', statistics.median):.3f} | {ratio('cpu', min):.3f} | {paired['cpu']:.3f} |"]
+    lines += ["", f"| {'control / HF' if args.control else 'autotp / HF'} | median | best | median of the step "
+              "pairs' ratios | pairs' quartiles | 95% interval of that median (bootstrap) |",
+              "|---|---|---|---|---|---|"]
+    for k, label in (("wall", "wall"), ("cpu", "CPU")):
+        q1, q3, lo, hi = spread[k]
+        lines.append(f"| {label} | {ratio(k, statistics.median):.3f} | {ratio(k, min):.3f} | {paired[k]:.3f} | "
+                     f"{q1:.3f}-{q3:.3f} | {lo:.3f}-{hi:.3f} |")
     for name, found in breaks.items():
         if found:
             lines += ["", f"{name}'s graph breaks:"] + [f"- {reason}: {n}" for reason, n in found.items()]
