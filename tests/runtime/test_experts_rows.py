@@ -188,9 +188,12 @@ def test_every_read_of_a_ranks_rows_compiles_to_one_graph_with_dynamos_defaults(
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(_rank_of_a_layer, backend="aot_eager")
-    for seed in (0, 1):
+    # a traced size is unbacked (at least 0): the graph traced on the first routing runs the others,
+    # rank 1 (experts 3, 4) given no row, then one row
+    routings = {0: None, 1: None, 2: torch.tensor([0, 1, 2] * 4), 3: torch.tensor([0, 1, 2] * 3 + [0, 4, 1])}
+    for seed, routed in routings.items():
         gen = torch.Generator().manual_seed(seed)
-        ids = torch.randint(0, experts, (tokens * k,), generator=gen)
+        ids = torch.randint(0, experts, (tokens * k,), generator=gen) if routed is None else routed
         sorted_ids, perm = torch.sort(ids)
         offs = torch.cumsum(torch.bincount(sorted_ids, minlength=experts), 0).to(torch.int32)
         inverse = torch.empty_like(perm)
