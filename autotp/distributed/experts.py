@@ -174,13 +174,21 @@ def routed_permute(x: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, cop
 def routed_scatter(x: torch.Tensor, rows: torch.Tensor, dim: int, span: int, shape: Sequence[int]) -> torch.Tensor:
     """The whole tensor of ``shape`` with this rank's rows in place and zero elsewhere (a routed
     value leaving the region as a plain Partial: a g sums the ranks' rows). ``span`` dims from
-    ``dim`` on are the rows' dims (their ids count over them, row-major)."""
+    ``dim`` on are the rows' dims (their ids count over them, row-major).
+
+    A ``scatter`` by the row ids spread over x's shape, not ``index_copy``: autograd saves
+    ``index_copy``'s source for its backward, and the model may write x in place after this
+    conversion has read it (Mixtral's router sums its top-k weights, then divides them by the
+    sum in place; under sequence parallelism the sum reads them through this scatter): backward
+    then failed ("modified by an inplace operation"). ``scatter``'s backward gathers the
+    gradient by the index alone."""
     shape = [int(s) for s in shape]
     rows_total = 1
     for s in shape[dim:dim + span]:
         rows_total *= s
     flat = shape[:dim] + [rows_total] + shape[dim + span:]
-    return x.new_zeros(flat).index_copy(dim, rows, x).view(shape)
+    index = rows.view([1] * dim + [-1] + [1] * (x.dim() - dim - 1)).expand(x.shape)
+    return x.new_zeros(flat).scatter(dim, index, x).view(shape)
 
 
 def routed_combine(x: torch.Tensor, rows: torch.Tensor, dim: int, group: int, shape: Sequence[int],

@@ -119,7 +119,7 @@ def _thinned(front: list) -> list:
 
 class _Solver:
     def __init__(self, index: GraphIndex, profile: DeviceProfile, pinned: Mapping[str, Placement],
-                 memory_limit: float | None):
+                 memory_limit: float | None, exact: bool = False):
         self.index, self.profile, self.pinned = index, profile, dict(pinned)
         self.limit = memory_limit
         self.keep_front = memory_limit is not None
@@ -139,8 +139,9 @@ class _Solver:
                 continue
             if n.name in self.cap.param_names:
                 decided = self.pinned.get(n.name)
-                if n.meta["val"].dim() >= 2 and decided is not None and not (
-                        isinstance(decided, Shard) and (decided.chunks, decided.unit) == (1, 1)):
+                # exact: a plan's own placements, every parameter's as it is (propagate's ``exact``)
+                if decided is not None and (exact or n.meta["val"].dim() >= 2 and not (
+                        isinstance(decided, Shard) and (decided.chunks, decided.unit) == (1, 1))):
                     self.fixed[n] = decided
                     self.memory0 += param_memory(index, profile, n, decided)
                     self.seconds0 += param_update_seconds(index, profile, n, decided)
@@ -453,15 +454,17 @@ def _expand(choices: tuple) -> dict:
 
 
 def solve(index: GraphIndex, profile: DeviceProfile, pinned: Mapping[str, Placement] | None = None,
-          memory_limit: float | None = None) -> Solution:
+          memory_limit: float | None = None, exact: bool = False) -> Solution:
     """The minimum-cost plan (see the module docstring); ``memory_limit`` in bytes per rank.
+    ``exact``: every pinned placement held as it is, 1-D parameters' and plain shards' included (a
+    saved plan's, which a later program of the same parameters must keep: they were sliced at load).
 
     The unconstrained optimum is found first; only if it does not fit is the DP run again
     with (time, memory) fronts, which is slower, and not at all where the parameters' training
     state alone, split ``tp`` ways, exceeds the limit. Where no plan fits, the MemoryLimitError
     carries the unconstrained optimum as ``fastest`` (a Solution, as ``memory_limit=None`` returns)."""
     pinned = dict(pinned or {})
-    solver = _Solver(index, profile, pinned, None)
+    solver = _Solver(index, profile, pinned, None, exact)
     forced, seconds, memory = solver.solve()
     over_limit = None
     if memory_limit is not None and memory > memory_limit:
@@ -473,26 +476,26 @@ def solve(index: GraphIndex, profile: DeviceProfile, pinned: Mapping[str, Placem
                     f"no feasible plan: the parameters' training state alone, each split {index.tp} ways, takes "
                     f"{floor / 2**30:.2f} GiB per rank, over the memory limit of {memory_limit / 2**30:.2f} GiB; "
                     "raise memory_limit, use a larger tp, or a smaller batch/seq", limit_bytes=memory_limit)
-            solver = _Solver(index, profile, pinned, memory_limit)
+            solver = _Solver(index, profile, pinned, memory_limit, exact)
             forced, seconds, memory = solver.solve()
         except MemoryLimitError as exc:   # plans exist, none within the limit: say what the fastest needs
             # the fastest plan, as solve(..., memory_limit=None) returns it: a caller may show it (autotp.planner)
-            exc.fastest = _solution(index, profile, pinned, fastest_solver, fastest, *over_limit, None)
+            exc.fastest = _solution(index, profile, pinned, fastest_solver, fastest, *over_limit, None, exact)
             # (its search's cut, if any, is said where the plan is shown: Solution.warn_pruned)
             prop = exc.fastest.propagation
             exc.needed_bytes, exc.state_bytes = prop.memory_bytes, prop.memory_bytes - prop.activation_bytes
             exc.activation_bytes = prop.activation_bytes
             raise
-    solution = _solution(index, profile, pinned, solver, forced, seconds, memory, over_limit)
+    solution = _solution(index, profile, pinned, solver, forced, seconds, memory, over_limit, exact)
     solution.warn_pruned()
     return solution
 
 
 def _solution(index: GraphIndex, profile: DeviceProfile, pinned: dict, solver: _Solver, forced: dict,
-              seconds: float, memory: float, over_limit: tuple | None) -> Solution:
+              seconds: float, memory: float, over_limit: tuple | None, exact: bool = False) -> Solution:
     """The solver's choices replayed by :func:`propagate` into a plan, which must cost what the
     solver predicted."""
-    prop = propagate(index, pinned, profile, forced=forced)
+    prop = propagate(index, pinned, profile, forced=forced, exact=exact)
     if prop.infeasible:
         raise PlanError(f"internal: the solver's plan does not replay: {prop.infeasible}")
     if (abs(prop.total_s - seconds) > 1e-8 * max(1e-3, seconds)

@@ -3,6 +3,7 @@ strategies solved (or a saved plan replayed) and the result written as a plan. W
 :func:`autotp.plan`, :func:`autotp.parallelize` and the PTD-P planner (:mod:`autotp.ptd`) share."""
 from __future__ import annotations
 
+import logging
 from typing import Any, Mapping
 
 from ..capture import Capture, gc_paused, module_path
@@ -17,6 +18,8 @@ from ..placements import REPLICATE, Placement, Shard
 from ..plan.flow import record_flows
 from ..plan.plan import CommOp, DeferredExpressions, Plan, attention_heads, cost_expressions, role_of, unsplit_attention_note
 from .roles import _first_uses, _pinned
+
+log = logging.getLogger(__name__)
 
 
 @gc_paused()
@@ -110,9 +113,7 @@ def _planned(cap: Capture, index: GraphIndex, prof: Any, pinned: Mapping[str, Pl
     """The plan on ``index``: ``plan`` replayed, or solved under ``pinned`` within ``limit``."""
     notes: list[str] = []
     if plan is not None:
-        prop = propagate(index, pinned, prof, exact=True)
-        if prop.infeasible:
-            raise PlanError(f"the given plan does not fit this model: {prop.infeasible}")
+        prop = _under_pins(index, prof, pinned)
     else:
         try:
             solution, index, more = _solve(index, prof, pinned, layout, limit)
@@ -139,6 +140,28 @@ def _planned(cap: Capture, index: GraphIndex, prof: Any, pinned: Mapping[str, Pl
         if prop.infeasible:
             raise PlanError(f"no feasible plan: {prop.infeasible}")
     return _written(cap, index, prop, prof, batch, seq, keep, layout, pinned, limit, notes, replayed=plan)
+
+
+def _under_pins(index: GraphIndex, prof: Any, pinned: Mapping[str, Placement]) -> Propagation:
+    """A saved plan's parameter placements on another capture (a later program of ``parallelize``:
+    an inference call, a padded one, a generation step): the solver's plan of the activations
+    under those placements held exactly, or the op-by-op greedy walk's where that is cheaper (the
+    search cut at MAX_STATES) or the solver finds none. The greedy walk alone chose each op's
+    placement without the conversions it leaves to later ops: Mixtral's inference program at batch
+    64 reduce-scattered the attention's partial sum along the hidden dim into the residual add (half
+    an all-reduce, half the add) and then all-gathered it twice for the norm, 2% slower by the
+    cost model than the solver's plan under the same pins."""
+    greedy = propagate(index, pinned, prof, exact=True)
+    try:
+        solved = solve(index, prof, pinned, exact=True).propagation
+    except PlanError as exc:
+        if greedy.infeasible:
+            raise PlanError(f"the given plan does not fit this model: {exc}") from exc
+        # the walk is a path the search holds, so only a search cut at MAX_STATES loses it
+        log.info("autotp: a later program is planned op by op (the solver found no plan under the given "
+                 "placements: %s)", exc)
+        return greedy
+    return greedy if not greedy.infeasible and greedy.total_s < solved.total_s else solved
 
 
 def _written(cap: Capture, index: GraphIndex, prop: Propagation, prof: Any, batch: int, seq: int,

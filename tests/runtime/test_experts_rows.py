@@ -95,6 +95,27 @@ def test_picked_rows_scatter_and_match_to_the_whole(rows, experts, tp, seed):
     torch.testing.assert_close(total, weight[ids])
 
 
+@settings(max_examples=30, deadline=None)
+@given(outer=st.integers(0, 2), rows=st.integers(1, 8), inner=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_routed_scatter_keeps_no_copy_of_rows_the_model_then_writes_in_place(outer, rows, inner, seed):
+    """Mixtral's router sums its top-k weights, then divides them by the sum in place: where the
+    sum reads them through ``routed_scatter`` (sequence parallelism), backward needs nothing of
+    the rows the division then writes (``index_copy`` saved them: "modified by an inplace
+    operation"). The rows lie along ``dim`` (0 or 1); gradients equal the whole scatter's."""
+    gen = torch.Generator().manual_seed(seed)
+    dim = 1 if outer else 0
+    lead = [outer] if outer else []
+    mine = torch.randperm(rows, generator=gen)[: max(1, rows // 2)]
+    x = torch.randn(*lead, mine.numel(), inner, dtype=torch.float64, generator=gen, requires_grad=True)
+    weights = x * 1.0
+    total = E.routed_scatter(weights, mine, dim, 1, lead + [rows, inner]).sum(-1, keepdim=True)
+    weights.div_(2.0)   # the model's in-place write, after the scatter read the rows
+    grad = torch.randn(total.shape, dtype=torch.float64, generator=gen)
+    (total * grad).sum().add(weights.sum()).backward()
+    want = grad.index_select(dim, mine).expand(x.shape) + 0.5
+    torch.testing.assert_close(x.grad, want)
+
+
 def test_routed_operands_with_other_rows_are_an_error_not_a_misaligned_sum():
     import pytest
 

@@ -47,7 +47,7 @@ from .inputs import StagedBounds, check_index_bounds, check_not_empty, index_bou
 from .leaves import LeavesSwitch, LocalLeaves, local_tensor, program_tensor
 from ...distributed.mesh import device_mesh_of
 from .outline import layer_paths, outline
-from .program import Program, ProgramBuilder, fixed_length, unequal_symbol, within_ranges
+from .program import Program, ProgramBuilder, broken_guards, fixed_length, unequal_symbol, within_ranges
 from .state import RankState, refuse_dtype_change
 
 
@@ -484,6 +484,9 @@ class ParallelModule(LeavesSwitch, nn.Module):
                 self._warned_lengths = True
                 log.warning("autotp: %s", fixed)
             if self._serving(kwargs) is None:
+                guarded = broken_guards([self._current, *self._programs], kwargs, self.training)
+                if guarded is not None:   # another chunk count: a program of its own, said each time
+                    log.warning("autotp: %s", guarded)
                 self._finish_call_check(agreed)   # the ranks agree on the call before capturing for it
             program = self._current = self._program_for(kwargs)
             self._check_ranges(kwargs)

@@ -7,6 +7,7 @@ call's inputs are the ones a program was captured for, and :func:`unequal_symbol
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -42,10 +43,11 @@ class Program:
     #: parameter FQNs the program's layer calls read themselves (per-layer FSDP: runtime.module.outline)
     outlined: frozenset = frozenset()
 
-    def serves(self, kwargs: dict[str, Any], training: bool, tied: bool = True) -> bool:
+    def serves(self, kwargs: dict[str, Any], training: bool, tied: bool = True, guarded: bool = True) -> bool:
         """Does this program compute a call with these inputs, in this mode? Same tensor inputs
         (names, dtypes, ranks), same non-tensor flags (a flag left out takes the captured value),
-        and equal sizes where the capture has one symbol (``tied=False``: all but that)."""
+        and equal sizes where the capture has one symbol (``tied=False``: all but that), within
+        export's guards (``guarded=False``: all but those)."""
         cap = self.capture
         if cap.training != training:
             return False
@@ -71,7 +73,7 @@ class Program:
                     return False
         # sizes that break a guard export traced under (a chunked scan's other residue class of
         # lengths, a single chunk) are another program's
-        if not guards_hold(cap, tensors):
+        if guarded and not guards_hold(cap, tensors):
             return False
         # dims the capture made one symbol must be equal: a call whose lengths differ there (an
         # encoder-decoder's source and target) is another program
@@ -123,6 +125,38 @@ def fixed_length(captures: list[Capture], kwargs: dict[str, Any]) -> str | None:
                         f"(the forward reads it as a number, e.g. loops over the sequence). Each other length gets a "
                         f"program of its own, captured on first use (seconds each); pad {name} to a few lengths "
                         "(labels -100 where padded) to keep their number small")
+    return None
+
+
+def broken_guards(programs: list[Program], kwargs: dict[str, Any], training: bool) -> str | None:
+    """Where a call is a program's in all but the guards torch.export traced it under (a chunked
+    scan's padding, Gated DeltaNet's 64-token chunks, lightning attention's blocks: another chunk
+    count, or another residue class of the chunk, runs other code), a sentence saying that the
+    call gets a program of its own, what that costs and how to avoid it. Said for each such new
+    program: the next call of that chunk count is the new program's."""
+    for program in programs:
+        cap = program.capture
+        if program.step or not cap.guards or guards_hold(cap, kwargs) \
+                or not program.serves(kwargs, training, guarded=False):
+            continue
+        metas = {n.name: n.meta.get("val") for n in cap.graph.nodes if n.op == "placeholder"}
+        traced = dict(zip(cap.input_keys, (metas.get(node) for node in cap.user_inputs)))
+        read = sorted({(name, int(dim)) for guard in cap.guards
+                       for name, dim in re.findall(r"L\['([^']+)'\]\.size\(\)\[(\d+)\]", guard)})
+        sizes = []
+        for name, dim in read:
+            value, meta = kwargs.get(name), traced.get(name)
+            if not isinstance(value, torch.Tensor) or not isinstance(meta, torch.Tensor) or value.dim() <= dim:
+                continue
+            hint = getattr(getattr(meta.shape[dim], "node", None), "hint", meta.shape[dim])
+            if hint is not None and int(hint) != value.shape[dim]:
+                sizes.append(f"{name} dim {dim} = {value.shape[dim]} (traced at {int(hint)})")
+        said = ", ".join(sizes) or ", ".join(f"{n} dim {d}" for n, d in read)
+        return (f"{said}: a size that breaks the guards torch.export traced {cap.model_name}'s program under (guards on "
+                f"the length, as a forward that pads the sequence to a chunk and runs chunk by chunk makes: another "
+                f"chunk count, or another residue class of the chunk, runs other code). This call gets a program of its own, captured, planned and "
+                f"rewritten now (seconds, once per chunk count; later calls of that count reuse it); pad the inputs "
+                f"to lengths of few chunk counts (labels -100 where padded) to keep the programs few")
     return None
 
 
