@@ -4,7 +4,8 @@
 backward): a product (``mm``, ``bmm``, attention, a grouped product of experts: transformers'
 fallback op and its backward included) adds its FLOPs, any other op the bytes of the tensors
 it writes (views write none). ``work.by_op`` keeps both per op name, so a test can hold one
-kind of op to account (the experts' products of a rank against its rows). ``work.moved`` (and
+kind of op to account (the experts' products of a rank against its rows). (``_unsafe_view``, an alias the
+dispatcher does not mark a view, writes none either.) ``work.moved`` (and
 ``moved_by_op``) counts what an op's kernels read too, the memory traffic a GPU pays for it;
 allocations (which touch no memory) and collectives (communication) are left out of it.
 
@@ -56,6 +57,10 @@ class WorkCounter(TorchDispatchMode):
                  "wait_tensor", "all_reduce", "all_gather", "_allgather", "reduce_scatter", "_reduce_scatter",
                  "allreduce", "broadcast", "all_to_all", "alltoall")
 
+    #: ops that return an alias without being marked views (``_unsafe_view``: a reshape's or a
+    #: matmul's result over the same storage); they write nothing
+    ALIASES = (torch.ops.aten._unsafe_view,)
+
     def __init__(self) -> None:
         super().__init__()
         self.flops = 0
@@ -75,7 +80,7 @@ class WorkCounter(TorchDispatchMode):
             self.flops += int(flops)
             self.by_op[name] += int(flops)
             return out
-        if not func.is_view:
+        if not func.is_view and func.overloadpacket not in self.ALIASES:
             written = sum(t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
             self.bytes += written
             self.by_op[name] += written
