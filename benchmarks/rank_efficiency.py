@@ -190,17 +190,20 @@ def run_model(spec: str, args) -> list[str]:
                          predicted=(pred_rank, pred_serial), compiled=compiled, plan=pm.plan))
         del pm
     tp = args.tp
-    lines += ["| version | thread ms (least) | **serial/N ÷ rank, thread time** | wall ms (median) | serial/N ÷ rank, "
+    lines += ["| version | thread ms (least) | **serial/N ÷ rank, thread time** | ATen calls ms (each at its least) | "
+              "serial/N ÷ rank, ATen calls | wall ms (median) | serial/N ÷ rank, "
               "wall | FLOPs rank ÷ serial/N | bytes rank ÷ serial/N | predicted ms (rank / serial÷N) | "
-              "predicted serial/N ÷ rank | device busy |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "predicted serial/N ÷ rank | device busy |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     pct = lambda x: "-" if x != x else f"{x:.0%}"   # noqa: E731
     ms = lambda x: "-" if x != x else f"{x * 1e3:.1f}"   # noqa: E731
     ratio = lambda share, x: "-" if x != x else f"{share / x:.2f}"   # noqa: E731
-    lines.append(f"| serial | {ms(serial['thread'])} | - | {ms(serial['clock'])} | - | - | - | - | - | "
-                 f"{pct(serial_busy)} |")
+    calls = lambda t: t["ops"].total if t["ops"] is not None else float("nan")   # noqa: E731
+    lines.append(f"| serial | {ms(serial['thread'])} | - | {ms(calls(serial))} | - | {ms(serial['clock'])} | - | - | - | "
+                 f"- | - | {pct(serial_busy)} |")
     for r in rows:
         t, (pr, ps) = r["time"], r["predicted"]
         lines.append(f"| autotp {r['label']} | {ms(t['thread'])} | **{ratio(serial['thread'] / tp, t['thread'])}** | "
+                     f"{ms(calls(t))} | {ratio(calls(serial) / tp, calls(t))} | "
                      f"{ms(t['clock'])} | {ratio(serial['clock'] / tp, t['clock'])} | "
                      f"{r['counts'].flops / (serial_counts.flops / tp):.2f} | "
                      f"{r['counts'].moved / (serial_counts.moved / tp):.2f} | {pr * 1e3:.2f} / {ps * 1e3:.2f} | "
@@ -348,8 +351,10 @@ def main() -> None:
              "is not run: the fake backend returns at once). "
              + ("On CPU it is read off the thread's CPU time (`time.thread_time`, the least of the repeats: the "
                 "step's own compute, which another job on the cores does not lengthen; one torch thread, so the "
-                "calling thread does all of it), and, for comparison, off the wall clock (the median), which "
-                "also holds the time the step waited for a core. " if args.device == "cpu" else "")
+                "calling thread does all of it); off the sum of the step's ATen calls, each at its least over the "
+                "repeats (`benchmarks/op_timer.py`: what the kernels cost, without Python and autograd's "
+                "bookkeeping, and with the least of each call's contention for the core's caches); and, for "
+                "comparison, off the wall clock (the median), which also holds the time the step waited for a core. " if args.device == "cpu" else "")
              + "FLOPs and bytes are counted off the ops the steps run "
              "(forward + backward); 'predicted' is the cost model's forward + backward on the profile, at the "
              "measured workload.", ""]
