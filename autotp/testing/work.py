@@ -4,8 +4,8 @@
 backward): a product (``mm``, ``bmm``, attention, a grouped product of experts: transformers'
 fallback op and its backward included) adds its FLOPs, any other op the bytes of the tensors
 it writes (views write none). ``work.by_op`` keeps both per op name, so a test can hold one
-kind of op to account (the experts' products of a rank against its rows). (``_unsafe_view``, an alias the
-dispatcher does not mark a view, writes none either.) ``work.moved`` (and
+kind of op to account (the experts' products of a rank against its rows); ``_unsafe_view``, an
+alias the dispatcher does not mark a view, writes none either. ``work.moved`` (and
 ``moved_by_op``) counts what an op's kernels read too, the memory traffic a GPU pays for it;
 allocations (which touch no memory) and collectives (communication) are left out of it.
 
@@ -100,10 +100,11 @@ _TESTING = os.path.dirname(os.path.abspath(__file__)) + os.sep
 @dataclass(frozen=True)
 class Copy:
     """One copy or cast: the op, the bytes it wrote, whether its source was laid out as its
-    result already (one contiguous input of as many elements, written to a whole tensor, not
-    into part of a buffer: a copy nothing needed), whether it changed the dtype, and where it was made: ``"program"`` (a node of the
-    model's program), ``"autograd"`` (a backward formula the engine ran for one), or the
-    autotp function (``"collectives._all_gather"``)."""
+    result already (``duplicate``: one contiguous input of as many elements and the same dtype,
+    written to a whole tensor, not into part of a buffer: a copy nothing needed), whether it
+    changed the dtype (``cast``), and where it was made (``site``): ``"program"`` (a node of the
+    model's program), ``"autograd"`` (a backward formula the engine ran for one), or the autotp
+    function (``"collectives._all_gather"``)."""
 
     op: str
     bytes: int
