@@ -47,6 +47,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import machine, publish  # noqa: E402
 from benchmarks.fake_peers import EMULATED, mirrored_peers  # noqa: E402
+from benchmarks.op_timer import (ATTENTION_OPS, CATEGORIES, PRODUCT_OPS, by_category, category,  # noqa: E402
+                                 module_step, op_times)
 
 #: (family, tiny_config arguments): the published models' experts, top-k and heads, narrower
 SHAPES = {
@@ -87,9 +89,9 @@ def _fwd_bwd(module, batch: dict) -> tuple[float, float]:
     """(wall seconds, this thread's CPU seconds) of a forward + backward. The thread's time is
     the step's own compute: on two cores shared by several jobs the wall time also holds the
     time the step waited for a core (at a load average of 16, most of it)."""
-    module.zero_grad(set_to_none=True)
+    step = module_step(module, batch)
     wall, cpu = time.perf_counter(), time.thread_time()
-    module(**batch).loss.backward()
+    step()
     return time.perf_counter() - wall, time.thread_time() - cpu
 
 
@@ -100,20 +102,6 @@ def _counted(module, batch: dict):
         module(**batch).loss.backward()
     module.zero_grad(set_to_none=True)
     return work
-
-
-def _per_op(module, batch: dict, repeats: int = 3):
-    """The ATen op calls of a forward + backward, each at its least CPU time over ``repeats``
-    steps (``benchmarks/op_timer.py``), and the least whole step's CPU time."""
-    from benchmarks.op_timer import op_times
-
-    def step():
-        module.zero_grad(set_to_none=True)
-        module(**batch).loss.backward()
-
-    out = op_times(step, repeats)
-    module.zero_grad(set_to_none=True)
-    return out
 
 
 def _kind(plan) -> str:
@@ -191,57 +179,9 @@ def _measure_ranks(model, family: str, extra: dict, batch: dict, runs: dict, tp:
         for run in runs.values():
             run["times"].append(_fwd_bwd(run["module"], batch))
     for run in runs.values():
-        run["ops"] = _per_op(run["module"], batch)
+        run["ops"] = op_times(module_step(run["module"], batch), repeats=3)   # each call at its least CPU time
     return {"runs": runs, "chosen": _kind(chosen), "chosen_step_s": chosen.cost["step_s"],
             "notes": [n for n in chosen.notes if n.startswith("experts ")]}
-
-
-#: measured ATen ops (the dispatch mode's names) that are products, and attention
-PRODUCT_OPS = ("mm", "bmm", "addmm", "baddbmm", "addmv", "mv", "dot")
-ATTENTION_OPS = ("_scaled_dot_product", "_flash_attention", "_efficient_attention")
-INDEX_OPS = ("index", "_index_put", "scatter", "gather", "sort", "argsort", "topk", "bucketize", "nonzero", "histc",
-             "bincount", "masked", "take", "embedding", "cumsum", "repeat_interleave", "one_hot", "where")
-ALLOC_OPS = ("new_zeros", "zeros", "zeros_like", "fill_", "zero_", "new_empty", "empty", "empty_like", "new_full",
-             "full", "new_empty_strided", "empty_strided", "arange", "ones", "new_ones", "ones_like", "full_like",
-             "scalar_tensor", "lift_fresh")
-COPY_OPS = ("copy_", "clone", "_to_copy", "contiguous", "cat", "stack", "to", "_copy_from", "expand_copy")
-VIEW_OPS = ("view", "_unsafe_view", "reshape", "slice", "select", "permute", "transpose", "t", "expand", "as_strided",
-            "unsqueeze", "squeeze", "split", "split_with_sizes", "chunk", "alias", "detach", "narrow", "unbind",
-            "_reshape_alias", "unflatten", "flatten", "view_as", "diagonal")
-#: the categories of the where-the-time-goes table, in its order
-CATEGORIES = ("experts' products", "other products", "attention", "index, scatter, gather, sort, top-k",
-              "allocations, zero-fills", "copies, cat", "views", "elementwise, reductions, norms, the loss",
-              "collectives (the fake backend's copies)", "outside ATen ops (Python, autograd, the program's calls)")
-
-
-def _category(op: str) -> str:
-    if "grouped_mm" in op:
-        return CATEGORIES[0]
-    if op in PRODUCT_OPS:
-        return CATEGORIES[1]
-    if op.startswith(ATTENTION_OPS):
-        return CATEGORIES[2]
-    if "c10d" in op:
-        return CATEGORIES[8]
-    if op.startswith(INDEX_OPS):
-        return CATEGORIES[3]
-    if op in ALLOC_OPS:
-        return CATEGORIES[4]
-    if op in COPY_OPS:
-        return CATEGORIES[5]
-    if op in VIEW_OPS:
-        return CATEGORIES[6]
-    return CATEGORIES[7]
-
-
-def _by_category(ops) -> dict[str, float]:
-    """Seconds per category of a step's least-time op calls (``benchmarks/op_timer.StepOps``),
-    with what the step spent outside any ATen op."""
-    out = dict.fromkeys(CATEGORIES, 0.0)
-    for op, t in ops.by_op.items():
-        out[_category(op)] += t
-    out[CATEGORIES[-1]] = max(0.0, ops.wall - ops.total)
-    return out
 
 
 def _measured_split(ops) -> dict[str, float]:
@@ -274,7 +214,7 @@ def _split_table(runs: dict, names: list[str]) -> list[str]:
     for n in names:
         run, measured = runs[n], _measured_split(runs[n]["ops"])
         cells = [f"{run['split'][k] * 1e3:.1f} / {measured[k] * 1e3:.1f}" for k in ("products", "attention", "memory")]
-        outside = max(0.0, runs[n]["ops"].wall - runs[n]["ops"].total)
+        outside = max(0.0, runs[n]["ops"].step - runs[n]["ops"].total)
         lines.append(f"| {n} | " + " | ".join(cells) + f" | {run['split']['host_reads'] * 1e3:.2f} | "
                      f"{outside * 1e3:.1f} |")
     return lines
@@ -306,17 +246,17 @@ def _excess_tables(runs: dict, tp: int) -> list[str]:
     """Where each rank's time above serial/tp goes: by category, then the op calls (op, output
     shape) with the most time above serial's same calls / tp."""
     serial = runs["serial"]["ops"]
-    s_cat = _by_category(serial)
+    s_cat = by_category(serial)
     lines = ["| where (CPU ms, each call at its least of the repeats) | serial / tp | "
              + " | ".join(f"{n}: rank (over serial/tp)" for n in VERSIONS) + " |",
              "|---|---|" + "---|" * len(VERSIONS)]
-    cats = {n: _by_category(runs[n]["ops"]) for n in VERSIONS}
+    cats = {n: by_category(runs[n]["ops"]) for n in VERSIONS}
     for c in CATEGORIES:
         cells = [f"{cats[n][c] * 1e3:.1f} ({(cats[n][c] - s_cat[c] / tp) * 1e3:+.1f})" for n in VERSIONS]
         lines.append(f"| {c} | {s_cat[c] / tp * 1e3:.1f} | " + " | ".join(cells) + " |")
-    totals = [f"**{runs[n]['ops'].wall * 1e3:.1f}** ({(runs[n]['ops'].wall - serial.wall / tp) * 1e3:+.1f})"
+    totals = [f"**{runs[n]['ops'].step * 1e3:.1f}** ({(runs[n]['ops'].step - serial.step / tp) * 1e3:+.1f})"
               for n in VERSIONS]
-    lines.append(f"| the step (least thread time) | **{serial.wall / tp * 1e3:.1f}** | " + " | ".join(totals) + " |")
+    lines.append(f"| the step (least thread time) | **{serial.step / tp * 1e3:.1f}** | " + " | ".join(totals) + " |")
     lines.append(f"| ATen op calls per step | {len(serial.calls)} (whole) | "
                  + " | ".join(str(len(runs[n]["ops"].calls)) for n in VERSIONS) + " |")
     s_shape = serial.by_op_shape()
@@ -326,7 +266,7 @@ def _excess_tables(runs: dict, tp: int) -> list[str]:
                   "| op | output shape | calls | rank | serial / tp | over |", "|---|---|---|---|---|---|"]
         rank = runs[n]["ops"].by_op_shape()
         over = {key: t - s_shape.get(key, (0.0, 0))[0] / tp for key, (t, _) in rank.items()
-                if _category(key[0]) != CATEGORIES[0]}
+                if category(key[0]) != CATEGORIES[0]}
         for key in sorted(over, key=lambda k: -over[k])[:10]:
             op, shape = key
             lines.append(f"| `{op}` | {list(shape)} | {rank[key][1]} | {rank[key][0] * 1e3:.2f} | "
@@ -391,7 +331,7 @@ def main() -> None:
         s_med = statistics.median(cpu["serial"]) / tp
         s_flops, s_moved = serial["work"].flops / tp, serial["work"].moved / tp
         s_expert_flops = _expert_flops(serial["work"]) / tp
-        s_expert_s = _by_category(serial["ops"])[CATEGORIES[0]] / tp
+        s_expert_s = by_category(serial["ops"])[CATEGORIES[0]] / tp
         lines.append(f"| {label} | serial / {tp} | {serial['predicted'] * 1e3:.1f} | {s_med * 1e3:.1f} | "
                      f"{min(cpu['serial']) / tp * 1e3:.1f} | {statistics.median(wall['serial']) / tp * 1e3:.1f} | "
                      "1.00 | 1.00 | 1.00 | - | 1.00 | 1.00 | 1.00 | - |")

@@ -6,11 +6,17 @@ once and move nothing), so the rank's own compute runs at its real size on one d
 model (published widths, fewer layers) it measures, side by side in one run:
 
 * **efficiency**: (serial step / N) / rank step, forward + backward, eager (and ``--compile``:
-  both under ``torch.compile``), medians of ``--repeats`` steps after a warm-up;
+  both under ``torch.compile``). On CPU by two clocks: the thread's CPU time (the least of
+  ``--repeats`` steps after a warm-up: the step's own compute, steady on a shared machine, where
+  waiting for a core is not counted) and the wall clock (their median, for comparison); on CUDA
+  the wall clock, the device synchronized;
 * **counts that do not depend on the device**: the products' FLOPs and every other op's bytes
-  read and written (a dispatch mode over forward and backward), rank against serial/N;
-* **time per ATen op** (the profiler's self time: CPU here, the device's on CUDA) beside serial/N,
-  the largest first, and on CUDA the share of the step the device is busy;
+  read and written (a dispatch mode over forward and backward), rank against serial/N, and the
+  copies and casts each step makes, by where they were made (``autotp.testing.work.CopyCounter``);
+* **time per ATen op** beside serial/N, the largest first: on CPU each call at its least thread
+  time over the repeats (``benchmarks/op_timer.py``, shared with ``benchmarks/moe_rank.py``), by
+  op and by kind; on CUDA the profiler's device time, and the share of the step the device is
+  busy;
 * **predicted**: the cost model's forward + backward for the rank and for serial/N at the
   measured workload, on ``--profile``.
 
@@ -39,6 +45,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import machine, publish  # noqa: E402
 from benchmarks.fake_peers import mirrored_peers  # noqa: E402
+from benchmarks.op_timer import CATEGORIES, by_category, module_step, op_times  # noqa: E402
 
 #: experts layouts pinned (the expert stacks' names in transformers' MoE blocks), as planning
 #: arguments; the all-to-all dispatch needs the tokens split along the sequence, and on the fake
@@ -54,47 +61,56 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def step(module, batch: dict) -> None:
-    out = module(**batch)
-    loss = out.loss
-    loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-    loss.backward()
-
-
 def timed(module, batch: dict, device: str, repeats: int) -> float:
-    """Median seconds of forward + backward."""
-    step(module, batch)
+    """Median wall seconds of forward + backward (the device synchronized), after a warm-up."""
+    step = module_step(module, batch)
+    step()
     _sync(device)
     times = []
     for _ in range(repeats):
-        module.zero_grad(set_to_none=True)
         _sync(device)
         start = time.perf_counter()
-        step(module, batch)
+        step()
         _sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
+def measured(module, batch: dict, device: str, repeats: int) -> dict:
+    """The step's seconds: ``clock`` (median wall), on CPU ``thread`` (the least thread CPU
+    time) and ``ops`` (each ATen call at its least thread time, ``benchmarks/op_timer.py``),
+    after a warm-up; on CUDA ``clock`` alone (the profiler gives the per-op times there)."""
+    if device != "cpu":
+        return {"clock": timed(module, batch, device, repeats), "thread": float("nan"), "ops": None}
+    module_step(module, batch)()   # warm-up
+    ops = op_times(module_step(module, batch), repeats)
+    module.zero_grad(set_to_none=True)
+    return {"clock": ops.clock_median, "thread": ops.step, "ops": ops}
+
+
 def counted(module, batch: dict):
-    """FLOPs of products and bytes every other op reads and writes, forward + backward."""
-    from autotp.testing.work import WorkCounter
+    """FLOPs of products and bytes every other op reads and writes, forward + backward; and the
+    copies and casts, each with where it was made."""
+    from autotp.testing.work import CopyCounter, WorkCounter
 
     with WorkCounter() as work:
-        step(module, batch)
+        module_step(module, batch)()
+    with CopyCounter() as copies:
+        module_step(module, batch)()
     module.zero_grad(set_to_none=True)
-    return work
+    return work, copies
 
 
 def per_op(module, batch: dict, device: str) -> tuple[dict, float]:
-    """Self time per ATen op of one forward + backward (ms), and the device's busy share (CUDA)."""
+    """Self device time per ATen op of one forward + backward (ms), and the device's busy share
+    (CUDA; on CPU the op timer's least thread times serve, ``measured``)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])
     _sync(device)
     start = time.perf_counter()
     with profile(activities=activities) as prof:
-        step(module, batch)
+        module_step(module, batch)()
         _sync(device)
     wall = time.perf_counter() - start
     module.zero_grad(set_to_none=True)
@@ -149,67 +165,107 @@ def run_model(spec: str, args) -> list[str]:
     layouts = {"default": {}}
     if family.name in zoo.EXPERT_FAMILIES:
         layouts.update({k: v for k, v in EXPERTS.items() if k in args.layouts})
+    cpu = args.device == "cpu"
     lines = [f"## {name}, {int(layers or 2)} layers, tp={args.tp} rank 0 of a fake world, {args.dtype}, "
              f"batch {args.batch} x seq {args.seq}, {args.device}", ""]
-    serial_s = timed(model, batch, args.device, args.repeats)
-    serial_counts = counted(model, batch)
-    serial_ops, serial_busy = per_op(model, batch, args.device)
+    serial = measured(model, batch, args.device, args.repeats)
+    serial_counts, serial_copies = counted(model, batch)
+    serial_ops, serial_busy = (serial["ops"].by_op, float("nan")) if cpu else per_op(model, batch, args.device)
     compiled_serial = None
     if args.compile:
         compiled_serial = timed(torch.compile(model), batch, args.device, args.repeats)
     rows = []
-    rank_ops = {}
     for label, planning in layouts.items():
         with mirrored_peers():   # the program is written at the first call
             pm = autotp.parallelize(model, args.tp, profile=args.profile, batch=args.plan_batch, seq=args.plan_seq,
                                     device=args.device, **planning)
-            step(pm, batch)
+            module_step(pm, batch)()
             pm.zero_grad(set_to_none=True)
-        rank_s = timed(pm, batch, args.device, args.repeats)
-        counts = counted(pm, batch)
-        ops, busy = per_op(pm, batch, args.device)
-        rank_ops[label] = ops
+        rank = measured(pm, batch, args.device, args.repeats)
+        counts, copies = counted(pm, batch)
+        ops, busy = (rank["ops"].by_op, float("nan")) if cpu else per_op(pm, batch, args.device)
         pred_rank, pred_serial = predicted(model, args.tp, args.batch, args.seq, args.profile, planning)
         compiled = timed(torch.compile(pm), batch, args.device, args.repeats) if args.compile else None
-        rows.append((label, rank_s, counts, busy, pred_rank, pred_serial, compiled, pm.plan))
+        rows.append(dict(label=label, time=rank, counts=counts, copies=copies, ops=ops, busy=busy,
+                         predicted=(pred_rank, pred_serial), compiled=compiled, plan=pm.plan))
         del pm
-    lines += ["| version | fwd+bwd ms | serial/N ÷ rank | FLOPs rank ÷ serial/N | bytes rank ÷ serial/N | "
-              "predicted ms (rank / serial÷N) | predicted serial/N ÷ rank | device busy |", "|---|---|---|---|---|---|---|---|"]
-    share = serial_s / args.tp
-    lines.append(f"| serial | {serial_s * 1e3:.1f} | - | - | - | - | - | "
-                 f"{'-' if serial_busy != serial_busy else f'{serial_busy:.0%}'} |")
-    for label, rank_s, counts, busy, pr, ps, compiled, _ in rows:
-        lines.append(f"| autotp {label} | {rank_s * 1e3:.1f} | **{share / rank_s:.2f}** | "
-                     f"{counts.flops / (serial_counts.flops / args.tp):.2f} | "
-                     f"{counts.moved / (serial_counts.moved / args.tp):.2f} | {pr * 1e3:.2f} / {ps * 1e3:.2f} | "
-                     f"{ps / pr:.2f} | {'-' if busy != busy else f'{busy:.0%}'} |")
+    tp = args.tp
+    lines += ["| version | thread ms (least) | **serial/N ÷ rank, thread time** | ATen calls ms (each at its least) | "
+              "serial/N ÷ rank, ATen calls | wall ms (median) | serial/N ÷ rank, "
+              "wall | FLOPs rank ÷ serial/N | bytes rank ÷ serial/N | predicted ms (rank / serial÷N) | "
+              "predicted serial/N ÷ rank | device busy |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    pct = lambda x: "-" if x != x else f"{x:.0%}"   # noqa: E731
+    ms = lambda x: "-" if x != x else f"{x * 1e3:.1f}"   # noqa: E731
+    ratio = lambda share, x: "-" if x != x else f"{share / x:.2f}"   # noqa: E731
+    calls = lambda t: t["ops"].total if t["ops"] is not None else float("nan")   # noqa: E731
+    lines.append(f"| serial | {ms(serial['thread'])} | - | {ms(calls(serial))} | - | {ms(serial['clock'])} | - | - | - | "
+                 f"- | - | {pct(serial_busy)} |")
+    for r in rows:
+        t, (pr, ps) = r["time"], r["predicted"]
+        lines.append(f"| autotp {r['label']} | {ms(t['thread'])} | **{ratio(serial['thread'] / tp, t['thread'])}** | "
+                     f"{ms(calls(t))} | {ratio(calls(serial) / tp, calls(t))} | "
+                     f"{ms(t['clock'])} | {ratio(serial['clock'] / tp, t['clock'])} | "
+                     f"{r['counts'].flops / (serial_counts.flops / tp):.2f} | "
+                     f"{r['counts'].moved / (serial_counts.moved / tp):.2f} | {pr * 1e3:.2f} / {ps * 1e3:.2f} | "
+                     f"{ps / pr:.2f} | {pct(r['busy'])} |")
     if args.compile:
-        lines += ["", f"compiled (torch.compile, inductor): serial {compiled_serial * 1e3:.1f} ms; " + "; ".join(
-            f"autotp {label} {c * 1e3:.1f} ms (serial/N ÷ rank {compiled_serial / args.tp / c:.2f})"
-            for label, _, _, _, _, _, c, _ in rows)]
-    for label, *_, plan in rows:
-        notes = [n for n in plan.notes if n.startswith(("experts", "sequence"))]
+        lines += ["", f"compiled (torch.compile, inductor; wall clock): serial {compiled_serial * 1e3:.1f} ms; "
+                  + "; ".join(f"autotp {r['label']} {r['compiled'] * 1e3:.1f} ms (serial/N ÷ rank "
+                              f"{compiled_serial / tp / r['compiled']:.2f})" for r in rows)]
+    for r in rows:
+        notes = [n for n in r["plan"].notes if n.startswith(("experts", "sequence"))]
         if notes:
-            lines += ["", f"{label} plan notes: " + " | ".join(n[:400] for n in notes)]
-    label = rows[0][0]
-    ops = rank_ops[label]
-    lines += ["", f"Time per ATen op, rank ({label}) beside serial/N, ms (self {'device' if args.device != 'cpu' else 'CPU'}"
-              " time, forward + backward; the 20 largest of the rank's):", "",
+            lines += ["", f"{r['label']} plan notes: " + " | ".join(n[:400] for n in notes)]
+    first = rows[0]
+    if cpu:
+        lines += _by_kind(serial["ops"], first["time"]["ops"], first["label"], tp)
+    lines += ["", f"Time per ATen op, rank ({first['label']}) beside serial/N, ms ("
+              + ("each call at its least thread time over the repeats, summed per op" if cpu else
+                 "the profiler's self device time") + ", forward + backward; the 20 largest of the rank's):", "",
               "| aten op | rank | serial/N | rank ÷ serial/N |", "|---|---|---|---|"]
-    for op, t in sorted(ops.items(), key=lambda kv: -kv[1])[:20]:
-        s = serial_ops.get(op, 0.0) / args.tp
-        lines.append(f"| `{op}` | {t:.2f} | {s:.2f} | {t / s:.1f} |" if s else f"| `{op}` | {t:.2f} | 0 | - |")
-    counts = rows[0][2]
-    lines += ["", f"Bytes per ATen op (not products), rank ({label}) beside serial/N, MB (forward + backward; the "
-              "12 with the most bytes over the rank's share):", "",
+    scale = 1e3 if cpu else 1.0   # the op timer's seconds, the profiler's ms
+    for op, t in sorted(first["ops"].items(), key=lambda kv: -kv[1])[:20]:
+        s_t = serial_ops.get(op, 0.0) / tp
+        lines.append(f"| `{op}` | {t * scale:.2f} | {s_t * scale:.2f} | {t / s_t:.1f} |" if s_t else
+                     f"| `{op}` | {t * scale:.2f} | 0 | - |")
+    counts = first["counts"]
+    lines += ["", f"Bytes per ATen op (not products), rank ({first['label']}) beside serial/N, MB (forward + backward, "
+              "read and written; the 12 with the most bytes over the rank's share):", "",
               "| aten op | rank | serial/N | rank ÷ serial/N |", "|---|---|---|---|"]
-    excess = {op: b - serial_counts.moved_by_op.get(op, 0) / args.tp for op, b in counts.moved_by_op.items()}
+    excess = {op: b - serial_counts.moved_by_op.get(op, 0) / tp for op, b in counts.moved_by_op.items()}
     for op in sorted(excess, key=lambda o: -excess[o])[:12]:
-        s_b = serial_counts.moved_by_op.get(op, 0) / args.tp
+        s_b = serial_counts.moved_by_op.get(op, 0) / tp
         lines.append(f"| `{op}` | {counts.moved_by_op[op] / 1e6:.1f} | {s_b / 1e6:.1f} | "
                      + (f"{counts.moved_by_op[op] / s_b:.1f} |" if s_b else "- |"))
+    lines += _copies_table(serial_copies, first["copies"], first["label"], tp)
     lines.append("")
     del model
+    return lines
+
+
+def _by_kind(serial_ops, rank_ops, label: str, tp: int) -> list[str]:
+    """Where the rank's thread time goes beside serial/N, by kind of op (``benchmarks/op_timer.py``)."""
+    s_cat, r_cat = by_category(serial_ops), by_category(rank_ops)
+    lines = ["", f"Where the time goes, rank ({label}) beside serial/N, thread ms (each ATen call at its least "
+             "over the repeats; 'outside' is the least whole step less its calls):", "",
+             "| kind | rank | serial/N | rank - serial/N |", "|---|---|---|---|"]
+    for c in CATEGORIES:
+        if r_cat[c] or s_cat[c]:
+            lines.append(f"| {c} | {r_cat[c] * 1e3:.1f} | {s_cat[c] / tp * 1e3:.1f} | "
+                         f"{(r_cat[c] - s_cat[c] / tp) * 1e3:+.1f} |")
+    lines.append(f"| the step (least thread time) | **{rank_ops.step * 1e3:.1f}** | **{serial_ops.step / tp * 1e3:.1f}** "
+                 f"| {(rank_ops.step - serial_ops.step / tp) * 1e3:+.1f} |")
+    return lines
+
+
+def _copies_table(serial, rank, label: str, tp: int) -> list[str]:
+    """The copies and casts of a step by where they were made (MB written), rank beside serial/N."""
+    lines = ["", f"Copies and casts (`copy_`, `_to_copy`, `clone`, `cat`, `stack`, `pad`) by where they were made, "
+             f"rank ({label}) beside serial/N, MB written per step (forward + backward; a collective's own writes "
+             "are not among them):", "", "| made by | op | rank | serial/N |", "|---|---|---|---|"]
+    r_sites, s_sites = rank.by_site(), serial.by_site()
+    for key in sorted(set(r_sites) | set(s_sites), key=lambda k: -max(r_sites.get(k, 0), s_sites.get(k, 0) / tp)):
+        lines.append(f"| {key[0]} | `{key[1]}` | {r_sites.get(key, 0) / 1e6:.2f} | {s_sites.get(key, 0) / tp / 1e6:.2f} |")
     return lines
 
 
@@ -281,7 +337,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     if args.device == "cpu":
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(args.threads)   # the thread time counts the calling thread's work alone
     dist.init_process_group("fake", rank=0, world_size=args.tp, store=FakeStore())
     started = time.time()
     lines = ["# One rank of tp=N against its share of the serial step", "",
@@ -292,7 +348,14 @@ def main() -> None:
                 f"{os.getloadavg()[0]:.1f}." if args.device == "cpu" else ""),
              "",
              "serial/N ÷ rank: 1.00 is a rank doing exactly its N-th of the serial step's compute (communication "
-             "is not run: the fake backend returns at once). FLOPs and bytes are counted off the ops the steps run "
+             "is not run: the fake backend returns at once). "
+             + ("On CPU it is read off the thread's CPU time (`time.thread_time`, the least of the repeats: the "
+                "step's own compute, which another job on the cores does not lengthen; one torch thread, so the "
+                "calling thread does all of it); off the sum of the step's ATen calls, each at its least over the "
+                "repeats (`benchmarks/op_timer.py`: what the kernels cost, without Python and autograd's "
+                "bookkeeping, and with the least of each call's contention for the core's caches); and, for "
+                "comparison, off the wall clock (the median), which also holds the time the step waited for a core. " if args.device == "cpu" else "")
+             + "FLOPs and bytes are counted off the ops the steps run "
              "(forward + backward); 'predicted' is the cost model's forward + backward on the profile, at the "
              "measured workload.", ""]
     lines += predicted_at_real_size(args.tp, args.profile)

@@ -32,3 +32,25 @@ def test_a_step_that_runs_other_ops_is_refused():
 
     with pytest.raises(RuntimeError, match="other ATen ops"):
         op_times(step, repeats=2)
+
+
+def test_a_modules_step_is_timed_by_both_clocks_and_told_by_kind():
+    from types import SimpleNamespace
+
+    from benchmarks.op_timer import CATEGORIES, by_category, module_step
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8, 4))
+
+        def forward(self, x):
+            return SimpleNamespace(loss=(x @ self.w).relu().sum())
+
+    model = Tiny()
+    ops = op_times(module_step(model, {"x": torch.randn(3, 8)}), repeats=3)
+    assert len(ops.clock) == 3 and ops.step > 0   # each unmoded step's wall clock, the least thread time
+    kinds = by_category(ops)
+    assert kinds["other products"] == pytest.approx(ops.by_op["mm"])
+    assert sum(kinds.values()) == pytest.approx(max(ops.step, ops.total))
+    assert set(kinds) == set(CATEGORIES)

@@ -102,3 +102,13 @@ def test_the_bound_is_the_least_precise_dtype_the_model_computes_in():
     gpt2 = zoo.build("gpt2", zoo.tiny_config("gpt2", layers=1, heads=2, head_dim=4, vocab=37), dtype=torch.float64)
     batch = zoo.example_batch("gpt2", zoo.tiny_config("gpt2", layers=1, heads=2, head_dim=4, vocab=37), seq=5)
     assert computed_precision(gpt2, batch) == torch.float32   # transformers' loss upcasts the logits
+
+
+def test_work_counts_no_bytes_for_an_alias_the_dispatcher_does_not_mark_a_view():
+    from autotp.testing.work import WorkCounter
+
+    x, w = torch.randn(2, 3, 4), torch.randn(4, 5)
+    with WorkCounter() as work:
+        y = x @ w   # matmul folds x to [6, 4], mm, then _unsafe_view back to [2, 3, 5]: an alias of mm's result
+    assert y.shape == (2, 3, 5)
+    assert "aten._unsafe_view" not in work.by_op and work.moved == 0 and work.flops == 2 * 6 * 4 * 5

@@ -156,6 +156,25 @@ def local_shard(full: Tensor, shard: Shard, tp: int, rank: int) -> Tensor:
     return torch.cat([full.narrow(d, a, b - a) for a, b in ranges], dim=d).contiguous()
 
 
+def rank_slice(x: Tensor, shard: Shard, tp: int, rank: int) -> Tensor:
+    """``local_shard`` of an activation or a gradient inside a step, copied only where it must
+    be: one run whose slice is contiguous already (a split of dim 0, or of a dim with only dims
+    of size one before it: the sequence of a batch of one) is that slice, a view, as serial
+    code slicing it would hold. A strided slice (a split of a dim after one of size above one)
+    is laid out by one copy, for the program's ``view`` nodes and the backward formulas that
+    read it contiguous (a strided gradient left to them is copied there instead: layer norm's
+    backward makes its gradient contiguous); several runs are joined by one copy. A compiled
+    program gets ``local_shard``'s fresh tensor: inductor plans its own buffers, and dynamo has
+    lost gradients of outputs that alias an autograd Function's input (``_output``)."""
+    if torch.compiler.is_compiling():
+        return local_shard(x, shard, tp, rank)
+    ranges = local_ranges(x.shape[shard.dim], shard, tp, rank)
+    if len(ranges) != 1:
+        return local_shard(x, shard, tp, rank)
+    (a, b), = ranges
+    return x.narrow(shard.dim, a, b - a).contiguous()   # a view where the slice is contiguous
+
+
 def assemble(pieces: Sequence[Tensor], shard: Shard, full_size: int) -> Tensor:
     """Inverse of ``local_shard``: ``pieces[r]`` is rank r's shard; returns the full tensor."""
     d, tp = shard.dim, len(pieces)
@@ -382,7 +401,7 @@ class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         g, s = ctx.group, ctx.shard
-        return local_shard(grad, s, group_size(g), group_rank(g)), None, None, None
+        return rank_slice(grad, s, group_size(g), group_rank(g)), None, None, None
 
 
 class _GatherIntoTP(torch.autograd.Function):
@@ -407,7 +426,7 @@ class _ScatterToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, shard, full_size):
         ctx.group, ctx.shard, ctx.full_size = group, shard, full_size
-        return _output(local_shard(x, shard, group_size(group), group_rank(group)))
+        return _output(rank_slice(x, shard, group_size(group), group_rank(group)))
 
     @staticmethod
     def backward(ctx, grad):

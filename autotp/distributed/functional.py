@@ -23,7 +23,9 @@ def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor,
             local_padding = padding_idx - start + offset
         offset += stop - start
     out = F.embedding(local, weight, padding_idx=local_padding)
-    return out * mask.unsqueeze(-1).to(out.dtype)
+    # rows held elsewhere zeroed in place (as Megatron's VocabParallelEmbedding does): no cast
+    # of the mask, no second [b, s, h] tensor; embedding's backward does not read its output
+    return out.masked_fill_(~mask.unsqueeze(-1), 0)
 
 
 def mean_share(x: torch.Tensor, dims: tuple[int, ...], keepdim: bool, count: int,
@@ -87,7 +89,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp, sum_exp, local_target, in_range, valid, count = ctx.saved_tensors
         # d loss_i / d logit_ij = scale_i * (softmax_ij - [j is i's target]): one full-size
         # tensor (exp scaled by scale_i / sum_i), the target's entry lowered in place
-        scale = valid.to(exp.dtype) * (grad / count if ctx.reduction == 1 else grad)
+        scale = torch.where(valid, grad / count if ctx.reduction == 1 else grad, 0)   # no cast of the mask
         out = exp * (scale / sum_exp).unsqueeze(-1)
         out.scatter_add_(-1, local_target.unsqueeze(-1), -(scale * in_range).unsqueeze(-1))
         return out, None, None, None, None, None

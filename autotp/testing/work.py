@@ -4,13 +4,24 @@
 backward): a product (``mm``, ``bmm``, attention, a grouped product of experts: transformers'
 fallback op and its backward included) adds its FLOPs, any other op the bytes of the tensors
 it writes (views write none). ``work.by_op`` keeps both per op name, so a test can hold one
-kind of op to account (the experts' products of a rank against its rows). ``work.moved`` (and
+kind of op to account (the experts' products of a rank against its rows); ``_unsafe_view``, an
+alias the dispatcher does not mark a view, writes none either. ``work.moved`` (and
 ``moved_by_op``) counts what an op's kernels read too, the memory traffic a GPU pays for it;
 allocations (which touch no memory) and collectives (communication) are left out of it.
+
+``with CopyCounter() as copies: step()`` records every copy and cast a step makes (``copy_``,
+``_to_copy``, ``clone``, ``cat``, ``stack``, ``constant_pad_nd``) with the bytes it writes and
+the place it was made (:class:`Copy`): the model's program (an fx node's line, or autograd's
+formula for one), or autotp's own code around it (``collectives._all_gather``, ...), so a rank's
+copies can be held against serial's. A collective's own writes (c10d's ops, below the dispatch
+mode) are not among them.
 """
 from __future__ import annotations
 
+import os
+import sys
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -46,6 +57,10 @@ class WorkCounter(TorchDispatchMode):
                  "wait_tensor", "all_reduce", "all_gather", "_allgather", "reduce_scatter", "_reduce_scatter",
                  "allreduce", "broadcast", "all_to_all", "alltoall")
 
+    #: ops that return an alias without being marked views (``_unsafe_view``: a reshape's or a
+    #: matmul's result over the same storage); they write nothing
+    ALIASES = (torch.ops.aten._unsafe_view,)
+
     def __init__(self) -> None:
         super().__init__()
         self.flops = 0
@@ -65,7 +80,7 @@ class WorkCounter(TorchDispatchMode):
             self.flops += int(flops)
             self.by_op[name] += int(flops)
             return out
-        if not func.is_view:
+        if not func.is_view and func.overloadpacket not in self.ALIASES:
             written = sum(t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
             self.bytes += written
             self.by_op[name] += written
@@ -75,3 +90,74 @@ class WorkCounter(TorchDispatchMode):
                 self.moved += read + written
                 self.moved_by_op[short] += read + written
         return out
+
+
+#: the autotp package's folder, and its test helpers' (whose frames are the caller's, not autotp's)
+_AUTOTP = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TESTING = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One copy or cast: the op, the bytes it wrote, whether its source was laid out as its
+    result already (``duplicate``: one contiguous input of as many elements and the same dtype,
+    written to a whole tensor, not into part of a buffer: a copy nothing needed), whether it
+    changed the dtype (``cast``), and where it was made (``site``): ``"program"`` (a node of the
+    model's program), ``"autograd"`` (a backward formula the engine ran for one), or the autotp
+    function (``"collectives._all_gather"``)."""
+
+    op: str
+    bytes: int
+    site: str
+    duplicate: bool
+    cast: bool
+
+
+def _site() -> str:
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith("<eval_with_key>"):
+            return "program"
+        if path.startswith(_AUTOTP) and not path.startswith(_TESTING):
+            module = os.path.splitext(os.path.basename(path))[0]
+            return f"{module}.{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "autograd"
+
+
+class CopyCounter(TorchDispatchMode):
+    """Records every copy and cast dispatched while active (module docs)."""
+
+    OPS = ("copy_", "_to_copy", "clone", "cat", "stack", "constant_pad_nd")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: list[Copy] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        op = func.overloadpacket.__name__
+        if op not in self.OPS:
+            return out
+        written = args[0] if op == "copy_" else out
+        sources = [args[1]] if op == "copy_" else [t for t in tree_leaves(args[:1]) if isinstance(t, torch.Tensor)]
+        src = sources[0] if len(sources) == 1 else None
+        whole = op != "copy_" or (written._base is None and written.is_contiguous())   # not a part of a buffer
+        duplicate = (whole and src is not None and src.is_contiguous() and src.numel() == written.numel()
+                     and src.dtype == written.dtype and op != "constant_pad_nd")
+        cast = any(t.dtype != written.dtype for t in sources)
+        self.copies.append(Copy(op, written.numel() * written.element_size(), _site(), duplicate, cast))
+        return out
+
+    def by_site(self) -> Counter:
+        """Bytes written per (site, op)."""
+        out: Counter = Counter()
+        for c in self.copies:
+            out[(c.site, c.op)] += c.bytes
+        return out
+
+    def autotp_copies(self) -> list[Copy]:
+        """The copies made by autotp's own code, not by the model's program or its backward."""
+        return [c for c in self.copies if c.site not in ("program", "autograd")]

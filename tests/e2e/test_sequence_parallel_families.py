@@ -53,13 +53,14 @@ def sp_calls(case: dict) -> dict:
                             layout=ROWS.get(family))
     along_s = [c for c in pm.plan.comms if c.kind == "reduce_scatter" and c.dst == "S(1)"]
     errors: dict = {}
-    batch = zoo.example_batch(family, config, batch=2, seq=seq, seed=case["seed"] + 1)
+    rows = case.get("batch", 2)
+    batch = zoo.example_batch(family, config, batch=rows, seq=seq, seed=case["seed"] + 1)
     for name, err in equivalence_errors(model, pm, batch).items():
         errors[f"train:{name}"] = err
     model.eval()
     pm.eval()
     gen = torch.Generator().manual_seed(case["seed"])
-    ids = torch.randint(3, 61, (2, seq), generator=gen)
+    ids = torch.randint(3, 61, (rows, seq), generator=gen)
     mask = torch.ones_like(ids)
     mask[0, :2] = 0   # row 0 left-padded by two
     with torch.no_grad():
@@ -87,13 +88,17 @@ def assert_sp_calls(cluster_of, case: dict) -> None:
 
 
 FAST = [dict(family="gpt2", tp=2, seq=7, seed=1), dict(family="llama", tp=2, seq=5, seed=2)]
+#: a batch of one: a rank's slice of the sequence is a view of the whole (collectives.rank_slice),
+#: the gathered blocks the whole tensor, with no copy
+FAST += [dict(family="gpt2", tp=2, seq=7, seed=5, batch=1)]
 #: besides: the families whose row-parallel partial sums meet a dropout (Phi-3) or a post-norm's
 #: cast (OLMo-2) before the residual add, where the reduce-scatter along s enters
 SLOW = [dict(family=f, tp=tp, seq=7 if tp == 2 else 5, seed=3 + tp)
         for f in [*zoo.FAMILIES, *zoo.EXPERT_FAMILIES, "phi3", "olmo2"] for tp in (2, 3)]
 
 
-@pytest.mark.parametrize("case", FAST, ids=[f"{c['family']}-tp{c['tp']}" for c in FAST])
+@pytest.mark.parametrize("case", FAST, ids=[f"{c['family']}-tp{c['tp']}" + (f"-batch{c['batch']}" if "batch" in c else "")
+                                          for c in FAST])
 def test_forced_sequence_parallelism_equals_serial_on_every_call(cluster_of, case):
     assert_sp_calls(cluster_of, case)
 

@@ -1,0 +1,74 @@
+"""A rank's step copies no more than serial's, beyond what a collective needs.
+
+One rank of tp 2 on torch's ``fake`` backend (its collectives return at once), Llama and GPT-2
+wide enough that the plan splits them (8 heads of 64, planned for 8 x 1024 on h100-dgx), with
+sequence parallelism forced and forbidden, at a batch of one and of two.
+:class:`autotp.testing.work.CopyCounter` records every copy and cast of a training step (forward
+and backward) and where it was made. The model's own copies (its program's nodes and their
+backward formulas: rotary's ``cat``, the labels' pad, a reshape of a transposed tensor) run at
+the rank's size, never more bytes than serial's. autotp's own code around them copies only
+where a real collective, or a slice the program's views read, needs it:
+
+* ``collectives._all_gather``: an all-gather lands the ranks' blocks one after another along
+  dim 0 (NCCL's and gloo's ``all_gather_into_tensor``); a split of another dim with a dim of
+  size above one before it (the hidden of any [b, s, h], the sequence of a batch of two) is
+  moved into place, one copy of the gathered tensor; a send that is not contiguous is made so.
+  A split of dim 0, or with only dims of size one before it (the sequence of a batch of one),
+  is the gathered buffer itself: no copy.
+* ``collectives._reduce_scatter``: a reduce-scatter reads each rank's block one after another
+  along dim 0; the same splits are staged into that order (one copy of the summand), others
+  are that order already.
+* ``collectives.rank_slice``: a rank's slice of a replicated tensor (a scatter, no collective)
+  that is strided (a split of the hidden), laid out for the program's ``view`` nodes. A slice
+  that is contiguous is a view; a gradient's slice stays strided (autograd takes it so).
+
+And the per-call check of the inputs' index ranges (``inputs.stage_index_bounds``: one number per
+bounded input, stacked to be read at once; bytes, not tensors). Never a cast, and never a copy of a tensor laid out as the copy is (a contiguous slice, a
+``.contiguous()`` of a contiguous tensor). What a collective writes itself (c10d's ops; the fake
+backend copies its input into the output where NCCL's transfer writes it) is no copy here.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+import autotp
+from autotp import zoo
+from autotp.testing.work import CopyCounter
+
+TP = 2
+#: where autotp's code may copy, and why (module docs)
+NEEDED = ("collectives._all_gather", "collectives._reduce_scatter", "collectives.rank_slice", "inputs.stage_index_bounds")
+
+
+def _copies(module, inputs) -> CopyCounter:
+    module(**inputs).loss.backward()   # the program is written at the first call
+    module.zero_grad(set_to_none=True)
+    with CopyCounter() as copies:
+        module(**inputs).loss.backward()
+    module.zero_grad(set_to_none=True)
+    return copies
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_a_ranks_step_copies_only_what_its_collectives_need(fake_rank, family, sequence_parallel):
+    config = zoo.tiny_config(family, layers=2, heads=8, kv_heads=8, head_dim=64, vocab=512)
+    model = zoo.build(family, config, dtype=torch.float32, seed=1)
+    pm = autotp.parallelize(model, TP, batch=8, seq=1024, profile="h100-dgx", sequence_parallel=sequence_parallel)
+    assert pm.plan.comm_counts().get("reduce_scatter", 0) >= (1 if sequence_parallel else 0)
+    for batch in (1, 2):
+        inputs = zoo.example_batch(family, config, batch=batch, seq=8, seed=2)
+        serial, rank = _copies(model, inputs), _copies(pm, inputs)
+        ours = rank.autotp_copies()
+        assert not [c for c in ours if c.cast or c.duplicate], ours
+        assert {c.site for c in ours} <= set(NEEDED), ours
+        # the model's own copies, at the rank's size: never more bytes than serial's
+        model_ops = lambda copies: Counter({op: b for (site, op), b in copies.by_site().items()   # noqa: E731
+                                            if site in ("program", "autograd")})
+        assert not model_ops(rank) - model_ops(serial), (model_ops(rank), model_ops(serial))
+        if batch == 1 and sequence_parallel and family == "gpt2":
+            # every split is of the sequence (a batch of one) or of dim 0: no copy at all
+            assert sum(c.bytes for c in ours if c.site.startswith("collectives.")) == 0, ours
