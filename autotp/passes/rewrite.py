@@ -34,7 +34,7 @@ from ..placements import (PARTIAL, Partial, Placement, Replicate, Routed, Shard,
                           local_size, owned_ranges)
 from ..distributed import collectives as C
 from ..distributed.experts import routed_scatter, sequence_runs, token_rows
-from ..distributed.functional import grad_if
+from ..distributed.functional import grad_if, rank_slice
 from ..distributed.rng import RandomOp, draws_random
 from .propagate import (GraphIndex, Propagation, _aliases_of, _conversion, _dim_size, _meta, _sharded_compute,
                         first_write, map_args, storage_root, wants_f)
@@ -233,6 +233,24 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             out = graph.call_function(routed_scatter, (out, ctx.rows_of(out), have.dim, have.span, shape))
             have = PARTIAL
         kind = _conversion(have, dst, _dim_size(meta, dst) or _dim_size(meta, have), tp)
+        if f is not True and isinstance(have, Shard) and (kind == "all_gather" or (
+                kind == "reshard" and not (dst.tail or dst.whole or dst.per_block))) and gathered_into_compute(src):
+            # One all-gather of src serves every consumer: its f is fused in (all_gather_f), as the
+            # sharded compute reading it wants, so the gradient it reduce-scatters is a sum of
+            # summands. A consumer in replicated compute (its gradient whole on every rank) adds
+            # its gradient from rank 0 alone; one that wants src split another way cuts the
+            # rank's part out of the gathered tensor (its gradient zero-padded: a summand); the
+            # runs of a tailed product read it as it is (its tail reads it through grad_if).
+            whole = convert(src, Replicate(), True)
+            if kind == "reshard":
+                out = graph.call_function(rank_slice, (whole, dst.dim, dst.chunks, dst.unit, dst.rotate,
+                                                       tuple(dst.sizes), tp, rank))
+            elif f:   # "apart"
+                out = whole
+            else:
+                out = graph.call_function(grad_if, (whole, int(rank == 0)))   # an int: one graph on every rank
+            converted[key] = out
+            return out
         if kind == "g":
             out = comm_node("g", out, C.ReduceFromTP(group))
         elif kind == "all_gather" and f is True:   # into sharded compute: the f fused in (backward reduce-scatters)
@@ -262,6 +280,29 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         converted[key] = out
         return out
 
+    def gathered_into_compute(src: fx.Node) -> bool:
+        """Whether src is all-gathered whole into sharded compute (``all_gather_f``) by a
+        conversion made already, or by one a consumer will make before anything ends the reuse
+        of conversions (a grad/autocast region bound, an in-place write of src's storage)."""
+        made = converted.get((src, Replicate(), True))
+        if made is not None:
+            return made.op == "call_module" and made.target.startswith("all_gather_f")
+        here = at.get(ctx.node, -1)
+        root = storage_root(src)
+        users = sorted((u for u in src.users if at.get(u, -1) >= here), key=at.__getitem__)
+        stop = next((at[n] for n in order[here + 1:] if n.op == "call_function" and (
+            n.target in REGION_BOUNDS or (mutates_first(n.target) and storage_root(n) is root))), len(order))
+        for user in users:
+            if at[user] > stop or user.op != "call_function" or user not in prop.chosen:
+                continue
+            strategy, info = prop.chosen[user], index.infos[user]
+            sharded = _sharded_compute(strategy)
+            for i, (inp, meta, want) in enumerate(zip(index.tensor_inputs[user], info.inputs, strategy.inputs)):
+                if inp is src and wants_f(want, sharded, meta, inp in index.grads,
+                                          apart=strategy.f_runs_only and i == 0) is True:
+                    return True
+        return False
+
     readers = {}
     unsliced: list[fx.Node] = []   # factories made again at a rank's size: erased where nothing else reads them
 
@@ -274,7 +315,9 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
 
     ctx.grouped_reader = grouped_reader
     ctx.comm = lambda module, *args: comm_node(module.kind, args[0], module, *args[1:])
-    for node in _program_order(cap.graph, prop, readers):
+    order = _program_order(cap.graph, prop, readers)
+    at = {n: i for i, n in enumerate(order)}
+    for node in order:
         ctx.node = node
         if node.op == "placeholder":
             env[node] = graph.placeholder(node.name)
