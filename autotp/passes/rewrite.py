@@ -268,9 +268,11 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             out = comm_node("scatter", out, C.ScatterToTP(group, dst, full_size(meta, dst)))
         elif kind == "reduce_scatter":
             out = comm_node("reduce_scatter", out, C.ReduceScatterToTP(group, dst, full_size(meta, dst)))
-        elif kind == "reshard":
-            out = gather(out, meta, have)
-            out = comm_node("scatter", out, C.ScatterToTP(group, dst, full_size(meta, dst)))
+        elif kind == "reshard":   # its gather is the one a consumer wanting src whole reads
+            whole = converted.get((src, Replicate(), False))
+            if whole is None:
+                whole = converted[(src, Replicate(), False)] = gather(out, meta, have)
+            out = comm_node("scatter", whole, C.ScatterToTP(group, dst, full_size(meta, dst)))
         elif kind == "inf":
             raise PlanError(f"cannot turn {have} into {dst} for {src.name}")
         if f:
@@ -290,7 +292,8 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         here = at.get(ctx.node, -1)
         root = storage_root(src)
         users = sorted((u for u in src.users if at.get(u, -1) >= here), key=at.__getitem__)
-        stop = next((at[n] for n in order[here + 1:] if n.op == "call_function" and (
+        # a region bound converts afresh (before its own inputs); a write, after its own
+        stop = next((at[n] - (n.target in REGION_BOUNDS) for n in order[here + 1:] if n.op == "call_function" and (
             n.target in REGION_BOUNDS or (mutates_first(n.target) and storage_root(n) is root))), len(order))
         for user in users:
             if at[user] > stop or user.op != "call_function" or user not in prop.chosen:
