@@ -18,7 +18,6 @@ import collections
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import autotp
 from autotp import zoo
@@ -47,17 +46,6 @@ def gathers_by_source(gm) -> dict:
         if isinstance(module, (C.GatherFromTP, C.GatherIntoTP)):
             found[node.args[0].name, module.shard.dim].append(node.name)
     return found
-
-
-@pytest.fixture
-def fake_rank():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=TP, store=FakeStore())
-    yield
-    dist.destroy_process_group()
 
 
 class _Collectives:
