@@ -86,6 +86,29 @@ def test_a_sequence_parallel_program_gathers_each_tensor_once_along_a_dim(fake_r
         assert (rank_slice if family == "olmo2" else grad_if) in targets
 
 
+@pytest.mark.parametrize("family", ["olmo2", "t5"])
+def test_the_plan_lists_the_collectives_its_rank_issues_where_gathers_share_one(fake_rank, family):
+    """The plan counts a shared gather once, as the rank runs it: its listed collectives (one per
+    direction a communication op moves bytes in, plus the per-call agreement forward and
+    backward, as tests/test_fake_backend.py counts them) are those a training step issues, one
+    gather of each tensor is listed, and the priced seconds are the listed ones'. (Counting each
+    consumer's gather, OLMo-2's plan listed one collective more than the rank issued.)"""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    model, config = _model(family, torch.float32)
+    pm = autotp.parallelize(model, TP, **PLANNING)
+    plan = pm.plan
+    batch = zoo.example_batch(family, config, batch=2, seq=7, seed=2)
+    pm.train()
+    with CommDebugMode() as comm:
+        pm(**batch).loss.backward()
+    listed = sum((c.fwd_bytes > 0) + (c.bwd_bytes > 0) for c in plan.comms) + 2
+    assert comm.get_total_counts() == listed, [(c.kind, c.tensor) for c in plan.comms]
+    gathers = collections.Counter(c.tensor for c in plan.comms if c.kind in ("all_gather", "all_gather_f", "reshard"))
+    assert gathers and max(gathers.values()) == 1, gathers
+    assert plan.comm_s == pytest.approx(sum(c.seconds for c in plan.comms), rel=1e-9)
+
+
 def _shared_gather_matches_serial(family: str, layers: int) -> dict:
     from autotp.testing import equivalence_errors, keep_loss_precision, tolerance
 
