@@ -602,12 +602,32 @@ def conversion_seconds(index: "GraphIndex", profile: DeviceProfile, meta: Tensor
     return found
 
 
+def read_seconds(kind: str, full: Any, profile: DeviceProfile, tp: int, grad: bool = True) -> Any:
+    """Seconds of the memory-bound work of a consumer that reads an ``all_gather_f`` made for
+    another (:func:`gather_parts`): its gradient, whole-sized, is added to the gather's (on rank
+    0 alone through ``grad_if``, the largest rank's cost); a ``rank_slice`` also copies the rank's
+    part out (forward) and pads its gradient back with zeros to the whole size (backward)."""
+    moved = 2 * full / tp if kind == "rank_slice" else 0   # the cut: read and write the rank's part
+    kernels = 1 if kind == "rank_slice" else 0
+    if grad:
+        moved += 3 * full   # the add of a whole-sized gradient: two reads, one write
+        kernels += 1
+        if kind == "rank_slice":
+            moved += full + 2 * full / tp   # zeros of the whole size, the rank's part copied in
+            kernels += 2
+    return moved / profile.bandwidth("elementwise") + kernels * profile.launch_s
+
+
 def layout_copy_seconds(kind: str, meta: TensorMeta, have: Any, want: Any, full: float, profile: DeviceProfile,
                         tp: int, grad: bool = True) -> float:
     """Seconds the rank spends copying a collective's tensor into place, forward and backward:
     backends gather and scatter along dim 0, so a collective along an inner dim with a dim of
     more than one element before it (the sequence of ``(b, s, h)``), or an uneven split, puts
-    the whole tensor in order with one copy (read and write) on each side that moves it."""
+    the whole tensor in order with one copy (read and write) on each side that moves it. A read
+    of a shared gather (``grad_if``, ``rank_slice``) moves nothing: its copies are
+    :func:`read_seconds`."""
+    if kind in ("grad_if", "rank_slice"):
+        return read_seconds(kind, full, profile, tp, grad) if tp > 1 else 0.0
     if tp <= 1:
         return 0.0
     shard = have if kind in ("all_gather", "all_gather_f", "reshard") else want
@@ -703,19 +723,21 @@ def cut_from_whole(dst: Shard) -> bool:
 
 
 def gather_parts(have: Shard, wanted: list) -> list[tuple[str, Placement, tuple]]:
-    """The collectives the rank runs for ``wanted``, the conversions ``(want, f)`` of one tensor
-    split as ``have`` that each gather it whole (:func:`gathers_whole`), first made first: each
-    part ``(kind, dst, the conversion it is listed for)``. One all-gather serves them all, as the
+    """What the rank runs for ``wanted``, the conversions ``(want, f)`` of one tensor split as
+    ``have`` that each gather it whole (:func:`gathers_whole`), first made first: each part
+    ``(kind, dst, the conversion it is listed for)``. One all-gather serves them all, as the
     rewrite makes them. Where sharded compute reads the tensor whole (f True), it is the
-    ``all_gather_f`` (the f fused in: its backward reduce-scatters summands), and the others
-    read it through ``grad_if`` or cut their part with ``rank_slice``: no collective of their
-    own, but a scatter for a split another slicing cannot cut. Otherwise a plain all-gather, an
-    f after it for a consumer that wants one apart (a tailed product's runs), a scatter for
-    each split. A reshard alone is listed as one (its all-gather and scatter)."""
+    ``all_gather_f`` (the f fused in: its backward reduce-scatters summands); a replicated
+    consumer reads it through ``grad_if`` and a reshard cuts its part with ``rank_slice``,
+    listed under those names: they move no bytes, and cost the copies :func:`read_seconds`
+    prices; a split slicing cannot cut is scattered. Otherwise a plain all-gather, an f after it
+    for a consumer that wants one apart (a tailed product's runs), a scatter for each split; a
+    reshard alone is listed as one (its all-gather and scatter)."""
     fused = next((e for e in wanted if e[1] is True), None)
     if fused is not None:
         return [("all_gather_f", REPLICATE, fused)] + [
-            ("scatter", e[0], e) for e in wanted if isinstance(e[0], Shard) and not cut_from_whole(e[0])]
+            ("grad_if" if not isinstance(e[0], Shard) else "rank_slice" if cut_from_whole(e[0]) else "scatter",
+             e[0], e) for e in wanted if e is not fused]
     if len(wanted) == 1 and isinstance(wanted[0][0], Shard):
         return [("reshard", wanted[0][0], wanted[0])]
     return ([("all_gather", REPLICATE, wanted[0])] + [("f", REPLICATE, e) for e in wanted if e[1]]
@@ -725,6 +747,8 @@ def gather_parts(have: Shard, wanted: list) -> list[tuple[str, Placement, tuple]
 def gather_part_seconds(index: "GraphIndex", profile: DeviceProfile, meta: TensorMeta, have: Shard, kind: str,
                         dst: Placement, grad: bool) -> float:
     """Forward + backward seconds of one part of :func:`gather_parts`."""
+    if kind in ("grad_if", "rank_slice"):
+        return read_seconds(kind, nbytes(meta, index.env, profile.dtype_bytes), profile, index.tp, grad)
     src = REPLICATE if kind in ("f", "scatter") else have
     return conversion_seconds(index, profile, meta, src, dst, kind in ("f", "all_gather_f"), grad)
 
@@ -744,6 +768,23 @@ def added_seconds(index: "GraphIndex", profile: DeviceProfile, meta: TensorMeta,
     before = sorted((e for e in paid if gathers_whole(meta, have, e[0], tp)), key=repr)
     return (gathers_seconds(index, profile, meta, have, before + [(want, f)], grad)
             - gathers_seconds(index, profile, meta, have, before, grad))
+
+
+def pay(index: "GraphIndex", profile: DeviceProfile, meta: TensorMeta, have: Any, paid: frozenset,
+        want: Placement, f: bool | str, grad: bool) -> tuple[float, frozenset]:
+    """(seconds added, conversions paid after) for a conversion to ``(want, f)`` of a tensor
+    placed ``have`` whose conversions ``paid`` are made: the solver's and the walk's one rule. A
+    conversion that also serves a consumer wanting no f (:func:`serves_without_f`) pays that one
+    too: free, but where it is a gather read from a shared ``all_gather_f`` (a tailed product's
+    tail reads it through ``grad_if``)."""
+    seconds = added_seconds(index, profile, meta, have, paid, want, f, grad)
+    paid = paid | {(want, f)}
+    kind = _conversion(have, want, _dim_size(meta, want) or _dim_size(meta, have), index.tp)
+    if serves_without_f(kind, f) and (want, False) not in paid:
+        if gathers_whole(meta, have, want, index.tp):
+            seconds += added_seconds(index, profile, meta, have, paid, want, False, grad)
+        paid = paid | {(want, False)}
+    return seconds, paid
 
 
 def gathers_seconds(index: "GraphIndex", profile: DeviceProfile, meta: TensorMeta, have: Shard, wanted: list,
@@ -839,6 +880,8 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
                 group = gathered[node] = _Gathers(node, place[node], meta, full, grad)
                 comms.append(group)
             comm += group.add((dst, f), consumer.name, index, profile)
+            if serves_without_f(kind, f):   # its tail reads it too (pay)
+                comm += group.add((dst, False), consumer.name, index, profile)
             return
         for k in conversion_kinds(kind, f):
             fw_s, bw_s = collective_time(k, full, profile, tp, grad)
@@ -940,10 +983,9 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
                     cost = INF
                 elif index.moves_written(node, i, place[inp], want, meta):
                     cost = INF   # an in-place write lands in the tensor later ops read, not a copy
-                else:   # a conversion already made is reused; a gather may share one made
-                    made = gathered[inp].wanted if inp in gathered else ()
-                    cost += (0.0 if (inp, want, f) in conversions else
-                             added_seconds(index, profile, meta, place[inp], made, want, f, inp in index.grads))
+                elif (inp, want, f) not in conversions:   # one made is reused; a gather may share one
+                    made = frozenset(gathered[inp].wanted) if inp in gathered else frozenset()
+                    cost += pay(index, profile, meta, place[inp], made, want, f, inp in index.grads)[0]
                 if cost == INF:
                     break
             if cost < best_cost:

@@ -50,9 +50,9 @@ from ..capture import module_path
 from ..cost_model.devices import DeviceProfile
 from ..errors import MemoryLimitError, PlanError
 from ..placements import REPLICATE, Partial, Placement, Shard, same_placement
-from .propagate import (INF, GraphIndex, Propagation, _conversion, _dim_size, _even, _meta, _out_meta,
+from .propagate import (INF, GraphIndex, Propagation, _even, _meta, _out_meta,
                         _sharded_compute, added_seconds, conversion_seconds, internal_seconds, param_memory,
-                        param_update_seconds, propagate, serves_without_f, wants_f)
+                        param_update_seconds, pay, propagate, wants_f)
 from .repeats import Layer, LayerFinder, Shift
 
 log = logging.getLogger(__name__)
@@ -237,11 +237,10 @@ class _Solver:
                     cost = INF   # an in-place write lands in the tensor later ops read, not a copy
                     break
                 if (f or have != want) and (want, f) not in paid:
-                    # a gather shares the all-gather of the tensor's other gathers (gather_parts)
-                    cost += added_seconds(index, profile, meta, have, paid, want, f, inp in index.grads)
-                    paid = paid | {(want, f)}
-                    if serves_without_f(_conversion(have, want, _dim_size(meta, want) or _dim_size(meta, have), tp), f):
-                        paid = paid | {(want, False)}   # its collective serves a consumer that wants no f
+                    # a gather shares the all-gather of the tensor's other gathers (gather_parts);
+                    # a collective with an f after it serves a consumer that wants no f
+                    seconds, paid = pay(index, profile, meta, have, paid, want, f, inp in index.grads)
+                    cost += seconds
                     labels[inp] = (have, paid)
                 if cost == INF:
                     break
