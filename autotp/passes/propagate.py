@@ -758,8 +758,8 @@ def added_seconds(index: "GraphIndex", profile: DeviceProfile, meta: TensorMeta,
     """Seconds a conversion of a tensor placed ``have`` to ``(want, f)`` adds to the conversions
     of it made already (``paid``: ``(want, f)`` pairs): nothing if made; for a gather, what it
     adds to the one all-gather the gathers share (:func:`gather_parts`: a consumer that reads an
-    ``all_gather_f`` made for another costs nothing, an ``all_gather_f`` made after a plain
-    all-gather replaces it); else its own collectives."""
+    ``all_gather_f`` made for another costs its copies alone, an ``all_gather_f`` made after a
+    plain all-gather replaces it); else its own collectives."""
     if (want, f) in paid:
         return 0.0
     tp = index.tp
@@ -795,8 +795,8 @@ def gathers_seconds(index: "GraphIndex", profile: DeviceProfile, meta: TensorMet
     key = ("gathers", meta, have, frozenset(wanted), grad, profile)
     found = index._conversion_cost.get(key)
     if found is None:
-        found = index._conversion_cost[key] = sum(
-            gather_part_seconds(index, profile, meta, have, kind, dst, grad) for kind, dst, _ in gather_parts(have, wanted))
+        found = index._conversion_cost[key] = sum(gather_part_seconds(index, profile, meta, have, kind, dst, grad)
+                                                  for kind, dst, _ in gather_parts(have, wanted))
     return found
 
 
@@ -1021,8 +1021,8 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
         if cap.param_names[node.name] not in cap.aliases:   # a tied name holds no memory of its own
             memory += param_memory(index, profile, node, REPLICATE)
             update += param_update_seconds(index, profile, node, REPLICATE)
-    return Propagation(tp, place, chosen, params, conversions, _listed(comms), compute + update, comm, memory, activations,
-                       update_s=update)
+    return Propagation(tp, place, chosen, params, conversions, _listed(comms), compute + update, comm, memory,
+                       activations, update_s=update)
 
 
 class _Gathers:
