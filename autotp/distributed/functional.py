@@ -183,3 +183,16 @@ def grad_if(x: torch.Tensor, keep: int) -> torch.Tensor:
     """``x``, passing its gradient back only where ``keep`` is 1 (see :class:`_GradIf`); an int,
     which the ranks' graph agreement reads as a size, since it differs between ranks."""
     return _GradIf.apply(x, bool(keep))
+
+
+def rank_slice(full: torch.Tensor, dim: int, chunks: int, unit: int, rotate: int, sizes: tuple, tp: int,
+               rank: int) -> torch.Tensor:
+    """This rank's part of ``full`` under ``Shard(dim, chunks, unit, rotate, sizes=sizes)`` (no tail, no
+    block held by several ranks), cut by plain autograd ops: its gradient comes back zero-padded,
+    a summand whose sum over the ranks is the whole gradient. The rewrite cuts a tensor gathered
+    into sharded compute so (``all_gather_f``, whose backward reduce-scatters summands) where
+    another consumer wants it split another way: no scatter, and no second gather to feed one."""
+    from ..placements import Shard
+    from .collectives import local_shard
+
+    return local_shard(full, Shard(dim, chunks, unit, rotate, sizes=tuple(sizes)), tp, rank)

@@ -602,12 +602,32 @@ def conversion_seconds(index: "GraphIndex", profile: DeviceProfile, meta: Tensor
     return found
 
 
+def read_seconds(kind: str, full: Any, profile: DeviceProfile, tp: int, grad: bool = True) -> Any:
+    """Seconds of the memory-bound work of a consumer that reads an ``all_gather_f`` made for
+    another (:func:`gather_parts`): its gradient, whole-sized, is added to the gather's (on rank
+    0 alone through ``grad_if``, the largest rank's cost); a ``rank_slice`` also copies the rank's
+    part out (forward) and pads its gradient back with zeros to the whole size (backward)."""
+    moved = 2 * full / tp if kind == "rank_slice" else 0   # the cut: read and write the rank's part
+    kernels = 1 if kind == "rank_slice" else 0
+    if grad:
+        moved += 3 * full   # the add of a whole-sized gradient: two reads, one write
+        kernels += 1
+        if kind == "rank_slice":
+            moved += full + 2 * full / tp   # zeros of the whole size, the rank's part copied in
+            kernels += 2
+    return moved / profile.bandwidth("elementwise") + kernels * profile.launch_s
+
+
 def layout_copy_seconds(kind: str, meta: TensorMeta, have: Any, want: Any, full: float, profile: DeviceProfile,
                         tp: int, grad: bool = True) -> float:
     """Seconds the rank spends copying a collective's tensor into place, forward and backward:
     backends gather and scatter along dim 0, so a collective along an inner dim with a dim of
     more than one element before it (the sequence of ``(b, s, h)``), or an uneven split, puts
-    the whole tensor in order with one copy (read and write) on each side that moves it."""
+    the whole tensor in order with one copy (read and write) on each side that moves it. A read
+    of a shared gather (``grad_if``, ``rank_slice``) moves nothing: its copies are
+    :func:`read_seconds`."""
+    if kind in ("grad_if", "rank_slice"):
+        return read_seconds(kind, full, profile, tp, grad) if tp > 1 else 0.0
     if tp <= 1:
         return 0.0
     shard = have if kind in ("all_gather", "all_gather_f", "reshard") else want
@@ -681,9 +701,103 @@ def serves_without_f(kind: str | None, f: bool | str) -> bool:
     """Does a conversion made for a consumer that wants an f also serve a consumer of the same
     placement that wants none? Its collective runs first and the f after it, and the rewrite reuses
     the collective's output (a g shared by a column-parallel q_proj and a k_proj run whole), unless
-    the f is fused into an all-gather (all_gather_f: another backward). The plan and the solver
+    the f is fused into an all-gather (all_gather_f: another backward; the gathers of a split
+    tensor share one all-gather otherwise, see :func:`gather_parts`). The plan and the solver
     then count the collective once, as the rank runs it."""
     return bool(kind) and bool(f) and not (kind == "all_gather" and f is True)
+
+
+def gathers_whole(meta: TensorMeta, have: Any, want: Placement, tp: int) -> bool:
+    """Whether turning a tensor placed ``have`` into ``want`` all-gathers it whole: a split tensor
+    made whole, or split another way (a reshard: gathered, then cut). The conversions of one
+    tensor that do share one all-gather (:func:`gather_parts`)."""
+    return isinstance(have, Shard) and _conversion(
+        have, want, _dim_size(meta, want) or _dim_size(meta, have), tp) in ("all_gather", "reshard")
+
+
+def cut_from_whole(dst: Shard) -> bool:
+    """Whether a rank's part of ``dst`` can be cut from the whole tensor by plain slicing
+    (:func:`~autotp.distributed.functional.rank_slice`): no tail, no blocks held whole by every
+    rank or dealt per block."""
+    return not (dst.tail or dst.whole or dst.per_block)
+
+
+def gather_parts(have: Shard, wanted: list) -> list[tuple[str, Placement, tuple]]:
+    """What the rank runs for ``wanted``, the conversions ``(want, f)`` of one tensor split as
+    ``have`` that each gather it whole (:func:`gathers_whole`), first made first: each part
+    ``(kind, dst, the conversion it is listed for)``. One all-gather serves them all, as the
+    rewrite makes them. Where sharded compute reads the tensor whole (f True), it is the
+    ``all_gather_f`` (the f fused in: its backward reduce-scatters summands); a replicated
+    consumer reads it through ``grad_if`` and a reshard cuts its part with ``rank_slice``,
+    listed under those names: they move no bytes, and cost the copies :func:`read_seconds`
+    prices; a split slicing cannot cut is scattered. Otherwise a plain all-gather, an f after it
+    for a consumer that wants one apart (a tailed product's runs), a scatter for each split; a
+    reshard alone is listed as one (its all-gather and scatter)."""
+    fused = next((e for e in wanted if e[1] is True), None)
+    if fused is not None:
+        return [("all_gather_f", REPLICATE, fused)] + [
+            ("grad_if" if not isinstance(e[0], Shard) else "rank_slice" if cut_from_whole(e[0]) else "scatter",
+             e[0], e) for e in wanted if e is not fused]
+    if len(wanted) == 1 and isinstance(wanted[0][0], Shard):
+        return [("reshard", wanted[0][0], wanted[0])]
+    return ([("all_gather", REPLICATE, wanted[0])] + [("f", REPLICATE, e) for e in wanted if e[1]]
+            + [("scatter", e[0], e) for e in wanted if isinstance(e[0], Shard)])
+
+
+def gather_part_seconds(index: "GraphIndex", profile: DeviceProfile, meta: TensorMeta, have: Shard, kind: str,
+                        dst: Placement, grad: bool) -> float:
+    """Forward + backward seconds of one part of :func:`gather_parts`."""
+    if kind in ("grad_if", "rank_slice"):
+        return read_seconds(kind, nbytes(meta, index.env, profile.dtype_bytes), profile, index.tp, grad)
+    src = REPLICATE if kind in ("f", "scatter") else have
+    return conversion_seconds(index, profile, meta, src, dst, kind in ("f", "all_gather_f"), grad)
+
+
+def added_seconds(index: "GraphIndex", profile: DeviceProfile, meta: TensorMeta, have: Any, paid: Any,
+                  want: Placement, f: bool | str, grad: bool) -> float:
+    """Seconds a conversion of a tensor placed ``have`` to ``(want, f)`` adds to the conversions
+    of it made already (``paid``: ``(want, f)`` pairs): nothing if made; for a gather, what it
+    adds to the one all-gather the gathers share (:func:`gather_parts`: a consumer that reads an
+    ``all_gather_f`` made for another costs its copies alone, an ``all_gather_f`` made after a
+    plain all-gather replaces it); else its own collectives."""
+    if (want, f) in paid:
+        return 0.0
+    tp = index.tp
+    if not gathers_whole(meta, have, want, tp):
+        return conversion_seconds(index, profile, meta, have, want, f, grad)
+    before = sorted((e for e in paid if gathers_whole(meta, have, e[0], tp)), key=repr)
+    return (gathers_seconds(index, profile, meta, have, before + [(want, f)], grad)
+            - gathers_seconds(index, profile, meta, have, before, grad))
+
+
+def pay(index: "GraphIndex", profile: DeviceProfile, meta: TensorMeta, have: Any, paid: frozenset,
+        want: Placement, f: bool | str, grad: bool) -> tuple[float, frozenset]:
+    """(seconds added, conversions paid after) for a conversion to ``(want, f)`` of a tensor
+    placed ``have`` whose conversions ``paid`` are made: the solver's and the walk's one rule. A
+    conversion that also serves a consumer wanting no f (:func:`serves_without_f`) pays that one
+    too: free, but where it is a gather read from a shared ``all_gather_f`` (a tailed product's
+    tail reads it through ``grad_if``)."""
+    seconds = added_seconds(index, profile, meta, have, paid, want, f, grad)
+    paid = paid | {(want, f)}
+    kind = _conversion(have, want, _dim_size(meta, want) or _dim_size(meta, have), index.tp)
+    if serves_without_f(kind, f) and (want, False) not in paid:
+        if gathers_whole(meta, have, want, index.tp):
+            seconds += added_seconds(index, profile, meta, have, paid, want, False, grad)
+        paid = paid | {(want, False)}
+    return seconds, paid
+
+
+def gathers_seconds(index: "GraphIndex", profile: DeviceProfile, meta: TensorMeta, have: Shard, wanted: list,
+                    grad: bool) -> float:
+    """Seconds of the collectives :func:`gather_parts` lists for ``wanted`` (0 for none)."""
+    if not wanted:
+        return 0.0
+    key = ("gathers", meta, have, frozenset(wanted), grad, profile)
+    found = index._conversion_cost.get(key)
+    if found is None:
+        found = index._conversion_cost[key] = sum(gather_part_seconds(index, profile, meta, have, kind, dst, grad)
+                                                  for kind, dst, _ in gather_parts(have, wanted))
+    return found
 
 
 _NO_GRAD_OPS = frozenset(getattr(aten, name).default for name in ("detach", "detach_", "lift_fresh_copy")
@@ -744,7 +858,8 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
     unresolved: dict[fx.Node, Any] = {}   # param node -> None (free) or Shard(d) (dim decided)
     params: dict[str, Placement] = {}
     conversions: dict[tuple, str] = {}
-    comms: list[Comm] = []
+    comms: list = []   # Comm, or the gathers of one tensor (_Gathers), which a later gather may change
+    gathered: dict[fx.Node, _Gathers] = {}
     compute = comm = memory = activations = update = 0.0
     env = index.env
 
@@ -759,6 +874,15 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
             conversions.setdefault((node, dst, False), kind)
         full = nbytes(meta, env, profile.dtype_bytes)
         grad = node in index.grads
+        if gathers_whole(meta, place[node], dst, tp):   # one all-gather serves every gather of node
+            group = gathered.get(node)
+            if group is None:
+                group = gathered[node] = _Gathers(node, place[node], meta, full, grad)
+                comms.append(group)
+            comm += group.add((dst, f), consumer.name, index, profile)
+            if serves_without_f(kind, f):   # its tail reads it too (pay)
+                comm += group.add((dst, False), consumer.name, index, profile)
+            return
         for k in conversion_kinds(kind, f):
             fw_s, bw_s = collective_time(k, full, profile, tp, grad)
             fw_b, bw_b = collective_bytes(k, full, tp, grad)
@@ -767,7 +891,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
             comms.append(Comm(k, node.name, place[node], dst, consumer.name, full, fw_b, bw_b, seconds))
 
     def infeasible(why: str) -> Propagation:
-        return Propagation(tp, place, chosen, params, conversions, comms, compute + update, comm, memory,
+        return Propagation(tp, place, chosen, params, conversions, _listed(comms), compute + update, comm, memory,
                            activations, update_s=update, infeasible=why)
 
     for node in cap.graph.nodes:
@@ -819,7 +943,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
         if forced is not None:
             j = forced.get(node)
             if j is None and explore:
-                return Propagation(tp, place, chosen, params, conversions, comms, compute, comm, memory,
+                return Propagation(tp, place, chosen, params, conversions, _listed(comms), compute, comm, memory,
                                    activations, pending=(node, len(options)))
             if j is None or j >= len(options):
                 return infeasible(f"the solver's strategy {j} for {node.name} is not among its {len(options)}")
@@ -859,8 +983,9 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
                     cost = INF
                 elif index.moves_written(node, i, place[inp], want, meta):
                     cost = INF   # an in-place write lands in the tensor later ops read, not a copy
-                elif (inp, want, f) not in conversions:   # a conversion already made is reused
-                    cost += conversion_seconds(index, profile, meta, place[inp], want, f, inp in index.grads)
+                elif (inp, want, f) not in conversions:   # one made is reused; a gather may share one
+                    made = frozenset(gathered[inp].wanted) if inp in gathered else frozenset()
+                    cost += pay(index, profile, meta, place[inp], made, want, f, inp in index.grads)[0]
                 if cost == INF:
                     break
             if cost < best_cost:
@@ -896,8 +1021,35 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
         if cap.param_names[node.name] not in cap.aliases:   # a tied name holds no memory of its own
             memory += param_memory(index, profile, node, REPLICATE)
             update += param_update_seconds(index, profile, node, REPLICATE)
-    return Propagation(tp, place, chosen, params, conversions, comms, compute + update, comm, memory, activations,
-                       update_s=update)
+    return Propagation(tp, place, chosen, params, conversions, _listed(comms), compute + update, comm, memory,
+                       activations, update_s=update)
+
+
+class _Gathers:
+    """The gathers of one tensor a propagation has made so far (:func:`gather_parts`) and the
+    collectives they list."""
+
+    def __init__(self, node: fx.Node, have: Shard, meta: TensorMeta, full: float, grad: bool) -> None:
+        self.node, self.have, self.meta, self.full, self.grad = node, have, meta, full, grad
+        self.wanted: dict[tuple, str] = {}   # (want, f) -> the consumer that first wanted it
+        self.comms: list[Comm] = []
+
+    def add(self, want: tuple, consumer: str, index: "GraphIndex", profile: DeviceProfile) -> float:
+        """Adds a gather; returns the seconds it adds (negative where an all_gather_f replaces a
+        plain all-gather dearer than what it adds)."""
+        before = sum(c.seconds for c in self.comms)
+        self.wanted[want] = consumer
+        self.comms = []
+        for kind, dst, entry in gather_parts(self.have, list(self.wanted)):
+            fw_b, bw_b = collective_bytes(kind, self.full, index.tp, self.grad)
+            seconds = gather_part_seconds(index, profile, self.meta, self.have, kind, dst, self.grad)
+            self.comms.append(Comm(kind, self.node.name, self.have, dst, self.wanted[entry], self.full, fw_b, bw_b,
+                                   seconds))
+        return sum(c.seconds for c in self.comms) - before
+
+
+def _listed(comms: list) -> list[Comm]:
+    return [c for entry in comms for c in (entry.comms if isinstance(entry, _Gathers) else (entry,))]
 
 
 def _even(meta: TensorMeta, shard: Shard, tp: int) -> bool:

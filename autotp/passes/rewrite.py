@@ -34,10 +34,10 @@ from ..placements import (PARTIAL, Partial, Placement, Replicate, Routed, Shard,
                           local_size, owned_ranges)
 from ..distributed import collectives as C
 from ..distributed.experts import routed_scatter, sequence_runs, token_rows
-from ..distributed.functional import grad_if
+from ..distributed.functional import grad_if, rank_slice
 from ..distributed.rng import RandomOp, draws_random
 from .propagate import (GraphIndex, Propagation, _aliases_of, _conversion, _dim_size, _meta, _sharded_compute,
-                        first_write, map_args, storage_root, wants_f)
+                        cut_from_whole, first_write, gathers_whole, map_args, storage_root, wants_f)
 from .rules import LocalContext, aliases_first, is_routed, localizer_for, mutates_first
 from .rules.experts import dispatches_tokens, grouped_reader
 from .rules.registry import REGION_BOUNDS
@@ -233,15 +233,11 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             out = graph.call_function(routed_scatter, (out, ctx.rows_of(out), have.dim, have.span, shape))
             have = PARTIAL
         kind = _conversion(have, dst, _dim_size(meta, dst) or _dim_size(meta, have), tp)
+        if gathers_whole(meta, have, dst, tp):
+            out = converted[key] = gathered(src, dst, f, kind, meta, have, out)
+            return out
         if kind == "g":
             out = comm_node("g", out, C.ReduceFromTP(group))
-        elif kind == "all_gather" and f is True:   # into sharded compute: the f fused in (backward reduce-scatters)
-            size = full_size(meta, have)
-            more = () if size is not None else (sizes(meta.shape[have.dim]),)
-            out = comm_node("all_gather_f", out, C.GatherIntoTP(group, have, size), *more)
-            f = False
-        elif kind == "all_gather":
-            out = gather(out, meta, have)
         elif kind == "scatter" and not _written_before(src, ctx.node) \
                 and (made := _factory_at_local_size(graph, out, dst, meta, tp, rank)) is not None:
             out = made   # a slice of a tensor of one value is that tensor at the slice's size
@@ -250,9 +246,6 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             out = comm_node("scatter", out, C.ScatterToTP(group, dst, full_size(meta, dst)))
         elif kind == "reduce_scatter":
             out = comm_node("reduce_scatter", out, C.ReduceScatterToTP(group, dst, full_size(meta, dst)))
-        elif kind == "reshard":
-            out = gather(out, meta, have)
-            out = comm_node("scatter", out, C.ScatterToTP(group, dst, full_size(meta, dst)))
         elif kind == "inf":
             raise PlanError(f"cannot turn {have} into {dst} for {src.name}")
         if f:
@@ -261,6 +254,67 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             out = comm_node("f", out, C.CopyToTP(group))
         converted[key] = out
         return out
+
+    def gathered(src: fx.Node, dst: Placement, f: bool | str, kind: str, meta: Any, have: Shard,
+                 local: fx.Node) -> fx.Node:
+        """src (split as ``have``) made whole, or split as ``dst`` (a reshard), from the one
+        all-gather of it that serves every consumer (the plan counts the same:
+        :func:`~.propagate.gather_parts`). Where sharded compute reads src whole, that is the
+        ``all_gather_f`` (its f fused in, its backward reduce-scattering the gradient's
+        summands): a consumer in replicated compute, or a returned output (its gradient whole
+        on every rank), reads it through ``grad_if`` (rank 0 alone adds its gradient); one that
+        wants src split another way cuts the rank's part with ``rank_slice`` (its gradient
+        zero-padded: a summand), or, where slicing cannot cut it, scatters what the replicated
+        consumers read; the runs of a tailed product read it as it is (its tail, through
+        ``grad_if``). Otherwise a plain all-gather, with an f after it for the runs of a tailed
+        product, and a scatter for each split."""
+        if f is True:   # into sharded compute: the f fused in (backward reduce-scatters)
+            size = full_size(meta, have)
+            more = () if size is not None else (sizes(meta.shape[have.dim]),)
+            return comm_node("all_gather_f", local, C.GatherIntoTP(group, have, size), *more)
+        if gathered_into_compute(src):
+            if kind == "reshard" and not cut_from_whole(dst):
+                return comm_node("scatter", convert(src, Replicate(), False),
+                                 C.ScatterToTP(group, dst, full_size(meta, dst)))
+            whole = convert(src, Replicate(), True)
+            if kind == "reshard":
+                return graph.call_function(rank_slice, (whole, dst.dim, dst.chunks, dst.unit, dst.rotate,
+                                                        tuple(dst.sizes), tp, rank))
+            if f:   # "apart"
+                return whole
+            return graph.call_function(grad_if, (whole, int(rank == 0)))   # an int: one graph on every rank
+        whole = converted.get((src, Replicate(), False))
+        if whole is None:
+            whole = converted[(src, Replicate(), False)] = gather(local, meta, have)
+        if kind == "reshard":
+            return comm_node("scatter", whole, C.ScatterToTP(group, dst, full_size(meta, dst)))
+        if f:   # "apart": the runs of a tailed product read it through an f, its tail without
+            return comm_node("f", whole, C.CopyToTP(group))
+        return whole
+
+    def gathered_into_compute(src: fx.Node) -> bool:
+        """Whether src is all-gathered whole into sharded compute (``all_gather_f``) by a
+        conversion made already, or by one a consumer will make before anything ends the reuse
+        of conversions (a grad/autocast region bound, an in-place write of src's storage)."""
+        made = converted.get((src, Replicate(), True))
+        if made is not None:
+            return made.op == "call_module" and made.target.startswith("all_gather_f")
+        here = at.get(ctx.node, -1)
+        root = storage_root(src)
+        users = sorted((u for u in src.users if at.get(u, -1) >= here), key=at.__getitem__)
+        # a region bound converts afresh (before its own inputs); a write, after its own
+        stop = next((at[n] - (n.target in REGION_BOUNDS) for n in order[here + 1:] if n.op == "call_function" and (
+            n.target in REGION_BOUNDS or (mutates_first(n.target) and storage_root(n) is root))), len(order))
+        for user in users:
+            if at[user] > stop or user.op != "call_function" or user not in prop.chosen:
+                continue
+            strategy, info = prop.chosen[user], index.infos[user]
+            sharded = _sharded_compute(strategy)
+            for i, (inp, meta, want) in enumerate(zip(index.tensor_inputs[user], info.inputs, strategy.inputs)):
+                if inp is src and wants_f(want, sharded, meta, inp in index.grads,
+                                          apart=strategy.f_runs_only and i == 0) is True:
+                    return True
+        return False
 
     readers = {}
     unsliced: list[fx.Node] = []   # factories made again at a rank's size: erased where nothing else reads them
@@ -274,7 +328,9 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
 
     ctx.grouped_reader = grouped_reader
     ctx.comm = lambda module, *args: comm_node(module.kind, args[0], module, *args[1:])
-    for node in _program_order(cap.graph, prop, readers):
+    order = _program_order(cap.graph, prop, readers)
+    at = {n: i for i, n in enumerate(order)}
+    for node in order:
         ctx.node = node
         if node.op == "placeholder":
             env[node] = graph.placeholder(node.name)

@@ -50,9 +50,9 @@ from ..capture import module_path
 from ..cost_model.devices import DeviceProfile
 from ..errors import MemoryLimitError, PlanError
 from ..placements import REPLICATE, Partial, Placement, Shard, same_placement
-from .propagate import (INF, GraphIndex, Propagation, _conversion, _dim_size, _even, _meta, _out_meta,
-                        _sharded_compute, conversion_seconds, internal_seconds, param_memory,
-                        param_update_seconds, propagate, serves_without_f, wants_f)
+from .propagate import (INF, GraphIndex, Propagation, _even, _meta, _out_meta,
+                        _sharded_compute, added_seconds, conversion_seconds, internal_seconds, param_memory,
+                        param_update_seconds, pay, propagate, wants_f)
 from .repeats import Layer, LayerFinder, Shift
 
 log = logging.getLogger(__name__)
@@ -238,10 +238,10 @@ class _Solver:
                     cost = INF   # an in-place write lands in the tensor later ops read, not a copy
                     break
                 if (f or have != want) and (want, f) not in paid:
-                    cost += conversion_seconds(index, profile, meta, have, want, f, inp in index.grads)
-                    paid = paid | {(want, f)}
-                    if serves_without_f(_conversion(have, want, _dim_size(meta, want) or _dim_size(meta, have), tp), f):
-                        paid = paid | {(want, False)}   # its collective serves a consumer that wants no f
+                    # a gather shares the all-gather of the tensor's other gathers (gather_parts);
+                    # a collective with an f after it serves a consumer that wants no f
+                    seconds, paid = pay(index, profile, meta, have, paid, want, f, inp in index.grads)
+                    cost += seconds
                     labels[inp] = (have, paid)
                 if cost == INF:
                     break
@@ -260,8 +260,8 @@ class _Solver:
             have, paid = self.labels[state[leaf]]
             if isinstance(have, (Shard, Partial)) and not self.index.keeps_split(i, leaf, have):
                 if (REPLICATE, False) not in paid:
-                    cost += conversion_seconds(self.index, self.profile, _meta(leaf), have, REPLICATE, False,
-                                               leaf in self.index.grads)
+                    cost += added_seconds(self.index, self.profile, _meta(leaf), have, paid, REPLICATE, False,
+                                          leaf in self.index.grads)
                     state[leaf] = self.label_id((have, paid | {(REPLICATE, False)}))
         return cost
 

@@ -135,9 +135,10 @@ def _params_of(node: Any, param_names: dict) -> list[str]:
 def _comm_into(index: Any, prop: Any, by_tensor: dict, exact: dict) -> Any:
     """``(arg, consumer) -> the Comms, in order, the consumer reads arg through``. A conversion
     is made once per (tensor, placement, f) and read by every consumer that wants the same (q, k
-    and v all read the f placed before q): decided as the propagation decides it."""
+    and v all read the f placed before q): decided as the propagation decides it. The gathers of
+    one tensor read its one all-gather (``gather_parts``), a split cut or scattered from it."""
     from ..cost_model.symbolic import conversion_kinds
-    from ..passes.propagate import _sharded_compute, wants_f
+    from ..passes.propagate import _sharded_compute, gathers_whole, wants_f
 
     def into(arg: Any, consumer: Any) -> list:
         strat, info = prop.chosen.get(consumer), index.infos.get(consumer)
@@ -150,6 +151,10 @@ def _comm_into(index: Any, prop: Any, by_tensor: dict, exact: dict) -> Any:
             f = wants_f(want, sharded, meta, inp in index.grads, apart=strat.f_runs_only and i == 0)
             if (inp, want, f) not in prop.conversions:
                 continue
+            if gathers_whole(meta, prop.placements.get(inp), want, index.tp):
+                return [c for c in by_tensor[arg.name] if c.kind in ("all_gather", "all_gather_f")
+                        or (c.kind in ("scatter", "reshard") and c.dst == want) or (c.kind == "f" and f)
+                        or (c.kind in ("grad_if", "rank_slice") and c.consumer == consumer.name)]
             kinds = conversion_kinds(prop.conversions[(inp, want, f)] or None, f)
             found = [next((c for c in by_tensor[arg.name] if c.kind == k and c.dst == want), None) for k in kinds]
             return [c for c in found if c is not None]
