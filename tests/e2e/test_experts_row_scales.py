@@ -46,7 +46,15 @@ FAMILIES = ["mixtral", "qwen3-moe", "qwen2-moe", "olmoe", "deepseek-v3"]
     # tp 1: the whole experts, 12 columns against 32
     dict(family="qwen3-moe", impl="eager", tp=1, experts=4, top_k=2, kv_heads=2, seq=5, seed=3, layers=1,
          layout="ep", plan_batch=64, plan_seq=4096, sp=False, scaled=True),
-], ids=["qwen3-eager-etp-tp2", "mixtral-batched-etp-tp3", "mixtral-batched-etp-tp2-wider", "qwen3-eager-tp1"])
+    # expert parallelism with the all-to-all dispatch (the tokens split along the sequence, forced):
+    # the weights multiply the rows the dispatch brought, before the down product, and the rows go
+    # back by the reverse all-to-all (the weights' gradient summed over the ranks' rows: float32)
+    pytest.param(dict(family="qwen3-moe", impl="eager", tp=2, experts=4, top_k=2, kv_heads=2, seq=7, seed=1,
+                      layers=1, plan_batch=64, plan_seq=4096, sp=True, router_grads=True,
+                      routed=("token_rows", "dispatch_rows", "combine_rows", "token_sums"), scaled=True),
+                 marks=pytest.mark.slow),
+], ids=["qwen3-eager-etp-tp2", "mixtral-batched-etp-tp3", "mixtral-batched-etp-tp2-wider", "qwen3-eager-tp1",
+        "qwen3-eager-tokens-a2a"])
 def test_routing_weights_on_the_narrower_side_equal_serial(cluster_of, case):
     assert_experts_case(cluster_of, {**case, "dtype": "float64"})
 
