@@ -37,6 +37,11 @@ from ..capture.program import op_name
 
 aten = torch.ops.aten
 
+try:
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+except ImportError:   # pragma: no cover - present in every torch autotp supports
+    _LazyGraphModule = fx.GraphModule
+
 #: grouped products of experts: x (argument 0, ``[rows, in]``) -> ``[rows, out]``, each row of
 #: the output a product of x's same row alone
 _GROUPED = ("aten._grouped_mm.default", "transformers.grouped_mm_fallback.default")
@@ -146,7 +151,7 @@ def moved(cap: Capture, scales: list[RowScale]) -> Capture:
     for scale in scales:
         _move(graph, {n.name: n for n in graph.nodes}, scale)
     graph.lint()
-    gm = fx.GraphModule(cap.graph_module, graph)
+    gm = _LazyGraphModule(cap.graph_module, graph)   # its code written when first run, as the capture's
     gm.meta.update(cap.graph_module.meta)
     return replace(cap, graph_module=gm)
 
