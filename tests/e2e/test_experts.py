@@ -109,7 +109,7 @@ def check_experts_case(case: dict) -> dict:
     # under sequence parallelism the bound of the least precise dtype the model computes in (its
     # RMSNorm's float32 variance: the embeddings' gradient differs from serial by 5.7e-9 at tp 2,
     # with the tokens gathered whole for the experts as with the all-to-all dispatch)
-    bound = tolerance(model, batch) if case.get("sp") else None
+    bound = tolerance(model, batch) if case.get("sp") or case.get("router_bound") else None
     # the routers compute their softmax in float32 whatever the model's dtype: where a plan sums the
     # routing weights' gradient over the ranks (the weights meet split or partial rows), it is the
     # sum of float32 parts, within float32's bound, and so are the router loss and the loss it is
