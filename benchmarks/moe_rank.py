@@ -20,7 +20,10 @@ path alone:
 * expert-parallel, all-to-all dispatch: whole experts per rank, each (token, expert) row sent
   from its token's rank to its expert's (``expert_dispatch=True``; where the router runs, on the
   rank's own tokens or on every token, is the solver's choice);
-* expert-TP: every expert's gate|up column, down row (the router where the solver puts it).
+* expert-TP: every expert's gate|up column, down row (the router where the solver puts it);
+* expert-TP, weights on the output rows: the same, with the planner offering no move of the
+  routing weights to the down product's input (``autotp/passes/row_scales.py``): each version's
+  line of collectives says whether its plan moved them.
 
 The combine is the one g in all three. The shapes are Mixtral-8x7B's and Qwen3-30B-A3B's expert
 counts, top-k and heads-to-width ratios with the widths cut to fit a shared 2-core CPU (SHAPES),
@@ -34,6 +37,7 @@ predicted compute alone, the part measured here.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -69,12 +73,33 @@ EP = {**ATTENTION, "*.experts.*": "expert"}
 ETP = {**ATTENTION, "*.experts.gate_up_proj": "expert_column", "*.experts.down_proj": "expert_row"}
 
 
-#: name -> (layout pinned, expert_dispatch: how expert parallelism's rows reach their experts)
+#: name -> (layout pinned, expert_dispatch: how expert parallelism's rows reach their experts,
+#: may the plan move the routing weights to the down product's input: autotp/passes/row_scales.py)
 VERSIONS = {
-    "expert-parallel, g combine": (EP, False),
-    "expert-parallel, all-to-all dispatch": (EP, True),
-    "expert-TP": (ETP, None),
+    "expert-parallel, g combine": (EP, False, True),
+    "expert-parallel, all-to-all dispatch": (EP, True, True),
+    "expert-TP": (ETP, None, True),
+    "expert-TP, weights on the output rows": (ETP, None, False),
 }
+
+
+@contextlib.contextmanager
+def _row_scales(allowed: bool):
+    """The planner offers no per-row scale moved to a product's input where not ``allowed``
+    (the routing weights stay on the down product's output rows, as before it could move them)."""
+    from autotp.planner import planner
+
+    offered = planner.narrower_scales
+    if not allowed:
+        planner.narrower_scales = lambda index, prop: []
+    try:
+        yield
+    finally:
+        planner.narrower_scales = offered
+
+
+def _moved_note(plan) -> str:
+    return next((n for n in plan.notes if n.startswith("per-row scales")), "routing weights on the output rows")
 
 
 def _model(family: str, extra: dict, seq: int, device: str = "cpu"):
@@ -159,19 +184,21 @@ def _measure_ranks(model, family: str, extra: dict, batch: dict, runs: dict, tp:
                    steps: int, profile) -> dict:
     import autotp
 
-    for name, (layout, dispatch) in VERSIONS.items():
-        plan, parts, comm = _predicted(model, batch, tp, batch_size, seq, profile, layout, dispatch)
-        if _kind(plan) != name:
-            raise RuntimeError(f"{name}: the solver's plan at this workload is {_kind(plan)}")
-        pm = autotp.parallelize(_model(family, extra, seq)[0], tp, layout=layout, batch=batch_size, seq=seq,
-                                profile=profile, sequence_parallel=True, example_kwargs=batch, expert_dispatch=dispatch)
+    for name, (layout, dispatch, moves) in VERSIONS.items():
+        with _row_scales(moves):
+            plan, parts, comm = _predicted(model, batch, tp, batch_size, seq, profile, layout, dispatch)
+            if not name.startswith(_kind(plan)):
+                raise RuntimeError(f"{name}: the solver's plan at this workload is {_kind(plan)}")
+            pm = autotp.parallelize(_model(family, extra, seq)[0], tp, layout=layout, batch=batch_size, seq=seq,
+                                    profile=profile, sequence_parallel=True, example_kwargs=batch,
+                                    expert_dispatch=dispatch)
         EMULATED["scatters"] = 0
         work = _counted(pm, batch)   # the first call: its program is written here, under the emulation
         if len(pm._programs) != 1 or [c.kind for c in pm.plan.comms] != [c.kind for c in plan.comms]:
             raise RuntimeError(f"{name}: ran {len(pm._programs)} programs, or not the plan predicted")
         runs[name] = {"module": pm, "work": work, "times": [], "predicted": _compute(parts), "comm": comm,
                       "by_op": parts["by_op"], "split": parts, "emulated": EMULATED["scatters"],
-                      "moe_comms": _moe_comms(plan)}
+                      "moe_comms": _moe_comms(plan), "scales": _moved_note(pm.plan)}
     chosen = _predicted(model, batch, tp, batch_size, seq, profile, ATTENTION)[0]
     for run in runs.values():   # warm-up
         _fwd_bwd(run["module"], batch)
@@ -354,7 +381,7 @@ def main() -> None:
         picks.append(f"| {label} | {pick} ({result['chosen_step_s'] * 1e3:.1f} ms predicted step) | {by_compute} | "
                      + " | ".join(cells) + " |")
         notes += [f"- {label}: {n}" for n in result["notes"]]
-        comms += [f"- {label}, {name}: {runs[name]['moe_comms']}" for name in VERSIONS]
+        comms += [f"- {label}, {name}: {runs[name]['moe_comms']}; {runs[name]['scales']}" for name in VERSIONS]
         op_tables += ["", f"### {label}: where the rank's time above its share goes", ""]
         op_tables += _excess_tables(runs, tp)
         op_tables += ["", f"### {label}: predicted and measured (each op call's least CPU time of 3 forward + "

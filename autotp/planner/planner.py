@@ -13,6 +13,8 @@ from ..errors import ConfigError, MemoryLimitError, PlanError
 from .experts import dispatch_note, expert_stacks, experts_note
 from ..passes.pins import unholdable_pin
 from ..passes.propagate import GraphIndex, Propagation, propagate
+from ..passes.row_scales import moved
+from .scales import narrower_scales, scales_note
 from ..passes.solve import solve
 from ..placements import REPLICATE, Placement, Shard
 from ..plan.flow import record_flows
@@ -90,27 +92,55 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
     if sequence_parallel and not uneven:
         raise ConfigError("sequence_parallel=True needs uneven=True: a sequence shard is uneven whenever tp does "
                           "not divide a call's length; pass uneven=True, or leave sequence_parallel to the planner")
-    index = GraphIndex.build(cap, tp, batch, seq, uneven=uneven, sharded_outputs=keep,
-                             sequence_parallel=sequence_parallel is not False and uneven and tp > 1,
-                             input_placements=arriving, force_sequence=bool(sequence_parallel), align=align,
-                             host_reads=host_reads)
-    index.expert_dispatch = expert_dispatch
+
+    def index_of(c: Capture) -> GraphIndex:
+        index = GraphIndex.build(c, tp, batch, seq, uneven=uneven, sharded_outputs=keep,
+                                 sequence_parallel=sequence_parallel is not False and uneven and tp > 1,
+                                 input_placements=arriving, force_sequence=bool(sequence_parallel), align=align,
+                                 host_reads=host_reads)
+        index.expert_dispatch = expert_dispatch
+        return index
+
+    index = index_of(cap)
     pinned = _pinned(cap, layout, plan)
     if not host_reads:
         _refuse_model_reads(cap)
         try:
-            return _planned(cap, index, prof, pinned, plan, layout, limit, batch, seq, keep)
+            return _planned(cap, index, prof, pinned, plan, layout, limit, batch, seq, keep, index_of)
         except PlanError as exc:   # a pin that only a layout reading to the host could hold
             if not isinstance(exc, MemoryLimitError):
                 _refuse_pinned_reads(cap, pinned, tp, exc)
             raise
-    return _planned(cap, index, prof, pinned, plan, layout, limit, batch, seq, keep)
+    return _planned(cap, index, prof, pinned, plan, layout, limit, batch, seq, keep, index_of)
 
 
 def _planned(cap: Capture, index: GraphIndex, prof: Any, pinned: Mapping[str, Placement], plan: Plan | None,
              layout: Mapping[str, Any] | None, limit: float, batch: int, seq: int,
-             keep: frozenset) -> tuple[Plan, GraphIndex, Propagation]:
-    """The plan on ``index``: ``plan`` replayed, or solved under ``pinned`` within ``limit``."""
+             keep: frozenset, index_of: Any = None) -> tuple[Plan, GraphIndex, Propagation]:
+    """The plan on ``index``: ``plan`` replayed, or solved under ``pinned`` within ``limit``.
+    ``index_of`` (a capture -> its GraphIndex, built as ``index`` was): where per-row scales of
+    products' outputs (routing weights) are narrower on the products' inputs under the plan found,
+    the capture with them moved there is planned too, and the cheaper predicted step kept
+    (:mod:`autotp.passes.row_scales`)."""
+    index, prop, notes = _placed(cap, index, prof, pinned, plan, layout, limit, batch, seq, keep)
+    scales = narrower_scales(index, prop) if index_of is not None else []
+    if scales:
+        try:
+            moved_index, moved_prop, moved_notes = _placed(cap, index_of(moved(index.capture, scales)), prof, pinned,
+                                                           plan, layout, limit, batch, seq, keep)
+        except PlanError:   # the moved program has no plan within the limit: the scales stay where they are
+            moved_prop = None
+        if moved_prop is not None and moved_prop.total_s < prop.total_s:
+            notes = moved_notes + [scales_note(index, scales, prop.total_s - moved_prop.total_s)]
+            index, prop = moved_index, moved_prop
+    return _written(index.capture, index, prop, prof, batch, seq, keep, layout, pinned, limit, notes, replayed=plan)
+
+
+def _placed(cap: Capture, index: GraphIndex, prof: Any, pinned: Mapping[str, Placement], plan: Plan | None,
+            layout: Mapping[str, Any] | None, limit: float, batch: int, seq: int,
+            keep: frozenset) -> tuple[GraphIndex, Propagation, list[str]]:
+    """``plan`` replayed on ``index``, or the solver's placements under ``pinned`` within
+    ``limit``: (the index solved on, the propagation, notes)."""
     notes: list[str] = []
     if plan is not None:
         prop = _under_pins(index, prof, pinned)
@@ -139,7 +169,7 @@ def _planned(cap: Capture, index: GraphIndex, prof: Any, pinned: Mapping[str, Pl
                          f"per rank, over the memory limit of {limit / 2**30:.2f} GiB: this plan is slower but fits")
         if prop.infeasible:
             raise PlanError(f"no feasible plan: {prop.infeasible}")
-    return _written(cap, index, prop, prof, batch, seq, keep, layout, pinned, limit, notes, replayed=plan)
+    return index, prop, notes
 
 
 def _under_pins(index: GraphIndex, prof: Any, pinned: Mapping[str, Placement]) -> Propagation:
