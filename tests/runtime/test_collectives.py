@@ -376,3 +376,25 @@ def test_a_mapping_of_a_buffer_written_through_slices_keeps_its_backward_under_c
     torch.testing.assert_close(x.grad, eager, rtol=0, atol=0)
     if backward_collective is not None:   # the Function's own backward, not its forward's derivative
         assert backward_collective in collectives, collectives
+
+
+
+def test_grad_if_of_a_buffer_written_through_slices_keeps_its_backward_under_compile():
+    # no collective: grad_if passes no gradient back where keep is 0 (a per-block tail's copy on
+    # a rank other than its set's first); traced inline, it passed the gradient back
+    from autotp.distributed.functional import grad_if
+
+    x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2), requires_grad=True)
+
+    def step(x):
+        buf = x.new_empty(x.shape)
+        buf[:, :2].copy_(x[:, :2])
+        buf[:, 2:].copy_(3 * x[:, 2:])
+        y = grad_if(buf, 0) + x
+        return (y * torch.arange(y.numel(), dtype=y.dtype).view(y.shape)).sum()
+
+    step(x).backward()
+    eager, x.grad = x.grad, None
+    torch._dynamo.reset()
+    torch.compile(step, backend="aot_eager", fullgraph=True)(x).backward()
+    torch.testing.assert_close(x.grad, eager, rtol=0, atol=0)
