@@ -45,7 +45,7 @@ all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gat
 
 __all__ = [
     "copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "reduce_scatter_to_tp",
-    "local_shard", "assemble", "group_size", "group_rank", "group_ranks",
+    "local_shard", "assemble", "traced_as_now", "group_size", "group_rank", "group_ranks",
     "CopyToTP", "ReduceFromTP", "GatherFromTP", "ScatterToTP", "ReduceScatterToTP",
 ]
 
@@ -365,6 +365,18 @@ def _output(t: Tensor) -> Tensor:
     return t.view_as(t)
 
 
+def traced_as_now(x: Tensor) -> Tensor:
+    """``x`` as an autograd Function's input: under ``torch.compile``, a view of it, so that
+    dynamo reads whether it requires grad from the tensor as it is now. Dynamo (torch 2.13) keeps
+    the flag a tensor had when it was made: a buffer made without grad (``new_empty``) and then
+    written through a slice with a tensor that requires grad (DeepSeek-V3's key, its ``k_nope``
+    and ``k_rot`` copied into two slices) still reads as needing none, so the Function's forward
+    is traced inline and its own backward dropped (scatter_to_tp's all-gather: only this rank's
+    heads' gradient reached ``k_rot``). A fresh view's flag is read from the traced value, which
+    is right. Eager code takes ``x`` as it is."""
+    return x.view_as(x) if torch.compiler.is_compiling() else x
+
+
 class _CopyToTP(torch.autograd.Function):
     """f: identity forward, all-reduce of the gradient backward."""
 
@@ -451,12 +463,12 @@ class _ReduceScatterToTP(torch.autograd.Function):
 
 def copy_to_tp(x: Tensor, group) -> Tensor:
     """f: a Replicate activation enters sharded compute."""
-    return _CopyToTP.apply(x, group)
+    return _CopyToTP.apply(traced_as_now(x), group)
 
 
 def reduce_from_tp(x: Tensor, group) -> Tensor:
     """g: a Partial activation becomes Replicate."""
-    return _ReduceFromTP.apply(x, group)
+    return _ReduceFromTP.apply(traced_as_now(x), group)
 
 
 # In a group of one, a shard is the whole tensor: the three layout changes below are plain
@@ -468,7 +480,7 @@ def gather_from_tp(x: Tensor, group, shard: Shard, full_size: int) -> Tensor:
     """A Shard becomes Replicate; ``full_size`` is the gathered size of ``shard.dim``."""
     if group_size(group) == 1:
         return x.contiguous()
-    return _GatherFromTP.apply(x, group, shard, full_size)
+    return _GatherFromTP.apply(traced_as_now(x), group, shard, full_size)
 
 
 def gather_into_tp(x: Tensor, group, shard: Shard, full_size: int) -> Tensor:
@@ -476,21 +488,21 @@ def gather_into_tp(x: Tensor, group, shard: Shard, full_size: int) -> Tensor:
     reduce-scatter of the gradient backward (an all-gather and an f, in the bytes of one)."""
     if group_size(group) == 1:
         return x.contiguous()
-    return _GatherIntoTP.apply(x, group, shard, full_size)
+    return _GatherIntoTP.apply(traced_as_now(x), group, shard, full_size)
 
 
 def scatter_to_tp(x: Tensor, group, shard: Shard, full_size: int) -> Tensor:
     """A Replicate tensor becomes this rank's Shard (``full_size`` = ``x.shape[shard.dim]``)."""
     if group_size(group) == 1:
         return x.clone(memory_format=torch.contiguous_format)
-    return _ScatterToTP.apply(x, group, shard, full_size)
+    return _ScatterToTP.apply(traced_as_now(x), group, shard, full_size)
 
 
 def reduce_scatter_to_tp(x: Tensor, group, shard: Shard, full_size: int) -> Tensor:
     """A Partial tensor becomes this rank's Shard of the sum."""
     if group_size(group) == 1:
         return x.clone(memory_format=torch.contiguous_format)
-    return _ReduceScatterToTP.apply(x, group, shard, full_size)
+    return _ReduceScatterToTP.apply(traced_as_now(x), group, shard, full_size)
 
 
 # ---------------------------------------------------------------- modules for fx graphs

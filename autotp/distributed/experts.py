@@ -39,7 +39,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
-from .collectives import _comm, _CommModule
+from .collectives import _comm, _CommModule, traced_as_now
 from .reads import host_ints, nonzero_rows
 
 
@@ -410,14 +410,14 @@ def dispatch_rows(x: torch.Tensor, plan: DispatchPlan, group: Any) -> torch.Tens
     """This rank's rows of its tokens (in the order of the plan's ``rows``) sent to their
     experts' ranks, :func:`dispatch_plan`'s rows of its experts received. Autograd-correct: the
     backward is the reverse all-to-all."""
-    return _DispatchRows.apply(x, plan, group)
+    return _DispatchRows.apply(traced_as_now(x), plan, group)
 
 
 def combine_rows(y: torch.Tensor, plan: DispatchPlan, group: Any) -> torch.Tensor:
     """The rows of this rank's experts (sorted by expert, as :func:`dispatch_rows` gave them)
     sent back to their tokens' ranks: the rank's token rows, in the order the dispatch took them.
     Autograd-correct: the backward is the dispatch's all-to-all."""
-    return _CombineRows.apply(y, plan, group)
+    return _CombineRows.apply(traced_as_now(y), plan, group)
 
 
 class DispatchRows(_CommModule):

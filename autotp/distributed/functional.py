@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .collectives import traced_as_now
+
 
 def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor,
                              ranges: tuple[tuple[int, int], ...], padding_idx: int = -1) -> torch.Tensor:
@@ -112,7 +114,7 @@ class VocabParallelCrossEntropy(torch.nn.Module):
         return new
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        out = _VocabParallelCrossEntropy.apply(logits, target, self.group, self.ranges,
+        out = _VocabParallelCrossEntropy.apply(traced_as_now(logits), target, self.group, self.ranges,
                                                self.ignore_index, self.reduction)
         return out
 
@@ -149,7 +151,7 @@ class _TailExactAdd(torch.autograd.Function):
 def tail_exact_add(x: torch.Tensor, b: torch.Tensor, tails: tuple[tuple[int, int], ...]) -> torch.Tensor:
     """``x + b`` with b's gradient over the local ``tails`` ranges of the last dim summed alone
     (see :class:`_TailExactAdd`)."""
-    return _TailExactAdd.apply(x, b, tails)
+    return _TailExactAdd.apply(traced_as_now(x), traced_as_now(b), tails)
 
 
 def repeat_rows(x: torch.Tensor, repeats: int, dim: int, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
@@ -182,7 +184,7 @@ class _GradIf(torch.autograd.Function):
 def grad_if(x: torch.Tensor, keep: int) -> torch.Tensor:
     """``x``, passing its gradient back only where ``keep`` is 1 (see :class:`_GradIf`); an int,
     which the ranks' graph agreement reads as a size, since it differs between ranks."""
-    return _GradIf.apply(x, bool(keep))
+    return _GradIf.apply(traced_as_now(x), bool(keep))
 
 
 def rank_slice(full: torch.Tensor, dim: int, chunks: int, unit: int, rotate: int, sizes: tuple, tp: int,

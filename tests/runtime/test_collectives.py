@@ -327,3 +327,74 @@ def test_comm_modules_are_named_call_modules_that_hold_no_state():
     assert gm.state_dict() == {} and list(gm.buffers()) == []
     copied = copy.deepcopy(gm)
     assert all(copied.get_submodule(name).group is group for name in mods)
+
+
+# ---------------------------------------------------------------- under torch.compile
+
+#: each mapping on a tp-2 group, its input's full shape, and the collective its backward issues
+_COMPILED = {
+    "f": (lambda x, g: C.copy_to_tp(x, g), (4, 6), "all_reduce"),
+    "g": (lambda x, g: C.reduce_from_tp(x, g), (4, 6), None),
+    "gather": (lambda x, g: C.gather_from_tp(x, g, Shard(0), 4), (2, 6), None),
+    "scatter": (lambda x, g: C.scatter_to_tp(x, g, Shard(0), 4), (4, 6), "all_gather_into_tensor"),
+    "reduce_scatter": (lambda x, g: C.reduce_scatter_to_tp(x, g, Shard(0), 4), (4, 6), "all_gather_into_tensor"),
+}
+
+
+@pytest.mark.parametrize("op", sorted(_COMPILED))
+def test_a_mapping_of_a_buffer_written_through_slices_keeps_its_backward_under_compile(fake_rank, op):
+    # DeepSeek-V3's key is a new_empty written through two slices (its k_nope and its k_rot), then
+    # scattered to the rank's heads. Dynamo read the buffer as needing no gradient (the flag it
+    # had when made), traced scatter's forward inline and dropped its backward's all-gather: only
+    # the rank's own heads' gradient reached k_rot (compiled gradients 1.7e-3 off eager's)
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    mapping, shape, backward_collective = _COMPILED[op]
+    group = dist.group.WORLD
+    x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+
+    def step(x):
+        buf = x.new_empty(shape)   # needs no gradient when made ...
+        buf[:, :2].copy_(x[:, :2])   # ... and needs one from here on
+        buf[:, 2:].copy_(2 * x[:, 2:])
+        y = mapping(buf, group)
+        return (y * torch.arange(y.numel(), dtype=y.dtype).view(y.shape)).sum()
+
+    step(x).backward()
+    eager, x.grad = x.grad, None
+    collectives = []
+
+    def backward(gm, example_inputs):
+        collectives.extend(n.target._opname for n in gm.graph.nodes
+                           if n.op == "call_function" and "_c10d_functional" in str(n.target))
+        return make_boxed_func(gm)
+
+    torch._dynamo.reset()
+    torch.compile(step, backend=aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm), bw_compiler=backward),
+                  fullgraph=True)(x).backward()
+    torch.testing.assert_close(x.grad, eager, rtol=0, atol=0)
+    if backward_collective is not None:   # the Function's own backward, not its forward's derivative
+        assert backward_collective in collectives, collectives
+
+
+
+def test_grad_if_of_a_buffer_written_through_slices_keeps_its_backward_under_compile():
+    # no collective: grad_if passes no gradient back where keep is 0 (a per-block tail's copy on
+    # a rank other than its set's first); traced inline, it passed the gradient back
+    from autotp.distributed.functional import grad_if
+
+    x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2), requires_grad=True)
+
+    def step(x):
+        buf = x.new_empty(x.shape)
+        buf[:, :2].copy_(x[:, :2])
+        buf[:, 2:].copy_(3 * x[:, 2:])
+        y = grad_if(buf, 0) + x
+        return (y * torch.arange(y.numel(), dtype=y.dtype).view(y.shape)).sum()
+
+    step(x).backward()
+    eager, x.grad = x.grad, None
+    torch._dynamo.reset()
+    torch.compile(step, backend="aot_eager", fullgraph=True)(x).backward()
+    torch.testing.assert_close(x.grad, eager, rtol=0, atol=0)
