@@ -305,6 +305,15 @@ COMPILE_MODES = {"fullgraph": (True, {}),
                  "defaults": (False, {})}
 
 
+def _step_grads(pm, module, batch) -> tuple:
+    """One training step through ``module`` (``pm`` or its compiled wrapper): the loss and every
+    parameter's local gradient, copied."""
+    pm.zero_grad()
+    loss = module(**batch).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.to_local().clone() for n, p in pm.named_parameters()}
+
+
 def _compiled_all_to_all_dispatch(backend: str, mode: str) -> dict:
     """Mixtral's experts split whole over the ranks with the tokens split along the sequence
     (sequence parallelism forced): each rank routes its own tokens and sends each (token,
@@ -347,17 +356,11 @@ def _compiled_all_to_all_dispatch(backend: str, mode: str) -> dict:
     if backend == "aot_eager":   # aot_eager, its forward and backward graphs' all-to-alls counted
         backend = aot_autograd(fw_compiler=counting("forward"), bw_compiler=counting("backward"))
 
-    def step(module, batch) -> tuple:
-        pm.zero_grad()
-        loss = module(**batch).loss
-        loss.backward()
-        return loss.detach(), {n: p.grad.to_local().clone() for n, p in pm.named_parameters()}
-
-    eager = [step(pm, batch) for batch in data]
+    eager = [_step_grads(pm, pm, batch) for batch in data]
     fullgraph, capture = COMPILE_MODES[mode]
     with torch._dynamo.config.patch(capture):
         compiled = torch.compile(pm, fullgraph=fullgraph, backend=backend)
-        got = [step(compiled, batch) for batch in data]
+        got = [_step_grads(pm, compiled, batch) for batch in data]
         serial = max(max(equivalence_errors(model, compiled, batch).values()) for batch in data)
     return {"dispatch": DispatchRows in modules and CombineRows in modules,
             "to eager": max(max([relative_error(g[0], e[0])] + [relative_error(g[1][n], e[1][n]) for n in e[1]])
@@ -420,15 +423,9 @@ def _compiled_experts_with_dynamos_defaults(family: str, experts: str) -> dict:
                     and getattr(n.target, "__name__", "") in ("expert_bounds", "picked_rows", "dispatch_sizes")})
     data = [zoo.example_batch(family, config, batch=2, seq=7, seed=s) for s in (2, 3)]
 
-    def step(module, batch) -> tuple:
-        pm.zero_grad()
-        loss = module(**batch).loss
-        loss.backward()
-        return loss.detach(), {n: p.grad.to_local().clone() for n, p in pm.named_parameters()}
-
-    eager = [step(pm, batch) for batch in data]
+    eager = [_step_grads(pm, pm, batch) for batch in data]
     compiled = torch.compile(pm, backend="aot_eager")
-    got = [step(compiled, batch) for batch in data]
+    got = [_step_grads(pm, compiled, batch) for batch in data]
     return {"reads": reads, "graphs": counters["stats"]["unique_graphs"], "breaks": dict(counters["graph_break"]),
             "to eager": max(max([relative_error(g[0], e[0])] + [relative_error(g[1][n], e[1][n]) for n in e[1]])
                             for g, e in zip(got, eager))}
