@@ -103,7 +103,11 @@ def test_rotary_cat_costs_no_collective_in_llama():
     # The issue's plan: all_gather neg -> cat, all_gather slice -> cat, scatter mul -> add, per layer.
     _, model = _model("llama", 8, 2)
     plan = autotp.plan(model, 2, **WORKLOAD)
-    assert not [c for c in plan.comms if c.kind in ("all_gather", "scatter") and c.consumer.startswith(("cat", "add"))]
+    # (the rotary's cat and add run in the attention; a decoder layer's residual add may cut its part
+    # from the gather its norm shares, which is no rotary collective)
+    attention = [c for c in plan.comms if ".self_attn" in c.module]
+    assert attention, plan.comms   # the projections' f
+    assert not [c for c in attention if c.kind in ("all_gather", "scatter") and c.consumer.startswith(("cat", "add"))]
 
 
 @pytest.mark.parametrize("heads, kv, tp", [(8, 2, 2), (8, 4, 2), (8, 4, 4), (6, 3, 3)])
