@@ -113,3 +113,47 @@ def test_a_layer_whose_ops_carry_no_module_path_is_refused_with_the_fix():
     units = {path: model.get_submodule(path) for path in layer_paths(model)}
     with pytest.raises(ConfigError, match=r"cannot outline layers\.0: the program reads its parameters.*per_layer=False"):
         outline(cap.graph_module, list(cap.param_names.values()), list(units), units)
+
+
+class Copy(nn.Module):
+    """An identity over a parameter, as the rewrite's f is in forward (a module with no module path)."""
+
+    def forward(self, x):
+        return x * 1.0
+
+
+def test_a_conversion_of_a_layers_parameter_made_right_before_its_first_op_joins_the_layer():
+    """The rewrite's f over a replicated norm weight that a sequence-parallel norm reads carries
+    no module path and sits right before the layer's first op (gpt-bigcode's and falcon-new's
+    first norm at tp 2): it is the layer's, outlined with it, not a read of the layer's parameter
+    outside the layer (refused before: per-layer FSDP could not run these families)."""
+    from autotp.capture import layer_of
+
+    model = Net().double()
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    cap = capture(model, example_kwargs={"x": x}, dynamic=False)
+    gm, graph = cap.graph_module, cap.graph
+    order = list(cap.param_names.values())
+    params = dict(zip(order, (n for n in graph.nodes if n.op == "placeholder")))
+    layers = layer_paths(model)
+    for i, layer in enumerate(layers):
+        first = next(n for n in graph.nodes if n.op == "call_function" and layer_of(n, layers) == layer)
+        weight = params[f"{layer}.norm.weight"]
+        gm.add_module(f"f_{i}", Copy())
+        with graph.inserting_before(first):
+            f = graph.call_module(f"f_{i}", (weight,))
+        weight.replace_all_uses_with(f, delete_user_cb=lambda user, f=f: user is not f)
+    gm.recompile()
+    tree = nn.Module()
+    for name, p in model.named_parameters():
+        put_named(tree, name, p)
+    units = {path: tree.get_submodule(path) for path in layers}
+    gm, done = outline(gm, order, layers, units)
+    calls = [m for m in gm.modules() if isinstance(m, LayerCall)]
+    assert len(calls) == 3 and all("norm.weight" in c.names for c in calls)
+    assert all(any(n.op == "call_module" and n.target.startswith("f_") for n in c.block.graph.nodes) for c in calls)
+    assert not [n for n in gm.graph.nodes if n.op == "call_module" and n.target.startswith("f_")]
+    named = dict(model.named_parameters())
+    fed = [None if name in done else named[name] for name in order]
+    got = unflatten_outputs(cap, gm(*fed, *flat_inputs(cap, {"x": x})))
+    torch.testing.assert_close(got, model(x), rtol=1e-12, atol=1e-12)
