@@ -157,3 +157,41 @@ def test_a_conversion_of_a_layers_parameter_made_right_before_its_first_op_joins
     fed = [None if name in done else named[name] for name in order]
     got = unflatten_outputs(cap, gm(*fed, *flat_inputs(cap, {"x": x})))
     torch.testing.assert_close(got, model(x), rtol=1e-12, atol=1e-12)
+
+
+def test_a_family_whose_first_norm_is_sequence_parallel_is_outlined_at_tp_2():
+    """gpt-bigcode at tp 2, planned for 64 x 4096 on h100-dgx (the family stack's plan): its
+    layers' first norms run sequence-parallel, their weights read through an f made right before
+    them; every program of the rank is cut layer by layer (one rank on the fake backend; refused
+    before with "its parameter transformer.h.0.ln_1.weight is read outside the layer's ops")."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import autotp
+    from autotp import zoo
+    from autotp.capture import layer_of
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        config = zoo.tiny_config("gpt-bigcode", layers=2, heads=4, kv_heads=2, head_dim=4, vocab=50, positions=64)
+        pm = autotp.parallelize(zoo.build("gpt-bigcode", config, dtype=torch.float64, seed=3), 2,
+                                profile="h100-dgx", batch=64, seq=4096)
+        layers = list(pm._layers)
+        before = set()   # (layer, parameter) read through a node of no layer placed before the layer's first op
+        for program in pm._programs:
+            nodes = list(program.graph_module.graph.nodes)
+            fqn = dict(zip((n for n in nodes if n.op == "placeholder"), program.param_order))
+            start = {}
+            for i, n in enumerate(nodes):
+                if (layer := layer_of(n, layers)) is not None:
+                    start.setdefault(layer, i)
+            for p, name in fqn.items():
+                for layer in layers:
+                    if name.startswith(layer + ".") and any(nodes.index(u) < start[layer] for u in p.users):
+                        before.add((layer, name))
+            outline(program.graph_module, program.param_order, layers, {}, check_only=True)
+        assert ("transformer.h.0", "transformer.h.0.ln_1.weight") in before, sorted(before)
+    finally:
+        dist.destroy_process_group()
