@@ -9,7 +9,9 @@ inside a forward of the module that holds the layer's parameters.
 model that hold parameters (``transformer.h.0`` ... ``transformer.h.11``). :func:`outline` then
 cuts the program's graph: a layer's *span* runs from its first op to its last (ops whose module
 path is under the layer's; the collectives and size computations the rewrite put between them
-belong to the span). Each span becomes a graph of its own, whose placeholders are the layer's
+belong to the span, and so do those right before its first op that only the span reads: the
+conversions made for that op, e.g. the f over a norm's replicated weight in a sequence-parallel
+region). Each span becomes a graph of its own, whose placeholders are the layer's
 parameters (in a fixed order, by name relative to the layer) and the values the span reads from
 before it, and whose outputs are the span's values read after it. In the program the span is
 replaced by one call of a :class:`LayerCall`, which calls the layer's module (a
@@ -88,6 +90,8 @@ def outline(gm: fx.GraphModule, param_order: list[str], layers: list[str],
             if layer is not None:
                 lo_hi = spans.setdefault(layer, [pos[n], pos[n]])
                 lo_hi[1] = pos[n]
+    for lo_hi in spans.values():   # the conversions the rewrite made for the layer's first ops join it
+        lo_hi[0] = _conversions_before(nodes, pos, lo_hi[0], lo_hi[1], layers)
     for layer in layers:
         read = [fqn_of[p] for p in placeholders if fqn_of.get(p, "").startswith(layer + ".") and p.users]
         if read and layer not in spans:
@@ -144,6 +148,22 @@ def outline(gm: fx.GraphModule, param_order: list[str], layers: list[str],
     gm.delete_all_unused_submodules()
     gm.recompile()
     return gm, outlined
+
+
+def _conversions_before(nodes: list[fx.Node], pos: dict[fx.Node, int], lo: int, hi: int,
+                        layers: list[str]) -> int:
+    """The start of the span ``nodes[lo:hi + 1]`` pulled back over the ops of no layer right
+    before it that only the span reads: the conversions the rewrite made for the layer's first
+    op (carrying no module path of their own), such as the f over a replicated norm weight that a
+    sequence-parallel norm reads. The same rule as the checkpoint pass's: a communication node
+    belongs to the layer of the op it feeds."""
+    while lo > 0:
+        n = nodes[lo - 1]
+        if n.op not in ("call_function", "call_module", "call_method") or layer_of(n, layers) is not None \
+                or not n.users or any(not lo <= pos[u] <= hi for u in n.users):
+            break
+        lo -= 1
+    return lo
 
 
 def _item(values: tuple, i: int) -> Any:
