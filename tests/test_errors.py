@@ -256,7 +256,10 @@ def _planning_fails_on_rank_1():
     return "ok"
 
 
-def test_a_rank_that_fails_to_plan_stops_its_group_at_once_instead_of_leaving_it_waiting(cluster):
+def test_a_rank_that_fails_to_plan_stops_its_group_at_once_instead_of_leaving_it_waiting(cluster, monkeypatch):
+    # ranks 2 and 3 plan on: on loaded cores (load 25 on two) that takes longer than the default 3 s grace
+    # the cluster gives them after rank 1 fails; a rank stuck in a collective would not finish in 60 s either
+    monkeypatch.setattr(cluster, "error_grace", 60.0)
     with pytest.raises(ConfigError, match="unknown role 'sideways'") as caught:
         cluster.run(_planning_fails_on_rank_1)
     message = str(caught.value)
