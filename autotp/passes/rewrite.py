@@ -441,7 +441,7 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             graph.erase_node(made)
     graph.lint()
     for node, new in env.items():   # the dims reduce_in_place reads (a broadcast operand's)
-        if isinstance(val := node.meta.get("val"), torch.Tensor) \
+        if isinstance(new, fx.Node) and isinstance(val := node.meta.get("val"), torch.Tensor) \
                 and new.meta.setdefault("autotp_ndim", val.dim()) != val.dim():
             new.meta["autotp_ndim"] = float("inf")   # two captured tensors of unlike dims: unknown
     return reduce_in_place(fx.GraphModule(root, graph, class_name="ParallelGraph"))
