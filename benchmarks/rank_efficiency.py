@@ -163,7 +163,7 @@ def run_model(spec: str, args) -> list[str]:
     family, model = model_for(name, int(layers or 2), getattr(torch, args.dtype), args.device)
     batch = {k: v.to(args.device) for k, v in zoo.example_batch(family.name, model.config, batch=args.batch,
                                                                  seq=args.seq, seed=0).items()}
-    layouts = {"default": {}}
+    layouts = {"default": _sequence_parallel(args)}
     if family.name in zoo.EXPERT_FAMILIES:
         layouts.update({k: v for k, v in EXPERTS.items() if k in args.layouts})
     cpu = args.device == "cpu"
@@ -273,6 +273,11 @@ def _copies_table(serial, rank, label: str, tp: int) -> list[str]:
     return lines
 
 
+def _sequence_parallel(args) -> dict:
+    """The default plan's ``sequence_parallel`` argument (``--sequence-parallel``; none: by cost)."""
+    return {} if args.sequence_parallel == "cost" else {"sequence_parallel": args.sequence_parallel == "on"}
+
+
 def copies_only(spec: str, args) -> list[str]:
     """``--copies-only``: the copies table of one model's rank (its default plan) beside serial/N,
     from one counted step after a warm-up; no timing and no prediction."""
@@ -286,12 +291,13 @@ def copies_only(spec: str, args) -> list[str]:
     _, serial_copies = counted(model, batch)
     with mirrored_peers():
         pm = autotp.parallelize(model, args.tp, profile=args.profile, batch=args.plan_batch, seq=args.plan_seq,
-                                device=args.device)
+                                device=args.device, **_sequence_parallel(args))
         module_step(pm, batch)()
         pm.zero_grad(set_to_none=True)
     _, copies = counted(pm, batch)
     return ([f"## {name}, {int(layers or 2)} layers, tp={args.tp} rank 0 of a fake world, {args.dtype}, "
-             f"batch {args.batch} x seq {args.seq}, {args.device}: copies only"]
+             f"batch {args.batch} x seq {args.seq}, {args.device}, sequence parallelism {args.sequence_parallel}: "
+             "copies only"]
             + _copies_table(serial_copies, copies, "default", args.tp) + [""])
 
 
@@ -359,6 +365,8 @@ def main() -> None:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--copies-only", action="store_true",
                    help="only each model's copies table (one counted step; no timing, no predictions)")
+    p.add_argument("--sequence-parallel", choices=["cost", "on", "off"], default="cost",
+                   help="the default plan's sequence parallelism: chosen by cost, forced, or forbidden")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -374,7 +382,7 @@ def main() -> None:
              f"; the plans are made for profile `{args.profile}` at batch {args.plan_batch} x seq {args.plan_seq}."
              + (f" {torch.get_num_threads()} torch thread(s); load average at the start "
                 f"{os.getloadavg()[0]:.1f}." if args.device == "cpu" else ""),
-             "",
+             ""] + ([] if args.copies_only else [
              "serial/N ÷ rank: 1.00 is a rank doing exactly its N-th of the serial step's compute (communication "
              "is not run: the fake backend returns at once). "
              + ("On CPU it is read off the thread's CPU time (`time.thread_time`, the least of the repeats: the "
@@ -385,7 +393,7 @@ def main() -> None:
                 "comparison, off the wall clock (the median), which also holds the time the step waited for a core. " if args.device == "cpu" else "")
              + "FLOPs and bytes are counted off the ops the steps run "
              "(forward + backward); 'predicted' is the cost model's forward + backward on the profile, at the "
-             "measured workload.", ""]
+             "measured workload.", ""])
     if not args.copies_only:
         lines += predicted_at_real_size(args.tp, args.profile)
     for spec in args.models:

@@ -145,9 +145,10 @@ def _all_reduce(x: Tensor, group, op: str, in_place: bool = False) -> Tensor:
     place has its autograd version bumped (c10d does not), so a backward formula that saved it
     raises autograd's "modified by an inplace operation" instead of reading the sum."""
     x = x.detach()
+    in_place = in_place and not torch.compiler.is_compiling()   # dynamo loses a Function's detached alias
     if group_size(group) == 1:
         return x if in_place else x.clone(memory_format=torch.contiguous_format)
-    if in_place and x.is_contiguous() and not torch.compiler.is_compiling():
+    if in_place and x.is_contiguous():
         with _comm(op, group):   # waited for inside: a failure surfaces here, named
             dist.all_reduce(x, group=group)
         torch.autograd.graph.increment_version(x)

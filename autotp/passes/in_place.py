@@ -34,7 +34,8 @@ from torch import fx
 import torch
 
 from ..distributed.collectives import CopyToTP, ReduceFromTP
-from ..distributed.experts import routed_combine, routed_scatter
+from ..distributed.experts import gather_rows, routed_combine, routed_scatter
+from ..distributed.functional import vocab_parallel_embedding
 
 aten = torch.ops.aten
 
@@ -46,12 +47,13 @@ VIEWS = frozenset({
 })
 
 #: ops whose result is a new tensor that no backward formula saves (an experts layer's combine
-#: and scatter: an ``index_add`` and a ``scatter`` into zeros, whose backwards read the index)
+#: and scatter: an ``index_add`` and a ``scatter`` into zeros, whose backwards read the index; the
+#: vocabulary-parallel embedding: a lookup, its foreign rows zeroed in place by a mask)
 FRESH = frozenset({
     aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.matmul.default,
     aten.linear.default, aten._grouped_mm.default, aten.embedding.default,
     aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor,
-    routed_combine, routed_scatter,
+    routed_combine, routed_scatter, vocab_parallel_embedding,
 })
 
 #: op -> the argument positions whose gradient its backward makes as a new tensor
@@ -61,6 +63,7 @@ GRAD_FRESH = {
     aten.linear.default: (0, 1), aten._grouped_mm.default: (0, 1),
     aten.mul.Tensor: (0, 1), aten.div.Tensor: (0, 1), aten.embedding.default: (0,),
     aten.layer_norm.default: (0, 2, 3), aten.native_layer_norm.default: (0, 2, 3), aten.rms_norm.default: (0, 2),
+    gather_rows: (0,),   # an experts layer's rows picked by index: the gradient scattered into zeros
 }
 
 #: ops whose backward passes the gradient on as it is, summed down to an operand of fewer dims

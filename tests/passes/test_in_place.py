@@ -169,3 +169,24 @@ def test_the_refused_cases_are_wrong_or_fail_when_forced_in_place(cluster, kind,
             assert "modified by an inplace operation" in forced[1], forced
             continue
         assert not all(a is None or torch.equal(a, b) for a, b in zip(forced[0] + forced[1], copied[0] + copied[1]))
+
+
+def test_a_vocab_parallel_embeddings_g_and_a_tied_head_reduce_in_place(fake_rank):
+    # the lookup's rows held elsewhere are zeroed in place by a mask (autotp.distributed.functional):
+    # a fresh tensor that no backward keeps, so its g sums it where it is
+    import autotp
+    from autotp import zoo
+    from autotp.testing.work import CopyCounter
+
+    config = zoo.tiny_config("gpt2", layers=1, vocab=48)
+    model = zoo.build("gpt2", config, dtype=torch.float32, seed=1)
+    pm = autotp.parallelize(model, 2, layout={"lm_head.weight": "vocab"})
+    inputs = zoo.example_batch("gpt2", config, batch=2, seq=6, seed=2)
+    pm(**inputs).loss.backward()
+    code = pm.graph_module.code
+    assert "vocab_parallel_embedding" in code
+    reduces = [m for m in pm.graph_module.children() if isinstance(m, (C.CopyToTP, C.ReduceFromTP))]
+    assert reduces and all(m.in_place for m in reduces), [(type(m).__name__, m.in_place) for m in reduces]
+    with CopyCounter() as copies:
+        pm(**inputs).loss.backward()
+    assert not [c for c in copies.copies if c.site == "collectives._all_reduce"], copies.copies
