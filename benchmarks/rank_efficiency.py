@@ -26,6 +26,7 @@ parallelism, the peers' routing mirrored: ``benchmarks/fake_peers.py``), predict
 side by side. ``benchmarks/moe_rank.py`` does the same on CPU at narrower widths.
 
     python benchmarks/rank_efficiency.py --models gpt2-xl:2 llama-3-8b:1 --seq 256   # CPU: rank_efficiency.md
+    python benchmarks/rank_efficiency.py --models gpt2-xl:2 --seq 256 --copies-only --out /tmp/copies.md  # copies alone
     python benchmarks/rank_efficiency.py --device cuda --dtype bfloat16 --batch 8 --seq 1024 \\
         --models gpt2-xl:12 --out benchmarks/rank_efficiency_gpu.md   # on a GPU
 """
@@ -162,7 +163,7 @@ def run_model(spec: str, args) -> list[str]:
     family, model = model_for(name, int(layers or 2), getattr(torch, args.dtype), args.device)
     batch = {k: v.to(args.device) for k, v in zoo.example_batch(family.name, model.config, batch=args.batch,
                                                                  seq=args.seq, seed=0).items()}
-    layouts = {"default": {}}
+    layouts = {"default": _sequence_parallel(args)}
     if family.name in zoo.EXPERT_FAMILIES:
         layouts.update({k: v for k, v in EXPERTS.items() if k in args.layouts})
     cpu = args.device == "cpu"
@@ -262,11 +263,42 @@ def _copies_table(serial, rank, label: str, tp: int) -> list[str]:
     """The copies and casts of a step by where they were made (MB written), rank beside serial/N."""
     lines = ["", f"Copies and casts (`copy_`, `_to_copy`, `clone`, `cat`, `stack`, `pad`) by where they were made, "
              f"rank ({label}) beside serial/N, MB written per step (forward + backward; a collective's own writes "
-             "are not among them):", "", "| made by | op | rank | serial/N |", "|---|---|---|---|"]
+             "are not among them, but for the copy a functional all-reduce makes of its input, `all_reduce`):", "",
+             "| made by | op | rank | serial/N |", "|---|---|---|---|"]
     r_sites, s_sites = rank.by_site(), serial.by_site()
     for key in sorted(set(r_sites) | set(s_sites), key=lambda k: -max(r_sites.get(k, 0), s_sites.get(k, 0) / tp)):
         lines.append(f"| {key[0]} | `{key[1]}` | {r_sites.get(key, 0) / 1e6:.2f} | {s_sites.get(key, 0) / tp / 1e6:.2f} |")
+    ours = sum(c.bytes for c in rank.autotp_copies())
+    lines.append(f"| **autotp's own, in all** | | **{ours / 1e6:.2f}** | |")
     return lines
+
+
+def _sequence_parallel(args) -> dict:
+    """The default plan's ``sequence_parallel`` argument (``--sequence-parallel``; none: by cost)."""
+    return {} if args.sequence_parallel == "cost" else {"sequence_parallel": args.sequence_parallel == "on"}
+
+
+def copies_only(spec: str, args) -> list[str]:
+    """``--copies-only``: the copies table of one model's rank (its default plan) beside serial/N,
+    from one counted step after a warm-up; no timing and no prediction."""
+    import autotp
+    from autotp import zoo
+
+    name, _, layers = spec.partition(":")
+    family, model = model_for(name, int(layers or 2), getattr(torch, args.dtype), args.device)
+    batch = {k: v.to(args.device) for k, v in zoo.example_batch(family.name, model.config, batch=args.batch,
+                                                                 seq=args.seq, seed=0).items()}
+    _, serial_copies = counted(model, batch)
+    with mirrored_peers():
+        pm = autotp.parallelize(model, args.tp, profile=args.profile, batch=args.plan_batch, seq=args.plan_seq,
+                                device=args.device, **_sequence_parallel(args))
+        module_step(pm, batch)()
+        pm.zero_grad(set_to_none=True)
+    _, copies = counted(pm, batch)
+    return ([f"## {name}, {int(layers or 2)} layers, tp={args.tp} rank 0 of a fake world, {args.dtype}, "
+             f"batch {args.batch} x seq {args.seq}, {args.device}, sequence parallelism {args.sequence_parallel}: "
+             "copies only"]
+            + _copies_table(serial_copies, copies, "default", args.tp) + [""])
 
 
 #: the GPU workloads of the H200 measurements (``../shared/measurements/h200-2026-11-28/``)
@@ -331,6 +363,10 @@ def main() -> None:
                         "thread pool's barrier for a descheduled thread (a 512 KB copy_: 24 ms, against 0.01 ms "
                         "on one), which a rank's many small ops pay and serial's few large ones do not")
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--copies-only", action="store_true",
+                   help="only each model's copies table (one counted step; no timing, no predictions)")
+    p.add_argument("--sequence-parallel", choices=["cost", "on", "off"], default="cost",
+                   help="the default plan's sequence parallelism: chosen by cost, forced, or forbidden")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -346,7 +382,7 @@ def main() -> None:
              f"; the plans are made for profile `{args.profile}` at batch {args.plan_batch} x seq {args.plan_seq}."
              + (f" {torch.get_num_threads()} torch thread(s); load average at the start "
                 f"{os.getloadavg()[0]:.1f}." if args.device == "cpu" else ""),
-             "",
+             ""] + ([] if args.copies_only else [
              "serial/N ÷ rank: 1.00 is a rank doing exactly its N-th of the serial step's compute (communication "
              "is not run: the fake backend returns at once). "
              + ("On CPU it is read off the thread's CPU time (`time.thread_time`, the least of the repeats: the "
@@ -357,11 +393,12 @@ def main() -> None:
                 "comparison, off the wall clock (the median), which also holds the time the step waited for a core. " if args.device == "cpu" else "")
              + "FLOPs and bytes are counted off the ops the steps run "
              "(forward + backward); 'predicted' is the cost model's forward + backward on the profile, at the "
-             "measured workload.", ""]
-    lines += predicted_at_real_size(args.tp, args.profile)
+             "measured workload.", ""])
+    if not args.copies_only:
+        lines += predicted_at_real_size(args.tp, args.profile)
     for spec in args.models:
         with contextlib.suppress(KeyboardInterrupt):
-            lines += run_model(spec, args)
+            lines += copies_only(spec, args) if args.copies_only else run_model(spec, args)
         print("\n".join(lines[-8:]), flush=True)
     lines.append(f"Whole run {time.time() - started:.0f} s" + (f"; load average at the end {os.getloadavg()[0]:.1f}."
                                                                 if args.device == "cpu" else "."))

@@ -14,7 +14,8 @@ group of one rank: every mapping is then the identity (or plain slicing), with n
 Sharded layouts follow ``autotp.placements.Shard`` (chunks, unit, uneven runs). Collectives need
 equal sizes on every rank, so uneven shards are padded to ``max_local_size`` and cut back (a
 reduce-scatter of uneven or interleaved shards is still one reduce-scatter, over padded blocks).
-Collectives write into fresh tensors, never into their inputs, and a failed
+Collectives write into fresh tensors, never into their inputs, except an f's or a g's
+all-reduce that the rewrite marked ``in_place`` (:mod:`autotp.passes.in_place`), and a failed
 torch.distributed call surfaces as ``autotp.errors.CommError`` naming the op and the group, or
 as ``LostRankError`` naming the rank that is gone (the roll call of :mod:`autotp.distributed.faults`).
 
@@ -135,12 +136,23 @@ def _guarded_comm(op: str, group, only: Any = None) -> Iterator[None]:
         raise CommError(f"{cause}{note}\n{advice}") from e
 
 
-def _all_reduce(x: Tensor, group, op: str) -> Tensor:
-    """The sum over the group, a new tensor (a functional collective: torch.compile traces it
-    as it is, and the input is never reduced in place)."""
+def _all_reduce(x: Tensor, group, op: str, in_place: bool = False) -> Tensor:
+    """The sum over the group. ``in_place``: the caller knows that nothing else reads ``x``
+    (the rewrite's decision, :mod:`autotp.passes.in_place`), so eager code reduces it in its own
+    storage and returns it, as Megatron's ``_reduce`` does, where it is contiguous. Otherwise a
+    new tensor: a functional collective, which copies its input first (torch.compile traces it
+    as it is, and inductor reduces in place itself where the input is dead). A tensor reduced in
+    place has its autograd version bumped (c10d does not), so a backward formula that saved it
+    raises autograd's "modified by an inplace operation" instead of reading the sum."""
     x = x.detach()
+    in_place = in_place and not torch.compiler.is_compiling()   # dynamo loses a Function's detached alias
     if group_size(group) == 1:
-        return x.clone(memory_format=torch.contiguous_format)
+        return x if in_place else x.clone(memory_format=torch.contiguous_format)
+    if in_place and x.is_contiguous():
+        with _comm(op, group):   # waited for inside: a failure surfaces here, named
+            dist.all_reduce(x, group=group)
+        torch.autograd.graph.increment_version(x)
+        return x
     with _comm(op, group):   # waited for inside: a failure surfaces here, named
         return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
 
@@ -378,28 +390,30 @@ def traced_as_now(x: Tensor) -> Tensor:
 
 
 class _CopyToTP(torch.autograd.Function):
-    """f: identity forward, all-reduce of the gradient backward."""
+    """f: identity forward, all-reduce of the gradient backward (``in_place``: in the gradient's
+    own storage, where no other backward formula holds it)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, in_place):
+        ctx.group, ctx.in_place = group, in_place
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group, "all_reduce in f (backward)"), None
+        return _all_reduce(grad, ctx.group, "all_reduce in f (backward)", ctx.in_place), None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
-    """g: all-reduce forward, identity backward."""
+    """g: all-reduce forward (``in_place``: in the partial's own storage, where nothing else
+    reads it), identity backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        return _output(_all_reduce(x, group, "all_reduce in g (forward)"))
+    def forward(ctx, x, group, in_place):
+        return _output(_all_reduce(x, group, "all_reduce in g (forward)", in_place))
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _GatherFromTP(torch.autograd.Function):
@@ -461,14 +475,16 @@ class _ReduceScatterToTP(torch.autograd.Function):
         return _all_gather(grad, ctx.group, ctx.shard, ctx.full_size, op), None, None, None
 
 
-def copy_to_tp(x: Tensor, group) -> Tensor:
-    """f: a Replicate activation enters sharded compute."""
-    return _CopyToTP.apply(traced_as_now(x), group)
+def copy_to_tp(x: Tensor, group, in_place: bool = False) -> Tensor:
+    """f: a Replicate activation enters sharded compute. ``in_place``: its gradient is a tensor
+    no other backward formula holds (:mod:`autotp.passes.in_place`), summed in its storage."""
+    return _CopyToTP.apply(traced_as_now(x), group, in_place)
 
 
-def reduce_from_tp(x: Tensor, group) -> Tensor:
-    """g: a Partial activation becomes Replicate."""
-    return _ReduceFromTP.apply(traced_as_now(x), group)
+def reduce_from_tp(x: Tensor, group, in_place: bool = False) -> Tensor:
+    """g: a Partial activation becomes Replicate. ``in_place``: nothing else reads ``x`` and no
+    backward formula saved it (:mod:`autotp.passes.in_place`); the sum is written over it."""
+    return _ReduceFromTP.apply(traced_as_now(x), group, in_place)
 
 
 # In a group of one, a shard is the whole tensor: the three layout changes below are plain
@@ -556,22 +572,34 @@ class _ShardedCommModule(_CommModule):
         return f"{self._group_repr()}, shard={self.shard!r}, full_size={size}"
 
 
-class CopyToTP(_CommModule):
+class _ReduceModule(_CommModule):
+    """An f or a g; ``in_place`` (set by :mod:`autotp.passes.in_place`): its all-reduce writes the
+    sum over the tensor it reduces, which nothing else reads."""
+
+    def __init__(self, group, in_place: bool = False) -> None:
+        super().__init__(group)
+        self.in_place = in_place
+
+    def extra_repr(self) -> str:
+        return f"{self._group_repr()}, in_place" if self.in_place else self._group_repr()
+
+
+class CopyToTP(_ReduceModule):
     """f: identity forward, all-reduce of the gradient backward."""
 
     kind = "f"
 
     def forward(self, x: Tensor) -> Tensor:
-        return copy_to_tp(x, self.group)
+        return copy_to_tp(x, self.group, self.in_place)
 
 
-class ReduceFromTP(_CommModule):
+class ReduceFromTP(_ReduceModule):
     """g: all-reduce forward, identity backward."""
 
     kind = "g"
 
     def forward(self, x: Tensor) -> Tensor:
-        return reduce_from_tp(x, self.group)
+        return reduce_from_tp(x, self.group, self.in_place)
 
 
 class GatherFromTP(_ShardedCommModule):

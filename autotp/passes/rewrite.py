@@ -7,6 +7,7 @@ rank's shards) and in which
 
 * every redistribution is a named ``call_module`` node (``f_3``, ``g_7``, ``all_gather_1``,
   ``scatter_2``, ...) wrapping the autograd Functions of :mod:`autotp.distributed.collectives`;
+  the f and g whose all-reduce may write over its tensor are marked so (:mod:`.in_place`);
 * every op's arguments are localized (view/split sizes, vocab ranges) by its rule's localizer;
 * device arguments captured on the meta device point at the run device;
 * with ``align`` (:class:`~autotp.cost_model.alignment.Align`), a matrix product whose local
@@ -36,6 +37,7 @@ from ..distributed import collectives as C
 from ..distributed.experts import routed_scatter, sequence_runs, token_rows
 from ..distributed.functional import grad_if, rank_slice
 from ..distributed.rng import RandomOp, draws_random
+from .in_place import reduce_in_place
 from .propagate import (GraphIndex, Propagation, _aliases_of, _conversion, _dim_size, _meta, _sharded_compute,
                         cut_from_whole, first_write, gathers_whole, map_args, storage_root, wants_f)
 from .rules import LocalContext, aliases_first, is_routed, localizer_for, mutates_first
@@ -438,7 +440,11 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         if not made.users:
             graph.erase_node(made)
     graph.lint()
-    return fx.GraphModule(root, graph, class_name="ParallelGraph")
+    for node, new in env.items():   # the dims reduce_in_place reads (a broadcast operand's)
+        if isinstance(new, fx.Node) and isinstance(val := node.meta.get("val"), torch.Tensor) \
+                and new.meta.setdefault("autotp_ndim", val.dim()) != val.dim():
+            new.meta["autotp_ndim"] = float("inf")   # two captured tensors of unlike dims: unknown
+    return reduce_in_place(fx.GraphModule(root, graph, class_name="ParallelGraph"))
 
 
 #: factories of a tensor of one value, by the position of their size argument

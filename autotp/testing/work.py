@@ -14,7 +14,9 @@ allocations (which touch no memory) and collectives (communication) are left out
 the place it was made (:class:`Copy`): the model's program (an fx node's line, or autograd's
 formula for one), or autotp's own code around it (``collectives._all_gather``, ...), so a rank's
 copies can be held against serial's. A collective's own writes (c10d's ops, below the dispatch
-mode) are not among them.
+mode) are not among them, except the copy a functional all-reduce makes of its input before
+reducing it (``_c10d_functional.all_reduce`` clones inside its kernel): recorded as an
+``all_reduce`` copy of the input's bytes, where the collective was called.
 """
 from __future__ import annotations
 
@@ -130,6 +132,9 @@ class CopyCounter(TorchDispatchMode):
     """Records every copy and cast dispatched while active (module docs)."""
 
     OPS = ("copy_", "_to_copy", "clone", "cat", "stack", "constant_pad_nd")
+    #: functional collectives that copy their input and reduce the copy, inside their kernel
+    #: (below this mode): each is recorded as a copy of its input under its own name
+    CLONING = ("all_reduce", "all_reduce_coalesced")
 
     def __init__(self) -> None:
         super().__init__()
@@ -139,6 +144,11 @@ class CopyCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         op = func.overloadpacket.__name__
+        if func.namespace == "_c10d_functional" and op in self.CLONING:
+            for t in tree_leaves(args[:1]):
+                # a contiguous copy of the input, as ``clone(memory_format=contiguous_format)``
+                self.copies.append(Copy(op, t.numel() * t.element_size(), _site(), t.is_contiguous(), False))
+            return out
         if op not in self.OPS:
             return out
         written = args[0] if op == "copy_" else out

@@ -122,22 +122,24 @@ def _rank_inputs(op: str, case: Case, block: int, r: int) -> torch.Tensor:
     return _tensor(case.seed, case.shape, "x", block, r)  # Partial: a summand per rank
 
 
-def run_mapping(op: str, case: Case, c10d: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def run_mapping(op: str, case: Case, c10d: bool = False, in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs in a rank: the mapping's output and the gradient of its input. ``c10d``: gather
-    the way gloo groups of GPU tensors do (c10d's all_gather_into_tensor), on these CPU ones."""
+    the way gloo groups of GPU tensors do (c10d's all_gather_into_tensor), on these CPU ones.
+    ``in_place``: an f or a g reduces in the tensor's storage (its input, or the gradient handed
+    to backward, which nothing else reads here)."""
     if c10d:
         saved, C._gloo_on_device = C._gloo_on_device, lambda t, group: True
         try:
-            return run_mapping(op, case)
+            return run_mapping(op, case, in_place=in_place)
         finally:
             C._gloo_on_device = saved
     mesh = get_mesh(case.tp)
     group, r, block = mesh.tp_group, mesh.tp_rank, dist.get_rank() // case.tp
     x = _rank_inputs(op, case, block, r).requires_grad_()
     if op == "f":
-        y = C.copy_to_tp(x, group)
+        y = C.copy_to_tp(x, group, in_place)
     elif op == "g":
-        y = C.reduce_from_tp(x, group)
+        y = C.reduce_from_tp(x.clone(), group, in_place)   # a partial nothing else reads
     else:
         fn = {"gather": C.gather_from_tp, "scatter": C.scatter_to_tp,
               "reduce_scatter": C.reduce_scatter_to_tp}[op]
@@ -164,8 +166,8 @@ def _expected(op: str, case: Case, block: int, r: int) -> tuple[torch.Tensor, to
     return C.local_shard(x_sum, s, tp, r), C.assemble(dy_local, s, case.full_size)
 
 
-def _check(cluster, op: str, case: Case, c10d: bool = False) -> None:
-    results = cluster.run(run_mapping, op, case, c10d)
+def _check(cluster, op: str, case: Case, c10d: bool = False, in_place: bool = False) -> None:
+    results = cluster.run(run_mapping, op, case, c10d, in_place)
     for rank, (y, grad) in enumerate(results):
         want_y, want_grad = _expected(op, case, rank // case.tp, rank % case.tp)
         torch.testing.assert_close(y, want_y, msg=lambda m: f"{op} forward, rank {rank}: {m}")
@@ -173,15 +175,15 @@ def _check(cluster, op: str, case: Case, c10d: bool = False) -> None:
 
 
 @settings(max_examples=25, deadline=None)
-@given(case=cases())
-def test_f_is_identity_forward_and_sums_gradients_backward(cluster, case):
-    _check(cluster, "f", case)
+@given(case=cases(), in_place=st.booleans())
+def test_f_is_identity_forward_and_sums_gradients_backward(cluster, case, in_place):
+    _check(cluster, "f", case, in_place=in_place)
 
 
 @settings(max_examples=25, deadline=None)
-@given(case=cases())
-def test_g_sums_forward_and_is_identity_backward(cluster, case):
-    _check(cluster, "g", case)
+@given(case=cases(), in_place=st.booleans())
+def test_g_sums_forward_and_is_identity_backward(cluster, case, in_place):
+    _check(cluster, "g", case, in_place=in_place)
 
 
 @settings(max_examples=25, deadline=None)

@@ -22,6 +22,10 @@ where a real collective, or a slice the program's views read, needs it:
   that is strided (a split of the hidden), laid out for the program's ``view`` nodes. A slice
   that is contiguous is a view; a gradient's slice stays strided (autograd takes it so).
 
+An f's and a g's all-reduce make no copy: they reduce in place (``autotp.passes.in_place``; a
+functional all-reduce copies its input first, which ``CopyCounter`` records as an ``all_reduce``
+copy at ``collectives._all_reduce``), in training and inference alike.
+
 And the per-call check of the inputs' index ranges (``inputs.stage_index_bounds``: one number per
 bounded input, stacked to be read at once; bytes, not tensors). Never a cast, and never a copy of a tensor laid out as the copy is (a contiguous slice, a
 ``.contiguous()`` of a contiguous tensor). What a collective writes itself (c10d's ops; the fake
@@ -52,6 +56,18 @@ def _copies(module, inputs) -> CopyCounter:
     return copies
 
 
+def _inference_copies(module, inputs) -> CopyCounter:
+    module.eval()
+    try:
+        with torch.no_grad():
+            module(**inputs)   # the program of this call is written at the first one
+            with CopyCounter() as copies:
+                module(**inputs)
+    finally:
+        module.train()
+    return copies
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 def test_a_ranks_step_copies_only_what_its_collectives_need(fake_rank, family, sequence_parallel):
@@ -69,6 +85,13 @@ def test_a_ranks_step_copies_only_what_its_collectives_need(fake_rank, family, s
         model_ops = lambda copies: Counter({op: b for (site, op), b in copies.by_site().items()   # noqa: E731
                                             if site in ("program", "autograd")})
         assert not model_ops(rank) - model_ops(serial), (model_ops(rank), model_ops(serial))
+        # f and g all-reduce in place (autotp.passes.in_place): the functional all-reduce's copy
+        # of its input is gone from training and inference alike
+        assert pm.plan.comm_counts().get("g", 0) + pm.plan.comm_counts().get("f", 0) > 0
+        inference = _inference_copies(pm, inputs).autotp_copies()
+        assert not [c for c in ours + inference if c.site == "collectives._all_reduce"], ours + inference
+        assert not [c for c in inference if c.cast or c.duplicate], inference
+        assert {c.site for c in inference} <= set(NEEDED), inference
         if batch == 1 and sequence_parallel and family == "gpt2":
             # every split is of the sequence (a batch of one) or of dim 0: no copy at all
             assert sum(c.bytes for c in ours if c.site.startswith("collectives.")) == 0, ours
