@@ -10,6 +10,9 @@ group of one rank: every mapping is then the identity (or plain slicing), with n
     scatter_to_tp    keep this rank's slice               all-gather -> full
     reduce_scatter   sum over ranks, keep this rank's     all-gather -> full
                      slice (Partial -> Shard)
+    reshard_tp       all-to-all: split along one dim      the reverse all-to-all
+                     -> split along another (Shard(a)
+                     -> Shard(b), a != b)
 
 Sharded layouts follow ``autotp.placements.Shard`` (chunks, unit, uneven runs). Collectives need
 equal sizes on every rank, so uneven shards are padded to ``max_local_size`` and cut back (a
@@ -36,17 +39,18 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
-from autotp.errors import AutotpError, CommError, LostRankError
-from autotp.placements import Shard, local_ranges, local_size, max_local_size, owned_ranges
+from autotp.errors import AutotpError, CommError, LostRankError, PlanError
+from autotp.placements import (Shard, local_ranges, local_size, max_local_size, owned_ranges,
+                               resharded_by_all_to_all)
 
 #: the functional all-gather into one tensor: ``all_gather_single`` from torch 2.13 on, where
 #: ``all_gather_tensor`` (the name before) warns that it is deprecated
 all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 __all__ = [
-    "copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "reduce_scatter_to_tp",
+    "copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "reduce_scatter_to_tp", "reshard_tp",
     "local_shard", "assemble", "traced_as_now", "group_size", "group_rank", "group_ranks",
-    "CopyToTP", "ReduceFromTP", "GatherFromTP", "ScatterToTP", "ReduceScatterToTP",
+    "CopyToTP", "ReduceFromTP", "GatherFromTP", "ScatterToTP", "ReduceScatterToTP", "ReshardTP",
 ]
 
 
@@ -355,6 +359,54 @@ def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str) -> 
 _c10d_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _all_to_all(x: Tensor, group, have: Shard, want: Shard, full_size: int, op: str) -> Tensor:
+    """This rank's part of a tensor split as ``have`` (whole along ``want.dim``; ``full_size``: the
+    whole size of ``have.dim``) -> its part of the tensor split as ``want`` (whole along
+    ``have.dim``), by one all-to-all (no autograd). Rank r sends rank q the runs of its part that
+    q holds under ``want``: 1/tp of its part, where an all-gather makes the whole tensor. The
+    backends take equal blocks along dim 0, so every block is padded to the widest part along
+    both dims (uneven or interleaved splits: the padding is sent, never read), staged rank-major
+    in one buffer and received into one; an even split puts a block in place by one strided copy
+    each side (none where only dims of size one come before its dim)."""
+    tp, rank, x = group_size(group), group_rank(group), x.detach()
+    a, b = have.dim, want.dim
+    other = x.shape[b]   # the whole size of want's dim: this rank holds it whole
+    wa, wb = max_local_size(full_size, have, tp), max_local_size(other, want, tp)
+    block = list(x.shape)
+    block[a], block[b] = wa, wb
+    if _even(want, other, tp):   # q's part is the q-th of tp equal runs: one view splits them
+        send = x.unflatten(b, (tp, wb)).movedim(b, 0)
+        if x.shape[a] < wa:   # this rank's part of an uneven have, padded to the widest
+            padded = x.new_empty([tp] + block)
+            padded.narrow(a + 1, 0, x.shape[a]).copy_(send)
+            send = padded
+        send = send.contiguous()   # no copy where it is laid out rank-major already
+    else:
+        send = x.new_empty([tp] + block)
+        for q in range(tp):
+            offset = 0
+            for start, stop in local_ranges(other, want, tp, q):
+                send[q].narrow(a, 0, x.shape[a]).narrow(b, offset, stop - start).copy_(x.narrow(b, start, stop - start))
+                offset += stop - start
+    with _comm(op, group):   # a collective, waited for inside
+        got = funcol.wait_tensor(funcol.all_to_all_single(send.flatten(0, 1), None, None, group))
+    got = got.view([tp] + block)   # got[r]: rank r's part of have, of this rank's part of want
+    mine = local_size(other, want, tp, rank)
+    if mine < wb:
+        got = got.narrow(b + 1, 0, mine)
+    if _even(have, full_size, tp):   # rank r's block is the r-th run of have's dim, in order
+        return got.movedim(0, a).flatten(a, a + 1).contiguous()
+    shape = list(x.shape)
+    shape[a], shape[b] = full_size, mine
+    out = x.new_empty(shape)
+    for r in range(tp):
+        offset = 0
+        for start, stop in local_ranges(full_size, have, tp, r):
+            out.narrow(a, start, stop - start).copy_(got[r].narrow(a, offset, stop - start))
+            offset += stop - start
+    return out
+
+
 # ---------------------------------------------------------------- the mappings
 
 def _output(t: Tensor) -> Tensor:
@@ -461,6 +513,21 @@ class _ReduceScatterToTP(torch.autograd.Function):
         return _all_gather(grad, ctx.group, ctx.shard, ctx.full_size, op), None, None, None
 
 
+class _ReshardTP(torch.autograd.Function):
+    """Shard(a) -> Shard(b): all-to-all forward; the reverse all-to-all backward (the gradient of
+    a part is that part's gradient, sent back to the rank it came from)."""
+
+    @staticmethod
+    def forward(ctx, x, group, have, want, full_size):
+        ctx.group, ctx.have, ctx.want, ctx.other = group, have, want, x.shape[want.dim]
+        return _output(_all_to_all(x, group, have, want, full_size, "all_to_all in reshard_tp (forward)"))
+
+    @staticmethod
+    def backward(ctx, grad):
+        op = "all_to_all in reshard_tp (backward)"
+        return _all_to_all(grad, ctx.group, ctx.want, ctx.have, ctx.other, op), None, None, None, None
+
+
 def copy_to_tp(x: Tensor, group) -> Tensor:
     """f: a Replicate activation enters sharded compute."""
     return _CopyToTP.apply(traced_as_now(x), group)
@@ -503,6 +570,21 @@ def reduce_scatter_to_tp(x: Tensor, group, shard: Shard, full_size: int) -> Tens
     if group_size(group) == 1:
         return x.clone(memory_format=torch.contiguous_format)
     return _ReduceScatterToTP.apply(traced_as_now(x), group, shard, full_size)
+
+
+def reshard_tp(x: Tensor, group, have: Shard, want: Shard, full_size: int) -> Tensor:
+    """This rank's part of a tensor split as ``have`` becomes its part of the tensor split as
+    ``want`` (another dim) by one all-to-all; ``full_size`` is the whole size of ``have.dim``.
+    Layouts one all-to-all does not move (:func:`~autotp.placements.resharded_by_all_to_all`:
+    the same dim, a tail or blocks held whole, per-block dealing) are a PlanError: the plan
+    gathers and cuts those."""
+    if not resharded_by_all_to_all(have, want):
+        raise PlanError(f"reshard_tp cannot move {have!r} -> {want!r} by one all-to-all (it moves one split "
+                        "dim to another, each element held by one rank); plan it as an all-gather and a "
+                        "cut (autotp.passes.propagate.gather_parts lists such a reshard so)")
+    if group_size(group) == 1:
+        return x.clone(memory_format=torch.contiguous_format)
+    return _ReshardTP.apply(traced_as_now(x), group, have, want, full_size)
 
 
 # ---------------------------------------------------------------- modules for fx graphs
@@ -603,3 +685,21 @@ class ReduceScatterToTP(_ShardedCommModule):
 
     def forward(self, x: Tensor, full_size: int | None = None) -> Tensor:
         return reduce_scatter_to_tp(x, self.group, self.shard, self.size(x, full_size, whole_input=True))
+
+
+class ReshardTP(_ShardedCommModule):
+    """A split along one dim resharded along another by one all-to-all (``shard``: the split the
+    input holds, ``want``: the one it leaves with; ``full_size``: the whole size of the input's
+    split dim, None where it is dynamic and the graph passes it)."""
+
+    kind = "all_to_all"
+
+    def __init__(self, group, shard: Shard, want: Shard, full_size: int | None) -> None:
+        super().__init__(group, shard, full_size)
+        self.want = want
+
+    def forward(self, x: Tensor, full_size: int | None = None) -> Tensor:
+        return reshard_tp(x, self.group, self.shard, self.want, self.size(x, full_size, whole_input=False))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, want={self.want!r}"
