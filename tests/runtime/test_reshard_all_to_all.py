@@ -158,3 +158,33 @@ def test_the_module_takes_a_dynamic_dims_size_at_call_time_and_is_named_all_to_a
         torch.testing.assert_close(y, C.local_shard(full, case.want, 4, r), rtol=0, atol=0)
         dy = [_tensor(case.seed, case.local_shape(case.want, q), "dy", block, q) for q in range(4)]
         torch.testing.assert_close(grad, C.local_shard(C.assemble(dy, case.want, 8), case.have, 4, r), rtol=0, atol=0)
+
+
+def test_reshard_traces_under_compile_with_its_all_to_all_forward_and_backward(fake_rank):
+    # a functional all_to_all_single each way in the compiled graphs: one program, no graph break
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    group = dist.group.WORLD
+    x = torch.randn(2, 6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+
+    def step(x):
+        y = C.reshard_tp(x * 2, group, Shard(2), Shard(1), 8)   # (2, 6, 8/2) -> (2, 6/2, 8)
+        return (y * torch.arange(y.numel(), dtype=y.dtype).view(y.shape)).sum()
+
+    step(x).backward()
+    eager, x.grad = x.grad, None
+    found = {"forward": [], "backward": []}
+
+    def collect(where):
+        def compiler(gm, example_inputs):
+            found[where] += [n.target for n in gm.graph.nodes if n.op == "call_function"
+                             and n.target is torch.ops._c10d_functional.all_to_all_single.default]
+            return make_boxed_func(gm)
+        return compiler
+
+    torch._dynamo.reset()
+    torch.compile(step, backend=aot_autograd(fw_compiler=collect("forward"), bw_compiler=collect("backward")),
+                  fullgraph=True)(x).backward()
+    torch.testing.assert_close(x.grad, eager, rtol=0, atol=0)
+    assert len(found["forward"]) == 1 and len(found["backward"]) == 1, found
