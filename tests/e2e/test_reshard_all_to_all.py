@@ -12,6 +12,7 @@ forward and backward).
 from __future__ import annotations
 
 import pytest
+import sympy
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -78,6 +79,12 @@ def test_a_reshard_issues_one_all_to_all_of_a_tp_th_of_the_gathers_bytes(fake_tp
     assert not [c for c in pm.plan.comms if c.kind == "reshard"]
     modules = [m for m in pm.graph_module.modules() if isinstance(m, C.ReshardTP)]
     assert len(modules) == len(a2a)
+    # the listing names it, and the plan's cost expressions price what it lists
+    assert "all_to_all" in pm.plan.table(full=True)
+    b, s = sympy.symbols("b s", integer=True, positive=True)
+    comm_s = sympy.sympify(pm.plan.expressions["comm_s"], locals={"b": b, "s": s})
+    assert float(comm_s.subs({b: 64, s: 4096})) == pytest.approx(pm.plan.comm_s, rel=1e-4)
+    assert sum(pm.plan.comm_seconds().values()) == pytest.approx(pm.plan.comm_s)
     # the rank issues what its plan lists: one collective per direction a comm moves bytes in,
     # and the call's two agreements
     listed = sum((c.fwd_bytes > 0) + (c.bwd_bytes > 0) for c in pm.plan.comms) + 2
