@@ -10,9 +10,9 @@ group of one rank: every mapping is then the identity (or plain slicing), with n
     scatter_to_tp    keep this rank's slice               all-gather -> full
     reduce_scatter   sum over ranks, keep this rank's     all-gather -> full
                      slice (Partial -> Shard)
-    reshard_tp       all-to-all: split along one dim      the reverse all-to-all
-                     -> split along another (Shard(a)
-                     -> Shard(b), a != b)
+    reshard_tp       all-to-all: one split -> another     the reverse all-to-all
+                     (Shard(a) -> Shard(b), or the same
+                     dim dealt another way)
 
 Sharded layouts follow ``autotp.placements.Shard`` (chunks, unit, uneven runs). Collectives need
 equal sizes on every rank, so uneven shards are padded to ``max_local_size`` and cut back (a
@@ -360,51 +360,97 @@ _c10d_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or di
 
 
 def _all_to_all(x: Tensor, group, have: Shard, want: Shard, full_size: int, op: str) -> Tensor:
-    """This rank's part of a tensor split as ``have`` (whole along ``want.dim``; ``full_size``: the
-    whole size of ``have.dim``) -> its part of the tensor split as ``want`` (whole along
-    ``have.dim``), by one all-to-all (no autograd). Rank r sends rank q the runs of its part that
-    q holds under ``want``: 1/tp of its part, where an all-gather makes the whole tensor. The
-    backends take equal blocks along dim 0, so every block is padded to the widest part along
-    both dims (uneven or interleaved splits: the padding is sent, never read), staged rank-major
-    in one buffer and received into one; an even split puts a block in place by one strided copy
-    each side (none where only dims of size one come before its dim)."""
+    """This rank's part of a tensor split as ``have`` (``full_size``: the whole size of
+    ``have.dim``) -> its part of the tensor split as ``want``, by one all-to-all (no autograd).
+    Rank r sends rank q the elements of its part that q holds under ``want``: along another dim,
+    1/tp of its part, where an all-gather makes the whole tensor; along the same dim dealt
+    another way, the runs that change rank alone (and its own, kept). Two even splits of
+    different dims are equal blocks, split and laid out by one strided copy each side (none
+    where only dims of size one come before the dim); otherwise each block is cut run by run,
+    sent at its own size (no padding) and put in place run by run."""
     tp, rank, x = group_size(group), group_rank(group), x.detach()
     a, b = have.dim, want.dim
-    other = x.shape[b]   # the whole size of want's dim: this rank holds it whole
-    wa, wb = max_local_size(full_size, have, tp), max_local_size(other, want, tp)
-    block = list(x.shape)
-    block[a], block[b] = wa, wb
-    if _even(want, other, tp):   # q's part is the q-th of tp equal runs: one view splits them
-        send = x.unflatten(b, (tp, wb)).movedim(b, 0)
-        if x.shape[a] < wa:   # this rank's part of an uneven have, padded to the widest
-            padded = x.new_empty([tp] + block)
-            padded.narrow(a + 1, 0, x.shape[a]).copy_(send)
-            send = padded
-        send = send.contiguous()   # no copy where it is laid out rank-major already
-    else:
-        send = x.new_empty([tp] + block)
-        for q in range(tp):
-            offset = 0
-            for start, stop in local_ranges(other, want, tp, q):
-                send[q].narrow(a, 0, x.shape[a]).narrow(b, offset, stop - start).copy_(x.narrow(b, start, stop - start))
-                offset += stop - start
-    with _comm(op, group):   # a collective, waited for inside
-        got = funcol.wait_tensor(funcol.all_to_all_single(send.flatten(0, 1), None, None, group))
-    got = got.view([tp] + block)   # got[r]: rank r's part of have, of this rank's part of want
-    mine = local_size(other, want, tp, rank)
-    if mine < wb:
-        got = got.narrow(b + 1, 0, mine)
-    if _even(have, full_size, tp):   # rank r's block is the r-th run of have's dim, in order
+    if a != b and _even(want, x.shape[b], tp) and _even(have, full_size, tp):
+        width = x.shape[b] // tp
+        send = x.unflatten(b, (tp, width)).movedim(b, 0).contiguous()   # rank-major: no copy at dim 0
+        got = _exchange(send.flatten(0, 1), None, None, group, op)
+        got = got.view([tp] + list(x.shape[:b]) + [width] + list(x.shape[b + 1:]))   # got[r]: r's run of a
         return got.movedim(0, a).flatten(a, a + 1).contiguous()
+    other = x.shape[b] if a != b else full_size   # the whole size of want's dim
+    sends = [_runs_for(x, have, want, full_size, other, tp, rank, q) for q in range(tp)]
+    shapes = [_block_shape(x, have, want, full_size, other, tp, r, rank) for r in range(tp)]
+    got = _exchange(torch.cat([t.reshape(-1) for t in sends]), [math.prod(sh) for sh in shapes],
+                    [t.numel() for t in sends], group, op)
     shape = list(x.shape)
-    shape[a], shape[b] = full_size, mine
+    shape[a] = full_size if a != b else shape[a]
+    shape[b] = local_size(other, want, tp, rank)
     out = x.new_empty(shape)
-    for r in range(tp):
-        offset = 0
-        for start, stop in local_ranges(full_size, have, tp, r):
-            out.narrow(a, start, stop - start).copy_(got[r].narrow(a, offset, stop - start))
-            offset += stop - start
+    for block, r in zip(got.split([math.prod(sh) for sh in shapes]), range(tp)):
+        block = block.view(shapes[r])
+        for src, dst, n in _overlaps(have, want, full_size, other, tp, r, rank):
+            out.narrow(a, dst, n).copy_(block.narrow(a, src, n))
     return out
+
+
+def _exchange(send: Tensor, recv_sizes, send_sizes, group, op: str) -> Tensor:
+    """One all-to-all of ``send`` along dim 0 (equal blocks where the sizes are None)."""
+    with _comm(op, group):   # a collective, waited for inside
+        return funcol.wait_tensor(funcol.all_to_all_single(send, recv_sizes, send_sizes, group))
+
+
+def _overlaps(have: Shard, want: Shard, full_size: int, other: int, tp: int, r: int, q: int) -> list:
+    """``(offset in the block r sends q, offset in q's part, length)`` along ``have.dim`` of each run
+    q receives from r: along another dim, r's runs under ``have`` (the block holds them in r's
+    order, q's part holds them where they lie in the whole); along the same dim, the runs of r's
+    part under ``have`` that q holds under ``want``, in q's order (the block holds them so)."""
+    if have.dim != want.dim:
+        out, offset = [], 0
+        for start, stop in local_ranges(full_size, have, tp, r):
+            out.append((offset, start, stop - start))
+            offset += stop - start
+        return out
+    found, dst = [], 0
+    for ws, we in local_ranges(other, want, tp, q):
+        src = 0
+        for hs, he in local_ranges(full_size, have, tp, r):
+            lo, hi = max(ws, hs), min(we, he)
+            if lo < hi:
+                found.append((src + lo - hs, dst + lo - ws, hi - lo))
+            src += he - hs
+        dst += we - ws
+    out, offset = [], 0
+    for src, dst, n in sorted(found, key=lambda run: run[1]):
+        out.append((offset, dst, n))
+        offset += n
+    return out
+
+
+def _runs_for(x: Tensor, have: Shard, want: Shard, full_size: int, other: int, tp: int, rank: int, q: int) -> Tensor:
+    """The block this rank sends rank q (see :func:`_overlaps`), contiguous."""
+    if have.dim != want.dim:
+        return local_shard(x, want, tp, q)   # x is whole along want's dim
+    found, dst = [], 0
+    for ws, we in local_ranges(other, want, tp, q):
+        src = 0
+        for hs, he in local_ranges(full_size, have, tp, rank):
+            lo, hi = max(ws, hs), min(we, he)
+            if lo < hi:
+                found.append((dst + lo - ws, x.narrow(have.dim, src + lo - hs, hi - lo)))
+            src += he - hs
+        dst += we - ws
+    if not found:
+        return x.narrow(have.dim, 0, 0).contiguous()
+    return torch.cat([t for _, t in sorted(found, key=lambda run: run[0])], dim=have.dim)
+
+
+def _block_shape(x: Tensor, have: Shard, want: Shard, full_size: int, other: int, tp: int, r: int,
+                 q: int) -> list:
+    """The shape of the block rank r sends rank q."""
+    shape = list(x.shape)
+    shape[have.dim] = sum(n for _, _, n in _overlaps(have, want, full_size, other, tp, r, q))
+    if have.dim != want.dim:
+        shape[want.dim] = local_size(other, want, tp, q)
+    return shape
 
 
 # ---------------------------------------------------------------- the mappings
@@ -514,12 +560,15 @@ class _ReduceScatterToTP(torch.autograd.Function):
 
 
 class _ReshardTP(torch.autograd.Function):
-    """Shard(a) -> Shard(b): all-to-all forward; the reverse all-to-all backward (the gradient of
-    a part is that part's gradient, sent back to the rank it came from)."""
+    """Shard -> Shard (another dim, or the same dealt another way): all-to-all forward; the
+    reverse all-to-all backward (the gradient of a part is that part's gradient, sent back to
+    the rank it came from)."""
 
     @staticmethod
     def forward(ctx, x, group, have, want, full_size):
-        ctx.group, ctx.have, ctx.want, ctx.other = group, have, want, x.shape[want.dim]
+        # the whole size of want's dim, the backward's full_size: x holds it whole, or it is have's
+        other = x.shape[want.dim] if want.dim != have.dim else full_size
+        ctx.group, ctx.have, ctx.want, ctx.other = group, have, want, other
         return _output(_all_to_all(x, group, have, want, full_size, "all_to_all in reshard_tp (forward)"))
 
     @staticmethod
@@ -574,14 +623,15 @@ def reduce_scatter_to_tp(x: Tensor, group, shard: Shard, full_size: int) -> Tens
 
 def reshard_tp(x: Tensor, group, have: Shard, want: Shard, full_size: int) -> Tensor:
     """This rank's part of a tensor split as ``have`` becomes its part of the tensor split as
-    ``want`` (another dim) by one all-to-all; ``full_size`` is the whole size of ``have.dim``.
-    Layouts one all-to-all does not move (:func:`~autotp.placements.resharded_by_all_to_all`:
-    the same dim, a tail or blocks held whole, per-block dealing) are a PlanError: the plan
-    gathers and cuts those."""
+    ``want`` (another dim, or the same dealt another way) by one all-to-all; ``full_size`` is the
+    whole size of ``have.dim``. Layouts one all-to-all does not move
+    (:func:`~autotp.placements.resharded_by_all_to_all`: a tail or blocks every rank holds whole,
+    per-block dealing) are a PlanError: the plan gathers and cuts those."""
     if not resharded_by_all_to_all(have, want):
-        raise PlanError(f"reshard_tp cannot move {have!r} -> {want!r} by one all-to-all (it moves one split "
-                        "dim to another, each element held by one rank); plan it as an all-gather and a "
-                        "cut (autotp.passes.propagate.gather_parts lists such a reshard so)")
+        raise PlanError(f"reshard_tp cannot move {have!r} -> {want!r} by one all-to-all (it moves splits "
+                        "whose every element one rank holds: no tail, whole block or per-block dealing); "
+                        "plan it as an all-gather and a cut (autotp.passes.propagate.gather_parts lists "
+                        "such a reshard so)")
     if group_size(group) == 1:
         return x.clone(memory_format=torch.contiguous_format)
     return _ReshardTP.apply(traced_as_now(x), group, have, want, full_size)

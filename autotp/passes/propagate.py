@@ -657,12 +657,13 @@ def all_to_all_copy_seconds(meta: TensorMeta, have: Shard, want: Shard, full: An
     laying out its blocks, forward and backward (the backward the mirror: the same copies): the
     rank's part (1/tp of the tensor) staged rank-major by the split it is sent as, unless that is
     an even split with only dims of size one before it (a view then), and the blocks received laid
-    out by the split they came as, on the same terms. An uneven split pads its blocks, a copy on
-    both sides. Each copy reads and writes the rank's part."""
+    out by the split they came as, on the same terms. An uneven split, or one dim dealt two ways,
+    is cut and put in place run by run: a copy on both sides. Each copy reads and writes the
+    rank's part."""
     def inner(shard: Shard) -> bool:
         return any(size != 1 for size in meta.shape[:shard.dim])
 
-    if any(meta.static(p.dim) is not None and not _even(meta, p, tp) for p in (have, want)):
+    if have.dim == want.dim or any(meta.static(p.dim) is not None and not _even(meta, p, tp) for p in (have, want)):
         copies = 2
     else:
         copies = int(inner(want)) + int(inner(have))

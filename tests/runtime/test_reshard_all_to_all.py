@@ -1,4 +1,5 @@
-"""A split along one dim becomes a split along another by one all-to-all (``reshard_tp``).
+"""A split becomes another (along another dim, or the same dealt another way) by one all-to-all
+(``reshard_tp``).
 
 Ranks build their part of one seeded float64 tensor (split as ``have``) and an upstream gradient
 of their part of it split as ``want``, run the reshard forward and backward, and send back the
@@ -6,18 +7,19 @@ output and the input's gradient; this process recomputes both from the same seed
 definitions (the whole tensor cut as ``want``; the whole gradient assembled and cut as ``have``).
 The ranks also run the gather-then-cut the plan made before (``gather_from_tp`` then
 ``scatter_to_tp``), which must give the same tensors, bit for bit. Even, uneven, interleaved
-(chunks, unit, unequal blocks) and rotated splits, with parts that are empty where a dim has fewer
+(chunks, unit, unequal blocks) and rotated splits, of two dims or of one dim dealt two ways, with parts that are empty where a dim has fewer
 atoms than ranks; tp 1, 2 and 4 on the shared four ranks, tp 3 on three.
 """
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from autotp.distributed import collectives as C
@@ -41,24 +43,29 @@ class Reshard:
 
 
 @st.composite
-def _split(draw, dim: int, tp: int) -> tuple[Shard, int]:
-    """A split of ``dim`` and a size of it that factors so (atoms: fewer than, a multiple of, or
-    a remainder over the ranks)."""
+def _split(draw, dim: int, tp: int) -> Shard:
     chunks = draw(st.integers(1, 3))
     sizes = tuple(draw(st.lists(st.integers(1, 3), min_size=chunks, max_size=chunks))) if chunks > 1 else ()
-    shard = Shard(dim, chunks, draw(st.integers(1, 2)), draw(st.integers(0, tp - 1)), sizes=sizes)
-    atoms = draw(st.integers(1, 2 * tp + 1))
-    return shard, shard.parts * shard.unit * atoms
+    return Shard(dim, chunks, draw(st.integers(1, 2)), draw(st.integers(0, tp - 1)), sizes=sizes)
 
 
 @st.composite
 def reshards(draw, tps=(1, 2, 4)) -> Reshard:
+    """Two splits of different dims, or of one dim dealt two ways, and sizes that factor under
+    both (atoms: fewer than, a multiple of, or a remainder over the ranks)."""
     tp = draw(st.sampled_from(tps))
     ndim = draw(st.integers(2, 3))
     a, b = draw(st.permutations(range(ndim)))[:2]
+    if draw(st.booleans()):
+        b = a
     shape = [draw(st.integers(1, 3)) for _ in range(ndim)]
-    have, shape[a] = draw(_split(a, tp))
-    want, shape[b] = draw(_split(b, tp))
+    have, want = draw(_split(a, tp)), draw(_split(b, tp))
+    if a == b:
+        assume(have != want)
+        shape[a] = math.lcm(have.parts * have.unit, want.parts * want.unit) * draw(st.integers(1, 2 * tp + 1))
+    else:
+        shape[a] = have.parts * have.unit * draw(st.integers(1, 2 * tp + 1))
+        shape[b] = want.parts * want.unit * draw(st.integers(1, 2 * tp + 1))
     return Reshard(tp, have, want, tuple(shape), draw(st.integers(0, 2**31 - 1)))
 
 
@@ -107,6 +114,9 @@ def _check(cluster, case: Reshard) -> None:
 @example(case=Reshard(4, Shard(2, rotate=1), Shard(1), (2, 7, 10), 2))
 # and back: dim 0 to an inner dim (no copy to stage the send, one to lay out the receive)
 @example(case=Reshard(2, Shard(0), Shard(1), (4, 6), 3))
+# the same dim dealt another way: heads one by one, then in pairs (16 heads at tp 4: 4 each both ways,
+# nothing moves but the rotation's)
+@example(case=Reshard(4, Shard(1), Shard(1, unit=2, rotate=1), (2, 16, 3), 6))
 def test_reshard_moves_each_part_to_the_rank_that_wants_it_and_its_gradient_back(cluster, case):
     _check(cluster, case)
 
@@ -114,19 +124,22 @@ def test_reshard_moves_each_part_to_the_rank_that_wants_it_and_its_gradient_back
 @settings(max_examples=8, deadline=None)
 @given(case=reshards(tps=(3,)))
 @example(case=Reshard(3, Shard(2), Shard(1), (2, 7, 16), 4))
+# Gemma's heads at tp 3: 16 dealt one by one (6, 5, 5), then in pairs (6, 6, 4): one head moves
+@example(case=Reshard(3, Shard(1), Shard(1, unit=2), (2, 16, 3), 6))
 def test_reshard_at_tp3_is_uneven_and_moves_each_part_as_the_definitions_say(cluster_of, case):
     _check(cluster_of(3), case)
 
 
 def test_reshard_of_a_layout_one_all_to_all_cannot_move_is_a_plan_error():
     x = torch.zeros(4, 6)
-    for have, want in [(Shard(1), Shard(1, chunks=2)),              # the same dim, dealt another way
-                       (Shard(0), Shard(1, chunks=2, tail=1)),      # a tail every rank holds whole
+    for have, want in [(Shard(0), Shard(1, chunks=2, tail=1)),      # a tail every rank holds whole
+                       (Shard(1, chunks=2, tail=1), Shard(1)),
                        (Shard(0), Shard(1, chunks=2, per_block=True))]:
         assert not resharded_by_all_to_all(have, want)
         with pytest.raises(PlanError, match="all-gather and a cut"):
             C.reshard_tp(x, None, have, want, 4)
     assert resharded_by_all_to_all(Shard(2, chunks=3, unit=2, rotate=1, sizes=(4, 1, 1)), Shard(1))
+    assert resharded_by_all_to_all(Shard(1), Shard(1, unit=2))
 
 
 def test_reshard_in_a_group_of_one_is_the_tensor_itself():
