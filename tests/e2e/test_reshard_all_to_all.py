@@ -5,9 +5,9 @@ BERT's plan at the planning workload (64 x 4096 on ``h100-dgx``) splits its embe
 attention's k and v by features and wants them split along the sequence (``S(2) -> S(1)``). One
 rank of tp 8 on the fake backend runs a training step of that plan twice: as planned (an
 ``all_to_all``), and with the same placements run the old way (every reshard gathered whole and
-cut: ``resharded_by_all_to_all`` off). It issues the collectives its plan lists, and the
-reshards receive tp times fewer bytes. Four gloo ranks hold the program to serial (float64,
-forward and backward).
+cut). It issues the collectives its plan lists, and the reshards receive tp times fewer bytes.
+Four gloo ranks hold the program to serial (float64, forward and backward); three (slow tier) an
+uneven one (16 features at tp 3, rotated in the second layer).
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from autotp.passes import propagate
 PLANNING = dict(batch=64, seq=4096, profile="h100-dgx")
 
 
-def _model(dtype: torch.dtype):
-    config = zoo.tiny_config("bert", layers=2, heads=8, head_dim=4, vocab=61)
+def _model(dtype: torch.dtype, heads: int = 8):
+    config = zoo.tiny_config("bert", layers=2, heads=heads, head_dim=4, vocab=61)
     return zoo.build("bert", config, dtype=dtype, seed=1), config
 
 
@@ -112,20 +112,24 @@ def test_a_reshard_issues_one_all_to_all_of_a_tp_th_of_the_gathers_bytes(fake_tp
     assert sent > 0 and gathered == tp * sent
 
 
-def _matches_serial(tp: int) -> dict:
+def _matches_serial(tp: int, heads: int) -> dict:
     from autotp.testing import equivalence_errors, tolerance
 
-    model, config = _model(torch.float64)
+    model, config = _model(torch.float64, heads)
     pm = autotp.parallelize(model, tp, **PLANNING)
-    batch = zoo.example_batch("bert", config, batch=2, seq=7, seed=3)   # seq 7 at tp 4: uneven (2, 2, 2, 1)
+    batch = zoo.example_batch("bert", config, batch=2, seq=7, seed=3)   # seq 7: uneven at tp 3 and 4
     return {"errors": equivalence_errors(model, pm, batch), "bound": tolerance(model, batch),
             "all_to_all": sum(isinstance(m, C.ReshardTP) for m in pm.graph_module.modules()),
             "listed": [c.kind for c in pm.plan.comms if c.kind in ("all_to_all", "reshard")]}
 
 
-def test_a_program_that_reshards_by_all_to_all_trains_as_serial(cluster):
-    """float64, tp 4: the loss, the outputs and every gradient equal serial's."""
-    for rank, r in enumerate(cluster.run(_matches_serial, 4)):
+@pytest.mark.parametrize("tp, heads", [
+    (4, 8),   # features even (32 = 4 x 8), the sequence not (7 = 2+2+2+1)
+    # 16 features at tp 3 (6, 5, 5), rotated in the second layer, into the sequence (3, 2, 2)
+    pytest.param(3, 4, marks=pytest.mark.slow)])
+def test_a_program_that_reshards_by_all_to_all_trains_as_serial(cluster_of, tp, heads):
+    """float64: the loss, the outputs and every gradient equal serial's."""
+    for rank, r in enumerate(cluster_of(tp).run(_matches_serial, tp, heads)):
         assert r["all_to_all"] and set(r["listed"]) == {"all_to_all"}, (rank, r)
         worst = max(r["errors"], key=r["errors"].get)
         assert r["errors"][worst] <= r["bound"], (rank, worst, r["errors"][worst])
