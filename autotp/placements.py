@@ -312,6 +312,18 @@ def _atom_runs(n_atoms: int, tp: int) -> tuple[tuple[int, int], ...]:
     return tuple(runs)
 
 
+def resharded_by_all_to_all(have: "Placement", want: "Placement") -> bool:
+    """Whether a tensor split as ``have`` becomes split as ``want`` by one all-to-all
+    (:func:`autotp.distributed.collectives.reshard_tp`): two splits, of different dims or of one
+    dealt two ways (heads one by one, then in pairs), each rank's part a set of runs that one rank
+    alone holds (chunks, unit, rotate and unequal blocks dealt as they are; no tail or block held
+    whole by every rank, no per-block dealing). Each rank then sends every other rank the runs of
+    its part that rank wants (1/tp of its part, between dims), where a gather would make the
+    whole tensor on every rank and cut it. Others are gathered and cut."""
+    return (isinstance(have, Shard) and isinstance(want, Shard)
+            and not any(p.holds_whole or p.per_block or p.outer >= 0 for p in (have, want)))
+
+
 def is_even(size: int, shard: Shard, tp: int) -> bool:
     return all(n % tp == 0 for i, n in enumerate(block_atoms(size, shard)) if i not in shard.whole)
 

@@ -10,6 +10,9 @@ group of one rank: every mapping is then the identity (or plain slicing), with n
     scatter_to_tp    keep this rank's slice               all-gather -> full
     reduce_scatter   sum over ranks, keep this rank's     all-gather -> full
                      slice (Partial -> Shard)
+    reshard_tp       all-to-all: one split -> another     the reverse all-to-all
+                     (Shard(a) -> Shard(b), or the same
+                     dim dealt another way)
 
 Sharded layouts follow ``autotp.placements.Shard`` (chunks, unit, uneven runs). Collectives need
 equal sizes on every rank, so uneven shards are padded to ``max_local_size`` and cut back (a
@@ -37,17 +40,18 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
-from autotp.errors import AutotpError, CommError, LostRankError
-from autotp.placements import Shard, local_ranges, local_size, max_local_size, owned_ranges
+from autotp.errors import AutotpError, CommError, LostRankError, PlanError
+from autotp.placements import (Shard, local_ranges, local_size, max_local_size, owned_ranges,
+                               resharded_by_all_to_all)
 
 #: the functional all-gather into one tensor: ``all_gather_single`` from torch 2.13 on, where
 #: ``all_gather_tensor`` (the name before) warns that it is deprecated
 all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 __all__ = [
-    "copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "reduce_scatter_to_tp",
+    "copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "reduce_scatter_to_tp", "reshard_tp",
     "local_shard", "assemble", "traced_as_now", "group_size", "group_rank", "group_ranks",
-    "CopyToTP", "ReduceFromTP", "GatherFromTP", "ScatterToTP", "ReduceScatterToTP",
+    "CopyToTP", "ReduceFromTP", "GatherFromTP", "ScatterToTP", "ReduceScatterToTP", "ReshardTP",
 ]
 
 
@@ -367,6 +371,100 @@ def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str) -> 
 _c10d_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _all_to_all(x: Tensor, group, have: Shard, want: Shard, full_size: int, op: str) -> Tensor:
+    """This rank's part of a tensor split as ``have`` (``full_size``: the whole size of
+    ``have.dim``) -> its part of the tensor split as ``want``, by one all-to-all (no autograd).
+    Rank r sends rank q the elements of its part that q holds under ``want``: along another dim,
+    1/tp of its part, where an all-gather makes the whole tensor; along the same dim dealt
+    another way, the runs that change rank alone (and its own, kept). Two even splits of
+    different dims are equal blocks, split and laid out by one strided copy each side (none
+    where only dims of size one come before the dim); otherwise each block is cut run by run,
+    sent at its own size (no padding) and put in place run by run."""
+    tp, rank, x = group_size(group), group_rank(group), x.detach()
+    a, b = have.dim, want.dim
+    if a != b and _even(want, x.shape[b], tp) and _even(have, full_size, tp):
+        width = x.shape[b] // tp
+        send = x.unflatten(b, (tp, width)).movedim(b, 0).contiguous()   # rank-major: no copy at dim 0
+        got = _exchange(send.flatten(0, 1), None, None, group, op)
+        got = got.view([tp] + list(x.shape[:b]) + [width] + list(x.shape[b + 1:]))   # got[r]: r's run of a
+        return got.movedim(0, a).flatten(a, a + 1).contiguous()
+    other = x.shape[b] if a != b else full_size   # the whole size of want's dim
+    sends = [_runs_for(x, have, want, full_size, other, tp, rank, q) for q in range(tp)]
+    shapes = [_block_shape(x, have, want, full_size, other, tp, r, rank) for r in range(tp)]
+    got = _exchange(torch.cat([t.reshape(-1) for t in sends]), [math.prod(sh) for sh in shapes],
+                    [t.numel() for t in sends], group, op)
+    shape = list(x.shape)
+    shape[a] = full_size if a != b else shape[a]
+    shape[b] = local_size(other, want, tp, rank)
+    out = x.new_empty(shape)
+    for block, r in zip(got.split([math.prod(sh) for sh in shapes]), range(tp)):
+        block = block.view(shapes[r])
+        for src, dst, n in _overlaps(have, want, full_size, other, tp, r, rank):
+            out.narrow(a, dst, n).copy_(block.narrow(a, src, n))
+    return out
+
+
+def _exchange(send: Tensor, recv_sizes, send_sizes, group, op: str) -> Tensor:
+    """One all-to-all of ``send`` along dim 0 (equal blocks where the sizes are None)."""
+    with _comm(op, group):   # a collective, waited for inside
+        return funcol.wait_tensor(funcol.all_to_all_single(send, recv_sizes, send_sizes, group))
+
+
+def _overlaps(have: Shard, want: Shard, full_size: int, other: int, tp: int, r: int, q: int) -> list:
+    """``(offset in the block r sends q, offset in q's part, length)`` along ``have.dim`` of each run
+    q receives from r: along another dim, r's runs under ``have`` (the block holds them in r's
+    order, q's part holds them where they lie in the whole); along the same dim, the runs of r's
+    part under ``have`` that q holds under ``want``, in q's order (the block holds them so)."""
+    if have.dim != want.dim:
+        out, offset = [], 0
+        for start, stop in local_ranges(full_size, have, tp, r):
+            out.append((offset, start, stop - start))
+            offset += stop - start
+        return out
+    found, dst = [], 0
+    for ws, we in local_ranges(other, want, tp, q):
+        src = 0
+        for hs, he in local_ranges(full_size, have, tp, r):
+            lo, hi = max(ws, hs), min(we, he)
+            if lo < hi:
+                found.append((src + lo - hs, dst + lo - ws, hi - lo))
+            src += he - hs
+        dst += we - ws
+    out, offset = [], 0
+    for src, dst, n in sorted(found, key=lambda run: run[1]):
+        out.append((offset, dst, n))
+        offset += n
+    return out
+
+
+def _runs_for(x: Tensor, have: Shard, want: Shard, full_size: int, other: int, tp: int, rank: int, q: int) -> Tensor:
+    """The block this rank sends rank q (see :func:`_overlaps`), contiguous."""
+    if have.dim != want.dim:
+        return local_shard(x, want, tp, q)   # x is whole along want's dim
+    found, dst = [], 0
+    for ws, we in local_ranges(other, want, tp, q):
+        src = 0
+        for hs, he in local_ranges(full_size, have, tp, rank):
+            lo, hi = max(ws, hs), min(we, he)
+            if lo < hi:
+                found.append((dst + lo - ws, x.narrow(have.dim, src + lo - hs, hi - lo)))
+            src += he - hs
+        dst += we - ws
+    if not found:
+        return x.narrow(have.dim, 0, 0).contiguous()
+    return torch.cat([t for _, t in sorted(found, key=lambda run: run[0])], dim=have.dim)
+
+
+def _block_shape(x: Tensor, have: Shard, want: Shard, full_size: int, other: int, tp: int, r: int,
+                 q: int) -> list:
+    """The shape of the block rank r sends rank q."""
+    shape = list(x.shape)
+    shape[have.dim] = sum(n for _, _, n in _overlaps(have, want, full_size, other, tp, r, q))
+    if have.dim != want.dim:
+        shape[want.dim] = local_size(other, want, tp, q)
+    return shape
+
+
 # ---------------------------------------------------------------- the mappings
 
 def _output(t: Tensor) -> Tensor:
@@ -475,6 +573,24 @@ class _ReduceScatterToTP(torch.autograd.Function):
         return _all_gather(grad, ctx.group, ctx.shard, ctx.full_size, op), None, None, None
 
 
+class _ReshardTP(torch.autograd.Function):
+    """Shard -> Shard (another dim, or the same dealt another way): all-to-all forward; the
+    reverse all-to-all backward (the gradient of a part is that part's gradient, sent back to
+    the rank it came from)."""
+
+    @staticmethod
+    def forward(ctx, x, group, have, want, full_size):
+        # the whole size of want's dim, the backward's full_size: x holds it whole, or it is have's
+        other = x.shape[want.dim] if want.dim != have.dim else full_size
+        ctx.group, ctx.have, ctx.want, ctx.other = group, have, want, other
+        return _output(_all_to_all(x, group, have, want, full_size, "all_to_all in reshard_tp (forward)"))
+
+    @staticmethod
+    def backward(ctx, grad):
+        op = "all_to_all in reshard_tp (backward)"
+        return _all_to_all(grad, ctx.group, ctx.want, ctx.have, ctx.other, op), None, None, None, None
+
+
 def copy_to_tp(x: Tensor, group, in_place: bool = False) -> Tensor:
     """f: a Replicate activation enters sharded compute. ``in_place``: its gradient is a tensor
     no other backward formula holds (:mod:`autotp.passes.in_place`), summed in its storage."""
@@ -519,6 +635,22 @@ def reduce_scatter_to_tp(x: Tensor, group, shard: Shard, full_size: int) -> Tens
     if group_size(group) == 1:
         return x.clone(memory_format=torch.contiguous_format)
     return _ReduceScatterToTP.apply(traced_as_now(x), group, shard, full_size)
+
+
+def reshard_tp(x: Tensor, group, have: Shard, want: Shard, full_size: int) -> Tensor:
+    """This rank's part of a tensor split as ``have`` becomes its part of the tensor split as
+    ``want`` (another dim, or the same dealt another way) by one all-to-all; ``full_size`` is the
+    whole size of ``have.dim``. Layouts one all-to-all does not move
+    (:func:`~autotp.placements.resharded_by_all_to_all`: a tail or blocks every rank holds whole,
+    per-block dealing) are a PlanError: the plan gathers and cuts those."""
+    if not resharded_by_all_to_all(have, want):
+        raise PlanError(f"reshard_tp cannot move {have!r} -> {want!r} by one all-to-all (it moves splits "
+                        "whose every element one rank holds: no tail, whole block or per-block dealing); "
+                        "plan it as an all-gather and a cut (autotp.passes.propagate.gather_parts lists "
+                        "such a reshard so)")
+    if group_size(group) == 1:
+        return x.clone(memory_format=torch.contiguous_format)
+    return _ReshardTP.apply(traced_as_now(x), group, have, want, full_size)
 
 
 # ---------------------------------------------------------------- modules for fx graphs
@@ -631,3 +763,21 @@ class ReduceScatterToTP(_ShardedCommModule):
 
     def forward(self, x: Tensor, full_size: int | None = None) -> Tensor:
         return reduce_scatter_to_tp(x, self.group, self.shard, self.size(x, full_size, whole_input=True))
+
+
+class ReshardTP(_ShardedCommModule):
+    """A split along one dim resharded along another by one all-to-all (``shard``: the split the
+    input holds, ``want``: the one it leaves with; ``full_size``: the whole size of the input's
+    split dim, None where it is dynamic and the graph passes it)."""
+
+    kind = "all_to_all"
+
+    def __init__(self, group, shard: Shard, want: Shard, full_size: int | None) -> None:
+        super().__init__(group, shard, full_size)
+        self.want = want
+
+    def forward(self, x: Tensor, full_size: int | None = None) -> Tensor:
+        return reshard_tp(x, self.group, self.shard, self.want, self.size(x, full_size, whole_input=False))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, want={self.want!r}"

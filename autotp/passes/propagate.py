@@ -32,7 +32,7 @@ from ..cost_model.devices import DeviceProfile
 from ..cost_model.symbolic import (activation_bytes, collective_bytes, collective_time, compute_time,
                                    conversion_kinds, nbytes)
 from ..placements import (PARTIAL, REPLICATE, Partial, Placement, Replicate, Routed, Shard, atoms_per_chunk, divides, is_even,
-                          max_local_size, same_placement)
+                          max_local_size, resharded_by_all_to_all, same_placement)
 from .hints import column_hint, index_picks, row_hint
 from .rules import OpInfo, Strategy, TensorMeta, strategies
 from .rules.experts import GROUPED_MM, grouped_reader, reads_host, reads_rows
@@ -46,7 +46,7 @@ INF = math.inf
 class Comm:
     """One collective the plan inserts: ``kind`` applied to ``tensor`` (a node name)."""
 
-    kind: str            # f, g, all_gather, scatter, reduce_scatter, reshard
+    kind: str            # f, g, all_gather, scatter, reduce_scatter, reshard, all_to_all
     tensor: str
     src: Placement
     dst: Placement
@@ -630,6 +630,8 @@ def layout_copy_seconds(kind: str, meta: TensorMeta, have: Any, want: Any, full:
         return read_seconds(kind, full, profile, tp, grad) if tp > 1 else 0.0
     if tp <= 1:
         return 0.0
+    if kind == "all_to_all" and isinstance(have, Shard) and isinstance(want, Shard):
+        return all_to_all_copy_seconds(meta, have, want, full, profile, tp, grad)
     shard = have if kind in ("all_gather", "all_gather_f", "reshard") else want
     if isinstance(shard, Routed) and shard.tokens and not shard.reordered:
         shard = Shard(0)   # a rank's tokens' rows: gathered along the sequence of (b, s, ...), an inner dim
@@ -647,6 +649,34 @@ def layout_copy_seconds(kind: str, meta: TensorMeta, have: Any, want: Any, full:
     moved = sum(1 for i, c in enumerate(COLLECTIVES[kind]) if c in ("all_gather", "reduce_scatter")
                 and (i == 0 or grad))
     return moved * 2 * full / profile.bandwidth("elementwise")
+
+
+def all_to_all_copy_seconds(meta: TensorMeta, have: Shard, want: Shard, full: Any, profile: DeviceProfile, tp: int,
+                            grad: bool = True) -> Any:
+    """Seconds a reshard by all-to-all (:func:`~autotp.distributed.collectives.reshard_tp`) spends
+    laying out its blocks, forward and backward (the backward the mirror: the same copies): the
+    rank's part (1/tp of the tensor) staged rank-major by the split it is sent as, unless that is
+    an even split with only dims of size one before it (a view then), and the blocks received laid
+    out by the split they came as, on the same terms. An uneven split, or one dim dealt two ways,
+    is cut and put in place run by run: a copy on both sides. Each copy reads and writes the
+    rank's part."""
+    def inner(shard: Shard) -> bool:
+        return any(size != 1 for size in meta.shape[:shard.dim])
+
+    if have.dim == want.dim or any(meta.static(p.dim) is not None and not _even(meta, p, tp) for p in (have, want)):
+        copies = 2
+    else:
+        copies = int(inner(want)) + int(inner(have))
+    return (1 + int(grad)) * copies * 2 * full / tp / profile.bandwidth("elementwise")
+
+
+def reshard_seconds(index: "GraphIndex", profile: DeviceProfile, meta: TensorMeta, have: Shard, want: Shard,
+                    grad: bool) -> float:
+    """Forward + backward seconds of a reshard by one all-to-all: (tp-1)/tp² of the tensor sent
+    by each rank each way, where a gather and a cut sends (tp-1)/tp of it, and its copies."""
+    full = nbytes(meta, index.env, profile.dtype_bytes)
+    fw, bw = collective_time("all_to_all", full, profile, index.tp, grad)
+    return fw + bw + layout_copy_seconds("all_to_all", meta, have, want, full, profile, index.tp, grad)
 
 
 def _experts_may_take_rows(node: fx.Node, place: Mapping[fx.Node, Any]) -> bool:
@@ -731,15 +761,19 @@ def gather_parts(have: Shard, wanted: list) -> list[tuple[str, Placement, tuple]
     consumer reads it through ``grad_if`` and a reshard cuts its part with ``rank_slice``,
     listed under those names: they move no bytes, and cost the copies :func:`read_seconds`
     prices; a split slicing cannot cut is scattered. Otherwise a plain all-gather, an f after it
-    for a consumer that wants one apart (a tailed product's runs), a scatter for each split; a
-    reshard alone is listed as one (its all-gather and scatter)."""
+    for a consumer that wants one apart (a tailed product's runs), a scatter for each split. A
+    reshard alone (nothing reads the tensor whole) gathers nothing: it is one ``all_to_all``
+    where one moves it (:func:`~autotp.placements.resharded_by_all_to_all`), each rank sending
+    the others the blocks of its part they want, else listed as one ``reshard`` (its all-gather
+    and scatter)."""
     fused = next((e for e in wanted if e[1] is True), None)
     if fused is not None:
         return [("all_gather_f", REPLICATE, fused)] + [
             ("grad_if" if not isinstance(e[0], Shard) else "rank_slice" if cut_from_whole(e[0]) else "scatter",
              e[0], e) for e in wanted if e is not fused]
     if len(wanted) == 1 and isinstance(wanted[0][0], Shard):
-        return [("reshard", wanted[0][0], wanted[0])]
+        want = wanted[0][0]
+        return [("all_to_all" if resharded_by_all_to_all(have, want) else "reshard", want, wanted[0])]
     return ([("all_gather", REPLICATE, wanted[0])] + [("f", REPLICATE, e) for e in wanted if e[1]]
             + [("scatter", e[0], e) for e in wanted if isinstance(e[0], Shard)])
 
@@ -749,6 +783,8 @@ def gather_part_seconds(index: "GraphIndex", profile: DeviceProfile, meta: Tenso
     """Forward + backward seconds of one part of :func:`gather_parts`."""
     if kind in ("grad_if", "rank_slice"):
         return read_seconds(kind, nbytes(meta, index.env, profile.dtype_bytes), profile, index.tp, grad)
+    if kind == "all_to_all":
+        return reshard_seconds(index, profile, meta, have, dst, grad)
     src = REPLICATE if kind in ("f", "scatter") else have
     return conversion_seconds(index, profile, meta, src, dst, kind in ("f", "all_gather_f"), grad)
 

@@ -39,7 +39,7 @@ from ..distributed.functional import grad_if, rank_slice
 from ..distributed.rng import RandomOp, draws_random
 from .in_place import reduce_in_place
 from .propagate import (GraphIndex, Propagation, _aliases_of, _conversion, _dim_size, _meta, _sharded_compute,
-                        cut_from_whole, first_write, gathers_whole, map_args, storage_root, wants_f)
+                        cut_from_whole, first_write, gather_parts, gathers_whole, map_args, storage_root, wants_f)
 from .rules import LocalContext, aliases_first, is_routed, localizer_for, mutates_first
 from .rules.experts import dispatches_tokens, grouped_reader
 from .rules.registry import REGION_BOUNDS
@@ -269,7 +269,12 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         zero-padded: a summand), or, where slicing cannot cut it, scatters what the replicated
         consumers read; the runs of a tailed product read it as it is (its tail, through
         ``grad_if``). Otherwise a plain all-gather, with an f after it for the runs of a tailed
-        product, and a scatter for each split."""
+        product, and a scatter for each split; a reshard that is src's one gather in the plan, and
+        that one all-to-all moves, is that all-to-all (no gather)."""
+        if kind == "reshard" and moved_by_all_to_all(src, meta, have):
+            size = full_size(meta, have)
+            more = () if size is not None else (sizes(meta.shape[have.dim]),)
+            return comm_node("all_to_all", local, C.ReshardTP(group, have, dst, size), *more)
         if f is True:   # into sharded compute: the f fused in (backward reduce-scatters)
             size = full_size(meta, have)
             more = () if size is not None else (sizes(meta.shape[have.dim]),)
@@ -293,6 +298,15 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         if f:   # "apart": the runs of a tailed product read it through an f, its tail without
             return comm_node("f", whole, C.CopyToTP(group))
         return whole
+
+    def moved_by_all_to_all(src: fx.Node, meta: Any, have: Shard) -> bool:
+        """Whether the plan moves src's one gather, a reshard, by an all-to-all: what
+        :func:`~.propagate.gather_parts` makes of src's conversions that gather it whole (the
+        plan's listing, its bytes and the solver read the same)."""
+        wanted = [(dst, f) for (node, dst, f) in prop.conversions
+                  if node is src and gathers_whole(meta, have, dst, tp)]
+        parts = gather_parts(have, wanted) if wanted else []
+        return len(parts) == 1 and parts[0][0] == "all_to_all"
 
     def gathered_into_compute(src: fx.Node) -> bool:
         """Whether src is all-gathered whole into sharded compute (``all_gather_f``) by a

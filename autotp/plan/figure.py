@@ -34,7 +34,7 @@ COMM_WORDS = {"f": "f: forward identity, backward all-reduce",
               "all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
               "all_gather_f": "all-gather forward, reduce-scatter backward (f̄)", "scatter": "scatter (keep own part)",
               "all_reduce": "all-reduce", "reshard": "reshard",
-              "all_to_all": "all-to-all forward, the reverse backward (expert dispatch)"}
+              "all_to_all": "all-to-all forward, the reverse backward (a reshard, an expert dispatch)"}
 COMM_MARKS = {"all_gather_f": "AGf", "all_gather": "AG", "reduce_scatter": "RS", "scatter": "SC", "all_reduce": "AR", "reshard": "RE",
               "all_to_all": "A2A"}
 CELL_W, FONT = 330, 11

@@ -153,7 +153,7 @@ def _comm_into(index: Any, prop: Any, by_tensor: dict, exact: dict) -> Any:
                 continue
             if gathers_whole(meta, prop.placements.get(inp), want, index.tp):
                 return [c for c in by_tensor[arg.name] if c.kind in ("all_gather", "all_gather_f")
-                        or (c.kind in ("scatter", "reshard") and c.dst == want) or (c.kind == "f" and f)
+                        or (c.kind in ("scatter", "reshard", "all_to_all") and c.dst == want) or (c.kind == "f" and f)
                         or (c.kind in ("grad_if", "rank_slice") and c.consumer == consumer.name)]
             kinds = conversion_kinds(prop.conversions[(inp, want, f)] or None, f)
             found = [next((c for c in by_tensor[arg.name] if c.kind == k and c.dst == want), None) for k in kinds]

@@ -563,8 +563,10 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
     nodes = {n.name: n for n in index.capture.graph.nodes}
     inside: collections.Counter = collections.Counter()
     for c in prop.comms:
-        if c.kind in ("all_reduce", "all_to_all"):   # inside an op (vocab-parallel cross-entropy, an expert
-            internal = prop.chosen[nodes[c.tensor]].internal   # dispatch): its internal ones, in order
+        # inside an op (vocab-parallel cross-entropy, an expert dispatch: its internal ones, in
+        # order), not a reshard by all-to-all (a conversion of one split to another)
+        if c.kind == "all_reduce" or (c.kind == "all_to_all" and not isinstance(c.dst, Shard)):
+            internal = prop.chosen[nodes[c.tensor]].internal
             kind, meta = internal[inside[c.tensor] % len(internal)]
             comm[("g" if kind == "all_reduce" else kind, meta, True, None, None)] += 1
             inside[c.tensor] += 1

@@ -239,7 +239,7 @@ def dispatch_note(index: Any, profile: Any, comms: list, roles: Mapping[str, str
     if not gathered:
         return []
     cost, prop = _solved_with(index, profile, pinned, memory_limit, True)
-    if prop is not None and not any(c.kind == "all_to_all" for c in prop.comms):
+    if prop is not None and not any(c.kind == "all_to_all" and not isinstance(c.dst, Shard) for c in prop.comms):
         return []   # the all-to-all cannot take these layers' rows (their tokens do not arrive as rows)
     return [f"experts {_layers_text(gathered)}: the tokens, split along the sequence in the layer, are gathered "
             f"whole before the router{_forced(index)} — " + _versus(cost, chosen_s, DISPATCH)]

@@ -331,6 +331,7 @@ def _compiled_all_to_all_dispatch(backend: str, mode: str) -> dict:
 
     import autotp
     from autotp import zoo
+    from autotp.distributed.collectives import ReshardTP
     from autotp.distributed.experts import CombineRows, DispatchRows
     from autotp.testing import equivalence_errors, keep_loss_precision, relative_error, tolerance
 
@@ -366,6 +367,7 @@ def _compiled_all_to_all_dispatch(backend: str, mode: str) -> dict:
             "to eager": max(max([relative_error(g[0], e[0])] + [relative_error(g[1][n], e[1][n]) for n in e[1]])
                             for g, e in zip(got, eager)),
             "to serial": serial, "bound": tolerance(model, data[0]), "all_to_all": a2a,
+            "reshards": sum(isinstance(m, ReshardTP) for m in pm.graph_module.modules()),
             "graphs": counters["stats"]["unique_graphs"], "breaks": dict(counters["graph_break"])}
 
 
@@ -377,7 +379,8 @@ def test_the_all_to_all_expert_dispatch_compiles_to_one_graph(cluster_of, mode):
     for r in cluster_of(2).run(_compiled_all_to_all_dispatch, "aot_eager", mode):
         assert r["dispatch"], r   # the program the case is there to compile: the all-to-all dispatch
         assert r["graphs"] == 1 and not r["breaks"], r
-        assert r["all_to_all"] == {"forward": 2, "backward": 2}, r
+        # the dispatch and the combine, and the one reshard of this plan (an all-to-all each way)
+        assert r["reshards"] == 1 and r["all_to_all"] == {"forward": 3, "backward": 3}, r
         assert r["to eager"] <= 1e-12 and r["to serial"] <= r["bound"], r
 
 

@@ -20,6 +20,11 @@ TINY_BATCH, BATCH = 64, 2
 SEND, BACK = ("P(tokens 0, reordered)", "P(sent 0)"), ("P(sent 0)", "P(tokens 0, reordered)")
 
 
+def dispatched(c) -> bool:
+    """An all-to-all of (token, expert) rows, not a reshard of one split to another (both S)."""
+    return c.kind == "all_to_all" and not c.src.startswith("S(")
+
+
 def _dispatch_offered(monkeypatch, offered: bool) -> None:
     import autotp.passes.rules.experts as rules
 
@@ -45,7 +50,7 @@ def test_the_dispatch_is_priced_as_an_all_to_all_and_chosen_where_cheaper(monkey
     config = zoo.tiny_config("mixtral", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=4, top_k=2)
     model = zoo.build("mixtral", config, device="meta")
     plan = _plan(model, 2)
-    a2a = [c for c in plan.comms if c.kind == "all_to_all"]
+    a2a = [c for c in plan.comms if dispatched(c)]
     # the dispatch, and the combine by the reverse all-to-all (the experts' output rows, as wide)
     # (the rows a rank sends are its tokens' rows sorted by expert, not in sequence order)
     assert [(c.src, c.dst) for c in a2a] == [SEND, BACK], plan.comms
@@ -60,7 +65,7 @@ def test_the_dispatch_is_priced_as_an_all_to_all_and_chosen_where_cheaper(monkey
     assert any(n.startswith("experts model.layers.0.mlp.experts: the tokens arrive split along the sequence")
                and "all-to-all (8.39 MB/rank each way per layer" in n for n in plan.notes), plan.notes
     gathered = _without_dispatch(monkeypatch, model, 2)
-    assert not [c for c in gathered.comms if c.kind == "all_to_all"]
+    assert not [c for c in gathered.comms if dispatched(c)]
     assert plan.cost["step_s"] < gathered.cost["step_s"]
 
 
@@ -73,14 +78,14 @@ def test_the_combine_by_the_reverse_all_to_all_replaces_the_g_where_cheaper(monk
     plan = _plan(model, 2)
     def combine(p):   # the g of the experts' Partial output, and its scatter to the sequence split,
         # after the dispatch (the attention's residual may be cut from a gather shared with the norm)
-        first = next(i for i, c in enumerate(p.comms) if c.kind == "all_to_all")
+        first = next(i for i, c in enumerate(p.comms) if dispatched(c))
         return [c.kind for c in p.comms[first:] if (".mlp" in c.module and c.src == "P") or c.kind == "scatter"]
 
-    assert combine(plan) == [] and len([c for c in plan.comms if c.kind == "all_to_all"]) == 2, plan.comms
+    assert combine(plan) == [] and len([c for c in plan.comms if dispatched(c)]) == 2, plan.comms
     assert any(n.startswith("experts model.layers.0.mlp.experts: each expert's output row goes back to its token's "
                             "rank by the reverse all-to-all (8.39 MB/rank") for n in plan.notes), plan.notes
     summed = _without_combine(monkeypatch, model, 2)
-    assert [(c.src, c.dst) for c in summed.comms if c.kind == "all_to_all"] == [(SEND[0], "P(routed 0)")]
+    assert [(c.src, c.dst) for c in summed.comms if dispatched(c)] == [(SEND[0], "P(routed 0)")]
     assert combine(summed) == ["g", "scatter"], summed.comms
     assert plan.cost["step_s"] < summed.cost["step_s"]
 
@@ -107,7 +112,7 @@ def test_real_size_moe_at_tp8_takes_the_dispatch_under_sequence_parallelism(monk
     model = zoo.build(zoo.published_sizes()[size], zoo.published_config(size, layers=2), device="meta")
     plan = _plan(model, 8)
     # one dispatch and one combine per layer
-    assert [(c.src, c.dst) for c in plan.comms if c.kind == "all_to_all"] == \
+    assert [(c.src, c.dst) for c in plan.comms if dispatched(c)] == \
         [SEND, BACK] * 2
     assert plan.cost["step_s"] < _without_dispatch(monkeypatch, model, 8).cost["step_s"]
     assert plan.cost["step_s"] < _without_combine(monkeypatch, model, 8).cost["step_s"]
@@ -118,7 +123,7 @@ def test_the_dispatch_is_not_offered_without_a_sequence_split():
     model = zoo.build("mixtral", config, device="meta", dtype=torch.float32)
     plan = autotp.plan(model, tp=2, layout={"*.experts.*": "expert"}, batch=2, seq=4096, profile="h100-dgx",
                        sequence_parallel=False)
-    assert not [c for c in plan.comms if c.kind == "all_to_all" or "tokens" in str(c.src)]
+    assert not [c for c in plan.comms if dispatched(c) or "tokens" in str(c.src)]
 
 
 def test_a_dispatching_layer_is_priced_one_host_read():
@@ -179,8 +184,8 @@ def test_the_note_says_by_how_much_the_way_taken_beats_the_other(batch, taken):
     plan = autotp.plan(model, tp=2, layout={"*.experts.*": "expert"}, batch=batch, **WORKLOAD)
     other = autotp.plan(model, tp=2, layout={"*.experts.*": "expert"}, batch=batch, expert_dispatch=not taken,
                         **WORKLOAD)
-    assert any(c.kind == "all_to_all" for c in plan.comms) is taken
-    assert any(c.kind == "all_to_all" for c in other.comms) is not taken   # the flag forces the other way
+    assert any(dispatched(c) for c in plan.comms) is taken
+    assert any(dispatched(c) for c in other.comms) is not taken   # the flag forces the other way
     note, word, delta, so = _versus(plan)
     assert ("by an all-to-all" in note) is taken and ("gathered whole before the router" in note) is not taken
     assert word == "cheaper than"
@@ -191,7 +196,7 @@ def test_the_note_says_by_how_much_the_way_taken_beats_the_other(batch, taken):
 def test_expert_dispatch_false_gathers_the_tokens_and_forced_ways_say_so():
     plan = autotp.plan(_tiny_mixtral(), tp=2, layout={"*.experts.*": "expert"}, batch=TINY_BATCH,
                        expert_dispatch=False, **WORKLOAD)
-    assert not [c for c in plan.comms if c.kind == "all_to_all" or "tokens" in c.src + c.dst]
+    assert not [c for c in plan.comms if dispatched(c) or "tokens" in c.src + c.dst]
     note, word, _, _ = _versus(plan)
     assert "are gathered whole before the router (expert_dispatch=False)" in note and word == "dearer than"
 
@@ -237,11 +242,11 @@ def test_a_forced_dispatch_holds_in_the_inference_program(fake_rank, caplog):
                             **WORKLOAD)
     batch = zoo.example_batch("mixtral", config, batch=2, seq=8, seed=2)
     pm(**batch).loss.backward()
-    assert [(c.src, c.dst) for c in pm.plan.comms if c.kind == "all_to_all"] == [SEND, BACK]
+    assert [(c.src, c.dst) for c in pm.plan.comms if dispatched(c)] == [SEND, BACK]
     with torch.no_grad(), caplog.at_level("WARNING", logger="autotp"):
         assert pm(input_ids=batch["input_ids"]).logits.shape == (2, 8, config.vocab_size)
     (program,) = [p for p in pm.programs if "labels" not in p.capture.input_keys]
-    assert [(c.src, c.dst) for c in program.plan.comms if c.kind == "all_to_all"] == [SEND, BACK]
+    assert [(c.src, c.dst) for c in program.plan.comms if dispatched(c)] == [SEND, BACK]
     said = "expert_dispatch=True does not hold"
     assert not [n for n in program.plan.notes if said in n], program.plan.notes
     assert not [r for r in caplog.records if said in r.getMessage()]

@@ -19,7 +19,7 @@ TAILED = Shard(1, chunks=2, tail=1)   # a tail every rank holds: scattered, not 
 #: every conversion of a split tensor that gathers it: whole (no f, f fused into the gather,
 #: f kept apart for a tailed product's runs), or split another way
 WANTED = [(REPLICATE, False), (REPLICATE, True), (REPLICATE, "apart"), (PLAIN, False), (TAILED, False)]
-GATHERS = ("all_gather", "all_gather_f", "reshard")
+GATHERS = ("all_gather", "all_gather_f", "reshard", "all_to_all")
 
 
 def kinds(wanted: list) -> Counter:
@@ -30,7 +30,9 @@ def test_one_conversion_alone_is_listed_as_it_runs_alone():
     assert kinds([(REPLICATE, False)]) == Counter(["all_gather"])
     assert kinds([(REPLICATE, True)]) == Counter(["all_gather_f"])
     assert kinds([(REPLICATE, "apart")]) == Counter(["all_gather", "f"])
-    assert kinds([(PLAIN, False)]) == Counter(["reshard"])
+    # a reshard alone gathers nothing: one all-to-all moves it, where one can (a tail cannot)
+    assert kinds([(PLAIN, False)]) == Counter(["all_to_all"])
+    assert kinds([(TAILED, False)]) == Counter(["reshard"])
 
 
 def test_sharded_compute_reading_it_whole_serves_the_others_from_its_all_gather_f():
@@ -70,3 +72,13 @@ def test_any_set_of_gathers_runs_one_all_gather_whatever_their_order(drawn):
     assert kinds(shuffled) == kinds(wanted)
     assert all(entry in wanted for _, _, entry in parts)   # each listed for a consumer that wanted it
     assert ("all_gather_f" in kinds(wanted)) == ((REPLICATE, True) in wanted)
+
+
+def test_a_reshard_by_all_to_all_sends_a_tp_th_of_what_a_gather_and_cut_sends():
+    """Each rank sends the others (tp-1)/tp of its 1/tp part, each way, where the all-gather (and
+    the scatter's backward all-gather) move (tp-1)/tp of the whole: tp times the bytes."""
+    full = 64 * 4096 * 4096 * 2
+    for tp in (2, 3, 8):
+        a2a, gather = collective_bytes("all_to_all", full, tp), collective_bytes("reshard", full, tp)
+        assert a2a == pytest.approx(((tp - 1) / tp ** 2 * full,) * 2)
+        assert gather == pytest.approx((tp * a2a[0], tp * a2a[1]))

@@ -18,6 +18,11 @@ where a real collective, or a slice the program's views read, needs it:
 * ``collectives._reduce_scatter``: a reduce-scatter reads each rank's block one after another
   along dim 0; the same splits are staged into that order (one copy of the summand), others
   are that order already.
+* ``collectives._all_to_all``: a reshard's all-to-all (one split to another) sends and receives
+  the ranks' blocks one after another along dim 0; the rank's part is staged into that order by
+  the split it is sent as and the blocks received are laid out by the split they came as, one
+  copy of the rank's part each side (none where that split is of dim 0, or has only dims of size
+  one before it), run by run where a split is uneven.
 * ``collectives.rank_slice``: a rank's slice of a replicated tensor (a scatter, no collective)
   that is strided (a split of the hidden), laid out for the program's ``view`` nodes. A slice
   that is contiguous is a view; a gradient's slice stays strided (autograd takes it so).
@@ -44,7 +49,8 @@ from autotp.testing.work import CopyCounter
 
 TP = 2
 #: where autotp's code may copy, and why (module docs)
-NEEDED = ("collectives._all_gather", "collectives._reduce_scatter", "collectives.rank_slice", "inputs.stage_index_bounds")
+NEEDED = ("collectives._all_gather", "collectives._reduce_scatter", "collectives._all_to_all", "collectives.rank_slice",
+          "inputs.stage_index_bounds")
 
 
 def _copies(module, inputs) -> CopyCounter:
