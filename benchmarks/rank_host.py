@@ -10,8 +10,9 @@ themselves cost next to nothing: one process joins torch's ``fake`` process-grou
 * an **inference call**: ``eval()``, ``torch.no_grad()``, a forward of the ids alone;
 
 of the serial model and of the rank, after a warm-up (the rank's programs built), and reports
-for each: the host time (``time.thread_time`` of the calling thread, the least of ``--repeats``,
-one torch thread: on CPU the autograd engine runs the backward on that thread too), and counts
+for each: the host time (``time.thread_time`` of the calling thread, the least of ``--repeats``
+rounds in which the programs take turns, one torch thread: on CPU the autograd engine runs the
+backward on that thread too), and counts
 that do not depend on the machine: ATen calls (a dispatch mode), Python function calls
 (``sys.setprofile``; :mod:`autotp.testing.host`) and the nodes of the backward graph. The rank's
 plan is Megatron's layout pinned (column/row products, vocabulary-split embeddings and head),
@@ -20,10 +21,13 @@ tiny widths would otherwise be planned replicated).
 
     python benchmarks/rank_host.py                       # writes benchmarks/rank_host.md
     python benchmarks/rank_host.py --models gpt2:2 --repeats 5 --out -
+    python benchmarks/rank_host.py --json before.json   # on the code before a change, then after it:
+    python benchmarks/rank_host.py --before before.json --before-label <commit>
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -74,24 +78,33 @@ def inference_call(module, batch: dict):
     return step
 
 
-def measure(step, repeats: int) -> dict:
-    """Least thread seconds over ``repeats`` (after two warm-up steps) and the step's counts."""
+def least_times(steps: dict, repeats: int) -> dict:
+    """Each step's least thread seconds over ``repeats`` rounds, the steps taken in turn within a
+    round (so that a load that comes and goes on a shared machine falls on all of them alike),
+    after two warm-up steps each."""
+    for step in steps.values():
+        for _ in range(2):
+            step()
+    best = {label: float("inf") for label in steps}
+    for _ in range(repeats):
+        for label, step in steps.items():
+            start = time.thread_time()
+            step()
+            best[label] = min(best[label], time.thread_time() - start)
+    return best
+
+
+def counted(step) -> dict:
+    """The step's ATen calls, Python calls (by file and by function) and backward graph's nodes."""
     from autotp.testing.host import AtenCalls, PythonCalls, autograd_nodes
 
-    for _ in range(2):
-        step()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.thread_time()
-        step()
-        best = min(best, time.thread_time() - start)
     with AtenCalls() as aten:
         step()
     with PythonCalls() as python:
         step()
     out = step()
     nodes = autograd_nodes(out) if out.requires_grad else 0
-    return {"thread": best, "aten": aten.total, "python": python.total, "nodes": nodes,
+    return {"aten": aten.total, "python": python.total, "nodes": nodes,
             "by_file": python.by_file(), "by_function": python.by_function}
 
 
@@ -100,31 +113,31 @@ def run_model(spec: str, args) -> tuple[list[str], dict]:
 
     family, _, layers = spec.partition(":")
     model, batch = tiny(family, int(layers), args.seq)
-    rows, kept = {}, {}
-    for kind, make in (("training step", training_step), ("inference call", inference_call)):
-        model.train(kind == "training step")
-        rows[(kind, "serial")] = measure(make(model, batch), args.repeats)
+    modules = {"serial": model}
     for label, planning in PLANS.items():
         model.train()   # captured for training: the inference call's program is built on first use
-        pm = autotp.parallelize(model, args.tp, profile="h200", batch=8, seq=1024, layout=MEGATRON[family],
-                                **planning)
-        for kind, make in (("training step", training_step), ("inference call", inference_call)):
-            pm.train(kind == "training step")
-            rows[(kind, label)] = measure(make(pm, batch), args.repeats)
-        del pm
+        modules[label] = autotp.parallelize(model, args.tp, profile="h200", batch=8, seq=1024,
+                                            layout=MEGATRON[family], **planning)
+    rows = {}
+    for kind, make in (("training step", training_step), ("inference call", inference_call)):
+        for module in modules.values():
+            module.train(kind == "training step")
+        steps = {label: make(module, batch) for label, module in modules.items()}
+        times = least_times(steps, args.repeats)
+        for label, step in steps.items():
+            rows[(kind, label)] = {"thread": times[label], **counted(step)}
     lines = [f"## {family}, {layers} layers (hidden 64, 8 heads, vocabulary 128), batch 1 x seq {args.seq}, "
              f"tp={args.tp} rank 0", "",
              "| call | program | host ms (least) | rank ÷ serial | ATen calls | Python calls | autograd nodes |",
              "|---|---|---|---|---|---|---|"]
     for kind in ("training step", "inference call"):
         serial = rows[(kind, "serial")]
-        for label in ("serial", *PLANS):
+        for label in modules:
             r = rows[(kind, label)]
             ratio = "-" if label == "serial" else f"**{r['thread'] / serial['thread']:.2f}**"
             lines.append(f"| {kind} | {label} | {r['thread'] * 1e3:.2f} | {ratio} | {r['aten']} | {r['python']} | "
                          f"{r['nodes'] if kind == 'training step' else '-'} |")
-    kept[spec] = rows
-    return lines + [""], kept
+    return lines + [""], {spec: rows}
 
 
 def where_python_goes(rows: dict, label: str, top: int) -> list[str]:
@@ -137,14 +150,39 @@ def where_python_goes(rows: dict, label: str, top: int) -> list[str]:
     return lines
 
 
+def before_and_after(before: dict, after: dict, label: str) -> list[str]:
+    """The rank's figures of an earlier run (``--before``) beside this run's, with serial's host
+    time of each run (the ratio rank ÷ serial is read within a run: the runs' loads differ)."""
+    lines = [f"## Before ({label}) and after", "",
+             "Host ms: the least of the repeats in each run; rank ÷ serial: within each run.", "",
+             "| model | call | program | host ms before → after | rank ÷ serial before → after | "
+             "ATen calls before → after | Python calls before → after | autograd nodes before → after |",
+             "|---|---|---|---|---|---|---|---|"]
+    for key, now in after.items():
+        spec, kind, program = key.split(" | ")
+        was = before.get(key)
+        if was is None or program == "serial":
+            continue
+        serial_now, serial_was = after[f"{spec} | {kind} | serial"], before[f"{spec} | {kind} | serial"]
+        nodes = f"{was['nodes']} → {now['nodes']}" if kind == "training step" else "-"
+        lines.append(f"| {spec} | {kind} | {program} | {was['thread'] * 1e3:.2f} → {now['thread'] * 1e3:.2f} | "
+                     f"{was['thread'] / serial_was['thread']:.2f} → **{now['thread'] / serial_now['thread']:.2f}** | "
+                     f"{was['aten']} → {now['aten']} | {was['python']} → **{now['python']}** | {nodes} |")
+    return lines + [""]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=["gpt2:2", "gpt2:12", "llama:2", "llama:12"], help="family:layers")
     p.add_argument("--tp", type=int, default=8)
     p.add_argument("--seq", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=40)
     p.add_argument("--top", type=int, default=15, help="files shown in the table of where the Python calls go")
     p.add_argument("--out", default=None, help="the result file ('-': print only)")
+    p.add_argument("--json", default=None, help="also write the figures here, for a later run's --before")
+    p.add_argument("--before", default=None, help="a --json file of an earlier run (the code before a change): "
+                                                  "its figures set beside this run's")
+    p.add_argument("--before-label", default="before", help="what the --before run was (a commit)")
     args = p.parse_args()
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -169,6 +207,12 @@ def main() -> None:
         lines += more
         kept.update(rows)
         print("\n".join(more), flush=True)
+    figures = {f"{spec} | {kind} | {label}": {k: v for k, v in row.items() if k not in ("by_file", "by_function")}
+               for spec, rows in kept.items() for (kind, label), row in rows.items()}
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=1) + "\n")
+    if args.before:
+        lines += before_and_after(json.loads(Path(args.before).read_text()), figures, args.before_label)
     spec = "gpt2:12" if "gpt2:12" in kept else next(iter(kept))
     for label in PLANS:
         lines += [f"Where the Python calls of a training step go, {spec}, {label}: the {args.top} files with the most "
