@@ -137,6 +137,17 @@ def run_model(spec: str, args) -> tuple[list[str], dict]:
             ratio = "-" if label == "serial" else f"**{r['thread'] / serial['thread']:.2f}**"
             lines.append(f"| {kind} | {label} | {r['thread'] * 1e3:.2f} | {ratio} | {r['aten']} | {r['python']} | "
                          f"{r['nodes'] if kind == 'training step' else '-'} |")
+    for label, module in modules.items():
+        if label == "serial" or not PLANS[label]["sequence_parallel"]:
+            continue
+        for program in module.programs:
+            kinds = {type(m).__name__ for m in program.graph_module.modules()}
+            if not kinds & {"ReduceScatterToTP", "GatherIntoTP"}:
+                mode = "training" if program.capture.training else "inference"
+                lines += ["", f"Note: {label}'s {mode} program holds no sequence-parallel collective: "
+                          "`sequence_parallel=True` forces the program `parallelize` captures, and one built later "
+                          "for another kind of call chooses by cost (docs/architecture.md, section 5), which at "
+                          "these widths is the layout without it."]
     return lines + [""], {spec: rows}
 
 
