@@ -190,10 +190,11 @@ _splits: dict[tuple[Shard, int, int], _Split] = {}
 _SPLITS_KEPT = 4096
 
 
-def _split(full_size: int, shard: Shard, tp: int) -> _Split:
+def _split(full_size: int, shard: Shard, tp: int, compiling: bool | None = None) -> _Split:
     """:class:`_Split` of ``shard`` over a dim of ``full_size`` on ``tp`` ranks; afresh inside a
-    torch.compile trace (which must not write a module's dict, and runs it once per graph)."""
-    if torch.compiler.is_compiling():
+    torch.compile trace (which must not write a module's dict, and runs it once per graph).
+    ``compiling``: whether one is running, where the caller asked already (None: asks)."""
+    if torch.compiler.is_compiling() if compiling is None else compiling:
         return _Split(full_size, shard, tp)
     key = (shard, full_size, tp)
     found = _splits.get(key)
@@ -253,7 +254,8 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tens
     tp, x = group_size(group), x.detach()
     if tp == 1:
         return x.contiguous()
-    split = _split(full_size, shard, tp)
+    compiling = torch.compiler.is_compiling()   # asked once for the helpers below
+    split = _split(full_size, shard, tp, compiling)
     d, width = shard.dim, split.width
     if split.even:
         # An even contiguous split: one all_gather_into_tensor into a [tp, *local] buffer; the
@@ -264,8 +266,8 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tens
             # parallelism): the ranks' blocks in rank order are the full tensor already
             shape = list(x.shape)
             shape[d] = tp * width
-            return _gather_into(x.contiguous(), group, op).view(shape)
-        out = _gather_into(x.contiguous(), group, op, scratch=True)
+            return _gather_into(x.contiguous(), group, op, tp=tp, compiling=compiling).view(shape)
+        out = _gather_into(x.contiguous(), group, op, scratch=True, tp=tp, compiling=compiling)
         shape = list(x.shape)
         shape[d] = full_size
         full = x.new_empty(shape)   # a fresh tensor: the buffer may be reused
@@ -275,7 +277,7 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tens
     # kept in place, so the copies move whole rows), gathered into one buffer, and every run
     # copied once to where it belongs in the full tensor.
     send = x.contiguous()
-    if x.shape[d] < width and torch.compiler.is_compiling():
+    if x.shape[d] < width and compiling:
         # a pure pad, not a staging buffer: AOTAutograd merges two gathers of one tensor into one
         # (CSE) where their inputs are the same nodes, as they are on a rank whose part needs no
         # padding, but never two buffers made by empty(). A rank that padded through a buffer
@@ -285,10 +287,10 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tens
     elif x.shape[d] < width:
         padded = list(x.shape)
         padded[d] = width
-        send = _scratch(padded, x, "send")
+        send = _scratch(padded, x, "send", compiling)
         send.narrow(d, 0, x.shape[d]).copy_(x)
         send.narrow(d, x.shape[d], width - x.shape[d]).zero_()
-    out = _gather_into(send, group, op, scratch=True)
+    out = _gather_into(send, group, op, scratch=True, tp=tp, compiling=compiling)
     shape = list(x.shape)
     shape[d] = full_size
     full = x.new_empty(shape)
@@ -300,19 +302,22 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tens
     return full
 
 
-def _gather_into(send: Tensor, group, op: str, scratch: bool = False) -> Tensor:
+def _gather_into(send: Tensor, group, op: str, scratch: bool = False, tp: int | None = None,
+                 compiling: bool | None = None) -> Tensor:
     """Every rank's contiguous ``send`` in one buffer, viewed ``[tp, *send.shape]`` (backends take
     the output as the inputs concatenated along dim 0). ``scratch``: the caller copies what it
     needs out of the buffer before the next collective, so a reused one may serve (``_scratch``).
     Eager code calls c10d's collective into that buffer; a compiled program the functional one,
     which dynamo traces into its graph. (Eagerly the functional collective costs its Python
     dispatch, the wrapper tensor it returns and the autograd registration it goes through, about
-    80 Python calls each time; and torch 2.11's kills the process where gloo gathers GPU tensors.)"""
-    tp = group_size(group)
+    80 Python calls each time; and torch 2.11's kills the process where gloo gathers GPU tensors.)
+    ``tp`` and ``compiling``: the group's size and whether a compile trace runs, where the caller
+    knows them (None: asked here)."""
+    tp = group_size(group) if tp is None else tp
     shape = (tp * send.shape[0],) + tuple(send.shape[1:])
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() if compiling is None else compiling:
         return funcol.wait_tensor(all_gather_single(send, 0, group)).view((tp,) + tuple(send.shape))
-    out = _scratch(shape, send, "gather") if scratch and _reusable(send) else send.new_empty(shape)
+    out = _scratch(shape, send, "gather", False) if scratch else send.new_empty(shape)
     with _comm(op, group):   # a collective, waited for inside
         _c10d_all_gather_single(out, send, group=group)
     return out.view((tp,) + tuple(send.shape))
@@ -327,22 +332,22 @@ SCRATCH_BYTES = 256 << 20
 _scratches = threading.local()
 
 
-def _reusable(t: Tensor) -> bool:
+def _reusable(t: Tensor, compiling: bool | None = None) -> bool:
     """Whether a gather of ``t`` may go through a kept buffer: eager code on the CPU. CPU
     allocators hand a large block back to the system when it is freed, so every fresh buffer
     the size of a gathered logits tensor costs the kernel's page faults and zeroing again (about
     as much as the copy that lays the gathered shards out); accelerator allocators keep their
-    blocks, and a compiled program plans its own."""
-    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+    blocks, and a compiled program plans its own. ``compiling``: as :func:`_split`'s."""
+    return t.device.type == "cpu" and not (torch.compiler.is_compiling() if compiling is None else compiling)
 
 
-def _scratch(shape, like: Tensor, slot: str) -> Tensor:
+def _scratch(shape, like: Tensor, slot: str, compiling: bool | None = None) -> Tensor:
     """A buffer of ``shape`` and ``like``'s dtype and device for one collective's staging, kept
     for the next call on this thread (one per slot, dtype and device; grown, never shrunk) when
     it is at most ``SCRATCH_BYTES``. Its contents are garbage; callers copy out what they keep
     before the next call may reuse it, so nothing returned to a caller is ever a view of it."""
     numel = math.prod(shape)
-    if not _reusable(like) or numel * like.element_size() > SCRATCH_BYTES:
+    if not _reusable(like, compiling) or numel * like.element_size() > SCRATCH_BYTES:
         return like.new_empty(shape)
     kept = getattr(_scratches, "buffers", None)
     if kept is None:
@@ -370,7 +375,8 @@ def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str) -> 
     if x.device.type != "cpu" and dist.get_backend(group) == "gloo":
         # gloo reduce-scatters CPU tensors only; it all-reduces GPU tensors (ranks sharing a GPU).
         return local_shard(_all_reduce(x, group, op), shard, tp, rank)
-    split = _split(full_size, shard, tp)
+    compiling = torch.compiler.is_compiling()   # asked once for the helpers below
+    split = _split(full_size, shard, tp, compiling)
     d, width = shard.dim, split.width
     shape = list(x.shape)
     pre, post = shape[:d], shape[d + 1:]
@@ -382,10 +388,10 @@ def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str) -> 
         if all(size == 1 for size in pre):   # dim 0, or only dims of size one before d: in rank order already
             send = x.contiguous().view([tp] + pre + [width] + post)
         else:
-            send = _scratch([tp] + pre + [width] + post, x, "reduce_scatter")
+            send = _scratch([tp] + pre + [width] + post, x, "reduce_scatter", compiling)
             send.copy_(x.view(pre + [tp, width] + post).movedim(d, 0))
     else:
-        send = _scratch([tp] + pre + [width] + post, x, "reduce_scatter")
+        send = _scratch([tp] + pre + [width] + post, x, "reduce_scatter", compiling)
         for r in range(tp):
             offset = 0
             for a, b in split.ranges[r]:
@@ -394,7 +400,7 @@ def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str) -> 
             if offset < width:
                 send[r].narrow(d, offset, width - offset).zero_()
     send = send.flatten(0, 1)   # [tp, *local] -> the ranks' blocks along dim 0, as backends take them
-    if torch.compiler.is_compiling():   # the functional collective, traced (see _gather_into)
+    if compiling:   # the functional collective, traced (see _gather_into)
         out = funcol.wait_tensor(funcol.reduce_scatter_tensor(send, "sum", 0, group))
     else:
         out = x.new_empty(pre + [width] + post)
