@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from collections import Counter
@@ -165,7 +166,10 @@ def before_and_after(before: dict, after: dict, label: str) -> list[str]:
     """The rank's figures of an earlier run (``--before``) beside this run's, with serial's host
     time of each run (the ratio rank ÷ serial is read within a run: the runs' loads differ)."""
     lines = [f"## Before ({label}) and after", "",
-             "Host ms: the least of the repeats in each run; rank ÷ serial: within each run.", "",
+             "Host ms: the least of the repeats in each run; rank ÷ serial: within each run. On a shared "
+             "machine the host ms of two runs move with the load each ran under (this run's is in its header "
+             "and its last line), and a ratio within a run less; the counts do not move: they are the "
+             "figures a change is held to.", "",
              "| model | call | program | host ms before → after | rank ÷ serial before → after | "
              "ATen calls before → after | Python calls before → after | autograd nodes before → after |",
              "|---|---|---|---|---|---|---|---|"]
@@ -204,7 +208,7 @@ def main() -> None:
     dist.init_process_group("fake", rank=0, world_size=args.tp, store=FakeStore())
     started = time.time()
     lines = ["# The host's work per step: one rank of tp=N against the serial model", "",
-             "Command: `python benchmarks/rank_host.py " + " ".join(sys.argv[1:]) + "`", "", machine(),
+             "Command: `python benchmarks/rank_host.py " + shlex.join(sys.argv[1:]) + "`", "", machine(),
              f"1 torch thread; load average at the start {os.getloadavg()[0]:.1f}.", "",
              "Tiny widths, so that the kernels cost next to nothing and the step is the host's work: the "
              "Python, the autograd engine and the dispatcher around the ATen ops. Host ms: the calling thread's "

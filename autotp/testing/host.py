@@ -11,7 +11,9 @@ Timings of that on a shared CPU move; these counts do not, so tests hold them:
     aten.total, python.total, python.by_function.most_common(20)
     autograd_nodes(loss)             # nodes of the backward graph reachable from loss
 
-Each counter runs its own step: a dispatch mode's own Python would be counted as the step's.
+Each counter runs its own step: a dispatch mode's own Python would be counted as the step's. A
+generator's resumption is a 'call' event too (a generator context manager costs two), as it is a
+frame the interpreter enters.
 
 The Python calls are this thread's: on CPU the autograd engine runs backward on the calling
 thread, so a backward's Python (autograd Functions' ``backward``, hooks) is counted too.

@@ -11,8 +11,9 @@ scatters, f and g) and forbidden. What may not cost a step anything:
   whether it is even), which depends on the shard, the size and tp alone: worked out once;
 * a functional collective's Python in eager code, where c10d's collective does the same into a
   buffer (the all-reduces of f and g are another matter, ``collectives._all_reduce``);
-* a generator context manager per collective, an import, a ``copy.copy`` or a compile check per
-  parameter: what a step makes of these does not grow with the layers;
+* a generator context manager, an import statement or ``copy.copy`` in what runs per collective
+  or per parameter (the mappings, their layouts, the parameters' leaves and hooks), nor a compile
+  check per parameter;
 * a view of a collective's result made for dynamo's sake, in eager code.
 """
 from __future__ import annotations
