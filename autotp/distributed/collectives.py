@@ -32,8 +32,7 @@ import copy
 import math
 import threading
 import time
-from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -58,11 +57,19 @@ __all__ = [
 # ---------------------------------------------------------------- groups and errors
 
 def group_size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+    """Ranks in ``group`` (1 for None). Eagerly the group's own answer (``ProcessGroup.size``, what
+    ``dist.get_world_size`` returns for a group this rank is in, without its Python: asked several
+    times per collective); under torch.compile the call dynamo folds."""
+    if group is None:
+        return 1
+    return dist.get_world_size(group) if torch.compiler.is_compiling() else group.size()
 
 
 def group_rank(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
+    """This rank's place in ``group`` (0 for None); eagerly ``ProcessGroup.rank``, as above."""
+    if group is None:
+        return 0
+    return dist.get_rank(group) if torch.compiler.is_compiling() else group.rank()
 
 
 def group_ranks(group) -> tuple[int, ...] | None:
@@ -88,7 +95,7 @@ def _comm(op: str, group, only: Any = None) -> contextlib.AbstractContextManager
     fail inside the compiled code, not here."""
     if torch.compiler.is_compiling():
         return contextlib.nullcontext()
-    return _guarded_comm(op, group, only)
+    return _CommGuard(op, group, only)
 
 
 def backend_failure(exc: BaseException) -> bool:
@@ -100,44 +107,58 @@ def backend_failure(exc: BaseException) -> bool:
         s in text for s in ("gloo", "NCCL", "Connection reset", "Connection closed", "Timed out", "timed out"))
 
 
-@contextmanager
-def _guarded_comm(op: str, group, only: Any = None) -> Iterator[None]:
-    started = time.monotonic()
-    key = getattr(group, "group_name", None) or id(group)
-    since = _previous_start.get(key)  # faults published before it are an earlier call's
-    _previous_start[key] = time.time()
-    try:
-        yield
-    except AutotpError:
-        raise
-    except Exception as e:
-        if only is not None and not only(e):
-            raise
-        from .faults import note_comm_failure, roll_call
-        from .timeouts import group_timeout
+class _CommGuard:
+    """The context :func:`_comm` enters around one collective: notes when it started (and when the
+    group's previous one did, for the roll call), and on a failure raises the named error. A plain
+    class, not a generator context manager: it is entered for every collective of every step, and
+    ``contextlib``'s machinery cost that path three more Python calls and a generator each time."""
 
-        note_comm_failure()
+    __slots__ = ("op", "group", "only", "started", "since")
 
-        ranks = group_ranks(group)
-        where = f"the group of ranks {list(ranks)}" if ranks is not None else "its group"
-        cause = f"{op} failed on {where}: {type(e).__name__}: {e}"
-        timeout = group_timeout(group).total_seconds()
-        found = roll_call(group, ranks, started, timeout, since) if ranks is not None else None
-        advice = (
-            "Check whether a rank died, raised, or took a different code path (ranks must call "
-            "the same collectives in the same order). A rank that is merely slow hits the "
-            f"collective timeout ({timeout:g} s here), fixed when the process group is created: "
-            "autotp.distributed.mesh.DEFAULT_TIMEOUT, or the AUTOTP_TIMEOUT environment variable, "
-            "unless the timeout= argument of autotp.distributed.mesh.init_from_env (or of launch / "
-            "LocalCluster) says otherwise."
-        )
-        if found is not None and found.exited:
-            advice = ("A rank of the group is gone, so this job cannot go on: find why it stopped "
-                      "(its log, the OOM killer), then restart every rank.")
-        if found is not None and found.lost:
-            raise LostRankError(f"{found.describe(timeout)}.\n{cause}\n{advice}") from e
-        note = f" ({found.note})" if found is not None and found.note else ""
-        raise CommError(f"{cause}{note}\n{advice}") from e
+    def __init__(self, op: str, group, only: Any = None) -> None:
+        self.op, self.group, self.only = op, group, only
+
+    def __enter__(self) -> None:
+        self.started = time.monotonic()
+        key = getattr(self.group, "group_name", None) or id(self.group)
+        self.since = _previous_start.get(key)  # faults published before it are an earlier call's
+        _previous_start[key] = time.time()
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is None or isinstance(exc, AutotpError) or not isinstance(exc, Exception):
+            return False
+        if self.only is not None and not self.only(exc):
+            return False
+        raise _comm_failure(self.op, self.group, exc, self.started, self.since) from exc
+
+
+def _comm_failure(op: str, group, e: Exception, started: float, since: float | None) -> CommError:
+    """The error a failed collective ``op`` on ``group`` raises (see :func:`_comm`)."""
+    from .faults import note_comm_failure, roll_call
+    from .timeouts import group_timeout
+
+    note_comm_failure()
+
+    ranks = group_ranks(group)
+    where = f"the group of ranks {list(ranks)}" if ranks is not None else "its group"
+    cause = f"{op} failed on {where}: {type(e).__name__}: {e}"
+    timeout = group_timeout(group).total_seconds()
+    found = roll_call(group, ranks, started, timeout, since) if ranks is not None else None
+    advice = (
+        "Check whether a rank died, raised, or took a different code path (ranks must call "
+        "the same collectives in the same order). A rank that is merely slow hits the "
+        f"collective timeout ({timeout:g} s here), fixed when the process group is created: "
+        "autotp.distributed.mesh.DEFAULT_TIMEOUT, or the AUTOTP_TIMEOUT environment variable, "
+        "unless the timeout= argument of autotp.distributed.mesh.init_from_env (or of launch / "
+        "LocalCluster) says otherwise."
+    )
+    if found is not None and found.exited:
+        advice = ("A rank of the group is gone, so this job cannot go on: find why it stopped "
+                  "(its log, the OOM killer), then restart every rank.")
+    if found is not None and found.lost:
+        return LostRankError(f"{found.describe(timeout)}.\n{cause}\n{advice}")
+    note = f" ({found.note})" if found is not None and found.note else ""
+    return CommError(f"{cause}{note}\n{advice}")
 
 
 def _all_reduce(x: Tensor, group, op: str, in_place: bool = False) -> Tensor:
@@ -163,6 +184,43 @@ def _all_reduce(x: Tensor, group, op: str, in_place: bool = False) -> Tensor:
 
 # ---------------------------------------------------------------- layouts (no communication)
 
+class _Split:
+    """Where the ranks' parts of a dim of ``full_size`` lie under ``shard`` on ``tp`` ranks: each
+    rank's ranges (``local_ranges``) and size, the widest part, and whether the split is even
+    and contiguous. Worked out once per (shard, size, tp) in eager code (:func:`_split`), not at
+    every collective of every step."""
+
+    __slots__ = ("ranges", "sizes", "width", "even")
+
+    def __init__(self, full_size: int, shard: Shard, tp: int) -> None:
+        self.ranges = tuple(local_ranges(full_size, shard, tp, r) for r in range(tp))
+        self.sizes = tuple(sum(b - a for a, b in ranges) for ranges in self.ranges)
+        self.width = max(self.sizes)
+        # an even contiguous split: every rank one run of the same width, in rank order
+        self.even = shard.chunks == 1 and not shard.rotate and not shard.tail and len(set(self.sizes)) == 1
+
+
+#: (shard, full size, tp) -> its _Split, for eager code; cleared when it grows past _SPLITS_KEPT
+#: (a dim whose size changes per call, the sequence under sequence parallelism, adds one a length)
+_splits: dict[tuple[Shard, int, int], _Split] = {}
+_SPLITS_KEPT = 4096
+
+
+def _split(full_size: int, shard: Shard, tp: int, compiling: bool | None = None) -> _Split:
+    """:class:`_Split` of ``shard`` over a dim of ``full_size`` on ``tp`` ranks; afresh inside a
+    torch.compile trace (which must not write a module's dict, and runs it once per graph).
+    ``compiling``: whether one is running, where the caller asked already (None: asks)."""
+    if torch.compiler.is_compiling() if compiling is None else compiling:
+        return _Split(full_size, shard, tp)
+    key = (shard, full_size, tp)
+    found = _splits.get(key)
+    if found is None:
+        if len(_splits) >= _SPLITS_KEPT:
+            _splits.clear()
+        found = _splits[key] = _Split(full_size, shard, tp)
+    return found
+
+
 def local_shard(full: Tensor, shard: Shard, tp: int, rank: int) -> Tensor:
     """The part of ``full`` that ``rank`` holds under ``shard`` (contiguous, possibly empty)."""
     d = shard.dim
@@ -184,7 +242,7 @@ def rank_slice(x: Tensor, shard: Shard, tp: int, rank: int) -> Tensor:
     lost gradients of outputs that alias an autograd Function's input (``_output``)."""
     if torch.compiler.is_compiling():
         return local_shard(x, shard, tp, rank)
-    ranges = local_ranges(x.shape[shard.dim], shard, tp, rank)
+    ranges = _split(x.shape[shard.dim], shard, tp).ranges[rank]
     if len(ranges) != 1:
         return local_shard(x, shard, tp, rank)
     (a, b), = ranges
@@ -212,8 +270,10 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tens
     tp, x = group_size(group), x.detach()
     if tp == 1:
         return x.contiguous()
-    d, width = shard.dim, max_local_size(full_size, shard, tp)
-    if _even(shard, full_size, tp):
+    compiling = torch.compiler.is_compiling()   # asked once for the helpers below
+    split = _split(full_size, shard, tp, compiling)
+    d, width = shard.dim, split.width
+    if split.even:
         # An even contiguous split: one all_gather_into_tensor into a [tp, *local] buffer; the
         # full tensor is that buffer with the rank axis folded into dim d (none where d == 0,
         # else one copy out of a kept buffer).
@@ -222,8 +282,8 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tens
             # parallelism): the ranks' blocks in rank order are the full tensor already
             shape = list(x.shape)
             shape[d] = tp * width
-            return _gather_into(x.contiguous(), group, op).view(shape)
-        out = _gather_into(x.contiguous(), group, op, scratch=True)
+            return _gather_into(x.contiguous(), group, op, tp=tp, compiling=compiling).view(shape)
+        out = _gather_into(x.contiguous(), group, op, scratch=True, tp=tp, compiling=compiling)
         shape = list(x.shape)
         shape[d] = full_size
         full = x.new_empty(shape)   # a fresh tensor: the buffer may be reused
@@ -233,7 +293,7 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tens
     # kept in place, so the copies move whole rows), gathered into one buffer, and every run
     # copied once to where it belongs in the full tensor.
     send = x.contiguous()
-    if x.shape[d] < width and torch.compiler.is_compiling():
+    if x.shape[d] < width and compiling:
         # a pure pad, not a staging buffer: AOTAutograd merges two gathers of one tensor into one
         # (CSE) where their inputs are the same nodes, as they are on a rank whose part needs no
         # padding, but never two buffers made by empty(). A rank that padded through a buffer
@@ -243,41 +303,39 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tens
     elif x.shape[d] < width:
         padded = list(x.shape)
         padded[d] = width
-        send = _scratch(padded, x, "send")
+        send = _scratch(padded, x, "send", compiling)
         send.narrow(d, 0, x.shape[d]).copy_(x)
         send.narrow(d, x.shape[d], width - x.shape[d]).zero_()
-    out = _gather_into(send, group, op, scratch=True)
+    out = _gather_into(send, group, op, scratch=True, tp=tp, compiling=compiling)
     shape = list(x.shape)
     shape[d] = full_size
     full = x.new_empty(shape)
     for r in range(tp):
         offset = 0
-        for a, b in local_ranges(full_size, shard, tp, r):
+        for a, b in split.ranges[r]:
             full.narrow(d, a, b - a).copy_(out[r].narrow(d, offset, b - a))
             offset += b - a
     return full
 
 
-def _even(shard: Shard, full_size: int, tp: int) -> bool:
-    """An even contiguous split: every rank one run of the same width, in rank order."""
-    if shard.chunks != 1 or shard.rotate or shard.tail:
-        return False
-    return len({local_size(full_size, shard, tp, r) for r in range(tp)}) == 1
-
-
-def _gather_into(send: Tensor, group, op: str, scratch: bool = False) -> Tensor:
+def _gather_into(send: Tensor, group, op: str, scratch: bool = False, tp: int | None = None,
+                 compiling: bool | None = None) -> Tensor:
     """Every rank's contiguous ``send`` in one buffer, viewed ``[tp, *send.shape]`` (backends take
     the output as the inputs concatenated along dim 0). ``scratch``: the caller copies what it
-    needs out of the buffer before the next collective, so a reused one may serve (``_scratch``)."""
-    tp = group_size(group)
+    needs out of the buffer before the next collective, so a reused one may serve (``_scratch``).
+    Eager code calls c10d's collective into that buffer; a compiled program the functional one,
+    which dynamo traces into its graph. (Eagerly the functional collective costs its Python
+    dispatch, the wrapper tensor it returns and the autograd registration it goes through, about
+    80 Python calls each time; and torch 2.11's kills the process where gloo gathers GPU tensors.)
+    ``tp`` and ``compiling``: the group's size and whether a compile trace runs, where the caller
+    knows them (None: asked here)."""
+    tp = group_size(group) if tp is None else tp
     shape = (tp * send.shape[0],) + tuple(send.shape[1:])
-    reuse = scratch and _reusable(send)
+    if torch.compiler.is_compiling() if compiling is None else compiling:
+        return funcol.wait_tensor(all_gather_single(send, 0, group)).view((tp,) + tuple(send.shape))
+    out = _scratch(shape, send, "gather", False) if scratch else send.new_empty(shape)
     with _comm(op, group):   # a collective, waited for inside
-        if reuse or _gloo_on_device(send, group):   # c10d's: the output is the inputs concatenated along dim 0
-            out = _scratch(shape, send, "gather") if reuse else send.new_empty(shape)
-            _c10d_all_gather_single(out, send, group=group)
-            return out.view((tp,) + tuple(send.shape))
-        out = funcol.wait_tensor(all_gather_single(send, 0, group))
+        _c10d_all_gather_single(out, send, group=group)
     return out.view((tp,) + tuple(send.shape))
 
 
@@ -290,22 +348,22 @@ SCRATCH_BYTES = 256 << 20
 _scratches = threading.local()
 
 
-def _reusable(t: Tensor) -> bool:
+def _reusable(t: Tensor, compiling: bool | None = None) -> bool:
     """Whether a gather of ``t`` may go through a kept buffer: eager code on the CPU. CPU
     allocators hand a large block back to the system when it is freed, so every fresh buffer
     the size of a gathered logits tensor costs the kernel's page faults and zeroing again (about
     as much as the copy that lays the gathered shards out); accelerator allocators keep their
-    blocks, and a compiled program plans its own."""
-    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+    blocks, and a compiled program plans its own. ``compiling``: as :func:`_split`'s."""
+    return t.device.type == "cpu" and not (torch.compiler.is_compiling() if compiling is None else compiling)
 
 
-def _scratch(shape, like: Tensor, slot: str) -> Tensor:
+def _scratch(shape, like: Tensor, slot: str, compiling: bool | None = None) -> Tensor:
     """A buffer of ``shape`` and ``like``'s dtype and device for one collective's staging, kept
     for the next call on this thread (one per slot, dtype and device; grown, never shrunk) when
     it is at most ``SCRATCH_BYTES``. Its contents are garbage; callers copy out what they keep
     before the next call may reuse it, so nothing returned to a caller is ever a view of it."""
     numel = math.prod(shape)
-    if not _reusable(like) or numel * like.element_size() > SCRATCH_BYTES:
+    if not _reusable(like, compiling) or numel * like.element_size() > SCRATCH_BYTES:
         return like.new_empty(shape)
     kept = getattr(_scratches, "buffers", None)
     if kept is None:
@@ -333,36 +391,38 @@ def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str) -> 
     if x.device.type != "cpu" and dist.get_backend(group) == "gloo":
         # gloo reduce-scatters CPU tensors only; it all-reduces GPU tensors (ranks sharing a GPU).
         return local_shard(_all_reduce(x, group, op), shard, tp, rank)
-    d, width = shard.dim, max_local_size(full_size, shard, tp)
+    compiling = torch.compiler.is_compiling()   # asked once for the helpers below
+    split = _split(full_size, shard, tp, compiling)
+    d, width = shard.dim, split.width
     shape = list(x.shape)
     pre, post = shape[:d], shape[d + 1:]
     # One block per rank, in rank order, each this rank's shard padded at the end of dim d to
     # the widest: a reduce-scatter of equal blocks, even when the shard is uneven or
     # interleaved (the zero padding sums to zero and is cut). An even split of dim 0 is that
     # layout already; an even split of another dim is one copy; else each run copied once.
-    if _even(shard, full_size, tp):
+    if split.even:
         if all(size == 1 for size in pre):   # dim 0, or only dims of size one before d: in rank order already
             send = x.contiguous().view([tp] + pre + [width] + post)
         else:
-            send = _scratch([tp] + pre + [width] + post, x, "reduce_scatter")
+            send = _scratch([tp] + pre + [width] + post, x, "reduce_scatter", compiling)
             send.copy_(x.view(pre + [tp, width] + post).movedim(d, 0))
     else:
-        send = _scratch([tp] + pre + [width] + post, x, "reduce_scatter")
+        send = _scratch([tp] + pre + [width] + post, x, "reduce_scatter", compiling)
         for r in range(tp):
             offset = 0
-            for a, b in local_ranges(full_size, shard, tp, r):
+            for a, b in split.ranges[r]:
                 send[r].narrow(d, offset, b - a).copy_(x.narrow(d, a, b - a))
                 offset += b - a
             if offset < width:
                 send[r].narrow(d, offset, width - offset).zero_()
     send = send.flatten(0, 1)   # [tp, *local] -> the ranks' blocks along dim 0, as backends take them
-    with _comm(op, group):   # a collective, waited for inside
-        if _reusable(x):
-            out = x.new_empty(pre + [width] + post)
+    if compiling:   # the functional collective, traced (see _gather_into)
+        out = funcol.wait_tensor(funcol.reduce_scatter_tensor(send, "sum", 0, group))
+    else:
+        out = x.new_empty(pre + [width] + post)
+        with _comm(op, group):   # a collective, waited for inside
             _c10d_reduce_scatter_tensor(out, send, group=group)
-        else:
-            out = funcol.wait_tensor(funcol.reduce_scatter_tensor(send, "sum", 0, group))
-    n = local_size(full_size, shard, tp, rank)
+    n = split.sizes[rank]
     return out if n == width else out.narrow(d, 0, n).contiguous()
 
 
@@ -468,11 +528,13 @@ def _block_shape(x: Tensor, have: Shard, want: Shard, full_size: int, other: int
 # ---------------------------------------------------------------- the mappings
 
 def _output(t: Tensor) -> Tensor:
-    """An autograd Function's forward output, as a view of what it computed. torch 2.11's dynamo
-    loses the gradient of some outputs returned as they are: a functional collective's result
-    (g's input gradient came out zero in a compiled program at tp 2) and a rank's slice made by
-    ``torch.cat`` of one narrowed run (scatter's); a view of either is traced right."""
-    return t.view_as(t)
+    """An autograd Function's forward output: under torch.compile a view of what it computed.
+    torch 2.11's dynamo loses the gradient of some outputs returned as they are: a functional
+    collective's result (g's input gradient came out zero in a compiled program at tp 2) and a
+    rank's slice made by ``torch.cat`` of one narrowed run (scatter's); a view of either is traced
+    right. Eager code returns it as it is: the view was one more ATen call and one more view's
+    autograd bookkeeping per collective, for nothing there."""
+    return t.view_as(t) if torch.compiler.is_compiling() else t
 
 
 def traced_as_now(x: Tensor) -> Tensor:

@@ -282,11 +282,9 @@ class StepGuard:
     # treats it as a fault of the call, as above.
 
     def backward_started(self) -> None:
-        from torch.autograd import Variable
-
         if self.backward_began is None:
             self.backward_began = time.time()
-        Variable._execution_engine.queue_callback(self._backward_finished)
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
 
     def _backward_finished(self) -> None:
         self.backward_began = None

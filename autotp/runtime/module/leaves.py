@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor   # here, not in program_tensor: an import per parameter per call
 
 from ...errors import ConfigError
 
@@ -48,7 +49,8 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return getattr(t, "_local_tensor", t)
 
 
-def program_tensor(param: nn.Parameter, grad_enabled: bool, leaves: "LocalLeaves | None" = None) -> torch.Tensor:
+def program_tensor(param: nn.Parameter, grad_enabled: bool, leaves: "LocalLeaves | None" = None,
+                   compiling: bool | None = None) -> torch.Tensor:
     """What a program is fed for ``param``: its local tensor; where a gradient must flow back
     into ``param.grad`` (a DTensor with the parameter's placements), the local tensor's leaf
     (``leaves``, :class:`LocalLeaves`) or, where that cannot stand in for the parameter, the
@@ -64,13 +66,14 @@ def program_tensor(param: nn.Parameter, grad_enabled: bool, leaves: "LocalLeaves
     parameter's gradient hooks (``param.register_hook``) and refuses a leaf whose parameter's
     local tensor was replaced since. Where there is no leaf the program reads
     ``param.to_local()``, whose backward accumulates a DTensor gradient through DTensor's
-    dispatch for every parameter (a tenth of a small compiled MoE step on CPU)."""
-    from torch.distributed.tensor import DTensor
+    dispatch for every parameter (a tenth of a small compiled MoE step on CPU).
 
+    ``compiling``: whether a torch.compile trace is running, where the caller knows it (a call
+    feeds every parameter: asked once for all of them, not once each); None asks."""
     if isinstance(param, DTensor):   # (not hasattr: torch.compile answers it for plain tensors only)
         if not (grad_enabled and param.requires_grad):
             return param._local_tensor
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() if compiling is None else compiling:
             leaf = leaves.made(param) if leaves is not None else None
             return leaf if leaf is not None else param.to_local()
         if leaves is not None and not param._backward_hooks:
@@ -136,8 +139,6 @@ class LocalLeaves:
     def make(self, params: "Iterable[nn.Parameter]") -> None:
         """Make the leaves of ``params`` (DTensors that require a gradient) now, outside any
         traced region."""
-        from torch.distributed.tensor import DTensor
-
         for param in params:
             if isinstance(param, DTensor) and param.requires_grad:
                 self.leaf(param)
@@ -146,11 +147,20 @@ class LocalLeaves:
         self._of.clear()
 
 
+def _spec_copy(spec: Any) -> Any:
+    """``copy.copy(spec)`` (a DTensorSpec: a dataclass kept in its ``__dict__``) without copy's
+    Python, four calls made for every parameter in every backward. A gradient gets its own spec,
+    as torch's ``to_local`` backward gives it: sharding propagation may write an op's spec."""
+    if not hasattr(spec, "__dict__"):
+        import copy
+
+        return copy.copy(spec)
+    new = object.__new__(type(spec))
+    new.__dict__.update(spec.__dict__)
+    return new
+
+
 def _into_param_grad(param_ref: Any, local: torch.Tensor) -> Callable[[torch.Tensor], None]:
-    import copy
-
-    from torch.distributed.tensor import DTensor   # imported once per leaf, not per step
-
     def hook(leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
         param = param_ref()
@@ -173,7 +183,7 @@ def _into_param_grad(param_ref: Any, local: torch.Tensor) -> Callable[[torch.Ten
                                       shape=spec.shape, stride=spec.stride)
             param.grad = grad if param.grad is None else param.grad + grad
         elif param.grad is None:
-            param.grad = DTensor(grad, copy.copy(spec), requires_grad=False)
+            param.grad = DTensor(grad, _spec_copy(spec), requires_grad=False)
         else:
             local_tensor(param.grad).add_(grad)
         for post in tuple((param._post_accumulate_grad_hooks or {}).values()):
@@ -212,13 +222,10 @@ class _LocalOf(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        import copy
-
-        from torch.distributed.tensor import DTensor
         from torch.distributed.tensor._api import _ToTorchTensor
 
         if grad is None:
             return None
         if grad.stride() == ctx.local_tensor_stride and not isinstance(grad, DTensor) and not torch.is_grad_enabled():
-            return DTensor(grad, copy.copy(ctx.dtensor_spec), requires_grad=False)
+            return DTensor(grad, _spec_copy(ctx.dtensor_spec), requires_grad=False)
         return _ToTorchTensor.backward(ctx, grad)[0]

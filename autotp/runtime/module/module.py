@@ -499,8 +499,9 @@ class ParallelModule(LeavesSwitch, nn.Module):
         elif not compiled:
             check_index_bounds(program.bounds, kwargs)
         grad = torch.is_grad_enabled()
-        params = [program_tensor(self._held[fqn], grad, self._leaves) if fqn not in program.outlined else None
-                  for fqn in program.param_order]
+        compiling = compiled or torch.compiler.is_compiling()   # asked once, not once per parameter
+        params = [program_tensor(self._held[fqn], grad, self._leaves, compiling) if fqn not in program.outlined
+                  else None for fqn in program.param_order]
         buffers = [self.get_buffer(fqn) for fqn in program.buffer_order]
         outputs = program.graph_module(*params, *buffers, *program.constants, *flat)
         outputs = list(outputs)

@@ -1,0 +1,240 @@
+"""The host's work per step of one rank of tp=N, against the serial model's, at widths where kernels cost nothing.
+
+A GPU rank whose kernels are short waits on its host (a gpt2-xl rank of tp 8 on an H200: about
+20 ms of kernels in a 54 ms step). What the host does per step does not depend on the widths, so
+it is measured here on tiny models (hidden 64, 8 heads, batch 1 x seq 16), where the kernels
+themselves cost next to nothing: one process joins torch's ``fake`` process-group backend as rank
+0 of N (collectives return at once), and runs
+
+* a **training step**: gradients dropped, a forward with labels, ``loss.backward()``;
+* an **inference call**: ``eval()``, ``torch.no_grad()``, a forward of the ids alone;
+
+of the serial model and of the rank, after a warm-up (the rank's programs built), and reports
+for each: the host time (``time.thread_time`` of the calling thread, the least of ``--repeats``
+rounds in which the programs take turns, one torch thread: on CPU the autograd engine runs the
+backward on that thread too), and counts
+that do not depend on the machine: ATen calls (a dispatch mode), Python function calls
+(``sys.setprofile``; :mod:`autotp.testing.host`) and the nodes of the backward graph. The rank's
+plan is Megatron's layout pinned (column/row products, vocabulary-split embeddings and head),
+with and without sequence parallelism, planned for profile ``h200`` at batch 8 x seq 1024 (the
+tiny widths would otherwise be planned replicated).
+
+    python benchmarks/rank_host.py                       # writes benchmarks/rank_host.md
+    python benchmarks/rank_host.py --models gpt2:2 --repeats 5 --out -
+    python benchmarks/rank_host.py --json before.json   # on the code before a change, then after it:
+    python benchmarks/rank_host.py --before before.json --before-label <commit>
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import machine, publish  # noqa: E402
+
+#: Megatron's layout, pinned: the plan a real-width model gets, whatever the tiny widths would cost
+MEGATRON = {
+    "gpt2": {"*c_attn.weight": "column", "*attn.c_proj.weight": "row", "*c_fc.weight": "column",
+             "*mlp.c_proj.weight": "row", "lm_head.weight": "vocab"},
+    "llama": {"*q_proj.weight": "column", "*k_proj.weight": "column", "*v_proj.weight": "column",
+              "*o_proj.weight": "row", "*gate_proj.weight": "column", "*up_proj.weight": "column",
+              "*down_proj.weight": "row", "model.embed_tokens.weight": "vocab", "lm_head.weight": "vocab"},
+}
+PLANS = {"Megatron": dict(sequence_parallel=False), "Megatron + SP": dict(sequence_parallel=True)}
+
+
+def tiny(family: str, layers: int, seq: int):
+    from autotp import zoo
+
+    config = zoo.tiny_config(family, layers=layers, heads=8, head_dim=8, vocab=128, positions=1024)
+    model = zoo.build(family, config)
+    batch = zoo.example_batch(family, config, batch=1, seq=seq, seed=0)
+    return model, batch
+
+
+def training_step(module, batch: dict):
+    def step():
+        module.zero_grad(set_to_none=True)
+        loss = module(**batch).loss
+        loss.backward()
+        return loss
+    return step
+
+
+def inference_call(module, batch: dict):
+    ids = {"input_ids": batch["input_ids"]}
+
+    def step():
+        with torch.no_grad():
+            return module(**ids).logits
+    return step
+
+
+def least_times(steps: dict, repeats: int) -> dict:
+    """Each step's least thread seconds over ``repeats`` rounds, the steps taken in turn within a
+    round (so that a load that comes and goes on a shared machine falls on all of them alike),
+    after two warm-up steps each."""
+    for step in steps.values():
+        for _ in range(2):
+            step()
+    best = {label: float("inf") for label in steps}
+    for _ in range(repeats):
+        for label, step in steps.items():
+            start = time.thread_time()
+            step()
+            best[label] = min(best[label], time.thread_time() - start)
+    return best
+
+
+def counted(step) -> dict:
+    """The step's ATen calls, Python calls (by file and by function) and backward graph's nodes."""
+    from autotp.testing.host import AtenCalls, PythonCalls, autograd_nodes
+
+    with AtenCalls() as aten:
+        step()
+    with PythonCalls() as python:
+        step()
+    out = step()
+    nodes = autograd_nodes(out) if out.requires_grad else 0
+    return {"aten": aten.total, "python": python.total, "nodes": nodes,
+            "by_file": python.by_file(), "by_function": python.by_function}
+
+
+def run_model(spec: str, args) -> tuple[list[str], dict]:
+    import autotp
+
+    family, _, layers = spec.partition(":")
+    model, batch = tiny(family, int(layers), args.seq)
+    modules = {"serial": model}
+    for label, planning in PLANS.items():
+        model.train()   # captured for training: the inference call's program is built on first use
+        modules[label] = autotp.parallelize(model, args.tp, profile="h200", batch=8, seq=1024,
+                                            layout=MEGATRON[family], **planning)
+    rows = {}
+    for kind, make in (("training step", training_step), ("inference call", inference_call)):
+        for module in modules.values():
+            module.train(kind == "training step")
+        steps = {label: make(module, batch) for label, module in modules.items()}
+        times = least_times(steps, args.repeats)
+        for label, step in steps.items():
+            rows[(kind, label)] = {"thread": times[label], **counted(step)}
+    lines = [f"## {family}, {layers} layers (hidden 64, 8 heads, vocabulary 128), batch 1 x seq {args.seq}, "
+             f"tp={args.tp} rank 0", "",
+             "| call | program | host ms (least) | rank ÷ serial | ATen calls | Python calls | autograd nodes |",
+             "|---|---|---|---|---|---|---|"]
+    for kind in ("training step", "inference call"):
+        serial = rows[(kind, "serial")]
+        for label in modules:
+            r = rows[(kind, label)]
+            ratio = "-" if label == "serial" else f"**{r['thread'] / serial['thread']:.2f}**"
+            lines.append(f"| {kind} | {label} | {r['thread'] * 1e3:.2f} | {ratio} | {r['aten']} | {r['python']} | "
+                         f"{r['nodes'] if kind == 'training step' else '-'} |")
+    for label, module in modules.items():
+        if label == "serial" or not PLANS[label]["sequence_parallel"]:
+            continue
+        for program in module.programs:
+            kinds = {type(m).__name__ for m in program.graph_module.modules()}
+            if not kinds & {"ReduceScatterToTP", "GatherIntoTP"}:
+                mode = "training" if program.capture.training else "inference"
+                lines += ["", f"Note: {label}'s {mode} program holds no sequence-parallel collective: "
+                          "`sequence_parallel=True` forces the program `parallelize` captures, and one built later "
+                          "for another kind of call chooses by cost (docs/architecture.md, section 5), which at "
+                          "these widths is the layout without it."]
+    return lines + [""], {spec: rows}
+
+
+def where_python_goes(rows: dict, label: str, top: int) -> list[str]:
+    """The files the rank's Python calls of a training step are made in, beside serial's."""
+    serial, rank = rows[("training step", "serial")], rows[("training step", label)]
+    extra = Counter({f: n - serial["by_file"].get(f, 0) for f, n in rank["by_file"].items()})
+    lines = ["| file | rank | serial | rank - serial |", "|---|---|---|---|"]
+    for f, n in extra.most_common(top):
+        lines.append(f"| `{f}` | {rank['by_file'][f]} | {serial['by_file'].get(f, 0)} | {n:+d} |")
+    return lines
+
+
+def before_and_after(before: dict, after: dict, label: str) -> list[str]:
+    """The rank's figures of an earlier run (``--before``) beside this run's, with serial's host
+    time of each run (the ratio rank ÷ serial is read within a run: the runs' loads differ)."""
+    lines = [f"## Before ({label}) and after", "",
+             "Host ms: the least of the repeats in each run; rank ÷ serial: within each run. On a shared "
+             "machine the host ms of two runs move with the load each ran under (this run's is in its header "
+             "and its last line), and a ratio within a run less; the counts do not move: they are the "
+             "figures a change is held to.", "",
+             "| model | call | program | host ms before → after | rank ÷ serial before → after | "
+             "ATen calls before → after | Python calls before → after | autograd nodes before → after |",
+             "|---|---|---|---|---|---|---|---|"]
+    for key, now in after.items():
+        spec, kind, program = key.split(" | ")
+        was = before.get(key)
+        if was is None or program == "serial":
+            continue
+        serial_now, serial_was = after[f"{spec} | {kind} | serial"], before[f"{spec} | {kind} | serial"]
+        nodes = f"{was['nodes']} → {now['nodes']}" if kind == "training step" else "-"
+        lines.append(f"| {spec} | {kind} | {program} | {was['thread'] * 1e3:.2f} → {now['thread'] * 1e3:.2f} | "
+                     f"{was['thread'] / serial_was['thread']:.2f} → **{now['thread'] / serial_now['thread']:.2f}** | "
+                     f"{was['aten']} → {now['aten']} | {was['python']} → **{now['python']}** | {nodes} |")
+    return lines + [""]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", nargs="+", default=["gpt2:2", "gpt2:12", "llama:2", "llama:12"], help="family:layers")
+    p.add_argument("--tp", type=int, default=8)
+    p.add_argument("--seq", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=40)
+    p.add_argument("--top", type=int, default=15, help="files shown in the table of where the Python calls go")
+    p.add_argument("--out", default=None, help="the result file ('-': print only)")
+    p.add_argument("--json", default=None, help="also write the figures here, for a later run's --before")
+    p.add_argument("--before", default=None, help="a --json file of an earlier run (the code before a change): "
+                                                  "its figures set beside this run's")
+    p.add_argument("--before-label", default="before", help="what the --before run was (a commit)")
+    args = p.parse_args()
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autotp import __version__  # noqa: F401  (imported before the clock starts)
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", rank=0, world_size=args.tp, store=FakeStore())
+    started = time.time()
+    lines = ["# The host's work per step: one rank of tp=N against the serial model", "",
+             "Command: `python benchmarks/rank_host.py " + shlex.join(sys.argv[1:]) + "`", "", machine(),
+             f"1 torch thread; load average at the start {os.getloadavg()[0]:.1f}.", "",
+             "Tiny widths, so that the kernels cost next to nothing and the step is the host's work: the "
+             "Python, the autograd engine and the dispatcher around the ATen ops. Host ms: the calling thread's "
+             "CPU time (`time.thread_time`), the least of the repeats; ATen calls (a dispatch mode), Python "
+             "function calls (`sys.setprofile`) and the backward graph's nodes are counts, the same on any "
+             "machine (`autotp/testing/host.py`). The rank runs alone on torch's `fake` backend (its "
+             "collectives return at once), Megatron's layout pinned.", ""]
+    kept = {}
+    for spec in args.models:
+        more, rows = run_model(spec, args)
+        lines += more
+        kept.update(rows)
+        print("\n".join(more), flush=True)
+    figures = {f"{spec} | {kind} | {label}": {k: v for k, v in row.items() if k not in ("by_file", "by_function")}
+               for spec, rows in kept.items() for (kind, label), row in rows.items()}
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=1) + "\n")
+    if args.before:
+        lines += before_and_after(json.loads(Path(args.before).read_text()), figures, args.before_label)
+    spec = "gpt2:12" if "gpt2:12" in kept else next(iter(kept))
+    for label in PLANS:
+        lines += [f"Where the Python calls of a training step go, {spec}, {label}: the {args.top} files with the most "
+                  "calls over serial's:", ""] + where_python_goes(kept[spec], label, args.top) + [""]
+    lines.append(f"Whole run {time.time() - started:.0f} s; load average at the end {os.getloadavg()[0]:.1f}.")
+    publish(lines, None if args.out == "-" else (args.out or Path(__file__).with_suffix(".md")))
+
+
+if __name__ == "__main__":
+    main()
