@@ -46,8 +46,10 @@ def test_mamba_130m_takes_the_channel_layout_pinned_at_tp8():
 
 def _mamba2_plan(groups: int, tp: int):
     """A tiny Bamba whose Mamba2 mixer has 2 * tp heads of 8 in ``groups`` groups (d_state 4),
-    planned at a large workload so that the cost model splits it."""
-    config = zoo.tiny_config("bamba", layers=2, heads=tp, kv_heads=tp, head_dim=8, vocab=64,
+    planned at a large workload so that the cost model splits it. One layer, the mixer alone:
+    these tests read layer 0's mixer, and a second layer (Bamba's attention) only doubled the
+    solve (tests/passes/test_attention.py plans the attention)."""
+    config = zoo.tiny_config("bamba", layers=1, heads=tp, kv_heads=tp, head_dim=8, vocab=64,
                              mamba_n_groups=groups)
     model = zoo.build("bamba", config, device="meta")
     return autotp.plan(model, tp=tp, batch=64, seq=4096, profile="h100-dgx")
@@ -93,8 +95,7 @@ def test_mamba2_with_fewer_groups_than_ranks_splits_by_head_with_every_group_of_
     # 2 groups at tp 4 (4 heads of 8, d_state 4): tp cannot deal the groups, so each rank holds
     # its head's z, x and dt and B's and C's two groups whole, as for one group; vLLM would hold
     # only its own group's B and C (docs/architecture.md)
-    config = zoo.tiny_config("bamba", layers=2, heads=2, kv_heads=2, head_dim=8, vocab=64, mamba_n_groups=2,
-                             num_attention_heads=4, num_key_value_heads=4)
+    config = zoo.tiny_config("bamba", layers=1, heads=2, kv_heads=2, head_dim=8, vocab=64, mamba_n_groups=2)
     plan = autotp.plan(zoo.build("bamba", config, device="meta"), tp=4, batch=64, seq=4096, profile="h100-dgx")
     in_proj = "model.layers.0.mamba.in_proj.weight"
     assert plan.params[in_proj] == Shard(0, 5, 1, sizes=(8, 8, 2, 2, 1), whole=(2, 3)), plan.params[in_proj]
@@ -111,7 +112,7 @@ def test_a_mamba2_mixer_tp_cannot_split_by_head_runs_whole_and_the_plan_says_why
     # 6 heads beside B's and C's 4 rows (one group, d_state 4) divide into 2 head groups only:
     # at tp 3 the in-projection is not split by head (on meta in float32 its z rows dealt and the
     # rest whole, a tail), and a note names it, the count and the tp that fits
-    config = zoo.tiny_config("bamba", layers=2, heads=3, kv_heads=3, head_dim=8, vocab=64)
+    config = zoo.tiny_config("bamba", layers=1, heads=3, kv_heads=3, head_dim=8, vocab=64)
     plan = autotp.plan(zoo.build("bamba", config, device="meta"), tp=3, batch=64, seq=4096, profile="h100-dgx")
     in_proj = plan.params["model.layers.0.mamba.in_proj.weight"]
     assert not (isinstance(in_proj, Shard) and in_proj.sizes), in_proj
