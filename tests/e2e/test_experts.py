@@ -123,7 +123,8 @@ def check_experts_case(case: dict) -> dict:
     scaled = [any(n.startswith("per-row scales") for n in p.plan.notes) for p in pm.programs]
     return {"errors": errors, "roles": roles, "generate": bool(torch.equal(want, got)), "routed": routed,
             "bound": bound, "grad bound": grad_bound, "dispatch dropped": dropped, "scaled inputs": scaled,
-            "split heads": bool(pm.plan.attention), "expanded": pm.capture.expanded}
+            "split heads": bool(pm.plan.attention), "expanded": pm.capture.expanded,
+            "experts g": [f"{c.kind} {c.src}->{c.dst}" for c in pm.plan.comms if c.kind == "g" and ".mlp" in c.module]}
 
 
 def cases(tps: tuple[int, ...]):
@@ -171,6 +172,8 @@ def assert_experts_case(cluster_of, case: dict) -> None:
             assert set(case["routed"]) <= set(result["routed"]), (case, rank, result["routed"])
         if "scaled" in case:   # the first program moved the routing weights to the down product's input, or not
             assert result["scaled inputs"][0] == case["scaled"], (case, rank, result["scaled inputs"])
+        if case.get("no_experts_g"):   # the combine's partial sum reduce-scattered at the residual add, no g
+            assert not result["experts g"], (case, rank, result["experts g"])
         if "dropped" in case:   # the later programs planned by cost where the forced dispatch could not hold
             assert result["dispatch dropped"] == list(case["dropped"]), (case, rank, result["dispatch dropped"])
 
@@ -265,11 +268,31 @@ def assert_experts_case(cluster_of, case: dict) -> None:
                                "expert_dispatch=True does not hold in the program of the call with input_ids "
                                "(training mode)")),
                  marks=pytest.mark.slow),
+    # expert-TP with the tokens split along the sequence, priced on a bandwidth-bound profile: the
+    # combine's partial sum (the routing weights' product, the reorder, the top-k sum and the cast
+    # to its own dtype, each linear in it) goes on to the residual add, reduce-scattered there
+    # along the sequence: no g of the combine. 3 experts on 2 ranks; the other families (a shared
+    # expert, DeepSeek-V3's float32 router and dense first layer) in the slow tier, tp 3
+    dict(family="mixtral", impl="eager", tp=2, experts=3, top_k=2, kv_heads=2, seq=7, seed=4, layers=1,
+         layout="etp", plan_batch=64, plan_seq=4096, sp=True, profile="cpu-gloo", no_experts_g=True),
+    pytest.param(dict(family="qwen3-moe", impl="eager", tp=3, experts=4, top_k=2, kv_heads=2, seq=7, seed=5,
+                      layers=1, layout="etp", plan_batch=64, plan_seq=4096, sp=True, profile="cpu-gloo",
+                      no_experts_g=True), marks=pytest.mark.slow),
+    pytest.param(dict(family="qwen2-moe", impl="eager", tp=3, experts=3, top_k=2, kv_heads=2, seq=6, seed=6,
+                      layers=1, layout="etp", plan_batch=64, plan_seq=4096, sp=True, profile="cpu-gloo",
+                      no_experts_g=True), marks=pytest.mark.slow),
+    pytest.param(dict(family="olmoe", impl="eager", tp=2, experts=3, top_k=2, kv_heads=2, seq=7, seed=7,
+                      layers=1, layout="etp", plan_batch=64, plan_seq=4096, sp=True, profile="cpu-gloo",
+                      no_experts_g=True), marks=pytest.mark.slow),
+    pytest.param(dict(family="deepseek-v3", impl="eager", tp=3, experts=3, top_k=2, kv_heads=2, seq=6, seed=8,
+                      layers=1, layout="etp", plan_batch=64, plan_seq=4096, sp=True, profile="cpu-gloo",
+                      no_experts_g=True), marks=pytest.mark.slow),
 ], ids=["mixtral-grouped-3of2", "qwen2moe-eager-shared", "deepseek-mla-heads", "mixtral-batched-etp",
         "gptoss-grouped-rows", "mixtral-batched-3of4", "gptoss-grouped-routed", "gptoss-periodic-expanded",
         "mixtral-eager-tokens-a2a", "mixtral-eager-tokens-a2a-3of4", "qwen3-eager-tokens-a2a-tp3",
         "deepseek-eager-tokens-a2a", "gptoss-eager-tokens-a2a", "mixtral-eager-tokens-etp-gather",
-        "mixtral-eager-tokens-a2a-forced"])
+        "mixtral-eager-tokens-a2a-forced", "mixtral-eager-etp-combine-rs", "qwen3-eager-etp-combine-rs-tp3",
+        "qwen2moe-eager-etp-combine-rs-tp3", "olmoe-eager-etp-combine-rs", "deepseek-eager-etp-combine-rs-tp3"])
 def test_experts_split_equals_serial(cluster_of, case):
     assert_experts_case(cluster_of, {**case, "dtype": IMPLEMENTATIONS[case["impl"]]})
 

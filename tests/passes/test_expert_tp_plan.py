@@ -121,3 +121,23 @@ def test_token_rows_made_whole_under_expert_tp_are_all_gathered_along_the_sequen
     # half of each sent at tp 2
     assert sorted(c.fwd_bytes for c in whole) == [rows * 2 * 2 / 2, rows * 2 * 8 / 2]
     assert all(c.bwd_bytes == 0 for c in whole)
+
+
+@pytest.mark.parametrize("family, tp", [("mixtral", 2), ("qwen3-moe", 3)])
+def test_expert_tp_combine_is_reduce_scattered_into_the_sequence_split(family, tp):
+    # the tokens split along the sequence (forced), 3 experts (uneven at tp 2): the down product's
+    # partial rows go through the routing weights' product, the reorder back to token order and
+    # the top-k sum as a Partial (each linear in it), then the combine's cast to the hidden dtype
+    # (the same dtype: the identity) and the view back to [b, s, h], to the residual add, where
+    # they are reduce-scattered along the sequence: no g of the combine, whole on every rank and
+    # then sliced (before: a g at that cast, k-fold fewer bytes than one before the top-k sum,
+    # twice a reduce-scatter's)
+    config = zoo.tiny_config(family, layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=3, top_k=2)
+    config._experts_implementation = "eager"
+    plan = autotp.plan(zoo.build(family, config, device="meta"), tp=tp, layout=ETP, sequence_parallel=True,
+                       batch=64, seq=4096, profile="cpu-gloo")
+    experts = [c for c in plan.comms if ".mlp" in c.module]
+    assert not [c for c in experts if c.kind == "g"], experts
+    after = plan.comms[plan.comms.index(experts[-1]) + 1]   # the experts' output into the residual add
+    assert (after.kind, str(after.src), str(after.dst)) == ("reduce_scatter", "P", "S(1)"), plan.comms
+    assert after.consumer.startswith("add_tensor") and after.module == "model.layers.0", after

@@ -72,21 +72,24 @@ def test_the_dispatch_is_priced_as_an_all_to_all_and_chosen_where_cheaper(monkey
 def test_the_combine_by_the_reverse_all_to_all_replaces_the_g_where_cheaper(monkeypatch):
     # the experts' output rows go back to their tokens' ranks, where the routing weights' product
     # and the top-k sum run on the rank's own tokens: their [tokens, hidden] sum is the rank's run
-    # of the sequence, with no g (all-reduce, then the scatter to the sequence split) at all
+    # of the sequence, with no collective of the combine at all (the experts' partial sum to the
+    # residual add, reduce-scattered there along the sequence; before a cast to its own dtype
+    # passed a Partial, a g, then the scatter to the sequence split)
     config = zoo.tiny_config("mixtral", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=4, top_k=2)
     model = zoo.build("mixtral", config, device="meta")
     plan = _plan(model, 2)
     def combine(p):   # the g of the experts' Partial output, and its scatter to the sequence split,
         # after the dispatch (the attention's residual may be cut from a gather shared with the norm)
         first = next(i for i, c in enumerate(p.comms) if dispatched(c))
-        return [c.kind for c in p.comms[first:] if (".mlp" in c.module and c.src == "P") or c.kind == "scatter"]
+        return [c.kind for c in p.comms[first:] if (".mlp" in c.module and c.src == "P") or c.kind == "scatter"
+                or (c.kind == "reduce_scatter" and c.src == "P")]
 
     assert combine(plan) == [] and len([c for c in plan.comms if dispatched(c)]) == 2, plan.comms
     assert any(n.startswith("experts model.layers.0.mlp.experts: each expert's output row goes back to its token's "
                             "rank by the reverse all-to-all (8.39 MB/rank") for n in plan.notes), plan.notes
     summed = _without_combine(monkeypatch, model, 2)
     assert [(c.src, c.dst) for c in summed.comms if dispatched(c)] == [(SEND[0], "P(routed 0)")]
-    assert combine(summed) == ["g", "scatter"], summed.comms
+    assert combine(summed) == ["reduce_scatter"], summed.comms
     assert plan.cost["step_s"] < summed.cost["step_s"]
 
 

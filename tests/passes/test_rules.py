@@ -1293,6 +1293,9 @@ UNARY_CASES = [
     (aten.to.dtype_layout, (), {"dtype": torch.float32, "layout": torch.strided}, F64),
     (aten._to_copy.default, (), {"dtype": torch.float32}, F64),
     (aten.to.device, (torch.device("cpu"), torch.float32), {}, F64),
+    # casts to the input's own dtype: the identity (or a copy), a Partial passes
+    (aten.to.dtype, (F64,), {}, F64), (aten._to_copy.default, (), {"dtype": F64}, F64),
+    (aten.to.dtype_layout, (), {"dtype": F64, "layout": torch.strided}, F64),
     (aten.dropout.default, (0.0, True), {}, F64), (aten.dropout.default, (0.5, False), {}, F64),
     (aten.add.Scalar, (1.5,), {}, F64), (aten.sub.Scalar, (1.5,), {}, F64),
     (aten.ne.Scalar, (0.0,), {}, F64), (aten.eq.Scalar, (1,), {}, torch.long),
@@ -1332,6 +1335,24 @@ def test_unary_pointwise_strategies_compute_the_op(op, other, kwargs, dtype, dat
     gen = _gen(data.draw)
     x = _input(gen, data.draw(shapes(_min_ndim(op), 3, st.integers(1, 6))), dtype)
     check_case(data.draw(_case(op, [x], other, kwargs)))
+
+
+@settings(max_examples=15, deadline=None)
+@given(data=st.data())
+def test_a_cast_to_its_own_dtype_keeps_a_partial_and_a_cast_to_another_does_not(data):
+    # an MoE layer's combine ``.to(hidden.dtype)``: its partial sum goes on to the residual add
+    # (a reduce-scatter into the sequence split there), where a cast that changes the dtype would
+    # round each rank's summand apart
+    gen = _gen(data.draw)
+    x = _tensor(gen, data.draw(shapes(1, 3, st.integers(1, 6))))
+    tp = data.draw(tps)
+    for op, other, kwargs in ((aten.to.dtype, (F64,), {}), (aten._to_copy.default, (), {"dtype": F64})):
+        case = data.draw(_case(op, [x], other, kwargs, tp=tp, place=(PARTIAL,)))
+        assert _offers(check_case(case), (PARTIAL,), PARTIAL), op
+    for op, other, kwargs in ((aten.to.dtype, (torch.float32,), {}),
+                              (aten._to_copy.default, (), {"dtype": torch.float32})):
+        case = data.draw(_case(op, [x], other, kwargs, tp=tp, place=(PARTIAL,)))
+        assert not _offers(check_case(case), (PARTIAL,), PARTIAL), op
 
 
 # op, dtypes of its tensor inputs ("out": the output's shape; "scalar": a 0-dim tensor),

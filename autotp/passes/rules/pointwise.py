@@ -13,7 +13,7 @@ import torch
 from torch import fx
 
 from ...placements import PARTIAL, REPLICATE, Placement, Shard
-from .registry import LocalContext, OpInfo, Strategy, is_partial, is_shard, register, register_localizer
+from .registry import LocalContext, OpInfo, Strategy, TensorMeta, is_partial, is_shard, register, register_localizer
 
 aten = torch.ops.aten
 
@@ -82,7 +82,24 @@ def unary_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     # a row-parallel product's partial sum met by a dropout (Phi-3's output projections have no
     # bias to add first) or a cast (a post-norm's float32 upcast: OLMo-2) before the residual add:
     # sequence parallelism's entry, as at an add
-    return _with_sequence_entry(info, placements, pointwise_rule(info, placements))
+    out = pointwise_rule(info, placements)
+    if is_partial(placements[0]) and _keeps_dtype(info):
+        out.append(Strategy((PARTIAL,), PARTIAL))
+    return _with_sequence_entry(info, placements, out)
+
+
+#: casts that are the identity (or a copy) where the dtype they ask for is the input's own
+CASTS = frozenset((aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default))
+
+
+def _keeps_dtype(info: OpInfo) -> bool:
+    """Whether ``info`` is a cast to its input's own dtype: the identity on each summand, so a
+    Partial passes exactly (an MoE layer's combine ``.to(hidden.dtype)`` in front of the view
+    back to ``[b, s, h]``: the partial sum then reaches the residual add, where sequence
+    parallelism reduce-scatters it, not all-reduced whole and sliced). A cast that changes the
+    dtype would round each rank's summand apart, not the sum: not offered."""
+    return (info.target in CASTS and len(info.inputs) == 1 and isinstance(info.output, TensorMeta)
+            and info.output.dtype == info.inputs[0].dtype)
 
 
 def _with_sequence_entry(info: OpInfo, placements: tuple, out: list[Strategy]) -> list[Strategy]:
