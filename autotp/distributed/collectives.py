@@ -442,7 +442,7 @@ def _all_to_all(x: Tensor, group, have: Shard, want: Shard, full_size: int, op: 
     sent at its own size (no padding) and put in place run by run."""
     tp, rank, x = group_size(group), group_rank(group), x.detach()
     a, b = have.dim, want.dim
-    if a != b and _even(want, x.shape[b], tp) and _even(have, full_size, tp):
+    if a != b and _split(x.shape[b], want, tp).even and _split(full_size, have, tp).even:
         width = x.shape[b] // tp
         send = x.unflatten(b, (tp, width)).movedim(b, 0).contiguous()   # rank-major: no copy at dim 0
         got = _exchange(send.flatten(0, 1), None, None, group, op)
