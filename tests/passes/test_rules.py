@@ -1293,6 +1293,8 @@ UNARY_CASES = [
     (aten.to.dtype_layout, (), {"dtype": torch.float32, "layout": torch.strided}, F64),
     (aten._to_copy.default, (), {"dtype": torch.float32}, F64),
     (aten.to.device, (torch.device("cpu"), torch.float32), {}, F64),
+    # casts to the dtype they have: the identity, a Partial passes
+    (aten.to.dtype, (F64,), {}, F64), (aten._to_copy.default, (), {"dtype": F64}, F64),
     (aten.dropout.default, (0.0, True), {}, F64), (aten.dropout.default, (0.5, False), {}, F64),
     (aten.add.Scalar, (1.5,), {}, F64), (aten.sub.Scalar, (1.5,), {}, F64),
     (aten.ne.Scalar, (0.0,), {}, F64), (aten.eq.Scalar, (1,), {}, torch.long),
@@ -1511,6 +1513,18 @@ def test_add_of_a_partial_and_a_replicated_term_is_not_partial():
     offered = strategies(op_info(aten.add.Tensor, (x, b), {}, tp=2), (P, R))
     assert not any(P in s.inputs for s in offered if s.inputs != (P, P))
     assert _offers(offered, (P, P), P)
+
+
+def test_a_cast_passes_a_partial_only_to_the_dtype_it_has():
+    # the experts' combine (a Partial) is cast to the hidden states' dtype before the residual add:
+    # where that is its own dtype, the cast is the identity and the Partial passes to the add's
+    # reduce-scatter; a cast to another dtype rounds each rank's part, not their sum
+    x = torch.ones(2, 4, dtype=F64)
+    for op, args, kwargs in ((aten.to.dtype, (x, F64), {}), (aten._to_copy.default, (x,), {"dtype": F64})):
+        assert _offers(strategies(op_info(op, args, kwargs, tp=2), (P,)), (P,), P)
+    for op, args, kwargs in ((aten.to.dtype, (x, torch.float32), {}),
+                             (aten._to_copy.default, (x,), {"dtype": torch.float32})):
+        assert not any(s.output == P for s in strategies(op_info(op, args, kwargs, tp=2), (P,)))
 
 
 def test_tanh_of_a_partial_is_not_offered():

@@ -77,12 +77,22 @@ def pointwise_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     return [_all_replicate(info), *_shard_strategies(info, placements)]
 
 
+#: casts: the identity where the dtype stays (and so linear)
+CASTS = frozenset((aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default))
+
+
 @register(*UNARY)
 def unary_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     # a row-parallel product's partial sum met by a dropout (Phi-3's output projections have no
     # bias to add first) or a cast (a post-norm's float32 upcast: OLMo-2) before the residual add:
     # sequence parallelism's entry, as at an add
-    return _with_sequence_entry(info, placements, pointwise_rule(info, placements))
+    out = pointwise_rule(info, placements)
+    if info.target in CASTS and is_partial(placements[0]) and info.inputs[0].dtype == info.output.dtype:
+        # a cast to the dtype it has is the identity: a partial sum passes (the experts' combine
+        # cast back to the hidden states' dtype, then viewed as [b, s, h] before the residual
+        # add, reduce-scattered there along the sequence, not all-reduced whole and cut)
+        out.append(Strategy((PARTIAL,) + tuple(REPLICATE for _ in info.inputs[1:]), PARTIAL))
+    return _with_sequence_entry(info, placements, out)
 
 
 def _with_sequence_entry(info: OpInfo, placements: tuple, out: list[Strategy]) -> list[Strategy]:
