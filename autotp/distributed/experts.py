@@ -36,6 +36,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
@@ -321,23 +322,34 @@ def dispatch_sizes(owners: torch.Tensor, offs: torch.Tensor, runs: Sequence[tupl
 
 
 def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: Any, op: str) -> torch.Tensor:
+    """``x``'s rows, ``send[r]`` of them to rank ``r`` in turn, exchanged for ``recv[r]`` rows
+    from each: a new tensor. Eager code calls c10d's all-to-all into a buffer it makes: the
+    functional one wraps its output in an ``AsyncCollectiveTensor`` and runs its op and the wait
+    through Python's dispatch (three ATen calls and about 0.2 ms of host time a call on one CPU
+    thread, against one call; ``benchmarks/moe_rank.md``), for nothing eager needs. Under
+    torch.compile, the functional one: the graph holds it as it is."""
+    x = x.contiguous()
     with _comm(op, group):
-        return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), recv, send, group))
+        if torch.compiler.is_compiling():
+            return funcol.wait_tensor(funcol.all_to_all_single(x, recv, send, group))
+        out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x, recv, send, group=group)
+        return out
 
 
 class DispatchPlan(NamedTuple):
     """How a layer's (token, expert) rows move between their tokens' ranks and their experts'
-    ranks (:func:`dispatch_plan`): the dispatch sends them one way, the combine back the other."""
+    ranks (:func:`dispatch_plan`): the dispatch sends them one way, the combine back the other.
+    Each permutation is held with its inverse, so that both ways are a gather of rows
+    (``index_select``), never a scatter into a fresh buffer (``index_copy``: 2-3x the time of
+    the gather on CPU, and an allocation)."""
 
-    order: torch.Tensor   # this rank's token rows as it sends them: sorted by destination, then id
-    place: torch.Tensor   # the rows received, in the order they arrive, put in their experts' order
-    send: list            # rows this rank sends to each rank (its tokens' rows)
-    recv: list            # rows it receives from each rank (its experts' rows)
-
-
-def _scatter_rows(x: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
-    """``rows`` rows, row ``index[i]`` set to ``x[i]`` (``index`` a permutation of them)."""
-    return x.new_empty((rows,) + tuple(x.shape[1:])).index_copy(0, index, x)
+    order: torch.Tensor     # this rank's token rows as it sends them: sorted by destination, then id
+    unorder: torch.Tensor   # order's inverse: where each token row stands among the rows sent
+    place: torch.Tensor     # the rows received, in the order they arrive, put in their experts' order
+    arrival: torch.Tensor   # place's inverse: the experts' rows in the order they arrived
+    send: list              # rows this rank sends to each rank (its tokens' rows)
+    recv: list              # rows it receives from each rank (its experts' rows)
 
 
 def _to_experts(x: torch.Tensor, plan: DispatchPlan, group: Any, what: str) -> torch.Tensor:
@@ -349,10 +361,8 @@ def _to_experts(x: torch.Tensor, plan: DispatchPlan, group: Any, what: str) -> t
 def _to_tokens(y: torch.Tensor, plan: DispatchPlan, group: Any, what: str) -> torch.Tensor:
     """Rows of this rank's experts (sorted by expert) back to their tokens' ranks, each landing
     in the row it left from: the exact reverse of :func:`_to_experts`."""
-    got = _scatter_rows(y, plan.place, y.shape[0])
-    # the rank's token rows: as many as ``plan.order`` sends (under torch.compile a size of the
-    # order tensor, not an int the plan holds, which the traced autograd Function could not lift)
-    return _scatter_rows(_all_to_all(got, plan.recv, plan.send, group, what), plan.order, plan.order.shape[0])
+    got = _all_to_all(y.index_select(0, plan.arrival), plan.recv, plan.send, group, what)
+    return got.index_select(0, plan.unorder)
 
 
 class _DispatchRows(torch.autograd.Function):
@@ -403,7 +413,12 @@ def dispatch_plan(rows: torch.Tensor, owners: torch.Tensor, offs: torch.Tensor, 
     start, end = sizes.bounds
     # the rows as they arrive: from each holder in turn, by id
     arrival = torch.argsort(owners[start:end], stable=True)
-    return DispatchPlan(order, torch.argsort(arrival), sizes.send, sizes.recv)
+    return DispatchPlan(order, _inverse(order), _inverse(arrival), arrival, sizes.send, sizes.recv)
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    """The inverse of the permutation ``perm`` (``out[perm[i]] = i``)."""
+    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
 
 
 def dispatch_rows(x: torch.Tensor, plan: DispatchPlan, group: Any) -> torch.Tensor:

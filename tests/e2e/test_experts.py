@@ -124,7 +124,8 @@ def check_experts_case(case: dict) -> dict:
     return {"errors": errors, "roles": roles, "generate": bool(torch.equal(want, got)), "routed": routed,
             "bound": bound, "grad bound": grad_bound, "dispatch dropped": dropped, "scaled inputs": scaled,
             "split heads": bool(pm.plan.attention), "expanded": pm.capture.expanded,
-            "experts g": [f"{c.kind} {c.src}->{c.dst}" for c in pm.plan.comms if c.kind == "g" and ".mlp" in c.module]}
+            "experts g": [f"{c.kind} {c.src}->{c.dst}" for c in pm.plan.comms if c.kind == "g" and ".mlp" in c.module],
+            "comms": sorted({(c.kind, c.src, c.dst) for c in pm.plan.comms})}
 
 
 def cases(tps: tuple[int, ...]):
@@ -173,7 +174,10 @@ def assert_experts_case(cluster_of, case: dict) -> None:
         if "scaled" in case:   # the first program moved the routing weights to the down product's input, or not
             assert result["scaled inputs"][0] == case["scaled"], (case, rank, result["scaled inputs"])
         if case.get("no_experts_g"):   # the combine's partial sum reduce-scattered at the residual add, no g
-            assert not result["experts g"], (case, rank, result["experts g"])
+            assert not result["experts g"], (case, rank, result["experts g"]),
+        if "comms" in case:   # collectives the plan must (True) or must not (False) hold
+            for comm, held in case["comms"].items():
+                assert (comm in result["comms"]) is held, (case, rank, comm, result["comms"])
         if "dropped" in case:   # the later programs planned by cost where the forced dispatch could not hold
             assert result["dispatch dropped"] == list(case["dropped"]), (case, rank, result["dispatch dropped"])
 
@@ -225,6 +229,18 @@ def assert_experts_case(cluster_of, case: dict) -> None:
     dict(family="mixtral", impl="eager", tp=2, experts=4, top_k=2, kv_heads=2, seq=7, seed=1, layers=1,
          plan_batch=64, plan_seq=4096, sp=True,
          routed=("token_rows", "dispatch_rows", "routed_grouped_mm", "combine_rows", "token_sums")),
+    # the tokens gathered whole for the experts under sequence parallelism (no dispatch): the
+    # combine's partial sum passes its cast to the dtype it has and meets the residual add as a
+    # reduce-scatter along the sequence, not a g and a cut. Mixtral at tp 3 with 4 experts (uneven);
+    # Qwen3-MoE at tp 2 in the slow tier
+    dict(family="mixtral", impl="eager", tp=3, experts=4, top_k=2, kv_heads=2, seq=7, seed=4, layers=2,
+         plan_batch=64, plan_seq=4096, sp=True, dispatch=False, routed=("gather_rows", "routed_combine"),
+         comms={("g", "P", "R"): False, ("reduce_scatter", "P", "S(1)"): True}),
+    pytest.param(dict(family="qwen3-moe", impl="eager", tp=2, experts=3, top_k=2, kv_heads=2, seq=6, seed=5,
+                      layers=2, plan_batch=64, plan_seq=4096, sp=True, dispatch=False,
+                      routed=("gather_rows", "routed_combine"),
+                      comms={("g", "P", "R"): False, ("reduce_scatter", "P", "S(1)"): True}),
+                 marks=pytest.mark.slow),
     # the same at tp 4 with 3 experts (a rank holds none: it sends every row, receives none) and a
     # length tp does not divide; Qwen3-MoE at tp 3, top-1; DeepSeek-V3, whose router computes in
     # float32 (its weight's gradient sums the ranks' tokens in another order: within float32's bound)
@@ -289,7 +305,8 @@ def assert_experts_case(cluster_of, case: dict) -> None:
                       no_experts_g=True), marks=pytest.mark.slow),
 ], ids=["mixtral-grouped-3of2", "qwen2moe-eager-shared", "deepseek-mla-heads", "mixtral-batched-etp",
         "gptoss-grouped-rows", "mixtral-batched-3of4", "gptoss-grouped-routed", "gptoss-periodic-expanded",
-        "mixtral-eager-tokens-a2a", "mixtral-eager-tokens-a2a-3of4", "qwen3-eager-tokens-a2a-tp3",
+        "mixtral-eager-tokens-a2a", "mixtral-eager-tokens-gathered-rs-tp3", "qwen3-eager-tokens-gathered-rs-tp2",
+        "mixtral-eager-tokens-a2a-3of4", "qwen3-eager-tokens-a2a-tp3",
         "deepseek-eager-tokens-a2a", "gptoss-eager-tokens-a2a", "mixtral-eager-tokens-etp-gather",
         "mixtral-eager-tokens-a2a-forced", "mixtral-eager-etp-combine-rs", "qwen3-eager-etp-combine-rs-tp3",
         "qwen2moe-eager-etp-combine-rs-tp3", "olmoe-eager-etp-combine-rs", "deepseek-eager-etp-combine-rs-tp3"])

@@ -200,3 +200,21 @@ def test_rows_gathered_for_an_expert_tp_product_stay_whole():
         return any(isinstance(p, Routed) and not p.tokens for p in (*s.inputs, *outs))
 
     assert [node.name for node, s in prop.chosen.items() if is_routed(s) and experts_rows(s)] == []
+
+
+@pytest.mark.parametrize("family, tp", [("mixtral", 8), ("qwen3-moe", 3)])
+def test_the_gathered_experts_combine_is_reduce_scattered_along_the_sequence(family, tp):
+    # sequence parallelism forced, the tokens gathered whole for the experts (no dispatch): the
+    # combine's partial sum, cast to the dtype it has (the identity) and viewed [b, s, h], meets
+    # the residual add as one reduce-scatter along the sequence, like attention's row-parallel
+    # output. The cast once took no Partial: the combine was all-reduced whole (a g) and cut to
+    # the rank's run (a scatter, whose backward all-gathers): 1.5x the bytes, and the whole
+    # [b*s, h] summed on every rank (benchmarks/moe_rank.md, Mixtral's and Qwen3's gathering plans)
+    config = zoo.tiny_config(family, layers=2, heads=8, kv_heads=2, head_dim=32, experts=8, top_k=2, vocab=64)
+    model = zoo.build(family, config, device="meta")
+    layout = {"*.experts.*": "expert", "*.q_proj.weight": "column", "*.o_proj.weight": "row"}
+    plan = autotp.plan(model, tp=tp, layout=layout, batch=2, seq=256, sequence_parallel=True, expert_dispatch=False)
+    layer = [(c.kind, c.src, c.dst) for c in plan.comms if c.module.startswith("model.layers.0")]
+    assert ("g", "P", "R") not in layer, layer
+    # attention's output and the experts' combine
+    assert layer.count(("reduce_scatter", "P", "S(1)")) == 2, layer

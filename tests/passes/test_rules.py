@@ -1534,6 +1534,18 @@ def test_add_of_a_partial_and_a_replicated_term_is_not_partial():
     assert _offers(offered, (P, P), P)
 
 
+def test_a_cast_passes_a_partial_only_to_the_dtype_it_has():
+    # the experts' combine (a Partial) is cast to the hidden states' dtype before the residual add:
+    # where that is its own dtype, the cast is the identity and the Partial passes to the add's
+    # reduce-scatter; a cast to another dtype rounds each rank's part, not their sum
+    x = torch.ones(2, 4, dtype=F64)
+    for op, args, kwargs in ((aten.to.dtype, (x, F64), {}), (aten._to_copy.default, (x,), {"dtype": F64})):
+        assert _offers(strategies(op_info(op, args, kwargs, tp=2), (P,)), (P,), P)
+    for op, args, kwargs in ((aten.to.dtype, (x, torch.float32), {}),
+                             (aten._to_copy.default, (x,), {"dtype": torch.float32})):
+        assert not any(s.output == P for s in strategies(op_info(op, args, kwargs, tp=2), (P,)))
+
+
 def test_tanh_of_a_partial_is_not_offered():
     offered = strategies(op_info(aten.tanh.default, (torch.ones(2, 4, dtype=F64),), {}, tp=2), (P,))
     assert offered == [Strategy((R,), R)]
