@@ -77,7 +77,6 @@ def pointwise_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     return [_all_replicate(info), *_shard_strategies(info, placements)]
 
 
-
 @register(*UNARY)
 def unary_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     # a row-parallel product's partial sum met by a dropout (Phi-3's output projections have no
