@@ -41,14 +41,6 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import machine, publish  # noqa: E402
 
-#: Megatron's layout, pinned: the plan a real-width model gets, whatever the tiny widths would cost
-MEGATRON = {
-    "gpt2": {"*c_attn.weight": "column", "*attn.c_proj.weight": "row", "*c_fc.weight": "column",
-             "*mlp.c_proj.weight": "row", "lm_head.weight": "vocab"},
-    "llama": {"*q_proj.weight": "column", "*k_proj.weight": "column", "*v_proj.weight": "column",
-              "*o_proj.weight": "row", "*gate_proj.weight": "column", "*up_proj.weight": "column",
-              "*down_proj.weight": "row", "model.embed_tokens.weight": "vocab", "lm_head.weight": "vocab"},
-}
 PLANS = {"Megatron": dict(sequence_parallel=False), "Megatron + SP": dict(sequence_parallel=True)}
 
 
@@ -111,6 +103,7 @@ def counted(step) -> dict:
 
 def run_model(spec: str, args) -> tuple[list[str], dict]:
     import autotp
+    from autotp.testing.host import MEGATRON
 
     family, _, layers = spec.partition(":")
     model, batch = tiny(family, int(layers), args.seq)

@@ -470,6 +470,21 @@ def _exchange(send: Tensor, recv_sizes, send_sizes, group, op: str) -> Tensor:
         return funcol.wait_tensor(funcol.all_to_all_single(send, recv_sizes, send_sizes, group))
 
 
+def _shared_runs(have: Shard, want: Shard, full_size: int, other: int, tp: int, r: int, q: int) -> list:
+    """Along one dim dealt two ways: ``(offset in r's part under have, offset in q's part under
+    want, length)`` of each run both hold, in q's ranges' order, then r's."""
+    found, dst = [], 0
+    for ws, we in local_ranges(other, want, tp, q):
+        src = 0
+        for hs, he in local_ranges(full_size, have, tp, r):
+            lo, hi = max(ws, hs), min(we, he)
+            if lo < hi:
+                found.append((src + lo - hs, dst + lo - ws, hi - lo))
+            src += he - hs
+        dst += we - ws
+    return found
+
+
 def _overlaps(have: Shard, want: Shard, full_size: int, other: int, tp: int, r: int, q: int) -> list:
     """``(offset in the block r sends q, offset in q's part, length)`` along ``have.dim`` of each run
     q receives from r: along another dim, r's runs under ``have`` (the block holds them in r's
@@ -481,17 +496,8 @@ def _overlaps(have: Shard, want: Shard, full_size: int, other: int, tp: int, r: 
             out.append((offset, start, stop - start))
             offset += stop - start
         return out
-    found, dst = [], 0
-    for ws, we in local_ranges(other, want, tp, q):
-        src = 0
-        for hs, he in local_ranges(full_size, have, tp, r):
-            lo, hi = max(ws, hs), min(we, he)
-            if lo < hi:
-                found.append((src + lo - hs, dst + lo - ws, hi - lo))
-            src += he - hs
-        dst += we - ws
     out, offset = [], 0
-    for src, dst, n in sorted(found, key=lambda run: run[1]):
+    for src, dst, n in sorted(_shared_runs(have, want, full_size, other, tp, r, q), key=lambda run: run[1]):
         out.append((offset, dst, n))
         offset += n
     return out
@@ -501,15 +507,8 @@ def _runs_for(x: Tensor, have: Shard, want: Shard, full_size: int, other: int, t
     """The block this rank sends rank q (see :func:`_overlaps`), contiguous."""
     if have.dim != want.dim:
         return local_shard(x, want, tp, q)   # x is whole along want's dim
-    found, dst = [], 0
-    for ws, we in local_ranges(other, want, tp, q):
-        src = 0
-        for hs, he in local_ranges(full_size, have, tp, rank):
-            lo, hi = max(ws, hs), min(we, he)
-            if lo < hi:
-                found.append((dst + lo - ws, x.narrow(have.dim, src + lo - hs, hi - lo)))
-            src += he - hs
-        dst += we - ws
+    runs = _shared_runs(have, want, full_size, other, tp, rank, q)
+    found = [(dst, x.narrow(have.dim, src, n)) for src, dst, n in runs]
     if not found:
         return x.narrow(have.dim, 0, 0).contiguous()
     return torch.cat([t for _, t in sorted(found, key=lambda run: run[0])], dim=have.dim)

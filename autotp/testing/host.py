@@ -28,7 +28,17 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["AtenCalls", "PythonCalls", "autograd_nodes"]
+__all__ = ["MEGATRON", "AtenCalls", "PythonCalls", "autograd_nodes"]
+
+#: Megatron's layout of the zoo's GPT-2 and Llama, to pin: the plan a real-width model gets, whatever
+#: tiny widths would cost (the host-work benchmark and its tests run it)
+MEGATRON = {
+    "gpt2": {"*c_attn.weight": "column", "*attn.c_proj.weight": "row", "*c_fc.weight": "column",
+             "*mlp.c_proj.weight": "row", "lm_head.weight": "vocab"},
+    "llama": {"*q_proj.weight": "column", "*k_proj.weight": "column", "*v_proj.weight": "column",
+              "*o_proj.weight": "row", "*gate_proj.weight": "column", "*up_proj.weight": "column",
+              "*down_proj.weight": "row", "model.embed_tokens.weight": "vocab", "lm_head.weight": "vocab"},
+}
 
 
 def _where(code: Any) -> str:

@@ -25,16 +25,9 @@ import torch.distributed as dist
 import autotp
 from autotp import zoo
 from autotp.placements import Shard
-from autotp.testing.host import AtenCalls, PythonCalls
+from autotp.testing.host import MEGATRON, AtenCalls, PythonCalls
 
 TP = 2
-MEGATRON = {
-    "gpt2": {"*c_attn.weight": "column", "*attn.c_proj.weight": "row", "*c_fc.weight": "column",
-             "*mlp.c_proj.weight": "row", "lm_head.weight": "vocab"},
-    "llama": {"*q_proj.weight": "column", "*k_proj.weight": "column", "*v_proj.weight": "column",
-              "*o_proj.weight": "row", "*gate_proj.weight": "column", "*up_proj.weight": "column",
-              "*down_proj.weight": "row", "model.embed_tokens.weight": "vocab", "lm_head.weight": "vocab"},
-}
 
 
 def _rank(family: str, layers: int, sequence_parallel: bool):
