@@ -174,7 +174,7 @@ def assert_experts_case(cluster_of, case: dict) -> None:
         if "scaled" in case:   # the first program moved the routing weights to the down product's input, or not
             assert result["scaled inputs"][0] == case["scaled"], (case, rank, result["scaled inputs"])
         if case.get("no_experts_g"):   # the combine's partial sum reduce-scattered at the residual add, no g
-            assert not result["experts g"], (case, rank, result["experts g"]),
+            assert not result["experts g"], (case, rank, result["experts g"])
         if "comms" in case:   # collectives the plan must (True) or must not (False) hold
             for comm, held in case["comms"].items():
                 assert (comm in result["comms"]) is held, (case, rank, comm, result["comms"])
