@@ -29,16 +29,14 @@ import re
 import xml.etree.ElementTree as ET
 
 import pytest
+
+from tests.passes.stale import STALE_PLAN
 import torch
 
 import autotp
 from autotp.placements import Shard
 from autotp import zoo
 from autotp.capture import cache as capture_cache
-
-#: why a test below is expected to fail until its plan is reviewed
-STALE_PLAN = ('the reshard all-to-all (a2areshard, merged 2026-11-29) makes a split along one dim and wanted along another cheap, and the solver now picks another plan than this test names; not yet reviewed whether the new plan is right (issue 44 closing note)')
-
 
 SIZES = ["llama-3-8b", "mistral-7b", "qwen2-7b", "gpt-neox-20b", "gpt-j-6b", "falcon-7b", "falcon-40b", "starcoder-15b",
          "opt-6.7b", "bert-large",

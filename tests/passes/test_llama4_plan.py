@@ -5,6 +5,8 @@ Its experts are stacks read whole by ``bmm`` ([16, 5120, 16384] gate|up, [16, 81
 before, the rules did not see them as experts: gate|up was split on its hidden size and down kept
 whole on every rank, 0.42 of the expert bytes per rank where every other MoE got 1/8."""
 import pytest
+
+from tests.passes.stale import STALE_PLAN
 from functools import lru_cache
 
 import torch
@@ -12,10 +14,6 @@ import torch
 import autotp
 from autotp import zoo
 from autotp.placements import Shard, local_size
-
-
-#: why a test below is expected to fail until its plan is reviewed
-STALE_PLAN = ('the reshard all-to-all (a2areshard, merged 2026-11-29) makes a split along one dim and wanted along another cheap, and the solver now picks another plan than this test names; not yet reviewed whether the new plan is right (issue 44 closing note)')
 
 
 @lru_cache(maxsize=1)

@@ -4,6 +4,8 @@ comes out fixed to the example's length (Capture.fixed_dims) and the unrolled sc
 tensors live at once (the solver's state cap, autotp/passes/solve.py): the plan must still
 come back, its 50280-word output layer split."""
 import pytest
+
+from tests.passes.stale import STALE_PLAN
 import torch
 
 import autotp
@@ -11,10 +13,6 @@ from autotp import zoo
 from autotp.capture import EXAMPLE_SEQ
 from autotp.capture import cache as capture_cache
 from autotp.placements import Shard
-
-
-#: why a test below is expected to fail until its plan is reviewed
-STALE_PLAN = ('the reshard all-to-all (a2areshard, merged 2026-11-29) makes a split along one dim and wanted along another cheap, and the solver now picks another plan than this test names; not yet reviewed whether the new plan is right (issue 44 closing note)')
 
 
 def test_mamba_130m_plans_at_tp8_with_its_sequence_fixed():

@@ -3,6 +3,8 @@ on each rank), offered by the matrix rule where it can pay (autotp/passes/rules/
 solver reaches what a 'row' pin reaches (models planned on the meta device: no ranks, no weights).
 """
 import pytest
+
+from tests.passes.stale import STALE_PLAN
 import functools
 from dataclasses import replace
 
@@ -14,10 +16,6 @@ from autotp import zoo
 from autotp.passes.rules.registry import OpInfo, TensorMeta, strategies
 from autotp.cost_model.devices import PROFILES
 from autotp.placements import PARTIAL, REPLICATE, Shard
-
-#: why a test below is expected to fail until its plan is reviewed
-STALE_PLAN = ('the reshard all-to-all (a2areshard, merged 2026-11-29) makes a split along one dim and wanted along another cheap, and the solver now picks another plan than this test names; not yet reviewed whether the new plan is right (issue 44 closing note)')
-
 
 KV_ROW = {"*.k_proj.weight": "row", "*.v_proj.weight": "row"}
 
