@@ -25,6 +25,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from autotp.passes import rules
+from autotp.passes.rules import pointwise
 from autotp.passes.rules import LocalContext, OpInfo, Strategy, TensorMeta, localizer, strategies
 from autotp.passes.rules.view import map_view_shard
 from autotp.placements import PARTIAL, REPLICATE, Partial, Replicate, Routed, Shard
@@ -1482,7 +1483,15 @@ def _linear_groups(case: Case) -> list[set[int]]:
             or op in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):   # (rules/experts.py
         # extends the sized views: the tokens of a sequence split, flattened)
         return [{0}]
+    if op in pointwise.CASTS and _casts_to_own_dtype(case):
+        return [{0}]   # the identity on each summand
     return []
+
+
+def _casts_to_own_dtype(case: Case) -> bool:
+    x = case.args[0]
+    want = next((a for a in (*case.args[1:], *case.kwargs.values()) if isinstance(a, torch.dtype)), x.dtype)
+    return want == x.dtype
 
 
 def assert_partial_only_where_linear(case: Case) -> None:
