@@ -22,6 +22,20 @@ reader's backward passes the gradient on as it is (``add`` to both its operands,
 ``addmm``'s bias), or the output leaves the graph (a hook, the user's ``backward(gradient)``),
 the gradient may be shared and the f copies.
 
+**Under activation checkpointing** (:mod:`autotp.passes.checkpoint`) each recomputed layer is a
+program of its own to the g rule: a g keeps its mark only where the tensor it writes is made
+inside its layer (:func:`recomputed_layer_in_place`). ``torch.utils.checkpoint`` keeps a layer's
+inputs and re-runs the layer from them in backward; a g that summed one of them in place (the
+vocabulary-parallel embedding's partial, whose g joins the first layer that reads it) makes the
+recompute start from the sum and add it up again: every activation recomputed from it tp times
+too large. Autograd's check on the kept inputs raises "modified by an inplace operation" for
+that, unless a ``saved_tensors_hooks`` is active, which bypasses the check: then the gradients
+are silently wrong. A g whose partial the layer makes is exact under recomputation: the
+recompute makes that partial anew and sums it again, as the first run did. An f is untouched:
+its in-place write is to a gradient in backward, which recomputation neither reads nor keeps
+(the non-reentrant checkpoint's backward runs the first forward's autograd graph; only the
+saved tensors come from the recompute).
+
 At run time an in-place reduce is eager code only (a compiled program reduces through the
 functional collective, which inductor puts in place itself) and needs a contiguous tensor (else
 it copies); it bumps the tensor's autograd version, so a formula that did save it raises
@@ -84,6 +98,17 @@ def reduce_in_place(gm: fx.GraphModule) -> fx.GraphModule:
         elif type(module) is CopyToTP:
             module.in_place = f_may_reduce_in_place(node)
     return gm
+
+
+def recomputed_layer_in_place(layer: fx.GraphModule) -> None:
+    """Under activation checkpointing: clears the ``in_place`` mark of each g of ``layer`` (one
+    recomputed layer's partition) that would write a tensor the layer does not make itself, one of
+    the inputs checkpoint keeps to recompute from (module docs). Every f keeps its mark."""
+    for node in layer.graph.nodes:
+        if node.op == "call_module":
+            module = layer.get_submodule(node.target)
+            if type(module) is ReduceFromTP and module.in_place:
+                module.in_place = g_may_reduce_in_place(node)
 
 
 def g_may_reduce_in_place(g: fx.Node) -> bool:
