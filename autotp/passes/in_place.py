@@ -6,11 +6,15 @@ its f and g modules (:class:`~autotp.distributed.collectives.CopyToTP`, ``Reduce
 serial model makes no copy there; a functional all-reduce copies its input before reducing it
 (Megatron's ``_reduce`` all-reduces in place and returns the tensor).
 
-**g** (forward) reduces the partial product. In place when, walking up from the g's input
-through view ops (``view``, ``reshape``, ...), every node on the way has the next as its only
-reader, and the first is a :data:`FRESH` op: its result is a new tensor that no backward
-formula keeps (a product saves its operands, never its result; ``relu``, ``exp``, ``softmax``
-save their result, which is why they are not listed). Another reader of the partial (a residual
+**g** (forward) reduces the partial product. In place when, walking up from the g's input through
+view ops (``view``, ``reshape``, ...) and casts (:data:`CASTS`), every node on the way has the next
+as its only reader, and the first is a :data:`FRESH` op: its result is a new tensor that no backward
+formula keeps (a product saves its operands, never its result; ``relu``, ``exp``, ``softmax`` save
+their result, which is why they are not listed). A cast is its input itself (``to`` a dtype it has:
+the only cast a Partial passes, :mod:`autotp.passes.rules.pointwise`) or a new tensor that its
+backward does not save (``_to_copy``'s casts the gradient back): either way the walk goes on through
+it as through a view, which asks no less of what is above it (GPT-2's logits' ``.float()`` between a
+row-parallel head and its g, with sequence parallelism). Another reader of the partial (a residual
 that adds it, a graph output) or an input or parameter keeps the copy.
 
 **f** (backward) reduces the gradient of its output. In place when every reader of the f's
@@ -50,6 +54,7 @@ import torch
 from ..distributed.collectives import CopyToTP, ReduceFromTP
 from ..distributed.experts import gather_rows, routed_combine, routed_scatter
 from ..distributed.functional import vocab_parallel_embedding
+from .rules.pointwise import CASTS
 
 aten = torch.ops.aten
 
@@ -112,7 +117,8 @@ def recomputed_layer_in_place(layer: fx.GraphModule) -> None:
 
 
 def g_may_reduce_in_place(g: fx.Node) -> bool:
-    """Whether the g node's input is a fresh, unsaved tensor that the g alone reads."""
+    """Whether the g node's input is a fresh, unsaved tensor that the g alone reads (through
+    views and casts, each read by the next alone)."""
     node, reader = g.args[0], g
     while isinstance(node, fx.Node):
         if list(node.users) != [reader]:
@@ -121,7 +127,7 @@ def g_may_reduce_in_place(g: fx.Node) -> bool:
             return False
         if node.target in FRESH:
             return True
-        if node.target not in VIEWS:
+        if node.target not in VIEWS and node.target not in CASTS:
             return False
         node, reader = node.args[0], node
     return False

@@ -29,6 +29,11 @@ N, K, M = 3, 4, 5   # x [N, K] @ w [K, M]
 G_PRODUCERS = {"mm": True, "add": True, "relu": False, "exp": False}
 #: g: another reader of the partial (none; a residual add after the g; the graph's output)
 G_READERS = {"none": True, "residual": False, "output": False}
+#: g: a cast between the producer and the g, walked through as a view: ``to`` the partial's own
+#: dtype (the partial itself: GPT-2's logits' ``.float()``), ``to`` another dtype and ``_to_copy``
+#: (a new tensor whose backward saves nothing)
+G_CASTS = {"none": None, "to_same": (aten.to.dtype, torch.float64), "to_float32": (aten.to.dtype, torch.float32),
+           "copy": (aten._to_copy.default, torch.float64)}
 #: f: readers of its output whose backward makes a new gradient for it (True) or may pass it on
 F_READERS = {"mm": True, "view_mm": True, "mul": True, "bias_add": True,
              "add": False, "relu": False, "output": False}
@@ -39,8 +44,8 @@ def _tensor(seed: int, shape, *key) -> torch.Tensor:
     return torch.randn(tuple(shape), generator=gen, dtype=torch.float64)
 
 
-def g_program(group, producer: str, views: int, reader: str) -> fx.GraphModule:
-    """loss inputs (x, w, b) -> (g of the partial x @ w [+ b | relu | exp], extra readers)."""
+def g_program(group, producer: str, views: int, reader: str, cast: str = "none") -> fx.GraphModule:
+    """loss inputs (x, w, b) -> (g of the partial x @ w [+ b | relu | exp], cast, extra readers)."""
     graph, root = fx.Graph(), nn.Module()
     x, w, b = graph.placeholder("x"), graph.placeholder("w"), graph.placeholder("b")
     partial = graph.call_function(aten.mm.default, (x, w))
@@ -49,6 +54,10 @@ def g_program(group, producer: str, views: int, reader: str) -> fx.GraphModule:
     elif producer != "mm":
         partial = graph.call_function(getattr(aten, producer).default, (partial,))
     node = partial
+    if G_CASTS[cast] is not None:
+        op, dtype = G_CASTS[cast]
+        node = graph.call_function(op, (node, dtype)) if op is aten.to.dtype else graph.call_function(op, (node,),
+                                                                                                    {"dtype": dtype})
     for i in range(views):   # [N, M] -> [N * M] -> [N, M] -> ...
         node = graph.call_function(aten.view.default, (node, [N * M] if i % 2 == 0 else [N, M]))
     root.add_module("g_0", C.ReduceFromTP(group))
@@ -139,12 +148,15 @@ def _check(results: list, expected: bool, name: str) -> None:
 
 @settings(max_examples=20, deadline=None)
 @given(producer=st.sampled_from(sorted(G_PRODUCERS)), views=st.integers(0, 2),
-       reader=st.sampled_from(sorted(G_READERS)), seed=st.integers(0, 2**31 - 1))
-@example(producer="mm", views=1, reader="residual", seed=0)
-@example(producer="relu", views=0, reader="none", seed=0)
+       reader=st.sampled_from(sorted(G_READERS)), cast=st.sampled_from(sorted(G_CASTS)), seed=st.integers(0, 2**31 - 1))
+@example(producer="mm", views=1, reader="residual", cast="none", seed=0)
+@example(producer="relu", views=0, reader="none", cast="none", seed=0)
+@example(producer="mm", views=1, reader="none", cast="to_same", seed=0)
+@example(producer="mm", views=0, reader="residual", cast="to_same", seed=0)
+@example(producer="exp", views=0, reader="none", cast="to_same", seed=0)
 def test_a_g_reduces_in_place_only_a_fresh_unsaved_partial_that_it_alone_reads(cluster, producer, views, reader,
-                                                                                   seed):
-    results = cluster.run(run_program, "g", (producer, views, reader), seed)
+                                                                                   cast, seed):
+    results = cluster.run(run_program, "g", (producer, views, reader, cast), seed)
     _check(results, G_PRODUCERS[producer] and G_READERS[reader], "g_0")
 
 
@@ -159,7 +171,8 @@ def test_an_f_reduces_in_place_only_a_gradient_that_no_other_formula_holds(clust
 
 
 @pytest.mark.parametrize("kind, params", [("g", ("mm", 0, "residual")), ("g", ("mm", 0, "output")),
-                                          ("g", ("exp", 0, "none")), ("f", (("add",),))])
+                                          ("g", ("exp", 0, "none")), ("g", ("mm", 0, "residual", "to_same")),
+                                          ("g", ("exp", 1, "none", "to_same")), ("f", (("add",),))])
 def test_the_refused_cases_are_wrong_or_fail_when_forced_in_place(cluster, kind, params):
     # the rule's refusals matter: forced in place, a reader of the partial sees the sum, a saved
     # result raises autograd's version check, a gradient the add shared is summed for z too
