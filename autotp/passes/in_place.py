@@ -43,7 +43,9 @@ saved tensors come from the recompute).
 At run time an in-place reduce is eager code only (a compiled program reduces through the
 functional collective, which inductor puts in place itself) and needs a contiguous tensor (else
 it copies); it bumps the tensor's autograd version, so a formula that did save it raises
-autograd's "modified by an inplace operation" rather than reading the sum.
+autograd's "modified by an inplace operation" rather than reading the sum: a safety net, which
+saved-tensor hooks take away (checkpoint's own, inside a recomputed layer); the rule above is what
+holds there.
 """
 from __future__ import annotations
 
