@@ -32,8 +32,9 @@ G_READERS = {"none": True, "residual": False, "output": False}
 #: g: a cast between the producer and the g, walked through as a view: ``to`` the partial's own
 #: dtype (the partial itself: GPT-2's logits' ``.float()``), ``to`` another dtype and ``_to_copy``
 #: (a new tensor whose backward saves nothing)
-G_CASTS = {"none": None, "to_same": (aten.to.dtype, torch.float64), "to_float32": (aten.to.dtype, torch.float32),
-           "copy": (aten._to_copy.default, torch.float64)}
+G_CASTS = {"none": None, "to_same": (aten.to.dtype, (torch.float64,), {}),
+           "to_float32": (aten.to.dtype, (torch.float32,), {}),
+           "copy": (aten._to_copy.default, (), {"dtype": torch.float64})}
 #: f: readers of its output whose backward makes a new gradient for it (True) or may pass it on
 F_READERS = {"mm": True, "view_mm": True, "mul": True, "bias_add": True,
              "add": False, "relu": False, "output": False}
@@ -55,9 +56,8 @@ def g_program(group, producer: str, views: int, reader: str, cast: str = "none")
         partial = graph.call_function(getattr(aten, producer).default, (partial,))
     node = partial
     if G_CASTS[cast] is not None:
-        op, dtype = G_CASTS[cast]
-        node = graph.call_function(op, (node, dtype)) if op is aten.to.dtype else graph.call_function(op, (node,),
-                                                                                                    {"dtype": dtype})
+        op, args, kwargs = G_CASTS[cast]
+        node = graph.call_function(op, (node, *args), kwargs)
     for i in range(views):   # [N, M] -> [N * M] -> [N, M] -> ...
         node = graph.call_function(aten.view.default, (node, [N * M] if i % 2 == 0 else [N, M]))
     root.add_module("g_0", C.ReduceFromTP(group))
