@@ -9,7 +9,9 @@ backward, so backward holds only the layers' inputs (Megatron's full recomputati
 
 Recomputation re-runs the layer's collectives (a g all-reduces again), as Megatron's does, and
 must redraw the same dropout masks: the tracker's states are put back to what they were when
-the layer first ran, then restored to their advanced values.
+the layer first ran, then restored to their advanced values. It starts from the layer's inputs
+as checkpoint kept them, so no g may have summed one of them in place: a g reduces in place
+only a partial its own layer makes (:func:`autotp.passes.in_place.recomputed_layer_in_place`).
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from typing import Any, Iterator
 import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
+
+from .in_place import recomputed_layer_in_place
 
 #: a numbered child of a ModuleList: transformer.h.7, model.layers.12, encoder.layer.3
 _LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
@@ -54,12 +58,10 @@ def set_grad_enabled(mode: bool) -> None:
 
 def checkpoint_layers(gm: fx.GraphModule, rng: Any = None) -> fx.GraphModule:
     """See the module docstring. Communication nodes (no module stack of their own) join the
-    layer of the op they feed, so a layer's f and g are recomputed with it. Every f and g
-    copies here (no ``in_place``): reduced in place, the recomputed layers' gradients came out
-    wrong (measured: 3.5e-2 relative, ``tests/e2e/test_memory_modes.py``), cause not yet found."""
-    for module in gm.modules():
-        if getattr(module, "in_place", False):
-            module.in_place = False
+    layer of the op they feed, so a layer's f and g are recomputed with it. A g that the layer
+    reads from outside it (the embedding's, pulled into the first layer) copies: reduced in
+    place, it would write one of the inputs checkpoint recomputes from
+    (:func:`autotp.passes.in_place.recomputed_layer_in_place`)."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     owner: dict[fx.Node, str | None] = {}
     for node in reversed(gm.graph.nodes):   # consumers first: a comm node takes its user's layer
@@ -91,6 +93,7 @@ def checkpoint_layers(gm: fx.GraphModule, rng: Any = None) -> fx.GraphModule:
         name = f"submod_{index}"
         inner = getattr(split, name, None)
         if inner is not None:
+            recomputed_layer_in_place(inner)
             setattr(split, name, CheckpointedLayer(inner, layer, rng))
     for node in split.graph.nodes:   # each layer's call keeps the layer's module path (runtime.module.outline)
         called = getattr(split, node.target, None) if node.op == "call_module" else None

@@ -6,11 +6,15 @@ its f and g modules (:class:`~autotp.distributed.collectives.CopyToTP`, ``Reduce
 serial model makes no copy there; a functional all-reduce copies its input before reducing it
 (Megatron's ``_reduce`` all-reduces in place and returns the tensor).
 
-**g** (forward) reduces the partial product. In place when, walking up from the g's input
-through view ops (``view``, ``reshape``, ...), every node on the way has the next as its only
-reader, and the first is a :data:`FRESH` op: its result is a new tensor that no backward
-formula keeps (a product saves its operands, never its result; ``relu``, ``exp``, ``softmax``
-save their result, which is why they are not listed). Another reader of the partial (a residual
+**g** (forward) reduces the partial product. In place when, walking up from the g's input through
+view ops (``view``, ``reshape``, ...) and casts (:data:`CASTS`), every node on the way has the next
+as its only reader, and the first is a :data:`FRESH` op: its result is a new tensor that no backward
+formula keeps (a product saves its operands, never its result; ``relu``, ``exp``, ``softmax`` save
+their result, which is why they are not listed). A cast is its input itself (``to`` a dtype it has:
+the only cast a Partial passes, :mod:`autotp.passes.rules.pointwise`) or a new tensor that its
+backward does not save (``_to_copy``'s casts the gradient back): either way the walk goes on through
+it as through a view, which asks no less of what is above it (GPT-2's logits' ``.float()`` between a
+row-parallel head and its g, with sequence parallelism). Another reader of the partial (a residual
 that adds it, a graph output) or an input or parameter keeps the copy.
 
 **f** (backward) reduces the gradient of its output. In place when every reader of the f's
@@ -22,10 +26,26 @@ reader's backward passes the gradient on as it is (``add`` to both its operands,
 ``addmm``'s bias), or the output leaves the graph (a hook, the user's ``backward(gradient)``),
 the gradient may be shared and the f copies.
 
+**Under activation checkpointing** (:mod:`autotp.passes.checkpoint`) each recomputed layer is a
+program of its own to the g rule: a g keeps its mark only where the tensor it writes is made
+inside its layer (:func:`recomputed_layer_in_place`). ``torch.utils.checkpoint`` keeps a layer's
+inputs and re-runs the layer from them in backward; a g that summed one of them in place (the
+vocabulary-parallel embedding's partial, whose g joins the first layer that reads it) makes the
+recompute start from the sum and add it up again: every activation recomputed from it tp times
+too large. Autograd's check on the kept inputs raises "modified by an inplace operation" for
+that, unless a ``saved_tensors_hooks`` is active, which bypasses the check: then the gradients
+are silently wrong. A g whose partial the layer makes is exact under recomputation: the
+recompute makes that partial anew and sums it again, as the first run did. An f is untouched:
+its in-place write is to a gradient in backward, which recomputation neither reads nor keeps
+(the non-reentrant checkpoint's backward runs the first forward's autograd graph; only the
+saved tensors come from the recompute).
+
 At run time an in-place reduce is eager code only (a compiled program reduces through the
 functional collective, which inductor puts in place itself) and needs a contiguous tensor (else
 it copies); it bumps the tensor's autograd version, so a formula that did save it raises
-autograd's "modified by an inplace operation" rather than reading the sum.
+autograd's "modified by an inplace operation" rather than reading the sum: a safety net, which
+saved-tensor hooks take away (checkpoint's own, inside a recomputed layer); the rule above is what
+holds there.
 """
 from __future__ import annotations
 
@@ -36,6 +56,7 @@ import torch
 from ..distributed.collectives import CopyToTP, ReduceFromTP
 from ..distributed.experts import gather_rows, routed_combine, routed_scatter
 from ..distributed.functional import vocab_parallel_embedding
+from .rules.pointwise import CASTS
 
 aten = torch.ops.aten
 
@@ -86,8 +107,20 @@ def reduce_in_place(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+def recomputed_layer_in_place(layer: fx.GraphModule) -> None:
+    """Under activation checkpointing: clears the ``in_place`` mark of each g of ``layer`` (one
+    recomputed layer's partition) that would write a tensor the layer does not make itself, one of
+    the inputs checkpoint keeps to recompute from (module docs). Every f keeps its mark."""
+    for node in layer.graph.nodes:
+        if node.op == "call_module":
+            module = layer.get_submodule(node.target)
+            if type(module) is ReduceFromTP and module.in_place:
+                module.in_place = g_may_reduce_in_place(node)
+
+
 def g_may_reduce_in_place(g: fx.Node) -> bool:
-    """Whether the g node's input is a fresh, unsaved tensor that the g alone reads."""
+    """Whether the g node's input is a fresh, unsaved tensor that the g alone reads (through
+    views and casts, each read by the next alone)."""
     node, reader = g.args[0], g
     while isinstance(node, fx.Node):
         if list(node.users) != [reader]:
@@ -96,7 +129,7 @@ def g_may_reduce_in_place(g: fx.Node) -> bool:
             return False
         if node.target in FRESH:
             return True
-        if node.target not in VIEWS:
+        if node.target not in VIEWS and node.target not in CASTS:
             return False
         node, reader = node.args[0], node
     return False
