@@ -29,8 +29,6 @@ import re
 import xml.etree.ElementTree as ET
 
 import pytest
-
-from tests.passes.stale import STALE_PLAN
 import torch
 
 import autotp
@@ -247,16 +245,27 @@ def test_every_family_draws_its_layer_with_the_matrices_f_and_g(size):
 GROUPED_FUSED = [("phi-3-medium", 2), ("phi-3-medium", 8), ("phi-3-medium", 10)]
 
 
-@pytest.mark.parametrize("size, tp", GROUPED_FUSED, ids=[f"{s}-tp{t}" for s, t in GROUPED_FUSED])
-def test_a_fused_qkv_with_grouped_kv_heads_splits_by_head_as_megatron_would(size, tp, request):
-    if (size, tp) == ("phi-3-medium", 8):
-        request.applymarker(pytest.mark.xfail(strict=True, reason=STALE_PLAN))
+#: why the tp 8 case fails (issue 44's review): the solver's plan is not the cheapest the cost model knows
+UNEVEN_ROW_NOT_OFFERED = (
+    "at tp 8 the Megatron pin (o_proj row-parallel over an even split of its 5120 inputs, the attention "
+    "output moved there from its uneven split by head, 2 or 1 of the 10 groups a rank, by one all-to-all) "
+    "is predicted 58 us a step cheaper than the solver's plan (layer 1's o_proj column-parallel after "
+    "gathering the attention output, its output moved to the sequence by an all-to-all), with more "
+    "states kept as well: the matrix rule offers a free weight's row split along its input's own split "
+    "(here by head, uneven) and not an even split the input reaches by a reshard")
+
+
+@pytest.mark.parametrize("size, tp", [
+    pytest.param(s, t, marks=[pytest.mark.xfail(strict=True, reason=UNEVEN_ROW_NOT_OFFERED)] if 10 % t else [])
+    for s, t in GROUPED_FUSED], ids=[f"{s}-tp{t}" for s, t in GROUPED_FUSED])
+def test_a_fused_qkv_with_grouped_kv_heads_splits_by_head_as_megatron_would(size, tp):
     """Blocks of unequal size (``S(0x4:1:1/128)``): each rank holds its run of the query heads and
     the key/value heads they use, so attention runs split with no collective before it and the
-    output projection is row-parallel; the cost model chooses it, and a pin of that layout gives
-    the same plan. Before, the q|k|v was dealt as 6 equal blocks and k and v gathered at attention.
-    Where tp does not divide the 10 groups (tp 8) the first ranks (rotated by layer) take one more
-    group: 8 query heads with their 2 kv heads on 2 ranks, 4 with 1 on the other 6."""
+    output projection is row-parallel; the cost model chooses it, and a pin of that layout costs
+    no less (where the groups divide evenly, it gives the same plan). Before, the q|k|v was dealt
+    as 6 equal blocks and k and v gathered at attention. Where tp does not divide the 10 groups
+    (tp 8) the first ranks (rotated by layer) take one more group: 8 query heads with their 2 kv
+    heads on 2 ranks, 4 with 1 on the other 6."""
     family = zoo.family_of(size).name
     model = zoo.build(family, zoo.published_config(size, layers=2), device="meta", dtype=torch.bfloat16)
     cap = capture_cache.capture(model)
@@ -264,14 +273,16 @@ def test_a_fused_qkv_with_grouped_kv_heads_splits_by_head_as_megatron_would(size
     qkv, o = "model.layers.1.self_attn.qkv_proj.weight", "model.layers.1.self_attn.o_proj.weight"
     rotate = 1 if 10 % tp else 0   # layer 1 of an uneven split: rank tp-1 takes the first run
     assert plan.params[qkv] == Shard(0, 3, 128, rotate, sizes=(4, 1, 1)), plan.params[qkv]
-    assert (matrix_role(cap, plan, qkv), matrix_role(cap, plan, o)) == ("column", "row"), (plan.params[qkv],
-                                                                                         plan.params[o])
     groups = [10 // tp + (r < 10 % tp) for r in range(tp)]
     assert plan.attention["model.layers.1.self_attn"] == [4 * groups[(r + rotate) % tp] for r in range(tp)]
     attention = [c for c in plan.comms if c.module == "model.layers.1.self_attn"]
     assert attention == [], [(c.kind, c.tensor) for c in attention]
     pinned = autotp.plan(model, tp, layout={"*.qkv_proj.weight": "column", "*.o_proj.weight": "row"})
-    assert pinned.params == plan.params
+    assert plan.compute_s + plan.comm_s <= (pinned.compute_s + pinned.comm_s) * (1 + 1e-12)
+    assert (matrix_role(cap, plan, qkv), matrix_role(cap, plan, o)) == ("column", "row"), (plan.params[qkv],
+                                                                                         plan.params[o])
+    if 10 % tp == 0:
+        assert pinned.params == plan.params
 
 
 #: a row-parallel product's partial sum met first by a dropout (Phi-3's resid_attn_dropout /
