@@ -48,8 +48,8 @@ from typing import Any
 import sympy
 import torch
 
-from ...placements import (PARTIAL, REPLICATE, Partial, Routed, Shard, divides, is_even, layout, local_ranges,
-                           same_placement)
+from ...placements import (PARTIAL, REPLICATE, REPLICATE_PARTIAL_GRAD, Partial, Routed, Shard, divides, is_even,
+                           layout, local_ranges, same_placement)
 from .routing import counted_by, index_length, is_permutation, written
 from .registry import (LocalContext, OpInfo, Strategy, _RULES, functional_of, is_shard, op_name, register,
                        register_localizer, register_routed, register_routed_localizer)
@@ -559,6 +559,11 @@ def index_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
         # rows gathered for a grouped product alone: a rank gathers its experts' rows (the
         # product takes them as routed rows, the same row map)
         out.append(Strategy((REPLICATE, REPLICATE), Routed(0)))
+    if info.gathers_expert_rows and info.tp > 1 and info.inputs[0].is_float:
+        # every row gathered whole (an expert-TP product reads them all), its f on the tokens
+        # [T, h] in front (k times fewer bytes summed backward than on the [T*k, h] rows): the
+        # gather's backward, a scatter-add, carries each rank's gradient summand back to it
+        out.append(Strategy((REPLICATE, REPLICATE), REPLICATE_PARTIAL_GRAD))
     if picked and type(placements[0]) is Partial:
         # rows reordered (the grouped path's inverse sort): linear in x, so a Partial stays one
         out.append(Strategy((PARTIAL, REPLICATE), PARTIAL))
