@@ -35,7 +35,7 @@ from ..placements import (PARTIAL, REPLICATE, Partial, Placement, Replicate, Rep
                           max_local_size, resharded_by_all_to_all, same_placement)
 from .hints import column_hint, index_picks, row_hint
 from .rules import OpInfo, Strategy, TensorMeta, strategies
-from .rules.experts import GROUPED_MM, grouped_reader, reads_host, reads_rows
+from .rules.experts import GROUPED_MM, grouped_reader, permutes_rows, reads_host, reads_rows
 from .rules.registry import aliases_first, mutates_first, op_name
 
 aten = torch.ops.aten
@@ -529,6 +529,7 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
     if node.target is aten.index.Tensor:
         info.picks = index_picks(node, constant)
         info.gathers_expert_rows = grouped_reader(node) is not None
+        info.permutes_rows = permutes_rows(node)
     info.reads_rows = reads_rows(node)
     stack = node.args[0] if node.args else None
     if node.target in (aten.transpose.int, aten.index.Tensor) and getattr(stack, "op", None) == "placeholder" \

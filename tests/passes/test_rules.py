@@ -1774,3 +1774,28 @@ def test_a_tensor_whole_with_its_gradient_a_summand_passes_only_ops_that_keep_it
     assert copied_seconds(R, True, True) == 0.0 and copied_seconds(R, False, False) == 0.0
     assert copied_seconds(R, False, True) == math.inf
     assert copied_seconds(Shard(0), False, True) == math.inf and copied_seconds(P, False, True) == math.inf
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_rows_reordered_by_a_permutation_gather_their_gradient_back(data):
+    # x[inv_perm], inv_perm a permutation of x's rows (the experts' output back to token order):
+    # every strategy's rank program computes the op, and its backward, a gather by the inverse
+    # permutation (not autograd's scatter-add into zeros), gives serial's gradient exactly
+    gen = _gen(data.draw)
+    rows, h = data.draw(st.integers(1, 12)), data.draw(st.integers(1, 5))
+    tp = data.draw(st.integers(1, 4))
+    x = torch.randn(rows, h, generator=gen, dtype=F64)
+    index = torch.randperm(rows, generator=gen)
+    info = replace(op_info(aten.index.Tensor, (x, [index]), {}, tp), permutes_rows=True)
+    have = data.draw(st.sampled_from([R, P, Shard(1)]))
+    for s in strategies(info, (have, R)):
+        check_strategy(info, s, (x, [index]), {})
+        target, args, kwargs = localizer(aten.index.Tensor)(info, s, (x, [index]), {}, LocalContext(tp, 0))
+        assert rules.op_name(target).endswith("permute_rows"), target
+    want = x.detach().requires_grad_(True)
+    got = x.detach().requires_grad_(True)
+    grad = torch.randn(rows, h, generator=gen, dtype=F64)
+    want[index].backward(grad)
+    target(got, index).backward(grad)
+    assert torch.equal(got.grad, want.grad)

@@ -161,6 +161,25 @@ def reads_rows(node: Any) -> bool:
                 and sympy.expand(index_length(index) - shape_of(node.args[0])[0]) == 0)
 
 
+def permutes_rows(node: Any) -> bool:
+    """Whether ``node`` is ``x[index]`` of float rows by one 1-D index the graph makes a
+    permutation of x's rows (:func:`is_permutation`, as long as x's rows): every row kept once,
+    so its backward is a gather by the inverse permutation (``distributed.functional.permute_rows``)."""
+    from torch import fx
+
+    from ...capture import shape_of
+
+    if not (isinstance(node, fx.Node) and node.target is aten.index.Tensor and len(node.args) == 2
+            and isinstance(node.args[1], (list, tuple)) and len(node.args[1]) == 1):
+        return False
+    x, index = node.args[0], node.args[1][0]
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    if not (isinstance(val, torch.Tensor) and val.is_floating_point() and val.ndim >= 1
+            and isinstance(index, fx.Node) and is_permutation(index)):
+        return False
+    return sympy.expand(index_length(index) - shape_of(x)[0]) == 0
+
+
 def _before(a: Any, b: Any) -> bool:
     """Whether node ``a`` comes before node ``b`` in their graph."""
     at = a.next

@@ -111,6 +111,10 @@ class OpInfo:
     #: this op, placed to run a rank's own experts' rows alone where its inputs hold every row,
     #: reads their count on the host (:func:`autotp.passes.rules.experts.reads_rows`)
     reads_rows: bool = False
+    #: an index of float rows by a permutation of them (``x[inv_perm]``: transformers' inverse of
+    #: the sort by expert, :func:`autotp.passes.rules.routing.is_permutation`): its backward is a
+    #: gather by the inverse permutation, not a scatter-add (the rank's program runs it so)
+    permutes_rows: bool = False
     #: a grouped product whose x is rows gathered for it alone (``gathers_expert_rows``), or a
     #: cast between them: routed, those are the product's own experts' rows, which only its
     #: expert-parallel strategies can take (routed through the casts)
@@ -141,7 +145,7 @@ class OpInfo:
     def cost_key(self) -> tuple:
         """Everything the cost of one strategy of this op depends on: equal across layers."""
         return (self.target, self.inputs, self.output, self.args_key, self.grad_inputs, self.train_dtype,
-                self.grad_uses, self.strided_inputs, self.reads_rows, self.x_gathered)
+                self.grad_uses, self.strided_inputs, self.reads_rows, self.x_gathered, self.permutes_rows)
 
     def hint(self, dim: int) -> tuple[int, int, int, int, bool, tuple, tuple]:
         """(chunks, unit, rotate, tail, grouped, sizes, whole) a fresh shard of output ``dim`` should use
