@@ -73,6 +73,24 @@ class Partial:
 
 
 @dataclass(frozen=True)
+class ReplicatePartialGrad:
+    """Replicate forward, its gradient a summand: every rank holds the whole tensor, computed by
+    ops linear in a tensor that passed an f (Megatron's copy into the tensor-parallel region),
+    so the gradient a rank sends back through it is its own summand, which that f sums. The rows
+    of the tokens gathered for an expert product (``h[perm // k]``, ``[T*k, h]``): the f sits on
+    the tokens ``[T, h]`` before the gather, k times fewer bytes summed than an f on the rows;
+    the gather's backward (a scatter-add, linear) carries each rank's summand to it.
+
+    Only sharded compute (whose f it stands for) and ops that keep the value as it is (a cast to
+    its own dtype, a copy) read it; replicated compute would send back a whole gradient from
+    every rank, which the f would count once per rank: no conversion to ``Replicate`` without
+    an f where a gradient flows (autotp/passes/propagate.py)."""
+
+    def __repr__(self) -> str:
+        return "R(grad P)"
+
+
+@dataclass(frozen=True)
 class Routed(Partial):
     """The rows along ``dim`` of (token, expert) pairs under expert parallelism, each held by the
     one rank that holds its expert, *compactly*: a rank's local tensor has its own rows alone
@@ -212,9 +230,10 @@ class Shard:
         return sum(self.sizes) if self.sizes else self.blocks_in_dim
 
 
-Placement = Union[Replicate, Shard, Partial]   # Routed is a Partial
+Placement = Union[Replicate, Shard, Partial, ReplicatePartialGrad]   # Routed is a Partial
 REPLICATE = Replicate()
 PARTIAL = Partial()
+REPLICATE_PARTIAL_GRAD = ReplicatePartialGrad()
 
 
 def atoms_per_chunk(size: int, shard: Shard) -> int:
@@ -462,6 +481,8 @@ def to_json(p: Placement) -> dict:
                 **({"reordered": True} if p.reordered else {}), **({"unit": p.unit} if p.unit != 1 else {})}
     if isinstance(p, Partial):
         return {"kind": "partial"}
+    if isinstance(p, ReplicatePartialGrad):
+        return {"kind": "replicate", "grad": "partial"}
     return {"kind": "replicate"}
 
 
@@ -476,5 +497,5 @@ def from_json(d: dict) -> Placement:
                       bool(d.get("sent", False)), bool(d.get("reordered", False)),
                       int(d.get("unit", 1))) if "routed" in d else PARTIAL
     if kind == "replicate":
-        return REPLICATE
+        return REPLICATE_PARTIAL_GRAD if d.get("grad") == "partial" else REPLICATE
     raise ValueError(f"unknown placement kind {kind!r}")

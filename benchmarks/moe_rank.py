@@ -309,7 +309,10 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--only", default=None, help="run the shapes whose label holds this")
+    parser.add_argument("--versions", default=None, help="run the versions whose name holds this (and serial)")
     args = parser.parse_args()
+    for name in [n for n in VERSIONS if args.versions and args.versions not in n]:
+        del VERSIONS[name]
     from autotp.cost_model import calibrate
 
     started = time.time()

@@ -267,7 +267,10 @@ def op_work(info: Any, strategy: Any, tp: int, dtype_bytes: int, train_dtype: An
     if t in _GATHERS:
         fwd = ("elementwise", op.out_bytes + sum((b for b, m in zip(op.b_in, op.inputs) if not m.is_float),
                                                  sympy.Integer(0)) + op.out_bytes)
-        bwd = [("scatter", 2 * op.main_out + b) for b, g in zip(op.b_in, op.grad) if g]
+        # a gradient scattered back into its rows (a sorted scatter-add); rows reordered by a
+        # permutation of them gather it back by the inverse permutation (permute_rows)
+        back = "elementwise" if op.info.permutes_rows else "scatter"
+        bwd = [(back, 2 * op.main_out + b) for b, g in zip(op.b_in, op.grad) if g]
         return OpWork(moved=(fwd, *bwd), launches=1 + 2 * len(bwd))
     return _elementwise_work(op)
 

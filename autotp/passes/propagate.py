@@ -31,11 +31,11 @@ from ..capture import Capture, shape_of
 from ..cost_model.devices import DeviceProfile
 from ..cost_model.symbolic import (activation_bytes, collective_bytes, collective_time, compute_time,
                                    conversion_kinds, nbytes)
-from ..placements import (PARTIAL, REPLICATE, Partial, Placement, Replicate, Routed, Shard, atoms_per_chunk, divides, is_even,
+from ..placements import (PARTIAL, REPLICATE, Partial, Placement, Replicate, ReplicatePartialGrad, Routed, Shard, atoms_per_chunk, divides, is_even,
                           max_local_size, resharded_by_all_to_all, same_placement)
 from .hints import column_hint, index_picks, row_hint
 from .rules import OpInfo, Strategy, TensorMeta, strategies
-from .rules.experts import GROUPED_MM, grouped_reader, reads_host, reads_rows
+from .rules.experts import GROUPED_MM, grouped_reader, permutes_rows, reads_host, reads_rows
 from .rules.registry import aliases_first, mutates_first, op_name
 
 aten = torch.ops.aten
@@ -529,6 +529,7 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
     if node.target is aten.index.Tensor:
         info.picks = index_picks(node, constant)
         info.gathers_expert_rows = grouped_reader(node) is not None
+        info.permutes_rows = permutes_rows(node)
     info.reads_rows = reads_rows(node)
     stack = node.args[0] if node.args else None
     if node.target in (aten.transpose.int, aten.index.Tensor) and getattr(stack, "op", None) == "placeholder" \
@@ -556,6 +557,10 @@ def _written_alone(node: fx.Node) -> bool:
 
 def _conversion(src: Any, dst: Placement, size: int | None, tp: int) -> str | None:
     """The collective that turns ``src`` into ``dst`` (None: nothing to do; 'inf': impossible)."""
+    if isinstance(src, ReplicatePartialGrad):
+        # whole already; its gradient a summand, which only the f it stands for may sum
+        # (:func:`copied_seconds`): read as Replicate by sharded compute, never split
+        return None if isinstance(dst, (Replicate, ReplicatePartialGrad)) else "inf"
     if same_placement(src, dst, size, tp) or (isinstance(src, Routed) and dst == PARTIAL):
         return None   # a routed Partial is a Partial as it is
     if isinstance(src, Routed) and src.tokens and not src.reordered and src.span == 1 and isinstance(dst, Replicate):
@@ -574,8 +579,21 @@ def _conversion(src: Any, dst: Placement, size: int | None, tp: int) -> str | No
 
 
 def _sharded_compute(strategy: Strategy) -> bool:
+    """Whether the op's replicated float inputs get an f: its output is split or a summand, or
+    whole with its gradient a summand (:class:`~autotp.placements.ReplicatePartialGrad`)."""
     outs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
-    return any(isinstance(p, (Shard, Partial)) for p in outs)
+    return any(isinstance(p, (Shard, Partial, ReplicatePartialGrad)) for p in outs)
+
+
+def copied_seconds(want: Any, f: bool | str, grad: bool) -> float | None:
+    """Seconds to read a :class:`~autotp.placements.ReplicatePartialGrad` tensor as ``want``
+    with an f or not: nothing where an f is wanted (the f it stands for was made before: its
+    summands are what sharded compute sends back) or no gradient flows; impossible otherwise
+    (replicated compute sends back a whole gradient from every rank, which that f would count
+    tp times), as is any other placement."""
+    if isinstance(want, ReplicatePartialGrad) or (isinstance(want, Replicate) and (f is True or not grad)):
+        return 0.0
+    return INF
 
 
 def _dim_size(meta: TensorMeta, p: Any) -> int | None:
@@ -586,6 +604,8 @@ def conversion_seconds(index: "GraphIndex", profile: DeviceProfile, meta: Tensor
                        want: Placement, f: bool, grad: bool = True) -> float:
     """Forward + backward seconds to turn ``have`` into ``want`` (plus an f); inf if impossible.
     ``grad``: whether a gradient flows back through the tensor (else its backward is free)."""
+    if isinstance(have, ReplicatePartialGrad):
+        return copied_seconds(want, f, grad)
     key = (meta, have, want, f, grad, profile)
     found = index._conversion_cost.get(key)
     if found is None:
@@ -906,6 +926,8 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
             return
         kind = _conversion(place[node], dst, _dim_size(meta, dst) or _dim_size(meta, place[node]), tp)
         conversions[key] = kind or ""
+        if isinstance(place[node], ReplicatePartialGrad):
+            return   # read as it is: its f was made before it (copied_seconds)
         if serves_without_f(kind, f):
             conversions.setdefault((node, dst, False), kind)
         full = nbytes(meta, env, profile.dtype_bytes)

@@ -32,7 +32,7 @@ from ..capture import gc_paused
 from ..cost_model.alignment import Align, pads
 from ..cost_model.kernels import differ
 from ..errors import PlanError
-from ..placements import (PARTIAL, Partial, Placement, Replicate, Routed, Shard, block_local_sizes, local_ranges,
+from ..placements import (PARTIAL, Partial, Placement, Replicate, ReplicatePartialGrad, Routed, Shard, block_local_sizes, local_ranges,
                           local_size, owned_ranges)
 from ..distributed import collectives as C
 from ..distributed.experts import routed_scatter, sequence_runs, token_rows
@@ -216,6 +216,8 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         meta = _meta(src)
         have = prop.placements[src]
         out = env[src]
+        if isinstance(have, ReplicatePartialGrad):
+            return out   # whole, its f made before it (propagate.copied_seconds)
         if isinstance(have, Routed) and have.tokens and not have.reordered and have.span == 1 \
                 and isinstance(dst, Replicate):
             if ctx.rows_of(out).target is token_rows:

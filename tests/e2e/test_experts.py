@@ -90,7 +90,10 @@ def check_experts_case(case: dict) -> dict:
                         type(pm.graph_module.get_submodule(n.target)).__name__, "")
                        for n in pm.graph_module.graph.nodes if n.op == "call_module"}
                     | {"token_rows" for n in pm.graph_module.graph.nodes
-                       if n.op == "call_function" and getattr(n.target, "__name__", "") == "token_rows"})
+                       if n.op == "call_function" and getattr(n.target, "__name__", "") == "token_rows"}
+                    # rows reordered by a permutation, their backward a gather (distributed/functional.py)
+                    | {"permute_rows" for n in pm.graph_module.graph.nodes
+                       if n.op == "call_function" and getattr(n.target, "__name__", "") == "permute_rows"})
     errors = equivalence_errors(model, pm, batch)
     ids = batch["input_ids"]
     with torch.no_grad():
@@ -125,7 +128,12 @@ def check_experts_case(case: dict) -> dict:
             "bound": bound, "grad bound": grad_bound, "dispatch dropped": dropped, "scaled inputs": scaled,
             "split heads": bool(pm.plan.attention), "expanded": pm.capture.expanded,
             "experts g": [f"{c.kind} {c.src}->{c.dst}" for c in pm.plan.comms if c.kind == "g" and ".mlp" in c.module],
-            "comms": sorted({(c.kind, c.src, c.dst) for c in pm.plan.comms})}
+            "comms": sorted({(c.kind, c.src, c.dst) for c in pm.plan.comms}),
+            # where the f of the rows the experts' first product reads sums their gradient: on the
+            # tokens in front of their gather ("index"), or on the rows at the product
+            "rows f": sorted({(c.kind, "index" if c.consumer.startswith("index") else "product")
+                              for c in pm.plan.comms if ".experts" in c.module and c.kind in ("f", "all_gather_f")
+                              and (c.consumer.startswith("index") or "grouped_mm" in c.consumer)})}
 
 
 def cases(tps: tuple[int, ...]):
@@ -178,6 +186,8 @@ def assert_experts_case(cluster_of, case: dict) -> None:
         if "comms" in case:   # collectives the plan must (True) or must not (False) hold
             for comm, held in case["comms"].items():
                 assert (comm in result["comms"]) is held, (case, rank, comm, result["comms"])
+        if "rows f" in case:   # where the plan sums the gathered rows' gradient
+            assert result["rows f"] == list(case["rows f"]), (case, rank, result["rows f"])
         if "dropped" in case:   # the later programs planned by cost where the forced dispatch could not hold
             assert result["dispatch dropped"] == list(case["dropped"]), (case, rank, result["dispatch dropped"])
 
@@ -288,12 +298,17 @@ def assert_experts_case(cluster_of, case: dict) -> None:
     # combine's partial sum (the routing weights' product, the reorder, the top-k sum and the cast
     # to its own dtype, each linear in it) goes on to the residual add, reduce-scattered there
     # along the sequence: no g of the combine. 3 experts on 2 ranks; the other families (a shared
-    # expert, DeepSeek-V3's float32 router and dense first layer) in the slow tier, tp 3
+    # expert, DeepSeek-V3's float32 router and dense first layer) in the slow tier, tp 3. The rows
+    # h[perm // k] the gate|up product reads are gathered whole from the tokens all-gathered along
+    # the sequence, their gradient summed there ([T, h], the all-gather's backward reduce-scatter),
+    # not by an f of the [T*k, h] rows at the product: each rank's summand passes back through the
+    # gather
     dict(family="mixtral", impl="eager", tp=2, experts=3, top_k=2, kv_heads=2, seq=7, seed=4, layers=1,
-         layout="etp", plan_batch=64, plan_seq=4096, sp=True, profile="cpu-gloo", no_experts_g=True),
+         layout="etp", plan_batch=64, plan_seq=4096, sp=True, profile="cpu-gloo", no_experts_g=True,
+         routed=("permute_rows",), **{"rows f": (("all_gather_f", "index"),)}),
     pytest.param(dict(family="qwen3-moe", impl="eager", tp=3, experts=4, top_k=2, kv_heads=2, seq=7, seed=5,
                       layers=1, layout="etp", plan_batch=64, plan_seq=4096, sp=True, profile="cpu-gloo",
-                      no_experts_g=True), marks=pytest.mark.slow),
+                      no_experts_g=True, **{"rows f": (("all_gather_f", "index"),)}), marks=pytest.mark.slow),
     pytest.param(dict(family="qwen2-moe", impl="eager", tp=3, experts=3, top_k=2, kv_heads=2, seq=6, seed=6,
                       layers=1, layout="etp", plan_batch=64, plan_seq=4096, sp=True, profile="cpu-gloo",
                       no_experts_g=True), marks=pytest.mark.slow),

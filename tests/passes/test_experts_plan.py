@@ -209,11 +209,16 @@ def test_the_gathered_experts_combine_is_reduce_scattered_along_the_sequence(fam
     # the residual add as one reduce-scatter along the sequence, like attention's row-parallel
     # output. The cast once took no Partial: the combine was all-reduced whole (a g) and cut to
     # the rank's run (a scatter, whose backward all-gathers): 1.5x the bytes, and the whole
-    # [b*s, h] summed on every rank (benchmarks/moe_rank.md, Mixtral's and Qwen3's gathering plans)
+    # [b*s, h] summed on every rank (benchmarks/moe_rank.md, Mixtral's and Qwen3's gathering plans).
+    # Planned at 2 x 4096, where the choice is about bytes: at 2 x 256 (width 256) Mixtral's plan
+    # makes the experts' [T*k, h] rows whole by a g before the routing weights' product (no f on
+    # the weights: one collective fewer, a latency-bound workload), 0.8% cheaper since the
+    # reorder back to token order, run whole there, has its backward priced as the gather it is
+    # (rules/experts.permutes_rows)
     config = zoo.tiny_config(family, layers=2, heads=8, kv_heads=2, head_dim=32, experts=8, top_k=2, vocab=64)
     model = zoo.build(family, config, device="meta")
     layout = {"*.experts.*": "expert", "*.q_proj.weight": "column", "*.o_proj.weight": "row"}
-    plan = autotp.plan(model, tp=tp, layout=layout, batch=2, seq=256, sequence_parallel=True, expert_dispatch=False)
+    plan = autotp.plan(model, tp=tp, layout=layout, batch=2, seq=4096, sequence_parallel=True, expert_dispatch=False)
     layer = [(c.kind, c.src, c.dst) for c in plan.comms if c.module.startswith("model.layers.0")]
     assert ("g", "P", "R") not in layer, layer
     # attention's output and the experts' combine

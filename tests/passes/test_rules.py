@@ -1693,3 +1693,109 @@ def test_conv1d_splits_a_depthwise_convolution_by_channel(case):
         assert any(s.output == px for s in offered), "a depthwise convolution keeps its channel split"
     if not depthwise:
         assert all(not (isinstance(s.output, Shard) and s.output.dim == 1) for s in offered)
+
+
+# ---------------------------------------------------------------- whole, its gradient a summand
+
+def _vjp_summands_add_up(target, args: tuple, kwargs: dict, wrt: int, tp: int, gen: torch.Generator) -> None:
+    """Each rank runs the op whole and sends back its own summand of the output's gradient: the
+    ranks' gradients of input ``wrt``, summed (the f in front of it), equal serial's gradient
+    for the whole output gradient."""
+    x = args[wrt].detach().requires_grad_(True)
+    call = list(args)
+    call[wrt] = x
+    out = target(*call, **kwargs)
+    summands = [torch.randn(out.shape, generator=gen, dtype=F64).to(out.dtype) for _ in range(tp)]
+    whole = sum(summands[1:], summands[0])
+    want, = torch.autograd.grad(out, x, whole, retain_graph=True)
+    got = [torch.autograd.grad(out, x, g, retain_graph=True)[0] for g in summands]
+    _close(sum(got[1:], got[0]), want, f"{rules.op_name(target)}: the ranks' gradient summands, summed")
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_rows_gathered_for_an_expert_product_are_whole_with_their_gradient_a_summand(data):
+    # h[perm // k]: the (token, expert) rows an expert-TP product reads whole. Its f may sit on the
+    # tokens h in front (k times fewer bytes summed backward): every rank gathers every row
+    # (forward exact) and its backward, a scatter-add linear in the incoming gradient, carries
+    # each rank's summand back to h
+    from autotp.placements import REPLICATE_PARTIAL_GRAD
+
+    gen = _gen(data.draw)
+    tokens, k, h = data.draw(st.integers(1, 8)), data.draw(st.integers(1, 3)), data.draw(st.integers(1, 6))
+    tp = data.draw(st.integers(2, 4))
+    x = torch.randn(tokens, h, generator=gen, dtype=F64)
+    index = torch.randperm(tokens * k, generator=gen) // k
+    info = replace(op_info(aten.index.Tensor, (x, [index]), {}, tp), gathers_expert_rows=True)
+    have = data.draw(st.sampled_from([R, P, Shard(0)]))   # the tokens as they arrive (each strategy converts)
+    offered = strategies(info, (have, R))
+    assert Strategy((R, R), REPLICATE_PARTIAL_GRAD) in offered, offered
+    for s in offered:
+        if s.output == REPLICATE_PARTIAL_GRAD:
+            assert s.inputs == (R, R), s   # read whole; the f goes to the float input
+            check_strategy(info, replace(s, output=R), (x, [index]), {})   # forward: whole on every rank
+            _vjp_summands_add_up(aten.index.Tensor, (x, [index]), {}, 0, tp, gen)
+    # not offered where the rows are not a grouped product's alone, nor at tp 1
+    assert REPLICATE_PARTIAL_GRAD not in [s.output for s in strategies(op_info(aten.index.Tensor, (x, [index]), {}, tp),
+                                                                       (R, R))]
+    assert REPLICATE_PARTIAL_GRAD not in [s.output for s in strategies(replace(info, tp=1), (R, R))]
+
+
+VALUE_KEEPING_CASES = [   # (op, args after x, kwargs)
+    (aten.to.dtype, (F64,), {}), (aten.to.dtype, (torch.float32,), {}),
+    (aten._to_copy.default, (), {"dtype": F64}), (aten._to_copy.default, (), {"dtype": torch.float32}),
+    (aten.clone.default, (), {}), (aten.contiguous.default, (), {}), (aten.alias.default, (), {}),
+    (aten.neg.default, (), {}), (aten.silu.default, (), {}),
+]
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_a_tensor_whole_with_its_gradient_a_summand_passes_only_ops_that_keep_its_value(data):
+    # a cast to its own dtype and a copy keep each rank's gradient summand as it is (the f behind
+    # them sums it); a cast to another dtype would round the summands apart, and any other op
+    # reads it as Replicate, which only an f serves (propagate.copied_seconds)
+    from autotp.passes.propagate import copied_seconds
+    from autotp.placements import REPLICATE_PARTIAL_GRAD
+
+    gen = _gen(data.draw)
+    op, more, kwargs = data.draw(st.sampled_from(VALUE_KEEPING_CASES))
+    x = torch.randn(data.draw(shapes(1, 3, st.integers(1, 5))), generator=gen, dtype=F64)
+    tp = data.draw(st.integers(2, 4))
+    info = op_info(op, (x, *more), kwargs, tp)
+    offered = strategies(info, (REPLICATE_PARTIAL_GRAD,))
+    kept = [s for s in offered if REPLICATE_PARTIAL_GRAD in (s.output, *s.inputs)]
+    keeps = op not in (aten.neg.default, aten.silu.default) and op(x, *more, **kwargs).dtype == x.dtype
+    assert kept == ([Strategy((REPLICATE_PARTIAL_GRAD,), REPLICATE_PARTIAL_GRAD)] if keeps else []), offered
+    if keeps:
+        check_strategy(info, Strategy((R,), R), (x, *more), kwargs)
+        _vjp_summands_add_up(op, (x, *more), kwargs, 0, tp, gen)
+    # read as Replicate: only behind an f, or where no gradient flows; never split
+    assert copied_seconds(R, True, True) == 0.0 and copied_seconds(R, False, False) == 0.0
+    assert copied_seconds(R, False, True) == math.inf
+    assert copied_seconds(Shard(0), False, True) == math.inf and copied_seconds(P, False, True) == math.inf
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_rows_reordered_by_a_permutation_gather_their_gradient_back(data):
+    # x[inv_perm], inv_perm a permutation of x's rows (the experts' output back to token order):
+    # every strategy's rank program computes the op, and its backward, a gather by the inverse
+    # permutation (not autograd's scatter-add into zeros), gives serial's gradient exactly
+    gen = _gen(data.draw)
+    rows, h = data.draw(st.integers(1, 12)), data.draw(st.integers(1, 5))
+    tp = data.draw(st.integers(1, 4))
+    x = torch.randn(rows, h, generator=gen, dtype=F64)
+    index = torch.randperm(rows, generator=gen)
+    info = replace(op_info(aten.index.Tensor, (x, [index]), {}, tp), permutes_rows=True)
+    have = data.draw(st.sampled_from([R, P, Shard(1)]))
+    for s in strategies(info, (have, R)):
+        check_strategy(info, s, (x, [index]), {})
+        target, args, kwargs = localizer(aten.index.Tensor)(info, s, (x, [index]), {}, LocalContext(tp, 0))
+        assert rules.op_name(target).endswith("permute_rows"), target
+    want = x.detach().requires_grad_(True)
+    got = x.detach().requires_grad_(True)
+    grad = torch.randn(rows, h, generator=gen, dtype=F64)
+    want[index].backward(grad)
+    target(got, index).backward(grad)
+    assert torch.equal(got.grad, want.grad)

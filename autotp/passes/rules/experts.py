@@ -48,8 +48,8 @@ from typing import Any
 import sympy
 import torch
 
-from ...placements import (PARTIAL, REPLICATE, Partial, Routed, Shard, divides, is_even, layout, local_ranges,
-                           same_placement)
+from ...placements import (PARTIAL, REPLICATE, REPLICATE_PARTIAL_GRAD, Partial, Routed, Shard, divides, is_even,
+                           layout, local_ranges, same_placement)
 from .routing import counted_by, index_length, is_permutation, written
 from .registry import (LocalContext, OpInfo, Strategy, _RULES, functional_of, is_shard, op_name, register,
                        register_localizer, register_routed, register_routed_localizer)
@@ -159,6 +159,25 @@ def reads_rows(node: Any) -> bool:
     # rows reordered: unread where the index keeps every row once (routed_permute)
     return not (isinstance(stack, torch.Tensor) and stack.ndim and is_permutation(index)
                 and sympy.expand(index_length(index) - shape_of(node.args[0])[0]) == 0)
+
+
+def permutes_rows(node: Any) -> bool:
+    """Whether ``node`` is ``x[index]`` of float rows by one 1-D index the graph makes a
+    permutation of x's rows (:func:`is_permutation`, as long as x's rows): every row kept once,
+    so its backward is a gather by the inverse permutation (``distributed.functional.permute_rows``)."""
+    from torch import fx
+
+    from ...capture import shape_of
+
+    if not (isinstance(node, fx.Node) and node.target is aten.index.Tensor and len(node.args) == 2
+            and isinstance(node.args[1], (list, tuple)) and len(node.args[1]) == 1):
+        return False
+    x, index = node.args[0], node.args[1][0]
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    if not (isinstance(val, torch.Tensor) and val.is_floating_point() and val.ndim >= 1
+            and isinstance(index, fx.Node) and is_permutation(index)):
+        return False
+    return sympy.expand(index_length(index) - shape_of(x)[0]) == 0
 
 
 def _before(a: Any, b: Any) -> bool:
@@ -559,6 +578,11 @@ def index_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
         # rows gathered for a grouped product alone: a rank gathers its experts' rows (the
         # product takes them as routed rows, the same row map)
         out.append(Strategy((REPLICATE, REPLICATE), Routed(0)))
+    if info.gathers_expert_rows and info.tp > 1 and info.inputs[0].is_float:
+        # every row gathered whole (an expert-TP product reads them all), its f on the tokens
+        # [T, h] in front (k times fewer bytes summed backward than on the [T*k, h] rows): the
+        # gather's backward, a scatter-add, carries each rank's gradient summand back to it
+        out.append(Strategy((REPLICATE, REPLICATE), REPLICATE_PARTIAL_GRAD))
     if picked and type(placements[0]) is Partial:
         # rows reordered (the grouped path's inverse sort): linear in x, so a Partial stays one
         out.append(Strategy((PARTIAL, REPLICATE), PARTIAL))

@@ -144,6 +144,12 @@ def index_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
 @register_localizer(aten.index.Tensor)
 def index_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
     p = strategy.inputs[0]
+    if info.permutes_rows and not (is_shard(p) and p.dim == 0):
+        # rows reordered by a permutation (the experts' output back to token order, whole or a
+        # partial sum on every rank): backward a gather by the inverse, not a scatter-add
+        from ...distributed.functional import permute_rows
+
+        return permute_rows, (args[0], args[1][0]), {}
     if not (is_shard(p) and p.tail and info.picks is not None and info.picks[0] == p.dim):
         return info.target, args, kwargs
     dim, positions = info.picks

@@ -22,7 +22,8 @@ import torch
 
 from ...cached_hash import cached_hash, state_without_hash
 from ...capture.program import op_name
-from ...placements import REPLICATE, Partial, Placement, Replicate, Routed, Shard, block_sets
+from ...placements import (REPLICATE, REPLICATE_PARTIAL_GRAD, Partial, Placement, Replicate, ReplicatePartialGrad,
+                           Routed, Shard, block_sets)
 
 aten = torch.ops.aten
 
@@ -110,6 +111,10 @@ class OpInfo:
     #: this op, placed to run a rank's own experts' rows alone where its inputs hold every row,
     #: reads their count on the host (:func:`autotp.passes.rules.experts.reads_rows`)
     reads_rows: bool = False
+    #: an index of float rows by a permutation of them (``x[inv_perm]``: transformers' inverse of
+    #: the sort by expert, :func:`autotp.passes.rules.routing.is_permutation`): its backward is a
+    #: gather by the inverse permutation, not a scatter-add (the rank's program runs it so)
+    permutes_rows: bool = False
     #: a grouped product whose x is rows gathered for it alone (``gathers_expert_rows``), or a
     #: cast between them: routed, those are the product's own experts' rows, which only its
     #: expert-parallel strategies can take (routed through the casts)
@@ -140,7 +145,7 @@ class OpInfo:
     def cost_key(self) -> tuple:
         """Everything the cost of one strategy of this op depends on: equal across layers."""
         return (self.target, self.inputs, self.output, self.args_key, self.grad_inputs, self.train_dtype,
-                self.grad_uses, self.strided_inputs, self.reads_rows, self.x_gathered)
+                self.grad_uses, self.strided_inputs, self.reads_rows, self.x_gathered, self.permutes_rows)
 
     def hint(self, dim: int) -> tuple[int, int, int, int, bool, tuple, tuple]:
         """(chunks, unit, rotate, tail, grouped, sizes, whole) a fresh shard of output ``dim`` should use
@@ -323,7 +328,14 @@ def strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
                 "Register one in autotp/passes/rules/ to shard it.", name,
             )
         return replicate_all(info, placements)
-    if any(isinstance(p, Routed) for p in placements) and _ROUTED:
+    if any(isinstance(p, ReplicatePartialGrad) for p in placements):
+        # whole forward: the rule's strategies for a replicated input (each then pays its
+        # conversion, which only an f, already made, serves: propagate._conversion), and an op
+        # that keeps the value as it is keeps its gradient a summand
+        found = rule(info, tuple(REPLICATE if isinstance(p, ReplicatePartialGrad) else p for p in placements))
+        if keeps_value(info) and len(placements) == 1:
+            found.append(Strategy((REPLICATE_PARTIAL_GRAD,), REPLICATE_PARTIAL_GRAD))
+    elif any(isinstance(p, Routed) for p in placements) and _ROUTED:
         found = _ROUTED[0](info, placements, rule)   # rows of experts: the ops that keep them routed
     else:
         found = rule(info, placements)
@@ -333,6 +345,21 @@ def strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
         found = [s for s in found if info.target in _OUTER_OPS
                  or not any(has_outer(p) for p in (*s.inputs, *_outputs(s)))]
     return found
+
+
+#: ops that return their input's value as it is where the dtype asked is the input's own (a
+#: copy, a cast to its own dtype): their gradient is the incoming one as it is
+_VALUE_KEEPING = (aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.clone.default,
+                  aten.contiguous.default, aten.alias.default)
+
+
+def keeps_value(info: OpInfo) -> bool:
+    """Whether ``info`` is a copy or a cast to its input's own dtype: identity on each rank's
+    value and on each rank's gradient summand (a cast that changes the dtype would round the
+    summands apart)."""
+    out = info.output
+    return (info.target in _VALUE_KEEPING and len(info.inputs) == 1 and out is not None
+            and not isinstance(out, tuple) and out.dtype == info.inputs[0].dtype)
 
 
 #: the strategies of an op meeting a Routed (expert rows) input; rules/experts.py registers them,
