@@ -144,6 +144,12 @@ def _placed(cap: Capture, index: GraphIndex, prof: Any, pinned: Mapping[str, Pla
     notes: list[str] = []
     if plan is not None:
         prop = _under_pins(index, prof, pinned)
+        if index.force_sequence and not sequence_regions(index, prop):
+            raise PlanError(
+                "sequence_parallel=True, but under the plan's parameter placements no row-parallel product's partial "
+                "sum meets an add, a dropout or a cast along a dynamic sequence dim in this program "
+                f"({cap.model_name}, tp={index.tp}): nothing here can be reduce-scattered along the sequence. Pin a "
+                "row-parallel layout (layout={'<glob>': 'row'}), or leave sequence_parallel to the planner (None)")
     else:
         try:
             solution, index, more = _solve(index, prof, pinned, layout, limit)
@@ -237,6 +243,8 @@ def _written(cap: Capture, index: GraphIndex, prop: Propagation, prof: Any, batc
                   # a replay keeps the layout it is given, and its drawing (recording one costs
                   # 0.24 s of gpt2-xl's 0.63 s replay, paid per call signature)
                   flows=record_flows(index, prop) if plan is None else plan.flows)
+    if plan is not None and tp > 1 and index.force_sequence:   # a later program's, forced as the first
+        result.notes += [note for note in (_sequence_note(index, prop),) if note]
     if plan is None and tp > 1:
         for note in (_sequence_note(index, prop), _replicated_note(result, layout),
                      unsplit_attention_note(index, prop, result.attention or {}), _unsplit_mixer_note(index, result)):
@@ -323,6 +331,22 @@ def _sequence_note(index: GraphIndex, prop: Propagation) -> str | None:
     return (f"sequence parallelism in {regions} region{'s' if regions > 1 else ''}, {how}: layer norms, dropouts and "
             "residual adds run on s/tp tokens between a reduce-scatter and an all-gather along s (Megatron-SP's ḡ "
             "and f̄)")
+
+
+def sequence_dropped(inputs: Mapping[str, Any], training: bool, step: str) -> str:
+    """The note of a later program of ``parallelize`` planned by cost under
+    ``sequence_parallel=True`` because it has no sequence to split: a decode step's one token
+    (``step="decode"``), or lengths its capture holds static (a one-token prompt)."""
+    if step:
+        call = f"a generation {step} step"
+    else:
+        given = ", ".join(sorted(k for k, v in inputs.items() if v is not None))
+        call = f"the call with {given} ({'training' if training else 'eval'} mode)"
+    why = ("it runs one token a row: there is no sequence to split (its cache stays split by head)"
+           if step == "decode" else "its capture holds every length static (a one-token prompt, or a length "
+                                    "export fixed): there is no dynamic sequence dim to split")
+    return (f"sequence_parallel=True does not apply to the program of {call}: {why}, so it is planned by cost "
+            "(every program with a sequence to split is forced)")
 
 
 def sequence_regions(index: GraphIndex, prop: Propagation) -> int:
