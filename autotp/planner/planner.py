@@ -186,7 +186,11 @@ def _under_pins(index: GraphIndex, prof: Any, pinned: Mapping[str, Placement]) -
     placement without the conversions it leaves to later ops: Mixtral's inference program at batch
     64 reduce-scattered the attention's partial sum along the hidden dim into the residual add (half
     an all-reduce, half the add) and then all-gathered it twice for the norm, 2% slower by the
-    cost model than the solver's plan under the same pins."""
+    cost model than the solver's plan under the same pins. Forced (``index.force_sequence``), a
+    walk that splits fewer regions along the sequence than the solver's plan is not taken however
+    cheap: Falcon's prefill step at tp 3 walked to its row-parallel products with x whole and
+    gathered their pinned weights (through the transpose, which the solver never does), leaving
+    no partial sum to reduce-scatter."""
     greedy = propagate(index, pinned, prof, exact=True)
     try:
         solved = solve(index, prof, pinned, exact=True).propagation
@@ -197,6 +201,9 @@ def _under_pins(index: GraphIndex, prof: Any, pinned: Mapping[str, Placement]) -
         log.info("autotp: a later program is planned op by op (the solver found no plan under the given "
                  "placements: %s)", exc)
         return greedy
+    if index.force_sequence and not greedy.infeasible \
+            and sequence_regions(index, greedy) < sequence_regions(index, solved):
+        return solved
     return greedy if not greedy.infeasible and greedy.total_s < solved.total_s else solved
 
 

@@ -69,3 +69,29 @@ def test_a_saved_plan_the_force_cannot_take_is_a_plan_error(fake_rank):
     whole = autotp.plan(model, 2, layout={"*.weight": "replicate"}, **WORKLOAD)
     with pytest.raises(PlanError, match="under the plan's parameter placements no row-parallel product"):
         autotp.parallelize(model, 2, plan=whole, sequence_parallel=True, **WORKLOAD)
+
+
+def test_falcons_forced_prefill_step_keeps_its_row_parallel_products():
+    # planning only (the meta device). Under the first plan's placements the op-by-op walk, cheaper
+    # by the cost model, reached Falcon's row-pinned products at tp 3 with x whole and gathered
+    # their weights through the transpose (the solver never does), so the forced prefill step held
+    # no partial sum to reduce-scatter: a PlanError on generate. Forced, the walk is not taken
+    # where it splits fewer regions than the solver's plan
+    from autotp.capture import capture
+    from autotp.generation import StepSpec, capture_step
+    from autotp.planner import build_plan
+    from autotp.planner.planner import sequence_regions
+
+    config = zoo.tiny_config("falcon", layers=2, heads=4, kv_heads=2, head_dim=8, vocab=61)
+    model = zoo.build("falcon", config, device="meta", dtype=torch.float64)
+    workload = dict(batch=64, seq=4096, profile="h100-dgx", align=None, sequence_parallel=True)
+    first, *_ = build_plan(capture(model), 3, **workload, layout={"*.self_attention.dense.weight": "row",
+                                                                  "*.mlp.dense_4h_to_h.weight": "row"})
+    ids = torch.ones(2, 7, dtype=torch.long, device="meta")
+    spec = StepSpec({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    cap = capture_step(model.eval(), spec)
+    step, index, prop = build_plan(cap, 3, plan=first, gather_logits=True, keep_split=spec.keep_split(cap),
+                                   **workload)
+    assert sequence_regions(index, prop) == 2, [(c.kind, c.tensor, c.src, c.dst) for c in step.comms]
+    gathered = [c.tensor for c in step.comms if c.kind == "all_gather" and c.src == "S(0)"]
+    assert not gathered, gathered   # no pinned weight gathered
