@@ -288,10 +288,9 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
         except PlanError as forced:
             if expert_dispatch is not True or isinstance(forced, MemoryLimitError):
                 raise
-            # the all-to-all dispatch takes tokens split along the sequence: a program that has
-            # them whole (a decode step, or one whose plan under the first's placements finds no
-            # dispatch) cuts each rank's rows from them, as a plan by cost does there (exact); the
-            # user is told
+            # the all-to-all dispatch takes tokens split along the sequence: a program whose plan
+            # under the first's placements finds no dispatch cuts each rank's rows from the tokens
+            # gathered whole, as a plan by cost does there (exact); the user is told
             call_plan, *rest = planned(call_cap, dispatch=None, **call)
             notes.append(forced_dispatch_dropped(inputs, training, step is not None, forced))
         call_plan.notes += notes

@@ -56,8 +56,19 @@ def test_every_later_program_with_a_sequence_is_forced(fake_rank, caplog):
     # one token a row: nothing to split, so by cost, said in its plan and in the log
     decode = later["decode+mask"]
     assert along_s(decode) == 0 and any(UNSPLIT in n and "by cost" in n for n in decode.notes), decode.notes
-    said = [r.getMessage() for r in caplog.records if UNSPLIT in r.getMessage()]
-    assert len(said) == 1, said
+    # a one-token prompt: its prefill's capture holds the length static, and its first decode step
+    # (one position before it) is a program of its own; each says why, the decode step's note
+    # logged once for every decode program
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="autotp"):
+        pm.generate(ids[:, :1], attention_mask=mask[:, -1:], max_new_tokens=3, do_sample=False, pad_token_id=0)
+    steps = pm.programs[5:]
+    (prefill,) = [p.plan for p in steps if p.step == "prefill"]
+    decodes = [p.plan for p in steps if p.step == "decode"]
+    assert along_s(prefill) == 0 and any("prefill step: its capture holds every length static" in n
+                                         for n in prefill.notes), prefill.notes
+    assert decodes and all(any(UNSPLIT in n for n in plan.notes) for plan in decodes), [p.notes for p in decodes]
+    said = [r.getMessage() for r in caplog.records if "sequence_parallel=True does not apply" in r.getMessage()]
+    assert len(said) == 2 and sum(UNSPLIT in line for line in said) == 1, said
 
 
 def test_a_saved_plan_the_force_cannot_take_is_a_plan_error(fake_rank):
