@@ -253,7 +253,7 @@ def forced_dispatch_dropped(inputs: Mapping[str, Any], training: bool, generatio
     """The note of a later program (another call's: inference, a padded call, a generation
     step) planned by cost where ``expert_dispatch=True`` could not hold: the all-to-all takes
     tokens split along the sequence, which this program's plan under the first's placements
-    holds whole (sequence parallelism by cost, or forced where a program has no sequence to split),
+    holds whole (sequence parallelism by cost, or a program with no sequence to split),
     so each rank's (token, expert) rows are cut from the tokens gathered whole, as a plan by cost
     makes them (exact)."""
     call = "a generation step" if generation else \
