@@ -28,7 +28,7 @@ from .passes.propagate import GraphIndex, Propagation
 from .passes.rewrite import rewrite
 from .plan import Plan
 from .planner.experts import forced_dispatch_dropped
-from .planner.planner import build_plan
+from .planner.planner import build_plan, sequence_dropped
 from .distributed.agreement import _agreed_seed, _on_every_rank_or_none
 from .distributed.rng import RNGTracker
 
@@ -270,28 +270,31 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
                 call_cap = call_capture(lengths_of(inputs))
         finally:
             twin.train(was)
+        # forbidden stays forbidden and forced stays forced, in every program with a sequence to
+        # split: a decode step (one token a row) or a capture of static lengths (a one-token
+        # prompt) has none, and is planned by cost, its plan saying why
+        kind = "" if step is None else "prefill" if step.cache is None else "decode"
+        unsplit = sequence_parallel is True and (kind == "decode" or "seq" not in call_cap.dim_symbols.values())
+        notes = [sequence_dropped(inputs, training, kind)] if unsplit else []
         # a generation step returns its logits whole whatever gather_logits says for calls:
         # generate picks each token from the whole row (StepSpec.keep_split keeps the cache)
         call = dict(seq=seq or _default_seq(twin), plan=result, memory_limit=memory_limit,
                     gather_logits=True if step is not None else gather_logits,
                     input_placements=step.input_placements if step else None,
                     keep_split=step.keep_split(call_cap) if step else frozenset(),
-                    # forbidden stays forbidden; forced applies to the first program (a generation
-                    # step of one token has no sequence to split), the later ones choose by cost
-                    sequence_parallel=False if sequence_parallel is False else None)
+                    sequence_parallel=None if unsplit else sequence_parallel)
         try:
-            return (call_cap, *planned(call_cap, **call), None)
+            call_plan, *rest = planned(call_cap, **call)
         except PlanError as forced:
             if expert_dispatch is not True or isinstance(forced, MemoryLimitError):
                 raise
-            # the all-to-all dispatch takes tokens split along the sequence, which the first
-            # program alone is forced to: a later one whose walk has them whole (its greedy walk
-            # does not look ahead to the experts) cuts each rank's rows from them, as a plan by
-            # cost does there (exact); the user is told
+            # the all-to-all dispatch takes tokens split along the sequence: a program whose plan
+            # under the first's placements finds no dispatch cuts each rank's rows from the tokens
+            # gathered whole, as a plan by cost does there (exact); the user is told
             call_plan, *rest = planned(call_cap, dispatch=None, **call)
-            note = forced_dispatch_dropped(inputs, training, step is not None, forced)
-            call_plan.notes.append(note)
-            return (call_cap, call_plan, *rest, note)
+            notes.append(forced_dispatch_dropped(inputs, training, step is not None, forced))
+        call_plan.notes += notes
+        return (call_cap, call_plan, *rest, notes)
 
     def planned(call_cap: Any, dispatch: bool | None = expert_dispatch, **call: Any) -> tuple:
         """A capture's plan, graph index and propagation: the first call's and every later one's
@@ -304,13 +307,17 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
         gm = rewrite(index, prop, mesh.tp_rank, mesh.tp_group, device, tracker, align)
         return checkpoint_layers(gm, tracker) if activation_checkpointing else gm
 
+    said: set[str] = set()   # the later programs' notes logged so far
+
     def build(inputs: dict, training: bool, step: Any = None) -> tuple:
         """Another call signature's program under the same parameter layout (``result``); with
         ``step`` (an autotp.generation.StepSpec), a generation step's program instead."""
-        call_cap, call_plan, call_index, call_prop, note = _on_every_rank_or_none(
+        call_cap, call_plan, call_index, call_prop, notes = _on_every_rank_or_none(
             mesh, lambda: prepare_call(inputs, training, step))
-        if note is not None and mesh.tp_rank == 0 and mesh.dp_rank == 0:
-            log.warning("autotp plan note: %s", note)
+        for note in notes:   # on one rank, each once (a decode step's, say, for every decode program)
+            if mesh.tp_rank == 0 and mesh.dp_rank == 0 and note not in said:
+                log.warning("autotp plan note: %s", note)
+            said.add(note)
         return call_cap, call_plan, program(call_index, call_prop)
 
     # The groups, then on them: the first plan (every rank or none) and the dropout seed, agreed.

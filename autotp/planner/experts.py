@@ -252,13 +252,14 @@ def _forced(index: Any) -> str:
 def forced_dispatch_dropped(inputs: Mapping[str, Any], training: bool, generation: bool, why: Exception) -> str:
     """The note of a later program (another call's: inference, a padded call, a generation
     step) planned by cost where ``expert_dispatch=True`` could not hold: the all-to-all takes
-    tokens split along the sequence, which only the first program is forced to
-    (``sequence_parallel=True``); this one's walk left them whole, so each rank's (token, expert)
-    rows are cut from the tokens gathered whole, as a plan by cost makes them (exact)."""
+    tokens split along the sequence, which this program's plan under the first's placements
+    holds whole (sequence parallelism by cost, or a program with no sequence to split),
+    so each rank's (token, expert) rows are cut from the tokens gathered whole, as a plan by cost
+    makes them (exact)."""
     call = "a generation step" if generation else \
         f"the call with {', '.join(sorted(k for k, v in inputs.items() if v is not None))} " \
         f"({'training' if training else 'eval'} mode)"
     return (f"expert_dispatch=True does not hold in the program of {call}: its tokens do not reach the experts "
-            f"split along the sequence (a later program takes sequence parallelism by cost, never forced), so the "
+            f"split along the sequence (its plan under the first's placements holds them whole), so the "
             f"program is planned by cost and each rank's experts take their rows from the tokens gathered whole "
             f"(exact; forced, it failed: {why})")

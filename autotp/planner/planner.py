@@ -144,6 +144,12 @@ def _placed(cap: Capture, index: GraphIndex, prof: Any, pinned: Mapping[str, Pla
     notes: list[str] = []
     if plan is not None:
         prop = _under_pins(index, prof, pinned)
+        if index.force_sequence and not sequence_regions(index, prop):
+            raise PlanError(
+                "sequence_parallel=True, but under the plan's parameter placements no row-parallel product's partial "
+                "sum meets an add, a dropout or a cast along a dynamic sequence dim in this program "
+                f"({cap.model_name}, tp={index.tp}): nothing here can be reduce-scattered along the sequence. Pin a "
+                "row-parallel layout (layout={'<glob>': 'row'}), or leave sequence_parallel to the planner (None)")
     else:
         try:
             solution, index, more = _solve(index, prof, pinned, layout, limit)
@@ -180,7 +186,11 @@ def _under_pins(index: GraphIndex, prof: Any, pinned: Mapping[str, Placement]) -
     placement without the conversions it leaves to later ops: Mixtral's inference program at batch
     64 reduce-scattered the attention's partial sum along the hidden dim into the residual add (half
     an all-reduce, half the add) and then all-gathered it twice for the norm, 2% slower by the
-    cost model than the solver's plan under the same pins."""
+    cost model than the solver's plan under the same pins. Forced (``index.force_sequence``), a
+    walk that splits fewer regions along the sequence than the solver's plan is not taken however
+    cheap: Falcon's prefill step at tp 3 walked to its row-parallel products with x whole and
+    gathered their pinned weights (through the transpose, which the solver never does), leaving
+    no partial sum to reduce-scatter."""
     greedy = propagate(index, pinned, prof, exact=True)
     try:
         solved = solve(index, prof, pinned, exact=True).propagation
@@ -191,6 +201,9 @@ def _under_pins(index: GraphIndex, prof: Any, pinned: Mapping[str, Placement]) -
         log.info("autotp: a later program is planned op by op (the solver found no plan under the given "
                  "placements: %s)", exc)
         return greedy
+    if index.force_sequence and not greedy.infeasible \
+            and sequence_regions(index, greedy) < sequence_regions(index, solved):
+        return solved
     return greedy if not greedy.infeasible and greedy.total_s < solved.total_s else solved
 
 
@@ -237,6 +250,8 @@ def _written(cap: Capture, index: GraphIndex, prop: Propagation, prof: Any, batc
                   # a replay keeps the layout it is given, and its drawing (recording one costs
                   # 0.24 s of gpt2-xl's 0.63 s replay, paid per call signature)
                   flows=record_flows(index, prop) if plan is None else plan.flows)
+    if plan is not None and tp > 1 and index.force_sequence:   # a later program's, forced as the first
+        result.notes += [note for note in (_sequence_note(index, prop),) if note]
     if plan is None and tp > 1:
         for note in (_sequence_note(index, prop), _replicated_note(result, layout),
                      unsplit_attention_note(index, prop, result.attention or {}), _unsplit_mixer_note(index, result)):
@@ -323,6 +338,22 @@ def _sequence_note(index: GraphIndex, prop: Propagation) -> str | None:
     return (f"sequence parallelism in {regions} region{'s' if regions > 1 else ''}, {how}: layer norms, dropouts and "
             "residual adds run on s/tp tokens between a reduce-scatter and an all-gather along s (Megatron-SP's ḡ "
             "and f̄)")
+
+
+def sequence_dropped(inputs: Mapping[str, Any], training: bool, step: str) -> str:
+    """The note of a later program of ``parallelize`` planned by cost under
+    ``sequence_parallel=True`` because it has no sequence to split: a decode step's one token
+    (``step="decode"``), or lengths its capture holds static (a one-token prompt)."""
+    if step:
+        call = f"a generation {step} step"
+    else:
+        given = ", ".join(sorted(k for k, v in inputs.items() if v is not None))
+        call = f"the call with {given} ({'training' if training else 'eval'} mode)"
+    why = ("it runs one token a row: there is no sequence to split (its cache stays split by head)"
+           if step == "decode" else "its capture holds every length static (a one-token prompt, or a length "
+                                    "export fixed): there is no dynamic sequence dim to split")
+    return (f"sequence_parallel=True does not apply to the program of {call}: {why}, so it is planned by cost "
+            "(every program with a sequence to split is forced)")
 
 
 def sequence_regions(index: GraphIndex, prop: Propagation) -> int:

@@ -6,11 +6,16 @@ reduce-scatter along s there, an all-gather along s into the next column-paralle
 fused in); then a
 training call (loss, logits, every gradient), an inference call in eval mode, a left-padded
 inference call (an attention mask) and greedy ``generate`` (causal families) must each equal the
-serial model's: float64 within TOLERANCE, tokens identical. The plan must hold at least one
-reduce-scatter along the sequence (the force took), and the lengths are ones tp does not divide.
+serial model's: float64 within TOLERANCE, tokens identical. The program that ran each of them
+must hold at least one reduce-scatter along the sequence (the force took there, not only in the
+first program), or, for generate's one-token decode step, say in its plan why it has none; the
+lengths are ones tp does not divide.
 
-The fast tier runs two families (GPT-2's Conv1D, Llama's rotary/RMSNorm/SwiGLU) at tp 2; the slow
-tier every family (dense and mixture-of-experts) at tp 2 and 3.
+The fast tier runs two families (GPT-2's Conv1D, Llama's rotary/RMSNorm/SwiGLU) at tp 2, planned
+at a small workload with their row-parallel products pinned (``SMALL``), where a later program
+left to the cost model splits nothing along the sequence (before, later programs were planned by
+cost: "forced" held for the first alone); the slow tier every family (dense and
+mixture-of-experts) at tp 2 and 3, planned at batch 64 x 4096.
 """
 import pytest
 import torch
@@ -31,6 +36,13 @@ ROWS = {"opt": {"*.out_proj.weight": "row", "*.fc2.weight": "row"},
         "llama4": {"*.self_attn.o_proj.weight": "row"}}
 #: the experts' grouped product has no float64 kernel on CPU: transformers' batched path runs there
 EXPERTS = "batched_mm"
+#: the fast cases' planning workload and pins: every layer's two regions along the sequence, in
+#: every program with a sequence (at batch 64 x 4096 the cost model keeps most products whole)
+SMALL = dict(batch=2, seq=16)
+SMALL_ROWS = {"gpt2": {"*.c_attn.weight": "column", "*.c_fc.weight": "column", "*.c_proj.weight": "row"},
+              "llama": {"*.o_proj.weight": "row", "*.down_proj.weight": "row"}}
+#: the note of a program with no sequence to split (planner.sequence_dropped)
+UNSPLIT = "sequence_parallel=True does not apply to the program of"
 
 
 def sp_calls(case: dict) -> dict:
@@ -49,14 +61,22 @@ def sp_calls(case: dict) -> dict:
     causal = fam.task == "causal"
     if causal:
         keep_loss_precision(model)
-    pm = autotp.parallelize(model, tp, batch=64, seq=4096, profile="h100-dgx", sequence_parallel=True,
-                            layout=ROWS.get(family))
-    along_s = [c for c in pm.plan.comms if c.kind == "reduce_scatter" and c.dst == "S(1)"]
+    small = case.get("small", False)
+    pm = autotp.parallelize(model, tp, **(SMALL if small else dict(batch=64, seq=4096)), profile="h100-dgx",
+                            sequence_parallel=True, layout=(SMALL_ROWS if small else ROWS).get(family))
+    # each kind of call -> (the reduce-scatters along s in the program that ran it, its notes)
+    programs: dict = {}
+
+    def ran(call: str, plan) -> None:
+        along_s = [c for c in plan.comms if c.kind == "reduce_scatter" and c.dst == "S(1)"]
+        programs[call] = (len(along_s), [n for n in plan.notes if n.startswith(UNSPLIT)])
+
     errors: dict = {}
     rows = case.get("batch", 2)
     batch = zoo.example_batch(family, config, batch=rows, seq=seq, seed=case["seed"] + 1)
     for name, err in equivalence_errors(model, pm, batch).items():
         errors[f"train:{name}"] = err
+    ran("train", pm.plan)   # pm.plan: the plan of the program that ran last
     model.eval()
     pm.eval()
     gen = torch.Generator().manual_seed(case["seed"])
@@ -68,6 +88,7 @@ def sp_calls(case: dict) -> dict:
             extra = {"decoder_input_ids": ids[:, : seq - 1]} if fam.task == "seq2seq" else {}
             want = model(input_ids=ids, **kwargs, **extra).logits
             got = pm(input_ids=ids, **kwargs, **extra).logits
+            ran(call, pm.plan)
             got = got.full_tensor() if hasattr(got, "full_tensor") else got
             if call == "padded":   # a padded position's logits are whatever the model makes of no tokens
                 want, got = want[:, 2:] if fam.task != "seq2seq" else want, got[:, 2:] if fam.task != "seq2seq" else got
@@ -76,21 +97,33 @@ def sp_calls(case: dict) -> dict:
         want = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
         got = pm.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
         errors["generate:tokens"] = 0.0 if torch.equal(got, want) else float("inf")
-    return {"errors": errors, "along_s": len(along_s), "bound": tolerance(model, batch)}
+        for program in pm.programs:   # the steps generate built: a prefill, a decode step
+            if program.step:
+                ran(program.step, program.plan)
+    return {"errors": errors, "programs": programs, "bound": tolerance(model, batch)}
 
 
 def assert_sp_calls(cluster_of, case: dict) -> None:
     for rank, r in enumerate(cluster_of(case["tp"]).run(sp_calls, case)):
         bound = r["bound"]
-        assert r["along_s"] >= 1, (case, "no reduce-scatter along the sequence: the force did not take")
+        calls = r["programs"]
+        want = ["infer", "padded", "train"] + (["decode", "prefill"] if zoo.family(case["family"]).task == "causal"
+                                               else [])
+        assert sorted(calls) == sorted(want), (case, sorted(calls))
+        for call, (along_s, unsplit) in calls.items():
+            if call == "decode":   # one token a row: nothing to split, planned by cost, said
+                assert unsplit, (case, rank, call, along_s, unsplit)
+            else:
+                assert along_s >= 1 and not unsplit, (case, rank, call, "no reduce-scatter along the sequence in "
+                                                      "its program: the force did not take there", unsplit)
         worst = max(r["errors"], key=r["errors"].get)
         assert r["errors"][worst] <= bound, (case, rank, worst, r["errors"][worst])
 
 
-FAST = [dict(family="gpt2", tp=2, seq=7, seed=1), dict(family="llama", tp=2, seq=5, seed=2)]
+FAST = [dict(family="gpt2", tp=2, seq=7, seed=1, small=True), dict(family="llama", tp=2, seq=5, seed=2, small=True)]
 #: a batch of one: a rank's slice of the sequence is a view of the whole (collectives.rank_slice),
 #: the gathered blocks the whole tensor, with no copy
-FAST += [dict(family="gpt2", tp=2, seq=7, seed=5, batch=1)]
+FAST += [dict(family="gpt2", tp=2, seq=7, seed=5, batch=1, small=True)]
 #: besides: the families whose row-parallel partial sums meet a dropout (Phi-3) or a post-norm's
 #: cast (OLMo-2) before the residual add, where the reduce-scatter along s enters
 SLOW = [dict(family=f, tp=tp, seq=7 if tp == 2 else 5, seed=3 + tp)
