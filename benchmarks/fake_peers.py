@@ -42,7 +42,15 @@ backend would fill them with the first rows of the send buffer; with no such row
 :func:`mirrored_peers` fills them with zeros instead (one write of the rows received, as the
 fake copy of them costs). The rank's product FLOPs then say its experts did nothing that step.
 
-Only the benchmarks use this (and its test): it patches three names of autotp's rewrite while the rank's programs
+Since the rewrite all-gathers a rank's token rows along the sequence where it must make them
+whole (``autotp/passes/rewrite.gather_tokens``), the fake all-gather mirrors them by itself: the
+rank runs its real program there, and the mirrored scatter stands only for a scatter and
+all-reduce the real program runs. (Before 2026-11-29 the patch hid the row map's function from
+the rewrite, which then fell back to a scatter and an all-reduce of those rows, logged as "holds
+token rows without their sequence's row map": the benchmark's rank ran a program the real one
+does not, its mirroring counted in the rank's figure.)
+
+Only the benchmarks use this (and its test): it patches four names of autotp's rewrite while the rank's programs
 are written (the graph's nodes keep the functions they were made with), and needs every rank's
 sequence run of equal length (``seq % tp == 0``).
 """
@@ -114,10 +122,14 @@ def mirrored_peers() -> Iterator[None]:
     from autotp.distributed import experts as E
     from autotp.passes import rewrite
 
-    saved = E.token_rows, rewrite.routed_scatter, E._all_to_all
+    saved = E.token_rows, rewrite.token_rows, rewrite.routed_scatter, E._all_to_all
     _PLAIN.update(token_rows=E.token_rows, routed_scatter=rewrite.routed_scatter, all_to_all=E._all_to_all)
-    E.token_rows, rewrite.routed_scatter, E._all_to_all = _token_rows, _mirrored_scatter, _all_to_all
+    # the rewrite knows a sequence split's row map by its function: patched there too, so the rank
+    # all-gathers its token rows as its real program does (the fake all-gather mirrors them), and
+    # falls back to the mirrored scatter only where the real one would scatter
+    E.token_rows, rewrite.token_rows, rewrite.routed_scatter, E._all_to_all = \
+        _token_rows, _token_rows, _mirrored_scatter, _all_to_all
     try:
         yield
     finally:
-        E.token_rows, rewrite.routed_scatter, E._all_to_all = saved
+        E.token_rows, rewrite.token_rows, rewrite.routed_scatter, E._all_to_all = saved

@@ -132,7 +132,8 @@ def _counted(module, batch: dict):
 def _kind(plan) -> str:
     """Which version a plan is: its experts' roles and whether it holds the all-to-all."""
     roles = {r for n, r in plan.roles.items() if ".experts." in n}
-    a2a = any(c.kind == "all_to_all" for c in plan.comms)
+    # the dispatch's all-to-all (of token rows), not a reshard of one split to another (S -> S)
+    a2a = any(c.kind == "all_to_all" and str(c.src).startswith("P(tokens") for c in plan.comms)
     if roles == {"expert"}:
         return "expert-parallel, all-to-all dispatch" if a2a else "expert-parallel, g combine"
     if roles == {"expert_column", "expert_row"}:

@@ -94,12 +94,17 @@ def _experts_rows(fake_world, dispatch: bool) -> tuple[int, int]:
     return grouped, EMULATED["scatters"]
 
 
-def test_a_dispatching_rank_computes_the_rows_a_gathering_rank_does(fake_world):
+def test_a_dispatching_rank_computes_the_rows_a_gathering_rank_does(fake_world, caplog):
     # the gathering rank routes the fake all-gather's copies of its tokens; the dispatching rank,
-    # its tokens' routing mirrored, receives from each peer what its own tokens send its experts
-    gathered, none = _experts_rows(fake_world, False)
-    dispatched, mirrored = _experts_rows(fake_world, True)
-    assert none == 0 and mirrored >= 1
+    # its tokens' routing mirrored, receives from each peer what its own tokens send its experts.
+    # Both all-gather their token rows along the sequence as their real programs do (the fake
+    # all-gather mirrors them): nothing emulated by the mirrored scatter. Before, the patched row
+    # map hid itself from the rewrite, which scattered and all-reduced those rows instead (logged)
+    with caplog.at_level("WARNING", logger="autotp"):
+        gathered, none = _experts_rows(fake_world, False)
+        dispatched, mirrored = _experts_rows(fake_world, True)
+    assert none == 0 and mirrored == 0
+    assert not [r for r in caplog.records if "without their sequence's row map" in r.getMessage()]
     assert gathered > 0 and dispatched == gathered
 
 

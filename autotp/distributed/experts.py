@@ -33,6 +33,7 @@ alone, and a replicated operand sliced to the rank's rows gets its gradient on t
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Sequence
 
 import torch
@@ -217,28 +218,64 @@ def token_rows(x: torch.Tensor, dim: int, outer: Sequence[int], seq: int, tp: in
     """The row map of a rank's tokens under a sequence split, flattened: ``x`` is its
     ``[*outer, seq_local, ...]`` (split along ``dim`` in contiguous runs of ``unit``-element atoms,
     the first ``seq / unit % tp`` one atom longer), its rows ``o * seq + start + j`` for each outer
-    index ``o`` and its ``j``-th position."""
-    atoms = seq // unit
-    start = (rank * (atoms // tp) + min(rank, atoms % tp)) * unit
-    n = x.shape[dim]
-    count = 1
-    for size in outer:
-        count *= int(size)
-    base = torch.arange(count, device=x.device).unsqueeze(1) * seq
-    return (base + start + torch.arange(n, device=x.device)).reshape(-1)
+    index ``o`` and its ``j``-th position. Made once per shape and device, then reused by every
+    later call and layer (:func:`_layout_cached`)."""
+    shape = (tuple(int(o) for o in outer), int(seq), tp, unit) if _layout_cached(x) else None
+    if shape is None:
+        return _token_rows(x.device, outer, seq, tp, rank, unit, x.shape[dim])
+    return _cached_token_rows(x.device, *shape, rank, int(x.shape[dim]), torch.is_inference_mode_enabled())
 
 
 def token_owners(x: torch.Tensor, outer: Sequence[int], seq: int, tp: int, unit: int = 1) -> torch.Tensor:
     """The rank holding each of the ``prod(outer) * seq`` flattened tokens under a sequence split
     (contiguous runs of ``unit``-element atoms, the first ``seq / unit % tp`` one atom longer):
-    every rank knows where every token is."""
+    every rank knows where every token is. Made once per shape and device, as :func:`token_rows`."""
+    if not _layout_cached(x):
+        return _token_owners(x.device, outer, seq, tp, unit)
+    return _cached_token_owners(x.device, tuple(int(o) for o in outer), int(seq), tp, unit,
+                                torch.is_inference_mode_enabled())
+
+
+def _layout_cached(x: torch.Tensor) -> bool:
+    """Whether a sequence split's row maps may come from the cache: they depend on the shapes,
+    tp, the rank and the device alone, so a step's layers and every later call share one (12
+    ATen calls a step, before: two arange, a repeat_interleave ... per program call). Not while
+    torch.compile traces (the graph makes them, its sizes symbolic), nor for a fake or meta
+    tensor (no real tensor to keep). Inference tensors are kept apart (they may not meet autograd)."""
+    return type(x) is torch.Tensor and x.device.type != "meta" and not torch.compiler.is_compiling()
+
+
+def _token_rows(device: torch.device, outer: Sequence[int], seq: int, tp: int, rank: int, unit: int,
+                n: Any) -> torch.Tensor:
     atoms = seq // unit
-    sizes = torch.tensor([(atoms + tp - 1 - r) // tp * unit for r in range(tp)], device=x.device)
-    of_position = torch.repeat_interleave(torch.arange(tp, device=x.device), sizes, output_size=seq)
+    start = (rank * (atoms // tp) + min(rank, atoms % tp)) * unit
+    count = 1
+    for size in outer:
+        count *= int(size)
+    base = torch.arange(count, device=device).unsqueeze(1) * seq
+    return (base + start + torch.arange(n, device=device)).reshape(-1)
+
+
+def _token_owners(device: torch.device, outer: Sequence[int], seq: int, tp: int, unit: int) -> torch.Tensor:
+    atoms = seq // unit
+    sizes = torch.tensor([(atoms + tp - 1 - r) // tp * unit for r in range(tp)], device=device)
+    of_position = torch.repeat_interleave(torch.arange(tp, device=device), sizes, output_size=seq)
     count = 1
     for size in outer:
         count *= int(size)
     return of_position.repeat(count)
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_token_rows(device: torch.device, outer: tuple, seq: int, tp: int, unit: int, rank: int, n: int,
+                       inference: bool) -> torch.Tensor:
+    return _token_rows(device, outer, seq, tp, rank, unit, n)
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_token_owners(device: torch.device, outer: tuple, seq: int, tp: int, unit: int,
+                         inference: bool) -> torch.Tensor:
+    return _token_owners(device, outer, seq, tp, unit)
 
 
 def token_sums(x: torch.Tensor, rows: torch.Tensor, group: int,
@@ -275,11 +312,13 @@ def sequence_runs(x: torch.Tensor, outer: Sequence[int]) -> torch.Tensor:
 
 # ---- the all-to-all dispatch: rows held by their tokens' ranks sent to their experts' ranks -------
 class DispatchSizes(NamedTuple):
-    """What the host must know of a dispatching expert layer, read at once (:func:`dispatch_sizes`)."""
+    """What the host must know of a dispatching expert layer, read at once (:func:`dispatch_sizes`),
+    and the one device tensor its dispatch plan takes from the same count."""
 
     bounds: tuple   # the rows [start, end) of this rank's experts among the rows sorted by expert
     send: list      # rows this rank sends to each rank (its tokens' rows, by their experts' rank)
     recv: list      # rows it receives from each rank (its experts' rows, by their tokens' rank)
+    dest: Any = None   # the rank of each sorted row's expert (a device tensor; not read)
 
     @property
     def sent(self) -> int:
@@ -291,11 +330,12 @@ def _expert_ranks(offs: torch.Tensor, runs: Sequence[tuple[int, int]]) -> torch.
     """Where each rank's run of rows sorted by expert ends (``runs``: every rank's (first expert,
     experts), in order; ``offs``: the cumulative rows per expert): the rows of rank ``r``'s
     experts are ``[ends[r-1], ends[r])``. Where every rank holds as many experts, in rank order
-    (tp divides the experts), the ends are ``offs`` at each run's last expert: a view, in place of
-    a slice and a sum per rank (two ops a rank, every layer, every step)."""
+    (tp divides the experts), the ends are ``offs`` at each run's last expert (a strided view of
+    it, made contiguous: ``bucketize`` copies a boundary that is not, and warns), in place of a
+    slice and a sum per rank (two ops a rank, every layer, every step)."""
     count = runs[0][1]
     if count and count * len(runs) == offs.numel() and all(r == (i * count, count) for i, r in enumerate(runs)):
-        return offs.reshape(len(runs), count).select(1, count - 1)
+        return offs.reshape(len(runs), count).select(1, count - 1).contiguous()
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
     return torch.stack([counts[first:first + count].sum() for first, count in runs]).cumsum(0)
 
@@ -310,7 +350,8 @@ def dispatch_sizes(owners: torch.Tensor, offs: torch.Tensor, runs: Sequence[tupl
     Every rank counts them itself from what it holds whole: ``owners``, the holder of each row
     sorted by expert, and ``offs``, the cumulative rows per expert (``runs``: every rank's
     (first expert, experts)); no exchange of counts. The reorder of its tokens' rows, both
-    products, the dispatch, the combine back and their backwards reuse them."""
+    products, the dispatch, the combine back and their backwards reuse them; the dispatch plan
+    the destination of each sorted row (``dest``, counted here once)."""
     tp = len(runs)
     ends = _expert_ranks(offs, runs)
     dest = torch.bucketize(torch.arange(owners.numel(), device=owners.device), ends, right=True)
@@ -318,7 +359,7 @@ def dispatch_sizes(owners: torch.Tensor, offs: torch.Tensor, runs: Sequence[tupl
     recv = torch.zeros(tp, dtype=torch.long, device=owners.device).scatter_add_(0, owners, (dest == rank).long())
     start = ends[rank - 1] if rank else ends.new_zeros(())
     read = host_ints(torch.cat([start.view(1), ends[rank].view(1), send, recv]))
-    return DispatchSizes((read[0], read[1]), read[2:2 + tp], read[2 + tp:])
+    return DispatchSizes((read[0], read[1]), read[2:2 + tp], read[2 + tp:], dest)
 
 
 def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: Any, op: str) -> torch.Tensor:
@@ -408,7 +449,10 @@ def dispatch_plan(rows: torch.Tensor, owners: torch.Tensor, offs: torch.Tensor, 
     (``sizes``, :func:`dispatch_sizes`), which the combine back (:class:`CombineRows`) and both
     backwards reuse."""
     total = owners.numel()
-    dest = torch.bucketize(rows, _expert_ranks(offs, runs).to(rows.dtype), right=True)
+    # each row's destination, counted with the split sizes (one bucketize a layer, not two)
+    dest = (sizes.dest if sizes.dest is not None
+            else torch.bucketize(torch.arange(total, device=rows.device), _expert_ranks(offs, runs), right=True))
+    dest = dest.index_select(0, rows)
     order = torch.argsort(dest * total + rows)
     start, end = sizes.bounds
     # the rows as they arrive: from each holder in turn, by id

@@ -103,17 +103,21 @@ def _hinted_symbols(hints: Mapping[str, int | str], env: Mapping[sympy.Symbol, i
 
 def dispatch_allows(info: OpInfo, strategy: Strategy, dispatch: bool) -> bool:
     """Whether ``strategy`` keeps to ``dispatch`` (:attr:`GraphIndex.expert_dispatch`): False
-    offers no placement of the tokens as rows of their own ranks (``Routed(tokens=True)``: the
-    tokens are gathered whole before the router); True offers the ops reading the (token,
-    expert) rows gathered for a grouped product (the product and the casts before it,
-    ``OpInfo.x_gathered``) no routed output but from token rows: whole experts per rank take
-    their rows by the all-to-all alone (expert-TP and replicated experts stay offered)."""
+    offers no strategy that sends rows of the tokens' ranks (``Routed(tokens=True)``) to their
+    experts' ranks (the all-to-all dispatch: a product whose rows arrive as token rows and leave as
+    its experts' rows), so the experts' rows are cut from the tokens gathered whole; the router,
+    its softmax and top-k may still run on each rank's own tokens, their ids and weights then
+    all-gathered (Megatron's all-gather dispatcher), where that is cheaper. True offers the ops
+    reading the (token, expert) rows gathered for a grouped product (the product and the casts
+    before it, ``OpInfo.x_gathered``) no routed output but from token rows: whole experts per rank
+    take their rows by the all-to-all alone (expert-TP and replicated experts stay offered)."""
     def tokens(p: Any) -> bool:
         return isinstance(p, Routed) and p.tokens
 
     outs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
     if dispatch is False:
-        return not any(tokens(p) for p in (*strategy.inputs, *outs))
+        return not (any(tokens(p) for p in strategy.inputs)
+                    and any(isinstance(p, Routed) and not p.tokens for p in outs))
     if not info.x_gathered or not any(isinstance(p, Routed) for p in outs):
         return True
     return bool(strategy.inputs) and tokens(strategy.inputs[0])

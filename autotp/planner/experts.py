@@ -201,7 +201,7 @@ def _solved_with(index: Any, profile: Any, pinned: Mapping[str, Placement], memo
 
 #: the all-to-all dispatch, and the other way, in words
 DISPATCH = "the all-to-all dispatch (each row sent from its token's rank to its expert's)"
-GATHER = "gathering the tokens whole (the router on every token, each rank's rows cut from them)"
+GATHER = "gathering the tokens whole (each rank's rows cut from them)"
 
 
 def dispatch_note(index: Any, profile: Any, comms: list, roles: Mapping[str, str], chosen_s: float,
@@ -210,7 +210,8 @@ def dispatch_note(index: Any, profile: Any, comms: list, roles: Mapping[str, str
     arrive split along the sequence, and by how much that beats the other way (the plan solved
     again with ``expert_dispatch`` the other way round, the user's pins kept): the layers whose
     rows go to their experts' ranks by an all-to-all (``comms``: the plan's CommOps, with its
-    bytes), and the layers whose split tokens are gathered whole before the router."""
+    bytes), and the layers whose split tokens are gathered whole (before the router, or after it
+    where it runs on each rank's own tokens, their ids and weights all-gathered)."""
     a2a = [c for c in comms if c.kind == "all_to_all" and str(c.src).startswith("P(tokens")]
     backs = [c for c in comms if c.kind == "all_to_all" and str(c.dst).startswith("P(tokens")]
     if a2a:
@@ -241,8 +242,13 @@ def dispatch_note(index: Any, profile: Any, comms: list, roles: Mapping[str, str
     cost, prop = _solved_with(index, profile, pinned, memory_limit, True)
     if prop is not None and not any(c.kind == "all_to_all" and not isinstance(c.dst, Shard) for c in prop.comms):
         return []   # the all-to-all cannot take these layers' rows (their tokens do not arrive as rows)
+    # the router on each rank's own tokens, their top-k ids and weights (or probabilities) then
+    # all-gathered, where a token row is all-gathered in the layer; on every token otherwise
+    own_tokens = any(c.kind in ("all_gather", "all_gather_f") and str(c.src).startswith("P(tokens")
+                     and c.module.startswith(m.rsplit(".", 2)[0] + ".") for c in comms for m in gathered)
+    where = "after the router, which runs on each rank's own tokens" if own_tokens else "before the router"
     return [f"experts {_layers_text(gathered)}: the tokens, split along the sequence in the layer, are gathered "
-            f"whole before the router{_forced(index)} — " + _versus(cost, chosen_s, DISPATCH)]
+            f"whole {where}{_forced(index)} — " + _versus(cost, chosen_s, DISPATCH)]
 
 
 def _forced(index: Any) -> str:

@@ -66,7 +66,9 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
     get their (token, expert) rows under expert parallelism. None (default): by cost; True: by
     the all-to-all dispatch alone (the router on each rank's own tokens, each row sent to its
     expert's rank: Megatron's all-to-all token dispatcher); False: never by it (the tokens
-    gathered whole before the router: Megatron's all-gather dispatcher). True needs sequence
+    gathered whole for the experts, before the router or, where cheaper, after it, the router then
+    running on each rank's own tokens and its top-k ids and weights all-gathered: Megatron's
+    all-gather dispatcher). True needs sequence
     parallelism allowed (with ``sequence_parallel=False`` it is a ConfigError: under expert
     parallelism no plan is left); a later program of ``parallelize`` (another call's) whose tokens
     do not reach the experts split is planned by cost instead, with a note (api.py)."""

@@ -241,15 +241,21 @@ def assert_experts_case(cluster_of, case: dict) -> None:
          routed=("token_rows", "dispatch_rows", "routed_grouped_mm", "combine_rows", "token_sums")),
     # the tokens gathered whole for the experts under sequence parallelism (no dispatch): the
     # combine's partial sum passes its cast to the dtype it has and meets the residual add as a
-    # reduce-scatter along the sequence, not a g and a cut. Mixtral at tp 3 with 4 experts (uneven);
-    # Qwen3-MoE at tp 2 in the slow tier
+    # reduce-scatter along the sequence, not a g and a cut. The router, its softmax (and Qwen3's
+    # top-k) run on each rank's own tokens, then the tokens and what the rest of the layer needs
+    # whole are all-gathered along the sequence (Megatron's all-gather dispatcher; before, the
+    # tokens were gathered in front of the router, which ran on every token on every rank).
+    # (No g in the experts' layer; the padded call's router loss sums its per-token statistics over
+    # the ranks by a g of a few numbers.) Mixtral at tp 3 with 4 experts (uneven, a length 3 does
+    # not divide); Qwen3-MoE at tp 2 in the slow tier
     dict(family="mixtral", impl="eager", tp=3, experts=4, top_k=2, kv_heads=2, seq=7, seed=4, layers=2,
-         plan_batch=64, plan_seq=4096, sp=True, dispatch=False, routed=("gather_rows", "routed_combine"),
-         comms={("g", "P", "R"): False, ("reduce_scatter", "P", "S(1)"): True}),
+         plan_batch=64, plan_seq=4096, sp=True, dispatch=False,
+         routed=("token_rows", "sequence_runs", "gather_rows", "routed_combine"), no_experts_g=True,
+         comms={("reduce_scatter", "P", "S(1)"): True, ("all_gather_f", "P(tokens 0)", "R"): True}),
     pytest.param(dict(family="qwen3-moe", impl="eager", tp=2, experts=3, top_k=2, kv_heads=2, seq=6, seed=5,
                       layers=2, plan_batch=64, plan_seq=4096, sp=True, dispatch=False,
-                      routed=("gather_rows", "routed_combine"),
-                      comms={("g", "P", "R"): False, ("reduce_scatter", "P", "S(1)"): True}),
+                      routed=("token_rows", "sequence_runs", "gather_rows", "routed_combine"), no_experts_g=True,
+                      comms={("reduce_scatter", "P", "S(1)"): True, ("all_gather_f", "P(tokens 0)", "R"): True}),
                  marks=pytest.mark.slow),
     # the same at tp 4 with 3 experts (a rank holds none: it sends every row, receives none) and a
     # length tp does not divide; Qwen3-MoE at tp 3, top-1; DeepSeek-V3, whose router computes in

@@ -190,3 +190,56 @@ def test_the_dispatch_and_the_combine_gather_rows_and_call_one_all_to_all_each_w
         assert not [n for n in names if "_c10d_functional" in n], names
         assert names.count("c10d.alltoall_base_") == 2, names   # the dispatch's and the combine's
         assert names.count("index_select") == 4, names
+
+
+def test_the_dispatch_counts_each_rows_destination_once_against_a_contiguous_boundary(monkeypatch):
+    # the split sizes and the dispatch plan both need the rank each sorted row goes to: counted
+    # once a layer (dispatch_sizes), not again in dispatch_plan (a second _expert_ranks and
+    # bucketize a layer, every step), and against a contiguous boundary (the even runs' ends are
+    # a strided view of offs: bucketize copied it on every call, and warned)
+    from autotp.distributed import experts as E
+
+    calls = []
+    plain = torch.bucketize
+
+    def bucketize(values, boundaries, **kwargs):
+        calls.append(boundaries.is_contiguous())
+        return plain(values, boundaries, **kwargs)
+
+    monkeypatch.setattr(torch, "bucketize", bucketize)
+    for case in (dict(tp=4, batch=2, seq=6, k=2, experts=8, seed=5), dict(tp=3, batch=2, seq=5, k=2, experts=4, seed=1)):
+        w, (b, s, k), tp = _whole(case), (case["batch"], case["seq"], case["k"]), case["tp"]
+        held = E.token_owners(w["h"], [b], s, tp)[w["perm"] // k]
+        rows = torch.nonzero(held == 0).squeeze(1)   # rank 0's token rows, ids among the sorted rows
+        calls.clear()
+        sizes = E.dispatch_sizes(held, w["offs"], _runs(case), 0)
+        plan = E.dispatch_plan(rows, held, w["offs"], _runs(case), sizes)
+        assert calls == [True], calls
+        ends = torch.cat([torch.zeros(1, dtype=torch.long), w["offs"]])[[a + n for a, n in _runs(case)]]
+        dest = plain(rows, ends, right=True)
+        assert torch.equal(plan.order, torch.argsort(dest * held.numel() + rows))
+        assert plan.send == [int((dest == r).sum()) for r in range(tp)]
+
+
+def test_a_sequence_splits_row_maps_are_made_once_for_every_layer_and_call():
+    # token_rows and token_owners depend on the shapes, tp, the rank and the device alone: made
+    # once, then every layer of every later call takes the same tensors, no ATen call (12 a call
+    # before); inference mode keeps its own (an inference tensor may not meet autograd)
+    from autotp.distributed import experts as E
+
+    local = torch.empty(3, 4)
+    with _Ops() as first:
+        rows = E.token_rows(local, 1, [3], 7, 2, 0)
+        owners = E.token_owners(local, [3], 7, 2)
+    with _Ops() as again:
+        assert E.token_rows(local, 1, [3], 7, 2, 0) is rows and E.token_owners(local, [3], 7, 2) is owners
+    assert first.names and again.names == [], (first.names, again.names)
+    assert torch.equal(rows, torch.tensor([0, 1, 2, 3, 7, 8, 9, 10, 14, 15, 16, 17]))
+    assert torch.equal(owners, torch.tensor([0, 0, 0, 0, 1, 1, 1] * 3))
+    other = E.token_rows(torch.empty(3, 3), 1, [3], 7, 2, 1)   # the other rank's run: its own map
+    assert torch.equal(other, torch.tensor([4, 5, 6, 11, 12, 13, 18, 19, 20]))
+    with torch.inference_mode():
+        inferred = E.token_rows(local, 1, [3], 7, 2, 0)
+    assert inferred is not rows and inferred.is_inference() and not rows.is_inference()
+    assert not E.token_rows(torch.empty(3, 4, device="meta"), 1, [3], 7, 2, 0) is \
+        E.token_rows(torch.empty(3, 4, device="meta"), 1, [3], 7, 2, 0)   # nothing kept of a meta tensor

@@ -266,6 +266,12 @@ def _routed_strategies(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
         if len(indices) == 1 and indices[0] is not None and len(info.inputs) == 2:   # rows reordered
             p = placements[0]
             found.append(Strategy((p, REPLICATE), replace(p, reordered=True) if p.tokens else p))
+            if info.gathers_expert_rows and info.tp > 1 and p.tokens and not p.reordered:
+                # the tokens the router ran on where they are held (a rank's run of the
+                # sequence), all-gathered along it for a rank's experts' rows to be cut from
+                # them (Megatron's all-gather dispatcher): the gather before the router was the
+                # one way, a gather of rows being offered only from whole tokens
+                found.append(Strategy((REPLICATE, REPLICATE), Routed(0)))
         return found
     kind = _kind(info.target)
     if kind not in ROW_WISE and kind not in ROW_BY_ROW and kind not in ROW_REDUCING:
