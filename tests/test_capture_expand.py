@@ -416,23 +416,25 @@ def test_the_config_is_cut_and_restored():
 def check_parallel(family: str, checkpointing: bool) -> tuple:
     """On each rank: a 5-layer model parallelized from an expanded capture against serial."""
     import autotp
-    from autotp.testing import equivalence_errors, keep_loss_precision
+    from autotp.testing import equivalence_errors, keep_loss_precision, tolerance
 
     config = zoo.tiny_config(family, layers=LAYERS, heads=4, kv_heads=2 if zoo.FAMILIES[family].kv_heads else None,
                              vocab=53)
     model = keep_loss_precision(zoo.build(family, config, dtype=torch.float64, seed=1))
     pm = autotp.parallelize(model, 2, batch=64, seq=4096, profile="h100-dgx",
                             activation_checkpointing=checkpointing)
-    errors = equivalence_errors(model, pm, zoo.example_batch(family, config, batch=2, seq=6, seed=2))
-    return pm.capture.expanded, max(errors.values())
+    batch = zoo.example_batch(family, config, batch=2, seq=6, seed=2)
+    errors = equivalence_errors(model, pm, batch)
+    # the bound of the least precise dtype the model computes in: Llama's RMSNorm variance is float32
+    return pm.capture.expanded, max(errors.values()), tolerance(model, batch)
 
 
 @pytest.mark.slow   # gloo ranks; the fast tier checks the graphs are the whole export's, node for node
 @pytest.mark.parametrize("family, checkpointing", [("gpt2", True), ("llama", False)])
 def test_a_parallel_model_from_an_expanded_capture_matches_serial(cluster_of, family, checkpointing):
-    for expanded, worst in cluster_of(2).run(check_parallel, family, checkpointing):
+    for expanded, worst, bound in cluster_of(2).run(check_parallel, family, checkpointing):
         assert expanded == CASES[family]
-        assert worst <= 1e-9
+        assert worst <= bound
 
 
 # ---- stacks whose blocks repeat with a period (sliding-window | full attention) ---------------------
