@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import torch
 
-from ...placements import REPLICATE, Shard
+from ...placements import REPLICATE, Shard, is_even, resharded_by_all_to_all
 from .registry import OpInfo, Strategy, is_shard, register
 
 aten = torch.ops.aten
@@ -55,6 +55,10 @@ def _matmul_strategies(info: OpInfo, placements: tuple, w_out: int, w_in: int) -
             out.append(Strategy((pw.with_dim(k), pw), _partial()))
         elif size is not None and size >= info.tp:
             out.append(Strategy((Shard(k), Shard(w_in)), _partial()))
+    if pw is None and is_shard(px) and px.dim == k:
+        even = _even_row(info, px, k)
+        if even is not None:
+            out.append(Strategy((even, even.with_dim(w_in)), _partial()))
     if pw is None and not (is_shard(px) and px.dim == k) and _row_may_pay(info, k, out_last):
         # Row-parallel with a free weight, x converted to a fresh split of its features (a whole
         # x sliced on each rank, free; a Partial reduce-scattered): what a weight pinned to its
@@ -83,6 +87,23 @@ def _row_may_pay(info: OpInfo, k: int, out_last: int) -> bool:
         return False
     chunks, unit = info.input_hint(0, k)[:2]
     return n_out < n_in or (n_out == n_in and (chunks > 1 or unit > 1))
+
+
+def _even_row(info: OpInfo, px: Shard, k: int) -> Shard | None:
+    """An even split of x's contracted dim ``k`` for a free weight where x arrives split on it
+    unevenly (heads that tp does not divide: Phi-3-medium's 10 groups at tp 8, 2 or 1 a rank):
+    x moved to it by one all-to-all ((tp-1)/tp^2 of x each way), each rank's product then 1/tp of
+    the work rather than the largest rank's share of the heads. The solver weighs the move against
+    the imbalance; the row split along x's own split stays offered. None where x's split is even
+    (no work to balance), K has no even split, or the move is not one all-to-all (a gather and a cut
+    would make x whole, where column-parallel is the cheaper use of it)."""
+    size = info.inputs[0].static(k)
+    if size is None or is_even(size, px, info.tp):
+        return None
+    even = replace(info, input_hints={}, uneven=False).fresh_shard_of(0, k)
+    if even is None or even == px or not resharded_by_all_to_all(px, even):
+        return None
+    return even
 
 
 def _fresh_row(info: OpInfo, k: int) -> Shard | None:
