@@ -5,6 +5,11 @@ step by part, what changed between them, and the layout the test named before pi
 as now (is the solver's plan the cheapest the cost model knows?). Planning only, meta device.
 
     PYTHONPATH=$PWD python benchmarks/reshard_review.py [case ...]   # writes benchmarks/reshard_review.md
+
+``even_row`` (a case of its own, run last) reviews the plans the even row split changed: a free
+weight split evenly on its inputs where they arrive split unevenly (heads tp does not deal evenly),
+the input moved there by one all-to-all (``passes/rules/matrix._even_row``), planned with it and
+without.
 """
 from __future__ import annotations
 
@@ -121,6 +126,49 @@ def review(name: str) -> list[str]:
     return lines
 
 
+#: the even row split (a free weight split evenly on its inputs where they arrive split unevenly, moved
+#: there by one all-to-all): every plan it may change, those fed by a split of heads tp does not deal
+#: evenly (published configurations, 2 layers, default profile, batch 8)
+EVEN_ROW_CASES = [("gpt2", 8), ("gpt2-large", 8), ("gpt2-xl", 8), ("falcon-7b", 8), ("qwen2-7b", 8),
+                  ("llama-4-scout", 8), ("phi-3-medium", 4), ("phi-3-medium", 8), ("phi-3-mini", 3),
+                  ("gemma-2-9b", 3), ("gemma-3-27b", 3), ("t5-large", 3)]
+
+
+@contextlib.contextmanager
+def without_even_row():
+    """Plans as before the even row split: a free weight's row split only along its input's own split."""
+    from autotp.passes.rules import matrix
+
+    offer = matrix._even_row
+    matrix._even_row = lambda info, px, k: None
+    try:
+        yield
+    finally:
+        matrix._even_row = offer
+
+
+def even_row_review() -> list[str]:
+    lines = ["## The even row split", "",
+             "Each plan a row split over an even split of an unevenly split input may change, planned with "
+             "it offered (`now`) and without (`before`: the row split along the input's own split only). "
+             "`changed`: the parameters whose placement differs.", "", "```"]
+    for size, tp in EVEN_ROW_CASES:
+        family = zoo.family_of(size).name
+        model = zoo.build(family, zoo.published_config(size, layers=2), device="meta", dtype=torch.bfloat16)
+        now = autotp.plan(model, tp)
+        with without_even_row():
+            before = autotp.plan(model, tp)
+        step_now, step_before = now.compute_s + now.comm_s, before.compute_s + before.comm_s
+        moved = [n for n in now.params if now.params[n] != before.params.get(n)]
+        lines.append(f"{size:14s} tp {tp}: before {_ms(step_before)} ms, now {_ms(step_now)} ms "
+                     f"({(step_now - step_before) * 1e6:+.1f} us); {len(moved)} changed")
+        lines += [f"    {n}: {before.roles.get(n)} {before.params.get(n)!r} -> {now.roles[n]} {now.params[n]!r}"
+                  for n in moved]
+        if moved:
+            lines += [line.replace("  ", "    ", 1) for line in changed(before, now)]
+    return lines + ["```", ""]
+
+
 def main(names: list[str]) -> None:
     import logging
 
@@ -131,8 +179,8 @@ def main(names: list[str]) -> None:
              "pinned and priced now. Predicted seconds per training step on the largest rank; `sent`: "
              "bytes a rank sends per step, forward and backward. Planning only (meta device).", "",
              machine(), "", "Command: `PYTHONPATH=$PWD python benchmarks/reshard_review.py`", ""]
-    for name in names or list(CASES):
-        lines += review(name)
+    for name in names or list(CASES) + ["even_row"]:
+        lines += even_row_review() if name == "even_row" else review(name)
     publish(lines, Path(__file__).with_suffix(".md") if not names else None)
 
 

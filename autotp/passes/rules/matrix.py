@@ -6,7 +6,9 @@ For ``y = x @ W`` (GPT-2's Conv1D, ``mm``) or ``y = x @ W.T`` (``linear``):
 * row-parallel: x sharded on the contracted dim, W split the same way -> y Partial (the sum
   over ranks is the product; a g all-reduce makes it whole). x split as it arrives, or, where
   the weight is free, converted to a fresh split of its features (a whole x sliced on each rank:
-  free forward, its gradient all-gathered), in whole heads where x was made of heads;
+  free forward, its gradient all-gathered), in whole heads where x was made of heads; where x
+  arrives split unevenly (heads tp does not deal evenly), also an even split of x's features, x
+  moved there by one all-to-all (the even row split);
 * batch-parallel: x sharded on a row dim, W replicated -> y sharded on that dim.
 
 A fresh column shard follows the hint for the output dim, so a fused q/k/v projection is
