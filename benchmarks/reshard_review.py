@@ -134,6 +134,13 @@ EVEN_ROW_CASES = [("gpt2", 8), ("gpt2-large", 8), ("gpt2-xl", 8), ("falcon-7b", 
                   ("gemma-2-9b", 3), ("gemma-3-27b", 3), ("t5-large", 3)]
 
 
+#: the e2e families' tiny structures (tests/e2e/test_families.py: layers, heads, kv heads, head dim,
+#: vocabulary, rotary) at tp 2-4 and their planning workload, and the tiny Phi-3 and Gemma
+TINY_FAMILIES = ["gpt2", "llama", "mistral", "qwen2", "gpt-neox", "gpt-j", "falcon", "falcon-new", "gpt-bigcode",
+                 "opt", "bert", "t5", "phi3", "gemma2", "gemma3"]
+TINY_STRUCTURES = [(2, 6, 2, 4, 53, 1.0), (1, 4, 1, 8, 40, 0.5)]
+
+
 @contextlib.contextmanager
 def without_even_row():
     """Plans as before the even row split: a free weight's row split only along its input's own split."""
@@ -166,6 +173,25 @@ def even_row_review() -> list[str]:
                   for n in moved]
         if moved:
             lines += [line.replace("  ", "    ", 1) for line in changed(before, now)]
+    lines += ["```", "", "The e2e families' tiny structures (`tests/e2e/test_families.py`), float64, tp 2-4, planned "
+              "as those tests plan (batch 64, seq 4096, `h100-dgx`), with the even row split and without:", "",
+              "```"]
+    for family in TINY_FAMILIES:
+        same, differ = 0, []
+        for layers, heads, kv, head_dim, vocab, rotary in TINY_STRUCTURES:
+            config = zoo.tiny_config(family, layers=layers, heads=heads, kv_heads=kv, head_dim=head_dim,
+                                     vocab=vocab, rotary=rotary)
+            model = zoo.build(family, config, device="meta", dtype=torch.float64)
+            for tp in (2, 3, 4):
+                now = autotp.plan(model, tp, batch=64, seq=4096, profile="h100-dgx")
+                with without_even_row():
+                    before = autotp.plan(model, tp, batch=64, seq=4096, profile="h100-dgx")
+                if now.params == before.params and now.comms == before.comms:
+                    same += 1
+                else:
+                    differ.append(f"{heads} heads tp {tp}")
+        lines.append(f"{family:12s} {same} of {same + len(differ)} plans the same" +
+                     (f"; changed: {', '.join(differ)}" if differ else ""))
     return lines + ["```", ""]
 
 
