@@ -189,21 +189,59 @@ def _under_pins(index: GraphIndex, prof: Any, pinned: Mapping[str, Placement]) -
     walk that splits fewer regions along the sequence than the solver's plan is not taken however
     cheap: Falcon's prefill step at tp 3 walked to its row-parallel products with x whole and
     gathered their pinned weights (through the transpose, which the solver never does), leaving
-    no partial sum to reduce-scatter."""
+    no partial sum to reduce-scatter. Nor is a walk taken that moves a sharded parameter (a view of
+    it converted, :meth:`GraphIndex.moves_parameter`, which the solver never does): the pin would
+    hold in name only. Falcon's decode step at tp 4 walked its row-pinned weights through their
+    transposes into an all-to-all to ``S(1)``, its inference call at a small workload all-gathered
+    them, each cheaper by the cost model; where the solver finds no plan and the walk moves one,
+    the program is a PlanError naming the weight."""
     greedy = propagate(index, pinned, prof, exact=True)
+    moved = [] if greedy.infeasible else moved_parameters(index, greedy)
     try:
         solved = solve(index, prof, pinned, exact=True).propagation
     except PlanError as exc:
         if greedy.infeasible:
             raise PlanError(f"the given plan does not fit this model: {exc}") from exc
+        if moved:
+            param, placed, tensor, src, dst = moved[0]
+            more = f" (and {len(moved) - 1} more)" if len(moved) > 1 else ""
+            raise PlanError(
+                f"under the plan's parameter placements this program ({index.capture.model_name}, tp={index.tp}) "
+                f"runs only by moving {param}, placed {placed}: {tensor} would be converted {src} -> {dst} at run "
+                f"time, so the placement would hold in name only{more} (the solver found no plan that keeps it: "
+                f"{exc}). Pin {param} another way (layout=), or let the planner choose its layout") from exc
         # the walk is a path the search holds, so only a search cut at MAX_STATES loses it
         log.info("autotp: a later program is planned op by op (the solver found no plan under the given "
                  "placements: %s)", exc)
         return greedy
+    if moved:
+        return solved
     if index.force_sequence and not greedy.infeasible \
             and sequence_regions(index, greedy) < sequence_regions(index, solved):
         return solved
     return greedy if not greedy.infeasible and greedy.total_s < solved.total_s else solved
+
+
+def moved_parameters(index: GraphIndex, prop: Propagation) -> list[tuple[str, Placement, str, Placement, Placement]]:
+    """The sharded parameters ``prop`` moves at run time (:meth:`GraphIndex.moves_parameter`: a
+    parameter, or a view of a sharded one, converted), as (parameter, its placement, the tensor
+    converted, from, to)."""
+    from ..passes.propagate import _meta
+
+    nodes = {n.name: n for n in index.capture.graph.nodes}
+    found = []
+    for c in prop.comms:
+        node = nodes.get(c.tensor)
+        if node is None or node not in index.param_views:
+            continue
+        meta = _meta(node)
+        if meta is not None and index.moves_parameter(node, c.src, c.dst, meta):
+            root = node
+            while root.name not in index.capture.param_names and root.args:
+                root = root.args[0]
+            found.append((index.capture.param_names.get(root.name, root.name), prop.params.get(root.name, REPLICATE),
+                          c.tensor, c.src, c.dst))
+    return found
 
 
 def _written(cap: Capture, index: GraphIndex, prop: Propagation, prof: Any, batch: int, seq: int,
