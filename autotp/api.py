@@ -28,7 +28,7 @@ from .passes.propagate import GraphIndex, Propagation
 from .passes.rewrite import rewrite
 from .plan import Plan
 from .planner.experts import forced_dispatch_dropped
-from .planner.planner import build_plan, sequence_dropped
+from .planner.planner import build_plan, sequence_dropped, sequence_to_split
 from .distributed.agreement import _agreed_seed, _on_every_rank_or_none
 from .distributed.rng import RNGTracker
 
@@ -160,9 +160,9 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
 
     ``activation_checkpointing=True`` recomputes each repeated layer in backward instead of
     keeping its activations (autotp.passes.checkpoint). ``sequence_parallel``: see
-    :func:`build_plan` (default: offered, chosen by cost; ``True`` forces it in the first
-    program, and programs for later kinds of calls choose by cost; ``False`` forbids it in every
-    program).
+    :func:`build_plan` (default: offered, chosen by cost; ``True`` forces it in every program
+    with a sequence to split, a length export fixed included, and is a PlanError where the first
+    has none; ``False`` forbids it in every program).
 
     ``seed`` seeds dropout in the rewritten graph (default: TP rank 0's ``torch.initial_seed()``,
     shared with its group): replicated regions draw the same masks on every TP rank, sharded
@@ -271,11 +271,13 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
         finally:
             twin.train(was)
         # forbidden stays forbidden and forced stays forced, in every program with a sequence to
-        # split: a decode step (one token a row) or a capture of static lengths (a one-token
-        # prompt) has none, and is planned by cost, its plan saying why
+        # split (a length export fixed is one where it has a token for every rank): a decode step
+        # (one token a row), a one-token prompt or a fixed length under tp has none, and is
+        # planned by cost, its plan saying why. The first program has no such way out: its
+        # capture is the user's to lengthen, so there it is a PlanError (planner._solve)
         kind = "" if step is None else "prefill" if step.cache is None else "decode"
-        unsplit = sequence_parallel is True and (kind == "decode" or "seq" not in call_cap.dim_symbols.values())
-        notes = [sequence_dropped(inputs, training, kind)] if unsplit else []
+        unsplit = sequence_parallel is True and tp > 1 and (kind == "decode" or not sequence_to_split(call_cap, tp))
+        notes = [sequence_dropped(inputs, training, kind, call_cap, tp)] if unsplit else []
         # a generation step returns its logits whole whatever gather_logits says for calls:
         # generate picks each token from the whole row (StepSpec.keep_split keeps the cache)
         call = dict(seq=seq or _default_seq(twin), plan=result, memory_limit=memory_limit,

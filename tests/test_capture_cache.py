@@ -142,3 +142,19 @@ def test_a_cached_capture_that_no_longer_fits_the_model_is_replaced(base_capture
     cap = capture_cache.capture(model)
     assert capture_cache.stats()["misses"] == 1 and cap is not base_capture
     assert capture_cache._entries[capture_cache.structure_key(model)] is cap
+
+
+def test_a_capture_holding_a_fixed_length_serves_only_examples_of_that_length():
+    # Mamba's loop over the sequence: export fixes the length (Capture.fixed_dims), so the key's
+    # "n" for the length does not say which lengths the program holds. Before, the second length's
+    # example got the first length's capture: a ParallelModule's second inference call at a new
+    # length was refused (InputError: the program does not hold its inputs' sizes)
+    config = zoo.tiny_config("mamba", layers=1, heads=2, head_dim=8, vocab=61)
+    model = zoo.build("mamba", config, dtype=torch.float32, seed=1).eval()
+    ids = torch.randint(0, 61, (2, 5))
+    five = capture_cache.capture(model, example_kwargs={"input_ids": ids})
+    three = capture_cache.capture(model, example_kwargs={"input_ids": ids[:, :3]})
+    again = capture_cache.capture(model, example_kwargs={"input_ids": ids[:, 1:4]})
+    assert five.fixed_dims == {"input_ids.1": 5} and three.fixed_dims == {"input_ids.1": 3}
+    assert again.graph_module is three.graph_module   # the same length still hits
+    assert capture_cache.stats()["hits"] == 1 and capture_cache.stats()["misses"] == 2

@@ -45,7 +45,7 @@ import torch
 
 from .export import capture as _export
 from .inputs import _length_groups, bind_inputs, forward_signature, seq_bounds
-from .program import Capture, _tied_aliases, guards_hold
+from .program import Capture, _tied_aliases, fits_call
 from .structure import _TORCH_BOOKKEEPING, Uncacheable, _describe, _qualname
 
 log = logging.getLogger(__name__)
@@ -153,12 +153,15 @@ def _fits(cap: Capture, model: torch.nn.Module) -> bool:
 
 def _guards_fit(cap: Capture, model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None) -> bool:
     """The key reduces lengths to "n"; a capture with guards (a chunked scan's residue class of
-    lengths: :attr:`Capture.guards`) serves only examples whose sizes satisfy them."""
-    if not cap.guards or not (example_inputs or example_kwargs):
+    lengths: :attr:`Capture.guards`) serves only examples whose sizes satisfy them, and one that
+    holds a length as a number (:attr:`Capture.fixed_dims`: Mamba's loop over the sequence) only
+    examples of that length. Before, a third length's example got the second's capture: a
+    ParallelModule's second inference call at a new length was refused (an InputError)."""
+    if not (cap.guards or cap.fixed_dims) or not (example_inputs or example_kwargs):
         return True
     inputs = bind_inputs(forward_signature(model), tuple(example_inputs), dict(example_kwargs or {}),
                          type(model).__name__)
-    return guards_hold(cap, inputs)
+    return fits_call(cap, inputs)
 
 
 def _for_model(cap: Capture, model: torch.nn.Module) -> Capture:

@@ -71,6 +71,18 @@ class Capture:
         return self.graph_module.graph
 
     @property
+    def static_lengths(self) -> frozenset[int]:
+        """The sequence lengths this program holds as numbers where none is dynamic: the
+        sequence dims (dim 1 and on of an input, as :attr:`dim_symbols` names them) that
+        torch.export fixed (:attr:`fixed_dims`: Mamba's scan loops over the length). A static
+        length is still a sequence: sequence parallelism may split the dim of that size
+        (:func:`autotp.passes.rules.registry.along_sequence`). Empty where a sequence dim is
+        dynamic, or where no length was asked dynamic (a one-token prompt)."""
+        if "seq" in self.dim_symbols.values():
+            return frozenset()
+        return frozenset(size for key, size in self.fixed_dims.items() if int(key.rsplit(".", 1)[1]) >= 1)
+
+    @property
     def output_nodes(self) -> list:
         """The graph's flat outputs, in :attr:`output_names`' order."""
         out = next(n for n in reversed(self.graph.nodes) if n.op == "output")

@@ -139,8 +139,14 @@ class GraphIndex:
     #: user input placeholder -> its placement on the ranks (default: whole on every rank); a
     #: generation step's KV cache comes in split by head, as the step before returned it
     input_placements: Mapping[str, Placement] = field(default_factory=dict)
-    #: sequence parallelism forced (``sequence_parallel=True``): see :meth:`build`
+    #: sequence parallelism forced (``sequence_parallel=True``, at tp > 1 with ``uneven``): see
+    #: :meth:`build`. Set where the program has no sequence to split too, so that the planner
+    #: can say so (a PlanError naming it) instead of planning by cost unsaid
     force_sequence: bool = False
+    #: the sizes of the sequence dims a fresh shard may split: their symbols, or the lengths a
+    #: program holds as numbers (``Capture.static_lengths``); empty where sequence parallelism is
+    #: not offered (:func:`~.rules.registry.along_sequence`)
+    sequence: frozenset = frozenset()
     #: which unaligned products the rewrite pads (:class:`~autotp.cost_model.alignment.Align`;
     #: None: none), priced as they will run
     align: Any = None
@@ -213,7 +219,11 @@ class GraphIndex:
         index = cls(capture, tp, env, uneven=uneven, sharded_outputs=frozenset(sharded_outputs),
                     input_placements=dict(input_placements or {}), grads=grad_nodes(capture))
         sequence = frozenset(sym for sym in env if sequence_parallel and capture.dim_symbols.get(sym.name) == "seq")
-        index.force_sequence = force_sequence and bool(sequence)
+        if sequence_parallel and not sequence:
+            # a length export fixed (a loop over the sequence) is still a sequence: its dim may be split
+            sequence = frozenset(sympy.Integer(n) for n in capture.static_lengths)
+        index.sequence = sequence
+        index.force_sequence = force_sequence and sequence_parallel
         index.align = align
         index.host_reads = host_reads
         constant = _constants(capture)

@@ -147,11 +147,8 @@ def _placed(cap: Capture, index: GraphIndex, prof: Any, pinned: Mapping[str, Pla
     if plan is not None:
         prop = _under_pins(index, prof, pinned)
         if index.force_sequence and not sequence_regions(index, prop):
-            raise PlanError(
-                "sequence_parallel=True, but under the plan's parameter placements no row-parallel product's partial "
-                "sum meets an add, a dropout or a cast along a dynamic sequence dim in this program "
-                f"({cap.model_name}, tp={index.tp}): nothing here can be reduce-scattered along the sequence. Pin a "
-                "row-parallel layout (layout={'<glob>': 'row'}), or leave sequence_parallel to the planner (None)")
+            raise PlanError(f"sequence_parallel=True, but {_no_sequence_region(index, replayed=True)}. "
+                            + _sequence_fix(index))
     else:
         try:
             solution, index, more = _solve(index, prof, pinned, layout, limit)
@@ -192,21 +189,59 @@ def _under_pins(index: GraphIndex, prof: Any, pinned: Mapping[str, Placement]) -
     walk that splits fewer regions along the sequence than the solver's plan is not taken however
     cheap: Falcon's prefill step at tp 3 walked to its row-parallel products with x whole and
     gathered their pinned weights (through the transpose, which the solver never does), leaving
-    no partial sum to reduce-scatter."""
+    no partial sum to reduce-scatter. Nor is a walk taken that moves a sharded parameter (a view of
+    it converted, :meth:`GraphIndex.moves_parameter`, which the solver never does): the pin would
+    hold in name only. Falcon's decode step at tp 4 walked its row-pinned weights through their
+    transposes into an all-to-all to ``S(1)``, its inference call at a small workload all-gathered
+    them, each cheaper by the cost model; where the solver finds no plan and the walk moves one,
+    the program is a PlanError naming the weight."""
     greedy = propagate(index, pinned, prof, exact=True)
+    moved = [] if greedy.infeasible else moved_parameters(index, greedy)
     try:
         solved = solve(index, prof, pinned, exact=True).propagation
     except PlanError as exc:
         if greedy.infeasible:
             raise PlanError(f"the given plan does not fit this model: {exc}") from exc
+        if moved:
+            param, placed, tensor, src, dst = moved[0]
+            more = f" (and {len(moved) - 1} more)" if len(moved) > 1 else ""
+            raise PlanError(
+                f"under the plan's parameter placements this program ({index.capture.model_name}, tp={index.tp}) "
+                f"runs only by moving {param}, placed {placed}: {tensor} would be converted {src} -> {dst} at run "
+                f"time, so the placement would hold in name only{more} (the solver found no plan that keeps it: "
+                f"{exc}). Pin {param} another way (layout=), or let the planner choose its layout") from exc
         # the walk is a path the search holds, so only a search cut at MAX_STATES loses it
         log.info("autotp: a later program is planned op by op (the solver found no plan under the given "
                  "placements: %s)", exc)
         return greedy
+    if moved:
+        return solved
     if index.force_sequence and not greedy.infeasible \
             and sequence_regions(index, greedy) < sequence_regions(index, solved):
         return solved
     return greedy if not greedy.infeasible and greedy.total_s < solved.total_s else solved
+
+
+def moved_parameters(index: GraphIndex, prop: Propagation) -> list[tuple[str, Placement, str, Placement, Placement]]:
+    """The sharded parameters ``prop`` moves at run time (:meth:`GraphIndex.moves_parameter`: a
+    parameter, or a view of a sharded one, converted), as (parameter, its placement, the tensor
+    converted, from, to)."""
+    from ..passes.propagate import _meta
+
+    nodes = {n.name: n for n in index.capture.graph.nodes}
+    found = []
+    for c in prop.comms:
+        node = nodes.get(c.tensor)
+        if node is None or node not in index.param_views:
+            continue
+        meta = _meta(node)
+        if meta is not None and index.moves_parameter(node, c.src, c.dst, meta):
+            root = node
+            while root.name not in index.capture.param_names and root.args:
+                root = root.args[0]
+            found.append((index.capture.param_names.get(root.name, root.name), prop.params.get(root.name, REPLICATE),
+                          c.tensor, c.src, c.dst))
+    return found
 
 
 def _written(cap: Capture, index: GraphIndex, prop: Propagation, prof: Any, batch: int, seq: int,
@@ -280,12 +315,51 @@ def _solve(index: GraphIndex, prof: Any, pinned: Mapping[str, Placement], layout
             exc.without_limit = (exc.fastest, index)
         raise
     if index.force_sequence and not sequence_regions(index, solution.propagation):
-        raise PlanError(
-            "sequence_parallel=True, but no row-parallel product's partial sum meets an add, a dropout or a cast "
-            f"along a dynamic sequence dim in this plan at tp={index.tp} (no layer is split so that a "
-            "reduce-scatter along the sequence can replace its all-reduce): pin a row-parallel layout "
-            "(layout={'<glob>': 'row'}), or leave sequence_parallel to the planner (None)")
+        raise PlanError(f"sequence_parallel=True, but {_no_sequence_region(index, replayed=False)}. "
+                        + _sequence_fix(index))
     return solution, index, notes
+
+
+def _no_sequence_region(index: GraphIndex, replayed: bool) -> str:
+    """Why a forced program holds no region along the sequence, as a clause: it has no sequence
+    dim, its fixed length is shorter than tp, or no partial sum meets an op along it (in a plan
+    solved here, or under a saved plan's placements: ``replayed``)."""
+    cap, tp = index.capture, index.tp
+    lengths = sorted(cap.static_lengths)
+    if not index.sequence and not lengths:
+        return (f"this program ({cap.model_name}, tp={tp}) has no sequence dim to split: no input's length is "
+                "dynamic or fixed by export (the example inputs' sequence dims are held static, or the model takes "
+                "none)")
+    if not sequence_to_split(cap, tp):
+        return (f"this program ({cap.model_name}) holds its sequence at {_tokens(lengths)} (torch.export fixed the "
+                f"length: the forward reads it as a number), fewer than tp={tp}: no split of it gives every rank a "
+                "token")
+    along = "a dynamic sequence dim" if not lengths else f"the sequence (held static at {_tokens(lengths)})"
+    if replayed:
+        return ("under the plan's parameter placements no row-parallel product's partial sum meets an add, a dropout "
+                f"or a cast along {along} in this program ({cap.model_name}, tp={tp}): nothing here can be "
+                "reduce-scattered along the sequence")
+    return (f"no row-parallel product's partial sum meets an add, a dropout or a cast along {along} in this plan at "
+            f"tp={tp} (no layer is split so that a reduce-scatter along the sequence can replace its all-reduce)")
+
+
+def _tokens(lengths: list[int]) -> str:
+    return " or ".join(f"{n} token{'s' if n != 1 else ''}" for n in lengths)
+
+
+def _sequence_fix(index: GraphIndex) -> str:
+    """What a user can do where a forced program holds no region along the sequence."""
+    if sequence_to_split(index.capture, index.tp):
+        return ("Pin a row-parallel layout (layout={'<glob>': 'row'}), or leave sequence_parallel to the planner "
+                "(None)")
+    return (f"Capture with a sequence of at least tp={index.tp} tokens (example_kwargs= with longer inputs), or leave "
+            "sequence_parallel to the planner (None)")
+
+
+def sequence_to_split(cap: Capture, tp: int) -> bool:
+    """Whether a program has a sequence sequence parallelism may split at ``tp``: a dynamic
+    sequence dim, or a length it holds as a number of at least ``tp`` tokens."""
+    return "seq" in cap.dim_symbols.values() or any(n >= tp for n in cap.static_lengths)
 
 
 #: ops of a model's program that read device values on the host whatever the layout: a value read
@@ -342,33 +416,41 @@ def _sequence_note(index: GraphIndex, prop: Propagation) -> str | None:
             "and f̄)")
 
 
-def sequence_dropped(inputs: Mapping[str, Any], training: bool, step: str) -> str:
+def sequence_dropped(inputs: Mapping[str, Any], training: bool, step: str, cap: Capture, tp: int) -> str:
     """The note of a later program of ``parallelize`` planned by cost under
-    ``sequence_parallel=True`` because it has no sequence to split: a decode step's one token
-    (``step="decode"``), or lengths its capture holds static (a one-token prompt)."""
+    ``sequence_parallel=True`` because it has no sequence to split (:func:`sequence_to_split`):
+    a decode step's one token (``step="decode"``), lengths its capture holds static and not
+    asked dynamic (a one-token prompt), or a length export fixed that is shorter than ``tp``."""
     if step:
         call = f"a generation {step} step"
     else:
         given = ", ".join(sorted(k for k, v in inputs.items() if v is not None))
         call = f"the call with {given} ({'training' if training else 'eval'} mode)"
-    why = ("it runs one token a row: there is no sequence to split (its cache stays split by head)"
-           if step == "decode" else "its capture holds every length static (a one-token prompt, or a length "
-                                    "export fixed): there is no dynamic sequence dim to split")
+    lengths = sorted(cap.static_lengths)
+    if step == "decode":
+        why = "it runs one token a row: there is no sequence to split (its cache stays split by head)"
+    elif lengths:
+        why = (f"its capture holds the sequence at {_tokens(lengths)} (torch.export fixed the length), fewer than "
+               f"tp={tp}: no split of it gives every rank a token")
+    else:
+        why = "its capture holds every length static (a one-token prompt): there is no sequence dim to split"
     return (f"sequence_parallel=True does not apply to the program of {call}: {why}, so it is planned by cost "
             "(every program with a sequence to split is forced)")
 
 
 def sequence_regions(index: GraphIndex, prop: Propagation) -> int:
     """How many regions of a propagation run split along the sequence: reduce-scatters of a
-    Partial along a dynamic dim."""
+    Partial along a dynamic dim, or along the length a program holds as a number
+    (``Capture.static_lengths``: Mamba's capture on CPU)."""
     from ..passes.propagate import _meta
+    from ..passes.rules.registry import along_sequence
 
     nodes = {n.name: n for n in index.capture.graph.nodes}
     count = 0
     for c in prop.comms:
         if c.kind == "reduce_scatter" and isinstance(c.dst, Shard) and c.tensor in nodes:
             meta = _meta(nodes[c.tensor])
-            if meta is not None and meta.static(c.dst.dim) is None:
+            if meta is not None and (meta.static(c.dst.dim) is None or along_sequence(meta, c.dst.dim, index.sequence)):
                 count += 1
     return count
 

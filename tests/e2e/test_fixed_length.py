@@ -17,7 +17,7 @@ from autotp.testing import TOLERANCE
 LENGTH = 6
 
 
-def fixed_length_calls() -> dict:
+def fixed_length_calls(sequence_parallel: bool | None = None) -> dict:
     import autotp
     from autotp import zoo
     from autotp.testing import equivalence_errors
@@ -25,7 +25,8 @@ def fixed_length_calls() -> dict:
     config = zoo.tiny_config("mamba", layers=2, heads=2, head_dim=8, vocab=64)
     model = zoo.build("mamba", config, dtype=torch.float64)
     batch = zoo.example_batch("mamba", config, batch=2, seq=LENGTH)
-    pm = autotp.parallelize(model, 2, example_kwargs=batch, layout={"*.out_proj.weight": "row"})
+    pm = autotp.parallelize(model, 2, example_kwargs=batch, layout={"*.out_proj.weight": "row"},
+                            sequence_parallel=sequence_parallel)
     out = {"fixed": dict(pm.capture.fixed_dims), "held": sum(p.numel() for p in pm.local_parameters().values()),
            "serial": sum(p.numel() for p in model.parameters())}
     out["train"] = max(equivalence_errors(model, pm, batch).values())
@@ -44,6 +45,8 @@ def fixed_length_calls() -> dict:
     out["generate"] = (pm.generate(ids[:, :3], max_new_tokens=3, eos_token_id=None).tolist(),
                        model.generate(ids[:, :3], max_new_tokens=3, do_sample=False, eos_token_id=None,
                                       pad_token_id=0).tolist())
+    out["along_s"] = [((p.step or "call"), tuple(p.capture.fixed_dims.values()),
+                       sum(c.kind == "reduce_scatter" and c.dst == "S(1)" for c in p.plan.comms)) for p in pm.programs]
     return out
 
 
@@ -57,3 +60,20 @@ def test_a_program_fixed_to_one_length_equals_serial_there_and_other_lengths_get
         assert r["programs"] == 4   # train at 6, train at 4, inference, inference with a mask
         got, serial = r["generate"]
         assert got == serial
+
+
+def test_sequence_parallelism_forced_splits_a_length_the_program_holds_fixed(cluster_of):
+    # Mamba's program holds the length as a number: before, sequence_parallel=True found no dynamic
+    # sequence dim and planned every program by cost, unsaid (no reduce-scatter along s anywhere).
+    # A static length is still a sequence: each layer's residual region runs on the rank's tokens
+    # (6 split 3 + 3, the shorter call's 4 split 2 + 2, the 3-token prompt 2 + 1), equal to serial
+    results = cluster_of(2).run(fixed_length_calls, True)
+    for r in results:
+        for call in ("train", "shorter", "infer", "padded"):
+            assert r[call] <= TOLERANCE[torch.float64], (call, r[call])
+        got, serial = r["generate"]
+        assert got == serial
+        # train at 6, train at 4, inference, inference with a mask, the prompt's prefill: the two
+        # layers' regions each; the decode step (one token a row) none
+        assert r["along_s"] == [("call", (6, 6), 2), ("call", (4, 4), 2), ("call", (6,), 2), ("call", (6, 6), 2),
+                                ("prefill", (3,), 2), ("decode", (), 0)], r["along_s"]

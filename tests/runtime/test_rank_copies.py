@@ -1,8 +1,9 @@
 """A rank's step copies no more than serial's, beyond what a collective needs.
 
 One rank of tp 2 on torch's ``fake`` backend (its collectives return at once), Llama and GPT-2
-wide enough that the plan splits them (8 heads of 64, planned for 8 x 1024 on h100-dgx), with
-sequence parallelism forced and forbidden, at a batch of one and of two.
+wide enough that the plan splits them (8 heads of 64, planned for 256 x 32 on h100-dgx: 8192
+tokens, as many as 8 x 1024, at a length the tiny models' 32 positions take), with sequence
+parallelism forced and forbidden, at a batch of one and of two.
 :class:`autotp.testing.work.CopyCounter` records every copy and cast of a training step (forward
 and backward) and where it was made. The model's own copies (its program's nodes and their
 backward formulas: rotary's ``cat``, the labels' pad, a reshape of a transposed tensor) run at
@@ -48,6 +49,8 @@ from autotp import zoo
 from autotp.testing.work import CopyCounter
 
 TP = 2
+#: the planning workload: the tiny models' 32 positions, a batch that makes 8 x 1024's tokens
+PLANNED = dict(batch=256, seq=32)
 #: where autotp's code may copy, and why (module docs)
 NEEDED = ("collectives._all_gather", "collectives._reduce_scatter", "collectives._all_to_all", "collectives.rank_slice",
           "inputs.stage_index_bounds")
@@ -79,7 +82,9 @@ def _inference_copies(module, inputs) -> CopyCounter:
 def test_a_ranks_step_copies_only_what_its_collectives_need(fake_rank, family, sequence_parallel):
     config = zoo.tiny_config(family, layers=2, heads=8, kv_heads=8, head_dim=64, vocab=512)
     model = zoo.build(family, config, dtype=torch.float32, seed=1)
-    pm = autotp.parallelize(model, TP, batch=8, seq=1024, profile="h100-dgx", sequence_parallel=sequence_parallel)
+    # planned at a length the model takes (before: seq=1024 over its 32 positions, a workload it
+    # cannot run, with a warning; the plan is the same, token for token)
+    pm = autotp.parallelize(model, TP, **PLANNED, profile="h100-dgx", sequence_parallel=sequence_parallel)
     assert pm.plan.comm_counts().get("reduce_scatter", 0) >= (1 if sequence_parallel else 0)
     for batch in (1, 2):
         inputs = zoo.example_batch(family, config, batch=batch, seq=8, seed=2)

@@ -106,3 +106,61 @@ def test_falcons_forced_prefill_step_keeps_its_row_parallel_products():
     assert sequence_regions(index, prop) == 2, [(c.kind, c.tensor, c.src, c.dst) for c in step.comms]
     gathered = [c.tensor for c in step.comms if c.kind == "all_gather" and c.src == "S(0)"]
     assert not gathered, gathered   # no pinned weight gathered
+
+
+def _mamba(seq: int):
+    # transformers' Mamba without its kernels loops over the sequence: export fixes the length
+    config = zoo.tiny_config("mamba", layers=1, heads=2, head_dim=8, vocab=61)
+    model = zoo.build("mamba", config, dtype=torch.float32, seed=1)
+    return model, zoo.example_batch("mamba", config, batch=2, seq=seq)
+
+
+@pytest.fixture
+def fake_world_of_4():
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_length_export_fixed_is_split_forced_and_a_later_one_under_tp_planned_by_cost(fake_world_of_4, caplog):
+    # before, a program holding its length as a number (no dynamic sequence dim) was planned by
+    # cost under sequence_parallel=True, with no note and no error: Mamba's residual adds
+    # all-reduced whole. Its 6 tokens split 2, 2, 1, 1 over tp 4; a later call of 3 tokens has no
+    # split with a token on every rank, so it is planned by cost, its plan saying why
+    import autotp
+
+    model, batch = _mamba(6)
+    pm = autotp.parallelize(model, 4, example_kwargs=batch, layout={"*.out_proj.weight": "row"},
+                            sequence_parallel=True, **WORKLOAD)
+    # the vocab-parallel lookup's partial sum and the layer's row-parallel one, each met by a cast
+    assert along_s(pm.plan) == 2 and any("sequence parallelism in 2 regions, forced" in n for n in pm.plan.notes)
+    assert pm.capture.static_lengths == {6}
+    out = pm(**batch)
+    out.loss.backward()   # the rank's program runs, forward and backward, on its 2 of the 6 tokens
+    pm.eval()
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="autotp"):
+        pm(input_ids=batch["input_ids"])             # 6 tokens: forced
+        pm(input_ids=batch["input_ids"][:, :3])      # 3 tokens at tp 4: by cost, said
+    inference, short = (p.plan for p in pm.programs[1:])
+    assert along_s(inference) == 2, inference.comms
+    assert along_s(short) == 0
+    said = "its capture holds the sequence at 3 tokens (torch.export fixed the length), fewer than tp=4"
+    assert any(said in n for n in short.notes), short.notes
+    assert any(said in r.getMessage() for r in caplog.records)   # rank 0 says it
+
+
+def test_a_first_capture_whose_fixed_length_is_under_tp_is_a_plan_error():
+    # planning only. The first program is the user's to capture longer: forced there, a length
+    # shorter than tp is a PlanError naming it and the fix (before: planned by cost, unsaid)
+    import autotp
+
+    model, batch = _mamba(3)
+    with pytest.raises(PlanError, match=r"holds its sequence at 3 tokens \(torch.export fixed the length.*fewer "
+                                        r"than tp=4.*Capture with a sequence of at least tp=4 tokens"):
+        autotp.plan(model, 4, example_kwargs=batch, layout={"*.out_proj.weight": "row"}, sequence_parallel=True,
+                    **WORKLOAD)

@@ -13,7 +13,8 @@ import torch
 from torch import fx
 
 from ...placements import PARTIAL, REPLICATE, Placement, Shard
-from .registry import LocalContext, OpInfo, Strategy, TensorMeta, is_partial, is_shard, register, register_localizer
+from .registry import (LocalContext, OpInfo, Strategy, TensorMeta, along_sequence, is_partial, is_shard, register,
+                       register_localizer)
 
 aten = torch.ops.aten
 
@@ -120,7 +121,8 @@ def _along_sequence(info: OpInfo, placements: tuple, strategy: Strategy) -> bool
     """Whether ``strategy`` keeps each Partial operand Partial or reduce-scatters it along a
     sequence dim."""
     for meta, have, want in zip(info.inputs, placements, strategy.inputs):
-        if is_partial(have) and not (is_partial(want) or (is_shard(want) and meta.shape[want.dim] in info.sequence)):
+        split_along_s = is_shard(want) and along_sequence(meta, want.dim, info.sequence)
+        if is_partial(have) and not (is_partial(want) or split_along_s):
             return False
     return True
 
@@ -153,7 +155,8 @@ def _sequence_parallel(info: OpInfo) -> list[Strategy]:
     nd = len(out_shape)
     found = []
     for d in range(nd):
-        shard = info.fresh_shard(d) if info.output.static(d) is None else None
+        shard = info.fresh_shard(d) if info.output.static(d) is None or along_sequence(info.output, d, info.sequence) \
+            else None
         if shard is None:
             continue
         req = []

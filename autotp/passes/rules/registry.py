@@ -54,6 +54,21 @@ class TensorMeta:
 OutputPlacement = Any  # Placement, a tuple of them (multi-output ops), or None (non-tensor)
 
 
+def along_sequence(meta: TensorMeta, dim: int, sequence: frozenset) -> bool:
+    """Whether ``meta``'s ``dim`` is a sequence dim: its size is a sequence's symbol or, in a
+    program that holds the length as a number (:attr:`autotp.capture.Capture.static_lengths`),
+    that number. Where several dims have that number (a call whose length equals the hidden
+    size), the first after the batch dim is taken for the sequence, as in ``(b, s, h)``: any
+    shard the rules offer is exact, so a wrong guess costs only speed, never a result."""
+    size = meta.shape[dim]
+    if size not in sequence:
+        return False
+    if not size.is_Integer:
+        return True
+    same = [d for d, s in enumerate(meta.shape) if s == size]
+    return dim == next((d for d in same if d >= 1), same[0])
+
+
 @dataclass(frozen=True)
 class Strategy:
     inputs: tuple[Placement, ...]
@@ -98,7 +113,8 @@ class OpInfo:
     hints: dict[int, tuple] = field(default_factory=dict)
     uneven: bool = False   # may a fresh shard leave some ranks one atom more?
     #: symbols of sequence dims: the one dynamic size a fresh shard may split (sequence
-    #: parallelism); never the batch, which may be smaller than tp
+    #: parallelism); never the batch, which may be smaller than tp. In a program that holds the
+    #: length as a number (Capture.static_lengths), that number (:func:`along_sequence`)
     sequence: frozenset = frozenset()
     #: sequence parallelism forced (``sequence_parallel=True``): an add that can take a Partial
     #: operand reduce-scattered along the sequence offers nothing that all-reduces it whole
@@ -180,6 +196,9 @@ class OpInfo:
             # A sequence dim's size is known only at run time: a plain shard in contiguous runs,
             # uneven whenever tp does not divide that call's length.
             return Shard(dim) if self.uneven and out.shape[dim] in self.sequence else None
+        if along_sequence(out, dim, self.sequence):
+            # a length the program holds as a number: a plain shard too, never a hint's blocks
+            return Shard(dim) if size >= self.tp and (self.uneven or size % self.tp == 0) else None
         chunks, unit, rotate, tail, grouped, sizes, whole = (self.hint(dim) if input_index is None
                                                              else self.input_hint(input_index, dim))
         if sizes and size % (sum(sizes) * unit) == 0:
