@@ -8,11 +8,13 @@ after the all-reduce.
 """
 from __future__ import annotations
 
+from typing import Any
 
+import sympy
 import torch
 from torch import fx
 
-from ...placements import PARTIAL, REPLICATE, Placement, Shard
+from ...placements import PARTIAL, REPLICATE, Placement, Routed, Shard
 from .registry import LocalContext, OpInfo, Strategy, TensorMeta, is_partial, is_shard, register, register_localizer
 
 aten = torch.ops.aten
@@ -161,7 +163,42 @@ def _sequence_parallel(info: OpInfo) -> list[Strategy]:
             k = d - (nd - m.ndim)
             req.append(REPLICATE if k < 0 or (m.shape[k] == 1 and out_shape[d] != 1) else shard.with_dim(k))
         found.append(Strategy(tuple(req), shard))
+    rows = merged_sequence_rows(info)
+    if rows is not None:
+        # operands along the rows take the rank's rows; ones broadcast along them stay whole
+        req = [REPLICATE if m.ndim < nd or m.shape[0] == 1 else rows if m.shape[0] == out_shape[0] else None
+               for m in info.inputs]
+        if None not in req:
+            found.append(Strategy(tuple(req), rows))
     return found
+
+
+def merged_sequence_rows(info: OpInfo) -> Routed | None:
+    """The rank's tokens' rows (``Routed(0, tokens=True)``) where the op's output rows are the
+    batch and a sequence dim merged (``[b*s, h]``: OPT's decoder layer flattens the residual stream
+    around its MLP): the rows of ``[b, s, h]`` split along the sequence and flattened, ``b`` runs
+    of ``s/tp`` each. No Shard says that split where the batch is dynamic (a Shard of ``b``
+    blocks); the token rows do, with a row map computed from the shapes. A Partial operand is
+    reduce-scattered into it (the rows viewed as ``[b, s, h]``, reduce-scattered along ``s``:
+    :func:`~autotp.distributed.experts.sequence_rows`), the same bytes as along ``s`` itself."""
+    if info.tp < 2 or not info.uneven or not isinstance(info.output, TensorMeta) or info.output.ndim < 2:
+        return None
+    return Routed(0, tokens=True) if sequence_factor(info.output.shape[0], info.sequence) is not None else None
+
+
+def sequence_factor(rows: Any, sequence: frozenset) -> tuple[Any, Any] | None:
+    """``(outer, seq)`` where the dynamic size ``rows`` is a sequence symbol ``seq`` times other
+    dynamic sizes ``outer`` (the batch), read as ``[outer, seq]`` flattened batch first, as a
+    view of ``[b, s, ...]`` to ``[-1, ...]`` makes it; else None."""
+    if not isinstance(rows, sympy.Mul):
+        return None
+    found = [f for f in rows.args if f in sequence]
+    if len(found) != 1:
+        return None
+    outer = sympy.cancel(rows / found[0])
+    if outer.is_Integer or any(f in sequence for f in outer.free_symbols):
+        return None
+    return outer, found[0]
 
 
 @register_localizer(aten.add.Tensor)
