@@ -58,6 +58,11 @@ def test_a_partial_sum_on_merged_rows_is_reduce_scattered_into_the_tokens_rows()
     # forced: never all-reduced whole
     forced = strategies(add(True), (PARTIAL, REPLICATE))
     assert all(st.inputs[0] != REPLICATE for st in forced), forced
+    # two partial sums added (an MoE layer's routed and shared experts): the sum passes on as a
+    # Partial, to be resolved where it meets the residual stream, not scattered into rows here
+    both = OpInfo(torch.ops.aten.add.Tensor, (rows, rows), {}, (rows, rows), rows, 2, uneven=True,
+                  sequence=frozenset({s}))
+    assert not any(st.output == ROWS for st in strategies(both, (PARTIAL, PARTIAL)))
     # no sequence symbol among the rows' factors: nothing to split
     other = OpInfo(torch.ops.aten.add.Tensor, (rows, bias), {}, (rows, bias), rows, 2, uneven=True,
                    sequence=frozenset())

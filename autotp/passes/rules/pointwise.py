@@ -112,7 +112,7 @@ def _with_sequence_entry(info: OpInfo, placements: tuple, out: list[Strategy]) -
     Llama-4 at tp 2 took instead, the cheaper of the two at its width)."""
     if not any(is_partial(p) for p in placements):
         return out
-    sequence = _sequence_parallel(info)
+    sequence = _sequence_parallel(info, merged=not _passes_partial(placements, out))
     if sequence and info.force_sequence:
         out = [s for s in out if _along_sequence(info, placements, s)]
     return out + sequence
@@ -146,11 +146,21 @@ def additive_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     return _with_sequence_entry(info, placements, out)
 
 
-def _sequence_parallel(info: OpInfo) -> list[Strategy]:
+def _passes_partial(placements: tuple, out: list[Strategy]) -> bool:
+    """Whether one of ``out`` takes every operand as it is and leaves a Partial (a sum of partial
+    sums, a cast to the dtype it has): the partial sum passes on to where it must be resolved."""
+    return any(s.output == PARTIAL and all(w == p for w, p in zip(s.inputs, placements)) for s in out)
+
+
+def _sequence_parallel(info: OpInfo, merged: bool = True) -> list[Strategy]:
     """Sequence parallelism's entry: a Partial operand (a row-parallel product, a vocab-parallel
     lookup) is reduce-scattered along the sequence instead of all-reduced, and the add runs on
     this rank's tokens; replicated operands that span the sequence are sliced, ones that
-    broadcast along it (a bias) stay whole."""
+    broadcast along it (a bias) stay whole. ``merged``: also into the tokens' rows of a batch
+    and a sequence merged (:func:`merged_sequence_rows`), offered where the Partial cannot pass
+    on as it is (a bias add, a dropout): where it can (the top-k sum of an MoE layer's combine,
+    its cast to its own dtype), it reaches the view back to ``[b, s, h]`` and the residual add,
+    reduce-scattered along ``s`` there, as before."""
     out_shape = info.output.shape
     nd = len(out_shape)
     found = []
@@ -163,7 +173,7 @@ def _sequence_parallel(info: OpInfo) -> list[Strategy]:
             k = d - (nd - m.ndim)
             req.append(REPLICATE if k < 0 or (m.shape[k] == 1 and out_shape[d] != 1) else shard.with_dim(k))
         found.append(Strategy(tuple(req), shard))
-    rows = merged_sequence_rows(info)
+    rows = merged_sequence_rows(info) if merged else None
     if rows is not None:
         # operands along the rows take the rank's rows; ones broadcast along them stay whole
         req = [REPLICATE if m.ndim < nd or m.shape[0] == 1 else rows if m.shape[0] == out_shape[0] else None
