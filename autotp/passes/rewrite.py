@@ -213,7 +213,11 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         by row). The mirror of :func:`gather_tokens`."""
         seq_symbols = frozenset(sym for sym in meta.shape[0].free_symbols
                                 if cap.dim_symbols.get(sym.name) == "seq")
-        outer, seq = sequence_factor(meta.shape[0], seq_symbols)
+        factors = sequence_factor(meta.shape[0], seq_symbols)
+        if factors is None:   # the rules offer the rows only where the size factors so
+            raise PlanError(f"cannot reduce-scatter {meta.shape[0]} rows into a sequence split's tokens' rows: "
+                            f"their count is no sequence times a batch")
+        outer, seq = factors
         rest = [sizes(s) for s in meta.shape[1:]]
         runs = graph.call_function(torch.ops.aten.reshape.default, (out, [sizes(outer), sizes(seq), *rest]))
         local = comm_node("reduce_scatter", runs, C.ReduceScatterToTP(group, Shard(1), None), sizes(seq))
