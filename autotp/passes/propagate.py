@@ -581,6 +581,9 @@ def _conversion(src: Any, dst: Placement, size: int | None, tp: int) -> str | No
         return "all_gather"   # a rank's tokens in sequence order: its run of it, gathered (rewrite.gather_tokens)
     if isinstance(dst, Shard) and dst.whole and not dst.tail and isinstance(src, Replicate):
         return "scatter"   # blocks held whole are sliced whole (a conv weight of Mamba2's one B and C)
+    if isinstance(src, Partial) and not isinstance(src, Routed) and isinstance(dst, Routed) and dst.tokens \
+            and not dst.reordered and dst.span == 1 and dst.dim == 0:
+        return "reduce_scatter"   # into a rank's tokens' rows: along the sequence of (b, s, ...) (rewrite)
     if isinstance(dst, Partial) or (isinstance(dst, Shard) and dst.holds_whole):
         return "inf"   # a tail is made whole by the product that computes it, never by a collective
     if any(isinstance(p, Shard) and p.outer >= 0 for p in (src, dst)):

@@ -42,7 +42,8 @@ from .in_place import reduce_in_place
 from .propagate import (GraphIndex, Propagation, _aliases_of, _conversion, _dim_size, _meta, _sharded_compute,
                         cut_from_whole, first_write, gather_parts, gathers_whole, map_args, storage_root, wants_f)
 from .rules import LocalContext, aliases_first, is_routed, localizer_for, mutates_first
-from .rules.experts import dispatches_tokens, grouped_reader
+from .rules.experts import ASCENDING, _token_maps, dispatches_tokens, grouped_reader
+from .rules.pointwise import sequence_factor
 from .rules.registry import REGION_BOUNDS
 
 log = logging.getLogger(__name__)
@@ -204,6 +205,28 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         whole = comm_node("all_gather_f" if fused else "all_gather", local, module, seq)
         return graph.call_function(torch.ops.aten.reshape.default, (whole, [-1, *rest])), fused
 
+    def scatter_tokens(out: fx.Node, meta: Any) -> fx.Node:
+        """A partial sum of rows ``[b*s, ...]`` reduce-scattered into the rank's tokens' rows
+        (``Routed(0, tokens=True)``): viewed as ``[b, s, ...]``, reduce-scattered along the sequence
+        (each rank's run of it, of any length), flattened again; its row map is the one a view of
+        ``[b, s, ...]`` split along ``s`` to ``[b*s, ...]`` makes (shared with it: the rows meet row
+        by row). The mirror of :func:`gather_tokens`."""
+        seq_symbols = frozenset(sym for sym in meta.shape[0].free_symbols
+                                if cap.dim_symbols.get(sym.name) == "seq")
+        factors = sequence_factor(meta.shape[0], seq_symbols)
+        if factors is None:   # the rules offer the rows only where the size factors so
+            raise PlanError(f"cannot reduce-scatter {meta.shape[0]} rows into a sequence split's tokens' rows: "
+                            f"their count is no sequence times a batch")
+        outer, seq = factors
+        rest = [sizes(s) for s in meta.shape[1:]]
+        runs = graph.call_function(torch.ops.aten.reshape.default, (out, [sizes(outer), sizes(seq), *rest]))
+        local = comm_node("reduce_scatter", runs, C.ReduceScatterToTP(group, Shard(1), None), sizes(seq))
+        rows, owners = _token_maps(ctx, local, 1, (outer,), seq, 1)
+        rows.meta[ASCENDING] = True
+        flat = graph.call_function(torch.ops.aten.reshape.default, (local, [-1, *rest]))
+        ctx.rows[flat], ctx.owners[flat] = rows, owners
+        return flat
+
     def convert(src: fx.Node, dst: Placement, f: bool) -> fx.Node:
         if tp == 1:
             # one rank holds every shard whole and every sum: each conversion and f/g is the
@@ -249,6 +272,8 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             unsliced.append(env[src])
         elif kind == "scatter":
             out = comm_node("scatter", out, C.ScatterToTP(group, dst, full_size(meta, dst)))
+        elif kind == "reduce_scatter" and isinstance(dst, Routed):
+            out = scatter_tokens(out, meta)
         elif kind == "reduce_scatter":
             out = comm_node("reduce_scatter", out, C.ReduceScatterToTP(group, dst, full_size(meta, dst)))
         elif kind == "inf":
@@ -424,7 +449,9 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             args = tuple(device if isinstance(a, torch.device) else a for a in args)
         if rng is not None and not isinstance(target, nn.Module) and draws_random(target, tuple(args), kwargs):
             outs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
-            state = "sharded" if any(isinstance(p, Shard) for p in outs) else "replicated"
+            # a rank's own tokens' rows (a sequence split flattened) draw their own mask, as a Shard's
+            state = "sharded" if any(isinstance(p, Shard) or (isinstance(p, Routed) and p.tokens)
+                                     for p in outs) else "replicated"
             target = RandomOp(target, state, rng)
         if isinstance(target, nn.Module):   # an op that communicates inside (vocab-parallel loss)
             kind = getattr(target, "kind", "op")

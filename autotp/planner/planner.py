@@ -16,7 +16,7 @@ from ..passes.propagate import GraphIndex, Propagation, propagate
 from ..passes.row_scales import moved
 from .scales import narrower_scales, scales_note
 from ..passes.solve import solve
-from ..placements import REPLICATE, Placement, Shard
+from ..placements import REPLICATE, Placement, Routed, Shard
 from ..plan.flow import record_flows
 from ..plan.plan import CommOp, DeferredExpressions, Plan, attention_heads, cost_expressions, role_of, unsplit_attention_note
 from .roles import _first_uses, _pinned
@@ -440,15 +440,18 @@ def sequence_dropped(inputs: Mapping[str, Any], training: bool, step: str, cap: 
 
 def sequence_regions(index: GraphIndex, prop: Propagation) -> int:
     """How many regions of a propagation run split along the sequence: reduce-scatters of a
-    Partial along a dynamic dim, or along the length a program holds as a number
-    (``Capture.static_lengths``: Mamba's capture on CPU)."""
+    Partial along a dynamic dim or along the length a program holds as a number
+    (``Capture.static_lengths``: Mamba's capture on CPU), or into the tokens' rows of a sequence
+    split flattened with the batch (``[b*s, h]``: OPT's MLP)."""
     from ..passes.propagate import _meta
     from ..passes.rules.registry import along_sequence
 
     nodes = {n.name: n for n in index.capture.graph.nodes}
     count = 0
     for c in prop.comms:
-        if c.kind == "reduce_scatter" and isinstance(c.dst, Shard) and c.tensor in nodes:
+        if c.kind == "reduce_scatter" and isinstance(c.dst, Routed) and c.dst.tokens:
+            count += 1
+        elif c.kind == "reduce_scatter" and isinstance(c.dst, Shard) and c.tensor in nodes:
             meta = _meta(nodes[c.tensor])
             if meta is not None and (meta.static(c.dst.dim) is None or along_sequence(meta, c.dst.dim, index.sequence)):
                 count += 1

@@ -41,6 +41,10 @@ EXPERTS = "batched_mm"
 SMALL = dict(batch=2, seq=16)
 SMALL_ROWS = {"gpt2": {"*.c_attn.weight": "column", "*.c_fc.weight": "column", "*.c_proj.weight": "row"},
               "llama": {"*.o_proj.weight": "row", "*.down_proj.weight": "row"}}
+#: families that flatten ``[b, s, h]`` to ``[b*s, h]`` around a region (OPT's MLP): forced, its
+#: partial sum is reduce-scattered into the rank's tokens' rows (``MERGED_ROWS``), not all-reduced whole
+FLATTENED = {"opt"}
+MERGED_ROWS = "P(tokens 0)"
 #: the note of a program with no sequence to split (planner.sequence_dropped)
 UNSPLIT = "sequence_parallel=True does not apply to the program of"
 
@@ -69,7 +73,8 @@ def sp_calls(case: dict) -> dict:
 
     def ran(call: str, plan) -> None:
         along_s = [c for c in plan.comms if c.kind == "reduce_scatter" and c.dst == "S(1)"]
-        programs[call] = (len(along_s), [n for n in plan.notes if n.startswith(UNSPLIT)])
+        merged = [c for c in plan.comms if c.kind == "reduce_scatter" and c.dst == MERGED_ROWS]
+        programs[call] = (len(along_s), [n for n in plan.notes if n.startswith(UNSPLIT)], len(merged))
 
     errors: dict = {}
     rows = case.get("batch", 2)
@@ -110,12 +115,14 @@ def assert_sp_calls(cluster_of, case: dict) -> None:
         want = ["infer", "padded", "train"] + (["decode", "prefill"] if zoo.family(case["family"]).task == "causal"
                                                else [])
         assert sorted(calls) == sorted(want), (case, sorted(calls))
-        for call, (along_s, unsplit) in calls.items():
+        for call, (along_s, unsplit, merged) in calls.items():
             if call == "decode":   # one token a row: nothing to split, planned by cost, said
                 assert unsplit, (case, rank, call, along_s, unsplit)
             else:
                 assert along_s >= 1 and not unsplit, (case, rank, call, "no reduce-scatter along the sequence in "
                                                       "its program: the force did not take there", unsplit)
+                if case["family"] in FLATTENED:
+                    assert merged >= 1, (case, rank, call, "no reduce-scatter into the tokens' rows of [b*s, h]")
         worst = max(r["errors"], key=r["errors"].get)
         assert r["errors"][worst] <= bound, (case, rank, worst, r["errors"][worst])
 

@@ -1,9 +1,10 @@
 """A rank's step copies no more than serial's, beyond what a collective needs.
 
-One rank of tp 2 on torch's ``fake`` backend (its collectives return at once), Llama and GPT-2
-wide enough that the plan splits them (8 heads of 64, planned for 256 x 32 on h100-dgx: 8192
-tokens, as many as 8 x 1024, at a length the tiny models' 32 positions take), with sequence
-parallelism forced and forbidden, at a batch of one and of two.
+One rank of tp 2 on torch's ``fake`` backend (its collectives return at once), Llama, GPT-2 and
+OPT (its MLP on ``[b*s, h]``, pinned to Megatron's layout) wide enough that the plan splits them
+(8 heads of 64, planned for 256 x 32 on h100-dgx: 8192 tokens, as many as 8 x 1024, at a length
+the tiny models' 32 positions take), with sequence parallelism forced and forbidden, at a batch
+of one and of two.
 :class:`autotp.testing.work.CopyCounter` records every copy and cast of a training step (forward
 and backward) and where it was made. The model's own copies (its program's nodes and their
 backward formulas: rotary's ``cat``, the labels' pad, a reshape of a transposed tensor) run at
@@ -77,15 +78,24 @@ def _inference_copies(module, inputs) -> CopyCounter:
     return copies
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+#: OPT's Megatron layout (at this width the cost model keeps its layers whole): its MLP then runs
+#: on the rank's tokens' rows of [b*s, h] under sequence parallelism
+LAYOUTS = {"opt": {"*.q_proj.weight": "column", "*.k_proj.weight": "column", "*.v_proj.weight": "column",
+                   "*.out_proj.weight": "row", "*.fc1.weight": "column", "*.fc2.weight": "row"}}
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 def test_a_ranks_step_copies_only_what_its_collectives_need(fake_rank, family, sequence_parallel):
     config = zoo.tiny_config(family, layers=2, heads=8, kv_heads=8, head_dim=64, vocab=512)
     model = zoo.build(family, config, dtype=torch.float32, seed=1)
     # planned at a length the model takes (before: seq=1024 over its 32 positions, a workload it
     # cannot run, with a warning; the plan is the same, token for token)
-    pm = autotp.parallelize(model, TP, **PLANNED, profile="h100-dgx", sequence_parallel=sequence_parallel)
+    pm = autotp.parallelize(model, TP, **PLANNED, profile="h100-dgx", sequence_parallel=sequence_parallel,
+                            layout=LAYOUTS.get(family))
     assert pm.plan.comm_counts().get("reduce_scatter", 0) >= (1 if sequence_parallel else 0)
+    if family == "opt" and sequence_parallel:   # fc2's sums reduce-scattered into the tokens' rows
+        assert ("reduce_scatter", "P", "P(tokens 0)") in [(c.kind, c.src, c.dst) for c in pm.plan.comms]
     for batch in (1, 2):
         inputs = zoo.example_batch(family, config, batch=batch, seq=8, seed=2)
         serial, rank = _copies(model, inputs), _copies(pm, inputs)
@@ -103,6 +113,14 @@ def test_a_ranks_step_copies_only_what_its_collectives_need(fake_rank, family, s
         assert not [c for c in ours + inference if c.site == "collectives._all_reduce"], ours + inference
         assert not [c for c in inference if c.cast or c.duplicate], inference
         assert {c.site for c in inference} <= set(NEEDED), inference
+        if sequence_parallel and family == "opt":
+            # the tokens' rows are [b, s/tp, h] flattened: reduce-scattered into and gathered out
+            # of as that, a batch of one staging nothing, a batch of two one copy of the whole
+            # summand each (forward, and the all-gathers' backward)
+            scattered = [c.bytes for c in ours if c.site == "collectives._reduce_scatter"]
+            whole = inputs["input_ids"].numel() * config.hidden_size * 4   # float32
+            assert scattered == ([] if batch == 1 else [whole] * len(scattered)) and (batch == 1 or scattered), \
+                scattered
         if batch == 1 and sequence_parallel and family == "gpt2":
             # the all-gathers and reduce-scatters split the sequence (a batch of one): no copy; a
             # reshard between the sequence and the hidden (the plan's all-to-alls: the tied

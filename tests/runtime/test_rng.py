@@ -51,3 +51,27 @@ def test_compiled_dropout_draws_the_eager_masks_and_their_gradients():
     torch.compile(model, backend="aot_eager", fullgraph=True)(x).backward()
     torch.testing.assert_close(model.weight.grad, eager, rtol=1e-12, atol=0)
     assert int(tracker.counters["sharded"]) == 1
+
+
+def test_a_dropout_on_the_tokens_rows_draws_from_the_sharded_state(fake_rank):
+    # OPT's MLP dropout on [b*s, h] under sequence parallelism runs on the rank's own tokens'
+    # rows (P(tokens 0)): its mask must be the rank's own, as a dropout on S(1) draws, not the
+    # replicated state's (every rank would mask its different tokens with the same pattern)
+    import autotp
+    from autotp import zoo
+    from autotp.distributed.rng import RandomOp
+    from autotp.placements import Routed
+
+    config = zoo.tiny_config("opt", layers=2, heads=4, kv_heads=None, head_dim=8, vocab=61)
+    config.dropout = 0.1
+    model = zoo.build("opt", config, dtype=torch.float32, seed=1)
+    pm = autotp.parallelize(model, 2, batch=64, seq=4096, profile="h100-dgx", sequence_parallel=True,
+                            layout={"*.out_proj.weight": "row", "*.fc2.weight": "row"})
+    ids = torch.randint(3, 61, (2, 7), generator=torch.Generator().manual_seed(0))
+    pm(input_ids=ids, labels=ids).loss.backward()   # the program is written at the first call
+    draws = {n.name: (pm.graph_module.get_submodule(n.target).state, n.meta.get("autotp_placement"))
+             for n in pm.graph_module.graph.nodes
+             if n.op == "call_module" and isinstance(pm.graph_module.get_submodule(n.target), RandomOp)}
+    on_rows = {name: state for name, (state, placement) in draws.items()
+               if isinstance(placement, Routed) and placement.tokens}
+    assert len(on_rows) == 2 and set(on_rows.values()) == {"sharded"}, draws   # one a layer

@@ -67,15 +67,17 @@ ROW_WISE = frozenset((
     aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.transpose.int,
     aten.permute.default, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
     aten.slice.Tensor, aten.sum.dim_IntList, aten.clamp.default,
+    aten.dropout.default,   # each row's mask its own (a sequence split's rows: OPT's MLP on [b*s, h])
 ))
 #: ops of several operands whose rows meet row by row (a product, a sum; bmm: its batch rows; a
 #: linear's rows of x against a replicated weight: the router on the tokens a rank holds)
 ROW_BY_ROW = frozenset((aten.mul.Tensor, aten.div.Tensor, aten.bmm.default, aten.add.Tensor, aten.sub.Tensor,
                         aten.linear.default, aten.mm.default, aten.addmm.default))
 #: ops along another dim than the rows' that keep each row's result in its row (the router's
-#: softmax and top-k over the experts of each token, a norm's mean over a head's features); their
-#: own rules say which dims
-ROW_REDUCING = frozenset((aten._softmax.default, aten.softmax.int, aten.topk.default, aten.mean.dim))
+#: softmax and top-k over the experts of each token, a norm's mean over a head's features, a layer
+#: norm over each token's features: OPT's MLP on a sequence split's rows); their own rules say which dims
+ROW_REDUCING = frozenset((aten._softmax.default, aten.softmax.int, aten.topk.default, aten.mean.dim,
+                          aten.layer_norm.default))
 #: views whose size arguments the rank's rows change (the routed dim's size: -1)
 SIZED_VIEWS = frozenset((aten.view.default, aten.reshape.default, aten._unsafe_view.default))
 

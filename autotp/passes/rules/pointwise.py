@@ -8,11 +8,13 @@ after the all-reduce.
 """
 from __future__ import annotations
 
+from typing import Any
 
+import sympy
 import torch
 from torch import fx
 
-from ...placements import PARTIAL, REPLICATE, Placement, Shard
+from ...placements import PARTIAL, REPLICATE, Placement, Routed, Shard
 from .registry import (LocalContext, OpInfo, Strategy, TensorMeta, along_sequence, is_partial, is_shard, register,
                        register_localizer)
 
@@ -111,7 +113,7 @@ def _with_sequence_entry(info: OpInfo, placements: tuple, out: list[Strategy]) -
     Llama-4 at tp 2 took instead, the cheaper of the two at its width)."""
     if not any(is_partial(p) for p in placements):
         return out
-    sequence = _sequence_parallel(info)
+    sequence = _sequence_parallel(info, merged=not _passes_partial(placements, out))
     if sequence and info.force_sequence:
         out = [s for s in out if _along_sequence(info, placements, s)]
     return out + sequence
@@ -146,11 +148,21 @@ def additive_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     return _with_sequence_entry(info, placements, out)
 
 
-def _sequence_parallel(info: OpInfo) -> list[Strategy]:
+def _passes_partial(placements: tuple, out: list[Strategy]) -> bool:
+    """Whether one of ``out`` takes every operand as it is and leaves a Partial (a sum of partial
+    sums, a cast to the dtype it has): the partial sum passes on to where it must be resolved."""
+    return any(s.output == PARTIAL and all(w == p for w, p in zip(s.inputs, placements)) for s in out)
+
+
+def _sequence_parallel(info: OpInfo, merged: bool = True) -> list[Strategy]:
     """Sequence parallelism's entry: a Partial operand (a row-parallel product, a vocab-parallel
     lookup) is reduce-scattered along the sequence instead of all-reduced, and the add runs on
     this rank's tokens; replicated operands that span the sequence are sliced, ones that
-    broadcast along it (a bias) stay whole."""
+    broadcast along it (a bias) stay whole. ``merged``: also into the tokens' rows of a batch
+    and a sequence merged (:func:`merged_sequence_rows`), offered where the Partial cannot pass
+    on as it is (a bias add, a dropout): where it can (the top-k sum of an MoE layer's combine,
+    its cast to its own dtype), it reaches the view back to ``[b, s, h]`` and the residual add,
+    reduce-scattered along ``s`` there, as before."""
     out_shape = info.output.shape
     nd = len(out_shape)
     found = []
@@ -164,7 +176,42 @@ def _sequence_parallel(info: OpInfo) -> list[Strategy]:
             k = d - (nd - m.ndim)
             req.append(REPLICATE if k < 0 or (m.shape[k] == 1 and out_shape[d] != 1) else shard.with_dim(k))
         found.append(Strategy(tuple(req), shard))
+    rows = merged_sequence_rows(info) if merged else None
+    if rows is not None:
+        # operands along the rows take the rank's rows; ones broadcast along them stay whole
+        req = [REPLICATE if m.ndim < nd or m.shape[0] == 1 else rows if m.shape[0] == out_shape[0] else None
+               for m in info.inputs]
+        if None not in req:
+            found.append(Strategy(tuple(req), rows))
     return found
+
+
+def merged_sequence_rows(info: OpInfo) -> Routed | None:
+    """The rank's tokens' rows (``Routed(0, tokens=True)``) where the op's output rows are the
+    batch and a sequence dim merged (``[b*s, h]``: OPT's decoder layer flattens the residual stream
+    around its MLP): the rows of ``[b, s, h]`` split along the sequence and flattened, ``b`` runs
+    of ``s/tp`` each. No Shard says that split where the batch is dynamic (a Shard of ``b``
+    blocks); the token rows do, with a row map computed from the shapes. A Partial operand is
+    reduce-scattered into it (the rows viewed as ``[b, s, h]``, reduce-scattered along ``s``:
+    :func:`~autotp.distributed.experts.sequence_rows`), the same bytes as along ``s`` itself."""
+    if info.tp < 2 or not info.uneven or not isinstance(info.output, TensorMeta) or info.output.ndim < 2:
+        return None
+    return Routed(0, tokens=True) if sequence_factor(info.output.shape[0], info.sequence) is not None else None
+
+
+def sequence_factor(rows: Any, sequence: frozenset) -> tuple[Any, Any] | None:
+    """``(outer, seq)`` where the dynamic size ``rows`` is a sequence symbol ``seq`` times other
+    dynamic sizes ``outer`` (the batch), read as ``[outer, seq]`` flattened batch first, as a
+    view of ``[b, s, ...]`` to ``[-1, ...]`` makes it; else None."""
+    if not isinstance(rows, sympy.Mul):
+        return None
+    found = [f for f in rows.args if f in sequence]
+    if len(found) != 1:
+        return None
+    outer = sympy.cancel(rows / found[0])
+    if outer.is_Integer or any(f in sequence for f in outer.free_symbols):
+        return None
+    return outer, found[0]
 
 
 @register_localizer(aten.add.Tensor)
