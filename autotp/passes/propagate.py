@@ -36,6 +36,7 @@ from ..placements import (PARTIAL, REPLICATE, Partial, Placement, Replicate, Rep
 from .hints import column_hint, index_picks, row_hint
 from .rules import OpInfo, Strategy, TensorMeta, strategies
 from .rules.experts import GROUPED_MM, grouped_reader, permutes_rows, reads_host, reads_rows
+from .rules.combine import reduce_scatters_tokens
 from .rules.registry import aliases_first, mutates_first, op_name
 
 aten = torch.ops.aten
@@ -569,6 +570,8 @@ def _conversion(src: Any, dst: Placement, size: int | None, tp: int) -> str | No
         return None   # a routed Partial is a Partial as it is
     if isinstance(src, Routed) and src.tokens and not src.reordered and src.span == 1 and isinstance(dst, Replicate):
         return "all_gather"   # a rank's tokens in sequence order: its run of it, gathered (rewrite.gather_tokens)
+    if reduce_scatters_tokens(src, dst):
+        return "reduce_scatter"   # a Partial of flattened tokens into the rank's own (rules/combine.py)
     if isinstance(dst, Shard) and dst.whole and not dst.tail and isinstance(src, Replicate):
         return "scatter"   # blocks held whole are sliced whole (a conv weight of Mamba2's one B and C)
     if isinstance(dst, Partial) or (isinstance(dst, Shard) and dst.holds_whole):

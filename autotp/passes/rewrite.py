@@ -42,7 +42,9 @@ from .in_place import reduce_in_place
 from .propagate import (GraphIndex, Propagation, _aliases_of, _conversion, _dim_size, _meta, _sharded_compute,
                         cut_from_whole, first_write, gather_parts, gathers_whole, map_args, storage_root, wants_f)
 from .rules import LocalContext, aliases_first, is_routed, localizer_for, mutates_first
-from .rules.experts import dispatches_tokens, grouped_reader
+from .rules.combine import reduce_scatters_tokens, sequence_factors
+from .rules.experts import ASCENDING, dispatches_tokens, grouped_reader
+from .rules.experts import _token_maps as token_maps
 from .rules.registry import REGION_BOUNDS
 
 log = logging.getLogger(__name__)
@@ -204,6 +206,21 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         whole = comm_node("all_gather_f" if fused else "all_gather", local, module, seq)
         return graph.call_function(torch.ops.aten.reshape.default, (whole, [-1, *rest])), fused
 
+    def scatter_tokens(out: fx.Node, meta: Any) -> fx.Node:
+        """A Partial ``[outer*s, ...]`` of flattened tokens reduce-scattered along the sequence
+        into the rank's own (``P(tokens 0)``, rules/combine.py): viewed as ``[outer, s, ...]``,
+        reduce-scattered along ``s`` (its backward the all-gather), flattened to the rank's
+        ``outer`` runs of ``s/tp`` rows, with the row map and holders a merge of those dims
+        makes (shared with it where the layer made one: the same rows)."""
+        outer, seq = sequence_factors(meta.shape[0], index.infos[ctx.node].sequence)
+        rest = [sizes(s) for s in meta.shape[1:]]
+        runs = graph.call_function(torch.ops.aten.reshape.default, (out, [sizes(outer), sizes(seq), *rest]))
+        local = comm_node("reduce_scatter", runs, C.ReduceScatterToTP(group, Shard(1), None))
+        flat = graph.call_function(torch.ops.aten.reshape.default, (local, [-1, *rest]))
+        ctx.rows[flat], ctx.owners[flat] = token_maps(ctx, local, 1, (outer,), seq, 1)
+        ctx.rows[flat].meta[ASCENDING] = True   # the rank's b runs of s/tp, in order
+        return flat
+
     def convert(src: fx.Node, dst: Placement, f: bool) -> fx.Node:
         if tp == 1:
             # one rank holds every shard whole and every sum: each conversion and f/g is the
@@ -232,6 +249,9 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             # place and summed (correct, twice the bytes of the all-gather the plan priced)
             log.warning("autotp: %s holds token rows without their sequence's row map; made whole by "
                         "scatter and all-reduce, not the all-gather the plan priced", src.name)
+        if reduce_scatters_tokens(have, dst):
+            out = converted[key] = scatter_tokens(out, meta)
+            return out
         if isinstance(have, Routed) and not isinstance(dst, Routed):
             # a rank's rows of experts put in place, zero elsewhere: a plain Partial
             shape = [sizes(s) for s in meta.shape]

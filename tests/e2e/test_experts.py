@@ -56,7 +56,7 @@ def check_experts_case(case: dict) -> dict:
     config = zoo.tiny_config(case["family"], layers=case.get("layers", 2), heads=4, kv_heads=case["kv_heads"],
                              head_dim=8, vocab=48,
                              experts=case["experts"], top_k=case["top_k"],
-                             output_router_logits=case.get("router_logits", True))
+                             output_router_logits=case.get("router_logits", True), **case.get("config", {}))
     config._experts_implementation = case["impl"]
     model = zoo.build(case["family"], config, dtype=dtype, seed=case["seed"])
     batch = zoo.example_batch(case["family"], config, batch=2, seq=case["seq"], seed=case["seed"] + 1)
@@ -324,15 +324,25 @@ def assert_experts_case(cluster_of, case: dict) -> None:
     pytest.param(dict(family="deepseek-v3", impl="eager", tp=3, experts=3, top_k=2, kv_heads=2, seq=6, seed=8,
                       layers=1, layout="etp", plan_batch=64, plan_seq=4096, sp=True, profile="cpu-gloo",
                       no_experts_g=True), marks=pytest.mark.slow),
+    # bfloat16: Mixtral's float32 routing weights make its combine float32, cast to the hidden
+    # dtype before the view back to [b, s, h]; the partial sum is reduce-scattered along the
+    # sequence into the rank's tokens at that cast (no g of [b*s, h], no scatter to S(1)). Float64
+    # and float32 models cast to their own dtype there, which passes the Partial on: only a
+    # narrower hidden dtype runs this path, so the bound is bfloat16's. tp 2 (seq 7: uneven runs)
+    dict(family="mixtral", impl="eager", tp=2, experts=3, top_k=2, kv_heads=2, seq=7, seed=4, layers=1,
+         layout="etp", plan_batch=64, plan_seq=4096, sp=True, profile="cpu-gloo", dtype="bfloat16", no_experts_g=True,
+         config=dict(intermediate_size=32),   # a rank's 16 features: bfloat16 grouped_mm on CPU wants 16-byte strides
+         routed=("token_rows",), comms={("reduce_scatter", "P", "P(tokens 0)"): True, ("scatter", "R", "S(1)"): False}),
 ], ids=["mixtral-grouped-3of2", "qwen2moe-eager-shared", "deepseek-mla-heads", "mixtral-batched-etp",
         "gptoss-grouped-rows", "mixtral-batched-3of4", "gptoss-grouped-routed", "gptoss-periodic-expanded",
         "mixtral-eager-tokens-a2a", "mixtral-eager-tokens-gathered-rs-tp3", "qwen3-eager-tokens-gathered-rs-tp2",
         "mixtral-eager-tokens-a2a-3of4", "qwen3-eager-tokens-a2a-tp3",
         "deepseek-eager-tokens-a2a", "gptoss-eager-tokens-a2a", "mixtral-eager-tokens-etp-gather",
         "mixtral-eager-tokens-a2a-forced", "mixtral-eager-etp-combine-rs", "qwen3-eager-etp-combine-rs-tp3",
-        "qwen2moe-eager-etp-combine-rs-tp3", "olmoe-eager-etp-combine-rs", "deepseek-eager-etp-combine-rs-tp3"])
+        "qwen2moe-eager-etp-combine-rs-tp3", "olmoe-eager-etp-combine-rs", "deepseek-eager-etp-combine-rs-tp3",
+        "mixtral-bf16-etp-combine-rs-tokens"])
 def test_experts_split_equals_serial(cluster_of, case):
-    assert_experts_case(cluster_of, {**case, "dtype": IMPLEMENTATIONS[case["impl"]]})
+    assert_experts_case(cluster_of, {"dtype": IMPLEMENTATIONS[case["impl"]], **case})
 
 
 @pytest.mark.slow
