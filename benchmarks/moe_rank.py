@@ -64,6 +64,8 @@ SHAPES = {
                                             moe_intermediate_size=192, vocab=4096)),
 }
 LAYERS, IMPL = 2, "grouped_mm"
+#: the models' dtype (``--dtype``): bfloat16 runs Mixtral's float32 combine cast back to it (rules/combine.py)
+DTYPE = torch.float32
 #: attention's query heads pinned split in every version (and the solver's own plan), its output
 #: row-parallel: that meets the residual add, so sequence parallelism always has a region to split,
 #: whatever the profile calibrated under the machine's load finds cheapest around it (the 2 and 1
@@ -107,7 +109,7 @@ def _model(family: str, extra: dict, seq: int, device: str = "cpu"):
 
     config = zoo.tiny_config(family, layers=LAYERS, positions=seq, **extra)
     config._experts_implementation = IMPL
-    return zoo.build(family, config, seed=0, device=device), config
+    return zoo.build(family, config, seed=0, device=device, dtype=DTYPE), config
 
 
 def _fwd_bwd(module, batch: dict) -> tuple[float, float]:
@@ -311,7 +313,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--only", default=None, help="run the shapes whose label holds this")
     parser.add_argument("--versions", default=None, help="run the versions whose name holds this (and serial)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args()
+    global DTYPE
+    DTYPE = getattr(torch, args.dtype)
     for name in [n for n in VERSIONS if args.versions and args.versions not in n]:
         del VERSIONS[name]
     from autotp.cost_model import calibrate
@@ -330,7 +335,7 @@ def main() -> None:
         machine() + " Load average at the start: {:.1f}, {:.1f}, {:.1f}; at the end: {{:.1f}}, {{:.1f}}, "
         "{{:.1f}}.".format(*os.getloadavg()),
         "",
-        f"{LAYERS} layers, batch {args.batch} x seq {args.seq}, float32, experts implementation `{IMPL}`, one "
+        f"{LAYERS} layers, batch {args.batch} x seq {args.seq}, {args.dtype}, experts implementation `{IMPL}`, one "
         f"thread. Timed: forward + backward, 1 warm-up, then {args.steps} of each version in turn (median, best). "
         "Measured is the step's thread CPU time (`time.thread_time`: the step's own compute; the wall time "
         "beside it also holds the time the step waited for one of the two shared cores). "
