@@ -333,6 +333,20 @@ def assert_experts_case(cluster_of, case: dict) -> None:
          layout="etp", plan_batch=64, plan_seq=4096, sp=True, profile="cpu-gloo", dtype="bfloat16", no_experts_g=True,
          config=dict(intermediate_size=32),   # a rank's 16 features: bfloat16 grouped_mm on CPU wants 16-byte strides
          routed=("token_rows",), comms={("reduce_scatter", "P", "P(tokens 0)"): True, ("scatter", "R", "S(1)"): False}),
+    # expert-TP, the tokens split along the sequence: each rank takes its own tokens' k rows of
+    # h[perm // k] (perm a permutation of the T*k rows: k rows a token, a count the shapes give) and
+    # one all-gather lays every rank's out whole in sorted order (backward: the gradient's summands
+    # reduce-scattered back to the tokens' ranks), in place of a g of the rows and an f at the
+    # product. Uneven runs (seq 7 at tp 2, seq 9 at tp 4), 3 experts at tp 4, Qwen3-MoE at tp 3
+    dict(family="mixtral", impl="eager", tp=2, experts=3, top_k=2, kv_heads=2, seq=7, seed=4, layers=1,
+         layout="etp", plan_batch=64, plan_seq=4096, sp=True, profile="h100-dgx",
+         comms={("all_gather_rows", "P(tokens 0)", "R"): True, ("g", "P(tokens 0, reordered)", "R"): False}),
+    pytest.param(dict(family="mixtral", impl="eager", tp=4, experts=3, top_k=2, kv_heads=2, seq=9, seed=1,
+                      layers=2, layout="etp", plan_batch=64, plan_seq=4096, sp=True, profile="h100-dgx",
+                      comms={("all_gather_rows", "P(tokens 0)", "R"): True}), marks=pytest.mark.slow),
+    pytest.param(dict(family="qwen3-moe", impl="eager", tp=3, experts=4, top_k=2, kv_heads=2, seq=7, seed=4,
+                      layers=1, layout="etp", plan_batch=64, plan_seq=4096, sp=True, profile="h100-dgx",
+                      comms={("all_gather_rows", "P(tokens 0)", "R"): True}), marks=pytest.mark.slow),
 ], ids=["mixtral-grouped-3of2", "qwen2moe-eager-shared", "deepseek-mla-heads", "mixtral-batched-etp",
         "gptoss-grouped-rows", "mixtral-batched-3of4", "gptoss-grouped-routed", "gptoss-periodic-expanded",
         "mixtral-eager-tokens-a2a", "mixtral-eager-tokens-gathered-rs-tp3", "qwen3-eager-tokens-gathered-rs-tp2",
@@ -340,7 +354,8 @@ def assert_experts_case(cluster_of, case: dict) -> None:
         "deepseek-eager-tokens-a2a", "gptoss-eager-tokens-a2a", "mixtral-eager-tokens-etp-gather",
         "mixtral-eager-tokens-a2a-forced", "mixtral-eager-etp-combine-rs", "qwen3-eager-etp-combine-rs-tp3",
         "qwen2moe-eager-etp-combine-rs-tp3", "olmoe-eager-etp-combine-rs", "deepseek-eager-etp-combine-rs-tp3",
-        "mixtral-bf16-etp-combine-rs-tokens"])
+        "mixtral-bf16-etp-combine-rs-tokens", "mixtral-etp-tokens-rows-gathered",
+        "mixtral-etp-tokens-rows-gathered-tp4", "qwen3-etp-tokens-rows-gathered-tp3"])
 def test_experts_split_equals_serial(cluster_of, case):
     assert_experts_case(cluster_of, {"dtype": IMPLEMENTATIONS[case["impl"]], **case})
 
