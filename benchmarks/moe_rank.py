@@ -314,6 +314,9 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="run the shapes whose label holds this")
     parser.add_argument("--versions", default=None, help="run the versions whose name holds this (and serial)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--profile", default=None,
+                        help="plan and predict on this named profile, not one calibrated here (runs compared by "
+                             "their plans and counts: a calibration under load moves the plans between runs)")
     args = parser.parse_args()
     global DTYPE
     DTYPE = getattr(torch, args.dtype)
@@ -324,7 +327,12 @@ def main() -> None:
     started = time.time()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    profile = calibrate("cpu-calibrated")
+    if args.profile:
+        from autotp.cost_model.devices import get_profile
+
+        profile = get_profile(args.profile)
+    else:
+        profile = calibrate("cpu-calibrated")
     tp = args.tp
     lines = [
         f"# One rank of tp={tp} against serial/{tp}: MoE experts layouts and the all-to-all dispatch, predicted "
@@ -342,7 +350,8 @@ def main() -> None:
         f"The rank is rank 0 of tp={tp} on the `fake` backend (its collectives move nothing: its own compute), "
         "sequence parallelism forced in every version; the peers' routing mirrored "
         "(`benchmarks/fake_peers.py`). Predicted: the rank's forward + backward compute on profile "
-        f"`{profile.name}`, calibrated at the start of this run ({profile.flops / 1e9:.0f} GFLOP/s products, "
+        f"`{profile.name}`, {'named (--profile), not calibrated' if args.profile else 'calibrated at the start of this run'} "
+        f"({profile.flops / 1e9:.0f} GFLOP/s products, "
         f"{profile.mem_bw / 1e9:.1f} GB/s memory, {profile.link_bw / 1e9:.2f} GB/s link, "
         f"a grouped product's experts' weights streamed at {profile.grouped_bw / 1e9:.2f} GB/s, one thread); "
         "communication predicted but not run. Efficiency: (serial / tp) / rank, by CPU time. Against its own rows: "
