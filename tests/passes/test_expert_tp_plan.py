@@ -218,7 +218,7 @@ def test_a_ranks_tokens_rows_are_all_gathered_once_not_summed_whole():
     # permutation of the T*k rows, so a rank holds k rows of each of its tokens, a count the
     # shapes give: its rows are all-gathered once inside the gather (all_gather_rows, 117.4 MB
     # each way, backward a reduce-scatter of the gradient's summands: the f fused in), no count
-    # read. 13.52 -> 12.99 ms/step predicted for one layer (24.09 -> 23.06 for two)
+    # read. 13.52 -> 12.99 ms/step predicted for one layer (24.09 -> 23.04 for two)
     size = "mixtral-8x7b"
     model = zoo.build(zoo.published_sizes()[size], zoo.published_config(size, layers=1), device="meta",
                       dtype=torch.bfloat16)
