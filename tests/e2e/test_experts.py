@@ -366,3 +366,47 @@ def test_experts_split_equals_serial(cluster_of, case):
 @given(case=cases((1, 2, 3, 4)))
 def test_experts_split_equals_serial_drawn(cluster_of, case):
     assert_experts_case(cluster_of, case)
+
+
+def check_combine_into_tokens_as_the_g(case: dict) -> dict:
+    """On each rank: a bfloat16 Mixtral under expert-TP and sequence parallelism, planned as the
+    solver plans it (its float32 combine reduce-scattered into the rank's tokens at the cast back to
+    bfloat16, rules/combine.py) and again with that offer withdrawn (the combine all-reduced whole
+    by a g, then sliced at the residual add): the loss, logits and every gradient bit for bit."""
+    import autotp
+    from autotp import zoo
+    from autotp.passes.rules import combine
+
+    config = zoo.tiny_config("mixtral", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=3, top_k=2,
+                             output_router_logits=True, intermediate_size=32)
+    config._experts_implementation = "eager"
+    model = zoo.build("mixtral", config, dtype=torch.bfloat16, seed=case["seed"])
+    batch = zoo.example_batch("mixtral", config, batch=2, seq=case["seq"], seed=case["seed"] + 1)
+    results, comms = [], []
+    offered = combine._partial_tokens
+    for withdrawn in (False, True):
+        if withdrawn:
+            combine._partial_tokens = lambda info, placements: False
+        try:
+            pm = autotp.parallelize(model, case["tp"], layout=LAYOUTS["etp"][0], batch=64, seq=4096,
+                                    sequence_parallel=True, profile="cpu-gloo")
+        finally:
+            combine._partial_tokens = offered
+        out = pm(**batch)
+        out.loss.backward()
+        results.append([out.loss.detach(), out.logits.detach()] + [p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
+                                                                 else p.grad for p in pm.parameters()])
+        pm.zero_grad(set_to_none=True)
+        comms.append(sorted({(c.kind, str(c.src), str(c.dst)) for c in pm.plan.comms if ".mlp" in c.module}))
+    return {"equal": [bool(torch.equal(a, b)) for a, b in zip(*results)], "comms": comms}
+
+
+def test_a_combine_reduce_scattered_into_the_tokens_is_the_gs_result_bit_for_bit(cluster_of):
+    # tp 2, seq 7 (uneven runs): a reduce-scatter sums the two float32 summands as the g's
+    # all-reduce does, and the cast and the view back to [b, s, h] are the same on the rank's
+    # tokens as on all of them then sliced: the bfloat16 model's results are the same bits
+    for rank, result in enumerate(cluster_of(2).run(check_combine_into_tokens_as_the_g, dict(tp=2, seq=7, seed=4))):
+        taken, withdrawn = result["comms"]
+        assert ("reduce_scatter", "P", "P(tokens 0)") in taken and ("g", "P", "R") not in taken, taken
+        assert ("reduce_scatter", "P", "P(tokens 0)") not in withdrawn, withdrawn
+        assert all(result["equal"]), (rank, result["equal"])
