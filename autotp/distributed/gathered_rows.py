@@ -100,17 +100,19 @@ class GatherRowsTP(nn.Module):
     def forward(self, x: Tensor, index: Tensor, rows: Tensor, owners: Tensor, outer: Sequence[int],
                 seq: int) -> Tensor:
         tp, rank = group_size(self.group), group_rank(self.group)
-        tokens = math.prod(int(o) for o in outer)
-        counts = tuple(self.copies * tokens * n for n in run_lengths(int(seq), tp))
+        # lists, not generators: torch.compile breaks its graph at a generator passed to a call
+        tokens = math.prod([int(o) for o in outer])
+        counts = tuple([self.copies * tokens * n for n in run_lengths(int(seq), tp)])
         holder = owners.index_select(0, index)   # the rank of each sorted row's token
         order = torch.sort(holder, stable=True).indices   # rank by rank, ascending positions within
         place = torch.empty_like(order)
         place[order] = torch.arange(order.numel(), device=order.device)
         starts = [sum(counts[:r]) for r in range(tp)]
         width = max(counts)
-        if any(n != width for n in counts):   # the gathered rows are padded blocks of the widest
-            pad = torch.tensor([r * width - s for r, s in enumerate(starts)], device=order.device)
-            place = place + pad.repeat_interleave(torch.tensor(counts, device=order.device))[place]
+        if min(counts) != width:   # the gathered rows are padded blocks of the widest
+            shift = torch.cat([torch.full((n,), r * width - s, dtype=place.dtype, device=place.device)
+                               for r, (n, s) in enumerate(zip(counts, starts))])   # sizes known: one graph
+            place = place + shift[place]
         mine = order[starts[rank]:starts[rank] + counts[rank]]   # this rank's rows, by sorted position
         local = torch.searchsorted(rows, index.index_select(0, mine))   # their tokens among its rows
         y = x.index_select(0, local)
