@@ -64,6 +64,8 @@ SHAPES = {
                                             moe_intermediate_size=192, vocab=4096)),
 }
 LAYERS, IMPL = 2, "grouped_mm"
+#: the models' dtype (``--dtype``): bfloat16 runs Mixtral's float32 combine cast back to it (rules/combine.py)
+DTYPE = torch.float32
 #: attention's query heads pinned split in every version (and the solver's own plan), its output
 #: row-parallel: that meets the residual add, so sequence parallelism always has a region to split,
 #: whatever the profile calibrated under the machine's load finds cheapest around it (the 2 and 1
@@ -107,7 +109,7 @@ def _model(family: str, extra: dict, seq: int, device: str = "cpu"):
 
     config = zoo.tiny_config(family, layers=LAYERS, positions=seq, **extra)
     config._experts_implementation = IMPL
-    return zoo.build(family, config, seed=0, device=device), config
+    return zoo.build(family, config, seed=0, device=device, dtype=DTYPE), config
 
 
 def _fwd_bwd(module, batch: dict) -> tuple[float, float]:
@@ -311,7 +313,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--only", default=None, help="run the shapes whose label holds this")
     parser.add_argument("--versions", default=None, help="run the versions whose name holds this (and serial)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--profile", default=None,
+                        help="plan and predict on this named profile, not one calibrated here (runs compared by "
+                             "their plans and counts: a calibration under load moves the plans between runs)")
     args = parser.parse_args()
+    global DTYPE
+    DTYPE = getattr(torch, args.dtype)
     for name in [n for n in VERSIONS if args.versions and args.versions not in n]:
         del VERSIONS[name]
     from autotp.cost_model import calibrate
@@ -319,7 +327,12 @@ def main() -> None:
     started = time.time()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    profile = calibrate("cpu-calibrated")
+    if args.profile:
+        from autotp.cost_model.devices import get_profile
+
+        profile = get_profile(args.profile)
+    else:
+        profile = calibrate("cpu-calibrated")
     tp = args.tp
     lines = [
         f"# One rank of tp={tp} against serial/{tp}: MoE experts layouts and the all-to-all dispatch, predicted "
@@ -330,14 +343,15 @@ def main() -> None:
         machine() + " Load average at the start: {:.1f}, {:.1f}, {:.1f}; at the end: {{:.1f}}, {{:.1f}}, "
         "{{:.1f}}.".format(*os.getloadavg()),
         "",
-        f"{LAYERS} layers, batch {args.batch} x seq {args.seq}, float32, experts implementation `{IMPL}`, one "
+        f"{LAYERS} layers, batch {args.batch} x seq {args.seq}, {args.dtype}, experts implementation `{IMPL}`, one "
         f"thread. Timed: forward + backward, 1 warm-up, then {args.steps} of each version in turn (median, best). "
         "Measured is the step's thread CPU time (`time.thread_time`: the step's own compute; the wall time "
         "beside it also holds the time the step waited for one of the two shared cores). "
         f"The rank is rank 0 of tp={tp} on the `fake` backend (its collectives move nothing: its own compute), "
         "sequence parallelism forced in every version; the peers' routing mirrored "
         "(`benchmarks/fake_peers.py`). Predicted: the rank's forward + backward compute on profile "
-        f"`{profile.name}`, calibrated at the start of this run ({profile.flops / 1e9:.0f} GFLOP/s products, "
+        f"`{profile.name}`, {'named (--profile), not calibrated' if args.profile else 'calibrated at the start of this run'} "
+        f"({profile.flops / 1e9:.0f} GFLOP/s products, "
         f"{profile.mem_bw / 1e9:.1f} GB/s memory, {profile.link_bw / 1e9:.2f} GB/s link, "
         f"a grouped product's experts' weights streamed at {profile.grouped_bw / 1e9:.2f} GB/s, one thread); "
         "communication predicted but not run. Efficiency: (serial / tp) / rank, by CPU time. Against its own rows: "

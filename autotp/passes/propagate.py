@@ -36,6 +36,8 @@ from ..placements import (PARTIAL, REPLICATE, Partial, Placement, Replicate, Rep
 from .hints import column_hint, index_picks, row_hint
 from .rules import OpInfo, Strategy, TensorMeta, strategies
 from .rules.experts import GROUPED_MM, grouped_reader, permutes_rows, reads_host, reads_rows
+from .rules.gathered_rows import gathers_rows, rank_rows_work, row_copies
+from .rules.pointwise import reduce_scatters_tokens
 from .rules.registry import aliases_first, mutates_first, op_name
 
 aten = torch.ops.aten
@@ -190,7 +192,9 @@ class GraphIndex:
         key = (info.cost_key, strat, profile)   # equal across layers
         found = self._compute.get(key)
         if found is None:
-            found = self._compute[key] = compute_time(self.infos[node], strat, self.env, profile, self.tp, self.align)
+            if gathers_rows(strat):   # a rank's own tokens' rows, before the all-gather inside
+                info, strat = rank_rows_work(info, strat)
+            found = self._compute[key] = compute_time(info, strat, self.env, profile, self.tp, self.align)
         return found
 
     def activation_bytes(self, node: fx.Node, strat: Strategy, profile: DeviceProfile) -> float:
@@ -544,6 +548,7 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
         info.picks = index_picks(node, constant)
         info.gathers_expert_rows = grouped_reader(node) is not None
         info.permutes_rows = permutes_rows(node)
+        info.row_copies = row_copies(node)
     info.reads_rows = reads_rows(node)
     stack = node.args[0] if node.args else None
     if node.target in (aten.transpose.int, aten.index.Tensor) and getattr(stack, "op", None) == "placeholder" \
@@ -579,11 +584,11 @@ def _conversion(src: Any, dst: Placement, size: int | None, tp: int) -> str | No
         return None   # a routed Partial is a Partial as it is
     if isinstance(src, Routed) and src.tokens and not src.reordered and src.span == 1 and isinstance(dst, Replicate):
         return "all_gather"   # a rank's tokens in sequence order: its run of it, gathered (rewrite.gather_tokens)
+    if reduce_scatters_tokens(src, dst):
+        # a Partial of flattened tokens into the rank's own: along the sequence of (b, s, ...) (rewrite)
+        return "reduce_scatter"
     if isinstance(dst, Shard) and dst.whole and not dst.tail and isinstance(src, Replicate):
         return "scatter"   # blocks held whole are sliced whole (a conv weight of Mamba2's one B and C)
-    if isinstance(src, Partial) and not isinstance(src, Routed) and isinstance(dst, Routed) and dst.tokens \
-            and not dst.reordered and dst.span == 1 and dst.dim == 0:
-        return "reduce_scatter"   # into a rank's tokens' rows: along the sequence of (b, s, ...) (rewrite)
     if isinstance(dst, Partial) or (isinstance(dst, Shard) and dst.holds_whole):
         return "inf"   # a tail is made whole by the product that computes it, never by a collective
     if any(isinstance(p, Shard) and p.outer >= 0 for p in (src, dst)):
@@ -733,9 +738,22 @@ def _experts_may_take_rows(node: fx.Node, place: Mapping[fx.Node, Any]) -> bool:
 
 
 def internal_seconds(index: "GraphIndex", profile: DeviceProfile, strat: Strategy) -> float:
-    """Seconds of the collectives an op runs inside itself (vocab-parallel cross-entropy)."""
-    return sum(sum(collective_time(kind, nbytes(meta, index.env, profile.dtype_bytes), profile, index.tp))
-               for kind, meta in strat.internal)
+    """Seconds of the collectives an op runs inside itself (vocab-parallel cross-entropy), and the
+    copies that lay their tensors out (:func:`internal_copy_seconds`)."""
+    total = 0.0
+    for kind, meta in strat.internal:
+        full = nbytes(meta, index.env, profile.dtype_bytes)
+        total += sum(collective_time(kind, full, profile, index.tp)) + internal_copy_seconds(kind, full, profile)
+    return total
+
+
+def internal_copy_seconds(kind: str, full: float, profile: DeviceProfile) -> float:
+    """Seconds of the layout copies around an internal collective: the rows of every rank's
+    tokens all-gathered (``all_gather_rows``) are put in their sorted order by one gather of the
+    whole tensor forward, and the gradient in rank order by one backward (read and write each)."""
+    if kind != "all_gather_rows":
+        return 0.0
+    return 2 * (2 * full / profile.bandwidth("elementwise") + profile.launch_s)
 
 
 def param_memory(index: "GraphIndex", profile: DeviceProfile, node: fx.Node, placement: Any) -> float:
@@ -1074,6 +1092,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
         for kind, meta in best.internal:
             full = nbytes(meta, env, profile.dtype_bytes)
             seconds = sum(collective_time(kind, full, profile, tp))
+            compute += internal_copy_seconds(kind, full, profile)   # memory-bound work, not the link's
             fw_b, bw_b = collective_bytes(kind, full, tp)
             comm += seconds
             comms.append(Comm(kind, node.name, best.inputs[0], best.output if kind == "all_to_all" else REPLICATE,

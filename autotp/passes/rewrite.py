@@ -43,7 +43,7 @@ from .propagate import (GraphIndex, Propagation, _aliases_of, _conversion, _dim_
                         cut_from_whole, first_write, gather_parts, gathers_whole, map_args, storage_root, wants_f)
 from .rules import LocalContext, aliases_first, is_routed, localizer_for, mutates_first
 from .rules.experts import ASCENDING, _token_maps, dispatches_tokens, grouped_reader
-from .rules.pointwise import sequence_factor
+from .rules.pointwise import reduce_scatters_tokens, sequence_factors
 from .rules.registry import REGION_BOUNDS
 
 log = logging.getLogger(__name__)
@@ -208,12 +208,12 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
     def scatter_tokens(out: fx.Node, meta: Any) -> fx.Node:
         """A partial sum of rows ``[b*s, ...]`` reduce-scattered into the rank's tokens' rows
         (``Routed(0, tokens=True)``): viewed as ``[b, s, ...]``, reduce-scattered along the sequence
-        (each rank's run of it, of any length), flattened again; its row map is the one a view of
-        ``[b, s, ...]`` split along ``s`` to ``[b*s, ...]`` makes (shared with it: the rows meet row
-        by row). The mirror of :func:`gather_tokens`."""
-        seq_symbols = frozenset(sym for sym in meta.shape[0].free_symbols
-                                if cap.dim_symbols.get(sym.name) == "seq")
-        factors = sequence_factor(meta.shape[0], seq_symbols)
+        (each rank's run of it, of any length; its backward the all-gather), flattened again to the
+        rank's ``b`` runs of ``s/tp`` rows; its row map is the one a view of ``[b, s, ...]`` split
+        along ``s`` to ``[b*s, ...]`` makes (shared with it: the rows meet row by row). OPT's MLP
+        region on ``[b*s, h]``; an expert layer's combine at its cast (rules/combine.py). The
+        mirror of :func:`gather_tokens`."""
+        factors = sequence_factors(meta.shape[0], index.sequence)
         if factors is None:   # the rules offer the rows only where the size factors so
             raise PlanError(f"cannot reduce-scatter {meta.shape[0]} rows into a sequence split's tokens' rows: "
                             f"their count is no sequence times a batch")
@@ -255,6 +255,9 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             # place and summed (correct, twice the bytes of the all-gather the plan priced)
             log.warning("autotp: %s holds token rows without their sequence's row map; made whole by "
                         "scatter and all-reduce, not the all-gather the plan priced", src.name)
+        if reduce_scatters_tokens(have, dst):
+            out = converted[key] = scatter_tokens(out, meta)
+            return out
         if isinstance(have, Routed) and not isinstance(dst, Routed):
             # a rank's rows of experts put in place, zero elsewhere: a plain Partial
             shape = [sizes(s) for s in meta.shape]
@@ -272,8 +275,6 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             unsliced.append(env[src])
         elif kind == "scatter":
             out = comm_node("scatter", out, C.ScatterToTP(group, dst, full_size(meta, dst)))
-        elif kind == "reduce_scatter" and isinstance(dst, Routed):
-            out = scatter_tokens(out, meta)
         elif kind == "reduce_scatter":
             out = comm_node("reduce_scatter", out, C.ReduceScatterToTP(group, dst, full_size(meta, dst)))
         elif kind == "inf":

@@ -546,7 +546,8 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
     import sympy
 
     from ..cost_model.symbolic import bytes_expr, collective_time_expr, compute_time_expr
-    from ..passes.propagate import _meta, layout_copy_seconds
+    from ..passes.propagate import _meta, internal_copy_seconds, layout_copy_seconds
+    from ..passes.rules.gathered_rows import gathers_rows, rank_rows_work
 
     rename = {}
     for name, role in index.capture.dim_symbols.items():
@@ -556,6 +557,8 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
     first: dict = {}
     for node, strat in prop.chosen.items():
         info = index.infos[node]
+        if gathers_rows(strat):   # a rank's own tokens' rows (GraphIndex.compute_time)
+            info, strat = rank_rows_work(info, strat)
         key = (info.cost_key, strat)
         compute[key] += 1
         first.setdefault(key, (info, strat))
@@ -565,7 +568,7 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
     for c in prop.comms:
         # inside an op (vocab-parallel cross-entropy, an expert dispatch: its internal ones, in
         # order), not a reshard by all-to-all (a conversion of one split to another)
-        if c.kind == "all_reduce" or (c.kind == "all_to_all" and not isinstance(c.dst, Shard)):
+        if c.kind in ("all_reduce", "all_gather_rows") or (c.kind == "all_to_all" and not isinstance(c.dst, Shard)):
             internal = prop.chosen[nodes[c.tensor]].internal
             kind, meta = internal[inside[c.tensor] % len(internal)]
             comm[("g" if kind == "all_reduce" else kind, meta, True, None, None)] += 1
@@ -574,6 +577,8 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
             comm[(c.kind, _meta(nodes[c.tensor]), nodes[c.tensor] in index.grads, c.src, c.dst)] += 1
     compute_total = sympy.Add(*(n * compute_time_expr(*first[k], profile, index.tp, index.env, index.align)
                                 for k, n in compute.items())) + prop.update_s   # the optimizer step: constant
+    compute_total += sympy.Add(*(n * internal_copy_seconds(kind, bytes_expr(meta, profile.dtype_bytes), profile)
+                                 for (kind, meta, _, _, _), n in comm.items()))   # the rows laid out in order
     comm_total = sympy.Add(*(n * (collective_time_expr(kind, bytes_expr(meta, profile.dtype_bytes), profile, index.tp,
                                                        grad)
                                   + layout_copy_seconds(kind, meta, src, dst, bytes_expr(meta, profile.dtype_bytes),

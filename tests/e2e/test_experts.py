@@ -56,7 +56,7 @@ def check_experts_case(case: dict) -> dict:
     config = zoo.tiny_config(case["family"], layers=case.get("layers", 2), heads=4, kv_heads=case["kv_heads"],
                              head_dim=8, vocab=48,
                              experts=case["experts"], top_k=case["top_k"],
-                             output_router_logits=case.get("router_logits", True))
+                             output_router_logits=case.get("router_logits", True), **case.get("config", {}))
     config._experts_implementation = case["impl"]
     model = zoo.build(case["family"], config, dtype=dtype, seed=case["seed"])
     batch = zoo.example_batch(case["family"], config, batch=2, seq=case["seq"], seed=case["seed"] + 1)
@@ -324,15 +324,40 @@ def assert_experts_case(cluster_of, case: dict) -> None:
     pytest.param(dict(family="deepseek-v3", impl="eager", tp=3, experts=3, top_k=2, kv_heads=2, seq=6, seed=8,
                       layers=1, layout="etp", plan_batch=64, plan_seq=4096, sp=True, profile="cpu-gloo",
                       no_experts_g=True), marks=pytest.mark.slow),
+    # bfloat16: Mixtral's float32 routing weights make its combine float32, cast to the hidden
+    # dtype before the view back to [b, s, h]; the partial sum is reduce-scattered along the
+    # sequence into the rank's tokens at that cast (no g of [b*s, h], no scatter to S(1)). Float64
+    # and float32 models cast to their own dtype there, which passes the Partial on: only a
+    # narrower hidden dtype runs this path, so the bound is bfloat16's. tp 2 (seq 7: uneven runs)
+    dict(family="mixtral", impl="eager", tp=2, experts=3, top_k=2, kv_heads=2, seq=7, seed=4, layers=1,
+         layout="etp", plan_batch=64, plan_seq=4096, sp=True, profile="cpu-gloo", dtype="bfloat16", no_experts_g=True,
+         config=dict(intermediate_size=32),   # a rank's 16 features: bfloat16 grouped_mm on CPU wants 16-byte strides
+         routed=("token_rows",), comms={("reduce_scatter", "P", "P(tokens 0)"): True, ("scatter", "R", "S(1)"): False}),
+    # expert-TP, the tokens split along the sequence: each rank takes its own tokens' k rows of
+    # h[perm // k] (perm a permutation of the T*k rows: k rows a token, a count the shapes give) and
+    # one all-gather lays every rank's out whole in sorted order (backward: the gradient's summands
+    # reduce-scattered back to the tokens' ranks), in place of a g of the rows and an f at the
+    # product. Uneven runs (seq 7 at tp 2, seq 9 at tp 4), 3 experts at tp 4, Qwen3-MoE at tp 3
+    dict(family="mixtral", impl="eager", tp=2, experts=3, top_k=2, kv_heads=2, seq=7, seed=4, layers=1,
+         layout="etp", plan_batch=64, plan_seq=4096, sp=True, profile="h100-dgx",
+         comms={("all_gather_rows", "P(tokens 0)", "R"): True, ("g", "P(tokens 0, reordered)", "R"): False}),
+    pytest.param(dict(family="mixtral", impl="eager", tp=4, experts=3, top_k=2, kv_heads=2, seq=9, seed=1,
+                      layers=2, layout="etp", plan_batch=64, plan_seq=4096, sp=True, profile="h100-dgx",
+                      comms={("all_gather_rows", "P(tokens 0)", "R"): True}), marks=pytest.mark.slow),
+    pytest.param(dict(family="qwen3-moe", impl="eager", tp=3, experts=4, top_k=2, kv_heads=2, seq=7, seed=4,
+                      layers=1, layout="etp", plan_batch=64, plan_seq=4096, sp=True, profile="h100-dgx",
+                      comms={("all_gather_rows", "P(tokens 0)", "R"): True}), marks=pytest.mark.slow),
 ], ids=["mixtral-grouped-3of2", "qwen2moe-eager-shared", "deepseek-mla-heads", "mixtral-batched-etp",
         "gptoss-grouped-rows", "mixtral-batched-3of4", "gptoss-grouped-routed", "gptoss-periodic-expanded",
         "mixtral-eager-tokens-a2a", "mixtral-eager-tokens-gathered-rs-tp3", "qwen3-eager-tokens-gathered-rs-tp2",
         "mixtral-eager-tokens-a2a-3of4", "qwen3-eager-tokens-a2a-tp3",
         "deepseek-eager-tokens-a2a", "gptoss-eager-tokens-a2a", "mixtral-eager-tokens-etp-gather",
         "mixtral-eager-tokens-a2a-forced", "mixtral-eager-etp-combine-rs", "qwen3-eager-etp-combine-rs-tp3",
-        "qwen2moe-eager-etp-combine-rs-tp3", "olmoe-eager-etp-combine-rs", "deepseek-eager-etp-combine-rs-tp3"])
+        "qwen2moe-eager-etp-combine-rs-tp3", "olmoe-eager-etp-combine-rs", "deepseek-eager-etp-combine-rs-tp3",
+        "mixtral-bf16-etp-combine-rs-tokens", "mixtral-etp-tokens-rows-gathered",
+        "mixtral-etp-tokens-rows-gathered-tp4", "qwen3-etp-tokens-rows-gathered-tp3"])
 def test_experts_split_equals_serial(cluster_of, case):
-    assert_experts_case(cluster_of, {**case, "dtype": IMPLEMENTATIONS[case["impl"]]})
+    assert_experts_case(cluster_of, {"dtype": IMPLEMENTATIONS[case["impl"]], **case})
 
 
 @pytest.mark.slow
@@ -341,3 +366,85 @@ def test_experts_split_equals_serial(cluster_of, case):
 @given(case=cases((1, 2, 3, 4)))
 def test_experts_split_equals_serial_drawn(cluster_of, case):
     assert_experts_case(cluster_of, case)
+
+
+def check_combine_into_tokens_as_the_g(case: dict) -> dict:
+    """On each rank: a bfloat16 Mixtral under expert-TP and sequence parallelism, planned as the
+    solver plans it (its float32 combine reduce-scattered into the rank's tokens at the cast back to
+    bfloat16, rules/combine.py) and again with that offer withdrawn (the combine all-reduced whole
+    by a g, then sliced at the residual add): the loss, logits and every gradient bit for bit."""
+    import autotp
+    from autotp import zoo
+    from autotp.passes.rules import combine
+
+    config = zoo.tiny_config("mixtral", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=3, top_k=2,
+                             output_router_logits=True, intermediate_size=32)
+    config._experts_implementation = "eager"
+    model = zoo.build("mixtral", config, dtype=torch.bfloat16, seed=case["seed"])
+    batch = zoo.example_batch("mixtral", config, batch=2, seq=case["seq"], seed=case["seed"] + 1)
+    results, comms = [], []
+    offered = combine._partial_tokens
+    for withdrawn in (False, True):
+        if withdrawn:
+            combine._partial_tokens = lambda info, placements: False
+        try:
+            pm = autotp.parallelize(model, case["tp"], layout=LAYOUTS["etp"][0], batch=64, seq=4096,
+                                    sequence_parallel=True, profile="cpu-gloo")
+        finally:
+            combine._partial_tokens = offered
+        out = pm(**batch)
+        out.loss.backward()
+        results.append([out.loss.detach(), out.logits.detach()] + [p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
+                                                                 else p.grad for p in pm.parameters()])
+        pm.zero_grad(set_to_none=True)
+        comms.append(sorted({(c.kind, str(c.src), str(c.dst)) for c in pm.plan.comms if ".mlp" in c.module}))
+    return {"equal": [bool(torch.equal(a, b)) for a, b in zip(*results)], "comms": comms}
+
+
+def test_a_combine_reduce_scattered_into_the_tokens_is_the_gs_result_bit_for_bit(cluster_of):
+    # tp 2, seq 7 (uneven runs): a reduce-scatter sums the two float32 summands as the g's
+    # all-reduce does, and the cast and the view back to [b, s, h] are the same on the rank's
+    # tokens as on all of them then sliced: the bfloat16 model's results are the same bits
+    for rank, result in enumerate(cluster_of(2).run(check_combine_into_tokens_as_the_g, dict(tp=2, seq=7, seed=4))):
+        taken, withdrawn = result["comms"]
+        assert ("reduce_scatter", "P", "P(tokens 0)") in taken and ("g", "P", "R") not in taken, taken
+        assert ("reduce_scatter", "P", "P(tokens 0)") not in withdrawn, withdrawn
+        assert all(result["equal"]), (rank, result["equal"])
+
+
+def check_rows_gathered_compiled(case: dict) -> dict:
+    """On each rank: the float64 Mixtral whose plan all-gathers each rank's tokens' rows
+    (``all_gather_rows``), eager and under ``torch.compile`` (aot_eager): the loss and every
+    gradient, the graph breaks and the graphs."""
+    import autotp
+    from autotp import zoo
+    from torch._dynamo.utils import counters
+
+    config = zoo.tiny_config("mixtral", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=3, top_k=2)
+    config._experts_implementation = "eager"
+    model = zoo.build("mixtral", config, dtype=torch.float64, seed=case["seed"])
+    batch = zoo.example_batch("mixtral", config, batch=2, seq=case["seq"], seed=case["seed"] + 1)
+    pm = autotp.parallelize(model, case["tp"], layout=LAYOUTS["etp"][0], batch=64, seq=4096, sequence_parallel=True,
+                            profile="h100-dgx")
+    results = []
+    torch._dynamo.reset()
+    counters.clear()
+    for module in (pm, torch.compile(pm, backend="aot_eager")):
+        out = module(**batch)
+        out.loss.backward()
+        results.append([out.loss.detach()] + [(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
+                                              for p in pm.parameters()])   # the rank's own shards
+        pm.zero_grad(set_to_none=True)
+    return {"kinds": sorted({c.kind for c in pm.plan.comms}), "breaks": dict(counters["graph_break"]),
+            "graphs": counters["stats"]["unique_graphs"],
+            "equal": [bool(torch.allclose(a, b, rtol=1e-12, atol=1e-12)) for a, b in zip(*results)]}
+
+
+def test_rows_gathered_from_each_ranks_tokens_compile_to_one_graph(cluster_of):
+    # the gather's sizes (each rank's count of rows, the padding of uneven runs: seq 7 at tp 2)
+    # are Python ints from the shapes: one graph, no break (a generator passed to a call and a
+    # repeat_interleave by a tensor of counts once broke it in five places), the eager results
+    for rank, result in enumerate(cluster_of(2).run(check_rows_gathered_compiled, dict(tp=2, seq=7, seed=4))):
+        assert "all_gather_rows" in result["kinds"], result["kinds"]
+        assert result["breaks"] == {} and result["graphs"] == 1, (rank, result["breaks"], result["graphs"])
+        assert all(result["equal"]), (rank, result["equal"])

@@ -115,7 +115,8 @@ def test_token_rows_made_whole_under_expert_tp_are_all_gathered_along_the_sequen
     config = zoo.tiny_config("mixtral", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=4, top_k=2)
     model = zoo.build("mixtral", config, device="meta")
     plan = autotp.plan(model, tp=2, layout=ETP, batch=64, seq=4096, profile="h100-dgx", sequence_parallel=True)
-    whole = [c for c in plan.comms if c.src == "P(tokens 0)"]
+    # (the rows h[perm // k] of the rank's tokens, all-gathered inside the gather, are the test below)
+    whole = [c for c in plan.comms if c.src == "P(tokens 0)" and c.kind != "all_gather_rows"]
     assert [c.kind for c in whole] == ["all_gather", "all_gather"], plan.comms
     rows = 64 * 4096
     # the weights (priced in the profile's 2-byte dtype) and ids (int64): [tokens, top_k] each,
@@ -151,11 +152,12 @@ def _full_bytes(comm, tp: int) -> float:
     return moved / ((2 if comm.kind in ("f", "g") else 1) * (tp - 1) / tp)
 
 
-@pytest.mark.parametrize("size, hidden, k, sequence_parallel", [
-    ("mixtral-8x7b", 4096, 2, False),
-    ("qwen3-30b-a3b", 2048, 8, True),
+@pytest.mark.parametrize("size, hidden, k, sequence_parallel, gathered", [
+    ("mixtral-8x7b", 4096, 2, False, "tokens"),
+    ("qwen3-30b-a3b", 2048, 8, True, "rows"),
 ])
-def test_expert_tp_sums_the_gathered_rows_gradient_on_the_tokens_not_on_the_rows(size, hidden, k, sequence_parallel):
+def test_expert_tp_sums_the_gathered_rows_gradient_on_the_tokens_not_on_the_rows(size, hidden, k, sequence_parallel,
+                                                                                 gathered):
     # expert-TP at h200, 2 x 4096, tp 8: the (token, expert) rows h[perm // k] the
     # column-parallel gate|up product reads are gathered whole on every rank, and their gradient,
     # a summand on each rank, passes back through the gather (a scatter-add, linear) to the
@@ -163,7 +165,12 @@ def test_expert_tp_sums_the_gathered_rows_gradient_on_the_tokens_not_on_the_rows
     # f sat at the product, on the rows (Mixtral-8x7B, the tokens whole at the experts: 234.9 MB
     # a layer backward); and with the tokens split along the sequence the rank reordered its own
     # tokens' rows and all-reduced them whole (Qwen3-30B-A3B, k = 8: a g of 469.8 MB forward and
-    # the f's 469.8 MB backward a layer, 25.25 ms/step for 2 layers; now 18.98)
+    # the f's 469.8 MB backward a layer, 25.25 ms/step for 2 layers; 18.98 with the tokens'
+    # all-gather). With the tokens split, each rank's tokens' k rows may now be all-gathered
+    # inside the gather instead (its backward a reduce-scatter, the f fused in, and the rank's
+    # scatter-add of its own rows alone, where the whole gather's is [T*k, h] on every rank):
+    # Qwen3-30B-A3B takes it by cost, 18.98 -> 17.94 ms/step, half the bytes of a g and an f of
+    # the rows, none all-reduced
     model = zoo.build(zoo.published_sizes()[size], zoo.published_config(size, layers=1), device="meta",
                       dtype=torch.bfloat16)
     tp, tokens = 8, 2 * 4096
@@ -171,8 +178,55 @@ def test_expert_tp_sums_the_gathered_rows_gradient_on_the_tokens_not_on_the_rows
     experts = [c for c in plan.comms if c.module.endswith(".mlp.experts")]
     assert experts, plan.comms
     rows = tokens * k * hidden * 2   # [T*k, h] in the profile's 2-byte dtype
-    assert all(_full_bytes(c, tp) < rows for c in experts), [(c.kind, c.tensor, c.consumer) for c in experts]
+    assert not [c for c in experts if c.kind in ("g", "f") and _full_bytes(c, tp) >= rows], \
+        [(c.kind, c.tensor, c.consumer) for c in experts]
     into_gather = [c for c in experts if c.consumer.startswith("index") and c.bwd_bytes]
-    assert [c.kind for c in into_gather] == ["all_gather_f"], experts   # the tokens' f, fused with their gather
-    assert _full_bytes(into_gather[0], tp) == tokens * hidden * 2
+    kind, moved = {"tokens": ("all_gather_f", tokens * hidden * 2), "rows": ("all_gather_rows", rows)}[gathered]
+    assert [c.kind for c in into_gather] == [kind], experts   # the f fused with the gather
+    assert _full_bytes(into_gather[0], tp) == moved
     assert not [c for c in experts if c.kind == "f" and "grouped_mm" in c.consumer], experts
+
+
+def test_a_float32_combine_is_reduce_scattered_into_the_ranks_tokens():
+    # Mixtral-8x7B in bfloat16, expert-TP, the tokens split along the sequence (h200, 2 x 4096, tp
+    # 8): its float32 routing weights make the combine float32, cast to bfloat16 before the view
+    # back to [b, s, h]. A cast that narrows takes no Partial, so the top-k sum [T, h] was
+    # all-reduced whole (a g, 117.4 MB a layer) and sliced to the rank's run of the sequence at the
+    # residual add (the scatter's all-gather backward). Now it is reduce-scattered along the
+    # sequence into the rank's tokens (P(tokens 0)), the cast and the view run on them, and the
+    # residual add takes them as they are: 24.58 -> 24.09 ms/step predicted for 2 layers
+    size = "mixtral-8x7b"
+    model = zoo.build(zoo.published_sizes()[size], zoo.published_config(size, layers=1), device="meta",
+                      dtype=torch.bfloat16)
+    tp, tokens, hidden = 8, 2 * 4096, 4096
+    plan = autotp.plan(model, tp, batch=2, seq=4096, profile="h200", layout=ETP, sequence_parallel=True)
+    layer = [c for c in plan.comms if c.module.startswith("model.layers.0")]
+    into_tokens = [c for c in layer if (c.kind, str(c.src), str(c.dst)) == ("reduce_scatter", "P", "P(tokens 0)")]
+    assert [c.consumer.split("_")[:2] for c in into_tokens] == [["to", "dtype"]], layer   # at the combine's cast
+    assert into_tokens[0].module.endswith(".mlp.experts")
+    # [T, h] priced in the profile's 2-byte dtype, (n-1)/n of it each way (its backward an all-gather)
+    assert into_tokens[0].fwd_bytes == into_tokens[0].bwd_bytes == tokens * hidden * 2 * (tp - 1) / tp
+    assert not [c for c in layer if c.kind == "g" and c.consumer.startswith("to_dtype")], layer
+    assert not [c for c in layer if c.kind == "scatter"], layer   # nothing made whole, then sliced
+
+
+def test_a_ranks_tokens_rows_are_all_gathered_once_not_summed_whole():
+    # Mixtral-8x7B in bfloat16, expert-TP, the tokens split along the sequence (h200, 2 x 4096, tp
+    # 8): the column-parallel gate|up product reads every row of h[perm // k]. Each rank reordered
+    # its own tokens' rows, scattered them into zeros and all-reduced them (a g of [T*k, h], 234.9
+    # MB a layer) and the f at the product all-reduced their gradient (234.9 MB again). perm is a
+    # permutation of the T*k rows, so a rank holds k rows of each of its tokens, a count the
+    # shapes give: its rows are all-gathered once inside the gather (all_gather_rows, 117.4 MB
+    # each way, backward a reduce-scatter of the gradient's summands: the f fused in), no count
+    # read. 13.52 -> 12.99 ms/step predicted for one layer (24.09 -> 23.04 for two)
+    size = "mixtral-8x7b"
+    model = zoo.build(zoo.published_sizes()[size], zoo.published_config(size, layers=1), device="meta",
+                      dtype=torch.bfloat16)
+    tp, rows, hidden = 8, 2 * 4096 * 2, 4096
+    plan = autotp.plan(model, tp, batch=2, seq=4096, profile="h200", layout=ETP, sequence_parallel=True)
+    experts = [c for c in plan.comms if c.module.endswith(".mlp.experts")]
+    gathered = [c for c in experts if c.kind == "all_gather_rows"]
+    assert [(str(c.src), c.consumer.split("_")[0]) for c in gathered] == [("P(tokens 0)", "index")], experts
+    assert gathered[0].fwd_bytes == gathered[0].bwd_bytes == rows * hidden * 2 * (tp - 1) / tp
+    # nothing of [T*k, h] all-reduced: no g of the reordered rows, no f of them at the product
+    assert not [c for c in experts if c.kind in ("g", "f") and _full_bytes(c, tp) >= rows * hidden * 2], experts

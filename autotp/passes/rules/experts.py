@@ -50,6 +50,7 @@ import torch
 
 from ...placements import (PARTIAL, REPLICATE, REPLICATE_PARTIAL_GRAD, Partial, Routed, Shard, divides, is_even,
                            layout, local_ranges, same_placement)
+from .gathered_rows import gathered_rows_localizer, gathered_rows_strategies, gathers_rows
 from .routing import counted_by, index_length, is_permutation, written
 from .registry import (LocalContext, OpInfo, Strategy, _RULES, functional_of, is_shard, op_name, register,
                        register_localizer, register_routed, register_routed_localizer)
@@ -268,6 +269,7 @@ def _routed_strategies(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
         if len(indices) == 1 and indices[0] is not None and len(info.inputs) == 2:   # rows reordered
             p = placements[0]
             found.append(Strategy((p, REPLICATE), replace(p, reordered=True) if p.tokens else p))
+            found += gathered_rows_strategies(info, p)   # each token's k rows all-gathered whole
             if info.gathers_expert_rows and info.tp > 1 and p.tokens and not p.reordered:
                 # the tokens the router ran on where they are held (a rank's run of the
                 # sequence), all-gathered along it for a rank's experts' rows to be cut from
@@ -681,6 +683,8 @@ def routed_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict
     from ...distributed import experts as E
 
     out = strategy.output
+    if gathers_rows(strategy):
+        return gathered_rows_localizer(info, strategy, args, kwargs, ctx)
     if isinstance(out, Routed) and out.tokens and is_shard(strategy.inputs[0]):
         return token_localizer(info, strategy, args, kwargs, ctx)
     if is_shard(out) and isinstance(strategy.inputs[0], Routed) and strategy.inputs[0].tokens:

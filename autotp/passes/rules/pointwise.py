@@ -14,7 +14,7 @@ import sympy
 import torch
 from torch import fx
 
-from ...placements import PARTIAL, REPLICATE, Placement, Routed, Shard
+from ...placements import PARTIAL, REPLICATE, Partial, Placement, Routed, Shard
 from .registry import (LocalContext, OpInfo, Strategy, TensorMeta, along_sequence, is_partial, is_shard, register,
                        register_localizer)
 
@@ -196,22 +196,33 @@ def merged_sequence_rows(info: OpInfo) -> Routed | None:
     :func:`~autotp.distributed.experts.sequence_rows`), the same bytes as along ``s`` itself."""
     if info.tp < 2 or not info.uneven or not isinstance(info.output, TensorMeta) or info.output.ndim < 2:
         return None
-    return Routed(0, tokens=True) if sequence_factor(info.output.shape[0], info.sequence) is not None else None
+    return Routed(0, tokens=True) if sequence_factors(info.output.shape[0], info.sequence) is not None else None
 
 
-def sequence_factor(rows: Any, sequence: frozenset) -> tuple[Any, Any] | None:
-    """``(outer, seq)`` where the dynamic size ``rows`` is a sequence symbol ``seq`` times other
-    dynamic sizes ``outer`` (the batch), read as ``[outer, seq]`` flattened batch first, as a
-    view of ``[b, s, ...]`` to ``[-1, ...]`` makes it; else None."""
-    if not isinstance(rows, sympy.Mul):
+def sequence_factors(rows: Any, sequence: frozenset) -> tuple[Any, sympy.Symbol] | None:
+    """``(outer, s)`` where ``rows`` (a dim's size) is ``outer * s`` for a sequence symbol ``s``,
+    ``outer`` a product of other symbols alone (the batch): the dim holds flattened tokens ``[b,
+    s] -> [b*s]``, read batch first as a view of ``[b, s, ...]`` to ``[-1, ...]`` makes it. None
+    otherwise: a static size, a sum, a dim with no sequence in it, or a number in the product
+    (``[b*s*k]``, a token's top-k rows side by side: runs of ``s/tp`` of it would cut a token's
+    rows apart)."""
+    if not isinstance(rows, sympy.Expr):
         return None
-    found = [f for f in rows.args if f in sequence]
-    if len(found) != 1:
-        return None
-    outer = sympy.cancel(rows / found[0])
-    if outer.is_Integer or any(f in sequence for f in outer.free_symbols):
-        return None
-    return outer, found[0]
+    for s in sorted(sequence, key=str):
+        outer = sympy.cancel(rows / s)
+        factors = outer.args if outer.is_Mul else (outer,)
+        if s in outer.free_symbols or not all(f.is_Symbol for f in factors):
+            continue
+        return outer, s
+    return None
+
+
+def reduce_scatters_tokens(have: Any, want: Any) -> bool:
+    """Whether turning ``have`` into ``want`` is a plain Partial reduce-scattered along the
+    sequence into the rank's tokens' rows (``P(tokens 0)``: :func:`merged_sequence_rows`, the
+    combine's cast in rules/combine.py; rewrite.scatter_tokens)."""
+    return (isinstance(have, Partial) and not isinstance(have, Routed) and isinstance(want, Routed)
+            and want.tokens and not want.reordered and want.span == 1 and want.dim == 0 and want.unit == 1)
 
 
 @register_localizer(aten.add.Tensor)

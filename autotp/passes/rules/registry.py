@@ -131,6 +131,9 @@ class OpInfo:
     #: the sort by expert, :func:`autotp.passes.rules.routing.is_permutation`): its backward is a
     #: gather by the inverse permutation, not a scatter-add (the rank's program runs it so)
     permutes_rows: bool = False
+    #: ``k`` where the op is an index of float rows by ``p // k`` of a permutation ``p`` of ``k``
+    #: times the rows (every row taken exactly ``k`` times: :func:`.gathered_rows.row_copies`); else 0
+    row_copies: int = 0
     #: a grouped product whose x is rows gathered for it alone (``gathers_expert_rows``), or a
     #: cast between them: routed, those are the product's own experts' rows, which only its
     #: expert-parallel strategies can take (routed through the casts)
