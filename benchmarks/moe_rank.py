@@ -64,7 +64,7 @@ SHAPES = {
                                             moe_intermediate_size=192, vocab=4096)),
 }
 LAYERS, IMPL = 2, "grouped_mm"
-#: the models' dtype (``--dtype``): bfloat16 runs Mixtral's float32 combine cast back to it (rules/combine.py)
+#: the models' dtype (``--dtype``): bfloat16 runs Mixtral's float32 combine cast back to it (reduce-scattered into the rank's tokens there)
 DTYPE = torch.float32
 #: attention's query heads pinned split in every version (and the solver's own plan), its output
 #: row-parallel: that meets the residual add, so sequence parallelism always has a region to split,

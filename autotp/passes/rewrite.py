@@ -211,7 +211,7 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         (each rank's run of it, of any length; its backward the all-gather), flattened again to the
         rank's ``b`` runs of ``s/tp`` rows; its row map is the one a view of ``[b, s, ...]`` split
         along ``s`` to ``[b*s, ...]`` makes (shared with it: the rows meet row by row). OPT's MLP
-        region on ``[b*s, h]``; an expert layer's combine at its cast (rules/combine.py). The
+        region on ``[b*s, h]``; an expert layer's combine at its narrowing cast. The
         mirror of :func:`gather_tokens`."""
         factors = sequence_factors(meta.shape[0], index.sequence)
         if factors is None:   # the rules offer the rows only where the size factors so

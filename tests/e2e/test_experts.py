@@ -371,11 +371,12 @@ def test_experts_split_equals_serial_drawn(cluster_of, case):
 def check_combine_into_tokens_as_the_g(case: dict) -> dict:
     """On each rank: a bfloat16 Mixtral under expert-TP and sequence parallelism, planned as the
     solver plans it (its float32 combine reduce-scattered into the rank's tokens at the cast back to
-    bfloat16, rules/combine.py) and again with that offer withdrawn (the combine all-reduced whole
-    by a g, then sliced at the residual add): the loss, logits and every gradient bit for bit."""
+    bfloat16, pointwise.merged_sequence_rows) and again with that offer withdrawn (the combine
+    all-reduced whole by a g, then sliced at the residual add): the loss, logits and every
+    gradient bit for bit."""
     import autotp
     from autotp import zoo
-    from autotp.passes.rules import combine
+    from autotp.passes.rules import pointwise
 
     config = zoo.tiny_config("mixtral", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=3, top_k=2,
                              output_router_logits=True, intermediate_size=32)
@@ -383,15 +384,15 @@ def check_combine_into_tokens_as_the_g(case: dict) -> dict:
     model = zoo.build("mixtral", config, dtype=torch.bfloat16, seed=case["seed"])
     batch = zoo.example_batch("mixtral", config, batch=2, seq=case["seq"], seed=case["seed"] + 1)
     results, comms = [], []
-    offered = combine._partial_tokens
+    offered = pointwise.merged_sequence_rows
     for withdrawn in (False, True):
         if withdrawn:
-            combine._partial_tokens = lambda info, placements: False
+            pointwise.merged_sequence_rows = lambda info: None
         try:
             pm = autotp.parallelize(model, case["tp"], layout=LAYOUTS["etp"][0], batch=64, seq=4096,
                                     sequence_parallel=True, profile="cpu-gloo")
         finally:
-            combine._partial_tokens = offered
+            pointwise.merged_sequence_rows = offered
         out = pm(**batch)
         out.loss.backward()
         results.append([out.loss.detach(), out.logits.detach()] + [p.grad.full_tensor() if hasattr(p.grad, "full_tensor")

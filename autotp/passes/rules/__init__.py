@@ -4,7 +4,6 @@ contract is), filled by the family files (``matrix``, ``view``, ``pointwise``, `
 and one another downward only; importing this package registers them all."""
 from . import matrix, misc, nn, pointwise, view  # noqa: F401  (the families register themselves on import)
 from . import experts  # noqa: F401,E402  (after misc and view: it extends their index and transpose rules)
-from . import combine  # noqa: F401,E402  (after pointwise: it extends the casts' rules)
 from .registry import (LocalContext, Localizer, OpInfo, OutputPlacement, Rule, Strategy, TensorMeta, aliases_first, aten,
                        functional_of, has_outer, has_rule, has_tail, is_partial, is_replicate, is_routed, is_shard, localizer,
                        localizer_for,

@@ -220,7 +220,7 @@ def sequence_factors(rows: Any, sequence: frozenset) -> tuple[Any, sympy.Symbol]
 def reduce_scatters_tokens(have: Any, want: Any) -> bool:
     """Whether turning ``have`` into ``want`` is a plain Partial reduce-scattered along the
     sequence into the rank's tokens' rows (``P(tokens 0)``: :func:`merged_sequence_rows`, the
-    combine's cast in rules/combine.py; rewrite.scatter_tokens)."""
+    combine at its narrowing cast; rewrite.scatter_tokens)."""
     return (isinstance(have, Partial) and not isinstance(have, Routed) and isinstance(want, Routed)
             and want.tokens and not want.reordered and want.span == 1 and want.dim == 0 and want.unit == 1)
 
