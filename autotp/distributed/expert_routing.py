@@ -1,0 +1,145 @@
+"""The all-to-all dispatcher's routing from a rank's own (token, expert) rows alone.
+
+Under sequence parallelism a rank holds its tokens (``b`` runs of ``s/tp`` positions,
+autotp.distributed.experts.token_rows) and, after its router's top-k, their ``k`` expert ids
+each. transformers' grouped experts sort every (token, expert) row by expert (``sort``) and count
+rows per expert (``histc``, ``cumsum``: the grouped product's ``offs``); the dispatch of
+autotp.distributed.experts (:func:`~autotp.distributed.experts.dispatch_sizes`,
+:func:`~autotp.distributed.experts.dispatch_plan`) numbers the rows by that global sorted order,
+which every rank computes whole from every token's ids.
+
+Here a rank routes only its share (Megatron's ``MoEAlltoAllTokenDispatcher``, DeepSeek's EP
+dispatcher): it sorts its own rows by expert, counts them per (run of the sequence, expert),
+and exchanges those counts (an all-gather of ``b * experts`` numbers a rank, the only
+collective). From every rank's counts it knows, with no pass over another rank's rows:
+
+* ``offs``, the cumulative rows per expert of every rank's rows (the grouped product's offsets);
+* where each of its rows stands among every row sorted by expert, numbered as a *stable* sort of
+  the whole ids would number it (by expert, then token, then top-k slot), so its rows map onto
+  the same global row ids the rest of the expert layer uses (:func:`route_locally`);
+* the split sizes of the dispatch and the bounds of its experts' rows, read to the host at once
+  (:func:`local_dispatch_sizes`, the same :class:`~autotp.distributed.experts.DispatchSizes`
+  the whole count gives);
+* the order in which its experts' rows arrive from each rank, so that it lays them out by expert
+  (:func:`local_dispatch_plan`, the same
+  :class:`~autotp.distributed.experts.DispatchPlan` as the whole count's).
+
+No tensor here has more rows than the rank's own rows or the rows its experts receive; the
+whole path sorts, counts and buckets ``b * s * k`` rows on every rank.
+
+Within an expert the rows are in stable order. The serial model's ``torch.sort`` (not stable)
+may order an expert's rows otherwise (on CPU it does for 100 to about 10**5 ids): each row's
+products are the same, but the expert's weight gradient sums its rows in another order (float
+rounding alone: ``tests/runtime/test_experts_local_routing.py``).
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import torch
+
+from .collectives import _gather_into
+from .experts import DispatchPlan, DispatchSizes, _inverse
+from .reads import host_ints
+
+
+class LocalRouting(NamedTuple):
+    """A rank's own (token, expert) rows sorted by expert, placed among every rank's
+    (:func:`route_locally`)."""
+
+    perm: torch.Tensor     # the rank's flat rows (token-major, then top-k slot) sorted by expert: a local sort's indices
+    experts: torch.Tensor  # the sorted rows' expert ids (the local sort's values)
+    rows: torch.Tensor     # each sorted row's global row id: its place among every row sorted by expert (stable)
+    offs: torch.Tensor     # the cumulative rows per expert of every rank's rows
+    counts: torch.Tensor   # [tp, runs, experts]: every rank's rows per (run of the sequence, expert), exchanged
+
+
+def _exclusive(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The exclusive cumulative sum along ``dim`` (what comes before each entry)."""
+    return x.cumsum(dim) - x
+
+
+def route_locally(ids: torch.Tensor, runs: int, experts: int, group: Any, tp: int, rank: int) -> LocalRouting:
+    """The rank's (token, expert) rows sorted by expert and numbered among every rank's.
+
+    ``ids``: the expert id (in ``[0, experts)``) of each of the rank's rows, flattened in token
+    order: its ``runs`` runs of the sequence (a batch's ``b``), each of its ``s_r`` tokens' ``k``
+    ids (``ids.numel() == runs * s_r * k``). Every rank's runs interleave in the whole token
+    order (run ``o`` of rank 0, then of rank 1, ..., then run ``o + 1``), so a row's place among
+    every row of its expert is the rows of that expert in earlier (run, rank) pairs plus the
+    rank's own before it: the counts per (run, expert), exchanged, say the first; the local
+    sort the second. The global row ids equal a stable sort's of the whole ids."""
+    ids = ids.reshape(-1)
+    n = ids.numel()
+    experts_sorted, perm = torch.sort(ids, stable=True)
+    # each sorted row's run of the sequence (its rows are runs * s_r * k in token order)
+    per_run = n // runs if runs else 0
+    run = perm // per_run if per_run else torch.zeros_like(perm)
+    key = run * experts + experts_sorted
+    mine = torch.zeros(runs * experts, dtype=torch.long, device=ids.device)
+    mine.scatter_add_(0, key, torch.ones_like(key))
+    # the exchange: every rank's counts per (run, expert), [tp, runs, experts]
+    counts = _gather_into(mine, group, "all_gather of routed rows per expert (expert dispatch counts)",
+                          tp=tp).view(tp, runs, experts)
+    total = counts.sum((0, 1))                       # every rank's rows per expert
+    offs = total.cumsum(0)
+    # rows of each expert in the (run, rank) pairs before each: the whole token order
+    before = _exclusive(counts.transpose(0, 1).reshape(runs * tp, experts), 0).view(runs, tp, experts)
+    own = counts[rank]
+    # a sorted row's global id: its local position, shifted past every row of earlier experts
+    # and of its expert's earlier (run, rank) pairs, less the rank's own rows counted in those
+    shift = (offs - total) - own.sum(0).cumsum(0) + own.sum(0) + before[:, rank] - _exclusive(own, 0)
+    rows = torch.arange(n, device=ids.device) + shift.reshape(-1).index_select(0, key)
+    return LocalRouting(perm, experts_sorted, rows, offs, counts)
+
+
+def _rank_of_experts(runs_of_ranks: Sequence[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """The rank holding each expert (``runs_of_ranks``: every rank's (first expert, experts), in
+    expert order)."""
+    sizes = torch.tensor([count for _, count in runs_of_ranks], device=device)
+    return torch.repeat_interleave(torch.arange(len(runs_of_ranks), device=device), sizes)
+
+
+def local_dispatch_sizes(routing: LocalRouting, runs_of_ranks: Sequence[tuple[int, int]],
+                         rank: int) -> DispatchSizes:
+    """The layer's one read to the host (:func:`autotp.distributed.experts.dispatch_sizes`'s
+    numbers), from the exchanged counts: the bounds of this rank's experts' rows among the rows
+    sorted by expert, the rows it sends to each rank (its rows of that rank's experts) and
+    receives from each (that rank's rows of its experts)."""
+    tp = len(runs_of_ranks)
+    counts = routing.counts
+    holder = _rank_of_experts(runs_of_ranks, counts.device)
+    per_rank = torch.zeros((tp, tp), dtype=torch.long, device=counts.device)
+    # [source rank, destination rank]: rows each rank sends to each
+    per_rank.index_add_(1, holder, counts.sum(1))
+    ends = per_rank.sum(0).cumsum(0)
+    start = ends[rank - 1] if rank else ends.new_zeros(())
+    read = host_ints(torch.cat([start.view(1), ends[rank].view(1), per_rank[rank], per_rank[:, rank]]))
+    return DispatchSizes((read[0], read[1]), read[2:2 + tp], read[2 + tp:])
+
+
+def local_dispatch_plan(routing: LocalRouting, runs_of_ranks: Sequence[tuple[int, int]], rank: int,
+                        sizes: DispatchSizes) -> DispatchPlan:
+    """The dispatch of the rank's rows, in the order :func:`route_locally` sorted them (by
+    expert, so by destination, then global id: already the order they are sent in), to their
+    experts' ranks, laid out there by expert. A rank's experts' rows arrive from each rank in
+    turn, each rank's in its sorted order; where each lands among the rows ``[start, end)`` of
+    its experts is known from the exchanged counts alone: rank ``q``'s rows of expert ``e`` in
+    run ``o`` are one block, at the rows of ``e`` before them (earlier (run, rank) pairs).
+    The plan :func:`autotp.distributed.experts.dispatch_plan` makes from the whole routing."""
+    counts, offs = routing.counts, routing.offs
+    tp, runs, experts = counts.shape
+    first, count = runs_of_ranks[rank]
+    start, _ = sizes.bounds
+    total = counts.sum((0, 1))
+    before = _exclusive(counts.transpose(0, 1).reshape(runs * tp, experts), 0).view(runs, tp, experts)
+    # blocks as they arrive: by source rank, then expert, then run: [tp, count, runs]
+    at = ((offs - total).view(1, 1, experts) + before - start).permute(1, 2, 0)[:, first:first + count]
+    size = counts.permute(0, 2, 1)[:, first:first + count]
+    received = sum(sizes.recv)
+    size, at = size.reshape(-1), at.reshape(-1)
+    block = torch.repeat_interleave(size, output_size=received)   # each arriving row's block
+    within = torch.arange(received, device=offs.device) - _exclusive(size, 0).index_select(0, block)
+    arrival = at.index_select(0, block) + within
+    order = torch.arange(routing.rows.numel(), device=offs.device)
+    return DispatchPlan(order, order, _inverse(arrival), arrival, sizes.send, sizes.recv)
