@@ -52,6 +52,7 @@ class LocalRouting(NamedTuple):
     rows: torch.Tensor     # each sorted row's global row id: its place among every row sorted by expert (stable)
     offs: torch.Tensor     # the cumulative rows per expert of every rank's rows
     counts: torch.Tensor   # [tp, runs, experts]: every rank's rows per (run of the sequence, expert), exchanged
+    blocks: torch.Tensor   # [runs, tp, experts]: the global row id where each (run, rank, expert) block starts
 
 
 def _exclusive(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -83,14 +84,17 @@ def route_locally(ids: torch.Tensor, runs: int, experts: int, group: Any, tp: in
                           tp=tp).view(tp, runs, experts)
     total = counts.sum((0, 1))                       # every rank's rows per expert
     offs = total.cumsum(0)
-    # rows of each expert in the (run, rank) pairs before each: the whole token order
-    before = _exclusive(counts.transpose(0, 1).reshape(runs * tp, experts), 0).view(runs, tp, experts)
+    # where each (run, rank, expert) block starts among every row sorted by expert: past every
+    # row of earlier experts and of its expert's earlier (run, rank) pairs (the whole token order)
+    blocks = _exclusive(counts.transpose(0, 1).reshape(runs * tp, experts), 0).view(runs, tp, experts) \
+        + (offs - total)
+    # ... and among the rank's own sorted rows: past its rows of earlier experts and earlier runs
     own = counts[rank]
-    # a sorted row's global id: its local position, shifted past every row of earlier experts
-    # and of its expert's earlier (run, rank) pairs, less the rank's own rows counted in those
-    shift = (offs - total) - own.sum(0).cumsum(0) + own.sum(0) + before[:, rank] - _exclusive(own, 0)
-    rows = torch.arange(n, device=ids.device) + shift.reshape(-1).index_select(0, key)
-    return LocalRouting(perm, experts_sorted, rows, offs, counts)
+    local = _exclusive(own.sum(0), 0) + _exclusive(own, 0)
+    # a sorted row's global id: its local position, shifted from its block's local start to its global one
+    shift = (blocks.select(1, rank) - local).reshape(-1)
+    rows = torch.arange(n, device=ids.device) + shift.index_select(0, key)
+    return LocalRouting(perm, experts_sorted, rows, offs, counts, blocks)
 
 
 def _rank_of_experts(runs_of_ranks: Sequence[tuple[int, int]], device: torch.device) -> torch.Tensor:
@@ -127,19 +131,16 @@ def local_dispatch_plan(routing: LocalRouting, runs_of_ranks: Sequence[tuple[int
     its experts is known from the exchanged counts alone: rank ``q``'s rows of expert ``e`` in
     run ``o`` are one block, at the rows of ``e`` before them (earlier (run, rank) pairs).
     The plan :func:`autotp.distributed.experts.dispatch_plan` makes from the whole routing."""
-    counts, offs = routing.counts, routing.offs
-    tp, runs, experts = counts.shape
+    counts = routing.counts
     first, count = runs_of_ranks[rank]
     start, _ = sizes.bounds
-    total = counts.sum((0, 1))
-    before = _exclusive(counts.transpose(0, 1).reshape(runs * tp, experts), 0).view(runs, tp, experts)
-    # blocks as they arrive: by source rank, then expert, then run: [tp, count, runs]
-    at = ((offs - total).view(1, 1, experts) + before - start).permute(1, 2, 0)[:, first:first + count]
-    size = counts.permute(0, 2, 1)[:, first:first + count]
+    # the blocks of the rank's experts as they arrive: by source rank, then expert, then run
+    # ([tp, count, runs]), where each starts among the rank's experts' rows
+    at = routing.blocks.permute(1, 2, 0)[:, first:first + count].reshape(-1) - start
+    size = counts.permute(0, 2, 1)[:, first:first + count].reshape(-1)
     received = sum(sizes.recv)
-    size, at = size.reshape(-1), at.reshape(-1)
     block = torch.repeat_interleave(size, output_size=received)   # each arriving row's block
-    within = torch.arange(received, device=offs.device) - _exclusive(size, 0).index_select(0, block)
-    arrival = at.index_select(0, block) + within
-    order = torch.arange(routing.rows.numel(), device=offs.device)
+    arrival = at.index_select(0, block) + torch.arange(received, device=counts.device) \
+        - _exclusive(size, 0).index_select(0, block)
+    order = torch.arange(routing.rows.numel(), device=counts.device)
     return DispatchPlan(order, order, _inverse(arrival), arrival, sizes.send, sizes.recv)
