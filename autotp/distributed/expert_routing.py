@@ -69,7 +69,13 @@ def route_locally(ids: torch.Tensor, runs: int, experts: int, group: Any, tp: in
     order (run ``o`` of rank 0, then of rank 1, ..., then run ``o + 1``), so a row's place among
     every row of its expert is the rows of that expert in earlier (run, rank) pairs plus the
     rank's own before it: the counts per (run, expert), exchanged, say the first; the local
-    sort the second. The global row ids equal a stable sort's of the whole ids."""
+    sort the second. The global row ids equal a stable sort's of the whole ids.
+
+    ``runs=1`` (a rank that does not know the batch) numbers an expert's rows rank-major
+    instead (rank 0's, then rank 1's, each in its token order): another order of rows within an
+    expert, as valid for the dispatch and the products (each row's product is the same; the
+    expert's weight gradient sums its rows in that order), and only ``experts`` counts a rank
+    to exchange (Megatron's dispatcher lays its rows out so)."""
     ids = ids.reshape(-1)
     n = ids.numel()
     experts_sorted, perm = torch.sort(ids, stable=True)
