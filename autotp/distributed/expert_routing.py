@@ -34,6 +34,7 @@ rounding alone: ``tests/runtime/test_experts_local_routing.py``).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Sequence
 
 import torch
@@ -105,9 +106,23 @@ def route_locally(ids: torch.Tensor, runs: int, experts: int, group: Any, tp: in
 
 def _rank_of_experts(runs_of_ranks: Sequence[tuple[int, int]], device: torch.device) -> torch.Tensor:
     """The rank holding each expert (``runs_of_ranks``: every rank's (first expert, experts), in
-    expert order)."""
-    sizes = torch.tensor([count for _, count in runs_of_ranks], device=device)
-    return torch.repeat_interleave(torch.arange(len(runs_of_ranks), device=device), sizes)
+    expert order). It depends on the runs and the device alone: made once and reused by every
+    layer and step (a copy from the host each time, before), not while torch.compile traces (the
+    graph makes it) nor on the meta device; inference tensors apart, as the token maps'."""
+    runs = tuple((int(a), int(n)) for a, n in runs_of_ranks)
+    if torch.compiler.is_compiling() or device.type == "meta":
+        return _holders(runs, device)
+    return _cached_holders(runs, device, torch.is_inference_mode_enabled())
+
+
+def _holders(runs: tuple, device: torch.device) -> torch.Tensor:
+    sizes = torch.tensor([count for _, count in runs], device=device)
+    return torch.repeat_interleave(torch.arange(len(runs), device=device), sizes)
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_holders(runs: tuple, device: torch.device, inference: bool) -> torch.Tensor:
+    return _holders(runs, device)
 
 
 def local_dispatch_sizes(routing: LocalRouting, runs_of_ranks: Sequence[tuple[int, int]],
