@@ -50,7 +50,7 @@ class LocalRouting(NamedTuple):
 
     perm: torch.Tensor     # the rank's flat rows (token-major, then top-k slot) sorted by expert: a local sort's indices
     experts: torch.Tensor  # the sorted rows' expert ids (the local sort's values)
-    rows: torch.Tensor     # each sorted row's global row id: its place among every row sorted by expert (stable)
+    rows: torch.Tensor     # each sorted row's global row id among every row sorted by expert (stable; one run: rank-major)
     offs: torch.Tensor     # the cumulative rows per expert of every rank's rows
     counts: torch.Tensor   # [tp, runs, experts]: every rank's rows per (run of the sequence, expert), exchanged
     blocks: torch.Tensor   # [runs, tp, experts]: the global row id where each (run, rank, expert) block starts
