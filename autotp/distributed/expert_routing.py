@@ -39,7 +39,7 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from .collectives import _gather_into
+from .collectives import _CommModule, _gather_into
 from .experts import DispatchPlan, DispatchSizes, _inverse
 from .reads import host_ints
 
@@ -165,3 +165,63 @@ def local_dispatch_plan(routing: LocalRouting, runs_of_ranks: Sequence[tuple[int
         - _exclusive(size, 0).index_select(0, block)
     order = torch.arange(routing.rows.numel(), device=counts.device)
     return DispatchPlan(order, order, _inverse(arrival), arrival, sizes.send, sizes.recv)
+
+
+# ---- what a rank's program runs for the ops of the routing (autotp/passes/rules/local_routing.py) ----
+def flat_rows(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """The row map of a rank's tokens' ``[rows, k]`` flattened to ``[rows * k]``: token ``t``'s
+    ``k`` entries are the global flat rows ``t * k .. t * k + k - 1`` (ascending where ``rows`` is)."""
+    return (rows.unsqueeze(1) * k + torch.arange(k, device=rows.device)).reshape(-1)
+
+
+def sorted_locally(routing: LocalRouting) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.sort``'s (values, indices) of the rank's own flat expert ids, from its routing."""
+    return routing.experts, routing.perm
+
+
+def routed_counts(routing: LocalRouting, dtype: torch.dtype) -> torch.Tensor:
+    """Every rank's rows per expert (``histc`` of every token's ids), from the exchanged counts:
+    no pass over any row."""
+    return routing.counts.sum((0, 1)).to(dtype)
+
+
+def own_arange(routing: LocalRouting, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``arange`` over the rank's own flat rows (what ``arange(T * k)`` numbers whole)."""
+    return torch.arange(routing.perm.numel(), device=routing.perm.device,
+                        dtype=dtype if dtype is not None else torch.long)
+
+
+def gathered_histc(x: torch.Tensor, bins: int, low: float, high: float, group: Any, tp: int) -> torch.Tensor:
+    """``histc`` of every rank's rows from each rank's own: the ranks' histograms all-gathered
+    and summed (counts of whole rows: exact in any order)."""
+    from .experts import histc
+
+    mine = histc(x, bins, low, high)
+    return _gather_into(mine, group, "all_gather of routed rows' histograms", tp=tp).view(tp, -1).sum(0)
+
+
+class RouteLocally(_CommModule):
+    """:func:`route_locally` as a node of the rank's graph (its one collective, the counts'
+    all-gather, numbered and agreed as any)."""
+
+    kind = "all_gather"
+
+    def __init__(self, group: Any, runs: int, experts: int, tp: int, rank: int) -> None:
+        super().__init__(group)
+        self.runs, self.experts, self.tp, self.rank = runs, experts, tp, rank
+
+    def forward(self, ids: torch.Tensor) -> LocalRouting:
+        return route_locally(ids, self.runs, self.experts, self.group, self.tp, self.rank)
+
+
+class GatheredHistc(_CommModule):
+    """:func:`gathered_histc` as a node of the rank's graph."""
+
+    kind = "all_gather"
+
+    def __init__(self, group: Any, bins: int, low: float, high: float, tp: int) -> None:
+        super().__init__(group)
+        self.bins, self.low, self.high, self.tp = bins, low, high, tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gathered_histc(x, self.bins, self.low, self.high, self.group, self.tp)
