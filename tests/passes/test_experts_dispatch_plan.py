@@ -60,8 +60,12 @@ def test_the_dispatch_is_priced_as_an_all_to_all_and_chosen_where_cheaper(monkey
     # the tokens are not gathered before the router (its softmax and top-k run on a rank's own)
     assert not [c for c in plan.comms if c.kind in ("all_gather", "all_gather_f") and ".mlp" in c.module
                 and c.src.startswith("S(")]
-    # the expert ids and routing weights every rank needs whole: all-gathered token rows, not all-reduced
-    assert [c.kind for c in plan.comms if c.src == "P(tokens 0)"] == ["all_gather", "all_gather"], plan.comms
+    # the expert ids and routing weights stay on their tokens' ranks, each routing its own rows
+    # (rules/local_routing.py): the one collective of the routing is the all-gather of the
+    # experts' row counts (before, the ids and weights were all-gathered whole, T*k rows each)
+    assert not [c for c in plan.comms if c.src == "P(tokens 0)"], plan.comms
+    counts = [c for c in plan.comms if c.src == "P(tokens 0, reordered, own)"]
+    assert [(c.kind, c.fwd_bytes, c.bwd_bytes) for c in counts] == [("all_gather", 2 * 4 * 8 / 2, 0.0)], plan.comms
     assert any(n.startswith("experts model.layers.0.mlp.experts: the tokens arrive split along the sequence")
                and "all-to-all (8.39 MB/rank each way per layer" in n for n in plan.notes), plan.notes
     gathered = _without_dispatch(monkeypatch, model, 2)
