@@ -310,3 +310,23 @@ def test_real_size_qwen3_gathering_its_tokens_routes_s_over_tp_tokens_per_rank(m
         _dispatch_offered(m, False)
         before, before_topk = _routed_plan(model, 8, BATCH, expert_dispatch=False)
     assert before_topk == ["R"] * 2 and plan.cost["step_s"] < before.cost["step_s"]
+
+
+def test_a_rank_routes_its_own_rows_where_cheaper_than_the_whole_sort(monkeypatch):
+    # The dispatching layer's routing (the flattened ids and weights, their sort, the counts, the
+    # gathers, the inverse permutation) placed on each rank's own rows (rules/local_routing.py):
+    # priced at 1/tp of the rows plus the all-gather of every rank's counts per expert, against
+    # all-gathering every token's ids and weights and sorting them whole on every rank, and taken
+    config = zoo.tiny_config("mixtral", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=4, top_k=2)
+    model = zoo.build("mixtral", config, device="meta")
+    plan = _plan(model, 2)
+    own = [c for c in plan.comms if c.src.endswith(", own)")]
+    assert [(c.kind, c.tensor) for c in own] == [("all_gather", "histc_default")], plan.comms
+    import autotp.passes.rules.experts as rules
+
+    with monkeypatch.context() as m:   # the flattened ids and weights not offered to the rank's own routing
+        m.setattr(rules, "own_merge", lambda info, p: None)
+        whole = _plan(model, 2)
+    assert [c.kind for c in whole.comms if c.src == "P(tokens 0)"] == ["all_gather", "all_gather"], whole.comms
+    assert not [c for c in whole.comms if "own" in c.src]
+    assert plan.cost["step_s"] < whole.cost["step_s"], (plan.cost, whole.cost)
