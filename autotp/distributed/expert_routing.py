@@ -174,6 +174,11 @@ def flat_rows(rows: torch.Tensor, k: int) -> torch.Tensor:
     return (rows.unsqueeze(1) * k + torch.arange(k, device=rows.device)).reshape(-1)
 
 
+def flat_tokens(flat: torch.Tensor, k: int) -> torch.Tensor:
+    """The global token ids of a rank's tokens from its flat rows' map (:func:`flat_rows`)."""
+    return flat.view(-1, k)[:, 0] // k
+
+
 def sorted_locally(routing: LocalRouting) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.sort``'s (values, indices) of the rank's own flat expert ids, from its routing."""
     return routing.experts, routing.perm

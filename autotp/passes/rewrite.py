@@ -75,9 +75,11 @@ class GraphLocalContext(LocalContext):
         self.own: dict[fx.Node, tuple] = {}
         self.own_tuples: dict[fx.Node, tuple] = {}
         self.own_layers: dict[fx.Node, Any] = {}
-        self.own_layer: Any = None
         self.own_made: tuple | None = None
         self.own_outputs: tuple | None = None
+        #: nodes a localizer left unread (a whole arange the rank's own positions replace): erased
+        #: where nothing else reads them
+        self.unused: list[fx.Node] = []
         #: the grouped product that reads the rows the current op gathers, as
         #: (its OpInfo, its strategy, its offs in the rank's graph): set by :func:`rewrite`
         self.grouped_reader: Any = None
@@ -469,7 +471,7 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             owners = ctx.made_owners if ctx.made_owners is not None else ctx.owners.get(source)
             if owners is not None and not owns(strategy):   # rows a rank routed alone: all its own
                 ctx.owners[new] = owners
-    for made in dict.fromkeys(unsliced):
+    for made in dict.fromkeys(unsliced + ctx.unused):
         if not made.users:
             graph.erase_node(made)
     graph.lint()

@@ -11,8 +11,9 @@ it on every token. Here each op runs on the rank's own rows alone, placed :data:
 * the flatten: the rank's ``[T_r, k]`` as ``[T_r*k]``, row map ``t*k + j``;
 * the sort: :func:`autotp.distributed.expert_routing.route_locally` (a stable sort of the rank's
   ids, its counts per expert exchanged: an all-gather of ``tp * experts`` numbers);
-* ``floor_divide``, casts, ``empty_like``, ``arange``, ``index_put_``: as written, on the rank's
-  rows (``arange`` at the rank's length);
+* ``floor_divide``, casts, ``empty_like``, ``index_put_``: as written, on the rank's rows
+  (``inv[perm] = arange(T*k)`` writes the rank's sorted rows' positions, the whole arange left
+  unread and erased);
 * ``histc`` of the sorted ids: every rank's counts from the exchange, no pass over any row
   (the exchange is priced here, at the layer's one ``histc``);
 * ``x[index]`` by such an index: a local gather, no count read, no ``nonzero``; the grouped
@@ -33,7 +34,7 @@ import sympy
 import torch
 
 from ...placements import PARTIAL, REPLICATE, Routed
-from .registry import LocalContext, OpInfo, Strategy, TensorMeta, _RULES, register
+from .registry import LocalContext, OpInfo, Strategy, TensorMeta
 from .routing import SORTS, _values_of
 
 aten = torch.ops.aten
@@ -46,8 +47,6 @@ ROWS = Routed(0, tokens=True, reordered=True)
 _IN_PLACE_OF_ROWS = frozenset((aten.floor_divide.default, aten.floor_divide.Scalar, aten.to.dtype,
                                aten._to_copy.default, aten.clone.default, aten.empty_like.default,
                                aten.alias.default))
-#: factories numbering the rows (``arange(T*k)``)
-ARANGES = frozenset((aten.arange.default, aten.arange.start, aten.arange.start_step))
 
 
 def is_own(p: Any) -> bool:
@@ -100,29 +99,20 @@ def own_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
             out.append(Strategy((OWN,), REPLICATE, internal=(("all_gather", counts),)))
         return out
     if target in (aten.index_put_.default, aten.index_put.default) and n == 3 \
-            and all(is_own(p) for p in placements):
-        return [Strategy((OWN, OWN, OWN), OWN)]
+            and is_own(placements[0]) and is_own(placements[1]):
+        # inv[perm] = arange(T*k): the values numbered whole, each rank writing its own sorted
+        # rows' positions (the rank's program checks the values are that arange)
+        values, index = info.inputs[2], info.inputs[1]
+        if values.ndim == 1 and not values.is_float and sympy.expand(values.shape[0] - index.shape[0]) == 0:
+            return [Strategy((OWN, OWN, REPLICATE), OWN)]
+        return []
     if target is aten.index.Tensor and n == 2 and len(info.args[1]) == 1 and is_own(placements[1]):
         x = placements[0]
         if is_own(x) or _in_order(x) or (isinstance(x, Routed) and x.tokens and x.reordered and x.span == 1):
             return [Strategy((x, OWN), OWN if is_own(x) and not info.inputs[0].is_float else ROWS)]
+        if x in (REPLICATE, None) and info.inputs[0].is_float:   # whole rows: the rank's own taken by global id
+            return [Strategy((REPLICATE, OWN), ROWS)]
     return []
-
-
-def _arange_rule(rule):
-    def arange_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
-        """Besides the factory's own: ``arange`` at a rank's own rows' length (:data:`OWN`), for
-        an OWN tensor to read (``inv[perm] = arange(T*k)``); a dynamic length of integers only."""
-        out = list(rule(info, placements))
-        meta = info.output
-        if info.tp > 1 and meta is not None and meta.ndim == 1 and not meta.is_float and meta.static(0) is None:
-            out.append(Strategy(tuple(REPLICATE for _ in info.inputs), OWN))
-        return out
-    return arange_rule
-
-
-for _target in ARANGES:   # after rules/misc.py registered the factories (rules/__init__.py's order)
-    register(_target)(_arange_rule(_RULES[_target]))
 
 
 def router_experts(ids: Any) -> int | None:
@@ -160,7 +150,7 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
 
     target = info.target
     node = ctx.node
-    if not any(is_own(p) for p in strategy.inputs) and target not in ARANGES:   # the flatten
+    if not any(is_own(p) for p in strategy.inputs):   # the flatten
         x = ctx.inputs[0]
         k = info.inputs[0].static(1)
         rows = ctx.rows_of(x)
@@ -179,7 +169,7 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
         routing = ctx.comm(R.RouteLocally(ctx.group, 1, experts, ctx.tp, ctx.rank), ctx.inputs[0])
         ctx.made_rows = ctx.graph.call_function(getattr, (routing, "rows"))
         layer = OwnLayer(layer.k, layer.flat, routing, ctx.made_rows, experts)
-        ctx.own_layers[ctx.made_rows] = ctx.own_layer = layer
+        ctx.own_layers[ctx.made_rows] = layer
         ctx.own_outputs = (("ids", layer), ("flat", layer))
         return R.sorted_locally, (routing,), {}
     if target is aten.histc.default:
@@ -197,16 +187,6 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
             return R.routed_counts, (layer.routing, node.meta["val"].dtype), {}
         # another count of the rank's rows by id: each rank's histogram, gathered and summed
         return R.GatheredHistc(ctx.group, bins, low, high, ctx.tp), (args[0],), {}
-    if target in ARANGES:
-        layer = ctx.own_layer
-        counts_up = target is aten.arange.default or (node.args[0] == 0 and (
-            target is aten.arange.start or node.args[2] == 1))
-        if layer is None or not counts_up:
-            raise PlanError(f"{node.name} numbers a rank's own rows routed alone, but no sort of them precedes it "
-                            f"(or it does not count from 0 by 1)")
-        ctx.made_rows = layer.sorted_rows
-        ctx.own_made = ("sorted", layer)
-        return R.own_arange, (layer.routing, node.meta["val"].dtype), {}
     if target in (aten.floor_divide.default, aten.floor_divide.Scalar):
         kind, layer = _values(ctx, ctx.inputs[0], node)
         if kind != "flat" or args[1] != layer.k:
@@ -217,16 +197,29 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
     if target in (aten.index_put_.default, aten.index_put.default):
         base, index, values = ctx.inputs
         kind, layer = _values(ctx, index, node)
-        if kind != "flat" or _values(ctx, base, node)[0] != "unset":
+        captured = node.args[2] if len(node.args) > 2 else node.kwargs["values"]
+        if kind != "flat" or _values(ctx, base, node)[0] != "unset" or not _counts_up(captured):
             raise PlanError(f"{node.name} writes a rank's own rows routed alone at positions that are not its flat "
-                            f"rows'; it must run on every row")
+                            f"rows', or values other than arange(n) (the inverse of its sort); it must run on "
+                            f"every row")
         ctx.made_rows = layer.flat
-        ctx.own_made = _values(ctx, values, node)
-        return target, args, kwargs
+        ctx.own_made = ("sorted", layer)
+        # the rank's sorted rows' positions, not the whole arange (which nothing else reads: erased)
+        ctx.unused.append(values)
+        local = ctx.graph.call_function(R.own_arange, (layer.routing, captured.meta["val"].dtype))
+        return target, (args[0], args[1], local) + tuple(args[3:]), kwargs
     if target is aten.index.Tensor:
         x, index = ctx.inputs
         kind, layer = _values(ctx, index, node)
         have = strategy.inputs[0]
+        if have == REPLICATE:   # whole rows: the rank's own, by their global ids
+            ids = {"flat": layer.flat, "tokens": ctx.graph.call_function(R.flat_tokens, (layer.flat, layer.k))}
+            if kind not in ids:
+                raise PlanError(f"{node.name} gathers whole rows by a rank's own positions ({kind}), which number no "
+                                f"rows of the whole; it must gather every row")
+            ctx.made_rows = ctx.rows_of(index)
+            at = ctx.graph.call_function(aten.index_select.default, (ids[kind], 0, index))
+            return aten.index_select.default, (x, 0, at), {}
         if is_own(have):   # the flattened weights (or ids) by the sort's positions
             fits = kind == "flat" and ctx.rows_of(x) is layer.flat
         elif _in_order(have):   # the tokens' rows by the sorted rows' tokens: h[perm // k]
@@ -244,6 +237,16 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
     kind, layer = _values(ctx, ctx.inputs[0], node)
     ctx.own_made = ("unset", layer) if target is aten.empty_like.default else (kind, layer)
     return target, args, kwargs
+
+
+def _counts_up(node: Any) -> bool:
+    """Whether the captured ``node`` is ``arange(n)`` (0, 1, .., n - 1)."""
+    target = getattr(node, "target", None)
+    if target is aten.arange.default:
+        return True
+    if target is aten.arange.start:
+        return node.args[0] == 0
+    return target is aten.arange.start_step and node.args[0] == 0 and node.args[2] == 1
 
 
 def _values(ctx: LocalContext, x: Any, node: Any) -> tuple[str, "OwnLayer"]:
