@@ -189,6 +189,9 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
         return R.GatheredHistc(ctx.group, bins, low, high, ctx.tp), (args[0],), {}
     if target in (aten.floor_divide.default, aten.floor_divide.Scalar):
         kind, layer = _values(ctx, ctx.inputs[0], node)
+        if kind in ("values", "ids"):   # values divided in place: still values
+            ctx.own_made = ("values", layer)
+            return target, args, kwargs
         if kind != "flat" or args[1] != layer.k:
             raise PlanError(f"{node.name} divides a rank's own row positions by {args[1]!r}, not by the top-k "
                             f"{layer.k} its rows were flattened by; it must run on every row")
