@@ -160,9 +160,10 @@ def local_dispatch_plan(routing: LocalRouting, runs_of_ranks: Sequence[tuple[int
     at = routing.blocks.permute(1, 2, 0)[:, first:first + count].reshape(-1) - start
     size = counts.permute(0, 2, 1)[:, first:first + count].reshape(-1)
     received = sum(sizes.recv)
-    block = torch.repeat_interleave(size, output_size=received)   # each arriving row's block
-    arrival = at.index_select(0, block) + torch.arange(received, device=counts.device) \
-        - _exclusive(size, 0).index_select(0, block)
+    # each arriving row's block (a search of the blocks' ends: no size read from the device)
+    row = torch.arange(received, device=counts.device)
+    block = torch.searchsorted(size.cumsum(0), row, right=True)
+    arrival = at.index_select(0, block) + row - _exclusive(size, 0).index_select(0, block)
     order = torch.arange(routing.rows.numel(), device=counts.device)
     return DispatchPlan(order, order, _inverse(arrival), arrival, sizes.send, sizes.recv)
 

@@ -534,8 +534,8 @@ def _program_order(graph: fx.Graph, prop: Propagation, readers: dict) -> list[fx
     for node in order:
         strategy = prop.chosen.get(node)
         if node.target is not torch.ops.aten.index.Tensor or strategy is None \
-                or not isinstance(strategy.output, Routed):
-            continue
+                or not isinstance(strategy.output, Routed) or owns(strategy):
+            continue   # (a gather by a rank's own positions runs where captured: rules/local_routing.py)
         x = strategy.inputs[0]
         found = grouped_reader(node)
         if x == Replicate():
