@@ -117,7 +117,13 @@ class Routed(Partial):
 
     ``reordered`` (with ``tokens``): rows held by their tokens' ranks that are not the rank's
     tokens in sequence order (a reorder's, the combine's): made whole, they are scattered into
-    zeros and summed, where the rank's tokens in sequence order are all-gathered along it."""
+    zeros and summed, where the rank's tokens in sequence order are all-gathered along it.
+
+    ``own`` (with ``tokens``): the (token, expert) rows of the rank's own tokens routed by the rank
+    alone (autotp/distributed/expert_routing.py): its flat top-k ids and weights, their sort by
+    expert and what is computed from it, in an order of the rank's own making, and index values
+    that are *local* positions among them. No collective makes them whole: only the ops of the
+    local routing read them (autotp/passes/rules/local_routing.py)."""
 
     dim: int = 0
     span: int = 1
@@ -125,8 +131,11 @@ class Routed(Partial):
     sent: bool = False
     reordered: bool = False
     unit: int = 1
+    own: bool = False
 
     def __post_init__(self) -> None:
+        if self.own and not self.tokens:
+            raise ValueError("Routed.own says rows a rank routed from its own tokens: tokens=True")
         if self.tokens and self.sent:
             raise ValueError("Routed rows are held by their tokens' ranks or were sent to their experts', not both")
         if self.reordered and not self.tokens:
@@ -136,7 +145,7 @@ class Routed(Partial):
         kind = "tokens" if self.tokens else "sent" if self.sent else "routed"
         rows = f"{self.dim}" if self.span == 1 else f"{self.dim}:{self.dim + self.span}"
         unit = f"/{self.unit}" if self.unit != 1 else ""
-        return f"P({kind} {rows}{unit}{', reordered' if self.reordered else ''})"
+        return f"P({kind} {rows}{unit}{', reordered' if self.reordered else ''}{', own' if self.own else ''})"
 
 
 @dataclass(frozen=True)

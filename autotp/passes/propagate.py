@@ -576,6 +576,9 @@ def _written_alone(node: fx.Node) -> bool:
 
 def _conversion(src: Any, dst: Placement, size: int | None, tp: int) -> str | None:
     """The collective that turns ``src`` into ``dst`` (None: nothing to do; 'inf': impossible)."""
+    if any(isinstance(p, Routed) and p.own for p in (src, dst)):
+        # a rank's rows routed alone (index values local positions): nothing converts them
+        return None if src == dst else "inf"
     if isinstance(src, ReplicatePartialGrad):
         # whole already; its gradient a summand, which only the f it stands for may sum
         # (:func:`copied_seconds`): read as Replicate by sharded compute, never split

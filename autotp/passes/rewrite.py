@@ -43,6 +43,7 @@ from .propagate import (GraphIndex, Propagation, _aliases_of, _conversion, _dim_
                         cut_from_whole, first_write, gather_parts, gathers_whole, map_args, storage_root, wants_f)
 from .rules import LocalContext, aliases_first, is_routed, localizer_for, mutates_first
 from .rules.experts import ASCENDING, _token_maps, dispatches_tokens, grouped_reader
+from .rules.local_routing import owns
 from .rules.pointwise import reduce_scatters_tokens, sequence_factors
 from .rules.registry import REGION_BOUNDS
 
@@ -70,6 +71,16 @@ class GraphLocalContext(LocalContext):
         #: row map and holders of the rows it sent): the combine back reuses them
         self.dispatches: dict[tuple, tuple] = {}
         self._shared_rows: dict[tuple, fx.Node] = {}
+        #: a rank's own rows routed alone (rules/local_routing.py): node -> (what its values are,
+        #: its layer); a sort's outputs by position; each layer by its sorted rows' map; the last
+        self.own: dict[fx.Node, tuple] = {}
+        self.own_tuples: dict[fx.Node, tuple] = {}
+        self.own_layers: dict[fx.Node, Any] = {}
+        self.own_made: tuple | None = None
+        self.own_outputs: tuple | None = None
+        #: nodes a localizer left unread (a whole arange the rank's own positions replace): erased
+        #: where nothing else reads them
+        self.unused: list[fx.Node] = []
         #: the grouped product that reads the rows the current op gathers, as
         #: (its OpInfo, its strategy, its offs in the rank's graph): set by :func:`rewrite`
         self.grouped_reader: Any = None
@@ -402,6 +413,8 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
                 ctx.rows[env[node]] = ctx.rows[env[node.args[0]]]
                 if env[node.args[0]] in ctx.owners:
                     ctx.owners[env[node]] = ctx.owners[env[node.args[0]]]
+            if node.target is operator.getitem and env[node.args[0]] in ctx.own_tuples:   # a local sort's
+                ctx.own[env[node]] = ctx.own_tuples[env[node.args[0]]][node.args[1]]
             continue
         if node.target in REGION_BOUNDS:
             converted.clear()   # a conversion made under one grad/autocast mode is not reused under another
@@ -442,6 +455,7 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         target = node.target
         loc = localizer_for(target, strategy)
         ctx.inputs, ctx.made_rows, ctx.made_owners = replacements, None, None
+        ctx.own_made = ctx.own_outputs = None
         if loc is not None:
             target, args, kwargs = loc(info, strategy, tuple(args), kwargs, ctx)
         if device is not None and isinstance(kwargs.get("device"), torch.device):
@@ -467,6 +481,10 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         new.meta = {k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")}
         new.meta["autotp_placement"] = strategy.output
         env[node] = new
+        if ctx.own_made is not None:
+            ctx.own[new] = ctx.own_made
+        if ctx.own_outputs is not None:
+            ctx.own_tuples[new] = ctx.own_outputs
         if mutates_first(node.target) and converted:
             # the tensor written (through any view of it) is no longer what its conversions made
             # before the write hold: a later reader converts it afresh
@@ -479,9 +497,9 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             source = next((r for r, p in zip(replacements, strategy.inputs) if isinstance(p, Routed)), None)
             ctx.rows[new] = ctx.made_rows if ctx.made_rows is not None else ctx.rows_of(source)
             owners = ctx.made_owners if ctx.made_owners is not None else ctx.owners.get(source)
-            if owners is not None:
+            if owners is not None and not owns(strategy):   # rows a rank routed alone: all its own
                 ctx.owners[new] = owners
-    for made in dict.fromkeys(unsliced):
+    for made in dict.fromkeys(unsliced + ctx.unused):
         if not made.users:
             graph.erase_node(made)
     graph.lint()
@@ -544,8 +562,8 @@ def _program_order(graph: fx.Graph, prop: Propagation, readers: dict) -> list[fx
     for node in order:
         strategy = prop.chosen.get(node)
         if node.target is not torch.ops.aten.index.Tensor or strategy is None \
-                or not isinstance(strategy.output, Routed):
-            continue
+                or not isinstance(strategy.output, Routed) or owns(strategy):
+            continue   # (a gather by a rank's own positions runs where captured: rules/local_routing.py)
         x = strategy.inputs[0]
         found = grouped_reader(node)
         if x == Replicate():

@@ -86,7 +86,7 @@ def check_experts_case(case: dict) -> dict:
     routed = sorted({n.target.__name__ for n in pm.graph_module.graph.nodes
                      if n.op == "call_function" and getattr(n.target, "__module__", "") == "autotp.distributed.experts"
                      and n.target.__name__ != "histc"}
-                    | {{"DispatchRows": "dispatch_rows", "CombineRows": "combine_rows"}.get(
+                    | {{"DispatchRows": "dispatch_rows", "CombineRows": "combine_rows", "RouteLocally": "route_locally"}.get(
                         type(pm.graph_module.get_submodule(n.target)).__name__, "")
                        for n in pm.graph_module.graph.nodes if n.op == "call_module"}
                     | {"token_rows" for n in pm.graph_module.graph.nodes
@@ -236,9 +236,11 @@ def assert_experts_case(cluster_of, case: dict) -> None:
     # The experts' output rows go back to their tokens' ranks by the reverse all-to-all (the
     # dispatch's backward, its backward the dispatch), where the routing weights' product and the
     # top-k sum run on the rank's own tokens, viewed back to its run of the sequence: no g
+    # Each rank routes its own tokens' rows (rules/local_routing.py): it sorts and counts its own,
+    # exchanging the counts (route_locally), never every token's ids
     dict(family="mixtral", impl="eager", tp=2, experts=4, top_k=2, kv_heads=2, seq=7, seed=1, layers=1,
          plan_batch=64, plan_seq=4096, sp=True,
-         routed=("token_rows", "dispatch_rows", "routed_grouped_mm", "combine_rows", "token_sums")),
+         routed=("token_rows", "route_locally", "dispatch_rows", "routed_grouped_mm", "combine_rows", "token_sums")),
     # the tokens gathered whole for the experts under sequence parallelism (no dispatch): the
     # combine's partial sum passes its cast to the dtype it has and meets the residual add as a
     # reduce-scatter along the sequence, not a g and a cut. The router, its softmax (and Qwen3's
@@ -262,11 +264,11 @@ def assert_experts_case(cluster_of, case: dict) -> None:
     # float32 (its weight's gradient sums the ranks' tokens in another order: within float32's bound)
     pytest.param(dict(family="mixtral", impl="eager", tp=4, experts=3, top_k=2, kv_heads=2, seq=9, seed=1,
                       layers=1, plan_batch=64, plan_seq=4096, sp=True,
-                      routed=("token_rows", "dispatch_rows", "combine_rows", "token_sums")),
+                      routed=("token_rows", "route_locally", "dispatch_rows", "combine_rows", "token_sums")),
                  marks=pytest.mark.slow),
     pytest.param(dict(family="qwen3-moe", impl="eager", tp=3, experts=4, top_k=1, kv_heads=2, seq=5, seed=2,
                       layers=1, plan_batch=64, plan_seq=4096, sp=True,
-                      routed=("token_rows", "dispatch_rows", "combine_rows", "token_sums")),
+                      routed=("token_rows", "route_locally", "dispatch_rows", "combine_rows", "token_sums")),
                  marks=pytest.mark.slow),
     pytest.param(dict(family="deepseek-v3", impl="eager", tp=2, experts=3, top_k=2, kv_heads=2, seq=6, seed=1,
                       layers=1, plan_batch=64, plan_seq=4096, sp=True,

@@ -60,8 +60,12 @@ def test_the_dispatch_is_priced_as_an_all_to_all_and_chosen_where_cheaper(monkey
     # the tokens are not gathered before the router (its softmax and top-k run on a rank's own)
     assert not [c for c in plan.comms if c.kind in ("all_gather", "all_gather_f") and ".mlp" in c.module
                 and c.src.startswith("S(")]
-    # the expert ids and routing weights every rank needs whole: all-gathered token rows, not all-reduced
-    assert [c.kind for c in plan.comms if c.src == "P(tokens 0)"] == ["all_gather", "all_gather"], plan.comms
+    # the expert ids and routing weights stay on their tokens' ranks, each routing its own rows
+    # (rules/local_routing.py): the one collective of the routing is the all-gather of the
+    # experts' row counts (before, the ids and weights were all-gathered whole, T*k rows each)
+    assert not [c for c in plan.comms if c.src == "P(tokens 0)"], plan.comms
+    counts = [c for c in plan.comms if c.src == "P(tokens 0, reordered, own)"]
+    assert [(c.kind, c.fwd_bytes, c.bwd_bytes) for c in counts] == [("all_gather", 2 * 4 * 8 / 2, 0.0)], plan.comms
     assert any(n.startswith("experts model.layers.0.mlp.experts: the tokens arrive split along the sequence")
                and "all-to-all (8.39 MB/rank each way per layer" in n for n in plan.notes), plan.notes
     gathered = _without_dispatch(monkeypatch, model, 2)
@@ -306,3 +310,23 @@ def test_real_size_qwen3_gathering_its_tokens_routes_s_over_tp_tokens_per_rank(m
         _dispatch_offered(m, False)
         before, before_topk = _routed_plan(model, 8, BATCH, expert_dispatch=False)
     assert before_topk == ["R"] * 2 and plan.cost["step_s"] < before.cost["step_s"]
+
+
+def test_a_rank_routes_its_own_rows_where_cheaper_than_the_whole_sort(monkeypatch):
+    # The dispatching layer's routing (the flattened ids and weights, their sort, the counts, the
+    # gathers, the inverse permutation) placed on each rank's own rows (rules/local_routing.py):
+    # priced at 1/tp of the rows plus the all-gather of every rank's counts per expert, against
+    # all-gathering every token's ids and weights and sorting them whole on every rank, and taken
+    config = zoo.tiny_config("mixtral", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=4, top_k=2)
+    model = zoo.build("mixtral", config, device="meta")
+    plan = _plan(model, 2)
+    own = [c for c in plan.comms if c.src.endswith(", own)")]
+    assert [(c.kind, c.tensor) for c in own] == [("all_gather", "histc_default")], plan.comms
+    import autotp.passes.rules.experts as rules
+
+    with monkeypatch.context() as m:   # the flattened ids and weights not offered to the rank's own routing
+        m.setattr(rules, "own_merge", lambda info, p: None)
+        whole = _plan(model, 2)
+    assert [c.kind for c in whole.comms if c.src == "P(tokens 0)"] == ["all_gather", "all_gather"], whole.comms
+    assert not [c for c in whole.comms if "own" in c.src]
+    assert plan.cost["step_s"] < whole.cost["step_s"], (plan.cost, whole.cost)

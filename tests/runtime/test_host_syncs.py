@@ -67,7 +67,7 @@ SIZED_BY_VALUES = {aten.nonzero.default, aten.masked_select.default, aten._uniqu
 #: (routed_reorder); their count sizes the compact rows after them. One per expert layer; under
 #: the all-to-all dispatch (tokens split along the sequence), its bounds and split sizes read at
 #: once instead (dispatch_sizes)
-ROWS_READS = ("expert_bounds", "picked_rows", "routed_reorder", "dispatch_sizes")
+ROWS_READS = ("expert_bounds", "picked_rows", "routed_reorder", "dispatch_sizes", "local_dispatch_sizes")
 
 
 def layers_of_experts(model) -> int:
@@ -229,7 +229,8 @@ def test_a_dispatching_layer_reads_the_host_once(fake_rank, monkeypatch):
                      if not any(f.startswith(MODEL_READS) for f in stack)]
             assert all(set(ROWS_READS) & set(stack) for _, stack in reads), reads
             if train:   # the bounds (2), the rows sent to each rank and received from each (2 x tp)
-                assert [what for what, stack in reads if "dispatch_sizes" in stack] == \
+                # (local_dispatch_sizes where the rank routed its own rows: rules/local_routing.py)
+                assert [what for what, stack in reads if {"dispatch_sizes", "local_dispatch_sizes"} & set(stack)] == \
                     [f"Tensor.tolist of ({2 + 2 * TP},)"] * layers_of_experts(model), reads
             counts[combine, train] = len(reads)
     assert counts[True, True] == counts[False, True] == layers_of_experts(model), counts

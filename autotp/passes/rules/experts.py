@@ -51,6 +51,7 @@ import torch
 from ...placements import (PARTIAL, REPLICATE, REPLICATE_PARTIAL_GRAD, Partial, Routed, Shard, divides, is_even,
                            layout, local_ranges, same_placement)
 from .gathered_rows import gathered_rows_localizer, gathered_rows_strategies, gathers_rows
+from .local_routing import is_own, own_localizer, own_merge, own_strategies, owns
 from .routing import counted_by, index_length, is_permutation, written
 from .registry import (LocalContext, OpInfo, Strategy, _RULES, functional_of, is_shard, op_name, register,
                        register_localizer, register_routed, register_routed_localizer)
@@ -247,6 +248,8 @@ def routed_strategies(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
     * a view splitting the rows' dim (``[T*k, H] -> [T, k, H]``), then the sum over the inner
       dims (a token's top-k rows): that sum is a plain Partial, each rank adding its rows into
       the whole ``[T, H]``."""
+    if any(is_own(p) for p in placements):   # a rank's own rows routed alone: the routing's ops only
+        return own_strategies(info, placements)
     if info.x_gathered and isinstance(placements[0], Routed) and not placements[0].tokens:
         # rows gathered at a grouped product's experts' bounds (through casts): only the
         # product's expert-parallel strategies have those experts; scattered and summed into a
@@ -283,6 +286,9 @@ def _routed_strategies(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
     if len(set(routed.values())) != 1:   # rows held by their experts' ranks never meet rows held by their tokens'
         return found
     if kind in SIZED_VIEWS and len(routed) == 1:
+        own = own_merge(info, routed[0])   # the top-k ids or weights flattened, to be routed by the rank
+        if own is not None:
+            found.append(Strategy((placements[0],), own))
         split = _split_rows(info, routed[0])
         if split is not None:
             found.append(Strategy((placements[0],), split))
@@ -685,6 +691,8 @@ def routed_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict
     out = strategy.output
     if gathers_rows(strategy):
         return gathered_rows_localizer(info, strategy, args, kwargs, ctx)
+    if owns(strategy):
+        return own_localizer(info, strategy, args, kwargs, ctx)
     if isinstance(out, Routed) and out.tokens and is_shard(strategy.inputs[0]):
         return token_localizer(info, strategy, args, kwargs, ctx)
     if is_shard(out) and isinstance(strategy.inputs[0], Routed) and strategy.inputs[0].tokens:
@@ -747,7 +755,8 @@ def routed_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict
         pair = ctx.graph.call_function(E.token_sums, (x, ctx.rows_of(x), group, kwargs.get("dtype")))
         ctx.made_rows = ctx.graph.call_function(operator.getitem, (pair, 1))
         ctx.made_rows.meta[ASCENDING] = True
-        ctx.made_owners = ctx.graph.call_function(E.token_sum_owners, (ctx.owners[x], group))
+        if x in ctx.owners:   # rows a rank routed alone are all its own: no holders to carry
+            ctx.made_owners = ctx.graph.call_function(E.token_sum_owners, (ctx.owners[x], group))
         return operator.getitem, (pair, 0), {}
     if out == PARTIAL and strategy.inputs and isinstance(strategy.inputs[0], Routed):   # a token's rows summed
         p = strategy.inputs[0]
@@ -834,7 +843,10 @@ def _grouped_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: di
     first, count = _run(info, strategy, 1, ctx)
     x_routed = isinstance(strategy.inputs[0], Routed)
     dispatch = dispatches_tokens(strategy)
-    if dispatch:   # the layer's one read (made first: the bounds below are read with it)
+    own = ctx.own_layers.get(ctx.rows_of(x)) if dispatch else None
+    if own is not None:   # rows the rank routed alone: the read and the plan from its exchanged counts
+        sizes = _local_dispatch_sizes(info, strategy, offs, own.routing, ctx)
+    elif dispatch:   # the layer's one read (made first: the bounds below are read with it)
         sizes = _dispatch_sizes(info, strategy, offs, ctx.owners[x], ctx)
     bounds, ctx.made_rows = _expert_rows(info, strategy, offs, ctx)
     from ...errors import PlanError
@@ -842,10 +854,17 @@ def _grouped_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: di
     if dispatch:
         # the all-to-all dispatch: every rank's rows of its tokens to the ranks of their experts,
         # planned once per layer on its one read, the plan kept for the combine back
-        rows, owners = ctx.rows_of(x), ctx.owners[x]
-        plan = ctx.shared_rows(("dispatch", offs, first, count),
-                               lambda: (E.dispatch_plan, (rows, owners, offs, _expert_runs(info, strategy, ctx),
-                                                          sizes)))
+        rows, owners = ctx.rows_of(x), ctx.owners.get(x)
+        if own is not None:
+            from ...distributed.expert_routing import local_dispatch_plan
+
+            plan = ctx.shared_rows(("dispatch", offs, first, count),
+                                   lambda: (local_dispatch_plan, (own.routing, _expert_runs(info, strategy, ctx),
+                                                                  ctx.rank, sizes)))
+        else:
+            plan = ctx.shared_rows(("dispatch", offs, first, count),
+                                   lambda: (E.dispatch_plan, (rows, owners, offs, _expert_runs(info, strategy, ctx),
+                                                              sizes)))
         ctx.dispatches[(offs, first, count)] = (plan, rows, owners)
         args = (ctx.comm(E.DispatchRows(ctx.group), x, plan),) + tuple(args[1:])
     elif x_routed and ctx.rows_of(x) is not ctx.made_rows:
@@ -894,6 +913,21 @@ def _dispatch_sizes(info: OpInfo, strategy: Strategy, offs: Any, owners: Any, ct
     if ctx.found_rows(key) is None:
         sizes = ctx.shared_rows(key, lambda: (E.dispatch_sizes, (owners, offs, _expert_runs(info, strategy, ctx),
                                                                   ctx.rank)))
+        ctx.shared_rows(("bounds", offs, first, count), lambda: (getattr, (sizes, "bounds")))
+    return ctx.found_rows(key)
+
+
+def _local_dispatch_sizes(info: OpInfo, strategy: Strategy, offs: Any, routing: Any, ctx: LocalContext) -> Any:
+    """:func:`_dispatch_sizes` where the rank routed its own rows (``routing``: its
+    :class:`~autotp.distributed.expert_routing.LocalRouting`): the same read, from the counts
+    its sort exchanged (:func:`~autotp.distributed.expert_routing.local_dispatch_sizes`)."""
+    from ...distributed.expert_routing import local_dispatch_sizes
+
+    first, count = _run(info, strategy, 1, ctx)
+    key = ("dispatch sizes", offs, first, count)
+    if ctx.found_rows(key) is None:
+        sizes = ctx.shared_rows(key, lambda: (local_dispatch_sizes, (routing, _expert_runs(info, strategy, ctx),
+                                                                       ctx.rank)))
         ctx.shared_rows(("bounds", offs, first, count), lambda: (getattr, (sizes, "bounds")))
     return ctx.found_rows(key)
 

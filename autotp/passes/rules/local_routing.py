@@ -1,0 +1,261 @@
+"""A rank routing its own tokens' (token, expert) rows (the all-to-all dispatcher's routing, issue 47).
+
+Under sequence parallelism a rank holds its tokens' rows (``Routed(0, tokens=True)``, the router
+and its top-k ran on them). transformers' grouped experts then flatten the top-k ids and weights
+``[T, k] -> [T*k]``, sort the ids by expert, count them (``histc``, ``cumsum``: the grouped
+product's ``offs``), gather the rows ``h[perm // k]`` and ``weights[perm]``, run the products, and
+reorder the output back by the inverse of the sort (``inv = empty_like(perm); inv[perm] =
+arange(T*k)``, ``out[inv]``). Whole, every rank all-gathers the ids and weights and runs all of
+it on every token. Here each op runs on the rank's own rows alone, placed :data:`OWN`:
+
+* the flatten: the rank's ``[T_r, k]`` as ``[T_r*k]``, row map ``t*k + j``;
+* the sort: :func:`autotp.distributed.expert_routing.route_locally` (a stable sort of the rank's
+  ids, its counts per expert exchanged: an all-gather of ``tp * experts`` numbers);
+* ``floor_divide``, casts, ``empty_like``, ``index_put_``: as written, on the rank's rows
+  (``inv[perm] = arange(T*k)`` writes the rank's sorted rows' positions, the whole arange left
+  unread and erased);
+* ``histc`` of the sorted ids: every rank's counts from the exchange, no pass over any row
+  (the exchange is priced here, at the layer's one ``histc``);
+* ``x[index]`` by such an index: a local gather, no count read, no ``nonzero``; the grouped
+  product's dispatch takes its split sizes and plan from the routing
+  (:func:`~autotp.distributed.expert_routing.local_dispatch_sizes`,
+  :func:`~autotp.distributed.expert_routing.local_dispatch_plan`).
+
+``OWN`` tensors' index values are *local* positions (among the rank's flat rows, its tokens, or
+its sorted rows): no collective converts them (``propagate._conversion``), so the solver takes
+the chain whole or not at all, by cost against the whole sort. The rank's program checks, per
+index, that its values point into the tensor it indexes (:func:`own_localizer`)."""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import sympy
+import torch
+
+from ...placements import PARTIAL, REPLICATE, Routed
+from .registry import LocalContext, OpInfo, Strategy, TensorMeta
+from .routing import SORTS, _values_of
+
+aten = torch.ops.aten
+
+#: a rank's own rows routed by it alone (index values local positions)
+OWN = Routed(0, tokens=True, reordered=True, own=True)
+#: the rank's rows as any token-held rows in an order of its own: what a gather by an OWN index makes
+ROWS = Routed(0, tokens=True, reordered=True)
+#: ops on the rank's own rows that keep each entry in its place
+_IN_PLACE_OF_ROWS = frozenset((aten.floor_divide.default, aten.floor_divide.Scalar, aten.to.dtype,
+                               aten._to_copy.default, aten.clone.default, aten.empty_like.default,
+                               aten.alias.default))
+
+
+def is_own(p: Any) -> bool:
+    return isinstance(p, Routed) and p.own
+
+
+def owns(strategy: Strategy) -> bool:
+    """Whether a strategy holds an :data:`OWN` placement."""
+    outs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
+    return any(is_own(p) for p in (*strategy.inputs, *outs))
+
+
+def _in_order(p: Any) -> bool:
+    """A rank's tokens' rows in sequence order (a flattened sequence split)."""
+    return isinstance(p, Routed) and p.tokens and not p.reordered and not p.own and p.dim == 0 \
+        and p.span == 1 and p.unit == 1
+
+
+def own_merge(info: OpInfo, p: Any) -> Routed | None:
+    """:data:`OWN` where a view flattens a rank's tokens' ``[T, k]`` (a static ``k``: the top-k ids
+    or weights) to ``[T*k]``; None otherwise."""
+    if not (_in_order(p) and info.tp > 1 and info.inputs[0].ndim == 2 and info.output is not None
+            and info.output.ndim == 1 and info.inputs[0].static(1) is not None):
+        return None
+    before, after = info.inputs[0].shape, info.output.shape
+    return OWN if sympy.expand(before[0] * before[1] - after[0]) == 0 else None
+
+
+def own_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """The strategies of an op meeting an :data:`OWN` input: the routing's ops on the rank's own
+    rows, and nothing else (an OWN tensor is never read whole)."""
+    if info.tp < 2:
+        return []
+    target, n = info.target, len(info.inputs)
+    if target in SORTS and n == 1 and info.inputs[0].ndim == 1 and not info.inputs[0].is_float:
+        descending = info.args[2] if len(info.args) > 2 else info.kwargs.get("descending", False)
+        return [] if descending else [Strategy((OWN,), (OWN, OWN))]
+    if target in _IN_PLACE_OF_ROWS and n == 1:
+        return [Strategy((OWN,), OWN)]
+    if target is aten.histc.default and n == 1:
+        # every rank's rows per expert, from the counts the sort exchanged: priced here, the
+        # layer's one all-gather of tp * experts counts (a rank's own, one run)
+        # (one bin per expert id); or each rank's histogram of its rows, a Partial (histc counts
+        # each row once, in any order: the ranks' counts sum to every row's)
+        given = dict(zip(("bins", "min", "max"), info.args[1:]), **info.kwargs)
+        bins = int(given.get("bins", 100))
+        out = [Strategy((OWN,), PARTIAL)]
+        if (given.get("min", 0), given.get("max", 0)) == (0, bins - 1):
+            counts = TensorMeta((sympy.Integer(info.tp * bins),), torch.long)
+            out.append(Strategy((OWN,), REPLICATE, internal=(("all_gather", counts),)))
+        return out
+    if target in (aten.index_put_.default, aten.index_put.default) and n == 3 \
+            and is_own(placements[0]) and is_own(placements[1]):
+        # inv[perm] = arange(T*k): the values numbered whole, each rank writing its own sorted
+        # rows' positions (the rank's program checks the values are that arange)
+        values, index = info.inputs[2], info.inputs[1]
+        if values.ndim == 1 and not values.is_float and sympy.expand(values.shape[0] - index.shape[0]) == 0:
+            return [Strategy((OWN, OWN, REPLICATE), OWN)]
+        return []
+    if target is aten.index.Tensor and n == 2 and len(info.args[1]) == 1 and is_own(placements[1]):
+        x = placements[0]
+        if is_own(x) or _in_order(x) or (isinstance(x, Routed) and x.tokens and x.reordered and x.span == 1):
+            return [Strategy((x, OWN), OWN if is_own(x) and not info.inputs[0].is_float else ROWS)]
+        if x in (REPLICATE, None) and info.inputs[0].is_float:   # whole rows: the rank's own taken by global id
+            return [Strategy((REPLICATE, OWN), ROWS)]
+    return []
+
+
+def router_experts(ids: Any) -> int | None:
+    """The number of experts where ``ids`` (a captured node) holds a router's top-k choices
+    (the indices of a ``topk`` over a static dim of scores, reshaped or cast), else None."""
+    node = _values_of(ids)
+    if getattr(node, "target", None) is not operator.getitem or node.args[1] != 1:
+        return None
+    topk = node.args[0]
+    if getattr(topk, "target", None) is not aten.topk.default:
+        return None
+    scores = topk.args[0].meta["val"]
+    dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
+    size = scores.shape[dim]
+    return size if isinstance(size, int) else None
+
+
+class OwnLayer:
+    """What a rank's program knows of one layer's local routing: the top-k ``k`` its rows were
+    flattened by, their flat row map, and, once sorted, the routing and the sorted rows' map."""
+
+    def __init__(self, k: int, flat: Any, routing: Any = None, sorted_rows: Any = None, experts: int = 0):
+        self.k, self.flat, self.routing, self.sorted_rows = k, flat, routing, sorted_rows
+        self.routing_experts = experts
+
+
+def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
+    """The rank's program for an op of the local routing. ``ctx.own`` keeps, for each OWN node
+    of the rank's graph, what its values are and its layer (:class:`OwnLayer`): ``"values"``
+    (flattened top-k ids or weights), ``"ids"`` (the sorted expert ids), or positions among the
+    rank's ``"flat"`` rows, its ``"tokens"``, its ``"sorted"`` rows (``"unset"``: not yet
+    written), so that each gather checks that its index points into the tensor it reads."""
+    from ...distributed import expert_routing as R
+    from ...errors import PlanError
+
+    target = info.target
+    node = ctx.node
+    if not any(is_own(p) for p in strategy.inputs):   # the flatten
+        x = ctx.inputs[0]
+        k = info.inputs[0].static(1)
+        rows = ctx.rows_of(x)
+        ctx.made_rows = ctx.shared_rows(("own flat rows", rows, k), lambda: (R.flat_rows, (rows, k)))
+        ctx.made_rows.meta["autotp_rows_ascending"] = bool(rows.meta.get("autotp_rows_ascending"))
+        ctx.own_made = ("values", OwnLayer(k, ctx.made_rows))
+        return target, (args[0], [-1]) + tuple(args[2:]), kwargs
+    if target in SORTS:
+        kind, layer = _values(ctx, ctx.inputs[0], node)
+        experts = router_experts(node.args[0])
+        if kind != "values" or experts is None:
+            raise PlanError(f"{node.name} sorts a rank's own rows routed alone, but its values are not a router's "
+                            f"top-k expert ids (a topk over a static number of experts); it must sort every row")
+        # one run (numbered rank-major within an expert): the rank needs not know the batch,
+        # and exchanges ``experts`` counts (Megatron's dispatcher's order)
+        routing = ctx.comm(R.RouteLocally(ctx.group, 1, experts, ctx.tp, ctx.rank), ctx.inputs[0])
+        ctx.made_rows = ctx.graph.call_function(getattr, (routing, "rows"))
+        layer = OwnLayer(layer.k, layer.flat, routing, ctx.made_rows, experts)
+        ctx.own_layers[ctx.made_rows] = layer
+        ctx.own_outputs = (("ids", layer), ("flat", layer))
+        return R.sorted_locally, (routing,), {}
+    if target is aten.histc.default:
+        kind, layer = _values(ctx, ctx.inputs[0], node)
+        if kind not in ("values", "ids"):
+            raise PlanError(f"{node.name} counts a rank's own positions ({kind}), which mean nothing on another "
+                            f"rank; it must count every row")
+        from ...distributed.experts import histc
+
+        if strategy.output == PARTIAL:   # the rank's rows' histogram: a summand
+            return histc, args, kwargs
+        given = dict(zip(("bins", "min", "max"), args[1:]), **kwargs)
+        bins, low, high = given.get("bins", 100), given.get("min", 0), given.get("max", 0)
+        if kind == "ids" and bins == layer.routing_experts:   # every expert's rows, exchanged already
+            return R.routed_counts, (layer.routing, node.meta["val"].dtype), {}
+        # another count of the rank's rows by id: each rank's histogram, gathered and summed
+        return R.GatheredHistc(ctx.group, bins, low, high, ctx.tp), (args[0],), {}
+    if target in (aten.floor_divide.default, aten.floor_divide.Scalar):
+        kind, layer = _values(ctx, ctx.inputs[0], node)
+        if kind in ("values", "ids"):   # values divided in place: still values
+            ctx.own_made = ("values", layer)
+            return target, args, kwargs
+        if kind != "flat" or args[1] != layer.k:
+            raise PlanError(f"{node.name} divides a rank's own row positions by {args[1]!r}, not by the top-k "
+                            f"{layer.k} its rows were flattened by; it must run on every row")
+        ctx.own_made = ("tokens", layer)
+        return target, args, kwargs
+    if target in (aten.index_put_.default, aten.index_put.default):
+        base, index, values = ctx.inputs
+        kind, layer = _values(ctx, index, node)
+        captured = node.args[2] if len(node.args) > 2 else node.kwargs["values"]
+        if kind != "flat" or _values(ctx, base, node)[0] != "unset" or not _counts_up(captured):
+            raise PlanError(f"{node.name} writes a rank's own rows routed alone at positions that are not its flat "
+                            f"rows', or values other than arange(n) (the inverse of its sort); it must run on "
+                            f"every row")
+        ctx.made_rows = layer.flat
+        ctx.own_made = ("sorted", layer)
+        # the rank's sorted rows' positions, not the whole arange (which nothing else reads: erased)
+        ctx.unused.append(values)
+        local = ctx.graph.call_function(R.own_arange, (layer.routing, captured.meta["val"].dtype))
+        return target, (args[0], args[1], local) + tuple(args[3:]), kwargs
+    if target is aten.index.Tensor:
+        x, index = ctx.inputs
+        kind, layer = _values(ctx, index, node)
+        have = strategy.inputs[0]
+        if have == REPLICATE:   # whole rows: the rank's own, by their global ids
+            ids = {"flat": layer.flat, "tokens": ctx.graph.call_function(R.flat_tokens, (layer.flat, layer.k))}
+            if kind not in ids:
+                raise PlanError(f"{node.name} gathers whole rows by a rank's own positions ({kind}), which number no "
+                                f"rows of the whole; it must gather every row")
+            ctx.made_rows = ctx.rows_of(index)
+            at = ctx.graph.call_function(aten.index_select.default, (ids[kind], 0, index))
+            return aten.index_select.default, (x, 0, at), {}
+        if is_own(have):   # the flattened weights (or ids) by the sort's positions
+            fits = kind == "flat" and ctx.rows_of(x) is layer.flat
+        elif _in_order(have):   # the tokens' rows by the sorted rows' tokens: h[perm // k]
+            fits = kind == "tokens"
+        else:   # the experts' output rows the combine brought back, in the order the rank sorted them
+            fits = kind == "sorted" and ctx.rows_of(x) is layer.sorted_rows
+        if not fits:
+            raise PlanError(f"{node.name} gathers by a rank's own positions ({kind}) from rows they do not number "
+                            f"({have}); it must gather every row")
+        ctx.made_rows = ctx.rows_of(index)
+        if is_own(strategy.output):
+            ctx.own_made = _values(ctx, x, node)
+        return target, args, kwargs
+    # casts, copies, empty_like: each entry kept in its place
+    kind, layer = _values(ctx, ctx.inputs[0], node)
+    ctx.own_made = ("unset", layer) if target is aten.empty_like.default else (kind, layer)
+    return target, args, kwargs
+
+
+def _counts_up(node: Any) -> bool:
+    """Whether the captured ``node`` is ``arange(n)`` (0, 1, .., n - 1)."""
+    target = getattr(node, "target", None)
+    if target is aten.arange.default:
+        return True
+    if target is aten.arange.start:
+        return node.args[0] == 0
+    return target is aten.arange.start_step and node.args[0] == 0 and node.args[2] == 1
+
+
+def _values(ctx: LocalContext, x: Any, node: Any) -> tuple[str, "OwnLayer"]:
+    from ...errors import PlanError
+
+    found = ctx.own.get(x)
+    if found is None:
+        raise PlanError(f"{node.name} reads a rank's own rows routed alone that no op of the local routing made")
+    return found
