@@ -63,3 +63,15 @@ def call_while_another_runs(pm, first, second) -> tuple[str, object]:
         release.set()
         thread.join(60)
     return done, results[0]
+
+
+def expert_runs(experts: int, tp: int) -> tuple[tuple[int, int], ...]:
+    """Each rank's run of ``experts`` dealt over ``tp`` ranks: (first expert, count), (0, 0)
+    for a rank with none."""
+    from autotp.placements import Shard, local_ranges
+
+    out = []
+    for r in range(tp):
+        ((start, stop),) = local_ranges(experts, Shard(0), tp, r) or ((0, 0),)
+        out.append((start, stop - start))
+    return tuple(out)

@@ -17,7 +17,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from autotp.placements import Shard, local_ranges
+from tests.helpers import expert_runs
 
 HIDDEN = 3
 
@@ -42,11 +42,7 @@ def _whole(case: dict) -> dict:
 
 
 def _runs(case: dict) -> tuple[tuple[int, int], ...]:
-    out = []
-    for r in range(case["tp"]):
-        ((start, stop),) = local_ranges(case["experts"], Shard(0), case["tp"], r) or ((0, 0),)
-        out.append((start, stop - start))
-    return tuple(out)
+    return expert_runs(case["experts"], case["tp"])
 
 
 def run_dispatch_and_combine(case: dict) -> dict:

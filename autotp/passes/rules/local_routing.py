@@ -27,7 +27,6 @@ the chain whole or not at all, by cost against the whole sort. The rank's progra
 index, that its values point into the tensor it indexes (:func:`own_localizer`)."""
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import sympy
@@ -35,7 +34,7 @@ import torch
 
 from ...placements import PARTIAL, REPLICATE, Routed
 from .registry import LocalContext, OpInfo, Strategy, TensorMeta
-from .routing import SORTS, _values_of
+from .routing import SORTS, router_experts
 
 aten = torch.ops.aten
 
@@ -113,21 +112,6 @@ def own_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
         if x in (REPLICATE, None) and info.inputs[0].is_float:   # whole rows: the rank's own taken by global id
             return [Strategy((REPLICATE, OWN), ROWS)]
     return []
-
-
-def router_experts(ids: Any) -> int | None:
-    """The number of experts where ``ids`` (a captured node) holds a router's top-k choices
-    (the indices of a ``topk`` over a static dim of scores, reshaped or cast), else None."""
-    node = _values_of(ids)
-    if getattr(node, "target", None) is not operator.getitem or node.args[1] != 1:
-        return None
-    topk = node.args[0]
-    if getattr(topk, "target", None) is not aten.topk.default:
-        return None
-    scores = topk.args[0].meta["val"]
-    dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
-    size = scores.shape[dim]
-    return size if isinstance(size, int) else None
 
 
 class OwnLayer:

@@ -104,18 +104,25 @@ def _values_of(node: Any) -> Any:
     return node
 
 
+def router_experts(ids: Any) -> int | None:
+    """The number of experts where ``ids`` (a captured node) holds a router's top-k choices
+    (the indices of a ``topk`` over a static dim of scores, reshaped or cast), else None."""
+    node = _values_of(ids)
+    if getattr(node, "target", None) is not operator.getitem or node.args[1] != 1:
+        return None
+    topk = node.args[0]
+    if getattr(topk, "target", None) is not aten.topk.default:
+        return None
+    scores = topk.args[0].meta["val"]
+    dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
+    size = scores.shape[dim]
+    return size if isinstance(size, int) else None
+
+
 def _expert_ids(node: Any, total: int) -> bool:
     """Whether ``node`` holds ids in ``0 .. total - 1`` by how it is made: the indices of a top-k
     over a dim of ``total`` scores (a router's choice), reshaped or cast."""
-    node = _values_of(node)
-    if getattr(node, "target", None) is not operator.getitem or node.args[1] != 1:
-        return False
-    topk = node.args[0]
-    if getattr(topk, "target", None) is not aten.topk.default:
-        return False
-    scores = topk.args[0].meta["val"]
-    dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
-    return isinstance(scores.shape[dim], int) and scores.shape[dim] == total
+    return router_experts(node) == total
 
 
 def counted_by(index: Any, total: int) -> Any:
