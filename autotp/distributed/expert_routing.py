@@ -116,8 +116,11 @@ def _rank_of_experts(runs_of_ranks: Sequence[tuple[int, int]], device: torch.dev
 
 
 def _holders(runs: tuple, device: torch.device) -> torch.Tensor:
-    sizes = torch.tensor([count for _, count in runs], device=device)
-    return torch.repeat_interleave(torch.arange(len(runs), device=device), sizes)
+    counts = [count for _, count in runs]
+    sizes = torch.tensor(counts, device=device)
+    # the length given: a size known here, not read from ``sizes`` (under torch.compile a read
+    # of data is a graph break, and on a GPU a host sync)
+    return torch.repeat_interleave(torch.arange(len(runs), device=device), sizes, output_size=sum(counts))
 
 
 @functools.lru_cache(maxsize=32)

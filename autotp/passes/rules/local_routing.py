@@ -109,7 +109,10 @@ def own_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
         x = placements[0]
         if is_own(x) or _in_order(x) or (isinstance(x, Routed) and x.tokens and x.reordered and x.span == 1):
             return [Strategy((x, OWN), OWN if is_own(x) and not info.inputs[0].is_float else ROWS)]
-        if x in (REPLICATE, None) and info.inputs[0].is_float:   # whole rows: the rank's own taken by global id
+        if x in (REPLICATE, None) and info.inputs[0].is_float and (info.row_copies or info.permutes_rows):
+            # whole rows: the rank's own taken by global id, where the index numbers rows (the
+            # sort's positions, or their tokens ``perm // k``); never by the expert ids themselves
+            # (batched_mm's ``gate_up_proj[ids]``: whole weights picked per row)
             return [Strategy((REPLICATE, OWN), ROWS)]
     return []
 
