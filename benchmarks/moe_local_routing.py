@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from common import publish
+
 SHAPES = {"Mixtral-8x7B": dict(experts=8, k=2), "Qwen3-30B-A3B": dict(experts=128, k=8)}
 BATCH, SEQ, REPEATS = 2, 4096, 5
 
@@ -166,11 +168,7 @@ def main() -> None:
                 lines.append(f"| {label} ({shape['experts']} experts, top {shape['k']}; the rank's rows "
                              f"{results[0]['rows']}) | {way} | {r['calls']} | {r['sorted_rows']} | {r['rows']} | "
                              f"{r['written']:,} | {r['comm']:,} | {ms:.2f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    publish(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ import subprocess
 import sys
 import time
 
+from common import publish
+
 #: published MoE configurations; DeepSeek-V3 with 4 layers of its shape (3 dense, 1 MoE), as
 #: benchmarks/model_zoo.py plans it
 MODELS = {"mixtral-8x7b": None, "qwen3-30b-a3b": None, "deepseek-v3": 4, "gpt-oss-20b": None}
@@ -110,11 +112,7 @@ def main() -> None:
     for name, got in rows:
         for k in trees:
             lines.append(f"- {name}, {k}: {got[k]['note']}")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    publish(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -75,3 +75,28 @@ def expert_runs(experts: int, tp: int) -> tuple[tuple[int, int], ...]:
         ((start, stop),) = local_ranges(experts, Shard(0), tp, r) or ((0, 0),)
         out.append((start, stop - start))
     return tuple(out)
+
+
+class AtenOps:
+    """The ATen ops run while active (forward and the autograd engine's backward calls):
+    ``names`` as ``sum``, ``_c10d_functional.all_to_all_single``; ``seen`` as (the op's short
+    name, the largest first dim of its tensor arguments)."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        names, seen = self.names, self.seen = [], []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                names.append(str(func.overloadpacket).replace("aten::", "").removeprefix("aten."))
+                rows = [a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.ndim]
+                seen.append((func.overloadpacket.__name__, max(rows, default=0)))
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)

@@ -17,7 +17,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import expert_runs
+from tests.helpers import AtenOps, expert_runs
 
 HIDDEN = 3
 
@@ -132,27 +132,6 @@ def test_even_runs_of_experts_count_their_rows_off_the_cumulative_counts_without
         assert ("sum" in ops.names) is not even, (runs, ops.names)
 
 
-class _Ops:
-    """The ATen ops run while active (forward and the autograd engine's backward calls)."""
-
-    def __enter__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        names = self.names = []
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                names.append(str(func.overloadpacket).replace("aten::", "").removeprefix("aten."))
-                return func(*args, **(kwargs or {}))
-
-        self._mode = Mode()
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._mode.__exit__(*exc)
-
-
 def _dispatched_on_fake_rank(case: dict):
     """Rank 0 of ``case``'s routing on the fake backend (world of 2): its rows dispatched, scaled,
     combined back and their backward, with the ATen ops each way ran."""
@@ -167,9 +146,9 @@ def _dispatched_on_fake_rank(case: dict):
     sizes = E.dispatch_sizes(held, w["offs"], _runs(case), 0)
     rows_x, rows = E.routed_reorder(x, w["perm"] // k, mine, b * s, sizes.sent)
     plan = E.dispatch_plan(rows, held, w["offs"], _runs(case), sizes)
-    with _Ops() as forward:
+    with AtenOps() as forward:
         back = E.combine_rows(E.dispatch_rows(rows_x, plan, dist.group.WORLD) * 2, plan, dist.group.WORLD)
-    with _Ops() as backward:
+    with AtenOps() as backward:
         back.sum().backward()
     return forward.names, backward.names
 
@@ -224,10 +203,10 @@ def test_a_sequence_splits_row_maps_are_made_once_for_every_layer_and_call():
     from autotp.distributed import experts as E
 
     local = torch.empty(3, 4)
-    with _Ops() as first:
+    with AtenOps() as first:
         rows = E.token_rows(local, 1, [3], 7, 2, 0)
         owners = E.token_owners(local, [3], 7, 2)
-    with _Ops() as again:
+    with AtenOps() as again:
         assert E.token_rows(local, 1, [3], 7, 2, 0) is rows and E.token_owners(local, [3], 7, 2) is owners
     assert first.names and again.names == [], (first.names, again.names)
     assert torch.equal(rows, torch.tensor([0, 1, 2, 3, 7, 8, 9, 10, 14, 15, 16, 17]))

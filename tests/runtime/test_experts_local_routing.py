@@ -15,7 +15,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import expert_runs
+from tests.helpers import AtenOps, expert_runs
 
 HIDDEN = 3
 
@@ -90,28 +90,6 @@ def test_a_rank_routing_its_own_rows_knows_what_the_whole_routing_says(cluster_o
         torch.testing.assert_close(got["sent"], gathered[start:end], rtol=0, atol=0)
 
 
-class _Ops:
-    """Each ATen op run while active, with the largest first dim of its tensor arguments."""
-
-    def __enter__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        seen = self.seen = []
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                rows = [a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.ndim]
-                seen.append((func.overloadpacket.__name__, max(rows, default=0)))
-                return func(*args, **(kwargs or {}))
-
-        self._mode = Mode()
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._mode.__exit__(*exc)
-
-
 def count_on_each_rank(case: dict) -> dict:
     """On each rank, the ATen ops of routing its own rows and planning the dispatch, and the
     host reads they make."""
@@ -131,7 +109,7 @@ def count_on_each_rank(case: dict) -> dict:
     try:
         R.local_dispatch_sizes(R.route_locally(ids, b, case["experts"], group, tp, rank), _runs(case), rank)
         reads.clear()   # a layer of a later step: the experts' holders made once, reused
-        with _Ops() as ops:
+        with AtenOps() as ops:
             routing = R.route_locally(ids, b, case["experts"], group, tp, rank)
             sizes = R.local_dispatch_sizes(routing, _runs(case), rank)
             R.local_dispatch_plan(routing, _runs(case), rank, sizes)
