@@ -28,7 +28,8 @@ from .passes.propagate import GraphIndex, Propagation
 from .passes.rewrite import rewrite
 from .plan import Plan
 from .planner.experts import forced_dispatch_dropped
-from .planner.planner import build_plan, sequence_dropped, sequence_to_split
+from .planner.planner import build_plan
+from .planner.sequence import sequence_dropped, sequence_to_split
 from .distributed.agreement import _agreed_seed, _on_every_rank_or_none
 from .distributed.rng import RNGTracker
 

@@ -295,7 +295,7 @@ def assert_experts_case(cluster_of, case: dict) -> None:
     # tokens arrive split and the forced dispatch holds: no program says it was dropped (before:
     # the two later calls' programs, with and without attention_mask, in training mode). Generate's
     # decode step has no sequence to split: its tokens cannot arrive split, the forced dispatch has
-    # no plan there, and the step is planned by cost, saying so (before planner._under_pins refused
+    # no plan there, and the step is planned by cost, saying so (before planner.replay.under_pins refused
     # a walk that moves a pinned weight, that step's walk held the dispatch in name only by
     # all-gathering the experts' gate_up weights, S(0) -> R, on every step).
     # Slow tier: 30 s on two loaded cores; the fast tier plans it (tests/passes/

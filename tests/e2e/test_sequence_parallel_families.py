@@ -45,7 +45,7 @@ SMALL_ROWS = {"gpt2": {"*.c_attn.weight": "column", "*.c_fc.weight": "column", "
 #: partial sum is reduce-scattered into the rank's tokens' rows (``MERGED_ROWS``), not all-reduced whole
 FLATTENED = {"opt"}
 MERGED_ROWS = "P(tokens 0)"
-#: the note of a program with no sequence to split (planner.sequence_dropped)
+#: the note of a program with no sequence to split (planner.sequence.sequence_dropped)
 UNSPLIT = "sequence_parallel=True does not apply to the program of"
 
 

@@ -14,7 +14,7 @@ from autotp.capture import capture
 from autotp.passes.rules import OpInfo, TensorMeta, strategies
 from autotp.placements import PARTIAL, REPLICATE, Routed
 from autotp.planner import build_plan
-from autotp.planner.planner import sequence_regions
+from autotp.planner.sequence import sequence_regions
 
 ROWS = Routed(0, tokens=True)
 #: as the families' forced end-to-end test pins them (at hidden 32 the cost model keeps OPT whole)

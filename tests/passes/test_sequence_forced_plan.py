@@ -17,7 +17,7 @@ from autotp.cost_model import get_profile
 from autotp.passes.rules import OpInfo, TensorMeta, strategies
 from autotp.placements import PARTIAL, Shard
 from autotp.planner import build_plan
-from autotp.planner.planner import sequence_regions
+from autotp.planner.sequence import sequence_regions
 from autotp.testing import keep_loss_precision
 
 #: as the end-to-end test pins them: at hidden 32 the cost model keeps these layers whole otherwise

@@ -67,7 +67,7 @@ def test_a_later_program_that_only_moving_a_pinned_weight_can_run_is_a_plan_erro
     # did: Falcon's inference call all-gathered its row-pinned weights and ran the products whole
     from autotp.capture import capture
     from autotp.errors import PlanError
-    from autotp.planner import build_plan, planner
+    from autotp.planner import build_plan, replay
 
     config = zoo.tiny_config("falcon", layers=2, heads=4, kv_heads=2, head_dim=8, vocab=61)
     model = zoo.build("falcon", config, device="meta", dtype=torch.float32)
@@ -79,7 +79,7 @@ def test_a_later_program_that_only_moving_a_pinned_weight_can_run_is_a_plan_erro
     def no_plan(*args, **kwargs):
         raise PlanError("no plan within the search's bound (MAX_STATES)")
 
-    monkeypatch.setattr(planner, "solve", no_plan)
+    monkeypatch.setattr(replay, "solve", no_plan)
     with pytest.raises(PlanError, match=r"runs only by moving transformer\.h\.0\.self_attention\.dense\.weight, placed "
                                         r"S\(1\): numpy_t\S* would be converted S\(0\) -> R at run time, so the "
                                         r"placement would hold in name only"):

@@ -91,7 +91,7 @@ def test_falcons_forced_prefill_step_keeps_its_row_parallel_products():
     from autotp.capture import capture
     from autotp.generation import StepSpec, capture_step
     from autotp.planner import build_plan
-    from autotp.planner.planner import sequence_regions
+    from autotp.planner.sequence import sequence_regions
 
     config = zoo.tiny_config("falcon", layers=2, heads=4, kv_heads=2, head_dim=8, vocab=61)
     model = zoo.build("falcon", config, device="meta", dtype=torch.float64)
