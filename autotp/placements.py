@@ -98,7 +98,7 @@ class Routed(Partial):
     into zeros, the ranks' rows sum to the whole tensor, as any Partial's pieces do (a g makes
     it Replicate); unlike one, a row's holder has its exact value, so any op on rows alone (an
     activation, a product with a replicated factor, the next expert product) runs on a rank's
-    rows with no collective (see autotp/passes/rules/experts.py).
+    rows with no collective (see autotp/passes/rules/routed.py).
 
     ``span`` > 1: the row ids count over ``span`` dims from ``dim`` on (``[tokens, top_k, ...]``,
     a view of the rows), which a sum over the inner ones combines into a Partial.

@@ -31,7 +31,7 @@ import torch
 
 from ..capture.program import op_name
 from ..passes.rules import OpInfo, Strategy, TensorMeta
-from ..passes.rules.experts import host_reads
+from ..passes.rules.row_reads import host_reads
 from . import kernels
 from .kernels import OpWork
 from ..placements import Routed, Shard, max_local_size

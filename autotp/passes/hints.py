@@ -293,7 +293,7 @@ def _split_again(node: fx.Node, d: int) -> tuple[fx.Node, int] | None:
 
 
 def _is_grouped(target: Any) -> bool:
-    from .rules.experts import GROUPED_MM
+    from .rules.row_reads import GROUPED_MM
     from .rules.registry import op_name
 
     return op_name(target) in GROUPED_MM

@@ -35,7 +35,7 @@ from ..placements import (PARTIAL, REPLICATE, Partial, Placement, Replicate, Rep
                           max_local_size, resharded_by_all_to_all, same_placement)
 from .hints import column_hint, index_picks, row_hint
 from .rules import OpInfo, Strategy, TensorMeta, strategies
-from .rules.experts import GROUPED_MM, grouped_reader, permutes_rows, reads_host, reads_rows
+from .rules.row_reads import GROUPED_MM, grouped_reader, permutes_rows, reads_host, reads_rows
 from .rules.gathered_rows import gathers_rows, rank_rows_work, row_copies
 from .rules.pointwise import reduce_scatters_tokens
 from .rules.registry import aliases_first, mutates_first, op_name
@@ -162,7 +162,7 @@ class GraphIndex:
     written_roots: frozenset = frozenset()
     #: may a strategy read a value on the host (``host_reads=False`` forbids it): a rank running
     #: its own experts' rows alone reads how many are its own, so none of those is offered
-    #: (:func:`~.rules.experts.reads_host`); rows whose row map the shapes give (a merge of the
+    #: (:func:`~.rules.row_reads.reads_host`); rows whose row map the shapes give (a merge of the
     #: batch with a split dim in its order, ``Routed(tokens=True)``) read nothing and stay
     host_reads: bool = True
     #: how expert parallelism's rows reach their experts where the tokens arrive split along the
@@ -728,7 +728,7 @@ def _experts_may_take_rows(node: fx.Node, place: Mapping[fx.Node, Any]) -> bool:
     """Whether the grouped product that reads the rows ``node`` gathers (``h[idx]``) may run them
     as its experts' own: its stack of experts (through a transpose) free, or split by whole
     experts (``Shard(0)``), as placed so far."""
-    from .rules.experts import grouped_reader
+    from .rules.row_reads import grouped_reader
 
     found = grouped_reader(node)
     if found is None:

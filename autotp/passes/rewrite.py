@@ -42,10 +42,12 @@ from .in_place import reduce_in_place
 from .propagate import (GraphIndex, Propagation, _aliases_of, _conversion, _dim_size, _meta, _sharded_compute,
                         cut_from_whole, first_write, gather_parts, gathers_whole, map_args, storage_root, wants_f)
 from .rules import LocalContext, aliases_first, is_routed, localizer_for, mutates_first
-from .rules.experts import ASCENDING, _token_maps, dispatches_tokens, grouped_reader
+from .rules.dispatch_sizes import dispatches_tokens
 from .rules.local_routing import owns
 from .rules.pointwise import reduce_scatters_tokens, sequence_factors
 from .rules.registry import REGION_BOUNDS
+from .rules.row_reads import grouped_reader
+from .rules.token_rows import ASCENDING, token_maps
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +234,7 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         rest = [sizes(s) for s in meta.shape[1:]]
         runs = graph.call_function(torch.ops.aten.reshape.default, (out, [sizes(outer), sizes(seq), *rest]))
         local = comm_node("reduce_scatter", runs, C.ReduceScatterToTP(group, Shard(1), None), sizes(seq))
-        rows, owners = _token_maps(ctx, local, 1, (outer,), seq, 1)
+        rows, owners = token_maps(ctx, local, 1, (outer,), seq, 1)
         rows.meta[ASCENDING] = True
         flat = graph.call_function(torch.ops.aten.reshape.default, (local, [-1, *rest]))
         ctx.rows[flat], ctx.owners[flat] = rows, owners
@@ -551,7 +553,7 @@ def _factory_at_local_size(graph: fx.Graph, made: fx.Node, dst: Placement, meta:
 def _program_order(graph: fx.Graph, prop: Propagation, readers: dict) -> list[fx.Node]:
     """The captured graph's nodes in the order the rank's program runs them: as captured, but a
     gather of rows a rank takes at its own experts' rows (an ``index`` placed routed from whole
-    inputs, :func:`~autotp.passes.rules.experts.grouped_reader`) moved, with the casts that carry
+    inputs, :func:`~autotp.passes.rules.row_reads.grouped_reader`) moved, with the casts that carry
     its rows, to right before the grouped product that reads them, after the product's ``offs``
     that bound the rank's rows; and so a reorder of a rank's tokens' rows read by a product that
     sends them to their experts' ranks (the all-to-all dispatch), whose count is read with the

@@ -147,7 +147,7 @@ def expert_stacks(cap: Any) -> dict[str, str]:
     a pick per row, a per-matrix transpose, a grouped product, or whole by a batched product as
     its matrices: Llama-4's experts, every token through every expert)."""
     from .roles import _first_uses
-    from ..passes.rules.experts import GROUPED_MM
+    from ..passes.rules.row_reads import GROUPED_MM
     from ..passes.rules.registry import op_name
     import torch
 

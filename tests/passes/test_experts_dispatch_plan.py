@@ -26,7 +26,7 @@ def dispatched(c) -> bool:
 
 
 def _dispatch_offered(monkeypatch, offered: bool) -> None:
-    import autotp.passes.rules.experts as rules
+    import autotp.passes.rules.token_rows as rules
 
     if not offered:   # the flattened tokens of a sequence split have no placement: gathered whole
         monkeypatch.setattr(rules, "token_rows", lambda info, p: None)
@@ -155,7 +155,7 @@ def test_a_dispatch_whose_rows_no_reorder_gathered_for_it_prices_a_read_of_its_o
     # the fold into one read needs the reorder of the rank's tokens' rows to reach the product
     # through casts alone (OpInfo.x_gathered): that reorder's read, priced there, is then the
     # layer's one; otherwise the reorder keeps its nonzero and the product reads its sizes itself
-    from autotp.passes.rules.experts import host_reads
+    from autotp.passes.rules.row_reads import host_reads
     from autotp.passes.rules.registry import OpInfo, Strategy
     from autotp.placements import REPLICATE, Routed, Shard
 
@@ -322,7 +322,7 @@ def test_a_rank_routes_its_own_rows_where_cheaper_than_the_whole_sort(monkeypatc
     plan = _plan(model, 2)
     own = [c for c in plan.comms if c.src.endswith(", own)")]
     assert [(c.kind, c.tensor) for c in own] == [("all_gather", "histc_default")], plan.comms
-    import autotp.passes.rules.experts as rules
+    import autotp.passes.rules.routed as rules
 
     with monkeypatch.context() as m:   # the flattened ids and weights not offered to the rank's own routing
         m.setattr(rules, "own_merge", lambda info, p: None)

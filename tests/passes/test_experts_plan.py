@@ -124,7 +124,7 @@ class _Reorders(torch.nn.Module):
 
 def test_the_inverse_of_a_sort_is_known_a_permutation_and_nothing_else_is():
     """A reorder by a permutation keeps a rank's rows and their count: the rewrite renumbers them
-    instead of reading how many land on the rank (autotp/passes/rules/experts.py)."""
+    instead of reading how many land on the rank (autotp/passes/rules/routed_localizer.py)."""
     from autotp.passes.rules.routing import is_permutation
 
     ep = torch.export.export(_Reorders(), (torch.randn(5, 2), torch.randint(0, 3, (5,))))
@@ -214,7 +214,7 @@ def test_the_gathered_experts_combine_is_reduce_scattered_along_the_sequence(fam
     # makes the experts' [T*k, h] rows whole by a g before the routing weights' product (no f on
     # the weights: one collective fewer, a latency-bound workload), 0.8% cheaper since the
     # reorder back to token order, run whole there, has its backward priced as the gather it is
-    # (rules/experts.permutes_rows)
+    # (rules/row_reads.permutes_rows)
     config = zoo.tiny_config(family, layers=2, heads=8, kv_heads=2, head_dim=32, experts=8, top_k=2, vocab=64)
     model = zoo.build(family, config, device="meta")
     layout = {"*.experts.*": "expert", "*.q_proj.weight": "column", "*.o_proj.weight": "row"}

@@ -1480,7 +1480,7 @@ def _linear_groups(case: Case) -> list[set[int]]:
         return [{i} for i in range(n)]
     if op in (aten.div.Tensor, aten.neg.default, aten.mul.Scalar, aten.div.Scalar, aten.sum.dim_IntList,
               aten.mean.dim, aten.embedding.default) or rules._RULES[op].__module__.endswith(".view") \
-            or op in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):   # (rules/experts.py
+            or op in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):   # (rules/token_rows.py
         # extends the sized views: the tokens of a sequence split, flattened)
         return [{0}]
     if op in pointwise.CASTS and _casts_to_own_dtype(case):

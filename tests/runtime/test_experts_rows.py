@@ -158,7 +158,7 @@ def test_token_rows_of_a_merge_are_the_ranks_runs_of_whole_atoms(outer, atoms, u
     (Mamba2's heads by group, ``view(b * h, ...)``): the row map is the rank's rows of the whole
     merge, in order, the holders say the rank of every row, and the map computed in the smallest
     atom laid out alike (``row_unit``, which keys a shared map) is the same."""
-    from autotp.passes.rules.experts import row_unit
+    from autotp.passes.rules.token_rows import row_unit
 
     size = atoms * unit
     shard = Shard(1, unit=unit)

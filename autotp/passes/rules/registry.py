@@ -125,7 +125,7 @@ class OpInfo:
     #: casts): its rows are the product's, sorted by expert, so a rank can gather its own alone
     gathers_expert_rows: bool = False
     #: this op, placed to run a rank's own experts' rows alone where its inputs hold every row,
-    #: reads their count on the host (:func:`autotp.passes.rules.experts.reads_rows`)
+    #: reads their count on the host (:func:`autotp.passes.rules.row_reads.reads_rows`)
     reads_rows: bool = False
     #: an index of float rows by a permutation of them (``x[inv_perm]``: transformers' inverse of
     #: the sort by expert, :func:`autotp.passes.rules.routing.is_permutation`): its backward is a
@@ -384,7 +384,7 @@ def keeps_value(info: OpInfo) -> bool:
             and not isinstance(out, tuple) and out.dtype == info.inputs[0].dtype)
 
 
-#: the strategies of an op meeting a Routed (expert rows) input; rules/experts.py registers them,
+#: the strategies of an op meeting a Routed (expert rows) input; rules/routed.py registers them,
 #: so the registry does not import the family files above it
 _ROUTED: list = []
 
@@ -396,7 +396,7 @@ def register_routed(strategies) -> Any:
 
 
 #: the localizer of any strategy holding a Routed placement (a rank's rows of experts: they need
-#: the row maps the rewrite carries); rules/experts.py registers it
+#: the row maps the rewrite carries); rules/routed_localizer.py registers it
 _ROUTED_LOCALIZER: list = []
 
 
