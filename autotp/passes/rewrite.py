@@ -218,7 +218,7 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         whole = comm_node("all_gather_f" if fused else "all_gather", local, module, seq)
         return graph.call_function(torch.ops.aten.reshape.default, (whole, [-1, *rest])), fused
 
-    def scatter_tokens(out: fx.Node, meta: Any) -> fx.Node:
+    def scatter_tokens(out: fx.Node, meta: Any, src: fx.Node) -> fx.Node:
         """A partial sum of rows ``[b*s, ...]`` reduce-scattered into the rank's tokens' rows
         (``Routed(0, tokens=True)``): viewed as ``[b, s, ...]``, reduce-scattered along the sequence
         (each rank's run of it, of any length; its backward the all-gather), flattened again to the
@@ -228,8 +228,12 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         mirror of :func:`gather_tokens`."""
         factors = sequence_factors(meta.shape[0], index.sequence)
         if factors is None:   # the rules offer the rows only where the size factors so
-            raise PlanError(f"cannot reduce-scatter {meta.shape[0]} rows into a sequence split's tokens' rows: "
-                            f"their count is no sequence times a batch")
+            known = ", ".join(sorted(map(str, index.sequence))) or "none"
+            raise PlanError(f"cannot reduce-scatter the {meta.shape[0]} rows of {src.name} into a sequence split's "
+                            f"tokens' rows: their count is no sequence times a batch in this program (its sequence "
+                            f"dims: {known}), so no rank's run of the sequence says which rows are its own. The plan "
+                            "was solved for another program, or a rule offered the rows where it should not (an "
+                            "autotp bug: please report it); plan with sequence_parallel=False to keep the rows whole")
         outer, seq = factors
         rest = [sizes(s) for s in meta.shape[1:]]
         runs = graph.call_function(torch.ops.aten.reshape.default, (out, [sizes(outer), sizes(seq), *rest]))
@@ -269,7 +273,7 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             log.warning("autotp: %s holds token rows without their sequence's row map; made whole by "
                         "scatter and all-reduce, not the all-gather the plan priced", src.name)
         if reduce_scatters_tokens(have, dst):
-            out = converted[key] = scatter_tokens(out, meta)
+            out = converted[key] = scatter_tokens(out, meta, src)
             return out
         if isinstance(have, Routed) and not isinstance(dst, Routed):
             # a rank's rows of experts put in place, zero elsewhere: a plain Partial
