@@ -32,7 +32,7 @@ from typing import Any
 import sympy
 import torch
 
-from ...placements import PARTIAL, REPLICATE, Routed
+from ...placements import PARTIAL, REPLICATE, Routed, Shard
 from .registry import LocalContext, OpInfo, Strategy, TensorMeta
 from .routing import SORTS, router_experts
 
@@ -107,6 +107,13 @@ def own_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
         return []
     if target is aten.index.Tensor and n == 2 and len(info.args[1]) == 1 and is_own(placements[1]):
         x = placements[0]
+        if info.counted_pick and (x is None or x == Shard(0)) and info.inputs[0].static(0) is not None:
+            # a stack of experts picked by the rank's sorted ids, counted into the products' offs
+            # (gpt-oss's biases): the rows of its own experts the products take, from the offs
+            # every rank holds (routed_counts) and the layer's bounds, not by the ids; the rows
+            # the dispatch sent, too (their row map is the product's: a product adding them may
+            # send its rows back, rules/experts.combine_back)
+            return [Strategy((Shard(0), OWN), Routed(0)), Strategy((Shard(0), OWN), Routed(0, sent=True))]
         if is_own(x) or _in_order(x) or (isinstance(x, Routed) and x.tokens and x.reordered and x.span == 1):
             return [Strategy((x, OWN), OWN if is_own(x) and not info.inputs[0].is_float else ROWS)]
         if x in (REPLICATE, None) and info.inputs[0].is_float and (info.row_copies or info.permutes_rows):
@@ -202,6 +209,8 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
         x, index = ctx.inputs
         kind, layer = _values(ctx, index, node)
         have = strategy.inputs[0]
+        if isinstance(have, Shard):   # a stack of experts picked by the sorted ids: its experts' rows
+            return _counted_pick(info, strategy, kind, ctx)
         if have == REPLICATE:   # whole rows: the rank's own, by their global ids
             ids = {"flat": layer.flat, "tokens": ctx.graph.call_function(R.flat_tokens, (layer.flat, layer.k))}
             if kind not in ids:
@@ -227,6 +236,28 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
     kind, layer = _values(ctx, ctx.inputs[0], node)
     ctx.own_made = ("unset", layer) if target is aten.empty_like.default else (kind, layer)
     return target, args, kwargs
+
+
+def _counted_pick(info: OpInfo, strategy: Strategy, kind: str, ctx: LocalContext):
+    """``stack[ids]`` for the sorted ids of the rank's routing, counted into a grouped product's
+    ``offs`` (:func:`~.routing.counted_pick`): the rows of the rank's experts among every row
+    sorted by expert (the products' row map and bounds, one pair of nodes per layer), each its
+    expert's row of the stack (:func:`~autotp.distributed.expert_routing.sorted_pick`)."""
+    from ...distributed import expert_routing as R
+    from ...errors import PlanError
+    from ...placements import local_ranges
+    from .experts import _sorted_rows
+    from .routing import counted_by
+
+    node = ctx.node
+    total = int(info.inputs[0].shape[0])
+    offs = counted_by(node.args[1][0], total)
+    if kind != "ids" or offs is None or offs not in ctx.env:
+        raise PlanError(f"{node.name} picks a stack of {total} experts by a rank's own {kind} (not the sorted "
+                        f"expert ids counted into a grouped product's offs); it must pick by every row's ids")
+    ((first, stop),) = local_ranges(total, strategy.inputs[0], ctx.tp, ctx.rank) or ((0, 0),)
+    _, ctx.made_rows = _sorted_rows(ctx.env[offs], first, stop - first, ctx)
+    return R.sorted_pick, (ctx.inputs[0], ctx.env[offs], ctx.made_rows, first), {}
 
 
 def _counts_up(node: Any) -> bool:
