@@ -29,6 +29,9 @@ BATCH, SEQ, TOP_K, EXPERTS, GROUPS = 2, 16, 2, 8, 2
 #: each family's config beyond the tiny one: DeepSeek-V3's router picks each token's experts from
 #: its best group of two
 CONFIG = {"mixtral": {}, "deepseek-v3": dict(n_group=GROUPS, topk_group=1)}
+#: a router's sort by argsort, the ids then gathered by it (``ids[argsort(ids)]``): Mixtral's
+#: experts run by transformers' grouped path so written (argsort_experts below)
+ARGSORT = "mixtral-argsort"
 #: the router's ops on its [tokens, experts] scores (DeepSeek-V3's [tokens, groups] and
 #: [tokens, groups, experts a group] too), forward and backward
 ROUTER_OPS = frozenset(("aten::topk", "aten::sigmoid", "aten::_softmax", "aten::masked_fill", "aten::gather",
@@ -49,12 +52,41 @@ class _Sizes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def argsort_experts(self, hidden_states, top_k_index, top_k_weights):
+    """transformers' grouped experts (``grouped_mm_experts_forward``, no biases) sorting by
+    ``argsort`` and gathering the ids by it, as another family's router might. Its products are
+    transformers' fallback grouped product, which takes float64 on CPU (torch's kernel does not)."""
+    import transformers.integrations.moe  # noqa: F401  (registers the fallback product's op)
+
+    def _grouped_linear(x, weight, offs, is_transposed):
+        weight = weight if is_transposed else weight.transpose(-2, -1)
+        return torch.ops.transformers.grouped_mm_fallback(x.to(weight.dtype), weight, offs=offs)
+
+    tokens, top_k, hidden = hidden_states.size(0), top_k_index.size(-1), hidden_states.size(-1)
+    weights, ids = top_k_weights.reshape(-1), top_k_index.reshape(-1)   # (T*k,)
+    perm = torch.argsort(ids, stable=True)
+    ids_sorted = ids[perm]
+    rows = hidden_states[perm // top_k]                                   # (T*k, h) sorted by expert
+    counts = torch.histc(ids_sorted.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    out = self._apply_gate(_grouped_linear(rows, self.gate_up_proj, offsets, is_transposed=self.is_transposed))
+    out = _grouped_linear(out, self.down_proj, offsets, is_transposed=self.is_transposed) * weights[perm].unsqueeze(-1)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.size(0), device=perm.device)
+    return out[inverse].view(tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+
+
 def _rank_step(family: str, tp: int) -> list[tuple[str, tuple]]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
+    implementation = "grouped_mm"
+    if family == ARGSORT:
+        family, implementation = "mixtral", "argsort_grouped_mm"
+        ALL_EXPERTS_FUNCTIONS.register(implementation, argsort_experts)
     config = zoo.tiny_config(family, layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=EXPERTS,
                              top_k=TOP_K, positions=64, **CONFIG[family])
-    config._experts_implementation = "grouped_mm"
+    config._experts_implementation = implementation
     model = zoo.build(family, config, seed=0)
     batch = zoo.example_batch(family, config, batch=BATCH, seq=SEQ, seed=1)
     dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
@@ -75,7 +107,7 @@ def _numel(shape: tuple) -> int:
     return n
 
 
-@pytest.mark.parametrize("family", sorted(CONFIG))
+@pytest.mark.parametrize("family", sorted(CONFIG) + [ARGSORT])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_a_dispatching_rank_routes_sorts_and_counts_its_own_rows_alone(family, tp):
     calls = _rank_step(family, tp)

@@ -12,6 +12,10 @@ strategy at tp > 1) and checks that program against serial in float64: loss, log
 gradient, tp 2 (uneven runs) and tp 3; the later programs (inference, padded call, generate) are
 planned by cost and compared too. Before, no strategy picked a stack of experts by a rank's own
 sorted ids, and the withheld sort left the program no plan.
+
+A router that sorts by ``argsort`` and gathers its ids by it (transformers' grouped experts so
+written, tests/test_experts_local_routing_work.argsort_experts, on Mixtral) routes its own rows
+by cost, float64 against serial at tp 2; before, ``argsort`` ran whole on every rank.
 """
 import pytest
 import torch
@@ -25,16 +29,25 @@ def check_forced_own_routing(case: dict) -> dict:
     from autotp.passes.rules import registry
     from autotp.testing import equivalence_errors, relative_error, tolerance, keep_loss_precision
 
-    config = zoo.tiny_config("gpt-oss", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=4, top_k=2,
+    family, impl = case.get("family", "gpt-oss"), "eager"
+    if case.get("argsort"):
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+        from tests.test_experts_local_routing_work import argsort_experts
+
+        impl = "argsort_grouped_mm"
+        ALL_EXPERTS_FUNCTIONS.register(impl, argsort_experts)
+    config = zoo.tiny_config(family, layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=4, top_k=2,
                              output_router_logits=False)
-    config._experts_implementation = "eager"
-    model = zoo.build("gpt-oss", config, dtype=torch.float64, seed=case["seed"])
-    batch = zoo.example_batch("gpt-oss", config, batch=2, seq=case["seq"], seed=case["seed"] + 1)
+    config._experts_implementation = impl
+    model = zoo.build(family, config, dtype=torch.float64, seed=case["seed"])
+    batch = zoo.example_batch(family, config, batch=2, seq=case["seq"], seed=case["seed"] + 1)
     keep_loss_precision(model)
     sort = torch.ops.aten.sort.default
     whole = registry._RULES[sort]
-    registry._RULES[sort] = lambda info, placements: [] if info.tp > 1 and info.inputs[0].ndim == 1 \
-        else whole(info, placements)
+    if case.get("withhold_sort", True):
+        registry._RULES[sort] = lambda info, placements: [] if info.tp > 1 and info.inputs[0].ndim == 1 \
+            else whole(info, placements)
     try:
         pm = autotp.parallelize(model, case["tp"], layout={"*.experts.*": "expert"}, batch=64, seq=4096,
                                 sequence_parallel=True, profile="h100-dgx", expert_dispatch=True)
@@ -62,6 +75,16 @@ def check_forced_own_routing(case: dict) -> dict:
 def test_a_rank_routing_its_own_rows_picks_gpt_oss_biases_as_serial(cluster_of, tp, seq, seed):
     for rank, result in enumerate(cluster_of(tp).run(check_forced_own_routing, dict(tp=tp, seq=seq, seed=seed))):
         assert {"RouteLocally", "sorted_pick", "DispatchRows"} <= set(result["ran"]), (rank, result["ran"])
+        bound = result["bound"] or TOLERANCE[torch.float64]
+        for key, error in result["errors"].items():
+            assert error <= bound, (rank, key, error, bound)
+        assert result["generate"], (rank, "greedy generate differs from serial")
+
+
+def test_a_router_sorting_by_argsort_routes_its_own_rows_as_serial(cluster_of):
+    case = dict(family="mixtral", argsort=True, withhold_sort=False, tp=2, seq=7, seed=3)
+    for rank, result in enumerate(cluster_of(2).run(check_forced_own_routing, case)):
+        assert {"RouteLocally", "DispatchRows"} <= set(result["ran"]), (rank, result["ran"])
         bound = result["bound"] or TOLERANCE[torch.float64]
         for key, error in result["errors"].items():
             assert error <= bound, (rank, key, error, bound)

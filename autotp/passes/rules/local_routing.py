@@ -42,6 +42,8 @@ aten = torch.ops.aten
 OWN = Routed(0, tokens=True, reordered=True, own=True)
 #: the rank's rows as any token-held rows in an order of its own: what a gather by an OWN index makes
 ROWS = Routed(0, tokens=True, reordered=True)
+#: the sorts that return the indices alone
+ARGSORTS = frozenset((aten.argsort.default, aten.argsort.stable))
 #: ops on the rank's own rows that keep each entry in its place
 _IN_PLACE_OF_ROWS = frozenset((aten.floor_divide.default, aten.floor_divide.Scalar, aten.to.dtype,
                                aten._to_copy.default, aten.clone.default, aten.empty_like.default,
@@ -83,6 +85,11 @@ def own_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
     if target in SORTS and n == 1 and info.inputs[0].ndim == 1 and not info.inputs[0].is_float:
         descending = info.args[2] if len(info.args) > 2 else info.kwargs.get("descending", False)
         return [] if descending else [Strategy((OWN,), (OWN, OWN))]
+    if target in ARGSORTS and n == 1 and info.inputs[0].ndim == 1 and not info.inputs[0].is_float:
+        # the sort's indices alone (a router that sorts by argsort, then gathers ids[perm])
+        descending = info.args[2] if target is aten.argsort.default and len(info.args) > 2 \
+            else info.kwargs.get("descending", False)
+        return [] if descending else [Strategy((OWN,), OWN)]
     if target in _IN_PLACE_OF_ROWS and n == 1:
         return [Strategy((OWN,), OWN)]
     if target is aten.histc.default and n == 1:
@@ -152,7 +159,7 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
         ctx.made_rows.meta["autotp_rows_ascending"] = bool(rows.meta.get("autotp_rows_ascending"))
         ctx.own_made = ("values", OwnLayer(k, ctx.made_rows))
         return target, (args[0], [-1]) + tuple(args[2:]), kwargs
-    if target in SORTS:
+    if target in SORTS or target in ARGSORTS:
         kind, layer = _values(ctx, ctx.inputs[0], node)
         experts = router_experts(node.args[0])
         if kind != "values" or experts is None:
@@ -164,6 +171,9 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
         ctx.made_rows = ctx.graph.call_function(getattr, (routing, "rows"))
         layer = OwnLayer(layer.k, layer.flat, routing, ctx.made_rows, experts)
         ctx.own_layers[ctx.made_rows] = layer
+        if target in ARGSORTS:
+            ctx.own_made = ("flat", layer)
+            return getattr, (routing, "perm"), {}
         ctx.own_outputs = (("ids", layer), ("flat", layer))
         return R.sorted_locally, (routing,), {}
     if target is aten.histc.default:
