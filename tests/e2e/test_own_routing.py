@@ -1,4 +1,10 @@
-"""gpt-oss's biases picked where a rank routes its own rows: the pick equals serial's.
+"""A rank routing its own (token, expert) rows beyond the zoo's tiny defaults, against serial.
+
+DeepSeek-V3 with its router group-limited (4 experts in 2 groups, each token's 2 experts from its
+best group: the tiny config's one group makes the group mask trivial) routes its own rows by
+cost, every call exact in float64 at tp 2 (tests/e2e/test_experts.py's harness; slow tier).
+
+gpt-oss's biases picked where a rank routes its own rows: the pick equals serial's.
 
 gpt-oss adds a bias per expert to each grouped product's rows, picked by the sorted expert ids
 (``gate_up_proj_bias[expert_ids_g]``, counted into the products' ``offs``). Where the rank routes
@@ -15,7 +21,7 @@ sorted ids, and the withheld sort left the program no plan.
 
 A router that sorts by ``argsort`` and gathers its ids by it (transformers' grouped experts so
 written, tests/test_experts_local_routing_work.argsort_experts, on Mixtral) routes its own rows
-by cost, float64 against serial at tp 2; before, ``argsort`` ran whole on every rank.
+by cost, float64 against serial at tp 2 (slow tier); before, ``argsort`` ran whole on every rank.
 """
 import pytest
 import torch
@@ -81,6 +87,7 @@ def test_a_rank_routing_its_own_rows_picks_gpt_oss_biases_as_serial(cluster_of, 
         assert result["generate"], (rank, "greedy generate differs from serial")
 
 
+@pytest.mark.slow   # 30 s on two loaded cores; the fast tier counts its sort (tests/test_experts_local_routing_work.py)
 def test_a_router_sorting_by_argsort_routes_its_own_rows_as_serial(cluster_of):
     case = dict(family="mixtral", argsort=True, withhold_sort=False, tp=2, seq=7, seed=3)
     for rank, result in enumerate(cluster_of(2).run(check_forced_own_routing, case)):
@@ -89,3 +96,13 @@ def test_a_router_sorting_by_argsort_routes_its_own_rows_as_serial(cluster_of):
         for key, error in result["errors"].items():
             assert error <= bound, (rank, key, error, bound)
         assert result["generate"], (rank, "greedy generate differs from serial")
+
+
+@pytest.mark.slow   # 40 s on two loaded cores; the fast tier runs its router's ops (tests/passes/test_router_rows.py)
+def test_a_group_limited_router_routes_its_own_rows_as_serial(cluster_of):
+    from tests.e2e.test_experts import assert_experts_case
+
+    assert_experts_case(cluster_of, dict(
+        family="deepseek-v3", impl="eager", dtype="float64", tp=2, experts=4, top_k=2, kv_heads=2, seq=6, seed=5,
+        layers=1, plan_batch=64, plan_seq=4096, sp=True, config=dict(n_group=2, topk_group=1),
+        routed=("token_rows", "route_locally", "dispatch_rows", "combine_rows", "token_sums")))
