@@ -37,9 +37,9 @@ from .hints import column_hint, index_picks, row_hint
 from .rules import OpInfo, Strategy, TensorMeta, strategies
 from .rules.experts import GROUPED_MM, grouped_reader, permutes_rows, reads_host, reads_rows
 from .rules.gathered_rows import gathers_rows, rank_rows_work, row_copies
-from .rules.routing import counted_pick
 from .rules.pointwise import reduce_scatters_tokens
 from .rules.registry import aliases_first, mutates_first, op_name
+from .rules.routing import counted_pick
 
 aten = torch.ops.aten
 INF = math.inf
@@ -547,10 +547,10 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
         info.writes_alone = _written_alone(node)
     if node.target is aten.index.Tensor:
         info.picks = index_picks(node, constant)
+        info.counted_pick = counted_pick(node)
         info.gathers_expert_rows = grouped_reader(node) is not None
         info.permutes_rows = permutes_rows(node)
         info.row_copies = row_copies(node)
-        info.counted_pick = counted_pick(node)
     info.reads_rows = reads_rows(node)
     stack = node.args[0] if node.args else None
     if node.target in (aten.transpose.int, aten.index.Tensor) and getattr(stack, "op", None) == "placeholder" \
