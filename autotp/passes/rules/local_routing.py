@@ -82,14 +82,14 @@ def own_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
     if info.tp < 2:
         return []
     target, n = info.target, len(info.inputs)
-    if target in SORTS and n == 1 and info.inputs[0].ndim == 1 and not info.inputs[0].is_float:
-        descending = info.args[2] if len(info.args) > 2 else info.kwargs.get("descending", False)
-        return [] if descending else [Strategy((OWN,), (OWN, OWN))]
     if target in ARGSORTS and n == 1 and info.inputs[0].ndim == 1 and not info.inputs[0].is_float:
         # the sort's indices alone (a router that sorts by argsort, then gathers ids[perm])
         descending = info.args[2] if target is aten.argsort.default and len(info.args) > 2 \
             else info.kwargs.get("descending", False)
         return [] if descending else [Strategy((OWN,), OWN)]
+    if target in SORTS and n == 1 and info.inputs[0].ndim == 1 and not info.inputs[0].is_float:
+        descending = info.args[2] if len(info.args) > 2 else info.kwargs.get("descending", False)
+        return [] if descending else [Strategy((OWN,), (OWN, OWN))]
     if target in _IN_PLACE_OF_ROWS and n == 1:
         return [Strategy((OWN,), OWN)]
     if target is aten.histc.default and n == 1:

@@ -131,12 +131,12 @@ class OpInfo:
     #: the sort by expert, :func:`autotp.passes.rules.routing.is_permutation`): its backward is a
     #: gather by the inverse permutation, not a scatter-add (the rank's program runs it so)
     permutes_rows: bool = False
-    #: ``k`` where the op is an index of float rows by ``p // k`` of a permutation ``p`` of ``k``
-    #: times the rows (every row taken exactly ``k`` times: :func:`.gathered_rows.row_copies`); else 0
-    row_copies: int = 0
     #: an index of a stack of experts by a router's ids sorted and counted into a grouped product's
     #: ``offs`` (gpt-oss's biases, :func:`.routing.counted_pick`): the rows it picks are the product's
     counted_pick: bool = False
+    #: ``k`` where the op is an index of float rows by ``p // k`` of a permutation ``p`` of ``k``
+    #: times the rows (every row taken exactly ``k`` times: :func:`.gathered_rows.row_copies`); else 0
+    row_copies: int = 0
     #: a grouped product whose x is rows gathered for it alone (``gathers_expert_rows``), or a
     #: cast between them: routed, those are the product's own experts' rows, which only its
     #: expert-parallel strategies can take (routed through the casts)
