@@ -200,6 +200,15 @@ def own_arange(routing: LocalRouting, dtype: torch.dtype | None = None) -> torch
                         dtype=dtype if dtype is not None else torch.long)
 
 
+def sorted_pick(weight: torch.Tensor, offs: torch.Tensor, rows: torch.Tensor, first: int) -> torch.Tensor:
+    """``stack[ids_sorted]`` at the rows ``rows`` of every row sorted by expert (``offs``: the
+    cumulative rows per expert, every rank's; ``weight``: the rank's run of experts, the first
+    expert ``first``): each row's expert is the first whose end lies past it, so no rank needs
+    every row's id (gpt-oss's biases, picked where the rank routed its own rows)."""
+    experts = torch.searchsorted(offs.to(rows.dtype), rows, right=True)
+    return weight.index_select(0, experts - first)
+
+
 def gathered_histc(x: torch.Tensor, bins: int, low: float, high: float, group: Any, tp: int) -> torch.Tensor:
     """``histc`` of every rank's rows from each rank's own: the ranks' histograms all-gathered
     and summed (counts of whole rows: exact in any order)."""

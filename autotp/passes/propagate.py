@@ -39,6 +39,7 @@ from .rules.row_reads import GROUPED_MM, grouped_reader, permutes_rows, reads_ho
 from .rules.gathered_rows import gathers_rows, rank_rows_work, row_copies
 from .rules.pointwise import reduce_scatters_tokens
 from .rules.registry import aliases_first, mutates_first, op_name
+from .rules.routing import counted_pick
 
 aten = torch.ops.aten
 INF = math.inf
@@ -546,6 +547,7 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
         info.writes_alone = _written_alone(node)
     if node.target is aten.index.Tensor:
         info.picks = index_picks(node, constant)
+        info.counted_pick = counted_pick(node)
         info.gathers_expert_rows = grouped_reader(node) is not None
         info.permutes_rows = permutes_rows(node)
         info.row_copies = row_copies(node)

@@ -32,7 +32,7 @@ from typing import Any
 import sympy
 import torch
 
-from ...placements import PARTIAL, REPLICATE, Routed
+from ...placements import PARTIAL, REPLICATE, Routed, Shard
 from .registry import LocalContext, OpInfo, Strategy, TensorMeta
 from .routing import SORTS, router_experts
 
@@ -42,6 +42,8 @@ aten = torch.ops.aten
 OWN = Routed(0, tokens=True, reordered=True, own=True)
 #: the rank's rows as any token-held rows in an order of its own: what a gather by an OWN index makes
 ROWS = Routed(0, tokens=True, reordered=True)
+#: the sorts that return the indices alone
+ARGSORTS = frozenset((aten.argsort.default, aten.argsort.stable))
 #: ops on the rank's own rows that keep each entry in its place
 _IN_PLACE_OF_ROWS = frozenset((aten.floor_divide.default, aten.floor_divide.Scalar, aten.to.dtype,
                                aten._to_copy.default, aten.clone.default, aten.empty_like.default,
@@ -80,6 +82,11 @@ def own_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
     if info.tp < 2:
         return []
     target, n = info.target, len(info.inputs)
+    if target in ARGSORTS and n == 1 and info.inputs[0].ndim == 1 and not info.inputs[0].is_float:
+        # the sort's indices alone (a router that sorts by argsort, then gathers ids[perm])
+        descending = info.args[2] if target is aten.argsort.default and len(info.args) > 2 \
+            else info.kwargs.get("descending", False)
+        return [] if descending else [Strategy((OWN,), OWN)]
     if target in SORTS and n == 1 and info.inputs[0].ndim == 1 and not info.inputs[0].is_float:
         descending = info.args[2] if len(info.args) > 2 else info.kwargs.get("descending", False)
         return [] if descending else [Strategy((OWN,), (OWN, OWN))]
@@ -107,6 +114,13 @@ def own_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
         return []
     if target is aten.index.Tensor and n == 2 and len(info.args[1]) == 1 and is_own(placements[1]):
         x = placements[0]
+        if info.counted_pick and (x is None or x == Shard(0)) and info.inputs[0].static(0) is not None:
+            # a stack of experts picked by the rank's sorted ids, counted into the products' offs
+            # (gpt-oss's biases): the rows of its own experts the products take, from the offs
+            # every rank holds (routed_counts) and the layer's bounds, not by the ids; the rows
+            # the dispatch sent, too (their row map is the product's: a product adding them may
+            # send its rows back, rules/experts.combine_back)
+            return [Strategy((Shard(0), OWN), Routed(0)), Strategy((Shard(0), OWN), Routed(0, sent=True))]
         if is_own(x) or _in_order(x) or (isinstance(x, Routed) and x.tokens and x.reordered and x.span == 1):
             return [Strategy((x, OWN), OWN if is_own(x) and not info.inputs[0].is_float else ROWS)]
         if x in (REPLICATE, None) and info.inputs[0].is_float and (info.row_copies or info.permutes_rows):
@@ -145,7 +159,7 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
         ctx.made_rows.meta["autotp_rows_ascending"] = bool(rows.meta.get("autotp_rows_ascending"))
         ctx.own_made = ("values", OwnLayer(k, ctx.made_rows))
         return target, (args[0], [-1]) + tuple(args[2:]), kwargs
-    if target in SORTS:
+    if target in SORTS or target in ARGSORTS:
         kind, layer = _values(ctx, ctx.inputs[0], node)
         experts = router_experts(node.args[0])
         if kind != "values" or experts is None:
@@ -157,6 +171,9 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
         ctx.made_rows = ctx.graph.call_function(getattr, (routing, "rows"))
         layer = OwnLayer(layer.k, layer.flat, routing, ctx.made_rows, experts)
         ctx.own_layers[ctx.made_rows] = layer
+        if target in ARGSORTS:
+            ctx.own_made = ("flat", layer)
+            return getattr, (routing, "perm"), {}
         ctx.own_outputs = (("ids", layer), ("flat", layer))
         return R.sorted_locally, (routing,), {}
     if target is aten.histc.default:
@@ -202,6 +219,8 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
         x, index = ctx.inputs
         kind, layer = _values(ctx, index, node)
         have = strategy.inputs[0]
+        if isinstance(have, Shard):   # a stack of experts picked by the sorted ids: its experts' rows
+            return _counted_pick(info, strategy, kind, ctx)
         if have == REPLICATE:   # whole rows: the rank's own, by their global ids
             ids = {"flat": layer.flat, "tokens": ctx.graph.call_function(R.flat_tokens, (layer.flat, layer.k))}
             if kind not in ids:
@@ -227,6 +246,28 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
     kind, layer = _values(ctx, ctx.inputs[0], node)
     ctx.own_made = ("unset", layer) if target is aten.empty_like.default else (kind, layer)
     return target, args, kwargs
+
+
+def _counted_pick(info: OpInfo, strategy: Strategy, kind: str, ctx: LocalContext):
+    """``stack[ids]`` for the sorted ids of the rank's routing, counted into a grouped product's
+    ``offs`` (:func:`~.routing.counted_pick`): the rows of the rank's experts among every row
+    sorted by expert (the products' row map and bounds, one pair of nodes per layer), each its
+    expert's row of the stack (:func:`~autotp.distributed.expert_routing.sorted_pick`)."""
+    from ...distributed import expert_routing as R
+    from ...errors import PlanError
+    from ...placements import local_ranges
+    from .dispatch_sizes import sorted_rows
+    from .routing import counted_by
+
+    node = ctx.node
+    total = int(info.inputs[0].shape[0])
+    offs = counted_by(node.args[1][0], total)
+    if kind != "ids" or offs is None or offs not in ctx.env:
+        raise PlanError(f"{node.name} picks a stack of {total} experts by a rank's own {kind} (not the sorted "
+                        f"expert ids counted into a grouped product's offs); it must pick by every row's ids")
+    ((first, stop),) = local_ranges(total, strategy.inputs[0], ctx.tp, ctx.rank) or ((0, 0),)
+    _, ctx.made_rows = sorted_rows(ctx.env[offs], first, stop - first, ctx)
+    return R.sorted_pick, (ctx.inputs[0], ctx.env[offs], ctx.made_rows, first), {}
 
 
 def _counts_up(node: Any) -> bool:

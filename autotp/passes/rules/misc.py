@@ -2,10 +2,12 @@
 attention-mask prelude, which run replicated on small integer tensors."""
 from __future__ import annotations
 
+import sympy
 import torch
 
 from ...placements import PARTIAL, REPLICATE, Shard
-from .registry import LocalContext, OpInfo, Strategy, is_partial, is_shard, register, register_localizer, replicate_all
+from .registry import (LocalContext, OpInfo, Strategy, is_partial, is_shard, norm_dim, register, register_localizer,
+                       replicate_all)
 from .view import tail_part, tail_position, tail_whole
 
 aten = torch.ops.aten
@@ -49,8 +51,7 @@ def factory_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
 
 
 REPLICATED = [
-    aten.diff.default, aten.gather.default, aten.scatter.src, aten.scatter.value,
-    aten.scatter_.value, aten.index_select.default,
+    aten.diff.default, aten.index_select.default, aten.argsort.default, aten.argsort.stable,
     aten.sort.default, aten.argmax.default, aten.any.default, aten.all.default,
     aten.flip.default, aten.roll.default,
 ]
@@ -60,6 +61,25 @@ REPLICATED = [
 def replicated_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     # Correct whole; a sharded form would need index arithmetic these ops do not expose.
     return replicate_all(info, placements)
+
+
+@register(aten.gather.default, aten.scatter.src, aten.scatter.value, aten.scatter_add.default)
+def along_dim_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """``gather``/``scatter`` along one dim (DeepSeek-V3's router picks its scores at the top-k
+    ids, ``scores.gather(1, ids)``, and marks its chosen expert groups, ``mask.scatter_(1,
+    group_ids, 1)``): each slice along another dim reads and writes that slice alone, so a
+    shard of another dim is kept where every tensor operand (self, index, src) has the dim's
+    size and is split alike; the in-place ``scatter_`` takes this rule through its twin.
+    Anything else runs replicated."""
+    out = replicate_all(info, placements)
+    x = info.inputs[0]
+    dim = norm_dim(info.args[1], max(x.ndim, 1))
+    p = next((q for q in placements if is_shard(q)), None)
+    if p is None or p.dim == dim or p != Shard(p.dim) or not all(q is None or q == p for q in placements):
+        return out
+    if all(m.ndim == x.ndim and sympy.expand(m.shape[p.dim] - x.shape[p.dim]) == 0 for m in info.inputs):
+        out.append(Strategy(tuple(p for _ in placements), p))
+    return out
 
 
 @register(aten.topk.default)

@@ -131,6 +131,9 @@ class OpInfo:
     #: the sort by expert, :func:`autotp.passes.rules.routing.is_permutation`): its backward is a
     #: gather by the inverse permutation, not a scatter-add (the rank's program runs it so)
     permutes_rows: bool = False
+    #: an index of a stack of experts by a router's ids sorted and counted into a grouped product's
+    #: ``offs`` (gpt-oss's biases, :func:`.routing.counted_pick`): the rows it picks are the product's
+    counted_pick: bool = False
     #: ``k`` where the op is an index of float rows by ``p // k`` of a permutation ``p`` of ``k``
     #: times the rows (every row taken exactly ``k`` times: :func:`.gathered_rows.row_copies`); else 0
     row_copies: int = 0

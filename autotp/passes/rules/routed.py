@@ -38,11 +38,14 @@ ROW_WISE = frozenset((
     aten.permute.default, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
     aten.slice.Tensor, aten.sum.dim_IntList, aten.clamp.default,
     aten.dropout.default,   # each row's mask its own (a sequence split's rows: OPT's MLP on [b*s, h])
+    # DeepSeek-V3's group-limited router: its groups' mask made per token (rules/misc.along_dim_rule)
+    aten.zeros_like.default, aten.bitwise_not.default, aten.logical_not.default, aten.expand.default,
 ))
 #: ops of several operands whose rows meet row by row (a product, a sum; bmm: its batch rows; a
 #: linear's rows of x against a replicated weight: the router on the tokens a rank holds)
 ROW_BY_ROW = frozenset((aten.mul.Tensor, aten.div.Tensor, aten.bmm.default, aten.add.Tensor, aten.sub.Tensor,
-                        aten.linear.default, aten.mm.default, aten.addmm.default))
+                        aten.linear.default, aten.mm.default, aten.addmm.default, aten.masked_fill.Scalar,
+                        aten.masked_fill.Tensor, aten.gather.default, aten.scatter.value, aten.scatter.src))
 #: ops along another dim than the rows' that keep each row's result in its row (the router's
 #: softmax and top-k over the experts of each token, a norm's mean over a head's features, a layer
 #: norm over each token's features: OPT's MLP on a sequence split's rows); their own rules say which dims

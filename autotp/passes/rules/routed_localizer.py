@@ -146,7 +146,7 @@ def _row_wise(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: 
                 swap[node] = ctx.graph.call_function(E.take_rows, (node, rows, d))
     args = tuple(_swapped(a, swap) for a in args)
     kwargs = {k: _swapped(v, swap) for k, v in kwargs.items()}
-    if info.target in SIZED_VIEWS:
+    if info.target in SIZED_VIEWS or info.target is aten.expand.default:
         sizes = [ctx.size(s) for s in info.output.shape]
         sizes[out_p.dim] = -1
         args = (args[0], sizes) + tuple(args[2:])

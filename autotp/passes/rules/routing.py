@@ -152,3 +152,20 @@ def counted_by(index: Any, total: int) -> Any:
             if cumsum.target is aten.cumsum.default and cumsum.args[1] in (0, -1):
                 return cumsum
     return None
+
+
+def counted_pick(node: Any) -> bool:
+    """Whether ``node`` is ``stack[ids]``: a stack of experts (a static number of them, dim 0)
+    picked by a router's ids sorted and counted into a grouped product's ``offs``
+    (:func:`counted_by`; gpt-oss's biases, ``gate_up_proj_bias[expert_ids_g]``). The rows it
+    picks are the product's rows, in the same order: a rank picks its own experts' rows by
+    their bounds among the rows sorted by expert."""
+    from torch import fx
+
+    from ...capture import shape_of
+
+    if not (isinstance(node, fx.Node) and node.target is aten.index.Tensor and len(node.args[1]) == 1):
+        return False
+    shape = shape_of(node.args[0])
+    total = shape[0] if shape else None
+    return isinstance(total, (int, sympy.Integer)) and counted_by(node.args[1][0], int(total)) is not None
