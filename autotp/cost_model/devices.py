@@ -34,7 +34,7 @@ class DeviceProfile:
     runs at ``attention_flops`` with a head dim of 128, ``sqrt(d/128)`` of it for a smaller one,
     and ``attention_dropout`` of that where it draws dropout. Memory-bound kernels move their
     bytes at ``mem_bw`` times their class's share (``class_bw``: elementwise, cast, reduction,
-    softmax, norm, random, scatter; ``strided`` and ``broadcast``: elementwise kernels on a
+    softmax, norm, random, scatter, sort; ``strided`` and ``broadcast``: elementwise kernels on a
     strided operand or on one broadcast against the output, PyTorch's non-vectorized path on a
     GPU; a profile without a ``broadcast`` share prices those at its ``strided`` one), and every
     kernel costs ``launch_s`` more.
@@ -144,13 +144,16 @@ GiB = 1024 ** 3
 #: is strided or broadcast (Llama's norms and rotary); casts' ``direct_copy`` 3.1; the loss's float32 log-softmax 2.1 forward and 3.0
 #: backward; reductions (the biases' gradients over the tokens 1.7, a norm's mean over the width
 #: 3.4); ``native_layer_norm`` and its backward 1.1-1.8; ``native_dropout`` 2.7;
-#: ``embedding_dense_backward``'s sorted scatter 0.2-0.35), and the shape of its products
+#: ``embedding_dense_backward``'s sorted scatter 0.2-0.35; its radix sort of 8192 int64 indices
+#: with their positions, CUB's histogram, exclusive sum and 8 onesweep passes, 66.2 and 53.3 us in
+#: the two profiles: 0.013 of the copy bandwidth for the bytes ``kernels.sort_bytes`` counts
+#: beyond the 10 launches, a small sort's rate, latency-bound as the routing's sorts are), and the shape of its products
 #: (``benchmarks/gpu.md``: 284 TFLOP/s at 2048 x 1024 x 1024 up to 792 at 2048 x 4096 x 16384;
 #: GPT-2's unaligned vocabulary: 97-142 TFLOP/s in ``align1`` kernels) and attention (cuDNN's
 #: flash kernels at head dim 128 ~355 TFLOP/s of the FLOPs a causal mask leaves, 0.74 of that at
 #: head dim 64, and 0.74 again with attention dropout).
 H200_CLASS_BW = (("elementwise", 1.0), ("strided", 0.5), ("cast", 0.77), ("reduction", 0.6), ("softmax", 0.6), ("norm", 0.35),
-                 ("random", 0.66), ("scatter", 0.07))
+                 ("random", 0.66), ("scatter", 0.07), ("sort", 0.013))
 #: A read to the host once the device is idle: a copy of a few bytes device to host and the
 #: host's wait on it, about 10 us on PCIe-attached GPUs of these generations (CUDA's
 #: small-transfer latency); not measured on the H200 here: ``calibrate(device="cuda")`` does

@@ -234,8 +234,11 @@ def measure_op_classes(device: str = "cpu", dtype=None, numel: int = 1 << 22, re
     kernel reads and writes, as :mod:`.kernels` counts them): a contiguous add; the same add on
     a transposed operand (strided); a product with a broadcast row and with a broadcast column
     (a norm's weight, a per-token scale: broadcast); a cast to float32; a sum over the rows; a
-    log-softmax over rows; a layer norm; dropout; and a scatter-add of rows."""
+    log-softmax over rows; a layer norm; dropout; a scatter-add of rows; and a stable sort of
+    int64 keys (a router's expert ids: the bytes :func:`.kernels.sort_bytes` counts)."""
     import torch
+
+    from .kernels import sort_bytes
 
     dtype = dtype or torch.float32
     eb = torch.empty((), dtype=dtype).element_size()
@@ -251,6 +254,7 @@ def measure_op_classes(device: str = "cpu", dtype=None, numel: int = 1 << 22, re
     table = torch.zeros(rows, cols, device=device, dtype=dtype)
     row, col = torch.randn(cols, device=device, dtype=dtype), torch.randn(rows, 1, device=device, dtype=dtype)
     ln = torch.nn.functional.layer_norm
+    ids = torch.randint(0, 64, (max(n // 16, 1),), device=device)
     measured = {
         "elementwise": (3 * n * eb, lambda: torch.add(x, y, out=out)),
         "strided": (3 * n * eb, lambda: torch.add(x, yt, out=out)),
@@ -261,6 +265,7 @@ def measure_op_classes(device: str = "cpu", dtype=None, numel: int = 1 << 22, re
         "norm": (2 * n * eb, lambda: ln(x, (cols,))),
         "random": (2 * n * eb + n, lambda: torch.nn.functional.dropout(x, 0.1, True)),
         "scatter": (2 * n * eb, lambda: table.index_add_(0, index, x)),
+        "sort": (sort_bytes(len(ids), 8), lambda: torch.sort(ids, stable=True)),
     }
     return {name: nbytes / _timed(fn, device, repeats) for name, (nbytes, fn) in measured.items()}
 
