@@ -47,6 +47,11 @@ class DeviceProfile:
     many small experts (:data:`GROUPED_SHAPE`): its time beyond the product model's price, per
     byte of weights; 0 prices no stream (a profile without the measurement).
 
+    A sort is a radix sort (CUB's onesweep, what ``torch.sort`` runs on a GPU): its passes move
+    their bytes at the ``sort`` class's share, and each pass costs ``sort_pass_s`` more than its
+    launch (the pass waits on every earlier tile's digit counts, the decoupled look-back): the
+    routing's sorts, thousands to a few hundred thousand ids, are mostly that wait.
+
     A read of a device value on the host (a rank counting its own experts' rows) costs
     :meth:`host_read_time`: the host stops queueing until the device has run everything queued
     before the read, then ``sync_s`` (the device-to-host round trip of a few bytes and the host
@@ -75,6 +80,7 @@ class DeviceProfile:
     class_bw: tuple = ()                  # ((class, share of mem_bw), ...) for memory-bound kernels
     sync_s: float = 0.0                   # seconds a read to the host takes once the device is idle
     grouped_bw: float = 0.0               # bytes/s a grouped product streams its experts' weights at (0: free)
+    sort_pass_s: float = 0.0              # seconds a radix-sort pass costs beyond its launch and bytes
 
     __hash__ = cached_hash   # a profile keys the index's cost caches, one lookup per strategy
     __getstate__ = state_without_hash
@@ -144,16 +150,19 @@ GiB = 1024 ** 3
 #: is strided or broadcast (Llama's norms and rotary); casts' ``direct_copy`` 3.1; the loss's float32 log-softmax 2.1 forward and 3.0
 #: backward; reductions (the biases' gradients over the tokens 1.7, a norm's mean over the width
 #: 3.4); ``native_layer_norm`` and its backward 1.1-1.8; ``native_dropout`` 2.7;
-#: ``embedding_dense_backward``'s sorted scatter 0.2-0.35; its radix sort of 8192 int64 indices
-#: with their positions, CUB's histogram, exclusive sum and 8 onesweep passes, 66.2 and 53.3 us in
-#: the two profiles: 0.013 of the copy bandwidth for the bytes ``kernels.sort_bytes`` counts
-#: beyond the 10 launches, a small sort's rate, latency-bound as the routing's sorts are), and the shape of its products
+#: ``embedding_dense_backward``'s sorted scatter 0.2-0.35), and the shape of its products
 #: (``benchmarks/gpu.md``: 284 TFLOP/s at 2048 x 1024 x 1024 up to 792 at 2048 x 4096 x 16384;
 #: GPT-2's unaligned vocabulary: 97-142 TFLOP/s in ``align1`` kernels) and attention (cuDNN's
 #: flash kernels at head dim 128 ~355 TFLOP/s of the FLOPs a causal mask leaves, 0.74 of that at
 #: head dim 64, and 0.74 again with attention dropout).
 H200_CLASS_BW = (("elementwise", 1.0), ("strided", 0.5), ("cast", 0.77), ("reduction", 0.6), ("softmax", 0.6), ("norm", 0.35),
-                 ("random", 0.66), ("scatter", 0.07), ("sort", 0.013))
+                 ("random", 0.66), ("scatter", 0.07), ("sort", 0.9))
+#: A radix sort's pass beyond its launch and bytes: embedding backward's sort of 8192 int64 indices
+#: with their positions on the H200 (``ops-and-sequence-parallel.json``): 8 onesweep passes of
+#: 6.1 and 7.6 us, against 2 us of launch and 0.07 us of bytes each; the bytes of a large sort
+#: move near the copy rate (memory-bound passes: ``sort``'s 0.9, a published onesweep benchmark's
+#: 67M int32 pairs at about 0.9 of an RTX 5090's bandwidth; not measured on the H200)
+H200_SORT_PASS_S = 4.8e-6
 #: A read to the host once the device is idle: a copy of a few bytes device to host and the
 #: host's wait on it, about 10 us on PCIe-attached GPUs of these generations (CUDA's
 #: small-transfer latency); not measured on the H200 here: ``calibrate(device="cuda")`` does
@@ -173,7 +182,7 @@ def datasheet_profile(name: str, peak_flops: float, peak_bw: float, link_bw: flo
                          link_latency=link_latency, memory=memory, dtype_bytes=2, launch_s=2e-6,
                          unaligned_flops=flops * 120 / 754, product_half_work=2.5e9, product_half_k=100.0,
                          attention_flops=flops * 355 / 754, attention_dropout=0.74, class_bw=H200_CLASS_BW,
-                         sync_s=GPU_SYNC_S)
+                         sync_s=GPU_SYNC_S, sort_pass_s=H200_SORT_PASS_S)
 
 
 PROFILES: dict[str, DeviceProfile] = {
@@ -188,7 +197,8 @@ PROFILES: dict[str, DeviceProfile] = {
     "h200": DeviceProfile("h200", flops=754e12, mem_bw=4.07e12, link_bw=370e9, link_latency=1e-6,
                           memory=140 * GiB, dtype_bytes=2, launch_s=2e-6, unaligned_flops=120e12,
                           product_half_work=2.5e9, product_half_k=100.0, attention_flops=355e12,
-                          attention_dropout=0.74, class_bw=H200_CLASS_BW, sync_s=GPU_SYNC_S),
+                          attention_dropout=0.74, class_bw=H200_CLASS_BW, sync_s=GPU_SYNC_S,
+                          sort_pass_s=H200_SORT_PASS_S),
     # Local CPU ranks over gloo on loopback, float32: eager ops pay a few microseconds each.
     "cpu-gloo": DeviceProfile("cpu-gloo", flops=50e9, mem_bw=10e9, link_bw=2e9, link_latency=50e-6,
                               memory=16 * GiB, dtype_bytes=4, launch_s=5e-6, product_half_work=1e5,

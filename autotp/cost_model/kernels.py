@@ -13,7 +13,9 @@ writing whole tensors. :func:`op_work` lists, for an op under a strategy:
 * **moved**: the bytes each memory-bound kernel reads and writes, forward and backward, by op
   class (``elementwise``, ``cast``, ``reduction``, ``softmax``, ``norm``, ``random``,
   ``scatter``, ``sort``): each class attains its own share of the memory bandwidth;
-* **launches**: how many kernels run (each pays the profile's launch cost).
+* **launches**: how many kernels run (each pays the profile's launch cost);
+* **passes**: how many radix-sort passes run (each pays the profile's ``sort_pass_s`` beyond its
+  launch and bytes: a pass waits on every earlier tile's digit counts).
 
 Every size is a sympy expression in the graph's batch and sequence symbols, on this rank's
 local shapes (a Shard of a static dim: the largest rank's part; of the sequence: 1/tp of it).
@@ -124,6 +126,7 @@ class OpWork:
     attention: tuple = ()                # Attention
     moved: tuple = ()                    # (class, bytes) forward and backward
     launches: int = 0
+    passes: int = 0                      # radix-sort passes (DeviceProfile.sort_pass_s each)
 
     def bytes_by_class(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -458,8 +461,9 @@ def sort_launches(key_bytes: int) -> int:
 
 def _sort_work(op: _Op, dtype_bytes: int, train_dtype: Any) -> OpWork:
     """``sort``/``argsort`` as a GPU runs it: a radix sort, several passes over every key and
-    value (:func:`sort_bytes`), each kernel at the ``sort`` class's rate; a float input's gradient
-    is scattered back by the positions (a scatter of the values' gradient)."""
+    value (:func:`sort_bytes`) at the ``sort`` class's rate, each pass a kernel that also waits
+    on the earlier tiles' counts (``passes``); a float input's gradient is scattered back by the
+    positions (a scatter of the values' gradient)."""
     if not op.inputs:
         return NO_WORK
     n = op.n_in[0]
@@ -469,7 +473,7 @@ def _sort_work(op: _Op, dtype_bytes: int, train_dtype: Any) -> OpWork:
     if op.grad[0] and op.outputs and op.outputs[0].is_float:
         moved.append(("scatter", 2 * op.main_out + 8 * n))
         launches += 2
-    return OpWork(moved=tuple(moved), launches=launches)
+    return OpWork(moved=tuple(moved), launches=launches, passes=sort_passes(kb))
 
 
 def _reduction_work(op: _Op) -> OpWork:

@@ -152,6 +152,21 @@ def measure_launch(device: str = "cpu", repeats: int = 20) -> float:
     return _tiny_kernels(device, repeats, read=False)
 
 
+def measure_sort_pass(launch_s: float, sort_bw: float, device: str = "cpu", repeats: int = 20,
+                      n: int = 8192) -> float:
+    """Seconds a radix-sort pass costs beyond its launch and its bytes at ``sort_bw``: a stable
+    sort of ``n`` int64 ids (a routing's size, where the passes' waits dominate), less what the
+    launches and bytes explain, per pass (:func:`.kernels.sort_passes`); 0 where nothing is left."""
+    import torch
+
+    from .kernels import sort_bytes, sort_launches, sort_passes
+
+    ids = torch.randint(0, 64, (n,), device=device)
+    seconds = _timed(lambda: torch.sort(ids, stable=True), device, repeats)
+    rest = seconds - sort_launches(8) * launch_s - sort_bytes(n, 8) / sort_bw
+    return max(0.0, rest / sort_passes(8))
+
+
 def measure_host_read(device: str = "cpu", repeats: int = 20) -> float:
     """Seconds one read of a device value on the host costs beyond a tiny kernel's launch: a
     kernel, then ``.item()`` of its output (the host waits for it, then copies it back)."""

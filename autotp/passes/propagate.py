@@ -768,11 +768,12 @@ def internal_copy_seconds(kind: str, full: Any, profile: DeviceProfile, rows: An
     an ``arange``)."""
     if kind != "all_gather_rows":
         return 0.0
-    from ..cost_model.kernels import sort_bytes, sort_launches
+    from ..cost_model.kernels import sort_bytes, sort_launches, sort_passes
 
     layout = 2 * (2 * full / profile.bandwidth("elementwise") + profile.launch_s)
     holders = 16 * rows / profile.bandwidth("elementwise") + profile.launch_s
-    order = sort_bytes(rows, 8) / profile.bandwidth("sort") + sort_launches(8) * profile.launch_s
+    order = sort_bytes(rows, 8) / profile.bandwidth("sort") + sort_launches(8) * profile.launch_s \
+        + sort_passes(8) * profile.sort_pass_s
     place = 8 * rows / profile.bandwidth("elementwise") + 24 * rows / profile.bandwidth("scatter") \
         + 2 * profile.launch_s
     return layout + holders + order + place
