@@ -4,6 +4,7 @@
 beside the fastest measured.
 
     python benchmarks/moe_rank.py --out benchmarks/moe_rank.md
+    python benchmarks/moe_rank.py --predicted-only  # the versions planned at the GPU workload, nothing run
 
 The rank runs on torch's ``fake`` process-group backend (rank 0 of tp=N in this one process: its
 collectives return at once and move nothing), so its time is its own compute at the model's
@@ -304,6 +305,51 @@ def _excess_tables(runs: dict, tp: int) -> list[str]:
     return lines
 
 
+#: the published models at the H200 measurements' workload (``../shared/measurements/h200-2026-11-28/``)
+REAL = (("Mixtral-8x7B", "mixtral-8x7b"), ("Qwen3-30B-A3B", "qwen3-30b-a3b"))
+
+
+def predicted_at_real_size(tp: int, profile_name: str, batch: int = 2, seq: int = 4096) -> list[str]:
+    """Each version planned for the published model (2 layers, meta, bfloat16) at the GPU workload:
+    the rank's predicted compute (the solver's bound: every op on its largest rank), communication
+    and step, the solver's own pick with the experts free, and its notes (which each MoE layer got
+    and by how much). Nothing is run."""
+    from autotp import zoo
+    from autotp.capture import capture
+    from autotp.cost_model.devices import get_profile
+    from autotp.planner import build_plan
+
+    profile = get_profile(profile_name)
+    lines = [f"## Predicted at the GPU workload ({profile_name}, bfloat16, tp={tp}, {LAYERS} layers, "
+             f"{batch} x {seq}, meta models)", "",
+             "Attention pinned and sequence parallelism forced in every version, as in the measured runs below; "
+             "the solver's pick has the experts free. Compute is the solver's bound (every op on its largest rank).",
+             "", "| model | version | compute ms | communication ms | step ms | over the pick |",
+             "|---|---|---|---|---|---|"]
+    notes = []
+    for label, name in REAL:
+        model = zoo.build(zoo.family_of(name).name, zoo.published_config(name, layers=LAYERS), device="meta",
+                          dtype=torch.bfloat16)
+        cap = capture(model)
+        steps = {}
+        for version, (layout, dispatch, moves) in VERSIONS.items():
+            with _row_scales(moves):
+                plan, _, prop = build_plan(cap, tp, batch=batch, seq=seq, profile=profile, layout=layout,
+                                           sequence_parallel=True, expert_dispatch=dispatch)
+            steps[version] = (_kind(plan), prop.compute_s, prop.comm_s)
+        plan, _, prop = build_plan(cap, tp, batch=batch, seq=seq, profile=profile, layout=ATTENTION,
+                                   sequence_parallel=True)
+        pick = prop.compute_s + prop.comm_s
+        for version, (kind, compute, comm) in steps.items():
+            got = "" if kind == version else f" (planned as {kind})"
+            lines.append(f"| {label} | {version}{got} | {compute * 1e3:.2f} | {comm * 1e3:.2f} | "
+                         f"{(compute + comm) * 1e3:.2f} | {(compute + comm) / pick:.3f}x |")
+        lines.append(f"| {label} | **solver's pick: {_kind(plan)}** | {prop.compute_s * 1e3:.2f} | "
+                     f"{prop.comm_s * 1e3:.2f} | {pick * 1e3:.2f} | 1.000x |")
+        notes += [f"- {label}: {n}" for n in plan.notes if n.startswith("experts ")]
+    return lines + ["", "The pick's notes:", ""] + notes + [""]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
@@ -317,7 +363,19 @@ def main() -> None:
     parser.add_argument("--profile", default=None,
                         help="plan and predict on this named profile, not one calibrated here (runs compared by "
                              "their plans and counts: a calibration under load moves the plans between runs)")
+    parser.add_argument("--predicted-only", action="store_true",
+                        help="only each version planned for the published models at the GPU workload (--profile, "
+                             "default h200; meta models, nothing run)")
     args = parser.parse_args()
+    if args.predicted_only:
+        started = time.time()
+        lines = ["# MoE experts layouts and the all-to-all dispatch at the GPU workload: predicted", "",
+                 "Command: `python benchmarks/moe_rank.py " + " ".join(sys.argv[1:]) + "`", "",
+                 machine() + " Load average at the start: {:.1f}.".format(os.getloadavg()[0]), ""]
+        lines += predicted_at_real_size(args.tp, args.profile or "h200")
+        publish(lines + [f"Planning wall time {time.time() - started:.0f} s (meta models: no step is run)."],
+                args.out)
+        return
     global DTYPE
     DTYPE = getattr(torch, args.dtype)
     for name in [n for n in VERSIONS if args.versions and args.versions not in n]:

@@ -27,6 +27,7 @@ side by side. ``benchmarks/moe_rank.py`` does the same on CPU at narrower widths
 
     python benchmarks/rank_efficiency.py --models gpt2-xl:2 llama-3-8b:1 --seq 256   # CPU: rank_efficiency.md
     python benchmarks/rank_efficiency.py --models gpt2-xl:2 --seq 256 --copies-only --out /tmp/copies.md  # copies alone
+    python benchmarks/rank_efficiency.py --predicted-only  # the planning table alone (meta models, no run)
     python benchmarks/rank_efficiency.py --device cuda --dtype bfloat16 --batch 8 --seq 1024 \\
         --models gpt2-xl:12 --out benchmarks/rank_efficiency_gpu.md   # on a GPU
 """
@@ -363,12 +364,22 @@ def main() -> None:
                         "thread pool's barrier for a descheduled thread (a 512 KB copy_: 24 ms, against 0.01 ms "
                         "on one), which a rank's many small ops pay and serial's few large ones do not")
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--predicted-only", action="store_true",
+                   help="only the table predicted at the GPU workloads (meta models planned; nothing run)")
     p.add_argument("--copies-only", action="store_true",
                    help="only each model's copies table (one counted step; no timing, no predictions)")
     p.add_argument("--sequence-parallel", choices=["cost", "on", "off"], default="cost",
                    help="the default plan's sequence parallelism: chosen by cost, forced, or forbidden")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.predicted_only:
+        started = time.time()
+        lines = ["# One rank of tp=N against its share of the serial step: predicted", "",
+                 "Command: `python benchmarks/rank_efficiency.py " + " ".join(sys.argv[1:]) + "`", "", machine()
+                 + f" Load average at the start {os.getloadavg()[0]:.1f}.", ""]
+        lines += predicted_at_real_size(args.tp, args.profile)
+        publish(lines + [f"Planning wall time {time.time() - started:.0f} s (meta models: no step is run)."], args.out)
+        return
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     torch.manual_seed(0)

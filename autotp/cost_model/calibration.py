@@ -12,7 +12,7 @@ from .devices import GiB, DeviceProfile, get_profile
 from .kernels import Product
 from .measure import (fit_alpha_beta, fit_product_shape, measure_all_reduce, measure_attention, measure_grouped,
                       measure_host_read, measure_launch, measure_matmul_flops, measure_memory_bandwidth,
-                      measure_op_classes, measure_products)
+                      measure_op_classes, measure_products, measure_sort_pass)
 from .symbolic import grouped_stream_bytes, product_seconds
 
 
@@ -70,7 +70,9 @@ def calibrate(name: str = "calibrated", *, world: int = 2, matmul_sizes: Sequenc
     classes = measure_op_classes(device, dtype, numel=(1 << 26) if gpu else (1 << 20), repeats=repeats)
     att128, att64 = measure_attention(device, dtype, seq=4096 if gpu else 256, repeats=repeats)
     dropped, _ = measure_attention(device, dtype, seq=4096 if gpu else 256, repeats=repeats, dropout=0.1)
-    common = dict(launch_s=measure_launch(device), sync_s=measure_host_read(device), attention_flops=att128,
+    launch_s = measure_launch(device)
+    common = dict(launch_s=launch_s, sync_s=measure_host_read(device), attention_flops=att128,
+                  sort_pass_s=measure_sort_pass(launch_s, classes["sort"] / classes["elementwise"] * mem_bw, device),
                   attention_dropout=min(1.0, dropped / att128),
                   # shares of a plain add's bandwidth measured alike (the large copy sets mem_bw)
                   class_bw=tuple((c, round(bw / classes["elementwise"], 3)) for c, bw in classes.items()),

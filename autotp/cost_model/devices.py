@@ -34,7 +34,7 @@ class DeviceProfile:
     runs at ``attention_flops`` with a head dim of 128, ``sqrt(d/128)`` of it for a smaller one,
     and ``attention_dropout`` of that where it draws dropout. Memory-bound kernels move their
     bytes at ``mem_bw`` times their class's share (``class_bw``: elementwise, cast, reduction,
-    softmax, norm, random, scatter; ``strided`` and ``broadcast``: elementwise kernels on a
+    softmax, norm, random, scatter, sort; ``strided`` and ``broadcast``: elementwise kernels on a
     strided operand or on one broadcast against the output, PyTorch's non-vectorized path on a
     GPU; a profile without a ``broadcast`` share prices those at its ``strided`` one), and every
     kernel costs ``launch_s`` more.
@@ -46,6 +46,11 @@ class DeviceProfile:
     in cache, and where no fused kernel takes the dtype each expert is a call of its own. ``calibrate`` measures it from a grouped product of
     many small experts (:data:`GROUPED_SHAPE`): its time beyond the product model's price, per
     byte of weights; 0 prices no stream (a profile without the measurement).
+
+    A sort is a radix sort (CUB's onesweep, what ``torch.sort`` runs on a GPU): its passes move
+    their bytes at the ``sort`` class's share, and each pass costs ``sort_pass_s`` more than its
+    launch (the pass waits on every earlier tile's digit counts, the decoupled look-back): the
+    routing's sorts, thousands to a few hundred thousand ids, are mostly that wait.
 
     A read of a device value on the host (a rank counting its own experts' rows) costs
     :meth:`host_read_time`: the host stops queueing until the device has run everything queued
@@ -75,6 +80,7 @@ class DeviceProfile:
     class_bw: tuple = ()                  # ((class, share of mem_bw), ...) for memory-bound kernels
     sync_s: float = 0.0                   # seconds a read to the host takes once the device is idle
     grouped_bw: float = 0.0               # bytes/s a grouped product streams its experts' weights at (0: free)
+    sort_pass_s: float = 0.0              # seconds a radix-sort pass costs beyond its launch and bytes
 
     __hash__ = cached_hash   # a profile keys the index's cost caches, one lookup per strategy
     __getstate__ = state_without_hash
@@ -150,7 +156,13 @@ GiB = 1024 ** 3
 #: flash kernels at head dim 128 ~355 TFLOP/s of the FLOPs a causal mask leaves, 0.74 of that at
 #: head dim 64, and 0.74 again with attention dropout).
 H200_CLASS_BW = (("elementwise", 1.0), ("strided", 0.5), ("cast", 0.77), ("reduction", 0.6), ("softmax", 0.6), ("norm", 0.35),
-                 ("random", 0.66), ("scatter", 0.07))
+                 ("random", 0.66), ("scatter", 0.07), ("sort", 0.9))
+#: A radix sort's pass beyond its launch and bytes: embedding backward's sort of 8192 int64 indices
+#: with their positions on the H200 (``ops-and-sequence-parallel.json``): 8 onesweep passes of
+#: 6.1 and 7.6 us, against 2 us of launch and 0.07 us of bytes each; the bytes of a large sort
+#: move near the copy rate (memory-bound passes: ``sort``'s 0.9, a published onesweep benchmark's
+#: 67M int32 pairs at about 0.9 of an RTX 5090's bandwidth; not measured on the H200)
+H200_SORT_PASS_S = 4.8e-6
 #: A read to the host once the device is idle: a copy of a few bytes device to host and the
 #: host's wait on it, about 10 us on PCIe-attached GPUs of these generations (CUDA's
 #: small-transfer latency); not measured on the H200 here: ``calibrate(device="cuda")`` does
@@ -170,7 +182,7 @@ def datasheet_profile(name: str, peak_flops: float, peak_bw: float, link_bw: flo
                          link_latency=link_latency, memory=memory, dtype_bytes=2, launch_s=2e-6,
                          unaligned_flops=flops * 120 / 754, product_half_work=2.5e9, product_half_k=100.0,
                          attention_flops=flops * 355 / 754, attention_dropout=0.74, class_bw=H200_CLASS_BW,
-                         sync_s=GPU_SYNC_S)
+                         sync_s=GPU_SYNC_S, sort_pass_s=H200_SORT_PASS_S)
 
 
 PROFILES: dict[str, DeviceProfile] = {
@@ -185,7 +197,8 @@ PROFILES: dict[str, DeviceProfile] = {
     "h200": DeviceProfile("h200", flops=754e12, mem_bw=4.07e12, link_bw=370e9, link_latency=1e-6,
                           memory=140 * GiB, dtype_bytes=2, launch_s=2e-6, unaligned_flops=120e12,
                           product_half_work=2.5e9, product_half_k=100.0, attention_flops=355e12,
-                          attention_dropout=0.74, class_bw=H200_CLASS_BW, sync_s=GPU_SYNC_S),
+                          attention_dropout=0.74, class_bw=H200_CLASS_BW, sync_s=GPU_SYNC_S,
+                          sort_pass_s=H200_SORT_PASS_S),
     # Local CPU ranks over gloo on loopback, float32: eager ops pay a few microseconds each.
     "cpu-gloo": DeviceProfile("cpu-gloo", flops=50e9, mem_bw=10e9, link_bw=2e9, link_latency=50e-6,
                               memory=16 * GiB, dtype_bytes=4, launch_s=5e-6, product_half_work=1e5,

@@ -12,8 +12,10 @@ writing whole tensors. :func:`op_work` lists, for an op under a strategy:
   dim and whether it draws dropout;
 * **moved**: the bytes each memory-bound kernel reads and writes, forward and backward, by op
   class (``elementwise``, ``cast``, ``reduction``, ``softmax``, ``norm``, ``random``,
-  ``scatter``): each class attains its own share of the memory bandwidth;
-* **launches**: how many kernels run (each pays the profile's launch cost).
+  ``scatter``, ``sort``): each class attains its own share of the memory bandwidth;
+* **launches**: how many kernels run (each pays the profile's launch cost);
+* **passes**: how many radix-sort passes run (each pays the profile's ``sort_pass_s`` beyond its
+  launch and bytes: a pass waits on every earlier tile's digit counts).
 
 Every size is a sympy expression in the graph's batch and sequence symbols, on this rank's
 local shapes (a Shard of a static dim: the largest rank's part; of the sequence: 1/tp of it).
@@ -32,7 +34,7 @@ from typing import Any, Sequence
 import sympy
 import torch
 
-from ..placements import Routed, Shard, local_size, max_local_size
+from ..placements import Partial, Routed, Shard, local_size, max_local_size
 from . import alignment
 
 aten = torch.ops.aten
@@ -77,8 +79,13 @@ _FACTORIES = frozenset({aten.zeros.default, aten.ones.default, aten.full.default
                         aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
                         aten.empty_like.default, aten.fill_.Scalar})
 
+_SORTS = frozenset({aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable})
+
 #: the classes of memory-bound kernels a profile gives a bandwidth each
-CLASSES = ("elementwise", "strided", "broadcast", "cast", "reduction", "softmax", "norm", "random", "scatter")
+CLASSES = ("elementwise", "strided", "broadcast", "cast", "reduction", "softmax", "norm", "random", "scatter", "sort")
+#: bits of the key a radix sort's pass orders (CUB's onesweep sort, which ``torch.sort`` runs on a
+#: GPU beyond a block's worth of keys: 8 passes for int64 keys, 4 for int32)
+RADIX_BITS = 8
 
 
 @dataclass(frozen=True)
@@ -119,6 +126,7 @@ class OpWork:
     attention: tuple = ()                # Attention
     moved: tuple = ()                    # (class, bytes) forward and backward
     launches: int = 0
+    passes: int = 0                      # radix-sort passes (DeviceProfile.sort_pass_s each)
 
     def bytes_by_class(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -258,6 +266,10 @@ def op_work(info: Any, strategy: Any, tp: int, dtype_bytes: int, train_dtype: An
         return _embedding_work(op)
     if t in _REDUCTIONS:
         return _reduction_work(op)
+    if t in _SORTS:
+        return _sort_work(op, dtype_bytes, train_dtype)
+    if t is aten.histc.default and _counted_by_exchange(op):
+        return NO_WORK
     if t in _SCATTERS:
         return OpWork(moved=(("scatter", sum(op.b_in, sympy.Integer(0)) + op.out_bytes),), launches=2)
     if t in _FACTORIES:
@@ -420,6 +432,48 @@ def _embedding_work(op: _Op) -> OpWork:
         moved += [("elementwise", w), ("scatter", 2 * op.main_out + idx)]
         launches += 3
     return OpWork(moved=tuple(moved), launches=launches)
+
+
+def _counted_by_exchange(op: _Op) -> bool:
+    """A ``histc`` of a rank's own sorted ids made whole with no collective of its own: the
+    counts its sort exchanged (``passes/rules/local_routing``, ``routed_counts``): no kernel."""
+    return bool(op.in_place) and isinstance(op.in_place[0], Routed) and op.in_place[0].own \
+        and not isinstance(op.out_place[0], Partial) and not op.strategy.internal
+
+
+def sort_passes(key_bytes: int) -> int:
+    """Passes of a radix sort over keys of ``key_bytes`` (every bit of the key type: torch sorts
+    the whole width, whatever range the values take)."""
+    return -(-8 * key_bytes // RADIX_BITS)
+
+
+def sort_bytes(n: Any, key_bytes: int, value_bytes: int = 8) -> Any:
+    """Bytes a radix sort of ``n`` (key, value) pairs moves (the values: the int64 positions
+    ``sort`` returns): one histogram pass reading the keys, then each pass reading and writing
+    every key and value (:func:`sort_passes`)."""
+    return n * key_bytes + sort_passes(key_bytes) * 2 * n * (key_bytes + value_bytes)
+
+
+def sort_launches(key_bytes: int) -> int:
+    """Kernels of a radix sort: the histogram, its exclusive sum, and one per pass."""
+    return 2 + sort_passes(key_bytes)
+
+
+def _sort_work(op: _Op, dtype_bytes: int, train_dtype: Any) -> OpWork:
+    """``sort``/``argsort`` as a GPU runs it: a radix sort, several passes over every key and
+    value (:func:`sort_bytes`) at the ``sort`` class's rate, each pass a kernel that also waits
+    on the earlier tiles' counts (``passes``); a float input's gradient is scattered back by the
+    positions (a scatter of the values' gradient)."""
+    if not op.inputs:
+        return NO_WORK
+    n = op.n_in[0]
+    kb = element_bytes(op.inputs[0].dtype, dtype_bytes, train_dtype)
+    moved = [("sort", sort_bytes(n, kb))]
+    launches = sort_launches(kb)
+    if op.grad[0] and op.outputs and op.outputs[0].is_float:
+        moved.append(("scatter", 2 * op.main_out + 8 * n))
+        launches += 2
+    return OpWork(moved=tuple(moved), launches=launches, passes=sort_passes(kb))
 
 
 def _reduction_work(op: _Op) -> OpWork:

@@ -152,6 +152,21 @@ def measure_launch(device: str = "cpu", repeats: int = 20) -> float:
     return _tiny_kernels(device, repeats, read=False)
 
 
+def measure_sort_pass(launch_s: float, sort_bw: float, device: str = "cpu", repeats: int = 20,
+                      n: int = 8192) -> float:
+    """Seconds a radix-sort pass costs beyond its launch and its bytes at ``sort_bw``: a stable
+    sort of ``n`` int64 ids (a routing's size, where the passes' waits dominate), less what the
+    launches and bytes explain, per pass (:func:`.kernels.sort_passes`); 0 where nothing is left."""
+    import torch
+
+    from .kernels import sort_bytes, sort_launches, sort_passes
+
+    ids = torch.randint(0, 64, (n,), device=device)
+    seconds = _timed(lambda: torch.sort(ids, stable=True), device, repeats)
+    rest = seconds - sort_launches(8) * launch_s - sort_bytes(n, 8) / sort_bw
+    return max(0.0, rest / sort_passes(8))
+
+
 def measure_host_read(device: str = "cpu", repeats: int = 20) -> float:
     """Seconds one read of a device value on the host costs beyond a tiny kernel's launch: a
     kernel, then ``.item()`` of its output (the host waits for it, then copies it back)."""
@@ -234,8 +249,11 @@ def measure_op_classes(device: str = "cpu", dtype=None, numel: int = 1 << 22, re
     kernel reads and writes, as :mod:`.kernels` counts them): a contiguous add; the same add on
     a transposed operand (strided); a product with a broadcast row and with a broadcast column
     (a norm's weight, a per-token scale: broadcast); a cast to float32; a sum over the rows; a
-    log-softmax over rows; a layer norm; dropout; and a scatter-add of rows."""
+    log-softmax over rows; a layer norm; dropout; a scatter-add of rows; and a stable sort of
+    int64 keys (a router's expert ids: the bytes :func:`.kernels.sort_bytes` counts)."""
     import torch
+
+    from .kernels import sort_bytes
 
     dtype = dtype or torch.float32
     eb = torch.empty((), dtype=dtype).element_size()
@@ -251,6 +269,7 @@ def measure_op_classes(device: str = "cpu", dtype=None, numel: int = 1 << 22, re
     table = torch.zeros(rows, cols, device=device, dtype=dtype)
     row, col = torch.randn(cols, device=device, dtype=dtype), torch.randn(rows, 1, device=device, dtype=dtype)
     ln = torch.nn.functional.layer_norm
+    ids = torch.randint(0, 64, (max(n // 16, 1),), device=device)
     measured = {
         "elementwise": (3 * n * eb, lambda: torch.add(x, y, out=out)),
         "strided": (3 * n * eb, lambda: torch.add(x, yt, out=out)),
@@ -261,6 +280,7 @@ def measure_op_classes(device: str = "cpu", dtype=None, numel: int = 1 << 22, re
         "norm": (2 * n * eb, lambda: ln(x, (cols,))),
         "random": (2 * n * eb + n, lambda: torch.nn.functional.dropout(x, 0.1, True)),
         "scatter": (2 * n * eb, lambda: table.index_add_(0, index, x)),
+        "sort": (sort_bytes(len(ids), 8), lambda: torch.sort(ids, stable=True)),
     }
     return {name: nbytes / _timed(fn, device, repeats) for name, (nbytes, fn) in measured.items()}
 

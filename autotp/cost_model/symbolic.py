@@ -206,7 +206,8 @@ def split_seconds(info: OpInfo, strategy: Strategy, env: Mapping, profile: Devic
     attention = sum(max(evaluate(a.flops, env) / profile.attention_rate(a.head_dim, a.dropout),
                         evaluate(a.moved, env) / profile.mem_bw) for a in work.attention)
     memory = sum(evaluate(b, env) / profile.bandwidth(cls) for cls, b in work.moved)
-    return {"products": products, "attention": attention, "memory": memory + work.launches * profile.launch_s,
+    memory += work.launches * profile.launch_s + work.passes * profile.sort_pass_s
+    return {"products": products, "attention": attention, "memory": memory,
             "host_reads": host_reads(info, strategy) * profile.host_read_time()}
 
 
@@ -225,7 +226,8 @@ def compute_time_expr(info: OpInfo, strategy: Strategy, profile: DeviceProfile, 
         total += a.flops / profile.attention_rate(a.head_dim, a.dropout)
     for cls, b in work.moved:
         total += b / profile.bandwidth(cls)
-    return total + work.launches * profile.launch_s + host_reads(info, strategy) * profile.host_read_time()
+    return total + work.launches * profile.launch_s + work.passes * profile.sort_pass_s \
+        + host_reads(info, strategy) * profile.host_read_time()
 
 
 def compute_time(info: OpInfo, strategy: Strategy, env: Mapping, profile: DeviceProfile, tp: int,

@@ -30,13 +30,15 @@ from torch import fx
 from ..capture import Capture, shape_of
 from ..cost_model.devices import DeviceProfile
 from ..cost_model.symbolic import (activation_bytes, collective_bytes, collective_time, compute_time,
-                                   conversion_kinds, nbytes)
+                                   conversion_kinds, nbytes, numel)
 from ..placements import (PARTIAL, REPLICATE, Partial, Placement, Replicate, ReplicatePartialGrad, Routed, Shard, atoms_per_chunk, divides, is_even,
                           max_local_size, resharded_by_all_to_all, same_placement)
 from .hints import column_hint, index_picks, row_hint
 from .rules import OpInfo, Strategy, TensorMeta, strategies
 from .rules.row_reads import GROUPED_MM, grouped_reader, permutes_rows, reads_host, reads_rows
 from .rules.gathered_rows import gathers_rows, rank_rows_work, row_copies
+from .rules.local_routing import sorted_ids_experts
+from .rules.routing import SORTS, router_experts
 from .rules.pointwise import reduce_scatters_tokens
 from .rules.registry import aliases_first, mutates_first, op_name
 from .rules.routing import counted_pick
@@ -551,6 +553,10 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
         info.gathers_expert_rows = grouped_reader(node) is not None
         info.permutes_rows = permutes_rows(node)
         info.row_copies = row_copies(node)
+    if node.target in SORTS and node.args:
+        info.routing_experts = router_experts(node.args[0]) or 0
+    elif node.target is aten.histc.default and node.args:
+        info.routing_experts = sorted_ids_experts(node.args[0]) or 0
     info.reads_rows = reads_rows(node)
     stack = node.args[0] if node.args else None
     if node.target in (aten.transpose.int, aten.index.Tensor) and getattr(stack, "op", None) == "placeholder" \
@@ -748,17 +754,31 @@ def internal_seconds(index: "GraphIndex", profile: DeviceProfile, strat: Strateg
     total = 0.0
     for kind, meta in strat.internal:
         full = nbytes(meta, index.env, profile.dtype_bytes)
-        total += sum(collective_time(kind, full, profile, index.tp)) + internal_copy_seconds(kind, full, profile)
+        rows = numel(meta.shape[:1], index.env)
+        total += sum(collective_time(kind, full, profile, index.tp)) + internal_copy_seconds(kind, full, profile, rows)
     return total
 
 
-def internal_copy_seconds(kind: str, full: float, profile: DeviceProfile) -> float:
-    """Seconds of the layout copies around an internal collective: the rows of every rank's
-    tokens all-gathered (``all_gather_rows``) are put in their sorted order by one gather of the
-    whole tensor forward, and the gradient in rank order by one backward (read and write each)."""
+def internal_copy_seconds(kind: str, full: Any, profile: DeviceProfile, rows: Any = 0) -> Any:
+    """Seconds of the work around an internal collective on every rank: the rows of every rank's
+    tokens all-gathered (``all_gather_rows``, ``rows`` of them) are put in their sorted order by
+    one gather of the whole tensor forward, and the gradient in rank order by one backward (read
+    and write each); the order is computed first on every rank from the ``rows`` sorted rows'
+    holders (``distributed/gathered_rows.GatherRowsTP``): their holders gathered (an int64 each),
+    stably sorted (a radix sort of int64 keys, :func:`~autotp.cost_model.kernels.sort_bytes`),
+    and each row's place in the gathered rows written by the inverse of that sort (a scatter of
+    an ``arange``)."""
     if kind != "all_gather_rows":
         return 0.0
-    return 2 * (2 * full / profile.bandwidth("elementwise") + profile.launch_s)
+    from ..cost_model.kernels import sort_bytes, sort_launches, sort_passes
+
+    layout = 2 * (2 * full / profile.bandwidth("elementwise") + profile.launch_s)
+    holders = 16 * rows / profile.bandwidth("elementwise") + profile.launch_s
+    order = sort_bytes(rows, 8) / profile.bandwidth("sort") + sort_launches(8) * profile.launch_s \
+        + sort_passes(8) * profile.sort_pass_s
+    place = 8 * rows / profile.bandwidth("elementwise") + 24 * rows / profile.bandwidth("scatter") \
+        + 2 * profile.launch_s
+    return layout + holders + order + place
 
 
 def param_memory(index: "GraphIndex", profile: DeviceProfile, node: fx.Node, placement: Any) -> float:
@@ -1097,7 +1117,8 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
         for kind, meta in best.internal:
             full = nbytes(meta, env, profile.dtype_bytes)
             seconds = sum(collective_time(kind, full, profile, tp))
-            compute += internal_copy_seconds(kind, full, profile)   # memory-bound work, not the link's
+            # memory-bound work, not the link's
+            compute += internal_copy_seconds(kind, full, profile, numel(meta.shape[:1], env))
             fw_b, bw_b = collective_bytes(kind, full, tp)
             comm += seconds
             comms.append(Comm(kind, node.name, best.inputs[0], best.output if kind == "all_to_all" else REPLICATE,

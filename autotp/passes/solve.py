@@ -50,9 +50,10 @@ from ..capture import module_path
 from ..cost_model.devices import DeviceProfile
 from ..errors import MemoryLimitError, PlanError
 from ..placements import REPLICATE, Partial, Placement, Shard, same_placement
+from .rules import Strategy
 from .propagate import (INF, GraphIndex, Propagation, _even, _meta, _out_meta,
-                        _sharded_compute, added_seconds, conversion_seconds, internal_seconds, param_memory,
-                        param_update_seconds, pay, propagate, wants_f)
+                        _sharded_compute, added_seconds, conversion_seconds, gathers_seconds, gathers_whole,
+                        internal_seconds, param_memory, param_update_seconds, pay, propagate, wants_f)
 from .repeats import Layer, LayerFinder, Shift
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,16 @@ class Solution:
 # An entry of a DP state's front: (time, memory, choice, previous entry). ``choice`` is
 # (node, strategy index) for one op or ("block", block, template choices) for a reused layer.
 Entry = tuple
+
+
+def _no_worse(ey: Entry, ex: Entry, extra: float, memory_free: bool) -> bool:
+    """Whether a front entry ``ey`` that pays ``extra`` seconds more later is no worse than
+    ``ex``: no later, and with no more memory unless memory never binds (then, at an equal time,
+    no more memory: the order the final pick breaks ties by)."""
+    t = ey[0] + extra
+    if memory_free:
+        return t < ex[0] or (t == ex[0] and ey[1] <= ex[1])
+    return t <= ex[0] and ey[1] <= ex[1]
 
 
 def _pareto_add(front: list, entry: Entry, keep_front: bool) -> list:
@@ -122,6 +133,7 @@ class _Solver:
                  memory_limit: float | None, exact: bool = False):
         self.index, self.profile, self.pinned = index, profile, dict(pinned)
         self.limit = memory_limit
+        self.solve_limit = memory_limit   # self.limit, also while a layer's transfer lifts it
         self.keep_front = memory_limit is not None
         self.cap = index.capture
         self.nodes = list(self.cap.graph.nodes)
@@ -166,6 +178,8 @@ class _Solver:
         # number in ``labels``: states key dicts per transition, and numbers hash without calls
         self.labels: list = []
         self.label_ids: dict = {}
+        self._upgrades: dict = {}   # (tensor, label, label) -> _upgrade_seconds
+        self._never_binds: bool | None = None   # _memory_never_binds, once known
 
     def label_id(self, label: tuple) -> int:
         found = self.label_ids.get(label)
@@ -303,12 +317,104 @@ class _Solver:
                         if self.limit is not None and m + self.memory0 > self.limit * (1 + 1e-12):
                             continue
                         nxt[nkey] = _pareto_add(nxt.get(nkey, []), (t, m, (node, j), e), self.keep_front)
+            if len(nxt) > MAX_STATES:
+                nxt = self._undominated(nxt)
             states = nxt if len(nxt) <= MAX_STATES else self._cheapest(node, nxt)
             if not states and not raise_empty:
                 return states
             if not states:
                 raise self._infeasible(f"no feasible plan: no strategy fits {node.name} ({node.target})")
         return states
+
+    def _undominated(self, states: dict) -> dict:
+        """``states`` less those another state dominates, in their order: exact, so tried before
+        :meth:`_cheapest` cuts. A state Y dominates X where every live tensor has the same
+        placement in both, Y's conversions made of each are X's or fewer, and each of X's
+        (time, memory) entries is matched by one of Y's with no more memory and a time no later
+        than X's once Y pays the conversions it lacks (:meth:`_upgrade_seconds`): whatever X does
+        next, Y can do for no more. What multiplies a layer's states past the bound (Mixtral's
+        rotary and residual region: the same placements with a gather made or not yet made) is
+        such pairs."""
+        groups: dict = {}
+        for key in states:
+            groups.setdefault(tuple(self.labels[lab][0] for _, lab in key), []).append(key)
+        free = self._memory_never_binds()
+        dropped: set = set()
+        for keys in groups.values():
+            for x in keys:
+                for y in keys:
+                    if y is x or y in dropped:
+                        continue
+                    extra = self._extra_seconds(y, x)
+                    if extra is not None and all(any(_no_worse(ey, ex, extra, free) for ey in states[y])
+                                                 for ex in states[x]):
+                        dropped.add(x)
+                        break
+        return {k: v for k, v in states.items() if k not in dropped} if dropped else states
+
+    def _memory_never_binds(self) -> bool:
+        """Whether no plan can exceed the memory limit: every parameter whole and every op's
+        saved inputs whole (what a rank holds at most: a split holds a part) fit under it. Then
+        a state's memory decides nothing, and :meth:`_undominated` compares time alone."""
+        if self._never_binds is None:
+            index, profile = self.index, self.profile
+            most = self.memory0 + sum(param_memory(index, profile, n, REPLICATE) for n in self.free)
+            for n in self.nodes:
+                if n.op == "call_function" and n in index.infos:
+                    info = index.infos[n]
+                    whole = Strategy(tuple(REPLICATE for _ in info.inputs), REPLICATE)
+                    most += index.activation_bytes(n, whole, profile)
+            self._never_binds = self.solve_limit is None or most <= self.solve_limit
+        return self._never_binds
+
+    def _extra_seconds(self, y: tuple, x: tuple) -> float | None:
+        """Seconds at most that state ``y`` pays beyond ``x`` over all that follows, from the
+        conversions each made of its tensors (same tensors, same placements), or None where no
+        bound holds (:meth:`_upgrade_seconds`)."""
+        if [t for t, _ in y] != [t for t, _ in x]:
+            return None
+        extra = 0.0
+        for (tensor, ly), (_, lx) in zip(y, x):
+            if ly != lx:
+                found = self._upgrade_seconds(tensor, self.labels[ly], self.labels[lx])
+                if found is None:
+                    return None
+                extra += found
+        return extra
+
+    def _upgrade_seconds(self, tensor: fx.Node, ly: tuple, lx: tuple) -> float | None:
+        """A bound on what a tensor labelled ``ly`` pays, over all that follows, beyond the same
+        tensor labelled ``lx`` (same placement), or None where there is none. ``ly``'s conversions
+        a superset of ``lx``'s with the same gathers: nothing (a conversion other than a gather
+        costs the same whatever else was made). A subset: the conversions ``lx`` holds that are
+        not gathers of it at their own price
+        (:func:`~.propagate.conversion_seconds`, which no other conversion changes), and the
+        gathers, which share one all-gather (:func:`~.propagate.gathers_seconds`, a cost that
+        grows with the set gathered), at the difference of the two sets' prices."""
+        key = (tensor, ly, lx)
+        found = self._upgrades.get(key, False)
+        if found is not False:
+            return found
+        (have, py), (_, px) = ly, lx
+        index, profile, tp = self.index, self.profile, self.index.tp
+        meta, grad = _meta(tensor), tensor in index.grads
+        gathered = [sorted((e for e in p if gathers_whole(meta, have, e[0], tp)), key=repr) for p in (py, px)]
+        if py >= px and gathered[0] == gathered[1]:
+            # more made, none of them a gather: every later conversion costs the same or nothing
+            self._upgrades[key] = 0.0
+            return 0.0
+        if not py <= px:
+            self._upgrades[key] = None
+            return None
+        extra = 0.0
+        if gathered[0] != gathered[1]:
+            extra += gathers_seconds(index, profile, meta, have, gathered[1], grad) \
+                - gathers_seconds(index, profile, meta, have, gathered[0], grad)
+        for want, f in px - py:
+            if not gathers_whole(meta, have, want, tp):
+                extra += conversion_seconds(index, profile, meta, have, want, f, grad)
+        self._upgrades[key] = extra
+        return extra
 
     def _cheapest(self, node: fx.Node, states: dict) -> dict:
         """The MAX_STATES states of least time so far (ties: the first found), in their order."""

@@ -566,9 +566,9 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
     nodes = {n.name: n for n in index.capture.graph.nodes}
     inside: collections.Counter = collections.Counter()
     for c in prop.comms:
-        # inside an op (vocab-parallel cross-entropy, an expert dispatch: its internal ones, in
-        # order), not a reshard by all-to-all (a conversion of one split to another)
-        if c.kind in ("all_reduce", "all_gather_rows") or (c.kind == "all_to_all" and not isinstance(c.dst, Shard)):
+        # inside an op (vocab-parallel cross-entropy, an expert dispatch, a local routing's counts:
+        # its internal ones, in order; an op is its own collective's consumer), not a conversion
+        if c.consumer == c.tensor and prop.chosen[nodes[c.tensor]].internal:
             internal = prop.chosen[nodes[c.tensor]].internal
             kind, meta = internal[inside[c.tensor] % len(internal)]
             comm[("g" if kind == "all_reduce" else kind, meta, True, None, None)] += 1
@@ -577,7 +577,8 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
             comm[(c.kind, _meta(nodes[c.tensor]), nodes[c.tensor] in index.grads, c.src, c.dst)] += 1
     compute_total = sympy.Add(*(n * compute_time_expr(*first[k], profile, index.tp, index.env, index.align)
                                 for k, n in compute.items())) + prop.update_s   # the optimizer step: constant
-    compute_total += sympy.Add(*(n * internal_copy_seconds(kind, bytes_expr(meta, profile.dtype_bytes), profile)
+    compute_total += sympy.Add(*(n * internal_copy_seconds(kind, bytes_expr(meta, profile.dtype_bytes), profile,
+                                                           meta.shape[0] if meta.shape else 1)
                                  for (kind, meta, _, _, _), n in comm.items()))   # the rows laid out in order
     comm_total = sympy.Add(*(n * (collective_time_expr(kind, bytes_expr(meta, profile.dtype_bytes), profile, index.tp,
                                                        grad)

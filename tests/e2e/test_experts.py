@@ -47,7 +47,23 @@ MLA_HEADS = ("*.q_b_proj.weight", "*.kv_b_proj.weight")
 
 
 def check_experts_case(case: dict) -> dict:
-    """On each rank: the drawn tiny MoE model, its experts split as drawn, against serial."""
+    """On each rank: the drawn tiny MoE model, its experts split as drawn, against serial.
+    ``own_routing`` False: no rank routes its own rows alone (``rules/local_routing.py``), so the
+    whole routing's path the case is there to run is planned where, at the tiny width, each rank
+    routing its own rows costs less (the whole sort and the gathered rows' holders' sort priced)."""
+    import autotp.passes.rules.routed as rules
+
+    if case.get("own_routing", True):
+        return _check_experts_case(case)
+    offered = rules.own_merge
+    rules.own_merge = lambda info, p: None   # every program of the case, then restored (a worker runs many)
+    try:
+        return _check_experts_case(case)
+    finally:
+        rules.own_merge = offered
+
+
+def _check_experts_case(case: dict) -> dict:
     import autotp
     from autotp import zoo
     from autotp.testing import equivalence_errors, relative_error, tolerance
@@ -288,7 +304,8 @@ def assert_experts_case(cluster_of, case: dict) -> None:
     # Its later programs (inference, generate) replay the plan: they once gathered the rows for
     # the expert-TP product routed, which it cannot take (a PlanError)
     dict(family="mixtral", impl="eager", tp=2, experts=3, top_k=2, kv_heads=2, seq=7, seed=2, layers=1,
-         layout="etp", plan_batch=64, plan_seq=4096, sp=True, routed=("token_rows", "sequence_runs")),
+         layout="etp", plan_batch=64, plan_seq=4096, sp=True, routed=("token_rows", "sequence_runs"),
+         own_routing=False),
     # the dispatch forced (expert_dispatch=True): the training call's program sends its rows by the
     # all-to-all; the later programs' walks once left the tokens whole, where the forced dispatch has
     # no plan (the inference call once raised "no strategy fits to_dtype_N ... [P(routed 0)]"), and
@@ -345,15 +362,28 @@ def assert_experts_case(cluster_of, case: dict) -> None:
     # one all-gather lays every rank's out whole in sorted order (backward: the gradient's summands
     # reduce-scattered back to the tokens' ranks), in place of a g of the rows and an f at the
     # product. Uneven runs (seq 7 at tp 2, seq 9 at tp 4), 3 experts at tp 4, Qwen3-MoE at tp 3
+    # Hidden 256: at the tiny width of 32 the holders' sort every rank runs (a radix sort of the
+    # T*k rows' holders, priced) outweighs the rows' bytes, and the plan gathers the tokens whole;
+    # each rank routing its own rows not offered (at this width it costs less, see own_routing)
     dict(family="mixtral", impl="eager", tp=2, experts=3, top_k=2, kv_heads=2, seq=7, seed=4, layers=1,
-         layout="etp", plan_batch=64, plan_seq=4096, sp=True, profile="h100-dgx",
+         layout="etp", plan_batch=64, plan_seq=4096, sp=True, profile="h100-dgx", own_routing=False,
+         config=dict(hidden_size=256),
          comms={("all_gather_rows", "P(tokens 0)", "R"): True, ("g", "P(tokens 0, reordered)", "R"): False}),
     pytest.param(dict(family="mixtral", impl="eager", tp=4, experts=3, top_k=2, kv_heads=2, seq=9, seed=1,
                       layers=2, layout="etp", plan_batch=64, plan_seq=4096, sp=True, profile="h100-dgx",
+                      own_routing=False, config=dict(hidden_size=256),
                       comms={("all_gather_rows", "P(tokens 0)", "R"): True}), marks=pytest.mark.slow),
     pytest.param(dict(family="qwen3-moe", impl="eager", tp=3, experts=4, top_k=2, kv_heads=2, seq=7, seed=4,
                       layers=1, layout="etp", plan_batch=64, plan_seq=4096, sp=True, profile="h100-dgx",
+                      own_routing=False, config=dict(hidden_size=256),
                       comms={("all_gather_rows", "P(tokens 0)", "R"): True}), marks=pytest.mark.slow),
+    # expert-TP with each rank routing its own rows (by cost at this width: the whole sort of the
+    # T*k ids on every rank and the gathered rows' holders' sort cost more than the g and f of the
+    # rows): route_locally sorts the rank's own rows, its rows reordered on their rank are summed
+    # whole by a g for the column-parallel gate|up product (its gradient by an f)
+    dict(family="mixtral", impl="eager", tp=2, experts=3, top_k=2, kv_heads=2, seq=7, seed=4, layers=1,
+         layout="etp", plan_batch=64, plan_seq=4096, sp=True, profile="h100-dgx", routed=("route_locally",),
+         comms={("g", "P(tokens 0, reordered)", "R"): True, ("all_gather_rows", "P(tokens 0)", "R"): False}),
 ], ids=["mixtral-grouped-3of2", "qwen2moe-eager-shared", "deepseek-mla-heads", "mixtral-batched-etp",
         "gptoss-grouped-rows", "mixtral-batched-3of4", "gptoss-grouped-routed", "gptoss-periodic-expanded",
         "mixtral-eager-tokens-a2a", "mixtral-eager-tokens-gathered-rs-tp3", "qwen3-eager-tokens-gathered-rs-tp2",
@@ -362,7 +392,8 @@ def assert_experts_case(cluster_of, case: dict) -> None:
         "mixtral-eager-tokens-a2a-forced", "mixtral-eager-etp-combine-rs", "qwen3-eager-etp-combine-rs-tp3",
         "qwen2moe-eager-etp-combine-rs-tp3", "olmoe-eager-etp-combine-rs", "deepseek-eager-etp-combine-rs-tp3",
         "mixtral-bf16-etp-combine-rs-tokens", "mixtral-etp-tokens-rows-gathered",
-        "mixtral-etp-tokens-rows-gathered-tp4", "qwen3-etp-tokens-rows-gathered-tp3"])
+        "mixtral-etp-tokens-rows-gathered-tp4", "qwen3-etp-tokens-rows-gathered-tp3",
+        "mixtral-etp-tokens-own-routing"])
 def test_experts_split_equals_serial(cluster_of, case):
     assert_experts_case(cluster_of, {"dtype": IMPLEMENTATIONS[case["impl"]], **case})
 
@@ -428,7 +459,10 @@ def check_rows_gathered_compiled(case: dict) -> dict:
     from autotp import zoo
     from torch._dynamo.utils import counters
 
-    config = zoo.tiny_config("mixtral", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=3, top_k=2)
+    # hidden 256: at 32 the holders' sort every rank runs outweighs the rows' bytes (the tokens
+    # are then gathered whole, or each rank routes its own rows)
+    config = zoo.tiny_config("mixtral", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=3, top_k=2,
+                             hidden_size=256)
     config._experts_implementation = "eager"
     model = zoo.build("mixtral", config, dtype=torch.float64, seed=case["seed"])
     batch = zoo.example_batch("mixtral", config, batch=2, seq=case["seq"], seed=case["seed"] + 1)

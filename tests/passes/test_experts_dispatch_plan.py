@@ -39,6 +39,16 @@ def _combine_offered(monkeypatch, offered: bool) -> None:
         monkeypatch.setattr(rules, "combine_back", lambda info, inputs: [])
 
 
+def _expressions_agree(plan, batch: int) -> None:
+    """The plan's cost expressions in b and s give the costs the solver priced, at the workload."""
+    import sympy
+
+    b, s = sympy.symbols("b s", integer=True, positive=True)
+    for key in ("compute_s", "comm_s"):
+        expr = sympy.sympify(plan.expressions[key], locals={"b": b, "s": s})
+        assert float(expr.subs({b: batch, s: WORKLOAD["seq"]})) == pytest.approx(getattr(plan, key), rel=1e-4), key
+
+
 def _plan(model, tp: int):
     return autotp.plan(model, tp=tp, layout={"*.experts.*": "expert"}, batch=TINY_BATCH if tp == 2 else BATCH,
                        **WORKLOAD)
@@ -321,7 +331,15 @@ def test_a_rank_routes_its_own_rows_where_cheaper_than_the_whole_sort(monkeypatc
     model = zoo.build("mixtral", config, device="meta")
     plan = _plan(model, 2)
     own = [c for c in plan.comms if c.src.endswith(", own)")]
-    assert [(c.kind, c.tensor) for c in own] == [("all_gather", "histc_default")], plan.comms
+    # the all-gather of the counts is the sort's (route_locally exchanges them): tp * experts
+    # int64 numbers, forward only, priced by the link; the histc of the sorted ids reads them
+    from autotp.cost_model import get_profile
+
+    counts = 2 * 4 * 8
+    assert [(c.kind, c.tensor, c.fwd_bytes, c.bwd_bytes) for c in own] == [("all_gather", "sort_default", counts / 2,
+                                                                          0.0)], plan.comms
+    assert own[0].seconds == pytest.approx(get_profile("h100-dgx").all_gather_time(counts, 2))
+    _expressions_agree(plan, TINY_BATCH)
     import autotp.passes.rules.routed as rules
 
     with monkeypatch.context() as m:   # the flattened ids and weights not offered to the rank's own routing

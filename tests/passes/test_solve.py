@@ -211,3 +211,27 @@ def test_layers_alike_as_labelled_graphs_have_one_hash_so_it_is_computed_once():
     assert len({wl_hash(b.nodes) for b in blocks}) == 1   # the hash does not read the nodes' names
     # h.1 and h.2 take h.0's; h.3's output has one use (the sum), not two: matched by no layer
     assert [b.template is blocks[0] for b in blocks] == [False, True, True, False]
+
+
+def test_mixtral_8x7b_is_solved_exactly_within_max_states(monkeypatch, caplog):
+    # Two layers of Mixtral-8x7B at tp 8 (meta, 2 x 4096, h200, sequence parallelism by cost) hold
+    # 1420 states in the attention's rotary region: the residual stream and sin with and without a
+    # conversion made, beside q's and k's placements. Those a state with the same placements and
+    # fewer or more conversions dominates are dropped (solve._Solver._undominated, exact): the
+    # search keeps every other state within MAX_STATES and finds the plan the uncut search finds.
+    from autotp import zoo
+    from autotp.cost_model import get_profile
+    from autotp.passes import solve as solve_module
+    from autotp.planner import build_plan
+
+    model = zoo.build("mixtral", zoo.published_config("mixtral-8x7b", layers=2), device="meta", dtype=torch.bfloat16)
+    cap = capture(model)
+    prof = get_profile("h200")
+    with caplog.at_level("WARNING", logger="autotp.passes.solve"):
+        _, _, bounded = build_plan(cap, 8, batch=2, seq=4096, profile=prof)
+    assert "cheapest of its states" not in caplog.text
+    monkeypatch.setattr(solve_module, "MAX_STATES", 10 ** 6)
+    monkeypatch.setattr(solve_module._Solver, "_undominated", lambda self, states: states)
+    _, _, uncut = build_plan(cap, 8, batch=2, seq=4096, profile=prof)
+    assert bounded.total_s == uncut.total_s
+    assert {n.name: s for n, s in bounded.chosen.items()} == {n.name: s for n, s in uncut.chosen.items()}

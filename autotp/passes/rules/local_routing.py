@@ -89,20 +89,30 @@ def own_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
         return [] if descending else [Strategy((OWN,), OWN)]
     if target in SORTS and n == 1 and info.inputs[0].ndim == 1 and not info.inputs[0].is_float:
         descending = info.args[2] if len(info.args) > 2 else info.kwargs.get("descending", False)
-        return [] if descending else [Strategy((OWN,), (OWN, OWN))]
+        if descending:
+            return []
+        # route_locally: the rank's rows sorted (priced as a radix sort, kernels._sort_work) and
+        # its counts per expert exchanged, an all-gather of tp * experts int64 numbers
+        experts = info.routing_experts
+        counts = (("all_gather", TensorMeta((sympy.Integer(info.tp * experts),), torch.long)),) if experts else ()
+        return [Strategy((OWN,), (OWN, OWN), internal=counts)]
     if target in _IN_PLACE_OF_ROWS and n == 1:
         return [Strategy((OWN,), OWN)]
     if target is aten.histc.default and n == 1:
-        # every rank's rows per expert, from the counts the sort exchanged: priced here, the
-        # layer's one all-gather of tp * experts counts (a rank's own, one run)
-        # (one bin per expert id); or each rank's histogram of its rows, a Partial (histc counts
-        # each row once, in any order: the ranks' counts sum to every row's)
+        # every rank's rows per expert (one bin per expert id): of the sorted ids, the counts the
+        # sort exchanged (``routed_counts``: no kernel, no collective; the sort's all-gather is
+        # priced at the sort); of other ids, each rank's histogram all-gathered (tp * bins
+        # numbers) and summed (``GatheredHistc``); or each rank's histogram of its rows, a
+        # Partial (histc counts each row once, in any order: the ranks' counts sum to every row's)
         given = dict(zip(("bins", "min", "max"), info.args[1:]), **info.kwargs)
         bins = int(given.get("bins", 100))
         out = [Strategy((OWN,), PARTIAL)]
         if (given.get("min", 0), given.get("max", 0)) == (0, bins - 1):
-            counts = TensorMeta((sympy.Integer(info.tp * bins),), torch.long)
-            out.append(Strategy((OWN,), REPLICATE, internal=(("all_gather", counts),)))
+            if info.routing_experts == bins:
+                out.append(Strategy((OWN,), REPLICATE))
+            else:
+                counts = TensorMeta((sympy.Integer(info.tp * bins),), info.output.dtype)
+                out.append(Strategy((OWN,), REPLICATE, internal=(("all_gather", counts),)))
         return out
     if target in (aten.index_put_.default, aten.index_put.default) and n == 3 \
             and is_own(placements[0]) and is_own(placements[1]):
@@ -129,6 +139,21 @@ def own_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
             # (batched_mm's ``gate_up_proj[ids]``: whole weights picked per row)
             return [Strategy((REPLICATE, OWN), ROWS)]
     return []
+
+
+def sorted_ids_experts(node: Any) -> int | None:
+    """The number of experts where ``node`` (a captured node) is the sorted values of a sort of a
+    router's top-k ids (through casts and copies): what the rank's program counts from the sort's
+    exchange (:func:`own_localizer`'s ``routed_counts``); else None."""
+    import operator
+
+    while getattr(node, "target", None) in _IN_PLACE_OF_ROWS and node.target not in (
+            aten.floor_divide.default, aten.floor_divide.Scalar, aten.empty_like.default):
+        node = node.args[0]
+    if getattr(node, "target", None) is not operator.getitem or node.args[1] != 0:
+        return None
+    sort = node.args[0]
+    return router_experts(sort.args[0]) if getattr(sort, "target", None) in SORTS else None
 
 
 class OwnLayer:

@@ -137,6 +137,10 @@ class OpInfo:
     #: ``k`` where the op is an index of float rows by ``p // k`` of a permutation ``p`` of ``k``
     #: times the rows (every row taken exactly ``k`` times: :func:`.gathered_rows.row_copies`); else 0
     row_copies: int = 0
+    #: the number of experts where the op sorts a router's top-k ids (a ``sort``), or counts the
+    #: ids such a sort sorted (a ``histc``): what a rank routing its own rows exchanges
+    #: (:mod:`.local_routing`); else 0
+    routing_experts: int = 0
     #: a grouped product whose x is rows gathered for it alone (``gathers_expert_rows``), or a
     #: cast between them: routed, those are the product's own experts' rows, which only its
     #: expert-parallel strategies can take (routed through the casts)
