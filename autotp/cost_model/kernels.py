@@ -244,6 +244,12 @@ def op_work(info: Any, strategy: Any, tp: int, dtype_bytes: int, train_dtype: An
         return NO_WORK
     op = _Op(info, strategy, tp, dtype_bytes, train_dtype, rank)
     name = str(t)
+    if getattr(strategy, "fused", False):
+        # a bias the rank adds inside its product (autotp/passes/fused_bias.py): the product's
+        # epilogue writes the sum, no kernel of its own forward; backward as an add's (the bias's
+        # gradient summed over the tokens)
+        work = _elementwise_work(op)
+        return OpWork(moved=work.moved[1:], launches=work.launches - 1)
     if t in PRODUCTS:
         return _product_work(op, dtype_bytes, train_dtype)
     if name in GROUPED_PRODUCTS:

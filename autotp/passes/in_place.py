@@ -23,8 +23,9 @@ new tensor for that operand (``grad @ W.T`` for a product's activation, ``grad *
 ``mul``). The gradient the f receives is then that new tensor, or the sum of several (autograd
 adds them into a buffer of its own), or a view of one: a tensor no other formula holds. Where a
 reader's backward passes the gradient on as it is (``add`` to both its operands, ``clone``,
-``addmm``'s bias), or the output leaves the graph (a hook, the user's ``backward(gradient)``),
-the gradient may be shared and the f copies.
+``addmm``'s bias of the output's own dims), or the output leaves the graph (a hook, the user's
+``backward(gradient)``), the gradient may be shared and the f copies. A bias of fewer dims than
+its output (added by ``add``, or inside its product: :data:`BIASED`) gets a new tensor, the sum.
 
 **Under activation checkpointing** (:mod:`autotp.passes.checkpoint`) each recomputed layer is a
 program of its own to the g rule: a g keeps its mark only where the tensor it writes is made
@@ -93,6 +94,11 @@ GRAD_FRESH = {
 #: itself, shared with the other operand
 BROADCAST = frozenset({aten.add.Tensor, aten.sub.Tensor})
 
+#: products with their bias inside (:mod:`autotp.passes.fused_bias`) -> the bias's position: its
+#: gradient, like a broadcast add's, is the output's summed over the tokens, a new tensor, where
+#: the bias has fewer dims than the output
+BIASED = {aten.linear.default: 2, aten.addmm.default: 0}
+
 
 def reduce_in_place(gm: fx.GraphModule) -> fx.GraphModule:
     """Marks the f and g modules of ``gm`` whose all-reduce may run in place (module docs)."""
@@ -152,6 +158,9 @@ def _grad_is_fresh(node: fx.Node) -> bool:
                 return False
         elif user.target in BROADCAST:
             if None in reads or not _ndim(node) < _ndim(user):
+                return False
+        elif user.target in BIASED and BIASED[user.target] in reads:
+            if not _ndim(node) < _ndim(user) or not set(reads) - {BIASED[user.target]} <= set(GRAD_FRESH[user.target]):
                 return False
         elif user.target not in GRAD_FRESH or not set(reads) <= set(GRAD_FRESH[user.target]):
             return False

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import operator
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import sympy
@@ -33,6 +33,7 @@ from ..cost_model.symbolic import (activation_bytes, collective_bytes, collectiv
                                    conversion_kinds, nbytes, numel)
 from ..placements import (PARTIAL, REPLICATE, Partial, Placement, Replicate, ReplicatePartialGrad, Routed, Shard, atoms_per_chunk, divides, is_even,
                           max_local_size, resharded_by_all_to_all, same_placement)
+from .fused_bias import bias_add, takes_as_made
 from .hints import column_hint, index_picks, row_hint
 from .rules import OpInfo, Strategy, TensorMeta, strategies
 from .rules.row_reads import GROUPED_MM, grouped_reader, permutes_rows, reads_host, reads_rows
@@ -173,6 +174,8 @@ class GraphIndex:
     #: never read rows cut from the tokens gathered whole); False, never by it (no strategy holds
     #: the tokens as rows of their own ranks: they are gathered whole). See :func:`dispatch_allows`
     expert_dispatch: bool | None = None
+    #: bias adds that may be added inside their product (:func:`.fused_bias.bias_add`)
+    bias_adds: frozenset = frozenset()
     _strategies: dict = field(default_factory=dict)
     _compute: dict = field(default_factory=dict)
     _activation: dict = field(default_factory=dict)
@@ -187,8 +190,17 @@ class GraphIndex:
                 found = [s for s in found if not reads_host(self.infos[node], s)]
             if self.expert_dispatch is not None:
                 found = [s for s in found if dispatch_allows(self.infos[node], s, self.expert_dispatch)]
+            if node in self.bias_adds:
+                found = [self._fused(node, s, actual) for s in found]
             self._strategies[key] = found
         return found
+
+    def _fused(self, node: fx.Node, strat: Strategy, actual: tuple) -> Strategy:
+        """``strat`` marked ``fused`` where it takes the product as made (no conversion, no f):
+        the rewrite then adds the bias inside the product (:mod:`.fused_bias`)."""
+        x = self.tensor_inputs[node][0]
+        f = wants_f(strat.inputs[0], _sharded_compute(strat), self.infos[node].inputs[0], x in self.grads)
+        return replace(strat, fused=True) if takes_as_made(strat, actual, f) else strat
 
     def compute_time(self, node: fx.Node, strat: Strategy, profile: DeviceProfile) -> float:
         info = self.infos[node]
@@ -252,6 +264,7 @@ class GraphIndex:
                 chain, product = grouped_reader(node)
                 for reader in (*chain, product):
                     index.infos[reader].x_gathered = True
+        index.bias_adds = frozenset(n for n in index.infos if bias_add(n, capture.param_names))
         index.param_views = _param_views(capture)
         index.written_first = written_in_place(capture.graph)
         index.written_roots = frozenset(storage_root(n) for n in index.written_first)

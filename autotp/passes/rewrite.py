@@ -38,6 +38,7 @@ from ..distributed import collectives as C
 from ..distributed.experts import routed_scatter, sequence_runs, token_rows
 from ..distributed.functional import grad_if, rank_slice
 from ..distributed.rng import RandomOp, draws_random
+from .fused_bias import fused_product
 from .in_place import reduce_in_place
 from .propagate import (GraphIndex, Propagation, _aliases_of, _conversion, _dim_size, _meta, _sharded_compute,
                         cut_from_whole, first_write, gather_parts, gathers_whole, map_args, storage_root, wants_f)
@@ -482,6 +483,11 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             new = graph.call_module(f"{kind}_{n}", tuple(args), kwargs)
         elif (width := _padded_width(node, info, strategy, index, ctx, align)) is not None:
             new = _padded_product(graph, target, tuple(args), width, info, strategy, ctx)
+        elif strategy.fused and replacements[0] is env[tensor_inputs[0]] and \
+                (new := fused_product(graph, replacements[0], replacements[1])) is not None:
+            # the bias inside its product, as serial adds it (fused_bias.py); the bare product goes
+            graph.erase_node(replacements[0])
+            env[tensor_inputs[0]] = new   # read by this add alone: nothing reads it after
         else:
             new = graph.call_function(target, tuple(args), kwargs)
         new.meta = {k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")}

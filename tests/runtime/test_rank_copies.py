@@ -79,8 +79,13 @@ def _inference_copies(module, inputs) -> CopyCounter:
 
 
 #: OPT's Megatron layout (at this width the cost model keeps its layers whole): its MLP then runs
-#: on the rank's tokens' rows of [b*s, h] under sequence parallelism
-LAYOUTS = {"opt": {"*.q_proj.weight": "column", "*.k_proj.weight": "column", "*.v_proj.weight": "column",
+#: on the rank's tokens' rows of [b*s, h] under sequence parallelism. GPT-2's layers' (unpinned,
+#: at this width without sequence parallelism the cost model runs attn.c_proj whole, its bias
+#: inside the product, autotp/passes/fused_bias.py, after gathering the heads, whose gradient's
+#: slice is a layout copy in the gather's backward)
+LAYOUTS = {"gpt2": {"*c_attn.weight": "column", "*attn.c_proj.weight": "row", "*c_fc.weight": "column",
+                    "*mlp.c_proj.weight": "row"},
+           "opt": {"*.q_proj.weight": "column", "*.k_proj.weight": "column", "*.v_proj.weight": "column",
                    "*.out_proj.weight": "row", "*.fc1.weight": "column", "*.fc2.weight": "row"}}
 
 

@@ -78,6 +78,9 @@ class Strategy:
     #: a column-parallel product into a tailed shard: input 0's f covers the dealt runs only
     #: (the tail's gradient is whole on every rank already), see :func:`tail_sound`
     f_runs_only: bool = False
+    #: a bias add that takes its product as the product makes it: the rank adds the bias inside
+    #: the product (``autotp/passes/fused_bias.py``), its own forward kernel gone
+    fused: bool = False
 
     __hash__ = cached_hash
     __getstate__ = state_without_hash
