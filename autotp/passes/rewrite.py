@@ -464,9 +464,10 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             args = tuple(device if isinstance(a, torch.device) else a for a in args)
         if rng is not None and not isinstance(target, nn.Module) and draws_random(target, tuple(args), kwargs):
             outs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
-            # a rank's own tokens' rows (a sequence split flattened) draw their own mask, as a Shard's
-            state = "sharded" if any(isinstance(p, Shard) or (isinstance(p, Routed) and p.tokens)
-                                     for p in outs) else "replicated"
+            # rows a rank holds alone draw their own mask, as a Shard's: its tokens' rows (a
+            # sequence split flattened) and its experts' rows (each row on one rank; drawn from
+            # the replicated state, every rank masked its different rows with one pattern)
+            state = "sharded" if any(isinstance(p, (Shard, Routed)) for p in outs) else "replicated"
             target = RandomOp(target, state, rng)
         if isinstance(target, nn.Module):   # an op that communicates inside (vocab-parallel loss)
             kind = getattr(target, "kind", "op")
