@@ -77,9 +77,10 @@ ROW_BY_ROW = frozenset((aten.mul.Tensor, aten.div.Tensor, aten.bmm.default, aten
                         aten.linear.default, aten.mm.default, aten.addmm.default))
 #: ops along another dim than the rows' that keep each row's result in its row (the router's
 #: softmax and top-k over the experts of each token, a norm's mean over a head's features, a layer
-#: norm over each token's features: OPT's MLP on a sequence split's rows); their own rules say which dims
+#: norm over each token's features: OPT's MLP on a sequence split's rows, and an RMS norm's where
+#: export keeps it one op: torch.nn.RMSNorm); their own rules say which dims
 ROW_REDUCING = frozenset((aten._softmax.default, aten.softmax.int, aten.topk.default, aten.mean.dim,
-                          aten.layer_norm.default))
+                          aten.layer_norm.default, aten.rms_norm.default))
 #: views whose size arguments the rank's rows change (the routed dim's size: -1)
 SIZED_VIEWS = frozenset((aten.view.default, aten.reshape.default, aten._unsafe_view.default))
 

@@ -1,0 +1,136 @@
+"""Sequence parallelism on the batch and the sequence merged, behind an RMS norm: a model that
+flattens ``[b, s, h]`` to ``[b*s, h]`` and RMS-normalizes the rows (``torch.nn.RMSNorm``, one
+``aten.rms_norm`` in the graph, or Llama's spelled out: a mean of squares and ``rsqrt``)
+before its MLP. The norm keeps the rank's tokens' rows (``P(tokens 0)``) and fc1 reads them
+all-gathered with its f fused in; before, ``aten.rms_norm`` took no rows, so they were
+all-gathered whole in front of it and the norm ran on every token of every rank."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from autotp.testing import TOLERANCE
+
+#: Megatron's MLP: fc1 column-parallel, fc2 row-parallel (at these widths the cost model would keep it whole)
+PINS = {"*.fc1.weight": "column", "*.fc2.weight": "row"}
+ROWS = "P(tokens 0)"
+VOCAB = 37
+
+
+class SpelledRMSNorm(nn.Module):
+    """Llama's RMSNorm spelled out: mean of squares, rsqrt, weight (its float32 upcast left out:
+    it would round a float64 model's rows to float32)."""
+
+    def __init__(self, h: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, h))
+
+    def forward(self, x):                                           # (rows, h)
+        variance = x.pow(2).mean(-1, keepdim=True)                  # (rows, 1)
+        return self.weight * (x * torch.rsqrt(variance + 1e-6))
+
+
+class FlatBlock(nn.Module):
+    """OPT's MLP block with an RMS norm: ``[b, s, h] -> [b*s, h]``, normalized, fc1, fc2, the
+    residual added on the rows, viewed back."""
+
+    def __init__(self, h: int, inner: int, norm: str):
+        super().__init__()
+        self.norm = nn.RMSNorm(h, eps=1e-6) if norm == "rms_norm" else SpelledRMSNorm(h)
+        self.fc1, self.fc2 = nn.Linear(h, inner), nn.Linear(inner, h)
+
+    def forward(self, x):                                           # (b, s, h)
+        rows = x.reshape(-1, x.shape[-1])                           # (b*s, h)
+        y = self.fc2(F.gelu(self.fc1(self.norm(rows))))             # (b*s, h)
+        return (rows + y).view(x.shape)                             # (b, s, h)
+
+
+class FlatLM(nn.Module):
+    def __init__(self, norm: str, layers: int = 2, h: int = 16, inner: int = 24):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, h)
+        self.blocks = nn.ModuleList(FlatBlock(h, inner, norm) for _ in range(layers))
+        self.head = nn.Linear(h, VOCAB, bias=False)
+
+    def forward(self, input_ids, labels):
+        from transformers.modeling_outputs import CausalLMOutput
+
+        x = self.embed(input_ids)                                   # (b, s, h)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)                                       # (b, s, vocab)
+        return CausalLMOutput(loss=F.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits=logits)
+
+
+def flat_lm(norm: str, seed: int, layers: int = 2, dtype: torch.dtype = torch.float64) -> FlatLM:
+    torch.manual_seed(seed)
+    return FlatLM(norm, layers).to(dtype)
+
+
+def test_an_rms_norm_keeps_the_tokens_rows():
+    """Planned on the meta device: layer 1's rows (its input split along s, flattened) are
+    normalized where they are and all-gathered into fc1 with its f, never gathered whole
+    before the norm."""
+    from autotp.capture import capture
+    from autotp.planner import build_plan
+
+    model = flat_lm("rms_norm", 0)
+    ids = torch.randint(0, VOCAB, (2, 8))
+    cap = capture(model, (), {"input_ids": ids, "labels": ids})
+    plan, _, _ = build_plan(cap, 2, batch=64, seq=4096, profile="h100-dgx", sequence_parallel=True, layout=PINS,
+                            align=None)
+    comms = [(c.kind, str(c.src), str(c.dst)) for c in plan.comms]
+    assert comms.count(("reduce_scatter", "P", ROWS)) == 2, comms      # each layer's fc2 sum into the rows
+    assert ("all_gather_f", ROWS, "R") in comms, comms                 # layer 1's normalized rows into fc1
+    assert ("all_gather", ROWS, "R") not in comms, comms               # not whole before the norm
+    assert ("g", "P", "R") not in comms, comms
+
+
+def merged_norm_case(case: dict) -> dict:
+    """On each rank: the flattening RMS-norm model, sequence parallelism forced, its errors
+    against serial (loss, logits, every gradient) at each length, and the plan's collectives."""
+    import autotp
+    from autotp.testing import equivalence_errors
+
+    model = flat_lm(case["norm"], case["seed"], case["layers"])
+    ids = torch.randint(0, VOCAB, (2, 8))
+    pm = autotp.parallelize(model, case["tp"], example_kwargs={"input_ids": ids, "labels": ids}, batch=64, seq=4096,
+                            profile="h100-dgx", sequence_parallel=True, layout=PINS)
+    errors = {}
+    for seq in case["lengths"]:
+        gen = torch.Generator().manual_seed(case["seed"] + seq)
+        ids = torch.randint(0, VOCAB, (case["batch"], seq), generator=gen)
+        for name, err in equivalence_errors(model, pm, {"input_ids": ids, "labels": ids}).items():
+            errors[f"s={seq} {name}"] = err
+    return {"errors": errors, "comms": [(c.kind, str(c.src), str(c.dst)) for c in pm.plan.comms]}
+
+
+@st.composite
+def cases(draw):
+    tp = draw(st.sampled_from([2, 3]))
+    lengths = draw(st.lists(st.integers(tp + 1, 11).filter(lambda s: s % tp), min_size=1, max_size=2, unique=True))
+    return {"tp": tp, "norm": draw(st.sampled_from(["rms_norm", "spelled"])), "layers": 2,
+            "batch": draw(st.integers(1, 3)), "lengths": lengths + [tp - 1], "seed": draw(st.integers(0, 2**16))}
+
+
+def _check(cluster_of, case: dict) -> None:
+    for rank, r in enumerate(cluster_of(case["tp"]).run(merged_norm_case, case)):
+        assert ("all_gather_f", ROWS, "R") in r["comms"], (case, r["comms"])
+        worst = max(r["errors"], key=r["errors"].get)
+        assert r["errors"][worst] <= TOLERANCE[torch.float64], (case, rank, worst, r["errors"][worst])
+
+
+@settings(max_examples=3, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(case=cases())
+def test_an_rms_norm_on_merged_rows_equals_serial(cluster_of, case):
+    _check(cluster_of, case)
+
+
+def test_an_rms_norm_on_two_sequences_merged_equals_serial_at_tp_2(cluster_of):
+    # a batch of two: a rank's rows are two runs of [b*s, h], not one block
+    _check(cluster_of, {"tp": 2, "norm": "rms_norm", "layers": 2, "batch": 2, "lengths": [7, 1], "seed": 5})
