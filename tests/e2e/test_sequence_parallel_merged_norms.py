@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
+from transformers.modeling_outputs import CausalLMOutput   # imported here: not first inside an export trace
 
 from autotp.testing import TOLERANCE
 
@@ -38,10 +39,10 @@ class FlatBlock(nn.Module):
     """OPT's MLP block with an RMS norm: ``[b, s, h] -> [b*s, h]``, normalized, fc1, fc2, the
     residual added on the rows, viewed back."""
 
-    def __init__(self, h: int, inner: int, norm: str):
+    def __init__(self, h: int, inner: int, norm: str, fc2_bias: bool = True):
         super().__init__()
         self.norm = nn.RMSNorm(h, eps=1e-6) if norm == "rms_norm" else SpelledRMSNorm(h)
-        self.fc1, self.fc2 = nn.Linear(h, inner), nn.Linear(inner, h)
+        self.fc1, self.fc2 = nn.Linear(h, inner), nn.Linear(inner, h, bias=fc2_bias)
 
     def forward(self, x):                                           # (b, s, h)
         rows = x.reshape(-1, x.shape[-1])                           # (b*s, h)
@@ -50,25 +51,33 @@ class FlatBlock(nn.Module):
 
 
 class FlatLM(nn.Module):
-    def __init__(self, norm: str, layers: int = 2, h: int = 16, inner: int = 24):
+    """``sequence_first``: the residual stream runs as ``[s, b, h]`` (Megatron's layout), so each
+    block's rows are ``[s*b, h]``: a position's ``b`` tokens side by side, not a sequence's run."""
+
+    def __init__(self, norm: str, layers: int = 2, h: int = 16, inner: int = 24, fc2_bias: bool = True,
+                 sequence_first: bool = False):
         super().__init__()
+        self.sequence_first = sequence_first
         self.embed = nn.Embedding(VOCAB, h)
-        self.blocks = nn.ModuleList(FlatBlock(h, inner, norm) for _ in range(layers))
+        self.blocks = nn.ModuleList(FlatBlock(h, inner, norm, fc2_bias) for _ in range(layers))
         self.head = nn.Linear(h, VOCAB, bias=False)
 
     def forward(self, input_ids, labels):
-        from transformers.modeling_outputs import CausalLMOutput
-
         x = self.embed(input_ids)                                   # (b, s, h)
+        if self.sequence_first:
+            x = x.transpose(0, 1).contiguous()                      # (s, b, h)
         for block in self.blocks:
             x = block(x)
+        if self.sequence_first:
+            x = x.transpose(0, 1)                                   # (b, s, h)
         logits = self.head(x)                                       # (b, s, vocab)
         return CausalLMOutput(loss=F.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits=logits)
 
 
-def flat_lm(norm: str, seed: int, layers: int = 2, dtype: torch.dtype = torch.float64) -> FlatLM:
+def flat_lm(norm: str, seed: int, layers: int = 2, dtype: torch.dtype = torch.float64,
+            fc2_bias: bool = True, sequence_first: bool = False) -> FlatLM:
     torch.manual_seed(seed)
-    return FlatLM(norm, layers).to(dtype)
+    return FlatLM(norm, layers, fc2_bias=fc2_bias, sequence_first=sequence_first).to(dtype)
 
 
 def test_an_rms_norm_keeps_the_tokens_rows():
@@ -96,7 +105,8 @@ def merged_norm_case(case: dict) -> dict:
     import autotp
     from autotp.testing import equivalence_errors
 
-    model = flat_lm(case["norm"], case["seed"], case["layers"])
+    model = flat_lm(case["norm"], case["seed"], case["layers"], fc2_bias=case.get("fc2_bias", True),
+                    sequence_first=case.get("sequence_first", False))
     ids = torch.randint(0, VOCAB, (2, 8))
     pm = autotp.parallelize(model, case["tp"], example_kwargs={"input_ids": ids, "labels": ids}, batch=64, seq=4096,
                             profile="h100-dgx", sequence_parallel=True, layout=PINS)
@@ -114,12 +124,14 @@ def cases(draw):
     tp = draw(st.sampled_from([2, 3]))
     lengths = draw(st.lists(st.integers(tp + 1, 11).filter(lambda s: s % tp), min_size=1, max_size=2, unique=True))
     return {"tp": tp, "norm": draw(st.sampled_from(["rms_norm", "spelled"])), "layers": 2,
+            "fc2_bias": draw(st.booleans()),
             "batch": draw(st.integers(1, 3)), "lengths": lengths + [tp - 1], "seed": draw(st.integers(0, 2**16))}
 
 
 def _check(cluster_of, case: dict) -> None:
     for rank, r in enumerate(cluster_of(case["tp"]).run(merged_norm_case, case)):
         assert ("all_gather_f", ROWS, "R") in r["comms"], (case, r["comms"])
+        assert not case.get("scatter") or ("scatter", "R", ROWS) in r["comms"], (case, r["comms"])
         worst = max(r["errors"], key=r["errors"].get)
         assert r["errors"][worst] <= TOLERANCE[torch.float64], (case, rank, worst, r["errors"][worst])
 
@@ -134,3 +146,47 @@ def test_an_rms_norm_on_merged_rows_equals_serial(cluster_of, case):
 def test_an_rms_norm_on_two_sequences_merged_equals_serial_at_tp_2(cluster_of):
     # a batch of two: a rank's rows are two runs of [b*s, h], not one block
     _check(cluster_of, {"tp": 2, "norm": "rms_norm", "layers": 2, "batch": 2, "lengths": [7, 1], "seed": 5})
+
+
+def test_a_whole_residual_is_sliced_to_the_tokens_rows():
+    """fc2 with no bias: its partial sum meets the residual add itself, and in layer 0 the
+    residual ``[b*s, h]`` is whole on every rank (the embedding's output, flattened). The add on
+    the rank's tokens' rows takes the residual sliced to them (``R -> P(tokens 0)``: free
+    forward, its gradient all-gathered along s); before, no conversion made rows of a whole
+    tensor, and forced sequence parallelism was a PlanError."""
+    from autotp.capture import capture
+    from autotp.planner import build_plan
+
+    model = flat_lm("rms_norm", 0, fc2_bias=False)
+    ids = torch.randint(0, VOCAB, (2, 8))
+    cap = capture(model, (), {"input_ids": ids, "labels": ids})
+    plan, _, _ = build_plan(cap, 2, batch=64, seq=4096, profile="h100-dgx", sequence_parallel=True, layout=PINS,
+                            align=None)
+    comms = [(c.kind, str(c.src), str(c.dst)) for c in plan.comms]
+    assert ("scatter", "R", ROWS) in comms, comms                      # layer 0's residual, sliced
+    assert ("reduce_scatter", "P", ROWS) in comms, comms               # fc2's sum into the rows
+
+
+def test_a_whole_residual_sliced_to_the_tokens_rows_equals_serial(cluster_of):
+    for tp, batch in ((2, 2), (3, 1)):
+        _check(cluster_of, {"tp": tp, "norm": "rms_norm", "layers": 2, "batch": batch, "lengths": [7, tp - 1],
+                            "seed": 9, "fc2_bias": False, "scatter": True})
+
+
+def test_a_sequence_first_flatten_equals_serial(cluster_of):
+    """A residual stream ``[s, b, h]`` flattened to ``[s*b, h]`` (Megatron's layout): the rows'
+    count factors as a sequence times a batch as ``[b*s]``'s does, and the rows are read so, each
+    rank holding ``b`` runs of ``s/tp`` flat rows. Those are not its tokens of a sequence split
+    but a partition of the rows all the same: every op of the region works row by row and every
+    conversion into or out of it (the reduce-scatter, the slice of a whole residual, the
+    gathers) reads the rows the same way, so the result is serial's. The view back to ``[s, b,
+    h]`` cannot keep them (its dim 1 is the batch: ``token_sequence`` declines), so they are
+    all-gathered there. Layer 0 (fc2 without a bias) takes its whole residual sliced to the
+    rows, which before was a PlanError."""
+    for tp, batch in ((2, 2), (3, 3)):
+        case = {"tp": tp, "norm": "rms_norm", "layers": 2, "batch": batch, "lengths": [7, tp - 1], "seed": 3,
+                "fc2_bias": False, "sequence_first": True}
+        for rank, r in enumerate(cluster_of(tp).run(merged_norm_case, case)):
+            assert ("scatter", "R", ROWS) in r["comms"] and ("reduce_scatter", "P", ROWS) in r["comms"], r["comms"]
+            worst = max(r["errors"], key=r["errors"].get)
+            assert r["errors"][worst] <= TOLERANCE[torch.float64], (case, rank, worst, r["errors"][worst])

@@ -14,7 +14,7 @@ import sympy
 import torch
 from torch import fx
 
-from ...placements import PARTIAL, REPLICATE, Partial, Placement, Routed, Shard
+from ...placements import PARTIAL, REPLICATE, Partial, Placement, Replicate, Routed, Shard
 from .registry import (LocalContext, OpInfo, Strategy, TensorMeta, along_sequence, is_partial, is_shard, register,
                        register_localizer)
 
@@ -223,6 +223,15 @@ def reduce_scatters_tokens(have: Any, want: Any) -> bool:
     combine at its narrowing cast; rewrite.scatter_tokens)."""
     return (isinstance(have, Partial) and not isinstance(have, Routed) and isinstance(want, Routed)
             and want.tokens and not want.reordered and want.span == 1 and want.dim == 0 and want.unit == 1)
+
+
+def scatters_tokens(have: Any, want: Any) -> bool:
+    """Whether turning ``have`` into ``want`` is a whole tensor sliced to the rank's tokens' rows
+    (``R -> P(tokens 0)``: a residual ``[b*s, h]`` every rank holds, added to the rows; free
+    forward, its gradient all-gathered along the sequence; rewrite.slice_tokens). Only where its
+    rows are flattened tokens (:func:`sequence_factors`: propagate.conversion_seconds asks)."""
+    return (isinstance(have, Replicate) and isinstance(want, Routed) and want.tokens and not want.reordered
+            and not want.own and want.span == 1 and want.dim == 0 and want.unit == 1)
 
 
 @register_localizer(aten.add.Tensor)
