@@ -3,7 +3,11 @@ flattens ``[b, s, h]`` to ``[b*s, h]`` and RMS-normalizes the rows (``torch.nn.R
 ``aten.rms_norm`` in the graph, or Llama's spelled out: a mean of squares and ``rsqrt``)
 before its MLP. The norm keeps the rank's tokens' rows (``P(tokens 0)``) and fc1 reads them
 all-gathered with its f fused in; before, ``aten.rms_norm`` took no rows, so they were
-all-gathered whole in front of it and the norm ran on every token of every rank."""
+all-gathered whole in front of it and the norm ran on every token of every rank.
+
+The same model without fc2's bias adds fc2's partial sum to a residual that layer 0 holds whole:
+sliced to the rows (``R -> P(tokens 0)``), where before forced sequence parallelism was a
+PlanError; and run sequence-first (``[s, b, h] -> [s*b, h]``), its rows read as a partition."""
 from __future__ import annotations
 
 import pytest
