@@ -136,6 +136,7 @@ def _check(cluster_of, case: dict) -> None:
     for rank, r in enumerate(cluster_of(case["tp"]).run(merged_norm_case, case)):
         assert ("all_gather_f", ROWS, "R") in r["comms"], (case, r["comms"])
         assert not case.get("scatter") or ("scatter", "R", ROWS) in r["comms"], (case, r["comms"])
+        assert r["comms"].count(("reduce_scatter", "P", ROWS)) >= case.get("into_rows", 1), (case, r["comms"])
         worst = max(r["errors"], key=r["errors"].get)
         assert r["errors"][worst] <= TOLERANCE[torch.float64], (case, rank, worst, r["errors"][worst])
 
@@ -194,3 +195,31 @@ def test_a_sequence_first_flatten_equals_serial(cluster_of):
             assert ("scatter", "R", ROWS) in r["comms"] and ("reduce_scatter", "P", ROWS) in r["comms"], r["comms"]
             worst = max(r["errors"], key=r["errors"].get)
             assert r["errors"][worst] <= TOLERANCE[torch.float64], (case, rank, worst, r["errors"][worst])
+
+
+def test_a_partial_sum_added_to_the_tokens_rows_is_reduce_scattered_into_them():
+    """fc2 with no bias, four layers: from layer 1 on the residual is the rank's tokens' rows
+    themselves, and fc2's partial sum meets them at the add. It is reduce-scattered into the
+    rows there (``[P(tokens 0), P(tokens 0)] -> P(tokens 0)``: rules/pointwise.partial_into_rows)
+    in every layer but the last, whose sum goes on whole to the head (an all-reduce, the same
+    bytes as the reduce-scatter and the gather it saves). Before, the rows reached the add as a
+    Partial (rows scattered into zeros), the sum of two partial sums passed on, and every layer
+    after the first all-reduced its MLP whole, forced or not."""
+    from autotp.capture import capture
+    from autotp.planner import build_plan
+
+    model = flat_lm("rms_norm", 0, layers=4, fc2_bias=False)
+    ids = torch.randint(0, VOCAB, (2, 8))
+    cap = capture(model, (), {"input_ids": ids, "labels": ids})
+    for forced in (True, None):
+        plan, _, _ = build_plan(cap, 2, batch=64, seq=4096, profile="h100-dgx", sequence_parallel=forced,
+                                layout=PINS, align=None)
+        comms = [(c.kind, str(c.src), str(c.dst)) for c in plan.comms]
+        assert comms.count(("reduce_scatter", "P", ROWS)) == 3, (forced, comms)
+        assert comms.count(("g", "P", "R")) == 1, (forced, comms)
+
+
+def test_a_partial_sum_added_to_the_tokens_rows_equals_serial(cluster_of):
+    for tp, batch in ((2, 2), (3, 1)):
+        _check(cluster_of, {"tp": tp, "norm": "rms_norm", "layers": 4, "batch": batch, "lengths": [8, tp - 1],
+                            "seed": 13, "fc2_bias": False, "scatter": True, "into_rows": 3})

@@ -52,6 +52,7 @@ from ...placements import (PARTIAL, REPLICATE, REPLICATE_PARTIAL_GRAD, Partial, 
                            layout, local_ranges, same_placement)
 from .gathered_rows import gathered_rows_localizer, gathered_rows_strategies, gathers_rows
 from .local_routing import is_own, own_localizer, own_merge, own_strategies, owns
+from .pointwise import partial_into_rows
 from .routing import counted_by, index_length, is_permutation, written
 from .registry import (LocalContext, OpInfo, Strategy, _RULES, functional_of, is_shard, op_name, register,
                        register_localizer, register_routed, register_routed_localizer)
@@ -268,6 +269,7 @@ def _routed_strategies(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
         return found + [s for s in rule(info, placements) if isinstance(s.output, Routed)]
     if any(p.span > 1 for p in routed.values()):
         return found + _combine(info, placements)
+    found += partial_into_rows(info, placements)   # a partial sum added to token rows: reduce-scattered into them
     if info.target is aten.index.Tensor and set(routed) == {0} and routed[0].dim == 0 and routed[0].span == 1:
         indices = info.args[1]
         if len(indices) == 1 and indices[0] is not None and len(info.inputs) == 2:   # rows reordered

@@ -199,6 +199,23 @@ def merged_sequence_rows(info: OpInfo) -> Routed | None:
     return Routed(0, tokens=True) if sequence_factors(info.output.shape[0], info.sequence) is not None else None
 
 
+def partial_into_rows(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """An add (or sub) of the rank's tokens' rows (``P(tokens 0)``, the residual of a block on
+    ``[b*s, h]``) and a plain partial sum (a bias-free fc2's): the sum reduce-scattered into the
+    rows and added row by row, the rows' result. Routed rows reach the rules as a Partial (rows
+    scattered into zeros: rules/experts), where a sum of partial sums passes on whole and
+    :func:`_sequence_parallel` offers no rows: the sum would be all-reduced later, not
+    reduce-scattered. Operands broadcast along the rows stay whole."""
+    rows = merged_sequence_rows(info) if info.target in ADDITIVE else None
+    if rows is None or rows not in placements or any(isinstance(p, Routed) and p != rows for p in placements) \
+            or not any(is_partial(p) and not isinstance(p, Routed) for p in placements):
+        return []
+    nd = info.output.ndim
+    req = [REPLICATE if m.ndim < nd or m.shape[0] == 1 else rows if m.shape[0] == info.output.shape[0] else None
+           for m in info.inputs]
+    return [] if None in req else [Strategy(tuple(req), rows)]
+
+
 def sequence_factors(rows: Any, sequence: frozenset) -> tuple[Any, sympy.Symbol] | None:
     """``(outer, s)`` where ``rows`` (a dim's size) is ``outer * s`` for a sequence symbol ``s``,
     ``outer`` a product of other symbols alone (the batch): the dim holds flattened tokens ``[b,
