@@ -331,7 +331,8 @@ def _runs(n_atoms: int, tp: int) -> tuple[tuple[int, int], ...]:
 
 @lru_cache(maxsize=None)
 def _atom_runs(n_atoms: int, tp: int) -> tuple[tuple[int, int], ...]:
-    base, extra = divmod(n_atoms, tp)
+    # not divmod: dynamo refuses it on a symbolic length (a sequence split under torch.compile)
+    base, extra = n_atoms // tp, n_atoms % tp
     runs, start = [], 0
     for rank in range(tp):
         count = base + (1 if rank < extra else 0)

@@ -39,10 +39,9 @@ from .rules import OpInfo, Strategy, TensorMeta, strategies
 from .rules.row_reads import GROUPED_MM, grouped_reader, permutes_rows, reads_host, reads_rows
 from .rules.gathered_rows import gathers_rows, rank_rows_work, row_copies
 from .rules.local_routing import sorted_ids_experts
-from .rules.routing import SORTS, router_experts
-from .rules.pointwise import reduce_scatters_tokens
+from .rules.routing import SORTS, counted_pick, router_experts
+from .rules.pointwise import reduce_scatters_tokens, scatters_tokens, sequence_factors
 from .rules.registry import aliases_first, mutates_first, op_name
-from .rules.routing import counted_pick
 
 aten = torch.ops.aten
 INF = math.inf
@@ -611,6 +610,8 @@ def _conversion(src: Any, dst: Placement, size: int | None, tp: int) -> str | No
     if reduce_scatters_tokens(src, dst):
         # a Partial of flattened tokens into the rank's own: along the sequence of (b, s, ...) (rewrite)
         return "reduce_scatter"
+    if scatters_tokens(src, dst):
+        return "scatter"   # a whole tensor of flattened tokens sliced to the rank's own (rewrite.slice_tokens)
     if isinstance(dst, Shard) and dst.whole and not dst.tail and isinstance(src, Replicate):
         return "scatter"   # blocks held whole are sliced whole (a conv weight of Mamba2's one B and C)
     if isinstance(dst, Partial) or (isinstance(dst, Shard) and dst.holds_whole):
@@ -656,6 +657,8 @@ def conversion_seconds(index: "GraphIndex", profile: DeviceProfile, meta: Tensor
     found = index._conversion_cost.get(key)
     if found is None:
         kind = _conversion(have, want, _dim_size(meta, want) or _dim_size(meta, have), index.tp)
+        if scatters_tokens(have, want) and sequence_factors(meta.shape[0], index.sequence) is None:
+            kind = "inf"   # rows that are no flattened [batch, sequence]: no run of the sequence to slice
         if kind == "inf":
             found = INF
         else:

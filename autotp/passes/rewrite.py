@@ -45,7 +45,7 @@ from .propagate import (GraphIndex, Propagation, _aliases_of, _conversion, _dim_
 from .rules import LocalContext, aliases_first, is_routed, localizer_for, mutates_first
 from .rules.dispatch_sizes import dispatches_tokens
 from .rules.local_routing import owns
-from .rules.pointwise import reduce_scatters_tokens, sequence_factors
+from .rules.pointwise import reduce_scatters_tokens, scatters_tokens, sequence_factors
 from .rules.registry import REGION_BOUNDS
 from .rules.row_reads import grouped_reader
 from .rules.token_rows import ASCENDING, token_maps
@@ -245,6 +245,26 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         ctx.rows[flat], ctx.owners[flat] = rows, owners
         return flat
 
+    def slice_tokens(out: fx.Node, meta: Any) -> fx.Node:
+        """A whole tensor of rows ``[b*s, ...]`` sliced to the rank's tokens' rows (``R ->
+        Routed(0, tokens=True)``: a residual every rank holds, added to the rows): viewed as ``[b,
+        s, ...]``, the rank's run of the sequence kept (its backward the all-gather along it),
+        flattened; the row map that of the view that merged the same dims, as
+        :func:`scatter_tokens` makes it."""
+        factors = sequence_factors(meta.shape[0], index.sequence)
+        if factors is None:   # propagate.conversion_seconds prices the slice only where the size factors so
+            raise PlanError(f"cannot slice {meta.shape[0]} rows to a sequence split's tokens' rows: "
+                            f"their count is no sequence times a batch")
+        outer, seq = factors
+        rest = [sizes(s) for s in meta.shape[1:]]
+        runs = graph.call_function(torch.ops.aten.reshape.default, (out, [sizes(outer), sizes(seq), *rest]))
+        local = comm_node("scatter", runs, C.ScatterToTP(group, Shard(1), None))
+        rows, owners = _token_maps(ctx, local, 1, (outer,), seq, 1)
+        rows.meta[ASCENDING] = True
+        flat = graph.call_function(torch.ops.aten.reshape.default, (local, [-1, *rest]))
+        ctx.rows[flat], ctx.owners[flat] = rows, owners
+        return flat
+
     def convert(src: fx.Node, dst: Placement, f: bool) -> fx.Node:
         if tp == 1:
             # one rank holds every shard whole and every sum: each conversion and f/g is the
@@ -275,6 +295,9 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
                         "scatter and all-reduce, not the all-gather the plan priced", src.name)
         if reduce_scatters_tokens(have, dst):
             out = converted[key] = scatter_tokens(out, meta, src)
+            return out
+        if scatters_tokens(have, dst):
+            out = converted[key] = slice_tokens(out, meta)
             return out
         if isinstance(have, Routed) and not isinstance(dst, Routed):
             # a rank's rows of experts put in place, zero elsewhere: a plain Partial
@@ -471,9 +494,10 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
             args = tuple(device if isinstance(a, torch.device) else a for a in args)
         if rng is not None and not isinstance(target, nn.Module) and draws_random(target, tuple(args), kwargs):
             outs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
-            # a rank's own tokens' rows (a sequence split flattened) draw their own mask, as a Shard's
-            state = "sharded" if any(isinstance(p, Shard) or (isinstance(p, Routed) and p.tokens)
-                                     for p in outs) else "replicated"
+            # rows a rank holds alone draw their own mask, as a Shard's: its tokens' rows (a
+            # sequence split flattened) and its experts' rows (each row on one rank; drawn from
+            # the replicated state, every rank masked its different rows with one pattern)
+            state = "sharded" if any(isinstance(p, (Shard, Routed)) for p in outs) else "replicated"
             target = RandomOp(target, state, rng)
         if isinstance(target, nn.Module):   # an op that communicates inside (vocab-parallel loss)
             kind = getattr(target, "kind", "op")

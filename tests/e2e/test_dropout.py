@@ -93,3 +93,62 @@ def test_eval_mode_turns_the_captured_dropout_off(cluster_of):
     for train_runs_equal, eval_err, eval_runs_equal in cluster_of(2).run(_eval_mode):
         assert not train_runs_equal      # training: fresh masks each call
         assert eval_err < 1e-12 and eval_runs_equal   # eval: no dropout, equal to the serial model
+
+
+def _rows_draws(family: str, seq: int):
+    """On each rank: a tiny model with dropout on rows a rank holds alone, trained two steps with
+    dropout on; whether each replicated parameter stayed bitwise the same across the group, and
+    for each random op on such rows (its placement, its stream) whether the same input drew
+    the same mask on every rank. ``mixtral``: a dropout after the experts' activation, on their
+    rows (``P(routed 0)``, expert parallelism); ``opt``: its MLP's dropout on the rank's tokens'
+    rows (``P(tokens 0)``, sequence parallelism forced on ``[b*s, h]``)."""
+    import torch.distributed as dist
+
+    from autotp import zoo
+    from autotp.distributed.rng import RandomOp
+    from autotp.placements import Routed
+
+    if family == "mixtral":
+        model = zoo.build("mixtral", zoo.tiny_config("mixtral", layers=1), dtype=torch.float64, seed=1)
+        for layer in model.model.layers:
+            experts = layer.mlp.experts
+            experts.act_fn = torch.nn.Sequential(experts.act_fn, torch.nn.Dropout(0.5))
+        options = {"layout": {"*.experts.*": "expert"}}
+    else:
+        config = zoo.tiny_config("opt", layers=2, heads=4, kv_heads=None, head_dim=8, vocab=61)
+        config.dropout = 0.5
+        model = zoo.build("opt", config, dtype=torch.float64, seed=1)
+        options = {"batch": 64, "seq": 4096, "profile": "h100-dgx", "sequence_parallel": True,
+                   "layout": {"*.out_proj.weight": "row", "*.fc2.weight": "row"}}
+    torch.manual_seed(1000 + dist.get_rank())   # ranks' own generators differ: autotp must not rely on them
+    pm = autotp.parallelize(model, 2, **options)
+    opt = torch.optim.SGD(pm.parameters(), lr=1e-2)
+    for step in range(2):
+        ids = torch.randint(3, 50, (2, seq), generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        pm(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    group = pm.mesh.tp_group
+    drifted = [name for name, p in pm.local_parameters().items()
+               if not isinstance(pm.plan.params[name], autotp.Shard)
+               and not all(torch.equal(p.detach(), q) for q in _gather(p.detach(), group))]
+    same = {}
+    for node in pm.graph_module.graph.nodes:
+        op = pm.graph_module.get_submodule(node.target) if node.op == "call_module" else None
+        placement = node.meta.get("autotp_placement")
+        if isinstance(op, RandomOp) and isinstance(placement, Routed):
+            out = op(torch.ones(256, dtype=torch.float64), 0.5, True)
+            same[f"{node.name} {placement}"] = all(torch.equal(out, o) for o in _gather(out, group))
+    return drifted, same
+
+
+@pytest.mark.parametrize("family, rows", [("mixtral", "P(routed 0)"), ("opt", "P(tokens 0)")])
+def test_a_dropout_on_rows_a_rank_holds_alone_draws_the_ranks_own_mask(cluster_of, family, rows):
+    # each row is on one rank: a mask from the replicated state (before, on the experts' rows)
+    # masks every rank's different rows with one pattern, where the whole tensor draws one per row
+    for drifted, same in cluster_of(2).run(_rows_draws, family, 7):
+        assert drifted == []
+        on_rows = [name for name in same if name.endswith(rows)]
+        assert on_rows, sorted(same)
+        assert all("_sharded_" in name for name in on_rows), sorted(same)
+        assert not any(same[name] for name in on_rows), same

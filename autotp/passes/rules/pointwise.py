@@ -14,7 +14,7 @@ import sympy
 import torch
 from torch import fx
 
-from ...placements import PARTIAL, REPLICATE, Partial, Placement, Routed, Shard
+from ...placements import PARTIAL, REPLICATE, Partial, Placement, Replicate, Routed, Shard
 from .registry import (LocalContext, OpInfo, Strategy, TensorMeta, along_sequence, is_partial, is_shard, register,
                        register_localizer)
 
@@ -199,6 +199,23 @@ def merged_sequence_rows(info: OpInfo) -> Routed | None:
     return Routed(0, tokens=True) if sequence_factors(info.output.shape[0], info.sequence) is not None else None
 
 
+def partial_into_rows(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """An add (or sub) of the rank's tokens' rows (``P(tokens 0)``, the residual of a block on
+    ``[b*s, h]``) and a plain partial sum (a bias-free fc2's): the sum reduce-scattered into the
+    rows and added row by row, the rows' result. Routed rows reach the rules as a Partial (rows
+    scattered into zeros: rules/experts), where a sum of partial sums passes on whole and
+    :func:`_sequence_parallel` offers no rows: the sum would be all-reduced later, not
+    reduce-scattered. Operands broadcast along the rows stay whole."""
+    rows = merged_sequence_rows(info) if info.target in ADDITIVE else None
+    if rows is None or rows not in placements or any(isinstance(p, Routed) and p != rows for p in placements) \
+            or not any(is_partial(p) and not isinstance(p, Routed) for p in placements):
+        return []
+    nd = info.output.ndim
+    req = [REPLICATE if m.ndim < nd or m.shape[0] == 1 else rows if m.shape[0] == info.output.shape[0] else None
+           for m in info.inputs]
+    return [] if None in req else [Strategy(tuple(req), rows)]
+
+
 def sequence_factors(rows: Any, sequence: frozenset) -> tuple[Any, sympy.Symbol] | None:
     """``(outer, s)`` where ``rows`` (a dim's size) is ``outer * s`` for a sequence symbol ``s``,
     ``outer`` a product of other symbols alone (the batch): the dim holds flattened tokens ``[b,
@@ -223,6 +240,15 @@ def reduce_scatters_tokens(have: Any, want: Any) -> bool:
     combine at its narrowing cast; rewrite.scatter_tokens)."""
     return (isinstance(have, Partial) and not isinstance(have, Routed) and isinstance(want, Routed)
             and want.tokens and not want.reordered and want.span == 1 and want.dim == 0 and want.unit == 1)
+
+
+def scatters_tokens(have: Any, want: Any) -> bool:
+    """Whether turning ``have`` into ``want`` is a whole tensor sliced to the rank's tokens' rows
+    (``R -> P(tokens 0)``: a residual ``[b*s, h]`` every rank holds, added to the rows; free
+    forward, its gradient all-gathered along the sequence; rewrite.slice_tokens). Only where its
+    rows are flattened tokens (:func:`sequence_factors`: propagate.conversion_seconds asks)."""
+    return (isinstance(have, Replicate) and isinstance(want, Routed) and want.tokens and not want.reordered
+            and not want.own and want.span == 1 and want.dim == 0 and want.unit == 1)
 
 
 @register_localizer(aten.add.Tensor)

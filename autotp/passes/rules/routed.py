@@ -19,6 +19,7 @@ import torch
 from ...placements import PARTIAL, REPLICATE, Routed, Shard
 from .gathered_rows import gathered_rows_strategies
 from .local_routing import is_own, own_merge, own_strategies
+from .pointwise import partial_into_rows
 from .registry import OpInfo, Strategy, functional_of, is_shard, op_name, register_routed
 from .row_reads import GROUPED_MM
 from .token_rows import SIZED_VIEWS, token_sequence, token_split
@@ -48,9 +49,10 @@ ROW_BY_ROW = frozenset((aten.mul.Tensor, aten.div.Tensor, aten.bmm.default, aten
                         aten.masked_fill.Tensor, aten.gather.default, aten.scatter.value, aten.scatter.src))
 #: ops along another dim than the rows' that keep each row's result in its row (the router's
 #: softmax and top-k over the experts of each token, a norm's mean over a head's features, a layer
-#: norm over each token's features: OPT's MLP on a sequence split's rows); their own rules say which dims
+#: norm over each token's features: OPT's MLP on a sequence split's rows, and an RMS norm's where
+#: export keeps it one op: torch.nn.RMSNorm); their own rules say which dims
 ROW_REDUCING = frozenset((aten._softmax.default, aten.softmax.int, aten.topk.default, aten.mean.dim,
-                          aten.layer_norm.default))
+                          aten.layer_norm.default, aten.rms_norm.default))
 
 
 def _kind(target):
@@ -90,6 +92,7 @@ def _routed_strategies(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
         return found + [s for s in rule(info, placements) if isinstance(s.output, Routed)]
     if any(p.span > 1 for p in routed.values()):
         return found + _combine(info, placements)
+    found += partial_into_rows(info, placements)   # a partial sum added to token rows: reduce-scattered into them
     if info.target is aten.index.Tensor and set(routed) == {0} and routed[0].dim == 0 and routed[0].span == 1:
         indices = info.args[1]
         if len(indices) == 1 and indices[0] is not None and len(info.inputs) == 2:   # rows reordered
