@@ -259,7 +259,7 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         rest = [sizes(s) for s in meta.shape[1:]]
         runs = graph.call_function(torch.ops.aten.reshape.default, (out, [sizes(outer), sizes(seq), *rest]))
         local = comm_node("scatter", runs, C.ScatterToTP(group, Shard(1), None))
-        rows, owners = _token_maps(ctx, local, 1, (outer,), seq, 1)
+        rows, owners = token_maps(ctx, local, 1, (outer,), seq, 1)
         rows.meta[ASCENDING] = True
         flat = graph.call_function(torch.ops.aten.reshape.default, (local, [-1, *rest]))
         ctx.rows[flat], ctx.owners[flat] = rows, owners
