@@ -31,7 +31,7 @@ from ..capture import Capture, shape_of
 from ..cost_model.devices import DeviceProfile
 from ..cost_model.symbolic import (activation_bytes, collective_bytes, collective_time, compute_time,
                                    conversion_kinds, nbytes, numel)
-from ..placements import (PARTIAL, REPLICATE, Partial, Placement, Replicate, ReplicatePartialGrad, Routed, Shard, atoms_per_chunk, divides, is_even,
+from ..placements import (PARTIAL, REPLICATE, Partial, Placement, Replicate, ReplicatePartialGrad, Routed, Shard, divides, is_even,
                           max_local_size, resharded_by_all_to_all, same_placement)
 from .fused_bias import bias_add, takes_as_made
 from .hints import column_hint, index_picks, row_hint

@@ -49,7 +49,7 @@ from torch import fx
 from ..capture import module_path
 from ..cost_model.devices import DeviceProfile
 from ..errors import MemoryLimitError, PlanError
-from ..placements import REPLICATE, Partial, Placement, Shard, same_placement
+from ..placements import REPLICATE, Partial, Placement, Shard
 from .rules import Strategy
 from .propagate import (INF, GraphIndex, Propagation, _even, _meta, _out_meta,
                         _sharded_compute, added_seconds, conversion_seconds, gathers_seconds, gathers_whole,

@@ -182,7 +182,7 @@ def _left_matrix_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
     (W whole) passes through."""
     pw, px = placements
     nd = info.inputs[1].ndim
-    rows, cols = info.output.ndim - 2, info.output.ndim - 1
+    rows = info.output.ndim - 2
     out = [Strategy((REPLICATE, REPLICATE), REPLICATE)]
     if is_shard(pw) and pw.dim == 0:
         out.append(Strategy((pw, REPLICATE), pw.with_dim(rows)))

@@ -14,7 +14,7 @@ import sympy
 import torch
 from torch import fx
 
-from ...placements import PARTIAL, REPLICATE, Partial, Placement, Replicate, Routed, Shard
+from ...placements import PARTIAL, REPLICATE, Partial, Placement, Replicate, Routed
 from .registry import (LocalContext, OpInfo, Strategy, TensorMeta, along_sequence, is_partial, is_shard, register,
                        register_localizer)
 

@@ -23,7 +23,6 @@ from .registry import (
     LocalContext,
     OpInfo,
     Strategy,
-    TensorMeta,
     is_partial,
     is_replicate,
     is_shard,
