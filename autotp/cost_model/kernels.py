@@ -430,10 +430,11 @@ def vocab_parallel_loss_work(rows: Any, cols: Any, elem_bytes: int, target_bytes
     """The kernels ``distributed.functional._VocabParallelCrossEntropy`` runs on a rank holding
     ``cols`` of the vocabulary (in ``runs`` ranges) for ``rows`` tokens, forward and backward,
     each with the bytes it reads and writes: the float32 upcast of half-precision logits (and the
-    gradient's cast back), the row max, ``logits - max``, its ``exp_``, the row sum, the targets'
-    local columns found range by range, their logits gathered, the loss's per-token arithmetic;
-    backward the softmax scaled (one pass over the logits) and the targets' entries lowered by a
-    scatter. The collectives are the strategy's ``internal`` ones, priced as collectives.
+    gradient's cast back), the local row max, the local softmax (one fused kernel), the targets'
+    local columns found range by range, their logits gathered, the per-token arithmetic that
+    combines the ranks' sums of exps and makes the loss; backward the softmax rescaled (one pass
+    over the logits) and the targets' entries lowered by a scatter. The collectives are the
+    strategy's ``internal`` ones, priced as collectives.
 
     Bytes are what each kernel touches: a gather reads the entries it picks, an in-place
     scatter-add reads and writes the entries it adds to, a fill reads nothing."""
@@ -444,20 +445,25 @@ def vocab_parallel_loss_work(rows: Any, cols: Any, elem_bytes: int, target_bytes
     fwd: list = []
     if e < f:
         fwd.append(("cast", (e + f) * nv))
-    fwd += [("reduction", f * nv + (f + 8) * n),   # max (values and int64 indices)
-            ("broadcast", 2 * f * nv + f * n),     # logits - max
-            ("elementwise", 2 * f * nv),           # exp_
-            ("reduction", f * nv + f * n),         # sum of exps
-            ("elementwise", i * n), ("elementwise", n)]   # zeros_like: local targets, in-range mask
+    fwd += [("reduction", f * nv + (f + 8) * n),   # local max (values and int64 positions)
+            ("softmax", 2 * f * nv),               # local softmax
+            ("elementwise", 8 * n + 2 * f * n)]    # its entry at the max: 1 / the local sum of exps
+    if many:
+        fwd.append(("elementwise", 2 * f * n))     # the local max kept apart from the all-reduced one
+    fwd += [("elementwise", i * n), ("elementwise", n)]   # zeros_like: local targets, in-range mask
     for _ in range(runs):                          # ge, lt, and, sub, add, where, or_
         fwd += [("elementwise", i * n + n)] * 2 + [("elementwise", 3 * n)] \
             + [("elementwise", 2 * i * n)] * 2 + [("elementwise", n + 3 * i * n), ("elementwise", 3 * n)]
     fwd += [("elementwise", i * n + 2 * f * n),   # gather of the targets' logits
             ("elementwise", 3 * f * n),             # - max
-            ("elementwise", 2 * f * n + n)]         # * in range
+            ("elementwise", 2 * f * n + n),         # * in range
+            ("elementwise", 3 * f * n),             # local max - max
+            ("elementwise", 2 * f * n),             # exp_
+            ("elementwise", 3 * f * n)]             # / (1 / local sum): this rank's share of the sum
     if many:
         fwd.append(("elementwise", 4 * f * n))     # stack (sums of exps, targets' logits) for one all-reduce
     fwd += [("elementwise", 2 * f * n), ("elementwise", 3 * f * n),   # log, - target's logit
+            ("elementwise", 3 * f * n),             # share / sum: the local softmax's part
             ("elementwise", i * n + n), ("elementwise", 2 * f * n + n),   # != ignore_index, * valid
             ("reduction", n + 8)]                   # count of valid targets
     if reduction:
@@ -470,8 +476,8 @@ def vocab_parallel_loss_work(rows: Any, cols: Any, elem_bytes: int, target_bytes
             bwd.append(("elementwise", 2 * f + 8))   # grad / count
         bwd += [("elementwise", f),                   # the 0 of where(valid, scale, 0)
                 ("elementwise", n + whole + f + f * n),   # where
-                ("elementwise", 3 * f * n),           # scale / sum of exps
-                ("broadcast", 2 * f * nv + f * n),    # exp * (scale / sum)
+                ("elementwise", 3 * f * n),           # scale * share
+                ("broadcast", 2 * f * nv + f * n),    # softmax * (scale * share)
                 ("elementwise", 2 * f * n + n),       # scale * in range
                 ("elementwise", 2 * f * n),           # neg
                 ("scatter", i * n + 3 * f * n)]       # scatter_add_ into the targets' entries

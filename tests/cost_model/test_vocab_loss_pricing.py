@@ -55,7 +55,7 @@ class KernelCounter(TorchDispatchMode):
 
 
 @pytest.fixture(scope="module")
-def fake_rank():
+def fake_world():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
@@ -78,7 +78,7 @@ def _priced(rows: int, vocab: int, shard: Shard, dtype, reduction: int):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("reduction", [0, 1, 2])
 @pytest.mark.parametrize("chunks", [1, 2])
-def test_priced_kernels_and_bytes_are_what_the_rank_runs(fake_rank, dtype, reduction, chunks):
+def test_priced_kernels_and_bytes_are_what_the_rank_runs(fake_world, dtype, reduction, chunks):
     rows, vocab = 24, 203            # 8 ranks do not divide the vocabulary
     shard = Shard(1, chunks=chunks) if chunks > 1 else Shard(1)
     vocab = vocab if chunks == 1 else 2 * 101
@@ -88,7 +88,7 @@ def test_priced_kernels_and_bytes_are_what_the_rank_runs(fake_rank, dtype, reduc
     logits = torch.randn(rows, cols, generator=g).to(dtype).requires_grad_()
     target = torch.randint(0, vocab, (rows,), generator=g)
     target[::5] = -100
-    loss = VocabParallelCrossEntropy(fake_rank, ranges, -100, reduction)
+    loss = VocabParallelCrossEntropy(fake_world, ranges, -100, reduction)
     with KernelCounter() as forward:
         out = loss(logits, target)
     upstream = torch.randn(out.shape, generator=g, dtype=out.dtype)
