@@ -450,10 +450,10 @@ def vocab_parallel_loss_work(rows: Any, cols: Any, elem_bytes: int, target_bytes
             ("elementwise", 8 * n + 2 * f * n)]    # its entry at the max: 1 / the local sum of exps
     if many:
         fwd.append(("elementwise", 2 * f * n))     # the local max kept apart from the all-reduced one
-    fwd += [("elementwise", i * n), ("elementwise", n)]   # zeros_like: local targets, in-range mask
-    for _ in range(runs):                          # ge, lt, and, sub, add, where, or_
-        fwd += [("elementwise", i * n + n)] * 2 + [("elementwise", 3 * n)] \
-            + [("elementwise", 2 * i * n)] * 2 + [("elementwise", n + 3 * i * n), ("elementwise", 3 * n)]
+    for run in range(runs):                        # the targets' local columns: sub, ge, lt, and, then
+        fwd += [("elementwise", 2 * i * n)] + [("elementwise", i * n + n)] * 2 + [("elementwise", 3 * n)]
+        fwd += [("elementwise", 2 * i * n + n)] if run == 0 else \
+            [("elementwise", n + 3 * i * n), ("elementwise", 3 * n)]   # * hit; or where, or_
     fwd += [("elementwise", i * n + 2 * f * n),   # gather of the targets' logits
             ("elementwise", 3 * f * n),             # - max
             ("elementwise", 2 * f * n + n),         # * in range

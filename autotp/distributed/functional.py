@@ -66,13 +66,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             row_max = local_max.clone()
             with _comm("all_reduce(max) in vocab-parallel cross-entropy", group):
                 dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        local_target = torch.zeros_like(target)
-        in_range = torch.zeros_like(target, dtype=torch.bool)
+        # the targets' local columns (0 where another rank holds them), range by range
+        local_target = in_range = None
         offset = 0
         for start, stop in ranges:
+            shifted = target - (start - offset)
             hit = (target >= start) & (target < stop)
-            local_target = torch.where(hit, target - start + offset, local_target)
-            in_range |= hit
+            if local_target is None:
+                local_target, in_range = shifted * hit, hit
+            else:
+                local_target = torch.where(hit, shifted, local_target)
+                in_range |= hit
             offset += stop - start
         picked = (logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) - row_max) * in_range
         sum_exp = torch.sub(local_max, row_max).exp_().div_(inv_sum)         # s_r exp(m_r - M)
