@@ -78,6 +78,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                 local_target = torch.where(hit, shifted, local_target)
                 in_range |= hit
             offset += stop - start
+        if local_target is None:   # no columns held
+            local_target, in_range = torch.zeros_like(target), torch.zeros_like(target, dtype=torch.bool)
         picked = (logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) - row_max) * in_range
         sum_exp = torch.sub(local_max, row_max).exp_().div_(inv_sum)         # s_r exp(m_r - M)
         share = sum_exp
