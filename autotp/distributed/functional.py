@@ -40,9 +40,14 @@ def mean_share(x: torch.Tensor, dims: tuple[int, ...], keepdim: bool, count: int
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross-entropy of logits split by vocabulary (Megatron's vocab-parallel loss).
 
-    Forward: each rank holds logits for its vocabulary rows; the row max, the sum of exps and
-    the target's logit are each all-reduced (b*s numbers each, never b*s*V). Backward needs no
-    communication: the gradient of a rank's logits is its slice of softmax - one_hot.
+    Forward: each rank takes its rows' local max ``m_r`` and its local softmax
+    ``exp(x - m_r) / s_r`` in one fused kernel (whose entry at the max is ``1 / s_r``); the
+    row max ``M`` is all-reduced, then each rank's share of the sum of exps,
+    ``s_r exp(m_r - M)``, and the target's logit (from the rank that holds it) are all-reduced
+    together (b*s numbers, then 2*b*s, never b*s*V). Three passes over the logits (the max, the
+    softmax, backward's product) where ``max, logits - max, exp, sum`` took five. Backward needs
+    no communication: the gradient of a rank's logits is its slice of softmax - one_hot, the
+    local softmax rescaled by ``s_r exp(m_r - M) / S``.
     """
 
     @staticmethod
@@ -53,32 +58,43 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         many = group_size(group) > 1
         logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-        row_max = logits.max(dim=-1).values
+        local_max, at_max = logits.max(dim=-1)
+        softmax = torch.softmax(logits, -1)                                  # kept for backward
+        inv_sum = softmax.gather(-1, at_max.unsqueeze(-1)).squeeze(-1)      # exp(0) / s_r
+        row_max = local_max
         if many:
+            row_max = local_max.clone()
             with _comm("all_reduce(max) in vocab-parallel cross-entropy", group):
                 dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        # one full-size temporary, kept for backward: exp(logits - max), computed in place
-        exp = torch.sub(logits, row_max.unsqueeze(-1)).exp_()
-        sum_exp = exp.sum(dim=-1)
-        local_target = torch.zeros_like(target)
-        in_range = torch.zeros_like(target, dtype=torch.bool)
+        # the targets' local columns (0 where another rank holds them), range by range
+        local_target = in_range = None
         offset = 0
         for start, stop in ranges:
+            shifted = target - (start - offset)
             hit = (target >= start) & (target < stop)
-            local_target = torch.where(hit, target - start + offset, local_target)
-            in_range |= hit
+            if local_target is None:
+                local_target, in_range = shifted * hit, hit
+            else:
+                local_target = torch.where(hit, shifted, local_target)
+                in_range |= hit
             offset += stop - start
+        if local_target is None:   # no columns held
+            local_target, in_range = torch.zeros_like(target), torch.zeros_like(target, dtype=torch.bool)
         picked = (logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) - row_max) * in_range
+        sum_exp = torch.sub(local_max, row_max).exp_().div_(inv_sum)         # s_r exp(m_r - M)
+        share = sum_exp
         if many:
             both = torch.stack([sum_exp, picked])
             with _comm("all_reduce(sum) in vocab-parallel cross-entropy", group):
                 dist.all_reduce(both, group=group)
             sum_exp, picked = both[0], both[1]
         losses = sum_exp.log() - picked
+        # the local softmax's part of the whole one: s_r exp(m_r - M) / S
+        share = share / sum_exp
         valid = target != ignore_index
         losses = losses * valid
         count = valid.sum()
-        ctx.save_for_backward(exp, sum_exp, local_target, in_range, valid, count)
+        ctx.save_for_backward(softmax, share, local_target, in_range, valid, count)
         ctx.reduction = reduction
         if reduction == 1:   # mean over non-ignored targets
             return losses.sum() / count
@@ -88,11 +104,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        exp, sum_exp, local_target, in_range, valid, count = ctx.saved_tensors
+        softmax, share, local_target, in_range, valid, count = ctx.saved_tensors
         # d loss_i / d logit_ij = scale_i * (softmax_ij - [j is i's target]): one full-size
-        # tensor (exp scaled by scale_i / sum_i), the target's entry lowered in place
+        # tensor (the local softmax scaled by scale_i * share_i), the target's entry lowered in place
         scale = torch.where(valid, grad / count if ctx.reduction == 1 else grad, 0)   # no cast of the mask
-        out = exp * (scale / sum_exp).unsqueeze(-1)
+        out = softmax * (scale * share).unsqueeze(-1)
         out.scatter_add_(-1, local_target.unsqueeze(-1), -(scale * in_range).unsqueeze(-1))
         return out, None, None, None, None, None
 

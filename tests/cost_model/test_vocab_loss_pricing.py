@@ -1,0 +1,100 @@
+"""The vocab-parallel loss is priced as the kernels a rank runs for it: every ATen call its forward
+and backward dispatch on one rank of the fake backend (collectives return at once) is a launch
+of the price, and the bytes each call touches sum to the price's bytes, for half, single and
+double logits, every reduction, one or two ranges of the vocabulary held."""
+import pytest
+import sympy
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from autotp.cost_model.kernels import op_work
+from autotp.distributed.functional import VocabParallelCrossEntropy
+from autotp.passes.rules import OpInfo, Strategy, TensorMeta
+from autotp.placements import REPLICATE, Shard, local_ranges
+
+aten = torch.ops.aten
+TP = 8
+#: ops that fill a tensor without reading one
+FILLS = ("zeros_like", "ones_like", "scalar_tensor", "full_like", "empty_like")
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(tensors) if isinstance(t, torch.Tensor))
+
+
+class KernelCounter(TorchDispatchMode):
+    """Each non-view ATen call a kernel, with the bytes it touches: its tensor arguments read and
+    its results written, except that a fill reads nothing, a gather reads only the entries it
+    picks, and an in-place scatter-add reads and writes only the entries it adds to.
+    Collectives are communication, not kernels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.launches, self.bytes, self.calls = 0, 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if func.is_view or func.namespace in ("c10d", "_c10d_functional"):
+            return out
+        if name in FILLS:
+            moved = _nbytes(out)
+        elif name == "gather":
+            moved = _nbytes(args[2]) + 2 * _nbytes(out)
+        elif name == "scatter_add_":
+            moved = _nbytes((args[2], args[3])) + 2 * _nbytes(args[3])
+        else:
+            moved = _nbytes((args, kwargs)) + _nbytes(out)
+        self.launches += 1
+        self.bytes += moved
+        self.calls.append((name, moved))
+        return out
+
+
+@pytest.fixture(scope="module")
+def fake_world():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=TP, store=FakeStore())
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def _priced(rows: int, vocab: int, shard: Shard, dtype, reduction: int):
+    logits = TensorMeta((sympy.Integer(rows), sympy.Integer(vocab)), dtype)
+    target = TensorMeta((sympy.Integer(rows),), torch.int64)
+    out = TensorMeta(() if reduction else (sympy.Integer(rows),), dtype)
+    info = OpInfo(aten.cross_entropy_loss.default, (logits, target, None, reduction), {}, (logits, target), out, TP)
+    info.train_dtype, info.grad_inputs = dtype, (True, False)
+    return op_work(info, Strategy((shard, REPLICATE), REPLICATE), TP, dtype.itemsize if dtype != torch.bfloat16
+                   else 2, torch.float32 if dtype == torch.bfloat16 else dtype, rank=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_priced_kernels_and_bytes_are_what_the_rank_runs(fake_world, dtype, reduction, chunks):
+    rows, vocab = 24, 203            # 8 ranks do not divide the vocabulary
+    shard = Shard(1, chunks=chunks) if chunks > 1 else Shard(1)
+    vocab = vocab if chunks == 1 else 2 * 101
+    ranges = local_ranges(vocab, shard, TP, 0)
+    cols = sum(stop - start for start, stop in ranges)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(rows, cols, generator=g).to(dtype).requires_grad_()
+    target = torch.randint(0, vocab, (rows,), generator=g)
+    target[::5] = -100
+    loss = VocabParallelCrossEntropy(fake_world, ranges, -100, reduction)
+    with KernelCounter() as forward:
+        out = loss(logits, target)
+    upstream = torch.randn(out.shape, generator=g, dtype=out.dtype)
+    with KernelCounter() as backward:
+        torch.autograd.grad(out, logits, upstream)
+    work = _priced(rows, vocab, shard, dtype, reduction)
+    calls = forward.calls + backward.calls
+    assert work.launches == len(calls), calls
+    assert sum(b for _, b in work.moved) == sum(b for _, b in calls), calls
