@@ -83,9 +83,13 @@ def test_megatron_layout_emerges_for_every_gpt2_width(size, profile, tp):
     # Two layers of each width: layers repeat, and the solver solves one and reuses it. Below
     # GPT-2 xl's width an MLP kept whole on s/tp tokens moves fewer bytes (its weights' gradients,
     # 8h^2, in the TP group) than splitting it (b*s*h four times, with a copy into place each time,
-    # at 8 x 1024 tokens): the solver may keep it whole there; xl's MLP splits as Megatron's.
+    # at 8 x 1024 tokens): the solver may keep it whole there; xl's MLP splits as Megatron's, but
+    # at tp 2 the two are a tie (h100-dgx: 14.968 ms whole, 14.986 ms split, since a product's bias
+    # runs inside it, passes/fused_bias.py, and a row-parallel product's stays a kernel of its own
+    # after its reduce-scatter), so the solver may take either there.
     hidden, heads, _ = GPT2_FAMILY[size]
-    assert_megatron(plan_of(gpt2_capture(hidden, heads), tp, profile=profile), 2, mlp=hidden >= 1600)
+    assert_megatron(plan_of(gpt2_capture(hidden, heads), tp, profile=profile), 2,
+                    mlp=hidden > 1600 or (hidden == 1600 and tp > 2))
 
 
 def test_sequence_parallelism_is_chosen_by_cost_in_every_layer_of_gpt2_xl():
