@@ -281,22 +281,26 @@ def dense_order(x: Tensor) -> list[int] | None:
 
 
 def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tensor:
-    """All ranks' shards of ``x`` assembled into the full tensor (no autograd), laid out as ``x``
-    is: a permutation of a contiguous tensor is gathered in its memory's order and returned as
-    that permutation, as the serial program's tensor is (attention's output ``[b, heads, s, d]``
-    held as ``[b, s, heads, d]``, whose heads the program folds into the hidden by a view; made
-    contiguous first, its send was one copy and that fold another)."""
+    """All ranks' shards of ``x`` assembled into the full tensor (no autograd). An even split's
+    part held as a permutation of a contiguous tensor is gathered in its memory's order and
+    returned as that permutation, as the serial program's tensor is (attention's output
+    ``[b, heads, s, d]`` held as ``[b, s, heads, d]``, whose heads the program folds into the
+    hidden by a view; made contiguous first, its send was one copy and that fold another)."""
     tp, x = group_size(group), x.detach()
     if tp == 1:
         return x.contiguous()
     compiling = torch.compiler.is_compiling()   # asked once for the helpers below
-    order = None if compiling else dense_order(x)   # a compiled program's layouts are inductor's
+    split = _split(full_size, shard, tp, compiling)
+    # The blocks travel in each rank's memory order, so every rank must hold its part alike: an
+    # even split's parts are one shape, made by the same program, laid out the same. An uneven
+    # one's differ (an empty or one-long part is contiguous, its strides ties), so they are made
+    # contiguous. A compiled program's layouts are inductor's.
+    order = dense_order(x) if split.even and x.numel() and not compiling else None
     if order is not None:
         held = dataclasses.replace(shard, dim=order.index(shard.dim),
                                    outer=order.index(shard.outer) if shard.outer >= 0 else shard.outer)
         full = _all_gather(x.permute(order), group, held, full_size, op)
         return full.permute(sorted(range(x.dim()), key=order.__getitem__))
-    split = _split(full_size, shard, tp, compiling)
     d, width = shard.dim, split.width
     if split.even:
         # An even contiguous split: one all_gather_into_tensor into a [tp, *local] buffer; the
