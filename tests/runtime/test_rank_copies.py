@@ -1,7 +1,8 @@
 """A rank's step copies no more than serial's, beyond what a collective needs.
 
-One rank of tp 2 on torch's ``fake`` backend (its collectives return at once), Llama, GPT-2 and
-OPT (its MLP on ``[b*s, h]``, pinned to Megatron's layout) wide enough that the plan splits them
+One rank of tp 2 on torch's ``fake`` backend (its collectives return at once), Llama, GPT-2
+(pinned to Megatron's layout, and as the cost model plans it: attn.c_proj whole after gathering
+attention's heads) and OPT (its MLP on ``[b*s, h]``, pinned to Megatron's layout) wide enough that the plan splits them
 (8 heads of 64, planned for 256 x 32 on h100-dgx: 8192 tokens, as many as 8 x 1024, at a length
 the tiny models' 32 positions take), with sequence parallelism forced and forbidden, at a batch
 of one and of two.
@@ -16,7 +17,9 @@ where a real collective, or a slice the program's views read, needs it:
   size above one before it (the hidden of any [b, s, h], the sequence of a batch of two) is
   moved into place, one copy of the gathered tensor; a send that is not contiguous is made so.
   A split of dim 0, or with only dims of size one before it (the sequence of a batch of one),
-  is the gathered buffer itself: no copy.
+  is the gathered buffer itself: no copy. An even split's part held as a permutation
+  (attention's output ``[b, heads, s, d]`` held ``[b, s, heads, d]``) is gathered in its
+  memory's order and returned so: no send copy, and the program's fold of the heads is a view.
 * ``collectives._reduce_scatter``: a reduce-scatter reads each rank's block one after another
   along dim 0; the same splits are staged into that order (one copy of the summand), others
   are that order already.
@@ -26,8 +29,9 @@ where a real collective, or a slice the program's views read, needs it:
   copy of the rank's part each side (none where that split is of dim 0, or has only dims of size
   one before it), run by run where a split is uneven.
 * ``collectives.rank_slice``: a rank's slice of a replicated tensor (a scatter, no collective)
-  that is strided (a split of the hidden), laid out for the program's ``view`` nodes. A slice
-  that is contiguous is a view; a gradient's slice stays strided (autograd takes it so).
+  that is strided (a split of the hidden), laid out for the program's ``view`` nodes, at most
+  one per scatter. A slice that is contiguous is a view; a gradient's slice (an all-gather's
+  backward) stays a view, strided or not, which the formula it goes to reads so.
 
 An f's and a g's all-reduce make no copy: they reduce in place (``autotp.passes.in_place``; a
 functional all-reduce copies its input first, which ``CopyCounter`` records as an ``all_reduce``
