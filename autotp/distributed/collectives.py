@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import threading
 import time
@@ -230,14 +231,16 @@ def local_shard(full: Tensor, shard: Shard, tp: int, rank: int) -> Tensor:
     return torch.cat([full.narrow(d, a, b - a) for a, b in ranges], dim=d).contiguous()
 
 
-def rank_slice(x: Tensor, shard: Shard, tp: int, rank: int) -> Tensor:
+def rank_slice(x: Tensor, shard: Shard, tp: int, rank: int, strided: bool = False) -> Tensor:
     """``local_shard`` of an activation or a gradient inside a step, copied only where it must
     be: one run whose slice is contiguous already (a split of dim 0, or of a dim with only dims
     of size one before it: the sequence of a batch of one) is that slice, a view, as serial
     code slicing it would hold. A strided slice (a split of a dim after one of size above one)
-    is laid out by one copy, for the program's ``view`` nodes and the backward formulas that
-    read it contiguous (a strided gradient left to them is copied there instead: layer norm's
-    backward makes its gradient contiguous); several runs are joined by one copy. A compiled
+    of an activation is laid out by one copy, for the program's ``view`` nodes, which cannot
+    view it; ``strided``: a gradient's, handed to the backward formula of the op that made the
+    tensor, stays a view, which ATen's formulas read strided as they are (attention's, the
+    pointwise ops') or copy themselves where their kernel needs it contiguous (no more bytes
+    than this copy); several runs are joined by one copy. A compiled
     program gets ``local_shard``'s fresh tensor: inductor plans its own buffers, and dynamo has
     lost gradients of outputs that alias an autograd Function's input (``_output``)."""
     if torch.compiler.is_compiling():
@@ -246,7 +249,8 @@ def rank_slice(x: Tensor, shard: Shard, tp: int, rank: int) -> Tensor:
     if len(ranges) != 1:
         return local_shard(x, shard, tp, rank)
     (a, b), = ranges
-    return x.narrow(shard.dim, a, b - a).contiguous()   # a view where the slice is contiguous
+    cut = x.narrow(shard.dim, a, b - a)
+    return cut if strided else cut.contiguous()   # a view where the slice is contiguous
 
 
 def assemble(pieces: Sequence[Tensor], shard: Shard, full_size: int) -> Tensor:
@@ -265,13 +269,38 @@ def assemble(pieces: Sequence[Tensor], shard: Shard, full_size: int) -> Tensor:
     return torch.cat([t for _, t in segments], dim=d)
 
 
+def dense_order(x: Tensor) -> list[int] | None:
+    """The dims of ``x`` in the order its memory holds them, where ``x`` is a permutation of a
+    contiguous tensor that is not contiguous itself (attention's output ``[b, heads, s, d]`` laid
+    out as ``[b, s, heads, d]``): ``x.permute(order)`` is then contiguous. None where ``x`` is
+    contiguous, or strided past a permutation (a slice)."""
+    if x.is_contiguous():
+        return None
+    order = sorted(range(x.dim()), key=lambda i: (-x.stride(i), i))
+    return order if x.permute(order).is_contiguous() else None
+
+
 def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tensor:
-    """All ranks' shards of ``x`` assembled into the full tensor (no autograd)."""
+    """All ranks' shards of ``x`` assembled into the full tensor (no autograd). An even split's
+    part held as a permutation of a contiguous tensor is gathered in its memory's order and
+    returned as that permutation, as the serial program's tensor is (attention's output
+    ``[b, heads, s, d]`` held as ``[b, s, heads, d]``, whose heads the program folds into the
+    hidden by a view; made contiguous first, its send was one copy and that fold another)."""
     tp, x = group_size(group), x.detach()
     if tp == 1:
         return x.contiguous()
     compiling = torch.compiler.is_compiling()   # asked once for the helpers below
     split = _split(full_size, shard, tp, compiling)
+    # The blocks travel in each rank's memory order, so every rank must hold its part alike: an
+    # even split's parts are one shape, made by the same program, laid out the same. An uneven
+    # one's differ (an empty or one-long part is contiguous, its strides ties), so they are made
+    # contiguous. A compiled program's layouts are inductor's.
+    order = dense_order(x) if split.even and x.numel() and not compiling else None
+    if order is not None:
+        held = dataclasses.replace(shard, dim=order.index(shard.dim),
+                                   outer=order.index(shard.outer) if shard.outer >= 0 else shard.outer)
+        full = _all_gather(x.permute(order), group, held, full_size, op)
+        return full.permute(sorted(range(x.dim()), key=order.__getitem__))
     d, width = shard.dim, split.width
     if split.even:
         # An even contiguous split: one all_gather_into_tensor into a [tp, *local] buffer; the
@@ -585,8 +614,10 @@ class _GatherFromTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # the rank's slice of the gradient as a view, strided where the split is not of the
+        # outermost dims (the heads of attention's output): the formula it goes to reads it so
         g, s = ctx.group, ctx.shard
-        return rank_slice(grad, s, group_size(g), group_rank(g)), None, None, None
+        return rank_slice(grad, s, group_size(g), group_rank(g), strided=True), None, None, None
 
 
 class _GatherIntoTP(torch.autograd.Function):

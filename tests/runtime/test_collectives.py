@@ -212,6 +212,46 @@ def test_gathers_through_c10d_as_gloo_on_a_gpu_does_match_the_definitions(cluste
     _check(cluster, op, case, c10d=True)
 
 
+def _held(t: torch.Tensor, dims) -> list[int]:
+    """``dims`` of ``t`` from the outermost in its memory to the innermost."""
+    return sorted(dims, key=lambda i: -t.stride(i))
+
+
+def run_held_gather(case: Case, order: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, list, list]:
+    """Runs in a rank: a gather of a shard held as a permutation of its memory (``order``: its
+    dims from the outermost, as attention's output ``[b, heads, s, d]`` is held ``[b, s, heads,
+    d]``); the output, the input's gradient, and the order in memory of the dims longer than one
+    in both, in the input and in the output."""
+    mesh = get_mesh(case.tp)
+    group, r, block = mesh.tp_group, mesh.tp_rank, dist.get_rank() // case.tp
+    local = _rank_inputs("gather", case, block, r)
+    x = local.permute(order).contiguous().permute(sorted(range(local.dim()), key=order.__getitem__))
+    x.requires_grad_()
+    y = C.gather_from_tp(x, group, case.shard, case.full_size)
+    y.backward(_tensor(case.seed, y.shape, "dy", block, r))
+    long = [i for i in range(x.dim()) if x.shape[i] > 1 and y.shape[i] > 1]
+    return y.detach(), x.grad, _held(x, long), _held(y, long)
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=cases(tps=(2, 4)), data=st.data())
+@example(case=Case(2, Shard(1), (2, 4, 3), 7), data=None)
+@example(case=Case(2, Shard(0), (1, 2, 2), 0), data=None)   # rank 1's part empty: contiguous
+def test_a_gather_of_a_permuted_shard_keeps_its_layout_and_values(cluster, case, data):
+    # an even split's part gathered in its memory's order (no copy to make it contiguous) and
+    # returned held as the input is, so the program's views of it are views as in serial; the
+    # gradient's slice a view. Every rank's blocks travel in its own memory's order: a rank
+    # whose part is held otherwise (an uneven split's empty part) must not garble the others'
+    order = (0, 2, 1) if data is None else tuple(data.draw(st.permutations(range(len(case.shape)))))
+    for rank, (y, grad, held_x, held_y) in enumerate(cluster.run(run_held_gather, case, order)):
+        want_y, want_grad = _expected("gather", case, rank // case.tp, rank % case.tp)
+        torch.testing.assert_close(y, want_y, rtol=0, atol=0)
+        torch.testing.assert_close(grad, want_grad, rtol=0, atol=0)
+        # an uneven split's parts differ in shape, so in layout: they are made contiguous
+        if C._split(case.full_size, case.shard, case.tp).even:
+            assert held_y == held_x, (order, held_x, held_y)
+
+
 def run_gathers_in_a_row(first: Case, second: Case) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs in a rank: two gathers one after the other (the second reuses the first's kept
     staging buffer on the CPU); the first result is returned as it stands after the second."""

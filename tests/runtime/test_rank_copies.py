@@ -1,7 +1,8 @@
 """A rank's step copies no more than serial's, beyond what a collective needs.
 
-One rank of tp 2 on torch's ``fake`` backend (its collectives return at once), Llama, GPT-2 and
-OPT (its MLP on ``[b*s, h]``, pinned to Megatron's layout) wide enough that the plan splits them
+One rank of tp 2 on torch's ``fake`` backend (its collectives return at once), Llama, GPT-2
+(pinned to Megatron's layout, and as the cost model plans it: attn.c_proj whole after gathering
+attention's heads) and OPT (its MLP on ``[b*s, h]``, pinned to Megatron's layout) wide enough that the plan splits them
 (8 heads of 64, planned for 256 x 32 on h100-dgx: 8192 tokens, as many as 8 x 1024, at a length
 the tiny models' 32 positions take), with sequence parallelism forced and forbidden, at a batch
 of one and of two.
@@ -16,7 +17,9 @@ where a real collective, or a slice the program's views read, needs it:
   size above one before it (the hidden of any [b, s, h], the sequence of a batch of two) is
   moved into place, one copy of the gathered tensor; a send that is not contiguous is made so.
   A split of dim 0, or with only dims of size one before it (the sequence of a batch of one),
-  is the gathered buffer itself: no copy.
+  is the gathered buffer itself: no copy. An even split's part held as a permutation
+  (attention's output ``[b, heads, s, d]`` held ``[b, s, heads, d]``) is gathered in its
+  memory's order and returned so: no send copy, and the program's fold of the heads is a view.
 * ``collectives._reduce_scatter``: a reduce-scatter reads each rank's block one after another
   along dim 0; the same splits are staged into that order (one copy of the summand), others
   are that order already.
@@ -26,8 +29,9 @@ where a real collective, or a slice the program's views read, needs it:
   copy of the rank's part each side (none where that split is of dim 0, or has only dims of size
   one before it), run by run where a split is uneven.
 * ``collectives.rank_slice``: a rank's slice of a replicated tensor (a scatter, no collective)
-  that is strided (a split of the hidden), laid out for the program's ``view`` nodes. A slice
-  that is contiguous is a view; a gradient's slice stays strided (autograd takes it so).
+  that is strided (a split of the hidden), laid out for the program's ``view`` nodes, at most
+  one per scatter. A slice that is contiguous is a view; a gradient's slice (an all-gather's
+  backward) stays a view, strided or not, which the formula it goes to reads so.
 
 An f's and a g's all-reduce make no copy: they reduce in place (``autotp.passes.in_place``; a
 functional all-reduce copies its input first, which ``CopyCounter`` records as an ``all_reduce``
@@ -79,25 +83,27 @@ def _inference_copies(module, inputs) -> CopyCounter:
 
 
 #: OPT's Megatron layout (at this width the cost model keeps its layers whole): its MLP then runs
-#: on the rank's tokens' rows of [b*s, h] under sequence parallelism. GPT-2's layers' (unpinned,
-#: at this width without sequence parallelism the cost model runs attn.c_proj whole, its bias
-#: inside the product, autotp/passes/fused_bias.py, after gathering the heads, whose gradient's
-#: slice is a layout copy in the gather's backward)
+#: on the rank's tokens' rows of [b*s, h] under sequence parallelism. GPT-2's layers', run pinned
+#: and as the cost model plans them (at this width without sequence parallelism it runs
+#: attn.c_proj whole, its bias inside the product, autotp/passes/fused_bias.py, after gathering
+#: the heads of attention's output, held as [b, s, heads, d]: gathered in that layout, the
+#: program folds the heads into the hidden by a view, as serial's does, and the gradient's slice
+#: is a view attention's backward reads strided)
 LAYOUTS = {"gpt2": {"*c_attn.weight": "column", "*attn.c_proj.weight": "row", "*c_fc.weight": "column",
                     "*mlp.c_proj.weight": "row"},
            "opt": {"*.q_proj.weight": "column", "*.k_proj.weight": "column", "*.v_proj.weight": "column",
                    "*.out_proj.weight": "row", "*.fc1.weight": "column", "*.fc2.weight": "row"}}
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])
+@pytest.mark.parametrize("family,pinned", [("llama", False), ("gpt2", True), ("gpt2", False), ("opt", True)])
 @pytest.mark.parametrize("sequence_parallel", [True, False])
-def test_a_ranks_step_copies_only_what_its_collectives_need(fake_rank, family, sequence_parallel):
+def test_a_ranks_step_copies_only_what_its_collectives_need(fake_rank, family, pinned, sequence_parallel):
     config = zoo.tiny_config(family, layers=2, heads=8, kv_heads=8, head_dim=64, vocab=512)
     model = zoo.build(family, config, dtype=torch.float32, seed=1)
     # planned at a length the model takes (before: seq=1024 over its 32 positions, a workload it
     # cannot run, with a warning; the plan is the same, token for token)
     pm = autotp.parallelize(model, TP, **PLANNED, profile="h100-dgx", sequence_parallel=sequence_parallel,
-                            layout=LAYOUTS.get(family))
+                            layout=LAYOUTS[family] if pinned else None)
     assert pm.plan.comm_counts().get("reduce_scatter", 0) >= (1 if sequence_parallel else 0)
     if family == "opt" and sequence_parallel:   # fc2's sums reduce-scattered into the tokens' rows
         assert ("reduce_scatter", "P", "P(tokens 0)") in [(c.kind, c.src, c.dst) for c in pm.plan.comms]
@@ -107,6 +113,10 @@ def test_a_ranks_step_copies_only_what_its_collectives_need(fake_rank, family, s
         ours = rank.autotp_copies()
         assert not [c for c in ours if c.cast or c.duplicate], ours
         assert {c.site for c in ours} <= set(NEEDED), ours
+        # a rank's slice is laid out only for the program's views (a scatter's forward, one
+        # each); a gradient's (an all-gather's backward) is a view its formula reads strided
+        sliced = [c for c in ours if c.site == "collectives.rank_slice"]
+        assert len(sliced) <= pm.plan.comm_counts().get("scatter", 0), (sliced, pm.plan.comm_counts())
         # the model's own copies, at the rank's size: never more bytes than serial's
         model_ops = lambda copies: Counter({op: b for (site, op), b in copies.by_site().items()   # noqa: E731
                                             if site in ("program", "autograd")})
@@ -126,7 +136,7 @@ def test_a_ranks_step_copies_only_what_its_collectives_need(fake_rank, family, s
             whole = inputs["input_ids"].numel() * config.hidden_size * 4   # float32
             assert scattered == ([] if batch == 1 else [whole] * len(scattered)) and (batch == 1 or scattered), \
                 scattered
-        if batch == 1 and sequence_parallel and family == "gpt2":
+        if batch == 1 and sequence_parallel and family == "gpt2" and pinned:
             # the all-gathers and reduce-scatters split the sequence (a batch of one): no copy; a
             # reshard between the sequence and the hidden (the plan's all-to-alls: the tied
             # embedding's and the head's, split by the hidden) stages its hidden side, one copy of
