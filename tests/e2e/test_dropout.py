@@ -17,6 +17,13 @@ def _gather(x: torch.Tensor, group) -> list[torch.Tensor]:
     return out
 
 
+def _drifted(pm) -> list[str]:
+    """The parameters ``pm`` holds whole whose copies differ across its TP group's ranks."""
+    return [name for name, p in pm.local_parameters().items()
+            if not isinstance(pm.plan.params[name], autotp.Shard)
+            and not all(torch.equal(p.detach(), q) for q in _gather(p.detach(), pm.mesh.tp_group))]
+
+
 def _train_with_dropout(n_head: int, device: str = "cpu"):
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
@@ -36,10 +43,7 @@ def _train_with_dropout(n_head: int, device: str = "cpu"):
         opt.zero_grad()
         pm(**data).loss.backward()
         opt.step()
-    group = pm.mesh.tp_group
-    drifted = [name for name, p in pm.local_parameters().items()
-               if not isinstance(pm.plan.params[name], autotp.Shard)
-               and not all(torch.equal(p.detach(), q) for q in _gather(p.detach(), group))]
+    drifted = _drifted(pm)
     # Each random op, fed the same input on every rank: equal draws where replicated, not where sharded.
     from autotp.distributed.rng import RandomOp
 
@@ -53,7 +57,7 @@ def _train_with_dropout(n_head: int, device: str = "cpu"):
         else:
             q = torch.randn(1, 1, 8, 4, dtype=torch.float64, generator=gen).to(device)
             out = mod(q, q, q, None, 0.5)
-        same[name] = all(torch.equal(out, o) for o in _gather(out, group))
+        same[name] = all(torch.equal(out, o) for o in _gather(out, pm.mesh.tp_group))
     return drifted, same
 
 
@@ -128,17 +132,14 @@ def _rows_draws(family: str, seq: int):
         opt.zero_grad()
         pm(input_ids=ids, labels=ids).loss.backward()
         opt.step()
-    group = pm.mesh.tp_group
-    drifted = [name for name, p in pm.local_parameters().items()
-               if not isinstance(pm.plan.params[name], autotp.Shard)
-               and not all(torch.equal(p.detach(), q) for q in _gather(p.detach(), group))]
+    drifted = _drifted(pm)
     same = {}
     for node in pm.graph_module.graph.nodes:
         op = pm.graph_module.get_submodule(node.target) if node.op == "call_module" else None
         placement = node.meta.get("autotp_placement")
         if isinstance(op, RandomOp) and isinstance(placement, Routed):
             out = op(torch.ones(256, dtype=torch.float64), 0.5, True)
-            same[f"{node.name} {placement}"] = all(torch.equal(out, o) for o in _gather(out, group))
+            same[f"{node.name} {placement}"] = all(torch.equal(out, o) for o in _gather(out, pm.mesh.tp_group))
     return drifted, same
 
 
