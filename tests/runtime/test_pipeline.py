@@ -113,11 +113,12 @@ def test_balance_splits_equal_layers_evenly_and_moves_layers_off_a_heavy_head():
 
 
 def test_the_cut_at_real_size_weighs_the_head_and_the_embedding_by_the_cost_model():
-    """GPT-2 XL's plan at tp 8 on meta: its vocabulary head and loss cost most of a layer (0.8 of
-    one on h100-dgx, where a layer's norms, residuals and collectives are priced at what they
-    move) and more than the embedding. The cut minimizes the slowest stage with them counted: no
-    layer moved between neighbouring stages makes the slowest one faster (48 layers over 8 stages:
-    6 each, the head's stage 6.8 layers' time; a layer moved off it would make another 7)."""
+    """GPT-2 XL's plan at tp 8 on meta: its vocabulary head and loss cost more than a layer (1.2 of
+    one on h100-dgx, where a layer's norms, residuals and collectives are priced at what they move
+    and the vocabulary-parallel loss as the kernels it runs: its float32 logits' passes; 0.8 of one
+    when the loss was priced as one op) and more than the embedding. The cut minimizes the slowest
+    stage with them counted: the head's stage holds fewer layers than the others, and no layer moved
+    between neighbouring stages makes the slowest one faster."""
     from autotp import zoo
     from autotp.planner import build_plan
     from autotp.capture.cache import capture
@@ -129,7 +130,7 @@ def test_the_cut_at_real_size_weighs_the_head_and_the_embedding_by_the_cost_mode
     _, index, prop = build_plan(capture(model), 8, batch=8, seq=1024, profile="h100-dgx")
     costs, before, after = layer_costs(index, prop, get_profile("h100-dgx"), layer_paths(model))
     assert len(costs) == 48 and max(costs) / min(costs) < 1.01      # identical layers, priced alike
-    assert costs[0] > after > 0.5 * costs[0] and after > before > 0  # a layer > head + loss > embedding
+    assert after > costs[0] and after > before > 0  # head + loss > a layer, > embedding
 
     def slowest(sizes):
         ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
@@ -140,6 +141,7 @@ def test_the_cut_at_real_size_weighs_the_head_and_the_embedding_by_the_cost_mode
 
     sizes = balance(costs, before, after, 8)
     assert sum(sizes) == 48 and all(sizes), sizes
+    assert sizes[-1] < max(sizes[:-1]), sizes   # the head's stage gives up a layer
     for i in range(7):
         for moved in ((1, -1), (-1, 1)):
             other = list(sizes)
