@@ -18,6 +18,7 @@ if WORKERS > 1:
 #: them at the start and end together on the many short files
 LONGEST_FIRST = ("tests/runtime/test_pipeline.py", "tests/e2e/test_compile.py", "tests/e2e/test_generate.py",
                  "tests/e2e/test_calls_after_training.py", "tests/e2e/test_calls.py", "tests/e2e/test_experts.py",
+                 "tests/e2e/test_sliding_window.py", "tests/e2e/test_llama4.py", "tests/e2e/test_own_routing.py",
                  "tests/e2e/test_families.py", "tests/e2e/test_training.py", "tests/passes/test_attention.py",
                  "tests/test_capture_expand.py", "tests/e2e/test_gpt2_sizes.py", "tests/e2e/test_encoders.py",
                  "tests/e2e/test_dropout.py", "tests/runtime/test_per_block.py", "tests/e2e/test_torchrun.py",
