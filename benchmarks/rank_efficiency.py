@@ -330,8 +330,8 @@ def predicted_at_real_size(tp: int, profile: str) -> list[str]:
              "eight pointwise ops), the rank as autotp runs it (activations fused into one op each); the column "
              "'serial fused' divides a serial step fused the same way instead, the gain that is not the rank "
              "running fewer kernels than serial.", "",
-             "| model (layers, batch x seq) | serial/N ÷ rank, SP by cost | without SP | serial fused | rank ms: products / "
-             "attention / memory-bound | serial/N ms: products / attention / memory-bound | rank's communication ms "
+             "| model (layers, batch x seq) | serial/N ÷ rank, SP by cost | without SP | serial fused | "
+             "rank ms: products / attention / memory-bound | serial/N ms: products / attention / memory-bound | rank's communication ms "
              "(not overlapped) |",
              "|---|---|---|---|---|---|---|"]
     for name, layers, b, s in REAL:

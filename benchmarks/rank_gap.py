@@ -131,7 +131,8 @@ def gap(name: str, layers: int, batch: int, seq: int, tp: int, profile_name: str
     lines = [f"## {name} ({layers} layers, {batch} x {seq}), tp={tp}, profile {profile_name}", "",
              f"serial/N {share * 1e3:.3f} ms, busiest rank (rank {busy}) {rank_s * 1e3:.3f} ms: "
              f"**{share / rank_s:.3f}** of the eighth; the excess {excess * 1e3:.3f} ms. "
-             f"Against a serial fused the same way (serial/N {fused_share * 1e3:.3f} ms): {fused_share / rank_s:.3f}. " +
+             f"Against a serial fused the same way (serial/N {fused_share * 1e3:.3f} ms): "
+             f"{fused_share / rank_s:.3f}. " +
              (f"0.85 would need the rank at {share / 0.85 * 1e3:.3f} ms ({(rank_s - share / 0.85) * 1e3:.3f} ms less)."
               if share / rank_s < 0.85 else ""),
              "", "| cause | ms | share of the excess |", "|---|---|---|"]

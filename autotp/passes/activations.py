@@ -35,6 +35,8 @@ import sympy
 import torch
 from torch import fx
 
+from ..capture.program import module_path
+
 try:   # generates the copy's Python code when it is first run or read, as the capture's
     from torch.fx._lazy_graph_module import _LazyGraphModule
 except ImportError:   # pragma: no cover - present in every torch autotp supports
@@ -46,8 +48,9 @@ aten = torch.ops.aten
 #: to ten significant digits (FastGELU's 0.7978845608 for sqrt(2/pi): 3.6e-12) agrees, 0.0447 for
 #: 0.044715 (3.5e-4) does not
 REL_TOL = 1e-9
-#: regions larger than this are not decided (no known op is written in more nodes)
-MAX_NODES = 32
+#: regions larger than this are not decided (no known op is written in more nodes: HF's GELU takes
+#: 8, FastGELU's 9), nor any with other than one tanh, sigmoid or erf: what is expanded stays small
+MAX_NODES = 16
 
 _X = sympy.Symbol("x", real=True)
 _sigmoid = sympy.Function("sigmoid")
@@ -115,10 +118,10 @@ KNOWN = (
 
 @dataclass(frozen=True)
 class Fused:
-    """One region replaced: its op's name, the region's root node (in the capture) and its size."""
+    """One region replaced: its op's name, the module that computed it (its root's) and its size."""
 
     op: str
-    root: str
+    module: str
     nodes: int
 
 
@@ -195,9 +198,14 @@ def _pointwise(node: fx.Node) -> bool:
     return node.op == "call_function" and (node.target in MEANING or node.target is _POW)
 
 
+def _sizes(val: torch.Tensor) -> tuple:
+    """A tensor's sizes as expressions (a dynamic dim's symbol), compared without a guard."""
+    return tuple(s.node.expr if isinstance(s, torch.SymInt) else s for s in val.shape)
+
+
 def _alike(node: fx.Node, x: torch.Tensor) -> bool:
     val = _tensor(node)
-    return val is not None and val.dtype == x.dtype and tuple(val.shape) == tuple(x.shape)
+    return val is not None and val.dtype == x.dtype and _sizes(val) == _sizes(x)
 
 
 def _closure(x: fx.Node, order: dict) -> list[fx.Node]:
@@ -271,7 +279,10 @@ def _decide(key: tuple) -> Known | None:
                 return None
             value = operands[0] ** power
         else:
-            value = MEANING[t](*operands, dict(kwargs))
+            try:
+                value = MEANING[t](*operands, dict(kwargs))
+            except TypeError:   # operands not as this rule reads them (another arity)
+                return None
         if value is None:
             return None
         values.append(value)
@@ -296,7 +307,7 @@ def find_regions(graph: fx.Graph) -> list[tuple[fx.Node, list[fx.Node], Known]]:
             if root in taken:
                 continue
             region = _region(root, inside, x)
-            if region is None or taken.intersection(region) or not any(n.target in _TRANSCENDENTAL for n in region):
+            if region is None or taken.intersection(region) or sum(n.target in _TRANSCENDENTAL for n in region) != 1:
                 continue
             known = _decide(_key(x, region, order))
             if known is not None:
@@ -315,7 +326,7 @@ def fuse_graph(graph: fx.Graph) -> list[Fused]:
             op = graph.call_function(known.target, (x,), dict(known.kwargs))
         op.meta = dict(root.meta)   # same value, shape and dtype; the root's module (its layer)
         root.replace_all_uses_with(op)
-        fused.append(Fused(known.name, root.name, len(region)))
+        fused.append(Fused(known.name, module_path(root) or root.name, len(region)))
         for node in sorted(region, key=order.get, reverse=True):
             graph.erase_node(node)
     if fused:
@@ -330,15 +341,15 @@ def fuse_activations(cap: Any) -> tuple[Any, list[Fused]]:
     memo = cap.__dict__.get("_fused_activations")
     if memo is not None:
         return memo
+    if not find_regions(cap.graph):   # most models: nothing to copy
+        cap.__dict__["_fused_activations"] = (cap, [])
+        return cap, []
     graph = fx.Graph()
     graph.output(graph.graph_copy(cap.graph, {}))   # the copy keeps the nodes' names and metadata
     fused = fuse_graph(graph)
-    if fused:
-        gm = _LazyGraphModule(cap.graph_module, graph)
-        gm.meta.update(cap.graph_module.meta)
-        result = (replace(cap, graph_module=gm), fused)
-    else:
-        result = (cap, [])
+    gm = _LazyGraphModule(cap.graph_module, graph)
+    gm.meta.update(cap.graph_module.meta)
+    result = (replace(cap, graph_module=gm), fused)
     cap.__dict__["_fused_activations"] = result
     return result
 
@@ -355,6 +366,6 @@ def fused_note(fused: list[Fused]) -> str | None:
         sizes = sorted({f.nodes for f in regions})
         ops = "/".join(str(s) for s in sizes)
         parts.append(f"{len(regions)} {name} region{'s' if len(regions) > 1 else ''} of {ops} pointwise ops "
-                     f"(first {regions[0].root})")
+                     f"({regions[0].module}{', ...' if len(regions) > 1 else ''})")
     return (f"activations fused: {', '.join(parts)} each run as one ATen op (one kernel forward, one backward); "
             "fuse_activations=False keeps them as the model writes them")

@@ -41,7 +41,8 @@ def check_fused_gelu(case: dict) -> dict:
     model = keep_loss_precision(tiny_gpt2(n_layer=LAYERS, n_head=case["heads"], head_dim=case["head_dim"], vocab=64,
                                           seed=case["seed"]))
     pm = autotp.parallelize(model, case["tp"], profile="h100-dgx", batch=8, seq=32,
-                            layout=MEGATRON["gpt2"] if case["tp"] > 1 else None, sequence_parallel=case["sequence_parallel"])
+                            layout=MEGATRON["gpt2"] if case["tp"] > 1 else None,
+                            sequence_parallel=case["sequence_parallel"])
     return {"ops": activation_ops(pm), "notes": pm.plan.notes,
             "errors": equivalence_errors(model, pm, batch(64, b=2, s=7, seed=case["seed"] + 1))}
 
@@ -58,7 +59,8 @@ def test_gpt2_tanh_gelu_runs_as_one_gelu_and_trains_as_serial(cluster_of, case):
 def check_gpt2_fused_gelu(cluster_of, case: dict) -> None:
     for rank, r in enumerate(cluster_of(case["tp"]).run(check_fused_gelu, case)):
         assert r["ops"] == {"gelu": LAYERS, "tanh": 0}, (rank, r["ops"])
-        assert any(n.startswith(f"activations fused: {LAYERS} tanh-GELU regions of 8 pointwise ops") for n in r["notes"])
+        said = f"activations fused: {LAYERS} tanh-GELU regions of 8 pointwise ops"
+        assert any(n.startswith(said) for n in r["notes"]), r["notes"]
         worst = max(r["errors"], key=r["errors"].get)
         assert r["errors"][worst] <= TOLERANCE[torch.float64], (rank, worst, r["errors"][worst])
 
