@@ -40,3 +40,6 @@ def test_a_fused_gelu_is_priced_as_one_kernel_each_way():
     written_launches, written_moved = _work([n for r in regions for n in r], written_index, written_prop)
     assert len(regions) == LAYERS and written_launches == 16 * LAYERS and written_moved > 5 * moved
     assert plans[True][0].compute_s < plans[False][0].compute_s
+    said = [n for n in plans[True][0].notes if n.startswith("activations fused")]
+    assert said and f"{LAYERS} tanh-GELU regions of 8 pointwise ops (transformer.h.0.mlp.act, ...)" in said[0]
+    assert not [n for n in plans[False][0].notes if n.startswith("activations fused")]

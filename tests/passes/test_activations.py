@@ -91,3 +91,12 @@ NOT_FUSED = {
 def test_other_functions_and_shared_intermediates_stay_as_written(name):
     fused, ops, got, want = _fused(NOT_FUSED[name])
     assert fused == [] and aten.gelu.default not in _ops(ops) and aten.silu.default not in _ops(ops)
+
+
+def test_fuse_activations_takes_a_bool_only():
+    import autotp
+    from autotp.errors import ConfigError
+    from tests.helpers import tiny_gpt2
+
+    with pytest.raises(ConfigError, match="fuse_activations='no': fuse_activations is True or False"):
+        autotp.plan(tiny_gpt2(device="meta"), 2, fuse_activations="no")
