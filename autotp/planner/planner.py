@@ -90,15 +90,25 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
     fused = []
     if fuse_activations:
         cap, fused = activations_fused(cap)
-    result, index, prop = _build_plan(cap, tp, batch=batch, seq=seq, profile=profile, layout=layout, plan=plan,
-                                      uneven=uneven, gather_logits=gather_logits, memory_limit=memory_limit,
-                                      sequence_parallel=sequence_parallel, input_placements=input_placements,
-                                      keep_split=keep_split, align=align, host_reads=host_reads,
-                                      expert_dispatch=expert_dispatch)
     note = fused_note(fused)
-    if note:
-        result.notes.append(note)
-    return result, index, prop
+
+    def noted(result: Plan) -> Plan:
+        if note:
+            result.notes.append(note)
+        return result
+
+    try:
+        result, index, prop = _build_plan(cap, tp, batch=batch, seq=seq, profile=profile, layout=layout, plan=plan,
+                                          uneven=uneven, gather_logits=gather_logits, memory_limit=memory_limit,
+                                          sequence_parallel=sequence_parallel, input_placements=input_placements,
+                                          keep_split=keep_split, align=align, host_reads=host_reads,
+                                          expert_dispatch=expert_dispatch)
+    except MemoryLimitError as exc:   # the plan without the limit it offers says the same
+        without_limit = getattr(exc, "plan_without_limit", None)
+        if without_limit is not None:
+            exc.plan_without_limit = lambda: noted(without_limit())
+        raise
+    return noted(result), index, prop
 
 
 def _build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any, layout: Mapping[str, Any] | None,
