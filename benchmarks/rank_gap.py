@@ -14,7 +14,15 @@ the cost model's own, ``autotp.cost_model.symbolic``; no device is run):
 * **bytes above the share**: memory-bound bytes a rank moves beyond serial's / N (an op a split
   leaves whole on every rank: the vocabulary-parallel embedding's partial output and gradient);
 * **unevenness**: the busiest rank's ops against the mean over the ranks (heads tp does not deal
-  evenly; the rotation of the larger part from layer to layer is already in it).
+  evenly; the rotation of the larger part from layer to layer is already in it);
+* **activations fused**: the bytes serial moves / N beyond those of serial fused as the rank is
+  (``autotp/passes/activations.py``: GPT-2's tanh-GELU as one ``gelu``): the chains' own and x's
+  gradient summed from each of their reads; their kernels are in the launches. The other causes
+  compare the rank with that fused serial, op for op.
+
+Serial is the model as it runs (``fuse_activations=False``: HF's GPT-2 runs its GELU as eight
+pointwise ops); the rank as autotp runs it (fused). The ratio against a serial fused the same way
+is given beside it: how much of the gain is the rank running fewer kernels than serial.
 
 and prices the candidates that would rebalance the heads (what the most even dealing could save)
 and an even column split of the fused q/k/v product moved into the head layout by an all-to-all.
@@ -65,14 +73,17 @@ def gap(name: str, layers: int, batch: int, seq: int, tp: int, profile_name: str
     model = zoo.build(zoo.family_of(name).name, zoo.published_config(name, layers=layers), device="meta",
                       dtype=torch.bfloat16)
     cap = capture(model)
-    _, i1, p1 = build_plan(cap, 1, batch=batch, seq=seq, profile=prof)
+    _, i1, p1 = build_plan(cap, 1, batch=batch, seq=seq, profile=prof, fuse_activations=False)
+    _, i1f, p1f = build_plan(cap, 1, batch=batch, seq=seq, profile=prof)
     _, i8, p8 = build_plan(cap, tp, batch=batch, seq=seq, profile=prof, memory_limit=float("inf"))
-    serial = per_node(i1, p1, prof, None)
+    as_run = per_node(i1, p1, prof, None)      # serial as the model runs it: its activations written out
+    serial = per_node(i1f, p1f, prof, None)    # fused as the rank's: the same ops, node for node
     ranks = [per_node(i8, p8, prof, r) for r in range(tp)]
-    total = lambda d: sum(v[2]["products"] + v[2]["attention"] + v[2]["bytes"] + v[2]["launches"]  # noqa: E731
-                          for v in d.values())
+    work = lambda d: sum(v[2]["products"] + v[2]["attention"] + v[2]["bytes"] for v in d.values())  # noqa: E731
+    total = lambda d: work(d) + sum(v[2]["launches"] for v in d.values())  # noqa: E731
     busy = max(range(tp), key=lambda r: total(ranks[r]))
-    share, rank_s = total(serial) / tp, total(ranks[busy])
+    share, rank_s = total(as_run) / tp, total(ranks[busy])
+    fused_share = total(serial) / tp
 
     def serial_of(node):
         return serial.get(next((m for m in serial if m.name == node.name), None))
@@ -80,11 +91,19 @@ def gap(name: str, layers: int, batch: int, seq: int, tp: int, profile_name: str
     # rows: (cause, what, ms)
     rows = []
     launches_rank = sum(v[3] for v in ranks[busy].values())
-    launches_serial = sum(v[3] for v in serial.values())
+    launches_serial = sum(v[3] for v in as_run.values())
     rows.append(("launches", f"{launches_rank} kernels on the rank, {launches_serial} in serial "
                  f"(x {prof.launch_s * 1e6:.0f} µs; serial/N pays 1/{tp} of them)",
                  (launches_rank - launches_serial / tp) * prof.launch_s))
     groups = defaultdict(lambda: [0.0, 0.0, 0.0, 0])   # (kind, label) -> [serial/N, mean rank, busiest, count]
+    # what serial moves in its written-out activations (and in what feeds them: x's gradient summed
+    # from each of the chain's reads) beyond the fused ops the rank runs; their kernels are in the launches
+    written = {node.name for node in as_run} - {node.name for node in serial}
+    fused_ops = {node.name for node in serial} - {node.name for node in as_run}
+    if written:
+        rows.append(("activations fused", f"serial's {len(written)} written-out activation ops run as {len(fused_ops)} "
+                     "fused ones: its bytes / N less (their kernels: in the launches)",
+                     -(work(as_run) - work(serial)) / tp))
     for node in ranks[busy]:
         s = serial_of(node)
         op, weight, parts, _ = ranks[busy][node]
@@ -111,7 +130,9 @@ def gap(name: str, layers: int, batch: int, seq: int, tp: int, profile_name: str
     excess = rank_s - share
     lines = [f"## {name} ({layers} layers, {batch} x {seq}), tp={tp}, profile {profile_name}", "",
              f"serial/N {share * 1e3:.3f} ms, busiest rank (rank {busy}) {rank_s * 1e3:.3f} ms: "
-             f"**{share / rank_s:.3f}** of the eighth; the excess {excess * 1e3:.3f} ms. " +
+             f"**{share / rank_s:.3f}** of the eighth; the excess {excess * 1e3:.3f} ms. "
+             f"Against a serial fused the same way (serial/N {fused_share * 1e3:.3f} ms): "
+             f"{fused_share / rank_s:.3f}. " +
              (f"0.85 would need the rank at {share / 0.85 * 1e3:.3f} ms ({(rank_s - share / 0.85) * 1e3:.3f} ms less)."
               if share / rank_s < 0.85 else ""),
              "", "| cause | ms | share of the excess |", "|---|---|---|"]
@@ -152,9 +173,11 @@ def gap(name: str, layers: int, batch: int, seq: int, tp: int, profile_name: str
                      f"heads), and "
                      f"{moved * 1e3:.3f} ms of all-to-alls added (communication, not in the ratio).")
     launched, rate = by_cause.get("launches", 0.0), by_cause.get("products' rate", 0.0)
-    floor = share + launched + rate
+    fused = by_cause.get("activations fused", 0.0)
+    floor = share + launched + rate + fused
     lines += [f"- **Every other cause removed** (no bytes above the share, heads perfectly even): the launches "
-              f"and the products' rate alone leave {share / floor:.3f}; without the launches' excess "
+              f"and the products' rate alone leave {share / floor:.3f}"
+              + (" (the activations fused as they are)" if fused else "") + "; without the launches' excess "
               f"{share / (rank_s - launched):.3f}, without the products' "
               f"{share / (rank_s - rate):.3f}.", ""]
     return lines

@@ -13,6 +13,7 @@ from ..capture import Capture, gc_paused, module_path
 from ..cost_model import get_profile
 from ..cost_model.alignment import Align
 from ..errors import ConfigError, MemoryLimitError, PlanError
+from ..passes.activations import fuse_activations as activations_fused, fused_note
 from ..passes.pins import unholdable_pin
 from ..passes.propagate import GraphIndex, Propagation
 from ..passes.row_scales import moved
@@ -38,7 +39,8 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                input_placements: Mapping[str, Placement] | None = None,
                keep_split: frozenset[str] = frozenset(), align: Any = "profile",
                host_reads: bool = True,
-               expert_dispatch: bool | None = None) -> tuple[Plan, GraphIndex, Propagation]:
+               expert_dispatch: bool | None = None,
+               fuse_activations: bool = True) -> tuple[Plan, GraphIndex, Propagation]:
     """The plan for a capture. ``memory_limit`` (bytes per rank; default: the profile's device
     memory) bounds training state + activations; a saved ``plan`` is replayed, not re-solved.
 
@@ -76,7 +78,45 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
     all-gather dispatcher). True needs sequence
     parallelism allowed (with ``sequence_parallel=False`` it is a ConfigError: under expert
     parallelism no plan is left); a later program of ``parallelize`` (another call's) whose tokens
-    do not reach the experts split is planned by cost instead, with a note (api.py)."""
+    do not reach the experts split is planned by cost instead, with a note (api.py).
+
+    ``fuse_activations`` (default True): activations the model writes out as pointwise arithmetic
+    (GPT-2's tanh-GELU as ``mul``/``pow``/``add``/``tanh``) are planned, priced and run as the one
+    ATen op that computes them (``aten.gelu``, ``aten.silu``; :mod:`autotp.passes.activations`), a
+    plan note saying which; False keeps them as written. The plan's index then holds the fused
+    capture (the capture given is not changed)."""
+    if not isinstance(fuse_activations, bool):
+        raise ConfigError(f"fuse_activations={fuse_activations!r}: fuse_activations is True or False")
+    fused = []
+    if fuse_activations:
+        cap, fused = activations_fused(cap)
+    note = fused_note(fused)
+
+    def noted(result: Plan) -> Plan:
+        if note:
+            result.notes.append(note)
+        return result
+
+    try:
+        result, index, prop = _build_plan(cap, tp, batch=batch, seq=seq, profile=profile, layout=layout, plan=plan,
+                                          uneven=uneven, gather_logits=gather_logits, memory_limit=memory_limit,
+                                          sequence_parallel=sequence_parallel, input_placements=input_placements,
+                                          keep_split=keep_split, align=align, host_reads=host_reads,
+                                          expert_dispatch=expert_dispatch)
+    except MemoryLimitError as exc:   # the plan without the limit it offers says the same
+        without_limit = getattr(exc, "plan_without_limit", None)
+        if without_limit is not None:
+            exc.plan_without_limit = lambda: noted(without_limit())
+        raise
+    return noted(result), index, prop
+
+
+def _build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any, layout: Mapping[str, Any] | None,
+                plan: Plan | None, uneven: bool, gather_logits: bool | None, memory_limit: float | None,
+                sequence_parallel: bool | None, input_placements: Mapping[str, Placement] | None,
+                keep_split: frozenset[str], align: Any, host_reads: bool,
+                expert_dispatch: bool | None) -> tuple[Plan, GraphIndex, Propagation]:
+    """:func:`build_plan` on a capture as it is planned (its activations fused or not)."""
     prof = get_profile(profile)
     if align == "profile":
         align = Align.for_profile(prof) if 0 < prof.unaligned_flops < prof.flops else None

@@ -34,8 +34,8 @@ def test_gpt2_head_of_50257_words_runs_padded_on_every_rank_of_tp8():
     _, index, prop = build_plan(cap, 8, batch=8, seq=32, layout={**MEGATRON_GPT2, "transformer.wte.weight": "vocab"})
     for rank in (0, 7):
         gm = rewrite(index, prop, rank, None, None, align=Align())
-        mine = local_size(50257, prop.placements[next(n for n in cap.graph.nodes if n.name == "p_lm_head_weight")],
-                          8, rank)
+        head = next(n for n in index.capture.graph.nodes if n.name == "p_lm_head_weight")   # the capture planned
+        mine = local_size(50257, prop.placements[head], 8, rank)
         assert _padded(gm) == [("p_lm_head_weight", [0, 0, 0, 6288 - mine], aten.linear.default, mine)]
         assert not aligned(mine) and mine == (6283 if rank == 0 else 6282)
     assert _padded(rewrite(index, prop, 0, None, None)) == []
