@@ -53,15 +53,16 @@ def numel_expr(shape: tuple) -> sympy.Expr:
     return value
 
 
-def element_bytes(meta: TensorMeta, dtype_bytes: int | None) -> int:
-    """Bytes per element as priced: floats at the profile's training dtype, integers as traced."""
-    if dtype_bytes is not None and meta.dtype.is_floating_point:
-        return dtype_bytes
-    return meta.dtype.itemsize
+def element_bytes(meta: TensorMeta, dtype_bytes: int | None, train_dtype: torch.dtype | None = None) -> int:
+    """Bytes per element as priced: floats at the profile's training dtype, integers as traced.
+    With ``train_dtype`` (the model's, :func:`~autotp.passes.propagate.training_dtype`), a float
+    of another dtype keeps its own size (:func:`.kernels.element_bytes`): what a collective of
+    it moves (the vocabulary-parallel loss's float32 sums in a bf16 model)."""
+    return kernels.element_bytes(meta.dtype, dtype_bytes, train_dtype)
 
 
-def bytes_expr(meta: TensorMeta, dtype_bytes: int | None = None) -> sympy.Expr:
-    return numel_expr(meta.shape) * element_bytes(meta, dtype_bytes)
+def bytes_expr(meta: TensorMeta, dtype_bytes: int | None = None, train_dtype: torch.dtype | None = None) -> sympy.Expr:
+    return numel_expr(meta.shape) * element_bytes(meta, dtype_bytes, train_dtype)
 
 
 def forward_flops_expr(info: OpInfo) -> sympy.Expr:
@@ -106,9 +107,11 @@ def numel(shape: tuple, env: Mapping[sympy.Symbol, int]) -> int:
     return int(evaluate(numel_expr(tuple(shape)), env))
 
 
-def nbytes(meta: TensorMeta, env: Mapping, dtype_bytes: int | None = None) -> int:
-    """Bytes of a whole tensor at the workload ``env`` (floats at ``dtype_bytes`` if given)."""
-    return int(evaluate(bytes_expr(meta, dtype_bytes), env))
+def nbytes(meta: TensorMeta, env: Mapping, dtype_bytes: int | None = None,
+           train_dtype: torch.dtype | None = None) -> int:
+    """Bytes of a whole tensor at the workload ``env`` (floats at ``dtype_bytes`` if given; with
+    ``train_dtype``, those of another dtype at their own size: :func:`element_bytes`)."""
+    return int(evaluate(bytes_expr(meta, dtype_bytes, train_dtype), env))
 
 
 def forward_flops(info: OpInfo, env: Mapping) -> float:

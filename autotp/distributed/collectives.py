@@ -280,6 +280,17 @@ def dense_order(x: Tensor) -> list[int] | None:
     return order if x.permute(order).is_contiguous() else None
 
 
+def _held(shard: Shard, order: list[int]) -> Shard:
+    """``shard`` of a tensor as it is held in memory, ``x.permute(order)`` (:func:`dense_order`)."""
+    return dataclasses.replace(shard, dim=order.index(shard.dim),
+                               outer=order.index(shard.outer) if shard.outer >= 0 else shard.outer)
+
+
+def _unpermute(t: Tensor, order: list[int]) -> Tensor:
+    """The inverse of ``permute(order)``: ``t`` held in memory order, back to the caller's dims."""
+    return t.permute(sorted(range(t.dim()), key=order.__getitem__))
+
+
 def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tensor:
     """All ranks' shards of ``x`` assembled into the full tensor (no autograd). An even split's
     part held as a permutation of a contiguous tensor is gathered in its memory's order and
@@ -297,10 +308,7 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tens
     # contiguous. A compiled program's layouts are inductor's.
     order = dense_order(x) if split.even and x.numel() and not compiling else None
     if order is not None:
-        held = dataclasses.replace(shard, dim=order.index(shard.dim),
-                                   outer=order.index(shard.outer) if shard.outer >= 0 else shard.outer)
-        full = _all_gather(x.permute(order), group, held, full_size, op)
-        return full.permute(sorted(range(x.dim()), key=order.__getitem__))
+        return _unpermute(_all_gather(x.permute(order), group, _held(shard, order), full_size, op), order)
     d, width = shard.dim, split.width
     if split.even:
         # An even contiguous split: one all_gather_into_tensor into a [tp, *local] buffer; the
@@ -413,7 +421,13 @@ def _gloo_on_device(t: Tensor, group) -> bool:
 
 
 def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tensor:
-    """Sum ``x`` over the ranks and keep this rank's shard (no autograd)."""
+    """Sum ``x`` over the ranks and keep this rank's shard (no autograd). An even split's
+    summand held as a permutation of a contiguous tensor (a gradient that a transpose's backward
+    hands on, attention's ``[b, heads, s, d]`` held as ``[b, s, heads, d]``) is reduce-scattered
+    in its memory's order and the shard returned held so, as :func:`_all_gather` does: made
+    contiguous first, it was one copy serial does not make, and staging it for the collective
+    another, where in memory's order the split dim comes first (after dims of size one) and
+    needs no staging."""
     tp, rank, x = group_size(group), group_rank(group), x.detach()
     if tp == 1:
         return local_shard(x, shard, 1, 0)
@@ -422,6 +436,11 @@ def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str) -> 
         return local_shard(_all_reduce(x, group, op), shard, tp, rank)
     compiling = torch.compiler.is_compiling()   # asked once for the helpers below
     split = _split(full_size, shard, tp, compiling)
+    # the blocks are summed element by element, so every rank must hold its summand alike: an
+    # even split's are one shape made by one program (as _all_gather's parts)
+    order = dense_order(x) if split.even and x.numel() and not compiling else None
+    if order is not None:
+        return _unpermute(_reduce_scatter(x.permute(order), group, _held(shard, order), full_size, op), order)
     d, width = shard.dim, split.width
     shape = list(x.shape)
     pre, post = shape[:d], shape[d + 1:]
@@ -468,10 +487,17 @@ def _all_to_all(x: Tensor, group, have: Shard, want: Shard, full_size: int, op: 
     another way, the runs that change rank alone (and its own, kept). Two even splits of
     different dims are equal blocks, split and laid out by one strided copy each side (none
     where only dims of size one come before the dim); otherwise each block is cut run by run,
-    sent at its own size (no padding) and put in place run by run."""
+    sent at its own size (no padding) and put in place run by run. Between even splits, a part
+    held as a permutation of a contiguous tensor is sent in its memory's order and the part
+    received held so (:func:`_reduce_scatter`): no copy where, in memory's order, the dim it is
+    cut along (or the one it is laid out along) comes first after dims of size one."""
     tp, rank, x = group_size(group), group_rank(group), x.detach()
     a, b = have.dim, want.dim
     if a != b and _split(x.shape[b], want, tp).even and _split(full_size, have, tp).even:
+        order = dense_order(x) if x.numel() and not torch.compiler.is_compiling() else None
+        if order is not None:
+            got = _all_to_all(x.permute(order), group, _held(have, order), _held(want, order), full_size, op)
+            return _unpermute(got, order)
         width = x.shape[b] // tp
         send = x.unflatten(b, (tp, width)).movedim(b, 0).contiguous()   # rank-major: no copy at dim 0
         got = _exchange(send.flatten(0, 1), None, None, group, op)

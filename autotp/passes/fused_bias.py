@@ -4,8 +4,8 @@ Capture splits ``addmm(b, x, W)`` and ``linear(x, W, b)`` into the product and a
 bias (:mod:`autotp.capture.normalize`), so that the rules can place the bias apart: a row-parallel
 bias is added once, after the g. Where nothing stands between the product and its bias on a rank
 (column-parallel: the bias split like the product's columns; a replicated or batch-split product),
-the rank's program adds it inside the product again (``addmm``, or ``linear`` with its bias, which
-eager PyTorch runs as ``addmm`` over the flattened tokens), as the serial model does: one kernel
+the rank's program adds it inside the product again, in the call the serial model makes
+(:func:`fused_product`: ``addmm`` on the flattened tokens, or ``linear`` with its bias): one kernel
 and one pass over the product's output fewer a product (forward; backward is the same: the bias's
 gradient is the sum of the output's gradient over the tokens either way).
 
@@ -62,11 +62,19 @@ def takes_as_made(strategy: Any, actual: tuple, f: bool | str) -> bool:
     return bool(actual) and strategy.inputs[0] == actual[0] and not f
 
 
-def fused_product(graph: fx.Graph, product: fx.Node, bias: fx.Node) -> fx.Node | None:
+def fused_product(graph: fx.Graph, product: fx.Node, bias: fx.Node, ndim: int) -> fx.Node | None:
     """The product node of a rank's program with ``bias`` added inside it, inserted where it is
     called (after ``bias``, which may be a conversion made after the product); ``product`` is left
-    without readers for the caller to erase. None where ``product`` is not a plain product of the
-    rank's program (a padded one is a slice of a wider product: its bias stays an add)."""
+    without readers for the caller to erase. ``ndim``: the dims of the product's output (and of
+    its activation). None where ``product`` is not a plain product of the rank's program (a padded
+    one is a slice of a wider product: its bias stays an add).
+
+    What serial runs: ``linear(x, W, b)`` where W is stored ``[out, in]`` (nn.Linear), ``addmm``
+    where x is 2-D, and where W is stored ``[in, out]`` on a 3-D or wider x (HF's Conv1D)
+    ``addmm(b, x.reshape(-1, in), W)`` viewed back to x's leading dims, read from x at run time
+    (dynamic batch and sequence). ``linear(x, W.T, b)`` would compute the same with a transpose of
+    W each way and linear's own transpose back, forward and backward: four views a product more
+    than serial makes, host work on every step."""
     if product.op != "call_function" or product.target not in PRODUCTS or len(product.args) != 2 \
             or product.kwargs or product.users:
         return None
@@ -79,8 +87,13 @@ def fused_product(graph: fx.Graph, product: fx.Node, bias: fx.Node) -> fx.Node |
 
     if product.target is aten.linear.default:
         return made(aten.linear.default, (x, w, bias))
-    if product.target is aten.mm.default:
+    if product.target is aten.mm.default or ndim == 2:
         return made(aten.addmm.default, (bias, x, w))
-    # x [..., K] @ W [K, N]: linear(x, W.T, b) (GPT-2's Conv1D; eager runs it as addmm on x's
-    # flattened tokens, HF's Conv1D's own call)
-    return made(aten.linear.default, (x, made(aten.t.default, (w,)), bias))
+    # x [..., K] @ W [K, N]: HF's Conv1D's own call on the flattened tokens, a view each side
+    # (reshape: a view where x is laid out densely, as serial's x is; a copy, never an error,
+    # where a rank's x is not)
+    sizes = [made(aten.sym_size.int, (x, d)) for d in range(ndim)]
+    flat = made(aten.reshape.default, (x, [-1, sizes[-1]]))
+    out = made(aten.addmm.default, (bias, flat, w))
+    out.meta["autotp_ndim"] = 2   # the bias, 1-D, broadcast over its rows (in_place.BIASED)
+    return made(aten.view.default, (out, [*sizes[:-1], -1]))

@@ -153,6 +153,8 @@ def _grad_is_fresh(node: fx.Node) -> bool:
         reads = _reads(user, node)
         if user.op != "call_function":
             return False
+        if user.target is aten.sym_size.int:
+            continue   # reads a size, no value: no gradient (a fused product's view back, fused_bias.py)
         if user.target in VIEWS:
             if reads != [0] or not _grad_is_fresh(user):
                 return False

@@ -175,6 +175,10 @@ class GraphIndex:
     expert_dispatch: bool | None = None
     #: bias adds that may be added inside their product (:func:`.fused_bias.bias_add`)
     bias_adds: frozenset = frozenset()
+    #: the float dtype the model trains in (:func:`training_dtype`): a collective an op runs
+    #: inside itself (``Strategy.internal``) of a float of another dtype (the vocabulary-parallel
+    #: loss's float32 sums in a bf16 model) is priced at that dtype's own bytes
+    train_dtype: Any = None
     _strategies: dict = field(default_factory=dict)
     _compute: dict = field(default_factory=dict)
     _activation: dict = field(default_factory=dict)
@@ -245,7 +249,7 @@ class GraphIndex:
         index.align = align
         index.host_reads = host_reads
         constant = _constants(capture)
-        train_dtype = training_dtype(capture)
+        train_dtype = index.train_dtype = training_dtype(capture)
         contiguous: dict[fx.Node, bool] = {}
         for node in capture.graph.nodes:
             contiguous[node] = _contiguous(node, contiguous)
@@ -769,7 +773,7 @@ def internal_seconds(index: "GraphIndex", profile: DeviceProfile, strat: Strateg
     copies that lay their tensors out (:func:`internal_copy_seconds`)."""
     total = 0.0
     for kind, meta in strat.internal:
-        full = nbytes(meta, index.env, profile.dtype_bytes)
+        full = nbytes(meta, index.env, profile.dtype_bytes, index.train_dtype)
         rows = numel(meta.shape[:1], index.env)
         total += sum(collective_time(kind, full, profile, index.tp)) + internal_copy_seconds(kind, full, profile, rows)
     return total
@@ -1131,7 +1135,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
         activations += index.activation_bytes(node, best, profile)
         memory += index.activation_bytes(node, best, profile)
         for kind, meta in best.internal:
-            full = nbytes(meta, env, profile.dtype_bytes)
+            full = nbytes(meta, env, profile.dtype_bytes, index.train_dtype)
             seconds = sum(collective_time(kind, full, profile, tp))
             # memory-bound work, not the link's
             compute += internal_copy_seconds(kind, full, profile, numel(meta.shape[:1], env))

@@ -508,7 +508,7 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         elif (width := _padded_width(node, info, strategy, index, ctx, align)) is not None:
             new = _padded_product(graph, target, tuple(args), width, info, strategy, ctx)
         elif strategy.fused and replacements[0] is env[tensor_inputs[0]] and \
-                (new := fused_product(graph, replacements[0], replacements[1])) is not None:
+                (new := fused_product(graph, replacements[0], replacements[1], node.meta["val"].dim())) is not None:
             # the bias inside its product, as serial adds it (fused_bias.py); the bare product goes
             graph.erase_node(replacements[0])
             env[tensor_inputs[0]] = new   # read by this add alone: nothing reads it after

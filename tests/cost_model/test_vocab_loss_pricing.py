@@ -98,3 +98,42 @@ def test_priced_kernels_and_bytes_are_what_the_rank_runs(fake_world, dtype, redu
     calls = forward.calls + backward.calls
     assert work.launches == len(calls), calls
     assert sum(b for _, b in work.moved) == sum(b for _, b in calls), calls
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """The bytes of each tensor a c10d collective is called on, in call order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            self.calls.append((func.overloadpacket.__name__, _nbytes(args[0])))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_loss_collectives_are_priced_at_the_bytes_they_move(fake_world):
+    """A bf16 model's vocabulary-parallel loss sums float32 numbers (it upcasts half-precision
+    logits): its two all-reduces (the row max; the sums of exps and the targets' logits) are priced
+    at 4 bytes an element, as the ATen all-reduces on the fake backend move them, not at the
+    model's 2."""
+    import autotp
+    from autotp import zoo
+    from autotp.cost_model.symbolic import ring_volume
+
+    batch, seq, vocab = 4, 128, 32000
+    config = zoo.tiny_config("llama", layers=1, heads=8, kv_heads=8, head_dim=16, vocab=vocab, positions=seq)
+    model = zoo.build("llama", config, device="meta", dtype=torch.bfloat16)
+    plan = autotp.plan(model, TP, batch=batch, seq=seq, profile="h200", gather_logits=False,
+                       layout={"lm_head.weight": "vocab"})
+    priced = [c.fwd_bytes for c in plan.comms if c.kind == "all_reduce" and "cross_entropy" in c.consumer]
+    rows, shard = batch * seq, Shard(1)
+    ranges = local_ranges(vocab, shard, TP, 0)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(rows, sum(b - a for a, b in ranges), generator=g).to(torch.bfloat16).requires_grad_()
+    target = torch.randint(0, vocab, (rows,), generator=g)
+    with CollectiveBytes() as moved:
+        VocabParallelCrossEntropy(fake_world, ranges, -100, 1)(logits, target)
+    assert [name for name, _ in moved.calls] == ["allreduce_", "allreduce_"], moved.calls
+    assert priced == [float(ring_volume("all_reduce", b, TP)) for _, b in moved.calls], (priced, moved.calls)

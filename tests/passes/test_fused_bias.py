@@ -61,7 +61,7 @@ def test_a_fused_bias_add_is_priced_without_its_forward_kernel():
 
 def test_an_f_into_a_bias_inside_its_product_reduces_in_place(fake_rank):
     """A replicated bias entering sharded compute gets an f (its gradient all-reduced backward);
-    read as the bias of a product (``linear``'s third operand), its gradient is the output's summed
+    read as the bias of a product (``addmm``'s first operand, ``linear``'s third), its gradient is the output's summed
     over the tokens, a new tensor: the f reduces in place (``in_place.BIASED``), as it did into the
     ``add``. GPT-2 at a width whose unpinned plan with sequence parallelism runs its MLP on the
     rank's tokens, weights and biases whole (``tests/runtime/test_rank_copies.py``'s model)."""
@@ -72,7 +72,9 @@ def test_an_f_into_a_bias_inside_its_product_reduces_in_place(fake_rank):
     pm = autotp.parallelize(zoo.build("gpt2", config, seed=1), 2, batch=256, seq=32, profile="h100-dgx",
                             sequence_parallel=True)
     gm = next(m for m in pm.modules() if type(m).__name__ == "ParallelGraph")
+    biased = lambda u, n: (u.target is aten.linear.default and len(u.args) == 3 and u.args[2] is n   # noqa: E731
+                           or u.target is aten.addmm.default and u.args[0] is n)
     into_bias = [n for n in gm.graph.nodes if n.op == "call_module" and type(gm.get_submodule(n.target)) is CopyToTP
-                 and any(u.target is aten.linear.default and len(u.args) == 3 and u.args[2] is n for u in n.users)]
+                 and any(biased(u, n) for u in n.users)]
     assert into_bias
     assert all(gm.get_submodule(n.target).in_place for n in into_bias), into_bias

@@ -252,6 +252,55 @@ def test_a_gather_of_a_permuted_shard_keeps_its_layout_and_values(cluster, case,
             assert held_y == held_x, (order, held_x, held_y)
 
 
+def run_held_reduce_scatter(case: Case, order: tuple[int, ...]) -> tuple:
+    """Runs in a rank: a reduce-scatter of a summand held as a permutation of its memory
+    (``order``, as :func:`run_held_gather`'s); the output, the input's gradient, the order in
+    memory of the dims longer than one in both; the output of the same summand held contiguous;
+    and the copies the collective made forward for each of the two, beyond the collective's own
+    (gloo writes its result by a copy)."""
+    from autotp.testing.work import CopyCounter
+
+    mesh = get_mesh(case.tp)
+    group, r, block = mesh.tp_group, mesh.tp_rank, dist.get_rank() // case.tp
+    summand = _rank_inputs("reduce_scatter", case, block, r)
+    memory = summand.permute(order).contiguous()
+    x = memory.permute(sorted(range(summand.dim()), key=order.__getitem__)).requires_grad_()
+    made = []
+    for t, shard in ((x, case.shard), (memory, Shard(order.index(case.shard.dim)))):
+        with CopyCounter() as copies:
+            y = C.reduce_scatter_to_tp(t, group, shard, case.full_size)
+        made.append(len([c for c in copies.copies if c.site == "collectives._reduce_scatter"]))
+        if t is x:
+            y.backward(_tensor(case.seed, y.shape, "dy", block, r))
+            out = y.detach()
+    long = [i for i in range(x.dim()) if x.shape[i] > 1 and out.shape[i] > 1]
+    whole = C.reduce_scatter_to_tp(summand, group, case.shard, case.full_size)
+    return out, x.grad, _held(x, long), _held(out, long), whole, made
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=cases(tps=(2, 4)), data=st.data())
+# split along the dim the memory holds outermost: the summand is the ranks' blocks in rank order
+@example(case=Case(2, Shard(1), (2, 4, 3), 7), data=None)
+@example(case=Case(4, Shard(2), (3, 2, 8), 5), data=None)
+def test_a_reduce_scatter_of_a_permuted_summand_keeps_its_layout_and_values(cluster, case, data):
+    # an even split's summand reduce-scattered in its memory's order, the shard returned held so:
+    # no copy beyond those of the contiguous tensor it is a permutation of (before: one more, to
+    # make it contiguous or to stage it), the sum bit for bit the contiguous summand's
+    order = (1, 0, 2) if data is None else tuple(data.draw(st.permutations(range(len(case.shape)))))
+    if data is None and case.shard.dim == 2:
+        order = (2, 0, 1)
+    for rank, (y, grad, held_x, held_y, whole, made) in enumerate(
+            cluster.run(run_held_reduce_scatter, case, order)):
+        want_y, want_grad = _expected("reduce_scatter", case, rank // case.tp, rank % case.tp)
+        torch.testing.assert_close(y, want_y)
+        torch.testing.assert_close(y, whole, rtol=0, atol=0)
+        torch.testing.assert_close(grad, want_grad, rtol=0, atol=0)
+        if C._split(case.full_size, case.shard, case.tp).even:
+            assert held_y == held_x, (order, held_x, held_y)
+            assert made[0] == made[1], (order, made)
+
+
 def run_gathers_in_a_row(first: Case, second: Case) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs in a rank: two gathers one after the other (the second reuses the first's kept
     staging buffer on the CPU); the first result is returned as it stands after the second."""

@@ -58,6 +58,12 @@ def _inference(pm, batch):
     return step
 
 
+def _aten(step) -> AtenCalls:
+    with AtenCalls() as calls:
+        step()
+    return calls
+
+
 def _python(step) -> PythonCalls:
     with PythonCalls() as calls:
         step()
@@ -128,3 +134,64 @@ def test_an_eager_mapping_returns_what_it_computed_not_a_view_of_it(fake_rank, m
     assert out.grad_fn is not None and not out._is_view()
     out.sum().backward()
     assert x.grad.shape == x.shape
+
+
+@pytest.fixture
+def fake_rank_of_8():
+    """Rank 0 of a tp-8 world on torch's ``fake`` backend, in this process."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
+    yield
+    dist.destroy_process_group()
+
+
+def _gpt2_of_8():
+    config = zoo.tiny_config("gpt2", layers=2, heads=8, head_dim=8, vocab=64, positions=64)
+    model = zoo.build("gpt2", config, seed=0)
+    pm = autotp.parallelize(model, 8, profile="h200", batch=8, seq=64, layout=MEGATRON["gpt2"])
+    return config, model, pm
+
+
+def test_a_bias_inside_its_product_is_added_as_serial_adds_it(fake_rank_of_8):
+    """GPT-2's Conv1D runs ``addmm(b, x.view(-1, in), W)``, W stored ``[in, out]``; a rank's
+    column-parallel c_attn and c_fc run the same call (``autotp/passes/fused_bias.py``), not
+    ``linear(x, W.T, b)``, whose transposes (W's, and linear's back, forward and backward) were
+    ATen calls serial does not make: 16 a step here. Its view back reads x's sizes at run time: a
+    second batch and sequence run on the same program."""
+    config, model, pm = _gpt2_of_8()
+    batch = zoo.example_batch("gpt2", config, batch=1, seq=8, seed=0)
+    serial, rank = (_aten(_training(m, batch)) for m in (model, pm))
+    assert rank.by_op["aten.addmm"] == 2 * 2   # c_attn and c_fc of two layers: their bias inside
+    assert rank.by_op["aten.t"] <= serial.by_op["aten.t"], (rank.by_op["aten.t"], serial.by_op["aten.t"])
+    other = zoo.example_batch("gpt2", config, batch=3, seq=5, seed=1)
+    assert pm(**other).logits.shape == (3, 5, config.vocab_size)
+    assert len(pm.programs) == 1
+
+
+@pytest.mark.slow   # dynamo traces the program at two shapes: 15-40 s on 2 loaded cores
+def test_a_bias_inside_its_product_compiles_to_one_graph(fake_rank_of_8):
+    """Under ``torch.compile(fullgraph=True)`` (a break raises) each call is one graph that holds
+    the products with their bias inside and no transpose; the second shape (dynamo's automatic
+    dynamic shapes: a recompile) runs the same program."""
+    config, model, pm = _gpt2_of_8()
+    batches = [zoo.example_batch("gpt2", config, batch=b, seq=s, seed=b) for b, s in ((2, 8), (3, 5))]
+    pm(**batches[0]).loss.backward()   # eager first: the call's program is built
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(pm, fullgraph=True, backend=backend)
+    for batch in batches:
+        compiled(**batch).loss.backward()
+    assert graphs
+    for gm in graphs:
+        targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        assert targets.count(torch.ops.aten.addmm.default) == 2 * 2
+        assert torch.ops.aten.t.default not in targets
+    assert len(pm.programs) == 1

@@ -121,6 +121,66 @@ def test_reshard_moves_each_part_to_the_rank_that_wants_it_and_its_gradient_back
     _check(cluster, case)
 
 
+def run_held_reshard(case: Reshard, order: tuple[int, ...]) -> tuple:
+    """Runs in a rank: :func:`run_reshard`'s all-to-all of a part held as a permutation of its
+    memory (``order``: its dims from the outermost); (output, input gradient, the copies the
+    all-to-all made forward, whether the output's dims longer than one are held in the input's
+    order)."""
+    from autotp.testing.work import CopyCounter
+
+    mesh = get_mesh(case.tp)
+    group, r, block = mesh.tp_group, mesh.tp_rank, dist.get_rank() // case.tp
+    part = C.local_shard(_tensor(case.seed, case.shape, "x", block), case.have, case.tp, r)
+    x = part.permute(order).contiguous().permute(sorted(range(part.dim()), key=order.__getitem__))
+    x.requires_grad_()
+    with CopyCounter() as copies:
+        y = C.reshard_tp(x, group, case.have, case.want, case.shape[case.have.dim])
+    y.backward(_tensor(case.seed, case.local_shape(case.want, r), "dy", block, r))
+    made = len([c for c in copies.copies if c.site == "collectives._all_to_all"])
+    long = [i for i in range(x.dim()) if x.shape[i] > 1 and y.shape[i] > 1]
+    held = lambda t: sorted(long, key=lambda i: -t.stride(i))   # noqa: E731
+    return y.detach(), x.grad, made, held(x) == held(y)
+
+
+@settings(max_examples=15, deadline=None)
+@given(tp=st.sampled_from([2, 4]), ndim=st.integers(2, 3), data=st.data())
+# attention's output [b, heads, s, d] held [b, s, heads, d], the heads wanted split along s: sent
+# in memory's order, the cut along s the outermost dim after b's one (no staging), the heads laid
+# out after it (one copy)
+@example(tp=2, ndim=4, data=None)
+def test_a_reshard_of_a_permuted_part_keeps_its_layout_and_values(cluster, tp, ndim, data):
+    # between even splits of two dims, a part held as a permutation of a contiguous tensor is sent
+    # in its memory's order and the part received held so: a side needs no copy where its dim
+    # comes first in memory after dims of size one (before: the send made contiguous, one copy)
+    if data is None:
+        case, order = Reshard(2, Shard(1), Shard(2), (1, 4, 6, 3), 11), (0, 2, 1, 3)
+    else:
+        a, b = data.draw(st.permutations(range(ndim)))[:2]
+        shape = [data.draw(st.integers(1, 3)) for _ in range(ndim)]
+        shape[a], shape[b] = tp * data.draw(st.integers(1, 3)), tp * data.draw(st.integers(1, 3))
+        case = Reshard(tp, Shard(a), Shard(b), tuple(shape), data.draw(st.integers(0, 2**31 - 1)))
+        order = tuple(data.draw(st.permutations(range(ndim))))
+    a, b = case.have.dim, case.want.dim
+    part = list(case.local_shape(case.have, 0))
+    out = list(case.local_shape(case.want, 0))
+    # the order the memory holds the dims in, as the collective reads it (dims of size one aside,
+    # a permutation may be contiguous)
+    x = torch.zeros(part).permute(order).contiguous().permute(sorted(range(len(part)), key=order.__getitem__))
+    memory = C.dense_order(x) or list(range(len(part)))
+    send = 0 if all(part[i] == 1 for i in memory[:memory.index(b)]) else 1
+    receive = 0 if all(out[i] == 1 for i in memory[:memory.index(a)]) else 1
+    results = cluster.run(run_held_reshard, case, order)
+    for rank, (y, grad, made, held) in enumerate(results):
+        block, r = rank // tp, rank % tp
+        full = _tensor(case.seed, case.shape, "x", block)
+        dy = [_tensor(case.seed, case.local_shape(case.want, q), "dy", block, q) for q in range(tp)]
+        torch.testing.assert_close(y, C.local_shard(full, case.want, tp, r), rtol=0, atol=0)
+        want_grad = C.local_shard(C.assemble(dy, case.want, case.shape[b]), case.have, tp, r)
+        torch.testing.assert_close(grad, want_grad, rtol=0, atol=0)
+        assert held, (case, order)
+        assert made == send + receive, (case, order, made, send, receive)
+
+
 @settings(max_examples=8, deadline=None)
 @given(case=reshards(tps=(3,)))
 @example(case=Reshard(3, Shard(2), Shard(1), (2, 7, 16), 4))

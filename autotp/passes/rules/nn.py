@@ -323,8 +323,9 @@ def _ce_options(info: OpInfo) -> tuple[Any, int, int, float]:
 @register(aten.cross_entropy_loss.default)
 def cross_entropy_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     """logits [N, V] split by vocabulary -> the loss, whole, from two all-reduces: the row max (N
-    numbers), then the sums of exps and the target logits together (2N): Megatron's vocab-parallel
-    cross-entropy, as ``distributed.functional.VocabParallelCrossEntropy`` runs it."""
+    numbers), then the sums of exps and the target logits together (2N), in float32 at least:
+    Megatron's vocab-parallel cross-entropy, as ``distributed.functional.VocabParallelCrossEntropy``
+    runs it."""
     out = [Strategy(tuple(REPLICATE for _ in info.inputs), REPLICATE)]
     weight, reduction, _, smoothing = _ce_options(info)
     logits = info.inputs[0]
@@ -333,8 +334,10 @@ def cross_entropy_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     p = placements[0]
     shard = p if is_shard(p) and p.dim == 1 else info.fresh_shard_of(0, 1)
     if shard is not None:
-        n = TensorMeta(logits.shape[:1], logits.dtype)
-        two_n = TensorMeta((sympy.Integer(2),) + tuple(logits.shape[:1]), logits.dtype)
+        # the sums travel in the dtype the loss computes in: float32 for half-precision logits
+        computed = torch.promote_types(logits.dtype, torch.float32) if logits.is_float else logits.dtype
+        n = TensorMeta(logits.shape[:1], computed)
+        two_n = TensorMeta((sympy.Integer(2),) + tuple(logits.shape[:1]), computed)
         out.append(Strategy((shard, REPLICATE), REPLICATE, internal=(("all_reduce", n), ("all_reduce", two_n))))
     return out
 
