@@ -565,7 +565,7 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
         info.gathers_expert_rows = grouped_reader(node) is not None
         info.permutes_rows = permutes_rows(node)
         info.row_copies = row_copies(node)
-    if node.target in SORTS and node.args:
+    if (node.target in SORTS or node.target in (aten.argsort.default, aten.argsort.stable)) and node.args:
         info.routing_experts = router_experts(node.args[0]) or 0
     elif node.target is aten.histc.default and node.args:
         info.routing_experts = sorted_ids_experts(node.args[0]) or 0

@@ -82,20 +82,17 @@ def own_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
     if info.tp < 2:
         return []
     target, n = info.target, len(info.inputs)
-    if target in ARGSORTS and n == 1 and info.inputs[0].ndim == 1 and not info.inputs[0].is_float:
-        # the sort's indices alone (a router that sorts by argsort, then gathers ids[perm])
-        descending = info.args[2] if target is aten.argsort.default and len(info.args) > 2 \
-            else info.kwargs.get("descending", False)
-        return [] if descending else [Strategy((OWN,), OWN)]
-    if target in SORTS and n == 1 and info.inputs[0].ndim == 1 and not info.inputs[0].is_float:
+    if target in ARGSORTS | SORTS and n == 1 and info.inputs[0].ndim == 1 and not info.inputs[0].is_float:
+        # an argsort: the sort's indices alone (a router that sorts by argsort, then gathers ids[perm])
         descending = info.args[2] if len(info.args) > 2 else info.kwargs.get("descending", False)
         if descending:
             return []
-        # route_locally: the rank's rows sorted (priced as a radix sort, kernels._sort_work) and
-        # its counts per expert exchanged, an all-gather of tp * experts int64 numbers
+        # route_locally: the rank's rows sorted (priced as a radix sort and the kernels around
+        # it, kernels._sort_work) and its counts per expert exchanged, an all-gather of
+        # tp * experts int64 numbers
         experts = info.routing_experts
         counts = (("all_gather", TensorMeta((sympy.Integer(info.tp * experts),), torch.long)),) if experts else ()
-        return [Strategy((OWN,), (OWN, OWN), internal=counts)]
+        return [Strategy((OWN,), OWN if target in ARGSORTS else (OWN, OWN), internal=counts)]
     if target in _IN_PLACE_OF_ROWS and n == 1:
         return [Strategy((OWN,), OWN)]
     if target is aten.histc.default and n == 1:
