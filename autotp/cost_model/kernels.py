@@ -276,11 +276,14 @@ def op_work(info: Any, strategy: Any, tp: int, dtype_bytes: int, train_dtype: An
         return _sort_work(op, dtype_bytes, train_dtype)
     if t is aten.topk.default:
         return _topk_work(op)
-    if t is aten.histc.default and _counted_by_exchange(op):
-        # routed_counts: the exchanged [tp, experts] counts summed, and cast to the histc's dtype
+    if t in (aten.histc.default, aten.bincount.default) and _counted_by_exchange(op):
+        # routed_counts: the exchanged [tp, experts] int64 counts summed, and cast to the count's
+        # dtype (a histc's float; a bincount's int64 needs none)
         tp, experts = op.tp, op.n_out[0]
-        return OpWork(moved=(("reduction", 8 * tp * experts + 8 * experts), ("cast", 8 * experts + op.out_bytes)),
-                      launches=2)
+        moved = [("reduction", 8 * tp * experts + 8 * experts)]
+        if op.outputs[0].dtype != torch.long:
+            moved.append(("cast", 8 * experts + op.out_bytes))
+        return OpWork(moved=tuple(moved), launches=len(moved))
     if t in _SCATTERS:
         return OpWork(moved=(("scatter", sum(op.b_in, sympy.Integer(0)) + op.out_bytes),), launches=2)
     if t in _FACTORIES:
@@ -557,8 +560,8 @@ def route_locally_work(n: Any, experts: int, tp: int) -> OpWork:
 
 
 def _counted_by_exchange(op: _Op) -> bool:
-    """A ``histc`` of a rank's own sorted ids made whole with no collective of its own: the
-    counts its sort exchanged (``passes/rules/local_routing``, ``routed_counts``): no kernel."""
+    """A ``histc`` (or ``bincount``) of a rank's own sorted ids made whole with no collective of
+    its own: the counts its sort exchanged (``passes/rules/local_routing``, ``routed_counts``): no kernel."""
     return bool(op.in_place) and isinstance(op.in_place[0], Routed) and op.in_place[0].own \
         and not isinstance(op.out_place[0], Partial) and not op.strategy.internal
 

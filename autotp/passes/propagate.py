@@ -567,7 +567,7 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
         info.row_copies = row_copies(node)
     if (node.target in SORTS or node.target in (aten.argsort.default, aten.argsort.stable)) and node.args:
         info.routing_experts = router_experts(node.args[0]) or 0
-    elif node.target is aten.histc.default and node.args:
+    elif node.target in (aten.histc.default, aten.bincount.default) and node.args:
         info.routing_experts = sorted_ids_experts(node.args[0]) or 0
     info.reads_rows = reads_rows(node)
     stack = node.args[0] if node.args else None

@@ -159,3 +159,17 @@ def test_an_argsort_of_own_ids_prices_the_same_routing_and_its_exchange():
     (strategy,) = own_strategies(info, (OWN,))
     assert [(kind, tuple(m.shape)) for kind, m in strategy.internal] == [("all_gather", (TP * experts,))]
     assert _price(info, strategy) == _priced_sort(experts, k)
+
+
+def test_a_bincount_of_the_sorted_ids_is_priced_as_the_exchanged_counts_summed(fake_world):
+    # bincount(ids_sorted, minlength=E) whole on every rank from the sort's exchange
+    # (routed_counts): the counts summed, already int64 (no cast)
+    experts, k = LAYOUTS["qwen3-30b-a3b"]
+    ids = _meta(TOKENS * k)
+    info = OpInfo(aten.bincount.default, (ids, None, experts), {}, (ids,), _meta(experts), TP)
+    info.routing_experts = experts
+    (strategy,) = [s for s in own_strategies(info, (OWN,)) if s.output == REPLICATE]
+    local = route_locally(torch.randint(0, experts, (TOKENS * k // TP,)), 1, experts, fake_world, TP, 0)
+    with KernelCounter() as counts:
+        routed_counts(local, torch.long)
+    assert _price(info, strategy) == (counts.launches, counts.bytes), counts.calls

@@ -14,8 +14,8 @@ it on every token. Here each op runs on the rank's own rows alone, placed :data:
 * ``floor_divide``, casts, ``empty_like``, ``index_put_``: as written, on the rank's rows
   (``inv[perm] = arange(T*k)`` writes the rank's sorted rows' positions, the whole arange left
   unread and erased);
-* ``histc`` of the sorted ids: every rank's counts from the exchange, no pass over any row
-  (the exchange is priced here, at the layer's one ``histc``);
+* ``histc`` (or ``bincount`` with ``minlength`` every expert) of the sorted ids: every rank's
+  counts from the exchange, no pass over any row (the exchange is priced at the sort);
 * ``x[index]`` by such an index: a local gather, no count read, no ``nonzero``; the grouped
   product's dispatch takes its split sizes and plan from the routing
   (:func:`~autotp.distributed.expert_routing.local_dispatch_sizes`,
@@ -111,6 +111,18 @@ def own_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
                 counts = TensorMeta((sympy.Integer(info.tp * bins),), info.output.dtype)
                 out.append(Strategy((OWN,), REPLICATE, internal=(("all_gather", counts),)))
         return out
+    if target is aten.bincount.default and n == 1:
+        # every rank's rows per expert, as histc's: of the sorted ids over every expert (a static
+        # length, minlength), the counts the sort exchanged (no kernel of its own, no
+        # collective); or each rank's count of its rows, a Partial, where minlength is the whole
+        # count's length (each rank's count is then as long: it never counts past the largest id)
+        length, minlength = info.output.static(0), _flag(info, 2, "minlength", 0)
+        if length is None or minlength != length:
+            return []
+        out = [Strategy((OWN,), PARTIAL)]
+        if info.routing_experts == length:
+            out.append(Strategy((OWN,), REPLICATE))
+        return out
     if target in (aten.index_put_.default, aten.index_put.default) and n == 3 \
             and is_own(placements[0]) and is_own(placements[1]):
         # inv[perm] = arange(T*k): the values numbered whole, each rank writing its own sorted
@@ -136,6 +148,10 @@ def own_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
             # (batched_mm's ``gate_up_proj[ids]``: whole weights picked per row)
             return [Strategy((REPLICATE, OWN), ROWS)]
     return []
+
+
+def _flag(info: OpInfo, position: int, name: str, default: Any) -> Any:
+    return info.kwargs[name] if name in info.kwargs else info.args[position] if len(info.args) > position else default
 
 
 def sorted_ids_experts(node: Any) -> int | None:
@@ -213,6 +229,18 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
             return R.routed_counts, (layer.routing, node.meta["val"].dtype), {}
         # another count of the rank's rows by id: each rank's histogram, gathered and summed
         return R.GatheredHistc(ctx.group, bins, low, high, ctx.tp), (args[0],), {}
+    if target is aten.bincount.default:
+        kind, layer = _values(ctx, ctx.inputs[0], node)
+        if kind not in ("values", "ids"):
+            raise PlanError(f"{node.name} counts a rank's own positions ({kind}), which mean nothing on another "
+                            f"rank; it must count every row")
+        if strategy.output == PARTIAL:   # the rank's rows' count: a summand, as long as the whole's
+            return target, args, kwargs
+        if kind != "ids" or info.output.static(0) != layer.routing_experts:
+            raise PlanError(f"{node.name} counts a rank's own rows whole, but not the sorted expert ids of its "
+                            f"routing over its {layer.routing_experts} experts; it must count every row "
+                            f"(pass bincount's minlength as the number of experts)")
+        return R.routed_counts, (layer.routing, node.meta["val"].dtype), {}
     if target in (aten.floor_divide.default, aten.floor_divide.Scalar):
         kind, layer = _values(ctx, ctx.inputs[0], node)
         if kind in ("values", "ids"):   # values divided in place: still values
