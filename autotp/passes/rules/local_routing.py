@@ -185,7 +185,6 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
     rank's ``"flat"`` rows, its ``"tokens"``, its ``"sorted"`` rows (``"unset"``: not yet
     written), so that each gather checks that its index points into the tensor it reads."""
     from ...distributed import expert_routing as R
-    from ...errors import PlanError
 
     target = info.target
     node = ctx.node
@@ -201,8 +200,8 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
         kind, layer = _values(ctx, ctx.inputs[0], node)
         experts = router_experts(node.args[0])
         if kind != "values" or experts is None:
-            raise PlanError(f"{node.name} sorts a rank's own rows routed alone, but its values are not a router's "
-                            f"top-k expert ids (a topk over a static number of experts); it must sort every row")
+            raise _refused(f"{node.name} sorts a rank's own rows routed alone, but its values are not a router's "
+                           f"top-k expert ids (a topk over a static number of experts); it must sort every row")
         # one run (numbered rank-major within an expert): the rank needs not know the batch,
         # and exchanges ``experts`` counts (Megatron's dispatcher's order)
         routing = ctx.comm(R.RouteLocally(ctx.group, 1, experts, ctx.tp, ctx.rank), ctx.inputs[0])
@@ -217,8 +216,8 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
     if target is aten.histc.default:
         kind, layer = _values(ctx, ctx.inputs[0], node)
         if kind not in ("values", "ids"):
-            raise PlanError(f"{node.name} counts a rank's own positions ({kind}), which mean nothing on another "
-                            f"rank; it must count every row")
+            raise _refused(f"{node.name} counts a rank's own positions ({kind}), which mean nothing on another "
+                           f"rank; it must count every row")
         from ...distributed.experts import histc
 
         if strategy.output == PARTIAL:   # the rank's rows' histogram: a summand
@@ -232,14 +231,14 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
     if target is aten.bincount.default:
         kind, layer = _values(ctx, ctx.inputs[0], node)
         if kind not in ("values", "ids"):
-            raise PlanError(f"{node.name} counts a rank's own positions ({kind}), which mean nothing on another "
-                            f"rank; it must count every row")
+            raise _refused(f"{node.name} counts a rank's own positions ({kind}), which mean nothing on another "
+                           f"rank; it must count every row")
         if strategy.output == PARTIAL:   # the rank's rows' count: a summand, as long as the whole's
             return target, args, kwargs
         if kind != "ids" or info.output.static(0) != layer.routing_experts:
-            raise PlanError(f"{node.name} counts a rank's own rows whole, but not the sorted expert ids of its "
-                            f"routing over its {layer.routing_experts} experts; it must count every row "
-                            f"(pass bincount's minlength as the number of experts)")
+            raise _refused(f"{node.name} counts a rank's own rows whole, but not the sorted expert ids of its "
+                           f"routing over its {layer.routing_experts} experts; it must count every row "
+                           f"(pass bincount's minlength as the number of experts)")
         return R.routed_counts, (layer.routing, node.meta["val"].dtype), {}
     if target in (aten.floor_divide.default, aten.floor_divide.Scalar):
         kind, layer = _values(ctx, ctx.inputs[0], node)
@@ -247,8 +246,8 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
             ctx.own_made = ("values", layer)
             return target, args, kwargs
         if kind != "flat" or args[1] != layer.k:
-            raise PlanError(f"{node.name} divides a rank's own row positions by {args[1]!r}, not by the top-k "
-                            f"{layer.k} its rows were flattened by; it must run on every row")
+            raise _refused(f"{node.name} divides a rank's own row positions by {args[1]!r}, not by the top-k "
+                           f"{layer.k} its rows were flattened by; it must run on every row")
         ctx.own_made = ("tokens", layer)
         return target, args, kwargs
     if target in (aten.index_put_.default, aten.index_put.default):
@@ -256,9 +255,9 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
         kind, layer = _values(ctx, index, node)
         captured = node.args[2] if len(node.args) > 2 else node.kwargs["values"]
         if kind != "flat" or _values(ctx, base, node)[0] != "unset" or not _counts_up(captured):
-            raise PlanError(f"{node.name} writes a rank's own rows routed alone at positions that are not its flat "
-                            f"rows', or values other than arange(n) (the inverse of its sort); it must run on "
-                            f"every row")
+            raise _refused(f"{node.name} writes a rank's own rows routed alone at positions that are not its flat "
+                           f"rows', or values other than arange(n) (the inverse of its sort); it must run on "
+                           f"every row")
         ctx.made_rows = layer.flat
         ctx.own_made = ("sorted", layer)
         # the rank's sorted rows' positions, not the whole arange (which nothing else reads: erased)
@@ -274,8 +273,9 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
         if have == REPLICATE:   # whole rows: the rank's own, by their global ids
             ids = {"flat": layer.flat, "tokens": ctx.graph.call_function(R.flat_tokens, (layer.flat, layer.k))}
             if kind not in ids:
-                raise PlanError(f"{node.name} gathers whole rows by a rank's own positions ({kind}), which number no "
-                                f"rows of the whole; it must gather every row")
+                raise _refused(f"{node.name} gathers whole rows by a rank's own positions ({kind}, "
+                               f"{_name(node.args[1][0])}), which number no rows of the whole; it must gather every "
+                               f"row")
             ctx.made_rows = ctx.rows_of(index)
             at = ctx.graph.call_function(aten.index_select.default, (ids[kind], 0, index))
             return aten.index_select.default, (x, 0, at), {}
@@ -286,8 +286,8 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
         else:   # the experts' output rows the combine brought back, in the order the rank sorted them
             fits = kind == "sorted" and ctx.rows_of(x) is layer.sorted_rows
         if not fits:
-            raise PlanError(f"{node.name} gathers by a rank's own positions ({kind}) from rows they do not number "
-                            f"({have}); it must gather every row")
+            raise _refused(f"{node.name} gathers by a rank's own positions ({kind}, {_name(node.args[1][0])}) from "
+                           f"rows they do not number ({_name(node.args[0])}, {have}); it must gather every row")
         ctx.made_rows = ctx.rows_of(index)
         if is_own(strategy.output):
             ctx.own_made = _values(ctx, x, node)
@@ -304,7 +304,6 @@ def _counted_pick(info: OpInfo, strategy: Strategy, kind: str, ctx: LocalContext
     sorted by expert (the products' row map and bounds, one pair of nodes per layer), each its
     expert's row of the stack (:func:`~autotp.distributed.expert_routing.sorted_pick`)."""
     from ...distributed import expert_routing as R
-    from ...errors import PlanError
     from ...placements import local_ranges
     from .dispatch_sizes import sorted_rows
     from .routing import counted_by
@@ -313,11 +312,24 @@ def _counted_pick(info: OpInfo, strategy: Strategy, kind: str, ctx: LocalContext
     total = int(info.inputs[0].shape[0])
     offs = counted_by(node.args[1][0], total)
     if kind != "ids" or offs is None or offs not in ctx.env:
-        raise PlanError(f"{node.name} picks a stack of {total} experts by a rank's own {kind} (not the sorted "
-                        f"expert ids counted into a grouped product's offs); it must pick by every row's ids")
+        raise _refused(f"{node.name} picks a stack of {total} experts by a rank's own {kind} (not the sorted "
+                       f"expert ids counted into a grouped product's offs); it must pick by every row's ids")
     ((first, stop),) = local_ranges(total, strategy.inputs[0], ctx.tp, ctx.rank) or ((0, 0),)
     _, ctx.made_rows = sorted_rows(ctx.env[offs], first, stop - first, ctx)
     return R.sorted_pick, (ctx.inputs[0], ctx.env[offs], ctx.made_rows, first), {}
+
+
+#: what a user can do where a rank's program refuses an op of the local routing (the rules
+#: offered it a rank's own rows the op cannot read so: a bug of the rules)
+FIX = ("plan with sequence_parallel=False to route every row on every rank (an autotp bug where the solver chose "
+       "this routing: please report it)")
+
+
+def _refused(message: str) -> Exception:
+    """The PlanError of an op of the local routing its rank cannot run: the op, the cause, the fix."""
+    from ...errors import PlanError
+
+    return PlanError(f"{message}; {FIX}")
 
 
 def _counts_up(node: Any) -> bool:
@@ -330,10 +342,14 @@ def _counts_up(node: Any) -> bool:
     return target is aten.arange.start_step and node.args[0] == 0 and node.args[2] == 1
 
 
+def _name(node: Any) -> str:
+    return getattr(node, "name", repr(node))
+
+
 def _values(ctx: LocalContext, x: Any, node: Any) -> tuple[str, "OwnLayer"]:
-    from ...errors import PlanError
 
     found = ctx.own.get(x)
     if found is None:
-        raise PlanError(f"{node.name} reads a rank's own rows routed alone that no op of the local routing made")
+        raise _refused(f"{node.name} reads a rank's own rows routed alone ({_name(x)}) that no op of the local "
+                       f"routing made")
     return found
