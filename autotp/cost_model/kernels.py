@@ -559,6 +559,26 @@ def route_locally_work(n: Any, experts: int, tp: int) -> OpWork:
     return OpWork(moved=tuple((cls, sympy.sympify(b)) for cls, b in kernels), launches=len(kernels))
 
 
+def holders_order_work(rows: Any, tp: int) -> OpWork:
+    """The counting pass :func:`autotp.distributed.gathered_rows.holders_order` runs on every rank
+    over the ``rows`` gathered rows' int64 holders (in ``[0, tp)``), each kernel with the bytes it
+    reads and writes: the holders compared with every rank (``tp`` booleans a row), counted
+    cumulatively (``tp`` int64 counters a row), each row's counter picked (a gather reads the
+    entries it picks), less one; every rank's first row from the last counters; each row's place
+    (its rank's first row, gathered, plus the counter) and the order written by it (an
+    ``arange`` scattered: the entries it writes)."""
+    n = rows
+    kernels = [
+        ("elementwise", 8 * tp), ("elementwise", 8 * n + 8 * tp + n * tp),   # arange(tp), holder == rank
+        ("reduction", 9 * n * tp),                                           # cumsum of the booleans
+        ("elementwise", 24 * n), ("elementwise", 16 * n),                    # gather, - 1
+        ("reduction", 16 * tp), ("elementwise", 24 * tp),                    # every rank's first row
+        ("elementwise", 8 * tp + 16 * n), ("elementwise", 24 * n),           # its first row per row, + before
+        ("elementwise", 8 * n), ("scatter", 24 * n),                         # order[place] = arange
+    ]
+    return OpWork(moved=tuple((cls, sympy.sympify(b)) for cls, b in kernels), launches=len(kernels))
+
+
 def _counted_by_exchange(op: _Op) -> bool:
     """A ``histc`` (or ``bincount``) of a rank's own sorted ids made whole with no collective of
     its own: the counts its sort exchanged (``passes/rules/local_routing``, ``routed_counts``): no kernel."""

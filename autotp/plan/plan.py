@@ -578,7 +578,7 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
     compute_total = sympy.Add(*(n * compute_time_expr(*first[k], profile, index.tp, index.env, index.align)
                                 for k, n in compute.items())) + prop.update_s   # the optimizer step: constant
     compute_total += sympy.Add(*(n * internal_copy_seconds(kind, bytes_expr(meta, profile.dtype_bytes), profile,
-                                                           meta.shape[0] if meta.shape else 1)
+                                                           meta.shape[0] if meta.shape else 1, index.tp)
                                  for (kind, meta, _, _, _), n in comm.items()))   # the rows laid out in order
     comm_total = sympy.Add(*(n * (collective_time_expr(kind, bytes_expr(meta, profile.dtype_bytes), profile, index.tp,
                                                        grad)

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from autotp.cost_model.kernels import op_work, sort_bytes, sort_launches
+from autotp.cost_model.kernels import holders_order_work, op_work, sort_bytes, sort_launches
+from autotp.distributed.gathered_rows import holders_order
 from autotp.distributed.expert_routing import route_locally, routed_counts
 from autotp.passes.rules import OpInfo, TensorMeta
 from autotp.passes.rules.local_routing import OWN, own_strategies
@@ -40,8 +41,9 @@ def _nbytes(tensors) -> int:
 
 class KernelCounter(TorchDispatchMode):
     """Each non-view ATen call a kernel, with the bytes it touches: its tensor arguments read and
-    its results written, except that a fill reads nothing, an in-place scatter writes (and a
-    scatter-add reads) only the entries it writes, and a sort is the radix sort a GPU runs.
+    its results written, except that a fill reads nothing, a gather reads only the entries it
+    picks, an in-place scatter or ``index_put_`` writes (and a scatter-add reads) only the
+    entries it writes, and a sort is the radix sort a GPU runs.
     Collectives are communication, and allocations no kernel."""
 
     def __init__(self) -> None:
@@ -59,6 +61,10 @@ class KernelCounter(TorchDispatchMode):
             moved = _nbytes(out)
         elif name == "scatter_":
             moved = _nbytes((args[2], args[3])) + _nbytes(args[3])
+        elif name == "gather":
+            moved = _nbytes(args[2]) + 2 * _nbytes(out)
+        elif name == "index_put_":
+            moved = _nbytes(args[1]) + 2 * _nbytes(args[2])
         elif name == "scatter_add_":
             moved = _nbytes((args[2], args[3])) + 2 * _nbytes(args[3])
         elif name == "sort":
@@ -173,3 +179,16 @@ def test_a_bincount_of_the_sorted_ids_is_priced_as_the_exchanged_counts_summed(f
     with KernelCounter() as counts:
         routed_counts(local, torch.long)
     assert _price(info, strategy) == (counts.launches, counts.bytes), counts.calls
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_expert_tp_gathered_rows_order_is_priced_as_its_counting_pass(layout):
+    # distributed/gathered_rows.GatherRowsTP on every rank: the T*k gathered rows laid out rank by
+    # rank from their holders (no sort: tests/runtime/test_gathered_rows_order.py)
+    experts, k = LAYOUTS[layout]
+    rows = TOKENS * k
+    holder = torch.randint(0, TP, (rows,), generator=torch.Generator().manual_seed(0))
+    with KernelCounter() as counted:
+        holders_order(holder, TP)
+    work = holders_order_work(rows, TP)
+    assert (work.launches, int(sum(b for _, b in work.moved))) == (counted.launches, counted.bytes), counted.calls

@@ -362,8 +362,9 @@ def assert_experts_case(cluster_of, case: dict) -> None:
     # one all-gather lays every rank's out whole in sorted order (backward: the gradient's summands
     # reduce-scattered back to the tokens' ranks), in place of a g of the rows and an f at the
     # product. Uneven runs (seq 7 at tp 2, seq 9 at tp 4), 3 experts at tp 4, Qwen3-MoE at tp 3
-    # Hidden 256: at the tiny width of 32 the holders' sort every rank runs (a radix sort of the
-    # T*k rows' holders, priced) outweighs the rows' bytes, and the plan gathers the tokens whole;
+    # Hidden 256: at the tiny width of 32 the holders' order every rank computes (then a radix sort
+    # of the T*k rows' holders, now a counting pass, priced) outweighed the rows' bytes, and the plan
+    # gathered the tokens whole;
     # each rank routing its own rows not offered (at this width it costs less, see own_routing)
     dict(family="mixtral", impl="eager", tp=2, experts=3, top_k=2, kv_heads=2, seq=7, seed=4, layers=1,
          layout="etp", plan_batch=64, plan_seq=4096, sp=True, profile="h100-dgx", own_routing=False,
