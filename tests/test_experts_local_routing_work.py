@@ -149,6 +149,9 @@ def test_a_dispatching_rank_routes_sorts_and_counts_its_own_rows_alone(family, t
     # the routing's sort, and token_sums' order of the rank's rows (distributed/experts.py): the
     # rank's own rows each (SEQ a multiple of tp)
     assert sorts and max(sorts) == rows // tp, (sorts, rows)
+    # one sort in the step, the routing's: the rows come back to the top-k sums in the rank's
+    # tokens' order (out[inv]), so token_sums_in_order sums them with no sort of their ids
+    assert len(sorts) == 1, sorts
     assert all(n < rows for n in counts), (counts, rows)   # no count over every row
     # the rank holds no tensor of every (token, expert) row of the routing: its largest
     # integer index (sorted ids, permutations, their inverse) is its own rows'

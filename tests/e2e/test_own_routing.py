@@ -113,7 +113,7 @@ def test_a_group_limited_router_routes_its_own_rows_as_serial(cluster_of):
     assert_experts_case(cluster_of, dict(
         family="deepseek-v3", impl="eager", dtype="float64", tp=2, experts=4, top_k=2, kv_heads=2, seq=6, seed=5,
         layers=1, plan_batch=64, plan_seq=4096, sp=True, config=dict(n_group=2, topk_group=1),
-        routed=("token_rows", "route_locally", "dispatch_rows", "combine_rows", "token_sums")))
+        routed=("token_rows", "route_locally", "dispatch_rows", "combine_rows", "token_sums_in_order")))
 
 
 def _assert_routes_its_own_rows_as_serial(cluster_of, case: dict) -> None:
