@@ -117,7 +117,8 @@ def _priced_sort(experts: int, k: int, target=aten.sort.stable):
 
 def _priced_counts(experts: int, k: int):
     ids = _meta(TOKENS * k, dtype=torch.float32)   # transformers' histc of the sorted ids on CPU
-    info = OpInfo(aten.histc.default, (ids, experts, 0, experts - 1), {}, (ids,), _meta(experts, dtype=torch.float32), TP)
+    counts = _meta(experts, dtype=torch.float32)
+    info = OpInfo(aten.histc.default, (ids, experts, 0, experts - 1), {}, (ids,), counts, TP)
     info.routing_experts = experts
     # every expert's rows whole on every rank, from the counts the sort exchanged
     (strategy,) = [s for s in own_strategies(info, (OWN,)) if s.output == REPLICATE]

@@ -256,7 +256,8 @@ def assert_experts_case(cluster_of, case: dict) -> None:
     # exchanging the counts (route_locally), never every token's ids
     dict(family="mixtral", impl="eager", tp=2, experts=4, top_k=2, kv_heads=2, seq=7, seed=1, layers=1,
          plan_batch=64, plan_seq=4096, sp=True,
-         routed=("token_rows", "route_locally", "dispatch_rows", "routed_grouped_mm", "combine_rows", "token_sums_in_order")),
+         routed=("token_rows", "route_locally", "dispatch_rows", "routed_grouped_mm", "combine_rows",
+                 "token_sums_in_order")),
     # the tokens gathered whole for the experts under sequence parallelism (no dispatch): the
     # combine's partial sum passes its cast to the dtype it has and meets the residual add as a
     # reduce-scatter along the sequence, not a g and a cut. The router, its softmax (and Qwen3's
@@ -321,7 +322,8 @@ def assert_experts_case(cluster_of, case: dict) -> None:
     # test_experts_dispatch_plan.py) and runs a by-cost dispatching plan's later programs above
     pytest.param(dict(family="mixtral", impl="eager", tp=2, experts=4, top_k=2, kv_heads=2, seq=7, seed=3, layers=1,
                       plan_batch=64, plan_seq=4096, sp=True, dispatch=True,
-                      routed=("token_rows", "dispatch_rows", "routed_grouped_mm", "combine_rows", "token_sums_in_order"),
+                      routed=("token_rows", "dispatch_rows", "routed_grouped_mm", "combine_rows",
+                              "token_sums_in_order"),
                       dropped=("expert_dispatch=True does not hold in the program of a generation step",)),
                  marks=pytest.mark.slow),
     # expert-TP with the tokens split along the sequence, priced on a bandwidth-bound profile: the

@@ -109,7 +109,8 @@ def test_own_rows_gathered_by_positions_of_other_rows_are_refused():
     assert "it must gather every row" in message
 
 
-@pytest.mark.parametrize("held, kind", [(TOKEN_ROWS, "flat"), (ROWS, "sorted")], ids=["tokens-by-flat", "combined-by-other-sort"])
+@pytest.mark.parametrize("held, kind", [(TOKEN_ROWS, "flat"), (ROWS, "sorted")],
+                         ids=["tokens-by-flat", "combined-by-other-sort"])
 def test_rows_gathered_by_positions_that_do_not_number_them_are_refused(held, kind):
     # the rank's tokens in sequence order gathered by flat positions (not perm // k); rows the
     # combine brought back gathered by sorted positions of another layer's sort than theirs
