@@ -32,6 +32,8 @@ CONFIG = {"mixtral": {}, "deepseek-v3": dict(n_group=GROUPS, topk_group=1)}
 #: a router's sort by argsort, the ids then gathered by it (``ids[argsort(ids)]``): Mixtral's
 #: experts run by transformers' grouped path so written (argsort_experts below)
 ARGSORT = "mixtral-argsort"
+#: a count of the sorted ids by ``bincount`` (bincount_experts below): of the rank's own ids
+BINCOUNT = "mixtral-bincount"
 #: the router's ops on its [tokens, experts] scores (DeepSeek-V3's [tokens, groups] and
 #: [tokens, groups, experts a group] too), forward and backward
 ROUTER_OPS = frozenset(("aten::topk", "aten::sigmoid", "aten::_softmax", "aten::masked_fill", "aten::gather",
@@ -76,14 +78,43 @@ def argsort_experts(self, hidden_states, top_k_index, top_k_weights):
     return out[inverse].view(tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
 
 
+def bincount_experts(self, hidden_states, top_k_index, top_k_weights):
+    """transformers' grouped experts counting the sorted rows per expert by ``bincount`` with
+    ``minlength`` every expert (its length said, so that it is captured with
+    one), as a model may count where transformers' grouped path uses ``histc``."""
+    import transformers.integrations.moe  # noqa: F401  (registers the fallback product's op)
+
+    def _grouped_linear(x, weight, offs, is_transposed):
+        weight = weight if is_transposed else weight.transpose(-2, -1)
+        return torch.ops.transformers.grouped_mm_fallback(x.to(weight.dtype), weight, offs=offs)
+
+    tokens, top_k, hidden = hidden_states.size(0), top_k_index.size(-1), hidden_states.size(-1)
+    weights, ids = top_k_weights.reshape(-1), top_k_index.reshape(-1)   # (T*k,)
+    ids_sorted, perm = torch.sort(ids)
+    rows = hidden_states[perm // top_k]                                   # (T*k, h) sorted by expert
+    counts = torch.bincount(ids_sorted, minlength=self.num_experts)      # (E,)
+    torch._check(counts.size(0) == self.num_experts)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    out = self._apply_gate(_grouped_linear(rows, self.gate_up_proj, offsets, is_transposed=self.is_transposed))
+    out = _grouped_linear(out, self.down_proj, offsets, is_transposed=self.is_transposed) * weights[perm].unsqueeze(-1)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.size(0), device=perm.device)
+    return out[inverse].view(tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+
+
+#: each experts implementation beyond transformers' own, by its case's name
+IMPLEMENTATIONS = {ARGSORT: ("argsort_grouped_mm", argsort_experts), BINCOUNT: ("bincount_grouped_mm", bincount_experts)}
+
+
 def _rank_step(family: str, tp: int) -> list[tuple[str, tuple]]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     implementation = "grouped_mm"
-    if family == ARGSORT:
-        family, implementation = "mixtral", "argsort_grouped_mm"
-        ALL_EXPERTS_FUNCTIONS.register(implementation, argsort_experts)
+    if family in IMPLEMENTATIONS:
+        implementation, forward = IMPLEMENTATIONS[family]
+        family = "mixtral"
+        ALL_EXPERTS_FUNCTIONS.register(implementation, forward)
     config = zoo.tiny_config(family, layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=EXPERTS,
                              top_k=TOP_K, positions=64, **CONFIG[family])
     config._experts_implementation = implementation
@@ -107,7 +138,7 @@ def _numel(shape: tuple) -> int:
     return n
 
 
-@pytest.mark.parametrize("family", sorted(CONFIG) + [ARGSORT])
+@pytest.mark.parametrize("family", sorted(CONFIG) + [ARGSORT, BINCOUNT])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_a_dispatching_rank_routes_sorts_and_counts_its_own_rows_alone(family, tp):
     calls = _rank_step(family, tp)
@@ -118,6 +149,9 @@ def test_a_dispatching_rank_routes_sorts_and_counts_its_own_rows_alone(family, t
     # the routing's sort, and token_sums' order of the rank's rows (distributed/experts.py): the
     # rank's own rows each (SEQ a multiple of tp)
     assert sorts and max(sorts) == rows // tp, (sorts, rows)
+    # one sort in the step, the routing's: the rows come back to the top-k sums in the rank's
+    # tokens' order (out[inv]), so token_sums_in_order sums them with no sort of their ids
+    assert len(sorts) == 1, sorts
     assert all(n < rows for n in counts), (counts, rows)   # no count over every row
     # the rank holds no tensor of every (token, expert) row of the routing: its largest
     # integer index (sorted ids, permutations, their inverse) is its own rows'

@@ -292,6 +292,18 @@ def token_sums(x: torch.Tensor, rows: torch.Tensor, group: int,
     return sums, torch.div(rows.index_select(0, order[::group]), group, rounding_mode="floor")
 
 
+def token_sums_in_order(x: torch.Tensor, rows: torch.Tensor, group: int,
+                        dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_sums` where the row ids ``rows`` ascend (a rank routing its own rows puts
+    them back in its tokens' order, ``out[inv]``): each token's rows are together already, in
+    top-k order, so the same sums with no sort and no gather of the rows."""
+    if dtype is not None:
+        x = x.to(dtype)
+    tokens = x.shape[0] // group
+    sums = x.reshape((tokens, group) + tuple(x.shape[1:])).sum(1)
+    return sums, torch.div(rows[::group], group, rounding_mode="floor")
+
+
 def token_sum_owners(owners: torch.Tensor, group: int) -> torch.Tensor:
     """The holder of each token, from the holders of its rows (``group`` per token, one rank)."""
     return owners[::group]

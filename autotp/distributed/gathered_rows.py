@@ -11,7 +11,8 @@ count is read to the host: rank ``r`` holds ``k`` times its tokens' count, which
 
 Every rank knows where every token is (``owners``: the holder of each token, from the shapes), so
 every rank computes the same order of the gathered rows: rank by rank, each rank's rows in
-ascending sorted position (``order``, a stable sort of the rows' holders).
+ascending sorted position (``order``, a stable sort of the rows' holders, made by a counting pass:
+:func:`holders_order`).
 """
 from __future__ import annotations
 
@@ -30,6 +31,25 @@ def run_lengths(seq: int, tp: int) -> list[int]:
     """Each rank's run of a sequence of ``seq`` positions split in contiguous runs, the first
     ``seq % tp`` one longer (the sequence split's layout, :func:`.experts.token_rows`)."""
     return [seq // tp + (1 if r < seq % tp else 0) for r in range(tp)]
+
+
+def holders_order(holder: Tensor, tp: int) -> tuple[Tensor, Tensor]:
+    """The rows laid out rank by rank, each rank's in ascending position: ``order`` (what a stable
+    sort of ``holder`` returns) and ``place``, its inverse (each row's position there), by one
+    counting pass, not a sort (``kernels.holders_order_work``): a cumulative count of each rank's
+    rows (``tp`` counters a row) gives each row the rows of its rank before it, and its last row
+    every rank's count, so its first row. No read to the host, no copy from it: one graph under
+    torch.compile."""
+    if holder.numel() == 0:
+        return holder.clone(), holder.clone()
+    mine = holder.unsqueeze(1) == torch.arange(tp, device=holder.device)          # [rows, tp]
+    seen = mine.cumsum(0)                                                         # [rows, tp]
+    before = seen.gather(1, holder.unsqueeze(1)).squeeze(1) - 1                   # rows of its rank before it
+    counts = seen[-1]                                                             # [tp]: every rank's rows
+    place = (counts.cumsum(0) - counts).index_select(0, holder) + before
+    order = torch.empty_like(place)
+    order[place] = torch.arange(place.numel(), device=place.device)
+    return order, place
 
 
 class _GatherRows(torch.autograd.Function):
@@ -104,10 +124,8 @@ class GatherRowsTP(nn.Module):
         tokens = math.prod([int(o) for o in outer])
         counts = tuple([self.copies * tokens * n for n in run_lengths(int(seq), tp)])
         holder = owners.index_select(0, index)   # the rank of each sorted row's token
-        order = torch.sort(holder, stable=True).indices   # rank by rank, ascending positions within
-        place = torch.empty_like(order)
-        place[order] = torch.arange(order.numel(), device=order.device)
         starts = [sum(counts[:r]) for r in range(tp)]
+        order, place = holders_order(holder, tp)
         width = max(counts)
         if min(counts) != width:   # the gathered rows are padded blocks of the widest
             shift = torch.cat([torch.full((n,), r * width - s, dtype=place.dtype, device=place.device)

@@ -569,9 +569,9 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
         info.gathers_expert_rows = grouped_reader(node) is not None
         info.permutes_rows = permutes_rows(node)
         info.row_copies = row_copies(node)
-    if node.target in SORTS and node.args:
+    if (node.target in SORTS or node.target in (aten.argsort.default, aten.argsort.stable)) and node.args:
         info.routing_experts = router_experts(node.args[0]) or 0
-    elif node.target is aten.histc.default and node.args:
+    elif node.target in (aten.histc.default, aten.bincount.default) and node.args:
         info.routing_experts = sorted_ids_experts(node.args[0]) or 0
     info.reads_rows = reads_rows(node)
     stack = node.args[0] if node.args else None
@@ -775,30 +775,28 @@ def internal_seconds(index: "GraphIndex", profile: DeviceProfile, strat: Strateg
     for kind, meta in strat.internal:
         full = nbytes(meta, index.env, profile.dtype_bytes, index.train_dtype)
         rows = numel(meta.shape[:1], index.env)
-        total += sum(collective_time(kind, full, profile, index.tp)) + internal_copy_seconds(kind, full, profile, rows)
+        total += sum(collective_time(kind, full, profile, index.tp)) \
+            + internal_copy_seconds(kind, full, profile, rows, index.tp)
     return total
 
 
-def internal_copy_seconds(kind: str, full: Any, profile: DeviceProfile, rows: Any = 0) -> Any:
+def internal_copy_seconds(kind: str, full: Any, profile: DeviceProfile, rows: Any = 0, tp: int = 1) -> Any:
     """Seconds of the work around an internal collective on every rank: the rows of every rank's
     tokens all-gathered (``all_gather_rows``, ``rows`` of them) are put in their sorted order by
     one gather of the whole tensor forward, and the gradient in rank order by one backward (read
     and write each); the order is computed first on every rank from the ``rows`` sorted rows'
     holders (``distributed/gathered_rows.GatherRowsTP``): their holders gathered (an int64 each),
-    stably sorted (a radix sort of int64 keys, :func:`~autotp.cost_model.kernels.sort_bytes`),
-    and each row's place in the gathered rows written by the inverse of that sort (a scatter of
-    an ``arange``)."""
+    then laid out rank by rank by a counting pass over the ``tp`` ranks, each row's place and
+    the order written by it (:func:`~autotp.cost_model.kernels.holders_order_work`)."""
     if kind != "all_gather_rows":
         return 0.0
-    from ..cost_model.kernels import sort_bytes, sort_launches, sort_passes
+    from ..cost_model.kernels import holders_order_work
 
     layout = 2 * (2 * full / profile.bandwidth("elementwise") + profile.launch_s)
     holders = 16 * rows / profile.bandwidth("elementwise") + profile.launch_s
-    order = sort_bytes(rows, 8) / profile.bandwidth("sort") + sort_launches(8) * profile.launch_s \
-        + sort_passes(8) * profile.sort_pass_s
-    place = 8 * rows / profile.bandwidth("elementwise") + 24 * rows / profile.bandwidth("scatter") \
-        + 2 * profile.launch_s
-    return layout + holders + order + place
+    work = holders_order_work(rows, tp)
+    order = sum(b / profile.bandwidth(cls) for cls, b in work.moved) + work.launches * profile.launch_s
+    return layout + holders + order
 
 
 def param_memory(index: "GraphIndex", profile: DeviceProfile, node: fx.Node, placement: Any) -> float:
@@ -1138,7 +1136,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
             full = nbytes(meta, env, profile.dtype_bytes, index.train_dtype)
             seconds = sum(collective_time(kind, full, profile, tp))
             # memory-bound work, not the link's
-            compute += internal_copy_seconds(kind, full, profile, numel(meta.shape[:1], env))
+            compute += internal_copy_seconds(kind, full, profile, numel(meta.shape[:1], env), tp)
             fw_b, bw_b = collective_bytes(kind, full, tp)
             comm += seconds
             comms.append(Comm(kind, node.name, best.inputs[0], best.output if kind == "all_to_all" else REPLICATE,

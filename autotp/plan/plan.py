@@ -581,7 +581,7 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
     # them (propagate.internal_seconds); conversions at the profile's
     full = lambda meta, src: bytes_expr(meta, profile.dtype_bytes, index.train_dtype if src is None else None)  # noqa: E731
     compute_total += sympy.Add(*(n * internal_copy_seconds(kind, full(meta, src), profile,
-                                                           meta.shape[0] if meta.shape else 1)
+                                                           meta.shape[0] if meta.shape else 1, index.tp)
                                  for (kind, meta, _, src, _), n in comm.items()))   # the rows laid out in order
     comm_total = sympy.Add(*(n * (collective_time_expr(kind, full(meta, src), profile, index.tp, grad)
                                   + layout_copy_seconds(kind, meta, src, dst, full(meta, src), profile, index.tp, grad))

@@ -256,7 +256,8 @@ def assert_experts_case(cluster_of, case: dict) -> None:
     # exchanging the counts (route_locally), never every token's ids
     dict(family="mixtral", impl="eager", tp=2, experts=4, top_k=2, kv_heads=2, seq=7, seed=1, layers=1,
          plan_batch=64, plan_seq=4096, sp=True,
-         routed=("token_rows", "route_locally", "dispatch_rows", "routed_grouped_mm", "combine_rows", "token_sums")),
+         routed=("token_rows", "route_locally", "dispatch_rows", "routed_grouped_mm", "combine_rows",
+                 "token_sums_in_order")),
     # the tokens gathered whole for the experts under sequence parallelism (no dispatch): the
     # combine's partial sum passes its cast to the dtype it has and meets the residual add as a
     # reduce-scatter along the sequence, not a g and a cut. The router, its softmax (and Qwen3's
@@ -285,17 +286,17 @@ def assert_experts_case(cluster_of, case: dict) -> None:
     # float32 (its weight's gradient sums the ranks' tokens in another order: within float32's bound)
     pytest.param(dict(family="mixtral", impl="eager", tp=4, experts=3, top_k=2, kv_heads=2, seq=9, seed=1,
                       layers=1, plan_batch=64, plan_seq=4096, sp=True,
-                      routed=("token_rows", "route_locally", "dispatch_rows", "combine_rows", "token_sums")),
+                      routed=("token_rows", "route_locally", "dispatch_rows", "combine_rows", "token_sums_in_order")),
                  marks=pytest.mark.slow),
     pytest.param(dict(family="qwen3-moe", impl="eager", tp=3, experts=4, top_k=1, kv_heads=2, seq=5, seed=2,
                       layers=1, plan_batch=64, plan_seq=4096, sp=True,
-                      routed=("token_rows", "route_locally", "dispatch_rows", "combine_rows", "token_sums")),
+                      routed=("token_rows", "route_locally", "dispatch_rows", "combine_rows", "token_sums_in_order")),
                  marks=pytest.mark.slow),
     # DeepSeek-V3's group-limited router (its groups' mask by scatter_, masked_fill, gather) runs on
     # the rank's own tokens too, so the rank routes its own rows (rules/misc.along_dim_rule)
     pytest.param(dict(family="deepseek-v3", impl="eager", tp=2, experts=3, top_k=2, kv_heads=2, seq=6, seed=1,
                       layers=1, plan_batch=64, plan_seq=4096, sp=True,
-                      routed=("token_rows", "route_locally", "dispatch_rows", "combine_rows", "token_sums")),
+                      routed=("token_rows", "route_locally", "dispatch_rows", "combine_rows", "token_sums_in_order")),
                  marks=pytest.mark.slow),
     # gpt-oss with the dispatch: its biases picked by the sorted expert ids run after the layer's
     # one read (the bounds and split sizes at once), on the rows the all-to-all brings
@@ -326,7 +327,8 @@ def assert_experts_case(cluster_of, case: dict) -> None:
     # test_experts_dispatch_plan.py) and runs a by-cost dispatching plan's later programs above
     pytest.param(dict(family="mixtral", impl="eager", tp=2, experts=4, top_k=2, kv_heads=2, seq=7, seed=3, layers=1,
                       plan_batch=64, plan_seq=4096, sp=True, dispatch=True,
-                      routed=("token_rows", "dispatch_rows", "routed_grouped_mm", "combine_rows", "token_sums"),
+                      routed=("token_rows", "dispatch_rows", "routed_grouped_mm", "combine_rows",
+                              "token_sums_in_order"),
                       dropped=("expert_dispatch=True does not hold in the program of a generation step",)),
                  marks=pytest.mark.slow),
     # expert-TP with the tokens split along the sequence, priced on a bandwidth-bound profile: the
@@ -367,8 +369,9 @@ def assert_experts_case(cluster_of, case: dict) -> None:
     # one all-gather lays every rank's out whole in sorted order (backward: the gradient's summands
     # reduce-scattered back to the tokens' ranks), in place of a g of the rows and an f at the
     # product. Uneven runs (seq 7 at tp 2, seq 9 at tp 4), 3 experts at tp 4, Qwen3-MoE at tp 3
-    # Hidden 256: at the tiny width of 32 the holders' sort every rank runs (a radix sort of the
-    # T*k rows' holders, priced) outweighs the rows' bytes, and the plan gathers the tokens whole;
+    # Hidden 256: at the tiny width of 32 the holders' order every rank computes (then a radix sort
+    # of the T*k rows' holders, now a counting pass, priced) outweighed the rows' bytes, and the plan
+    # gathered the tokens whole;
     # each rank routing its own rows not offered (at this width it costs less, see own_routing)
     dict(family="mixtral", impl="eager", tp=2, experts=3, top_k=2, kv_heads=2, seq=7, seed=4, layers=1,
          layout="etp", plan_batch=64, plan_seq=4096, sp=True, profile="h100-dgx", own_routing=False,

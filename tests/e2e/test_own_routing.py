@@ -19,14 +19,22 @@ gradient, tp 2 (uneven runs) and tp 3; the later programs (inference, padded cal
 planned by cost and compared too. Before, no strategy picked a stack of experts by a rank's own
 sorted ids, and the withheld sort left the program no plan.
 
+A layer that counts its sorted rows per expert by ``bincount`` with ``minlength`` every expert
+(tests/test_experts_local_routing_work.bincount_experts, on Mixtral) takes the counts its sort
+exchanged, as a ``histc`` does: hypothesis draws tp 2-3, the length and the seed, float64 against
+serial (slow tier); before, its ids were all-gathered and sorted whole on every rank.
+
 A router that sorts by ``argsort`` and gathers its ids by it (transformers' grouped experts so
 written, tests/test_experts_local_routing_work.argsort_experts, on Mixtral) routes its own rows
 by cost, float64 against serial at tp 2 (slow tier); before, ``argsort`` ran whole on every rank.
 """
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from autotp.testing import TOLERANCE
+from tests.test_experts_local_routing_work import ARGSORT, BINCOUNT
 
 
 def check_forced_own_routing(case: dict) -> dict:
@@ -36,13 +44,13 @@ def check_forced_own_routing(case: dict) -> dict:
     from autotp.testing import equivalence_errors, relative_error, tolerance, keep_loss_precision
 
     family, impl = case.get("family", "gpt-oss"), "eager"
-    if case.get("argsort"):
+    if case.get("counting"):   # an experts implementation of the tests' own (argsort, bincount)
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-        from tests.test_experts_local_routing_work import argsort_experts
+        from tests.test_experts_local_routing_work import IMPLEMENTATIONS
 
-        impl = "argsort_grouped_mm"
-        ALL_EXPERTS_FUNCTIONS.register(impl, argsort_experts)
+        impl, forward = IMPLEMENTATIONS[case["counting"]]
+        ALL_EXPERTS_FUNCTIONS.register(impl, forward)
     config = zoo.tiny_config(family, layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=4, top_k=2,
                              output_router_logits=False)
     config._experts_implementation = impl
@@ -89,7 +97,7 @@ def test_a_rank_routing_its_own_rows_picks_gpt_oss_biases_as_serial(cluster_of, 
 
 @pytest.mark.slow   # 30 s on two loaded cores; the fast tier counts its sort (tests/test_experts_local_routing_work.py)
 def test_a_router_sorting_by_argsort_routes_its_own_rows_as_serial(cluster_of):
-    case = dict(family="mixtral", argsort=True, withhold_sort=False, tp=2, seq=7, seed=3)
+    case = dict(family="mixtral", counting=ARGSORT, withhold_sort=False, tp=2, seq=7, seed=3)
     for rank, result in enumerate(cluster_of(2).run(check_forced_own_routing, case)):
         assert {"RouteLocally", "DispatchRows"} <= set(result["ran"]), (rank, result["ran"])
         bound = result["bound"] or TOLERANCE[torch.float64]
@@ -105,4 +113,22 @@ def test_a_group_limited_router_routes_its_own_rows_as_serial(cluster_of):
     assert_experts_case(cluster_of, dict(
         family="deepseek-v3", impl="eager", dtype="float64", tp=2, experts=4, top_k=2, kv_heads=2, seq=6, seed=5,
         layers=1, plan_batch=64, plan_seq=4096, sp=True, config=dict(n_group=2, topk_group=1),
-        routed=("token_rows", "route_locally", "dispatch_rows", "combine_rows", "token_sums")))
+        routed=("token_rows", "route_locally", "dispatch_rows", "combine_rows", "token_sums_in_order")))
+
+
+def _assert_routes_its_own_rows_as_serial(cluster_of, case: dict) -> None:
+    for rank, result in enumerate(cluster_of(case["tp"]).run(check_forced_own_routing, case)):
+        assert {"RouteLocally", "routed_counts", "DispatchRows"} <= set(result["ran"]), (rank, result["ran"])
+        bound = result["bound"] or TOLERANCE[torch.float64]
+        for key, error in result["errors"].items():
+            assert error <= bound, (rank, key, error, bound)
+        assert result["generate"], (rank, "greedy generate differs from serial")
+
+
+@pytest.mark.slow   # 30-60 s an example on two loaded cores; the fast tier counts its sort and count
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
+          derandomize=True)
+@given(tp=st.sampled_from([2, 3]), seq=st.integers(5, 9), seed=st.integers(0, 50))
+def test_a_bincount_of_the_sorted_ids_takes_the_exchanged_counts_as_serial(cluster_of, tp, seq, seed):
+    _assert_routes_its_own_rows_as_serial(cluster_of, dict(family="mixtral", counting=BINCOUNT, withhold_sort=False,
+                                                            tp=tp, seq=seq, seed=seed))

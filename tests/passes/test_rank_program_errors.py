@@ -13,21 +13,27 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import sympy
 import torch
 from torch import fx
 
 from autotp.errors import PlanError
 from autotp.passes.rewrite import GraphLocalContext
-from autotp.passes.rules.local_routing import OWN, ROWS, OwnLayer, own_localizer
-from autotp.passes.rules.registry import Strategy
-from autotp.placements import PARTIAL, REPLICATE
+from autotp.passes.rules.local_routing import FIX, OWN, ROWS, OwnLayer, own_localizer
+from autotp.passes.rules.registry import Strategy, TensorMeta
+from autotp.placements import PARTIAL, REPLICATE, Routed, Shard
+
+#: a rank's tokens' rows in sequence order (a flattened sequence split)
+TOKEN_ROWS = Routed(0, tokens=True)
 
 aten = torch.ops.aten
 
 
-def _localize(target, kinds: list[str | None], strategy: Strategy, args: tuple | None = None, k: int = 2):
+def _localize(target, kinds: list[str | None], strategy: Strategy, args: tuple | None = None, k: int = 2,
+              **info: object):
     """``own_localizer`` on one captured op ``target`` whose inputs the rank holds with the values
-    ``kinds`` (None: made by no op of the local routing); returns the error it raises."""
+    ``kinds`` (None: made by no op of the local routing); returns the error it raises. ``info``:
+    what the op's OpInfo says beyond its target (its inputs' and output's metas)."""
     captured, rank = fx.Graph(), fx.Graph()
     inputs = [captured.placeholder(f"x{i}") for i in range(len(kinds))]
     node = captured.call_function(target, tuple(inputs) if args is None else args(inputs))
@@ -40,10 +46,12 @@ def _localize(target, kinds: list[str | None], strategy: Strategy, args: tuple |
         if kind is not None:
             ctx.own[local] = (kind, layer)
     ctx.rows[ctx.inputs[0]] = flat
-    info = SimpleNamespace(target=target)
+    info = SimpleNamespace(target=target, **info)
     with pytest.raises(PlanError) as caught:
         own_localizer(info, strategy, tuple(ctx.inputs) if args is None else args(ctx.inputs), {}, ctx)
-    return str(caught.value)
+    message = str(caught.value)
+    assert message.endswith(f"; {FIX}"), message   # what the user can do
+    return message
 
 
 def test_a_sort_of_what_is_no_routers_top_k_ids_is_refused():
@@ -87,8 +95,8 @@ def test_whole_rows_gathered_by_positions_that_number_none_of_them_are_refused()
     # positions among the rank's sorted rows number no row of the whole tensor
     message = _localize(aten.index.Tensor, [None, "sorted"], Strategy((REPLICATE, OWN), ROWS),
                         args=lambda xs: (xs[0], [xs[1]]))
-    assert message.startswith("index_tensor gathers whole rows by a rank's own positions (sorted), which number "
-                              "no rows of the whole"), message
+    assert message.startswith("index_tensor gathers whole rows by a rank's own positions (sorted, x1), which "
+                              "number no rows of the whole"), message
     assert "it must gather every row" in message
 
 
@@ -96,14 +104,79 @@ def test_own_rows_gathered_by_positions_of_other_rows_are_refused():
     # the flat ids or weights gathered by token positions (perm // k), not by the sort's positions
     message = _localize(aten.index.Tensor, ["values", "tokens"], Strategy((OWN, OWN), OWN),
                         args=lambda xs: (xs[0], [xs[1]]))
-    assert message.startswith("index_tensor gathers by a rank's own positions (tokens) from rows they do not "
-                              f"number ({OWN})"), message
+    assert message.startswith("index_tensor gathers by a rank's own positions (tokens, x1) from rows they do not "
+                              f"number (x0, {OWN})"), message
     assert "it must gather every row" in message
+
+
+@pytest.mark.parametrize("held, kind", [(TOKEN_ROWS, "flat"), (ROWS, "sorted")],
+                         ids=["tokens-by-flat", "combined-by-other-sort"])
+def test_rows_gathered_by_positions_that_do_not_number_them_are_refused(held, kind):
+    # the rank's tokens in sequence order gathered by flat positions (not perm // k); rows the
+    # combine brought back gathered by sorted positions of another layer's sort than theirs
+    message = _localize(aten.index.Tensor, [None, kind], Strategy((held, OWN), ROWS),
+                        args=lambda xs: (xs[0], [xs[1]]))
+    assert message.startswith(f"index_tensor gathers by a rank's own positions ({kind}, x1) from rows they do not "
+                              f"number (x0, {held})"), message
+    assert "it must gather every row" in message
+
+
+@pytest.mark.parametrize("kind", ["flat", "ids"], ids=["by-positions", "ids-not-counted-into-offs"])
+def test_a_stack_of_experts_picked_by_other_than_its_counted_sorted_ids_is_refused(kind):
+    # gpt-oss's bias pick (routing.counted_pick): the rank's experts' rows come from the grouped
+    # products' offs; by positions, or by ids no cumsum(histc(...)) counted, there are none to take
+    stack = TensorMeta((sympy.Integer(4), sympy.Integer(8)), torch.float64)
+    message = _localize(aten.index.Tensor, [None, kind], Strategy((Shard(0), OWN), Routed(0)),
+                        args=lambda xs: (xs[0], [xs[1]]), inputs=(stack,))
+    assert message.startswith(f"index_tensor picks a stack of 4 experts by a rank's own {kind} (not the sorted expert "
+                              "ids counted into a grouped product's offs)"), message
+    assert "it must pick by every row's ids" in message
+
+
+def test_a_bincount_of_a_ranks_own_positions_is_refused():
+    counts = TensorMeta((sympy.Integer(4),), torch.long)
+    message = _localize(aten.bincount.default, ["flat"], Strategy((OWN,), PARTIAL), output=counts)
+    assert message.startswith("bincount_default counts a rank's own positions (flat), which mean nothing on another "
+                              "rank"), message
+    assert "it must count every row" in message
+
+
+@pytest.mark.parametrize("kind, length", [("values", 4), ("ids", 6)], ids=["unsorted-ids", "longer-than-experts"])
+def test_a_bincount_made_whole_of_other_than_the_sorted_ids_over_every_expert_is_refused(kind, length):
+    # whole from the sort's exchange only where it counts the sorted ids over the layer's 4 experts
+    counts = TensorMeta((sympy.Integer(length),), torch.long)
+    message = _localize(aten.bincount.default, [kind], Strategy((OWN,), REPLICATE), output=counts)
+    assert message.startswith("bincount_default counts a rank's own rows whole, but not the sorted expert ids of its "
+                              "routing over its 4 experts"), message
+    assert "it must count every row (pass bincount's minlength as the number of experts)" in message
+
+
+def test_rows_gathered_whole_from_tokens_of_no_sequence_split_are_refused():
+    """Expert-TP's all-gather of a rank's tokens' rows (rules/gathered_rows.py) counts each rank's
+    rows from the sequence split's shapes; rows whose map is another (here a flat row map) have
+    no such count, and the rank's program says so rather than gather a wrong number of rows."""
+    from autotp.passes.rules.gathered_rows import gathered_rows_localizer
+
+    captured, rank = fx.Graph(), fx.Graph()
+    node = captured.call_function(aten.index.Tensor, (captured.placeholder("h"), [captured.placeholder("perm")]))
+    ctx = GraphLocalContext(2, 0, rank)
+    ctx.node = node
+    ctx.inputs = [rank.placeholder("local_h"), rank.placeholder("local_index")]
+    ctx.rows[ctx.inputs[0]] = rank.placeholder("flat_rows")
+    info = SimpleNamespace(target=aten.index.Tensor, row_copies=2)
+    with pytest.raises(PlanError) as caught:
+        gathered_rows_localizer(info, Strategy((TOKEN_ROWS, REPLICATE), REPLICATE), tuple(ctx.inputs), {}, ctx)
+    message = str(caught.value)
+    assert message.startswith(f"index_tensor gathers the rows of tokens held as {TOKEN_ROWS} whose row map is not a "
+                              "sequence split's (flat_rows)"), message
+    assert message.endswith("(an autotp bug: please report it); plan with sequence_parallel=False to gather the "
+                            "tokens whole"), message
 
 
 def test_own_rows_that_no_op_of_the_local_routing_made_are_refused():
     message = _localize(aten.histc.default, [None], Strategy((OWN,), PARTIAL))
-    assert message == "histc_default reads a rank's own rows routed alone that no op of the local routing made"
+    assert message.startswith("histc_default reads a rank's own rows routed alone (local_x0) that no op of the local "
+                              "routing made"), message
 
 
 def test_a_partial_sum_scattered_into_token_rows_its_program_cannot_number_is_refused():

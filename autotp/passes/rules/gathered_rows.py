@@ -94,7 +94,8 @@ def gathered_rows_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwarg
     if rows.target is not E.token_rows or x not in ctx.owners:
         raise PlanError(f"{ctx.node.name} gathers the rows of tokens held as {strategy.inputs[0]} whose row map "
                         f"is not a sequence split's ({rows.name}): the all-gather of their rows needs each rank's "
-                        "count from the shapes (an autotp bug: please report it)")
+                        "count from the shapes (an autotp bug: please report it); plan with sequence_parallel=False "
+                        "to gather the tokens whole")
     _, _, outer, seq, _, _, _ = rows.args
     module = GatherRowsTP(ctx.group, info.row_copies)
     return module, (x, index, rows, ctx.owners[x], outer, seq), {}

@@ -14,8 +14,8 @@ it on every token. Here each op runs on the rank's own rows alone, placed :data:
 * ``floor_divide``, casts, ``empty_like``, ``index_put_``: as written, on the rank's rows
   (``inv[perm] = arange(T*k)`` writes the rank's sorted rows' positions, the whole arange left
   unread and erased);
-* ``histc`` of the sorted ids: every rank's counts from the exchange, no pass over any row
-  (the exchange is priced here, at the layer's one ``histc``);
+* ``histc`` (or ``bincount`` with ``minlength`` every expert) of the sorted ids: every rank's
+  counts from the exchange, no pass over any row (the exchange is priced at the sort);
 * ``x[index]`` by such an index: a local gather, no count read, no ``nonzero``; the grouped
   product's dispatch takes its split sizes and plan from the routing
   (:func:`~autotp.distributed.expert_routing.local_dispatch_sizes`,
@@ -82,20 +82,17 @@ def own_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
     if info.tp < 2:
         return []
     target, n = info.target, len(info.inputs)
-    if target in ARGSORTS and n == 1 and info.inputs[0].ndim == 1 and not info.inputs[0].is_float:
-        # the sort's indices alone (a router that sorts by argsort, then gathers ids[perm])
-        descending = info.args[2] if target is aten.argsort.default and len(info.args) > 2 \
-            else info.kwargs.get("descending", False)
-        return [] if descending else [Strategy((OWN,), OWN)]
-    if target in SORTS and n == 1 and info.inputs[0].ndim == 1 and not info.inputs[0].is_float:
+    if target in ARGSORTS | SORTS and n == 1 and info.inputs[0].ndim == 1 and not info.inputs[0].is_float:
+        # an argsort: the sort's indices alone (a router that sorts by argsort, then gathers ids[perm])
         descending = info.args[2] if len(info.args) > 2 else info.kwargs.get("descending", False)
         if descending:
             return []
-        # route_locally: the rank's rows sorted (priced as a radix sort, kernels._sort_work) and
-        # its counts per expert exchanged, an all-gather of tp * experts int64 numbers
+        # route_locally: the rank's rows sorted (priced as a radix sort and the kernels around
+        # it, kernels._sort_work) and its counts per expert exchanged, an all-gather of
+        # tp * experts int64 numbers
         experts = info.routing_experts
         counts = (("all_gather", TensorMeta((sympy.Integer(info.tp * experts),), torch.long)),) if experts else ()
-        return [Strategy((OWN,), (OWN, OWN), internal=counts)]
+        return [Strategy((OWN,), OWN if target in ARGSORTS else (OWN, OWN), internal=counts)]
     if target in _IN_PLACE_OF_ROWS and n == 1:
         return [Strategy((OWN,), OWN)]
     if target is aten.histc.default and n == 1:
@@ -113,6 +110,18 @@ def own_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
             else:
                 counts = TensorMeta((sympy.Integer(info.tp * bins),), info.output.dtype)
                 out.append(Strategy((OWN,), REPLICATE, internal=(("all_gather", counts),)))
+        return out
+    if target is aten.bincount.default and n == 1:
+        # every rank's rows per expert, as histc's: of the sorted ids over every expert (a static
+        # length, minlength), the counts the sort exchanged (no kernel of its own, no
+        # collective); or each rank's count of its rows, a Partial, where minlength is the whole
+        # count's length (each rank's count is then as long: it never counts past the largest id)
+        length, minlength = info.output.static(0), _flag(info, 2, "minlength", 0)
+        if length is None or minlength != length:
+            return []
+        out = [Strategy((OWN,), PARTIAL)]
+        if info.routing_experts == length:
+            out.append(Strategy((OWN,), REPLICATE))
         return out
     if target in (aten.index_put_.default, aten.index_put.default) and n == 3 \
             and is_own(placements[0]) and is_own(placements[1]):
@@ -139,6 +148,10 @@ def own_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
             # (batched_mm's ``gate_up_proj[ids]``: whole weights picked per row)
             return [Strategy((REPLICATE, OWN), ROWS)]
     return []
+
+
+def _flag(info: OpInfo, position: int, name: str, default: Any) -> Any:
+    return info.kwargs[name] if name in info.kwargs else info.args[position] if len(info.args) > position else default
 
 
 def sorted_ids_experts(node: Any) -> int | None:
@@ -172,7 +185,6 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
     rank's ``"flat"`` rows, its ``"tokens"``, its ``"sorted"`` rows (``"unset"``: not yet
     written), so that each gather checks that its index points into the tensor it reads."""
     from ...distributed import expert_routing as R
-    from ...errors import PlanError
 
     target = info.target
     node = ctx.node
@@ -188,8 +200,8 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
         kind, layer = _values(ctx, ctx.inputs[0], node)
         experts = router_experts(node.args[0])
         if kind != "values" or experts is None:
-            raise PlanError(f"{node.name} sorts a rank's own rows routed alone, but its values are not a router's "
-                            f"top-k expert ids (a topk over a static number of experts); it must sort every row")
+            raise _refused(f"{node.name} sorts a rank's own rows routed alone, but its values are not a router's "
+                           f"top-k expert ids (a topk over a static number of experts); it must sort every row")
         # one run (numbered rank-major within an expert): the rank needs not know the batch,
         # and exchanges ``experts`` counts (Megatron's dispatcher's order)
         routing = ctx.comm(R.RouteLocally(ctx.group, 1, experts, ctx.tp, ctx.rank), ctx.inputs[0])
@@ -204,8 +216,8 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
     if target is aten.histc.default:
         kind, layer = _values(ctx, ctx.inputs[0], node)
         if kind not in ("values", "ids"):
-            raise PlanError(f"{node.name} counts a rank's own positions ({kind}), which mean nothing on another "
-                            f"rank; it must count every row")
+            raise _refused(f"{node.name} counts a rank's own positions ({kind}), which mean nothing on another "
+                           f"rank; it must count every row")
         from ...distributed.experts import histc
 
         if strategy.output == PARTIAL:   # the rank's rows' histogram: a summand
@@ -216,14 +228,26 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
             return R.routed_counts, (layer.routing, node.meta["val"].dtype), {}
         # another count of the rank's rows by id: each rank's histogram, gathered and summed
         return R.GatheredHistc(ctx.group, bins, low, high, ctx.tp), (args[0],), {}
+    if target is aten.bincount.default:
+        kind, layer = _values(ctx, ctx.inputs[0], node)
+        if kind not in ("values", "ids"):
+            raise _refused(f"{node.name} counts a rank's own positions ({kind}), which mean nothing on another "
+                           f"rank; it must count every row")
+        if strategy.output == PARTIAL:   # the rank's rows' count: a summand, as long as the whole's
+            return target, args, kwargs
+        if kind != "ids" or info.output.static(0) != layer.routing_experts:
+            raise _refused(f"{node.name} counts a rank's own rows whole, but not the sorted expert ids of its "
+                           f"routing over its {layer.routing_experts} experts; it must count every row "
+                           f"(pass bincount's minlength as the number of experts)")
+        return R.routed_counts, (layer.routing, node.meta["val"].dtype), {}
     if target in (aten.floor_divide.default, aten.floor_divide.Scalar):
         kind, layer = _values(ctx, ctx.inputs[0], node)
         if kind in ("values", "ids"):   # values divided in place: still values
             ctx.own_made = ("values", layer)
             return target, args, kwargs
         if kind != "flat" or args[1] != layer.k:
-            raise PlanError(f"{node.name} divides a rank's own row positions by {args[1]!r}, not by the top-k "
-                            f"{layer.k} its rows were flattened by; it must run on every row")
+            raise _refused(f"{node.name} divides a rank's own row positions by {args[1]!r}, not by the top-k "
+                           f"{layer.k} its rows were flattened by; it must run on every row")
         ctx.own_made = ("tokens", layer)
         return target, args, kwargs
     if target in (aten.index_put_.default, aten.index_put.default):
@@ -231,9 +255,9 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
         kind, layer = _values(ctx, index, node)
         captured = node.args[2] if len(node.args) > 2 else node.kwargs["values"]
         if kind != "flat" or _values(ctx, base, node)[0] != "unset" or not _counts_up(captured):
-            raise PlanError(f"{node.name} writes a rank's own rows routed alone at positions that are not its flat "
-                            f"rows', or values other than arange(n) (the inverse of its sort); it must run on "
-                            f"every row")
+            raise _refused(f"{node.name} writes a rank's own rows routed alone at positions that are not its flat "
+                           f"rows', or values other than arange(n) (the inverse of its sort); it must run on "
+                           f"every row")
         ctx.made_rows = layer.flat
         ctx.own_made = ("sorted", layer)
         # the rank's sorted rows' positions, not the whole arange (which nothing else reads: erased)
@@ -249,8 +273,9 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
         if have == REPLICATE:   # whole rows: the rank's own, by their global ids
             ids = {"flat": layer.flat, "tokens": ctx.graph.call_function(R.flat_tokens, (layer.flat, layer.k))}
             if kind not in ids:
-                raise PlanError(f"{node.name} gathers whole rows by a rank's own positions ({kind}), which number no "
-                                f"rows of the whole; it must gather every row")
+                raise _refused(f"{node.name} gathers whole rows by a rank's own positions ({kind}, "
+                               f"{_name(node.args[1][0])}), which number no rows of the whole; it must gather every "
+                               f"row")
             ctx.made_rows = ctx.rows_of(index)
             at = ctx.graph.call_function(aten.index_select.default, (ids[kind], 0, index))
             return aten.index_select.default, (x, 0, at), {}
@@ -261,8 +286,8 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
         else:   # the experts' output rows the combine brought back, in the order the rank sorted them
             fits = kind == "sorted" and ctx.rows_of(x) is layer.sorted_rows
         if not fits:
-            raise PlanError(f"{node.name} gathers by a rank's own positions ({kind}) from rows they do not number "
-                            f"({have}); it must gather every row")
+            raise _refused(f"{node.name} gathers by a rank's own positions ({kind}, {_name(node.args[1][0])}) from "
+                           f"rows they do not number ({_name(node.args[0])}, {have}); it must gather every row")
         ctx.made_rows = ctx.rows_of(index)
         if is_own(strategy.output):
             ctx.own_made = _values(ctx, x, node)
@@ -279,7 +304,6 @@ def _counted_pick(info: OpInfo, strategy: Strategy, kind: str, ctx: LocalContext
     sorted by expert (the products' row map and bounds, one pair of nodes per layer), each its
     expert's row of the stack (:func:`~autotp.distributed.expert_routing.sorted_pick`)."""
     from ...distributed import expert_routing as R
-    from ...errors import PlanError
     from ...placements import local_ranges
     from .dispatch_sizes import sorted_rows
     from .routing import counted_by
@@ -288,11 +312,24 @@ def _counted_pick(info: OpInfo, strategy: Strategy, kind: str, ctx: LocalContext
     total = int(info.inputs[0].shape[0])
     offs = counted_by(node.args[1][0], total)
     if kind != "ids" or offs is None or offs not in ctx.env:
-        raise PlanError(f"{node.name} picks a stack of {total} experts by a rank's own {kind} (not the sorted "
-                        f"expert ids counted into a grouped product's offs); it must pick by every row's ids")
+        raise _refused(f"{node.name} picks a stack of {total} experts by a rank's own {kind} (not the sorted "
+                       f"expert ids counted into a grouped product's offs); it must pick by every row's ids")
     ((first, stop),) = local_ranges(total, strategy.inputs[0], ctx.tp, ctx.rank) or ((0, 0),)
     _, ctx.made_rows = sorted_rows(ctx.env[offs], first, stop - first, ctx)
     return R.sorted_pick, (ctx.inputs[0], ctx.env[offs], ctx.made_rows, first), {}
+
+
+#: what a user can do where a rank's program refuses an op of the local routing (the rules
+#: offered it a rank's own rows the op cannot read so: a bug of the rules)
+FIX = ("plan with sequence_parallel=False to route every row on every rank (an autotp bug where the solver chose "
+       "this routing: please report it)")
+
+
+def _refused(message: str) -> Exception:
+    """The PlanError of an op of the local routing its rank cannot run: the op, the cause, the fix."""
+    from ...errors import PlanError
+
+    return PlanError(f"{message}; {FIX}")
 
 
 def _counts_up(node: Any) -> bool:
@@ -305,10 +342,14 @@ def _counts_up(node: Any) -> bool:
     return target is aten.arange.start_step and node.args[0] == 0 and node.args[2] == 1
 
 
+def _name(node: Any) -> str:
+    return getattr(node, "name", repr(node))
+
+
 def _values(ctx: LocalContext, x: Any, node: Any) -> tuple[str, "OwnLayer"]:
-    from ...errors import PlanError
 
     found = ctx.own.get(x)
     if found is None:
-        raise PlanError(f"{node.name} reads a rank's own rows routed alone that no op of the local routing made")
+        raise _refused(f"{node.name} reads a rank's own rows routed alone ({_name(x)}) that no op of the local "
+                       f"routing made")
     return found

@@ -101,7 +101,9 @@ def routed_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict
         p = strategy.inputs[0]
         x = ctx.inputs[0]
         group = math.prod(int(info.inputs[0].shape[d]) for d in range(p.dim + 1, p.dim + p.span))
-        pair = ctx.graph.call_function(E.token_sums, (x, ctx.rows_of(x), group, kwargs.get("dtype")))
+        rows = ctx.rows_of(x)
+        sums = E.token_sums_in_order if rows.meta.get(ASCENDING) else E.token_sums
+        pair = ctx.graph.call_function(sums, (x, rows, group, kwargs.get("dtype")))
         ctx.made_rows = ctx.graph.call_function(operator.getitem, (pair, 1))
         ctx.made_rows.meta[ASCENDING] = True
         if x in ctx.owners:   # rows a rank routed alone are all its own: no holders to carry

@@ -1,0 +1,195 @@
+"""A rank's expert routing is priced as the kernels it runs: the router's ``topk`` (forward and
+backward), the rank's own rows routed alone (``distributed.expert_routing.route_locally``: its
+sort and every small kernel around it) and every expert's count taken from the exchange
+(``routed_counts``). Every ATen call they dispatch on rank 0 of tp 8 on the fake backend
+(collectives return at once) is a launch of the price, and the bytes each call touches sum to
+the price's bytes; the one sort is the GPU's radix sort (``kernels.sort_launches``,
+``kernels.sort_bytes``: ``tests/cost_model/test_sort_pricing.py``), one ATen call here.
+
+Layouts: one MoE layer of Mixtral-8x7B (8 experts, top 2) and of Qwen3-30B-A3B (128 experts,
+top 8) at 2 x 4096 tokens, each rank's tokens a sequence split's ``T/8``."""
+import pytest
+import sympy
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from autotp.cost_model.kernels import holders_order_work, op_work, sort_bytes, sort_launches
+from autotp.distributed.gathered_rows import holders_order
+from autotp.distributed.expert_routing import route_locally, routed_counts
+from autotp.passes.rules import OpInfo, TensorMeta
+from autotp.passes.rules.local_routing import OWN, own_strategies
+from autotp.passes.rules.registry import Strategy
+from autotp.placements import REPLICATE, Routed
+
+aten = torch.ops.aten
+TP = 8
+TOKENS = 2 * 4096
+#: experts, top-k
+LAYOUTS = {"mixtral-8x7b": (8, 2), "qwen3-30b-a3b": (128, 8)}
+#: ops that fill a tensor without reading one, and allocations (no kernel runs)
+FILLS = ("zeros", "new_zeros", "ones_like", "arange", "zeros_like", "full_like")
+ALLOCATIONS = ("empty", "new_empty", "empty_like")
+#: the rank's tokens (a sequence split)
+TOKEN_ROWS = Routed(0, tokens=True)
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(tensors) if isinstance(t, torch.Tensor))
+
+
+class KernelCounter(TorchDispatchMode):
+    """Each non-view ATen call a kernel, with the bytes it touches: its tensor arguments read and
+    its results written, except that a fill reads nothing, a gather reads only the entries it
+    picks, an in-place scatter or ``index_put_`` writes (and a scatter-add reads) only the
+    entries it writes, and a sort is the radix sort a GPU runs.
+    Collectives are communication, and allocations no kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.launches, self.bytes, self.calls = 0, 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if func.is_view or func.namespace in ("c10d", "_c10d_functional") or name in ALLOCATIONS:
+            return out
+        launches = 1
+        if name in FILLS:
+            moved = _nbytes(out)
+        elif name == "scatter_":
+            moved = _nbytes((args[2], args[3])) + _nbytes(args[3])
+        elif name == "gather":
+            moved = _nbytes(args[2]) + 2 * _nbytes(out)
+        elif name == "index_put_":
+            moved = _nbytes(args[1]) + 2 * _nbytes(args[2])
+        elif name == "scatter_add_":
+            moved = _nbytes((args[2], args[3])) + 2 * _nbytes(args[3])
+        elif name == "sort":
+            keys = args[0]
+            moved, launches = sort_bytes(keys.numel(), keys.element_size()), sort_launches(keys.element_size())
+        else:
+            moved = _nbytes((args, kwargs)) + _nbytes(out)
+        self.launches += launches
+        self.bytes += moved
+        self.calls.append((name, moved))
+        return out
+
+
+@pytest.fixture(scope="module")
+def fake_world():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=TP, store=FakeStore())
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def _meta(*shape, dtype=torch.long) -> TensorMeta:
+    return TensorMeta(tuple(sympy.Integer(s) for s in shape), dtype)
+
+
+def _price(info: OpInfo, strategy: Strategy):
+    work = op_work(info, strategy, TP, 2, torch.bfloat16)
+    return work.launches, int(sum(b for _, b in work.moved))
+
+
+def _priced_topk(experts: int, k: int):
+    scores = _meta(TOKENS, experts, dtype=torch.float32)   # the router's float32 softmax
+    info = OpInfo(aten.topk.default, (scores, k), {}, (scores,),
+                  (_meta(TOKENS, k, dtype=torch.float32), _meta(TOKENS, k)), TP)
+    info.grad_inputs = (True,)
+    return _price(info, Strategy((TOKEN_ROWS,), (TOKEN_ROWS, TOKEN_ROWS)))
+
+
+def _priced_sort(experts: int, k: int, target=aten.sort.stable):
+    ids = _meta(TOKENS * k)
+    out = (ids, _meta(TOKENS * k)) if target is aten.sort.stable else _meta(TOKENS * k)
+    info = OpInfo(target, (ids,), {"stable": True}, (ids,), out, TP)
+    info.routing_experts = experts
+    (strategy,) = own_strategies(info, (OWN,))
+    return _price(info, strategy)
+
+
+def _priced_counts(experts: int, k: int):
+    ids = _meta(TOKENS * k, dtype=torch.float32)   # transformers' histc of the sorted ids on CPU
+    counts = _meta(experts, dtype=torch.float32)
+    info = OpInfo(aten.histc.default, (ids, experts, 0, experts - 1), {}, (ids,), counts, TP)
+    info.routing_experts = experts
+    # every expert's rows whole on every rank, from the counts the sort exchanged
+    (strategy,) = [s for s in own_strategies(info, (OWN,)) if s.output == REPLICATE]
+    assert not strategy.internal
+    return _price(info, strategy)
+
+
+def _counted(fake_world, experts: int, k: int) -> dict[str, KernelCounter]:
+    g = torch.Generator().manual_seed(0)
+    scores = torch.softmax(torch.randn(TOKENS // TP, experts, generator=g), -1).requires_grad_()
+    with KernelCounter() as topk:
+        values, ids = torch.topk(scores, k)
+    upstream = torch.randn(values.shape, generator=g)
+    with KernelCounter() as topk_backward:
+        torch.autograd.grad(values, scores, upstream)
+    with KernelCounter() as routing:
+        local = route_locally(ids.reshape(-1), 1, experts, fake_world, TP, 0)
+    with KernelCounter() as counts:
+        routed_counts(local, torch.float32)
+    return {"topk": (topk.launches + topk_backward.launches, topk.bytes + topk_backward.bytes,
+                     topk.calls + topk_backward.calls),
+            "route_locally": (routing.launches, routing.bytes, routing.calls),
+            "routed_counts": (counts.launches, counts.bytes, counts.calls)}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_moe_layers_routing_is_priced_as_the_kernels_a_rank_runs(fake_world, layout):
+    experts, k = LAYOUTS[layout]
+    counted = _counted(fake_world, experts, k)
+    priced = {"topk": _priced_topk(experts, k), "route_locally": _priced_sort(experts, k),
+              "routed_counts": _priced_counts(experts, k)}
+    for part, (launches, moved, calls) in counted.items():
+        assert priced[part] == (launches, moved), (part, calls)
+    # the layer's routing as a whole
+    assert tuple(map(sum, zip(*priced.values()))) == tuple(sum(c[i] for c in counted.values()) for i in (0, 1))
+
+
+def test_an_argsort_of_own_ids_prices_the_same_routing_and_its_exchange():
+    # a router sorting by argsort runs route_locally too (own_localizer): the same kernels, and
+    # the counts' all-gather of tp * experts numbers
+    experts, k = LAYOUTS["mixtral-8x7b"]
+    ids = _meta(TOKENS * k)
+    info = OpInfo(aten.argsort.stable, (ids,), {"stable": True}, (ids,), _meta(TOKENS * k), TP)
+    info.routing_experts = experts
+    (strategy,) = own_strategies(info, (OWN,))
+    assert [(kind, tuple(m.shape)) for kind, m in strategy.internal] == [("all_gather", (TP * experts,))]
+    assert _price(info, strategy) == _priced_sort(experts, k)
+
+
+def test_a_bincount_of_the_sorted_ids_is_priced_as_the_exchanged_counts_summed(fake_world):
+    # bincount(ids_sorted, minlength=E) whole on every rank from the sort's exchange
+    # (routed_counts): the counts summed, already int64 (no cast)
+    experts, k = LAYOUTS["qwen3-30b-a3b"]
+    ids = _meta(TOKENS * k)
+    info = OpInfo(aten.bincount.default, (ids, None, experts), {}, (ids,), _meta(experts), TP)
+    info.routing_experts = experts
+    (strategy,) = [s for s in own_strategies(info, (OWN,)) if s.output == REPLICATE]
+    local = route_locally(torch.randint(0, experts, (TOKENS * k // TP,)), 1, experts, fake_world, TP, 0)
+    with KernelCounter() as counts:
+        routed_counts(local, torch.long)
+    assert _price(info, strategy) == (counts.launches, counts.bytes), counts.calls
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_expert_tp_gathered_rows_order_is_priced_as_its_counting_pass(layout):
+    # distributed/gathered_rows.GatherRowsTP on every rank: the T*k gathered rows laid out rank by
+    # rank from their holders (no sort: tests/runtime/test_gathered_rows_order.py)
+    experts, k = LAYOUTS[layout]
+    rows = TOKENS * k
+    holder = torch.randint(0, TP, (rows,), generator=torch.Generator().manual_seed(0))
+    with KernelCounter() as counted:
+        holders_order(holder, TP)
+    work = holders_order_work(rows, TP)
+    assert (work.launches, int(sum(b for _, b in work.moved))) == (counted.launches, counted.bytes), counted.calls
