@@ -340,11 +340,13 @@ class ParallelModule(LeavesSwitch, nn.Module):
 
     def _after_compile_gave_up(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         """A call torch.compile was asked for and dynamo did not trace: under its defaults (no
-        ``fullgraph``) an exception raised while tracing (``_compiled_forward``'s refusals), a
-        recompile limit, run this frame as Python while still tracing the frames it calls. The
-        refusals are raised again here, where dynamo does not take them for a graph break; any
-        other call runs eagerly, with dynamo kept out of the frames it calls (which once traced
-        parts of the eager path with the checks and DTensors it keeps out of a graph)."""
+        ``fullgraph``) an exception raised while tracing (``_compiled_forward``'s refusals, a bad
+        argument) makes dynamo run this frame as Python while still tracing the frames it calls
+        (a recompile limit does not: it runs the frame and its callees untraced). The refusals
+        are raised again here, where dynamo does not take them for a graph break; a call that
+        passes them (an exception only the traced call raised) runs eagerly, with dynamo kept out
+        of the frames it calls (which once traced parts of the eager path, with the checks and
+        DTensors it keeps out of a graph)."""
         self._compiled_program(bind_inputs(self.capture.signature, args, kwargs, self.capture.model_name))
         if not self._warned_eager:
             self._warned_eager = True
