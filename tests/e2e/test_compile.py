@@ -292,6 +292,51 @@ def test_a_new_kind_of_call_under_compile_asks_for_an_eager_call_first(cluster_o
         assert "call the module once eagerly with such inputs first" in text, text
 
 
+def _a_call_dynamo_gave_up_on() -> dict:
+    """A call whose tracing raises where its eager run does not (here ``_compiled_forward``
+    replaced by a function that raises): under dynamo's defaults dynamo takes the exception for a
+    graph break and runs ``forward`` as Python, still tracing the frames it calls. The call runs
+    eagerly, no frame of the eager path traced, equal to an eager call, and a warning says so once."""
+    import logging
+
+    import autotp
+    from torch._dynamo.utils import counters
+    from autotp import zoo
+    from autotp.testing import relative_error
+
+    torch._dynamo.reset()
+    counters.clear()
+    config = zoo.tiny_config("gpt2", layers=1, vocab=VOCAB)
+    pm = autotp.parallelize(zoo.build("gpt2", config, dtype=torch.float64, seed=1), 2)
+    data = zoo.example_batch("gpt2", config, batch=2, seq=6, seed=2)
+    eager = pm(**data).loss.detach()
+
+    def traced_only(args, kwargs):
+        raise RuntimeError("raised while tracing")
+
+    pm._compiled_forward = traced_only
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("autotp").addHandler(handler)
+    try:
+        compiled = torch.compile(pm, backend="aot_eager")
+        losses = [compiled(**data).loss.detach() for _ in range(2)]
+    finally:
+        logging.getLogger("autotp").removeHandler(handler)
+    return {"to eager": max(relative_error(loss, eager) for loss in losses),
+            "graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values()),
+            "warnings": sum("did not trace a call" in m for m in said)}
+
+
+# before: the eager path ran with its frames traced (graphs of the agreement's and the program's
+# pieces between breaks)
+def test_a_call_dynamo_does_not_trace_runs_eagerly_untraced(cluster_of):
+    for r in cluster_of(2).run(_a_call_dynamo_gave_up_on):
+        assert r["to eager"] <= 1e-12, r
+        assert r["graphs"] == 0 and r["warnings"] == 1, r
+
+
 def _compiled_split_projections() -> dict:
     """Parameters whose layouts are RunShards (GPT-BigCode's fused multi-query c_attn: a run of
     query heads then k and v whole) under torch.compile: dynamo copies their placements into its
