@@ -6,8 +6,8 @@ once and move nothing), so the rank's own compute runs at its real size on one d
 model (published widths, fewer layers) it measures, side by side in one run:
 
 * **efficiency**: (serial step / N) / rank step, forward + backward, eager (and ``--compile``:
-  both under ``torch.compile``). On CPU by two clocks: the thread's CPU time (the least of
-  ``--repeats`` steps after a warm-up: the step's own compute, steady on a shared machine, where
+  both under ``torch.compile`` too, beside eager). On CPU by two clocks: the thread's CPU time (the
+  least of ``--repeats`` steps after a warm-up: the step's own compute, steady on a shared machine, where
   waiting for a core is not counted) and the wall clock (their median, for comparison); on CUDA
   the wall clock, the device synchronized;
 * **counts that do not depend on the device**: the products' FLOPs and every other op's bytes
@@ -79,6 +79,25 @@ def timed(module, batch: dict, device: str, repeats: int) -> float:
         _sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def compiled_time(module, batch: dict, device: str, repeats: int) -> dict:
+    """A compiled step's seconds, after a warm-up (which compiles it): ``clock`` (median wall)
+    and, on CPU, ``thread`` (the least thread CPU time, as ``measured`` reads an eager step's: one
+    torch thread, so inductor's kernels run on the calling thread too)."""
+    step = module_step(module, batch)
+    step()
+    _sync(device)
+    clocks, threads = [], []
+    for _ in range(repeats):
+        _sync(device)
+        start, clock = time.thread_time(), time.perf_counter()
+        step()
+        _sync(device)
+        clocks.append(time.perf_counter() - clock)
+        threads.append(time.thread_time() - start)
+    module.zero_grad(set_to_none=True)
+    return {"clock": statistics.median(clocks), "thread": min(threads) if device == "cpu" else float("nan")}
 
 
 def measured(module, batch: dict, device: str, repeats: int) -> dict:
@@ -179,7 +198,7 @@ def run_model(spec: str, args) -> list[str]:
     serial_ops, serial_busy = (serial["ops"].by_op, float("nan")) if cpu else per_op(model, batch, args.device)
     compiled_serial = None
     if args.compile:
-        compiled_serial = timed(torch.compile(model), batch, args.device, args.repeats)
+        compiled_serial = compiled_time(torch.compile(model), batch, args.device, args.repeats)
     rows = []
     for label, planning in layouts.items():
         with mirrored_peers():   # the program is written at the first call
@@ -191,7 +210,7 @@ def run_model(spec: str, args) -> list[str]:
         counts, copies = counted(pm, batch)
         ops, busy = (rank["ops"].by_op, float("nan")) if cpu else per_op(pm, batch, args.device)
         pred_rank, pred_serial = predicted(model, args.tp, args.batch, args.seq, args.profile, planning)
-        compiled = timed(torch.compile(pm), batch, args.device, args.repeats) if args.compile else None
+        compiled = compiled_time(torch.compile(pm), batch, args.device, args.repeats) if args.compile else None
         rows.append(dict(label=label, time=rank, counts=counts, copies=copies, ops=ops, busy=busy,
                          predicted=(pred_rank, pred_serial), compiled=compiled, plan=pm.plan))
         del pm
@@ -215,9 +234,20 @@ def run_model(spec: str, args) -> list[str]:
                      f"{r['counts'].moved / (serial_counts.moved / tp):.2f} | {pr * 1e3:.2f} / {ps * 1e3:.2f} | "
                      f"{ps / pr:.2f} | {pct(r['busy'])} |")
     if args.compile:
-        lines += ["", f"compiled (torch.compile, inductor; wall clock): serial {compiled_serial * 1e3:.1f} ms; "
-                  + "; ".join(f"autotp {r['label']} {r['compiled'] * 1e3:.1f} ms (serial/N ÷ rank "
-                              f"{compiled_serial / tp / r['compiled']:.2f})" for r in rows)]
+        lines += ["", "Eager and compiled (`torch.compile`, inductor, dynamo's defaults; the warm-up call compiles), "
+                  "the same steps:", "",
+                  "| version | eager thread ms (least) | compiled thread ms (least) | **serial/N ÷ rank, eager** | "
+                  "**serial/N ÷ rank, compiled** | eager wall ms (median) | compiled wall ms (median) | "
+                  "serial/N ÷ rank, wall: eager / compiled |", "|---|---|---|---|---|---|---|---|",
+                  f"| serial | {ms(serial['thread'])} | {ms(compiled_serial['thread'])} | - | - | "
+                  f"{ms(serial['clock'])} | {ms(compiled_serial['clock'])} | - |"]
+        for r in rows:
+            t, c = r["time"], r["compiled"]
+            lines.append(f"| autotp {r['label']} | {ms(t['thread'])} | {ms(c['thread'])} | "
+                         f"**{ratio(serial['thread'] / tp, t['thread'])}** | "
+                         f"**{ratio(compiled_serial['thread'] / tp, c['thread'])}** | {ms(t['clock'])} | "
+                         f"{ms(c['clock'])} | {ratio(serial['clock'] / tp, t['clock'])} / "
+                         f"{ratio(compiled_serial['clock'] / tp, c['clock'])} |")
     for r in rows:
         notes = [n for n in r["plan"].notes if n.startswith(("experts", "sequence"))]
         if notes:

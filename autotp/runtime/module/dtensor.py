@@ -26,6 +26,7 @@ torch functions, installed once; a torch without them raises ``ConfigError`` on 
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import torch
@@ -70,8 +71,12 @@ class RunShard(TorchShard):
 
     __str__ = __repr__
 
-    def __fx_repr__(self):
-        raise ConfigError(f"{self!r} cannot be emitted into an FX graph: autotp's placements stay eager")
+    def __fx_repr__(self) -> tuple[str, dict[str, type]]:
+        """An expression that rebuilds this placement, and the names it uses: torch registers its
+        placements as opaque values, so a graph that makes a DTensor (a compiled call's logits split
+        unevenly, ``DTensor.from_local``) writes each placement into its code as such."""
+        fields = ", ".join(f"{f.name}={getattr(self.shard, f.name)!r}" for f in dataclasses.fields(self.shard))
+        return f"autotp_RunShard(autotp_Shard({fields}))", {"autotp_RunShard": RunShard, "autotp_Shard": Shard}
 
     # ---- the ranges ----------------------------------------------------------------------
     def ranges(self, size: int, tp: int, rank: int) -> tuple[tuple[int, int], ...]:

@@ -96,6 +96,7 @@ class ParallelModule(LeavesSwitch, nn.Module):
         self._graphs = nn.ModuleDict()
         self._programs: list[Program] = []
         self._warned_lengths = False   # a program per length was said once (runtime.module.program.fixed_length)
+        self._warned_eager = False     # a call torch.compile did not trace was said once (_after_compile_gave_up)
         self._current = self._add_program(capture, plan, graph_module)
         self.train(capture.training)   # the model's mode: a model in eval() gives a module in eval()
         # -- the gradients over dp, once the parameters and the programs that read them are in place
@@ -329,8 +330,29 @@ class ParallelModule(LeavesSwitch, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
             return self._compiled_forward(args, kwargs)
+        if compile_gave_up():
+            return self._after_compile_gave_up(args, kwargs)
+        return self._eager_forward(args, kwargs)
+
+    def _eager_forward(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         with self._sole_caller(), self._guard:   # an exception on some ranks only never leaves them out of step
             return self._forward(args, kwargs)
+
+    def _after_compile_gave_up(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """A call torch.compile was asked for and dynamo did not trace: under its defaults (no
+        ``fullgraph``) an exception raised while tracing (``_compiled_forward``'s refusals, a bad
+        argument) makes dynamo run this frame as Python while still tracing the frames it calls
+        (a recompile limit does not: it runs the frame and its callees untraced). The refusals
+        are raised again here, where dynamo does not take them for a graph break; a call that
+        passes them (an exception only the traced call raised) runs eagerly, with dynamo kept out
+        of the frames it calls (which once traced parts of the eager path, with the checks and
+        DTensors it keeps out of a graph)."""
+        self._compiled_program(bind_inputs(self.capture.signature, args, kwargs, self.capture.model_name))
+        if not self._warned_eager:
+            self._warned_eager = True
+            log.warning("autotp: torch.compile did not trace a call of %s (dynamo ran its frame as Python: see "
+                        "TORCH_LOGS=graph_breaks,recompiles): it ran eagerly, uncompiled (said once)", self.name)
+        return torch.compiler.disable(self._eager_forward, recursive=True)(args, kwargs)
 
     @property
     def check_inputs(self) -> bool | str:
@@ -457,18 +479,17 @@ class ParallelModule(LeavesSwitch, nn.Module):
         input agreement, the index bounds, the step guard); a program for a new kind of call
         is captured with torch.export, which cannot run inside a compiled region."""
         kwargs = bind_inputs(self.capture.signature, args, kwargs, self.capture.model_name)
+        return self._run(self._compiled_program(kwargs), kwargs, compiled=True)
+
+    def _compiled_program(self, kwargs: dict[str, Any]) -> Program:
+        """The program a compiled call runs, built by an eager call before (else an InputError)."""
         program = self._serving(kwargs, in_ranges=True)
         if program is None:
             raise InputError(
                 f"no program of this module serves a call with inputs {sorted(kwargs)} (training={self.training}) "
                 "inside torch.compile: call the module once eagerly with such inputs first (a new kind of call is "
                 "captured with torch.export, which cannot run in a compiled region)")
-        if any(isinstance(over_tp, dtensor.RunShard) for *_, over_tp in program.split):
-            raise ConfigError(
-                "under torch.compile a call cannot return an output split unevenly over tp (here the logits: "
-                "the vocabulary is not a multiple of tp); pass gather_logits=True to parallelize, or compile "
-                "a call without labels, whose logits come back whole")
-        return self._run(program, kwargs, compiled=True)
+        return program
 
     def _forward(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         # Positional inputs are named by the model's forward signature, as at capture.
@@ -596,6 +617,18 @@ class ParallelModule(LeavesSwitch, nn.Module):
                         f"{hi} there (the model's maximum positions); shorten the input or use a model "
                         "with more positions"
                     )
+
+
+def compile_gave_up() -> bool:
+    """Whether this eager frame runs inside a torch.compile'd call that dynamo did not trace: its
+    frame callback is still set, to trace the frames this one calls. (A torch without the private
+    query answers False: such a call then runs as dynamo makes it.)"""
+    try:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+    except ImportError:
+        return False
+    callback = get_eval_frame_callback()
+    return callback is not None and callback is not False
 
 
 def _check_serves(program: Program, kwargs: dict[str, Any], training: bool) -> None:
