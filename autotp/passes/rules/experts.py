@@ -187,6 +187,20 @@ def combine_back(info: OpInfo, inputs: tuple) -> list[Strategy]:
     return [Strategy(inputs, Routed(0, tokens=True, reordered=True), internal=(("all_to_all", info.output),))]
 
 
+#: rows a grouped product sent from their tokens' ranks (the all-to-all dispatch), and the same
+#: rows back on their tokens' ranks, in the order the dispatch took them
+SENT, SENT_BACK = Routed(0, sent=True), Routed(0, tokens=True, reordered=True)
+
+
+def sends_back(have, want) -> bool:
+    """Whether turning ``have`` into ``want`` sends rows the dispatch sent back to their tokens'
+    ranks by the reverse all-to-all (``P(sent 0) -> P(tokens 0, reordered)``, on the layer's
+    dispatch plan: rewrite.send_back): the combine after an op that must run on the experts'
+    ranks first (gpt-oss's down product adds its experts' biases after the product, so the rows
+    cannot go back inside it, :func:`combine_back`). Priced as :func:`combine_back`'s all-to-all."""
+    return have == SENT and want == SENT_BACK
+
+
 for _name in GROUPED_MM:
     register(_name)(grouped_mm_rule)
 
