@@ -34,9 +34,12 @@ def _dispatch_offered(monkeypatch, offered: bool) -> None:
 
 def _combine_offered(monkeypatch, offered: bool) -> None:
     import autotp.passes.rules.experts as rules
+    import autotp.passes.rules.routed as routed
 
     if not offered:   # the experts' output rows stay on their ranks: summed by the g
         monkeypatch.setattr(rules, "combine_back", lambda info, inputs: [])
+        # nor sent back after the product (the reverse all-to-all as a conversion)
+        monkeypatch.setattr(routed, "_sent_back", lambda info, placements, rule: [])
 
 
 def _expressions_agree(plan, batch: int) -> None:
