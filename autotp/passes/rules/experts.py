@@ -23,8 +23,10 @@ tokens=True)`` (:func:`.token_rows.token_rows`). The router, its softmax and top
 any rows; the grouped product takes them with an all-to-all inside (each (token, expert) row sent to
 its expert's rank, :class:`autotp.distributed.experts.DispatchRows`), priced as one, against
 gathering every token on every rank; the next product may send its output rows back by the
-reverse all-to-all (:func:`combine_back`), where the routing weights' product and the top-k sum
-run on the rank's own tokens and their sum views back to its run of the sequence
+reverse all-to-all (:func:`combine_back`), or, where an op must run on the experts' ranks after it
+(gpt-oss's biases added after the down product), the op after that receive them back by it as a
+conversion (:func:`sends_back`), where the routing weights' product and the top-k sum run on the
+rank's own tokens and their sum views back to its run of the sequence
 (:func:`.token_rows.token_sequence`), against the g of the combine.
 
 Expert tensor parallelism (Megatron's expert-TP) is the familiar column/row split inside every
