@@ -48,8 +48,8 @@ from .rules.dispatch_sizes import dispatches_tokens
 from .rules.experts import sends_back
 from .rules.local_routing import owns
 from .rules.pointwise import reduce_scatters_tokens, scatters_tokens, sequence_factors
-from .rules.registry import REGION_BOUNDS
-from .rules.row_reads import grouped_reader
+from .rules.registry import REGION_BOUNDS, op_name
+from .rules.row_reads import GROUPED_MM, grouped_reader
 from .rules.token_rows import ASCENDING, token_maps
 
 log = logging.getLogger(__name__)
@@ -637,11 +637,18 @@ def _program_order(graph: fx.Graph, prop: Propagation, readers: dict) -> list[fx
         chain, product = found
         readers[node] = product
         moved.append(([node] + chain, product))
-    moved += _picks_after_dispatch(order, prop, [p for _, p in moved if dispatches_tokens(prop.chosen[p])])
-    for run, product in moved:
+    reordered = [p for _, p in moved if dispatches_tokens(prop.chosen[p])]
+    moved += _picks_after_dispatch(order, prop, reordered)
+    # a product whose rows the rank routed alone makes the layer's one read itself (from the
+    # counts its sort exchanged: no reorder moved in front of it), so a pick its bounds count
+    # runs right after it, where that read is made
+    own = [n for n in order if n not in reordered and op_name(n.target) in GROUPED_MM and n in prop.chosen
+           and dispatches_tokens(prop.chosen[n])]
+    after = _picks_after_dispatch(order, prop, own)
+    for run, product in moved + after:
         for n in run:
             order.remove(n)
-        at = order.index(product)
+        at = order.index(product) + ((run, product) in after)
         order[at:at] = run
     return order
 
@@ -651,7 +658,8 @@ def _picks_after_dispatch(order: list, prop: Propagation, products: list) -> lis
     ``offs`` (gpt-oss's biases, :func:`~autotp.passes.rules.routing.counted_by`), each as
     ``([pick], product)`` where nothing before the product reads it: their rows are the
     product's, bounded by the layer's one read, which the reorder of the rank's tokens' rows
-    makes right before the product; picked earlier, they would read the bounds on their own."""
+    makes right before the product (or the product itself, where the rank routed its rows alone:
+    the pick then runs right after it); picked earlier, they would read the bounds on their own."""
     from .rules.routing import counted_by
 
     at = {n: i for i, n in enumerate(order)}
