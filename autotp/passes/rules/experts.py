@@ -63,6 +63,11 @@ from .row_reads import GROUPED_MM
 aten = torch.ops.aten
 
 
+#: rows a grouped product sent from their tokens' ranks (the all-to-all dispatch), and the same
+#: rows back on their tokens' ranks, in the order the dispatch took them
+SENT, SENT_BACK = Routed(0, sent=True), Routed(0, tokens=True, reordered=True)
+
+
 def _experts(p) -> bool:
     """A placement of a stack of experts' weights the expert-parallel strategies take: free, or
     whole experts per rank."""
@@ -111,6 +116,11 @@ def index_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
             and x.static(0) is not None and x.static(0) >= 2):
         if info.tp > 1:
             out.append(Strategy((Shard(0), REPLICATE), Routed(0)))
+            if info.counted_pick:
+                # the ids sorted and counted into the products' offs (gpt-oss's biases): the
+                # products' rows, so also the rows the dispatch sent (a product adding them may
+                # send its rows back after, :func:`sends_back`)
+                out.append(Strategy((Shard(0), REPLICATE), SENT))
         elif is_shard(placements[0]):
             out.append(_experts_whole(info))
     if picked and x.ndim == 3 and x.static(0) is not None:
@@ -187,11 +197,6 @@ def combine_back(info: OpInfo, inputs: tuple) -> list[Strategy]:
     top-k sum then run on the rank's own tokens: no g of the ``[tokens, hidden]`` combine.
     Priced as an all-to-all of the product's output inside the op, forward and backward."""
     return [Strategy(inputs, Routed(0, tokens=True, reordered=True), internal=(("all_to_all", info.output),))]
-
-
-#: rows a grouped product sent from their tokens' ranks (the all-to-all dispatch), and the same
-#: rows back on their tokens' ranks, in the order the dispatch took them
-SENT, SENT_BACK = Routed(0, sent=True), Routed(0, tokens=True, reordered=True)
 
 
 def sends_back(have, want) -> bool:

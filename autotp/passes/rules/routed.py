@@ -112,7 +112,9 @@ def _routed_strategies(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
         indices = info.args[1]
         if len(indices) == 1 and indices[0] is not None and len(info.inputs) == 2:   # rows reordered
             p = placements[0]
-            found.append(Strategy((p, REPLICATE), replace(p, reordered=True) if p.tokens else p))
+            # rows the dispatch sent, renumbered, are no longer numbered as it sent them: the
+            # reverse all-to-all (its plan's order) cannot send them back (:func:`_sent_back`)
+            found.append(Strategy((p, REPLICATE), replace(p, reordered=True) if p.tokens else replace(p, sent=False)))
             found += gathered_rows_strategies(info, p)   # each token's k rows all-gathered whole
             if info.gathers_expert_rows and info.tp > 1 and p.tokens and not p.reordered:
                 # the tokens the router ran on where they are held (a rank's run of the
