@@ -101,6 +101,23 @@ def _row_scales(allowed: bool):
         planner.narrower_scales = offered
 
 
+@contextlib.contextmanager
+def _sent_back(allowed: bool):
+    """No op is offered rows the dispatch sent as the same rows back on their tokens' ranks where
+    not ``allowed`` (the reverse all-to-all as a conversion, after an op on the experts' ranks:
+    gpt-oss's down product adds its biases after the product): such rows are summed by a g, as
+    before the conversion was built."""
+    from autotp.passes.rules import routed
+
+    offered = routed._sent_back
+    if not allowed:
+        routed._sent_back = lambda info, placements, rule: []
+    try:
+        yield
+    finally:
+        routed._sent_back = offered
+
+
 def _moved_note(plan) -> str:
     return next((n for n in plan.notes if n.startswith("per-row scales")), "routing weights on the output rows")
 
@@ -306,14 +323,18 @@ def _excess_tables(runs: dict, tp: int) -> list[str]:
 
 
 #: the published models at the H200 measurements' workload (``../shared/measurements/h200-2026-11-28/``)
-REAL = (("Mixtral-8x7B", "mixtral-8x7b"), ("Qwen3-30B-A3B", "qwen3-30b-a3b"))
+REAL = (("Mixtral-8x7B", "mixtral-8x7b"), ("Qwen3-30B-A3B", "qwen3-30b-a3b"), ("gpt-oss-20b", "gpt-oss-20b"))
+#: the dispatch planned with no reverse all-to-all after an op on the experts' ranks (``_sent_back``)
+NO_SENT_BACK = "expert-parallel, all-to-all dispatch, no reverse all-to-all after the product"
 
 
 def predicted_at_real_size(tp: int, profile_name: str, batch: int = 2, seq: int = 4096) -> list[str]:
     """Each version planned for the published model (2 layers, meta, bfloat16) at the GPU workload:
     the rank's predicted compute (the solver's bound: every op on its largest rank), communication
     and step, the solver's own pick with the experts free, and its notes (which each MoE layer got
-    and by how much). Nothing is run."""
+    and by how much); and the dispatching version with no reverse all-to-all after an op on the
+    experts' ranks (:data:`NO_SENT_BACK`: what gpt-oss's plan was before it, its down product adding
+    its biases after the product). Nothing is run."""
     from autotp import zoo
     from autotp.capture import capture
     from autotp.cost_model.devices import get_profile
@@ -337,16 +358,21 @@ def predicted_at_real_size(tp: int, profile_name: str, batch: int = 2, seq: int 
                 plan, _, prop = build_plan(cap, tp, batch=batch, seq=seq, profile=profile, layout=layout,
                                            sequence_parallel=True, expert_dispatch=dispatch)
             steps[version] = (_kind(plan), prop.compute_s, prop.comm_s)
+        with _sent_back(False):   # what the dispatching version was before the conversion (its own rows summed by a g)
+            plan, _, prop = build_plan(cap, tp, batch=batch, seq=seq, profile=profile, layout=EP,
+                                       sequence_parallel=True, expert_dispatch=True)
+        steps[NO_SENT_BACK] = (_kind(plan), prop.compute_s, prop.comm_s)
         plan, _, prop = build_plan(cap, tp, batch=batch, seq=seq, profile=profile, layout=ATTENTION,
                                    sequence_parallel=True)
         pick = prop.compute_s + prop.comm_s
         for version, (kind, compute, comm) in steps.items():
-            got = "" if kind == version else f" (planned as {kind})"
+            got = "" if kind == version or version.startswith(kind) else f" (planned as {kind})"
             lines.append(f"| {label} | {version}{got} | {compute * 1e3:.2f} | {comm * 1e3:.2f} | "
                          f"{(compute + comm) * 1e3:.2f} | {(compute + comm) / pick:.3f}x |")
         lines.append(f"| {label} | **solver's pick: {_kind(plan)}** | {prop.compute_s * 1e3:.2f} | "
                      f"{prop.comm_s * 1e3:.2f} | {pick * 1e3:.2f} | 1.000x |")
         notes += [f"- {label}: {n}" for n in plan.notes if n.startswith("experts ")]
+        notes.append(f"- {label}: the pick's collectives in its first MoE block: {_moe_comms(plan)}")
     return lines + ["", "The pick's notes:", ""] + notes + [""]
 
 

@@ -37,6 +37,7 @@ from .fused_bias import bias_add, takes_as_made
 from .hints import column_hint, index_picks, row_hint
 from .rules import OpInfo, Strategy, TensorMeta, strategies
 from .rules.row_reads import GROUPED_MM, grouped_reader, permutes_rows, reads_host, reads_rows
+from .rules.experts import sends_back
 from .rules.gathered_rows import gathers_rows, rank_rows_work, row_copies
 from .rules.local_routing import sorted_ids_experts
 from .rules.routing import SORTS, counted_pick, router_experts
@@ -609,6 +610,8 @@ def _conversion(src: Any, dst: Placement, size: int | None, tp: int) -> str | No
         return None if isinstance(dst, (Replicate, ReplicatePartialGrad)) else "inf"
     if same_placement(src, dst, size, tp) or (isinstance(src, Routed) and dst == PARTIAL):
         return None   # a routed Partial is a Partial as it is
+    if sends_back(src, dst):
+        return "all_to_all"   # rows the dispatch sent, back to their tokens' ranks (rewrite.send_back)
     if isinstance(src, Routed) and src.tokens and not src.reordered and src.span == 1 and isinstance(dst, Replicate):
         return "all_gather"   # a rank's tokens in sequence order: its run of it, gathered (rewrite.gather_tokens)
     if reduce_scatters_tokens(src, dst):

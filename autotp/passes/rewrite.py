@@ -35,6 +35,7 @@ from ..errors import PlanError
 from ..placements import (PARTIAL, Partial, Placement, Replicate, ReplicatePartialGrad, Routed, Shard, block_local_sizes, local_ranges,
                           local_size, owned_ranges)
 from ..distributed import collectives as C
+from ..distributed import experts as E
 from ..distributed.experts import routed_scatter, sequence_runs, token_rows
 from ..distributed.functional import grad_if, rank_slice
 from ..distributed.rng import RandomOp, draws_random
@@ -44,10 +45,11 @@ from .propagate import (GraphIndex, Propagation, _aliases_of, _conversion, _dim_
                         cut_from_whole, first_write, gather_parts, gathers_whole, map_args, storage_root, wants_f)
 from .rules import LocalContext, aliases_first, is_routed, localizer_for, mutates_first
 from .rules.dispatch_sizes import dispatches_tokens
+from .rules.experts import sends_back
 from .rules.local_routing import owns
 from .rules.pointwise import reduce_scatters_tokens, scatters_tokens, sequence_factors
-from .rules.registry import REGION_BOUNDS
-from .rules.row_reads import grouped_reader
+from .rules.registry import REGION_BOUNDS, op_name
+from .rules.row_reads import GROUPED_MM, grouped_reader
 from .rules.token_rows import ASCENDING, token_maps
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,9 @@ class GraphLocalContext(LocalContext):
         #: an expert layer's all-to-all dispatch, (offs, first expert, experts) -> (its plan, the
         #: row map and holders of the rows it sent): the combine back reuses them
         self.dispatches: dict[tuple, tuple] = {}
+        #: the row map of rows a dispatch sent (its experts' rows) -> the same triple: rows an op
+        #: on the experts' ranks made are sent back by it (a conversion, ``send_back``)
+        self.sent: dict[fx.Node, tuple] = {}
         self._shared_rows: dict[tuple, fx.Node] = {}
         #: a rank's own rows routed alone (rules/local_routing.py): node -> (what its values are,
         #: its layer); a sort's outputs by position; each layer by its sorted rows' map; the last
@@ -265,6 +270,23 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         ctx.rows[flat], ctx.owners[flat] = rows, owners
         return flat
 
+    def send_back(src: fx.Node, out: fx.Node) -> fx.Node:
+        """Rows a layer's all-to-all dispatch sent (``P(sent 0)``), after an op its experts' ranks
+        ran on them (gpt-oss's down product and its bias), sent back to their tokens' ranks by the
+        reverse all-to-all on the layer's dispatch plan (no count read again): each lands in the
+        row the dispatch took it from, so its row map and holders are the dispatched rows'."""
+        found = ctx.sent.get(ctx.rows_of(out))
+        if found is None:
+            raise PlanError(f"{src.name} is placed as rows an all-to-all dispatch sent to their experts' ranks, but "
+                            f"no dispatching product of its layer made its rows, so nothing says where to send them "
+                            f"back; plan with expert_dispatch=False to combine the rows by a g")
+        plan, rows, owners = found
+        back = comm_node("all_to_all", out, E.CombineRows(group), plan)
+        ctx.rows[back] = rows
+        if owners is not None:   # rows the rank routed alone are all its own: no holders
+            ctx.owners[back] = owners
+        return back
+
     def convert(src: fx.Node, dst: Placement, f: bool) -> fx.Node:
         if tp == 1:
             # one rank holds every shard whole and every sum: each conversion and f/g is the
@@ -295,6 +317,9 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
                         "scatter and all-reduce, not the all-gather the plan priced", src.name)
         if reduce_scatters_tokens(have, dst):
             out = converted[key] = scatter_tokens(out, meta, src)
+            return out
+        if sends_back(have, dst):
+            out = converted[key] = send_back(src, out)
             return out
         if scatters_tokens(have, dst):
             out = converted[key] = slice_tokens(out, meta)
@@ -612,11 +637,18 @@ def _program_order(graph: fx.Graph, prop: Propagation, readers: dict) -> list[fx
         chain, product = found
         readers[node] = product
         moved.append(([node] + chain, product))
-    moved += _picks_after_dispatch(order, prop, [p for _, p in moved if dispatches_tokens(prop.chosen[p])])
-    for run, product in moved:
+    reordered = [p for _, p in moved if dispatches_tokens(prop.chosen[p])]
+    moved += _picks_after_dispatch(order, prop, reordered)
+    # a product whose rows the rank routed alone makes the layer's one read itself (from the
+    # counts its sort exchanged: no reorder moved in front of it), so a pick its bounds count
+    # runs right after it, where that read is made
+    own = [n for n in order if n not in reordered and op_name(n.target) in GROUPED_MM and n in prop.chosen
+           and dispatches_tokens(prop.chosen[n])]
+    after = _picks_after_dispatch(order, prop, own)
+    for run, product in moved + after:
         for n in run:
             order.remove(n)
-        at = order.index(product)
+        at = order.index(product) + ((run, product) in after)
         order[at:at] = run
     return order
 
@@ -626,7 +658,8 @@ def _picks_after_dispatch(order: list, prop: Propagation, products: list) -> lis
     ``offs`` (gpt-oss's biases, :func:`~autotp.passes.rules.routing.counted_by`), each as
     ``([pick], product)`` where nothing before the product reads it: their rows are the
     product's, bounded by the layer's one read, which the reorder of the rank's tokens' rows
-    makes right before the product; picked earlier, they would read the bounds on their own."""
+    makes right before the product (or the product itself, where the rank routed its rows alone:
+    the pick then runs right after it); picked earlier, they would read the bounds on their own."""
     from .rules.routing import counted_by
 
     at = {n: i for i, n in enumerate(order)}

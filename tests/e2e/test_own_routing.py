@@ -10,14 +10,14 @@ gpt-oss adds a bias per expert to each grouped product's rows, picked by the sor
 (``gate_up_proj_bias[expert_ids_g]``, counted into the products' ``offs``). Where the rank routes
 its own (token, expert) rows (rules/local_routing.py), the pick takes its experts' rows among
 every row sorted by expert from the ``offs`` every rank holds (``expert_routing.sorted_pick``).
-The solver does not take that routing for gpt-oss by cost today (the down product's bias is added
-after the product, so its rows cannot go back by the reverse all-to-all inside it, and the g of
-the [T*k, h] rows costs more than the whole sort it saves: docs/architecture.md), so this test
-withholds the whole sort from the training program's plan (the rule of a 1-D ``sort`` offers no
-strategy at tp > 1) and checks that program against serial in float64: loss, logits and every
-gradient, tp 2 (uneven runs) and tp 3; the later programs (inference, padded call, generate) are
-planned by cost and compared too. Before, no strategy picked a stack of experts by a rank's own
-sorted ids, and the withheld sort left the program no plan.
+The down product's bias is added after the product, so its rows go back to their tokens' ranks
+by the reverse all-to-all as a conversion of the biased rows (``P(sent 0) -> P(tokens 0,
+reordered)``, ``CombineRows`` on the layer's dispatch plan), and the solver takes that routing by
+cost: the training program against serial in float64, loss, logits and every gradient, tp 2
+(uneven runs) and tp 3, and the later programs (inference, padded call, generate). Drawn (slow
+tier): experts, top-k, tp 2-3, the length and the weights, with the router loss, on the harness
+of tests/e2e/test_experts.py. Before, the solver kept the whole sort and summed the ``[T*k, h]``
+rows by a g (a test withheld the whole sort to run the rank's own routing at all).
 
 A layer that counts its sorted rows per expert by ``bincount`` with ``minlength`` every expert
 (tests/test_experts_local_routing_work.bincount_experts, on Mixtral) takes the counts its sort
@@ -30,17 +30,19 @@ by cost, float64 against serial at tp 2 (slow tier); before, ``argsort`` ran who
 """
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from autotp.testing import TOLERANCE
 from tests.test_experts_local_routing_work import ARGSORT, BINCOUNT
 
+#: the reverse all-to-all of the biased rows, a conversion (the plan's collective)
+SENT_BACK = ("all_to_all", "P(sent 0)", "P(tokens 0, reordered)")
 
-def check_forced_own_routing(case: dict) -> dict:
+
+def check_own_routing(case: dict) -> dict:
     import autotp
     from autotp import zoo
-    from autotp.passes.rules import registry
     from autotp.testing import equivalence_errors, relative_error, tolerance, keep_loss_precision
 
     family, impl = case.get("family", "gpt-oss"), "eager"
@@ -57,17 +59,9 @@ def check_forced_own_routing(case: dict) -> dict:
     model = zoo.build(family, config, dtype=torch.float64, seed=case["seed"])
     batch = zoo.example_batch(family, config, batch=2, seq=case["seq"], seed=case["seed"] + 1)
     keep_loss_precision(model)
-    sort = torch.ops.aten.sort.default
-    whole = registry._RULES[sort]
-    if case.get("withhold_sort", True):
-        registry._RULES[sort] = lambda info, placements: [] if info.tp > 1 and info.inputs[0].ndim == 1 \
-            else whole(info, placements)
-    try:
-        pm = autotp.parallelize(model, case["tp"], layout={"*.experts.*": "expert"}, batch=64, seq=4096,
-                                sequence_parallel=True, profile="h100-dgx", expert_dispatch=True)
-        errors = equivalence_errors(model, pm, batch)   # the training program, planned without the whole sort
-    finally:
-        registry._RULES[sort] = whole
+    pm = autotp.parallelize(model, case["tp"], layout={"*.experts.*": "expert"}, batch=64, seq=4096,
+                            sequence_parallel=True, profile="h100-dgx", expert_dispatch=True)
+    errors = equivalence_errors(model, pm, batch)
     program = pm.programs[0].graph_module
     ran = sorted({getattr(n.target, "__name__", "") for n in program.graph.nodes if n.op == "call_function"}
                  | {type(program.get_submodule(n.target)).__name__ for n in program.graph.nodes
@@ -87,8 +81,8 @@ def check_forced_own_routing(case: dict) -> dict:
 
 @pytest.mark.parametrize("tp, seq, seed", [(2, 7, 1), pytest.param(3, 8, 2, marks=pytest.mark.slow)])
 def test_a_rank_routing_its_own_rows_picks_gpt_oss_biases_as_serial(cluster_of, tp, seq, seed):
-    for rank, result in enumerate(cluster_of(tp).run(check_forced_own_routing, dict(tp=tp, seq=seq, seed=seed))):
-        assert {"RouteLocally", "sorted_pick", "DispatchRows"} <= set(result["ran"]), (rank, result["ran"])
+    for rank, result in enumerate(cluster_of(tp).run(check_own_routing, dict(tp=tp, seq=seq, seed=seed))):
+        assert {"RouteLocally", "sorted_pick", "DispatchRows", "CombineRows"} <= set(result["ran"]), (rank, result["ran"])
         bound = result["bound"] or TOLERANCE[torch.float64]
         for key, error in result["errors"].items():
             assert error <= bound, (rank, key, error, bound)
@@ -97,8 +91,8 @@ def test_a_rank_routing_its_own_rows_picks_gpt_oss_biases_as_serial(cluster_of, 
 
 @pytest.mark.slow   # 30 s on two loaded cores; the fast tier counts its sort (tests/test_experts_local_routing_work.py)
 def test_a_router_sorting_by_argsort_routes_its_own_rows_as_serial(cluster_of):
-    case = dict(family="mixtral", counting=ARGSORT, withhold_sort=False, tp=2, seq=7, seed=3)
-    for rank, result in enumerate(cluster_of(2).run(check_forced_own_routing, case)):
+    case = dict(family="mixtral", counting=ARGSORT, tp=2, seq=7, seed=3)
+    for rank, result in enumerate(cluster_of(2).run(check_own_routing, case)):
         assert {"RouteLocally", "DispatchRows"} <= set(result["ran"]), (rank, result["ran"])
         bound = result["bound"] or TOLERANCE[torch.float64]
         for key, error in result["errors"].items():
@@ -117,7 +111,7 @@ def test_a_group_limited_router_routes_its_own_rows_as_serial(cluster_of):
 
 
 def _assert_routes_its_own_rows_as_serial(cluster_of, case: dict) -> None:
-    for rank, result in enumerate(cluster_of(case["tp"]).run(check_forced_own_routing, case)):
+    for rank, result in enumerate(cluster_of(case["tp"]).run(check_own_routing, case)):
         assert {"RouteLocally", "routed_counts", "DispatchRows"} <= set(result["ran"]), (rank, result["ran"])
         bound = result["bound"] or TOLERANCE[torch.float64]
         for key, error in result["errors"].items():
@@ -130,5 +124,24 @@ def _assert_routes_its_own_rows_as_serial(cluster_of, case: dict) -> None:
           derandomize=True)
 @given(tp=st.sampled_from([2, 3]), seq=st.integers(5, 9), seed=st.integers(0, 50))
 def test_a_bincount_of_the_sorted_ids_takes_the_exchanged_counts_as_serial(cluster_of, tp, seq, seed):
-    _assert_routes_its_own_rows_as_serial(cluster_of, dict(family="mixtral", counting=BINCOUNT, withhold_sort=False,
-                                                            tp=tp, seq=seq, seed=seed))
+    _assert_routes_its_own_rows_as_serial(cluster_of, dict(family="mixtral", counting=BINCOUNT, tp=tp, seq=seq, seed=seed))
+
+
+@pytest.mark.slow   # about a minute an example on two loaded cores
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=st.fixed_dictionaries({"tp": st.sampled_from([2, 3]), "experts": st.sampled_from([3, 4]),
+                                   "top_k": st.sampled_from([1, 2]), "seq": st.integers(4, 9),
+                                   "seed": st.integers(0, 2**16)}))
+@example(case={"tp": 3, "experts": 4, "top_k": 2, "seq": 8, "seed": 5})   # tp 3 in every run
+def test_gpt_oss_rows_sent_back_after_the_bias_equal_serial_drawn(cluster_of, case):
+    # each rank routes its own rows, sends them to their experts' ranks, adds the down product's
+    # biases there and sends the rows back by the reverse all-to-all (a conversion, by cost), where
+    # the routing weights' product and the top-k sum run on its own tokens: training with the router
+    # loss (loss, logits, every gradient), inference, the padded call and generate against serial,
+    # float64 (3 experts at tp 2: uneven runs of experts; at tp 3 one each)
+    from tests.e2e.test_experts import assert_experts_case
+
+    assert_experts_case(cluster_of, dict(
+        family="gpt-oss", impl="eager", dtype="float64", kv_heads=2, layers=1, plan_batch=64, plan_seq=4096, sp=True,
+        routed=("token_rows", "route_locally", "dispatch_rows", "combine_rows", "token_sums_in_order"),
+        comms={SENT_BACK: True}, **case))

@@ -34,9 +34,12 @@ def _dispatch_offered(monkeypatch, offered: bool) -> None:
 
 def _combine_offered(monkeypatch, offered: bool) -> None:
     import autotp.passes.rules.experts as rules
+    import autotp.passes.rules.routed as routed
 
     if not offered:   # the experts' output rows stay on their ranks: summed by the g
         monkeypatch.setattr(rules, "combine_back", lambda info, inputs: [])
+        # nor sent back after the product (the reverse all-to-all as a conversion)
+        monkeypatch.setattr(routed, "_sent_back", lambda info, placements, rule: [])
 
 
 def _expressions_agree(plan, batch: int) -> None:
@@ -348,3 +351,34 @@ def test_a_rank_routes_its_own_rows_where_cheaper_than_the_whole_sort(monkeypatc
     assert [c.kind for c in whole.comms if c.src == "P(tokens 0)"] == ["all_gather", "all_gather"], whole.comms
     assert not [c for c in whole.comms if "own" in c.src]
     assert plan.cost["step_s"] < whole.cost["step_s"], (plan.cost, whole.cost)
+
+
+def test_gpt_oss_sends_its_rows_back_after_the_bias_and_routes_its_own_where_cheaper(monkeypatch):
+    # gpt-oss's down product adds its experts' biases after the product (transformers' add_), so
+    # its rows cannot go back inside it (combine_back): the reverse all-to-all is a conversion of
+    # the biased rows, P(sent 0) -> P(tokens 0, reordered), on the layer's dispatch plan, priced
+    # as the combine's all-to-all; with it the routing weights' product and the top-k sum run on
+    # each rank's own tokens, and each rank routes its own rows (its sort at T*k/tp, the counts
+    # all-gathered), where the whole sort and the g of the [T*k, h] rows were taken before
+    config = zoo.tiny_config("gpt-oss", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=4, top_k=2,
+                             output_router_logits=False)
+    model = zoo.build("gpt-oss", config, device="meta")
+    plan = _plan(model, 2)
+    a2a = [c for c in plan.comms if dispatched(c)]
+    assert [(c.src, c.dst) for c in a2a] == [SEND, BACK], plan.comms
+    send, back = a2a
+    assert back.tensor.startswith("add__tensor"), back   # the bias added in place, then sent back
+    # each way (tp-1)/tp^2 of the [T*k, h] rows, as the dispatch's of the rows it sent: the same shape
+    assert back.fwd_bytes == back.bwd_bytes == send.fwd_bytes > 0, (send, back)
+    assert [c.kind for c in plan.comms if c.src.endswith(", own)")] == ["all_gather"], plan.comms   # the counts
+    assert not [c for c in plan.comms if ".mlp" in c.module and c.kind in ("g", "reduce_scatter")], plan.comms
+    assert any("reverse all-to-all" in n for n in plan.notes), plan.notes
+    _expressions_agree(plan, TINY_BATCH)
+    import autotp.passes.rules.routed as rules
+
+    with monkeypatch.context() as m:   # the conversion not offered: the plan this was before
+        m.setattr(rules, "_sent_back", lambda info, placements, rule: [])
+        before = _plan(model, 2)
+    assert not [c for c in before.comms if dispatched(c) and (c.src, c.dst) == BACK], before.comms
+    assert not [c for c in before.comms if "own" in c.src], before.comms   # the whole sort on every rank
+    assert plan.cost["step_s"] < before.cost["step_s"], (plan.cost, before.cost)

@@ -23,8 +23,10 @@ tokens=True)`` (:func:`.token_rows.token_rows`). The router, its softmax and top
 any rows; the grouped product takes them with an all-to-all inside (each (token, expert) row sent to
 its expert's rank, :class:`autotp.distributed.experts.DispatchRows`), priced as one, against
 gathering every token on every rank; the next product may send its output rows back by the
-reverse all-to-all (:func:`combine_back`), where the routing weights' product and the top-k sum
-run on the rank's own tokens and their sum views back to its run of the sequence
+reverse all-to-all (:func:`combine_back`), or, where an op must run on the experts' ranks after it
+(gpt-oss's biases added after the down product), the op after that receive them back by it as a
+conversion (:func:`sends_back`), where the routing weights' product and the top-k sum run on the
+rank's own tokens and their sum views back to its run of the sequence
 (:func:`.token_rows.token_sequence`), against the g of the combine.
 
 Expert tensor parallelism (Megatron's expert-TP) is the familiar column/row split inside every
@@ -59,6 +61,11 @@ from .registry import LocalContext, OpInfo, Strategy, _RULES, is_shard, register
 from .row_reads import GROUPED_MM
 
 aten = torch.ops.aten
+
+
+#: rows a grouped product sent from their tokens' ranks (the all-to-all dispatch), and the same
+#: rows back on their tokens' ranks, in the order the dispatch took them
+SENT, SENT_BACK = Routed(0, sent=True), Routed(0, tokens=True, reordered=True)
 
 
 def _experts(p) -> bool:
@@ -109,6 +116,11 @@ def index_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
             and x.static(0) is not None and x.static(0) >= 2):
         if info.tp > 1:
             out.append(Strategy((Shard(0), REPLICATE), Routed(0)))
+            if info.counted_pick:
+                # the ids sorted and counted into the products' offs (gpt-oss's biases): the
+                # products' rows, so also the rows the dispatch sent (a product adding them may
+                # send its rows back after, :func:`sends_back`)
+                out.append(Strategy((Shard(0), REPLICATE), SENT))
         elif is_shard(placements[0]):
             out.append(_experts_whole(info))
     if picked and x.ndim == 3 and x.static(0) is not None:
@@ -185,6 +197,15 @@ def combine_back(info: OpInfo, inputs: tuple) -> list[Strategy]:
     top-k sum then run on the rank's own tokens: no g of the ``[tokens, hidden]`` combine.
     Priced as an all-to-all of the product's output inside the op, forward and backward."""
     return [Strategy(inputs, Routed(0, tokens=True, reordered=True), internal=(("all_to_all", info.output),))]
+
+
+def sends_back(have, want) -> bool:
+    """Whether turning ``have`` into ``want`` sends rows the dispatch sent back to their tokens'
+    ranks by the reverse all-to-all (``P(sent 0) -> P(tokens 0, reordered)``, on the layer's
+    dispatch plan: rewrite.send_back): the combine after an op that must run on the experts'
+    ranks first (gpt-oss's down product adds its experts' biases after the product, so the rows
+    cannot go back inside it, :func:`combine_back`). Priced as :func:`combine_back`'s all-to-all."""
+    return have == SENT and want == SENT_BACK
 
 
 for _name in GROUPED_MM:

@@ -20,7 +20,8 @@ from ...placements import PARTIAL, REPLICATE, Routed, Shard
 from .gathered_rows import gathered_rows_strategies
 from .local_routing import is_own, own_merge, own_strategies
 from .pointwise import partial_into_rows
-from .registry import OpInfo, Strategy, functional_of, is_shard, op_name, register_routed
+from .experts import SENT, SENT_BACK
+from .registry import OpInfo, Strategy, functional_of, is_shard, mutates_first, op_name, register_routed
 from .row_reads import GROUPED_MM
 from .token_rows import SIZED_VIEWS, token_sequence, token_split
 
@@ -74,7 +75,7 @@ def routed_strategies(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
       dims (a token's top-k rows): that sum is a plain Partial, each rank adding its rows into
       the whole ``[T, H]``."""
     if any(is_own(p) for p in placements):   # a rank's own rows routed alone: the routing's ops only
-        return own_strategies(info, placements)
+        return own_strategies(info, placements) + _sent_back(info, placements, rule)
     if info.x_gathered and isinstance(placements[0], Routed) and not placements[0].tokens:
         # rows gathered at a grouped product's experts' bounds (through casts): only the
         # product's expert-parallel strategies have those experts; scattered and summed into a
@@ -82,7 +83,21 @@ def routed_strategies(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
         # Rows gathered on their tokens' ranks are every row, each held once: made whole as any
         return [s for s in _routed_strategies(info, placements, rule)
                 if any(isinstance(p, Routed) for p in (s.output if isinstance(s.output, tuple) else (s.output,)))]
-    return _routed_strategies(info, placements, rule)
+    return _routed_strategies(info, placements, rule) + _sent_back(info, placements, rule)
+
+
+def _sent_back(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
+    """The strategies of an op reading rows the dispatch sent (``P(sent 0)``) as the same rows
+    back on their tokens' ranks (``P(tokens 0, reordered)``, by the reverse all-to-all: a
+    conversion, :func:`.experts.sends_back`): the combine after an op its experts' ranks ran
+    (gpt-oss's down product, then its bias ``add_``), where the rows could not go back inside the
+    product (:func:`.experts.combine_back`). Not offered to a grouped product (its own rule sends
+    its output back) nor to an in-place op (whose written input would be a copy sent back)."""
+    if SENT not in placements or op_name(info.target) in GROUPED_MM or mutates_first(info.target):
+        return []
+    back = tuple(SENT_BACK if p == SENT else p for p in placements)
+    sent = [i for i, p in enumerate(placements) if p == SENT]
+    return [s for s in routed_strategies(info, back, rule) if all(s.inputs[i] == SENT_BACK for i in sent)]
 
 
 def _routed_strategies(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
@@ -97,7 +112,9 @@ def _routed_strategies(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
         indices = info.args[1]
         if len(indices) == 1 and indices[0] is not None and len(info.inputs) == 2:   # rows reordered
             p = placements[0]
-            found.append(Strategy((p, REPLICATE), replace(p, reordered=True) if p.tokens else p))
+            # rows the dispatch sent, renumbered, are no longer numbered as it sent them: the
+            # reverse all-to-all (its plan's order) cannot send them back (:func:`_sent_back`)
+            found.append(Strategy((p, REPLICATE), replace(p, reordered=True) if p.tokens else replace(p, sent=False)))
             found += gathered_rows_strategies(info, p)   # each token's k rows all-gathered whole
             if info.gathers_expert_rows and info.tp > 1 and p.tokens and not p.reordered:
                 # the tokens the router ran on where they are held (a rank's run of the

@@ -197,7 +197,7 @@ def _grouped_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: di
             plan = ctx.shared_rows(("dispatch", offs, first, count),
                                    lambda: (E.dispatch_plan, (rows, owners, offs, expert_runs(info, strategy, ctx),
                                                               sizes)))
-        ctx.dispatches[(offs, first, count)] = (plan, rows, owners)
+        ctx.dispatches[(offs, first, count)] = ctx.sent[ctx.made_rows] = (plan, rows, owners)
         args = (ctx.comm(E.DispatchRows(ctx.group), x, plan),) + tuple(args[1:])
     elif x_routed and ctx.rows_of(x) is not ctx.made_rows:
         raise PlanError(f"the grouped product {info.target} reads routed rows that are not its own experts' "
