@@ -96,4 +96,5 @@ def fused_product(graph: fx.Graph, product: fx.Node, bias: fx.Node, ndim: int) -
     flat = made(aten.reshape.default, (x, [-1, sizes[-1]]))
     out = made(aten.addmm.default, (bias, flat, w))
     out.meta["autotp_ndim"] = 2   # the bias, 1-D, broadcast over its rows (in_place.BIASED)
-    return made(aten.view.default, (out, [*sizes[:-1], -1]))
+    # the width named, not -1: a rank whose run of the sequence is empty has no rows to infer it from
+    return made(aten.view.default, (out, [*sizes[:-1], made(aten.sym_size.int, (w, 1))]))
