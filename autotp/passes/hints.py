@@ -15,7 +15,8 @@ from torch import fx
 
 from ..capture import shape_of
 from ..placements import Shard
-from .rules.view import map_view_shard, slice_range, view_groups
+from .rules.pieces import slice_range
+from .rules.view_map import map_view_shard, view_groups
 
 aten = torch.ops.aten
 

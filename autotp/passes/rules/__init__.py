@@ -1,9 +1,11 @@
 """Per-op sharding rules: one registry keyed by ATen op overload (:mod:`.registry`, where the
-contract is), filled by the family files (``matrix``, ``view``, ``pointwise``, ``nn``,
-``misc``, then the experts' files: ``experts``, which extends the index rule, ``token_rows``, which
-extends the views', ``routed`` and ``routed_localizer``, the registry's hooks for routed rows), which
-import the registry and one another downward only; importing this package registers them all."""
-from . import matrix, misc, nn, pointwise, view  # noqa: F401  (the families register themselves on import)
+contract is), filled by the family files (``matrix``, the view-like ops' ``view``, ``pieces`` and
+``joins`` over :mod:`.view_map`, ``pointwise``, ``nn``, ``misc``, then the experts' files:
+``experts``, which extends the index rule, ``token_rows``, which extends the views', ``routed``
+and ``routed_localizer``, the registry's hooks for routed rows), which import the registry and
+one another downward only; importing this package registers them all."""
+# the families register themselves on import
+from . import joins, matrix, misc, nn, pieces, pointwise, view  # noqa: F401
 # after misc and view: they extend their index and view rules
 from . import experts, routed, routed_localizer, token_rows  # noqa: F401,E402
 from .registry import (LocalContext, Localizer, OpInfo, OutputPlacement, Rule, Strategy, TensorMeta, aliases_first, aten,

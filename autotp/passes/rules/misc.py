@@ -8,7 +8,7 @@ import torch
 from ...placements import PARTIAL, REPLICATE, Shard
 from .registry import (LocalContext, OpInfo, Strategy, is_partial, is_shard, norm_dim, register, register_localizer,
                        replicate_all)
-from .view import tail_part, tail_position, tail_whole
+from .pieces import tail_part, tail_position, tail_whole
 
 aten = torch.ops.aten
 

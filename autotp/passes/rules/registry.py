@@ -7,8 +7,9 @@ redistributed where they differ). A rule may also register a *localizer* that re
 op's arguments for a rank's local shards (view sizes, split sizes, ...).
 
 Adding an op is adding one decorated function to the family file it belongs to
-(``matrix.py``, ``view.py``, ``pointwise.py``, ``nn.py``, ``misc.py``). An op with no rule
-falls back to "replicate everything" with a warning naming it: slower, never wrong.
+(``matrix.py``, ``view.py``, ``pieces.py``, ``joins.py``, ``pointwise.py``, ``nn.py``,
+``misc.py``). An op with no rule falls back to "replicate everything" with a warning naming it:
+slower, never wrong.
 """
 from __future__ import annotations
 
