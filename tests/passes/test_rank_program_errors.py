@@ -19,7 +19,7 @@ from torch import fx
 from autotp.errors import PlanError
 from autotp.passes.rewrite import GraphLocalContext
 from autotp.passes.rules.local_routing import OWN, ROWS, OwnLayer, own_localizer
-from autotp.passes.rules.registry import Strategy
+from autotp.passes.rules.contract import Strategy
 from autotp.placements import PARTIAL, REPLICATE
 
 aten = torch.ops.aten

@@ -15,10 +15,8 @@ from dataclasses import replace
 import torch
 
 from ...placements import PARTIAL, REPLICATE, Shard, divides, layout, local_ranges
+from .contract import LocalContext, OpInfo, Strategy
 from .registry import (
-    LocalContext,
-    OpInfo,
-    Strategy,
     is_partial,
     is_replicate,
     is_shard,

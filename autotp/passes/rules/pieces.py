@@ -18,10 +18,8 @@ import sympy
 import torch
 
 from ...placements import PARTIAL, REPLICATE, Replicate, Shard, block_bounds, block_local_sizes, divides
+from .contract import LocalContext, OpInfo, Strategy
 from .registry import (
-    LocalContext,
-    OpInfo,
-    Strategy,
     is_partial,
     is_replicate,
     is_shard,

@@ -20,7 +20,8 @@ from ...placements import PARTIAL, REPLICATE, Routed, Shard
 from .gathered_rows import gathered_rows_strategies
 from .local_routing import is_own, own_merge, own_strategies
 from .pointwise import partial_into_rows
-from .registry import OpInfo, Strategy, functional_of, is_shard, op_name, register_routed
+from .contract import OpInfo, Strategy
+from .registry import functional_of, is_shard, op_name, register_routed
 from .row_reads import GROUPED_MM
 from .token_rows import SIZED_VIEWS, token_sequence, token_split
 

@@ -11,10 +11,8 @@ from __future__ import annotations
 import torch
 
 from ...placements import PARTIAL, REPLICATE, Shard
+from .contract import LocalContext, OpInfo, Strategy
 from .registry import (
-    LocalContext,
-    OpInfo,
-    Strategy,
     is_partial,
     is_shard,
     norm_dim,
