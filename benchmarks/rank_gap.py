@@ -65,7 +65,7 @@ def gap(name: str, layers: int, batch: int, seq: int, tp: int, profile_name: str
     from autotp.capture import capture
     from autotp.cost_model import get_profile
     from autotp.cost_model.symbolic import collective_time, nbytes, split_seconds
-    from autotp.passes.rules.registry import Strategy
+    from autotp.passes.rules.contract import Strategy
     from autotp.placements import Shard
     from autotp.planner import build_plan
 

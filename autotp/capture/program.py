@@ -76,7 +76,7 @@ class Capture:
         sequence dims (dim 1 and on of an input, as :attr:`dim_symbols` names them) that
         torch.export fixed (:attr:`fixed_dims`: Mamba's scan loops over the length). A static
         length is still a sequence: sequence parallelism may split the dim of that size
-        (:func:`autotp.passes.rules.registry.along_sequence`). Empty where a sequence dim is
+        (:func:`autotp.passes.rules.contract.along_sequence`). Empty where a sequence dim is
         dynamic, or where no length was asked dynamic (a one-token prompt)."""
         if "seq" in self.dim_symbols.values():
             return frozenset()

@@ -12,7 +12,7 @@ gradient is the sum of the output's gradient over the tokens either way).
 Input: a captured ``add`` node (:func:`bias_add` says whether it adds a parameter bias to a
 parameter product it alone reads) and, at plan time, whether its chosen strategy takes the product
 as the product makes it (no conversion, no f between: :func:`takes_as_made`;
-:class:`~autotp.passes.rules.registry.Strategy` ``fused``). The cost model prices a fused add's
+:class:`~autotp.passes.rules.contract.Strategy` ``fused``). The cost model prices a fused add's
 forward kernel as nothing (:func:`autotp.cost_model.kernels.op_work`); the rewrite emits the fused
 product (:func:`fused_product`).
 """

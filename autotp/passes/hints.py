@@ -15,7 +15,8 @@ from torch import fx
 
 from ..capture import shape_of
 from ..placements import Shard
-from .rules.view import map_view_shard, slice_range, view_groups
+from .rules.pieces import slice_range
+from .rules.view_map import map_view_shard, view_groups
 
 aten = torch.ops.aten
 
@@ -72,7 +73,7 @@ def column_hint(node: fx.Node, dim: int, tp: int = 1, uneven: bool = False,
             # a fused projection read back with slices (Phi-3's q | k | v): blocks of the pieces'
             # greatest common size, followed into the first piece (the query heads); pieces of
             # unequal size (fewer key/value heads) are also blocks of their own (``sizes``), which
-            # registry.OpInfo.fresh_shard_of deals where tp divides every block's atoms
+            # contract.OpInfo.fresh_shard_of deals where tp divides every block's atoms
             widths = [b - a for a, b, _ in pieces]
             block = math.gcd(*widths)
             if len(set(widths)) > 1 and chunks == 1 and not tail_elems:

@@ -151,7 +151,7 @@ class GraphIndex:
     force_sequence: bool = False
     #: the sizes of the sequence dims a fresh shard may split: their symbols, or the lengths a
     #: program holds as numbers (``Capture.static_lengths``); empty where sequence parallelism is
-    #: not offered (:func:`~.rules.registry.along_sequence`)
+    #: not offered (:func:`~.rules.contract.along_sequence`)
     sequence: frozenset = frozenset()
     #: which unaligned products the rewrite pads (:class:`~autotp.cost_model.alignment.Align`;
     #: None: none), priced as they will run

@@ -21,7 +21,7 @@ def sequence_regions(index: GraphIndex, prop: Propagation) -> int:
     (``Capture.static_lengths``: Mamba's capture on CPU), or into the tokens' rows of a sequence
     split flattened with the batch (``[b*s, h]``: OPT's MLP)."""
     from ..passes.propagate import _meta
-    from ..passes.rules.registry import along_sequence
+    from ..passes.rules.contract import along_sequence
 
     nodes = {n.name: n for n in index.capture.graph.nodes}
     count = 0

@@ -20,7 +20,7 @@ from autotp.distributed.gathered_rows import holders_order
 from autotp.distributed.expert_routing import route_locally, routed_counts
 from autotp.passes.rules import OpInfo, TensorMeta
 from autotp.passes.rules.local_routing import OWN, own_strategies
-from autotp.passes.rules.registry import Strategy
+from autotp.passes.rules.contract import Strategy
 from autotp.placements import REPLICATE, Routed
 
 aten = torch.ops.aten

@@ -169,7 +169,7 @@ def test_a_dispatch_whose_rows_no_reorder_gathered_for_it_prices_a_read_of_its_o
     # through casts alone (OpInfo.x_gathered): that reorder's read, priced there, is then the
     # layer's one; otherwise the reorder keeps its nonzero and the product reads its sizes itself
     from autotp.passes.rules.row_reads import host_reads
-    from autotp.passes.rules.registry import OpInfo, Strategy
+    from autotp.passes.rules.contract import OpInfo, Strategy
     from autotp.placements import REPLICATE, Routed, Shard
 
     dispatch = Strategy((Routed(0, tokens=True, reordered=True), Shard(0), REPLICATE), Routed(0, sent=True))

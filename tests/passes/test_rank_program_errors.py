@@ -20,7 +20,7 @@ from torch import fx
 from autotp.errors import PlanError
 from autotp.passes.rewrite import GraphLocalContext
 from autotp.passes.rules.local_routing import FIX, OWN, ROWS, OwnLayer, own_localizer
-from autotp.passes.rules.registry import Strategy, TensorMeta
+from autotp.passes.rules.contract import Strategy, TensorMeta
 from autotp.placements import PARTIAL, REPLICATE, Routed, Shard
 
 #: a rank's tokens' rows in sequence order (a flattened sequence split)

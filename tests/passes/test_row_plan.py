@@ -10,7 +10,8 @@ import torch
 
 import autotp
 from autotp import zoo
-from autotp.passes.rules.registry import OpInfo, TensorMeta, strategies
+from autotp.passes.rules.contract import OpInfo, TensorMeta
+from autotp.passes.rules.registry import strategies
 from autotp.cost_model.devices import PROFILES
 from autotp.placements import PARTIAL, REPLICATE, Shard
 

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from autotp.passes import rules
 from autotp.passes.rules import pointwise
 from autotp.passes.rules import LocalContext, OpInfo, Strategy, TensorMeta, localizer, strategies
-from autotp.passes.rules.view import map_view_shard
+from autotp.passes.rules.view_map import map_view_shard
 from autotp.placements import PARTIAL, REPLICATE, Partial, Replicate, Routed, Shard
 from autotp.distributed.collectives import assemble, local_shard
 from autotp.distributed.functional import vocab_parallel_embedding
@@ -1479,7 +1479,8 @@ def _linear_groups(case: Case) -> list[set[int]]:
     if op in (aten.mul.Tensor, aten.mm.default, aten.linear.default, aten.bmm.default, aten.matmul.default):
         return [{i} for i in range(n)]
     if op in (aten.div.Tensor, aten.neg.default, aten.mul.Scalar, aten.div.Scalar, aten.sum.dim_IntList,
-              aten.mean.dim, aten.embedding.default) or rules._RULES[op].__module__.endswith(".view") \
+              aten.mean.dim, aten.embedding.default) \
+            or rules._RULES[op].__module__.endswith((".view", ".pieces", ".joins")) \
             or op in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):   # (rules/token_rows.py
         # extends the sized views: the tokens of a sequence split, flattened)
         return [{0}]

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import autotp
-from autotp.passes.rules.view import map_view_shard, plain_if_same
+from autotp.passes.rules.view_map import map_view_shard, plain_if_same
 from autotp.placements import (Shard, block_sets, from_json, layout, local_ranges, local_size, outer_block,
                                owned_ranges, to_json)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...placements import Routed, local_ranges
-from .registry import LocalContext, OpInfo, Strategy
+from .contract import LocalContext, OpInfo, Strategy
 
 
 def expert_run(info: OpInfo, strategy: Strategy, i: int, ctx: LocalContext) -> tuple[int, int]:

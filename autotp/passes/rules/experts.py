@@ -57,7 +57,8 @@ from __future__ import annotations
 import torch
 
 from ...placements import PARTIAL, REPLICATE, REPLICATE_PARTIAL_GRAD, Partial, Routed, Shard
-from .registry import LocalContext, OpInfo, Strategy, _RULES, is_shard, register, register_localizer
+from .contract import LocalContext, OpInfo, Strategy
+from .registry import _RULES, is_shard, register, register_localizer
 from .row_reads import GROUPED_MM
 
 aten = torch.ops.aten

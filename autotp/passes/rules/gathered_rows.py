@@ -23,7 +23,7 @@ import sympy
 import torch
 
 from ...placements import REPLICATE, REPLICATE_PARTIAL_GRAD, Routed
-from .registry import LocalContext, OpInfo, Strategy
+from .contract import LocalContext, OpInfo, Strategy
 from .routing import index_length, is_permutation, written
 
 aten = torch.ops.aten

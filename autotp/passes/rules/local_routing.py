@@ -33,7 +33,7 @@ import sympy
 import torch
 
 from ...placements import PARTIAL, REPLICATE, Routed, Shard
-from .registry import LocalContext, OpInfo, Strategy, TensorMeta
+from .contract import LocalContext, OpInfo, Strategy, TensorMeta
 from .routing import SORTS, router_experts
 
 aten = torch.ops.aten

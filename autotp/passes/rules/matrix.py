@@ -22,7 +22,8 @@ from dataclasses import replace
 import torch
 
 from ...placements import REPLICATE, Shard, is_even, resharded_by_all_to_all
-from .registry import OpInfo, Strategy, is_shard, register
+from .contract import OpInfo, Strategy
+from .registry import is_shard, register
 
 aten = torch.ops.aten
 

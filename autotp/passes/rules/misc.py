@@ -6,9 +6,9 @@ import sympy
 import torch
 
 from ...placements import PARTIAL, REPLICATE, Shard
-from .registry import (LocalContext, OpInfo, Strategy, is_partial, is_shard, norm_dim, register, register_localizer,
-                       replicate_all)
-from .view import tail_part, tail_position, tail_whole
+from .contract import LocalContext, OpInfo, Strategy
+from .registry import is_partial, is_shard, norm_dim, register, register_localizer, replicate_all
+from .pieces import tail_part, tail_position, tail_whole
 
 aten = torch.ops.aten
 

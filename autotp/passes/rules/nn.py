@@ -9,7 +9,8 @@ import torch
 
 from ...placements import PARTIAL, REPLICATE, Shard, divides, local_ranges, local_size
 
-from .registry import LocalContext, OpInfo, Strategy, TensorMeta, is_shard, norm_dim, register, register_localizer
+from .contract import LocalContext, OpInfo, Strategy, TensorMeta
+from .registry import is_shard, norm_dim, register, register_localizer
 
 aten = torch.ops.aten
 

@@ -15,8 +15,8 @@ import torch
 from torch import fx
 
 from ...placements import PARTIAL, REPLICATE, Partial, Placement, Replicate, Routed
-from .registry import (LocalContext, OpInfo, Strategy, TensorMeta, along_sequence, is_partial, is_shard, register,
-                       register_localizer)
+from .contract import LocalContext, OpInfo, Strategy, TensorMeta, along_sequence
+from .registry import is_partial, is_shard, register, register_localizer
 
 aten = torch.ops.aten
 

@@ -21,7 +21,8 @@ from .gathered_rows import gathered_rows_strategies
 from .local_routing import is_own, own_merge, own_strategies
 from .pointwise import partial_into_rows
 from .experts import SENT, SENT_BACK
-from .registry import OpInfo, Strategy, functional_of, is_shard, mutates_first, op_name, register_routed
+from .contract import OpInfo, Strategy
+from .registry import functional_of, is_shard, mutates_first, op_name, register_routed
 from .row_reads import GROUPED_MM
 from .token_rows import SIZED_VIEWS, token_sequence, token_split
 

@@ -22,7 +22,8 @@ from .dispatch_sizes import (dispatches_tokens, expert_rows, expert_run, expert_
                              own_dispatch_sizes, sorted_rows)
 from .gathered_rows import gathered_rows_localizer, gathers_rows
 from .local_routing import own_localizer, owns
-from .registry import LocalContext, OpInfo, Strategy, is_shard, op_name, register_routed_localizer
+from .contract import LocalContext, OpInfo, Strategy
+from .registry import is_shard, op_name, register_routed_localizer
 from .routing import counted_by, is_permutation, written
 from .row_reads import GROUPED_MM
 from .token_rows import ASCENDING, SIZED_VIEWS, token_localizer, token_sequence_localizer, token_split_localizer

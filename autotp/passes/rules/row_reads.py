@@ -23,7 +23,8 @@ import torch
 
 from ...placements import Routed
 from .routing import counted_by, index_length, is_permutation
-from .registry import OpInfo, Strategy, op_name
+from .contract import OpInfo, Strategy
+from .registry import op_name
 
 aten = torch.ops.aten
 
@@ -142,12 +143,12 @@ def _before(a: Any, b: Any) -> bool:
 def host_reads(info: OpInfo, strategy: Strategy) -> int:
     """How many reads to the host ``strategy`` of the op ``info`` makes on a rank: one where it
     opens a run of routed rows (every input holds every row, its output only the rank's) and
-    :attr:`~.registry.OpInfo.reads_rows`, or reorders routed rows by an index not known a
+    :attr:`~.contract.OpInfo.reads_rows`, or reorders routed rows by an index not known a
     permutation. A product that sends a rank's tokens' rows to their experts' ranks (the
     all-to-all dispatch) reads its bounds and split sizes at once, and with them how many rows
     the reorder of the rank's tokens in front of it (``h[perm // k]``) holds: that reorder's one
     read, priced at the reorder, where the product's x is rows gathered for it alone
-    (:attr:`~.registry.OpInfo.x_gathered`: the rank's program runs the two together,
+    (:attr:`~.contract.OpInfo.x_gathered`: the rank's program runs the two together,
     passes/rewrite.py); one of its own otherwise."""
     outs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
     if any(isinstance(p, Routed) and p.tokens for p in strategy.inputs) and \

@@ -18,7 +18,8 @@ import sympy
 import torch
 
 from ...placements import Routed, Shard, divides, is_even, layout, same_placement
-from .registry import LocalContext, OpInfo, Strategy, _RULES, is_shard, register
+from .contract import LocalContext, OpInfo, Strategy
+from .registry import _RULES, is_shard, register
 
 aten = torch.ops.aten
 
