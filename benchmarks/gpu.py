@@ -253,7 +253,7 @@ def _profile(args) -> dict:
                          link_from="h100-dgx")
         # a transformer layer's products at hidden h, 4h MLP, b*s tokens (tokens x in x out)
         sizes = [(t, h, o) for h in (1024, 4096, 8192) for t in (2048, 16384) for o in (h, 4 * h)]
-    from autotp.cost_model.devices import _best_time
+    from autotp.cost_model.measure import _best_time
 
     dtype = torch.bfloat16 if args.device != "cpu" else torch.float32
     sync = torch.cuda.synchronize if args.device != "cpu" else (lambda: None)
