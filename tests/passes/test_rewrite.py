@@ -185,7 +185,14 @@ def test_a_layout_pinned_at_tp_1_runs_the_captured_ops_alone():
     gm = rewrite(index, prop, 0, None, None)
     assert [n for n in gm.graph.nodes if n.op == "call_module"] == []
     # the capture as planned: its GELUs each one op (autotp/passes/activations.py)
-    assert len(gm.graph.nodes) == len(index.capture.graph.nodes) < len(cap.graph.nodes)
+    assert len(index.capture.graph.nodes) < len(cap.graph.nodes)
+    # op for op, but the column-parallel Conv1D products (c_attn, c_fc: two a layer) run their
+    # bias inside as HF's Conv1D does (autotp/passes/fused_bias.py): addmm on the flattened tokens
+    # with a view each side, sized from x's three dims and W's columns, for the captured matmul
+    # and add (five nodes more each)
+    fused = [n for n in gm.graph.nodes if n.target is torch.ops.aten.addmm.default]
+    assert len(fused) == 4, fused
+    assert len(gm.graph.nodes) == len(index.capture.graph.nodes) + 5 * len(fused)
     data = batch(model.config.vocab_size)
     planned = index.capture
     want = run(planned, model, data)
