@@ -6,6 +6,7 @@ import torch
 
 from autotp import zoo
 from autotp.distributed.launch import LocalCluster, close_all, preload
+from tests.helpers import fake_process_group
 
 # pytest-xdist's workers share the cores: each computes on its share (torch's default, every
 # core per process, makes two workers' thread pools contend for the same cores)
@@ -90,11 +91,5 @@ def cluster_of(cluster):
 def fake_rank():
     """Rank 0 of a tp-2 world on torch's ``fake`` backend, in this process: collectives return at
     once, so a rank's program runs (and is counted) at its own size."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
-    yield
-    dist.destroy_process_group()
+    with fake_process_group(2) as group:
+        yield group

@@ -1,5 +1,8 @@
-"""Small GPT-2 builders shared by the tests (random weights, real HF classes, no hub)."""
+"""Small GPT-2 builders shared by the tests (random weights, real HF classes, no hub), and one rank
+of a world on torch's fake backend."""
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -100,3 +103,20 @@ class AtenOps:
 
     def __exit__(self, *exc):
         self._mode.__exit__(*exc)
+
+
+@contextlib.contextmanager
+def fake_process_group(tp: int, rank: int = 0):
+    """Rank ``rank`` of a tp-``tp`` world on torch's ``fake`` backend, in this process (its group
+    yielded): collectives return at once, so a rank's program runs, and is counted, at its own
+    size. A world already initialized is destroyed first; this one is on leaving."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=rank, world_size=tp, store=FakeStore())
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

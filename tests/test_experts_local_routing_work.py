@@ -54,52 +54,51 @@ class _Sizes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _grouped_linear(x, weight, offs, is_transposed):
+    """transformers' fallback grouped product (float64 on CPU, which torch's kernel does not take)."""
+    import transformers.integrations.moe  # noqa: F401  (registers the fallback product's op)
+
+    weight = weight if is_transposed else weight.transpose(-2, -1)
+    return torch.ops.transformers.grouped_mm_fallback(x.to(weight.dtype), weight, offs=offs)
+
+
+def _experts_in_order(self, hidden_states, rows, counts, weights, perm, top_k):
+    """The experts' products on ``rows`` (sorted by expert, ``counts`` rows an expert), each weighted,
+    put back in token order (the inverse of ``perm``) and summed over a token's ``top_k``, as
+    transformers' grouped path does after its sort."""
+    tokens, hidden = hidden_states.size(0), hidden_states.size(-1)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    out = self._apply_gate(_grouped_linear(rows, self.gate_up_proj, offsets, is_transposed=self.is_transposed))
+    out = _grouped_linear(out, self.down_proj, offsets, is_transposed=self.is_transposed) * weights.unsqueeze(-1)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.size(0), device=perm.device)
+    return out[inverse].view(tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+
+
 def argsort_experts(self, hidden_states, top_k_index, top_k_weights):
     """transformers' grouped experts (``grouped_mm_experts_forward``, no biases) sorting by
     ``argsort`` and gathering the ids by it, as another family's router might. Its products are
     transformers' fallback grouped product, which takes float64 on CPU (torch's kernel does not)."""
-    import transformers.integrations.moe  # noqa: F401  (registers the fallback product's op)
-
-    def _grouped_linear(x, weight, offs, is_transposed):
-        weight = weight if is_transposed else weight.transpose(-2, -1)
-        return torch.ops.transformers.grouped_mm_fallback(x.to(weight.dtype), weight, offs=offs)
-
-    tokens, top_k, hidden = hidden_states.size(0), top_k_index.size(-1), hidden_states.size(-1)
+    top_k = top_k_index.size(-1)
     weights, ids = top_k_weights.reshape(-1), top_k_index.reshape(-1)   # (T*k,)
     perm = torch.argsort(ids, stable=True)
     ids_sorted = ids[perm]
     rows = hidden_states[perm // top_k]                                   # (T*k, h) sorted by expert
     counts = torch.histc(ids_sorted.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    out = self._apply_gate(_grouped_linear(rows, self.gate_up_proj, offsets, is_transposed=self.is_transposed))
-    out = _grouped_linear(out, self.down_proj, offsets, is_transposed=self.is_transposed) * weights[perm].unsqueeze(-1)
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.size(0), device=perm.device)
-    return out[inverse].view(tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+    return _experts_in_order(self, hidden_states, rows, counts, weights[perm], perm, top_k)
 
 
 def bincount_experts(self, hidden_states, top_k_index, top_k_weights):
     """transformers' grouped experts counting the sorted rows per expert by ``bincount`` with
     ``minlength`` every expert (its length said, so that it is captured with
     one), as a model may count where transformers' grouped path uses ``histc``."""
-    import transformers.integrations.moe  # noqa: F401  (registers the fallback product's op)
-
-    def _grouped_linear(x, weight, offs, is_transposed):
-        weight = weight if is_transposed else weight.transpose(-2, -1)
-        return torch.ops.transformers.grouped_mm_fallback(x.to(weight.dtype), weight, offs=offs)
-
-    tokens, top_k, hidden = hidden_states.size(0), top_k_index.size(-1), hidden_states.size(-1)
+    top_k = top_k_index.size(-1)
     weights, ids = top_k_weights.reshape(-1), top_k_index.reshape(-1)   # (T*k,)
     ids_sorted, perm = torch.sort(ids)
     rows = hidden_states[perm // top_k]                                   # (T*k, h) sorted by expert
     counts = torch.bincount(ids_sorted, minlength=self.num_experts)      # (E,)
     torch._check(counts.size(0) == self.num_experts)
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    out = self._apply_gate(_grouped_linear(rows, self.gate_up_proj, offsets, is_transposed=self.is_transposed))
-    out = _grouped_linear(out, self.down_proj, offsets, is_transposed=self.is_transposed) * weights[perm].unsqueeze(-1)
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.size(0), device=perm.device)
-    return out[inverse].view(tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+    return _experts_in_order(self, hidden_states, rows, counts, weights[perm], perm, top_k)
 
 
 #: each experts implementation beyond transformers' own, by its case's name

@@ -11,7 +11,6 @@ top 8) at 2 x 4096 tokens, each rank's tokens a sequence split's ``T/8``."""
 import pytest
 import sympy
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -22,6 +21,7 @@ from autotp.passes.rules import OpInfo, TensorMeta
 from autotp.passes.rules.local_routing import OWN, own_strategies
 from autotp.passes.rules.contract import Strategy
 from autotp.placements import REPLICATE, Routed
+from tests.helpers import fake_process_group
 
 aten = torch.ops.aten
 TP = 8
@@ -80,13 +80,8 @@ class KernelCounter(TorchDispatchMode):
 
 @pytest.fixture(scope="module")
 def fake_world():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=TP, store=FakeStore())
-    yield dist.group.WORLD
-    dist.destroy_process_group()
+    with fake_process_group(TP) as group:
+        yield group
 
 
 def _meta(*shape, dtype=torch.long) -> TensorMeta:

@@ -5,7 +5,6 @@ double logits, every reduction, one or two ranges of the vocabulary held."""
 import pytest
 import sympy
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -13,6 +12,7 @@ from autotp.cost_model.kernels import op_work
 from autotp.distributed.functional import VocabParallelCrossEntropy
 from autotp.passes.rules import OpInfo, Strategy, TensorMeta
 from autotp.placements import REPLICATE, Shard, local_ranges
+from tests.helpers import fake_process_group
 
 aten = torch.ops.aten
 TP = 8
@@ -56,13 +56,8 @@ class KernelCounter(TorchDispatchMode):
 
 @pytest.fixture(scope="module")
 def fake_world():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=TP, store=FakeStore())
-    yield dist.group.WORLD
-    dist.destroy_process_group()
+    with fake_process_group(TP) as group:
+        yield group
 
 
 def _priced(rows: int, vocab: int, shard: Shard, dtype, reduction: int):

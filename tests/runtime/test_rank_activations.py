@@ -11,24 +11,18 @@ from collections import Counter
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import autotp
 from autotp.testing.host import MEGATRON, AtenCalls
-from tests.helpers import batch, tiny_gpt2
+from tests.helpers import batch, fake_process_group, tiny_gpt2
 
 TP, LAYERS = 8, 2
 
 
 @pytest.fixture
 def fake_rank_of_8():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=TP, store=FakeStore())
-    yield
-    dist.destroy_process_group()
+    with fake_process_group(TP) as group:
+        yield group
 
 
 def _step_calls(module) -> Counter:

@@ -26,6 +26,7 @@ import autotp
 from autotp import zoo
 from autotp.placements import Shard
 from autotp.testing.host import MEGATRON, AtenCalls, PythonCalls
+from tests.helpers import fake_process_group
 
 TP = 2
 
@@ -139,13 +140,8 @@ def test_an_eager_mapping_returns_what_it_computed_not_a_view_of_it(fake_rank, m
 @pytest.fixture
 def fake_rank_of_8():
     """Rank 0 of a tp-8 world on torch's ``fake`` backend, in this process."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
-    yield
-    dist.destroy_process_group()
+    with fake_process_group(8) as group:
+        yield group
 
 
 def _gpt2_of_8():

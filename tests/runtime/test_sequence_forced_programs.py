@@ -13,6 +13,7 @@ import torch
 
 from autotp import zoo
 from autotp.errors import PlanError
+from tests.helpers import fake_process_group
 
 #: a planning workload at which the cost model, free to choose, splits no later program along the
 #: sequence (before, they were all planned so: "True" held for the first program alone)
@@ -117,14 +118,8 @@ def _mamba(seq: int):
 
 @pytest.fixture
 def fake_world_of_4():
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
-    yield
-    dist.destroy_process_group()
+    with fake_process_group(4) as group:
+        yield group
 
 
 def test_a_length_export_fixed_is_split_forced_and_a_later_one_under_tp_planned_by_cost(fake_world_of_4, caplog):
