@@ -11,16 +11,15 @@ top 8) at 2 x 4096 tokens, each rank's tokens a sequence split's ``T/8``."""
 import pytest
 import sympy
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-from autotp.cost_model.kernels import holders_order_work, op_work, sort_bytes, sort_launches
+from autotp.cost_model.kernels import holders_order_work, op_work
 from autotp.distributed.gathered_rows import holders_order
 from autotp.distributed.expert_routing import route_locally, routed_counts
 from autotp.passes.rules import OpInfo, TensorMeta
 from autotp.passes.rules.local_routing import OWN, own_strategies
 from autotp.passes.rules.contract import Strategy
 from autotp.placements import REPLICATE, Routed
+from tests.cost_model.kernel_counts import KernelCounter
 from tests.helpers import fake_process_group
 
 aten = torch.ops.aten
@@ -33,49 +32,6 @@ FILLS = ("zeros", "new_zeros", "ones_like", "arange", "zeros_like", "full_like")
 ALLOCATIONS = ("empty", "new_empty", "empty_like")
 #: the rank's tokens (a sequence split)
 TOKEN_ROWS = Routed(0, tokens=True)
-
-
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tree_leaves(tensors) if isinstance(t, torch.Tensor))
-
-
-class KernelCounter(TorchDispatchMode):
-    """Each non-view ATen call a kernel, with the bytes it touches: its tensor arguments read and
-    its results written, except that a fill reads nothing, a gather reads only the entries it
-    picks, an in-place scatter or ``index_put_`` writes (and a scatter-add reads) only the
-    entries it writes, and a sort is the radix sort a GPU runs.
-    Collectives are communication, and allocations no kernel."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.launches, self.bytes, self.calls = 0, 0, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        name = func.overloadpacket.__name__
-        if func.is_view or func.namespace in ("c10d", "_c10d_functional") or name in ALLOCATIONS:
-            return out
-        launches = 1
-        if name in FILLS:
-            moved = _nbytes(out)
-        elif name == "scatter_":
-            moved = _nbytes((args[2], args[3])) + _nbytes(args[3])
-        elif name == "gather":
-            moved = _nbytes(args[2]) + 2 * _nbytes(out)
-        elif name == "index_put_":
-            moved = _nbytes(args[1]) + 2 * _nbytes(args[2])
-        elif name == "scatter_add_":
-            moved = _nbytes((args[2], args[3])) + 2 * _nbytes(args[3])
-        elif name == "sort":
-            keys = args[0]
-            moved, launches = sort_bytes(keys.numel(), keys.element_size()), sort_launches(keys.element_size())
-        else:
-            moved = _nbytes((args, kwargs)) + _nbytes(out)
-        self.launches += launches
-        self.bytes += moved
-        self.calls.append((name, moved))
-        return out
 
 
 @pytest.fixture(scope="module")
@@ -124,14 +80,14 @@ def _priced_counts(experts: int, k: int):
 def _counted(fake_world, experts: int, k: int) -> dict[str, KernelCounter]:
     g = torch.Generator().manual_seed(0)
     scores = torch.softmax(torch.randn(TOKENS // TP, experts, generator=g), -1).requires_grad_()
-    with KernelCounter() as topk:
+    with KernelCounter(FILLS, ALLOCATIONS) as topk:
         values, ids = torch.topk(scores, k)
     upstream = torch.randn(values.shape, generator=g)
-    with KernelCounter() as topk_backward:
+    with KernelCounter(FILLS, ALLOCATIONS) as topk_backward:
         torch.autograd.grad(values, scores, upstream)
-    with KernelCounter() as routing:
+    with KernelCounter(FILLS, ALLOCATIONS) as routing:
         local = route_locally(ids.reshape(-1), 1, experts, fake_world, TP, 0)
-    with KernelCounter() as counts:
+    with KernelCounter(FILLS, ALLOCATIONS) as counts:
         routed_counts(local, torch.float32)
     return {"topk": (topk.launches + topk_backward.launches, topk.bytes + topk_backward.bytes,
                      topk.calls + topk_backward.calls),
@@ -172,7 +128,7 @@ def test_a_bincount_of_the_sorted_ids_is_priced_as_the_exchanged_counts_summed(f
     info.routing_experts = experts
     (strategy,) = [s for s in own_strategies(info, (OWN,)) if s.output == REPLICATE]
     local = route_locally(torch.randint(0, experts, (TOKENS * k // TP,)), 1, experts, fake_world, TP, 0)
-    with KernelCounter() as counts:
+    with KernelCounter(FILLS, ALLOCATIONS) as counts:
         routed_counts(local, torch.long)
     assert _price(info, strategy) == (counts.launches, counts.bytes), counts.calls
 
@@ -184,7 +140,7 @@ def test_expert_tp_gathered_rows_order_is_priced_as_its_counting_pass(layout):
     experts, k = LAYOUTS[layout]
     rows = TOKENS * k
     holder = torch.randint(0, TP, (rows,), generator=torch.Generator().manual_seed(0))
-    with KernelCounter() as counted:
+    with KernelCounter(FILLS, ALLOCATIONS) as counted:
         holders_order(holder, TP)
     work = holders_order_work(rows, TP)
     assert (work.launches, int(sum(b for _, b in work.moved))) == (counted.launches, counted.bytes), counted.calls

@@ -6,52 +6,18 @@ import pytest
 import sympy
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from autotp.cost_model.kernels import op_work
 from autotp.distributed.functional import VocabParallelCrossEntropy
 from autotp.passes.rules import OpInfo, Strategy, TensorMeta
 from autotp.placements import REPLICATE, Shard, local_ranges
+from tests.cost_model.kernel_counts import KernelCounter, tensor_bytes
 from tests.helpers import fake_process_group
 
 aten = torch.ops.aten
 TP = 8
 #: ops that fill a tensor without reading one
 FILLS = ("zeros_like", "ones_like", "scalar_tensor", "full_like", "empty_like")
-
-
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tree_leaves(tensors) if isinstance(t, torch.Tensor))
-
-
-class KernelCounter(TorchDispatchMode):
-    """Each non-view ATen call a kernel, with the bytes it touches: its tensor arguments read and
-    its results written, except that a fill reads nothing, a gather reads only the entries it
-    picks, and an in-place scatter-add reads and writes only the entries it adds to.
-    Collectives are communication, not kernels."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.launches, self.bytes, self.calls = 0, 0, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        name = func.overloadpacket.__name__
-        if func.is_view or func.namespace in ("c10d", "_c10d_functional"):
-            return out
-        if name in FILLS:
-            moved = _nbytes(out)
-        elif name == "gather":
-            moved = _nbytes(args[2]) + 2 * _nbytes(out)
-        elif name == "scatter_add_":
-            moved = _nbytes((args[2], args[3])) + 2 * _nbytes(args[3])
-        else:
-            moved = _nbytes((args, kwargs)) + _nbytes(out)
-        self.launches += 1
-        self.bytes += moved
-        self.calls.append((name, moved))
-        return out
 
 
 @pytest.fixture(scope="module")
@@ -84,10 +50,10 @@ def test_priced_kernels_and_bytes_are_what_the_rank_runs(fake_world, dtype, redu
     target = torch.randint(0, vocab, (rows,), generator=g)
     target[::5] = -100
     loss = VocabParallelCrossEntropy(fake_world, ranges, -100, reduction)
-    with KernelCounter() as forward:
+    with KernelCounter(FILLS) as forward:
         out = loss(logits, target)
     upstream = torch.randn(out.shape, generator=g, dtype=out.dtype)
-    with KernelCounter() as backward:
+    with KernelCounter(FILLS) as backward:
         torch.autograd.grad(out, logits, upstream)
     work = _priced(rows, vocab, shard, dtype, reduction)
     calls = forward.calls + backward.calls
@@ -104,7 +70,7 @@ class CollectiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
-            self.calls.append((func.overloadpacket.__name__, _nbytes(args[0])))
+            self.calls.append((func.overloadpacket.__name__, tensor_bytes(args[0])))
         return func(*args, **(kwargs or {}))
 
 
