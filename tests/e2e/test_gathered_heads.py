@@ -1,7 +1,8 @@
 """Attention's output gathered over its heads trains as serial, without a copy serial never makes.
 
 GPT-2 at a width where the cost model runs attn.c_proj whole (8 heads of 64, planned for 256 x 32
-on h100-dgx, without sequence parallelism) gathers the heads of ``scaled_dot_product_attention``'s
+on h100-dgx, without sequence parallelism) gathers, in at least one layer (the other may gather the
+folded hidden: a near tie since GPT-2's activations run fused), the heads of ``scaled_dot_product_attention``'s
 output ``[b, heads, s, d]``, which attention holds as ``[b, s, heads, d]``; the program then folds
 the heads into the hidden (``transpose``, ``reshape``). The all-gather now gathers in that memory
 order and returns the same permutation (``collectives._all_gather``), so the fold is a view as in
@@ -27,6 +28,8 @@ def check_gathered_heads(case: dict) -> dict:
     batch = zoo.example_batch("gpt2", config, batch=case["batch"], seq=case["seq"], seed=case["seed"] + 1)
     pm = autotp.parallelize(model, case["tp"], profile="h100-dgx", batch=256, seq=32, sequence_parallel=False)
     heads = [c for c in pm.plan.comms if c.kind == "all_gather" and "scaled_dot_product_attention" in c.tensor]
+    # or gathered after the fold, the hidden split in units of a head of 64 (a near tie in cost)
+    folded = [c for c in pm.plan.comms if c.kind == "all_gather" and str(c.src) == "S(2/64)"]
     errors = equivalence_errors(model, pm, batch)
 
     # the fold's copy was a clone of the whole [b, s, hidden] in the program, which serial never
@@ -38,7 +41,7 @@ def check_gathered_heads(case: dict) -> dict:
     pm.zero_grad(set_to_none=True)
     folds = [c.bytes for c in copies.copies if c.site in ("program", "autograd") and c.op == "clone"
              and c.bytes >= whole]
-    return {"heads_gathered": len(heads), "errors": errors, "folds": folds}
+    return {"heads_gathered": len(heads), "folded_gathered": len(folded), "errors": errors, "folds": folds}
 
 
 @st.composite
@@ -52,7 +55,10 @@ def cases(draw):
 @given(case=cases())
 def test_gathered_heads_train_as_serial_without_a_copy_serial_does_not_make(cluster_of, case):
     for rank, r in enumerate(cluster_of(case["tp"]).run(check_gathered_heads, case)):
-        assert r["heads_gathered"] == 2, (rank, r["heads_gathered"])   # one per layer
+        # every layer gathers attention's output over its heads, before the fold or after it (the
+        # plan's choice, a near tie since the activations run fused: at tp 4 one layer of each), at
+        # least one before it, the path this test is for
+        assert r["heads_gathered"] >= 1 and r["heads_gathered"] + r["folded_gathered"] == 2, (rank, r)
         worst = max(r["errors"], key=r["errors"].get)
         assert r["errors"][worst] <= TOLERANCE[torch.float64], (rank, worst, r["errors"][worst])
         assert not r["folds"], (rank, r["folds"])
