@@ -34,6 +34,9 @@ CONFIG = {"mixtral": {}, "deepseek-v3": dict(n_group=GROUPS, topk_group=1)}
 ARGSORT = "mixtral-argsort"
 #: a count of the sorted ids by ``bincount`` (bincount_experts below): of the rank's own ids
 BINCOUNT = "mixtral-bincount"
+#: a router's sort asked stable (``torch.sort(ids, stable=True)``: ``aten.sort.stable``), its
+#: rows counted by ``histc`` as transformers' grouped path counts (stable_sort_experts below)
+STABLE = "mixtral-stable-sort"
 #: the router's ops on its [tokens, experts] scores (DeepSeek-V3's [tokens, groups] and
 #: [tokens, groups, experts a group] too), forward and backward
 ROUTER_OPS = frozenset(("aten::topk", "aten::sigmoid", "aten::_softmax", "aten::masked_fill", "aten::gather",
@@ -101,8 +104,19 @@ def bincount_experts(self, hidden_states, top_k_index, top_k_weights):
     return _experts_in_order(self, hidden_states, rows, counts, weights[perm], perm, top_k)
 
 
+def stable_sort_experts(self, hidden_states, top_k_index, top_k_weights):
+    """transformers' grouped experts sorting the ids with ``stable=True`` (``aten.sort.stable``)."""
+    top_k = top_k_index.size(-1)
+    weights, ids = top_k_weights.reshape(-1), top_k_index.reshape(-1)   # (T*k,)
+    ids_sorted, perm = torch.sort(ids, stable=True)
+    rows = hidden_states[perm // top_k]                                   # (T*k, h) sorted by expert
+    counts = torch.histc(ids_sorted.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
+    return _experts_in_order(self, hidden_states, rows, counts, weights[perm], perm, top_k)
+
+
 #: each experts implementation beyond transformers' own, by its case's name
-IMPLEMENTATIONS = {ARGSORT: ("argsort_grouped_mm", argsort_experts), BINCOUNT: ("bincount_grouped_mm", bincount_experts)}
+IMPLEMENTATIONS = {ARGSORT: ("argsort_grouped_mm", argsort_experts), BINCOUNT: ("bincount_grouped_mm", bincount_experts),
+                   STABLE: ("stable_sort_grouped_mm", stable_sort_experts)}
 
 
 def _rank_step(family: str, tp: int) -> list[tuple[str, tuple]]:
@@ -137,7 +151,7 @@ def _numel(shape: tuple) -> int:
     return n
 
 
-@pytest.mark.parametrize("family", sorted(CONFIG) + [ARGSORT, BINCOUNT])
+@pytest.mark.parametrize("family", sorted(CONFIG) + [ARGSORT, BINCOUNT, STABLE])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_a_dispatching_rank_routes_sorts_and_counts_its_own_rows_alone(family, tp):
     calls = _rank_step(family, tp)

@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from autotp.testing import TOLERANCE
-from tests.test_experts_local_routing_work import ARGSORT, BINCOUNT
+from tests.test_experts_local_routing_work import ARGSORT, BINCOUNT, STABLE
 
 #: the reverse all-to-all of the biased rows, a conversion (the plan's collective)
 SENT_BACK = ("all_to_all", "P(sent 0)", "P(tokens 0, reordered)")
@@ -90,8 +90,10 @@ def test_a_rank_routing_its_own_rows_picks_gpt_oss_biases_as_serial(cluster_of, 
 
 
 @pytest.mark.slow   # 30 s on two loaded cores; the fast tier counts its sort (tests/test_experts_local_routing_work.py)
-def test_a_router_sorting_by_argsort_routes_its_own_rows_as_serial(cluster_of):
-    case = dict(family="mixtral", counting=ARGSORT, tp=2, seq=7, seed=3)
+@pytest.mark.parametrize("counting", [ARGSORT, STABLE])
+def test_a_router_sorting_by_argsort_routes_its_own_rows_as_serial(cluster_of, counting):
+    # argsort, or a sort asked stable (aten.sort.stable: before, no rule, run whole with a warning)
+    case = dict(family="mixtral", counting=counting, tp=2, seq=7, seed=3)
     for rank, result in enumerate(cluster_of(2).run(check_own_routing, case)):
         assert {"RouteLocally", "DispatchRows"} <= set(result["ran"]), (rank, result["ran"])
         bound = result["bound"] or TOLERANCE[torch.float64]

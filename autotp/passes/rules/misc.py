@@ -52,7 +52,7 @@ def factory_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
 
 REPLICATED = [
     aten.diff.default, aten.index_select.default, aten.argsort.default, aten.argsort.stable,
-    aten.sort.default, aten.argmax.default, aten.any.default, aten.all.default,
+    aten.sort.default, aten.sort.stable, aten.argmax.default, aten.any.default, aten.all.default,
     aten.flip.default, aten.roll.default,
 ]
 
