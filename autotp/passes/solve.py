@@ -597,6 +597,31 @@ def solve(index: GraphIndex, profile: DeviceProfile, pinned: Mapping[str, Placem
     return solution
 
 
+def priced(index: GraphIndex, profile: DeviceProfile, choices: Mapping[Any, int],
+           pinned: Mapping[str, Placement] | None = None, exact: bool = False) -> Propagation:
+    """A given assignment priced as the solver prices it: ``choices`` maps every op (its node, or
+    its name: an assignment found on another index of the same capture, or kept from an earlier
+    solve) to the index of its strategy in its rule's list, as :attr:`Solution.choices` does. The
+    plan the walk replays from them (:func:`~.propagate.propagate`, ``forced``) is returned, its
+    ``total_s`` what :func:`solve` would charge for it: so any plan can be held against the
+    solver's under the same prices. A name no op of the capture has, or an assignment the walk
+    cannot replay (an op left without a choice, a strategy its inputs' placements do not offer, a
+    conversion that cannot be made), is a PlanError naming it."""
+    nodes = {n.name: n for n in index.capture.graph.nodes}
+    forced = {}
+    for op, j in choices.items():
+        node = nodes.get(op) if isinstance(op, str) else op
+        if node is None or nodes.get(node.name) is not node:
+            raise PlanError(f"the assignment names {op if isinstance(op, str) else op.name}, which is no op of "
+                            f"this capture ({index.capture.model_name}): price it on an index of the capture "
+                            "it was made for")
+        forced[node] = j
+    prop = propagate(index, pinned or {}, profile, forced=forced, exact=exact)
+    if prop.infeasible:
+        raise PlanError(f"the assignment does not replay on this capture: {prop.infeasible}")
+    return prop
+
+
 def _solution(index: GraphIndex, profile: DeviceProfile, pinned: dict, solver: _Solver, forced: dict,
               seconds: float, memory: float, over_limit: tuple | None, exact: bool = False) -> Solution:
     """The solver's choices replayed by :func:`propagate` into a plan, which must cost what the

@@ -13,7 +13,8 @@ from torch import nn
 from autotp.capture import capture
 from autotp.cost_model import DeviceProfile
 from autotp.passes.propagate import GraphIndex, propagate
-from autotp.passes.solve import solve
+from autotp.errors import PlanError
+from autotp.passes.solve import priced, solve
 
 
 class Layer(nn.Module):
@@ -109,6 +110,49 @@ def test_enumerated_plans_differ_so_a_wrong_choice_would_be_caught():
     assert max(totals) > 1.5 * min(totals)
     assert sorted(totals)[1] > min(totals) * (1 + 1e-6)     # the optimum is strictly better than the runner-up
     assert solve(index, prof).propagation.total_s == pytest.approx(min(totals), rel=1e-9)
+
+
+def assignments(index: GraphIndex, profile: DeviceProfile) -> list[dict]:
+    """Every feasible assignment of strategies to ops (op name -> strategy index), depth first."""
+    found, stack = [], [{}]
+    while stack:
+        forced = stack.pop()
+        prop = propagate(index, {}, profile, forced=forced, explore=True)
+        if prop.pending is not None:
+            node, count = prop.pending
+            stack.extend({**forced, node: j} for j in range(count))
+        elif not prop.infeasible:
+            found.append({n.name: j for n, j in forced.items()})
+    return found
+
+
+def test_any_assignment_is_priced_as_the_solver_prices_it():
+    # priced(): a plan's choices, named, priced on another index of the same capture; the solver's
+    # at its own total, every other assignment at no less, and the cheapest of them at the same
+    cap = stack_capture(1, 8, 16, True, True)
+    prof = DeviceProfile("p", 1e10, 1e11, 1e10, 1e-6, 1e12, 4)
+    solution = solve(GraphIndex.build(cap, 2, 64, 512, uneven=True), prof)
+    index = GraphIndex.build(cap, 2, 64, 512, uneven=True)
+    mine = priced(index, prof, {n.name: j for n, j in solution.choices.items()})
+    assert mine.total_s == solution.propagation.total_s
+    assert mine.comms == solution.propagation.comms
+    totals = [priced(index, prof, a).total_s for a in assignments(index, prof)]
+    assert len(totals) > 10 and min(totals) == pytest.approx(solution.propagation.total_s, rel=1e-12)
+
+
+def test_an_assignment_that_does_not_replay_is_a_plan_error():
+    cap = stack_capture(1, 8, 16, True, True)
+    prof = DeviceProfile("p", 1e10, 1e11, 1e10, 1e-6, 1e12, 4)
+    index = GraphIndex.build(cap, 2, 64, 512, uneven=True)
+    choices = {n.name: j for n, j in solve(index, prof).choices.items()}
+    with pytest.raises(PlanError, match="names mm_9, which is no op of this capture"):
+        priced(index, prof, {**choices, "mm_9": 0})
+    op = next(iter(choices))
+    with pytest.raises(PlanError, match=f"does not replay.*{op}"):
+        priced(index, prof, {**choices, op: 99})
+    other = GraphIndex.build(stack_capture(2, 8, 16, True, True), 2, 64, 512, uneven=True)
+    with pytest.raises(PlanError, match="no op of this capture"):
+        priced(index, prof, {n: 0 for n in other.infos})
 
 
 def test_same_inputs_give_the_same_choices():
