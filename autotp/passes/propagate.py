@@ -176,9 +176,10 @@ class GraphIndex:
     expert_dispatch: bool | None = None
     #: bias adds that may be added inside their product (:func:`.fused_bias.bias_add`)
     bias_adds: frozenset = frozenset()
-    #: the float dtype the model trains in (:func:`training_dtype`): a collective an op runs
-    #: inside itself (``Strategy.internal``) of a float of another dtype (the vocabulary-parallel
-    #: loss's float32 sums in a bf16 model) is priced at that dtype's own bytes
+    #: the float dtype the model trains in (:func:`training_dtype`): a collective of a float of
+    #: another dtype, a conversion or one an op runs inside itself (``Strategy.internal``: the
+    #: vocabulary-parallel loss's float32 sums in a bf16 model), is priced at that dtype's own
+    #: bytes (:func:`moved_bytes`)
     train_dtype: Any = None
     _strategies: dict = field(default_factory=dict)
     _compute: dict = field(default_factory=dict)
@@ -670,7 +671,7 @@ def conversion_seconds(index: "GraphIndex", profile: DeviceProfile, meta: Tensor
             found = INF
         else:
             found = 0.0
-            full = nbytes(meta, index.env, profile.dtype_bytes)
+            full = moved_bytes(index, profile, meta)
             for k in conversion_kinds(kind, f):
                 fw, bw = collective_time(k, full, profile, index.tp, grad)
                 found += fw + bw + layout_copy_seconds(k, meta, have, want, full, profile, index.tp, grad)
@@ -750,7 +751,7 @@ def reshard_seconds(index: "GraphIndex", profile: DeviceProfile, meta: TensorMet
                     grad: bool) -> float:
     """Forward + backward seconds of a reshard by one all-to-all: (tp-1)/tp² of the tensor sent
     by each rank each way, where a gather and a cut sends (tp-1)/tp of it, and its copies."""
-    full = nbytes(meta, index.env, profile.dtype_bytes)
+    full = moved_bytes(index, profile, meta)
     fw, bw = collective_time("all_to_all", full, profile, index.tp, grad)
     return fw + bw + layout_copy_seconds("all_to_all", meta, have, want, full, profile, index.tp, grad)
 
@@ -771,12 +772,21 @@ def _experts_may_take_rows(node: fx.Node, place: Mapping[fx.Node, Any]) -> bool:
     return have is None or have == REPLICATE or (isinstance(have, Shard) and have == Shard(0))
 
 
+def moved_bytes(index: "GraphIndex", profile: DeviceProfile, meta: TensorMeta) -> int:
+    """Bytes of the whole tensor ``meta`` at the planning workload as a collective moves it, a
+    conversion (f, g, gathers, reduce-scatters, all-to-alls) or an op's own: a float of the dtype
+    the model trains in at the profile's ``dtype_bytes``, another float (RMSNorm's float32 squares
+    and statistics, a float32 combine of experts, the loss's sums in a bf16 model) and an integer at
+    their own size (:func:`~autotp.cost_model.symbolic.element_bytes`)."""
+    return nbytes(meta, index.env, profile.dtype_bytes, index.train_dtype)
+
+
 def internal_seconds(index: "GraphIndex", profile: DeviceProfile, strat: Strategy) -> float:
     """Seconds of the collectives an op runs inside itself (vocab-parallel cross-entropy), and the
     copies that lay their tensors out (:func:`internal_copy_seconds`)."""
     total = 0.0
     for kind, meta in strat.internal:
-        full = nbytes(meta, index.env, profile.dtype_bytes, index.train_dtype)
+        full = moved_bytes(index, profile, meta)
         rows = numel(meta.shape[:1], index.env)
         total += sum(collective_time(kind, full, profile, index.tp)) \
             + internal_copy_seconds(kind, full, profile, rows, index.tp)
@@ -883,7 +893,7 @@ def gather_part_seconds(index: "GraphIndex", profile: DeviceProfile, meta: Tenso
                         dst: Placement, grad: bool) -> float:
     """Forward + backward seconds of one part of :func:`gather_parts`."""
     if kind in ("grad_if", "rank_slice"):
-        return read_seconds(kind, nbytes(meta, index.env, profile.dtype_bytes), profile, index.tp, grad)
+        return read_seconds(kind, moved_bytes(index, profile, meta), profile, index.tp, grad)
     if kind == "all_to_all":
         return reshard_seconds(index, profile, meta, have, dst, grad)
     src = REPLICATE if kind in ("f", "scatter") else have
@@ -1011,7 +1021,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
             return   # read as it is: its f was made before it (copied_seconds)
         if serves_without_f(kind, f):
             conversions.setdefault((node, dst, False), kind)
-        full = nbytes(meta, env, profile.dtype_bytes)
+        full = moved_bytes(index, profile, meta)
         grad = node in index.grads
         if gathers_whole(meta, place[node], dst, tp):   # one all-gather serves every gather of node
             group = gathered.get(node)
@@ -1112,7 +1122,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
                     ):
                         cost = INF
                     elif f:
-                        cost += collective_time("f", nbytes(meta, env, profile.dtype_bytes), profile, tp)[1]
+                        cost += collective_time("f", moved_bytes(index, profile, meta), profile, tp)[1]
                 elif inp.name in cap.param_names and not same_placement(place[inp], want, _dim_size(meta, want), tp):
                     # a parameter is never moved at run time: it is sharded at load. (The solver
                     # never gathers a view of one either, GraphIndex.moves_parameter; this walk,
@@ -1136,7 +1146,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
         activations += index.activation_bytes(node, best, profile)
         memory += index.activation_bytes(node, best, profile)
         for kind, meta in best.internal:
-            full = nbytes(meta, env, profile.dtype_bytes, index.train_dtype)
+            full = moved_bytes(index, profile, meta)
             seconds = sum(collective_time(kind, full, profile, tp))
             # memory-bound work, not the link's
             compute += internal_copy_seconds(kind, full, profile, numel(meta.shape[:1], env), tp)

@@ -577,14 +577,14 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
             comm[(c.kind, _meta(nodes[c.tensor]), nodes[c.tensor] in index.grads, c.src, c.dst)] += 1
     compute_total = sympy.Add(*(n * compute_time_expr(*first[k], profile, index.tp, index.env, index.align)
                                 for k, n in compute.items())) + prop.update_s   # the optimizer step: constant
-    # an op's internal collectives (src None) at the bytes of their own dtype, as propagation prices
-    # them (propagate.internal_seconds); conversions at the profile's
-    full = lambda meta, src: bytes_expr(meta, profile.dtype_bytes, index.train_dtype if src is None else None)  # noqa: E731
-    compute_total += sympy.Add(*(n * internal_copy_seconds(kind, full(meta, src), profile,
+    # every collective's tensor at the bytes of its own dtype, as propagation prices it
+    # (propagate.moved_bytes): a float32 tensor of a bf16 model at 4 bytes an element
+    full = lambda meta: bytes_expr(meta, profile.dtype_bytes, index.train_dtype)  # noqa: E731
+    compute_total += sympy.Add(*(n * internal_copy_seconds(kind, full(meta), profile,
                                                            meta.shape[0] if meta.shape else 1, index.tp)
-                                 for (kind, meta, _, src, _), n in comm.items()))   # the rows laid out in order
-    comm_total = sympy.Add(*(n * (collective_time_expr(kind, full(meta, src), profile, index.tp, grad)
-                                  + layout_copy_seconds(kind, meta, src, dst, full(meta, src), profile, index.tp, grad))
+                                 for (kind, meta, _, _, _), n in comm.items()))   # the rows laid out in order
+    comm_total = sympy.Add(*(n * (collective_time_expr(kind, full(meta), profile, index.tp, grad)
+                                  + layout_copy_seconds(kind, meta, src, dst, full(meta), profile, index.tp, grad))
                              for (kind, meta, grad, src, dst), n in comm.items()))
     return {key: str(expr.xreplace(rename).evalf(6)) for key, expr in (("compute_s", compute_total),
                                                                       ("comm_s", comm_total))}
