@@ -4,7 +4,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from autotp.cost_model.kernels import sort_bytes, sort_launches
+from autotp.cost_model.routing import sort_bytes, sort_launches
 
 
 def tensor_bytes(tensors) -> int:

@@ -3,8 +3,8 @@ backward), the rank's own rows routed alone (``distributed.expert_routing.route_
 sort and every small kernel around it) and every expert's count taken from the exchange
 (``routed_counts``). Every ATen call they dispatch on rank 0 of tp 8 on the fake backend
 (collectives return at once) is a launch of the price, and the bytes each call touches sum to
-the price's bytes; the one sort is the GPU's radix sort (``kernels.sort_launches``,
-``kernels.sort_bytes``: ``tests/cost_model/test_sort_pricing.py``), one ATen call here.
+the price's bytes; the one sort is the GPU's radix sort (``routing.sort_launches``,
+``routing.sort_bytes``: ``tests/cost_model/test_sort_pricing.py``), one ATen call here.
 
 Layouts: one MoE layer of Mixtral-8x7B (8 experts, top 2) and of Qwen3-30B-A3B (128 experts,
 top 8) at 2 x 4096 tokens, each rank's tokens a sequence split's ``T/8``."""
@@ -12,7 +12,8 @@ import pytest
 import sympy
 import torch
 
-from autotp.cost_model.kernels import holders_order_work, op_work
+from autotp.cost_model.kernels import op_work
+from autotp.cost_model.routing import holders_order_work
 from autotp.distributed.gathered_rows import holders_order
 from autotp.distributed.expert_routing import route_locally, routed_counts
 from autotp.passes.rules import OpInfo, TensorMeta
