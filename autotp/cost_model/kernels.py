@@ -42,7 +42,7 @@ from .loss import cross_entropy_work
 from .memory_bound import cast_work, dropout_work, elementwise_work, embedding_work, reduction_work, softmax_work
 from .norms import NORMS, norm_work
 from .products import attention_work, grouped_work, product_work
-from .routing import counted_by_exchange, exchanged_counts_work, sort_work, topk_work
+from .routing import counted_by_exchange, exchanged_counts_work, sort_work, sums_token_rows, token_sums_work, topk_work
 from .routing import holders_order_work  # noqa: F401  (the planner's price of a gathered rows' layout)
 from .work import NO_WORK, OpWork, RankOp
 
@@ -117,6 +117,8 @@ def op_work(info: Any, strategy: Any, tp: int, dtype_bytes: int, train_dtype: An
         return dropout_work(op)
     if t is aten.embedding.default:
         return embedding_work(op)
+    if t is aten.sum.dim_IntList and sums_token_rows(op):
+        return token_sums_work(op)
     if t in _REDUCTIONS:
         return reduction_work(op)
     if t in _SORTS:

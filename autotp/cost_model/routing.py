@@ -9,8 +9,8 @@ from typing import Any
 import sympy
 import torch
 
-from ..placements import Partial, Routed
-from .work import NO_WORK, OpWork, RankOp, element_bytes
+from ..placements import Partial, Routed, Shard, local_size, max_local_size
+from .work import NO_WORK, OpWork, RankOp, element_bytes, local_shape
 
 #: bits of the key a radix sort's pass orders (CUB's onesweep sort, which ``torch.sort`` runs on a
 #: GPU beyond a block's worth of keys: 8 passes for int64 keys, 4 for int32)
@@ -76,6 +76,91 @@ def holders_order_work(rows: Any, tp: int) -> OpWork:
     return OpWork(moved=tuple((cls, sympy.sympify(b)) for cls, b in kernels), launches=len(kernels))
 
 
+def local_dispatch_sizes_work(experts: int, tp: int, rank: int | None = None) -> OpWork:
+    """The kernels :func:`autotp.distributed.expert_routing.local_dispatch_sizes` runs once a
+    layer, each with the bytes it touches (int64 throughout): the rows every rank sends every
+    rank (a zero fill of ``tp * tp``, the exchanged counts summed over the runs, added by the
+    experts' holders: an ``index_add_`` reading and writing the whole table, the holders and the
+    sums), the rows each rank's experts get and their ends (a sum, a cumulative sum), rank 0's
+    start (a zero; another rank's is a view) and the numbers read to the host put together (a
+    ``cat``). The experts' holders are made once per layout and reused (no kernel a step); the
+    read itself is priced as the layer's one read (``rules/row_reads.host_reads``)."""
+    e, t = experts, tp
+    kernels = [
+        ("elementwise", 8 * t * t), ("reduction", 16 * t * e),          # zeros, counts.sum(1)
+        ("scatter", 16 * t * t + 8 * e + 8 * t * e),                     # index_add_ by the holders
+        ("reduction", 8 * t * t + 8 * t), ("reduction", 16 * t),         # per_rank.sum(0).cumsum(0)
+    ]
+    if not rank:   # the largest rank's (rank 0's) start: a zero
+        kernels.append(("elementwise", 8))
+    kernels.append(("elementwise", 16 * (2 + 2 * t)))                  # cat of the numbers read
+    return OpWork(moved=tuple((cls, sympy.sympify(b)) for cls, b in kernels), launches=len(kernels))
+
+
+def local_dispatch_plan_work(rows: Any, experts: int, tp: int, rank: int | None = None) -> OpWork:
+    """The kernels :func:`autotp.distributed.expert_routing.local_dispatch_plan` runs once a
+    layer for a rank of ``rows`` own (token, expert) rows, each with the bytes it touches (int64
+    throughout). Its ``c`` experts (the largest rank's, or ``rank``'s) get ``tp * c`` blocks of
+    rows, one a source rank and expert, and ``rows * tp * c / experts`` rows as uniform routing
+    deals them: the blocks' starts and sizes (each a copy where ``c > 1``: a slice of a
+    permuted table), the start subtracted, the sizes' cumulative sums, each arriving row's block
+    found (``searchsorted``) and its place (two gathers of its block's start and offset, an add
+    and a subtraction), the rows' order (an ``arange``) and the arrival's inverse (an
+    ``arange`` scattered: the entries it writes)."""
+    count = max_local_size(experts, Shard(0), tp) if rank is None else local_size(experts, Shard(0), tp, rank)
+    b = tp * count                                     # blocks arriving
+    got = rows * tp * count / experts                  # rows arriving
+    ew = "elementwise"
+    kernels = [(ew, 16 * b)] * (2 if count > 1 else 0) + [
+        (ew, 16 * b),                                   # at = blocks ... - start
+        (ew, 8 * got), ("reduction", 16 * b),           # arange(received), size.cumsum
+        (ew, 8 * b + 16 * got), (ew, 8 * b + 16 * got), (ew, 24 * got),   # searchsorted, at[block], + row
+        ("reduction", 16 * b), (ew, 24 * b),            # the sizes' exclusive cumulative sum
+        (ew, 8 * b + 16 * got), (ew, 24 * got),         # its entry at each row's block, subtracted
+        (ew, 8 * rows),                                 # the order sent: arange(rows)
+        (ew, 8 * got), ("scatter", 24 * got),           # the arrival's inverse
+    ]
+    return OpWork(moved=tuple((cls, sympy.sympify(b)) for cls, b in kernels), launches=len(kernels))
+
+
+def sums_token_rows(op: RankOp) -> bool:
+    """A ``sum`` over a token's top-k rows held on its rank (``rules/routed._combine``): the
+    rank's program sums them by :func:`autotp.distributed.experts.token_sums` (or
+    ``token_sums_in_order``), its sums' rows the rank's tokens again."""
+    p = op.in_place[0] if op.in_place else None
+    out = op.out_place[0] if op.out_place else None
+    return isinstance(p, Routed) and p.tokens and p.span > 1 and isinstance(out, Routed) and out.tokens
+
+
+def token_sums_work(op: RankOp) -> OpWork:
+    """A token's top-k rows summed on its rank, as run: the sum and each token's id (a division
+    of its first row's id); where the rows do not lie in their ids' order (``Routed.ascending``,
+    the rows a rank routed alone and put back in its tokens' order), first a sort of their int64
+    ids (a radix sort of keys and positions), the rows gathered in that order and the ids picked
+    (two ``index_select``), and backward the gather's gradient added into zeros (a fill, an
+    ``index_add``). The gradient's spread back over the top-k rows is the view's (priced as
+    nothing, as serial's)."""
+    p = op.in_place[0]
+    x, out = op.b_in[0], op.main_out
+    group = 1
+    for size in op.inputs[0].shape[p.dim + 1:p.dim + p.span]:
+        group *= size
+    shape = local_shape(op.inputs[0], p, op.tp, op.rank)
+    rows = shape[p.dim] * group                       # the rank's rows
+    tokens = shape[p.dim]
+    moved = [("reduction", x + out), ("elementwise", 16 * tokens)]   # the sums, each token's id
+    passes = 0
+    if p.reordered and not p.ascending:
+        moved += [("sort", sort_bytes(rows, 8)),
+                  ("elementwise", 2 * x + 8 * rows),                 # the rows gathered by the order
+                  ("elementwise", 8 * rows + 16 * tokens)]           # each token's first row's id
+        passes = sort_passes(8)
+        if op.grad[0] and op.outputs and op.outputs[0].is_float:
+            moved += [("elementwise", x), ("scatter", 3 * x + 8 * rows)]   # zeros, index_add
+    launches = len(moved) + (sort_launches(8) - 1 if passes else 0)
+    return OpWork(moved=tuple(moved), launches=launches, passes=passes)
+
+
 def counted_by_exchange(op: RankOp) -> bool:
     """A ``histc`` (or ``bincount``) of a rank's own sorted ids made whole with no collective of
     its own: the counts its sort exchanged (``passes/rules/local_routing``, ``routed_counts``): no kernel."""
@@ -128,9 +213,12 @@ def sort_work(op: RankOp, dtype_bytes: int, train_dtype: Any) -> OpWork:
         launches += 2
     experts = getattr(op.info, "routing_experts", 0)
     if experts and routes_locally(op):
-        around = route_locally_work(n, experts, op.tp)
-        moved += around.moved
-        launches += around.launches
+        # the layer's routing from the rank's own rows: around the sort, then the dispatch's
+        # split sizes and plan from its exchanged counts (once a layer, as the sort)
+        for around in (route_locally_work(n, experts, op.tp), local_dispatch_sizes_work(experts, op.tp, op.rank),
+                       local_dispatch_plan_work(n, experts, op.tp, op.rank)):
+            moved += around.moved
+            launches += around.launches
     return OpWork(moved=tuple(moved), launches=launches, passes=sort_passes(kb))
 
 

@@ -203,3 +203,30 @@ def test_a_partial_sum_scattered_into_token_rows_its_program_cannot_number_is_re
     assert f"rows of {scattered[0]} into a sequence split's tokens' rows" in message, message
     assert "their count is no sequence times a batch in this program (its sequence dims: none)" in message
     assert message.endswith("plan with sequence_parallel=False to keep the rows whole"), message
+
+
+def test_rows_put_back_in_token_order_from_tokens_out_of_sequence_order_are_refused():
+    # out[inv] planned to put the combine's rows back in the rank's tokens' order (their ids
+    # ascending: the top-k sum is priced with no sort), where the rank's flat rows were not in its
+    # tokens' sequence order: the plan's promise cannot hold, so the program says so
+    from autotp.passes.rules.local_routing import IN_TOKEN_ORDER
+
+    captured, rank = fx.Graph(), fx.Graph()
+    out, inv = captured.placeholder("out"), captured.placeholder("inv")
+    node = captured.call_function(aten.index.Tensor, (out, [inv]))
+    ctx = GraphLocalContext(2, 0, rank)
+    ctx.node = node
+    ctx.inputs = [rank.placeholder("local_out"), rank.placeholder("local_inv")]
+    flat, sorted_rows = rank.placeholder("flat_rows"), rank.placeholder("sorted_rows")   # flat: no order known
+    layer = OwnLayer(2, flat, routing=None, sorted_rows=sorted_rows, experts=4)
+    ctx.own[ctx.inputs[1]] = ("sorted", layer)
+    ctx.rows[ctx.inputs[0]], ctx.rows[ctx.inputs[1]] = sorted_rows, flat
+    back = Routed(0, tokens=True, reordered=True)
+    info = SimpleNamespace(target=aten.index.Tensor)
+    with pytest.raises(PlanError) as caught:
+        own_localizer(info, Strategy((back, OWN), IN_TOKEN_ORDER), (ctx.inputs[0], [ctx.inputs[1]]), {}, ctx)
+    message = str(caught.value)
+    assert message.startswith("index_tensor is planned to put the rows back in the rank's tokens' order, but its "
+                              "tokens' rows were not in sequence order (inv)"), message
+    assert message.endswith(f"; {FIX}"), message
+
