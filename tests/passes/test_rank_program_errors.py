@@ -230,3 +230,43 @@ def test_rows_put_back_in_token_order_from_tokens_out_of_sequence_order_are_refu
                               "tokens' rows were not in sequence order (inv)"), message
     assert message.endswith(f"; {FIX}"), message
 
+
+def test_rows_sent_back_that_no_dispatch_of_their_layer_sent_are_refused(monkeypatch):
+    """gpt-oss's down product adds its experts' biases on their ranks, then its rows go back to their
+    tokens' ranks by the reverse all-to-all on the layer's dispatch plan (``rewrite.send_back``).
+    Every rows-sent value's row map is its layer's dispatching product's (the rules mark rows sent
+    only there and on ops keeping their rows), and that product is rewritten before any reader of
+    its rows, so no planned graph reaches the check; a rewrite whose dispatching product recorded
+    no plan (here: its record dropped) names the value and the fix instead of sending rows by
+    no plan."""
+    from autotp import zoo
+    from autotp.capture import capture
+    from autotp.passes import rewrite as R
+    from autotp.planner import build_plan
+
+    config = zoo.tiny_config("gpt-oss", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=4, top_k=2)
+    cap = capture(zoo.build("gpt-oss", config, device="meta", dtype=torch.float64))
+    plan, index, prop = build_plan(cap, 2, batch=64, seq=4096, profile="h100-dgx", sequence_parallel=True,
+                                   layout={"*.experts.*": "expert"}, expert_dispatch=True)
+    back = [c.tensor for c in plan.comms if (c.kind, c.src, c.dst) == ("all_to_all", "P(sent 0)",
+                                                                      "P(tokens 0, reordered)")]
+    assert len(back) == 1, plan.comms
+    R.rewrite(index, prop, 0, None, None)   # as planned: rewritten
+
+    class _Unrecorded(dict):
+        def __setitem__(self, key, value):   # the dispatching product's plan, never kept
+            pass
+
+    made = R.GraphLocalContext.__init__
+
+    def forgetting(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        self.sent = _Unrecorded()
+
+    monkeypatch.setattr(R.GraphLocalContext, "__init__", forgetting)
+    with pytest.raises(PlanError) as caught:
+        R.rewrite(index, prop, 0, None, None)
+    message = str(caught.value)
+    assert message.startswith(f"{back[0]} is placed as rows an all-to-all dispatch sent to their experts' ranks, "
+                              "but no dispatching product of its layer made its rows"), message
+    assert message.endswith("plan with expert_dispatch=False to combine the rows by a g"), message
