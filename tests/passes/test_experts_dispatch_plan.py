@@ -420,3 +420,22 @@ def test_a_top_k_sum_is_priced_with_a_sort_where_its_rows_come_back_out_of_order
     (on_tokens,) = [s for s in index.strategies(node, (back,)) if isinstance(s.output, Routed)]
     assert (op_work(index.infos[node], on_tokens, h200, 2).passes > 0) == (not own)
     assert chosen == (on_tokens if own else Strategy((Routed(0, span=2),), PARTIAL)), chosen
+
+
+#: the combine note's comparison with the g
+VERSUS_G = re.compile(r"no g of the combine — (cheaper than|dearer than|tied with) the g of the combine \(.+?\) "
+                      r"by ([0-9.]+) ms/step \(every MoE layer so: ([0-9.]+) ms\)")
+
+
+def test_the_combine_note_says_by_how_much_the_reverse_all_to_all_beats_the_g(monkeypatch):
+    # the plan solved again with no row sent back (the combine inside the product or after it as a
+    # conversion): the g of the combine, as the plan with the reverse all-to-all not offered costs
+    model = _tiny_mixtral()
+    plan = _plan(model, 2)
+    (note,) = [n for n in plan.notes if "by the reverse all-to-all" in n]
+    word, delta, so = VERSUS_G.search(note).groups()
+    summed = _without_combine(monkeypatch, model, 2)
+    assert not [c for c in summed.comms if c.kind == "all_to_all" and c.dst.startswith("P(tokens")]
+    assert word == "cheaper than"
+    assert float(so) == pytest.approx(summed.cost["step_s"] * 1e3, abs=1e-3)
+    assert float(delta) == pytest.approx((summed.cost["step_s"] - plan.cost["step_s"]) * 1e3, abs=2e-3)
