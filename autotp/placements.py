@@ -123,7 +123,13 @@ class Routed(Partial):
     alone (autotp/distributed/expert_routing.py): its flat top-k ids and weights, their sort by
     expert and what is computed from it, in an order of the rank's own making, and index values
     that are *local* positions among them. No collective makes them whole: only the ops of the
-    local routing read them (autotp/passes/rules/local_routing.py)."""
+    local routing read them (autotp/passes/rules/local_routing.py).
+
+    ``ascending`` (with ``reordered``): the rows lie in ascending order of their global ids, each
+    token's rows together in top-k order (a rank's rows put back in its tokens' order by the
+    inverse of its own sort, ``out[inv]``): a token's rows are summed as they lie
+    (``token_sums_in_order``), where rows in another order are sorted by id and gathered first
+    (``token_sums``)."""
 
     dim: int = 0
     span: int = 1
@@ -132,6 +138,7 @@ class Routed(Partial):
     reordered: bool = False
     unit: int = 1
     own: bool = False
+    ascending: bool = False
 
     def __post_init__(self) -> None:
         if self.own and not self.tokens:
@@ -140,12 +147,15 @@ class Routed(Partial):
             raise ValueError("Routed rows are held by their tokens' ranks or were sent to their experts', not both")
         if self.reordered and not self.tokens:
             raise ValueError("Routed.reordered says how rows held by their tokens' ranks are ordered: tokens=True")
+        if self.ascending and not self.reordered:
+            raise ValueError("Routed.ascending says rows reordered lie in their ids' order: reordered=True")
 
     def __repr__(self) -> str:
         kind = "tokens" if self.tokens else "sent" if self.sent else "routed"
         rows = f"{self.dim}" if self.span == 1 else f"{self.dim}:{self.dim + self.span}"
         unit = f"/{self.unit}" if self.unit != 1 else ""
-        return f"P({kind} {rows}{unit}{', reordered' if self.reordered else ''}{', own' if self.own else ''})"
+        flags = "".join(f", {name}" for name in ("reordered", "ascending", "own") if getattr(self, name))
+        return f"P({kind} {rows}{unit}{flags})"
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Sequence
 
 from ..errors import ConfigError
 from .devices import GiB, DeviceProfile, get_profile
-from .kernels import Product
+from .work import Product
 from .measure import (fit_alpha_beta, fit_product_shape, measure_all_reduce, measure_attention, measure_grouped,
                       measure_host_read, measure_launch, measure_matmul_flops, measure_memory_bandwidth,
                       measure_op_classes, measure_products, measure_sort_pass)

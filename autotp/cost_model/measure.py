@@ -156,10 +156,10 @@ def measure_sort_pass(launch_s: float, sort_bw: float, device: str = "cpu", repe
                       n: int = 8192) -> float:
     """Seconds a radix-sort pass costs beyond its launch and its bytes at ``sort_bw``: a stable
     sort of ``n`` int64 ids (a routing's size, where the passes' waits dominate), less what the
-    launches and bytes explain, per pass (:func:`.kernels.sort_passes`); 0 where nothing is left."""
+    launches and bytes explain, per pass (:func:`.routing.sort_passes`); 0 where nothing is left."""
     import torch
 
-    from .kernels import sort_bytes, sort_launches, sort_passes
+    from .routing import sort_bytes, sort_launches, sort_passes
 
     ids = torch.randint(0, 64, (n,), device=device)
     seconds = _timed(lambda: torch.sort(ids, stable=True), device, repeats)
@@ -250,10 +250,10 @@ def measure_op_classes(device: str = "cpu", dtype=None, numel: int = 1 << 22, re
     a transposed operand (strided); a product with a broadcast row and with a broadcast column
     (a norm's weight, a per-token scale: broadcast); a cast to float32; a sum over the rows; a
     log-softmax over rows; a layer norm; dropout; a scatter-add of rows; and a stable sort of
-    int64 keys (a router's expert ids: the bytes :func:`.kernels.sort_bytes` counts)."""
+    int64 keys (a router's expert ids: the bytes :func:`.routing.sort_bytes` counts)."""
     import torch
 
-    from .kernels import sort_bytes
+    from .routing import sort_bytes
 
     dtype = dtype or torch.float32
     eb = torch.empty((), dtype=dtype).element_size()

@@ -33,7 +33,8 @@ from ..capture.program import op_name
 from ..passes.rules import OpInfo, Strategy, TensorMeta
 from ..passes.rules.row_reads import host_reads
 from . import kernels
-from .kernels import OpWork
+from .work import OpWork, Product, local_numel, metas
+from .work import element_bytes as _element_bytes
 from ..placements import Routed, Shard, max_local_size
 from .devices import DeviceProfile
 
@@ -56,9 +57,9 @@ def numel_expr(shape: tuple) -> sympy.Expr:
 def element_bytes(meta: TensorMeta, dtype_bytes: int | None, train_dtype: torch.dtype | None = None) -> int:
     """Bytes per element as priced: floats at the profile's training dtype, integers as traced.
     With ``train_dtype`` (the model's, :func:`~autotp.passes.propagate.training_dtype`), a float
-    of another dtype keeps its own size (:func:`.kernels.element_bytes`): what a collective of
+    of another dtype keeps its own size (:func:`.work.element_bytes`): what a collective of
     it moves (the vocabulary-parallel loss's float32 sums in a bf16 model)."""
-    return kernels.element_bytes(meta.dtype, dtype_bytes, train_dtype)
+    return _element_bytes(meta.dtype, dtype_bytes, train_dtype)
 
 
 def bytes_expr(meta: TensorMeta, dtype_bytes: int | None = None, train_dtype: torch.dtype | None = None) -> sympy.Expr:
@@ -160,17 +161,16 @@ def _op_work(target, inputs, output, args_key, strategy, tp, dtype_bytes, train_
     info.strided_inputs = strided_inputs
     info.permutes_rows = permutes_rows   # its backward a gather (kernels.op_work)
     work = kernels.op_work(info, strategy, tp, dtype_bytes, train_dtype, rank)
-    outs = kernels._metas(output)
+    outs = metas(output)
     if grad_uses > 1 and outs and outs[0].is_float:
         place = strategy.output[0] if isinstance(strategy.output, tuple) else strategy.output
-        out_bytes = kernels.local_numel(outs[0], place, tp, rank) * kernels.element_bytes(outs[0].dtype, dtype_bytes,
-                                                                                   train_dtype)
+        out_bytes = local_numel(outs[0], place, tp, rank) * _element_bytes(outs[0].dtype, dtype_bytes, train_dtype)
         work = replace(work, moved=work.moved + (("elementwise", 3 * (grad_uses - 1) * out_bytes),),
                        launches=work.launches + grad_uses - 1)
     return work
 
 
-def product_seconds(p: kernels.Product, env: Mapping, profile: DeviceProfile, elem_bytes: int,
+def product_seconds(p: Product, env: Mapping, profile: DeviceProfile, elem_bytes: int,
                     align: Any = None) -> tuple[float, float]:
     """(seconds, seconds per FLOP) of one product at the workload ``env``: the slower of its
     FLOPs at the rate its shape reaches and its operands' traffic (a skinny product, a decode
@@ -193,7 +193,7 @@ def product_seconds(p: kernels.Product, env: Mapping, profile: DeviceProfile, el
     return seconds, seconds / (2 * work)
 
 
-def grouped_stream_bytes(p: kernels.Product, env: Mapping, elem_bytes: int) -> float:
+def grouped_stream_bytes(p: Product, env: Mapping, elem_bytes: int) -> float:
     """The bytes of a grouped product's experts' weights one pass streams (its weights forward
     and for the input's gradient, the weights' gradient written), every expert's."""
     return evaluate(p.batch * p.streamed, env) * elem_bytes

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple, Sequence
 import torch
 
 from .collectives import _CommModule, _gather_into
-from .experts import DispatchPlan, DispatchSizes, _inverse
+from .experts import DispatchPlan, DispatchSizes, _cached_token_rows, _inverse, _layout_cached, token_rows
 from .reads import host_ints
 
 
@@ -176,6 +176,24 @@ def flat_rows(rows: torch.Tensor, k: int) -> torch.Tensor:
     """The row map of a rank's tokens' ``[rows, k]`` flattened to ``[rows * k]``: token ``t``'s
     ``k`` entries are the global flat rows ``t * k .. t * k + k - 1`` (ascending where ``rows`` is)."""
     return (rows.unsqueeze(1) * k + torch.arange(k, device=rows.device)).reshape(-1)
+
+
+def token_flat_rows(x: torch.Tensor, dim: int, outer: Sequence[int], seq: int, tp: int, rank: int, unit: int,
+                    k: int) -> torch.Tensor:
+    """:func:`flat_rows` of a sequence split's tokens' row map
+    (:func:`~autotp.distributed.experts.token_rows` of the same arguments): made once per shape,
+    device and top-k, then reused by every later call and layer as that map is (3 kernels a step,
+    before)."""
+    if not _layout_cached(x):
+        return flat_rows(token_rows(x, dim, outer, seq, tp, rank, unit), k)
+    return _cached_flat_rows(x.device, tuple(int(o) for o in outer), int(seq), tp, unit, rank, int(x.shape[dim]), k,
+                             torch.is_inference_mode_enabled())
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_flat_rows(device: torch.device, outer: tuple, seq: int, tp: int, unit: int, rank: int, n: int, k: int,
+                      inference: bool) -> torch.Tensor:
+    return flat_rows(_cached_token_rows(device, outer, seq, tp, unit, rank, n, inference), k)
 
 
 def flat_tokens(flat: torch.Tensor, k: int) -> torch.Tensor:

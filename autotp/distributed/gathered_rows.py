@@ -36,7 +36,7 @@ def run_lengths(seq: int, tp: int) -> list[int]:
 def holders_order(holder: Tensor, tp: int) -> tuple[Tensor, Tensor]:
     """The rows laid out rank by rank, each rank's in ascending position: ``order`` (what a stable
     sort of ``holder`` returns) and ``place``, its inverse (each row's position there), by one
-    counting pass, not a sort (``kernels.holders_order_work``): a cumulative count of each rank's
+    counting pass, not a sort (``cost_model.routing.holders_order_work``): a cumulative count of each rank's
     rows (``tp`` counters a row) gives each row the rows of its rank before it, and its last row
     every rank's count, so its first row. No read to the host, no copy from it: one graph under
     torch.compile."""

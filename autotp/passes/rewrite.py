@@ -30,7 +30,7 @@ from torch import fx, nn
 
 from ..capture import gc_paused
 from ..cost_model.alignment import Align, pads
-from ..cost_model.kernels import differ
+from ..cost_model.work import differ
 from ..errors import PlanError
 from ..placements import (PARTIAL, Partial, Placement, Replicate, ReplicatePartialGrad, Routed, Shard, block_local_sizes, local_ranges,
                           local_size, owned_ranges)

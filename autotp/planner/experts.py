@@ -199,9 +199,43 @@ def _solved_with(index: Any, profile: Any, pinned: Mapping[str, Placement], memo
     return prop.total_s, prop
 
 
+def _solved_without_sending_back(index: Any, profile: Any, pinned: Mapping[str, Placement],
+                                 memory_limit: float | None) -> Any:
+    """The predicted step of the plan solved again with no expert's output row sent back to its
+    token's rank by the reverse all-to-all (the combine inside a grouped product,
+    ``rules/experts.combine_back``, or a conversion of the rows sent after an op on their experts'
+    ranks, ``rules/experts.sends_back``): the combine then by a g; or why not."""
+    from dataclasses import fields
+
+    from ..passes.propagate import GraphIndex
+    from ..passes.rules.experts import SENT, SENT_BACK
+    from ..passes.solve import solve
+
+    class _NoSendingBack(GraphIndex):
+        def strategies(self, node: Any, actual: tuple) -> list:
+            return [s for s in super().strategies(node, actual)
+                    if not any(have == SENT and want == SENT_BACK for have, want in zip(actual, s.inputs))
+                    and not (any(p == SENT for p in s.inputs) and _to_tokens(s.output))]
+
+    state = {f.name: getattr(index, f.name) for f in fields(index) if f.init}
+    try:
+        return solve(_NoSendingBack(**{**state, "_strategies": {}}), profile, pinned,
+                     memory_limit=memory_limit).propagation.total_s
+    except (AutotpError, ValueError) as err:
+        return f"not possible ({str(err).split(':')[0]})"
+
+
+def _to_tokens(output: Any) -> bool:
+    from ..placements import Routed
+
+    return isinstance(output, Routed) and output.tokens
+
+
 #: the all-to-all dispatch, and the other way, in words
 DISPATCH = "the all-to-all dispatch (each row sent from its token's rank to its expert's)"
 GATHER = "gathering the tokens whole (each rank's rows cut from them)"
+#: the combine by the reverse all-to-all's other way, in words
+COMBINE_G = "the g of the combine (each expert's output row summed where it was made)"
 
 
 def dispatch_note(index: Any, profile: Any, comms: list, roles: Mapping[str, str], chosen_s: float,
@@ -229,7 +263,9 @@ def dispatch_note(index: Any, profile: Any, comms: list, roles: Mapping[str, str
             out.append(f"experts {_layers_text([c.module for c in backs])}: each expert's output row goes back to "
                        f"its token's rank by the reverse all-to-all ({back / 1e6:.2f} MB/rank each way per layer), "
                        f"where the routing weights' product and the top-k sum run on the rank's own tokens: no g "
-                       f"of the combine")
+                       f"of the combine — "
+                       + _versus(_solved_without_sending_back(index, profile, pinned, memory_limit), chosen_s,
+                                 COMBINE_G))
         return out
     whole = {fqn.rsplit(".", 1)[0] for fqn, role in roles.items() if role == "expert"}
     # an all-gather in the experts' layer (the block holding their MoE block): the layer runs split

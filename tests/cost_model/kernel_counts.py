@@ -4,7 +4,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from autotp.cost_model.kernels import sort_bytes, sort_launches
+from autotp.cost_model.routing import sort_bytes, sort_launches
 
 
 def tensor_bytes(tensors) -> int:
@@ -17,7 +17,8 @@ class KernelCounter(TorchDispatchMode):
     its results written, except that a fill reads nothing, a gather reads only the entries it
     picks, an in-place scatter or ``index_put_`` writes (and a scatter-add reads) only the
     entries it writes, and a sort is the radix sort a GPU runs.
-    Collectives are communication, and allocations no kernel."""
+    Collectives are communication, allocations no kernel, and ``_unsafe_view`` a view (a
+    reshape's of a copy: autograd's aliasing does not mark it one)."""
 
     def __init__(self, fills: tuple[str, ...], allocations: tuple[str, ...] = ()) -> None:
         super().__init__()
@@ -28,7 +29,8 @@ class KernelCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
-        if func.is_view or func.namespace in ("c10d", "_c10d_functional") or name in self.allocations:
+        if func.is_view or func.namespace in ("c10d", "_c10d_functional") or name in self.allocations \
+                or name == "_unsafe_view":
             return out
         launches = 1
         if name in self.fills:

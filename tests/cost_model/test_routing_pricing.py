@@ -1,24 +1,31 @@
 """A rank's expert routing is priced as the kernels it runs: the router's ``topk`` (forward and
 backward), the rank's own rows routed alone (``distributed.expert_routing.route_locally``: its
-sort and every small kernel around it) and every expert's count taken from the exchange
-(``routed_counts``). Every ATen call they dispatch on rank 0 of tp 8 on the fake backend
+sort and every small kernel around it; then, once a layer as the sort, the dispatch's split sizes
+and plan from its exchanged counts, ``local_dispatch_sizes`` and ``local_dispatch_plan``), every
+expert's count taken from the exchange (``routed_counts``), and a token's top-k rows summed on its
+rank (``distributed.experts.token_sums``, with its sort and gather where the rows do not lie in
+their ids' order). Every ATen call they dispatch on rank 0 of tp 8 on the fake backend
 (collectives return at once) is a launch of the price, and the bytes each call touches sum to
-the price's bytes; the one sort is the GPU's radix sort (``kernels.sort_launches``,
-``kernels.sort_bytes``: ``tests/cost_model/test_sort_pricing.py``), one ATen call here.
+the price's bytes; the one sort is the GPU's radix sort (``routing.sort_launches``,
+``routing.sort_bytes``: ``tests/cost_model/test_sort_pricing.py``), one ATen call here.
 
 Layouts: one MoE layer of Mixtral-8x7B (8 experts, top 2) and of Qwen3-30B-A3B (128 experts,
-top 8) at 2 x 4096 tokens, each rank's tokens a sequence split's ``T/8``."""
+top 8) at 2 x 4096 tokens, each rank's tokens a sequence split's ``T/8``, its rows routed as
+uniform routing deals them (the price's; on the fake backend every rank's counts are the rank's
+own, so each of its experts gets ``T*k/8`` rows)."""
 import pytest
 import sympy
 import torch
 
-from autotp.cost_model.kernels import holders_order_work, op_work
+from autotp.cost_model.kernels import op_work
+from autotp.cost_model.routing import holders_order_work
 from autotp.distributed.gathered_rows import holders_order
-from autotp.distributed.expert_routing import route_locally, routed_counts
+from autotp.distributed.expert_routing import local_dispatch_plan, local_dispatch_sizes, route_locally, routed_counts
+from autotp.distributed.experts import token_sums, token_sums_in_order
 from autotp.passes.rules import OpInfo, TensorMeta
 from autotp.passes.rules.local_routing import OWN, own_strategies
 from autotp.passes.rules.contract import Strategy
-from autotp.placements import REPLICATE, Routed
+from autotp.placements import REPLICATE, Routed, local_ranges, Shard
 from tests.cost_model.kernel_counts import KernelCounter
 from tests.helpers import fake_process_group
 
@@ -85,8 +92,17 @@ def _counted(fake_world, experts: int, k: int) -> dict[str, KernelCounter]:
     upstream = torch.randn(values.shape, generator=g)
     with KernelCounter(FILLS, ALLOCATIONS) as topk_backward:
         torch.autograd.grad(values, scores, upstream)
+    # the rank's rows routed as uniform routing deals them: T*k/8/E rows of each expert
+    own = ids.numel()
+    balanced = (torch.arange(own) % experts)[torch.randperm(own, generator=g)]
+    runs = tuple(local_ranges(experts, Shard(0), TP, r)[0] for r in range(TP))
+    runs = tuple((a, b - a) for a, b in runs)
+    local_dispatch_sizes(route_locally(balanced, 1, experts, fake_world, TP, 0), runs, 0)   # the holders, made once
     with KernelCounter(FILLS, ALLOCATIONS) as routing:
-        local = route_locally(ids.reshape(-1), 1, experts, fake_world, TP, 0)
+        local = route_locally(balanced, 1, experts, fake_world, TP, 0)
+        sizes = local_dispatch_sizes(local, runs, 0)
+        local_dispatch_plan(local, runs, 0, sizes)
+    assert sum(sizes.recv) == own   # the price's uniform routing
     with KernelCounter(FILLS, ALLOCATIONS) as counts:
         routed_counts(local, torch.float32)
     return {"topk": (topk.launches + topk_backward.launches, topk.bytes + topk_backward.bytes,
@@ -144,3 +160,40 @@ def test_expert_tp_gathered_rows_order_is_priced_as_its_counting_pass(layout):
         holders_order(holder, TP)
     work = holders_order_work(rows, TP)
     assert (work.launches, int(sum(b for _, b in work.moved))) == (counted.launches, counted.bytes), counted.calls
+
+
+#: each layout's hidden width
+HIDDEN = {"mixtral-8x7b": 4096, "qwen3-30b-a3b": 2048}
+
+
+def _priced_token_sums(k: int, hidden: int, ascending: bool):
+    rows = _meta(TOKENS, k, hidden, dtype=torch.bfloat16)
+    info = OpInfo(aten.sum.dim_IntList, (rows, [1]), {}, (rows,), _meta(TOKENS, hidden, dtype=torch.bfloat16), TP)
+    info.grad_inputs = (True,)
+    back = Routed(0, span=2, tokens=True, reordered=True, ascending=ascending)
+    return _price(info, Strategy((back,), Routed(0, tokens=True, reordered=True)))
+
+
+@pytest.mark.parametrize("ascending", [True, False], ids=["own-routing", "whole-sort"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_tokens_top_k_sum_is_priced_as_its_rank_sums_them(layout, ascending):
+    # the rows back on their tokens' rank: summed as they lie where a rank routed its own rows
+    # (token_sums_in_order), sorted by id and gathered first where they came back in another
+    # order (token_sums: the whole sort's path)
+    _, k = LAYOUTS[layout]
+    hidden, own = HIDDEN[layout], TOKENS * k // TP
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(own, hidden, generator=g, dtype=torch.bfloat16).requires_grad_()
+    rows = torch.arange(own) if ascending else torch.randperm(own, generator=g)
+    with KernelCounter(FILLS, ALLOCATIONS) as forward:
+        sums, _ = (token_sums_in_order if ascending else token_sums)(x, rows, k)
+    upstream = torch.randn(sums.shape, generator=g, dtype=torch.bfloat16)
+    with KernelCounter(FILLS, ALLOCATIONS) as backward:
+        torch.autograd.grad(sums, x, upstream)
+    calls = forward.calls + backward.calls
+    # the sum's gradient spread over each token's k rows is an expand the view back copies: the
+    # view's backward, priced as nothing (the serial model's view back copies it alike)
+    spread = [(name, moved) for name, moved in backward.calls if name == "clone"]
+    assert spread == [("clone", 2 * x.numel() * x.element_size())], calls
+    counted = (forward.launches + backward.launches - 1, forward.bytes + backward.bytes - spread[0][1])
+    assert _priced_token_sums(k, hidden, ascending) == counted, calls

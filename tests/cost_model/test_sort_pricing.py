@@ -3,7 +3,7 @@ priced as what they are.
 
 ``torch.sort`` on a GPU is CUB's radix sort: a histogram of the keys, its exclusive sum, then one
 pass per 8 bits of the key type, each reading and writing every key and its position
-(``kernels.sort_bytes``). The ``h200`` profile's ``sort`` share is read off the measured radix
+(``routing.sort_bytes``). The ``h200`` profile's ``sort`` share is read off the measured radix
 kernels of ``embedding_dense_backward``'s sort (8192 int64 indices, two steps,
 ``benchmarks/measurements/h200-2026-11-28/ops-and-sequence-parallel.json``, a copy of the shared
 measurement)."""
@@ -82,7 +82,7 @@ def test_a_sort_of_8192_ids_is_priced_as_the_h200_ran_it():
 
 def test_the_gathered_rows_price_their_holders_counting_pass_on_every_rank():
     # distributed/gathered_rows.GatherRowsTP: every rank lays out the T*k gathered rows rank by
-    # rank by a counting pass over their holders (kernels.holders_order_work), not a radix sort:
+    # rank by a counting pass over their holders (routing.holders_order_work), not a radix sort:
     # beyond laying out the rows, less than a sort's passes' waits alone
     full = 16384 * 4096 * 2
     few, many = (internal_copy_seconds("all_gather_rows", full, H200, rows, 8) for rows in (16384, 65536))

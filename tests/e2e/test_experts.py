@@ -299,15 +299,16 @@ def assert_experts_case(cluster_of, case: dict) -> None:
                       routed=("token_rows", "route_locally", "dispatch_rows", "combine_rows", "token_sums_in_order")),
                  marks=pytest.mark.slow),
     # gpt-oss with the dispatch: its biases picked by the sorted expert ids run after the layer's
-    # one read (the bounds and split sizes at once), on the rows the all-to-all brings, and its
-    # rows go back to their tokens' ranks after the down product's bias, by the reverse
-    # all-to-all as a conversion; the whole sort on every rank (own_routing False: by cost each
-    # rank routes its own rows, tests/e2e/test_own_routing.py)
+    # one read (the bounds and split sizes at once), on the rows the all-to-all brings; the whole
+    # sort on every rank (own_routing False: by cost each rank routes its own rows,
+    # tests/e2e/test_own_routing.py, which sends its rows back after the down product's bias).
+    # Here the rows stay on their experts' ranks and are summed by the g: sent back, the whole
+    # sort's top-k sum would sort their ids and gather them (token_sums, priced since), for the
+    # same bytes at tp 2 ((n-1)/n^2 of k rows a token against the g's (n-1)/n)
     pytest.param(dict(family="gpt-oss", impl="eager", tp=2, experts=4, top_k=2, kv_heads=2, seq=7, seed=1,
                       layers=1, plan_batch=64, plan_seq=4096, sp=True, own_routing=False,
-                      routed=("token_rows", "dispatch_rows", "routed_pick", "routed_grouped_mm", "combine_rows",
-                              "token_sums"),
-                      comms={("all_to_all", "P(sent 0)", "P(tokens 0, reordered)"): True}),
+                      routed=("token_rows", "dispatch_rows", "routed_pick", "routed_grouped_mm"),
+                      comms={("all_to_all", "P(sent 0)", "P(tokens 0, reordered)"): False}),
                  marks=pytest.mark.slow),
     # expert-TP with the tokens split along the sequence: the router runs on a rank's own tokens,
     # and the token rows every rank needs whole (the expert ids, the routing weights) are

@@ -147,3 +147,40 @@ def test_gpt_oss_rows_sent_back_after_the_bias_equal_serial_drawn(cluster_of, ca
         family="gpt-oss", impl="eager", dtype="float64", kv_heads=2, layers=1, plan_batch=64, plan_seq=4096, sp=True,
         routed=("token_rows", "route_locally", "dispatch_rows", "combine_rows", "token_sums_in_order"),
         comms={SENT_BACK: True}, **case))
+
+
+def check_with_every_top_k_sum_sorted(case: dict) -> dict:
+    """:func:`check_own_routing` planned as if every top-k sum on its tokens' ranks sorted and
+    gathered its rows (an earlier pricing's, blind to the rows a rank routed alone coming back in
+    its tokens' order): the solver then views the top-k rows by token and sums them otherwise."""
+    import dataclasses
+
+    import autotp.cost_model.kernels as kernels
+
+    priced = kernels.token_sums_work
+
+    def sorted_always(op):
+        op.in_place[0] = dataclasses.replace(op.in_place[0], ascending=False)
+        return priced(op)
+
+    kernels.token_sums_work = sorted_always   # every program of the case, then restored (a worker runs many)
+    try:
+        return check_own_routing(case)
+    finally:
+        kernels.token_sums_work = priced
+
+
+@pytest.mark.slow   # about a minute an example on two loaded cores
+@settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(tp=st.sampled_from([2, 3]), seq=st.integers(5, 9), seed=st.integers(0, 50))
+def test_a_top_k_sum_priced_dearer_takes_a_plan_its_ranks_build_as_serial(cluster_of, tp, seq, seed):
+    # that pricing once tipped the view of the top-k rows [T*k, h] -> [T, k, h] to a "merge split
+    # along k" (rules/token_rows.token_split), which no rank could build: its programs raised
+    # "splits rows back ... that no merge of those dims made" (tests/passes/test_token_split_rows.py)
+    case = dict(family="mixtral", tp=tp, seq=seq, seed=seed)
+    for rank, result in enumerate(cluster_of(tp).run(check_with_every_top_k_sum_sorted, case)):
+        assert {"RouteLocally", "DispatchRows"} <= set(result["ran"]), (rank, result["ran"])
+        bound = result["bound"] or TOLERANCE[torch.float64]
+        for key, error in result["errors"].items():
+            assert error <= bound, (rank, key, error, bound)
+        assert result["generate"], (rank, "greedy generate differs from serial")

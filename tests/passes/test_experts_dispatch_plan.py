@@ -10,6 +10,7 @@ import torch
 
 import autotp
 from autotp import zoo
+from autotp.passes.rules.contract import Strategy
 
 #: the workload and device where sequence parallelism pays (the regions between the products
 #: split along s) and a rank's tokens are worth sending, not gathering
@@ -382,3 +383,59 @@ def test_gpt_oss_sends_its_rows_back_after_the_bias_and_routes_its_own_where_che
     assert not [c for c in before.comms if dispatched(c) and (c.src, c.dst) == BACK], before.comms
     assert not [c for c in before.comms if "own" in c.src], before.comms   # the whole sort on every rank
     assert plan.cost["step_s"] < before.cost["step_s"], (plan.cost, before.cost)
+
+
+def _top_k_sum(prop):
+    """The node and strategy of the sum over a token's top-k rows (a routed input spanning two dims)."""
+    from autotp.placements import Routed
+
+    (found,) = [(n, s) for n, s in prop.chosen.items() if n.target is torch.ops.aten.sum.dim_IntList and s.inputs
+                and isinstance(s.inputs[0], Routed) and s.inputs[0].span > 1]
+    return found
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["own-routing", "whole-sort"])
+def test_a_top_k_sum_is_priced_with_a_sort_where_its_rows_come_back_out_of_order(monkeypatch, own):
+    # a rank routing its own rows puts the combine's rows back in its tokens' order by the inverse
+    # of its sort (their ids ascending: token_sums_in_order sums them as they lie); the whole sort's
+    # reorder renumbers them where they lie, so a top-k sum on its tokens' ranks would sort their
+    # ids and gather them (token_sums): priced so, a radix sort's passes among its kernels. At
+    # this tiny width that tips the whole sort's combine to the g (sent back, the rows cost the
+    # sort and gather besides the same bytes at tp 2: (n-1)/n^2 of k rows a token against (n-1)/n)
+    import autotp.passes.rules.routed as routed
+    from autotp.capture.cache import capture
+    from autotp.cost_model import get_profile
+    from autotp.cost_model.symbolic import op_work
+    from autotp.placements import PARTIAL, Routed
+    from autotp.planner.planner import build_plan
+
+    if not own:
+        monkeypatch.setattr(routed, "own_merge", lambda info, p: None)
+    cap = capture(_tiny_mixtral(), (), None)
+    h200 = get_profile("h200")
+    _, index, prop = build_plan(cap, 2, batch=TINY_BATCH, seq=WORKLOAD["seq"], profile=h200,
+                                layout={"*.experts.*": "expert"}, sequence_parallel=True, expert_dispatch=True)
+    node, chosen = _top_k_sum(prop)
+    back = Routed(0, span=2, tokens=True, reordered=True, ascending=own)
+    (on_tokens,) = [s for s in index.strategies(node, (back,)) if isinstance(s.output, Routed)]
+    assert (op_work(index.infos[node], on_tokens, h200, 2).passes > 0) == (not own)
+    assert chosen == (on_tokens if own else Strategy((Routed(0, span=2),), PARTIAL)), chosen
+
+
+#: the combine note's comparison with the g
+VERSUS_G = re.compile(r"no g of the combine — (cheaper than|dearer than|tied with) the g of the combine \(.+?\) "
+                      r"by ([0-9.]+) ms/step \(every MoE layer so: ([0-9.]+) ms\)")
+
+
+def test_the_combine_note_says_by_how_much_the_reverse_all_to_all_beats_the_g(monkeypatch):
+    # the plan solved again with no row sent back (the combine inside the product or after it as a
+    # conversion): the g of the combine, as the plan with the reverse all-to-all not offered costs
+    model = _tiny_mixtral()
+    plan = _plan(model, 2)
+    (note,) = [n for n in plan.notes if "by the reverse all-to-all" in n]
+    word, delta, so = VERSUS_G.search(note).groups()
+    summed = _without_combine(monkeypatch, model, 2)
+    assert not [c for c in summed.comms if c.kind == "all_to_all" and c.dst.startswith("P(tokens")]
+    assert word == "cheaper than"
+    assert float(so) == pytest.approx(summed.cost["step_s"] * 1e3, abs=1e-3)
+    assert float(delta) == pytest.approx((summed.cost["step_s"] - plan.cost["step_s"]) * 1e3, abs=2e-3)

@@ -203,3 +203,70 @@ def test_a_partial_sum_scattered_into_token_rows_its_program_cannot_number_is_re
     assert f"rows of {scattered[0]} into a sequence split's tokens' rows" in message, message
     assert "their count is no sequence times a batch in this program (its sequence dims: none)" in message
     assert message.endswith("plan with sequence_parallel=False to keep the rows whole"), message
+
+
+def test_rows_put_back_in_token_order_from_tokens_out_of_sequence_order_are_refused():
+    # out[inv] planned to put the combine's rows back in the rank's tokens' order (their ids
+    # ascending: the top-k sum is priced with no sort), where the rank's flat rows were not in its
+    # tokens' sequence order: the plan's promise cannot hold, so the program says so
+    from autotp.passes.rules.local_routing import IN_TOKEN_ORDER
+
+    captured, rank = fx.Graph(), fx.Graph()
+    out, inv = captured.placeholder("out"), captured.placeholder("inv")
+    node = captured.call_function(aten.index.Tensor, (out, [inv]))
+    ctx = GraphLocalContext(2, 0, rank)
+    ctx.node = node
+    ctx.inputs = [rank.placeholder("local_out"), rank.placeholder("local_inv")]
+    flat, sorted_rows = rank.placeholder("flat_rows"), rank.placeholder("sorted_rows")   # flat: no order known
+    layer = OwnLayer(2, flat, routing=None, sorted_rows=sorted_rows, experts=4)
+    ctx.own[ctx.inputs[1]] = ("sorted", layer)
+    ctx.rows[ctx.inputs[0]], ctx.rows[ctx.inputs[1]] = sorted_rows, flat
+    back = Routed(0, tokens=True, reordered=True)
+    info = SimpleNamespace(target=aten.index.Tensor)
+    with pytest.raises(PlanError) as caught:
+        own_localizer(info, Strategy((back, OWN), IN_TOKEN_ORDER), (ctx.inputs[0], [ctx.inputs[1]]), {}, ctx)
+    message = str(caught.value)
+    assert message.startswith("index_tensor is planned to put the rows back in the rank's tokens' order, but its "
+                              "tokens' rows were not in sequence order (inv)"), message
+    assert message.endswith(f"; {FIX}"), message
+
+
+def test_rows_sent_back_that_no_dispatch_of_their_layer_sent_are_refused(monkeypatch):
+    """gpt-oss's down product adds its experts' biases on their ranks, then its rows go back to their
+    tokens' ranks by the reverse all-to-all on the layer's dispatch plan (``rewrite.send_back``).
+    Every rows-sent value's row map is its layer's dispatching product's (the rules mark rows sent
+    only there and on ops keeping their rows), and that product is rewritten before any reader of
+    its rows, so no planned graph reaches the check; a rewrite whose dispatching product recorded
+    no plan (here: its record dropped) names the value and the fix instead of sending rows by
+    no plan."""
+    from autotp import zoo
+    from autotp.capture import capture
+    from autotp.passes import rewrite as R
+    from autotp.planner import build_plan
+
+    config = zoo.tiny_config("gpt-oss", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=4, top_k=2)
+    cap = capture(zoo.build("gpt-oss", config, device="meta", dtype=torch.float64))
+    plan, index, prop = build_plan(cap, 2, batch=64, seq=4096, profile="h100-dgx", sequence_parallel=True,
+                                   layout={"*.experts.*": "expert"}, expert_dispatch=True)
+    back = [c.tensor for c in plan.comms if (c.kind, c.src, c.dst) == ("all_to_all", "P(sent 0)",
+                                                                      "P(tokens 0, reordered)")]
+    assert len(back) == 1, plan.comms
+    R.rewrite(index, prop, 0, None, None)   # as planned: rewritten
+
+    class _Unrecorded(dict):
+        def __setitem__(self, key, value):   # the dispatching product's plan, never kept
+            pass
+
+    made = R.GraphLocalContext.__init__
+
+    def forgetting(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        self.sent = _Unrecorded()
+
+    monkeypatch.setattr(R.GraphLocalContext, "__init__", forgetting)
+    with pytest.raises(PlanError) as caught:
+        R.rewrite(index, prop, 0, None, None)
+    message = str(caught.value)
+    assert message.startswith(f"{back[0]} is placed as rows an all-to-all dispatch sent to their experts' ranks, "
+                              "but no dispatching product of its layer made its rows"), message
+    assert message.endswith("plan with expert_dispatch=False to combine the rows by a g"), message

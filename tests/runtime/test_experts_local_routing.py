@@ -226,3 +226,21 @@ def test_an_expert_layer_routed_from_each_ranks_own_rows_equals_serial(cluster_o
         for name in ("out", "h", "weights"):
             torch.testing.assert_close(got[name], want[name].index_select(0, got["mine"]), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(got["experts"], want["experts"][first:first + count], rtol=1e-12, atol=1e-12)
+
+
+def test_a_sequence_splits_flat_rows_are_made_once_and_reused():
+    # the row map of a rank's tokens' top-k rows flattened (rules/local_routing's flatten): made
+    # from the token rows' layout once per shape, device and top-k, then reused by every later
+    # call and layer as the token rows are (3 kernels a step each call, before)
+    from autotp.distributed.expert_routing import flat_rows, token_flat_rows
+    from autotp.distributed.experts import token_rows
+    from tests.cost_model.kernel_counts import KernelCounter
+
+    for rank in range(3):
+        x = torch.zeros(2, 3 if rank < 2 else 2, 4)   # [b, s/tp, h]: seq 8 at tp 3, the first two ranks one longer
+        want = flat_rows(token_rows(x, 1, [2], 8, 3, rank), 2)
+        torch.testing.assert_close(token_flat_rows(x, 1, [2], 8, 3, rank, 1, 2), want, rtol=0, atol=0)
+        with KernelCounter(fills=("arange",)) as later:
+            again = token_flat_rows(x, 1, [2], 8, 3, rank, 1, 2)
+        assert later.launches == 0, later.calls
+        torch.testing.assert_close(again, want, rtol=0, atol=0)

@@ -42,6 +42,9 @@ aten = torch.ops.aten
 OWN = Routed(0, tokens=True, reordered=True, own=True)
 #: the rank's rows as any token-held rows in an order of its own: what a gather by an OWN index makes
 ROWS = Routed(0, tokens=True, reordered=True)
+#: ... where the gather puts the rows the combine brought back in the rank's tokens' order (``out[inv]``,
+#: the inverse of its sort): their ids ascend, each token's top-k rows together
+IN_TOKEN_ORDER = Routed(0, tokens=True, reordered=True, ascending=True)
 #: the sorts that return the indices alone
 ARGSORTS = frozenset((aten.argsort.default, aten.argsort.stable))
 #: ops on the rank's own rows that keep each entry in its place
@@ -140,8 +143,12 @@ def own_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
             # the dispatch sent, too (their row map is the product's: a product adding them may
             # send its rows back, rules/experts.combine_back)
             return [Strategy((Shard(0), OWN), Routed(0)), Strategy((Shard(0), OWN), Routed(0, sent=True))]
-        if is_own(x) or _in_order(x) or (isinstance(x, Routed) and x.tokens and x.reordered and x.span == 1):
+        if is_own(x) or _in_order(x):
             return [Strategy((x, OWN), OWN if is_own(x) and not info.inputs[0].is_float else ROWS)]
+        if isinstance(x, Routed) and x.tokens and x.reordered and x.span == 1:
+            # the rows the combine brought back, as the rank sorted them, by the inverse of its
+            # sort (own_localizer: its rows' map then the flat rows', in its tokens' order)
+            return [Strategy((x, OWN), IN_TOKEN_ORDER)]
         if x in (REPLICATE, None) and info.inputs[0].is_float and (info.row_copies or info.permutes_rows):
             # whole rows: the rank's own taken by global id, where the index numbers rows (the
             # sort's positions, or their tokens ``perm // k``); never by the expert ids themselves
@@ -185,6 +192,7 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
     rank's ``"flat"`` rows, its ``"tokens"``, its ``"sorted"`` rows (``"unset"``: not yet
     written), so that each gather checks that its index points into the tensor it reads."""
     from ...distributed import expert_routing as R
+    from ...distributed import experts as E
 
     target = info.target
     node = ctx.node
@@ -192,7 +200,9 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
         x = ctx.inputs[0]
         k = info.inputs[0].static(1)
         rows = ctx.rows_of(x)
-        ctx.made_rows = ctx.shared_rows(("own flat rows", rows, k), lambda: (R.flat_rows, (rows, k)))
+        # of a sequence split's token rows, made once per shape like them (no kernel a step)
+        make = (R.token_flat_rows, tuple(rows.args) + (k,)) if rows.target is E.token_rows else (R.flat_rows, (rows, k))
+        ctx.made_rows = ctx.shared_rows(("own flat rows", rows, k), lambda: make)
         ctx.made_rows.meta["autotp_rows_ascending"] = bool(rows.meta.get("autotp_rows_ascending"))
         ctx.own_made = ("values", OwnLayer(k, ctx.made_rows))
         return target, (args[0], [-1]) + tuple(args[2:]), kwargs
@@ -289,6 +299,9 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
             raise _refused(f"{node.name} gathers by a rank's own positions ({kind}, {_name(node.args[1][0])}) from "
                            f"rows they do not number ({_name(node.args[0])}, {have}); it must gather every row")
         ctx.made_rows = ctx.rows_of(index)
+        if getattr(strategy.output, "ascending", False) and not ctx.made_rows.meta.get("autotp_rows_ascending"):
+            raise _refused(f"{node.name} is planned to put the rows back in the rank's tokens' order, but its tokens' "
+                           f"rows were not in sequence order ({_name(node.args[1][0])})")
         if is_own(strategy.output):
             ctx.own_made = _values(ctx, x, node)
         return target, args, kwargs

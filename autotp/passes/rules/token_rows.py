@@ -85,13 +85,17 @@ def token_split(info: OpInfo, p: Routed) -> Shard | None:
     :func:`token_rows` back into dims ``0..d`` (``[b*h, d, 1] -> [b, h, d]``), each row's
     elements kept; None otherwise. Sound where the rows are those a merge of the same dims made,
     in its order: the rank's program checks that the row map is that merge's
-    (:func:`token_split_localizer`)."""
+    (:func:`token_split_localizer`). Not where a dim before ``d`` holds the sequence: the rows
+    are then held by their position along it, not along ``d`` (a token's top-k rows ``[b*s*k]``
+    viewed as ``[b*s, k]``: no merge split the top-k slots, and a rank holds all of a token's)."""
     if not (p.tokens and p.dim == 0 and p.span == 1 and info.tp > 1):
         return None
     before, after = info.inputs[0].shape, info.output.shape
     for d in range(1, len(after)):
         if sympy.expand(math.prod(after[:d + 1]) - before[0]) != 0:
             continue
+        if any(_holds_sequence(size, info.sequence) for size in after[:d]):
+            return None
         if sympy.expand(math.prod(after[d + 1:]) - math.prod(before[1:])) != 0:
             return None
         size = info.output.static(d)
@@ -103,6 +107,15 @@ def token_split(info: OpInfo, p: Routed) -> Shard | None:
             return None
         return Shard(d, unit=unit)
     return None
+
+
+def _holds_sequence(size, sequence: frozenset) -> bool:
+    """Whether the dim of ``size`` spans a sequence: its size a product with a sequence's symbol
+    or (a program of a static length, ``OpInfo.sequence``) that length among its factors."""
+    size = sympy.sympify(size)
+    if any(sym in sequence for sym in size.free_symbols):
+        return True
+    return bool(size.is_Mul) and any(factor in sequence for factor in size.args)
 
 
 def token_sequence(info: OpInfo, p) -> Shard | None:

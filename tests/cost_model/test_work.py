@@ -1,4 +1,4 @@
-"""autotp.cost_model.kernels.differ: whether two element counts differ, as sympy.simplify says.
+"""autotp.cost_model.work.differ: whether two element counts differ, as sympy.simplify says.
 
 The cost model tells a broadcast operand from one of the output's size by comparing element
 counts, sympy expressions in the graph's size symbols (positive integers), with floor divisions
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._sympy.functions import FloorDiv, Mod
 
-from autotp.cost_model.kernels import differ
+from autotp.cost_model.work import differ
 
 S, B = sympy.symbols("s0 s1", integer=True, positive=True)
 

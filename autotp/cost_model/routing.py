@@ -1,0 +1,229 @@
+"""The expert routing's kernels as a rank runs them: the router's ``topk``, a sort as the GPU's
+radix sort, the small kernels around a rank's sort of its own rows (``route_locally``), every
+expert's count taken from the exchange, and the counting pass that lays gathered rows out by
+holder."""
+from __future__ import annotations
+
+from typing import Any
+
+import sympy
+import torch
+
+from ..placements import Partial, Routed, Shard, local_size, max_local_size
+from .work import NO_WORK, OpWork, RankOp, element_bytes, local_shape
+
+#: bits of the key a radix sort's pass orders (CUB's onesweep sort, which ``torch.sort`` runs on a
+#: GPU beyond a block's worth of keys: 8 passes for int64 keys, 4 for int32)
+RADIX_BITS = 8
+
+
+def topk_work(op: RankOp) -> OpWork:
+    """``topk``: one kernel reads the scores and writes the values and their positions; backward
+    (where the scores carry a gradient) a zero-filled tensor of the scores' size, then the
+    values' gradient scattered into a copy of it by the positions
+    (``value_selecting_reduction_backward``, an out-of-place ``scatter``: it reads the zeros, the
+    positions and the values' gradient, and writes the scores' gradient)."""
+    moved = [("reduction", op.b_in[0] + op.out_bytes)]
+    if op.grad[0] and len(op.b_out) > 1:
+        values, positions = op.b_out[0], op.b_out[1]
+        moved += [("elementwise", op.b_in[0]), ("scatter", 2 * op.b_in[0] + positions + values)]
+    return OpWork(moved=tuple(moved), launches=len(moved))
+
+
+def route_locally_work(n: Any, experts: int, tp: int) -> OpWork:
+    """The kernels :func:`autotp.distributed.expert_routing.route_locally` runs around its sort of
+    a rank's ``n`` own ids (one run of the sequence, as the rank's program calls it), each with
+    the bytes it reads and writes (int64 throughout): each sorted row's key (its run, ``//``,
+    ``*``, ``+``), its count per expert (a zero fill, a fill of ones, a scatter-add reading and
+    writing the entries it adds to), and, after the counts' all-gather (a collective, priced as
+    one), every expert's total and offsets, the blocks' starts among every rank's rows and among
+    the rank's own (sums, cumulative sums and differences of ``tp * experts`` and ``experts``
+    numbers), and each sorted row's global id (an ``arange``, a gather of its block's shift, an
+    add). The sort itself is :func:`sort_work`'s."""
+    e, c = experts, tp * experts
+    fill, ew, red = "elementwise", "elementwise", "reduction"
+    kernels = [
+        (ew, 16 * n), (ew, 16 * n), (ew, 24 * n),           # run = perm // n, run * experts, + ids
+        (fill, 8 * e), (fill, 8 * n), ("scatter", 32 * n),   # zeros, ones_like, scatter_add_
+        (red, 8 * c + 8 * e), (red, 16 * e),                # total = counts.sum, offs = total.cumsum
+        (red, 16 * c), (ew, 24 * c),                        # blocks: exclusive cumsum over the ranks
+        (ew, 24 * e), (ew, 16 * c + 8 * e),                 # + (offs - total)
+        (red, 16 * e), (red, 16 * e), (ew, 24 * e),         # own.sum(0), its exclusive cumsum
+        (red, 16 * e), (ew, 24 * e),                        # own's exclusive cumsum
+        (ew, 24 * e), (ew, 24 * e),                         # local, shift = blocks[rank] - local
+        (fill, 8 * n), (ew, 8 * e + 16 * n), (ew, 24 * n),  # arange(n) + shift[key]
+    ]
+    return OpWork(moved=tuple((cls, sympy.sympify(b)) for cls, b in kernels), launches=len(kernels))
+
+
+def holders_order_work(rows: Any, tp: int) -> OpWork:
+    """The counting pass :func:`autotp.distributed.gathered_rows.holders_order` runs on every rank
+    over the ``rows`` gathered rows' int64 holders (in ``[0, tp)``), each kernel with the bytes it
+    reads and writes: the holders compared with every rank (``tp`` booleans a row), counted
+    cumulatively (``tp`` int64 counters a row), each row's counter picked (a gather reads the
+    entries it picks), less one; every rank's first row from the last counters; each row's place
+    (its rank's first row, gathered, plus the counter) and the order written by it (an
+    ``arange`` scattered: the entries it writes)."""
+    n = rows
+    kernels = [
+        ("elementwise", 8 * tp), ("elementwise", 8 * n + 8 * tp + n * tp),   # arange(tp), holder == rank
+        ("reduction", 9 * n * tp),                                           # cumsum of the booleans
+        ("elementwise", 24 * n), ("elementwise", 16 * n),                    # gather, - 1
+        ("reduction", 16 * tp), ("elementwise", 24 * tp),                    # every rank's first row
+        ("elementwise", 8 * tp + 16 * n), ("elementwise", 24 * n),           # its first row per row, + before
+        ("elementwise", 8 * n), ("scatter", 24 * n),                         # order[place] = arange
+    ]
+    return OpWork(moved=tuple((cls, sympy.sympify(b)) for cls, b in kernels), launches=len(kernels))
+
+
+def local_dispatch_sizes_work(experts: int, tp: int, rank: int | None = None) -> OpWork:
+    """The kernels :func:`autotp.distributed.expert_routing.local_dispatch_sizes` runs once a
+    layer, each with the bytes it touches (int64 throughout): the rows every rank sends every
+    rank (a zero fill of ``tp * tp``, the exchanged counts summed over the runs, added by the
+    experts' holders: an ``index_add_`` reading and writing the whole table, the holders and the
+    sums), the rows each rank's experts get and their ends (a sum, a cumulative sum), rank 0's
+    start (a zero; another rank's is a view) and the numbers read to the host put together (a
+    ``cat``). The experts' holders are made once per layout and reused (no kernel a step); the
+    read itself is priced as the layer's one read (``rules/row_reads.host_reads``)."""
+    e, t = experts, tp
+    kernels = [
+        ("elementwise", 8 * t * t), ("reduction", 16 * t * e),          # zeros, counts.sum(1)
+        ("scatter", 16 * t * t + 8 * e + 8 * t * e),                     # index_add_ by the holders
+        ("reduction", 8 * t * t + 8 * t), ("reduction", 16 * t),         # per_rank.sum(0).cumsum(0)
+    ]
+    if not rank:   # the largest rank's (rank 0's) start: a zero
+        kernels.append(("elementwise", 8))
+    kernels.append(("elementwise", 16 * (2 + 2 * t)))                  # cat of the numbers read
+    return OpWork(moved=tuple((cls, sympy.sympify(b)) for cls, b in kernels), launches=len(kernels))
+
+
+def local_dispatch_plan_work(rows: Any, experts: int, tp: int, rank: int | None = None) -> OpWork:
+    """The kernels :func:`autotp.distributed.expert_routing.local_dispatch_plan` runs once a
+    layer for a rank of ``rows`` own (token, expert) rows, each with the bytes it touches (int64
+    throughout). Its ``c`` experts (the largest rank's, or ``rank``'s) get ``tp * c`` blocks of
+    rows, one a source rank and expert, and ``rows * tp * c / experts`` rows as uniform routing
+    deals them: the blocks' starts and sizes (each a copy where ``c > 1``: a slice of a
+    permuted table), the start subtracted, the sizes' cumulative sums, each arriving row's block
+    found (``searchsorted``) and its place (two gathers of its block's start and offset, an add
+    and a subtraction), the rows' order (an ``arange``) and the arrival's inverse (an
+    ``arange`` scattered: the entries it writes)."""
+    count = max_local_size(experts, Shard(0), tp) if rank is None else local_size(experts, Shard(0), tp, rank)
+    b = tp * count                                     # blocks arriving
+    got = rows * tp * count / experts                  # rows arriving
+    ew = "elementwise"
+    kernels = [(ew, 16 * b)] * (2 if count > 1 else 0) + [
+        (ew, 16 * b),                                   # at = blocks ... - start
+        (ew, 8 * got), ("reduction", 16 * b),           # arange(received), size.cumsum
+        (ew, 8 * b + 16 * got), (ew, 8 * b + 16 * got), (ew, 24 * got),   # searchsorted, at[block], + row
+        ("reduction", 16 * b), (ew, 24 * b),            # the sizes' exclusive cumulative sum
+        (ew, 8 * b + 16 * got), (ew, 24 * got),         # its entry at each row's block, subtracted
+        (ew, 8 * rows),                                 # the order sent: arange(rows)
+        (ew, 8 * got), ("scatter", 24 * got),           # the arrival's inverse
+    ]
+    return OpWork(moved=tuple((cls, sympy.sympify(b)) for cls, b in kernels), launches=len(kernels))
+
+
+def sums_token_rows(op: RankOp) -> bool:
+    """A ``sum`` over a token's top-k rows held on its rank (``rules/routed._combine``): the
+    rank's program sums them by :func:`autotp.distributed.experts.token_sums` (or
+    ``token_sums_in_order``), its sums' rows the rank's tokens again."""
+    p = op.in_place[0] if op.in_place else None
+    out = op.out_place[0] if op.out_place else None
+    return isinstance(p, Routed) and p.tokens and p.span > 1 and isinstance(out, Routed) and out.tokens
+
+
+def token_sums_work(op: RankOp) -> OpWork:
+    """A token's top-k rows summed on its rank, as run: the sum and each token's id (a division
+    of its first row's id); where the rows do not lie in their ids' order (``Routed.ascending``,
+    the rows a rank routed alone and put back in its tokens' order), first a sort of their int64
+    ids (a radix sort of keys and positions), the rows gathered in that order and the ids picked
+    (two ``index_select``), and backward the gather's gradient added into zeros (a fill, an
+    ``index_add``). The gradient's spread back over the top-k rows is the view's (priced as
+    nothing, as serial's)."""
+    p = op.in_place[0]
+    x, out = op.b_in[0], op.main_out
+    group = 1
+    for size in op.inputs[0].shape[p.dim + 1:p.dim + p.span]:
+        group *= size
+    shape = local_shape(op.inputs[0], p, op.tp, op.rank)
+    rows = shape[p.dim] * group                       # the rank's rows
+    tokens = shape[p.dim]
+    moved = [("reduction", x + out), ("elementwise", 16 * tokens)]   # the sums, each token's id
+    passes = 0
+    if p.reordered and not p.ascending:
+        moved += [("sort", sort_bytes(rows, 8)),
+                  ("elementwise", 2 * x + 8 * rows),                 # the rows gathered by the order
+                  ("elementwise", 8 * rows + 16 * tokens)]           # each token's first row's id
+        passes = sort_passes(8)
+        if op.grad[0] and op.outputs and op.outputs[0].is_float:
+            moved += [("elementwise", x), ("scatter", 3 * x + 8 * rows)]   # zeros, index_add
+    launches = len(moved) + (sort_launches(8) - 1 if passes else 0)
+    return OpWork(moved=tuple(moved), launches=launches, passes=passes)
+
+
+def counted_by_exchange(op: RankOp) -> bool:
+    """A ``histc`` (or ``bincount``) of a rank's own sorted ids made whole with no collective of
+    its own: the counts its sort exchanged (``passes/rules/local_routing``, ``routed_counts``): no kernel."""
+    return bool(op.in_place) and isinstance(op.in_place[0], Routed) and op.in_place[0].own \
+        and not isinstance(op.out_place[0], Partial) and not op.strategy.internal
+
+
+def exchanged_counts_work(op: RankOp) -> OpWork:
+    """A count made whole from the exchange (:func:`counted_by_exchange`), as ``routed_counts``
+    runs it: the exchanged ``[tp, experts]`` int64 counts summed, and cast to the count's dtype
+    (a histc's float; a bincount's int64 needs none)."""
+    tp, experts = op.tp, op.n_out[0]
+    moved = [("reduction", 8 * tp * experts + 8 * experts)]
+    if op.outputs[0].dtype != torch.long:
+        moved.append(("cast", 8 * experts + op.out_bytes))
+    return OpWork(moved=tuple(moved), launches=len(moved))
+
+
+def sort_passes(key_bytes: int) -> int:
+    """Passes of a radix sort over keys of ``key_bytes`` (every bit of the key type: torch sorts
+    the whole width, whatever range the values take)."""
+    return -(-8 * key_bytes // RADIX_BITS)
+
+
+def sort_bytes(n: Any, key_bytes: int, value_bytes: int = 8) -> Any:
+    """Bytes a radix sort of ``n`` (key, value) pairs moves (the values: the int64 positions
+    ``sort`` returns): one histogram pass reading the keys, then each pass reading and writing
+    every key and value (:func:`sort_passes`)."""
+    return n * key_bytes + sort_passes(key_bytes) * 2 * n * (key_bytes + value_bytes)
+
+
+def sort_launches(key_bytes: int) -> int:
+    """Kernels of a radix sort: the histogram, its exclusive sum, and one per pass."""
+    return 2 + sort_passes(key_bytes)
+
+
+def sort_work(op: RankOp, dtype_bytes: int, train_dtype: Any) -> OpWork:
+    """``sort``/``argsort`` as a GPU runs it: a radix sort, several passes over every key and
+    value (:func:`sort_bytes`) at the ``sort`` class's rate, each pass a kernel that also waits
+    on the earlier tiles' counts (``passes``); a float input's gradient is scattered back by the
+    positions (a scatter of the values' gradient)."""
+    if not op.inputs:
+        return NO_WORK
+    n = op.n_in[0]
+    kb = element_bytes(op.inputs[0].dtype, dtype_bytes, train_dtype)
+    moved = [("sort", sort_bytes(n, kb))]
+    launches = sort_launches(kb)
+    if op.grad[0] and op.outputs and op.outputs[0].is_float:
+        moved.append(("scatter", 2 * op.main_out + 8 * n))
+        launches += 2
+    experts = getattr(op.info, "routing_experts", 0)
+    if experts and routes_locally(op):
+        # the layer's routing from the rank's own rows: around the sort, then the dispatch's
+        # split sizes and plan from its exchanged counts (once a layer, as the sort)
+        for around in (route_locally_work(n, experts, op.tp), local_dispatch_sizes_work(experts, op.tp, op.rank),
+                       local_dispatch_plan_work(n, experts, op.tp, op.rank)):
+            moved += around.moved
+            launches += around.launches
+    return OpWork(moved=tuple(moved), launches=launches, passes=sort_passes(kb))
+
+
+def routes_locally(op: RankOp) -> bool:
+    """A sort of a rank's own router ids that the rank's program runs as ``route_locally``
+    (``passes/rules/local_routing``: its counts' all-gather inside)."""
+    return bool(op.in_place) and isinstance(op.in_place[0], Routed) and op.in_place[0].own \
+        and any(kind == "all_gather" for kind, _ in op.strategy.internal)
