@@ -95,6 +95,8 @@ def test_independent_chains_recorded_in_either_order_come_out_alike():
         canonical_order(gm.graph, ["p_w"])
         gm.recompile()
         place = {n: i for i, n in enumerate(gm.graph.nodes)}
+        x_node = next(n for n in gm.graph.nodes if n.name == "x")
+        assert [place[u] for u in x_node.users] == sorted(place[u] for u in x_node.users)   # in graph order
         listings.append([f"{n.target} {[a.name if a.op == 'placeholder' else place[a] for a in n.all_input_nodes]}"
                          for n in gm.graph.nodes])
         x, w, a, b = (torch.randn(3, dtype=torch.float64) for _ in range(4))

@@ -28,7 +28,8 @@ Only free ops move, only among themselves and never across an anchored op, so ev
 effect keeps its place among all others and the program computes exactly what export's does
 (bit for bit: the same ops on the same values). The order no longer depends on which of two
 independent pieces of work the forward ran first: the demand walk reaches them from the
-anchored ops, whose order is the model's.
+anchored ops, whose order is the model's. Each node's users (``node.users``, in the order
+export traced them) are listed in the new graph order too.
 """
 from __future__ import annotations
 
@@ -65,6 +66,12 @@ def canonical_order(graph: fx.Graph, params: Collection[str]) -> int:
             if node.prev is not before:
                 before.append(node)
         graph.lint()   # still topological: each free op follows what it reads (checked here)
+    # each node's users in graph order, not in the order export traced them (a pass that walks
+    # ``node.users`` meets them alike in every process)
+    place = {node: i for i, node in enumerate(order)}
+    for node in order:
+        if len(node.users) > 1:
+            node.users = dict.fromkeys(sorted(node.users, key=place.__getitem__))
     return moved
 
 
