@@ -8,6 +8,10 @@ MASTER_ADDR, MASTER_PORT), each with a seed of its own: 0 and 1, under which Mod
 Gemma 3 record their per-layer-type masks and rotary tables in different orders. Before the
 capture's order was made canonical (autotp.capture.canonical), ``parallelize`` raised
 DisagreementError on both ranks ("the rewritten graphs differ").
+
+Both models are float64; each is held to ``autotp.testing.tolerance``: ModernBERT to float64's
+1e-9 (measured 3.5e-16), Gemma 3 to float32's 1e-4 because its serial forward itself computes
+in float32 in places (measured 1.0e-7).
 """
 from __future__ import annotations
 
