@@ -7,7 +7,8 @@ to named placeholders, the user inputs in call order, batch and sequence dims sy
 range the model allows, higher-order regions inlined, biases split from their products.
 Invariants: the graph is the one a whole export gives, node for node, however it was obtained
 (cut and expanded, or from the cache); it depends on the model's structure and the call's
-signature only, never on weight values; later stages read it and never mutate it.
+signature only, never on weight values or on the process's string-hash seed (its ops in an
+order of the graph's own: ``canonical``); later stages read it and never mutate it.
 
 The steps, each a module, in the order they import one another (each imports only those above it):
 
@@ -16,6 +17,7 @@ The steps, each a module, in the order they import one another (each imports onl
 - ``masks``: a call without a mask traced as transformers runs it eagerly
 - ``draws``: 0-d random draws (LayerDrop) answered under capture
 - ``higher_order``: no_grad/autocast regions inlined as plain ops
+- ``canonical``: export's op order made a function of the graph alone (the same under any string-hash seed)
 - ``normalize``: the exported program -> a normalized Capture
 - ``twin``: the weightless shape twin a rank keeps for later captures
 - ``structure``: a module's structure as text (the cache's key, the blocks' comparison)

@@ -1,7 +1,8 @@
 """The exported program -> a :class:`~autotp.capture.program.Capture`, normalized for the later stages.
 
 The lifted inputs are named, the input dims' symbols and ranges read, higher-order regions
-inlined (:mod:`autotp.capture.higher_order`), and the graph normalized: ``addmm``/``linear``
+inlined (:mod:`autotp.capture.higher_order`) once the ops are in an order that depends on the
+graph alone (:mod:`autotp.capture.canonical`), and the graph normalized: ``addmm``/``linear``
 with a bias become a product followed by an ``add`` (so that a row-parallel bias can be added
 once, after the all-reduce), ``_assert_tensor_metadata`` checks are dropped (they pin the
 capture's device and dtype, which the rewritten per-rank graph must not), and the ops are named
@@ -15,6 +16,7 @@ import torch
 from torch import fx
 
 from ..errors import CaptureError
+from .canonical import canonical_order
 from .higher_order import inline_regions
 from .program import input_guards, Capture
 
@@ -65,6 +67,9 @@ def _from_exported(ep: torch.export.ExportedProgram, kwargs: dict[str, Any], exp
                 input_dims[f"{key}.{d}"] = sym
                 dim_symbols.setdefault(sym, "batch" if d == 0 else "seq")
     symbol_hints = _symbol_hints(gm)
+    # one order whatever the process's string-hash seed (autotp.capture.canonical); before the
+    # regions are inlined, while each is one op
+    canonical_order(gm.graph, params)
     inline_regions(gm)   # no_grad/autocast blocks in forward become plain ops (autotp.capture.higher_order)
     _normalize(gm.graph)
     gm = _renamed(gm)
