@@ -365,19 +365,27 @@ def fuse_activations(cap: Any) -> tuple[Any, list[Fused]]:
     """A copy of capture ``cap`` with its activation regions fused, and what was fused; ``cap``
     itself where there is none. Memoized on ``cap`` (a capture is built once per structure and
     planned many times: serial, each tp, each program)."""
-    memo = cap.__dict__.get("_fused_activations")
-    if memo is not None:
-        return memo
-    if not find_regions(cap.graph):   # most models: nothing to copy
-        cap.__dict__["_fused_activations"] = (cap, [])
+    return fused_capture(cap, "_fused_activations", lambda graph: bool(find_regions(graph)), fuse_graph)
+
+
+def fused_capture(cap: Any, memo: str, found: Callable[[fx.Graph], bool],
+                  fuse: Callable[[fx.Graph], list[Fused]]) -> tuple[Any, list[Fused]]:
+    """A copy of capture ``cap`` whose graph ``fuse`` has rewritten in place, and what it fused;
+    ``cap`` itself where ``found`` finds nothing to fuse in its graph. Memoized on ``cap`` under
+    ``memo`` (the capture itself is not changed: it is cached per structure and read by every plan)."""
+    result = cap.__dict__.get(memo)
+    if result is not None:
+        return result
+    if not found(cap.graph):   # most models: nothing to copy
+        cap.__dict__[memo] = (cap, [])
         return cap, []
     graph = fx.Graph()
     graph.output(graph.graph_copy(cap.graph, {}))   # the copy keeps the nodes' names and metadata
-    fused = fuse_graph(graph)
+    fused = fuse(graph)
     gm = _LazyGraphModule(cap.graph_module, graph)
     gm.meta.update(cap.graph_module.meta)
     result = (replace(cap, graph_module=gm), fused)
-    cap.__dict__["_fused_activations"] = result
+    cap.__dict__[memo] = result
     return result
 
 
