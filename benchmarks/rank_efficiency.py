@@ -160,7 +160,7 @@ def predicted(model, tp: int, batch: int, seq: int, profile: str, planning: dict
     prof = get_profile(profile)
     cap = capture(model)
     rank = step_breakdown(*build_plan(cap, tp, batch=batch, seq=seq, profile=prof, **planning)[1:], prof, rank=0)
-    serial = step_breakdown(*build_plan(cap, 1, batch=batch, seq=seq, profile=prof, fuse_activations=False)[1:],
+    serial = step_breakdown(*build_plan(cap, 1, batch=batch, seq=seq, profile=prof, fuse_activations=False, fuse_norms=False)[1:],
                             prof)
     fwd_bwd = lambda b: b["products"] + b["attention"] + b["memory"]   # noqa: E731
     return fwd_bwd(rank), fwd_bwd(serial) / tp
@@ -368,7 +368,7 @@ def predicted_at_real_size(tp: int, profile: str) -> list[str]:
         model = zoo.build(zoo.family_of(name).name, zoo.published_config(name, layers=layers), device="meta",
                           dtype=torch.bfloat16)
         cap = capture(model)
-        serial = step_breakdown(*build_plan(cap, 1, batch=b, seq=s, profile=prof, fuse_activations=False)[1:], prof)
+        serial = step_breakdown(*build_plan(cap, 1, batch=b, seq=s, profile=prof, fuse_activations=False, fuse_norms=False)[1:], prof)
         fused = step_breakdown(*build_plan(cap, 1, batch=b, seq=s, profile=prof)[1:], prof)
         got = {}
         for sp in (None, False):

@@ -73,7 +73,7 @@ def gap(name: str, layers: int, batch: int, seq: int, tp: int, profile_name: str
     model = zoo.build(zoo.family_of(name).name, zoo.published_config(name, layers=layers), device="meta",
                       dtype=torch.bfloat16)
     cap = capture(model)
-    _, i1, p1 = build_plan(cap, 1, batch=batch, seq=seq, profile=prof, fuse_activations=False)
+    _, i1, p1 = build_plan(cap, 1, batch=batch, seq=seq, profile=prof, fuse_activations=False, fuse_norms=False)
     _, i1f, p1f = build_plan(cap, 1, batch=batch, seq=seq, profile=prof)
     _, i8, p8 = build_plan(cap, tp, batch=batch, seq=seq, profile=prof, memory_limit=float("inf"))
     as_run = per_node(i1, p1, prof, None)      # serial as the model runs it: its activations written out
