@@ -206,7 +206,8 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
     ``fuse_norms`` (default True): an RMSNorm the model writes out (``pow``, ``mean``, ``add``,
     ``rsqrt``, ``mul``: HF's Llama and its kin) runs its statistic as one ``aten.rms_norm`` (on
     CUDA one kernel each way; on CPU the same ops in the same order), the model's casts and weight
-    multiply kept as written (:mod:`autotp.passes.norms`); ``False`` runs the ops as written."""
+    multiply kept as written (:mod:`autotp.passes.norms`); ``False`` runs the ops as written, as
+    ``sequence_parallel=False`` does (see :func:`~autotp.planner.build_plan`)."""
     if device is None:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if torch.device(device).type == "meta":

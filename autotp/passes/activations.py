@@ -17,9 +17,10 @@ floating dtype, closed under its root (every node but the root read only inside 
 value is built as a sympy expression in ``x`` and decided **symbolically** (:func:`identify`):
 expanded (function arguments too) into terms ``c * x**k * f(polynomial in x)``, with ``tanh(y)``
 written ``2 * sigmoid(2y) - 1`` and the logistic function written out (``1 / (1 + exp(-y))``,
-through ``div``, ``reciprocal`` or ``1 / ...``) written ``sigmoid(y)``, so that every spelling of a GELU (``0.5 * x * (1 + tanh(...))``,
-``x * 0.5 * ...``, ``x * sigmoid(2y)``, ``pow(x, 3)`` or ``x * x * x``, the constant as
-``math.sqrt(2 / math.pi)`` or a literal) and of a SiLU (``x * sigmoid(x)``, ``x / (1 + exp(-x))``) reaches one form, compared term by term with each known
+through ``div``, ``reciprocal`` or ``1 / ...``) written ``sigmoid(y)``, so that every spelling of
+a GELU (``0.5 * x * (1 + tanh(...))``, ``x * 0.5 * ...``, ``x * sigmoid(2y)``, ``pow(x, 3)`` or
+``x * x * x``, the constant as ``math.sqrt(2 / math.pi)`` or a literal) and of a SiLU
+(``x * sigmoid(x)``, ``x / (1 + exp(-x))``) reaches one form, compared term by term with each known
 op's (:data:`KNOWN`). Coefficients must agree to :data:`REL_TOL` (the ten significant digits models
 write ``0.7978845608`` with); a different constant (``0.0447``) is another function and stays as
 written. QuickGELU (``x * sigmoid(1.702 x)``) is no ATen op's function (``gelu`` is exact or

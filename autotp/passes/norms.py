@@ -24,6 +24,10 @@ root or inside the mean, a mean over another dim or without ``keepdim``, no root
 elsewhere) stays as written. ``aten.rms_norm`` reduces over the last ``k`` dims, adds ``eps`` in the
 accumulation type and multiplies ``x`` by the reciprocal root: the written function exactly.
 
+With ``sequence_parallel=False`` :func:`~autotp.planner.build_plan` does not fuse: there a plan
+splits a norm's rows along the hidden dim through the written statistic (x squared gathered),
+which ``aten.rms_norm``, keeping normalized dims whole, cannot.
+
 A norm over a dim the plan splits into whole heads (OLMo2's q/k norms over all heads' width) runs
 split, as its written statistic would: each rank's sum of squares all-reduced, one number a row
 (``rms_norm_rule``, ``distributed.functional.SplitRmsNorm``).

@@ -29,7 +29,7 @@ def test_a_fused_rmsnorm_is_priced_as_one_norm_kernel_each_way():
     config = zoo.tiny_config("llama", layers=LAYERS, heads=4, kv_heads=4, head_dim=HIDDEN // 4, vocab=64)
     cap = capture(zoo.build("llama", config, device="meta"))
     plans = {fuse: build_plan(cap, TP, batch=BATCH, seq=SEQ, profile="h200", layout=MEGATRON["llama"],
-                              sequence_parallel=False, fuse_norms=fuse) for fuse in (True, False)}
+                              fuse_norms=fuse) for fuse in (True, False)}
     _, index, prop = plans[True]
     norms = [n for n in index.capture.graph.nodes if n.target is aten.rms_norm.default]
     launches, moved = _work(norms, index, prop)
@@ -46,5 +46,6 @@ def test_a_fused_rmsnorm_is_priced_as_one_norm_kernel_each_way():
     assert sum(b for _, b in written_moved) > sum(b for _, b in moved)
     assert plans[True][0].compute_s < plans[False][0].compute_s
     said = [n for n in plans[True][0].notes if n.startswith("norms fused")]
-    assert said and f"{len(norms)} RMSNorm statistics of 5 ops (model.layers.0.post_attention_layernorm, ...)" in said[0]
+    first = "model.layers.0.post_attention_layernorm"
+    assert said and f"{len(norms)} RMSNorm statistics of 5 ops ({first}, ...)" in said[0]
     assert not [n for n in plans[False][0].notes if n.startswith("norms fused")]
