@@ -24,7 +24,11 @@ root or inside the mean, a mean over another dim or without ``keepdim``, no root
 elsewhere) stays as written. ``aten.rms_norm`` reduces over the last ``k`` dims, adds ``eps`` in the
 accumulation type and multiplies ``x`` by the reciprocal root: the written function exactly.
 
-With ``sequence_parallel=False`` :func:`~autotp.planner.build_plan` does not fuse: there a plan
+A norm of the token embedding's output (through casts, a scale, dropout) stays as written: a plan
+may split that tensor by hidden columns, which the written statistic keeps (only x squared
+gathered, each rank normalizing its columns) and ``aten.rms_norm`` would gather
+(:func:`_reads_an_embedding`). With ``sequence_parallel=False`` :func:`~autotp.planner.build_plan`
+does not fuse: there a plan
 splits a norm's rows along the hidden dim through the written statistic (x squared gathered),
 which ``aten.rms_norm``, keeping normalized dims whole, cannot.
 
@@ -32,8 +36,10 @@ A norm over a dim the plan splits into whole heads (OLMo2's q/k norms over all h
 split, as its written statistic would: each rank's sum of squares all-reduced, one number a row
 (``rms_norm_rule``, ``distributed.functional.SplitRmsNorm``).
 
-What ``aten.rms_norm`` runs (torch 2.11-2.14, ``aten/src/ATen/native/layer_norm.cpp``): it is
-CompositeImplicitAutograd and calls ``_fused_rms_norm``, which on CUDA is one kernel forward
+What ``aten.rms_norm`` runs (the installed torch 2.13's dispatcher and PyTorch's
+``aten/src/ATen/native/layer_norm.cpp``; 2.11 and 2.14 not checked one by one): it is
+CompositeImplicitAutograd and calls ``_fused_rms_norm`` (but for channels-last or complex inputs
+and a weight of another dtype, which run the composite), which on CUDA is one kernel forward
 (``layer_norm_kernel.cu``: float32 accumulation, returns the output and ``rstd``) and
 ``_fused_rms_norm_backward`` one kernel backward (``dx`` from ``dy``, ``x`` and ``rstd``). On CPU
 ``_fused_rms_norm`` has no kernel and runs its composite (``rms_norm_composite``: ``pow``, ``mean``,
