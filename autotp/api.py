@@ -71,7 +71,8 @@ def plan(model: nn.Module, tp: int | None = None, *, batch: int = 8, seq: int | 
          memory_limit: float | None = None, sequence_parallel: bool | None = None,
          seq_range: tuple[int, int] | None = None, world: int | None = None,
          gpus_per_node: int = 8, host_reads: bool = True,
-         expert_dispatch: bool | None = None, fuse_activations: bool = True) -> "Plan | PipelinePlan":
+         expert_dispatch: bool | None = None, fuse_activations: bool = True,
+         fuse_norms: bool = True) -> "Plan | PipelinePlan":
     """Choose a plan for ``model`` at ``tp`` without any process group (a meta model works).
 
     ``world=N`` (with ``gpus_per_node``) chooses tensor x pipeline x data parallelism for N GPUs
@@ -89,10 +90,11 @@ def plan(model: nn.Module, tp: int | None = None, *, batch: int = 8, seq: int | 
     the config's maximum positions, else as wide as torch.export allows).
     ``host_reads=False``: only layouts whose step reads no device value on the host (see
     :func:`parallelize`). ``expert_dispatch``: see :func:`build_plan` (default: by cost).
-    ``fuse_activations``: see :func:`parallelize`."""
+    ``fuse_activations``, ``fuse_norms``: see :func:`parallelize`."""
     batch, seq, layout, memory_limit = check_planning(batch, seq, layout, memory_limit)
     host_reads = check_flag("host_reads", host_reads)
     fuse_activations = check_flag("fuse_activations", fuse_activations)
+    fuse_norms = check_flag("fuse_norms", fuse_norms)
     if world is not None:
         from .ptd import plan_ptd
 
@@ -113,7 +115,8 @@ def plan(model: nn.Module, tp: int | None = None, *, batch: int = 8, seq: int | 
     result, _, _ = build_plan(cap, tp, batch=batch, seq=_planning_seq(model, seq, seq_range), profile=profile,
                               layout=layout, uneven=uneven, gather_logits=gather_logits,
                               memory_limit=memory_limit, sequence_parallel=sequence_parallel, host_reads=host_reads,
-                              expert_dispatch=expert_dispatch, fuse_activations=fuse_activations)
+                              expert_dispatch=expert_dispatch, fuse_activations=fuse_activations,
+                              fuse_norms=fuse_norms)
     return result
 
 
@@ -151,7 +154,8 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
                 schedule: str | None = None, virtual: int = 1,
                 stage_layers: Any = None, rng: str = "torch",
                 align_products: bool | None = None, host_reads: bool = True,
-                expert_dispatch: bool | None = None, fuse_activations: bool = True) -> "ParallelModule":
+                expert_dispatch: bool | None = None, fuse_activations: bool = True,
+                fuse_norms: bool = True) -> "ParallelModule":
     """Split ``model`` over this rank's TP group; see the module docs and docs/architecture.md.
 
     ``pp > 1`` also cuts it into ``pp`` pipeline stages (a world of ``dp * pp * tp`` ranks) and
@@ -197,7 +201,13 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
     (GPT-2's tanh-GELU: ``mul``, ``pow``, ``add``, ``tanh``, about 18 kernels forward and backward)
     runs as the one ATen op that computes it (``aten.gelu``: one kernel each way), in every
     program, tp 1 included (:mod:`autotp.passes.activations`); the plan's notes say what was
-    fused. ``False`` runs the ops as the model writes them."""
+    fused. ``False`` runs the ops as the model writes them.
+
+    ``fuse_norms`` (default True): an RMSNorm the model writes out (``pow``, ``mean``, ``add``,
+    ``rsqrt``, ``mul``: HF's Llama and its kin) runs its statistic as one ``aten.rms_norm`` (on
+    CUDA one kernel each way; on CPU the same ops in the same order), the model's casts and weight
+    multiply kept as written (:mod:`autotp.passes.norms`); ``False`` runs the ops as written, as
+    ``sequence_parallel=False`` does (see :func:`~autotp.planner.build_plan`)."""
     if device is None:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if torch.device(device).type == "meta":
@@ -210,7 +220,8 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
                         sequence_parallel=sequence_parallel, seq_range=seq_range, pp=pp,
                         microbatches=microbatches, schedule=schedule, virtual=virtual,
                         stage_layers=stage_layers, rng=rng, align_products=align_products, host_reads=host_reads,
-                        expert_dispatch=expert_dispatch, fuse_activations=fuse_activations)
+                        expert_dispatch=expert_dispatch, fuse_activations=fuse_activations,
+                        fuse_norms=fuse_norms)
 
 
 def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, layout: Mapping[str, Any] | None,
@@ -222,7 +233,8 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
                  schedule: str | None = None, virtual: int = 1,
                  stage_layers: Any = None, rng: str = "torch",
                  align_products: bool | None = None, host_reads: bool = True,
-                 expert_dispatch: bool | None = None, fuse_activations: bool = True) -> "ParallelModule":
+                 expert_dispatch: bool | None = None, fuse_activations: bool = True,
+                 fuse_norms: bool = True) -> "ParallelModule":
     from .distributed.mesh import get_mesh
     from .runtime.module.module import ParallelModule
     from .runtime.module.outline import layer_paths
@@ -232,6 +244,7 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
     batch, seq, layout, memory_limit = check_planning(batch, seq, layout, memory_limit)
     host_reads = check_flag("host_reads", host_reads)
     fuse_activations = check_flag("fuse_activations", fuse_activations)
+    fuse_norms = check_flag("fuse_norms", fuse_norms)
     if pp == 1 and stage_layers is not None:
         raise ConfigError("stage_layers= cuts the layers into pipeline chunks: it needs pp > 1")
     if pp != 1:
@@ -314,6 +327,7 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
         check_heads(call_cap, tp, uneven)
         return build_plan(call_cap, tp, batch=batch, profile=profile, uneven=uneven, align=align,
                           host_reads=host_reads, expert_dispatch=dispatch, fuse_activations=fuse_activations,
+                          fuse_norms=fuse_norms,
                           **call)
 
     def program(index: GraphIndex, prop: Propagation) -> Any:

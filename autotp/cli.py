@@ -6,6 +6,8 @@
     autotp plan gpt2-xl --tp 8 --full                # every layer's parameters and collectives
     autotp plan gpt2-xl --tp 8 --figure plan.svg     # one layer drawn: splits, placements, f and g
     autotp plan gpt2-xl --tp 4 --diff tp8.json       # what changes against a saved plan
+    autotp plan gpt2-xl --tp 8 --no-fuse-activations # GELU planned as the 8 ops HF writes, not aten.gelu
+    autotp plan llama-3-8b --tp 8 --no-fuse-norms    # RMSNorm's statistic as HF writes it, not aten.rms_norm
     autotp check llama-3-8b --tp 4 --layers 1        # random weights on 4 local gloo ranks vs serial
 
 MODEL is a published configuration of a family autotp is tested on (``autotp.zoo``: gpt2 ...
@@ -108,7 +110,8 @@ def _print_plan(args: argparse.Namespace) -> int:
     model, _ = load_model(args.model, args.layers)
     limit = args.memory_limit * 1024 ** 3 if args.memory_limit else None
     options = dict(tp=args.tp, batch=args.batch, seq=args.seq, profile=args.profile,
-                   gather_logits={"auto": None, "gather": True, "split": False}[args.logits])
+                   gather_logits={"auto": None, "gather": True, "split": False}[args.logits],
+                   fuse_activations=args.fuse_activations, fuse_norms=args.fuse_norms)
     try:
         plan = autotp.plan(model, memory_limit=limit, **options)
     except autotp.MemoryLimitError as exc:
@@ -218,6 +221,12 @@ def main(argv: list[str] | None = None) -> int:
                         "shown solved without it, with a note saying what it needs)")
     p.add_argument("--logits", choices=("auto", "gather", "split"), default="auto",
                    help="logits gathered or kept split by vocabulary (auto: split when the call returns a loss)")
+    p.add_argument("--fuse-activations", action=argparse.BooleanOptionalAction, default=True,
+                   help="plan an activation written out as pointwise ops (GPT-2's tanh-GELU, a SiLU) as the one "
+                        "ATen op that computes it (default); --no-fuse-activations keeps the ops as written")
+    p.add_argument("--fuse-norms", action=argparse.BooleanOptionalAction, default=True,
+                   help="plan an RMSNorm's statistic written out (pow, mean, add, rsqrt, mul: Llama's) as one "
+                        "aten.rms_norm (default); --no-fuse-norms keeps the ops as written")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--full", action="store_true",
                    help="every parameter of every layer and every collective (default: repeated layers folded)")

@@ -18,10 +18,11 @@ model (published widths, fewer layers) it measures, side by side in one run:
   op and by kind; on CUDA the profiler's device time, and the share of the step the device is
   busy;
 * **predicted**: the cost model's forward + backward for the rank and for serial/N at the
-  measured workload, on ``--profile``. Serial is priced as the model runs (``fuse_activations=False``:
-  HF's GPT-2 runs its tanh-GELU as eight pointwise ops), the rank as autotp runs it (its activations
-  fused, ``autotp/passes/activations.py``); the planning table also gives the ratio against a serial
-  fused the same way.
+  measured workload, on ``--profile``. Serial is priced as the model runs (``fuse_activations=False,
+  fuse_norms=False``: HF's GPT-2 runs its tanh-GELU as eight pointwise ops, Llama its RMSNorm
+  statistic as five), the rank as autotp runs it (its activations and norms fused,
+  ``autotp/passes/activations.py``, ``autotp/passes/norms.py``); the planning table also gives
+  the ratio against a serial fused the same way.
 
 Mixtures of experts run each experts layout the planner weighs (``--layouts``: the default plan,
 expert-parallel, expert-TP, and expert-parallel with the all-to-all dispatch under sequence
@@ -160,7 +161,8 @@ def predicted(model, tp: int, batch: int, seq: int, profile: str, planning: dict
     prof = get_profile(profile)
     cap = capture(model)
     rank = step_breakdown(*build_plan(cap, tp, batch=batch, seq=seq, profile=prof, **planning)[1:], prof, rank=0)
-    serial = step_breakdown(*build_plan(cap, 1, batch=batch, seq=seq, profile=prof, fuse_activations=False)[1:],
+    serial = step_breakdown(*build_plan(cap, 1, batch=batch, seq=seq, profile=prof, fuse_activations=False,
+                                        fuse_norms=False)[1:],
                             prof)
     fwd_bwd = lambda b: b["products"] + b["attention"] + b["memory"]   # noqa: E731
     return fwd_bwd(rank), fwd_bwd(serial) / tp
@@ -356,8 +358,9 @@ def predicted_at_real_size(tp: int, profile: str) -> list[str]:
              "The busiest rank's step (each op at that rank's part of it: uneven splits rotate their larger "
              "part from layer to layer), and in brackets the bound the solver weighs (every op on its largest rank).",
              "",
-             "Serial is priced as the model runs (its activations as written: HF's GPT-2 runs its tanh-GELU as "
-             "eight pointwise ops), the rank as autotp runs it (activations fused into one op each); the column "
+             "Serial is priced as the model runs (its activations and norms as written: HF's GPT-2 runs its "
+             "tanh-GELU as eight pointwise ops, Llama its RMSNorm statistic as five), the rank as autotp runs it "
+             "(each fused into one op); the column "
              "'serial fused' divides a serial step fused the same way instead, the gain that is not the rank "
              "running fewer kernels than serial.", "",
              "| model (layers, batch x seq) | serial/N ÷ rank, SP by cost | without SP | serial fused | "
@@ -368,7 +371,8 @@ def predicted_at_real_size(tp: int, profile: str) -> list[str]:
         model = zoo.build(zoo.family_of(name).name, zoo.published_config(name, layers=layers), device="meta",
                           dtype=torch.bfloat16)
         cap = capture(model)
-        serial = step_breakdown(*build_plan(cap, 1, batch=b, seq=s, profile=prof, fuse_activations=False)[1:], prof)
+        serial = step_breakdown(*build_plan(cap, 1, batch=b, seq=s, profile=prof, fuse_activations=False,
+                                            fuse_norms=False)[1:], prof)
         fused = step_breakdown(*build_plan(cap, 1, batch=b, seq=s, profile=prof)[1:], prof)
         got = {}
         for sp in (None, False):

@@ -15,14 +15,16 @@ the cost model's own, ``autotp.cost_model.symbolic``; no device is run):
   leaves whole on every rank: the vocabulary-parallel embedding's partial output and gradient);
 * **unevenness**: the busiest rank's ops against the mean over the ranks (heads tp does not deal
   evenly; the rotation of the larger part from layer to layer is already in it);
-* **activations fused**: the bytes serial moves / N beyond those of serial fused as the rank is
-  (``autotp/passes/activations.py``: GPT-2's tanh-GELU as one ``gelu``): the chains' own and x's
-  gradient summed from each of their reads; their kernels are in the launches. The other causes
+* **activations and norms fused**: the bytes serial moves / N beyond those of serial fused as the
+  rank is (``autotp/passes/activations.py``: GPT-2's tanh-GELU as one ``gelu``;
+  ``autotp/passes/norms.py``: Llama's RMSNorm statistic as one ``rms_norm``): the chains' own and
+  x's gradient summed from each of their reads; their kernels are in the launches. The other causes
   compare the rank with that fused serial, op for op.
 
-Serial is the model as it runs (``fuse_activations=False``: HF's GPT-2 runs its GELU as eight
-pointwise ops); the rank as autotp runs it (fused). The ratio against a serial fused the same way
-is given beside it: how much of the gain is the rank running fewer kernels than serial.
+Serial is the model as it runs (``fuse_activations=False, fuse_norms=False``: HF's GPT-2 runs its
+GELU as eight pointwise ops, Llama its RMSNorm statistic as five); the rank as autotp runs it
+(fused). The ratio against a serial fused the same way is given beside it: how much of the gain is
+the rank running fewer kernels than serial.
 
 and prices the candidates that would rebalance the heads (what the most even dealing could save)
 and an even column split of the fused q/k/v product moved into the head layout by an all-to-all.
@@ -73,7 +75,7 @@ def gap(name: str, layers: int, batch: int, seq: int, tp: int, profile_name: str
     model = zoo.build(zoo.family_of(name).name, zoo.published_config(name, layers=layers), device="meta",
                       dtype=torch.bfloat16)
     cap = capture(model)
-    _, i1, p1 = build_plan(cap, 1, batch=batch, seq=seq, profile=prof, fuse_activations=False)
+    _, i1, p1 = build_plan(cap, 1, batch=batch, seq=seq, profile=prof, fuse_activations=False, fuse_norms=False)
     _, i1f, p1f = build_plan(cap, 1, batch=batch, seq=seq, profile=prof)
     _, i8, p8 = build_plan(cap, tp, batch=batch, seq=seq, profile=prof, memory_limit=float("inf"))
     as_run = per_node(i1, p1, prof, None)      # serial as the model runs it: its activations written out
@@ -101,7 +103,8 @@ def gap(name: str, layers: int, batch: int, seq: int, tp: int, profile_name: str
     written = {node.name for node in as_run} - {node.name for node in serial}
     fused_ops = {node.name for node in serial} - {node.name for node in as_run}
     if written:
-        rows.append(("activations fused", f"serial's {len(written)} written-out activation ops run as {len(fused_ops)} "
+        rows.append(("activations and norms fused", f"serial's {len(written)} written-out activation and norm ops run "
+                     f"as {len(fused_ops)} "
                      "fused ones: its bytes / N less (their kernels: in the launches)",
                      -(work(as_run) - work(serial)) / tp))
     for node in ranks[busy]:
@@ -173,11 +176,11 @@ def gap(name: str, layers: int, batch: int, seq: int, tp: int, profile_name: str
                      f"heads), and "
                      f"{moved * 1e3:.3f} ms of all-to-alls added (communication, not in the ratio).")
     launched, rate = by_cause.get("launches", 0.0), by_cause.get("products' rate", 0.0)
-    fused = by_cause.get("activations fused", 0.0)
+    fused = by_cause.get("activations and norms fused", 0.0)
     floor = share + launched + rate + fused
     lines += [f"- **Every other cause removed** (no bytes above the share, heads perfectly even): the launches "
               f"and the products' rate alone leave {share / floor:.3f}"
-              + (" (the activations fused as they are)" if fused else "") + "; without the launches' excess "
+              + (" (the activations and norms fused as they are)" if fused else "") + "; without the launches' excess "
               f"{share / (rank_s - launched):.3f}, without the products' "
               f"{share / (rank_s - rate):.3f}.", ""]
     return lines

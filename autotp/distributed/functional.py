@@ -37,6 +37,61 @@ def mean_share(x: torch.Tensor, dims: tuple[int, ...], keepdim: bool, count: int
     return torch.sum(x, list(dims), keepdim, dtype=dtype) / count
 
 
+class _SplitRmsNorm(torch.autograd.Function):
+    """``rms_norm(x, normalized_shape, None, eps)`` of an ``x`` split along normalized dims: each
+    rank sums its own squares (one number per row), the sums are all-reduced, and each rank
+    normalizes its own part, ``x * rsqrt(S / count + eps)``. Backward needs the rows' whole
+    ``sum(dy * x)`` too, all-reduced the same way: ``dx = r dy - x r^3 sum(dy x) / count``. In
+    float32 at least, as ``aten.rms_norm`` computes a half-precision input."""
+
+    @staticmethod
+    def forward(ctx, x, group, dims, count, eps):
+        from .collectives import _all_reduce
+
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        squares = xf.square().sum(dims, keepdim=True)
+        squares = _all_reduce(squares, group, "all_reduce(sum of squares) in a split rms_norm", in_place=True)
+        rstd = torch.rsqrt(squares.div_(count).add_(eps))
+        ctx.save_for_backward(x, rstd)
+        ctx.dims, ctx.count, ctx.group = dims, count, group
+        return (xf * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from .collectives import _all_reduce
+
+        x, rstd = ctx.saved_tensors
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        gf = grad.to(xf.dtype)
+        dot = (gf * xf).sum(ctx.dims, keepdim=True)
+        dot = _all_reduce(dot, ctx.group, "all_reduce(sum of dy * x) in a split rms_norm backward", in_place=True)
+        dx = gf * rstd - xf * (rstd.pow(3) * dot.div_(ctx.count))
+        return dx.to(x.dtype), None, None, None, None
+
+
+class SplitRmsNorm(torch.nn.Module):
+    """``aten.rms_norm`` (no weight) of an input split along normalized dims, as a named node of
+    the rewritten graph: ``dims`` the normalized dims, ``count`` their whole number of elements."""
+
+    kind = "split_rms_norm"
+
+    def __init__(self, group, dims: tuple[int, ...], count: int, eps: float):
+        super().__init__()
+        self.group, self.dims, self.count, self.eps = group, tuple(dims), int(count), float(eps)
+
+    def __deepcopy__(self, memo):
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SplitRmsNorm.apply(traced_as_now(x), self.group, list(self.dims), self.count, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"dims={list(self.dims)}, count={self.count}, eps={self.eps}"
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross-entropy of logits split by vocabulary (Megatron's vocab-parallel loss).
 

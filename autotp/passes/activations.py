@@ -16,12 +16,16 @@ A region is found from a tensor ``x``: the pointwise ops (:data:`MEANING`) whose
 floating dtype, closed under its root (every node but the root read only inside the region). Its
 value is built as a sympy expression in ``x`` and decided **symbolically** (:func:`identify`):
 expanded (function arguments too) into terms ``c * x**k * f(polynomial in x)``, with ``tanh(y)``
-written ``2 * sigmoid(2y) - 1`` so that every spelling of a GELU (``0.5 * x * (1 + tanh(...))``,
-``x * 0.5 * ...``, ``x * sigmoid(2y)``, ``pow(x, 3)`` or ``x * x * x``, the constant as
-``math.sqrt(2 / math.pi)`` or a literal) reaches one form, compared term by term with each known
+written ``2 * sigmoid(2y) - 1`` and the logistic function written out (``1 / (1 + exp(-y))``,
+through ``div``, ``reciprocal`` or ``1 / ...``) written ``sigmoid(y)``, so that every spelling of
+a GELU (``0.5 * x * (1 + tanh(...))``, ``x * 0.5 * ...``, ``x * sigmoid(2y)``, ``pow(x, 3)`` or
+``x * x * x``, the constant as ``math.sqrt(2 / math.pi)`` or a literal) and of a SiLU
+(``x * sigmoid(x)``, ``x / (1 + exp(-x))``) reaches one form, compared term by term with each known
 op's (:data:`KNOWN`). Coefficients must agree to :data:`REL_TOL` (the ten significant digits models
 write ``0.7978845608`` with); a different constant (``0.0447``) is another function and stays as
-written. Nothing here reads a module's or a model's name: the rule is the value the ops compute.
+written. QuickGELU (``x * sigmoid(1.702 x)``) is no ATen op's function (``gelu`` is exact or
+tanh, ``silu`` has no scale) and stays as written: no fusion that is not the same math. Nothing
+here reads a module's or a model's name: the rule is the value the ops compute.
 """
 from __future__ import annotations
 
@@ -89,11 +93,13 @@ MEANING: dict[Any, Callable[..., sympy.Expr | None]] = {
     aten.tanh.default: lambda a, kw: None if kw else 2 * _sigmoid(2 * a) - 1,   # one form for both
     aten.sigmoid.default: lambda a, kw: None if kw else _sigmoid(a),
     aten.erf.default: lambda a, kw: None if kw else sympy.erf(a),
+    aten.exp.default: lambda a, kw: None if kw else sympy.exp(a),
+    aten.reciprocal.default: lambda a, kw: None if kw else 1 / a,
 }
 #: pow(x, e) takes its exponent as a number, not an operand to expand
 _POW = aten.pow.Tensor_Scalar
 #: a region computes one of these only if it holds one (no known op is a polynomial)
-_TRANSCENDENTAL = frozenset({aten.tanh.default, aten.sigmoid.default, aten.erf.default})
+_TRANSCENDENTAL = frozenset({aten.tanh.default, aten.sigmoid.default, aten.erf.default, aten.exp.default})
 
 
 @dataclass(frozen=True)
@@ -176,9 +182,31 @@ def _known_terms() -> tuple:
     return tuple((known, _terms(_canonical(known.value))) for known in KNOWN)
 
 
+def _logistic(power: sympy.Expr) -> sympy.Expr | None:
+    """``1 / (a + b exp(c))`` (numbers ``a``, ``b`` of one sign) as ``sigmoid(-c - log(b/a)) / a``,
+    the same function; None for any other power."""
+    if not (power.is_Pow and power.exp == -1):
+        return None
+    a, b, c = sympy.Integer(0), None, None
+    for term in sympy.Add.make_args(sympy.expand(power.base)):
+        coeff, rest = term.as_coeff_Mul()
+        if rest == 1:
+            a += coeff
+        elif isinstance(rest, sympy.exp) and b is None:
+            b, c = coeff, rest.args[0]
+        else:
+            return None
+    if b is None or a == 0 or not (b / a) > 0:
+        return None
+    return _sigmoid(-c - sympy.log(b / a)) / a
+
+
 def _canonical(expr: sympy.Expr) -> sympy.Expr:
-    """``expr`` with ``tanh(y)`` as ``2 * sigmoid(2y) - 1``, the form regions are built in."""
-    return expr.replace(sympy.tanh, lambda y: 2 * _sigmoid(2 * y) - 1)
+    """``expr`` in the form regions are compared in: ``tanh(y)`` as ``2 * sigmoid(2y) - 1``, and
+    the logistic function written out (``1 / (1 + exp(-y))``: SiLU as ``x / (1 + exp(-x))``) as
+    ``sigmoid(y)``."""
+    expr = expr.replace(sympy.tanh, lambda y: 2 * _sigmoid(2 * y) - 1)
+    return expr.replace(lambda e: _logistic(e) is not None, _logistic)
 
 
 def identify(value: sympy.Expr) -> Known | None:
@@ -338,19 +366,27 @@ def fuse_activations(cap: Any) -> tuple[Any, list[Fused]]:
     """A copy of capture ``cap`` with its activation regions fused, and what was fused; ``cap``
     itself where there is none. Memoized on ``cap`` (a capture is built once per structure and
     planned many times: serial, each tp, each program)."""
-    memo = cap.__dict__.get("_fused_activations")
-    if memo is not None:
-        return memo
-    if not find_regions(cap.graph):   # most models: nothing to copy
-        cap.__dict__["_fused_activations"] = (cap, [])
+    return fused_capture(cap, "_fused_activations", lambda graph: bool(find_regions(graph)), fuse_graph)
+
+
+def fused_capture(cap: Any, memo: str, found: Callable[[fx.Graph], bool],
+                  fuse: Callable[[fx.Graph], list[Fused]]) -> tuple[Any, list[Fused]]:
+    """A copy of capture ``cap`` whose graph ``fuse`` has rewritten in place, and what it fused;
+    ``cap`` itself where ``found`` finds nothing to fuse in its graph. Memoized on ``cap`` under
+    ``memo`` (the capture itself is not changed: it is cached per structure and read by every plan)."""
+    result = cap.__dict__.get(memo)
+    if result is not None:
+        return result
+    if not found(cap.graph):   # most models: nothing to copy
+        cap.__dict__[memo] = (cap, [])
         return cap, []
     graph = fx.Graph()
     graph.output(graph.graph_copy(cap.graph, {}))   # the copy keeps the nodes' names and metadata
-    fused = fuse_graph(graph)
+    fused = fuse(graph)
     gm = _LazyGraphModule(cap.graph_module, graph)
     gm.meta.update(cap.graph_module.meta)
     result = (replace(cap, graph_module=gm), fused)
-    cap.__dict__["_fused_activations"] = result
+    cap.__dict__[memo] = result
     return result
 
 

@@ -25,6 +25,9 @@ _FOLLOW_SAME = {
     aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.to.dtype,
     aten.to.dtype_layout, aten._to_copy.default, aten.dropout.default, aten.contiguous.default,
     aten.alias.default, aten.clone.default,
+    # an RMSNorm's statistic fused (autotp/passes/norms.py): its normalized values laid out as
+    # x, as the written statistic's are (_statistic)
+    aten.rms_norm.default,
 }
 
 

@@ -14,6 +14,7 @@ from ..cost_model import get_profile
 from ..cost_model.alignment import Align
 from ..errors import ConfigError, MemoryLimitError, PlanError
 from ..passes.activations import fuse_activations as activations_fused, fused_note
+from ..passes.norms import find_norms, fuse_norms as norms_fused, norms_note
 from ..passes.pins import unholdable_pin
 from ..passes.propagate import GraphIndex, Propagation
 from ..passes.row_scales import moved
@@ -40,7 +41,7 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                keep_split: frozenset[str] = frozenset(), align: Any = "profile",
                host_reads: bool = True,
                expert_dispatch: bool | None = None,
-               fuse_activations: bool = True) -> tuple[Plan, GraphIndex, Propagation]:
+               fuse_activations: bool = True, fuse_norms: bool = True) -> tuple[Plan, GraphIndex, Propagation]:
     """The plan for a capture. ``memory_limit`` (bytes per rank; default: the profile's device
     memory) bounds training state + activations; a saved ``plan`` is replayed, not re-solved.
 
@@ -84,17 +85,30 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
     (GPT-2's tanh-GELU as ``mul``/``pow``/``add``/``tanh``) are planned, priced and run as the one
     ATen op that computes them (``aten.gelu``, ``aten.silu``; :mod:`autotp.passes.activations`), a
     plan note saying which; False keeps them as written. The plan's index then holds the fused
-    capture (the capture given is not changed)."""
-    if not isinstance(fuse_activations, bool):
-        raise ConfigError(f"fuse_activations={fuse_activations!r}: fuse_activations is True or False")
-    fused = []
+    capture (the capture given is not changed).
+
+    ``fuse_norms`` (default True): an RMSNorm's statistic written out (``pow``, ``mean``, ``add``,
+    ``rsqrt``, ``mul``) is planned, priced and run as one ``aten.rms_norm``
+    (:mod:`autotp.passes.norms`), a plan note saying which; False keeps it as written. With
+    ``sequence_parallel=False`` the statistics stay as written (a note says so): there a plan
+    splits a norm's rows along the hidden dim (x squared gathered, each rank normalizing its
+    columns), which ``aten.rms_norm``, keeping normalized dims whole, cannot."""
+    for name, flag in (("fuse_activations", fuse_activations), ("fuse_norms", fuse_norms)):
+        if not isinstance(flag, bool):
+            raise ConfigError(f"{name}={flag!r}: {name} is True or False")
+    activations, norms = [], []
     if fuse_activations:
-        cap, fused = activations_fused(cap)
-    note = fused_note(fused)
+        cap, activations = activations_fused(cap)
+    kept = None
+    if fuse_norms and sequence_parallel is not False:
+        cap, norms = norms_fused(cap)
+    elif fuse_norms and find_norms(cap.graph):
+        kept = ("norms kept as written (sequence_parallel=False): without sequence parallelism a plan may "
+                "split a norm's rows along the hidden dim, which aten.rms_norm cannot")
+    notes = [n for n in (fused_note(activations), norms_note(norms), kept) if n]
 
     def noted(result: Plan) -> Plan:
-        if note:
-            result.notes.append(note)
+        result.notes.extend(notes)
         return result
 
     try:

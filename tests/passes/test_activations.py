@@ -26,7 +26,14 @@ GELU_ERF = {
     "divided": lambda x: 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0))),
     "literal": lambda x: x * 0.5 * (1.0 + torch.erf(x * 0.7071067811865476)),
 }
-SILU = {"x * sigmoid(x)": lambda x: x * torch.sigmoid(x), "sigmoid(x) * x": lambda x: torch.sigmoid(x) * x}
+SILU = {
+    "x * sigmoid(x)": lambda x: x * torch.sigmoid(x),
+    "sigmoid(x) * x": lambda x: torch.sigmoid(x) * x,
+    "x / (1 + exp(-x))": lambda x: x / (1 + torch.exp(-x)),
+    "x * (1 / (1 + exp(-x)))": lambda x: x * (1 / (1 + torch.exp(-x))),
+    "x * reciprocal(1 + exp(-x))": lambda x: x * torch.reciprocal(1 + torch.exp(-x)),
+    "x / (2 + 2 exp(-x)) * 2": lambda x: x / (2.0 + 2.0 * torch.exp(-x)) * 2.0,
+}
 
 
 class _Fn(torch.nn.Module):
@@ -79,7 +86,12 @@ def test_a_region_inside_a_larger_chain_is_fused_alone():
 NOT_FUSED = {
     "another constant": lambda x, y: 0.5 * x * (1.0 + torch.tanh(C * (x + 0.0447 * torch.pow(x, 3.0)))),
     "sqrt(2/pi) to 4 digits": lambda x, y: 0.5 * x * (1.0 + torch.tanh(0.7979 * (x + 0.044715 * x ** 3))),
-    "QuickGELU": lambda x, y: x * torch.sigmoid(1.702 * x),
+    "QuickGELU": lambda x, y: x * torch.sigmoid(1.702 * x),   # no one ATen op computes it
+    "QuickGELU with exp": lambda x, y: x / (1 + torch.exp(-1.702 * x)),
+    "x / (1 + 2 exp(-x))": lambda x, y: x / (1 + 2.0 * torch.exp(-x)),
+    "x / (1 - exp(-x))": lambda x, y: x / (1 - torch.exp(-x)),
+    "x / (1 + exp(x))": lambda x, y: x / (1 + torch.exp(x)),
+    "x * exp(-x)": lambda x, y: x * torch.exp(-x),
     "a second tensor": lambda x, y: 0.5 * x * (1.0 + torch.tanh(C * (y + 0.044715 * torch.pow(x, 3.0)))),
     "an intermediate read elsewhere": lambda x, y: (
         lambda t: (0.5 * x * (1.0 + t), t))(torch.tanh(C * (x + 0.044715 * torch.pow(x, 3.0)))),

@@ -262,7 +262,10 @@ def test_a_fused_qkv_with_grouped_kv_heads_splits_by_head_as_megatron_would(size
     family = zoo.family_of(size).name
     model = zoo.build(family, zoo.published_config(size, layers=2), device="meta", dtype=torch.bfloat16)
     cap = capture_cache.capture(model)
-    plan = autotp.plan(model, tp)
+    # the norms as written: fused (autotp/passes/norms.py), a column-parallel o_proj whose output is
+    # gathered whole (the attention output all-gathered, then an all-to-all along s) ties the row one
+    # exactly at tp 8 (19.084 ms predicted both), and the solver may return either
+    plan = autotp.plan(model, tp, fuse_norms=False)
     qkv, o = "model.layers.1.self_attn.qkv_proj.weight", "model.layers.1.self_attn.o_proj.weight"
     rotate = 1 if 10 % tp else 0   # layer 1 of an uneven split: rank tp-1 takes the first run
     assert plan.params[qkv] == Shard(0, 3, 128, rotate, sizes=(4, 1, 1)), plan.params[qkv]
@@ -270,7 +273,8 @@ def test_a_fused_qkv_with_grouped_kv_heads_splits_by_head_as_megatron_would(size
     assert plan.attention["model.layers.1.self_attn"] == [4 * groups[(r + rotate) % tp] for r in range(tp)]
     attention = [c for c in plan.comms if c.module == "model.layers.1.self_attn"]
     assert attention == [], [(c.kind, c.tensor) for c in attention]
-    pinned = autotp.plan(model, tp, layout={"*.qkv_proj.weight": "column", "*.o_proj.weight": "row"})
+    pinned = autotp.plan(model, tp, layout={"*.qkv_proj.weight": "column", "*.o_proj.weight": "row"},
+                         fuse_norms=False)
     assert plan.compute_s + plan.comm_s <= (pinned.compute_s + pinned.comm_s) * (1 + 1e-12)
     assert (matrix_role(cap, plan, qkv), matrix_role(cap, plan, o)) == ("column", "row"), (plan.params[qkv],
                                                                                          plan.params[o])

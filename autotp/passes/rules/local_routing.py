@@ -91,7 +91,7 @@ def own_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
         if descending:
             return []
         # route_locally: the rank's rows sorted (priced as a radix sort and the kernels around
-        # it, kernels._sort_work) and its counts per expert exchanged, an all-gather of
+        # it, routing.sort_work) and its counts per expert exchanged, an all-gather of
         # tp * experts int64 numbers
         experts = info.routing_experts
         counts = (("all_gather", TensorMeta((sympy.Integer(info.tp * experts),), torch.long)),) if experts else ()

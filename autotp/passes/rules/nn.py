@@ -67,7 +67,42 @@ def _norm_rule(n_normalized: int):
 
 
 register(aten.layer_norm.default)(_norm_rule(lambda info: len(info.args[1])))
-register(aten.rms_norm.default)(_norm_rule(lambda info: len(info.args[1])))
+
+
+@register(aten.rms_norm.default)
+def rms_norm_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
+    """``rms_norm(x, normalized_shape, weight, eps)`` splits along the dims it does not normalize.
+    Without a weight (an RMSNorm's statistic, ``autotp/passes/norms.py``) also along a normalized
+    dim split into whole heads (atoms of more than one element; OLMo2's q/k norms over all heads'
+    width), as the written statistic does (:func:`mean_rule`): each rank's sum of squares, one
+    number per row, all-reduced forward, and ``sum(dy * x)`` backward (``SplitRmsNorm``), in
+    float32 at least. Not on a plain split (the residual stream's hidden dim), as the mean's."""
+    k = len(info.args[1])
+    out = _norm_rule(lambda _: k)(info, placements)
+    x, px = info.inputs[0], placements[0]
+    if len(info.inputs) == 1 and is_shard(px) and px.dim >= x.ndim - k and px.unit > 1 and not px.holds_whole \
+            and px.outer < 0:
+        computed = torch.promote_types(x.dtype, torch.float32)
+        row = TensorMeta(tuple(x.shape[:x.ndim - k]) + (sympy.Integer(1),) * k, computed)
+        out.append(Strategy((px,), px, internal=(("all_reduce", row), ("all_reduce", row))))
+    return out
+
+
+@register_localizer(aten.rms_norm.default)
+def rms_norm_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
+    x, px = info.inputs[0], strategy.inputs[0]
+    k = len(info.args[1])
+    if not (is_shard(px) and px.dim >= x.ndim - k):
+        return info.target, args, kwargs
+    from ...distributed.functional import SplitRmsNorm
+
+    count = 1
+    for size in info.args[1]:
+        count *= int(size)
+    eps = args[3] if len(args) > 3 else kwargs.get("eps")
+    if eps is None:   # aten.rms_norm's default: the epsilon of the type it computes in
+        eps = torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
+    return SplitRmsNorm(ctx.group, tuple(range(x.ndim - k, x.ndim)), count, eps), (args[0],), {}
 
 
 @register(aten.scaled_dot_product_attention.default)
