@@ -60,20 +60,24 @@ def _mixtral_8x7b(sequence_parallel: bool):
     size = "mixtral-8x7b"
     model = zoo.build(zoo.published_sizes()[size], zoo.published_config(size, layers=1), device="meta",
                       dtype=torch.bfloat16)
-    return dict(model=model, tp=8, batch=2, seq=4096, profile="h200", layout=ETP, sequence_parallel=sequence_parallel)
+    return dict(model=model, tp=8, batch=2, seq=4096, profile="h200", layout=ETP, sequence_parallel=sequence_parallel,
+                fuse_norms=False)
 
 
 def _olmo2_7b():
     return dict(model=zoo.build("olmo2", zoo.published_config("olmo-2-7b", layers=1), device="meta",
-                                dtype=torch.bfloat16), tp=8)
+                                dtype=torch.bfloat16), tp=8, fuse_norms=False)
 
 
 def _olmo2_tiny_megatron():
     config = zoo.tiny_config("olmo2", layers=1, heads=8, kv_heads=8, head_dim=16, vocab=128, positions=64)
     return dict(model=zoo.build("olmo2", config, device="meta", dtype=torch.bfloat16), tp=8, batch=2, seq=16,
-                profile="h200", layout=MEGATRON["llama"])
+                profile="h200", layout=MEGATRON["llama"], fuse_norms=False)
 
 
+#: each case keeps its RMSNorms written (fuse_norms=False): the float32 squares and q/k statistics
+#: those send across ranks are the conversions under test (fused, a statistic may instead be an
+#: op's own all-reduce, SplitRmsNorm's, priced as an internal collective)
 CASES = {"mixtral-8x7b-etp-sp": lambda: _mixtral_8x7b(True), "mixtral-8x7b-etp": lambda: _mixtral_8x7b(False),
          "olmo-2-7b": _olmo2_7b, "olmo2-tiny-megatron": _olmo2_tiny_megatron}
 
@@ -138,8 +142,11 @@ def test_mixtral_expert_tp_with_sequence_parallelism_takes_the_plan_cheaper_unde
     nodes = {n.name: n for n in index.capture.graph.nodes}
     big = sorted((c.kind, nodes[c.tensor].target.__name__) for c in experts
                  if max(c.fwd_bytes, c.bwd_bytes) >= rows * hidden * 2 * share)
-    assert big == [("f", "_grouped_mm.default"), ("f", "to.dtype"),
-                   ("g", "_grouped_mm.default"), ("g", "index.Tensor")], experts
+    # the rows' pair is on the gathered rows or on their same-dtype cast (a tie: same tensor, same bytes)
+    rows_op = {"index.Tensor", "to.dtype"}
+    assert [k for k, _ in big] == ["f", "f", "g", "g"], experts
+    assert [t for _, t in big].count("_grouped_mm.default") == 2, experts
+    assert {t for _, t in big} - {"_grouped_mm.default"} <= rows_op, experts
     assert not [c for c in plan.comms if c.kind in ("g", "scatter") and c.consumer.startswith("to_dtype")
                 and c.tensor.startswith("sum")], plan.comms
     assert not [c for c in plan.comms if str(c.dst) == "P(tokens 0)"], plan.comms
