@@ -12,7 +12,8 @@ the cost model's own, ``autotp.cost_model.symbolic``; no device is run):
   (``DeviceProfile.product_rate``: half rate at ``product_half_work`` multiply-adds and at
   ``product_half_k`` contracted);
 * **bytes above the share**: memory-bound bytes a rank moves beyond serial's / N (an op a split
-  leaves whole on every rank: the vocabulary-parallel embedding's partial output and gradient);
+  leaves whole on every rank: the masked vocabulary-parallel lookup's partial output and gradient;
+  the copies that lay out an op's own collectives, a table read by columns);
 * **unevenness**: the busiest rank's ops against the mean over the ranks (heads tp does not deal
   evenly; the rotation of the larger part from layer to layer is already in it);
 * **activations and norms fused**: the bytes serial moves / N beyond those of serial fused as the
@@ -47,7 +48,9 @@ from benchmarks.common import publish  # noqa: E402
 def per_node(index, prop, profile, rank):
     """node -> (op name, weight shape or None, {products, attention, bytes, launches} seconds, launches)."""
     from autotp.capture.program import op_name
-    from autotp.cost_model.symbolic import PRODUCTS, evaluate, op_work, split_seconds
+    from autotp.cost_model.symbolic import PRODUCTS, evaluate, nbytes, numel, op_work, split_seconds
+
+    from autotp.passes.propagate import internal_copy_seconds
 
     out = {}
     for node, strat in prop.chosen.items():
@@ -55,6 +58,11 @@ def per_node(index, prop, profile, rank):
         parts = split_seconds(info, strat, index.env, profile, index.tp, index.align, rank)
         work = op_work(info, strat, profile, index.tp, rank)
         moved = sum(evaluate(b, index.env) / profile.bandwidth(c) for c, b in work.moved)
+        # the copies that lay out an op's own collectives' tensors (the rows an expert product
+        # gathers, a table read by columns), as the planner prices them
+        moved += sum(internal_copy_seconds(kind, nbytes(meta, index.env, profile.dtype_bytes, index.train_dtype),
+                                           profile, numel(meta.shape[:1], index.env), index.tp)
+                     for kind, meta in strat.internal)
         weight = tuple(info.inputs[1].shape) if info.target in PRODUCTS and len(info.inputs) > 1 else None
         out[node] = (op_name(info.target), weight, {"products": parts["products"], "attention": parts["attention"],
                                                    "bytes": moved, "launches": work.launches * profile.launch_s},

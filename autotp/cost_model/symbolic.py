@@ -283,6 +283,8 @@ COLLECTIVES = {
     "reshard": ("all_gather", "all_gather"),
     "all_reduce": ("all_reduce", None),     # inside an op (vocab-parallel cross-entropy)
     "all_to_all": ("all_to_all", "all_to_all"),   # inside an op (an expert dispatch), reversed backward
+    # inside an op: a row-split table read by columns (rules/nn.py's BY_COLUMNS), reversed backward
+    "all_to_all_columns": ("all_to_all", "all_to_all"),
     "all_gather_rows": ("all_gather", "reduce_scatter"),   # inside an op: rows of a rank's tokens (f fused in)
     "grad_if": (None, None),      # a read of an all_gather_f made for another consumer (its copies:
     "rank_slice": (None, None),   # propagate.read_seconds)

@@ -30,6 +30,38 @@ def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor,
     return out.masked_fill_(~mask.unsqueeze(-1), 0)
 
 
+class EmbeddingByColumns(torch.nn.Module):
+    """``aten.embedding`` of a table split by rows (``rows``: the vocabulary, as a vocab-parallel
+    head holds it) read by columns: one all-to-all turns the rank's rows into every row's
+    ``columns`` part (:func:`~autotp.distributed.collectives.reshard_tp`), and the lookup of every
+    id writes the rank's columns of the output (``b·s·h/tp``, where a masked lookup of its own rows
+    writes ``b·s·h``). The table's gradient, the tokens' rows scattered into those columns, goes
+    back to the rows' ranks by the reverse all-to-all, each element summed on one rank alone:
+    serial's sums, exact. ``padding_idx`` counts in the whole vocabulary, which every rank's
+    resharded table holds."""
+
+    kind = "embedding_by_columns"
+
+    def __init__(self, group, rows, columns, vocab: int):
+        super().__init__()
+        self.group, self.rows, self.columns, self.vocab = group, rows, columns, int(vocab)
+
+    def __deepcopy__(self, memo):
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def forward(self, weight: torch.Tensor, indices: torch.Tensor, *rest, **kwargs) -> torch.Tensor:
+        from .collectives import reshard_tp
+
+        table = reshard_tp(weight, self.group, self.rows, self.columns, self.vocab)   # [V, h/tp]
+        return torch.ops.aten.embedding(table, indices, *rest, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"rows={self.rows!r}, columns={self.columns!r}, vocab={self.vocab}"
+
+
 def mean_share(x: torch.Tensor, dims: tuple[int, ...], keepdim: bool, count: int,
                dtype: torch.dtype | None = None) -> torch.Tensor:
     """This rank's share of a mean over dims it holds part of: its sum over them divided by their

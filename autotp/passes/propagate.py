@@ -793,6 +793,17 @@ def internal_seconds(index: "GraphIndex", profile: DeviceProfile, strat: Strateg
     return total
 
 
+def _internal_dst(kind: str, strat: Strategy) -> Any:
+    """The placement an op's internal collective leaves its tensor in, as the plan shows it: an
+    expert dispatch's rows as the op's output; a table read by columns (rules/nn.py) split by
+    columns; a sum all-reduced (or rows all-gathered) whole."""
+    if kind == "all_to_all":
+        return strat.output
+    if kind == "all_to_all_columns":
+        return strat.output.with_dim(1)
+    return REPLICATE
+
+
 def internal_copy_seconds(kind: str, full: Any, profile: DeviceProfile, rows: Any = 0, tp: int = 1) -> Any:
     """Seconds of the work around an internal collective on every rank: the rows of every rank's
     tokens all-gathered (``all_gather_rows``, ``rows`` of them) are put in their sorted order by
@@ -801,6 +812,10 @@ def internal_copy_seconds(kind: str, full: Any, profile: DeviceProfile, rows: An
     holders (``distributed/gathered_rows.GatherRowsTP``): their holders gathered (an int64 each),
     then laid out rank by rank by a counting pass over the ``tp`` ranks, each row's place and
     the order written by it (:func:`~autotp.cost_model.kernels.holders_order_work`)."""
+    if kind == "all_to_all_columns":
+        # a row-split table read by columns (rules/nn.py): the rank's part cut into its columns'
+        # blocks to send, forward, and the gradient's blocks put back in its rows, backward
+        return 2 * (2 * full / tp / profile.bandwidth("elementwise") + profile.launch_s)
     if kind != "all_gather_rows":
         return 0.0
     from ..cost_model.kernels import holders_order_work
@@ -1152,8 +1167,8 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
             compute += internal_copy_seconds(kind, full, profile, numel(meta.shape[:1], env), tp)
             fw_b, bw_b = collective_bytes(kind, full, tp)
             comm += seconds
-            comms.append(Comm(kind, node.name, best.inputs[0], best.output if kind == "all_to_all" else REPLICATE,
-                              node.name, full, fw_b, bw_b, seconds))
+            comms.append(Comm(kind, node.name, best.inputs[0], _internal_dst(kind, best), node.name, full, fw_b,
+                              bw_b, seconds))
         sharded = _sharded_compute(best)
         for i, (inp, meta, want) in enumerate(zip(inputs, info.inputs, best.inputs)):
             f = wants_f(want, sharded, meta, inp in index.grads, apart=best.f_runs_only and i == 0)

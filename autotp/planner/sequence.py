@@ -19,7 +19,10 @@ def sequence_regions(index: GraphIndex, prop: Propagation) -> int:
     """How many regions of a propagation run split along the sequence: reduce-scatters of a
     Partial along a dynamic dim or along the length a program holds as a number
     (``Capture.static_lengths``: Mamba's capture on CPU), or into the tokens' rows of a sequence
-    split flattened with the batch (``[b*s, h]``: OPT's MLP)."""
+    split flattened with the batch (``[b*s, h]``: OPT's MLP); and a split of another dim moved into
+    such a split, where no partial sum enters the region (embeddings split by columns, resharded
+    into the sequence split at the first norm: ``rules/nn.py``; by an all-to-all, or cut from an
+    all-gather another consumer shares)."""
     from ..passes.propagate import _meta
     from ..passes.rules.contract import along_sequence
 
@@ -28,7 +31,9 @@ def sequence_regions(index: GraphIndex, prop: Propagation) -> int:
     for c in prop.comms:
         if c.kind == "reduce_scatter" and isinstance(c.dst, Routed) and c.dst.tokens:
             count += 1
-        elif c.kind == "reduce_scatter" and isinstance(c.dst, Shard) and c.tensor in nodes:
+        elif c.kind in ("reduce_scatter", "all_to_all", "scatter") and isinstance(c.dst, Shard) and c.tensor in nodes:
+            if c.kind != "reduce_scatter" and not (isinstance(c.src, Shard) and c.src.dim != c.dst.dim):
+                continue   # (a whole tensor sliced to the rank's tokens enters no region of its own)
             meta = _meta(nodes[c.tensor])
             if meta is not None and (meta.static(c.dst.dim) is None or along_sequence(meta, c.dst.dim, index.sequence)):
                 count += 1
@@ -48,8 +53,8 @@ def sequence_note(index: GraphIndex, prop: Propagation) -> str | None:
         return None
     how = "forced (sequence_parallel=True)" if index.force_sequence else "chosen by cost (cheaper than all-reducing there)"
     return (f"sequence parallelism in {regions} region{'s' if regions > 1 else ''}, {how}: layer norms, dropouts and "
-            "residual adds run on s/tp tokens between a reduce-scatter and an all-gather along s (Megatron-SP's ḡ "
-            "and f̄)")
+            "residual adds run on s/tp tokens between a reduce-scatter (or, from a split by columns, an all-to-all) "
+            "and an all-gather along s (Megatron-SP's ḡ and f̄)")
 
 
 def sequence_dropped(inputs: Mapping[str, Any], training: bool, step: str, cap: Capture, tp: int) -> str:

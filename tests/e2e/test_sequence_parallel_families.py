@@ -7,9 +7,10 @@ fused in); then a
 training call (loss, logits, every gradient), an inference call in eval mode, a left-padded
 inference call (an attention mask) and greedy ``generate`` (causal families) must each equal the
 serial model's: float64 within TOLERANCE, tokens identical. The program that ran each of them
-must hold at least one reduce-scatter along the sequence (the force took there, not only in the
-first program), or, for generate's one-token decode step, say in its plan why it has none; the
-lengths are ones tp does not divide.
+must hold at least one region along the sequence, entered by a reduce-scatter or by the embeddings
+moved in from their columns (the force took there, not only in the first program), or, for
+generate's one-token decode step, say in its plan why it has none; the lengths are ones tp does
+not divide.
 
 The fast tier runs two families (GPT-2's Conv1D, Llama's rotary/RMSNorm/SwiGLU) at tp 2, planned
 at a small workload with their row-parallel products pinned (``SMALL``), where a later program
@@ -72,7 +73,11 @@ def sp_calls(case: dict) -> dict:
     programs: dict = {}
 
     def ran(call: str, plan) -> None:
-        along_s = [c for c in plan.comms if c.kind == "reduce_scatter" and c.dst == "S(1)"]
+        # a region along s entered by a reduce-scatter, or by the embeddings moved in from their
+        # columns (a tied table read by columns, or split so: rules/nn.py; at these widths the cost
+        # model keeps the layers whole, and the embeddings' region may be the program's only one)
+        along_s = [c for c in plan.comms if c.dst == "S(1)" and (c.kind == "reduce_scatter" or (
+            c.kind in ("all_to_all", "scatter") and c.src.startswith("S(") and not c.src.startswith("S(1")))]
         merged = [c for c in plan.comms if c.kind == "reduce_scatter" and c.dst == MERGED_ROWS]
         programs[call] = (len(along_s), [n for n in plan.notes if n.startswith(UNSPLIT)], len(merged))
 
@@ -119,8 +124,8 @@ def assert_sp_calls(cluster_of, case: dict) -> None:
             if call == "decode":   # one token a row: nothing to split, planned by cost, said
                 assert unsplit, (case, rank, call, along_s, unsplit)
             else:
-                assert along_s >= 1 and not unsplit, (case, rank, call, "no reduce-scatter along the sequence in "
-                                                      "its program: the force did not take there", unsplit)
+                assert along_s >= 1 and not unsplit, (case, rank, call, "no region along the sequence in its "
+                                                      "program: the force did not take there", unsplit)
                 if case["family"] in FLATTENED:
                     assert merged >= 1, (case, rank, call, "no reduce-scatter into the tokens' rows of [b*s, h]")
         worst = max(r["errors"], key=r["errors"].get)

@@ -31,6 +31,7 @@ from autotp.passes.rules.view_map import map_view_shard
 from autotp.placements import PARTIAL, REPLICATE, Partial, Replicate, Routed, Shard
 from autotp.distributed.collectives import assemble, local_shard
 from autotp.distributed.functional import vocab_parallel_embedding
+from autotp.passes.rules.nn import BY_COLUMNS
 
 aten = torch.ops.aten
 R, P = REPLICATE, PARTIAL
@@ -225,10 +226,20 @@ def check_strategy(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, 
         if _picks_routed_rows(info, strategy):
             outs.append(_routed_pick_on_rank(info, strategy, a, r, full))
             continue
-        if loc is not None:
+        if _reads_by_columns(strategy):   # its all-to-all, simulated: every rank's rows, cut by columns
+            rows = assemble([per_rank[q][at[0]] for q in range(tp)], strategy.inputs[0], leaves[at[0]].shape[0])
+            a = (local_shard(rows, strategy.output.with_dim(1), tp, r),) + tuple(a[1:])
+        elif loc is not None:
             target, a, kw = loc(info, strategy, tuple(a), dict(kw), LocalContext(tp, r))
         outs.append(_call(target, a, kw))
     combine_and_compare(outs, strategy.output, full, tp, what)
+
+
+def _reads_by_columns(strategy: Strategy) -> bool:
+    """An embedding's vocab-split table read by columns (rules/nn.py): the rank's program runs the
+    lookup on the table an all-to-all made (``EmbeddingByColumns``), which these simulated ranks
+    cannot run; the op itself then runs on what the all-to-all hands the rank."""
+    return any(kind == BY_COLUMNS for kind, _ in strategy.internal)
 
 
 def _picks_routed_rows(info: OpInfo, strategy: Strategy) -> bool:
@@ -413,6 +424,24 @@ def test_a_vocab_sharded_embedding_is_partial_through_vocab_parallel_embedding(d
     strategy = next(s for s in offered if s.inputs == (vocab_shard, R))
     target, _, _ = localizer(aten.embedding.default)(case.info(), strategy, case.args, {}, LocalContext(tp, 0))
     assert target is vocab_parallel_embedding
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_a_vocab_split_table_may_be_read_by_columns(data):
+    """A table split by vocabulary (tied to a vocab-parallel head) read by columns: its all-to-all
+    inside the op (``Strategy.internal``), each rank looking up every id in its columns, the output
+    split on its last dim; simulated here (:func:`_reads_by_columns`), run on gloo ranks in
+    tests/e2e/test_embedding_by_columns.py."""
+    tp, gen = data.draw(tps), _gen(data.draw)
+    vocab = data.draw(st.integers(tp, 3 * tp + 2))   # every rank holds a row; tp need not divide it
+    hidden = tp * data.draw(st.integers(1, 3))
+    weight, indices = _tensor(gen, (vocab, hidden)), _tensor(gen, (2, 5), torch.long, 0, vocab)
+    case = data.draw(_case(aten.embedding.default, [weight, indices], tp=tp, place=(Shard(0), R)))
+    offered = check_case(case)
+    by_columns = [s for s in offered if s.internal]
+    assert [(s.inputs, s.output, [k for k, _ in s.internal]) for s in by_columns] \
+        == [((Shard(0), R), Shard(2), [BY_COLUMNS])], offered
 
 
 @settings(max_examples=20, deadline=None)
@@ -1606,6 +1635,31 @@ def test_add_of_a_partial_offers_a_reduce_scatter_along_the_sequence_only():
 def test_sequence_shards_need_uneven_splits_since_the_length_is_known_only_at_run_time():
     offered = strategies(_sequence_add_info(uneven=False), (PARTIAL, REPLICATE))
     assert not any(isinstance(st.output, Shard) for st in offered)
+
+
+@pytest.mark.parametrize("target", [aten.layer_norm.default, aten.rms_norm.default])
+def test_a_norm_over_a_hidden_split_input_may_take_it_resharded_into_the_sequence(target):
+    # an embedding split by columns reaches the first norm: gathered whole before, now also resharded
+    # into the sequence split by one all-to-all (sequence parallelism's region), where a sequence is offered
+    b, s = sympy.Symbol("b", integer=True, positive=True), sympy.Symbol("s", integer=True, positive=True)
+    x, w = TensorMeta((b, s, sympy.Integer(32)), F64), TensorMeta((sympy.Integer(32),), F64)
+    args = (x, [32], w, 1e-5) if target is aten.rms_norm.default else (x, [32], w, w, 1e-5)
+    metas = (x, w) if target is aten.rms_norm.default else (x, w, w)
+    info = OpInfo(target, args, {}, metas, x, 4, uneven=True)
+    before = strategies(info, (Shard(2),) + (REPLICATE,) * (len(metas) - 1))
+    assert [st.output for st in before] == [REPLICATE]   # no sequence offered: gathered whole
+    info.sequence = frozenset({s})
+    offered = strategies(info, (Shard(2),) + (REPLICATE,) * (len(metas) - 1))
+    assert Strategy((Shard(1),) + (REPLICATE,) * (len(metas) - 1), Shard(1)) in offered, offered
+    # and it is the norm on the rank's tokens: every row whole on the rank that holds it
+    gen = torch.Generator().manual_seed(0)
+    xt, wt = torch.randn(2, 7, 32, generator=gen, dtype=F64), torch.randn(32, generator=gen, dtype=F64)
+    tensors = (xt, wt) if target is aten.rms_norm.default else (xt, wt, wt)
+    concrete = OpInfo(target, tuple(_meta(t) for t in tensors), {}, tuple(_meta(t) for t in tensors),
+                      _meta(xt), 4, uneven=True)
+    call = (xt, [32], wt, 1e-5) if target is aten.rms_norm.default else (xt, [32], wt, wt, 1e-5)
+    concrete.args = tuple(_meta_of_tensor(a) for a in call)
+    check_strategy(concrete, Strategy((Shard(1),) + (REPLICATE,) * (len(tensors) - 1), Shard(1)), call, {})
 
 
 def test_a_sequence_shard_survives_a_view_that_keeps_the_sequence_dim_and_not_a_flatten():

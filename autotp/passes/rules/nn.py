@@ -7,19 +7,33 @@ from typing import Any
 import sympy
 import torch
 
-from ...placements import PARTIAL, REPLICATE, Shard, divides, local_ranges, local_size
+from ...placements import PARTIAL, REPLICATE, Shard, divides, local_ranges, local_size, resharded_by_all_to_all
 
-from .contract import LocalContext, OpInfo, Strategy, TensorMeta
+from .contract import LocalContext, OpInfo, Strategy, TensorMeta, along_sequence
 from .registry import is_shard, norm_dim, register, register_localizer
 
 aten = torch.ops.aten
+
+#: an op's internal collective (``Strategy.internal``): a vocab-split table read by columns, one
+#: all-to-all each way (:class:`~autotp.distributed.functional.EmbeddingByColumns`)
+BY_COLUMNS = "all_to_all_columns"
 
 
 @register(aten.embedding.default)
 def embedding_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     """weight [V, h], indices [...]: hidden-split weight -> output split on its last dim;
-    vocab-split weight -> each rank looks up its own rows (others masked to 0) -> Partial;
-    indices split on a dim -> output split on that dim."""
+    vocab-split weight -> each rank looks up its own rows (others masked to 0) -> Partial, or
+    reads the table by columns (:data:`BY_COLUMNS`) -> output split on its last dim;
+    indices split on a dim -> output split on that dim.
+
+    The second reading of a vocab-split table is for a table the head keeps split by vocabulary
+    (GPT-2's ``wte`` tied to ``lm_head``): the masked lookup writes every token's whole row on
+    every rank (``b·s·h``) and scatters every token's gradient row back, where the rank's share is
+    ``1/tp`` of that. An all-to-all of the table inside the op ((tp-1)/tp² of it sent each way)
+    hands each rank every row's ``h/tp`` columns, and its lookup of every id writes ``b·s·h/tp``;
+    its gradient, scattered into those columns, goes back to the rows' ranks by the reverse
+    all-to-all. The cost model weighs the table's bytes against the tokens' (a decode step of a
+    few tokens keeps the masked lookup)."""
     pw, pi = placements[0], placements[1]
     last = info.output.ndim - 1
     out = [Strategy((REPLICATE, REPLICATE), REPLICATE)]
@@ -36,6 +50,8 @@ def embedding_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
         held = is_shard(pw) and pw.dim == 0 and vocab // (pw.parts * pw.unit) >= info.tp
         w = pw if held else Shard(0)
         out.append(Strategy((w, REPLICATE), PARTIAL))
+        if hidden is not None and resharded_by_all_to_all(w, hidden.with_dim(1)):
+            out.append(Strategy((w, REPLICATE), hidden, internal=((BY_COLUMNS, info.inputs[0]),)))
     if is_shard(pi):
         out.append(Strategy((REPLICATE, pi), pi))
     return out
@@ -46,6 +62,11 @@ def embedding_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: d
     pw = strategy.inputs[0]
     if not (is_shard(pw) and pw.dim == 0):
         return info.target, args, kwargs
+    if strategy.internal:   # the table read by columns: the op as it is, on the resharded table
+        from ...distributed.functional import EmbeddingByColumns
+
+        module = EmbeddingByColumns(ctx.group, pw, strategy.output.with_dim(1), info.inputs[0].static(0))
+        return module, tuple(args), kwargs
     from ...distributed.functional import vocab_parallel_embedding
 
     ranges = local_ranges(info.inputs[0].static(0), pw, ctx.tp, ctx.rank)
@@ -54,16 +75,33 @@ def embedding_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: d
 
 
 def _norm_rule(n_normalized: int):
+    """A norm over the last ``n_normalized`` dims runs on whole rows: an input split along a dim
+    before them passes through; one split along a normalized dim (an embedding split by hidden
+    columns) is gathered whole, or resharded by one all-to-all into the sequence split where the
+    program has a sequence to split (sequence parallelism's region, :func:`_into_sequence`)."""
     def rule(info: OpInfo, placements: tuple) -> list[Strategy]:
         x = info.inputs[0]
         px = placements[0]
         n_params = len(info.inputs) - 1
+        params = tuple(REPLICATE for _ in range(n_params))
         out = [Strategy(tuple(REPLICATE for _ in info.inputs), REPLICATE)]
-        if is_shard(px) and px.dim < x.ndim - n_normalized(info):
-            out.append(Strategy((px,) + tuple(REPLICATE for _ in range(n_params)), px))
+        kept = x.ndim - n_normalized(info)
+        if is_shard(px) and px.dim < kept:
+            out.append(Strategy((px,) + params, px))
+        elif is_shard(px):
+            out += [Strategy((shard,) + params, shard) for shard in _into_sequence(info, kept)]
         return out
 
     return rule
+
+
+def _into_sequence(info: OpInfo, dims: int) -> list[Shard]:
+    """Fresh sequence shards of the output among its first ``dims`` dims (none where the program
+    offers no sequence parallelism: ``OpInfo.sequence`` empty)."""
+    out = info.output
+    return [shard for d in range(dims)
+            if out.static(d) is None or along_sequence(out, d, info.sequence)
+            for shard in (info.fresh_shard(d),) if shard is not None]
 
 
 register(aten.layer_norm.default)(_norm_rule(lambda info: len(info.args[1])))
