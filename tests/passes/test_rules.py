@@ -219,6 +219,9 @@ def check_strategy(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, 
         for r, piece in enumerate(distribute(leaves[i], want, tp, gen)):
             per_rank[r][i] = piece
     loc = localizer(info.target)
+    if _splits_the_statistic(info, strategy):
+        xs = [per_rank[r][at[0]] for r in range(tp)]
+        return combine_and_compare(_split_rms_norm_on_ranks(info, xs, args), strategy.output, full, tp, what)
     outs = []
     for r in range(tp):
         a, kw = pytree.tree_unflatten(per_rank[r], spec)
@@ -240,6 +243,25 @@ def _reads_by_columns(strategy: Strategy) -> bool:
     lookup on the table an all-to-all made (``EmbeddingByColumns``), which these simulated ranks
     cannot run; the op itself then runs on what the all-to-all hands the rank."""
     return any(kind == BY_COLUMNS for kind, _ in strategy.internal)
+
+
+def _splits_the_statistic(info: OpInfo, strategy: Strategy) -> bool:
+    """An ``rms_norm`` (no weight) split along a normalized dim: the rank's program runs
+    ``SplitRmsNorm``, whose all-reduce of each rank's sum of squares these simulated ranks make."""
+    return info.target is aten.rms_norm.default and any(kind == "all_reduce" for kind, _ in strategy.internal)
+
+
+def _split_rms_norm_on_ranks(info: OpInfo, xs: list, args: tuple) -> list:
+    """What ``SplitRmsNorm`` computes on each rank, its all-reduce made here: every rank's sum of
+    squares over the normalized dims summed over ranks, each rank's part scaled by it."""
+    k = len(args[1])
+    dims = list(range(xs[0].ndim - k, xs[0].ndim))
+    count = 1
+    for size in args[1]:
+        count *= int(size)
+    eps = args[3] if len(args) > 3 and args[3] is not None else torch.finfo(xs[0].dtype).eps
+    total = sum(x.square().sum(dims, keepdim=True) for x in xs)
+    return [x * torch.rsqrt(total / count + eps) for x in xs]
 
 
 def _picks_routed_rows(info: OpInfo, strategy: Strategy) -> bool:
@@ -488,7 +510,11 @@ def norm_cases(draw) -> Case:
 def test_layer_norm_and_rms_norm_strategies_compute_the_norm(case):
     offered = check_case(case)
     normalized = len(case.args[1])
-    assert all(not isinstance(s.output, Shard) or s.output.dim < case.args[0].ndim - normalized for s in offered)
+    # split along a normalized dim only as SplitRmsNorm (an rms_norm without a weight, its
+    # statistic all-reduced), checked above on the simulated ranks like every strategy
+    assert all(not isinstance(s.output, Shard) or s.output.dim < case.args[0].ndim - normalized
+               or (case.target is aten.rms_norm.default and case.args[2] is None and s.internal)
+               for s in offered)
 
 
 @st.composite

@@ -10,7 +10,7 @@ import torch
 from ...placements import PARTIAL, REPLICATE, Shard, divides, local_ranges, local_size, resharded_by_all_to_all
 
 from .contract import LocalContext, OpInfo, Strategy, TensorMeta, along_sequence
-from .registry import is_shard, norm_dim, register, register_localizer
+from .registry import is_partial, is_shard, norm_dim, register, register_localizer
 
 aten = torch.ops.aten
 
@@ -78,7 +78,11 @@ def _norm_rule(n_normalized: int):
     """A norm over the last ``n_normalized`` dims runs on whole rows: an input split along a dim
     before them passes through; one split along a normalized dim (an embedding split by hidden
     columns) is gathered whole, or resharded by one all-to-all into the sequence split where the
-    program has a sequence to split (sequence parallelism's region, :func:`_into_sequence`)."""
+    program has a sequence to split (sequence parallelism's region, :func:`_into_sequence`). A
+    partial sum meeting the norm first (a fused RMSNorm's statistic right after a row-parallel
+    product and an add that kept it partial) may be reduce-scattered into that split too, and
+    must be where sequence parallelism is forced, as a pointwise op's Partial is
+    (``pointwise._with_sequence_entry``)."""
     def rule(info: OpInfo, placements: tuple) -> list[Strategy]:
         x = info.inputs[0]
         px = placements[0]
@@ -90,6 +94,9 @@ def _norm_rule(n_normalized: int):
             out.append(Strategy((px,) + params, px))
         elif is_shard(px):
             out += [Strategy((shard,) + params, shard) for shard in _into_sequence(info, kept)]
+        elif is_partial(px):   # a partial sum met here first: reduce-scattered into the sequence split
+            entry = [Strategy((shard,) + params, shard) for shard in _into_sequence(info, kept)]
+            out = entry if entry and info.force_sequence else out + entry
         return out
 
     return rule
