@@ -1,7 +1,7 @@
 """A fused RMSNorm statistic (``autotp/passes/norms.py``) is priced as the kernels CUDA runs for
 ``aten.rms_norm``: one ``_fused_rms_norm`` forward (reads x, writes y) and one
 ``_fused_rms_norm_backward`` (reads the output's gradient and x, writes x's), at the rate a norm
-kernel attains (``kernels._norm_work``), where Llama's written statistic is priced as its five ops'
+kernel attains (``cost_model/norms.norm_work``), where Llama's written statistic is priced as its five ops'
 kernels, forward and backward. Llama on the meta device, Megatron's layout at tp 2, profile h200."""
 import sympy
 import torch
