@@ -9,7 +9,7 @@ from typing import Any
 import sympy
 import torch
 
-from ..placements import Partial, Routed, Shard, local_size, max_local_size
+from ..placements import REPLICATE, Partial, Routed, Shard, local_size, max_local_size
 from .work import NO_WORK, OpWork, RankOp, element_bytes, local_shape
 
 #: bits of the key a radix sort's pass orders (CUB's onesweep sort, which ``torch.sort`` runs on a
@@ -121,6 +121,87 @@ def local_dispatch_plan_work(rows: Any, experts: int, tp: int, rank: int | None 
         (ew, 8 * got), ("scatter", 24 * got),           # the arrival's inverse
     ]
     return OpWork(moved=tuple((cls, sympy.sympify(b)) for cls, b in kernels), launches=len(kernels))
+
+
+def dispatch_sizes_work(rows: Any, experts: int, tp: int, offs_bytes: int, rank: int | None = None) -> OpWork:
+    """The kernels :func:`autotp.distributed.experts.dispatch_sizes` runs once a layer where the
+    rows were sorted whole (every rank's ``rows`` (token, expert) rows, sorted by expert, with
+    their holders), each with the bytes it touches: where the ranks end among the sorted rows
+    (``_expert_ranks``: the cumulative counts at each run's last expert, a copy where a rank
+    holds several experts; where tp does not divide the experts, every expert's count, a sum a
+    rank and their cumulative sum, as ``int64``), each row's destination rank (an ``arange`` of
+    every row, bucketized by the ends), the rows sent to each rank and received from each (each
+    a zero fill, a comparison of every row's rank, its cast, a scatter-add reading and writing
+    the entries it adds), rank 0's start (a zero of the ends' type; another rank's is a view),
+    and the numbers read to the host put together (a ``cat``; the read itself is the layer's
+    one read, ``rules/row_reads.host_reads``). ``offs_bytes``: the cumulative counts' element size."""
+    n, t, e, ob = rows, tp, experts, offs_bytes
+    count = max_local_size(experts, Shard(0), tp)
+    ew = "elementwise"
+    if count * tp == experts:
+        kernels = [(ew, 2 * ob * t)] * (count > 1)                # the runs' ends made contiguous
+        eb = ob
+    else:   # counts = diff(offs, prepend=0): a zero, a cat, a subtraction; a sum a rank, stacked, cumsum
+        sizes = [local_size(experts, Shard(0), tp, r) for r in range(tp)]
+        kernels = [(ew, ob), (ew, ob + ob * e + ob * (e + 1)), (ew, 3 * ob * e)]
+        kernels += [("reduction", ob * c + 8) for c in sizes]
+        kernels += [(ew, 16 * t), ("reduction", 16 * t)]
+        eb = 8
+    kernels += [
+        (ew, 8 * n), (ew, 16 * n + eb * t),                       # arange(rows), bucketize by the ends
+        (ew, 8 * t), (ew, 9 * n), ("cast", 9 * n), ("scatter", 32 * n),   # send: zeros, owners == rank, .long()
+        (ew, 8 * t), (ew, 9 * n), ("cast", 9 * n), ("scatter", 32 * n),   # recv: by the owners, dest == rank
+    ]
+    if not rank:   # rank 0's start: a zero
+        kernels.append((ew, eb))
+    kernels.append((ew, 2 * eb + 16 * t + 8 * (2 + 2 * t)))         # cat of the numbers read (int64)
+    return OpWork(moved=tuple((cls, sympy.sympify(b)) for cls, b in kernels), launches=len(kernels))
+
+
+def dispatch_plan_work(rows: Any, experts: int, tp: int, rank: int | None = None) -> OpWork:
+    """The kernels :func:`autotp.distributed.experts.dispatch_plan` runs once a layer where the
+    rows were sorted whole, each with the bytes it touches (int64 throughout): of every rank's
+    ``rows`` sorted rows, the rank's ``rows / tp`` token rows' destinations (an
+    ``index_select`` of every row's, read whole), their sort key (``dest * rows + id``) and its
+    sort, the arriving rows' holders sorted (a stable sort of the ``rows * c / experts`` rows its
+    ``c`` experts get, as uniform routing deals them: the largest rank's, or ``rank``'s), and
+    both permutations' inverses (an ``arange`` scattered: the entries it writes). Both sorts are
+    radix sorts (:func:`sort_bytes`, :func:`sort_passes` each)."""
+    count = max_local_size(experts, Shard(0), tp) if rank is None else local_size(experts, Shard(0), tp, rank)
+    own = rows / tp                                    # the rank's token rows, sent
+    got = rows * count / experts                       # the rows its experts get
+    ew = "elementwise"
+    moved = [(ew, 8 * rows + 16 * own), (ew, 16 * own), (ew, 24 * own),   # dest[rows], * rows, + rows
+             ("sort", sort_bytes(own, 8)), ("sort", sort_bytes(got, 8)),  # order, arrival
+             (ew, 8 * own), ("scatter", 24 * own),                      # order's inverse
+             (ew, 8 * got), ("scatter", 24 * got)]                      # arrival's inverse
+    return OpWork(moved=tuple((cls, sympy.sympify(b)) for cls, b in moved),
+                  launches=len(moved) + 2 * (sort_launches(8) - 1), passes=2 * sort_passes(8))
+
+
+def reorders_for_dispatch(op: RankOp) -> bool:
+    """``h[perm // k]``: a rank's tokens' rows put in expert order by the whole sort's positions
+    (a replicated index, every row taken ``k`` times, ``OpInfo.row_copies``) for a grouped
+    product of ``OpInfo.routing_experts`` experts, as rows held by their tokens' ranks: the
+    layer's all-to-all dispatch from rows sorted whole (``rules/routed_localizer``: the reorder
+    makes the layer's split sizes, the product its plan). A rank routing its own rows reorders
+    them by its own positions (an ``OWN`` index) and is priced at its sort instead."""
+    info = op.info
+    if not (getattr(info, "routing_experts", 0) and getattr(info, "row_copies", 0)) or len(op.in_place) != 2:
+        return False
+    x, index = op.in_place
+    out = op.out_place[0] if op.out_place else None
+    return isinstance(x, Routed) and x.tokens and index == REPLICATE and isinstance(out, Routed) and out.tokens
+
+
+def sorted_dispatch_work(op: RankOp) -> OpWork:
+    """The kernels a layer's dispatch from rows sorted whole runs once a layer
+    (:func:`dispatch_sizes_work` and :func:`dispatch_plan_work` of the index's every row)."""
+    rows, experts = op.inputs[1].shape[0], op.info.routing_experts
+    sizes = dispatch_sizes_work(rows, experts, op.tp, op.info.offs_bytes, op.rank)
+    plan = dispatch_plan_work(rows, experts, op.tp, op.rank)
+    return OpWork(moved=sizes.moved + plan.moved, launches=sizes.launches + plan.launches,
+                  passes=sizes.passes + plan.passes)
 
 
 def sums_token_rows(op: RankOp) -> bool:

@@ -568,7 +568,10 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
     if node.target is aten.index.Tensor:
         info.picks = index_picks(node, constant)
         info.counted_pick = counted_pick(node)
-        info.gathers_expert_rows = grouped_reader(node) is not None
+        reader = grouped_reader(node)
+        info.gathers_expert_rows = reader is not None
+        if reader is not None:   # the product's experts and offs: what its dispatch is planned from
+            info.routing_experts, info.offs_bytes = _product_experts(reader[1])
         info.permutes_rows = permutes_rows(node)
         info.row_copies = row_copies(node)
     if (node.target in SORTS or node.target in (aten.argsort.default, aten.argsort.stable)) and node.args:
@@ -754,6 +757,19 @@ def reshard_seconds(index: "GraphIndex", profile: DeviceProfile, meta: TensorMet
     full = moved_bytes(index, profile, meta)
     fw, bw = collective_time("all_to_all", full, profile, index.tp, grad)
     return fw + bw + layout_copy_seconds("all_to_all", meta, have, want, full, profile, index.tp, grad)
+
+
+def _product_experts(product: fx.Node) -> tuple[int, int]:
+    """(experts, element size of its ``offs``) of a grouped product (its stack of experts'
+    matrices ``[experts, in, out]``, through a transpose); (0, 0) where either is not known."""
+    stack = product.args[1] if len(product.args) > 1 else None
+    offs = product.args[2] if len(product.args) > 2 else product.kwargs.get("offs")
+    stack_val = getattr(stack, "meta", {}).get("val")
+    offs_val = getattr(offs, "meta", {}).get("val")
+    if not (isinstance(stack_val, torch.Tensor) and isinstance(offs_val, torch.Tensor) and stack_val.ndim == 3
+            and isinstance(stack_val.shape[0], int)):
+        return 0, 0
+    return stack_val.shape[0], offs_val.element_size()
 
 
 def _experts_may_take_rows(node: fx.Node, place: Mapping[fx.Node, Any]) -> bool:

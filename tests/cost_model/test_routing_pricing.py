@@ -21,7 +21,7 @@ from autotp.cost_model.kernels import op_work
 from autotp.cost_model.routing import holders_order_work
 from autotp.distributed.gathered_rows import holders_order
 from autotp.distributed.expert_routing import local_dispatch_plan, local_dispatch_sizes, route_locally, routed_counts
-from autotp.distributed.experts import token_sums, token_sums_in_order
+from autotp.distributed.experts import dispatch_plan, dispatch_sizes, token_sums, token_sums_in_order
 from autotp.passes.rules import OpInfo, TensorMeta
 from autotp.passes.rules.local_routing import OWN, own_strategies
 from autotp.passes.rules.contract import Strategy
@@ -197,3 +197,45 @@ def test_a_tokens_top_k_sum_is_priced_as_its_rank_sums_them(layout, ascending):
     assert spread == [("clone", 2 * x.numel() * x.element_size())], calls
     counted = (forward.launches + backward.launches - 1, forward.bytes + backward.bytes - spread[0][1])
     assert _priced_token_sums(k, hidden, ascending) == counted, calls
+
+
+#: experts, top-k, tokens: the layouts above, and one whose experts tp does not divide (60
+#: experts at tp 8: four ranks of 8, four of 7; Qwen1.5-MoE-A2.7B's), at 2 x 3840 tokens so that
+#: uniform routing deals every expert as many rows
+WHOLE_SORT_LAYOUTS = {"mixtral-8x7b": (8, 2, TOKENS), "qwen3-30b-a3b": (128, 8, TOKENS),
+                      "qwen1.5-moe-a2.7b": (60, 4, 2 * 3840)}
+
+
+def _priced_reorder(experts: int, k: int, tokens: int, dispatching: bool):
+    # h[perm // k]: a rank's tokens' rows put in expert order by the whole sort's positions
+    h, index = _meta(tokens, 4096, dtype=torch.bfloat16), _meta(tokens * k)
+    info = OpInfo(aten.index.Tensor, (h, [index]), {}, (h, index), _meta(tokens * k, 4096, dtype=torch.bfloat16), TP)
+    info.grad_inputs = (True, False)
+    info.gathers_expert_rows, info.row_copies = True, k
+    if dispatching:
+        info.routing_experts, info.offs_bytes = experts, 4   # transformers' int32 offs
+    return _price(info, Strategy((TOKEN_ROWS, REPLICATE), Routed(0, tokens=True, reordered=True)))
+
+
+@pytest.mark.parametrize("layout", sorted(WHOLE_SORT_LAYOUTS))
+def test_a_whole_sorts_dispatch_is_priced_as_the_kernels_a_rank_runs(layout):
+    # the all-to-all dispatch from rows sorted whole on every rank: the layer's split sizes and
+    # plan (distributed.experts.dispatch_sizes, dispatch_plan) priced with the reorder that puts
+    # the rank's tokens' rows in expert order (the rank's program makes the sizes there)
+    experts, k, tokens = WHOLE_SORT_LAYOUTS[layout]
+    g = torch.Generator().manual_seed(0)
+    rows = tokens * k
+    ids = (torch.arange(rows) % experts)[torch.randperm(rows, generator=g)]   # uniform routing
+    _, perm = torch.sort(ids, stable=True)
+    seq = tokens // 2                                  # 2 sequences, each split in 8 runs
+    owners = (perm // k) % seq // (seq // TP)          # the holder of each row sorted by expert
+    offs = torch.cumsum(torch.bincount(ids, minlength=experts), 0, dtype=torch.int32)
+    runs = tuple((a, b - a) for ((a, b),) in (local_ranges(experts, Shard(0), TP, r) for r in range(TP)))
+    own = (owners == 0).nonzero().flatten()            # rank 0's token rows, by their sorted ids
+    with KernelCounter(FILLS, ALLOCATIONS) as counted:
+        sizes = dispatch_sizes(owners, offs, runs, 0)
+        dispatch_plan(own, owners, offs, runs, sizes)
+    assert sizes.bounds == (0, rows * runs[0][1] // experts)   # the price's uniform routing
+    launches, moved = (a - b for a, b in zip(_priced_reorder(experts, k, tokens, True),
+                                             _priced_reorder(experts, k, tokens, False)))
+    assert (launches, moved) == (counted.launches, counted.bytes), counted.calls

@@ -112,8 +112,9 @@ def test_token_rows_made_whole_under_expert_tp_are_all_gathered_along_the_sequen
     # the tokens split along the sequence, the router on a rank's own: the expert ids and routing
     # weights every rank needs whole under expert-TP are its tokens in sequence order, gathered
     # along it ((tp-1)/tp of their bytes), not scattered into zeros and all-reduced (twice that).
-    # (At this size each rank routing its own rows is cheaper by cost, since the whole sort and
-    # the gathered rows' holders' sort are priced as radix sorts: not offered here)
+    # (Each rank routing its own rows, not offered here, was cheaper by cost at this size until
+    # its sort was priced with the dispatch's kernels, which expert-TP does not run: an overcharge,
+    # docs/architecture.md; the plan is the same with it offered now)
     import autotp.passes.rules.routed as rules
 
     monkeypatch.setattr(rules, "own_merge", lambda info, p: None)

@@ -53,9 +53,9 @@ def _expressions_agree(plan, batch: int) -> None:
         assert float(expr.subs({b: batch, s: WORKLOAD["seq"]})) == pytest.approx(getattr(plan, key), rel=1e-4), key
 
 
-def _plan(model, tp: int):
+def _plan(model, tp: int, **kwargs):
     return autotp.plan(model, tp=tp, layout={"*.experts.*": "expert"}, batch=TINY_BATCH if tp == 2 else BATCH,
-                       **WORKLOAD)
+                       **WORKLOAD, **kwargs)
 
 
 def test_the_dispatch_is_priced_as_an_all_to_all_and_chosen_where_cheaper(monkeypatch):
@@ -105,10 +105,14 @@ def test_the_combine_by_the_reverse_all_to_all_replaces_the_g_where_cheaper(monk
     assert combine(plan) == [] and len([c for c in plan.comms if dispatched(c)]) == 2, plan.comms
     assert any(n.startswith("experts model.layers.0.mlp.experts: each expert's output row goes back to its token's "
                             "rank by the reverse all-to-all (8.39 MB/rank") for n in plan.notes), plan.notes
-    summed = _without_combine(monkeypatch, model, 2)
+    # with no way back, the dispatch forced (the solver then gathers the tokens whole at this tiny
+    # width: a rank's own routing and its dispatch's kernels, priced as run, outweigh the rows it
+    # spares, cheaper by 0.002 ms/step only with the combine by the reverse all-to-all)
+    summed = _without_combine(monkeypatch, model, 2, expert_dispatch=True)
     assert [(c.src, c.dst) for c in summed.comms if dispatched(c)] == [(SEND[0], "P(routed 0)")]
     assert combine(summed) == ["reduce_scatter"], summed.comms
     assert plan.cost["step_s"] < summed.cost["step_s"]
+    assert plan.cost["step_s"] < _without_combine(monkeypatch, model, 2).cost["step_s"]
 
 
 def _without_dispatch(monkeypatch, model, tp):
@@ -117,10 +121,10 @@ def _without_dispatch(monkeypatch, model, tp):
         return _plan(model, tp)
 
 
-def _without_combine(monkeypatch, model, tp):
+def _without_combine(monkeypatch, model, tp, **kwargs):
     with monkeypatch.context() as m:
         _combine_offered(m, False)
-        return _plan(model, tp)
+        return _plan(model, tp, **kwargs)
 
 
 @pytest.mark.slow   # two real-size plans per model: 6-7 s each on two loaded cores
@@ -195,12 +199,13 @@ def _versus(plan) -> tuple[str, str, float, float]:
     return note, word, float(delta), float(so)
 
 
-@pytest.mark.parametrize("batch, taken", [(TINY_BATCH, True), (8, True)])
+@pytest.mark.parametrize("batch, taken", [(TINY_BATCH, True), (8, False)])
 def test_the_note_says_by_how_much_the_way_taken_beats_the_other(batch, taken):
-    # a tiny Mixtral layer at tp 2: the dispatch is chosen at batch 64 and at batch 8 (by 0.015
-    # ms/step on h100-dgx: a dispatching layer reads the host once, as a gathering one does;
-    # while it read twice more, 2 x 12 us, gathering the tokens whole won there by 0.009 ms);
-    # the note names the way taken and what the plan forced the other way costs
+    # a tiny Mixtral layer at tp 2: the dispatch is chosen at batch 64 (by 0.002 ms/step on
+    # h100-dgx), the tokens gathered whole at batch 8 (by 0.076 ms: a rank's own routing and its
+    # dispatch's kernels, priced as run since, outweigh the rows it spares at this width; with
+    # its sort priced bare the dispatch won there by 0.024 ms); the note names the way taken and
+    # what the plan forced the other way costs
     model = _tiny_mixtral()
     plan = autotp.plan(model, tp=2, layout={"*.experts.*": "expert"}, batch=batch, **WORKLOAD)
     other = autotp.plan(model, tp=2, layout={"*.experts.*": "expert"}, batch=batch, expert_dispatch=not taken,
@@ -208,7 +213,8 @@ def test_the_note_says_by_how_much_the_way_taken_beats_the_other(batch, taken):
     assert any(dispatched(c) for c in plan.comms) is taken
     assert any(dispatched(c) for c in other.comms) is not taken   # the flag forces the other way
     note, word, delta, so = _versus(plan)
-    assert ("by an all-to-all" in note) is taken and ("gathered whole before the router" in note) is not taken
+    # not taken, the tokens are gathered after the router, which runs on each rank's own tokens
+    assert ("by an all-to-all" in note) is taken and ("are gathered whole after the router" in note) is not taken
     assert word == "cheaper than"
     assert so == pytest.approx(other.cost["step_s"] * 1e3, abs=1e-3)
     assert delta == pytest.approx((other.cost["step_s"] - plan.cost["step_s"]) * 1e3, abs=2e-3)
@@ -348,7 +354,10 @@ def test_a_rank_routes_its_own_rows_where_cheaper_than_the_whole_sort(monkeypatc
 
     with monkeypatch.context() as m:   # the flattened ids and weights not offered to the rank's own routing
         m.setattr(rules, "own_merge", lambda info, p: None)
-        whole = _plan(model, 2)
+        # the dispatch forced: unforced, the whole sort's dispatch kernels (priced as run) tip
+        # this tiny layer to gathering the tokens whole, dearer than the plan too
+        assert plan.cost["step_s"] < _plan(model, 2).cost["step_s"]
+        whole = _plan(model, 2, expert_dispatch=True)
     assert [c.kind for c in whole.comms if c.src == "P(tokens 0)"] == ["all_gather", "all_gather"], whole.comms
     assert not [c for c in whole.comms if "own" in c.src]
     assert plan.cost["step_s"] < whole.cost["step_s"], (plan.cost, whole.cost)
@@ -364,7 +373,10 @@ def test_gpt_oss_sends_its_rows_back_after_the_bias_and_routes_its_own_where_che
     config = zoo.tiny_config("gpt-oss", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=4, top_k=2,
                              output_router_logits=False)
     model = zoo.build("gpt-oss", config, device="meta")
-    plan = _plan(model, 2)
+    # the dispatch forced: at this tiny width the solver gathers the tokens whole, by 0.020
+    # ms/step, since a rank's own routing and the dispatch's kernels are priced as run
+    plan = _plan(model, 2, expert_dispatch=True)
+    assert _plan(model, 2).cost["step_s"] < plan.cost["step_s"]
     a2a = [c for c in plan.comms if dispatched(c)]
     assert [(c.src, c.dst) for c in a2a] == [SEND, BACK], plan.comms
     send, back = a2a
@@ -379,9 +391,11 @@ def test_gpt_oss_sends_its_rows_back_after_the_bias_and_routes_its_own_where_che
 
     with monkeypatch.context() as m:   # the conversion not offered: the plan this was before
         m.setattr(rules, "_sent_back", lambda info, placements, rule: [])
-        before = _plan(model, 2)
+        before = _plan(model, 2, expert_dispatch=True)
     assert not [c for c in before.comms if dispatched(c) and (c.src, c.dst) == BACK], before.comms
-    assert not [c for c in before.comms if "own" in c.src], before.comms   # the whole sort on every rank
+    # each rank routes its own rows there too (the g of the combine after them): the whole sort's
+    # dispatch kernels, priced as run, cost more (before they were priced, the whole sort was taken)
+    assert [c.kind for c in before.comms if c.src.endswith(", own)")] == ["all_gather"], before.comms
     assert plan.cost["step_s"] < before.cost["step_s"], (plan.cost, before.cost)
 
 
@@ -420,6 +434,66 @@ def test_a_top_k_sum_is_priced_with_a_sort_where_its_rows_come_back_out_of_order
     (on_tokens,) = [s for s in index.strategies(node, (back,)) if isinstance(s.output, Routed)]
     assert (op_work(index.infos[node], on_tokens, h200, 2).passes > 0) == (not own)
     assert chosen == (on_tokens if own else Strategy((Routed(0, span=2),), PARTIAL)), chosen
+
+
+def _routing_node(index, prop, own: bool):
+    """The node and strategy the plan prices a layer's routing kernels at: a rank's own sort of its
+    ids (``route_locally``), or the reorder of its tokens' rows by the whole sort's positions."""
+    from autotp.cost_model.routing import reorders_for_dispatch, routes_locally
+    from autotp.cost_model.work import RankOp
+
+    sorts = (torch.ops.aten.sort.default, torch.ops.aten.sort.stable)
+    found = [(n, s) for n, s in prop.chosen.items()
+             if (n.target in sorts and own) or (n.target is torch.ops.aten.index.Tensor and not own)]
+    test = routes_locally if own else reorders_for_dispatch
+    (node, strategy), = [(n, s) for n, s in found if test(RankOp(index.infos[n], s, 2, 2, None, None))]
+    return node, strategy
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["own-routing", "whole-sort"])
+def test_the_plan_prices_the_routings_kernels_as_a_rank_runs_them(monkeypatch, own):
+    # the solver's price of a dispatching layer's routing is what the rank's program runs
+    # (tests/cost_model/test_routing_pricing.py holds each to a tp-8 rank's ATen calls): a rank's
+    # own sort with route_locally's kernels around it and the dispatch's split sizes and plan
+    # from its exchanged counts; the whole sort's reorder of a rank's tokens' rows with the
+    # dispatch's sizes and plan from every row (dispatch_sizes' bucketize and counts,
+    # dispatch_plan's two sorts). Before, the planner's copy of the op's OpInfo dropped the
+    # router's experts: the own sort was priced as a bare radix sort, the whole sort's dispatch
+    # kernels not at all
+    import dataclasses
+
+    import autotp.passes.rules.routed as routed
+    from autotp.capture.cache import capture
+    from autotp.cost_model import get_profile
+    from autotp.cost_model.kernels import op_work as kernels_work
+    from autotp.cost_model.routing import (dispatch_plan_work, dispatch_sizes_work, local_dispatch_plan_work,
+                                           local_dispatch_sizes_work, route_locally_work, sort_passes)
+    from autotp.cost_model.symbolic import op_work
+    from autotp.cost_model.work import RankOp
+    from autotp.planner.planner import build_plan
+
+    if not own:
+        monkeypatch.setattr(routed, "own_merge", lambda info, p: None)
+    h200 = get_profile("h200")
+    _, index, prop = build_plan(capture(_tiny_mixtral(), (), None), 2, batch=TINY_BATCH, seq=WORKLOAD["seq"],
+                                profile=h200, layout={"*.experts.*": "expert"}, sequence_parallel=True,
+                                expert_dispatch=True)
+    node, strategy = _routing_node(index, prop, own)
+    info = index.infos[node]
+    assert info.routing_experts == 4
+    planned = op_work(info, strategy, h200, 2)
+    assert planned == kernels_work(info, strategy, 2, h200.dtype_bytes, info.train_dtype)
+    bare = kernels_work(dataclasses.replace(info, routing_experts=0), strategy, 2, h200.dtype_bytes,
+                        info.train_dtype)
+    if own:
+        rows = RankOp(info, strategy, 2, h200.dtype_bytes, info.train_dtype, None).n_in[0]   # T*k/2
+        around = [route_locally_work(rows, 4, 2), local_dispatch_sizes_work(4, 2), local_dispatch_plan_work(rows, 4, 2)]
+    else:
+        rows = info.inputs[1].shape[0]   # every (token, expert) row, sorted whole
+        around = [dispatch_sizes_work(rows, 4, 2, info.offs_bytes), dispatch_plan_work(rows, 4, 2)]
+    assert planned.launches == bare.launches + sum(w.launches for w in around) > bare.launches
+    assert planned.passes == bare.passes + (0 if own else 2 * sort_passes(8))
+    assert planned.moved == bare.moved + tuple(m for w in around for m in w.moved)
 
 
 #: the combine note's comparison with the g

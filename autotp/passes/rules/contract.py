@@ -135,8 +135,13 @@ class OpInfo:
     row_copies: int = 0
     #: the number of experts where the op sorts a router's top-k ids (a ``sort``), or counts the
     #: ids such a sort sorted (a ``histc``): what a rank routing its own rows exchanges
-    #: (:mod:`.local_routing`); else 0
+    #: (:mod:`.local_routing`); on an index of float rows gathered for a grouped product
+    #: (``gathers_expert_rows``), that product's experts (what its dispatch plans for); else 0
     routing_experts: int = 0
+    #: with ``routing_experts`` on an index of float rows gathered for a grouped product
+    #: (``gathers_expert_rows``): the element size of the product's ``offs`` (the cumulative rows
+    #: per expert the all-to-all dispatch's split sizes are counted from, cost_model/routing)
+    offs_bytes: int = 0
     #: a grouped product whose x is rows gathered for it alone (``gathers_expert_rows``), or a
     #: cast between them: routed, those are the product's own experts' rows, which only its
     #: expert-parallel strategies can take (routed through the casts)
@@ -167,7 +172,8 @@ class OpInfo:
     def cost_key(self) -> tuple:
         """Everything the cost of one strategy of this op depends on: equal across layers."""
         return (self.target, self.inputs, self.output, self.args_key, self.grad_inputs, self.train_dtype,
-                self.grad_uses, self.strided_inputs, self.reads_rows, self.x_gathered, self.permutes_rows)
+                self.grad_uses, self.strided_inputs, self.reads_rows, self.x_gathered, self.permutes_rows,
+                self.row_copies, self.routing_experts, self.offs_bytes)
 
     def hint(self, dim: int) -> tuple[int, int, int, int, bool, tuple, tuple]:
         """(chunks, unit, rotate, tail, grouped, sizes, whole) a fresh shard of output ``dim`` should use

@@ -75,10 +75,11 @@ def gathers_rows(strategy: Strategy) -> bool:
 def rank_rows_work(info: OpInfo, strategy: Strategy) -> tuple[OpInfo, Strategy]:
     """The op and strategy whose work a rank does under :func:`gathered_rows_strategies`: the
     gather of its own tokens' rows (``1/tp`` of them, the reorder that keeps them on their rank),
-    with no read to the host (its count is the shapes'); the all-gather and the layout of the
-    whole rows are the internal collective's (``propagate.internal_seconds``)."""
+    with no read to the host (its count is the shapes') and no dispatch to plan (its rows are
+    gathered, not sent: ``cost_model/routing.reorders_for_dispatch``); the all-gather and the
+    layout of the whole rows are the internal collective's (``propagate.internal_seconds``)."""
     p = strategy.inputs[0]
-    return replace(info, reads_rows=False), Strategy(strategy.inputs, replace(p, reordered=True))
+    return replace(info, reads_rows=False, routing_experts=0), Strategy(strategy.inputs, replace(p, reordered=True))
 
 
 def gathered_rows_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
