@@ -131,24 +131,18 @@ def test_plan_of_a_config_asking_for_more_experts_than_it_has_names_the_fields(t
     assert "(MixtralConfig.num_experts_per_tok=6 > num_local_experts=4); set the first to at most the second" in err
 
 
-def test_plan_fuses_activations_unless_told_not_to(capsys):
-    assert main(["plan", "gpt2", "--tp", "2", "--layers", "1", "--json"]) == 0
-    fused = autotp.Plan.from_json(capsys.readouterr().out)
-    assert main(["plan", "gpt2", "--tp", "2", "--layers", "1", "--json", "--no-fuse-activations"]) == 0
-    written = autotp.Plan.from_json(capsys.readouterr().out)
-    said = "activations fused: 1 tanh-GELU region of 8 pointwise ops"
-    assert any(n.startswith(said) for n in fused.notes), fused.notes
-    assert not any(n.startswith("activations fused") for n in written.notes), written.notes
-    assert written.compute_s > fused.compute_s   # 8 kernels forward and ~10 backward against 2
-
-
-def test_plan_fuses_norms_unless_told_not_to(capsys):
-    assert main(["plan", "llama-3-8b", "--tp", "2", "--layers", "1", "--json"]) == 0
-    fused = autotp.Plan.from_json(capsys.readouterr().out)
-    assert main(["plan", "llama-3-8b", "--tp", "2", "--layers", "1", "--json", "--no-fuse-norms"]) == 0
-    written = autotp.Plan.from_json(capsys.readouterr().out)
+@pytest.mark.parametrize("model, switch, said", [
+    ("gpt2", "--no-fuse-activations", "activations fused: 1 tanh-GELU region of 8 pointwise ops"),
     # the layer's post-attention norm and the final one; the first reads the token embedding
-    said = "norms fused: 2 RMSNorm statistics of 5 ops (model.layers.0.post_attention_layernorm, ...)"
+    ("llama-3-8b", "--no-fuse-norms",
+     "norms fused: 2 RMSNorm statistics of 5 ops (model.layers.0.post_attention_layernorm, ...)")])
+def test_plan_fuses_activations_and_norms_unless_told_not_to(capsys, model, switch, said):
+    assert main(["plan", model, "--tp", "2", "--layers", "1", "--json"]) == 0
+    fused = autotp.Plan.from_json(capsys.readouterr().out)
+    assert main(["plan", model, "--tp", "2", "--layers", "1", "--json", switch]) == 0
+    written = autotp.Plan.from_json(capsys.readouterr().out)
+    what = said.split(":")[0]
     assert any(n.startswith(said) for n in fused.notes), fused.notes
-    assert not any(n.startswith("norms fused") for n in written.notes), written.notes
-    assert written.compute_s > fused.compute_s   # 5 kernels forward and more backward against 2
+    assert not any(n.startswith(what) for n in written.notes), written.notes
+    # GELU: 8 kernels forward and ~10 backward against 2; a norm's statistic: 5 forward and more against 2
+    assert written.compute_s > fused.compute_s

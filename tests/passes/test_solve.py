@@ -53,7 +53,13 @@ def stack_capture(layers: int, d: int, hidden: int, norm: bool, residual: bool):
 def brute_force(index: GraphIndex, profile: DeviceProfile, with_memory: bool = False) -> list:
     """The total of every feasible assignment of strategies to ops, enumerated depth first
     (with ``with_memory``: (seconds, bytes per rank) pairs)."""
-    totals = []
+    return [(prop.total_s, prop.memory_bytes) if with_memory else prop.total_s
+            for _, prop in _feasible(index, profile)]
+
+
+def _feasible(index: GraphIndex, profile: DeviceProfile):
+    """Each feasible assignment of strategies to ops (node -> strategy index) with its
+    propagation, depth first."""
     stack = [{}]
     while stack:
         forced = stack.pop()
@@ -62,8 +68,7 @@ def brute_force(index: GraphIndex, profile: DeviceProfile, with_memory: bool = F
             node, count = prop.pending
             stack.extend({**forced, node: j} for j in range(count))
         elif not prop.infeasible:
-            totals.append((prop.total_s, prop.memory_bytes) if with_memory else prop.total_s)
-    return totals
+            yield forced, prop
 
 
 log_uniform = lambda lo, hi: st.floats(lo, hi).map(lambda e: 10.0 ** e)   # noqa: E731
@@ -114,16 +119,7 @@ def test_enumerated_plans_differ_so_a_wrong_choice_would_be_caught():
 
 def assignments(index: GraphIndex, profile: DeviceProfile) -> list[dict]:
     """Every feasible assignment of strategies to ops (op name -> strategy index), depth first."""
-    found, stack = [], [{}]
-    while stack:
-        forced = stack.pop()
-        prop = propagate(index, {}, profile, forced=forced, explore=True)
-        if prop.pending is not None:
-            node, count = prop.pending
-            stack.extend({**forced, node: j} for j in range(count))
-        elif not prop.infeasible:
-            found.append({n.name: j for n, j in forced.items()})
-    return found
+    return [{n.name: j for n, j in forced.items()} for forced, _ in _feasible(index, profile)]
 
 
 def test_any_assignment_is_priced_as_the_solver_prices_it():
