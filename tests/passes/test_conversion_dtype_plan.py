@@ -119,13 +119,16 @@ def test_mixtral_expert_tp_with_sequence_parallelism_takes_the_plan_cheaper_unde
     # all-reduces the rows (a g, their gradient's f at the gate|up product) and the down product's
     # partial rows before the routing weights' product, all in bf16: 13.65 ms. Cheaper under the
     # same prices: the solver does not miss the other plan, it is dearer (the figure first written
-    # for it, 10.54 + 2.61 + 0.4 ms, left out the squares' gather, twice its old price in both)
+    # for it, 10.54 + 2.61 + 0.4 ms, left out the squares' gather, twice its old price in both).
+    # Since the planner prices the routing's kernels on both paths (a rank's own sort with the
+    # dispatch's kernels, the rows gathered without them) the two cost alike or the gathered plan
+    # less (13.695 ms both when written), and the solver may take the old plan itself: no dearer
     made = _solves(monkeypatch)
     kwargs = _mixtral_8x7b(True)
     plan = autotp.plan(kwargs.pop("model"), **kwargs)
     (index, profile, pinned, solution), = made
     _, other = _old_plan_repriced(index, profile, pinned)
-    assert solution.propagation.total_s < other.total_s
+    assert solution.propagation.total_s <= other.total_s * (1 + 1e-12)
     tp, tokens, rows, hidden = 8, 2 * 4096, 2 * 4096 * 2, 4096
     share = (tp - 1) / tp
     # the other plan, as the rules offer it and the rank runs it: the rows gathered once (bf16) ...
@@ -136,7 +139,9 @@ def test_mixtral_expert_tp_with_sequence_parallelism_takes_the_plan_cheaper_unde
     into_tokens = [c for c in other.comms if (c.kind, str(c.src), str(c.dst)) == ("reduce_scatter", "P", "P(tokens 0)")]
     assert [c.consumer.split("_")[:2] for c in into_tokens] == [["to", "dtype"]], other.comms
     assert into_tokens[0].fwd_bytes == into_tokens[0].bwd_bytes == tokens * hidden * 4 * share
-    # the solver's: the combine crosses no rank in float32, is never all-reduced at its cast nor made
+    if solution.propagation.total_s >= other.total_s * (1 - 1e-12):
+        return   # the old plan taken (checked above, as the rank runs it)
+    # the solver's, where another: the combine crosses no rank in float32, is never all-reduced at its cast nor made
     # whole and sliced; the rows' and the down product's partial rows' all-reduces are bf16
     experts = [c for c in plan.comms if c.module.endswith(".mlp.experts")]
     nodes = {n.name: n for n in index.capture.graph.nodes}
