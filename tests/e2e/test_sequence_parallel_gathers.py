@@ -49,7 +49,9 @@ def gathers_by_source(gm) -> dict:
 
 
 class _Collectives:
-    """Counts the collectives a rank runs (the group-of-many calls under every mapping)."""
+    """Counts the collectives a rank runs (the group-of-many calls under every mapping). A split
+    rms_norm's all-reduces of its rows' statistics count as all-reduces, not gathers: they sum one
+    number a row and assemble no tensor, so the gathers counted are still the program's."""
 
     def __init__(self, monkeypatch):
         self.calls: list[str] = []
@@ -57,9 +59,9 @@ class _Collectives:
             monkeypatch.setattr(C, name, self._counted(name, getattr(C, name)))
 
     def _counted(self, name, original):
-        def run(x, group, *rest):
+        def run(x, group, *rest, **options):   # options: _all_reduce's in_place
             self.calls.append(name)
-            return original(x, group, *rest)
+            return original(x, group, *rest, **options)
         return run
 
 
