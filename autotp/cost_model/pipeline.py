@@ -94,13 +94,20 @@ class Choice:
 def layer_costs(index: Any, prop: Any, profile: Any, layers: list[str]) -> tuple[list[float], float, float]:
     """Seconds of each of ``layers`` (module paths; forward and backward, collectives included)
     by a plan's cost model (``index``, ``prop``: the plan's graph index and propagation), and of
-    what lies before the first layer and after the last."""
+    what lies before the first layer and after the last. A collective counts in its consumer's
+    layer, but for one that moves a tensor made before the layers into one layer alone: that is
+    the layers' entry, run once (GPT-2's embeddings read by columns, resharded into the sequence
+    split at the first layer's norm; a vocabulary-parallel lookup's sum taken there), counted
+    before them with the embedding that chose its layout, as :func:`autotp.ptd.layer_cost`'s
+    difference of plans counts it outside the layers. A tensor moved into several layers (a
+    mask, each layer's own collective) keeps each in its layer."""
     graph = index.capture.graph
     per_layer = dict.fromkeys(layers, 0.0)
     before = after = 0.0
     seen_layer: set = set()     # nodes downstream of a layer's op (fx nodes)
     where: dict[str, str | None] = {}
     after_layers: set[str] = set()       # names of the nodes outside the layers that follow them
+    before_layers: set[str] = set()      # names of the nodes outside the layers that precede them
     for node in graph.nodes:
         if node.op != "call_function":
             continue
@@ -118,10 +125,17 @@ def layer_costs(index: Any, prop: Any, profile: Any, layers: list[str]) -> tuple
         elif downstream:
             after += seconds
         else:
+            before_layers.add(node.name)
             before += seconds
+    entering: dict[str, set] = {}    # a tensor made before the layers: the layers its collectives feed
+    for comm in prop.comms:
+        if comm.tensor in before_layers and where.get(comm.consumer) is not None:
+            entering.setdefault(comm.tensor, set()).add(where[comm.consumer])
     for comm in prop.comms:
         layer = where.get(comm.consumer)
-        if layer is not None:
+        if layer is not None and len(entering.get(comm.tensor, ())) == 1:   # the layers' entry
+            before += comm.seconds
+        elif layer is not None:
             per_layer[layer] += comm.seconds
         elif comm.consumer in after_layers:
             after += comm.seconds

@@ -521,8 +521,27 @@ def _all_to_all(x: Tensor, group, have: Shard, want: Shard, full_size: int, op: 
 
 def _exchange(send: Tensor, recv_sizes, send_sizes, group, op: str) -> Tensor:
     """One all-to-all of ``send`` along dim 0 (equal blocks where the sizes are None)."""
+    if send_sizes is not None and not torch.compiler.is_compiling() and not send.numel() \
+            and sum(recv_sizes) and dist.get_backend(group) == "fake":
+        return _exchange_from_nothing(send, recv_sizes, send_sizes, group, op)
     with _comm(op, group):   # a collective, waited for inside
         return funcol.wait_tensor(funcol.all_to_all_single(send, recv_sizes, send_sizes, group))
+
+
+def _exchange_from_nothing(send: Tensor, recv_sizes, send_sizes, group, op: str) -> Tensor:
+    """:func:`_exchange` on torch's fake backend for a rank that sends nothing and receives
+    something (it holds no row of an uneven split: a sequence of 7 at tp 8 leaves rank 7 none).
+    That backend stands in for the other ranks by filling what a rank receives from what it
+    sends, and refuses an empty send; gloo and NCCL take it. The rank sends one element to itself
+    there, cut from what it receives: the same one collective, the others' blocks as they were."""
+    rank = group_rank(group)
+    send_sizes, recv_sizes = list(send_sizes), list(recv_sizes)
+    send_sizes[rank] += 1
+    recv_sizes[rank] += 1
+    at = sum(recv_sizes[:rank]) + recv_sizes[rank] - 1   # the element's place in what comes back
+    with _comm(op, group):
+        got = funcol.wait_tensor(funcol.all_to_all_single(send.new_zeros(1), recv_sizes, send_sizes, group))
+    return torch.cat([got[:at], got[at + 1:]])
 
 
 def _shared_runs(have: Shard, want: Shard, full_size: int, other: int, tp: int, r: int, q: int) -> list:
