@@ -113,8 +113,12 @@ def _with_sequence_entry(info: OpInfo, placements: tuple, out: list[Strategy]) -
     Llama-4 at tp 2 took instead, the cheaper of the two at its width)."""
     if not any(is_partial(p) for p in placements):
         return out
-    sequence = _sequence_parallel(info, merged=not _passes_partial(placements, out))
-    if sequence and info.force_sequence:
+    passes = _passes_partial(placements, out)
+    sequence = _sequence_parallel(info, merged=not passes)
+    if info.force_sequence and (sequence or passes):
+        # an op with no sequence dim to split that passes the Partial on (a same-dtype cast of
+        # an MoE combine's flat [tokens, hidden] sum) must pass it on forced: all-reduced there,
+        # the add after it, where the sequence is, never meets a partial sum to reduce-scatter
         out = [s for s in out if _along_sequence(info, placements, s)]
     return out + sequence
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ...placements import PARTIAL, REPLICATE, Shard
-from .contract import LocalContext, OpInfo, Strategy
+from .contract import LocalContext, OpInfo, Strategy, along_sequence
 from .registry import (
     is_partial,
     is_shard,
@@ -25,16 +25,27 @@ aten = torch.ops.aten
 
 
 def follow(info: OpInfo, placements: tuple, mapped) -> list[Strategy]:
-    """R -> R, P -> P, and S -> mapped(S) where the shard survives the op."""
+    """R -> R, P -> P, and S -> mapped(S) where the shard survives the op. Forced sequence
+    parallelism passes a partial sum on as P alone into a view with a sequence dim: all-reduced
+    there, the add behind it (an MoE combine's ``[tokens, hidden]`` sum viewed back to
+    ``[b, s, h]``) meets no partial sum to reduce-scatter along the sequence
+    (``pointwise._with_sequence_entry``)."""
     p = placements[0]
     out = [Strategy((REPLICATE,), REPLICATE)]
     if is_partial(p):
-        out.append(Strategy((PARTIAL,), PARTIAL))
+        out = out[:0 if _into_sequence_forced(info, p) else 1] + [Strategy((PARTIAL,), PARTIAL)]
     elif is_shard(p):
         target = mapped(p)
         if target is not None:
             out.append(Strategy((p,), target))
     return out
+
+
+def _into_sequence_forced(info: OpInfo, p) -> bool:
+    """Whether the partial sum ``p`` must stay Partial through this view: sequence parallelism
+    forced, a plain partial sum (not routed rows) and a sequence dim in the view's output."""
+    out = info.output
+    return info.force_sequence and p == PARTIAL and any(along_sequence(out, d, info.sequence) for d in range(out.ndim))
 
 
 def _mapped_view(info: OpInfo):
