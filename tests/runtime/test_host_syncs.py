@@ -200,6 +200,10 @@ def test_a_steady_state_step_reads_nothing_back_from_the_device(fake_rank, famil
             assert reads == []
 
 
+# Since the routing's kernels are priced on both sort paths (2144c0c) this tiny layer gathers its
+# tokens whole by cost (no DispatchRows); forced (expert_dispatch=True) the plan raises the
+# PlanError "index_tensor_2 gathers whole rows by a rank's own positions ...". Open under issue 47
+@pytest.mark.xfail(strict=True, reason="the tiny layer no longer dispatches by cost; forced, a PlanError (issue 47)")
 def test_a_dispatching_layer_reads_the_host_once(fake_rank, monkeypatch):
     """The tokens split along the sequence, each (token, expert) row sent to its expert's rank by
     an all-to-all, its output row sent back by the reverse one or summed by a g: a training step
