@@ -1,5 +1,5 @@
 """Compiled MoE at tp 1: ``torch.compile(pm)`` against ``torch.compile(model)`` (HF's own module), the
-same tiny Mixtral, forward + backward; graph breaks counted by dynamo.
+same tiny Mixtral, forward + backward; graphs and graph breaks counted by dynamo.
 
     python benchmarks/moe_compile.py --steps 60 --out benchmarks/moe_compile.md
     python benchmarks/moe_compile.py --family llama    # the dense path, the same widths without experts
@@ -121,20 +121,33 @@ def main() -> None:
             module(**batch).loss.backward()
         module.zero_grad()
         work[name] = (counted.flops, counted.bytes)
-    runs, breaks = {}, {}
+    # dynamo's graphs and breaks, counted per arm over every one of its steps (a recompile on a
+    # later step counts as a graph); one reset before both: a reset between the arms would drop
+    # the first arm's compiled code, and it would compile again on its next step
+    torch._dynamo.reset()
+    counters.clear()
+    graphs, breaks = {name: 0 for name in names}, {name: {} for name in names}
+
+    def counted_step(name: str, compiled) -> tuple[float, float, int]:
+        before, broken = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
+        timed = _step(compiled, batch)
+        graphs[name] += counters["stats"]["unique_graphs"] - before
+        for reason, n in counters["graph_break"].items():
+            if n > broken.get(reason, 0):
+                breaks[name][reason] = breaks[name].get(reason, 0) + n - broken.get(reason, 0)
+        return timed
+
+    runs = {}
     for name, module in zip(names, (model, pm)):
-        torch._dynamo.reset()
-        counters.clear()
         compiled = torch.compile(module)
         start = time.perf_counter()
-        _step(compiled, batch)
+        counted_step(name, compiled)
         runs[name] = {"compiled": compiled, "first_s": time.perf_counter() - start, "wall": [], "cpu": [],
                       "faults": []}
-        breaks[name] = dict(counters["graph_break"])
     for step in range(WARMUP + args.steps):
         for name in (names if step % 4 in (0, 3) else names[::-1]):   # ABBA: either may run first
             run = runs[name]
-            wall, cpu, faults = _step(run["compiled"], batch)
+            wall, cpu, faults = counted_step(name, run["compiled"])
             if step >= WARMUP:
                 run["wall"].append(wall)
                 run["cpu"].append(cpu)
@@ -166,7 +179,8 @@ def main() -> None:
         f"{what}, vocab {WIDTHS['vocab']}, float32{', experts `grouped_mm`' if experts else ''}; batch {BATCH} x "
         f"seq {args.seq}; a step is forward + backward; one thread; inductor; {WARMUP} warm-up steps after the "
         f"compiling one, {args.steps} timed, alternating. Wall: the step's wall-clock time; CPU: the process's "
-        "CPU time over the step; faults: the minor page faults of a step."
+        "CPU time over the step; faults: the minor page faults of a step; graphs and graph breaks: dynamo's, "
+        "over every step of the arm (a recompile counts as a graph)."
         + (" Both arms under one fixed heap: " + ", ".join(f"{k}={v}" for k, v in PINNED_MALLOC.items()) + "."
            if pinned else " glibc's adapting thresholds (--default-malloc).")
         + (" Control: the second arm is a second HF module, its parameters copied after one step." if args.control
@@ -176,14 +190,14 @@ def main() -> None:
         "by the rest.",
         "",
         "| module | first call s (compiles) | wall ms median | wall ms best | CPU ms median | CPU ms best | "
-        "faults median | graph breaks | GFLOP (eager) | MB written (eager) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "faults median | graphs | graph breaks | GFLOP (eager) | MB written (eager) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, run in runs.items():
         lines.append(f"| {name} | {run['first_s']:.1f} | {statistics.median(run['wall']) * 1e3:.1f} | "
                      f"{min(run['wall']) * 1e3:.1f} | {statistics.median(run['cpu']) * 1e3:.1f} | "
                      f"{min(run['cpu']) * 1e3:.1f} | {statistics.median(run['faults']):.0f} | "
-                     f"{sum(breaks[name].values())} | {work[name][0] / 1e9:.3f} | "
+                     f"{graphs[name]} | {sum(breaks[name].values())} | {work[name][0] / 1e9:.3f} | "
                      f"{work[name][1] / 1e6:.2f} |")
     ratio = lambda k, f: f(ours[k]) / f(hf[k])   # noqa: E731
     lines += ["", f"| {'control / HF' if args.control else 'autotp / HF'} | median | best | median of the step "
