@@ -129,7 +129,15 @@ class Routed(Partial):
     token's rows together in top-k order (a rank's rows put back in its tokens' order by the
     inverse of its own sort, ``out[inv]``): a token's rows are summed as they lie
     (``token_sums_in_order``), where rows in another order are sorted by id and gathered first
-    (``token_sums``)."""
+    (``token_sums``).
+
+    ``alone`` (with ``reordered``): the rank's tokens' rows put in the order of its own routing
+    (``h[perm // k]`` by its own sort's positions, for a grouped product): where that product
+    sends them to their experts' ranks, the dispatch's split sizes and plan come from the counts
+    the rank's sort exchanged (``local_dispatch_sizes``, ``local_dispatch_plan``), not from every
+    row sorted whole (``dispatch_sizes``, ``dispatch_plan``). The same rows, held and converted
+    alike: the mark says which of the two the dispatching product is priced with
+    (``cost_model/routing.dispatch_work``), and is not printed."""
 
     dim: int = 0
     span: int = 1
@@ -139,6 +147,7 @@ class Routed(Partial):
     unit: int = 1
     own: bool = False
     ascending: bool = False
+    alone: bool = False
 
     def __post_init__(self) -> None:
         if self.own and not self.tokens:
@@ -149,6 +158,8 @@ class Routed(Partial):
             raise ValueError("Routed.reordered says how rows held by their tokens' ranks are ordered: tokens=True")
         if self.ascending and not self.reordered:
             raise ValueError("Routed.ascending says rows reordered lie in their ids' order: reordered=True")
+        if self.alone and not self.reordered:
+            raise ValueError("Routed.alone says rows reordered by a rank's own routing: reordered=True")
 
     def __repr__(self) -> str:
         kind = "tokens" if self.tokens else "sent" if self.sent else "routed"

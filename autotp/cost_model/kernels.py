@@ -42,8 +42,8 @@ from .loss import cross_entropy_work
 from .memory_bound import cast_work, dropout_work, elementwise_work, embedding_work, reduction_work, softmax_work
 from .norms import NORMS, norm_work
 from .products import attention_work, grouped_work, product_work
-from .routing import (counted_by_exchange, exchanged_counts_work, reorders_for_dispatch, sort_work,
-                      sorted_dispatch_work, sums_token_rows, token_sums_work, topk_work)
+from .routing import (counted_by_exchange, dispatch_work, dispatches, exchanged_counts_work, sort_work,
+                      sums_token_rows, token_sums_work, topk_work)
 from .routing import holders_order_work  # noqa: F401  (the planner's price of a gathered rows' layout)
 from .work import NO_WORK, OpWork, RankOp
 
@@ -101,7 +101,12 @@ def op_work(info: Any, strategy: Any, tp: int, dtype_bytes: int, train_dtype: An
     if t in PRODUCTS:
         return product_work(op, dtype_bytes, train_dtype)
     if name in GROUPED_PRODUCTS:
-        return grouped_work(op, dtype_bytes, train_dtype)
+        work = grouped_work(op, dtype_bytes, train_dtype)
+        if dispatches(op):   # the layer's dispatch's split sizes and plan, once a layer
+            extra = dispatch_work(op)
+            work = OpWork(products=work.products, moved=work.moved + extra.moved,
+                          launches=work.launches + extra.launches, passes=work.passes + extra.passes)
+        return work
     if t is ATTENTION:
         return attention_work(op)
     if t in CASTS:
@@ -142,9 +147,5 @@ def op_work(info: Any, strategy: Any, tp: int, dtype_bytes: int, train_dtype: An
         back = "elementwise" if op.info.permutes_rows else "scatter"
         bwd = [(back, 2 * op.main_out + b) for b, g in zip(op.b_in, op.grad) if g]
         work = OpWork(moved=(fwd, *bwd), launches=1 + 2 * len(bwd))
-        if t is aten.index.Tensor and reorders_for_dispatch(op):
-            extra = sorted_dispatch_work(op)   # the layer's dispatch sizes and plan, once
-            work = OpWork(moved=work.moved + extra.moved, launches=work.launches + extra.launches,
-                          passes=work.passes + extra.passes)
         return work
     return elementwise_work(op)

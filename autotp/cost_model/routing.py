@@ -1,7 +1,8 @@
 """The expert routing's kernels as a rank runs them: the router's ``topk``, a sort as the GPU's
-radix sort, the small kernels around a rank's sort of its own rows (``route_locally``), every
-expert's count taken from the exchange, and the counting pass that lays gathered rows out by
-holder."""
+radix sort, the small kernels around a rank's sort of its own rows (``route_locally``), the
+all-to-all dispatch's split sizes and plan (at the product that sends the rows, from whichever
+routing ordered them), every expert's count taken from the exchange, and the counting pass that
+lays gathered rows out by holder."""
 from __future__ import annotations
 
 from typing import Any
@@ -179,29 +180,38 @@ def dispatch_plan_work(rows: Any, experts: int, tp: int, rank: int | None = None
                   launches=len(moved) + 2 * (sort_launches(8) - 1), passes=2 * sort_passes(8))
 
 
-def reorders_for_dispatch(op: RankOp) -> bool:
-    """``h[perm // k]``: a rank's tokens' rows put in expert order by the whole sort's positions
-    (a replicated index, every row taken ``k`` times, ``OpInfo.row_copies``) for a grouped
-    product of ``OpInfo.routing_experts`` experts, as rows held by their tokens' ranks: the
-    layer's all-to-all dispatch from rows sorted whole (``rules/routed_localizer``: the reorder
-    makes the layer's split sizes, the product its plan). A rank routing its own rows reorders
-    them by its own positions (an ``OWN`` index) and is priced at its sort instead."""
-    info = op.info
-    if not (getattr(info, "routing_experts", 0) and getattr(info, "row_copies", 0)) or len(op.in_place) != 2:
-        return False
-    x, index = op.in_place
+def dispatches(op: RankOp) -> bool:
+    """A grouped product whose strategy sends its rows of tokens to their experts' ranks (the
+    all-to-all dispatch, ``rules/dispatch_sizes.dispatches_tokens``): the op that makes the
+    layer's split sizes and plan in the rank's program (``rules/routed_localizer``), once a
+    layer, and so the op they are priced at, whichever routing ordered the rows. A rank that
+    routed its own rows and sums them whole by a g, or a whole sort's reorder made whole by
+    one, runs neither."""
+    x = op.in_place[0] if op.in_place else None
     out = op.out_place[0] if op.out_place else None
-    return isinstance(x, Routed) and x.tokens and index == REPLICATE and isinstance(out, Routed) and out.tokens
+    return op.tp > 1 and len(op.inputs) > 2 and isinstance(x, Routed) and x.tokens and x.span == 1 \
+        and isinstance(out, Routed) and op.inputs[1].static(0) is not None
 
 
-def sorted_dispatch_work(op: RankOp) -> OpWork:
-    """The kernels a layer's dispatch from rows sorted whole runs once a layer
-    (:func:`dispatch_sizes_work` and :func:`dispatch_plan_work` of the index's every row)."""
-    rows, experts = op.inputs[1].shape[0], op.info.routing_experts
-    sizes = dispatch_sizes_work(rows, experts, op.tp, op.info.offs_bytes, op.rank)
-    plan = dispatch_plan_work(rows, experts, op.tp, op.rank)
-    return OpWork(moved=sizes.moved + plan.moved, launches=sizes.launches + plan.launches,
-                  passes=sizes.passes + plan.passes)
+def dispatch_work(op: RankOp) -> OpWork:
+    """The kernels a layer's dispatch plans with, once a layer at its dispatching product
+    (:func:`dispatches`): where the rank routed its own rows (``Routed.alone``, a gather by its
+    own sort's positions), the split sizes and plan from the counts its sort exchanged
+    (:func:`local_dispatch_sizes_work`, :func:`local_dispatch_plan_work` of its ``T*k/tp`` own
+    rows); where every row was sorted whole, from every row's holder
+    (:func:`dispatch_sizes_work`, :func:`dispatch_plan_work` of the ``T*k`` rows; ``offs``' element
+    size the product's)."""
+    experts = int(op.inputs[1].static(0))
+    if op.in_place[0].alone:
+        own = local_shape(op.inputs[0], op.in_place[0], op.tp, op.rank)[0]
+        parts = (local_dispatch_sizes_work(experts, op.tp, op.rank),
+                 local_dispatch_plan_work(own, experts, op.tp, op.rank))
+    else:
+        rows = op.inputs[0].shape[0]
+        parts = (dispatch_sizes_work(rows, experts, op.tp, op.inputs[2].dtype.itemsize, op.rank),
+                 dispatch_plan_work(rows, experts, op.tp, op.rank))
+    return OpWork(moved=sum((w.moved for w in parts), ()), launches=sum(w.launches for w in parts),
+                  passes=sum(w.passes for w in parts))
 
 
 def sums_token_rows(op: RankOp) -> bool:
@@ -294,12 +304,12 @@ def sort_work(op: RankOp, dtype_bytes: int, train_dtype: Any) -> OpWork:
         launches += 2
     experts = getattr(op.info, "routing_experts", 0)
     if experts and routes_locally(op):
-        # the layer's routing from the rank's own rows: around the sort, then the dispatch's
-        # split sizes and plan from its exchanged counts (once a layer, as the sort)
-        for around in (route_locally_work(n, experts, op.tp), local_dispatch_sizes_work(experts, op.tp, op.rank),
-                       local_dispatch_plan_work(n, experts, op.tp, op.rank)):
-            moved += around.moved
-            launches += around.launches
+        # the rank's own rows routed: the kernels around the sort (a dispatch's split sizes and
+        # plan from its exchanged counts are the dispatching product's, dispatch_work: an
+        # expert-TP layer that sums the rows by a g runs none)
+        around = route_locally_work(n, experts, op.tp)
+        moved += around.moved
+        launches += around.launches
     return OpWork(moved=tuple(moved), launches=launches, passes=sort_passes(kb))
 
 

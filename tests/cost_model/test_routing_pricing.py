@@ -1,8 +1,9 @@
 """A rank's expert routing is priced as the kernels it runs: the router's ``topk`` (forward and
 backward), the rank's own rows routed alone (``distributed.expert_routing.route_locally``: its
-sort and every small kernel around it; then, once a layer as the sort, the dispatch's split sizes
-and plan from its exchanged counts, ``local_dispatch_sizes`` and ``local_dispatch_plan``), every
-expert's count taken from the exchange (``routed_counts``), and a token's top-k rows summed on its
+sort and every small kernel around it), where the layer dispatches, the dispatch's split sizes and
+plan from its exchanged counts (``local_dispatch_sizes`` and ``local_dispatch_plan``, priced once
+a layer at the dispatching product: an expert-TP layer that sums its rows by a g runs neither),
+every expert's count taken from the exchange (``routed_counts``), and a token's top-k rows summed on its
 rank (``distributed.experts.token_sums``, with its sort and gather where the rows do not lie in
 their ids' order). Every ATen call they dispatch on rank 0 of tp 8 on the fake backend
 (collectives return at once) is a launch of the price, and the bytes each call touches sum to
@@ -23,7 +24,7 @@ from autotp.distributed.gathered_rows import holders_order
 from autotp.distributed.expert_routing import local_dispatch_plan, local_dispatch_sizes, route_locally, routed_counts
 from autotp.distributed.experts import dispatch_plan, dispatch_sizes, token_sums, token_sums_in_order
 from autotp.passes.rules import OpInfo, TensorMeta
-from autotp.passes.rules.local_routing import OWN, own_strategies
+from autotp.passes.rules.local_routing import ALONE, OWN, own_strategies
 from autotp.passes.rules.contract import Strategy
 from autotp.placements import REPLICATE, Routed, local_ranges, Shard
 from tests.cost_model.kernel_counts import KernelCounter
@@ -100,6 +101,7 @@ def _counted(fake_world, experts: int, k: int) -> dict[str, KernelCounter]:
     local_dispatch_sizes(route_locally(balanced, 1, experts, fake_world, TP, 0), runs, 0)   # the holders, made once
     with KernelCounter(FILLS, ALLOCATIONS) as routing:
         local = route_locally(balanced, 1, experts, fake_world, TP, 0)
+    with KernelCounter(FILLS, ALLOCATIONS) as dispatch:
         sizes = local_dispatch_sizes(local, runs, 0)
         local_dispatch_plan(local, runs, 0, sizes)
     assert sum(sizes.recv) == own   # the price's uniform routing
@@ -108,15 +110,44 @@ def _counted(fake_world, experts: int, k: int) -> dict[str, KernelCounter]:
     return {"topk": (topk.launches + topk_backward.launches, topk.bytes + topk_backward.bytes,
                      topk.calls + topk_backward.calls),
             "route_locally": (routing.launches, routing.bytes, routing.calls),
+            "dispatch": (dispatch.launches, dispatch.bytes, dispatch.calls),
             "routed_counts": (counts.launches, counts.bytes, counts.calls)}
 
 
+def _grouped_product(rows: int, experts: int) -> OpInfo:
+    """A grouped gate|up product of ``rows`` (token, expert) rows over ``experts`` experts
+    (transformers' int32 ``offs``)."""
+    x, w = _meta(rows, 4096, dtype=torch.bfloat16), _meta(experts, 4096, 64, dtype=torch.bfloat16)
+    offs = _meta(experts, dtype=torch.int32)
+    return OpInfo("aten._grouped_mm.default", (x, w, offs), {}, (x, w, offs), _meta(rows, 64, dtype=torch.bfloat16),
+                  TP)
+
+
+def _priced_dispatch(experts: int, rows: int, x: Routed):
+    """What a grouped product that sends its rows ``x`` to their experts' ranks is priced beyond
+    the same product on rows gathered at its experts (no dispatch): the layer's dispatch's split
+    sizes and plan."""
+    info = _grouped_product(rows, experts)
+    sends = Strategy((x, Shard(0), REPLICATE), Routed(0), internal=(("all_to_all", info.inputs[0]),))
+    gathered = Strategy((Routed(0), Shard(0), REPLICATE), Routed(0))
+    return tuple(a - b for a, b in zip(_price(info, sends), _price(info, gathered)))
+
+
+@pytest.mark.parametrize("dispatching", [True, False], ids=["dispatching", "expert-tp"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_a_moe_layers_routing_is_priced_as_the_kernels_a_rank_runs(fake_world, layout):
+def test_a_moe_layers_routing_is_priced_as_the_kernels_a_rank_runs(fake_world, layout, dispatching):
+    # a rank routing its own rows: an expert-parallel layer dispatches them (route_locally, then
+    # the dispatch's sizes and plan from its exchanged counts, at the dispatching product); an
+    # expert-TP layer sums them whole by a g (route_locally alone). Before, the sort was priced
+    # with the dispatch's kernels on both, though an expert-TP layer never runs them
     experts, k = LAYOUTS[layout]
     counted = _counted(fake_world, experts, k)
     priced = {"topk": _priced_topk(experts, k), "route_locally": _priced_sort(experts, k),
               "routed_counts": _priced_counts(experts, k)}
+    if dispatching:
+        priced["dispatch"] = _priced_dispatch(experts, TOKENS * k, ALONE)
+    else:
+        del counted["dispatch"]
     for part, (launches, moved, calls) in counted.items():
         assert priced[part] == (launches, moved), (part, calls)
     # the layer's routing as a whole
@@ -220,8 +251,10 @@ def _priced_reorder(experts: int, k: int, tokens: int, dispatching: bool):
 @pytest.mark.parametrize("layout", sorted(WHOLE_SORT_LAYOUTS))
 def test_a_whole_sorts_dispatch_is_priced_as_the_kernels_a_rank_runs(layout):
     # the all-to-all dispatch from rows sorted whole on every rank: the layer's split sizes and
-    # plan (distributed.experts.dispatch_sizes, dispatch_plan) priced with the reorder that puts
-    # the rank's tokens' rows in expert order (the rank's program makes the sizes there)
+    # plan (distributed.experts.dispatch_sizes, dispatch_plan) priced at the product that sends
+    # the rows (where the rank's program plans it), not at the reorder that puts the rank's
+    # tokens' rows in expert order: that reorder is the same whether its rows are dispatched or
+    # made whole by a g (which runs neither). Before, the reorder was priced with them
     experts, k, tokens = WHOLE_SORT_LAYOUTS[layout]
     g = torch.Generator().manual_seed(0)
     rows = tokens * k
@@ -236,6 +269,6 @@ def test_a_whole_sorts_dispatch_is_priced_as_the_kernels_a_rank_runs(layout):
         sizes = dispatch_sizes(owners, offs, runs, 0)
         dispatch_plan(own, owners, offs, runs, sizes)
     assert sizes.bounds == (0, rows * runs[0][1] // experts)   # the price's uniform routing
-    launches, moved = (a - b for a, b in zip(_priced_reorder(experts, k, tokens, True),
-                                             _priced_reorder(experts, k, tokens, False)))
-    assert (launches, moved) == (counted.launches, counted.bytes), counted.calls
+    assert _priced_reorder(experts, k, tokens, True) == _priced_reorder(experts, k, tokens, False)
+    rows_sorted_whole = Routed(0, tokens=True, reordered=True)
+    assert _priced_dispatch(experts, rows, rows_sorted_whole) == (counted.launches, counted.bytes), counted.calls

@@ -391,14 +391,18 @@ def assert_experts_case(cluster_of, case: dict) -> None:
                       layers=1, layout="etp", plan_batch=64, plan_seq=4096, sp=True, profile="h100-dgx",
                       own_routing=False, config=dict(hidden_size=256),
                       comms={("all_gather_rows", "P(tokens 0)", "R"): True}), marks=pytest.mark.slow),
-    # expert-TP at the tiny width of 32, each rank's own routing offered: the whole sort and the
-    # rows all-gathered in sorted order (5.375 ms/step planned). Each rank routing its own rows and
-    # summing them whole by a g was taken here (5.353) until the planner priced a rank's own sort
-    # with the kernels around it, among them the dispatch's split sizes and plan, which an
-    # expert-TP layer does not run (an overcharge, docs/architecture.md); priced so, it costs more
+    # expert-TP at the tiny width of 32, each rank's own routing offered, every routing priced as
+    # its rank runs it (the dispatch's split sizes and plan at a product that sends rows alone):
+    # the whole sort, each rank reordering its own tokens' rows by it (routed_reorder) and summing
+    # them whole by a g (5.266 ms/step planned), against the rows all-gathered in sorted order
+    # (5.327, taken while the reorder was charged the whole sort's dispatch kernels it does not
+    # run) and each rank routing its own rows, then a g (5.305: a g of the down product's rows
+    # besides, where the whole sort's rows are summed as a Partial to the combine)
     dict(family="mixtral", impl="eager", tp=2, experts=3, top_k=2, kv_heads=2, seq=7, seed=4, layers=1,
-         layout="etp", plan_batch=64, plan_seq=4096, sp=True, profile="h100-dgx", routed=("token_rows",),
-         comms={("g", "P(tokens 0, reordered)", "R"): False, ("all_gather_rows", "P(tokens 0)", "R"): True}),
+         layout="etp", plan_batch=64, plan_seq=4096, sp=True, profile="h100-dgx",
+         routed=("token_rows", "routed_reorder"),
+         comms={("all_gather", "P(tokens 0, reordered, own)", "R"): False,
+                ("all_gather_rows", "P(tokens 0)", "R"): False}),
 ], ids=["mixtral-grouped-3of2", "qwen2moe-eager-shared", "deepseek-mla-heads", "mixtral-batched-etp",
         "gptoss-grouped-rows", "mixtral-batched-3of4", "gptoss-grouped-routed", "gptoss-periodic-expanded",
         "mixtral-eager-tokens-a2a", "mixtral-eager-tokens-gathered-rs-tp3", "qwen3-eager-tokens-gathered-rs-tp2",

@@ -112,9 +112,8 @@ def test_token_rows_made_whole_under_expert_tp_are_all_gathered_along_the_sequen
     # the tokens split along the sequence, the router on a rank's own: the expert ids and routing
     # weights every rank needs whole under expert-TP are its tokens in sequence order, gathered
     # along it ((tp-1)/tp of their bytes), not scattered into zeros and all-reduced (twice that).
-    # (Each rank routing its own rows, not offered here, was cheaper by cost at this size until
-    # its sort was priced with the dispatch's kernels, which expert-TP does not run: an overcharge,
-    # docs/architecture.md; the plan is the same with it offered now)
+    # (Each rank routing its own rows, not offered here, costs more at this size, priced as it
+    # runs: test_an_expert_tp_layer_is_priced_no_dispatch_kernels_it_does_not_run below)
     import autotp.passes.rules.routed as rules
 
     monkeypatch.setattr(rules, "own_merge", lambda info, p: None)
@@ -129,6 +128,55 @@ def test_token_rows_made_whole_under_expert_tp_are_all_gathered_along_the_sequen
     # half of each sent at tp 2
     assert sorted(c.fwd_bytes for c in whole) == [rows * 2 * 2 / 2, rows * 2 * 8 / 2]
     assert all(c.bwd_bytes == 0 for c in whole)
+
+
+def test_an_expert_tp_layer_is_priced_no_dispatch_kernels_it_does_not_run():
+    # The tiny Mixtral above at tp 2, each rank's own routing offered. An expert-TP layer whose
+    # ranks route their own rows sums them whole by a g: its rank runs route_locally around its
+    # sort and no dispatch (no split sizes, no dispatch plan); the whole sort's reorder of a rank's
+    # tokens' rows made whole by a g runs no dispatch either. The dispatch's kernels are the
+    # dispatching product's (cost_model/routing.dispatch_work). Before, the own sort was priced
+    # with the dispatch's split sizes and plan, and the reorder with the whole sort's: each
+    # layer charged kernels its rank never runs, which tipped this plan to the rows all-gathered
+    # (5.233 ms/step; the whole sort and the rows made whole by a g are 5.173 priced as run,
+    # each rank's own routing 5.211)
+    import dataclasses
+
+    from autotp.capture.cache import capture
+    from autotp.cost_model import get_profile
+    from autotp.cost_model.kernels import op_work as kernels_work
+    from autotp.cost_model.routing import route_locally_work
+    from autotp.cost_model.symbolic import op_work
+    from autotp.cost_model.work import RankOp
+    from autotp.passes.rules.local_routing import ALONE, OWN
+    from autotp.placements import REPLICATE, Routed
+    from autotp.planner.planner import build_plan
+
+    config = zoo.tiny_config("mixtral", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=4, top_k=2)
+    profile = get_profile("h100-dgx")
+    plan, index, prop = build_plan(capture(zoo.build("mixtral", config, device="meta"), (), None), 2, batch=64,
+                                   seq=4096, profile=profile, layout=ETP, sequence_parallel=True)
+    (sort,) = [n for n in index.infos if n.target in (torch.ops.aten.sort.default, torch.ops.aten.sort.stable)]
+    info = index.infos[sort]
+    (own,) = [s for s in index.strategies(sort, (OWN,))]
+    bare = kernels_work(dataclasses.replace(info, routing_experts=0), own, 2, profile.dtype_bytes, info.train_dtype)
+    around = route_locally_work(RankOp(info, own, 2, profile.dtype_bytes, info.train_dtype).n_in[0], 4, 2)
+    planned = op_work(info, own, profile, 2)
+    assert (planned.launches, planned.moved) == (bare.launches + around.launches, bare.moved + around.moved)
+    # h[perm // k]: by the rank's own positions, the rows a dispatch would be priced from its
+    # routing (ALONE); by the whole sort's, priced as the reorder alone
+    (gather,) = [n for n in index.infos if index.infos[n].gathers_expert_rows and index.infos[n].row_copies]
+    info = index.infos[gather]
+    tokens = Routed(0, tokens=True)
+    assert [s.output for s in index.strategies(gather, (tokens, OWN))] == [ALONE]
+    (whole,) = [s for s in index.strategies(gather, (tokens, REPLICATE)) if s.output == Routed(0, tokens=True,
+                                                                                               reordered=True)]
+    assert op_work(info, whole, profile, 2) == kernels_work(dataclasses.replace(info, routing_experts=0), whole, 2,
+                                                            profile.dtype_bytes, info.train_dtype)
+    # priced so, the solver takes the whole sort, each rank reordering its own tokens' rows, made
+    # whole by a g for the column-parallel gate|up product
+    assert not [c for c in plan.comms if c.src.endswith(", own)") or c.kind == "all_gather_rows"], plan.comms
+    assert [c.consumer.startswith("grouped_mm") for c in plan.comms if c.kind == "g"] == [True], plan.comms
 
 
 @pytest.mark.parametrize("family, tp", [("mixtral", 2), ("qwen3-moe", 3)])

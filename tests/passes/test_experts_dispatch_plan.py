@@ -436,30 +436,35 @@ def test_a_top_k_sum_is_priced_with_a_sort_where_its_rows_come_back_out_of_order
     assert chosen == (on_tokens if own else Strategy((Routed(0, span=2),), PARTIAL)), chosen
 
 
-def _routing_node(index, prop, own: bool):
-    """The node and strategy the plan prices a layer's routing kernels at: a rank's own sort of its
-    ids (``route_locally``), or the reorder of its tokens' rows by the whole sort's positions."""
-    from autotp.cost_model.routing import reorders_for_dispatch, routes_locally
+def _routing_nodes(index, prop, own: bool):
+    """The nodes and strategies the plan prices a dispatching layer's routing kernels at: a rank's
+    own sort of its ids (``route_locally``, where it routes its own rows), and the grouped
+    product that sends the rows (the dispatch's split sizes and plan, from either routing)."""
+    from autotp.cost_model.routing import dispatches, routes_locally
     from autotp.cost_model.work import RankOp
 
+    def rank_op(n, s):
+        return RankOp(index.infos[n], s, 2, 2, None, None)
+
     sorts = (torch.ops.aten.sort.default, torch.ops.aten.sort.stable)
-    found = [(n, s) for n, s in prop.chosen.items()
-             if (n.target in sorts and own) or (n.target is torch.ops.aten.index.Tensor and not own)]
-    test = routes_locally if own else reorders_for_dispatch
-    (node, strategy), = [(n, s) for n, s in found if test(RankOp(index.infos[n], s, 2, 2, None, None))]
-    return node, strategy
+    found = [(n, s) for n, s in prop.chosen.items() if n.target in sorts and routes_locally(rank_op(n, s))]
+    assert len(found) == int(own), found
+    (product,) = [(n, s) for n, s in prop.chosen.items() if dispatches(rank_op(n, s))]
+    return found, product
 
 
 @pytest.mark.parametrize("own", [True, False], ids=["own-routing", "whole-sort"])
 def test_the_plan_prices_the_routings_kernels_as_a_rank_runs_them(monkeypatch, own):
     # the solver's price of a dispatching layer's routing is what the rank's program runs
     # (tests/cost_model/test_routing_pricing.py holds each to a tp-8 rank's ATen calls): a rank's
-    # own sort with route_locally's kernels around it and the dispatch's split sizes and plan
-    # from its exchanged counts; the whole sort's reorder of a rank's tokens' rows with the
-    # dispatch's sizes and plan from every row (dispatch_sizes' bucketize and counts,
-    # dispatch_plan's two sorts). Before, the planner's copy of the op's OpInfo dropped the
-    # router's experts: the own sort was priced as a bare radix sort, the whole sort's dispatch
-    # kernels not at all
+    # own sort with route_locally's kernels around it, and, at the product that sends the rows,
+    # the dispatch's split sizes and plan, from the sort's exchanged counts where the rank
+    # routed its own rows, from every row where they were sorted whole (dispatch_sizes'
+    # bucketize and counts, dispatch_plan's two sorts). Before, the planner's copy of the op's
+    # OpInfo dropped the router's experts (the own sort was priced as a bare radix sort, the
+    # whole sort's dispatch kernels not at all); then the dispatch's kernels were priced at the
+    # sort or the reorder, which do not know whether the layer dispatches (an expert-TP layer
+    # that sums its rows by a g runs none)
     import dataclasses
 
     import autotp.passes.rules.routed as routed
@@ -470,6 +475,7 @@ def test_the_plan_prices_the_routings_kernels_as_a_rank_runs_them(monkeypatch, o
                                            local_dispatch_sizes_work, route_locally_work, sort_passes)
     from autotp.cost_model.symbolic import op_work
     from autotp.cost_model.work import RankOp
+    from autotp.placements import Routed
     from autotp.planner.planner import build_plan
 
     if not own:
@@ -478,22 +484,34 @@ def test_the_plan_prices_the_routings_kernels_as_a_rank_runs_them(monkeypatch, o
     _, index, prop = build_plan(capture(_tiny_mixtral(), (), None), 2, batch=TINY_BATCH, seq=WORKLOAD["seq"],
                                 profile=h200, layout={"*.experts.*": "expert"}, sequence_parallel=True,
                                 expert_dispatch=True)
-    node, strategy = _routing_node(index, prop, own)
-    info = index.infos[node]
-    assert info.routing_experts == 4
-    planned = op_work(info, strategy, h200, 2)
-    assert planned == kernels_work(info, strategy, 2, h200.dtype_bytes, info.train_dtype)
-    bare = kernels_work(dataclasses.replace(info, routing_experts=0), strategy, 2, h200.dtype_bytes,
-                        info.train_dtype)
-    if own:
+    sorts, (product, sends) = _routing_nodes(index, prop, own)
+    for node, strategy in sorts:   # route_locally's kernels around the bare radix sort
+        info = index.infos[node]
+        assert info.routing_experts == 4
+        planned = op_work(info, strategy, h200, 2)
+        assert planned == kernels_work(info, strategy, 2, h200.dtype_bytes, info.train_dtype)
+        bare = kernels_work(dataclasses.replace(info, routing_experts=0), strategy, 2, h200.dtype_bytes,
+                            info.train_dtype)
         rows = RankOp(info, strategy, 2, h200.dtype_bytes, info.train_dtype, None).n_in[0]   # T*k/2
-        around = [route_locally_work(rows, 4, 2), local_dispatch_sizes_work(4, 2), local_dispatch_plan_work(rows, 4, 2)]
+        around = route_locally_work(rows, 4, 2)
+        assert (planned.launches, planned.passes, planned.moved) == \
+            (bare.launches + around.launches, bare.passes, bare.moved + around.moved)
+    info = index.infos[product]
+    assert sends.inputs[0].alone == own, sends
+    planned = op_work(info, sends, h200, 2)
+    assert planned == kernels_work(info, sends, 2, h200.dtype_bytes, info.train_dtype)
+    # the same product on rows gathered at its experts: no dispatch
+    bare = kernels_work(info, dataclasses.replace(sends, inputs=(Routed(0),) + sends.inputs[1:], internal=()), 2,
+                        h200.dtype_bytes, info.train_dtype)
+    rows = info.inputs[0].shape[0]   # every (token, expert) row
+    if own:
+        around = [local_dispatch_sizes_work(4, 2), local_dispatch_plan_work(rows / 2, 4, 2)]
     else:
-        rows = info.inputs[1].shape[0]   # every (token, expert) row, sorted whole
-        around = [dispatch_sizes_work(rows, 4, 2, info.offs_bytes), dispatch_plan_work(rows, 4, 2)]
+        around = [dispatch_sizes_work(rows, 4, 2, info.inputs[2].dtype.itemsize), dispatch_plan_work(rows, 4, 2)]
     assert planned.launches == bare.launches + sum(w.launches for w in around) > bare.launches
     assert planned.passes == bare.passes + (0 if own else 2 * sort_passes(8))
     assert planned.moved == bare.moved + tuple(m for w in around for m in w.moved)
+    assert planned.products == bare.products
 
 
 #: the combine note's comparison with the g

@@ -76,7 +76,8 @@ def rank_rows_work(info: OpInfo, strategy: Strategy) -> tuple[OpInfo, Strategy]:
     """The op and strategy whose work a rank does under :func:`gathered_rows_strategies`: the
     gather of its own tokens' rows (``1/tp`` of them, the reorder that keeps them on their rank),
     with no read to the host (its count is the shapes') and no dispatch to plan (its rows are
-    gathered, not sent: ``cost_model/routing.reorders_for_dispatch``); the all-gather and the
+    gathered, not sent; a dispatch is priced at the product that sends rows,
+    ``cost_model/routing.dispatch_work``); the all-gather and the
     layout of the whole rows are the internal collective's (``propagate.internal_seconds``)."""
     p = strategy.inputs[0]
     return replace(info, reads_rows=False, routing_experts=0), Strategy(strategy.inputs, replace(p, reordered=True))

@@ -42,6 +42,10 @@ aten = torch.ops.aten
 OWN = Routed(0, tokens=True, reordered=True, own=True)
 #: the rank's rows as any token-held rows in an order of its own: what a gather by an OWN index makes
 ROWS = Routed(0, tokens=True, reordered=True)
+#: ... where the gather takes the float rows a grouped product reads (``h[perm // k]``): if that
+#: product dispatches them, its split sizes and plan come from the rank's own routing (priced so
+#: there, ``cost_model/routing.dispatch_work``; a g makes them whole as any such rows)
+ALONE = Routed(0, tokens=True, reordered=True, alone=True)
 #: ... where the gather puts the rows the combine brought back in the rank's tokens' order (``out[inv]``,
 #: the inverse of its sort): their ids ascend, each token's top-k rows together
 IN_TOKEN_ORDER = Routed(0, tokens=True, reordered=True, ascending=True)
@@ -144,7 +148,9 @@ def own_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
             # send its rows back, rules/experts.combine_back)
             return [Strategy((Shard(0), OWN), Routed(0)), Strategy((Shard(0), OWN), Routed(0, sent=True))]
         if is_own(x) or _in_order(x):
-            return [Strategy((x, OWN), OWN if is_own(x) and not info.inputs[0].is_float else ROWS)]
+            if is_own(x) and not info.inputs[0].is_float:
+                return [Strategy((x, OWN), OWN)]
+            return [Strategy((x, OWN), _rows(info))]
         if isinstance(x, Routed) and x.tokens and x.reordered and x.span == 1:
             # the rows the combine brought back, as the rank sorted them, by the inverse of its
             # sort (own_localizer: its rows' map then the flat rows', in its tokens' order)
@@ -153,8 +159,14 @@ def own_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
             # whole rows: the rank's own taken by global id, where the index numbers rows (the
             # sort's positions, or their tokens ``perm // k``); never by the expert ids themselves
             # (batched_mm's ``gate_up_proj[ids]``: whole weights picked per row)
-            return [Strategy((REPLICATE, OWN), ROWS)]
+            return [Strategy((REPLICATE, OWN), _rows(info))]
     return []
+
+
+def _rows(info: OpInfo) -> Routed:
+    """The float rows a gather by an :data:`OWN` index makes: :data:`ALONE` where a grouped
+    product reads them (what its dispatch is priced with), :data:`ROWS` otherwise."""
+    return ALONE if info.gathers_expert_rows else ROWS
 
 
 def _flag(info: OpInfo, position: int, name: str, default: Any) -> Any:
