@@ -17,15 +17,17 @@ if WORKERS > 1:
 #: the fast tier's longest files on 2 cores, longest first (pytest --durations, summed per file):
 #: collected first, so that the two xdist workers (dev.py: one file at a time, in this order) take
 #: them at the start and end together on the many short files
-LONGEST_FIRST = ("tests/runtime/test_pipeline.py", "tests/e2e/test_compile.py", "tests/e2e/test_generate.py",
-                 "tests/e2e/test_calls_after_training.py", "tests/e2e/test_calls.py", "tests/e2e/test_experts.py",
-                 "tests/e2e/test_sliding_window.py", "tests/e2e/test_llama4.py", "tests/e2e/test_own_routing.py",
-                 "tests/e2e/test_families.py", "tests/e2e/test_training.py", "tests/passes/test_attention.py",
-                 "tests/test_capture_expand.py", "tests/e2e/test_gpt2_sizes.py", "tests/e2e/test_encoders.py",
-                 "tests/e2e/test_dropout.py", "tests/runtime/test_per_block.py", "tests/e2e/test_torchrun.py",
-                 "tests/e2e/test_fixed_length.py",
-                 "tests/e2e/test_gpt2_equivalence.py", "tests/test_checkpoint.py", "tests/e2e/test_embeddings.py",
-                 "tests/test_capture.py", "tests/test_fake_backend.py")
+LONGEST_FIRST = ("tests/e2e/test_compile.py", "tests/e2e/test_experts.py", "tests/runtime/test_host_syncs.py",
+                 "tests/passes/test_attention.py", "tests/runtime/test_dcp_safety.py",
+                 "tests/runtime/test_pipeline.py", "tests/e2e/test_torchrun.py", "tests/e2e/test_families.py",
+                 "tests/e2e/test_fixed_length.py", "tests/passes/test_experts_plan.py",
+                 "tests/passes/test_recurrent_plan.py", "tests/e2e/test_generate.py",
+                 "tests/passes/test_families_plan.py", "tests/e2e/test_sequence_parallel_families.py",
+                 "tests/runtime/test_dtensor_params.py", "tests/e2e/test_llama4.py",
+                 "tests/test_capture_cache.py", "tests/passes/test_rules.py",
+                 "tests/e2e/test_calls_after_training.py", "tests/e2e/test_sequence_parallel_gathers.py",
+                 "tests/test_capture_expand.py", "tests/test_plan.py", "tests/passes/test_solve.py",
+                 "tests/test_fake_backend.py", "tests/e2e/test_training.py", "tests/e2e/test_calls.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -501,6 +501,7 @@ def check_rows_gathered_compiled(case: dict) -> dict:
             "equal": [bool(torch.allclose(a, b, rtol=1e-12, atol=1e-12)) for a, b in zip(*results)]}
 
 
+@pytest.mark.slow   # 30-94 s on two loaded cores; tests/e2e/test_compile.py compiles the dispatch's and the experts' rows in the fast tier
 def test_rows_gathered_from_each_ranks_tokens_compile_to_one_graph(cluster_of):
     # the gather's sizes (each rank's count of rows, the padding of uneven runs: seq 7 at tp 2)
     # are Python ints from the shapes: one graph, no break (a generator passed to a call and a

@@ -107,17 +107,18 @@ def cases(draw, tp: int) -> dict:
             "new": draw(st.integers(1, 6)), "sampling": draw(SAMPLING), "seed": draw(st.integers(0, 999))}
 
 
-#: the fast tier: the case the bug was found on (Mistral, every layer windowed, a window of 4
-#: shorter than the prompt, row 0 left-padded by 3, greedy) and a mixed model (Gemma 3: a
-#: windowed layer and a full one) sampled with a window that the generation grows past
+#: the named cases: the case the bug was found on (Mistral, every layer windowed, a window of 4
+#: shorter than the prompt, row 0 left-padded by 3, greedy; fast tier) and a mixed model (Gemma 3:
+#: a windowed layer and a full one) sampled with a window that the generation grows past (slow tier)
 FAST = [
     dict(tp=2, family="mistral", window=4, length=8, pads=[3, 0], new=6, sampling=None, seed=3),
-    dict(tp=2, family="gemma3", window=5, length=3, pads=[0, 2, 1], new=6,
-         sampling={"do_sample": True, "top_k": 5}, seed=4),
+    pytest.param(dict(tp=2, family="gemma3", window=5, length=3, pads=[0, 2, 1], new=6,
+                      sampling={"do_sample": True, "top_k": 5}, seed=4),
+                 marks=pytest.mark.slow),   # slow tier: 47-61 s on two loaded cores; Mistral's case stays fast
 ]
 
 
-@pytest.mark.parametrize("case", FAST, ids=[f"{c['family']}-tp{c['tp']}" for c in FAST])
+@pytest.mark.parametrize("case", FAST, ids=["mistral-tp2", "gemma3-tp2"])
 def test_generation_with_a_sliding_window_and_left_padding_equals_serial(cluster_of, case):
     assert_generation(cluster_of, case)
 

@@ -168,9 +168,10 @@ def _reads(module, inputs, train: bool) -> list[tuple[str, tuple[str, ...]]]:
 
 
 #: the fast tier's families: a plain stack, grouped-query attention, dropouts taking the
-#: reduce-scatter, experts on the grouped and on the batched path, a hybrid with experts; every
-#: other family in the slow tier (about 200 s for them all on two cores)
-FAST = ("gpt2", "llama", "phi3", "mixtral", "gpt-oss", "granitemoehybrid")
+#: reduce-scatter, experts on the grouped and on the batched path; every other family in the
+#: slow tier (about 200 s for them all on two cores; the hybrid with experts, granitemoehybrid,
+#: 30-55 s alone, stays fast in the stricter test without host reads below)
+FAST = ("gpt2", "llama", "phi3", "mixtral", "gpt-oss")
 
 
 def _families():
