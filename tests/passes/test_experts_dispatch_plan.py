@@ -282,6 +282,32 @@ def test_a_forced_dispatch_holds_in_the_inference_program(fake_rank, caplog):
     assert not [r for r in caplog.records if said in r.getMessage()]
 
 
+@pytest.mark.parametrize("tp, rank", [(3, 1), pytest.param(2, 0, marks=pytest.mark.slow)])
+def test_a_forced_dispatch_summed_by_the_g_builds_each_ranks_program(monkeypatch, tp, rank):
+    # expert_dispatch=True with the reverse all-to-all withdrawn (the combine by the g): the solver
+    # makes the experts' output rows whole (the routing weights' product on every row) and each
+    # rank takes its tokens' rows back by the inverse of its own sort, out[inv]: a gather of whole
+    # rows by its positions among its sorted rows. The rank's program once refused it (a PlanError
+    # deep in the rewrite, "index_tensor_2 gathers whole rows by a rank's own positions (sorted,
+    # index_put__default)"): each position is now the global id its routing gave the row. A step
+    # runs at lengths tp does and does not divide (its values against serial on gloo:
+    # tests/e2e/test_forced_dispatch.py; tp 2 also in tests/runtime/test_host_syncs.py)
+    from tests.helpers import fake_process_group
+
+    _combine_offered(monkeypatch, False)
+    config = zoo.tiny_config("mixtral", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=4, top_k=2)
+    model = zoo.build("mixtral", config, dtype=torch.float32, seed=1)
+    with fake_process_group(tp, rank):
+        pm = autotp.parallelize(model, tp, layout={"*.experts.*": "expert"}, batch=TINY_BATCH, expert_dispatch=True,
+                                **WORKLOAD)
+        kinds = [type(m).__name__ for m in pm.graph_module.modules()]
+        assert kinds.count("RouteLocally") == kinds.count("DispatchRows") == 1 and "CombineRows" not in kinds, kinds
+        assert ("g", "P(routed 0)", "R") in {(c.kind, c.src, c.dst) for c in pm.plan.comms}, pm.plan.comms
+        for seq in (2 * tp, 2 * tp + 1):
+            batch = zoo.example_batch("mixtral", config, batch=2, seq=seq, seed=2)
+            pm(**batch).loss.backward()
+
+
 def _routed_plan(model, tp: int, batch: int, **kwargs):
     from autotp.capture.cache import capture
     from autotp.planner.planner import build_plan

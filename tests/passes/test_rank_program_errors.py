@@ -91,11 +91,14 @@ def test_an_inverse_written_with_other_values_or_positions_is_refused(kinds):
     assert "it must run on every row" in message
 
 
-def test_whole_rows_gathered_by_positions_that_number_none_of_them_are_refused():
-    # positions among the rank's sorted rows number no row of the whole tensor
-    message = _localize(aten.index.Tensor, [None, "sorted"], Strategy((REPLICATE, OWN), ROWS),
+@pytest.mark.parametrize("kind", ["values", "ids"])
+def test_whole_rows_gathered_by_values_that_number_none_of_them_are_refused(kind):
+    # the flattened top-k ids (or the sorted ids) are no positions: they number no row of the
+    # whole tensor (positions among the rank's flat rows, its tokens or its sorted rows do: each
+    # is the global id its routing gave the row, tests/e2e/test_forced_dispatch.py)
+    message = _localize(aten.index.Tensor, [None, kind], Strategy((REPLICATE, OWN), ROWS),
                         args=lambda xs: (xs[0], [xs[1]]))
-    assert message.startswith("index_tensor gathers whole rows by a rank's own positions (sorted, x1), which "
+    assert message.startswith(f"index_tensor gathers whole rows by a rank's own positions ({kind}, x1), which "
                               "number no rows of the whole"), message
     assert "it must gather every row" in message
 

@@ -201,10 +201,6 @@ def test_a_steady_state_step_reads_nothing_back_from_the_device(fake_rank, famil
             assert reads == []
 
 
-# Since the routing's kernels are priced on both sort paths (2144c0c) this tiny layer gathers its
-# tokens whole by cost (no DispatchRows); forced (expert_dispatch=True) the plan raises the
-# PlanError "index_tensor_2 gathers whole rows by a rank's own positions ...". Open under issue 47
-@pytest.mark.xfail(strict=True, reason="the tiny layer no longer dispatches by cost; forced, a PlanError (issue 47)")
 def test_a_dispatching_layer_reads_the_host_once(fake_rank, monkeypatch):
     """The tokens split along the sequence, each (token, expert) row sent to its expert's rank by
     an all-to-all, its output row sent back by the reverse one or summed by a g: a training step
@@ -213,7 +209,11 @@ def test_a_dispatching_layer_reads_the_host_once(fake_rank, monkeypatch):
     and receives from each rank, and so how many rows of its tokens it holds), which the reorder
     of its tokens' rows, both products, the dispatch, the combine and their backwards share
     (before: three, the bounds, the split sizes and the reorder's ``nonzero``). An inference
-    call reads what its own program reads either way."""
+    call reads what its own program reads either way. The dispatch is forced (``expert_dispatch=True``):
+    since the routing's kernels are priced on both sort paths this tiny layer gathers its tokens
+    whole by cost. Without the reverse all-to-all the rank then takes its tokens' rows back from the
+    experts' output rows made whole, by the inverse of its own sort (once a PlanError in the
+    rewrite, "index_tensor_2 gathers whole rows by a rank's own positions (sorted, ...)")."""
     import autotp.passes.rules.experts as rules
     import autotp.passes.rules.routed as routed
 
@@ -228,7 +228,7 @@ def test_a_dispatching_layer_reads_the_host_once(fake_rank, monkeypatch):
             monkeypatch.setattr(routed, "_sent_back", lambda info, placements, rule: [])
         model = zoo.build("mixtral", config, dtype=torch.float32, seed=1)
         pm = autotp.parallelize(model, TP, layout={"*.experts.*": "expert"}, batch=64, seq=4096,
-                                profile="h100-dgx", sequence_parallel=True)
+                                profile="h100-dgx", sequence_parallel=True, expert_dispatch=True)
         pm.deferred_checks = True
         kinds = [type(m).__name__ for m in pm.graph_module.modules()]
         assert kinds.count("DispatchRows") == 2 and kinds.count("CombineRows") == (2 if combine else 0), kinds

@@ -293,13 +293,19 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
         if isinstance(have, Shard):   # a stack of experts picked by the sorted ids: its experts' rows
             return _counted_pick(info, strategy, kind, ctx)
         if have == REPLICATE:   # whole rows: the rank's own, by their global ids
-            ids = {"flat": layer.flat, "tokens": ctx.graph.call_function(R.flat_tokens, (layer.flat, layer.k))}
-            if kind not in ids:
+            # the index's positions among the rank's flat rows, its tokens, or its sorted rows
+            # (``out[inv]`` where the experts' output rows were made whole: placed by the global
+            # ids its routing gave its sorted rows, ``LocalRouting.rows``)
+            if kind == "tokens":
+                ids = ctx.graph.call_function(R.flat_tokens, (layer.flat, layer.k))
+            else:
+                ids = {"flat": layer.flat, "sorted": layer.sorted_rows}.get(kind)
+            if ids is None:
                 raise _refused(f"{node.name} gathers whole rows by a rank's own positions ({kind}, "
                                f"{_name(node.args[1][0])}), which number no rows of the whole; it must gather every "
                                f"row")
             ctx.made_rows = ctx.rows_of(index)
-            at = ctx.graph.call_function(aten.index_select.default, (ids[kind], 0, index))
+            at = ctx.graph.call_function(aten.index_select.default, (ids, 0, index))
             return aten.index_select.default, (x, 0, at), {}
         if is_own(have):   # the flattened weights (or ids) by the sort's positions
             fits = kind == "flat" and ctx.rows_of(x) is layer.flat
