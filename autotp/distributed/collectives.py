@@ -351,7 +351,7 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str, compili
         # An even contiguous split: one all_gather_into_tensor into a [tp, *local] buffer; the
         # full tensor is that buffer with the rank axis folded into dim d (none where d == 0,
         # else one copy out of a kept buffer).
-        if all(size == 1 for size in x.shape[:d]):
+        if _all_ones(x.shape[:d], compiling):
             # every dim before d of size one (dim 0 itself, or a batch of one under sequence
             # parallelism): the ranks' blocks in rank order are the full tensor already
             shape = list(x.shape)
@@ -390,6 +390,13 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str, compili
             full.narrow(d, a, b - a).copy_(out[r].narrow(d, offset, b - a))
             offset += b - a
     return full
+
+
+def _all_ones(sizes: Sequence[int], compiling: bool) -> bool:
+    """Whether every size is 1 (none: true). Eagerly their product (C; a generator's every step is
+    a Python call, in every gather of every step); under torch.compile size by size, as dynamo
+    guards them."""
+    return all(size == 1 for size in sizes) if compiling else math.prod(sizes) == 1
 
 
 def _gather_into(send: Tensor, group, op: str, scratch: bool = False, tp: int | None = None,
@@ -495,7 +502,7 @@ def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str,
     # interleaved (the zero padding sums to zero and is cut). An even split of dim 0 is that
     # layout already; an even split of another dim is one copy; else each run copied once.
     if split.even:
-        if all(size == 1 for size in pre):   # dim 0, or only dims of size one before d: in rank order already
+        if _all_ones(pre, compiling):   # dim 0, or only dims of size one before d: in rank order already
             send = x.contiguous().view([tp] + pre + [width] + post)
         else:
             send = _scratch([tp] + pre + [width] + post, x, "reduce_scatter", compiling)
