@@ -14,7 +14,11 @@ scatters, f and g) and forbidden. What may not cost a step anything:
 * a generator context manager, an import statement or ``copy.copy`` in what runs per collective
   or per parameter (the mappings, their layouts, the parameters' leaves and hooks), nor a compile
   check per parameter;
-* a view of a collective's result made for dynamo's sake, in eager code.
+* a view of a collective's result made for dynamo's sake, in eager code;
+* torch's Python around an eager collective or a parameter (``Function.apply``'s, ``dist``'s
+  wrappers, a functional collective's pytree and dispatch, DTensor's ``__init__`` wrappers):
+  an f or a g costs at most 18 calls, a parameter two, and a training step no more than serial's
+  plus one per graph op, two per parameter and 20 per collective module.
 """
 from __future__ import annotations
 
