@@ -38,6 +38,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.distributed.distributed_c10d as _c10d
 from torch import Tensor, nn
 
 from autotp.errors import AutotpError, CommError, LostRankError, PlanError
@@ -57,20 +58,23 @@ __all__ = [
 
 # ---------------------------------------------------------------- groups and errors
 
-def group_size(group) -> int:
+def group_size(group, compiling: bool | None = None) -> int:
     """Ranks in ``group`` (1 for None). Eagerly the group's own answer (``ProcessGroup.size``, what
     ``dist.get_world_size`` returns for a group this rank is in, without its Python: asked several
-    times per collective); under torch.compile the call dynamo folds."""
+    times per collective); under torch.compile the call dynamo folds. ``compiling``: whether a
+    compile trace runs, where the caller asked already (None: asks)."""
     if group is None:
         return 1
-    return dist.get_world_size(group) if torch.compiler.is_compiling() else group.size()
+    return dist.get_world_size(group) if (torch.compiler.is_compiling() if compiling is None else compiling) \
+        else group.size()
 
 
-def group_rank(group) -> int:
+def group_rank(group, compiling: bool | None = None) -> int:
     """This rank's place in ``group`` (0 for None); eagerly ``ProcessGroup.rank``, as above."""
     if group is None:
         return 0
-    return dist.get_rank(group) if torch.compiler.is_compiling() else group.rank()
+    return dist.get_rank(group) if (torch.compiler.is_compiling() if compiling is None else compiling) \
+        else group.rank()
 
 
 def group_ranks(group) -> tuple[int, ...] | None:
@@ -162,25 +166,51 @@ def _comm_failure(op: str, group, e: Exception, started: float, since: float | N
     return CommError(f"{cause}{note}\n{advice}")
 
 
-def _all_reduce(x: Tensor, group, op: str, in_place: bool = False) -> Tensor:
+def _all_reduce(x: Tensor, group, op: str, in_place: bool = False, compiling: bool | None = None) -> Tensor:
     """The sum over the group. ``in_place``: the caller knows that nothing else reads ``x``
     (the rewrite's decision, :mod:`autotp.passes.in_place`), so eager code reduces it in its own
-    storage and returns it, as Megatron's ``_reduce`` does, where it is contiguous. Otherwise a
-    new tensor: a functional collective, which copies its input first (torch.compile traces it
-    as it is, and inductor reduces in place itself where the input is dead). A tensor reduced in
-    place has its autograd version bumped (c10d does not), so a backward formula that saved it
-    raises autograd's "modified by an inplace operation" instead of reading the sum."""
-    x = x.detach()
-    in_place = in_place and not torch.compiler.is_compiling()   # dynamo loses a Function's detached alias
-    if group_size(group) == 1:
-        return x if in_place else x.clone(memory_format=torch.contiguous_format)
-    if in_place and x.is_contiguous():
-        with _comm(op, group):   # waited for inside: a failure surfaces here, named
-            dist.all_reduce(x, group=group)
-        torch.autograd.graph.increment_version(x)
-        return x
-    with _comm(op, group):   # waited for inside: a failure surfaces here, named
+    storage and returns it, as Megatron's ``_reduce`` does, where it is contiguous; otherwise a
+    contiguous copy of it, reduced. A compiled program's is a functional collective (which
+    copies its input first): torch.compile traces it as it is, and inductor reduces in place
+    itself where the input is dead. A tensor reduced in place has its autograd version bumped
+    (c10d does not), so a backward formula that saved it raises autograd's "modified by an
+    inplace operation" instead of reading the sum. ``compiling``: as :func:`group_size`'s."""
+    if torch.compiler.is_compiling() if compiling is None else compiling:
+        x = x.detach()   # (not in place: dynamo loses a Function's detached alias)
+        if group_size(group, True) == 1:
+            return x.clone(memory_format=torch.contiguous_format)
         return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
+    if x.requires_grad:   # a Function's input in its forward (a gradient in backward needs none)
+        x = x.detach()
+    if group is None or group.size() == 1:
+        return x if in_place else x.clone(memory_format=torch.contiguous_format)
+    in_place = in_place and x.is_contiguous()
+    if not in_place:
+        x = x.clone(memory_format=torch.contiguous_format)
+    with _CommGuard(op, group):   # waited for inside: a failure surfaces here, named
+        _c10d_all_reduce(x, group)
+    if in_place:
+        _increment_version((x,))
+    return x
+
+
+def _c10d_all_reduce(x: Tensor, group) -> None:
+    """``dist.all_reduce(x, group=group)`` (a sum, waited for) without its Python: the group's own
+    ``allreduce`` (which dispatches ``c10d.allreduce_``, as dist's does) with dist's options. The
+    checks dist's makes that an eager step of a rank needs not: this rank is in the group (the
+    group is its own TP group), no coalescing manager is open (autotp opens none); a complex
+    tensor or a tensor subclass takes dist's own path (its real view, its ``__torch_function__``)."""
+    if type(x) is not Tensor or x.is_complex():
+        dist.all_reduce(x, group=group)
+        return
+    opts = _c10d.AllreduceOptions()   # reduceOp SUM
+    opts.asyncOp = False
+    group.allreduce([x], opts).wait()
+
+
+#: autograd's version bump of tensors written in place (``torch.autograd.graph.increment_version``
+#: without its Python)
+_increment_version = torch._C._increment_version
 
 
 # ---------------------------------------------------------------- layouts (no communication)
@@ -201,9 +231,12 @@ class _Split:
         self.even = shard.chunks == 1 and not shard.rotate and not shard.tail and len(set(self.sizes)) == 1
 
 
-#: (shard, full size, tp) -> its _Split, for eager code; cleared when it grows past _SPLITS_KEPT
-#: (a dim whose size changes per call, the sequence under sequence parallelism, adds one a length)
-_splits: dict[tuple[Shard, int, int], _Split] = {}
+#: (id(shard), full size, tp) -> (shard, its _Split), for eager code; cleared when it grows past
+#: _SPLITS_KEPT (a dim whose size changes per call, the sequence under sequence parallelism, adds
+#: one a length). Keyed by the shard object's identity, which a comm module keeps from step to
+#: step: a Shard's hash and equality are Python (two calls a lookup); the entry keeps its shard
+#: alive, so an id in the table is never another object's
+_splits: dict[tuple[int, int, int], tuple[Shard, _Split]] = {}
 _SPLITS_KEPT = 4096
 
 
@@ -213,13 +246,13 @@ def _split(full_size: int, shard: Shard, tp: int, compiling: bool | None = None)
     ``compiling``: whether one is running, where the caller asked already (None: asks)."""
     if torch.compiler.is_compiling() if compiling is None else compiling:
         return _Split(full_size, shard, tp)
-    key = (shard, full_size, tp)
+    key = (id(shard), full_size, tp)
     found = _splits.get(key)
     if found is None:
         if len(_splits) >= _SPLITS_KEPT:
             _splits.clear()
-        found = _splits[key] = _Split(full_size, shard, tp)
-    return found
+        found = _splits[key] = (shard, _Split(full_size, shard, tp))
+    return found[1]
 
 
 def local_shard(full: Tensor, shard: Shard, tp: int, rank: int) -> Tensor:
@@ -231,7 +264,8 @@ def local_shard(full: Tensor, shard: Shard, tp: int, rank: int) -> Tensor:
     return torch.cat([full.narrow(d, a, b - a) for a, b in ranges], dim=d).contiguous()
 
 
-def rank_slice(x: Tensor, shard: Shard, tp: int, rank: int, strided: bool = False) -> Tensor:
+def rank_slice(x: Tensor, shard: Shard, tp: int, rank: int, strided: bool = False,
+               compiling: bool | None = None) -> Tensor:
     """``local_shard`` of an activation or a gradient inside a step, copied only where it must
     be: one run whose slice is contiguous already (a split of dim 0, or of a dim with only dims
     of size one before it: the sequence of a batch of one) is that slice, a view, as serial
@@ -242,10 +276,11 @@ def rank_slice(x: Tensor, shard: Shard, tp: int, rank: int, strided: bool = Fals
     pointwise ops') or copy themselves where their kernel needs it contiguous (no more bytes
     than this copy); several runs are joined by one copy. A compiled
     program gets ``local_shard``'s fresh tensor: inductor plans its own buffers, and dynamo has
-    lost gradients of outputs that alias an autograd Function's input (``_output``)."""
-    if torch.compiler.is_compiling():
+    lost gradients of outputs that alias an autograd Function's input (``_output``).
+    ``compiling``: as :func:`group_size`'s."""
+    if torch.compiler.is_compiling() if compiling is None else compiling:
         return local_shard(x, shard, tp, rank)
-    ranges = _split(x.shape[shard.dim], shard, tp).ranges[rank]
+    ranges = _split(x.shape[shard.dim], shard, tp, False).ranges[rank]
     if len(ranges) != 1:
         return local_shard(x, shard, tp, rank)
     (a, b), = ranges
@@ -291,16 +326,18 @@ def _unpermute(t: Tensor, order: list[int]) -> Tensor:
     return t.permute(sorted(range(t.dim()), key=order.__getitem__))
 
 
-def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tensor:
+def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str, compiling: bool | None = None) -> Tensor:
     """All ranks' shards of ``x`` assembled into the full tensor (no autograd). An even split's
     part held as a permutation of a contiguous tensor is gathered in its memory's order and
     returned as that permutation, as the serial program's tensor is (attention's output
     ``[b, heads, s, d]`` held as ``[b, s, heads, d]``, whose heads the program folds into the
-    hidden by a view; made contiguous first, its send was one copy and that fold another)."""
-    tp, x = group_size(group), x.detach()
+    hidden by a view; made contiguous first, its send was one copy and that fold another).
+    ``compiling``: as :func:`group_size`'s, asked once for the helpers below."""
+    if compiling is None:
+        compiling = torch.compiler.is_compiling()
+    tp, x = group_size(group, compiling), x.detach()
     if tp == 1:
         return x.contiguous()
-    compiling = torch.compiler.is_compiling()   # asked once for the helpers below
     split = _split(full_size, shard, tp, compiling)
     # The blocks travel in each rank's memory order, so every rank must hold its part alike: an
     # even split's parts are one shape, made by the same program, laid out the same. An uneven
@@ -308,13 +345,13 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tens
     # contiguous. A compiled program's layouts are inductor's.
     order = dense_order(x) if split.even and x.numel() and not compiling else None
     if order is not None:
-        return _unpermute(_all_gather(x.permute(order), group, _held(shard, order), full_size, op), order)
+        return _unpermute(_all_gather(x.permute(order), group, _held(shard, order), full_size, op, False), order)
     d, width = shard.dim, split.width
     if split.even:
         # An even contiguous split: one all_gather_into_tensor into a [tp, *local] buffer; the
         # full tensor is that buffer with the rank axis folded into dim d (none where d == 0,
         # else one copy out of a kept buffer).
-        if all(size == 1 for size in x.shape[:d]):
+        if _all_ones(x.shape[:d], compiling):
             # every dim before d of size one (dim 0 itself, or a batch of one under sequence
             # parallelism): the ranks' blocks in rank order are the full tensor already
             shape = list(x.shape)
@@ -355,6 +392,13 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tens
     return full
 
 
+def _all_ones(sizes: Sequence[int], compiling: bool) -> bool:
+    """Whether every size is 1 (none: true). Eagerly their product (C; a generator's every step is
+    a Python call, in every gather of every step); under torch.compile size by size, as dynamo
+    guards them."""
+    return all(size == 1 for size in sizes) if compiling else math.prod(sizes) == 1
+
+
 def _gather_into(send: Tensor, group, op: str, scratch: bool = False, tp: int | None = None,
                  compiling: bool | None = None) -> Tensor:
     """Every rank's contiguous ``send`` in one buffer, viewed ``[tp, *send.shape]`` (backends take
@@ -371,8 +415,14 @@ def _gather_into(send: Tensor, group, op: str, scratch: bool = False, tp: int | 
     if torch.compiler.is_compiling() if compiling is None else compiling:
         return funcol.wait_tensor(all_gather_single(send, 0, group)).view((tp,) + tuple(send.shape))
     out = _scratch(shape, send, "gather", False) if scratch else send.new_empty(shape)
-    with _comm(op, group):   # a collective, waited for inside
-        _c10d_all_gather_single(out, send, group=group)
+    with _CommGuard(op, group):   # a collective, waited for inside
+        if type(send) is Tensor and not send.is_complex() and hasattr(group, "all_gather_single"):
+            # the group's own collective, as dist.all_gather_single calls it (see _c10d_all_reduce)
+            opts = _c10d.AllgatherOptions()
+            opts.asyncOp = False
+            group.all_gather_single(out, send, opts).wait()
+        else:
+            _c10d_all_gather_single(out, send, group=group)
     return out.view((tp,) + tuple(send.shape))
 
 
@@ -420,27 +470,30 @@ def _gloo_on_device(t: Tensor, group) -> bool:
     return t.device.type != "cpu" and not torch.compiler.is_compiling() and dist.get_backend(group) == "gloo"
 
 
-def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str) -> Tensor:
+def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str,
+                    compiling: bool | None = None) -> Tensor:
     """Sum ``x`` over the ranks and keep this rank's shard (no autograd). An even split's
     summand held as a permutation of a contiguous tensor (a gradient that a transpose's backward
     hands on, attention's ``[b, heads, s, d]`` held as ``[b, s, heads, d]``) is reduce-scattered
     in its memory's order and the shard returned held so, as :func:`_all_gather` does: made
     contiguous first, it was one copy serial does not make, and staging it for the collective
     another, where in memory's order the split dim comes first (after dims of size one) and
-    needs no staging."""
-    tp, rank, x = group_size(group), group_rank(group), x.detach()
+    needs no staging. ``compiling``: as :func:`_all_gather`'s."""
+    if compiling is None:
+        compiling = torch.compiler.is_compiling()
+    tp, rank, x = group_size(group, compiling), group_rank(group, compiling), x.detach()
     if tp == 1:
         return local_shard(x, shard, 1, 0)
     if x.device.type != "cpu" and dist.get_backend(group) == "gloo":
         # gloo reduce-scatters CPU tensors only; it all-reduces GPU tensors (ranks sharing a GPU).
-        return local_shard(_all_reduce(x, group, op), shard, tp, rank)
-    compiling = torch.compiler.is_compiling()   # asked once for the helpers below
+        return local_shard(_all_reduce(x, group, op, compiling=compiling), shard, tp, rank)
     split = _split(full_size, shard, tp, compiling)
     # the blocks are summed element by element, so every rank must hold its summand alike: an
     # even split's are one shape made by one program (as _all_gather's parts)
     order = dense_order(x) if split.even and x.numel() and not compiling else None
     if order is not None:
-        return _unpermute(_reduce_scatter(x.permute(order), group, _held(shard, order), full_size, op), order)
+        return _unpermute(_reduce_scatter(x.permute(order), group, _held(shard, order), full_size, op, False),
+                          order)
     d, width = shard.dim, split.width
     shape = list(x.shape)
     pre, post = shape[:d], shape[d + 1:]
@@ -449,7 +502,7 @@ def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str) -> 
     # interleaved (the zero padding sums to zero and is cut). An even split of dim 0 is that
     # layout already; an even split of another dim is one copy; else each run copied once.
     if split.even:
-        if all(size == 1 for size in pre):   # dim 0, or only dims of size one before d: in rank order already
+        if _all_ones(pre, compiling):   # dim 0, or only dims of size one before d: in rank order already
             send = x.contiguous().view([tp] + pre + [width] + post)
         else:
             send = _scratch([tp] + pre + [width] + post, x, "reduce_scatter", compiling)
@@ -468,8 +521,14 @@ def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str) -> 
         out = funcol.wait_tensor(funcol.reduce_scatter_tensor(send, "sum", 0, group))
     else:
         out = x.new_empty(pre + [width] + post)
-        with _comm(op, group):   # a collective, waited for inside
-            _c10d_reduce_scatter_tensor(out, send, group=group)
+        with _CommGuard(op, group):   # a collective, waited for inside
+            if type(send) is Tensor and not send.is_complex() and hasattr(group, "reduce_scatter_single"):
+                # a sum, as dist.reduce_scatter_single calls it (see _c10d_all_reduce)
+                opts = _c10d.ReduceScatterOptions()
+                opts.asyncOp = False
+                group.reduce_scatter_single(out, send, opts).wait()
+            else:
+                _c10d_reduce_scatter_tensor(out, send, group=group)
     n = split.sizes[rank]
     return out if n == width else out.narrow(d, 0, n).contiguous()
 
@@ -600,14 +659,14 @@ def _block_shape(x: Tensor, have: Shard, want: Shard, full_size: int, other: int
 
 # ---------------------------------------------------------------- the mappings
 
-def _output(t: Tensor) -> Tensor:
+def _output(t: Tensor, compiling: bool) -> Tensor:
     """An autograd Function's forward output: under torch.compile a view of what it computed.
     torch 2.11's dynamo loses the gradient of some outputs returned as they are: a functional
     collective's result (g's input gradient came out zero in a compiled program at tp 2) and a
     rank's slice made by ``torch.cat`` of one narrowed run (scatter's); a view of either is traced
     right. Eager code returns it as it is: the view was one more ATen call and one more view's
     autograd bookkeeping per collective, for nothing there."""
-    return t.view_as(t) if torch.compiler.is_compiling() else t
+    return t.view_as(t) if compiling else t
 
 
 def traced_as_now(x: Tensor) -> Tensor:
@@ -622,122 +681,156 @@ def traced_as_now(x: Tensor) -> Tensor:
     return x.view_as(x) if torch.compiler.is_compiling() else x
 
 
-class _CopyToTP(torch.autograd.Function):
+class _Mapping(torch.autograd.Function):
+    """A mapping's autograd Function. Each takes, after its tensor, whether a compile trace runs
+    (``compiling``, asked once by the caller, :func:`_apply`), and hands its backward none for it.
+    ``_c_apply``: autograd's own C++ ``apply`` of the class, which :func:`_apply` calls in eager
+    code."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._c_apply = super(torch.autograd.Function, cls).apply
+
+
+def _apply(fn: type, compiling: bool, x: Tensor, *args: Any) -> Tensor:
+    """``fn.apply(x, *args, compiling)``. Under torch.compile, or a functorch transform, through
+    ``Function.apply`` (which dynamo traces; x a fresh view, :func:`traced_as_now`). Eagerly through
+    autograd's C++ ``apply`` itself, the one ``Function.apply`` ends in: its Python before that
+    (whether ``setup_context`` is defined, functorch's dead wrappers unwrapped argument by
+    argument) was seven Python calls per collective in every step, to the same result: this
+    Function defines no ``setup_context``, and ``x``, if a dead functorch wrapper, is unwrapped
+    here as there."""
+    if compiling:
+        return fn.apply(x.view_as(x), *args, True)
+    if _functorch_active():
+        return fn.apply(x, *args, False)
+    return fn._c_apply(_unwrap_if_dead(x), *args, False)
+
+
+_functorch_active = torch._C._are_functorch_transforms_active
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
+class _CopyToTP(_Mapping):
     """f: identity forward, all-reduce of the gradient backward (``in_place``: in the gradient's
     own storage, where no other backward formula holds it)."""
 
     @staticmethod
-    def forward(ctx, x, group, in_place):
+    def forward(ctx, x, group, in_place, compiling):
         ctx.group, ctx.in_place = group, in_place
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group, "all_reduce in f (backward)", ctx.in_place), None, None
+        return _all_reduce(grad, ctx.group, "all_reduce in f (backward)", ctx.in_place), None, None, None
 
 
-class _ReduceFromTP(torch.autograd.Function):
+class _ReduceFromTP(_Mapping):
     """g: all-reduce forward (``in_place``: in the partial's own storage, where nothing else
     reads it), identity backward."""
 
     @staticmethod
-    def forward(ctx, x, group, in_place):
-        return _output(_all_reduce(x, group, "all_reduce in g (forward)", in_place))
+    def forward(ctx, x, group, in_place, compiling):
+        return _output(_all_reduce(x, group, "all_reduce in g (forward)", in_place, compiling), compiling)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None
+        return grad, None, None, None
 
 
-class _GatherFromTP(torch.autograd.Function):
+class _GatherFromTP(_Mapping):
     """Shard -> Replicate: all-gather forward, keep this rank's slice backward."""
 
     @staticmethod
-    def forward(ctx, x, group, shard, full_size):
+    def forward(ctx, x, group, shard, full_size, compiling):
         ctx.group, ctx.shard = group, shard
-        return _output(_all_gather(x, group, shard, full_size, "all_gather in gather_from_tp (forward)"))
+        op = "all_gather in gather_from_tp (forward)"
+        return _output(_all_gather(x, group, shard, full_size, op, compiling), compiling)
 
     @staticmethod
     def backward(ctx, grad):
         # the rank's slice of the gradient as a view, strided where the split is not of the
         # outermost dims (the heads of attention's output): the formula it goes to reads it so
-        g, s = ctx.group, ctx.shard
-        return rank_slice(grad, s, group_size(g), group_rank(g), strided=True), None, None, None
+        g, s, compiling = ctx.group, ctx.shard, torch.compiler.is_compiling()
+        cut = rank_slice(grad, s, group_size(g, compiling), group_rank(g, compiling), strided=True, compiling=compiling)
+        return cut, None, None, None, None
 
 
-class _GatherIntoTP(torch.autograd.Function):
+class _GatherIntoTP(_Mapping):
     """Shard -> Replicate into tensor-parallel compute (Megatron-SP's f̄: f fused with the
     all-gather): all-gather forward; the gradient there is a summand, so backward
     reduce-scatters it, each rank keeping its slice of the sum."""
 
     @staticmethod
-    def forward(ctx, x, group, shard, full_size):
+    def forward(ctx, x, group, shard, full_size, compiling):
         ctx.group, ctx.shard, ctx.full_size = group, shard, full_size
-        return _output(_all_gather(x, group, shard, full_size, "all_gather in gather_into_tp (forward)"))
+        op = "all_gather in gather_into_tp (forward)"
+        return _output(_all_gather(x, group, shard, full_size, op, compiling), compiling)
 
     @staticmethod
     def backward(ctx, grad):
         op = "reduce_scatter in gather_into_tp (backward)"
-        return _reduce_scatter(grad, ctx.group, ctx.shard, ctx.full_size, op), None, None, None
+        return _reduce_scatter(grad, ctx.group, ctx.shard, ctx.full_size, op), None, None, None, None
 
 
-class _ScatterToTP(torch.autograd.Function):
+class _ScatterToTP(_Mapping):
     """Replicate -> Shard: keep this rank's slice forward, all-gather backward."""
 
     @staticmethod
-    def forward(ctx, x, group, shard, full_size):
+    def forward(ctx, x, group, shard, full_size, compiling):
         ctx.group, ctx.shard, ctx.full_size = group, shard, full_size
-        return _output(rank_slice(x, shard, group_size(group), group_rank(group)))
+        cut = rank_slice(x, shard, group_size(group, compiling), group_rank(group, compiling), compiling=compiling)
+        return _output(cut, compiling)
 
     @staticmethod
     def backward(ctx, grad):
         op = "all_gather in scatter_to_tp (backward)"
-        return _all_gather(grad, ctx.group, ctx.shard, ctx.full_size, op), None, None, None
+        return _all_gather(grad, ctx.group, ctx.shard, ctx.full_size, op), None, None, None, None
 
 
-class _ReduceScatterToTP(torch.autograd.Function):
+class _ReduceScatterToTP(_Mapping):
     """Partial -> Shard: reduce-scatter forward, all-gather backward."""
 
     @staticmethod
-    def forward(ctx, x, group, shard, full_size):
+    def forward(ctx, x, group, shard, full_size, compiling):
         ctx.group, ctx.shard, ctx.full_size = group, shard, full_size
         op = "reduce_scatter in reduce_scatter_to_tp (forward)"
-        return _output(_reduce_scatter(x, group, shard, full_size, op))
+        return _output(_reduce_scatter(x, group, shard, full_size, op, compiling), compiling)
 
     @staticmethod
     def backward(ctx, grad):
         op = "all_gather in reduce_scatter_to_tp (backward)"
-        return _all_gather(grad, ctx.group, ctx.shard, ctx.full_size, op), None, None, None
+        return _all_gather(grad, ctx.group, ctx.shard, ctx.full_size, op), None, None, None, None
 
 
-class _ReshardTP(torch.autograd.Function):
+class _ReshardTP(_Mapping):
     """Shard -> Shard (another dim, or the same dealt another way): all-to-all forward; the
     reverse all-to-all backward (the gradient of a part is that part's gradient, sent back to
     the rank it came from)."""
 
     @staticmethod
-    def forward(ctx, x, group, have, want, full_size):
+    def forward(ctx, x, group, have, want, full_size, compiling):
         # the whole size of want's dim, the backward's full_size: x holds it whole, or it is have's
         other = x.shape[want.dim] if want.dim != have.dim else full_size
         ctx.group, ctx.have, ctx.want, ctx.other = group, have, want, other
-        return _output(_all_to_all(x, group, have, want, full_size, "all_to_all in reshard_tp (forward)"))
+        return _output(_all_to_all(x, group, have, want, full_size, "all_to_all in reshard_tp (forward)"), compiling)
 
     @staticmethod
     def backward(ctx, grad):
         op = "all_to_all in reshard_tp (backward)"
-        return _all_to_all(grad, ctx.group, ctx.want, ctx.have, ctx.other, op), None, None, None, None
+        return _all_to_all(grad, ctx.group, ctx.want, ctx.have, ctx.other, op), None, None, None, None, None
 
 
 def copy_to_tp(x: Tensor, group, in_place: bool = False) -> Tensor:
     """f: a Replicate activation enters sharded compute. ``in_place``: its gradient is a tensor
     no other backward formula holds (:mod:`autotp.passes.in_place`), summed in its storage."""
-    return _CopyToTP.apply(traced_as_now(x), group, in_place)
+    return _apply(_CopyToTP, torch.compiler.is_compiling(), x, group, in_place)
 
 
 def reduce_from_tp(x: Tensor, group, in_place: bool = False) -> Tensor:
     """g: a Partial activation becomes Replicate. ``in_place``: nothing else reads ``x`` and no
     backward formula saved it (:mod:`autotp.passes.in_place`); the sum is written over it."""
-    return _ReduceFromTP.apply(traced_as_now(x), group, in_place)
+    return _apply(_ReduceFromTP, torch.compiler.is_compiling(), x, group, in_place)
 
 
 # In a group of one, a shard is the whole tensor: the three layout changes below are plain
@@ -747,31 +840,35 @@ def reduce_from_tp(x: Tensor, group, in_place: bool = False) -> Tensor:
 
 def gather_from_tp(x: Tensor, group, shard: Shard, full_size: int) -> Tensor:
     """A Shard becomes Replicate; ``full_size`` is the gathered size of ``shard.dim``."""
-    if group_size(group) == 1:
+    compiling = torch.compiler.is_compiling()
+    if group_size(group, compiling) == 1:
         return x.contiguous()
-    return _GatherFromTP.apply(traced_as_now(x), group, shard, full_size)
+    return _apply(_GatherFromTP, compiling, x, group, shard, full_size)
 
 
 def gather_into_tp(x: Tensor, group, shard: Shard, full_size: int) -> Tensor:
     """A Shard becomes Replicate where it feeds sharded compute: all-gather forward,
     reduce-scatter of the gradient backward (an all-gather and an f, in the bytes of one)."""
-    if group_size(group) == 1:
+    compiling = torch.compiler.is_compiling()
+    if group_size(group, compiling) == 1:
         return x.contiguous()
-    return _GatherIntoTP.apply(traced_as_now(x), group, shard, full_size)
+    return _apply(_GatherIntoTP, compiling, x, group, shard, full_size)
 
 
 def scatter_to_tp(x: Tensor, group, shard: Shard, full_size: int) -> Tensor:
     """A Replicate tensor becomes this rank's Shard (``full_size`` = ``x.shape[shard.dim]``)."""
-    if group_size(group) == 1:
+    compiling = torch.compiler.is_compiling()
+    if group_size(group, compiling) == 1:
         return x.clone(memory_format=torch.contiguous_format)
-    return _ScatterToTP.apply(traced_as_now(x), group, shard, full_size)
+    return _apply(_ScatterToTP, compiling, x, group, shard, full_size)
 
 
 def reduce_scatter_to_tp(x: Tensor, group, shard: Shard, full_size: int) -> Tensor:
     """A Partial tensor becomes this rank's Shard of the sum."""
-    if group_size(group) == 1:
+    compiling = torch.compiler.is_compiling()
+    if group_size(group, compiling) == 1:
         return x.clone(memory_format=torch.contiguous_format)
-    return _ReduceScatterToTP.apply(traced_as_now(x), group, shard, full_size)
+    return _apply(_ReduceScatterToTP, compiling, x, group, shard, full_size)
 
 
 def reshard_tp(x: Tensor, group, have: Shard, want: Shard, full_size: int) -> Tensor:
@@ -785,9 +882,10 @@ def reshard_tp(x: Tensor, group, have: Shard, want: Shard, full_size: int) -> Te
                         "whose every element one rank holds: no tail, whole block or per-block dealing); "
                         "plan it as an all-gather and a cut (autotp.passes.propagate.gather_parts lists "
                         "such a reshard so)")
-    if group_size(group) == 1:
+    compiling = torch.compiler.is_compiling()
+    if group_size(group, compiling) == 1:
         return x.clone(memory_format=torch.contiguous_format)
-    return _ReshardTP.apply(traced_as_now(x), group, have, want, full_size)
+    return _apply(_ReshardTP, compiling, x, group, have, want, full_size)
 
 
 # ---------------------------------------------------------------- modules for fx graphs

@@ -77,7 +77,10 @@ def program_tensor(param: nn.Parameter, grad_enabled: bool, leaves: "LocalLeaves
             leaf = leaves.made(param) if leaves is not None else None
             return leaf if leaf is not None else param.to_local()
         if leaves is not None and not param._backward_hooks:
-            return leaves.leaf(param)
+            # the steady step's case inline (leaves.leaf's first lines): one Python call per
+            # parameter per step, this one
+            held = leaves._of.get(id(param))
+            return held[2] if held is not None and held[1] is param._local_tensor else leaves.leaf(param)
         return _LocalOf.apply(param)
     return param
 
@@ -160,6 +163,13 @@ def _spec_copy(spec: Any) -> Any:
     return new
 
 
+#: ``DTensor(local, spec, requires_grad=False)`` without its ``__init__``: DTensor's constructor is
+#: C++ (``Tensor._dtensor__new__``, which sets ``_spec`` and ``_local_tensor``); its ``__init__``
+#: calls ``Tensor.__init__`` and nothing else, through dynamo's disable wrapper and export's
+#: constructor marker, seven Python calls per parameter in every backward for an eager caller
+_new_dtensor = DTensor.__new__
+
+
 def _into_param_grad(param_ref: Any, local: torch.Tensor) -> Callable[[torch.Tensor], None]:
     def hook(leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
@@ -182,8 +192,13 @@ def _into_param_grad(param_ref: Any, local: torch.Tensor) -> Callable[[torch.Ten
             grad = DTensor.from_local(grad, spec.mesh, spec.placements, run_check=False,
                                       shape=spec.shape, stride=spec.stride)
             param.grad = grad if param.grad is None else param.grad + grad
-        elif param.grad is None:
-            param.grad = DTensor(grad, _spec_copy(spec), requires_grad=False)
+        elif param.grad is None:   # the steady step's case: one Python call, this hook
+            if hasattr(spec, "__dict__"):   # (_spec_copy inline)
+                copied = object.__new__(type(spec))
+                copied.__dict__.update(spec.__dict__)
+            else:
+                copied = _spec_copy(spec)
+            param.grad = _new_dtensor(DTensor, grad, copied, requires_grad=False)
         else:
             local_tensor(param.grad).add_(grad)
         for post in tuple((param._post_accumulate_grad_hooks or {}).values()):
