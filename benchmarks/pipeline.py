@@ -148,10 +148,10 @@ def main() -> None:
               "cost (dispatch, autograd's bookkeeping) over less work, which the serial micro-batch time already "
               "includes (the products themselves run at a flat rate here: 150-170 GFLOP/s on one thread from "
               "128 x 256 x 256 to 1024 x 256 x 768, timed apart). The planner's column prices the work too, from "
-              "its cost model, which has no per-op cost, so it misses that: it "
-              "predicts smaller micro-batches cheaper than they run here; and it follows the calibrated matmul rate, "
-              "a best of a few square products on one thread, which moved by a fifth between runs on this machine "
-              "(81 and 103 GFLOP/s)."]
+              "its cost model: the op classes' rates and a launch per kernel that `calibrate` measured in the "
+              "ranks, but not torch's bookkeeping per micro-batch (autograd's, the schedule's Python); and it "
+              "follows the calibrated matmul rate, a best of a few square products on one thread, which moves "
+              "between runs on a loaded machine (81 and 103 GFLOP/s in two runs here)."]
     publish(lines, args.out)
 
 
