@@ -182,6 +182,11 @@ class GraphIndex:
     #: bytes (:func:`moved_bytes`)
     train_dtype: Any = None
     _strategies: dict = field(default_factory=dict)
+    #: (op, its inputs' placements) -> the rule's strategies before this index's filters: a pure
+    #: function of the op and the placements, so an index copied with other filters
+    #: (``dataclasses.replace(index, expert_dispatch=..., _strategies={})``: the planner's notes
+    #: solve again the other way) shares it and never calls a rule twice for one input
+    _rules: dict = field(default_factory=dict)
     _compute: dict = field(default_factory=dict)
     _activation: dict = field(default_factory=dict)
     _conversion_cost: dict = field(default_factory=dict)
@@ -190,7 +195,9 @@ class GraphIndex:
         key = (node, actual)
         found = self._strategies.get(key)
         if found is None:
-            found = strategies(self.infos[node], actual)
+            found = self._rules.get(key)
+            if found is None:
+                found = self._rules[key] = strategies(self.infos[node], actual)
             if not self.host_reads:
                 found = [s for s in found if not reads_host(self.infos[node], s)]
             if self.expert_dispatch is not None:

@@ -220,6 +220,26 @@ def test_the_note_says_by_how_much_the_way_taken_beats_the_other(batch, taken):
     assert delta == pytest.approx((other.cost["step_s"] - plan.cost["step_s"]) * 1e3, abs=2e-3)
 
 
+def test_the_note_solves_the_other_way_without_calling_a_rule_again(monkeypatch):
+    # the note's second solve (expert_dispatch the other way: a filter on what the rules offer)
+    # reads the strategies the first solve had the rules make: before, it cleared them and called
+    # every rule again for every input it had seen (here three calls each: the plan's solve, the
+    # solve without the dispatch and the one without the reverse all-to-all)
+    import autotp.passes.propagate as propagate
+
+    calls: dict = {}
+    rule = propagate.strategies
+
+    def counted(info, actual):
+        calls[id(info), actual] = calls.get((id(info), actual), 0) + 1
+        return rule(info, actual)
+
+    monkeypatch.setattr(propagate, "strategies", counted)
+    plan = autotp.plan(_tiny_mixtral(), tp=2, layout={"*.experts.*": "expert"}, batch=TINY_BATCH, **WORKLOAD)
+    assert _versus(plan)[1] == "cheaper than"   # the note, and so the second solve, was made
+    assert calls and max(calls.values()) == 1, sorted(calls.values())[-5:]
+
+
 def test_expert_dispatch_false_gathers_the_tokens_and_forced_ways_say_so():
     plan = autotp.plan(_tiny_mixtral(), tp=2, layout={"*.experts.*": "expert"}, batch=TINY_BATCH,
                        expert_dispatch=False, **WORKLOAD)
