@@ -85,16 +85,14 @@ _SORTS = frozenset({aten.sort.default, aten.sort.stable, aten.argsort.default, a
 
 
 
-def permuted_rows_work(op: Any, fwd: tuple, index_bytes: Any) -> OpWork:
+def permuted_rows_work(op: Any, fwd: tuple) -> OpWork:
     """Rows reordered by a permutation of them (``distributed.functional.permute_rows``): forward
-    a gather; backward a gather of the gradient by the inverse permutation (its rows read, the
-    index read, x's gradient written), the inverse the graph's own where it holds it
-    (``OpInfo.inverse_held``), else made first: an ``arange`` written and a ``scatter_`` of it
-    (index and arange read, the inverse written), 4 times the index's bytes and 2 launches."""
+    a gather; backward one kernel over the gradient's rows, each read once and written to one
+    row, with the index read: a gather by the inverse permutation where the graph holds it, else
+    a copy of each row to its row (``index_copy_``). The same bytes and launch either way."""
+    index_bytes = sum((b for b, m in zip(op.b_in, op.inputs) if not m.is_float), sympy.Integer(0))
     bwd = [("elementwise", op.main_out + b + index_bytes) for b, g in zip(op.b_in, op.grad) if g]
-    made = bool(bwd) and not op.info.inverse_held
-    inverse = [("elementwise", 4 * index_bytes)] if made else []
-    return OpWork(moved=(fwd, *bwd, *inverse), launches=1 + len(bwd) + 2 * made)
+    return OpWork(moved=(fwd, *bwd), launches=1 + len(bwd))
 
 
 def op_work(info: Any, strategy: Any, tp: int, dtype_bytes: int, train_dtype: Any = None,
@@ -153,10 +151,10 @@ def op_work(info: Any, strategy: Any, tp: int, dtype_bytes: int, train_dtype: An
     if not op.outputs:
         return NO_WORK
     if t in _GATHERS:
-        index_bytes = sum((b for b, m in zip(op.b_in, op.inputs) if not m.is_float), sympy.Integer(0))
-        fwd = ("elementwise", op.out_bytes + index_bytes + op.out_bytes)
+        fwd = ("elementwise", op.out_bytes + sum((b for b, m in zip(op.b_in, op.inputs) if not m.is_float),
+                                                 sympy.Integer(0)) + op.out_bytes)
         if op.info.permutes_rows:
-            return permuted_rows_work(op, fwd, index_bytes)
+            return permuted_rows_work(op, fwd)
         # a gradient scattered back into its rows (a sorted scatter-add)
         bwd = [("scatter", 2 * op.main_out + b) for b, g in zip(op.b_in, op.grad) if g]
         work = OpWork(moved=(fwd, *bwd), launches=1 + 2 * len(bwd))

@@ -151,18 +151,16 @@ def op_work(info: OpInfo, strategy: Strategy, profile: DeviceProfile, tp: int, r
     from several uses (the residual stream's ``add_``); on the largest rank, or on ``rank``."""
     return _op_work(info.target, info.inputs, info.output, info.args_key, strategy, tp, profile.dtype_bytes,
                     info.train_dtype, info.grad_inputs, info.grad_uses, info.strided_inputs, rank, info.permutes_rows,
-                    info.row_copies, info.routing_experts, info.offs_bytes, info.inverse_held)
+                    info.row_copies, info.routing_experts, info.offs_bytes)
 
 
 @lru_cache(maxsize=65536)
 def _op_work(target, inputs, output, args_key, strategy, tp, dtype_bytes, train_dtype, grad_inputs, grad_uses,
-             strided_inputs, rank, permutes_rows=False, row_copies=0, routing_experts=0, offs_bytes=0,
-             inverse_held=False):
+             strided_inputs, rank, permutes_rows=False, row_copies=0, routing_experts=0, offs_bytes=0):
     info = OpInfo(target, args_key[0], dict(args_key[1]), inputs, output, tp)
     info.grad_inputs = grad_inputs
     info.strided_inputs = strided_inputs
     info.permutes_rows = permutes_rows   # its backward a gather (kernels.op_work)
-    info.inverse_held = inverse_held     # by the graph's own inverse: no scatter made first
     # the routing's kernels (cost_model/routing): a rank's own sort's, and the dispatch's from a whole sort
     info.row_copies, info.routing_experts, info.offs_bytes = row_copies, routing_experts, offs_bytes
     work = kernels.op_work(info, strategy, tp, dtype_bytes, train_dtype, rank)

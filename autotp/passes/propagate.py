@@ -36,7 +36,7 @@ from ..placements import (PARTIAL, REPLICATE, Partial, Placement, Replicate, Rep
 from .fused_bias import bias_add, takes_as_made
 from .hints import column_hint, index_picks, row_hint
 from .rules import OpInfo, Strategy, TensorMeta, strategies
-from .rules.row_reads import GROUPED_MM, grouped_reader, inverse_permutation, permutes_rows, reads_host, reads_rows
+from .rules.row_reads import GROUPED_MM, grouped_reader, permutes_rows, reads_host, reads_rows
 from .rules.experts import sends_back
 from .rules.gathered_rows import gathers_rows, rank_rows_work, row_copies
 from .rules.local_routing import sorted_ids_experts
@@ -573,7 +573,6 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
         if reader is not None:   # the product's experts and offs: what its dispatch is planned from
             info.routing_experts, info.offs_bytes = _product_experts(reader[1])
         info.permutes_rows = permutes_rows(node)
-        info.inverse_held = info.permutes_rows and inverse_permutation(node.args[1][0]) is not None
         info.row_copies = row_copies(node)
     if (node.target in SORTS or node.target in (aten.argsort.default, aten.argsort.stable)) and node.args:
         info.routing_experts = router_experts(node.args[0]) or 0

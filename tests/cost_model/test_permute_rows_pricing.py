@@ -1,8 +1,9 @@
 """A reorder of rows by a permutation (``distributed.functional.permute_rows``, the experts' output
 put back in token order) is priced as the kernels it runs: forward one gather; backward one
-gather of the gradient by the inverse permutation, and, where the graph does not hold that inverse
-(``OpInfo.inverse_held``), the ``arange`` and ``scatter_`` that make it first. Each ATen call a
-launch of the price, the bytes each touches summed to the price's bytes (``kernel_counts.py``)."""
+kernel, a gather of the gradient by the inverse permutation where the graph holds it, else a copy
+of each gradient row to its row (``index_copy_``), not the inverse made first (an ``arange`` and a
+``scatter_``). Each ATen call a launch of the price, the bytes each touches summed to the price's
+bytes (``kernel_counts.py``)."""
 import pytest
 import sympy
 import torch
@@ -18,17 +19,17 @@ aten = torch.ops.aten
 #: a layer's (token, expert) rows and their width, small: the counts scale with them
 ROWS, HIDDEN = 512, 64
 FILLS = ("arange",)
-ALLOCATIONS = ("empty_like",)
+ALLOCATIONS = ("empty_like", "new_empty")
 
 
 def _meta(*shape, dtype) -> TensorMeta:
     return TensorMeta(tuple(sympy.Integer(s) for s in shape), dtype)
 
 
-def _priced(held: bool) -> tuple[int, int]:
+def _priced() -> tuple[int, int]:
     rows, index = _meta(ROWS, HIDDEN, dtype=torch.bfloat16), _meta(ROWS, dtype=torch.long)
     info = OpInfo(aten.index.Tensor, (rows, [index]), {}, (rows, index), rows, 1)
-    info.grad_inputs, info.permutes_rows, info.inverse_held = (True, False), True, held
+    info.grad_inputs, info.permutes_rows = (True, False), True
     work = op_work(info, Strategy((REPLICATE, REPLICATE), REPLICATE), 1, 2, torch.bfloat16)
     return work.launches, int(sum(b for _, b in work.moved))
 
@@ -43,4 +44,4 @@ def test_a_reorder_by_a_permutation_is_priced_as_the_kernels_it_runs(held):
     grad = torch.randn(ROWS, HIDDEN, generator=gen, dtype=torch.bfloat16)
     with KernelCounter(FILLS, ALLOCATIONS) as counted:
         torch.autograd.grad(permute_rows(x, inv_perm, perm if held else None), x, grad)
-    assert _priced(held) == (counted.launches, counted.bytes), counted.calls
+    assert _priced() == (counted.launches, counted.bytes), counted.calls

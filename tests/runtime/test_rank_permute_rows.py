@@ -1,15 +1,14 @@
-"""The experts' output put back in token order (``weighted_out[inv_perm]``) runs backward as one
-gather by the graph's own permutation: no scatter to make the inverse.
+"""Rows reordered by a permutation run backward as one kernel: no scatter to make the inverse.
 
 transformers' MoE layers sort their (token, expert) rows by expert (``perm``) and put the experts'
 output back by ``inv_perm``, made as ``inv_perm[perm] = arange`` (``index_put_``). The rank's
 program runs that reorder as ``distributed.functional.permute_rows`` (a gather each way, no
-scatter-add); its backward gathers by the inverse of ``inv_perm``, which is ``perm``, a value the
-graph already holds (``passes/rules/row_reads.inverse_permutation``), so it makes none. Counted by a
-dispatch mode over the backward of a Mixtral step on torch's ``fake`` backend (collectives return
-at once), at tp 1 and on rank 0 of tp 2: a layer's backward makes one inverse (an ``arange``
-scattered), the routing weights' reorder's (``w[perm]``: its inverse, ``inv_perm``, is made after
-it), where before it made one for each of its two reorders.
+scatter-add). The output's backward gathers by the inverse of ``inv_perm``, which is ``perm``, a
+value the graph already holds (``passes/rules/row_reads.inverse_permutation``); the routing
+weights' reorder ``w[perm]`` (its inverse, ``inv_perm``, made only after it) copies each gradient
+row to its row (``index_copy_``). Counted by a dispatch mode over the backward of a Mixtral step
+on torch's ``fake`` backend (collectives return at once), at tp 1 and on rank 0 of tp 2: no
+``arange`` scattered into an inverse, where before each reorder made one.
 """
 from collections import Counter
 
@@ -47,6 +46,7 @@ def _backward_calls(tp: int) -> tuple[Counter, list]:
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_reorder_back_to_token_order_makes_no_inverse_in_backward(tp):
     calls, reorders = _backward_calls(tp)
-    assert calls["scatter_"] == LAYERS and calls["arange"] == LAYERS, calls
+    assert calls["scatter_"] == 0 and calls["arange"] == 0, calls
+    assert calls["index_copy_"] == LAYERS, calls   # the weights' reorders
     # a layer's two reorders: the weights' by perm (no inverse held yet), the output's by inv_perm
     assert sorted(reorders) == [False] * LAYERS + [True] * LAYERS, reorders

@@ -127,10 +127,6 @@ class OpInfo:
     #: the sort by expert, :func:`autotp.passes.rules.routing.is_permutation`): its backward is a
     #: gather by the inverse permutation, not a scatter-add (the rank's program runs it so)
     permutes_rows: bool = False
-    #: a permutes_rows index the graph makes the inverse of a node it already holds (``inv[p] =
-    #: arange``: :func:`autotp.passes.rules.row_reads.inverse_permutation`): the backward gathers
-    #: by ``p``, no scatter made first
-    inverse_held: bool = False
     #: an index of a stack of experts by a router's ids sorted and counted into a grouped product's
     #: ``offs`` (gpt-oss's biases, :func:`.routing.counted_pick`): the rows it picks are the product's
     counted_pick: bool = False
@@ -177,7 +173,7 @@ class OpInfo:
         """Everything the cost of one strategy of this op depends on: equal across layers."""
         return (self.target, self.inputs, self.output, self.args_key, self.grad_inputs, self.train_dtype,
                 self.grad_uses, self.strided_inputs, self.reads_rows, self.x_gathered, self.permutes_rows,
-                self.inverse_held, self.row_copies, self.routing_experts, self.offs_bytes)
+                self.row_copies, self.routing_experts, self.offs_bytes)
 
     def hint(self, dim: int) -> tuple[int, int, int, int, bool, tuple, tuple]:
         """(chunks, unit, rotate, tail, grouped, sizes, whole) a fresh shard of output ``dim`` should use
