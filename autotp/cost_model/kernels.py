@@ -84,7 +84,6 @@ _FACTORIES = frozenset({aten.zeros.default, aten.ones.default, aten.full.default
 _SORTS = frozenset({aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable})
 
 
-
 def permuted_rows_work(op: Any, fwd: tuple) -> OpWork:
     """Rows reordered by a permutation of them (``distributed.functional.permute_rows``): forward
     a gather; backward one kernel over the gradient's rows, each read once and written to one
