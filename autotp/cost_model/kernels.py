@@ -84,6 +84,16 @@ _FACTORIES = frozenset({aten.zeros.default, aten.ones.default, aten.full.default
 _SORTS = frozenset({aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable})
 
 
+def permuted_rows_work(op: Any, fwd: tuple) -> OpWork:
+    """Rows reordered by a permutation of them (``distributed.functional.permute_rows``): forward
+    a gather; backward one kernel over the gradient's rows, each read once and written to one
+    row, with the index read: a gather by the inverse permutation where the graph holds it, else
+    a copy of each row to its row (``index_copy_``). The same bytes and launch either way."""
+    index_bytes = sum((b for b, m in zip(op.b_in, op.inputs) if not m.is_float), sympy.Integer(0))
+    bwd = [("elementwise", op.main_out + b + index_bytes) for b, g in zip(op.b_in, op.grad) if g]
+    return OpWork(moved=(fwd, *bwd), launches=1 + len(bwd))
+
+
 def op_work(info: Any, strategy: Any, tp: int, dtype_bytes: int, train_dtype: Any = None,
             rank: int | None = None) -> OpWork:
     """What one op runs on the largest rank (or on ``rank``) under ``strategy``, forward and backward."""
@@ -142,10 +152,10 @@ def op_work(info: Any, strategy: Any, tp: int, dtype_bytes: int, train_dtype: An
     if t in _GATHERS:
         fwd = ("elementwise", op.out_bytes + sum((b for b, m in zip(op.b_in, op.inputs) if not m.is_float),
                                                  sympy.Integer(0)) + op.out_bytes)
-        # a gradient scattered back into its rows (a sorted scatter-add); rows reordered by a
-        # permutation of them gather it back by the inverse permutation (permute_rows)
-        back = "elementwise" if op.info.permutes_rows else "scatter"
-        bwd = [(back, 2 * op.main_out + b) for b, g in zip(op.b_in, op.grad) if g]
+        if op.info.permutes_rows:
+            return permuted_rows_work(op, fwd)
+        # a gradient scattered back into its rows (a sorted scatter-add)
+        bwd = [("scatter", 2 * op.main_out + b) for b, g in zip(op.b_in, op.grad) if g]
         work = OpWork(moved=(fwd, *bwd), launches=1 + 2 * len(bwd))
         return work
     return elementwise_work(op)

@@ -307,21 +307,28 @@ class _PermuteRows(torch.autograd.Function):
     """``x[index]`` where ``index`` is a permutation of x's rows: forward a gather, backward a
     gather by the inverse permutation (each row's gradient lands in one row, so no scatter-add:
     autograd's backward of ``x[index]``, ``index_put(accumulate=True)`` into zeros, is a sorted
-    scatter, several times slower on CUDA and on CPU). The same values: 0 + g is g."""
+    scatter, several times slower on CUDA and on CPU). The same values: 0 + g is g. The inverse is
+    ``inverse`` where the graph already holds it (transformers' ``inv[perm] = arange`` reversed:
+    ``perm``); without it each gradient row is copied to its row (``index_copy_``: one kernel, no
+    accumulation, every row written once), not the inverse made first (an arange scattered)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(index)
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(index if inverse is None else inverse)
+        ctx.held = inverse is not None
         return x.index_select(0, index)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (index,) = ctx.saved_tensors
-        inverse = torch.empty_like(index).scatter_(0, index, torch.arange(index.numel(), device=index.device))
-        return grad.index_select(0, inverse), None
+        if ctx.held:   # index is the inverse
+            return grad.index_select(0, index), None, None
+        return grad.new_empty(grad.shape).index_copy_(0, index, grad), None, None
 
 
-def permute_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor | None = None) -> torch.Tensor:
     """``x[index]`` for a permutation ``index`` of x's rows (the graph proves it:
-    autotp/passes/rules/routing.is_permutation), its backward a gather (:class:`_PermuteRows`)."""
-    return _PermuteRows.apply(x, index)
+    autotp/passes/rules/routing.is_permutation), its backward a gather (:class:`_PermuteRows`) by
+    ``inverse``, the inverse permutation, where the caller holds it (the graph proves that too:
+    autotp/passes/rules/row_reads.inverse_permutation); a copy of each row to its row otherwise."""
+    return _PermuteRows.apply(x, index, inverse)

@@ -15,7 +15,7 @@ def tensor_bytes(tensors) -> int:
 class KernelCounter(TorchDispatchMode):
     """Each non-view ATen call a kernel, with the bytes it touches: its tensor arguments read and
     its results written, except that a fill reads nothing, a gather reads only the entries it
-    picks, an in-place scatter or ``index_put_`` writes (and a scatter-add reads) only the
+    picks, an in-place scatter, ``index_copy_`` or ``index_put_`` writes (and a scatter-add reads) only the
     entries it writes, and a sort is the radix sort a GPU runs.
     Collectives are communication, allocations no kernel, and ``_unsafe_view`` a view (a
     reshape's of a copy: autograd's aliasing does not mark it one)."""
@@ -39,6 +39,8 @@ class KernelCounter(TorchDispatchMode):
             moved = tensor_bytes((args[2], args[3])) + tensor_bytes(args[3])
         elif name == "gather":
             moved = tensor_bytes(args[2]) + 2 * tensor_bytes(out)
+        elif name == "index_copy_":
+            moved = tensor_bytes(args[2]) + 2 * tensor_bytes(args[3])
         elif name == "index_put_":
             moved = tensor_bytes(args[1]) + 2 * tensor_bytes(args[2])
         elif name == "scatter_add_":

@@ -2,6 +2,8 @@
 attention-mask prelude, which run replicated on small integer tensors."""
 from __future__ import annotations
 
+from typing import Any
+
 import sympy
 import torch
 
@@ -169,12 +171,35 @@ def index_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict,
         # partial sum on every rank): backward a gather by the inverse, not a scatter-add
         from ...distributed.functional import permute_rows
 
-        return permute_rows, (args[0], args[1][0]), {}
+        inverse = _held_inverse(ctx, args[1][0])
+        return permute_rows, (args[0], args[1][0]) + ((inverse,) if inverse is not None else ()), {}
     if not (is_shard(p) and p.tail and info.picks is not None and info.picks[0] == p.dim):
         return info.target, args, kwargs
     dim, positions = info.picks
     start = tail_position(p, int(info.inputs[0].shape[dim]), positions[0], ctx)
     return aten.narrow.default, (args[0], dim, start, len(positions)), {}
+
+
+def _held_inverse(ctx: LocalContext, index: Any) -> Any:
+    """The node of the rank's graph holding the inverse of the permutation ``index`` (the rank's
+    own index of a reorder), or None: where the captured index is ``inv[p] = arange(n)``
+    (:func:`.row_reads.inverse_permutation`) and the rank's graph made ``index`` the same way from
+    its node of ``p`` (not a conversion of it), that node; its backward then gathers by it."""
+    from .row_reads import inverse_permutation
+
+    captured, env = getattr(ctx, "node", None), getattr(ctx, "env", None)
+    if captured is None or env is None:
+        return None
+    p = inverse_permutation(captured.args[1][0])
+    if p is None or env.get(captured.args[1][0]) is not index or env.get(p) is None:
+        return None
+    made = index
+    while getattr(made, "target", None) in (aten.clone.default, aten.alias.default):
+        made = made.args[0]
+    if getattr(made, "target", None) not in (aten.index_put_.default, aten.index_put.default) or \
+            list(made.args[1]) != [env[p]]:
+        return None
+    return env[p]
 
 
 def _region_calls() -> list:

@@ -130,6 +130,23 @@ def permutes_rows(node: Any) -> bool:
     return sympy.expand(index_length(index) - shape_of(x)[0]) == 0
 
 
+def inverse_permutation(index: Any) -> Any:
+    """The node the graph makes the inverse of the permutation ``index``, or None: ``index`` made
+    as ``inv[p] = arange(n)`` (an ``index_put`` of an arange by a permutation ``p`` into n entries,
+    each written once: transformers' inverse of the sort by expert, :func:`is_permutation`), read
+    through clones, whose inverse is ``p``. A reorder by ``index`` gathers its gradient back by
+    ``p`` (``distributed.functional.permute_rows``): no scatter to make the inverse."""
+    from torch import fx
+
+    node = index
+    while isinstance(node, fx.Node) and node.target in (aten.clone.default, aten.alias.default):
+        node = node.args[0]
+    if not (isinstance(node, fx.Node) and node.target in (aten.index_put_.default, aten.index_put.default)
+            and is_permutation(node)):
+        return None
+    return node.args[1][0]
+
+
 def _before(a: Any, b: Any) -> bool:
     """Whether node ``a`` comes before node ``b`` in their graph."""
     at = a.next
