@@ -824,7 +824,7 @@ def table_by_columns_copies(full: Any, rows: Any, tp: int) -> tuple[Any, int]:
     """(bytes, kernels) of the copies around a row-split table read by columns (rules/nn.py's
     ``all_to_all_columns``, :class:`~autotp.distributed.functional.EmbeddingByColumns`) on the
     rank holding the most rows (``rows``: the vocabulary; ``full``: the whole table's bytes), as
-    ``collectives._ordered_all_to_all`` runs them: forward, the rank's ``[V/tp, h]`` rows packed
+    ``collectives._all_to_all`` runs them: forward, the rank's ``[V/tp, h]`` rows packed
     into ``tp`` column blocks by one copy (the blocks received in rank order are the ``[V, h/tp]``
     table: no copy); backward, the ``[V, h/tp]`` gradient sent as it is, and the ``tp`` blocks
     received folded back into the rank's rows by one copy. Each copy reads and writes the rank's
