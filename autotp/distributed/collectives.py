@@ -221,7 +221,7 @@ class _Split:
     and contiguous. Worked out once per (shard, size, tp) in eager code (:func:`_split`), not at
     every collective of every step."""
 
-    __slots__ = ("ranges", "sizes", "width", "even")
+    __slots__ = ("ranges", "sizes", "width", "even", "ordered")
 
     def __init__(self, full_size: int, shard: Shard, tp: int) -> None:
         self.ranges = tuple(local_ranges(full_size, shard, tp, r) for r in range(tp))
@@ -229,6 +229,12 @@ class _Split:
         self.width = max(self.sizes)
         # an even contiguous split: every rank one run of the same width, in rank order
         self.even = shard.chunks == 1 and not shard.rotate and not shard.tail and len(set(self.sizes)) == 1
+        # every rank at most one run, the runs in rank order tiling the dim (widths may differ:
+        # a vocabulary of 50257 on 8 ranks, 6283 rows then 6282): the ranks' parts concatenated
+        # in rank order are the whole
+        runs = [run for ranges in self.ranges for run in ranges]
+        self.ordered = all(len(ranges) <= 1 for ranges in self.ranges) \
+            and [a for a, _ in runs] == [0] + [b for _, b in runs[:-1]] and (not runs or runs[-1][1] == full_size)
 
 
 #: (id(shard), full size, tp) -> (shard, its _Split), for eager code; cleared when it grows past
@@ -543,25 +549,52 @@ def _all_to_all(x: Tensor, group, have: Shard, want: Shard, full_size: int, op: 
     ``have.dim``) -> its part of the tensor split as ``want``, by one all-to-all (no autograd).
     Rank r sends rank q the elements of its part that q holds under ``want``: along another dim,
     1/tp of its part, where an all-gather makes the whole tensor; along the same dim dealt
-    another way, the runs that change rank alone (and its own, kept). Two even splits of
-    different dims are equal blocks, split and laid out by one strided copy each side (none
-    where only dims of size one come before the dim); otherwise each block is cut run by run,
-    sent at its own size (no padding) and put in place run by run. Between even splits, a part
-    held as a permutation of a contiguous tensor is sent in its memory's order and the part
-    received held so (:func:`_reduce_scatter`): no copy where, in memory's order, the dim it is
-    cut along (or the one it is laid out along) comes first after dims of size one."""
+    another way, the runs that change rank alone (and its own, kept).
+
+    Between splits of two dims that each give every rank one run, in rank order (even or not,
+    :attr:`_Split.ordered`), each side copies at most once. Send: rank q's block is the q-th run
+    of ``x`` along ``want``'s dim; where only dims of size one come before it those runs lie one
+    after another in ``x``, sent as it is (a row-split table's gradient ``[V, h/tp]`` back to the
+    rows' ranks), else an even split is laid out rank-major by one copy (the table's rows packed
+    into ``tp`` column blocks). Receive: rank r's block is r's run along ``have``'s dim; where
+    only dims of size one come before it the blocks in rank order are the part (the table's
+    columns ``[V, h/tp]``, even where the vocabulary does not divide by ``tp``), else an even
+    split's blocks are folded back by one copy (the gradient's blocks into the rank's rows).
+    Other splits are cut run by run, sent at their own size (no padding) and put in place run by
+    run. Between even splits, a part held as a permutation of a contiguous tensor is sent in its
+    memory's order and the part received held so (:func:`_reduce_scatter`): no copy where, in
+    memory's order, the dim it is cut along (or the one it is laid out along) comes first after
+    dims of size one."""
     tp, rank, x = group_size(group), group_rank(group), x.detach()
     a, b = have.dim, want.dim
-    if a != b and _split(x.shape[b], want, tp).even and _split(full_size, have, tp).even:
-        order = dense_order(x) if x.numel() and not torch.compiler.is_compiling() else None
-        if order is not None:
-            got = _all_to_all(x.permute(order), group, _held(have, order), _held(want, order), full_size, op)
-            return _unpermute(got, order)
-        width = x.shape[b] // tp
-        send = x.unflatten(b, (tp, width)).movedim(b, 0).contiguous()   # rank-major: no copy at dim 0
-        got = _exchange(send.flatten(0, 1), None, None, group, op)
-        got = got.view([tp] + list(x.shape[:b]) + [width] + list(x.shape[b + 1:]))   # got[r]: r's run of a
-        return got.movedim(0, a).flatten(a, a + 1).contiguous()
+    if a != b:
+        cut, held = _split(x.shape[b], want, tp), _split(full_size, have, tp)
+        even = cut.even and held.even
+        if even:
+            order = dense_order(x) if x.numel() and not torch.compiler.is_compiling() else None
+            if order is not None:
+                got = _all_to_all(x.permute(order), group, _held(have, order), _held(want, order), full_size, op)
+                return _unpermute(got, order)
+        compiling, shape = torch.compiler.is_compiling(), list(x.shape)
+        lead_b, lead_a = _all_ones(shape[:b], compiling), _all_ones(shape[:a], compiling)
+        if cut.ordered and held.ordered and (lead_b or cut.even) and (lead_a or held.even):
+            rest = math.prod(shape[:b] + shape[b + 1:])   # elements per index of b
+            if lead_b:
+                send, send_sizes = x.reshape(-1), [n * rest for n in cut.sizes]   # a view where x is contiguous
+            else:
+                send = x.unflatten(b, (tp, cut.width)).movedim(b, 0).contiguous().view(-1)   # one copy
+                send_sizes = [cut.width * rest] * tp
+            out = list(shape)
+            out[b] = cut.sizes[rank]
+            each = math.prod(out[:a] + out[a + 1:])   # elements received per index of a
+            recv_sizes = [n * each for n in held.sizes]
+            got = _exchange(send, None if even else recv_sizes, None if even else send_sizes, group, op)
+            if lead_a:
+                out[a] = full_size
+                return got.view(out)   # the ranks' runs along a in rank order: the whole dim
+            out[a] = held.width
+            got = got.view([tp] + out)   # got[r]: r's run of a
+            return got.movedim(0, a).flatten(a, a + 1).contiguous()   # one copy
     other = x.shape[b] if a != b else full_size   # the whole size of want's dim
     sends = [_runs_for(x, have, want, full_size, other, tp, rank, q) for q in range(tp)]
     shapes = [_block_shape(x, have, want, full_size, other, tp, r, rank) for r in range(tp)]

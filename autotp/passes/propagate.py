@@ -827,6 +827,22 @@ def _internal_dst(kind: str, strat: Strategy) -> Any:
     return REPLICATE
 
 
+def table_by_columns_copies(full: Any, rows: Any, tp: int) -> tuple[Any, int]:
+    """(bytes, kernels) of the copies around a row-split table read by columns (rules/nn.py's
+    ``all_to_all_columns``, :class:`~autotp.distributed.functional.EmbeddingByColumns`) on the
+    rank holding the most rows (``rows``: the vocabulary; ``full``: the whole table's bytes), as
+    ``collectives._all_to_all`` runs them: forward, the rank's ``[V/tp, h]`` rows packed
+    into ``tp`` column blocks by one copy (the blocks received in rank order are the ``[V, h/tp]``
+    table: no copy); backward, the ``[V, h/tp]`` gradient sent as it is, and the ``tp`` blocks
+    received folded back into the rank's rows by one copy. Each copy reads and writes the rank's
+    rows."""
+    if tp <= 1:
+        return 0, 0
+    rows = int(rows)
+    share = full * max_local_size(rows, Shard(0), tp) / rows if rows >= tp else full / tp
+    return 2 * 2 * share, 2
+
+
 def internal_copy_seconds(kind: str, full: Any, profile: DeviceProfile, rows: Any = 0, tp: int = 1) -> Any:
     """Seconds of the work around an internal collective on every rank: the rows of every rank's
     tokens all-gathered (``all_gather_rows``, ``rows`` of them) are put in their sorted order by
@@ -836,9 +852,8 @@ def internal_copy_seconds(kind: str, full: Any, profile: DeviceProfile, rows: An
     then laid out rank by rank by a counting pass over the ``tp`` ranks, each row's place and
     the order written by it (:func:`~autotp.cost_model.kernels.holders_order_work`)."""
     if kind == "all_to_all_columns":
-        # a row-split table read by columns (rules/nn.py): the rank's part cut into its columns'
-        # blocks to send, forward, and the gradient's blocks put back in its rows, backward
-        return 2 * (2 * full / tp / profile.bandwidth("elementwise") + profile.launch_s)
+        moved, launches = table_by_columns_copies(full, rows, tp)
+        return moved / profile.bandwidth("elementwise") + launches * profile.launch_s
     if kind != "all_gather_rows":
         return 0.0
     from ..cost_model.kernels import holders_order_work
