@@ -21,6 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 FAMILIES = ("modernbert", "gemma3")
 SEEDS = (0, 1)   # rank 0's and rank 1's
@@ -54,6 +56,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow   # 20-30 s (two fresh interpreters); tests/test_capture_canonical.py holds the cause in the fast tier
 def test_ranks_with_other_hash_seeds_agree_and_match_serial():
     port = str(_free_port())
     procs = []
