@@ -1,6 +1,13 @@
 """autotp on a GPU: the checks and the step-time benchmark of one device session, in one run.
 
     python3 benchmarks/gpu.py --out benchmarks/gpu.md
+    python3 benchmarks/gpu.py --round issues-44-47 --out $OUT   # the GPU points of issues 44 and 47
+
+``--round issues-44-47`` runs ``benchmarks/gpu_round.py``'s parts instead of the ones below (one
+rank of tp 8 of the dense and MoE models, compiled MoE at tp 1, and the items noticed on the way:
+its docstring lists them with their estimates), each in a child process, and writes their files
+and ``summary.md`` into the folder ``--out``; ``benchmarks/gpu.md``'s header says which command
+a device session runs and where the returned files go.
 
 On a machine with one CUDA GPU (``--device cpu --quick`` rehearses every part on CPU, gloo in
 place of NCCL and small sizes). Each part runs in local rank processes
@@ -297,7 +304,15 @@ def main() -> None:
     ap.add_argument("--families", nargs="*", default=FAMILIES, help="the families the equivalence parts run")
     ap.add_argument("--compile-backend", default=None, help="torch.compile backend (default: inductor on a GPU)")
     ap.add_argument("--note", default="", help="a sentence about this run, kept in its .json (for --merge)")
+    ap.add_argument("--round", default=None, choices=["issues-44-47"],
+                    help="run a round's parts instead (benchmarks/gpu_round.py): --out names a folder, --only, "
+                         "--budget, --device and --quick apply")
     args = ap.parse_args()
+    if args.round:
+        from gpu_round import run_round
+
+        run_round(args.round, args.out or "gpu_round_out", args.device, args.quick, args.budget, args.only)
+        return
     if args.quick:
         args.layers, args.hidden, args.ffn, args.heads, args.kv_heads, args.vocab = 2, 64, 128, 4, 2, 256
         args.batch, args.seq, args.warmup, args.steps = 2, 32, 1, 2

@@ -181,7 +181,9 @@ def model_for(name: str, layers: int, dtype: torch.dtype, device: str):
     return family, zoo.build(family.name, config, device=device, dtype=dtype)
 
 
-def run_model(spec: str, args) -> list[str]:
+def run_model(spec: str, args, figures: dict | None = None) -> list[str]:
+    """The model's section of the result file; ``figures``, where given, gets its numbers (seconds) by
+    version, for a driver that reads them (``benchmarks/gpu_round.py``)."""
     import autotp
     from autotp import zoo
 
@@ -216,6 +218,8 @@ def run_model(spec: str, args) -> list[str]:
         rows.append(dict(label=label, time=rank, counts=counts, copies=copies, ops=ops, busy=busy,
                          predicted=(pred_rank, pred_serial), compiled=compiled, plan=pm.plan))
         del pm
+    if figures is not None:
+        figures.update(_figures(serial, serial_busy, compiled_serial, rows))
     tp = args.tp
     lines += ["| version | thread ms (least) | **serial/N ÷ rank, thread time** | ATen calls ms (each at its least) | "
               "serial/N ÷ rank, ATen calls | wall ms (median) | serial/N ÷ rank, "
@@ -279,6 +283,21 @@ def run_model(spec: str, args) -> list[str]:
     lines.append("")
     del model
     return lines
+
+
+def _figures(serial: dict, serial_busy: float, compiled_serial: dict | None, rows: list[dict]) -> dict:
+    """The numbers of one model's run, by version (seconds; NaN where not measured): the step by
+    each clock, compiled where run, the predicted rank and serial/N, the device's busy share, and
+    the experts' roles the plan gave and its experts and sequence notes."""
+    out = {"serial": {"clock": serial["clock"], "thread": serial["thread"], "busy": serial_busy,
+                      "compiled": compiled_serial}}
+    for r in rows:
+        roles = sorted({role for name, role in r["plan"].roles.items() if ".experts." in name})
+        out[r["label"]] = {"clock": r["time"]["clock"], "thread": r["time"]["thread"], "busy": r["busy"],
+                           "compiled": r["compiled"], "predicted": r["predicted"][0],
+                           "predicted_share": r["predicted"][1], "expert_roles": roles,
+                           "notes": [n for n in r["plan"].notes if n.startswith(("experts", "sequence"))]}
+    return out
 
 
 def _by_kind(serial_ops, rank_ops, label: str, tp: int) -> list[str]:
