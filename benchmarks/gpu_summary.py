@@ -99,7 +99,9 @@ def _moe(parts: dict, clock: str) -> list[str]:
             if v is None:
                 continue
             shown = "solver's pick (default plan)" if label == "default" else label
-            lines.append(f"| {fig['model']} | {shown} | {', '.join(v['expert_roles']) or '-'} | "
+            roles = ", ".join(v["expert_roles"]) or "-"
+            roles += " (all-to-all dispatch)" if v.get("dispatch") else ""
+            lines.append(f"| {fig['model']} | {shown} | {roles} | "
                          f"{_f(v['predicted'] * 1e3)} | {_f(v[clock] * 1e3)} | **{_f(_ratio(share, v[clock]))}** |")
         measured = {k: v[clock] for k, v in versions.items() if k != "serial" and v[clock] == v[clock]}
         if "default" in measured and len(measured) > 1:

@@ -205,18 +205,20 @@ def run_model(spec: str, args, figures: dict | None = None) -> list[str]:
         compiled_serial = compiled_time(torch.compile(model), batch, args.device, args.repeats)
     rows = []
     for label, planning in layouts.items():
-        with mirrored_peers():   # the program is written at the first call
+        # the program is written at the first call and run under the mirrored peers: an all-to-all
+        # dispatch's rank sends and receives as if every peer routed as it does (benchmarks/fake_peers.py)
+        with mirrored_peers():
             pm = autotp.parallelize(model, args.tp, profile=args.profile, batch=args.plan_batch, seq=args.plan_seq,
                                     device=args.device, **planning)
             module_step(pm, batch)()
             pm.zero_grad(set_to_none=True)
-        rank = measured(pm, batch, args.device, args.repeats)
-        counts, copies = counted(pm, batch)
-        ops, busy = (rank["ops"].by_op, float("nan")) if cpu else per_op(pm, batch, args.device)
-        pred_rank, pred_serial = predicted(model, args.tp, args.batch, args.seq, args.profile, planning)
-        compiled = compiled_time(torch.compile(pm), batch, args.device, args.repeats) if args.compile else None
-        rows.append(dict(label=label, time=rank, counts=counts, copies=copies, ops=ops, busy=busy,
-                         predicted=(pred_rank, pred_serial), compiled=compiled, plan=pm.plan))
+            rank = measured(pm, batch, args.device, args.repeats)
+            counts, copies = counted(pm, batch)
+            ops, busy = (rank["ops"].by_op, float("nan")) if cpu else per_op(pm, batch, args.device)
+            pred_rank, pred_serial = predicted(model, args.tp, args.batch, args.seq, args.profile, planning)
+            compiled = compiled_time(torch.compile(pm), batch, args.device, args.repeats) if args.compile else None
+            rows.append(dict(label=label, time=rank, counts=counts, copies=copies, ops=ops, busy=busy,
+                             predicted=(pred_rank, pred_serial), compiled=compiled, plan=pm.plan))
         del pm
     if figures is not None:
         figures.update(_figures(serial, serial_busy, compiled_serial, rows))
@@ -287,8 +289,9 @@ def run_model(spec: str, args, figures: dict | None = None) -> list[str]:
 
 def _figures(serial: dict, serial_busy: float, compiled_serial: dict | None, rows: list[dict]) -> dict:
     """The numbers of one model's run, by version (seconds; NaN where not measured): the step by
-    each clock, compiled where run, the predicted rank and serial/N, the device's busy share, and
-    the experts' roles the plan gave and its experts and sequence notes."""
+    each clock, compiled where run, the predicted rank and serial/N, the device's busy share, the
+    experts' roles the plan gave, whether it dispatches by all-to-all, and its experts and
+    sequence notes."""
     out = {"serial": {"clock": serial["clock"], "thread": serial["thread"], "busy": serial_busy,
                       "compiled": compiled_serial}}
     for r in rows:
@@ -296,6 +299,9 @@ def _figures(serial: dict, serial_busy: float, compiled_serial: dict | None, row
         out[r["label"]] = {"clock": r["time"]["clock"], "thread": r["time"]["thread"], "busy": r["busy"],
                            "compiled": r["compiled"], "predicted": r["predicted"][0],
                            "predicted_share": r["predicted"][1], "expert_roles": roles,
+                           # the dispatch's all-to-all of token rows (not a reshard S -> S), as moe_rank._kind
+                           "dispatch": any(c.kind == "all_to_all" and str(c.src).startswith("P(tokens")
+                                           for c in r["plan"].comms),
                            "notes": [n for n in r["plan"].notes if n.startswith(("experts", "sequence"))]}
     return out
 
