@@ -1,7 +1,7 @@
 """autotp on a GPU: the checks and the step-time benchmark of one device session, in one run.
 
     python3 benchmarks/gpu.py --out benchmarks/gpu.md
-    python3 benchmarks/gpu.py --round issues-44-47 --out $OUT   # the GPU points of issues 44 and 47
+    python3 benchmarks/gpu.py --round issues-44-47 --out $OUT --budget 480   # issues 44 and 47's GPU points
 
 ``--round issues-44-47`` runs ``benchmarks/gpu_round.py``'s parts instead of the ones below (one
 rank of tp 8 of the dense and MoE models, compiled MoE at tp 1, and the items noticed on the way:
@@ -411,13 +411,24 @@ def main() -> None:
 
 # ------------------------------------------------------------------------------------ the result file
 
+ROUND_NOTE = [
+    "**Next device session (issues 44 and 47):** `python3 benchmarks/gpu.py --round issues-44-47 --out $OUT "
+    "--budget 480`, the device call's `timeout_s` 600 (about 8 minutes by the estimates in "
+    "`benchmarks/gpu_round.py`). What comes back under `$OUT`: `summary.md` (per issue point, the figures "
+    "against the goal) goes to `benchmarks/gpu_round.md`; `round.json` and each part's `.md` "
+    "(`rank_llama-3-8b.md`, `rank_mixtral-8x7b.md`, `rank_qwen3-30b-a3b.md`, `moe_compile.md`, "
+    "`rank_gpt2-xl.md`, `norm_rms.md`, `nccl_collectives.md`, `host_cuda.md`, `rank_gpt2-xl_compile.md`) "
+    "to `benchmarks/measurements/<gpu>-<date>/`, the `.log` of a part only where it failed. Parts not run "
+    "at the budget: rerun them alone with `--only <part> ...`.", ""]
+
+
 def report(results: dict, argv: str) -> list[str]:
     parts = results["parts"]
     lines = ["# autotp on a GPU: NCCL, CUDA tensors over gloo, the CUDA RNG tracker, a calibrated profile, "
              "step times", "",
              f"Command: `python3 benchmarks/gpu.py {argv}`", "",
              results["machine"] + (f" GPU: {results['gpu']}." if "gpu" in results else "")
-             + f" transformers {results['transformers']}. Whole run {results.get('total_s', 0):.0f} s.", ""]
+             + f" transformers {results['transformers']}. Whole run {results.get('total_s', 0):.0f} s.", ""] + ROUND_NOTE
 
     def status(name: str) -> str | None:
         p = parts.get(name)
