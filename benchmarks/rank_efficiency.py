@@ -85,7 +85,8 @@ def timed(module, batch: dict, device: str, repeats: int) -> float:
 def compiled_time(module, batch: dict, device: str, repeats: int) -> dict:
     """A compiled step's seconds, after a warm-up (which compiles it): ``clock`` (median wall)
     and, on CPU, ``thread`` (the least thread CPU time, as ``measured`` reads an eager step's: one
-    torch thread, so inductor's kernels run on the calling thread too)."""
+    torch thread, so inductor's kernels run on the calling thread too); on CUDA ``busy``, the
+    share of a step the device is busy (:func:`device_busy`)."""
     step = module_step(module, batch)
     step()
     _sync(device)
@@ -97,8 +98,25 @@ def compiled_time(module, batch: dict, device: str, repeats: int) -> dict:
         _sync(device)
         clocks.append(time.perf_counter() - clock)
         threads.append(time.thread_time() - start)
+    busy = device_busy(step) if device != "cpu" else float("nan")
     module.zero_grad(set_to_none=True)
-    return {"clock": statistics.median(clocks), "thread": min(threads) if device == "cpu" else float("nan")}
+    return {"clock": statistics.median(clocks), "thread": min(threads) if device == "cpu" else float("nan"),
+            "busy": busy}
+
+
+def device_busy(step) -> float:
+    """The share of one step's wall time the device is busy: every device event's time (kernels,
+    inductor's among them, and copies) over the step's wall time under the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    device = [e for e in prof.events() if e.device_type != torch.autograd.DeviceType.CPU]
+    return sum(e.device_time_total for e in device) / 1e6 / wall
 
 
 def measured(module, batch: dict, device: str, repeats: int) -> dict:
