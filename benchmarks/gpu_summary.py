@@ -43,14 +43,17 @@ def _status(row: dict) -> str | None:
 def summary(results: dict) -> list[str]:
     parts = results["parts"]
     clock = _clock(results)
+    device = (f" GPU: {results['gpu']}." if results.get("gpu") else
+              " No GPU: a CPU rehearsal (`--quick`: tiny widths, so its ratios say that the code runs, not how fast).")
+    read = "wall clock, the device synchronized" if clock == "clock" else "thread CPU time"
     lines = [f"# Round {results['round']}: what the figures show against the issues' goals", "",
              f"Command: `{results['command']}`", "",
-             f"{results['machine']}" + (f" GPU: {results['gpu']}." if results.get("gpu") else " No GPU: a CPU rehearsal "
-                                        "(`--quick`: tiny widths, so its ratios say that the code runs, not how fast).")
-             + f" Whole round {results.get('total_s', 0):.0f} s of a budget of {results['budget_s']:.0f} s.", "",
+             f"{results['machine']}{device} Whole round {results.get('total_s', 0):.0f} s of a budget of "
+             f"{results['budget_s']:.0f} s.", "",
              "Efficiency is serial/8 ÷ rank (1.00: the rank does exactly its eighth; compute only, the fake backend "
-             f"moves nothing), read off the {'wall clock, the device synchronized' if clock == 'clock' else 'thread CPU time'}.",
-             "", "## Parts", "", "| part | issue point | estimate on an H200 s | ran s | result |", "|---|---|---|---|---|"]
+             f"moves nothing), read off the {read}.",
+             "", "## Parts", "", "| part | issue point | estimate on an H200 s | ran s | result |",
+             "|---|---|---|---|---|"]
     for name, row in parts.items():
         lines.append(f"| {name} | {row['point']} | {row['estimate_s']} | {_f(row.get('s'), '.0f')} | "
                      f"{_status(row) or 'done'} |")
@@ -86,7 +89,8 @@ def summary(results: dict) -> list[str]:
 def _moe(parts: dict, clock: str) -> list[str]:
     lines = ["## Issue 47, point 2: experts layouts measured (goal >= 0.7; the solver's pick within 10% of the "
              "fastest)", "",
-             "| model | version | experts' roles | predicted ms | measured ms | efficiency |", "|---|---|---|---|---|---|"]
+             "| model | version | experts' roles | predicted ms | measured ms | efficiency |",
+             "|---|---|---|---|---|---|"]
     picks = []
     for name, row in parts.items():
         fig = row.get("figures")

@@ -1,6 +1,6 @@
-"""The device round of issues 44 and 47 (``benchmarks/gpu_round.py``, ``benchmarks/gpu_summary.py``):
-its parts call their children as written, a part the budget leaves is listed as not run, and the
-summary reads the figures against the issues' goals. (The parts themselves run in the CPU
+"""The device round of issues 44 and 47 (``benchmarks/gpu_round.py``, ``gpu_parts.py``,
+``gpu_summary.py``): its parts call their children as written, a part the budget leaves is listed
+as not run, and the summary reads the figures against the issues' goals. (The parts themselves run in the CPU
 rehearsal, ``--device cpu --quick``: minutes, not a test.)"""
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import inspect
 import json
 import math
 
-from benchmarks.gpu_round import CHILDREN, ROUNDS, file_stem, run_round
+from benchmarks.gpu_parts import CHILDREN
+from benchmarks.gpu_round import ROUNDS, file_stem, run_round
 from benchmarks.gpu_summary import summary
 
 
