@@ -77,8 +77,9 @@ def rank(device: str, quick: bool, md: str, model: str, layers: int, batch: int,
 
 
 def moe_compile(device: str, quick: bool, md: str) -> dict:
-    """Compiled MoE at tp 1: ``torch.compile(pm)`` against ``torch.compile`` of HF's module, the
-    two stepping in turn (ABBA), with each arm's dynamo graphs and graph breaks; eager beside."""
+    """Compiled MoE at tp 1: ``torch.compile(pm)`` against ``torch.compile`` of HF's module, with
+    each compiled arm's dynamo graphs and graph breaks, and both eager beside: the four step in
+    turn, their order reversed every other step."""
     import statistics
 
     import torch
@@ -120,21 +121,32 @@ def moe_compile(device: str, quick: bool, md: str) -> dict:
         return time.perf_counter() - start, float(loss)
 
     arms = {"HF eager": hf, "autotp eager": pm}
+    # dynamo's graphs and breaks per compiled arm over every one of its steps (a recompile on a
+    # later step counts as a graph); one reset before both, as benchmarks/moe_compile.py counts
     torch._dynamo.reset()
     counters.clear()
     graphs, breaks, first = {}, {}, {}
-    for name, module in (("HF compiled", hf), ("autotp compiled", pm)):
-        compiled = torch.compile(module, backend="inductor" if gpu else "aot_eager")
+
+    def counted(name: str) -> tuple[float, float]:
+        if name not in graphs:
+            return step(arms[name])
         before, broken = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
-        first[name] = step(compiled)[0]
-        graphs[name] = counters["stats"]["unique_graphs"] - before
-        breaks[name] = {k: n - broken.get(k, 0) for k, n in counters["graph_break"].items() if n > broken.get(k, 0)}
-        arms[name] = compiled
+        timed = step(arms[name])
+        graphs[name] += counters["stats"]["unique_graphs"] - before
+        for reason, n in counters["graph_break"].items():
+            if n > broken.get(reason, 0):
+                breaks[name][reason] = breaks[name].get(reason, 0) + n - broken.get(reason, 0)
+        return timed
+
+    for name, module in (("HF compiled", hf), ("autotp compiled", pm)):
+        arms[name] = torch.compile(module, backend="inductor" if gpu else "aot_eager")
+        graphs[name], breaks[name] = 0, {}
+        first[name] = counted(name)[0]
     times, losses = {n: [] for n in arms}, {}
     names = list(arms)
     for i in range(warmup + steps):
         for name in (names if i % 2 == 0 else names[::-1]):   # either order in turn
-            t, losses[name] = step(arms[name])
+            t, losses[name] = counted(name)
             if i >= warmup:
                 times[name].append(t)
     med = {n: statistics.median(t) for n, t in times.items()}
