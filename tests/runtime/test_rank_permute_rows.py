@@ -4,11 +4,11 @@ transformers' MoE layers sort their (token, expert) rows by expert (``perm``) an
 output back by ``inv_perm``, made as ``inv_perm[perm] = arange`` (``index_put_``). The rank's
 program runs that reorder as ``distributed.functional.permute_rows`` (a gather each way, no
 scatter-add). The output's backward gathers by the inverse of ``inv_perm``, which is ``perm``, a
-value the graph already holds (``passes/rules/row_reads.inverse_permutation``); the routing
-weights' reorder ``w[perm]`` (its inverse, ``inv_perm``, made only after it) copies each gradient
-row to its row (``index_copy_``). Counted by a dispatch mode over the backward of a Mixtral step
-on torch's ``fake`` backend (collectives return at once), at tp 1 and on rank 0 of tp 2: no
-``arange`` scattered into an inverse, where before each reorder made one.
+value the graph already holds (``passes/rules/row_reads.inverse_permutations``); the routing
+weights' reorder ``w[perm]`` gathers by ``inv_perm``, which the rank's program makes before it
+(``passes/rewrite._inverses_first``; the model makes it only after). Counted by a dispatch mode
+over the backward of a Mixtral step on torch's ``fake`` backend (collectives return at once), at
+tp 1 and on rank 0 of tp 2: no ``arange`` scattered into an inverse, no row copied to its row.
 """
 from collections import Counter
 
@@ -47,6 +47,8 @@ def _backward_calls(tp: int) -> tuple[Counter, list]:
 def test_a_reorder_back_to_token_order_makes_no_inverse_in_backward(tp):
     calls, reorders = _backward_calls(tp)
     assert calls["scatter_"] == 0 and calls["arange"] == 0, calls
-    assert calls["index_copy_"] == LAYERS, calls   # the weights' reorders
-    # a layer's two reorders: the weights' by perm (no inverse held yet), the output's by inv_perm
-    assert sorted(reorders) == [False] * LAYERS + [True] * LAYERS, reorders
+    # a layer's two reorders, the weights' by perm and the output's by inv_perm, each given its
+    # inverse (inv_perm made before the first): both gather their gradient back, no index_copy_
+    assert calls["index_copy_"] == 0, calls
+    assert calls["index_select"] == 2 * LAYERS, calls
+    assert reorders == [True] * 2 * LAYERS, reorders
