@@ -660,8 +660,9 @@ def _inverses_first(order: list, prop: Propagation) -> list:
     backward then gathers by it (``distributed.functional.permute_rows``), not a copy of each row
     to its row. Moved, in their order, right before the reorder: the inverse and what it is made
     of after the reorder, where each is an integer op with no grad or autocast switch, randomness
-    or output read by the reorder among them, and nothing left between writes what they read or
-    reads what they write (they depend on ``perm`` alone; nothing else moves)."""
+    or output read by the reorder among them, nothing left between writes what they read, and
+    nothing reads or views a tensor they write before the write (they depend on ``perm`` alone;
+    nothing else moves)."""
     for reorder in [n for n in order if n in prop.chosen and permutes_rows(n)]:
         at = {n: i for i, n in enumerate(order)}
         made = [m for m in inverse_permutations(reorder.args[1][0]) if m in at]
@@ -694,15 +695,15 @@ def _made_after(order: list, at: dict, made: fx.Node, reorder: fx.Node) -> list 
         todo.extend(n.all_input_nodes)
     read = {a for n in run for a in n.all_input_nodes} - run
     for n in order[at[reorder]:at[made]]:
-        if n in run:
-            if mutates_first(n.target) and n.args[0] not in run:
-                return None   # a write to a tensor made before the reorder
-            continue
-        if n.op == "call_function" and mutates_first(n.target) and n.args and (n.args[0] in read or n.args[0] in run):
+        if n not in run and n.op == "call_function" and mutates_first(n.target) and n.args and (
+                n.args[0] in read or n.args[0] in run):
             return None   # a write to what the inverse reads, left between
-    written = {n.args[0] for n in run if mutates_first(n.target)}
-    if any(at[u] < at[made] and u not in run for w in written for u in w.users):
-        return None   # a read of a tensor the run writes, left between
+    for write in (n for n in run if mutates_first(n.target)):
+        written = write.args[0]
+        if written not in run and (written.op != "call_function" or aliases_first(written.target)):
+            return None   # a write that a view, an input or the tensor it views would show
+        if any(u not in run and at[u] < at[write] for u in written.users):
+            return None   # a read (or a view) of the written tensor before the write, left between
     return sorted(run, key=at.get)
 
 
