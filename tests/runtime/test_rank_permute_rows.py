@@ -8,7 +8,8 @@ value the graph already holds (``passes/rules/row_reads.inverse_permutations``);
 weights' reorder ``w[perm]`` gathers by ``inv_perm``, which the rank's program makes before it
 (``passes/rewrite._inverses_first``; the model makes it only after). Counted by a dispatch mode
 over the backward of a Mixtral step on torch's ``fake`` backend (collectives return at once), at
-tp 1 and on rank 0 of tp 2: no ``arange`` scattered into an inverse, no row copied to its row.
+tp 1 and on rank 0 of tp 2 (experts as planned, whole per rank, or split): no ``arange``
+scattered into an inverse, no row copied to its row.
 """
 import functools
 from collections import Counter
@@ -26,15 +27,21 @@ from tests.helpers import fake_process_group, whole
 LAYERS = 2
 
 
-def _backward_calls(tp: int) -> tuple[Counter, list]:
-    """The ATen calls (by short name) of the backward of a Mixtral step on rank 0 of tp ``tp``, and
-    the reorders the rank's program runs as ``permute_rows``: whether each is given its inverse."""
+#: the experts' layouts pinned: as planned, whole experts per rank, every expert split
+LAYOUTS = {"planned": None, "ep": {"*.experts.*": "expert"},
+           "etp": {"*.experts.gate_up_proj": "expert_column", "*.experts.down_proj": "expert_row"}}
+
+
+def _backward_calls(tp: int, layout: str) -> tuple[Counter, list]:
+    """The ATen calls (by short name) of the backward of a Mixtral step on rank 0 of tp ``tp``, its
+    experts laid out ``layout``, and the reorders the rank's program runs as ``permute_rows``:
+    whether each is given its inverse."""
     config = zoo.tiny_config("mixtral", layers=LAYERS, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=4,
                              top_k=2)
     model = zoo.build("mixtral", config, dtype=torch.float64, seed=1)
     batch = zoo.example_batch("mixtral", config, batch=2, seq=7, seed=2)
     with fake_process_group(tp):
-        pm = autotp.parallelize(model, tp, batch=8, seq=7)
+        pm = autotp.parallelize(model, tp, batch=8, seq=7, layout=LAYOUTS[layout])
         pm(**batch).loss.backward()   # warm: the program built
         pm.zero_grad(set_to_none=True)
         loss = pm(**batch).loss
@@ -45,9 +52,9 @@ def _backward_calls(tp: int) -> tuple[Counter, list]:
     return Counter(name for name, _ in counted.calls), reorders
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_a_reorder_back_to_token_order_makes_no_inverse_in_backward(tp):
-    calls, reorders = _backward_calls(tp)
+@pytest.mark.parametrize("tp,layout", [(1, "planned"), (2, "planned"), (2, "ep"), (2, "etp")])
+def test_a_reorder_back_to_token_order_makes_no_inverse_in_backward(tp, layout):
+    calls, reorders = _backward_calls(tp, layout)
     assert calls["scatter_"] == 0 and calls["arange"] == 0, calls
     # a layer's two reorders, the weights' by perm and the output's by inv_perm, each given its
     # inverse (inv_perm made before the first): both gather their gradient back, no index_copy_

@@ -222,11 +222,11 @@ def _as_captured(made: Any, env: dict, source: Any) -> bool:
         return ours is not None
     if getattr(ours, "target", None) is not made.target:
         return False
-    pairs = list(zip(pytree.tree_leaves((ours.args, _no_device(ours.kwargs))),
-                     pytree.tree_leaves((made.args, _no_device(made.kwargs)))))
-    if len(pairs) != len(pytree.tree_leaves((made.args, _no_device(made.kwargs)))):
+    haves = pytree.tree_leaves((ours.args, _no_device(ours.kwargs)))
+    wants = pytree.tree_leaves((made.args, _no_device(made.kwargs)))
+    if len(haves) != len(wants):
         return False
-    for have, want in pairs:
+    for have, want in zip(haves, wants):
         if isinstance(want, fx.Node):
             if env.get(want) is not have:
                 return False
@@ -238,6 +238,7 @@ def _as_captured(made: Any, env: dict, source: Any) -> bool:
 
 
 def _no_device(kwargs: dict) -> dict:
+    # where a factory runs, not what it makes: the rank's program puts its own device there
     return {k: v for k, v in kwargs.items() if k not in ("device", "pin_memory", "layout")}
 
 
