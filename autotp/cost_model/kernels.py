@@ -87,8 +87,11 @@ _SORTS = frozenset({aten.sort.default, aten.sort.stable, aten.argsort.default, a
 def permuted_rows_work(op: Any, fwd: tuple) -> OpWork:
     """Rows reordered by a permutation of them (``distributed.functional.permute_rows``): forward
     a gather; backward one kernel over the gradient's rows, each read once and written to one
-    row, with the index read: a gather by the inverse permutation where the graph holds it, else
-    a copy of each row to its row (``index_copy_``). The same bytes and launch either way."""
+    row, with the index read: a gather by the inverse permutation where the rank's program holds
+    it by then (transformers' ``perm`` and ``inv_perm``, the latter made before the weights'
+    ``w[perm]``: ``passes/rewrite._inverses_first``), else a copy of each row to its row
+    (``index_copy_``). The same bytes and launch either way; the inverse's own ops (an arange, a
+    scatter or sort) are the graph's, priced where they are."""
     index_bytes = sum((b for b, m in zip(op.b_in, op.inputs) if not m.is_float), sympy.Integer(0))
     bwd = [("elementwise", op.main_out + b + index_bytes) for b, g in zip(op.b_in, op.grad) if g]
     return OpWork(moved=(fwd, *bwd), launches=1 + len(bwd))

@@ -308,9 +308,11 @@ class _PermuteRows(torch.autograd.Function):
     gather by the inverse permutation (each row's gradient lands in one row, so no scatter-add:
     autograd's backward of ``x[index]``, ``index_put(accumulate=True)`` into zeros, is a sorted
     scatter, several times slower on CUDA and on CPU). The same values: 0 + g is g. The inverse is
-    ``inverse`` where the graph already holds it (transformers' ``inv[perm] = arange`` reversed:
-    ``perm``); without it each gradient row is copied to its row (``index_copy_``: one kernel, no
-    accumulation, every row written once), not the inverse made first (an arange scattered)."""
+    ``inverse``, a value the graph makes (transformers' ``inv_perm`` for ``w[perm]``, made first in
+    the rank's program, and ``perm`` for ``out[inv_perm]``; an ``argsort`` or a scatter of an
+    arange alike); without it each gradient row is copied to its row (``index_copy_``: one
+    kernel, no accumulation, every row written once), not the inverse made first (an arange
+    scattered)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor | None) -> torch.Tensor:
@@ -330,5 +332,5 @@ def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor | N
     """``x[index]`` for a permutation ``index`` of x's rows (the graph proves it:
     autotp/passes/rules/routing.is_permutation), its backward a gather (:class:`_PermuteRows`) by
     ``inverse``, the inverse permutation, where the caller holds it (the graph proves that too:
-    autotp/passes/rules/row_reads.inverse_permutation); a copy of each row to its row otherwise."""
+    autotp/passes/rules/row_reads.inverse_permutations); a copy of each row to its row otherwise."""
     return _PermuteRows.apply(x, index, inverse)

@@ -49,7 +49,7 @@ from .rules.experts import sends_back
 from .rules.local_routing import owns
 from .rules.pointwise import reduce_scatters_tokens, scatters_tokens, sequence_factors
 from .rules.registry import REGION_BOUNDS, op_name
-from .rules.row_reads import GROUPED_MM, grouped_reader
+from .rules.row_reads import GROUPED_MM, grouped_reader, inverse_permutations, permutes_rows
 from .rules.token_rows import ASCENDING, token_maps
 
 log = logging.getLogger(__name__)
@@ -650,7 +650,61 @@ def _program_order(graph: fx.Graph, prop: Propagation, readers: dict) -> list[fx
             order.remove(n)
         at = order.index(product) + ((run, product) in after)
         order[at:at] = run
+    return _inverses_first(order, prop)
+
+
+def _inverses_first(order: list, prop: Propagation) -> list:
+    """``order`` with the inverse of a reorder's permutation made before the reorder where the
+    graph makes it only after (transformers' ``inv_perm[perm] = arange``, made after the routing
+    weights' ``w[perm]``; :func:`~autotp.passes.rules.row_reads.inverse_permutations`): its
+    backward then gathers by it (``distributed.functional.permute_rows``), not a copy of each row
+    to its row. Moved, in their order, right before the reorder: the inverse and what it is made
+    of after the reorder, where each is an integer op with no grad or autocast switch, randomness
+    or output read by the reorder among them, nothing left between writes what they read, and
+    nothing reads or views a tensor they write before the write (they depend on ``perm`` alone;
+    nothing else moves)."""
+    for reorder in [n for n in order if n in prop.chosen and permutes_rows(n)]:
+        at = {n: i for i, n in enumerate(order)}
+        made = [m for m in inverse_permutations(reorder.args[1][0]) if m in at]
+        if not made or any(at[m] < at[reorder] for m in made):
+            continue
+        for inverse in made:
+            run = _made_after(order, at, inverse, reorder)
+            if run is not None:
+                for n in run:
+                    order.remove(n)
+                here = order.index(reorder)
+                order[here:here] = run
+                break
     return order
+
+
+def _made_after(order: list, at: dict, made: fx.Node, reorder: fx.Node) -> list | None:
+    """The nodes ``made`` is made of that come after ``reorder`` in ``order``, ``made`` among them,
+    in their order, where they may run before it (:func:`_inverses_first`); else None."""
+    run, todo = set(), [made]
+    while todo:
+        n = todo.pop()
+        if n in run or at[n] < at[reorder]:
+            continue
+        val = n.meta.get("val")
+        if n is reorder or n.op != "call_function" or n.target in REGION_BOUNDS or draws_random(n.target, n.args, n.kwargs) \
+                or (isinstance(val, torch.Tensor) and (val.is_floating_point() or val.is_complex())):
+            return None
+        run.add(n)
+        todo.extend(n.all_input_nodes)
+    read = {a for n in run for a in n.all_input_nodes} - run
+    for n in order[at[reorder]:at[made]]:
+        if n not in run and n.op == "call_function" and mutates_first(n.target) and n.args and (
+                n.args[0] in read or n.args[0] in run):
+            return None   # a write to what the inverse reads, left between
+    for write in (n for n in run if mutates_first(n.target)):
+        written = write.args[0]
+        if written not in run and (written.op != "call_function" or aliases_first(written.target)):
+            return None   # a write that a view, an input or the tensor it views would show
+        if any(u not in run and at[u] < at[write] for u in written.users):
+            return None   # a read (or a view) of the written tensor before the write, left between
+    return sorted(run, key=at.get)
 
 
 def _picks_after_dispatch(order: list, prop: Propagation, products: list) -> list[tuple[list, fx.Node]]:

@@ -2,10 +2,12 @@
 attention-mask prelude, which run replicated on small integer tensors."""
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import sympy
 import torch
+import torch.utils._pytree as pytree
 
 from ...placements import PARTIAL, REPLICATE, Shard
 from .contract import LocalContext, OpInfo, Strategy
@@ -182,24 +184,62 @@ def index_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict,
 
 def _held_inverse(ctx: LocalContext, index: Any) -> Any:
     """The node of the rank's graph holding the inverse of the permutation ``index`` (the rank's
-    own index of a reorder), or None: where the captured index is ``inv[p] = arange(n)``
-    (:func:`.row_reads.inverse_permutation`) and the rank's graph made ``index`` the same way from
-    its node of ``p`` (not a conversion of it), that node; its backward then gathers by it."""
-    from .row_reads import inverse_permutation
+    own index of a reorder), or None: the first node the captured graph makes that inverse
+    (:func:`.row_reads.inverse_permutations`: ``p`` for ``inv[p] = arange``, ``inv_perm`` for
+    ``perm``) that the rank's program has made by then (``passes/rewrite._inverses_first`` makes
+    it before the reorder where it can), where the rank's graph made the index and that inverse
+    exactly as captured, from the same nodes (no conversion between, no arange of its own: the
+    values are the captured ones on this rank too); its backward then gathers by it."""
+    from .routing import inverted
+    from .row_reads import inverse_permutations
 
     captured, env = getattr(ctx, "node", None), getattr(ctx, "env", None)
-    if captured is None or env is None:
+    if captured is None or env is None or env.get(captured.args[1][0]) is not index:
         return None
-    p = inverse_permutation(captured.args[1][0])
-    if p is None or env.get(captured.args[1][0]) is not index or env.get(p) is None:
-        return None
-    made = index
-    while getattr(made, "target", None) in (aten.clone.default, aten.alias.default):
-        made = made.args[0]
-    if getattr(made, "target", None) not in (aten.index_put_.default, aten.index_put.default) or \
-            list(made.args[1]) != [env[p]]:
-        return None
-    return env[p]
+    made = captured.args[1][0]
+    for inverse in inverse_permutations(made):
+        if inverse not in env:
+            continue   # made after the reorder in the rank's program
+        # the one of the two made from the other, back to it
+        later, earlier = (made, inverse) if inverted(made) is inverse else (inverse, made)
+        if _as_captured(later, env, earlier):
+            return env[inverse]
+    return None
+
+
+def _as_captured(made: Any, env: dict, source: Any) -> bool:
+    """Whether the rank's graph made ``env[made]`` from ``env[source]`` as the captured graph made
+    ``made`` from ``source``: the same op of the rank's nodes of the same inputs, through the
+    clones, sorts, scatters and aranges that carry the values (a device argument aside)."""
+    from torch import fx
+
+    from .routing import INVERTERS, SORTS
+
+    carries = INVERTERS | SORTS | {aten.clone.default, aten.alias.default, aten.arange.default,
+                                   aten.arange.start, aten.arange.start_step, operator.getitem}
+    ours = env.get(made)
+    if made is source or ours is None:
+        return ours is not None
+    if getattr(ours, "target", None) is not made.target:
+        return False
+    haves = pytree.tree_leaves((ours.args, _no_device(ours.kwargs)))
+    wants = pytree.tree_leaves((made.args, _no_device(made.kwargs)))
+    if len(haves) != len(wants):
+        return False
+    for have, want in zip(haves, wants):
+        if isinstance(want, fx.Node):
+            if env.get(want) is not have:
+                return False
+            if want.op == "call_function" and want.target in carries and not _as_captured(want, env, source):
+                return False
+        elif have != want:
+            return False
+    return True
+
+
+def _no_device(kwargs: dict) -> dict:
+    # where a factory runs, not what it makes: the rank's program puts its own device there
+    return {k: v for k, v in kwargs.items() if k not in ("device", "pin_memory", "layout")}
 
 
 def _region_calls() -> list:

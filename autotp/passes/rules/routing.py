@@ -3,7 +3,8 @@ rows reads no more than it must (autotp/passes/rules/experts.py, autotp/distribu
 
 * :func:`is_permutation`: an index that reorders rows without a row lost or repeated (the
   inverse of the sort by expert, transformers' way back to token order): a rank's rows keep their
-  count through it, renumbered, unread.
+  count through it, renumbered, unread; :func:`inverted` / :func:`inverses`: which node holds its
+  inverse (``inv[p] = arange``, a scatter of an arange by ``p``, ``argsort(p)``).
 * :func:`counted_by`: a router's ids sorted and counted per expert into a grouped product's
   ``offs``: a pick by those ids takes the rows the product takes, from the bounds read once.
 
@@ -26,6 +27,11 @@ aten = torch.ops.aten
 SORTS = frozenset((aten.sort.default, aten.sort.stable))
 #: ops whose output is a permutation of ``0 .. n-1`` (n: its length) whatever their input
 PERMUTATIONS = frozenset((aten.argsort.default, aten.argsort.stable, aten.randperm.default))
+#: scatters of a tensor of values that replace what they write (no reduce)
+SCATTERS = frozenset((aten.scatter.src, aten.scatter_.src))
+#: ops that may make the inverse of a permutation (:func:`inverted`), beside a sort's indices
+INVERTERS = frozenset((aten.index_put_.default, aten.index_put.default, aten.argsort.default,
+                       aten.argsort.stable)) | SCATTERS
 
 
 def index_length(node: Any) -> Any:
@@ -52,8 +58,9 @@ def written(node: Any) -> bool:
 def is_permutation(node: Any) -> bool:
     """Whether the graph makes the 1-D integer tensor ``node`` a permutation of ``0 .. n-1`` (n:
     its length), by how it is made: the indices a sort of a 1-D tensor returns, an argsort, a
-    randperm, or ``inv[p] = arange(n)`` for a permutation ``p`` (transformers' inverse of the sort
-    by expert: every entry of ``inv`` written once), each not written after. Such an index reorders
+    randperm, or ``inv[p] = arange(n)`` (or ``inv.scatter_(0, p, arange(n))``) into n entries for
+    a permutation ``p`` (transformers' inverse of the sort by expert: every entry of ``inv``
+    written once), each not written after. Such an index reorders
     rows without a row lost or repeated: the rows a rank holds keep their count."""
     n = index_length(node)
     if n is None or node.op != "call_function" or written(node):
@@ -66,14 +73,78 @@ def is_permutation(node: Any) -> bool:
         return True
     if node.target in (aten.clone.default, aten.alias.default):
         return is_permutation(node.args[0])
+    written_by = _arange_written_by(node)
+    if written_by is None or not is_permutation(written_by):
+        return False
+    base, values = node.args[0], node.args[3 if node.target in SCATTERS else 2]
+    lengths = (index_length(base), index_length(written_by), _arange_length(values))
+    return None not in lengths and all(sympy.expand(m - n) == 0 for m in lengths)
+
+
+def _arange_written_by(node: Any) -> Any:
+    """``p`` where ``node`` writes values at the positions ``p`` of its first argument, each once
+    replacing what was there: ``index_put`` by one index without accumulating (``inv[p] = v``) or
+    ``scatter`` of a tensor of values along dim 0 (``inv.scatter_(0, p, v)``, no reduce: the
+    ``reduce`` overloads and ``scatter_add`` sum into the entries instead); else None. Whether ``p``
+    is a permutation and ``v`` an arange as long as ``inv`` is the caller's to check."""
     if node.target in (aten.index_put_.default, aten.index_put.default):
-        base, indices, values = node.args[:3]
+        indices = node.args[1]
         accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
-        if accumulate or len(indices) != 1 or not is_permutation(indices[0]):
-            return False
-        lengths = (index_length(base), index_length(indices[0]), _arange_length(values))
-        return None not in lengths and all(sympy.expand(m - n) == 0 for m in lengths)
-    return False
+        return indices[0] if not accumulate and len(indices) == 1 else None
+    if node.target in SCATTERS and node.args[1] in (0, -1):
+        return node.args[2]
+    return None
+
+
+def _unwrapped(node: Any) -> Any:
+    """``node`` read through clones and aliases (the same values)."""
+    while getattr(node, "target", None) in (aten.clone.default, aten.alias.default):
+        node = node.args[0]
+    return node
+
+
+def _ascending(sort: Any) -> bool:
+    """Whether the sort or argsort ``sort`` orders its input ascending (``descending`` False)."""
+    positional = sort.target in (aten.sort.default, aten.argsort.default) and len(sort.args) > 2
+    return not (sort.args[2] if positional else sort.kwargs.get("descending", False))
+
+
+def inverted(node: Any) -> Any:
+    """``p`` where the graph makes ``node`` the inverse of the permutation ``p`` (read through
+    clones): ``inv[p] = arange(n)`` (``index_put``) or ``inv.scatter_(0, p, arange(n))`` into n
+    entries (each written once, whatever the entries held: :func:`is_permutation`), or the
+    ascending ``argsort(p)`` / ``sort(p)[1]`` of a permutation (the position of each value
+    ``0 .. n-1`` in ``p``); else None. A sort of anything not a permutation, descending, an arange
+    of another length, a scatter that sums or leaves entries unwritten are not inverses."""
+    node = _unwrapped(node)
+    if not is_permutation(node):
+        return None
+    written_by = _arange_written_by(node)
+    if written_by is not None:
+        return written_by
+    sort = node.args[0] if node.target is operator.getitem else node
+    if sort.target in SORTS or sort.target in PERMUTATIONS - {aten.randperm.default}:
+        p = sort.args[0]
+        if _ascending(sort) and is_permutation(p):
+            return p
+    return None
+
+
+def inverses(index: Any) -> list:
+    """The nodes whose values the graph makes the inverse of the permutation ``index``: the ``p``
+    that ``index`` inverts (:func:`inverted`), made before it, then every node made as the inverse
+    of ``index`` (or of a clone of it) in graph order. A reorder ``x[index]`` gathers its gradient
+    back by any of them (``distributed.functional.permute_rows``)."""
+    if not is_permutation(index):
+        return []
+    found = [p] if (p := inverted(index)) is not None else []
+    source = _unwrapped(index)
+    for node in index.graph.nodes:
+        if node.op == "call_function" and (node.target in INVERTERS or (
+                node.target is operator.getitem and getattr(node.args[0], "target", None) in SORTS)):
+            if node not in found and _unwrapped(inverted(node)) is source:
+                found.append(node)
+    return found
 
 
 def _arange_length(node: Any) -> Any:

@@ -8,7 +8,7 @@ from the graph and a strategy, where that happens:
 * :func:`grouped_reader`: the gather ``h[idx]`` that only a grouped product reads (through casts),
   so the rank's program may gather its own experts' rows right before the product;
 * :func:`reads_rows` / :func:`permutes_rows`: which ops would read the count, and which reorders
-  keep every row once (no read, a gather by the inverse backward);
+  keep every row once (no read, a gather by the inverse backward: :func:`inverse_permutations`);
 * :func:`host_reads` / :func:`reads_host`: how many reads a strategy makes on a rank (priced),
   and whether it may read at all (refused under ``host_reads=False``).
 
@@ -22,7 +22,7 @@ import sympy
 import torch
 
 from ...placements import Routed
-from .routing import counted_by, index_length, is_permutation
+from .routing import counted_by, index_length, inverses, is_permutation
 from .contract import OpInfo, Strategy
 from .registry import op_name
 
@@ -130,21 +130,16 @@ def permutes_rows(node: Any) -> bool:
     return sympy.expand(index_length(index) - shape_of(x)[0]) == 0
 
 
-def inverse_permutation(index: Any) -> Any:
-    """The node the graph makes the inverse of the permutation ``index``, or None: ``index`` made
-    as ``inv[p] = arange(n)`` (an ``index_put`` of an arange by a permutation ``p`` into n entries,
-    each written once: transformers' inverse of the sort by expert, :func:`is_permutation`), read
-    through clones, whose inverse is ``p``. A reorder by ``index`` gathers its gradient back by
-    ``p`` (``distributed.functional.permute_rows``): no scatter to make the inverse."""
-    from torch import fx
-
-    node = index
-    while isinstance(node, fx.Node) and node.target in (aten.clone.default, aten.alias.default):
-        node = node.args[0]
-    if not (isinstance(node, fx.Node) and node.target in (aten.index_put_.default, aten.index_put.default)
-            and is_permutation(node)):
-        return None
-    return node.args[1][0]
+def inverse_permutations(index: Any) -> list:
+    """The nodes the graph makes the inverse of the permutation ``index`` (:func:`.routing.inverses`):
+    the ``p`` that ``index`` inverts, where ``index`` is made as ``inv[p] = arange(n)``
+    (transformers' inverse of the sort by expert), ``inv.scatter_(0, p, arange(n))`` or
+    ``argsort(p)``; and every node made so from ``index`` itself (transformers' ``inv_perm``,
+    the inverse of the ``perm`` the routing weights are reordered by). A reorder by ``index``
+    gathers its gradient back by one of them (``distributed.functional.permute_rows``) where the
+    rank's program holds it by then: no scatter to make the inverse (the rank's program makes
+    an inverse made after the reorder before it: ``passes/rewrite._inverses_first``)."""
+    return inverses(index)
 
 
 def _before(a: Any, b: Any) -> bool:
