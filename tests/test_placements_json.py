@@ -2,6 +2,7 @@
 and every field (``Routed``'s marks ``own``, ``ascending`` and ``alone`` too, which the file once
 dropped), through the JSON text and ``Plan.from_json``'s checks; a file written before a field
 existed reads as that field's default, and a field of the wrong type is refused naming it."""
+import dataclasses
 import json
 
 import pytest
@@ -41,6 +42,30 @@ def test_a_plan_file_keeps_every_placement_it_holds(p):
 def test_routeds_marks_are_kept(routed):
     # before: own, ascending and alone were written nowhere, and read back False
     assert from_json(to_json(routed)) == routed
+
+
+#: for each field of each placement with fields, one placement that differs from the default there
+#: (with what the field needs): a field added to a placement must be added here, and so to its JSON
+EVERY_FIELD = {
+    Routed: {"dim": Routed(1), "span": Routed(0, span=2), "tokens": Routed(0, tokens=True),
+             "sent": Routed(0, sent=True), "reordered": Routed(0, tokens=True, reordered=True),
+             "unit": Routed(0, unit=4), "own": Routed(0, tokens=True, own=True),
+             "ascending": Routed(0, tokens=True, reordered=True, ascending=True),
+             "alone": Routed(0, tokens=True, reordered=True, alone=True)},
+    Shard: {"dim": Shard(2), "chunks": Shard(0, chunks=3), "unit": Shard(0, unit=8), "rotate": Shard(0, rotate=1),
+            "tail": Shard(0, tail=1), "per_block": Shard(0, chunks=2, per_block=True),
+            "outer": Shard(0, chunks=2, per_block=True, outer=1), "sizes": Shard(0, chunks=3, sizes=(4, 1, 1)),
+            "whole": Shard(0, chunks=3, sizes=(2, 1, 1), whole=(1, 2))},
+}
+
+
+def test_every_field_of_every_placement_is_kept():
+    for kind, examples in EVERY_FIELD.items():
+        assert set(examples) == {f.name for f in dataclasses.fields(kind)}, (kind, "a field with no example here")
+        default = kind(0)
+        for name, p in examples.items():
+            assert getattr(p, name) != getattr(default, name), (kind, name)
+            assert from_json(json.loads(json.dumps(to_json(p)))) == p, (kind, name)
 
 
 @pytest.mark.parametrize("doc, read", [
