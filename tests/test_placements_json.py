@@ -80,7 +80,9 @@ def test_a_file_written_before_a_field_existed_reads_as_its_default(doc, read):
 @pytest.mark.parametrize("field, value, named", [
     ("own", "yes", "sharded_outputs['logits'].own is 'yes', expected true or false"),
     ("span", 0, "sharded_outputs['logits'].span is 0, expected an integer >= 1"),
-    ("ascending", True, "Routed.ascending says rows reordered lie in their ids' order"),   # without reordered
+    ("ascending", True, "sharded_outputs['logits'] is {'kind': 'partial', 'routed': 0, 'tokens': True, "
+                        "'ascending': True}, expected marks Routed accepts together (Routed.ascending says rows "
+                        "reordered lie in their ids' order"),   # without reordered
 ])
 def test_a_routed_field_of_the_wrong_kind_is_refused_naming_it(field, value, named):
     doc = json.loads(_plan_text(Routed(0, tokens=True)))

@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 from ..errors import ConfigError
-from ..placements import ROUTED_FLAGS
+from ..placements import ROUTED_FLAGS, from_json
 
 __all__ = ["check_document"]
 
@@ -148,6 +148,10 @@ def _placement(here: _Field, p: Any, ndim: int | None, tp: int) -> None:
             for key in ROUTED_FLAGS:
                 if key in p:
                     here.dot(key).flag(p[key])
+            try:   # the marks' combinations Routed accepts (a mark without the one it needs)
+                from_json(p)
+            except ValueError as exc:
+                here.fail(p, f"marks Routed accepts together ({exc})")
         return
     if kind != "shard":
         here.dot("kind").fail(kind, "'shard', 'partial' or 'replicate'")
