@@ -240,10 +240,10 @@ def routed_reorder_work(op: RankOp) -> OpWork:
     ``n`` positions), their places (a ``nonzero`` of the ``n`` flags, or ``nonzero_static`` where
     a dispatching layer's split sizes give the count: the same bytes; the count's read to the host
     is priced apart, ``rules/row_reads.host_reads``), the positions at those places (a gather)
-    and the rank's ``m`` rows gathered by them (reading x's rows whole). Backward, where x
-    carries a gradient: zeros of x's size and the rows' gradient added into them by the
-    positions (``index_add_``). A gather's read of its source is the whole source, as the other
-    routing kernels' (``route_locally_work``)."""
+    and the rank's ``m`` rows gathered by them. Backward, where x carries a gradient: zeros of
+    x's size and the rows' gradient added into them by the positions (``index_add``). Each
+    gather reads the entries it picks, as a gather of rows is priced everywhere (``kernels``'
+    gathers: serial's ``h[perm // k]`` among them)."""
     x, out = op.b_in[0], op.main_out
     r = local_shape(op.inputs[0], op.in_place[0], op.tp, op.rank)[0]    # the rank's rows of x
     size = op.inputs[0].shape[0]                                          # x's rows, whole
@@ -251,9 +251,9 @@ def routed_reorder_work(op: RankOp) -> OpWork:
     m = local_shape(op.outputs[0], op.out_place[0], op.tp, op.rank)[0]   # the rank's rows of the result
     ew = "elementwise"
     moved = [(ew, 8 * size), (ew, 8 * r), ("scatter", 24 * r),            # mark = full(-1); mark[rows] = arange
-             (ew, 8 * size + 16 * n), (ew, 9 * n),                        # mark[index], >= 0
+             (ew, 24 * n), (ew, 9 * n),                                   # mark[index], >= 0
              ("reduction", n + 8 * m),                                    # nonzero: the places
-             (ew, 8 * n + 16 * m), (ew, x + 8 * m + out)]                 # positions there; x's rows by them
+             (ew, 24 * m), (ew, 2 * out + 8 * m)]                         # positions there; x's rows by them
     if op.grad[0]:
         moved += [(ew, x), ("scatter", 2 * x + 8 * m + out)]             # zeros, index_add_
     return OpWork(moved=tuple((cls, sympy.sympify(b)) for cls, b in moved), launches=len(moved))

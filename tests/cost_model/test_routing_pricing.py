@@ -294,7 +294,7 @@ def test_a_whole_sorts_reorder_is_priced_as_the_kernels_a_rank_runs(fake_world, 
     mine = torch.cat([torch.arange(seq // TP), seq + torch.arange(seq // TP)])   # rank 0's tokens
     x = torch.randn(mine.numel(), 4096, generator=g, dtype=torch.bfloat16).requires_grad_()
     count = k * mine.numel() if dispatching else None   # the rows the layer's split sizes say it sends
-    with KernelCounter(FILLS, ALLOCATIONS) as forward:
+    with KernelCounter(FILLS, ALLOCATIONS, picks=("index", "index_select")) as forward:   # gathers of rows
         rows, _ = routed_reorder(x, index, mine, tokens, count)
     upstream = torch.randn(rows.shape, generator=g, dtype=torch.bfloat16)
     with KernelCounter(FILLS, ALLOCATIONS) as backward:
