@@ -492,7 +492,14 @@ def same_placement(a: Placement | None, b: Placement | None, size: int | None, t
     return False
 
 
+#: ``Routed``'s flags, as a plan file names them (absent: False)
+ROUTED_FLAGS = ("tokens", "sent", "reordered", "own", "ascending", "alone")
+
+
 def to_json(p: Placement) -> dict:
+    """A placement as a plan file holds it: every field that differs from its default (so
+    ``from_json(to_json(p)) == p`` for every placement, and a file written before a field
+    existed reads as that field's default)."""
     if isinstance(p, Shard):
         out = {"kind": "shard", "dim": p.dim, "chunks": p.chunks, "unit": p.unit, "rotate": p.rotate}
         if p.tail:
@@ -507,9 +514,14 @@ def to_json(p: Placement) -> dict:
             out["whole"] = list(p.whole)
         return out
     if isinstance(p, Routed):
-        return {"kind": "partial", "routed": p.dim, **({"span": p.span} if p.span > 1 else {}),
-                **({"tokens": True} if p.tokens else {}), **({"sent": True} if p.sent else {}),
-                **({"reordered": True} if p.reordered else {}), **({"unit": p.unit} if p.unit != 1 else {})}
+        # every field, a default left out (a file written before a field existed reads as its default)
+        out = {"kind": "partial", "routed": p.dim}
+        if p.span != 1:
+            out["span"] = p.span
+        if p.unit != 1:
+            out["unit"] = p.unit
+        out.update({flag: True for flag in ROUTED_FLAGS if getattr(p, flag)})
+        return out
     if isinstance(p, Partial):
         return {"kind": "partial"}
     if isinstance(p, ReplicatePartialGrad):
@@ -524,9 +536,10 @@ def from_json(d: dict) -> Placement:
                      int(d.get("tail", 0)), bool(d.get("per_block", False)), int(d.get("outer", -1)),
                      tuple(int(x) for x in d.get("sizes", ())), tuple(int(x) for x in d.get("whole", ())))
     if kind == "partial":
-        return Routed(int(d["routed"]), int(d.get("span", 1)), bool(d.get("tokens", False)),
-                      bool(d.get("sent", False)), bool(d.get("reordered", False)),
-                      int(d.get("unit", 1))) if "routed" in d else PARTIAL
+        if "routed" not in d:
+            return PARTIAL
+        return Routed(int(d["routed"]), span=int(d.get("span", 1)), unit=int(d.get("unit", 1)),
+                      **{flag: bool(d.get(flag, False)) for flag in ROUTED_FLAGS})
     if kind == "replicate":
         return REPLICATE_PARTIAL_GRAD if d.get("grad") == "partial" else REPLICATE
     raise ValueError(f"unknown placement kind {kind!r}")

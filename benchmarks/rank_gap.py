@@ -31,6 +31,9 @@ and prices the candidates that would rebalance the heads (what the most even dea
 and an even column split of the fused q/k/v product moved into the head layout by an all-to-all.
 
     python benchmarks/rank_gap.py --models gpt2-xl:12:8:1024 llama-3-8b:4:2:4096 --out benchmarks/gpt2xl_rank.md
+
+``--out`` rewrites the file's run and keeps what is written by hand in it: every line from the
+first that is :data:`KEPT` on (its reading, its re-run notes) stays as it is, after the new run.
 """
 from __future__ import annotations
 
@@ -194,6 +197,19 @@ def gap(name: str, layers: int, batch: int, seq: int, tp: int, profile_name: str
     return lines
 
 
+#: the line from which an ``--out`` file is written by hand: kept as it is when the run is rewritten
+KEPT = "<!-- written by hand from here on: rank_gap.py --out keeps it -->"
+
+
+def kept_lines(path: str | Path | None) -> list[str]:
+    """The lines of ``path`` (an earlier ``--out``) from :data:`KEPT` on, the marker included;
+    none where the file or the marker is absent."""
+    if not path or not Path(path).exists():
+        return []
+    lines = Path(path).read_text().splitlines()
+    return lines[lines.index(KEPT):] if KEPT in lines else []
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=["gpt2-xl:12:8:1024", "llama-3-8b:4:2:4096"],
@@ -202,14 +218,21 @@ def main() -> None:
     p.add_argument("--profile", default="h200")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    kept = kept_lines(args.out)
+    command = " ".join(["python benchmarks/rank_gap.py", *sys.argv[1:]])
     lines = ["# A rank's predicted excess over its share, by cause", "",
-             "Command: `python benchmarks/rank_gap.py " + " ".join(sys.argv[1:]) + "`", "",
+             f"Command: `{command}`" + (" (its output: this file down to the part written by hand, which "
+                                        "`--out` keeps)" if kept else ""), "",
              "The cost model alone (meta models, bf16, the plan `build_plan` makes with sequence parallelism "
              "by cost, no memory limit); no device is run, so the machine does not matter. The causes are "
              "defined in the script's docstring.", ""]
     for spec in args.models:
         name, layers, batch, seq = spec.split(":")
         lines += gap(name, int(layers), int(batch), int(seq), args.tp, args.profile)
+    if kept:   # one blank line between the run and the part written by hand
+        while lines and not lines[-1]:
+            lines.pop()
+        lines += ["", *kept]
     publish(lines, args.out)
 
 

@@ -214,6 +214,51 @@ def dispatch_work(op: RankOp) -> OpWork:
                   passes=sum(w.passes for w in parts))
 
 
+def reorders_rows(op: RankOp) -> bool:
+    """``x[index]`` on routed rows by an index not known a permutation, its output the rank's
+    rows again (``rules/routed_localizer``: transformers' ``h[perm // k]`` of a rank's tokens by
+    the whole sort, made whole by a g or dispatched): the rank's program runs
+    :func:`autotp.distributed.experts.routed_reorder`. Not the reorder by a permutation
+    (``routed_permute``, ``kernels.permuted_rows_work``), the gather of a rank's own tokens'
+    rows before their all-gather (``rules/gathered_rows``, ``GatherRowsTP``) or a gather of the
+    rank's own routing (``rules/local_routing``, by its local positions): their own kernels."""
+    from ..passes.rules.gathered_rows import gathers_rows
+    from ..passes.rules.local_routing import owns
+
+    x = op.in_place[0] if op.in_place else None
+    out = op.out_place[0] if op.out_place else None
+    return op.tp > 1 and len(op.inputs) == 2 and isinstance(x, Routed) and x.dim == 0 and isinstance(out, Routed) \
+        and not op.info.permutes_rows and not gathers_rows(op.strategy) and not owns(op.strategy)
+
+
+def routed_reorder_work(op: RankOp) -> OpWork:
+    """The kernels :func:`autotp.distributed.experts.routed_reorder` runs on a rank (:func:`reorders_rows`),
+    each with the bytes it touches: of the whole ``index`` (``n`` entries naming x's ``size``
+    whole rows), the positions of the rank's ``r`` rows among them (a table of ``size`` int64
+    filled with -1, an ``arange`` of the rank's rows written into it by their ids, the table read
+    at every entry of the index), which entries name one of the rank's rows (a comparison of the
+    ``n`` positions), their places (a ``nonzero`` of the ``n`` flags, or ``nonzero_static`` where
+    a dispatching layer's split sizes give the count: the same bytes; the count's read to the host
+    is priced apart, ``rules/row_reads.host_reads``), the positions at those places (a gather)
+    and the rank's ``m`` rows gathered by them. Backward, where x carries a gradient: zeros of
+    x's size and the rows' gradient added into them by the positions (``index_add``). Each
+    gather reads the entries it picks, as a gather of rows is priced everywhere (``kernels``'
+    gathers: serial's ``h[perm // k]`` among them)."""
+    x, out = op.b_in[0], op.main_out
+    r = local_shape(op.inputs[0], op.in_place[0], op.tp, op.rank)[0]    # the rank's rows of x
+    size = op.inputs[0].shape[0]                                          # x's rows, whole
+    n = op.inputs[1].shape[0]                                             # the index, whole
+    m = local_shape(op.outputs[0], op.out_place[0], op.tp, op.rank)[0]   # the rank's rows of the result
+    ew = "elementwise"
+    moved = [(ew, 8 * size), (ew, 8 * r), ("scatter", 24 * r),            # mark = full(-1); mark[rows] = arange
+             (ew, 24 * n), (ew, 9 * n),                                   # mark[index], >= 0
+             ("reduction", n + 8 * m),                                    # nonzero: the places
+             (ew, 24 * m), (ew, 2 * out + 8 * m)]                         # positions there; x's rows by them
+    if op.grad[0]:
+        moved += [(ew, x), ("scatter", 2 * x + 8 * m + out)]             # zeros, index_add_
+    return OpWork(moved=tuple((cls, sympy.sympify(b)) for cls, b in moved), launches=len(moved))
+
+
 def sums_token_rows(op: RankOp) -> bool:
     """A ``sum`` over a token's top-k rows held on its rank (``rules/routed._combine``): the
     rank's program sums them by :func:`autotp.distributed.experts.token_sums` (or

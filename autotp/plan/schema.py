@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 from ..errors import ConfigError
+from ..placements import ROUTED_FLAGS, from_json
 
 __all__ = ["check_document"]
 
@@ -139,8 +140,18 @@ def _placement(here: _Field, p: Any, ndim: int | None, tp: int) -> None:
     if kind == "replicate":
         return
     if kind == "partial":
-        if "routed" in p:
+        if "routed" in p:   # Routed (autotp/placements.py): rows of (token, expert) pairs
             here.dot("routed").integer(p["routed"])
+            for key in ("span", "unit"):
+                if key in p:
+                    here.dot(key).integer(p[key], 1)
+            for key in ROUTED_FLAGS:
+                if key in p:
+                    here.dot(key).flag(p[key])
+            try:   # the marks' combinations Routed accepts (a mark without the one it needs)
+                from_json(p)
+            except ValueError as exc:
+                here.fail(p, f"marks Routed accepts together ({exc})")
         return
     if kind != "shard":
         here.dot("kind").fail(kind, "'shard', 'partial' or 'replicate'")
@@ -156,6 +167,8 @@ def _placement(here: _Field, p: Any, ndim: int | None, tp: int) -> None:
         here.dot("per_block").flag(p["per_block"])
     for i, size in enumerate(here.dot("sizes").sequence(p.get("sizes", []))):
         here.dot("sizes").at(i).integer(size, 1)
+    for i, block in enumerate(here.dot("whole").sequence(p.get("whole", []))):
+        here.dot("whole").at(i).integer(block)
 
 
 def _flow(here: _Field, flow: Any) -> None:

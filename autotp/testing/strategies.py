@@ -42,3 +42,41 @@ def gpt2_cases(tps: tuple[int, ...] = (1, 2, 4), max_layers: int = 3):
         }
 
     return case()
+
+
+def placements():
+    """Hypothesis strategy: every kind of placement (autotp/placements.py) with its fields
+    drawn among the combinations it accepts: ``Replicate``, ``Partial``, ``ReplicatePartialGrad``,
+    ``Shard`` (plain, with a tail dealt per block or not, blocks of unequal sizes, some held whole)
+    and ``Routed`` (rows routed, sent or held by their tokens' ranks, and the marks of each)."""
+    from hypothesis import strategies as st
+
+    from ..placements import PARTIAL, REPLICATE, REPLICATE_PARTIAL_GRAD, Routed, Shard
+
+    @st.composite
+    def shard(draw):
+        dim, chunks = draw(st.integers(0, 3)), draw(st.integers(1, 4))
+        unit, rotate = draw(st.integers(1, 8)), draw(st.integers(0, 7))
+        kind = draw(st.sampled_from(["plain", "tail", "sizes", "whole"]))
+        if kind == "tail":
+            per_block = draw(st.booleans())
+            outer = draw(st.sampled_from([-1] + [d for d in range(4) if d != dim])) if per_block else -1
+            return Shard(dim, chunks, unit, rotate, draw(st.integers(0, 3)), per_block, outer)
+        if kind == "plain" or chunks == 1 and kind == "whole":
+            return Shard(dim, chunks, unit, rotate)
+        sizes = tuple(draw(st.lists(st.integers(1, 6), min_size=chunks, max_size=chunks)))
+        whole = ()
+        if kind == "whole":   # some blocks, never all, held whole
+            whole = tuple(draw(st.sets(st.integers(0, chunks - 1), min_size=1, max_size=chunks - 1)))
+        return Shard(dim, chunks, unit, rotate, sizes=sizes, whole=whole)
+
+    @st.composite
+    def routed(draw):
+        holder = draw(st.sampled_from(["experts", "sent", "tokens"]))
+        tokens = holder == "tokens"
+        reordered = tokens and draw(st.booleans())
+        return Routed(draw(st.integers(0, 3)), span=draw(st.integers(1, 3)), tokens=tokens, sent=holder == "sent",
+                      reordered=reordered, unit=draw(st.integers(1, 4)), own=tokens and draw(st.booleans()),
+                      ascending=reordered and draw(st.booleans()), alone=reordered and draw(st.booleans()))
+
+    return st.one_of(st.just(REPLICATE), st.just(PARTIAL), st.just(REPLICATE_PARTIAL_GRAD), shard(), routed())

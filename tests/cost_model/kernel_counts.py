@@ -14,15 +14,17 @@ def tensor_bytes(tensors) -> int:
 
 class KernelCounter(TorchDispatchMode):
     """Each non-view ATen call a kernel, with the bytes it touches: its tensor arguments read and
-    its results written, except that a fill reads nothing, a gather reads only the entries it
-    picks, an in-place scatter, ``index_copy_`` or ``index_put_`` writes (and a scatter-add reads) only the
+    its results written, except that a fill reads nothing, a gather (and the ops named in
+    ``picks``: ``index_select``, ``index`` of rows) reads only the entries it picks, an in-place scatter, ``index_copy_`` or ``index_put_`` writes (and a scatter-add reads) only the
     entries it writes, and a sort is the radix sort a GPU runs.
     Collectives are communication, allocations no kernel, and ``_unsafe_view`` a view (a
     reshape's of a copy: autograd's aliasing does not mark it one)."""
 
-    def __init__(self, fills: tuple[str, ...], allocations: tuple[str, ...] = ()) -> None:
+    def __init__(self, fills: tuple[str, ...], allocations: tuple[str, ...] = (),
+                 picks: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.fills, self.allocations = fills, allocations   # op names: filled without a read; no kernel
+        self.picks = picks   # op names of gathers that read only the entries they pick (rows, as priced)
         self.launches, self.bytes, self.calls = 0, 0, []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -39,6 +41,8 @@ class KernelCounter(TorchDispatchMode):
             moved = tensor_bytes((args[2], args[3])) + tensor_bytes(args[3])
         elif name == "gather":
             moved = tensor_bytes(args[2]) + 2 * tensor_bytes(out)
+        elif name in self.picks:   # index_select(x, dim, index), index(x, [index]): the index, the rows picked
+            moved = tensor_bytes(args[1:]) + 2 * tensor_bytes(out)
         elif name == "index_copy_":
             moved = tensor_bytes(args[2]) + 2 * tensor_bytes(args[3])
         elif name == "index_put_":

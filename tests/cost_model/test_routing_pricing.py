@@ -3,9 +3,10 @@ backward), the rank's own rows routed alone (``distributed.expert_routing.route_
 sort and every small kernel around it), where the layer dispatches, the dispatch's split sizes and
 plan from its exchanged counts (``local_dispatch_sizes`` and ``local_dispatch_plan``, priced once
 a layer at the dispatching product: an expert-TP layer that sums its rows by a g runs neither),
-every expert's count taken from the exchange (``routed_counts``), and a token's top-k rows summed on its
+every expert's count taken from the exchange (``routed_counts``), a token's top-k rows summed on its
 rank (``distributed.experts.token_sums``, with its sort and gather where the rows do not lie in
-their ids' order). Every ATen call they dispatch on rank 0 of tp 8 on the fake backend
+their ids' order), and the whole sort's reorder of a rank's tokens' rows
+(``distributed.experts.routed_reorder``, forward and backward). Every ATen call they dispatch on rank 0 of tp 8 on the fake backend
 (collectives return at once) is a launch of the price, and the bytes each call touches sum to
 the price's bytes; the one sort is the GPU's radix sort (``routing.sort_launches``,
 ``routing.sort_bytes``: ``tests/cost_model/test_sort_pricing.py``), one ATen call here.
@@ -272,3 +273,32 @@ def test_a_whole_sorts_dispatch_is_priced_as_the_kernels_a_rank_runs(layout):
     assert _priced_reorder(experts, k, tokens, True) == _priced_reorder(experts, k, tokens, False)
     rows_sorted_whole = Routed(0, tokens=True, reordered=True)
     assert _priced_dispatch(experts, rows, rows_sorted_whole) == (counted.launches, counted.bytes), counted.calls
+
+
+@pytest.mark.parametrize("dispatching", [False, True], ids=["made-whole-by-g", "dispatching"])
+@pytest.mark.parametrize("layout", sorted(WHOLE_SORT_LAYOUTS))
+def test_a_whole_sorts_reorder_is_priced_as_the_kernels_a_rank_runs(fake_world, layout, dispatching):
+    # h[perm // k] on a rank's tokens' rows by the whole sort's positions (the plan that makes
+    # them whole by a g, or dispatches them): distributed.experts.routed_reorder finds the
+    # positions of the rank's rows in the whole index, which of them are its own (a nonzero, or
+    # nonzero_static with the count a dispatching layer read), and gathers them; backward adds
+    # the rows' gradient back into the rank's tokens. Before, only its last gather was priced
+    # (and its nonzero's read to the host, rules/row_reads.host_reads, priced apart either way)
+    from autotp.distributed.experts import routed_reorder
+
+    experts, k, tokens = WHOLE_SORT_LAYOUTS[layout]
+    g = torch.Generator().manual_seed(0)
+    ids = (torch.arange(tokens * k) % experts)[torch.randperm(tokens * k, generator=g)]   # uniform routing
+    index = torch.sort(ids, stable=True)[1] // k
+    seq = tokens // 2                                  # 2 sequences, each split in 8 runs
+    mine = torch.cat([torch.arange(seq // TP), seq + torch.arange(seq // TP)])   # rank 0's tokens
+    x = torch.randn(mine.numel(), 4096, generator=g, dtype=torch.bfloat16).requires_grad_()
+    count = k * mine.numel() if dispatching else None   # the rows the layer's split sizes say it sends
+    with KernelCounter(FILLS, ALLOCATIONS, picks=("index", "index_select")) as forward:   # gathers of rows
+        rows, _ = routed_reorder(x, index, mine, tokens, count)
+    upstream = torch.randn(rows.shape, generator=g, dtype=torch.bfloat16)
+    with KernelCounter(FILLS, ALLOCATIONS) as backward:
+        torch.autograd.grad(rows, x, upstream)
+    assert rows.shape[0] == tokens * k // TP           # the price's rows: T*k/tp, as uniform routing deals them
+    counted = (forward.launches + backward.launches, forward.bytes + backward.bytes)
+    assert _priced_reorder(experts, k, tokens, dispatching) == counted, forward.calls + backward.calls

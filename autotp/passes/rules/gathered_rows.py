@@ -80,7 +80,10 @@ def rank_rows_work(info: OpInfo, strategy: Strategy) -> tuple[OpInfo, Strategy]:
     ``cost_model/routing.dispatch_work``); the all-gather and the
     layout of the whole rows are the internal collective's (``propagate.internal_seconds``)."""
     p = strategy.inputs[0]
-    return replace(info, reads_rows=False, routing_experts=0), Strategy(strategy.inputs, replace(p, reordered=True))
+    # the internal all-gather kept: it says the rank runs GatherRowsTP's gather, not a reorder's
+    # (cost_model/routing.reorders_rows), and is priced by the collective's own time, not here
+    return replace(info, reads_rows=False, routing_experts=0), Strategy(strategy.inputs, replace(p, reordered=True),
+                                                                        internal=strategy.internal)
 
 
 def gathered_rows_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, ctx: LocalContext):
