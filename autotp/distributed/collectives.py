@@ -221,7 +221,7 @@ class _Split:
     and contiguous. Worked out once per (shard, size, tp) in eager code (:func:`_split`), not at
     every collective of every step."""
 
-    __slots__ = ("ranges", "sizes", "width", "even", "ordered")
+    __slots__ = ("ranges", "sizes", "width", "even", "ordered", "blocks")
 
     def __init__(self, full_size: int, shard: Shard, tp: int) -> None:
         self.ranges = tuple(local_ranges(full_size, shard, tp, r) for r in range(tp))
@@ -235,6 +235,17 @@ class _Split:
         runs = [run for ranges in self.ranges for run in ranges]
         self.ordered = all(len(ranges) <= 1 for ranges in self.ranges) \
             and [a for a, _ in runs] == [0] + [b for _, b in runs[:-1]] and (not runs or runs[-1][1] == full_size)
+        # an ordered split's ranks of one width side by side, (first index, ranks, width) each, the
+        # empty parts left out: one block an even split, two an uneven one (a hidden of 20 on 3
+        # ranks: 7, 7, then 6), each cut along the dim by one strided copy (_all_to_all)
+        self.blocks: tuple[tuple[int, int, int], ...] = ()
+        if self.ordered:
+            for ranges, n in zip(self.ranges, self.sizes):
+                if n and self.blocks and self.blocks[-1][2] == n:
+                    first, ranks, _ = self.blocks[-1]
+                    self.blocks = self.blocks[:-1] + ((first, ranks + 1, n),)
+                elif n:
+                    self.blocks += ((ranges[0][0], 1, n),)
 
 
 #: (id(shard), full size, tp) -> (shard, its _Split), for eager code; cleared when it grows past
@@ -552,38 +563,42 @@ def _all_to_all(x: Tensor, group, have: Shard, want: Shard, full_size: int, op: 
     another way, the runs that change rank alone (and its own, kept).
 
     Between splits of two dims that each give every rank one run, in rank order (even or not,
-    :attr:`_Split.ordered`), each side copies at most once. Send: rank q's block is the q-th run
-    of ``x`` along ``want``'s dim; where only dims of size one come before it those runs lie one
-    after another in ``x``, sent as it is (a row-split table's gradient ``[V, h/tp]`` back to the
-    rows' ranks), else an even split is laid out rank-major by one copy (the table's rows packed
-    into ``tp`` column blocks). Receive: rank r's block is r's run along ``have``'s dim; where
-    only dims of size one come before it the blocks in rank order are the part (the table's
-    columns ``[V, h/tp]``, even where the vocabulary does not divide by ``tp``), else an even
-    split's blocks are folded back by one copy (the gradient's blocks into the rank's rows).
-    Other splits are cut run by run, sent at their own size (no padding) and put in place run by
-    run. Between even splits, a part held as a permutation of a contiguous tensor is sent in its
+    :attr:`_Split.ordered`), each side reads and writes its part at most once. Send: rank q's
+    block is the q-th run of ``x`` along ``want``'s dim; where only dims of size one come before
+    it those runs lie one after another in ``x``, sent as it is (a row-split table's gradient
+    ``[V, h/tp]`` back to the rows' ranks), else they are laid out rank-major by one strided copy
+    per width (:func:`_packed`; one where the split is even: the table's rows packed into ``tp``
+    column blocks, two where tp does not divide the hidden). Receive: rank r's block is r's run
+    along ``have``'s dim; where only dims of size one come before it the blocks in rank order are
+    the part (the table's columns ``[V, h/tp]``, even where the vocabulary does not divide by
+    ``tp``), else they are joined along it by one copy (:func:`_folded`; the gradient's blocks
+    into the rank's rows). Other splits are cut run by run, sent at their own size (no padding)
+    and put in place run by run. Between even splits, a part held as a permutation of a contiguous tensor is sent in its
     memory's order and the part received held so (:func:`_reduce_scatter`): no copy where, in
     memory's order, the dim it is cut along (or the one it is laid out along) comes first after
     dims of size one."""
-    tp, rank, x = group_size(group), group_rank(group), x.detach()
+    compiling = torch.compiler.is_compiling()
+    tp, rank, x = group_size(group, compiling), group_rank(group, compiling), x.detach()
     a, b = have.dim, want.dim
     if a != b:
-        cut, held = _split(x.shape[b], want, tp), _split(full_size, have, tp)
+        cut, held = _split(x.shape[b], want, tp, compiling), _split(full_size, have, tp, compiling)
         even = cut.even and held.even
         if even:
-            order = dense_order(x) if x.numel() and not torch.compiler.is_compiling() else None
+            order = dense_order(x) if x.numel() and not compiling else None
             if order is not None:
                 got = _all_to_all(x.permute(order), group, _held(have, order), _held(want, order), full_size, op)
                 return _unpermute(got, order)
-        compiling, shape = torch.compiler.is_compiling(), list(x.shape)
+        shape = list(x.shape)
         lead_b, lead_a = _all_ones(shape[:b], compiling), _all_ones(shape[:a], compiling)
-        if cut.ordered and held.ordered and (lead_b or cut.even) and (lead_a or held.even):
+        if cut.ordered and held.ordered:
             rest = math.prod(shape[:b] + shape[b + 1:])   # elements per index of b
             if lead_b:
                 send, send_sizes = x.reshape(-1), [n * rest for n in cut.sizes]   # a view where x is contiguous
-            else:
+            elif cut.even:
                 send = x.unflatten(b, (tp, cut.width)).movedim(b, 0).contiguous().view(-1)   # one copy
                 send_sizes = [cut.width * rest] * tp
+            else:
+                send, send_sizes = _packed(x, b, cut), [n * rest for n in cut.sizes]   # one copy a width
             out = list(shape)
             out[b] = cut.sizes[rank]
             each = math.prod(out[:a] + out[a + 1:])   # elements received per index of a
@@ -592,9 +607,11 @@ def _all_to_all(x: Tensor, group, have: Shard, want: Shard, full_size: int, op: 
             if lead_a:
                 out[a] = full_size
                 return got.view(out)   # the ranks' runs along a in rank order: the whole dim
-            out[a] = held.width
-            got = got.view([tp] + out)   # got[r]: r's run of a
-            return got.movedim(0, a).flatten(a, a + 1).contiguous()   # one copy
+            if held.even:
+                out[a] = held.width
+                got = got.view([tp] + out)   # got[r]: r's run of a
+                return got.movedim(0, a).flatten(a, a + 1).contiguous()   # one copy
+            return _folded(got, out, a, held.sizes, recv_sizes)   # one copy
     other = x.shape[b] if a != b else full_size   # the whole size of want's dim
     sends = [_runs_for(x, have, want, full_size, other, tp, rank, q) for q in range(tp)]
     shapes = [_block_shape(x, have, want, full_size, other, tp, r, rank) for r in range(tp)]
@@ -609,6 +626,35 @@ def _all_to_all(x: Tensor, group, have: Shard, want: Shard, full_size: int, op: 
         for src, dst, n in _overlaps(have, want, full_size, other, tp, r, rank):
             out.narrow(a, dst, n).copy_(block.narrow(a, src, n))
     return out
+
+
+def _packed(x: Tensor, b: int, cut: _Split) -> Tensor:
+    """``x``'s runs along dim ``b`` under an ordered uneven split (``cut``), each laid out whole
+    and contiguous, one after another in rank order: the blocks an all-to-all sends. One strided
+    copy per width (:attr:`_Split.blocks`: two, where an even split's is one) into one buffer,
+    each element read and written once."""
+    shape = list(x.shape)
+    rest = x.numel() // shape[b] if shape[b] else 0   # elements per index of b
+    send, offset = x.new_empty(x.numel()), 0
+    for first, ranks, width in cut.blocks:
+        shape[b] = width
+        n = ranks * width * rest
+        send[offset:offset + n].view([ranks] + shape).copy_(
+            x.narrow(b, first, ranks * width).unflatten(b, (ranks, width)).movedim(b, 0))
+        offset += n
+    return send
+
+
+def _folded(got: Tensor, shape: list, a: int, sizes: Sequence[int], recv_sizes: Sequence[int]) -> Tensor:
+    """The blocks received from the ranks in rank order (``got``, flat), rank r's run of dim ``a``
+    of ``sizes[r]`` and the rest of ``shape``, joined along ``a`` into the part by one ``cat``
+    (one kernel, each element read and written once)."""
+    blocks = got.split(list(recv_sizes))
+    parts = []
+    for block, n in zip(blocks, sizes):
+        shape[a] = n
+        parts.append(block.view(shape))
+    return torch.cat(parts, a)
 
 
 def _exchange(send: Tensor, recv_sizes, send_sizes, group, op: str) -> Tensor:

@@ -14,7 +14,8 @@ def tensor_bytes(tensors) -> int:
 
 class KernelCounter(TorchDispatchMode):
     """Each non-view ATen call a kernel, with the bytes it touches: its tensor arguments read and
-    its results written, except that a fill reads nothing, a gather reads only the entries it
+    its results written, except that a fill reads nothing, a copy reads its source alone (the
+    destination it writes is its result), a gather reads only the entries it
     picks, an in-place scatter, ``index_copy_`` or ``index_put_`` writes (and a scatter-add reads) only the
     entries it writes, and a sort is the radix sort a GPU runs.
     Collectives are communication, allocations no kernel, and ``_unsafe_view`` a view (a
@@ -39,6 +40,8 @@ class KernelCounter(TorchDispatchMode):
             moved = tensor_bytes((args[2], args[3])) + tensor_bytes(args[3])
         elif name == "gather":
             moved = tensor_bytes(args[2]) + 2 * tensor_bytes(out)
+        elif name == "copy_":   # its source read, its destination written (not read)
+            moved = tensor_bytes(args[1]) + tensor_bytes(out)
         elif name == "index_copy_":
             moved = tensor_bytes(args[2]) + 2 * tensor_bytes(args[3])
         elif name == "index_put_":
