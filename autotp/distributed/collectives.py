@@ -658,12 +658,40 @@ def _folded(got: Tensor, shape: list, a: int, sizes: Sequence[int], recv_sizes: 
 
 
 def _exchange(send: Tensor, recv_sizes, send_sizes, group, op: str) -> Tensor:
-    """One all-to-all of ``send`` along dim 0 (equal blocks where the sizes are None)."""
-    if send_sizes is not None and not torch.compiler.is_compiling() and not send.numel() \
-            and sum(recv_sizes) and dist.get_backend(group) == "fake":
-        return _exchange_from_nothing(send, recv_sizes, send_sizes, group, op)
-    with _comm(op, group):   # a collective, waited for inside
+    """One all-to-all of ``send`` along dim 0 (equal blocks where the sizes are None), into a
+    fresh tensor. Eager code calls the group's own c10d collective, waited for at once (see
+    :func:`_c10d_all_to_all`); a compiled program the functional one, which dynamo traces."""
+    if torch.compiler.is_compiling():
         return funcol.wait_tensor(funcol.all_to_all_single(send, recv_sizes, send_sizes, group))
+    if send_sizes is not None and not send.numel() and sum(recv_sizes) and dist.get_backend(group) == "fake":
+        return _exchange_from_nothing(send, recv_sizes, send_sizes, group, op)
+    return _c10d_all_to_all(send, recv_sizes, send_sizes, group, op)
+
+
+def _c10d_all_to_all(send: Tensor, recv_sizes, send_sizes, group, op: str) -> Tensor:
+    """``dist.all_to_all_single`` into a fresh tensor, waited for, without its Python or the
+    functional collective's (its pytree, dispatch, wrapper tensor and autograd registration:
+    about 110 Python calls an exchange): the group's own ``all_to_all_single`` with dist's
+    options (see :func:`_c10d_all_reduce`). ``send`` is contiguous (every caller lays it out so);
+    the exchange runs inside an autograd Function's forward or backward, which records no graph.
+    Equal blocks are passed by their sizes, as the functional collective passes them: torch's
+    fake backend fills a rank's receipt block by block from its own send only so (given none,
+    it copies the whole send), and a compiled program's exchange must fill it alike."""
+    shape = list(send.shape)
+    if recv_sizes is None:
+        tp = group.size()
+        recv_sizes = send_sizes = [shape[0] // tp] * tp
+    else:
+        shape[0] = sum(recv_sizes)
+    got = send.new_empty(shape)
+    with _CommGuard(op, group):   # waited for inside: a failure surfaces here, named
+        if type(send) is Tensor and not send.is_complex() and hasattr(group, "all_to_all_single"):
+            opts = _c10d.AllToAllOptions()
+            opts.asyncOp = False
+            group.all_to_all_single(got, send, list(recv_sizes), list(send_sizes), opts).wait()
+        else:
+            dist.all_to_all_single(got, send, list(recv_sizes), list(send_sizes), group=group)
+    return got
 
 
 def _exchange_from_nothing(send: Tensor, recv_sizes, send_sizes, group, op: str) -> Tensor:
@@ -677,8 +705,7 @@ def _exchange_from_nothing(send: Tensor, recv_sizes, send_sizes, group, op: str)
     send_sizes[rank] += 1
     recv_sizes[rank] += 1
     at = sum(recv_sizes[:rank]) + recv_sizes[rank] - 1   # the element's place in what comes back
-    with _comm(op, group):
-        got = funcol.wait_tensor(funcol.all_to_all_single(send.new_zeros(1), recv_sizes, send_sizes, group))
+    got = _c10d_all_to_all(send.new_zeros(1), recv_sizes, send_sizes, group, op)
     return torch.cat([got[:at], got[at + 1:]])
 
 
