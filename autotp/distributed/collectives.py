@@ -613,19 +613,85 @@ def _all_to_all(x: Tensor, group, have: Shard, want: Shard, full_size: int, op: 
                 return got.movedim(0, a).flatten(a, a + 1).contiguous()   # one copy
             return _folded(got, out, a, held.sizes, recv_sizes)   # one copy
     other = x.shape[b] if a != b else full_size   # the whole size of want's dim
-    sends = [_runs_for(x, have, want, full_size, other, tp, rank, q) for q in range(tp)]
-    shapes = [_block_shape(x, have, want, full_size, other, tp, r, rank) for r in range(tp)]
-    got = _exchange(torch.cat([t.reshape(-1) for t in sends]), [math.prod(sh) for sh in shapes],
-                    [t.numel() for t in sends], group, op)
+    if compiling:
+        sends = [_runs_for(x, have, want, full_size, other, tp, rank, q) for q in range(tp)]
+        shapes = [_block_shape(x, have, want, full_size, other, tp, r, rank) for r in range(tp)]
+        send, send_sizes = torch.cat([t.reshape(-1) for t in sends]), [t.numel() for t in sends]
+        arrivals = [_overlaps(have, want, full_size, other, tp, r, rank) for r in range(tp)]
+    else:
+        runs = _runs(have, want, full_size, other, tp, rank)
+        send, send_sizes = _cut_runs(x, b if a != b else a, runs.sends)
+        shapes = []
+        for n in runs.widths:
+            shapes.append(list(x.shape))
+            shapes[-1][a], shapes[-1][b] = n, (runs.width if a != b else n)
+        arrivals = runs.arrivals
+    recv_sizes = [math.prod(sh) for sh in shapes]
+    got = _exchange(send, recv_sizes, send_sizes, group, op)
     shape = list(x.shape)
     shape[a] = full_size if a != b else shape[a]
     shape[b] = local_size(other, want, tp, rank)
     out = x.new_empty(shape)
-    for block, r in zip(got.split([math.prod(sh) for sh in shapes]), range(tp)):
+    for block, r in zip(got.split(recv_sizes), range(tp)):
         block = block.view(shapes[r])
-        for src, dst, n in _overlaps(have, want, full_size, other, tp, r, rank):
+        for src, dst, n in arrivals[r]:
             out.narrow(a, dst, n).copy_(block.narrow(a, src, n))
     return out
+
+
+class _Runs:
+    """Where one rank's part moves in an all-to-all that goes run by run (:func:`_all_to_all`):
+    ``sends[q]``, the runs ``(start, length)`` of its part, along the dim it is cut, that rank q
+    gets, in q's order; ``arrivals[r]``, the runs ``(offset in r's block, offset in the part,
+    length)`` along ``have``'s dim that come from rank r; ``widths[r]``, the length of r's block
+    along that dim; ``width``, the part's size along ``want``'s dim. Worked out once per
+    (shards, sizes, tp, rank) in eager code (:func:`_runs`), not at every step."""
+
+    __slots__ = ("sends", "arrivals", "widths", "width")
+
+    def __init__(self, have: Shard, want: Shard, full_size: int, other: int, tp: int, rank: int) -> None:
+        if have.dim != want.dim:
+            self.sends = tuple(local_ranges(other, want, tp, q) for q in range(tp))
+            self.sends = tuple(tuple((s, e - s) for s, e in ranges) for ranges in self.sends)
+        else:
+            self.sends = tuple(tuple((src, n) for src, _, n in sorted(
+                _shared_runs(have, want, full_size, other, tp, rank, q), key=lambda run: run[1])) for q in range(tp))
+        self.arrivals = tuple(tuple(_overlaps(have, want, full_size, other, tp, r, rank)) for r in range(tp))
+        self.widths = tuple(sum(n for _, _, n in runs) for runs in self.arrivals)
+        self.width = local_size(other, want, tp, rank)
+
+
+#: (id(have), id(want), sizes, tp, rank) -> (have, want, their _Runs), as _splits keeps _Split
+_runs_kept: dict[tuple, tuple[Shard, Shard, _Runs]] = {}
+
+
+def _runs(have: Shard, want: Shard, full_size: int, other: int, tp: int, rank: int) -> _Runs:
+    """:class:`_Runs` of a rank's part, kept from call to call (eager code only)."""
+    key = (id(have), id(want), full_size, other, tp, rank)
+    found = _runs_kept.get(key)
+    if found is None:
+        if len(_runs_kept) >= _SPLITS_KEPT:
+            _runs_kept.clear()
+        found = _runs_kept[key] = (have, want, _Runs(have, want, full_size, other, tp, rank))
+    return found[2]
+
+
+def _cut_runs(x: Tensor, d: int, sends: Sequence[Sequence[tuple[int, int]]]) -> tuple[Tensor, list[int]]:
+    """The send buffer of a run-by-run all-to-all: ``x``'s runs along ``d`` that each rank gets
+    (``sends[q]``), each rank's block laid out whole, one after another, by one copy of each run
+    into its place (every element read and written once), and the blocks' sizes."""
+    shape = list(x.shape)
+    rest = x.numel() // shape[d] if shape[d] else math.prod(shape[:d] + shape[d + 1:])
+    sizes = [sum(n for _, n in runs) * rest for runs in sends]
+    send, offset = x.new_empty(sum(sizes)), 0
+    for runs, size in zip(sends, sizes):
+        shape[d] = sum(n for _, n in runs)
+        block, at = send[offset:offset + size].view(shape), 0
+        for start, n in runs:
+            block.narrow(d, at, n).copy_(x.narrow(d, start, n))
+            at += n
+        offset += size
+    return send, sizes
 
 
 def _packed(x: Tensor, b: int, cut: _Split) -> Tensor:

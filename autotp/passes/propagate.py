@@ -862,13 +862,18 @@ def table_by_columns_copies(full: Any, rows: Any, tp: int, hidden: int, have: Sh
     of 20 on 3 ranks is 7, 7 and 6 columns), the blocks received in rank order taken as the
     ``[V, h/tp]`` table (no copy); backward, the ``[V, h/tp]`` gradient sent as it is, and the
     ``tp`` blocks received joined back into the rank's rows by one copy. Each side reads and
-    writes the rank's rows once."""
+    writes the rank's rows once. Other splits (interleaved, rotated) go run by run: each side
+    reads and writes the rank's rows once and its ``[V, h/tp]`` columns once, a kernel a run."""
     if tp <= 1:
         return 0, 0
-    rows = int(rows)
+    rows, hidden = int(rows), int(hidden)
     share = full * max_local_size(rows, have, tp) / rows
-    packs = len(_widths(int(hidden), want, tp))   # forward; backward joins the blocks by one copy
-    return 2 * 2 * share, packs + 1
+    if _ordered(rows, have, tp) and _ordered(hidden, want, tp):
+        packs = len(_widths(hidden, want, tp))   # forward; backward joins the blocks by one copy
+        return 2 * 2 * share, packs + 1
+    columns = full * max_local_size(hidden, want, tp) / hidden
+    runs = sum(len(local_ranges(rows, have, tp, r)) + len(local_ranges(hidden, want, tp, r)) for r in range(tp))
+    return 2 * 2 * (share + columns), 2 * runs
 
 
 def _widths(size: int, shard: Shard, tp: int) -> list[int]:

@@ -43,3 +43,25 @@ def test_a_reshard_between_ordered_splits_copies_what_is_priced(shape, have, wan
     meta = TensorMeta(tuple(sympy.Integer(n) for n in shape), torch.float64)
     full = 8 * torch.Size(shape).numel()
     assert counted == all_to_all_copy_seconds(meta, Shard(have), Shard(want), full, _OneBytePerSecond(), tp)
+
+
+@pytest.mark.parametrize("shape,have,want,tp", [
+    ((2, 16, 4), Shard(1), Shard(1, unit=2), 3),           # Gemma's 16 heads at tp 3: (6, 5, 5), then pairs (6, 6, 4)
+    ((2, 7, 24), Shard(2, chunks=3), Shard(1), 3),         # fused q|k|v columns into the sequence
+    ((2, 9, 12), Shard(1), Shard(2, chunks=2, unit=2), 4)])
+def test_a_reshard_run_by_run_copies_what_is_priced(shape, have, want, tp):
+    # each side one pass over the rank's part: its runs copied into the send buffer, the blocks
+    # received copied into place (before: local_shard's cat, then the send's cat, three passes)
+    with fake_process_group(tp, 0) as group:
+        local = list(shape)
+        local[have.dim] = local_size(shape[have.dim], have, tp, 0)
+        x = torch.randn(local, dtype=torch.float64, requires_grad=True)
+        counter = KernelCounter(fills=("zero_", "fill_", "zeros", "new_zeros"), allocations=("empty", "new_empty"))
+        with counter:
+            y = reshard_tp(x, group, have, want, shape[have.dim])
+            y.backward(torch.ones_like(y))
+    assert y.shape[want.dim] == local_size(shape[want.dim], want, tp, 0) and x.grad.shape == x.shape
+    counted = sum(moved for name, moved in counter.calls if name in COPIES)
+    meta = TensorMeta(tuple(sympy.Integer(n) for n in shape), torch.float64)
+    full = 8 * torch.Size(shape).numel()
+    assert counted == all_to_all_copy_seconds(meta, have, want, full, _OneBytePerSecond(), tp)

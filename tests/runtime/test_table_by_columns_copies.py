@@ -33,12 +33,13 @@ def _counter() -> KernelCounter:
     (64, 32, 1, 8, 0), (67, 32, 1, 8, 0), (67, 32, 1, 8, 7), (61, 32, 1, 8, 3),   # tp divides the hidden
     (67, 20, 1, 3, 0), (67, 20, 1, 3, 2), (67, 20, 1, 8, 0), (67, 20, 1, 8, 5), (64, 20, 1, 8, 0),   # it does not
     (61, 4, 1, 8, 0),   # fewer columns than ranks: four ranks hold none
-    (67, 24, 8, 2, 0), (67, 20, 5, 3, 1)])   # whole heads of 8 (16 and 8 columns) and of 5 (10, 5, 5)
+    (67, 24, 8, 2, 0), (67, 20, 5, 3, 1),   # whole heads of 8 (16 and 8 columns) and of 5 (10, 5, 5)
+    (67, 24, -2, 3, 0), (67, 20, -2, 8, 0)])   # columns dealt in two chunks (interleaved): run by run
 def test_the_table_read_by_columns_copies_what_is_priced(vocab, hidden, unit, tp, rank):
-    columns = Shard(1, unit=unit)
+    columns = Shard(1, unit=unit) if unit > 0 else Shard(1, chunks=-unit)
     with fake_process_group(tp, rank) as group:
         (start, stop), = local_ranges(vocab, Shard(0), tp, rank)
-        (first, last), *_ = local_ranges(hidden, columns, tp, rank) or [(0, 0)]
+        width = sum(b - a for a, b in local_ranges(hidden, columns, tp, rank))
         weight = torch.randn(stop - start, hidden, dtype=torch.float64, requires_grad=True)
         ids = torch.randint(0, vocab, (B, S))
         module = EmbeddingByColumns(group, Shard(0), columns, vocab)
@@ -47,11 +48,12 @@ def test_the_table_read_by_columns_copies_what_is_priced(vocab, hidden, unit, tp
             out = module(weight, ids)
         with backward:
             out.backward(torch.ones_like(out))
-    assert out.shape == (B, S, last - first) and weight.grad.shape == weight.shape
+    assert out.shape == (B, S, width) and weight.grad.shape == weight.shape
     rows = (stop - start) * hidden * 8
-    # each side reads and writes this rank's rows once
-    assert sum(m for _, m in _copies(forward)) == 2 * rows
-    assert sum(m for _, m in _copies(backward)) == 2 * rows
+    # each side reads and writes this rank's rows once (and, run by run, its columns once)
+    table = vocab * width * 8 if columns.chunks > 1 else 0
+    assert sum(m for _, m in _copies(forward)) == 2 * (rows + table)
+    assert sum(m for _, m in _copies(backward)) == 2 * (rows + table)
     counted = _copies(forward) + _copies(backward)
     priced_bytes, priced_launches = table_by_columns_copies(vocab * hidden * 8, vocab, tp, hidden, Shard(0), columns)
     if rank == 0:   # the rank holding the most rows, which the cost model prices
