@@ -748,7 +748,9 @@ def all_to_all_copy_seconds(meta: TensorMeta, have: Shard, want: Shard, full: An
     order, even or not (:func:`_ordered`). Other splits, or one dim dealt two ways, are cut and
     put in place run by run: a copy on both sides. Each copy reads and writes the rank's part: on
     the rank holding the most, its part under ``have`` where it is sent (backward: received), its
-    part under ``want`` where it is received (backward: sent)."""
+    part under ``want`` where it is received (backward: sent); run by run, a rank's part of an
+    average size (1/tp of the tensor each side), as before the sizes were counted (pricing the
+    largest rank's turns Phi-3-medium's tie at tp 8, tests/passes/test_families_plan.py)."""
     def inner(shard: Shard) -> bool:
         return any(size != 1 for size in meta.shape[:shard.dim])
 
@@ -757,7 +759,7 @@ def all_to_all_copy_seconds(meta: TensorMeta, have: Shard, want: Shard, full: An
         return full * max_local_size(size, shard, tp) / size if size else full / tp
 
     if have.dim == want.dim or not all(_ordered(meta.static(p.dim), p, tp) for p in (have, want)):
-        moved = part(have) + part(want)
+        moved = 2 * full / tp
     else:
         moved = int(inner(want)) * part(have) + int(inner(have)) * part(want)
     return (1 + int(grad)) * 2 * moved / profile.bandwidth("elementwise")
