@@ -572,11 +572,12 @@ def _all_to_all(x: Tensor, group, have: Shard, want: Shard, full_size: int, op: 
     along ``have``'s dim; where only dims of size one come before it the blocks in rank order are
     the part (the table's columns ``[V, h/tp]``, even where the vocabulary does not divide by
     ``tp``), else they are joined along it by one copy (:func:`_folded`; the gradient's blocks
-    into the rank's rows). Other splits are cut run by run, sent at their own size (no padding)
-    and put in place run by run. Between even splits, a part held as a permutation of a contiguous tensor is sent in its
-    memory's order and the part received held so (:func:`_reduce_scatter`): no copy where, in
-    memory's order, the dim it is cut along (or the one it is laid out along) comes first after
-    dims of size one."""
+    into the rank's rows). Other splits are cut run by run, each run copied once into the send
+    buffer (:func:`_cut_runs`, the runs worked out once: :class:`_Runs`), sent at their own size
+    (no padding) and copied once into place. Between even splits, a part held as a permutation
+    of a contiguous tensor is sent in its memory's order and the part received held so
+    (:func:`_reduce_scatter`): no copy where, in memory's order, the dim it is cut along (or the
+    one it is laid out along) comes first after dims of size one."""
     compiling = torch.compiler.is_compiling()
     tp, rank, x = group_size(group, compiling), group_rank(group, compiling), x.detach()
     a, b = have.dim, want.dim
@@ -650,10 +651,9 @@ class _Runs:
     __slots__ = ("sends", "arrivals", "widths", "width")
 
     def __init__(self, have: Shard, want: Shard, full_size: int, other: int, tp: int, rank: int) -> None:
-        if have.dim != want.dim:
-            self.sends = tuple(local_ranges(other, want, tp, q) for q in range(tp))
-            self.sends = tuple(tuple((s, e - s) for s, e in ranges) for ranges in self.sends)
-        else:
+        if have.dim != want.dim:   # q's runs of want's dim, which the part holds whole
+            self.sends = tuple(tuple((s, e - s) for s, e in local_ranges(other, want, tp, q)) for q in range(tp))
+        else:   # the runs of the part q holds, in q's order
             self.sends = tuple(tuple((src, n) for src, _, n in sorted(
                 _shared_runs(have, want, full_size, other, tp, rank, q), key=lambda run: run[1])) for q in range(tp))
         self.arrivals = tuple(tuple(_overlaps(have, want, full_size, other, tp, r, rank)) for r in range(tp))
