@@ -32,7 +32,7 @@ from ..cost_model.devices import DeviceProfile
 from ..cost_model.symbolic import (activation_bytes, collective_bytes, collective_time, compute_time,
                                    conversion_kinds, nbytes, numel)
 from ..placements import (PARTIAL, REPLICATE, Partial, Placement, Replicate, ReplicatePartialGrad, Routed, Shard, divides, is_even,
-                          max_local_size, resharded_by_all_to_all, same_placement)
+                          local_ranges, local_size, max_local_size, resharded_by_all_to_all, same_placement)
 from .fused_bias import bias_add, takes_as_made
 from .hints import column_hint, index_picks, row_hint
 from .rules import OpInfo, Strategy, TensorMeta, strategies
@@ -742,19 +742,27 @@ def all_to_all_copy_seconds(meta: TensorMeta, have: Shard, want: Shard, full: An
                             grad: bool = True) -> Any:
     """Seconds a reshard by all-to-all (:func:`~autotp.distributed.collectives.reshard_tp`) spends
     laying out its blocks, forward and backward (the backward the mirror: the same copies): the
-    rank's part (1/tp of the tensor) staged rank-major by the split it is sent as, unless that is
-    an even split with only dims of size one before it (a view then), and the blocks received laid
-    out by the split they came as, on the same terms. An uneven split, or one dim dealt two ways,
-    is cut and put in place run by run: a copy on both sides. Each copy reads and writes the
-    rank's part."""
+    rank's part (1/tp of the tensor) staged rank-major by the split it is sent as, unless that
+    split has only dims of size one before it (a view then), and the blocks received laid out by
+    the split they came as, on the same terms, where both splits give each rank one run in rank
+    order, even or not (:func:`_ordered`). Other splits, or one dim dealt two ways, are cut and
+    put in place run by run: a copy on both sides. Each copy reads and writes the rank's part: on
+    the rank holding the most, its part under ``have`` where it is sent (backward: received), its
+    part under ``want`` where it is received (backward: sent); run by run, a rank's part of an
+    average size (1/tp of the tensor each side), as before the sizes were counted (pricing the
+    largest rank's turns Phi-3-medium's tie at tp 8, tests/passes/test_families_plan.py)."""
     def inner(shard: Shard) -> bool:
         return any(size != 1 for size in meta.shape[:shard.dim])
 
-    if have.dim == want.dim or any(meta.static(p.dim) is not None and not _even(meta, p, tp) for p in (have, want)):
-        copies = 2
+    def part(shard: Shard) -> Any:   # the largest rank's share of the tensor
+        size = meta.static(shard.dim)
+        return full * max_local_size(size, shard, tp) / size if size else full / tp
+
+    if have.dim == want.dim or not all(_ordered(meta.static(p.dim), p, tp) for p in (have, want)):
+        moved = 2 * full / tp
     else:
-        copies = int(inner(want)) + int(inner(have))
-    return (1 + int(grad)) * copies * 2 * full / tp / profile.bandwidth("elementwise")
+        moved = int(inner(want)) * part(have) + int(inner(have)) * part(want)
+    return (1 + int(grad)) * 2 * moved / profile.bandwidth("elementwise")
 
 
 def reshard_seconds(index: "GraphIndex", profile: DeviceProfile, meta: TensorMeta, have: Shard, want: Shard,
@@ -812,8 +820,25 @@ def internal_seconds(index: "GraphIndex", profile: DeviceProfile, strat: Strateg
         full = moved_bytes(index, profile, meta)
         rows = numel(meta.shape[:1], index.env)
         total += sum(collective_time(kind, full, profile, index.tp)) \
-            + internal_copy_seconds(kind, full, profile, rows, index.tp)
+            + internal_copy_seconds(kind, full, profile, rows, index.tp, _width(meta, index.env), table_split(strat))
     return total
+
+
+def table_split(strat: Strategy) -> tuple:
+    """(rows, columns): the splits of a table read by columns (rules/nn.py), as its localizer
+    hands them to ``EmbeddingByColumns``; Megatron's where the strategy reads none."""
+    rows, out = strat.inputs[0] if strat.inputs else None, strat.output
+    if isinstance(rows, Shard) and isinstance(out, Shard):
+        return rows, out.with_dim(1)
+    return Shard(0), Shard(1)
+
+
+def _width(meta: TensorMeta, env: Any) -> int:
+    """The size of ``meta``'s dim 1 (a table's width), 1 where it has none or it is not static."""
+    try:
+        return int(numel(meta.shape[1:2], env))
+    except TypeError:
+        return 1
 
 
 def _internal_dst(kind: str, strat: Strategy) -> Any:
@@ -827,32 +852,72 @@ def _internal_dst(kind: str, strat: Strategy) -> Any:
     return REPLICATE
 
 
-def table_by_columns_copies(full: Any, rows: Any, tp: int) -> tuple[Any, int]:
+def table_by_columns_copies(full: Any, rows: Any, tp: int, hidden: int, have: Shard = Shard(0),
+                            want: Shard = Shard(1)) -> tuple[Any, int]:
     """(bytes, kernels) of the copies around a row-split table read by columns (rules/nn.py's
     ``all_to_all_columns``, :class:`~autotp.distributed.functional.EmbeddingByColumns`) on the
-    rank holding the most rows (``rows``: the vocabulary; ``full``: the whole table's bytes), as
-    ``collectives._all_to_all`` runs them: forward, the rank's ``[V/tp, h]`` rows packed
-    into ``tp`` column blocks by one copy (the blocks received in rank order are the ``[V, h/tp]``
-    table: no copy); backward, the ``[V, h/tp]`` gradient sent as it is, and the ``tp`` blocks
-    received folded back into the rank's rows by one copy. Each copy reads and writes the rank's
-    rows."""
+    rank holding the most rows (``rows``: the vocabulary, split as ``have``; ``hidden``: the
+    table's width, split as ``want``; ``full``: the whole table's bytes), as
+    ``collectives._all_to_all`` runs them for splits that give each rank one run in rank order:
+    forward, the rank's ``[V/tp, h]`` rows packed into ``tp`` column blocks, one strided copy per
+    width of the hidden's split (one where tp divides the hidden, two where it does not: a hidden
+    of 20 on 3 ranks is 7, 7 and 6 columns), the blocks received in rank order taken as the
+    ``[V, h/tp]`` table (no copy); backward, the ``[V, h/tp]`` gradient sent as it is, and the
+    ``tp`` blocks received joined back into the rank's rows by one copy. Each side reads and
+    writes the rank's rows once. Other splits (interleaved, rotated) go run by run: each side
+    reads and writes the rank's rows once and its ``[V, h/tp]`` columns once, a kernel a run."""
     if tp <= 1:
         return 0, 0
-    rows = int(rows)
-    share = full * max_local_size(rows, Shard(0), tp) / rows if rows >= tp else full / tp
-    return 2 * 2 * share, 2
+    rows, hidden = int(rows), int(hidden)
+    share = full * max_local_size(rows, have, tp) / rows
+    if _ordered(rows, have, tp) and _ordered(hidden, want, tp):
+        packs = len(_widths(hidden, want, tp))   # forward; backward joins the blocks by one copy
+        return 2 * 2 * share, packs + 1
+    columns = full * max_local_size(hidden, want, tp) / hidden
+    runs = sum(len(local_ranges(rows, have, tp, r)) + len(local_ranges(hidden, want, tp, r)) for r in range(tp))
+    return 2 * 2 * (share + columns), 2 * runs
 
 
-def internal_copy_seconds(kind: str, full: Any, profile: DeviceProfile, rows: Any = 0, tp: int = 1) -> Any:
+def _widths(size: int, shard: Shard, tp: int) -> list[int]:
+    """The widths of ``shard``'s parts of a dim of ``size`` on ``tp`` ranks, in rank order, each
+    run of ranks of one width once (empty parts left out): the strided copies that lay a tensor
+    out rank by rank along it (``collectives._Split.blocks``)."""
+    out: list[int] = []
+    for r in range(tp):
+        n = local_size(size, shard, tp, r)
+        if n and (not out or out[-1] != n):
+            out.append(n)
+    return out
+
+
+def _ordered(size: Any, shard: Shard, tp: int) -> bool:
+    """Whether ``shard`` gives every rank at most one run of a dim of ``size``, the runs in rank
+    order tiling it (``collectives._Split.ordered``); where the size is known at run time only, a
+    plain shard is (the sequence's)."""
+    if size is None:
+        return shard.chunks == 1 and not (shard.rotate or shard.tail or shard.sizes or shard.per_block)
+    stop = 0
+    for r in range(tp):
+        ranges = local_ranges(size, shard, tp, r)
+        if len(ranges) > 1 or (ranges and ranges[0][0] != stop):
+            return False
+        stop = ranges[0][1] if ranges else stop
+    return stop == size
+
+
+def internal_copy_seconds(kind: str, full: Any, profile: DeviceProfile, rows: Any = 0, tp: int = 1,
+                          hidden: int = 1, split: tuple | None = None) -> Any:
     """Seconds of the work around an internal collective on every rank: the rows of every rank's
     tokens all-gathered (``all_gather_rows``, ``rows`` of them) are put in their sorted order by
     one gather of the whole tensor forward, and the gradient in rank order by one backward (read
     and write each); the order is computed first on every rank from the ``rows`` sorted rows'
     holders (``distributed/gathered_rows.GatherRowsTP``): their holders gathered (an int64 each),
     then laid out rank by rank by a counting pass over the ``tp`` ranks, each row's place and
-    the order written by it (:func:`~autotp.cost_model.kernels.holders_order_work`)."""
+    the order written by it (:func:`~autotp.cost_model.kernels.holders_order_work`). A table read
+    by columns (``all_to_all_columns``, ``rows`` by ``hidden``, split as ``split``, rows then
+    columns, None: Megatron's): :func:`table_by_columns_copies`."""
     if kind == "all_to_all_columns":
-        moved, launches = table_by_columns_copies(full, rows, tp)
+        moved, launches = table_by_columns_copies(full, rows, tp, hidden, *(split or ()))
         return moved / profile.bandwidth("elementwise") + launches * profile.launch_s
     if kind != "all_gather_rows":
         return 0.0
@@ -1202,7 +1267,8 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
             full = moved_bytes(index, profile, meta)
             seconds = sum(collective_time(kind, full, profile, tp))
             # memory-bound work, not the link's
-            compute += internal_copy_seconds(kind, full, profile, numel(meta.shape[:1], env), tp)
+            compute += internal_copy_seconds(kind, full, profile, numel(meta.shape[:1], env), tp, _width(meta, env),
+                                             table_split(best))
             fw_b, bw_b = collective_bytes(kind, full, tp)
             comm += seconds
             comms.append(Comm(kind, node.name, best.inputs[0], _internal_dst(kind, best), node.name, full, fw_b,

@@ -546,7 +546,7 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
     import sympy
 
     from ..cost_model.symbolic import bytes_expr, collective_time_expr, compute_time_expr
-    from ..passes.propagate import _meta, internal_copy_seconds, layout_copy_seconds
+    from ..passes.propagate import _meta, internal_copy_seconds, layout_copy_seconds, table_split
     from ..passes.rules.gathered_rows import gathers_rows, rank_rows_work
 
     rename = {}
@@ -565,13 +565,16 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
     comm: collections.Counter = collections.Counter()
     nodes = {n.name: n for n in index.capture.graph.nodes}
     inside: collections.Counter = collections.Counter()
+    splits: dict = {}   # an internal collective's key -> its op's table split (a table read by columns)
     for c in prop.comms:
         # inside an op (vocab-parallel cross-entropy, an expert dispatch, a local routing's counts:
         # its internal ones, in order; an op is its own collective's consumer), not a conversion
         if c.consumer == c.tensor and prop.chosen[nodes[c.tensor]].internal:
             internal = prop.chosen[nodes[c.tensor]].internal
             kind, meta = internal[inside[c.tensor] % len(internal)]
-            comm[("g" if kind == "all_reduce" else kind, meta, True, None, None)] += 1
+            key = ("g" if kind == "all_reduce" else kind, meta, True, None, None)
+            comm[key] += 1
+            splits[key] = table_split(prop.chosen[nodes[c.tensor]])
             inside[c.tensor] += 1
         else:
             comm[(c.kind, _meta(nodes[c.tensor]), nodes[c.tensor] in index.grads, c.src, c.dst)] += 1
@@ -580,9 +583,11 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
     # every collective's tensor at the bytes of its own dtype, as propagation prices it
     # (propagate.moved_bytes): a float32 tensor of a bf16 model at 4 bytes an element
     full = lambda meta: bytes_expr(meta, profile.dtype_bytes, index.train_dtype)  # noqa: E731
-    compute_total += sympy.Add(*(n * internal_copy_seconds(kind, full(meta), profile,
-                                                           meta.shape[0] if meta.shape else 1, index.tp)
-                                 for (kind, meta, _, _, _), n in comm.items()))   # the rows laid out in order
+    compute_total += sympy.Add(*(n * internal_copy_seconds(key[0], full(key[1]), profile,
+                                                           key[1].shape[0] if key[1].shape else 1, index.tp,
+                                                           key[1].shape[1] if len(key[1].shape) > 1 else 1,
+                                                           splits.get(key))
+                                 for key, n in comm.items()))   # the rows laid out in order
     comm_total = sympy.Add(*(n * (collective_time_expr(kind, full(meta), profile, index.tp, grad)
                                   + layout_copy_seconds(kind, meta, src, dst, full(meta), profile, index.tp, grad))
                              for (kind, meta, grad, src, dst), n in comm.items()))

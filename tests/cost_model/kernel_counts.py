@@ -14,8 +14,10 @@ def tensor_bytes(tensors) -> int:
 
 class KernelCounter(TorchDispatchMode):
     """Each non-view ATen call a kernel, with the bytes it touches: its tensor arguments read and
-    its results written, except that a fill reads nothing, a gather (and the ops named in
-    ``picks``: ``index_select``, ``index`` of rows) reads only the entries it picks, an in-place scatter, ``index_copy_`` or ``index_put_`` writes (and a scatter-add reads) only the
+    its results written, except that a fill reads nothing, a copy reads its source alone (the
+    destination it writes is its result), a gather (and the ops named in ``picks``:
+    ``index_select``, ``index`` of rows) reads only the entries it picks, an in-place scatter,
+    ``index_copy_`` or ``index_put_`` writes (and a scatter-add reads) only the
     entries it writes, and a sort is the radix sort a GPU runs.
     Collectives are communication, allocations no kernel, and ``_unsafe_view`` a view (a
     reshape's of a copy: autograd's aliasing does not mark it one)."""
@@ -43,6 +45,8 @@ class KernelCounter(TorchDispatchMode):
             moved = tensor_bytes(args[2]) + 2 * tensor_bytes(out)
         elif name in self.picks:   # index_select(x, dim, index), index(x, [index]): the index, the rows picked
             moved = tensor_bytes(args[1:]) + 2 * tensor_bytes(out)
+        elif name == "copy_":   # its source read, its destination written (not read)
+            moved = tensor_bytes(args[1]) + tensor_bytes(out)
         elif name == "index_copy_":
             moved = tensor_bytes(args[2]) + 2 * tensor_bytes(args[3])
         elif name == "index_put_":

@@ -7,8 +7,9 @@ rows all-to-all'd into every row's ``h/tp`` columns inside the op,
 ranks by the reverse all-to-all, summed there with the head's. Every call must equal serial: a
 training call (loss, logits, every gradient, the tied table's included), an inference call with a
 backward (logits gathered), an eval-mode left-padded call, and greedy ``generate``; the training
-program must hold the lookup by columns. Vocabularies tp does not divide, lengths tp does not
-divide and ones shorter than tp.
+program must hold the lookup by columns. Vocabularies tp does not divide, hidden sizes tp does not
+divide (the table's columns 7, 7 and 6 of 20 on three ranks: packed by one strided copy per width,
+joined back by one ``cat``), lengths tp does not divide and ones shorter than tp.
 """
 import pytest
 import torch
@@ -27,8 +28,9 @@ def by_columns_calls(case: dict) -> dict:
     from tests.helpers import tiny_gpt2
 
     tp, seq, rows, vocab = case["tp"], case["seq"], case["batch"], case["vocab"]
-    model = keep_loss_precision(tiny_gpt2(n_layer=case["layers"], n_head=case["heads"], head_dim=4, vocab=vocab,
-                                          n_positions=32, seed=case["seed"]))
+    model = keep_loss_precision(tiny_gpt2(n_layer=case["layers"], n_head=case["heads"],
+                                          head_dim=case.get("head_dim", 4), vocab=vocab, n_positions=32,
+                                          seed=case["seed"]))
     # planned where the tokens' rows outweigh the table's (as gpt2-xl's 8 x 1024 against 50257 rows)
     pm = autotp.parallelize(model, tp, profile="h100-dgx", batch=64, seq=4096, layout=MEGATRON["gpt2"],
                             sequence_parallel=case["sequence_parallel"])
@@ -74,10 +76,22 @@ def test_tied_embedding_read_by_columns_equals_serial_on_every_call(cluster_of):
     assert_equal_to_serial(cluster_of, FAST)
 
 
+#: tp 3 over a hidden of 20 (4 heads of 5: 7, 7 and 6 of the table's columns on the three ranks)
+#: and a vocabulary of 67 (23, 22, 22 rows)
+UNEVEN_HIDDEN = dict(tp=3, heads=4, head_dim=5, layers=1, vocab=67, seq=7, batch=2, seed=5, sequence_parallel=None)
+
+
+def test_tied_embedding_read_by_columns_equals_serial_where_tp_does_not_divide_the_hidden(cluster_of):
+    assert_equal_to_serial(cluster_of, UNEVEN_HIDDEN)
+
+
 @st.composite
 def cases(draw):
     tp = draw(st.sampled_from([1, 2, 3, 4]))
-    return dict(tp=tp, heads=tp * draw(st.integers(1, 2)), layers=draw(st.integers(1, 2)),
+    # whole heads on every rank, or one more on the first ones; a head of 5 leaves the hidden
+    # (heads x 5) undivided by tp wherever the heads are
+    return dict(tp=tp, heads=tp * draw(st.integers(1, 2)) + draw(st.integers(0, tp - 1)),
+                head_dim=draw(st.sampled_from([4, 5])), layers=draw(st.integers(1, 2)),
                 vocab=tp * draw(st.integers(2, 10)) + draw(st.integers(0, tp - 1)),
                 seq=draw(st.integers(2, 12)), batch=draw(st.integers(1, 3)), seed=draw(st.integers(0, 2**16)),
                 sequence_parallel=draw(st.sampled_from([None, True])))

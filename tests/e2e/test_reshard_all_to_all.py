@@ -41,10 +41,11 @@ class _Received(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = str(func.overloadpacket)
-        if "allgather" in name or "all_gather" in name or "all_to_all" in name:
+        to_all = "all_to_all" in name or "alltoall" in name   # functional, or c10d's (eager code's)
+        if "allgather" in name or "all_gather" in name or to_all:
             got = args[0] if name.endswith("_") else out   # c10d's ops write into their first argument
             got = got[0] if isinstance(got, (list, tuple)) else got
-            self.calls.append(("all_to_all" if "all_to_all" in name else "all_gather",
+            self.calls.append(("all_to_all" if to_all else "all_gather",
                                got.numel() * got.element_size() * (self.tp - 1) // self.tp))
         return out
 

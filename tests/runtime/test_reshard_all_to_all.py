@@ -233,31 +233,45 @@ def test_the_module_takes_a_dynamic_dims_size_at_call_time_and_is_named_all_to_a
         torch.testing.assert_close(grad, C.local_shard(C.assemble(dy, case.want, 8), case.have, 4, r), rtol=0, atol=0)
 
 
-def test_reshard_traces_under_compile_with_its_all_to_all_forward_and_backward(fake_rank):
-    # a functional all_to_all_single each way in the compiled graphs: one program, no graph break
+@pytest.mark.parametrize("shape,have,want,tp", [
+    ((2, 6, 8), Shard(2), Shard(1), 2),                  # (2, 6, 8/2) -> (2, 6/2, 8): even
+    ((2, 20, 7), Shard(2), Shard(1), 3),                 # uneven both: packed by width, joined by a cat
+    ((67, 20), Shard(0), Shard(1), 3),                   # a table's rows into its columns
+    ((2, 16, 4), Shard(1), Shard(1, unit=2), 3)])        # one dim dealt two ways: run by run
+def test_reshard_traces_under_compile_with_its_all_to_all_forward_and_backward(shape, have, want, tp):
+    # a functional all_to_all_single each way in the compiled graphs: one program, no graph break,
+    # the output and the gradient bit for bit eager code's (c10d's all-to-all there)
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
-    group = dist.group.WORLD
-    x = torch.randn(2, 6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    from tests.helpers import fake_process_group
 
-    def step(x):
-        y = C.reshard_tp(x * 2, group, Shard(2), Shard(1), 8)   # (2, 6, 8/2) -> (2, 6/2, 8)
-        return (y * torch.arange(y.numel(), dtype=y.dtype).view(y.shape)).sum()
+    full = shape[have.dim]
+    local = list(shape)
+    local[have.dim] = local_size(full, have, tp, 0)
+    with fake_process_group(tp, 0) as group:
+        x = torch.randn(local, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
 
-    step(x).backward()
-    eager, x.grad = x.grad, None
-    found = {"forward": [], "backward": []}
+        def step(x):
+            y = C.reshard_tp(x * 2, group, have, want, full)
+            return (y * torch.arange(y.numel(), dtype=y.dtype).view(y.shape)).sum(), y
 
-    def collect(where):
-        def compiler(gm, example_inputs):
-            found[where] += [n.target for n in gm.graph.nodes if n.op == "call_function"
-                             and n.target is torch.ops._c10d_functional.all_to_all_single.default]
-            return make_boxed_func(gm)
-        return compiler
+        loss, y_eager = step(x)
+        loss.backward()
+        eager, x.grad = x.grad, None
+        found = {"forward": [], "backward": []}
 
-    torch._dynamo.reset()
-    torch.compile(step, backend=aot_autograd(fw_compiler=collect("forward"), bw_compiler=collect("backward")),
-                  fullgraph=True)(x).backward()
+        def collect(where):
+            def compiler(gm, example_inputs):
+                found[where] += [n.target for n in gm.graph.nodes if n.op == "call_function"
+                                 and n.target is torch.ops._c10d_functional.all_to_all_single.default]
+                return make_boxed_func(gm)
+            return compiler
+
+        torch._dynamo.reset()
+        loss, y = torch.compile(step, backend=aot_autograd(fw_compiler=collect("forward"),
+                                                           bw_compiler=collect("backward")), fullgraph=True)(x)
+        loss.backward()
+    torch.testing.assert_close(y, y_eager, rtol=0, atol=0)
     torch.testing.assert_close(x.grad, eager, rtol=0, atol=0)
     assert len(found["forward"]) == 1 and len(found["backward"]) == 1, found
