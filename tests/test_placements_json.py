@@ -7,7 +7,6 @@ import json
 
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from autotp.errors import ConfigError
 from autotp.plan import Plan

@@ -10,7 +10,7 @@ from typing import Any
 import sympy
 import torch
 
-from ..placements import REPLICATE, Partial, Routed, Shard, local_size, max_local_size
+from ..placements import Partial, Routed, Shard, local_size, max_local_size
 from .work import NO_WORK, OpWork, RankOp, element_bytes, local_shape
 
 #: bits of the key a radix sort's pass orders (CUB's onesweep sort, which ``torch.sort`` runs on a
