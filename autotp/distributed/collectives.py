@@ -31,6 +31,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import operator
 import threading
 import time
 from typing import Any, Sequence
@@ -124,10 +125,7 @@ class _CommGuard:
         self.op, self.group, self.only = op, group, only
 
     def __enter__(self) -> None:
-        self.started = time.monotonic()
-        key = getattr(self.group, "group_name", None) or id(self.group)
-        self.since = _previous_start.get(key)  # faults published before it are an earlier call's
-        _previous_start[key] = time.time()
+        self.started, self.since = _started(self.group)
 
     def __exit__(self, kind, exc, tb) -> bool:
         if exc is None or isinstance(exc, AutotpError) or not isinstance(exc, Exception):
@@ -135,6 +133,15 @@ class _CommGuard:
         if self.only is not None and not self.only(exc):
             return False
         raise _comm_failure(self.op, self.group, exc, self.started, self.since) from exc
+
+
+def _started(group) -> tuple[float, float | None]:
+    """A collective on ``group`` starts now: when (``time.monotonic``), and when the group's previous
+    one did (faults published before it are an earlier call's), for the roll call of a failure."""
+    key = getattr(group, "group_name", None) or id(group)
+    since = _previous_start.get(key)
+    _previous_start[key] = time.time()
+    return time.monotonic(), since
 
 
 def _comm_failure(op: str, group, e: Exception, started: float, since: float | None) -> CommError:
@@ -187,8 +194,18 @@ def _all_reduce(x: Tensor, group, op: str, in_place: bool = False, compiling: bo
     in_place = in_place and x.is_contiguous()
     if not in_place:
         x = x.clone(memory_format=torch.contiguous_format)
-    with _CommGuard(op, group):   # waited for inside: a failure surfaces here, named
-        _c10d_all_reduce(x, group)
+    started, since = _started(group)
+    try:   # waited for inside: a failure surfaces here, named
+        if type(x) is not Tensor or x.is_complex():
+            _c10d_all_reduce(x, group)
+        else:   # (_c10d_all_reduce's common case, inline: a Python call less per f and g)
+            opts = _c10d.AllreduceOptions()
+            opts.asyncOp = False
+            group.allreduce([x], opts).wait()
+    except AutotpError:
+        raise
+    except Exception as exc:   # as _CommGuard's exit (the guard's three calls, inline)
+        raise _comm_failure(op, group, exc, started, since) from exc
     if in_place:
         _increment_version((x,))
     return x
@@ -286,7 +303,8 @@ def rank_slice(x: Tensor, shard: Shard, tp: int, rank: int, strided: bool = Fals
     ``compiling``: as :func:`group_size`'s."""
     if torch.compiler.is_compiling() if compiling is None else compiling:
         return local_shard(x, shard, tp, rank)
-    ranges = _split(x.shape[shard.dim], shard, tp, False).ranges[rank]
+    found = _splits.get((id(shard), x.shape[shard.dim], tp))   # (_split's lookup, inline)
+    ranges = (found[1] if found is not None else _split(x.shape[shard.dim], shard, tp, False)).ranges[rank]
     if len(ranges) != 1:
         return local_shard(x, shard, tp, rank)
     (a, b), = ranges
@@ -317,7 +335,9 @@ def dense_order(x: Tensor) -> list[int] | None:
     contiguous, or strided past a permutation (a slice)."""
     if x.is_contiguous():
         return None
-    order = sorted(range(x.dim()), key=lambda i: (-x.stride(i), i))
+    # the dims by falling stride, ties in dim order (a stable sort): keyed by C functions alone, no
+    # Python call per dim (a strided gradient reaches it in a step's gathers and reduce-scatters)
+    order = sorted(range(x.dim()), key=tuple(map(operator.neg, x.stride())).__getitem__)
     return order if x.permute(order).is_contiguous() else None
 
 
@@ -341,15 +361,19 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str, compili
     ``compiling``: as :func:`group_size`'s, asked once for the helpers below."""
     if compiling is None:
         compiling = torch.compiler.is_compiling()
-    tp, x = group_size(group, compiling), x.detach()
+    x = x.detach()
+    # eagerly the group's size and the split's layout without a Python call (group_size's,
+    # _split's: asked in every gather of every step)
+    tp = group.size() if group is not None and not compiling else group_size(group, compiling)
     if tp == 1:
         return x.contiguous()
-    split = _split(full_size, shard, tp, compiling)
+    found = None if compiling else _splits.get((id(shard), full_size, tp))
+    split = found[1] if found is not None else _split(full_size, shard, tp, compiling)
     # The blocks travel in each rank's memory order, so every rank must hold its part alike: an
     # even split's parts are one shape, made by the same program, laid out the same. An uneven
     # one's differ (an empty or one-long part is contiguous, its strides ties), so they are made
     # contiguous. A compiled program's layouts are inductor's.
-    order = dense_order(x) if split.even and x.numel() and not compiling else None
+    order = dense_order(x) if split.even and x.numel() and not compiling and not x.is_contiguous() else None
     if order is not None:
         return _unpermute(_all_gather(x.permute(order), group, _held(shard, order), full_size, op, False), order)
     d, width = shard.dim, split.width
@@ -357,7 +381,7 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str, compili
         # An even contiguous split: one all_gather_into_tensor into a [tp, *local] buffer; the
         # full tensor is that buffer with the rank axis folded into dim d (none where d == 0,
         # else one copy out of a kept buffer).
-        if _all_ones(x.shape[:d], compiling):
+        if math.prod(x.shape[:d]) == 1 if not compiling else _all_ones(x.shape[:d], True):
             # every dim before d of size one (dim 0 itself, or a batch of one under sequence
             # parallelism): the ranks' blocks in rank order are the full tensor already
             shape = list(x.shape)
@@ -421,7 +445,8 @@ def _gather_into(send: Tensor, group, op: str, scratch: bool = False, tp: int | 
     if torch.compiler.is_compiling() if compiling is None else compiling:
         return funcol.wait_tensor(all_gather_single(send, 0, group)).view((tp,) + tuple(send.shape))
     out = _scratch(shape, send, "gather", False) if scratch else send.new_empty(shape)
-    with _CommGuard(op, group):   # a collective, waited for inside
+    started, since = _started(group)
+    try:   # a collective, waited for inside
         if type(send) is Tensor and not send.is_complex() and hasattr(group, "all_gather_single"):
             # the group's own collective, as dist.all_gather_single calls it (see _c10d_all_reduce)
             opts = _c10d.AllgatherOptions()
@@ -429,6 +454,10 @@ def _gather_into(send: Tensor, group, op: str, scratch: bool = False, tp: int | 
             group.all_gather_single(out, send, opts).wait()
         else:
             _c10d_all_gather_single(out, send, group=group)
+    except AutotpError:
+        raise
+    except Exception as exc:   # as _CommGuard's exit (see _all_reduce)
+        raise _comm_failure(op, group, exc, started, since) from exc
     return out.view((tp,) + tuple(send.shape))
 
 
@@ -487,16 +516,21 @@ def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str,
     needs no staging. ``compiling``: as :func:`_all_gather`'s."""
     if compiling is None:
         compiling = torch.compiler.is_compiling()
-    tp, rank, x = group_size(group, compiling), group_rank(group, compiling), x.detach()
+    x = x.detach()
+    if group is not None and not compiling:   # without group_size's and group_rank's calls (see _all_gather)
+        tp, rank = group.size(), group.rank()
+    else:
+        tp, rank = group_size(group, compiling), group_rank(group, compiling)
     if tp == 1:
         return local_shard(x, shard, 1, 0)
     if x.device.type != "cpu" and dist.get_backend(group) == "gloo":
         # gloo reduce-scatters CPU tensors only; it all-reduces GPU tensors (ranks sharing a GPU).
         return local_shard(_all_reduce(x, group, op, compiling=compiling), shard, tp, rank)
-    split = _split(full_size, shard, tp, compiling)
+    found = None if compiling else _splits.get((id(shard), full_size, tp))
+    split = found[1] if found is not None else _split(full_size, shard, tp, compiling)
     # the blocks are summed element by element, so every rank must hold its summand alike: an
     # even split's are one shape made by one program (as _all_gather's parts)
-    order = dense_order(x) if split.even and x.numel() and not compiling else None
+    order = dense_order(x) if split.even and x.numel() and not compiling and not x.is_contiguous() else None
     if order is not None:
         return _unpermute(_reduce_scatter(x.permute(order), group, _held(shard, order), full_size, op, False),
                           order)
@@ -508,7 +542,8 @@ def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str,
     # interleaved (the zero padding sums to zero and is cut). An even split of dim 0 is that
     # layout already; an even split of another dim is one copy; else each run copied once.
     if split.even:
-        if _all_ones(pre, compiling):   # dim 0, or only dims of size one before d: in rank order already
+        # dim 0, or only dims of size one before d: in rank order already
+        if math.prod(pre) == 1 if not compiling else _all_ones(pre, True):
             send = x.contiguous().view([tp] + pre + [width] + post)
         else:
             send = _scratch([tp] + pre + [width] + post, x, "reduce_scatter", compiling)
@@ -527,7 +562,8 @@ def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str,
         out = funcol.wait_tensor(funcol.reduce_scatter_tensor(send, "sum", 0, group))
     else:
         out = x.new_empty(pre + [width] + post)
-        with _CommGuard(op, group):   # a collective, waited for inside
+        started, since = _started(group)
+        try:   # a collective, waited for inside
             if type(send) is Tensor and not send.is_complex() and hasattr(group, "reduce_scatter_single"):
                 # a sum, as dist.reduce_scatter_single calls it (see _c10d_all_reduce)
                 opts = _c10d.ReduceScatterOptions()
@@ -535,6 +571,10 @@ def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str,
                 group.reduce_scatter_single(out, send, opts).wait()
             else:
                 _c10d_reduce_scatter_tensor(out, send, group=group)
+        except AutotpError:
+            raise
+        except Exception as exc:   # as _CommGuard's exit (see _all_reduce)
+            raise _comm_failure(op, group, exc, started, since) from exc
     n = split.sizes[rank]
     return out if n == width else out.narrow(d, 0, n).contiguous()
 
@@ -764,7 +804,8 @@ class _ReduceFromTP(_Mapping):
 
     @staticmethod
     def forward(ctx, x, group, in_place, compiling):
-        return _output(_all_reduce(x, group, "all_reduce in g (forward)", in_place, compiling), compiling)
+        out = _all_reduce(x, group, "all_reduce in g (forward)", in_place, compiling)
+        return out.view_as(out) if compiling else out   # (_output, inline: a call less per eager g)
 
     @staticmethod
     def backward(ctx, grad):
@@ -777,14 +818,16 @@ class _GatherFromTP(_Mapping):
     @staticmethod
     def forward(ctx, x, group, shard, full_size, compiling):
         ctx.group, ctx.shard = group, shard
-        op = "all_gather in gather_from_tp (forward)"
-        return _output(_all_gather(x, group, shard, full_size, op, compiling), compiling)
+        out = _all_gather(x, group, shard, full_size, "all_gather in gather_from_tp (forward)", compiling)
+        return out.view_as(out) if compiling else out   # (_output, inline)
 
     @staticmethod
     def backward(ctx, grad):
         # the rank's slice of the gradient as a view, strided where the split is not of the
         # outermost dims (the heads of attention's output): the formula it goes to reads it so
         g, s, compiling = ctx.group, ctx.shard, torch.compiler.is_compiling()
+        if g is not None and not compiling:   # (group_size's and group_rank's answers, inline)
+            return rank_slice(grad, s, g.size(), g.rank(), strided=True, compiling=False), None, None, None, None
         cut = rank_slice(grad, s, group_size(g, compiling), group_rank(g, compiling), strided=True, compiling=compiling)
         return cut, None, None, None, None
 
@@ -797,8 +840,8 @@ class _GatherIntoTP(_Mapping):
     @staticmethod
     def forward(ctx, x, group, shard, full_size, compiling):
         ctx.group, ctx.shard, ctx.full_size = group, shard, full_size
-        op = "all_gather in gather_into_tp (forward)"
-        return _output(_all_gather(x, group, shard, full_size, op, compiling), compiling)
+        out = _all_gather(x, group, shard, full_size, "all_gather in gather_into_tp (forward)", compiling)
+        return out.view_as(out) if compiling else out   # (_output, inline)
 
     @staticmethod
     def backward(ctx, grad):
@@ -812,6 +855,8 @@ class _ScatterToTP(_Mapping):
     @staticmethod
     def forward(ctx, x, group, shard, full_size, compiling):
         ctx.group, ctx.shard, ctx.full_size = group, shard, full_size
+        if group is not None and not compiling:   # (group_size's and group_rank's answers, inline)
+            return rank_slice(x, shard, group.size(), group.rank(), compiling=False)
         cut = rank_slice(x, shard, group_size(group, compiling), group_rank(group, compiling), compiling=compiling)
         return _output(cut, compiling)
 
@@ -827,8 +872,8 @@ class _ReduceScatterToTP(_Mapping):
     @staticmethod
     def forward(ctx, x, group, shard, full_size, compiling):
         ctx.group, ctx.shard, ctx.full_size = group, shard, full_size
-        op = "reduce_scatter in reduce_scatter_to_tp (forward)"
-        return _output(_reduce_scatter(x, group, shard, full_size, op, compiling), compiling)
+        out = _reduce_scatter(x, group, shard, full_size, "reduce_scatter in reduce_scatter_to_tp (forward)", compiling)
+        return out.view_as(out) if compiling else out   # (_output, inline)
 
     @staticmethod
     def backward(ctx, grad):
@@ -938,6 +983,15 @@ class _CommModule(nn.Module):
             new.__dict__[key] = value if key == "group" else copy.deepcopy(value, memo)
         return new
 
+    def eager_forward(self, *args: Any) -> Any:
+        """``forward``, for eager code that runs outside any trace (a program's eager code,
+        :mod:`autotp.runtime.module.eager_code`, calls it in place of the module call). The
+        mappings' own (below) apply their autograd Function through autograd's C++ ``apply`` at
+        once: no module call (``__getattr__``, ``_wrapped_call_impl``, ``_call_impl``), no
+        compile check, no mapping function between (five to seven Python calls a collective).
+        Module hooks do not run on this path; autotp registers none on these modules."""
+        return self.forward(*args)
+
     def _group_repr(self) -> str:
         ranks = group_ranks(self.group)
         return "group=None" if self.group is None else f"ranks={list(ranks) if ranks else '?'}"
@@ -950,10 +1004,27 @@ class _ShardedCommModule(_CommModule):
     """``full_size=None``: the sharded dim is dynamic (the sequence, under sequence parallelism);
     the graph passes its size at call time, or the input, when whole, shows it."""
 
+    #: the mapping's autograd Function (None: ``forward`` itself runs eagerly too)
+    _function: type | None = None
+    #: whether the input is whole along the sharded dim (it shows the size where none is given)
+    _whole_input = False
+
     def __init__(self, group, shard: Shard, full_size: int | None) -> None:
         super().__init__(group)
         self.shard = shard
         self.full_size = None if full_size is None else int(full_size)
+
+    def eager_forward(self, x: Tensor, full_size: int | None = None) -> Tensor:
+        """``forward`` outside any trace (:meth:`_CommModule.eager_forward`)."""
+        group, fn = self.group, self._function
+        if fn is None or group is None or group.size() == 1:   # (a group of one: plain tensor ops, as forward's)
+            return self.forward(x, full_size)
+        size = int(full_size) if full_size is not None else self.full_size
+        if size is None:   # (size's answer where the input is whole, inline; else its error)
+            size = x.shape[self.shard.dim] if self._whole_input else self.size(x, None, False)
+        if _functorch_active():
+            return fn.apply(x, group, self.shard, size, False)
+        return fn._c_apply(_unwrap_if_dead(x), group, self.shard, size, False)
 
     def size(self, x: Tensor, full_size: int | None, whole_input: bool) -> int:
         if full_size is not None:
@@ -976,9 +1047,17 @@ class _ReduceModule(_CommModule):
     """An f or a g; ``in_place`` (set by :mod:`autotp.passes.in_place`): its all-reduce writes the
     sum over the tensor it reduces, which nothing else reads."""
 
+    _function: type
+
     def __init__(self, group, in_place: bool = False) -> None:
         super().__init__(group)
         self.in_place = in_place
+
+    def eager_forward(self, x: Tensor) -> Tensor:
+        """``forward`` outside any trace (:meth:`_CommModule.eager_forward`)."""
+        if _functorch_active():
+            return self._function.apply(x, self.group, self.in_place, False)
+        return self._function._c_apply(_unwrap_if_dead(x), self.group, self.in_place, False)
 
     def extra_repr(self) -> str:
         return f"{self._group_repr()}, in_place" if self.in_place else self._group_repr()
@@ -988,6 +1067,7 @@ class CopyToTP(_ReduceModule):
     """f: identity forward, all-reduce of the gradient backward."""
 
     kind = "f"
+    _function = _CopyToTP
 
     def forward(self, x: Tensor) -> Tensor:
         return copy_to_tp(x, self.group, self.in_place)
@@ -997,6 +1077,7 @@ class ReduceFromTP(_ReduceModule):
     """g: all-reduce forward, identity backward."""
 
     kind = "g"
+    _function = _ReduceFromTP
 
     def forward(self, x: Tensor) -> Tensor:
         return reduce_from_tp(x, self.group, self.in_place)
@@ -1004,6 +1085,7 @@ class ReduceFromTP(_ReduceModule):
 
 class GatherFromTP(_ShardedCommModule):
     kind = "all_gather"
+    _function = _GatherFromTP
 
     def forward(self, x: Tensor, full_size: int | None = None) -> Tensor:
         return gather_from_tp(x, self.group, self.shard, self.size(x, full_size, whole_input=False))
@@ -1014,6 +1096,7 @@ class GatherIntoTP(_ShardedCommModule):
     column-parallel product)."""
 
     kind = "all_gather_f"
+    _function = _GatherIntoTP
 
     def forward(self, x: Tensor, full_size: int | None = None) -> Tensor:
         return gather_into_tp(x, self.group, self.shard, self.size(x, full_size, whole_input=False))
@@ -1021,6 +1104,7 @@ class GatherIntoTP(_ShardedCommModule):
 
 class ScatterToTP(_ShardedCommModule):
     kind = "scatter"
+    _function, _whole_input = _ScatterToTP, True
 
     def forward(self, x: Tensor, full_size: int | None = None) -> Tensor:
         return scatter_to_tp(x, self.group, self.shard, self.size(x, full_size, whole_input=True))
@@ -1028,6 +1112,7 @@ class ScatterToTP(_ShardedCommModule):
 
 class ReduceScatterToTP(_ShardedCommModule):
     kind = "reduce_scatter"
+    _function, _whole_input = _ReduceScatterToTP, True
 
     def forward(self, x: Tensor, full_size: int | None = None) -> Tensor:
         return reduce_scatter_to_tp(x, self.group, self.shard, self.size(x, full_size, whole_input=True))
