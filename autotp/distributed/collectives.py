@@ -124,8 +124,11 @@ class _CommGuard:
     def __init__(self, op: str, group, only: Any = None) -> None:
         self.op, self.group, self.only = op, group, only
 
-    def __enter__(self) -> None:
-        self.started, self.since = _started(self.group)
+    def __enter__(self) -> None:   # (_started's, inline: the guard is entered per collective too)
+        self.started = time.monotonic()
+        key = getattr(self.group, "group_name", None) or id(self.group)
+        self.since = _previous_start.get(key)  # faults published before it are an earlier call's
+        _previous_start[key] = time.time()
 
     def __exit__(self, kind, exc, tb) -> bool:
         if exc is None or isinstance(exc, AutotpError) or not isinstance(exc, Exception):
@@ -137,11 +140,15 @@ class _CommGuard:
 
 def _started(group) -> tuple[float, float | None]:
     """A collective on ``group`` starts now: when (``time.monotonic``), and when the group's previous
-    one did (faults published before it are an earlier call's), for the roll call of a failure."""
+    one did (faults published before it are an earlier call's), for the roll call of a failure.
+    The eager mappings' collectives note their start so and catch their failure inline, raising
+    what :class:`_CommGuard`'s exit raises: the guard's ``__init__``, ``__enter__`` and
+    ``__exit__`` were three Python calls per collective of every step."""
+    started = time.monotonic()
     key = getattr(group, "group_name", None) or id(group)
     since = _previous_start.get(key)
     _previous_start[key] = time.time()
-    return time.monotonic(), since
+    return started, since
 
 
 def _comm_failure(op: str, group, e: Exception, started: float, since: float | None) -> CommError:
