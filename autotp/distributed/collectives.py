@@ -368,7 +368,8 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str, compili
     ``compiling``: as :func:`group_size`'s, asked once for the helpers below."""
     if compiling is None:
         compiling = torch.compiler.is_compiling()
-    x = x.detach()
+    if x.requires_grad or compiling:   # (a gradient in an eager backward needs no detach: an ATen call)
+        x = x.detach()
     # eagerly the group's size and the split's layout without a Python call (group_size's,
     # _split's: asked in every gather of every step)
     tp = group.size() if group is not None and not compiling else group_size(group, compiling)
@@ -393,7 +394,7 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str, compili
             # parallelism): the ranks' blocks in rank order are the full tensor already
             shape = list(x.shape)
             shape[d] = tp * width
-            return _gather_into(x.contiguous(), group, op, tp=tp, compiling=compiling).view(shape)
+            return _gather_into(x.contiguous(), group, op, tp=tp, compiling=compiling, shape=shape)
         out = _gather_into(x.contiguous(), group, op, scratch=True, tp=tp, compiling=compiling)
         shape = list(x.shape)
         shape[d] = full_size
@@ -437,7 +438,7 @@ def _all_ones(sizes: Sequence[int], compiling: bool) -> bool:
 
 
 def _gather_into(send: Tensor, group, op: str, scratch: bool = False, tp: int | None = None,
-                 compiling: bool | None = None) -> Tensor:
+                 compiling: bool | None = None, shape: Sequence[int] | None = None) -> Tensor:
     """Every rank's contiguous ``send`` in one buffer, viewed ``[tp, *send.shape]`` (backends take
     the output as the inputs concatenated along dim 0). ``scratch``: the caller copies what it
     needs out of the buffer before the next collective, so a reused one may serve (``_scratch``).
@@ -446,12 +447,14 @@ def _gather_into(send: Tensor, group, op: str, scratch: bool = False, tp: int | 
     dispatch, the wrapper tensor it returns and the autograd registration it goes through, about
     80 Python calls each time; and torch 2.11's kills the process where gloo gathers GPU tensors.)
     ``tp`` and ``compiling``: the group's size and whether a compile trace runs, where the caller
-    knows them (None: asked here)."""
+    knows them (None: asked here). ``shape``: the view of the buffer returned instead (the caller's
+    own, one view where two were made)."""
     tp = group_size(group) if tp is None else tp
-    shape = (tp * send.shape[0],) + tuple(send.shape[1:])
+    view = (tp,) + tuple(send.shape) if shape is None else shape
     if torch.compiler.is_compiling() if compiling is None else compiling:
-        return funcol.wait_tensor(all_gather_single(send, 0, group)).view((tp,) + tuple(send.shape))
-    out = _scratch(shape, send, "gather", False) if scratch else send.new_empty(shape)
+        return funcol.wait_tensor(all_gather_single(send, 0, group)).view(view)
+    flat = (tp * send.shape[0],) + tuple(send.shape[1:])
+    out = _scratch(flat, send, "gather", False) if scratch else send.new_empty(flat)
     started, since = _started(group)
     try:   # a collective, waited for inside
         if type(send) is Tensor and not send.is_complex() and hasattr(group, "all_gather_single"):
@@ -465,7 +468,7 @@ def _gather_into(send: Tensor, group, op: str, scratch: bool = False, tp: int | 
         raise
     except Exception as exc:   # as _CommGuard's exit (see _all_reduce)
         raise _comm_failure(op, group, exc, started, since) from exc
-    return out.view((tp,) + tuple(send.shape))
+    return out.view(view)
 
 
 #: c10d's all-gather into one tensor (``all_gather_single`` from torch 2.13 on; the older name
@@ -523,7 +526,8 @@ def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str,
     needs no staging. ``compiling``: as :func:`_all_gather`'s."""
     if compiling is None:
         compiling = torch.compiler.is_compiling()
-    x = x.detach()
+    if x.requires_grad or compiling:   # (see _all_gather)
+        x = x.detach()
     if group is not None and not compiling:   # without group_size's and group_rank's calls (see _all_gather)
         tp, rank = group.size(), group.rank()
     else:
@@ -548,23 +552,24 @@ def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str,
     # the widest: a reduce-scatter of equal blocks, even when the shard is uneven or
     # interleaved (the zero padding sums to zero and is cut). An even split of dim 0 is that
     # layout already; an even split of another dim is one copy; else each run copied once.
-    if split.even:
-        # dim 0, or only dims of size one before d: in rank order already
-        if math.prod(pre) == 1 if not compiling else _all_ones(pre, True):
-            send = x.contiguous().view([tp] + pre + [width] + post)
-        else:
-            send = _scratch([tp] + pre + [width] + post, x, "reduce_scatter", compiling)
-            send.copy_(x.view(pre + [tp, width] + post).movedim(d, 0))
+    if split.even and (math.prod(pre) == 1 if not compiling else _all_ones(pre, True)):
+        # dim 0, or only dims of size one before d: in rank order already, [tp, *local] with its
+        # first two dims flattened as backends take the ranks' blocks (one view, not two)
+        blocks = [tp] + pre + [width] + post
+        send = x.contiguous().view([tp * blocks[1]] + blocks[2:])
     else:
         send = _scratch([tp] + pre + [width] + post, x, "reduce_scatter", compiling)
-        for r in range(tp):
-            offset = 0
-            for a, b in split.ranges[r]:
-                send[r].narrow(d, offset, b - a).copy_(x.narrow(d, a, b - a))
-                offset += b - a
-            if offset < width:
-                send[r].narrow(d, offset, width - offset).zero_()
-    send = send.flatten(0, 1)   # [tp, *local] -> the ranks' blocks along dim 0, as backends take them
+        if split.even:
+            send.copy_(x.view(pre + [tp, width] + post).movedim(d, 0))
+        else:
+            for r in range(tp):
+                offset = 0
+                for a, b in split.ranges[r]:
+                    send[r].narrow(d, offset, b - a).copy_(x.narrow(d, a, b - a))
+                    offset += b - a
+                if offset < width:
+                    send[r].narrow(d, offset, width - offset).zero_()
+        send = send.flatten(0, 1)   # [tp, *local] -> the ranks' blocks along dim 0, as backends take them
     if compiling:   # the functional collective, traced (see _gather_into)
         out = funcol.wait_tensor(funcol.reduce_scatter_tensor(send, "sum", 0, group))
     else:
