@@ -418,3 +418,30 @@ def test_zero_grad_resets_every_gradient_without_walking_modules_in_python(fake_
                 assert p.grad is None, name
             else:
                 assert p.grad is grads[name] and not p.grad.to_local().any(), name
+
+
+@pytest.mark.parametrize("mapping", ["all_gather_f", "reduce_scatter"])
+def test_a_sequence_parallel_collective_makes_the_aten_calls_it_needs_and_no_more(fake_rank, mapping):
+    """Megatron-SP's f̄ (all-gather forward, reduce-scatter backward) and ḡ (the reverse), eagerly,
+    of a batch of one: seven ATen calls, forward and backward together: the two c10d collectives,
+    a fresh buffer for each one's result (``new_empty``), one view of each buffer (the gather's
+    into the full shape, the reduce-scatter's send as the ranks' blocks), and the forward's input
+    detached (it records; the gradient in backward does not). Before: ten (the gradient detached
+    too, each buffer viewed ``[tp, *local]`` and again)."""
+    from autotp.distributed.collectives import GatherIntoTP, ReduceScatterToTP
+
+    module = (GatherIntoTP if mapping == "all_gather_f" else ReduceScatterToTP)(fake_rank, Shard(1), 8)
+    x = torch.randn(1, 4 if mapping == "all_gather_f" else 8, 3, requires_grad=True)
+
+    def step():
+        y = module.eager_forward(x * 1)
+        y.backward(torch.ones_like(y))
+
+    def bare():
+        y = x * 1
+        y.backward(torch.ones_like(y))
+
+    step(), bare()
+    extra = _aten(step).by_op - _aten(bare).by_op
+    assert extra["c10d._allgather_base_"] == extra["c10d._reduce_scatter_base_"] == 1, extra
+    assert sum(extra.values()) <= 7, extra
