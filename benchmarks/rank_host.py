@@ -23,6 +23,7 @@ tiny widths would otherwise be planned replicated).
     python benchmarks/rank_host.py --models gpt2:2 --repeats 5 --out -
     python benchmarks/rank_host.py --json before.json   # on the code before a change, then after it:
     python benchmarks/rank_host.py --before before.json --before-label <commit>
+    python benchmarks/rank_host.py --note "A shared 2-core CPU, loaded by other jobs."
 """
 from __future__ import annotations
 
@@ -191,6 +192,8 @@ def main() -> None:
     p.add_argument("--before", default=None, help="a --json file of an earlier run (the code before a change): "
                                                   "its figures set beside this run's")
     p.add_argument("--before-label", default="before", help="what the --before run was (a commit)")
+    p.add_argument("--note", default=None, help="a line on the machine's state, put under its description "
+                                                "(a shared, loaded machine)")
     args = p.parse_args()
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -202,7 +205,8 @@ def main() -> None:
     started = time.time()
     lines = ["# The host's work per step: one rank of tp=N against the serial model", "",
              "Command: `python benchmarks/rank_host.py " + shlex.join(sys.argv[1:]) + "`", "", machine(),
-             f"1 torch thread; load average at the start {os.getloadavg()[0]:.1f}.", "",
+             f"1 torch thread; load average at the start {os.getloadavg()[0]:.1f}." +
+             (f" {args.note}" if args.note else ""), "",
              "Tiny widths, so that the kernels cost next to nothing and the step is the host's work: the "
              "Python, the autograd engine and the dispatcher around the ATen ops. Host ms: the calling thread's "
              "CPU time (`time.thread_time`), the least of the repeats; ATen calls (a dispatch mode), Python "

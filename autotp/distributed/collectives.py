@@ -31,6 +31,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import operator
 import threading
 import time
 from typing import Any, Sequence
@@ -123,7 +124,7 @@ class _CommGuard:
     def __init__(self, op: str, group, only: Any = None) -> None:
         self.op, self.group, self.only = op, group, only
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> None:   # (_started's, inline: the guard is entered per collective too)
         self.started = time.monotonic()
         key = getattr(self.group, "group_name", None) or id(self.group)
         self.since = _previous_start.get(key)  # faults published before it are an earlier call's
@@ -135,6 +136,19 @@ class _CommGuard:
         if self.only is not None and not self.only(exc):
             return False
         raise _comm_failure(self.op, self.group, exc, self.started, self.since) from exc
+
+
+def _started(group) -> tuple[float, float | None]:
+    """A collective on ``group`` starts now: when (``time.monotonic``), and when the group's previous
+    one did (faults published before it are an earlier call's), for the roll call of a failure.
+    The eager mappings' collectives note their start so and catch their failure inline, raising
+    what :class:`_CommGuard`'s exit raises: the guard's ``__init__``, ``__enter__`` and
+    ``__exit__`` were three Python calls per collective of every step."""
+    started = time.monotonic()
+    key = getattr(group, "group_name", None) or id(group)
+    since = _previous_start.get(key)
+    _previous_start[key] = time.time()
+    return started, since
 
 
 def _comm_failure(op: str, group, e: Exception, started: float, since: float | None) -> CommError:
@@ -187,8 +201,18 @@ def _all_reduce(x: Tensor, group, op: str, in_place: bool = False, compiling: bo
     in_place = in_place and x.is_contiguous()
     if not in_place:
         x = x.clone(memory_format=torch.contiguous_format)
-    with _CommGuard(op, group):   # waited for inside: a failure surfaces here, named
-        _c10d_all_reduce(x, group)
+    started, since = _started(group)
+    try:   # waited for inside: a failure surfaces here, named
+        if type(x) is not Tensor or x.is_complex():
+            _c10d_all_reduce(x, group)
+        else:   # (_c10d_all_reduce's common case, inline: a Python call less per f and g)
+            opts = _c10d.AllreduceOptions()
+            opts.asyncOp = False
+            group.allreduce([x], opts).wait()
+    except AutotpError:
+        raise
+    except Exception as exc:   # as _CommGuard's exit (the guard's three calls, inline)
+        raise _comm_failure(op, group, exc, started, since) from exc
     if in_place:
         _increment_version((x,))
     return x
@@ -297,7 +321,8 @@ def rank_slice(x: Tensor, shard: Shard, tp: int, rank: int, strided: bool = Fals
     ``compiling``: as :func:`group_size`'s."""
     if torch.compiler.is_compiling() if compiling is None else compiling:
         return local_shard(x, shard, tp, rank)
-    ranges = _split(x.shape[shard.dim], shard, tp, False).ranges[rank]
+    found = _splits.get((id(shard), x.shape[shard.dim], tp))   # (_split's lookup, inline)
+    ranges = (found[1] if found is not None else _split(x.shape[shard.dim], shard, tp, False)).ranges[rank]
     if len(ranges) != 1:
         return local_shard(x, shard, tp, rank)
     (a, b), = ranges
@@ -328,7 +353,9 @@ def dense_order(x: Tensor) -> list[int] | None:
     contiguous, or strided past a permutation (a slice)."""
     if x.is_contiguous():
         return None
-    order = sorted(range(x.dim()), key=lambda i: (-x.stride(i), i))
+    # the dims by falling stride, ties in dim order (a stable sort): keyed by C functions alone, no
+    # Python call per dim (a strided gradient reaches it in a step's gathers and reduce-scatters)
+    order = sorted(range(x.dim()), key=tuple(map(operator.neg, x.stride())).__getitem__)
     return order if x.permute(order).is_contiguous() else None
 
 
@@ -352,15 +379,20 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str, compili
     ``compiling``: as :func:`group_size`'s, asked once for the helpers below."""
     if compiling is None:
         compiling = torch.compiler.is_compiling()
-    tp, x = group_size(group, compiling), x.detach()
+    if x.requires_grad or compiling:   # (a gradient in an eager backward needs no detach: an ATen call)
+        x = x.detach()
+    # eagerly the group's size and the split's layout without a Python call (group_size's,
+    # _split's: asked in every gather of every step)
+    tp = group.size() if group is not None and not compiling else group_size(group, compiling)
     if tp == 1:
         return x.contiguous()
-    split = _split(full_size, shard, tp, compiling)
+    found = None if compiling else _splits.get((id(shard), full_size, tp))
+    split = found[1] if found is not None else _split(full_size, shard, tp, compiling)
     # The blocks travel in each rank's memory order, so every rank must hold its part alike: an
     # even split's parts are one shape, made by the same program, laid out the same. An uneven
     # one's differ (an empty or one-long part is contiguous, its strides ties), so they are made
     # contiguous. A compiled program's layouts are inductor's.
-    order = dense_order(x) if split.even and x.numel() and not compiling else None
+    order = dense_order(x) if split.even and x.numel() and not compiling and not x.is_contiguous() else None
     if order is not None:
         return _unpermute(_all_gather(x.permute(order), group, _held(shard, order), full_size, op, False), order)
     d, width = shard.dim, split.width
@@ -368,12 +400,12 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str, compili
         # An even contiguous split: one all_gather_into_tensor into a [tp, *local] buffer; the
         # full tensor is that buffer with the rank axis folded into dim d (none where d == 0,
         # else one copy out of a kept buffer).
-        if _all_ones(x.shape[:d], compiling):
+        if math.prod(x.shape[:d]) == 1 if not compiling else _all_ones(x.shape[:d], True):
             # every dim before d of size one (dim 0 itself, or a batch of one under sequence
             # parallelism): the ranks' blocks in rank order are the full tensor already
             shape = list(x.shape)
             shape[d] = tp * width
-            return _gather_into(x.contiguous(), group, op, tp=tp, compiling=compiling).view(shape)
+            return _gather_into(x.contiguous(), group, op, tp=tp, compiling=compiling, shape=shape)
         out = _gather_into(x.contiguous(), group, op, scratch=True, tp=tp, compiling=compiling)
         shape = list(x.shape)
         shape[d] = full_size
@@ -417,7 +449,7 @@ def _all_ones(sizes: Sequence[int], compiling: bool) -> bool:
 
 
 def _gather_into(send: Tensor, group, op: str, scratch: bool = False, tp: int | None = None,
-                 compiling: bool | None = None) -> Tensor:
+                 compiling: bool | None = None, shape: Sequence[int] | None = None) -> Tensor:
     """Every rank's contiguous ``send`` in one buffer, viewed ``[tp, *send.shape]`` (backends take
     the output as the inputs concatenated along dim 0). ``scratch``: the caller copies what it
     needs out of the buffer before the next collective, so a reused one may serve (``_scratch``).
@@ -426,13 +458,16 @@ def _gather_into(send: Tensor, group, op: str, scratch: bool = False, tp: int | 
     dispatch, the wrapper tensor it returns and the autograd registration it goes through, about
     80 Python calls each time; and torch 2.11's kills the process where gloo gathers GPU tensors.)
     ``tp`` and ``compiling``: the group's size and whether a compile trace runs, where the caller
-    knows them (None: asked here)."""
+    knows them (None: asked here). ``shape``: the view of the buffer returned instead (the caller's
+    own, one view where two were made)."""
     tp = group_size(group) if tp is None else tp
-    shape = (tp * send.shape[0],) + tuple(send.shape[1:])
+    view = (tp,) + tuple(send.shape) if shape is None else shape
     if torch.compiler.is_compiling() if compiling is None else compiling:
-        return funcol.wait_tensor(all_gather_single(send, 0, group)).view((tp,) + tuple(send.shape))
-    out = _scratch(shape, send, "gather", False) if scratch else send.new_empty(shape)
-    with _CommGuard(op, group):   # a collective, waited for inside
+        return funcol.wait_tensor(all_gather_single(send, 0, group)).view(view)
+    flat = (tp * send.shape[0],) + tuple(send.shape[1:])
+    out = _scratch(flat, send, "gather", False) if scratch else send.new_empty(flat)
+    started, since = _started(group)
+    try:   # a collective, waited for inside
         if type(send) is Tensor and not send.is_complex() and hasattr(group, "all_gather_single"):
             # the group's own collective, as dist.all_gather_single calls it (see _c10d_all_reduce)
             opts = _c10d.AllgatherOptions()
@@ -440,7 +475,11 @@ def _gather_into(send: Tensor, group, op: str, scratch: bool = False, tp: int | 
             group.all_gather_single(out, send, opts).wait()
         else:
             _c10d_all_gather_single(out, send, group=group)
-    return out.view((tp,) + tuple(send.shape))
+    except AutotpError:
+        raise
+    except Exception as exc:   # as _CommGuard's exit (see _all_reduce)
+        raise _comm_failure(op, group, exc, started, since) from exc
+    return out.view(view)
 
 
 #: c10d's all-gather into one tensor (``all_gather_single`` from torch 2.13 on; the older name
@@ -498,16 +537,22 @@ def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str,
     needs no staging. ``compiling``: as :func:`_all_gather`'s."""
     if compiling is None:
         compiling = torch.compiler.is_compiling()
-    tp, rank, x = group_size(group, compiling), group_rank(group, compiling), x.detach()
+    if x.requires_grad or compiling:   # (see _all_gather)
+        x = x.detach()
+    if group is not None and not compiling:   # without group_size's and group_rank's calls (see _all_gather)
+        tp, rank = group.size(), group.rank()
+    else:
+        tp, rank = group_size(group, compiling), group_rank(group, compiling)
     if tp == 1:
         return local_shard(x, shard, 1, 0)
     if x.device.type != "cpu" and dist.get_backend(group) == "gloo":
         # gloo reduce-scatters CPU tensors only; it all-reduces GPU tensors (ranks sharing a GPU).
         return local_shard(_all_reduce(x, group, op, compiling=compiling), shard, tp, rank)
-    split = _split(full_size, shard, tp, compiling)
+    found = None if compiling else _splits.get((id(shard), full_size, tp))
+    split = found[1] if found is not None else _split(full_size, shard, tp, compiling)
     # the blocks are summed element by element, so every rank must hold its summand alike: an
     # even split's are one shape made by one program (as _all_gather's parts)
-    order = dense_order(x) if split.even and x.numel() and not compiling else None
+    order = dense_order(x) if split.even and x.numel() and not compiling and not x.is_contiguous() else None
     if order is not None:
         return _unpermute(_reduce_scatter(x.permute(order), group, _held(shard, order), full_size, op, False),
                           order)
@@ -518,27 +563,30 @@ def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str,
     # the widest: a reduce-scatter of equal blocks, even when the shard is uneven or
     # interleaved (the zero padding sums to zero and is cut). An even split of dim 0 is that
     # layout already; an even split of another dim is one copy; else each run copied once.
-    if split.even:
-        if _all_ones(pre, compiling):   # dim 0, or only dims of size one before d: in rank order already
-            send = x.contiguous().view([tp] + pre + [width] + post)
-        else:
-            send = _scratch([tp] + pre + [width] + post, x, "reduce_scatter", compiling)
-            send.copy_(x.view(pre + [tp, width] + post).movedim(d, 0))
+    if split.even and (math.prod(pre) == 1 if not compiling else _all_ones(pre, True)):
+        # dim 0, or only dims of size one before d: in rank order already, [tp, *local] with its
+        # first two dims flattened as backends take the ranks' blocks (one view, not two)
+        blocks = [tp] + pre + [width] + post
+        send = x.contiguous().view([tp * blocks[1]] + blocks[2:])
     else:
         send = _scratch([tp] + pre + [width] + post, x, "reduce_scatter", compiling)
-        for r in range(tp):
-            offset = 0
-            for a, b in split.ranges[r]:
-                send[r].narrow(d, offset, b - a).copy_(x.narrow(d, a, b - a))
-                offset += b - a
-            if offset < width:
-                send[r].narrow(d, offset, width - offset).zero_()
-    send = send.flatten(0, 1)   # [tp, *local] -> the ranks' blocks along dim 0, as backends take them
+        if split.even:
+            send.copy_(x.view(pre + [tp, width] + post).movedim(d, 0))
+        else:
+            for r in range(tp):
+                offset = 0
+                for a, b in split.ranges[r]:
+                    send[r].narrow(d, offset, b - a).copy_(x.narrow(d, a, b - a))
+                    offset += b - a
+                if offset < width:
+                    send[r].narrow(d, offset, width - offset).zero_()
+        send = send.flatten(0, 1)   # [tp, *local] -> the ranks' blocks along dim 0, as backends take them
     if compiling:   # the functional collective, traced (see _gather_into)
         out = funcol.wait_tensor(funcol.reduce_scatter_tensor(send, "sum", 0, group))
     else:
         out = x.new_empty(pre + [width] + post)
-        with _CommGuard(op, group):   # a collective, waited for inside
+        started, since = _started(group)
+        try:   # a collective, waited for inside
             if type(send) is Tensor and not send.is_complex() and hasattr(group, "reduce_scatter_single"):
                 # a sum, as dist.reduce_scatter_single calls it (see _c10d_all_reduce)
                 opts = _c10d.ReduceScatterOptions()
@@ -546,6 +594,10 @@ def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str,
                 group.reduce_scatter_single(out, send, opts).wait()
             else:
                 _c10d_reduce_scatter_tensor(out, send, group=group)
+        except AutotpError:
+            raise
+        except Exception as exc:   # as _CommGuard's exit (see _all_reduce)
+            raise _comm_failure(op, group, exc, started, since) from exc
     n = split.sizes[rank]
     return out if n == width else out.narrow(d, 0, n).contiguous()
 
@@ -903,7 +955,8 @@ class _ReduceFromTP(_Mapping):
 
     @staticmethod
     def forward(ctx, x, group, in_place, compiling):
-        return _output(_all_reduce(x, group, "all_reduce in g (forward)", in_place, compiling), compiling)
+        out = _all_reduce(x, group, "all_reduce in g (forward)", in_place, compiling)
+        return out.view_as(out) if compiling else out   # (_output, inline: a call less per eager g)
 
     @staticmethod
     def backward(ctx, grad):
@@ -916,14 +969,16 @@ class _GatherFromTP(_Mapping):
     @staticmethod
     def forward(ctx, x, group, shard, full_size, compiling):
         ctx.group, ctx.shard = group, shard
-        op = "all_gather in gather_from_tp (forward)"
-        return _output(_all_gather(x, group, shard, full_size, op, compiling), compiling)
+        out = _all_gather(x, group, shard, full_size, "all_gather in gather_from_tp (forward)", compiling)
+        return out.view_as(out) if compiling else out   # (_output, inline)
 
     @staticmethod
     def backward(ctx, grad):
         # the rank's slice of the gradient as a view, strided where the split is not of the
         # outermost dims (the heads of attention's output): the formula it goes to reads it so
         g, s, compiling = ctx.group, ctx.shard, torch.compiler.is_compiling()
+        if g is not None and not compiling:   # (group_size's and group_rank's answers, inline)
+            return rank_slice(grad, s, g.size(), g.rank(), strided=True, compiling=False), None, None, None, None
         cut = rank_slice(grad, s, group_size(g, compiling), group_rank(g, compiling), strided=True, compiling=compiling)
         return cut, None, None, None, None
 
@@ -936,8 +991,8 @@ class _GatherIntoTP(_Mapping):
     @staticmethod
     def forward(ctx, x, group, shard, full_size, compiling):
         ctx.group, ctx.shard, ctx.full_size = group, shard, full_size
-        op = "all_gather in gather_into_tp (forward)"
-        return _output(_all_gather(x, group, shard, full_size, op, compiling), compiling)
+        out = _all_gather(x, group, shard, full_size, "all_gather in gather_into_tp (forward)", compiling)
+        return out.view_as(out) if compiling else out   # (_output, inline)
 
     @staticmethod
     def backward(ctx, grad):
@@ -951,6 +1006,8 @@ class _ScatterToTP(_Mapping):
     @staticmethod
     def forward(ctx, x, group, shard, full_size, compiling):
         ctx.group, ctx.shard, ctx.full_size = group, shard, full_size
+        if group is not None and not compiling:   # (group_size's and group_rank's answers, inline)
+            return rank_slice(x, shard, group.size(), group.rank(), compiling=False)
         cut = rank_slice(x, shard, group_size(group, compiling), group_rank(group, compiling), compiling=compiling)
         return _output(cut, compiling)
 
@@ -966,8 +1023,8 @@ class _ReduceScatterToTP(_Mapping):
     @staticmethod
     def forward(ctx, x, group, shard, full_size, compiling):
         ctx.group, ctx.shard, ctx.full_size = group, shard, full_size
-        op = "reduce_scatter in reduce_scatter_to_tp (forward)"
-        return _output(_reduce_scatter(x, group, shard, full_size, op, compiling), compiling)
+        out = _reduce_scatter(x, group, shard, full_size, "reduce_scatter in reduce_scatter_to_tp (forward)", compiling)
+        return out.view_as(out) if compiling else out   # (_output, inline)
 
     @staticmethod
     def backward(ctx, grad):
@@ -1077,6 +1134,15 @@ class _CommModule(nn.Module):
             new.__dict__[key] = value if key == "group" else copy.deepcopy(value, memo)
         return new
 
+    def eager_forward(self, *args: Any) -> Any:
+        """``forward``, for eager code that runs outside any trace (a program's eager code,
+        :mod:`autotp.runtime.module.eager_code`, calls it in place of the module call). The
+        mappings' own (below) apply their autograd Function through autograd's C++ ``apply`` at
+        once: no module call (``__getattr__``, ``_wrapped_call_impl``, ``_call_impl``), no
+        compile check, no mapping function between (five to seven Python calls a collective).
+        Module hooks do not run on this path; autotp registers none on these modules."""
+        return self.forward(*args)
+
     def _group_repr(self) -> str:
         ranks = group_ranks(self.group)
         return "group=None" if self.group is None else f"ranks={list(ranks) if ranks else '?'}"
@@ -1089,10 +1155,27 @@ class _ShardedCommModule(_CommModule):
     """``full_size=None``: the sharded dim is dynamic (the sequence, under sequence parallelism);
     the graph passes its size at call time, or the input, when whole, shows it."""
 
+    #: the mapping's autograd Function (None: ``forward`` itself runs eagerly too)
+    _function: type | None = None
+    #: whether the input is whole along the sharded dim (it shows the size where none is given)
+    _whole_input = False
+
     def __init__(self, group, shard: Shard, full_size: int | None) -> None:
         super().__init__(group)
         self.shard = shard
         self.full_size = None if full_size is None else int(full_size)
+
+    def eager_forward(self, x: Tensor, full_size: int | None = None) -> Tensor:
+        """``forward`` outside any trace (:meth:`_CommModule.eager_forward`)."""
+        group, fn = self.group, self._function
+        if fn is None or group is None or group.size() == 1:   # (a group of one: plain tensor ops, as forward's)
+            return self.forward(x, full_size)
+        size = int(full_size) if full_size is not None else self.full_size
+        if size is None:   # (size's answer where the input is whole, inline; else its error)
+            size = x.shape[self.shard.dim] if self._whole_input else self.size(x, None, False)
+        if _functorch_active():
+            return fn.apply(x, group, self.shard, size, False)
+        return fn._c_apply(_unwrap_if_dead(x), group, self.shard, size, False)
 
     def size(self, x: Tensor, full_size: int | None, whole_input: bool) -> int:
         if full_size is not None:
@@ -1115,9 +1198,17 @@ class _ReduceModule(_CommModule):
     """An f or a g; ``in_place`` (set by :mod:`autotp.passes.in_place`): its all-reduce writes the
     sum over the tensor it reduces, which nothing else reads."""
 
+    _function: type
+
     def __init__(self, group, in_place: bool = False) -> None:
         super().__init__(group)
         self.in_place = in_place
+
+    def eager_forward(self, x: Tensor) -> Tensor:
+        """``forward`` outside any trace (:meth:`_CommModule.eager_forward`)."""
+        if _functorch_active():
+            return self._function.apply(x, self.group, self.in_place, False)
+        return self._function._c_apply(_unwrap_if_dead(x), self.group, self.in_place, False)
 
     def extra_repr(self) -> str:
         return f"{self._group_repr()}, in_place" if self.in_place else self._group_repr()
@@ -1127,6 +1218,7 @@ class CopyToTP(_ReduceModule):
     """f: identity forward, all-reduce of the gradient backward."""
 
     kind = "f"
+    _function = _CopyToTP
 
     def forward(self, x: Tensor) -> Tensor:
         return copy_to_tp(x, self.group, self.in_place)
@@ -1136,6 +1228,7 @@ class ReduceFromTP(_ReduceModule):
     """g: all-reduce forward, identity backward."""
 
     kind = "g"
+    _function = _ReduceFromTP
 
     def forward(self, x: Tensor) -> Tensor:
         return reduce_from_tp(x, self.group, self.in_place)
@@ -1143,6 +1236,7 @@ class ReduceFromTP(_ReduceModule):
 
 class GatherFromTP(_ShardedCommModule):
     kind = "all_gather"
+    _function = _GatherFromTP
 
     def forward(self, x: Tensor, full_size: int | None = None) -> Tensor:
         return gather_from_tp(x, self.group, self.shard, self.size(x, full_size, whole_input=False))
@@ -1153,6 +1247,7 @@ class GatherIntoTP(_ShardedCommModule):
     column-parallel product)."""
 
     kind = "all_gather_f"
+    _function = _GatherIntoTP
 
     def forward(self, x: Tensor, full_size: int | None = None) -> Tensor:
         return gather_into_tp(x, self.group, self.shard, self.size(x, full_size, whole_input=False))
@@ -1160,6 +1255,7 @@ class GatherIntoTP(_ShardedCommModule):
 
 class ScatterToTP(_ShardedCommModule):
     kind = "scatter"
+    _function, _whole_input = _ScatterToTP, True
 
     def forward(self, x: Tensor, full_size: int | None = None) -> Tensor:
         return scatter_to_tp(x, self.group, self.shard, self.size(x, full_size, whole_input=True))
@@ -1167,6 +1263,7 @@ class ScatterToTP(_ShardedCommModule):
 
 class ReduceScatterToTP(_ShardedCommModule):
     kind = "reduce_scatter"
+    _function, _whole_input = _ReduceScatterToTP, True
 
     def forward(self, x: Tensor, full_size: int | None = None) -> Tensor:
         return reduce_scatter_to_tp(x, self.group, self.shard, self.size(x, full_size, whole_input=True))

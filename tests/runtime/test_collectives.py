@@ -351,6 +351,44 @@ def test_comm_modules_of_a_dynamic_dim_take_its_size_at_call_time(cluster, op, c
         torch.testing.assert_close(grad, want_grad, msg=lambda m: f"{op} backward, rank {rank}: {m}")
 
 
+def run_eager_module(op: str, case: Case, static: bool, in_place: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs in a rank: the mapping through its comm module's ``eager_forward``, what a program's
+    eager code calls (autotp/runtime/module/eager_code.py). ``static``: the module holds the full
+    size; else the gather is told it at call time and the others read it off their input."""
+    mesh = get_mesh(case.tp)
+    group, r, block = mesh.tp_group, mesh.tp_rank, dist.get_rank() // case.tp
+    x = _rank_inputs("gather" if op == "gather_into" else op, case, block, r).requires_grad_()
+    if op in ("f", "g"):
+        module = (C.CopyToTP if op == "f" else C.ReduceFromTP)(group, in_place)
+        y = module.eager_forward(x if op == "f" else x.clone())   # g: a partial nothing else reads
+    else:
+        cls = {"gather": C.GatherFromTP, "gather_into": C.GatherIntoTP, "scatter": C.ScatterToTP,
+               "reduce_scatter": C.ReduceScatterToTP}[op]
+        module = cls(group, case.shard, case.full_size if static else None)
+        y = module.eager_forward(x, None if static or op in ("scatter", "reduce_scatter") else case.full_size)
+    y.backward(_tensor(case.seed, y.shape, "dy", block, r))
+    return y.detach(), x.grad
+
+
+@settings(max_examples=25, deadline=None)
+@given(op=st.sampled_from(["f", "g", "gather", "gather_into", "scatter", "reduce_scatter"]), case=cases(),
+       static=st.booleans(), in_place=st.booleans())
+def test_comm_modules_eager_forward_matches_the_definitions(cluster, op, case, static, in_place):
+    """The eager code's call of a collective module (its Function through autograd's C++ apply,
+    no module call) computes the mapping: forward and backward, every layout, tp 1, 2 and 4.
+    gather_into is a gather forward whose gradient is reduce-scattered: each rank's slice of the
+    sum of the ranks' gradients."""
+    results = cluster.run(run_eager_module, op, case, static, in_place)
+    for rank, (y, grad) in enumerate(results):
+        block, r = rank // case.tp, rank % case.tp
+        want_y, want_grad = _expected("gather" if op == "gather_into" else op, case, block, r)
+        if op == "gather_into":
+            dy = sum(_tensor(case.seed, case.shape, "dy", block, q) for q in range(case.tp))
+            want_grad = C.local_shard(dy, case.shard, case.tp, r)
+        torch.testing.assert_close(y, want_y, msg=lambda m: f"{op} forward, rank {rank}: {m}")
+        torch.testing.assert_close(grad, want_grad, msg=lambda m: f"{op} backward, rank {rank}: {m}")
+
+
 def test_gather_of_a_dynamic_dim_without_its_size_names_the_missing_argument():
     with pytest.raises(CommError, match="gathered size of a dynamic dim"):
         C.GatherFromTP(None, Shard(1), None)(torch.zeros(2, 3))

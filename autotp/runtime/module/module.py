@@ -322,6 +322,29 @@ class ParallelModule(LeavesSwitch, nn.Module):
         grad = self._held[self.plan.aliases.get(fqn, fqn)].grad
         return None if grad is None else local_tensor(grad)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``: every parameter's gradient reset, found by a plain loop over the
+        submodules' parameter dicts, read as they are now (a parameter FSDP2 or a load put in
+        place, a module added since). ``Module.parameters()``'s walk is generators nested as
+        deep as the modules (the model's tree of names, the programs' graphs and their
+        collective modules): each step of each one a Python call, about 2,300 a step of a rank
+        of gpt2, 12 layers, under sequence parallelism. A parameter held twice is reset twice."""
+        stack = [self]
+        while stack:
+            module = stack.pop()
+            for p in module._parameters.values():
+                if p is None or p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:   # (as nn.Module.zero_grad)
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    p.grad.zero_()
+            stack.extend(module._modules.values())
+
     def local_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter's shard on this rank, once per tied group, under the name the plan
         and the programs use (``lm_head.weight`` for GPT-2's tied embedding)."""
@@ -524,7 +547,13 @@ class ParallelModule(LeavesSwitch, nn.Module):
         params = [program_tensor(self._held[fqn], grad, self._leaves, compiling) if fqn not in program.outlined
                   else None for fqn in program.param_order]
         buffers = [self.get_buffer(fqn) for fqn in program.buffer_order]
-        outputs = program.graph_module(*params, *buffers, *program.constants, *flat)
+        gm = program.graph_module
+        if compiling:   # the graph module as fx made it: dynamo traces its ops and modules
+            outputs = gm(*params, *buffers, *program.constants, *flat)
+        else:   # its eager code: no Python of OpOverload.__call__ or of a module call between the ops
+            run = program.eager if program.eager_of is gm._code else program.bind_eager()
+            outputs = run(gm, *params, *buffers, *program.constants, *flat) if run is not None \
+                else gm(*params, *buffers, *program.constants, *flat)
         outputs = list(outputs)
         if grad and self._guard.active and not compiled:   # a backward pass that raises is a fault of the call
             wanted = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]

@@ -42,6 +42,20 @@ class Program:
     inputs: dict = field(init=False, default_factory=dict)
     #: parameter FQNs the program's layer calls read themselves (per-layer FSDP: runtime.module.outline)
     outlined: frozenset = frozenset()
+    #: the graph's forward as eager code (:func:`~autotp.runtime.module.eager_code.eager_forward`:
+    #: its ops and collectives called without the Python between), made from the graph module's
+    #: code ``eager_of`` (its ``_code``, made again when the graph is recompiled); None: the graph
+    #: module runs itself
+    eager: Callable[..., Any] | None = field(init=False, default=None, repr=False)
+    eager_of: str | None = field(init=False, default=None, repr=False)
+
+    def bind_eager(self) -> Callable[..., Any] | None:
+        """The eager code of the graph module's current code, made now (see ``eager``)."""
+        from .eager_code import eager_forward
+
+        gm = self.graph_module
+        self.eager, self.eager_of = eager_forward(gm), gm._code
+        return self.eager
 
     def serves(self, kwargs: dict[str, Any], training: bool, tied: bool = True, guarded: bool = True) -> bool:
         """Does this program compute a call with these inputs, in this mode? Same tensor inputs
