@@ -283,18 +283,22 @@ def run_held_reduce_scatter(case: Case, order: tuple[int, ...]) -> tuple:
 # split along the dim the memory holds outermost: the summand is the ranks' blocks in rank order
 @example(case=Case(2, Shard(1), (2, 4, 3), 7), data=None)
 @example(case=Case(4, Shard(2), (3, 2, 8), 5), data=None)
+@example(case=Case(4, Shard(0, unit=3), (12, 3), 0), data=None)   # summed in another order by the ring
 def test_a_reduce_scatter_of_a_permuted_summand_keeps_its_layout_and_values(cluster, case, data):
     # an even split's summand reduce-scattered in its memory's order, the shard returned held so:
     # no copy beyond those of the contiguous tensor it is a permutation of (before: one more, to
-    # make it contiguous or to stage it), the sum bit for bit the contiguous summand's
-    order = (1, 0, 2) if data is None else tuple(data.draw(st.permutations(range(len(case.shape)))))
+    # make it contiguous or to stage it), the sum the contiguous summand's to float64's rounding
+    order = (1, 0, 2)[:len(case.shape)] if data is None else tuple(data.draw(st.permutations(range(len(case.shape)))))
     if data is None and case.shard.dim == 2:
         order = (2, 0, 1)
     for rank, (y, grad, held_x, held_y, whole, made) in enumerate(
             cluster.run(run_held_reduce_scatter, case, order)):
         want_y, want_grad = _expected("reduce_scatter", case, rank // case.tp, rank % case.tp)
         torch.testing.assert_close(y, want_y)
-        torch.testing.assert_close(y, whole, rtol=0, atol=0)
+        # gloo's ring sums each chunk of a buffer starting at another rank, so the summand laid out
+        # otherwise in the buffer may round otherwise in the last bits (4.4e-16 seen: tp 4,
+        # Shard(0, unit=3), (12, 3), order (1, 0)): the sums agree to float64's rounding, not bitwise
+        torch.testing.assert_close(y, whole, rtol=2**-50, atol=2**-50)
         torch.testing.assert_close(grad, want_grad, rtol=0, atol=0)
         if C._split(case.full_size, case.shard, case.tp).even:
             assert held_y == held_x, (order, held_x, held_y)
