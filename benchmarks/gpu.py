@@ -43,7 +43,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import statistics
 import sys
 import time

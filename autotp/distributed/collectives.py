@@ -43,7 +43,7 @@ import torch.distributed.distributed_c10d as _c10d
 from torch import Tensor, nn
 
 from autotp.errors import AutotpError, CommError, LostRankError, PlanError
-from autotp.placements import (Shard, local_ranges, local_size, max_local_size, owned_ranges,
+from autotp.placements import (Shard, local_ranges, local_size, owned_ranges,
                                resharded_by_all_to_all)
 
 #: the functional all-gather into one tensor: ``all_gather_single`` from torch 2.13 on, where
