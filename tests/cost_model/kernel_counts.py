@@ -16,7 +16,7 @@ class KernelCounter(TorchDispatchMode):
     """Each non-view ATen call a kernel, with the bytes it touches: its tensor arguments read and
     its results written, except that a fill reads nothing, a gather reads only the entries it
     picks, an in-place scatter, ``index_copy_`` or ``index_put_`` writes (and a scatter-add reads) only the
-    entries it writes, and a sort is the radix sort a GPU runs.
+    entries it writes (a scatter of one value: an entry an index entry), and a sort is the radix sort a GPU runs.
     Collectives are communication, allocations no kernel, and ``_unsafe_view`` a view (a
     reshape's of a copy: autograd's aliasing does not mark it one)."""
 
@@ -35,6 +35,8 @@ class KernelCounter(TorchDispatchMode):
         launches = 1
         if name in self.fills:
             moved = tensor_bytes(out)
+        elif name == "scatter_" and not isinstance(args[3], torch.Tensor):   # one value: an entry an index
+            moved = tensor_bytes(args[2]) + args[2].numel() * args[0].element_size()
         elif name == "scatter_":
             moved = tensor_bytes((args[2], args[3])) + tensor_bytes(args[3])
         elif name == "gather":
