@@ -389,10 +389,14 @@ def _inverted_layer(ctx: LocalContext, node: Any) -> "OwnLayer":
     made = next((u for u in node.users if u.target is operator.getitem and u.args[1] == 1), None) \
         if node.target in SORTS else node
     p = inverted(made) if made is not None else None
-    found = ctx.own.get(ctx.env.get(p)) if p is not None else None
+    if p is None:
+        raise _refused(f"{node.name} makes no inverse of a permutation the graph proves (inv[p] = arange(n), its "
+                       f"scatter, argsort(p) or sort(p)[1] of a permutation p) from a rank's own rows routed alone; "
+                       f"it must run on every row")
+    found = ctx.own.get(ctx.env.get(p))
     if found is None or found[0] != "flat":
-        raise _refused(f"{node.name} is not the inverse of a rank's own sort of its rows (an inverse of "
-                       f"{_name(p)}, not of the sort's positions); it must run on every row")
+        raise _refused(f"{node.name} inverts {_name(p)}, not the positions the rank's own sort gave its rows; it must "
+                       f"run on every row")
     return found[1]
 
 
