@@ -40,7 +40,7 @@ from .rules.row_reads import GROUPED_MM, grouped_reader, permutes_rows, reads_ho
 from .rules.experts import sends_back
 from .rules.gathered_rows import gathers_rows, rank_rows_work, row_copies
 from .rules.local_routing import sorted_ids_experts
-from .rules.routing import SORTS, counted_pick, router_experts
+from .rules.routing import INVERTERS, SORTS, counted_pick, makes_inverse, router_experts
 from .rules.pointwise import reduce_scatters_tokens, scatters_tokens, sequence_factors
 from .rules.registry import aliases_first, mutates_first, op_name
 
@@ -583,6 +583,8 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
         info.row_copies = row_copies(node)
     if (node.target in SORTS or node.target in (aten.argsort.default, aten.argsort.stable)) and node.args:
         info.routing_experts = router_experts(node.args[0]) or 0
+    if node.target in SORTS or node.target in INVERTERS:
+        info.inverts = makes_inverse(node)
     elif node.target in (aten.histc.default, aten.bincount.default) and node.args:
         info.routing_experts = sorted_ids_experts(node.args[0]) or 0
     info.reads_rows = reads_rows(node)

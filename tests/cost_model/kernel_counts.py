@@ -17,8 +17,8 @@ class KernelCounter(TorchDispatchMode):
     its results written, except that a fill reads nothing, a copy reads its source alone (the
     destination it writes is its result), a gather (and the ops named in ``picks``:
     ``index_select``, ``index`` of rows) reads only the entries it picks, an in-place scatter,
-    ``index_copy_`` or ``index_put_`` writes (and a scatter-add reads) only the
-    entries it writes, and a sort is the radix sort a GPU runs.
+    ``index_copy_`` or ``index_put_`` writes (and a scatter-add reads) only the entries it writes
+    (a scatter of one value: an entry an index entry), and a sort is the radix sort a GPU runs.
     Collectives are communication, allocations no kernel, and ``_unsafe_view`` a view (a
     reshape's of a copy: autograd's aliasing does not mark it one)."""
 
@@ -39,6 +39,8 @@ class KernelCounter(TorchDispatchMode):
         launches = 1
         if name in self.fills:
             moved = tensor_bytes(out)
+        elif name == "scatter_" and not isinstance(args[3], torch.Tensor):   # one value: an entry an index
+            moved = tensor_bytes(args[2]) + args[2].numel() * args[0].element_size()
         elif name == "scatter_":
             moved = tensor_bytes((args[2], args[3])) + tensor_bytes(args[3])
         elif name == "gather":

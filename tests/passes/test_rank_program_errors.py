@@ -46,7 +46,7 @@ def _localize(target, kinds: list[str | None], strategy: Strategy, args: tuple |
         if kind is not None:
             ctx.own[local] = (kind, layer)
     ctx.rows[ctx.inputs[0]] = flat
-    info = SimpleNamespace(target=target, **info)
+    info = SimpleNamespace(target=target, **{"inverts": False, **info})
     with pytest.raises(PlanError) as caught:
         own_localizer(info, strategy, tuple(ctx.inputs) if args is None else args(ctx.inputs), {}, ctx)
     message = str(caught.value)
@@ -79,15 +79,15 @@ def test_positions_divided_by_another_number_than_the_top_k_are_refused():
     assert "it must run on every row" in message
 
 
-@pytest.mark.parametrize("kinds", [["unset", "flat", None], ["unset", "tokens", None], ["flat", "flat", None]],
-                         ids=["values-not-arange", "at-token-positions", "base-written-already"])
+@pytest.mark.parametrize("kinds", [["unset", "flat", None], ["unset", "tokens", None]],
+                         ids=["values-not-arange", "at-token-positions"])
 def test_an_inverse_written_with_other_values_or_positions_is_refused(kinds):
-    # inv[perm] = v: the values a placeholder (not arange(n)), the positions a token's, or the
-    # base not a fresh empty_like
+    # inv[perm] = v: the values a placeholder (not arange(n)), or the positions a token's: no
+    # inverse of a permutation the graph proves (rules/routing.inverted, the one recognizer; what
+    # the base held does not matter, every entry of it is written)
     message = _localize(aten.index_put_.default, kinds, Strategy((OWN, OWN, REPLICATE), OWN),
                         args=lambda xs: (xs[0], [xs[1]], xs[2]))
-    assert message.startswith("index_put__default writes a rank's own rows routed alone at positions that are not "
-                              "its flat rows', or values other than arange(n)"), message
+    assert message.startswith("index_put__default makes no inverse of a permutation the graph proves"), message
     assert "it must run on every row" in message
 
 
@@ -273,3 +273,25 @@ def test_rows_sent_back_that_no_dispatch_of_their_layer_sent_are_refused(monkeyp
     assert message.startswith(f"{back[0]} is placed as rows an all-to-all dispatch sent to their experts' ranks, "
                               "but no dispatching product of its layer made its rows"), message
     assert message.endswith("plan with expert_dispatch=False to combine the rows by a g"), message
+
+
+def test_an_inverse_of_other_positions_than_the_sorts_is_refused():
+    # argsort(p): the inverse of the permutation p, but p a rank's token positions (not the
+    # positions its own sort gave its flat rows): its values would number no sorted row
+    captured, rank = fx.Graph(), fx.Graph()
+    ids = captured.placeholder("ids")
+    ids.meta["val"] = torch.empty(8, dtype=torch.long)
+    p = captured.call_function(aten.argsort.default, (ids,))
+    node = captured.call_function(aten.argsort.default, (p,))
+    p.meta["val"] = node.meta["val"] = torch.empty(8, dtype=torch.long)
+    ctx = GraphLocalContext(2, 0, rank)
+    ctx.node, ctx.inputs = node, [rank.placeholder("local_p")]
+    layer = OwnLayer(2, rank.placeholder("flat_rows"), routing=None, sorted_rows=None, experts=4)
+    ctx.env[p], ctx.own[ctx.inputs[0]] = ctx.inputs[0], ("tokens", layer)
+    info = SimpleNamespace(target=aten.argsort.default, inverts=True)
+    with pytest.raises(PlanError) as caught:
+        own_localizer(info, Strategy((OWN,), OWN), tuple(ctx.inputs), {}, ctx)
+    message = str(caught.value)
+    assert message.startswith("argsort_default_1 inverts argsort_default, not the positions the rank's own sort "
+                              "gave its rows"), message
+    assert message.endswith(f"; {FIX}"), message

@@ -127,6 +127,9 @@ class OpInfo:
     #: the sort by expert, :func:`autotp.passes.rules.routing.is_permutation`): its backward is a
     #: gather by the inverse permutation, not a scatter-add (the rank's program runs it so)
     permutes_rows: bool = False
+    #: the op makes the inverse of a permutation (:func:`autotp.passes.rules.routing.makes_inverse`:
+    #: ``inv[p] = arange(n)``, ``inv.scatter_(0, p, arange(n))``, ``argsort(p)``, ``sort(p)[1]``)
+    inverts: bool = False
     #: an index of a stack of experts by a router's ids sorted and counted into a grouped product's
     #: ``offs`` (gpt-oss's biases, :func:`.routing.counted_pick`): the rows it picks are the product's
     counted_pick: bool = False

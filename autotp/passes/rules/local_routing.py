@@ -11,9 +11,11 @@ it on every token. Here each op runs on the rank's own rows alone, placed :data:
 * the flatten: the rank's ``[T_r, k]`` as ``[T_r*k]``, row map ``t*k + j``;
 * the sort: :func:`autotp.distributed.expert_routing.route_locally` (a stable sort of the rank's
   ids, its counts per expert exchanged: an all-gather of ``tp * experts`` numbers);
-* ``floor_divide``, casts, ``empty_like``, ``index_put_``: as written, on the rank's rows
-  (``inv[perm] = arange(T*k)`` writes the rank's sorted rows' positions, the whole arange left
-  unread and erased);
+* ``floor_divide``, casts, ``empty_like``: as written, on the rank's rows;
+* the inverse of the sort, in each form :func:`~.routing.makes_inverse` knows (the graph's one
+  recognizer, ``OpInfo.inverts``): ``inv[perm] = arange(T*k)`` (``index_put``) or
+  ``inv.scatter_(0, perm, arange(T*k))`` write the rank's sorted rows' positions (the whole arange
+  left unread and erased); ``argsort(perm)`` / ``sort(perm)[1]`` sort the rank's own positions;
 * ``histc`` (or ``bincount`` with ``minlength`` every expert) of the sorted ids: every rank's
   counts from the exchange, no pass over any row (the exchange is priced at the sort);
 * ``x[index]`` by such an index: a local gather, no count read, no ``nonzero``; the grouped
@@ -34,7 +36,7 @@ import torch
 
 from ...placements import PARTIAL, REPLICATE, Routed, Shard
 from .contract import LocalContext, OpInfo, Strategy, TensorMeta
-from .routing import SORTS, router_experts
+from .routing import INVERTERS, SCATTERS, SORTS, inverted, router_experts
 
 aten = torch.ops.aten
 
@@ -90,16 +92,19 @@ def own_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
         return []
     target, n = info.target, len(info.inputs)
     if target in ARGSORTS | SORTS and n == 1 and info.inputs[0].ndim == 1 and not info.inputs[0].is_float:
+        if info.inverts:
+            # the inverse of the routing's sort, ``argsort(perm)`` or ``sort(perm)[1]``: the rank's
+            # own sorted rows' positions, a sort of its own rows alone (no exchange)
+            return [Strategy((OWN,), OWN if target in ARGSORTS else (OWN, OWN))]
         # an argsort: the sort's indices alone (a router that sorts by argsort, then gathers ids[perm])
         descending = info.args[2] if len(info.args) > 2 else info.kwargs.get("descending", False)
-        if descending:
+        if descending or not info.routing_experts:   # a sort of anything else runs on every row
             return []
         # route_locally: the rank's rows sorted (priced as a radix sort and the kernels around
         # it, routing.sort_work) and its counts per expert exchanged, an all-gather of
         # tp * experts int64 numbers
-        experts = info.routing_experts
-        counts = (("all_gather", TensorMeta((sympy.Integer(info.tp * experts),), torch.long)),) if experts else ()
-        return [Strategy((OWN,), OWN if target in ARGSORTS else (OWN, OWN), internal=counts)]
+        counts = TensorMeta((sympy.Integer(info.tp * info.routing_experts),), torch.long)
+        return [Strategy((OWN,), OWN if target in ARGSORTS else (OWN, OWN), internal=(("all_gather", counts),))]
     if target in _IN_PLACE_OF_ROWS and n == 1:
         return [Strategy((OWN,), OWN)]
     if target is aten.histc.default and n == 1:
@@ -130,14 +135,11 @@ def own_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
         if info.routing_experts == length:
             out.append(Strategy((OWN,), REPLICATE))
         return out
-    if target in (aten.index_put_.default, aten.index_put.default) and n == 3 \
-            and is_own(placements[0]) and is_own(placements[1]):
-        # inv[perm] = arange(T*k): the values numbered whole, each rank writing its own sorted
-        # rows' positions (the rank's program checks the values are that arange)
-        values, index = info.inputs[2], info.inputs[1]
-        if values.ndim == 1 and not values.is_float and sympy.expand(values.shape[0] - index.shape[0]) == 0:
-            return [Strategy((OWN, OWN, REPLICATE), OWN)]
-        return []
+    if target in INVERTERS and n == 3 and info.inverts and is_own(placements[0]) and is_own(placements[1]):
+        # inv[perm] = arange(T*k), or inv.scatter_(0, perm, arange(T*k)) (routing.makes_inverse:
+        # every entry written once): the values numbered whole, each rank writing its own sorted
+        # rows' positions
+        return [Strategy((OWN, OWN, REPLICATE), OWN)]
     if target is aten.index.Tensor and n == 2 and len(info.args[1]) == 1 and is_own(placements[1]):
         x = placements[0]
         if info.counted_pick and (x is None or x == Shard(0)) and info.inputs[0].static(0) is not None:
@@ -218,6 +220,17 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
         ctx.made_rows.meta["autotp_rows_ascending"] = bool(rows.meta.get("autotp_rows_ascending"))
         ctx.own_made = ("values", OwnLayer(k, ctx.made_rows))
         return target, (args[0], [-1]) + tuple(args[2:]), kwargs
+    if (target in SORTS or target in ARGSORTS) and info.inverts:
+        # argsort(perm) / sort(perm)[1], perm the routing's sort of the rank's flat rows: the
+        # inverse of the rank's own sort, which is a permutation of its rows (its sorted rows'
+        # position of each flat row), as the whole one is of every row
+        layer = _inverted_layer(ctx, node)
+        ctx.made_rows = layer.flat
+        if target in ARGSORTS:
+            ctx.own_made = ("sorted", layer)
+        else:   # the sorted values are arange over the rank's rows: positions no op reads as any
+            ctx.own_outputs = (("arange", layer), ("sorted", layer))
+        return target, args, kwargs
     if target in SORTS or target in ARGSORTS:
         kind, layer = _values(ctx, ctx.inputs[0], node)
         experts = router_experts(node.args[0])
@@ -272,19 +285,23 @@ def own_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs: dict, c
                            f"{layer.k} its rows were flattened by; it must run on every row")
         ctx.own_made = ("tokens", layer)
         return target, args, kwargs
-    if target in (aten.index_put_.default, aten.index_put.default):
+    if target in (aten.index_put_.default, aten.index_put.default) or target in SCATTERS:
+        # inv[perm] = arange(n) or inv.scatter_(0, perm, arange(n)) (routing.inverted: every
+        # entry of inv written once, whatever it held)
         base, index, values = ctx.inputs
-        kind, layer = _values(ctx, index, node)
-        captured = node.args[2] if len(node.args) > 2 else node.kwargs["values"]
-        if kind != "flat" or _values(ctx, base, node)[0] != "unset" or not _counts_up(captured):
-            raise _refused(f"{node.name} writes a rank's own rows routed alone at positions that are not its flat "
-                           f"rows', or values other than arange(n) (the inverse of its sort); it must run on "
-                           f"every row")
+        layer = _inverted_layer(ctx, node)
+        if _values(ctx, base, node)[1] is not layer:
+            raise _refused(f"{node.name} writes the inverse of a rank's own sort into {_name(node.args[0])}, which "
+                           f"holds other rows than the sort's; it must run on every row")
         ctx.made_rows = layer.flat
         ctx.own_made = ("sorted", layer)
         # the rank's sorted rows' positions, not the whole arange (which nothing else reads: erased)
         ctx.unused.append(values)
+        at = 3 if target in SCATTERS else 2
+        captured = node.args[at] if len(node.args) > at else node.kwargs["src" if target in SCATTERS else "values"]
         local = ctx.graph.call_function(R.own_arange, (layer.routing, captured.meta["val"].dtype))
+        if target in SCATTERS:
+            return target, tuple(args[:3]) + (local,) + tuple(args[4:]), kwargs
         return target, (args[0], args[1], local) + tuple(args[3:]), kwargs
     if target is aten.index.Tensor:
         x, index = ctx.inputs
@@ -363,14 +380,24 @@ def _refused(message: str) -> Exception:
     return PlanError(f"{message}; {FIX}")
 
 
-def _counts_up(node: Any) -> bool:
-    """Whether the captured ``node`` is ``arange(n)`` (0, 1, .., n - 1)."""
-    target = getattr(node, "target", None)
-    if target is aten.arange.default:
-        return True
-    if target is aten.arange.start:
-        return node.args[0] == 0
-    return target is aten.arange.start_step and node.args[0] == 0 and node.args[2] == 1
+def _inverted_layer(ctx: LocalContext, node: Any) -> "OwnLayer":
+    """The layer whose sort the captured ``node`` inverts (the graph's one recognizer,
+    :func:`~.routing.inverted`: ``inv[p] = arange(n)``, a scatter of it, ``argsort(p)``,
+    ``sort(p)[1]``), ``p`` the positions the rank's own sort gave its flat rows."""
+    import operator
+
+    made = next((u for u in node.users if u.target is operator.getitem and u.args[1] == 1), None) \
+        if node.target in SORTS else node
+    p = inverted(made) if made is not None else None
+    if p is None:
+        raise _refused(f"{node.name} makes no inverse of a permutation the graph proves (inv[p] = arange(n), its "
+                       f"scatter, argsort(p) or sort(p)[1] of a permutation p) from a rank's own rows routed alone; "
+                       f"it must run on every row")
+    found = ctx.own.get(ctx.env.get(p))
+    if found is None or found[0] != "flat":
+        raise _refused(f"{node.name} inverts {_name(p)}, not the positions the rank's own sort gave its rows; it must "
+                       f"run on every row")
+    return found[1]
 
 
 def _name(node: Any) -> str:

@@ -130,6 +130,16 @@ def inverted(node: Any) -> Any:
     return None
 
 
+def makes_inverse(node: Any) -> bool:
+    """Whether the op ``node`` makes the inverse of a permutation (:func:`inverted`): an
+    ``index_put``, a scatter or an argsort that is one, or a sort whose indices are one (an
+    ascending sort of a permutation). The rank routing its own rows builds its inverse by any
+    of them (:mod:`.local_routing`)."""
+    if getattr(node, "target", None) in SORTS:
+        return any(u.target is operator.getitem and u.args[1] == 1 and inverted(u) is not None for u in node.users)
+    return getattr(node, "target", None) in INVERTERS and inverted(node) is not None
+
+
 def inverses(index: Any) -> list:
     """The nodes whose values the graph makes the inverse of the permutation ``index``: the ``p``
     that ``index`` inverts (:func:`inverted`), made before it, then every node made as the inverse
