@@ -583,9 +583,9 @@ _PURE_CALLS = frozenset({
     operator.neg, E.take_rows, E.token_rows, E.token_owners, E.token_sum_owners, E.sequence_runs,
     ER.flat_rows, ER.token_flat_rows, ER.flat_tokens,
 })
-#: ATen ops torch's own purity check passes but that must run: checks (they raise or not) and
-#: ops whose result's size or value is read to the host (a sync, and what a compiled graph
-#: asserts on)
+#: ATen ops torch's own purity check passes (its assertions it counts impure) that stay all the
+#: same: those whose result's value or size is read to the host (``item``, ``nonzero``: a sync,
+#: and what a compiled graph's unbacked sizes come from)
 _HOST_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
 
 
