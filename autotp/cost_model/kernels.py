@@ -42,9 +42,8 @@ from .loss import cross_entropy_work
 from .memory_bound import cast_work, dropout_work, elementwise_work, embedding_work, reduction_work, softmax_work
 from .norms import NORMS, norm_work
 from .products import attention_work, grouped_work, product_work
-from .routing import (counted_by_exchange, dispatch_work, dispatches, exchanged_counts_work, reorders_rows,
-                      routed_reorder_work, sort_work, sums_token_rows, token_sums_work, topk_work)
-from .routing import holders_order_work  # noqa: F401  (the planner's price of a gathered rows' layout)
+from .routing import (counted_by_exchange, dispatch_work, dispatches, exchanged_counts_work, gathered_rows_work,
+                      reorders_rows, routed_reorder_work, sort_work, sums_token_rows, token_sums_work, topk_work)
 from .work import NO_WORK, OpWork, RankOp
 
 aten = torch.ops.aten
@@ -180,6 +179,11 @@ def op_work(info: Any, strategy: Any, tp: int, dtype_bytes: int, train_dtype: An
         return NO_WORK
     if t is aten.index.Tensor and reorders_rows(op):   # routed rows reordered on the rank's rows
         return routed_reorder_work(op)
+    if t is aten.index.Tensor:
+        from ..passes.rules.gathered_rows import gathers_rows
+
+        if gathers_rows(strategy):   # a rank's own tokens' rows, all-gathered after (GatherRowsTP)
+            return gathered_rows_work(op)
     if t in _GATHERS:
         fwd = ("elementwise", op.out_bytes + sum((b for b, m in zip(op.b_in, op.inputs) if not m.is_float),
                                                  sympy.Integer(0)) + op.out_bytes)

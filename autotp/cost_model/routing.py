@@ -63,18 +63,53 @@ def holders_order_work(rows: Any, tp: int) -> OpWork:
     reads and writes: the holders compared with every rank (``tp`` booleans a row), counted
     cumulatively (``tp`` int64 counters a row), each row's counter picked (a gather reads the
     entries it picks), less one; every rank's first row from the last counters; each row's place
-    (its rank's first row, gathered, plus the counter) and the order written by it (an
-    ``arange`` scattered: the entries it writes)."""
+    (its rank's first row, gathered: the entries it picks, as every gather is priced, plus the
+    counter) and the order written by it (an ``arange`` scattered: the entries it writes)."""
     n = rows
     kernels = [
         ("elementwise", 8 * tp), ("elementwise", 8 * n + 8 * tp + n * tp),   # arange(tp), holder == rank
         ("reduction", 9 * n * tp),                                           # cumsum of the booleans
         ("elementwise", 24 * n), ("elementwise", 16 * n),                    # gather, - 1
         ("reduction", 16 * tp), ("elementwise", 24 * tp),                    # every rank's first row
-        ("elementwise", 8 * tp + 16 * n), ("elementwise", 24 * n),           # its first row per row, + before
+        ("elementwise", 24 * n), ("elementwise", 24 * n),                    # its first row per row, + before
         ("elementwise", 8 * n), ("scatter", 24 * n),                         # order[place] = arange
     ]
     return OpWork(moved=tuple((cls, sympy.sympify(b)) for cls, b in kernels), launches=len(kernels))
+
+
+def gathered_rows_layout_work(rows: Any, full: Any, tp: int) -> OpWork:
+    """The kernels :class:`autotp.distributed.gathered_rows.GatherRowsTP` runs on every rank over
+    the ``rows`` (``T*k``) gathered rows, ``full`` their bytes: each sorted row's holder gathered
+    (int64), their counting pass (:func:`holders_order_work`), and the rows all-gathered laid out
+    in sorted order by one gather forward and the gradient in rank order by one backward (each
+    reading its int64 positions and the rows it picks, all of them). The all-gather and the
+    reduce-scatter are the internal collective's; the rank's own rows are :func:`gathered_rows_work`'s."""
+    n = rows
+    order = holders_order_work(n, tp)
+    moved = ((("elementwise", sympy.sympify(24 * n)),) + order.moved
+             + (("elementwise", sympy.sympify(8 * n + 2 * full)),) * 2)
+    return OpWork(moved=moved, launches=1 + order.launches + 2)
+
+
+def gathered_rows_work(op: RankOp) -> OpWork:
+    """The kernels :class:`autotp.distributed.gathered_rows.GatherRowsTP` runs on a rank for its
+    own tokens' rows (``op`` as :func:`autotp.passes.rules.gathered_rows.rank_rows_work` makes it:
+    ``x`` the rank's ``t`` tokens, its ``m = T*k/tp`` rows out), each with the bytes it touches:
+    the sorted positions of its rows' entries in the index gathered (int64), their tokens found
+    among its own by a binary search (``searchsorted``: its tokens' ids and the ``m`` queries read,
+    the positions written), its tokens' rows gathered by them (each gather reading the entries it
+    picks); backward, where x carries a gradient, a zero fill of its tokens and the rows' gradient
+    added into them (``index_add``). Where tp does not divide the sequence, the shift of the
+    padded blocks (a fill per rank, a ``cat``, a gather, an add) and the rank's rows padded to the
+    widest are left out: they run only then, and the planner's sequence is tp's multiple."""
+    x, out = op.b_in[0], op.main_out
+    t = local_shape(op.inputs[0], op.in_place[0], op.tp, op.rank)[0]   # the rank's tokens
+    m = local_shape(op.outputs[0], op.out_place[0], op.tp, op.rank)[0]   # their rows
+    ew = "elementwise"
+    moved = [(ew, 24 * m), (ew, 8 * t + 16 * m), (ew, 8 * m + 2 * out)]   # index[mine], searchsorted, x[local]
+    if op.grad[0]:
+        moved += [(ew, x), ("scatter", 2 * x + 8 * m + out)]               # zeros, index_add
+    return OpWork(moved=tuple((cls, sympy.sympify(b)) for cls, b in moved), launches=len(moved))
 
 
 def local_dispatch_sizes_work(experts: int, tp: int, rank: int | None = None) -> OpWork:

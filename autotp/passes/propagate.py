@@ -911,11 +911,12 @@ def internal_copy_seconds(kind: str, full: Any, profile: DeviceProfile, rows: An
                           hidden: int = 1, split: tuple | None = None) -> Any:
     """Seconds of the work around an internal collective on every rank: the rows of every rank's
     tokens all-gathered (``all_gather_rows``, ``rows`` of them) are put in their sorted order by
-    one gather of the whole tensor forward, and the gradient in rank order by one backward (read
-    and write each); the order is computed first on every rank from the ``rows`` sorted rows'
-    holders (``distributed/gathered_rows.GatherRowsTP``): their holders gathered (an int64 each),
-    then laid out rank by rank by a counting pass over the ``tp`` ranks, each row's place and
-    the order written by it (:func:`~autotp.cost_model.kernels.holders_order_work`). A table read
+    one gather of the whole tensor forward, and the gradient in rank order by one backward (each
+    reading its positions and the rows); the order is computed first on every rank from the
+    ``rows`` sorted rows' holders (``distributed/gathered_rows.GatherRowsTP``): their holders
+    gathered (an int64 each), then laid out rank by rank by a counting pass over the ``tp``
+    ranks (:func:`~autotp.cost_model.routing.gathered_rows_layout_work`). The rank's own rows
+    before the all-gather are the op's compute (``routing.gathered_rows_work``). A table read
     by columns (``all_to_all_columns``, ``rows`` by ``hidden``, split as ``split``, rows then
     columns, None: Megatron's): :func:`table_by_columns_copies`."""
     if kind == "all_to_all_columns":
@@ -923,13 +924,10 @@ def internal_copy_seconds(kind: str, full: Any, profile: DeviceProfile, rows: An
         return moved / profile.bandwidth("elementwise") + launches * profile.launch_s
     if kind != "all_gather_rows":
         return 0.0
-    from ..cost_model.kernels import holders_order_work
+    from ..cost_model.routing import gathered_rows_layout_work
 
-    layout = 2 * (2 * full / profile.bandwidth("elementwise") + profile.launch_s)
-    holders = 16 * rows / profile.bandwidth("elementwise") + profile.launch_s
-    work = holders_order_work(rows, tp)
-    order = sum(b / profile.bandwidth(cls) for cls, b in work.moved) + work.launches * profile.launch_s
-    return layout + holders + order
+    work = gathered_rows_layout_work(rows, full, tp)
+    return sum(b / profile.bandwidth(cls) for cls, b in work.moved) + work.launches * profile.launch_s
 
 
 def param_memory(index: "GraphIndex", profile: DeviceProfile, node: fx.Node, placement: Any) -> float:

@@ -36,6 +36,7 @@ from ..placements import (PARTIAL, Partial, Placement, Replicate, ReplicateParti
                           local_size, owned_ranges)
 from ..distributed import collectives as C
 from ..distributed import experts as E
+from ..distributed import expert_routing as ER
 from ..distributed.experts import routed_scatter, sequence_runs, token_rows
 from ..distributed.functional import grad_if, rank_slice
 from ..distributed.rng import RandomOp, draws_random
@@ -568,7 +569,54 @@ def rewrite(index: GraphIndex, prop: Propagation, rank: int, group: Any,
         if isinstance(new, fx.Node) and isinstance(val := node.meta.get("val"), torch.Tensor) \
                 and new.meta.setdefault("autotp_ndim", val.dim()) != val.dim():
             new.meta["autotp_ndim"] = float("inf")   # two captured tensors of unlike dims: unknown
+    remove_dead(graph)
     return reduce_in_place(fx.GraphModule(root, graph, class_name="ParallelGraph"))
+
+
+#: calls that are not ATen ops and compute their result from their arguments alone (no write,
+#: no collective, no read to the host, no random draw): the row maps and holders a localizer
+#: makes (``ctx.made_owners`` of a reorder no later op reads), sizes and tuple reads. A helper
+#: that checks what it reads on the host (``match_rows``, ``routed_reorder``'s count) or
+#: communicates is not here, so it stays where it was put
+_PURE_CALLS = frozenset({
+    operator.getitem, getattr, operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod,
+    operator.neg, E.take_rows, E.token_rows, E.token_owners, E.token_sum_owners, E.sequence_runs,
+    ER.flat_rows, ER.token_flat_rows, ER.flat_tokens,
+})
+#: ATen ops torch's own purity check passes (its assertions it counts impure) that stay all the
+#: same: those whose result's value or size is read to the host (``item``, ``nonzero``: a sync,
+#: and what a compiled graph's unbacked sizes come from)
+_HOST_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
+
+
+def is_dead(node: fx.Node) -> bool:
+    """Whether ``node`` of a rank's program may go: nothing reads its result and running it has
+    no effect. Only a ``call_function`` node: a pure ATen op (torch.fx's ``Node.is_impure`` says
+    no write in place or ``out=``, no effectful or random op, no assertion; and not a draw by the
+    project's notion, :func:`~autotp.distributed.rng.draws_random`, nor a read to the host) or
+    one of :data:`_PURE_CALLS`. A ``call_module`` (every collective, a dropout under the RNG
+    tracker, a communicating loss) always stays."""
+    if node.users or node.op != "call_function":
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.namespace in ("aten", "prims") and not node.is_impure() \
+            and not draws_random(target, node.args, node.kwargs) and not any(t in target.tags for t in _HOST_TAGS)
+    return target in _PURE_CALLS
+
+
+def remove_dead(graph: fx.Graph) -> int:
+    """Erase the nodes of a rank's program that nothing uses (:func:`is_dead`), to a fixpoint:
+    one walk from the output back, since a node's inputs come before it, so each input is met
+    after its last reader went. The rewrite's localizers replace uses (a rank's rows read by
+    their own row map; a reorder's holders made for a dispatch that a g replaced), and what
+    they leave unread would otherwise run on every step. Returns the count erased."""
+    erased = 0
+    for node in reversed(graph.nodes):
+        if is_dead(node):
+            graph.erase_node(node)
+            erased += 1
+    return erased
 
 
 #: factories of a tensor of one value, by the position of their size argument

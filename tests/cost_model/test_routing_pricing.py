@@ -188,7 +188,7 @@ def test_expert_tp_gathered_rows_order_is_priced_as_its_counting_pass(layout):
     experts, k = LAYOUTS[layout]
     rows = TOKENS * k
     holder = torch.randint(0, TP, (rows,), generator=torch.Generator().manual_seed(0))
-    with KernelCounter(FILLS, ALLOCATIONS) as counted:
+    with KernelCounter(FILLS, ALLOCATIONS, picks=("index_select",)) as counted:   # its gather reads what it picks
         holders_order(holder, TP)
     work = holders_order_work(rows, TP)
     assert (work.launches, int(sum(b for _, b in work.moved))) == (counted.launches, counted.bytes), counted.calls
@@ -196,6 +196,48 @@ def test_expert_tp_gathered_rows_order_is_priced_as_its_counting_pass(layout):
 
 #: each layout's hidden width
 HIDDEN = {"mixtral-8x7b": 4096, "qwen3-30b-a3b": 2048}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_gathered_rows_are_priced_as_the_kernels_gather_rows_tp_runs(fake_world, layout):
+    # expert-TP, the tokens split along the sequence: h[perm // k] whole on every rank from each
+    # rank's own tokens' rows (distributed/gathered_rows.GatherRowsTP). Every rank gathers each
+    # sorted row's holder, lays the rows out by a counting pass, takes its own rows' positions,
+    # finds their tokens among its own (searchsorted), gathers them; after the all-gather, the
+    # rows laid out in sorted order; backward, the gradient in rank order, then added into the
+    # rank's tokens. Priced as the op's compute on the rank (routing.gathered_rows_work) and the
+    # layout on every rank (routing.gathered_rows_layout_work, propagate.internal_copy_seconds).
+    # Before, the rank's part was priced as one gather reading the whole index (3 kernels, no
+    # search), and the layout's holders and its two gathers without their positions
+    from autotp.cost_model.routing import gathered_rows_layout_work
+    from autotp.distributed.gathered_rows import GatherRowsTP
+    from autotp.passes.rules.gathered_rows import gathered_rows_strategies, rank_rows_work
+
+    experts, k = LAYOUTS[layout]
+    hidden, g = 256, torch.Generator().manual_seed(0)   # the price is linear in the width: exact at any
+    ids = (torch.arange(TOKENS * k) % experts)[torch.randperm(TOKENS * k, generator=g)]   # uniform routing
+    index = torch.sort(ids, stable=True)[1] // k
+    seq = TOKENS // 2                                  # 2 sequences, each split in 8 runs
+    mine = torch.cat([torch.arange(seq // TP), seq + torch.arange(seq // TP)])   # rank 0's tokens
+    owners = torch.arange(TOKENS) % seq // (seq // TP)
+    x = torch.randn(mine.numel(), hidden, generator=g, dtype=torch.bfloat16).requires_grad_()
+    with KernelCounter(FILLS, ALLOCATIONS, picks=("index_select",)) as forward:   # gathers read what they pick
+        rows = GatherRowsTP(fake_world, k)(x, index, mine, owners, [2], seq)
+    upstream = torch.randn(rows.shape, generator=g, dtype=torch.bfloat16)
+    with KernelCounter(FILLS, ALLOCATIONS, picks=("index_select",)) as backward:
+        torch.autograd.grad(rows, x, upstream)
+
+    h, idx = _meta(TOKENS, hidden, dtype=torch.bfloat16), _meta(TOKENS * k)
+    out = _meta(TOKENS * k, hidden, dtype=torch.bfloat16)
+    info = OpInfo(aten.index.Tensor, (h, [idx]), {}, (h, idx), out, TP)
+    info.grad_inputs = (True, False)
+    info.gathers_expert_rows, info.row_copies = True, k
+    (strategy,) = gathered_rows_strategies(info, TOKEN_ROWS)
+    own = _price(*rank_rows_work(info, strategy))
+    layout_work = gathered_rows_layout_work(TOKENS * k, TOKENS * k * hidden * 2, TP)
+    priced = (own[0] + layout_work.launches, own[1] + int(sum(b for _, b in layout_work.moved)))
+    counted = (forward.launches + backward.launches, forward.bytes + backward.bytes)
+    assert priced == counted, forward.calls + backward.calls
 
 
 def _priced_token_sums(k: int, hidden: int, ascending: bool):

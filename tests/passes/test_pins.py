@@ -62,7 +62,10 @@ def test_an_experts_pin_at_tp_1_plans_like_any_other_pin(impl):
     plan, index, prop = build_plan(cap, 1, batch=2, seq=8, layout={"*.experts.*": "expert"})
     assert {r for n, r in plan.roles.items() if ".experts." in n} == {"expert"}, plan.roles
     gm = rewrite(index, prop, 0, None, None)
-    assert len(gm.graph.nodes) == len(index.capture.graph.nodes)   # the capture as planned (norms fused)
+    # the capture as planned (norms fused), less its ops nothing reads (rewrite.remove_dead: HF's
+    # position ids' expand)
+    unread = [n for n in index.capture.graph.nodes if n.op == "call_function" and not n.users]
+    assert len(gm.graph.nodes) == len(index.capture.graph.nodes) - len(unread), [n.name for n in unread]
     data = zoo.example_batch("mixtral", config, batch=2, seq=8, seed=2)
     want = run(cap, model, data)
     captured, cap.graph_module = cap.graph_module, gm   # the rank's program, fed as the capture is
