@@ -30,6 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
+from ..runtime.module.eager_code import FILENAME_PREFIX as EAGER_CODE
+
 #: grouped products (rows sorted by expert, offs the cumulative rows per expert), by name
 GROUPED = ("aten._grouped_mm", "transformers.grouped_mm_fallback")
 
@@ -119,7 +121,7 @@ def _site() -> str:
     frame = sys._getframe(1)
     while frame is not None:
         path = frame.f_code.co_filename
-        if path.startswith("<eval_with_key>"):
+        if path.startswith(("<eval_with_key>", EAGER_CODE)):   # fx's code of the program, or its eager code
             return "program"
         if path.startswith(_AUTOTP) and not path.startswith(_TESTING):
             module = os.path.splitext(os.path.basename(path))[0]

@@ -34,6 +34,9 @@ __all__ = ["eager_forward"]
 
 _OpOverload = torch._ops.OpOverload
 _count = 0
+#: the file name each eager code is compiled under starts so (tools that tell a program's own
+#: lines from autotp's, such as ``autotp.testing.work``'s copy sites, read it as fx's ``<eval_with_key>``)
+FILENAME_PREFIX = "<autotp eager code"
 
 
 def _call_expression(target: str) -> str | None:
@@ -73,7 +76,7 @@ def eager_forward(gm: fx.GraphModule) -> Callable[..., Any] | None:
             return None
         scope[name] = bound
     _count += 1
-    filename = f"<autotp eager code {_count}>"
+    filename = f"{FILENAME_PREFIX} {_count}>"
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)   # tracebacks show the line
     exec(compile(src, filename, "exec", dont_inherit=True), scope)
     return scope["forward"]
