@@ -60,13 +60,7 @@ def summary(results: dict) -> list[str]:
     lines += ["", "## Issue 44, point 3: a dense rank at its eighth (goal >= 0.85 eager)", "",
               "| model | eager | compiled | device busy (rank: eager / compiled) | predicted | verdict |",
               "|---|---|---|---|---|---|"]
-    for name, row in parts.items():
-        fig = row.get("figures")
-        if row["point"] != "44.3":
-            continue
-        if not fig:
-            lines.append(f"| {name} | - | - | - | - | {_status(row)} |")
-            continue
+    for name, fig in _measured(parts, "44.3", lines):
         serial, rank = fig["versions"]["serial"], fig["versions"]["default"]
         eager = _ratio(serial[clock] / 8, rank[clock])
         compiled = (_ratio(serial["compiled"][clock] / 8, rank["compiled"][clock])
@@ -86,19 +80,25 @@ def summary(results: dict) -> list[str]:
     return lines
 
 
+def _measured(parts: dict, point: str, lines: list[str]):
+    """(name, figures) of each part of issue point ``point`` that brought figures back; a part that
+    did not is a row of its table's six columns with its status, appended to ``lines``."""
+    for name, row in parts.items():
+        if row["point"] != point:
+            continue
+        if not row.get("figures"):
+            lines.append(f"| {name} | - | - | - | - | {_status(row)} |")
+            continue
+        yield name, row["figures"]
+
+
 def _moe(parts: dict, clock: str) -> list[str]:
     lines = ["## Issue 47, point 2: experts layouts measured (goal >= 0.7; the solver's pick within 10% of the "
              "fastest)", "",
              "| model | version | experts' roles | predicted ms | measured ms | efficiency |",
              "|---|---|---|---|---|---|"]
     picks = []
-    for name, row in parts.items():
-        fig = row.get("figures")
-        if row["point"] != "47.2":
-            continue
-        if not fig:
-            lines.append(f"| {name} | - | - | - | - | {_status(row)} |")
-            continue
+    for name, fig in _measured(parts, "47.2", lines):
         versions = fig["versions"]
         share = versions["serial"][clock] / 8
         for label in ("default", *VERSIONS):
