@@ -46,8 +46,31 @@ def timed_step(model, opt, batch) -> float:
     return time.perf_counter() - start
 
 
+#: the line of a result file from which it is written by hand: :func:`publish` keeps it and what
+#: follows as they are when a script's ``--out`` rewrites the file (a reading, re-run notes)
+KEPT = "<!-- written by hand from here on: --out keeps it -->"
+
+
+def kept_lines(path: str | Path | None) -> list[str]:
+    """The lines of ``path`` (an earlier ``--out``) from its :data:`KEPT` line on, the marker
+    included (a marker naming its script, as older files have, counts too); none where the file
+    or the marker is absent."""
+    if not path or not Path(path).exists():
+        return []
+    lines = Path(path).read_text().splitlines()
+    marks = [i for i, line in enumerate(lines) if line.startswith(KEPT.split(":")[0] + ":")]
+    return lines[marks[0]:] if marks else []
+
+
 def publish(lines: list[str], path: str | Path | None) -> None:
-    """Print the result and write it to ``path`` (the script's .md beside it, by convention)."""
+    """Print the result and write it to ``path`` (the script's .md beside it, by convention),
+    the part of an earlier ``path`` written by hand (:data:`KEPT` on) kept after it."""
+    kept = kept_lines(path)
+    if kept:   # one blank line between the run and the part written by hand
+        lines = list(lines)
+        while lines and not lines[-1]:
+            lines.pop()
+        lines += ["", *kept]
     text = "\n".join(lines) + "\n"
     print(text)
     if path:

@@ -33,7 +33,8 @@ and an even column split of the fused q/k/v product moved into the head layout b
     python benchmarks/rank_gap.py --models gpt2-xl:12:8:1024 llama-3-8b:4:2:4096 --out benchmarks/gpt2xl_rank.md
 
 ``--out`` rewrites the file's run and keeps what is written by hand in it: every line from the
-first that is :data:`KEPT` on (its reading, its re-run notes) stays as it is, after the new run.
+first that is ``common.KEPT`` on (its reading, its re-run notes) stays as it is, after the new run
+(``benchmarks/common.publish``, as every script's ``--out``).
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import publish  # noqa: E402
+from benchmarks.common import kept_lines, publish  # noqa: E402
 
 
 def per_node(index, prop, profile, rank):
@@ -197,19 +198,6 @@ def gap(name: str, layers: int, batch: int, seq: int, tp: int, profile_name: str
     return lines
 
 
-#: the line from which an ``--out`` file is written by hand: kept as it is when the run is rewritten
-KEPT = "<!-- written by hand from here on: rank_gap.py --out keeps it -->"
-
-
-def kept_lines(path: str | Path | None) -> list[str]:
-    """The lines of ``path`` (an earlier ``--out``) from :data:`KEPT` on, the marker included;
-    none where the file or the marker is absent."""
-    if not path or not Path(path).exists():
-        return []
-    lines = Path(path).read_text().splitlines()
-    return lines[lines.index(KEPT):] if KEPT in lines else []
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=["gpt2-xl:12:8:1024", "llama-3-8b:4:2:4096"],
@@ -229,10 +217,6 @@ def main() -> None:
     for spec in args.models:
         name, layers, batch, seq = spec.split(":")
         lines += gap(name, int(layers), int(batch), int(seq), args.tp, args.profile)
-    if kept:   # one blank line between the run and the part written by hand
-        while lines and not lines[-1]:
-            lines.pop()
-        lines += ["", *kept]
     publish(lines, args.out)
 
 
