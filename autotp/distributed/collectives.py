@@ -208,7 +208,9 @@ def _all_reduce(x: Tensor, group, op: str, in_place: bool = False, compiling: bo
         else:   # (_c10d_all_reduce's common case, inline: a Python call less per f and g)
             opts = _c10d.AllreduceOptions()
             opts.asyncOp = False
-            group.allreduce([x], opts).wait()
+            work = group.allreduce([x], opts)
+            if work is not None:   # a blocking collective may return no work (NCCL, torch 2.11)
+                work.wait()
     except AutotpError:
         raise
     except Exception as exc:   # as _CommGuard's exit (the guard's three calls, inline)
@@ -229,7 +231,9 @@ def _c10d_all_reduce(x: Tensor, group) -> None:
         return
     opts = _c10d.AllreduceOptions()   # reduceOp SUM
     opts.asyncOp = False
-    group.allreduce([x], opts).wait()
+    work = group.allreduce([x], opts)
+    if work is not None:   # a blocking collective may return no work (NCCL, torch 2.11)
+        work.wait()
 
 
 #: autograd's version bump of tensors written in place (``torch.autograd.graph.increment_version``
@@ -472,7 +476,9 @@ def _gather_into(send: Tensor, group, op: str, scratch: bool = False, tp: int | 
             # the group's own collective, as dist.all_gather_single calls it (see _c10d_all_reduce)
             opts = _c10d.AllgatherOptions()
             opts.asyncOp = False
-            group.all_gather_single(out, send, opts).wait()
+            work = group.all_gather_single(out, send, opts)
+            if work is not None:   # a blocking collective may return no work (NCCL, torch 2.11)
+                work.wait()
         else:
             _c10d_all_gather_single(out, send, group=group)
     except AutotpError:
@@ -591,7 +597,9 @@ def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str,
                 # a sum, as dist.reduce_scatter_single calls it (see _c10d_all_reduce)
                 opts = _c10d.ReduceScatterOptions()
                 opts.asyncOp = False
-                group.reduce_scatter_single(out, send, opts).wait()
+                work = group.reduce_scatter_single(out, send, opts)
+                if work is not None:   # a blocking collective may return no work (NCCL, torch 2.11)
+                    work.wait()
             else:
                 _c10d_reduce_scatter_tensor(out, send, group=group)
         except AutotpError:
@@ -806,7 +814,9 @@ def _c10d_all_to_all(send: Tensor, recv_sizes, send_sizes, group, op: str) -> Te
         if type(send) is Tensor and not send.is_complex() and hasattr(group, "all_to_all_single"):
             opts = _c10d.AllToAllOptions()
             opts.asyncOp = False
-            group.all_to_all_single(got, send, list(recv_sizes), list(send_sizes), opts).wait()
+            work = group.all_to_all_single(got, send, list(recv_sizes), list(send_sizes), opts)
+            if work is not None:   # a blocking collective may return no work (NCCL, torch 2.11)
+                work.wait()
         else:
             dist.all_to_all_single(got, send, list(recv_sizes), list(send_sizes), group=group)
     return got

@@ -49,6 +49,30 @@ def _grouped_flops(name: str, args: tuple) -> int | None:
     return None
 
 
+#: attention ops laid out [batch, heads, seq, head dim], the gradient first in backward
+_ATTENTION = {"aten._scaled_dot_product_flash_attention": 0, "aten._scaled_dot_product_efficient_attention": 0,
+              "aten._scaled_dot_product_cudnn_attention": 0,
+              "aten._scaled_dot_product_flash_attention_backward": 1,
+              "aten._scaled_dot_product_efficient_attention_backward": 1,
+              "aten._scaled_dot_product_cudnn_attention_backward": 1}
+
+
+def _grouped_query_args(name: str, args: tuple) -> tuple:
+    """An attention op's arguments with a grouped-query call's key and value (fewer heads than
+    the query: CUDA's kernels take them so with ``enable_gqa``) given as the query's heads' shapes,
+    the work the kernel does; torch 2.11's formulas refuse such shapes, 2.13's count them so."""
+    first = _ATTENTION.get(name)
+    if first is None or len(args) < first + 3:
+        return args
+    q, k, v = args[first:first + 3]
+    if q.dim() != 4 or k.dim() != 4 or k.shape[1] == q.shape[1]:
+        return args
+    heads = q.shape[1]
+    k_shape = torch.Size((k.shape[0], heads) + tuple(k.shape[2:]))
+    v_shape = torch.Size((v.shape[0], heads) + tuple(v.shape[2:]))
+    return args[:first + 1] + (k_shape, v_shape) + args[first + 3:]
+
+
 def _name(func) -> str:
     return str(func.overloadpacket).replace("::", ".").removeprefix("aten.aten.")
 
@@ -79,7 +103,7 @@ class WorkCounter(TorchDispatchMode):
         name = _name(func)
         flops = _grouped_flops(name, args)
         if flops is None and func.overloadpacket in flop_registry:
-            flops = flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
+            flops = flop_registry[func.overloadpacket](*_grouped_query_args(name, args), **kwargs, out_val=out)
         if flops is not None:
             self.flops += int(flops)
             self.by_op[name] += int(flops)
