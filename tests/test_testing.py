@@ -112,3 +112,22 @@ def test_work_counts_no_bytes_for_an_alias_the_dispatcher_does_not_mark_a_view()
         y = x @ w   # matmul folds x to [6, 4], mm, then _unsafe_view back to [2, 3, 5]: an alias of mm's result
     assert y.shape == (2, 3, 5)
     assert "aten._unsafe_view" not in work.by_op and work.moved == 0 and work.flops == 2 * 6 * 4 * 5
+
+
+def test_work_counts_a_grouped_query_attention_at_the_querys_heads():
+    # CUDA's attention kernels take key and value with fewer heads than the query under
+    # enable_gqa (transformers' sdpa call); torch 2.11's FLOP formula refused those shapes (the
+    # H200 round's dense and MoE ranks failed on it), 2.13's counts the query's heads: so do we
+    from autotp.testing.work import WorkCounter
+
+    q = torch.empty(2, 8, 16, 32, device="meta")
+    grouped, expanded = {}, {}
+    for heads, counts in ((2, grouped), (8, expanded)):
+        k = torch.empty(2, heads, 16, 32, device="meta")
+        for op, extra in ((torch.ops.aten._scaled_dot_product_flash_attention.default, ()),
+                          (torch.ops.aten._scaled_dot_product_efficient_attention.default, (None, False))):
+            with WorkCounter() as work:
+                op(q, k, k, *extra)
+            counts[str(op)] = work.flops
+    assert grouped == expanded
+    assert set(grouped.values()) == {2 * 2 * 8 * 16 * 16 * (32 + 32)}

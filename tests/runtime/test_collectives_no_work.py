@@ -1,0 +1,59 @@
+"""A blocking c10d collective may return no work: NCCL does so under torch 2.11 where the
+options say ``asyncOp = False`` (found on an H200: ``'NoneType' object has no attribute 'wait'``
+from every eager all-reduce). autotp's eager collectives wait only for work they are given.
+
+The ranks run each eager collective through a group that runs the real gloo collective, waits
+for it, and returns None, as NCCL in torch 2.11 does; the results must equal the same calls on
+the plain group."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from autotp.distributed import collectives as C
+from autotp.distributed.mesh import get_mesh
+from autotp.placements import Shard
+
+#: the group methods autotp's eager collectives call with ``asyncOp = False``
+BLOCKING = ("allreduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single")
+
+
+class NoWorkGroup:
+    """``group`` whose blocking collectives return no work (each waited for here)."""
+
+    def __init__(self, group) -> None:
+        self._group = group
+
+    def __getattr__(self, name):
+        method = getattr(self._group, name)
+        if name not in BLOCKING:
+            return method
+
+        def blocking(*args):
+            method(*args).wait()
+
+        return blocking
+
+
+def _collectives(no_work: bool) -> list[torch.Tensor]:
+    mesh = get_mesh(2)
+    group = NoWorkGroup(mesh.tp_group) if no_work else mesh.tp_group
+    r = mesh.tp_rank
+    g = torch.Generator().manual_seed(7 + dist.get_rank())
+    x = torch.randn(2, 6, 3, generator=g, dtype=torch.float64)
+    shard = Shard(1)
+    reduced = x.clone()
+    C._c10d_all_reduce(reduced, group)
+    out = [C._all_reduce(x, group, "all_reduce"), reduced,
+           C._all_gather(x, group, Shard(0), 4, "gather along dim 0"),
+           C._all_gather(x, group, shard, 12, "gather along dim 1"),
+           C._reduce_scatter(x, group, shard, 6, "reduce_scatter"),
+           C._c10d_all_to_all(x.reshape(12, 3), [6, 6], [6, 6], group, "all_to_all")]
+    return out
+
+
+def test_eager_collectives_wait_only_for_work_they_are_given(cluster):
+    for rank, (plain, none) in enumerate(zip(cluster.run(_collectives, False), cluster.run(_collectives, True))):
+        assert len(plain) == len(none)
+        for i, (a, b) in enumerate(zip(plain, none)):
+            torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m: f"rank {rank}, collective {i}: {m}")
