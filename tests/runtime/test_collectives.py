@@ -322,11 +322,19 @@ def rows_cases(draw) -> Case:
     return Case(tp, Shard(dim), tuple(shape), draw(st.integers(0, 2**31 - 1)))
 
 
-def run_rows_mapping(op: str, case: Case) -> tuple[torch.Tensor, torch.Tensor, list]:
+def run_rows_mapping(op: str, case: Case, loop: bool = False) -> tuple[torch.Tensor, torch.Tensor, list]:
     """Runs in a rank: a gather, gather_into or reduce-scatter of a split after a few rows, forward
     and backward through its autograd Function; the output, the input's gradient, and the copies
-    the two collectives made (sites in collectives.py, CopyCounter's)."""
+    the two collectives made (sites in collectives.py, CopyCounter's). ``loop``: the rows one
+    collective after another, as a backend without coalesced collectives takes them."""
     from autotp.testing.work import CopyCounter
+
+    if loop:
+        saved, C._backend_coalesces = C._backend_coalesces, lambda group, device: False
+        try:
+            return run_rows_mapping(op, case)
+        finally:
+            C._backend_coalesces = saved
 
     mesh = get_mesh(case.tp)
     group, r, block = mesh.tp_group, mesh.tp_rank, dist.get_rank() // case.tp
@@ -340,19 +348,19 @@ def run_rows_mapping(op: str, case: Case) -> tuple[torch.Tensor, torch.Tensor, l
 
 
 @settings(max_examples=20, deadline=None)
-@given(op=st.sampled_from(["gather", "gather_into", "reduce_scatter"]), case=rows_cases())
-@example(op="reduce_scatter", case=Case(2, Shard(1), (2, 4, 3), 7))
-@example(op="gather_into", case=Case(4, Shard(2), (2, 3, 8), 5))
-def test_collectives_after_a_few_rows_go_row_by_row_exactly_and_copy_nothing(cluster, op, case):
+@given(op=st.sampled_from(["gather", "gather_into", "reduce_scatter"]), case=rows_cases(), loop=st.booleans())
+@example(op="reduce_scatter", case=Case(2, Shard(1), (2, 4, 3), 7), loop=False)
+@example(op="gather_into", case=Case(4, Shard(2), (2, 3, 8), 5), loop=True)
+def test_collectives_after_a_few_rows_go_row_by_row_exactly_and_copy_nothing(cluster, op, case, loop):
     """A split of the sequence of [b, s, h] at a batch of 2 to ROWS_COALESCED (or of the hidden
-    after as few rows): one collective a row, in one coalesced call, straight between the tensor
-    and the result (gloo's CPU collectives here). Forward and backward equal the definitions
+    after as few rows): one collective a row, in one coalesced call (gloo's on CPU here) or
+    (``loop``) one after another, straight between the tensor and the result. Forward and backward equal the definitions
     (a gather's values bit for bit; a sum to float64's rounding: gloo's ring adds each block
     starting at another rank), and neither direction stages the tensor (before: one copy of it
     each way)."""
     rows = case.shape[0] * (case.shape[1] if case.shard.dim == 2 else 1)
     assert 2 <= rows <= C.ROWS_COALESCED, case
-    for rank, (y, grad, made) in enumerate(cluster.run(run_rows_mapping, op, case)):
+    for rank, (y, grad, made) in enumerate(cluster.run(run_rows_mapping, op, case, loop)):
         block, r = rank // case.tp, rank % case.tp
         want_y, want_grad = _expected("gather" if op == "gather_into" else op, case, block, r)
         if op == "gather_into":   # the gradient reduce-scattered: this rank's slice of the ranks' sum
