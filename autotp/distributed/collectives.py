@@ -629,13 +629,12 @@ def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str,
 #: The most leading rows (the product of the dims before the split one: the batch of ``[b, s, h]``
 #: split along s) an even split's gather or reduce-scatter moves row by row, one collective per
 #: row issued as one coalesced call, straight between the tensor and the result. More rows are
-#: staged by one copy of the whole tensor (the split of a hidden after ``b*s`` rows). A row's
-#: collective adds about a kernel launch to the coalesced group (``DeviceProfile.launch_s``) where
-#: the copy reads and writes the whole tensor: at 8 rows the seven more launches (about 35 us)
-#: cost less than the copy of any activation sequence parallelism splits (Llama-3-8B's [2, 4096,
-#: 4096] bf16, 64 MiB: about 40 us on an H200), and a batch beyond 8 per micro-batch is rare
-#: under tensor parallelism. The cost model prices the same choice
-#: (:func:`autotp.passes.propagate.layout_copy_seconds`).
+#: staged by one copy of the whole tensor (the split of a hidden after ``b*s`` rows). NCCL runs a
+#: coalesced call's collectives as one kernel (grouped operations aggregated), so the rows add no
+#: launch on the device; they add one enqueue each on the host (a few microseconds), which a
+#: bound keeps from growing with the tokens. 8 covers the micro-batches tensor parallelism runs
+#: (GPT-2 xl's 8 x 1024 on the H200, Llama-3-8B's 2 x 4096). The cost model prices the same
+#: choice (:func:`autotp.passes.propagate.layout_copy_seconds`).
 ROWS_COALESCED = 8
 
 #: backends whose coalesced collectives (``allgather_into_tensor_coalesced``,

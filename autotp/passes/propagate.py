@@ -715,9 +715,11 @@ def layout_copy_seconds(kind: str, meta: TensorMeta, have: Any, want: Any, full:
     the whole tensor in order with one copy (read and write) on each side that moves it. An even
     split after at most :data:`~autotp.distributed.collectives.ROWS_COALESCED` leading rows at
     the workload of ``index`` (the sequence of ``(b, s, h)`` at a batch of a few) copies nothing:
-    it moves row by row, each row one more collective in one coalesced call, priced a launch
-    (``launch_s``) each beyond the first (:func:`~autotp.distributed.collectives._rows_collective`);
-    without ``index`` the rows are not known and the copy is priced. A read of a shared gather
+    it moves row by row, one collective a row in one coalesced call
+    (:func:`~autotp.distributed.collectives._rows_collective`), which NCCL runs as one kernel (its
+    grouped collectives aggregated), the one launch and the ring's steps the collective's own price
+    counts already (:func:`~autotp.cost_model.symbolic.collective_time`); the same bytes cross the
+    links. Without ``index`` the rows are not known and the copy is priced. A read of a shared gather
     (``grad_if``, ``rank_slice``) moves nothing: its copies are :func:`read_seconds`."""
     if kind in ("grad_if", "rank_slice"):
         return read_seconds(kind, full, profile, tp, grad) if tp > 1 else 0.0
@@ -745,10 +747,8 @@ def layout_copy_seconds(kind: str, meta: TensorMeta, have: Any, want: Any, full:
 
     moved = sum(1 for i, c in enumerate(COLLECTIVES[kind]) if c in ("all_gather", "reduce_scatter")
                 and (i == 0 or grad))
-    at = evaluate(rows, index.env) if rows is not None and index is not None else math.inf
-    if not uneven and at <= ROWS_COALESCED:
-        # (symbolic in the batch where the tensor's bytes are: the plan's cost expressions)
-        return moved * ((rows - 1) if isinstance(full, sympy.Expr) else (at - 1)) * profile.launch_s
+    if not uneven and rows is not None and index is not None and evaluate(rows, index.env) <= ROWS_COALESCED:
+        return 0.0
     return moved * 2 * full / profile.bandwidth("elementwise")
 
 
