@@ -642,8 +642,10 @@ ROWS_COALESCED = 8
 #: one group of kernels; gloo's CPU ones (torch 2.3 on); torch's ``fake`` (the rank benchmarks).
 #: Others, gloo on an accelerator among them, take the rows one collective after another.
 _COALESCING = {("nccl", "cuda"), ("gloo", "cpu"), ("fake", "cpu"), ("fake", "cuda")}
-#: (group name, device type) -> whether its backend coalesces (asked once per group and device)
-_coalesces: dict[tuple[object, str], bool] = {}
+#: (id(group), device type) -> (the group, whether its backend coalesces), asked once per group
+#: and device; the group kept so that its id is never another's (a world destroyed and made
+#: again on another backend has the same name), the table cleared past a few dozen groups
+_coalesces: dict[tuple[int, str], tuple[object, bool]] = {}
 
 
 def _row_by_row(x: Tensor, rows: int, compiling: bool) -> bool:
@@ -656,14 +658,16 @@ def _row_by_row(x: Tensor, rows: int, compiling: bool) -> bool:
 
 def _backend_coalesces(group, device: torch.device) -> bool:
     """Whether ``group``'s backend for ``device`` has coalesced collectives (:data:`_COALESCING`)."""
-    key = (getattr(group, "group_name", None) or id(group), device.type)
+    key = (id(group), device.type)
     found = _coalesces.get(key)
-    if found is None:
+    if found is None or found[0] is not group:
         name = str(dist.get_backend(group))
         if ":" in name:   # several backends, one per device ("cpu:gloo,cuda:nccl")
             name = dict(pair.split(":") for pair in name.split(",")).get(device.type, "")
-        found = _coalesces[key] = (name, device.type) in _COALESCING
-    return found
+        if len(_coalesces) >= 64:
+            _coalesces.clear()
+        found = _coalesces[key] = (group, (name, device.type) in _COALESCING)
+    return found[1]
 
 
 def _rows_collective(kind: str, out: Tensor, send: Tensor, group, op: str) -> None:
