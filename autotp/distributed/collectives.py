@@ -403,7 +403,8 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str, compili
     if split.even:
         # An even contiguous split: one all_gather_into_tensor into a [tp, *local] buffer; the
         # full tensor is that buffer with the rank axis folded into dim d (none where d == 0,
-        # else one copy out of a kept buffer).
+        # else one copy out of a kept buffer), or, after a few leading rows, one gather a row
+        # straight into the full tensor (_rows_collective).
         if math.prod(x.shape[:d]) == 1 if not compiling else _all_ones(x.shape[:d], True):
             # every dim before d of size one (dim 0 itself, or a batch of one under sequence
             # parallelism): the ranks' blocks in rank order are the full tensor already
@@ -576,7 +577,8 @@ def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str,
     # One block per rank, in rank order, each this rank's shard padded at the end of dim d to
     # the widest: a reduce-scatter of equal blocks, even when the shard is uneven or
     # interleaved (the zero padding sums to zero and is cut). An even split of dim 0 is that
-    # layout already; an even split of another dim is one copy; else each run copied once.
+    # layout already; an even split of another dim is one copy, or after a few leading rows one
+    # reduce-scatter a row (_rows_collective); else each run copied once.
     rows = math.prod(pre) if not compiling else 0
     if split.even and rows > 1 and _row_by_row(x, rows, compiling):
         # each leading index's [tp*width, *post] row of the summand holds the ranks' blocks in
