@@ -403,16 +403,25 @@ def _all_gather(x: Tensor, group, shard: Shard, full_size: int, op: str, compili
     if split.even:
         # An even contiguous split: one all_gather_into_tensor into a [tp, *local] buffer; the
         # full tensor is that buffer with the rank axis folded into dim d (none where d == 0,
-        # else one copy out of a kept buffer).
+        # else one copy out of a kept buffer), or, after a few leading rows, one gather a row
+        # straight into the full tensor (_rows_collective).
         if math.prod(x.shape[:d]) == 1 if not compiling else _all_ones(x.shape[:d], True):
             # every dim before d of size one (dim 0 itself, or a batch of one under sequence
             # parallelism): the ranks' blocks in rank order are the full tensor already
             shape = list(x.shape)
             shape[d] = tp * width
             return _gather_into(x.contiguous(), group, op, tp=tp, compiling=compiling, shape=shape)
-        out = _gather_into(x.contiguous(), group, op, scratch=True, tp=tp, compiling=compiling)
         shape = list(x.shape)
         shape[d] = full_size
+        rows = math.prod(shape[:d]) if not compiling else 0
+        if _row_by_row(x, rows, compiling):
+            # each leading index's [width, *post] block is contiguous in x, and its [tp*width,
+            # *post] row of the result holds the ranks' blocks in rank order: gathered row by row
+            # straight into the result, no staging, no copy
+            full = x.new_empty(shape)
+            _rows_collective("all_gather", full.view(rows, -1), x.view(rows, -1), group, op)
+            return full
+        out = _gather_into(x.contiguous(), group, op, scratch=True, tp=tp, compiling=compiling)
         full = x.new_empty(shape)   # a fresh tensor: the buffer may be reused
         full.view(shape[:d] + [tp, width] + shape[d + 1:]).copy_(out.movedim(0, d))
         return full
@@ -568,8 +577,17 @@ def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str,
     # One block per rank, in rank order, each this rank's shard padded at the end of dim d to
     # the widest: a reduce-scatter of equal blocks, even when the shard is uneven or
     # interleaved (the zero padding sums to zero and is cut). An even split of dim 0 is that
-    # layout already; an even split of another dim is one copy; else each run copied once.
-    if split.even and (math.prod(pre) == 1 if not compiling else _all_ones(pre, True)):
+    # layout already; an even split of another dim is one copy, or after a few leading rows one
+    # reduce-scatter a row (_rows_collective); else each run copied once.
+    rows = math.prod(pre) if not compiling else 0
+    if split.even and rows > 1 and _row_by_row(x, rows, compiling):
+        # each leading index's [tp*width, *post] row of the summand holds the ranks' blocks in
+        # rank order and its [width, *post] row of the result is this rank's: reduce-scattered
+        # row by row straight from the summand into the result, no staging, no copy
+        out = x.new_empty(pre + [width] + post)
+        _rows_collective("reduce_scatter", out.view(rows, -1), x.view(rows, -1), group, op)
+        return out
+    if split.even and (rows == 1 if not compiling else _all_ones(pre, True)):
         # dim 0, or only dims of size one before d: in rank order already, [tp, *local] with its
         # first two dims flattened as backends take the ranks' blocks (one view, not two)
         blocks = [tp] + pre + [width] + post
@@ -608,6 +626,82 @@ def _reduce_scatter(x: Tensor, group, shard: Shard, full_size: int, op: str,
             raise _comm_failure(op, group, exc, started, since) from exc
     n = split.sizes[rank]
     return out if n == width else out.narrow(d, 0, n).contiguous()
+
+
+#: The most leading rows (the product of the dims before the split one: the batch of ``[b, s, h]``
+#: split along s) an even split's gather or reduce-scatter moves row by row, one collective per
+#: row issued as one coalesced call, straight between the tensor and the result. More rows are
+#: staged by one copy of the whole tensor (the split of a hidden after ``b*s`` rows). NCCL runs a
+#: coalesced call's collectives as one kernel (grouped operations aggregated), so the rows add no
+#: launch on the device; they add one enqueue each on the host (a few microseconds), which a
+#: bound keeps from growing with the tokens. 8 covers the micro-batches tensor parallelism runs
+#: (GPT-2 xl's 8 x 1024 on the H200, Llama-3-8B's 2 x 4096). The cost model prices the same
+#: choice (:func:`autotp.passes.propagate.layout_copy_seconds`).
+ROWS_COALESCED = 8
+
+#: backends whose coalesced collectives (``allgather_into_tensor_coalesced``,
+#: ``reduce_scatter_tensor_coalesced``) take the rows as one call, per tensor device type: NCCL's
+#: one group of kernels; gloo's CPU ones (torch 2.3 on); torch's ``fake`` (the rank benchmarks).
+#: Others, gloo on an accelerator among them, take the rows one collective after another.
+_COALESCING = {("nccl", "cuda"), ("gloo", "cpu"), ("fake", "cpu"), ("fake", "cuda")}
+#: (id(group), device type) -> (the group, whether its backend coalesces), asked once per group
+#: and device; the group kept so that its id is never another's (a world destroyed and made
+#: again on another backend has the same name), the table cleared past a few dozen groups
+_coalesces: dict[tuple[int, str], tuple[object, bool]] = {}
+
+
+def _row_by_row(x: Tensor, rows: int, compiling: bool) -> bool:
+    """Whether an even split's collective over ``x`` (``rows`` leading rows) goes row by row
+    (:data:`ROWS_COALESCED`): eager code, a plain contiguous tensor of a few rows. A compiled
+    program keeps its one functional collective (inductor lays the buffer out itself)."""
+    return (not compiling and 1 < rows <= ROWS_COALESCED and x.is_contiguous() and type(x) is Tensor
+            and not x.is_complex() and x.numel() > 0)
+
+
+def _backend_coalesces(group, device: torch.device) -> bool:
+    """Whether ``group``'s backend for ``device`` has coalesced collectives (:data:`_COALESCING`)."""
+    key = (id(group), device.type)
+    found = _coalesces.get(key)
+    if found is None or found[0] is not group:
+        name = str(dist.get_backend(group))
+        if ":" in name:   # several backends, one per device ("cpu:gloo,cuda:nccl")
+            name = dict(pair.split(":") for pair in name.split(",")).get(device.type, "")
+        if len(_coalesces) >= 64:
+            _coalesces.clear()
+        found = _coalesces[key] = (group, (name, device.type) in _COALESCING)
+    return found[1]
+
+
+def _rows_collective(kind: str, out: Tensor, send: Tensor, group, op: str) -> None:
+    """One ``kind`` collective (``all_gather`` or ``reduce_scatter``, a sum) per row of ``send``
+    into the same row of ``out`` (2-D, contiguous rows), waited for: one coalesced call where the
+    backend has one (:func:`_backend_coalesces`; ``all_gather_single_coalesced`` and
+    ``reduce_scatter_single_coalesced`` from torch 2.13 on, the older names before), else one
+    collective after another. A failure is named as every collective's (see :func:`_all_reduce`)."""
+    outs, sends = list(out.unbind(0)), list(send.unbind(0))
+    gather = kind == "all_gather"
+    started, since = _started(group)
+    try:
+        opts = _c10d.AllgatherOptions() if gather else _c10d.ReduceScatterOptions()   # (a sum)
+        opts.asyncOp = False
+        if _backend_coalesces(group, send.device):
+            call = (getattr(group, "all_gather_single_coalesced", None) or group.allgather_into_tensor_coalesced) \
+                if gather else \
+                (getattr(group, "reduce_scatter_single_coalesced", None) or group.reduce_scatter_tensor_coalesced)
+            works = [call(outs, sends, opts)]
+        elif gather:
+            works = [group.all_gather_single(o, i, opts) if hasattr(group, "all_gather_single")
+                     else _c10d_all_gather_single(o, i, group=group) for o, i in zip(outs, sends)]
+        else:
+            works = [group.reduce_scatter_single(o, i, opts) if hasattr(group, "reduce_scatter_single")
+                     else _c10d_reduce_scatter_tensor(o, i, group=group) for o, i in zip(outs, sends)]
+        for work in works:
+            if work is not None:   # a blocking collective may return no work (NCCL, torch 2.11)
+                work.wait()
+    except AutotpError:
+        raise
+    except Exception as exc:   # as _CommGuard's exit (see _all_reduce)
+        raise _comm_failure(op, group, exc, started, since) from exc
 
 
 #: c10d's reduce-scatter of one tensor (``reduce_scatter_single`` from torch 2.13 on, where the

@@ -30,7 +30,7 @@ from torch import fx
 from ..capture import Capture, shape_of
 from ..cost_model.devices import DeviceProfile
 from ..cost_model.symbolic import (activation_bytes, collective_bytes, collective_time, compute_time,
-                                   conversion_kinds, nbytes, numel)
+                                   conversion_kinds, evaluate, nbytes, numel, numel_expr)
 from ..placements import (PARTIAL, REPLICATE, Partial, Placement, Replicate, ReplicatePartialGrad, Routed, Shard, divides, is_even,
                           local_ranges, local_size, max_local_size, resharded_by_all_to_all, same_placement)
 from .fused_bias import bias_add, takes_as_made
@@ -686,7 +686,7 @@ def conversion_seconds(index: "GraphIndex", profile: DeviceProfile, meta: Tensor
             full = moved_bytes(index, profile, meta)
             for k in conversion_kinds(kind, f):
                 fw, bw = collective_time(k, full, profile, index.tp, grad)
-                found += fw + bw + layout_copy_seconds(k, meta, have, want, full, profile, index.tp, grad)
+                found += fw + bw + layout_copy_seconds(k, meta, have, want, full, profile, index.tp, grad, index)
         index._conversion_cost[key] = found
     return found
 
@@ -708,13 +708,19 @@ def read_seconds(kind: str, full: Any, profile: DeviceProfile, tp: int, grad: bo
 
 
 def layout_copy_seconds(kind: str, meta: TensorMeta, have: Any, want: Any, full: float, profile: DeviceProfile,
-                        tp: int, grad: bool = True) -> float:
+                        tp: int, grad: bool = True, index: "GraphIndex | None" = None) -> float:
     """Seconds the rank spends copying a collective's tensor into place, forward and backward:
     backends gather and scatter along dim 0, so a collective along an inner dim with a dim of
-    more than one element before it (the sequence of ``(b, s, h)``), or an uneven split, puts
-    the whole tensor in order with one copy (read and write) on each side that moves it. A read
-    of a shared gather (``grad_if``, ``rank_slice``) moves nothing: its copies are
-    :func:`read_seconds`."""
+    more than one element before it (the hidden of ``(b, s, h)``), or an uneven split, puts
+    the whole tensor in order with one copy (read and write) on each side that moves it. An even
+    split after at most :data:`~autotp.distributed.collectives.ROWS_COALESCED` leading rows at
+    the workload of ``index`` (the sequence of ``(b, s, h)`` at a batch of a few) copies nothing:
+    it moves row by row, one collective a row in one coalesced call
+    (:func:`~autotp.distributed.collectives._rows_collective`), which NCCL runs as one kernel (its
+    grouped collectives aggregated), the one launch and the ring's steps the collective's own price
+    counts already (:func:`~autotp.cost_model.symbolic.collective_time`); the same bytes cross the
+    links. Without ``index`` the rows are not known and the copy is priced. A read of a shared gather
+    (``grad_if``, ``rank_slice``) moves nothing: its copies are :func:`read_seconds`."""
     if kind in ("grad_if", "rank_slice"):
         return read_seconds(kind, full, profile, tp, grad) if tp > 1 else 0.0
     if tp <= 1:
@@ -723,20 +729,26 @@ def layout_copy_seconds(kind: str, meta: TensorMeta, have: Any, want: Any, full:
         return all_to_all_copy_seconds(meta, have, want, full, profile, tp, grad)
     shard = have if kind in ("all_gather", "all_gather_f", "reshard") else want
     if isinstance(shard, Routed) and shard.tokens and not shard.reordered:
-        shard = Shard(0)   # a rank's tokens' rows: gathered along the sequence of (b, s, ...), an inner dim
-        inner = True
+        # a rank's tokens' rows: gathered along the sequence of (b, s, ...), an inner dim, after b rows
+        factors = sequence_factors(meta.shape[0], index.sequence) if index is not None else None
+        rows = factors[0] if factors is not None else None
+        shard, inner = Shard(0), True
     elif not isinstance(shard, Shard):
         return 0.0
     else:
         inner = any(size != 1 for size in meta.shape[:shard.dim])
+        rows = numel_expr(meta.shape[:shard.dim])
     size = meta.static(shard.dim)
     uneven = size is not None and not _even(meta, shard, tp)
     if not (inner or uneven):
         return 0.0
     from ..cost_model.symbolic import COLLECTIVES
+    from ..distributed.collectives import ROWS_COALESCED
 
     moved = sum(1 for i, c in enumerate(COLLECTIVES[kind]) if c in ("all_gather", "reduce_scatter")
                 and (i == 0 or grad))
+    if not uneven and rows is not None and index is not None and evaluate(rows, index.env) <= ROWS_COALESCED:
+        return 0.0
     return moved * 2 * full / profile.bandwidth("elementwise")
 
 
@@ -1153,7 +1165,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
         for k in conversion_kinds(kind, f):
             fw_s, bw_s = collective_time(k, full, profile, tp, grad)
             fw_b, bw_b = collective_bytes(k, full, tp, grad)
-            seconds = fw_s + bw_s + layout_copy_seconds(k, meta, place[node], dst, full, profile, tp, grad)
+            seconds = fw_s + bw_s + layout_copy_seconds(k, meta, place[node], dst, full, profile, tp, grad, index)
             comm += seconds
             comms.append(Comm(k, node.name, place[node], dst, consumer.name, full, fw_b, bw_b, seconds))
 

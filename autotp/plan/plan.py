@@ -589,7 +589,8 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
                                                            splits.get(key))
                                  for key, n in comm.items()))   # the rows laid out in order
     comm_total = sympy.Add(*(n * (collective_time_expr(kind, full(meta), profile, index.tp, grad)
-                                  + layout_copy_seconds(kind, meta, src, dst, full(meta), profile, index.tp, grad))
+                                  + layout_copy_seconds(kind, meta, src, dst, full(meta), profile, index.tp, grad,
+                                                    index))
                              for (kind, meta, grad, src, dst), n in comm.items()))
     return {key: str(expr.xreplace(rename).evalf(6)) for key, expr in (("compute_s", compute_total),
                                                                       ("comm_s", comm_total))}

@@ -72,10 +72,11 @@ def _check(cluster, case):
         assert errors[worst] <= bound, (rank, worst, errors[worst])
 
 
-# Two layers at tp=4: length 3 leaves rank 3 without tokens, 13 splits 4/3/3/3.
+# Two layers at tp=4: length 3 leaves rank 3 without tokens, 13 splits 4/3/3/3, 12 evenly (at a
+# batch of 2, gathered and reduce-scattered row by row: collectives.ROWS_COALESCED).
 UNEVEN = {"tp": 4, "config": dict(n_layer=2, n_head=4, n_embd=32, vocab_size=40, n_positions=16,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-          "megatron": True, "batch": 2, "lengths": [3, 13], "dtype": "float64", "seed": 7}
+          "megatron": True, "batch": 2, "lengths": [3, 13, 12], "dtype": "float64", "seed": 7}
 
 
 def test_sequence_parallel_gpt2_matches_serial_at_uneven_and_short_lengths(cluster):

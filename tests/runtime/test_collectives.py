@@ -305,6 +305,75 @@ def test_a_reduce_scatter_of_a_permuted_summand_keeps_its_layout_and_values(clus
             assert made[0] == made[1], (order, made)
 
 
+@st.composite
+def rows_cases(draw) -> Case:
+    """An even contiguous split of dim 1 or 2 after 2 to ``C.ROWS_COALESCED`` leading rows (the
+    sequence of ``[b, s, h]`` at a batch above one; the hidden after as few ``b*s``): the layouts
+    gathered and reduce-scattered row by row."""
+    tp = draw(st.sampled_from((2, 4)))
+    dim = draw(st.sampled_from((1, 2)))
+    shape = [draw(st.integers(1, C.ROWS_COALESCED)), draw(st.integers(1, 3)), draw(st.integers(1, 3))]
+    if dim == 2:   # b*s rows
+        shape[1] = draw(st.integers(1, C.ROWS_COALESCED // shape[0]))
+    shape[dim] = tp * draw(st.integers(1, 3))
+    rows = shape[0] * (shape[1] if dim == 2 else 1)
+    if rows < 2:   # one row: the ranks' blocks in rank order already, another path
+        shape[0] = 2
+    return Case(tp, Shard(dim), tuple(shape), draw(st.integers(0, 2**31 - 1)))
+
+
+def run_rows_mapping(op: str, case: Case, loop: bool = False) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """Runs in a rank: a gather, gather_into or reduce-scatter of a split after a few rows, forward
+    and backward through its autograd Function; the output, the input's gradient, and the copies
+    the two collectives made (sites in collectives.py, CopyCounter's). ``loop``: the rows one
+    collective after another, as a backend without coalesced collectives takes them."""
+    from autotp.testing.work import CopyCounter
+
+    if loop:
+        saved, C._backend_coalesces = C._backend_coalesces, lambda group, device: False
+        try:
+            return run_rows_mapping(op, case)
+        finally:
+            C._backend_coalesces = saved
+
+    mesh = get_mesh(case.tp)
+    group, r, block = mesh.tp_group, mesh.tp_rank, dist.get_rank() // case.tp
+    x = _rank_inputs("gather" if op == "gather_into" else op, case, block, r).requires_grad_()
+    fn = {"gather": C.gather_from_tp, "gather_into": C.gather_into_tp, "reduce_scatter": C.reduce_scatter_to_tp}[op]
+    with CopyCounter() as copies:
+        y = fn(x, group, case.shard, case.full_size)
+        y.backward(_tensor(case.seed, y.shape, "dy", block, r))
+    made = [c.site for c in copies.copies if c.site in ("collectives._all_gather", "collectives._reduce_scatter")]
+    return y.detach(), x.grad, made
+
+
+@settings(max_examples=20, deadline=None)
+@given(op=st.sampled_from(["gather", "gather_into", "reduce_scatter"]), case=rows_cases(), loop=st.booleans())
+@example(op="reduce_scatter", case=Case(2, Shard(1), (2, 4, 3), 7), loop=False)
+@example(op="gather_into", case=Case(4, Shard(2), (2, 3, 8), 5), loop=True)
+def test_collectives_after_a_few_rows_go_row_by_row_exactly_and_copy_nothing(cluster, op, case, loop):
+    """A split of the sequence of [b, s, h] at a batch of 2 to ROWS_COALESCED (or of the hidden
+    after as few rows): one collective a row, in one coalesced call (gloo's on CPU here) or
+    (``loop``) one after another, straight between the tensor and the result. Forward and backward equal the definitions
+    (a gather's values bit for bit; a sum to float64's rounding: gloo's ring adds each block
+    starting at another rank), and neither direction stages the tensor (before: one copy of it
+    each way)."""
+    rows = case.shape[0] * (case.shape[1] if case.shard.dim == 2 else 1)
+    assert 2 <= rows <= C.ROWS_COALESCED, case
+    for rank, (y, grad, made) in enumerate(cluster.run(run_rows_mapping, op, case, loop)):
+        block, r = rank // case.tp, rank % case.tp
+        want_y, want_grad = _expected("gather" if op == "gather_into" else op, case, block, r)
+        if op == "gather_into":   # the gradient reduce-scattered: this rank's slice of the ranks' sum
+            dy = sum(_tensor(case.seed, case.shape, "dy", block, q) for q in range(case.tp))
+            want_grad = C.local_shard(dy, case.shard, case.tp, r)
+        exact = {"rtol": 0, "atol": 0}   # a gather, a slice; a sum to float64's rounding
+        torch.testing.assert_close(y, want_y, **({} if op == "reduce_scatter" else exact),
+                                   msg=lambda m: f"{op} forward, rank {rank}: {m}")
+        torch.testing.assert_close(grad, want_grad, **(exact if op == "gather" else {}),
+                                   msg=lambda m: f"{op} backward, rank {rank}: {m}")
+        assert made == [], (op, case, made)
+
+
 def run_gathers_in_a_row(first: Case, second: Case) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs in a rank: two gathers one after the other (the second reuses the first's kept
     staging buffer on the CPU); the first result is returned as it stands after the second."""
