@@ -15,7 +15,9 @@ from autotp.distributed.mesh import get_mesh
 from autotp.placements import Shard
 
 #: the group methods autotp's eager collectives call with ``asyncOp = False``
-BLOCKING = ("allreduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single")
+BLOCKING = ("allreduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single",
+            "all_gather_single_coalesced", "allgather_into_tensor_coalesced", "reduce_scatter_single_coalesced",
+            "reduce_scatter_tensor_coalesced")
 
 
 class NoWorkGroup:
@@ -38,7 +40,15 @@ class NoWorkGroup:
 def _collectives(no_work: bool) -> list[torch.Tensor]:
     mesh = get_mesh(2)
     group = NoWorkGroup(mesh.tp_group) if no_work else mesh.tp_group
-    r = mesh.tp_rank
+    coalesces = C._backend_coalesces   # asks dist for the backend: of the group the proxy holds
+    C._backend_coalesces = lambda group, device: coalesces(getattr(group, "_group", group), device)
+    try:
+        return _run(group)
+    finally:
+        C._backend_coalesces = coalesces
+
+
+def _run(group) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(7 + dist.get_rank())
     x = torch.randn(2, 6, 3, generator=g, dtype=torch.float64)
     shard = Shard(1)
@@ -49,6 +59,14 @@ def _collectives(no_work: bool) -> list[torch.Tensor]:
            C._all_gather(x, group, shard, 12, "gather along dim 1"),
            C._reduce_scatter(x, group, shard, 6, "reduce_scatter"),
            C._c10d_all_to_all(x.reshape(12, 3), [6, 6], [6, 6], group, "all_to_all")]
+    # rows of the gather and reduce-scatter along dim 1 (two leading rows) go as one coalesced
+    # call where the backend has one, else one collective a row: both ways
+    saved, C._backend_coalesces = C._backend_coalesces, lambda group, device: False
+    try:
+        out += [C._all_gather(x, group, shard, 12, "gather along dim 1, a row at a time"),
+                C._reduce_scatter(x, group, shard, 6, "reduce_scatter, a row at a time")]
+    finally:
+        C._backend_coalesces = saved
     return out
 
 
