@@ -1,0 +1,217 @@
+"""Where a step's host time goes: one training step under ``torch.profiler`` (CPU and CUDA
+activities), read for what keeps the device waiting. The device round's part ``host:gpt2-xl``
+(``benchmarks/gpu_parts.py``) runs it on one rank of tp 8 and on serial.
+
+For a step (``step()``: gradients dropped, a forward, a backward) it gives
+
+* :func:`clocks`: the wall clock (the device synchronized), the calling thread's CPU time
+  (``time.thread_time``) and the whole process's (``time.process_time``: every thread). On CUDA
+  the autograd engine runs a backward pass on a thread of its own per device, not on the calling
+  thread: the calling thread's time holds the forward alone, the process's the backward too;
+* :func:`profiled`: under the profiler, the 30 ops with the most self CPU time (their calls
+  counted), the CUDA runtime calls (:data:`RUNTIME`: launches, copies, synchronizations,
+  allocations; count and time), the self CPU time per thread, what the device was busy with
+  (kernels, copies and sets: :func:`busy_intervals`) and the largest gaps between (``largest_gaps``:
+  the device idle, with what the host was inside of meanwhile).
+
+On CPU (the rehearsal) the "device" is the calling thread's ATen ops that no other ATen op
+called, and the gaps are the host's time between them.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+#: CUDA runtime and driver calls counted whether or not the step makes them: launches, copies,
+#: the calls that wait for the device, and the allocator's
+RUNTIME = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaMemcpyAsync",
+           "cudaMemsetAsync", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+           "cudaMalloc", "cudaFree", "cudaHostAlloc", "cudaStreamWaitEvent")
+#: the record_function ranges the step's halves run under (the thread each ran on is in the profile)
+FORWARD, BACKWARD = "host_profile: forward", "host_profile: backward"
+
+
+def training_step(module, batch: dict) -> Callable[[], None]:
+    """Gradients dropped, a forward with labels and a backward, each half under a named range."""
+    import torch
+
+    def step() -> None:
+        module.zero_grad(set_to_none=True)
+        with torch.profiler.record_function(FORWARD):
+            loss = module(**batch).loss
+        with torch.profiler.record_function(BACKWARD):
+            loss.backward()
+
+    return step
+
+
+def clocks(step: Callable[[], None], sync: Callable[[], None], repeats: int) -> dict:
+    """Medians over ``repeats`` steps (after two warm-up steps), ms: ``wall`` (synchronized before
+    and after), ``thread`` (the calling thread's CPU time) and ``process`` (every thread's)."""
+    for _ in range(2):
+        step()
+    sync()
+    wall, thread, process = [], [], []
+    for _ in range(repeats):
+        sync()
+        w, t, p = time.perf_counter(), time.thread_time(), time.process_time()
+        step()
+        sync()
+        wall.append(time.perf_counter() - w)
+        thread.append(time.thread_time() - t)
+        process.append(time.process_time() - p)
+    return {k: statistics.median(v) * 1e3 for k, v in (("wall", wall), ("thread", thread), ("process", process))}
+
+
+def profiled(step: Callable[[], None], sync: Callable[[], None], device: str, top: int = 30) -> dict:
+    """One step under the profiler (after a warm-up step): see the module docs. Times in ms."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        step()
+        sync()
+        wall = time.perf_counter() - start
+    events = list(prof.events())
+    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    ops = sorted(((a.key, a.self_cpu_time_total / 1e3, a.count) for a in prof.key_averages()
+                  if a.key not in (FORWARD, BACKWARD)), key=lambda r: -r[1])
+    calls = {name: [0, 0.0] for name in RUNTIME}
+    for e in cpu:
+        if e.name.startswith("cu") and e.name[2:3].isupper() or e.name.startswith("cuda"):
+            row = calls.setdefault(e.name, [0, 0.0])
+            row[0] += 1
+            row[1] += (e.time_range.end - e.time_range.start) / 1e3
+    threads: dict[str, float] = {}
+    halves = {e.name: e.thread for e in cpu if e.name in (FORWARD, BACKWARD)}
+    for e in cpu:
+        role = " and ".join(h.split(": ")[1] for h, t in halves.items() if t == e.thread) or "other"
+        key = f"thread {e.thread} ({role})"
+        threads[key] = threads.get(key, 0.0) + e.self_cpu_time_total / 1e3
+    busy = busy_intervals(events, device)
+    host = [(e.time_range.start, e.time_range.end, e.name, _depth(e), e.thread) for e in cpu
+            if e.name not in (FORWARD, BACKWARD)]
+    return {"wall": wall * 1e3, "busy": sum(e - s for s, e in _merged(busy)) / 1e3,
+            "top_ops": [list(r) for r in ops[:top]], "runtime": {k: v for k, v in calls.items()},
+            "threads": threads, "gaps": largest_gaps(busy, host)}
+
+
+def _depth(event) -> int:
+    depth, parent = 0, event.cpu_parent
+    while parent is not None:
+        depth, parent = depth + 1, parent.cpu_parent
+    return depth
+
+
+def busy_intervals(events, device: str) -> list[tuple[float, float, str]]:
+    """(start, end, name) in µs of what the device ran: on CUDA every device event (kernels,
+    copies, sets); on CPU the ATen ops no other ATen op called."""
+    import torch
+
+    if device != "cpu":
+        return [(e.time_range.start, e.time_range.end, e.name) for e in events
+                if e.device_type != torch.autograd.DeviceType.CPU]
+
+    def outermost(e) -> bool:
+        parent = e.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("aten::"):
+                return False
+            parent = parent.cpu_parent
+        return True
+
+    return [(e.time_range.start, e.time_range.end, e.name) for e in events
+            if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("aten::") and outermost(e)]
+
+
+def _merged(intervals: list[tuple]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for s, e, *_ in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def largest_gaps(busy: list[tuple[float, float, str]], host: list[tuple[float, float, str, int, int]],
+                 top: int = 10) -> list[dict]:
+    """The ``top`` longest stretches (µs in, ms out) between the device's busy intervals (several
+    streams merged), each with the device's last work before it and first after, and what the
+    host was inside of meanwhile: the deepest host event (``host``: start, end, name, depth,
+    thread) covering at least half the gap, else the outermost host events begun in it, by name."""
+    ordered = sorted(busy)
+    gaps, end, before = [], None, None
+    for s, e, name in ordered:
+        if end is not None and s > end:
+            gaps.append((s - end, end, s, before, name))
+        if end is None or e >= end:
+            end, before = e, name
+    out = []
+    for length, s, e, before, after in sorted(gaps, key=lambda g: -g[0])[:top]:
+        covering = [h for h in host if min(h[1], e) - max(h[0], s) >= 0.5 * (e - s)]
+        if covering:
+            inner = max(covering, key=lambda h: h[3])
+            inside = f"{inner[2]} (thread {inner[4]})"
+        else:
+            begun: dict[str, int] = {}
+            inside_gap = [h for h in host if s <= h[0] < e]
+            shallowest = min((h[3] for h in inside_gap), default=0)
+            for h in inside_gap:
+                if h[3] == shallowest:
+                    begun[h[2]] = begun.get(h[2], 0) + 1
+            inside = ("begun: " + ", ".join(f"{n} x{c}" for n, c in sorted(begun.items(), key=lambda kv: -kv[1])[:3])
+                      if begun else "no host event")
+        out.append({"ms": length / 1e3, "before": before, "after": after, "host": inside})
+    return out
+
+
+def lines(label: str, clock: dict, prof: dict) -> list[str]:
+    """A result file's section for one program's step."""
+    out = [f"### {label}", "",
+           f"Unprofiled step, median: wall **{clock['wall']:.1f} ms**, calling thread's CPU {clock['thread']:.1f} ms, "
+           f"process CPU (every thread) **{clock['process']:.1f} ms**. Profiled step: wall {prof['wall']:.1f} ms, "
+           f"device busy {prof['busy']:.1f} ms ({prof['busy'] / prof['wall']:.0%}).", "",
+           "Self CPU time per thread, ms: " + "; ".join(f"{k} {v:.1f}" for k, v in prof["threads"].items()), "",
+           "| CUDA runtime call | count | ms |", "|---|---|---|"]
+    for name, (n, ms) in sorted(prof["runtime"].items(), key=lambda kv: (-kv[1][1], kv[0])):
+        out.append(f"| `{name}` | {n} | {ms:.2f} |")
+    out += ["", f"The {len(prof['top_ops'])} ops with the most self CPU time:", "",
+            "| op | self CPU ms | calls |", "|---|---|---|"]
+    out += [f"| `{name[:90]}` | {ms:.2f} | {n} |" for name, ms, n in prof["top_ops"]]
+    out += ["", "The longest gaps between the device's work:", "",
+            "| gap ms | device before | device after | host meanwhile |", "|---|---|---|---|"]
+    out += [f"| {g['ms']:.3f} | `{g['before'][:60]}` | `{g['after'][:60]}` | {g['host'][:120]} |" for g in prof["gaps"]]
+    return out + [""]
+
+
+def verdict(figures: dict) -> str:
+    """One line on where a step's time goes, from a part's figures (``rank`` and ``serial``)."""
+    cells = []
+    for label in ("rank", "serial"):
+        f = figures.get(label)
+        if not f:
+            continue
+        clock, prof = f["clock"], f["profile"]
+        runtime = prof["runtime"]
+        waits = sum(runtime.get(k, (0, 0))[0] for k in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                         "cudaEventSynchronize"))
+        allocs = runtime.get("cudaMalloc", (0, 0))[0] + runtime.get("cudaFree", (0, 0))[0]
+        launches = sum(runtime.get(k, (0, 0))[0] for k in RUNTIME if "Launch" in k)
+        biggest = prof["gaps"][0] if prof["gaps"] else None
+        cells.append(f"{label}: wall {clock['wall']:.1f} ms, calling thread {clock['thread']:.1f} ms, process CPU "
+                     f"{clock['process']:.1f} ms, device busy {prof['busy'] / prof['wall']:.0%} (profiled); "
+                     f"{launches} launches, {waits} synchronizations, {allocs} cudaMalloc/cudaFree"
+                     + (f"; longest gap {biggest['ms']:.2f} ms ({biggest['host'][:80]})" if biggest else ""))
+    rank = figures.get("rank")
+    if rank:
+        clock = rank["clock"]
+        host_bound = clock["process"] >= 0.7 * clock["wall"]
+        cells.append("the rank is " + ("**host-bound**: its threads are busy for most of the step" if host_bound
+                                       else "not host-bound by CPU time: look at the gaps and the waits"))
+    return "; ".join(cells)
