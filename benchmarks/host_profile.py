@@ -8,6 +8,9 @@ For a step (``step()``: gradients dropped, a forward, a backward) it gives
   (``time.thread_time``) and the whole process's (``time.process_time``: every thread). On CUDA
   the autograd engine runs a backward pass on a thread of its own per device, not on the calling
   thread: the calling thread's time holds the forward alone, the process's the backward too;
+* :func:`one_thread`: the step with its backward on the calling thread, to time beside it;
+* :func:`stalls`: what can stop the host, counted in one unprofiled step: Python's garbage
+  collections, the calls torch reports as synchronizing, the allocator's device allocations;
 * :func:`profiled`: under the profiler, the 30 ops with the most self CPU time (their calls
   counted), the CUDA runtime calls (:data:`RUNTIME`: launches, copies, synchronizations,
   allocations; count and time), the self CPU time per thread, what the device was busy with
@@ -62,6 +65,69 @@ def clocks(step: Callable[[], None], sync: Callable[[], None], repeats: int) -> 
         thread.append(time.thread_time() - t)
         process.append(time.process_time() - p)
     return {k: statistics.median(v) * 1e3 for k, v in (("wall", wall), ("thread", thread), ("process", process))}
+
+
+def one_thread(step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` with its backward on the calling thread (``set_multithreading_enabled(False)``):
+    against :func:`clocks` of ``step`` itself, what handing the backward to the engine's device
+    thread costs or saves."""
+    import torch
+
+    def run() -> None:
+        with torch.autograd.set_multithreading_enabled(False):
+            step()
+
+    return run
+
+
+def stalls(step: Callable[[], None], device: str) -> dict:
+    """What can stop a host in one step, counted without the profiler: Python's garbage
+    collections (by generation, and their ms), and on CUDA the calls torch reports as
+    synchronizing (``torch.cuda.set_sync_debug_mode``: each warning's first line, counted) and
+    the caching allocator's device allocations, frees and retries (``torch.cuda.memory_stats``)."""
+    import gc
+    import warnings
+
+    import torch
+
+    step()
+    collections: dict[str, list] = {}
+    started: list[float] = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            row = collections.setdefault(f"generation {info['generation']}", [0, 0.0])
+            row[0] += 1
+            row[1] += (time.perf_counter() - started.pop()) * 1e3
+
+    cuda = device != "cpu"
+    before = torch.cuda.memory_stats() if cuda else {}
+    gc.callbacks.append(on_gc)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if cuda:
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+                if cuda:
+                    torch.cuda.synchronize()
+            finally:
+                if cuda:
+                    torch.cuda.set_sync_debug_mode("default")
+    finally:
+        gc.callbacks.remove(on_gc)
+    syncs: dict[str, int] = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            key = str(w.message).splitlines()[0][:120]
+            syncs[key] = syncs.get(key, 0) + 1
+    after = torch.cuda.memory_stats() if cuda else {}
+    allocator = {k: after.get(k, 0) - before.get(k, 0) for k in ("num_device_alloc", "num_device_free",
+                                                                "num_alloc_retries")}
+    return {"gc": collections, "syncs": syncs, "allocator": allocator}
 
 
 def profiled(step: Callable[[], None], sync: Callable[[], None], device: str, top: int = 30) -> dict:
@@ -171,13 +237,21 @@ def largest_gaps(busy: list[tuple[float, float, str]], host: list[tuple[float, f
     return out
 
 
-def lines(label: str, clock: dict, prof: dict) -> list[str]:
+def lines(label: str, clock: dict, prof: dict, single: dict | None = None, stall: dict | None = None) -> list[str]:
     """A result file's section for one program's step."""
     out = [f"### {label}", "",
            f"Unprofiled step, median: wall **{clock['wall']:.1f} ms**, calling thread's CPU {clock['thread']:.1f} ms, "
            f"process CPU (every thread) **{clock['process']:.1f} ms**. Profiled step: wall {prof['wall']:.1f} ms, "
-           f"device busy {prof['busy']:.1f} ms ({prof['busy'] / prof['wall']:.0%}).", "",
-           "Self CPU time per thread, ms: " + "; ".join(f"{k} {v:.1f}" for k, v in prof["threads"].items()), "",
+           f"device busy {prof['busy']:.1f} ms ({prof['busy'] / prof['wall']:.0%}).", ""]
+    if single:
+        out += [f"The backward on the calling thread (`set_multithreading_enabled(False)`): wall {single['wall']:.1f} ms, "
+                f"calling thread's CPU {single['thread']:.1f} ms, process CPU {single['process']:.1f} ms.", ""]
+    if stall:
+        gcs = "; ".join(f"{k}: {n} ({ms:.1f} ms)" for k, (n, ms) in stall["gc"].items()) or "none"
+        syncs = "; ".join(f"{k} x{n}" for k, n in stall["syncs"].items()) or "none"
+        out += [f"One step, counted: Python's garbage collections {gcs}; synchronizing calls {syncs}; the allocator's "
+                + ", ".join(f"{k} {v}" for k, v in stall["allocator"].items()) + ".", ""]
+    out += ["Self CPU time per thread, ms: " + "; ".join(f"{k} {v:.1f}" for k, v in prof["threads"].items()), "",
            "| CUDA runtime call | count | ms |", "|---|---|---|"]
     for name, (n, ms) in sorted(prof["runtime"].items(), key=lambda kv: (-kv[1][1], kv[0])):
         out.append(f"| `{name}` | {n} | {ms:.2f} |")
@@ -204,10 +278,17 @@ def verdict(figures: dict) -> str:
         allocs = runtime.get("cudaMalloc", (0, 0))[0] + runtime.get("cudaFree", (0, 0))[0]
         launches = sum(runtime.get(k, (0, 0))[0] for k in RUNTIME if "Launch" in k)
         biggest = prof["gaps"][0] if prof["gaps"] else None
+        single, stall = f.get("one_thread"), f.get("stalls")
         cells.append(f"{label}: wall {clock['wall']:.1f} ms, calling thread {clock['thread']:.1f} ms, process CPU "
                      f"{clock['process']:.1f} ms, device busy {prof['busy'] / prof['wall']:.0%} (profiled); "
                      f"{launches} launches, {waits} synchronizations, {allocs} cudaMalloc/cudaFree"
-                     + (f"; longest gap {biggest['ms']:.2f} ms ({biggest['host'][:80]})" if biggest else ""))
+                     + (f"; longest gap {biggest['ms']:.2f} ms ({biggest['host'][:80]})" if biggest else "")
+                     + (f"; backward on the calling thread: wall {single['wall']:.1f} ms, that thread "
+                        f"{single['thread']:.1f} ms" if single else "")
+                     + (f"; unprofiled, {sum(n for n, _ in stall['gc'].values())} garbage collections "
+                        f"({sum(ms for _, ms in stall['gc'].values()):.1f} ms), {sum(stall['syncs'].values())} "
+                        f"synchronizing calls, {stall['allocator'].get('num_device_alloc', 0)} device allocations"
+                        if stall else ""))
     rank = figures.get("rank")
     if rank:
         clock = rank["clock"]

@@ -143,3 +143,22 @@ def test_summary_folds_the_host_probe_under_noticed():
     assert "host:gpt2-xl: not in this round" not in text
     fig["rank"] = side(60.0, 14.0, 20.0, 0)
     assert "not host-bound by CPU time" in verdict(fig)
+
+
+def test_stalls_count_the_garbage_collections_of_a_step_and_one_thread_keeps_the_backward_home():
+    import gc
+
+    import torch
+
+    from benchmarks.host_profile import one_thread, stalls
+
+    seen = []
+
+    def step():
+        seen.append(torch._C._is_multithreading_enabled())
+        gc.collect()   # a full collection, as Python makes one when its long-lived objects grow
+
+    counted = stalls(step, "cpu")
+    assert counted["gc"]["generation 2"][0] == 1 and counted["syncs"] == {}
+    one_thread(step)()
+    assert seen == [True, True, False]   # the warm-up and counted step as given, then on the calling thread
