@@ -33,7 +33,8 @@ is estimated to take on an H200 (child start-up, about 10 s, included):
    dispatches, its speed against the statistic as HF writes it, its bf16 and float32 results
    against that and a float64 reference), ``nccl:collectives`` (15 s: the c10d methods autotp's
    eager collectives call, all-to-alls with an empty send, under NCCL in a world of one),
-   ``host:cuda`` (50 s: ``benchmarks/rank_host.py``'s host work per step, the models on the GPU).
+   ``host:cuda`` (50 s: ``benchmarks/rank_host.py``'s host work per step, the models on the GPU;
+   its clock holds the backward since 2026-11-30, the forward alone before).
 7. ``rank:gpt2-xl+compile`` (issue 44, point 3; 135 s: inductor compiles 12 layers twice): part
    4 again with both compiled, where the budget has room.
 

@@ -162,3 +162,16 @@ def test_stalls_count_the_garbage_collections_of_a_step_and_one_thread_keeps_the
     assert counted["gc"]["generation 2"][0] == 1 and counted["syncs"] == {}
     one_thread(step)()
     assert seen == [True, True, False]   # the warm-up and counted step as given, then on the calling thread
+
+
+def test_rank_hosts_clock_holds_the_backward_on_every_device():
+    """On CUDA the autograd engine runs a backward on a device thread of its own: the calling
+    thread's CPU time of a training step held the forward alone (the 2026-11-30 round's host:cuda
+    part read 13.7 ms for a gpt2 rank's step). The timed steps run their backward at home."""
+    import torch
+
+    from benchmarks.rank_host import least_times
+
+    seen = []
+    least_times({"step": lambda: seen.append(torch._C._is_multithreading_enabled())}, repeats=2)
+    assert seen[2:] == [False, False]
