@@ -28,7 +28,7 @@ is estimated to take on an H200 (child start-up, about 10 s, included):
    thread of its own), and one step under the profiler: the ops by self CPU time, the CUDA
    runtime calls (launches, copies, synchronizations, allocations), the CPU time per thread and
    the longest gaps between kernels with what the host did meanwhile. The 2026-11-30 round
-   measured that rank at 67.8 ms wall with about 13 ms of kernels.
+   measured that rank at 67.8 ms wall with about 13 ms of kernels. Alone: ``--only host:gpt2``.
 6. Items noticed on the way: ``norm:rms`` (15 s: ``aten.rms_norm`` on CUDA, the ops it
    dispatches, its speed against the statistic as HF writes it, its bf16 and float32 results
    against that and a float64 reference), ``nccl:collectives`` (15 s: the c10d methods autotp's
