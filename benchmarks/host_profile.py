@@ -12,8 +12,9 @@ For a step (``step()``: gradients dropped, a forward, a backward) it gives
 * :func:`stalls`: what can stop the host, counted in one unprofiled step: Python's garbage
   collections, the calls torch reports as synchronizing, the allocator's device allocations;
 * :func:`profiled`: under the profiler, the 30 ops with the most self CPU time (their calls
-  counted), the CUDA runtime calls (:data:`RUNTIME`: launches, copies, synchronizations,
-  allocations; count and time), the self CPU time per thread, what the device was busy with
+  counted), the CUDA runtime calls (:data:`RUNTIME`: launches, copies, synchronizations (one of
+  them the step's end), allocations; count and time), the self CPU time per thread and half of
+  the step, what the device was busy with
   (kernels, copies and sets: :func:`busy_intervals`) and the largest gaps between (``largest_gaps``:
   the device idle, with what the host was inside of meanwhile).
 
@@ -51,7 +52,9 @@ def training_step(module, batch: dict) -> Callable[[], None]:
 
 def clocks(step: Callable[[], None], sync: Callable[[], None], repeats: int) -> dict:
     """Medians over ``repeats`` steps (after two warm-up steps), ms: ``wall`` (synchronized before
-    and after), ``thread`` (the calling thread's CPU time) and ``process`` (every thread's)."""
+    and after), ``thread`` (the calling thread's CPU time) and ``process`` (every thread's), both
+    until the step returns: the synchronization after it spins the calling thread while the
+    device drains, which is not the host's work."""
     for _ in range(2):
         step()
     sync()
@@ -60,10 +63,10 @@ def clocks(step: Callable[[], None], sync: Callable[[], None], repeats: int) -> 
         sync()
         w, t, p = time.perf_counter(), time.thread_time(), time.process_time()
         step()
-        sync()
-        wall.append(time.perf_counter() - w)
         thread.append(time.thread_time() - t)
         process.append(time.process_time() - p)
+        sync()
+        wall.append(time.perf_counter() - w)
     return {k: statistics.median(v) * 1e3 for k, v in (("wall", wall), ("thread", thread), ("process", process))}
 
 
@@ -112,11 +115,10 @@ def stalls(step: Callable[[], None], device: str) -> dict:
                 torch.cuda.set_sync_debug_mode("warn")
             try:
                 step()
-                if cuda:
-                    torch.cuda.synchronize()
             finally:
                 if cuda:
                     torch.cuda.set_sync_debug_mode("default")
+                    torch.cuda.synchronize()   # the step's end, not one of its synchronizations
     finally:
         gc.callbacks.remove(on_gc)
     syncs: dict[str, int] = {}
@@ -153,12 +155,18 @@ def profiled(step: Callable[[], None], sync: Callable[[], None], device: str, to
             row = calls.setdefault(e.name, [0, 0.0])
             row[0] += 1
             row[1] += (e.time_range.end - e.time_range.start) / 1e3
-    threads: dict[str, float] = {}
-    halves = {e.name: e.thread for e in cpu if e.name in (FORWARD, BACKWARD)}
+    # each thread's self CPU time by the half of the step it fell in: on CUDA the backward's ops run
+    # on the autograd engine's device thread, while the calling thread waits inside backward()
+    windows = {e.name.split(": ")[1]: (e.time_range.start, e.time_range.end) for e in cpu
+               if e.name in (FORWARD, BACKWARD)}
+    caller = next((e.thread for e in cpu if e.name == FORWARD), None)
+    threads: dict[str, dict[str, float]] = {}
     for e in cpu:
-        role = " and ".join(h.split(": ")[1] for h, t in halves.items() if t == e.thread) or "other"
-        key = f"thread {e.thread} ({role})"
-        threads[key] = threads.get(key, 0.0) + e.self_cpu_time_total / 1e3
+        if e.name in (FORWARD, BACKWARD):
+            continue
+        half = next((h for h, (s, t) in windows.items() if s <= e.time_range.start < t), "outside")
+        row = threads.setdefault(f"thread {e.thread}" + (" (calling)" if e.thread == caller else ""), {})
+        row[half] = row.get(half, 0.0) + e.self_cpu_time_total / 1e3
     busy = busy_intervals(events, device)
     host = [(e.time_range.start, e.time_range.end, e.name, _depth(e), e.thread) for e in cpu
             if e.name not in (FORWARD, BACKWARD)]
@@ -251,7 +259,8 @@ def lines(label: str, clock: dict, prof: dict, single: dict | None = None, stall
         syncs = "; ".join(f"{k} x{n}" for k, n in stall["syncs"].items()) or "none"
         out += [f"One step, counted: Python's garbage collections {gcs}; synchronizing calls {syncs}; the allocator's "
                 + ", ".join(f"{k} {v}" for k, v in stall["allocator"].items()) + ".", ""]
-    out += ["Self CPU time per thread, ms: " + "; ".join(f"{k} {v:.1f}" for k, v in prof["threads"].items()), "",
+    out += ["Self CPU time per thread by the half of the step it fell in, ms: " + "; ".join(
+                f"{k}: " + ", ".join(f"{h} {ms:.1f}" for h, ms in v.items()) for k, v in prof["threads"].items()), "",
            "| CUDA runtime call | count | ms |", "|---|---|---|"]
     for name, (n, ms) in sorted(prof["runtime"].items(), key=lambda kv: (-kv[1][1], kv[0])):
         out.append(f"| `{name}` | {n} | {ms:.2f} |")
@@ -273,15 +282,17 @@ def verdict(figures: dict) -> str:
             continue
         clock, prof = f["clock"], f["profile"]
         runtime = prof["runtime"]
+        # less the benchmark's own synchronization at the step's end
         waits = sum(runtime.get(k, (0, 0))[0] for k in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
                                                          "cudaEventSynchronize"))
+        waits -= min(1, runtime.get("cudaDeviceSynchronize", (0, 0))[0])
         allocs = runtime.get("cudaMalloc", (0, 0))[0] + runtime.get("cudaFree", (0, 0))[0]
         launches = sum(runtime.get(k, (0, 0))[0] for k in RUNTIME if "Launch" in k)
         biggest = prof["gaps"][0] if prof["gaps"] else None
         single, stall = f.get("one_thread"), f.get("stalls")
         cells.append(f"{label}: wall {clock['wall']:.1f} ms, calling thread {clock['thread']:.1f} ms, process CPU "
                      f"{clock['process']:.1f} ms, device busy {prof['busy'] / prof['wall']:.0%} (profiled); "
-                     f"{launches} launches, {waits} synchronizations, {allocs} cudaMalloc/cudaFree"
+                     f"{launches} launches, {waits} synchronizations besides the step's end, {allocs} cudaMalloc/cudaFree"
                      + (f"; longest gap {biggest['ms']:.2f} ms ({biggest['host'][:80]})" if biggest else "")
                      + (f"; backward on the calling thread: wall {single['wall']:.1f} ms, that thread "
                         f"{single['thread']:.1f} ms" if single else "")

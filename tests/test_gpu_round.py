@@ -117,7 +117,8 @@ def test_a_profiled_cpu_step_names_its_halves_threads_and_runtime_calls():
     assert set(clock) == {"wall", "thread", "process"}
     prof = profiled(step, lambda: None, "cpu")
     # on CPU the calling thread runs the backward too: one thread holds both halves
-    assert any(k.endswith("(forward and backward)") for k in prof["threads"])
+    assert list(prof["threads"]) == [k for k in prof["threads"] if k.endswith("(calling)")]
+    assert {"forward", "backward"} <= set(next(iter(prof["threads"].values())))
     assert set(RUNTIME) <= set(prof["runtime"]) and all(n == 0 for n, _ in prof["runtime"].values())
     assert any(name == "aten::addmm" and calls == 1 for name, _, calls in prof["top_ops"])
     assert prof["busy"] > 0 and prof["gaps"]
@@ -127,7 +128,8 @@ def test_summary_folds_the_host_probe_under_noticed():
     from benchmarks.host_profile import verdict
 
     def side(wall, thread, process, mallocs):
-        runtime = {"cudaLaunchKernel": (1200, 6.0), "cudaMalloc": (mallocs, 3.0), "cudaStreamSynchronize": (1, 0.1)}
+        runtime = {"cudaLaunchKernel": (1200, 6.0), "cudaMalloc": (mallocs, 3.0), "cudaStreamSynchronize": (1, 0.1),
+                   "cudaDeviceSynchronize": (1, 40.0)}   # the step's end
         return {"clock": {"wall": wall, "thread": thread, "process": process},
                 "profile": {"wall": wall, "busy": 0.2 * wall, "runtime": runtime,
                             "gaps": [{"ms": 2.5, "before": "k1", "after": "k2", "host": "cudaMalloc (thread 7)"}]}}
@@ -136,7 +138,7 @@ def test_summary_folds_the_host_probe_under_noticed():
            "rank": side(60.0, 14.0, 55.0, 4), "serial": side(97.0, 9.0, 30.0, 0)}
     fig["verdict"] = verdict(fig)
     assert "rank: wall 60.0 ms, calling thread 14.0 ms, process CPU 55.0 ms" in fig["verdict"]
-    assert "1200 launches, 1 synchronizations, 4 cudaMalloc/cudaFree" in fig["verdict"]
+    assert "1200 launches, 1 synchronizations besides the step's end, 4 cudaMalloc/cudaFree" in fig["verdict"]
     assert "the rank is **host-bound**" in fig["verdict"]
     text = "\n".join(summary(_round({"host:gpt2-xl": {"point": "44.4", "estimate_s": 40, "s": 30, "figures": fig}})))
     assert "sequence parallelism chosen: " + fig["verdict"] in text
