@@ -428,7 +428,8 @@ def rank_host(device: str, quick: bool, md: str) -> dict:
 def host_profile(device: str, quick: bool, md: str, model: str, layers: int, batch: int, seq: int) -> dict:
     """Where the host's time goes in one training step of one rank of tp 8 (the fake backend,
     sequence parallelism by cost, as ``rank`` runs it) and of serial: the step's clocks (wall,
-    the calling thread's CPU, every thread's; again with the backward on the calling thread), the
+    the calling thread's CPU, every thread's; again with the backward on the calling thread, and
+    with attention kept off cuDNN's kernels), the
     garbage collections, synchronizing calls and device allocations of one step, and one step
     under the profiler
     (``benchmarks/host_profile.py``): its ops by self CPU time, the CUDA runtime calls, the
@@ -469,11 +470,13 @@ def host_profile(device: str, quick: bool, md: str, model: str, layers: int, bat
         step = H.training_step(module, inputs)
         clock = H.clocks(step, sync, 2 if quick else 5)
         single = H.clocks(H.one_thread(step), sync, 2 if quick else 5)
+        no_cudnn = H.clocks(H.without_cudnn_attention(step), sync, 2 if quick else 5)
         stall = H.stalls(step, device)
         prof = H.profiled(step, sync, device)
         module.zero_grad(set_to_none=True)
-        figures[label] = {"clock": clock, "one_thread": single, "stalls": stall, "profile": prof}
-        lines += H.lines(label, clock, prof, single, stall)
+        figures[label] = {"clock": clock, "one_thread": single, "no_cudnn_attention": no_cudnn, "stalls": stall,
+                          "profile": prof}
+        lines += H.lines(label, clock, prof, single, stall, no_cudnn)
     figures["verdict"] = H.verdict(figures)
     publish(lines + ["Verdict: " + figures["verdict"]], md)
     return figures

@@ -9,6 +9,9 @@ For a step (``step()``: gradients dropped, a forward, a backward) it gives
   the autograd engine runs a backward pass on a thread of its own per device, not on the calling
   thread: the calling thread's time holds the forward alone, the process's the backward too;
 * :func:`one_thread`: the step with its backward on the calling thread, to time beside it;
+* :func:`without_cudnn_attention`: the step with attention off cuDNN's kernels, to time beside it
+  (cuDNN's attention builds an execution graph per layout, milliseconds of host work where its
+  cache misses);
 * :func:`stalls`: what can stop the host, counted in one unprofiled step: Python's garbage
   collections, the calls torch reports as synchronizing, the allocator's device allocations;
 * :func:`profiled`: under the profiler, the 30 ops with the most self CPU time (their calls
@@ -83,6 +86,20 @@ def one_thread(step: Callable[[], None]) -> Callable[[], None]:
     return run
 
 
+def without_cudnn_attention(step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` with attention kept off cuDNN's kernels (flash, memory-efficient or math instead).
+    cuDNN's attention builds an execution graph per layout and rebuilds it where its cache key
+    misses, a host cost of milliseconds a call; its backward copies a gradient whose strides are
+    not the output's. Timed beside ``step``, it says whether cuDNN's attention is the step's wait."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def run() -> None:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            step()
+
+    return run
+
+
 def stalls(step: Callable[[], None], device: str) -> dict:
     """What can stop a host in one step, counted without the profiler: Python's garbage
     collections (by generation, and their ms), and on CUDA the calls torch reports as
@@ -122,14 +139,15 @@ def stalls(step: Callable[[], None], device: str) -> dict:
     finally:
         gc.callbacks.remove(on_gc)
     syncs: dict[str, int] = {}
+    others: dict[str, int] = {}
     for w in caught:
-        if "synchroniz" in str(w.message):
-            key = str(w.message).splitlines()[0][:120]
-            syncs[key] = syncs.get(key, 0) + 1
+        key = str(w.message).splitlines()[0][:160]
+        seen = syncs if "synchroniz" in str(w.message) else others
+        seen[key] = seen.get(key, 0) + 1
     after = torch.cuda.memory_stats() if cuda else {}
     allocator = {k: after.get(k, 0) - before.get(k, 0) for k in ("num_device_alloc", "num_device_free",
                                                                 "num_alloc_retries")}
-    return {"gc": collections, "syncs": syncs, "allocator": allocator}
+    return {"gc": collections, "syncs": syncs, "warnings": others, "allocator": allocator}
 
 
 def profiled(step: Callable[[], None], sync: Callable[[], None], device: str, top: int = 30) -> dict:
@@ -245,7 +263,8 @@ def largest_gaps(busy: list[tuple[float, float, str]], host: list[tuple[float, f
     return out
 
 
-def lines(label: str, clock: dict, prof: dict, single: dict | None = None, stall: dict | None = None) -> list[str]:
+def lines(label: str, clock: dict, prof: dict, single: dict | None = None, stall: dict | None = None,
+          no_cudnn: dict | None = None) -> list[str]:
     """A result file's section for one program's step."""
     out = [f"### {label}", "",
            f"Unprofiled step, median: wall **{clock['wall']:.1f} ms**, calling thread's CPU {clock['thread']:.1f} ms, "
@@ -254,11 +273,16 @@ def lines(label: str, clock: dict, prof: dict, single: dict | None = None, stall
     if single:
         out += [f"The backward on the calling thread (`set_multithreading_enabled(False)`): wall {single['wall']:.1f} ms, "
                 f"calling thread's CPU {single['thread']:.1f} ms, process CPU {single['process']:.1f} ms.", ""]
+    if no_cudnn:
+        out += [f"Attention kept off cuDNN (`sdpa_kernel`: flash, memory-efficient, math): wall "
+                f"**{no_cudnn['wall']:.1f} ms**, calling thread's CPU {no_cudnn['thread']:.1f} ms, process CPU "
+                f"{no_cudnn['process']:.1f} ms.", ""]
     if stall:
         gcs = "; ".join(f"{k}: {n} ({ms:.1f} ms)" for k, (n, ms) in stall["gc"].items()) or "none"
         syncs = "; ".join(f"{k} x{n}" for k, n in stall["syncs"].items()) or "none"
+        others = "; ".join(f"{k} x{n}" for k, n in stall.get("warnings", {}).items()) or "none"
         out += [f"One step, counted: Python's garbage collections {gcs}; synchronizing calls {syncs}; the allocator's "
-                + ", ".join(f"{k} {v}" for k, v in stall["allocator"].items()) + ".", ""]
+                + ", ".join(f"{k} {v}" for k, v in stall["allocator"].items()) + f"; other warnings {others}.", ""]
     out += ["Self CPU time per thread by the half of the step it fell in, ms: " + "; ".join(
                 f"{k}: " + ", ".join(f"{h} {ms:.1f}" for h, ms in v.items()) for k, v in prof["threads"].items()), "",
            "| CUDA runtime call | count | ms |", "|---|---|---|"]
@@ -289,13 +313,14 @@ def verdict(figures: dict) -> str:
         allocs = runtime.get("cudaMalloc", (0, 0))[0] + runtime.get("cudaFree", (0, 0))[0]
         launches = sum(runtime.get(k, (0, 0))[0] for k in RUNTIME if "Launch" in k)
         biggest = prof["gaps"][0] if prof["gaps"] else None
-        single, stall = f.get("one_thread"), f.get("stalls")
+        single, stall, no_cudnn = f.get("one_thread"), f.get("stalls"), f.get("no_cudnn_attention")
         cells.append(f"{label}: wall {clock['wall']:.1f} ms, calling thread {clock['thread']:.1f} ms, process CPU "
                      f"{clock['process']:.1f} ms, device busy {prof['busy'] / prof['wall']:.0%} (profiled); "
                      f"{launches} launches, {waits} synchronizations besides the step's end, {allocs} cudaMalloc/cudaFree"
                      + (f"; longest gap {biggest['ms']:.2f} ms ({biggest['host'][:80]})" if biggest else "")
                      + (f"; backward on the calling thread: wall {single['wall']:.1f} ms, that thread "
                         f"{single['thread']:.1f} ms" if single else "")
+                     + (f"; attention off cuDNN: wall **{no_cudnn['wall']:.1f} ms**" if no_cudnn else "")
                      + (f"; unprofiled, {sum(n for n, _ in stall['gc'].values())} garbage collections "
                         f"({sum(ms for _, ms in stall['gc'].values()):.1f} ms), {sum(stall['syncs'].values())} "
                         f"synchronizing calls, {stall['allocator'].get('num_device_alloc', 0)} device allocations"

@@ -177,3 +177,21 @@ def test_rank_hosts_clock_holds_the_backward_on_every_device():
     seen = []
     least_times({"step": lambda: seen.append(torch._C._is_multithreading_enabled())}, repeats=2)
     assert seen[2:] == [False, False]
+
+
+def test_the_host_probe_times_the_step_with_attention_off_cudnn():
+    """cuDNN's attention builds an execution graph per layout (host milliseconds where its cache
+    misses): the probe times the step with it excluded and every other attention kernel allowed."""
+    import torch
+
+    from benchmarks.host_profile import verdict, without_cudnn_attention
+
+    seen = []
+    without_cudnn_attention(lambda: seen.append((torch.backends.cuda.cudnn_sdp_enabled(),
+                                                 torch.backends.cuda.flash_sdp_enabled(),
+                                                 torch.backends.cuda.mem_efficient_sdp_enabled(),
+                                                 torch.backends.cuda.math_sdp_enabled())))()
+    assert seen == [(False, True, True, True)] and torch.backends.cuda.cudnn_sdp_enabled()
+    side = {"clock": {"wall": 60.0, "thread": 14.0, "process": 20.0}, "no_cudnn_attention": {"wall": 21.0},
+            "profile": {"wall": 60.0, "busy": 12.0, "runtime": {}, "gaps": []}}
+    assert "attention off cuDNN: wall **21.0 ms**" in verdict({"rank": side})
