@@ -188,7 +188,13 @@ def profiled(step: Callable[[], None], sync: Callable[[], None], device: str, to
     busy = busy_intervals(events, device)
     host = [(e.time_range.start, e.time_range.end, e.name, _depth(e), e.thread) for e in cpu
             if e.name not in (FORWARD, BACKWARD)]
-    return {"wall": wall * 1e3, "busy": sum(e - s for s, e in _merged(busy)) / 1e3,
+    merged = _merged(busy)
+    start = windows.get("forward", (None,))[0]
+    end = windows.get("backward", (None, None))[1]
+    edges = {"before the first": (merged[0][0] - start) / 1e3 if merged and start is not None else float("nan"),
+             "after the last": (end - merged[-1][1]) / 1e3 if merged and end is not None else float("nan"),
+             "between": sum(b[0] - a[1] for a, b in zip(merged, merged[1:])) / 1e3}
+    return {"wall": wall * 1e3, "busy": sum(e - s for s, e in merged) / 1e3, "idle": edges,
             "top_ops": [list(r) for r in ops[:top]], "runtime": {k: v for k, v in calls.items()},
             "threads": threads, "gaps": largest_gaps(busy, host)}
 
@@ -291,7 +297,12 @@ def lines(label: str, clock: dict, prof: dict, single: dict | None = None, stall
     out += ["", f"The {len(prof['top_ops'])} ops with the most self CPU time:", "",
             "| op | self CPU ms | calls |", "|---|---|---|"]
     out += [f"| `{name[:90]}` | {ms:.2f} | {n} |" for name, ms, n in prof["top_ops"]]
-    out += ["", "The longest gaps between the device's work:", "",
+    idle = prof.get("idle")
+    out += ["", "The device idle, ms: " + ("; ".join(f"{k} {v:.2f}" for k, v in (
+        ("from the forward's start to its first work", idle["before the first"]),
+        ("between its stretches of work", idle["between"]),
+        ("from its last work to the backward's end", idle["after the last"]))) if idle else "-")
+            + ". The longest gaps between its work:", "",
             "| gap ms | device before | device after | host meanwhile |", "|---|---|---|---|"]
     out += [f"| {g['ms']:.3f} | `{g['before'][:60]}` | `{g['after'][:60]}` | {g['host'][:120]} |" for g in prof["gaps"]]
     return out + [""]

@@ -122,6 +122,11 @@ def test_a_profiled_cpu_step_names_its_halves_threads_and_runtime_calls():
     assert set(RUNTIME) <= set(prof["runtime"]) and all(n == 0 for n, _ in prof["runtime"].values())
     assert any(name == "aten::addmm" and calls == 1 for name, _, calls in prof["top_ops"])
     assert prof["busy"] > 0 and prof["gaps"]
+    # the step's idle device time: before its first op, between, after its last (the "device"
+    # on CPU is the calling thread's outermost ATen ops)
+    assert set(prof["idle"]) == {"before the first", "between", "after the last"}
+    assert all(v >= 0 for v in prof["idle"].values())
+    assert prof["idle"]["between"] >= sum(g["ms"] for g in prof["gaps"]) - 1e-9
 
 
 def test_summary_folds_the_host_probe_under_noticed():
