@@ -449,12 +449,14 @@ def host_profile(device: str, quick: bool, md: str, model: str, layers: int, bat
         torch.set_num_threads(1)
     dtype = torch.bfloat16 if device != "cpu" else torch.float32
     sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+    started = time.perf_counter()
     torch.manual_seed(0)
     _fake_world(8)
     family, serial = rank_efficiency.model_for(model, layers, dtype, device)
     inputs = {k: v.to(device) for k, v in zoo.example_batch(family.name, serial.config, batch=batch, seq=seq,
                                                             seed=0).items()}
     pm = autotp.parallelize(serial, 8, profile="h200", batch=batch, seq=seq, device=device)
+    print(f"planned and built: {time.perf_counter() - started:.0f} s", flush=True)
     kinds = {type(m).__name__ for program in pm.programs for m in program.graph_module.modules()}
     sp = bool(kinds & {"ReduceScatterToTP", "GatherIntoTP"})
     figures: dict = {"model": model, "layers": layers, "batch": batch, "seq": seq, "dtype": str(dtype),
@@ -477,6 +479,7 @@ def host_profile(device: str, quick: bool, md: str, model: str, layers: int, bat
         figures[label] = {"clock": clock, "one_thread": single, "no_cudnn_attention": no_cudnn, "stalls": stall,
                           "profile": prof}
         lines += H.lines(label, clock, prof, single, stall, no_cudnn)
+        print("\n".join(H.lines(label, clock, prof, single, stall, no_cudnn)), flush=True)   # kept in the log if stopped
     figures["verdict"] = H.verdict(figures)
     publish(lines + ["Verdict: " + figures["verdict"]], md)
     return figures

@@ -189,10 +189,10 @@ def profiled(step: Callable[[], None], sync: Callable[[], None], device: str, to
     host = [(e.time_range.start, e.time_range.end, e.name, _depth(e), e.thread) for e in cpu
             if e.name not in (FORWARD, BACKWARD)]
     merged = _merged(busy)
-    start = windows.get("forward", (None,))[0]
-    end = windows.get("backward", (None, None))[1]
-    edges = {"before the first": (merged[0][0] - start) / 1e3 if merged and start is not None else float("nan"),
-             "after the last": (end - merged[-1][1]) / 1e3 if merged and end is not None else float("nan"),
+    begun = windows.get("forward", (None,))[0]
+    ended = windows.get("backward", (None, None))[1]
+    edges = {"before the first": (merged[0][0] - begun) / 1e3 if merged and begun is not None else float("nan"),
+             "after the last": (ended - merged[-1][1]) / 1e3 if merged and ended is not None else float("nan"),
              "between": sum(b[0] - a[1] for a, b in zip(merged, merged[1:])) / 1e3}
     return {"wall": wall * 1e3, "busy": sum(e - s for s, e in merged) / 1e3, "idle": edges,
             "top_ops": [list(r) for r in ops[:top]], "runtime": {k: v for k, v in calls.items()},
