@@ -425,8 +425,68 @@ def rank_host(device: str, quick: bool, md: str) -> dict:
     return figures
 
 
+def host_profile(device: str, quick: bool, md: str, model: str, layers: int, batch: int, seq: int) -> dict:
+    """Where the host's time goes in one training step of one rank of tp 8 (the fake backend,
+    sequence parallelism by cost, as ``rank`` runs it) and of serial: the step's clocks (wall,
+    the calling thread's CPU, every thread's; again with the backward on the calling thread, and
+    with attention kept off cuDNN's kernels), the
+    garbage collections, synchronizing calls and device allocations of one step, and one step
+    under the profiler
+    (``benchmarks/host_profile.py``): its ops by self CPU time, the CUDA runtime calls, the
+    self CPU time per thread and the longest gaps between the device's work."""
+    import torch
+
+    import autotp
+    import host_profile as H
+    import rank_efficiency
+    from autotp import zoo
+    from common import machine, publish
+
+    if quick:
+        rank_efficiency.model_for = _tiny_model_for
+        layers, batch, seq = min(layers, 2), 1, 16
+    if device == "cpu":
+        torch.set_num_threads(1)
+    dtype = torch.bfloat16 if device != "cpu" else torch.float32
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+    started = time.perf_counter()
+    torch.manual_seed(0)
+    _fake_world(8)
+    family, serial = rank_efficiency.model_for(model, layers, dtype, device)
+    inputs = {k: v.to(device) for k, v in zoo.example_batch(family.name, serial.config, batch=batch, seq=seq,
+                                                            seed=0).items()}
+    pm = autotp.parallelize(serial, 8, profile="h200", batch=batch, seq=seq, device=device)
+    print(f"planned and built: {time.perf_counter() - started:.0f} s", flush=True)
+    kinds = {type(m).__name__ for program in pm.programs for m in program.graph_module.modules()}
+    sp = bool(kinds & {"ReduceScatterToTP", "GatherIntoTP"})
+    figures: dict = {"model": model, "layers": layers, "batch": batch, "seq": seq, "dtype": str(dtype),
+                     "sequence_parallel": sp}
+    lines = [f"# Where the host's time goes: one training step of {model} ({layers} layers, {batch} x {seq}, "
+             f"{str(dtype).removeprefix('torch.')}), one rank of tp 8 (fake backend) and serial, {device} "
+             "(benchmarks/gpu_round.py, part host:gpt2-xl)", "",
+             machine() + (f" GPU: {torch.cuda.get_device_name()}." if device != "cpu" else ""), "",
+             f"The rank's plan: sequence parallelism by cost ({'chosen' if sp else 'not chosen'}). "
+             "Process CPU is every thread's: on CUDA the autograd engine runs the backward pass on a thread of its "
+             "own, which the calling thread's CPU time does not hold.", ""]
+    for label, module in (("rank", pm), ("serial", serial)):
+        step = H.training_step(module, inputs)
+        clock = H.clocks(step, sync, 2 if quick else 5)
+        single = H.clocks(H.one_thread(step), sync, 2 if quick else 5)
+        no_cudnn = H.clocks(H.without_cudnn_attention(step), sync, 2 if quick else 5)
+        stall = H.stalls(step, device)
+        prof = H.profiled(step, sync, device)
+        module.zero_grad(set_to_none=True)
+        figures[label] = {"clock": clock, "one_thread": single, "no_cudnn_attention": no_cudnn, "stalls": stall,
+                          "profile": prof}
+        lines += H.lines(label, clock, prof, single, stall, no_cudnn)
+        print("\n".join(H.lines(label, clock, prof, single, stall, no_cudnn)), flush=True)   # kept in the log if stopped
+    figures["verdict"] = H.verdict(figures)
+    publish(lines + ["Verdict: " + figures["verdict"]], md)
+    return figures
+
+
 CHILDREN = {"rank": rank, "moe_compile": moe_compile, "rms_norm": rms_norm, "collectives": collectives,
-            "rank_host": rank_host}
+            "rank_host": rank_host, "host_profile": host_profile}
 
 
 def child_main() -> None:

@@ -22,15 +22,23 @@ is estimated to take on an H200 (child start-up, about 10 s, included):
    compiled (the Mixtral of the 2026-11-28 measurements: 4 layers, hidden 1024, 8 experts of 2816,
    bf16, 4 x 1024), graphs and graph breaks counted, eager beside.
 4. ``rank:gpt2-xl`` (issue 44, point 3; 35 s): gpt2-xl 12 layers, 8 x 1024, eager.
-5. Items noticed on the way: ``norm:rms`` (15 s: ``aten.rms_norm`` on CUDA, the ops it
+5. ``host:gpt2-xl`` (issue 44, points 3 and 4; 40 s): where the host's time goes in one training
+   step of that rank and of serial (``benchmarks/host_profile.py``): the step's wall clock, the
+   calling thread's CPU time and every thread's (the autograd engine runs a CUDA backward on a
+   thread of its own), and one step under the profiler: the ops by self CPU time, the CUDA
+   runtime calls (launches, copies, synchronizations, allocations), the CPU time per thread and
+   the longest gaps between kernels with what the host did meanwhile. The 2026-11-30 round
+   measured that rank at 67.8 ms wall with about 13 ms of kernels. Alone: ``--only host:gpt2``.
+6. Items noticed on the way: ``norm:rms`` (15 s: ``aten.rms_norm`` on CUDA, the ops it
    dispatches, its speed against the statistic as HF writes it, its bf16 and float32 results
    against that and a float64 reference), ``nccl:collectives`` (15 s: the c10d methods autotp's
    eager collectives call, all-to-alls with an empty send, under NCCL in a world of one),
-   ``host:cuda`` (50 s: ``benchmarks/rank_host.py``'s host work per step, the models on the GPU).
-6. ``rank:gpt2-xl+compile`` (issue 44, point 3; 135 s: inductor compiles 12 layers twice): part
+   ``host:cuda`` (50 s: ``benchmarks/rank_host.py``'s host work per step, the models on the GPU;
+   its clock holds the backward since 2026-11-30, the forward alone before).
+7. ``rank:gpt2-xl+compile`` (issue 44, point 3; 135 s: inductor compiles 12 layers twice): part
    4 again with both compiled, where the budget has room.
 
-Parts 1-5 are estimated at 435 s, all six at 570 s. A part starts only while its estimate fits
+Parts 1-6 are estimated at 475 s, all seven at 610 s. A part starts only while its estimate fits
 before a minute past ``--budget`` (default 480 s; the device tool's limit is 600 s a command),
 and a part still running then is stopped.
 
@@ -78,6 +86,8 @@ ROUND = [
     Part("rank:qwen3-30b-a3b", "47.2", 75, 150, "rank", dict(model="qwen3-30b-a3b", layers=2, batch=2, seq=4096)),
     Part("moe:compile", "47.3", 70, 150, "moe_compile"),
     Part("rank:gpt2-xl", "44.3", 35, 90, "rank", dict(model="gpt2-xl", layers=12, batch=8, seq=1024)),
+    # the rank's step measured 67.8 ms wall with about 13 ms of kernels: where the host's time goes
+    Part("host:gpt2-xl", "44.4", 40, 90, "host_profile", dict(model="gpt2-xl", layers=12, batch=8, seq=1024)),
     Part("norm:rms", "noticed", 15, 60, "rms_norm"),
     Part("nccl:collectives", "noticed", 15, 60, "collectives"),
     Part("host:cuda", "noticed", 50, 90, "rank_host"),

@@ -178,6 +178,15 @@ def _noticed(parts: dict) -> list[str]:
         lines.append("- host work per step on the device, rank ÷ serial (thread time): " + "; ".join(cells))
     else:
         lines.append(f"- host:cuda: {_status(host) if host else 'not in this round'}")
+    probe = parts.get("host:gpt2-xl", {})
+    if probe.get("figures"):
+        fig = probe["figures"]
+        lines.append(f"- where the host's time goes (issue 44, point 4), {fig['model']} {fig['layers']} layers, "
+                     f"{fig['batch']} x {fig['seq']}, sequence parallelism "
+                     f"{'chosen' if fig['sequence_parallel'] else 'not chosen'}: {fig['verdict']} "
+                     "(its tables: `host_gpt2-xl.md`)")
+    else:
+        lines.append(f"- host:gpt2-xl: {_status(probe) if probe else 'not in this round'}")
     return lines + [""]
 
 

@@ -11,8 +11,9 @@ themselves cost next to nothing: one process joins torch's ``fake`` process-grou
 
 of the serial model and of the rank, after a warm-up (the rank's programs built), and reports
 for each: the host time (``time.thread_time`` of the calling thread, the least of ``--repeats``
-rounds in which the programs take turns, one torch thread: on CPU the autograd engine runs the
-backward on that thread too), and counts
+rounds in which the programs take turns, one torch thread, the backward run on that thread too:
+on a GPU the autograd engine would run it on a thread of its own, which a calling thread's clock
+does not see), and counts
 that do not depend on the machine: ATen calls (a dispatch mode), Python function calls
 (``sys.setprofile``; :mod:`autotp.testing.host`) and the nodes of the backward graph. The rank's
 plan is Megatron's layout pinned (column/row products, vocabulary-split embeddings and head),
@@ -75,16 +76,19 @@ def inference_call(module, batch: dict):
 def least_times(steps: dict, repeats: int) -> dict:
     """Each step's least thread seconds over ``repeats`` rounds, the steps taken in turn within a
     round (so that a load that comes and goes on a shared machine falls on all of them alike),
-    after two warm-up steps each."""
+    after two warm-up steps each. The backward runs on the calling thread: on a GPU the autograd
+    engine would run it on a thread of its own per device, whose time the calling thread's clock
+    does not hold (the forward's alone, where on CPU it is the whole step's)."""
     for step in steps.values():
         for _ in range(2):
             step()
     best = {label: float("inf") for label in steps}
-    for _ in range(repeats):
-        for label, step in steps.items():
-            start = time.thread_time()
-            step()
-            best[label] = min(best[label], time.thread_time() - start)
+    with torch.autograd.set_multithreading_enabled(False):
+        for _ in range(repeats):
+            for label, step in steps.items():
+                start = time.thread_time()
+                step()
+                best[label] = min(best[label], time.thread_time() - start)
     return best
 
 

@@ -77,3 +77,126 @@ def test_summary_holds_compiled_moe_to_hf_compiled_and_no_break():
            "graphs": {"autotp compiled": 2}, "breaks": {"autotp compiled": {"a reason": 1}}}
     text = "\n".join(summary(_round({"moe:compile": {"point": "47.3", "estimate_s": 1, "s": 1, "figures": fig}})))
     assert "**1.100x** (slower: short of the goal)" in text and "graph breaks 1: a reason" in text
+
+
+def test_the_round_probes_where_the_host_time_of_a_gpt2_xl_rank_goes():
+    part = next(p for p in ROUNDS["issues-44-47"] if p.name == "host:gpt2-xl")
+    assert (part.child, part.point) == ("host_profile", "44.4")
+    assert part.options == dict(model="gpt2-xl", layers=12, batch=8, seq=1024)
+    assert part.estimate_s <= 40 < part.cap_s
+
+
+def test_largest_gaps_merge_the_streams_and_name_what_the_host_was_inside_of():
+    from benchmarks.host_profile import largest_gaps
+
+    # µs: two streams overlapping (0-12), then the device idle 12-20 and 30-100
+    busy = [(0, 10, "a"), (5, 12, "b"), (20, 30, "c"), (100, 110, "d")]
+    host = [(30, 100, "aten::copy_", 1, 7), (35, 99, "cudaMalloc", 2, 7), (13, 14, "aten::view", 1, 1),
+            (15, 16, "aten::view", 1, 1), (16, 17, "aten::view", 2, 1)]
+    gaps = largest_gaps(busy, host)
+    assert [(round(g["ms"], 3), g["before"], g["after"]) for g in gaps] == [(0.07, "c", "d"), (0.008, "b", "c")]
+    assert gaps[0]["host"] == "cudaMalloc (thread 7)"   # the deepest event covering half the gap
+    assert gaps[1]["host"] == "begun: aten::view x2"    # none covers half: the outermost begun in it
+
+
+def test_a_profiled_cpu_step_names_its_halves_threads_and_runtime_calls():
+    import torch
+
+    from benchmarks.host_profile import RUNTIME, clocks, profiled, training_step
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+
+        def forward(self, x, labels):
+            return type("Out", (), {"loss": torch.nn.functional.mse_loss(self.linear(x), labels)})()
+
+    step = training_step(Tiny(), {"x": torch.randn(4, 8), "labels": torch.randn(4, 8)})
+    clock = clocks(step, lambda: None, 2)
+    assert set(clock) == {"wall", "thread", "process"}
+    prof = profiled(step, lambda: None, "cpu")
+    # on CPU the calling thread runs the backward too: one thread holds both halves
+    assert list(prof["threads"]) == [k for k in prof["threads"] if k.endswith("(calling)")]
+    assert {"forward", "backward"} <= set(next(iter(prof["threads"].values())))
+    assert set(RUNTIME) <= set(prof["runtime"]) and all(n == 0 for n, _ in prof["runtime"].values())
+    assert any(name == "aten::addmm" and calls == 1 for name, _, calls in prof["top_ops"])
+    assert prof["busy"] > 0 and prof["gaps"]
+    # the step's idle device time: before its first op, between, after its last (the "device"
+    # on CPU is the calling thread's outermost ATen ops)
+    assert set(prof["idle"]) == {"before the first", "between", "after the last"}
+    assert all(v >= 0 for v in prof["idle"].values())
+    assert prof["idle"]["between"] >= sum(g["ms"] for g in prof["gaps"]) - 1e-9
+
+
+def test_summary_folds_the_host_probe_under_noticed():
+    from benchmarks.host_profile import verdict
+
+    def side(wall, thread, process, mallocs):
+        runtime = {"cudaLaunchKernel": (1200, 6.0), "cudaMalloc": (mallocs, 3.0), "cudaStreamSynchronize": (1, 0.1),
+                   "cudaDeviceSynchronize": (1, 40.0)}   # the step's end
+        return {"clock": {"wall": wall, "thread": thread, "process": process},
+                "profile": {"wall": wall, "busy": 0.2 * wall, "runtime": runtime,
+                            "gaps": [{"ms": 2.5, "before": "k1", "after": "k2", "host": "cudaMalloc (thread 7)"}]}}
+
+    fig = {"model": "gpt2-xl", "layers": 12, "batch": 8, "seq": 1024, "sequence_parallel": True,
+           "rank": side(60.0, 14.0, 55.0, 4), "serial": side(97.0, 9.0, 30.0, 0)}
+    fig["verdict"] = verdict(fig)
+    assert "rank: wall 60.0 ms, calling thread 14.0 ms, process CPU 55.0 ms" in fig["verdict"]
+    assert "1200 launches, 1 synchronizations besides the step's end, 4 cudaMalloc/cudaFree" in fig["verdict"]
+    assert "the rank is **host-bound**" in fig["verdict"]
+    text = "\n".join(summary(_round({"host:gpt2-xl": {"point": "44.4", "estimate_s": 40, "s": 30, "figures": fig}})))
+    assert "sequence parallelism chosen: " + fig["verdict"] in text
+    assert "host:gpt2-xl: not in this round" not in text
+    fig["rank"] = side(60.0, 14.0, 20.0, 0)
+    assert "not host-bound by CPU time" in verdict(fig)
+
+
+def test_stalls_count_the_garbage_collections_of_a_step_and_one_thread_keeps_the_backward_home():
+    import gc
+
+    import torch
+
+    from benchmarks.host_profile import one_thread, stalls
+
+    seen = []
+
+    def step():
+        seen.append(torch._C._is_multithreading_enabled())
+        gc.collect()   # a full collection, as Python makes one when its long-lived objects grow
+
+    counted = stalls(step, "cpu")
+    assert counted["gc"]["generation 2"][0] == 1 and counted["syncs"] == {}
+    one_thread(step)()
+    assert seen == [True, True, False]   # the warm-up and counted step as given, then on the calling thread
+
+
+def test_rank_hosts_clock_holds_the_backward_on_every_device():
+    """On CUDA the autograd engine runs a backward on a device thread of its own: the calling
+    thread's CPU time of a training step held the forward alone (the 2026-11-30 round's host:cuda
+    part read 13.7 ms for a gpt2 rank's step). The timed steps run their backward at home."""
+    import torch
+
+    from benchmarks.rank_host import least_times
+
+    seen = []
+    least_times({"step": lambda: seen.append(torch._C._is_multithreading_enabled())}, repeats=2)
+    assert seen[2:] == [False, False]
+
+
+def test_the_host_probe_times_the_step_with_attention_off_cudnn():
+    """cuDNN's attention builds an execution graph per layout (host milliseconds where its cache
+    misses): the probe times the step with it excluded and every other attention kernel allowed."""
+    import torch
+
+    from benchmarks.host_profile import verdict, without_cudnn_attention
+
+    seen = []
+    without_cudnn_attention(lambda: seen.append((torch.backends.cuda.cudnn_sdp_enabled(),
+                                                 torch.backends.cuda.flash_sdp_enabled(),
+                                                 torch.backends.cuda.mem_efficient_sdp_enabled(),
+                                                 torch.backends.cuda.math_sdp_enabled())))()
+    assert seen == [(False, True, True, True)] and torch.backends.cuda.cudnn_sdp_enabled()
+    side = {"clock": {"wall": 60.0, "thread": 14.0, "process": 20.0}, "no_cudnn_attention": {"wall": 21.0},
+            "profile": {"wall": 60.0, "busy": 12.0, "runtime": {}, "gaps": []}}
+    assert "attention off cuDNN: wall **21.0 ms**" in verdict({"rank": side})
