@@ -485,8 +485,15 @@ def host_profile(device: str, quick: bool, md: str, model: str, layers: int, bat
     return figures
 
 
+def predicted_ops(device: str, quick: bool, md: str, model: str, layers: int, batch: int, seq: int) -> dict:
+    """The model captured on the device and on meta, priced op by op (``benchmarks/predicted_ops.py``)."""
+    import predicted_ops as P
+
+    return P.part(device, quick, md, model, layers, batch, seq)
+
+
 CHILDREN = {"rank": rank, "moe_compile": moe_compile, "rms_norm": rms_norm, "collectives": collectives,
-            "rank_host": rank_host, "host_profile": host_profile}
+            "rank_host": rank_host, "host_profile": host_profile, "predicted_ops": predicted_ops}
 
 
 def child_main() -> None:
