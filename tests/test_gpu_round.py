@@ -77,3 +77,25 @@ def test_summary_holds_compiled_moe_to_hf_compiled_and_no_break():
            "graphs": {"autotp compiled": 2}, "breaks": {"autotp compiled": {"a reason": 1}}}
     text = "\n".join(summary(_round({"moe:compile": {"point": "47.3", "estimate_s": 1, "s": 1, "figures": fig}})))
     assert "**1.100x** (slower: short of the goal)" in text and "graph breaks 1: a reason" in text
+
+
+def test_summary_reads_the_balanced_rank_for_the_goal_and_states_the_skew():
+    def at(rank: int, load: float, clock: float, busiest: dict | None = None) -> dict:
+        v = {**_version(clock, roles=["expert"]), "rank": rank, "load": load, "predicted_at_load": 0.01 * load}
+        return {**v, "busiest": busiest} if busiest else v
+
+    versions = {"serial": {"clock": 8.0, "thread": math.nan, "busy": 0.9, "compiled": None},
+                "load": {"ranks": [30, 10, 10, 10, 10, 10, 10, 12], "max_over_mean": 2.14, "balanced_rank": 7,
+                         "busiest_rank": 0},
+                "default": at(7, 1.02, 1.0, busiest=at(0, 2.5, 2.0)),
+                "expert-parallel": at(7, 1.02, 1.0, busiest=at(0, 2.5, 2.0)),
+                "expert-TP": {**_version(1.05, roles=["expert_column", "expert_row"]), "rank": 7, "load": 1.0,
+                              "predicted_at_load": 0.01}}
+    fig = {"model": "mixtral-8x7b", "versions": versions}
+    text = "\n".join(summary(_round({"rank:m": {"point": "47.2", "estimate_s": 1, "s": 1, "figures": fig}})))
+    # the goal reads rank 7's step (1.0 of the eighth), not the busiest rank's (0.50)
+    assert "measured 1.00x the fastest (default): within 10%" in text and "best efficiency 1.00" in text
+    assert "rows per rank max ÷ mean 2.14; rank 7 (nearest the mean) ran every version" in text
+    assert "the most loaded, rank 0, took default 2.00x, expert-parallel 2.00x of its step" in text
+    row = next(line for line in text.splitlines() if "| expert-parallel, busiest rank |" in line)
+    assert "| 0 (2.50) | 10.00 (25.00) | 2000.00 | **0.50** |" in row
