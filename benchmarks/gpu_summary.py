@@ -104,7 +104,7 @@ def _moe(parts: dict, clock: str) -> list[str]:
              "The goal reads each version as the rank whose experts' load on the batch is nearest the mean (a "
              "trained router is balanced); the most loaded rank's step, where run, is what this random router's "
              "step waits for.", "",
-             "| model | version | experts' roles | rank (experts' rows ÷ mean) | predicted ms (at the rank's load) | "
+             "| model | version | experts' roles | rank (experts' work ÷ mean) | predicted ms (at the rank's load) | "
              "measured ms | efficiency |",
              "|---|---|---|---|---|---|---|"]
     picks = []

@@ -287,7 +287,7 @@ def run_model(spec: str, args, figures: dict | None = None) -> list[str]:
         figures.update(_figures(serial, serial_busy, compiled_serial, rows, load))
     tp = args.tp
     moe = load is not None
-    lines += ["| version | " + ("rank | experts' rows ÷ mean (grouped products' FLOPs) | " if moe else "")
+    lines += ["| version | " + ("rank | experts' work ÷ mean (grouped products' FLOPs) | " if moe else "")
               + "thread ms (least) | **serial/N ÷ rank, thread time** | ATen calls ms (each at its least) | "
               "serial/N ÷ rank, ATen calls | wall ms (median) | serial/N ÷ rank, "
               "wall | FLOPs rank ÷ serial/N | bytes rank ÷ serial/N | predicted ms (rank / serial÷N) | "
@@ -313,10 +313,13 @@ def run_model(spec: str, args, figures: dict | None = None) -> list[str]:
                      + (f"{r['at_load'] * 1e3:.2f} | " if moe else "")
                      + f"{ps / pr:.2f} | {pct(r['busy'])} |")
     if moe:
-        lines += ["", "Experts' rows ÷ mean: the rows the rank's grouped expert products ran (their FLOPs against "
-                  "serial's ÷ N) over a balanced router's share (1.00; expert-TP runs every row at 1/N of the width: "
-                  "1.00). Under the all-to-all dispatch the fake peers route as the rank does "
-                  "(`benchmarks/fake_peers.py`), so its rows are its own tokens' load, not the count above. "
+        lines += ["", "Experts' work ÷ mean: the rank's grouped expert products' FLOPs against serial's ÷ N. Under "
+                  "expert parallelism that is the rows its experts ran over a balanced router's share (1.00); "
+                  "expert-TP runs every row at its part of the width (1.00 where N divides the width, more on "
+                  "a rank with a larger part); replicated experts run every row whole (N). The fake world's rows "
+                  "are not the count above: its all-reduces return the rank's own part, so after the first g the "
+                  "rank routes values of its own, and under the all-to-all dispatch its peers route as it does "
+                  "(`benchmarks/fake_peers.py`). "
                   "'At the rank's load': the cost model prices the ops on a rank's experts' rows at a balanced "
                   "router's share; this column scales that part (`benchmarks/moe_load.experts_seconds`) by the "
                   "rows ÷ mean, the rest as predicted."]
@@ -634,7 +637,7 @@ def main() -> None:
              + "FLOPs and bytes are counted off the ops the steps run "
              "(forward + backward); 'predicted' is the cost model's forward + backward on the profile, at the "
              "measured workload.", ""])
-    if not args.copies_only:
+    if not args.copies_only and not args.tiny:   # the published widths' table: not of a tiny run
         lines += predicted_at_real_size(args.tp, args.profile)
     for spec in args.models:
         with contextlib.suppress(KeyboardInterrupt):
