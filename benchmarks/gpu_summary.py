@@ -17,6 +17,8 @@ import math
 import sys
 
 DENSE_GOAL, MOE_GOAL, PICK_SLACK = 0.85, 0.7, 1.10
+#: a rank's experts' rows within this of a balanced share read as a balanced router's step
+LOAD_SLACK = 0.10
 #: rank_efficiency.py's experts versions, beside its "default" (the solver's own plan)
 VERSIONS = ("expert-parallel", "expert-TP", "expert-parallel, all-to-all dispatch")
 
@@ -148,10 +150,15 @@ def _skew(load: dict | None, versions: dict, clock: str) -> str:
         return "Routing load not counted (rank 0 ran: its experts' load, not a balanced one). "
     busiest = [f"{k} {_f(_ratio(v['busiest'][clock], v[clock]))}x" for k, v in versions.items()
                if k != "serial" and v.get("busiest")]
+    off = [f"{k} {v['load']:.2f}" for k, v in versions.items() if k != "serial" and "expert" in v["expert_roles"]
+           and abs(v.get("load", 1.0) - 1.0) > LOAD_SLACK]
     return (f"This batch's routing (a random router): rows per rank max ÷ mean {load['max_over_mean']:.2f}; rank "
             f"{load['balanced_rank']} (nearest the mean) ran every version"
             + (f"; the most loaded, rank {load['busiest_rank']}, took " + ", ".join(busiest) + " of its step"
-               if busiest else "") + ". ")
+               if busiest else "") + ". "
+            + ("**Not a balanced step** where the rank's experts ran off a balanced share by more than 10% (the "
+               "fake world's all-reduces leave a rank's own part, so it routes values of its own): " + ", ".join(off)
+               + "; `rank_efficiency.py --rank-by probe` picks the rank by the rows it runs. " if off else ""))
 
 
 def _compiled_moe(row: dict | None) -> list[str]:

@@ -30,14 +30,17 @@ parallelism, the peers' routing mirrored: ``benchmarks/fake_peers.py``), predict
 side by side. Under expert parallelism a rank's step follows its experts' load, and a random
 router's is far from even: the serial model's routing on the batch is counted first
 (``benchmarks/moe_load.py``: rows per expert and per rank's experts, max ÷ mean), every version
-runs as the rank whose load is nearest the mean (what a balanced router's step costs; the fake
-world can be any rank, ``fake_peers.fake_rank``) and, with ``--busiest-rank on``, the
+runs as a rank whose load is nearest a balanced share (what a balanced router's step costs; the
+fake world can be any rank, ``fake_peers.fake_rank``) and, with ``--busiest-rank on``, the
 expert-parallel ones as the most loaded rank too (what this router's step waits for). Each row
 gives the rows the rank's experts ran (its grouped products' FLOPs against serial's ÷ N, over a
 balanced share) and the prediction with the experts' part scaled to that load beside the
-balanced one. The fake world's rows can differ from the count: its all-reduces leave a rank's own
-part (the g after a head-split attention or after the experts), so from the first such g on the
-rank routes values of its own; under the dispatch its peers route as it does.
+balanced one. The fake world's rows are not the count: its all-reduces leave a rank's own part
+(the g after a head-split attention or after the experts), so from the first such g on the rank
+routes values of its own, and under the dispatch its peers route as it does. So ``--rank-by
+probe`` (the default here) counts one step of every rank and picks by the rows each ran;
+``count`` picks by the serial count (``run_model``'s default where ``args`` has no ``rank_by``,
+as the device round's ``benchmarks/gpu_parts.py`` passes none).
 ``benchmarks/moe_rank.py`` does the same on CPU at narrower widths; ``--tiny`` runs each family at
 tiny widths (the rows and counts, not a timing at the published widths).
 
@@ -53,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import statistics
 import sys
@@ -217,14 +221,15 @@ def model_for(name: str, layers: int, dtype: torch.dtype, device: str):
     return family, zoo.build(family.name, config, device=device, dtype=dtype)
 
 
-def tiny_model_for(name: str, layers: int, dtype: torch.dtype, device: str):
-    """``model_for`` at tiny widths (``--tiny``): the published model's family, hidden 64 in 8 heads,
-    8 experts (top-2) where it has them."""
+def tiny_model_for(name: str, layers: int, dtype: torch.dtype, device: str, heads: int = 8, head_dim: int = 8):
+    """``model_for`` at tiny widths (``--tiny``): the published model's family, ``heads`` of
+    ``head_dim`` (``--tiny-width``; hidden 64 in 8 heads by default), 8 experts (top-2) where it has
+    them."""
     from autotp import zoo
 
     family = zoo.family_of(name)
     extra = dict(experts=8, top_k=2) if family.name in zoo.EXPERT_FAMILIES else {}
-    config = zoo.tiny_config(family.name, layers=layers, heads=8, head_dim=8, vocab=128,
+    config = zoo.tiny_config(family.name, layers=layers, heads=heads, head_dim=head_dim, vocab=128,
                              positions=1024, **extra)
     return family, zoo.build(family.name, config, device=device, dtype=dtype)
 
@@ -373,40 +378,55 @@ def run_model(spec: str, args, figures: dict | None = None) -> list[str]:
 
 def _probe(model, batch: dict, args, planning: dict, serial_counts) -> list[float] | None:
     """Each fake-world rank's experts' rows over a balanced share (``moe_load.expert_rows_share``),
-    one step of each rank counted after the one that writes its program; None where the plan holds no expert-parallel stack (every rank
-    computes alike)."""
-    import autotp
+    one step of each rank counted after the one that writes its program; None where the plan holds
+    no expert-parallel stack (every rank computes alike). Rank 0 plans; the others' programs are
+    written from its plan (``parallelize(plan=)``, with the planning's sequence-parallel and
+    dispatch arguments, which the plan's placements do not hold: without them a dispatching plan's
+    program gathers), planned afresh where that program's collectives are not the plan's."""
     from autotp.testing.work import WorkCounter
 
-    shares = []
+    shares, plan = [], None
     for rank in range(args.tp):
         with fake_rank(rank, args.tp), mirrored_peers():
-            pm = autotp.parallelize(model, args.tp, profile=args.profile, batch=args.plan_batch, seq=args.plan_seq,
-                                    device=args.device, **planning)
+            pm = _parallelize(model, args, planning, plan)
+            if plan is not None and _collectives(pm.plan) != _collectives(plan):
+                del pm
+                pm = _parallelize(model, args, planning)
             module_step(pm, batch)()   # the program is written at the first call
             with WorkCounter() as work:
                 module_step(pm, batch)()
-            split = "expert" in pm.plan.roles.values()
+            plan = plan or pm.plan
             del pm
-        if not split:
+        if "expert" not in plan.roles.values():
             return None
         shares.append(expert_rows_share(work, serial_counts, args.tp))
     model.zero_grad(set_to_none=True)
     return shares
 
 
+def _collectives(plan) -> list[str]:
+    return sorted(f"{c.kind} {c.tensor} {c.src} {c.dst}" for c in plan.comms)
+
+
+def _parallelize(model, args, planning: dict, plan=None):
+    """The rank program of ``planning`` on the current fake world's rank, or written from ``plan``
+    (its placements, not solved again; the planning's other arguments kept)."""
+    import autotp
+
+    kwargs = planning if plan is None else dict(plan=plan, **{k: v for k, v in planning.items() if k != "layout"})
+    return autotp.parallelize(model, args.tp, profile=args.profile, batch=args.plan_batch, seq=args.plan_seq,
+                              device=args.device, **kwargs)
+
+
 def _run_rank(model, batch: dict, args, planning: dict, rank: int, serial_counts, full: bool = True) -> dict:
     """One version of the rank program, as ``rank`` of a fake world: its step measured and counted,
     predicted (balanced and at the load its experts' rows had), and with ``full`` its ops timed and
     compiled where asked."""
-    import autotp
-
     cpu = args.device == "cpu"
     # the program is written at the first call and run under the mirrored peers: an all-to-all
     # dispatch's rank sends and receives as if every peer routed as it does (benchmarks/fake_peers.py)
     with fake_rank(rank, args.tp), mirrored_peers():
-        pm = autotp.parallelize(model, args.tp, profile=args.profile, batch=args.plan_batch, seq=args.plan_seq,
-                                device=args.device, **planning)
+        pm = _parallelize(model, args, planning)
         module_step(pm, batch)()
         pm.zero_grad(set_to_none=True)
         time_ = measured(pm, batch, args.device, args.repeats)
@@ -599,11 +619,13 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true",
                    help="each model's family at tiny widths (hidden 64 in 8 heads, 8 experts top-2): the rows "
                         "and their counts, not a timing of the published widths")
+    p.add_argument("--tiny-width", default="8x8", help="--tiny's heads x head dim")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.tiny:
         global model_for
-        model_for = tiny_model_for
+        heads, head_dim = (int(x) for x in args.tiny_width.split("x"))
+        model_for = functools.partial(tiny_model_for, heads=heads, head_dim=head_dim)
     if args.predicted_only:
         started = time.time()
         lines = ["# One rank of tp=N against its share of the serial step: predicted", "",

@@ -99,3 +99,7 @@ def test_summary_reads_the_balanced_rank_for_the_goal_and_states_the_skew():
     assert "the most loaded, rank 0, took default 2.00x, expert-parallel 2.00x of its step" in text
     row = next(line for line in text.splitlines() if "| expert-parallel, busiest rank |" in line)
     assert "| 0 (2.50) | 10.00 (25.00) | 2000.00 | **0.50** |" in row
+    assert "Not a balanced step" not in text
+    versions["expert-parallel"]["load"] = 0.44   # the fake world's rank ran off a balanced share
+    text = "\n".join(summary(_round({"rank:m": {"point": "47.2", "estimate_s": 1, "s": 1, "figures": fig}})))
+    assert "**Not a balanced step**" in text and ": expert-parallel 0.44;" in text and "default 1.02" not in text
