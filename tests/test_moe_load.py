@@ -72,3 +72,49 @@ def test_the_prediction_at_a_load_scales_the_experts_part_alone():
     assert at_load(10.0, 4.0, 1.5) == pytest.approx(12.0)
     assert at_load(10.0, 4.0, 0.5) == pytest.approx(8.0)
     assert at_load(10.0, 4.0, float("nan")) == 10.0   # no grouped product counted: as predicted
+
+
+def _fake_world(tp: int) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
+
+
+def test_the_probe_reads_each_ranks_rows_and_a_program_from_rank_0s_plan_is_the_planned_one():
+    """``rank_efficiency._probe`` writes ranks 1.. from rank 0's plan: where the rank routes as serial
+    does (one layer, everything before the router replicated) its shares are the serial count's;
+    and a dispatching plan's program written from the plan with the planning's other arguments is
+    the one planned afresh (without them it gathers)."""
+    import argparse
+
+    from benchmarks import rank_efficiency as R
+
+    model = _tiny_moe(layers=1, experts=8)
+    batch = zoo.example_batch("mixtral", model.config, batch=2, seq=16, seed=0)
+    load = routing_load(model, batch, tp=4, seq=16)
+    with WorkCounter() as serial:
+        module_step(model, batch)()
+    model.zero_grad(set_to_none=True)
+    args = argparse.Namespace(tp=4, profile="h200", plan_batch=2, plan_seq=16, device="cpu")
+    pins = {"*.experts.gate_up_proj": "expert", "*.experts.down_proj": "expert", "model.embed_tokens.weight":
+            "replicate", "*self_attn.*": "replicate"}
+    _fake_world(4)
+    try:
+        shares = R._probe(model, batch, args, dict(layout=pins), serial)
+        assert shares == pytest.approx([c / load.mean for c in load.ranks], rel=1e-12)
+        dispatch = R.EXPERTS["expert-parallel, all-to-all dispatch"]
+        with fake_rank(0, 4), mirrored_peers():
+            plan = R._parallelize(model, args, dispatch).plan
+        with fake_rank(2, 4), mirrored_peers():
+            fresh, written = R._parallelize(model, args, dispatch), R._parallelize(model, args, dispatch, plan)
+            counts = []
+            for pm in (fresh, written):
+                module_step(pm, batch)()   # the program is written at the first call
+                with WorkCounter() as work:
+                    module_step(pm, batch)()
+                counts.append((work.flops, work.moved))
+            assert R._collectives(written.plan) == R._collectives(fresh.plan)
+            assert any(c.kind == "all_to_all" for c in written.plan.comms) and counts[0] == counts[1]
+            del fresh, written, pm
+    finally:
+        dist.destroy_process_group()
