@@ -7,8 +7,11 @@ load-balancing loss); a randomly initialized one is not: random attention averag
 so their hidden states, and so their top-k, are correlated, and a few experts get most rows.
 One rank of tp=N timed alone (``benchmarks/rank_efficiency.py``) then measures that rank's load,
 not the layout. This module counts the load, so the benchmark can say what it measured and run
-the rank whose load is nearest the mean (what a balanced router's step costs) and the most
-loaded one (what a real step under this router waits for).
+a rank whose load is nearest the mean (what a balanced router's step costs) and the most loaded
+one (what a real step under this router waits for); and it reads the rows a rank's experts did
+run from its grouped products' FLOPs (``expert_rows_share``): on the fake backend those are not
+the serial count (its all-reduces leave a rank's own part, so the rank routes values of its
+own), and the benchmark can pick its rank by them.
 
 The top-k is read where transformers' experts module receives it: every module holding a 3-D
 stack of experts (``[experts, ...]``) is called as ``experts(hidden, top_k_index,
@@ -28,13 +31,10 @@ from torch import nn
 @dataclasses.dataclass(frozen=True)
 class LayerLoad:
     """One MoE layer's routing on a batch: ``experts[e]`` rows routed to expert ``e``;
-    ``ranks[r]`` rows routed to rank ``r``'s experts (expert parallelism, all tokens);
-    ``own[r]`` rows of rank ``r``'s own tokens (its sequence run under sequence parallelism)
-    routed to its own experts."""
+    ``ranks[r]`` rows routed to rank ``r``'s experts (expert parallelism, all tokens)."""
     name: str
     experts: tuple[int, ...]
     ranks: tuple[int, ...]
-    own: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,12 +68,6 @@ class Load:
         """The most loaded rank (the lowest such rank): the one a real step waits for."""
         return max(range(self.tp), key=lambda r: (self.ranks[r], -r))
 
-    def mirrored(self, rank: int) -> int:
-        """Rows ``rank``'s experts get under the all-to-all dispatch on the fake backend, whose
-        peers route as the rank does (``benchmarks/fake_peers.py``): ``tp`` times its own tokens'
-        rows to its own experts, summed over the layers."""
-        return self.tp * sum(layer.own[rank] for layer in self.layers)
-
 
 def _expert_stacks(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
     """(name, module, number of experts) of every module holding its own 3-D parameter: a stack of
@@ -98,10 +92,9 @@ def expert_ranges(experts: int, tp: int, rank: int) -> tuple[tuple[int, int], ..
     return local_ranges(experts, Shard(0), tp, rank)
 
 
-def routing_load(model: nn.Module, batch: dict, tp: int, seq: int) -> Load:
+def routing_load(model: nn.Module, batch: dict, tp: int) -> Load:
     """The serial model's routing on ``batch`` (one forward, no gradient), counted per expert and
-    per rank. ``seq``: the batch's sequence length (a rank's own tokens are its ``seq // tp`` run
-    of each sequence)."""
+    per rank."""
     seen: dict[str, torch.Tensor] = {}
     stacks = _expert_stacks(model)
 
@@ -126,17 +119,13 @@ def routing_load(model: nn.Module, batch: dict, tp: int, seq: int) -> Load:
             continue
         tokens, top_k = index.shape
         per_expert = torch.bincount(index.reshape(-1), minlength=experts)
-        run = seq // tp
-        position = torch.arange(tokens) % seq   # the token's place in its sequence: [b * s] flattened
-        ranks, own = [], []
+        ranks = []
         for r in range(tp):
             held = torch.zeros(experts, dtype=torch.bool)
             for lo, hi in expert_ranges(experts, tp, r):
                 held[lo:hi] = True
             ranks.append(int(per_expert[held].sum()))
-            mine = (position >= r * run) & (position < (r + 1) * run)
-            own.append(int(held[index[mine]].sum()))
-        layers.append(LayerLoad(name, tuple(int(c) for c in per_expert), tuple(ranks), tuple(own)))
+        layers.append(LayerLoad(name, tuple(int(c) for c in per_expert), tuple(ranks)))
     return Load(tp, tokens, top_k, tuple(layers))
 
 
@@ -154,9 +143,8 @@ def load_lines(load: Load, measured: dict[str, int]) -> list[str]:
                      + f" | {max(layer.ranks) / mean:.2f} |")
     lines.append("| all layers | " + " | ".join(str(c) for c in load.ranks)
                  + f" | **{max(load.ranks) / load.mean:.2f}** |")
-    ran = "; ".join(f"{what}: rank {r} ({load.ranks[r]} rows, {load.skew(r):.2f}x the mean; under the "
-                    f"all-to-all dispatch, whose fake peers route as it does, {load.mirrored(r)} rows, "
-                    f"{load.mirrored(r) / load.mean:.2f}x)" for what, r in measured.items())
+    ran = "; ".join(f"{what}: rank {r} ({load.ranks[r]} rows, {load.skew(r):.2f}x the mean)"
+                    for what, r in measured.items())
     return lines + (["", f"Ranks run: {ran}."] if measured else [])
 
 

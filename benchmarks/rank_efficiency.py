@@ -249,7 +249,7 @@ def run_model(spec: str, args, figures: dict | None = None) -> list[str]:
     cpu = args.device == "cpu"
     # experts' layouts run as the rank whose experts' load is nearest the mean (a balanced router's
     # step), and with --busiest-rank as the most loaded one too (benchmarks/moe_load.py)
-    load = routing_load(model, batch, args.tp, args.seq) if family.name in zoo.EXPERT_FAMILIES else None
+    load = routing_load(model, batch, args.tp) if family.name in zoo.EXPERT_FAMILIES else None
     run_rank = load.balanced_rank if load is not None else 0
     busiest = load.busiest_rank if load is not None and getattr(args, "busiest_rank", "off") == "on" else None
     probe = load is not None and getattr(args, "rank_by", "count") == "probe"
@@ -270,9 +270,10 @@ def run_model(spec: str, args, figures: dict | None = None) -> list[str]:
     rows, probed = [], {}
     for label, planning in layouts.items():
         balanced, most = run_rank, busiest
+        started = time.perf_counter()
         shares = _probe(model, batch, args, planning, serial_counts) if probe else None
         if shares is not None:   # the fake world's own loads: the rank nearest a balanced share, the most loaded
-            probed[label] = shares
+            probed[label] = shares, time.perf_counter() - started
             balanced = min(range(args.tp), key=lambda r: (abs(shares[r] - 1.0), r))
             most = max(range(args.tp), key=lambda r: (shares[r], -r)) if busiest is not None else None
         row = _run_rank(model, batch, args, planning, balanced, serial_counts)
@@ -283,10 +284,12 @@ def run_model(spec: str, args, figures: dict | None = None) -> list[str]:
                                                                          serial_counts, full=False)))
     if probed:
         lines += ["Experts' rows ÷ mean on each rank of the fake world (`--rank-by probe`: one step of each rank "
-                  "counted; the rank nearest 1.00 ran the version, the largest its busiest row):", "",
-                  "| version | " + " | ".join(f"rank {r}" for r in range(args.tp)) + " |",
-                  "|---|" + "---|" * args.tp]
-        lines += [f"| {label} | " + " | ".join(f"{x:.2f}" for x in shares) + " |" for label, shares in probed.items()]
+                  "counted; the rank nearest 1.00 ran the version, the largest its busiest row; the probe's wall "
+                  "seconds, its programs written and two steps per rank):", "",
+                  "| version | " + " | ".join(f"rank {r}" for r in range(args.tp)) + " | probe s |",
+                  "|---|" + "---|" * (args.tp + 1)]
+        lines += [f"| {label} | " + " | ".join(f"{x:.2f}" for x in shares) + f" | {seconds:.0f} |"
+                  for label, (shares, seconds) in probed.items()]
         lines.append("")
     if figures is not None:
         figures.update(_figures(serial, serial_busy, compiled_serial, rows, load))
