@@ -133,3 +133,29 @@ def mirrored_peers() -> Iterator[None]:
         yield
     finally:
         E.token_rows, rewrite.token_rows, rewrite.routed_scatter, E._all_to_all = saved
+
+
+@contextlib.contextmanager
+def fake_rank(rank: int, tp: int) -> Iterator[None]:
+    """While inside: the default process group is torch's fake backend as ``rank`` of ``tp``
+    (the one before it, a fake world's rank, is put back after). Nothing in the fake world or the
+    mirror is rank 0's alone: a rank's expert-parallel experts are its own Shard(0) of the stacks;
+    under sequence parallelism its tokens are its run of each sequence (the fake reduce-scatter
+    returns the first block's values, the same size); the mirrored peers copy whichever rank runs.
+    A rank program made inside must be dropped before it ends (its group is destroyed)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    before = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else None
+    if before == (rank, tp):
+        yield
+        return
+    if before is not None:
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=rank, world_size=tp, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        if before is not None:
+            dist.init_process_group("fake", rank=before[0], world_size=before[1], store=FakeStore())

@@ -5,7 +5,10 @@ against the point's goal. Input: the round's ``round.json`` (a dict); output: th
 Goals (issues 44 and 47): one rank of tp 8 does >= 0.85 of its eighth of the serial step for the
 dense models, eager, compute only; >= 0.7 for the mixtures of experts; the solver's experts
 layout measured within 10% of the fastest measured; ``torch.compile(pm)`` at tp 1 no slower than
-HF's module compiled, with no graph break.
+HF's module compiled, with no graph break. A mixture of experts' versions are read as the rank
+whose experts' load on the batch is nearest the mean (``benchmarks/moe_load.py``): the goal is
+a balanced router's step; the batch's skew and the most loaded rank's step, where run, are stated
+beside it.
 """
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ import math
 import sys
 
 DENSE_GOAL, MOE_GOAL, PICK_SLACK = 0.85, 0.7, 1.10
+#: a rank's experts' rows within this of a balanced share read as a balanced router's step
+LOAD_SLACK = 0.10
 #: rank_efficiency.py's experts versions, beside its "default" (the solver's own plan)
 VERSIONS = ("expert-parallel", "expert-TP", "expert-parallel, all-to-all dispatch")
 
@@ -93,13 +98,20 @@ def _measured(parts: dict, point: str, lines: list[str]):
 
 
 def _moe(parts: dict, clock: str) -> list[str]:
+    """Issue 47 point 2. The versions' main figures are the rank whose experts' load on the batch is
+    nearest the mean (``benchmarks/moe_load.py``: a balanced router's step): the goal reads them.
+    The batch's routing skew and, where run, the most loaded rank's step are stated beside them."""
     lines = ["## Issue 47, point 2: experts layouts measured (goal >= 0.7; the solver's pick within 10% of the "
              "fastest)", "",
-             "| model | version | experts' roles | predicted ms | measured ms | efficiency |",
-             "|---|---|---|---|---|---|"]
+             "The goal reads each version as the rank whose experts' load on the batch is nearest the mean (a "
+             "trained router is balanced); the most loaded rank's step, where run, is what this random router's "
+             "step waits for.", "",
+             "| model | version | experts' roles | rank (experts' work ÷ mean) | predicted ms (at the rank's load) | "
+             "measured ms | efficiency |",
+             "|---|---|---|---|---|---|---|"]
     picks = []
     for name, fig in _measured(parts, "47.2", lines):
-        versions = fig["versions"]
+        versions = {k: v for k, v in fig["versions"].items() if k != "load"}
         share = versions["serial"][clock] / 8
         for label in ("default", *VERSIONS):
             v = versions.get(label)
@@ -108,8 +120,12 @@ def _moe(parts: dict, clock: str) -> list[str]:
             shown = "solver's pick (default plan)" if label == "default" else label
             roles = ", ".join(v["expert_roles"]) or "-"
             roles += " (all-to-all dispatch)" if v.get("dispatch") else ""
-            lines.append(f"| {fig['model']} | {shown} | {roles} | "
-                         f"{_f(v['predicted'] * 1e3)} | {_f(v[clock] * 1e3)} | **{_f(_ratio(share, v[clock]))}** |")
+            for run, row in ((shown, v), (f"{shown}, busiest rank", v.get("busiest"))):
+                if row is None:
+                    continue
+                lines.append(f"| {fig['model']} | {run} | {roles} | {_rank(row)} | {_f(row['predicted'] * 1e3)}"
+                             + (f" ({_f(row['predicted_at_load'] * 1e3)})" if "predicted_at_load" in row else "")
+                             + f" | {_f(row[clock] * 1e3)} | **{_f(_ratio(share, row[clock]))}** |")
         measured = {k: v[clock] for k, v in versions.items() if k != "serial" and v[clock] == v[clock]}
         if "default" in measured and len(measured) > 1:
             fastest = min(measured, key=measured.get)
@@ -118,9 +134,31 @@ def _moe(parts: dict, clock: str) -> list[str]:
             picks.append(f"- {fig['model']}: the solver's pick measured {over:.2f}x the fastest ({fastest}): "
                          + ("within 10%" if over <= PICK_SLACK else "**more than 10% slower**")
                          + f"; best efficiency {_ratio(share, measured[fastest]):.2f} against the goal {MOE_GOAL}; "
-                         f"fastest predicted: {by_prediction}. Plan notes: "
-                         + " | ".join(n[:200] for n in versions["default"]["notes"][:2]))
+                         f"fastest predicted: {by_prediction}. " + _skew(fig["versions"].get("load"), versions, clock)
+                         + "Plan notes: " + " | ".join(n[:200] for n in versions["default"]["notes"][:2]))
     return lines + [""] + picks + [""]
+
+
+def _rank(row: dict) -> str:
+    return f"{row['rank']} ({_f(row['load'])})" if "rank" in row else "0"
+
+
+def _skew(load: dict | None, versions: dict, clock: str) -> str:
+    """What the batch's routing was: rows per rank max ÷ mean, which rank ran, and the most loaded
+    rank's step against it where that was run."""
+    if load is None:
+        return "Routing load not counted (rank 0 ran: its experts' load, not a balanced one). "
+    busiest = [f"{k} {_f(_ratio(v['busiest'][clock], v[clock]))}x" for k, v in versions.items()
+               if k != "serial" and v.get("busiest")]
+    off = [f"{k} {v['load']:.2f}" for k, v in versions.items() if k != "serial" and "expert" in v["expert_roles"]
+           and abs(v.get("load", 1.0) - 1.0) > LOAD_SLACK]
+    return (f"This batch's routing (a random router): rows per rank max ÷ mean {load['max_over_mean']:.2f}; rank "
+            f"{load['balanced_rank']} (nearest the mean) ran every version"
+            + (f"; the most loaded, rank {load['busiest_rank']}, took " + ", ".join(busiest) + " of its step"
+               if busiest else "") + ". "
+            + ("**Not a balanced step** where the rank's experts ran off a balanced share by more than 10% (the "
+               "fake world's all-reduces leave a rank's own part, so it routes values of its own): " + ", ".join(off)
+               + "; `rank_efficiency.py --rank-by probe` picks the rank by the rows it runs. " if off else ""))
 
 
 def _compiled_moe(row: dict | None) -> list[str]:

@@ -27,11 +27,28 @@ model (published widths, fewer layers) it measures, side by side in one run:
 Mixtures of experts run each experts layout the planner weighs (``--layouts``: the default plan,
 expert-parallel, expert-TP, and expert-parallel with the all-to-all dispatch under sequence
 parallelism, the peers' routing mirrored: ``benchmarks/fake_peers.py``), predicted and measured
-side by side. ``benchmarks/moe_rank.py`` does the same on CPU at narrower widths.
+side by side. Under expert parallelism a rank's step follows its experts' load, and a random
+router's is far from even: the serial model's routing on the batch is counted first
+(``benchmarks/moe_load.py``: rows per expert and per rank's experts, max ÷ mean), every version
+runs as a rank whose load is nearest a balanced share (what a balanced router's step costs; the
+fake world can be any rank, ``fake_peers.fake_rank``) and, with ``--busiest-rank on``, the
+expert-parallel ones as the most loaded rank too (what this router's step waits for). Each row
+gives the rows the rank's experts ran (its grouped products' FLOPs against serial's ÷ N, over a
+balanced share) and the prediction with the experts' part scaled to that load beside the
+balanced one. The fake world's rows are not the count: its all-reduces leave a rank's own part
+(the g after a head-split attention or after the experts), so from the first such g on the rank
+routes values of its own, and under the dispatch its peers route as it does. So ``--rank-by
+probe`` (the default here) counts one step of every rank and picks by the rows each ran;
+``count`` picks by the serial count (``run_model``'s default where ``args`` has no ``rank_by``,
+as the device round's ``benchmarks/gpu_parts.py`` passes none).
+``benchmarks/moe_rank.py`` does the same on CPU at narrower widths; ``--tiny`` runs each family at
+tiny widths (the rows and counts, not a timing at the published widths).
 
     python benchmarks/rank_efficiency.py --models gpt2-xl:2 llama-3-8b:1 --seq 256   # CPU: rank_efficiency.md
     python benchmarks/rank_efficiency.py --models gpt2-xl:2 --seq 256 --copies-only --out /tmp/copies.md  # copies alone
     python benchmarks/rank_efficiency.py --predicted-only  # the planning table alone (meta models, no run)
+    python benchmarks/rank_efficiency.py --tiny --models mixtral-8x7b:2 qwen3-30b-a3b:2 --batch 2 --seq 64 \\
+        --plan-batch 2 --plan-seq 64 --out benchmarks/rank_efficiency_moe_load.md   # the experts' load rows
     python benchmarks/rank_efficiency.py --device cuda --dtype bfloat16 --batch 8 --seq 1024 \\
         --models gpt2-xl:12 --out benchmarks/rank_efficiency_gpu.md   # on a GPU
 """
@@ -39,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import statistics
 import sys
@@ -50,7 +68,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import machine, publish  # noqa: E402
-from benchmarks.fake_peers import mirrored_peers  # noqa: E402
+from benchmarks.fake_peers import fake_rank, mirrored_peers  # noqa: E402
+from benchmarks.moe_load import at_load, expert_rows_share, experts_seconds, load_lines, routing_load  # noqa: E402
 from benchmarks.op_timer import CATEGORIES, by_category, module_step, op_times  # noqa: E402
 
 #: experts layouts pinned (the expert stacks' names in transformers' MoE blocks), as planning
@@ -168,9 +187,11 @@ def per_op(module, batch: dict, device: str) -> tuple[dict, float]:
     return out, (busy / 1e3 / wall if device != "cpu" else float("nan"))
 
 
-def predicted(model, tp: int, batch: int, seq: int, profile: str, planning: dict) -> tuple[float, float]:
-    """The cost model's forward + backward seconds: rank 0's (the rank the fake world runs), and
-    serial's / tp."""
+def predicted(model, tp: int, batch: int, seq: int, profile: str, planning: dict,
+              rank: int = 0) -> tuple[float, float, float]:
+    """The cost model's forward + backward seconds: ``rank``'s (the rank the fake world runs),
+    serial's / tp, and the part of the rank's on its experts' rows (``moe_load.experts_seconds``,
+    priced at a balanced router's share)."""
     from autotp.capture import capture
     from autotp.cost_model import get_profile
     from autotp.cost_model.symbolic import step_breakdown
@@ -178,12 +199,13 @@ def predicted(model, tp: int, batch: int, seq: int, profile: str, planning: dict
 
     prof = get_profile(profile)
     cap = capture(model)
-    rank = step_breakdown(*build_plan(cap, tp, batch=batch, seq=seq, profile=prof, **planning)[1:], prof, rank=0)
+    _, index, prop = build_plan(cap, tp, batch=batch, seq=seq, profile=prof, **planning)
+    rank_b = step_breakdown(index, prop, prof, rank=rank)
     serial = step_breakdown(*build_plan(cap, 1, batch=batch, seq=seq, profile=prof, fuse_activations=False,
                                         fuse_norms=False)[1:],
                             prof)
     fwd_bwd = lambda b: b["products"] + b["attention"] + b["memory"]   # noqa: E731
-    return fwd_bwd(rank), fwd_bwd(serial) / tp
+    return fwd_bwd(rank_b), fwd_bwd(serial) / tp, experts_seconds(index, prop, prof, rank)
 
 
 def model_for(name: str, layers: int, dtype: torch.dtype, device: str):
@@ -199,10 +221,22 @@ def model_for(name: str, layers: int, dtype: torch.dtype, device: str):
     return family, zoo.build(family.name, config, device=device, dtype=dtype)
 
 
+def tiny_model_for(name: str, layers: int, dtype: torch.dtype, device: str, heads: int = 8, head_dim: int = 8):
+    """``model_for`` at tiny widths (``--tiny``): the published model's family, ``heads`` of
+    ``head_dim`` (``--tiny-width``; hidden 64 in 8 heads by default), 8 experts (top-2) where it has
+    them."""
+    from autotp import zoo
+
+    family = zoo.family_of(name)
+    extra = dict(experts=8, top_k=2) if family.name in zoo.EXPERT_FAMILIES else {}
+    config = zoo.tiny_config(family.name, layers=layers, heads=heads, head_dim=head_dim, vocab=128,
+                             positions=1024, **extra)
+    return family, zoo.build(family.name, config, device=device, dtype=dtype)
+
+
 def run_model(spec: str, args, figures: dict | None = None) -> list[str]:
     """The model's section of the result file; ``figures``, where given, gets its numbers (seconds) by
     version, for a driver that reads them (``benchmarks/gpu_round.py``)."""
-    import autotp
     from autotp import zoo
 
     name, _, layers = spec.partition(":")
@@ -213,52 +247,90 @@ def run_model(spec: str, args, figures: dict | None = None) -> list[str]:
     if family.name in zoo.EXPERT_FAMILIES:
         layouts.update({k: v for k, v in EXPERTS.items() if k in args.layouts})
     cpu = args.device == "cpu"
-    lines = [f"## {name}, {int(layers or 2)} layers, tp={args.tp} rank 0 of a fake world, {args.dtype}, "
+    # experts' layouts run as the rank whose experts' load is nearest the mean (a balanced router's
+    # step), and with --busiest-rank as the most loaded one too (benchmarks/moe_load.py)
+    load = routing_load(model, batch, args.tp) if family.name in zoo.EXPERT_FAMILIES else None
+    run_rank = load.balanced_rank if load is not None else 0
+    busiest = load.busiest_rank if load is not None and getattr(args, "busiest_rank", "off") == "on" else None
+    probe = load is not None and getattr(args, "rank_by", "count") == "probe"
+    lines = [f"## {name}, {int(layers or 2)} layers, tp={args.tp} "
+             + ("rank 0 of a fake world" if load is None else
+                f"rank {run_rank} of a fake world (its experts' load nearest the mean)" if not probe else
+                "a fake world's rank whose experts' rows are nearest the mean, per version") + f", {args.dtype}, "
              f"batch {args.batch} x seq {args.seq}, {args.device}", ""]
+    if load is not None:
+        lines += load_lines(load, {} if probe else {"every version": run_rank, **(
+            {"the busiest rank's rows": busiest} if busiest is not None else {})}) + [""]
     serial = measured(model, batch, args.device, args.repeats)
     serial_counts, serial_copies = counted(model, batch)
     serial_ops, serial_busy = (serial["ops"].by_op, float("nan")) if cpu else per_op(model, batch, args.device)
     compiled_serial = None
     if args.compile:
         compiled_serial = compiled_time(torch.compile(model), batch, args.device, args.repeats)
-    rows = []
+    rows, probed = [], {}
     for label, planning in layouts.items():
-        # the program is written at the first call and run under the mirrored peers: an all-to-all
-        # dispatch's rank sends and receives as if every peer routed as it does (benchmarks/fake_peers.py)
-        with mirrored_peers():
-            pm = autotp.parallelize(model, args.tp, profile=args.profile, batch=args.plan_batch, seq=args.plan_seq,
-                                    device=args.device, **planning)
-            module_step(pm, batch)()
-            pm.zero_grad(set_to_none=True)
-            rank = measured(pm, batch, args.device, args.repeats)
-            counts, copies = counted(pm, batch)
-            ops, busy = (rank["ops"].by_op, float("nan")) if cpu else per_op(pm, batch, args.device)
-            pred_rank, pred_serial = predicted(model, args.tp, args.batch, args.seq, args.profile, planning)
-            compiled = compiled_time(torch.compile(pm), batch, args.device, args.repeats) if args.compile else None
-            rows.append(dict(label=label, time=rank, counts=counts, copies=copies, ops=ops, busy=busy,
-                             predicted=(pred_rank, pred_serial), compiled=compiled, plan=pm.plan))
-        del pm
+        balanced, most = run_rank, busiest
+        started = time.perf_counter()
+        shares = _probe(model, batch, args, planning, serial_counts) if probe else None
+        if shares is not None:   # the fake world's own loads: the rank nearest a balanced share, the most loaded
+            probed[label] = shares, time.perf_counter() - started
+            balanced = min(range(args.tp), key=lambda r: (abs(shares[r] - 1.0), r))
+            most = max(range(args.tp), key=lambda r: (shares[r], -r)) if busiest is not None else None
+        row = _run_rank(model, batch, args, planning, balanced, serial_counts)
+        rows.append(dict(label=label, **row))
+        if most is not None and most != balanced and "expert" in row["plan"].roles.values():
+            # the same planning on the most loaded rank: what a real step under this router waits for
+            rows.append(dict(label=f"{label}, busiest rank", **_run_rank(model, batch, args, planning, most,
+                                                                         serial_counts, full=False)))
+    if probed:
+        lines += ["Experts' rows ÷ mean on each rank of the fake world (`--rank-by probe`: one step of each rank "
+                  "counted; the rank nearest 1.00 ran the version, the largest its busiest row; the probe's wall "
+                  "seconds, its programs written and two steps per rank):", "",
+                  "| version | " + " | ".join(f"rank {r}" for r in range(args.tp)) + " | probe s |",
+                  "|---|" + "---|" * (args.tp + 1)]
+        lines += [f"| {label} | " + " | ".join(f"{x:.2f}" for x in shares) + f" | {seconds:.0f} |"
+                  for label, (shares, seconds) in probed.items()]
+        lines.append("")
     if figures is not None:
-        figures.update(_figures(serial, serial_busy, compiled_serial, rows))
+        figures.update(_figures(serial, serial_busy, compiled_serial, rows, load))
     tp = args.tp
-    lines += ["| version | thread ms (least) | **serial/N ÷ rank, thread time** | ATen calls ms (each at its least) | "
+    moe = load is not None
+    lines += ["| version | " + ("rank | experts' work ÷ mean (grouped products' FLOPs) | " if moe else "")
+              + "thread ms (least) | **serial/N ÷ rank, thread time** | ATen calls ms (each at its least) | "
               "serial/N ÷ rank, ATen calls | wall ms (median) | serial/N ÷ rank, "
               "wall | FLOPs rank ÷ serial/N | bytes rank ÷ serial/N | predicted ms (rank / serial÷N) | "
-              "predicted serial/N ÷ rank | device busy |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              + ("predicted ms at the rank's load | " if moe else "")
+              + "predicted serial/N ÷ rank | device busy |", "|---|---|---|---|---|---|---|---|---|---|---|---|"
+              + ("---|---|---|" if moe else "")]
     pct = lambda x: "-" if x != x else f"{x:.0%}"   # noqa: E731
     ms = lambda x: "-" if x != x else f"{x * 1e3:.1f}"   # noqa: E731
     ratio = lambda share, x: "-" if x != x else f"{share / x:.2f}"   # noqa: E731
     calls = lambda t: t["ops"].total if t["ops"] is not None else float("nan")   # noqa: E731
-    lines.append(f"| serial | {ms(serial['thread'])} | - | {ms(calls(serial))} | - | {ms(serial['clock'])} | - | - | - | "
-                 f"- | - | {pct(serial_busy)} |")
+    lines.append(f"| serial | {'- | - | ' if moe else ''}{ms(serial['thread'])} | - | {ms(calls(serial))} | - | "
+                 f"{ms(serial['clock'])} | - | - | - | - | {'- | ' if moe else ''}- | {pct(serial_busy)} |")
     for r in rows:
         t, (pr, ps) = r["time"], r["predicted"]
-        lines.append(f"| autotp {r['label']} | {ms(t['thread'])} | **{ratio(serial['thread'] / tp, t['thread'])}** | "
+        lines.append(f"| autotp {r['label']} | "
+                     + (f"{r['rank']} | {'-' if r['load'] != r['load'] else format(r['load'], '.2f')} | "
+                        if moe else "")
+                     + f"{ms(t['thread'])} | **{ratio(serial['thread'] / tp, t['thread'])}** | "
                      f"{ms(calls(t))} | {ratio(calls(serial) / tp, calls(t))} | "
                      f"{ms(t['clock'])} | {ratio(serial['clock'] / tp, t['clock'])} | "
                      f"{r['counts'].flops / (serial_counts.flops / tp):.2f} | "
                      f"{r['counts'].moved / (serial_counts.moved / tp):.2f} | {pr * 1e3:.2f} / {ps * 1e3:.2f} | "
-                     f"{ps / pr:.2f} | {pct(r['busy'])} |")
+                     + (f"{r['at_load'] * 1e3:.2f} | " if moe else "")
+                     + f"{ps / pr:.2f} | {pct(r['busy'])} |")
+    if moe:
+        lines += ["", "Experts' work ÷ mean: the rank's grouped expert products' FLOPs against serial's ÷ N. Under "
+                  "expert parallelism that is the rows its experts ran over a balanced router's share (1.00); "
+                  "expert-TP runs every row at its part of the width (1.00 where N divides the width, more on "
+                  "a rank with a larger part); replicated experts run every row whole (N). The fake world's rows "
+                  "are not the count above: its all-reduces return the rank's own part, so after the first g the "
+                  "rank routes values of its own, and under the all-to-all dispatch its peers route as it does "
+                  "(`benchmarks/fake_peers.py`). "
+                  "'At the rank's load': the cost model prices the ops on a rank's experts' rows at a balanced "
+                  "router's share; this column scales that part (`benchmarks/moe_load.experts_seconds`) by the "
+                  "rows ÷ mean, the rest as predicted."]
     if args.compile:
         lines += ["", "Eager and compiled (`torch.compile`, inductor, dynamo's defaults; the warm-up call compiles), "
                   "the same steps:", "",
@@ -269,6 +341,8 @@ def run_model(spec: str, args, figures: dict | None = None) -> list[str]:
                   f"{ms(serial['clock'])} | {ms(compiled_serial['clock'])} | - |"]
         for r in rows:
             t, c = r["time"], r["compiled"]
+            if c is None:   # a busiest rank's run: eager alone
+                continue
             lines.append(f"| autotp {r['label']} | {ms(t['thread'])} | {ms(c['thread'])} | "
                          f"**{ratio(serial['thread'] / tp, t['thread'])}** | "
                          f"**{ratio(compiled_serial['thread'] / tp, c['thread'])}** | {ms(t['clock'])} | "
@@ -276,7 +350,7 @@ def run_model(spec: str, args, figures: dict | None = None) -> list[str]:
                          f"{ratio(compiled_serial['clock'] / tp, c['clock'])} |")
     for r in rows:
         notes = [n for n in r["plan"].notes if n.startswith(("experts", "sequence"))]
-        if notes:
+        if notes and not r["label"].endswith("busiest rank"):
             lines += ["", f"{r['label']} plan notes: " + " | ".join(n[:400] for n in notes)]
     first = rows[0]
     if cpu:
@@ -305,22 +379,102 @@ def run_model(spec: str, args, figures: dict | None = None) -> list[str]:
     return lines
 
 
-def _figures(serial: dict, serial_busy: float, compiled_serial: dict | None, rows: list[dict]) -> dict:
+def _probe(model, batch: dict, args, planning: dict, serial_counts) -> list[float] | None:
+    """Each fake-world rank's experts' rows over a balanced share (``moe_load.expert_rows_share``),
+    one step of each rank counted after the one that writes its program; None where the plan holds
+    no expert-parallel stack (every rank computes alike). Rank 0 plans; the others' programs are
+    written from its plan (``parallelize(plan=)``, with the planning's sequence-parallel and
+    dispatch arguments, which the plan's placements do not hold: without them a dispatching plan's
+    program gathers), planned afresh where that program's collectives are not the plan's."""
+    from autotp.testing.work import WorkCounter
+
+    shares, plan = [], None
+    for rank in range(args.tp):
+        with fake_rank(rank, args.tp), mirrored_peers():
+            pm = _parallelize(model, args, planning, plan)
+            if plan is not None and _collectives(pm.plan) != _collectives(plan):
+                del pm
+                pm = _parallelize(model, args, planning)
+            module_step(pm, batch)()   # the program is written at the first call
+            with WorkCounter() as work:
+                module_step(pm, batch)()
+            plan = plan or pm.plan
+            del pm
+        if "expert" not in plan.roles.values():
+            return None
+        shares.append(expert_rows_share(work, serial_counts, args.tp))
+    model.zero_grad(set_to_none=True)
+    return shares
+
+
+def _collectives(plan) -> list[str]:
+    return sorted(f"{c.kind} {c.tensor} {c.src} {c.dst}" for c in plan.comms)
+
+
+def _parallelize(model, args, planning: dict, plan=None):
+    """The rank program of ``planning`` on the current fake world's rank, or written from ``plan``
+    (its placements, not solved again; the planning's other arguments kept)."""
+    import autotp
+
+    kwargs = planning if plan is None else dict(plan=plan, **{k: v for k, v in planning.items() if k != "layout"})
+    return autotp.parallelize(model, args.tp, profile=args.profile, batch=args.plan_batch, seq=args.plan_seq,
+                              device=args.device, **kwargs)
+
+
+def _run_rank(model, batch: dict, args, planning: dict, rank: int, serial_counts, full: bool = True) -> dict:
+    """One version of the rank program, as ``rank`` of a fake world: its step measured and counted,
+    predicted (balanced and at the load its experts' rows had), and with ``full`` its ops timed and
+    compiled where asked."""
+    cpu = args.device == "cpu"
+    # the program is written at the first call and run under the mirrored peers: an all-to-all
+    # dispatch's rank sends and receives as if every peer routed as it does (benchmarks/fake_peers.py)
+    with fake_rank(rank, args.tp), mirrored_peers():
+        pm = _parallelize(model, args, planning)
+        module_step(pm, batch)()
+        pm.zero_grad(set_to_none=True)
+        time_ = measured(pm, batch, args.device, args.repeats)
+        counts, copies = counted(pm, batch)
+        ops, busy = ((time_["ops"].by_op, float("nan")) if cpu else per_op(pm, batch, args.device)) if full \
+            else ({}, float("nan"))
+        pred_rank, pred_serial, experts = predicted(model, args.tp, args.batch, args.seq, args.profile, planning, rank)
+        compiled = compiled_time(torch.compile(pm), batch, args.device, args.repeats) \
+            if args.compile and full else None
+        plan = pm.plan
+        del pm   # its group ends with the fake world
+    share = expert_rows_share(counts, serial_counts, args.tp)
+    return dict(rank=rank, time=time_, counts=counts, copies=copies, ops=ops, busy=busy,
+                predicted=(pred_rank, pred_serial), experts_s=experts, load=share,
+                at_load=at_load(pred_rank, experts, share), compiled=compiled, plan=plan)
+
+
+def _figures(serial: dict, serial_busy: float, compiled_serial: dict | None, rows: list[dict],
+             load=None) -> dict:
     """The numbers of one model's run, by version (seconds; NaN where not measured): the step by
     each clock, compiled where run, the predicted rank and serial/N, the device's busy share, the
     experts' roles the plan gave, whether it dispatches by all-to-all, and its experts and
-    sequence notes."""
+    sequence notes; for a mixture of experts, the rank run, its experts' rows over the mean
+    (``load``) and the prediction at that load, the most loaded rank's run under ``busiest`` where
+    made, and the routing load of the batch under the key ``"load"`` (rows per rank, max over mean,
+    the ranks nearest the mean and most loaded)."""
     out = {"serial": {"clock": serial["clock"], "thread": serial["thread"], "busy": serial_busy,
                       "compiled": compiled_serial}}
+    if load is not None:
+        out["load"] = {"ranks": list(load.ranks), "max_over_mean": max(load.ranks) / load.mean,
+                       "balanced_rank": load.balanced_rank, "busiest_rank": load.busiest_rank}
     for r in rows:
         roles = sorted({role for name, role in r["plan"].roles.items() if ".experts." in name})
-        out[r["label"]] = {"clock": r["time"]["clock"], "thread": r["time"]["thread"], "busy": r["busy"],
-                           "compiled": r["compiled"], "predicted": r["predicted"][0],
-                           "predicted_share": r["predicted"][1], "expert_roles": roles,
-                           # the dispatch's all-to-all of token rows (not a reshard S -> S), as moe_rank._kind
-                           "dispatch": any(c.kind == "all_to_all" and str(c.src).startswith("P(tokens")
-                                           for c in r["plan"].comms),
-                           "notes": [n for n in r["plan"].notes if n.startswith(("experts", "sequence"))]}
+        version = {"clock": r["time"]["clock"], "thread": r["time"]["thread"], "busy": r["busy"],
+                   "compiled": r["compiled"], "predicted": r["predicted"][0],
+                   "predicted_share": r["predicted"][1], "expert_roles": roles,
+                   "rank": r["rank"], "load": r["load"], "predicted_at_load": r["at_load"],
+                   # the dispatch's all-to-all of token rows (not a reshard S -> S), as moe_rank._kind
+                   "dispatch": any(c.kind == "all_to_all" and str(c.src).startswith("P(tokens")
+                                   for c in r["plan"].comms),
+                   "notes": [n for n in r["plan"].notes if n.startswith(("experts", "sequence"))]}
+        if r["label"].endswith(", busiest rank"):
+            out[r["label"].removesuffix(", busiest rank")]["busiest"] = version
+        else:
+            out[r["label"]] = version
     return out
 
 
@@ -458,8 +612,23 @@ def main() -> None:
                    help="only each model's copies table (one counted step; no timing, no predictions)")
     p.add_argument("--sequence-parallel", choices=["cost", "on", "off"], default="cost",
                    help="the default plan's sequence parallelism: chosen by cost, forced, or forbidden")
+    p.add_argument("--busiest-rank", choices=["on", "off"], default="on",
+                   help="a mixture of experts' expert-parallel versions run as the rank whose experts' load is "
+                        "nearest the mean, and (on) as the most loaded rank too (benchmarks/moe_load.py)")
+    p.add_argument("--rank-by", choices=["count", "probe"], default="probe",
+                   help="which rank runs a mixture of experts' versions: by the serial model's routing counted "
+                        "(count), or by each fake-world rank's own experts' rows, one counted step per rank "
+                        "(probe: its all-reduces leave a rank's own part, so it routes values of its own)")
+    p.add_argument("--tiny", action="store_true",
+                   help="each model's family at tiny widths (hidden 64 in 8 heads, 8 experts top-2): the rows "
+                        "and their counts, not a timing of the published widths")
+    p.add_argument("--tiny-width", default="8x8", help="--tiny's heads x head dim")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.tiny:
+        global model_for
+        heads, head_dim = (int(x) for x in args.tiny_width.split("x"))
+        model_for = functools.partial(tiny_model_for, heads=heads, head_dim=head_dim)
     if args.predicted_only:
         started = time.time()
         lines = ["# One rank of tp=N against its share of the serial step: predicted", "",
@@ -493,7 +662,7 @@ def main() -> None:
              + "FLOPs and bytes are counted off the ops the steps run "
              "(forward + backward); 'predicted' is the cost model's forward + backward on the profile, at the "
              "measured workload.", ""])
-    if not args.copies_only:
+    if not args.copies_only and not args.tiny:   # the published widths' table: not of a tiny run
         lines += predicted_at_real_size(args.tp, args.profile)
     for spec in args.models:
         with contextlib.suppress(KeyboardInterrupt):

@@ -200,3 +200,27 @@ def test_the_host_probe_times_the_step_with_attention_off_cudnn():
     side = {"clock": {"wall": 60.0, "thread": 14.0, "process": 20.0}, "no_cudnn_attention": {"wall": 21.0},
             "profile": {"wall": 60.0, "busy": 12.0, "runtime": {}, "gaps": []}}
     assert "attention off cuDNN: wall **21.0 ms**" in verdict({"rank": side})
+def test_summary_reads_the_balanced_rank_for_the_goal_and_states_the_skew():
+    def at(rank: int, load: float, clock: float, busiest: dict | None = None) -> dict:
+        v = {**_version(clock, roles=["expert"]), "rank": rank, "load": load, "predicted_at_load": 0.01 * load}
+        return {**v, "busiest": busiest} if busiest else v
+
+    versions = {"serial": {"clock": 8.0, "thread": math.nan, "busy": 0.9, "compiled": None},
+                "load": {"ranks": [30, 10, 10, 10, 10, 10, 10, 12], "max_over_mean": 2.14, "balanced_rank": 7,
+                         "busiest_rank": 0},
+                "default": at(7, 1.02, 1.0, busiest=at(0, 2.5, 2.0)),
+                "expert-parallel": at(7, 1.02, 1.0, busiest=at(0, 2.5, 2.0)),
+                "expert-TP": {**_version(1.05, roles=["expert_column", "expert_row"]), "rank": 7, "load": 1.0,
+                              "predicted_at_load": 0.01}}
+    fig = {"model": "mixtral-8x7b", "versions": versions}
+    text = "\n".join(summary(_round({"rank:m": {"point": "47.2", "estimate_s": 1, "s": 1, "figures": fig}})))
+    # the goal reads rank 7's step (1.0 of the eighth), not the busiest rank's (0.50)
+    assert "measured 1.00x the fastest (default): within 10%" in text and "best efficiency 1.00" in text
+    assert "rows per rank max ÷ mean 2.14; rank 7 (nearest the mean) ran every version" in text
+    assert "the most loaded, rank 0, took default 2.00x, expert-parallel 2.00x of its step" in text
+    row = next(line for line in text.splitlines() if "| expert-parallel, busiest rank |" in line)
+    assert "| 0 (2.50) | 10.00 (25.00) | 2000.00 | **0.50** |" in row
+    assert "Not a balanced step" not in text
+    versions["expert-parallel"]["load"] = 0.44   # the fake world's rank ran off a balanced share
+    text = "\n".join(summary(_round({"rank:m": {"point": "47.2", "estimate_s": 1, "s": 1, "figures": fig}})))
+    assert "**Not a balanced step**" in text and ": expert-parallel 0.44;" in text and "default 1.02" not in text
