@@ -51,8 +51,10 @@ def _tiny_model_for(name: str, layers: int, dtype, device: str):
 
 
 def rank(device: str, quick: bool, md: str, model: str, layers: int, batch: int, seq: int,
-         compile: bool = False) -> dict:
-    """One rank of tp 8 against serial/8 (``benchmarks/rank_efficiency.py``): its table in ``md``."""
+         compile: bool = False, rank_by: str = "count", busiest_rank: str = "off") -> dict:
+    """One rank of tp 8 against serial/8 (``benchmarks/rank_efficiency.py``): its table in ``md``.
+    ``rank_by`` and ``busiest_rank``: which rank of the fake world times an experts layout
+    (rank_efficiency's ``--rank-by``, ``--busiest-rank``)."""
     import torch
 
     import rank_efficiency
@@ -66,7 +68,8 @@ def rank(device: str, quick: bool, md: str, model: str, layers: int, batch: int,
     args = argparse.Namespace(tp=8, device=device, dtype="bfloat16" if device != "cpu" else "float32", batch=batch,
                               seq=seq, plan_batch=batch, plan_seq=seq, profile="h200",
                               layouts=list(rank_efficiency.EXPERTS), repeats=2 if quick else 5, threads=1,
-                              compile=compile, sequence_parallel="cost")
+                              compile=compile, sequence_parallel="cost", rank_by=rank_by,
+                              busiest_rank=busiest_rank)
     torch.manual_seed(0)
     _fake_world(8)
     figures: dict = {}
@@ -373,6 +376,10 @@ def collectives(device: str, quick: bool, md: str) -> dict:
 
         checks["autotp _c10d_all_reduce"] = (lambda: (lambda y: (C._c10d_all_reduce(y, group), y)[1])(x.clone()), x)
         checks["autotp _gather_into"] = (lambda: C._gather_into(x, group, "probe").reshape(x.shape), x)
+        for kind in ("all_gather", "reduce_scatter"):   # the rows of a sequence split, one coalesced call
+            checks[f"autotp _rows_collective {kind} (coalesced where the backend has it)"] = (
+                lambda kind=kind: (lambda y: (C._rows_collective(kind, y, x, group, "probe"), y)[1])(
+                    torch.empty_like(x)), x)
         checks["autotp _exchange, empty send"] = (lambda: C._exchange(empty.reshape(-1), [0], [0], group, "probe"),
                                                   empty.reshape(-1))
     except (ImportError, AttributeError) as e:

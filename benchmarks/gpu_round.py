@@ -14,31 +14,38 @@ is estimated to take on an H200 (child start-up, about 10 s, included):
 
 1. ``rank:llama-3-8b`` (issue 44, point 3; 100 s): one rank of tp 8 on the fake backend
    (``benchmarks/rank_efficiency.py``), Llama-3-8B 4 layers, 2 x 4096, bf16, eager and compiled,
-   with the device's busy share and the time per ATen op beside serial/8.
-2. ``rank:mixtral-8x7b``, ``rank:qwen3-30b-a3b`` (issue 47, point 2; 75 s each): the same, 2
-   layers, 2 x 4096, eager: the solver's plan, expert-parallel, expert-TP and expert-parallel
-   with the all-to-all dispatch, each predicted and measured.
-3. ``moe:compile`` (issue 47, point 3; 70 s): ``torch.compile(pm)`` at tp 1 against HF's module
-   compiled (the Mixtral of the 2026-11-28 measurements: 4 layers, hidden 1024, 8 experts of 2816,
-   bf16, 4 x 1024), graphs and graph breaks counted, eager beside.
-4. ``rank:gpt2-xl`` (issue 44, point 3; 35 s): gpt2-xl 12 layers, 8 x 1024, eager.
-5. ``host:gpt2-xl`` (issue 44, points 3 and 4; 40 s): where the host's time goes in one training
-   step of that rank and of serial (``benchmarks/host_profile.py``): the step's wall clock, the
-   calling thread's CPU time and every thread's (the autograd engine runs a CUDA backward on a
-   thread of its own), and one step under the profiler: the ops by self CPU time, the CUDA
-   runtime calls (launches, copies, synchronizations, allocations), the CPU time per thread and
-   the longest gaps between kernels with what the host did meanwhile. The 2026-11-30 round
-   measured that rank at 67.8 ms wall with about 13 ms of kernels. Alone: ``--only host:gpt2``.
-6. Items noticed on the way: ``norm:rms`` (15 s: ``aten.rms_norm`` on CUDA, the ops it
-   dispatches, its speed against the statistic as HF writes it, its bf16 and float32 results
-   against that and a float64 reference), ``nccl:collectives`` (15 s: the c10d methods autotp's
-   eager collectives call, all-to-alls with an empty send, under NCCL in a world of one),
-   ``host:cuda`` (50 s: ``benchmarks/rank_host.py``'s host work per step, the models on the GPU;
-   its clock holds the backward since 2026-11-30, the forward alone before).
-7. ``rank:gpt2-xl+compile`` (issue 44, point 3; 135 s: inductor compiles 12 layers twice): part
-   4 again with both compiled, where the budget has room.
+   with the device's busy share and the time per ATen op beside serial/8. The 2026-11-30 round
+   measured 0.67 / 0.74, 3.6 ms of it the layout copies the row-by-row gathers now leave out.
+2. ``host:gpt2-xl`` (issue 44, points 3 and 4; 40 s): where the host's time goes in one training
+   step of a gpt2-xl rank (12 layers, 8 x 1024) and of serial (``benchmarks/host_profile.py``): the
+   step's wall clock, the calling thread's CPU time and every thread's (the autograd engine runs a
+   CUDA backward on a thread of its own), again with the backward on the calling thread and with
+   attention kept off cuDNN, and one step under the profiler: the ops by self CPU time, the CUDA
+   runtime calls, the CPU time per thread and the longest gaps between kernels with what the host
+   did meanwhile. The 2026-11-30 round measured that rank at 67.8 ms wall with about 13 ms of
+   kernels. Alone: ``--only host:gpt2``.
+3. ``predict:llama-3-8b`` (issue 44, point 1; 30 s): the model captured on the device and on the
+   meta device, priced op by op (``benchmarks/predicted_ops.py``): the device's capture priced the
+   rank at 0.79 of its eighth where the meta one is priced 0.94.
+4. ``rank:mixtral-8x7b``, ``rank:qwen3-30b-a3b`` (issue 47, point 2; 130 s each): as part 1, 2
+   layers, 2 x 4096, eager: the solver's plan, expert-parallel, expert-TP and expert-parallel with
+   the all-to-all dispatch, each predicted and measured, each experts layout on the rank whose
+   rows are nearest a balanced share (probed) and on the most loaded one (the 2026-11-30 round
+   timed rank 0, which a random router gave 3.12x and 2.05x its share of the rows).
+5. ``nccl:collectives`` (15 s: the c10d methods autotp's eager collectives call, the coalesced
+   rows of a sequence split, all-to-alls with an empty send, under NCCL in a world of one),
+   ``rank:gpt2-xl`` (issue 44, point 3; 35 s: gpt2-xl 12 layers, 8 x 1024, eager), ``host:cuda``
+   (50 s: ``benchmarks/rank_host.py``'s host work per step, the models on the GPU; its clock holds
+   the backward since 2026-11-30, the forward alone before).
+6. Measured on 2026-11-30, again where the budget has room: ``moe:compile`` (issue 47, point 3;
+   70 s: ``torch.compile(pm)`` at tp 1 against HF's module compiled, graphs and breaks counted;
+   0.94x HF compiled then, no break), ``norm:rms`` (15 s: ``aten.rms_norm`` on CUDA against the
+   statistic as HF writes it).
+7. ``rank:gpt2-xl+compile`` (issue 44, point 3; 135 s: inductor compiles 12 layers twice): the
+   gpt2-xl rank again with both compiled, where the budget has room.
 
-Parts 1-6 are estimated at 475 s, all seven at 610 s. A part starts only while its estimate fits
+Parts 1-5 are estimated at 530 s, all at 750 s: with ``--budget 480`` parts 1-4 and most of 5
+run. A part starts only while its estimate fits
 before a minute past ``--budget`` (default 480 s; the device tool's limit is 600 s a command),
 and a part still running then is stopped.
 
@@ -80,20 +87,26 @@ class Part:
 #: call 22-30 s for a 4-layer model there) and this script's CPU rehearsal (planning a
 #: real-size model: 2-11 s), child start-up (about 10 s) included
 ROUND = [
+    # the rank after the sequence's gathers and reduce-scatters went row by row (no layout copy)
     Part("rank:llama-3-8b", "44.3", 100, 180, "rank", dict(model="llama-3-8b", layers=4, batch=2, seq=4096,
                                                              compile=True)),
-    Part("rank:mixtral-8x7b", "47.2", 75, 150, "rank", dict(model="mixtral-8x7b", layers=2, batch=2, seq=4096)),
-    Part("rank:qwen3-30b-a3b", "47.2", 75, 150, "rank", dict(model="qwen3-30b-a3b", layers=2, batch=2, seq=4096)),
-    Part("moe:compile", "47.3", 70, 150, "moe_compile"),
-    Part("rank:gpt2-xl", "44.3", 35, 90, "rank", dict(model="gpt2-xl", layers=12, batch=8, seq=1024)),
     # the rank's step measured 67.8 ms wall with about 13 ms of kernels: where the host's time goes
     Part("host:gpt2-xl", "44.4", 40, 90, "host_profile", dict(model="gpt2-xl", layers=12, batch=8, seq=1024)),
     # the device's capture of Llama priced 0.79 of the eighth where the meta one here is 0.94: which ops
     Part("predict:llama-3-8b", "44.1", 30, 90, "predicted_ops", dict(model="llama-3-8b", layers=4, batch=2,
                                                                      seq=4096)),
-    Part("norm:rms", "noticed", 15, 60, "rms_norm"),
+    # each experts layout on the rank whose rows are nearest a balanced share (probed: a fake world's
+    # routing is not serial's), and on the most loaded one
+    Part("rank:mixtral-8x7b", "47.2", 130, 240, "rank", dict(model="mixtral-8x7b", layers=2, batch=2, seq=4096,
+                                                               rank_by="probe", busiest_rank="on")),
+    Part("rank:qwen3-30b-a3b", "47.2", 130, 240, "rank", dict(model="qwen3-30b-a3b", layers=2, batch=2, seq=4096,
+                                                                rank_by="probe", busiest_rank="on")),
     Part("nccl:collectives", "noticed", 15, 60, "collectives"),
+    Part("rank:gpt2-xl", "44.3", 35, 90, "rank", dict(model="gpt2-xl", layers=12, batch=8, seq=1024)),
     Part("host:cuda", "noticed", 50, 90, "rank_host"),
+    # measured 2026-11-30 (benchmarks/measurements/h200-2026-11-30/): again where the budget has room
+    Part("moe:compile", "47.3", 70, 150, "moe_compile"),
+    Part("norm:rms", "noticed", 15, 60, "rms_norm"),
     # last: inductor compiles 12 layers twice (serial and the rank); run where the budget has room
     Part("rank:gpt2-xl+compile", "44.3", 135, 200, "rank", dict(model="gpt2-xl", layers=12, batch=8, seq=1024,
                                                                   compile=True)),
