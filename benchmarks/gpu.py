@@ -411,15 +411,16 @@ def main() -> None:
 # ------------------------------------------------------------------------------------ the result file
 
 ROUND_NOTE = [
-    "**Next device session (issues 44 and 47):** `python3 benchmarks/gpu.py --round issues-44-47 --out $OUT "
-    "--budget 480`, the device call's `timeout_s` 600 (about 8 minutes by the estimates in "
-    "`benchmarks/gpu_round.py`). What comes back under `$OUT`: `summary.md` (per issue point, the figures "
-    "against the goal; where a stopped run left none, `python3 benchmarks/gpu_summary.py round.json` writes it) "
-    "goes to `benchmarks/gpu_round.md`; `round.json` and each part's `.md` "
-    "(`rank_llama-3-8b.md`, `rank_mixtral-8x7b.md`, `rank_qwen3-30b-a3b.md`, `moe_compile.md`, "
-    "`rank_gpt2-xl.md`, `norm_rms.md`, `nccl_collectives.md`, `host_cuda.md`, `rank_gpt2-xl_compile.md`) "
-    "to `benchmarks/measurements/<gpu>-<date>/`, the `.log` of a part only where it failed. Parts not run "
-    "at the budget: rerun them alone with `--only <part> ...`.", ""]
+    "**Next device session (issues 44 and 47):** `PYTHONUNBUFFERED=1 python3 benchmarks/gpu.py --round "
+    "issues-44-47 --out $OUT --budget 480`, the device call's `timeout_s` 600 (parts 1-4 of "
+    "`benchmarks/gpu_round.py`, about 8 minutes), then, if the session's device time allows, `--only nccl "
+    "rank:gpt2-xl host:cuda moe norm --budget 200`. What comes back under `$OUT` (three files): `summary.md` "
+    "(per issue point, the figures against the goal; where a stopped run left none, `python3 "
+    "benchmarks/gpu_summary.py round.json` writes it) goes to `benchmarks/gpu_round.md`; `round.json` and the "
+    "parts' `.md` files (unpacked from `parts.tgz`: `tar xzf parts.tgz`) to "
+    "`benchmarks/measurements/<gpu>-<date>/`, the `.log` of a part only where it failed "
+    "(`benchmarks/measurements/h200-2026-11-30/` shows the layout). Parts not run at the budget: rerun them "
+    "alone with `--only <part> ...`.", ""]
 
 
 def report(results: dict, argv: str) -> list[str]:

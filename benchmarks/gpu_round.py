@@ -6,10 +6,11 @@
 Each part runs in a child process of its own (``benchmarks/gpu_parts.py``),
 with a time cap: a part that fails, dies or runs over is a row with its error, never a stop, and
 the parts after it still run; the parts not started when ``--budget`` seconds have passed are
-listed as not run. Each part writes ``$OUT/<part>.md`` (where it has a table of its own) and its
-figures to ``$OUT/round.json``, rewritten after every part, so what a killed run finished comes
-back; ``$OUT/summary.md`` (``benchmarks/gpu_summary.py``) says per issue point what the figures
-show against its goal. The parts, most important first (:data:`ROUND`), with the seconds each
+listed as not run. Each part writes ``<part>.md`` (where it has a table of its own) and
+``<part>.log`` beside ``$OUT`` (``$OUT-parts``), packed after every part into ``$OUT/parts.tgz``
+(a device run hands back at most eight files), and its figures to ``$OUT/round.json``, rewritten
+after every part, so what a killed run finished comes back; ``$OUT/summary.md``
+(``benchmarks/gpu_summary.py``) says per issue point what the figures show against its goal. The parts, most important first (:data:`ROUND`), with the seconds each
 is estimated to take on an H200 (child start-up, about 10 s, included):
 
 1. ``rank:llama-3-8b`` (issue 44, point 3; 100 s): one rank of tp 8 on the fake backend
@@ -27,7 +28,7 @@ is estimated to take on an H200 (child start-up, about 10 s, included):
 3. ``predict:llama-3-8b`` (issue 44, point 1; 30 s): the model captured on the device and on the
    meta device, priced op by op (``benchmarks/predicted_ops.py``): the device's capture priced the
    rank at 0.79 of its eighth where the meta one is priced 0.94.
-4. ``rank:mixtral-8x7b``, ``rank:qwen3-30b-a3b`` (issue 47, point 2; 130 s each): as part 1, 2
+4. ``rank:mixtral-8x7b``, ``rank:qwen3-30b-a3b`` (issue 47, point 2; 150 s each: 64 s on 2026-11-30, and the probe writes eight ranks' programs for each expert-parallel version): as part 1, 2
    layers, 2 x 4096, eager: the solver's plan, expert-parallel, expert-TP and expert-parallel with
    the all-to-all dispatch, each predicted and measured, each experts layout on the rank whose
    rows are nearest a balanced share (probed) and on the most loaded one (the 2026-11-30 round
@@ -44,7 +45,8 @@ is estimated to take on an H200 (child start-up, about 10 s, included):
 7. ``rank:gpt2-xl+compile`` (issue 44, point 3; 135 s: inductor compiles 12 layers twice): the
    gpt2-xl rank again with both compiled, where the budget has room.
 
-Parts 1-5 are estimated at 530 s, all at 750 s: with ``--budget 480`` parts 1-4 and most of 5
+Parts 1-4 are estimated at 470 s, all at 790 s: with ``--budget 480`` parts 1-4 run, the rest in a
+second call (``--only nccl rank:gpt2-xl host:cuda moe norm --budget 200``).
 run. A part starts only while its estimate fits
 before a minute past ``--budget`` (default 480 s; the device tool's limit is 600 s a command),
 and a part still running then is stopped.
@@ -97,9 +99,9 @@ ROUND = [
                                                                      seq=4096)),
     # each experts layout on the rank whose rows are nearest a balanced share (probed: a fake world's
     # routing is not serial's), and on the most loaded one
-    Part("rank:mixtral-8x7b", "47.2", 130, 240, "rank", dict(model="mixtral-8x7b", layers=2, batch=2, seq=4096,
+    Part("rank:mixtral-8x7b", "47.2", 150, 270, "rank", dict(model="mixtral-8x7b", layers=2, batch=2, seq=4096,
                                                                rank_by="probe", busiest_rank="on")),
-    Part("rank:qwen3-30b-a3b", "47.2", 130, 240, "rank", dict(model="qwen3-30b-a3b", layers=2, batch=2, seq=4096,
+    Part("rank:qwen3-30b-a3b", "47.2", 150, 270, "rank", dict(model="qwen3-30b-a3b", layers=2, batch=2, seq=4096,
                                                                 rank_by="probe", busiest_rank="on")),
     Part("nccl:collectives", "noticed", 15, 60, "collectives"),
     Part("rank:gpt2-xl", "44.3", 35, 90, "rank", dict(model="gpt2-xl", layers=12, batch=8, seq=1024)),
@@ -127,6 +129,7 @@ def run_round(name: str, out: str, device: str, quick: bool, budget: float, only
 
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
+    parts = parts_folder(folder)
     started = time.perf_counter()
     results = {"round": name, "device": device, "quick": quick, "budget_s": budget, "machine": machine(),
                "python": platform.python_version(), "torch": torch.__version__,
@@ -145,17 +148,51 @@ def run_round(name: str, out: str, device: str, quick: bool, budget: float, only
         else:
             # a part may run past the budget, but not past a minute after it (the device call's
             # own limit is ten minutes)
-            row.update(_run_child(part, folder, device, quick, min(part.cap_s, budget + 60 - elapsed)))
+            row.update(_run_child(part, parts, device, quick, min(part.cap_s, budget + 60 - elapsed)))
         results["parts"][part.name] = row
         results["total_s"] = time.perf_counter() - started
         (folder / "round.json").write_text(json.dumps(results, indent=1, default=str))
+        bundle(parts, folder / BUNDLE)
         print(f"[{results['total_s']:6.1f} s] {part.name}: "
               + ("skipped" if "skipped" in row else "failed: " + row["failed"] if "failed" in row
                  else f"done in {row['s']:.0f} s"), flush=True)
     from gpu_summary import summary
 
     (folder / "summary.md").write_text("\n".join(summary(results)) + "\n")
+    bundle(parts, folder / BUNDLE)
     return results
+
+
+#: the parts' own files (each part's ``.md`` and ``.log``), packed into one file of ``--out``: a
+#: device run hands back at most eight files, and a round writes two a part
+BUNDLE = "parts.tgz"
+
+
+def parts_folder(folder: Path) -> Path:
+    """Where the parts write their files: beside ``folder`` (``<out>-parts``), so that ``folder``
+    holds three files alone (``round.json``, ``summary.md``, :data:`BUNDLE`); a temporary folder
+    where the one beside cannot be made."""
+    import tempfile
+
+    beside = folder.parent / f"{folder.name}-parts"
+    try:
+        beside.mkdir(parents=True, exist_ok=True)
+        return beside
+    except OSError:
+        return Path(tempfile.mkdtemp(prefix="round-parts-"))
+
+
+def bundle(parts: Path, tgz: Path) -> None:
+    """Every file in ``parts`` packed into ``tgz`` (rewritten after each part: a killed round's
+    bundle holds the parts it finished). Unpack with ``tar xzf parts.tgz``."""
+    import tarfile
+
+    partial = tgz.with_name(tgz.name + ".partial")
+    with tarfile.open(partial, "w:gz") as tar:
+        for f in sorted(parts.iterdir()):
+            if f.is_file():
+                tar.add(f, arcname=f.name)
+    partial.replace(tgz)
 
 
 def file_stem(name: str) -> str:

@@ -34,6 +34,18 @@ def test_parts_past_the_budget_are_listed_as_not_run(tmp_path):
     assert text.count("not run: the budget of -1 s was spent") >= len(results["parts"])
 
 
+def test_a_round_hands_back_three_files_its_parts_packed_into_one(tmp_path):
+    # a device run hands back at most eight files; a round writes a .md and a .log a part
+    import tarfile
+
+    out = tmp_path / "out"
+    results = run_round("issues-44-47", str(out), "cpu", quick=True, budget=600.0, only=["nccl:collectives"])
+    assert "figures" in results["parts"]["nccl:collectives"]
+    assert sorted(p.name for p in out.iterdir()) == ["parts.tgz", "round.json", "summary.md"]
+    with tarfile.open(out / "parts.tgz") as tar:
+        assert sorted(tar.getnames()) == ["nccl_collectives.log", "nccl_collectives.md"]
+
+
 def _version(clock: float, predicted: float = 0.01, roles=(), compiled=None) -> dict:
     return {"clock": clock, "thread": math.nan, "busy": 0.5, "compiled": compiled, "predicted": predicted,
             "predicted_share": 0.01, "expert_roles": list(roles), "dispatch": False, "notes": []}
