@@ -26,7 +26,10 @@ class CollectiveVolumes(TorchDispatchMode):
     KINDS = {"allreduce_": ("all_reduce", 0, 1), "_allgather_base_": ("all_gather", 0, 1),
              "_reduce_scatter_base_": ("reduce_scatter", 1, 1), "alltoall_base_": ("all_to_all", 1, TP),
              "all_reduce": ("all_reduce", 0, 1), "all_gather_into_tensor": ("all_gather", 0, TP),
-             "reduce_scatter_tensor": ("reduce_scatter", 0, 1), "all_to_all_single": ("all_to_all", 0, TP)}
+             "reduce_scatter_tensor": ("reduce_scatter", 0, 1), "all_to_all_single": ("all_to_all", 0, TP),
+             # the rows of a sequence split at a batch of a few, one collective a row in one call
+             "allgather_into_tensor_coalesced_": ("all_gather", 0, 1),
+             "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1, 1)}
 
     def __init__(self) -> None:
         super().__init__()

@@ -44,9 +44,11 @@ class _Received(TorchDispatchMode):
         to_all = "all_to_all" in name or "alltoall" in name   # functional, or c10d's (eager code's)
         if "allgather" in name or "all_gather" in name or to_all:
             got = args[0] if name.endswith("_") else out   # c10d's ops write into their first argument
-            got = got[0] if isinstance(got, (list, tuple)) else got
+            # a coalesced call's outputs (the rows of a sequence split at a batch of a few) together
+            got = list(got) if isinstance(got, (list, tuple)) else [got]
+            got = [t for g in got for t in (g if isinstance(g, (list, tuple)) else [g])]
             self.calls.append(("all_to_all" if to_all else "all_gather",
-                               got.numel() * got.element_size() * (self.tp - 1) // self.tp))
+                               sum(t.numel() * t.element_size() for t in got) * (self.tp - 1) // self.tp))
         return out
 
 
