@@ -113,10 +113,26 @@ def test_a_plan_file_without_the_arguments_loads_as_before():
     import json
 
     model, _ = _llama()
-    doc = json.loads(autotp.plan(model, 2, batch=2, seq=16, profile="h100-dgx").to_json())
-    doc["autotp_plan"] = 1
-    for key in ("arguments",):
-        doc.pop(key, None)
+    text = autotp.plan(model, 2, batch=2, seq=16, profile="h100-dgx").to_json()
+    doc = json.loads(text)
+    assert doc["autotp_plan"] == 2 and doc["arguments"]["sequence_parallel"] is None
+    doc["autotp_plan"] = 1   # as written before the arguments were recorded
+    del doc["arguments"]
     old = Plan.from_json(json.dumps(doc))
     assert old.arguments is None and old.sequence_parallel is None and old.expert_dispatch is None
-    assert "sequence parallelism" not in str(old)
+    assert "expert dispatch:" not in str(old)
+    # a recorded argument of the wrong type is refused, named
+    doc = json.loads(text)
+    doc["arguments"]["sequence_parallel"] = "yes"
+    with pytest.raises(ConfigError, match=r"malformed autotp plan: arguments.sequence_parallel is 'yes'"):
+        Plan.from_json(json.dumps(doc))
+
+
+def test_a_plan_made_unfused_builds_its_programs_unfused(fake_rank):
+    # fuse_activations=False: GPT-2's tanh-GELU runs as the model writes it (mul, pow, add, tanh);
+    # before, the plan alone built it fused (aten.gelu), parallelize's default
+    config = zoo.tiny_config("gpt2", layers=1, heads=4, head_dim=8, vocab=61)
+    model = zoo.build("gpt2", config, dtype=torch.float32, seed=1)
+    plan = autotp.plan(model, 2, batch=2, seq=16, fuse_activations=False)
+    ops = {str(n.target) for n in autotp.parallelize(model, 2, plan=plan).graph_module.graph.nodes}
+    assert "aten.tanh.default" in ops and "aten.gelu.default" not in ops, sorted(ops)
