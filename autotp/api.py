@@ -17,7 +17,7 @@ from torch import nn
 from .arguments import check_flag, check_planning
 from .capture import example_like, fits_call, lengths_of, on_meta, seq_bounds, shape_twin
 from .capture.cache import capture as capture_model   # once per structure; see its docs
-from .cost_model import get_profile
+from .cost_model import PROFILES, get_profile
 from .cost_model.alignment import Align
 from .cost_model.pipeline import cut_layers, layer_costs
 from .errors import ConfigError, MemoryLimitError, PlanError
@@ -27,6 +27,7 @@ from .passes.checkpoint import checkpoint_layers
 from .passes.propagate import GraphIndex, Propagation
 from .passes.rewrite import rewrite
 from .plan import Plan
+from .plan.arguments import resolve
 from .planner.experts import forced_dispatch_dropped
 from .planner.planner import build_plan
 from .planner.sequence import sequence_dropped, sequence_to_split
@@ -143,7 +144,7 @@ def _default_profile(device: torch.device) -> str:
 
 
 def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: Mapping[str, Any] | None = None,
-                profile: Any = None, batch: int = 8, seq: int | None = None, uneven: bool = True,
+                profile: Any = None, batch: int | None = None, seq: int | None = None, uneven: bool | None = None,
                 gather_logits: bool | None = None, memory_limit: float | None = None,
                 example_inputs: tuple = (), example_kwargs: dict | None = None,
                 device: torch.device | str | None = None,
@@ -153,10 +154,25 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
                 seq_range: tuple[int, int] | None = None, pp: int = 1, microbatches: int | None = None,
                 schedule: str | None = None, virtual: int = 1,
                 stage_layers: Any = None, rng: str = "torch",
-                align_products: bool | None = None, host_reads: bool = True,
-                expert_dispatch: bool | None = None, fuse_activations: bool = True,
-                fuse_norms: bool = True) -> "ParallelModule":
+                align_products: bool | None = None, host_reads: bool | None = None,
+                expert_dispatch: bool | None = None, fuse_activations: bool | None = None,
+                fuse_norms: bool | None = None) -> "ParallelModule":
     """Split ``model`` over this rank's TP group; see the module docs and docs/architecture.md.
+
+    ``plan``: a plan made before (:func:`plan`, or ``Plan.from_json``) to run instead of planning
+    here. Its programs are built with the arguments it was made with (``plan.arguments``:
+    ``sequence_parallel``, ``expert_dispatch``, ``gather_logits``, ``host_reads``,
+    ``fuse_activations``, ``fuse_norms``, ``uneven``), so that they are the ones ``parallelize``
+    with those arguments builds; each of them left unset (None) takes the plan's, and one given
+    that contradicts the plan's is a ConfigError (re-plan with it, or drop it). ``profile``,
+    ``batch`` and ``seq`` (the device and workload later programs' activations are priced at)
+    default to the plan's and may be given: they are the run's. ``align_products``,
+    ``activation_checkpointing``, ``seed``, ``rng`` and the pipeline's arguments are the run's too;
+    ``memory_limit`` does not move a saved plan's placements. A plan saved before its arguments
+    were recorded (plan file version 1) is built with the arguments given, as before.
+
+    Without a plan: ``batch`` defaults to 8, ``uneven``, ``host_reads``, ``fuse_activations`` and
+    ``fuse_norms`` to True, and :func:`plan` documents each.
 
     ``pp > 1`` also cuts it into ``pp`` pipeline stages (a world of ``dp * pp * tp`` ranks) and
     returns this rank's stage, a :class:`~autotp.runtime.pipeline.PipelineModule` whose
@@ -225,26 +241,43 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
 
 
 def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, layout: Mapping[str, Any] | None,
-                 profile: Any, batch: int, seq: int | None, uneven: bool, gather_logits: bool | None,
+                 profile: Any, batch: int | None, seq: int | None, uneven: bool | None, gather_logits: bool | None,
                  memory_limit: float | None, example_inputs: tuple, example_kwargs: dict | None,
                  device: torch.device | str, backend: str | None, seed: int | None,
                  activation_checkpointing: bool, sequence_parallel: bool | None = None,
                  seq_range: tuple[int, int] | None = None, pp: int = 1, microbatches: int | None = None,
                  schedule: str | None = None, virtual: int = 1,
                  stage_layers: Any = None, rng: str = "torch",
-                 align_products: bool | None = None, host_reads: bool = True,
-                 expert_dispatch: bool | None = None, fuse_activations: bool = True,
-                 fuse_norms: bool = True) -> "ParallelModule":
+                 align_products: bool | None = None, host_reads: bool | None = None,
+                 expert_dispatch: bool | None = None, fuse_activations: bool | None = None,
+                 fuse_norms: bool | None = None) -> "ParallelModule":
     from .distributed.mesh import get_mesh
     from .runtime.module.module import ParallelModule
     from .runtime.module.outline import layer_paths
     from .runtime.pipeline.stage import PipelineModule, check_pipeline
 
     tp = check_tp(tp)
+    if plan is not None and not isinstance(plan, Plan):
+        raise ConfigError(f"plan= takes an autotp.Plan (autotp.plan(...), or autotp.Plan.from_json(text)), not "
+                          f"{type(plan).__name__}")
+    # the programs are built with the plan's arguments (autotp/plan/arguments.py)
+    planned_with = resolve(plan, sequence_parallel=sequence_parallel, expert_dispatch=expert_dispatch,
+                           gather_logits=gather_logits, host_reads=host_reads, fuse_activations=fuse_activations,
+                           fuse_norms=fuse_norms, uneven=uneven)
+    sequence_parallel, expert_dispatch = planned_with["sequence_parallel"], planned_with["expert_dispatch"]
+    gather_logits, host_reads, uneven = planned_with["gather_logits"], planned_with["host_reads"], planned_with["uneven"]
+    fuse_activations, fuse_norms = planned_with["fuse_activations"], planned_with["fuse_norms"]
+    if batch is None:   # the workload later programs are priced at: the plan's, unless given
+        batch = plan.batch if plan is not None else 8
+    if seq is None and plan is not None:
+        seq = plan.seq
+    if profile is None and plan is not None:
+        if plan.profile in PROFILES:
+            profile = plan.profile
+        else:   # a profile object of the planner's (calibrated): its name alone does not price
+            log.info("autotp: the plan was priced with profile %r, which is not a named profile; later programs "
+                     "are priced with this device's default (pass profile= to price them with it)", plan.profile)
     batch, seq, layout, memory_limit = check_planning(batch, seq, layout, memory_limit)
-    host_reads = check_flag("host_reads", host_reads)
-    fuse_activations = check_flag("fuse_activations", fuse_activations)
-    fuse_norms = check_flag("fuse_norms", fuse_norms)
     if pp == 1 and stage_layers is not None:
         raise ConfigError("stage_layers= cuts the layers into pipeline chunks: it needs pp > 1")
     if pp != 1:

@@ -131,3 +131,14 @@ def test_diff_of_a_plan_with_itself_is_empty():
     d = plan.diff(Plan.from_json(plan.to_json()))
     assert d.layouts == () and d.collectives == ()
     assert "layouts changed: none" in str(d) and "(+0.0%)" in str(d)
+
+
+def test_diff_says_which_planning_arguments_changed():
+    # before, two plans made with and without sequence parallelism forced read alike here
+    from autotp.plan.arguments import PlanArguments
+
+    params = _layer("h", 0)
+    a = _plan(params, arguments=PlanArguments())
+    b = _plan(params, arguments=PlanArguments(sequence_parallel=True, expert_dispatch=True))
+    assert "planned with: sequence_parallel None -> True, expert_dispatch None -> True" in str(a.diff(b))
+    assert "planned with" not in str(a.diff(a))

@@ -46,6 +46,10 @@ class PlanDiff:
         ca, cb = a.cost, b.cost
         lines = [f"plan diff: {na} (tp={a.tp}, profile={a.profile}, batch={a.batch} seq={a.seq}) -> "
                  f"{nb} (tp={b.tp}, profile={b.profile}, batch={b.batch} seq={b.seq})"]
+        if a.arguments is not None and b.arguments is not None and a.arguments != b.arguments:
+            # the arguments each plan's programs are built with (autotp/plan/arguments.py)
+            was, now = a.arguments.to_json(), b.arguments.to_json()
+            lines.append("planned with: " + ", ".join(f"{k} {was[k]!r} -> {now[k]!r}" for k in was if was[k] != now[k]))
         lines.append(f"predicted step: {_ms(ca['step_s'], cb['step_s'])} (compute {_ms(ca['compute_s'], cb['compute_s'])}, "
                      f"communication {_ms(ca['comm_s'], cb['comm_s'])})")
         lines.append(f"memory per rank (largest): {_gib(a.memory_bytes, b.memory_bytes)}; parameters per rank "

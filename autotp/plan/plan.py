@@ -16,10 +16,14 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..placements import Placement, Replicate, Shard, from_json, local_size, to_json
+from .arguments import PlanArguments
 from .flow import Flow
 from .schema import check_document
 
-SCHEMA_VERSION = 1
+#: 2: the planning arguments its programs are built with (``arguments``); version 1 files, which
+#: lack them, still load (``arguments`` None: parallelize then builds with the arguments it is given)
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,23 @@ class Plan:
     #: how data flows through each distinct layer (:mod:`autotp.plan_flow`), for the figure
     #: (None: a plan saved before this was recorded)
     flows: list | None = None
+    #: the arguments its programs are built with (:mod:`autotp.plan.arguments`; None: a plan saved
+    #: before they were recorded, built with the arguments parallelize is given)
+    arguments: PlanArguments | None = None
+
+    # ---- the arguments it was made with (None where not recorded) ------------------------
+    def _argument(self, name: str) -> Any:
+        return None if self.arguments is None else getattr(self.arguments, name)
+
+    sequence_parallel = property(lambda self: self._argument("sequence_parallel"),
+                                 doc="sequence_parallel as planned: True forced, False forbidden, None by cost")
+    expert_dispatch = property(lambda self: self._argument("expert_dispatch"),
+                               doc="expert_dispatch as planned: True the all-to-all, False never, None by cost")
+    gather_logits = property(lambda self: self._argument("gather_logits"))
+    host_reads = property(lambda self: self._argument("host_reads"))
+    fuse_activations = property(lambda self: self._argument("fuse_activations"))
+    fuse_norms = property(lambda self: self._argument("fuse_norms"))
+    uneven = property(lambda self: self._argument("uneven"))
 
     # ---- what users inspect -------------------------------------------------------------
     @property
@@ -287,6 +308,7 @@ class Plan:
         ]
         for kind, seconds in sorted(self.comm_seconds().items(), key=lambda kv: -kv[1]):
             lines.append(f"  communication {kind}: {seconds * 1e3:.3f} ms")
+        lines += self.arguments.lines() if self.arguments is not None else []
         lines += [f"{key}(b, s) = {expr}" for key, expr in self.expressions.items()]
         lines += [f"note: {note}" for note in self.notes]
         lines += [f"output {name!r} is returned split as {p} (not gathered)" for name, p in self.sharded_outputs.items()]
@@ -308,6 +330,8 @@ class Plan:
             "memory_limit": self.memory_limit, "expressions": dict(self.expressions), "notes": self.notes,
             "attention": self.attention,
         }
+        if self.arguments is not None:
+            doc["arguments"] = self.arguments.to_json()
         if self.flows is not None:
             doc["flows"] = [f.to_json() for f in self.flows]
         return json.dumps(doc, indent=1, sort_keys=True)
@@ -319,10 +343,10 @@ class Plan:
         except json.JSONDecodeError as exc:
             raise ConfigError(f"not an autotp plan: invalid JSON ({exc})") from None
         version = doc.get("autotp_plan") if isinstance(doc, dict) else None
-        if version != SCHEMA_VERSION:
+        if isinstance(version, bool) or version not in READABLE_VERSIONS:
             raise ConfigError(
-                f"autotp plan schema version {version!r} is not supported (this autotp reads version "
-                f"{SCHEMA_VERSION}); re-create the plan with autotp.plan(...)"
+                f"autotp plan schema version {version!r} is not supported (this autotp reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}); re-create the plan with autotp.plan(...)"
             )
         check_document(doc)   # every field's type and range, named where one is wrong
         try:
@@ -351,6 +375,7 @@ class Plan:
             memory_limit=doc.get("memory_limit"), expressions=doc.get("expressions", {}),
             notes=doc.get("notes", []), attention=doc.get("attention"),
             flows=None if doc.get("flows") is None else [Flow.from_json(f) for f in doc["flows"]],
+            arguments=None if doc.get("arguments") is None else PlanArguments.from_json(doc["arguments"]),
         )
 
 

@@ -131,6 +131,24 @@ def check_document(doc: dict) -> None:
     if doc.get("flows") is not None:
         for i, flow in enumerate(root.dot("flows").sequence(doc["flows"])):
             _flow(root.dot("flows").at(i), flow)
+    if doc.get("arguments") is not None:
+        _arguments(root.dot("arguments"), doc["arguments"])
+
+
+def _arguments(here: _Field, doc: Any) -> None:
+    """The planning arguments (:class:`autotp.plan.arguments.PlanArguments`): each a flag, those
+    decided by cost also null."""
+    from dataclasses import fields
+
+    from .arguments import _BY_COST, PlanArguments
+
+    doc = here.mapping(doc)
+    known = [f.name for f in fields(PlanArguments)]
+    for key, value in doc.items():
+        if key not in known:
+            here.dot(key).fail(value, f"no such argument (a plan records {', '.join(known)})")
+        if not (value is None and key in _BY_COST):
+            here.dot(key).flag(value)
 
 
 def _placement(here: _Field, p: Any, ndim: int | None, tp: int) -> None:

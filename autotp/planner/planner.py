@@ -20,6 +20,7 @@ from ..passes.propagate import GraphIndex, Propagation
 from ..passes.row_scales import moved
 from ..passes.solve import solve
 from ..placements import REPLICATE, Placement
+from ..plan.arguments import PlanArguments
 from ..plan.flow import record_flows
 from ..plan.plan import CommOp, DeferredExpressions, Plan, attention_heads, cost_expressions, role_of, unsplit_attention_note
 from .experts import dispatch_note, expert_stacks, experts_note
@@ -106,9 +107,14 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
         kept = ("norms kept as written (sequence_parallel=False): without sequence parallelism a plan may "
                 "split a norm's rows along the hidden dim, which aten.rms_norm cannot")
     notes = [n for n in (fused_note(activations), norms_note(norms), kept) if n]
+    # what the programs built from the plan are built with (autotp/plan/arguments.py)
+    arguments = PlanArguments(sequence_parallel=sequence_parallel, expert_dispatch=expert_dispatch,
+                              gather_logits=gather_logits, host_reads=host_reads,
+                              fuse_activations=fuse_activations, fuse_norms=fuse_norms, uneven=uneven)
 
     def noted(result: Plan) -> Plan:
         result.notes.extend(notes)
+        result.arguments = arguments
         return result
 
     try:

@@ -77,10 +77,19 @@ def test_a_saved_plan_the_force_cannot_take_is_a_plan_error(fake_rank):
     # partial sum to reduce-scatter along the sequence (before, the force went unmet, unsaid)
     import autotp
 
+    import dataclasses
+
+    from autotp.errors import ConfigError
+
     model = _gpt2()
     whole = autotp.plan(model, 2, layout={"*.weight": "replicate"}, **WORKLOAD)
-    with pytest.raises(PlanError, match="under the plan's parameter placements no row-parallel product"):
+    # the plan records it was made by cost: forcing it at parallelize contradicts the plan
+    with pytest.raises(ConfigError, match="the plan was made with sequence_parallel=None"):
         autotp.parallelize(model, 2, plan=whole, sequence_parallel=True, **WORKLOAD)
+    # a plan saved before its arguments were recorded (file version 1) is built with those given
+    old = dataclasses.replace(whole, arguments=None)
+    with pytest.raises(PlanError, match="under the plan's parameter placements no row-parallel product"):
+        autotp.parallelize(model, 2, plan=old, sequence_parallel=True, **WORKLOAD)
 
 
 def test_falcons_forced_prefill_step_keeps_its_row_parallel_products():
