@@ -5,7 +5,7 @@
 Each case runs in two fresh processes (a crash in one case leaves the others' answers); the
 result of the one run so far is in benchmarks/gpu.md. Needs one CUDA GPU.
 """
-import faulthandler, os, subprocess, sys, time
+import faulthandler, subprocess, sys
 
 CASES = ["all_reduce", "all_gather_into_tensor", "all_gather_list", "funcol_all_reduce", "funcol_all_gather",
          "reduce_scatter", "broadcast", "barrier_then_cpu", "cuda_mesh_from_group", "dtensor_full_tensor"]

@@ -3,7 +3,6 @@ lengths, gather_to_hf's config): each was a probe that was accepted (negative co
 CLI exit 0), raised a raw ValueError/TypeError or traceback, or failed late with a misleading
 CaptureError before."""
 import json
-import os
 
 import pytest
 import torch

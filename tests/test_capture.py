@@ -1,5 +1,4 @@
 """Capture: one export of GPT-2 (real or meta) serves any batch and sequence length."""
-import operator
 
 import sympy
 import torch

@@ -10,7 +10,6 @@ passes over another's rows (expert parallelism once ran the activation, the batc
 the rest on every row of every rank, zero where not its own).
 """
 import pytest
-import torch
 import torch.distributed as dist
 
 import autotp

@@ -53,7 +53,7 @@ def grouped_work(op: RankOp, dtype_bytes: int, train_dtype: Any) -> OpWork:
     x = local_shape(op.inputs[0], op.in_place[0], op.tp, op.rank)
     w = local_shape(op.inputs[1], op.in_place[1], op.tp, op.rank)
     out = local_shape(op.outputs[0], op.out_place[0], op.tp, op.rank)
-    rows, k, n = prod(out[:-1]), x[-1], out[-1]
+    k, n = x[-1], out[-1]
     groups = w[0] if len(w) >= 3 else sympy.Integer(1)               # this rank's experts
     experts = op.inputs[1].shape[0] if len(w) >= 3 else sympy.Integer(1)
     eb = element_bytes(op.inputs[0].dtype, dtype_bytes, train_dtype)

@@ -3,7 +3,6 @@ dtype moves: a bf16 model's float32 tensors that cross ranks (OLMo-2's q and k u
 whole-width norms, gathered where the projections are column-parallel) at 4 bytes an element, as
 the ATen collectives one rank of the program calls on the fake backend move them, not at the
 model's 2."""
-import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -3,7 +3,6 @@
 ``_fused_rms_norm_backward`` (reads the output's gradient and x, writes x's), at the rate a norm
 kernel attains (``cost_model/norms.norm_work``), where Llama's written statistic is priced as its five ops'
 kernels, forward and backward. Llama on the meta device, Megatron's layout at tp 2, profile h200."""
-import sympy
 import torch
 
 from autotp import zoo

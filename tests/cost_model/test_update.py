@@ -5,7 +5,7 @@ import torch
 
 import autotp
 from autotp import zoo
-from autotp.cost_model.devices import PROFILES, DeviceProfile
+from autotp.cost_model.devices import PROFILES
 from autotp.placements import REPLICATE, Shard
 
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"

@@ -10,7 +10,6 @@ sliced to the rows (``R -> P(tokens 0)``), where before forced sequence parallel
 PlanError; and run sequence-first (``[s, b, h] -> [s*b, h]``), its rows read as a partition."""
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings

@@ -8,7 +8,6 @@ those rows, fc2's partial sum is reduce-scattered into them and fc1 reads them a
 its f fused in. Each example draws tp, the batch (one or more sequences) and lengths tp does not
 divide (and one shorter than tp: a rank with no tokens); every call is a training call (loss,
 logits, every gradient) and the plan must hold both collectives of the merged rows."""
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

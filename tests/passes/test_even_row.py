@@ -13,7 +13,6 @@ import zlib
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 

@@ -8,7 +8,7 @@ bit for bit on CPU, where ``aten.rms_norm`` runs the same ops in the same order)
 import pytest
 import torch
 
-from autotp.passes.norms import find_norms, fuse_norm_graph
+from autotp.passes.norms import fuse_norm_graph
 
 aten = torch.ops.aten
 EPS = 1e-6

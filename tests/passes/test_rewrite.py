@@ -1,6 +1,5 @@
 """The per-rank program: named f/g nodes, the row-parallel bias added once after the all-reduce,
 GPT-2's fused q/k/v sharded by heads, local view sizes."""
-import operator
 
 import torch
 

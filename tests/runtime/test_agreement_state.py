@@ -12,7 +12,6 @@ import torch.distributed as dist
 from torch import nn
 
 import autotp
-from autotp.errors import ConfigError, DisagreementError
 from autotp.testing import MEGATRON_GPT2
 from tests.helpers import batch, call_while_another_runs, outcome, tiny_gpt2
 
