@@ -10,6 +10,7 @@ tokens (Mamba's cache is a recurrent state: its conv and SSM states go from step
 plan leaves them; the prompt's program is traced at the prompt's length, each decode step is one
 token). One task on a two-rank cluster; the out-projection pinned row-parallel so that the program
 runs split compute and a collective, not a replicated model."""
+import pytest
 import torch
 
 from autotp.testing import TOLERANCE
@@ -50,6 +51,9 @@ def fixed_length_calls(sequence_parallel: bool | None = None) -> dict:
     return out
 
 
+@pytest.mark.slow   # 22-31 s on two cores; the fast tier runs a fixed-length program against serial on every
+#                     call below (sequence parallelism forced) and plans Mamba at tp 8 with its sequence
+#                     fixed (tests/passes/test_recurrent_plan.py)
 def test_a_program_fixed_to_one_length_equals_serial_there_and_other_lengths_get_their_own(cluster_of):
     results = cluster_of(2).run(fixed_length_calls)
     for r in results:
