@@ -496,7 +496,7 @@ def _sampled(pm: Any, scores: torch.Tensor) -> torch.Tensor:
     token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
     mesh = pm.mesh
     if mesh.tp > 1 and mesh.tp_group is not None:
-        from .distributed.collectives import _comm
+        from .distributed.comm import _comm
 
         with _comm("generate's broadcast of the sampled tokens", mesh.tp_group):
             dist.broadcast(token, src=mesh.tp_ranks[0], group=mesh.tp_group)

@@ -4,7 +4,7 @@ DTensor's redistribute of the same tensor, side by side on local gloo ranks.
     .venv/bin/python benchmarks/collectives.py --out benchmarks/collectives.md
 
 Each rank times, in turn and repeated, on the same tensors: autotp's all-gather of a shard
-(``collectives._all_gather``: the logits' vocabulary dim, an even split and an uneven one),
+(``gather_scatter._all_gather``: the logits' vocabulary dim, an even split and an uneven one),
 the bare gather followed by the one copy any dim-2 gather needs (the backend's rank-major
 buffer laid out along dim 2: the floor for a gather of that dim),
 ``dist.all_gather_single`` (``all_gather_into_tensor`` before torch 2.13) of the same local bytes (bare: the floor), the list
@@ -55,7 +55,7 @@ def run_rank(args: argparse.Namespace) -> dict:
     from torch.distributed.tensor import Shard as TorchShard
 
     from autotp.placements import Shard, local_size
-    from autotp.distributed import collectives as C
+    from autotp.distributed import comm, gather_scatter
 
     # all_gather_single from torch 2.13 (all_gather_into_tensor, its older name, warns there)
     all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -86,7 +86,7 @@ def run_rank(args: argparse.Namespace) -> dict:
                                 shape=torch.Size((b, s, vocab)), stride=torch.empty(b, s, vocab, device="meta").stride())
         kind = "even" if vocab % tp == 0 else "uneven"
         out[f"all-gather {kind} [{b}, {s}, {vocab}] dim 2"] = _medians_ms({
-            "autotp": lambda: C._all_gather(x, group, shard, vocab, "bench"),
+            "autotp": lambda: gather_scatter._all_gather(x, group, shard, vocab, "bench"),
             "bare all_gather_single": bare,
             "list all_gather + cat (before)": listed,
             "DTensor redistribute": lambda: dt.redistribute(mesh, [Replicate()]).to_local(),
@@ -104,7 +104,7 @@ def run_rank(args: argparse.Namespace) -> dict:
         return y
 
     out[f"all-reduce [{b}, {s}, {args.hidden}]"] = _medians_ms({
-        "autotp": lambda: C._all_reduce(h, group, "bench"),
+        "autotp": lambda: comm._all_reduce(h, group, "bench"),
         "bare all_reduce": bare_reduce,
         "DTensor redistribute": lambda: hd.redistribute(mesh, [Replicate()]).to_local(),
     }, args.repeats)
@@ -119,7 +119,7 @@ def run_rank(args: argparse.Namespace) -> dict:
         return o
 
     out[f"reduce-scatter [{b}, {s}, {args.hidden}] onto dim 1"] = _medians_ms({
-        "autotp": lambda: C._reduce_scatter(partial, group, Shard(1), s, "bench"),
+        "autotp": lambda: gather_scatter._reduce_scatter(partial, group, Shard(1), s, "bench"),
         "bare reduce_scatter_single (dim 0)": bare_reduce_scatter,
         "DTensor redistribute": lambda: pd.redistribute(mesh, [TorchShard(1)]).to_local(),
     }, args.repeats)

@@ -314,10 +314,10 @@ def _kernels(step) -> int:
 
 def collectives(device: str, quick: bool, md: str) -> dict:
     """The collectives autotp's eager path calls, under NCCL (gloo on CPU) in a world of one, on
-    the device's tensors: the group's own c10d methods as ``autotp/distributed/collectives.py``
-    calls them, dist's and the functional ones, and all-to-alls with an empty send (a rank
-    holding none of an uneven split, or no row routed to another rank's experts). Each a row:
-    passed, or its error."""
+    the device's tensors: the group's own c10d methods as ``autotp/distributed/`` calls them
+    (``comm.py``, ``gather_scatter.py``, ``exchange.py``), dist's and the functional ones, and
+    all-to-alls with an empty send (a rank holding none of an uneven split, or no row routed to
+    another rank's experts). Each a row: passed, or its error."""
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
@@ -372,16 +372,16 @@ def collectives(device: str, quick: bool, md: str) -> dict:
             lambda: funcol.wait_tensor(funcol.all_to_all_single(empty, [0], [0], group)), empty),
     }
     try:
-        from autotp.distributed import collectives as C
+        from autotp.distributed import comm, exchange, gather_scatter
 
-        checks["autotp _c10d_all_reduce"] = (lambda: (lambda y: (C._c10d_all_reduce(y, group), y)[1])(x.clone()), x)
-        checks["autotp _gather_into"] = (lambda: C._gather_into(x, group, "probe").reshape(x.shape), x)
+        checks["autotp _c10d_all_reduce"] = (lambda: (lambda y: (comm._c10d_all_reduce(y, group), y)[1])(x.clone()), x)
+        checks["autotp _gather_into"] = (lambda: gather_scatter._gather_into(x, group, "probe").reshape(x.shape), x)
         for kind in ("all_gather", "reduce_scatter"):   # the rows of a sequence split, one coalesced call
             checks[f"autotp _rows_collective {kind} (coalesced where the backend has it)"] = (
-                lambda kind=kind: (lambda y: (C._rows_collective(kind, y, x, group, "probe"), y)[1])(
+                lambda kind=kind: (lambda y: (gather_scatter._rows_collective(kind, y, x, group, "probe"), y)[1])(
                     torch.empty_like(x)), x)
-        checks["autotp _exchange, empty send"] = (lambda: C._exchange(empty.reshape(-1), [0], [0], group, "probe"),
-                                                  empty.reshape(-1))
+        checks["autotp _exchange, empty send"] = (
+            lambda: exchange._exchange(empty.reshape(-1), [0], [0], group, "probe"), empty.reshape(-1))
     except (ImportError, AttributeError) as e:
         checks[f"autotp collectives helpers: {type(e).__name__}"] = (lambda e=e: (_ for _ in ()).throw(e), x)
     rows = {}

@@ -83,7 +83,7 @@ def measure(experts: int, k: int) -> dict:
 
     from autotp.distributed import expert_routing as R
     from autotp.distributed import experts as E
-    from autotp.distributed.collectives import _all_gather
+    from autotp.distributed.gather_scatter import _all_gather
     from autotp.placements import Shard
 
     torch.set_num_threads(1)

@@ -140,7 +140,7 @@ def test_interleaved_column_slices_read_from_the_file_equal_slices_of_the_tensor
     reader = CheckpointReader(folder)
     full = tiny_gpt2(n_layer=2, n_head=3, head_dim=4, vocab=VOCAB, seed=7).transformer.h[0].attn.c_attn.weight
     shard = Shard(1, chunks=3, unit=4)
-    from autotp.distributed.collectives import local_shard
+    from autotp.distributed.shards import local_shard
 
     for rank in range(tp):
         got = reader.read_local("transformer.h.0.attn.c_attn.weight", tuple(full.shape), shard, tp, rank,

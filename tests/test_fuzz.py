@@ -20,7 +20,7 @@ import pytest
 import autotp
 from autotp.errors import AutotpError, ConfigError, PlanError
 from autotp.placements import Shard
-from autotp.distributed.collectives import local_shard
+from autotp.distributed.shards import local_shard
 from tests.fuzz_models import TRACE_BATCH, TRACE_SEQ, FuzzNet, net_specs
 
 BOUND = 1e-9  # float64

@@ -42,7 +42,7 @@ from torch import fx
 
 from ..capture.program import op_name
 from ..errors import DisagreementError
-from .collectives import _comm, group_ranks, group_size
+from .comm import _comm, group_ranks, group_size
 
 __all__ = ["Fingerprint", "fingerprint", "check_agreement", "check_call", "start_call_check", "input_signature",
            "value_digest", "state_entries", "constant_entries", "grad_entries", "exchange", "start_exchange"]

@@ -39,7 +39,8 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from .collectives import _CommModule, _gather_into
+from .comm_modules import _CommModule
+from .gather_scatter import _gather_into
 from .experts import DispatchPlan, DispatchSizes, _cached_token_rows, _inverse, _layout_cached, token_rows
 from .reads import host_ints
 

@@ -41,7 +41,9 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
-from .collectives import _comm, _CommModule, traced_as_now
+from .collectives import traced_as_now
+from .comm import _comm
+from .comm_modules import _CommModule
 from .reads import host_ints, nonzero_rows
 
 

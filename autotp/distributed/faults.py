@@ -189,7 +189,7 @@ def _roll_call(group, ranks: tuple[int, ...], started: float, timeout_s: float,
 
 _guards_made = 0
 
-#: time.time() of this process's last failed collective (autotp.distributed.collectives._comm)
+#: time.time() of this process's last failed collective (autotp.distributed.comm._comm)
 _last_comm_failure = 0.0
 
 

@@ -78,7 +78,7 @@ class _SplitRmsNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, dims, count, eps):
-        from .collectives import _all_reduce
+        from .comm import _all_reduce
 
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         squares = xf.square().sum(dims, keepdim=True)
@@ -90,7 +90,7 @@ class _SplitRmsNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from .collectives import _all_reduce
+        from .comm import _all_reduce
 
         x, rstd = ctx.saved_tensors
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
@@ -141,7 +141,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, group, ranges, ignore_index, reduction):
         import torch.distributed as dist
 
-        from .collectives import _comm, group_size
+        from .comm import _comm, group_size
 
         many = group_size(group) > 1
         logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
@@ -298,7 +298,7 @@ def rank_slice(full: torch.Tensor, dim: int, chunks: int, unit: int, rotate: int
     into sharded compute so (``all_gather_f``, whose backward reduce-scatters summands) where
     another consumer wants it split another way: no scatter, and no second gather to feed one."""
     from ..placements import Shard
-    from .collectives import local_shard
+    from .shards import local_shard
 
     return local_shard(full, Shard(dim, chunks, unit, rotate, sizes=tuple(sizes)), tp, rank)
 

@@ -24,7 +24,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
-from .collectives import _c10d_all_gather_single, _c10d_reduce_scatter_tensor, _comm, group_rank, group_size
+from .comm import _comm, group_rank, group_size
+from .gather_scatter import _c10d_all_gather_single, _c10d_reduce_scatter_tensor
 
 
 def run_lengths(seq: int, tp: int) -> list[int]:

@@ -1,7 +1,7 @@
 """In-place f and g: which all-reduces of a rank's program may write the sum over their tensor.
 
 Input: a rank's rewritten ``GraphModule`` (:mod:`autotp.passes.rewrite`). Output: the same module,
-its f and g modules (:class:`~autotp.distributed.collectives.CopyToTP`, ``ReduceFromTP``) marked
+its f and g modules (:class:`~autotp.distributed.comm_modules.CopyToTP`, ``ReduceFromTP``) marked
 ``in_place`` where reducing in the tensor's own storage changes nothing any other op reads. The
 serial model makes no copy there; a functional all-reduce copies its input before reducing it
 (Megatron's ``_reduce`` all-reduces in place and returns the tensor).
@@ -54,7 +54,7 @@ from torch import fx
 
 import torch
 
-from ..distributed.collectives import CopyToTP, ReduceFromTP
+from ..distributed.comm_modules import CopyToTP, ReduceFromTP
 from ..distributed.experts import gather_rows, routed_combine, routed_scatter
 from ..distributed.functional import vocab_parallel_embedding
 from .rules.pointwise import CASTS

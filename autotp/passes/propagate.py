@@ -713,10 +713,10 @@ def layout_copy_seconds(kind: str, meta: TensorMeta, have: Any, want: Any, full:
     backends gather and scatter along dim 0, so a collective along an inner dim with a dim of
     more than one element before it (the hidden of ``(b, s, h)``), or an uneven split, puts
     the whole tensor in order with one copy (read and write) on each side that moves it. An even
-    split after at most :data:`~autotp.distributed.collectives.ROWS_COALESCED` leading rows at
+    split after at most :data:`~autotp.distributed.gather_scatter.ROWS_COALESCED` leading rows at
     the workload of ``index`` (the sequence of ``(b, s, h)`` at a batch of a few) copies nothing:
     it moves row by row, one collective a row in one coalesced call
-    (:func:`~autotp.distributed.collectives._rows_collective`), which NCCL runs as one kernel (its
+    (:func:`~autotp.distributed.gather_scatter._rows_collective`), which NCCL runs as one kernel (its
     grouped collectives aggregated), the one launch and the ring's steps the collective's own price
     counts already (:func:`~autotp.cost_model.symbolic.collective_time`); the same bytes cross the
     links. Without ``index`` the rows are not known and the copy is priced. A read of a shared gather
@@ -743,7 +743,7 @@ def layout_copy_seconds(kind: str, meta: TensorMeta, have: Any, want: Any, full:
     if not (inner or uneven):
         return 0.0
     from ..cost_model.symbolic import COLLECTIVES
-    from ..distributed.collectives import ROWS_COALESCED
+    from ..distributed.gather_scatter import ROWS_COALESCED
 
     moved = sum(1 for i, c in enumerate(COLLECTIVES[kind]) if c in ("all_gather", "reduce_scatter")
                 and (i == 0 or grad))
@@ -872,7 +872,7 @@ def table_by_columns_copies(full: Any, rows: Any, tp: int, hidden: int, have: Sh
     ``all_to_all_columns``, :class:`~autotp.distributed.functional.EmbeddingByColumns`) on the
     rank holding the most rows (``rows``: the vocabulary, split as ``have``; ``hidden``: the
     table's width, split as ``want``; ``full``: the whole table's bytes), as
-    ``collectives._all_to_all`` runs them for splits that give each rank one run in rank order:
+    ``exchange._all_to_all`` runs them for splits that give each rank one run in rank order:
     forward, the rank's ``[V/tp, h]`` rows packed into ``tp`` column blocks, one strided copy per
     width of the hidden's split (one where tp divides the hidden, two where it does not: a hidden
     of 20 on 3 ranks is 7, 7 and 6 columns), the blocks received in rank order taken as the
@@ -895,7 +895,7 @@ def table_by_columns_copies(full: Any, rows: Any, tp: int, hidden: int, have: Sh
 def _widths(size: int, shard: Shard, tp: int) -> list[int]:
     """The widths of ``shard``'s parts of a dim of ``size`` on ``tp`` ranks, in rank order, each
     run of ranks of one width once (empty parts left out): the strided copies that lay a tensor
-    out rank by rank along it (``collectives._Split.blocks``)."""
+    out rank by rank along it (``shards._Split.blocks``)."""
     out: list[int] = []
     for r in range(tp):
         n = local_size(size, shard, tp, r)
@@ -906,7 +906,7 @@ def _widths(size: int, shard: Shard, tp: int) -> list[int]:
 
 def _ordered(size: Any, shard: Shard, tp: int) -> bool:
     """Whether ``shard`` gives every rank at most one run of a dim of ``size``, the runs in rank
-    order tiling it (``collectives._Split.ordered``); where the size is known at run time only, a
+    order tiling it (``shards._Split.ordered``); where the size is known at run time only, a
     plain shard is (the sequence's)."""
     if size is None:
         return shard.chunks == 1 and not (shard.rotate or shard.tail or shard.sizes or shard.per_block)

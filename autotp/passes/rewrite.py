@@ -34,7 +34,7 @@ from ..cost_model.work import differ
 from ..errors import PlanError
 from ..placements import (PARTIAL, Partial, Placement, Replicate, ReplicatePartialGrad, Routed, Shard, block_local_sizes, local_ranges,
                           local_size, owned_ranges)
-from ..distributed import collectives as C
+from ..distributed import comm_modules as C
 from ..distributed import experts as E
 from ..distributed import expert_routing as ER
 from ..distributed.experts import routed_scatter, sequence_runs, token_rows

@@ -174,7 +174,7 @@ def _split_placement(t: Any) -> Shard:
 def _output_error(got: Any, expected: torch.Tensor, tp: int, rank: int) -> float:
     """The relative error of an output; one kept split (a DTensor: logits with
     ``gather_logits`` off) must be the whole tensor's shape and this rank's part of it."""
-    from ..distributed.collectives import local_shard
+    from ..distributed.shards import local_shard
 
     if not hasattr(got, "to_local"):
         return relative_error(got, expected)
@@ -186,7 +186,7 @@ def _output_error(got: Any, expected: torch.Tensor, tp: int, rank: int) -> float
 def equivalence_errors(model: nn.Module, pm: nn.Module, inputs: Mapping[str, Any]) -> dict[str, float]:
     """Relative errors of ``pm`` (a ParallelModule of ``model``) against ``model``, forward and
     backward, on this rank. ``model``'s gradients are overwritten."""
-    from ..distributed.collectives import local_shard
+    from ..distributed.shards import local_shard
 
     model.zero_grad(set_to_none=True)
     pm.zero_grad(set_to_none=True)

@@ -12,7 +12,7 @@ allocations (which touch no memory) and collectives (communication) are left out
 ``with CopyCounter() as copies: step()`` records every copy and cast a step makes (``copy_``,
 ``_to_copy``, ``clone``, ``cat``, ``stack``, ``constant_pad_nd``) with the bytes it writes and
 the place it was made (:class:`Copy`): the model's program (an fx node's line, or autograd's
-formula for one), or autotp's own code around it (``collectives._all_gather``, ...), so a rank's
+formula for one), or autotp's own code around it (``gather_scatter._all_gather``, ...), so a rank's
 copies can be held against serial's. A collective's own writes (c10d's ops, below the dispatch
 mode) are not among them, except the copy a functional all-reduce makes of its input before
 reducing it (``_c10d_functional.all_reduce`` clones inside its kernel): recorded as an
@@ -132,7 +132,7 @@ class Copy:
     written to a whole tensor, not into part of a buffer: a copy nothing needed), whether it
     changed the dtype (``cast``), and where it was made (``site``): ``"program"`` (a node of the
     model's program), ``"autograd"`` (a backward formula the engine ran for one), or the autotp
-    function (``"collectives._all_gather"``)."""
+    function (``"gather_scatter._all_gather"``)."""
 
     op: str
     bytes: int

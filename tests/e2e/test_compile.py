@@ -408,7 +408,7 @@ def _compiled_all_to_all_dispatch(backend: str, mode: str) -> dict:
 
     import autotp
     from autotp import zoo
-    from autotp.distributed.collectives import ReshardTP
+    from autotp.distributed.comm_modules import ReshardTP
     from autotp.distributed.experts import CombineRows, DispatchRows
     from autotp.testing import equivalence_errors, keep_loss_precision, relative_error, tolerance
 

@@ -22,7 +22,7 @@ def _vanishing_gradients(model, pm, errors: dict) -> None:
     """A key projection's bias has an exactly-zero gradient in exact arithmetic (softmax ignores
     a constant added to every score), so its serial gradient is rounding noise (~1e-17) and the
     relative error means nothing: judge those by the absolute error against the largest gradient."""
-    from autotp.distributed.collectives import local_shard
+    from autotp.distributed.shards import local_shard
 
     scale = max(p.grad.norm().item() for p in model.parameters() if p.grad is not None)
     for name, param in model.named_parameters():

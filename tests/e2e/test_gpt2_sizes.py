@@ -77,7 +77,7 @@ def _sharded_logits():
     from tests.helpers import batch, tiny_gpt2
 
     import autotp
-    from autotp.distributed.collectives import local_shard
+    from autotp.distributed.shards import local_shard
 
     # 5003 words: large enough that on the cpu-gloo profile the vocab-parallel loss (3 all-reduces
     # of b*s numbers) is cheaper than gathering b*s*V logits; odd, so the split is uneven.

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import autotp
 from autotp import zoo
-from autotp.distributed import collectives as C
+from autotp.distributed import comm_modules
 from autotp.passes import propagate
 
 PLANNING = dict(batch=64, seq=4096, profile="h100-dgx")
@@ -80,7 +80,7 @@ def test_a_reshard_issues_one_all_to_all_of_a_tp_th_of_the_gathers_bytes(fake_tp
     a2a = [c for c in pm.plan.comms if c.kind == "all_to_all"]
     assert a2a and all(c.src == "S(2)" and c.dst == "S(1)" for c in a2a), pm.plan.comms
     assert not [c for c in pm.plan.comms if c.kind == "reshard"]
-    modules = [m for m in pm.graph_module.modules() if isinstance(m, C.ReshardTP)]
+    modules = [m for m in pm.graph_module.modules() if isinstance(m, comm_modules.ReshardTP)]
     assert len(modules) == len(a2a)
     # the listing names it, and the plan's cost expressions price what it lists
     assert "all_to_all" in pm.plan.table(full=True)
@@ -104,7 +104,7 @@ def test_a_reshard_issues_one_all_to_all_of_a_tp_th_of_the_gathers_bytes(fake_tp
     monkeypatch.setattr(rewrite, "gather_parts", gathered_and_cut)
     old_pm = autotp.parallelize(model, tp, **PLANNING)   # solved again: the same plan
     assert old_pm.plan.comms == pm.plan.comms
-    assert not [m for m in old_pm.graph_module.modules() if isinstance(m, C.ReshardTP)]
+    assert not [m for m in old_pm.graph_module.modules() if isinstance(m, comm_modules.ReshardTP)]
     issued_old, before = _step(old_pm, batch, tp)
     assert issued_old == listed   # a reshard was two all-gathers (forward, backward), now two all-to-alls
     # the vocabulary-split table read by columns moves by its lookup's own all-to-all (forward,
@@ -127,7 +127,7 @@ def _matches_serial(tp: int, heads: int) -> dict:
     pm = autotp.parallelize(model, tp, **PLANNING)
     batch = zoo.example_batch("bert", config, batch=2, seq=7, seed=3)   # seq 7: uneven at tp 3 and 4
     return {"errors": equivalence_errors(model, pm, batch), "bound": tolerance(model, batch),
-            "all_to_all": sum(isinstance(m, C.ReshardTP) for m in pm.graph_module.modules()),
+            "all_to_all": sum(isinstance(m, comm_modules.ReshardTP) for m in pm.graph_module.modules()),
             "listed": [c.kind for c in pm.plan.comms if c.kind in ("all_to_all", "reshard")]}
 
 

@@ -22,6 +22,8 @@ import torch
 import autotp
 from autotp import zoo
 from autotp.distributed import collectives as C
+from autotp.distributed import comm as comm_module
+from autotp.distributed import comm_modules, gather_scatter
 from autotp.distributed.functional import grad_if, rank_slice
 
 TP = 2
@@ -43,7 +45,7 @@ def gathers_by_source(gm) -> dict:
     found = collections.defaultdict(list)
     for node in gm.graph.nodes:
         module = modules.get(node.target) if node.op == "call_module" else None
-        if isinstance(module, (C.GatherFromTP, C.GatherIntoTP)):
+        if isinstance(module, (comm_modules.GatherFromTP, comm_modules.GatherIntoTP)):
             found[node.args[0].name, module.shard.dim].append(node.name)
     return found
 
@@ -55,8 +57,11 @@ class _Collectives:
 
     def __init__(self, monkeypatch):
         self.calls: list[str] = []
-        for name in ("_all_gather", "_reduce_scatter", "_all_reduce"):
-            monkeypatch.setattr(C, name, self._counted(name, getattr(C, name)))
+        # where each is looked up: the mappings' (collectives), a split norm's (comm: functional's
+        # own import), a reduce-scatter's all-reduce fallback (gather_scatter)
+        for module, name in ((C, "_all_gather"), (C, "_reduce_scatter"), (C, "_all_reduce"),
+                             (comm_module, "_all_reduce"), (gather_scatter, "_all_reduce")):
+            monkeypatch.setattr(module, name, self._counted(name, getattr(module, name)))
 
     def _counted(self, name, original):
         def run(x, group, *rest, **options):   # options: _all_reduce's in_place

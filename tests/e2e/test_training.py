@@ -13,7 +13,7 @@ LAYOUT = {"*.c_attn.weight": "column", "*.mlp.c_fc.weight": "column", "*.attn.c_
 
 
 def adamw_steps(case: dict) -> dict:
-    from autotp.distributed.collectives import local_shard
+    from autotp.distributed.shards import local_shard
     from autotp.testing import relative_error
     from tests.helpers import batch, tiny_gpt2
 

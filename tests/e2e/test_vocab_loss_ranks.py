@@ -13,7 +13,7 @@ from autotp.placements import Shard, local_ranges
 def vocab_loss_errors(case: dict) -> tuple[float, float]:
     import torch.distributed as dist
 
-    from autotp.distributed.collectives import local_shard
+    from autotp.distributed.shards import local_shard
     from autotp.distributed.functional import VocabParallelCrossEntropy
 
     tp, rank = dist.get_world_size(), dist.get_rank()

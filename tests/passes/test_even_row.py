@@ -17,6 +17,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from autotp.distributed import collectives as C
+from autotp.distributed import shards
 from autotp.distributed.mesh import get_mesh
 from autotp.passes.rules import strategies
 from autotp.placements import PARTIAL, Shard, is_even
@@ -73,8 +74,8 @@ def run_even_row(case: Product, want: Shard, w_split: Shard) -> tuple[torch.Tens
     mesh = get_mesh(case.tp)
     group, r = mesh.tp_group, mesh.tp_rank
     x, w, dy = _whole(case)
-    part = C.local_shard(x, case.have, case.tp, r).requires_grad_()
-    columns = C.local_shard(w, w_split, case.tp, r).requires_grad_()
+    part = shards.local_shard(x, case.have, case.tp, r).requires_grad_()
+    columns = shards.local_shard(w, w_split, case.tp, r).requires_grad_()
     y = C.reduce_from_tp(torch.nn.functional.linear(C.reshard_tp(part, group, case.have, want, case.k), columns),
                          group)
     y.backward(dy)
@@ -92,9 +93,9 @@ def _check(cluster, case: Product) -> None:
     for rank, (got, x_grad, w_grad) in enumerate(cluster.run(run_even_row, case, want, w_split)):
         r = rank % case.tp
         torch.testing.assert_close(got, y.detach(), rtol=1e-12, atol=1e-12, msg=lambda m: f"output, rank {rank}: {m}")
-        torch.testing.assert_close(x_grad, C.local_shard(x.grad, case.have, case.tp, r), rtol=1e-12, atol=1e-12,
+        torch.testing.assert_close(x_grad, shards.local_shard(x.grad, case.have, case.tp, r), rtol=1e-12, atol=1e-12,
                                    msg=lambda m: f"x's gradient, rank {rank}: {m}")
-        torch.testing.assert_close(w_grad, C.local_shard(w.grad, w_split, case.tp, r), rtol=1e-12, atol=1e-12,
+        torch.testing.assert_close(w_grad, shards.local_shard(w.grad, w_split, case.tp, r), rtol=1e-12, atol=1e-12,
                                    msg=lambda m: f"W's gradient, rank {rank}: {m}")
 
 

@@ -66,7 +66,7 @@ def test_an_f_into_a_bias_inside_its_product_reduces_in_place(fake_rank):
     ``add``. GPT-2 at a width whose unpinned plan with sequence parallelism runs its MLP on the
     rank's tokens, weights and biases whole (``tests/runtime/test_rank_copies.py``'s model)."""
     import autotp
-    from autotp.distributed.collectives import CopyToTP
+    from autotp.distributed.comm_modules import CopyToTP
 
     config = zoo.tiny_config("gpt2", layers=2, heads=8, head_dim=64, vocab=512)
     pm = autotp.parallelize(zoo.build("gpt2", config, seed=1), 2, batch=256, seq=32, profile="h100-dgx",

@@ -18,7 +18,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import fx, nn
 
-from autotp.distributed import collectives as C
+from autotp.distributed import comm_modules
 from autotp.distributed.mesh import get_mesh
 from autotp.passes.in_place import reduce_in_place
 
@@ -60,7 +60,7 @@ def g_program(group, producer: str, views: int, reader: str, cast: str = "none")
         node = graph.call_function(op, (node, *args), kwargs)
     for i in range(views):   # [N, M] -> [N * M] -> [N, M] -> ...
         node = graph.call_function(aten.view.default, (node, [N * M] if i % 2 == 0 else [N, M]))
-    root.add_module("g_0", C.ReduceFromTP(group))
+    root.add_module("g_0", comm_modules.ReduceFromTP(group))
     out = graph.call_module("g_0", (node,))
     if views % 2:
         out = graph.call_function(aten.view.default, (out, [N, M]))
@@ -79,7 +79,7 @@ def f_program(group, readers: tuple[str, ...]) -> fx.GraphModule:
     # made before the f, so its backward runs after the f's: it reads the gradient the add hands
     # to both of its operands after the f has reduced it, were that in place
     zz = graph.call_function(aten.mul.Tensor, (z, z))
-    root.add_module("f_0", C.CopyToTP(group))
+    root.add_module("f_0", comm_modules.CopyToTP(group))
     f = graph.call_module("f_0", (x,))
     outs = []
     for kind in readers:
@@ -198,11 +198,12 @@ def test_a_vocab_parallel_embeddings_g_and_a_tied_head_reduce_in_place(fake_rank
     pm(**inputs).loss.backward()
     code = pm.graph_module.code
     assert "vocab_parallel_embedding" in code
-    reduces = [m for m in pm.graph_module.children() if isinstance(m, (C.CopyToTP, C.ReduceFromTP))]
+    reduces = [m for m in pm.graph_module.children()
+               if isinstance(m, (comm_modules.CopyToTP, comm_modules.ReduceFromTP))]
     assert reduces and all(m.in_place for m in reduces), [(type(m).__name__, m.in_place) for m in reduces]
     with CopyCounter() as copies:
         pm(**inputs).loss.backward()
-    assert not [c for c in copies.copies if c.site == "collectives._all_reduce"], copies.copies
+    assert not [c for c in copies.copies if c.site == "comm._all_reduce"], copies.copies
 
 
 #: a layout per family for the checkpointed programs below (each an f and a g per product pair,
@@ -223,7 +224,7 @@ VOCAB = {"gpt2": 96, "llama": 4096}
 def _reduces(gm) -> dict:
     """f and g module name (its last part: ``submod_1.inner.g_0`` is ``g_0``) -> in place."""
     return {n.rsplit(".", 1)[-1]: m.in_place for n, m in gm.named_modules()
-            if isinstance(m, (C.CopyToTP, C.ReduceFromTP))}
+            if isinstance(m, (comm_modules.CopyToTP, comm_modules.ReduceFromTP))}
 
 
 def checkpointed_against_serial(family: str, b: int, s: int, seed: int) -> dict:
@@ -252,7 +253,7 @@ def checkpointed_against_serial(family: str, b: int, s: int, seed: int) -> dict:
         pm.zero_grad(set_to_none=True)
         out = pm(**inputs)
         out.loss.backward()
-    reduced = [c.bytes for c in copies.copies if c.site == "collectives._all_reduce"]
+    reduced = [c.bytes for c in copies.copies if c.site == "comm._all_reduce"]
     return {"errors": errors, "checkpointed": _reduces(pm.graph_module), "plain": _reduces(plain.graph_module),
             "copied": reduced, "partial": b * s * config.hidden_size * 8}
 

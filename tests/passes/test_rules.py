@@ -29,7 +29,7 @@ from autotp.passes.rules import pointwise
 from autotp.passes.rules import LocalContext, OpInfo, Strategy, TensorMeta, localizer, strategies
 from autotp.passes.rules.view_map import map_view_shard
 from autotp.placements import PARTIAL, REPLICATE, Partial, Replicate, Routed, Shard
-from autotp.distributed.collectives import assemble, local_shard
+from autotp.distributed.shards import assemble, local_shard
 from autotp.distributed.functional import vocab_parallel_embedding
 from autotp.passes.rules.nn import BY_COLUMNS
 

@@ -21,6 +21,7 @@ from torch import fx, nn
 from autotp.errors import CommError
 from autotp.placements import Shard, local_ranges, local_size
 from autotp.distributed import collectives as C
+from autotp.distributed import comm_modules, gather_scatter, shards
 from autotp.distributed.mesh import get_mesh
 
 WORLD = 4
@@ -80,7 +81,7 @@ def test_local_shard_holds_local_ranges_and_assemble_inverts_it(case):
 
     full = torch.arange(torch.Size(case.shape).numel(), dtype=torch.float64).reshape(case.shape)
     d, shard, n = case.shard.dim, case.shard, case.full_size
-    pieces = [C.local_shard(full, shard, case.tp, r) for r in range(case.tp)]
+    pieces = [shards.local_shard(full, shard, case.tp, r) for r in range(case.tp)]
     owned = []
     for r, piece in enumerate(pieces):
         index = [i for a, b in local_ranges(n, shard, case.tp, r) for i in range(a, b)]
@@ -96,7 +97,7 @@ def test_local_shard_holds_local_ranges_and_assemble_inverts_it(case):
         whole = [i for b in shard.whole for i in range(*block_bounds(n, shard)[b])]
         assert set(whole) <= set(index)
     assert sorted(owned) == list(range(n))    # the owned ranges partition the dim (a tail on rank 0)
-    assert torch.equal(C.assemble(pieces, shard, n), full)
+    assert torch.equal(shards.assemble(pieces, shard, n), full)
 
 
 def test_group_none_is_one_rank_without_communication():
@@ -118,7 +119,7 @@ def _rank_inputs(op: str, case: Case, block: int, r: int) -> torch.Tensor:
     if op in ("f", "scatter"):  # Replicate: the same in the whole TP group
         return _tensor(case.seed, case.shape, "x", block)
     if op == "gather":  # Shard of one replicated full tensor
-        return C.local_shard(_tensor(case.seed, case.shape, "x", block), case.shard, case.tp, r)
+        return shards.local_shard(_tensor(case.seed, case.shape, "x", block), case.shard, case.tp, r)
     return _tensor(case.seed, case.shape, "x", block, r)  # Partial: a summand per rank
 
 
@@ -128,11 +129,11 @@ def run_mapping(op: str, case: Case, c10d: bool = False, in_place: bool = False)
     ``in_place``: an f or a g reduces in the tensor's storage (its input, or the gradient handed
     to backward, which nothing else reads here)."""
     if c10d:
-        saved, C._gloo_on_device = C._gloo_on_device, lambda t, group: True
+        saved, gather_scatter._gloo_on_device = gather_scatter._gloo_on_device, lambda t, group: True
         try:
             return run_mapping(op, case, in_place=in_place)
         finally:
-            C._gloo_on_device = saved
+            gather_scatter._gloo_on_device = saved
     mesh = get_mesh(case.tp)
     group, r, block = mesh.tp_group, mesh.tp_rank, dist.get_rank() // case.tp
     x = _rank_inputs(op, case, block, r).requires_grad_()
@@ -160,10 +161,10 @@ def _expected(op: str, case: Case, block: int, r: int) -> tuple[torch.Tensor, to
     if op == "g":
         return x_sum, dy_full[r]
     if op == "gather":
-        return x_full, C.local_shard(dy_full[r], s, tp, r)
+        return x_full, shards.local_shard(dy_full[r], s, tp, r)
     if op == "scatter":
-        return C.local_shard(x_full, s, tp, r), C.assemble(dy_local, s, case.full_size)
-    return C.local_shard(x_sum, s, tp, r), C.assemble(dy_local, s, case.full_size)
+        return shards.local_shard(x_full, s, tp, r), shards.assemble(dy_local, s, case.full_size)
+    return shards.local_shard(x_sum, s, tp, r), shards.assemble(dy_local, s, case.full_size)
 
 
 def _check(cluster, op: str, case: Case, c10d: bool = False, in_place: bool = False) -> None:
@@ -248,7 +249,7 @@ def test_a_gather_of_a_permuted_shard_keeps_its_layout_and_values(cluster, case,
         torch.testing.assert_close(y, want_y, rtol=0, atol=0)
         torch.testing.assert_close(grad, want_grad, rtol=0, atol=0)
         # an uneven split's parts differ in shape, so in layout: they are made contiguous
-        if C._split(case.full_size, case.shard, case.tp).even:
+        if shards._split(case.full_size, case.shard, case.tp).even:
             assert held_y == held_x, (order, held_x, held_y)
 
 
@@ -269,7 +270,7 @@ def run_held_reduce_scatter(case: Case, order: tuple[int, ...]) -> tuple:
     for t, shard in ((x, case.shard), (memory, Shard(order.index(case.shard.dim)))):
         with CopyCounter() as copies:
             y = C.reduce_scatter_to_tp(t, group, shard, case.full_size)
-        made.append(len([c for c in copies.copies if c.site == "collectives._reduce_scatter"]))
+        made.append(len([c for c in copies.copies if c.site == "gather_scatter._reduce_scatter"]))
         if t is x:
             y.backward(_tensor(case.seed, y.shape, "dy", block, r))
             out = y.detach()
@@ -300,21 +301,21 @@ def test_a_reduce_scatter_of_a_permuted_summand_keeps_its_layout_and_values(clus
         # Shard(0, unit=3), (12, 3), order (1, 0)): the sums agree to float64's rounding, not bitwise
         torch.testing.assert_close(y, whole, rtol=2**-50, atol=2**-50)
         torch.testing.assert_close(grad, want_grad, rtol=0, atol=0)
-        if C._split(case.full_size, case.shard, case.tp).even:
+        if shards._split(case.full_size, case.shard, case.tp).even:
             assert held_y == held_x, (order, held_x, held_y)
             assert made[0] == made[1], (order, made)
 
 
 @st.composite
 def rows_cases(draw) -> Case:
-    """An even contiguous split of dim 1 or 2 after 2 to ``C.ROWS_COALESCED`` leading rows (the
+    """An even contiguous split of dim 1 or 2 after 2 to ``gather_scatter.ROWS_COALESCED`` leading rows (the
     sequence of ``[b, s, h]`` at a batch above one; the hidden after as few ``b*s``): the layouts
     gathered and reduce-scattered row by row."""
     tp = draw(st.sampled_from((2, 4)))
     dim = draw(st.sampled_from((1, 2)))
-    shape = [draw(st.integers(1, C.ROWS_COALESCED)), draw(st.integers(1, 3)), draw(st.integers(1, 3))]
+    shape = [draw(st.integers(1, gather_scatter.ROWS_COALESCED)), draw(st.integers(1, 3)), draw(st.integers(1, 3))]
     if dim == 2:   # b*s rows
-        shape[1] = draw(st.integers(1, C.ROWS_COALESCED // shape[0]))
+        shape[1] = draw(st.integers(1, gather_scatter.ROWS_COALESCED // shape[0]))
     shape[dim] = tp * draw(st.integers(1, 3))
     rows = shape[0] * (shape[1] if dim == 2 else 1)
     if rows < 2:   # one row: the ranks' blocks in rank order already, another path
@@ -330,11 +331,11 @@ def run_rows_mapping(op: str, case: Case, loop: bool = False) -> tuple[torch.Ten
     from autotp.testing.work import CopyCounter
 
     if loop:
-        saved, C._backend_coalesces = C._backend_coalesces, lambda group, device: False
+        saved, gather_scatter._backend_coalesces = gather_scatter._backend_coalesces, lambda group, device: False
         try:
             return run_rows_mapping(op, case)
         finally:
-            C._backend_coalesces = saved
+            gather_scatter._backend_coalesces = saved
 
     mesh = get_mesh(case.tp)
     group, r, block = mesh.tp_group, mesh.tp_rank, dist.get_rank() // case.tp
@@ -343,7 +344,7 @@ def run_rows_mapping(op: str, case: Case, loop: bool = False) -> tuple[torch.Ten
     with CopyCounter() as copies:
         y = fn(x, group, case.shard, case.full_size)
         y.backward(_tensor(case.seed, y.shape, "dy", block, r))
-    made = [c.site for c in copies.copies if c.site in ("collectives._all_gather", "collectives._reduce_scatter")]
+    made = [c.site for c in copies.copies if c.site in ("gather_scatter._all_gather", "gather_scatter._reduce_scatter")]
     return y.detach(), x.grad, made
 
 
@@ -359,13 +360,13 @@ def test_collectives_after_a_few_rows_go_row_by_row_exactly_and_copy_nothing(clu
     starting at another rank), and neither direction stages the tensor (before: one copy of it
     each way)."""
     rows = case.shape[0] * (case.shape[1] if case.shard.dim == 2 else 1)
-    assert 2 <= rows <= C.ROWS_COALESCED, case
+    assert 2 <= rows <= gather_scatter.ROWS_COALESCED, case
     for rank, (y, grad, made) in enumerate(cluster.run(run_rows_mapping, op, case, loop)):
         block, r = rank // case.tp, rank % case.tp
         want_y, want_grad = _expected("gather" if op == "gather_into" else op, case, block, r)
         if op == "gather_into":   # the gradient reduce-scattered: this rank's slice of the ranks' sum
             dy = sum(_tensor(case.seed, case.shape, "dy", block, q) for q in range(case.tp))
-            want_grad = C.local_shard(dy, case.shard, case.tp, r)
+            want_grad = shards.local_shard(dy, case.shard, case.tp, r)
         exact = {"rtol": 0, "atol": 0}   # a gather, a slice; a sum to float64's rounding
         torch.testing.assert_close(y, want_y, **({} if op == "reduce_scatter" else exact),
                                    msg=lambda m: f"{op} forward, rank {rank}: {m}")
@@ -405,9 +406,9 @@ def run_dynamic_module(op: str, case: Case) -> tuple[torch.Tensor, torch.Tensor]
     group, r, block = mesh.tp_group, mesh.tp_rank, dist.get_rank() // case.tp
     x = _rank_inputs(op, case, block, r).requires_grad_()
     if op == "gather":
-        y = C.GatherFromTP(group, case.shard, None)(x, case.full_size)
+        y = comm_modules.GatherFromTP(group, case.shard, None)(x, case.full_size)
     else:
-        cls = {"scatter": C.ScatterToTP, "reduce_scatter": C.ReduceScatterToTP}[op]
+        cls = {"scatter": comm_modules.ScatterToTP, "reduce_scatter": comm_modules.ReduceScatterToTP}[op]
         y = cls(group, case.shard, None)(x)
     y.backward(_tensor(case.seed, y.shape, "dy", block, r))
     return y.detach(), x.grad
@@ -432,11 +433,11 @@ def run_eager_module(op: str, case: Case, static: bool, in_place: bool) -> tuple
     group, r, block = mesh.tp_group, mesh.tp_rank, dist.get_rank() // case.tp
     x = _rank_inputs("gather" if op == "gather_into" else op, case, block, r).requires_grad_()
     if op in ("f", "g"):
-        module = (C.CopyToTP if op == "f" else C.ReduceFromTP)(group, in_place)
+        module = (comm_modules.CopyToTP if op == "f" else comm_modules.ReduceFromTP)(group, in_place)
         y = module.eager_forward(x if op == "f" else x.clone())   # g: a partial nothing else reads
     else:
-        cls = {"gather": C.GatherFromTP, "gather_into": C.GatherIntoTP, "scatter": C.ScatterToTP,
-               "reduce_scatter": C.ReduceScatterToTP}[op]
+        cls = {"gather": comm_modules.GatherFromTP, "gather_into": comm_modules.GatherIntoTP,
+               "scatter": comm_modules.ScatterToTP, "reduce_scatter": comm_modules.ReduceScatterToTP}[op]
         module = cls(group, case.shard, case.full_size if static else None)
         y = module.eager_forward(x, None if static or op in ("scatter", "reduce_scatter") else case.full_size)
     y.backward(_tensor(case.seed, y.shape, "dy", block, r))
@@ -457,14 +458,14 @@ def test_comm_modules_eager_forward_matches_the_definitions(cluster, op, case, s
         want_y, want_grad = _expected("gather" if op == "gather_into" else op, case, block, r)
         if op == "gather_into":
             dy = sum(_tensor(case.seed, case.shape, "dy", block, q) for q in range(case.tp))
-            want_grad = C.local_shard(dy, case.shard, case.tp, r)
+            want_grad = shards.local_shard(dy, case.shard, case.tp, r)
         torch.testing.assert_close(y, want_y, msg=lambda m: f"{op} forward, rank {rank}: {m}")
         torch.testing.assert_close(grad, want_grad, msg=lambda m: f"{op} backward, rank {rank}: {m}")
 
 
 def test_gather_of_a_dynamic_dim_without_its_size_names_the_missing_argument():
     with pytest.raises(CommError, match="gathered size of a dynamic dim"):
-        C.GatherFromTP(None, Shard(1), None)(torch.zeros(2, 3))
+        comm_modules.GatherFromTP(None, Shard(1), None)(torch.zeros(2, 3))
 
 
 def all_reduce_in_dtype(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -509,9 +510,9 @@ def test_comm_modules_are_named_call_modules_that_hold_no_state():
     group = object()  # stands in for a ProcessGroup: never copied, never a buffer
     shard = Shard(1, chunks=3, unit=2)
     mods = {
-        "f": C.CopyToTP(group), "g": C.ReduceFromTP(group),
-        "gather": C.GatherFromTP(group, shard, 12), "scatter": C.ScatterToTP(group, shard, 12),
-        "rs": C.ReduceScatterToTP(group, shard, 12),
+        "f": comm_modules.CopyToTP(group), "g": comm_modules.ReduceFromTP(group),
+        "gather": comm_modules.GatherFromTP(group, shard, 12), "scatter": comm_modules.ScatterToTP(group, shard, 12),
+        "rs": comm_modules.ReduceScatterToTP(group, shard, 12),
     }
     assert [m.kind for m in mods.values()] == ["f", "g", "all_gather", "scatter", "reduce_scatter"]
     graph = fx.Graph()

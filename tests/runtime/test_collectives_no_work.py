@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from autotp.distributed import collectives as C
+from autotp.distributed import comm, exchange, gather_scatter
 from autotp.distributed.mesh import get_mesh
 from autotp.placements import Shard
 
@@ -40,12 +40,12 @@ class NoWorkGroup:
 def _collectives(no_work: bool) -> list[torch.Tensor]:
     mesh = get_mesh(2)
     group = NoWorkGroup(mesh.tp_group) if no_work else mesh.tp_group
-    coalesces = C._backend_coalesces   # asks dist for the backend: of the group the proxy holds
-    C._backend_coalesces = lambda group, device: coalesces(getattr(group, "_group", group), device)
+    coalesces = gather_scatter._backend_coalesces   # asks dist for the backend: of the group the proxy holds
+    gather_scatter._backend_coalesces = lambda group, device: coalesces(getattr(group, "_group", group), device)
     try:
         return _run(group)
     finally:
-        C._backend_coalesces = coalesces
+        gather_scatter._backend_coalesces = coalesces
 
 
 def _run(group) -> list[torch.Tensor]:
@@ -53,20 +53,20 @@ def _run(group) -> list[torch.Tensor]:
     x = torch.randn(2, 6, 3, generator=g, dtype=torch.float64)
     shard = Shard(1)
     reduced = x.clone()
-    C._c10d_all_reduce(reduced, group)
-    out = [C._all_reduce(x, group, "all_reduce"), reduced,
-           C._all_gather(x, group, Shard(0), 4, "gather along dim 0"),
-           C._all_gather(x, group, shard, 12, "gather along dim 1"),
-           C._reduce_scatter(x, group, shard, 6, "reduce_scatter"),
-           C._c10d_all_to_all(x.reshape(12, 3), [6, 6], [6, 6], group, "all_to_all")]
+    comm._c10d_all_reduce(reduced, group)
+    out = [comm._all_reduce(x, group, "all_reduce"), reduced,
+           gather_scatter._all_gather(x, group, Shard(0), 4, "gather along dim 0"),
+           gather_scatter._all_gather(x, group, shard, 12, "gather along dim 1"),
+           gather_scatter._reduce_scatter(x, group, shard, 6, "reduce_scatter"),
+           exchange._c10d_all_to_all(x.reshape(12, 3), [6, 6], [6, 6], group, "all_to_all")]
     # rows of the gather and reduce-scatter along dim 1 (two leading rows) go as one coalesced
     # call where the backend has one, else one collective a row: both ways
-    saved, C._backend_coalesces = C._backend_coalesces, lambda group, device: False
+    saved, gather_scatter._backend_coalesces = gather_scatter._backend_coalesces, lambda group, device: False
     try:
-        out += [C._all_gather(x, group, shard, 12, "gather along dim 1, a row at a time"),
-                C._reduce_scatter(x, group, shard, 6, "reduce_scatter, a row at a time")]
+        out += [gather_scatter._all_gather(x, group, shard, 12, "gather along dim 1, a row at a time"),
+                gather_scatter._reduce_scatter(x, group, shard, 6, "reduce_scatter, a row at a time")]
     finally:
-        C._backend_coalesces = saved
+        gather_scatter._backend_coalesces = saved
     return out
 
 

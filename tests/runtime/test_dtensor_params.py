@@ -308,7 +308,7 @@ def test_a_rank_parameter_is_its_local_shard_a_copy_placed_as_torch_placement_sa
     # tensor a copy of the model's (its storage never the parameter's)
     import types
 
-    from autotp.distributed.collectives import local_shard
+    from autotp.distributed.shards import local_shard
     from autotp.placements import REPLICATE
     from autotp.runtime.module import dtensor
 

@@ -58,8 +58,10 @@ TP = 2
 #: the planning workload: the tiny models' 32 positions, a batch that makes 8 x 1024's tokens
 PLANNED = dict(batch=256, seq=32)
 #: where autotp's code may copy, and why (module docs)
-NEEDED = ("collectives._all_gather", "collectives._reduce_scatter", "collectives._all_to_all", "collectives.rank_slice",
+NEEDED = ("gather_scatter._all_gather", "gather_scatter._reduce_scatter", "exchange._all_to_all", "shards.rank_slice",
           "inputs.stage_index_bounds")
+#: the modules of the collectives' code, as CopyCounter names a site (``module.function``)
+COLLECTIVES = ("collectives.", "comm.", "comm_modules.", "exchange.", "gather_scatter.", "shards.")
 
 
 def _copies(module, inputs) -> CopyCounter:
@@ -116,7 +118,7 @@ def test_a_ranks_step_copies_only_what_its_collectives_need(fake_rank, family, p
         assert {c.site for c in ours} <= set(NEEDED), ours
         # a rank's slice is laid out only for the program's views (a scatter's forward, one
         # each); a gradient's (an all-gather's backward) is a view its formula reads strided
-        sliced = [c for c in ours if c.site == "collectives.rank_slice"]
+        sliced = [c for c in ours if c.site == "shards.rank_slice"]
         assert len(sliced) <= pm.plan.comm_counts().get("scatter", 0), (sliced, pm.plan.comm_counts())
         # the model's own copies, at the rank's size: never more bytes than serial's
         model_ops = lambda copies: Counter({op: b for (site, op), b in copies.by_site().items()   # noqa: E731
@@ -126,7 +128,7 @@ def test_a_ranks_step_copies_only_what_its_collectives_need(fake_rank, family, p
         # of its input is gone from training and inference alike
         assert pm.plan.comm_counts().get("g", 0) + pm.plan.comm_counts().get("f", 0) > 0
         inference = _inference_copies(pm, inputs).autotp_copies()
-        assert not [c for c in ours + inference if c.site == "collectives._all_reduce"], ours + inference
+        assert not [c for c in ours + inference if c.site == "comm._all_reduce"], ours + inference
         assert not [c for c in inference if c.cast or c.duplicate], inference
         assert {c.site for c in inference} <= set(NEEDED), inference
         if sequence_parallel and family == "opt":
@@ -134,15 +136,16 @@ def test_a_ranks_step_copies_only_what_its_collectives_need(fake_rank, family, p
             # of as that, staging nothing, at a batch of one (the ranks' blocks in rank order
             # already) or of two (row by row, one collective a batch row in one coalesced call;
             # before, one copy of the whole summand each, forward and the all-gathers' backward)
-            assert not [c for c in ours if c.site in ("collectives._reduce_scatter", "collectives._all_gather")], ours
+            assert not [c for c in ours
+                        if c.site in ("gather_scatter._reduce_scatter", "gather_scatter._all_gather")], ours
         if batch == 1 and sequence_parallel and family == "gpt2" and pinned:
             # the all-gathers and reduce-scatters split the sequence (a batch of one): no copy; a
             # reshard between the sequence and the hidden (the plan's all-to-alls: the tied
             # embedding's and the head's, split by the hidden) stages its hidden side, one copy of
             # the rank's part forward and one backward
-            assert sum(c.bytes for c in ours if c.site.startswith("collectives.")
-                       and c.site != "collectives._all_to_all") == 0, ours
-            resharded = [c.bytes for c in ours if c.site == "collectives._all_to_all"]
+            assert sum(c.bytes for c in ours if c.site.startswith(COLLECTIVES)
+                       and c.site != "exchange._all_to_all") == 0, ours
+            resharded = [c.bytes for c in ours if c.site == "exchange._all_to_all"]
             part = inputs["input_ids"].numel() // TP * config.hidden_size * 4   # float32
             assert resharded == [part] * 2 * pm.plan.comm_counts().get("all_to_all", 0), resharded
 
@@ -168,5 +171,5 @@ def test_sequence_parallel_gathers_and_reduce_scatters_of_a_batch_copy_nothing(f
     assert counts.get("reduce_scatter", 0) >= 1 and counts.get("all_gather_f", 0) >= 1, counts
     inputs = zoo.example_batch(family, config, batch=2, seq=8, seed=2)
     copies = _copies(pm, inputs).autotp_copies()
-    staged = [c for c in copies if c.site in ("collectives._all_gather", "collectives._reduce_scatter")]
+    staged = [c for c in copies if c.site in ("gather_scatter._all_gather", "gather_scatter._reduce_scatter")]
     assert staged == [], staged

@@ -224,7 +224,9 @@ def _extra_calls(step, bare) -> tuple[int, set]:
 #: what a mapping's step may call into beyond autotp's own code: the module call, the one compile
 #: check, autograd's calls of the Function's backward. Not pytree, a functional collective's
 #: dispatch, dist's wrappers (c10d_logger, the group checks), Function.apply's Python, DTensor
-MAPPING_FILES = {"autotp/distributed/collectives.py", "torch/nn/modules/module.py", "torch/compiler/__init__.py",
+MAPPING_FILES = {*(f"autotp/distributed/{m}.py" for m in ("collectives", "comm", "comm_modules", "exchange",
+                                                       "gather_scatter", "shards")),
+                 "torch/nn/modules/module.py", "torch/compiler/__init__.py",
                  "torch/_jit_internal.py", "torch/autograd/function.py"}
 
 
@@ -238,7 +240,7 @@ def test_an_f_or_a_g_costs_the_host_a_bounded_number_of_python_calls(fake_rank, 
     or the view of dynamo's sake asked in forward (g) (3), the comm guard's ``__init__``,
     ``__enter__`` and ``__exit__`` (3), and the group's collective (1). Before: 141 (f, whose
     strided gradient went through the functional all-reduce's pytree and dispatch) and 39 (g)."""
-    from autotp.distributed.collectives import CopyToTP, ReduceFromTP
+    from autotp.distributed.comm_modules import CopyToTP, ReduceFromTP
 
     module = (CopyToTP if mapping == "f" else ReduceFromTP)(fake_rank, in_place=True)
     x = torch.randn(4, 8, requires_grad=True)
@@ -252,7 +254,7 @@ def test_an_eager_gather_or_reduce_scatter_calls_its_group_without_torchs_python
     """Sequence parallelism's collectives (Megatron-SP's f̄ and ḡ) call their group's own c10d
     method: no ``dist`` wrapper (``c10d_logger``, the tensor and group checks, the coalescing
     state: five Python calls a collective), nor ``Function.apply``'s Python (seven)."""
-    from autotp.distributed.collectives import GatherFromTP, GatherIntoTP, ReduceScatterToTP
+    from autotp.distributed.comm_modules import GatherFromTP, GatherIntoTP, ReduceScatterToTP
 
     kind = {"all_gather_f": GatherIntoTP, "reduce_scatter": ReduceScatterToTP, "all_gather": GatherFromTP}[mapping]
     module = kind(fake_rank, Shard(1), 8)
@@ -298,7 +300,7 @@ def test_a_ranks_training_step_costs_the_host_its_ops_parameters_and_collectives
     parallelism: 1,436 calls against 975; here 585)."""
     from torch.distributed.tensor import DTensor
 
-    from autotp.distributed.collectives import _CommModule
+    from autotp.distributed.comm_modules import _CommModule
 
     pm, batch = _rank(family, 2, sequence_parallel)
     serial = zoo.build(family, zoo.tiny_config(family, layers=2, heads=4, head_dim=8, vocab=64, positions=64))
@@ -327,8 +329,8 @@ EAGER_MAPPING_CALLS = {"f": 9, "g": 7, "all_gather": 11, "all_gather_f": 12, "re
 
 @pytest.mark.parametrize("mapping", sorted(EAGER_MAPPING_CALLS))
 def test_a_mapping_in_the_eager_code_costs_its_forward_and_backward_at_most_a_dozen_calls(fake_rank, mapping):
-    from autotp.distributed.collectives import (CopyToTP, GatherFromTP, GatherIntoTP, ReduceFromTP,
-                                                ReduceScatterToTP, ScatterToTP)
+    from autotp.distributed.comm_modules import (CopyToTP, GatherFromTP, GatherIntoTP, ReduceFromTP,
+                                                 ReduceScatterToTP, ScatterToTP)
 
     if mapping in ("f", "g"):
         module, shape = (CopyToTP if mapping == "f" else ReduceFromTP)(fake_rank, in_place=True), (4, 8)
@@ -360,7 +362,7 @@ def test_the_programs_eager_code_calls_ops_and_collectives_without_python_betwee
     ``eager_forward``, and only the other modules (the table read by columns) through a module
     call. Before: one ``OpOverload.__call__`` per op node and a lookup and a module call per
     collective (gpt2: 456 and 101 a step of 12 layers)."""
-    from autotp.distributed.collectives import _CommModule
+    from autotp.distributed.comm_modules import _CommModule
 
     pm, batch = _rank(family, 2, sequence_parallel=True)
     calls = _python(_training(pm, batch)).by_caller
@@ -373,7 +375,7 @@ def test_the_programs_eager_code_calls_ops_and_collectives_without_python_betwee
     gm = pm.graph_module
     modules = [gm.get_submodule(n.target) for n in gm.graph.nodes if n.op == "call_module"]
     comms = sum(isinstance(m, _CommModule) for m in modules)
-    assert comms and from_code["autotp/distributed/collectives.py:eager_forward"] == comms, (from_code, comms)
+    assert comms and from_code["autotp/distributed/comm_modules.py:eager_forward"] == comms, (from_code, comms)
     assert from_code["torch/nn/modules/module.py:_wrapped_call_impl"] == len(modules) - comms, from_code
 
 
@@ -428,7 +430,7 @@ def test_a_sequence_parallel_collective_makes_the_aten_calls_it_needs_and_no_mor
     into the full shape, the reduce-scatter's send as the ranks' blocks), and the forward's input
     detached (it records; the gradient in backward does not). Before: ten (the gradient detached
     too, each buffer viewed ``[tp, *local]`` and again)."""
-    from autotp.distributed.collectives import GatherIntoTP, ReduceScatterToTP
+    from autotp.distributed.comm_modules import GatherIntoTP, ReduceScatterToTP
 
     module = (GatherIntoTP if mapping == "all_gather_f" else ReduceScatterToTP)(fake_rank, Shard(1), 8)
     x = torch.randn(1, 4 if mapping == "all_gather_f" else 8, 3, requires_grad=True)

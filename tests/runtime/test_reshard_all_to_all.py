@@ -23,6 +23,7 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from autotp.distributed import collectives as C
+from autotp.distributed import comm_modules, shards
 from autotp.distributed.mesh import get_mesh
 from autotp.errors import PlanError
 from autotp.placements import Shard, local_size, resharded_by_all_to_all
@@ -79,7 +80,7 @@ def run_reshard(case: Reshard) -> tuple[torch.Tensor, ...]:
     mesh = get_mesh(case.tp)
     group, r, block = mesh.tp_group, mesh.tp_rank, dist.get_rank() // case.tp
     have_size = case.shape[case.have.dim]
-    part = C.local_shard(_tensor(case.seed, case.shape, "x", block), case.have, case.tp, r)
+    part = shards.local_shard(_tensor(case.seed, case.shape, "x", block), case.have, case.tp, r)
     dy = _tensor(case.seed, case.local_shape(case.want, r), "dy", block, r)
     x = part.clone().requires_grad_()
     y = C.reshard_tp(x, group, case.have, case.want, have_size)
@@ -97,8 +98,8 @@ def _check(cluster, case: Reshard) -> None:
         block, r = rank // tp, rank % tp
         full = _tensor(case.seed, case.shape, "x", block)
         dy = [_tensor(case.seed, case.local_shape(case.want, q), "dy", block, q) for q in range(tp)]
-        want_grad = C.local_shard(C.assemble(dy, case.want, case.shape[case.want.dim]), case.have, tp, r)
-        torch.testing.assert_close(y, C.local_shard(full, case.want, tp, r), rtol=0, atol=0,
+        want_grad = shards.local_shard(shards.assemble(dy, case.want, case.shape[case.want.dim]), case.have, tp, r)
+        torch.testing.assert_close(y, shards.local_shard(full, case.want, tp, r), rtol=0, atol=0,
                                    msg=lambda m: f"forward, rank {rank}: {m}")
         torch.testing.assert_close(grad, want_grad, rtol=0, atol=0, msg=lambda m: f"backward, rank {rank}: {m}")
         # the same tensors as the all-gather and cut the plan made before, bit for bit
@@ -130,13 +131,13 @@ def run_held_reshard(case: Reshard, order: tuple[int, ...]) -> tuple:
 
     mesh = get_mesh(case.tp)
     group, r, block = mesh.tp_group, mesh.tp_rank, dist.get_rank() // case.tp
-    part = C.local_shard(_tensor(case.seed, case.shape, "x", block), case.have, case.tp, r)
+    part = shards.local_shard(_tensor(case.seed, case.shape, "x", block), case.have, case.tp, r)
     x = part.permute(order).contiguous().permute(sorted(range(part.dim()), key=order.__getitem__))
     x.requires_grad_()
     with CopyCounter() as copies:
         y = C.reshard_tp(x, group, case.have, case.want, case.shape[case.have.dim])
     y.backward(_tensor(case.seed, case.local_shape(case.want, r), "dy", block, r))
-    made = len([c for c in copies.copies if c.site == "collectives._all_to_all"])
+    made = len([c for c in copies.copies if c.site == "exchange._all_to_all"])
     long = [i for i in range(x.dim()) if x.shape[i] > 1 and y.shape[i] > 1]
     held = lambda t: sorted(long, key=lambda i: -t.stride(i))   # noqa: E731
     return y.detach(), x.grad, made, held(x) == held(y)
@@ -166,7 +167,7 @@ def test_a_reshard_of_a_permuted_part_keeps_its_layout_and_values(cluster, tp, n
     # the order the memory holds the dims in, as the collective reads it (dims of size one aside,
     # a permutation may be contiguous)
     x = torch.zeros(part).permute(order).contiguous().permute(sorted(range(len(part)), key=order.__getitem__))
-    memory = C.dense_order(x) or list(range(len(part)))
+    memory = shards.dense_order(x) or list(range(len(part)))
     send = 0 if all(part[i] == 1 for i in memory[:memory.index(b)]) else 1
     receive = 0 if all(out[i] == 1 for i in memory[:memory.index(a)]) else 1
     results = cluster.run(run_held_reshard, case, order)
@@ -174,8 +175,8 @@ def test_a_reshard_of_a_permuted_part_keeps_its_layout_and_values(cluster, tp, n
         block, r = rank // tp, rank % tp
         full = _tensor(case.seed, case.shape, "x", block)
         dy = [_tensor(case.seed, case.local_shape(case.want, q), "dy", block, q) for q in range(tp)]
-        torch.testing.assert_close(y, C.local_shard(full, case.want, tp, r), rtol=0, atol=0)
-        want_grad = C.local_shard(C.assemble(dy, case.want, case.shape[b]), case.have, tp, r)
+        torch.testing.assert_close(y, shards.local_shard(full, case.want, tp, r), rtol=0, atol=0)
+        want_grad = shards.local_shard(shards.assemble(dy, case.want, case.shape[b]), case.have, tp, r)
         torch.testing.assert_close(grad, want_grad, rtol=0, atol=0)
         assert held, (case, order)
         assert made == send + receive, (case, order, made, send, receive)
@@ -214,8 +215,8 @@ def run_dynamic(case: Reshard) -> tuple[torch.Tensor, torch.Tensor]:
     the sequence under sequence parallelism), told it at call time."""
     mesh = get_mesh(case.tp)
     group, r, block = mesh.tp_group, mesh.tp_rank, dist.get_rank() // case.tp
-    x = C.local_shard(_tensor(case.seed, case.shape, "x", block), case.have, case.tp, r).requires_grad_()
-    module = C.ReshardTP(group, case.have, case.want, None)
+    x = shards.local_shard(_tensor(case.seed, case.shape, "x", block), case.have, case.tp, r).requires_grad_()
+    module = comm_modules.ReshardTP(group, case.have, case.want, None)
     y = module(x, case.shape[case.have.dim])
     y.backward(_tensor(case.seed, y.shape, "dy", block, r))
     return y.detach(), x.grad
@@ -223,14 +224,15 @@ def run_dynamic(case: Reshard) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_the_module_takes_a_dynamic_dims_size_at_call_time_and_is_named_all_to_all(cluster):
     case = Reshard(4, Shard(1), Shard(2), (2, 7, 8), 5)   # the sequence (7: 2+2+2+1) to the features
-    module = C.ReshardTP(object(), case.have, case.want, None)
+    module = comm_modules.ReshardTP(object(), case.have, case.want, None)
     assert module.kind == "all_to_all" and "want=S(2)" in repr(module) and "full_size=dynamic" in repr(module)
     for rank, (y, grad) in enumerate(cluster.run(run_dynamic, case)):
         block, r = rank // 4, rank % 4
         full = _tensor(case.seed, case.shape, "x", block)
-        torch.testing.assert_close(y, C.local_shard(full, case.want, 4, r), rtol=0, atol=0)
+        torch.testing.assert_close(y, shards.local_shard(full, case.want, 4, r), rtol=0, atol=0)
         dy = [_tensor(case.seed, case.local_shape(case.want, q), "dy", block, q) for q in range(4)]
-        torch.testing.assert_close(grad, C.local_shard(C.assemble(dy, case.want, 8), case.have, 4, r), rtol=0, atol=0)
+        torch.testing.assert_close(grad, shards.local_shard(shards.assemble(dy, case.want, 8), case.have, 4, r),
+                                   rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("shape,have,want,tp", [

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autotp.placements import Shard, local_ranges
-from autotp.distributed.collectives import local_shard
+from autotp.distributed.shards import local_shard
 from autotp.distributed.functional import _VocabParallelCrossEntropy, vocab_parallel_embedding
 
 

@@ -16,7 +16,7 @@ go on and later blame it as lost. So each step ends in one small exchange
   manifest names the run: the first save's id, carried on by every module that saves or loads
   it), unless told ``overwrite=True``.
 - **Collectives under the fault handling**: ours and DCP's own run inside
-  :func:`autotp.distributed.collectives._comm`, so a lost rank is named on every survivor.
+  :func:`autotp.distributed.comm._comm`, so a lost rank is named on every survivor.
 - **DCP's errors, reason first** (:func:`checkpoint_error`): DCP raises
   ``CheckpointException ranks:dict_keys([0, 1])`` with each rank's traceback and the reason on
   its last line; autotp raises a :class:`~autotp.errors.CheckpointError` that starts with the
@@ -123,7 +123,7 @@ def _exchange(what: str, text: str) -> list[str]:
     fault handling."""
     import torch.distributed as dist
 
-    from ...distributed.collectives import _comm, backend_failure
+    from ...distributed.comm import _comm, backend_failure
 
     if _size() == 1:
         return [text]
@@ -213,7 +213,7 @@ def run_dcp(op: str, path: str, fn: Callable[[], Any]) -> Any:
     into a CheckpointError that starts with the reason."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from ...distributed.collectives import _comm, backend_failure
+    from ...distributed.comm import _comm, backend_failure
 
     try:
         if _world() is None:

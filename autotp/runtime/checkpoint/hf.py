@@ -231,7 +231,8 @@ def _gather_to_writer(pm, fqn: str, piece: torch.Tensor) -> torch.Tensor | None:
     ``piece``: one gather of flat pieces padded to the longest (uneven splits)."""
     import torch.distributed as dist
 
-    from ...distributed.collectives import _comm, assemble
+    from ...distributed.comm import _comm
+    from ...distributed.shards import assemble
 
     placement = pm.plan.params[fqn]
     group = pm.mesh.tp_group if pm.mesh is not None else None

@@ -129,7 +129,7 @@ class RunShard(TorchShard):
 
         import torch.distributed as dist
 
-        from ...distributed.collectives import _gloo_on_device, all_gather_single
+        from ...distributed.gather_scatter import _gloo_on_device, all_gather_single
 
         tp, n, dim = mesh.size(mesh_dim=mesh_dim), int(current_logical_shape[self.dim]), self.dim
         most = max(local_size(n, self.shard, tp, r) for r in range(tp))

@@ -11,7 +11,7 @@ instance attribute), then the module call (``_wrapped_call_impl``, ``_call_impl`
 :func:`eager_forward` makes the same ``forward`` from the same fx source with those call sites
 bound to globals: each ``OpOverload`` (of that exact class: others, such as a TorchBind op's,
 decide in their ``__call__``) to its C++ callable; each collective module
-(:class:`~autotp.distributed.collectives._CommModule`) to its ``eager_forward`` (the mapping
+(:class:`~autotp.distributed.comm_modules._CommModule`) to its ``eager_forward`` (the mapping
 applied through autograd's C++ ``apply``, no module call, no compile check: this code never
 runs inside a trace); any other submodule to the module object (its ``__call__``: hooks run,
 FSDP2's among them). The graph itself is untouched (passes, agreement fingerprints, printed
@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from ...distributed.collectives import _CommModule
+from ...distributed.comm_modules import _CommModule
 
 __all__ = ["eager_forward"]
 

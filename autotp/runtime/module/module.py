@@ -40,7 +40,7 @@ from ...placements import Placement, Shard
 from . import dtensor
 from ...distributed.agreement import (Fingerprint, check_agreement, check_call, constant_entries, fingerprint, grad_entries,
                         input_signature, start_call_check, state_entries, value_digest)
-from ...distributed.collectives import group_ranks
+from ...distributed.comm import group_ranks
 from ...distributed.faults import StepGuard, watch_backward
 from .input_kinds import check_input_kinds
 from .inputs import StagedBounds, check_index_bounds, check_not_empty, index_bounds, stage_index_bounds
@@ -255,7 +255,7 @@ class ParallelModule(LeavesSwitch, nn.Module):
             return
         import torch.distributed as dist
 
-        from ...distributed.collectives import _comm
+        from ...distributed.comm import _comm
 
         def average(param: torch.Tensor) -> None:
             grad = local_tensor(param.grad)

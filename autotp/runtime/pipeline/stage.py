@@ -316,7 +316,7 @@ class PipelineModule(LeavesSwitch, nn.Module):
         fits = state + acts <= limit
         flags = torch.tensor([1 if fits else 0], dtype=torch.int64,
                              device=self.device if mesh.backend == "nccl" else "cpu")
-        from ...distributed.collectives import _comm
+        from ...distributed.comm import _comm
 
         with _comm("all_reduce(min) telling the stages whether each fits in memory", dist.group.WORLD):
             dist.all_reduce(flags, op=dist.ReduceOp.MIN)
@@ -338,7 +338,7 @@ class PipelineModule(LeavesSwitch, nn.Module):
         mesh = self.mesh
         sets = sorted({tuple(sorted(s)) for s in readers.values() if len(s) > 1})
         found = [sets]
-        from ...distributed.collectives import _comm
+        from ...distributed.comm import _comm
 
         with _comm("broadcast of the parameters the stages share", dist.group.WORLD):   # a lost rank named
             dist.broadcast_object_list(found, src=0)   # one order on every rank, or a clear error
@@ -474,7 +474,7 @@ class PipelineModule(LeavesSwitch, nn.Module):
             if self.mesh.dp > 1 and self.mesh.dp_group is not None:
                 # over the dp replicas' tokens: each replica's share of the whole batch's mean,
                 # summed (not averaged) by the data-parallel all-reduce (see _reduce_grads)
-                from ...distributed.collectives import _comm
+                from ...distributed.comm import _comm
 
                 self._total = self._total.clone()
                 with _comm("the data-parallel all-reduce of the batch's counted tokens", self.mesh.dp_group):
@@ -486,7 +486,7 @@ class PipelineModule(LeavesSwitch, nn.Module):
         first = [x[:batch // self.microbatches] for x in inputs]
         schedule = self._schedule_for((tuple((tuple(x.shape), x.dtype) for x in tensors), self.training), first)
         run = dict(target=target if self.is_last else None, losses=losses if self.is_last else None)
-        from ...distributed.collectives import _comm, backend_failure
+        from ...distributed.comm import _comm, backend_failure
 
         # a lost neighbour surfaces in a send or receive of torch's schedule: named by a roll call
         with _comm("the pipeline's sends and receives between stages", self.mesh.pp_group, only=backend_failure):
@@ -515,7 +515,7 @@ class PipelineModule(LeavesSwitch, nn.Module):
         counted tokens (each replica's micro-batches were weighted by the whole batch's count, so
         the sum is the gradient of the whole batch's mean, however the ignored labels fall), else
         the mean of the replicas' gradients."""
-        from ...distributed.collectives import _comm
+        from ...distributed.comm import _comm
 
         for fqn, group in self._shared.items():
             grad = self._held[fqn].grad
