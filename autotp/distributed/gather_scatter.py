@@ -1,7 +1,7 @@
 """The backends' all-gather and reduce-scatter of a sharded tensor, without autograd: what the
 mappings of :mod:`.collectives` run forward and backward.
 
-``_all_gather(x, group, shard, full_size, op)``: every rank's part -> the whole tensor, fresh;
+``_all_gather(x, group, shard, full_size, op)``: every rank's part -> the whole tensor;
 ``_reduce_scatter``: a summand on every rank -> this rank's part of the sum. Collectives need
 equal sizes on every rank, so uneven shards are padded to ``max_local_size`` and cut back (a
 reduce-scatter of uneven or interleaved shards is still one reduce-scatter, over padded blocks).
@@ -9,8 +9,8 @@ An even split after a few leading rows (:data:`ROWS_COALESCED`) goes row by row,
 row in one coalesced call where the backend has one (:func:`_backend_coalesces`), straight
 between the tensor and the result. Eager code calls the group's own c10d collective, waited for
 at once, a failure named as :func:`.comm._comm` names it; a compiled program the functional one,
-which dynamo traces. Results are fresh tensors, never views of the staging buffers kept between
-calls (:func:`_scratch`) nor of the input.
+which dynamo traces. A result is never a view of the staging buffers kept between calls
+(:func:`_scratch`), which the next call may overwrite.
 """
 from __future__ import annotations
 
