@@ -59,15 +59,21 @@ def grouped_work(op: RankOp, dtype_bytes: int, train_dtype: Any) -> OpWork:
     eb = element_bytes(op.inputs[0].dtype, dtype_bytes, train_dtype)
     ok = aligned(k, eb) and aligned(n, eb)
     m = prod(op.outputs[0].shape[:-1]) / experts    # the rows an expert gets on average
+    batch, streamed = groups, k * n
     if op.share is not None and len(w) >= 3 and _whole_experts(op.in_place[1]):
         # under a router's load (autotp/planner/expert_load.py) the rank's experts get its share
-        # of the rows, not their count's share: the same products over more (or fewer) rows
-        m = prod(op.outputs[0].shape[:-1]) * sympy.Float(op.share, 12) / groups
-    products = [Product(m, n, k, groups, ok, streamed=k * n)]
+        # of the rows, not their count's share: priced as ``share * experts`` products of the
+        # average expert's rows (its FLOPs those of the rank's rows; each product's shape, and so
+        # its rate, a balanced router's: the product model's rate, whose weight-gradient product
+        # contracts over the rows, would make a tiny one cheaper with more rows), the weights
+        # streamed those of the rank's own experts
+        batch = sympy.Float(op.share, 12) * experts
+        streamed = k * n * groups / batch
+    products = [Product(m, n, k, batch, ok, streamed=streamed)]
     if op.grad[0]:
-        products.append(Product(m, k, n, groups, ok, streamed=k * n))
+        products.append(Product(m, k, n, batch, ok, streamed=streamed))
     if len(op.grad) > 1 and op.grad[1]:
-        products.append(Product(k, n, m, groups, ok, streamed=k * n))
+        products.append(Product(k, n, m, batch, ok, streamed=streamed))
     return OpWork(products=tuple(products), launches=len(products))
 
 

@@ -180,3 +180,46 @@ def test_measuring_needs_weights_and_a_load_needs_experts():
     dense = zoo.build("llama", zoo.tiny_config("llama", layers=1), device="meta")
     with pytest.raises(ConfigError, match="the model has no MoE layer"):
         autotp.plan(dense, tp=2, batch=2, seq=16, expert_load={"model.layers.0.mlp": [1, 1]})
+
+
+@pytest.fixture(scope="module")
+def _ep_rank_program():
+    """A tiny Qwen3-MoE (hidden 64, 8 experts of 1 per rank at tp 8, 128 tokens: an expert's
+    products over a few dozen rows) planned whole experts per rank: its index and propagation."""
+    from autotp.api import capture_model
+    from autotp.planner.planner import build_plan
+
+    model = zoo.build("qwen3-moe", zoo.tiny_config("qwen3-moe", layers=2, heads=8, head_dim=8, vocab=128,
+                                                   positions=1024, experts=8, top_k=2), device="meta")
+    cap = capture_model(model, (), None)
+    layout = {"*.experts.gate_up_proj": "expert", "*.experts.down_proj": "expert"}
+    _, index, prop = build_plan(cap, 8, batch=2, seq=64, profile="h200", layout=layout)
+    return index, prop
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.lists(st.integers(0, 60), min_size=8, max_size=8).filter(lambda r: sum(r) > 0))
+def test_a_busier_rank_never_prices_expert_parallelism_cheaper(_ep_rank_program, rows):
+    """The experts' ops on the busiest rank cost at least a balanced router's, and more the
+    busier it is: never less for more rows (the product model's weight-gradient product contracts
+    over the rows, and priced at more rows per expert a tiny one would get cheaper)."""
+    from autotp.cost_model import get_profile
+    from autotp.cost_model.symbolic import split_seconds
+    from autotp.planner.expert_load import apply_load
+
+    index, prop = _ep_rank_program
+    prof = get_profile("h200")
+    experts = {m: 8 for m in LAYERS}
+
+    def step(load) -> float:
+        apply_load(index, load, experts)
+        return sum(sum(split_seconds(index.infos[n], s, index.env, prof, 8, index.align).values())
+                   for n, s in prop.chosen.items())
+
+    balanced = step(None)
+    skewed = ExpertLoad({m: rows for m in LAYERS})
+    busier = ExpertLoad({m: [r + (40 if e == max(range(8), key=rows.__getitem__) else 0) for e, r in enumerate(rows)]
+                         for m in LAYERS})
+    at, more = step(skewed), step(busier)
+    step(None)
+    assert at >= balanced * (1 - 1e-12) and more >= at * (1 - 1e-12), (balanced, at, more, rows)
