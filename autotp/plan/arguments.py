@@ -102,7 +102,7 @@ def resolve(plan: Any, **given: Any) -> dict[str, Any]:
                      else f"pass {name}=None or drop it")
             if name == "expert_load":
                 raise ConfigError(
-                    f"expert_load={value!r}, but the plan was priced at expert_load={planned!r}, and its programs "
+                    f"expert_load={value!r} differs from the load the plan was priced at ({planned!r}), and its programs "
                     f"are built as planned: re-plan with autotp.plan(..., expert_load=...) and parallelize with "
                     f"that plan, or pass expert_load=None (or drop it) to build the plan's")
             raise ConfigError(

@@ -73,7 +73,8 @@ class ExpertLoad:
         return cls(doc["layers"], doc.get("source", "given"))
 
     def __repr__(self) -> str:
-        return f"ExpertLoad({len(self.layers)} MoE layers, {self.source})"
+        busiest = max(max(rows) * len(rows) / sum(rows) for _, rows in self.layers)
+        return f"ExpertLoad({len(self.layers)} MoE layers, {self.source}; busiest expert {busiest:.2f}x the mean)"
 
 
 def as_expert_load(value: Any) -> "ExpertLoad | None":

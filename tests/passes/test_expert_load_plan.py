@@ -142,7 +142,9 @@ def test_the_load_is_recorded_in_the_plan_file_and_replayed():
     assert again.expert_load == load and "expert load: given (2 MoE layers)" in str(again)
     assert json.loads(autotp.plan(model, tp=2, batch=2, seq=16).to_json())["autotp_plan"] == 2   # none: as before
     other = {m: [1] * 8 for m in LAYERS}
-    with pytest.raises(ConfigError, match=r"expert_load=ExpertLoad.*but the plan was priced at"):
+    with pytest.raises(ConfigError, match=r"expert_load=ExpertLoad\(2 MoE layers, given; busiest expert 1.00x the "
+                                          r"mean\) differs from the load the plan was priced at \(ExpertLoad\(2 MoE "
+                                          r"layers, given; busiest expert 2.67x"):
         autotp.parallelize(model, 2, plan=again, expert_load=other, device="cpu")
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     try:
