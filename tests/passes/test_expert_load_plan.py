@@ -225,3 +225,16 @@ def test_a_busier_rank_never_prices_expert_parallelism_cheaper(_ep_rank_program,
     at, more = step(skewed), step(busier)
     step(None)
     assert at >= balanced * (1 - 1e-12) and more >= at * (1 - 1e-12), (balanced, at, more, rows)
+
+
+def test_a_plan_file_with_a_malformed_load_is_refused_and_a_diff_names_the_loads():
+    model = _skewed_moe(layers=2, device="meta")
+    load = {m: [8, 7, 1, 0, 2, 2, 1, 3] for m in LAYERS}
+    plan = autotp.plan(model, tp=2, batch=2, seq=16, expert_load=load)
+    doc = json.loads(plan.to_json())
+    for bad in ({"layers": {LAYERS[0]: [-1] * 8}}, {"layers": [1, 2]}, [3]):
+        doc["arguments"]["expert_load"] = bad
+        with pytest.raises(ConfigError, match=r"malformed autotp plan: arguments\.expert_load"):
+            autotp.Plan.from_json(json.dumps(doc))
+    diff = str(plan.diff(autotp.plan(model, tp=2, batch=2, seq=16)))
+    assert "planned with: expert_load ExpertLoad(2 MoE layers, given; busiest expert 2.67x the mean) -> None" in diff
