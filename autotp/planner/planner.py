@@ -174,7 +174,8 @@ def _build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any, la
                           "not divide a call's length; pass uneven=True, or leave sequence_parallel to the planner")
 
     experts = _experts_of(cap) if expert_load is not None else {}
-    if expert_load is not None:
+    if expert_load is not None and plan is None:
+        # checked where it is given; a plan's later programs (or a replay) price the layers it names
         check_load(expert_load, experts)
 
     def index_of(c: Capture) -> GraphIndex:
