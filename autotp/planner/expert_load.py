@@ -230,13 +230,12 @@ def _layouts(stacks: Mapping[str, str], params: Mapping[str, Any]) -> dict[str, 
 
 
 def load_notes(index: Any, profile: Any, roles: Mapping[str, str], shapes: Mapping[str, tuple],
-               uses: Mapping[str, Any], chosen_s: float, memory_limit: float | None,
-               pinned: Mapping[str, Any]) -> list[str]:
+               chosen_s: float, memory_limit: float | None, pinned: Mapping[str, Any]) -> list[str]:
     """The plan's note of the load it was priced at (none without one): :func:`load_note`, with
     the choice the same solve makes at a balanced router (the index with every share cleared)."""
     from dataclasses import replace
 
-    from .experts import expert_stacks
+    from .experts import expert_stacks, layer_layouts
     from ..errors import AutotpError
     from ..passes.solve import solve
 
@@ -244,7 +243,6 @@ def load_notes(index: Any, profile: Any, roles: Mapping[str, str], shapes: Mappi
     if load is None:
         return []
     stacks = expert_stacks(index.capture)
-    experts = moe_blocks(stacks, shapes)
     balanced_index = replace(index, infos={n: replace(i, expert_share=None) for n, i in index.infos.items()},
                              expert_load=None, _strategies={})
     try:
@@ -252,20 +250,10 @@ def load_notes(index: Any, profile: Any, roles: Mapping[str, str], shapes: Mappi
         balanced, balanced_s = _layouts(stacks, prop.params), prop.total_s
     except (AutotpError, ValueError):
         balanced, balanced_s = None, None
-    chosen = _layouts(stacks, {p: index_params(roles, fqn) for p, fqn in stacks.items()})
-    return [load_note(load, experts, index.tp, chosen, balanced, balanced_s, chosen_s)]
+    return [load_note(load, index.tp, layer_layouts(roles, shapes), balanced, balanced_s, chosen_s)]
 
 
-def index_params(roles: Mapping[str, str], fqn: str) -> Any:
-    """A stack's placement kind from its plan role: whole experts (Shard(0)), a split inside each
-    expert (Shard(1)), or replicated."""
-    from ..placements import Replicate, Shard
-
-    role = roles.get(fqn)
-    return Shard(0) if role == "expert" else Shard(1) if role in ("expert_column", "expert_row") else Replicate()
-
-
-def load_note(load: ExpertLoad, experts: Mapping[str, int], tp: int, layouts: Mapping[str, str],
+def load_note(load: ExpertLoad, tp: int, layouts: Mapping[str, str],
               balanced: Mapping[str, str] | None, balanced_s: float | None, chosen_s: float) -> str:
     """The plan's note of the load: per MoE layer, the busiest rank's rows over the mean; and what
     the load did to the choice (``balanced``: the layouts the same solve picks at a balanced

@@ -290,7 +290,7 @@ def _written(cap: Capture, index: GraphIndex, prop: Propagation, prof: Any, batc
         # the layers whose tokens go to their experts by an all-to-all, or could, against the other way
         notes += dispatch_note(index, prof, comms, roles, prop.total_s, limit, pinned)
         # the router's load it was priced at, and the choice a balanced router would get
-        notes += load_notes(index, prof, roles, shapes, uses, prop.total_s, limit, pinned)
+        notes += load_notes(index, prof, roles, shapes, prop.total_s, limit, pinned)
     dtype_bytes = next(iter(n.meta["val"].element_size() for n in cap.graph.nodes
                             if n.op == "placeholder" and n.name in cap.param_names), 4)
     result = Plan(tp=tp, profile=prof.name, batch=batch, seq=seq, params=params, shapes=shapes, roles=roles,
