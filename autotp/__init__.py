@@ -9,10 +9,11 @@ from .errors import (AutotpError, CaptureError, CheckpointError, CommError, Conf
                      InputError, LostRankError, MemoryLimitError, NoRuleError, PlanError)
 from .placements import Partial, Replicate, Shard
 from .plan import Plan
+from .planner.expert_load import ExpertLoad, measure_expert_load
 from .version import __version__
 
 __all__ = [
     "from_pretrained", "parallelize", "plan", "Plan", "Replicate", "Shard", "Partial", "AutotpError", "CaptureError",
     "CheckpointError", "CommError", "ConfigError", "DisagreementError", "InputError", "LostRankError",
-    "MemoryLimitError", "NoRuleError", "PlanError",
+    "MemoryLimitError", "NoRuleError", "PlanError", "ExpertLoad", "measure_expert_load",
 ]

@@ -13,16 +13,16 @@ run from its grouped products' FLOPs (``expert_rows_share``): on the fake backen
 the serial count (its all-reduces leave a rank's own part, so the rank routes values of its
 own), and the benchmark can pick its rank by them.
 
-The top-k is read where transformers' experts module receives it: every module holding a 3-D
-stack of experts (``[experts, ...]``) is called as ``experts(hidden, top_k_index,
-top_k_weights)``; a forward pre-hook reads its integer argument. A rank's experts are those its
+The top-k is read where transformers' experts module receives it (the library's
+``autotp.planner.expert_load.routed_ids``, which ``autotp.measure_expert_load`` counts for the
+planner): every module holding a 3-D stack of experts (``[experts, ...]``) is called as
+``experts(hidden, top_k_index, top_k_weights)``; a forward pre-hook reads its integer argument. A rank's experts are those its
 Shard(0) of the stack holds (``autotp.placements.local_ranges``, uneven where tp does not divide
 them), as the expert-parallel layout splits them.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
 
 import torch
 from torch import nn
@@ -69,22 +69,6 @@ class Load:
         return max(range(self.tp), key=lambda r: (self.ranks[r], -r))
 
 
-def _expert_stacks(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
-    """(name, module, number of experts) of every module holding its own 3-D parameter: a stack of
-    experts, ``[experts, out, in]``."""
-    out = []
-    for name, module in model.named_modules():
-        stacks = [p for p in module.parameters(recurse=False) if p.dim() == 3]
-        if stacks:
-            out.append((name, module, stacks[0].shape[0]))
-    return out
-
-
-def _top_k_index(args: Sequence) -> torch.Tensor | None:
-    return next((a for a in args if isinstance(a, torch.Tensor) and not a.is_floating_point() and a.dim() == 2),
-                None)
-
-
 def expert_ranges(experts: int, tp: int, rank: int) -> tuple[tuple[int, int], ...]:
     """The experts ``rank`` holds under expert parallelism (the stack's Shard(0))."""
     from autotp.placements import Shard, local_ranges
@@ -95,28 +79,11 @@ def expert_ranges(experts: int, tp: int, rank: int) -> tuple[tuple[int, int], ..
 def routing_load(model: nn.Module, batch: dict, tp: int) -> Load:
     """The serial model's routing on ``batch`` (one forward, no gradient), counted per expert and
     per rank."""
-    seen: dict[str, torch.Tensor] = {}
-    stacks = _expert_stacks(model)
+    from autotp.planner.expert_load import routed_ids
 
-    def reader(name: str):
-        def hook(module, args) -> None:   # returns None: the call's arguments stay as they are
-            index = _top_k_index(args)
-            if index is not None:
-                seen[name] = index.detach().cpu()
-        return hook
-
-    hooks = [module.register_forward_pre_hook(reader(name)) for name, module, _ in stacks]
-    try:
-        with torch.no_grad():
-            model(**batch)
-    finally:
-        for h in hooks:
-            h.remove()
+    ids = routed_ids(model, batch)
     layers, top_k, tokens = [], 0, 0
-    for name, _, experts in stacks:
-        index = seen.get(name)
-        if index is None:
-            continue
+    for name, (index, experts) in ids.items():
         tokens, top_k = index.shape
         per_expert = torch.bincount(index.reshape(-1), minlength=experts)
         ranks = []

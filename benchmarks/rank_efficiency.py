@@ -41,6 +41,9 @@ routes values of its own, and under the dispatch its peers route as it does. So 
 probe`` (the default here) counts one step of every rank and picks by the rows each ran;
 ``count`` picks by the serial count (``run_model``'s default where ``args`` has no ``rank_by``,
 as the device round's ``benchmarks/gpu_parts.py`` passes none).
+``--plan-load`` (default ``both``) adds the default plan made at the routing load measured on the
+benchmark batch (``autotp.measure_expert_load``: the planner prices each MoE layer's experts at its
+busiest rank's rows) beside the balanced router's, and a table of the layout each picked.
 ``benchmarks/moe_rank.py`` does the same on CPU at narrower widths; ``--tiny`` runs each family at
 tiny widths (the rows and counts, not a timing at the published widths).
 
@@ -49,6 +52,8 @@ tiny widths (the rows and counts, not a timing at the published widths).
     python benchmarks/rank_efficiency.py --predicted-only  # the planning table alone (meta models, no run)
     python benchmarks/rank_efficiency.py --tiny --models mixtral-8x7b:2 qwen3-30b-a3b:2 --batch 2 --seq 64 \\
         --plan-batch 2 --plan-seq 64 --out benchmarks/rank_efficiency_moe_load.md   # the experts' load rows
+    python benchmarks/rank_efficiency.py --tiny --models mixtral-8x7b:2 qwen3-30b-a3b:2 --batch 2 --seq 64 \\
+        --plan-batch 2 --plan-seq 64 --layouts --out benchmarks/rank_efficiency_plan_load.md   # the pick at both loads
     python benchmarks/rank_efficiency.py --device cuda --dtype bfloat16 --batch 8 --seq 1024 \\
         --models gpt2-xl:12 --out benchmarks/rank_efficiency_gpu.md   # on a GPU
 """
@@ -191,7 +196,10 @@ def predicted(model, tp: int, batch: int, seq: int, profile: str, planning: dict
               rank: int = 0) -> tuple[float, float, float]:
     """The cost model's forward + backward seconds: ``rank``'s (the rank the fake world runs),
     serial's / tp, and the part of the rank's on its experts' rows (``moe_load.experts_seconds``,
-    priced at a balanced router's share)."""
+    priced at a balanced router's share). A plan made at a router's load (``expert_load`` in
+    ``planning``) is priced here at a balanced share too, so that ``at_load`` scales it to the rows
+    the rank ran as it does the others (the plan's own figure, at the busiest rank's share, is in
+    its ``compute_s + comm_s``)."""
     from autotp.capture import capture
     from autotp.cost_model import get_profile
     from autotp.cost_model.symbolic import step_breakdown
@@ -200,6 +208,10 @@ def predicted(model, tp: int, batch: int, seq: int, profile: str, planning: dict
     prof = get_profile(profile)
     cap = capture(model)
     _, index, prop = build_plan(cap, tp, batch=batch, seq=seq, profile=prof, **planning)
+    if index.expert_load is not None:
+        from autotp.planner.expert_load import apply_load
+
+        apply_load(index, None, {})   # the same placements, priced at a balanced router
     rank_b = step_breakdown(index, prop, prof, rank=rank)
     serial = step_breakdown(*build_plan(cap, 1, batch=batch, seq=seq, profile=prof, fuse_activations=False,
                                         fuse_norms=False)[1:],
@@ -250,6 +262,7 @@ def run_model(spec: str, args, figures: dict | None = None) -> list[str]:
     # experts' layouts run as the rank whose experts' load is nearest the mean (a balanced router's
     # step), and with --busiest-rank as the most loaded one too (benchmarks/moe_load.py)
     load = routing_load(model, batch, args.tp) if family.name in zoo.EXPERT_FAMILIES else None
+    layouts = _with_measured_load(layouts, model, batch, getattr(args, "plan_load", "balanced"), load is not None)
     run_rank = load.balanced_rank if load is not None else 0
     busiest = load.busiest_rank if load is not None and getattr(args, "busiest_rank", "off") == "on" else None
     probe = load is not None and getattr(args, "rank_by", "count") == "probe"
@@ -348,8 +361,9 @@ def run_model(spec: str, args, figures: dict | None = None) -> list[str]:
                          f"**{ratio(compiled_serial['thread'] / tp, c['thread'])}** | {ms(t['clock'])} | "
                          f"{ms(c['clock'])} | {ratio(serial['clock'] / tp, t['clock'])} / "
                          f"{ratio(compiled_serial['clock'] / tp, c['clock'])} |")
+    lines += _picks(rows)
     for r in rows:
-        notes = [n for n in r["plan"].notes if n.startswith(("experts", "sequence"))]
+        notes = [n for n in r["plan"].notes if n.startswith(("experts", "sequence", "expert load"))]
         if notes and not r["label"].endswith("busiest rank"):
             lines += ["", f"{r['label']} plan notes: " + " | ".join(n[:400] for n in notes)]
     first = rows[0]
@@ -377,6 +391,46 @@ def run_model(spec: str, args, figures: dict | None = None) -> list[str]:
     lines.append("")
     del model
     return lines
+
+
+#: the default plan planned at the benchmark batch's measured routing load (``--plan-load``)
+AT_LOAD = "default, measured load"
+
+
+def _with_measured_load(layouts: dict, model, batch: dict, plan_load: str, moe: bool) -> dict:
+    """``layouts`` with the default plan made at the routing load measured on ``batch``
+    (``autotp.measure_expert_load``: the serial model's top-k, each MoE layer's experts priced at
+    its busiest rank's rows): beside the balanced router's default (``both``) or instead of it
+    (``measured``); as given for ``balanced`` or a model without experts."""
+    import autotp
+
+    if not moe or plan_load == "balanced":
+        return layouts
+    loaded = {**layouts["default"], "expert_load": autotp.measure_expert_load(model, batch)}
+    rest = {k: v for k, v in layouts.items() if k != "default"}
+    return {"default": loaded, **rest} if plan_load == "measured" else {"default": layouts["default"], AT_LOAD: loaded,
+                                                                        **rest}
+
+
+def _picks(rows: list[dict]) -> list[str]:
+    """Which experts layout the default plan picked at a balanced router and at the measured load,
+    each with its predicted step (the plan's: the busiest rank's share priced where a load is given)
+    and the measured thread time of the rank run (none where ``--plan-load`` left one out)."""
+    from autotp.planner.experts import WORDS, layer_layouts
+
+    picked = [r for r in rows if r["label"] in ("default", AT_LOAD)]
+    if not any(r["plan"].expert_load is not None for r in picked):
+        return []
+    out = ["", "The default plan's experts layout at a balanced router and at the batch's measured routing load "
+           "(`--plan-load`; the plan's predicted step, on the profile at the planning workload; the rank's thread "
+           "time as run above):", "", "| plan | experts layout | predicted step ms (plan) | rank thread ms |",
+           "|---|---|---|---|"]
+    for r in picked:
+        plan = r["plan"]
+        kinds = sorted({WORDS.get(k, k) for k in layer_layouts(plan.roles, plan.shapes).values()})
+        out.append(f"| {r['label']} | {', '.join(kinds)} | {(plan.compute_s + plan.comm_s) * 1e3:.3f} | "
+                   f"{r['time']['thread'] * 1e3:.1f} |")
+    return out
 
 
 def _probe(model, batch: dict, args, planning: dict, serial_counts) -> list[float] | None:
@@ -619,6 +673,10 @@ def main() -> None:
                    help="which rank runs a mixture of experts' versions: by the serial model's routing counted "
                         "(count), or by each fake-world rank's own experts' rows, one counted step per rank "
                         "(probe: its all-reduces leave a rank's own part, so it routes values of its own)")
+    p.add_argument("--plan-load", choices=["balanced", "measured", "both"], default="both",
+                   help="a mixture of experts' default plan priced at a balanced router, at the routing load "
+                        "measured on the benchmark batch (autotp.measure_expert_load: each MoE layer's experts at "
+                        "its busiest rank's rows), or both side by side")
     p.add_argument("--tiny", action="store_true",
                    help="each model's family at tiny widths (hidden 64 in 8 heads, 8 experts top-2): the rows "
                         "and their counts, not a timing of the published widths")

@@ -202,7 +202,7 @@ def test_unknown_layout_role_lists_the_roles():
 def test_plan_of_an_unknown_schema_version_is_refused():
     text = autotp.plan(tiny_gpt2(n_layer=1), tp=2).to_json().replace('"autotp_plan": 2', '"autotp_plan": 99')
     with pytest.raises(ConfigError, match=r"autotp plan schema version 99 is not supported \(this autotp reads "
-                                          r"versions 1, 2\); re-create the plan with autotp.plan"):
+                                          r"versions 1, 2, 3\); re-create the plan with autotp.plan"):
         autotp.Plan.from_json(text)
 
 

@@ -117,3 +117,24 @@ def test_the_probe_reads_each_ranks_rows_and_a_program_from_rank_0s_plan_is_the_
             del fresh, written, pm
     finally:
         dist.destroy_process_group()
+
+
+def test_the_default_plan_is_made_at_the_batchs_measured_load_beside_the_balanced_one():
+    """``rank_efficiency --plan-load``: the default version planned with the load measured on the
+    benchmark batch, beside (both) or instead of (measured) the balanced router's; its table names
+    the layout each default plan picked."""
+    from benchmarks import rank_efficiency as R
+
+    model = _tiny_moe(layers=2, experts=8)
+    batch = zoo.example_batch("mixtral", model.config, batch=2, seq=16, seed=0)
+    layouts = {"default": {}, "expert-TP": R.EXPERTS["expert-TP"]}
+    both = R._with_measured_load(layouts, model, batch, "both", True)
+    assert list(both) == ["default", R.AT_LOAD, "expert-TP"] and both["default"] == {}
+    assert both[R.AT_LOAD]["expert_load"] == autotp.measure_expert_load(model, batch)
+    assert list(R._with_measured_load(layouts, model, batch, "measured", True)) == ["default", "expert-TP"]
+    assert R._with_measured_load(layouts, model, batch, "both", False) is layouts
+    plans = [autotp.plan(model, tp=4, batch=2, seq=16, **both[k]) for k in ("default", R.AT_LOAD)]
+    table = R._picks([dict(label=k, plan=p, time=dict(thread=0.01)) for k, p in zip(("default", R.AT_LOAD), plans)])
+    assert table[-2].startswith("| default | ") and table[-1].startswith(f"| {R.AT_LOAD} | ")
+    assert f"| {(plans[1].compute_s + plans[1].comm_s) * 1e3:.3f} | 10.0 |" in table[-1]
+    assert R._picks([dict(label="default", plan=plans[0], time=dict(thread=0.01))]) == []   # no load: no table

@@ -17,7 +17,7 @@ def cross_entropy_work(op: RankOp) -> OpWork:
     p = op.in_place[0]
     if isinstance(p, Shard) and p.dim == 1 and op.tp > 1:
         logits, target = op.inputs[0], op.inputs[1]
-        rows, cols = local_shape(logits, p, op.tp, op.rank)
+        rows, cols = local_shape(logits, p, op.tp, op.rank, op.share)
         vocab = int(logits.shape[1])
         runs = len(local_ranges(vocab, p, op.tp, 0 if op.rank is None else op.rank))
         reduction = flag(op.info.args, op.info.kwargs, 3, "reduction", 1)

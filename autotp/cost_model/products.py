@@ -16,7 +16,7 @@ def product_work(op: RankOp, dtype_bytes: int, train_dtype: Any) -> OpWork:
     """``mm``, ``linear``, ``bmm``, ``matmul`` on the local shapes: the forward product, and in
     backward ``dX = dY·Wᵀ`` where x carries a gradient and ``dW = Xᵀ·dY`` where W does."""
     t = op.info.target
-    x, w = (local_shape(m, p, op.tp, op.rank) for m, p in zip(op.inputs[:2], op.in_place[:2]))
+    x, w = (local_shape(m, p, op.tp, op.rank, op.share) for m, p in zip(op.inputs[:2], op.in_place[:2]))
     if t is aten.linear.default:
         k, n, batch, m = x[-1], w[0], sympy.Integer(1), prod(x[:-1])
     elif len(x) >= 3 and len(w) >= 3:                       # batched
@@ -50,27 +50,44 @@ def product_work(op: RankOp, dtype_bytes: int, train_dtype: Any) -> OpWork:
 def grouped_work(op: RankOp, dtype_bytes: int, train_dtype: Any) -> OpWork:
     """A grouped product (each row by its expert's matrix): priced as one product per expert this
     rank holds, of the rows an expert gets on average."""
-    x = local_shape(op.inputs[0], op.in_place[0], op.tp, op.rank)
-    w = local_shape(op.inputs[1], op.in_place[1], op.tp, op.rank)
-    out = local_shape(op.outputs[0], op.out_place[0], op.tp, op.rank)
+    x = local_shape(op.inputs[0], op.in_place[0], op.tp, op.rank, op.share)
+    w = local_shape(op.inputs[1], op.in_place[1], op.tp, op.rank, op.share)
+    out = local_shape(op.outputs[0], op.out_place[0], op.tp, op.rank, op.share)
     k, n = x[-1], out[-1]
     groups = w[0] if len(w) >= 3 else sympy.Integer(1)               # this rank's experts
     experts = op.inputs[1].shape[0] if len(w) >= 3 else sympy.Integer(1)
     eb = element_bytes(op.inputs[0].dtype, dtype_bytes, train_dtype)
     ok = aligned(k, eb) and aligned(n, eb)
     m = prod(op.outputs[0].shape[:-1]) / experts    # the rows an expert gets on average
-    products = [Product(m, n, k, groups, ok, streamed=k * n)]
+    batch, streamed = groups, k * n
+    if op.share is not None and len(w) >= 3 and _whole_experts(op.in_place[1]):
+        # under a router's load (autotp/planner/expert_load.py) the rank's experts get its share
+        # of the rows, not their count's share: priced as ``share * experts`` products of the
+        # average expert's rows (its FLOPs those of the rank's rows; each product's shape, and so
+        # its rate, a balanced router's: the product model's rate, whose weight-gradient product
+        # contracts over the rows, would make a tiny one cheaper with more rows), the weights
+        # streamed those of the rank's own experts
+        batch = sympy.Float(op.share, 12) * experts
+        streamed = k * n * groups / batch
+    products = [Product(m, n, k, batch, ok, streamed=streamed)]
     if op.grad[0]:
-        products.append(Product(m, k, n, groups, ok, streamed=k * n))
+        products.append(Product(m, k, n, batch, ok, streamed=streamed))
     if len(op.grad) > 1 and op.grad[1]:
-        products.append(Product(k, n, m, groups, ok, streamed=k * n))
+        products.append(Product(k, n, m, batch, ok, streamed=streamed))
     return OpWork(products=tuple(products), launches=len(products))
+
+
+def _whole_experts(p: Any) -> bool:
+    """A stack of experts split by expert (expert parallelism's Shard(0)): whole experts per rank."""
+    from ..placements import Shard
+
+    return isinstance(p, Shard) and p.dim == 0
 
 
 def attention_work(op: RankOp) -> OpWork:
     info = op.info
-    q_shape = local_shape(op.inputs[0], op.in_place[0], op.tp, op.rank)
-    k_shape = local_shape(op.inputs[1], op.in_place[1], op.tp, op.rank)
+    q_shape = local_shape(op.inputs[0], op.in_place[0], op.tp, op.rank, op.share)
+    k_shape = local_shape(op.inputs[1], op.in_place[1], op.tp, op.rank, op.share)
     mask = flag(info.args, info.kwargs, 3, "attn_mask", None)
     dropout = flag(info.args, info.kwargs, 4, "dropout_p", 0.0)
     causal = flag(info.args, info.kwargs, 5, "is_causal", False)

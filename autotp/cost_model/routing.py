@@ -103,8 +103,8 @@ def gathered_rows_work(op: RankOp) -> OpWork:
     padded blocks (a fill per rank, a ``cat``, a gather, an add) and the rank's rows padded to the
     widest are left out: they run only then, and the planner's sequence is tp's multiple."""
     x, out = op.b_in[0], op.main_out
-    t = local_shape(op.inputs[0], op.in_place[0], op.tp, op.rank)[0]   # the rank's tokens
-    m = local_shape(op.outputs[0], op.out_place[0], op.tp, op.rank)[0]   # their rows
+    t = local_shape(op.inputs[0], op.in_place[0], op.tp, op.rank, op.share)[0]   # the rank's tokens
+    m = local_shape(op.outputs[0], op.out_place[0], op.tp, op.rank, op.share)[0]   # their rows
     ew = "elementwise"
     moved = [(ew, 24 * m), (ew, 8 * t + 16 * m), (ew, 8 * m + 2 * out)]   # index[mine], searchsorted, x[local]
     if op.grad[0]:
@@ -238,7 +238,7 @@ def dispatch_work(op: RankOp) -> OpWork:
     size the product's)."""
     experts = int(op.inputs[1].static(0))
     if op.in_place[0].alone:
-        own = local_shape(op.inputs[0], op.in_place[0], op.tp, op.rank)[0]
+        own = local_shape(op.inputs[0], op.in_place[0], op.tp, op.rank, op.share)[0]
         parts = (local_dispatch_sizes_work(experts, op.tp, op.rank),
                  local_dispatch_plan_work(own, experts, op.tp, op.rank))
     else:
@@ -280,10 +280,10 @@ def routed_reorder_work(op: RankOp) -> OpWork:
     gather reads the entries it picks, as a gather of rows is priced everywhere (``kernels``'
     gathers: serial's ``h[perm // k]`` among them)."""
     x, out = op.b_in[0], op.main_out
-    r = local_shape(op.inputs[0], op.in_place[0], op.tp, op.rank)[0]    # the rank's rows of x
+    r = local_shape(op.inputs[0], op.in_place[0], op.tp, op.rank, op.share)[0]    # the rank's rows of x
     size = op.inputs[0].shape[0]                                          # x's rows, whole
     n = op.inputs[1].shape[0]                                             # the index, whole
-    m = local_shape(op.outputs[0], op.out_place[0], op.tp, op.rank)[0]   # the rank's rows of the result
+    m = local_shape(op.outputs[0], op.out_place[0], op.tp, op.rank, op.share)[0]   # the rank's rows of the result
     ew = "elementwise"
     moved = [(ew, 8 * size), (ew, 8 * r), ("scatter", 24 * r),            # mark = full(-1); mark[rows] = arange
              (ew, 24 * n), (ew, 9 * n),                                   # mark[index], >= 0
@@ -316,7 +316,7 @@ def token_sums_work(op: RankOp) -> OpWork:
     group = 1
     for size in op.inputs[0].shape[p.dim + 1:p.dim + p.span]:
         group *= size
-    shape = local_shape(op.inputs[0], p, op.tp, op.rank)
+    shape = local_shape(op.inputs[0], p, op.tp, op.rank, op.share)
     rows = shape[p.dim] * group                       # the rank's rows
     tokens = shape[p.dim]
     moved = [("reduction", x + out), ("elementwise", 16 * tokens)]   # the sums, each token's id

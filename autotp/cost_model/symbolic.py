@@ -151,13 +151,15 @@ def op_work(info: OpInfo, strategy: Strategy, profile: DeviceProfile, tp: int, r
     from several uses (the residual stream's ``add_``); on the largest rank, or on ``rank``."""
     return _op_work(info.target, info.inputs, info.output, info.args_key, strategy, tp, profile.dtype_bytes,
                     info.train_dtype, info.grad_inputs, info.grad_uses, info.strided_inputs, rank, info.permutes_rows,
-                    info.row_copies, info.routing_experts, info.offs_bytes)
+                    info.row_copies, info.routing_experts, info.offs_bytes, info.expert_share)
 
 
 @lru_cache(maxsize=65536)
 def _op_work(target, inputs, output, args_key, strategy, tp, dtype_bytes, train_dtype, grad_inputs, grad_uses,
-             strided_inputs, rank, permutes_rows=False, row_copies=0, routing_experts=0, offs_bytes=0):
+             strided_inputs, rank, permutes_rows=False, row_copies=0, routing_experts=0, offs_bytes=0,
+             expert_share=None):
     info = OpInfo(target, args_key[0], dict(args_key[1]), inputs, output, tp)
+    info.expert_share = expert_share   # a router's load (autotp/planner/expert_load.py)
     info.grad_inputs = grad_inputs
     info.strided_inputs = strided_inputs
     info.permutes_rows = permutes_rows   # its backward a gather (kernels.op_work)
@@ -167,7 +169,9 @@ def _op_work(target, inputs, output, args_key, strategy, tp, dtype_bytes, train_
     outs = metas(output)
     if grad_uses > 1 and outs and outs[0].is_float:
         place = strategy.output[0] if isinstance(strategy.output, tuple) else strategy.output
-        out_bytes = local_numel(outs[0], place, tp, rank) * _element_bytes(outs[0].dtype, dtype_bytes, train_dtype)
+        share = None if expert_share is None else max(expert_share) if rank is None else expert_share[rank]
+        out_bytes = (local_numel(outs[0], place, tp, rank, share)
+                     * _element_bytes(outs[0].dtype, dtype_bytes, train_dtype))
         work = replace(work, moved=work.moved + (("elementwise", 3 * (grad_uses - 1) * out_bytes),),
                        launches=work.launches + grad_uses - 1)
     return work
@@ -252,9 +256,9 @@ SAVES_INPUTS = PRODUCTS | {
 }
 
 
-def _fraction(meta: TensorMeta, p: Any, tp: int) -> float:
-    if isinstance(p, Routed):
-        return 1.0 / tp   # a rank's rows of experts, at uniform routing
+def _fraction(meta: TensorMeta, p: Any, tp: int, share: tuple | None = None) -> float:
+    if isinstance(p, Routed):   # a rank's rows of experts: at uniform routing, or the busiest rank's share
+        return 1.0 / tp if share is None or p.tokens else max(share)
     if isinstance(p, Shard) and meta.static(p.dim) is None:
         return 1.0 / tp   # a sequence shard: about 1/tp of the tokens
     size = meta.static(p.dim) if isinstance(p, Shard) else None
@@ -270,7 +274,7 @@ def activation_bytes(info: OpInfo, strategy: Strategy, env: Mapping, profile: De
     total = 0.0
     for i, (meta, want) in enumerate(zip(info.inputs, strategy.inputs)):
         if meta.is_float and not (i < len(is_param) and is_param[i]):
-            total += evaluate(bytes_expr(meta, profile.dtype_bytes), env) * _fraction(meta, want, tp)
+            total += evaluate(bytes_expr(meta, profile.dtype_bytes), env) * _fraction(meta, want, tp, info.expert_share)
     return total
 
 

@@ -72,20 +72,22 @@ class OpWork:
 NO_WORK = OpWork()
 
 
-def local_numel(meta: Any, placement: Any, tp: int, rank: int | None = None) -> sympy.Expr:
+def local_numel(meta: Any, placement: Any, tp: int, rank: int | None = None, share: float | None = None) -> sympy.Expr:
     """Elements of ``meta`` on the largest rank (or on ``rank``) under ``placement`` (a sequence
-    shard: 1/tp)."""
+    shard: 1/tp; ``share``: as :func:`local_shape`)."""
     value = sympy.Integer(1)
-    for size in local_shape(meta, placement, tp, rank):
+    for size in local_shape(meta, placement, tp, rank, share):
         value = value * size
     return value
 
 
-def local_shape(meta: Any, placement: Any, tp: int, rank: int | None = None) -> tuple:
+def local_shape(meta: Any, placement: Any, tp: int, rank: int | None = None, share: float | None = None) -> tuple:
     """``meta``'s shape on the largest rank: a Shard's dim at its largest part (a sequence shard:
     1/tp); a Routed tensor's rows (a rank's experts' rows, held compactly) at 1/tp of them, as
-    uniform routing deals them. With ``rank``, a static Shard's dim at that rank's part (an
-    uneven split's parts differ, and rotate from layer to layer)."""
+    uniform routing deals them, or at ``share`` of them (the rank's share under a router's load,
+    :mod:`autotp.planner.expert_load`; rows held by their tokens' ranks stay 1/tp). With ``rank``,
+    a static Shard's dim at that rank's part (an uneven split's parts differ, and rotate from
+    layer to layer)."""
     out = []
     for d, size in enumerate(meta.shape):
         if isinstance(placement, Shard) and placement.dim == d and tp > 1:
@@ -97,7 +99,7 @@ def local_shape(meta: Any, placement: Any, tp: int, rank: int | None = None) -> 
             else:
                 size = sympy.Integer(local_size(static, placement, tp, rank))
         elif isinstance(placement, Routed) and placement.dim == d and tp > 1:
-            size = size / tp
+            size = size / tp if share is None or placement.tokens else size * sympy.Float(share, 12)
         out.append(size)
     return tuple(out)
 
@@ -151,6 +153,11 @@ class RankOp:
     def __init__(self, info: Any, strategy: Any, tp: int, dtype_bytes: int, train_dtype: Any,
                  rank: int | None = None):
         self.info, self.strategy, self.tp, self.rank = info, strategy, tp, rank
+        # the rank's share of its MoE block's rows under a router's load (the busiest rank's
+        # without ``rank``); None: a balanced router (OpInfo.expert_share)
+        shares = getattr(info, "expert_share", None)
+        self.share = None if shares is None else max(shares) if rank is None else shares[rank]
+        share = self.share
         outs = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
         self.inputs = list(info.inputs)
         self.in_place = list(strategy.inputs)
@@ -158,12 +165,12 @@ class RankOp:
         self.out_place = list(outs) + [None] * (len(self.outputs) - len(outs))
 
         def nbytes(meta: Any, p: Any) -> sympy.Expr:
-            return local_numel(meta, p, tp, rank) * element_bytes(meta.dtype, dtype_bytes, train_dtype)
+            return local_numel(meta, p, tp, rank, share) * element_bytes(meta.dtype, dtype_bytes, train_dtype)
 
         self.b_in = [nbytes(m, p) for m, p in zip(self.inputs, self.in_place)]
         self.b_out = [nbytes(m, p) for m, p in zip(self.outputs, self.out_place)]
-        self.n_in = [local_numel(m, p, tp, rank) for m, p in zip(self.inputs, self.in_place)]
-        self.n_out = [local_numel(m, p, tp, rank) for m, p in zip(self.outputs, self.out_place)]
+        self.n_in = [local_numel(m, p, tp, rank, share) for m, p in zip(self.inputs, self.in_place)]
+        self.n_out = [local_numel(m, p, tp, rank, share) for m, p in zip(self.outputs, self.out_place)]
         grads = getattr(info, "grad_inputs", None)
         self.grad = [bool(grads[i]) if grads is not None and i < len(grads) else m.is_float
                      for i, m in enumerate(self.inputs)]

@@ -181,6 +181,9 @@ class GraphIndex:
     #: vocabulary-parallel loss's float32 sums in a bf16 model), is priced at that dtype's own
     #: bytes (:func:`moved_bytes`)
     train_dtype: Any = None
+    #: the router's load the MoE layers are priced at (an ``autotp.planner.expert_load.ExpertLoad``,
+    #: set with each op's ``OpInfo.expert_share`` by ``apply_load``); None: a balanced router
+    expert_load: Any = None
     _strategies: dict = field(default_factory=dict)
     #: (op, its inputs' placements) -> the rule's strategies before this index's filters: a pure
     #: function of the op and the placements, so an index copied with other filters
@@ -228,7 +231,7 @@ class GraphIndex:
         info = self.infos[node]
         is_param = tuple(i.op == "placeholder" and i.name in self.capture.param_names
                          for i in self.tensor_inputs[node])
-        key = (info.target, info.inputs, info.output, strat, profile, is_param)
+        key = (info.target, info.inputs, info.output, strat, profile, is_param, info.expert_share)
         found = self._activation.get(key)
         if found is None:
             found = self._activation[key] = activation_bytes(info, strat, self.env, profile, self.tp, is_param)
@@ -826,16 +829,28 @@ def moved_bytes(index: "GraphIndex", profile: DeviceProfile, meta: TensorMeta) -
     return nbytes(meta, index.env, profile.dtype_bytes, index.train_dtype)
 
 
-def internal_seconds(index: "GraphIndex", profile: DeviceProfile, strat: Strategy) -> float:
+def internal_seconds(index: "GraphIndex", profile: DeviceProfile, strat: Strategy, node: fx.Node | None = None) -> float:
     """Seconds of the collectives an op runs inside itself (vocab-parallel cross-entropy), and the
-    copies that lay their tensors out (:func:`internal_copy_seconds`)."""
+    copies that lay their tensors out (:func:`internal_copy_seconds`). An expert dispatch's
+    all-to-all under a router's load (``node``'s ``OpInfo.expert_share``) is priced at the busiest
+    rank's rows: it receives (and, reversed backward, sends) ``max share`` of them, not ``1/tp``."""
     total = 0.0
     for kind, meta in strat.internal:
-        full = moved_bytes(index, profile, meta)
+        full = internal_bytes(index, profile, kind, meta, node)
         rows = numel(meta.shape[:1], index.env)
         total += sum(collective_time(kind, full, profile, index.tp)) \
             + internal_copy_seconds(kind, full, profile, rows, index.tp, _width(meta, index.env), table_split(strat))
     return total
+
+
+def internal_bytes(index: "GraphIndex", profile: DeviceProfile, kind: str, meta: TensorMeta,
+                   node: fx.Node | None) -> float:
+    """The bytes an op's internal collective of ``kind`` is priced at: the tensor's
+    (:func:`moved_bytes`), an expert dispatch's all-to-all's scaled from a balanced router's
+    ``1/tp`` of the rows to the busiest rank's share (``OpInfo.expert_share``)."""
+    full = moved_bytes(index, profile, meta)
+    share = index.infos[node].expert_share if node is not None and node in index.infos else None
+    return full * max(share) * index.tp if kind == "all_to_all" and share is not None else full
 
 
 def table_split(strat: Strategy) -> tuple:
@@ -1240,7 +1255,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
         best, best_cost = None, INF
         for strat in options:
             sharded = _sharded_compute(strat)
-            cost = index.compute_time(node, strat, profile) + internal_seconds(index, profile, strat)
+            cost = index.compute_time(node, strat, profile) + internal_seconds(index, profile, strat, node)
             for i, (inp, meta, want) in enumerate(zip(inputs, info.inputs, strat.inputs)):
                 f = wants_f(want, sharded, meta, inp in index.grads, apart=strat.f_runs_only and i == 0)
                 if isinstance(want, Shard) and not index.uneven and not _even(meta, want, tp):
@@ -1276,7 +1291,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
         activations += index.activation_bytes(node, best, profile)
         memory += index.activation_bytes(node, best, profile)
         for kind, meta in best.internal:
-            full = moved_bytes(index, profile, meta)
+            full = internal_bytes(index, profile, kind, meta, node)
             seconds = sum(collective_time(kind, full, profile, tp))
             # memory-bound work, not the link's
             compute += internal_copy_seconds(kind, full, profile, numel(meta.shape[:1], env), tp, _width(meta, env),

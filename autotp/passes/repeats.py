@@ -105,7 +105,8 @@ class LayerFinder:
                                    or _unrotated(ir.hints) != _unrotated(ib.hints)
                                    or _unrotated(ir.input_hints) != _unrotated(ib.input_hints)
                                    or ir.grad_inputs != ib.grad_inputs or ir.grad_uses != ib.grad_uses
-                                   or ir.strided_inputs != ib.strided_inputs):
+                                   or ir.strided_inputs != ib.strided_inputs
+                                   or ir.expert_share != ib.expert_share):   # a router's load per layer
                 return None
             if nr.target is operator.getitem and nr.args[1] != nb.args[1]:
                 return None

@@ -221,7 +221,7 @@ class _Solver:
         for j, strat in enumerate(index.strategies(node, actual)):
             self.transitions += 1
             sharded = _sharded_compute(strat)
-            cost = index.compute_time(node, strat, profile) + internal_seconds(index, profile, strat)
+            cost = index.compute_time(node, strat, profile) + internal_seconds(index, profile, strat, node)
             mem = index.activation_bytes(node, strat, profile)
             labels: dict = {}
             for i, (inp, meta, want) in enumerate(zip(inputs, info.inputs, strat.inputs)):

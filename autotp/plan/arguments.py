@@ -23,7 +23,7 @@ from ..errors import ConfigError
 
 #: an argument's value when the caller leaves it to the plan (or, without one, to the default)
 _DEFAULTS = {"sequence_parallel": None, "expert_dispatch": None, "gather_logits": None, "host_reads": True,
-             "fuse_activations": True, "fuse_norms": True, "uneven": True}
+             "fuse_activations": True, "fuse_norms": True, "uneven": True, "expert_load": None}
 #: those whose None is itself a choice (by cost): given None with a plan, they take the plan's
 _BY_COST = ("sequence_parallel", "expert_dispatch", "gather_logits")
 
@@ -40,14 +40,27 @@ class PlanArguments:
     fuse_activations: bool = True
     fuse_norms: bool = True
     uneven: bool = True
+    #: the router's load expert parallelism was priced at (an :class:`autotp.ExpertLoad`; None: a
+    #: balanced router), autotp/planner/expert_load.py
+    expert_load: Any = None
 
     def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.expert_load is None:
+            del out["expert_load"]   # a file without it reads as before (a balanced router)
+        else:
+            out["expert_load"] = self.expert_load.to_json()
+        return out
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> "PlanArguments":
         """Fields a file lacks take their defaults (a file written before one was recorded)."""
-        return cls(**{f.name: doc[f.name] for f in fields(cls) if f.name in doc})
+        from ..planner.expert_load import ExpertLoad
+
+        out = {f.name: doc[f.name] for f in fields(cls) if f.name in doc}
+        if out.get("expert_load") is not None:
+            out["expert_load"] = ExpertLoad.from_json(out["expert_load"])
+        return cls(**out)
 
     def lines(self) -> list[str]:
         """What the plan's table says of them: sequence parallelism and the dispatch always,
@@ -57,9 +70,11 @@ class PlanArguments:
                     False: "tokens gathered whole, never the all-to-all (expert_dispatch=False)"}
         out = [f"sequence parallelism: {sp[self.sequence_parallel]}; expert dispatch: {dispatch[self.expert_dispatch]}"]
         others = [f"{name}={value!r}" for name, value in self.to_json().items()
-                  if name not in ("sequence_parallel", "expert_dispatch") and value != _DEFAULTS[name]]
+                  if name not in ("sequence_parallel", "expert_dispatch", "expert_load") and value != _DEFAULTS[name]]
         if others:
             out.append("planned with " + ", ".join(others))
+        if self.expert_load is not None:
+            out.append(f"expert load: {self.expert_load.source} ({len(self.expert_load.layers)} MoE layers)")
         return out
 
 
@@ -71,7 +86,11 @@ def resolve(plan: Any, **given: Any) -> dict[str, Any]:
     recorded = getattr(plan, "arguments", None)
     out = {}
     for name, value in given.items():
-        if not (value is None or isinstance(value, bool)):   # a string "False" is truthy
+        if name == "expert_load":   # an ExpertLoad (a mapping given is made one), not a flag
+            from ..planner.expert_load import as_expert_load
+
+            value = as_expert_load(value)
+        elif not (value is None or isinstance(value, bool)):   # a string "False" is truthy
             choices = "None (by cost), True or False" if name in _BY_COST else "True or False"
             raise ConfigError(f"{name}={value!r}: {name} is {choices}")
         if recorded is None:
@@ -81,6 +100,11 @@ def resolve(plan: Any, **given: Any) -> dict[str, Any]:
         if value is not None and value != planned:
             leave = ("drop the argument" if name not in _BY_COST
                      else f"pass {name}=None or drop it")
+            if name == "expert_load":
+                raise ConfigError(
+                    f"expert_load={value!r} differs from the load the plan was priced at ({planned!r}), and its programs "
+                    f"are built as planned: re-plan with autotp.plan(..., expert_load=...) and parallelize with "
+                    f"that plan, or pass expert_load=None (or drop it) to build the plan's")
             raise ConfigError(
                 f"{name}={value!r}, but the plan was made with {name}={planned!r}, and its programs are built as "
                 f"planned: re-plan with autotp.plan(..., {name}={value!r}) and parallelize with that plan, or "

@@ -48,7 +48,7 @@ class PlanDiff:
                  f"{nb} (tp={b.tp}, profile={b.profile}, batch={b.batch} seq={b.seq})"]
         if a.arguments is not None and b.arguments is not None and a.arguments != b.arguments:
             # the arguments each plan's programs are built with (autotp/plan/arguments.py)
-            was, now = a.arguments.to_json(), b.arguments.to_json()
+            was, now = (vars(p.arguments) for p in (a, b))   # an expert load as its summary (ExpertLoad's repr)
             lines.append("planned with: " + ", ".join(f"{k} {was[k]!r} -> {now[k]!r}" for k in was if was[k] != now[k]))
         lines.append(f"predicted step: {_ms(ca['step_s'], cb['step_s'])} (compute {_ms(ca['compute_s'], cb['compute_s'])}, "
                      f"communication {_ms(ca['comm_s'], cb['comm_s'])})")

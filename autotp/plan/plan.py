@@ -23,7 +23,10 @@ from .schema import check_document
 #: 2: the planning arguments its programs are built with (``arguments``); version 1 files, which
 #: lack them, still load (``arguments`` None: parallelize then builds with the arguments it is given)
 SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+#: 3: a plan priced at a router's load records it (``arguments.expert_load``, autotp/planner/expert_load.py);
+#: one without stays version 2, which readers before it still read
+LOAD_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,8 @@ class Plan:
     fuse_activations = property(lambda self: self._argument("fuse_activations"))
     fuse_norms = property(lambda self: self._argument("fuse_norms"))
     uneven = property(lambda self: self._argument("uneven"))
+    expert_load = property(lambda self: self._argument("expert_load"),
+                           doc="the router's load expert parallelism was priced at (None: a balanced router)")
 
     # ---- what users inspect -------------------------------------------------------------
     @property
@@ -317,7 +322,8 @@ class Plan:
     # ---- JSON -------------------------------------------------------------------------------
     def to_json(self) -> str:
         doc = {
-            "autotp_plan": SCHEMA_VERSION,
+            "autotp_plan": (LOAD_VERSION if self.arguments is not None and self.arguments.expert_load is not None
+                            else SCHEMA_VERSION),
             "tp": self.tp, "profile": self.profile, "batch": self.batch, "seq": self.seq,
             "dtype_bytes": self.dtype_bytes,
             "params": {k: {"placement": to_json(p), "shape": list(self.shapes[k]), "role": self.roles[k]}

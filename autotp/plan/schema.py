@@ -147,8 +147,23 @@ def _arguments(here: _Field, doc: Any) -> None:
     for key, value in doc.items():
         if key not in known:
             here.dot(key).fail(value, f"no such argument (a plan records {', '.join(known)})")
-        if not (value is None and key in _BY_COST):
+        if key == "expert_load":   # autotp/planner/expert_load.py: rows per expert of each MoE layer
+            _expert_load(here.dot(key), value)
+        elif not (value is None and key in _BY_COST):
             here.dot(key).flag(value)
+
+
+def _expert_load(here: _Field, doc: Any) -> None:
+    """An :class:`autotp.ExpertLoad`'s JSON: ``layers`` (experts module -> rows per expert), ``source``."""
+    from ..errors import ConfigError
+    from ..planner.expert_load import ExpertLoad
+
+    doc = here.mapping(doc)
+    try:
+        ExpertLoad.from_json(doc)
+    except (ConfigError, KeyError, TypeError, AttributeError) as exc:
+        here.fail(doc, f"an expert load: {{'layers': {{experts module: [rows per expert, ...]}}, 'source': text}} "
+                       f"({exc})")
 
 
 def _placement(here: _Field, p: Any, ndim: int | None, tp: int) -> None:

@@ -24,6 +24,7 @@ from ..plan.arguments import PlanArguments
 from ..plan.flow import record_flows
 from ..plan.plan import CommOp, DeferredExpressions, Plan, attention_heads, cost_expressions, role_of, unsplit_attention_note
 from .experts import dispatch_note, expert_stacks, experts_note
+from .expert_load import apply_load, check_load, load_notes, moe_blocks
 from .host_reads import refuse_model_reads, refuse_pinned_reads
 from .notes import replicated_note, unsplit_mixer_note, what_memory_takes
 from .replay import under_pins
@@ -42,7 +43,8 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                keep_split: frozenset[str] = frozenset(), align: Any = "profile",
                host_reads: bool = True,
                expert_dispatch: bool | None = None,
-               fuse_activations: bool = True, fuse_norms: bool = True) -> tuple[Plan, GraphIndex, Propagation]:
+               fuse_activations: bool = True, fuse_norms: bool = True,
+               expert_load: Any = None) -> tuple[Plan, GraphIndex, Propagation]:
     """The plan for a capture. ``memory_limit`` (bytes per rank; default: the profile's device
     memory) bounds training state + activations; a saved ``plan`` is replayed, not re-solved.
 
@@ -93,7 +95,17 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
     (:mod:`autotp.passes.norms`), a plan note saying which; False keeps it as written. With
     ``sequence_parallel=False`` the statistics stay as written (a note says so): there a plan
     splits a norm's rows along the hidden dim (x squared gathered, each rank normalizing its
-    columns), which ``aten.rms_norm``, keeping normalized dims whole, cannot."""
+    columns), which ``aten.rms_norm``, keeping normalized dims whole, cannot.
+
+    ``expert_load``: the router's load expert parallelism is priced at (an
+    :class:`~autotp.planner.expert_load.ExpertLoad`, or a mapping of each MoE layer's experts module
+    to its rows per expert; :func:`autotp.measure_expert_load` measures one): each layer's
+    experts, and the all-to-all bringing their rows, at its busiest rank's rows, a note saying
+    the load and what it did to the choice. None (default): a balanced router, ``T * k / tp``
+    rows a rank. One that does not name the model's MoE layers and their experts is a ConfigError."""
+    from .expert_load import as_expert_load
+
+    expert_load = as_expert_load(expert_load)
     for name, flag in (("fuse_activations", fuse_activations), ("fuse_norms", fuse_norms)):
         if not isinstance(flag, bool):
             raise ConfigError(f"{name}={flag!r}: {name} is True or False")
@@ -110,7 +122,8 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
     # what the programs built from the plan are built with (autotp/plan/arguments.py)
     arguments = PlanArguments(sequence_parallel=sequence_parallel, expert_dispatch=expert_dispatch,
                               gather_logits=gather_logits, host_reads=host_reads,
-                              fuse_activations=fuse_activations, fuse_norms=fuse_norms, uneven=uneven)
+                              fuse_activations=fuse_activations, fuse_norms=fuse_norms, uneven=uneven,
+                              expert_load=expert_load)
 
     def noted(result: Plan) -> Plan:
         result.notes.extend(notes)
@@ -122,7 +135,7 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                                           uneven=uneven, gather_logits=gather_logits, memory_limit=memory_limit,
                                           sequence_parallel=sequence_parallel, input_placements=input_placements,
                                           keep_split=keep_split, align=align, host_reads=host_reads,
-                                          expert_dispatch=expert_dispatch)
+                                          expert_dispatch=expert_dispatch, expert_load=expert_load)
     except MemoryLimitError as exc:   # the plan without the limit it offers says the same
         without_limit = getattr(exc, "plan_without_limit", None)
         if without_limit is not None:
@@ -135,7 +148,7 @@ def _build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any, la
                 plan: Plan | None, uneven: bool, gather_logits: bool | None, memory_limit: float | None,
                 sequence_parallel: bool | None, input_placements: Mapping[str, Placement] | None,
                 keep_split: frozenset[str], align: Any, host_reads: bool,
-                expert_dispatch: bool | None) -> tuple[Plan, GraphIndex, Propagation]:
+                expert_dispatch: bool | None, expert_load: Any = None) -> tuple[Plan, GraphIndex, Propagation]:
     """:func:`build_plan` on a capture as it is planned (its activations fused or not)."""
     prof = get_profile(profile)
     if align == "profile":
@@ -160,12 +173,19 @@ def _build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any, la
         raise ConfigError("sequence_parallel=True needs uneven=True: a sequence shard is uneven whenever tp does "
                           "not divide a call's length; pass uneven=True, or leave sequence_parallel to the planner")
 
+    experts = _experts_of(cap) if expert_load is not None else {}
+    if expert_load is not None and plan is None:
+        # checked where it is given; a plan's later programs (or a replay) price the layers it names
+        check_load(expert_load, experts)
+
     def index_of(c: Capture) -> GraphIndex:
         index = GraphIndex.build(c, tp, batch, seq, uneven=uneven, sharded_outputs=keep,
                                  sequence_parallel=sequence_parallel is not False and uneven and tp > 1,
                                  input_placements=arriving, force_sequence=bool(sequence_parallel), align=align,
                                  host_reads=host_reads)
         index.expert_dispatch = expert_dispatch
+        if expert_load is not None:   # each MoE layer's ops priced at its busiest rank's rows
+            apply_load(index, expert_load, experts)
         return index
 
     index = index_of(cap)
@@ -269,6 +289,8 @@ def _written(cap: Capture, index: GraphIndex, prop: Propagation, prof: Any, batc
     if plan is None and tp > 1:
         # the layers whose tokens go to their experts by an all-to-all, or could, against the other way
         notes += dispatch_note(index, prof, comms, roles, prop.total_s, limit, pinned)
+        # the router's load it was priced at, and the choice a balanced router would get
+        notes += load_notes(index, prof, roles, shapes, prop.total_s, limit, pinned)
     dtype_bytes = next(iter(n.meta["val"].element_size() for n in cap.graph.nodes
                             if n.op == "placeholder" and n.name in cap.param_names), 4)
     result = Plan(tp=tp, profile=prof.name, batch=batch, seq=seq, params=params, shapes=shapes, roles=roles,
@@ -293,6 +315,13 @@ def _written(cap: Capture, index: GraphIndex, prop: Propagation, prof: Any, batc
             if note:
                 result.notes.append(note)
     return result, index, prop
+
+
+def _experts_of(cap: Capture) -> dict[str, int]:
+    """experts module -> its number of experts, of every stack of experts the capture reads."""
+    shapes = {fqn: tuple(n.meta["val"].shape) for n in cap.graph.nodes
+              if n.op == "placeholder" for fqn in [cap.param_names.get(n.name)] if fqn is not None}
+    return moe_blocks(expert_stacks(cap), shapes)
 
 
 def _solve(index: GraphIndex, prof: Any, pinned: Mapping[str, Placement], layout: Any,

@@ -165,6 +165,10 @@ class OpInfo:
     #: no other user: a ``zeros`` buffer filled by ``copy_``): it may be converted for the op, no
     #: update is lost, since the op's own output is what is read after
     writes_alone: bool = False
+    #: the share of its MoE block's (token, expert) rows each rank's experts get under expert
+    #: parallelism, per rank (``autotp.planner.expert_load``: a measured or given router load);
+    #: None: a balanced router's ``1/tp``. Ops on a rank's experts' rows are priced at it
+    expert_share: tuple | None = None
 
     @functools.cached_property
     def args_key(self) -> tuple:
@@ -176,7 +180,7 @@ class OpInfo:
         """Everything the cost of one strategy of this op depends on: equal across layers."""
         return (self.target, self.inputs, self.output, self.args_key, self.grad_inputs, self.train_dtype,
                 self.grad_uses, self.strided_inputs, self.reads_rows, self.x_gathered, self.permutes_rows,
-                self.row_copies, self.routing_experts, self.offs_bytes)
+                self.row_copies, self.routing_experts, self.offs_bytes, self.expert_share)
 
     def hint(self, dim: int) -> tuple[int, int, int, int, bool, tuple, tuple]:
         """(chunks, unit, rotate, tail, grouped, sizes, whole) a fresh shard of output ``dim`` should use
