@@ -413,8 +413,8 @@ def main() -> None:
 ROUND_NOTE = [
     "**Next device session (issues 44 and 47):** `PYTHONUNBUFFERED=1 python3 benchmarks/gpu.py --round "
     "issues-44-47 --out $OUT --budget 480`, the device call's `timeout_s` 600 (parts 1-4 of "
-    "`benchmarks/gpu_round.py`, about 8 minutes), then, if the session's device time allows, `--only nccl "
-    "rank:gpt2-xl host:cuda moe norm --budget 200`. What comes back under `$OUT` (three files): `summary.md` "
+    "`benchmarks/gpu_round.py`, about 6 minutes), then, if the session's device time allows, `--only "
+    "rank:qwen3-30b-a3b nccl rank:gpt2-xl host:cuda --budget 240`. What comes back under `$OUT` (three files): `summary.md` "
     "(per issue point, the figures against the goal; where a stopped run left none, `python3 "
     "benchmarks/gpu_summary.py round.json` writes it) goes to `benchmarks/gpu_round.md`; `round.json` and the "
     "parts' `.md` files (unpacked from `parts.tgz`: `tar xzf parts.tgz`) to "

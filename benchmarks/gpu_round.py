@@ -28,11 +28,13 @@ is estimated to take on an H200 (child start-up, about 10 s, included):
 3. ``predict:llama-3-8b`` (issue 44, point 1; 30 s): the model captured on the device and on the
    meta device, priced op by op (``benchmarks/predicted_ops.py``): the device's capture priced the
    rank at 0.79 of its eighth where the meta one is priced 0.94.
-4. ``rank:mixtral-8x7b``, ``rank:qwen3-30b-a3b`` (issue 47, point 2; 150 s each: 64 s on 2026-11-30, and the probe writes eight ranks' programs for each expert-parallel version): as part 1, 2
+4. ``rank:mixtral-8x7b``, ``rank:qwen3-30b-a3b`` (issue 47, point 2; 180 s each: 64 s on 2026-11-30, and the probe writes eight ranks' programs for each expert-parallel version): as part 1, 2
    layers, 2 x 4096, eager: the solver's plan, expert-parallel, expert-TP and expert-parallel with
    the all-to-all dispatch, each predicted and measured, each experts layout on the rank whose
    rows are nearest a balanced share (probed) and on the most loaded one (the 2026-11-30 round
-   timed rank 0, which a random router gave 3.12x and 2.05x its share of the rows).
+   timed rank 0, which a random router gave 3.12x and 2.05x its share of the rows); and the solver's
+   plan made at the batch's measured routing load (``expert_load``), held to each version's busiest
+   rank, the step this router waits for.
 5. ``nccl:collectives`` (15 s: the c10d methods autotp's eager collectives call, the coalesced
    rows of a sequence split, all-to-alls with an empty send, under NCCL in a world of one),
    ``rank:gpt2-xl`` (issue 44, point 3; 35 s: gpt2-xl 12 layers, 8 x 1024, eager), ``host:cuda``
@@ -45,8 +47,8 @@ is estimated to take on an H200 (child start-up, about 10 s, included):
 7. ``rank:gpt2-xl+compile`` (issue 44, point 3; 135 s: inductor compiles 12 layers twice): the
    gpt2-xl rank again with both compiled, where the budget has room.
 
-Parts 1-4 are estimated at 470 s, all at 790 s: with ``--budget 480`` parts 1-4 run, the rest in a
-second call (``--only nccl rank:gpt2-xl host:cuda moe norm --budget 200``).
+Parts 1 to 4's Mixtral are estimated at 350 s, all at 850 s: with ``--budget 480`` they run, the rest
+in a second call (``--only rank:qwen3-30b-a3b nccl rank:gpt2-xl host:cuda --budget 240``).
 run. A part starts only while its estimate fits
 before a minute past ``--budget`` (default 480 s; the device tool's limit is 600 s a command),
 and a part still running then is stopped.
@@ -98,11 +100,12 @@ ROUND = [
     Part("predict:llama-3-8b", "44.1", 30, 90, "predicted_ops", dict(model="llama-3-8b", layers=4, batch=2,
                                                                      seq=4096)),
     # each experts layout on the rank whose rows are nearest a balanced share (probed: a fake world's
-    # routing is not serial's), and on the most loaded one
-    Part("rank:mixtral-8x7b", "47.2", 150, 270, "rank", dict(model="mixtral-8x7b", layers=2, batch=2, seq=4096,
-                                                               rank_by="probe", busiest_rank="on")),
-    Part("rank:qwen3-30b-a3b", "47.2", 150, 270, "rank", dict(model="qwen3-30b-a3b", layers=2, batch=2, seq=4096,
-                                                                rank_by="probe", busiest_rank="on")),
+    # routing is not serial's), and on the most loaded one; the default plan at a balanced router and at
+    # the batch's measured routing load (expert_load: the busiest rank priced)
+    Part("rank:mixtral-8x7b", "47.2", 180, 300, "rank", dict(model="mixtral-8x7b", layers=2, batch=2, seq=4096,
+                                                               rank_by="probe", busiest_rank="on", plan_load="both")),
+    Part("rank:qwen3-30b-a3b", "47.2", 180, 300, "rank", dict(model="qwen3-30b-a3b", layers=2, batch=2, seq=4096,
+                                                                rank_by="probe", busiest_rank="on", plan_load="both")),
     Part("nccl:collectives", "noticed", 15, 60, "collectives"),
     Part("rank:gpt2-xl", "44.3", 35, 90, "rank", dict(model="gpt2-xl", layers=12, batch=8, seq=1024)),
     Part("host:cuda", "noticed", 50, 90, "rank_host"),

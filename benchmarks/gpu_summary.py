@@ -21,6 +21,8 @@ DENSE_GOAL, MOE_GOAL, PICK_SLACK = 0.85, 0.7, 1.10
 LOAD_SLACK = 0.10
 #: rank_efficiency.py's experts versions, beside its "default" (the solver's own plan)
 VERSIONS = ("expert-parallel", "expert-TP", "expert-parallel, all-to-all dispatch")
+#: rank_efficiency.py's default plan made at the batch's measured routing load (``--plan-load``)
+AT_LOAD = "default, measured load"
 
 
 def _clock(results: dict) -> str:
@@ -113,11 +115,12 @@ def _moe(parts: dict, clock: str) -> list[str]:
     for name, fig in _measured(parts, "47.2", lines):
         versions = {k: v for k, v in fig["versions"].items() if k != "load"}
         share = versions["serial"][clock] / 8
-        for label in ("default", *VERSIONS):
+        for label in ("default", AT_LOAD, *VERSIONS):
             v = versions.get(label)
             if v is None:
                 continue
-            shown = "solver's pick (default plan)" if label == "default" else label
+            shown = {"default": "solver's pick (default plan)",
+                     AT_LOAD: "solver's pick at the batch's measured load"}.get(label, label)
             roles = ", ".join(v["expert_roles"]) or "-"
             roles += " (all-to-all dispatch)" if v.get("dispatch") else ""
             for run, row in ((shown, v), (f"{shown}, busiest rank", v.get("busiest"))):
@@ -136,7 +139,29 @@ def _moe(parts: dict, clock: str) -> list[str]:
                          + f"; best efficiency {_ratio(share, measured[fastest]):.2f} against the goal {MOE_GOAL}; "
                          f"fastest predicted: {by_prediction}. " + _skew(fig["versions"].get("load"), versions, clock)
                          + "Plan notes: " + " | ".join(n[:200] for n in versions["default"]["notes"][:2]))
+        if AT_LOAD in versions:
+            picks.append(_pick_at_load(fig["model"], versions, clock))
     return lines + [""] + picks + [""]
+
+
+def _pick_at_load(model: str, versions: dict, clock: str) -> str:
+    """The plan made at the measured load against this router's real step: each version's
+    slowest rank run (its busiest where one was run, else the rank that ran: every rank alike)."""
+    def waits(v: dict) -> float:
+        return (v.get("busiest") or v)[clock]
+
+    steps = {k: waits(v) for k, v in versions.items() if k not in ("serial", "load") and waits(v) == waits(v)}
+    others = {k: t for k, t in steps.items() if k not in ("default", AT_LOAD)}
+    if AT_LOAD not in steps or not others:
+        return f"- {model}: the pick at the measured load was not measured against the layouts."
+    fastest = min(others, key=others.get)
+    over = steps[AT_LOAD] / others[fastest]
+    return (f"- {model}, at this router's load (each version's busiest rank run, what its step waits for): the "
+            f"solver's pick planned at the measured load ({', '.join(versions[AT_LOAD]['expert_roles']) or '-'}) "
+            f"measured {over:.2f}x the fastest ({fastest}): "
+            + ("within 10%" if over <= PICK_SLACK else "**more than 10% slower**")
+            + (f"; at a balanced router's plan {steps['default'] / others[fastest]:.2f}x" if "default" in steps
+               else "") + ".")
 
 
 def _rank(row: dict) -> str:

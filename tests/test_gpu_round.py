@@ -236,3 +236,25 @@ def test_summary_reads_the_balanced_rank_for_the_goal_and_states_the_skew():
     versions["expert-parallel"]["load"] = 0.44   # the fake world's rank ran off a balanced share
     text = "\n".join(summary(_round({"rank:m": {"point": "47.2", "estimate_s": 1, "s": 1, "figures": fig}})))
     assert "**Not a balanced step**" in text and ": expert-parallel 0.44;" in text and "default 1.02" not in text
+
+
+def test_summary_holds_the_pick_at_the_measured_load_to_each_versions_busiest_rank():
+    def at(rank: int, load: float, clock: float, roles: list, busiest: dict | None = None) -> dict:
+        v = {**_version(clock, roles=roles), "rank": rank, "load": load}
+        return {**v, "busiest": busiest} if busiest else v
+
+    ep, etp = ["expert"], ["expert_column", "expert_row"]
+    versions = {"serial": {"clock": 8.0, "thread": math.nan, "busy": 0.9, "compiled": None},
+                "default": at(7, 1.0, 1.0, ep, busiest=at(0, 2.5, 2.0, ep)),
+                "default, measured load": at(7, 1.0, 1.3, etp),
+                "expert-parallel": at(7, 1.0, 1.0, ep, busiest=at(0, 2.5, 2.0, ep)),
+                "expert-TP": at(7, 1.0, 1.25, etp)}
+    fig = {"model": "mixtral-8x7b", "versions": versions}
+    text = "\n".join(summary(_round({"rank:m": {"point": "47.2", "estimate_s": 1, "s": 1, "figures": fig}})))
+    assert "| solver's pick at the batch's measured load | expert_column, expert_row |" in text
+    # this router's step waits for expert-parallel's busiest rank (2.0): expert-TP (1.25) is the fastest
+    assert ("the solver's pick planned at the measured load (expert_column, expert_row) measured 1.04x the fastest "
+            "(expert-TP): within 10%; at a balanced router's plan 1.60x.") in text
+    versions["default, measured load"] = at(7, 1.0, 2.0, ep, busiest=at(0, 2.5, 2.6, ep))
+    text = "\n".join(summary(_round({"rank:m": {"point": "47.2", "estimate_s": 1, "s": 1, "figures": fig}})))
+    assert "measured 2.08x the fastest (expert-TP): **more than 10% slower**" in text
