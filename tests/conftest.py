@@ -14,20 +14,23 @@ WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if WORKERS > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORKERS))
 
-#: the fast tier's longest files on 2 cores, longest first (pytest --durations, summed per file):
-#: collected first, so that the two xdist workers (dev.py: one file at a time, in this order) take
-#: them at the start and end together on the many short files
+#: the fast tier's longest files on 2 cores, longest first (pytest --durations, summed per file:
+#: the last fresh clone's two-worker figures where a file's cases were listed, files timed alone
+#: otherwise): collected first, so that the two xdist workers (dev.py: one file at a time, in this
+#: order) take them at the start and end together on the many short files. A file of one or two
+#: long cases belongs here too: left to the end of the collection it would run alone on one worker
 LONGEST_FIRST = ("tests/e2e/test_compile.py", "tests/e2e/test_experts.py", "tests/runtime/test_host_syncs.py",
-                 "tests/passes/test_attention.py", "tests/runtime/test_dcp_safety.py",
-                 "tests/runtime/test_pipeline.py", "tests/e2e/test_torchrun.py", "tests/e2e/test_families.py",
-                 "tests/e2e/test_fixed_length.py", "tests/passes/test_experts_plan.py",
-                 "tests/passes/test_recurrent_plan.py", "tests/e2e/test_generate.py",
-                 "tests/passes/test_families_plan.py", "tests/e2e/test_sequence_parallel_families.py",
-                 "tests/runtime/test_dtensor_params.py", "tests/e2e/test_llama4.py",
-                 "tests/test_capture_cache.py", "tests/passes/test_rules.py",
-                 "tests/e2e/test_calls_after_training.py", "tests/e2e/test_sequence_parallel_gathers.py",
-                 "tests/test_capture_expand.py", "tests/test_plan.py", "tests/passes/test_solve.py",
-                 "tests/test_fake_backend.py", "tests/e2e/test_training.py", "tests/e2e/test_calls.py")
+                 "tests/e2e/test_training.py", "tests/passes/test_attention.py", "tests/runtime/test_pipeline.py",
+                 "tests/e2e/test_torchrun.py", "tests/e2e/test_families.py", "tests/runtime/test_dcp_safety.py",
+                 "tests/e2e/test_calls_after_training.py", "tests/e2e/test_generate.py",
+                 "tests/passes/test_recurrent_plan.py", "tests/e2e/test_llama4.py",
+                 "tests/passes/test_experts_plan.py", "tests/test_capture_canonical.py", "tests/e2e/test_encoders.py",
+                 "tests/e2e/test_own_routing.py", "tests/e2e/test_experts_row_scales.py",
+                 "tests/e2e/test_fixed_length.py", "tests/passes/test_families_plan.py",
+                 "tests/e2e/test_sequence_parallel_families.py", "tests/runtime/test_dtensor_params.py",
+                 "tests/e2e/test_sliding_window.py", "tests/test_capture_cache.py", "tests/passes/test_rules.py",
+                 "tests/e2e/test_sequence_parallel_gathers.py", "tests/test_capture_expand.py", "tests/test_plan.py",
+                 "tests/passes/test_solve.py", "tests/test_fake_backend.py", "tests/e2e/test_calls.py")
 
 
 def pytest_collection_modifyitems(config, items):
