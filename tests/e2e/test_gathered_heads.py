@@ -5,7 +5,7 @@ on h100-dgx, without sequence parallelism) gathers, in at least one layer (the o
 folded hidden: a near tie since GPT-2's activations run fused), the heads of ``scaled_dot_product_attention``'s
 output ``[b, heads, s, d]``, which attention holds as ``[b, s, heads, d]``; the program then folds
 the heads into the hidden (``transpose``, ``reshape``). The all-gather now gathers in that memory
-order and returns the same permutation (``collectives._all_gather``), so the fold is a view as in
+order and returns the same permutation (``gather_scatter._all_gather``), so the fold is a view as in
 serial, and its backward hands attention the rank's slice of the gradient as a view. Every rank's
 loss, logits and gradients match serial's, float64 on gloo ranks, and the program clones no whole
 activation.

@@ -73,7 +73,7 @@ def _check(cluster, case):
 
 
 # Two layers at tp=4: length 3 leaves rank 3 without tokens, 13 splits 4/3/3/3, 12 evenly (at a
-# batch of 2, gathered and reduce-scattered row by row: collectives.ROWS_COALESCED).
+# batch of 2, gathered and reduce-scattered row by row: gather_scatter.ROWS_COALESCED).
 UNEVEN = {"tp": 4, "config": dict(n_layer=2, n_head=4, n_embd=32, vocab_size=40, n_positions=16,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
           "megatron": True, "batch": 2, "lengths": [3, 13, 12], "dtype": "float64", "seed": 7}

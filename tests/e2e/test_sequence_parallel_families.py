@@ -133,7 +133,7 @@ def assert_sp_calls(cluster_of, case: dict) -> None:
 
 
 FAST = [dict(family="gpt2", tp=2, seq=7, seed=1, small=True), dict(family="llama", tp=2, seq=5, seed=2, small=True)]
-#: a batch of one: a rank's slice of the sequence is a view of the whole (collectives.rank_slice),
+#: a batch of one: a rank's slice of the sequence is a view of the whole (shards.rank_slice),
 #: the gathered blocks the whole tensor, with no copy
 FAST += [dict(family="gpt2", tp=2, seq=7, seed=5, batch=1, small=True)]
 #: besides: the families whose row-parallel partial sums meet a dropout (Phi-3) or a post-norm's

@@ -326,7 +326,7 @@ def rows_cases(draw) -> Case:
 def run_rows_mapping(op: str, case: Case, loop: bool = False) -> tuple[torch.Tensor, torch.Tensor, list]:
     """Runs in a rank: a gather, gather_into or reduce-scatter of a split after a few rows, forward
     and backward through its autograd Function; the output, the input's gradient, and the copies
-    the two collectives made (sites in collectives.py, CopyCounter's). ``loop``: the rows one
+    the two collectives made (sites in gather_scatter.py, CopyCounter's). ``loop``: the rows one
     collective after another, as a backend without coalesced collectives takes them."""
     from autotp.testing.work import CopyCounter
 

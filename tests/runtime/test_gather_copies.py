@@ -1,7 +1,7 @@
 """The copies an all-gather and a reduce-scatter make to lay a split of an inner dim out, counted on
 one rank on torch's ``fake`` backend, against what the cost model prices for them
 (``propagate.layout_copy_seconds``): an even split after a few leading rows (the sequence of
-``[b, s, h]`` at a batch of 2 to ``collectives.ROWS_COALESCED``) copies nothing and is priced
+``[b, s, h]`` at a batch of 2 to ``gather_scatter.ROWS_COALESCED``) copies nothing and is priced
 nothing beyond its collective, issued as one coalesced call of one collective a row (one kernel
 under NCCL); more rows (the hidden after ``b*s``), or an uneven split, one copy of the whole tensor (read
 and written) each way a gather or reduce-scatter moves it, priced so. (Before, every split of an

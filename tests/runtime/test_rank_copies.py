@@ -12,19 +12,19 @@ backward formulas: rotary's ``cat``, the labels' pad, a reshape of a transposed 
 the rank's size, never more bytes than serial's. autotp's own code around them copies only
 where a real collective, or a slice the program's views read, needs it:
 
-* ``collectives._all_gather``: an all-gather lands the ranks' blocks one after another along
+* ``gather_scatter._all_gather``: an all-gather lands the ranks' blocks one after another along
   dim 0 (NCCL's and gloo's ``all_gather_into_tensor``); a split of another dim with more than
-  ``collectives.ROWS_COALESCED`` leading rows before it (the hidden of any [b, s, h]) is moved
+  ``gather_scatter.ROWS_COALESCED`` leading rows before it (the hidden of any [b, s, h]) is moved
   into place, one copy of the gathered tensor; a send that is not contiguous is made so. A split
   of dim 0, or with only dims of size one before it (the sequence of a batch of one), is the
   gathered buffer itself, and an even split after a few rows (the sequence of a batch of two)
   is gathered row by row into the result: no copy. An even split's part held as a permutation
   (attention's output ``[b, heads, s, d]`` held ``[b, s, heads, d]``) is gathered in its
   memory's order and returned so: no send copy, and the program's fold of the heads is a view.
-* ``collectives._reduce_scatter``: a reduce-scatter reads each rank's block one after another
+* ``gather_scatter._reduce_scatter``: a reduce-scatter reads each rank's block one after another
   along dim 0; the same splits are staged into that order (one copy of the summand), others
   are that order already or reduce-scattered row by row (the sequence of a batch of two).
-* ``collectives._all_to_all``: a reshard's all-to-all (one split to another) sends and receives
+* ``exchange._all_to_all``: a reshard's all-to-all (one split to another) sends and receives
   the ranks' blocks one after another along dim 0; the rank's part is staged into that order by
   the split it is sent as and the blocks received are laid out by the split they came as, one
   copy of the rank's part each side (none where that split is of dim 0, or has only dims of size
@@ -36,7 +36,7 @@ where a real collective, or a slice the program's views read, needs it:
 
 An f's and a g's all-reduce make no copy: they reduce in place (``autotp.passes.in_place``; a
 functional all-reduce copies its input first, which ``CopyCounter`` records as an ``all_reduce``
-copy at ``collectives._all_reduce``), in training and inference alike.
+copy at ``comm._all_reduce``), in training and inference alike.
 
 And the per-call check of the inputs' index ranges (``inputs.stage_index_bounds``: one number per
 bounded input, stacked to be read at once; bytes, not tensors). Never a cast, and never a copy of a tensor laid out as the copy is (a contiguous slice, a

@@ -10,7 +10,7 @@ scatters, f and g) and forbidden. What may not cost a step anything:
 * the layout arithmetic of a split (``autotp.placements``: each rank's ranges, the widest part,
   whether it is even), which depends on the shard, the size and tp alone: worked out once;
 * a functional collective's Python in eager code, where c10d's collective does the same into a
-  buffer (the all-reduces of f and g are another matter, ``collectives._all_reduce``);
+  buffer (the all-reduces of f and g are another matter, ``comm._all_reduce``);
 * a generator context manager, an import statement or ``copy.copy`` in what runs per collective
   or per parameter (the mappings, their layouts, the parameters' leaves and hooks), nor a compile
   check per parameter;
@@ -105,7 +105,7 @@ def test_eager_gathers_and_reduce_scatters_call_c10d_not_functional_collectives(
     functional = {op: n for op, n in ops.items() if op.startswith("_c10d_functional.")
                   and "all_reduce" not in op and "wait_tensor" not in op and "wrap_tensor" not in op}
     assert functional == {}
-    # every wait is an all-reduce's (f's and g's, collectives._all_reduce)
+    # every wait is an all-reduce's (f's and g's, comm._all_reduce)
     assert ops["_c10d_functional.wait_tensor"] <= ops["_c10d_functional.all_reduce"]
 
 
