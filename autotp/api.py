@@ -73,7 +73,7 @@ def plan(model: nn.Module, tp: int | None = None, *, batch: int = 8, seq: int | 
          seq_range: tuple[int, int] | None = None, world: int | None = None,
          gpus_per_node: int = 8, host_reads: bool = True,
          expert_dispatch: bool | None = None, fuse_activations: bool = True,
-         fuse_norms: bool = True) -> "Plan | PipelinePlan":
+         fuse_norms: bool = True, fuse_products: bool = True) -> "Plan | PipelinePlan":
     """Choose a plan for ``model`` at ``tp`` without any process group (a meta model works).
 
     ``world=N`` (with ``gpus_per_node``) chooses tensor x pipeline x data parallelism for N GPUs
@@ -91,11 +91,12 @@ def plan(model: nn.Module, tp: int | None = None, *, batch: int = 8, seq: int | 
     the config's maximum positions, else as wide as torch.export allows).
     ``host_reads=False``: only layouts whose step reads no device value on the host (see
     :func:`parallelize`). ``expert_dispatch``: see :func:`build_plan` (default: by cost).
-    ``fuse_activations``, ``fuse_norms``: see :func:`parallelize`."""
+    ``fuse_activations``, ``fuse_norms``, ``fuse_products``: see :func:`parallelize`."""
     batch, seq, layout, memory_limit = check_planning(batch, seq, layout, memory_limit)
     host_reads = check_flag("host_reads", host_reads)
     fuse_activations = check_flag("fuse_activations", fuse_activations)
     fuse_norms = check_flag("fuse_norms", fuse_norms)
+    fuse_products = check_flag("fuse_products", fuse_products)
     if world is not None:
         from .ptd import plan_ptd
 
@@ -117,7 +118,7 @@ def plan(model: nn.Module, tp: int | None = None, *, batch: int = 8, seq: int | 
                               layout=layout, uneven=uneven, gather_logits=gather_logits,
                               memory_limit=memory_limit, sequence_parallel=sequence_parallel, host_reads=host_reads,
                               expert_dispatch=expert_dispatch, fuse_activations=fuse_activations,
-                              fuse_norms=fuse_norms)
+                              fuse_norms=fuse_norms, fuse_products=fuse_products)
     return result
 
 
@@ -156,13 +157,13 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
                 stage_layers: Any = None, rng: str = "torch",
                 align_products: bool | None = None, host_reads: bool | None = None,
                 expert_dispatch: bool | None = None, fuse_activations: bool | None = None,
-                fuse_norms: bool | None = None) -> "ParallelModule":
+                fuse_norms: bool | None = None, fuse_products: bool | None = None) -> "ParallelModule":
     """Split ``model`` over this rank's TP group; see the module docs and docs/architecture.md.
 
     ``plan``: a plan made before (:func:`plan`, or ``Plan.from_json``) to run instead of planning
     here. Its programs are built with the arguments it was made with (``plan.arguments``:
     ``sequence_parallel``, ``expert_dispatch``, ``gather_logits``, ``host_reads``,
-    ``fuse_activations``, ``fuse_norms``, ``uneven``), so that they are the ones ``parallelize``
+    ``fuse_activations``, ``fuse_norms``, ``fuse_products``, ``uneven``), so that they are the ones ``parallelize``
     with those arguments builds; each of them left unset (None) takes the plan's, and one given
     that contradicts the plan's is a ConfigError (re-plan with it, or drop it). ``profile``,
     ``batch`` and ``seq`` (the device and workload later programs' activations are priced at)
@@ -171,8 +172,8 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
     ``memory_limit`` does not move a saved plan's placements. A plan saved before its arguments
     were recorded (plan file version 1) is built with the arguments given, as before.
 
-    Without a plan: ``batch`` defaults to 8, ``uneven``, ``host_reads``, ``fuse_activations`` and
-    ``fuse_norms`` to True, and :func:`plan` documents each.
+    Without a plan: ``batch`` defaults to 8, ``uneven``, ``host_reads``, ``fuse_activations``,
+    ``fuse_norms`` and ``fuse_products`` to True, and :func:`plan` documents each.
 
     ``pp > 1`` also cuts it into ``pp`` pipeline stages (a world of ``dp * pp * tp`` ranks) and
     returns this rank's stage, a :class:`~autotp.runtime.pipeline.PipelineModule` whose
@@ -223,7 +224,15 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
     ``rsqrt``, ``mul``: HF's Llama and its kin) runs its statistic as one ``aten.rms_norm`` (on
     CUDA one kernel each way; on CPU the same ops in the same order), the model's casts and weight
     multiply kept as written (:mod:`autotp.passes.norms`); ``False`` runs the ops as written, as
-    ``sequence_parallel=False`` does (see :func:`~autotp.planner.build_plan`)."""
+    ``sequence_parallel=False`` does (see :func:`~autotp.planner.build_plan`).
+
+    ``fuse_products`` (default True): sibling products, ``linear``s of one input (Llama's q, k, v
+    projections, its gate and up), run as one product of their weights joined at each step, its
+    output split back (:mod:`autotp.passes.products`): one product forward and one input-gradient
+    product backward instead of three, no ``add``s of their input gradients, a wider and faster
+    product on each rank. The parameters stay the model's own. Where the siblings cannot be split
+    alike (fewer kv heads than ranks), the plan runs them apart (the cheaper of the two plans);
+    the plan's notes say what was fused. ``False`` runs them as written."""
     if device is None:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if torch.device(device).type == "meta":
@@ -237,7 +246,7 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
                         microbatches=microbatches, schedule=schedule, virtual=virtual,
                         stage_layers=stage_layers, rng=rng, align_products=align_products, host_reads=host_reads,
                         expert_dispatch=expert_dispatch, fuse_activations=fuse_activations,
-                        fuse_norms=fuse_norms)
+                        fuse_norms=fuse_norms, fuse_products=fuse_products)
 
 
 def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, layout: Mapping[str, Any] | None,
@@ -250,7 +259,7 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
                  stage_layers: Any = None, rng: str = "torch",
                  align_products: bool | None = None, host_reads: bool | None = None,
                  expert_dispatch: bool | None = None, fuse_activations: bool | None = None,
-                 fuse_norms: bool | None = None) -> "ParallelModule":
+                 fuse_norms: bool | None = None, fuse_products: bool | None = None) -> "ParallelModule":
     from .distributed.mesh import get_mesh
     from .runtime.module.module import ParallelModule
     from .runtime.module.outline import layer_paths
@@ -263,10 +272,11 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
     # the programs are built with the plan's arguments (autotp/plan/arguments.py)
     planned_with = resolve(plan, sequence_parallel=sequence_parallel, expert_dispatch=expert_dispatch,
                            gather_logits=gather_logits, host_reads=host_reads, fuse_activations=fuse_activations,
-                           fuse_norms=fuse_norms, uneven=uneven)
+                           fuse_norms=fuse_norms, fuse_products=fuse_products, uneven=uneven)
     sequence_parallel, expert_dispatch = planned_with["sequence_parallel"], planned_with["expert_dispatch"]
     gather_logits, host_reads, uneven = planned_with["gather_logits"], planned_with["host_reads"], planned_with["uneven"]
     fuse_activations, fuse_norms = planned_with["fuse_activations"], planned_with["fuse_norms"]
+    fuse_products = planned_with["fuse_products"]
     if batch is None:   # the workload later programs are priced at: the plan's, unless given
         batch = plan.batch if plan is not None else 8
     if seq is None and plan is not None:
@@ -360,7 +370,7 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
         check_heads(call_cap, tp, uneven)
         return build_plan(call_cap, tp, batch=batch, profile=profile, uneven=uneven, align=align,
                           host_reads=host_reads, expert_dispatch=dispatch, fuse_activations=fuse_activations,
-                          fuse_norms=fuse_norms,
+                          fuse_norms=fuse_norms, fuse_products=fuse_products,
                           **call)
 
     def program(index: GraphIndex, prop: Propagation) -> Any:

@@ -570,6 +570,15 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
                 k = len(shape_of(x)) - 1
                 c, u = row_hint(x, k, tp, uneven)
                 info.input_hints[(0, k)] = (c, u, rotate, 0, c > 1)   # blocks only from groups of heads
+    if node.target is aten.cat.default and isinstance(info.output, TensorMeta):
+        # weights joined for one product (sibling products fused, autotp/passes/products.py):
+        # the joined dim splits as the product's output is read, each weight its blocks
+        reader = _joined_weight_reader(node, param_names)
+        if reader is not None:
+            weight = node.args[0][0]
+            rotate = _layer_index(param_names.get(weight.name, ""))
+            c, u, t, sizes, whole = column_hint(reader, _out_meta(reader).ndim - 1, tp, uneven, constant)
+            info.hints[0] = (c, u, rotate, t, False, sizes, whole)
     if mutates_first(node.target):
         info.writes_alone = _written_alone(node)
     if node.target is aten.index.Tensor:
@@ -599,6 +608,23 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
             c, u, t, sizes, whole = column_hint(node, d, tp, uneven, constant)
             info.hints[d] = (c, u, rotate, t, False, sizes, whole)
     return info, inputs
+
+
+def _joined_weight_reader(node: fx.Node, param_names: Mapping[str, str]) -> fx.Node | None:
+    """The product whose weight ``node`` is, where ``node`` joins parameters' 2-D weights along
+    dim 0 (``cat([Wq, Wk, Wv])``) and that product (``linear``) alone reads it; else None."""
+    parts = node.args[0] if node.args else None
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if dim != 0 or not isinstance(parts, (list, tuple)) or len(parts) < 2 or len(node.users) != 1:
+        return None
+    if not all(isinstance(p, fx.Node) and p.op == "placeholder" and p.name in param_names
+               and len(shape_of(p) or ()) == 2 for p in parts):
+        return None
+    reader = next(iter(node.users))
+    if reader.target is not aten.linear.default or len(reader.args) < 2 or reader.args[1] is not node \
+            or not isinstance(_out_meta(reader), TensorMeta):
+        return None
+    return reader
 
 
 def _written_alone(node: fx.Node) -> bool:

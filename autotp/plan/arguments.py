@@ -3,7 +3,7 @@
 A plan fixes the parameters' placements; the programs ``parallelize`` builds from it (the first
 call's and every later one's) are each planned under those placements, and how depends on more
 than the placements: whether sequence parallelism is offered, forced or forbidden, how the experts
-get their rows, whether a step may read on the host, which activations and norms run fused, whether
+get their rows, whether a step may read on the host, which activations, norms and sibling products run fused, whether
 shards may be uneven, whether the logits are gathered. :class:`PlanArguments` records them, so that
 ``parallelize(model, tp, plan=p)`` builds what ``parallelize(model, tp, <p's arguments>)`` builds,
 from the plan alone or its JSON file; :func:`resolve` merges them with the arguments a call gives,
@@ -23,7 +23,7 @@ from ..errors import ConfigError
 
 #: an argument's value when the caller leaves it to the plan (or, without one, to the default)
 _DEFAULTS = {"sequence_parallel": None, "expert_dispatch": None, "gather_logits": None, "host_reads": True,
-             "fuse_activations": True, "fuse_norms": True, "uneven": True}
+             "fuse_activations": True, "fuse_norms": True, "fuse_products": True, "uneven": True}
 #: those whose None is itself a choice (by cost): given None with a plan, they take the plan's
 _BY_COST = ("sequence_parallel", "expert_dispatch", "gather_logits")
 
@@ -39,6 +39,7 @@ class PlanArguments:
     host_reads: bool = True
     fuse_activations: bool = True
     fuse_norms: bool = True
+    fuse_products: bool = True
     uneven: bool = True
 
     def to_json(self) -> dict[str, Any]:

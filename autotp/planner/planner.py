@@ -16,6 +16,7 @@ from ..errors import ConfigError, MemoryLimitError, PlanError
 from ..passes.activations import fuse_activations as activations_fused, fused_note
 from ..passes.norms import find_norms, fuse_norms as norms_fused, norms_note
 from ..passes.pins import unholdable_pin
+from ..passes.products import products_note
 from ..passes.propagate import GraphIndex, Propagation
 from ..passes.row_scales import moved
 from ..passes.solve import solve
@@ -29,6 +30,7 @@ from .notes import replicated_note, unsplit_mixer_note, what_memory_takes
 from .replay import under_pins
 from .roles import _first_uses, _pinned
 from .scales import narrower_scales, scales_note
+from .siblings import fused_cheaper
 from .sequence import no_sequence_region, sequence_fix, sequence_note, sequence_regions
 
 
@@ -42,7 +44,8 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                keep_split: frozenset[str] = frozenset(), align: Any = "profile",
                host_reads: bool = True,
                expert_dispatch: bool | None = None,
-               fuse_activations: bool = True, fuse_norms: bool = True) -> tuple[Plan, GraphIndex, Propagation]:
+               fuse_activations: bool = True, fuse_norms: bool = True,
+               fuse_products: bool = True) -> tuple[Plan, GraphIndex, Propagation]:
     """The plan for a capture. ``memory_limit`` (bytes per rank; default: the profile's device
     memory) bounds training state + activations; a saved ``plan`` is replayed, not re-solved.
 
@@ -94,7 +97,8 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
     ``sequence_parallel=False`` the statistics stay as written (a note says so): there a plan
     splits a norm's rows along the hidden dim (x squared gathered, each rank normalizing its
     columns), which ``aten.rms_norm``, keeping normalized dims whole, cannot."""
-    for name, flag in (("fuse_activations", fuse_activations), ("fuse_norms", fuse_norms)):
+    for name, flag in (("fuse_activations", fuse_activations), ("fuse_norms", fuse_norms),
+                       ("fuse_products", fuse_products)):
         if not isinstance(flag, bool):
             raise ConfigError(f"{name}={flag!r}: {name} is True or False")
     activations, norms = [], []
@@ -110,19 +114,27 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
     # what the programs built from the plan are built with (autotp/plan/arguments.py)
     arguments = PlanArguments(sequence_parallel=sequence_parallel, expert_dispatch=expert_dispatch,
                               gather_logits=gather_logits, host_reads=host_reads,
-                              fuse_activations=fuse_activations, fuse_norms=fuse_norms, uneven=uneven)
+                              fuse_activations=fuse_activations, fuse_norms=fuse_norms,
+                              fuse_products=fuse_products, uneven=uneven)
 
     def noted(result: Plan) -> Plan:
         result.notes.extend(notes)
         result.arguments = arguments
         return result
 
+    def attempt(c: Capture) -> tuple[Plan, GraphIndex, Propagation]:
+        return _build_plan(c, tp, batch=batch, seq=seq, profile=profile, layout=layout, plan=plan,
+                           uneven=uneven, gather_logits=gather_logits, memory_limit=memory_limit,
+                           sequence_parallel=sequence_parallel, input_placements=input_placements,
+                           keep_split=keep_split, align=align, host_reads=host_reads,
+                           expert_dispatch=expert_dispatch)
+
     try:
-        result, index, prop = _build_plan(cap, tp, batch=batch, seq=seq, profile=profile, layout=layout, plan=plan,
-                                          uneven=uneven, gather_logits=gather_logits, memory_limit=memory_limit,
-                                          sequence_parallel=sequence_parallel, input_placements=input_placements,
-                                          keep_split=keep_split, align=align, host_reads=host_reads,
-                                          expert_dispatch=expert_dispatch)
+        if fuse_products:   # sibling products joined where the plan splits them alike (planner/siblings.py)
+            (result, index, prop), products, apart = fused_cheaper(cap, tp, plan, attempt)
+            notes += [n for n in (products_note(products), apart) if n]
+        else:
+            result, index, prop = attempt(cap)
     except MemoryLimitError as exc:   # the plan without the limit it offers says the same
         without_limit = getattr(exc, "plan_without_limit", None)
         if without_limit is not None:
