@@ -345,13 +345,17 @@ class GraphIndex:
 
 
 def _param_views(capture: Capture) -> frozenset:
-    """The parameters and the nodes that are views of one, through any chain of views."""
+    """The parameters and the nodes that are views of one, through any chain of views, and
+    parameters joined for one product (sibling products fused, autotp/passes/products.py): split,
+    a join is its weights' shards, which a gather would turn into a weight moved each step."""
     found: set[fx.Node] = set()
     for node in capture.graph.nodes:
         if node.op == "placeholder" and node.name in capture.param_names:
             found.add(node)
         elif (node.op == "call_function" and node.args and node.args[0] in found
               and aliases_first(node.target)):
+            found.add(node)
+        elif node.op == "call_function" and _joined_weight_reader(node, capture.param_names) is not None:
             found.add(node)
     return frozenset(found)
 
@@ -458,6 +462,9 @@ def _grad_uses(node: fx.Node, grads: frozenset) -> int:
     """How many uses of ``node`` send a gradient back into it (autograd sums them)."""
     if node not in grads:
         return 0
+    if isinstance(node.meta.get("val"), (list, tuple)):
+        # pieces (a split's): each its own gradient, joined by the op's backward, never summed
+        return 1
     return sum(1 for user in node.users if user in grads)
 
 

@@ -68,10 +68,13 @@ def cat_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     dim = _join_dim(info, real[0].ndim)
     if not any(empty):
         out = _joined_shards(info, placements, lambda d: None if d == dim else d)
-        blocks = _cat_blocks(info, placements, dim)
-        out += [Strategy(tuple(placements), blocks)] if blocks is not None else []
+        # weights joined for a product, free or their dim alone pinned: split as the product's
+        # output is read (a plain Shard is a pin of the dim, its blocks read off the graph)
         fresh = _fresh_blocks(info, placements, dim)
-        return out + ([fresh] if fresh is not None and fresh not in out else [])
+        if fresh is not None:
+            return out + [fresh]
+        blocks = _cat_blocks(info, placements, dim)
+        return out + ([Strategy(tuple(placements), blocks)] if blocks is not None else [])
     sub = dataclasses.replace(info, inputs=tuple(real))
     joined = _joined_shards(sub, tuple(p for p, e in zip(placements, empty) if not e),
                             lambda d: None if d == dim else d)
