@@ -159,10 +159,21 @@ def fuse_sibling_graph(graph: fx.Graph, param_names: Any, skip: frozenset = froz
             end.replace_all_uses_with(piece)
         for node in list(sibs.bias_adds) + list(sibs.products):   # readers first
             graph.erase_node(node)
-        fused.append(Fused("+".join(str(o) for o in outs), module_path(last) or last.name, len(outs)))
+        fused.append(Fused("+".join(str(o) for o in outs), _common_module(sibs.products) or last.name, len(outs)))
     if fused:
         graph.lint()
     return fused
+
+
+def _common_module(products: tuple) -> str:
+    """The module holding every product of a set (``model.layers.0.self_attn``)."""
+    paths = [module_path(p).split(".") for p in products]
+    common = []
+    for parts in zip(*paths):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return ".".join(common)
 
 
 def _order(graph: fx.Graph) -> dict:
