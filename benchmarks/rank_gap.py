@@ -93,9 +93,12 @@ def gap(name: str, layers: int, batch: int, seq: int, tp: int, profile_name: str
     cap = capture(model)
     _, i1, p1 = build_plan(cap, 1, batch=batch, seq=seq, profile=prof, fuse_activations=False, fuse_norms=False,
                            fuse_products=False)
-    _, i1f, p1f = build_plan(cap, 1, batch=batch, seq=seq, profile=prof, fuse_products=fuse_products)
     _, i8, p8 = build_plan(cap, tp, batch=batch, seq=seq, profile=prof, memory_limit=float("inf"),
                            fuse_products=fuse_products)
+    # serial fused as the rank is: the rank's own capture (its activations, norms and the sibling
+    # products it joins fused already; at tp 1 the planner would keep the products apart, the
+    # join's copy of the whole weights costing more than it saves there)
+    _, i1f, p1f = build_plan(i8.capture, 1, batch=batch, seq=seq, profile=prof, fuse_products=False)
     as_run = per_node(i1, p1, prof, None)      # serial as the model runs it: its activations written out
     serial = per_node(i1f, p1f, prof, None)    # fused as the rank's: the same ops, node for node
     ranks = [per_node(i8, p8, prof, r) for r in range(tp)]

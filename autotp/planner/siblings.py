@@ -5,9 +5,11 @@ heads' groups (q | k | v, Megatron's fused projection), or every weight whole. W
 would split them differently (fewer kv heads than ranks: q by head, k and v whole on every rank)
 the joined product has no such layout and runs whole. So a fresh plan is solved with every set
 fused; where a set's weights come out whole at tp > 1, the capture with those sets apart is solved
-too and the cheaper predicted step kept (as :mod:`autotp.passes.row_scales`' moved scales are). A
-replayed plan (a later program's) fuses only the sets its weights' placements can join: all
-whole, or all split along their rows.
+too; and the capture with every set apart (the join copies the rank's weight shards each step,
+which costs more than it saves where the weights are large against the tokens: a decode step, a
+whole model at tp 1); the cheapest predicted step is kept (as :mod:`autotp.passes.row_scales`'
+moved scales are). A replayed plan (a later program's) joins only the sets its weights'
+placements can join (all whole, or all split along their rows), or none where that is cheaper.
 """
 from __future__ import annotations
 
@@ -37,29 +39,45 @@ def apart_in(plan: Any, cap: Any) -> frozenset:
 
 def fused_cheaper(cap: Any, tp: int, plan: Any, attempt: Callable[[Any], tuple]) -> tuple[tuple, list, str | None]:
     """``attempt`` (a capture -> its (plan, index, propagation)) on ``cap`` with its sibling
-    products fused as the module docstring says: the result, what was fused, and a note where
-    sets were kept apart (None where none was)."""
-    if plan is not None:
-        skip = apart_in(plan, cap)
-        fused_cap, fused = fuse_products(cap, skip)
-        return attempt(fused_cap), fused, _apart_note(len(skip), "the plan splits their weights differently")
-    fused_cap, fused = fuse_products(cap)
-    result = attempt(fused_cap)
-    if tp == 1 or not fused:
-        return result, fused, None
-    whole = frozenset(s.key for s in find_siblings(cap.graph, cap.param_names)
-                      if all(result[0].params.get(name, REPLICATE) == REPLICATE for name in _weights(cap, s)))
-    if not whole:
-        return result, fused, None
-    apart_cap, apart = fuse_products(cap, whole)
-    try:
-        other = attempt(apart_cap)
-    except PlanError:   # no plan with them apart (a memory limit): the fused one stands
-        return result, fused, None
-    if other[2].total_s < result[2].total_s:
-        return other, apart, _apart_note(len(whole), "fused, their joined product would run whole: apart, "
-                                         "the plan splits them cheaper")
-    return result, fused, None
+    products fused where that is cheaper (module docstring): the result, what was fused, and a
+    note where sets were kept apart (None where none was). The join is paid each step (a copy of
+    the rank's weight shards forward) where the written products pay an ``add`` of their input's
+    gradient per sibling and run narrower: it pays at a training workload split over ranks, not
+    where the weights are large against the tokens (a decode step, a whole model on one rank),
+    so the capture with every set apart is solved too and the cheaper predicted step kept."""
+    sets = find_siblings(cap.graph, cap.param_names)
+    if not sets:
+        return attempt(cap), [], None
+    tried: list[tuple[tuple, list, str | None]] = []
+    failure: PlanError | None = None
+
+    def trying(skip: frozenset, why: str) -> tuple | None:
+        nonlocal failure
+        try:
+            if len(skip) == len(sets):
+                result, fused = attempt(cap), []
+            else:
+                fused_cap, fused = fuse_products(cap, skip)
+                result = attempt(fused_cap)
+        except PlanError as exc:   # no plan this way (a memory limit): another way may have one
+            failure = failure or exc
+            return None
+        tried.append((result, fused, _apart_note(len(skip), why)))
+        return result
+
+    skip = apart_in(plan, cap) if plan is not None else frozenset()
+    first = trying(skip, "the plan splits their weights differently")
+    if first is not None and plan is None and tp > 1:
+        whole = frozenset(s.key for s in sets
+                          if all(first[0].params.get(name, REPLICATE) == REPLICATE for name in _weights(cap, s)))
+        if whole and len(whole) < len(sets):
+            trying(whole, "joined, their product would run whole: apart, the plan splits them cheaper")
+    if len(skip) < len(sets):
+        trying(frozenset(s.key for s in sets), "joined, the predicted step is slower: the join copies the "
+               "weights each step")
+    if not tried:
+        raise failure
+    return min(tried, key=lambda t: t[0][2].total_s)
 
 
 def _apart_note(n: int, why: str) -> str | None:

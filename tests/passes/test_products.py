@@ -103,7 +103,7 @@ def test_the_joined_weight_splits_as_each_ranks_run_of_every_siblings_heads():
     model = zoo.build("llama", config, dtype=torch.float32, seed=1, device="meta")
     cap = capture(model)
     layout = {"*q_proj.weight": "column", "*k_proj.weight": "column", "*v_proj.weight": "column"}
-    plan, index, prop = build_plan(cap, 2, batch=8, seq=32, profile="h100-dgx", layout=layout)
+    plan, index, prop = build_plan(cap, 2, batch=64, seq=32, profile="h100-dgx", layout=layout)
     cat = next(n for n in index.capture.graph.nodes if n.target is aten.cat.default
                and all(a.op == "placeholder" for a in n.args[0]))
     joined = prop.placements[cat]
@@ -118,3 +118,37 @@ def test_the_joined_weight_splits_as_each_ranks_run_of_every_siblings_heads():
             start += n
         assert list(local_ranges(48, joined, 2, rank)) == want
     assert [tuple(local_ranges(32, shards[0], 2, r)) for r in range(2)] == [((0, 16),), ((16, 32),)]
+
+
+def test_the_plan_joins_them_where_it_pays_and_keeps_them_apart_where_the_join_costs_more():
+    # Llama-3-8B's layer (bf16) at tp 8 on 2 x 4096 tokens: the rank's products are narrow and x's
+    # gradient is summed by three full-size adds: joined, the predicted step faster than apart
+    model = zoo.build("llama", zoo.published_config("llama-3-8b", layers=1), device="meta", dtype=torch.bfloat16)
+    cap = capture(model)
+    split, _, _ = build_plan(cap, 8, batch=2, seq=4096, profile="h200")
+    assert any(n.startswith("sibling products fused: 1 x 3 products of one input (4096+1024+1024 rows: "
+                            "model.layers.0.self_attn)") for n in split.notes), split.notes
+    assert not any(n.startswith("sibling products kept apart") for n in split.notes), split.notes
+    apart = build_plan(cap, 8, batch=2, seq=4096, profile="h200", fuse_products=False)[0]
+    assert split.compute_s + split.comm_s < apart.compute_s + apart.comm_s
+
+
+def test_the_cheaper_of_joined_and_apart_is_kept():
+    from types import SimpleNamespace
+
+    from autotp.planner.siblings import fused_cheaper
+
+    config = zoo.tiny_config("llama", layers=2, heads=4, kv_heads=2, head_dim=4, vocab=64)
+    cap = capture(zoo.build("llama", config, dtype=torch.float32, seed=1, device="meta"))
+
+    def attempt(joined_costs):
+        def run(c):
+            joins = sum(n.target is aten.cat.default and n.args[0][0].op == "placeholder" for n in c.graph.nodes)
+            return SimpleNamespace(params={}), None, SimpleNamespace(total_s=1.0 + joins * joined_costs)
+        return run
+
+    (_, _, prop), fused, note = fused_cheaper(cap, 1, None, attempt(+0.1))
+    assert (prop.total_s, fused) == (1.0, [])
+    assert note.startswith("sibling products kept apart: 4 sets (joined, the predicted step is slower"), note
+    (_, _, prop), fused, note = fused_cheaper(cap, 1, None, attempt(-0.1))
+    assert round(prop.total_s, 6) == 0.6 and len(fused) == 4 and note is None
