@@ -142,9 +142,13 @@ def fuse_sibling_graph(graph: fx.Graph, param_names: Any, skip: frozenset = froz
             b_val = torch.cat([_val(a.args[1]) for a in sibs.bias_adds]) if sibs.bias_adds else None
             z_val = y_val + b_val if b_val is not None else y_val
             piece_vals = torch.split(z_val, outs, -1)
-        # after the last sibling's weight and the input, before the first reader of any product
-        anchor = min((u for e in ends for u in e.users), key=lambda n: _order(graph)[n])
-        with graph.inserting_before(anchor):
+        # before the first reader of any product (x and the weights come before every product);
+        # where nothing reads them, after the last
+        order = _order(graph)
+        readers = [u for e in ends for u in e.users]
+        place = (graph.inserting_before(min(readers, key=order.__getitem__)) if readers
+                 else graph.inserting_after(max(ends, key=order.__getitem__)))
+        with place:
             w_cat = _meta_from(graph.call_function(aten.cat.default, (weights,)), first, w_val)
             y = _meta_from(graph.call_function(aten.linear.default, (sibs.x, w_cat)), first, y_val)
             if sibs.bias_adds:
@@ -185,7 +189,7 @@ def fuse_products(cap: Any, skip: frozenset = frozenset()) -> tuple[Any, list[Fu
     by :attr:`Siblings.key`), and what was fused; ``cap`` itself where there is none. Memoized on
     ``cap`` per ``skip``, as :func:`~autotp.passes.activations.fuse_activations`."""
     names = cap.param_names
-    return fused_capture(cap, f"_fused_products_{hash(skip)}" if skip else "_fused_products",
+    return fused_capture(cap, f"_fused_products_{sorted(skip)!r}" if skip else "_fused_products",
                          lambda graph: bool(find_siblings(graph, names, skip)),
                          lambda graph: fuse_sibling_graph(graph, names, skip))
 
