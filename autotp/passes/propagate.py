@@ -618,20 +618,30 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
 
 
 def _joined_weight_reader(node: fx.Node, param_names: Mapping[str, str]) -> fx.Node | None:
-    """The product whose weight ``node`` is, where ``node`` joins parameters' 2-D weights along
-    dim 0 (``cat([Wq, Wk, Wv])``) and that product (``linear``) alone reads it; else None."""
+    """The op whose output's last dim ``node`` joins, where ``node`` joins parameters along dim 0
+    for one product (sibling products fused, autotp/passes/products.py): their 2-D weights
+    (``cat([Wq, Wk, Wv])``) read by that ``linear`` alone, or their biases read by the ``add``
+    of that product alone; else None."""
+    if node.op != "call_function" or node.target is not aten.cat.default:
+        return None
     parts = node.args[0] if node.args else None
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     if dim != 0 or not isinstance(parts, (list, tuple)) or len(parts) < 2 or len(node.users) != 1:
         return None
-    if not all(isinstance(p, fx.Node) and p.op == "placeholder" and p.name in param_names
-               and len(shape_of(p) or ()) == 2 for p in parts):
+    ndims = {len(shape_of(p) or ()) if isinstance(p, fx.Node) else -1 for p in parts}
+    if not all(isinstance(p, fx.Node) and p.op == "placeholder" and p.name in param_names for p in parts) \
+            or ndims not in ({1}, {2}):
         return None
     reader = next(iter(node.users))
-    if reader.target is not aten.linear.default or len(reader.args) < 2 or reader.args[1] is not node \
-            or not isinstance(_out_meta(reader), TensorMeta):
+    if not isinstance(_out_meta(reader), TensorMeta) or len(reader.args) < 2 or reader.args[1] is not node:
         return None
-    return reader
+    if ndims == {2} and reader.target is aten.linear.default:
+        return reader
+    product = reader.args[0]
+    if ndims == {1} and reader.target is aten.add.Tensor and isinstance(product, fx.Node) \
+            and product.target is aten.linear.default:
+        return reader
+    return None
 
 
 def _written_alone(node: fx.Node) -> bool:
