@@ -74,8 +74,9 @@ def check_family(cluster_of, case: dict) -> None:
         assert 4 * LAYERS + 1 + kept <= ops["linear"] <= 4 * LAYERS + 1 + 2 * kept, (case, rank, ops, notes)
         if kept < 2 * LAYERS:
             assert any(n.startswith("sibling products fused:") for n in notes), notes
-        if case["family"] == "qwen2" and not apart:   # q|k|v's joined bias added inside its product
-            assert ops["biased"] == LAYERS, (case, rank, ops)
+        split = r["params"]["model.layers.0.self_attn.q_proj.weight"].startswith("S(0")
+        if case["family"] == "qwen2" and not apart and split:   # q|k|v's joined bias inside its product
+            assert ops["biased"] == LAYERS, (case, rank, ops, r["params"])
         assert r["names"], "the parallel module's parameters are the model's, by name"
         worst = max(r["errors"], key=r["errors"].get)
         assert r["errors"][worst] <= r["bound"], (case, rank, worst, r["errors"][worst], r["bound"])
