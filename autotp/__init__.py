@@ -9,7 +9,8 @@ from .errors import (AutotpError, CaptureError, CheckpointError, CommError, Conf
                      InputError, LostRankError, MemoryLimitError, NoRuleError, PlanError)
 from .placements import Partial, Replicate, Shard
 from .plan import Plan
-from .planner.expert_load import ExpertLoad, measure_expert_load
+from .plan.expert_load import ExpertLoad
+from .planner.expert_load import measure_expert_load
 from .version import __version__
 
 __all__ = [

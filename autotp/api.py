@@ -73,7 +73,7 @@ def plan(model: nn.Module, tp: int | None = None, *, batch: int = 8, seq: int | 
          seq_range: tuple[int, int] | None = None, world: int | None = None,
          gpus_per_node: int = 8, host_reads: bool = True,
          expert_dispatch: bool | None = None, fuse_activations: bool = True,
-         fuse_norms: bool = True, expert_load: Any = None) -> "Plan | PipelinePlan":
+         fuse_norms: bool = True, fuse_products: bool = True, expert_load: Any = None) -> "Plan | PipelinePlan":
     """Choose a plan for ``model`` at ``tp`` without any process group (a meta model works).
 
     ``world=N`` (with ``gpus_per_node``) chooses tensor x pipeline x data parallelism for N GPUs
@@ -91,13 +91,14 @@ def plan(model: nn.Module, tp: int | None = None, *, batch: int = 8, seq: int | 
     the config's maximum positions, else as wide as torch.export allows).
     ``host_reads=False``: only layouts whose step reads no device value on the host (see
     :func:`parallelize`). ``expert_dispatch``: see :func:`build_plan` (default: by cost).
-    ``fuse_activations``, ``fuse_norms``: see :func:`parallelize`.
+    ``fuse_activations``, ``fuse_norms``, ``fuse_products``: see :func:`parallelize`.
     ``expert_load``: the router's load expert parallelism is priced at (default None: a balanced
     router); :func:`autotp.measure_expert_load` measures it, see :func:`build_plan`."""
     batch, seq, layout, memory_limit = check_planning(batch, seq, layout, memory_limit)
     host_reads = check_flag("host_reads", host_reads)
     fuse_activations = check_flag("fuse_activations", fuse_activations)
     fuse_norms = check_flag("fuse_norms", fuse_norms)
+    fuse_products = check_flag("fuse_products", fuse_products)
     if world is not None:
         from .ptd import plan_ptd
 
@@ -119,7 +120,7 @@ def plan(model: nn.Module, tp: int | None = None, *, batch: int = 8, seq: int | 
                               layout=layout, uneven=uneven, gather_logits=gather_logits,
                               memory_limit=memory_limit, sequence_parallel=sequence_parallel, host_reads=host_reads,
                               expert_dispatch=expert_dispatch, fuse_activations=fuse_activations,
-                              fuse_norms=fuse_norms, expert_load=expert_load)
+                              fuse_norms=fuse_norms, fuse_products=fuse_products, expert_load=expert_load)
     return result
 
 
@@ -158,13 +159,14 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
                 stage_layers: Any = None, rng: str = "torch",
                 align_products: bool | None = None, host_reads: bool | None = None,
                 expert_dispatch: bool | None = None, fuse_activations: bool | None = None,
-                fuse_norms: bool | None = None, expert_load: Any = None) -> "ParallelModule":
+                fuse_norms: bool | None = None, fuse_products: bool | None = None,
+                expert_load: Any = None) -> "ParallelModule":
     """Split ``model`` over this rank's TP group; see the module docs and docs/architecture.md.
 
     ``plan``: a plan made before (:func:`plan`, or ``Plan.from_json``) to run instead of planning
     here. Its programs are built with the arguments it was made with (``plan.arguments``:
     ``sequence_parallel``, ``expert_dispatch``, ``gather_logits``, ``host_reads``,
-    ``fuse_activations``, ``fuse_norms``, ``uneven``, ``expert_load``), so that they are the ones ``parallelize``
+    ``fuse_activations``, ``fuse_norms``, ``fuse_products``, ``uneven``, ``expert_load``), so that they are the ones ``parallelize``
     with those arguments builds; each of them left unset (None) takes the plan's, and one given
     that contradicts the plan's is a ConfigError (re-plan with it, or drop it). ``profile``,
     ``batch`` and ``seq`` (the device and workload later programs' activations are priced at)
@@ -173,8 +175,8 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
     ``memory_limit`` does not move a saved plan's placements. A plan saved before its arguments
     were recorded (plan file version 1) is built with the arguments given, as before.
 
-    Without a plan: ``batch`` defaults to 8, ``uneven``, ``host_reads``, ``fuse_activations`` and
-    ``fuse_norms`` to True, and :func:`plan` documents each.
+    Without a plan: ``batch`` defaults to 8, ``uneven``, ``host_reads``, ``fuse_activations``,
+    ``fuse_norms`` and ``fuse_products`` to True, and :func:`plan` documents each.
 
     ``pp > 1`` also cuts it into ``pp`` pipeline stages (a world of ``dp * pp * tp`` ranks) and
     returns this rank's stage, a :class:`~autotp.runtime.pipeline.PipelineModule` whose
@@ -227,6 +229,15 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
     multiply kept as written (:mod:`autotp.passes.norms`); ``False`` runs the ops as written, as
     ``sequence_parallel=False`` does (see :func:`~autotp.planner.build_plan`).
 
+    ``fuse_products`` (default True): sibling products, ``linear``s of one input (Llama's q, k, v
+    projections, its gate and up), run as one product of their weights joined at each step, its
+    output split back (:mod:`autotp.passes.products`): one product forward and one input-gradient
+    product backward instead of three, no ``add``s of their input gradients, a wider and faster
+    product on each rank. The parameters stay the model's own. Where the siblings cannot be split
+    alike (fewer kv heads than ranks), the plan runs them apart (the cheaper of the two plans);
+    the plan's notes say what was fused. ``False`` runs them as written.
+
+
     ``expert_load``: the router's load expert parallelism is priced at (an :class:`autotp.ExpertLoad`
     from :func:`autotp.measure_expert_load`, or a mapping of each MoE layer's experts module to its
     rows per expert; default None: a balanced router). See :func:`~autotp.planner.build_plan`."""
@@ -243,7 +254,7 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
                         microbatches=microbatches, schedule=schedule, virtual=virtual,
                         stage_layers=stage_layers, rng=rng, align_products=align_products, host_reads=host_reads,
                         expert_dispatch=expert_dispatch, fuse_activations=fuse_activations,
-                        fuse_norms=fuse_norms, expert_load=expert_load)
+                        fuse_norms=fuse_norms, fuse_products=fuse_products, expert_load=expert_load)
 
 
 def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, layout: Mapping[str, Any] | None,
@@ -256,7 +267,8 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
                  stage_layers: Any = None, rng: str = "torch",
                  align_products: bool | None = None, host_reads: bool | None = None,
                  expert_dispatch: bool | None = None, fuse_activations: bool | None = None,
-                 fuse_norms: bool | None = None, expert_load: Any = None) -> "ParallelModule":
+                 fuse_norms: bool | None = None, fuse_products: bool | None = None,
+                 expert_load: Any = None) -> "ParallelModule":
     from .distributed.mesh import get_mesh
     from .runtime.module.module import ParallelModule
     from .runtime.module.outline import layer_paths
@@ -269,11 +281,13 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
     # the programs are built with the plan's arguments (autotp/plan/arguments.py)
     planned_with = resolve(plan, sequence_parallel=sequence_parallel, expert_dispatch=expert_dispatch,
                            gather_logits=gather_logits, host_reads=host_reads, fuse_activations=fuse_activations,
-                           fuse_norms=fuse_norms, uneven=uneven, expert_load=expert_load)
+                           fuse_norms=fuse_norms, fuse_products=fuse_products, uneven=uneven,
+                           expert_load=expert_load)
     sequence_parallel, expert_dispatch = planned_with["sequence_parallel"], planned_with["expert_dispatch"]
     expert_load = planned_with["expert_load"]
     gather_logits, host_reads, uneven = planned_with["gather_logits"], planned_with["host_reads"], planned_with["uneven"]
     fuse_activations, fuse_norms = planned_with["fuse_activations"], planned_with["fuse_norms"]
+    fuse_products = planned_with["fuse_products"]
     if batch is None:   # the workload later programs are priced at: the plan's, unless given
         batch = plan.batch if plan is not None else 8
     if seq is None and plan is not None:
@@ -367,7 +381,7 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
         check_heads(call_cap, tp, uneven)
         return build_plan(call_cap, tp, batch=batch, profile=profile, uneven=uneven, align=align,
                           host_reads=host_reads, expert_dispatch=dispatch, fuse_activations=fuse_activations,
-                          fuse_norms=fuse_norms, expert_load=expert_load,
+                          fuse_norms=fuse_norms, fuse_products=fuse_products, expert_load=expert_load,
                           **call)
 
     def program(index: GraphIndex, prop: Propagation) -> Any:

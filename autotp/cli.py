@@ -111,7 +111,8 @@ def _print_plan(args: argparse.Namespace) -> int:
     limit = args.memory_limit * 1024 ** 3 if args.memory_limit else None
     options = dict(tp=args.tp, batch=args.batch, seq=args.seq, profile=args.profile,
                    gather_logits={"auto": None, "gather": True, "split": False}[args.logits],
-                   fuse_activations=args.fuse_activations, fuse_norms=args.fuse_norms)
+                   fuse_activations=args.fuse_activations, fuse_norms=args.fuse_norms,
+                   fuse_products=args.fuse_products)
     try:
         plan = autotp.plan(model, memory_limit=limit, **options)
     except autotp.MemoryLimitError as exc:
@@ -227,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fuse-norms", action=argparse.BooleanOptionalAction, default=True,
                    help="plan an RMSNorm's statistic written out (pow, mean, add, rsqrt, mul: Llama's) as one "
                         "aten.rms_norm (default); --no-fuse-norms keeps the ops as written")
+    p.add_argument("--fuse-products", action=argparse.BooleanOptionalAction, default=True,
+                   help="plan sibling products (linears of one input: q, k, v; gate, up) as one product of their "
+                        "weights joined (default); --no-fuse-products keeps them apart")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--full", action="store_true",
                    help="every parameter of every layer and every collective (default: repeated layers folded)")

@@ -31,7 +31,7 @@ def by_op(model, tp: int, batch: int, seq: int, profile: str) -> tuple[Counter, 
     prof = get_profile(profile)
     cap = capture(model)
     out = []
-    for n, extra in ((tp, {}), (1, dict(fuse_activations=False, fuse_norms=False))):
+    for n, extra in ((tp, {}), (1, dict(fuse_activations=False, fuse_norms=False, fuse_products=False))):
         _, index, prop = build_plan(cap, n, batch=batch, seq=seq, profile=prof, **extra)
         seconds: Counter = Counter()
         for name, _weight, parts, _launches in per_node(index, prop, prof, 0).values():

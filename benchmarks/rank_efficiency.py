@@ -19,9 +19,10 @@ model (published widths, fewer layers) it measures, side by side in one run:
   busy;
 * **predicted**: the cost model's forward + backward for the rank and for serial/N at the
   measured workload, on ``--profile``. Serial is priced as the model runs (``fuse_activations=False,
-  fuse_norms=False``: HF's GPT-2 runs its tanh-GELU as eight pointwise ops, Llama its RMSNorm
-  statistic as five), the rank as autotp runs it (its activations and norms fused,
-  ``autotp/passes/activations.py``, ``autotp/passes/norms.py``); the planning table also gives
+  fuse_norms=False, fuse_products=False``: HF's GPT-2 runs its tanh-GELU as eight pointwise ops, Llama
+  its RMSNorm statistic as five and its q, k, v as three products), the rank as autotp runs it (its
+  activations, norms and sibling products fused, ``autotp/passes/activations.py``,
+  ``autotp/passes/norms.py``, ``autotp/passes/products.py``); the planning table also gives
   the ratio against a serial fused the same way.
 
 Mixtures of experts run each experts layout the planner weighs (``--layouts``: the default plan,
@@ -214,7 +215,7 @@ def predicted(model, tp: int, batch: int, seq: int, profile: str, planning: dict
         apply_load(index, None, {})   # the same placements, priced at a balanced router
     rank_b = step_breakdown(index, prop, prof, rank=rank)
     serial = step_breakdown(*build_plan(cap, 1, batch=batch, seq=seq, profile=prof, fuse_activations=False,
-                                        fuse_norms=False)[1:],
+                                        fuse_norms=False, fuse_products=False)[1:],
                             prof)
     fwd_bwd = lambda b: b["products"] + b["attention"] + b["memory"]   # noqa: E731
     return fwd_bwd(rank_b), fwd_bwd(serial) / tp, experts_seconds(index, prop, prof, rank)
@@ -623,7 +624,7 @@ def predicted_at_real_size(tp: int, profile: str) -> list[str]:
                           dtype=torch.bfloat16)
         cap = capture(model)
         serial = step_breakdown(*build_plan(cap, 1, batch=b, seq=s, profile=prof, fuse_activations=False,
-                                            fuse_norms=False)[1:], prof)
+                                            fuse_norms=False, fuse_products=False)[1:], prof)
         fused = step_breakdown(*build_plan(cap, 1, batch=b, seq=s, profile=prof)[1:], prof)
         got = {}
         for sp in (None, False):

@@ -16,15 +16,18 @@ the cost model's own, ``autotp.cost_model.symbolic``; no device is run):
   the copies that lay out an op's own collectives, a table read by columns);
 * **unevenness**: the busiest rank's ops against the mean over the ranks (heads tp does not deal
   evenly; the rotation of the larger part from layer to layer is already in it);
-* **activations and norms fused**: the bytes serial moves / N beyond those of serial fused as the
-  rank is (``autotp/passes/activations.py``: GPT-2's tanh-GELU as one ``gelu``;
-  ``autotp/passes/norms.py``: Llama's RMSNorm statistic as one ``rms_norm``): the chains' own and
-  x's gradient summed from each of their reads; their kernels are in the launches. The other causes
-  compare the rank with that fused serial, op for op.
+* **activations, norms and products fused**: the work serial does / N beyond that of serial fused
+  as the rank is (``autotp/passes/activations.py``: GPT-2's tanh-GELU as one ``gelu``;
+  ``autotp/passes/norms.py``: Llama's RMSNorm statistic as one ``rms_norm``;
+  ``autotp/passes/products.py``: Llama's q, k, v and gate, up products each run as one product of
+  their weights joined): the chains' own bytes, x's gradient summed from each of their reads, the
+  written products against the joined one (and the join's and split's copies); their kernels are
+  in the launches. The other causes compare the rank with that fused serial, op for op.
 
-Serial is the model as it runs (``fuse_activations=False, fuse_norms=False``: HF's GPT-2 runs its
-GELU as eight pointwise ops, Llama its RMSNorm statistic as five); the rank as autotp runs it
-(fused). The ratio against a serial fused the same way is given beside it: how much of the gain is
+Serial is the model as it runs (``fuse_activations=False, fuse_norms=False, fuse_products=False``:
+HF's GPT-2 runs its GELU as eight pointwise ops, Llama its RMSNorm statistic as five and its q, k, v
+as three products); the rank as autotp runs it (fused; ``--no-fuse-products``: its products as
+written, the figures before they were fused). The ratio against a serial fused the same way is given beside it: how much of the gain is
 the rank running fewer kernels than serial.
 
 and prices the candidates that would rebalance the heads (what the most even dealing could save)
@@ -74,7 +77,8 @@ def per_node(index, prop, profile, rank):
     return out
 
 
-def gap(name: str, layers: int, batch: int, seq: int, tp: int, profile_name: str) -> list[str]:
+def gap(name: str, layers: int, batch: int, seq: int, tp: int, profile_name: str,
+        fuse_products: bool = True) -> list[str]:
     from autotp import zoo
     from autotp.capture import capture
     from autotp.cost_model import get_profile
@@ -87,9 +91,14 @@ def gap(name: str, layers: int, batch: int, seq: int, tp: int, profile_name: str
     model = zoo.build(zoo.family_of(name).name, zoo.published_config(name, layers=layers), device="meta",
                       dtype=torch.bfloat16)
     cap = capture(model)
-    _, i1, p1 = build_plan(cap, 1, batch=batch, seq=seq, profile=prof, fuse_activations=False, fuse_norms=False)
-    _, i1f, p1f = build_plan(cap, 1, batch=batch, seq=seq, profile=prof)
-    _, i8, p8 = build_plan(cap, tp, batch=batch, seq=seq, profile=prof, memory_limit=float("inf"))
+    _, i1, p1 = build_plan(cap, 1, batch=batch, seq=seq, profile=prof, fuse_activations=False, fuse_norms=False,
+                           fuse_products=False)
+    _, i8, p8 = build_plan(cap, tp, batch=batch, seq=seq, profile=prof, memory_limit=float("inf"),
+                           fuse_products=fuse_products)
+    # serial fused as the rank is: the rank's own capture (its activations, norms and the sibling
+    # products it joins fused already; at tp 1 the planner would keep the products apart, the
+    # join's copy of the whole weights costing more than it saves there)
+    _, i1f, p1f = build_plan(i8.capture, 1, batch=batch, seq=seq, profile=prof, fuse_products=False)
     as_run = per_node(i1, p1, prof, None)      # serial as the model runs it: its activations written out
     serial = per_node(i1f, p1f, prof, None)    # fused as the rank's: the same ops, node for node
     ranks = [per_node(i8, p8, prof, r) for r in range(tp)]
@@ -115,9 +124,9 @@ def gap(name: str, layers: int, batch: int, seq: int, tp: int, profile_name: str
     written = {node.name for node in as_run} - {node.name for node in serial}
     fused_ops = {node.name for node in serial} - {node.name for node in as_run}
     if written:
-        rows.append(("activations and norms fused", f"serial's {len(written)} written-out activation and norm ops run "
-                     f"as {len(fused_ops)} "
-                     "fused ones: its bytes / N less (their kernels: in the launches)",
+        rows.append(("activations, norms and products fused", f"serial's {len(written)} written-out activation, "
+                     f"norm and product ops run as {len(fused_ops)} "
+                     "fused ones: its work / N less (their kernels: in the launches)",
                      -(work(as_run) - work(serial)) / tp))
     for node in ranks[busy]:
         s = serial_of(node)
@@ -188,11 +197,11 @@ def gap(name: str, layers: int, batch: int, seq: int, tp: int, profile_name: str
                      f"heads), and "
                      f"{moved * 1e3:.3f} ms of all-to-alls added (communication, not in the ratio).")
     launched, rate = by_cause.get("launches", 0.0), by_cause.get("products' rate", 0.0)
-    fused = by_cause.get("activations and norms fused", 0.0)
+    fused = by_cause.get("activations, norms and products fused", 0.0)
     floor = share + launched + rate + fused
     lines += [f"- **Every other cause removed** (no bytes above the share, heads perfectly even): the launches "
               f"and the products' rate alone leave {share / floor:.3f}"
-              + (" (the activations and norms fused as they are)" if fused else "") + "; without the launches' excess "
+              + (" (the activations, norms and products fused as they are)" if fused else "") + "; without the launches' excess "
               f"{share / (rank_s - launched):.3f}, without the products' "
               f"{share / (rank_s - rate):.3f}.", ""]
     return lines
@@ -205,6 +214,8 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=8)
     p.add_argument("--profile", default="h200")
     p.add_argument("--out", default=None)
+    p.add_argument("--fuse-products", action=argparse.BooleanOptionalAction, default=True,
+                   help="the rank's sibling products joined (default), or as written (the figures before)")
     args = p.parse_args()
     kept = kept_lines(args.out)
     command = " ".join(["python benchmarks/rank_gap.py", *sys.argv[1:]])
@@ -216,7 +227,7 @@ def main() -> None:
              "defined in the script's docstring.", ""]
     for spec in args.models:
         name, layers, batch, seq = spec.split(":")
-        lines += gap(name, int(layers), int(batch), int(seq), args.tp, args.profile)
+        lines += gap(name, int(layers), int(batch), int(seq), args.tp, args.profile, args.fuse_products)
     publish(lines, args.out)
 
 

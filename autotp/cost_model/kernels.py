@@ -58,6 +58,8 @@ VIEWS = frozenset({
     aten.flatten.using_ints, aten.unflatten.int, aten.narrow.default, aten.broadcast_to.default,
     aten.numpy_T.default, aten.view_as.default, aten.expand_as.default, aten.lift_fresh_copy.default,
 })
+#: views whose backward joins the pieces' gradients (one ``cat``)
+_PIECES = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default})
 CASTS = frozenset({aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default})
 COPIES = frozenset({aten.contiguous.default, aten.clone.default})
 PRODUCTS = frozenset({aten.mm.default, aten.linear.default, aten.bmm.default, aten.matmul.default})
@@ -117,13 +119,32 @@ def scattered_bytes(op: Any, kind: str) -> sympy.Expr:
     return index + op.b_in[2] * (3 if kind == "add" else 2)
 
 
+def _joins_leading_dim(info: Any) -> bool:
+    """Whether a ``cat`` joins its inputs along dim 0."""
+    dim = info.args[1] if len(info.args) > 1 else info.kwargs.get("dim", 0)
+    ndim = info.output.ndim if hasattr(info.output, "ndim") else 0
+    return isinstance(dim, int) and ndim > 0 and dim % ndim == 0
+
+
 def op_work(info: Any, strategy: Any, tp: int, dtype_bytes: int, train_dtype: Any = None,
             rank: int | None = None) -> OpWork:
     """What one op runs on the largest rank (or on ``rank``) under ``strategy``, forward and backward."""
     t = info.target
+    if t in _PIECES and info.inputs and info.inputs[0].is_float and (
+            info.grad_inputs is None or (info.grad_inputs and info.grad_inputs[0])):
+        # views forward; backward autograd joins the pieces' gradients into the input's
+        # (``split_backward``: one ``cat``, a read and a write of the input's bytes), as for a
+        # fused q|k|v or gate|up product's output (autotp/passes/products.py, GPT-2's c_attn)
+        op = RankOp(info, strategy, tp, dtype_bytes, train_dtype, rank)
+        return OpWork(moved=(("elementwise", 2 * op.b_in[0]),), launches=1)
     if t in VIEWS or t is torch.ops.aten.sym_size.int:
         return NO_WORK
     op = RankOp(info, strategy, tp, dtype_bytes, train_dtype, rank)
+    if t is aten.cat.default and _joins_leading_dim(info):
+        # a join along dim 0 (weights joined for one product, autotp/passes/products.py): one
+        # kernel forward; backward each input's gradient is a contiguous block of the output's
+        # (``narrow``): a view, no kernel
+        return OpWork(moved=(("elementwise", sum(op.b_in, sympy.Integer(0)) + op.out_bytes),), launches=1)
     name = str(t)
     if getattr(strategy, "fused", False):
         # a bias the rank adds inside its product (autotp/passes/fused_bias.py): the product's

@@ -34,9 +34,19 @@ def _val(node: Any) -> torch.Tensor | None:
     return val if isinstance(val, torch.Tensor) else None
 
 
+def _parameter(node: Any, param_names: Any) -> bool:
+    """A parameter's placeholder, or parameters joined along dim 0 (``cat``: sibling products'
+    weights and biases fused, :mod:`autotp.passes.products`)."""
+    if not isinstance(node, fx.Node):
+        return False
+    if node.op == "call_function" and node.target is aten.cat.default and len(node.args) == 1 and not node.kwargs:
+        return all(_parameter(p, param_names) and p.op == "placeholder" for p in node.args[0])
+    return node.op == "placeholder" and node.name in param_names
+
+
 def bias_add(node: fx.Node, param_names: Any) -> bool:
-    """``add(x @ W, b)``: a product of an activation and a 2-D weight (both parameters' reads
-    placeholders named in ``param_names``), read by this add alone, plus a 1-D parameter as long
+    """``add(x @ W, b)``: a product of an activation and a 2-D weight (both parameters' reads,
+    placeholders named in ``param_names``, or such placeholders joined by a ``cat``), read by this add alone, plus a 1-D parameter as long
     as the product's last dim and of its dtype: what ``addmm``/``linear`` with a bias computes."""
     if node.op != "call_function" or node.target is not aten.add.Tensor or node.kwargs or len(node.args) != 2:
         return False
@@ -45,7 +55,7 @@ def bias_add(node: fx.Node, param_names: Any) -> bool:
             or len(product.args) != 2 or product.kwargs or len(product.users) != 1:
         return False
     weight = product.args[1]
-    if not all(isinstance(p, fx.Node) and p.op == "placeholder" and p.name in param_names for p in (weight, bias)):
+    if not all(_parameter(p, param_names) for p in (weight, bias)):
         return False
     out, b, w, x = _val(product), _val(bias), _val(weight), _val(product.args[0])
     if out is None or b is None or w is None or x is None:

@@ -348,13 +348,17 @@ class GraphIndex:
 
 
 def _param_views(capture: Capture) -> frozenset:
-    """The parameters and the nodes that are views of one, through any chain of views."""
+    """The parameters and the nodes that are views of one, through any chain of views, and
+    parameters joined for one product (sibling products fused, autotp/passes/products.py): split,
+    a join is its weights' shards, which a gather would turn into a weight moved each step."""
     found: set[fx.Node] = set()
     for node in capture.graph.nodes:
         if node.op == "placeholder" and node.name in capture.param_names:
             found.add(node)
         elif (node.op == "call_function" and node.args and node.args[0] in found
               and aliases_first(node.target)):
+            found.add(node)
+        elif node.op == "call_function" and _joined_weight_reader(node, capture.param_names) is not None:
             found.add(node)
     return frozenset(found)
 
@@ -461,6 +465,9 @@ def _grad_uses(node: fx.Node, grads: frozenset) -> int:
     """How many uses of ``node`` send a gradient back into it (autograd sums them)."""
     if node not in grads:
         return 0
+    if isinstance(node.meta.get("val"), (list, tuple)):
+        # pieces (a split's): each its own gradient, joined by the op's backward, never summed
+        return 1
     return sum(1 for user in node.users if user in grads)
 
 
@@ -573,6 +580,15 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
                 k = len(shape_of(x)) - 1
                 c, u = row_hint(x, k, tp, uneven)
                 info.input_hints[(0, k)] = (c, u, rotate, 0, c > 1)   # blocks only from groups of heads
+    if node.target is aten.cat.default and isinstance(info.output, TensorMeta):
+        # weights joined for one product (sibling products fused, autotp/passes/products.py):
+        # the joined dim splits as the product's output is read, each weight its blocks
+        reader = _joined_weight_reader(node, param_names)
+        if reader is not None:
+            weight = node.args[0][0]
+            rotate = _layer_index(param_names.get(weight.name, ""))
+            c, u, t, sizes, whole = column_hint(reader, _out_meta(reader).ndim - 1, tp, uneven, constant)
+            info.hints[0] = (c, u, rotate, t, False, sizes, whole)
     if mutates_first(node.target):
         info.writes_alone = _written_alone(node)
     if node.target is aten.index.Tensor:
@@ -602,6 +618,33 @@ def _op_info(node: fx.Node, tp: int, uneven: bool, param_names: Mapping[str, str
             c, u, t, sizes, whole = column_hint(node, d, tp, uneven, constant)
             info.hints[d] = (c, u, rotate, t, False, sizes, whole)
     return info, inputs
+
+
+def _joined_weight_reader(node: fx.Node, param_names: Mapping[str, str]) -> fx.Node | None:
+    """The op whose output's last dim ``node`` joins, where ``node`` joins parameters along dim 0
+    for one product (sibling products fused, autotp/passes/products.py): their 2-D weights
+    (``cat([Wq, Wk, Wv])``) read by that ``linear`` alone, or their biases read by the ``add``
+    of that product alone; else None."""
+    if node.op != "call_function" or node.target is not aten.cat.default:
+        return None
+    parts = node.args[0] if node.args else None
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if dim != 0 or not isinstance(parts, (list, tuple)) or len(parts) < 2 or len(node.users) != 1:
+        return None
+    ndims = {len(shape_of(p) or ()) if isinstance(p, fx.Node) else -1 for p in parts}
+    if not all(isinstance(p, fx.Node) and p.op == "placeholder" and p.name in param_names for p in parts) \
+            or ndims not in ({1}, {2}):
+        return None
+    reader = next(iter(node.users))
+    if not isinstance(_out_meta(reader), TensorMeta) or len(reader.args) < 2 or reader.args[1] is not node:
+        return None
+    if ndims == {2} and reader.target is aten.linear.default:
+        return reader
+    product = reader.args[0]
+    if ndims == {1} and reader.target is aten.add.Tensor and isinstance(product, fx.Node) \
+            and product.target is aten.linear.default:
+        return reader
+    return None
 
 
 def _written_alone(node: fx.Node) -> bool:

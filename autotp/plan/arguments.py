@@ -3,7 +3,7 @@
 A plan fixes the parameters' placements; the programs ``parallelize`` builds from it (the first
 call's and every later one's) are each planned under those placements, and how depends on more
 than the placements: whether sequence parallelism is offered, forced or forbidden, how the experts
-get their rows, whether a step may read on the host, which activations and norms run fused, whether
+get their rows, whether a step may read on the host, which activations, norms and sibling products run fused, whether
 shards may be uneven, whether the logits are gathered. :class:`PlanArguments` records them, so that
 ``parallelize(model, tp, plan=p)`` builds what ``parallelize(model, tp, <p's arguments>)`` builds,
 from the plan alone or its JSON file; :func:`resolve` merges them with the arguments a call gives,
@@ -23,7 +23,7 @@ from ..errors import ConfigError
 
 #: an argument's value when the caller leaves it to the plan (or, without one, to the default)
 _DEFAULTS = {"sequence_parallel": None, "expert_dispatch": None, "gather_logits": None, "host_reads": True,
-             "fuse_activations": True, "fuse_norms": True, "uneven": True, "expert_load": None}
+             "fuse_activations": True, "fuse_norms": True, "fuse_products": True, "uneven": True, "expert_load": None}
 #: those whose None is itself a choice (by cost): given None with a plan, they take the plan's
 _BY_COST = ("sequence_parallel", "expert_dispatch", "gather_logits")
 
@@ -39,6 +39,7 @@ class PlanArguments:
     host_reads: bool = True
     fuse_activations: bool = True
     fuse_norms: bool = True
+    fuse_products: bool = True
     uneven: bool = True
     #: the router's load expert parallelism was priced at (an :class:`autotp.ExpertLoad`; None: a
     #: balanced router), autotp/planner/expert_load.py
@@ -55,7 +56,7 @@ class PlanArguments:
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> "PlanArguments":
         """Fields a file lacks take their defaults (a file written before one was recorded)."""
-        from ..planner.expert_load import ExpertLoad
+        from .expert_load import ExpertLoad
 
         out = {f.name: doc[f.name] for f in fields(cls) if f.name in doc}
         if out.get("expert_load") is not None:
@@ -87,7 +88,7 @@ def resolve(plan: Any, **given: Any) -> dict[str, Any]:
     out = {}
     for name, value in given.items():
         if name == "expert_load":   # an ExpertLoad (a mapping given is made one), not a flag
-            from ..planner.expert_load import as_expert_load
+            from .expert_load import as_expert_load
 
             value = as_expert_load(value)
         elif not (value is None or isinstance(value, bool)):   # a string "False" is truthy

@@ -157,7 +157,9 @@ def draw(plan: Any, flow: "Flow") -> str:
 
 def _height(plan: Any, s: "FlowStep", fqn: Any, biggest: int) -> float:
     if s.kind == "matmul" or s.kind == "embedding":
-        return _matrix_box(plan, _matrix(plan, s, fqn), biggest)[1] + 2 * 16 + 4
+        name = _matrix(plan, s, fqn)
+        joined = sum(1 for p in s.params if fqn(p) != name and len(plan.shapes.get(fqn(p), ())) >= 2)
+        return max(_matrix_box(plan, name, biggest)[1] + 2 * 16 + 4, 38 + 13 * (joined + 1))
     if s.kind == "comm":
         return 34
     return 40
@@ -237,11 +239,17 @@ def _draw_step(svg: _Svg, plan: Any, s: "FlowStep", fqn: Any, cx: float, top: fl
     tx = x + w + 10
     svg.text(tx, y + 11, f"{role} {_plain(plan.params[name])}", weight="bold", cls="role")
     svg.text(tx, y + 25, f"{shape}, {s.op}", size=10, colour="#555")
-    extra = [p for p in s.params if fqn(p) != name]
+    # matrices joined with it into one product (sibling products fused: q | k | v), each named
+    joined = [p for p in s.params if fqn(p) != name and len(plan.shapes.get(fqn(p), ())) >= 2]
+    extra = [p for p in s.params if fqn(p) != name and p not in joined]
     if extra:
         svg.text(tx, y + 38, "+ " + ", ".join(p.rsplit(".", 1)[-1] + " " + plan.roles.get(fqn(p), "?")
                                              for p in extra), size=10, colour="#555")
-    svg.text(tx, y + 38 + (13 if extra else 0), f"out: {s.output}", size=10, colour="#555")
+    line = y + 38 + (13 if extra else 0)
+    svg.text(tx, line, f"out: {s.output}", size=10, colour="#555")
+    for p in joined:   # joined: its rows follow the first's in one product
+        line += 13
+        svg.text(tx, line, _short(fqn(p), flow_prefix=fqn("")), size=10, colour="#555", cls="param")
 
 
 def _short(name: str, flow_prefix: str) -> str:

@@ -120,8 +120,18 @@ def _record_flows(index: Any, prop: Any) -> list[Flow]:
     return [Flow(stack, tuple(ix), steps) for (stack, steps), ix in flows.items()]
 
 
+def _joined(node: Any, param_names: dict) -> list[str]:
+    """The parameters a ``cat`` joins for one product (sibling products fused,
+    autotp/passes/products.py: q | k | v drawn as one product of the three), or none."""
+    if node.op != "call_function" or _base(node) != "cat" or not node.all_input_nodes:
+        return []
+    if not all(a.op == "placeholder" and a.name in param_names for a in node.all_input_nodes):
+        return []
+    return [param_names[a.name] for a in node.all_input_nodes]
+
+
 def _params_of(node: Any, param_names: dict) -> list[str]:
-    """Parameters ``node`` uses, directly or through ops that only re-present them."""
+    """Parameters ``node`` uses, directly or through ops that only re-present them (or join them)."""
     out = []
     for arg in node.all_input_nodes:
         seen = 0
@@ -129,6 +139,7 @@ def _params_of(node: Any, param_names: dict) -> list[str]:
             arg, seen = arg.all_input_nodes[0], seen + 1
         if arg.op == "placeholder" and arg.name in param_names:
             out.append(param_names[arg.name])
+        out += _joined(arg, param_names)
     return out
 
 
@@ -185,8 +196,8 @@ def _layer_steps(nodes: list, rest_of: dict, param_names: dict, prop: Any, index
     def _module_of(consumer: str) -> str:
         return rest_of.get(named.get(consumer), "")
 
-    def param_only(n: Any) -> bool:   # a transpose of a weight: part of the step that uses it
-        return _base(n) in _PARAM_WAY and bool(_params_of_self(n))
+    def param_only(n: Any) -> bool:   # a transpose of a weight, a join: part of the step that uses it
+        return (_base(n) in _PARAM_WAY and bool(_params_of_self(n))) or bool(_joined(n, param_names))
 
     def _params_of_self(n: Any) -> list[str]:
         a = n
@@ -212,8 +223,8 @@ def _layer_steps(nodes: list, rest_of: dict, param_names: dict, prop: Any, index
     def through(arg: Any) -> tuple[int, ...]:
         if arg in step_of:
             return (step_of[arg],)
-        if arg.op == "placeholder" or arg not in inside:
-            if arg.op == "placeholder" and arg.name in param_names:
+        if arg.op == "placeholder" or arg not in inside or _joined(arg, param_names):
+            if arg.op == "placeholder" and arg.name in param_names or _joined(arg, param_names):
                 return ()
             val = arg.meta.get("val")
             if (getattr(val, "is_floating_point", lambda: False)() and val.dim() >= 2 and width is not None

@@ -116,6 +116,7 @@ class Plan:
     host_reads = property(lambda self: self._argument("host_reads"))
     fuse_activations = property(lambda self: self._argument("fuse_activations"))
     fuse_norms = property(lambda self: self._argument("fuse_norms"))
+    fuse_products = property(lambda self: self._argument("fuse_products"))
     uneven = property(lambda self: self._argument("uneven"))
     expert_load = property(lambda self: self._argument("expert_load"),
                            doc="the router's load expert parallelism was priced at (None: a balanced router)")

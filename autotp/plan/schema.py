@@ -156,7 +156,7 @@ def _arguments(here: _Field, doc: Any) -> None:
 def _expert_load(here: _Field, doc: Any) -> None:
     """An :class:`autotp.ExpertLoad`'s JSON: ``layers`` (experts module -> rows per expert), ``source``."""
     from ..errors import ConfigError
-    from ..planner.expert_load import ExpertLoad
+    from .expert_load import ExpertLoad
 
     doc = here.mapping(doc)
     try:

@@ -16,6 +16,7 @@ from ..errors import ConfigError, MemoryLimitError, PlanError
 from ..passes.activations import fuse_activations as activations_fused, fused_note
 from ..passes.norms import find_norms, fuse_norms as norms_fused, norms_note
 from ..passes.pins import unholdable_pin
+from ..passes.products import products_note
 from ..passes.propagate import GraphIndex, Propagation
 from ..passes.row_scales import moved
 from ..passes.solve import solve
@@ -24,12 +25,14 @@ from ..plan.arguments import PlanArguments
 from ..plan.flow import record_flows
 from ..plan.plan import CommOp, DeferredExpressions, Plan, attention_heads, cost_expressions, role_of, unsplit_attention_note
 from .experts import dispatch_note, expert_stacks, experts_note
+from ..plan.expert_load import as_expert_load
 from .expert_load import apply_load, check_load, load_notes, moe_blocks
 from .host_reads import refuse_model_reads, refuse_pinned_reads
 from .notes import replicated_note, unsplit_mixer_note, what_memory_takes
 from .replay import under_pins
 from .roles import _first_uses, _pinned
 from .scales import narrower_scales, scales_note
+from .siblings import fused_cheaper
 from .sequence import no_sequence_region, sequence_fix, sequence_note, sequence_regions
 
 
@@ -44,7 +47,7 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                host_reads: bool = True,
                expert_dispatch: bool | None = None,
                fuse_activations: bool = True, fuse_norms: bool = True,
-               expert_load: Any = None) -> tuple[Plan, GraphIndex, Propagation]:
+               fuse_products: bool = True, expert_load: Any = None) -> tuple[Plan, GraphIndex, Propagation]:
     """The plan for a capture. ``memory_limit`` (bytes per rank; default: the profile's device
     memory) bounds training state + activations; a saved ``plan`` is replayed, not re-solved.
 
@@ -103,10 +106,9 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
     experts, and the all-to-all bringing their rows, at its busiest rank's rows, a note saying
     the load and what it did to the choice. None (default): a balanced router, ``T * k / tp``
     rows a rank. One that does not name the model's MoE layers and their experts is a ConfigError."""
-    from .expert_load import as_expert_load
-
     expert_load = as_expert_load(expert_load)
-    for name, flag in (("fuse_activations", fuse_activations), ("fuse_norms", fuse_norms)):
+    for name, flag in (("fuse_activations", fuse_activations), ("fuse_norms", fuse_norms),
+                       ("fuse_products", fuse_products)):
         if not isinstance(flag, bool):
             raise ConfigError(f"{name}={flag!r}: {name} is True or False")
     activations, norms = [], []
@@ -122,20 +124,27 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
     # what the programs built from the plan are built with (autotp/plan/arguments.py)
     arguments = PlanArguments(sequence_parallel=sequence_parallel, expert_dispatch=expert_dispatch,
                               gather_logits=gather_logits, host_reads=host_reads,
-                              fuse_activations=fuse_activations, fuse_norms=fuse_norms, uneven=uneven,
-                              expert_load=expert_load)
+                              fuse_activations=fuse_activations, fuse_norms=fuse_norms,
+                              fuse_products=fuse_products, uneven=uneven, expert_load=expert_load)
 
     def noted(result: Plan) -> Plan:
         result.notes.extend(notes)
         result.arguments = arguments
         return result
 
+    def attempt(c: Capture) -> tuple[Plan, GraphIndex, Propagation]:
+        return _build_plan(c, tp, batch=batch, seq=seq, profile=profile, layout=layout, plan=plan,
+                           uneven=uneven, gather_logits=gather_logits, memory_limit=memory_limit,
+                           sequence_parallel=sequence_parallel, input_placements=input_placements,
+                           keep_split=keep_split, align=align, host_reads=host_reads,
+                           expert_dispatch=expert_dispatch, expert_load=expert_load)
+
     try:
-        result, index, prop = _build_plan(cap, tp, batch=batch, seq=seq, profile=profile, layout=layout, plan=plan,
-                                          uneven=uneven, gather_logits=gather_logits, memory_limit=memory_limit,
-                                          sequence_parallel=sequence_parallel, input_placements=input_placements,
-                                          keep_split=keep_split, align=align, host_reads=host_reads,
-                                          expert_dispatch=expert_dispatch, expert_load=expert_load)
+        if fuse_products:   # sibling products joined where the plan splits them alike (planner/siblings.py)
+            (result, index, prop), products, apart = fused_cheaper(cap, tp, plan, attempt)
+            notes += [n for n in (products_note(products), apart) if n]
+        else:
+            result, index, prop = attempt(cap)
     except MemoryLimitError as exc:   # the plan without the limit it offers says the same
         without_limit = getattr(exc, "plan_without_limit", None)
         if without_limit is not None:

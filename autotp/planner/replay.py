@@ -83,6 +83,8 @@ def moved_parameters(index: GraphIndex, prop: Propagation) -> list[tuple[str, Pl
             root = node
             while root.name not in index.capture.param_names and root.args:
                 root = root.args[0]
+                if isinstance(root, (list, tuple)):   # weights joined (autotp/passes/products.py): the first
+                    root = root[0]
             found.append((index.capture.param_names.get(root.name, root.name), prop.params.get(root.name, REPLICATE),
                           c.tensor, c.src, c.dst))
     return found

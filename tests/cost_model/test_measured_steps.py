@@ -39,10 +39,10 @@ def _predicted(name: str) -> dict:
     model = zoo.build(family.name, config, device="meta", dtype=torch.bfloat16)
     profile = get_profile("h200")
     # the measured steps are HF's own program: its unaligned products (GPT-2's vocabulary) unpadded,
-    # its activations and norms as it writes them (GPT-2's tanh-GELU as eight pointwise ops, Llama's
-    # RMSNorm statistic as five)
+    # its activations, norms and products as it writes them (GPT-2's tanh-GELU as eight pointwise
+    # ops, Llama's RMSNorm statistic as five, its q, k and v as three products)
     _, index, prop = build_plan(capture(model), 1, batch=shape["batch"], seq=shape["seq"], profile=profile,
-                                align=None, fuse_activations=False, fuse_norms=False)
+                                align=None, fuse_activations=False, fuse_norms=False, fuse_products=False)
     return step_breakdown(index, prop, profile)
 
 

@@ -12,7 +12,8 @@ from hypothesis import given, settings, strategies as st
 import autotp
 from autotp import zoo
 from autotp.errors import ConfigError
-from autotp.planner.expert_load import ExpertLoad, shares
+from autotp.plan.expert_load import ExpertLoad
+from autotp.planner.expert_load import shares
 
 LAYERS = ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
 

@@ -12,6 +12,7 @@ import dataclasses
 import math
 from dataclasses import replace
 
+import sympy
 import torch
 
 from ...placements import PARTIAL, REPLICATE, Shard, divides, layout, local_ranges
@@ -67,6 +68,11 @@ def cat_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
     dim = _join_dim(info, real[0].ndim)
     if not any(empty):
         out = _joined_shards(info, placements, lambda d: None if d == dim else d)
+        # weights joined for a product, free or their dim alone pinned: split as the product's
+        # output is read (a plain Shard is a pin of the dim, its blocks read off the graph)
+        fresh = _fresh_blocks(info, placements, dim)
+        if fresh is not None:
+            return out + [fresh]
         blocks = _cat_blocks(info, placements, dim)
         return out + ([Strategy(tuple(placements), blocks)] if blocks is not None else [])
     sub = dataclasses.replace(info, inputs=tuple(real))
@@ -106,6 +112,33 @@ def _cat_blocks(info: OpInfo, placements: tuple, dim: int) -> Shard | None:
         if list(local_ranges(total, out, info.tp, rank)) != want:
             return None
     return out
+
+
+def _fresh_blocks(info: OpInfo, placements: tuple, dim: int) -> Strategy | None:
+    """Weights joined for one product (sibling products fused, :mod:`autotp.passes.products`:
+    ``cat([Wq, Wk, Wv])``), each free or its dim alone decided (a plain ``Shard(dim)``): the
+    joined weight split as its product's output is read (the hint: q | k | v by head, in groups
+    of a kv head with its query heads), each weight that layout's blocks of it, its own run of
+    heads (:func:`~.pieces.fewer_blocks`), so that each rank joins only its local shards
+    (Megatron's layout of a fused grouped projection). None where the hint's blocks are not the
+    inputs (or a rank's runs would not be the inputs' own, :func:`_cat_blocks`)."""
+    from .pieces import _whole_block_pieces, fewer_blocks
+
+    if dim not in info.hints or not all(p is None or (is_shard(p) and p.dim == dim and (p.chunks, p.unit) == (1, 1)
+                                                      and not p.holds_whole) for p in placements):
+        return None
+    joined = info.fresh_shard(dim)
+    size = info.output.static(dim)
+    sizes = [m.static(dim) for m in info.inputs]
+    if not is_shard(joined) or joined.dim != dim or size is None or None in sizes:
+        return None
+    spans = _whole_block_pieces(joined, sympy.Integer(size), [sympy.Integer(n) for n in sizes])
+    if spans is None:
+        return None
+    parts = tuple(fewer_blocks(joined, *span) for span in spans)
+    if not all(is_shard(q) for q in parts) or _cat_blocks(info, parts, dim) != joined:
+        return None
+    return Strategy(parts, joined)
 
 
 @register(aten.stack.default)

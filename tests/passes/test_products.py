@@ -1,0 +1,154 @@
+"""Sibling products (``linear``s of one input) are found from the graph alone and run as one
+product of their weights joined (``autotp/passes/products.py``); the plan splits the joined
+weight as each rank's run of every sibling's heads (``cat``'s rule, ``autotp/passes/rules/joins.py``).
+
+The captured program of a model, fused, computes what the written one does, forward and every
+parameter's gradient (float64); products of other inputs, of one input with a bias and one
+without, and a mixture's experts stay as written.
+"""
+import torch
+from torch import nn
+
+from autotp import zoo
+from autotp.capture.cache import capture
+from autotp.passes.products import find_siblings, fuse_products
+from autotp.placements import Shard, local_ranges
+from autotp.planner import build_plan
+
+aten = torch.ops.aten
+
+
+class Mixed(nn.Module):
+    """Two products of x (a set), one of y (alone), two of z, one with a bias and one without."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 6, bias=False), nn.Linear(8, 4, bias=False)
+        self.c = nn.Linear(8, 5, bias=False)
+        self.d, self.e = nn.Linear(8, 3, bias=True), nn.Linear(8, 3, bias=False)
+
+    def forward(self, x, y, z):
+        return (self.a(x) * 2).sum() + self.b(x).sum() + self.c(y).sum() + self.d(z).sum() + self.e(z).sum()
+
+
+def _sets(cap):
+    return [tuple(cap.param_names[p.args[1].name] for p in s.products)
+            for s in find_siblings(cap.graph, cap.param_names)]
+
+
+def test_a_set_is_the_products_of_one_input_alike_in_their_bias():
+    model = Mixed().double()
+    args = tuple(torch.randn(2, 3, 8, dtype=torch.float64) for _ in range(3))
+    cap = capture(model, args)
+    assert _sets(cap) == [("a.weight", "b.weight")]
+
+
+def _run(cap, inputs):
+    """The captured program's loss and its parameters' gradients, on the model's own tensors."""
+    gm = cap.graph_module
+    params = {n: p.detach().clone().requires_grad_() for n, p in _MODEL.named_parameters()}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    values = []
+    for node in placeholders:
+        if node.name in cap.param_names:
+            values.append(params[cap.param_names[node.name]])
+        elif node.name in cap.buffer_names:
+            values.append(dict(_MODEL.named_buffers())[cap.buffer_names[node.name]])
+        else:
+            values.append(inputs.get(node.name))
+    out = gm(*values)
+    loss = out[0] if isinstance(out, (tuple, list)) else out
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in params.items() if p.grad is not None}
+
+
+_MODEL = None
+
+
+def test_llamas_q_k_v_and_gate_up_run_joined_and_compute_the_written_values_and_gradients():
+    global _MODEL
+    config = zoo.tiny_config("llama", layers=2, heads=4, kv_heads=2, head_dim=4, vocab=64)
+    _MODEL = zoo.build("llama", config, dtype=torch.float64, seed=3)
+    batch = zoo.example_batch("llama", config, batch=2, seq=7, seed=4)
+    cap = capture(_MODEL, example_kwargs=batch)
+    sets = _sets(cap)
+    assert sets == [tuple(f"model.layers.{i}.{m}.weight" for m in ms) for i in range(2) for ms in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                                               ("mlp.gate_proj", "mlp.up_proj"))]
+    fused, what = fuse_products(cap)
+    assert [f.nodes for f in what] == [3, 2, 3, 2]
+    products = lambda c: sum(n.target is aten.linear.default for n in c.graph.nodes)   # noqa: E731
+    assert (products(cap), products(fused)) == (2 * 7 + 1, 2 * 4 + 1)
+    assert cap.graph is not fused.graph and fuse_products(cap)[0] is fused   # the capture kept, memoized
+    loss, grads = _run(cap, batch)
+    loss_f, grads_f = _run(fused, batch)
+    torch.testing.assert_close(loss_f, loss, rtol=1e-12, atol=0)
+    assert grads.keys() == grads_f.keys() and len(grads) == len(list(_MODEL.parameters()))
+    for name in grads:
+        torch.testing.assert_close(grads_f[name], grads[name], rtol=1e-10, atol=1e-13)
+
+
+def test_a_mixtures_experts_are_not_joined():
+    config = zoo.tiny_config("mixtral", layers=1, heads=4, kv_heads=2, head_dim=4, vocab=64)
+    model = zoo.build("mixtral", config, dtype=torch.float32, seed=1)
+    cap = capture(model)
+    sets = _sets(cap)
+    assert [len(s) for s in sets] == [3] and all("self_attn" in name for name in sets[0]), sets
+
+
+def test_the_joined_weight_splits_as_each_ranks_run_of_every_siblings_heads():
+    # grouped-query attention: 8 query heads beside 2 kv heads of 4; at tp 2 each rank holds a
+    # kv head with its 4 query heads, and joins its own shards: its rows of the joined weight
+    # are its q rows, then its k rows, then its v rows (Megatron's fused layout)
+    config = zoo.tiny_config("llama", layers=1, heads=8, kv_heads=2, head_dim=4, vocab=64)
+    model = zoo.build("llama", config, dtype=torch.float32, seed=1, device="meta")
+    cap = capture(model)
+    layout = {"*q_proj.weight": "column", "*k_proj.weight": "column", "*v_proj.weight": "column"}
+    plan, index, prop = build_plan(cap, 2, batch=64, seq=32, profile="h100-dgx", layout=layout)
+    cat = next(n for n in index.capture.graph.nodes if n.target is aten.cat.default
+               and all(a.op == "placeholder" for a in n.args[0]))
+    joined = prop.placements[cat]
+    assert isinstance(joined, Shard) and joined.sizes == (4, 1, 1), joined
+    names = ["q_proj", "k_proj", "v_proj"]
+    shards = [plan.params[f"model.layers.0.self_attn.{m}.weight"] for m in names]
+    sizes = [32, 8, 8]
+    for rank in range(2):
+        want, start = [], 0
+        for n, s in zip(sizes, shards):
+            want += [(a + start, b + start) for a, b in local_ranges(n, s, 2, rank)]
+            start += n
+        assert list(local_ranges(48, joined, 2, rank)) == want
+    assert [tuple(local_ranges(32, shards[0], 2, r)) for r in range(2)] == [((0, 16),), ((16, 32),)]
+
+
+def test_the_plan_joins_them_where_it_pays_and_keeps_them_apart_where_the_join_costs_more():
+    # Llama-3-8B's layer (bf16) at tp 8 on 2 x 4096 tokens: the rank's products are narrow and x's
+    # gradient is summed by three full-size adds: joined, the predicted step faster than apart
+    model = zoo.build("llama", zoo.published_config("llama-3-8b", layers=1), device="meta", dtype=torch.bfloat16)
+    cap = capture(model)
+    split, _, _ = build_plan(cap, 8, batch=2, seq=4096, profile="h200")
+    assert any(n.startswith("sibling products fused: 1 x 3 products of one input (4096+1024+1024 rows: "
+                            "model.layers.0.self_attn)") for n in split.notes), split.notes
+    assert not any(n.startswith("sibling products kept apart") for n in split.notes), split.notes
+    apart = build_plan(cap, 8, batch=2, seq=4096, profile="h200", fuse_products=False)[0]
+    assert split.compute_s + split.comm_s < apart.compute_s + apart.comm_s
+
+
+def test_the_cheaper_of_joined_and_apart_is_kept():
+    from types import SimpleNamespace
+
+    from autotp.planner.siblings import fused_cheaper
+
+    config = zoo.tiny_config("llama", layers=2, heads=4, kv_heads=2, head_dim=4, vocab=64)
+    cap = capture(zoo.build("llama", config, dtype=torch.float32, seed=1, device="meta"))
+
+    def attempt(joined_costs):
+        def run(c):
+            joins = sum(n.target is aten.cat.default and n.args[0][0].op == "placeholder" for n in c.graph.nodes)
+            return SimpleNamespace(params={}), None, SimpleNamespace(total_s=1.0 + joins * joined_costs)
+        return run
+
+    (_, _, prop), fused, note = fused_cheaper(cap, 1, None, attempt(+0.1))
+    assert (prop.total_s, fused) == (1.0, [])
+    assert note.startswith("sibling products kept apart: 4 sets (joined, the predicted step is slower"), note
+    (_, _, prop), fused, note = fused_cheaper(cap, 1, None, attempt(-0.1))
+    assert round(prop.total_s, 6) == 0.6 and len(fused) == 4 and note is None
