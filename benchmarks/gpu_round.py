@@ -16,7 +16,8 @@ is estimated to take on an H200 (child start-up, about 10 s, included):
 1. ``rank:llama-3-8b`` (issue 44, point 3; 100 s): one rank of tp 8 on the fake backend
    (``benchmarks/rank_efficiency.py``), Llama-3-8B 4 layers, 2 x 4096, bf16, eager and compiled,
    with the device's busy share and the time per ATen op beside serial/8. The 2026-11-30 round
-   measured 0.67 / 0.74, 3.6 ms of it the layout copies the row-by-row gathers now leave out.
+   measured 0.67 / 0.74, 3.6 ms of it the layout copies the row-by-row gathers now leave out; beside
+   it, eager and compiled, the same plan with its sibling products (q, k, v; gate, up) as written.
 2. ``host:gpt2-xl`` (issue 44, points 3 and 4; 40 s): where the host's time goes in one training
    step of a gpt2-xl rank (12 layers, 8 x 1024) and of serial (``benchmarks/host_profile.py``): the
    step's wall clock, the calling thread's CPU time and every thread's (the autograd engine runs a
@@ -47,7 +48,7 @@ is estimated to take on an H200 (child start-up, about 10 s, included):
 7. ``rank:gpt2-xl+compile`` (issue 44, point 3; 135 s: inductor compiles 12 layers twice): the
    gpt2-xl rank again with both compiled, where the budget has room.
 
-Parts 1 to 4's Mixtral are estimated at 350 s, all at 850 s: with ``--budget 480`` they run, the rest
+Parts 1 to 4's Mixtral are estimated at 380 s, all at 880 s: with ``--budget 480`` they run, the rest
 in a second call (``--only rank:qwen3-30b-a3b nccl rank:gpt2-xl host:cuda --budget 240``).
 run. A part starts only while its estimate fits
 before a minute past ``--budget`` (default 480 s; the device tool's limit is 600 s a command),
@@ -92,8 +93,8 @@ class Part:
 #: real-size model: 2-11 s), child start-up (about 10 s) included
 ROUND = [
     # the rank after the sequence's gathers and reduce-scatters went row by row (no layout copy)
-    Part("rank:llama-3-8b", "44.3", 100, 180, "rank", dict(model="llama-3-8b", layers=4, batch=2, seq=4096,
-                                                             compile=True)),
+    Part("rank:llama-3-8b", "44.3", 130, 220, "rank", dict(model="llama-3-8b", layers=4, batch=2, seq=4096,
+                                                             compile=True, products_apart=True)),
     # the rank's step measured 67.8 ms wall with about 13 ms of kernels: where the host's time goes
     Part("host:gpt2-xl", "44.4", 40, 90, "host_profile", dict(model="gpt2-xl", layers=12, batch=8, seq=1024)),
     # the device's capture of Llama priced 0.79 of the eighth where the meta one here is 0.94: which ops
