@@ -47,7 +47,7 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                host_reads: bool = True,
                expert_dispatch: bool | None = None,
                fuse_activations: bool = True, fuse_norms: bool = True,
-               fuse_products: bool = True, expert_load: Any = None) -> tuple[Plan, GraphIndex, Propagation]:
+               fuse_products: bool = False, expert_load: Any = None) -> tuple[Plan, GraphIndex, Propagation]:
     """The plan for a capture. ``memory_limit`` (bytes per rank; default: the profile's device
     memory) bounds training state + activations; a saved ``plan`` is replayed, not re-solved.
 

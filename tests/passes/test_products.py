@@ -103,7 +103,7 @@ def test_the_joined_weight_splits_as_each_ranks_run_of_every_siblings_heads():
     model = zoo.build("llama", config, dtype=torch.float32, seed=1, device="meta")
     cap = capture(model)
     layout = {"*q_proj.weight": "column", "*k_proj.weight": "column", "*v_proj.weight": "column"}
-    plan, index, prop = build_plan(cap, 2, batch=64, seq=32, profile="h100-dgx", layout=layout)
+    plan, index, prop = build_plan(cap, 2, batch=64, seq=32, profile="h100-dgx", layout=layout, fuse_products=True)
     cat = next(n for n in index.capture.graph.nodes if n.target is aten.cat.default
                and all(a.op == "placeholder" for a in n.args[0]))
     joined = prop.placements[cat]
@@ -125,7 +125,7 @@ def test_the_plan_joins_them_where_it_pays_and_keeps_them_apart_where_the_join_c
     # gradient is summed by three full-size adds: joined, the predicted step faster than apart
     model = zoo.build("llama", zoo.published_config("llama-3-8b", layers=1), device="meta", dtype=torch.bfloat16)
     cap = capture(model)
-    split, _, _ = build_plan(cap, 8, batch=2, seq=4096, profile="h200")
+    split, _, _ = build_plan(cap, 8, batch=2, seq=4096, profile="h200", fuse_products=True)
     assert any(n.startswith("sibling products fused: 1 x 3 products of one input (4096+1024+1024 rows: "
                             "model.layers.0.self_attn)") for n in split.notes), split.notes
     assert not any(n.startswith("sibling products kept apart") for n in split.notes), split.notes
