@@ -101,3 +101,44 @@ def test_sibling_products_run_as_one_product_and_train_as_serial(cluster_of, cas
 @given(case=cases())
 def test_sibling_products_fused_16_cases(cluster_of, case):
     check_family(cluster_of, case)
+
+
+def every_call_joined(family: str, sequence_parallel) -> tuple[dict, list]:
+    """Runs in a rank: two training steps, an inference call and a left-padded greedy generate on
+    one ParallelModule with its sibling products joined (attention and MLP pinned to Megatron's
+    split, so every rank joins its own shards): each call's largest error against serial."""
+    import autotp
+    from autotp.testing import equivalence_errors, keep_loss_precision
+
+    config = zoo.tiny_config(family, layers=2, heads=4, kv_heads=2, head_dim=8, vocab=64)
+    model = zoo.build(family, config, dtype=torch.float64, seed=3)
+    keep_loss_precision(model)
+    layout = {"*.q_proj.weight": "column", "*.k_proj.weight": "column", "*.v_proj.weight": "column",
+              "*.o_proj.weight": "row", "*.gate_proj.weight": "column", "*.up_proj.weight": "column",
+              "*.down_proj.weight": "row"}
+    pm = autotp.parallelize(model, 2, layout=layout, fuse_products=True, sequence_parallel=sequence_parallel)
+    errors = {}
+    for step in range(2):
+        model.train(), pm.train()
+        batch = zoo.example_batch(family, config, batch=2, seq=8, seed=3 + step)
+        errors[f"train {step}"] = max(equivalence_errors(model, pm, batch).values())
+    model.eval(), pm.eval()
+    ids = torch.randint(2, 64, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want, got = model(input_ids=ids).logits, pm(input_ids=ids).logits
+    errors["infer"] = ((got - want).norm() / want.norm()).item()
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0   # left padding
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    got = pm.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    errors["generate"] = 0.0 if torch.equal(got, want) else float("inf")
+    return errors, [n for n in pm.plan.notes if n.startswith("sibling products fused")]
+
+
+@pytest.mark.slow   # 30-60 s: the fast cases above hold the training call; this one every later call
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("sequence_parallel", [None, True])
+def test_joined_products_serve_every_call_after_training_as_serial(cluster_of, family, sequence_parallel):
+    for errors, joined in cluster_of(2).run(every_call_joined, family, sequence_parallel):
+        assert joined, "no sibling products were joined"
+        assert max(errors.values()) <= 1e-12, errors
