@@ -105,6 +105,13 @@ class AtenOps:
         self._mode.__exit__(*exc)
 
 
+#: a Mixtral-like model's layout with its experts split whole (expert parallelism) and everything
+#: before the router replicated: no g whose fake all-reduce would leave a fake-backend rank only
+#: its part, so the rank routes exactly as serial does (its experts' rows countable against serial)
+EXPERTS_ALONE_SPLIT = {"*.experts.gate_up_proj": "expert", "*.experts.down_proj": "expert",
+                       "model.embed_tokens.weight": "replicate", "*self_attn.*": "replicate"}
+
+
 @contextlib.contextmanager
 def fake_process_group(tp: int, rank: int = 0):
     """Rank ``rank`` of a tp-``tp`` world on torch's ``fake`` backend, in this process (its group

@@ -13,6 +13,7 @@ from autotp.testing.work import WorkCounter
 from benchmarks.fake_peers import fake_rank, mirrored_peers
 from benchmarks.moe_load import at_load, expert_ranges, expert_rows_share, routing_load
 from benchmarks.op_timer import module_step
+from tests.helpers import EXPERTS_ALONE_SPLIT
 
 
 def _tiny_moe(layers: int, experts: int):
@@ -50,8 +51,7 @@ def test_the_rank_run_computes_exactly_its_experts_rows():
     with WorkCounter() as serial:
         module_step(model, batch)()
     model.zero_grad(set_to_none=True)
-    pins = {"*.experts.gate_up_proj": "expert", "*.experts.down_proj": "expert", "model.embed_tokens.weight":
-            "replicate", "*self_attn.*": "replicate"}
+    pins = EXPERTS_ALONE_SPLIT
     dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
     try:
         for rank in (load.balanced_rank, load.busiest_rank):
@@ -95,8 +95,7 @@ def test_the_probe_reads_each_ranks_rows_and_a_program_from_rank_0s_plan_is_the_
         module_step(model, batch)()
     model.zero_grad(set_to_none=True)
     args = argparse.Namespace(tp=4, profile="h200", plan_batch=2, plan_seq=16, device="cpu")
-    pins = {"*.experts.gate_up_proj": "expert", "*.experts.down_proj": "expert", "model.embed_tokens.weight":
-            "replicate", "*self_attn.*": "replicate"}
+    pins = EXPERTS_ALONE_SPLIT
     _fake_world(4)
     try:
         shares = R._probe(model, batch, args, dict(layout=pins), serial)

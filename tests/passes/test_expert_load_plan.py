@@ -14,6 +14,7 @@ from autotp import zoo
 from autotp.errors import ConfigError
 from autotp.plan.expert_load import ExpertLoad
 from autotp.planner.expert_load import shares
+from tests.helpers import EXPERTS_ALONE_SPLIT
 
 LAYERS = ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
 
@@ -68,8 +69,7 @@ def test_measured_load_is_the_rows_the_busiest_ranks_experts_compute():
     with WorkCounter() as serial:
         module_step(model, batch)()
     model.zero_grad(set_to_none=True)
-    pins = {"*.experts.gate_up_proj": "expert", "*.experts.down_proj": "expert", "model.embed_tokens.weight":
-            "replicate", "*self_attn.*": "replicate"}
+    pins = EXPERTS_ALONE_SPLIT
     dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
     try:
         with fake_rank(busiest, 4), mirrored_peers():
