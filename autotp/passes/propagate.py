@@ -1197,6 +1197,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
     gathered: dict[fx.Node, _Gathers] = {}
     compute = comm = memory = activations = update = 0.0
     env = index.env
+    joined = {n for n in index.param_views if n.name not in cap.param_names and n.target is aten.cat.default}
 
     def record(node: fx.Node, meta: TensorMeta, dst: Placement, f: bool, consumer: fx.Node) -> None:
         nonlocal comm
@@ -1311,8 +1312,11 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
                         cost = INF
                     elif f:
                         cost += collective_time("f", moved_bytes(index, profile, meta), profile, tp)[1]
-                elif inp.name in cap.param_names and not same_placement(place[inp], want, _dim_size(meta, want), tp):
-                    # a parameter is never moved at run time: it is sharded at load. (The solver
+                elif (inp.name in cap.param_names or inp in joined) \
+                        and not same_placement(place[inp], want, _dim_size(meta, want), tp):
+                    # a parameter is never moved at run time: it is sharded at load, and nor is a
+                    # join of parameters (sibling products fused: its weights' shards, which the
+                    # solver never gathers either, GraphIndex.param_views). (The solver
                     # never gathers a view of one either, GraphIndex.moves_parameter; this walk,
                     # which replays a plan for another call op by op without looking ahead, may:
                     # falcon-new at tp 4 reached its row-parallel product with x whole, where only

@@ -152,3 +152,32 @@ def test_the_cheaper_of_joined_and_apart_is_kept():
     assert note.startswith("sibling products kept apart: 4 sets (joined, the predicted step is slower"), note
     (_, _, prop), fused, note = fused_cheaper(cap, 1, None, attempt(-0.1))
     assert round(prop.total_s, 6) == 0.6 and len(fused) == 4 and note is None
+
+
+def test_the_op_by_op_walk_never_gathers_a_joined_weight():
+    # A later program (an inference call, a decode step) replays its plan op by op (propagate
+    # without the solver's choices). A joined weight is its weights' shards, as a parameter is:
+    # gathered, it would move them each step (priced forward only) and run the product whole. Before,
+    # the walk gathered OLMo-2's q|k|v (column-pinned, tp 8) for a product run whole, a plan the
+    # solver never takes (so "the solver is no dearer than the walk" failed), and gpt-oss's decode
+    # step returned its key cache whole where it takes it split by head (a PlanError in generate)
+    from autotp.cost_model.devices import get_profile
+    from autotp.passes.propagate import GraphIndex, propagate
+    from autotp.testing.host import MEGATRON
+
+    config = zoo.tiny_config("olmo2", layers=1, heads=8, kv_heads=8, head_dim=16, vocab=128, positions=64)
+    model = zoo.build("olmo2", config, device="meta", dtype=torch.bfloat16)
+    cap, fused = fuse_products(capture(model))
+    assert fused
+    index = GraphIndex.build(cap, 8, 2, 16, uneven=True)
+    column = [k[1:] for k, role in MEGATRON["llama"].items() if role == "column"]   # "*q_proj.weight" -> suffix
+    pins = {p: Shard(0) for p, fqn in cap.param_names.items() if fqn.endswith(tuple(column))}
+    assert len(pins) == 5, pins
+    walk = propagate(index, pins, get_profile("h200"))
+    joined = {n.name for n in cap.graph.nodes if n.target is aten.cat.default
+              and all(a.op == "placeholder" and a.name in cap.param_names for a in n.args[0])}
+    assert len(joined) == 2 and walk.infeasible is None
+    assert [c for c in walk.comms if c.tensor in joined] == [], walk.comms
+    for name in joined:   # each runs as the rank's shards joined: split along the joined rows
+        placed = next(p for n, p in walk.placements.items() if n.name == name)
+        assert isinstance(placed, Shard) and placed.dim == 0, placed
