@@ -141,7 +141,10 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
 
     try:
         if fuse_products:   # sibling products joined where the plan splits them alike (planner/siblings.py)
-            (result, index, prop), products, apart = fused_cheaper(cap, tp, plan, attempt)
+            pins = None
+            if plan is None and layout:   # a set its layout pins unalike runs apart (planner/siblings.py)
+                pins = {cap.param_names[k]: p for k, p in _pinned(cap, layout, None).items()}
+            (result, index, prop), products, apart = fused_cheaper(cap, tp, plan, attempt, pins)
             notes += [n for n in (products_note(products), apart) if n]
         else:
             result, index, prop = attempt(cap)

@@ -11,6 +11,7 @@ import torch
 
 from ..capture import Capture
 from ..errors import ConfigError
+from ..passes.propagate import _joined_weight_reader
 from ..placements import REPLICATE, Placement, Shard
 from ..plan.plan import Plan, role_of
 
@@ -25,9 +26,18 @@ _OUTPUT_ROWS = {torch.ops.aten.linear.default: 0, torch.ops.aten.mm.default: 1, 
 
 
 def _first_uses(cap: Capture) -> dict[str, tuple[Any, int]]:
+    """Parameter placeholder -> (the op that first reads it, the argument it is). A weight joined
+    with its siblings for one product (autotp/passes/products.py: ``linear(x, cat([Wq, Wk, Wv]))``)
+    is read by that product as its weight: its rows are the joined weight's, so a layout's role
+    means for it what it means for the product the model wrote."""
     out: dict[str, tuple[Any, int]] = {}
     for node in cap.graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        reader = _joined_weight_reader(node, cap.param_names)
+        if reader is not None:
+            for part in node.args[0]:
+                out.setdefault(part.name, (reader.target, 1))
             continue
         for pos, a in enumerate(node.args):
             if getattr(a, "op", None) == "placeholder" and a.name in cap.param_names and a.name not in out:

@@ -24,27 +24,35 @@ def _weights(cap: Any, sibs: Siblings) -> list[str]:
     return [cap.param_names[p.args[1].name] for p in sibs.products]
 
 
-def apart_in(plan: Any, cap: Any) -> frozenset:
-    """The sets of ``cap`` whose weights ``plan`` places so that no join holds them: some whole
-    and some split, or split along another dim than their rows."""
+def apart_in(held: Any, cap: Any, free: bool = False) -> frozenset:
+    """The sets of ``cap`` whose weights ``held`` (parameter name -> placement: a plan's, or a
+    layout's pins) places so that no join holds them: some whole and some split, or split along
+    another dim than their rows (a ``row`` pin: the joined weight splits only along its rows).
+    A weight ``held`` leaves out is whole (a plan's) or, with ``free``, follows the others (a
+    layout's unpinned one)."""
     skip = set()
     for sibs in find_siblings(cap.graph, cap.param_names):
-        held = [plan.params.get(name, REPLICATE) for name in _weights(cap, sibs)]
-        whole = all(p == REPLICATE for p in held)
-        rows = all(isinstance(p, Shard) and p.dim == 0 for p in held)
+        names = _weights(cap, sibs)
+        places = [held[n] for n in names if n in held] if free else [held.get(n, REPLICATE) for n in names]
+        whole = all(p == REPLICATE for p in places)
+        rows = all(isinstance(p, Shard) and p.dim == 0 for p in places)
         if not (whole or rows):
             skip.add(sibs.key)
     return frozenset(skip)
 
 
-def fused_cheaper(cap: Any, tp: int, plan: Any, attempt: Callable[[Any], tuple]) -> tuple[tuple, list, str | None]:
+def fused_cheaper(cap: Any, tp: int, plan: Any, attempt: Callable[[Any], tuple],
+                  pins: Any = None) -> tuple[tuple, list, str | None]:
     """``attempt`` (a capture -> its (plan, index, propagation)) on ``cap`` with its sibling
     products fused where that is cheaper (module docstring): the result, what was fused, and a
     note where sets were kept apart (None where none was). The join is paid each step (a copy of
     the rank's weight shards forward) where the written products pay an ``add`` of their input's
     gradient per sibling and run narrower: it pays at a training workload split over ranks, not
     where the weights are large against the tokens (a decode step, a whole model on one rank),
-    so the capture with every set apart is solved too and the cheaper predicted step kept."""
+    so the capture with every set apart is solved too and the cheaper predicted step kept.
+    ``pins`` (parameter name -> placement, a layout's) keeps apart the sets it pins unalike: a pin
+    means its parameter, whose rows a join makes rows of the joined weight, so a set with one
+    weight pinned ``row`` (Llama-4's router beside its shared expert's gate and up) runs apart."""
     sets = find_siblings(cap.graph, cap.param_names)
     if not sets:
         return attempt(cap), [], None
@@ -65,8 +73,11 @@ def fused_cheaper(cap: Any, tp: int, plan: Any, attempt: Callable[[Any], tuple])
         tried.append((result, fused, _apart_note(len(skip), why)))
         return result
 
-    skip = apart_in(plan, cap) if plan is not None else frozenset()
-    first = trying(skip, "the plan splits their weights differently")
+    if plan is not None:
+        skip, why = apart_in(plan.params, cap), "the plan splits their weights differently"
+    else:
+        skip, why = apart_in(pins or {}, cap, free=True), "the layout pins their weights differently"
+    first = trying(skip, why)
     if first is not None and plan is None and tp > 1:
         whole = frozenset(s.key for s in sets
                           if all(first[0].params.get(name, REPLICATE) == REPLICATE for name in _weights(cap, s)))

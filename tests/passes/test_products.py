@@ -181,3 +181,28 @@ def test_the_op_by_op_walk_never_gathers_a_joined_weight():
     for name in joined:   # each runs as the rank's shards joined: split along the joined rows
         placed = next(p for n, p in walk.placements.items() if n.name == name)
         assert isinstance(placed, Shard) and placed.dim == 0, placed
+
+
+def test_a_pin_on_a_joined_weight_means_its_parameter_and_a_set_pinned_unalike_runs_apart():
+    # Llama-4's router reads the post-attention norm's output, as its shared expert's gate and up
+    # do: a set of three. A layout pinning the router row-parallel (as the solver takes it at
+    # Llama-4-Scout's size) and the gate and up column-parallel: the pin's role is read off the
+    # product that reads the router's weight (before, off the join, where "row" named nothing: a
+    # ConfigError), and a joined weight splits along its rows alone, so that set runs apart (a note
+    # says why) while the attention's q, k and v, pinned alike, run joined
+    config = zoo.tiny_config("llama4", layers=2, heads=4, kv_heads=2, head_dim=8, vocab=64, positions=64)
+    model = zoo.build("llama4", config, device="meta")
+    layout = {"*.q_proj.weight": "column", "*.k_proj.weight": "column", "*.v_proj.weight": "column",
+              "*.o_proj.weight": "row", "*.shared_expert.gate_proj.weight": "column",
+              "*.shared_expert.up_proj.weight": "column", "*.shared_expert.down_proj.weight": "row",
+              "*.router.weight": "row"}
+    plan, index, _ = build_plan(capture(model), 2, batch=8, seq=32, layout=layout)
+    for layer in range(2):
+        ff = f"model.layers.{layer}.feed_forward"
+        assert plan.params[f"{ff}.router.weight"] == Shard(1), plan.params[f"{ff}.router.weight"]
+        assert plan.params[f"{ff}.shared_expert.gate_proj.weight"].dim == 0
+    assert any(n.startswith("sibling products fused: 2 x 3 products of one input") for n in plan.notes), plan.notes
+    assert "sibling products kept apart: 2 sets (the layout pins their weights differently)" in plan.notes, plan.notes
+    joined = [n for n in index.capture.graph.nodes if n.target is aten.cat.default
+              and all(a.op == "placeholder" for a in n.args[0])]
+    assert {index.capture.param_names[n.args[0][0].name].rsplit(".", 2)[-2] for n in joined} == {"q_proj"}
