@@ -73,7 +73,7 @@ def plan(model: nn.Module, tp: int | None = None, *, batch: int = 8, seq: int | 
          seq_range: tuple[int, int] | None = None, world: int | None = None,
          gpus_per_node: int = 8, host_reads: bool = True,
          expert_dispatch: bool | None = None, fuse_activations: bool = True,
-         fuse_norms: bool = True, fuse_products: bool = False, expert_load: Any = None) -> "Plan | PipelinePlan":
+         fuse_norms: bool = True, fuse_products: bool = True, expert_load: Any = None) -> "Plan | PipelinePlan":
     """Choose a plan for ``model`` at ``tp`` without any process group (a meta model works).
 
     ``world=N`` (with ``gpus_per_node``) chooses tensor x pipeline x data parallelism for N GPUs
@@ -229,14 +229,13 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
     multiply kept as written (:mod:`autotp.passes.norms`); ``False`` runs the ops as written, as
     ``sequence_parallel=False`` does (see :func:`~autotp.planner.build_plan`).
 
-    ``fuse_products`` (default False: off until every family's every call holds with it, see
-    docs/architecture.md section 8): sibling products, ``linear``s of one input (Llama's q, k, v
+    ``fuse_products`` (default True): sibling products, ``linear``s of one input (Llama's q, k, v
     projections, its gate and up), run as one product of their weights joined at each step, its
     output split back (:mod:`autotp.passes.products`): one product forward and one input-gradient
     product backward instead of three, no ``add``s of their input gradients, a wider and faster
     product on each rank. The parameters stay the model's own. Where the siblings cannot be split
     alike (fewer kv heads than ranks), the plan runs them apart (the cheaper of the two plans);
-    the plan's notes say what was fused.
+    the plan's notes say what was fused. ``False`` runs them as written.
 
 
     ``expert_load``: the router's load expert parallelism is priced at (an :class:`autotp.ExpertLoad`

@@ -228,9 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fuse-norms", action=argparse.BooleanOptionalAction, default=True,
                    help="plan an RMSNorm's statistic written out (pow, mean, add, rsqrt, mul: Llama's) as one "
                         "aten.rms_norm (default); --no-fuse-norms keeps the ops as written")
-    p.add_argument("--fuse-products", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--fuse-products", action=argparse.BooleanOptionalAction, default=True,
                    help="plan sibling products (linears of one input: q, k, v; gate, up) as one product of their "
-                        "weights joined where cheaper; off by default (--no-fuse-products, the default, keeps them apart)")
+                        "weights joined where the cost model finds it cheaper (default); --no-fuse-products keeps "
+                        "them apart")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--full", action="store_true",
                    help="every parameter of every layer and every collective (default: repeated layers folded)")

@@ -52,12 +52,12 @@ def _tiny_model_for(name: str, layers: int, dtype, device: str):
 
 def rank(device: str, quick: bool, md: str, model: str, layers: int, batch: int, seq: int,
          compile: bool = False, rank_by: str = "count", busiest_rank: str = "off", plan_load: str = "balanced",
-         products_joined: bool = False) -> dict:
+         products_apart: bool = False) -> dict:
     """One rank of tp 8 against serial/8 (``benchmarks/rank_efficiency.py``): its table in ``md``.
     ``rank_by`` and ``busiest_rank``: which rank of the fake world times an experts layout
     (rank_efficiency's ``--rank-by``, ``--busiest-rank``); ``plan_load``: the default plan made at
     a balanced router, at the batch's measured routing load, or both (``--plan-load``);
-    ``products_joined``: the default plan with its sibling products joined too (``--products-joined``)."""
+    ``products_apart``: the default plan with its sibling products as written too (``--products-apart``)."""
     import torch
 
     import rank_efficiency
@@ -73,7 +73,7 @@ def rank(device: str, quick: bool, md: str, model: str, layers: int, batch: int,
                               layouts=list(rank_efficiency.EXPERTS), repeats=2 if quick else 5, threads=1,
                               compile=compile, sequence_parallel="cost", rank_by=rank_by,
                               busiest_rank=busiest_rank, plan_load=plan_load,
-                              products_joined=products_joined)
+                              products_apart=products_apart)
     torch.manual_seed(0)
     _fake_world(8)
     figures: dict = {}

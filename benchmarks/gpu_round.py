@@ -17,8 +17,8 @@ is estimated to take on an H200 (child start-up, about 10 s, included):
    (``benchmarks/rank_efficiency.py``), Llama-3-8B 4 layers, 2 x 4096, bf16, eager and compiled,
    with the device's busy share and the time per ATen op beside serial/8. The 2026-11-30 round
    measured 0.67 / 0.74, 3.6 ms of it the layout copies the row-by-row gathers now leave out; beside
-   it, eager and compiled, the same plan with its sibling products (q, k, v; gate, up) joined
-   (``fuse_products=True``, off by default for now).
+   it, eager and compiled, the same plan with its sibling products (q, k, v; gate, up) as written
+   (``fuse_products=False``; the default joins them).
 2. ``host:gpt2-xl`` (issue 44, points 3 and 4; 40 s): where the host's time goes in one training
    step of a gpt2-xl rank (12 layers, 8 x 1024) and of serial (``benchmarks/host_profile.py``): the
    step's wall clock, the calling thread's CPU time and every thread's (the autograd engine runs a
@@ -95,7 +95,7 @@ class Part:
 ROUND = [
     # the rank after the sequence's gathers and reduce-scatters went row by row (no layout copy)
     Part("rank:llama-3-8b", "44.3", 130, 220, "rank", dict(model="llama-3-8b", layers=4, batch=2, seq=4096,
-                                                             compile=True, products_joined=True)),
+                                                             compile=True, products_apart=True)),
     # the rank's step measured 67.8 ms wall with about 13 ms of kernels: where the host's time goes
     Part("host:gpt2-xl", "44.4", 40, 90, "host_profile", dict(model="gpt2-xl", layers=12, batch=8, seq=1024)),
     # the device's capture of Llama priced 0.79 of the eighth where the meta one here is 0.94: which ops

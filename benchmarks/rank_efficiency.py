@@ -259,8 +259,8 @@ def run_model(spec: str, args, figures: dict | None = None) -> list[str]:
     layouts = {"default": _sequence_parallel(args)}
     if family.name in zoo.EXPERT_FAMILIES:
         layouts.update({k: v for k, v in EXPERTS.items() if k in args.layouts})
-    if getattr(args, "products_joined", False):   # the sibling products joined (fuse_products, off by default)
-        layouts[JOINED] = {**layouts["default"], "fuse_products": True}
+    if getattr(args, "products_apart", False):   # the sibling products as written (the default joins them)
+        layouts[APART] = {**layouts["default"], "fuse_products": False}
     cpu = args.device == "cpu"
     # experts' layouts run as the rank whose experts' load is nearest the mean (a balanced router's
     # step), and with --busiest-rank as the most loaded one too (benchmarks/moe_load.py)
@@ -396,8 +396,8 @@ def run_model(spec: str, args, figures: dict | None = None) -> list[str]:
     return lines
 
 
-#: the default plan with its sibling products joined (``--products-joined``: ``fuse_products=True``)
-JOINED = "default, sibling products joined"
+#: the default plan with its sibling products as written (``--products-apart``: ``fuse_products=False``)
+APART = "default, sibling products apart"
 #: the default plan planned at the benchmark batch's measured routing load (``--plan-load``)
 AT_LOAD = "default, measured load"
 
@@ -659,9 +659,9 @@ def main() -> None:
     p.add_argument("--plan-seq", type=int, default=1024)
     p.add_argument("--profile", default="h200", help="the profile the plan is made for (and predicted with)")
     p.add_argument("--layouts", nargs="*", default=list(EXPERTS), help="experts layouts weighed beside the default")
-    p.add_argument("--products-joined", action="store_true",
-                   help="also the default plan with fuse_products=True (q, k, v and gate, up each one product), "
-                        "side by side")
+    p.add_argument("--products-apart", action="store_true",
+                   help="also the default plan with fuse_products=False (q, k, v and gate, up as written, not each "
+                        "one product), side by side")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads on CPU: on a shared machine two threads make every small op wait at the "

@@ -215,7 +215,7 @@ def main() -> None:
     p.add_argument("--profile", default="h200")
     p.add_argument("--out", default=None)
     p.add_argument("--fuse-products", action=argparse.BooleanOptionalAction, default=True,
-                   help="the rank's sibling products joined (default here; autotp's own default is off for now), "
+                   help="the rank's sibling products joined (default, as autotp's own), "
                         "or as written (the figures before)")
     args = p.parse_args()
     kept = kept_lines(args.out)
@@ -224,8 +224,8 @@ def main() -> None:
              f"Command: `{command}`" + (" (its output: this file down to the part written by hand, which "
                                         "`--out` keeps)" if kept else ""), "",
              "The cost model alone (meta models, bf16, the plan `build_plan` makes with sequence parallelism "
-             "by cost, no memory limit" + (", sibling products joined: `fuse_products=True`, which autotp leaves "
-                                           "off by default for now" if args.fuse_products else
+             "by cost, no memory limit" + (", sibling products joined: `fuse_products=True`, autotp's default"
+                                           if args.fuse_products else
                                            ", sibling products as written") + "); no device is run, so the "
              "machine does not matter. The causes are defined in the script's docstring.", ""]
     for spec in args.models:

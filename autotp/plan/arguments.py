@@ -23,7 +23,7 @@ from ..errors import ConfigError
 
 #: an argument's value when the caller leaves it to the plan (or, without one, to the default)
 _DEFAULTS = {"sequence_parallel": None, "expert_dispatch": None, "gather_logits": None, "host_reads": True,
-             "fuse_activations": True, "fuse_norms": True, "fuse_products": False, "uneven": True, "expert_load": None}
+             "fuse_activations": True, "fuse_norms": True, "fuse_products": True, "uneven": True, "expert_load": None}
 #: those whose None is itself a choice (by cost): given None with a plan, they take the plan's
 _BY_COST = ("sequence_parallel", "expert_dispatch", "gather_logits")
 
@@ -39,7 +39,7 @@ class PlanArguments:
     host_reads: bool = True
     fuse_activations: bool = True
     fuse_norms: bool = True
-    fuse_products: bool = False
+    fuse_products: bool = True
     uneven: bool = True
     #: the router's load expert parallelism was priced at (an :class:`autotp.ExpertLoad`; None: a
     #: balanced router), autotp/planner/expert_load.py

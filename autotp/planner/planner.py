@@ -47,7 +47,7 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                host_reads: bool = True,
                expert_dispatch: bool | None = None,
                fuse_activations: bool = True, fuse_norms: bool = True,
-               fuse_products: bool = False, expert_load: Any = None) -> tuple[Plan, GraphIndex, Propagation]:
+               fuse_products: bool = True, expert_load: Any = None) -> tuple[Plan, GraphIndex, Propagation]:
     """The plan for a capture. ``memory_limit`` (bytes per rank; default: the profile's device
     memory) bounds training state + activations; a saved ``plan`` is replayed, not re-solved.
 
@@ -99,6 +99,11 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
     ``sequence_parallel=False`` the statistics stay as written (a note says so): there a plan
     splits a norm's rows along the hidden dim (x squared gathered, each rank normalizing its
     columns), which ``aten.rms_norm``, keeping normalized dims whole, cannot.
+
+    ``fuse_products`` (default True): sibling products (``linear``s of one input: q, k, v; gate,
+    up) run as one product of their weights joined where the plan splits them alike and the cost
+    model finds it cheaper (:mod:`autotp.planner.siblings`), a plan note saying which and which
+    sets stay apart; False keeps them as written.
 
     ``expert_load``: the router's load expert parallelism is priced at (an
     :class:`~autotp.planner.expert_load.ExpertLoad`, or a mapping of each MoE layer's experts module

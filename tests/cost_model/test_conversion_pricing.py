@@ -52,8 +52,10 @@ def test_a_float32_tensor_crossing_ranks_is_priced_at_the_bytes_it_moves():
     model = zoo.build("olmo2", config, dtype=torch.bfloat16)
     inputs = zoo.example_batch("olmo2", config, batch=2, seq=16)
     with fake_process_group(TP):
+        # the statistics written: their float32 gathers; the products too: q|k|v joined, the plan
+        # gathers the bf16 product before its split and upcast instead, and no float32 crosses ranks
         pm = autotp.parallelize(model, TP, profile="h200", batch=2, seq=16, layout=MEGATRON["llama"],
-                                fuse_norms=False)   # the statistics written: their float32 gathers
+                                fuse_norms=False, fuse_products=False)
         with CollectiveVolumes() as forward:
             loss = pm(**inputs).loss
         with CollectiveVolumes() as backward:

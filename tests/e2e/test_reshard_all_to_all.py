@@ -1,8 +1,10 @@
 """A tensor split along one dim and wanted split along another, by no consumer whole, moves by one
 all-to-all: 1/tp of the bytes of the all-gather and cut the plan made before.
 
-BERT's plan at the planning workload (64 x 4096 on ``h100-dgx``) splits its embeddings and its
-attention's k and v by features and wants them split along the sequence (``S(2) -> S(1)``). One
+BERT's plan at the planning workload (64 x 4096 on ``h100-dgx``) splits its embeddings by
+features and wants them split along the sequence (``S(2) -> S(1)``), and its attention's joined
+q|k|v product (sibling products, autotp/passes/products.py) the other way, along the sequence to
+its heads (``S(1) -> S(2x3/4)``; apart, its k and v went ``S(2) -> S(1)``). One
 rank of tp 8 on the fake backend runs a training step of that plan twice: as planned (an
 ``all_to_all``), and with the same placements run the old way (every reshard gathered whole and
 cut). It issues the collectives its plan lists, and the reshards receive tp times fewer bytes.
@@ -10,6 +12,8 @@ Four gloo ranks hold the program to serial (float64, forward and backward); thre
 uneven one (16 features at tp 3, rotated in the second layer).
 """
 from __future__ import annotations
+
+import re
 
 import pytest
 import sympy
@@ -78,7 +82,11 @@ def test_a_reshard_issues_one_all_to_all_of_a_tp_th_of_the_gathers_bytes(fake_tp
     batch = zoo.example_batch("bert", config, batch=2, seq=8, seed=2)   # seq 8, hidden 32: even at tp 8
     pm = autotp.parallelize(model, tp, **PLANNING)
     a2a = [c for c in pm.plan.comms if c.kind == "all_to_all"]
-    assert a2a and all(c.src == "S(2)" and c.dst == "S(1)" for c in a2a), pm.plan.comms
+    # the embeddings' sum S(2) -> S(1); each attention's q|k|v, joined for one product (bias
+    # included), sequence-split S(1) -> its heads' blocks S(2x3/4) (written apart, k and v went
+    # S(2) -> S(1) for attention instead): each a split along one dim wanted along another
+    dims = [(re.match(r"S\((\d+)", c.src), re.match(r"S\((\d+)", c.dst)) for c in a2a]
+    assert a2a and all(src and dst and src[1] != dst[1] for src, dst in dims), pm.plan.comms
     assert not [c for c in pm.plan.comms if c.kind == "reshard"]
     modules = [m for m in pm.graph_module.modules() if isinstance(m, comm_modules.ReshardTP)]
     assert len(modules) == len(a2a)

@@ -70,12 +70,32 @@ class _Collectives:
         return run
 
 
+#: T5's decoder reads the encoder's output by each layer's cross-attention k and v: written, one
+#: all_gather_f of it serves their products and the returned encoder state (grad_if); joined for one
+#: product (sibling products, autotp/passes/products.py: its 2 layers' k and v, 4 products), the plan
+#: gathers it once before the encoder's last dropout, which then runs whole and is read by both, so
+#: no gather is shared. "t5" is the written program (fuse_products=False), "t5-joined" the default's.
+JOINED = {"t5-joined": "t5"}
+
+
+def family_of(case: str) -> str:
+    return JOINED.get(case, case)
+
+
+def _family(case: str) -> tuple[str, dict]:
+    """The zoo family of a case and the planning arguments it adds."""
+    return (JOINED[case], {}) if case in JOINED else (case, {"fuse_products": False} if case == "t5" else {})
+
+
 # OLMo-2 and T5 are where the duplicates were; the others keep none (a regression guard: slow)
-@pytest.mark.parametrize("family", ["olmo2", "t5", *(pytest.param(f, marks=pytest.mark.slow)
-                                                    for f in ("llama", "gpt2", "mixtral"))])
-def test_a_sequence_parallel_program_gathers_each_tensor_once_along_a_dim(fake_rank, monkeypatch, family):
+@pytest.mark.parametrize("case", ["olmo2", "t5", "t5-joined", *(pytest.param(f, marks=pytest.mark.slow)
+                                                                for f in ("llama", "gpt2", "mixtral"))])
+def test_a_sequence_parallel_program_gathers_each_tensor_once_along_a_dim(fake_rank, monkeypatch, case):
+    family, written = _family(case)
     model, config = _model(family, torch.float32)
-    pm = autotp.parallelize(model, TP, **PLANNING)
+    pm = autotp.parallelize(model, TP, **PLANNING, **written)
+    if family == "t5":
+        assert any(n.startswith("sibling products fused") for n in pm.plan.notes) == (case in JOINED)
     assert any(c.kind == "reduce_scatter" and c.dst == "S(1)" for c in pm.plan.comms)   # sequence-parallel
     found = gathers_by_source(pm.graph_module)
     assert {k: v for k, v in found.items() if len(v) > 1} == {}
@@ -88,7 +108,7 @@ def test_a_sequence_parallel_program_gathers_each_tensor_once_along_a_dim(fake_r
     forward = len(counted.calls)
     out.loss.backward()
     assert len(counted.calls) > forward
-    if family in ("olmo2", "t5"):   # the shared gather's consumers read it cut or through grad_if
+    if case in ("olmo2", "t5"):   # the shared gather's consumers read it cut or through grad_if
         targets = {n.target for n in pm.graph_module.graph.nodes if n.op == "call_function"}
         assert (rank_slice if family == "olmo2" else grad_if) in targets
 
@@ -117,30 +137,33 @@ def test_the_plan_lists_the_collectives_its_rank_issues_where_gathers_share_one(
     assert plan.comm_s == pytest.approx(sum(c.seconds for c in plan.comms), rel=1e-9)
 
 
-def _shared_gather_matches_serial(family: str, layers: int) -> dict:
+def _shared_gather_matches_serial(case: str, layers: int) -> dict:
     from autotp.testing import equivalence_errors, keep_loss_precision, tolerance
 
+    family, written = _family(case)
     model, config = _model(family, torch.float64, layers=layers)
     if zoo.family(family).task == "causal":
         keep_loss_precision(model)
-    pm = autotp.parallelize(model, TP, **PLANNING)
+    pm = autotp.parallelize(model, TP, **PLANNING, **written)
     targets = {n.target for n in pm.graph_module.graph.nodes if n.op == "call_function"}
     batch = zoo.example_batch(family, config, batch=2, seq=7, seed=3)
     return {"errors": equivalence_errors(model, pm, batch), "bound": tolerance(model, batch),
             "shared": rank_slice in targets or grad_if in targets,
+            "joined": any(n.startswith("sibling products fused") for n in pm.plan.notes),
             "duplicates": {k: v for k, v in gathers_by_source(pm.graph_module).items() if len(v) > 1}}
 
 
 #: the fewest layers where each family's program shares a gather (T5's second layer's plan reads
-#: the encoder's output whole both ways)
-SHARING = {"olmo2": 1, "t5": 2}
+#: the encoder's output whole both ways); T5 joined, its 4 cross-attention products as one
+SHARING = {"olmo2": 1, "t5": 2, "t5-joined": 2}
 
 
-@pytest.mark.parametrize("family", sorted(SHARING))
-def test_a_shared_gather_trains_as_serial(cluster_of, family):
+@pytest.mark.parametrize("case", sorted(SHARING))
+def test_a_shared_gather_trains_as_serial(cluster_of, case):
     """float64, tp 2, seq 7 (split 4/3): the loss, the outputs and every gradient equal serial's
     (within float32's bound where the model computes in float32: OLMo-2's q/k norms)."""
-    for rank, r in enumerate(cluster_of(TP).run(_shared_gather_matches_serial, family, SHARING[family])):
-        assert r["shared"] and r["duplicates"] == {}, (rank, r)
+    for rank, r in enumerate(cluster_of(TP).run(_shared_gather_matches_serial, case, SHARING[case])):
+        assert (case in JOINED or r["shared"]) and r["duplicates"] == {}, (rank, r)
+        assert r["joined"] == (case in JOINED) or family_of(case) != "t5", (rank, r)
         worst = max(r["errors"], key=r["errors"].get)
         assert r["errors"][worst] <= r["bound"], (rank, worst, r["errors"][worst])

@@ -126,9 +126,16 @@ def test_mixtral_expert_tp_with_sequence_parallelism_takes_the_plan_cheaper_unde
     made = _solves(monkeypatch)
     kwargs = _mixtral_8x7b(True)
     plan = autotp.plan(kwargs.pop("model"), **kwargs)
-    (index, profile, pinned, solution), = made
+    # one solve per capture the planner weighs: its attention's q, k and v joined for one product
+    # and apart (autotp/planner/siblings.py; the experts' products are not siblings), the plan the
+    # cheaper's; each solve is held to the old plan under its own prices, the experts' checks below
+    # to the plan's
+    assert 1 <= len(made) <= 2, len(made)
+    for index, profile, pinned, solution in made:
+        _, other = _old_plan_repriced(index, profile, pinned)
+        assert solution.propagation.total_s <= other.total_s * (1 + 1e-12)
+    index, profile, pinned, solution = min(made, key=lambda m: m[3].propagation.total_s)
     _, other = _old_plan_repriced(index, profile, pinned)
-    assert solution.propagation.total_s <= other.total_s * (1 + 1e-12)
     tp, tokens, rows, hidden = 8, 2 * 4096, 2 * 4096 * 2, 4096
     share = (tp - 1) / tp
     # the other plan, as the rules offer it and the rank runs it: the rows gathered once (bf16) ...
