@@ -234,7 +234,8 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
     output split back (:mod:`autotp.passes.products`): one product forward and one input-gradient
     product backward instead of three, no ``add``s of their input gradients, a wider and faster
     product on each rank. The parameters stay the model's own. Where the siblings cannot be split
-    alike (fewer kv heads than ranks), the plan runs them apart (the cheaper of the two plans);
+    alike (fewer kv heads than ranks) or a layout pins them unalike (one ``row``), the plan runs
+    them apart (the cheaper of the two plans, or the pins' reading);
     the plan's notes say what was fused. ``False`` runs them as written.
 
 
