@@ -9,7 +9,7 @@ forced at that load (whole experts per rank, with and without the all-to-all dis
 so that the pick can be read against the alternatives' predicted steps. Nothing runs a model:
 every figure is the cost model's forward + backward on the profile.
 
-    python benchmarks/expert_load_picks.py --out benchmarks/expert_load_picks.md
+    python benchmarks/expert_load_picks.py      # benchmarks/expert_load_picks.md: a run before and after, joined
 """
 from __future__ import annotations
 
