@@ -9,8 +9,8 @@ the cost model's own, ``autotp.cost_model.symbolic``; no device is run):
   each 1/N as large, so serial/N pays 1/N of them and the rank all of them;
 * **products' rate**: each product at the rank's mean share (over the ranks) against serial's
   whole product / N: a product 1/N the size runs below the rate of the whole one
-  (``DeviceProfile.product_rate``: half rate at ``product_half_work`` multiply-adds and at
-  ``product_half_k`` contracted);
+  (``DeviceProfile.product_rate``: ``product_half_work`` multiply-adds more a product and
+  ``product_half_k`` more an output element);
 * **bytes above the share**: memory-bound bytes a rank moves beyond serial's / N (an op a split
   leaves whole on every rank: the masked vocabulary-parallel lookup's partial output and gradient;
   the copies that lay out an op's own collectives, a table read by columns);

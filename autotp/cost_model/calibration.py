@@ -109,7 +109,7 @@ def _measure_shape(peak: float, device: str, dtype, repeats: int, big: int) -> d
     odd = (big, big + 1, big + 1)
     small_rate, shallow_rate, odd_rate = measure_products((small, shallow, odd), device, dtype, repeats)
     half_work, half_k = fit_product_shape(peak, small, small_rate, shallow, shallow_rate)
-    aligned_rate = peak * (lambda w, k: w / (w + half_work) * k / (k + half_k))(odd[0] * odd[1] * odd[2], odd[2])
+    aligned_rate = peak * (lambda w, k: w / (w + w * half_k / k + half_work))(odd[0] * odd[1] * odd[2], odd[2])
     return dict(product_half_work=half_work, product_half_k=half_k,
                 unaligned_flops=peak if odd_rate >= 0.9 * aligned_rate else odd_rate)
 

@@ -28,7 +28,7 @@ class DeviceProfile:
     """What the cost model prices with (see :mod:`.symbolic` and :mod:`.kernels`).
 
     Products: ``flops`` is the rate of a large aligned matrix product; a product of ``W`` =
-    m·n·k multiply-adds reaches ``W/(W + product_half_work) · k/(k + product_half_k)`` of it
+    m·n·k multiply-adds reaches ``W/(W + W·product_half_k/k + product_half_work)`` of it
     (small and skinny products run below peak), and a product whose leading dims are not
     16-byte multiples runs at ``unaligned_flops`` (cuBLAS's ``align1`` kernels). Fused attention
     runs at ``attention_flops`` with a head dim of 128, ``sqrt(d/128)`` of it for a smaller one,
@@ -99,11 +99,16 @@ class DeviceProfile:
         return shares.get(op_class, 1.0) * self.mem_bw
 
     def product_rate(self, work: float, k: float, aligned: bool = True) -> float:
-        """FLOP/s of a product of ``work`` multiply-adds contracting ``k``."""
+        """FLOP/s of a product of ``work`` multiply-adds contracting ``k``: at peak, its time is
+        ``work + work·product_half_k/k + product_half_work`` multiply-adds' (each output element
+        costs ``product_half_k`` more, the product ``product_half_work`` more), so a product's time
+        never falls as any of its dims grows. (The factors' product, ``(W + w0)(k + k0)/k``, fell
+        with ``k`` where ``W·k < w0·k0``: a tiny product contracting more cost less.)"""
         peak = self.flops if aligned or not self.unaligned_flops else min(self.flops, self.unaligned_flops)
-        size = work / (work + self.product_half_work) if self.product_half_work else 1.0
-        depth = k / (k + self.product_half_k) if self.product_half_k else 1.0
-        return peak * size * depth
+        if work <= 0:
+            return peak
+        depth = work * self.product_half_k / k if self.product_half_k else 0.0
+        return peak * work / (work + depth + self.product_half_work)
 
     def attention_rate(self, head_dim: int, dropout: bool) -> float:
         rate = (self.attention_flops or self.flops) * min(1.0, max(head_dim, 1) / 128) ** 0.5

@@ -228,20 +228,24 @@ def measure_grouped(groups: int = 32, rows: int = 32, k: int = 512, n: int = 512
 
 def fit_product_shape(peak: float, small: tuple[int, int, int], small_rate: float, shallow: tuple[int, int, int],
                       shallow_rate: float) -> tuple[float, float]:
-    """(half work, half k) of the product model ``rate = peak · W/(W + w0) · k/(k + k0)`` from a
-    small product and a shallow one (few contracted elements), each measured: two equations,
-    solved by fixed-point iteration (both factors are monotone), kept non-negative."""
-    w0, k0 = 0.0, 0.0
+    """(half work, half k) of the product model ``rate = peak · W/(W + W·k0/k + w0)``
+    (:meth:`~.devices.DeviceProfile.product_rate`) from a small product and a shallow one (few
+    contracted elements), each measured: ``peak/rate - 1 = k0/k + w0/W`` for each, two linear
+    equations in (w0, k0), solved exactly; where that gives a negative constant, it is 0 and
+    the other is fitted to the product that shows it (the small one's size, the shallow one's
+    depth), kept non-negative."""
     ws, ks = small[0] * small[1] * small[2], small[2]
     wd, kd = shallow[0] * shallow[1] * shallow[2], shallow[2]
-    for _ in range(50):
-        depth_small = ks / (ks + k0)
-        size_small = min(0.999, max(small_rate / peak / depth_small, 1e-6))
-        w0 = max(0.0, ws * (1 / size_small - 1))
-        size_shallow = wd / (wd + w0)
-        depth = min(0.999, max(shallow_rate / peak / size_shallow, 1e-6))
-        k0 = max(0.0, kd * (1 / depth - 1))
-    return w0, k0
+    bs, bd = max(peak / small_rate - 1, 0.0), max(peak / shallow_rate - 1, 0.0)
+    det = 1 / (ws * kd) - 1 / (wd * ks)
+    if det:
+        w0 = (bs / kd - bd / ks) / det
+        k0 = (bd / ws - bs / wd) / det
+        if w0 >= 0 and k0 >= 0:
+            return w0, k0
+        if w0 < 0:
+            return 0.0, kd * bd
+    return ws * bs, 0.0
 
 
 def measure_op_classes(device: str = "cpu", dtype=None, numel: int = 1 << 22, repeats: int = 3) -> dict[str, float]:

@@ -133,19 +133,34 @@ def local_dispatch_sizes_work(experts: int, tp: int, rank: int | None = None) ->
     return OpWork(moved=tuple((cls, sympy.sympify(b)) for cls, b in kernels), launches=len(kernels))
 
 
-def local_dispatch_plan_work(rows: Any, experts: int, tp: int, rank: int | None = None) -> OpWork:
+def received_rows(rows: Any, experts: int, tp: int, rank: int | None = None, share: float | None = None) -> Any:
+    """The (token, expert) rows a rank's experts receive of a layer's ``rows``: ``c / experts``
+    of them as uniform routing deals them (``c``: the largest rank's experts, or ``rank``'s), or
+    ``share`` of them under a router's load (:mod:`autotp.planner.expert_load`: the busiest
+    rank's share, or ``rank``'s, as ``RankOp.share`` takes it; a uniform load's is ``c /
+    experts``). An all-to-all's dispatch plan sorts and indexes what arrives, so its kernels wait
+    on the rank receiving most, as the dispatch's bytes do (``propagate.internal_bytes``)."""
+    if share is not None:
+        return rows * sympy.Float(share, 12)
+    count = max_local_size(experts, Shard(0), tp) if rank is None else local_size(experts, Shard(0), tp, rank)
+    return rows * count / experts
+
+
+def local_dispatch_plan_work(rows: Any, experts: int, tp: int, rank: int | None = None,
+                             share: float | None = None) -> OpWork:
     """The kernels :func:`autotp.distributed.expert_routing.local_dispatch_plan` runs once a
     layer for a rank of ``rows`` own (token, expert) rows, each with the bytes it touches (int64
     throughout). Its ``c`` experts (the largest rank's, or ``rank``'s) get ``tp * c`` blocks of
-    rows, one a source rank and expert, and ``rows * tp * c / experts`` rows as uniform routing
-    deals them: the blocks' starts and sizes (each a copy where ``c > 1``: a slice of a
+    rows, one a source rank and expert, and the rows :func:`received_rows` says of every rank's
+    ``rows * tp`` (``rows * tp * c / experts`` as uniform routing deals them; ``share`` of them
+    under a router's load): the blocks' starts and sizes (each a copy where ``c > 1``: a slice of a
     permuted table), the start subtracted, the sizes' cumulative sums, each arriving row's block
     found (``searchsorted``) and its place (two gathers of its block's start and offset, an add
     and a subtraction), the rows' order (an ``arange``) and the arrival's inverse (an
     ``arange`` scattered: the entries it writes)."""
     count = max_local_size(experts, Shard(0), tp) if rank is None else local_size(experts, Shard(0), tp, rank)
     b = tp * count                                     # blocks arriving
-    got = rows * tp * count / experts                  # rows arriving
+    got = received_rows(rows * tp, experts, tp, rank, share)   # rows arriving
     ew = "elementwise"
     kernels = [(ew, 16 * b)] * (2 if count > 1 else 0) + [
         (ew, 16 * b),                                   # at = blocks ... - start
@@ -194,18 +209,19 @@ def dispatch_sizes_work(rows: Any, experts: int, tp: int, offs_bytes: int, rank:
     return OpWork(moved=tuple((cls, sympy.sympify(b)) for cls, b in kernels), launches=len(kernels))
 
 
-def dispatch_plan_work(rows: Any, experts: int, tp: int, rank: int | None = None) -> OpWork:
+def dispatch_plan_work(rows: Any, experts: int, tp: int, rank: int | None = None,
+                       share: float | None = None) -> OpWork:
     """The kernels :func:`autotp.distributed.experts.dispatch_plan` runs once a layer where the
     rows were sorted whole, each with the bytes it touches (int64 throughout): of every rank's
     ``rows`` sorted rows, the rank's ``rows / tp`` token rows' destinations (an
     ``index_select`` of every row's, read whole), their sort key (``dest * rows + id``) and its
-    sort, the arriving rows' holders sorted (a stable sort of the ``rows * c / experts`` rows its
-    ``c`` experts get, as uniform routing deals them: the largest rank's, or ``rank``'s), and
-    both permutations' inverses (an ``arange`` scattered: the entries it writes). Both sorts are
+    sort, the arriving rows' holders sorted (a stable sort of the rows its experts get,
+    :func:`received_rows`: ``rows * c / experts`` as uniform routing deals them to the largest
+    rank's ``c`` experts, or ``rank``'s; ``share`` of them under a router's load), and both
+    permutations' inverses (an ``arange`` scattered: the entries it writes). Both sorts are
     radix sorts (:func:`sort_bytes`, :func:`sort_passes` each)."""
-    count = max_local_size(experts, Shard(0), tp) if rank is None else local_size(experts, Shard(0), tp, rank)
     own = rows / tp                                    # the rank's token rows, sent
-    got = rows * count / experts                       # the rows its experts get
+    got = received_rows(rows, experts, tp, rank, share)   # the rows its experts get
     ew = "elementwise"
     moved = [(ew, 8 * rows + 16 * own), (ew, 16 * own), (ew, 24 * own),   # dest[rows], * rows, + rows
              ("sort", sort_bytes(own, 8)), ("sort", sort_bytes(got, 8)),  # order, arrival
@@ -235,16 +251,18 @@ def dispatch_work(op: RankOp) -> OpWork:
     (:func:`local_dispatch_sizes_work`, :func:`local_dispatch_plan_work` of its ``T*k/tp`` own
     rows); where every row was sorted whole, from every row's holder
     (:func:`dispatch_sizes_work`, :func:`dispatch_plan_work` of the ``T*k`` rows; ``offs``' element
-    size the product's)."""
+    size the product's). The plans' kernels on the rows that arrive take the rank's share of them
+    under a router's load (``op.share``: the busiest rank's, or ``op.rank``'s); the split sizes
+    count every row or every rank's counts, whatever the load."""
     experts = int(op.inputs[1].static(0))
     if op.in_place[0].alone:
         own = local_shape(op.inputs[0], op.in_place[0], op.tp, op.rank, op.share)[0]
         parts = (local_dispatch_sizes_work(experts, op.tp, op.rank),
-                 local_dispatch_plan_work(own, experts, op.tp, op.rank))
+                 local_dispatch_plan_work(own, experts, op.tp, op.rank, op.share))
     else:
         rows = op.inputs[0].shape[0]
         parts = (dispatch_sizes_work(rows, experts, op.tp, op.inputs[2].dtype.itemsize, op.rank),
-                 dispatch_plan_work(rows, experts, op.tp, op.rank))
+                 dispatch_plan_work(rows, experts, op.tp, op.rank, op.share))
     return OpWork(moved=sum((w.moved for w in parts), ()), launches=sum(w.launches for w in parts),
                   passes=sum(w.passes for w in parts))
 

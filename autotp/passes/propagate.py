@@ -713,13 +713,34 @@ def _dim_size(meta: TensorMeta, p: Any) -> int | None:
     return meta.static(p.dim) if isinstance(p, Shard) else None
 
 
+def load_share(index: "GraphIndex", node: fx.Node | None) -> float | None:
+    """The busiest rank's share of the rows of the MoE block ``node`` is computed in, under the
+    router's load the plan is priced at (the largest of its ``OpInfo.expert_share``,
+    ``planner/expert_load.apply_load``); None at a balanced router or outside an MoE block."""
+    info = index.infos.get(node) if node is not None else None
+    share = getattr(info, "expert_share", None)
+    return max(share) if share else None
+
+
+def at_load(full: Any, share: float | None, tp: int) -> Any:
+    """The bytes an all-to-all of an MoE layer's (token, expert) rows (``full``: all of them) is
+    priced at: the rank that receives most sets its time (the dispatch), and the same rank sends
+    those rows back (the combine), ``share`` of them (the busiest rank's, :func:`load_share`),
+    ``share * tp`` of a balanced router's ``1/tp``; a balanced router's where ``share`` is None."""
+    return full if share is None else full * share * tp
+
+
 def conversion_seconds(index: "GraphIndex", profile: DeviceProfile, meta: TensorMeta, have: Any,
-                       want: Placement, f: bool, grad: bool = True) -> float:
+                       want: Placement, f: bool, grad: bool = True, share: float | None = None) -> float:
     """Forward + backward seconds to turn ``have`` into ``want`` (plus an f); inf if impossible.
-    ``grad``: whether a gradient flows back through the tensor (else its backward is free)."""
+    ``grad``: whether a gradient flows back through the tensor (else its backward is free).
+    ``share``: the busiest rank's share of the tensor's MoE block's rows (:func:`load_share` of
+    the node making it): the reverse all-to-all of rows the dispatch sent (:func:`sends_back`) is
+    priced at it (:func:`at_load`), as the dispatch's own all-to-all is (:func:`internal_bytes`)."""
     if isinstance(have, ReplicatePartialGrad):
         return copied_seconds(want, f, grad)
-    key = (meta, have, want, f, grad, profile)
+    share = share if sends_back(have, want) else None   # no other conversion moves a rank's experts' rows
+    key = (meta, have, want, f, grad, profile, share)
     found = index._conversion_cost.get(key)
     if found is None:
         kind = _conversion(have, want, _dim_size(meta, want) or _dim_size(meta, have), index.tp)
@@ -729,7 +750,7 @@ def conversion_seconds(index: "GraphIndex", profile: DeviceProfile, meta: Tensor
             found = INF
         else:
             found = 0.0
-            full = moved_bytes(index, profile, meta)
+            full = at_load(moved_bytes(index, profile, meta), share, index.tp)
             for k in conversion_kinds(kind, f):
                 fw, bw = collective_time(k, full, profile, index.tp, grad)
                 found += fw + bw + layout_copy_seconds(k, meta, have, want, full, profile, index.tp, grad, index)
@@ -892,8 +913,7 @@ def internal_bytes(index: "GraphIndex", profile: DeviceProfile, kind: str, meta:
     (:func:`moved_bytes`), an expert dispatch's all-to-all's scaled from a balanced router's
     ``1/tp`` of the rows to the busiest rank's share (``OpInfo.expert_share``)."""
     full = moved_bytes(index, profile, meta)
-    share = index.infos[node].expert_share if node is not None and node in index.infos else None
-    return full * max(share) * index.tp if kind == "all_to_all" and share is not None else full
+    return at_load(full, load_share(index, node), index.tp) if kind == "all_to_all" else full
 
 
 def table_split(strat: Strategy) -> tuple:
@@ -1089,30 +1109,32 @@ def gather_part_seconds(index: "GraphIndex", profile: DeviceProfile, meta: Tenso
 
 
 def added_seconds(index: "GraphIndex", profile: DeviceProfile, meta: TensorMeta, have: Any, paid: Any,
-                  want: Placement, f: bool | str, grad: bool) -> float:
+                  want: Placement, f: bool | str, grad: bool, share: float | None = None) -> float:
     """Seconds a conversion of a tensor placed ``have`` to ``(want, f)`` adds to the conversions
     of it made already (``paid``: ``(want, f)`` pairs): nothing if made; for a gather, what it
     adds to the one all-gather the gathers share (:func:`gather_parts`: a consumer that reads an
     ``all_gather_f`` made for another costs its copies alone, an ``all_gather_f`` made after a
-    plain all-gather replaces it); else its own collectives."""
+    plain all-gather replaces it); else its own collectives (``share``: as
+    :func:`conversion_seconds` takes it)."""
     if (want, f) in paid:
         return 0.0
     tp = index.tp
     if not gathers_whole(meta, have, want, tp):
-        return conversion_seconds(index, profile, meta, have, want, f, grad)
+        return conversion_seconds(index, profile, meta, have, want, f, grad, share)
     before = sorted((e for e in paid if gathers_whole(meta, have, e[0], tp)), key=repr)
     return (gathers_seconds(index, profile, meta, have, before + [(want, f)], grad)
             - gathers_seconds(index, profile, meta, have, before, grad))
 
 
 def pay(index: "GraphIndex", profile: DeviceProfile, meta: TensorMeta, have: Any, paid: frozenset,
-        want: Placement, f: bool | str, grad: bool) -> tuple[float, frozenset]:
+        want: Placement, f: bool | str, grad: bool, share: float | None = None) -> tuple[float, frozenset]:
     """(seconds added, conversions paid after) for a conversion to ``(want, f)`` of a tensor
     placed ``have`` whose conversions ``paid`` are made: the solver's and the walk's one rule. A
     conversion that also serves a consumer wanting no f (:func:`serves_without_f`) pays that one
     too: free, but where it is a gather read from a shared ``all_gather_f`` (a tailed product's
-    tail reads it through ``grad_if``)."""
-    seconds = added_seconds(index, profile, meta, have, paid, want, f, grad)
+    tail reads it through ``grad_if``). ``share``: the busiest rank's share of the tensor's MoE
+    block's rows (:func:`load_share`), which the reverse all-to-all is priced at."""
+    seconds = added_seconds(index, profile, meta, have, paid, want, f, grad, share)
     paid = paid | {(want, f)}
     kind = _conversion(have, want, _dim_size(meta, want) or _dim_size(meta, have), index.tp)
     if serves_without_f(kind, f) and (want, False) not in paid:
@@ -1211,6 +1233,8 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
         if serves_without_f(kind, f):
             conversions.setdefault((node, dst, False), kind)
         full = moved_bytes(index, profile, meta)
+        if sends_back(place[node], dst):   # the busiest rank sends back the rows it received
+            full = at_load(full, load_share(index, node), tp)
         grad = node in index.grads
         if gathers_whole(meta, place[node], dst, tp):   # one all-gather serves every gather of node
             group = gathered.get(node)
@@ -1326,7 +1350,8 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
                     cost = INF   # an in-place write lands in the tensor later ops read, not a copy
                 elif (inp, want, f) not in conversions:   # one made is reused; a gather may share one
                     made = frozenset(gathered[inp].wanted) if inp in gathered else frozenset()
-                    cost += pay(index, profile, meta, place[inp], made, want, f, inp in index.grads)[0]
+                    cost += pay(index, profile, meta, place[inp], made, want, f, inp in index.grads,
+                                load_share(index, inp))[0]
                 if cost == INF:
                     break
             if cost < best_cost:

@@ -53,7 +53,8 @@ from ..placements import REPLICATE, Partial, Placement, Shard
 from .rules import Strategy
 from .propagate import (INF, GraphIndex, Propagation, _even, _meta, _out_meta,
                         _sharded_compute, added_seconds, conversion_seconds, gathers_seconds, gathers_whole,
-                        internal_seconds, param_memory, param_update_seconds, pay, propagate, wants_f)
+                        internal_seconds, load_share, param_memory, param_update_seconds, pay, propagate,
+                        wants_f)
 from .repeats import Layer, LayerFinder, Shift
 
 log = logging.getLogger(__name__)
@@ -254,7 +255,8 @@ class _Solver:
                 if (f or have != want) and (want, f) not in paid:
                     # a gather shares the all-gather of the tensor's other gathers (gather_parts);
                     # a collective with an f after it serves a consumer that wants no f
-                    seconds, paid = pay(index, profile, meta, have, paid, want, f, inp in index.grads)
+                    seconds, paid = pay(index, profile, meta, have, paid, want, f, inp in index.grads,
+                                        load_share(index, inp))
                     cost += seconds
                     labels[inp] = (have, paid)
                 if cost == INF:
@@ -412,7 +414,7 @@ class _Solver:
                 - gathers_seconds(index, profile, meta, have, gathered[0], grad)
         for want, f in px - py:
             if not gathers_whole(meta, have, want, tp):
-                extra += conversion_seconds(index, profile, meta, have, want, f, grad)
+                extra += conversion_seconds(index, profile, meta, have, want, f, grad, load_share(index, tensor))
         self._upgrades[key] = extra
         return extra
 

@@ -578,7 +578,8 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
     import sympy
 
     from ..cost_model.symbolic import bytes_expr, collective_time_expr, compute_time_expr
-    from ..passes.propagate import _meta, internal_copy_seconds, layout_copy_seconds, table_split
+    from ..passes.propagate import _meta, at_load, internal_copy_seconds, layout_copy_seconds, load_share, table_split
+    from ..passes.rules.experts import sends_back
     from ..passes.rules.gathered_rows import gathers_rows, rank_rows_work
 
     rename = {}
@@ -604,25 +605,29 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
         if c.consumer == c.tensor and prop.chosen[nodes[c.tensor]].internal:
             internal = prop.chosen[nodes[c.tensor]].internal
             kind, meta = internal[inside[c.tensor] % len(internal)]
-            key = ("g" if kind == "all_reduce" else kind, meta, True, None, None)
+            # an expert dispatch's (or combine's) all-to-all at the router's load (internal_bytes)
+            share = load_share(index, nodes[c.tensor]) if kind == "all_to_all" else None
+            key = ("g" if kind == "all_reduce" else kind, meta, True, None, None, share)
             comm[key] += 1
             splits[key] = table_split(prop.chosen[nodes[c.tensor]])
             inside[c.tensor] += 1
         else:
-            comm[(c.kind, _meta(nodes[c.tensor]), nodes[c.tensor] in index.grads, c.src, c.dst)] += 1
+            share = load_share(index, nodes[c.tensor]) if sends_back(c.src, c.dst) else None   # the reverse one
+            comm[(c.kind, _meta(nodes[c.tensor]), nodes[c.tensor] in index.grads, c.src, c.dst, share)] += 1
     compute_total = sympy.Add(*(n * compute_time_expr(*first[k], profile, index.tp, index.env, index.align)
                                 for k, n in compute.items())) + prop.update_s   # the optimizer step: constant
     # every collective's tensor at the bytes of its own dtype, as propagation prices it
     # (propagate.moved_bytes): a float32 tensor of a bf16 model at 4 bytes an element
     full = lambda meta: bytes_expr(meta, profile.dtype_bytes, index.train_dtype)  # noqa: E731
-    compute_total += sympy.Add(*(n * internal_copy_seconds(key[0], full(key[1]), profile,
+    compute_total += sympy.Add(*(n * internal_copy_seconds(key[0], at_load(full(key[1]), key[5], index.tp), profile,
                                                            key[1].shape[0] if key[1].shape else 1, index.tp,
                                                            key[1].shape[1] if len(key[1].shape) > 1 else 1,
                                                            splits.get(key))
                                  for key, n in comm.items()))   # the rows laid out in order
-    comm_total = sympy.Add(*(n * (collective_time_expr(kind, full(meta), profile, index.tp, grad)
-                                  + layout_copy_seconds(kind, meta, src, dst, full(meta), profile, index.tp, grad,
-                                                    index))
-                             for (kind, meta, grad, src, dst), n in comm.items()))
+    comm_total = sympy.Add(*(n * (collective_time_expr(kind, at_load(full(meta), share, index.tp), profile, index.tp,
+                                                       grad)
+                                  + layout_copy_seconds(kind, meta, src, dst, at_load(full(meta), share, index.tp),
+                                                        profile, index.tp, grad, index))
+                             for (kind, meta, grad, src, dst, share), n in comm.items()))
     return {key: str(expr.xreplace(rename).evalf(6)) for key, expr in (("compute_s", compute_total),
                                                                       ("comm_s", comm_total))}

@@ -14,8 +14,8 @@ top-k on a batch; a user may give them (``ExpertLoad({...})``, or a plain mappin
 (:func:`shares`) turns a layer's counts into the share of its rows each rank's experts get under
 the expert-parallel layout (the stack's Shard(0): contiguous runs, uneven where tp does not divide
 the experts), and the cost model (``OpInfo.expert_share``, ``cost_model/work.local_shape``) prices
-the ops on a rank's experts' rows, and the all-to-all that brings them, at the busiest rank's share
-instead of ``1/tp``.
+the ops on a rank's experts' rows, the all-to-all that brings them, the one that sends them back
+and the dispatch plan's kernels on them at the busiest rank's share instead of ``1/tp``.
 """
 from __future__ import annotations
 
@@ -207,8 +207,8 @@ def load_note(load: ExpertLoad, tp: int, layouts: Mapping[str, str],
         top = max(skew, key=skew.get)
         said = f"{min(skew.values()):.2f}x to {skew[top]:.2f}x over {len(skew)} MoE layers ({top} the most)"
     head = (f"expert load ({load.source}): under expert parallelism each MoE layer's busiest rank gets max / mean = "
-            f"{said} of a balanced router's rows; the experts' ops, and the all-to-all bringing their rows, are "
-            f"priced there (expert-TP is balanced by construction)")
+            f"{said} of a balanced router's rows; the experts' ops, and the all-to-alls bringing their rows and "
+            f"sending them back, are priced there (expert-TP is balanced by construction)")
     if balanced is None:
         return head
     changed: dict[tuple, list[str]] = {}

@@ -108,7 +108,7 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
     ``expert_load``: the router's load expert parallelism is priced at (an
     :class:`~autotp.planner.expert_load.ExpertLoad`, or a mapping of each MoE layer's experts module
     to its rows per expert; :func:`autotp.measure_expert_load` measures one): each layer's
-    experts, and the all-to-all bringing their rows, at its busiest rank's rows, a note saying
+    experts, and the all-to-alls bringing and sending back their rows, at its busiest rank's rows, a note saying
     the load and what it did to the choice. None (default): a balanced router, ``T * k / tp``
     rows a rank. One that does not name the model's MoE layers and their experts is a ConfigError."""
     expert_load = as_expert_load(expert_load)

@@ -75,7 +75,10 @@ def test_gpt2_xl_looks_up_its_embeddings_at_its_share_under_sequence_parallelism
         assert rank <= whole / TP * 1.01, (node.name, rank, whole / TP)
 
     # a decode step's workload: the table's all-to-all (7/64 of 50257 x 1600 each way) costs more than
-    # every token's masked row; the cost model keeps Megatron's lookup there
+    # every token's masked row; the cost model reads the table by columns through no all-to-all there:
+    # Megatron's lookup, or (since a product's price stopped falling as it contracts more, which had
+    # priced the weights' gradients of a one-token step, contracting 1 row, at 101 kernels' fixed
+    # cost) the table stored split by columns, its head row-parallel, 813 us against 820 at h200
     _, index, prop = build_plan(cap, TP, batch=1, seq=1, profile=profile, memory_limit=float("inf"))
     wte = _front(index, prop)["wte"]
-    assert wte.output == PARTIAL and not wte.internal, wte
+    assert wte.output in (PARTIAL, Shard(2)) and not wte.internal, wte

@@ -104,7 +104,7 @@ def test_shares_are_each_ranks_contiguous_experts_rows(rows, tp):
 
 # ---- the choice ------------------------------------------------------------------------------------
 def test_a_skewed_load_picks_expert_tp_where_a_balanced_one_picks_expert_parallel():
-    """At the same shapes (hidden 128, 8 experts of 1024, top-2, tp 4, 4 x 512 tokens): whole
+    """At the same shapes (hidden 128, 8 experts of 1024, top-2, tp 4, 8 x 512 tokens): whole
     experts per rank at a balanced router (None, or a uniform load given: the same plan, to the
     bit), every expert split at the skewed router's measured load, each plan's note giving the
     other layout's predicted step and the load's."""
@@ -112,7 +112,7 @@ def test_a_skewed_load_picks_expert_tp_where_a_balanced_one_picks_expert_paralle
     load = autotp.measure_expert_load(model, zoo.example_batch("mixtral", model.config, batch=2, seq=64, seed=0))
     skew = [max(shares(load[m], 4)) * 4 for m in LAYERS]
     assert min(skew) > 1.5, skew
-    kw = dict(tp=4, batch=4, seq=512)
+    kw = dict(tp=4, batch=8, seq=512)
     balanced = autotp.plan(model, **kw)
     uniform = autotp.plan(model, **kw, expert_load={m: [1] * 8 for m in LAYERS})
     skewed = autotp.plan(model, **kw, expert_load=load)

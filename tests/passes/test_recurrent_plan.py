@@ -93,8 +93,11 @@ def test_mamba2_with_one_group_splits_by_head_with_b_and_c_whole():
     assert not [c for c in inside if c.kind in ("all_gather", "all_gather_f", "reshard")], inside
     assert [c.consumer.split("_self")[0] for c in inside if c.module == mixer] == ["repeat_interleave"] * 2
     if isinstance(out_proj, Shard):
+        # out_proj row-parallel (the plan at this workload since a product's price stopped falling
+        # as its contraction grows): the gated norm's statistic over all heads all-reduced inside
+        # the fused norm, forward and backward (SplitRmsNorm), B's and C's f
         assert out_proj.dim == 1, out_proj
-        assert sorted(c.kind for c in inside) == ["f", "f", "f", "g"], inside
+        assert sorted(c.kind for c in inside) == ["all_reduce", "all_reduce", "f", "f"], inside
     else:
         moved = [(c.src, c.dst) for c in inside if c.kind == "all_to_all"]
         assert moved == [("S(3/8)", "S(1)")], moved
