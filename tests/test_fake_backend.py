@@ -87,12 +87,20 @@ def test_a_partial_sum_reduce_scattered_at_a_dropout_or_a_cast_issues_the_plans_
     _one_rank(fake_world, family, 6, 8, sequence_parallel=True)
 
 
-def test_one_all_reduce_serves_a_consumer_with_f_and_one_without(fake_world):
-    # OLMo-2: the vocabulary-parallel embedding's partial sum is made whole by one g for q_proj
-    # (column-parallel, so an f after it) and k_proj (run whole: no f). The rank reuses the g; the
-    # plan counted (and the solver priced) a second one (42 collectives issued, 43 expected)
+def test_one_collective_serves_a_consumer_with_f_and_one_without(fake_world):
+    # OLMo-2: the embedding's output is made whole by one collective for q_proj (column-parallel,
+    # so an f after it) and k_proj (run whole: no f). With the table split by vocabulary that was a
+    # g of its partial sum, which the rank reused while the plan counted (and the solver priced) a
+    # second one (42 collectives issued, 43 expected). Since products are priced never cheaper as
+    # they deepen, the plan reads the table by columns and all-gathers it (an `all_gather_f` for
+    # q_proj, read whole by k_proj: its `grad_if`): still one collective, the issued count equal
+    # to the plan's (_one_rank)
     plan = _one_rank(fake_world, "olmo2", 6, 8)
-    assert len([c for c in plan.comms if c.kind == "g" and c.tensor == "embedding_default"]) == 1
+    whole = [c.kind for c in plan.comms if c.tensor == "embedding_default" and c.kind in ("g", "all_gather_f")]
+    assert len(whole) == 1, [(c.kind, c.tensor) for c in plan.comms]
+    q, k = (plan.params[f"model.layers.0.self_attn.{m}_proj.weight"] for m in "qk")
+    assert isinstance(q, Shard) and not isinstance(k, Shard), (q, k)   # one consumer with f, one without
+    assert whole == ["g"] or "grad_if" in [c.kind for c in plan.comms if c.tensor == "embedding_default"]
 
 
 def _one_rank(fake_world, family: str, rank: int, heads: int, **plan_kw):
