@@ -1401,8 +1401,9 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
             full = internal_bytes(index, profile, kind, meta, node)
             seconds = sum(collective_time(kind, full, profile, tp))
             # memory-bound work, not the link's
+            share = load_share(index, node) if kind == "all_to_all" else None
             compute += internal_copy_seconds(kind, full, profile, numel(meta.shape[:1], env), tp, _width(meta, env),
-                                             table_split(best), load_share(index, node) if kind == "all_to_all" else None)
+                                             table_split(best), share)
             fw_b, bw_b = collective_bytes(kind, full, tp)
             comm += seconds
             comms.append(Comm(kind, node.name, best.inputs[0], _internal_dst(kind, best), node.name, full, fw_b,
