@@ -414,8 +414,12 @@ def _compiled_all_to_all_dispatch(backend: str, mode: str) -> dict:
 
     torch._dynamo.reset()
     counters.clear()
-    config = zoo.tiny_config("mixtral", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=VOCAB, experts=4,
-                             top_k=2, output_router_logits=True)
+    # top-1 and head_dim 16 (hidden 64): a rank's all-to-all sends a quarter of a row each way, half
+    # what gathering the tokens brings, so the plan takes the dispatch and the reverse all-to-all by
+    # cost (top-2 at tp 2 sends exactly the gather's bytes: a tie the row gathers around each
+    # all-to-all tip to gathering, since those are priced; tests/passes/test_experts_dispatch_plan.py)
+    config = zoo.tiny_config("mixtral", layers=1, heads=4, kv_heads=2, head_dim=16, vocab=VOCAB, experts=4,
+                             top_k=1, output_router_logits=True)
     config._experts_implementation = "eager"   # captured as grouped_mm's fallback product: float64 on CPU
     model = keep_loss_precision(zoo.build("mixtral", config, dtype=torch.float64, seed=1))
     pm = autotp.parallelize(model, dist.get_world_size(), layout={"*.experts.*": "expert"}, batch=64, seq=4096,
