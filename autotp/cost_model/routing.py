@@ -231,6 +231,26 @@ def dispatch_plan_work(rows: Any, experts: int, tp: int, rank: int | None = None
                   launches=len(moved) + 2 * (sort_launches(8) - 1), passes=2 * sort_passes(8))
 
 
+def dispatched_rows_work(full: Any, rows: Any, tp: int, share: float | None = None, grad: bool = True) -> OpWork:
+    """The row gathers around one all-to-all of an MoE layer's (token, expert) rows (the dispatch,
+    or the combine back), as :func:`autotp.distributed.experts._to_experts` and ``_to_tokens`` run
+    them on the rank whose experts receive most: the rows it sends put in the order they leave
+    (an ``index_select`` by a permutation), and the rows it receives put in the order they go on
+    in (another); each gather reads its rows and its int64 positions and writes the rows. Of the
+    layer's ``rows`` rows (``full``: their bytes, all of them) the rank holds its tokens' ``1/tp``
+    and receives its experts' ``share`` (the busiest rank's under a router's load,
+    ``propagate.load_share``; a balanced router's ``1/tp`` where None), the same rows the
+    all-to-all's bytes are priced at (``propagate.at_load``). Backward (``grad``) the reverse
+    all-to-all runs the mirror: the same two gathers, each by the other permutation's inverse
+    (``DispatchPlan``), never a scatter."""
+    own, got = rows / tp, (rows / tp if share is None else rows * sympy.Float(share, 15))
+    row = full / rows                                   # bytes a row
+    ew = "elementwise"
+    one_way = [(ew, 2 * row * own + 8 * own), (ew, 2 * row * got + 8 * got)]   # what leaves; what arrives
+    moved = one_way * (2 if grad else 1)
+    return OpWork(moved=tuple((cls, sympy.sympify(b)) for cls, b in moved), launches=len(moved))
+
+
 def dispatches(op: RankOp) -> bool:
     """A grouped product whose strategy sends its rows of tokens to their experts' ranks (the
     all-to-all dispatch, ``rules/dispatch_sizes.dispatches_tokens``): the op that makes the

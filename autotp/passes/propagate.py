@@ -753,7 +753,7 @@ def conversion_seconds(index: "GraphIndex", profile: DeviceProfile, meta: Tensor
             full = at_load(moved_bytes(index, profile, meta), share, index.tp)
             for k in conversion_kinds(kind, f):
                 fw, bw = collective_time(k, full, profile, index.tp, grad)
-                found += fw + bw + layout_copy_seconds(k, meta, have, want, full, profile, index.tp, grad, index)
+                found += fw + bw + layout_copy_seconds(k, meta, have, want, full, profile, index.tp, grad, index, share)
         index._conversion_cost[key] = found
     return found
 
@@ -775,7 +775,8 @@ def read_seconds(kind: str, full: Any, profile: DeviceProfile, tp: int, grad: bo
 
 
 def layout_copy_seconds(kind: str, meta: TensorMeta, have: Any, want: Any, full: float, profile: DeviceProfile,
-                        tp: int, grad: bool = True, index: "GraphIndex | None" = None) -> float:
+                        tp: int, grad: bool = True, index: "GraphIndex | None" = None,
+                        share: float | None = None) -> float:
     """Seconds the rank spends copying a collective's tensor into place, forward and backward:
     backends gather and scatter along dim 0, so a collective along an inner dim with a dim of
     more than one element before it (the hidden of ``(b, s, h)``), or an uneven split, puts
@@ -787,13 +788,21 @@ def layout_copy_seconds(kind: str, meta: TensorMeta, have: Any, want: Any, full:
     grouped collectives aggregated), the one launch and the ring's steps the collective's own price
     counts already (:func:`~autotp.cost_model.symbolic.collective_time`); the same bytes cross the
     links. Without ``index`` the rows are not known and the copy is priced. A read of a shared gather
-    (``grad_if``, ``rank_slice``) moves nothing: its copies are :func:`read_seconds`."""
+    (``grad_if``, ``rank_slice``) moves nothing: its copies are :func:`read_seconds`. Rows the
+    dispatch sent, sent back (:func:`~.rules.experts.sends_back`, ``full`` at the router's load,
+    ``share`` the busiest rank's): the gathers around the reverse all-to-all
+    (:func:`dispatched_rows_seconds`)."""
     if kind in ("grad_if", "rank_slice"):
         return read_seconds(kind, full, profile, tp, grad) if tp > 1 else 0.0
     if tp <= 1:
         return 0.0
     if kind == "all_to_all" and isinstance(have, Shard) and isinstance(want, Shard):
         return all_to_all_copy_seconds(meta, have, want, full, profile, tp, grad)
+    if kind == "all_to_all" and sends_back(have, want):
+        rows = numel_expr(meta.shape[:1])
+        if index is not None and not getattr(full, "free_symbols", None):   # priced at the workload, not in b and s
+            rows = numel(meta.shape[:1], index.env)
+        return dispatched_rows_seconds(full, rows, profile, tp, share, grad)
     shard = have if kind in ("all_gather", "all_gather_f", "reshard") else want
     if isinstance(shard, Routed) and shard.tokens and not shard.reordered:
         # a rank's tokens' rows: gathered along the sequence of (b, s, ...), an inner dim, after b rows
@@ -902,8 +911,10 @@ def internal_seconds(index: "GraphIndex", profile: DeviceProfile, strat: Strateg
     for kind, meta in strat.internal:
         full = internal_bytes(index, profile, kind, meta, node)
         rows = numel(meta.shape[:1], index.env)
+        share = load_share(index, node) if kind == "all_to_all" else None
         total += sum(collective_time(kind, full, profile, index.tp)) \
-            + internal_copy_seconds(kind, full, profile, rows, index.tp, _width(meta, index.env), table_split(strat))
+            + internal_copy_seconds(kind, full, profile, rows, index.tp, _width(meta, index.env), table_split(strat),
+                                    share)
     return total
 
 
@@ -998,7 +1009,7 @@ def _ordered(size: Any, shard: Shard, tp: int) -> bool:
 
 
 def internal_copy_seconds(kind: str, full: Any, profile: DeviceProfile, rows: Any = 0, tp: int = 1,
-                          hidden: int = 1, split: tuple | None = None) -> Any:
+                          hidden: int = 1, split: tuple | None = None, share: float | None = None) -> Any:
     """Seconds of the work around an internal collective on every rank: the rows of every rank's
     tokens all-gathered (``all_gather_rows``, ``rows`` of them) are put in their sorted order by
     one gather of the whole tensor forward, and the gradient in rank order by one backward (each
@@ -1008,7 +1019,12 @@ def internal_copy_seconds(kind: str, full: Any, profile: DeviceProfile, rows: An
     ranks (:func:`~autotp.cost_model.routing.gathered_rows_layout_work`). The rank's own rows
     before the all-gather are the op's compute (``routing.gathered_rows_work``). A table read
     by columns (``all_to_all_columns``, ``rows`` by ``hidden``, split as ``split``, rows then
-    columns, None: Megatron's): :func:`table_by_columns_copies`."""
+    columns, None: Megatron's): :func:`table_by_columns_copies`. An expert dispatch's (or
+    combine's) all-to-all of ``rows`` (token, expert) rows, ``full`` their bytes at the router's
+    load (:func:`at_load` of ``share``): the rows gathered before it is sent and after it arrives,
+    forward and backward (:func:`dispatched_rows_seconds`)."""
+    if kind == "all_to_all":
+        return dispatched_rows_seconds(full, rows, profile, tp, share)
     if kind == "all_to_all_columns":
         moved, launches = table_by_columns_copies(full, rows, tp, hidden, *(split or ()))
         return moved / profile.bandwidth("elementwise") + launches * profile.launch_s
@@ -1018,6 +1034,23 @@ def internal_copy_seconds(kind: str, full: Any, profile: DeviceProfile, rows: An
 
     work = gathered_rows_layout_work(rows, full, tp)
     return sum(b / profile.bandwidth(cls) for cls, b in work.moved) + work.launches * profile.launch_s
+
+
+def dispatched_rows_seconds(full: Any, rows: Any, profile: DeviceProfile, tp: int, share: float | None = None,
+                            grad: bool = True) -> Any:
+    """Seconds of the row gathers around an all-to-all of an MoE layer's ``rows`` (token, expert)
+    rows on the busiest rank (:func:`~autotp.cost_model.routing.dispatched_rows_work`): ``full``
+    their bytes as the all-to-all is priced, at the router's load (:func:`at_load` of ``share``,
+    the busiest rank's share; None: a balanced router's), whose rows it receives; it sends its
+    own tokens' ``1/tp`` of them, whatever the load. ``grad``: the backward's mirror too."""
+    from ..cost_model.routing import dispatched_rows_work
+
+    if tp <= 1:
+        return 0.0
+    whole = full if share is None else full / (share * tp)   # a share is at least 1/tp: the largest of tp
+    work = dispatched_rows_work(whole, rows, tp, share, grad)
+    seconds = sympy.sympify(sum(b / profile.bandwidth(cls) for cls, b in work.moved) + work.launches * profile.launch_s)
+    return seconds if seconds.free_symbols else float(seconds)   # in b and s for the plan's expressions alone
 
 
 def param_memory(index: "GraphIndex", profile: DeviceProfile, node: fx.Node, placement: Any) -> float:
@@ -1233,8 +1266,9 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
         if serves_without_f(kind, f):
             conversions.setdefault((node, dst, False), kind)
         full = moved_bytes(index, profile, meta)
-        if sends_back(place[node], dst):   # the busiest rank sends back the rows it received
-            full = at_load(full, load_share(index, node), tp)
+        share = load_share(index, node) if sends_back(place[node], dst) else None
+        if share is not None:   # the busiest rank sends back the rows it received
+            full = at_load(full, share, tp)
         grad = node in index.grads
         if gathers_whole(meta, place[node], dst, tp):   # one all-gather serves every gather of node
             group = gathered.get(node)
@@ -1248,7 +1282,8 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
         for k in conversion_kinds(kind, f):
             fw_s, bw_s = collective_time(k, full, profile, tp, grad)
             fw_b, bw_b = collective_bytes(k, full, tp, grad)
-            seconds = fw_s + bw_s + layout_copy_seconds(k, meta, place[node], dst, full, profile, tp, grad, index)
+            seconds = fw_s + bw_s + layout_copy_seconds(k, meta, place[node], dst, full, profile, tp, grad, index,
+                                                        share)
             comm += seconds
             comms.append(Comm(k, node.name, place[node], dst, consumer.name, full, fw_b, bw_b, seconds))
 
@@ -1366,8 +1401,9 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
             full = internal_bytes(index, profile, kind, meta, node)
             seconds = sum(collective_time(kind, full, profile, tp))
             # memory-bound work, not the link's
+            share = load_share(index, node) if kind == "all_to_all" else None
             compute += internal_copy_seconds(kind, full, profile, numel(meta.shape[:1], env), tp, _width(meta, env),
-                                             table_split(best))
+                                             table_split(best), share)
             fw_b, bw_b = collective_bytes(kind, full, tp)
             comm += seconds
             comms.append(Comm(kind, node.name, best.inputs[0], _internal_dst(kind, best), node.name, full, fw_b,

@@ -622,12 +622,12 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
     compute_total += sympy.Add(*(n * internal_copy_seconds(key[0], at_load(full(key[1]), key[5], index.tp), profile,
                                                            key[1].shape[0] if key[1].shape else 1, index.tp,
                                                            key[1].shape[1] if len(key[1].shape) > 1 else 1,
-                                                           splits.get(key))
-                                 for key, n in comm.items()))   # the rows laid out in order
+                                                           splits.get(key), key[5])
+                                 for key, n in comm.items() if key[3] is None))   # internal: the rows laid out
     comm_total = sympy.Add(*(n * (collective_time_expr(kind, at_load(full(meta), share, index.tp), profile, index.tp,
                                                        grad)
                                   + layout_copy_seconds(kind, meta, src, dst, at_load(full(meta), share, index.tp),
-                                                        profile, index.tp, grad, index))
+                                                        profile, index.tp, grad, index, share))
                              for (kind, meta, grad, src, dst, share), n in comm.items()))
     return {key: str(expr.xreplace(rename).evalf(6)) for key, expr in (("compute_s", compute_total),
                                                                       ("comm_s", comm_total))}

@@ -15,9 +15,11 @@ from autotp import zoo
 from autotp.plan.expert_load import ExpertLoad
 from autotp.planner.expert_load import shares
 
-#: a tiny gpt-oss at the smallest workload where the solver sends the biased rows back by the
-#: reverse all-to-all (the dispatch forced; at 2 x 16 tokens it sums them by the g instead)
-TP, BATCH, SEQ, EXPERTS, TOP_K = 2, 8, 32, 4, 2
+#: a tiny gpt-oss at a workload where the solver sends the biased rows back by the reverse
+#: all-to-all (the dispatch forced). It does from 224 x 32 tokens; at 208 x 32 it sums them by the
+#: g instead, the row gathers around the reverse all-to-all (four launches a layer) priced
+#: (``propagate.dispatched_rows_seconds``; before, it sent them back from 8 x 32)
+TP, BATCH, SEQ, EXPERTS, TOP_K = 2, 256, 32, 4, 2
 PLANNING = dict(batch=BATCH, seq=SEQ, profile="h200", layout={"*.experts.*": "expert"}, sequence_parallel=True,
                 expert_dispatch=True)
 LAYER = "model.layers.0.mlp.experts"
@@ -31,8 +33,11 @@ def _gpt_oss(device: str = "meta"):
     torch.manual_seed(0)
     model = zoo.build("gpt-oss", config, device=device, dtype=torch.float32)
     if device != "meta":
-        with torch.no_grad():   # expert 0 (rank 0's at tp 2) in every token's top-k: rank 0 the busiest
+        with torch.no_grad():   # expert 0 (rank 0's at tp 2) in every token's top-k: rank 0 the busiest;
+            # expert 1 (rank 0's too) picked less, so that the busiest rank's share (about 0.6) still
+            # sends its rows back by the reverse all-to-all (at about 0.68, the g of the combine is cheaper)
             model.model.layers[0].mlp.router.bias[0] += 10.0
+            model.model.layers[0].mlp.router.bias[1] -= 0.1
     return model
 
 
@@ -144,52 +149,80 @@ def test_the_combine_and_the_dispatch_plan_grow_with_the_busiest_ranks_share(_se
 
 def test_the_plans_cost_expressions_price_both_all_to_alls_at_the_load():
     """The plan's expressions in b and s give the predicted seconds at a skewed load too (the
-    dispatch inside the product, the combine a conversion, each at the busiest rank's rows)."""
+    dispatch inside the product, the combine a conversion, each at the busiest rank's rows). At a
+    stronger skew (rank 0's experts 40 of 56 rows or more) the combine by the g is the cheaper:
+    the reverse all-to-all's bytes and its row gathers grow with the busiest rank's rows."""
     model = _gpt_oss()
-    plan = autotp.plan(model, tp=TP, **PLANNING, expert_load={LAYER: [30, 20, 5, 1]})
+    plan = autotp.plan(model, tp=TP, **PLANNING, expert_load={LAYER: [20, 15, 12, 9]})
     a2a = [c for c in plan.comms if c.kind == "all_to_all" and "tokens" in c.src + c.dst]
     assert [(c.src, c.dst) for c in a2a][-1] == BACK, plan.comms
     balanced = autotp.plan(model, tp=TP, **PLANNING)
     rows = {(c.src, c.dst): c.fwd_bytes for c in balanced.comms if c.kind == "all_to_all"}
-    for c in a2a:   # rank 0's experts get 50 of 56 rows: 50/56 * 2 of a balanced router's
-        assert c.fwd_bytes == pytest.approx(rows[(c.src, c.dst)] * 50 / 56 * TP, rel=1e-12), c
+    for c in a2a:   # rank 0's experts get 35 of 56 rows: 35/56 * 2 of a balanced router's
+        assert c.fwd_bytes == pytest.approx(rows[(c.src, c.dst)] * 35 / 56 * TP, rel=1e-12), c
     b, s = sympy.symbols("b s", integer=True, positive=True)
     for key in ("compute_s", "comm_s"):
         expr = sympy.sympify(plan.expressions[key], locals={"b": b, "s": s})
         assert float(expr.subs({b: BATCH, s: SEQ})) == pytest.approx(getattr(plan, key), rel=1e-4), key
 
 
-def test_the_busiest_ranks_combine_sends_back_the_rows_the_cost_model_prices():
-    """On the fake backend's rank 0 (its peers routing as it does, benchmarks/fake_peers.py), the
-    rows its experts receive in the dispatch and send back in the combine, counted off the
-    all-to-alls it calls; planned at the load that describes that world (rank 0's experts those
-    rows, the rest evenly), the plan's combine sends exactly the rows it counted to the other rank."""
+@pytest.fixture(scope="module")
+def _fake_rank_step():
+    """One training step of the tiny gpt-oss on the fake backend's rank 0 (its peers routing as it
+    does, benchmarks/fake_peers.py), the busiest rank (expert 0 in every token's top-k): every
+    row move around an all-to-all of rows it calls (``experts._to_experts``, ``_to_tokens``), as
+    ``(what, send, recv, row width, bytes its kernels read and wrote, kernels)``."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import autotp.distributed.experts as E
+    from autotp.testing.work import WorkCounter
     from benchmarks.fake_peers import fake_rank, mirrored_peers
     from benchmarks.op_timer import module_step
 
     model = _gpt_oss("cpu")
     batch = zoo.example_batch("gpt-oss", model.config, batch=BATCH, seq=SEQ, seed=0)
-    calls: list[tuple[str, list, list, int]] = []
-    exchange = E._all_to_all
+    calls: list[tuple[str, list, list, int, int, int]] = []
 
-    def counted(x, send, recv, group, op):
-        calls.append((op, list(send), list(recv), x.shape[-1]))
-        return exchange(x, send, recv, group, op)
+    class Kernels(WorkCounter):   # the bytes, and every kernel that moves them (not allocations, collectives)
+        kernels = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            before = self.moved
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            self.kernels += self.moved > before
+            return out
+
+    def counted(move, back):
+        def run(x, plan, group, what):
+            with Kernels() as work:
+                out = move(x, plan, group, what)
+            send, recv = (plan.recv, plan.send) if back else (plan.send, plan.recv)   # as its all-to-all sends
+            calls.append((what, list(send), list(recv), x.shape[-1], work.moved, work.kernels))
+            return out
+        return run
 
     dist.init_process_group("fake", rank=0, world_size=TP, store=FakeStore())
     try:
         with fake_rank(0, TP), mirrored_peers(), pytest.MonkeyPatch.context() as m:
-            m.setattr(E, "_all_to_all", counted)
+            m.setattr(E, "_to_experts", counted(E._to_experts, False))
+            m.setattr(E, "_to_tokens", counted(E._to_tokens, True))
             pm = autotp.parallelize(model, TP, device="cpu", **PLANNING)
             module_step(pm, batch)()
             del pm
     finally:
         dist.destroy_process_group()
-    (_, _, got, hidden), = [c for c in calls if c[0] == "all_to_all of rows (expert dispatch)"]
-    (_, sent, _, _), = [c for c in calls if c[0] == "all_to_all of rows (expert combine)"]
+    return calls
+
+
+def test_the_busiest_ranks_combine_sends_back_the_rows_the_cost_model_prices(_fake_rank_step):
+    """On the fake backend's rank 0 (its peers routing as it does, benchmarks/fake_peers.py), the
+    rows its experts receive in the dispatch and send back in the combine, counted off the
+    all-to-alls it calls; planned at the load that describes that world (rank 0's experts those
+    rows, the rest evenly), the plan's combine sends exactly the rows it counted to the other rank."""
+    model = _gpt_oss()
+    calls = _fake_rank_step
+    (_, _, got, hidden, _, _), = [c for c in calls if c[0] == "all_to_all of rows (expert dispatch)"]
+    (_, sent, _, _, _, _), = [c for c in calls if c[0] == "all_to_all of rows (expert combine)"]
     received, total = sum(got), BATCH * SEQ * TOP_K
     assert sum(sent) == received > total / TP, (sent, got)   # the busiest rank sends back what it received
     rest = (total - received) / 2
@@ -197,3 +230,62 @@ def test_the_busiest_ranks_combine_sends_back_the_rows_the_cost_model_prices():
     (back,) = [c for c in plan.comms if c.kind == "all_to_all" and (c.src, c.dst) == BACK]
     row_bytes = hidden * autotp.cost_model.get_profile("h200").dtype_bytes
     assert back.fwd_bytes == pytest.approx((received - sent[0]) * row_bytes, rel=1e-12), (back, sent)
+
+
+def test_the_row_gathers_around_each_all_to_all_are_priced_as_the_busiest_rank_runs_them(_sending_back,
+                                                                                        _fake_rank_step):
+    """The rows the busiest rank sends are put in the order they leave, and the rows it receives in
+    their experts' order, by a gather each (``experts._to_experts``; the combine and every backward
+    the mirror, ``_to_tokens``). Counted on the fake backend's rank 0 (the bytes its kernels read
+    and write, float32 rows), and priced at the load that describes that world (rank 0's experts
+    the rows they received, the rest evenly) with the dispatch inside the product
+    (``internal_copy_seconds``) and the combine a conversion (``layout_copy_seconds``): the priced
+    bytes and kernels are the counted ones, forward and backward. A uniform load prices as a
+    balanced router."""
+    import dataclasses
+
+    from autotp.cost_model.symbolic import numel
+    from autotp.passes.propagate import at_load, internal_copy_seconds, layout_copy_seconds, load_share, moved_bytes
+    from autotp.passes.rules.experts import SENT, SENT_BACK
+    from autotp.planner.expert_load import apply_load
+
+    index, prop, h200 = _sending_back
+    node, (product, sends) = _sent_back(index, prop)
+    calls = {c[0]: c for c in _fake_rank_step}
+    dispatch = [calls["all_to_all of rows (expert dispatch)"], calls["all_to_all of rows (expert dispatch, backward)"]]
+    combine = [calls["all_to_all of rows (expert combine)"], calls["all_to_all of rows (expert combine, backward)"]]
+    assert len(calls) == 4 and all(sum(c[2]) > BATCH * SEQ * TOP_K / TP for c in dispatch[:1] + combine[1:])
+    assert all(sum(c[1]) > BATCH * SEQ * TOP_K / TP for c in dispatch[1:] + combine[:1])   # sent back
+    received, total = sum(dispatch[0][2]), BATCH * SEQ * TOP_K
+    rest = (total - received) / 2
+    # seconds that are the bytes moved (launches free), or the kernels launched (bytes free);
+    # rows of float32 at 4 bytes, as the fake rank runs them
+    as_bytes = dataclasses.replace(h200, dtype_bytes=4, mem_bw=1.0, class_bw=(("elementwise", 1.0),), launch_s=0.0)
+    as_kernels = dataclasses.replace(as_bytes, mem_bw=float("inf"), launch_s=1.0)
+    (kind, meta), = sends.internal
+    back = index.infos[node].output
+
+    def priced(profile, load):
+        apply_load(index, load, {LAYER: EXPERTS})
+        try:
+            share = load_share(index, product)
+            assert share == load_share(index, node)
+            sent = internal_copy_seconds(kind, at_load(moved_bytes(index, profile, meta), share, TP), profile,
+                                         numel(meta.shape[:1], index.env), TP, share=share)
+            full = at_load(moved_bytes(index, profile, back), share, TP)
+            returned = layout_copy_seconds("all_to_all", back, SENT, SENT_BACK, full, profile, TP, node in index.grads,
+                                           index, share)
+            return sent, returned
+        finally:
+            apply_load(index, None, {LAYER: EXPERTS})
+
+    assert kind == "all_to_all" and node in index.grads
+    world = ExpertLoad({LAYER: [received / 2, received / 2, rest, rest]})
+    for profile, counted in ((as_bytes, 4), (as_kernels, 5)):
+        sent, returned = priced(profile, world)
+        assert sent == pytest.approx(sum(c[counted] for c in dispatch), rel=1e-12), (sent, dispatch)
+        assert returned == pytest.approx(sum(c[counted] for c in combine), rel=1e-12), (returned, combine)
+        uniform = priced(profile, ExpertLoad({LAYER: [1] * EXPERTS}))
+        assert uniform == pytest.approx(priced(profile, None), rel=1e-12)
+        if profile is as_bytes:   # the busiest rank receives more than 1/tp of the rows (as many kernels)
+            assert uniform[0] < sent and uniform[1] < returned

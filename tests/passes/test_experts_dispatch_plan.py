@@ -19,6 +19,13 @@ WORKLOAD = dict(seq=4096, profile="h100-dgx", sequence_parallel=True)
 TINY_BATCH, BATCH = 64, 2
 #: the dispatch's and the reverse combine's (source, destination) placements
 SEND, BACK = ("P(tokens 0, reordered)", "P(sent 0)"), ("P(sent 0)", "P(tokens 0, reordered)")
+#: a tiny Mixtral layer whose tokens are worth sending at tp 2 and batch 64 (not at batch 8): one
+#: expert a token, so a rank sends (tp-1)/tp^2 = 1/4 of the T*k = T rows each way, half the
+#: (tp-1)/tp of the [T, h] tokens an all-gather brings, and 128-byte rows (hidden 64), so the
+#: row gathers around each all-to-all (a row's bytes read and written, 8 bytes of its position
+#: read) cost less than the bytes the all-to-all spares. (At top-2 and hidden 32 an all-to-all's
+#: rows weigh what the gather's tokens do at tp 2, and its row gathers tip it to gathering them.)
+DISPATCHING = dict(layers=1, heads=4, kv_heads=2, head_dim=16, vocab=48, experts=4, top_k=1)
 
 
 def dispatched(c) -> bool:
@@ -61,7 +68,7 @@ def _plan(model, tp: int, **kwargs):
 def test_the_dispatch_is_priced_as_an_all_to_all_and_chosen_where_cheaper(monkeypatch):
     # one tiny Mixtral layer at tp 2: the rows a rank sends are its tokens' top-k rows bound for
     # the other rank's experts, (tp-1)/tp^2 of every (token, expert) row, each way
-    config = zoo.tiny_config("mixtral", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=4, top_k=2)
+    config = zoo.tiny_config("mixtral", **DISPATCHING)
     model = zoo.build("mixtral", config, device="meta")
     plan = _plan(model, 2)
     a2a = [c for c in plan.comms if dispatched(c)]
@@ -80,6 +87,7 @@ def test_the_dispatch_is_priced_as_an_all_to_all_and_chosen_where_cheaper(monkey
     assert not [c for c in plan.comms if c.src == "P(tokens 0)"], plan.comms
     counts = [c for c in plan.comms if c.src == "P(tokens 0, reordered, own)"]
     assert [(c.kind, c.fwd_bytes, c.bwd_bytes) for c in counts] == [("all_gather", 2 * 4 * 8 / 2, 0.0)], plan.comms
+    # 64 x 4096 rows of 64 bf16 numbers, a quarter of them sent each way: 8388608 bytes
     assert any(n.startswith("experts model.layers.0.mlp.experts: the tokens arrive split along the sequence")
                and "all-to-all (8.39 MB/rank each way per layer" in n for n in plan.notes), plan.notes
     gathered = _without_dispatch(monkeypatch, model, 2)
@@ -93,24 +101,28 @@ def test_the_combine_by_the_reverse_all_to_all_replaces_the_g_where_cheaper(monk
     # of the sequence, with no collective of the combine at all (the experts' partial sum to the
     # residual add, reduce-scattered there along the sequence; before a cast to its own dtype
     # passed a Partial, a g, then the scatter to the sequence split)
-    config = zoo.tiny_config("mixtral", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=4, top_k=2)
+    config = zoo.tiny_config("mixtral", **DISPATCHING)
     model = zoo.build("mixtral", config, device="meta")
     plan = _plan(model, 2)
-    def combine(p):   # the g of the experts' Partial output, and its scatter to the sequence split,
-        # after the dispatch (the attention's residual may be cut from a gather shared with the norm)
+    def combine(p):   # the g of the experts' Partial output or of their partial rows, and its scatter
+        # to the sequence split, after the dispatch (the attention's residual may be cut from a
+        # gather shared with the norm)
         first = next(i for i, c in enumerate(p.comms) if dispatched(c))
-        return [c.kind for c in p.comms[first:] if (".mlp" in c.module and c.src == "P") or c.kind == "scatter"
+        return [(c.kind, c.src, c.fwd_bytes) for c in p.comms[first:]
+                if (".mlp" in c.module and c.src in ("P", "P(routed 0)")) or c.kind == "scatter"
                 or (c.kind == "reduce_scatter" and c.src == "P")]
 
     assert combine(plan) == [] and len([c for c in plan.comms if dispatched(c)]) == 2, plan.comms
     assert any(n.startswith("experts model.layers.0.mlp.experts: each expert's output row goes back to its token's "
                             "rank by the reverse all-to-all (8.39 MB/rank") for n in plan.notes), plan.notes
-    # with no way back, the dispatch forced (the solver then gathers the tokens whole at this tiny
-    # width: a rank's own routing and its dispatch's kernels, priced as run, outweigh the rows it
-    # spares, cheaper by 0.002 ms/step only with the combine by the reverse all-to-all)
+    # with no way back, the dispatch forced (unforced, the solver then gathers the tokens whole
+    # after the router: the dispatch pays only with the combine by the reverse all-to-all): the
+    # experts' partial rows are summed by the g, whole (one expert a token: the [T*k, h] rows are
+    # as wide as the [T, h] sum, all-reduced in bf16), the routing weights' product on every row
     summed = _without_combine(monkeypatch, model, 2, expert_dispatch=True)
     assert [(c.src, c.dst) for c in summed.comms if dispatched(c)] == [(SEND[0], "P(routed 0)")]
-    assert combine(summed) == ["reduce_scatter"], summed.comms
+    rows = TINY_BATCH * WORKLOAD["seq"] * config.num_experts_per_tok
+    assert combine(summed) == [("g", "P(routed 0)", rows * config.hidden_size * 2)], summed.comms
     assert plan.cost["step_s"] < summed.cost["step_s"]
     assert plan.cost["step_s"] < _without_combine(monkeypatch, model, 2).cost["step_s"]
 
@@ -128,12 +140,13 @@ def _without_combine(monkeypatch, model, tp, **kwargs):
 
 
 @pytest.mark.slow   # two real-size plans per model: 6-7 s each on two loaded cores
-@pytest.mark.parametrize("size", ["mixtral-8x7b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("size", ["mixtral-8x7b"])
 def test_real_size_moe_at_tp8_takes_the_dispatch_under_sequence_parallelism(monkeypatch, size):
     # measured when written (h100-dgx, 2 layers, 2 x 4096): Mixtral-8x7B 21.76 ms/step with the
-    # dispatch vs 23.40 gathering the tokens; Qwen3-30B-A3B 15.67 vs 16.21. With the combine by the
-    # reverse all-to-all: Mixtral-8x7B 20.85 vs 21.82 with the dispatch and the g combine (h200:
-    # 18.23 vs 19.15), Qwen3-30B-A3B 15.46 vs 15.71 (h200: 13.17 vs 13.40)
+    # dispatch vs 23.40 gathering the tokens. With the combine by the reverse all-to-all:
+    # Mixtral-8x7B 20.85 vs 21.82 with the dispatch and the g combine (h200: 18.23 vs 19.15).
+    # Top-2 of 8 experts at tp 8: a rank sends 2 * 7/64 of a token's row each way, a quarter of
+    # the 7/8 an all-gather of the tokens brings. (Qwen3-30B-A3B, top-8: the test below.)
     model = zoo.build(zoo.published_sizes()[size], zoo.published_config(size, layers=2), device="meta")
     plan = _plan(model, 8)
     # one dispatch and one combine per layer
@@ -141,6 +154,33 @@ def test_real_size_moe_at_tp8_takes_the_dispatch_under_sequence_parallelism(monk
         [SEND, BACK] * 2
     assert plan.cost["step_s"] < _without_dispatch(monkeypatch, model, 8).cost["step_s"]
     assert plan.cost["step_s"] < _without_combine(monkeypatch, model, 8).cost["step_s"]
+
+
+@pytest.mark.slow   # a real-size capture and two plans per length: about 15-25 s on two loaded cores
+@pytest.mark.parametrize("seq, sends", [(4096, False), (8192, True)])
+def test_real_size_qwen3_at_tp8_sends_its_rows_where_cheaper_than_gathering_its_tokens(seq, sends):
+    # Qwen3-30B-A3B routes each token to 8 experts: at tp 8 a rank sends 8 * 7/64 = 7/8 of a
+    # token's row each way, the bytes the all-gather of the tokens brings. At 2 x 4096 (h100-dgx)
+    # the dispatch's row gathers (priced since) and its routing kernels tip it to gathering the
+    # tokens whole after the router: 15.742 ms/step against 15.757 forced (h200: 13.297 against
+    # 13.415; with the gathers priced at zero the dispatch was taken, 13.24). At 2 x 8192 the
+    # dispatch is taken, by 0.328 ms/step (28.192 against 28.519), its rows summed by the g: the
+    # reverse all-to-all, with its own row gathers, is not taken at this width (Mixtral-8x7B's
+    # top-2 takes it above)
+    size = "qwen3-30b-a3b"
+    model = zoo.build(zoo.published_sizes()[size], zoo.published_config(size, layers=2), device="meta")
+    workload = dict(WORKLOAD, seq=seq)
+    plan = autotp.plan(model, tp=8, layout={"*.experts.*": "expert"}, batch=BATCH, **workload)
+    other = autotp.plan(model, tp=8, layout={"*.experts.*": "expert"}, batch=BATCH, expert_dispatch=not sends,
+                        **workload)
+    sending, gathering = (plan, other) if sends else (other, plan)
+    # each layer sends its rows (and sums them back by the g), where the dispatch is taken or forced
+    assert [(c.src, c.dst) for c in sending.comms if dispatched(c)] == [(SEND[0], "P(routed 0)")] * 2, sending.comms
+    assert not [c for c in gathering.comms if dispatched(c)], gathering.comms
+    note, word, _, so = _versus(plan)
+    assert ("by an all-to-all" in note) is sends and ("are gathered whole after the router" in note) is not sends
+    assert word == "cheaper than" and plan.cost["step_s"] < other.cost["step_s"], (plan.cost, other.cost)
+    assert so == pytest.approx(other.cost["step_s"] * 1e3, abs=1e-3)
 
 
 def test_the_dispatch_is_not_offered_without_a_sequence_split():
@@ -193,6 +233,10 @@ def _tiny_mixtral():
     return zoo.build("mixtral", config, device="meta")
 
 
+def _dispatching_mixtral():
+    return zoo.build("mixtral", zoo.tiny_config("mixtral", **DISPATCHING), device="meta")
+
+
 def _versus(plan) -> tuple[str, str, float, float]:
     (note,) = [n for n in plan.notes if n.startswith("experts ") and "split along the sequence" in n]
     word, other, delta, so = VERSUS.search(note).groups()
@@ -201,12 +245,12 @@ def _versus(plan) -> tuple[str, str, float, float]:
 
 @pytest.mark.parametrize("batch, taken", [(TINY_BATCH, True), (8, False)])
 def test_the_note_says_by_how_much_the_way_taken_beats_the_other(batch, taken):
-    # a tiny Mixtral layer at tp 2: the dispatch is chosen at batch 64 (by 0.002 ms/step on
-    # h100-dgx), the tokens gathered whole at batch 8 (by 0.076 ms: a rank's own routing and its
-    # dispatch's kernels, priced as run since, outweigh the rows it spares at this width; with
-    # its sort priced bare the dispatch won there by 0.024 ms); the note names the way taken and
-    # what the plan forced the other way costs
-    model = _tiny_mixtral()
+    # a tiny top-1 Mixtral layer at tp 2 (DISPATCHING): the dispatch is chosen at batch 64 (5.612
+    # ms/step on h100-dgx against 5.681 gathering the tokens whole after the router), the tokens
+    # gathered whole at batch 8 (1.114 against 1.206: a rank's own routing, its dispatch's kernels
+    # and its row gathers, priced as run, outweigh the rows it spares at so few); the note names
+    # the way taken and what the plan forced the other way costs
+    model = _dispatching_mixtral()
     plan = autotp.plan(model, tp=2, layout={"*.experts.*": "expert"}, batch=batch, **WORKLOAD)
     other = autotp.plan(model, tp=2, layout={"*.experts.*": "expert"}, batch=batch, expert_dispatch=not taken,
                         **WORKLOAD)
@@ -241,7 +285,7 @@ def test_the_note_solves_the_other_way_without_calling_a_rule_again(monkeypatch)
 
 
 def test_expert_dispatch_false_gathers_the_tokens_and_forced_ways_say_so():
-    plan = autotp.plan(_tiny_mixtral(), tp=2, layout={"*.experts.*": "expert"}, batch=TINY_BATCH,
+    plan = autotp.plan(_dispatching_mixtral(), tp=2, layout={"*.experts.*": "expert"}, batch=TINY_BATCH,
                        expert_dispatch=False, **WORKLOAD)
     # no all-to-all: the tokens are gathered whole for the experts (after the router, which runs on
     # each rank's own tokens where that is cheaper: here)
@@ -382,8 +426,8 @@ def test_a_rank_routes_its_own_rows_where_cheaper_than_the_whole_sort(monkeypatc
     # The dispatching layer's routing (the flattened ids and weights, their sort, the counts, the
     # gathers, the inverse permutation) placed on each rank's own rows (rules/local_routing.py):
     # priced at 1/tp of the rows plus the all-gather of every rank's counts per expert, against
-    # all-gathering every token's ids and weights and sorting them whole on every rank, and taken
-    config = zoo.tiny_config("mixtral", layers=1, heads=4, kv_heads=2, head_dim=8, vocab=48, experts=4, top_k=2)
+    # all-gathering every token's ids and sorting them whole on every rank, and taken
+    config = zoo.tiny_config("mixtral", **DISPATCHING)
     model = zoo.build("mixtral", config, device="meta")
     plan = _plan(model, 2)
     own = [c for c in plan.comms if c.src.endswith(", own)")]
@@ -404,7 +448,13 @@ def test_a_rank_routes_its_own_rows_where_cheaper_than_the_whole_sort(monkeypatc
         # this tiny layer to gathering the tokens whole, dearer than the plan too
         assert plan.cost["step_s"] < _plan(model, 2).cost["step_s"]
         whole = _plan(model, 2, expert_dispatch=True)
-    assert [c.kind for c in whole.comms if c.src == "P(tokens 0)"] == ["all_gather", "all_gather"], whole.comms
+    # every token's expert ids all-gathered (T*k int64 ids, a rank brings the other's half); the
+    # routing weights stay on their tokens' ranks, where the rows come back by the reverse
+    # all-to-all and are weighed
+    ids = TINY_BATCH * WORKLOAD["seq"] * config.num_experts_per_tok * 8
+    assert [(c.kind, c.fwd_bytes, c.bwd_bytes) for c in whole.comms if c.src == "P(tokens 0)"] == \
+        [("all_gather", ids / 2, 0.0)], whole.comms
+    assert [(c.src, c.dst) for c in whole.comms if dispatched(c)] == [SEND, BACK], whole.comms
     assert not [c for c in whole.comms if "own" in c.src]
     assert plan.cost["step_s"] < whole.cost["step_s"], (plan.cost, whole.cost)
 
@@ -568,7 +618,7 @@ VERSUS_G = re.compile(r"no g of the combine — (cheaper than|dearer than|tied w
 def test_the_combine_note_says_by_how_much_the_reverse_all_to_all_beats_the_g(monkeypatch):
     # the plan solved again with no row sent back (the combine inside the product or after it as a
     # conversion): the g of the combine, as the plan with the reverse all-to-all not offered costs
-    model = _tiny_mixtral()
+    model = _dispatching_mixtral()
     plan = _plan(model, 2)
     (note,) = [n for n in plan.notes if "by the reverse all-to-all" in n]
     word, delta, so = VERSUS_G.search(note).groups()
