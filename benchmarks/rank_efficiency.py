@@ -13,6 +13,8 @@ model (published widths, fewer layers) it measures, side by side in one run:
 * **counts that do not depend on the device**: the products' FLOPs and every other op's bytes
   read and written (a dispatch mode over forward and backward), rank against serial/N, and the
   copies and casts each step makes, by where they were made (``autotp.testing.work.CopyCounter``);
+  where the ops with the most bytes over the share were made, rank beside serial (a program node,
+  a backward formula, the model's own code: ``autotp.testing.work.op_site``);
 * **time per ATen op** beside serial/N, the largest first: on CPU each call at its least thread
   time over the repeats (``benchmarks/op_timer.py``, shared with ``benchmarks/moe_rank.py``), by
   op and by kind; on CUDA the profiler's device time, and the share of the step the device is
@@ -161,7 +163,7 @@ def counted(module, batch: dict):
     copies and casts, each with where it was made."""
     from autotp.testing.work import CopyCounter, WorkCounter
 
-    with WorkCounter() as work:
+    with WorkCounter(sites=True) as work:
         module_step(module, batch)()
     with CopyCounter() as copies:
         module_step(module, batch)()
@@ -390,6 +392,8 @@ def run_model(spec: str, args, figures: dict | None = None) -> list[str]:
         s_b = serial_counts.moved_by_op.get(op, 0) / tp
         lines.append(f"| `{op}` | {counts.moved_by_op[op] / 1e6:.1f} | {s_b / 1e6:.1f} | "
                      + (f"{counts.moved_by_op[op] / s_b:.1f} |" if s_b else "- |"))
+    lines += _sites_table(counts, serial_counts, [op for op in sorted(excess, key=lambda o: -excess[o])[:6]],
+                          first["label"], tp)
     lines += _copies_table(serial_copies, first["copies"], first["label"], tp)
     lines.append("")
     del model
@@ -549,6 +553,24 @@ def _by_kind(serial_ops, rank_ops, label: str, tp: int) -> list[str]:
                          f"{(r_cat[c] - s_cat[c] / tp) * 1e3:+.1f} |")
     lines.append(f"| the step (least thread time) | **{rank_ops.step * 1e3:.1f}** | **{serial_ops.step / tp * 1e3:.1f}** "
                  f"| {(rank_ops.step - serial_ops.step / tp) * 1e3:+.1f} |")
+    return lines
+
+
+def _sites_table(rank, serial, ops: list, label: str, tp: int) -> list[str]:
+    """Where the ops with the most bytes over the rank's share were made, rank beside serial
+    (``autotp.testing.work.op_site``: a node of the rank's program, a backward formula, autotp's
+    own function; the model's own file and function in serial), the three largest sites each."""
+    lines = ["", f"Where those bytes were made, the 6 ops with the most over the share, rank ({label}) beside serial/N, "
+             "MB (the three largest sites of each; `program <node>`: the rank program's node, `backward <Node>`: "
+             "the backward formula autograd ran):", "",
+             "| aten op | rank: site, MB | serial/N: site, MB |", "|---|---|---|"]
+
+    def largest(counter, op, scale):
+        found = sorted(((b, site) for (o, site), b in counter.moved_by_site.items() if o == op), reverse=True)[:3]
+        return "; ".join(f"`{site}` {b / scale / 1e6:.1f}" for b, site in found) or "-"
+
+    for op in ops:
+        lines.append(f"| `{op}` | {largest(rank, op, 1)} | {largest(serial, op, tp)} |")
     return lines
 
 

@@ -131,3 +131,29 @@ def test_work_counts_a_grouped_query_attention_at_the_querys_heads():
             counts[str(op)] = work.flops
     assert grouped == expanded
     assert set(grouped.values()) == {2 * 2 * 8 * 16 * 16 * (32 + 32)}
+
+
+def test_work_sites_name_the_program_node_the_backward_formula_and_the_models_own_code():
+    from autotp import zoo
+    from autotp.testing.work import WorkCounter
+
+    class Step(torch.nn.Module):
+        def forward(self, x):
+            return (torch.tanh(x) * 3).sum()
+
+    program = torch.fx.symbolic_trace(Step())
+    x = torch.randn(4, 4, requires_grad=True)
+    with WorkCounter(sites=True) as work:
+        program(x).backward()
+    sites = {site for _, site in work.moved_by_site}
+    assert {"program tanh", "program mul", "backward TanhBackward0", "backward MulBackward0"} <= sites, sites
+    assert sum(work.moved_by_site.values()) == work.moved   # every byte has one site
+    # a serial model's ops: its own file and function
+    config = zoo.tiny_config("gpt2", layers=1, heads=2, head_dim=4, vocab=16)
+    model = zoo.build("gpt2", config)
+    with WorkCounter(sites=True) as work:
+        model(input_ids=torch.tensor([[1, 2, 3]]))
+    assert any(site.startswith("modeling_gpt2.py:") for _, site in work.moved_by_site), work.moved_by_site
+    with WorkCounter() as plain:   # off unless asked for
+        program(x)
+    assert not plain.moved_by_site and plain.moved

@@ -8,6 +8,9 @@ kind of op to account (the experts' products of a rank against its rows); ``_uns
 alias the dispatcher does not mark a view, writes none either. ``work.moved`` (and
 ``moved_by_op``) counts what an op's kernels read too, the memory traffic a GPU pays for it;
 allocations (which touch no memory) and collectives (communication) are left out of it.
+``WorkCounter(sites=True)`` splits ``moved_by_op`` by where each op was made (``moved_by_site``,
+:func:`op_site`: the program's node, the backward formula, autotp's function, or a serial model's
+own file and function), so a rank's bytes over its share can be traced to what made them.
 
 ``with CopyCounter() as copies: step()`` records every copy and cast a step makes (``copy_``,
 ``_to_copy``, ``clone``, ``cat``, ``stack``, ``constant_pad_nd``) with the bytes it writes and
@@ -20,7 +23,9 @@ reducing it (``_c10d_functional.all_reduce`` clones inside its kernel): recorded
 """
 from __future__ import annotations
 
+import linecache
 import os
+import re
 import sys
 from collections import Counter
 from dataclasses import dataclass
@@ -89,13 +94,17 @@ class WorkCounter(TorchDispatchMode):
     #: matmul's result over the same storage); they write nothing
     ALIASES = (torch.ops.aten._unsafe_view,)
 
-    def __init__(self) -> None:
+    def __init__(self, sites: bool = False) -> None:
         super().__init__()
         self.flops = 0
         self.bytes = 0
         self.moved = 0
         self.by_op: Counter = Counter()
         self.moved_by_op: Counter = Counter()
+        #: with ``sites``: ``moved_by_op`` split by where each op was made, ``(op, site)`` ->
+        #: bytes (:func:`op_site`); a frame walk per op, so off unless asked for
+        self.sites = sites
+        self.moved_by_site: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -117,6 +126,8 @@ class WorkCounter(TorchDispatchMode):
                 read = sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
                 self.moved += read + written
                 self.moved_by_op[short] += read + written
+                if self.sites:
+                    self.moved_by_site[(short, op_site())] += read + written
         return out
 
 
@@ -152,6 +163,34 @@ def _site() -> str:
             return f"{module}.{frame.f_code.co_name}"
         frame = frame.f_back
     return "autograd"
+
+
+_ASSIGNED = re.compile(r"\s*(\w+)(\s*,\s*\w+)*\s*=")
+
+
+def op_site() -> str:
+    """Where the op being dispatched was made, finer than :func:`_site`: ``program <node>`` (the
+    node of the program's code whose line called it: the variable fx names after it),
+    ``backward <AutogradNode>`` (the backward formula autograd's engine is running, such as
+    ``MaskedFillBackward0``), autotp's function (``experts.routed_combine``; ``functional.backward``
+    for one of its autograd functions' backward), or, outside autotp's program (a serial model),
+    the model's own ``file.py:function`` (``modeling_mixtral.py:forward``)."""
+    node = torch._C._current_autograd_node()
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith(("<eval_with_key>", EAGER_CODE)) and node is None:
+            line = linecache.getline(path, frame.f_lineno)
+            found = _ASSIGNED.match(line)
+            return f"program {found.group(1)}" if found else "program"
+        if path.startswith(_AUTOTP) and not path.startswith(_TESTING):
+            return f"{os.path.splitext(os.path.basename(path))[0]}.{frame.f_code.co_name}"
+        if node is None and os.sep + "site-packages" + os.sep in path and os.sep + "torch" + os.sep not in path:
+            return f"{os.path.basename(path)}:{frame.f_code.co_name}"
+        if node is not None and not path.startswith("<") and os.sep + "torch" + os.sep not in path:
+            break   # the caller of backward(): the engine's formula made it
+        frame = frame.f_back
+    return f"backward {node.name()}" if node is not None else "autograd"
 
 
 class CopyCounter(TorchDispatchMode):
