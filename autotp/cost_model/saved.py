@@ -8,7 +8,7 @@ PyTorch saves a tensor only where a formula that needs it is for an input that c
 so ``x * w`` keeps ``w`` for ``x``'s gradient and ``x`` for ``w``'s, and ``x * cos`` with a
 constant ``cos`` keeps ``cos`` alone.
 
-This module says *what* is kept; :meth:`~autotp.passes.propagate.GraphIndex.kept_bytes` says
+This module says *what* is kept; :meth:`~autotp.passes.propagate.GraphIndex.activation_bytes` says
 *once*: a tensor read by several ops that keep it (the normed hidden state read by q, k and v; a
 view of the fused q/k/v product read by attention and ...) is one storage, counted once per step
 by its storage root (the op that made it, through views: :func:`aliases`) and its placement on

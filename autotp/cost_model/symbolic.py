@@ -12,7 +12,7 @@ cost term is built symbolically first and evaluated for a workload (``env``) sec
   (all-reduce moves 2(n-1)/n of the bytes, all-gather and reduce-scatter (n-1)/n);
 * **memory** an op keeps for backward: what ATen's autograd formula keeps (:mod:`.saved`: inputs,
   outputs, statistics, masks), at the largest rank's share (:func:`kept_bytes`); counted once
-  per storage by :meth:`~autotp.passes.propagate.GraphIndex.kept`.
+  per storage by :meth:`~autotp.passes.propagate.GraphIndex.activation_bytes`.
 
 Bytes: floating-point tensors are priced at the profile's training datatype
 (``DeviceProfile.dtype_bytes``: 2 on the GPU profiles, whose FLOP rates are bf16/fp16 rates;
