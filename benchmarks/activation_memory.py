@@ -37,7 +37,7 @@ def step(checkpoint: bool, autocast: bool) -> dict:
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1))
-    pm = autotp.parallelize(model, tp=2, gather_logits=False, activation_checkpointing=checkpoint)
+    pm = autotp.parallelize(model, tp=2, gather_logits=False, activation_checkpointing=checkpoint, batch=4, seq=256)
     del model
     ids = torch.randint(0, 50257, (4, 256), generator=torch.Generator().manual_seed(1))
     saved: dict[int, int] = {}

@@ -123,10 +123,18 @@ def kept(info: OpInfo, grads: tuple, mask_bytes: int) -> tuple[Kept, ...]:
             return ()
         return tuple(Kept("input", i) for i, other in ((a, b), (b, a)) if grads[other] and inputs[i].is_float)
     if t is kernels.ATTENTION:
-        # flash (CPU and CUDA) and memory-efficient kernels: q, k, v, the output, a log-sum-exp
-        # per (batch, head, query) and the mask where one is given; the math fallback (a dropout
-        # mask with a float mask on CPU, say) keeps the probabilities instead, not priced here
         q = first
+        dropout = info.kwargs.get("dropout_p", info.args[4] if len(info.args) > 4 else 0.0)
+        if mask_bytes == 0 and not (isinstance(dropout, (int, float)) and dropout == 0):
+            # CPU with dropout: no fused kernel takes it, ATen runs the math fallback (q and k
+            # scaled, their product, softmax, dropout by a float noise tensor, the product by
+            # v), which keeps the scaled q and k, v, and three (b, h, s, s) tensors: the
+            # softmax, the noise and the dropped probabilities
+            scores = _numel(q.shape[:-1]) * inputs[1].shape[-2]
+            return (Kept("input", 2), Kept("new", numel=_numel(q.shape) + _numel(inputs[1].shape)),
+                    Kept("new", numel=3 * scores))
+        # flash (CPU and CUDA) and memory-efficient kernels: q, k, v, the output, a log-sum-exp
+        # per (batch, head, query) and the mask where one is given
         lse = _numel(q.shape[:-1])
         return tuple(Kept("input", i) for i in range(min(len(inputs), 4))) + (
             Kept("output"), Kept("new", numel=lse, nbytes=STAT_BYTES))
