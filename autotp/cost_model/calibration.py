@@ -99,7 +99,8 @@ def calibrate(name: str = "calibrated", *, world: int = 2, matmul_sizes: Sequenc
         seconds = launch(_all_reduce_task, world, list(message_bytes), repeats)[0]
     alpha, link_bw = fit_alpha_beta(message_bytes, seconds, n)
     return DeviceProfile(name, flops=flops, mem_bw=mem_bw, link_bw=link_bw, link_latency=alpha,
-                         memory=memory if memory is not None else _physical_memory(), dtype_bytes=4, **common)
+                         memory=memory if memory is not None else _physical_memory(), dtype_bytes=4,
+                         dropout_mask_bytes=0, **common)
 
 
 def _measure_shape(peak: float, device: str, dtype, repeats: int, big: int) -> dict[str, float]:

@@ -81,6 +81,9 @@ class DeviceProfile:
     sync_s: float = 0.0                   # seconds a read to the host takes once the device is idle
     grouped_bw: float = 0.0               # bytes/s a grouped product streams its experts' weights at (0: free)
     sort_pass_s: float = 0.0              # seconds a radix-sort pass costs beyond its launch and bytes
+    #: bytes per element of the mask dropout keeps for backward: 1 on CUDA (``native_dropout``'s
+    #: bool mask); 0 on CPU, whose ``dropout`` keeps a float noise tensor of the input's size
+    dropout_mask_bytes: int = 1
 
     __hash__ = cached_hash   # a profile keys the index's cost caches, one lookup per strategy
     __getstate__ = state_without_hash
@@ -207,7 +210,7 @@ PROFILES: dict[str, DeviceProfile] = {
     # Local CPU ranks over gloo on loopback, float32: eager ops pay a few microseconds each.
     "cpu-gloo": DeviceProfile("cpu-gloo", flops=50e9, mem_bw=10e9, link_bw=2e9, link_latency=50e-6,
                               memory=16 * GiB, dtype_bytes=4, launch_s=5e-6, product_half_work=1e5,
-                              product_half_k=16.0, attention_flops=25e9),
+                              product_half_k=16.0, attention_flops=25e9, dropout_mask_bytes=0),
 }
 
 

@@ -10,8 +10,9 @@ cost term is built symbolically first and evaluated for a workload (``env``) sec
   fused norms), so each streams its largest operand once forward and once backward;
 * **collectives** by the alpha-beta ring formulas of :class:`~.devices.DeviceProfile`
   (all-reduce moves 2(n-1)/n of the bytes, all-gather and reduce-scatter (n-1)/n);
-* **memory** an op keeps for backward: the activation inputs its backward needs (products,
-  norms, attention, the loss, nonlinearities), at the largest rank's share.
+* **memory** an op keeps for backward: what ATen's autograd formula keeps (:mod:`.saved`: inputs,
+  outputs, statistics, masks), at the largest rank's share (:func:`kept_bytes`); counted once
+  per storage by :meth:`~autotp.passes.propagate.GraphIndex.activation_bytes`.
 
 Bytes: floating-point tensors are priced at the profile's training datatype
 (``DeviceProfile.dtype_bytes``: 2 on the GPU profiles, whose FLOP rates are bf16/fp16 rates;
@@ -37,6 +38,7 @@ from .work import OpWork, Product, local_numel, metas
 from .work import element_bytes as _element_bytes
 from ..placements import Routed, Shard, max_local_size
 from .devices import DeviceProfile
+from .saved import Kept
 
 log = logging.getLogger("autotp")
 
@@ -246,16 +248,6 @@ def compute_time(info: OpInfo, strategy: Strategy, env: Mapping, profile: Device
     return sum(split_seconds(info, strategy, env, profile, tp, align).values())
 
 
-#: Ops whose backward needs their (activation) inputs, which autograd keeps until then. Chains
-#: of pointwise ops are assumed fused and keep nothing beyond what these already keep.
-SAVES_INPUTS = PRODUCTS | {
-    aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default,
-    aten.scaled_dot_product_attention.default, aten._softmax.default, aten._log_softmax.default,
-    aten.softmax.int, aten.log_softmax.int, aten.cross_entropy_loss.default,
-    aten.tanh.default, aten.gelu.default, aten.silu.default, aten.sigmoid.default,
-}
-
-
 def _fraction(meta: TensorMeta, p: Any, tp: int, share: tuple | None = None) -> float:
     if isinstance(p, Routed):   # a rank's rows of experts: at uniform routing, or the busiest rank's share
         return 1.0 / tp if share is None or p.tokens else max(share)
@@ -265,17 +257,24 @@ def _fraction(meta: TensorMeta, p: Any, tp: int, share: tuple | None = None) -> 
     return max_local_size(size, p, tp) / size if size else 1.0
 
 
-def activation_bytes(info: OpInfo, strategy: Strategy, env: Mapping, profile: DeviceProfile, tp: int,
-                     is_param: tuple = ()) -> float:
-    """Bytes of the op's float activation inputs kept for backward, on the largest rank
-    (parameters are counted with the training state, not here)."""
-    if info.target not in SAVES_INPUTS:
-        return 0.0
-    total = 0.0
-    for i, (meta, want) in enumerate(zip(info.inputs, strategy.inputs)):
-        if meta.is_float and not (i < len(is_param) and is_param[i]):
-            total += evaluate(bytes_expr(meta, profile.dtype_bytes), env) * _fraction(meta, want, tp, info.expert_share)
-    return total
+def kept_bytes(item: Kept, info: OpInfo, strategy: Strategy, env: Mapping, profile: DeviceProfile, tp: int,
+               root: TensorMeta | None = None) -> float:
+    """Bytes on the largest rank of one tensor ``info``'s backward keeps (:func:`.saved.kept`).
+    An input is priced at its storage ``root``'s size (a view keeps the whole storage it views)
+    split as the input is; an output at its own placement; a tensor made for backward split as
+    the op's first input is."""
+    if item.source == "new":
+        nbytes = item.nbytes or element_bytes(info.inputs[0], profile.dtype_bytes)
+        return evaluate(item.numel * nbytes, env) * _fraction(info.inputs[0], strategy.inputs[0], tp,
+                                                               info.expert_share)
+    if item.source == "output":
+        outs = info.output if isinstance(info.output, tuple) else (info.output,)
+        places = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
+        meta, p = outs[item.index], places[item.index]
+        return evaluate(bytes_expr(meta, profile.dtype_bytes), env) * _fraction(meta, p, tp, info.expert_share)
+    meta, want = info.inputs[item.index], strategy.inputs[item.index]
+    return evaluate(bytes_expr(root or meta, profile.dtype_bytes), env) * _fraction(meta, want, tp,
+                                                                                     info.expert_share)
 
 
 # ---- collectives ---------------------------------------------------------------------------------

@@ -29,7 +29,8 @@ from torch import fx
 
 from ..capture import Capture, shape_of
 from ..cost_model.devices import DeviceProfile
-from ..cost_model.symbolic import (activation_bytes, collective_bytes, collective_time, compute_time,
+from ..cost_model.saved import Kept, kept, kept_root
+from ..cost_model.symbolic import (kept_bytes, collective_bytes, collective_time, compute_time,
                                    conversion_kinds, evaluate, nbytes, numel, numel_expr)
 from ..placements import (PARTIAL, REPLICATE, Partial, Placement, Replicate, ReplicatePartialGrad, Routed, Shard, divides, is_even,
                           local_ranges, local_size, max_local_size, resharded_by_all_to_all, same_placement)
@@ -227,15 +228,88 @@ class GraphIndex:
             found = self._compute[key] = compute_time(info, strat, self.env, profile, self.tp, self.align)
         return found
 
-    def activation_bytes(self, node: fx.Node, strat: Strategy, profile: DeviceProfile) -> float:
-        info = self.infos[node]
-        is_param = tuple(i.op == "placeholder" and i.name in self.capture.param_names
-                         for i in self.tensor_inputs[node])
-        key = (info.target, info.inputs, info.output, strat, profile, is_param, info.expert_share)
+    def _kept_items(self, node: fx.Node, profile: DeviceProfile) -> tuple:
+        inputs = self.tensor_inputs[node]
+        return kept(self.infos[node], tuple(i in self.grads for i in inputs), profile.dropout_mask_bytes)
+
+    def _keepers(self, profile: DeviceProfile) -> tuple[dict, dict]:
+        """(storage root -> the ops whose backward keeps it, op -> the roots it makes that are kept:
+        itself or the ``getitem`` of one of its outputs), through views (:func:`kept_root`)."""
+        key = ("keepers", profile)
         found = self._activation.get(key)
         if found is None:
-            found = self._activation[key] = activation_bytes(info, strat, self.env, profile, self.tp, is_param)
+            keepers: dict = {}
+            for node in self.capture.graph.nodes:
+                if node.op != "call_function" or node not in self.infos:
+                    continue
+                for item in self._kept_items(node, profile):
+                    if item.source == "output":
+                        keepers.setdefault(node, set()).add(node)
+                    elif item.source == "input":
+                        keepers.setdefault(kept_root(self.tensor_inputs[node][item.index]), set()).add(node)
+            made: dict = {}
+            for root in keepers:
+                maker = root.args[0] if root.target is operator.getitem else root
+                if root.op == "call_function" and maker in self.infos:
+                    made.setdefault(maker, []).append(root)
+            found = self._activation[key] = (keepers, made)
         return found
+
+    def activation_bytes(self, node: fx.Node, strat: Strategy, profile: DeviceProfile,
+                         converted: frozenset = frozenset()) -> float:
+        """Bytes ``node`` adds to what autograd keeps for backward, on the largest rank, so that
+        each storage is counted once (autograd keeps a tensor once, however many ops keep it):
+
+        - a tensor several ops keep (a norm's input, kept by its statistic and by its scaling;
+          the product that attention's ``v`` and ... view; rotary's cos and sin, kept in every
+          layer) at the op that makes it, at the placement ``strat`` gives it;
+        - a tensor one op keeps at that op: whole where it arrives as made (a view keeps its
+          whole storage: attention keeping ``v``, a third of the fused q/k/v product, keeps all
+          of it), or the copy it reads where it arrives converted (``converted``: the positions
+          of those inputs; the all-gathered input of a product under sequence parallelism);
+        - the tensors it makes for its backward alone (statistics, masks, the loss's log-softmax).
+
+        A parameter is never counted (training state). The solver (per op) and the walk pricing
+        a plan (:func:`propagate`) add the same figures. Not seen: a tensor several ops keep is
+        counted as made even where they all read it converted (then the copy is counted too)."""
+        key = (node, strat, profile, converted)
+        found = self._activation.get(key)
+        if found is not None:
+            return found
+        info = self.infos[node]
+        env, tp = self.env, self.tp
+        keepers, made = self._keepers(profile)
+        total = 0.0
+        outs = info.output if isinstance(info.output, tuple) else (info.output,)
+        for root in made.get(node, ()):
+            if len(keepers[root]) > 1 or node in keepers[root]:
+                i = root.args[1] if root is not node else 0
+                if i < len(outs) and outs[i] is not None:
+                    total += kept_bytes(Kept("output", i), info, strat, env, profile, tp)
+        inputs = self.tensor_inputs[node]
+        counted: set = set()
+        for item in self._kept_items(node, profile):
+            if item.source == "new":
+                total += kept_bytes(item, info, strat, env, profile, tp)
+            if item.source != "input":
+                continue
+            tensor = inputs[item.index]
+            root = kept_root(tensor)
+            if root.op == "placeholder" and root.name in self.capture.param_names:
+                continue   # training state
+            maker = root.args[0] if root.target is operator.getitem else root
+            made_here = root.op == "call_function" and maker in self.infos
+            if made_here and len(keepers.get(root, ())) > 1:
+                continue   # counted where it is made
+            if item.index in converted:
+                if tensor not in counted:
+                    counted.add(tensor)
+                    total += kept_bytes(item, info, strat, env, profile, tp)
+            elif root not in counted:
+                counted.add(root)
+                total += kept_bytes(item, info, strat, env, profile, tp, _meta(root))
+        self._activation[key] = total
+        return total
 
     @classmethod
     def build(cls, capture: Capture, tp: int, batch: int, seq: int, uneven: bool = False,
@@ -1395,8 +1469,11 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
             return infeasible(f"no strategy fits {node.name} ({node.target}) with inputs {list(actual)}")
         chosen[node] = best
         compute += index.compute_time(node, best, profile)
-        activations += index.activation_bytes(node, best, profile)
-        memory += index.activation_bytes(node, best, profile)
+        kept_now = index.activation_bytes(node, best, profile, frozenset(
+            i for i, (inp, meta, want) in enumerate(zip(inputs, info.inputs, best.inputs))
+            if inp in place and not same_placement(place[inp], want, _dim_size(meta, want), tp)))
+        activations += kept_now
+        memory += kept_now
         for kind, meta in best.internal:
             full = internal_bytes(index, profile, kind, meta, node)
             seconds = sum(collective_time(kind, full, profile, tp))

@@ -49,9 +49,9 @@ from torch import fx
 from ..capture import module_path
 from ..cost_model.devices import DeviceProfile
 from ..errors import MemoryLimitError, PlanError
-from ..placements import REPLICATE, Partial, Placement, Shard
+from ..placements import REPLICATE, Partial, Placement, Shard, same_placement
 from .rules import Strategy
-from .propagate import (INF, GraphIndex, Propagation, _even, _meta, _out_meta,
+from .propagate import (INF, GraphIndex, Propagation, _dim_size, _even, _meta, _out_meta,
                         _sharded_compute, added_seconds, conversion_seconds, gathers_seconds, gathers_whole,
                         internal_seconds, load_share, param_memory, param_update_seconds, pay, propagate,
                         wants_f)
@@ -223,7 +223,8 @@ class _Solver:
             self.transitions += 1
             sharded = _sharded_compute(strat)
             cost = index.compute_time(node, strat, profile) + internal_seconds(index, profile, strat, node)
-            mem = index.activation_bytes(node, strat, profile)
+            mem = 0.0
+            converted: set = set()   # inputs arriving converted: a copy of their own, kept where the op keeps them
             labels: dict = {}
             for i, (inp, meta, want) in enumerate(zip(inputs, info.inputs, strat.inputs)):
                 f = wants_f(want, sharded, meta, inp in index.grads, apart=strat.f_runs_only and i == 0)
@@ -246,6 +247,8 @@ class _Solver:
                     labels[inp] = (want, paid)
                     continue
                 have, paid = label
+                if not same_placement(have, want, _dim_size(meta, want), tp):
+                    converted.add(i)
                 if index.moves_parameter(inp, have, want, meta):
                     cost = INF   # a parameter is never moved at run time: it is sharded at load
                     break
@@ -263,6 +266,7 @@ class _Solver:
                     break
             if cost == INF:
                 continue
+            mem += index.activation_bytes(node, strat, profile, frozenset(converted))
             if self._tracked(node):
                 labels[node] = (strat.output, frozenset())
             out.append((j, cost, mem, labels))
