@@ -18,7 +18,13 @@ that do not depend on the machine: ATen calls (a dispatch mode), Python function
 (``sys.setprofile``; :mod:`autotp.testing.host`) and the nodes of the backward graph. The rank's
 plan is Megatron's layout pinned (column/row products, vocabulary-split embeddings and head),
 with and without sequence parallelism, planned for profile ``h200`` at batch 8 x seq 1024 (the
-tiny widths would otherwise be planned replicated).
+tiny widths would otherwise be planned replicated). A mixture of experts (``mixtral:2:16x2``: 16
+experts, top-2, of width 64, bfloat16, so that its experts run the grouped products a GPU runs)
+has its attention and vocabulary pinned so and its experts by each plan that matters: by cost,
+expert-parallel, expert-parallel with the all-to-all dispatch under sequence parallelism,
+expert-TP; its rank's peers route as it does (``benchmarks/fake_peers.py``). Each step's reads
+of device values on the host are counted too (``autotp.testing.host.HostReads``: on a GPU each
+drains the stream), by the function that made them.
 
     python benchmarks/rank_host.py                       # writes benchmarks/rank_host.md
     python benchmarks/rank_host.py --models gpt2:2 --repeats 5 --out -
@@ -162,6 +168,9 @@ def measure(model, batch: dict, plans: dict, args) -> tuple[dict, dict]:
     for label, planning in plans.items():
         model.train()   # captured for training: the inference call's program is built on first use
         modules[label] = autotp.parallelize(model, args.tp, profile="h200", batch=8, seq=1024, **planning)
+        # the index bounds staged, read after the step, as under NCCL (where it is the default): on
+        # the fake backend a check would read them in the step, a read no GPU rank makes
+        modules[label].deferred_checks = True
     rows = {}
     for kind, make in (("training step", training_step), ("inference call", inference_call)):
         for module in modules.values():
@@ -244,7 +253,7 @@ def before_and_after(before: dict, after: dict, label: str) -> list[str]:
     for key, now in after.items():
         spec, kind, program = key.split(" | ")
         was = before.get(key)
-        if was is None or program == "serial":
+        if was is None or program == "serial" or f"{spec} | {kind} | serial" not in before:
             continue
         serial_now, serial_was = after[f"{spec} | {kind} | serial"], before[f"{spec} | {kind} | serial"]
         nodes = f"{was['nodes']} → {now['nodes']}" if kind == "training step" else "-"
@@ -271,9 +280,9 @@ def main() -> None:
     p.add_argument("--top", type=int, default=15, help="files shown in the table of where the Python calls go")
     p.add_argument("--out", default=None, help="the result file ('-': print only)")
     p.add_argument("--json", default=None, help="also write the figures here, for a later run's --before")
-    p.add_argument("--before", default=None, help="a --json file of an earlier run (the code before a change): "
-                                                  "its figures set beside this run's")
-    p.add_argument("--before-label", default="before", help="what the --before run was (a commit)")
+    p.add_argument("--before", nargs="+", default=[], help="--json files of earlier runs (the code before a "
+                                                           "change): their figures set beside this run's, a table each")
+    p.add_argument("--before-label", nargs="+", default=[], help="what each --before run was (a commit)")
     p.add_argument("--note", default=None, help="a line on the machine's state, put under its description "
                                                 "(a shared, loaded machine)")
     args = p.parse_args()
@@ -294,7 +303,10 @@ def main() -> None:
              "CPU time (`time.thread_time`), the least of the repeats; ATen calls (a dispatch mode), Python "
              "function calls (`sys.setprofile`) and the backward graph's nodes are counts, the same on any "
              "machine (`autotp/testing/host.py`). The rank runs alone on torch's `fake` backend (its "
-             "collectives return at once), Megatron's layout pinned.", ""]
+             "collectives return at once), Megatron's layout pinned (a mixture of experts': its attention and "
+             "vocabulary, its experts by each plan; its peers' routing mirrored, `benchmarks/fake_peers.py`). Host "
+             "reads: reads of device values on the host a GPU would stop for (`HostReads`), the index checks "
+             "deferred as under NCCL.", ""]
     kept = {}
     for spec in args.models:
         more, rows = run_model(spec, args)
@@ -306,8 +318,9 @@ def main() -> None:
                for spec, rows in kept.items() for (kind, label), row in rows.items()}
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1) + "\n")
-    if args.before:
-        lines += before_and_after(json.loads(Path(args.before).read_text()), figures, args.before_label)
+    for i, before in enumerate(args.before):
+        label = args.before_label[i] if i < len(args.before_label) else "before"
+        lines += before_and_after(json.loads(Path(before).read_text()), figures, label)
     dense = [spec for spec in kept if parse(spec)[2] is None]
     shown = ([("gpt2:12" if "gpt2:12" in dense else dense[0], label) for label in PLANS] if dense else []) + \
         [(spec, label) for spec in kept if parse(spec)[2] for label in MOE_PLANS if label != "experts by cost"]
