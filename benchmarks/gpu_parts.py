@@ -416,8 +416,8 @@ def rank_host(device: str, quick: bool, md: str) -> dict:
 
     cpu_tiny = rank_host.tiny
 
-    def on_device(family: str, layers: int, seq: int):
-        model, batch = cpu_tiny(family, layers, seq)
+    def on_device(family: str, layers: int, seq: int, *moe):
+        model, batch = cpu_tiny(family, layers, seq, *moe)
         return model.to(device), {k: v.to(device) for k, v in batch.items()}
 
     rank_host.tiny = on_device

@@ -110,7 +110,9 @@ def _rank_of_experts(runs_of_ranks: Sequence[tuple[int, int]], device: torch.dev
     expert order). It depends on the runs and the device alone: made once and reused by every
     layer and step (a copy from the host each time, before), not while torch.compile traces (the
     graph makes it) nor on the meta device; inference tensors apart, as the token maps'."""
-    runs = tuple((int(a), int(n)) for a, n in runs_of_ranks)
+    # the graph's constant (pairs of ints) made hashable without a Python frame: a generator over
+    # the pairs was ten Python calls a layer and call at tp 8
+    runs = tuple(map(tuple, runs_of_ranks))
     if torch.compiler.is_compiling() or device.type == "meta":
         return _holders(runs, device)
     return _cached_holders(runs, device, torch.is_inference_mode_enabled())
@@ -187,7 +189,7 @@ def token_flat_rows(x: torch.Tensor, dim: int, outer: Sequence[int], seq: int, t
     before)."""
     if not _layout_cached(x):
         return flat_rows(token_rows(x, dim, outer, seq, tp, rank, unit), k)
-    return _cached_flat_rows(x.device, tuple(int(o) for o in outer), int(seq), tp, unit, rank, int(x.shape[dim]), k,
+    return _cached_flat_rows(x.device, tuple(map(int, outer)), int(seq), tp, unit, rank, int(x.shape[dim]), k,
                              torch.is_inference_mode_enabled())
 
 

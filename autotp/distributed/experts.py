@@ -222,7 +222,7 @@ def token_rows(x: torch.Tensor, dim: int, outer: Sequence[int], seq: int, tp: in
     the first ``seq / unit % tp`` one atom longer), its rows ``o * seq + start + j`` for each outer
     index ``o`` and its ``j``-th position. Made once per shape and device, then reused by every
     later call and layer (:func:`_layout_cached`)."""
-    shape = (tuple(int(o) for o in outer), int(seq), tp, unit) if _layout_cached(x) else None
+    shape = (tuple(map(int, outer)), int(seq), tp, unit) if _layout_cached(x) else None
     if shape is None:
         return _token_rows(x.device, outer, seq, tp, rank, unit, x.shape[dim])
     return _cached_token_rows(x.device, *shape, rank, int(x.shape[dim]), torch.is_inference_mode_enabled())
@@ -234,7 +234,7 @@ def token_owners(x: torch.Tensor, outer: Sequence[int], seq: int, tp: int, unit:
     every rank knows where every token is. Made once per shape and device, as :func:`token_rows`."""
     if not _layout_cached(x):
         return _token_owners(x.device, outer, seq, tp, unit)
-    return _cached_token_owners(x.device, tuple(int(o) for o in outer), int(seq), tp, unit,
+    return _cached_token_owners(x.device, tuple(map(int, outer)), int(seq), tp, unit,
                                 torch.is_inference_mode_enabled())
 
 
@@ -321,7 +321,7 @@ def sequence_runs(x: torch.Tensor, outer: Sequence[int]) -> torch.Tensor:
     """A rank's tokens' rows ``[b*s_r, ...]`` in sequence order (:func:`token_rows`) as its run of
     the sequence ``[b, s_r, ...]``: what an all-gather along the sequence makes whole, the
     variable runs of every rank known from ``s`` (the token rows' all-gather)."""
-    return x.reshape(*[int(o) for o in outer], -1, *x.shape[1:])
+    return x.reshape(*map(int, outer), -1, *x.shape[1:])
 
 
 # ---- the all-to-all dispatch: rows held by their tokens' ranks sent to their experts' ranks -------

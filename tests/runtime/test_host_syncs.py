@@ -40,26 +40,17 @@ bfloat16, what a GPU runs.
 """
 from __future__ import annotations
 
-import traceback
-import weakref
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import autotp
 from autotp import zoo
 from autotp.capture import EXAMPLE_SEQ
+from autotp.testing.host import HostReads, device_tensors
 
-aten = torch.ops.aten
 TP = 2
 #: the model's own op that reads values on the host (transformers' experts on CPU in float32)
 MODEL_READS = "_grouped_mm_fallback"   # and its backward, _grouped_mm_fallback_bwd
-#: ops whose output's size depends on the values: on a GPU the host reads the size back before
-#: it can go on (nothing to see on CPU, where no op waits)
-SIZED_BY_VALUES = {aten.nonzero.default, aten.masked_select.default, aten._unique2.default, aten.unique_dim.default,
-                   aten.unique_consecutive.default, aten.repeat_interleave.Tensor}
 #: autotp's reads of an expert layer where a rank computes its own experts' rows alone
 #: (autotp.distributed.experts): where its rows start and end among the rows sorted by expert
 #: (expert_bounds), which of the rows picked by expert id are its own (picked_rows, the batched
@@ -72,79 +63,6 @@ ROWS_READS = ("expert_bounds", "picked_rows", "routed_reorder", "dispatch_sizes"
 
 def layers_of_experts(model) -> int:
     return sum(1 for name, _ in model.named_modules() if name.rpartition(".")[2] == "experts")
-
-
-class HostReads(TorchDispatchMode):
-    """Counts reads of device values and blocking copies to the host (see the module docs)."""
-
-    def __init__(self, device_tensors):
-        super().__init__()
-        self._ids: dict[int, weakref.ref] = {}
-        self._storages = {t.untyped_storage().data_ptr() for t in device_tensors}
-        #: (what was read, the functions on the stack when it was)
-        self.reads: list[tuple[str, tuple[str, ...]]] = []
-        self._patched = {}
-
-    def on_device(self, t) -> bool:
-        if not isinstance(t, torch.Tensor):
-            return False
-        ref = self._ids.get(id(t))
-        if ref is not None and ref() is t:
-            return True
-        try:
-            return t.untyped_storage().data_ptr() in self._storages
-        except (RuntimeError, NotImplementedError):   # a tensor without storage (a DTensor)
-            return False
-
-    def _mark(self, out) -> None:
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self._ids[id(t)] = weakref.ref(t)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        from_device = any(self.on_device(t) for t in tensors)
-        # a copy to the host: a device move alone (a cast's device argument is the program's own
-        # device, the rewrite sets it, which on CPU reads "cpu" too)
-        to_host = (func in (aten._to_copy.default, aten.copy_.default) and kwargs.get("device") == torch.device("cpu")
-                   and kwargs.get("dtype", args[0].dtype) == args[0].dtype)
-        if func in (aten._local_scalar_dense.default, aten.equal.default) and from_device:
-            self.read(f"{func} of {tuple(args[0].shape)}")
-        if func in SIZED_BY_VALUES and from_device:
-            self.read(f"{func} of {tuple(args[0].shape)} (its size read back)")
-        if to_host and from_device and not kwargs.get("non_blocking", False):
-            self.read(f"blocking {func} to the host")
-        out = func(*args, **kwargs)
-        staged = to_host and kwargs.get("non_blocking", False)
-        if not staged and (from_device or (not tensors and kwargs.get("device") is not None)):
-            self._mark(out)
-        return out
-
-    def read(self, what: str) -> None:
-        self.reads.append((what, tuple(f.name for f in traceback.extract_stack(limit=40))))
-
-    def __enter__(self):
-        for name in ("tolist", "numpy", "cpu"):
-            original = self._patched[name] = getattr(torch.Tensor, name)
-
-            def read(t, *a, _original=original, _name=name, **k):
-                if self.on_device(t):
-                    self.read(f"Tensor.{_name} of {tuple(t.shape)}")
-                return _original(t, *a, **k)
-
-            setattr(torch.Tensor, name, read)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        for name, original in self._patched.items():
-            setattr(torch.Tensor, name, original)
-        return super().__exit__(*exc)
-
-
-def _device_tensors(module, inputs) -> list[torch.Tensor]:
-    held = [getattr(p, "_local_tensor", p) for p in module.parameters()] + list(module.buffers())
-    return held + [v for v in inputs.values() if isinstance(v, torch.Tensor)]
 
 
 def _reads(module, inputs, train: bool) -> list[tuple[str, tuple[str, ...]]]:
@@ -160,7 +78,7 @@ def _reads(module, inputs, train: bool) -> list[tuple[str, tuple[str, ...]]]:
                 module(**infer)
 
     step()   # warm-up: the first call of a kind captures its program
-    with HostReads(_device_tensors(module, inputs)) as mode:
+    with HostReads(device_tensors(module, inputs)) as mode:
         step()
     if hasattr(module, "flush_checks"):
         module.flush_checks()   # the staged index check is read (after the window counted)

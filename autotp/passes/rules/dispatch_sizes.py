@@ -79,4 +79,8 @@ def sorted_rows(offs: Any, first: int, count: int, ctx: LocalContext) -> tuple[A
     from ...distributed import experts as E
 
     bounds = ctx.shared_rows(("bounds", offs, first, count), lambda: (E.expert_bounds, (offs, first, count)))
-    return bounds, ctx.shared_rows(("sorted", offs, first, count), lambda: (E.expert_rows, (offs, bounds)))
+    rows = ctx.shared_rows(("sorted", offs, first, count), lambda: (E.expert_rows, (offs, bounds)))
+    # erased where no op reads it: a dispatching layer's products take the rows as they arrive
+    # (an arange a layer a call, made and dropped, before)
+    ctx.unused.append(rows)
+    return bounds, rows
