@@ -269,7 +269,8 @@ def kept_bytes(item: Kept, info: OpInfo, strategy: Strategy, env: Mapping, profi
                                                                info.expert_share)
     if item.source == "output":
         outs = info.output if isinstance(info.output, tuple) else (info.output,)
-        places = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
+        # one placement for every output where the strategy gives one (the solver's whole strategy)
+        places = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,) * len(outs)
         meta, p = outs[item.index], places[item.index]
         return evaluate(bytes_expr(meta, profile.dtype_bytes), env) * _fraction(meta, p, tp, info.expert_share)
     meta, want = info.inputs[item.index], strategy.inputs[item.index]

@@ -75,3 +75,17 @@ def test_predicted_activations_are_what_autograd_keeps(fake_world, family, tp):
     measured = saved_bytes(pm, inputs)
     predicted = pm.plan.activation_bytes
     assert predicted == pytest.approx(measured, rel=BOUND[tp]), (predicted, measured)
+
+
+def test_a_tuple_outputs_later_item_kept_by_several_ops_is_priced_under_a_whole_strategy():
+    # DeepSeek-V3's group-limited router: topk's indices (its second output) are kept by several
+    # ops; the solver's bound on memory prices every op whole, with one placement for all of an
+    # op's outputs (it once raised IndexError: the placement read as a tuple of one)
+    config = zoo.tiny_config("deepseek-v3", layers=2, heads=4, kv_heads=4, head_dim=8, vocab=48, experts=3, top_k=2,
+                             output_router_logits=True)
+    config._experts_implementation = "batched_mm"
+    model = zoo.build("deepseek-v3", config, device="meta", dtype=torch.float64)
+    layout = {"*.experts.*": "expert", "*.q_b_proj.weight": "column", "*.kv_b_proj.weight": "column",
+              "*.self_attn.o_proj.weight": "row"}
+    plan = autotp.plan(model, tp=2, layout=layout, batch=8)
+    assert plan.activation_bytes > 0
