@@ -98,3 +98,21 @@ def fake_rank():
     once, so a rank's program runs (and is counted) at its own size."""
     with fake_process_group(2) as group:
         yield group
+
+
+@pytest.fixture
+def fake_world():
+    """``fake_world(tp)``: rank 0 of a tp-``tp`` world on torch's ``fake`` backend, in this process,
+    started (a world already up destroyed first) when the test calls it; gone after the test.
+    (``tests/test_fake_backend.py`` keeps its own, which starts any rank of tp 8.)"""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def start(tp: int) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
+
+    yield start
+    if dist.is_initialized():
+        dist.destroy_process_group()

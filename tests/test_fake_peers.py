@@ -15,20 +15,6 @@ from autotp.distributed.experts import routed_scatter, token_rows
 from benchmarks.fake_peers import EMULATED, _mirrored_scatter, _token_rows, mirrored_peers
 
 
-@pytest.fixture
-def fake_world():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    def start(tp: int) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
-
-    yield start
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def test_the_fake_backend_fills_what_the_emulation_assumes(fake_world):
     import torch.distributed._functional_collectives as funcol
 

@@ -14,7 +14,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import autotp
 from autotp import zoo
@@ -27,20 +26,6 @@ BATCH, SEQ = 2, 16
 #: vocabulary-parallel embedding); measured within 9% on these models
 BOUND = {1: 0.01, 2: 0.15}
 FREE_LINKS = dataclasses.replace(get_profile("cpu-gloo"), name="cpu-free-links", link_bw=1e15, link_latency=0.0)
-
-
-@pytest.fixture
-def fake_world():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    def start(tp: int) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
-
-    yield start
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def saved_bytes(pm, inputs: dict) -> int:
