@@ -78,14 +78,14 @@ def test_a_free_weight_is_offered_row_where_it_can_pay():
     assert _rows(_linear(64, 32)) == []
 
 
-TIGHT = {torch.float32: 0.8, torch.float64: 0.9}
+TIGHT = {torch.float32: 0.85, torch.float64: 0.9}
 
 
 @functools.lru_cache(maxsize=None)
 def _tight_plans(dtype: torch.dtype = torch.float32) -> tuple:
     """Tiny Qwen2 at tp 4 with q/k/v pinned whole: the fastest plan, and one within TIGHT[dtype] of its
-    memory (the fastest already runs a region sequence-parallel; below these no plan fits: float32
-    75%, float64 85%)."""
+    memory (the fastest already runs a region sequence-parallel; below these no plan fits, with the
+    activations priced as autograd keeps them: float32 82%, float64 89%)."""
     h100 = PROFILES["h100-dgx"]
     profile = replace(h100, name="h100-flops/100", flops=h100.flops / 100)
     config = zoo.tiny_config("qwen2", layers=2, heads=6, kv_heads=2, head_dim=4, vocab=48)
@@ -103,7 +103,7 @@ def test_a_memory_tight_plan_splits_the_output_projection_after_a_whole_attentio
     # x's heads: 6 heads dealt to 4 ranks unevenly, the extra head rotated by layer. (An H100 whose FLOP
     # rate is scaled down with the width, hidden 24 against Qwen2-7B's 3584: tests/e2e/test_row_parallel.py.)
     fastest, tight = _tight_plans()
-    assert tight.memory_bytes <= 0.8 * fastest.memory_bytes
+    assert tight.memory_bytes <= TIGHT[torch.float32] * fastest.memory_bytes
     for layer in (0, 1):
         assert tight.params[f"model.layers.{layer}.self_attn.o_proj.weight"] == Shard(1, unit=4, rotate=layer)
 
