@@ -30,7 +30,9 @@ A set (:func:`find_siblings`), read from the graph alone (no module or model nam
 (2-D, of the input's dtype), all of the same in-features and dtype, all with a bias (each product
 read by its bias's ``add`` alone) or none. Products of other inputs, grouped products of experts
 (``_grouped_mm``, ``bmm`` over experts: not ``linear``), a weight read twice in one set and a
-product with a bias inside its call are left as written.
+product with a bias inside its call are left as written, and so is a set where an op writes a
+product's output (or a view of it) in place (an in-place activation: a piece of the joined output
+is a view of ``split_with_sizes``, which autograd lets no op write).
 
 How a plan splits them: ``cat``'s rule (:mod:`.rules.joins`) joins weights each split by head into
 one shard in blocks of unequal size (``Shard(0, 3, unit, sizes=(q, k, v))``: each rank's run of q,
@@ -52,6 +54,7 @@ from torch import fx
 from ..capture.program import module_path
 from .activations import Fused, fused_capture
 from .fused_bias import bias_add
+from .rules.registry import aliases_first, mutates_first
 
 aten = torch.ops.aten
 
@@ -108,10 +111,32 @@ def find_siblings(graph: fx.Graph, param_names: Any, skip: frozenset = frozenset
             biased = [a is not None and bias_add(a, param_names) and a.args[0] is p for a, p in zip(adds, group)]
             if any(biased) and not all(biased):
                 continue   # some with a bias, some without: left as written
+            if any(_written_in_place(e) for e in (adds if all(biased) else group)):
+                continue   # a piece of one output split in several is a view autograd lets no op write
             sibs = Siblings(x, tuple(group), tuple(adds) if all(biased) else ())
             if sibs.key not in skip:
                 found.append(sibs)
     return found
+
+
+def _written_in_place(node: fx.Node) -> bool:
+    """Whether an op writes ``node``'s tensor, or a view of it, in place (an in-place activation on
+    a product's output, ``relu_``). Joined, that output would be a piece of a ``split_with_sizes``,
+    a view of an op that returns several, which autograd forbids writing in place."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for u in n.users:
+            if u.op != "call_function" or not u.args or u.args[0] is not n:
+                continue
+            if mutates_first(u.target):
+                return True
+            if aliases_first(u.target):
+                todo.append(u)
+    return False
 
 
 def _meta_from(node: fx.Node, like: fx.Node, val: Any) -> fx.Node:

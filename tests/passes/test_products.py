@@ -43,6 +43,28 @@ def test_a_set_is_the_products_of_one_input_alike_in_their_bias():
     assert _sets(cap) == [("a.weight", "b.weight")]
 
 
+class WrittenInPlace(nn.Module):
+    """Two products of x, one activated in place (``relu_``), through a view: joined, its output
+    would be a piece of a ``split_with_sizes``, which autograd lets no op write (the fuzzer's
+    gated block of an in-place activation raised at its first call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up = nn.Linear(5, 2, bias=False), nn.Linear(5, 2, bias=False)
+
+    def forward(self, x):
+        return torch.relu_(self.gate(x).view(-1, 2)).view_as(x[..., :2]) * self.up(x)
+
+
+def test_a_set_whose_output_is_written_in_place_stays_as_written():
+    model = WrittenInPlace().double()
+    x = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+    cap = capture(model, (x,))
+    assert _sets(cap) == []
+    fused, joined = fuse_products(cap)
+    assert not joined
+
+
 def _run(cap, inputs):
     """The captured program's loss and its parameters' gradients, on the model's own tensors."""
     gm = cap.graph_module
