@@ -156,8 +156,8 @@ def local_dispatch_plan_work(rows: Any, experts: int, tp: int, rank: int | None 
     under a router's load): the blocks' starts and sizes (each a copy where ``c > 1``: a slice of a
     permuted table), the start subtracted, the sizes' cumulative sums, each arriving row's block
     found (``searchsorted``) and its place (two gathers of its block's start and offset, an add
-    and a subtraction), the rows' order (an ``arange``) and the arrival's inverse (an
-    ``arange`` scattered: the entries it writes)."""
+    and a subtraction), and the arrival's inverse (an ``arange`` scattered: the entries it
+    writes). The rows are sent in the order they lie: no order is made."""
     count = max_local_size(experts, Shard(0), tp) if rank is None else local_size(experts, Shard(0), tp, rank)
     b = tp * count                                     # blocks arriving
     got = received_rows(rows * tp, experts, tp, rank, share)   # rows arriving
@@ -168,7 +168,6 @@ def local_dispatch_plan_work(rows: Any, experts: int, tp: int, rank: int | None 
         (ew, 8 * b + 16 * got), (ew, 8 * b + 16 * got), (ew, 24 * got),   # searchsorted, at[block], + row
         ("reduction", 16 * b), (ew, 24 * b),            # the sizes' exclusive cumulative sum
         (ew, 8 * b + 16 * got), (ew, 24 * got),         # its entry at each row's block, subtracted
-        (ew, 8 * rows),                                 # the order sent: arange(rows)
         (ew, 8 * got), ("scatter", 24 * got),           # the arrival's inverse
     ]
     return OpWork(moved=tuple((cls, sympy.sympify(b)) for cls, b in kernels), launches=len(kernels))
@@ -231,7 +230,8 @@ def dispatch_plan_work(rows: Any, experts: int, tp: int, rank: int | None = None
                   launches=len(moved) + 2 * (sort_launches(8) - 1), passes=2 * sort_passes(8))
 
 
-def dispatched_rows_work(full: Any, rows: Any, tp: int, share: float | None = None, grad: bool = True) -> OpWork:
+def dispatched_rows_work(full: Any, rows: Any, tp: int, share: float | None = None, grad: bool = True,
+                         alone: bool = False) -> OpWork:
     """The row gathers around one all-to-all of an MoE layer's (token, expert) rows (the dispatch,
     or the combine back), as :func:`autotp.distributed.experts._to_experts` and ``_to_tokens`` run
     them on the rank whose experts receive most: the rows it sends put in the order they leave
@@ -242,11 +242,14 @@ def dispatched_rows_work(full: Any, rows: Any, tp: int, share: float | None = No
     ``propagate.load_share``; a balanced router's ``1/tp`` where None), the same rows the
     all-to-all's bytes are priced at (``propagate.at_load``). Backward (``grad``) the reverse
     all-to-all runs the mirror: the same two gathers, each by the other permutation's inverse
-    (``DispatchPlan``), never a scatter."""
+    (``DispatchPlan``), never a scatter. ``alone``: the rank's own routing sorted its rows by
+    expert, so by destination (``expert_routing.local_dispatch_plan``): they leave as they lie and
+    come back into their places, with no gather of them."""
     own, got = rows / tp, (rows / tp if share is None else rows * sympy.Float(share, 15))
     row = full / rows                                   # bytes a row
     ew = "elementwise"
-    one_way = [(ew, 2 * row * own + 8 * own), (ew, 2 * row * got + 8 * got)]   # what leaves; what arrives
+    leave = [] if alone else [(ew, 2 * row * own + 8 * own)]
+    one_way = leave + [(ew, 2 * row * got + 8 * got)]   # what leaves; what arrives
     moved = one_way * (2 if grad else 1)
     return OpWork(moved=tuple((cls, sympy.sympify(b)) for cls, b in moved), launches=len(moved))
 

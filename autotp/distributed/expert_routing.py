@@ -170,8 +170,8 @@ def local_dispatch_plan(routing: LocalRouting, runs_of_ranks: Sequence[tuple[int
     row = torch.arange(received, device=counts.device)
     block = torch.searchsorted(size.cumsum(0), row, right=True)
     arrival = at.index_select(0, block) + row - _exclusive(size, 0).index_select(0, block)
-    order = torch.arange(routing.rows.numel(), device=counts.device)
-    return DispatchPlan(order, order, _inverse(arrival), arrival, sizes.send, sizes.recv)
+    # the rows leave in the order they lie (by expert, so by destination) and come back into it
+    return DispatchPlan(None, None, _inverse(arrival), arrival, sizes.send, sizes.recv)
 
 
 # ---- what a rank's program runs for the ops of the routing (autotp/passes/rules/local_routing.py) ----

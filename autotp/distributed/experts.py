@@ -397,10 +397,12 @@ class DispatchPlan(NamedTuple):
     ranks (:func:`dispatch_plan`): the dispatch sends them one way, the combine back the other.
     Each permutation is held with its inverse, so that both ways are a gather of rows
     (``index_select``), never a scatter into a fresh buffer (``index_copy``: 2-3x the time of
-    the gather on CPU, and an allocation)."""
+    the gather on CPU, and an allocation). ``order`` and ``unorder`` None: the rows are sent in the
+    order the rank holds them (its own routing sorted them by expert, so by destination:
+    ``expert_routing.local_dispatch_plan``), and neither side gathers them."""
 
-    order: torch.Tensor     # this rank's token rows as it sends them: sorted by destination, then id
-    unorder: torch.Tensor   # order's inverse: where each token row stands among the rows sent
+    order: torch.Tensor | None     # this rank's token rows as it sends them: sorted by destination, then id
+    unorder: torch.Tensor | None   # order's inverse: where each token row stands among the rows sent
     place: torch.Tensor     # the rows received, in the order they arrive, put in their experts' order
     arrival: torch.Tensor   # place's inverse: the experts' rows in the order they arrived
     send: list              # rows this rank sends to each rank (its tokens' rows)
@@ -409,7 +411,8 @@ class DispatchPlan(NamedTuple):
 
 def _to_experts(x: torch.Tensor, plan: DispatchPlan, group: Any, what: str) -> torch.Tensor:
     """Rows of this rank's tokens (in ``plan.order``'s terms) to their experts' ranks."""
-    got = _all_to_all(x.index_select(0, plan.order), plan.send, plan.recv, group, what)
+    sent = x if plan.order is None else x.index_select(0, plan.order)
+    got = _all_to_all(sent, plan.send, plan.recv, group, what)
     return got.index_select(0, plan.place)
 
 
@@ -417,7 +420,7 @@ def _to_tokens(y: torch.Tensor, plan: DispatchPlan, group: Any, what: str) -> to
     """Rows of this rank's experts (sorted by expert) back to their tokens' ranks, each landing
     in the row it left from: the exact reverse of :func:`_to_experts`."""
     got = _all_to_all(y.index_select(0, plan.arrival), plan.recv, plan.send, group, what)
-    return got.index_select(0, plan.unorder)
+    return got if plan.unorder is None else got.index_select(0, plan.unorder)
 
 
 class _DispatchRows(torch.autograd.Function):

@@ -988,7 +988,7 @@ def internal_seconds(index: "GraphIndex", profile: DeviceProfile, strat: Strateg
         share = load_share(index, node) if kind == "all_to_all" else None
         total += sum(collective_time(kind, full, profile, index.tp)) \
             + internal_copy_seconds(kind, full, profile, rows, index.tp, _width(meta, index.env), table_split(strat),
-                                    share)
+                                    sends_own_order(strat), share)
     return total
 
 
@@ -1083,7 +1083,8 @@ def _ordered(size: Any, shard: Shard, tp: int) -> bool:
 
 
 def internal_copy_seconds(kind: str, full: Any, profile: DeviceProfile, rows: Any = 0, tp: int = 1,
-                          hidden: int = 1, split: tuple | None = None, share: float | None = None) -> Any:
+                          hidden: int = 1, split: tuple | None = None, alone: bool = False,
+                          share: float | None = None) -> Any:
     """Seconds of the work around an internal collective on every rank: the rows of every rank's
     tokens all-gathered (``all_gather_rows``, ``rows`` of them) are put in their sorted order by
     one gather of the whole tensor forward, and the gradient in rank order by one backward (each
@@ -1096,9 +1097,10 @@ def internal_copy_seconds(kind: str, full: Any, profile: DeviceProfile, rows: An
     columns, None: Megatron's): :func:`table_by_columns_copies`. An expert dispatch's (or
     combine's) all-to-all of ``rows`` (token, expert) rows, ``full`` their bytes at the router's
     load (:func:`at_load` of ``share``): the rows gathered before it is sent and after it arrives,
-    forward and backward (:func:`dispatched_rows_seconds`)."""
+    forward and backward (:func:`dispatched_rows_seconds`; ``alone``: the rank's own routing
+    ordered its rows, :func:`sends_own_order`)."""
     if kind == "all_to_all":
-        return dispatched_rows_seconds(full, rows, profile, tp, share)
+        return dispatched_rows_seconds(full, rows, profile, tp, share, alone=alone)
     if kind == "all_to_all_columns":
         moved, launches = table_by_columns_copies(full, rows, tp, hidden, *(split or ()))
         return moved / profile.bandwidth("elementwise") + launches * profile.launch_s
@@ -1110,19 +1112,28 @@ def internal_copy_seconds(kind: str, full: Any, profile: DeviceProfile, rows: An
     return sum(b / profile.bandwidth(cls) for cls, b in work.moved) + work.launches * profile.launch_s
 
 
+def sends_own_order(strat: Strategy) -> bool:
+    """Whether ``strat`` dispatches rows a rank's own routing ordered (``Routed.alone``): they
+    leave in the order they lie and come back into it (``expert_routing.local_dispatch_plan``:
+    no gather of the rank's own rows on either side of the all-to-all)."""
+    x = strat.inputs[0] if strat.inputs else None
+    return isinstance(x, Routed) and x.alone
+
+
 def dispatched_rows_seconds(full: Any, rows: Any, profile: DeviceProfile, tp: int, share: float | None = None,
-                            grad: bool = True) -> Any:
+                            grad: bool = True, alone: bool = False) -> Any:
     """Seconds of the row gathers around an all-to-all of an MoE layer's ``rows`` (token, expert)
     rows on the busiest rank (:func:`~autotp.cost_model.routing.dispatched_rows_work`): ``full``
     their bytes as the all-to-all is priced, at the router's load (:func:`at_load` of ``share``,
     the busiest rank's share; None: a balanced router's), whose rows it receives; it sends its
-    own tokens' ``1/tp`` of them, whatever the load. ``grad``: the backward's mirror too."""
+    own tokens' ``1/tp`` of them, whatever the load. ``grad``: the backward's mirror too;
+    ``alone``: the rows it sends lie in their sending order already (its own routing's)."""
     from ..cost_model.routing import dispatched_rows_work
 
     if tp <= 1:
         return 0.0
     whole = full if share is None else full / (share * tp)   # a share is at least 1/tp: the largest of tp
-    work = dispatched_rows_work(whole, rows, tp, share, grad)
+    work = dispatched_rows_work(whole, rows, tp, share, grad, alone)
     seconds = sympy.sympify(sum(b / profile.bandwidth(cls) for cls, b in work.moved) + work.launches * profile.launch_s)
     return seconds if seconds.free_symbols else float(seconds)   # in b and s for the plan's expressions alone
 
@@ -1480,7 +1491,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
             # memory-bound work, not the link's
             share = load_share(index, node) if kind == "all_to_all" else None
             compute += internal_copy_seconds(kind, full, profile, numel(meta.shape[:1], env), tp, _width(meta, env),
-                                             table_split(best), share)
+                                             table_split(best), sends_own_order(best), share)
             fw_b, bw_b = collective_bytes(kind, full, tp)
             comm += seconds
             comms.append(Comm(kind, node.name, best.inputs[0], _internal_dst(kind, best), node.name, full, fw_b,

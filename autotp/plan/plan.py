@@ -578,7 +578,8 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
     import sympy
 
     from ..cost_model.symbolic import bytes_expr, collective_time_expr, compute_time_expr
-    from ..passes.propagate import _meta, at_load, internal_copy_seconds, layout_copy_seconds, load_share, table_split
+    from ..passes.propagate import (_meta, at_load, internal_copy_seconds, layout_copy_seconds, load_share,
+                                    sends_own_order, table_split)
     from ..passes.rules.experts import sends_back
     from ..passes.rules.gathered_rows import gathers_rows, rank_rows_work
 
@@ -598,7 +599,9 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
     comm: collections.Counter = collections.Counter()
     nodes = {n.name: n for n in index.capture.graph.nodes}
     inside: collections.Counter = collections.Counter()
-    splits: dict = {}   # an internal collective's key -> its op's table split (a table read by columns)
+    # an internal collective's key with how its op lays its rows out (a table read by columns: its
+    # split; an expert all-to-all: whether the rank's own routing ordered them) -> count
+    laid: collections.Counter = collections.Counter()
     for c in prop.comms:
         # inside an op (vocab-parallel cross-entropy, an expert dispatch, a local routing's counts:
         # its internal ones, in order; an op is its own collective's consumer), not a conversion
@@ -609,7 +612,7 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
             share = load_share(index, nodes[c.tensor]) if kind == "all_to_all" else None
             key = ("g" if kind == "all_reduce" else kind, meta, True, None, None, share)
             comm[key] += 1
-            splits[key] = table_split(prop.chosen[nodes[c.tensor]])
+            laid[(key, table_split(prop.chosen[nodes[c.tensor]]), sends_own_order(prop.chosen[nodes[c.tensor]]))] += 1
             inside[c.tensor] += 1
         else:
             share = load_share(index, nodes[c.tensor]) if sends_back(c.src, c.dst) else None   # the reverse one
@@ -622,8 +625,8 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
     compute_total += sympy.Add(*(n * internal_copy_seconds(key[0], at_load(full(key[1]), key[5], index.tp), profile,
                                                            key[1].shape[0] if key[1].shape else 1, index.tp,
                                                            key[1].shape[1] if len(key[1].shape) > 1 else 1,
-                                                           splits.get(key), key[5])
-                                 for key, n in comm.items() if key[3] is None))   # internal: the rows laid out
+                                                           split, alone, key[5])
+                                 for (key, split, alone), n in laid.items()))   # internal: the rows laid out
     comm_total = sympy.Add(*(n * (collective_time_expr(kind, at_load(full(meta), share, index.tp), profile, index.tp,
                                                        grad)
                                   + layout_copy_seconds(kind, meta, src, dst, at_load(full(meta), share, index.tp),

@@ -234,9 +234,9 @@ def test_the_busiest_ranks_combine_sends_back_the_rows_the_cost_model_prices(_fa
 
 def test_the_row_gathers_around_each_all_to_all_are_priced_as_the_busiest_rank_runs_them(_sending_back,
                                                                                         _fake_rank_step):
-    """The rows the busiest rank sends are put in the order they leave, and the rows it receives in
-    their experts' order, by a gather each (``experts._to_experts``; the combine and every backward
-    the mirror, ``_to_tokens``). Counted on the fake backend's rank 0 (the bytes its kernels read
+    """The rows the busiest rank receives are put in their experts' order by a gather (``experts.
+    _to_experts``; the combine and every backward the mirror, ``_to_tokens``); the rows it sends
+    leave as they lie, its own routing having sorted them by expert (no ``DispatchPlan.order``). Counted on the fake backend's rank 0 (the bytes its kernels read
     and write, float32 rows), and priced at the load that describes that world (rank 0's experts
     the rows they received, the rest evenly) with the dispatch inside the product
     (``internal_copy_seconds``) and the combine a conversion (``layout_copy_seconds``): the priced
@@ -245,7 +245,8 @@ def test_the_row_gathers_around_each_all_to_all_are_priced_as_the_busiest_rank_r
     import dataclasses
 
     from autotp.cost_model.symbolic import numel
-    from autotp.passes.propagate import at_load, internal_copy_seconds, layout_copy_seconds, load_share, moved_bytes
+    from autotp.passes.propagate import (at_load, dispatched_rows_seconds, internal_copy_seconds, layout_copy_seconds,
+                                         load_share, moved_bytes, sends_own_order)
     from autotp.passes.rules.experts import SENT, SENT_BACK
     from autotp.planner.expert_load import apply_load
 
@@ -271,15 +272,22 @@ def test_the_row_gathers_around_each_all_to_all_are_priced_as_the_busiest_rank_r
             share = load_share(index, product)
             assert share == load_share(index, node)
             sent = internal_copy_seconds(kind, at_load(moved_bytes(index, profile, meta), share, TP), profile,
-                                         numel(meta.shape[:1], index.env), TP, share=share)
+                                         numel(meta.shape[:1], index.env), TP, alone=sends_own_order(sends),
+                                         share=share)
             full = at_load(moved_bytes(index, profile, back), share, TP)
             returned = layout_copy_seconds("all_to_all", back, SENT, SENT_BACK, full, profile, TP, node in index.grads,
                                            index, share)
-            return sent, returned
+            # the rows sent back are priced with the gather of the rank's own rows into their places
+            # (and its backward mirror), which a rank that routed its own rows skips: they come back
+            # as they left. SENT does not say which routing sent them (a known overcount, this much)
+            rows, grad = numel(back.shape[:1], index.env), node in index.grads
+            over = (dispatched_rows_seconds(full, rows, profile, TP, share, grad)
+                    - dispatched_rows_seconds(full, rows, profile, TP, share, grad, alone=True))
+            return sent, returned - over
         finally:
             apply_load(index, None, {LAYER: EXPERTS})
 
-    assert kind == "all_to_all" and node in index.grads
+    assert kind == "all_to_all" and node in index.grads and sends_own_order(sends)   # the rank's own routing
     world = ExpertLoad({LAYER: [received / 2, received / 2, rest, rest]})
     for profile, counted in ((as_bytes, 4), (as_kernels, 5)):
         sent, returned = priced(profile, world)

@@ -82,9 +82,12 @@ def test_a_rank_routing_its_own_rows_knows_what_the_whole_routing_says(cluster_o
         assert torch.equal(routing.rows, got["whole_rows"])   # the rank's rows, ascending
         # the one read and the plan: the whole routing's
         assert got["sizes"][:3] == got["whole_sizes"][:3]
-        for name in ("order", "unorder", "place", "arrival", "send", "recv"):
+        for name in ("place", "arrival", "send", "recv"):
             mine, whole = getattr(got["plan"], name), getattr(got["whole_plan"], name)
             assert (torch.equal(mine, whole) if isinstance(mine, torch.Tensor) else mine == whole), name
+        # its rows leave as they lie (no gather by an order): the whole routing's order is the identity on them
+        assert got["plan"].order is None and got["plan"].unorder is None
+        assert torch.equal(got["whole_plan"].order, torch.arange(routing.rows.numel()))
         # its experts' rows arrive, in sorted order
         start, end = got["sizes"].bounds
         torch.testing.assert_close(got["sent"], gathered[start:end], rtol=0, atol=0)
