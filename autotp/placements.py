@@ -137,7 +137,10 @@ class Routed(Partial):
     the rank's sort exchanged (``local_dispatch_sizes``, ``local_dispatch_plan``), not from every
     row sorted whole (``dispatch_sizes``, ``dispatch_plan``). The same rows, held and converted
     alike: the mark says which of the two the dispatching product is priced with
-    (``cost_model/routing.dispatch_work``), and is not printed."""
+    (``cost_model/routing.dispatch_work``), and is not printed. With ``sent``: rows such a
+    dispatch sent, whose plan sends them back into the order they left in with no gather of the
+    rank's own rows (``DispatchPlan.order`` None): the combine back is priced so
+    (``propagate.sends_own_order``)."""
 
     dim: int = 0
     span: int = 1
@@ -158,8 +161,9 @@ class Routed(Partial):
             raise ValueError("Routed.reordered says how rows held by their tokens' ranks are ordered: tokens=True")
         if self.ascending and not self.reordered:
             raise ValueError("Routed.ascending says rows reordered lie in their ids' order: reordered=True")
-        if self.alone and not self.reordered:
-            raise ValueError("Routed.alone says rows reordered by a rank's own routing: reordered=True")
+        if self.alone and not (self.reordered or self.sent):
+            raise ValueError("Routed.alone says rows reordered by a rank's own routing, or sent by its dispatch: "
+                             "reordered=True or sent=True")
 
     def __repr__(self) -> str:
         kind = "tokens" if self.tokens else "sent" if self.sent else "routed"

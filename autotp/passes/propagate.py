@@ -876,7 +876,7 @@ def layout_copy_seconds(kind: str, meta: TensorMeta, have: Any, want: Any, full:
         rows = numel_expr(meta.shape[:1])
         if index is not None and not getattr(full, "free_symbols", None):   # priced at the workload, not in b and s
             rows = numel(meta.shape[:1], index.env)
-        return dispatched_rows_seconds(full, rows, profile, tp, share, grad)
+        return dispatched_rows_seconds(full, rows, profile, tp, share, grad, alone=have.alone)
     shard = have if kind in ("all_gather", "all_gather_f", "reshard") else want
     if isinstance(shard, Routed) and shard.tokens and not shard.reordered:
         # a rank's tokens' rows: gathered along the sequence of (b, s, ...), an inner dim, after b rows

@@ -208,14 +208,14 @@ def _solved_without_sending_back(index: Any, profile: Any, pinned: Mapping[str, 
     from dataclasses import fields
 
     from ..passes.propagate import GraphIndex
-    from ..passes.rules.experts import SENT, SENT_BACK
+    from ..passes.rules.experts import is_sent, sends_back
     from ..passes.solve import solve
 
     class _NoSendingBack(GraphIndex):
         def strategies(self, node: Any, actual: tuple) -> list:
             return [s for s in super().strategies(node, actual)
-                    if not any(have == SENT and want == SENT_BACK for have, want in zip(actual, s.inputs))
-                    and not (any(p == SENT for p in s.inputs) and _to_tokens(s.output))]
+                    if not any(sends_back(have, want) for have, want in zip(actual, s.inputs))
+                    and not (any(is_sent(p) for p in s.inputs) and _to_tokens(s.output))]
 
     state = {f.name: getattr(index, f.name) for f in fields(index) if f.init}
     try:

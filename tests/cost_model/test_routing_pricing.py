@@ -344,3 +344,31 @@ def test_a_whole_sorts_reorder_is_priced_as_the_kernels_a_rank_runs(fake_world, 
     assert rows.shape[0] == tokens * k // TP           # the price's rows: T*k/tp, as uniform routing deals them
     counted = (forward.launches + backward.launches, forward.bytes + backward.bytes)
     assert _priced_reorder(experts, k, tokens, dispatching) == counted, forward.calls + backward.calls
+
+
+def test_rows_a_ranks_own_routing_sent_go_and_come_back_with_no_gather_of_its_own_rows():
+    # a rank's own routing sorted its rows by expert, so by destination: its dispatch plan has no
+    # order (expert_routing.local_dispatch_plan), the rows leave as they lie and the combine puts
+    # them back there. The rows such a dispatch sends are marked (SENT_ALONE), so the product that
+    # sends its output back prices no gather of the rank's own rows either; rows a whole sort
+    # ordered keep both gathers, forward and backward
+    import dataclasses
+
+    from autotp.passes.propagate import internal_copy_seconds, sends_own_order
+    from autotp.passes.rules import strategies
+    from autotp.passes.rules.experts import SENT, SENT_ALONE
+    from autotp.cost_model.devices import PROFILES
+
+    info = _grouped_product(TOKENS * 2, 8)
+    sending = [s for s in strategies(info, (ALONE, None, None)) if s.internal]
+    assert {s.output for s in sending} == {Routed(0), SENT_ALONE} and all(sends_own_order(s) for s in sending)
+    whole = Routed(0, tokens=True, reordered=True)
+    assert {s.output for s in strategies(info, (whole, None, None)) if s.internal} == {Routed(0), SENT}
+    combining = {s.inputs[0]: s for p in (SENT, SENT_ALONE) for s in strategies(info, (p, None, None))
+                 if s.internal and s.inputs[0] == p}
+    assert sends_own_order(combining[SENT_ALONE]) and not sends_own_order(combining[SENT])
+    # priced: 4 gathers of the rows (forward and backward, either side) against 2
+    bytes_only = dataclasses.replace(PROFILES["h100-dgx"], launch_s=0.0)
+    full, rows = 2.0 * TOKENS * 2 * 4096, TOKENS * 2
+    both, own_order = (internal_copy_seconds("all_to_all", full, bytes_only, rows, TP, alone=a) for a in (False, True))
+    assert own_order == pytest.approx(both / 2, rel=1e-9)

@@ -245,9 +245,9 @@ def test_the_row_gathers_around_each_all_to_all_are_priced_as_the_busiest_rank_r
     import dataclasses
 
     from autotp.cost_model.symbolic import numel
-    from autotp.passes.propagate import (at_load, dispatched_rows_seconds, internal_copy_seconds, layout_copy_seconds,
-                                         load_share, moved_bytes, sends_own_order)
-    from autotp.passes.rules.experts import SENT, SENT_BACK
+    from autotp.passes.propagate import (at_load, internal_copy_seconds, layout_copy_seconds, load_share, moved_bytes,
+                                         sends_own_order)
+    from autotp.passes.rules.experts import SENT_ALONE, SENT_BACK, sends_back
     from autotp.planner.expert_load import apply_load
 
     index, prop, h200 = _sending_back
@@ -275,19 +275,17 @@ def test_the_row_gathers_around_each_all_to_all_are_priced_as_the_busiest_rank_r
                                          numel(meta.shape[:1], index.env), TP, alone=sends_own_order(sends),
                                          share=share)
             full = at_load(moved_bytes(index, profile, back), share, TP)
-            returned = layout_copy_seconds("all_to_all", back, SENT, SENT_BACK, full, profile, TP, node in index.grads,
-                                           index, share)
-            # the rows sent back are priced with the gather of the rank's own rows into their places
-            # (and its backward mirror), which a rank that routed its own rows skips: they come back
-            # as they left. SENT does not say which routing sent them (a known overcount, this much)
-            rows, grad = numel(back.shape[:1], index.env), node in index.grads
-            over = (dispatched_rows_seconds(full, rows, profile, TP, share, grad)
-                    - dispatched_rows_seconds(full, rows, profile, TP, share, grad, alone=True))
-            return sent, returned - over
+            returned = layout_copy_seconds("all_to_all", back, sent_rows, SENT_BACK, full, profile, TP,
+                                           node in index.grads, index, share)
+            return sent, returned
         finally:
             apply_load(index, None, {LAYER: EXPERTS})
 
-    assert kind == "all_to_all" and node in index.grads and sends_own_order(sends)   # the rank's own routing
+    # the rank's own routing ordered the rows: they leave as they lie, and the rows sent back (marked
+    # so) come back into those places, neither by a gather
+    assert kind == "all_to_all" and node in index.grads and sends_own_order(sends)
+    (sent_rows,) = {c.src for c in prop.comms if sends_back(c.src, c.dst)}
+    assert sent_rows == SENT_ALONE
     world = ExpertLoad({LAYER: [received / 2, received / 2, rest, rest]})
     for profile, counted in ((as_bytes, 4), (as_kernels, 5)):
         sent, returned = priced(profile, world)

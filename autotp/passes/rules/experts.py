@@ -67,6 +67,13 @@ aten = torch.ops.aten
 #: rows a grouped product sent from their tokens' ranks (the all-to-all dispatch), and the same
 #: rows back on their tokens' ranks, in the order the dispatch took them
 SENT, SENT_BACK = Routed(0, sent=True), Routed(0, tokens=True, reordered=True)
+#: rows the dispatch sent where the rank's own routing ordered them (``Routed.alone``)
+SENT_ALONE = Routed(0, sent=True, alone=True)
+
+
+def is_sent(p) -> bool:
+    """Rows the dispatch sent (:data:`SENT`, or :data:`SENT_ALONE`)."""
+    return isinstance(p, Routed) and p.sent
 
 
 def _experts(p) -> bool:
@@ -121,7 +128,7 @@ def index_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
                 # the ids sorted and counted into the products' offs (gpt-oss's biases): the
                 # products' rows, so also the rows the dispatch sent (a product adding them may
                 # send its rows back after, :func:`sends_back`)
-                out.append(Strategy((Shard(0), REPLICATE), SENT))
+                out += [Strategy((Shard(0), REPLICATE), sent) for sent in (SENT, SENT_ALONE)]
         elif is_shard(placements[0]):
             out.append(_experts_whole(info))
     if picked and x.ndim == 3 and x.static(0) is not None:
@@ -169,9 +176,9 @@ def grouped_mm_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
         # first, an all-to-all of the rows (and back, backward), priced as one inside the op;
         # the rows then marked sent, for a later product to send its output back the same way
         for sent in (False, True):
-            out.append(Strategy((px, Shard(0)) + rest, Routed(0, sent=sent),
+            out.append(Strategy((px, Shard(0)) + rest, Routed(0, sent=sent, alone=sent and px.alone),
                                 internal=(("all_to_all", info.inputs[0]),)))
-    if _experts(pw) and px == Routed(0, sent=True) and info.tp > 1:
+    if _experts(pw) and is_sent(px) and px.dim == 0 and px.span == 1 and info.tp > 1:
         out.append(Strategy((px, Shard(0)) + rest, px))
         out += combine_back(info, (px, Shard(0)) + rest)
     if info.inputs[1].static(0) is None:
@@ -206,7 +213,7 @@ def sends_back(have, want) -> bool:
     dispatch plan: rewrite.send_back): the combine after an op that must run on the experts'
     ranks first (gpt-oss's down product adds its experts' biases after the product, so the rows
     cannot go back inside it, :func:`combine_back`). Priced as :func:`combine_back`'s all-to-all."""
-    return have == SENT and want == SENT_BACK
+    return is_sent(have) and have.dim == 0 and have.span == 1 and want == SENT_BACK
 
 
 for _name in GROUPED_MM:

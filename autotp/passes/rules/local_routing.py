@@ -36,6 +36,7 @@ import torch
 
 from ...placements import PARTIAL, REPLICATE, Routed, Shard
 from .contract import LocalContext, OpInfo, Strategy, TensorMeta
+from .experts import SENT_ALONE
 from .routing import INVERTERS, SCATTERS, SORTS, inverted, router_experts
 
 aten = torch.ops.aten
@@ -148,7 +149,8 @@ def own_strategies(info: OpInfo, placements: tuple) -> list[Strategy]:
             # every rank holds (routed_counts) and the layer's bounds, not by the ids; the rows
             # the dispatch sent, too (their row map is the product's: a product adding them may
             # send its rows back, rules/experts.combine_back)
-            return [Strategy((Shard(0), OWN), Routed(0)), Strategy((Shard(0), OWN), Routed(0, sent=True))]
+            return [Strategy((Shard(0), OWN), Routed(0))] + [Strategy((Shard(0), OWN), sent)
+                                                             for sent in (Routed(0, sent=True), SENT_ALONE)]
         if is_own(x) or _in_order(x):
             if is_own(x) and not info.inputs[0].is_float:
                 return [Strategy((x, OWN), OWN)]

@@ -20,7 +20,7 @@ from ...placements import PARTIAL, REPLICATE, Routed, Shard
 from .gathered_rows import gathered_rows_strategies
 from .local_routing import is_own, own_merge, own_strategies
 from .pointwise import partial_into_rows
-from .experts import SENT, SENT_BACK
+from .experts import SENT_BACK, sends_back
 from .contract import OpInfo, Strategy
 from .registry import functional_of, is_shard, mutates_first, op_name, register_routed
 from .row_reads import GROUPED_MM
@@ -94,10 +94,10 @@ def _sent_back(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
     (gpt-oss's down product, then its bias ``add_``), where the rows could not go back inside the
     product (:func:`.experts.combine_back`). Not offered to a grouped product (its own rule sends
     its output back) nor to an in-place op (whose written input would be a copy sent back)."""
-    if SENT not in placements or op_name(info.target) in GROUPED_MM or mutates_first(info.target):
+    sent = [i for i, p in enumerate(placements) if sends_back(p, SENT_BACK)]
+    if not sent or op_name(info.target) in GROUPED_MM or mutates_first(info.target):
         return []
-    back = tuple(SENT_BACK if p == SENT else p for p in placements)
-    sent = [i for i, p in enumerate(placements) if p == SENT]
+    back = tuple(SENT_BACK if i in sent else p for i, p in enumerate(placements))
     return [s for s in routed_strategies(info, back, rule) if all(s.inputs[i] == SENT_BACK for i in sent)]
 
 
@@ -115,7 +115,7 @@ def _routed_strategies(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
             p = placements[0]
             # rows the dispatch sent, renumbered, are no longer numbered as it sent them: the
             # reverse all-to-all (its plan's order) cannot send them back (:func:`_sent_back`)
-            found.append(Strategy((p, REPLICATE), replace(p, reordered=True) if p.tokens else replace(p, sent=False)))
+            found.append(Strategy((p, REPLICATE), replace(p, reordered=True) if p.tokens else replace(p, sent=False, alone=False)))
             found += gathered_rows_strategies(info, p)   # each token's k rows all-gathered whole
             if info.gathers_expert_rows and info.tp > 1 and p.tokens and not p.reordered:
                 # the tokens the router ran on where they are held (a rank's run of the
