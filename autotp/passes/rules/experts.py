@@ -72,8 +72,8 @@ SENT_ALONE = Routed(0, sent=True, alone=True)
 
 
 def is_sent(p) -> bool:
-    """Rows the dispatch sent (:data:`SENT`, or :data:`SENT_ALONE`)."""
-    return isinstance(p, Routed) and p.sent
+    """Rows the dispatch sent (:data:`SENT`, or :data:`SENT_ALONE`): rows along dim 0, one dim of them."""
+    return isinstance(p, Routed) and p.sent and p.dim == 0 and p.span == 1
 
 
 def _experts(p) -> bool:
@@ -178,7 +178,7 @@ def grouped_mm_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
         for sent in (False, True):
             out.append(Strategy((px, Shard(0)) + rest, Routed(0, sent=sent, alone=sent and px.alone),
                                 internal=(("all_to_all", info.inputs[0]),)))
-    if _experts(pw) and is_sent(px) and px.dim == 0 and px.span == 1 and info.tp > 1:
+    if _experts(pw) and is_sent(px) and info.tp > 1:
         out.append(Strategy((px, Shard(0)) + rest, px))
         out += combine_back(info, (px, Shard(0)) + rest)
     if info.inputs[1].static(0) is None:
@@ -213,7 +213,7 @@ def sends_back(have, want) -> bool:
     dispatch plan: rewrite.send_back): the combine after an op that must run on the experts'
     ranks first (gpt-oss's down product adds its experts' biases after the product, so the rows
     cannot go back inside it, :func:`combine_back`). Priced as :func:`combine_back`'s all-to-all."""
-    return is_sent(have) and have.dim == 0 and have.span == 1 and want == SENT_BACK
+    return is_sent(have) and want == SENT_BACK
 
 
 for _name in GROUPED_MM:

@@ -20,7 +20,7 @@ from ...placements import PARTIAL, REPLICATE, Routed, Shard
 from .gathered_rows import gathered_rows_strategies
 from .local_routing import is_own, own_merge, own_strategies
 from .pointwise import partial_into_rows
-from .experts import SENT_BACK, sends_back
+from .experts import SENT_BACK, is_sent
 from .contract import OpInfo, Strategy
 from .registry import functional_of, is_shard, mutates_first, op_name, register_routed
 from .row_reads import GROUPED_MM
@@ -94,7 +94,7 @@ def _sent_back(info: OpInfo, placements: tuple, rule) -> list[Strategy]:
     (gpt-oss's down product, then its bias ``add_``), where the rows could not go back inside the
     product (:func:`.experts.combine_back`). Not offered to a grouped product (its own rule sends
     its output back) nor to an in-place op (whose written input would be a copy sent back)."""
-    sent = [i for i, p in enumerate(placements) if sends_back(p, SENT_BACK)]
+    sent = [i for i, p in enumerate(placements) if is_sent(p)]
     if not sent or op_name(info.target) in GROUPED_MM or mutates_first(info.target):
         return []
     back = tuple(SENT_BACK if i in sent else p for i, p in enumerate(placements))
