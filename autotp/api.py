@@ -16,6 +16,7 @@ from torch import nn
 
 from .arguments import check_flag, check_planning
 from .capture import example_like, fits_call, lengths_of, on_meta, seq_bounds, shape_twin
+from .capture import cache as capture_cache
 from .capture.cache import capture as capture_model   # once per structure; see its docs
 from .cost_model import PROFILES, get_profile
 from .cost_model.alignment import Align
@@ -32,6 +33,7 @@ from .planner.experts import forced_dispatch_dropped
 from .planner.planner import build_plan
 from .planner.sequence import sequence_dropped, sequence_to_split
 from .distributed.agreement import _agreed_seed, _on_every_rank_or_none
+from .distributed.captures import captured_once
 from .distributed.rng import RNGTracker
 
 log = logging.getLogger("autotp")
@@ -313,10 +315,17 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
     profile = profile or _default_profile(device)
     align = _align(align_products, device, profile)
 
+    def shared_capture(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """``capture_model(module, ...)`` made on TP rank 0, the other ranks loading it (or
+        taking it from their own capture cache): autotp/distributed/captures.py"""
+        return captured_once(mesh, lambda: capture_model(module, *args, **kwargs),
+                             held=lambda: capture_cache.lookup(module, *args, **kwargs),
+                             keep=lambda cap: capture_cache.adopt(cap, module, *args, **kwargs))
+
     # What each kind of call runs: its capture and plan (on every rank or none), then this rank's
     # program of it. The first call's is made below; a ParallelModule asks build() for others.
     def prepare():
-        cap = capture_model(model, example_inputs, example_kwargs, seq_range=seq_range)
+        cap = shared_capture(model, example_inputs, example_kwargs, seq_range=seq_range)
         result, index, prop = planned(cap, seq=_planning_seq(model, seq, seq_range), layout=layout, plan=plan,
                                       gather_logits=gather_logits, sequence_parallel=sequence_parallel,
                                       # a pipeline stage checks its own share of the memory (runtime/pipeline/stage.py)
@@ -333,11 +342,11 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
         twin.train(training)
         def call_capture(keep: Any) -> Any:
             if step is not None:
-                return capture_step(twin, step, own_lengths=bool(keep))
+                return captured_once(mesh, lambda: capture_step(twin, step, own_lengths=bool(keep)))
             example = example_like(inputs, seq_bounds(twin, seq_range), keep=keep)
             if on_meta(twin):   # export only needs shapes; a meta model indexes its buffers with them
                 example = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in example.items()}
-            return capture_model(twin, seq_range=seq_range, example_kwargs=example)
+            return shared_capture(twin, seq_range=seq_range, example_kwargs=example)
 
         try:
             # a dim the first capture found fixed keeps the call's size

@@ -78,24 +78,65 @@ def disabled() -> Iterator[None]:
 def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None,
             dynamic: bool = True, seq_range: tuple[int, int] | None = None) -> Capture:
     """:func:`autotp.capture.capture`, reusing an earlier capture of the same structure."""
+    found, key = _lookup(model, example_inputs, example_kwargs, dynamic, seq_range)
+    if found is not None:
+        _state["hits"] += 1
+        return found
+    if key is not None:
+        _state["misses"] += 1
+    cap = _export(model, example_inputs, example_kwargs, dynamic, seq_range)
+    if key is not None:
+        _keep(key, cap)
+    return cap
+
+
+def lookup(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None,
+           dynamic: bool = True, seq_range: tuple[int, int] | None = None) -> Capture | None:
+    """The capture :func:`capture` would hand out from the cache for these arguments, or None
+    (nothing is captured: a rank asks before another rank's capture is sent to it). A capture
+    handed out counts as a hit; none found is not a miss (nothing was captured)."""
+    found = _lookup(model, example_inputs, example_kwargs, dynamic, seq_range)[0]
+    _state["hits"] += found is not None
+    return found
+
+
+def adopt(cap: Capture, model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None,
+          dynamic: bool = True, seq_range: tuple[int, int] | None = None) -> Capture:
+    """``cap`` (another process's capture of ``model``'s structure, loaded by
+    :mod:`autotp.capture.wire`) kept as if captured here; the entry for ``model`` handed out."""
+    key = _key(model, example_inputs, example_kwargs, dynamic, seq_range)
+    if key is not None:
+        _keep(key, cap)
+    return _for_model(cap, model)
+
+
+def _key(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None, dynamic: bool,
+         seq_range: tuple[int, int] | None) -> str | None:
+    """The structure key, or None where the cache is off or cannot key the model."""
     if not _state["enabled"]:
-        return _export(model, example_inputs, example_kwargs, dynamic, seq_range)
+        return None
     try:
-        key = structure_key(model, example_inputs, example_kwargs, dynamic, seq_range)
+        return structure_key(model, example_inputs, example_kwargs, dynamic, seq_range)
     except Uncacheable as why:
         log.debug("capture not cached: %s", why)
-        return _export(model, example_inputs, example_kwargs, dynamic, seq_range)
-    cached = _entries.get(key)
+        return None
+
+
+def _lookup(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None, dynamic: bool,
+            seq_range: tuple[int, int] | None) -> tuple[Capture | None, str | None]:
+    key = _key(model, example_inputs, example_kwargs, dynamic, seq_range)
+    cached = _entries.get(key) if key is not None else None
     if cached is not None and _fits(cached, model) and _guards_fit(cached, model, example_inputs, example_kwargs):
         _entries.move_to_end(key)
-        _state["hits"] += 1
-        return _for_model(cached, model)
-    _state["misses"] += 1
-    cap = _export(model, example_inputs, example_kwargs, dynamic, seq_range)
+        return _for_model(cached, model), key
+    return None, key
+
+
+def _keep(key: str, cap: Capture) -> None:
     _entries[key] = cap
+    _entries.move_to_end(key)
     while len(_entries) > SIZE:
         _entries.popitem(last=False)
-    return cap
 
 
 def structure_key(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None,

@@ -432,8 +432,10 @@ def _first_difference(per_rank: list[list[str]], ranks: list[int]) -> str:
 # ---------------------------------------------------------------- capture and planning, on every rank or none
 
 def _on_every_rank_or_none(mesh: Any, step: Any) -> Any:
-    """Run ``step`` (capture and planning: no collectives) and tell the TP group whether it
-    worked, with one small all-reduce, before anyone waits in a collective of the model. A
+    """Run ``step`` (capture, made on TP rank 0 and sent to the others by
+    autotp/distributed/captures.py, and planning: no collective of the model) and tell the TP
+    group whether it worked, with one small all-reduce, before anyone waits in a collective of
+    the model. A
     rank that failed raises its own error; the others raise at once, with its message and
     class (one more small exchange, on failure only), instead of waiting for it until the
     collective timeout. A rank that died meanwhile is named (the collectives go through the

@@ -1,0 +1,105 @@
+"""One capture for a TP group: its first rank captures the model, the others load the program.
+
+Every rank of a TP group runs the same model's program, and captured it on its own before:
+``tp`` times the seconds of torch.export, on the host cores the ranks share (8 ranks of a
+node, each tracing the model through fake tensors at once). :func:`captured_once` has TP rank 0
+capture and send the program (:mod:`autotp.capture.wire`: torch's graph pickle, a fraction of
+the capture's time to write and to read) over the group's gloo control group; the others load
+it. Planning stays on every rank (it is the rank's own program that is rewritten), and the
+agreement check still compares every rank's captured graph before the first collective.
+
+The exchange: one small all-reduce (does every rank hold this capture already, in its capture
+cache?), then, unless all do, the size and the bytes broadcast from rank 0. A rank that holds it
+keeps its own. Where rank 0 cannot write the program, or a rank cannot read it, that rank
+captures the model itself (logged at debug level): the same program, by the same code. A
+capture that fails on rank 0 sends nothing; every rank then captures on its own and fails with
+its own error, which :func:`autotp.distributed.agreement._on_every_rank_or_none` agrees on.
+The ranks trust each other's bytes, as torch's ``broadcast_object_list`` does: they are one job.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ..capture import wire
+from ..capture.program import Capture
+from .comm import _comm
+
+__all__ = ["captured_once", "stats"]
+
+log = logging.getLogger(__name__)
+
+#: this process's exchanges: captures it sent (as TP rank 0), loaded from rank 0, made itself
+#: where it could not load one (or was not sent one), and held already by every rank
+_counts = {"sent": 0, "loaded": 0, "made": 0, "held": 0}
+
+
+def stats() -> dict[str, int]:
+    """This process's capture exchanges so far (tests and benchmarks read them)."""
+    return dict(_counts)
+
+
+def captured_once(mesh: Any, make: Callable[[], Capture], held: Callable[[], Capture | None] = lambda: None,
+                  keep: Callable[[Capture], Capture] = lambda cap: cap) -> Capture:
+    """The capture ``make()`` makes, made on TP rank 0 only and sent to the group's other ranks.
+
+    ``held()``: this rank's capture where it holds one already (its cache's), without capturing;
+    ``keep(cap)``: what a rank does with a capture it received (keeps it in its cache), returning
+    the capture to use. Every rank of the TP group must call this together."""
+    group = getattr(mesh, "control_group", None)
+    if group is None or len(mesh.tp_ranks) < 2 or mesh.backend == "fake":   # fake: one rank, alone in its world
+        return make()
+    own = held()
+    everyone = torch.tensor([0 if own is None else 1], dtype=torch.int64)
+    with _comm("all_reduce(min) asking whether every rank holds the capture", group):
+        dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=group)
+    if everyone.item() == 1:
+        _counts["held"] += 1
+        return own
+    source = mesh.tp_ranks[0]
+    if mesh.tp_rank == 0:
+        cap, failure, data = own, None, b""
+        try:
+            if cap is None:
+                cap = make()
+            data = wire.dumps(cap)
+        except wire.WireError as exc:
+            log.debug("autotp: the capture is not sent to the other ranks (%s); they capture the model themselves",
+                      exc)
+        except Exception as exc:  # noqa: BLE001 - raised below, after the others were told to capture
+            failure = exc
+        _send(data, source, group)
+        if failure is not None:
+            raise failure
+        _counts["sent"] += bool(data)
+        return cap
+    data = _send(b"", source, group)
+    if own is not None:
+        return own
+    if data:
+        try:
+            cap = keep(wire.loads(data))
+            _counts["loaded"] += 1
+            return cap
+        except wire.WireError as exc:
+            log.debug("autotp: rank %d could not load TP rank 0's capture (%s); capturing the model itself",
+                      mesh.tp_rank, exc)
+    _counts["made"] += 1
+    return make()
+
+
+def _send(data: bytes, source: int, group: Any) -> bytes:
+    """``data`` broadcast from global rank ``source`` over ``group``: its size, then its bytes."""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    with _comm("broadcast of the captured program's size", group):
+        dist.broadcast(size, src=source, group=group)
+    n = int(size.item())
+    if n == 0:
+        return b""
+    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(n, dtype=torch.uint8)
+    with _comm("broadcast of the captured program", group):
+        dist.broadcast(buffer, src=source, group=group)
+    return data or buffer.numpy().tobytes()
