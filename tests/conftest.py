@@ -1,10 +1,13 @@
 """Shared fixtures: one set of local gloo ranks for the whole session (spawning costs seconds)."""
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 
 from autotp import zoo
+from autotp.capture import cache as capture_cache
 from autotp.distributed.launch import LocalCluster, close_all, preload
 from tests.helpers import fake_process_group
 
@@ -31,6 +34,23 @@ LONGEST_FIRST = ("tests/e2e/test_compile.py", "tests/e2e/test_experts.py", "test
                  "tests/e2e/test_sliding_window.py", "tests/test_capture_cache.py", "tests/passes/test_rules.py",
                  "tests/e2e/test_sequence_parallel_gathers.py", "tests/test_capture_expand.py", "tests/test_plan.py",
                  "tests/passes/test_solve.py", "tests/test_fake_backend.py", "tests/e2e/test_calls.py")
+
+
+def pytest_configure(config):
+    """One folder of captures for the session (autotp/capture/cache.py, AUTOTP_CAPTURE_CACHE): the
+    xdist workers and every rank process started from them export each structure once. Made by
+    the process that starts the workers (they inherit its environment), removed at its end."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or capture_cache.FOLDER_ENV in os.environ:
+        return
+    config._autotp_captures = tempfile.mkdtemp(prefix="autotp-captures-")
+    os.environ[capture_cache.FOLDER_ENV] = config._autotp_captures
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_autotp_captures", None)
+    if folder is not None:
+        os.environ.pop(capture_cache.FOLDER_ENV, None)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

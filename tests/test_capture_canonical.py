@@ -51,7 +51,9 @@ print(json.dumps(out))
 
 
 def _programs(seed: int) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONHASHSEED=str(seed), PYTHONPATH=str(ROOT))
+    # each process exports its own (no folder of captures shared with the others)
+    env = {k: v for k, v in os.environ.items() if k != "AUTOTP_CAPTURE_CACHE"}
+    env.update(PYTHONHASHSEED=str(seed), PYTHONPATH=str(ROOT))
     return subprocess.Popen([sys.executable, "-c", _RANK, *FAMILIES], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 

@@ -57,3 +57,28 @@ def test_a_capture_torch_cannot_pickle_is_a_wire_error(monkeypatch):
         wire.dumps(cap)
     with pytest.raises(wire.WireError):
         wire.loads(b"not a pickle")
+
+
+def test_a_folder_of_captures_serves_another_process(monkeypatch, tmp_path):
+    # AUTOTP_CAPTURE_CACHE: a capture made here is written; a process whose cache misses reads it
+    monkeypatch.setenv(capture_cache.FOLDER_ENV, str(tmp_path))
+    model = zoo.build("llama", zoo.tiny_config("llama"), dtype=torch.float64)
+    before = capture_cache.folder_stats()
+    made = capture_cache.capture(model)
+    files = list(tmp_path.glob("*.capture"))
+    assert len(files) == 1 and capture_cache.folder_stats()["written"] == before["written"] + 1
+    capture_cache.clear()                              # as another process: nothing in memory
+    other = zoo.build("llama", zoo.tiny_config("llama"), dtype=torch.float64, seed=1)
+    read = capture_cache.capture(other)
+    assert capture_cache.folder_stats()["read"] == before["read"] + 1
+    assert [_node_view(n) for n in read.graph.nodes] == [_node_view(n) for n in made.graph.nodes]
+    # another structure has a file of its own
+    capture_cache.capture(zoo.build("llama", zoo.tiny_config("llama", layers=1), dtype=torch.float64))
+    assert len(list(tmp_path.glob("*.capture"))) == 2
+    # a file that cannot be read is passed over and replaced by a fresh capture's
+    files[0].write_bytes(b"torn")
+    capture_cache.clear()
+    again = capture_cache.capture(model)
+    assert [_node_view(n) for n in again.graph.nodes] == [_node_view(n) for n in made.graph.nodes]
+    assert files[0].read_bytes() != b"torn" and capture_cache.folder_stats()["read"] == before["read"] + 1
+    assert not list(tmp_path.glob("*.part"))

@@ -31,14 +31,31 @@ later stages read the cached graph and never mutate it (rewrite builds a new gra
 
 The cache holds :data:`SIZE` entries per process, least recently used evicted; :func:`clear`
 empties it and :func:`disabled` turns it off within a block.
+
+Across processes: where the environment variable ``AUTOTP_CAPTURE_CACHE`` names a folder, a
+capture this process made is also written there (:mod:`autotp.capture.wire`'s bytes, one file
+per key), and a miss here reads the folder before exporting: the processes of one job (the
+ranks of several groups, a planner beside them) or of a test session export each structure once.
+A file's name adds to the key what the program also depends on outside the model: the torch,
+transformers and Python versions, a digest of autotp's own sources and of the source files
+that define the model's module classes; a file that cannot be read, or whose capture does not
+fit the model, is passed over (logged at debug level) and replaced. :func:`folder_stats` counts
+what this process read and wrote there.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
+import inspect
 import logging
+import os
+import sys
+import tempfile
 from collections import OrderedDict
+from importlib import metadata
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -53,6 +70,15 @@ log = logging.getLogger(__name__)
 SIZE = 16
 _entries: "OrderedDict[str, Capture]" = OrderedDict()
 _state = {"enabled": True, "hits": 0, "misses": 0}
+
+#: the environment variable naming a folder of captures shared by processes (see the module docs)
+FOLDER_ENV = "AUTOTP_CAPTURE_CACHE"
+_folder_counts = {"read": 0, "written": 0}
+
+
+def folder_stats() -> dict[str, int]:
+    """Captures this process read from and wrote to the ``AUTOTP_CAPTURE_CACHE`` folder."""
+    return dict(_folder_counts)
 
 
 def stats() -> dict[str, int]:
@@ -84,9 +110,13 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
         return found
     if key is not None:
         _state["misses"] += 1
+        read = _read(key, model, example_inputs, example_kwargs)
+        if read is not None:
+            return read
     cap = _export(model, example_inputs, example_kwargs, dynamic, seq_range)
     if key is not None:
         _keep(key, cap)
+        _write(key, model, cap)
     return cap
 
 
@@ -137,6 +167,86 @@ def _keep(key: str, cap: Capture) -> None:
     _entries.move_to_end(key)
     while len(_entries) > SIZE:
         _entries.popitem(last=False)
+
+
+def _file(key: str, model: torch.nn.Module) -> Path | None:
+    """The folder's file for ``key`` and ``model``'s code, or None where no folder is named."""
+    folder = os.environ.get(FOLDER_ENV)
+    if not folder:
+        return None
+    sources = sorted({_source_of(type(m)) for m in model.modules()})
+    digest = hashlib.sha256("\n".join([key, _software(), *(_file_digest(s) for s in sources)]).encode())
+    return Path(folder) / f"{digest.hexdigest()}.capture"
+
+
+def _source_of(cls: type) -> str:
+    try:
+        return inspect.getsourcefile(cls) or _qualname(cls)
+    except TypeError:   # a built-in class
+        return _qualname(cls)
+
+
+@functools.lru_cache(maxsize=None)
+def _file_digest(path: str) -> str:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return path
+
+
+@functools.lru_cache(maxsize=1)
+def _software() -> str:
+    """The versions and autotp's own sources a capture's program also depends on."""
+    try:
+        transformers = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        transformers = "none"
+    own = hashlib.sha256()
+    for path in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):
+        own.update(path.read_bytes())
+    return f"torch {torch.__version__} transformers {transformers} python {sys.version} autotp {own.hexdigest()}"
+
+
+def _read(key: str, model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None) -> Capture | None:
+    """The folder's capture for ``key`` kept here and handed out, or None."""
+    from . import wire
+
+    path = _file(key, model)
+    if path is None or not path.exists():
+        return None
+    try:
+        cap = wire.loads(path.read_bytes())
+    except (OSError, wire.WireError) as exc:
+        log.debug("capture in %s not read (%s); capturing afresh", path, exc)
+        return None
+    if not (_fits(cap, model) and _guards_fit(cap, model, example_inputs, example_kwargs)):
+        return None
+    _folder_counts["read"] += 1
+    cap = _for_model(cap, model)
+    _keep(key, cap)
+    return cap
+
+
+def _write(key: str, model: torch.nn.Module, cap: Capture) -> None:
+    """``cap`` written to the folder (whole or not at all: a temporary file renamed)."""
+    from . import wire
+
+    path = _file(key, model)
+    if path is None:
+        return
+    part = None
+    try:
+        data = wire.dumps(cap)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".part", delete=False) as out:
+            part = out.name
+            out.write(data)
+        os.replace(part, path)
+        _folder_counts["written"] += 1
+    except (OSError, wire.WireError) as exc:
+        log.debug("capture not written to %s (%s)", path, exc)
+        if part is not None and os.path.exists(part):
+            os.unlink(part)
 
 
 def structure_key(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None,

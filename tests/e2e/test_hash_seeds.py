@@ -61,7 +61,9 @@ def test_ranks_with_other_hash_seeds_agree_and_match_serial():
     port = str(_free_port())
     procs = []
     for rank, seed in enumerate(SEEDS):
-        env = dict(os.environ, PYTHONHASHSEED=str(seed), PYTHONPATH=str(ROOT), RANK=str(rank), LOCAL_RANK=str(rank),
+        # rank 0 exports its own capture (none read from the session's folder of captures)
+        env = {k: v for k, v in os.environ.items() if k != "AUTOTP_CAPTURE_CACHE"}
+        env.update(PYTHONHASHSEED=str(seed), PYTHONPATH=str(ROOT), RANK=str(rank), LOCAL_RANK=str(rank),
                    WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         procs.append(subprocess.Popen([sys.executable, __file__], cwd=ROOT, env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
