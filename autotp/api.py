@@ -319,6 +319,7 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
         """``capture_model(module, ...)`` made on TP rank 0, the other ranks loading it (or
         taking it from their own capture cache): autotp/distributed/captures.py"""
         return captured_once(mesh, lambda: capture_model(module, *args, **kwargs),
+                             capture_cache.key_of(module, *args, **kwargs),
                              held=lambda: capture_cache.lookup(module, *args, **kwargs),
                              keep=lambda cap: capture_cache.adopt(cap, module, *args, **kwargs))
 
@@ -342,7 +343,8 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
         twin.train(training)
         def call_capture(keep: Any) -> Any:
             if step is not None:
-                return captured_once(mesh, lambda: capture_step(twin, step, own_lengths=bool(keep)))
+                return captured_once(mesh, lambda: capture_step(twin, step, own_lengths=bool(keep)),
+                                     capture_cache.key_of(twin))
             example = example_like(inputs, seq_bounds(twin, seq_range), keep=keep)
             if on_meta(twin):   # export only needs shapes; a meta model indexes its buffers with them
                 example = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in example.items()}

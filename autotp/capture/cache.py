@@ -140,6 +140,15 @@ def adopt(cap: Capture, model: torch.nn.Module, example_inputs: tuple = (), exam
     return _for_model(cap, model)
 
 
+def key_of(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None,
+           dynamic: bool = True, seq_range: tuple[int, int] | None = None) -> str | None:
+    """:func:`structure_key`, or None for a model it cannot read (cache on or off)."""
+    try:
+        return structure_key(model, example_inputs, example_kwargs, dynamic, seq_range)
+    except Uncacheable:
+        return None
+
+
 def _key(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None, dynamic: bool,
          seq_range: tuple[int, int] | None) -> str | None:
     """The structure key, or None where the cache is off or cannot key the model."""

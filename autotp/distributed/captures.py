@@ -9,8 +9,9 @@ it. Planning stays on every rank (it is the rank's own program that is rewritten
 agreement check still compares every rank's captured graph before the first collective.
 
 The exchange: one small all-reduce (does every rank hold this capture already, in its capture
-cache?), then, unless all do, the size and the bytes broadcast from rank 0. A rank that holds it
-keeps its own. Where rank 0 cannot write the program, or a rank cannot read it, that rank
+cache?), then, unless all do, the size and the bytes broadcast from rank 0, the program after
+its structure key. A rank that holds it keeps its own; a rank whose model's key is not rank 0's
+(a constant of its own: the agreement check then names the difference) captures its own. Where rank 0 cannot write the program, or a rank cannot read it, that rank
 captures the model itself (logged at debug level): the same program, by the same code. A
 capture that fails on rank 0 sends nothing; every rank then captures on its own and fails with
 its own error, which :func:`autotp.distributed.agreement._on_every_rank_or_none` agrees on.
@@ -37,18 +38,27 @@ log = logging.getLogger(__name__)
 _counts = {"sent": 0, "loaded": 0, "made": 0, "held": 0}
 
 
+_SEP = b"\n"   # between the structure key (hex) and the program's bytes
+
+
 def stats() -> dict[str, int]:
     """This process's capture exchanges so far (tests and benchmarks read them)."""
     return dict(_counts)
 
 
-def captured_once(mesh: Any, make: Callable[[], Capture], held: Callable[[], Capture | None] = lambda: None,
+def captured_once(mesh: Any, make: Callable[[], Capture], key: str | None,
+                  held: Callable[[], Capture | None] = lambda: None,
                   keep: Callable[[Capture], Capture] = lambda cap: cap) -> Capture:
     """The capture ``make()`` makes, made on TP rank 0 only and sent to the group's other ranks.
 
-    ``held()``: this rank's capture where it holds one already (its cache's), without capturing;
-    ``keep(cap)``: what a rank does with a capture it received (keeps it in its cache), returning
-    the capture to use. Every rank of the TP group must call this together."""
+    ``key``: the structure key of what is captured (:func:`autotp.capture.cache.key_of`: the
+    module tree, every plain attribute and tensor constant, the example inputs), sent with the
+    program; a rank whose own key differs (its model holds another constant: a bug the agreement
+    check names) or is None (a model the key cannot read) captures its own model instead, so
+    that the program it runs, and the check compares, is its own. ``held()``: this rank's
+    capture where it holds one already (its cache's), without capturing; ``keep(cap)``: what a
+    rank does with a capture it received (keeps it in its cache), returning the capture to use.
+    Every rank of the TP group must call this together."""
     group = getattr(mesh, "control_group", None)
     if group is None or len(mesh.tp_ranks) < 2 or mesh.backend == "fake":   # fake: one rank, alone in its world
         return make()
@@ -65,7 +75,8 @@ def captured_once(mesh: Any, make: Callable[[], Capture], held: Callable[[], Cap
         try:
             if cap is None:
                 cap = make()
-            data = wire.dumps(cap)
+            if key is not None:
+                data = key.encode() + _SEP + wire.dumps(cap)
         except wire.WireError as exc:
             log.debug("autotp: the capture is not sent to the other ranks (%s); they capture the model themselves",
                       exc)
@@ -79,7 +90,8 @@ def captured_once(mesh: Any, make: Callable[[], Capture], held: Callable[[], Cap
     data = _send(b"", source, group)
     if own is not None:
         return own
-    if data:
+    theirs, _, data = data.partition(_SEP)
+    if data and key is not None and theirs == key.encode():
         try:
             cap = keep(wire.loads(data))
             _counts["loaded"] += 1
@@ -87,6 +99,9 @@ def captured_once(mesh: Any, make: Callable[[], Capture], held: Callable[[], Cap
         except wire.WireError as exc:
             log.debug("autotp: rank %d could not load TP rank 0's capture (%s); capturing the model itself",
                       mesh.tp_rank, exc)
+    if data and theirs != (key or "").encode():
+        log.debug("autotp: rank %d's model is not TP rank 0's (another structure key); capturing its own",
+                  mesh.tp_rank)
     _counts["made"] += 1
     return make()
 
