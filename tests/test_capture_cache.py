@@ -7,6 +7,7 @@ import autotp
 from autotp import zoo
 from autotp.capture import cache as capture_cache
 from autotp.capture import capture
+from autotp.capture.structure import Uncacheable
 from autotp.testing import keep_loss_precision
 
 
@@ -158,3 +159,29 @@ def test_a_capture_holding_a_fixed_length_serves_only_examples_of_that_length():
     assert five.fixed_dims == {"input_ids.1": 5} and three.fixed_dims == {"input_ids.1": 3}
     assert again.graph_module is three.graph_module   # the same length still hits
     assert capture_cache.stats()["hits"] == 1 and capture_cache.stats()["misses"] == 2
+
+
+def test_a_model_with_hooks_is_keyed_by_its_hooks_functions_and_closures():
+    # transformers installs an output-capturing hook on a model's layers at its first call; before,
+    # such a model was never cached (every later capture of it exported again)
+    model = _llama()
+    bare = capture_cache.structure_key(model)
+    model(input_ids=torch.randint(0, 96, (1, 4)), output_hidden_states=True)
+    hooked = capture_cache.structure_key(model)
+    assert any(m._forward_hooks for m in model.modules()) and hooked != bare
+    other = _llama(seed=1)
+    other(input_ids=torch.randint(0, 96, (1, 4)), output_hidden_states=True)
+    assert capture_cache.structure_key(other) == hooked          # the same hooks, other weights
+
+    def scaled(factor):
+        return lambda module, args, output: output * factor
+    model.model.norm.register_forward_hook(scaled(2.0))
+    other.model.norm.register_forward_hook(scaled(3.0))          # the closure's value is keyed
+    assert capture_cache.structure_key(model) != capture_cache.structure_key(other)
+
+    class Recorder:
+        def hook(self, module, args, output):
+            return output
+    other.model.norm.register_forward_hook(Recorder().hook)      # a bound method: its object unread
+    with pytest.raises(Uncacheable):
+        capture_cache.structure_key(other)

@@ -22,8 +22,11 @@ A capture whose program holds export's guards on the lengths (:attr:`Capture.gua
 chunked scan's residue classes) is handed out only for example inputs that satisfy them;
 another example replaces the entry.
 
-A model with an attribute of another kind (an object the key cannot read), or with forward
-hooks, is not cached: it is captured afresh every time (logged at debug level). On a hit the
+A module's hooks are keyed as functions with the values their closures hold (transformers
+installs an output-capturing hook on a model's layers at its first call: before, every later
+capture of such a model missed). A model with an attribute or a hook of another kind (an
+object the key cannot read, a bound method) is not cached: it is captured afresh every time
+(logged at debug level). On a hit the
 capture is re-checked against the model: every lifted parameter and buffer placeholder must
 name one of the model's tensors with the shape and dtype it was traced with. The entry handed
 out is a shallow copy whose per-model fields (tied aliases, signature, name) are recomputed;
@@ -53,6 +56,7 @@ import logging
 import os
 import sys
 import tempfile
+import types
 from collections import OrderedDict
 from importlib import metadata
 from pathlib import Path
@@ -264,9 +268,10 @@ def structure_key(model: torch.nn.Module, example_inputs: tuple = (), example_kw
     parts: list[str] = [_qualname(type(model)), f"dynamic={dynamic}", f"grad={torch.is_grad_enabled()}",
                         f"seq={seq_bounds(model, seq_range)}"]
     for path, module in model.named_modules(remove_duplicate=False):
-        if module._forward_hooks or module._forward_pre_hooks or getattr(module, "_backward_hooks", None):
-            raise Uncacheable(f"module {path or 'root'} has hooks")
         parts.append(f"M {path} {_qualname(type(module))} training={module.training}")
+        for kind in _HOOKS:
+            for hook in (getattr(module, kind, None) or {}).values():
+                parts.append(f"  {kind} {_describe_hook(hook, (path or 'root') + '.' + kind)}")
         for attr, value in sorted(module.__dict__.items()):
             if attr in _TORCH_BOOKKEEPING:
                 continue   # _parameters, _modules, ...: keyed below, or hooks (refused above)
@@ -285,6 +290,28 @@ def structure_key(model: torch.nn.Module, example_inputs: tuple = (), example_kw
     else:
         parts.append("I synthesized")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+#: a module's own hooks, in the order the key lists them (each dict in the order they were added)
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _describe_hook(hook: Any, where: str) -> str:
+    """A hook as a function and the values its closure holds: transformers' output-capturing hook
+    (installed on a model's layers at its first call) is one function whose closure names the
+    output it records. Anything else a hook could read (a bound method's object, a callable
+    instance) the key cannot: Uncacheable."""
+    if isinstance(hook, functools.partial):
+        return f"partial {_describe_hook(hook.func, where)} {_describe(hook.args, where)} {_describe(hook.keywords, where)}"
+    if not isinstance(hook, types.FunctionType):
+        raise Uncacheable(f"{where} holds a {type(hook).__name__} hook, which the structure key cannot read")
+    cells = []
+    for name, cell in zip(hook.__code__.co_freevars, hook.__closure__ or ()):
+        try:
+            cells.append(f"{name}={_describe(cell.cell_contents, f'{where} {name}')}")
+        except ValueError:   # a cell not yet filled
+            cells.append(f"{name}=<empty>")
+    return f"{_qualname(hook)}[{','.join(cells)}]"
 
 
 def _describe_input(value: Any, name: str) -> str:

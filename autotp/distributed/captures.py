@@ -40,6 +40,9 @@ _counts = {"sent": 0, "loaded": 0, "made": 0, "held": 0}
 
 _SEP = b"\n"   # between the structure key (hex) and the program's bytes
 
+#: the ``key`` of a capture whose model the ranks agreed on already (see :func:`captured_once`)
+AGREED = "agreed"
+
 
 def stats() -> dict[str, int]:
     """This process's capture exchanges so far (tests and benchmarks read them)."""
@@ -52,10 +55,13 @@ def captured_once(mesh: Any, make: Callable[[], Capture], key: str | None,
     """The capture ``make()`` makes, made on TP rank 0 only and sent to the group's other ranks.
 
     ``key``: the structure key of what is captured (:func:`autotp.capture.cache.key_of`: the
-    module tree, every plain attribute and tensor constant, the example inputs), sent with the
-    program; a rank whose own key differs (its model holds another constant: a bug the agreement
-    check names) or is None (a model the key cannot read) captures its own model instead, so
-    that the program it runs, and the check compares, is its own. ``held()``: this rank's
+    module tree, every plain attribute, hook and tensor constant, the example inputs), sent with
+    the program; a rank whose own key differs (its model holds another constant: a bug the
+    agreement check names) or is None (a model the key cannot read) captures its own model
+    instead, so that the program it runs, and the check compares, is its own. :data:`AGREED`:
+    the ranks' models were found alike already (a later program of a module whose first one
+    passed the agreement check); the program is sent whatever the keys (an export leaves state
+    on the model it traced, transformers' output-capturing hooks: rank 0's would differ). ``held()``: this rank's
     capture where it holds one already (its cache's), without capturing; ``keep(cap)``: what a
     rank does with a capture it received (keeps it in its cache), returning the capture to use.
     Every rank of the TP group must call this together."""
@@ -91,7 +97,7 @@ def captured_once(mesh: Any, make: Callable[[], Capture], key: str | None,
     if own is not None:
         return own
     theirs, _, data = data.partition(_SEP)
-    if data and key is not None and theirs == key.encode():
+    if data and key is not None and theirs == key.encode():   # AGREED on rank 0 and here alike
         try:
             cap = keep(wire.loads(data))
             _counts["loaded"] += 1
