@@ -19,8 +19,6 @@ import dataclasses
 import warnings
 from typing import Any
 
-import torch
-
 from .program import Capture
 
 __all__ = ["WireError", "dumps", "loads"]
