@@ -33,7 +33,7 @@ from .planner.experts import forced_dispatch_dropped
 from .planner.planner import build_plan
 from .planner.sequence import sequence_dropped, sequence_to_split
 from .distributed.agreement import _agreed_seed, _on_every_rank_or_none
-from .distributed.captures import AGREED, captured_once
+from .distributed.captures import AGREED, captured_once, placed
 from .distributed.rng import RNGTracker
 
 log = logging.getLogger("autotp")
@@ -315,19 +315,22 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
     profile = profile or _default_profile(device)
     align = _align(align_products, device, profile)
 
-    def shared_capture(module: nn.Module, *args: Any, agreed: bool = False, **kwargs: Any) -> Any:
+    def shared_capture(module: nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None,
+                       agreed: bool = False) -> Any:
         """``capture_model(module, ...)`` made on TP rank 0, the other ranks loading it (or
         taking it from their own capture cache): autotp/distributed/captures.py. ``agreed``:
         a later program's, of a model the ranks' first programs were checked alike on."""
-        return captured_once(mesh, lambda: capture_model(module, *args, **kwargs),
-                             AGREED if agreed else capture_cache.key_of(module, *args, **kwargs),
-                             held=lambda: capture_cache.lookup(module, *args, **kwargs),
-                             keep=lambda cap: capture_cache.adopt(cap, module, *args, **kwargs))
+        args = (module, example_inputs, example_kwargs)
+        key = AGREED if agreed else capture_cache.key_of(*args, seq_range=seq_range)
+        inputs = {**dict(enumerate(example_inputs)), **(example_kwargs or {})}
+        return captured_once(mesh, lambda: capture_model(*args, seq_range=seq_range), placed(key, module, inputs),
+                             held=lambda: capture_cache.lookup(*args, seq_range=seq_range),
+                             keep=lambda cap: capture_cache.adopt(cap, *args, seq_range=seq_range))
 
     # What each kind of call runs: its capture and plan (on every rank or none), then this rank's
     # program of it. The first call's is made below; a ParallelModule asks build() for others.
     def prepare():
-        cap = shared_capture(model, example_inputs, example_kwargs, seq_range=seq_range)
+        cap = shared_capture(model, example_inputs, example_kwargs)
         result, index, prop = planned(cap, seq=_planning_seq(model, seq, seq_range), layout=layout, plan=plan,
                                       gather_logits=gather_logits, sequence_parallel=sequence_parallel,
                                       # a pipeline stage checks its own share of the memory (runtime/pipeline/stage.py)
@@ -344,11 +347,12 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
         twin.train(training)
         def call_capture(keep: Any) -> Any:
             if step is not None:
-                return captured_once(mesh, lambda: capture_step(twin, step, own_lengths=bool(keep)), AGREED)
+                return captured_once(mesh, lambda: capture_step(twin, step, own_lengths=bool(keep)),
+                                     placed(AGREED, twin))
             example = example_like(inputs, seq_bounds(twin, seq_range), keep=keep)
             if on_meta(twin):   # export only needs shapes; a meta model indexes its buffers with them
                 example = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in example.items()}
-            return shared_capture(twin, seq_range=seq_range, example_kwargs=example, agreed=True)
+            return shared_capture(twin, example_kwargs=example, agreed=True)
 
         try:
             # a dim the first capture found fixed keeps the call's size

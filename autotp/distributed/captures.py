@@ -19,6 +19,7 @@ The ranks trust each other's bytes, as torch's ``broadcast_object_list`` does: t
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any, Callable
 
@@ -42,6 +43,18 @@ _SEP = b"\n"   # between the structure key (hex) and the program's bytes
 
 #: the ``key`` of a capture whose model the ranks agreed on already (see :func:`captured_once`)
 AGREED = "agreed"
+
+
+def placed(key: str | None, module: torch.nn.Module, inputs: dict | None = None) -> str | None:
+    """``key`` with the devices ``module``'s tensors and ``inputs`` lie on, each with its index: a
+    capture traced on ``cuda:0`` holds that device in its values and may hold it in its ops, so a
+    rank whose model lies on ``cuda:1`` captures its own (a model on the CPU or the meta device,
+    the usual start, is shared: the rewrite places the program on each rank's device)."""
+    if key is None:
+        return None
+    tensors = itertools.chain(module.parameters(), module.buffers(),
+                              (v for v in (inputs or {}).values() if isinstance(v, torch.Tensor)))
+    return f"{key} on {','.join(sorted({str(t.device) for t in tensors}))}"
 
 
 def stats() -> dict[str, int]:

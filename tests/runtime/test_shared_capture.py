@@ -67,3 +67,15 @@ def test_one_rank_captures_and_the_others_load(cluster):
         # an inference call's program (another capture: the model in eval mode) is sent again
         assert r["inference"]["sent" if rank == 0 else "loaded"] == 1, r["inference"]
         assert r["inference error"] <= 1e-12
+
+
+def test_the_key_sent_with_a_capture_names_the_devices_with_their_index():
+    # a capture traced on cuda:0 holds that device; a rank whose model lies on cuda:1 takes its own
+    import torch
+
+    from autotp.distributed.captures import placed
+
+    model = tiny_gpt2(n_layer=1)
+    assert placed("k", model) == "k on cpu"
+    assert placed("k", model, {"input_ids": torch.ones(2, 3, device="meta"), "use_cache": False}) == "k on cpu,meta"
+    assert placed(None, model) is None      # a model the key cannot read is not shared
