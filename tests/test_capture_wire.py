@@ -82,3 +82,17 @@ def test_a_folder_of_captures_serves_another_process(monkeypatch, tmp_path):
     assert [_node_view(n) for n in again.graph.nodes] == [_node_view(n) for n in made.graph.nodes]
     assert files[0].read_bytes() != b"torn" and capture_cache.folder_stats()["read"] == before["read"] + 1
     assert not list(tmp_path.glob("*.part"))
+
+
+def test_a_torch_without_the_graph_pickler_is_a_wire_error(monkeypatch):
+    # the pickler is a private module of torch.fx: where a torch lacks it, every rank captures itself
+    import torch.fx
+
+    model = zoo.build("llama", zoo.tiny_config("llama", layers=1), dtype=torch.float64)
+    cap = capture_cache.capture(model)
+    monkeypatch.delattr(torch.fx, "_graph_pickler")
+    monkeypatch.setitem(__import__("sys").modules, "torch.fx._graph_pickler", None)
+    with pytest.raises(wire.WireError, match="no graph pickler"):
+        wire.dumps(cap)
+    with pytest.raises(wire.WireError, match="no graph pickler"):
+        wire.loads(b"")

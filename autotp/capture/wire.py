@@ -28,11 +28,19 @@ class WireError(Exception):
     """A capture torch's graph pickle could not write or read (the caller captures instead)."""
 
 
-def _options() -> Any:
+def _pickler() -> Any:
+    """torch's graph pickler (a private module of torch.fx; torch 2.13 has it): a torch
+    without it, or with another layout of it, is a WireError, and every rank captures itself."""
+    try:
+        from torch.fx import _graph_pickler
+        return _graph_pickler.GraphPickler, _graph_pickler.Options
+    except (ImportError, AttributeError) as exc:
+        raise WireError(f"this torch has no graph pickler ({exc})") from exc
+
+
+def _options(Options: Any) -> Any:
     """Every op and every node's metadata kept (the defaults drop module stacks, which the
     planner reads, and refuse ops outside aten)."""
-    from torch.fx._graph_pickler import Options
-
     fields = {f.name for f in dataclasses.fields(Options)}
     keep = {"ops_filter": None}
     if "node_metadata_key_filter" in fields:
@@ -42,10 +50,9 @@ def _options() -> Any:
 
 def dumps(cap: Capture) -> bytes:
     """``cap`` as bytes :func:`loads` reads in another process with the same torch and autotp."""
-    from torch.fx._graph_pickler import GraphPickler
-
+    GraphPickler, Options = _pickler()
     try:
-        return GraphPickler.dumps(cap, _options())
+        return GraphPickler.dumps(cap, _options(Options))
     except Exception as exc:  # noqa: BLE001 - any failure of the pickle: the ranks capture themselves
         raise WireError(f"{type(exc).__name__}: {exc}") from exc
 
@@ -53,11 +60,11 @@ def dumps(cap: Capture) -> bytes:
 def loads(data: bytes) -> Capture:
     """The capture :func:`dumps` wrote, its fake tensors in a fresh fake mode."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx._graph_pickler import GraphPickler
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    GraphPickler, _ = _pickler()
     try:
+        mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
         with warnings.catch_warnings():   # torch's own unpickling of a tree spec warns of its deprecated API
             warnings.simplefilter("ignore", FutureWarning)
             cap = GraphPickler.loads(data, mode)
