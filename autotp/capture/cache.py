@@ -149,20 +149,15 @@ def key_of(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: d
     """:func:`structure_key`, or None for a model it cannot read (cache on or off)."""
     try:
         return structure_key(model, example_inputs, example_kwargs, dynamic, seq_range)
-    except Uncacheable:
+    except Uncacheable as why:
+        log.debug("capture not keyed (not cached, not shared): %s", why)
         return None
 
 
 def _key(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None, dynamic: bool,
          seq_range: tuple[int, int] | None) -> str | None:
     """The structure key, or None where the cache is off or cannot key the model."""
-    if not _state["enabled"]:
-        return None
-    try:
-        return structure_key(model, example_inputs, example_kwargs, dynamic, seq_range)
-    except Uncacheable as why:
-        log.debug("capture not cached: %s", why)
-        return None
+    return key_of(model, example_inputs, example_kwargs, dynamic, seq_range) if _state["enabled"] else None
 
 
 def _lookup(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None, dynamic: bool,
@@ -274,7 +269,7 @@ def structure_key(model: torch.nn.Module, example_inputs: tuple = (), example_kw
                 parts.append(f"  {kind} {_describe_hook(hook, (path or 'root') + '.' + kind)}")
         for attr, value in sorted(module.__dict__.items()):
             if attr in _TORCH_BOOKKEEPING:
-                continue   # _parameters, _modules, ...: keyed below, or hooks (refused above)
+                continue   # _parameters, _modules, ...: keyed below, or hooks (keyed above)
             parts.append(f"  {attr}={_describe(value, f'{path}.{attr}')}")
     for name, p in model.named_parameters(remove_duplicate=False):
         parts.append(f"P {name} {tuple(p.shape)} {p.dtype} {p.device.type} {p.requires_grad}")
