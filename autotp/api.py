@@ -30,10 +30,11 @@ from .passes.rewrite import rewrite
 from .plan import Plan
 from .plan.arguments import resolve
 from .planner.experts import forced_dispatch_dropped
-from .planner.planner import build_plan
+from .planner.planner import build_plan, decided as decided_of
 from .planner.sequence import sequence_dropped, sequence_to_split
 from .distributed.agreement import _agreed_seed, _on_every_rank_or_none
 from .distributed.captures import AGREED, captured_once, placed
+from .distributed.plans import planned_once
 from .distributed.rng import RNGTracker
 
 log = logging.getLogger("autotp")
@@ -327,22 +328,24 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
                              held=lambda: capture_cache.lookup(*args, seq_range=seq_range),
                              keep=lambda cap: capture_cache.adopt(cap, *args, seq_range=seq_range))
 
-    # What each kind of call runs: its capture and plan (on every rank or none), then this rank's
-    # program of it. The first call's is made below; a ParallelModule asks build() for others.
-    def prepare():
-        cap = shared_capture(model, example_inputs, example_kwargs)
-        result, index, prop = planned(cap, seq=_planning_seq(model, seq, seq_range), layout=layout, plan=plan,
-                                      gather_logits=gather_logits, sequence_parallel=sequence_parallel,
-                                      # a pipeline stage checks its own share of the memory (runtime/pipeline/stage.py)
-                                      memory_limit=memory_limit if pp == 1 else float("inf"))
+    # What each kind of call runs: its capture, then its plan (each on every rank or none: the
+    # plan searched on TP rank 0 and rebuilt on the others, autotp/distributed/plans.py), then
+    # this rank's program of it. The first call's is made below; a ParallelModule asks build()
+    # for others.
+    def prepare(cap: Any) -> tuple:
+        result, index, prop = planned_once(mesh, lambda given: planned(
+            cap, decided=given, seq=_planning_seq(model, seq, seq_range), layout=layout, plan=plan,
+            gather_logits=gather_logits, sequence_parallel=sequence_parallel,
+            # a pipeline stage checks its own share of the memory (runtime/pipeline/stage.py)
+            memory_limit=memory_limit if pp == 1 else float("inf")), lambda made: decided_of(*made))
         chunk_layers = None
         if pp > 1:   # a pipeline's cut: the repeated layers dealt to its chunks by the plan's costs, or as asked
             layers = layer_paths(model)
             chunk_layers = cut_layers(layer_costs(index, prop, get_profile(profile), layers), layers, pp, virtual,
                                       stage_layers)
-        return cap, result, index, prop, chunk_layers
+        return result, index, prop, chunk_layers
 
-    def prepare_call(inputs: dict, training: bool, step: Any) -> tuple:
+    def capture_call(inputs: dict, training: bool, step: Any) -> Any:
         was = twin.training
         twin.train(training)
         def call_capture(keep: Any) -> Any:
@@ -363,6 +366,9 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
                 call_cap = call_capture(lengths_of(inputs))
         finally:
             twin.train(was)
+        return call_cap
+
+    def plan_call(call_cap: Any, inputs: dict, training: bool, step: Any) -> tuple:
         # forbidden stays forbidden and forced stays forced, in every program with a sequence to
         # split (a length export fixed is one where it has a token for every rank): a decode step
         # (one token a row), a one-token prompt or a fixed length under tp has none, and is
@@ -378,27 +384,38 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
                     input_placements=step.input_placements if step else None,
                     keep_split=step.keep_split(call_cap) if step else frozenset(),
                     sequence_parallel=None if unsplit else sequence_parallel)
-        try:
-            call_plan, *rest = planned(call_cap, **call)
-        except PlanError as forced:
-            if expert_dispatch is not True or isinstance(forced, MemoryLimitError):
-                raise
-            # the all-to-all dispatch takes tokens split along the sequence: a program whose plan
-            # under the first's placements finds no dispatch cuts each rank's rows from the tokens
-            # gathered whole, as a plan by cost does there (exact); the user is told
-            call_plan, *rest = planned(call_cap, dispatch=None, **call)
-            notes.append(forced_dispatch_dropped(inputs, training, step is not None, forced))
-        call_plan.notes += notes
-        return (call_cap, call_plan, *rest, notes)
 
-    def planned(call_cap: Any, dispatch: bool | None = expert_dispatch, **call: Any) -> tuple:
+        def make(given: Any) -> tuple:
+            if given is not None:   # TP rank 0's plan, with the dispatch it was planned with and its notes
+                chosen, dispatch, said = given
+                return (*planned(call_cap, dispatch=dispatch, decided=chosen, **call), dispatch, said)
+            dispatch = expert_dispatch
+            try:
+                call_plan, *rest = planned(call_cap, **call)
+            except PlanError as forced:
+                if expert_dispatch is not True or isinstance(forced, MemoryLimitError):
+                    raise
+                # the all-to-all dispatch takes tokens split along the sequence: a program whose plan
+                # under the first's placements finds no dispatch cuts each rank's rows from the tokens
+                # gathered whole, as a plan by cost does there (exact); the user is told
+                dispatch = None
+                call_plan, *rest = planned(call_cap, dispatch=None, **call)
+                notes.append(forced_dispatch_dropped(inputs, training, step is not None, forced))
+            call_plan.notes += notes
+            return (call_plan, *rest, dispatch, notes)
+
+        *made, _, notes = planned_once(mesh, make, lambda made: (decided_of(*made[:3]), made[3], made[4]))
+        return (*made, notes)
+
+    def planned(call_cap: Any, dispatch: bool | None = expert_dispatch, decided: Any = None, **call: Any) -> tuple:
         """A capture's plan, graph index and propagation: the first call's and every later one's
-        (``call``: what differs between them), the heads checked first."""
+        (``call``: what differs between them), the heads checked first; ``decided``: rebuilt from
+        what TP rank 0's search chose (autotp/distributed/plans.py)."""
         check_heads(call_cap, tp, uneven)
         return build_plan(call_cap, tp, batch=batch, profile=profile, uneven=uneven, align=align,
                           host_reads=host_reads, expert_dispatch=dispatch, fuse_activations=fuse_activations,
                           fuse_norms=fuse_norms, fuse_products=fuse_products, expert_load=expert_load,
-                          **call)
+                          decided=decided, **call)
 
     def program(index: GraphIndex, prop: Propagation) -> Any:
         gm = rewrite(index, prop, mesh.tp_rank, mesh.tp_group, device, tracker, align)
@@ -409,8 +426,9 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
     def build(inputs: dict, training: bool, step: Any = None) -> tuple:
         """Another call signature's program under the same parameter layout (``result``); with
         ``step`` (an autotp.generation.StepSpec), a generation step's program instead."""
-        call_cap, call_plan, call_index, call_prop, notes = _on_every_rank_or_none(
-            mesh, lambda: prepare_call(inputs, training, step))
+        call_cap = _on_every_rank_or_none(mesh, lambda: capture_call(inputs, training, step))
+        call_plan, call_index, call_prop, notes = _on_every_rank_or_none(
+            mesh, lambda: plan_call(call_cap, inputs, training, step))
         for note in notes:   # on one rank, each once (a decode step's, say, for every decode program)
             if mesh.tp_rank == 0 and mesh.dp_rank == 0 and note not in said:
                 log.warning("autotp plan note: %s", note)
@@ -419,7 +437,8 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
 
     # The groups, then on them: the first plan (every rank or none) and the dropout seed, agreed.
     mesh = get_mesh(tp, backend=backend, pp=pp)
-    cap, result, index, prop, chunk_layers = _on_every_rank_or_none(mesh, prepare)
+    cap = _on_every_rank_or_none(mesh, lambda: shared_capture(model, example_inputs, example_kwargs))
+    result, index, prop, chunk_layers = _on_every_rank_or_none(mesh, lambda: prepare(cap))
     if mesh.tp_rank == 0 and mesh.dp_rank == 0:
         for note in result.notes:   # once per parallelize, on one rank
             log.warning("autotp plan note: %s", note)

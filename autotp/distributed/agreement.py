@@ -432,8 +432,9 @@ def _first_difference(per_rank: list[list[str]], ranks: list[int]) -> str:
 # ---------------------------------------------------------------- capture and planning, on every rank or none
 
 def _on_every_rank_or_none(mesh: Any, step: Any) -> Any:
-    """Run ``step`` (capture, made on TP rank 0 and sent to the others by
-    autotp/distributed/captures.py, and planning: no collective of the model) and tell the TP
+    """Run ``step`` (a capture, made on TP rank 0 and sent to the others by
+    autotp/distributed/captures.py, or a plan, searched on TP rank 0 and rebuilt by the others,
+    autotp/distributed/plans.py: no collective of the model) and tell the TP
     group whether it worked, with one small all-reduce, before anyone waits in a collective of
     the model. A
     rank that failed raises its own error; the others raise at once, with its message and

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ..capture import wire
 from ..capture.program import Capture
-from .comm import _comm
+from .comm import _comm, broadcast_bytes
 
 __all__ = ["captured_once", "stats"]
 
@@ -101,12 +101,12 @@ def captured_once(mesh: Any, make: Callable[[], Capture], key: str | None,
                       exc)
         except Exception as exc:  # noqa: BLE001 - raised below, after the others were told to capture
             failure = exc
-        _send(data, source, group)
+        broadcast_bytes(data, source, group, "captured program")
         if failure is not None:
             raise failure
         _counts["sent"] += bool(data)
         return cap
-    data = _send(b"", source, group)
+    data = broadcast_bytes(b"", source, group, "captured program")
     if own is not None:
         return own
     theirs, _, data = data.partition(_SEP)
@@ -123,17 +123,3 @@ def captured_once(mesh: Any, make: Callable[[], Capture], key: str | None,
                   mesh.tp_rank)
     _counts["made"] += 1
     return make()
-
-
-def _send(data: bytes, source: int, group: Any) -> bytes:
-    """``data`` broadcast from global rank ``source`` over ``group``: its size, then its bytes."""
-    size = torch.tensor([len(data)], dtype=torch.int64)
-    with _comm("broadcast of the captured program's size", group):
-        dist.broadcast(size, src=source, group=group)
-    n = int(size.item())
-    if n == 0:
-        return b""
-    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(n, dtype=torch.uint8)
-    with _comm("broadcast of the captured program", group):
-        dist.broadcast(buffer, src=source, group=group)
-    return data or buffer.numpy().tobytes()

@@ -209,3 +209,19 @@ def _c10d_all_reduce(x: Tensor, group) -> None:
 #: autograd's version bump of tensors written in place (``torch.autograd.graph.increment_version``
 #: without its Python)
 _increment_version = torch._C._increment_version
+
+
+def broadcast_bytes(data: bytes, source: int, group: Any, what: str) -> bytes:
+    """``data`` broadcast from global rank ``source`` over ``group`` (a gloo control group): its
+    size, then its bytes (none where it is empty); every rank returns them. ``what`` names them
+    in a CommError."""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    with _comm(f"broadcast of the {what}'s size", group):
+        dist.broadcast(size, src=source, group=group)
+    n = int(size.item())
+    if n == 0:
+        return b""
+    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(n, dtype=torch.uint8)
+    with _comm(f"broadcast of the {what}", group):
+        dist.broadcast(buffer, src=source, group=group)
+    return data or buffer.numpy().tobytes()

@@ -175,6 +175,11 @@ class GraphIndex:
     #: never read rows cut from the tokens gathered whole); False, never by it (no strategy holds
     #: the tokens as rows of their own ranks: they are gathered whole). See :func:`dispatch_allows`
     expert_dispatch: bool | None = None
+    #: how the planner made this index's capture from the one it was given (what another rank
+    #: rebuilds the plan from, :class:`autotp.planner.planner.Decided`): the sibling products' sets
+    #: it kept apart (None: it looked for none) and the row scales it moved to their products' inputs
+    apart: frozenset | None = None
+    moved_scales: tuple = ()
     #: bias adds that may be added inside their product (:func:`.fused_bias.bias_add`)
     bias_adds: frozenset = frozenset()
     #: the float dtype the model trains in (:func:`training_dtype`): a collective of a float of
@@ -1315,7 +1320,7 @@ def grad_nodes(cap: Capture) -> frozenset[fx.Node]:
 
 
 def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: DeviceProfile,
-              forced: Mapping[fx.Node, int] | None = None, explore: bool = False,
+              forced: Mapping[fx.Node, int | Strategy] | None = None, explore: bool = False,
               exact: bool = False) -> Propagation:
     """See the module docstring. ``decisions`` maps parameter placeholder names to placements:
     a plain ``Shard(d)`` decides the dim alone (a layout's "column", "row"), its blocks and atoms
@@ -1323,7 +1328,9 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
     must hold as they are: plain runs of single elements where the plan says so).
 
     ``forced`` (the solver's answer) gives, for every op, the index of its strategy in its
-    rule's list; without it each op greedily takes its cheapest strategy. With ``explore`` the
+    rule's list, or the strategy itself (one equal to it among those its inputs' placements
+    offer: a plan made on another rank, :mod:`autotp.distributed.plans`); without it each op
+    greedily takes its cheapest strategy. With ``explore`` the
     walk stops at the first op ``forced`` has no choice for and reports it in ``pending``
     (tests enumerate the whole decision space this way)."""
     tp = index.tp
@@ -1427,9 +1434,15 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
             if j is None and explore:
                 return Propagation(tp, place, chosen, params, conversions, _listed(comms), compute, comm, memory,
                                    activations, pending=(node, len(options)))
-            if j is None or j >= len(options):
+            if isinstance(j, Strategy):
+                options = [s for s in options if s == j][:1]
+                if not options:
+                    return infeasible(f"the strategy {j} given for {node.name} is not among those its inputs "
+                                      f"{list(actual)} offer")
+            elif j is None or j >= len(options):
                 return infeasible(f"the solver's strategy {j} for {node.name} is not among its {len(options)}")
-            options = [options[j]]
+            else:
+                options = [options[j]]
         elif node in index.written_roots:
             # a tensor written in place through a view later, which no conversion may reach
             # (GraphIndex.moves_written): whole, which every write can take, or split where the

@@ -7,6 +7,8 @@ of sequence parallelism are :mod:`.sequence`'s, those of memory and of what stay
 :mod:`.notes`', and ``host_reads=False``'s refusals :mod:`.host_reads`'."""
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from ..capture import Capture, gc_paused, module_path
@@ -17,8 +19,9 @@ from ..passes.activations import fuse_activations as activations_fused, fused_no
 from ..passes.norms import find_norms, fuse_norms as norms_fused, norms_note
 from ..passes.pins import unholdable_pin
 from ..passes.products import products_note
-from ..passes.propagate import GraphIndex, Propagation
+from ..passes.propagate import GraphIndex, Propagation, propagate
 from ..passes.row_scales import moved
+from ..passes.rules import Strategy
 from ..passes.solve import solve
 from ..placements import REPLICATE, Placement
 from ..plan.arguments import PlanArguments
@@ -47,7 +50,8 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                host_reads: bool = True,
                expert_dispatch: bool | None = None,
                fuse_activations: bool = True, fuse_norms: bool = True,
-               fuse_products: bool = True, expert_load: Any = None) -> tuple[Plan, GraphIndex, Propagation]:
+               fuse_products: bool = True, expert_load: Any = None,
+               decided: "Decided | None" = None) -> tuple[Plan, GraphIndex, Propagation]:
     """The plan for a capture. ``memory_limit`` (bytes per rank; default: the profile's device
     memory) bounds training state + activations; a saved ``plan`` is replayed, not re-solved.
 
@@ -110,7 +114,12 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
     to its rows per expert; :func:`autotp.measure_expert_load` measures one): each layer's
     experts, and the all-to-alls bringing and sending back their rows, at its busiest rank's rows, a note saying
     the load and what it did to the choice. None (default): a balanced router, ``T * k / tp``
-    rows a rank. One that does not name the model's MoE layers and their experts is a ConfigError."""
+    rows a rank. One that does not name the model's MoE layers and their experts is a ConfigError.
+
+    ``decided``: what this search chose on another rank of the group, for the same capture and
+    arguments (:func:`decided`): the plan is rebuilt from it without searching, and is a PlanError
+    where it does not rebuild to the same placements and collectives (the caller then plans
+    itself: :mod:`autotp.distributed.plans`)."""
     expert_load = as_expert_load(expert_load)
     for name, flag in (("fuse_activations", fuse_activations), ("fuse_norms", fuse_norms),
                        ("fuse_products", fuse_products)):
@@ -142,8 +151,13 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                            uneven=uneven, gather_logits=gather_logits, memory_limit=memory_limit,
                            sequence_parallel=sequence_parallel, input_placements=input_placements,
                            keep_split=keep_split, align=align, host_reads=host_reads,
-                           expert_dispatch=expert_dispatch, expert_load=expert_load)
+                           expert_dispatch=expert_dispatch, expert_load=expert_load, decided=decided)
 
+    if decided is not None:   # its notes and arguments are the plan's already
+        if fuse_products:
+            (result, index, prop), _, _ = fused_cheaper(cap, tp, plan, attempt, only=decided.apart)
+            return result, index, prop
+        return attempt(cap)
     try:
         if fuse_products:   # sibling products joined where the plan splits them alike (planner/siblings.py)
             pins = None
@@ -165,7 +179,8 @@ def _build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any, la
                 plan: Plan | None, uneven: bool, gather_logits: bool | None, memory_limit: float | None,
                 sequence_parallel: bool | None, input_placements: Mapping[str, Placement] | None,
                 keep_split: frozenset[str], align: Any, host_reads: bool,
-                expert_dispatch: bool | None, expert_load: Any = None) -> tuple[Plan, GraphIndex, Propagation]:
+                expert_dispatch: bool | None, expert_load: Any = None,
+                decided: "Decided | None" = None) -> tuple[Plan, GraphIndex, Propagation]:
     """:func:`build_plan` on a capture as it is planned (its activations fused or not)."""
     prof = get_profile(profile)
     if align == "profile":
@@ -207,6 +222,8 @@ def _build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any, la
 
     index = index_of(cap)
     pinned = _pinned(cap, layout, plan)
+    if decided is not None:
+        return _rebuilt(index, prof, pinned, plan, decided, index_of)
     if not host_reads:
         refuse_model_reads(cap)
         try:
@@ -237,6 +254,7 @@ def _planned(cap: Capture, index: GraphIndex, prof: Any, pinned: Mapping[str, Pl
         if moved_prop is not None and moved_prop.total_s < prop.total_s:
             notes = moved_notes + [scales_note(index, scales, prop.total_s - moved_prop.total_s)]
             index, prop = moved_index, moved_prop
+            index.moved_scales = tuple(scales)
     return _written(index.capture, index, prop, prof, batch, seq, keep, layout, pinned, limit, notes, replayed=plan)
 
 
@@ -366,3 +384,63 @@ def _blame_pins(index: GraphIndex, pinned: Mapping[str, Placement], prof: Any,
     blame = unholdable_pin(index, pinned, prof, layout) if pinned else None
     if blame is not None:
         raise PlanError(f"no feasible plan: {blame}")
+
+
+@dataclass
+class Decided:
+    """What a plan's search chose (:func:`decided`), enough for another rank of the group to
+    rebuild the same plan, graph index and propagation of the same capture without searching
+    (``build_plan(..., decided=)``; :mod:`autotp.distributed.plans`): the plan itself; the sibling
+    products' sets kept apart (``apart``, None where none was looked for) and the row scales moved
+    (``scales``), which make the capture planned from the one given; each op's strategy by name;
+    and the propagation's :func:`digest`, which the rebuilt one must match. ``deferred``: the
+    plan's cost expressions are left to the rebuilding rank (computed when first read)."""
+    plan: Plan
+    apart: frozenset | None
+    scales: tuple
+    strategies: dict[str, Strategy]
+    digest: str
+    deferred: bool
+
+
+def decided(plan: Plan, index: GraphIndex, prop: Propagation) -> Decided:
+    """What :func:`build_plan` chose for ``plan`` (its index and propagation), to send."""
+    deferred = isinstance(plan.expressions, DeferredExpressions)
+    return Decided(replace(plan, expressions={}) if deferred else plan, index.apart, index.moved_scales,
+                   {node.name: strategy for node, strategy in prop.chosen.items()}, digest(index, prop), deferred)
+
+
+def digest(index: GraphIndex, prop: Propagation) -> str:
+    """A fingerprint of a propagation on its index: every value's placement, every parameter's,
+    every collective and conversion, and the costs, over the capture's nodes in order."""
+    h = hashlib.sha256()
+    for node in index.capture.graph.nodes:
+        h.update(f"{node.name}:{prop.placements.get(node)!r};".encode())
+    h.update(repr(sorted(prop.params.items())).encode())
+    h.update(repr(sorted((node.name, repr(dst), f, kind) for (node, dst, f), kind in prop.conversions.items())).encode())
+    h.update(repr(prop.comms).encode())
+    h.update(repr((prop.compute_s, prop.comm_s, prop.memory_bytes, prop.activation_bytes, prop.update_s)).encode())
+    return h.hexdigest()
+
+
+def _rebuilt(index: GraphIndex, prof: Any, pinned: Mapping[str, Placement], plan: Plan | None, given: Decided,
+             index_of: Any) -> tuple[Plan, GraphIndex, Propagation]:
+    """``given``'s plan on ``index`` (the capture it was planned from): the row scales it moved
+    moved, each op given the strategy it chose, the walk's result checked against its digest."""
+    if given.scales:
+        index = index_of(moved(index.capture, list(given.scales)))
+        index.moved_scales = given.scales
+    nodes = {n.name: n for n in index.capture.graph.nodes}
+    unknown = [name for name in given.strategies if name not in nodes]
+    if unknown:
+        raise PlanError(f"the plan decided elsewhere names {unknown[0]}, which is no op of this capture")
+    prop = propagate(index, pinned, prof, forced={nodes[name]: s for name, s in given.strategies.items()},
+                     exact=plan is not None)
+    if prop.infeasible:
+        raise PlanError(f"the plan decided elsewhere does not replay here: {prop.infeasible}")
+    if digest(index, prop) != given.digest:
+        raise PlanError("the plan decided elsewhere replays here to other placements, collectives or costs")
+    result = given.plan
+    if given.deferred:
+        result.expressions = DeferredExpressions(lambda: cost_expressions(index, prop, prof))
+    return result, index, prop

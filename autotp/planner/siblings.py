@@ -42,7 +42,7 @@ def apart_in(held: Any, cap: Any, free: bool = False) -> frozenset:
 
 
 def fused_cheaper(cap: Any, tp: int, plan: Any, attempt: Callable[[Any], tuple],
-                  pins: Any = None) -> tuple[tuple, list, str | None]:
+                  pins: Any = None, only: frozenset | None = None) -> tuple[tuple, list, str | None]:
     """``attempt`` (a capture -> its (plan, index, propagation)) on ``cap`` with its sibling
     products fused where that is cheaper (module docstring): the result, what was fused, and a
     note where sets were kept apart (None where none was). The join is paid each step (a copy of
@@ -52,7 +52,9 @@ def fused_cheaper(cap: Any, tp: int, plan: Any, attempt: Callable[[Any], tuple],
     so the capture with every set apart is solved too and the cheaper predicted step kept.
     ``pins`` (parameter name -> placement, a layout's) keeps apart the sets it pins unalike: a pin
     means its parameter, whose rows a join makes rows of the joined weight, so a set with one
-    weight pinned ``row`` (Llama-4's router beside its shared expert's gate and up) runs apart."""
+    weight pinned ``row`` (Llama-4's router beside its shared expert's gate and up) runs apart.
+    ``only``: the sets to keep apart, decided already (another rank's plan rebuilt): that capture
+    alone is attempted. The result's index records the sets kept apart (``GraphIndex.apart``)."""
     sets = find_siblings(cap.graph, cap.param_names)
     if not sets:
         return attempt(cap), [], None
@@ -70,14 +72,21 @@ def fused_cheaper(cap: Any, tp: int, plan: Any, attempt: Callable[[Any], tuple],
         except PlanError as exc:   # no plan this way (a memory limit): another way may have one
             failure = failure or exc
             return None
+        result[1].apart = skip
         tried.append((result, fused, _apart_note(len(skip), why)))
         return result
 
-    if plan is not None:
+    if only is not None:
+        skip, why = only, "as decided"
+    elif plan is not None:
         skip, why = apart_in(plan.params, cap), "the plan splits their weights differently"
     else:
         skip, why = apart_in(pins or {}, cap, free=True), "the layout pins their weights differently"
     first = trying(skip, why)
+    if only is not None:
+        if first is None:
+            raise failure
+        return tried[0]
     if first is not None and plan is None and tp > 1:
         whole = frozenset(s.key for s in sets
                           if all(first[0].params.get(name, REPLICATE) == REPLICATE for name in _weights(cap, s)))

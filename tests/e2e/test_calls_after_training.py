@@ -37,8 +37,10 @@ _PLANS: dict = {}   # per rank process: (family, tp) -> the plan solved for it
 def calls_in_order(case: dict) -> dict:
     import autotp
     from autotp import zoo
+    from autotp.distributed import plans
     from autotp.testing import equivalence_errors, keep_loss_precision, tolerance
 
+    searched = plans.stats()["made"]
     family, tp = case["family"], case["tp"]
     heads, kv, head_dim = STRUCTURE[family]
     config = zoo.tiny_config(family, layers=2, heads=heads, kv_heads=kv, head_dim=head_dim, vocab=VOCAB)
@@ -82,7 +84,9 @@ def calls_in_order(case: dict) -> dict:
     # q/k norms over split heads summing each rank's squares apart): a plan that sums in another order
     # moves those values by float32's rounding (Phi-3 8.9e-9, ModernBERT 2.8e-8 on a norm's gradient)
     bound = tolerance(model, zoo.example_batch(family, config, batch=2, seq=case["seq"], seed=case["seed"]))
-    return {"errors": errors, "norms": norms, "qkv": qkv, "tails": tails, "attention": attention, "bound": bound}
+    return {"errors": errors, "norms": norms, "qkv": qkv, "tails": tails, "attention": attention, "bound": bound,
+            # plans a rank past TP rank 0 searched itself: none, each rebuilt from rank 0's (autotp/distributed/plans.py)
+            "searched": plans.stats()["made"] - searched}
 
 
 def assert_calls(cluster_of, case: dict) -> list[dict]:
@@ -94,6 +98,7 @@ def assert_calls(cluster_of, case: dict) -> list[dict]:
         if case["family"] == "phi3" and case["tp"] <= STRUCTURE["phi3"][1]:   # q|k|v of unequal blocks, by head
             assert r["qkv"] and all(s for s in r["qkv"].values()) and r["attention"] == [], r
         assert r["errors"][worst] <= r["bound"], (case, worst, r["errors"][worst], r["bound"])
+        assert r["searched"] == 0, (case, "a plan not rebuilt from TP rank 0's")
     return results
 
 

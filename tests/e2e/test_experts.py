@@ -66,6 +66,7 @@ def check_experts_case(case: dict) -> dict:
 def _check_experts_case(case: dict) -> dict:
     import autotp
     from autotp import zoo
+    from autotp.distributed import plans
     from autotp.testing import equivalence_errors, relative_error, tolerance
 
     dtype = getattr(torch, case["dtype"])
@@ -95,6 +96,7 @@ def _check_experts_case(case: dict) -> dict:
         from autotp.testing import keep_loss_precision
 
         keep_loss_precision(model)
+    searched = plans.stats()["made"]
     pm = autotp.parallelize(model, case["tp"], layout=layout, batch=case.get("plan_batch", 8),
                             seq=case.get("plan_seq"), **sp)
     roles = {name: role for name, role in pm.plan.roles.items() if ".experts." in name}
@@ -141,6 +143,9 @@ def _check_experts_case(case: dict) -> dict:
     # the programs whose routing weights multiply the down product's input rows (autotp/passes/row_scales.py)
     scaled = [any(n.startswith("per-row scales") for n in p.plan.notes) for p in pm.programs]
     return {"errors": errors, "roles": roles, "generate": bool(torch.equal(want, got)), "routed": routed,
+            # plans a rank past TP rank 0 searched itself: none, every one rebuilt from rank 0's
+            # (autotp/distributed/plans.py), the forced dispatch dropped, scales moved and SP included
+            "searched": plans.stats()["made"] - searched,
             "bound": bound, "grad bound": grad_bound, "dispatch dropped": dropped, "scaled inputs": scaled,
             "split heads": bool(pm.plan.attention), "expanded": pm.capture.expanded,
             "experts g": [f"{c.kind} {c.src}->{c.dst}" for c in pm.plan.comms if c.kind == "g" and ".mlp" in c.module],
@@ -189,6 +194,7 @@ def assert_experts_case(cluster_of, case: dict) -> None:
             within = result["grad bound"] if routed and result.get("grad bound") else bound
             assert error <= within, (case, rank, key, error, within)
         assert result["generate"], (case, rank, "greedy generate differs from serial")
+        assert result["searched"] == 0, (case, rank, "a plan not rebuilt from TP rank 0's")
         if case.get("heads") and case["family"] == "deepseek-v3" and case["tp"] > 1:
             assert result["split heads"], (case, rank, "MLA pinned by head but not run split")
         if "expanded" in case:
