@@ -166,14 +166,19 @@ def test_the_cheaper_of_joined_and_apart_is_kept():
     def attempt(joined_costs):
         def run(c):
             joins = sum(n.target is aten.cat.default and n.args[0][0].op == "placeholder" for n in c.graph.nodes)
-            return SimpleNamespace(params={}), None, SimpleNamespace(total_s=1.0 + joins * joined_costs)
+            return (SimpleNamespace(params={}), SimpleNamespace(apart=None),
+                    SimpleNamespace(total_s=1.0 + joins * joined_costs))
         return run
 
-    (_, _, prop), fused, note = fused_cheaper(cap, 1, None, attempt(+0.1))
+    (_, index, prop), fused, note = fused_cheaper(cap, 1, None, attempt(+0.1))
     assert (prop.total_s, fused) == (1.0, [])
     assert note.startswith("sibling products kept apart: 4 sets (joined, the predicted step is slower"), note
-    (_, _, prop), fused, note = fused_cheaper(cap, 1, None, attempt(-0.1))
-    assert round(prop.total_s, 6) == 0.6 and len(fused) == 4 and note is None
+    assert len(index.apart) == 4    # the sets kept apart, recorded for a rank that rebuilds the plan
+    (_, index, prop), fused, note = fused_cheaper(cap, 1, None, attempt(-0.1))
+    assert round(prop.total_s, 6) == 0.6 and len(fused) == 4 and note is None and index.apart == frozenset()
+    # decided already (another rank's choice): that capture alone is attempted
+    (_, index, prop), fused, _ = fused_cheaper(cap, 1, None, attempt(+0.1), only=frozenset())
+    assert round(prop.total_s, 6) == 1.4 and len(fused) == 4 and index.apart == frozenset()
 
 
 def test_the_op_by_op_walk_never_gathers_a_joined_weight():
