@@ -19,7 +19,9 @@ count stays in the tens. A graph whose live set grows with a dim the capture fix
 scan unrolled over the sequence, Mamba's on CPU: every step's output stays live until they are
 stacked) would multiply the states by each step; past :data:`MAX_STATES` the DP keeps the
 cheapest states and says so in a log line (the plan is then still a valid plan, the best
-among those kept, not proven optimal). With a memory limit a state keeps its Pareto front of (time, memory)
+among those kept, not proven optimal). A tensor the output returns is paid for (its gather, or
+nothing where it is kept split) and dropped from the states past its last other use, exactly as
+the output would pay it: a generation step's caches do not multiply the states. With a memory limit a state keeps its Pareto front of (time, memory)
 instead of one best (memory only grows, so a partial plan over the limit is dropped): still
 exact. What is *not* searched: strategies no rule offers, and placements outside
 :class:`~autotp.placements.Placement` (the rules are the space).
@@ -174,6 +176,17 @@ class _Solver:
         self.dies_at: dict[int, list] = {}
         for n, last in self.last_use.items():
             self.dies_at.setdefault(last, []).append(n)
+        # A tensor the graph's output returns, past its last other use, costs only its own
+        # conversion at the output (gathered, or kept split), whatever else the state holds: the
+        # main walk pays it there and drops it (:meth:`_settled`), so that a generation step's
+        # caches, returned by every layer, do not multiply the states layer after layer
+        out = next((n for n in reversed(self.nodes) if n.op == "output"), None)
+        self.out_leaves: dict[fx.Node, list[int]] = {}
+        for i, leaf in enumerate(pytree.tree_leaves(out.args) if out is not None else ()):
+            if isinstance(leaf, fx.Node):
+                self.out_leaves.setdefault(leaf, []).append(i)
+        self.settle_at = sorted((max((self.pos[u] for u in n.users if u is not out), default=self.pos[n]), self.pos[n], n)
+                                for n in self.out_leaves)
         self.steps: dict = {}   # (op, its inputs' labels) -> step's result: the rest of a state never matters
         # A state maps each live tensor to a label (placement, conversions paid), held as its
         # number in ``labels``: states key dicts per transition, and numbers hash without calls
@@ -273,17 +286,37 @@ class _Solver:
         return out
 
     def output_cost(self, node: fx.Node, state: dict) -> float:
-        cost = 0.0
-        for i, leaf in enumerate(pytree.tree_leaves(node.args)):
-            if not isinstance(leaf, fx.Node) or leaf not in state:
-                continue
-            have, paid = self.labels[state[leaf]]
-            if isinstance(have, (Shard, Partial)) and not self.index.keeps_split(i, leaf, have):
-                if (REPLICATE, False) not in paid:
-                    cost += added_seconds(self.index, self.profile, _meta(leaf), have, paid, REPLICATE, False,
-                                          leaf in self.index.grads)
-                    state[leaf] = self.label_id((have, paid | {(REPLICATE, False)}))
-        return cost
+        return sum(self._returned(leaf, state[leaf]) for leaf in self.out_leaves if leaf in state)
+
+    def _returned(self, leaf: fx.Node, label: int) -> float:
+        """What the output pays for ``leaf`` in ``label``: where it returns it whole (not kept
+        split), its gather, once however often it returns it."""
+        have, paid = self.labels[label]
+        for i in self.out_leaves[leaf]:
+            if isinstance(have, (Shard, Partial)) and not self.index.keeps_split(i, leaf, have) \
+                    and (REPLICATE, False) not in paid:
+                return added_seconds(self.index, self.profile, _meta(leaf), have, paid, REPLICATE, False,
+                                     leaf in self.index.grads)
+        return 0.0
+
+    def _settled(self, states: dict, done: int, upto: int) -> tuple[dict, int]:
+        """``states`` with the returned tensors whose last use but the output is at or before
+        position ``upto`` (``settle_at[done:]``) paid for as the output pays (:meth:`_returned`)
+        and dropped: exact, as nothing but that label decides what they cost still. Returns the
+        states and how many of ``settle_at`` are settled."""
+        end = done
+        while end < len(self.settle_at) and self.settle_at[end][0] <= upto:
+            end += 1
+        if end == done:
+            return states, done
+        going = {n for _, _, n in self.settle_at[done:end]}
+        nxt: dict = {}
+        for key, front in states.items():
+            dt = sum(self._returned(n, lab) for n, lab in key if n in going)
+            nkey = tuple(kv for kv in key if kv[0] not in going)
+            for e in front:
+                nxt[nkey] = _pareto_add(nxt.get(nkey, []), (e[0] + dt, e[1], None, e), self.keep_front)
+        return nxt, end
 
     def _tracked(self, node: fx.Node) -> bool:
         if not node.users:
@@ -515,11 +548,12 @@ class _Solver:
         start = tuple(sorted(((n, self.label_id((p, frozenset()))) for n, p in self.fixed.items() if n.users),
                              key=lambda kv: self.pos[kv[0]]))
         states = {start: [(0.0, 0.0, None, None)]}
-        reused = 0
+        reused = settled = 0
         i = 0
         body = [n for n in self.nodes if n.op != "placeholder"]
         while i < len(body):
             n = body[i]
+            states, settled = self._settled(states, settled, self.pos[n] - 1)
             b = blocks.get(n)
             if b is not None and b.template is not None:
                 states, i, reused = self.apply_block(b, states), i + len(b.nodes), reused + 1
