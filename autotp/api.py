@@ -30,7 +30,7 @@ from .passes.rewrite import rewrite
 from .plan import Plan
 from .plan.arguments import resolve
 from .planner.experts import forced_dispatch_dropped
-from .planner.planner import build_plan, decided as decided_of
+from .planner.planner import Decided, build_plan, decided as decided_of
 from .planner.sequence import sequence_dropped, sequence_to_split
 from .distributed.agreement import _agreed_seed, _on_every_rank_or_none
 from .distributed.captures import AGREED, captured_once, placed
@@ -337,7 +337,7 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
             cap, decided=given, seq=_planning_seq(model, seq, seq_range), layout=layout, plan=plan,
             gather_logits=gather_logits, sequence_parallel=sequence_parallel,
             # a pipeline stage checks its own share of the memory (runtime/pipeline/stage.py)
-            memory_limit=memory_limit if pp == 1 else float("inf")), lambda made: decided_of(*made))
+            memory_limit=memory_limit if pp == 1 else float("inf")), lambda made: decided_of(*made).to_json())
         chunk_layers = None
         if pp > 1:   # a pipeline's cut: the repeated layers dealt to its chunks by the plan's costs, or as asked
             layers = layer_paths(model)
@@ -404,14 +404,17 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
             call_plan.notes += notes
             return (call_plan, *rest, dispatch, notes)
 
-        *made, _, notes = planned_once(mesh, make, lambda made: (decided_of(*made[:3]), made[3], made[4]))
+        *made, _, notes = planned_once(mesh, make, lambda made: (decided_of(*made[:3]).to_json(), made[3], made[4]))
         return (*made, notes)
 
-    def planned(call_cap: Any, dispatch: bool | None = expert_dispatch, decided: Any = None, **call: Any) -> tuple:
+    def planned(call_cap: Any, dispatch: bool | None = expert_dispatch, decided: dict | None = None,
+                **call: Any) -> tuple:
         """A capture's plan, graph index and propagation: the first call's and every later one's
         (``call``: what differs between them), the heads checked first; ``decided``: rebuilt from
-        what TP rank 0's search chose (autotp/distributed/plans.py)."""
+        what TP rank 0's search chose (``Decided.to_json()``: autotp/distributed/plans.py)."""
         check_heads(call_cap, tp, uneven)
+        if decided is not None:
+            decided = Decided.from_json(decided)
         return build_plan(call_cap, tp, batch=batch, profile=profile, uneven=uneven, align=align,
                           host_reads=host_reads, expert_dispatch=dispatch, fuse_activations=fuse_activations,
                           fuse_norms=fuse_norms, fuse_products=fuse_products, expert_load=expert_load,

@@ -2,7 +2,7 @@
 collectives and costs, from one walk of the graph (autotp/planner/planner.py's Decided; the TP
 ranks rebuild TP rank 0's plan, autotp/distributed/plans.py). What does not rebuild is a PlanError,
 so that the rank searches itself."""
-import pickle
+import json
 
 import pytest
 import torch
@@ -10,13 +10,13 @@ import torch
 from autotp import zoo
 from autotp.capture import cache as capture_cache
 from autotp.errors import PlanError
-from autotp.planner.planner import build_plan, decided, digest
+from autotp.planner.planner import Decided, build_plan, decided, digest
 
 ETP = {"*.experts.gate_up_proj": "expert_column", "*.experts.down_proj": "expert_row"}
 
 
 def _sent(plan, index, prop):
-    return pickle.loads(pickle.dumps(decided(plan, index, prop)))   # as it travels
+    return Decided.from_json(json.loads(json.dumps(decided(plan, index, prop).to_json())))   # as it travels
 
 
 def _same(made, rebuilt) -> None:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ..capture import wire
 from ..capture.program import Capture
-from .comm import _comm, broadcast_bytes
+from .comm import _comm, broadcast_bytes, sent_from_source
 
 __all__ = ["captured_once", "stats"]
 
@@ -90,20 +90,16 @@ def captured_once(mesh: Any, make: Callable[[], Capture], key: str | None,
         return own
     source = mesh.tp_ranks[0]
     if mesh.tp_rank == 0:
-        cap, failure, data = own, None, b""
-        try:
-            if cap is None:
-                cap = make()
-            if key is not None:
-                data = key.encode() + _SEP + wire.dumps(cap)
-        except wire.WireError as exc:
-            log.debug("autotp: the capture is not sent to the other ranks (%s); they capture the model themselves",
-                      exc)
-        except Exception as exc:  # noqa: BLE001 - raised below, after the others were told to capture
-            failure = exc
-        broadcast_bytes(data, source, group, "captured program")
-        if failure is not None:
-            raise failure
+        def produce() -> tuple[Capture, bytes]:
+            cap = own if own is not None else make()
+            try:
+                return cap, (key.encode() + _SEP + wire.dumps(cap) if key is not None else b"")
+            except wire.WireError as exc:
+                log.debug("autotp: the capture is not sent to the other ranks (%s); they capture the model "
+                          "themselves", exc)
+                return cap, b""
+
+        cap, data = sent_from_source(produce, source, group, "captured program")
         _counts["sent"] += bool(data)
         return cap
     data = broadcast_bytes(b"", source, group, "captured program")

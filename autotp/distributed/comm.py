@@ -225,3 +225,19 @@ def broadcast_bytes(data: bytes, source: int, group: Any, what: str) -> bytes:
     with _comm(f"broadcast of the {what}", group):
         dist.broadcast(buffer, src=source, group=group)
     return data or buffer.numpy().tobytes()
+
+
+def sent_from_source(produce: Any, source: int, group: Any, what: str) -> tuple[Any, bytes]:
+    """The sending rank's side of a one-to-all exchange (a capture, a plan's choices):
+    ``produce()`` returns (result, the bytes to send); they are broadcast (none where it raised),
+    then its error is raised. The others, sent nothing, do the work themselves and fail as they
+    fail, so every rank passes through the broadcast once whatever happens."""
+    failure, result, data = None, None, b""
+    try:
+        result, data = produce()
+    except Exception as exc:  # noqa: BLE001 - raised below, after the others were told
+        failure = exc
+    broadcast_bytes(data, source, group, what)
+    if failure is not None:
+        raise failure
+    return result, data

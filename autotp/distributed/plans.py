@@ -19,11 +19,11 @@ its own, after the capture's (a rank whose capture failed never reaches it, nor 
 """
 from __future__ import annotations
 
+import json
 import logging
-import pickle
 from typing import Any, Callable
 
-from .comm import broadcast_bytes
+from .comm import broadcast_bytes, sent_from_source
 
 __all__ = ["planned_once", "stats"]
 
@@ -41,7 +41,8 @@ def stats() -> dict[str, int]:
 
 def planned_once(mesh: Any, make: Callable[[Any], Any], share: Callable[[Any], Any]) -> Any:
     """``make(None)`` (the search) on TP rank 0; ``make(given)`` on the others, where ``given`` is
-    ``share(result)`` of rank 0's result (what it chose), or ``make(None)`` where that fails.
+    ``share(result)`` of rank 0's result (what it chose, as JSON's values: autotp loads no
+    pickle), or ``make(None)`` where that fails.
     Every rank of the TP group must call this together, once, with nothing before it that may
     fail on one rank alone (module docstring)."""
     group = getattr(mesh, "control_group", None)
@@ -49,25 +50,21 @@ def planned_once(mesh: Any, make: Callable[[Any], Any], share: Callable[[Any], A
         return make(None)
     source = mesh.tp_ranks[0]
     if mesh.tp_rank == 0:
-        failure, data = None, b""
-        try:
+        def produce() -> tuple[Any, bytes]:
             result = make(None)
-        except Exception as exc:  # noqa: BLE001 - raised below, after the others were told to plan
-            failure = exc
-        if failure is None:
             try:
-                data = pickle.dumps(share(result))
+                return result, json.dumps(share(result)).encode()
             except Exception as exc:  # noqa: BLE001 - the others plan themselves: the same plan
                 log.debug("autotp: the plan is not sent to the other ranks (%s); they plan themselves", exc)
-        broadcast_bytes(data, source, group, "plan decided")
-        if failure is not None:
-            raise failure
+                return result, b""
+
+        result, data = sent_from_source(produce, source, group, "plan decided")
         _counts["sent"] += bool(data)
         return result
     data = broadcast_bytes(b"", source, group, "plan decided")
     if data:
         try:
-            result = make(pickle.loads(data))
+            result = make(json.loads(data))
             _counts["rebuilt"] += 1
             return result
         except Exception as exc:  # noqa: BLE001 - a plan this rank cannot rebuild: it searches itself

@@ -79,6 +79,10 @@ class Propagation:
     update_s: float = 0.0          # ... of compute_s: the optimizer step on the parameters held
     infeasible: str | None = None
     pending: tuple | None = None   # (op, number of strategies): where an exploring walk stopped
+    #: op name -> the index of the strategy it took among those its inputs' placements offered it
+    #: (what ``forced`` gives): the walk replayed elsewhere from names alone (a plan sent to
+    #: another rank, :class:`autotp.planner.planner.Decided`)
+    picked: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_s(self) -> float:
@@ -1320,7 +1324,7 @@ def grad_nodes(cap: Capture) -> frozenset[fx.Node]:
 
 
 def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: DeviceProfile,
-              forced: Mapping[fx.Node, int | Strategy] | None = None, explore: bool = False,
+              forced: Mapping[fx.Node, int] | None = None, explore: bool = False,
               exact: bool = False) -> Propagation:
     """See the module docstring. ``decisions`` maps parameter placeholder names to placements:
     a plain ``Shard(d)`` decides the dim alone (a layout's "column", "row"), its blocks and atoms
@@ -1328,15 +1332,15 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
     must hold as they are: plain runs of single elements where the plan says so).
 
     ``forced`` (the solver's answer) gives, for every op, the index of its strategy in its
-    rule's list, or the strategy itself (one equal to it among those its inputs' placements
-    offer: a plan made on another rank, :mod:`autotp.distributed.plans`); without it each op
-    greedily takes its cheapest strategy. With ``explore`` the
+    rule's list; without it each op greedily takes its cheapest strategy (the index each op took
+    either way is the result's ``picked``). With ``explore`` the
     walk stops at the first op ``forced`` has no choice for and reports it in ``pending``
     (tests enumerate the whole decision space this way)."""
     tp = index.tp
     cap = index.capture
     place: dict[fx.Node, Any] = {}
     chosen: dict[fx.Node, Strategy] = {}
+    picked: dict[str, int] = {}   # op name -> the index of its strategy among those offered it
     unresolved: dict[fx.Node, Any] = {}   # param node -> None (free) or Shard(d) (dim decided)
     params: dict[str, Placement] = {}
     conversions: dict[tuple, str] = {}
@@ -1428,21 +1432,15 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
         info = index.infos[node]
         inputs = index.tensor_inputs[node]
         actual = tuple(place[i] for i in inputs)
-        options = index.strategies(node, actual)
+        options = offered = index.strategies(node, actual)
         if forced is not None:
             j = forced.get(node)
             if j is None and explore:
                 return Propagation(tp, place, chosen, params, conversions, _listed(comms), compute, comm, memory,
                                    activations, pending=(node, len(options)))
-            if isinstance(j, Strategy):
-                options = [s for s in options if s == j][:1]
-                if not options:
-                    return infeasible(f"the strategy {j} given for {node.name} is not among those its inputs "
-                                      f"{list(actual)} offer")
-            elif j is None or j >= len(options):
+            if j is None or j >= len(options):
                 return infeasible(f"the solver's strategy {j} for {node.name} is not among its {len(options)}")
-            else:
-                options = [options[j]]
+            options = [options[j]]
         elif node in index.written_roots:
             # a tensor written in place through a view later, which no conversion may reach
             # (GraphIndex.moves_written): whole, which every write can take, or split where the
@@ -1492,6 +1490,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
         if best is None:
             return infeasible(f"no strategy fits {node.name} ({node.target}) with inputs {list(actual)}")
         chosen[node] = best
+        picked[node.name] = next(j for j, s in enumerate(offered) if s is best)
         compute += index.compute_time(node, best, profile)
         kept_now = index.activation_bytes(node, best, profile, frozenset(
             i for i, (inp, meta, want) in enumerate(zip(inputs, info.inputs, best.inputs))
@@ -1528,7 +1527,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
             memory += param_memory(index, profile, node, REPLICATE)
             update += param_update_seconds(index, profile, node, REPLICATE)
     return Propagation(tp, place, chosen, params, conversions, _listed(comms), compute + update, comm, memory,
-                       activations, update_s=update)
+                       activations, update_s=update, picked=picked)
 
 
 class _Gathers:

@@ -8,7 +8,7 @@ of sequence parallelism are :mod:`.sequence`'s, those of memory and of what stay
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Mapping
 
 from ..capture import Capture, gc_paused, module_path
@@ -20,8 +20,7 @@ from ..passes.norms import find_norms, fuse_norms as norms_fused, norms_note
 from ..passes.pins import unholdable_pin
 from ..passes.products import products_note
 from ..passes.propagate import GraphIndex, Propagation, propagate
-from ..passes.row_scales import moved
-from ..passes.rules import Strategy
+from ..passes.row_scales import RowScale, moved
 from ..passes.solve import solve
 from ..placements import REPLICATE, Placement
 from ..plan.arguments import PlanArguments
@@ -329,12 +328,15 @@ def _written(cap: Capture, index: GraphIndex, prop: Propagation, prof: Any, batc
     dtype_bytes = next(iter(n.meta["val"].element_size() for n in cap.graph.nodes
                             if n.op == "placeholder" and n.name in cap.param_names), 4)
     result = Plan(tp=tp, profile=prof.name, batch=batch, seq=seq, params=params, shapes=shapes, roles=roles,
-                  comms=comms, compute_s=prop.compute_s, comm_s=prop.comm_s, optimizer_s=prop.update_s,
-                  dtype_bytes=dtype_bytes,
+                  # plain floats: a cost an expression of the shapes left unevaluated is a sympy number
+                  # (an inference program's), which the plan's JSON cannot hold
+                  comms=comms, compute_s=float(prop.compute_s), comm_s=float(prop.comm_s),
+                  optimizer_s=float(prop.update_s), dtype_bytes=dtype_bytes,
                   aliases=dict(cap.aliases),
                   sharded_outputs={names[i]: prop.placements[n] for i, n in enumerate(cap.output_nodes)
                                    if index.keeps_split(i, n, prop.placements.get(n))},
-                  memory_bytes=prop.memory_bytes, activation_bytes=prop.activation_bytes, memory_limit=limit,
+                  memory_bytes=float(prop.memory_bytes), activation_bytes=float(prop.activation_bytes),
+                  memory_limit=limit,
                   expressions=(cost_expressions(index, prop, prof) if plan is None
                                else DeferredExpressions(lambda: cost_expressions(index, prop, prof))),
                   notes=notes,
@@ -391,23 +393,36 @@ class Decided:
     """What a plan's search chose (:func:`decided`), enough for another rank of the group to
     rebuild the same plan, graph index and propagation of the same capture without searching
     (``build_plan(..., decided=)``; :mod:`autotp.distributed.plans`): the plan itself; the sibling
-    products' sets kept apart (``apart``, None where none was looked for) and the row scales moved
-    (``scales``), which make the capture planned from the one given; each op's strategy by name;
-    and the propagation's :func:`digest`, which the rebuilt one must match. ``deferred``: the
-    plan's cost expressions are left to the rebuilding rank (computed when first read)."""
+    products' sets kept apart (``apart``, by their products' names; None where none was looked
+    for) and the row scales moved (``scales``), which make the capture planned from the one given;
+    each op's strategy, by its index among those offered it (``Propagation.picked``); and the
+    propagation's :func:`digest`, which the rebuilt one must match. ``deferred``: the plan's cost
+    expressions are left to the rebuilding rank (computed when first read). It travels as JSON
+    (:meth:`to_json`): autotp loads no pickle."""
     plan: Plan
     apart: frozenset | None
     scales: tuple
-    strategies: dict[str, Strategy]
+    picked: dict[str, int]
     digest: str
     deferred: bool
+
+    def to_json(self) -> dict:
+        return {"plan": self.plan.to_json(), "apart": None if self.apart is None else sorted(self.apart),
+                "scales": [asdict(scale) for scale in self.scales], "picked": self.picked, "digest": self.digest,
+                "deferred": self.deferred}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> "Decided":
+        apart = None if doc["apart"] is None else frozenset(tuple(key) for key in doc["apart"])
+        return cls(Plan.from_json(doc["plan"]), apart, tuple(RowScale(**scale) for scale in doc["scales"]),
+                   {str(k): int(v) for k, v in doc["picked"].items()}, str(doc["digest"]), bool(doc["deferred"]))
 
 
 def decided(plan: Plan, index: GraphIndex, prop: Propagation) -> Decided:
     """What :func:`build_plan` chose for ``plan`` (its index and propagation), to send."""
     deferred = isinstance(plan.expressions, DeferredExpressions)
     return Decided(replace(plan, expressions={}) if deferred else plan, index.apart, index.moved_scales,
-                   {node.name: strategy for node, strategy in prop.chosen.items()}, digest(index, prop), deferred)
+                   dict(prop.picked), digest(index, prop), deferred)
 
 
 def digest(index: GraphIndex, prop: Propagation) -> str:
@@ -431,10 +446,10 @@ def _rebuilt(index: GraphIndex, prof: Any, pinned: Mapping[str, Placement], plan
         index = index_of(moved(index.capture, list(given.scales)))
         index.moved_scales = given.scales
     nodes = {n.name: n for n in index.capture.graph.nodes}
-    unknown = [name for name in given.strategies if name not in nodes]
+    unknown = [name for name in given.picked if name not in nodes]
     if unknown:
         raise PlanError(f"the plan decided elsewhere names {unknown[0]}, which is no op of this capture")
-    prop = propagate(index, pinned, prof, forced={nodes[name]: s for name, s in given.strategies.items()},
+    prop = propagate(index, pinned, prof, forced={nodes[name]: j for name, j in given.picked.items()},
                      exact=plan is not None)
     if prop.infeasible:
         raise PlanError(f"the plan decided elsewhere does not replay here: {prop.infeasible}")
