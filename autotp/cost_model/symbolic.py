@@ -92,17 +92,24 @@ def _metas(out: Any) -> list[TensorMeta]:
 
 # ---- evaluation -------------------------------------------------------------------------------
 def evaluate(expr: sympy.Expr, env: Mapping[sympy.Symbol, int]) -> float:
-    return _evaluate(expr, tuple(sorted(env.items(), key=lambda kv: str(kv[0]))))
+    # the workload in one order, by the symbols' names (str() of a symbol runs sympy's printer:
+    # a tenth of the solver's seconds went to it)
+    return _evaluate(expr, tuple(sorted(env.items(), key=_symbol_name)))
+
+
+def _symbol_name(item: tuple) -> str:
+    sym = item[0]
+    return sym.name if isinstance(sym, sympy.Symbol) else str(sym)
 
 
 @lru_cache(maxsize=65536)
 def _evaluate(expr: sympy.Expr, env: tuple) -> float:
     if expr.free_symbols:
-        expr = expr.subs(dict(env))
+        expr = sympy.sympify(expr.xreplace(dict(env)))   # subs' generality costs five times more
         if expr.free_symbols:   # a size neither the workload nor the example fixes: priced at 1
             log.info("autotp: the cost model prices %s at 1 (no workload value for %s)", expr,
                      sorted(map(str, expr.free_symbols)))
-            expr = expr.subs({sym: 1 for sym in expr.free_symbols})
+            expr = expr.xreplace({sym: 1 for sym in expr.free_symbols})
     return float(expr)
 
 

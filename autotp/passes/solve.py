@@ -336,11 +336,11 @@ class _Solver:
             nxt: dict = {}
             for key, front in states.items():
                 state = dict(key)
+                kept = state
+                if dying:   # the tensors this op reads last leave every state it makes
+                    kept = {n: lab for n, lab in key if n not in dying}
                 for j, dt, dm, labels, placed in self.step(node, state):
-                    new = dict(state)
-                    for n in dying:
-                        new.pop(n, None)
-                    new.update(labels)
+                    new = {**kept, **labels} if labels else kept
                     # a state's key lists its tensors in graph order: the op's output comes last,
                     # a parameter it places (a placeholder) goes before the rest
                     nkey = tuple(sorted(new.items(), key=lambda kv: pos[kv[0]])) if placed else tuple(new.items())
