@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch import fx
 
@@ -58,6 +59,8 @@ def _programs(seed: int) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+@pytest.mark.slow   # 30-40 s: two fresh interpreters; the fast tier's ranks compare their programs in every
+# e2e test (the agreement check), and tests/e2e/test_torchrun.py runs ranks with their own hash seeds
 def test_processes_with_other_hash_seeds_build_the_same_programs():
     runs = {seed: _programs(seed) for seed in SEEDS}
     got = {}

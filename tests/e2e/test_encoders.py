@@ -58,6 +58,8 @@ def t5_lengths_match_serial(cases: list) -> tuple[list, int]:
     return worst, len(pm.programs)
 
 
+@pytest.mark.slow   # 20 s on two cores; the fast tier runs T5 against serial (tests/e2e/test_families.py,
+# tests/e2e/test_sequence_parallel_gathers.py)
 def test_an_encoder_decoder_takes_source_and_target_of_different_lengths(cluster_of):
     # Translation and summarization feed a source and a target of their own lengths. The first
     # program is captured with labels of another length than the ids (one symbol each), so it

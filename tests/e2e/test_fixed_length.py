@@ -66,6 +66,8 @@ def test_a_program_fixed_to_one_length_equals_serial_there_and_other_lengths_get
         assert got == serial
 
 
+@pytest.mark.slow   # 25-33 s on two cores; the fast tier forces it on a length export fixed, against serial
+# (tests/runtime/test_sequence_forced_programs.py)
 def test_sequence_parallelism_forced_splits_a_length_the_program_holds_fixed(cluster_of):
     # Mamba's program holds the length as a number: before, sequence_parallel=True found no dynamic
     # sequence dim and planned every program by cost, unsaid (no reduce-scatter along s anywhere).

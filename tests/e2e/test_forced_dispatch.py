@@ -60,7 +60,10 @@ def _assert_equals_serial(cluster_of, case: dict) -> None:
         assert result["generate"], (case, rank, "greedy generate differs from serial")
 
 
-@pytest.mark.parametrize("tp, seq, seed", [(2, 7, 1), pytest.param(3, 8, 2, marks=pytest.mark.slow)])
+# slow tier: 20 s on two cores; the fast tier runs the all-to-all dispatch against serial compiled
+# (tests/e2e/test_compile.py) and builds a forced dispatch plan's programs (tests/runtime/test_plan_arguments.py)
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, seq, seed", [(2, 7, 1), (3, 8, 2)])
 def test_a_forced_dispatch_summed_whole_equals_serial(cluster_of, tp, seq, seed):
     _assert_equals_serial(cluster_of, _case(tp, seq, seed))
 

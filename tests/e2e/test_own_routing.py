@@ -79,7 +79,11 @@ def check_own_routing(case: dict) -> dict:
             "bound": tolerance(model, batch)}
 
 
-@pytest.mark.parametrize("tp, seq, seed", [(2, 7, 1), pytest.param(3, 8, 2, marks=pytest.mark.slow)])
+# slow tier: 25 s on two cores; the fast tier runs a rank routing its own rows against serial
+# (tests/e2e/test_experts.py, mixtral-etp-tokens-own-routing-offered) and plans gpt-oss's own routing
+# (tests/passes/test_experts_dispatch_plan.py)
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, seq, seed", [(2, 7, 1), (3, 8, 2)])
 def test_a_rank_routing_its_own_rows_picks_gpt_oss_biases_as_serial(cluster_of, tp, seq, seed):
     for rank, result in enumerate(cluster_of(tp).run(check_own_routing, dict(tp=tp, seq=seq, seed=seed))):
         assert {"RouteLocally", "sorted_pick", "DispatchRows", "CombineRows"} <= set(result["ran"]), (rank, result["ran"])

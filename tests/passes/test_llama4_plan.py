@@ -6,6 +6,7 @@ before, the rules did not see them as experts: gate|up was split on its hidden s
 whole on every rank, 0.42 of the expert bytes per rank where every other MoE got 1/8."""
 from functools import lru_cache
 
+import pytest
 import torch
 
 import autotp
@@ -20,6 +21,8 @@ def _plan():
     return autotp.plan(model, tp=8)
 
 
+@pytest.mark.slow   # 13 s; the fast tier runs Llama-4's experts split against serial on every call
+# (tests/e2e/test_llama4.py) and plans Scout's shared expert and attention at real size (below)
 def test_llama4_scout_plans_its_experts_at_an_eighth_per_rank():
     plan = _plan()
     stacks = {n: s for n, s in plan.shapes.items() if ".experts." in n}

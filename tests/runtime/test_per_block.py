@@ -128,6 +128,8 @@ def _through_the_stack(path: str, tp: int) -> dict:
             "worst": max(errors.values()), "norm": (serial, got), "loaded": loaded}
 
 
+@pytest.mark.slow   # 19 s on two cores; the fast tier clips and checkpoints a tailed layout's rows
+# (tests/runtime/test_tailed_layouts.py) and deals per-block shards (above)
 def test_fewer_groups_and_heads_than_ranks_match_serial_through_clip_and_dcp(cluster, tmp_path):
     # 2 groups of 3 query heads at tp=4: sets of 2 ranks, a group's heads dealt 2 + 1 (the next
     # layer rotates which rank takes 2)
