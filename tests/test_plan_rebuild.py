@@ -70,3 +70,15 @@ def test_what_does_not_rebuild_is_a_plan_error():
     # another workload prices it otherwise: the same strategies, other costs
     with pytest.raises(PlanError, match="other placements"):
         build_plan(cap, 2, batch=16, seq=64, decided=_sent(*made))
+
+
+def test_a_fused_multi_query_projection_rebuilds():
+    """Falcon's fused q|k|v with fewer kv heads than query heads: its conversions' keys hold f
+    flags of two types (a bool, a kind's name), which the digest once sorted together and failed
+    on: the plan was then never sent, and every rank searched it (autotp/distributed/plans.py)."""
+    config = zoo.tiny_config("falcon-new", heads=8, kv_heads=2, layers=2, head_dim=4)
+    cap = capture_cache.capture(zoo.build("falcon-new", config, dtype=torch.float32))
+    kwargs = dict(batch=64, seq=2048, profile="h100-dgx")
+    for tp in (2, 4):
+        made = build_plan(cap, tp, **kwargs)
+        _same(made, build_plan(cap, tp, decided=_sent(*made), **kwargs))

@@ -432,7 +432,9 @@ def digest(index: GraphIndex, prop: Propagation) -> str:
     for node in index.capture.graph.nodes:
         h.update(f"{node.name}:{prop.placements.get(node)!r};".encode())
     h.update(repr(sorted(prop.params.items())).encode())
-    h.update(repr(sorted((node.name, repr(dst), f, kind) for (node, dst, f), kind in prop.conversions.items())).encode())
+    # (an f flag and a kind may be of several types: each as its repr, so that any two compare)
+    h.update(repr(sorted((node.name, repr(dst), repr(f), repr(kind))
+                         for (node, dst, f), kind in prop.conversions.items())).encode())
     h.update(repr(prop.comms).encode())
     h.update(repr((prop.compute_s, prop.comm_s, prop.memory_bytes, prop.activation_bytes, prop.update_s)).encode())
     return h.hexdigest()
