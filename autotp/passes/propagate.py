@@ -1118,7 +1118,10 @@ def internal_copy_seconds(kind: str, full: Any, profile: DeviceProfile, rows: An
     from ..cost_model.routing import gathered_rows_layout_work
 
     work = gathered_rows_layout_work(rows, full, tp)
-    return sum(b / profile.bandwidth(cls) for cls, b in work.moved) + work.launches * profile.launch_s
+    seconds = sympy.sympify(sum(b / profile.bandwidth(cls) for cls, b in work.moved) + work.launches * profile.launch_s)
+    # a number as a float: the solver adds it to every state's time (a sympy Float's arithmetic,
+    # there, cost a tenth of a plan's search)
+    return seconds if seconds.free_symbols else float(seconds)
 
 
 def sends_own_order(strat: Strategy) -> bool:

@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import operator
 from dataclasses import dataclass
+from itertools import compress, repeat
 from typing import Any, Mapping
 
 import torch
@@ -85,6 +86,9 @@ class Solution:
             log.warning("autotp: the plan's search kept the %d cheapest of its states from %s on (%d tensors live "
                         "at once there, a sequence loop unrolled by capture, say): the plan is valid but not proven "
                         "the cheapest", MAX_STATES, *self.pruned)
+
+
+_tensor = operator.itemgetter(0)   # a state key's (tensor, label) pair's tensor
 
 
 # An entry of a DP state's front: (time, memory, choice, previous entry). ``choice`` is
@@ -188,6 +192,7 @@ class _Solver:
         self.settle_at = sorted((max((self.pos[u] for u in n.users if u is not out), default=self.pos[n]), self.pos[n], n)
                                 for n in self.out_leaves)
         self.steps: dict = {}   # (op, its inputs' labels) -> step's result: the rest of a state never matters
+        self.inputs_of: dict = {}   # op -> the tensors step() reads the labels of
         # A state maps each live tensor to a label (placement, conversions paid), held as its
         # number in ``labels``: states key dicts per transition, and numbers hash without calls
         self.labels: list = []
@@ -203,21 +208,28 @@ class _Solver:
         return found
 
     # ---- one op --------------------------------------------------------------------------
-    def step(self, node: fx.Node, state: dict) -> list[tuple[int, float, float, dict, bool]]:
+    def step(self, node: fx.Node, state: dict) -> list[tuple[int, float, float, dict, tuple, bool]]:
         """Each feasible strategy of ``node`` from ``state`` (tensor -> label number): (index,
-        seconds, bytes, the label numbers it sets that outlive it, whether one of them is a
-        parameter it places). Only the labels of the op's inputs matter, so the result is kept
-        per (op, those labels)."""
-        inputs = (node.args[0],) if node.target is operator.getitem else self.index.tensor_inputs[node]
-        key = (node, tuple(state.get(i) for i in inputs))
+        seconds, bytes, the new label numbers it sets of tensors the state holds, the (tensor,
+        label number) pairs it adds to the state in order, whether one of those is a parameter
+        it places); only what outlives the op. Only the labels of the op's inputs matter, so the
+        result is kept per (op, those labels)."""
+        inputs = self.inputs_of.get(node)
+        if inputs is None:
+            inputs = self.inputs_of[node] = \
+                (node.args[0],) if node.target is operator.getitem else tuple(self.index.tensor_inputs[node])
+        key = (node, tuple(map(state.get, inputs)))
         found = self.steps.get(key)
         if found is None:
             seen = {i: self.labels[state[i]] for i in inputs if i in state}
             p, last = self.pos[node], self.last_use
-            found = self.steps[key] = [
-                (j, dt, dm, {n: self.label_id(lab) for n, lab in labels.items() if last[n] > p},
-                 any(n not in seen and n is not node and last[n] > p for n in labels))
-                for j, dt, dm, labels in self._step(node, seen)]
+            found = []
+            for j, dt, dm, labels in self._step(node, seen):
+                kept = [(n, self.label_id(lab)) for n, lab in labels.items() if last[n] > p]
+                found.append((j, dt, dm, {n: lab for n, lab in kept if n in seen},
+                              tuple((n, lab) for n, lab in kept if n not in seen),
+                              any(n not in seen and n is not node for n, _ in kept)))
+            self.steps[key] = found
         return found
 
     def _step(self, node: fx.Node, state: dict) -> list[tuple[int, float, float, dict]]:
@@ -330,20 +342,23 @@ class _Solver:
         """Advance ``states`` (frozen state -> front) over ``nodes`` one op at a time; when no
         state survives, raise (or, with ``raise_empty=False``, return nothing)."""
         pos = self.pos
+        bound = None if self.limit is None else self.limit * (1 + 1e-12)
         for node in nodes:
             p = pos[node]
             dying = self.dies_at.get(p, ())
+            stays = dict.fromkeys(dying, False)   # tensor -> whether it stays; absent: it does
             nxt: dict = {}
             for key, front in states.items():
-                state = dict(key)
-                kept = state
-                if dying:   # the tensors this op reads last leave every state it makes
-                    kept = {n: lab for n, lab in key if n not in dying}
-                for j, dt, dm, labels, placed in self.step(node, state):
-                    new = {**kept, **labels} if labels else kept
-                    # a state's key lists its tensors in graph order: the op's output comes last,
-                    # a parameter it places (a placeholder) goes before the rest
-                    nkey = tuple(sorted(new.items(), key=lambda kv: pos[kv[0]])) if placed else tuple(new.items())
+                # the tensors this op reads last leave every state it makes (filtered in C: the
+                # DP's innermost loop)
+                kept = tuple(compress(key, map(stays.get, map(_tensor, key), repeat(True)))) if dying else key
+                for j, dt, dm, relabelled, added, placed in self.step(node, dict(key)):
+                    # a state's key lists its tensors in graph order: a tensor it holds keeps its
+                    # place, the op's output comes last, a parameter it places (a placeholder)
+                    # goes before the rest
+                    nkey = tuple((n, relabelled.get(n, lab)) for n, lab in kept) if relabelled else kept
+                    if added:
+                        nkey = tuple(sorted(nkey + added, key=lambda kv: pos[kv[0]])) if placed else nkey + added
                     if not self.keep_front:   # one entry per state: the fastest (ties: the first found)
                         e = front[0]
                         t, m = e[0] + dt, e[1] + dm
@@ -353,7 +368,7 @@ class _Solver:
                         continue
                     for e in front:
                         t, m = e[0] + dt, e[1] + dm
-                        if self.limit is not None and m + self.memory0 > self.limit * (1 + 1e-12):
+                        if bound is not None and m + self.memory0 > bound:
                             continue
                         nxt[nkey] = _pareto_add(nxt.get(nkey, []), (t, m, (node, j), e), self.keep_front)
             if len(nxt) > MAX_STATES:
