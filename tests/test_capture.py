@@ -76,6 +76,7 @@ def exports(monkeypatch) -> list:
     import autotp.capture.export as capture_module
 
     monkeypatch.setattr(capture_module, "_NARROWED", collections.OrderedDict())
+    monkeypatch.setattr(capture_module, "_UNNAMED_KINDS", {})
     seen: list = []
     real_export = torch.export.export
     monkeypatch.setattr(torch.export, "export",
@@ -173,6 +174,50 @@ def test_a_chunked_scan_is_dynamic_in_the_length_over_its_chunk_count(exports):
     longer = capture(_ChunkedScan(), example_kwargs={"input_ids": ids[:, :20]})
     assert longer.fixed_dims == {} and len(exports) == 3   # the unnamed dims of the first, at once
     assert [n for n in range(2, 41) if fits(longer, n)] == list(range(17, 32))
+
+
+def test_another_config_of_a_class_that_took_unnamed_dims_starts_there(exports):
+    # a config's first export (another chunk, another table) starts from the unnamed dims its class
+    # needed: one export, not a refused symbolic trace first, and the program a fresh capture makes
+    import autotp.capture.export as capture_module
+
+    ids = torch.randint(0, 16, (2, 11))
+    capture(_ChunkedScan(), example_kwargs={"input_ids": ids})
+    assert len(exports) == 2                                           # named (refused), unnamed
+    other = capture(_ChunkedScan(chunk=12, positions=36), example_kwargs={"input_ids": ids})
+    assert len(exports) == 3
+    capture_module._UNNAMED_KINDS.clear()
+    capture_module._NARROWED.clear()
+    fresh = capture(_ChunkedScan(chunk=12, positions=36), example_kwargs={"input_ids": ids})
+    assert len(exports) == 5                                           # fresh: refused, then unnamed
+    assert other.graph.python_code("self").src == fresh.graph.python_code("self").src
+    assert other.guards == fresh.guards and other.range_constraints == fresh.range_constraints
+
+
+def test_unnamed_dims_refused_for_another_config_fall_back_to_those_asked(exports, monkeypatch):
+    # a class's unnamed dims are only a first try: refused for another config, its export goes on as
+    # asked (and the class is no longer started unnamed)
+    from torch.export.dynamic_shapes import _DimHint
+
+    import autotp.capture.export as capture_module
+
+    ids = torch.randint(0, 16, (2, 11))
+    capture(_ChunkedScan(), example_kwargs={"input_ids": ids})
+    counted = torch.export.export   # the fixture's counting export
+    refused = []
+
+    def refusing_once(*args, **kwargs):
+        if not refused and any(isinstance(d, _DimHint) for spec in kwargs["dynamic_shapes"].values()
+                               if isinstance(spec, dict) for d in spec.values()):
+            refused.append(1)
+            exports.append(kwargs["dynamic_shapes"])
+            raise RuntimeError("unnamed dims refused")
+        return counted(*args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", refusing_once)
+    cap = capture(_ChunkedScan(chunk=12, positions=36), example_kwargs={"input_ids": ids})
+    assert refused and len(exports) == 5 and cap.fixed_dims == {}   # unnamed (refused), named (refused), unnamed
+    assert capture_module._UNNAMED_KINDS   # learned again from this config's own export
 
 
 def test_a_forced_pin_is_taken_where_unnamed_dims_are_refused_too(exports, monkeypatch):
@@ -280,6 +325,7 @@ def test_a_capture_error_keeps_torchs_suggested_fix(monkeypatch):
 
     monkeypatch.setattr(capture_module, "EXPORT_REFINEMENTS", 0)   # no retry: the first violation surfaces
     monkeypatch.setattr(capture_module, "_NARROWED", collections.OrderedDict())   # nor a narrowing known before
+    monkeypatch.setattr(capture_module, "_UNNAMED_KINDS", {})
     config = zoo.tiny_config("t5", layers=1, heads=2, head_dim=4, vocab=40)
     with pytest.raises(CaptureError, match=r"(?s)torch suggests:.*seq1 = Dim\('seq1', min=3"):
         capture(zoo.build("t5", config, device="meta"))

@@ -232,6 +232,12 @@ def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: Any,
         if replayed is not None:
             dynamic_shapes, replaying = replayed, True
             log.debug("autotp: capture starts from the dims %s needed before", type(model).__name__)
+    kind = _unnamed_key(model, kwargs) if dynamic_shapes is not None else None
+    if not replaying and kind in _UNNAMED_KINDS and not _unnamed(asked):
+        relaxed = _unnamed_dims(asked)
+        if relaxed != asked:   # another config of a class whose scan refused named dims: start unnamed
+            dynamic_shapes, replaying = relaxed, True
+            log.debug("autotp: capture starts from unnamed dims, as %s needed before", type(model).__name__)
     attempt = 0
     pinned = None   # the pin torch forced from guards it could not prove, kept while unnamed dims are tried
     while True:
@@ -246,6 +252,10 @@ def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: Any,
                 _NARROWED.move_to_end(key)
                 while len(_NARROWED) > NARROWED_KEPT:
                     _NARROWED.popitem(last=False)
+            if kind is not None and _unnamed(dynamic_shapes) and not _unnamed(asked):
+                _UNNAMED_KINDS[kind] = None
+                while len(_UNNAMED_KINDS) > NARROWED_KEPT:
+                    _UNNAMED_KINDS.pop(next(iter(_UNNAMED_KINDS)))
             # traced with unnamed dims, export proved none of its guards over the range: the
             # Capture keeps them and a call is checked against them (capture.program.guards_hold)
             ep._autotp_unnamed = _unnamed(dynamic_shapes)
@@ -260,6 +270,7 @@ def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: Any,
                 log.debug("autotp: %s refuses the dims an equal model needed (%s); exporting as asked",
                           type(model).__name__, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
                 _NARROWED.pop(key, None)
+                _UNNAMED_KINDS.pop(kind, None)
                 dynamic_shapes, replaying = asked, False
                 continue
             fixes = _suggested_fixes(str(exc))
@@ -301,6 +312,22 @@ def _export(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: Any,
 #: once per chunk count. The newest NARROWED_KEPT are kept.
 _NARROWED: collections.OrderedDict = collections.OrderedDict()
 NARROWED_KEPT = 64
+
+#: the kinds of model (:func:`_unnamed_key`) whose export took unnamed dims where named ones were
+#: asked (a chunked scan's residue classes, Gated DeltaNet's padded chunks): the first export of
+#: another config of that class (a test's other widths, a sweep over heads) starts there instead of
+#: failing its symbolic trace first (Bamba's tiny mixer: 3-7 of a 6-10 s capture). Where unnamed dims
+#: fail for that config, it exports as asked and the kind is forgotten; where they hold, the program
+#: is the one a fresh capture's relaxation exports (the same dims). The newest NARROWED_KEPT are kept.
+_UNNAMED_KINDS: dict = {}
+
+
+def _unnamed_key(model: torch.nn.Module, kwargs: dict[str, Any]) -> tuple:
+    """The kind of export :data:`_UNNAMED_KINDS` remembers: the model's class (a wrapper's, with its
+    first child's: a generation step), train or eval, the tensor inputs' names."""
+    inner = next(iter(model.children()), None)
+    return (_qualname(type(model)), _qualname(type(inner)) if inner is not None else None, model.training,
+            tuple(sorted(n for n, v in kwargs.items() if isinstance(v, torch.Tensor))))
 
 
 def _narrowing_key(model: torch.nn.Module, kwargs: dict[str, Any], dynamic_shapes: Any, calls: tuple):

@@ -102,6 +102,7 @@ def dynamic_length_calls(family: str) -> dict:
     config._experts_implementation = "batched_mm"   # torch's grouped product takes no float64 on CPU
     model = zoo.build(family, config, dtype=torch.float64)
     capture_export._NARROWED.clear()   # no dims learned from an equal model earlier in this rank
+    capture_export._UNNAMED_KINDS.clear()   # nor from another config of its class
     exports, real_export = [], torch.export.export
     torch.export.export = lambda *a, **k: exports.append(1) or real_export(*a, **k)
     try:
