@@ -62,11 +62,12 @@ from .repeats import Layer, LayerFinder, Shift
 
 log = logging.getLogger(__name__)
 
-#: DP states kept after an op: a transformer's stay in the tens (the largest seen: Qwen1.5-MoE at tp 8,
-#: 400; DeepSeek-V3, 275); beyond this many (an unrolled
-#: scan's live outputs: Mamba at 8 tokens reaches 5120 after one layer, and doubles per token)
-#: the cheapest are kept and the solve is no longer exact
-MAX_STATES = 1024
+#: DP states kept after an op: a transformer's stay in the tens to thousands (at tp 8, the default
+#: workload, sequence parallelism offered, after dominated states go: Llama-3-8B and Mixtral-8x7B
+#: 1242, DeepSeek-V3 1382, Qwen1.5-MoE 4500, in the attention's rotary region); beyond this many
+#: (an unrolled scan's live outputs: Mamba at 8 tokens reaches 5120 after one layer, and doubles
+#: per token) the cheapest are kept and the solve is no longer exact
+MAX_STATES = 8192
 
 @dataclass
 class Solution:
