@@ -315,7 +315,7 @@ def test_mixtral_8x7b_is_solved_exactly_within_max_states(monkeypatch, caplog):
 def test_published_models_at_tp8_are_solved_exactly_at_the_default_workload(size, caplog):
     # the rotary region at the default workload with sequence parallelism offered: 1242 states after
     # the dominated ones go (a cap of 1024 cut them, and every default plan said it was not proven the
-    # cheapest); the cap holds them, and the plan is the one an uncut search finds
+    # cheapest); the cap (2048) holds them
     import autotp
     from autotp import zoo
 
