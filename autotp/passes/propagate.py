@@ -1117,10 +1117,14 @@ def internal_copy_seconds(kind: str, full: Any, profile: DeviceProfile, rows: An
         return 0.0
     from ..cost_model.routing import gathered_rows_layout_work
 
-    work = gathered_rows_layout_work(rows, full, tp)
+    return _work_seconds(gathered_rows_layout_work(rows, full, tp), profile)
+
+
+def _work_seconds(work: Any, profile: DeviceProfile) -> Any:
+    """Seconds of ``work``'s kernels (an ``OpWork``: bytes per kernel class, launches): an
+    expression in b and s for the plan's expressions, else a float (the solver adds it to every
+    state's time; a sympy number there turned that into sympy arithmetic, a tenth of a search)."""
     seconds = sympy.sympify(sum(b / profile.bandwidth(cls) for cls, b in work.moved) + work.launches * profile.launch_s)
-    # a number as a float: the solver adds it to every state's time (a sympy Float's arithmetic,
-    # there, cost a tenth of a plan's search)
     return seconds if seconds.free_symbols else float(seconds)
 
 
@@ -1145,9 +1149,7 @@ def dispatched_rows_seconds(full: Any, rows: Any, profile: DeviceProfile, tp: in
     if tp <= 1:
         return 0.0
     whole = full if share is None else full / (share * tp)   # a share is at least 1/tp: the largest of tp
-    work = dispatched_rows_work(whole, rows, tp, share, grad, alone)
-    seconds = sympy.sympify(sum(b / profile.bandwidth(cls) for cls, b in work.moved) + work.launches * profile.launch_s)
-    return seconds if seconds.free_symbols else float(seconds)   # in b and s for the plan's expressions alone
+    return _work_seconds(dispatched_rows_work(whole, rows, tp, share, grad, alone), profile)
 
 
 def param_memory(index: "GraphIndex", profile: DeviceProfile, node: fx.Node, placement: Any) -> float:
