@@ -87,8 +87,9 @@ class Solution:
         """Log that the search was cut (:data:`MAX_STATES`), where it was."""
         if self.pruned is not None:
             log.warning("autotp: the plan's search kept the %d cheapest of its states from %s on (%d tensors live "
-                        "at once there, a sequence loop unrolled by capture, say): the plan is valid but not proven "
-                        "the cheapest", MAX_STATES, *self.pruned)
+                        "at once there, each with placements of its own: a rotary region of a wide attention, a "
+                        "sequence loop unrolled by capture): the plan is valid but not proven the cheapest",
+                        MAX_STATES, *self.pruned)
 
 
 _tensor = operator.itemgetter(0)   # a state key's (tensor, label) pair's tensor
