@@ -1,4 +1,5 @@
 """Shared fixtures: one set of local gloo ranks for the whole session (spawning costs seconds)."""
+import gc
 import os
 import shutil
 import tempfile
@@ -67,6 +68,12 @@ TASK_TIMEOUT = 120.0 * WORKERS
 preload("transformers", *zoo.modeling_modules(), "torch.export", "torch.distributed.tensor",
         "torch.distributed.checkpoint", "torch.distributed.pipelining", "torch.distributed.fsdp",
         "hypothesis", "pytest")
+
+# the modules imported so far (torch, transformers, autotp, the modeling modules: some 400 thousand
+# objects) live as long as the session: out of the collector's reach, a full collection walks only
+# what the tests make (0.2-0.4 s each before, several a minute in a worker). The ranks' fork server
+# does the same (autotp/distributed/frozen.py)
+gc.freeze()
 
 
 @pytest.fixture(scope="session")

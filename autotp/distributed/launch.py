@@ -77,7 +77,8 @@ def _context():
         raise ConfigError(f"AUTOTP_START_METHOD={method!r}: choose forkserver or spawn")
     if method == "forkserver" and sys.platform == "linux" and "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(list(_PRELOAD))
+        # the last import freezes what the others made (autotp/distributed/frozen.py)
+        ctx.set_forkserver_preload(list(_PRELOAD) + ["autotp.distributed.frozen"])
         return ctx
     return mp.get_context("spawn")
 

@@ -79,9 +79,12 @@ def rank1_never_joins_the_all_reduce() -> None:
 
 
 def start_state(name: str) -> tuple:
+    import gc
     import sys
 
-    return os.environ.get(name), "transformers" in sys.modules, torch.get_num_threads()
+    # the server's imports frozen out of the collector's reach (autotp/distributed/frozen.py)
+    frozen = gc.get_freeze_count() > 50_000
+    return os.environ.get(name), "transformers" in sys.modules, torch.get_num_threads(), frozen
 
 
 # ---------------------------------------------------------------- launch
@@ -93,10 +96,11 @@ def test_launch_returns_per_rank_results_in_rank_order():
 def test_ranks_get_the_callers_environment_of_now_and_start_from_the_preloaded_server(monkeypatch):
     launch(rank_info, 1, "the fork server is running from here on")
     monkeypatch.setenv("AUTOTP_TEST_LATE_VARIABLE", "set after the server started")
-    # conftest preloads transformers: a rank has it without importing it; one thread per rank
-    assert launch(start_state, 2, "AUTOTP_TEST_LATE_VARIABLE") == [("set after the server started", True, 1)] * 2
+    # conftest preloads transformers: a rank has it without importing it, and the collector does not
+    # walk it (frozen); one thread per rank
+    assert launch(start_state, 2, "AUTOTP_TEST_LATE_VARIABLE") == [("set after the server started", True, 1, True)] * 2
     monkeypatch.setenv("AUTOTP_START_METHOD", "spawn")   # a fresh interpreter: nothing preloaded
-    assert launch(start_state, 1, "AUTOTP_TEST_LATE_VARIABLE") == [("set after the server started", False, 1)]
+    assert launch(start_state, 1, "AUTOTP_TEST_LATE_VARIABLE") == [("set after the server started", False, 1, False)]
     monkeypatch.setenv("AUTOTP_START_METHOD", "fork")
     with pytest.raises(ConfigError, match="AUTOTP_START_METHOD='fork': choose forkserver or spawn"):
         launch(rank_info, 1, "x")
