@@ -11,7 +11,6 @@ Equivalence with the serial model (forward and every gradient) runs on gloo rank
 """
 from __future__ import annotations
 
-import functools
 import logging
 
 import pytest
@@ -20,7 +19,7 @@ import torch
 import autotp
 from autotp import zoo
 from autotp.planner import build_plan
-from autotp.capture import capture, module_path
+from autotp.capture import cache as capture_cache, capture, module_path
 from autotp.testing import TOLERANCE, equivalence_errors, keep_loss_precision
 
 aten = torch.ops.aten
@@ -65,10 +64,11 @@ def _attention_nodes(graph) -> list:
     return out
 
 
-@functools.lru_cache(maxsize=None)
 def _captured(family: str, heads: int, kv: int | None):
-    """One capture per model, shared by its tps (a capture is most of such a case's time)."""
-    return capture(_model(family, heads, kv)[1])
+    """One capture per structure, shared by the cases of its tps and the tests of one config
+    (autotp.capture.cache: a capture is most of such a case's time, and autotp.plan reads the same
+    entry)."""
+    return capture_cache.capture(_model(family, heads, kv)[1])
 
 
 @pytest.mark.parametrize("family, tp, heads, kv", [
@@ -114,8 +114,7 @@ def test_rotary_cat_costs_no_collective_in_llama():
 def test_kv_heads_dividing_tp_meet_the_query_heads_without_a_conversion(heads, kv, tp):
     # k split by kv heads, expanded by repeat_kv and reshaped: S(1/n_rep) on the query heads,
     # which same_placement finds equal to q's S(1).
-    _, model = _model("llama", heads, kv)
-    cap = capture(model)
+    cap = _captured("llama", heads, kv)
     _, _, prop = build_plan(cap, tp, **WORKLOAD)
     for node in _attention_nodes(cap.graph):
         assert [c for c in prop.comms if c.consumer == node.name] == []
@@ -123,8 +122,7 @@ def test_kv_heads_dividing_tp_meet_the_query_heads_without_a_conversion(heads, k
 
 @pytest.mark.parametrize("heads, kv, tp", [(8, 2, 4), (8, 2, 8), (6, 2, 4), (8, 1, 2)])
 def test_fewer_kv_heads_than_ranks_replicates_kv_and_slices_it_to_the_query_heads(heads, kv, tp):
-    _, model = _model("llama", heads, kv)
-    cap = capture(model)
+    cap = _captured("llama", heads, kv)
     plan, _, prop = build_plan(cap, tp, **WORKLOAD)
     # q by heads; k and v whole on every rank, sdpa_localizer narrowing them to the heads each
     # rank's queries use: projected whole (an f each, summing their gradients), projected on this
@@ -157,8 +155,7 @@ def test_grouped_query_heads_each_rank_picks(heads, kv, tp, kinds):
     from autotp.passes.rewrite import rewrite
     from autotp.distributed.agreement import _graph_entries
 
-    _, model = _model("llama", heads, kv)
-    cap = capture(model)
+    cap = _captured("llama", heads, kv)
     plan, index, prop = build_plan(cap, tp, **WORKLOAD)
     entries = set()
     for rank in range(tp):

@@ -1,5 +1,7 @@
 """A generation step's plan: generate runs every step under ``torch.no_grad()``, so the step is
 planned as it runs, forward only (one process, a tiny model on the meta device)."""
+import functools
+
 import pytest
 import torch
 
@@ -27,15 +29,9 @@ def test_a_generation_step_is_priced_forward_only_and_places_no_f():
     assert step.comms and all(c.kind not in ("f", "all_gather_f") and c.bwd_bytes == 0 for c in step.comms), step.comms
 
 
-@pytest.mark.parametrize("groups, host_reads", [(1, True), (2, True), (2, False)])
-def test_a_mamba2_decode_step_reads_its_split_state_for_one_bmm_without_gathering_it(groups, host_reads):
-    # Mamba2's torch path reads its SSM state as view(batch * heads, head_dim, d_state) for one
-    # bmm with C: a merge of the dynamic batch with the split heads, which no Shard can say. The
-    # state and C were all-gathered for that product every decode step (b*h*d*n float32 bytes a
-    # layer) and y sliced back. Now the merge makes each rank's rows (P(tokens 0)), the bmm
-    # keeps them, and the view back to [b, h, d] is the heads' split again. Their row map is
-    # computed from the shapes, no host read: host_reads=False keeps them (it dropped every
-    # strategy of rows, the experts' with these, and gathered the state again)
+@functools.lru_cache(maxsize=None)
+def _bamba_decode_step(groups: int) -> tuple:
+    """A tiny Bamba's decode step (config, spec, capture), one capture for the cases of a group count."""
     config = zoo.tiny_config("bamba", layers=2, heads=2, kv_heads=2, head_dim=8, vocab=64, mamba_n_groups=groups)
     model = zoo.build("bamba", config, device="meta").eval()
     heads, d, n = config.mamba_n_heads, config.mamba_d_head, config.mamba_d_state
@@ -48,7 +44,20 @@ def test_a_mamba2_decode_step_reads_its_split_state_for_one_bmm_without_gatherin
                          placements=(("conv_0", REPLICATE), ("ssm_0", Shard(1)), ("key_1", Shard(1)),
                                      ("value_1", Shard(1))))
     spec = StepSpec({"input_ids": torch.ones(2, 1, dtype=torch.long)}, layout, 5)
-    cap = capture_step(model, spec)
+    return config, spec, capture_step(model, spec)
+
+
+@pytest.mark.parametrize("groups, host_reads", [(1, True), (2, True), (2, False)])
+def test_a_mamba2_decode_step_reads_its_split_state_for_one_bmm_without_gathering_it(groups, host_reads):
+    # Mamba2's torch path reads its SSM state as view(batch * heads, head_dim, d_state) for one
+    # bmm with C: a merge of the dynamic batch with the split heads, which no Shard can say. The
+    # state and C were all-gathered for that product every decode step (b*h*d*n float32 bytes a
+    # layer) and y sliced back. Now the merge makes each rank's rows (P(tokens 0)), the bmm
+    # keeps them, and the view back to [b, h, d] is the heads' split again. Their row map is
+    # computed from the shapes, no host read: host_reads=False keeps them (it dropped every
+    # strategy of rows, the experts' with these, and gathered the state again)
+    config, spec, cap = _bamba_decode_step(groups)
+    heads, d, n = config.mamba_n_heads, config.mamba_d_head, config.mamba_d_state
     step, index, prop = build_plan(cap, 2, batch=64, seq=4096, profile="h100-dgx", gather_logits=True,
                                layout={"*in_proj.weight": "column", "*out_proj.weight": "row"},
                                input_placements=spec.input_placements, keep_split=spec.keep_split(cap),
