@@ -3,7 +3,7 @@ moves every object the server has made so far, the preloaded modules' (torch, tr
 some 330-470 thousand), into the collector's permanent generation (:func:`gc.freeze`).
 
 A rank forked from the server inherits them there: its full collections no longer walk them (each
-took 0.2-0.4 s in a rank of the test suite, several a minute while it plans and runs programs), and
+took 0.2-0.4 s in a rank of the test suite, a few a minute while it plans and runs programs), and
 its pages of them are not written by the collector's bookkeeping, so they stay shared with the
 server. They are the import-time objects of modules a rank keeps for its life: nothing that could
 become garbage is frozen.
