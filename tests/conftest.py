@@ -71,7 +71,7 @@ preload("transformers", *zoo.modeling_modules(), "torch.export", "torch.distribu
 
 # the modules imported so far (torch, transformers, autotp, the modeling modules: some 400 thousand
 # objects) live as long as the session: out of the collector's reach, a full collection walks only
-# what the tests make (0.2-0.4 s each before, several a minute in a worker). The ranks' fork server
+# what the tests make (0.2-0.4 s each before, a few a minute in a worker). The ranks' fork server
 # does the same (autotp/distributed/frozen.py)
 gc.freeze()
 
