@@ -5,7 +5,8 @@
 GPT-2 124M's config (12 layers, 12 heads, hidden 768, vocabulary 50257; dropout 0.1), float32
 weights, tp=2 on two local gloo ranks, batch 4 x 256 tokens per step. Each mode runs in fresh
 processes. Per rank 0: the bytes autograd saves for backward during the forward (what
-checkpointing trades for recomputation), the growth of peak resident memory (VmHWM) over the
+checkpointing trades for recomputation; the rank's parameters apart, as the plan's
+``activation_bytes`` leaves them to the training state), the growth of peak resident memory (VmHWM) over the
 step, and the step's wall time.
 """
 from __future__ import annotations
@@ -40,10 +41,13 @@ def step(checkpoint: bool, autocast: bool) -> dict:
     pm = autotp.parallelize(model, tp=2, gather_logits=False, activation_checkpointing=checkpoint, batch=4, seq=256)
     del model
     ids = torch.randint(0, 50257, (4, 256), generator=torch.Generator().manual_seed(1))
+    params = {p.untyped_storage().data_ptr() for p in pm.local_parameters().values()}
     saved: dict[int, int] = {}
+    weights: dict[int, int] = {}
 
     def pack(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        ptr = t.untyped_storage().data_ptr()
+        (weights if ptr in params else saved)[ptr] = t.untyped_storage().nbytes()
         return t
 
     before = _hwm_mb()
@@ -53,7 +57,7 @@ def step(checkpoint: bool, autocast: bool) -> dict:
         loss = pm(input_ids=ids, labels=ids).loss
     loss.backward()
     seconds = time.perf_counter() - start
-    return {"saved_mb": sum(saved.values()) / 1e6, "hwm_growth_mb": _hwm_mb() - before, "seconds": seconds,
+    return {"saved_mb": sum(saved.values()) / 1e6, "weights_mb": sum(weights.values()) / 1e6, "hwm_growth_mb": _hwm_mb() - before, "seconds": seconds,
             "loss": loss.item(), "predicted_mb": pm.plan.activation_bytes / 1e6}
 
 
@@ -74,18 +78,21 @@ def main() -> int:
         "ranks (CPU), batch 4 x 256 tokens, logits kept vocab-sharded. Rank 0's figures; each mode in fresh "
         "processes, all in one run.",
         "",
-        "*saved for backward*: bytes of the tensors autograd keeps during the forward (storage-deduplicated);",
+        "*saved for backward*: bytes of the tensors autograd keeps during the forward (storage-deduplicated),",
+        "the rank's parameters left out (they are training state, held whether or not a backward keeps them; the",
+        "*parameters kept* column gives what autograd's saved tensors also point at among them);",
         "*peak growth*: how much the process's peak resident memory (VmHWM) rose over forward + backward;",
         "*predicted activations*: the plan's `activation_bytes` (what the cost model says autograd keeps,",
         "per rank, the largest; it prices neither checkpointing nor autocast, so it is the plain row's figure).",
         "",
-        "| checkpointing | bf16 autocast | saved for backward MB | predicted activations MB | vs plain | peak growth MB "
-        "| step s | loss |",
-        "|---|---|---|---|---|---|---|---|",
+        "| checkpointing | bf16 autocast | saved for backward MB | predicted activations MB | vs plain "
+        "| parameters kept MB | peak growth MB | step s | loss |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for checkpoint, autocast, r in rows:
         lines.append(f"| {'on' if checkpoint else 'off'} | {'on' if autocast else 'off'} | {r['saved_mb']:.0f} | "
-                     f"{r['predicted_mb']:.0f} | {r['saved_mb'] / base['saved_mb']:.2f} | {r['hwm_growth_mb']:.0f} | "
+                     f"{r['predicted_mb']:.0f} | {r['saved_mb'] / base['saved_mb']:.2f} | {r['weights_mb']:.0f} | "
+                     f"{r['hwm_growth_mb']:.0f} | "
                      f"{r['seconds']:.2f} | {r['loss']:.4f} |")
     publish(lines, Path(__file__).with_suffix(".md"))
     return 0
