@@ -158,6 +158,21 @@ def module_path(node: fx.Node) -> str:
     return ""
 
 
+#: a numbered child of a ModuleList: transformer.h.7, model.layers.12, encoder.layer.3
+_NUMBERED = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+def numbered_layer(node: fx.Node) -> str | None:
+    """The repeated layer (the outermost numbered child of a ModuleList on its module stack) whose
+    forward produced ``node``; None outside every layer."""
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, _ in stack.values():
+        match = _NUMBERED.match(_clean_path(path))
+        if match:
+            return match.group(1)
+    return None
+
+
 def layer_of(node: fx.Node, layers: list[str]) -> str | None:
     """The repeated layer (one of ``layers``, module paths) whose forward produced ``node``, or None."""
     path = module_path(node)

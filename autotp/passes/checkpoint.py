@@ -15,7 +15,6 @@ only a partial its own layer makes (:func:`autotp.passes.in_place.recomputed_lay
 """
 from __future__ import annotations
 
-import re
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -23,22 +22,8 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
+from ..capture.program import numbered_layer
 from .in_place import recomputed_layer_in_place
-
-#: a numbered child of a ModuleList: transformer.h.7, model.layers.12, encoder.layer.3
-_LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
-
-
-def layer_of(node: fx.Node) -> str | None:
-    """The repeated layer whose forward produced ``node`` (None: outside every layer)."""
-    from ..capture.program import _clean_path
-
-    stack = node.meta.get("nn_module_stack") or {}
-    for path, _ in stack.values():
-        match = _LAYER.match(_clean_path(path))
-        if match:
-            return match.group(1)
-    return None
 
 
 def set_grad_enabled(mode: bool) -> None:
@@ -67,7 +52,7 @@ def checkpoint_layers(gm: fx.GraphModule, rng: Any = None) -> fx.GraphModule:
     for node in reversed(gm.graph.nodes):   # consumers first: a comm node takes its user's layer
         if node.op in ("placeholder", "output"):
             continue
-        layer = layer_of(node)
+        layer = numbered_layer(node)
         if layer is None and node.op == "call_module":
             users = sorted(node.users, key=order.get)
             layer = owner.get(users[0]) if users else None

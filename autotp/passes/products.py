@@ -26,7 +26,9 @@ the backward as the written products' ``x`` is), so state dicts, optimizers, che
 and DTensor parameters see nothing new.
 
 A set (:func:`find_siblings`), read from the graph alone (no module or model name): two or more
-``aten.linear`` nodes reading the same node as their input, each weight a parameter's placeholder
+``aten.linear`` nodes reading the same node as their input in one repeated layer (the numbered
+module on their module stack, or none: T5's decoder layers each read the encoder's output by their
+own k and v, a set per layer), each weight a parameter's placeholder
 (2-D, of the input's dtype), all of the same in-features and dtype, all with a bias (each product
 read by its bias's ``add`` alone) or none. Products of other inputs, grouped products of experts
 (``_grouped_mm``, ``bmm`` over experts: not ``linear``), a weight read twice in one set and a
@@ -51,7 +53,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ..capture.program import module_path
+from ..capture.program import module_path, numbered_layer
 from .activations import Fused, fused_capture
 from .fused_bias import bias_add
 from .rules.registry import aliases_first, mutates_first
@@ -99,10 +101,13 @@ def find_siblings(graph: fx.Graph, param_names: Any, skip: frozenset = frozenset
     found = []
     for x in graph.nodes:
         products = [u for u in x.users if _product(u, x, param_names)]
-        # alike in in-features (they read one x, so they are) and weight dtype
+        # alike in in-features (they read one x, so they are) and weight dtype, and of one repeated
+        # layer: T5's encoder output is read by every decoder layer's cross-attention k and v, and
+        # one product across layers would tie the layers' ops together (per-layer FSDP could not
+        # outline them, a pipeline stage could not hold a layer alone)
         by_kind: dict[tuple, list[fx.Node]] = {}
         for p in products:
-            by_kind.setdefault((_val(p.args[1]).dtype, _val(p.args[1]).shape[1]), []).append(p)
+            by_kind.setdefault((_val(p.args[1]).dtype, _val(p.args[1]).shape[1], numbered_layer(p)), []).append(p)
         for group in by_kind.values():
             weights = [p.args[1] for p in group]
             if len(group) < 2 or len(set(weights)) != len(weights):

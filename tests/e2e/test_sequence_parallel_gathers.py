@@ -71,10 +71,9 @@ class _Collectives:
 
 
 #: T5's decoder reads the encoder's output by each layer's cross-attention k and v: written, one
-#: all_gather_f of it serves their products and the returned encoder state (grad_if); joined for one
-#: product (sibling products, autotp/passes/products.py: its 2 layers' k and v, 4 products), the plan
-#: gathers it once before the encoder's last dropout, which then runs whole and is read by both, so
-#: no gather is shared. "t5" is the written program (fuse_products=False), "t5-joined" the default's.
+#: all_gather_f of it serves their products and the returned encoder state (grad_if); joined (sibling
+#: products, autotp/passes/products.py: each layer's k and v as one product, a set per layer), no
+#: gather is made twice either. "t5" is the written program (fuse_products=False), "t5-joined" the default's.
 JOINED = {"t5-joined": "t5"}
 
 
@@ -154,7 +153,7 @@ def _shared_gather_matches_serial(case: str, layers: int) -> dict:
 
 
 #: the fewest layers where each family's program shares a gather (T5's second layer's plan reads
-#: the encoder's output whole both ways); T5 joined, its 4 cross-attention products as one
+#: the encoder's output whole both ways); T5 joined, each layer's cross-attention k and v as one
 SHARING = {"olmo2": 1, "t5": 2, "t5-joined": 2}
 
 

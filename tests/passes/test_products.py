@@ -43,6 +43,42 @@ def test_a_set_is_the_products_of_one_input_alike_in_their_bias():
     assert _sets(cap) == [("a.weight", "b.weight")]
 
 
+class _CrossBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(8, 8, bias=False)
+        self.k, self.v = nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)
+
+    def forward(self, x, memory):
+        return x + self.q(x) * self.k(memory) * self.v(memory)
+
+
+class CrossAttending(nn.Module):
+    """A decoder whose every layer reads one memory by its own k and v products (T5's cross
+    attention of the encoder's output), beside two products of the input outside the layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)
+        self.layers = nn.ModuleList([_CrossBlock() for _ in range(2)])
+
+    def forward(self, x, memory):
+        x = self.a(x) + self.b(x)
+        for layer in self.layers:
+            x = layer(x, memory)
+        return x.sum()
+
+
+def test_products_of_one_input_in_two_layers_are_a_set_per_layer():
+    # one product across layers would tie the layers' ops together: per-layer FSDP could not
+    # outline them (T5 raised "their ops interleave" with its cross-attention k and v joined over
+    # all decoder layers), nor a pipeline stage hold a layer alone
+    args = tuple(torch.randn(2, 3, 8, dtype=torch.float64) for _ in range(2))
+    cap = capture(CrossAttending().double(), args)
+    assert sorted(_sets(cap)) == [("a.weight", "b.weight"), ("layers.0.k.weight", "layers.0.v.weight"),
+                                  ("layers.1.k.weight", "layers.1.v.weight")]
+
+
 class WrittenInPlace(nn.Module):
     """Two products of x, one activated in place (``relu_``), through a view: joined, its output
     would be a piece of a ``split_with_sizes``, which autograd lets no op write (the fuzzer's
