@@ -1,6 +1,7 @@
 """Every family the zoo builds through the calls and the stack a user combines, each with a plan
 that splits (solved for a large workload, as the families tests do): on four gloo ranks (tp 2 x
-dp 2), float64, against the serial model.
+dp 2), float64, against the serial model (within float32's bound for a family whose forward computes
+in float32 inside a float64 model: autotp.testing.tolerance).
 
 - a call with a left- and a right-padded attention mask, forward and backward;
 - a sequence-parallel plan's call;
@@ -40,7 +41,7 @@ def family_through_the_stack(family: str, folder: str) -> dict:
     from autotp import zoo
     from autotp.runtime.checkpoint import dcp
     from autotp.runtime.module import fsdp
-    from autotp.testing import equivalence_errors, keep_loss_precision, relative_error
+    from autotp.testing import equivalence_errors, keep_loss_precision, relative_error, tolerance
 
     from tests.e2e.test_families import rescale_zero_gradients
     from tests.e2e.test_sequence_parallel_families import ROWS
@@ -125,6 +126,10 @@ def family_through_the_stack(family: str, folder: str) -> dict:
     serial = dict(model.named_parameters())
     out["fsdp"] = _worst({n: relative_error(p.full_tensor(), serial[n].detach())
                           for n, p in sharded.named_parameters() if n not in noise})
+    # float64's bound, or float32's for a family that computes in float32 inside a float64 model
+    # (Llama's, Mistral's and Qwen2's RMSNorm, T5's layer norm take their statistic in float32: a sum
+    # in another order upstream moves their values by float32's rounding)
+    out["bound"] = tolerance(build(), zoo.example_batch(family, config, batch=2, seq=6, seed=5))
     return out
 
 
@@ -139,8 +144,12 @@ def test_every_family_through_the_calls_and_the_stack(cluster, family, tmp_path)
     for r in results:
         assert {"f", "g"} & set(r["kinds"]), r["kinds"]   # the plan splits
         for key in ("mask left", "mask right", "sequence parallel", "compiled"):
-            assert r[key][1] <= 1e-9, (family, key, r[key])
+            assert r[key][1] <= r["bound"], (family, key, r[key], r["bound"])
         assert r["graphs"] == (1, 0), (family, r["graphs"])
         assert r.get("generate", True), family
-        assert r["dcp loaded"] == 0.0 and r["dcp next step"] <= 1e-12, (family, r["dcp loaded"], r["dcp next step"])
-        assert r["fsdp"][1] <= 1e-9, (family, r["fsdp"])
+        # the next AdamW step (lr 1e-2) at tp 2 and at tp 4 from one checkpoint: its gradients within the
+        # bound, the step moves by lr times that at most (float64 exact: 1e-12)
+        step_bound = 1e-12 if r["bound"] <= 1e-9 else 1e-2 * r["bound"]
+        assert r["dcp loaded"] == 0.0 and r["dcp next step"] <= step_bound, (family, r["dcp loaded"],
+                                                                             r["dcp next step"], step_bound)
+        assert r["fsdp"][1] <= r["bound"], (family, r["fsdp"], r["bound"])
