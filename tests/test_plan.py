@@ -118,8 +118,10 @@ def _along_sequence(plan) -> list:
 @pytest.mark.parametrize("profile", ["h100-dgx", "v100-dgx2h"])
 @pytest.mark.parametrize("size", list(GPT2_FAMILY))
 def test_megatron_layout_emerges_for_every_gpt2_at_full_depth(size, profile, tp):
+    # the MLP below xl's width may stay whole on s/tp tokens, as at two layers (see there)
     hidden, heads, layers = GPT2_FAMILY[size]
-    assert_megatron(plan_of(gpt2_capture(hidden, heads, layers), tp, profile=profile), layers)
+    assert_megatron(plan_of(gpt2_capture(hidden, heads, layers), tp, profile=profile), layers,
+                    mlp=hidden > 1600 or (hidden == 1600 and tp > 2))
 
 
 def test_tiny_model_over_slow_link_stays_replicated_and_the_plan_says_so():
