@@ -76,7 +76,8 @@ def plan(model: nn.Module, tp: int | None = None, *, batch: int = 8, seq: int | 
          seq_range: tuple[int, int] | None = None, world: int | None = None,
          gpus_per_node: int = 8, host_reads: bool = True,
          expert_dispatch: bool | None = None, fuse_activations: bool = True,
-         fuse_norms: bool = True, fuse_products: bool = True, expert_load: Any = None) -> "Plan | PipelinePlan":
+         fuse_norms: bool = True, fuse_products: bool = True, expert_load: Any = None,
+         activation_checkpointing: bool = False) -> "Plan | PipelinePlan":
     """Choose a plan for ``model`` at ``tp`` without any process group (a meta model works).
 
     ``world=N`` (with ``gpus_per_node``) chooses tensor x pipeline x data parallelism for N GPUs
@@ -96,7 +97,11 @@ def plan(model: nn.Module, tp: int | None = None, *, batch: int = 8, seq: int | 
     :func:`parallelize`). ``expert_dispatch``: see :func:`build_plan` (default: by cost).
     ``fuse_activations``, ``fuse_norms``, ``fuse_products``: see :func:`parallelize`.
     ``expert_load``: the router's load expert parallelism is priced at (default None: a balanced
-    router); :func:`autotp.measure_expert_load` measures it, see :func:`build_plan`."""
+    router); :func:`autotp.measure_expert_load` measures it, see :func:`build_plan`.
+    ``activation_checkpointing=True``: price the run :func:`parallelize` makes with it (each
+    repeated layer recomputed in backward: less memory, each layer's forward twice)."""
+    if not isinstance(activation_checkpointing, bool):
+        raise ConfigError(f"activation_checkpointing={activation_checkpointing!r}: it is True or False")
     batch, seq, layout, memory_limit = check_planning(batch, seq, layout, memory_limit)
     host_reads = check_flag("host_reads", host_reads)
     fuse_activations = check_flag("fuse_activations", fuse_activations)
@@ -123,7 +128,8 @@ def plan(model: nn.Module, tp: int | None = None, *, batch: int = 8, seq: int | 
                               layout=layout, uneven=uneven, gather_logits=gather_logits,
                               memory_limit=memory_limit, sequence_parallel=sequence_parallel, host_reads=host_reads,
                               expert_dispatch=expert_dispatch, fuse_activations=fuse_activations,
-                              fuse_norms=fuse_norms, fuse_products=fuse_products, expert_load=expert_load)
+                              fuse_norms=fuse_norms, fuse_products=fuse_products, expert_load=expert_load,
+                              activation_checkpointing=activation_checkpointing)
     return result
 
 
@@ -189,7 +195,8 @@ def parallelize(model: nn.Module, tp: int, *, plan: Plan | None = None, layout: 
     chunks by the cost model, or ``stage_layers=[n0, n1, ...]`` (one count per chunk, in order).
 
     ``activation_checkpointing=True`` recomputes each repeated layer in backward instead of
-    keeping its activations (autotp.passes.checkpoint). ``sequence_parallel``: see
+    keeping its activations (autotp.passes.checkpoint); the plan is priced so (its memory, the
+    memory limit it is held to, the recomputation's time). ``sequence_parallel``: see
     :func:`build_plan` (default: offered, chosen by cost; ``True`` forces it in every program
     with a sequence to split, a length export fixed included, and is a PlanError where the first
     has none; ``False`` forbids it in every program).
@@ -418,7 +425,7 @@ def _parallelize(model: nn.Module, tp: int, weights: Any, *, plan: Plan | None, 
         return build_plan(call_cap, tp, batch=batch, profile=profile, uneven=uneven, align=align,
                           host_reads=host_reads, expert_dispatch=dispatch, fuse_activations=fuse_activations,
                           fuse_norms=fuse_norms, fuse_products=fuse_products, expert_load=expert_load,
-                          decided=decided, **call)
+                          activation_checkpointing=activation_checkpointing, decided=decided, **call)
 
     def program(index: GraphIndex, prop: Propagation) -> Any:
         gm = rewrite(index, prop, mesh.tp_rank, mesh.tp_group, device, tracker, align)

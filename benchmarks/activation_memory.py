@@ -83,7 +83,9 @@ def main() -> int:
         "*parameters kept* column gives what autograd's saved tensors also point at among them);",
         "*peak growth*: how much the process's peak resident memory (VmHWM) rose over forward + backward;",
         "*predicted activations*: the plan's `activation_bytes` (what the cost model says autograd keeps,",
-        "per rank, the largest; it prices neither checkpointing nor autocast, so it is the plain row's figure).",
+        "per rank, the largest; with checkpointing, the layers' inputs plus one layer's activations, which",
+        "backward holds while it recomputes a layer: the forward keeps the *saved* column, backward adds one",
+        "layer's; autocast is not priced, so an autocast row predicts its float32 row's figure).",
         "",
         "| checkpointing | bf16 autocast | saved for backward MB | predicted activations MB | vs plain "
         "| parameters kept MB | peak growth MB | step s | loss |",

@@ -15,6 +15,7 @@ only a partial its own layer makes (:func:`autotp.passes.in_place.recomputed_lay
 """
 from __future__ import annotations
 
+import operator
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -127,3 +128,44 @@ class CheckpointedLayer(nn.Module):
 @contextmanager
 def _nothing() -> Iterator[None]:
     yield
+
+
+def price_recomputation(index: Any) -> None:
+    """Sets ``index`` (a :class:`~autotp.passes.propagate.GraphIndex`) to price what
+    :func:`checkpoint_layers` does to a training program, so that the plan's memory and time are
+    those of the run that checkpoints (``activation_checkpointing=True``):
+
+    - backward holds each repeated layer's activations one layer at a time (it recomputes the
+      layer, then runs its backward): an op of a layer adds 1/L of what it keeps, L the layers,
+      so that the layers together add one layer's (exact where the layers are alike; where they
+      differ, as an encoder's and a decoder's, their mean stands for the largest);
+    - what checkpoint keeps instead, every tensor a layer reads that it did not make (the
+      previous layer's output, rotary's cos and sin, the mask): whole, once, at the op that
+      makes it, at that op's placement;
+    - each op of a layer runs its forward twice (the recomputation: the op priced with no
+      input carrying a gradient).
+
+    Not priced: a layer's collectives run again in the recomputation (a g's all-reduce, an
+    all-gather), and the recomputed layer's input counted with the layer's share as well as
+    among the kept inputs (one layer input over the whole program). A program without
+    gradients (inference, a generation step) runs its layers unchecked: nothing is set."""
+    from ..cost_model.saved import kept_root
+
+    if not index.grads:
+        return
+    owner = {node: numbered_layer(node) for node in index.infos}
+    layers = {layer for layer in owner.values() if layer is not None}
+    if not layers:
+        return
+    share = 1.0 / len(layers)
+    index.recomputed = {node: share for node, layer in owner.items() if layer is not None}
+    kept: set = set()
+    for node, layer in owner.items():
+        if layer is None:
+            continue
+        for inp in index.tensor_inputs.get(node, ()):
+            root = kept_root(inp)
+            maker = root.args[0] if root.target is operator.getitem else root
+            if root.op == "call_function" and maker in index.infos and owner.get(maker) != layer:
+                kept.add(root)
+    index.layer_inputs = frozenset(kept)

@@ -194,6 +194,13 @@ class GraphIndex:
     #: the router's load the MoE layers are priced at (an ``autotp.planner.expert_load.ExpertLoad``,
     #: set with each op's ``OpInfo.expert_share`` by ``apply_load``); None: a balanced router
     expert_load: Any = None
+    #: activation checkpointing priced (:func:`autotp.passes.checkpoint.price_recomputation`): each
+    #: op of a repeated layer -> the share of its kept activations that counts (1 / the layers: one
+    #: layer's are held at a time, while backward recomputes it), its forward run twice; and the
+    #: tensors checkpoint keeps instead (a layer's inputs made outside it: storage roots, counted
+    #: whole at the op that makes them, (op, output index))
+    recomputed: Mapping[fx.Node, float] = field(default_factory=dict)
+    layer_inputs: frozenset = frozenset()
     _strategies: dict = field(default_factory=dict)
     #: (op, its inputs' placements) -> the rule's strategies before this index's filters: a pure
     #: function of the op and the placements, so an index copied with other filters
@@ -229,12 +236,17 @@ class GraphIndex:
 
     def compute_time(self, node: fx.Node, strat: Strategy, profile: DeviceProfile) -> float:
         info = self.infos[node]
-        key = (info.cost_key, strat, profile)   # equal across layers
+        twice = node in self.recomputed
+        key = (info.cost_key, strat, profile, twice)   # equal across layers
         found = self._compute.get(key)
         if found is None:
             if gathers_rows(strat):   # a rank's own tokens' rows, before the all-gather inside
                 info, strat = rank_rows_work(info, strat)
-            found = self._compute[key] = compute_time(info, strat, self.env, profile, self.tp, self.align)
+            found = compute_time(info, strat, self.env, profile, self.tp, self.align)
+            if twice and info.grad_inputs:   # its forward again, in backward (no gradient of its own)
+                forward = replace(info, grad_inputs=tuple(False for _ in info.grad_inputs))
+                found += compute_time(forward, strat, self.env, profile, self.tp, self.align)
+            self._compute[key] = found
         return found
 
     def _kept_items(self, node: fx.Node, profile: DeviceProfile) -> tuple:
@@ -288,13 +300,17 @@ class GraphIndex:
         info = self.infos[node]
         env, tp = self.env, self.tp
         keepers, made = self._keepers(profile)
-        total = 0.0
+        total = kept_inputs = 0.0
         outs = info.output if isinstance(info.output, tuple) else (info.output,)
         for root in made.get(node, ()):
-            if len(keepers[root]) > 1 or node in keepers[root]:
+            if root not in self.layer_inputs and (len(keepers[root]) > 1 or node in keepers[root]):
                 i = root.args[1] if root is not node else 0
                 if i < len(outs) and outs[i] is not None:
                     total += kept_bytes(Kept("output", i), info, strat, env, profile, tp)
+        for root in self.layer_inputs & self._made_roots(node):   # kept by checkpoint, whole
+            i = root.args[1] if root is not node else 0
+            if i < len(outs) and outs[i] is not None:
+                kept_inputs += kept_bytes(Kept("output", i), info, strat, env, profile, tp)
         inputs = self.tensor_inputs[node]
         counted: set = set()
         for item in self._kept_items(node, profile):
@@ -308,7 +324,7 @@ class GraphIndex:
                 continue   # training state
             maker = root.args[0] if root.target is operator.getitem else root
             made_here = root.op == "call_function" and maker in self.infos
-            if made_here and len(keepers.get(root, ())) > 1:
+            if made_here and (len(keepers.get(root, ())) > 1 or root in self.layer_inputs):
                 continue   # counted where it is made
             if item.index in converted:
                 if tensor not in counted:
@@ -317,8 +333,13 @@ class GraphIndex:
             elif root not in counted:
                 counted.add(root)
                 total += kept_bytes(item, info, strat, env, profile, tp, _meta(root))
+        total = total * self.recomputed.get(node, 1.0) + kept_inputs
         self._activation[key] = total
         return total
+
+    def _made_roots(self, node: fx.Node) -> set:
+        """The storage roots ``node`` makes: itself, or the ``getitem`` nodes of its outputs."""
+        return {node} | {u for u in node.users if u.target is operator.getitem}
 
     @classmethod
     def build(cls, capture: Capture, tp: int, batch: int, seq: int, uneven: bool = False,

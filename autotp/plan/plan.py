@@ -90,6 +90,9 @@ class Plan:
     sharded_outputs: dict[str, Placement] = field(default_factory=dict)  # outputs returned split
     memory_bytes: float = 0.0        # predicted per rank (largest): training state + activations
     activation_bytes: float = 0.0    # ... of which activations kept for backward
+    #: whether those figures price activation checkpointing (each repeated layer recomputed in
+    #: backward: its inputs kept, one layer's activations held at a time, its forward run twice)
+    recomputed: bool = False
     memory_limit: float | None = None
     #: the predicted costs as sympy expressions (strings) in the symbols b (batch) and s (sequence)
     expressions: Mapping[str, str] = field(default_factory=dict)   # or DeferredExpressions
@@ -310,7 +313,9 @@ class Plan:
             f"parameter MB per rank: [{per_rank}] vs serial {cost['param_bytes_serial'] / 1e6:.1f}",
             f"memory per rank (largest): {_size(self.memory_bytes)} = training state "
             f"{_size(self.memory_bytes - self.activation_bytes)} (weights, gradients, Adam) + activations "
-            f"{_size(self.activation_bytes)}" + (f"; limit {_size(self.memory_limit)}" if self.memory_limit else ""),
+            f"{_size(self.activation_bytes)}"
+            + (" (layers recomputed in backward: their inputs kept, one layer's activations at a time)"
+               if self.recomputed else "") + (f"; limit {_size(self.memory_limit)}" if self.memory_limit else ""),
         ]
         for kind, seconds in sorted(self.comm_seconds().items(), key=lambda kv: -kv[1]):
             lines.append(f"  communication {kind}: {seconds * 1e3:.3f} ms")
@@ -334,7 +339,7 @@ class Plan:
             "comms": [c.__dict__ for c in self.comms],
             "compute_s": self.compute_s, "comm_s": self.comm_s, "optimizer_s": self.optimizer_s,
             "memory_bytes": self.memory_bytes, "activation_bytes": self.activation_bytes,
-            "memory_limit": self.memory_limit, "expressions": dict(self.expressions), "notes": self.notes,
+            "recomputed": self.recomputed, "memory_limit": self.memory_limit, "expressions": dict(self.expressions), "notes": self.notes,
             "attention": self.attention,
         }
         if self.arguments is not None:
@@ -379,7 +384,7 @@ class Plan:
             dtype_bytes=doc.get("dtype_bytes", 4), aliases=doc.get("aliases", {}),
             sharded_outputs={k: from_json(v) for k, v in doc.get("sharded_outputs", {}).items()},
             memory_bytes=doc.get("memory_bytes", 0.0), activation_bytes=doc.get("activation_bytes", 0.0),
-            memory_limit=doc.get("memory_limit"), expressions=doc.get("expressions", {}),
+            recomputed=doc.get("recomputed", False), memory_limit=doc.get("memory_limit"), expressions=doc.get("expressions", {}),
             notes=doc.get("notes", []), attention=doc.get("attention"),
             flows=None if doc.get("flows") is None else [Flow.from_json(f) for f in doc["flows"]],
             arguments=None if doc.get("arguments") is None else PlanArguments.from_json(doc["arguments"]),

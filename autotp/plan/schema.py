@@ -116,6 +116,8 @@ def check_document(doc: dict) -> None:
     for key in ("compute_s", "comm_s", "optimizer_s", "memory_bytes", "activation_bytes"):
         if key in doc:
             root.dot(key).number(doc[key])
+    if "recomputed" in doc:
+        root.dot("recomputed").flag(doc["recomputed"])
     if doc.get("memory_limit") is not None:
         root.dot("memory_limit").number(doc["memory_limit"], positive=True, infinite=True)
     for key, expr in root.dot("expressions").mapping(doc.get("expressions", {})).items():

@@ -21,7 +21,9 @@ def what_memory_takes(exc: MemoryLimitError, index: GraphIndex, batch: int, seq:
     state, acts = exc.state_bytes, exc.activation_bytes
     for_state = ("a larger tp, pipeline stages (autotp.plan(..., world=N) chooses tp x pp x dp) or data-parallel "
                  "sharding (autotp.runtime.fsdp.fully_shard) for the training state")
-    for_acts = "a smaller batch or seq, or activation_checkpointing=True, for the activations"
+    for_acts = ("a smaller batch or seq for the activations (each layer's recomputed already: "
+                "activation_checkpointing=True)" if index.recomputed
+                else "a smaller batch or seq, or activation_checkpointing=True, for the activations")
     fixes = f"{for_state}; {for_acts}" if state >= acts else f"{for_acts}; {for_state}"
     message = (f"no plan fits the memory limit of {limit / gib:.2f} GiB per rank at tp={tp} (the slower plans that "
                f"shard more were searched too): the fastest plan needs {exc.needed_bytes / gib:.2f} GiB per rank, "

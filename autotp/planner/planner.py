@@ -16,6 +16,7 @@ from ..cost_model import get_profile
 from ..cost_model.alignment import Align
 from ..errors import ConfigError, MemoryLimitError, PlanError
 from ..passes.activations import fuse_activations as activations_fused, fused_note
+from ..passes.checkpoint import price_recomputation
 from ..passes.norms import find_norms, fuse_norms as norms_fused, norms_note
 from ..passes.pins import unholdable_pin
 from ..passes.products import products_note
@@ -50,6 +51,7 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                expert_dispatch: bool | None = None,
                fuse_activations: bool = True, fuse_norms: bool = True,
                fuse_products: bool = True, expert_load: Any = None,
+               activation_checkpointing: bool = False,
                decided: "Decided | None" = None) -> tuple[Plan, GraphIndex, Propagation]:
     """The plan for a capture. ``memory_limit`` (bytes per rank; default: the profile's device
     memory) bounds training state + activations; a saved ``plan`` is replayed, not re-solved.
@@ -115,6 +117,11 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
     the load and what it did to the choice. None (default): a balanced router, ``T * k / tp``
     rows a rank. One that does not name the model's MoE layers and their experts is a ConfigError.
 
+    ``activation_checkpointing``: price the run that recomputes each repeated layer in backward
+    (``parallelize(..., activation_checkpointing=True)``, :func:`autotp.passes.checkpoint.price_recomputation`):
+    one layer's activations held at a time and the layers' inputs kept, each layer's forward
+    run twice; the memory limit and the plan's figures are then that run's.
+
     ``decided``: what this search chose on another rank of the group, for the same capture and
     arguments (:func:`decided`): the plan is rebuilt from it without searching, and is a PlanError
     where it does not rebuild to the same placements and collectives (the caller then plans
@@ -150,7 +157,8 @@ def build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any = No
                            uneven=uneven, gather_logits=gather_logits, memory_limit=memory_limit,
                            sequence_parallel=sequence_parallel, input_placements=input_placements,
                            keep_split=keep_split, align=align, host_reads=host_reads,
-                           expert_dispatch=expert_dispatch, expert_load=expert_load, decided=decided)
+                           expert_dispatch=expert_dispatch, expert_load=expert_load,
+                           activation_checkpointing=activation_checkpointing, decided=decided)
 
     if decided is not None:   # its notes and arguments are the plan's already
         if fuse_products:
@@ -178,7 +186,7 @@ def _build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any, la
                 plan: Plan | None, uneven: bool, gather_logits: bool | None, memory_limit: float | None,
                 sequence_parallel: bool | None, input_placements: Mapping[str, Placement] | None,
                 keep_split: frozenset[str], align: Any, host_reads: bool,
-                expert_dispatch: bool | None, expert_load: Any = None,
+                expert_dispatch: bool | None, expert_load: Any = None, activation_checkpointing: bool = False,
                 decided: "Decided | None" = None) -> tuple[Plan, GraphIndex, Propagation]:
     """:func:`build_plan` on a capture as it is planned (its activations fused or not)."""
     prof = get_profile(profile)
@@ -217,6 +225,8 @@ def _build_plan(cap: Capture, tp: int, *, batch: int, seq: int, profile: Any, la
         index.expert_dispatch = expert_dispatch
         if expert_load is not None:   # each MoE layer's ops priced at its busiest rank's rows
             apply_load(index, expert_load, experts)
+        if activation_checkpointing:
+            price_recomputation(index)
         return index
 
     index = index_of(cap)
@@ -336,7 +346,7 @@ def _written(cap: Capture, index: GraphIndex, prop: Propagation, prof: Any, batc
                   sharded_outputs={names[i]: prop.placements[n] for i, n in enumerate(cap.output_nodes)
                                    if index.keeps_split(i, n, prop.placements.get(n))},
                   memory_bytes=float(prop.memory_bytes), activation_bytes=float(prop.activation_bytes),
-                  memory_limit=limit,
+                  recomputed=bool(index.recomputed), memory_limit=limit,
                   expressions=(cost_expressions(index, prop, prof) if plan is None
                                else DeferredExpressions(lambda: cost_expressions(index, prop, prof))),
                   notes=notes,

@@ -1,0 +1,68 @@
+"""Activation checkpointing priced: ``activation_checkpointing=True`` plans the run that recomputes
+each repeated layer in backward (autotp/passes/checkpoint.py's ``price_recomputation``).
+
+What checkpoint keeps grows by one layer input a layer (the hidden state entering it, at the
+profile's bytes), where the plain run keeps every layer's activations: the difference between a
+4-layer and a 2-layer model of one family, per layer, is one ``batch x seq x hidden`` tensor
+under checkpointing. Each layer's forward runs twice, so the step costs more; a memory limit the
+plain run's activations exceed is met by the checkpointed one; and the plan says it was priced so.
+``benchmarks/activation_memory.md`` holds the figure against what autograd keeps at GPT-2 124M's size.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autotp
+from autotp import zoo
+from autotp.cost_model.devices import get_profile
+from autotp.errors import MemoryLimitError
+from autotp.plan import Plan
+
+BATCH, SEQ, HIDDEN = 8, 32, 32
+
+
+def _plans(family: str, layers: int) -> dict[bool, Plan]:
+    config = zoo.tiny_config(family, layers=layers, heads=4, kv_heads=4, head_dim=8, vocab=64, positions=SEQ)
+    model = zoo.build(family, config, device="meta", dtype=torch.float32)
+    return {ck: autotp.plan(model, 1, batch=BATCH, seq=SEQ, activation_checkpointing=ck) for ck in (False, True)}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_checkpointing_keeps_one_layer_input_a_layer_and_runs_each_forward_twice(family):
+    two, four = _plans(family, 2), _plans(family, 4)
+    hidden_state = BATCH * SEQ * HIDDEN * get_profile(four[True].profile).dtype_bytes
+    per_layer = {ck: (four[ck].activation_bytes - two[ck].activation_bytes) / 2 for ck in (False, True)}
+    # a few bytes a layer besides (a per-position vector some layers read): within 1%
+    assert per_layer[True] == pytest.approx(hidden_state, rel=0.01), per_layer
+    assert per_layer[False] > 4 * hidden_state, per_layer   # every activation of a layer, without
+    assert four[True].activation_bytes < four[False].activation_bytes
+    assert four[True].memory_bytes - four[True].activation_bytes == \
+        pytest.approx(four[False].memory_bytes - four[False].activation_bytes)   # training state unchanged
+    # the layers' forwards again: more than nothing, less than a second forward and backward
+    assert four[False].compute_s < four[True].compute_s < 2 * four[False].compute_s
+    assert (four[True].recomputed, four[False].recomputed) == (True, False)
+    assert "layers recomputed in backward" in "\n".join(four[True].summary_lines())
+    assert Plan.from_json(four[True].to_json()).recomputed
+
+
+def test_a_limit_the_plain_activations_exceed_is_met_by_recomputation():
+    plans = _plans("llama", 4)
+    limit = (plans[False].memory_bytes + plans[True].memory_bytes) / 2
+    config = zoo.tiny_config("llama", layers=4, heads=4, kv_heads=4, head_dim=8, vocab=64, positions=SEQ)
+    model = zoo.build("llama", config, device="meta", dtype=torch.float32)
+    with pytest.raises(MemoryLimitError, match="or activation_checkpointing=True"):
+        autotp.plan(model, 1, batch=BATCH, seq=SEQ, memory_limit=limit)
+    fits = autotp.plan(model, 1, batch=BATCH, seq=SEQ, memory_limit=limit, activation_checkpointing=True)
+    assert fits.memory_bytes <= limit
+    with pytest.raises(MemoryLimitError, match=r"recomputed already") as caught:
+        autotp.plan(model, 1, batch=BATCH, seq=SEQ, memory_limit=plans[True].memory_bytes / 2,
+                    activation_checkpointing=True)
+    assert "or activation_checkpointing=True" not in str(caught.value)
+
+
+def test_activation_checkpointing_is_true_or_false():
+    config = zoo.tiny_config("gpt2", layers=1, heads=2, head_dim=8, vocab=64, positions=SEQ)
+    model = zoo.build("gpt2", config, device="meta", dtype=torch.float32)
+    with pytest.raises(autotp.ConfigError, match="activation_checkpointing='yes'"):
+        autotp.plan(model, 1, activation_checkpointing="yes")
