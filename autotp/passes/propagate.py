@@ -394,10 +394,13 @@ class GraphIndex:
         which the solver never chooses: any change of a parameter's own placement (it is sharded
         at load), or a gather of a view of a sharded one (a row-parallel weight read through its
         transpose, Falcon's ``x @ w.T``: gathered, its pin would hold in name only and the product
-        run whole). Slicing a replicated parameter's view is local and allowed."""
+        run whole), or any change of a join of parameters (sibling products fused: placed where it
+        is made, as :func:`propagate` holds it; at tp 1 a whole join sliced to a product's blocks
+        did not replay). Slicing a replicated parameter's view is local and allowed."""
         if node not in self.param_views or same_placement(have, want, _dim_size(meta, want), self.tp):
             return False
-        return node.name in self.capture.param_names or not isinstance(have, Replicate)
+        return (node.name in self.capture.param_names or node.target is aten.cat.default
+                or not isinstance(have, Replicate))
 
     def moves_written(self, node: fx.Node, position: int, have: Any, want: Any, meta: TensorMeta) -> bool:
         """Whether converting input ``position`` of ``node`` from ``have`` to ``want`` would leave an

@@ -269,3 +269,27 @@ def test_a_pin_on_a_joined_weight_means_its_parameter_and_a_set_pinned_unalike_r
     joined = [n for n in index.capture.graph.nodes if n.target is aten.cat.default
               and all(a.op == "placeholder" for a in n.args[0])]
     assert {index.capture.param_names[n.args[0][0].name].rsplit(".", 2)[-2] for n in joined} == {"q_proj"}
+
+
+def test_at_tp_1_a_joined_capture_is_planned_and_replayed():
+    # At tp 1 the join ``cat`` is offered whole alone; the solver once sliced it to the product's
+    # blocks there (a slice of a whole join looked local), which the walk refuses for a join (a
+    # join is placed where it is made): the plan did not replay, an internal PlanError, which the
+    # planner took for "no plan this way" (tp 1 ran every set apart) and, under a memory limit,
+    # raised in place of the MemoryLimitError
+    import autotp
+    from autotp.errors import MemoryLimitError
+
+    config = zoo.tiny_config("llama", layers=1, heads=4, kv_heads=4, head_dim=8, vocab=64, positions=32)
+    model = zoo.build("llama", config, device="meta", dtype=torch.float32)
+    fused_cap, fused = fuse_products(capture(model, (), None), frozenset())
+    assert fused
+    plan, _, _ = build_plan(fused_cap, 1, batch=8, seq=32, fuse_products=False)
+    assert all(c.fwd_bytes == c.bwd_bytes == 0 for c in plan.comms), plan.comms   # one rank sends nothing
+    whole = autotp.plan(model, 1, batch=8, seq=32)
+    try:
+        autotp.plan(model, 1, batch=8, seq=32, memory_limit=whole.memory_bytes * 0.8)
+    except MemoryLimitError as exc:
+        assert "no plan fits the memory limit" in str(exc)
+    else:
+        raise AssertionError("a limit under tp 1's only plan was met")
