@@ -273,20 +273,23 @@ def die_on_rank_1_in(where: str, path: str = "") -> None:
     import signal
 
     import autotp.api
+    from autotp.capture import cache as capture_cache
     from autotp.runtime.checkpoint import dcp
 
     def die(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
 
     dying = dist.get_rank() == 1
+    # a capture is made on rank 0 and sent (autotp/distributed/captures.py): every rank first asks
+    # its capture cache whether it holds the program, then joins the exchange
     if where == "capture" and dying:           # inside parallelize, before its first collective
-        autotp.api.capture_model = die
+        capture_cache.lookup = die
     if where == "seed" and dying:              # in the dropout seed's broadcast
         autotp.api._agreed_seed = die
     pm = autotp.parallelize(tiny_gpt2(n_layer=1, n_head=2), tp=2, layout=MEGATRON_GPT2)
     pm(**batch(100))
     if where == "new call" and dying:          # capturing the program of a new call signature
-        autotp.api.capture_model = die
+        capture_cache.lookup = die
     if where == "barrier" and dying:           # in a checkpoint's first exchange (autotp.runtime.checkpoint.dcp_safety)
         dcp.safety.agree_to_start = die
     if where == "new call":
