@@ -197,8 +197,8 @@ class GraphIndex:
     #: activation checkpointing priced (:func:`autotp.passes.checkpoint.price_recomputation`): each
     #: op of a repeated layer -> the share of its kept activations that counts (1 / the layers: one
     #: layer's are held at a time, while backward recomputes it), its forward run twice; and the
-    #: tensors checkpoint keeps instead (a layer's inputs made outside it: storage roots, counted
-    #: whole at the op that makes them, (op, output index))
+    #: tensors checkpoint keeps instead (the storage roots of what a layer reads that it did not
+    #: make, each counted whole at the op that makes it)
     recomputed: Mapping[fx.Node, float] = field(default_factory=dict)
     layer_inputs: frozenset = frozenset()
     _strategies: dict = field(default_factory=dict)

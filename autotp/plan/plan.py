@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import json
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import ConfigError
@@ -339,7 +339,8 @@ class Plan:
             "comms": [c.__dict__ for c in self.comms],
             "compute_s": self.compute_s, "comm_s": self.comm_s, "optimizer_s": self.optimizer_s,
             "memory_bytes": self.memory_bytes, "activation_bytes": self.activation_bytes,
-            "recomputed": self.recomputed, "memory_limit": self.memory_limit, "expressions": dict(self.expressions), "notes": self.notes,
+            "recomputed": self.recomputed, "memory_limit": self.memory_limit,
+            "expressions": dict(self.expressions), "notes": self.notes,
             "attention": self.attention,
         }
         if self.arguments is not None:
@@ -601,6 +602,11 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
         key = (info.cost_key, strat)
         compute[key] += 1
         first.setdefault(key, (info, strat))
+        if node in index.recomputed and info.grad_inputs:   # its forward again (GraphIndex.compute_time)
+            info = replace(info, grad_inputs=tuple(False for _ in info.grad_inputs))
+            key = (info.cost_key, strat)
+            compute[key] += 1
+            first.setdefault(key, (info, strat))
     comm: collections.Counter = collections.Counter()
     nodes = {n.name: n for n in index.capture.graph.nodes}
     inside: collections.Counter = collections.Counter()
