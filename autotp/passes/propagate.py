@@ -244,8 +244,7 @@ class GraphIndex:
                 info, strat = rank_rows_work(info, strat)
             found = compute_time(info, strat, self.env, profile, self.tp, self.align)
             if twice and info.grad_inputs:   # its forward again, in backward (no gradient of its own)
-                forward = replace(info, grad_inputs=tuple(False for _ in info.grad_inputs))
-                found += compute_time(forward, strat, self.env, profile, self.tp, self.align)
+                found += compute_time(info.forward_only(), strat, self.env, profile, self.tp, self.align)
             self._compute[key] = found
         return found
 

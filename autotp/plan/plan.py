@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import json
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
@@ -603,7 +603,7 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
         compute[key] += 1
         first.setdefault(key, (info, strat))
         if node in index.recomputed and info.grad_inputs:   # its forward again (GraphIndex.compute_time)
-            info = replace(info, grad_inputs=tuple(False for _ in info.grad_inputs))
+            info = info.forward_only()
             key = (info.cost_key, strat)
             compute[key] += 1
             first.setdefault(key, (info, strat))

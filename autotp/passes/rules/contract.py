@@ -12,6 +12,7 @@ Values only: the registry (:mod:`.registry`) keys rules by op; the index
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Any
@@ -174,6 +175,11 @@ class OpInfo:
     def args_key(self) -> tuple:
         """The op's arguments (tensors as their metas) and keyword arguments, hashable."""
         return _frozen(self.args), _frozen(tuple(sorted(self.kwargs.items())))
+
+    def forward_only(self) -> "OpInfo":
+        """This op with no input carrying a gradient: what its forward alone costs (priced twice
+        where activation checkpointing recomputes it, ``autotp.passes.checkpoint``)."""
+        return dataclasses.replace(self, grad_inputs=tuple(False for _ in self.grad_inputs or ()))
 
     @property
     def cost_key(self) -> tuple:
