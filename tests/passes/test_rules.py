@@ -1880,3 +1880,19 @@ def test_rows_reordered_by_a_permutation_gather_their_gradient_back(data):
     want[index].backward(grad)
     target(got, index).backward(grad)
     assert torch.equal(got.grad, want.grad)
+
+
+def test_a_shard_of_a_leading_dim_survives_a_view_that_regroups_only_the_dims_after_it():
+    # Gated DeltaNet's padded sequence viewed as chunks: [b, heads, s + pad, d] -> [b, heads,
+    # (s + pad) // 64, 64, d], the padded length written with Mod terms no grouping divides
+    b, s = sympy.Symbol("b", integer=True, positive=True), sympy.Symbol("s", integer=True, positive=True)
+    padded = s + sympy.Mod(64 - sympy.Mod(s, 64), 64)
+    src, dst = (b, sympy.Integer(4), padded, sympy.Integer(8)), (b, sympy.Integer(4), padded // 64,
+                                                                 sympy.Integer(64), sympy.Integer(8))
+    assert map_view_shard(src, dst, Shard(1)) == Shard(1)
+    assert map_view_shard(src, dst, Shard(1, 1, 2)) == Shard(1, 1, 2)
+    assert map_view_shard(dst, src, Shard(1)) == Shard(1)          # and back
+    assert map_view_shard(src, dst, Shard(2)) is None               # the regrouped dim itself
+    assert map_view_shard(src, dst, Shard(3)) == Shard(4)           # the common tail, as before
+    moved = (b, sympy.Integer(2), sympy.Integer(2), padded // 64, sympy.Integer(64), sympy.Integer(8))
+    assert map_view_shard(src, moved, Shard(1)) is None             # the heads dim itself regrouped

@@ -66,7 +66,23 @@ def _prod(sizes) -> sympy.Expr:
 def map_view_shard(src: tuple, dst: tuple, shard: Shard) -> Shard | None:
     """Where a shard of ``src`` lands in ``dst`` after a reshape, or None if it cannot."""
     found = _map_view_shard(src, dst, shard)
+    if found is None:
+        found = _in_common_head(src, dst, shard)
     return found if found is not None else _in_common_tail(src, dst, shard)
+
+
+def _in_common_head(src: tuple, dst: tuple, shard: Shard) -> Shard | None:
+    """A shard of a dim among the leading dims that ``src`` and ``dst`` share size for size: the
+    reshape regroups only the dims after them (Gated DeltaNet's chunked rule views the padded
+    ``[b, heads, s + pad, d]`` as ``[b, heads, (s + pad) // 64, 64, d]``, a padded length export
+    writes with ``Mod`` terms that :func:`view_groups` cannot divide), so every element keeps its
+    index along the shard's dim and the dims before it, and the shard keeps its place."""
+    d = shard.dim
+    if d >= min(len(src), len(dst)) or src[d] == 1 or (shard.per_block and shard.outer > d):
+        return None
+    if any(src[k] != dst[k] for k in range(d + 1)):
+        return None
+    return shard
 
 
 def _in_common_tail(src: tuple, dst: tuple, shard: Shard) -> Shard | None:
