@@ -6,7 +6,7 @@
 """
 from .api import from_pretrained, parallelize, plan
 from .errors import (AutotpError, CaptureError, CheckpointError, CommError, ConfigError, DisagreementError,
-                     InputError, LostRankError, MemoryLimitError, NoRuleError, PlanError)
+                     InputError, LostRankError, MemoryLimitError, NoRuleError, PlanError, SolverError)
 from .placements import Partial, Replicate, Shard
 from .plan import Plan
 from .plan.expert_load import ExpertLoad
@@ -16,5 +16,5 @@ from .version import __version__
 __all__ = [
     "from_pretrained", "parallelize", "plan", "Plan", "Replicate", "Shard", "Partial", "AutotpError", "CaptureError",
     "CheckpointError", "CommError", "ConfigError", "DisagreementError", "InputError", "LostRankError",
-    "MemoryLimitError", "NoRuleError", "PlanError", "ExpertLoad", "measure_expert_load",
+    "MemoryLimitError", "NoRuleError", "PlanError", "SolverError", "ExpertLoad", "measure_expert_load",
 ]

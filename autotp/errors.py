@@ -39,6 +39,12 @@ class MemoryLimitError(PlanError):
         self.plan_without_limit = None
 
 
+class SolverError(PlanError):
+    """The solver's own choices do not replay as it priced them: a bug in autotp, never the
+    input's fault. Not taken for "no plan this way": where another way to plan exists (sibling
+    products apart rather than joined) autotp logs it and plans that way, else it is raised."""
+
+
 class InputError(AutotpError, ValueError):
     """A call's inputs do not fit the captured graph (too long, wrong keys, ...)."""
 

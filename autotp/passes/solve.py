@@ -51,7 +51,7 @@ from torch import fx
 
 from ..capture import module_path
 from ..cost_model.devices import DeviceProfile
-from ..errors import MemoryLimitError, PlanError
+from ..errors import MemoryLimitError, PlanError, SolverError
 from ..placements import REPLICATE, Partial, Placement, Shard, same_placement
 from .rules import Strategy
 from .propagate import (INF, GraphIndex, Propagation, _dim_size, _even, _meta, _out_meta,
@@ -687,10 +687,10 @@ def _solution(index: GraphIndex, profile: DeviceProfile, pinned: dict, solver: _
     solver predicted."""
     prop = propagate(index, pinned, profile, forced=forced, exact=exact)
     if prop.infeasible:
-        raise PlanError(f"internal: the solver's plan does not replay: {prop.infeasible}")
+        raise SolverError(f"internal: the solver's plan does not replay: {prop.infeasible}")
     if (abs(prop.total_s - seconds) > 1e-8 * max(1e-3, seconds)
             or abs(prop.memory_bytes - memory) > 1e-6 * max(1.0, memory)):
-        raise PlanError(f"internal: the solver predicted {seconds:.6g} s / {memory:.6g} B but the plan costs "
+        raise SolverError(f"internal: the solver predicted {seconds:.6g} s / {memory:.6g} B but the plan costs "
                         f"{prop.total_s:.6g} s / {prop.memory_bytes:.6g} B")
     pruned = None if solver.pruned is None else (solver.pruned.name, solver.live_at_prune)
     return Solution(pinned, prop, solver.transitions, forced, solver.reused, over_limit, pruned)

@@ -13,11 +13,14 @@ placements can join (all whole, or all split along their rows), or none where th
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
-from ..errors import PlanError
+from ..errors import PlanError, SolverError
 from ..passes.products import Siblings, find_siblings, fuse_products
 from ..placements import REPLICATE, Shard
+
+log = logging.getLogger(__name__)
 
 
 def _weights(cap: Any, sibs: Siblings) -> list[str]:
@@ -54,7 +57,11 @@ def fused_cheaper(cap: Any, tp: int, plan: Any, attempt: Callable[[Any], tuple],
     means its parameter, whose rows a join makes rows of the joined weight, so a set with one
     weight pinned ``row`` (Llama-4's router beside its shared expert's gate and up) runs apart.
     ``only``: the sets to keep apart, decided already (another rank's plan rebuilt): that capture
-    alone is attempted. The result's index records the sets kept apart (``GraphIndex.apart``)."""
+    alone is attempted. The result's index records the sets kept apart (``GraphIndex.apart``).
+    A way that fails is "no plan this way" (a memory limit) and the others are tried; a failure
+    of the solver itself (:class:`~autotp.errors.SolverError`, a bug) is logged as one when
+    another way plans, so the fallback is said, never silent. With no way left, the first
+    failure is raised, a SolverError before any other."""
     sets = find_siblings(cap.graph, cap.param_names)
     if not sets:
         return attempt(cap), [], None
@@ -69,6 +76,11 @@ def fused_cheaper(cap: Any, tp: int, plan: Any, attempt: Callable[[Any], tuple],
             else:
                 fused_cap, fused = fuse_products(cap, skip)
                 result = attempt(fused_cap)
+        except SolverError as exc:   # a bug: said, and the other way tried
+            log.warning("autotp: %s (planning %d sibling product sets apart, %d joined); this is a bug in "
+                        "autotp, please report it. Trying the other way", exc, len(skip), len(sets) - len(skip))
+            failure = failure if isinstance(failure, SolverError) else exc
+            return None
         except PlanError as exc:   # no plan this way (a memory limit): another way may have one
             failure = failure or exc
             return None

@@ -6,6 +6,7 @@ The captured program of a model, fused, computes what the written one does, forw
 parameter's gradient (float64); products of other inputs, of one input with a bias and one
 without, and a mixture's experts stay as written.
 """
+import pytest
 import torch
 from torch import nn
 
@@ -215,6 +216,41 @@ def test_the_cheaper_of_joined_and_apart_is_kept():
     # decided already (another rank's choice): that capture alone is attempted
     (_, index, prop), fused, _ = fused_cheaper(cap, 1, None, attempt(+0.1), only=frozenset())
     assert round(prop.total_s, 6) == 1.4 and len(fused) == 4 and index.apart == frozenset()
+
+
+def test_a_solver_failure_is_said_and_planned_the_other_way_and_raised_when_none_plans(caplog):
+    # a SolverError (the solver's plan does not replay: a bug) on the joined capture was taken for
+    # "no plan this way", silently: tp 1 ran every set apart (9535864). Now it is logged as a bug
+    # where the other way plans, and raised, before a plain PlanError, where none does
+    from types import SimpleNamespace
+
+    from autotp.errors import PlanError, SolverError
+    from autotp.planner.siblings import fused_cheaper
+
+    config = zoo.tiny_config("llama", layers=1, heads=4, kv_heads=2, head_dim=4, vocab=64)
+    cap = capture(zoo.build("llama", config, dtype=torch.float32, seed=1, device="meta"))
+
+    def attempt(joined: Exception, apart: Exception | None = None):
+        def run(c):
+            if any(n.target is aten.cat.default and n.args[0][0].op == "placeholder" for n in c.graph.nodes):
+                raise joined
+            if apart is not None:
+                raise apart
+            return SimpleNamespace(params={}), SimpleNamespace(apart=None), SimpleNamespace(total_s=1.0)
+        return run
+
+    with caplog.at_level("WARNING", logger="autotp.planner.siblings"):
+        (_, index, _), fused, _ = fused_cheaper(cap, 2, None, attempt(SolverError("internal: no replay")))
+    assert fused == [] and len(index.apart) == 2
+    assert "internal: no replay" in caplog.text and "bug in autotp" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="autotp.planner.siblings"):
+        fused_cheaper(cap, 2, None, attempt(PlanError("no plan joined")))
+    assert caplog.text == ""   # a plain "no plan this way" is no bug
+    with pytest.raises(SolverError, match="internal: no replay"):
+        fused_cheaper(cap, 2, None, attempt(SolverError("internal: no replay"), PlanError("no plan apart")))
+    with pytest.raises(SolverError, match="internal: apart"):
+        fused_cheaper(cap, 2, None, attempt(PlanError("no plan joined"), SolverError("internal: apart")))
 
 
 def test_the_op_by_op_walk_never_gathers_a_joined_weight():
