@@ -145,10 +145,16 @@ def price_recomputation(index: Any) -> None:
     - each op of a layer runs its forward twice (the recomputation: the op priced with no
       input carrying a gradient).
 
-    Not priced: a layer's collectives run again in the recomputation (a g's all-reduce, an
-    all-gather), and the recomputed layer's input counted with the layer's share as well as
-    among the kept inputs (one layer input over the whole program). A program without
-    gradients (inference, a generation step) runs its layers unchecked: nothing is set."""
+    - the collectives of a layer run again in the recomputation, forward only (a g's all-reduce,
+      an all-gather; an f's forward is nothing): those of an op of a layer (a vocab-parallel
+      loss's, an expert dispatch's all-to-all) and the conversions of a tensor whose first reader
+      is an op of a layer, whose communication nodes :func:`checkpoint_layers` puts in that
+      layer (``GraphIndex.converted_again``; a conversion one consumer outside the layers shares
+      with it is counted by the first reader alone).
+
+    Not priced: the recomputed layer's input counted with the layer's share as well as among the
+    kept inputs (one layer input over the whole program). A program without gradients
+    (inference, a generation step) runs its layers unchecked: nothing is set."""
     from ..cost_model.saved import kept_root
 
     if not index.grads:
@@ -169,3 +175,10 @@ def price_recomputation(index: Any) -> None:
             if root.op == "call_function" and maker in index.infos and owner.get(maker) != layer:
                 kept.add(root)
     index.layer_inputs = frozenset(kept)
+    order = {node: i for i, node in enumerate(index.capture.graph.nodes)}
+    again = set()
+    for node in order:
+        readers = [user for user in node.users if user in owner]
+        if readers and owner[min(readers, key=order.get)] is not None:
+            again.add(node)
+    index.converted_again = frozenset(again)

@@ -201,6 +201,11 @@ class GraphIndex:
     #: make, each counted whole at the op that makes it)
     recomputed: Mapping[fx.Node, float] = field(default_factory=dict)
     layer_inputs: frozenset = frozenset()
+    #: ... and the tensors whose conversions run again in the recomputation, their forward
+    #: collectives re-run (a g's all-reduce, an all-gather): those whose first reader is an op of
+    #: a repeated layer, the layer the rewrite's communication nodes join
+    #: (:func:`autotp.passes.checkpoint.checkpoint_layers`)
+    converted_again: frozenset = frozenset()
     _strategies: dict = field(default_factory=dict)
     #: (op, its inputs' placements) -> the rule's strategies before this index's filters: a pure
     #: function of the op and the placements, so an index copied with other filters
@@ -1018,10 +1023,18 @@ def internal_seconds(index: "GraphIndex", profile: DeviceProfile, strat: Strateg
         full = internal_bytes(index, profile, kind, meta, node)
         rows = numel(meta.shape[:1], index.env)
         share = load_share(index, node) if kind == "all_to_all" else None
-        total += sum(collective_time(kind, full, profile, index.tp)) \
+        total += internal_collective_seconds(index, profile, kind, full, node) \
             + internal_copy_seconds(kind, full, profile, rows, index.tp, _width(meta, index.env), table_split(strat),
                                     sends_own_order(strat), share)
     return total
+
+
+def internal_collective_seconds(index: "GraphIndex", profile: DeviceProfile, kind: str, full: Any,
+                                node: fx.Node | None) -> float:
+    """Forward + backward seconds of an op's internal collective of ``full`` bytes, its forward
+    twice where the op's layer is recomputed in backward (activation checkpointing)."""
+    fw, bw = collective_time(kind, full, profile, index.tp)
+    return fw + bw + (fw if node is not None and node in index.recomputed else 0.0)
 
 
 def internal_bytes(index: "GraphIndex", profile: DeviceProfile, kind: str, meta: TensorMeta,
@@ -1282,13 +1295,24 @@ def added_seconds(index: "GraphIndex", profile: DeviceProfile, meta: TensorMeta,
 
 
 def pay(index: "GraphIndex", profile: DeviceProfile, meta: TensorMeta, have: Any, paid: frozenset,
-        want: Placement, f: bool | str, grad: bool, share: float | None = None) -> tuple[float, frozenset]:
+        want: Placement, f: bool | str, grad: bool, share: float | None = None,
+        again: bool = False) -> tuple[float, frozenset]:
     """(seconds added, conversions paid after) for a conversion to ``(want, f)`` of a tensor
     placed ``have`` whose conversions ``paid`` are made: the solver's and the walk's one rule. A
     conversion that also serves a consumer wanting no f (:func:`serves_without_f`) pays that one
     too: free, but where it is a gather read from a shared ``all_gather_f`` (a tailed product's
     tail reads it through ``grad_if``). ``share``: the busiest rank's share of the tensor's MoE
-    block's rows (:func:`load_share`), which the reverse all-to-all is priced at."""
+    block's rows (:func:`load_share`), which the reverse all-to-all is priced at. ``again``: the
+    tensor's conversions run again in a recomputed layer (``GraphIndex.converted_again``): their
+    forward is paid twice (the same conversions priced with no gradient)."""
+    seconds, after = _paid(index, profile, meta, have, paid, want, f, grad, share)
+    if again:
+        seconds += _paid(index, profile, meta, have, paid, want, f, False, share)[0]
+    return seconds, after
+
+
+def _paid(index: "GraphIndex", profile: DeviceProfile, meta: TensorMeta, have: Any, paid: frozenset,
+          want: Placement, f: bool | str, grad: bool, share: float | None) -> tuple[float, frozenset]:
     seconds = added_seconds(index, profile, meta, have, paid, want, f, grad, share)
     paid = paid | {(want, f)}
     kind = _conversion(have, want, _dim_size(meta, want) or _dim_size(meta, have), index.tp)
@@ -1394,20 +1418,21 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
         if share is not None:   # the busiest rank sends back the rows it received
             full = at_load(full, share, tp)
         grad = node in index.grads
+        again = node in index.converted_again   # its forward again in the recomputation (pay)
         if gathers_whole(meta, place[node], dst, tp):   # one all-gather serves every gather of node
             group = gathered.get(node)
             if group is None:
-                group = gathered[node] = _Gathers(node, place[node], meta, full, grad)
+                group = gathered[node] = _Gathers(node, place[node], meta, full, grad, again)
                 comms.append(group)
             comm += group.add((dst, f), consumer.name, index, profile)
             if serves_without_f(kind, f):   # its tail reads it too (pay)
                 comm += group.add((dst, False), consumer.name, index, profile)
             return
         for k in conversion_kinds(kind, f):
-            fw_s, bw_s = collective_time(k, full, profile, tp, grad)
             fw_b, bw_b = collective_bytes(k, full, tp, grad)
-            seconds = fw_s + bw_s + layout_copy_seconds(k, meta, place[node], dst, full, profile, tp, grad, index,
-                                                        share)
+            seconds = sum(collective_time(k, full, profile, tp, g)[0] + collective_time(k, full, profile, tp, g)[1]
+                          + layout_copy_seconds(k, meta, place[node], dst, full, profile, tp, g, index, share)
+                          for g in ((grad, False) if again else (grad,)))
             comm += seconds
             comms.append(Comm(k, node.name, place[node], dst, consumer.name, full, fw_b, bw_b, seconds))
 
@@ -1510,7 +1535,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
                 elif (inp, want, f) not in conversions:   # one made is reused; a gather may share one
                     made = frozenset(gathered[inp].wanted) if inp in gathered else frozenset()
                     cost += pay(index, profile, meta, place[inp], made, want, f, inp in index.grads,
-                                load_share(index, inp))[0]
+                                load_share(index, inp), inp in index.converted_again)[0]
                 if cost == INF:
                     break
             if cost < best_cost:
@@ -1527,7 +1552,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
         memory += kept_now
         for kind, meta in best.internal:
             full = internal_bytes(index, profile, kind, meta, node)
-            seconds = sum(collective_time(kind, full, profile, tp))
+            seconds = internal_collective_seconds(index, profile, kind, full, node)
             # memory-bound work, not the link's
             share = load_share(index, node) if kind == "all_to_all" else None
             compute += internal_copy_seconds(kind, full, profile, numel(meta.shape[:1], env), tp, _width(meta, env),
@@ -1562,8 +1587,10 @@ class _Gathers:
     """The gathers of one tensor a propagation has made so far (:func:`gather_parts`) and the
     collectives they list."""
 
-    def __init__(self, node: fx.Node, have: Shard, meta: TensorMeta, full: float, grad: bool) -> None:
+    def __init__(self, node: fx.Node, have: Shard, meta: TensorMeta, full: float, grad: bool,
+                 again: bool = False) -> None:
         self.node, self.have, self.meta, self.full, self.grad = node, have, meta, full, grad
+        self.again = again   # recomputed: each collective's forward again (pay)
         self.wanted: dict[tuple, str] = {}   # (want, f) -> the consumer that first wanted it
         self.comms: list[Comm] = []
 
@@ -1575,7 +1602,8 @@ class _Gathers:
         self.comms = []
         for kind, dst, entry in gather_parts(self.have, list(self.wanted)):
             fw_b, bw_b = collective_bytes(kind, self.full, index.tp, self.grad)
-            seconds = gather_part_seconds(index, profile, self.meta, self.have, kind, dst, self.grad)
+            seconds = sum(gather_part_seconds(index, profile, self.meta, self.have, kind, dst, g)
+                          for g in ((self.grad, False) if self.again else (self.grad,)))
             self.comms.append(Comm(kind, self.node.name, self.have, dst, self.wanted[entry], self.full, fw_b, bw_b,
                                    seconds))
         return sum(c.seconds for c in self.comms) - before

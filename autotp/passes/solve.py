@@ -288,7 +288,7 @@ class _Solver:
                     # a gather shares the all-gather of the tensor's other gathers (gather_parts);
                     # a collective with an f after it serves a consumer that wants no f
                     seconds, paid = pay(index, profile, meta, have, paid, want, f, inp in index.grads,
-                                        load_share(index, inp))
+                                        load_share(index, inp), inp in index.converted_again)
                     cost += seconds
                     labels[inp] = (have, paid)
                 if cost == INF:

@@ -623,11 +623,15 @@ def cost_expressions(index: Any, prop: Any, profile: Any) -> dict[str, str]:
             share = load_share(index, nodes[c.tensor]) if kind == "all_to_all" else None
             key = ("g" if kind == "all_reduce" else kind, meta, True, None, None, share)
             comm[key] += 1
+            if nodes[c.tensor] in index.recomputed:   # run again in the recomputation, forward only
+                comm[key[:2] + (False,) + key[3:]] += 1
             laid[(key, table_split(prop.chosen[nodes[c.tensor]]), sends_own_order(prop.chosen[nodes[c.tensor]]))] += 1
             inside[c.tensor] += 1
         else:
             share = load_share(index, nodes[c.tensor]) if sends_back(c.src, c.dst) else None   # the reverse one
             comm[(c.kind, _meta(nodes[c.tensor]), nodes[c.tensor] in index.grads, c.src, c.dst, share)] += 1
+            if nodes[c.tensor] in index.converted_again:   # ... and a conversion's (propagate.pay)
+                comm[(c.kind, _meta(nodes[c.tensor]), False, c.src, c.dst, share)] += 1
     compute_total = sympy.Add(*(n * compute_time_expr(*first[k], profile, index.tp, index.env, index.align)
                                 for k, n in compute.items())) + prop.update_s   # the optimizer step: constant
     # every collective's tensor at the bytes of its own dtype, as propagation prices it

@@ -72,3 +72,34 @@ def test_activation_checkpointing_is_true_or_false():
     model = zoo.build("gpt2", config, device="meta", dtype=torch.float32)
     with pytest.raises(autotp.ConfigError, match="activation_checkpointing='yes'"):
         autotp.plan(model, 1, activation_checkpointing="yes")
+
+
+def test_a_recomputed_layers_collectives_run_their_forward_again():
+    # checkpoint_layers puts each communication node in the layer of the op it feeds, so the
+    # recomputation runs a layer's g all-reduce and all-gathers again (an f's forward is nothing):
+    # priced once more forward, and only there (the embedding's and the head's collectives run once)
+    from autotp.testing.host import MEGATRON
+
+    config = zoo.tiny_config("gpt2", layers=2, heads=4, head_dim=8, vocab=64, positions=SEQ)
+    model = zoo.build("gpt2", config, device="meta", dtype=torch.float32)
+    plans = {ck: autotp.plan(model, 2, batch=BATCH, seq=SEQ, layout=MEGATRON["gpt2"], sequence_parallel=False,
+                             activation_checkpointing=ck) for ck in (False, True)}
+    key = lambda c: (c.kind, c.tensor, c.consumer, c.src, c.dst)  # noqa: E731
+    plain = {key(c): c for c in plans[False].comms}
+    assert sorted(plain) == sorted(key(c) for c in plans[True].comms)   # the same plan, priced twice
+    profile = get_profile(plans[True].profile)
+    extra = 0.0
+    for c in plans[True].comms:
+        more = c.seconds - plain[key(c)].seconds
+        in_layer = c.module.startswith("transformer.h.")
+        if c.kind == "g" and in_layer:   # its all-reduce forward again
+            assert more == pytest.approx(profile.all_reduce_time(c.fwd_bytes * 2 / (2 * (2 - 1)), 2)), c
+        elif c.kind == "f" or not in_layer:
+            assert more == 0.0, c
+        extra += more
+    assert sum(c.kind == "g" and c.module.startswith("transformer.h.") for c in plans[True].comms) == 4
+    assert plans[True].comm_s - plans[False].comm_s == pytest.approx(extra) and extra > 0
+    b, s = sympy.symbols("b s", integer=True, positive=True)
+    for ck, plan in plans.items():   # the comm expression in b and s holds it too
+        expr = sympy.sympify(plan.expressions["comm_s"], locals={"b": b, "s": s})
+        assert float(expr.subs({b: BATCH, s: SEQ})) == pytest.approx(plan.comm_s, rel=1e-3), ck
