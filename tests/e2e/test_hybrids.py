@@ -24,9 +24,12 @@ from autotp.testing import TOLERANCE
 FAMILIES = ("bamba", "falcon-h1", "granitemoehybrid", "jamba", "qwen3-next", "qwen3.5-moe", "minimax")
 
 
-def hybrid_calls(family: str, config_extra: dict | None = None, params: tuple[str, ...] = ()) -> dict:
-    """Every call of a tiny ``family`` (``config_extra`` set on its config) at this world's tp
-    against serial; ``params``: parameters whose plan placement the result carries too."""
+def hybrid_calls(family: str, config_extra: dict | None = None, params: tuple[str, ...] = (),
+                 layout: dict | None = None) -> dict:
+    """Every call of a tiny ``family`` (``config_extra`` set on its config; ``layout`` pinned) at
+    this world's tp against serial; ``params``: parameters whose plan placement the result carries
+    too. ``"gathered"``: the all-gathers of each program made by ops of a module ``*.linear_attn``
+    itself (Gated DeltaNet's mixer, not its projections or norm)."""
     import autotp
     from autotp import zoo
     from autotp.testing import equivalence_errors
@@ -36,7 +39,8 @@ def hybrid_calls(family: str, config_extra: dict | None = None, params: tuple[st
         config._experts_implementation = "batched_mm"   # torch's grouped product takes no float64 on CPU
     model = zoo.build(family, config, dtype=torch.float64)
     # a large planning workload, so the cost model splits even this tiny model's attention and MLPs
-    pm = autotp.parallelize(model, torch.distributed.get_world_size(), batch=64, seq=4096, profile="h100-dgx")
+    pm = autotp.parallelize(model, torch.distributed.get_world_size(), batch=64, seq=4096, profile="h100-dgx",
+                            layout=layout)
     out = {"held": sum(p.numel() for p in pm.local_parameters().values()),
            "serial": sum(p.numel() for p in model.parameters()), "fixed": bool(pm.capture.fixed_dims),
            **{name: pm.plan.params[name] for name in params}}
@@ -59,6 +63,8 @@ def hybrid_calls(family: str, config_extra: dict | None = None, params: tuple[st
         got = (type(exc).__name__, str(exc))
     out["generate"] = (got, model.generate(prompt, attention_mask=prompt_mask, max_new_tokens=3, do_sample=False,
                                            eos_token_id=None, pad_token_id=0).tolist())
+    out["gathered"] = sorted(f"{p.step or 'call'}: {c.tensor}" for p in pm._programs for c in p.plan.comms
+                             if c.module.endswith(".linear_attn") and c.kind.startswith("all_gather"))
     return out
 
 
@@ -89,6 +95,27 @@ def test_a_hybrid_equals_serial_at_every_length_and_padded(family):
             assert kind == NOT_GENERATED[family][0] and NOT_GENERATED[family][1] in text, got
         else:
             assert got == serial
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_gated_deltanet_split_by_head_equals_serial_every_call():
+    # Qwen3-Next's Gated DeltaNet with its projections pinned by head: the chunked recurrence runs
+    # on each rank's heads in every program (training, padded inference, the prompt and each
+    # decode step; its padded [b, heads, s + pad, d] viewed as chunks kept the heads shard only
+    # once views learned to keep a shard of a leading dim, autotp/passes/rules/view_map.py), and
+    # every call still equals serial at float32's rounding
+    from autotp.distributed.launch import LocalCluster
+    from tests.e2e.test_recurrent_states import DELTANET_LAYOUT
+
+    with LocalCluster(2, timeout=3000) as cluster:
+        results = cluster.run(hybrid_calls, "qwen3-next", layout=DELTANET_LAYOUT)
+    for r in results:
+        assert r["gathered"] == [], r["gathered"]
+        for call in ("train 11", "train 8", "padded"):
+            assert r[call] <= TOLERANCE[torch.float32], (call, r[call])
+        got, serial = r["generate"]
+        assert got == serial
 
 
 def dynamic_length_calls(family: str) -> dict:
