@@ -1470,7 +1470,7 @@ def _misc(gen) -> list[tuple]:
         (aten.flip.default, (x, [0, 1])), (aten.roll.default, (x, [1], [1])),
         (aten.arange.default, (5,)), (aten.arange.start, (2, 7)), (aten.arange.start_step, (1, 9, 3)),
         (aten.zeros.default, ([2, 3],)), (aten.ones.default, ([2, 3],)), (aten.full.default, ([2, 3], 1.5)),
-        (aten.scalar_tensor.default, (2.5,)),
+        (aten.scalar_tensor.default, (2.5,)), (aten.eye.default, (4,)), (aten.eye.m, (3, 5)),
         (aten.new_ones.default, (x, [2, 3])), (aten.new_zeros.default, (x, [3])),
         (aten.new_full.default, (x, [2], 7.0)),
         (aten.zeros_like.default, (x,)), (aten.ones_like.default, (x,)), (aten.full_like.default, (x, 2.0)),

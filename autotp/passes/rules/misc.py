@@ -35,6 +35,7 @@ def sym_other_rule(info: OpInfo, placements: tuple) -> list[Strategy]:
 FACTORIES = [
     aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default,
     aten.ones.default, aten.full.default, aten.empty.memory_format, aten.scalar_tensor.default,
+    aten.eye.default, aten.eye.m,   # Gated DeltaNet's chunk: attn + eye(64)
     aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default,
     aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default,
 ]
