@@ -1430,7 +1430,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
             return
         for k in conversion_kinds(kind, f):
             fw_b, bw_b = collective_bytes(k, full, tp, grad)
-            seconds = sum(collective_time(k, full, profile, tp, g)[0] + collective_time(k, full, profile, tp, g)[1]
+            seconds = sum(sum(collective_time(k, full, profile, tp, g))
                           + layout_copy_seconds(k, meta, place[node], dst, full, profile, tp, g, index, share)
                           for g in ((grad, False) if again else (grad,)))
             comm += seconds
