@@ -146,6 +146,7 @@ def test_gated_deltanet_pinned_by_head_runs_its_chunked_recurrence_split():
 
     config = zoo.tiny_config("qwen3-next", layers=1, heads=2, kv_heads=2, head_dim=8, vocab=64)
     config.layer_types = ["linear_attention"]
+    config.mlp_only_layers = [0]   # a dense MLP: the experts' notes would solve the layer twice more
     plan = autotp.plan(zoo.build("qwen3-next", config, device="meta"), tp=2, batch=64, seq=4096,
                        profile="h100-dgx", layout=DELTANET_LAYOUT)
     mixer = [c for c in plan.comms if c.module == "model.layers.0.linear_attn"]
