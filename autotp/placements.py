@@ -140,7 +140,14 @@ class Routed(Partial):
     (``cost_model/routing.dispatch_work``), and is not printed. With ``sent``: rows such a
     dispatch sent, whose plan sends them back into the order they left in with no gather of the
     rank's own rows (``DispatchPlan.order`` None): the combine back is priced so
-    (``propagate.sends_own_order``)."""
+    (``propagate.sends_own_order``).
+
+    ``heads`` (with ``tokens``; 0: none): rows a merge made of dims ending in a static dim of
+    that many entries split by head (Gated DeltaNet's ``[b, s, heads, d] -> [b*s*heads, d]``),
+    each held by the rank of its head whatever the dims merged before it hold, the sequence
+    included: a view may split them back along those dims (``token_split``), where rows of a
+    sequence split (``[b, s/tp, h] -> [b*s, h]``) are held by their position along it. Printed
+    as ``by 4 heads``."""
 
     dim: int = 0
     span: int = 1
@@ -151,8 +158,13 @@ class Routed(Partial):
     own: bool = False
     ascending: bool = False
     alone: bool = False
+    heads: int = 0
 
     def __post_init__(self) -> None:
+        if self.heads and not self.tokens:
+            raise ValueError("Routed.heads says rows a merge made of a dim split by head: tokens=True")
+        if self.heads < 0:
+            raise ValueError(f"Routed.heads counts the heads merged (0: none), got {self.heads}")
         if self.own and not self.tokens:
             raise ValueError("Routed.own says rows a rank routed from its own tokens: tokens=True")
         if self.tokens and self.sent:
@@ -170,6 +182,7 @@ class Routed(Partial):
         rows = f"{self.dim}" if self.span == 1 else f"{self.dim}:{self.dim + self.span}"
         unit = f"/{self.unit}" if self.unit != 1 else ""
         flags = "".join(f", {name}" for name in ("reordered", "ascending", "own") if getattr(self, name))
+        flags += f", by {self.heads} heads" if self.heads else ""
         return f"P({kind} {rows}{unit}{flags})"
 
 
@@ -524,6 +537,8 @@ def to_json(p: Placement) -> dict:
             out["span"] = p.span
         if p.unit != 1:
             out["unit"] = p.unit
+        if p.heads:
+            out["heads"] = p.heads
         out.update({flag: True for flag in ROUTED_FLAGS if getattr(p, flag)})
         return out
     if isinstance(p, Partial):
@@ -543,7 +558,7 @@ def from_json(d: dict) -> Placement:
         if "routed" not in d:
             return PARTIAL
         return Routed(int(d["routed"]), span=int(d.get("span", 1)), unit=int(d.get("unit", 1)),
-                      **{flag: bool(d.get(flag, False)) for flag in ROUTED_FLAGS})
+                      heads=int(d.get("heads", 0)), **{flag: bool(d.get(flag, False)) for flag in ROUTED_FLAGS})
     if kind == "replicate":
         return REPLICATE_PARTIAL_GRAD if d.get("grad") == "partial" else REPLICATE
     raise ValueError(f"unknown placement kind {kind!r}")

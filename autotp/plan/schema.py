@@ -177,9 +177,9 @@ def _placement(here: _Field, p: Any, ndim: int | None, tp: int) -> None:
     if kind == "partial":
         if "routed" in p:   # Routed (autotp/placements.py): rows of (token, expert) pairs
             here.dot("routed").integer(p["routed"])
-            for key in ("span", "unit"):
+            for key, least in (("span", 1), ("unit", 1), ("heads", 0)):
                 if key in p:
-                    here.dot(key).integer(p[key], 1)
+                    here.dot(key).integer(p[key], least)
             for key in ROUTED_FLAGS:
                 if key in p:
                     here.dot(key).flag(p[key])

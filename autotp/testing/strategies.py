@@ -77,6 +77,7 @@ def placements():
         reordered = tokens and draw(st.booleans())
         return Routed(draw(st.integers(0, 3)), span=draw(st.integers(1, 3)), tokens=tokens, sent=holder == "sent",
                       reordered=reordered, unit=draw(st.integers(1, 4)), own=tokens and draw(st.booleans()),
-                      ascending=reordered and draw(st.booleans()), alone=reordered and draw(st.booleans()))
+                      ascending=reordered and draw(st.booleans()), alone=reordered and draw(st.booleans()),
+                      heads=draw(st.integers(1, 8)) if tokens and draw(st.booleans()) else 0)
 
     return st.one_of(st.just(REPLICATE), st.just(PARTIAL), st.just(REPLICATE_PARTIAL_GRAD), shard(), routed())

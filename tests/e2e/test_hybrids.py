@@ -29,7 +29,7 @@ def hybrid_calls(family: str, config_extra: dict | None = None, params: tuple[st
     """Every call of a tiny ``family`` (``config_extra`` set on its config; ``layout`` pinned) at
     this world's tp against serial; ``params``: parameters whose plan placement the result carries
     too. ``"gathered"``: the all-gathers of each program made by ops of a module ``*.linear_attn``
-    itself (Gated DeltaNet's mixer, not its projections or norm)."""
+    itself or its gated norm (Gated DeltaNet's mixer, not its projections)."""
     import autotp
     from autotp import zoo
     from autotp.testing import equivalence_errors
@@ -64,7 +64,8 @@ def hybrid_calls(family: str, config_extra: dict | None = None, params: tuple[st
     out["generate"] = (got, model.generate(prompt, attention_mask=prompt_mask, max_new_tokens=3, do_sample=False,
                                            eos_token_id=None, pad_token_id=0).tolist())
     out["gathered"] = sorted(f"{p.step or 'call'}: {c.tensor}" for p in pm._programs for c in p.plan.comms
-                             if c.module.endswith(".linear_attn") and c.kind.startswith("all_gather"))
+                             if c.module.endswith((".linear_attn", ".linear_attn.norm"))
+                             and c.kind.startswith("all_gather"))
     return out
 
 
@@ -103,8 +104,9 @@ def test_gated_deltanet_split_by_head_equals_serial_every_call():
     # Qwen3-Next's Gated DeltaNet with its projections pinned by head: the chunked recurrence runs
     # on each rank's heads in every program (training, padded inference, the prompt and each
     # decode step; its padded [b, heads, s + pad, d] viewed as chunks kept the heads shard only
-    # once views learned to keep a shard of a leading dim, autotp/passes/rules/view_map.py), and
-    # every call still equals serial at float32's rounding
+    # once views learned to keep a shard of a leading dim, autotp/passes/rules/view_map.py; its
+    # gated norm's rows by head viewed back for out_proj once Routed rows knew their heads,
+    # rules/token_rows.token_split), and every call still equals serial at float32's rounding
     from autotp.distributed.launch import LocalCluster
     from tests.e2e.test_recurrent_states import DELTANET_LAYOUT
 

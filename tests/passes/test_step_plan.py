@@ -69,7 +69,7 @@ def test_a_mamba2_decode_step_reads_its_split_state_for_one_bmm_without_gatherin
     assert gathered == [], gathered
     # the graph as planned (its RMSNorms fused: a copy of the capture)
     (bmm,) = [node for node in index.capture.graph.nodes if node.target is torch.ops.aten.bmm.default]
-    assert prop.chosen[bmm].output == Routed(0, tokens=True), prop.chosen[bmm]
+    assert prop.chosen[bmm].output == Routed(0, tokens=True, heads=heads), prop.chosen[bmm]
     (back,) = bmm.users
     assert isinstance(prop.chosen[back].output, Shard) and prop.chosen[back].output.dim == 1, prop.chosen[back]
 
@@ -101,6 +101,6 @@ def test_a_mamba2_decode_step_reads_a_state_split_by_group_where_tp_divides_neit
     assert gathered == [], gathered
     # the graph as planned (its RMSNorms fused: a copy of the capture)
     (bmm,) = [node for node in index.capture.graph.nodes if node.target is torch.ops.aten.bmm.default]
-    assert prop.chosen[bmm].output == Routed(0, tokens=True, unit=2), prop.chosen[bmm]
+    assert prop.chosen[bmm].output == Routed(0, tokens=True, unit=2, heads=heads), prop.chosen[bmm]
     (back,) = bmm.users
     assert prop.chosen[back].output == Shard(1, unit=2), prop.chosen[back]

@@ -50,7 +50,10 @@ def token_rows(info: OpInfo, p) -> Routed | None:
     if not after or sympy.expand(math.prod(before[:d + 1]) - after[0]) != 0 \
             or sympy.expand(math.prod(before[d + 1:]) - math.prod(after[1:])) != 0:
         return None
-    return Routed(0, tokens=True, unit=unit)
+    heads = info.inputs[0].static(d)   # a static dim that is not the sequence: rows by head
+    if heads is not None and (before[d] in info.sequence or _holds_sequence(before[d], info.sequence)):
+        heads = None
+    return Routed(0, tokens=True, unit=unit, heads=heads or 0)
 
 
 def _runs_unit(meta, p, tp: int) -> int | None:
@@ -81,31 +84,57 @@ def row_unit(size: Any, unit: int, tp: int) -> int:
 
 
 def token_split(info: OpInfo, p: Routed) -> Shard | None:
-    """The shard merged (``Shard(d, unit=p.unit)``) where a view splits the rows of
-    :func:`token_rows` back into dims ``0..d`` (``[b*h, d, 1] -> [b, h, d]``), each row's
-    elements kept; None otherwise. Sound where the rows are those a merge of the same dims made,
-    in its order: the rank's program checks that the row map is that merge's
-    (:func:`token_split_localizer`). Not where a dim before ``d`` holds the sequence: the rows
-    are then held by their position along it, not along ``d`` (a token's top-k rows ``[b*s*k]``
-    viewed as ``[b*s, k]``: no merge split the top-k slots, and a rank holds all of a token's)."""
+    """The shard merged where a view splits the rows of :func:`token_rows` back into dims
+    ``0..d``, each row's elements kept (``[b*h, d, 1] -> [b, h, d]``: ``Shard(d, unit=p.unit)``)
+    or, rows of a dim of ``p.heads`` heads split by head, folded into the last dim with the head
+    they belong to (Gated DeltaNet's normed ``[b*s*h, d] -> [b, s, h*d]``: ``Shard(2, unit=p.unit *
+    d)``, a rank's heads' elements contiguous); None otherwise. Sound where the rows are those a
+    merge of the same dims made, in its order: the rank's program checks that the row map is that
+    merge's (:func:`token_split_localizer`). Not where a dim before ``d`` holds the sequence and
+    the rows are not by head: they are then held by their position along it, not along ``d`` (a
+    token's top-k rows ``[b*s*k]`` viewed as ``[b*s, k]``: no merge split the top-k slots, and a
+    rank holds all of a token's)."""
     if not (p.tokens and p.dim == 0 and p.span == 1 and info.tp > 1):
         return None
+    form = _split_back(info, p)
+    if form is None:
+        return None
+    d, _, fold = form
+    size = info.output.static(d)
+    if size is None:   # as a fresh shard of a sequence dim
+        return Shard(d) if info.uneven and info.output.shape[d] in info.sequence else None
+    back = Shard(d, unit=p.unit * fold)   # the shard merged (Mamba2's heads in a group's units)
+    unit = _runs_unit(info.output, back, info.tp)
+    if unit is None or not (info.uneven or is_even(size, back, info.tp)):
+        return None
+    return Shard(d, unit=unit)
+
+
+def _split_back(info: OpInfo, p: Routed) -> tuple[int, Any, int] | None:
+    """How a view splits rows ``p`` back (:func:`token_split`): ``(d, split, fold)``, the dim
+    ``d`` of the output the merged dim split returns in, that dim's size as the merge saw it, and
+    the elements of a row folded into ``d`` with it (1: none, the rows' elements kept in the dims
+    after ``d``); None where the view is neither form."""
     before, after = info.inputs[0].shape, info.output.shape
     for d in range(1, len(after)):
-        if sympy.expand(math.prod(after[:d + 1]) - before[0]) != 0:
+        outer = math.prod(after[:d])
+        if sympy.expand(outer * after[d] - before[0]) == 0:
+            if sympy.expand(math.prod(after[d + 1:]) - math.prod(before[1:])) != 0:
+                return None
+            if p.heads and info.output.static(d) != p.heads:
+                return None   # not the heads merged: the rows are not split back along them
+            form = (d, after[d], 1)
+        elif p.heads and d == len(after) - 1:
+            fold = sympy.sympify(math.prod(before[1:]))
+            if not fold.is_Integer or info.output.static(d) != p.heads * int(fold) \
+                    or sympy.expand(outer * p.heads - before[0]) != 0:
+                return None
+            form = (d, p.heads, int(fold))
+        else:
             continue
-        if any(_holds_sequence(size, info.sequence) for size in after[:d]):
+        if not p.heads and any(_holds_sequence(size, info.sequence) for size in after[:d]):
             return None
-        if sympy.expand(math.prod(after[d + 1:]) - math.prod(before[1:])) != 0:
-            return None
-        size = info.output.static(d)
-        if size is None:   # as a fresh shard of a sequence dim
-            return Shard(d) if info.uneven and after[d] in info.sequence else None
-        back = Shard(d, unit=p.unit)   # the shard merged (Mamba2's heads in a group's units)
-        unit = _runs_unit(info.output, back, info.tp)
-        if unit is None or not (info.uneven or is_even(size, back, info.tp)):
-            return None
-        return Shard(d, unit=unit)
+        return form
     return None
 
 
@@ -190,10 +219,9 @@ def token_split_localizer(info: OpInfo, strategy: Strategy, args: tuple, kwargs:
     where the rank holds other rows); where no merge of those dims made a row map, a PlanError."""
     from ...distributed import experts as E
 
-    d = strategy.output.dim
-    after = info.output.shape
-    x = ctx.inputs[0]
-    want = ctx.found_rows(_rows_key(tuple(after[:d]), after[d], row_unit(after[d], strategy.output.unit, ctx.tp)))
+    p, after, x = strategy.inputs[0], info.output.shape, ctx.inputs[0]
+    d, split, _ = _split_back(info, p)
+    want = ctx.found_rows(_rows_key(tuple(after[:d]), split, row_unit(split, p.unit, ctx.tp)))
     if want is None:
         from ...errors import PlanError
 
