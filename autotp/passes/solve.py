@@ -33,7 +33,8 @@ each entry state to each exit state is computed once and reused for every repeat
 the same state, so a 72-layer model costs about as much as a 2-layer one plus a chain of small
 min-plus steps. Uneven shards rotate by layer; rotating every uneven shard by the same amount
 moves no cost, so a repeat's labels are the representative's shifted by the layers' rotation
-difference (:class:`~.repeats.Shift`). The chosen strategies are then replayed by
+difference (:class:`~.repeats.Shift`). A narrow run (:mod:`.segments`: a few tensors read while others wait
+past it unread) is stepped the same way, its own template. The chosen strategies are then replayed by
 :func:`propagate` (``forced``), which builds the plan; its time and memory must equal the
 solver's, and a mismatch raises.
 """
@@ -59,6 +60,7 @@ from .propagate import (INF, GraphIndex, Propagation, _dim_size, _even, _meta, _
                         internal_seconds, load_share, param_memory, param_update_seconds, pay, propagate,
                         wants_f)
 from .repeats import Layer, LayerFinder, Shift
+from .segments import Segment, find_segments
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +152,8 @@ class _Solver:
         self.nodes = list(self.cap.graph.nodes)
         self.pos = {n: i for i, n in enumerate(self.nodes)}
         self.last_use = {n: max((self.pos[u] for u in n.users), default=-1) for n in self.nodes}
-        self.transitions = 0
+        self.transitions = 0   # strategies priced (once per op and labels of its inputs)
+        self.stepped = 0       # states stepped through an op, or through a layer or segment at once
         self.pruned: fx.Node | None = None   # the first op after which states were dropped (MAX_STATES)
         self.live_at_prune = 0
         self.fixed: dict[fx.Node, Placement] = {}    # placed from the start: inputs, pinned-whole params
@@ -179,6 +182,7 @@ class _Solver:
             if n.op not in ("placeholder", "call_function", "output"):
                 self.fixed[n] = REPLICATE   # get_attr and the like: whole on every rank
         self.transfers: dict = {}
+        self.segments: dict = {}   # first op -> Segment (.segments), found by solve()
         # A state holds only tensors still to be used (each is dropped at its last use), so an
         # op's step drops the state's tensors whose last use it is and nothing else.
         self.dies_at: dict[int, list] = {}
@@ -220,8 +224,7 @@ class _Solver:
         result is kept per (op, those labels)."""
         inputs = self.inputs_of.get(node)
         if inputs is None:
-            inputs = self.inputs_of[node] = \
-                (node.args[0],) if node.target is operator.getitem else tuple(self.index.tensor_inputs[node])
+            inputs = self.inputs_of[node] = self._reads(node)
         key = (node, tuple(map(state.get, inputs)))
         found = self.steps.get(key)
         if found is None:
@@ -235,6 +238,10 @@ class _Solver:
                               any(n not in seen and n is not node for n, _ in kept)))
             self.steps[key] = found
         return found
+
+    def _reads(self, node: fx.Node) -> tuple:
+        """The tensors whose labels :meth:`step` reads for ``node``."""
+        return (node.args[0],) if node.target is operator.getitem else tuple(self.index.tensor_inputs.get(node, ()))
 
     def _step(self, node: fx.Node, state: dict) -> list[tuple[int, float, float, dict]]:
         """:meth:`step`'s strategies from the labels of the op's inputs (``state``: tensor ->
@@ -342,12 +349,27 @@ class _Solver:
             isinstance(val, (list, tuple)) and bool(val) and all(isinstance(v, torch.Tensor) for v in val))
 
     # ---- the DP over a range of nodes ---------------------------------------------------------
-    def run(self, nodes: list, states: dict, raise_empty: bool = True) -> dict:
-        """Advance ``states`` (frozen state -> front) over ``nodes`` one op at a time; when no
+    def run(self, nodes: list, states: dict, raise_empty: bool = True, segments: bool = True) -> dict:
+        """Advance ``states`` (frozen state -> front) over ``nodes`` one op at a time, a segment
+        (:mod:`.segments`) wholly among them in one step by its transfer (``segments``); when no
         state survives, raise (or, with ``raise_empty=False``, return nothing)."""
         pos = self.pos
         bound = None if self.limit is None else self.limit * (1 + 1e-12)
-        for node in nodes:
+        k = 0
+        while k < len(nodes):
+            node = nodes[k]
+            seg = self.segments.get(node) if segments else None
+            if seg is not None and k + len(seg.nodes) <= len(nodes) and nodes[k + len(seg.nodes) - 1] is seg.nodes[-1]:
+                states = self.apply_block(seg, states)
+                k += len(seg.nodes)
+                if not states and raise_empty:
+                    raise self._infeasible(f"no feasible plan: no strategy fits the ops from {node.name} to "
+                                           f"{seg.nodes[-1].name}")
+                if not states:
+                    return states
+                continue
+            k += 1
+            self.stepped += len(states)
             p = pos[node]
             dying = self.dies_at.get(p, ())
             stays = dict.fromkeys(dying, False)   # tensor -> whether it stays; absent: it does
@@ -518,6 +540,7 @@ class _Solver:
         end = self.pos[b.nodes[-1]]
         shift = Shift(((b.rotate or 0) - (rep.rotate or 0)) % self.index.tp, self.index.tp, _out_meta)
         nxt: dict = {}
+        self.stepped += len(states)
         for key, front in states.items():
             state = dict(key)
             consumed = {n: lab for n, lab in state.items() if n in back}
@@ -541,8 +564,6 @@ class _Solver:
                             continue
                         nxt[nkey] = _pareto_add(nxt.get(nkey, []), (t, m, ("block", b, choices), e),
                                                 self.keep_front)
-        if not nxt:
-            raise self._infeasible(f"no feasible plan: no strategy fits layer {module_path(b.nodes[0])}")
         return nxt
 
     def _shifted(self, shift: Shift, node: fx.Node, label: int, forward: bool) -> int:
@@ -553,7 +574,8 @@ class _Solver:
         start = {tkey: [(0.0, 0.0, None, None)]}
         saved, self.limit = self.limit, None if self.limit is None else float("inf")
         try:
-            out = self.run(rep.nodes, start, raise_empty=False)   # a dead end from this entry state
+            # a dead end from this entry state; a segment's own ops one by one
+            out = self.run(rep.nodes, start, raise_empty=False, segments=not isinstance(rep, Segment))
         finally:
             self.limit = saved
         result = {}
@@ -564,18 +586,27 @@ class _Solver:
     # ---- the whole graph ---------------------------------------------------------------------------
     def solve(self) -> tuple[dict, float, float]:
         blocks = {b.nodes[0]: b for b in LayerFinder(self.index, self.pos, self.last_use, self.free).layers()}
+        repeated = {n for b in blocks.values() if b.template is not None for n in b.nodes}
+        body = [n for n in self.nodes if n.op != "placeholder"]
+        self.segments = find_segments(body, self.pos, self.last_use, self._reads, self._tracked, repeated)
         start = tuple(sorted(((n, self.label_id((p, frozenset()))) for n, p in self.fixed.items() if n.users),
                              key=lambda kv: self.pos[kv[0]]))
         states = {start: [(0.0, 0.0, None, None)]}
         reused = settled = 0
         i = 0
-        body = [n for n in self.nodes if n.op != "placeholder"]
         while i < len(body):
             n = body[i]
             states, settled = self._settled(states, settled, self.pos[n] - 1)
             b = blocks.get(n)
             if b is not None and b.template is not None:
                 states, i, reused = self.apply_block(b, states), i + len(b.nodes), reused + 1
+                if not states:
+                    raise self._infeasible(f"no feasible plan: no strategy fits layer {module_path(b.nodes[0])}")
+                continue
+            seg = self.segments.get(n)
+            if seg is not None:
+                states = self.run(seg.nodes, states)
+                i += len(seg.nodes)
                 continue
             if n.op == "output":
                 nxt: dict = {}
