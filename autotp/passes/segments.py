@@ -20,7 +20,6 @@ waiting tensors).
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Callable
 
