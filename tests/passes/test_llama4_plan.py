@@ -61,6 +61,9 @@ def test_llama4_scout_shared_expert_is_a_dense_mlp_and_attention_splits_by_head(
             into = [c for c in plan.comms if c.module == f"{base}.self_attn.o_proj"]
             assert [c.kind for c in into] == ["all_gather_f"], into
             moved = [(c.src, c.dst) for c in plan.comms if c.module == base and c.kind == "all_to_all"]
-            assert ("S(1)", "S(2)") in moved and ("S(2)", "S(1)") in moved, moved
+            # (layer 0's residual arrives split by features, from the embedding's table read by
+            # columns: only the way into the sequence split; there the same predicted step as
+            # o_proj row, a tie)
+            assert ("S(2)", "S(1)") in moved and (("S(1)", "S(2)") in moved or layer == 0), moved
     # the rotary's complex products keep q and k split by head: no gather in attention
     assert not [c for c in plan.comms if c.module.endswith("self_attn") and c.kind in ("all_gather", "scatter")]

@@ -397,14 +397,14 @@ def test_a_merge_of_the_batch_with_split_heads_keeps_each_ranks_heads(cluster_of
     # view(b * h, ...) of a tensor split by head merges the dynamic batch with a split dim, which
     # no Shard can say: the state and C were all-gathered for the bmm and its output sliced back
     # (Mamba2's decode step, every step). Now the merge makes the rank's rows (b runs of its
-    # heads: P(tokens 0)), the bmm and a norm over each head's features keep them, and the view
+    # heads: P(tokens 0, by 4 heads)), the bmm and a norm over each head's features keep them, and the view
     # back is the heads' split again: nothing gathered, exact forward and backward (4 heads at
     # tp 3: one rank holds two).
     for tp, batch in ((2, 5), (3, 1)):
         for worst, kinds, placed in cluster_of(tp).run(_heads_merged, tp, batch):
             assert worst < 1e-12, worst
             assert sorted(kinds) == ["f", "g"], kinds   # x's gradient, out's sum
-            assert placed == {"bmm": "P(tokens 0)"}, placed
+            assert placed == {"bmm": "P(tokens 0, by 4 heads)"}, placed
 
 
 class _JoinedForADepthwiseConv(torch.nn.Module):
