@@ -76,6 +76,7 @@ class Propagation:
     comm_s: float
     memory_bytes: float = 0.0      # training state + activations on the largest rank
     activation_bytes: float = 0.0  # ... of which activations kept for backward
+    layer_input_bytes: float = 0.0  # ... of which layers' inputs activation checkpointing keeps
     update_s: float = 0.0          # ... of compute_s: the optimizer step on the parameters held
     infeasible: str | None = None
     pending: tuple | None = None   # (op, number of strategies): where an exploring walk stopped
@@ -297,6 +298,16 @@ class GraphIndex:
         A parameter is never counted (training state). The solver (per op) and the walk pricing
         a plan (:func:`propagate`) add the same figures. Not seen: a tensor several ops keep is
         counted as made even where they all read it converted (then the copy is counted too)."""
+        return self._activation_parts(node, strat, profile, converted)[0]
+
+    def layer_input_bytes(self, node: fx.Node, strat: Strategy, profile: DeviceProfile) -> float:
+        """Of :meth:`activation_bytes`, what ``node`` makes that activation checkpointing keeps as
+        a layer's input (``layer_inputs``: the layers' inputs, whole, once each); 0 without it."""
+        return self._activation_parts(node, strat, profile, frozenset())[1] if self.layer_inputs else 0.0
+
+    def _activation_parts(self, node: fx.Node, strat: Strategy, profile: DeviceProfile,
+                          converted: frozenset) -> tuple[float, float]:
+        """(:meth:`activation_bytes`, :meth:`layer_input_bytes`) of ``node``."""
         key = (node, strat, profile, converted)
         found = self._activation.get(key)
         if found is not None:
@@ -337,9 +348,8 @@ class GraphIndex:
             elif root not in counted:
                 counted.add(root)
                 total += kept_bytes(item, info, strat, env, profile, tp, _meta(root))
-        total = total * self.recomputed.get(node, 1.0) + kept_inputs
-        self._activation[key] = total
-        return total
+        found = self._activation[key] = (total * self.recomputed.get(node, 1.0) + kept_inputs, kept_inputs)
+        return found
 
     def _made_roots(self, node: fx.Node) -> set:
         """The storage roots ``node`` makes: itself, or the ``getitem`` nodes of its outputs."""
@@ -1398,7 +1408,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
     conversions: dict[tuple, str] = {}
     comms: list = []   # Comm, or the gathers of one tensor (_Gathers), which a later gather may change
     gathered: dict[fx.Node, _Gathers] = {}
-    compute = comm = memory = activations = update = 0.0
+    compute = comm = memory = activations = update = layer_inputs = 0.0
     env = index.env
     joined = {n for n in index.param_views if n.name not in cap.param_names and n.target is aten.cat.default}
 
@@ -1550,6 +1560,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
             if inp in place and not same_placement(place[inp], want, _dim_size(meta, want), tp)))
         activations += kept_now
         memory += kept_now
+        layer_inputs += index.layer_input_bytes(node, best, profile)
         for kind, meta in best.internal:
             full = internal_bytes(index, profile, kind, meta, node)
             seconds = internal_collective_seconds(index, profile, kind, full, node)
@@ -1580,7 +1591,7 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
             memory += param_memory(index, profile, node, REPLICATE)
             update += param_update_seconds(index, profile, node, REPLICATE)
     return Propagation(tp, place, chosen, params, conversions, _listed(comms), compute + update, comm, memory,
-                       activations, update_s=update, picked=picked)
+                       activations, update_s=update, picked=picked, layer_input_bytes=layer_inputs)
 
 
 class _Gathers:

@@ -90,6 +90,9 @@ class Plan:
     sharded_outputs: dict[str, Placement] = field(default_factory=dict)  # outputs returned split
     memory_bytes: float = 0.0        # predicted per rank (largest): training state + activations
     activation_bytes: float = 0.0    # ... of which activations kept for backward
+    #: ... of which the layers' inputs activation checkpointing keeps (0 without it): a pipeline
+    #: stage holds one per layer and micro-batch in flight, and one layer's recomputation besides
+    layer_input_bytes: float = 0.0
     #: whether those figures price activation checkpointing (each repeated layer recomputed in
     #: backward: its inputs kept, one layer's activations held at a time, its forward run twice)
     recomputed: bool = False
@@ -339,7 +342,7 @@ class Plan:
             "comms": [c.__dict__ for c in self.comms],
             "compute_s": self.compute_s, "comm_s": self.comm_s, "optimizer_s": self.optimizer_s,
             "memory_bytes": self.memory_bytes, "activation_bytes": self.activation_bytes,
-            "recomputed": self.recomputed, "memory_limit": self.memory_limit,
+            "layer_input_bytes": self.layer_input_bytes, "recomputed": self.recomputed, "memory_limit": self.memory_limit,
             "expressions": dict(self.expressions), "notes": self.notes,
             "attention": self.attention,
         }
@@ -385,7 +388,7 @@ class Plan:
             dtype_bytes=doc.get("dtype_bytes", 4), aliases=doc.get("aliases", {}),
             sharded_outputs={k: from_json(v) for k, v in doc.get("sharded_outputs", {}).items()},
             memory_bytes=doc.get("memory_bytes", 0.0), activation_bytes=doc.get("activation_bytes", 0.0),
-            recomputed=doc.get("recomputed", False), memory_limit=doc.get("memory_limit"), expressions=doc.get("expressions", {}),
+            layer_input_bytes=doc.get("layer_input_bytes", 0.0), recomputed=doc.get("recomputed", False), memory_limit=doc.get("memory_limit"), expressions=doc.get("expressions", {}),
             notes=doc.get("notes", []), attention=doc.get("attention"),
             flows=None if doc.get("flows") is None else [Flow.from_json(f) for f in doc["flows"]],
             arguments=None if doc.get("arguments") is None else PlanArguments.from_json(doc["arguments"]),

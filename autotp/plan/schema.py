@@ -113,7 +113,7 @@ def check_document(doc: dict) -> None:
             here.dot(key).text(comm[key])
         for key in _COMM_NUMBERS:
             here.dot(key).number(comm[key])
-    for key in ("compute_s", "comm_s", "optimizer_s", "memory_bytes", "activation_bytes"):
+    for key in ("compute_s", "comm_s", "optimizer_s", "memory_bytes", "activation_bytes", "layer_input_bytes"):
         if key in doc:
             root.dot(key).number(doc[key])
     if "recomputed" in doc:

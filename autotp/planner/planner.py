@@ -346,7 +346,7 @@ def _written(cap: Capture, index: GraphIndex, prop: Propagation, prof: Any, batc
                   sharded_outputs={names[i]: prop.placements[n] for i, n in enumerate(cap.output_nodes)
                                    if index.keeps_split(i, n, prop.placements.get(n))},
                   memory_bytes=float(prop.memory_bytes), activation_bytes=float(prop.activation_bytes),
-                  recomputed=bool(index.recomputed), memory_limit=limit,
+                  layer_input_bytes=float(prop.layer_input_bytes), recomputed=bool(index.recomputed), memory_limit=limit,
                   expressions=(cost_expressions(index, prop, prof) if plan is None
                                else DeferredExpressions(lambda: cost_expressions(index, prop, prof))),
                   notes=notes,

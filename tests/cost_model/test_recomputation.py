@@ -50,6 +50,32 @@ def test_checkpointing_keeps_one_layer_input_a_layer_and_runs_each_forward_twice
     assert (four[True].recomputed, four[False].recomputed) == (True, False)
     assert "layers recomputed in backward" in "\n".join(four[True].summary_lines())
     assert Plan.from_json(four[True].to_json()).recomputed
+    # of its activations, the layers' inputs: one hidden state a layer, the rest one layer's
+    # recomputation and what lies outside the layers
+    kept = {n: plan.layer_input_bytes for n, plan in ((2, two[True]), (4, four[True]))}
+    assert kept[4] - kept[2] == pytest.approx(2 * hidden_state, rel=0.01), kept
+    assert 4 * hidden_state <= kept[4] < four[True].activation_bytes   # (rotary's cos and sin kept once)
+    assert four[False].layer_input_bytes == two[False].layer_input_bytes == 0
+    assert Plan.from_json(four[True].to_json()).layer_input_bytes == kept[4]
+
+
+def test_a_pipeline_stage_holds_each_layer_input_in_flight_and_one_recomputation():
+    from autotp.runtime.pipeline.stage import stage_activation_bytes
+
+    # 8 layers: 80 bytes of their inputs, 120 of one layer's recomputation and the rest; a stage
+    # of 2 layers with 4 micro-batches in flight holds 8 layer-micro-batches of 4 micro-batches
+    plan = Plan(tp=2, profile="cpu-gloo", batch=4, seq=8, params={}, shapes={}, roles={}, activation_bytes=200.0, layer_input_bytes=80.0,
+                recomputed=True)
+    assert stage_activation_bytes(plan, 8, 8, 4) == pytest.approx((8 * 80 / 8 + 120) / 4)
+    # GPipe's 2 layers for 16 micro-batches: 32 inputs, still one recomputation (the plain
+    # spread priced 32 layers' shares, 800 / 16)
+    assert stage_activation_bytes(plan, 8, 32, 16) == pytest.approx((32 * 80 / 8 + 120) / 16)
+    # a plain plan's layer share per layer-micro-batch, and a checkpointed plan saved before
+    # its layers' inputs were recorded read as one
+    plain = Plan(tp=2, profile="cpu-gloo", batch=4, seq=8, params={}, shapes={}, roles={}, activation_bytes=200.0)
+    assert stage_activation_bytes(plain, 8, 8, 4) == pytest.approx(200 / 8 / 4 * 8)
+    old = Plan(tp=2, profile="cpu-gloo", batch=4, seq=8, params={}, shapes={}, roles={}, activation_bytes=200.0, recomputed=True)
+    assert stage_activation_bytes(old, 8, 8, 4) == stage_activation_bytes(plain, 8, 8, 4)
 
 
 def test_a_limit_the_plain_activations_exceed_is_met_by_recomputation():

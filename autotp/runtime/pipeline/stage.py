@@ -139,6 +139,25 @@ def token_counter(capture: Capture, loss_index: int, constants: dict[str, torch.
 
 # ---- running the chunks ---------------------------------------------------------------------
 
+
+def stage_activation_bytes(plan: Any, layers: int, held_layers: float, microbatches: int) -> float:
+    """The activations a pipeline stage holds at its fullest, from ``plan``'s (its planning
+    batch's, split into ``microbatches``): ``held_layers`` layer-micro-batches in flight, of the
+    model's ``layers``. Without activation checkpointing each holds a layer's share of the plan's
+    activations. With it (``plan.recomputed``) each holds its layer's input alone (a layer's
+    share of ``plan.layer_input_bytes``), and one layer's recomputation is held for one
+    micro-batch at a time: the rest of the plan's activations (priced as one layer's share of
+    every layer's, and what lies outside the layers, counted on every stage). Before, the
+    checkpointed plan's activations were spread over the layers as a plain plan's: a stage
+    holding a few layers for many micro-batches was priced the recomputation as many times, one
+    holding many layers for few priced less than one recomputation. A plan saved before its
+    layers' inputs were recorded (``layer_input_bytes`` 0) is read as a plain one's."""
+    per_layer = plan.activation_bytes / max(layers, 1)
+    if not (plan.recomputed and plan.layer_input_bytes):
+        return per_layer / microbatches * held_layers
+    inputs = plan.layer_input_bytes
+    return (held_layers * inputs / max(layers, 1) + max(plan.activation_bytes - inputs, 0.0)) / microbatches
+
 class _ChunkModule(nn.Module):
     """One chunk as the module a ``PipelineStage`` runs: reads its parameters (the owner's,
     under their program names) and buffers, then runs the chunk's graph on what it received.
@@ -296,8 +315,8 @@ class PipelineModule(LeavesSwitch, nn.Module):
         """This stage's share of the plan's memory within ``limit``, on every rank or none: the
         training state of the parameters it holds, and the activations of its layers for the
         micro-batches in flight (GPipe keeps all of them, 1F1B at most pp on the first stage, the
-        interleaved schedule about 1 + 1/virtual times as many layers: ``in_flight_layers``).
-        The plan's activations are the planning batch's, split into the micro-batches."""
+        interleaved schedule about 1 + 1/virtual times as many layers: ``in_flight_layers``),
+        :func:`stage_activation_bytes`."""
         import math
 
         from ...errors import PlanError
@@ -312,7 +331,7 @@ class PipelineModule(LeavesSwitch, nn.Module):
             held_layers = in_flight_layers(layers=layers_here * mesh.pp, p=mesh.pp, virtual=self.virtual,
                                            micro_batches=self.microbatches)
         in_flight = held_layers / max(layers_here, 1)
-        acts = plan.activation_bytes / max(layers, 1) / self.microbatches * held_layers
+        acts = stage_activation_bytes(plan, layers, held_layers, self.microbatches)
         fits = state + acts <= limit
         flags = torch.tensor([1 if fits else 0], dtype=torch.int64,
                              device=self.device if mesh.backend == "nccl" else "cpu")
