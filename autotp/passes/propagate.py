@@ -300,14 +300,12 @@ class GraphIndex:
         counted as made even where they all read it converted (then the copy is counted too)."""
         return self._activation_parts(node, strat, profile, converted)[0]
 
-    def layer_input_bytes(self, node: fx.Node, strat: Strategy, profile: DeviceProfile) -> float:
-        """Of :meth:`activation_bytes`, what ``node`` makes that activation checkpointing keeps as
-        a layer's input (``layer_inputs``: the layers' inputs, whole, once each); 0 without it."""
-        return self._activation_parts(node, strat, profile, frozenset())[1] if self.layer_inputs else 0.0
-
     def _activation_parts(self, node: fx.Node, strat: Strategy, profile: DeviceProfile,
                           converted: frozenset) -> tuple[float, float]:
-        """(:meth:`activation_bytes`, :meth:`layer_input_bytes`) of ``node``."""
+        """(:meth:`activation_bytes`, of it what ``node`` makes that activation checkpointing keeps as
+        a layer's input: ``layer_inputs``, whole, once each; 0 without it) of ``node``. The second
+        does not depend on ``converted``; the walk (:func:`propagate`) sums it into
+        ``Propagation.layer_input_bytes``."""
         key = (node, strat, profile, converted)
         found = self._activation.get(key)
         if found is not None:
@@ -1555,12 +1553,12 @@ def propagate(index: GraphIndex, decisions: Mapping[str, Placement], profile: De
         chosen[node] = best
         picked[node.name] = next(j for j, s in enumerate(offered) if s is best)
         compute += index.compute_time(node, best, profile)
-        kept_now = index.activation_bytes(node, best, profile, frozenset(
+        kept_now, inputs_now = index._activation_parts(node, best, profile, frozenset(
             i for i, (inp, meta, want) in enumerate(zip(inputs, info.inputs, best.inputs))
             if inp in place and not same_placement(place[inp], want, _dim_size(meta, want), tp)))
         activations += kept_now
         memory += kept_now
-        layer_inputs += index.layer_input_bytes(node, best, profile)
+        layer_inputs += inputs_now
         for kind, meta in best.internal:
             full = internal_bytes(index, profile, kind, meta, node)
             seconds = internal_collective_seconds(index, profile, kind, full, node)
