@@ -190,7 +190,7 @@ def _step_case(family: str, *, tp: int, pp: int, microbatches: int, schedule: st
     cost model splits these tiny models: at their own size every matrix would run replicated
     and tp > 1 would test nothing of tensor parallelism (checked: a tp > 1 plan has an f or g)."""
     from autotp import zoo
-    from autotp.testing import keep_loss_precision, relative_error
+    from autotp.testing import keep_loss_precision, relative_error, tolerance
 
     config = zoo.tiny_config(family, layers=layers, heads=4, kv_heads=2, head_dim=4, vocab=48)
     model = zoo.build(family, config, dtype=torch.float64, seed=0)
@@ -221,6 +221,10 @@ def _step_case(family: str, *, tp: int, pp: int, microbatches: int, schedule: st
         whole = model(**mine).loss.detach() if dp > 1 else loss.detach()   # this replica's batch
         losses.append(relative_error(got, whole))
         if step == 0:
+            # a float64 Llama takes its norms' statistics in float32 (T5 too): a plan that sums
+            # them in another order (the norm split by columns or along the sequence) moves the
+            # gradients by float32's rounding, and the bound is that precision's
+            bound = tolerance(model, data)
             reference = {n: p.grad for n, p in model.named_parameters()}
             grads = _grad_errors(pm, reference)
             # a gradient zero in exact arithmetic (OPT's key bias) is rounding noise on both sides,
@@ -233,7 +237,7 @@ def _step_case(family: str, *, tp: int, pp: int, microbatches: int, schedule: st
     full = dict(model.named_parameters())
     params = {n: relative_error(p.full_tensor() if hasattr(p, "full_tensor") else p, full[n])
               for n, p in pm.named_parameters() if n not in noise}
-    return {"losses": losses, "grads": grads, "params": params, "chunks": pm.describe(),
+    return {"losses": losses, "grads": grads, "params": params, "bound": bound, "chunks": pm.describe(),
             "collectives": sorted({c.kind for c in pm.plan.comms})}
 
 
@@ -446,10 +450,11 @@ def _worst(errors: dict) -> str:
 
 def _check_step(case: dict, name: str) -> None:
     assert all(loss <= 1e-12 for loss in case["losses"]), (name, case["losses"])   # a nan fails too
+    bound = case["bound"]       # the precision the model computes in (float32 past a Llama's norms)
     worst = _worst(case["grads"])
-    assert case["grads"][worst] <= 1e-9, (name, worst, case["grads"][worst])
+    assert case["grads"][worst] <= bound, (name, worst, case["grads"][worst], bound)
     worst = _worst(case["params"])
-    assert case["params"][worst] <= 1e-9, (name, worst, case["params"][worst])
+    assert case["params"][worst] <= bound, (name, worst, case["params"][worst], bound)
 
 
 def test_pipeline_steps_equal_serial_steps_on_four_ranks(own_cluster, tmp_path):
